@@ -1,0 +1,28 @@
+"""lit_dtrain's training techniques as Lightning callbacks, one file per technique.
+
+Import them into any Lightning project: ``from lit_dtrain.callbacks import LossSpikeMonitor``.
+Names are resolved lazily so that importing one callback does not import every technique.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LossSpikeMonitor": "lit_dtrain.callbacks.loss_spike",
+    "AdaptiveGradClip": "lit_dtrain.callbacks.adaptive_grad_clip",
+    "OptimizerDiagnostics": "lit_dtrain.callbacks.optimizer_diagnostics",
+    "WSDScheduler": "lit_dtrain.callbacks.wsd",
+    "SelectiveCheckpointing": "lit_dtrain.callbacks.selective_checkpointing",
+    "FourierSamplerCallback": "lit_dtrain.callbacks.fourier_sampler",
+    "TextSampleLogger": "lit_dtrain.callbacks.text_sample",
+    "NonFiniteGuard": "lit_dtrain.callbacks.nonfinite_guard",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lit_dtrain.callbacks' has no attribute {name!r}; available: {__all__}")

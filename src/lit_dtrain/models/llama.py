@@ -1,0 +1,206 @@
+"""A Llama-style decoder-only language model in plain PyTorch (no Lightning).
+
+Token embedding -> n_layer x [RMSNorm -> grouped-query causal attention (RoPE) -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. Reads top to bottom like nanoGPT.
+The transformer blocks live in ``self.blocks`` (an ``nn.ModuleList``): the contract that
+lit_dtrain's model-rewriting callbacks (activation checkpointing, ...) rely on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a :class:`Llama` model. Unknown keys are rejected by :meth:`from_dict`."""
+
+    vocab_size: int = 257  # byte-level tokenizer: 256 bytes + EOS
+    block_size: int = 256  # maximum sequence length (RoPE table size)
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2  # grouped-query attention: n_head must be divisible by n_kv_head
+    d_model: int = 128
+    mlp_hidden: int | None = None  # SwiGLU hidden size; None -> ~8/3 * d_model rounded to 32
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    depth_scaled_init: bool = True  # output projections get std / sqrt(2 * n_layer)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"LlamaConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"LlamaConfig.n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("LlamaConfig: head dim (d_model / n_head) must be even for RoPE")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Unknown LlamaConfig key(s) {unknown}; expected a subset of {sorted(known)}")
+        return cls(**d)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (no mean subtraction, no bias), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (B, nh, T, hs) by the position angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]  # (1, 1, T, hs/2)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_head != self.n_head:  # expand kv heads to match query heads
+            rep = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(rep, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
+        return self.wo(y)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: attention then MLP, each with a residual connection."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class Llama(nn.Module):
+    """Llama-style decoder. ``forward(input_ids (B, T)) -> logits (B, T, vocab_size)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        cos, sin = rope_cache(cfg.block_size, cfg.d_model // cfg.n_head, cfg.rope_theta)
+        # Non-persistent: derived from the config, so checkpoints stay small and shape-agnostic.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2*n_layer)."""
+        cfg = self.config
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if cfg.depth_scaled_init else cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # RMSNorm weights keep their ones
+            std = out_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else cfg.init_std
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (tied weights counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds model block_size {self.config.block_size}")
+        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens."""
+        for _ in range(max_new_tokens):
+            ctx = input_ids[:, -self.config.block_size :]
+            logits = self(ctx)[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+            input_ids = torch.cat([input_ids, nxt], dim=1)
+        return input_ids
