@@ -15,8 +15,7 @@ _EXPORTS = {
     "WSDScheduler": "lit_dtrain.callbacks.wsd",
     "SelectiveCheckpointing": "lit_dtrain.callbacks.selective_checkpointing",
     "FourierSamplerCallback": "lit_dtrain.callbacks.fourier_sampler",
-    "TextSampleLogger": "lit_dtrain.callbacks.text_sample",
-    "NonFiniteGuard": "lit_dtrain.callbacks.nonfinite_guard",
+    "token_throughput_monitor": "lit_dtrain.callbacks.throughput",
 }
 
 __all__ = sorted(_EXPORTS)

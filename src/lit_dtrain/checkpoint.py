@@ -1,0 +1,74 @@
+"""Atomic, safely loaded checkpoints.
+
+Lightning's ``TorchCheckpointIO`` writes through fsspec without an fsync and loads with whatever
+``weights_only`` default torch has. Ours writes ``<file>.tmp-<pid>`` in the same directory, fsyncs it,
+``os.replace``-s it over the target and fsyncs the directory, so a crash or a full disk never leaves a
+corrupt ``last.ckpt``; and it loads with ``torch.load(weights_only=True)``, so a checkpoint cannot
+execute code. Errors name the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` atomically: temp file + fsync + rename + directory fsync."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialize fully before touching the disk
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}; "
+                              f"the previous file at that path (if any) is intact") from e
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
+
+
+def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, unsupported global ...
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO does not take storage_options, got {storage_options}")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        return safe_torch_load(path, map_location=map_location or "cpu")

@@ -1,0 +1,207 @@
+"""Corpus sources -> memory-mapped token cache, with a deterministic train/val split by document.
+
+Tokenization runs once: the token streams are written under ``cache_dir/<key>/`` where ``key`` hashes
+the tokenizer, the split settings and every document's bytes. A changed corpus gets a new key (and is
+rebuilt); an unchanged one is reused. Writes are atomic (temporary directory + rename), so an
+interrupted build never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from lit_dtrain.data.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the cache layout changes
+
+
+class CorpusError(ValueError):
+    """Bad corpus input: a missing path, an unreadable or empty corpus, too few tokens."""
+
+
+@dataclass
+class CorpusSource:
+    """One corpus of a (possibly weighted) mixture.
+
+    ``kind='stdlib'`` reads the ``.py`` files of the running Python's standard library (found through
+    ``sysconfig``, site-packages excluded); ``kind='files'`` reads ``paths``: files, directories (every
+    file below them) and glob patterns.
+    """
+
+    name: str = "stdlib"
+    kind: str = "stdlib"  # stdlib | files
+    paths: list[str] = field(default_factory=list)
+    weight: float = 1.0  # sampling weight in a mixture (normalized over sources)
+    pattern: str = "*"  # file-name pattern used when a path is a directory
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stdlib", "files"):
+            raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
+        if self.kind == "files" and not self.paths:
+            raise CorpusError(f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list")
+        if not self.weight > 0:
+            raise CorpusError(f"data source {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+def stdlib_files() -> list[Path]:
+    """The ``.py`` files of the running interpreter's standard library, sorted, without site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def resolve_files(source: CorpusSource) -> list[Path]:
+    """Every file of ``source``, sorted and de-duplicated. Raises :class:`CorpusError` naming a bad path."""
+    if source.kind == "stdlib":
+        files = stdlib_files()
+        if not files:
+            root = sysconfig.get_paths()["stdlib"]
+            raise CorpusError(f"data source {source.name!r}: found no .py files under {root}")
+        return files
+    out: set[Path] = set()
+    for raw in source.paths:
+        path = os.path.expanduser(str(raw))
+        if glob.has_magic(path):
+            matches = [Path(m) for m in glob.glob(path, recursive=True) if Path(m).is_file()]
+            if not matches:
+                raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files")
+            out.update(matches)
+        elif os.path.isdir(path):
+            matches = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
+            if not matches:
+                raise CorpusError(
+                    f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}"
+                )
+            out.update(matches)
+        elif os.path.exists(path):
+            out.add(Path(path))
+        else:
+            raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
+    return sorted(out)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:  # permission denied, is a directory, I/O error ...
+        raise CorpusError(f"cannot read corpus file {str(path)!r}: {e.strerror or e}") from e
+
+
+@dataclass
+class TokenSplits:
+    """Train and val token streams (uint16 memmaps) of one source, plus what built them."""
+
+    name: str
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict
+
+
+def _is_val_doc(content_digest: bytes, val_fraction: float) -> bool:
+    return int.from_bytes(content_digest[:8], "little") % 1_000_000 < val_fraction * 1_000_000
+
+
+def build_token_cache(
+    source: CorpusSource,
+    cache_dir: str | os.PathLike,
+    min_tokens: int,
+    val_fraction: float = 0.01,
+    tokenizer: ByteTokenizer | None = None,
+    progress: bool = True,
+) -> TokenSplits:
+    """Tokenize ``source`` into ``cache_dir`` (or reuse a cache with the same content key).
+
+    ``min_tokens`` is one training window (``block_size + 1``): each split must hold at least that.
+    Documents go to val when a hash of their bytes falls under ``val_fraction``; if that leaves val (or
+    train) too short, the tail of the token stream is used for val instead, so tiny corpora still work.
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    if not 0.0 < val_fraction < 1.0:
+        raise CorpusError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    files = resolve_files(source)
+    key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}|{val_fraction}|{min_tokens}".encode())
+    docs: list[tuple[Path, bytes, bytes]] = []
+    empty = 0
+    bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
+    for path in bar:
+        data = _read(path)
+        if not data:
+            empty += 1
+            continue
+        digest = hashlib.sha256(data).digest()
+        key_hash.update(digest)
+        docs.append((path, data, digest))
+    if not docs:
+        raise CorpusError(
+            f"data source {source.name!r} is empty: {len(files)} file(s), all empty (e.g. {str(files[0])!r})"
+        )
+    if empty:
+        log.warning("data source %r: skipped %d empty file(s)", source.name, empty)
+    key = key_hash.hexdigest()[:24]
+    out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
+    if not (out_dir / "meta.json").exists():
+        _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
+    meta = json.loads((out_dir / "meta.json").read_text())
+    train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
+    return TokenSplits(source.name, train, val, meta)
+
+
+def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress) -> None:
+    train_parts, val_parts = [], []
+    for _path, data, digest in tqdm(docs, desc=f"tokenizing {source.name!r}", disable=not progress, leave=False):
+        ids = tokenizer.encode(data, add_eos=True)
+        (val_parts if _is_val_doc(digest, val_fraction) else train_parts).append(ids)
+    train = np.concatenate(train_parts) if train_parts else np.zeros(0, np.uint16)
+    val = np.concatenate(val_parts) if val_parts else np.zeros(0, np.uint16)
+    split = "by_document"
+    if len(val) < min_tokens or len(train) < min_tokens:
+        # Too few documents for a by-document split of this window size: split the stream instead.
+        stream = np.concatenate([train, val])
+        n_val = max(min_tokens, int(len(stream) * val_fraction))
+        train, val, split = stream[:-n_val], stream[-n_val:], "by_tokens_tail"
+    if len(train) < min_tokens:
+        raise CorpusError(
+            f"data source {source.name!r} is too short: {len(train) + len(val)} tokens in {len(docs)} file(s), "
+            f"but train and val each need at least one window of block_size+1 = {min_tokens} tokens"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        train.tofile(tmp / "train.bin")
+        val.tofile(tmp / "val.bin")
+        meta = {
+            "source": source.name,
+            "tokenizer": tokenizer.name,
+            "documents": len(docs),
+            "split": split,
+            "train_tokens": int(len(train)),
+            "val_tokens": int(len(val)),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        for f in tmp.iterdir():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:  # another process won the race and built the same cache
+            if not (out_dir / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("token cache %s: %s", out_dir, meta)

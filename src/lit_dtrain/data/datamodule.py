@@ -1,0 +1,219 @@
+"""``LMDataModule``: token cache -> fixed windows -> deterministic, rank-sharded batches.
+
+Training samples are non-overlapping windows of ``block_size + 1`` tokens; window ``i`` of a source is
+``tokens[i*block_size : i*block_size + block_size + 1]`` and has the stable global ``index``
+``offset(source) + i``. The train DataLoader yields *step tickets*; the batch itself is materialized in
+:meth:`LMDataModule.on_before_batch_transfer`, which Lightning calls at step time, after the previous
+step's ``on_train_batch_end``. So the batch of micro-step ``s`` is a pure function of
+(seed, s, sampler state) even though Lightning prefetches one item ahead, and resume and DDP are exact.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache
+from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
+from lit_dtrain.data.tokenizer import ByteTokenizer
+
+
+class _StepTickets(IterableDataset):
+    """An endless stream of placeholder items; training length is set by ``max_steps``."""
+
+    def __iter__(self):
+        while True:
+            yield 0
+
+
+class WindowSet:
+    """Windows of ``block_size + 1`` tokens over one or more token streams, addressed by global index."""
+
+    def __init__(self, streams: list[np.ndarray], block_size: int) -> None:
+        self.streams, self.block_size = streams, block_size
+        counts = [(len(s) - 1) // block_size for s in streams]
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def source_of(self, index: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, index, side="right") - 1
+
+    def gather(self, indices) -> torch.Tensor:
+        """Long tensor [len(indices), block_size + 1] of the windows at these global indices."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        src = self.source_of(idx)
+        T = self.block_size
+        out = np.empty((len(idx), T + 1), dtype=np.int64)
+        for row, (i, s) in enumerate(zip(idx.tolist(), src.tolist())):
+            start = (i - int(self.offsets[s])) * T
+            out[row] = self.streams[s][start : start + T + 1]
+        return torch.from_numpy(out)
+
+
+def window_batch(windows: torch.Tensor, index: torch.Tensor) -> dict:
+    """The batch contract: ``{"input_ids", "labels", "index"}`` from windows [B, T+1]."""
+    return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous(), "index": index}
+
+
+class _ValWindows(Dataset):
+    def __init__(self, windows: WindowSet, indices: np.ndarray) -> None:
+        self.windows, self.indices = windows, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        w = self.windows.gather(self.indices[i : i + 1])
+        b = window_batch(w, torch.as_tensor(self.indices[i : i + 1]))
+        return {k: v[0] for k, v in b.items()}
+
+
+class LMDataModule(L.LightningDataModule):
+    """Language-model data from the stdlib corpus, text files, or a weighted mixture of corpora.
+
+    Args:
+        sources: list of :class:`CorpusSource` (or dicts of its fields); weights set the mixture.
+        block_size: tokens per training sample (the window holds ``block_size + 1``).
+        batch_size: per-rank micro-batch size; the global batch is ``batch_size * world_size``.
+        seed: sampling seed (batches are a pure function of seed, step and sampler state).
+        val_fraction: share of documents held out for validation (deterministic, by content hash).
+        max_val_windows: cap on validation windows per source (evenly spaced over the val stream).
+        cache_dir: where token caches live.
+        sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.
+    """
+
+    def __init__(
+        self,
+        sources: list | None = None,
+        block_size: int = 256,
+        batch_size: int = 16,
+        seed: int = 0,
+        val_fraction: float = 0.02,
+        max_val_windows: int = 256,
+        val_batch_size: int | None = None,
+        cache_dir: str = "~/.cache/lit_dtrain",
+        sampler: IndexSampler | None = None,
+        tokenizer: ByteTokenizer | None = None,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        sources = sources if sources else [CorpusSource()]
+        self.sources = [s if isinstance(s, CorpusSource) else CorpusSource(**dict(s)) for s in sources]
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise CorpusError(f"data.sources names must be unique, got {names}")
+        sizes = {"block_size": block_size, "batch_size": batch_size, "max_val_windows": max_val_windows}
+        for name, value in sizes.items():
+            if int(value) <= 0:
+                raise ValueError(f"data.{name} must be positive, got {value}")
+        self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
+        self.val_fraction, self.max_val_windows = float(val_fraction), int(max_val_windows)
+        self.val_batch_size = int(val_batch_size or batch_size)
+        self.cache_dir, self.progress = cache_dir, progress
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.sampler = sampler if sampler is not None else RandomSampler()
+        self.micro_step = 0  # train batches materialized so far (the data position)
+        self.splits: list[TokenSplits] = []
+        self.train_windows: WindowSet | None = None
+        self._pending_state: dict | None = None
+
+    # ---- building -----------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Build the token caches once (rank 0 / local rank 0)."""
+        self.splits = [
+            build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress)
+            for s in self.sources
+        ]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_windows is not None:
+            return
+        if not self.splits:  # prepare_data ran in another process (DDP rank > 0) or not at all
+            self.splits = [
+                build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, False)
+                for s in self.sources
+            ]
+        self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
+        weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
+        weights = weights / weights.sum()
+        base = None
+        if len(self.sources) > 1:
+            counts = torch.as_tensor(self.train_windows.counts, dtype=torch.float64)
+            base = torch.repeat_interleave(weights / counts, torch.as_tensor(self.train_windows.counts))
+        self.sampler.setup(len(self.train_windows), base, self.seed)
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+
+    @property
+    def num_train_samples(self) -> int:
+        return len(self.train_windows) if self.train_windows is not None else 0
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    # ---- training batches -----------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_StepTickets(), batch_size=None)
+
+    def batch_for_step(self, step: int, rank: int = 0, world_size: int = 1) -> dict:
+        """The rank's shard of the global batch of micro-step ``step`` (pure: does not advance state)."""
+        indices = self.sampler.global_batch(step, self.batch_size * world_size)
+        shard = indices[rank * self.batch_size : (rank + 1) * self.batch_size]
+        batch = window_batch(self.train_windows.gather(shard.numpy()), shard.clone())
+        weight_fn = getattr(self.sampler, "loss_weights", None)
+        if weight_fn is not None:
+            weights = weight_fn(shard)
+            if weights is not None:
+                batch["loss_weight"] = weights
+        return batch
+
+    def next_train_batch(self) -> dict:
+        """Materialize the next training batch for this rank and advance the data position."""
+        rank, world = self._world()
+        batch = self.batch_for_step(self.micro_step, rank, world)
+        self.micro_step += 1
+        return batch
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        if isinstance(batch, int) and not isinstance(batch, bool):  # a train step ticket
+            return self.next_train_batch()
+        return batch
+
+    # ---- validation ------------------------------------------------------------------------------------
+    def val_dataloader(self) -> list[DataLoader]:
+        loaders = []
+        for split in self.splits:
+            windows = WindowSet([split.val], self.block_size)
+            n = len(windows)
+            if n == 0:
+                raise CorpusError(f"data source {split.name!r}: validation split has no full window")
+            idx = np.unique(np.linspace(0, n - 1, min(n, self.max_val_windows)).round().astype(np.int64))
+            loaders.append(DataLoader(_ValWindows(windows, idx), batch_size=self.val_batch_size, shuffle=False))
+        return loaders
+
+    @property
+    def val_names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"micro_step": self.micro_step, "seed": self.seed, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.train_windows is None:  # setup() has not run yet: apply once the sampler is bound
+            self._pending_state = state
+        else:
+            self._apply_state(state)
+
+    def _apply_state(self, state: dict) -> None:
+        self.micro_step = int(state["micro_step"])
+        self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,13 @@
+"""Samplers of training windows: a pure function of (seed, step, sampler state)."""
+
+from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler, step_generator
+
+__all__ = ["IndexSampler", "RandomSampler", "step_generator"]
+
+
+def __getattr__(name: str):
+    if name == "FourierSampler":  # lazy: the spectral sampler is optional
+        from lit_dtrain.data.samplers.fourier import FourierSampler
+
+        return FourierSampler
+    raise AttributeError(f"module 'lit_dtrain.data.samplers' has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""``LitLLM``: the LightningModule around a plain language model.
+
+It owns the loss (cross-entropy in fp32), the validation metrics (torchmetrics), and the optimizer and
+scheduler wiring (both arrive as Hydra partials). Techniques live in callbacks and strategies; they read
+the step output contract ``{"loss", "token_loss" [B, T], "index" [B]}`` of :meth:`training_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+
+def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict]:
+    """Two AdamW groups: matrices decay; norms, biases and embeddings (and tied heads) do not."""
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            no_decay_ids.add(id(module.weight))
+    decay, no_decay = [], []
+    for _name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or id(p) in no_decay_ids else decay).append(p)
+    decay_group = {"params": decay, "name": "decay"}
+    if weight_decay is not None:
+        decay_group["weight_decay"] = weight_decay
+    return [decay_group, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+class LitLLM(L.LightningModule):
+    """Trains a causal language model ``model(input_ids) -> logits``.
+
+    Args:
+        model: any ``nn.Module`` mapping ``input_ids [B, T]`` to ``logits [B, T, V]``.
+        optimizer: a callable ``params -> Optimizer`` (a Hydra ``_partial_``), given parameter groups.
+        scheduler: a callable ``optimizer -> LRScheduler`` stepped every optimizer step, or None.
+        val_names: names of the validation sets (one per data source), logged as ``val/<name>/loss``.
+        compile: wrap the model in ``torch.compile`` in ``configure_model`` (after activation
+            checkpointing, before DDP/FSDP, the order torchtitan uses).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Callable | None = None,
+        scheduler: Callable | None = None,
+        val_names: list[str] | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.compile = compile
+        self.val_names = list(val_names or ["val"])
+        self.val_loss = MeanMetric()
+        self.val_loss_by_source = nn.ModuleList(MeanMetric() for _ in self.val_names)
+        self._compiled = False
+
+    # ---- model ------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.compile and not self._compiled:
+            self.model = torch.compile(self.model)
+            self._compiled = True
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def _token_loss(self, batch: dict) -> torch.Tensor:
+        for key in ("input_ids", "labels"):
+            if key not in batch:
+                raise KeyError(f"LitLLM batch is missing {key!r}; got keys {sorted(batch)}")
+        logits = self.model(batch["input_ids"])  # (B, T, V)
+        B, T, V = logits.shape
+        token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
+        return token_loss.view(B, T)
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        token_loss = self._token_loss(batch)  # (B, T) fp32
+        if "loss_weight" in batch:  # importance weights from a sampler (unbiased estimate)
+            loss = (token_loss.mean(dim=1) * batch["loss_weight"].to(token_loss)).mean()
+        else:
+            loss = token_loss.mean()
+        self.log("train/loss", loss.detach(), on_step=True, prog_bar=True, batch_size=token_loss.size(0))
+        return {"loss": loss, "token_loss": token_loss.detach(), "index": batch.get("index")}
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        token_loss = self._token_loss(batch)
+        weight = torch.full_like(token_loss, 1.0)
+        self.val_loss.update(token_loss, weight)
+        self.val_loss_by_source[dataloader_idx].update(token_loss, weight)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss.clamp(max=50)), sync_dist=False)
+        if len(self.val_names) > 1:
+            for name, metric in zip(self.val_names, self.val_loss_by_source):
+                if metric.update_count:
+                    self.log(f"val/{name}/loss", metric.compute(), sync_dist=False)
+        self.val_loss.reset()
+        for metric in self.val_loss_by_source:
+            metric.reset()
+
+    # ---- optimization -----------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError("LitLLM needs an optimizer factory (cfg.optimizer)")
+        optimizer = self.optimizer_factory(param_groups(self.model))
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped to avoid overflow in summaries."""
+    return math.exp(min(loss, 50.0))

@@ -1,0 +1,52 @@
+"""Optimizer factories: AdamW (fused/foreach where available) and bitsandbytes 8-bit AdamW."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def adamw(
+    params: Iterable,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with the fused implementation when requested or available, else foreach."""
+    _check_lr(lr)
+    params = list(params)
+    if fused is None:  # fused kernels exist for CUDA and (since torch 2.4) CPU float tensors
+        fused = all(_fusable(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
+
+
+def adamw8bit(
+    params: Iterable,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+):
+    """bitsandbytes' 8-bit AdamW (block-wise quantized optimizer state)."""
+    _check_lr(lr)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:  # pragma: no cover - bitsandbytes is a declared dependency
+        raise ImportError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
+    return bnb.optim.AdamW8bit(list(params), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+def _check_lr(lr: float) -> None:
+    if not lr > 0:
+        raise ValueError(f"optimizer.lr must be > 0, got {lr}")
+
+
+def _fusable(p: torch.Tensor) -> bool:
+    return p.is_floating_point() and p.device.type in ("cpu", "cuda")
+
+
+__all__ = ["adamw", "adamw8bit"]

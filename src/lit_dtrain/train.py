@@ -1,0 +1,179 @@
+"""``train(cfg)``: build everything from a composed Hydra config, fit, validate, summarize.
+
+A plain function (as in lightning-hydra-template) so tests and other programs can call it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from lit_dtrain.checkpoint import AtomicCheckpointIO
+from lit_dtrain.module import LitLLM, perplexity
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Reject bad values before any compute, naming the offending key."""
+    lr = cfg.optimizer.get("lr")
+    if lr is not None and not lr > 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps is None or max_steps <= 0:
+        raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
+    model_block = cfg.model.get("block_size")
+    data_block = cfg.data.get("block_size")
+    if model_block is not None and data_block is not None and data_block > model_block:
+        raise ConfigError(f"data.block_size={data_block} exceeds model.block_size={model_block} (the model's maximum)")
+    if cfg.get("scheduler"):  # build the schedule on a dummy optimizer so bad arguments fail now
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        try:
+            instantiate(cfg.scheduler)(dummy)
+        except ValueError as e:
+            raise ConfigError(f"scheduler: {e}") from e
+    if cfg.get("resume") not in (None, "auto"):
+        raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
+    if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
+        raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of this run dir when ``resume=auto``."""
+    if cfg.get("ckpt_path"):
+        path = Path(str(cfg.ckpt_path)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
+        return str(path)
+    if cfg.get("resume") == "auto":
+        last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+        if last.is_file():
+            return str(last)
+        log.info("resume=auto: no %s yet, starting fresh", last)
+    return None
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    """Every entry of ``cfg.callbacks`` that has a ``_target_`` (null entries switch one off)."""
+    callbacks = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ConfigError(f"callbacks.{name} has no _target_")
+        callbacks.append(instantiate(node))
+    return callbacks
+
+
+def build_strategy(cfg: DictConfig):
+    node = cfg.get("strategy")
+    if node is None:
+        return "auto"
+    if "_target_" in node:
+        return instantiate(node)
+    return node.get("name", "auto")
+
+
+def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
+    gen_cfg = cfg.get("sample") or {}
+    n_tokens = int(gen_cfg.get("max_new_tokens", 0))
+    if n_tokens <= 0 or not hasattr(module.model, "generate"):
+        return ""
+    model = getattr(module.model, "_orig_mod", module.model)
+    prompt = datamodule.tokenizer.encode(str(gen_cfg.get("prompt", "def ")))
+    ids = torch.as_tensor(prompt.astype("int64"))[None].to(module.device)
+    g = torch.Generator(device=module.device.type).manual_seed(int(cfg.seed))
+    was_training = model.training
+    model.eval()
+    out = model.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
+                         top_k=gen_cfg.get("top_k", 40), generator=g)
+    model.train(was_training)
+    return datamodule.tokenizer.decode(out[0].cpu())
+
+
+def train(cfg: DictConfig) -> tuple[dict, dict]:
+    """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
+    check_config(cfg)
+    L.seed_everything(int(cfg.seed), workers=True)
+    torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
+
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model)
+    module = LitLLM(
+        model,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        val_names=datamodule.val_names,
+        **OmegaConf.to_container(cfg.module, resolve=True),
+    )
+    callbacks = build_callbacks(cfg)
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()]
+    )
+    ckpt_path = resolve_ckpt_path(cfg)
+    out_dir = Path(cfg.paths.output_dir)
+    if trainer.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    start_step = 0
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    fit_seconds = time.perf_counter() - t0
+    last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
+    trainer.save_checkpoint(last_ckpt)  # always leave a resumable checkpoint of the final step
+    if ckpt_path:
+        start_step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+    val = trainer.validate(module, datamodule=datamodule, verbose=False)
+    val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
+    steps = int(trainer.global_step)
+    world = trainer.world_size
+    tokens = (steps - start_step) * datamodule.batch_size * world * datamodule.block_size
+    tokens *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    val_loss = val_metrics.get("val/loss", float("nan"))
+    metrics = {
+        "val_loss": val_loss,
+        "val_ppl": perplexity(val_loss),
+        "steps": steps,
+        "tokens_per_sec": tokens / max(fit_seconds, 1e-9),
+        "wall_seconds": fit_seconds,
+        "checkpoint": last_ckpt,
+        "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
+    }
+    sample = _generate_sample(module, datamodule, cfg)
+    if trainer.is_global_zero:
+        _report(metrics, sample, out_dir, trainer)
+    return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}
+
+
+@rank_zero_only
+def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
+    tmp = out_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2))
+    os.replace(tmp, out_dir / "summary.json")
+    if sample:
+        print(f"--- sample ---\n{sample}\n--------------")
+        for lg in trainer.loggers:
+            if hasattr(getattr(lg, "experiment", None), "add_text"):
+                lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
+    print(
+        f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
+        f"tokens/s={metrics['tokens_per_sec']:.0f} steps={metrics['steps']} "
+        f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
+    )
