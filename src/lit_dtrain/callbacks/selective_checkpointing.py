@@ -1,0 +1,198 @@
+"""Selective activation checkpointing as a Lightning callback, for lit_dtrain's model and any other.
+
+Policies (``policy=``):
+
+* ``none``: no checkpointing (the callback only reports);
+* ``full``: every block is recomputed in backward (non-reentrant ``torch.utils.checkpoint``);
+* ``every_k``: every k-th block is (``every_k=2``: blocks 1, 3, 5, ...);
+* ``selective``: op-level, through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``:
+  the outputs of ``save_ops`` (default: matmuls and SDPA) are kept, norms, activations, RoPE and
+  elementwise ops are recomputed (Korthikanti et al. 2022; torchtitan's ``op`` SAC);
+* ``budget``: a per-block mix of ``full``/``selective``/``none`` chosen from a measured probe pass so
+  that peak activation memory stays at or under ``memory_budget`` x that of ``none``.
+
+It runs in ``Callback.setup``, which Lightning calls before ``configure_model`` and before the
+strategy wraps the model in DDP/FSDP: checkpointing first, then compile, then data parallel, the
+order torchtitan uses. Blocks are the model's ``blocks`` ModuleList, or ``module_pattern`` (a glob
+over module paths such as ``model.layers.*``) for other people's models.
+
+Method card -- memory: ``full`` keeps only block inputs; ``selective`` keeps matmul/attention outputs;
+time: ``full`` recomputes the whole forward of the blocks, ``selective`` only cheap ops; gradients
+are unchanged (recomputation is exact). See docs/activation_checkpointing.md for measured numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from typing_extensions import override
+
+from lit_dtrain.callbacks._checkpoint_policies import (
+    DEFAULT_SAVE_OPS,
+    MODES,
+    CheckpointedForward,
+    apply_checkpointing,
+    every_k_plan,
+    find_blocks,
+    resolve_ops,
+    set_plan,
+    uniform_plan,
+)
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("none", "full", "every_k", "selective", "budget")
+
+
+def _sum_outputs(out) -> torch.Tensor:
+    """A scalar surrogate loss: the sum of every floating tensor in ``out`` (any nesting)."""
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError("SelectiveCheckpointing budget probe: example_input_array's forward returned no float tensor")
+    return sum(t.float().sum() for t in leaves)
+
+
+class SelectiveCheckpointing(Callback):
+    """Activation checkpointing of a model's blocks with a configurable policy.
+
+    Args:
+        policy: one of ``none | full | every_k | selective | budget``.
+        every_k: for ``every_k``, checkpoint every k-th block.
+        save_ops: for ``selective`` (and the selective blocks of ``budget``), the ops whose outputs are
+            saved, as ``"aten.mm"`` or ``"aten.mm.default"`` strings. None: matmuls and SDPA.
+        module_pattern: glob over module paths of the LightningModule naming the blocks, e.g.
+            ``model.layers.*`` or ``model.transformer.*.layers.*``. None: the ``blocks`` ModuleList.
+        memory_budget: for ``budget``, the fraction of no-checkpointing peak activation memory to stay under.
+        probe_batch_size: for ``budget``, the batch size of the probe pass.
+        probe_seq_len: for ``budget``, its sequence length (None: the datamodule's ``block_size``,
+            else the model config's ``block_size``).
+
+    The probe input is the LightningModule's ``example_input_array`` if set (surrogate loss: the sum
+    of the outputs), else random token ids for a model with ``config.vocab_size`` (next-token
+    cross-entropy through ``pl_module(input_ids)``).
+    """
+
+    def __init__(
+        self,
+        policy: str = "selective",
+        every_k: int = 2,
+        save_ops: Sequence[str] | None = None,
+        module_pattern: str | None = None,
+        memory_budget: float = 0.5,
+        probe_batch_size: int = 1,
+        probe_seq_len: int | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"SelectiveCheckpointing policy must be one of {POLICIES}, got {policy!r}")
+        if policy == "every_k" and int(every_k) < 1:
+            raise ValueError(f"SelectiveCheckpointing every_k must be >= 1, got {every_k}")
+        if policy == "budget" and not 0.0 < float(memory_budget) <= 1.0:
+            raise ValueError(f"SelectiveCheckpointing memory_budget must be in (0, 1], got {memory_budget}")
+        self.policy = policy
+        self.every_k = int(every_k)
+        self.save_ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
+        resolve_ops(self.save_ops)  # fail now on a typo, not in the first backward
+        self.module_pattern = module_pattern
+        self.memory_budget = float(memory_budget)
+        self.probe_batch_size = int(probe_batch_size)
+        self.probe_seq_len = probe_seq_len
+        self.block_names: list[str] = []
+        self.plan: list[str] = []
+        self.wrappers: list[CheckpointedForward] = []
+        self.budget_report: dict | None = None
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.wrappers:  # setup runs again for validate/test: the blocks are already patched
+            return
+        try:
+            named = find_blocks(pl_module, self.module_pattern)
+        except ValueError as e:
+            if type(pl_module).configure_model is not LightningModule.configure_model:
+                raise ValueError(f"{e}. (If {type(pl_module).__name__}.configure_model builds the blocks, "
+                                 "they do not exist yet when this callback runs in setup.)") from e
+            raise
+        self.block_names = [n for n, _ in named]
+        blocks = [m for _, m in named]
+        self.wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"), self.save_ops)
+        if self.policy == "budget":
+            plan = self._budget_plan(trainer, pl_module, blocks)
+        elif self.policy == "every_k":
+            plan = every_k_plan(len(blocks), self.every_k)
+        elif self.policy == "none":
+            plan = uniform_plan(len(blocks), "none")
+        else:
+            plan = uniform_plan(len(blocks), self.policy)
+        self.plan = list(plan)
+        set_plan(self.wrappers, self.plan)
+        counts = {m: self.plan.count(m) for m in MODES if self.plan.count(m)}
+        rank_zero_info(f"SelectiveCheckpointing(policy={self.policy}): {len(blocks)} blocks "
+                       f"({self.block_names[0]} .. {self.block_names[-1]}), modes {counts}")
+
+    @override
+    def state_dict(self) -> dict:
+        return {"policy": self.policy, "plan": list(self.plan)}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        # A resumed ``budget`` run keeps the plan it trained with (the probe timings are noisy).
+        saved = list(state_dict.get("plan", []))
+        if state_dict.get("policy") == self.policy == "budget" and len(saved) == len(self.wrappers):
+            self.plan = saved
+            set_plan(self.wrappers, saved)
+
+    # ---- budget -------------------------------------------------------------------------------------------
+    def _probe_forward(self, trainer: Trainer, pl_module: LightningModule):
+        example = getattr(pl_module, "example_input_array", None)
+        if example is not None:
+            def forward_fn():
+                if isinstance(example, dict):
+                    return _sum_outputs(pl_module(**example))
+                if isinstance(example, (tuple, list)):
+                    return _sum_outputs(pl_module(*example))
+                return _sum_outputs(pl_module(example))
+            return forward_fn
+        configs = (getattr(m, "config", None) for m in pl_module.modules())
+        config = next((c for c in configs if hasattr(c, "vocab_size")), None)
+        if config is None:
+            raise ValueError(
+                "SelectiveCheckpointing(policy='budget') needs a probe input: set "
+                f"{type(pl_module).__name__}.example_input_array, or use a model with config.vocab_size"
+            )
+        seq = self.probe_seq_len or getattr(getattr(trainer, "datamodule", None), "block_size", None)
+        seq = int(seq or config.block_size)
+        device = next(pl_module.parameters()).device
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (self.probe_batch_size, seq + 1), generator=gen).to(device)
+
+        def forward_fn():
+            logits = pl_module(ids[:, :-1])
+            return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        return forward_fn
+
+    def _budget_plan(self, trainer: Trainer, pl_module: LightningModule, blocks: list[nn.Module]) -> list[str]:
+        from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
+
+        plan, report = budget_plan_from_probe(
+            self._probe_forward(trainer, pl_module), pl_module, blocks, self.wrappers, self.memory_budget, self.save_ops
+        )
+        # Probe timings differ across ranks: every rank takes rank 0's plan so all run the same graph.
+        plan, report = trainer.strategy.broadcast((plan, report), src=0)
+        self.budget_report = report
+        if not report["fits"]:
+            rank_zero_warn(
+                f"SelectiveCheckpointing: memory_budget={self.memory_budget} is below what checkpointing every "
+                f"block reaches ({report['measured_ratio']:.3f} of no-checkpointing activation memory); "
+                "using full checkpointing"
+            )
+        rank_zero_info(f"SelectiveCheckpointing budget probe: measured {report['measured_ratio']:.3f} "
+                       f"of no-checkpointing peak activation memory (budget {self.memory_budget}), plan {plan}")
+        return list(plan)

@@ -1,0 +1,147 @@
+"""Activation memory, backward FLOPs and peak RSS: the measurements behind activation checkpointing.
+
+* :func:`measure_activation_memory` runs a step under
+  ``torch.distributed._tools.mem_tracker.MemTracker`` (works on CPU). Its figure is the ``ACT``
+  category of the peak snapshot; the largest ``ACT`` seen at any point and the bytes each given
+  module keeps alive after its forward come with it. Tensors that op-level selective checkpointing
+  keeps live in checkpoint's own storage, where ``saved_tensors_hooks`` never see them; counting
+  with those hooks reports ``selective`` equal to ``full``, so they are not used here.
+* :func:`measure_backward_flops` counts the FLOPs of ``loss.backward()`` (recomputation included)
+  with ``torch.utils.flop_counter.FlopCounterMode``.
+* :func:`reset_peak_rss` / :func:`peak_rss_bytes` read the process high-water mark (Linux ``VmHWM``,
+  which ``/proc/self/clear_refs`` can reset, so several variants can be compared in one process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import resource
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass
+class ActivationMemory:
+    """Bytes of activation memory of one forward + backward.
+
+    ``peak_act``: ``ACT`` of MemTracker's peak snapshot (the moment the total tracked memory peaked);
+    ``max_act``: the largest ``ACT`` at any moment; ``peak_total``: all tracked categories at the peak;
+    ``retained``: per requested module, ``ACT`` after its forward minus ``ACT`` before it.
+    """
+
+    peak_act: int
+    max_act: int
+    peak_total: int
+    retained: list[int] = field(default_factory=list)
+
+
+def _act(snapshot: dict) -> int:
+    """``ACT`` bytes of a MemTracker snapshot ``{device: {category: bytes}}``, summed over devices."""
+    return int(sum(s.get(_MemRefType.ACT, 0) for s in snapshot.values()))
+
+
+class _ActivationTracker(MemTracker):
+    """MemTracker that also remembers the largest ``ACT`` seen (its peak snapshot is taken at the
+    peak of the total, which for checkpointed models is in backward, not where ``ACT`` peaks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_act = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        # _curr_mem_snap: {device: {category: bytes}} -- MemTracker's running snapshot (private).
+        self.max_act = max(self.max_act, _act(self._curr_mem_snap))
+        return out
+
+
+def measure_activation_memory(
+    step_fn: Callable[[], object], track: nn.Module, modules: Sequence[nn.Module] = ()
+) -> ActivationMemory:
+    """Run ``step_fn`` (forward and backward) under MemTracker and return its activation memory.
+
+    ``track`` is the model (its parameters and buffers are categorized as such, not as activations);
+    ``modules`` are modules whose retained activation bytes are reported (e.g. the blocks).
+    """
+    tracker = _ActivationTracker()
+    tracker.track_external(track)
+    with tracker:
+        step_fn()
+    peak = tracker.get_tracker_snapshot("peak")
+    retained = []
+    for module in modules:
+        stats = tracker.memory_tracking.get(module)
+        if stats is None:
+            raise ValueError(f"module {type(module).__name__} did not run in step_fn; cannot report its activations")
+        pre, post = stats.snapshots.get(_ModState.PRE_FW, []), stats.snapshots.get(_ModState.POST_FW, [])
+        retained.append(sum(_act(after) - _act(before) for before, after in zip(pre, post)))
+    return ActivationMemory(
+        peak_act=_act(peak),
+        max_act=int(tracker.max_act),
+        peak_total=int(sum(s.get("Total", 0) for s in peak.values())),
+        retained=retained,
+    )
+
+
+_aten = torch.ops.aten
+POINTWISE_OPS = (
+    _aten.add, _aten.sub, _aten.mul, _aten.div, _aten.neg, _aten.pow, _aten.rsqrt, _aten.sqrt, _aten.exp,
+    _aten.log, _aten.tanh, _aten.sigmoid, _aten.silu, _aten.gelu, _aten.relu, _aten.mean, _aten.sum,
+    _aten._softmax, _aten._log_softmax, _aten.silu_backward, _aten.gelu_backward, _aten.threshold_backward,
+    _aten.sigmoid_backward, _aten.tanh_backward, _aten._softmax_backward_data, _aten._log_softmax_backward_data,
+    _aten.native_dropout, _aten.native_dropout_backward, _aten.native_layer_norm, _aten.native_layer_norm_backward,
+)
+"""Ops counted at one FLOP per output element when ``count_pointwise=True``. FlopCounterMode's own
+registry counts only matmul-class ops (mm, bmm, addmm, convolution, SDPA), so norms, activations
+and elementwise ops -- all that op-level selective checkpointing recomputes -- count zero there."""
+
+
+def _pointwise_flops(*args, out_shape=None, **kwargs) -> int:
+    # out_shape is one torch.Size, or a tuple of them for multi-output ops (dropout, layer norm).
+    multi = isinstance(out_shape, (list, tuple)) and out_shape and not isinstance(out_shape[0], int)
+    return sum(math.prod(s) for s in (out_shape if multi else [out_shape]) if s is not None)
+
+
+def measure_backward_flops(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = False) -> int:
+    """FLOPs of the backward pass of ``forward_fn()``'s loss, recomputation included.
+
+    With ``count_pointwise=False`` it is FlopCounterMode's count (matmul-class ops only); with
+    ``count_pointwise=True`` the :data:`POINTWISE_OPS` add one FLOP per output element.
+    """
+    mapping = dict.fromkeys(POINTWISE_OPS, _pointwise_flops) if count_pointwise else None
+    loss = forward_fn()
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        loss.backward()
+    return int(counter.get_total_flops())
+
+
+def reset_peak_rss() -> bool:
+    """Return freed heap to the OS and reset the peak-RSS mark; False where the OS cannot."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since start or the last :func:`reset_peak_rss`."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
