@@ -7,6 +7,7 @@ the step output contract ``{"loss", "token_loss" [B, T], "index" [B]}`` of :meth
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -109,6 +110,12 @@ class LitLLM(L.LightningModule):
         self.val_loss.reset()
         for metric in self.val_loss_by_source:
             metric.reset()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""
+        config = getattr(getattr(self.model, "_orig_mod", self.model), "config", None)
+        if dataclasses.is_dataclass(config):
+            checkpoint["model_config"] = dataclasses.asdict(config)
 
     # ---- optimization -----------------------------------------------------------------------------------
     def configure_optimizers(self):

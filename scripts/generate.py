@@ -1,0 +1,55 @@
+"""Sample text from a lit_dtrain checkpoint: temperature and top-k sampling.
+
+    python scripts/generate.py outputs/runs/<run>/checkpoints/last.ckpt --prompt "def " --max-new-tokens 200
+
+The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
+``model_config`` entry that ``LitLLM`` stores in every checkpoint. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from lit_dtrain.checkpoint import safe_torch_load
+from lit_dtrain.data import ByteTokenizer
+from lit_dtrain.models import build_llama
+
+
+def load_model(path: str):
+    ckpt = safe_torch_load(path)
+    if "model_config" not in ckpt:
+        raise SystemExit(f"{path}: no 'model_config' entry; was it written by lit_dtrain's LitLLM?")
+    model = build_llama(**ckpt["model_config"])
+    prefix = "model."
+    state = {
+        k[len(prefix) :].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)
+    }
+    model.load_state_dict(state, strict=False)  # rope tables are non-persistent buffers
+    return model.eval(), ckpt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
+    ap.add_argument("--prompt", default="def ", help="text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = ap.parse_args()
+
+    model, ckpt = load_model(args.checkpoint)
+    tok = ByteTokenizer()
+    ids = torch.as_tensor(tok.encode(args.prompt).astype("int64"))[None]
+    g = torch.Generator().manual_seed(args.seed)
+    out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, generator=g)
+    text = tok.decode(out[0])
+    print(text)
+    print(json.dumps({"text": text, "new_tokens": out.size(1) - ids.size(1), "global_step": ckpt.get("global_step")}))
+
+
+if __name__ == "__main__":
+    main()

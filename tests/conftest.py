@@ -1,0 +1,92 @@
+"""Shared fixtures: a generated corpus, and Hydra configs composed for tiny, fast runs."""
+
+from __future__ import annotations
+
+import os
+import random
+import string
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = str(ROOT / "conf")
+
+# A tiny model and run: a few seconds per run on one CPU core.
+TINY = [
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.n_kv_head=1",
+    "model.block_size=32",
+    "data.batch_size=4",
+    "data.max_val_windows=8",
+    "data.val_batch_size=8",
+    "data.progress=false",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.enable_model_summary=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu",
+    "scheduler.warmup_steps=1",
+    "sample.max_new_tokens=8",
+    "callbacks.progress_bar=null",
+]
+
+
+def make_corpus(root: Path, n_files: int = 12, size: int = 3000, seed: int = 0) -> Path:
+    """Write ``n_files`` pseudo-text files (a few KB each) under ``root`` and return it."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) for _ in range(200)]
+    for i in range(n_files):
+        text = []
+        while sum(len(t) for t in text) < size:
+            text.append(" ".join(rng.choices(words, k=12)) + ".\n")
+        (root / f"doc_{i:03d}.txt").write_text("".join(text))
+    return root
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return make_corpus(tmp_path / "corpus")
+
+
+def compose_cfg(
+    overrides: list[str], output_dir: Path, corpus_dir: Path | None = None, tiny: bool = True
+) -> DictConfig:
+    """Compose ``conf/train.yaml`` like ``train.py`` does, with run paths under ``output_dir``."""
+    extra = list(TINY) if tiny else []
+    if corpus_dir is not None:
+        extra += ["data=textfiles", f"data.sources.0.paths=[{corpus_dir}]"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=extra + list(overrides))
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+        cfg.paths.cache_dir = str(output_dir.parent / "token_cache")
+    return cfg
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path: Path, corpus: Path):
+    """``tiny_cfg(*overrides, run='run')`` -> a composed config for a tiny run on the generated corpus."""
+
+    def make(*overrides: str, run: str = "run") -> DictConfig:
+        return compose_cfg(list(overrides), tmp_path / run, corpus)
+
+    return make
+
+
+def subprocess_env(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env["LIT_DTRAIN_OUTPUT"] = str(tmp_path / "outputs")
+    env["LIT_DTRAIN_CACHE"] = str(tmp_path / "token_cache")
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+PYTHON = sys.executable

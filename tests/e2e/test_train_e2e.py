@@ -1,0 +1,105 @@
+"""End to end: train.py as a subprocess, resume exactness, sweeps, 2-process DDP, generation."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_dtrain.train import train
+from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+
+
+def run_train(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_train_py_writes_summary_and_checkpoint(tmp_path, corpus):
+    proc = run_train([*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "run_name=e2e"], tmp_path)
+    run_dir = tmp_path / "outputs" / "runs" / "e2e"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert 0 < summary["val_loss"] < 6.0  # below ln(257) = 5.55 + margin: it learned something
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / "config_resolved.yaml").is_file()
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert "summary: val_loss=" in proc.stdout and "--- sample ---" in proc.stdout
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)  # loadable without code execution
+    assert ckpt["global_step"] == 6
+
+
+def test_resume_is_exact(tiny_cfg):
+    n = 4
+    common = ["trainer.val_check_interval=2", f"scheduler.total_steps={2 * n}", "sample.max_new_tokens=0"]
+    _, straight = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", run="straight"))
+    _, first = train(tiny_cfg(*common, f"trainer.max_steps={n}", run="split"))
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    _, resumed = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", f"ckpt_path={ckpt}", run="split"))
+    a = straight["module"].model.state_dict()
+    b = resumed["module"].model.state_dict()
+    assert resumed["trainer"].global_step == 2 * n
+    assert resumed["datamodule"].micro_step == straight["datamodule"].micro_step == 2 * n
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    opt_a = straight["trainer"].optimizers[0].state_dict()["state"]
+    opt_b = resumed["trainer"].optimizers[0].state_dict()["state"]
+    assert all(torch.equal(opt_a[i]["exp_avg_sq"], opt_b[i]["exp_avg_sq"]) for i in opt_a)
+
+
+def test_resume_auto_picks_last_ckpt(tiny_cfg):
+    _, first = train(tiny_cfg("trainer.max_steps=3", "scheduler.total_steps=6", run="auto"))
+    metrics, second = train(tiny_cfg("trainer.max_steps=6", "scheduler.total_steps=6", "resume=auto", run="auto"))
+    assert second["trainer"].global_step == 6
+    assert second["datamodule"].micro_step == 6  # continued the data stream, did not restart it
+
+
+@pytest.mark.slow
+def test_multirun_sweep_has_one_dir_per_job(tmp_path, corpus):
+    run_train(["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "optimizer.lr=1e-3,3e-3"], tmp_path)
+    summaries = sorted((tmp_path / "outputs" / "multiruns").glob("*/*/summary.json"))
+    assert len(summaries) == 2
+    lrs = sorted(float(p.parent.joinpath("config_resolved.yaml").read_text().split("lr: ")[1].split()[0])
+                 for p in summaries)
+    assert lrs == [1e-3, 3e-3]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ddp_cpu_two_processes(tmp_path, corpus):
+    proc = run_train(
+        [*TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")],
+         "data=textfiles", f"data.sources.0.paths=[{corpus}]", "run_name=ddp"],
+        tmp_path, timeout=600,
+    )
+    run_dir = tmp_path / "outputs" / "runs" / "ddp"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert proc.stdout.count("summary: val_loss=") == 1  # reported once, by rank 0
+    events = list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert events and len({e.name.split(".")[-2] for e in events}) == 1  # TB logs come from one process (rank 0)
+    assert not list(tmp_path.glob("outputs/runs/*/.pl_hydra*"))  # no colliding run dirs
+    assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 1
+
+
+def test_generate_script_samples_from_checkpoint(tiny_cfg, tmp_path):
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", run="gen"))
+    ckpt = Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    out = subprocess.run(
+        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "ab", "--max-new-tokens", "10",
+         "--seed", "1", "--top-k", "5"], capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    out2 = subprocess.run(
+        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "ab", "--max-new-tokens", "10",
+         "--seed", "1", "--top-k", "5"], capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
+    )
+    text = out.stdout.strip().splitlines()[-1]
+    payload = json.loads(text)
+    assert payload["text"].startswith("ab") and payload["new_tokens"] == 10
+    assert out2.stdout == out.stdout  # seeded: reproducible

@@ -1,0 +1,97 @@
+"""Every option of every config group composes and instantiates; bad configs fail before compute."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from lit_dtrain.train import ConfigError, build_callbacks, build_strategy, check_config
+from tests.conftest import CONF_DIR, compose_cfg
+
+
+def options(group: str) -> list[str]:
+    root = Path(CONF_DIR) / group
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def check(cfg):
+    check_config(cfg)
+    model = instantiate(cfg.model)
+    params = [p for p in model.parameters()]
+    opt = instantiate(cfg.optimizer)([{"params": params}])
+    if cfg.scheduler:
+        sched = instantiate(cfg.scheduler)(opt)
+        assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
+    cbs = build_callbacks(cfg)
+    assert all(isinstance(c, L.Callback) for c in cbs)
+    strategy = build_strategy(cfg)
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer_kwargs = dict(callbacks=cbs, logger=logger, strategy=strategy)
+    return instantiate(cfg.trainer, **trainer_kwargs)
+
+
+@pytest.mark.parametrize("group", ["model", "optimizer", "scheduler", "callbacks", "trainer", "logger", "strategy"])
+def test_every_option_composes_and_instantiates(group, tmp_path, corpus):
+    opts = options(group)
+    assert opts, group
+    for opt in opts:
+        if group == "trainer" and opt == "gpu" and not torch.cuda.is_available():
+            continue
+        overrides = [f"{group}={opt}"]
+        if group == "callbacks":
+            overrides = [f"callbacks=[default,{opt}]"] if opt != "default" else []
+        if group == "strategy" and opt == "fsdp" and not torch.cuda.is_available():
+            continue  # FSDPStrategy needs CUDA devices
+        cfg = compose_cfg(overrides, tmp_path / group / opt.replace("/", "_"), corpus)
+        trainer = check(cfg)
+        assert isinstance(trainer, L.Trainer), (group, opt)
+
+
+@pytest.mark.parametrize("data", ["stdlib", "textfiles", "mixture"])
+def test_data_options_instantiate(data, tmp_path, corpus):
+    overrides = [f"data={data}"]
+    if data == "textfiles":
+        overrides.append(f"data.sources.0.paths=[{corpus}]")
+    if data == "mixture":
+        overrides.append(f"data.sources.1.paths=[{corpus}]")
+    cfg = compose_cfg(overrides, tmp_path / data, None)
+    dm = instantiate(cfg.data, _convert_="all")
+    assert dm.block_size == cfg.model.block_size
+    assert len(dm.sources) == (2 if data == "mixture" else 1)
+
+
+def test_sampler_options_instantiate(tmp_path, corpus):
+    for opt in options("data/sampler"):
+        cfg = compose_cfg([f"data/sampler={opt}"], tmp_path / opt, corpus)
+        dm = instantiate(cfg.data, _convert_="all")
+        assert dm.sampler.__class__.__name__.lower().startswith(opt.split("_")[0][:4])
+
+
+def test_unknown_key_is_rejected(tmp_path, corpus):
+    with pytest.raises(ConfigCompositionException, match="lrr"):
+        compose_cfg(["optimizer.lrr=1e-3"], tmp_path / "x", corpus)
+    with pytest.raises(ConfigCompositionException, match="max_stepz"):
+        compose_cfg(["trainer.max_stepz=3"], tmp_path / "x", corpus)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optimizer.lr=-1e-3", "optimizer.lr"),
+        ("data.block_size=64", "data.block_size=64 exceeds model.block_size=32"),
+        ("scheduler.warmup_steps=100", "warmup_steps"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("resume=sometimes", "resume"),
+        ("ckpt_path=/nonexistent.ckpt", "ckpt_path"),
+    ],
+)
+def test_bad_values_fail_before_compute(override, match, tiny_cfg):
+    from lit_dtrain.train import resolve_ckpt_path
+
+    cfg = tiny_cfg(override)
+    with pytest.raises(ConfigError, match=match):
+        check_config(cfg)
+        resolve_ckpt_path(cfg)

@@ -1,0 +1,84 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_dtrain.models import Llama, LlamaConfig, build_llama
+
+
+def tiny(**kw) -> Llama:
+    cfg = dict(vocab_size=257, block_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return build_llama(**cfg)
+
+
+def test_shapes_and_blocks():
+    m = tiny()
+    logits = m(torch.randint(0, 257, (3, 17)))
+    assert logits.shape == (3, 17, 257)
+    assert isinstance(m.blocks, torch.nn.ModuleList) and len(m.blocks) == 2
+
+
+def test_causality():
+    m = tiny().eval()
+    x = torch.randint(0, 257, (2, 20))
+    y = x.clone()
+    y[:, 11] = (y[:, 11] + 1) % 257  # change token t+1 = 11
+    with torch.no_grad():
+        a, b = m(x), m(y)
+    assert torch.equal(a[:, :11], b[:, :11])  # positions <= t unchanged
+    assert not torch.allclose(a[:, 11:], b[:, 11:])
+
+
+def test_gqa_equals_mha_with_repeated_kv_weights():
+    gqa = tiny(n_head=4, n_kv_head=2)
+    mha = tiny(n_head=4, n_kv_head=4)
+    sd = gqa.state_dict()
+    hs = 32 // 4
+    for i in range(2):
+        for w in ("wk", "wv"):
+            k = sd[f"blocks.{i}.attn.{w}.weight"].view(2, hs, 32)
+            sd[f"blocks.{i}.attn.{w}.weight"] = k.repeat_interleave(2, dim=0).reshape(4 * hs, 32)
+    mha.load_state_dict(sd)
+    x = torch.randint(0, 257, (2, 16))
+    torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_and_depth_scaled_init():
+    m = tiny(n_layer=8, d_model=64, init_std=0.02)
+    assert m.lm_head.weight is m.tok_embeddings.weight
+    wo = torch.cat([b.attn.wo.weight.flatten() for b in m.blocks])
+    wq = torch.cat([b.attn.wq.weight.flatten() for b in m.blocks])
+    assert abs(wq.std().item() - 0.02) < 0.002
+    assert abs(wo.std().item() - 0.02 / 4.0) < 0.0005  # 0.02 / sqrt(2 * 8)
+    untied = tiny(tie_embeddings=False)
+    assert untied.lm_head.weight is not untied.tok_embeddings.weight
+
+
+def test_overfits_one_batch():
+    m = tiny()
+    x = torch.randint(0, 257, (4, 33))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, 257), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, loss.item()
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="n_kv_head"):
+        LlamaConfig(n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="Unknown LlamaConfig key"):
+        build_llama(d_model=32, n_heads=4)
+    with pytest.raises(ValueError, match="exceeds model block_size"):
+        tiny()(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_generate_is_deterministic_with_generator():
+    m = tiny().eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    a = m.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
+    b = m.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
+    assert a.shape == (1, 8) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
