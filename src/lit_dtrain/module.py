@@ -64,6 +64,7 @@ class LitLLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_loss_by_source = nn.ModuleList(MeanMetric() for _ in self.val_names)
         self._compiled = False
+        self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor (FLOP/s, MFU)
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -82,6 +83,10 @@ class LitLLM(L.LightningModule):
         B, T, V = logits.shape
         token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
         return token_loss.view(B, T)
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        if self.flops_per_batch is None and isinstance(batch, dict) and "input_ids" in batch:
+            self.flops_per_batch = estimate_train_flops(self.model, *batch["input_ids"].shape)
 
     # ---- steps ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
@@ -126,6 +131,23 @@ class LitLLM(L.LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Forward+backward FLOPs of one batch: 6 * params * tokens plus causal attention scores.
+
+    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head.
+    """
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    n_params = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and not getattr(config, "tie_embeddings", False):
+            n_params -= module.weight.numel()
+    tokens = batch_size * seq_len
+    flops = 6.0 * n_params * tokens
+    if config is not None and hasattr(config, "n_layer"):
+        flops += 6.0 * config.n_layer * config.d_model * seq_len * tokens  # QK^T and AV, fwd+bwd, causal half
+    return flops
 
 
 def perplexity(loss: float) -> float:

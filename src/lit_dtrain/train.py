@@ -153,6 +153,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         "tokens_per_sec": tokens / max(fit_seconds, 1e-9),
         "wall_seconds": fit_seconds,
         "checkpoint": last_ckpt,
+        "unigram_entropy": datamodule.unigram_entropy(),
         "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
     }

@@ -204,6 +204,15 @@ class LMDataModule(L.LightningDataModule):
     def val_names(self) -> list[str]:
         return [s.name for s in self.sources]
 
+    def unigram_entropy(self) -> float:
+        """Entropy (nats) of the token unigram distribution of the training streams: the loss of a
+        model that ignores context, a baseline that any trained model should beat clearly."""
+        counts = np.zeros(self.tokenizer.vocab_size, dtype=np.float64)
+        for split in self.splits:
+            counts += np.bincount(np.asarray(split.train), minlength=self.tokenizer.vocab_size)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"micro_step": self.micro_step, "seed": self.seed, "sampler": self.sampler.state_dict()}
