@@ -1,0 +1,47 @@
+"""DDP strategies: compressed gradient all-reduce and local updates (importing this registers ``ddp_compressed``).
+
+- :class:`CompressedDDPStrategy`: Lightning DDP with a compressor or local-update rule as its comm hook.
+- Compressors (plain objects, no Lightning): :class:`NoCompression`, :class:`HalfPrecision` (fp16/bf16),
+  :class:`BlockQuantizer` (int8/int4), :class:`PowerSGD`, :class:`TopK`, :class:`ScaledSign`.
+- Local updates: :class:`LocalSGD` (fixed or adaptive period), :class:`DiLoCo`.
+- :func:`make_ddp`: plain Lightning ``DDPStrategy`` with a timeout in seconds (``conf/strategy/ddp.yaml``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
+from lit_dtrain.strategies.compressed_ddp import (
+    CHECKPOINT_KEY,
+    COMPRESSORS,
+    LOCAL_UPDATES,
+    CompressedDDPStrategy,
+    build_compressor,
+    build_local_update,
+    register_strategies,
+)
+from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression, Segment
+from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
+from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.sparsify import ScaledSign, TopK
+
+
+def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
+    """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta)."""
+    if "timeout" in kwargs:
+        raise ValueError("make_ddp: pass collective_timeout_s (seconds) instead of timeout")
+    return DDPStrategy(timeout=timedelta(seconds=float(collective_timeout_s)), **kwargs)
+
+
+register_strategies()
+
+__all__ = [
+    "CHECKPOINT_KEY", "COMPRESSORS", "LOCAL_UPDATES", "BlockQuantizer", "CommSession", "Communicator",
+    "CompressedDDPStrategy", "Compressor", "DiLoCo", "HalfPrecision", "LocalSGD", "LocalUpdate",
+    "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "TopK", "build_compressor",
+    "build_local_update", "compressed_comm_hook", "make_ddp", "register_strategies",
+]

@@ -1,0 +1,285 @@
+"""Accounted collectives and the DDP communication hook that runs a compressor.
+
+:class:`Communicator` is the only place that calls ``torch.distributed``. It records the exact bytes
+of every tensor it hands to a collective (the input this rank contributes: for ``all_gather`` its
+own shard, not the gathered output) and the wall time during which any collective was in flight.
+With 2 ranks these bytes equal what each rank puts on the wire (ring all-reduce of B bytes sends
+B per rank; all-gather of B bytes sends B); with W ranks all-gather codecs send (W-1) x B.
+
+:class:`CommSession` glues one compressor and/or one local-update rule to a DDP model: it is the
+state object of :func:`compressed_comm_hook`, counts hook calls and steps, and turns per-step
+records into the ``comm/*`` metrics. The Lightning strategy and ``scripts/bench_comm.py`` both use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lit_dtrain.strategies.compressors import Compressor, NoCompression, Segment, completed_future
+from lit_dtrain.strategies.local_updates import LocalUpdate
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping [start, end) intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+class Communicator:
+    """Collectives on a process group (default: WORLD) with exact byte and time accounting.
+
+    ``bytes_sent`` and ``intervals`` accumulate until :meth:`take_step_record` returns and resets them.
+    Async collectives record their end time in a future callback; on CUDA that is when the work
+    completed on the device stream, so ``time_ms`` is approximate there.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.num_collectives = 0
+        self.intervals: list[tuple[float, float]] = []
+        self.sent_log: list[tuple[str, int]] = []  # (op, bytes) of the current step, for tests
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def _record(self, op: str, tensor: Tensor) -> float:
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.num_collectives += 1
+            self.sent_log.append((op, nbytes))
+        return time.perf_counter()
+
+    def _finish(self, start: float) -> None:
+        end = time.perf_counter()
+        with self._lock:
+            self.intervals.append((start, end))
+
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future:
+        """Sum ``tensor`` over ranks in place; the future holds it."""
+        start = self._record("all_reduce", tensor)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+
+        def done(fut: torch.futures.Future) -> Tensor:
+            self._finish(start)
+            return fut.value()[0]
+
+        return work.get_future().then(done)
+
+    def all_reduce_mean_async(self, tensor: Tensor) -> torch.futures.Future:
+        """Average ``tensor`` over ranks in place (uncompressed, fp32 or whatever its dtype is)."""
+        world = self.world_size
+        return self.all_reduce_sum_async(tensor).then(lambda fut: fut.value().div_(world))
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Blocking :meth:`all_reduce_sum_async`."""
+        return self.all_reduce_sum_async(tensor).wait()
+
+    def all_gather_async(self, tensor: Tensor) -> torch.futures.Future:
+        """Gather every rank's 1-D ``tensor`` (same size everywhere); the future holds a (world, numel) tensor."""
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        start = self._record("all_gather", tensor)
+        work = dist.all_gather_single(out, tensor, group=self.group, async_op=True)
+
+        def done(fut: torch.futures.Future) -> Tensor:
+            self._finish(start)
+            return out.view(self.world_size, -1)
+
+        return work.get_future().then(done)
+
+    def take_step_record(self) -> dict:
+        """Bytes, collectives and in-flight milliseconds since the last call; resets them."""
+        with self._lock:
+            record = {
+                "bytes": self.bytes_sent,
+                "collectives": self.num_collectives,
+                "time_ms": 1000.0 * _union_seconds(self.intervals),
+                "sent_log": list(self.sent_log),
+            }
+            self.bytes_sent, self.num_collectives = 0, 0
+            self.intervals, self.sent_log = [], []
+        return record
+
+
+class LoopbackCommunicator(Communicator):
+    """A one-rank communicator without ``torch.distributed``: collectives are identities, bytes still count."""
+
+    def __init__(self) -> None:
+        super().__init__(group=None)
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def all_reduce_sum_async(self, tensor: Tensor) -> torch.futures.Future:
+        self._finish(self._record("all_reduce", tensor))
+        return completed_future(tensor)
+
+    def all_gather_async(self, tensor: Tensor) -> torch.futures.Future:
+        self._finish(self._record("all_gather", tensor))
+        return completed_future(tensor.view(1, -1))
+
+
+def bucket_segments(bucket: dist.GradBucket, names: dict[int, str]) -> list[Segment]:
+    """Named segments of a DDP bucket, from where each gradient view sits in the flat buffer."""
+    buffer = bucket.buffer()
+    base, item = buffer.data_ptr(), buffer.element_size()
+    segments = []
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        offset = (grad.data_ptr() - base) // item
+        if not 0 <= offset <= buffer.numel() - grad.numel():
+            raise RuntimeError("a DDP bucket gradient is not a view into the bucket buffer; cannot compress it")
+        segments.append(Segment(names[id(param)], offset, grad.numel(), tuple(grad.shape)))
+    covered = sum(s.numel for s in segments)
+    if covered != buffer.numel():
+        raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its gradients cover {covered}")
+    return segments
+
+
+class CommSession:
+    """The state of one compressed (or local-update) DDP model: compressor, local rule, counters, metrics.
+
+    Exactly one of ``compressor`` (per-step gradient all-reduce through a codec) and ``local_update``
+    (no per-step gradient communication; parameters are synchronized every few steps) drives
+    communication; with neither, gradients go through :class:`NoCompression` (fp32, accounted).
+    Call :meth:`attach` once on the DDP model, :meth:`before_optimizer_step` and
+    :meth:`after_optimizer_step` around every optimizer step.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor | None = None,
+        local_update: LocalUpdate | None = None,
+        comm: Communicator | None = None,
+    ) -> None:
+        if compressor is not None and local_update is not None:
+            raise ValueError(
+                "a local-update rule skips the per-step gradient all-reduce, so a gradient compressor would never "
+                "run; set compressor=None (DiLoCo takes its own compressor for the pseudo-gradient)"
+            )
+        self.compressor = compressor if compressor is not None or local_update is not None else NoCompression()
+        self.local_update = local_update
+        self.comm = comm
+        self.names: dict[int, str] = {}
+        self.step = 0  # optimizer steps completed
+        self.hook_calls = 0  # buckets seen by the hook (any mode)
+        self.total_bytes = 0  # bytes handed to collectives, all steps
+        self.total_dense_bytes = 0  # bytes plain fp32 DDP would have all-reduced, all steps
+        self.total_time_ms = 0.0
+        self._dense_this_step = 0
+        self.last_step: dict = {}
+
+    # --- wiring -------------------------------------------------------------------------------
+    def attach(self, ddp_model: nn.parallel.DistributedDataParallel, comm: Communicator | None = None) -> None:
+        """Name the parameters and register :func:`compressed_comm_hook` on ``ddp_model`` (any device/backend)."""
+        if comm is not None:
+            self.comm = comm
+        if self.comm is None:
+            self.comm = Communicator(getattr(ddp_model, "process_group", None))
+        self.names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+        ddp_model.register_comm_hook(self, compressed_comm_hook)
+
+    @staticmethod
+    def named_params(module: nn.Module) -> list[tuple[str, Tensor]]:
+        """Trainable parameters by name (the local-update rules work on these)."""
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def before_optimizer_step(self, named_params: Iterable[tuple[str, Tensor]]) -> None:
+        """Lets a local-update rule snapshot the synchronized start point (DiLoCo's outer parameters)."""
+        if self.local_update is not None:
+            self.local_update.maybe_initialize(list(named_params))
+
+    def after_optimizer_step(self, named_params: Iterable[tuple[str, Tensor]], force_sync: bool = False) -> dict:
+        """Run the local-update rule, close the step's accounting, return the ``comm/*`` metrics."""
+        synced = False
+        if self.local_update is not None:
+            synced = self.local_update.after_optimizer_step(list(named_params), self.comm, force_sync=force_sync)
+        record = self.comm.take_step_record()
+        self.step += 1
+        self.total_bytes += record["bytes"]
+        self.total_dense_bytes += self._dense_this_step
+        self.total_time_ms += record["time_ms"]
+        self.last_step = {
+            "bytes": record["bytes"],
+            "dense_bytes": self._dense_this_step,
+            "time_ms": record["time_ms"],
+            "collectives": record["collectives"],
+            "sent_log": record["sent_log"],
+            "synced": synced,
+        }
+        self._dense_this_step = 0
+        return self.metrics()
+
+    def final_sync(self, named_params: Iterable[tuple[str, Tensor]]) -> bool:
+        """Synchronize a local-update run that stopped between syncs (not an optimizer step). Returns synced."""
+        if self.local_update is None:
+            return False
+        synced = self.local_update.sync_now(list(named_params), self.comm)
+        record = self.comm.take_step_record()
+        self.total_bytes += record["bytes"]
+        self.total_time_ms += record["time_ms"]
+        return synced
+
+    def metrics(self) -> dict[str, float]:
+        """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent),
+        ``comm/time_ms`` (last step, collectives in flight), and running totals."""
+        ratio = self.total_dense_bytes / self.total_bytes if self.total_bytes else float("inf")
+        return {
+            "comm/bytes_per_step": float(self.last_step.get("bytes", 0)),
+            "comm/bytes_per_step_avg": self.total_bytes / max(self.step, 1),
+            "comm/compression_ratio": ratio,
+            "comm/time_ms": float(self.last_step.get("time_ms", 0.0)),
+            "comm/hook_calls": float(self.hook_calls),
+        }
+
+    # --- state --------------------------------------------------------------------------------
+    def counters_state_dict(self) -> dict:
+        """Replicated counters (identical on every rank)."""
+        return {"step": self.step, "hook_calls": self.hook_calls, "total_bytes": self.total_bytes,
+                "total_dense_bytes": self.total_dense_bytes, "total_time_ms": self.total_time_ms}
+
+    def load_counters_state_dict(self, state: dict) -> None:
+        self.step, self.hook_calls = int(state["step"]), int(state["hook_calls"])
+        self.total_bytes, self.total_dense_bytes = int(state["total_bytes"]), int(state["total_dense_bytes"])
+        self.total_time_ms = float(state["total_time_ms"])
+
+
+def compressed_comm_hook(session: CommSession, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: average ``bucket`` through ``session.compressor``, or keep it local.
+
+    Registered with ``DistributedDataParallel.register_comm_hook(session, compressed_comm_hook)``;
+    works with gloo on CPU as with NCCL on CUDA.
+    """
+    session.hook_calls += 1
+    buffer = bucket.buffer()
+    session._dense_this_step += buffer.numel() * buffer.element_size()
+    if session.local_update is not None:  # local step: no gradient communication at all
+        return completed_future(buffer)
+    segments = bucket_segments(bucket, session.names)
+    return session.compressor.reduce(buffer, segments, session.comm, session.step)

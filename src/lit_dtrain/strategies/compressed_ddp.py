@@ -1,0 +1,227 @@
+"""``CompressedDDPStrategy``: Lightning DDP whose gradient all-reduce goes through a compressor or a local-update rule.
+
+Why a subclass: Lightning's ``DDPStrategy._register_ddp_hooks`` registers communication hooks only
+when ``root_device.type == "cuda"``, so on CPU/gloo a ``ddp_comm_hook`` is silently skipped. We
+register ours on every device. Why the checkpoint overrides: torch's PowerSGD/post-local-SGD state
+is lost on resume (pytorch#75666, #74556). Here every rank's compressor state (error-feedback
+residuals, PowerSGD Q matrices, call counters) is gathered to rank 0 in :meth:`save_checkpoint`
+and written under ``checkpoint["lit_dtrain_comm"]`` together with the replicated local-update state
+(counters, period, DiLoCo outer parameters and momentum); :meth:`load_checkpoint` (run on every rank
+before DDP wrapping) hands each rank its own part back. The strategy, not a companion callback,
+owns this because only the strategy sees every rank at save time and exists before the model is
+wrapped; it also logs ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lit_dtrain.strategies.comm import CommSession, Communicator
+from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression
+from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
+from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.sparsify import ScaledSign, TopK
+
+CHECKPOINT_KEY = "lit_dtrain_comm"
+_STATE_VERSION = 1
+
+COMPRESSORS: dict[str, Callable[..., Compressor]] = {
+    "none": NoCompression,
+    "fp16": lambda **kw: HalfPrecision(dtype="fp16", **kw),
+    "bf16": lambda **kw: HalfPrecision(dtype="bf16", **kw),
+    "int8": lambda **kw: BlockQuantizer(bits=8, **kw),
+    "int4": lambda **kw: BlockQuantizer(bits=4, **kw),
+    "powersgd": PowerSGD,
+    "topk": TopK,
+    "sign": ScaledSign,
+}
+LOCAL_UPDATES: dict[str, Callable[..., LocalUpdate]] = {
+    "local_sgd": LocalSGD,
+    "local_sgd_adaptive": lambda **kw: LocalSGD(adaptive=True, **kw),
+    "diloco": DiLoCo,
+}
+
+
+def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str):
+    if spec is None or isinstance(spec, base):
+        return spec
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, Mapping) or "name" not in spec:
+        raise ValueError(f"{what} must be a {base.__name__}, a name in {sorted(registry)} or a mapping with 'name', "
+                         f"got {spec!r}")
+    kwargs = dict(spec)
+    name = kwargs.pop("name")
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)}")
+    if "compressor" in kwargs:
+        kwargs["compressor"] = build_compressor(kwargs["compressor"])
+    return registry[name](**kwargs)
+
+
+def build_compressor(spec: Compressor | str | Mapping | None) -> Compressor | None:
+    """A compressor from an instance, a name (``"powersgd"``) or ``{"name": ..., **kwargs}``."""
+    return _build(spec, COMPRESSORS, Compressor, "compressor")
+
+
+def build_local_update(spec: LocalUpdate | str | Mapping | None) -> LocalUpdate | None:
+    """A local-update rule from an instance, a name (``"diloco"``) or ``{"name": ..., **kwargs}``."""
+    return _build(spec, LOCAL_UPDATES, LocalUpdate, "local_update")
+
+
+class CompressedDDPStrategy(DDPStrategy):
+    """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
+
+    Args:
+        compressor: gradient codec for the per-step all-reduce (instance, name or ``{"name", **kwargs}``);
+            ``None`` with no ``local_update`` means uncompressed fp32 through the accounted hook.
+        local_update: ``LocalSGD``/``DiLoCo`` (or its name/mapping): no per-step gradient all-reduce;
+            parameters synchronize every ``sync_period`` steps. Exclusive with ``compressor``.
+        collective_timeout_s: timeout of every collective (a dead rank fails the others after it).
+        log_comm_metrics: log ``comm/bytes_per_step``, ``comm/compression_ratio``, ``comm/time_ms``, ...
+        sync_on_last_step: local updates synchronize at ``trainer.max_steps`` so the final model and
+            its checkpoint are the synchronized model.
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "ddp_compressed"
+
+    def __init__(
+        self,
+        compressor: Compressor | str | Mapping | None = None,
+        local_update: LocalUpdate | str | Mapping | None = None,
+        collective_timeout_s: float = 1800.0,
+        log_comm_metrics: bool = True,
+        sync_on_last_step: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"CompressedDDPStrategy installs its own comm hook; remove {key}= "
+                                 f"(use compressor=/local_update=)")
+        if "timeout" in kwargs:
+            raise ValueError("pass collective_timeout_s (seconds) instead of timeout")
+        super().__init__(timeout=timedelta(seconds=float(collective_timeout_s)), **kwargs)
+        self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
+        self.log_comm_metrics = bool(log_comm_metrics)
+        self.sync_on_last_step = bool(sync_on_last_step)
+
+    @property
+    def compressor(self) -> Compressor | None:
+        return self.session.compressor
+
+    @property
+    def local_update(self) -> LocalUpdate | None:
+        return self.session.local_update
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning only registers hooks on CUDA; ours runs on every device and backend.
+        assert isinstance(self.model, DistributedDataParallel)
+        self.session.attach(self.model, Communicator(group=None))
+        what = self.local_update if self.local_update is not None else self.compressor
+        rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
+                       f"({dist.get_backend()}): {what!r}")
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        module = self.lightning_module
+        named = CommSession.named_params(module)
+        self.session.before_optimizer_step(named)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        last = bool(trainer is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps)
+        metrics = self.session.after_optimizer_step(named, force_sync=self.sync_on_last_step and last)
+        if self.log_comm_metrics and trainer is not None and module._current_fx_name is not None:
+            for key, value in metrics.items():
+                module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        # a run stopped by epochs or early stopping may end between syncs: synchronize once more
+        if self.local_update is not None and self.session.comm is not None:
+            self.session.final_sync(CommSession.named_params(self.lightning_module))
+        super().on_train_end()
+
+    # --- checkpoint ----------------------------------------------------------------------------
+    def comm_state_dict(self) -> dict:
+        """Collective: every rank's compressor state gathered, plus the replicated state (call on all ranks)."""
+        lu = self.local_update
+        local = {
+            "compressor": self.compressor.state_dict() if self.compressor is not None else None,
+            "local_update": lu.rank_local_state_dict() if lu is not None else None,
+        }
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        return {
+            "version": _STATE_VERSION,
+            "world_size": world,
+            "counters": self.session.counters_state_dict(),
+            "local_update": lu.state_dict() if lu is not None else None,
+            "per_rank": gathered,
+        }
+
+    def load_comm_state_dict(self, state: dict) -> None:
+        """Restore :meth:`comm_state_dict` output; each rank takes its own entry of ``per_rank``."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"{CHECKPOINT_KEY}: unsupported version {state.get('version')!r}")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        if state["world_size"] != world:
+            raise ValueError(f"{CHECKPOINT_KEY}: the checkpoint holds compressor state of {state['world_size']} "
+                             f"ranks but this run has {world}; resume with the same number of processes")
+        mine = state["per_rank"][rank]
+        if (mine["compressor"] is None) != (self.compressor is None):
+            raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
+                             f"not match this strategy's compressor {self.compressor!r}")
+        if self.compressor is not None:
+            self.compressor.load_state_dict(mine["compressor"])
+        lu = self.local_update
+        if (state["local_update"] is None) != (lu is None):
+            raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
+        if lu is not None:
+            lu.load_state_dict(state["local_update"])
+            lu.load_rank_local_state_dict(mine["local_update"])
+        self.session.load_counters_state_dict(state["counters"])
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        checkpoint[CHECKPOINT_KEY] = self.comm_state_dict()  # collective: runs on every rank
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            rank_zero_warn(f"{checkpoint_path} has no {CHECKPOINT_KEY!r} entry (written without compression?); "
+                           "compressor and local-update state start fresh")
+        else:
+            self.load_comm_state_dict(state)
+        return checkpoint
+
+
+def register_strategies() -> None:
+    """Register ``ddp_compressed`` (PowerSGD rank 4) and ``ddp_compressed_spawn`` in Lightning's registry."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, start_method in (("ddp_compressed", "popen"), ("ddp_compressed_spawn", "spawn")):
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(
+                name, CompressedDDPStrategy,
+                description=f"DDP with PowerSGD rank-4 gradient compression (start_method={start_method!r})",
+                compressor="powersgd", start_method=start_method,
+            )

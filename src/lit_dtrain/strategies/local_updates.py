@@ -1,0 +1,246 @@
+"""Local-update rules: ranks step alone and synchronize parameters every ``H`` steps.
+
+- :class:`LocalSGD` averages the parameters every ``sync_period`` steps (Stich 2019; torch's
+  post-local SGD). ``adaptive=True`` grows the period while the parameter divergence across ranks
+  at a sync stays at or under ``divergence_threshold`` and shrinks it when it rises above.
+- :class:`DiLoCo` (Douillard et al. 2023) treats ``outer - local`` as a pseudo-gradient, averages it
+  (optionally through a :class:`~lit_dtrain.strategies.compressors.Compressor`) and takes an outer
+  Nesterov SGD step (lr 0.7, momentum 0.9 by default) on the outer parameters.
+
+The inner optimizer is whatever the LightningModule configured; its state stays rank-local.
+Plain objects: they only talk through a ``Communicator`` and keep their state in ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lit_dtrain.strategies.compressors import Compressor, Segment, segments_from_shapes
+
+if TYPE_CHECKING:
+    from lit_dtrain.strategies.comm import Communicator
+
+NamedParams = Sequence[tuple[str, Tensor]]
+
+
+@torch.no_grad()
+def flatten_params(named_params: NamedParams) -> tuple[Tensor, list[Segment]]:
+    """A fresh flat fp32 copy of the parameters and their segments."""
+    flat = torch.cat([p.detach().float().reshape(-1) for _, p in named_params])
+    return flat, segments_from_shapes([(n, tuple(p.shape)) for n, p in named_params])
+
+
+@torch.no_grad()
+def write_params(named_params: NamedParams, flat: Tensor) -> None:
+    """Copy ``flat`` back into the parameters (casting to their dtype)."""
+    offset = 0
+    for _, p in named_params:
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+class LocalUpdate:
+    """Base: counts steps and calls :meth:`synchronize` every ``period`` steps (or when forced)."""
+
+    name = "base"
+
+    def __init__(self, sync_period: int) -> None:
+        if sync_period < 1:
+            raise ValueError(f"{type(self).__name__}: sync_period must be >= 1, got {sync_period}")
+        self.sync_period = int(sync_period)
+        self.period = int(sync_period)  # the current period (adaptive rules change it)
+        self.step = 0
+        self.steps_since_sync = 0
+        self.num_syncs = 0
+
+    def maybe_initialize(self, named_params: NamedParams) -> None:
+        """Called before every optimizer step with the (still synchronized at step 0) parameters."""
+
+    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
+        """Make all ranks' parameters equal."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self, named_params: NamedParams, comm: Communicator, force_sync: bool = False) -> bool:
+        """Count the step; synchronize when the period is over (or ``force_sync`` and unsynced). Returns synced."""
+        self.step += 1
+        self.steps_since_sync += 1
+        if self.steps_since_sync >= self.period or force_sync:
+            return self.sync_now(named_params, comm)
+        return False
+
+    def sync_now(self, named_params: NamedParams, comm: Communicator) -> bool:
+        """Synchronize now unless nothing happened since the last sync. Returns whether it synchronized."""
+        if self.steps_since_sync == 0:
+            return False
+        self.synchronize(named_params, comm)
+        self.steps_since_sync = 0
+        self.num_syncs += 1
+        return True
+
+    def state_dict(self) -> dict:
+        """Replicated state (identical on every rank): counters and the current period."""
+        return {"name": self.name, "step": self.step, "steps_since_sync": self.steps_since_sync,
+                "num_syncs": self.num_syncs, "period": self.period}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"local-update state is for {state.get('name')!r}, this rule is {self.name!r}")
+        self.step, self.steps_since_sync = int(state["step"]), int(state["steps_since_sync"])
+        self.num_syncs, self.period = int(state["num_syncs"]), int(state["period"])
+
+    def rank_local_state_dict(self) -> dict | None:
+        """State that differs per rank (a pseudo-gradient compressor's residuals), or None."""
+        return None
+
+    def load_rank_local_state_dict(self, state: dict | None) -> None:
+        pass
+
+
+class LocalSGD(LocalUpdate):
+    """Average parameters every ``sync_period`` steps; optionally adapt the period to the divergence.
+
+    Divergence at a sync is ``mean_r ||theta_r - theta_mean||^2 / ||theta_mean||^2`` (one extra
+    4-byte all-reduce). With ``adaptive=True`` the period is multiplied by ``growth_factor`` (up to
+    ``max_period``) when the divergence is at or under ``divergence_threshold`` and divided by it
+    (down to ``min_period``) when above, so it settles where one period's drift meets the threshold.
+    """
+
+    name = "local_sgd"
+
+    def __init__(
+        self,
+        sync_period: int = 8,
+        adaptive: bool = False,
+        min_period: int = 2,
+        max_period: int = 64,
+        divergence_threshold: float = 1e-4,
+        growth_factor: int = 2,
+    ) -> None:
+        super().__init__(sync_period)
+        if adaptive and not 1 <= min_period <= sync_period <= max_period:
+            raise ValueError(f"LocalSGD: need 1 <= min_period <= sync_period <= max_period, got "
+                             f"{min_period}, {sync_period}, {max_period}")
+        if growth_factor < 2:
+            raise ValueError(f"LocalSGD: growth_factor must be >= 2, got {growth_factor}")
+        if divergence_threshold <= 0:
+            raise ValueError(f"LocalSGD: divergence_threshold must be > 0, got {divergence_threshold}")
+        self.adaptive = bool(adaptive)
+        self.min_period, self.max_period = int(min_period), int(max_period)
+        self.divergence_threshold = float(divergence_threshold)
+        self.growth_factor = int(growth_factor)
+        self.last_divergence = 0.0
+        if adaptive:
+            self.name = "local_sgd_adaptive"
+
+    @torch.no_grad()
+    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
+        flat, _ = flatten_params(named_params)
+        local = flat.clone() if self.adaptive else None
+        mean = comm.all_reduce_sum(flat).div_(comm.world_size)
+        if self.adaptive:
+            sq = (local - mean).pow(2).sum().reshape(1)
+            total = comm.all_reduce_sum(sq)
+            self.last_divergence = float(total / comm.world_size / mean.pow(2).sum().clamp_min(1e-30))
+            if self.last_divergence <= self.divergence_threshold:
+                self.period = min(self.period * self.growth_factor, self.max_period)
+            else:
+                self.period = max(self.period // self.growth_factor, self.min_period)
+        write_params(named_params, mean)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "last_divergence": self.last_divergence}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.last_divergence = float(state["last_divergence"])
+
+
+class DiLoCo(LocalUpdate):
+    """Inner optimizer for ``sync_period`` steps, then an outer Nesterov SGD step on the averaged pseudo-gradient.
+
+    Outer state: the outer parameters (the last synchronized point) and the momentum buffer, both
+    replicated. ``compressor`` (optional) compresses the pseudo-gradient all-reduce; its error-feedback
+    residual is rank-local state.
+    """
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        sync_period: int = 16,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compressor: Compressor | None = None,
+    ) -> None:
+        super().__init__(sync_period)
+        if outer_lr <= 0:
+            raise ValueError(f"DiLoCo: outer_lr must be > 0, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum}")
+        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
+        self.compressor = compressor
+        self.outer_params: Tensor | None = None  # flat fp32
+        self.momentum: Tensor | None = None  # flat fp32
+        self._pending: dict | None = None  # loaded per-name state, laid out at the first step
+        self._segments: list[Segment] = []
+
+    @torch.no_grad()
+    def maybe_initialize(self, named_params: NamedParams) -> None:
+        if self.outer_params is not None:
+            return
+        flat, segments = flatten_params(named_params)
+        self._segments = segments
+        if self._pending is None:
+            self.outer_params, self.momentum = flat, torch.zeros_like(flat)
+            return
+        missing = sorted({s.name for s in segments} - set(self._pending["outer_params"]))
+        if missing:
+            raise ValueError(f"DiLoCo state has no outer parameters for {missing[:5]} "
+                             "(did the model change since the checkpoint?)")
+        self.outer_params = torch.cat([self._pending["outer_params"][s.name].reshape(-1) for s in segments]).to(flat)
+        self.momentum = torch.cat([self._pending["momentum"][s.name].reshape(-1) for s in segments]).to(flat)
+        self._pending = None
+
+    @torch.no_grad()
+    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
+        self.maybe_initialize(named_params)
+        flat, segments = flatten_params(named_params)
+        pseudo_grad = self.outer_params - flat
+        if self.compressor is not None:
+            pseudo_grad = self.compressor.reduce(pseudo_grad, segments, comm, self.num_syncs).wait()
+        else:
+            pseudo_grad = comm.all_reduce_sum(pseudo_grad).div_(comm.world_size)
+        self.momentum.mul_(self.outer_momentum).add_(pseudo_grad)
+        update = pseudo_grad.add(self.momentum, alpha=self.outer_momentum) if self.nesterov else self.momentum
+        self.outer_params.sub_(update, alpha=self.outer_lr)
+        write_params(named_params, self.outer_params)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.outer_params is None:
+            state["outer_params"] = dict(self._pending["outer_params"]) if self._pending else {}
+            state["momentum"] = dict(self._pending["momentum"]) if self._pending else {}
+            return state
+        segments = self._segments
+        state["outer_params"] = {s.name: self.outer_params[s.offset : s.offset + s.numel].view(s.shape).cpu().clone()
+                                 for s in segments}
+        state["momentum"] = {s.name: self.momentum[s.offset : s.offset + s.numel].view(s.shape).cpu().clone()
+                             for s in segments}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.outer_params, self.momentum = None, None
+        self._pending = {"outer_params": dict(state["outer_params"]), "momentum": dict(state["momentum"])}
+
+    def rank_local_state_dict(self) -> dict | None:
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_rank_local_state_dict(self, state: dict | None) -> None:
+        if self.compressor is not None and state is not None:
+            self.compressor.load_state_dict(state)

@@ -1,0 +1,186 @@
+"""PowerSGD (Vogels et al. 2019): rank-``r`` gradient compression with warm start and error feedback.
+
+We follow torch's ``powerSGD_hook`` step by step and reuse its hyper-parameter names and its helpers
+(``_should_compress``, ``_orthogonalize``), but keep the state ourselves. torch's ``PowerSGDState``
+keys error and P/Q memories by DDP bucket index, which changes when DDP rebuilds buckets after the
+first iteration and after every restart, and it seeds Q from a numpy ``RandomState`` that a
+``weights_only`` checkpoint cannot hold; both make its state unrestorable (pytorch#75666, #74556).
+Ours is keyed by parameter name and Q's random start is a pure function of (seed, step, name).
+
+Per buffer: matrices (every parameter with ``ndim >= 2``, viewed as ``shape[0] x rest``) that
+compress by at least ``min_compression_rate`` send ``P = M Q`` (all-reduced together with the
+uncompressed vectors), then ``Q = M^T P_hat`` with ``P_hat`` the orthogonalized sum (second
+all-reduce). Bytes per matrix: ``4 (n + m) r`` instead of ``4 n m``. The error-feedback residual is
+the local one of the paper, ``M - P_hat Q_local^T`` (torch's hook uses the averaged Q, which differs
+per rank by a zero-sum term); uncompressed vectors are exact and carry no residual.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+# torch's own helpers, so the compress decision and the orthogonalization match its powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
+
+from lit_dtrain.strategies.compressors import Compressor, Segment, completed_future
+
+if TYPE_CHECKING:
+    from lit_dtrain.strategies.comm import Communicator
+
+
+class PowerSGD(Compressor):
+    """Low-rank compressor; see the module docstring. Same knobs as torch's ``PowerSGDState``.
+
+    ``matrix_approximation_rank`` is ``r``; ``start_step`` is torch's ``start_powerSGD_iter`` (plain
+    all-reduce before it; unlike torch, 0 is allowed because our state does not depend on bucket
+    layout); ``warm_start`` reuses last step's averaged Q; ``orthogonalization_epsilon`` guards
+    all-zero columns. State: residuals, Q matrices, call counter.
+    """
+
+    name = "powersgd"
+
+    def __init__(
+        self,
+        matrix_approximation_rank: int = 4,
+        start_step: int = 0,
+        min_compression_rate: float = 2.0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 1e-8,
+        seed: int = 0,
+    ) -> None:
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"PowerSGD: matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
+        if min_compression_rate <= 0:
+            raise ValueError(f"PowerSGD: min_compression_rate must be > 0, got {min_compression_rate}")
+        super().__init__(error_feedback=error_feedback, start_step=start_step)
+        self.matrix_approximation_rank = int(matrix_approximation_rank)
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start = bool(warm_start)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.seed = int(seed)
+        self.q_memory: dict[str, Tensor] = {}
+
+    def plan(self, segments: Sequence[Segment]) -> tuple[list[tuple[Segment, int, int, int]], list[Segment]]:
+        """Split segments into compressed ``(segment, n, m, r)`` and uncompressed ones, as torch's hook does."""
+        compressed, uncompressed = [], []
+        for s in segments:
+            if len(s.shape) < 2:
+                uncompressed.append(s)
+                continue
+            n, m = s.shape[0], s.numel // s.shape[0]
+            rank = min(n, m, self.matrix_approximation_rank)
+            if _should_compress(n, m, rank, self.min_compression_rate)[0]:
+                compressed.append((s, n, m, rank))
+            else:
+                uncompressed.append(s)
+        return compressed, uncompressed
+
+    def payload_numel(self, segments: Sequence[Segment]) -> int:
+        """Values all-reduced per buffer (both rounds): uncompressed numel + sum of (n + m) r."""
+        compressed, uncompressed = self.plan(segments)
+        return sum(s.numel for s in uncompressed) + sum((n + m) * r for _, n, m, r in compressed)
+
+    def _initial_q(self, segment: Segment, m: int, rank: int, step: int, device: torch.device) -> Tensor:
+        q = self.q_memory.get(segment.name) if self.warm_start else None
+        if q is not None and q.shape == (m, rank):
+            return q.to(device).clone()
+        # identical on every rank: seeded by (seed, step, parameter name) only
+        seed = (self.seed * 1_000_003 + step * 7919 + zlib.crc32(segment.name.encode())) % (2**63)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(m, rank, generator=gen).to(device)
+
+    def _power_step(self, x: Tensor, segments: Sequence[Segment], step: int, all_reduce_sum, world: int):
+        """One power iteration; ``all_reduce_sum`` sums round 1 across ranks (identity for one rank).
+
+        Returns ``(payload, q_locals)``: ``payload = [uncompressed mean ++ P_hat, Q_local]`` laid out as
+        :meth:`decompress` expects, and the per-matrix local Qs (for the error-feedback residual).
+        """
+        compressed, uncompressed = self.plan(segments)
+        matrices = [x[s.offset : s.offset + s.numel].view(n, m) for s, n, m, _ in compressed]
+        ps = []
+        for (s, _, m, rank), mat in zip(compressed, matrices):
+            q = self._initial_q(s, m, rank, step, x.device)
+            _orthogonalize(q[None], self.orthogonalization_epsilon)
+            ps.append(mat @ q)  # (n, r)
+        round1 = torch.cat([x[s.offset : s.offset + s.numel] for s in uncompressed] + [p.reshape(-1) for p in ps])
+        round1 = all_reduce_sum(round1)
+        n_uncompressed = sum(s.numel for s in uncompressed)
+        round1[:n_uncompressed] /= world
+        offset, q_locals = n_uncompressed, []
+        for p, mat in zip(ps, matrices):
+            p_hat = round1[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            _orthogonalize(p_hat[None], self.orthogonalization_epsilon)  # in place in round1; scale-free
+            q_locals.append(mat.T @ p_hat)  # (m, r)
+        q_flat = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else x.new_zeros(0)
+        return [round1, q_flat], q_locals
+
+    def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
+        """One-rank PowerSGD: ``[uncompressed values ++ P_hat, Q]``. Across ranks the two halves are
+        separated by an all-reduce of the first, which :meth:`reduce` does."""
+        return self._power_step(x, segments, step, lambda t: t, 1)[0]
+
+    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
+        """Rebuild the flat buffer: uncompressed values in place, each matrix as ``P_hat Q^T``."""
+        head, q_flat = payload
+        compressed, uncompressed = self.plan(segments)
+        out = torch.zeros(numel, dtype=torch.float32, device=head.device)
+        offset = 0
+        for s in uncompressed:
+            out[s.offset : s.offset + s.numel] = head[offset : offset + s.numel]
+            offset += s.numel
+        q_offset = 0
+        for s, n, m, rank in compressed:
+            p_hat = head[offset : offset + n * rank].view(n, rank)
+            q = q_flat[q_offset : q_offset + m * rank].view(m, rank)
+            offset, q_offset = offset + n * rank, q_offset + m * rank
+            out[s.offset : s.offset + s.numel] = (p_hat @ q.T).reshape(-1)
+        return out
+
+    def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
+        """Two all-reduce rounds (uncompressed vectors with all Ps, then all Qs); returns a completed future.
+
+        The rounds run synchronously in the hook: a second collective launched from inside a gloo
+        future callback can deadlock when several buckets are in flight (each callback holds a gloo
+        worker thread while it waits).
+        """
+        self.num_calls += 1
+        self.rank = comm.rank
+        if step < self.start_step:
+            return comm.all_reduce_mean_async(flat)
+        world = comm.world_size
+        x = flat.detach().float()
+        if self.error_feedback:
+            x = x + self.residual_for(segments, x)
+        (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
+        if self.error_feedback:  # local residual M - P_hat Q_local^T; uncompressed vectors are exact
+            residual = x - self.decompress([head, q_flat], segments, x.numel())
+            for s in self.plan(segments)[1]:
+                residual[s.offset : s.offset + s.numel] = 0.0
+            self.store_residual(segments, residual)
+        q_mean = comm.all_reduce_sum(q_flat) / world if q_flat.numel() else q_flat
+        if self.warm_start:
+            offset = 0
+            for s, _, m, rank in self.plan(segments)[0]:
+                self.q_memory[s.name] = q_mean[offset : offset + m * rank].view(m, rank).clone()
+                offset += m * rank
+        return completed_future(flat.copy_(self.decompress([head, q_mean], segments, x.numel())))
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["q_memory"] = {k: v.detach().cpu().clone() for k, v in self.q_memory.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}
+
+    def extra_repr(self) -> str:
+        return (f"matrix_approximation_rank={self.matrix_approximation_rank}, min_compression_rate="
+                f"{self.min_compression_rate}, warm_start={self.warm_start}, " + super().extra_repr())

@@ -1,0 +1,154 @@
+"""Sparsifying and 1-bit compressors: top-k with a dynamic ratio, and scaled sign. Both need error feedback.
+
+Both are ``all_gather`` codecs: ranks choose different coordinates (top-k) or carry different scales
+(sign), so payloads are gathered and each rank decodes and averages all of them in rank order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lit_dtrain.strategies.compressors import Compressor, Segment
+
+_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def topk_ratio_at(step: int, ratio: float, initial_ratio: float | None, ratio_warmup_steps: int) -> float:
+    """Kept fraction at ``step``: exponential decay from ``initial_ratio`` to ``ratio`` over ``ratio_warmup_steps``.
+
+    This is Deep Gradient Compression's sparsity warm-up (Lin et al. 2018: 75% -> 99.9% sparse over the
+    first epochs), written as a pure function of the step so all ranks agree on ``k`` without talking.
+    """
+    if initial_ratio is None or ratio_warmup_steps <= 0 or step >= ratio_warmup_steps:
+        return ratio
+    return initial_ratio * (ratio / initial_ratio) ** (step / ratio_warmup_steps)
+
+
+def exact_topk_indices(magnitude: Tensor, k: int, seed: int = 0, sample_size: int = 20_000) -> Tensor:
+    """Indices of the ``k`` largest entries of a flat tensor; exact, ~4x faster than ``topk`` on CPU for small k/n.
+
+    As in DGC, a threshold is estimated from a random sample, here at twice the wanted fraction so
+    it almost always undershoots; the exact top-k is then taken among the (few) entries above it.
+    If fewer than ``k`` entries pass, plain ``topk`` runs. The result is the true top-k either way.
+    """
+    n = magnitude.numel()
+    if 4 * k >= n or n <= sample_size:
+        return magnitude.topk(k, sorted=False).indices
+    gen = torch.Generator(device=magnitude.device).manual_seed(seed)
+    sample = magnitude[torch.randint(0, n, (sample_size,), generator=gen, device=magnitude.device)]
+    threshold = torch.quantile(sample, 1.0 - 2.0 * k / n)
+    candidates = (magnitude >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return magnitude.topk(k, sorted=False).indices
+    return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+
+
+class TopK(Compressor):
+    """Keep the ``k = ceil(ratio * numel)`` largest-magnitude entries of each buffer; gather values and indices.
+
+    Payload per rank: ``k`` values (``value_dtype``) and ``k`` int32 indices, i.e. 8 bytes per kept
+    value in fp32 (1% kept: 0.08 bytes/value, 50x less than fp32). Error feedback (on by default) keeps
+    the dropped mass, so the sum of sent updates tracks the sum of gradients: the residual after any
+    number of steps is what a single step would drop, not an accumulation. ``initial_ratio`` with
+    ``ratio_warmup_steps`` enables the dynamic-ratio schedule of :func:`topk_ratio_at`.
+    """
+
+    name = "topk"
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        error_feedback: bool = True,
+        initial_ratio: float | None = None,
+        ratio_warmup_steps: int = 0,
+        value_dtype: str = "fp32",
+        start_step: int = 0,
+    ) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"TopK: ratio must be in (0, 1], got {ratio}")
+        if initial_ratio is not None and not ratio <= initial_ratio <= 1.0:
+            raise ValueError(f"TopK: initial_ratio must be in [ratio, 1] = [{ratio}, 1], got {initial_ratio}")
+        if ratio_warmup_steps < 0:
+            raise ValueError(f"TopK: ratio_warmup_steps must be >= 0, got {ratio_warmup_steps}")
+        if value_dtype not in _VALUE_DTYPES:
+            raise ValueError(f"TopK: value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {value_dtype!r}")
+        super().__init__(error_feedback=error_feedback, start_step=start_step)
+        self.ratio, self.initial_ratio = float(ratio), initial_ratio
+        self.ratio_warmup_steps = int(ratio_warmup_steps)
+        self.value_dtype_name = value_dtype
+
+    def k_at(self, numel: int, step: int) -> int:
+        """Number of values kept from a buffer of ``numel`` values at ``step``."""
+        ratio = topk_ratio_at(step, self.ratio, self.initial_ratio, self.ratio_warmup_steps)
+        return max(1, min(numel, math.ceil(ratio * numel)))
+
+    def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
+        k = self.k_at(x.numel(), step)
+        indices = exact_topk_indices(x.abs(), k, step)
+        return [x[indices].to(_VALUE_DTYPES[self.value_dtype_name]), indices.to(torch.int32)]
+
+    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
+        values, indices = payload
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        return out.index_put_((indices.long(),), values.float())
+
+    def extra_repr(self) -> str:
+        return (f"ratio={self.ratio}, initial_ratio={self.initial_ratio}, "
+                f"ratio_warmup_steps={self.ratio_warmup_steps}, value_dtype={self.value_dtype_name!r}, "
+                + super().extra_repr())
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """Pack a flat bool tensor into ``ceil(n / 8)`` bytes (bit i of byte j is ``mask[8 j + i]``)."""
+    pad = (-mask.numel()) % 8
+    bits = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
+    weights = _BIT_WEIGHTS.to(mask.device)
+    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` bits as a bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & 1).view(-1)[:numel].bool()
+
+
+# byte -> its 8 bits as -1.0/+1.0: one gather decodes signs (3x faster than shifting and masking)
+_SIGN_TABLE = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float().mul_(2).sub_(1)
+
+
+def unpack_signs(packed: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` packed bits as fp32 ``+1`` (bit set) / ``-1`` (bit clear)."""
+    return _SIGN_TABLE.to(packed.device)[packed.int()].view(-1)[:numel]
+
+
+class ScaledSign(Compressor):
+    """Scaled sign with error feedback (EF-SignSGD, Karimireddy et al. 2019): 1 bit per value.
+
+    Each parameter ``p`` in the buffer is sent as ``sign(p)`` packed 8 per byte and one fp32 scale
+    ``||p||_1 / numel(p)``, so the decoded ``scale * sign`` has the same L1 norm as ``p``. Bytes per
+    value: ``1/8 + 4 * num_params / numel`` (about 32x less than fp32). Without error feedback sign
+    compression is biased and may not converge; it is on by default.
+    """
+
+    name = "sign"
+
+    def __init__(self, error_feedback: bool = True, start_step: int = 0) -> None:
+        super().__init__(error_feedback=error_feedback, start_step=start_step)
+
+    def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
+        scales = torch.stack([x[s.offset : s.offset + s.numel].abs().mean() for s in segments])
+        return [scales.float(), pack_bits(x >= 0)]
+
+    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
+        scales, packed = payload
+        out = unpack_signs(packed, numel).clone()
+        for scale, s in zip(scales, segments):
+            out[s.offset : s.offset + s.numel] *= scale
+        return out
