@@ -1,0 +1,90 @@
+"""SelectiveCheckpointing under 2-process DDP (gloo, CPU, 127.0.0.1): ranks stay identical, training unchanged."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+
+pytestmark = pytest.mark.dist
+
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches(n: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 257, (32,), generator=g)} for _ in range(n)]
+    for d in data:
+        d["labels"] = torch.roll(d["input_ids"], -1)
+    return DataLoader(data, batch_size=2)  # Lightning adds a DistributedSampler: each rank its own shard
+
+
+def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import SelectiveCheckpointing
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+
+    def module() -> LitLLM:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(block_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64))
+        return LitLLM(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+    def strategy():
+        if strategy_name == "ddp":
+            return "ddp"
+        from lit_dtrain.strategies.compressed_ddp import CompressedDDPStrategy
+
+        return CompressedDDPStrategy(compressor="bf16", log_comm_metrics=False)
+
+    results = {}
+    for name, callbacks in (("plain", []), ("selective", [SelectiveCheckpointing(policy="selective")])):
+        lit = module()
+        results[f"{name}_init"] = {k: v.clone() for k, v in lit.model.state_dict().items()}
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy(), max_steps=STEPS, callbacks=callbacks, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(lit, _batches(4 * STEPS))
+        results[name] = {k: v.detach().clone() for k, v in lit.model.state_dict().items()}
+        if callbacks:
+            results["calls"] = [w.calls for w in callbacks[0].wrappers]
+            results["plan"] = callbacks[0].plan
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+COMPRESSED = pytest.param(
+    "ddp_compressed_bf16",
+    marks=pytest.mark.xfail(
+        strict=False,
+        reason="CompressedDDPStrategy at 71b54d1: register_comm_hook raises 'bucket annotation should be "
+        "dist.GradBucket' (strategies/comm.py has `from __future__ import annotations`, so the hook's annotation "
+        "is a string); remove this mark once the strategy's own 2-process tests pass",
+    ),
+)
+
+
+@pytest.mark.parametrize("strategy_name", ["ddp", COMPRESSED])
+def test_ddp_selective_ranks_identical_and_match_plain(tmp_path, strategy_name):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), strategy_name), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["plan"] == r1["plan"] == ["selective"] * 3
+    assert all(c == STEPS for c in r0["calls"] + r1["calls"])  # every block checkpointed on every step
+    for k, v in r0["selective"].items():
+        assert torch.equal(v, r1["selective"][k]), k  # identical parameters on both ranks
+        assert (v - r0["plain"][k]).abs().max().item() <= 1e-6, k  # and the same as DDP without checkpointing
+    changed = [k for k, v in r0["selective"].items() if not torch.equal(v, r0["selective_init"][k])]
+    assert len(changed) == len(r0["selective"])  # training actually moved every tensor
