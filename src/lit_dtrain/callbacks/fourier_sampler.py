@@ -1,0 +1,124 @@
+"""``FourierSamplerCallback``: feeds each step's token losses to the :class:`FourierSampler` and logs it.
+
+After every training micro-batch it hands ``outputs["token_loss"]`` and ``outputs["index"]`` to
+``trainer.datamodule.sampler.observe`` (which runs the all-reduce/all-gather sync on every rank; an async
+gather is waited on at the next draw, which ``LMDataModule`` makes at step time). It applies the stage's LR
+multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR is restored right
+after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs ``fourier/mix``,
+``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
+``fourier/top_band_energy``, ``fourier/lr_mult`` and ``fourier/comm_bytes_per_step`` to the loggers
+(TensorBoard by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning as L
+from typing_extensions import override
+
+from lit_dtrain.data.samplers.fourier import FourierSampler
+
+
+class FourierSamplerCallback(L.Callback):
+    """Connects a LightningModule's step outputs to the datamodule's :class:`FourierSampler`.
+
+    Args:
+        log_every_n_steps: logging cadence in optimizer steps (None: the Trainer's ``log_every_n_steps``).
+        apply_lr_multiplier: scale the LR by the sampler's stage multiplier (off: stages only shape sampling).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, apply_lr_multiplier: bool = True) -> None:
+        if log_every_n_steps is not None and int(log_every_n_steps) <= 0:
+            raise ValueError(f"log_every_n_steps must be positive, got {log_every_n_steps}")
+        self.log_every_n_steps = log_every_n_steps
+        self.apply_lr_multiplier = apply_lr_multiplier
+        self._hooks: list = []
+        self._comm_bytes = 0
+
+    @staticmethod
+    def sampler_of(trainer: L.Trainer) -> FourierSampler:
+        """``trainer.datamodule.sampler``, checked to be a :class:`FourierSampler`."""
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is None:
+            raise RuntimeError(
+                "FourierSamplerCallback needs trainer.datamodule (an LMDataModule with a FourierSampler); "
+                "pass datamodule= to trainer.fit"
+            )
+        sampler = getattr(datamodule, "sampler", None)
+        if not isinstance(sampler, FourierSampler):
+            raise TypeError(
+                f"FourierSamplerCallback needs trainer.datamodule.sampler to be a FourierSampler, got "
+                f"{type(sampler).__name__}; select it with `data/sampler=fourier`"
+            )
+        return sampler
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.sampler_of(trainer)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The stage multiplier must be undone *inside* optimizer.step: Lightning steps the LR scheduler before
+        # on_train_batch_end, and chainable torch schedulers read group["lr"]. So: torch step pre/post hooks.
+        self._remove_hooks()
+        if not self.apply_lr_multiplier:
+            return
+        sampler = self.sampler_of(trainer)
+        for optimizer in trainer.optimizers:
+            saved: list[float] = []
+
+            def pre(opt, args, kwargs, saved=saved):
+                mult = sampler.lr_multiplier(trainer.global_step)
+                saved[:] = [group["lr"] for group in opt.param_groups] if mult != 1.0 else []
+                for group in opt.param_groups if saved else []:
+                    group["lr"] = group["lr"] * mult
+
+            def post(opt, args, kwargs, saved=saved):
+                for group, lr in zip(opt.param_groups, saved):
+                    group["lr"] = lr
+                saved.clear()
+
+            self._hooks += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        if not isinstance(outputs, Mapping):
+            raise TypeError(
+                f"FourierSamplerCallback needs training_step to return a dict with 'token_loss' and 'index', "
+                f"got {type(outputs).__name__}"
+            )
+        for key in ("token_loss", "index"):
+            if outputs.get(key) is None:
+                raise KeyError(
+                    f"FourierSamplerCallback needs {key!r} in the training_step output (got keys "
+                    f"{sorted(outputs)}); LitLLM returns it, other modules must too"
+                )
+        sampler = self.sampler_of(trainer)
+        stats = sampler.observe(outputs["token_loss"], outputs["index"], step=trainer.global_step)
+        self._comm_bytes += stats["comm_bytes"]
+        if (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1):
+            return  # mid-accumulation: log once per optimizer step
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every == 0 or trainer.global_step == 1:
+            batch_size = int(outputs["token_loss"].shape[0])
+            metrics = {
+                "fourier/mix": float(stats["mix"]),
+                "fourier/bands": float(stats["bands"]),
+                "fourier/prob_entropy": sampler.entropy(),
+                "fourier/top_band_energy": stats["top_band_energy"],
+                "fourier/lr_mult": sampler.lr_multiplier(trainer.global_step),
+                "fourier/comm_bytes_per_step": float(self._comm_bytes),
+            }
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        self._comm_bytes = 0

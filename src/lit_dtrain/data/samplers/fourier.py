@@ -1,0 +1,406 @@
+"""``FourierSampler``: importance sampling of training windows from the spectrum of their token loss.
+
+Each observed sample gets a score ``(1 - mix) * time_score + mix * freq_score`` (mean token loss, and the
+band-weighted energy of the rfft of its token loss, see :mod:`.spectral`). A per-sample table keeps EMAs
+``m1``/``m2`` of the score; they become sampling probabilities with a uniform floor. All ranks hold the same
+table: each rank all-gathers its ``(index, score, band profile)`` updates (profiles in fp16, optionally with
+``async_op=True``, waited on before the next draw), and every rank draws the same global batch from the step's
+seeded generator, so the draw stays a pure function of (seed, step, sampler state) as :class:`IndexSampler`
+requires, and resume is exact.
+
+The table lives on CPU and is updated under ``no_grad``. Memory is O(N): see :meth:`bytes_per_sample`.
+``lit_dtrain.callbacks.FourierSamplerCallback`` feeds it (without the callback the sampler never learns
+anything, so it refuses to draw past step 1 without updates unless ``require_updates=False``).
+
+Not to be confused with the published "FourierSampler" that orders token unmasking when a diffusion LM decodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lit_dtrain.data.samplers import spectral
+from lit_dtrain.data.samplers.base import IndexSampler, step_generator
+
+SCORES = ("mixed", "time", "frequency")
+
+
+class FourierSampler(IndexSampler):
+    """Spectral importance sampler (defaults are the research brief's).
+
+    Args:
+        max_freq, num_bands: band edges ``compute_bands(max_freq, num_bands)``; None picks the brief's
+            defaults from the sequence length at the first update (256/4 up to 512 tokens, 1024/6 from 2048).
+        score: ``mixed`` (time and frequency by ``mix``), ``time`` (mix=0) or ``frequency`` (mix=1).
+        mix_initial, mix_final, decay_steps: the cosine mixing schedule (used when the stage mix is off).
+        momentum, beta: EMA rates of the score's first and second moments.
+        variant: ``moment_ratio`` (the brief's ``|m1|/sqrt(m2)``) or ``magnitude`` (see :func:`.spectral.importance`).
+        min_prob, max_prob, magnitude_cap, eps: clamps of the importance transform.
+        prior: importance of samples not seen yet (1.0 = a steady sample / an average one).
+        uniform_floor: share of uniform (mixture-prior) sampling mixed in; every sample keeps
+            ``p >= uniform_floor / N``.
+        importance_weights: return ``1/(N p)`` loss weights for the drawn samples (an unbiased loss).
+        stages, step_unit, stage_bands, stage_mix, stage_lr, stage_table: the staged schedule, its step unit and
+            which of its parts apply (bands, mix, LR multiplier); ``stage_table`` rows are
+            ``[name, start_in_units, bands, mix, lr_mult]`` (None: warmup 0/4/0.3/0.1, ramp 5/6/0.5/0.5,
+            stable 20/8/0.7/1.0).
+        async_op: gather updates with ``async_op=True`` and wait for them at the next draw.
+        require_updates: raise if batches are drawn past step 1 while no update ever arrived.
+    """
+
+    def __init__(
+        self,
+        max_freq: int | None = None,
+        num_bands: int | None = None,
+        score: str = "mixed",
+        mix_initial: float = 0.3,
+        mix_final: float = 0.7,
+        decay_steps: int = 10000,
+        momentum: float = 0.9,
+        beta: float = 0.99,
+        variant: str = "moment_ratio",
+        min_prob: float = 1e-4,
+        max_prob: float = 1.0,
+        magnitude_cap: float = 10.0,
+        eps: float = 1e-8,
+        prior: float = 1.0,
+        uniform_floor: float = 0.1,
+        importance_weights: bool = False,
+        stages: bool = True,
+        step_unit: float = 1000,
+        stage_bands: bool = True,
+        stage_mix: bool = True,
+        stage_lr: bool = True,
+        stage_table: list | None = None,
+        async_op: bool = True,
+        require_updates: bool = True,
+    ) -> None:
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"FourierSampler score must be one of {SCORES}, got {score!r}")
+        if variant not in spectral.VARIANTS:
+            raise ValueError(f"FourierSampler variant must be one of {spectral.VARIANTS}, got {variant!r}")
+        for name, value in {"momentum": momentum, "beta": beta}.items():
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"FourierSampler {name} must be in [0, 1), got {value}")
+        if not 0.0 < min_prob <= max_prob:
+            raise ValueError(f"FourierSampler needs 0 < min_prob <= max_prob, got {min_prob}, {max_prob}")
+        if not prior > 0:
+            raise ValueError(f"FourierSampler prior must be > 0, got {prior}")
+        if not 0.0 <= uniform_floor <= 1.0:
+            raise ValueError(f"FourierSampler uniform_floor must be in [0, 1], got {uniform_floor}")
+        if not step_unit > 0 or not decay_steps > 0:
+            raise ValueError(f"FourierSampler step_unit and decay_steps must be > 0, got {step_unit}, {decay_steps}")
+        if max_freq is not None and num_bands is not None:
+            spectral.compute_bands(max_freq, num_bands)  # validates both
+        self.max_freq, self.num_bands = max_freq, num_bands
+        self.score, self.variant = score, variant
+        self.mix_initial, self.mix_final, self.decay_steps = float(mix_initial), float(mix_final), int(decay_steps)
+        self.momentum, self.beta = float(momentum), float(beta)
+        self.min_prob, self.max_prob, self.magnitude_cap, self.eps = min_prob, max_prob, magnitude_cap, eps
+        self.prior, self.uniform_floor, self.importance_weights = float(prior), float(uniform_floor), importance_weights
+        self.stages, self.step_unit = bool(stages), float(step_unit)
+        self.stage_bands, self.stage_mix, self.stage_lr = bool(stage_bands), bool(stage_mix), bool(stage_lr)
+        self.stage_table = spectral.parse_stages(stage_table)
+        self.async_op, self.require_updates = bool(async_op), bool(require_updates)
+        self.group = None  # process group of the collectives (None: the default group)
+        # the table (allocated by setup / at the first update)
+        self.m1 = self.m2 = torch.zeros(0)
+        self.visits = torch.zeros(0, dtype=torch.int32)
+        self.profile = torch.zeros(0, 0, dtype=torch.float16)
+        self.seq_len, self.fine_bands = 0, 0
+        self.updates, self.last_step = 0, 0
+        self._pending: tuple | None = None
+        self._version = self._target_version = 0
+        self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
+        self._raw: torch.Tensor | None = None  # importance of every sample (float64)
+        self._cache: dict = {}
+
+    # ---- binding -----------------------------------------------------------------------------------------
+    def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0) -> None:
+        super().setup(num_samples, base_weights, seed)
+        if self.m1.numel() != num_samples:
+            self.m1 = torch.zeros(num_samples, dtype=torch.float32)
+            self.m2 = torch.zeros(num_samples, dtype=torch.float32)
+            self.visits = torch.zeros(num_samples, dtype=torch.int32)
+            self.profile = torch.zeros(num_samples, 0, dtype=torch.float16)
+            self.seq_len = self.fine_bands = 0
+        self._touch(target=True, raw=True)
+
+    def _bind_length(self, seq_len: int) -> None:
+        """Fix the band layout for sequences of ``seq_len`` tokens and allocate the profile table."""
+        if self.seq_len == seq_len and self.profile.shape[1] == self.fine_bands > 0:
+            return
+        if self.seq_len and self.seq_len != seq_len:
+            raise ValueError(f"FourierSampler was bound to T={self.seq_len} but got token_loss with T={seq_len}")
+        auto_freq, auto_bands = spectral.default_band_config(seq_len)
+        self.max_freq = int(self.max_freq or auto_freq)
+        self.num_bands = int(self.num_bands or auto_bands)
+        fine = self.num_bands
+        if self.stages and self.stage_bands:
+            fine = max(fine, *(s.bands for s in self.stage_table))
+        self.seq_len, self.fine_bands = int(seq_len), int(fine)
+        self.profile = torch.zeros(self.num_samples, fine, dtype=torch.float16)
+
+    def required_callbacks(self) -> list:
+        """The callback that feeds this sampler (for trainers that add a sampler's callbacks automatically)."""
+        from lit_dtrain.callbacks.fourier_sampler import FourierSamplerCallback
+
+        return [FourierSamplerCallback()]
+
+    # ---- schedules ---------------------------------------------------------------------------------------
+    def stage(self, step: int) -> spectral.Stage | None:
+        """The active stage, or None when the staged schedule is off."""
+        return spectral.stage_at(step, self.step_unit, self.stage_table) if self.stages else None
+
+    def mix_at(self, step: int) -> float:
+        """Weight of the frequency score at ``step``."""
+        if self.score != "mixed":
+            return 1.0 if self.score == "frequency" else 0.0
+        stage = self.stage(step)
+        if stage is not None and self.stage_mix:
+            return stage.mix
+        return spectral.mix_schedule(step, self.mix_initial, self.mix_final, self.decay_steps)
+
+    def bands_at(self, step: int) -> int:
+        """Number of bands scoring the spectrum at ``step``."""
+        stage = self.stage(step)
+        if stage is not None and self.stage_bands:
+            return stage.bands
+        return int(self.num_bands or spectral.default_band_config(self.seq_len or 256)[1])
+
+    def lr_multiplier(self, step: int) -> float:
+        """The stage's LR multiplier (1.0 when stages or their LR part are off)."""
+        stage = self.stage(step)
+        return stage.lr_mult if stage is not None and self.stage_lr else 1.0
+
+    # ---- updates -----------------------------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.group), dist.get_rank(self.group)
+        return 1, 0
+
+    def _comm_device(self, default: torch.device) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu") if default.type != "cpu" else default
+
+    @torch.no_grad()
+    def observe(self, token_loss: torch.Tensor, index: torch.Tensor, step: int) -> dict:
+        """Score this rank's samples of one micro-step and share the update with every rank.
+
+        Collective when ``torch.distributed`` is initialized: every rank must call it once per micro-step.
+        Returns local statistics for logging (``mix``, ``bands``, ``top_band_energy``, ``comm_bytes``).
+        """
+        if self.num_samples == 0:
+            raise RuntimeError("FourierSampler.setup() was not called")
+        if token_loss.dim() != 2 or index.shape != token_loss.shape[:1]:
+            raise ValueError(f"need token_loss [B, T] and index [B], got {tuple(token_loss.shape)} and "
+                             f"{tuple(index.shape)}")
+        self.flush()
+        self._bind_length(int(token_loss.shape[1]))
+        world, _ = self._world()
+        fine = spectral.band_energies(token_loss, self.max_freq, self.fine_bands)  # (B, F) on token_loss.device
+        bands = self.bands_at(step)
+        profile = spectral.merge_bands(fine, bands)
+        local = profile.sum(0)
+        global_energy = local.square().sum().reshape(1)
+        comm_bytes = 0
+        if world > 1:
+            device = self._comm_device(global_energy.device)
+            global_energy = global_energy.to(device)
+            dist.all_reduce(global_energy, op=dist.ReduceOp.SUM, group=self.group)  # needed now: synchronous
+            comm_bytes += global_energy.numel() * global_energy.element_size()
+        weights = spectral.adaptive_band_weights(local, global_energy.to(local.device).squeeze(0))
+        mix = self.mix_at(step)
+        score = (1.0 - mix) * spectral.time_score(token_loss) + mix * spectral.frequency_score(profile, weights, world)
+        record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
+        if world > 1:
+            record = record.to(self._comm_device(record.device))
+            gathered = [torch.empty_like(record) for _ in range(world)]
+            handle = dist.all_gather(gathered, record, group=self.group, async_op=self.async_op)
+            comm_bytes += record.numel() * record.element_size()
+            self._pending = (handle if self.async_op else None, gathered, int(step))
+        else:
+            self._pending = (None, [record], int(step))
+        if not self.async_op:
+            self.flush()
+        return {"mix": mix, "bands": bands, "top_band_energy": float(profile[:, -1].mean()), "comm_bytes": comm_bytes}
+
+    def flush(self) -> None:
+        """Wait for the pending gathered update (if any) and apply it to the table, identically on every rank."""
+        if self._pending is None:
+            return
+        handle, gathered, step = self._pending
+        self._pending = None
+        if handle is not None:
+            handle.wait()
+        index, score, profile = _unpack(torch.cat([g.cpu() for g in gathered]), self.fine_bands)
+        self._apply(index, score, profile, step)
+
+    def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
+        # A sample drawn twice in one global batch gets one update with its mean score and profile.
+        uniq, inverse = torch.unique(index, sorted=True, return_inverse=True)
+        count = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones(len(index)))
+        mean_score = torch.zeros(len(uniq)).index_add_(0, inverse, score.float()) / count
+        mean_prof = torch.zeros(len(uniq), profile.shape[1]).index_add_(0, inverse, profile.float()) / count[:, None]
+        self.m1[uniq], self.m2[uniq] = spectral.update_moments(
+            self.m1[uniq], self.m2[uniq], mean_score, self.momentum, self.beta
+        )
+        self.visits[uniq] += 1
+        self.profile[uniq] = mean_prof.half()
+        self.updates += 1
+        self.last_step = step
+        if self._elem is not None:  # refresh only the updated entries
+            self._elem[uniq] = self._elementwise(uniq)
+        self._touch()
+
+    # ---- drawing -----------------------------------------------------------------------------------------
+    def _elementwise(self, sel=slice(None)) -> torch.Tensor:
+        return spectral.importance_elementwise(
+            self.m1[sel], self.m2[sel], self.visits[sel], self.variant, momentum=self.momentum,
+            min_prob=self.min_prob, max_prob=self.max_prob, prior=self.prior, eps=self.eps,
+        )
+
+    def _distribution(self) -> dict:
+        """The sampling CDF, rebuilt when the table changed: O(N) float64 work, a handful of vector ops.
+
+        ``raw`` importances are kept between calls and refreshed only at updated indices when the transform
+        is elementwise (``moment_ratio``), so an update costs O(B) and a draw one product and one cumsum over N.
+        Everything is recomputed the same way after a resume, so draws stay bit-identical.
+        """
+        cache = self._cache
+        if cache.get("version") == self._version:
+            return cache
+        if cache.get("target_version") != self._target_version:
+            target = spectral.target_distribution(self.num_samples, self.excluded, self.base_weights)
+            cache.update(target=target, target_cdf=target.cumsum(0), target_version=self._target_version)
+        if self._elem is None:
+            self._elem = self._elementwise()
+        self._raw = spectral.importance_finish(
+            self._elem, self.visits, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
+            prior=self.prior, eps=self.eps,
+        )
+        cdf = torch.mul(self._raw, cache["target"]).cumsum_(0)
+        total = float(cdf[-1])
+        floor = self.uniform_floor
+        cdf.mul_((1.0 - floor) / total).add_(cache["target_cdf"], alpha=floor)
+        cache.update(version=self._version, total=total, cdf=cdf)
+        return cache
+
+    def _probs_at(self, idx: torch.Tensor) -> torch.Tensor:
+        c = self._distribution()
+        target = c["target"][idx]
+        return ((1.0 - self.uniform_floor) / c["total"]) * self._raw[idx] * target + self.uniform_floor * target
+
+    def probabilities(self, step: int) -> torch.Tensor:
+        """The current sampling distribution (float64, sums to 1; excluded samples 0)."""
+        self.flush()
+        return self._probs_at(torch.arange(self.num_samples))
+
+    def entropy(self) -> float:
+        """Entropy (nats) of the distribution of the last draw (no flush); ``log(N)`` is uniform. O(N)."""
+        return spectral.entropy(self._probs_at(torch.arange(self.num_samples)))
+
+    def global_batch(self, step: int, size: int) -> torch.Tensor:
+        """The ``size`` indices of step ``step`` (with replacement): inverse-CDF draws from the step's generator."""
+        if self.num_samples == 0:
+            raise RuntimeError("FourierSampler.setup() was not called")
+        self.flush()
+        if self.require_updates and self.updates == 0 and step >= 2:
+            raise RuntimeError(
+                f"FourierSampler is drawing step {step} but never received a training update: add the callback "
+                "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
+                "or set require_updates=False to sample from the prior"
+            )
+        cdf = self._distribution()["cdf"]
+        u = torch.rand(size, generator=step_generator(self.seed, step), dtype=torch.float64)
+        idx = torch.searchsorted(cdf, u * cdf[-1], right=True)
+        return idx.clamp_(max=self.num_samples - 1)
+
+    def loss_weights(self, shard_indices: torch.Tensor) -> torch.Tensor | None:
+        """``1/(N p_i)`` (``target_i / p_i`` under a mixture prior) for the drawn samples, or None when off."""
+        if not self.importance_weights:
+            return None
+        idx = torch.as_tensor(shard_indices, dtype=torch.long)
+        return (self._distribution()["target"][idx] / self._probs_at(idx)).float()
+
+    def exclude(self, indices) -> None:
+        super().exclude(indices)
+        self._touch(target=True)
+
+    def _touch(self, target: bool = False, raw: bool = False) -> None:
+        """Invalidate the cached distribution (and the target distribution / all raw importances)."""
+        self._version += 1
+        if target:
+            self._target_version += 1
+        if raw:
+            self._elem = None
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def bytes_per_sample(self) -> dict:
+        """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
+        profile fp16 x bands, excluded bool) and the derived caches (float64 importance, target, target CDF,
+        weighted, CDF), from the tensors actually held (after setup and the first update)."""
+        n = max(self.num_samples, 1)
+        table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
+        cache = [self._elem] + ([self._raw] if self._raw is not self._elem else [])
+        cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None) / n  # noqa: E731
+        return {"table": size(table), "cache": size(cache), "total": size(table) + size(cache)}
+
+    def state_dict(self) -> dict:
+        self.flush()
+        state = super().state_dict()
+        state.update(
+            m1=self.m1.clone(), m2=self.m2.clone(), visits=self.visits.clone(), profile=self.profile.clone(),
+            updates=int(self.updates), last_step=int(self.last_step), seq_len=int(self.seq_len),
+            max_freq=int(self.max_freq or 0), num_bands=int(self.num_bands or 0), fine_bands=int(self.fine_bands),
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for key in ("m1", "m2", "visits", "profile"):
+            if key not in state:
+                raise KeyError(f"FourierSampler state lacks {key!r} (was it saved by another sampler?)")
+            if state[key].shape[0] != self.num_samples:
+                raise ValueError(
+                    f"FourierSampler state {key!r} covers {state[key].shape[0]} samples but the dataset has "
+                    f"{self.num_samples}: the checkpoint belongs to another corpus or block_size"
+                )
+        self._pending = None
+        self.m1 = state["m1"].float().clone()
+        self.m2 = state["m2"].float().clone()
+        self.visits = state["visits"].int().clone()
+        self.updates, self.last_step = int(state["updates"]), int(state["last_step"])
+        self.seq_len, self.fine_bands = 0, 0
+        if int(state["seq_len"]):
+            self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
+            self._bind_length(int(state["seq_len"]))
+            if state["profile"].shape[1] != self.fine_bands:
+                raise ValueError(
+                    f"FourierSampler state 'profile' has {state['profile'].shape[1]} bands, this configuration "
+                    f"uses {self.fine_bands} (stages/stage_table/num_bands changed since the checkpoint)"
+                )
+            self.profile = state["profile"].half().clone()
+        self._touch(target=True, raw=True)
+
+
+def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> torch.Tensor:
+    """One uint8 record per sample: int64 index | fp32 score | fp16 band profile (12 + 2F bytes)."""
+    B = index.numel()
+    parts = [
+        index.contiguous().view(torch.uint8).reshape(B, 8),
+        score.float().contiguous().view(torch.uint8).reshape(B, 4),
+        profile.half().contiguous().view(torch.uint8).reshape(B, -1),
+    ]
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(records: torch.Tensor, fine_bands: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index = records[:, :8].contiguous().view(torch.int64).reshape(-1)
+    score = records[:, 8:12].contiguous().view(torch.float32).reshape(-1)
+    profile = records[:, 12:].contiguous().view(torch.float16).reshape(-1, fine_bands)
+    return index, score, profile
