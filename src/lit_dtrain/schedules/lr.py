@@ -1,56 +1,229 @@
 """Pure LR-factor functions of the step, and ``LambdaLR`` adapters over them.
 
-A factor multiplies each param group's base LR. Schedules are pure functions (as in torchtitan) so the
-scheduler, callbacks and tests all use one definition.
+A factor multiplies each param group's base (peak) LR. Schedules are pure functions of the optimizer step
+(as in torchtitan's ``linear_warmup_stable_decay``), so the ``LRScheduler``, the
+:class:`~lit_dtrain.callbacks.WSDScheduler` callback and the tests all share one definition. Step ``s``
+is the 0-based index of the optimizer step the factor is used for: ``LambdaLR`` evaluates it at
+``last_epoch = s``, the callback at ``trainer.global_step = s``.
+
+WSD (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; Hägele et al. 2024 "Scaling Laws and Compute-Optimal
+Training Beyond Fixed Training Durations") holds the peak LR until a short final decay, so one stable
+run can branch into decays at any step, or be extended.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-
-def _check_non_negative(**values: float) -> None:
-    for name, value in values.items():
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
 
 
-def _check_min_factor(min_lr_factor: float) -> None:
-    if not 0.0 <= min_lr_factor <= 1.0:
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_min_factor(min_lr_factor: float) -> float:
+    if isinstance(min_lr_factor, bool) or not isinstance(min_lr_factor, numbers.Real):
+        raise ValueError(f"min_lr_factor must be a number in [0, 1], got {min_lr_factor!r}")
+    if not 0.0 <= min_lr_factor <= 1.0:  # also rejects NaN
         raise ValueError(f"min_lr_factor must be in [0, 1], got {min_lr_factor}")
+    return float(min_lr_factor)
+
+
+def _warmup_factor(step: int, warmup_steps: int) -> float:
+    return (step + 1) / warmup_steps
+
+
+def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_fraction: float | None = None) -> int:
+    """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given.
+
+    ``round`` is Python's (round half to even), as the WSD definition states.
+    """
+    total_steps = _check_int("total_steps", total_steps, minimum=1)
+    if (decay_steps is None) == (decay_fraction is None):
+        raise ValueError(
+            f"give exactly one of decay_steps and decay_fraction, got decay_steps={decay_steps!r}, "
+            f"decay_fraction={decay_fraction!r} (with conf/scheduler/wsd.yaml, set scheduler.decay_fraction=null "
+            f"when you set scheduler.decay_steps)"
+        )
+    if decay_fraction is not None:
+        if isinstance(decay_fraction, bool) or not isinstance(decay_fraction, numbers.Real):
+            raise ValueError(f"decay_fraction must be a number in [0, 1], got {decay_fraction!r}")
+        if not 0.0 <= decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in [0, 1], got {decay_fraction}")
+        return round(decay_fraction * total_steps)
+    return _check_int("decay_steps", decay_steps)
+
+
+def check_wsd_args(
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    decay_type: str = "1-sqrt",
+    min_lr_factor: float = 0.0,
+    decay_fraction: float | None = None,
+) -> int:
+    """Validate WSD arguments (``ValueError`` naming the argument); returns the resolved ``decay_steps``."""
+    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
+    warmup_steps = _check_int("warmup_steps", warmup_steps)
+    m = _check_min_factor(min_lr_factor)
+    if decay_type not in DECAY_TYPES:
+        raise ValueError(f"decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
+    if decay_type == "exponential" and m <= 0.0:
+        raise ValueError(f"min_lr_factor must be > 0 for decay_type='exponential' (m ** p), got {min_lr_factor}")
+    if warmup_steps + decay_steps > total_steps:
+        raise ValueError(
+            f"warmup_steps + decay_steps must be <= total_steps, got warmup_steps={warmup_steps} + "
+            f"decay_steps={decay_steps} > total_steps={total_steps}"
+        )
+    return decay_steps
+
+
+def wsd_lr_factor(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    decay_type: str = "1-sqrt",
+    min_lr_factor: float = 0.0,
+    decay_fraction: float | None = None,
+) -> float:
+    """Warmup-stable-decay LR factor of optimizer step ``step`` (0-based).
+
+    - warmup, ``step < warmup_steps``: ``(step + 1) / warmup_steps``;
+    - stable, ``warmup_steps <= step < total_steps - decay_steps``: ``1.0``;
+    - decay, ``total_steps - decay_steps <= step < total_steps``: with
+      ``p = (step - (total_steps - decay_steps) + 1) / decay_steps`` in (0, 1] and ``m = min_lr_factor``,
+      ``linear``: ``1 - p*(1 - m)``, ``cosine``: ``m + (1 - m)*0.5*(1 + cos(pi*p))``,
+      ``1-sqrt``: ``m + (1 - m)*(1 - sqrt(p))``, ``exponential``: ``m ** p`` (needs ``m > 0``);
+      the last step (``p = 1``) gets exactly ``m``;
+    - after, ``step >= total_steps``: ``m``.
+
+    Give ``decay_steps`` or ``decay_fraction`` (``decay_steps = round(decay_fraction * total_steps)``).
+    Raises ``ValueError`` naming the argument for negative values, ``min_lr_factor`` outside [0, 1],
+    ``warmup_steps + decay_steps > total_steps``, an unknown ``decay_type``.
+    """
+    decay_steps = check_wsd_args(
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+        decay_fraction=decay_fraction,
+    )
+    step = _check_int("step", step)
+    m = float(min_lr_factor)
+    if step < warmup_steps:
+        return _warmup_factor(step, warmup_steps)
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    if step >= total_steps:
+        return m
+    p = (step - decay_start + 1) / decay_steps  # in (0, 1]
+    if decay_type == "linear":
+        value = m + (1.0 - m) * (1.0 - p)  # = 1 - p*(1 - m), written so that p = 1 gives exactly m
+    elif decay_type == "cosine":
+        value = m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
+    elif decay_type == "1-sqrt":
+        value = m + (1.0 - m) * (1.0 - math.sqrt(p))
+    else:  # exponential
+        value = m**p
+    return min(1.0, max(m, value))  # guard against a last-ulp excursion outside [m, 1]
+
+
+def cosine_lr_factor(step: int, *, total_steps: int, warmup_steps: int = 0, min_lr_factor: float = 0.1) -> float:
+    """Linear warmup ((step + 1) / warmup_steps), then a cosine from 1 down to ``min_lr_factor`` on the last step.
+
+    This is WSD with no stable phase: ``decay_steps = total_steps - warmup_steps``, ``decay_type='cosine'``.
+    """
+    total_steps = _check_int("total_steps", total_steps, minimum=1)
+    warmup_steps = _check_int("warmup_steps", warmup_steps)
+    if warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps must be <= total_steps, got warmup_steps={warmup_steps} > {total_steps}")
+    return wsd_lr_factor(
+        step,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        decay_steps=total_steps - warmup_steps,
+        decay_type="cosine",
+        min_lr_factor=min_lr_factor,
+    )
 
 
 def constant_lr_factor(step: int, *, warmup_steps: int = 0) -> float:
     """1.0 after an optional linear warmup of ``warmup_steps`` ((step + 1) / warmup_steps)."""
-    _check_non_negative(step=step, warmup_steps=warmup_steps)
+    warmup_steps = _check_int("warmup_steps", warmup_steps)
+    step = _check_int("step", step)
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return _warmup_factor(step, warmup_steps)
     return 1.0
 
 
-def cosine_lr_factor(step: int, *, total_steps: int, warmup_steps: int = 0, min_lr_factor: float = 0.1) -> float:
-    """Linear warmup, then a cosine from 1 down to ``min_lr_factor`` reached on the last step."""
-    _check_non_negative(step=step, total_steps=total_steps, warmup_steps=warmup_steps)
-    _check_min_factor(min_lr_factor)
-    if warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps ({warmup_steps}) must be <= total_steps ({total_steps})")
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if step >= total_steps:
-        return min_lr_factor
-    decay_steps = total_steps - warmup_steps
-    p = (step - warmup_steps + 1) / decay_steps
-    return min_lr_factor + (1 - min_lr_factor) * 0.5 * (1 + math.cos(math.pi * p))
+class StepLambdaLR(LambdaLR):
+    """``LambdaLR`` that re-applies its factor when a checkpoint is loaded.
+
+    Plain ``LambdaLR.load_state_dict`` restores ``last_epoch`` but leaves each group's LR at the value
+    the *old* schedule set before saving, so the first step after a resume with a changed schedule (a
+    WSD decay branch, an extended ``total_steps``) would run at the old LR. Lightning restores the
+    optimizer before the scheduler, so setting the LR here makes the first resumed step use the new
+    schedule's ``factor(last_epoch)``. The state stays a plain dict (``functools.partial`` lambdas are
+    saved as their empty ``__dict__``), so the schedule's arguments always come from the config.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        values = [base_lr * fn(self.last_epoch) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = list(values)
 
 
-def lambda_scheduler(optimizer: Optimizer, factor_fn, **kwargs) -> LambdaLR:
-    """A ``LambdaLR`` stepping once per optimizer step with ``factor_fn(step, **kwargs)``."""
+def lambda_scheduler(optimizer: Optimizer, factor_fn, **kwargs) -> StepLambdaLR:
+    """A :class:`StepLambdaLR` stepping once per optimizer step with ``factor_fn(step, **kwargs)``."""
     factor_fn(0, **kwargs)  # validate arguments now, not at the first step
-    return LambdaLR(optimizer, partial(factor_fn, **kwargs))
+    return StepLambdaLR(optimizer, partial(factor_fn, **kwargs))
+
+
+def wsd_scheduler(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    decay_fraction: float | None = None,
+    decay_type: str = "1-sqrt",
+    min_lr_factor: float = 0.0,
+) -> StepLambdaLR:
+    """``LambdaLR`` over :func:`wsd_lr_factor` (give ``decay_steps`` or ``decay_fraction``)."""
+    decay_steps = check_wsd_args(
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+        decay_fraction=decay_fraction,
+    )
+    return lambda_scheduler(
+        optimizer,
+        wsd_lr_factor,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+    )
 
 
 def cosine_scheduler(optimizer: Optimizer, *, total_steps: int, warmup_steps: int = 0, min_lr_factor: float = 0.1):

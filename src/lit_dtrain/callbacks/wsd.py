@@ -1,0 +1,143 @@
+"""``WSDScheduler``: the warmup-stable-decay schedule as a plug-in callback for any LightningModule.
+
+It sets ``lr = base_lr * wsd_lr_factor(global_step)`` on every param group of every optimizer of the
+trainer, so another project gets WSD without touching its ``configure_optimizers``. The factor is the
+same pure function :func:`lit_dtrain.schedules.wsd_lr_factor` that ``conf/scheduler/wsd.yaml`` hands to
+``LambdaLR``, and the LR sequence is identical to the scheduler's.
+
+The base (peak) LRs are read from the optimizers at the start of the first fit and kept in the
+callback's state, so a resume (whose restored optimizer holds an already-scaled LR) continues with the
+right peak; the schedule's arguments come from the constructor, so resuming with a larger
+``total_steps`` extends the run and a new ``decay_steps`` starts a decay branch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+from typing_extensions import override
+
+from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
+
+log = logging.getLogger(__name__)
+
+
+class WSDScheduler(L.Callback):
+    """Warmup-stable-decay LR for every optimizer of the trainer (no ``LRScheduler`` needed).
+
+    Args:
+        total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``.
+        warmup_steps: linear warmup steps, factor ``(step + 1) / warmup_steps``.
+        decay_steps: decay length in steps (or give ``decay_fraction``).
+        decay_fraction: decay over ``round(decay_fraction * total_steps)`` steps.
+        decay_type: ``linear`` | ``cosine`` | ``1-sqrt`` | ``exponential``.
+        min_lr_factor: final LR as a fraction of the peak.
+
+    The LR for step ``s`` is set after step ``s - 1`` ends (``on_train_batch_end``, so that
+    ``LearningRateMonitor`` logs the LR actually used at step ``s`` whatever the callback order) and
+    again right before step ``s`` (``on_train_batch_start``, idempotent), and at ``on_train_start`` for
+    the first step of a fit or a resume. With gradient accumulation every micro-batch of one optimizer
+    step sees the same ``global_step`` and so the same LR.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        warmup_steps: int = 0,
+        decay_steps: int | None = None,
+        decay_fraction: float | None = None,
+        decay_type: str = "1-sqrt",
+        min_lr_factor: float = 0.0,
+    ) -> None:
+        self.decay_steps = check_wsd_args(
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+            decay_type=decay_type,
+            min_lr_factor=min_lr_factor,
+            decay_fraction=decay_fraction,
+        )
+        self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
+        self.decay_type, self.min_lr_factor = str(decay_type), float(min_lr_factor)
+        self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
+        self.last_step: int = -1  # the step whose LR was set last
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's factor for optimizer step ``step``."""
+        return wsd_lr_factor(
+            step,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            decay_type=self.decay_type,
+            min_lr_factor=self.min_lr_factor,
+        )
+
+    def _apply(self, trainer: L.Trainer, step: int) -> None:
+        optimizers = trainer.optimizers
+        if self.base_lrs is None:
+            raise RuntimeError("WSDScheduler: base LRs are unknown; on_train_start did not run")
+        if [len(o.param_groups) for o in optimizers] != [len(b) for b in self.base_lrs]:
+            raise RuntimeError(
+                f"WSDScheduler: the optimizers' param groups {[len(o.param_groups) for o in optimizers]} do not "
+                f"match the restored base_lrs {[len(b) for b in self.base_lrs]}"
+            )
+        factor = self.lr_factor(step)
+        for optimizer, base_lrs in zip(optimizers, self.base_lrs):
+            for group, base_lr in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = base_lr * factor
+        self.last_step = step
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.optimizers:
+            raise RuntimeError("WSDScheduler needs an optimizer; configure_optimizers returned none")
+        if trainer.lr_scheduler_configs:
+            names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
+            raise RuntimeError(
+                f"WSDScheduler sets the LR itself, but the LightningModule also configures LR scheduler(s) {names}; "
+                f"use one of them (with lit_dtrain's trainer: scheduler=null 'callbacks=[default,wsd]')"
+            )
+        if self.base_lrs is None:  # a fresh fit: the configured LRs are the peaks
+            self.base_lrs = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
+        step = trainer.global_step
+        if step >= self.total_steps:
+            log.warning("WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor",
+                        step, self.total_steps)
+        self._apply(trainer, step)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._apply(trainer, trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._apply(trainer, trainer.global_step)  # global_step already counts the step that just ended
+
+    @override
+    def state_dict(self) -> dict:
+        return {
+            "base_lrs": [list(b) for b in self.base_lrs] if self.base_lrs is not None else None,
+            "last_step": self.last_step,
+            "total_steps": self.total_steps,  # for information: the constructor's arguments always win
+            "warmup_steps": self.warmup_steps,
+            "decay_steps": self.decay_steps,
+            "decay_type": self.decay_type,
+            "min_lr_factor": self.min_lr_factor,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "base_lrs" not in state_dict:
+            raise KeyError(f"WSDScheduler state has no 'base_lrs'; got keys {sorted(state_dict)}")
+        base = state_dict["base_lrs"]
+        self.base_lrs = [[float(x) for x in b] for b in base] if base is not None else None
+        self.last_step = int(state_dict.get("last_step", -1))
+        changed = {
+            k: (state_dict[k], getattr(self, k))
+            for k in ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
+            if k in state_dict and state_dict[k] != getattr(self, k)
+        }
+        if changed:
+            log.info("WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)

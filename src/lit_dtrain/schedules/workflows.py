@@ -1,0 +1,156 @@
+"""WSD's workflows on top of ``train(cfg)``: decay branches, extension, continual pre-training.
+
+- **Decay branch** (``decay_branch.ckpt=PATH decay_branch.steps=N``): resume everything from a
+  stable-phase checkpoint at step ``S`` (weights, optimizer, data position, step) and run only a decay of
+  ``N`` steps into a new run dir: ``trainer.max_steps = S + N``, and the WSD schedule gets
+  ``total_steps = S + N``, ``decay_steps = N``. The branch's first step ``S`` runs at the first decay value
+  (:class:`~lit_dtrain.schedules.StepLambdaLR` re-applies the new schedule on load). The checkpoint is
+  only read, so the original run is not disturbed.
+- **Extend**: no helper needed: ``ckpt_path=PATH trainer.max_steps=LARGER`` (WSD's ``total_steps`` follows
+  ``trainer.max_steps``); the restored step skips the warmup.
+- **Continual pre-training** (``init_from=PATH``): load only the model weights of a checkpoint; optimizer,
+  schedule (with its re-warmup), step and data position start fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, open_dict
+
+from lit_dtrain.checkpoint import safe_torch_load
+
+log = logging.getLogger(__name__)
+
+WSD_TARGETS = ("lit_dtrain.schedules.wsd_scheduler", "lit_dtrain.schedules.lr.wsd_scheduler")
+WSD_CALLBACK_TARGETS = ("lit_dtrain.callbacks.WSDScheduler", "lit_dtrain.callbacks.wsd.WSDScheduler")
+
+
+def _config_error(message: str) -> Exception:
+    from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
+
+    return ConfigError(message)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The ``global_step`` stored in a Lightning checkpoint file."""
+    ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    if "global_step" not in ckpt:
+        raise _config_error(f"checkpoint {str(path)!r} has no 'global_step'; is it a Lightning checkpoint?")
+    return int(ckpt["global_step"])
+
+
+def _wsd_nodes(cfg: DictConfig) -> list:
+    """The config nodes that carry a WSD schedule: ``scheduler`` and/or a ``WSDScheduler`` callback."""
+    nodes = []
+    sched = cfg.get("scheduler")
+    if sched is not None and sched.get("_target_") in WSD_TARGETS:
+        nodes.append(sched)
+    for node in (cfg.get("callbacks") or {}).values():
+        if node is not None and node.get("_target_") in WSD_CALLBACK_TARGETS:
+            nodes.append(node)
+    return nodes
+
+
+def apply_decay_branch(cfg: DictConfig) -> int | None:
+    """Turn ``decay_branch.{ckpt,steps}`` into the resume and schedule keys; returns the branch step ``S``.
+
+    Sets ``ckpt_path`` (unless ``resume=auto`` finds this branch's own ``last.ckpt``: an interrupted
+    branch resumes itself), ``trainer.max_steps = S + N`` and, on the WSD scheduler or callback,
+    ``total_steps = S + N``, ``decay_steps = N``, ``decay_fraction = null``. Raises ``ConfigError`` naming
+    the key for a missing file, a branch inside the warmup, a branch into the source run's own dir, a
+    non-WSD schedule, or ``ckpt_path`` set as well.
+    """
+    branch = cfg.get("decay_branch")
+    if branch is None or (branch.get("ckpt") is None and branch.get("steps") is None):
+        return None
+    if branch.get("ckpt") is None or branch.get("steps") is None:
+        raise _config_error(
+            f"decay_branch needs both ckpt and steps, got ckpt={branch.get('ckpt')!r}, steps={branch.get('steps')!r}"
+        )
+    src = Path(str(branch.ckpt)).expanduser()
+    if not src.is_file():
+        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} does not exist")
+    steps = branch.steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise _config_error(f"decay_branch.steps must be a positive integer, got {steps!r}")
+    if cfg.get("ckpt_path"):
+        raise _config_error("set either decay_branch.ckpt or ckpt_path, not both (the branch resumes its ckpt)")
+    if cfg.get("init_from"):
+        raise _config_error("set either decay_branch.ckpt or init_from, not both")
+    out_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
+    if out_dir == src.resolve().parent or out_dir in src.resolve().parents:
+        raise _config_error(
+            f"decay_branch.ckpt={str(src)!r} lies inside this run's dir {str(out_dir)!r}; give the branch its own "
+            "run_name so that the original run is not disturbed"
+        )
+    nodes = _wsd_nodes(cfg)
+    if not nodes:
+        raise _config_error(
+            "decay_branch needs the WSD schedule: scheduler=wsd (the default), "
+            "or scheduler=null 'callbacks=[default,wsd]'"
+        )
+    start = checkpoint_step(src)
+    total = start + steps
+    for node in nodes:
+        warmup = int(node.get("warmup_steps") or 0)
+        if start < warmup:
+            raise _config_error(
+                f"decay_branch.ckpt is at step {start}, inside the warmup (warmup_steps={warmup}); "
+                "branch from a stable-phase checkpoint"
+            )
+        with open_dict(node):
+            node.total_steps = total
+            node.decay_steps = steps
+            node.decay_fraction = None
+    own_last = Path(str(cfg.paths.checkpoint_dir)) / "last.ckpt"
+    with open_dict(cfg):
+        cfg.trainer.max_steps = total
+        if cfg.get("resume") == "auto" and own_last.is_file():
+            log.info("decay_branch: resuming this branch's own %s", own_last)
+        else:
+            cfg.ckpt_path = str(src)
+            cfg.resume = None
+    log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
+    return start
+
+
+def check_init_from(cfg: DictConfig) -> None:
+    """Reject ``init_from`` combined with ``ckpt_path`` (a full resume) or a missing file."""
+    path = cfg.get("init_from")
+    if not path:
+        return
+    if not Path(str(path)).expanduser().is_file():
+        raise _config_error(f"init_from={str(path)!r} does not exist")
+    if cfg.get("ckpt_path"):
+        raise _config_error(
+            "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
+        )
+
+
+def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "model.") -> list[str]:
+    """Load only the model weights from a Lightning checkpoint of :class:`~lit_dtrain.module.LitLLM`.
+
+    Takes the ``state_dict`` entries under ``prefix`` (LitLLM keeps the model at ``self.model``), drops a
+    ``torch.compile`` ``_orig_mod.`` segment, and loads them strictly; returns the loaded keys. The
+    optimizer, scheduler, step and data position of the checkpoint are ignored.
+    """
+    ckpt = safe_torch_load(Path(str(path)).expanduser())
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if state is None:
+        raise _config_error(f"init_from={str(path)!r} has no 'state_dict'; is it a Lightning checkpoint?")
+    weights = {k[len(prefix):].replace("_orig_mod.", ""): v for k, v in state.items() if k.startswith(prefix)}
+    if not weights:
+        raise _config_error(f"init_from={str(path)!r} has no weights under {prefix!r}; keys: {sorted(state)[:5]}")
+    target = getattr(model, "_orig_mod", model)
+    try:
+        target.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise _config_error(
+            f"init_from={str(path)!r} does not fit the configured model (set model.* to the checkpoint's shape): "
+            f"{str(e).splitlines()[0]} {str(e)[:600]}"
+        ) from e
+    log.info("init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)", len(weights), path)
+    return sorted(weights)

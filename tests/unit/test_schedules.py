@@ -1,0 +1,244 @@
+"""LR schedules: exact factors at every phase boundary, LambdaLR adapters, resume/branch/extend, bad args."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lit_dtrain.schedules import (
+    DECAY_TYPES,
+    constant_lr_factor,
+    constant_scheduler,
+    cosine_lr_factor,
+    cosine_scheduler,
+    resolve_decay_steps,
+    wsd_lr_factor,
+    wsd_scheduler,
+)
+
+# total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.1:
+#   warmup 0..1, stable 2..5, decay 6..9 with p = 1/4, 2/4, 3/4, 1, after 10..
+# Decay values computed by hand (m = 0.1):
+#   linear      1 - p*0.9                  -> 0.775, 0.55, 0.325, 0.1
+#   cosine      0.1 + 0.45*(1 + cos(pi p)) -> 0.1 + 0.45*1.70710678, 0.55, 0.1 + 0.45*0.29289322, 0.1
+#   1-sqrt      0.1 + 0.9*(1 - sqrt(p))    -> 0.55, 0.1 + 0.9*0.29289322, 0.1 + 0.9*0.13397460, 0.1
+#   exponential 0.1 ** p                   -> 0.56234133, 0.31622777, 0.17782794, 0.1
+HAND = {
+    "linear": [0.775, 0.55, 0.325, 0.1],
+    "cosine": [0.86819805, 0.55, 0.23180195, 0.1],
+    "1-sqrt": [0.55, 0.36360390, 0.22057714, 0.1],
+    "exponential": [0.56234133, 0.31622777, 0.17782794, 0.1],
+}
+ARGS = dict(total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.1)
+
+
+@pytest.mark.parametrize("decay_type", DECAY_TYPES)
+def test_wsd_exact_values_at_every_phase_boundary(decay_type):
+    f = [wsd_lr_factor(s, decay_type=decay_type, **ARGS) for s in range(13)]
+    assert f[0] == 0.5 and f[1] == 1.0  # warmup: (step + 1) / warmup_steps, ends at exactly 1
+    assert f[2:6] == [1.0] * 4  # stable: first (2) and last (5) stable step
+    assert f[6:10] == pytest.approx(HAND[decay_type], abs=1e-8)  # decay, first step p = 1/4
+    assert f[9] == 0.1  # the last step reaches min_lr_factor exactly
+    assert f[10:] == [0.1] * 3  # after the decay
+
+
+@pytest.mark.parametrize("decay_type", DECAY_TYPES)
+def test_wsd_min_lr_factor_reached_exactly_for_awkward_values(decay_type):
+    for m in (0.1, 0.3, 1 / 3, 0.7, 0.01):
+        assert wsd_lr_factor(99, total_steps=100, decay_steps=37, decay_type=decay_type, min_lr_factor=m) == m
+
+
+def test_wsd_to_zero_and_degenerate_phases():
+    # min_lr_factor 0 (the default), no warmup: step 0 is already stable
+    assert wsd_lr_factor(0, total_steps=10, decay_steps=5) == 1.0
+    assert wsd_lr_factor(9, total_steps=10, decay_steps=5) == 0.0
+    assert wsd_lr_factor(5, total_steps=10, decay_steps=5, decay_type="linear") == pytest.approx(0.8)
+    # no decay: stable through the last step, min_lr_factor after it
+    seq = [wsd_lr_factor(s, total_steps=4, decay_steps=0, min_lr_factor=0.2) for s in range(6)]
+    assert seq == [1, 1, 1, 1, 0.2, 0.2]
+    # no stable phase: warmup then straight into the decay
+    seq = [wsd_lr_factor(s, total_steps=4, warmup_steps=2, decay_steps=2, decay_type="linear") for s in range(4)]
+    assert seq == pytest.approx([0.5, 1.0, 0.5, 0.0])
+    # decay over the whole run: the first step is already p = 1/total
+    assert wsd_lr_factor(0, total_steps=4, decay_steps=4, decay_type="linear") == pytest.approx(0.75)
+
+
+def test_decay_fraction_rounds_like_python():
+    assert resolve_decay_steps(10, decay_fraction=0.4) == 4
+    assert resolve_decay_steps(5, decay_fraction=0.5) == 2  # round(2.5) == 2 (half to even)
+    assert resolve_decay_steps(1000, decay_fraction=0.2) == 200
+    a = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_fraction=0.4, min_lr_factor=0.1) for s in range(11)]
+    b = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.1) for s in range(11)]
+    assert a == b
+
+
+def test_cosine_exact_values():
+    # total 10, warmup 2, m 0.1: the cosine decays over steps 2..9, p = (step - 1) / 8
+    f = [cosine_lr_factor(s, total_steps=10, warmup_steps=2, min_lr_factor=0.1) for s in range(12)]
+    assert f[:2] == [0.5, 1.0]
+    assert f[2] == pytest.approx(0.1 + 0.45 * (1 + 0.92387953), abs=1e-8)  # cos(pi/8) = 0.92387953
+    assert f[5] == pytest.approx(0.55, abs=1e-12)  # p = 1/2
+    assert f[9] == 0.1 and f[10:] == [0.1, 0.1]
+    # it is WSD with decay_steps = total - warmup and a cosine decay: one definition
+    assert f == [wsd_lr_factor(s, decay_type="cosine", **{**ARGS, "decay_steps": 8}) for s in range(12)]
+    assert cosine_lr_factor(0, total_steps=4) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+
+
+def test_constant_exact_values():
+    assert [constant_lr_factor(s, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert constant_lr_factor(0) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(step=-1), "step"),
+        (dict(step=1.5), "step"),
+        (dict(total_steps=0), "total_steps"),
+        (dict(total_steps=-5), "total_steps"),
+        (dict(total_steps=10.0), "total_steps"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(decay_steps=-1), "decay_steps"),
+        (dict(warmup_steps=7, decay_steps=4), "warmup_steps \\+ decay_steps"),
+        (dict(decay_steps=11), "warmup_steps \\+ decay_steps"),
+        (dict(min_lr_factor=-0.1), "min_lr_factor"),
+        (dict(min_lr_factor=1.5), "min_lr_factor"),
+        (dict(min_lr_factor=float("nan")), "min_lr_factor"),
+        (dict(decay_type="sqrt"), "decay_type"),
+        (dict(decay_type="exponential", min_lr_factor=0.0), "min_lr_factor"),
+        (dict(decay_steps=None, decay_fraction=-0.1), "decay_fraction"),
+        (dict(decay_steps=None, decay_fraction=1.5), "decay_fraction"),
+        (dict(decay_fraction=0.2), "exactly one of decay_steps and decay_fraction"),
+        (dict(decay_steps=None), "exactly one of decay_steps and decay_fraction"),
+        (dict(decay_steps=None, decay_fraction=0.9, warmup_steps=2), "warmup_steps \\+ decay_steps"),
+    ],
+)
+def test_wsd_invalid_arguments_raise_naming_the_argument(kwargs, match):
+    args = dict(step=0, total_steps=10, warmup_steps=0, decay_steps=2, decay_type="1-sqrt", min_lr_factor=0.1)
+    args.update(kwargs)
+    step = args.pop("step")
+    with pytest.raises(ValueError, match=match):
+        wsd_lr_factor(step, **args)
+    if kwargs.keys() != {"step"}:  # the adapter validates at construction, not at the first step
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        with pytest.raises(ValueError, match=match):
+            wsd_scheduler(opt, **args)
+
+
+@pytest.mark.parametrize(
+    "fn, kwargs, match",
+    [
+        (cosine_lr_factor, dict(total_steps=0), "total_steps"),
+        (cosine_lr_factor, dict(total_steps=5, warmup_steps=6), "warmup_steps"),
+        (cosine_lr_factor, dict(total_steps=5, warmup_steps=-1), "warmup_steps"),
+        (cosine_lr_factor, dict(total_steps=5, min_lr_factor=2.0), "min_lr_factor"),
+        (constant_lr_factor, dict(warmup_steps=-3), "warmup_steps"),
+    ],
+)
+def test_cosine_and_constant_invalid_arguments(fn, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fn(0, **kwargs)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        fn(-1, **({"total_steps": 5} if fn is cosine_lr_factor else {}))
+
+
+def _lrs(scheduler, optimizer, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _opt(lr: float = 2.0):
+    return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+
+
+@pytest.mark.parametrize("decay_type", DECAY_TYPES)
+def test_scheduler_lr_is_base_times_factor_at_every_step(decay_type):
+    opt = _opt(2.0)
+    sched = wsd_scheduler(opt, decay_type=decay_type, **ARGS)
+    assert _lrs(sched, opt, 12) == [2.0 * wsd_lr_factor(s, decay_type=decay_type, **ARGS) for s in range(12)]
+    opt = _opt(2.0)
+    sched = cosine_scheduler(opt, total_steps=10, warmup_steps=2)
+    assert _lrs(sched, opt, 11) == [2.0 * cosine_lr_factor(s, total_steps=10, warmup_steps=2) for s in range(11)]
+    opt = _opt(2.0)
+    assert _lrs(constant_scheduler(opt, warmup_steps=2), opt, 3) == [1.0, 2.0, 2.0]
+
+
+def _resume(sched_kwargs: dict, old_opt, old_sched):
+    """A fresh optimizer + scheduler that load the old ones' state, in Lightning's order (optimizer first)."""
+    opt = _opt(2.0)
+    opt.load_state_dict(old_opt.state_dict())
+    sched = wsd_scheduler(opt, **sched_kwargs)
+    sched.load_state_dict(old_sched.state_dict())
+    return opt, sched
+
+
+@pytest.mark.parametrize("decay_type", DECAY_TYPES)
+def test_resume_mid_decay_continues_the_same_sequence(decay_type):
+    kw = dict(total_steps=20, warmup_steps=3, decay_steps=8, decay_type=decay_type, min_lr_factor=0.05)
+    opt = _opt()
+    straight = _lrs(wsd_scheduler(opt, **kw), opt, 20)
+    opt = _opt()
+    sched = wsd_scheduler(opt, **kw)
+    first = _lrs(sched, opt, 15)  # steps 0..14; the decay runs over 12..19
+    opt2, sched2 = _resume(kw, opt, sched)
+    assert first + _lrs(sched2, opt2, 5) == straight
+
+
+def test_branch_first_lr_is_the_first_decay_value():
+    # a stable run planned for 100 steps (decay 20), checkpointed at step 40 ...
+    opt = _opt(2.0)
+    sched = wsd_scheduler(opt, total_steps=100, warmup_steps=5, decay_steps=20)
+    assert _lrs(sched, opt, 40)[-1] == 2.0
+    # ... branches into a 10-step decay: total 50, decay 10. Step 40 has p = 1/10.
+    opt2, sched2 = _resume(dict(total_steps=50, warmup_steps=5, decay_steps=10), opt, sched)
+    branch = _lrs(sched2, opt2, 11)
+    assert branch[0] == pytest.approx(2.0 * (1 - 0.31622777), abs=1e-7)  # 1 - sqrt(1/10)
+    assert branch[9] == 0.0 and branch[10] == 0.0  # step 49 is the last decay step
+    assert sched2.last_epoch == 51
+
+
+def test_extend_keeps_the_peak_without_rewarmup():
+    opt = _opt(2.0)
+    sched = wsd_scheduler(opt, total_steps=100, warmup_steps=10, decay_fraction=0.2)
+    _lrs(sched, opt, 50)
+    opt2, sched2 = _resume(dict(total_steps=400, warmup_steps=10, decay_fraction=0.2), opt, sched)
+    assert _lrs(sched2, opt2, 300)[:1] == [2.0]  # step 50: still the peak, no warmup
+    assert opt2.param_groups[0]["lr"] == 2.0 * wsd_lr_factor(350, total_steps=400, warmup_steps=10, decay_steps=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    total=st.integers(1, 400),
+    warmup_share=st.floats(0, 1),
+    decay_share=st.floats(0, 1),
+    decay_type=st.sampled_from(DECAY_TYPES),
+    m=st.floats(0, 1),
+    data=st.data(),
+)
+def test_property_factor_within_bounds_and_monotone(total, warmup_share, decay_share, decay_type, m, data):
+    warmup = int(warmup_share * total)
+    decay = int(decay_share * (total - warmup))
+    if decay_type == "exponential" and m == 0.0:
+        m = 1e-3
+    kw = dict(total_steps=total, warmup_steps=warmup, decay_steps=decay, decay_type=decay_type, min_lr_factor=m)
+    step = data.draw(st.integers(0, total + 5))
+    f = wsd_lr_factor(step, **kw)
+    assert 0.0 < f <= 1.0 or (f == 0.0 and m == 0.0 and step >= total - decay)
+    if step >= warmup:
+        assert m <= f <= 1.0  # past the warmup the factor lies within [min_lr_factor, 1]
+        assert wsd_lr_factor(step + 1, **kw) <= f  # and never increases
+    else:
+        assert f == (step + 1) / warmup
+    if decay > 0:
+        assert wsd_lr_factor(total - 1, **kw) == m
+    assert wsd_lr_factor(total, **kw) == m
+    c = cosine_lr_factor(step, total_steps=total, warmup_steps=warmup, min_lr_factor=m)
+    assert (m <= c <= 1.0) if step >= warmup else c == (step + 1) / warmup

@@ -1,0 +1,155 @@
+"""WSDScheduler callback: same LR sequence as the LambdaLR scheduler, on any LightningModule; resume; branch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_dtrain.callbacks import WSDScheduler
+from lit_dtrain.schedules import DECAY_TYPES, wsd_lr_factor, wsd_scheduler
+
+BASE = (0.1, 0.05)  # two param groups with different peak LRs
+
+
+class Toy(L.LightningModule):
+    """A foreign LightningModule: two param groups, optionally its own LambdaLR."""
+
+    def __init__(self, schedule: dict | None = None) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)
+        self.schedule = schedule
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.a(x) + self.b(x) - y) ** 2).mean()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g)), 4)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(
+            [{"params": self.a.parameters(), "lr": BASE[0]}, {"params": self.b.parameters(), "lr": BASE[1]}]
+        )
+        if self.schedule is None:
+            return opt
+        sched = wsd_scheduler(opt, **self.schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class LRRecorder(L.Callback):
+    """Records each group's LR when a batch starts (placed first, before the WSD callback) and at the step."""
+
+    def __init__(self) -> None:
+        self.at_batch_start: list[tuple[int, list[float]]] = []
+        self.at_step: list[tuple[int, list[float]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.at_batch_start.append((trainer.global_step, [g["lr"] for g in trainer.optimizers[0].param_groups]))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.at_step.append((trainer.global_step, [g["lr"] for g in optimizer.param_groups]))
+
+
+def fit(module, callbacks, max_steps, ckpt_path=None, root: Path | None = None, accumulate=1) -> L.Trainer:
+    trainer = L.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accumulate_grad_batches=accumulate, default_root_dir=root,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def expected(steps, **kw) -> list[tuple[int, list[float]]]:
+    return [(s, [b * wsd_lr_factor(s, **kw) for b in BASE]) for s in steps]
+
+
+@pytest.mark.parametrize("decay_type", DECAY_TYPES)
+def test_callback_and_scheduler_give_identical_lr_sequences(decay_type):
+    kw = dict(total_steps=12, warmup_steps=3, decay_steps=5, decay_type=decay_type, min_lr_factor=0.1)
+    rec_sched, rec_cb = LRRecorder(), LRRecorder()
+    fit(Toy(schedule=kw), [rec_sched], max_steps=14)
+    fit(Toy(), [rec_cb, WSDScheduler(**kw)], max_steps=14)  # recorder first: order must not matter
+    assert rec_cb.at_step == rec_sched.at_step == expected(range(14), **kw)
+    # what a LearningRateMonitor sees at batch start is already the LR of that step
+    assert rec_cb.at_batch_start == rec_sched.at_batch_start == expected(range(14), **kw)
+
+
+def test_gradient_accumulation_uses_one_lr_per_optimizer_step():
+    kw = dict(total_steps=8, warmup_steps=2, decay_fraction=0.5)
+    rec_sched, rec_cb = LRRecorder(), LRRecorder()
+    fit(Toy(schedule=kw), [rec_sched], max_steps=8, accumulate=2)
+    fit(Toy(), [rec_cb, WSDScheduler(**kw)], max_steps=8, accumulate=2)
+    assert rec_cb.at_step == rec_sched.at_step == expected(range(8), total_steps=8, warmup_steps=2, decay_steps=4)
+    assert rec_cb.at_batch_start == rec_sched.at_batch_start  # micro-batches of one step share its LR
+    assert len(rec_cb.at_batch_start) == 16
+
+
+@pytest.mark.parametrize("decay_type", ["1-sqrt", "cosine"])
+def test_resume_mid_decay_continues_the_same_sequence(tmp_path, decay_type):
+    kw = dict(total_steps=14, warmup_steps=2, decay_steps=6, decay_type=decay_type)
+    straight = LRRecorder()
+    fit(Toy(), [straight, WSDScheduler(**kw)], max_steps=14)
+    first, cb = LRRecorder(), WSDScheduler(**kw)
+    trainer = fit(Toy(), [first, cb], max_steps=10, root=tmp_path)  # decay runs over steps 8..13
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=True)["callbacks"]  # plain state, loadable without code
+    assert state["WSDScheduler"]["base_lrs"] == [list(BASE)]
+    second = LRRecorder()
+    fit(Toy(), [second, WSDScheduler(**kw)], max_steps=14, ckpt_path=ckpt)
+    assert first.at_step + second.at_step == straight.at_step == expected(range(14), **kw)
+    # the restored optimizer held a decayed LR; the peak came from the callback's state, not from it
+    assert second.at_step[0] == (10, [b * wsd_lr_factor(10, **kw) for b in BASE])
+
+
+def test_decay_branch_first_lr_is_the_first_decay_value(tmp_path):
+    stable = dict(total_steps=100, warmup_steps=2, decay_fraction=0.2)
+    trainer = fit(Toy(), [WSDScheduler(**stable)], max_steps=6, root=tmp_path)
+    ckpt = tmp_path / "stable.ckpt"
+    trainer.save_checkpoint(ckpt)
+    branch, rec = WSDScheduler(total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.0), LRRecorder()
+    t2 = fit(Toy(), [rec, branch], max_steps=10, ckpt_path=ckpt)
+    assert t2.global_step == 10 and [s for s, _ in rec.at_step] == [6, 7, 8, 9]
+    first = rec.at_step[0][1]
+    assert first == pytest.approx([b * 0.5 for b in BASE], abs=1e-12)  # 1 - sqrt(1/4) = 0.5 on step 6
+    assert rec.at_step[-1][1] == [0.0, 0.0]
+
+
+def test_callback_refuses_a_module_that_has_its_own_scheduler():
+    kw = dict(total_steps=5, decay_steps=1)
+    with pytest.raises(RuntimeError, match="also configures LR scheduler"):
+        fit(Toy(schedule=kw), [WSDScheduler(**kw)], max_steps=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(total_steps=0, decay_steps=0), "total_steps"),
+        (dict(total_steps=10, decay_steps=11), "warmup_steps \\+ decay_steps"),
+        (dict(total_steps=10, warmup_steps=-1, decay_steps=1), "warmup_steps"),
+        (dict(total_steps=10, decay_steps=2, min_lr_factor=2.0), "min_lr_factor"),
+        (dict(total_steps=10, decay_steps=2, decay_type="step"), "decay_type"),
+        (dict(total_steps=10), "exactly one of decay_steps and decay_fraction"),
+    ],
+)
+def test_callback_invalid_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WSDScheduler(**kwargs)
+
+
+def test_callback_state_roundtrip_and_missing_key():
+    cb = WSDScheduler(total_steps=10, decay_steps=2)
+    cb.base_lrs, cb.last_step = [[0.3, 0.1]], 4
+    other = WSDScheduler(total_steps=20, decay_steps=4)
+    other.load_state_dict(cb.state_dict())
+    assert other.base_lrs == [[0.3, 0.1]] and other.last_step == 4
+    assert other.total_steps == 20  # the constructor's schedule wins (extend / branch)
+    with pytest.raises(KeyError, match="base_lrs"):
+        other.load_state_dict({"last_step": 3})
