@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.checkpoint import AtomicCheckpointIO
 from lit_dtrain.module import LitLLM, perplexity
+from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +107,16 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
+    apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
     check_config(cfg)
+    check_init_from(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model)
+    if cfg.get("init_from"):  # continual pre-training: weights only
+        load_model_weights(model, cfg.init_from)
     module = LitLLM(
         model,
         optimizer=instantiate(cfg.optimizer),
