@@ -153,7 +153,8 @@ def test_powersgd_is_exact_on_low_rank_matrices_and_counts_bytes():
     for s in SEGMENTS:
         if len(s.shape) >= 2:
             n, m = s.shape[0], s.numel // s.shape[0]
-            x[s.offset : s.offset + s.numel] = (torch.randn(n, 2, generator=g) @ torch.randn(2, m, generator=g)).view(-1)
+            low_rank = torch.randn(n, 2, generator=g) @ torch.randn(2, m, generator=g)
+            x[s.offset : s.offset + s.numel] = low_rank.view(-1)
         else:
             x[s.offset : s.offset + s.numel] = torch.randn(s.numel, generator=g)
     c = PowerSGD(matrix_approximation_rank=2, error_feedback=False, warm_start=False)

@@ -283,3 +283,10 @@ def compressed_comm_hook(session: CommSession, bucket: dist.GradBucket) -> torch
         return completed_future(buffer)
     segments = bucket_segments(bucket, session.names)
     return session.compressor.reduce(buffer, segments, session.comm, session.step)
+
+
+
+# DDP's register_comm_hook compares these annotations with the real types; under
+# `from __future__ import annotations` they would be strings and fail its check.
+compressed_comm_hook.__annotations__.update(bucket=dist.GradBucket, session=CommSession)
+compressed_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]

@@ -154,9 +154,11 @@ class CompressedDDPStrategy(DDPStrategy):
 
     # --- checkpoint ----------------------------------------------------------------------------
     def comm_state_dict(self) -> dict:
-        """Collective: every rank's compressor state gathered, plus the replicated state (call on all ranks)."""
+        """Collective (call on every rank): each rank's counters and compressor state, plus the replicated
+        local-update state (counters, period, DiLoCo outer parameters and momentum) from this rank."""
         lu = self.local_update
         local = {
+            "counters": self.session.counters_state_dict(),  # per rank: comm time differs between ranks
             "compressor": self.compressor.state_dict() if self.compressor is not None else None,
             "local_update": lu.rank_local_state_dict() if lu is not None else None,
         }
@@ -169,7 +171,6 @@ class CompressedDDPStrategy(DDPStrategy):
         return {
             "version": _STATE_VERSION,
             "world_size": world,
-            "counters": self.session.counters_state_dict(),
             "local_update": lu.state_dict() if lu is not None else None,
             "per_rank": gathered,
         }
@@ -195,7 +196,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if lu is not None:
             lu.load_state_dict(state["local_update"])
             lu.load_rank_local_state_dict(mine["local_update"])
-        self.session.load_counters_state_dict(state["counters"])
+        self.session.load_counters_state_dict(mine["counters"])
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
