@@ -84,7 +84,7 @@ def subprocess_env(tmp_path: Path) -> dict:
     env = dict(os.environ)
     env["LIT_DTRAIN_OUTPUT"] = str(tmp_path / "outputs")
     env["LIT_DTRAIN_CACHE"] = str(tmp_path / "token_cache")
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

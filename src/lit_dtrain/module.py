@@ -18,6 +18,10 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients became NaN/Inf; raised before the weights are touched."""
+
+
 def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict]:
     """Two AdamW groups: matrices decay; norms, biases and embeddings (and tied heads) do not."""
     no_decay_ids = set()
@@ -45,6 +49,9 @@ class LitLLM(L.LightningModule):
         val_names: names of the validation sets (one per data source), logged as ``val/<name>/loss``.
         compile: wrap the model in ``torch.compile`` in ``configure_model`` (after activation
             checkpointing, before DDP/FSDP, the order torchtitan uses).
+        check_finite: stop with :class:`NonFiniteError` before an optimizer step whose gradients hold a
+            NaN or Inf, so weights never become non-finite. Runs after every callback's
+            ``on_before_optimizer_step``: a spike monitor that skips the step (drops the grads) goes first.
     """
 
     def __init__(
@@ -54,12 +61,14 @@ class LitLLM(L.LightningModule):
         scheduler: Callable | None = None,
         val_names: list[str] | None = None,
         compile: bool = False,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
+        self.check_finite = check_finite
         self.val_names = list(val_names or ["val"])
         self.val_loss = MeanMetric()
         self.val_loss_by_source = nn.ModuleList(MeanMetric() for _ in self.val_names)
@@ -115,6 +124,24 @@ class LitLLM(L.LightningModule):
         self.val_loss.reset()
         for metric in self.val_loss_by_source:
             metric.reset()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if not self.check_finite:
+            return
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:  # a callback dropped this step's gradients (e.g. a loss-spike skip)
+            return
+        norms = torch.stack(torch._foreach_norm(grads))
+        if bool(norms.isfinite().all()):
+            return
+        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+        loss = self.trainer.callback_metrics.get("train/loss")
+        raise NonFiniteError(
+            f"non-finite gradients at step {self.trainer.global_step} (train/loss={loss}); first bad parameter(s): "
+            f"{bad[:3]}. Stopped before the optimizer step, so the weights are still finite. Enable "
+            "'callbacks=[default,loss_spike]' to skip or roll back such steps, or lower the LR; "
+            "resume from the last checkpoint with resume=auto."
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -26,6 +27,29 @@ log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another rank died, hung, or the network broke."""
+
+
+_COLLECTIVE_HINTS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "peer")
+
+
+def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except RuntimeError as e:
+        if trainer.world_size > 1 and any(h in str(e).lower() for h in _COLLECTIVE_HINTS):
+            launcher = getattr(trainer.strategy, "launcher", None)
+            if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank
+                launcher.kill(signal.SIGKILL)
+            raise CollectiveError(
+                f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "
+                "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
+            ) from e
+        raise
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -137,7 +161,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     start_step = 0
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    _fit(trainer, module, datamodule, ckpt_path)
     fit_seconds = time.perf_counter() - t0
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt)  # always leave a resumable checkpoint of the final step

@@ -16,6 +16,7 @@ _EXPORTS = {
     "SelectiveCheckpointing": "lit_dtrain.callbacks.selective_checkpointing",
     "FourierSamplerCallback": "lit_dtrain.callbacks.fourier_sampler",
     "token_throughput_monitor": "lit_dtrain.callbacks.throughput",
+    "PreemptionCheckpoint": "lit_dtrain.callbacks.preemption",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,69 @@
+"""Fault-injection callbacks for the reliability tests (used through Hydra: +callbacks.fault._target_=...)."""
+
+from __future__ import annotations
+
+import os
+import signal as signal_module
+from pathlib import Path
+
+import lightning as L
+
+
+class KillAtStep(L.Callback):
+    """Send ``signal`` to this process when the batch after ``step`` completed steps starts."""
+
+    def __init__(self, step: int, signal: str = "SIGKILL", rank: int | None = None) -> None:
+        self.step, self.signal, self.rank = int(step), signal, rank
+        self.fired = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.fired or trainer.global_step != self.step:
+            return
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
+        self.fired = True
+        os.kill(os.getpid(), getattr(signal_module, self.signal))
+
+
+class PoisonLossAtStep(L.Callback):
+    """Multiply the loss of the batch after ``step`` completed steps by ``value`` (NaN or Inf)."""
+
+    def __init__(self, step: int, value: float = float("nan")) -> None:
+        self.step, self.value = int(step), float(value)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == self.step:
+            loss.mul_(self.value)
+
+
+class FillDiskAtStep(L.Callback):
+    """Fill the filesystem holding ``path`` (a tmpfs in tests) when ``step`` steps have completed."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = int(step), Path(path)
+        self.done = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.done or trainer.global_step != self.step:
+            return
+        self.done = True
+        with open(self.path / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+
+
+class HangAtStep(L.Callback):
+    """Block rank ``rank`` for ``seconds`` when ``step`` steps have completed (a hung peer)."""
+
+    def __init__(self, step: int, seconds: float, rank: int = 1) -> None:
+        self.step, self.seconds, self.rank = int(step), float(seconds), int(rank)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            import time
+
+            time.sleep(self.seconds)

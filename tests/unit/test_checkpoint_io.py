@@ -1,0 +1,93 @@
+"""Atomic checkpoint writes and safe loads (reliability rows 4 and 5)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_dtrain.checkpoint import CheckpointError, atomic_torch_save, safe_torch_load
+
+WRITER = """
+import sys, torch
+from lit_dtrain.checkpoint import atomic_torch_save
+path = sys.argv[1]
+i = 0
+while True:  # rewrite a ~64 MB checkpoint until killed
+    i += 1
+    atomic_torch_save({"step": i, "w": torch.full((16 * 1024 * 1024,), float(i))}, path)
+    print(i, flush=True)
+"""
+
+
+def test_kill_during_write_never_leaves_a_corrupt_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    for delay in (0.3, 0.9, 1.7):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, env=env)
+        while not path.exists():  # wait for a first complete file
+            time.sleep(0.05)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = safe_torch_load(path)
+        assert ckpt["w"].numel() == 16 * 1024 * 1024
+        assert bool((ckpt["w"] == float(ckpt["step"])).all())  # a whole, consistent file
+
+
+def test_failed_write_keeps_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+
+    def broken_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(CheckpointError, match="last.ckpt.*Input/output error.*intact"):
+        atomic_torch_save({"step": 2}, path)
+    monkeypatch.undo()
+    assert safe_torch_load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temp file left behind
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.fail("cannot mount a tmpfs (the disk-full test needs root, which CI has)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_disk_full_reports_clearly_and_keeps_previous(tiny_tmpfs):
+    path = tiny_tmpfs / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.zeros(256 * 1024)}, path)  # 1 MB
+    with pytest.raises(CheckpointError, match=r"last\.ckpt.*No space left on device"):
+        atomic_torch_save({"step": 2, "w": torch.zeros(1024 * 1024)}, path)  # 4 MB: cannot fit
+    assert safe_torch_load(path)["step"] == 1
+    assert [p.name for p in tiny_tmpfs.iterdir()] == ["last.ckpt"]
+
+
+class NotAllowed:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_load_refuses_code_and_names_bad_files(tmp_path):
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"x": NotAllowed()}, evil)
+    with pytest.raises(CheckpointError, match="evil.ckpt"):
+        safe_torch_load(evil)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty.ckpt.*empty"):
+        safe_torch_load(empty)
+    with pytest.raises(CheckpointError, match="missing.ckpt.*does not exist"):
+        safe_torch_load(tmp_path / "missing.ckpt")
