@@ -97,7 +97,7 @@ class WSDScheduler(L.Callback):
             names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
             raise RuntimeError(
                 f"WSDScheduler sets the LR itself, but the LightningModule also configures LR scheduler(s) {names}; "
-                f"use one of them (with lit_dtrain's trainer: scheduler=null 'callbacks=[default,wsd]')"
+                f"use one of them (with lit_dtrain's trainer: '~scheduler' 'callbacks=[default,wsd]')"
             )
         if self.base_lrs is None:  # a fresh fit: the configured LRs are the peaks
             self.base_lrs = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]

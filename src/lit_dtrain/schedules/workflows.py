@@ -90,7 +90,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     if not nodes:
         raise _config_error(
             "decay_branch needs the WSD schedule: scheduler=wsd (the default), "
-            "or scheduler=null 'callbacks=[default,wsd]'"
+            "or '~scheduler' 'callbacks=[default,wsd]'"
         )
     start = checkpoint_step(src)
     total = start + steps

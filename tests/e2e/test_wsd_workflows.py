@@ -1,0 +1,189 @@
+"""WSD's workflows through train(cfg): decay branch, extend, continual pre-training, callback mode, configs."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import open_dict
+
+from lit_dtrain.schedules import wsd_lr_factor
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import PYTHON, ROOT, TINY, compose_cfg, make_corpus, subprocess_env
+
+PEAK = 3e-3  # conf/optimizer/adamw.yaml
+
+
+class Probe(L.Callback):
+    """Records the LR of every optimizer step and the weights at train start."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+        self.start_weights: dict[str, torch.Tensor] = {}
+        self.start_step = -1
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_step = trainer.global_step
+        self.start_weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def run(cfg):
+    with open_dict(cfg):
+        cfg.callbacks.probe = {"_target_": "tests.e2e.test_wsd_workflows.Probe"}
+        cfg.sample.max_new_tokens = 0
+    metrics, objects = train(cfg)
+    probe = next(c for c in objects["trainer"].callbacks if isinstance(c, Probe))
+    return metrics, objects, probe
+
+
+def weights(objects) -> dict[str, torch.Tensor]:
+    return objects["module"].model.state_dict()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def cfg_keys(cfg) -> list[str]:
+    return list(cfg.keys())
+
+
+def tree_digest(root: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_decay_branch_continues_step_and_lr_and_leaves_the_source_run_alone(tiny_cfg):
+    # a stable run planned for 100 steps (20% decay), stopped at step 4
+    _, stable, _ = run(tiny_cfg("trainer.max_steps=4", "scheduler.total_steps=100", run="stable"))
+    src_dir = Path(stable["trainer"].default_root_dir)
+    ckpt = src_dir / "checkpoints" / "last.ckpt"
+    before = tree_digest(src_dir)
+    metrics, branch, probe = run(tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", run="branch"))
+    assert probe.start_step == 4 and branch["trainer"].global_step == 7 and metrics["steps"] == 7
+    # steps 4, 5, 6 are the decay, p = 1/3, 2/3, 1; the first branch step is the first decay value
+    assert probe.lrs[4] == pytest.approx(PEAK * (1 - (1 / 3) ** 0.5), rel=1e-12)
+    assert [probe.lrs[s] for s in (4, 5, 6)] == [PEAK * wsd_lr_factor(s, total_steps=7, decay_steps=3,
+                                                                      warmup_steps=1) for s in (4, 5, 6)]
+    assert probe.lrs[6] == 0.0
+    assert tree_digest(src_dir) == before  # not one byte (nor mtime) of the source run changed
+    # the branch is exactly a WSD run planned for 7 steps with a 3-step decay
+    _, straight, sprobe = run(tiny_cfg("trainer.max_steps=7", "scheduler.decay_steps=3",
+                                       "scheduler.decay_fraction=null", run="straight"))
+    assert sprobe.lrs[4] == probe.lrs[4]
+    assert same(weights(branch), weights(straight))
+
+
+def test_extend_resumes_at_the_peak_without_rewarmup(tiny_cfg):
+    common = ["scheduler.warmup_steps=2"]
+    _, first, fprobe = run(tiny_cfg(*common, "trainer.max_steps=4", "scheduler.total_steps=8", run="short"))
+    assert [fprobe.lrs[s] for s in range(4)] == [PEAK / 2, PEAK, PEAK, PEAK]
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    _, ext, probe = run(tiny_cfg(*common, f"ckpt_path={ckpt}", "trainer.max_steps=12", run="extended"))
+    assert ext["trainer"].global_step == 12
+    assert [probe.lrs[s] for s in range(4, 10)] == [PEAK] * 6  # no re-warmup; decay = round(0.2*12) = 2
+    assert probe.lrs[10] == pytest.approx(PEAK * (1 - 0.5**0.5)) and probe.lrs[11] == 0.0
+    _, straight, _ = run(tiny_cfg(*common, "trainer.max_steps=12", run="straight12"))
+    assert same(weights(ext), weights(straight))
+
+
+def test_continual_pretraining_from_weights_with_rewarmup_and_replay(tmp_path):
+    old, new = make_corpus(tmp_path / "old", seed=1), make_corpus(tmp_path / "new", seed=2, n_files=16)
+    _, base, _ = run(compose_cfg(["trainer.max_steps=4"], tmp_path / "base", old))
+    ckpt = Path(base["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    base_weights = {k: v.clone() for k, v in weights(base).items()}
+    cpt = [
+        f"init_from={ckpt}", "data=mixture", "trainer.max_steps=5", "scheduler.warmup_steps=3",
+        "data.sources.0.name=old", "data.sources.0.kind=files", f"+data.sources.0.paths=[{old}]",
+        "data.sources.0.weight=20", "data.sources.1.name=new", f"data.sources.1.paths=[{new}]",
+        "data.sources.1.weight=80",
+    ]
+    metrics, objs, probe = run(compose_cfg(cpt, tmp_path / "cpt"))
+    assert probe.start_step == 0 and objs["trainer"].global_step == 5  # the step starts fresh
+    assert same(probe.start_weights, base_weights)  # ... from the checkpoint's weights
+    assert [probe.lrs[s] for s in range(4)] == [PEAK / 3, PEAK * 2 / 3, PEAK, PEAK]  # configurable re-warmup
+    opt_state = objs["trainer"].optimizers[0].state_dict()["state"]
+    assert all(int(s["step"]) == 5 for s in opt_state.values())  # fresh optimizer state: 5 steps, not 4 + 5
+    assert {"val/old/loss", "val/new/loss"} <= metrics.keys()  # old and new data tracked separately
+    assert metrics["val/old/loss"] != metrics["val/new/loss"]
+    # the replay share of the old corpus is the mixture weight: 20% of drawn windows
+    dm = objs["datamodule"]
+    draws = torch.cat([dm.sampler.global_batch(s, 64) for s in range(100)]).numpy()
+    share_old = float((dm.train_windows.source_of(draws) == 0).mean())
+    assert share_old == pytest.approx(0.2, abs=0.02)
+
+
+def test_callback_mode_matches_the_scheduler_in_litllm(tiny_cfg, tmp_path, corpus):
+    _, sched, sp = run(tiny_cfg("trainer.max_steps=6", "scheduler.warmup_steps=2", run="sched"))
+    tiny_no_sched = [o for o in TINY if not o.startswith("scheduler.")]
+    cb_cfg = compose_cfg([*tiny_no_sched, "trainer.max_steps=6", "~scheduler", "callbacks=[default,wsd]",
+                          "callbacks.progress_bar=null", "callbacks.wsd.warmup_steps=2"], tmp_path / "cb", corpus,
+                         tiny=False)
+    assert "scheduler" not in cfg_keys(cb_cfg)
+    _, cb, cp = run(cb_cfg)
+    assert not cb["trainer"].lr_scheduler_configs
+    assert cp.lrs == sp.lrs and len(cp.lrs) == 6
+    assert same(weights(sched), weights(cb))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["decay_branch.steps=3"], "decay_branch needs both ckpt and steps"),
+        (["decay_branch.ckpt=/nonexistent.ckpt", "decay_branch.steps=3"], "decay_branch.ckpt"),
+        (["decay_branch.ckpt=CKPT", "decay_branch.steps=0"], "decay_branch.steps"),
+        (["decay_branch.ckpt=CKPT", "decay_branch.steps=3", "scheduler=cosine"], "needs the WSD schedule"),
+        (["decay_branch.ckpt=CKPT", "decay_branch.steps=3", "scheduler.warmup_steps=5"], "inside the warmup"),
+        (["decay_branch.ckpt=CKPT", "decay_branch.steps=3", "ckpt_path=CKPT"], "not both"),
+        (["decay_branch.ckpt=CKPT", "decay_branch.steps=3", "RUN=src"], "give the branch its own run_name"),
+        (["init_from=/nonexistent.ckpt"], "init_from"),
+        (["init_from=CKPT", "ckpt_path=CKPT"], "either init_from"),
+        (["init_from=CKPT", "model.d_model=48"], "does not fit the configured model"),
+    ],
+)
+def test_workflow_config_errors_name_the_key(tiny_cfg, tmp_path, overrides, match):
+    src = tmp_path / "src"
+    if not (src / "checkpoints" / "last.ckpt").exists():
+        train(tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0", run="src"))
+    ckpt = str(src / "checkpoints" / "last.ckpt")
+    run_name = next((o.split("=")[1] for o in overrides if o.startswith("RUN=")), "bad")
+    overrides = [o.replace("CKPT", ckpt) for o in overrides if not o.startswith("RUN=")]
+    with pytest.raises(ConfigError, match=match):
+        train(tiny_cfg(*overrides, run=run_name))
+
+
+@pytest.mark.parametrize("experiment", ["wsd_vs_cosine", "cpt_replay"])
+def test_experiment_configs_compose(experiment, tmp_path, corpus):
+    cfg = compose_cfg([f"experiment={experiment}"], tmp_path / experiment, tiny=False)
+    assert cfg.scheduler._target_.endswith("wsd_scheduler")
+    if experiment == "cpt_replay":
+        assert [s.name for s in cfg.data.sources] == ["stdlib", "licenses"]
+        assert cfg.init_from is None  # given on the command line
+
+
+@pytest.mark.slow
+def test_branch_one_command_via_train_py(tmp_path, corpus):
+    """The documented CLI: a stable run keeping its checkpoints, then one command for a decay branch."""
+    common = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0"]
+
+    def cli(*args):
+        proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *common, *args], cwd=tmp_path,
+                              env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    cli("run_name=stable", "trainer.max_steps=6", "scheduler.total_steps=100",
+        "callbacks.model_checkpoint.save_top_k=-1")  # keep every checkpoint: each is a branch point
+    (at3,) = (tmp_path / "outputs" / "runs" / "stable" / "checkpoints").glob("step000003-*.ckpt")
+    proc = cli("run_name=decay_at_3", f"decay_branch.ckpt={at3}", "decay_branch.steps=2")
+    assert "steps=5" in proc.stdout
+    out = torch.load(tmp_path / "outputs/runs/decay_at_3/checkpoints/last.ckpt", weights_only=True)
+    assert out["global_step"] == 5
+    assert out["optimizer_states"][0]["param_groups"][0]["lr"] == 0.0  # the decay reached min_lr_factor 0
