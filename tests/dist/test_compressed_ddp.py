@@ -11,7 +11,6 @@ registration on CPU, logged metrics, and exact resume.
 from __future__ import annotations
 
 import math
-import os
 import socket
 from pathlib import Path
 

@@ -92,6 +92,11 @@ class LocalUpdate:
         self.step, self.steps_since_sync = int(state["step"]), int(state["steps_since_sync"])
         self.num_syncs, self.period = int(state["num_syncs"]), int(state["period"])
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                           if not k.startswith("_") and not isinstance(v, torch.Tensor) and v is not None)
+        return f"{type(self).__name__}({fields})"
+
     def rank_local_state_dict(self) -> dict | None:
         """State that differs per rank (a pseudo-gradient compressor's residuals), or None."""
         return None
