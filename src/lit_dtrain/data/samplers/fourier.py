@@ -224,7 +224,7 @@ class FourierSampler(IndexSampler):
             self._pending = (handle if self.async_op else None, gathered, int(step))
         else:
             self._pending = (None, [record], int(step))
-        if not self.async_op:
+        if world == 1 or not self.async_op:  # nothing to overlap with on one process
             self.flush()
         return {"mix": mix, "bands": bands, "top_band_energy": float(profile[:, -1].mean()), "comm_bytes": comm_bytes}
 
@@ -400,7 +400,8 @@ def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> to
 
 
 def _unpack(records: torch.Tensor, fine_bands: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    index = records[:, :8].contiguous().view(torch.int64).reshape(-1)
-    score = records[:, 8:12].contiguous().view(torch.float32).reshape(-1)
-    profile = records[:, 12:].contiguous().view(torch.float16).reshape(-1, fine_bands)
-    return index, score, profile
+    def field(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return records[:, start:stop].reshape(-1).clone().view(dtype)  # fresh 1-D storage: aligned for view
+
+    index, score = field(0, 8, torch.int64), field(8, 12, torch.float32)
+    return index, score, field(12, records.shape[1], torch.float16).reshape(-1, fine_bands)

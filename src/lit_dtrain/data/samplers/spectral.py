@@ -21,6 +21,7 @@ coincide after mapping (short ``T``, many bands) give empty bands with zero ener
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,8 +65,9 @@ def band_lower_bins(max_freq: int, num_bands: int, seq_len: int) -> torch.Tensor
     return torch.tensor(bins, dtype=torch.long)
 
 
+@functools.lru_cache(maxsize=64)
 def bin_to_band(max_freq: int, num_bands: int, seq_len: int) -> torch.Tensor:
-    """Band index of every rfft bin ``0 .. seq_len // 2`` (``-1`` for the DC bin)."""
+    """Band index of every rfft bin ``0 .. seq_len // 2`` (``-1`` for the DC bin). Cached: do not modify."""
     lower = band_lower_bins(max_freq, num_bands, seq_len)
     bins = torch.arange(seq_len // 2 + 1)
     band = torch.searchsorted(lower, bins, right=True) - 1

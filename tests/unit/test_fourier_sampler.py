@@ -1,0 +1,378 @@
+"""FourierSampler: spectral core values, schedules, valid probabilities, determinism, exact resume, callback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import open_dict
+
+from lit_dtrain.callbacks import FourierSamplerCallback
+from lit_dtrain.data.samplers import FourierSampler, RandomSampler
+from lit_dtrain.data.samplers import spectral as S
+from lit_dtrain.train import train
+
+# ---- spectral core -------------------------------------------------------------------------------------------
+
+
+def test_compute_bands_values():
+    assert S.compute_bands(256, 4) == [16, 32, 64, 128]
+    assert S.compute_bands(1024, 6) == [16, 32, 64, 128, 256, 512]
+    assert S.compute_bands(256, 8) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert S.compute_bands(100, 3) == [12, 25, 50]  # int() truncates, as in the brief
+    with pytest.raises(ValueError, match="num_bands"):
+        S.compute_bands(256, 0)
+    with pytest.raises(ValueError, match="max_freq"):
+        S.compute_bands(0, 4)
+
+
+def test_band_edges_map_onto_rfft_bins_of_actual_length():
+    # max_freq is the Nyquist bin T//2; the lowest band reaches down to bin 1 (DC is the time score)
+    assert S.band_lower_bins(256, 4, 512).tolist() == [1, 32, 64, 128]
+    assert S.band_lower_bins(256, 4, 256).tolist() == [1, 16, 32, 64]
+    assert S.band_lower_bins(1024, 6, 2048).tolist() == [1, 32, 64, 128, 256, 512]
+    assert S.band_lower_bins(256, 8, 512).tolist() == [1, 2, 4, 8, 16, 32, 64, 128]  # exact octaves
+    band = S.bin_to_band(256, 4, 256)
+    assert band[0] == -1 and band[1] == 0 and band[15] == 0 and band[16] == 1 and band[64] == 3 and band[128] == 3
+    assert len(band) == 129
+
+
+@pytest.mark.parametrize("T", [256, 255, 1024])
+def test_band_energies_split_the_variance(T):
+    x = torch.randn(5, T, generator=torch.Generator().manual_seed(T)) * 2 + 3
+    E = S.band_energies(x, 256, 4)
+    assert E.shape == (5, 4) and bool((E >= 0).all())
+    torch.testing.assert_close(E.sum(1), x.var(1, unbiased=False), rtol=1e-4, atol=1e-5)  # Parseval
+
+
+@pytest.mark.parametrize("T", [256, 512, 1024])
+def test_sines_land_in_their_band(T):
+    t = torch.arange(T, dtype=torch.float32)
+    low = torch.sin(2 * math.pi * 2 * t / T)  # 2 cycles per window: long-range
+    high = torch.sin(2 * math.pi * (T // 2 - 3) * t / T)  # near Nyquist: token-to-token
+    mid = torch.sin(2 * math.pi * (3 * T // 16) * t / T)  # 3/8 of Nyquist: band [1/4, 1/2) of Nyquist = band 2
+    E = S.band_energies(torch.stack([low, high, mid]), 256, 4)
+    frac = E / E.sum(1, keepdim=True)
+    assert frac[0, 0] > 0.999  # the pure low-frequency sine lands in the lowest band
+    assert frac[1, 3] > 0.999
+    assert frac[2, 2] > 0.999
+
+
+def test_fine_profile_merges_into_coarse_bands():
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(S.merge_bands(S.band_energies(x, 256, 8), 4), S.band_energies(x, 256, 4))
+    torch.testing.assert_close(S.merge_bands(S.band_energies(x, 256, 8), 6), S.band_energies(x, 256, 6))
+
+
+def test_adaptive_band_weights_formula():
+    local = torch.tensor([3.0, 4.0])
+    w = S.adaptive_band_weights(local, (local**2).sum())
+    torch.testing.assert_close(w, torch.tensor([0.6, 0.8]), rtol=1e-6, atol=1e-6)  # one rank: unit norm
+    w2 = S.adaptive_band_weights(local, torch.tensor(100.0))  # two ranks with global energy 100
+    torch.testing.assert_close(w2, local / (10.0 + 1e-6))
+
+
+def test_mixing_schedule_endpoints():
+    assert S.mix_schedule(0) == pytest.approx(0.3)
+    assert S.mix_schedule(10000) == pytest.approx(0.7)
+    assert S.mix_schedule(50000) == pytest.approx(0.7)  # clamped after decay_steps
+    assert S.mix_schedule(5000) == pytest.approx(0.5)
+    values = [S.mix_schedule(s) for s in range(0, 10001, 500)]
+    assert all(a <= b for a, b in zip(values, values[1:]))
+    assert S.mix_schedule(0, initial=0.9, final=0.1, decay_steps=10) == pytest.approx(0.9)
+
+
+def test_stage_schedule_and_switches():
+    for step, name in [(0, "warmup"), (4999, "warmup"), (5000, "ramp"), (19999, "ramp"), (20000, "stable")]:
+        assert S.stage_at(step, 1000).name == name
+    s = FourierSampler()
+    assert (s.bands_at(0), s.mix_at(0), s.lr_multiplier(0)) == (4, 0.3, 0.1)
+    assert (s.bands_at(7000), s.mix_at(7000), s.lr_multiplier(7000)) == (6, 0.5, 0.5)
+    assert (s.bands_at(25000), s.mix_at(25000), s.lr_multiplier(25000)) == (8, 0.7, 1.0)
+    half = FourierSampler(step_unit=10)  # scaled: stable from step 200
+    assert half.stage(199).name == "ramp" and half.stage(200).name == "stable"
+    off = FourierSampler(stage_mix=False, stage_lr=False, stage_bands=False, num_bands=4)
+    assert off.lr_multiplier(0) == 1.0 and off.bands_at(25000) == 4
+    assert off.mix_at(0) == pytest.approx(0.3) and off.mix_at(10000) == pytest.approx(0.7)  # the cosine
+    assert FourierSampler(stages=False).lr_multiplier(0) == 1.0
+    assert FourierSampler(score="time").mix_at(25000) == 0.0 and FourierSampler(score="frequency").mix_at(0) == 1.0
+    custom = FourierSampler(stage_table=[["a", 0, 2, 0.1, 1.0], ["b", 3, 3, 0.9, 0.5]], step_unit=1)
+    assert custom.stage(2).name == "a" and custom.stage(3).bands == 3
+    with pytest.raises(ValueError, match="stage_table"):
+        FourierSampler(stage_table=[["a", 1, 2, 0.1, 1.0]])
+
+
+def test_moment_ratio_is_scale_free_and_magnitude_is_not():
+    """The brief's |m1|/sqrt(m2) ranks by the score's stability, not its size (a documented finding)."""
+    m1, m2 = torch.zeros(3), torch.zeros(3)
+    for k in range(400):
+        score = torch.tensor([1.0, 10.0, 10.0 if k % 2 else 0.5])  # steady small, steady large, erratic
+        m1, m2 = S.update_moments(m1, m2, score)
+        if k == 29:  # without bias correction m2 (beta=0.99) lags m1: early on every ratio clamps to 1
+            assert S.importance(m1, m2, torch.full((3,), 30)).tolist() == [1.0, 1.0, 1.0]
+    visits = torch.full((3,), 400)
+    ratio = S.importance(m1, m2, visits, "moment_ratio")
+    assert ratio[0] == ratio[1] == 1.0  # both clamp to max_prob: size does not matter
+    assert ratio[2] == pytest.approx(5.25 / math.sqrt((100 + 0.25) / 2), rel=0.1)  # erratic: mean/rms ~ 0.74
+    mag = S.importance(m1, m2, visits, "magnitude")
+    assert mag[1] / mag[0] == pytest.approx(10.0, rel=1e-3)
+    unseen = S.importance(m1, m2, torch.tensor([0, 30, 30]), "magnitude", prior=0.5)
+    assert unseen[0] == 0.5
+
+
+# ---- the sampler ---------------------------------------------------------------------------------------------
+
+
+def feed(sampler: FourierSampler, steps: int, batch: int = 8, T: int = 64, start: int = 0, hot=()):
+    """Draw and observe ``steps`` steps with deterministic synthetic token losses (``hot`` indices: high loss)."""
+    batches = []
+    for step in range(start, start + steps):
+        idx = sampler.global_batch(step, batch)
+        g = torch.Generator().manual_seed(step)
+        loss = torch.rand(batch, T, generator=g) + idx[:, None].float() % 3
+        for i, j in enumerate(idx.tolist()):
+            if j in hot:
+                loss[i] += 4.0
+        sampler.observe(loss, idx, step + 1)
+        batches.append(idx)
+    return torch.stack(batches)
+
+
+def make(num_samples: int = 50, seed: int = 0, **kw) -> FourierSampler:
+    s = FourierSampler(**kw)
+    s.setup(num_samples, seed=seed)
+    return s
+
+
+@pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
+def test_probabilities_valid_after_training(variant):
+    s = make(variant=variant, uniform_floor=0.2, step_unit=1)
+    feed(s, 12)
+    s.exclude([3, 4])
+    p = s.probabilities(12)
+    assert p.dtype == torch.float64 and p.sum().item() == pytest.approx(1.0, abs=1e-12)
+    assert p[3] == 0 and p[4] == 0
+    active = torch.ones(50, dtype=torch.bool)
+    active[[3, 4]] = False
+    assert bool((p[active] >= 0.2 / 48 - 1e-15).all())
+    drawn = feed(s, 5, start=12)
+    assert not bool(((drawn == 3) | (drawn == 4)).any())
+
+
+def test_magnitude_variant_oversamples_persistently_hard_samples():
+    hot = set(range(10))
+    s = make(num_samples=100, variant="magnitude", stages=False, score="time", uniform_floor=0.1)
+    feed(s, 60, hot=hot)
+    p = s.probabilities(60)
+    assert p[:10].mean() > 2.0 * p[10:].mean()
+    ratio = make(num_samples=100, stages=False, score="time")  # the brief's transform: ~uniform
+    feed(ratio, 60, hot=hot)
+    q = ratio.probabilities(60)
+    assert q[:10].mean() < 1.2 * q[10:].mean()
+
+
+def test_time_score_update_and_fp16_profile():
+    s = make(score="time", stages=False)
+    idx = torch.tensor([7, 7, 9])
+    loss = torch.stack([torch.full((64,), 2.0), torch.full((64,), 4.0), torch.full((64,), 1.0)])
+    s.observe(loss, idx, 1)
+    # a sample drawn twice in one step gets one update with its mean score
+    assert s.m1[7].item() == pytest.approx(0.1 * 3.0) and s.m2[7].item() == pytest.approx(0.01 * 9.0)
+    assert s.visits[7] == 1 and s.visits[9] == 1 and s.visits[0] == 0
+    assert s.profile.dtype == torch.float16 and s.profile.shape == (50, 4)
+    assert s.updates == 1 and s.seq_len == 64 and (s.max_freq, s.num_bands) == (256, 4)
+
+
+def test_frequency_score_is_commensurate_with_loss():
+    s = make(score="frequency", stages=False)
+    t = torch.arange(64, dtype=torch.float32)
+    loss = (3 + torch.sin(2 * math.pi * 2 * t / 64))[None]  # amplitude 1, std 1/sqrt(2), all in band 0
+    s.observe(loss, torch.tensor([5]), 1)
+    # one rank, one sample: weights are the unit vector of its profile, score = sqrt(energy) = std
+    assert s.m1[5].item() == pytest.approx(0.1 * math.sqrt(0.5), rel=1e-3)
+
+
+def test_determinism_given_seed_and_state():
+    a, b = make(seed=3, step_unit=1), make(seed=3, step_unit=1)
+    assert torch.equal(feed(a, 8), feed(b, 8))
+    c = make(seed=3, step_unit=1)
+    c.load_state_dict(a.state_dict())
+    assert torch.equal(c.probabilities(8), a.probabilities(8))
+    assert torch.equal(feed(a, 6, start=8), feed(c, 6, start=8))  # same future draws and updates
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(getattr(a, key), getattr(c, key)), key
+    assert not torch.equal(feed(make(seed=4, step_unit=1), 8), feed(make(seed=3, step_unit=1), 8))
+
+
+def test_state_dict_is_plain_and_checked(tmp_path):
+    s = make(step_unit=1)
+    feed(s, 3)
+    torch.save(s.state_dict(), tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", weights_only=True)
+    other = make(num_samples=51)
+    with pytest.raises(ValueError, match="'m1'"):
+        other.load_state_dict(state)
+    with pytest.raises(KeyError, match="'m1'"):
+        make().load_state_dict(RandomSampler().state_dict())
+
+
+def test_memory_is_linear_in_samples():
+    per = []
+    for n in (1000, 4000):
+        s = make(num_samples=n, step_unit=1)
+        feed(s, 2)
+        per.append(s.bytes_per_sample())
+    assert per[0] == per[1]
+    assert per[0]["table"] == 4 + 4 + 4 + 2 * 8 + 1  # m1, m2, visits, fp16 profile of 8 bands, excluded
+    assert per[0]["total"] <= 64
+
+
+def test_importance_weights_are_unbiased():
+    s = make(variant="magnitude", importance_weights=True, stages=False)
+    feed(s, 10, hot={1, 2})
+    p = s.probabilities(10)
+    w = s.loss_weights(torch.arange(50))
+    torch.testing.assert_close(w.double(), 1.0 / (50 * p), rtol=1e-6, atol=0)
+    assert (p * w.double()).sum().item() == pytest.approx(1.0, abs=1e-6)  # E_p[w] = 1
+    assert make().loss_weights(torch.arange(4)) is None
+
+
+def test_missing_updates_fail_loudly():
+    s = make()
+    s.global_batch(0, 4)
+    s.global_batch(1, 4)
+    with pytest.raises(RuntimeError, match="fourier_sampler"):
+        s.global_batch(2, 4)
+    make(require_updates=False).global_batch(5, 4)
+
+
+def test_bad_arguments_name_the_key():
+    with pytest.raises(ValueError, match="score"):
+        FourierSampler(score="spectral")
+    with pytest.raises(ValueError, match="variant"):
+        FourierSampler(variant="adam")
+    with pytest.raises(ValueError, match="uniform_floor"):
+        FourierSampler(uniform_floor=1.5)
+    s = make()
+    with pytest.raises(ValueError, match="T=64"):
+        s.observe(torch.rand(2, 64), torch.tensor([0, 1]), 1)
+        s.observe(torch.rand(2, 32), torch.tensor([0, 1]), 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 40),
+    floor=st.floats(0.0, 1.0),
+    variant=st.sampled_from(S.VARIANTS),
+    data=st.data(),
+)
+def test_probabilities_are_always_valid(n, floor, variant, data):
+    score = st.floats(-50, 50, allow_nan=False, width=32)
+    m1 = torch.tensor(data.draw(st.lists(score, min_size=n, max_size=n)))
+    m2 = torch.tensor(data.draw(st.lists(st.floats(0, 2500, width=32), min_size=n, max_size=n)))
+    visits = torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)))
+    excluded = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    excluded[data.draw(st.integers(0, n - 1))] = False
+    raw = S.importance(m1, m2, visits, variant, prior=data.draw(st.floats(1e-3, 10)))
+    p = S.sampling_probabilities(raw, floor, excluded)
+    assert bool(torch.isfinite(p).all())
+    assert p.sum().item() == pytest.approx(1.0, abs=1e-9)
+    assert bool((p[excluded] == 0).all())
+    assert bool((p[~excluded] > 0).all())
+    assert bool((p[~excluded] >= floor / int((~excluded).sum()) * (1 - 1e-12)).all())
+
+
+# ---- the callback and the trainer ----------------------------------------------------------------------------
+
+
+class _FakeTrainer:
+    def __init__(self, sampler):
+        self.datamodule = type("DM", (), {"sampler": sampler})()
+
+
+def test_callback_rejects_other_samplers_and_missing_keys():
+    cb = FourierSamplerCallback()
+    with pytest.raises(TypeError, match="FourierSampler.*RandomSampler"):
+        cb.sampler_of(_FakeTrainer(RandomSampler()))
+    trainer = _FakeTrainer(make())
+    trainer.global_step, trainer.accumulate_grad_batches = 1, 1
+    with pytest.raises(KeyError, match="'token_loss'"):
+        cb.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0), "index": torch.tensor([0])}, None, 0)
+    with pytest.raises(KeyError, match="'index'"):
+        cb.on_train_batch_end(trainer, None, {"token_loss": torch.rand(1, 8)}, None, 0)
+
+
+class _LrRecorder(L.Callback):
+    """Records the LR that each optimizer update used (a step pre-hook registered after the sampler's)."""
+
+    def __init__(self):
+        self.used, self.after = [], []
+
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        opt.register_step_pre_hook(lambda o, a, k: self.used.append(o.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _events(run_dir: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = {}
+    for f in run_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags[tag] = [e.value for e in acc.Scalars(tag)]
+    return tags
+
+
+FOURIER = [
+    "data/sampler=fourier",
+    "callbacks=[default,fourier_sampler]",
+    "data.sampler.step_unit=0.4",  # stages: warmup steps 0-1 (LR x0.1), ramp 2-7 (x0.5), stable from 8
+    "scheduler=constant",
+    "sample.max_new_tokens=0",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def test_exact_resume_through_trainer_checkpoint(tiny_cfg):
+    n = 5
+    common = FOURIER + ["trainer.val_check_interval=5"]
+    _, straight = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", run="straight"))
+    _, first = train(tiny_cfg(*common, f"trainer.max_steps={n}", run="split"))
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    _, resumed = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", f"ckpt_path={ckpt}", run="split"))
+    a, b = straight["datamodule"].sampler, resumed["datamodule"].sampler
+    assert isinstance(a, FourierSampler) and a.updates == b.updates == 2 * n
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(getattr(a, key), getattr(b, key)), key
+    assert int((a.visits > 0).sum()) > 0
+    assert torch.equal(a.probabilities(2 * n), b.probabilities(2 * n))
+    assert torch.equal(a.global_batch(2 * n, 8), b.global_batch(2 * n, 8))
+    wa, wb = straight["module"].model.state_dict(), resumed["module"].model.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    logged = _events(Path(straight["trainer"].default_root_dir))
+    for tag in ("fourier/mix", "fourier/bands", "fourier/prob_entropy", "fourier/top_band_energy"):
+        assert tag in logged, tag
+    assert logged["fourier/bands"][0] == 4.0 and logged["fourier/bands"][-1] == 8.0
+    assert logged["fourier/prob_entropy"][-1] <= math.log(straight["datamodule"].num_train_samples) + 1e-6
+
+
+def test_stage_lr_multiplier_is_applied_inside_the_step(tiny_cfg):
+    cfg = tiny_cfg(*FOURIER, "trainer.max_steps=10", "trainer.val_check_interval=10", "scheduler.warmup_steps=0")
+    with open_dict(cfg):
+        cfg.callbacks["lr_recorder"] = {"_target_": f"{__name__}._LrRecorder"}
+    _, objects = train(cfg)
+    rec = next(c for c in objects["trainer"].callbacks if isinstance(c, _LrRecorder))
+    lr = cfg.optimizer.lr
+    expected = [lr * (0.1 if s < 2 else 0.5 if s < 8 else 1.0) for s in range(10)]
+    assert rec.used == pytest.approx(expected)
+    assert rec.after == pytest.approx([lr] * 10)  # the scheduler's LR is restored after every update
