@@ -54,6 +54,8 @@ class LitLLM(L.LightningModule):
             ``on_before_optimizer_step``: a spike monitor that skips the step (drops the grads) goes first.
     """
 
+    step_output_keys = ("loss", "token_loss", "index")  # what training_step returns (the callback contract)
+
     def __init__(
         self,
         model: nn.Module,

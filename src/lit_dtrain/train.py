@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.checkpoint import AtomicCheckpointIO
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
@@ -149,6 +150,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     callbacks = build_callbacks(cfg)
+    check_step_outputs(callbacks, module)  # before any compute
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()]

@@ -41,7 +41,10 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 # Extra overrides that switch on every stateful callback and sampler (extended as techniques land).
-STATEFUL: list[str] = []
+STATEFUL: list[str] = [
+    "callbacks=[default,loss_spike,adaptive_grad_clip,optimizer_diagnostics,fourier_sampler,selective_ckpt]",
+    "data/sampler=fourier",
+]
 
 
 @pytest.mark.slow
