@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Compare runs from their TensorBoard event files: a PNG of val loss (or any scalar) against step, and a
+markdown table of final and best values.
+
+    python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
+    python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
+    python scripts/compare_runs.py RUN... --metric val/loss --metric lr-AdamW/decay   # one panel per metric
+
+A RUN is a run dir (event files anywhere below it, e.g. ``tb/``) or a sweep dir whose job subdirs are
+runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
+(``.hydra/overrides.yaml``), else from the dir names. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+EVENT_GLOB = "events.out.tfevents.*"
+
+
+class CompareError(ValueError):
+    """A run dir, an event file or a metric is missing; the message names it."""
+
+
+def event_dirs(run: Path) -> list[Path]:
+    """Dirs below ``run`` that hold TensorBoard event files (sorted)."""
+    return sorted({p.parent for p in run.rglob(EVENT_GLOB)})
+
+
+def expand_runs(paths: list[str]) -> list[Path]:
+    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are."""
+    runs: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.is_dir():
+            raise CompareError(f"run dir {raw!r} does not exist")
+        own = [d for d in event_dirs(path) if not _inside_job(d, path)]
+        jobs = sorted((d for d in path.iterdir() if d.is_dir() and event_dirs(d)), key=_job_key)
+        if own or not jobs:
+            if not event_dirs(path):
+                raise CompareError(f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) below it")
+            runs.append(path)
+        else:
+            runs.extend(jobs)
+    return runs
+
+
+def _inside_job(event_dir: Path, root: Path) -> bool:
+    """Whether ``event_dir`` lies in a sweep job subdir of ``root`` (one with its own .hydra or summary)."""
+    rel = event_dir.relative_to(root).parts
+    return bool(rel) and ((root / rel[0] / ".hydra").is_dir() or (root / rel[0] / "summary.json").is_file())
+
+
+def _job_key(path: Path):
+    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+
+
+def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run: ``{tag: [(step, value), ...]}`` sorted by step.
+
+    Several event files (a resumed run appends a new one) are merged; for a step logged twice, the
+    later write wins.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    merged: dict[str, dict[int, tuple[float, float]]] = {}
+    for d in event_dirs(run):
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            per_step = merged.setdefault(tag, {})
+            for e in acc.Scalars(tag):
+                if e.step not in per_step or e.wall_time >= per_step[e.step][0]:
+                    per_step[e.step] = (e.wall_time, float(e.value))
+    return {tag: [(s, v) for s, (_, v) in sorted(steps.items())] for tag, steps in merged.items()}
+
+
+def hydra_overrides(run: Path) -> list[str]:
+    f = run / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return []
+    return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
+
+
+def make_labels(runs: list[Path]) -> list[str]:
+    """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``) if short, else dir names."""
+    overrides = [hydra_overrides(r) for r in runs]
+    if len(runs) > 1 and all(overrides):
+        common = set.intersection(*(set(o) for o in overrides))
+        labels = [" ".join(o for o in ov if o not in common and not o.startswith("run_name=")) for ov in overrides]
+        if all(labels) and len(set(labels)) == len(labels) and max(map(len, labels)) <= 60:
+            return labels
+    names = [r.name for r in runs]
+    if len(set(names)) < len(names):
+        names = [f"{r.parent.name}/{r.name}" for r in runs]
+    return names
+
+
+def summarize(series: list[tuple[int, float]]) -> dict:
+    finite = [(s, v) for s, v in series if math.isfinite(v)]
+    if not finite:
+        return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
+    best_step, best = min(finite, key=lambda sv: sv[1])
+    final_step, final = series[-1]
+    return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
+
+
+def markdown_table(rows: list[dict], metric: str) -> str:
+    """One row per run: label, final step, final and best ``metric``, and the final's gap to the best run's."""
+    finals = [r["final"] for r in rows if math.isfinite(r["final"])]
+    ref = min(finals) if finals else float("nan")
+    lines = [
+        f"| run | final step | final {metric} | best {metric} (step) | vs best final |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gap = (r["final"] / ref - 1) * 100 if math.isfinite(r["final"]) and ref else float("nan")
+        lines.append(
+            f"| {r['label']} | {r['final_step']} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
+            f"{gap:+.2f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
+         logy: bool = False) -> None:
+    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, tags in curves.items():
+            series = tags.get(metric)
+            if series:
+                steps, values = zip(*series)
+                ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None, out: str | None = None,
+            table: str | None = None, title: str = "", logy: bool = False) -> dict:
+    """Read the runs, write the PNG (and table file) and return the JSON-able result."""
+    run_dirs = expand_runs(runs)
+    if labels and len(labels) != len(run_dirs):
+        raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
+                           f"{[str(r) for r in run_dirs]}")
+    labels = labels or make_labels(run_dirs)
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    rows = []
+    for label, run in zip(labels, run_dirs):
+        scalars = read_scalars(run)
+        for metric in metrics:
+            if metric not in scalars:
+                raise CompareError(f"run {str(run)!r} has no scalar {metric!r}; it has {sorted(scalars)}")
+        curves[label] = {m: scalars[m] for m in metrics}
+        rows.append({"label": label, "dir": str(run), **summarize(scalars[metrics[0]])})
+    text = markdown_table(rows, metrics[0])
+    if table:
+        Path(table).parent.mkdir(parents=True, exist_ok=True)
+        Path(table).write_text(text)
+    if out:
+        plot(curves, metrics, Path(out), title=title, logy=logy)
+    finite = [r for r in rows if math.isfinite(r["final"])]
+    best = min(finite, key=lambda r: r["final"])["label"] if finite else None
+    return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "markdown": text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run dirs, or sweep dirs whose job subdirs are runs")
+    parser.add_argument("--metric", action="append", default=None,
+                        help="scalar tag to plot (repeatable; one panel each; the first one is tabulated). "
+                             "Default: val/loss")
+    parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
+    parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")
+    parser.add_argument("--table", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--title", default="", help="figure title")
+    parser.add_argument("--logy", action="store_true", help="log-scale y axis")
+    args = parser.parse_args(argv)
+    try:
+        result = compare(args.runs, args.metric or ["val/loss"], args.labels.split(",") if args.labels else None,
+                         args.out, args.table, args.title, args.logy)
+    except CompareError as e:
+        print(f"compare_runs: error: {e}", file=sys.stderr)
+        print(json.dumps({"error": str(e)}))
+        return 2
+    print(result.pop("markdown"), end="")
+    print(f"wrote {result['png']}" + (f" and {result['table']}" if result["table"] else ""))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

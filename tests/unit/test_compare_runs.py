@@ -1,0 +1,70 @@
+"""scripts/compare_runs.py: reads TensorBoard scalars of several runs, writes a PNG and a markdown table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
+compare_runs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_runs)
+
+
+def write_run(run: Path, values: dict[int, float], overrides: list[str] | None = None, files: int = 1) -> Path:
+    items = sorted(values.items())
+    chunk = -(-len(items) // files)
+    for i in range(files):  # a resumed run has several event files in one dir
+        w = SummaryWriter(str(run / "tb"), filename_suffix=f".{i}")
+        for step, v in items[i * chunk : (i + 1) * chunk]:
+            w.add_scalar("val/loss", v, step)
+            w.add_scalar("lr-AdamW/decay", 1e-3, step)
+        w.close()
+    if overrides:
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return run
+
+
+def test_runs_table_png_and_json(tmp_path, capsys):
+    a = write_run(tmp_path / "a", {10: 3.0, 20: 2.5, 30: 2.6}, files=2)
+    b = write_run(tmp_path / "b", {10: 3.1, 20: 2.4, 30: 2.3})
+    out, table = tmp_path / "cmp.png", tmp_path / "cmp.md"
+    assert compare_runs.main([str(a), str(b), "--out", str(out), "--table", str(table),
+                              "--metric", "val/loss", "--metric", "lr-AdamW/decay"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["label"]: r for r in result["runs"]}
+    assert rows["a"]["final"] == pytest.approx(2.6) and rows["a"]["best"] == pytest.approx(2.5)
+    assert rows["a"]["best_step"] == 20 and rows["a"]["final_step"] == 30
+    assert rows["b"]["final"] == pytest.approx(2.3) and result["best"] == "b"
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    md = table.read_text()
+    assert "| a | 30 | 2.6000 | 2.5000 (20) | +13.04% |" in md and "| b | 30 | 2.3000 | 2.3000 (30) | +0.00% |" in md
+
+
+def test_sweep_dir_expands_to_jobs_labelled_by_differing_overrides(tmp_path):
+    sweep = tmp_path / "sweep"
+    for i, lr in enumerate(["1e-3", "3e-3", "1e-2"]):
+        write_run(sweep / str(i), {5: 3.0 - i * 0.1}, overrides=["experiment=x", f"optimizer.lr={lr}"])
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "s.png"))
+    assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3", "optimizer.lr=1e-2"]
+    assert result["best"] == "optimizer.lr=1e-2"
+
+
+def test_errors_name_the_run_and_metric(tmp_path, capsys):
+    a = write_run(tmp_path / "a", {1: 1.0})
+    with pytest.raises(compare_runs.CompareError, match="does not exist"):
+        compare_runs.compare([str(tmp_path / "nope")], ["val/loss"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(compare_runs.CompareError, match="no TensorBoard event files"):
+        compare_runs.compare([str(tmp_path / "empty")], ["val/loss"])
+    with pytest.raises(compare_runs.CompareError, match="no scalar 'val/ppl'.*val/loss"):
+        compare_runs.compare([str(a)], ["val/ppl"])
+    with pytest.raises(compare_runs.CompareError, match="--labels has 2 entries"):
+        compare_runs.compare([str(a)], ["val/loss"], labels=["x", "y"])
+    assert compare_runs.main([str(tmp_path / "nope")]) == 2
+    assert "error" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
