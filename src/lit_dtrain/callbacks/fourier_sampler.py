@@ -12,11 +12,10 @@ after the update, so schedules and ``LearningRateMonitor`` see unscaled values) 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import lightning as L
 from typing_extensions import override
 
+from lit_dtrain.callbacks._contract import require_outputs
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -27,6 +26,8 @@ class FourierSamplerCallback(L.Callback):
         log_every_n_steps: logging cadence in optimizer steps (None: the Trainer's ``log_every_n_steps``).
         apply_lr_multiplier: scale the LR by the sampler's stage multiplier (off: stages only shape sampling).
     """
+
+    required_step_outputs = ("token_loss", "index")  # checked against LitLLM.step_output_keys before compute
 
     def __init__(self, log_every_n_steps: int | None = None, apply_lr_multiplier: bool = True) -> None:
         if log_every_n_steps is not None and int(log_every_n_steps) <= 0:
@@ -93,17 +94,7 @@ class FourierSamplerCallback(L.Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
-        if not isinstance(outputs, Mapping):
-            raise TypeError(
-                f"FourierSamplerCallback needs training_step to return a dict with 'token_loss' and 'index', "
-                f"got {type(outputs).__name__}"
-            )
-        for key in ("token_loss", "index"):
-            if outputs.get(key) is None:
-                raise KeyError(
-                    f"FourierSamplerCallback needs {key!r} in the training_step output (got keys "
-                    f"{sorted(outputs)}); LitLLM returns it, other modules must too"
-                )
+        require_outputs(self, outputs, self.required_step_outputs)
         sampler = self.sampler_of(trainer)
         stats = sampler.observe(outputs["token_loss"], outputs["index"], step=trainer.global_step)
         self._comm_bytes += stats["comm_bytes"]

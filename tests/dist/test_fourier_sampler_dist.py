@@ -1,0 +1,124 @@
+"""FourierSampler across 2 gloo processes: identical tables, same global batch, disjoint shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lit_dtrain.data.samplers import FourierSampler
+from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+
+pytestmark = pytest.mark.dist
+
+WORLD, PER_RANK, STEPS, N, T = 2, 4, 6, 40, 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank: int, async_op: bool) -> dict:
+    sampler = FourierSampler(async_op=async_op, step_unit=1)  # stages switch bands 4 -> 6 at step 5
+    sampler.setup(N, seed=11)
+    batches, shards = [], []
+    for step in range(STEPS):
+        global_batch = sampler.global_batch(step, WORLD * PER_RANK)
+        shard = global_batch[rank * PER_RANK : (rank + 1) * PER_RANK]
+        g = torch.Generator().manual_seed(1000 * rank + step)  # each rank sees different losses
+        loss = torch.rand(PER_RANK, T, generator=g) * (1 + shard[:, None].float() % 5)
+        stats = sampler.observe(loss, shard, step + 1)
+        batches.append(global_batch)
+        shards.append(shard)
+    return {"state": sampler.state_dict(), "batches": torch.stack(batches), "shards": torch.stack(shards),
+            "comm_bytes": stats["comm_bytes"], "probs": sampler.probabilities(STEPS)}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.save({mode: _run(rank, mode == "async") for mode in ("async", "sync")}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_hold_identical_tables_and_draw_disjoint_shards(tmp_path):
+    mp.spawn(partial(_worker), args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for mode in ("async", "sync"):
+        check_identical_tables(ranks[0][mode], ranks[1][mode])
+    for key in ("m1", "visits", "profile"):  # waiting on the async gather at the next draw changes nothing
+        assert torch.equal(ranks[0]["async"]["state"][key], ranks[0]["sync"]["state"][key]), key
+
+
+def check_identical_tables(r0: dict, r1: dict) -> None:
+    for key in ("m1", "m2", "visits", "profile", "excluded"):
+        assert torch.equal(r0["state"][key], r1["state"][key]), key
+    assert r0["state"]["updates"] == r1["state"]["updates"] == STEPS
+    assert torch.equal(r0["probs"], r1["probs"])
+    assert torch.equal(r0["batches"], r1["batches"])  # the same global batch on both ranks, every step
+    for step in range(STEPS):
+        gb = r0["batches"][step]
+        assert torch.equal(r0["shards"][step], gb[:PER_RANK]) and torch.equal(r1["shards"][step], gb[PER_RANK:])
+    # the table holds both ranks' updates: one visit per distinct sample per step
+    expected = torch.zeros(N, dtype=torch.int32)
+    for step in range(STEPS):
+        expected[torch.unique(r0["batches"][step])] += 1
+    assert torch.equal(r0["state"]["visits"], expected)
+    assert bool((r0["state"]["m1"][expected > 0] > 0).all())
+    assert r0["state"]["profile"].dtype == torch.float16
+    # bytes handed to the collectives by one rank in one step: fp32 energy + (8 + 4 + 2 * 8) B per sample
+    assert r0["comm_bytes"] == 4 + PER_RANK * (8 + 4 + 2 * 8)
+
+
+class DumpSamplerTables(L.Callback):
+    """Test helper: records each rank's shards and global batches, and dumps its sampler state at the end."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.shards, self.batches = Path(out), [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        dm = trainer.datamodule  # the batch was drawn for micro-step dm.micro_step - 1 (pure: redraw it)
+        self.batches.append(dm.sampler.global_batch(dm.micro_step - 1, dm.batch_size * trainer.world_size))
+        self.shards.append(batch["index"].cpu())
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.datamodule.sampler.state_dict()
+        torch.save({"state": state, "batches": torch.stack(self.batches), "shards": torch.stack(self.shards)},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = subprocess_env(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env["PYTHONPATH"]  # the dump callback lives in tests/
+    args = [*TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "data=textfiles",
+            f"data.sources.0.paths=[{corpus}]", "run_name=ddp", "data/sampler=fourier",
+            "callbacks=[default,fourier_sampler]", "data.sampler.step_unit=1", "sample.max_new_tokens=0",
+            f"+callbacks.dump._target_={__name__}.DumpSamplerTables", f"+callbacks.dump.out={dump}"]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "outputs" / "runs" / "ddp" / "summary.json").read_text())
+    assert summary["steps"] == 6
+    r0, r1 = (torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2))
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(r0["state"][key], r1["state"][key]), key
+    assert r0["state"]["updates"] == 6 and int((r0["state"]["visits"] > 0).sum()) > 4
+    assert torch.equal(r0["batches"], r1["batches"])
+    per_rank = r0["shards"].shape[1]
+    assert torch.equal(r0["shards"], r0["batches"][:, :per_rank])
+    assert torch.equal(r1["shards"], r1["batches"][:, per_rank:])
