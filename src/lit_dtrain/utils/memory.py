@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 
 @dataclass
@@ -108,17 +108,42 @@ def _pointwise_flops(*args, out_shape=None, **kwargs) -> int:
     return sum(math.prod(s) for s in (out_shape if multi else [out_shape]) if s is not None)
 
 
-def measure_backward_flops(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = False) -> int:
-    """FLOPs of the backward pass of ``forward_fn()``'s loss, recomputation included.
+def _cpu_flash_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
 
-    With ``count_pointwise=False`` it is FlopCounterMode's count (matmul-class ops only); with
-    ``count_pointwise=True`` the :data:`POINTWISE_OPS` add one FLOP per output element.
-    """
-    mapping = dict.fromkeys(POINTWISE_OPS, _pointwise_flops) if count_pointwise else None
+
+def _cpu_flash_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# FlopCounterMode's registry has the CUDA SDPA kernels but not the CPU flash kernel (torch 2.13):
+# without these entries attention FLOPs read zero on CPU.
+CPU_ATTENTION_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+}
+
+
+def backward_flops_by_op(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = True) -> dict:
+    """FLOPs of the backward pass of ``forward_fn()``'s loss per op (``OpOverloadPacket``), recomputation
+    included. Leaves the gradients in ``.grad`` like any backward."""
+    mapping = dict(CPU_ATTENTION_FLOPS)
+    if count_pointwise:
+        mapping.update(dict.fromkeys(POINTWISE_OPS, _pointwise_flops))
     loss = forward_fn()
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         loss.backward()
-    return int(counter.get_total_flops())
+    return dict(counter.get_flop_counts().get("Global", {}))
+
+
+def measure_backward_flops(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = False) -> int:
+    """Total FLOPs of the backward pass of ``forward_fn()``'s loss, recomputation included.
+
+    With ``count_pointwise=False`` it is FlopCounterMode's count (matmul-class ops only, plus the CPU
+    flash-attention kernel its registry lacks); with
+    ``count_pointwise=True`` the :data:`POINTWISE_OPS` add one FLOP per output element.
+    """
+    return int(sum(backward_flops_by_op(forward_fn, count_pointwise).values()))
 
 
 def reset_peak_rss() -> bool:
