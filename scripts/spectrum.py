@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Average token-loss spectrum of one or more checkpoints on a corpus, plotted to PNG with the band edges.
+
+The brief's "spectral analysis tool to verify effective bandwidth": it computes each held-out window's
+per-token loss, takes the one-sided power spectrum of the rfft along the sequence (normalized so that a
+window's bins sum to the variance of its token loss, as :func:`band_energies` does), averages over windows and
+plots power against frequency (cycles per window; the top axis shows the period in tokens). Vertical lines mark
+the lower edges of the FourierSampler's bands for this length (solid: ``--num-bands``; dotted: the 8-band
+stage layout). It prints each band's share of the energy and the effective bandwidth (the bin below which
+``--bandwidth-fraction`` of the energy lies); the last line is one JSON object.
+
+    python scripts/spectrum.py outputs/runs/RUN/checkpoints/last.ckpt --out spectrum.png
+    python scripts/spectrum.py early.ckpt late.ckpt --files ~/corpus --block-size 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lit_dtrain.checkpoint import safe_torch_load
+from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
+from lit_dtrain.data.samplers import spectral
+from lit_dtrain.models import build_llama
+
+
+def load_model(path: str) -> torch.nn.Module:
+    """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``)."""
+    ckpt = safe_torch_load(path)
+    if "model_config" not in ckpt:
+        raise SystemExit(f"{path}: no 'model_config' in the checkpoint (was it written by lit_dtrain's LitLLM?)")
+    model = build_llama(**ckpt["model_config"])
+    prefix = "model."
+    state = {k[len(prefix):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
+             if k.startswith(prefix)}
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def windows_of(args, block_size: int) -> torch.Tensor:
+    """``--windows`` evenly spaced windows [W, T+1] of the corpus' held-out (or train) split."""
+    source = CorpusSource(name="files", kind="files", paths=args.files) if args.files else CorpusSource()
+    dm = LMDataModule(sources=[source], block_size=block_size, batch_size=1, cache_dir=args.cache_dir,
+                      progress=False)
+    dm.prepare_data()
+    stream = dm.splits[0].val if args.split == "val" else dm.splits[0].train
+    ws = WindowSet([stream], block_size)
+    if len(ws) == 0:
+        raise SystemExit(f"the {args.split} split has no window of {block_size + 1} tokens")
+    idx = np.unique(np.linspace(0, len(ws) - 1, min(len(ws), args.windows)).round().astype(np.int64))
+    return ws.gather(idx)
+
+
+@torch.no_grad()
+def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray, float]:
+    """Mean one-sided power per rfft bin (bins 0..T//2, Parseval-normalized) and the mean token loss."""
+    powers, losses = [], []
+    for i in range(0, len(windows), batch):
+        w = windows[i : i + batch]
+        logits = model(w[:, :-1])
+        B, T, V = logits.shape
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, V), w[:, 1:].reshape(-1),
+                                                 reduction="none").view(B, T)
+        spec = torch.fft.rfft(loss - loss.mean(1, keepdim=True), dim=-1)
+        scale = torch.full((T // 2 + 1,), 2.0)
+        if T % 2 == 0:
+            scale[-1] = 1.0
+        powers.append((spec.abs().square() * scale / (T * T)).sum(0))
+        losses.append(loss.mean(1))
+    return (torch.stack(powers).sum(0) / len(windows)).numpy(), float(torch.cat(losses).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoints", nargs="+", help="lit_dtrain checkpoints (last.ckpt ...), overlaid")
+    ap.add_argument("--files", nargs="*", default=None, help="corpus files/dirs/globs (default: the stdlib corpus)")
+    ap.add_argument("--split", choices=["val", "train"], default="val")
+    ap.add_argument("--block-size", type=int, default=None, help="window length T (default: the model's)")
+    ap.add_argument("--windows", type=int, default=128, help="windows averaged")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-freq", type=int, default=None, help="band edges (default: the brief's for T)")
+    ap.add_argument("--num-bands", type=int, default=None)
+    ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
+    ap.add_argument("--labels", nargs="*", default=None, help="legend labels (default: file paths)")
+    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
+    ap.add_argument("--out", default="spectrum.png", help="PNG path")
+    args = ap.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [load_model(p) for p in args.checkpoints]
+    T = args.block_size or models[0].config.block_size
+    auto_freq, auto_bands = spectral.default_band_config(T)
+    max_freq, num_bands = args.max_freq or auto_freq, args.num_bands or auto_bands
+    windows = windows_of(args, T)
+    labels = args.labels or args.checkpoints
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    results = []
+    freqs = np.arange(T // 2 + 1)
+    for model, label in zip(models, labels):
+        power, mean_loss = mean_spectrum(model, windows, args.batch_size)
+        band = spectral.bin_to_band(max_freq, num_bands, T).numpy()
+        energy = np.array([power[band == b].sum() for b in range(num_bands)])
+        cumulative = np.cumsum(power[1:]) / power[1:].sum()
+        bandwidth = int(np.searchsorted(cumulative, args.bandwidth_fraction) + 1)
+        ax.loglog(freqs[1:], power[1:], label=f"{label} (mean loss {mean_loss:.3f})")
+        results.append({"checkpoint": label, "mean_loss": mean_loss, "variance": float(power[1:].sum()),
+                        "band_fractions": (energy / energy.sum()).round(4).tolist(),
+                        "effective_bandwidth_bin": bandwidth})
+        print(f"{label}: mean loss {mean_loss:.4f}, loss variance {power[1:].sum():.4f}, band shares "
+              f"{(energy / energy.sum()).round(3).tolist()}, {args.bandwidth_fraction:.0%} of the energy below "
+              f"bin {bandwidth} (period {T / bandwidth:.1f} tokens)")
+    edges = spectral.band_lower_bins(max_freq, num_bands, T).tolist()
+    for e in edges:
+        ax.axvline(e, color="k", lw=1)
+    for e in spectral.band_lower_bins(max_freq, 8, T).tolist():
+        if e not in edges:
+            ax.axvline(e, color="k", lw=0.6, ls=":")
+    ax.set_xlabel(f"frequency (cycles per {T}-token window)")
+    ax.set_ylabel("mean power of token loss (nats² per bin)")
+    top = ax.secondary_xaxis("top", functions=(lambda f: T / np.maximum(f, 1e-9), lambda p: T / np.maximum(p, 1e-9)))
+    top.set_xlabel("period (tokens)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Token-loss spectrum, {len(windows)} {args.split} windows; band edges: compute_bands("
+                 f"{max_freq}, {num_bands}) solid, 8 bands dotted", fontsize=9)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    print(json.dumps({"block_size": T, "max_freq": max_freq, "num_bands": num_bands, "band_lower_bins": edges,
+                      "out": args.out, "checkpoints": results}))
+
+
+if __name__ == "__main__":
+    main()
