@@ -1,0 +1,303 @@
+#!/usr/bin/env python
+"""Inject loss spikes deterministically into the default model's training and compare recoveries.
+
+Injections (at fixed optimizer steps, the same in every injected run):
+
+- ``random_tokens``: that step's batch is replaced by uniformly random tokens (a corrupt shard);
+- ``lr_x100``: that step's update uses 100x the scheduled LR (a bad update; the loss spikes one step later);
+- ``nan_loss``: the model's logits are NaN for that step (a numerical blow-up: NaN loss and grads).
+
+Runs, one after another in this process, each from the same seed and data:
+
+- ``clean``: no injection, our ``LossSpikeMonitor`` on (rollback mode, so snapshots are taken): false
+  positives, and the reference val loss; Lightning's ``SpikeDetection`` rides along passively (recording
+  instead of raising) to count its false positives too;
+- ``unprotected``: injected, no monitor (ours rides along with ``actions=[log]`` only, Lightning's passively);
+- ``unprotected_no_nan``: injected without the NaN, no monitor: how much the other two spikes cost;
+- ``lightning``: injected, Lightning's ``SpikeDetection`` as shipped (it raises at the first spike it sees);
+- ``skip`` and ``rollback``: injected, our monitor with that action.
+
+Recall counts an injection at step s as detected when the detector fires at a step in [s, s+2]. The model is
+the default nano model (conf/model/nano.yaml); to fit 2 shared CPU cores the sequence length and batch
+default to 64 and 8 (``--block-size``, ``--batch-size``). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import SpikeDetection
+from omegaconf import open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from lit_dtrain.callbacks import LossSpikeMonitor  # noqa: E402
+from lit_dtrain.train import train  # noqa: E402
+
+KINDS = ("random_tokens", "lr_x100", "nan_loss")
+
+
+class SpikeInjector(L.Callback):
+    """Injects the configured spikes and records the per-step training loss."""
+
+    def __init__(self, schedule: dict[int, str], seed: int = 0) -> None:
+        self.schedule, self.seed = dict(schedule), seed
+        self.losses: list[float] = []
+        self.z: list[float] = []  # our monitor's loss z-score and relative rise per step (when it is on)
+        self.rel: list[float] = []
+        self.trainer = None
+        self._handle = None
+        self._lr_saved = None
+
+    def setup(self, trainer, pl_module, stage):
+        self.trainer = trainer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        kind = self.schedule.get(trainer.global_step)
+        if kind == "random_tokens":
+            g = torch.Generator().manual_seed(self.seed + trainer.global_step)
+            vocab = pl_module.model.config.vocab_size if hasattr(pl_module.model, "config") else 257
+            for key in ("input_ids", "labels"):
+                batch[key].copy_(torch.randint(vocab, batch[key].shape, generator=g))
+        elif kind == "nan_loss":
+            self._handle = pl_module.model.register_forward_hook(lambda m, i, out: out * float("nan"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self.schedule.get(trainer.global_step) == "lr_x100":
+            self._lr_saved = [g["lr"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["lr"] *= 100.0
+            handle = optimizer.register_step_post_hook(lambda *a: self._restore(optimizer, handle))
+
+    def _restore(self, optimizer, handle):
+        for g, lr in zip(optimizer.param_groups, self._lr_saved):
+            g["lr"] = lr
+        handle.remove()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        monitor = next((c for c in trainer.callbacks if isinstance(c, LossSpikeMonitor)), None)
+        if monitor is not None and monitor.last_decision is not None:
+            self.z.append(monitor.last_decision.loss_z)
+            self.rel.append(monitor.last_decision.loss_rel)
+
+
+class RecordingSpikeDetection(SpikeDetection):
+    """Lightning's SpikeDetection, recording the steps it would raise at instead of raising."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.spike_batches: list[int] = []
+
+    def _handle_spike(self, fabric, batch_idx: int) -> None:
+        self.spike_batches.append(int(batch_idx))
+
+
+def compose_cfg(args, run: str, extra: list[str]):
+    overrides = [
+        f"model.block_size={args.block_size}", f"data.batch_size={args.batch_size}",
+        f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
+        f"data.max_val_windows={args.val_windows}", "data.progress=false", "sample.max_new_tokens=0",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks.progress_bar=null",
+        "trainer.accelerator=cpu", f"seed={args.seed}", f"scheduler.warmup_steps={min(100, args.steps // 10)}",
+    ] + extra
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(Path(args.out_dir) / run)
+        cfg.paths.cache_dir = os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain")
+    return cfg
+
+
+def run_variant(args, name: str, schedule: dict[int, str], monitor: dict | None, lightning: str | None) -> dict:
+    """One training run; returns its numbers (val loss, detections, per-step losses)."""
+    extra = []
+    if monitor is not None:
+        extra += ["callbacks=[default,loss_spike]", f"callbacks.loss_spike.snapshot_every={args.snapshot_every}",
+                  f"callbacks.loss_spike.warmup_steps={args.warmup_steps}"]
+        extra += [f"callbacks.loss_spike.{k}={v}" for k, v in monitor.items()]
+    cfg = compose_cfg(args, name, extra)
+    if monitor is None and "check_finite" in cfg.get("module", {}):
+        cfg.module.check_finite = False  # LitLLM's NaN-grad stop off: no protection but the one compared
+    injector = SpikeInjector(schedule, seed=args.seed)
+    extra_callbacks = [injector]
+    if lightning == "raise":
+        extra_callbacks.append(SpikeDetection())
+    elif lightning == "record":
+        extra_callbacks.append(RecordingSpikeDetection())
+    import lit_dtrain.train as train_mod
+
+    build = train_mod.build_callbacks
+    train_mod.build_callbacks = lambda c: build(c) + extra_callbacks
+    t0 = time.perf_counter()
+    halted_at = None
+    try:
+        metrics, objects = train(cfg)
+        val_loss = metrics["val_loss"]
+        trainer = objects["trainer"]
+    except Exception as e:  # Lightning's SpikeDetection (or LitLLM's finite-grad guard) stopped the run
+        if type(e).__name__ not in ("TrainingSpikeException", "NonFiniteError"):
+            raise
+        print(f"[{name}] stopped: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        trainer = injector.trainer
+        halted_at = trainer.global_step
+        val = trainer.validate(trainer.lightning_module, datamodule=trainer.datamodule, verbose=False)
+        val_loss = float(val[0]["val/loss"])
+    finally:
+        train_mod.build_callbacks = build
+    ours = next((c for c in trainer.callbacks if isinstance(c, LossSpikeMonitor)), None)
+    light = next((c for c in trainer.callbacks if isinstance(c, SpikeDetection)), None)
+    out = {
+        "name": name, "val_loss": val_loss, "seconds": time.perf_counter() - t0, "halted_at": halted_at,
+        "ours_steps": [e["step"] for e in ours.events] if ours else None,
+        "ours_events": ours.events if ours else None,
+        "lightning_steps": getattr(light, "spike_batches", None) if light else None,
+        "losses": injector.losses,
+    }
+    if injector.z:
+        warm = [(z, r) for z, r in zip(injector.z, injector.rel) if math.isfinite(z)][args.warmup_steps:]
+        out["max_loss_z"] = max(z for z, _ in warm)
+        out["max_loss_rel"] = max(r for _, r in warm)
+    print(f"[{name}] val_loss={val_loss:.4f} ours={out['ours_steps']} lightning={out['lightning_steps']} "
+          f"halted_at={halted_at} ({out['seconds']:.0f}s)", flush=True)
+    return out
+
+
+def recall(detected_steps: list[int] | None, schedule: dict[int, str], slack: int = 2) -> dict[str, bool]:
+    steps = detected_steps or []
+    return {f"{kind}@{s}": any(s <= d <= s + slack for d in steps) for s, kind in sorted(schedule.items())}
+
+
+def false_positives(detected_steps: list[int] | None, schedule: dict[int, str], slack: int = 2) -> int:
+    return sum(1 for d in detected_steps or [] if not any(s <= d <= s + slack for s in schedule))
+
+
+def parse_schedule(text: str) -> dict[int, str]:
+    schedule = {}
+    for item in text.split(","):
+        kind, step = item.split(":")
+        if kind not in KINDS:
+            raise SystemExit(f"--inject: unknown kind {kind!r}; choose from {KINDS}")
+        schedule[int(step)] = kind
+    return schedule
+
+
+def plot(results: dict, schedule: dict[int, str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for name in ("clean", "unprotected_no_nan", "skip", "rollback"):
+        if name not in results:
+            continue
+        losses = torch.tensor(results[name]["losses"])
+        smooth = torch.nn.functional.avg_pool1d(losses[None, None].nan_to_num(20.0), 21, 1, 10,
+                                                count_include_pad=False)[0, 0]
+        axes[0].plot(smooth.numpy(), label=name, lw=1)
+        axes[1].plot(losses.nan_to_num(20.0).numpy(), label=name, lw=0.6)
+    for ax in axes:
+        for s, kind in schedule.items():
+            ax.axvline(s, color="k", ls=":", lw=0.8)
+            ax.text(s, ax.get_ylim()[1] if ax is axes[1] else 4.0, kind, fontsize=7, rotation=90, va="top")
+    axes[0].set_ylim(1.5, 4.5)
+    axes[0].set_ylabel("train loss (21-step mean)")
+    axes[1].set_ylabel("train loss per step (NaN drawn at 20)")
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("optimizer step")
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run (>= 2000 for the FP target)")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per sample (nano's default is 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch (the default config uses 16)")
+    p.add_argument("--val-windows", type=int, default=512, help="validation windows (same for every run)")
+    p.add_argument("--inject", default="random_tokens:610,lr_x100:1130,nan_loss:1660",
+                   help="comma list kind:step with kind in " + ", ".join(KINDS))
+    p.add_argument("--snapshot-every", type=int, default=50, help="rollback snapshot cadence")
+    p.add_argument("--variants", default="clean,unprotected,unprotected_no_nan,lightning,skip,rollback")
+    p.add_argument("--warmup-steps", type=int, default=50, help="our monitor's statistics warmup")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--out-dir", default="outputs/bench_spikes")
+    p.add_argument("--plot", default=str(ROOT / "docs/img/spikes_loss.png"), help="figure path ('' to skip)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    schedule = parse_schedule(args.inject)
+    no_nan = {s: k for s, k in schedule.items() if k != "nan_loss"}
+    plans = {
+        "clean": ({}, {"actions": "[log,rollback]"}, "record"),
+        "unprotected": (schedule, {"actions": "[log]"}, "record"),
+        "unprotected_no_nan": (no_nan, None, None),
+        "lightning": (schedule, None, "raise"),
+        "skip": (schedule, {"actions": "[log,skip]"}, None),
+        "rollback": (schedule, {"actions": "[log,rollback]"}, None),
+    }
+    results = {}
+    for name in args.variants.split(","):
+        sched, monitor, lightning = plans[name]
+        results[name] = run_variant(args, name, sched, monitor, lightning)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"schedule": schedule, "results": results}, default=str))
+    if args.plot:
+        plot(results, schedule, Path(args.plot))
+
+    def val(name):
+        return results[name]["val_loss"] if name in results else None
+
+    summary: dict = {"injected": len(schedule), "steps": args.steps, "block_size": args.block_size,
+                     "batch_size": args.batch_size}
+    for name in ("rollback", "skip", "unprotected"):
+        if name in results:
+            rec = recall(results[name]["ours_steps"], schedule)
+            summary[f"recall_{name}"] = rec
+    main_run = "rollback" if "rollback" in results else "skip" if "skip" in results else None
+    summary["detected"] = sum(summary[f"recall_{main_run}"].values()) if main_run else None
+    if "unprotected" in results:
+        summary["lightning_passive_recall"] = recall(results["unprotected"]["lightning_steps"], schedule)
+    if "clean" in results:
+        summary["false_positives_clean"] = len(results["clean"]["ours_steps"])
+        summary["false_positives_clean_lightning"] = len(results["clean"]["lightning_steps"])
+        summary["clean_max_loss_z"] = results["clean"].get("max_loss_z")
+        summary["clean_max_loss_rel"] = results["clean"].get("max_loss_rel")
+    if "lightning" in results:
+        summary["lightning_halted_at"] = results["lightning"]["halted_at"]
+        summary["val_loss_lightning"] = val("lightning")
+    for name in ("clean", "unprotected", "unprotected_no_nan", "rollback", "skip"):
+        if name in results:
+            summary[f"val_loss_{name}"] = val(name)
+    clean = val("clean")
+    if clean:
+        for name in ("unprotected", "unprotected_no_nan", "rollback", "skip", "lightning"):
+            v = val(name)
+            if v is not None:
+                summary[f"ratio_{name}_vs_clean"] = v / clean if math.isfinite(v) else str(v)
+    for key, value in list(summary.items()):  # strict JSON: a diverged run's NaN becomes null + a flag
+        if isinstance(value, float) and not math.isfinite(value):
+            summary[key] = None
+            summary[key.replace("val_loss_", "") + "_diverged"] = True
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

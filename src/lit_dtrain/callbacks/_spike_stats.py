@@ -1,0 +1,277 @@
+"""Pure statistics behind loss-spike detection and adaptive gradient clipping (no torch, no Lightning).
+
+Everything here works on Python floats, so it is testable on synthetic sequences and, under DDP, gives
+bit-identical decisions on every rank as long as every rank feeds it the same (all-reduced) values.
+
+- :class:`RobustStat`: a running location/scale of a scalar series, either an exponential moving average
+  and an EMA of squared one-step forecast errors (as in ZClip and OLMo's grad-norm clipping, made robust to
+  the falling trend of a loss curve), or median and MAD of first differences over a window. Values are only
+  added when they were not a spike, and (EMA) clipped to ``location + clip_z * scale`` first, so one
+  outlier that slips under the threshold cannot inflate the scale much.
+- :class:`SpikeDetector`: the decision for one optimizer step from the loss (and optionally grad norm).
+- :class:`SpikeWindow`: "M spikes within W steps" for the ``raise`` action.
+- :func:`cooldown_factor`: the LR multiplier of the ``lr_cooldown`` action.
+
+Checked first: Lightning's ``SpikeDetection`` keeps a running mean with an rtol/atol test and no scale
+estimate, so it has no z-score, no warmup of the scale and no grad-norm test; torchmetrics has no EMA
+variance. Hence this small hand-written module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+METHODS = ("ema", "median")
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRAD = "nonfinite_grad"
+LOSS_SPIKE = "loss"
+GRAD_SPIKE = "grad_norm"
+
+_MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
+
+
+class RobustStat:
+    """Running location and scale of a scalar series with a warmup, robust to a trending series.
+
+    A training loss falls steadily, so the plain variance of recent values mostly measures the trend. Both
+    methods therefore take the scale from one-step changes, not from the spread around the location:
+
+    - ``"ema"``: location = EMA of the values (``decay``); scale = sqrt of an EMA (``scale_decay``) of the
+      squared one-step forecast errors ``x - location_before``, the error of predicting the next value by
+      the current location (Holt-style; a lag of ``decay/(1-decay)`` steps behind the trend adds little);
+    - ``"median"``: location = median of the last ``max(3, window // 10)`` values; scale =
+      ``1.4826 * median(|x_t - x_(t-1)|) / sqrt(2)`` over ``window`` values (MAD of first differences).
+
+    Args:
+        method: ``"ema"`` or ``"median"``.
+        decay: EMA decay of the location (``"ema"``); early values are averaged equally until ``1/(1-decay)``.
+        scale_decay: EMA decay of the squared forecast errors (``"ema"``; None: ``decay``).
+        window: values kept (``"median"``).
+        warmup: values needed before :attr:`ready` (before that, nothing can be a spike).
+        clip_z: (``"ema"``) values are clipped to ``location + clip_z * scale`` before they are added once
+            ready, so one outlier under the detection threshold cannot inflate the scale; None: off.
+        min_rel_scale: the scale is at least this fraction of ``|location|`` (a plateau never gives z = inf).
+        min_scale: an absolute lower bound of the scale.
+    """
+
+    def __init__(
+        self,
+        method: str = "ema",
+        decay: float = 0.9,
+        scale_decay: float | None = 0.98,
+        window: int = 200,
+        warmup: int = 50,
+        clip_z: float | None = 3.0,
+        min_rel_scale: float = 0.01,
+        min_scale: float = 1e-8,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        scale_decay = decay if scale_decay is None else scale_decay
+        for name, value in (("decay", decay), ("scale_decay", scale_decay)):
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {value}")
+        if window < 3:
+            raise ValueError(f"window must be >= 3, got {window}")
+        if warmup < 2:
+            raise ValueError(f"warmup must be >= 2, got {warmup}")
+        if method == "median" and warmup > window:
+            raise ValueError(f"warmup ({warmup}) must be <= window ({window}) for method='median'")
+        if clip_z is not None and clip_z <= 0:
+            raise ValueError(f"clip_z must be > 0 or None, got {clip_z}")
+        if min_rel_scale < 0 or min_scale < 0:
+            raise ValueError(f"min_rel_scale and min_scale must be >= 0, got {min_rel_scale}, {min_scale}")
+        self.method, self.decay, self.scale_decay = method, float(decay), float(scale_decay)
+        self.window, self.warmup = int(window), int(warmup)
+        self.clip_z, self.min_rel_scale, self.min_scale = clip_z, float(min_rel_scale), float(min_scale)
+        self.count = 0
+        self.mean = 0.0
+        self.var = 0.0
+        self.values: deque[float] = deque(maxlen=self.window)
+
+    @property
+    def ready(self) -> bool:
+        """True once ``warmup`` values have been added."""
+        return self.count >= self.warmup
+
+    def location(self) -> float:
+        """The EMA or the median of the most recent values."""
+        if self.method == "median":
+            recent = list(self.values)[-max(3, self.window // 10):]
+            return _median(recent) if recent else 0.0
+        return self.mean
+
+    def raw_scale(self) -> float:
+        """The scale estimate before the floors."""
+        if self.method == "median":
+            v = list(self.values)
+            diffs = [abs(b - a) for a, b in zip(v[:-1], v[1:])]
+            return _MAD_TO_STD * _median(diffs) / math.sqrt(2.0) if diffs else 0.0
+        return math.sqrt(max(self.var, 0.0))
+
+    def scale(self) -> float:
+        """The scale, floored by ``min_rel_scale * |location|`` and ``min_scale``."""
+        return max(self.raw_scale(), self.min_rel_scale * abs(self.location()), self.min_scale)
+
+    def zscore(self, x: float) -> float:
+        """``(x - location) / scale``; +inf for a non-finite ``x``."""
+        if not math.isfinite(x):
+            return math.inf
+        return (x - self.location()) / self.scale()
+
+    def add(self, x: float) -> None:
+        """Add a (finite, non-spike) value."""
+        if not math.isfinite(x):
+            raise ValueError(f"RobustStat.add got a non-finite value {x}")
+        if self.ready and self.clip_z is not None and self.method == "ema":
+            x = min(x, self.location() + self.clip_z * self.scale())
+        self.count += 1
+        if self.method == "median":
+            self.values.append(float(x))
+            return
+        if self.count == 1:
+            self.mean, self.var = float(x), 0.0
+            return
+        # equal weights while count is small, then the EMA; the error is measured before the update
+        error = x - self.mean
+        alpha = max(1.0 - self.decay, 1.0 / self.count)
+        alpha_scale = max(1.0 - self.scale_decay, 1.0 / (self.count - 1))
+        self.mean += alpha * error
+        self.var += alpha_scale * (error * error - self.var)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "var": self.var, "values": list(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.var = int(state["count"]), float(state["mean"]), float(state["var"])
+        self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+@dataclass
+class SpikeDecision:
+    """The outcome for one step: ``reasons`` is empty when the step is normal."""
+
+    loss: float
+    loss_z: float
+    loss_rel: float
+    grad_norm: float | None = None
+    grad_z: float | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def is_spike(self) -> bool:
+        return bool(self.reasons)
+
+
+class SpikeDetector:
+    """Decides per step whether the loss (or grad norm) spiked; updates its statistics only on normal steps.
+
+    A step is a spike when:
+
+    - the loss or the grad norm is non-finite (always, even during warmup);
+    - the loss statistics are ready and the loss exceeds the thresholds that are set: ``z_threshold``
+      (z-score against the running location/scale) and ``rel_threshold`` (``loss / location - 1``); when both
+      are set both must hold, so a statistically unusual but tiny rise is not a spike;
+    - ``grad_z_threshold`` is set, the grad-norm statistics are ready and the grad norm's z-score exceeds it.
+
+    Lower-than-usual values are never spikes.
+    """
+
+    def __init__(
+        self,
+        z_threshold: float | None = 6.0,
+        rel_threshold: float | None = 0.2,
+        grad_z_threshold: float | None = None,
+        method: str = "ema",
+        decay: float = 0.9,
+        scale_decay: float | None = 0.98,
+        window: int = 200,
+        warmup_steps: int = 50,
+        clip_z: float | None = 3.0,
+        min_rel_scale: float = 0.01,
+    ) -> None:
+        if z_threshold is None and rel_threshold is None:
+            raise ValueError("set at least one of z_threshold and rel_threshold")
+        for name, value in (("z_threshold", z_threshold), ("rel_threshold", rel_threshold),
+                            ("grad_z_threshold", grad_z_threshold)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
+        kwargs = dict(method=method, decay=decay, scale_decay=scale_decay, window=window, warmup=warmup_steps,
+                      clip_z=clip_z)
+        self.loss_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
+        self.grad_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
+
+    def decide(self, loss: float, grad_norm: float | None = None, *, update: bool = True) -> SpikeDecision:
+        """The decision for this step; with ``update`` the statistics absorb the values of a normal step."""
+        loss = float(loss)
+        loss_z = self.loss_stat.zscore(loss)
+        loc = self.loss_stat.location()
+        loss_rel = math.inf if not math.isfinite(loss) else (loss / loc - 1.0 if loc > 0 else 0.0)
+        d = SpikeDecision(loss=loss, loss_z=loss_z, loss_rel=loss_rel, grad_norm=grad_norm)
+        if not math.isfinite(loss):
+            d.reasons.append(NONFINITE_LOSS)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            d.reasons.append(NONFINITE_GRAD)
+        if math.isfinite(loss) and self.loss_stat.ready:
+            z_hit = self.z_threshold is None or loss_z > self.z_threshold
+            rel_hit = self.rel_threshold is None or loss_rel > self.rel_threshold
+            if z_hit and rel_hit:
+                d.reasons.append(LOSS_SPIKE)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            d.grad_z = self.grad_stat.zscore(grad_norm)
+            if self.grad_z_threshold is not None and self.grad_stat.ready and d.grad_z > self.grad_z_threshold:
+                d.reasons.append(GRAD_SPIKE)
+        if update and not d.is_spike:
+            self.loss_stat.add(loss)
+            if grad_norm is not None:
+                self.grad_stat.add(grad_norm)
+        return d
+
+    def state_dict(self) -> dict:
+        return {"loss_stat": self.loss_stat.state_dict(), "grad_stat": self.grad_stat.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_stat.load_state_dict(state["loss_stat"])
+        self.grad_stat.load_state_dict(state["grad_stat"])
+
+
+class SpikeWindow:
+    """Counts spikes in a sliding window of steps: :meth:`add` returns True once ``max_spikes`` fall in it."""
+
+    def __init__(self, max_spikes: int = 3, window_steps: int = 1000) -> None:
+        if max_spikes < 1 or window_steps < 1:
+            raise ValueError(f"max_spikes and window_steps must be >= 1, got {max_spikes}, {window_steps}")
+        self.max_spikes, self.window_steps = int(max_spikes), int(window_steps)
+        self.steps: list[int] = []
+
+    def add(self, step: int) -> bool:
+        self.steps = [s for s in self.steps if s > step - self.window_steps] + [int(step)]
+        return len(self.steps) >= self.max_spikes
+
+
+def cooldown_factor(steps_since: int, factor: float, hold_steps: int, ramp_steps: int) -> float:
+    """LR multiplier ``steps_since`` steps after a spike: ``factor`` for ``hold_steps``, then linear back to 1."""
+    if steps_since < 0:
+        return 1.0
+    if steps_since < hold_steps:
+        return factor
+    if steps_since < hold_steps + ramp_steps:
+        frac = (steps_since - hold_steps + 1) / (ramp_steps + 1)
+        return factor + (1.0 - factor) * frac
+    return 1.0
+
+
+def zclip_threshold(stat: RobustStat, z_threshold: float) -> float | None:
+    """ZClip's clip value ``mean + z * std`` of the grad-norm statistics, or None while warming up."""
+    if not stat.ready:
+        return None
+    return stat.location() + z_threshold * stat.scale()

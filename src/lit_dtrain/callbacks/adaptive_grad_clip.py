@@ -1,0 +1,191 @@
+"""``AdaptiveGradClip``: z-score gradient clipping relative to the running grad-norm statistics (ZClip).
+
+ZClip (Kumar et al., 2025) keeps an EMA of the mean and variance of the global grad norm; a norm whose
+z-score exceeds ``z_threshold`` is clipped to ``mean + z_threshold * std`` (``mode="zscore"``) or to
+``mean + z_threshold**2 / z * std`` (``mode="reciprocal"``, harder on large outliers), and the EMA
+absorbs the clipped norm. OLMo's EMA-relative clipping is the same idea with a ratio instead of a z-score.
+
+It runs in ``on_before_optimizer_step``: after backward (so after DDP's gradient all-reduce, every rank
+sees the same norm and clips identically) and, under ``16-mixed``, after Lightning unscaled the grads
+(for optimizers that unscale inside ``step``, the loss scale is divided out of the norm). Lightning's own
+``gradient_clip_val`` is applied after this hook; set ``trainer.gradient_clip_val=null`` to use this alone.
+The pure statistics live in :mod:`lit_dtrain.callbacks._spike_stats` (shared with ``LossSpikeMonitor``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
+
+MODES = ("zscore", "reciprocal")
+
+
+def is_sharded(strategy) -> bool:
+    """True when each rank holds only a shard of the gradients (FSDP), so squared norms must be summed."""
+    name = type(strategy).__name__
+    return "FSDP" in name or "ModelParallel" in name
+
+
+def loss_scale(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> float:
+    """The factor by which the grads seen in ``on_before_optimizer_step`` are still scaled (1.0 normally).
+
+    Lightning unscales before the hook except for optimizers that unscale inside ``step``
+    (``_step_supports_amp_scaling``, e.g. fused Adam); their grads still carry the GradScaler's scale.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return 1.0
+    return float(scaler.get_scale())
+
+
+def has_grad_scaler(trainer: L.Trainer) -> bool:
+    """True under ``16-mixed``: non-finite grads are then the GradScaler's business (it skips the step)."""
+    return getattr(trainer.precision_plugin, "scaler", None) is not None
+
+
+def grad_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters of ``optimizer`` that currently hold a gradient."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], trainer: L.Trainer | None = None) -> torch.Tensor | None:
+    """The global L2 norm of the grads of ``params`` in fp32 (a 0-dim tensor), or None without grads.
+
+    Under DDP the grads are already all-reduced, so the local norm is the global one; under FSDP the squared
+    norms of the shards are summed across ranks.
+    """
+    sumsq = local_grad_sumsq(params)
+    if sumsq is None:
+        return None
+    if trainer is not None and trainer.world_size > 1 and is_sharded(trainer.strategy):
+        sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum")
+    return sumsq.sqrt()
+
+
+def local_grad_sumsq(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """Sum of squared grad elements of this rank's tensors, in fp32 (a 0-dim tensor); None without grads."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    # torch._foreach_norm is what clip_grad_norm_ uses: one fused pass per device/dtype
+    norms = torch._foreach_norm(grads, 2.0) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]
+    device = grads[0].device
+    return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
+
+
+class AdaptiveGradClip(L.Callback):
+    """Clip the global grad norm to ``mean + z_threshold * std`` of its running EMA statistics (ZClip).
+
+    Args:
+        z_threshold: z-score above which a norm is clipped (ZClip's default 2.5).
+        decay: EMA decay of the grad-norm mean and variance (ZClip's alpha 0.97).
+        warmup_steps: steps of plain statistics gathering before adaptive clipping starts.
+        mode: ``"zscore"`` clips to ``mean + z*std``; ``"reciprocal"`` to ``mean + z**2/z_t * std``.
+        max_norm: an absolute clip applied during warmup and as a ceiling afterwards (None: none).
+        log_every_n_steps: log norm/threshold/clip-rate every N optimizer steps (clip events always count).
+    """
+
+    def __init__(
+        self,
+        z_threshold: float = 2.5,
+        decay: float = 0.97,
+        warmup_steps: int = 25,
+        mode: str = "zscore",
+        max_norm: float | None = None,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        if not z_threshold > 0:
+            raise ValueError(f"AdaptiveGradClip: z_threshold must be > 0, got {z_threshold}")
+        if mode not in MODES:
+            raise ValueError(f"AdaptiveGradClip: mode must be one of {MODES}, got {mode!r}")
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"AdaptiveGradClip: max_norm must be > 0 or None, got {max_norm}")
+        if log_every_n_steps < 1:
+            raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm
+        self.log_every_n_steps = int(log_every_n_steps)
+        # clip_z=None: the EMA absorbs the value we pass, which is already the clipped norm (as in ZClip)
+        self.stat = RobustStat("ema", decay=decay, scale_decay=decay, warmup=warmup_steps, clip_z=None,
+                               min_rel_scale=0.0)
+        self.clip_events = 0
+        self.last: dict[str, float] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(z_threshold=self.z_threshold, mode=self.mode)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        clip_val = trainer.gradient_clip_val
+        if clip_val is not None and clip_val > 0:
+            rank_zero_warn(
+                f"AdaptiveGradClip runs before Lightning's gradient_clip_val={clip_val}, which still applies; "
+                "set trainer.gradient_clip_val=null to clip adaptively only."
+            )
+
+    def threshold(self) -> float | None:
+        """The current clip value (None: no clipping yet)."""
+        adaptive = zclip_threshold(self.stat, self.z_threshold)
+        candidates = [v for v in (adaptive, self.max_norm) if v is not None]
+        return min(candidates) if candidates else None
+
+    def _clip_to(self, norm: float) -> float:
+        """The norm after clipping (== ``norm`` when not clipped)."""
+        limit = self.threshold()
+        if limit is None or norm <= limit:
+            return norm
+        if self.mode == "reciprocal" and self.stat.ready:
+            z = (norm - self.stat.location()) / self.stat.scale()
+            limit = min(limit, self.stat.location() + self.z_threshold**2 / z * self.stat.scale())
+        return limit
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        params = grad_params(optimizer)
+        total = global_grad_norm(params, trainer)
+        if total is None:  # no grads (e.g. LossSpikeMonitor skipped this step)
+            return
+        scale = loss_scale(trainer, optimizer)
+        norm = float(total) / scale
+        if not math.isfinite(norm):  # left to the GradScaler / LossSpikeMonitor; never absorbed in the EMA
+            return
+        threshold = self.threshold()
+        clipped = self._clip_to(norm)
+        if clipped < norm:
+            coef = clipped / (norm + 1e-6)
+            torch._foreach_mul_([p.grad for p in params], coef)
+            self.clip_events += 1
+        self.stat.add(clipped)
+        self.last = {
+            "norm": norm,
+            "threshold": float("nan") if threshold is None else threshold,
+            "clipped": float(clipped < norm),
+        }
+        if trainer.global_step % self.log_every_n_steps == 0 or clipped < norm:
+            pl_module.log("grad_clip/norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log("grad_clip/threshold", self.last["threshold"], on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+            pl_module.log("grad_clip/clipped", self.last["clipped"], on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+            pl_module.log("grad_clip/clip_events", float(self.clip_events), on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+
+    @override
+    def state_dict(self) -> dict:
+        return {"stat": self.stat.state_dict(), "clip_events": self.clip_events}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.stat.load_state_dict(state_dict["stat"])
+        self.clip_events = int(state_dict["clip_events"])

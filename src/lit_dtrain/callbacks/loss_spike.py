@@ -1,0 +1,454 @@
+"""``LossSpikeMonitor``: detect a loss spike during training and handle it while the run goes on.
+
+Lightning's ``SpikeDetection`` raises and writes a file of batch indices that nothing reads back. This
+callback decides, before every optimizer step, whether the step is a spike (robust running statistics of
+the loss, optionally of the grad norm; a non-finite loss or grad always counts; pure logic in
+:mod:`lit_dtrain.callbacks._spike_stats`) and then takes the configured ``actions``:
+
+- ``log``: TensorBoard scalars and a text event, plus a console warning;
+- ``skip``: the step is not applied: every grad is set to None (torch optimizers then leave the parameters
+  and their state untouched), and the LR schedulers and GradScaler are restored after Lightning stepped
+  them, so the schedule continues as if the batch never came (``global_step`` still advances, as
+  Megatron's skipped iterations do);
+- ``rollback``: model, optimizer, schedulers (and GradScaler) are restored from an in-memory CPU snapshot
+  taken every ``snapshot_every`` steps (at least ``rollback_min_age`` steps older than the spike), PaLM-style;
+- ``lr_cooldown``: the LR is multiplied by ``cooldown_factor`` for ``cooldown_steps`` steps, then ramped back;
+- ``raise``: :class:`LossSpikeError` once ``raise_after`` spikes fall within ``raise_window`` steps.
+
+With ``skip`` or ``rollback`` the sample ``index`` values of the spiking batch (all ranks' shards, plus the
+``exclude_previous_steps`` batches before it) are excluded from ``trainer.datamodule.sampler`` (whose
+exclusion set is checkpointed with the datamodule), so they are never trained on again, also after a
+resume. Without such a sampler, any later step whose batch holds an excluded index is skipped instead.
+
+Hook order per optimizer step: ``on_train_batch_start`` (indices) -> ``on_before_backward`` (loss, per
+micro-batch) -> ``on_before_optimizer_step`` (one all-reduce of [loss, grad norm, flags], decision,
+grads dropped) -> optimizer and scheduler step -> ``on_train_batch_end`` (restore, exclude, record).
+Under DDP the decision uses all-reduced values, so every rank takes the same action. Every event is
+appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lit_dtrain.callbacks._spike_stats import SpikeDetector, SpikeWindow, cooldown_factor
+from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("log", "skip", "rollback", "lr_cooldown", "raise")
+EXCLUDED_SAMPLE = "excluded_sample"
+
+
+class LossSpikeError(RuntimeError):
+    """Raised by the ``raise`` action when too many spikes fall within the window."""
+
+
+def _to_cpu(obj):
+    """A deep copy of a (nested) state dict with every tensor cloned to CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _json_float(x: float | None):
+    return None if x is None else (x if math.isfinite(x) else str(x))
+
+
+class LossSpikeMonitor(L.Callback):
+    """Detects loss spikes and logs / skips / rolls back / cools down / raises (see the module docstring).
+
+    Args:
+        actions: subset of ``log, skip, rollback, lr_cooldown, raise`` taken on every spike.
+        z_threshold: z-score of the loss above which it may be a spike (None: not used).
+        rel_threshold: relative rise ``loss / location - 1`` above which it may be a spike (None: not used);
+            when both thresholds are set, both must be exceeded.
+        grad_z_threshold: z-score of the global grad norm that also counts as a spike (None: off).
+        method: ``"ema"`` (EMA location, EMA of squared one-step errors) or ``"median"`` (median, MAD of
+            one-step differences over ``window``) statistics; both ignore the loss curve's falling trend.
+        decay: EMA decay of the location; scale_decay: EMA decay of the squared errors; window: median/MAD
+            window; warmup_steps: steps of statistics before any loss spike can be declared.
+        check_grad: compute the grad norm each step (non-finite grads count as spikes; needed by
+            ``grad_z_threshold``). Under ``16-mixed`` non-finite grads are left to the GradScaler.
+        snapshot_every: ``rollback`` snapshot cadence in steps; snapshot_keep: snapshots kept in CPU memory.
+        rollback_min_age: the restored snapshot is at least this many steps older than the spike.
+        exclude_previous_steps: also exclude the samples of this many steps before the spike.
+        cooldown_factor, cooldown_steps, cooldown_ramp_steps: the ``lr_cooldown`` multiplier, hold and ramp.
+        raise_after, raise_window: the ``raise`` action fires at ``raise_after`` spikes within
+            ``raise_window`` steps.
+        path: the events file (default ``<trainer.default_root_dir>/spikes.jsonl``).
+    """
+
+    def __init__(
+        self,
+        actions: Sequence[str] = ("log", "skip"),
+        z_threshold: float | None = 6.0,
+        rel_threshold: float | None = 0.2,
+        grad_z_threshold: float | None = None,
+        method: str = "ema",
+        decay: float = 0.9,
+        scale_decay: float = 0.98,
+        window: int = 200,
+        warmup_steps: int = 50,
+        check_grad: bool = True,
+        snapshot_every: int = 50,
+        snapshot_keep: int = 2,
+        rollback_min_age: int = 1,
+        exclude_previous_steps: int = 0,
+        cooldown_factor: float = 0.1,
+        cooldown_steps: int = 50,
+        cooldown_ramp_steps: int = 50,
+        raise_after: int = 3,
+        raise_window: int = 1000,
+        path: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.actions = [str(a) for a in ([actions] if isinstance(actions, str) else actions)]
+        unknown = [a for a in self.actions if a not in ACTIONS]
+        if unknown or not self.actions:
+            raise ValueError(f"LossSpikeMonitor: actions must be a non-empty subset of {ACTIONS}, got {self.actions}")
+        if grad_z_threshold is not None and not check_grad:
+            raise ValueError("LossSpikeMonitor: grad_z_threshold needs check_grad=True")
+        ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps}
+        for name, value in ints.items():
+            if int(value) < 1:
+                raise ValueError(f"LossSpikeMonitor: {name} must be >= 1, got {value}")
+        for name, value in (("rollback_min_age", rollback_min_age), ("exclude_previous_steps", exclude_previous_steps),
+                            ("cooldown_ramp_steps", cooldown_ramp_steps)):
+            if int(value) < 0:
+                raise ValueError(f"LossSpikeMonitor: {name} must be >= 0, got {value}")
+        if not 0.0 < cooldown_factor <= 1.0:
+            raise ValueError(f"LossSpikeMonitor: cooldown_factor must be in (0, 1], got {cooldown_factor}")
+        self.detector = SpikeDetector(z_threshold, rel_threshold, grad_z_threshold, method=method, decay=decay,
+                                      scale_decay=scale_decay, window=window, warmup_steps=warmup_steps)
+        self.window = SpikeWindow(raise_after, raise_window)
+        self.check_grad, self.path = bool(check_grad), path
+        self.snapshot_every, self.snapshot_keep = int(snapshot_every), int(snapshot_keep)
+        self.rollback_min_age, self.exclude_previous_steps = int(rollback_min_age), int(exclude_previous_steps)
+        self.cooldown = (float(cooldown_factor), int(cooldown_steps), int(cooldown_ramp_steps))
+        self._key = dict(actions=tuple(self.actions), z=z_threshold, rel=rel_threshold, method=method)
+        # persistent state
+        self.excluded: list[int] = []  # global sample indices never to be trained on again
+        self.events: list[dict] = []  # this process's events (also in spikes.jsonl)
+        self.num_spikes = 0
+        self.cooldown_start = -(10**9)
+        self.recent_indices: deque[list[int]] = deque(maxlen=max(self.exclude_previous_steps, 1))
+        # per-step / in-memory state
+        self.snapshots: deque[dict] = deque(maxlen=self.snapshot_keep)
+        self.last_decision = None
+        self._reset_step()
+        self._lr_restore: list[tuple[dict, float]] | None = None
+        self._hook_handles: list = []
+        self._excluded_dev: torch.Tensor | None = None
+        self._sampler = None
+        self._device = torch.device("cpu")
+        self._stepped = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(**self._key)
+
+    def _reset_step(self) -> None:
+        self._loss_sum: torch.Tensor | None = None
+        self._indices: list[torch.Tensor] = []
+        self._hit_excluded: torch.Tensor | None = None
+        self._pending: dict | None = None
+
+    # ---- setup --------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise RuntimeError("LossSpikeMonitor needs automatic optimization (pl_module.automatic_optimization)")
+        sampler = getattr(trainer.datamodule, "sampler", None) if trainer.datamodule is not None else None
+        self._sampler = sampler if callable(getattr(sampler, "exclude", None)) else None
+        if self.excluded and self._sampler is not None:
+            self._sampler.exclude(self.excluded)
+        needs_index = {"skip", "rollback"} & set(self.actions)
+        if needs_index and self._sampler is None:
+            rank_zero_warn("LossSpikeMonitor: the datamodule has no sampler with exclude(); steps whose batch "
+                           "holds an excluded sample index will be skipped instead.")
+        self._device = pl_module.device
+        self._set_excluded_device(self._device)
+        for opt in trainer.optimizers:
+            self._hook_handles.append(opt.register_step_post_hook(self._restore_lr))
+        if "rollback" in self.actions:
+            self.snapshots.clear()
+            self._snapshot(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self.snapshots.clear()
+
+    def _set_excluded_device(self, device: torch.device) -> None:
+        if self._sampler is None and self.excluded:
+            self._excluded_dev = torch.as_tensor(sorted(set(self.excluded)), dtype=torch.long, device=device)
+
+    # ---- per micro-batch ------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        index = batch.get("index") if isinstance(batch, Mapping) else None
+        if index is None:
+            if {"skip", "rollback"} & set(self.actions):
+                keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+                raise KeyError(f"LossSpikeMonitor with actions {self.actions} needs the batch key 'index' "
+                               f"(sample indices, LongTensor[B]); got {keys}")
+            return
+        index = index.detach().reshape(-1)
+        self._indices.append(index)
+        if self._excluded_dev is not None:
+            hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
+            self._hit_excluded = hit if self._hit_excluded is None else self._hit_excluded | hit
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        value = loss.detach().float()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # 16-mixed hands this hook the scaled loss
+            value = value / scaler.get_scale()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    # ---- decision -------------------------------------------------------------------------------------------
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._loss_sum is None:
+            raise RuntimeError("LossSpikeMonitor saw no loss in on_before_backward before the optimizer step")
+        step, world = trainer.global_step, trainer.world_size
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        zero = torch.zeros((), device=self._loss_sum.device)
+        grad_part = zero
+        if self.check_grad:
+            sumsq = local_grad_sumsq(params)
+            sumsq = zero if sumsq is None else sumsq.to(zero.device) / loss_scale(trainer, optimizer) ** 2
+            # DDP: every rank holds the same all-reduced grads, so the sum of sumsq/world is their sumsq
+            grad_part = sumsq if is_sharded(trainer.strategy) else sumsq / world
+        hit = zero if self._hit_excluded is None else self._hit_excluded.float().to(zero.device)
+        stats = torch.stack([self._loss_sum.reshape(()), grad_part, hit])
+        if world > 1:
+            stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        loss_total, grad_sumsq, hit_count = stats.tolist()
+        grad_norm = math.sqrt(grad_sumsq) if self.check_grad and math.isfinite(grad_sumsq) else None
+        if self.check_grad and not math.isfinite(grad_sumsq) and not has_grad_scaler(trainer):
+            grad_norm = math.inf
+        decision = self.detector.decide(loss_total / world, grad_norm)
+        self.last_decision = decision
+        if not decision.is_spike and hit_count > 0:
+            decision.reasons.append(EXCLUDED_SAMPLE)
+        if decision.is_spike:
+            self._start_event(trainer, optimizer, step, decision)
+        self._apply_cooldown(optimizer, step)
+        self._stepped = True
+
+    def _start_event(self, trainer, optimizer, step: int, decision) -> None:
+        only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
+        actions = ["skip"] if only_excluded else list(self.actions)
+        indices = self._gather_indices(trainer)
+        drop_step = "skip" in actions or "rollback" in actions
+        if drop_step:
+            self._saved = {
+                "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+                "lrs": [g["lr"] for g in optimizer.param_groups],
+                "scaler": _scaler_state(trainer),
+            }
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    p.grad = None  # torch optimizers skip params without grad: params and state stay bit-identical
+        if "lr_cooldown" in actions:
+            self.cooldown_start = step + 1 if drop_step else step
+        self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
+                         "drop": drop_step, "counted": not only_excluded}
+
+    def _gather_indices(self, trainer) -> list[int]:
+        if not self._indices:
+            return []
+        local = torch.cat(self._indices)
+        gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
+        return [int(i) for i in gathered.reshape(-1).tolist()]
+
+    def lr_multiplier(self, step: int) -> float:
+        """The ``lr_cooldown`` LR multiplier at ``step`` (1.0 outside a cool-down)."""
+        factor, hold, ramp = self.cooldown
+        return cooldown_factor(step - self.cooldown_start, factor, hold, ramp)
+
+    def _apply_cooldown(self, optimizer, step: int) -> None:
+        mult = self.lr_multiplier(step)
+        if mult == 1.0 or "lr_cooldown" not in self.actions:
+            return
+        self._lr_restore = [(g, g["lr"]) for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * mult
+
+    def _restore_lr(self, *_args) -> None:
+        """Optimizer step post-hook: put back the scheduled LR before the scheduler steps."""
+        if self._lr_restore is not None:
+            for g, lr in self._lr_restore:
+                g["lr"] = lr
+            self._lr_restore = None
+
+    # ---- after the step ---------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if not self._stepped:
+            return  # a gradient-accumulation micro-batch without optimizer step
+        self._stepped = False
+        self._restore_lr()  # the GradScaler may have skipped optimizer.step (and the post-hook)
+        pending, decision = self._pending, self.last_decision
+        if pending is None:
+            if self.exclude_previous_steps:
+                self.recent_indices.append(self._gather_indices(trainer))
+            if "rollback" in self.actions and trainer.global_step % self.snapshot_every == 0:
+                self._snapshot(trainer)
+        else:
+            self._finish_event(trainer, pl_module, pending)
+        pl_module.log("spike/loss_z", min(decision.loss_z, 1e6), on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("spike/count", float(self.num_spikes), on_step=True, on_epoch=False, rank_zero_only=True)
+        if "lr_cooldown" in self.actions:
+            pl_module.log("spike/lr_multiplier", self.lr_multiplier(trainer.global_step), on_step=True,
+                          on_epoch=False, rank_zero_only=True)
+        self._reset_step()
+        if pending is not None and "raise" in pending["actions"] and pending["counted"]:
+            if self.window.add(pending["step"]):
+                raise LossSpikeError(
+                    f"LossSpikeMonitor: {len(self.window.steps)} loss spikes within {self.window.window_steps} steps "
+                    f"(steps {self.window.steps}, raise_after={self.window.max_spikes}); see "
+                    f"{self._events_path(trainer)}"
+                )
+
+    def _finish_event(self, trainer, pl_module, pending: dict) -> None:
+        step, actions = pending["step"], pending["actions"]
+        rolled_back_to = None
+        if "rollback" in actions:
+            rolled_back_to = self._rollback(trainer, pl_module, step)
+        elif pending["drop"]:
+            for cfg, state in zip(trainer.lr_scheduler_configs, self._saved["schedulers"]):
+                cfg.scheduler.load_state_dict(state)
+            for g, lr in zip(trainer.optimizers[0].param_groups, self._saved["lrs"]):
+                g["lr"] = lr
+            _load_scaler_state(trainer, self._saved["scaler"])
+        to_exclude = list(pending["indices"])
+        if pending["drop"] and pending["counted"]:
+            if self.exclude_previous_steps:
+                for previous in self.recent_indices:
+                    to_exclude.extend(previous)
+            self.exclude(sorted(set(to_exclude)))
+        if pending["counted"]:
+            self.num_spikes += 1
+        d = pending["decision"]
+        event = {
+            "step": step, "loss": _json_float(d.loss), "loss_z": _json_float(d.loss_z),
+            "loss_rel": _json_float(d.loss_rel), "grad_norm": _json_float(d.grad_norm),
+            "grad_z": _json_float(d.grad_z), "reasons": list(d.reasons), "actions": actions,
+            "index": pending["indices"], "rolled_back_to": rolled_back_to,
+            "lr_multiplier_next": self.lr_multiplier(step + 1), "time": time.time(),
+        }
+        self.events.append(event)
+        if trainer.is_global_zero:
+            path = self._events_path(trainer)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+            if "log" in actions:
+                msg = (f"loss spike at step {step}: loss={d.loss:.4g} z={d.loss_z:.3g} rel={d.loss_rel:.3g} "
+                       f"grad_norm={d.grad_norm} reasons={d.reasons} -> {actions}")
+                log.warning(msg)
+                for lg in trainer.loggers:
+                    if hasattr(getattr(lg, "experiment", None), "add_text"):
+                        lg.experiment.add_text("spike/events", msg, global_step=step)
+
+    def exclude(self, indices: list[int]) -> None:
+        """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them)."""
+        known = set(self.excluded)
+        for i in indices:
+            if i not in known:
+                known.add(i)
+                self.excluded.append(int(i))
+        if self._sampler is not None:
+            self._sampler.exclude(indices)
+        else:
+            self._set_excluded_device(self._device)
+
+    def _events_path(self, trainer) -> str:
+        return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
+
+    # ---- rollback -----------------------------------------------------------------------------------------------
+    def _snapshot(self, trainer) -> None:
+        module = trainer.lightning_module
+        self.snapshots.append({
+            "step": trainer.global_step,
+            "model": _to_cpu(module.state_dict()),
+            "optimizers": [_to_cpu(opt.state_dict()) for opt in trainer.optimizers],
+            "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+            "scaler": _scaler_state(trainer),
+        })
+
+    def _rollback(self, trainer, pl_module, step: int) -> int:
+        """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step."""
+        eligible = [s for s in self.snapshots if step - s["step"] >= self.rollback_min_age]
+        if not eligible:
+            rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
+                           "restoring the oldest one")
+            eligible = [self.snapshots[0]]
+        snap = eligible[-1]
+        while self.snapshots and self.snapshots[-1] is not snap:  # newer snapshots may hold the bad update
+            self.snapshots.pop()
+        pl_module.load_state_dict(snap["model"], strict=True)
+        for opt, state in zip(trainer.optimizers, snap["optimizers"]):
+            opt.load_state_dict(copy.deepcopy(state))
+        for cfg, state in zip(trainer.lr_scheduler_configs, snap["schedulers"]):
+            cfg.scheduler.load_state_dict(copy.deepcopy(state))
+        _load_scaler_state(trainer, snap["scaler"])
+        return int(snap["step"])
+
+    # ---- state ----------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict:
+        return {
+            "detector": self.detector.state_dict(),
+            "window_steps": list(self.window.steps),
+            "excluded": torch.as_tensor(self.excluded, dtype=torch.long),
+            "num_spikes": self.num_spikes,
+            "cooldown_start": self.cooldown_start,
+            "recent_indices": [list(x) for x in self.recent_indices],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.detector.load_state_dict(state_dict["detector"])
+        self.window.steps = [int(s) for s in state_dict["window_steps"]]
+        self.excluded = [int(i) for i in torch.as_tensor(state_dict["excluded"]).tolist()]
+        self.num_spikes = int(state_dict["num_spikes"])
+        self.cooldown_start = int(state_dict["cooldown_start"])
+        self.recent_indices.clear()
+        self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
+
+
+def _scaler_state(trainer) -> dict | None:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return None if scaler is None else copy.deepcopy(scaler.state_dict())
+
+
+def _load_scaler_state(trainer, state: dict | None) -> None:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and state is not None:
+        scaler.load_state_dict(state)

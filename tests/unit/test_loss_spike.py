@@ -1,0 +1,370 @@
+"""LossSpikeMonitor: detection on synthetic sequences, skip / rollback exactness, cool-down, raise, resume, state."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lit_dtrain.callbacks import LossSpikeMonitor
+from lit_dtrain.callbacks._spike_stats import (
+    GRAD_SPIKE,
+    LOSS_SPIKE,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    RobustStat,
+    SpikeDetector,
+    SpikeWindow,
+    cooldown_factor,
+)
+from lit_dtrain.callbacks.loss_spike import LossSpikeError
+from tests.conftest import make_corpus
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded, especially when CPU cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# ---------------------------------------------------------------------------------------------------------------
+# pure statistics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def synthetic_losses(n: int, seed: int, noise: float = 0.04) -> list[float]:
+    """A decaying training-loss curve with multiplicative noise and occasional mild bumps (no spikes)."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(n):
+        base = 2.0 + 3.5 * math.exp(-t / 150.0)
+        bump = 0.08 * base if rng.random() < 0.02 else 0.0  # a harder-than-usual batch, not a spike
+        out.append(base * (1.0 + noise * rng.gauss(0.0, 1.0)) + bump)
+    return out
+
+
+SPIKES = {300: ("mul", 1.6), 777: ("nan", None), 1200: ("mul", 2.5), 1201: ("mul", 2.0), 1650: ("inf", None)}
+
+
+def with_spikes(losses: list[float]) -> list[float]:
+    out = list(losses)
+    for step, (kind, factor) in SPIKES.items():
+        out[step] = out[step] * factor if kind == "mul" else math.nan if kind == "nan" else math.inf
+    return out
+
+
+@pytest.mark.parametrize("method", ["ema", "median"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_detector_finds_exactly_the_known_spikes(method: str, seed: int) -> None:
+    detector = SpikeDetector(method=method, warmup_steps=50)
+    losses = with_spikes(synthetic_losses(2000, seed))
+    found = [t for t, x in enumerate(losses) if detector.decide(x).is_spike]
+    assert found == sorted(SPIKES)
+
+
+def test_detector_reasons_and_warmup() -> None:
+    detector = SpikeDetector(warmup_steps=10, grad_z_threshold=6.0)
+    # during warmup only non-finite values count
+    assert detector.decide(100.0, 1.0).reasons == []
+    assert detector.decide(math.nan, 1.0).reasons == [NONFINITE_LOSS]
+    assert detector.decide(3.0, math.inf).reasons == [NONFINITE_GRAD]
+    detector = SpikeDetector(warmup_steps=10, grad_z_threshold=6.0)
+    for i in range(30):
+        assert not detector.decide(3.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 2)).is_spike
+    assert detector.decide(3.01, 10.0).reasons == [GRAD_SPIKE]
+    assert detector.decide(9.0, 1.0).reasons == [LOSS_SPIKE]
+    assert detector.decide(1.0, 1.0).reasons == []  # lower than usual is never a spike
+    count = detector.loss_stat.count
+    detector.decide(9.0, 1.0)
+    assert detector.loss_stat.count == count  # spikes are not absorbed into the statistics
+
+
+def test_both_thresholds_must_hold() -> None:
+    only_z = SpikeDetector(z_threshold=6.0, rel_threshold=None, warmup_steps=5)
+    both = SpikeDetector(z_threshold=6.0, rel_threshold=0.2, warmup_steps=5)
+    for x in [3.0, 3.001, 2.999, 3.0, 3.001, 3.0]:
+        only_z.decide(x)
+        both.decide(x)
+    # 10% above a very flat history: z is huge (scale floor 1% of 3.0 -> z = 10) but rel = 0.1 < 0.2
+    assert only_z.decide(3.3, update=False).is_spike
+    assert not both.decide(3.3, update=False).is_spike
+    assert both.decide(3.7, update=False).is_spike
+
+
+def test_robust_stat_ema_tracks_mean_and_std() -> None:
+    rng = random.Random(0)
+    stat = RobustStat("ema", decay=0.99, warmup=10, clip_z=None, min_rel_scale=0.0)
+    for _ in range(5000):
+        stat.add(rng.gauss(10.0, 2.0))
+    assert abs(stat.location() - 10.0) < 0.5
+    assert abs(stat.scale() - 2.0) < 0.4
+    med = RobustStat("median", window=2001, warmup=10, min_rel_scale=0.0)
+    for _ in range(2001):
+        med.add(rng.gauss(10.0, 2.0))
+    assert abs(med.location() - 10.0) < 0.2
+    assert abs(med.scale() - 2.0) < 0.2
+
+
+def test_detector_state_roundtrip_gives_identical_decisions() -> None:
+    losses = with_spikes(synthetic_losses(2000, 3))
+    a = SpikeDetector(method="median", window=50)
+    for x in losses[:1000]:
+        a.decide(x)
+    b = SpikeDetector(method="median", window=50)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain floats/ints/lists only
+    for x in losses[1000:]:
+        da, db = a.decide(x), b.decide(x)
+        assert (da.reasons, da.loss_z if math.isfinite(da.loss_z) else 0) == (
+            db.reasons, db.loss_z if math.isfinite(db.loss_z) else 0)
+
+
+def test_window_and_cooldown() -> None:
+    w = SpikeWindow(max_spikes=3, window_steps=100)
+    assert [w.add(s) for s in (10, 50, 200, 250, 260)] == [False, False, False, False, True]
+    assert [cooldown_factor(s, 0.1, 2, 3) for s in range(-1, 7)] == pytest.approx(
+        [1.0, 0.1, 0.1, 0.1 + 0.9 * 0.25, 0.1 + 0.9 * 0.5, 0.1 + 0.9 * 0.75, 1.0, 1.0])
+
+
+def test_bad_arguments_fail_loudly() -> None:
+    with pytest.raises(ValueError, match="actions"):
+        LossSpikeMonitor(actions=["log", "explode"])
+    with pytest.raises(ValueError, match="z_threshold and rel_threshold"):
+        SpikeDetector(z_threshold=None, rel_threshold=None)
+    with pytest.raises(ValueError, match="method"):
+        RobustStat("mean")
+    with pytest.raises(ValueError, match="grad_z_threshold needs check_grad"):
+        LossSpikeMonitor(grad_z_threshold=5.0, check_grad=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning integration: a tiny model on a tiny corpus
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_module(seed: int = 0):
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.schedules import cosine_scheduler
+
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(block_size=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32))
+    return LitLLM(model, optimizer=partial(adamw, lr=3e-3), scheduler=partial(cosine_scheduler, total_steps=40,
+                                                                              warmup_steps=2))
+
+
+def make_data(tmp_path: Path, batch_size: int = 4, n_files: int = 6, size: int = 2000):
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.data.corpus import CorpusSource
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=n_files, size=size)
+    return LMDataModule(sources=[CorpusSource(name="c", kind="files", paths=[str(corpus)])], block_size=32,
+                        batch_size=batch_size, cache_dir=str(tmp_path / "cache"), progress=False, max_val_windows=4)
+
+
+def make_trainer(tmp_path: Path, callbacks, max_steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=str(tmp_path), limit_val_batches=0, gradient_clip_val=1.0)
+
+
+class Inject(L.Callback):
+    """At the given steps, multiplies the logits (finite spike) or makes them NaN."""
+
+    def __init__(self, steps: dict[int, str]) -> None:
+        self.steps, self._handle = steps, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        kind = self.steps.get(trainer.global_step)
+        if kind is not None:
+            scale = float("nan") if kind == "nan" else 30.0
+            self._handle = pl_module.model.register_forward_hook(lambda m, i, out: out * scale)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def full_state(trainer: L.Trainer) -> dict:
+    opt = trainer.optimizers[0]
+    return {
+        "params": {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()},
+        "opt": {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())},
+        "lrs": [g["lr"] for g in opt.param_groups],
+        "sched": dict(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+    }
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a["params"].keys() == b["params"].keys()
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    assert a["opt"].keys() == b["opt"].keys()
+    for i in a["opt"]:
+        for k in a["opt"][i]:
+            assert torch.equal(a["opt"][i][k], b["opt"][i][k]), (i, k)
+    assert a["lrs"] == b["lrs"]
+    assert a["sched"]["last_epoch"] == b["sched"]["last_epoch"]
+    assert a["sched"]["_last_lr"] == b["sched"]["_last_lr"]
+
+
+class Probe(L.Callback):
+    """Full training state at the end of every step, and the sample indices of every batch."""
+
+    def __init__(self, full: bool = True) -> None:
+        self.full = full
+        self.after: dict[int, dict] = {}
+        self.indices: dict[int, list[int]] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.full:
+            self.after[trainer.global_step] = full_state(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.indices[trainer.global_step] = batch["index"].tolist()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.full:
+            self.after[trainer.global_step] = full_state(trainer)  # keyed by steps completed
+
+
+@pytest.mark.parametrize("kind", ["finite", "nan"])
+def test_skip_leaves_params_optimizer_and_schedule_bit_identical(tmp_path: Path, kind: str) -> None:
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    probe = Probe()
+    trainer = make_trainer(tmp_path, [Inject({6: kind}), monitor, probe], max_steps=9)
+    dm = make_data(tmp_path)
+    trainer.fit(make_module(), datamodule=dm)
+    assert [e["step"] for e in monitor.events] == [6]
+    assert monitor.events[0]["actions"] == ["log", "skip"]
+    # the state after step 6 is exactly the state after step 5: the batch never came
+    assert_identical(probe.after[6], probe.after[7])
+    # ... and normal steps do change it (the comparison can fail)
+    with pytest.raises(AssertionError):
+        assert_identical(probe.after[5], probe.after[6])
+    # the next step runs at the LR the skipped step would have had
+    assert probe.after[8]["sched"]["last_epoch"] == probe.after[6]["sched"]["last_epoch"] + 1
+    # its samples are excluded from the sampler and recorded in spikes.jsonl
+    assert sorted(monitor.excluded) == sorted(set(probe.indices[6]))
+    assert bool(dm.sampler.excluded[probe.indices[6]].all())
+    lines = [json.loads(x) for x in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["index"]) for e in lines] == [(6, probe.indices[6])]
+    assert lines[0]["reasons"] == (["nonfinite_loss", "nonfinite_grad"] if kind == "nan" else ["loss"])
+    assert all(bool(torch.isfinite(v).all()) for v in probe.after[9]["params"].values())
+
+
+def test_rollback_restores_exactly_the_snapshot(tmp_path: Path) -> None:
+    monitor = LossSpikeMonitor(actions=["rollback"], warmup_steps=3, snapshot_every=3, rollback_min_age=2)
+    probe = Probe()
+    trainer = make_trainer(tmp_path, [Inject({10: "finite"}), monitor, probe], max_steps=12)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    (event,) = monitor.events
+    # snapshots at 6 and 9 steps; 9 is 1 step old at step 10 (< rollback_min_age=2), so 6 is restored
+    assert (event["step"], event["rolled_back_to"]) == (10, 6)
+    assert_identical(probe.after[6], probe.after[11])
+    with pytest.raises(AssertionError):
+        assert_identical(probe.after[9], probe.after[11])
+    assert sorted(monitor.excluded) == sorted(set(probe.indices[10]))
+
+
+def test_lr_cooldown_scales_the_applied_lr_and_leaves_the_schedule(tmp_path: Path) -> None:
+    class LrProbe(L.Callback):
+        def __init__(self):
+            self.applied, self.scheduled = {}, {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.applied[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.scheduled[trainer.global_step] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+
+    monitor = LossSpikeMonitor(actions=["lr_cooldown"], warmup_steps=3, cooldown_factor=0.1, cooldown_steps=2,
+                               cooldown_ramp_steps=1)
+    lr_probe = LrProbe()
+    trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor, lr_probe], max_steps=10)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events] == [5]
+    factors = {s: lr_probe.applied[s] / lr_probe.scheduled[s] for s in range(4, 10)}  # scheduled[s]: LR of step s
+    assert factors == pytest.approx({4: 1.0, 5: 0.1, 6: 0.1, 7: 0.55, 8: 1.0, 9: 1.0})
+
+
+def test_raise_after_m_spikes(tmp_path: Path) -> None:
+    monitor = LossSpikeMonitor(actions=["log", "skip", "raise"], warmup_steps=3, raise_after=2, raise_window=10)
+    trainer = make_trainer(tmp_path, [Inject({5: "finite", 7: "nan"}), monitor], max_steps=12)
+    with pytest.raises(LossSpikeError, match="2 loss spikes within 10 steps"):
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert trainer.global_step == 8
+    assert len((tmp_path / "spikes.jsonl").read_text().splitlines()) == 2
+
+
+def test_missing_index_key_is_named(tmp_path: Path) -> None:
+    class NoIndex(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batch.pop("index")
+
+    trainer = make_trainer(tmp_path, [NoIndex(), LossSpikeMonitor(actions=["skip"])], max_steps=2)
+    with pytest.raises(KeyError, match="'index'"):
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+
+
+def test_resume_honours_skipped_indices_and_state_survives_checkpoint(tmp_path: Path) -> None:
+    # a small corpus and a wide batch so that, without exclusion, the resumed steps would redraw the samples
+    data_kwargs = dict(batch_size=16, n_files=3, size=1200)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    probe = Probe(full=False)
+    trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor, probe], max_steps=8)
+    dm = make_data(tmp_path, **data_kwargs)
+    trainer.fit(make_module(), datamodule=dm)
+    skipped = sorted(set(probe.indices[5]))
+    assert sorted(monitor.excluded) == skipped
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    raw = torch.load(ckpt, map_location="cpu", weights_only=True)  # plain state only
+    (key,) = [k for k in raw["callbacks"] if k.startswith("LossSpikeMonitor")]
+    saved = raw["callbacks"][key]
+    assert saved["excluded"].tolist() == monitor.excluded and saved["num_spikes"] == 1
+
+    class StateAtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = monitor2.state_dict()
+
+    monitor2 = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    probe2, at_start = Probe(full=False), StateAtStart()
+    dm2 = make_data(tmp_path, **data_kwargs)
+    trainer2 = make_trainer(tmp_path, [monitor2, probe2, at_start], max_steps=24)
+    trainer2.fit(make_module(seed=1), datamodule=dm2, ckpt_path=str(ckpt))
+    assert at_start.state["detector"] == monitor.state_dict()["detector"]  # statistics continue, not restart
+    assert monitor2.excluded == monitor.excluded and monitor2.num_spikes == 1
+    drawn = {i for step, idx in probe2.indices.items() for i in idx}
+    assert min(probe2.indices) == 8 and not drawn & set(skipped)
+    # without the exclusion the same steps would have drawn some of them (so this test can fail)
+    from lit_dtrain.data.samplers import RandomSampler
+
+    plain = RandomSampler()
+    plain.setup(dm2.num_train_samples, None, dm2.seed)
+    would = {i for s in probe2.indices for i in plain.global_batch(s, 16).tolist()}
+    assert would & set(skipped)
+
+
+def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> None:
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [Inject({4: "nan"}), monitor], max_steps=7)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    path = tmp_path / "state.pt"
+    torch.save(monitor.state_dict(), path)
+    other = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    other.load_state_dict(torch.load(path, weights_only=True))
+    assert other.detector.state_dict() == monitor.detector.state_dict()
+    assert other.excluded == monitor.excluded and other.num_spikes == monitor.num_spikes == 1
+    for x in (3.0, 9.0, math.nan):
+        assert other.detector.decide(x).reasons == monitor.detector.decide(x).reasons
