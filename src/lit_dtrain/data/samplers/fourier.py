@@ -114,6 +114,7 @@ class FourierSampler(IndexSampler):
         self._pending: tuple | None = None
         self._version = self._target_version = 0
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
+        self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date
         self._raw: torch.Tensor | None = None  # importance of every sample (float64)
         self._cache: dict = {}
 
@@ -254,6 +255,7 @@ class FourierSampler(IndexSampler):
         self.last_step = step
         if self._elem is not None:  # refresh only the updated entries
             self._elem[uniq] = self._elementwise(uniq)
+            self._unseen[uniq] = False
         self._touch()
 
     # ---- drawing -----------------------------------------------------------------------------------------
@@ -264,35 +266,45 @@ class FourierSampler(IndexSampler):
         )
 
     def _distribution(self) -> dict:
-        """The sampling CDF, rebuilt when the table changed: O(N) float64 work, a handful of vector ops.
+        """The sampling CDF, rebuilt when the table changed: O(N) float64 work, a handful of in-place passes.
 
-        ``raw`` importances are kept between calls and refreshed only at updated indices when the transform
-        is elementwise (``moment_ratio``), so an update costs O(B) and a draw one product and one cumsum over N.
-        Everything is recomputed the same way after a resume, so draws stay bit-identical.
+        The per-sample part of the importance is kept between calls and refreshed only at updated indices, so
+        an update costs O(B) and a draw one cumsum (plus a rescale and the floor) over N, in preallocated
+        buffers. A resume recomputes everything the same way, so draws stay bit-identical.
         """
         cache = self._cache
         if cache.get("version") == self._version:
             return cache
+        n = self.num_samples
         if cache.get("target_version") != self._target_version:
-            target = spectral.target_distribution(self.num_samples, self.excluded, self.base_weights)
-            cache.update(target=target, target_cdf=target.cumsum(0), target_version=self._target_version)
+            target = spectral.target_distribution(n, self.excluded, self.base_weights)
+            uniform = self.base_weights is None and not bool(self.excluded.any())
+            cache.update(target=target, target_cdf=target.cumsum(0), uniform=uniform,
+                         target_version=self._target_version, cdf=torch.empty(n, dtype=torch.float64))
         if self._elem is None:
-            self._elem = self._elementwise()
+            self._elem, self._unseen = self._elementwise(), self.visits == 0
+        if self.variant != "moment_ratio" and (self._raw is None or self._raw is self._elem):
+            self._raw = torch.empty(n, dtype=torch.float64)
         self._raw = spectral.importance_finish(
-            self._elem, self.visits, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
-            prior=self.prior, eps=self.eps,
+            self._elem, self._unseen, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
+            prior=self.prior, eps=self.eps, out=None if self.variant == "moment_ratio" else self._raw,
         )
-        cdf = torch.mul(self._raw, cache["target"]).cumsum_(0)
+        cdf = cache["cdf"]
+        if cache["uniform"]:  # raw * (1/N) folded into the total
+            torch.cumsum(self._raw, 0, out=cdf)
+        else:
+            torch.mul(self._raw, cache["target"], out=cdf).cumsum_(0)
         total = float(cdf[-1])
         floor = self.uniform_floor
         cdf.mul_((1.0 - floor) / total).add_(cache["target_cdf"], alpha=floor)
-        cache.update(version=self._version, total=total, cdf=cdf)
+        cache.update(version=self._version, total=total)
         return cache
 
     def _probs_at(self, idx: torch.Tensor) -> torch.Tensor:
         c = self._distribution()
         target = c["target"][idx]
-        return ((1.0 - self.uniform_floor) / c["total"]) * self._raw[idx] * target + self.uniform_floor * target
+        weighted = self._raw[idx] if c["uniform"] else self._raw[idx] * target
+        return ((1.0 - self.uniform_floor) / c["total"]) * weighted + self.uniform_floor * target
 
     def probabilities(self, step: int) -> torch.Tensor:
         """The current sampling distribution (float64, sums to 1; excluded samples 0)."""
@@ -341,11 +353,11 @@ class FourierSampler(IndexSampler):
     # ---- state -------------------------------------------------------------------------------------------
     def bytes_per_sample(self) -> dict:
         """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
-        profile fp16 x bands, excluded bool) and the derived caches (float64 importance, target, target CDF,
-        weighted, CDF), from the tensors actually held (after setup and the first update)."""
+        profile fp16 x bands, excluded bool) and the derived caches (float64 importance parts, target, target CDF and
+        CDF; the unseen mask), from the tensors actually held (after setup and the first update)."""
         n = max(self.num_samples, 1)
         table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
-        cache = [self._elem] + ([self._raw] if self._raw is not self._elem else [])
+        cache = [self._elem, self._unseen] + ([self._raw] if self._raw is not self._elem else [])
         cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None) / n  # noqa: E731
         return {"table": size(table), "cache": size(cache), "total": size(table) + size(cache)}

@@ -221,8 +221,8 @@ def importance(
     elem = importance_elementwise(
         m1, m2, visits, variant, momentum=momentum, min_prob=min_prob, max_prob=max_prob, prior=prior, eps=eps
     )
-    return importance_finish(elem, visits, variant, min_prob=min_prob, magnitude_cap=magnitude_cap, prior=prior,
-                             eps=eps)
+    return importance_finish(elem, visits == 0, variant, min_prob=min_prob, magnitude_cap=magnitude_cap,
+                             prior=prior, eps=eps)
 
 
 def importance_elementwise(
@@ -251,23 +251,24 @@ def importance_elementwise(
 
 def importance_finish(
     elem: torch.Tensor,
-    visits: torch.Tensor,
+    unseen: torch.Tensor,
     variant: str = "moment_ratio",
     *,
     min_prob: float = 1e-4,
     magnitude_cap: float = 10.0,
     prior: float = 1.0,
     eps: float = 1e-8,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The global part of :func:`importance` (identity for ``moment_ratio``; for ``magnitude`` the division
-    by the mean over seen samples, the clamp and the prior)."""
+    by the mean over seen samples, the clamp and the prior). ``unseen`` is ``visits == 0``; ``out`` is an
+    optional preallocated float64 buffer (fresh 1 MB allocations page-fault on every call)."""
     if variant == "moment_ratio":
         return elem
-    seen = visits > 0
-    n_seen = int(seen.sum())
+    n_seen = elem.numel() - int(unseen.sum())
     mean = float(elem.sum()) / n_seen if n_seen else 1.0
-    raw = (elem / max(mean, eps)).clamp_(min_prob, magnitude_cap)
-    return raw.masked_fill_(~seen, float(prior))
+    raw = torch.div(elem, max(mean, eps), out=out) if out is not None else elem / max(mean, eps)
+    return raw.clamp_(min_prob, magnitude_cap).masked_fill_(unseen, float(prior))
 
 
 def sampling_probabilities(
