@@ -12,17 +12,21 @@ evaluated every ``--eval-every`` steps. Corpora:
   Its size (``--mixture-kb``) is chosen so that the 256-token runs see it about twice: a per-sample table can
   only act on samples it has seen (the stdlib corpus, by contrast, is seen ~0.02 times).
 
-Variants (the ablation): ``uniform``; ``uniform_seed2`` (another data seed: the noise floor); for each of the
-two importance transforms (``brief`` = moment_ratio, ``mag`` = magnitude): ``*_stages`` (mixed score + the
-staged schedule), ``*_mixed``, ``*_time``, ``*_freq`` (no stages). The stage schedule and the cosine mix are
+Variants (the ablation): ``uniform`` (drawn by the same inverse CDF and generator stream as the Fourier sampler,
+so the comparison is paired: with equal probabilities both draw the same batches); ``uniform_seed2`` (uniform
+with another data seed: the data-order noise); for each of the two importance transforms (``brief`` =
+moment_ratio, ``mag`` = magnitude): ``*_stages`` (mixed score + the staged schedule), ``*_mixed``, ``*_time``,
+``*_freq`` (no stages). The stage schedule and the cosine mix are
 scaled to the run: ``step_unit = steps / 50`` (the brief's 50k-step run), ``decay_steps = 10 * step_unit``.
 Block length 1024 runs a reduced set at the same tokens per step.
 
-Per-step overhead is measured two ways: the sampler's own time (draw + observe, timed inside the runs), and an
-interleaved wall-clock comparison (one uniform step, one Fourier step, alternating, ``--timing-steps`` each)
-on the largest table. The last line is one JSON object.
+Every variant runs for each of ``--seeds`` (model init and data seed); results are paired by seed and the
+steps-to-target use seed-averaged val curves. Per-step overhead is measured two ways: the sampler's own time
+(draw + observe, timed inside the runs), and an interleaved wall-clock comparison (one uniform step, one
+Fourier step, alternating; ``--timing-rounds`` rounds of ``--timing-steps``) at block 256. Intermediate
+results go to ``--out`` after every run; ``--merge`` re-summarizes such files. The last line is one JSON object.
 
-    python scripts/bench_fourier.py                 # the full grid (tens of minutes on 2 busy CPU cores)
+    python scripts/bench_fourier.py --out runs.json  # the full grid: ~2-3 h on 2 busy CPU cores (3 seeds)
     python scripts/bench_fourier.py --steps 40 --corpora mixture --block-sizes 256 --variants uniform brief_stages
 """
 
@@ -53,7 +57,7 @@ from lit_dtrain.schedules.lr import cosine_scheduler
 SCORE_ABLATION = {"stages": ("mixed", True), "mixed": ("mixed", False), "time": ("time", False),
                   "freq": ("frequency", False)}
 ALL_VARIANTS = ["uniform", "uniform_seed2"] + [f"{v}_{a}" for v in ("brief", "mag") for a in SCORE_ABLATION]
-LONG_VARIANTS = ["uniform", "uniform_seed2", "brief_stages", "brief_mixed", "mag_mixed"]
+LONG_VARIANTS = ["uniform", "uniform_seed2", "brief_stages", "mag_mixed"]
 MIXTURE_SHARES = {"code": 0.35, "prose": 0.35, "boilerplate": 0.15, "random": 0.15}
 
 
@@ -113,9 +117,18 @@ def make_mixture(root: Path, total_kb: int, seed: int = 0, doc_chars: int = 2048
 
 
 # ---- runs ---------------------------------------------------------------------------------------------------
+class PairedUniformSampler(RandomSampler):
+    """Uniform sampling drawn by inverse CDF from the step's generator, exactly as FourierSampler draws: with
+    equal probabilities both pick the same indices, so a comparison differs only where the probabilities do."""
+
+    def setup(self, num_samples: int, base_weights=None, seed: int = 0) -> None:
+        uniform = torch.full((num_samples,), 1.0 / num_samples, dtype=torch.float64)
+        super().setup(num_samples, uniform if base_weights is None else base_weights, seed)
+
+
 def make_sampler(variant: str, steps: int):
     if variant.startswith("uniform"):
-        return RandomSampler()
+        return PairedUniformSampler()
     transform, ablation = variant.split("_", 1)
     score, stages = SCORE_ABLATION[ablation]
     unit = steps / 50
@@ -196,13 +209,13 @@ def train_step(model, opt, sched, batch, lr_mult: float) -> torch.Tensor:
     return token_loss.detach()
 
 
-def run(corpus, dirs, block, variant, args) -> dict:
+def run(corpus, dirs, block, variant, seed, args) -> dict:
     batch = max(1, args.tokens_per_step // block)
-    data_seed = args.seed + (1 if variant == "uniform_seed2" else 0)
+    data_seed = seed + (1000 if variant == "uniform_seed2" else 0)  # the control: only the data order differs
     sampler = make_sampler(variant, args.steps)
     dm = make_datamodule(corpus, dirs, block, batch, data_seed, sampler, args.cache_dir)
     vals = val_set(dm, corpus, args.val_windows * 256 // block)
-    model = model_for(block, args.seed, args)
+    model = model_for(block, seed, args)
     opt = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = cosine_scheduler(opt, total_steps=args.steps, warmup_steps=max(1, args.steps // 20), min_lr_factor=0.1)
     fourier = isinstance(sampler, FourierSampler)
@@ -225,8 +238,8 @@ def run(corpus, dirs, block, variant, args) -> dict:
             curve.append((step + 1, evaluate(model, vals, args.eval_batch)[0]))
     final, per_source = evaluate(model, vals, args.eval_batch)
     out = {
-        "corpus": corpus, "block": block, "variant": variant, "batch": batch, "curve": curve, "final": final,
-        "per_source": per_source, "num_samples": dm.num_train_samples, "unique_seen": len(seen),
+        "corpus": corpus, "block": block, "variant": variant, "seed": seed, "batch": batch, "curve": curve,
+        "final": final, "per_source": per_source, "num_samples": dm.num_train_samples, "unique_seen": len(seen),
         "draw_ms": 1e3 * statistics.median(draw_t), "model_ms": 1e3 * statistics.median(step_t),
         "observe_ms": 1e3 * statistics.median(obs_t),
     }
@@ -250,26 +263,35 @@ def steps_to_target(curve, target: float) -> float | None:
 
 
 def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dict:
-    """Alternate one uniform and one Fourier step (separate models and data); median wall time of each."""
+    """Alternate one uniform and one Fourier step (separate models and data), ``--timing-rounds`` rounds of
+    ``--timing-steps`` steps each; the ratio of median step times per round, and the median over rounds."""
     batch = max(1, args.tokens_per_step // block)
     setups = {}
-    for name, sampler in (("uniform", RandomSampler()), ("fourier", make_sampler(variant, args.steps))):
-        dm = make_datamodule(corpus, dirs, block, batch, args.seed, sampler, args.cache_dir)
-        model = model_for(block, args.seed, args)
+    for name, sampler in (("uniform", PairedUniformSampler()), ("fourier", make_sampler(variant, args.steps))):
+        dm = make_datamodule(corpus, dirs, block, batch, args.seeds[0], sampler, args.cache_dir)
+        model = model_for(block, args.seeds[0], args)
         opt = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        setups[name] = (dm, model, opt, cosine_scheduler(opt, total_steps=10**6, warmup_steps=1), [])
-    for step in range(args.timing_steps):
-        for dm, model, opt, sched, times in setups.values():
-            t0 = time.perf_counter()
-            b = dm.batch_for_step(step)
-            fourier = isinstance(dm.sampler, FourierSampler)
-            token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step) if fourier else 1.0)
-            if fourier:
-                dm.sampler.observe(token_loss, b["index"], step + 1)
-            times.append(time.perf_counter() - t0)
-    med = {k: statistics.median(v[-1][args.timing_steps // 5 :]) for k, v in setups.items()}
-    return {"uniform_ms": 1e3 * med["uniform"], "fourier_ms": 1e3 * med["fourier"],
-            "wall_ratio": med["fourier"] / med["uniform"], "num_samples": setups["fourier"][0].num_train_samples}
+        setups[name] = (dm, model, opt, cosine_scheduler(opt, total_steps=10**6, warmup_steps=1))
+    ratios, medians, step = [], [], 0
+    for _ in range(args.timing_rounds):
+        times = {k: [] for k in setups}
+        for _ in range(args.timing_steps):
+            for name, (dm, model, opt, sched) in setups.items():
+                t0 = time.perf_counter()
+                b = dm.batch_for_step(step)
+                fourier = isinstance(dm.sampler, FourierSampler)
+                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step) if fourier else 1.0)
+                if fourier:
+                    dm.sampler.observe(token_loss, b["index"], step + 1)
+                times[name].append(time.perf_counter() - t0)
+            step += 1
+        med = {k: statistics.median(v) for k, v in times.items()}
+        medians.append(med)
+        ratios.append(med["fourier"] / med["uniform"])
+    return {"uniform_ms": 1e3 * statistics.median(m["uniform"] for m in medians),
+            "fourier_ms": 1e3 * statistics.median(m["fourier"] for m in medians),
+            "wall_ratio": statistics.median(ratios), "round_ratios": [round(r, 4) for r in ratios],
+            "num_samples": setups["fourier"][0].num_train_samples, "variant": variant}
 
 
 def main() -> None:
@@ -278,6 +300,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[256, 1024])
     ap.add_argument("--variants", nargs="+", default=ALL_VARIANTS, help=f"of {ALL_VARIANTS}")
     ap.add_argument("--long-variants", nargs="+", default=LONG_VARIANTS, help="variants run at block > 256")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="model-init and data seeds")
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="batch = tokens_per_step // block")
     ap.add_argument("--eval-every", type=int, default=20)
@@ -289,99 +312,150 @@ def main() -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-kv-head", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timing-steps", type=int, default=40, help="interleaved steps per sampler (0: skip)")
+    ap.add_argument("--timing-steps", type=int, default=30, help="interleaved steps per sampler and round (0: skip)")
+    ap.add_argument("--timing-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
     ap.add_argument("--out", default=None, help="also write all results (curves included) to this JSON file")
+    ap.add_argument("--merge", nargs="+", default=None, help="summarize these --out files instead of training")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS}")
+    if args.merge:
+        loaded = [json.loads(Path(f).read_text()) for f in args.merge]
+        runs = [r for d in loaded for r in d["runs"]]
+        timing = {k: v for d in loaded for k, v in d.get("timing", {}).items()}
+        args.steps = loaded[0]["args"]["steps"]
+    else:
+        runs, timing = train_all(args)
+    summary = summarize(runs, timing, args)
+    if args.out and not args.merge:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "timing": timing, "runs": runs}, indent=1))
+    print(json.dumps(summary))
+
+
+def train_all(args) -> tuple[list, dict]:
     print(f"python {sysconfig.get_python_version()}, torch {torch.__version__}, threads {args.threads}")
-    results, summary = [], {}
+    runs, timing = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_fourier_") as tmp:
-        dirs = make_mixture(Path(tmp), args.mixture_kb, args.seed) if "mixture" in args.corpora else None
+        dirs = make_mixture(Path(tmp), args.mixture_kb, seed=0) if "mixture" in args.corpora else None
         for corpus in args.corpora:
+            if args.timing_steps:
+                timing[corpus] = interleaved_timing(corpus, dirs, min(args.block_sizes), args)
+                print(f"[{corpus}] interleaved timing: {timing[corpus]}", flush=True)
             for block in args.block_sizes:
                 variants = args.variants if block <= 256 else [v for v in args.long_variants if v in args.variants]
-                rows = {}
-                for variant in variants:
-                    t0 = time.perf_counter()
-                    r = run(corpus, dirs, block, variant, args)
-                    rows[variant] = r
-                    results.append(r)
-                    print(f"[{corpus} T={block}] {variant:14s} final={r['final']:.4f} model={r['model_ms']:.1f}ms "
-                          f"draw={r['draw_ms']:.2f}ms observe={r['observe_ms']:.2f}ms seen={r['unique_seen']}/"
-                          f"{r['num_samples']} ({time.perf_counter() - t0:.0f}s)", flush=True)
-                summary[f"{corpus}_{block}"] = table(rows, args)
-            if args.timing_steps:
-                summary[f"{corpus}_timing"] = interleaved_timing(corpus, dirs, min(args.block_sizes), args)
-                print(f"[{corpus}] interleaved timing: {summary[f'{corpus}_timing']}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
-    print(json.dumps(final_json(summary, args)))
+                for seed in args.seeds:
+                    for variant in variants:
+                        t0 = time.perf_counter()
+                        r = run(corpus, dirs, block, variant, seed, args)
+                        runs.append(r)
+                        if args.out:  # partial results survive an interrupted run (summarize with --merge)
+                            Path(args.out).write_text(json.dumps({"args": vars(args), "timing": timing, "runs": runs}))
+                        print(f"[{corpus} T={block} seed={seed}] {variant:14s} final={r['final']:.4f} "
+                              f"model={r['model_ms']:.1f}ms draw={r['draw_ms']:.2f}ms observe={r['observe_ms']:.2f}ms "
+                              f"seen={r['unique_seen']}/{r['num_samples']} ({time.perf_counter() - t0:.0f}s)",
+                              flush=True)
+    return runs, timing
 
 
-def table(rows: dict, args) -> dict:
-    """Per-variant comparison against the uniform run of the same corpus and block length."""
-    base = rows.get("uniform")
-    if base is None:
-        return {}
-    target = base["final"]
-    base_steps = steps_to_target(base["curve"], target)
-    out = {"target": target, "uniform_steps": base_steps, "variants": {}}
-    print(f"  target (uniform final val) = {target:.4f}, uniform reaches it at step {base_steps}")
-    print(f"  {'variant':14s} {'final':>8s} {'Δ%':>7s} {'steps→tgt':>10s} {'saved%':>7s} {'ovh%':>6s} {'H/Hmax':>7s}")
-    for name, r in rows.items():
-        steps = steps_to_target(r["curve"], target)
-        overhead = (r["draw_ms"] - base["draw_ms"] + r["observe_ms"]) / (base["draw_ms"] + base["model_ms"])
-        entry = {
-            "final": r["final"], "val_loss_delta_pct": 100 * (r["final"] - target) / target, "steps_to_target": steps,
-            "steps_saved_pct": None if steps is None or not base_steps else 100 * (1 - steps / base_steps),
-            "sampler_overhead_pct": 100 * overhead, "entropy_ratio": r.get("entropy_ratio"),
-            "per_source": r["per_source"], "final_share": r.get("final_share"),
-        }
-        out["variants"][name] = entry
-        saved = "n/a" if entry["steps_saved_pct"] is None else f"{entry['steps_saved_pct']:.1f}"
-        print(f"  {name:14s} {r['final']:8.4f} {entry['val_loss_delta_pct']:7.2f} {str(steps):>10s} {saved:>7s} "
-              f"{100 * overhead:6.2f} {entry['entropy_ratio'] or 1.0:7.4f}")
-    return out
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
-def final_json(summary: dict, args) -> dict:
-    """Headline per corpus (block 256, the brief's default variant) plus the best variant found."""
+def _round(x, digits: int = 1):
+    return None if x is None else round(x, digits)
+
+
+def _std(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def mean_curve(runs: list) -> list:
+    """Val curve averaged over seeds (runs share their eval steps)."""
+    steps = [s for s, _ in runs[0]["curve"]]
+    return [(s, _mean([dict(r["curve"])[s] for r in runs])) for s in steps]
+
+
+def summarize(runs: list, timing: dict, args) -> dict:
+    """Tables per (corpus, block): each variant against uniform, paired by seed, and on seed-averaged curves.
+
+    ``steps_to_target``: first (interpolated) eval step at which the seed-averaged val curve reaches the
+    seed-averaged final val loss of uniform sampling. ``val_loss_delta_pct``: mean over seeds of the paired
+    difference of final val loss vs uniform (negative is better), with its standard deviation.
+    """
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["corpus"], r["block"]), {}).setdefault(r["variant"], {})[r["seed"]] = r
     out = {"steps": args.steps}
-    for corpus in args.corpora:
-        t = summary.get(f"{corpus}_{min(args.block_sizes)}") or {}
-        if not t:
+    for (corpus, block), by_variant in groups.items():
+        uniform = by_variant.get("uniform")
+        if not uniform:
             continue
-        head = t["variants"].get("brief_stages") or next(
-            (v for k, v in t["variants"].items() if not k.startswith("uniform")), {}
-        )
-        fourier = {k: v for k, v in t["variants"].items() if not k.startswith("uniform")}
-        best = min(fourier, key=lambda k: fourier[k]["final"]) if fourier else None
-        timing = summary.get(f"{corpus}_timing", {})
-        out[corpus] = {
-            "steps_to_target_uniform": t["uniform_steps"],
+        seeds = sorted(uniform)
+        target = _mean([uniform[s]["final"] for s in seeds])
+        uniform_steps = steps_to_target(mean_curve([uniform[s] for s in seeds]), target)
+        base_ms = _mean([uniform[s]["draw_ms"] + uniform[s]["model_ms"] for s in seeds])
+        base_draw = _mean([uniform[s]["draw_ms"] for s in seeds])
+        print(f"\n== {corpus}, T={block}, seeds {seeds}: uniform final {target:.4f} (reached at step "
+              f"{uniform_steps}) ==")
+        print(f"  {'variant':14s} {'final':>8s} {'Δ% mean±sd':>14s} {'steps→tgt':>9s} {'saved%':>7s} "
+              f"{'sampler ms':>10s} {'H/Hmax':>7s}  per-seed Δ%")
+        table = {}
+        for name, by_seed in by_variant.items():
+            common = [s for s in seeds if s in by_seed]
+            deltas = [100 * (by_seed[s]["final"] - uniform[s]["final"]) / uniform[s]["final"] for s in common]
+            steps = steps_to_target(mean_curve([by_seed[s] for s in common]), target)
+            sampler_ms = _mean([by_seed[s]["draw_ms"] - base_draw + by_seed[s]["observe_ms"] for s in common])
+            entry = {
+                "final": _mean([by_seed[s]["final"] for s in common]),
+                "val_loss_delta_pct": _mean(deltas), "val_loss_delta_sd": _std(deltas),
+                "val_loss_delta_pct_per_seed": [round(d, 3) for d in deltas],
+                "steps_to_target": steps,
+                "steps_saved_pct": None if steps is None or not uniform_steps else 100 * (1 - steps / uniform_steps),
+                "sampler_ms": sampler_ms, "sampler_overhead_pct": 100 * sampler_ms / base_ms,
+                "entropy_ratio": _mean([by_seed[s].get("entropy_ratio") for s in common]),
+                "per_source": {k: _mean([by_seed[s]["per_source"][k] for s in common])
+                               for k in by_seed[common[0]]["per_source"]},
+                "final_share": by_seed[common[0]].get("final_share"),
+            }
+            table[name] = entry
+            saved = "n/a" if entry["steps_saved_pct"] is None else f"{entry['steps_saved_pct']:.1f}"
+            steps_s = "never" if steps is None else f"{steps:.0f}"
+            delta = f"{entry['val_loss_delta_pct']:7.2f}±{entry['val_loss_delta_sd']:5.2f}"
+            print(f"  {name:14s} {entry['final']:8.4f} {delta} "
+                  f"{steps_s:>9s} {saved:>7s} {sampler_ms:10.2f} {entry['entropy_ratio'] or 1.0:7.4f}  "
+                  f"{entry['val_loss_delta_pct_per_seed']}")
+        if corpus == "mixture":
+            print("  per-source val loss: " + "; ".join(
+                f"{n}: " + ", ".join(f"{k}={v:.3f}" for k, v in e["per_source"].items()) for n, e in table.items()
+                if n in ("uniform", "brief_stages", "mag_mixed", "mag_time", "mag_freq")))
+        key = corpus if block == min(args.block_sizes) else f"{corpus}_block{block}"
+        fourier = {k: v for k, v in table.items() if not k.startswith("uniform")}
+        head = table.get("brief_stages") or next(iter(fourier.values()), {})
+        best = min(fourier, key=lambda k: fourier[k]["val_loss_delta_pct"]) if fourier else None
+        out[key] = {
+            "block": block, "seeds": seeds,
+            "steps_to_target_uniform": uniform_steps,
             "steps_to_target_fourier": head.get("steps_to_target"),
-            "overhead_ratio": timing.get("wall_ratio"),
+            "overhead_ratio": timing.get(corpus, {}).get("wall_ratio") if block == min(args.block_sizes) else None,
             "sampler_overhead_pct": head.get("sampler_overhead_pct"),
             "val_loss_delta_pct": head.get("val_loss_delta_pct"),
-            "noise_val_loss_delta_pct": t["variants"].get("uniform_seed2", {}).get("val_loss_delta_pct"),
+            "noise_val_loss_delta_pct": table.get("uniform_seed2", {}).get("val_loss_delta_pct"),
             "best_variant": best,
             "best_val_loss_delta_pct": fourier[best]["val_loss_delta_pct"] if best else None,
             "best_steps_to_target": fourier[best]["steps_to_target"] if best else None,
+            "variants": {k: {"delta_pct": round(v["val_loss_delta_pct"], 3), "sd": round(v["val_loss_delta_sd"], 3),
+                             "steps_to_target": _round(v["steps_to_target"])} for k, v in table.items()},
         }
-        for block in args.block_sizes:
-            tb = summary.get(f"{corpus}_{block}") or {}
-            if block != min(args.block_sizes) and tb:
-                out[corpus][f"block{block}"] = {
-                    k: {"val_loss_delta_pct": round(v["val_loss_delta_pct"], 3),
-                        "steps_to_target": v["steps_to_target"]}
-                    for k, v in tb["variants"].items()
-                }
+    for corpus, t in timing.items():
+        print(f"[{corpus}] interleaved wall-clock ratio fourier/uniform: {t['wall_ratio']:.4f} "
+              f"(rounds {t['round_ratios']}; {t['uniform_ms']:.1f} vs {t['fourier_ms']:.1f} ms/step, "
+              f"N={t['num_samples']})")
     return out
 
 
