@@ -53,6 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_hold_identical_tables_and_draw_disjoint_shards(tmp_path):
     mp.spawn(partial(_worker), args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
