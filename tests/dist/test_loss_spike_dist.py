@@ -1,0 +1,150 @@
+"""LossSpikeMonitor under 2-process DDP (gloo, CPU, 127.0.0.1): a spike on one rank's batch, same action on both."""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import make_corpus
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
+
+BATCH = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(root: str):
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.data.corpus import CorpusSource
+
+    return LMDataModule(sources=[CorpusSource(name="c", kind="files", paths=[os.path.join(root, "corpus")])],
+                        block_size=32, batch_size=BATCH, cache_dir=os.path.join(root, "cache"), progress=False,
+                        max_val_windows=4)
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import AdaptiveGradClip, LossSpikeMonitor
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.schedules import cosine_scheduler
+
+    class Inject(L.Callback):
+        """Spikes only this rank's batch: logits x100 (finite) or NaN, at the given steps."""
+
+        def __init__(self, steps: dict[int, str]) -> None:
+            self.steps, self.handle = steps, None
+            self.local_loss: dict[int, float] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            kind = self.steps.get(trainer.global_step)
+            if kind:
+                scale = float("nan") if kind == "nan" else 100.0
+                self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * scale)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.local_loss[trainer.global_step] = float(loss.detach())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+    class Record(L.Callback):
+        def __init__(self, monitor, clip=None):
+            self.monitor, self.clip = monitor, clip
+            self.reasons, self.indices, self.params, self.thresholds = {}, {}, {}, {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.indices[trainer.global_step] = batch["index"].tolist()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step - 1
+            self.reasons[step] = list(self.monitor.last_decision.reasons)
+            self.params[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            if self.clip is not None:
+                self.thresholds[step] = self.clip.last.get("threshold")
+
+    def fit(inject: dict[int, str], monitor, clip=None):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(block_size=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32))
+        lit = LitLLM(model, optimizer=partial(adamw, lr=3e-3),
+                     scheduler=partial(cosine_scheduler, total_steps=40, warmup_steps=2))
+        injector, record = Inject(inject), Record(monitor, clip)
+        callbacks = [injector, monitor] + ([clip] if clip else []) + [record]
+        dm = _data(root)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12, callbacks=callbacks,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+        trainer.fit(lit, datamodule=dm)
+        return {
+            "global_step": trainer.global_step,
+            "events": [(e["step"], e["actions"], e["index"], e["rolled_back_to"]) for e in monitor.events],
+            "reasons": record.reasons, "indices": record.indices, "local_loss": injector.local_loss,
+            "params": record.params, "excluded": sorted(monitor.excluded),
+            "sampler_excluded": dm.sampler.excluded.nonzero().flatten().tolist(), "thresholds": record.thresholds,
+        }
+
+    results = {
+        # a finite spike on rank 1's batch at step 6, a NaN on rank 0's batch at step 9
+        "skip": fit({6: "finite"} if rank == 1 else {9: "nan"},
+                    LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3), AdaptiveGradClip(warmup_steps=3)),
+        "rollback": fit({8: "finite"} if rank == 1 else {},
+                        LossSpikeMonitor(actions=["log", "rollback"], warmup_steps=3, snapshot_every=3)),
+    }
+    torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+
+
+def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
+    _data(str(tmp_path)).prepare_data()  # build the token cache once, before the ranks start
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+    skip0, skip1 = r0["skip"], r1["skip"]
+    assert skip0["global_step"] == skip1["global_step"] == 12  # the run completed on both ranks
+    # the finite spike was on rank 1 only: rank 0's own loss at step 6 was ordinary
+    assert skip1["local_loss"][6] > 3 * skip1["local_loss"][5]
+    assert skip0["local_loss"][6] < 1.2 * skip0["local_loss"][5]
+    # ... yet both ranks decided identically at every step, and took the same action
+    assert skip0["reasons"] == skip1["reasons"]
+    assert [s for s, r in skip0["reasons"].items() if r] == [6, 9]
+    assert skip0["events"] == skip1["events"]
+    assert [(s, a) for s, a, _, _ in skip0["events"]] == [(6, ["log", "skip"]), (9, ["log", "skip"])]
+    # the excluded samples are both ranks' shards of the spiking global batches, on both ranks' samplers
+    spiked = sorted(set(skip0["indices"][6] + skip1["indices"][6] + skip0["indices"][9] + skip1["indices"][9]))
+    assert skip0["excluded"] == skip1["excluded"] == spiked
+    assert skip0["sampler_excluded"] == skip1["sampler_excluded"] == spiked
+    for steps_done in (7, 10):  # skipped steps leave the parameters as they were, on both ranks
+        for k, v in skip0["params"][steps_done].items():
+            assert torch.equal(v, skip0["params"][steps_done - 1][k]), (steps_done, k)
+    for k, v in skip0["params"][12].items():
+        assert torch.equal(v, skip1["params"][12][k]), k  # ranks never diverged
+        assert torch.isfinite(v).all(), k
+    # AdaptiveGradClip saw the same (all-reduced) grad norms: identical thresholds on both ranks
+    def finite(thresholds: dict) -> dict:  # NaN while warming up
+        return {s: t for s, t in thresholds.items() if t == t}
+
+    assert skip0["thresholds"].keys() == skip1["thresholds"].keys()
+    assert finite(skip0["thresholds"]) == finite(skip1["thresholds"]) and len(finite(skip0["thresholds"])) >= 6
+
+    rb0, rb1 = r0["rollback"], r1["rollback"]
+    assert rb0["global_step"] == rb1["global_step"] == 12
+    assert rb0["events"] == rb1["events"] and [(e[0], e[3]) for e in rb0["events"]] == [(8, 6)]
+    for k, v in rb0["params"][9].items():  # after step 8: exactly the snapshot of step 6, on both ranks
+        assert torch.equal(v, rb0["params"][6][k]) and torch.equal(v, rb1["params"][9][k]), k

@@ -1,0 +1,198 @@
+"""AdaptiveGradClip (ZClip) and OptimizerDiagnostics: exact clipping, loss scale, mixed precision, logged values."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
+from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
+from lit_dtrain.callbacks.optimizer_diagnostics import eps_dominated_fraction
+from tests.unit.test_loss_spike import Inject, make_data, make_module, make_trainer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fake_trainer(step: int, scale: float | None = None):
+    scaler = None if scale is None else SimpleNamespace(get_scale=lambda: scale)
+    return SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler), world_size=1, strategy=object(),
+                           global_step=step, gradient_clip_val=None)
+
+
+class Logs:
+    def __init__(self):
+        self.values: dict[str, list[float]] = {}
+
+    def log(self, name, value, **kwargs):
+        self.values.setdefault(name, []).append(float(value))
+
+
+def grad_norm(params) -> float:
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+
+
+def run_clip(norms: list[float], scale: float | None = None, **kwargs):
+    """Feeds grads with the given global norms (fixed random directions) through the callback."""
+    clip = AdaptiveGradClip(**kwargs)
+    params = [torch.nn.Parameter(torch.zeros(7)), torch.nn.Parameter(torch.zeros(3, 4))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    if scale is not None:
+        opt._step_supports_amp_scaling = True  # grads arrive still scaled (fused optimizers under 16-mixed)
+    g = torch.Generator().manual_seed(0)
+    module, seen = Logs(), []
+    for step, norm in enumerate(norms):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        total = math.sqrt(sum(float(x.square().sum()) for x in grads))
+        for p, x in zip(params, grads):
+            p.grad = x * (norm / total) * (scale or 1.0)
+        threshold = clip.threshold()
+        clip.on_before_optimizer_step(fake_trainer(step, scale), module, opt)
+        seen.append((threshold, grad_norm(params) / (scale or 1.0), [p.grad.clone() for p in params],
+                     [x.clone() for x in grads]))
+    return clip, module, seen
+
+
+def test_zclip_clips_exactly_to_mean_plus_z_std_and_keeps_direction() -> None:
+    norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0, 1.0]
+    clip, logs, seen = run_clip(norms, z_threshold=2.5, warmup_steps=25)
+    threshold, after, grads, original = seen[30]
+    assert threshold is not None and 1.0 < threshold < 1.3
+    assert after == pytest.approx(threshold, rel=1e-5)  # clipped exactly to mean + z * std
+    cos = sum(float((a * b).sum()) for a, b in zip(grads, original)) / (after * math.sqrt(
+        sum(float(b.square().sum()) for b in original)))
+    assert cos == pytest.approx(1.0, abs=1e-6)  # direction preserved
+    assert seen[31][1] == pytest.approx(1.0, rel=1e-6)  # ordinary norms pass untouched
+    assert all(s[1] == pytest.approx(n, rel=1e-6) for s, n in zip(seen[:30], norms))  # nothing clipped before
+    assert clip.clip_events == 1
+    assert logs.values["grad_clip/clipped"][30] == 1.0 and logs.values["grad_clip/clip_events"][-1] == 1.0
+    assert logs.values["grad_clip/norm"][30] == pytest.approx(10.0, rel=1e-5)
+    # the statistics absorbed the clipped norm, not the raw one (ZClip)
+    ref = RobustStat("ema", decay=0.97, scale_decay=0.97, warmup=25, clip_z=None, min_rel_scale=0.0)
+    for n in logs.values["grad_clip/norm"][:30]:  # the fp32 norms the callback measured
+        ref.add(n)
+    assert zclip_threshold(ref, 2.5) == pytest.approx(threshold, rel=1e-9)
+    ref.add(threshold)
+    ref.add(logs.values["grad_clip/norm"][31])
+    assert clip.stat.state_dict() == ref.state_dict()
+
+
+def test_loss_scaled_grads_give_the_same_decisions() -> None:
+    norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0]
+    _, _, plain = run_clip(norms, warmup_steps=25)
+    _, _, scaled = run_clip(norms, scale=1024.0, warmup_steps=25)
+    for (t0, n0, g0, _), (t1, n1, g1, _) in zip(plain, scaled):
+        assert (t0 is None and t1 is None) or t0 == pytest.approx(t1, rel=1e-6)
+        assert n0 == pytest.approx(n1, rel=1e-5)
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b / 1024.0, a, rtol=1e-5, atol=0)
+
+
+def test_reciprocal_mode_clips_harder_and_max_norm_caps() -> None:
+    norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0]
+    _, _, z = run_clip(norms, warmup_steps=25)
+    _, _, rec = run_clip(norms, warmup_steps=25, mode="reciprocal")
+    assert rec[30][1] < z[30][1]
+    _, _, capped = run_clip([5.0, 5.0, 5.0], warmup_steps=25, max_norm=2.0)
+    assert [round(s[1], 5) for s in capped] == [2.0, 2.0, 2.0]  # the ceiling acts during warmup
+
+
+def test_nonfinite_and_missing_grads_are_left_alone() -> None:
+    clip = AdaptiveGradClip(warmup_steps=2)
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    clip.on_before_optimizer_step(fake_trainer(0), Logs(), opt)  # no grad at all
+    p.grad = torch.tensor([1.0, math.inf, 0.0])
+    clip.on_before_optimizer_step(fake_trainer(1), Logs(), opt)
+    assert clip.stat.count == 0 and clip.clip_events == 0 and math.isinf(float(p.grad[1]))
+
+
+def test_clip_state_roundtrip() -> None:
+    clip, _, _ = run_clip([1.0, 1.1, 0.9, 1.0, 5.0], warmup_steps=3)
+    other = AdaptiveGradClip(warmup_steps=3)
+    other.load_state_dict(clip.state_dict())
+    assert other.threshold() == clip.threshold() and other.clip_events == clip.clip_events == 1
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_clip_in_a_real_run_acts_on_the_spike(tmp_path: Path, precision: str) -> None:
+    class NormProbe(L.Callback):  # runs after AdaptiveGradClip in the same hook
+        def __init__(self):
+            self.norms = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self.norms[trainer.global_step] = grad_norm(params)
+
+    thresholds = {}
+
+    class ThresholdProbe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            thresholds[trainer.global_step] = clip.last.get("threshold")
+
+    clip, probe = AdaptiveGradClip(warmup_steps=4), NormProbe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, precision=precision, logger=False,
+                        callbacks=[Inject({8: "finite"}), clip, probe, ThresholdProbe()], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert clip.last and clip.clip_events >= 1
+    assert probe.norms[8] == pytest.approx(thresholds[8], rel=1e-4)  # the spike's grads clipped to the threshold
+    assert "grad_clip/threshold" in trainer.callback_metrics
+
+
+def test_eps_dominated_fraction_matches_definition() -> None:
+    v = torch.tensor([0.0, 1e-20, 9e-18, 1e-17, 1e-10])
+    # bias_correction2 = 1 - 0.95**2 = 0.0975; sqrt(v / 0.0975) < 1e-8  <=>  v < 9.75e-18
+    assert eps_dominated_fraction(v, step=2, beta2=0.95, eps=1e-8) == (3, 5)
+
+
+def test_optimizer_diagnostics_values(tmp_path: Path) -> None:
+    class Before(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                self.params = [[p.detach().clone() for p in g["params"]] for g in trainer.optimizers[0].param_groups]
+
+    diag, before = OptimizerDiagnostics(every_n_steps=2), Before()
+    trainer = make_trainer(tmp_path, [before, diag], max_steps=5)
+    lit = make_module()
+    lit.optimizer_factory = partial(torch.optim.AdamW, lr=1e-3, eps=1e-4)  # a large eps: many elements dominated
+    trainer.fit(lit, datamodule=make_data(tmp_path))
+    opt = trainer.optimizers[0]
+    assert set(diag.last) == {f"optim/{name}/{m}" for name in ("decay", "no_decay")
+                              for m in ("update_to_param_rms", "grad_rms", "eps_dominated_frac")}
+    for group, old in zip(opt.param_groups, before.params):
+        name = group["name"]
+        new = torch.cat([p.detach().flatten() for p in group["params"]])
+        old = torch.cat([p.flatten() for p in old])
+        ratio = float((new - old).square().mean().sqrt() / old.square().mean().sqrt())
+        assert diag.last[f"optim/{name}/update_to_param_rms"] == pytest.approx(ratio, rel=1e-4)
+        v = torch.cat([opt.state[p]["exp_avg_sq"].flatten() for p in group["params"]])
+        frac = float(((v / (1 - 0.999**5)).sqrt() < 1e-4).float().mean())
+        assert diag.last[f"optim/{name}/eps_dominated_frac"] == pytest.approx(frac, abs=1e-6)
+        assert 0.0 < diag.last[f"optim/{name}/grad_rms"] < 1.0
+    assert "optim/decay/eps_dominated_frac" in trainer.callback_metrics
+
+
+def test_optimizer_diagnostics_without_adam_state_warns(tmp_path: Path) -> None:
+    diag = OptimizerDiagnostics(every_n_steps=1)
+    trainer = make_trainer(tmp_path, [diag], max_steps=2)
+    lit = make_module()
+    lit.optimizer_factory = partial(torch.optim.SGD, lr=1e-2)
+    with pytest.warns(UserWarning, match="eps_dominated_frac is not logged"):
+        trainer.fit(lit, datamodule=make_data(tmp_path))
+    assert set(diag.last) == {f"optim/{n}/{m}" for n in ("decay", "no_decay") for m in ("update_to_param_rms",
+                                                                                          "grad_rms")}
+    with pytest.raises(ValueError, match="every_n_steps"):
+        OptimizerDiagnostics(every_n_steps=0)
