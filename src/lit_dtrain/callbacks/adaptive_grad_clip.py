@@ -89,7 +89,8 @@ class AdaptiveGradClip(L.Callback):
         warmup_steps: steps of plain statistics gathering before adaptive clipping starts.
         mode: ``"zscore"`` clips to ``mean + z*std``; ``"reciprocal"`` to ``mean + z**2/z_t * std``.
         max_norm: an absolute clip applied during warmup and as a ceiling afterwards (None: none).
-        log_every_n_steps: log norm/threshold/clip-rate every N optimizer steps (clip events always count).
+        log_every_n_steps: log norm/threshold/clip flags every N optimizer steps and on every clip event
+            (None: the trainer's ``log_every_n_steps``).
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class AdaptiveGradClip(L.Callback):
         warmup_steps: int = 25,
         mode: str = "zscore",
         max_norm: float | None = None,
-        log_every_n_steps: int = 1,
+        log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
         if not z_threshold > 0:
@@ -108,10 +109,10 @@ class AdaptiveGradClip(L.Callback):
             raise ValueError(f"AdaptiveGradClip: mode must be one of {MODES}, got {mode!r}")
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"AdaptiveGradClip: max_norm must be > 0 or None, got {max_norm}")
-        if log_every_n_steps < 1:
-            raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}")
         self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm
-        self.log_every_n_steps = int(log_every_n_steps)
+        self.log_every_n_steps = log_every_n_steps
         # clip_z=None: the EMA absorbs the value we pass, which is already the clipped norm (as in ZClip)
         self.stat = RobustStat("ema", decay=decay, scale_decay=decay, warmup=warmup_steps, clip_z=None,
                                min_rel_scale=0.0)
@@ -172,7 +173,8 @@ class AdaptiveGradClip(L.Callback):
             "threshold": float("nan") if threshold is None else threshold,
             "clipped": float(clipped < norm),
         }
-        if trainer.global_step % self.log_every_n_steps == 0 or clipped < norm:
+        every = self.log_every_n_steps or max(getattr(trainer, "log_every_n_steps", 1), 1)
+        if trainer.global_step % every == 0 or clipped < norm:
             pl_module.log("grad_clip/norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
             pl_module.log("grad_clip/threshold", self.last["threshold"], on_step=True, on_epoch=False,
                           rank_zero_only=True)
