@@ -318,6 +318,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
     ap.add_argument("--out", default=None, help="also write all results (curves included) to this JSON file")
     ap.add_argument("--merge", nargs="+", default=None, help="summarize these --out files instead of training")
+    ap.add_argument("--plot", default=None, help="write seed-averaged val curves (every corpus and block) to PNG")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS)
@@ -331,6 +332,8 @@ def main() -> None:
     else:
         runs, timing = train_all(args)
     summary = summarize(runs, timing, args)
+    if args.plot:
+        plot_curves(runs, args.plot)
     if args.out and not args.merge:
         Path(args.out).write_text(json.dumps({"args": vars(args), "timing": timing, "runs": runs}, indent=1))
     print(json.dumps(summary))
@@ -457,6 +460,34 @@ def summarize(runs: list, timing: dict, args) -> dict:
               f"(rounds {t['round_ratios']}; {t['uniform_ms']:.1f} vs {t['fourier_ms']:.1f} ms/step, "
               f"N={t['num_samples']})")
     return out
+
+
+def plot_curves(runs: list, path: str) -> None:
+    """Seed-averaged val loss against step, one panel per (corpus, block), relative to uniform."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["corpus"], r["block"]), {}).setdefault(r["variant"], []).append(r)
+    keys = sorted(groups)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        base = dict(mean_curve(groups[key]["uniform"]))
+        for variant, rs in sorted(groups[key].items()):
+            curve = [(s, v - base[s]) for s, v in mean_curve(rs) if s > 0]
+            style = "k-" if variant == "uniform" else ":" if variant == "uniform_seed2" else "-"
+            ax.plot(*zip(*curve), style, label=variant, lw=2 if variant.startswith("uniform") else 1)
+        ax.set_title(f"{key[0]}, T={key[1]}, {len(groups[key]['uniform'])} seeds", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("val loss - uniform val loss (nats)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
