@@ -96,7 +96,8 @@ class Compressor:
             raise ValueError(f"{type(self).__name__}: start_step must be >= 0, got {start_step}")
         self.error_feedback = bool(error_feedback)
         self.start_step = int(start_step)
-        self.residuals: dict[str, Tensor] = {}
+        self.residuals: dict[str, Tensor] = {}  # per parameter name; views into _flat_residuals
+        self._flat_residuals: dict[tuple, Tensor] = {}
         self.num_calls = 0
         self.rank = 0  # this process's rank, set by reduce(); seeds rank-distinct noise
 
@@ -115,21 +116,47 @@ class Compressor:
         return self.decompress(self.compress(x, segments, step), segments, x.numel())
 
     # --- error feedback ----------------------------------------------------------------------
+    def residual_buffer(self, segments: Sequence[Segment], like: Tensor) -> Tensor:
+        """The flat fp32 residual of this buffer layout, updated in place by :meth:`reduce`.
+
+        One flat buffer per layout (no gather/scatter per step); ``self.residuals[name]`` are views
+        into it. A new layout (DDP rebuilt its buckets, or a restored state) is assembled once from
+        the per-name residuals; layouts no name points to any more are dropped.
+        """
+        key = tuple((s.name, s.offset, s.numel) for s in segments)
+        buffer = self._flat_residuals.get(key)
+        if buffer is not None and buffer.device == like.device:
+            return buffer
+        buffer = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        for s in segments:
+            old = self.residuals.get(s.name)
+            if old is not None:
+                buffer[s.offset : s.offset + s.numel] = old.reshape(-1).to(buffer)
+        for s in segments:
+            self.residuals[s.name] = buffer[s.offset : s.offset + s.numel]
+        self._flat_residuals[key] = buffer
+        live = {r.untyped_storage().data_ptr() for r in self.residuals.values()}
+        self._flat_residuals = {k: b for k, b in self._flat_residuals.items()
+                                if b.untyped_storage().data_ptr() in live}
+        return buffer
+
     def residual_for(self, segments: Sequence[Segment], like: Tensor) -> Tensor:
-        """The flat residual of these segments (zeros where none is stored yet)."""
-        out = torch.zeros_like(like)
+        """A flat copy of the residual of these segments (zeros where none is stored yet)."""
+        out = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
         for s in segments:
             r = self.residuals.get(s.name)
             if r is not None:
-                out[s.offset : s.offset + s.numel] = r.to(like.device)
+                out[s.offset : s.offset + s.numel] = r.reshape(-1).to(out)
         return out
 
-    def store_residual(self, segments: Sequence[Segment], residual: Tensor) -> None:
-        """Keep ``residual`` (flat, laid out like ``segments``) per parameter name."""
-        for s in segments:
-            self.residuals[s.name] = residual[s.offset : s.offset + s.numel].detach().clone()
-
     # --- communication -----------------------------------------------------------------------
+    def decompress_sum(self, payloads: Sequence[Sequence[Tensor]], segments: Sequence[Segment], numel: int) -> Tensor:
+        """Sum of the decoded payloads of all ranks, in rank order (override to fuse)."""
+        total = self.decompress(payloads[0], segments, numel)
+        for payload in payloads[1:]:
+            total += self.decompress(payload, segments, numel)
+        return total
+
     def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
         """Average ``flat`` over ranks through this codec; the future holds ``flat`` overwritten with the mean."""
         self.num_calls += 1
@@ -137,15 +164,16 @@ class Compressor:
         if step < self.start_step:
             return comm.all_reduce_mean_async(flat)
         x = flat.detach().float()
-        if self.error_feedback:
-            x = x + self.residual_for(segments, x)
+        if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
+            x = self.residual_buffer(segments, x).add_(x)
         world, numel = comm.world_size, x.numel()
         if self.collective == "all_reduce":
-            payload = self.compress(x / world, segments, step)
+            payload = self.compress(x, segments, step)
             if len(payload) != 1:
                 raise RuntimeError(f"{self.name}: an all_reduce codec must produce exactly one payload tensor")
+            payload[0].div_(world)  # in the payload dtype, as torch's fp16_compress_hook does
             if self.error_feedback:
-                self.store_residual(segments, x - world * self.decompress(payload, segments, numel))
+                x.sub_(self.decompress(payload, segments, numel).mul_(world))
 
             def finish_sum(fut: torch.futures.Future) -> Tensor:
                 return flat.copy_(self.decompress([fut.value()], segments, numel))
@@ -153,16 +181,14 @@ class Compressor:
             return comm.all_reduce_sum_async(payload[0]).then(finish_sum)
         if self.collective != "all_gather":
             raise RuntimeError(f"{self.name}: unknown collective {self.collective!r}")
-        payload = self.compress(x, segments, step)
+        payload = self.compress(x, segments, step)  # payload tensors never alias x
         if self.error_feedback:
-            self.store_residual(segments, x - self.decompress(payload, segments, numel))
+            x.sub_(self.decompress(payload, segments, numel))
 
         def finish_gather(fut: torch.futures.Future) -> Tensor:
-            gathered = fut.value()  # (world, nbytes)
-            total = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-            for rank in range(world):  # rank order: every replica sums in the same order
-                total += self.decompress(unpack_payload(gathered[rank], payload), segments, numel)
-            return flat.copy_(total / world)
+            gathered = fut.value()  # (world, nbytes); every replica sums in rank order
+            payloads = [unpack_payload(gathered[rank], payload) for rank in range(world)]
+            return flat.copy_(self.decompress_sum(payloads, segments, numel).div_(world))
 
         return comm.all_gather_async(pack_payload(payload)).then(finish_gather)
 
@@ -181,6 +207,7 @@ class Compressor:
             raise ValueError(f"compressor state is for {state.get('name')!r}, this compressor is {self.name!r}")
         self.num_calls = int(state["num_calls"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self._flat_residuals = {}
 
     def extra_repr(self) -> str:
         return f"error_feedback={self.error_feedback}, start_step={self.start_step}"
@@ -204,6 +231,12 @@ class NoCompression(Compressor):
     def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
         return payload[0].float()
 
+    def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
+        """In-place all-reduce of the bucket itself: no copies, the same work as DDP's default hook."""
+        self.num_calls += 1
+        self.rank = comm.rank
+        return comm.all_reduce_mean_async(flat)
+
 
 _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -211,8 +244,8 @@ _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class HalfPrecision(Compressor):
     """Cast to fp16 or bf16 before the all-reduce, like torch's ``fp16_compress_hook``/``bf16_compress_hook``.
 
-    The gradient is divided by the world size before the cast (as torch does) so the half-precision
-    sum cannot overflow. Error bound per element, before averaging: one rounding to ``dtype``
+    As in torch's hook, the cast payload is divided by the world size before the sum, so the
+    half-precision sum cannot overflow. Error bound per element, before averaging: one rounding to ``dtype``
     (relative 2^-11 for fp16, 2^-8 for bf16) plus the rounding of the sum.
     """
 
@@ -301,11 +334,9 @@ class BlockQuantizer(Compressor):
         scales, q = payload
         if self.bits == 4:
             q = torch.stack([q & 0x0F, q >> 4], dim=1).view(-1).to(torch.int16) - 8
-        values = q[:numel].float()
         pad = scales.numel() * self.block_size - numel
-        if pad:
-            values = torch.cat([values, values.new_zeros(pad)])
-        return (values.view(-1, self.block_size) * scales[:, None]).view(-1)[:numel]
+        values = q[:numel].float() if not pad else torch.cat([q[:numel].float(), q.new_zeros(pad, dtype=torch.float32)])
+        return values.view(-1, self.block_size).mul_(scales[:, None]).view(-1)[:numel]
 
     def extra_repr(self) -> str:
         return (f"bits={self.bits}, block_size={self.block_size}, stochastic_rounding={self.stochastic_rounding}, "

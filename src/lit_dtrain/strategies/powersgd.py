@@ -156,14 +156,13 @@ class PowerSGD(Compressor):
             return comm.all_reduce_mean_async(flat)
         world = comm.world_size
         x = flat.detach().float()
-        if self.error_feedback:
-            x = x + self.residual_for(segments, x)
+        if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
+            x = self.residual_buffer(segments, x).add_(x)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
         if self.error_feedback:  # local residual M - P_hat Q_local^T; uncompressed vectors are exact
-            residual = x - self.decompress([head, q_flat], segments, x.numel())
+            x.sub_(self.decompress([head, q_flat], segments, x.numel()))
             for s in self.plan(segments)[1]:
-                residual[s.offset : s.offset + s.numel] = 0.0
-            self.store_residual(segments, residual)
+                x[s.offset : s.offset + s.numel] = 0.0
         q_mean = comm.all_reduce_sum(q_flat) / world if q_flat.numel() else q_flat
         if self.warm_start:
             offset = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,6 +97,13 @@ class TopK(Compressor):
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
         return out.index_put_((indices.long(),), values.float())
 
+    def decompress_sum(self, payloads, segments: Sequence[Segment], numel: int) -> Tensor:
+        """All ranks' sparse vectors scattered into one buffer (duplicate indices add up)."""
+        out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
+        for values, indices in payloads:
+            out.index_add_(0, indices.long(), values.float())
+        return out
+
     def extra_repr(self) -> str:
         return (f"ratio={self.ratio}, initial_ratio={self.initial_ratio}, "
                 f"ratio_warmup_steps={self.ratio_warmup_steps}, value_dtype={self.value_dtype_name!r}, "
@@ -107,6 +115,8 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 def pack_bits(mask: Tensor) -> Tensor:
     """Pack a flat bool tensor into ``ceil(n / 8)`` bytes (bit i of byte j is ``mask[8 j + i]``)."""
+    if mask.device.type == "cpu":  # numpy's packbits is one C pass, ~5x faster than the torch ops below
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     pad = (-mask.numel()) % 8
     bits = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
     weights = _BIT_WEIGHTS.to(mask.device)

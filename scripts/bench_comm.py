@@ -1,0 +1,393 @@
+"""Compressed DDP on a slow simulated link: bytes/step, ms/step, speed-up and loss of every variant side by side.
+
+Two gloo ranks run inside a private network namespace whose loopback is rate-limited with ``tc``
+(``tbf rate 1gbit burst 512kb latency 100ms``, then ``100mbit``); they talk over 127.0.0.1 only. Both
+links carry all traffic of both ranks (loopback is one shared queue), as one half-duplex link would.
+
+Every variant trains its own copy of the same ``small`` Llama (conf/model/small.yaml, ~9.2M params,
+same init) on the same batches (``LMDataModule.batch_for_step``: stdlib corpus, per-rank batch
+``--batch-size`` x ``--block-size`` tokens) for the same ``--steps`` steps with the same AdamW + cosine
+schedule + clipping. The variants advance round-robin in chunks of ``--chunk`` steps (in a rotating
+order), so background load from other processes hits all of them alike. The native ``ddp`` baseline
+is Lightning/torch's plain DDP (no hook; bytes = the fp32 gradient buckets it all-reduces); every
+other variant runs through ``CommSession``, the same hook and local-update code the
+``CompressedDDPStrategy`` uses, and its bytes are those handed to ``torch.distributed``.
+
+Phase 1 (first ``--rates`` entry, default 1 Gbit/s): full training, ms/step over all steps but each
+variant's first two, final train loss (mean of the last ``--chunk`` steps, both ranks) and val loss
+(fixed held-out windows, after a final synchronisation of local-update variants). Phase 2 (other
+rates): ``--slow-steps`` more steps per variant for timing only (losses do not depend on the link);
+local-update variants time a whole number of their periods.
+
+    python scripts/bench_comm.py                       # ~15 min on 2 busy cores
+    python scripts/bench_comm.py --steps 16 --slow-steps 8 --variants ddp,int8,powersgd   # quick look
+    python scripts/bench_comm.py --no-netns            # unshaped loopback (smoke test; timings meaningless)
+
+The last line is one JSON object keyed by variant: ``bytes_ratio`` (ddp bytes / variant bytes),
+``speedup`` (ddp ms / variant ms at the first rate), ``val_loss_delta_pct``, plus ``speedup_<rate>``,
+``ms_per_step_<rate>``, ``bytes_per_step``, ``final_train_loss``, ``final_val_loss``, and
+``comm_ms_per_step`` (first rate: wall time with a collective of the variant in flight, from
+``comm/time_ms``; none for native ``ddp``, whose collectives we do not see: ``fp32_hook`` stands in).
+Plots: ``<out>/comm_loss_curves.png``, ``<out>/comm_tradeoff.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {  # name -> (compressor spec, local-update spec); "ddp" is native DDP without a hook
+    "ddp": ("native", None),
+    "fp32_hook": ("none", None),
+    "fp16": ("fp16", None),
+    "bf16": ("bf16", None),
+    "int8": ({"name": "int8", "block_size": 256}, None),
+    "int4": ({"name": "int4", "block_size": 256, "error_feedback": True}, None),
+    "powersgd": ({"name": "powersgd", "matrix_approximation_rank": 4}, None),
+    "topk": ({"name": "topk", "ratio": 0.01}, None),
+    "sign": ("sign", None),
+    "local_sgd": (None, {"name": "local_sgd", "sync_period": 8}),
+    "local_sgd_adaptive": (None, {"name": "local_sgd_adaptive", "sync_period": 8, "divergence_threshold": 1e-4}),
+    "diloco": (None, {"name": "diloco", "sync_period": 16}),
+}
+DEFAULT_VARIANTS = "ddp,fp32_hook,fp16,int8,powersgd,topk,sign,local_sgd,local_sgd_adaptive,diloco"
+TBF = ["burst", "512kb", "latency", "100ms"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs root (or --no-netns).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list from {sorted(VARIANTS)}")
+    p.add_argument("--rates", default="1gbit,100mbit", help="tc rates; the first one trains, the others time")
+    p.add_argument("--steps", type=int, default=48, help="training steps per variant at the first rate")
+    p.add_argument("--slow-steps", type=int, default=8, help="timed steps per variant at the other rates")
+    p.add_argument("--chunk", type=int, default=8, help="steps a variant runs before the next one's turn")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine, warmup --chunk)")
+    p.add_argument("--val-windows", type=int, default=64, help="held-out windows for the val loss")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--out", default=str(ROOT / "docs" / "img"), help="directory for the PNG plots")
+    p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"))
+    p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit (smoke test only)")
+    p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_result-file", help=argparse.SUPPRESS)
+    p.add_argument("--_shaped", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variant_list if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    if "ddp" not in args.variant_list:
+        p.error("the ddp baseline is needed for the ratios; keep it in --variants")
+    args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------
+# worker: one process per rank, inside the namespace
+# ----------------------------------------------------------------------------------------------------------
+def _set_rate(rate: str) -> None:
+    subprocess.run(["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", rate, *TBF], check=True)
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.module import param_groups
+    from lit_dtrain.schedules.lr import cosine_lr_factor
+    from lit_dtrain.strategies import CommSession, Communicator, build_compressor, build_local_update
+
+    torch.set_num_threads(1)
+    world = 2
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dm = LMDataModule(block_size=args.block_size, batch_size=args.batch_size, seed=args.seed,
+                      max_val_windows=args.val_windows, val_batch_size=16, cache_dir=args.cache_dir, progress=False)
+    if rank == 0:
+        dm.prepare_data()
+    dist.barrier()
+    dm.setup()
+    val_batches = list(dm.val_dataloader()[0])
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        model_cfg = compose(config_name="train", overrides=["model=small", f"model.block_size={args.block_size}"]).model
+
+    variants = {}
+    for name in args.variant_list:
+        torch.manual_seed(args.seed)
+        model = instantiate(model_cfg)
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        compressor, local_update = VARIANTS[name]
+        session = None
+        if compressor != "native":
+            session = CommSession(build_compressor(compressor), build_local_update(local_update))
+            session.attach(ddp, Communicator())
+        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
+        variants[name] = {"model": model, "ddp": ddp, "session": session, "opt": opt, "step": 0,
+                          "times": [], "bytes": [], "losses": [], "val": [], "periods": []}
+    dense_bytes = sum(p.numel() * p.element_size() for p in variants["ddp"]["model"].parameters() if p.requires_grad)
+
+    def val_loss(model) -> float:
+        model.eval()
+        with torch.no_grad():
+            total = sum(F.cross_entropy(model(b["input_ids"]).flatten(0, 1), b["labels"].flatten()).item()
+                        for b in val_batches)
+        model.train()
+        return total / len(val_batches)
+
+    def train_step(v: dict, record: list) -> None:
+        step = v["step"]
+        factor = cosine_lr_factor(min(step, args.steps - 1), total_steps=args.steps, warmup_steps=args.chunk)
+        for group in v["opt"].param_groups:
+            group["lr"] = args.lr * factor
+        batch = dm.batch_for_step(step, rank, world)
+        named = CommSession.named_params(v["model"]) if v["session"] is not None else None
+        start = time.perf_counter()
+        if named is not None:
+            v["session"].before_optimizer_step(named)
+        loss = F.cross_entropy(v["ddp"](batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(v["model"].parameters(), 1.0)
+        v["opt"].step()
+        v["opt"].zero_grad(set_to_none=True)
+        sent = dense_bytes if named is None else int(v["session"].after_optimizer_step(named)["comm/bytes_per_step"])
+        record.append((time.perf_counter() - start, sent, loss.item()))
+        v["step"] += 1
+
+    n_params = sum(p.numel() for p in variants["ddp"]["model"].parameters())
+    results: dict = {"dense_bytes": dense_bytes, "params": n_params, "rates": args.rate_list, "variants": {}}
+    names = list(variants)
+    # phase 1: train every variant round-robin at the first rate
+    for chunk_index, chunk_start in enumerate(range(0, args.steps, args.chunk)):
+        order = names[chunk_index % len(names):] + names[: chunk_index % len(names)]
+        for name in order:
+            v = variants[name]
+            dist.barrier()
+            record: list = []
+            for _ in range(min(args.chunk, args.steps - chunk_start)):
+                train_step(v, record)
+            v["times"] += [r[0] for r in record]
+            v["bytes"] += [r[1] for r in record]
+            v["losses"] += [r[2] for r in record]
+            lu = v["session"].local_update if v["session"] is not None else None
+            if lu is not None:
+                v["periods"].append(lu.period)
+            v["val"].append((v["step"], val_loss(v["model"])))
+        if rank == 0:
+            print(f"[bench_comm] {args.rate_list[0]}: step {chunk_start + args.chunk}/{args.steps} done", flush=True)
+    for name in names:
+        v = variants[name]
+        if v["session"] is not None:  # a local-update run that stopped between syncs synchronizes (counted)
+            v["session"].final_sync(CommSession.named_params(v["model"]))
+            v["total_bytes"] = v["session"].total_bytes
+            v["comm_ms"] = v["session"].total_time_ms
+        else:
+            v["total_bytes"] = sum(v["bytes"])
+        v["final_val"] = val_loss(v["model"])
+    # phase 2: time the other rates
+    slow_times: dict = {name: {} for name in names}
+    for rate in args.rate_list[1:]:
+        dist.barrier()
+        if rank == 0 and args._shaped:
+            _set_rate(rate)
+        dist.barrier()
+        for name in [n for n in names if n != "fp32_hook"]:  # the hook-overhead check needs one rate only
+            v = variants[name]
+            lu = v["session"].local_update if v["session"] is not None else None
+            n = args.slow_steps if lu is None else lu.period * math.ceil(args.slow_steps / lu.period)
+            if lu is not None and lu.steps_since_sync:  # start the window at a sync boundary
+                v["session"].final_sync(CommSession.named_params(v["model"]))
+            dist.barrier()
+            record = []
+            for _ in range(n):
+                train_step(v, record)
+            slow_times[name][rate] = {"ms_per_step": 1000 * sum(r[0] for r in record) / n, "steps": n,
+                                      "bytes_per_step": sum(r[1] for r in record) / n}
+            if rank == 0:
+                print(f"[bench_comm] {rate}: {name} {slow_times[name][rate]['ms_per_step']:.0f} ms/step", flush=True)
+    for name in names:
+        v = variants[name]
+        timed = v["times"][2:]
+        results["variants"][name] = {
+            "ms_per_step": {args.rate_list[0]: 1000 * sum(timed) / len(timed),
+                            **{r: t["ms_per_step"] for r, t in slow_times[name].items()}},
+            "bytes_per_step": v["total_bytes"] / len(v["bytes"]),
+            "comm_ms_per_step": v["comm_ms"] / len(v["bytes"]) if "comm_ms" in v else None,
+            "losses": v["losses"], "val": v["val"], "final_val_loss": v["final_val"], "periods": v["periods"],
+            "slow": slow_times[name],
+        }
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {n: results["variants"][n]["losses"] for n in names})
+    if rank == 0:
+        for name in names:  # train loss: mean over both ranks
+            results["variants"][name]["losses"] = [sum(x) / world for x in zip(*(g[name] for g in gathered))]
+        Path(args._result_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args._shaped:
+        _set_rate(args.rate_list[0])
+    mp.spawn(_rank_main, args=(args, port), nprocs=2, join=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parent: namespace, report, plots
+# ----------------------------------------------------------------------------------------------------------
+def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
+    forwarded = [a for a in sys.argv[1:] if a != "--no-netns"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--_worker", "--_result-file", result_file]
+    if args.no_netns:
+        subprocess.run(cmd, check=True)
+        return
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        sys.exit("bench_comm: the network namespace needs root and iproute2 (ip, tc); use --no-netns for a smoke test")
+    ns = f"lt_bench_comm_{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+                        args.rate_list[0], *TBF], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, *cmd, "--_shaped"], check=True)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def summarize(results: dict, args: argparse.Namespace) -> dict:
+    rates = results["rates"]
+    base = results["variants"]["ddp"]
+    summary = {}
+    for name, r in results["variants"].items():
+        entry = {
+            "bytes_per_step": round(r["bytes_per_step"]),
+            "bytes_ratio": base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf"),
+            "speedup": base["ms_per_step"][rates[0]] / r["ms_per_step"][rates[0]],
+            "final_train_loss": sum(r["losses"][-args.chunk:]) / len(r["losses"][-args.chunk:]),
+            "final_val_loss": r["final_val_loss"],
+            "comm_ms_per_step": r.get("comm_ms_per_step"),
+            "val_loss_delta_pct": 100 * (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"],
+        }
+        for rate in rates:
+            if rate in r["ms_per_step"]:
+                entry[f"ms_per_step_{rate}"] = r["ms_per_step"][rate]
+                entry[f"speedup_{rate}"] = base["ms_per_step"][rate] / r["ms_per_step"][rate]
+        if r["periods"]:
+            entry["sync_periods"] = r["periods"]
+        summary[name] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}
+    return summary
+
+
+def print_table(summary: dict, results: dict) -> None:
+    rates = results["rates"]
+    print(f"\nmodel: {results['params'] / 1e6:.2f}M params; ddp sends {results['dense_bytes'] / 1e6:.1f} MB/step/rank")
+    head = f"{'variant':<20}{'MB/step':>9}{'bytes x':>9}" + "".join(f"{'ms@' + r:>13}{'speedup':>9}" for r in rates)
+    print(head + f"{'comm ms':>9}{'train':>8}{'val':>8}{'val d%':>8}")
+    for name, s in summary.items():
+        row = f"{name:<20}{s['bytes_per_step'] / 1e6:>9.3f}{s['bytes_ratio']:>9.1f}"
+        row += "".join(f"{s['ms_per_step_' + r]:>13.0f}{s['speedup_' + r]:>9.2f}" if "ms_per_step_" + r in s
+                       else f"{'-':>13}{'-':>9}" for r in rates)
+        comm = f"{s['comm_ms_per_step']:>9.0f}" if s.get("comm_ms_per_step") is not None else f"{'-':>9}"
+        print(row + comm + f"{s['final_train_loss']:>8.3f}{s['final_val_loss']:>8.3f}{s['val_loss_delta_pct']:>+8.2f}")
+
+
+def check_targets(summary: dict) -> dict:
+    """The issue's targets at the first (1 Gbit/s) rate."""
+    lossy = {n: s for n, s in summary.items() if n not in ("ddp", "fp32_hook")}
+    qualifying = [n for n, s in lossy.items() if s["bytes_ratio"] >= 10 and s["speedup"] >= 2
+                  and s["val_loss_delta_pct"] <= 2]
+    best = max(lossy, key=lambda n: (lossy[n]["val_loss_delta_pct"] <= 2, lossy[n]["speedup"])) if lossy else None
+    targets = {
+        "best_lossy": best,
+        "best_lossy_meets_10x_bytes_2x_speed_2pct_loss": bool(qualifying),
+        "qualifying": qualifying,
+        "no_silent_fallback": all(s["bytes_ratio"] > 1.5 for n, s in lossy.items()),
+    }
+    if "int8" in summary:
+        targets["int8_bytes_ratio_ge_3.9"] = summary["int8"]["bytes_ratio"] >= 3.9
+        targets["int8_val_loss_within_0.5pct"] = abs(summary["int8"]["val_loss_delta_pct"]) <= 0.5
+    return targets
+
+
+def plot(results: dict, summary: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rates = results["rates"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, r in results["variants"].items():
+        losses = r["losses"]
+        smooth = [sum(losses[max(0, i - 3) : i + 1]) / len(losses[max(0, i - 3) : i + 1]) for i in range(len(losses))]
+        axes[0].plot(range(1, len(losses) + 1), smooth, label=name, lw=1.3)
+        axes[1].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", ms=3, label=name, lw=1.3)
+    axes[0].set(xlabel="step", ylabel="train loss (4-step mean, both ranks)", title="train loss")
+    axes[1].set(xlabel="step", ylabel="val loss (rank 0)", title="val loss")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    curves = out_dir / "comm_loss_curves.png"
+    fig.savefig(curves, dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.8), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for name, s in summary.items():
+            if f"ms_per_step_{rate}" not in s:
+                continue
+            point = (max(s["bytes_per_step"], 1) / 1e6, s[f"ms_per_step_{rate}"])
+            ax.scatter(*point, s=30)
+            ax.annotate(f"{name} ({s['val_loss_delta_pct']:+.1f}%)", point, fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set(xscale="log", yscale="log", xlabel="MB per step per rank (log)", ylabel="ms per step (log)",
+               title=f"{rate}: time vs bytes (val-loss delta vs ddp)")
+    fig.tight_layout()
+    tradeoff = out_dir / "comm_tradeoff.png"
+    fig.savefig(tradeoff, dpi=120)
+    plt.close(fig)
+    return [str(curves), str(tradeoff)]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args._worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = str(Path(tmp) / "results.json")
+        t0 = time.time()
+        run_in_namespace(args, result_file)
+        results = json.loads(Path(result_file).read_text())
+    summary = summarize(results, args)
+    print_table(summary, results)
+    plots = plot(results, summary, Path(args.out))
+    targets = check_targets(summary)
+    link = "UNSHAPED loopback" if args.no_netns else "tc tbf " + "/".join(results["rates"])
+    print(f"\nwall {time.time() - t0:.0f}s; link {link}; plots: {', '.join(plots)}")
+    print("targets at", results["rates"][0] + ":", json.dumps(targets))
+    print(json.dumps({**summary, "_targets": targets}))
+
+
+if __name__ == "__main__":
+    main()
