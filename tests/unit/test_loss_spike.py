@@ -368,3 +368,49 @@ def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> Non
     assert other.excluded == monitor.excluded and other.num_spikes == monitor.num_spikes == 1
     for x in (3.0, 9.0, math.nan):
         assert other.detector.decide(x).reasons == monitor.detector.decide(x).reasons
+
+
+def test_gradient_accumulation_skips_the_whole_step(tmp_path: Path) -> None:
+    class MicroInject(L.Callback):  # spikes the second micro-batch of optimizer step 5 only
+        def __init__(self):
+            self.micro, self.handle = 0, None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2 * 5 + 1:
+                self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * 30.0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+    monitor, probe = LossSpikeMonitor(actions=["skip"], warmup_steps=3), Probe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, accumulate_grad_batches=2, logger=False,
+                        callbacks=[MicroInject(), monitor, probe], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events] == [5]
+    assert_identical(probe.after[5], probe.after[6])  # the whole optimizer step was dropped
+    both_micro_batches = sorted(set(monitor.events[0]["index"]))
+    assert len(monitor.events[0]["index"]) == 8 and sorted(monitor.excluded) == both_micro_batches
+
+
+def test_without_a_sampler_steps_holding_excluded_samples_are_skipped(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(16):  # 4 fixed batches of 4, replayed every epoch
+        ids = torch.randint(0, 257, (33,), generator=g)
+        items.append({"input_ids": ids[:-1], "labels": ids[1:], "index": torch.tensor(i)})
+    monitor, probe = LossSpikeMonitor(actions=["skip"], warmup_steps=2), Probe()
+    trainer = make_trainer(tmp_path, [Inject({1: "nan"}), monitor, probe], max_steps=10)
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        trainer.fit(make_module(), train_dataloaders=DataLoader(items, batch_size=4, shuffle=False))
+    events = [(e["step"], e["reasons"]) for e in monitor.events]
+    assert events == [(1, ["nonfinite_loss", "nonfinite_grad"]), (5, ["excluded_sample"]),
+                      (9, ["excluded_sample"])]
+    assert monitor.excluded == [4, 5, 6, 7] and monitor.num_spikes == 1
+    for step in (1, 5, 9):
+        assert_identical(probe.after[step], probe.after[step + 1])
