@@ -194,6 +194,13 @@ class Inject(L.Callback):
             self._handle = None
 
 
+class InjectAt(Inject):
+    """:class:`Inject` with list arguments, for Hydra overrides."""
+
+    def __init__(self, finite: list[int] = (), nan: list[int] = ()) -> None:
+        super().__init__({**{int(s): "finite" for s in finite}, **{int(s): "nan" for s in nan}})
+
+
 def full_state(trainer: L.Trainer) -> dict:
     opt = trainer.optimizers[0]
     return {
@@ -414,3 +421,32 @@ def test_without_a_sampler_steps_holding_excluded_samples_are_skipped(tmp_path: 
     assert monitor.excluded == [4, 5, 6, 7] and monitor.num_spikes == 1
     for step in (1, 5, 9):
         assert_identical(probe.after[step], probe.after[step + 1])
+
+
+def test_train_cfg_split_run_with_skips_reproduces_the_straight_run(tiny_cfg) -> None:
+    """Through Hydra and train(cfg): spikes.jsonl in the run dir, and a resume with skips is bit-exact."""
+    from lit_dtrain.train import train
+
+    n = 6
+    common = ["callbacks=[default,loss_spike]", "sample.max_new_tokens=0", "trainer.val_check_interval=3",
+              f"scheduler.total_steps={2 * n}", "callbacks.loss_spike.warmup_steps=2",
+              "+callbacks.inject._target_=tests.unit.test_loss_spike.InjectAt", "+callbacks.inject.finite=[3,8]",
+              "+callbacks.inject.nan=[10]"]
+    _, straight = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", run="straight"))
+    train(tiny_cfg(*common, f"trainer.max_steps={n}", run="split"))
+    _, resumed = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", "resume=auto", run="split"))
+
+    def monitor(objects) -> LossSpikeMonitor:
+        return next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))
+
+    a, b = monitor(straight), monitor(resumed)
+    assert [e["step"] for e in a.events] == [3, 8, 10]  # skips before and after the split
+    assert b.excluded == a.excluded and b.num_spikes == a.num_spikes
+    run_dir = Path(resumed["trainer"].default_root_dir)
+    steps = [json.loads(x)["step"] for x in (run_dir / "spikes.jsonl").read_text().splitlines()]
+    assert steps == [e["step"] for e in a.events]  # the first half's events, then the resumed half's
+    excluded = resumed["datamodule"].sampler.excluded.nonzero().flatten().tolist()
+    assert excluded == sorted(a.excluded)
+    sa, sb = straight["module"].model.state_dict(), resumed["module"].model.state_dict()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
