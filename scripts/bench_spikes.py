@@ -130,7 +130,8 @@ def run_variant(args, name: str, schedule: dict[int, str], monitor: dict | None,
                   f"callbacks.loss_spike.warmup_steps={args.warmup_steps}"]
         extra += [f"callbacks.loss_spike.{k}={v}" for k, v in monitor.items()]
     cfg = compose_cfg(args, name, extra)
-    if monitor is None and "check_finite" in cfg.get("module", {}):
+    protects = monitor is not None and ("skip" in monitor["actions"] or "rollback" in monitor["actions"])
+    if not protects and "check_finite" in cfg.get("module", {}):
         cfg.module.check_finite = False  # LitLLM's NaN-grad stop off: no protection but the one compared
     injector = SpikeInjector(schedule, seed=args.seed)
     extra_callbacks = [injector]
@@ -162,7 +163,8 @@ def run_variant(args, name: str, schedule: dict[int, str], monitor: dict | None,
     light = next((c for c in trainer.callbacks if isinstance(c, SpikeDetection)), None)
     out = {
         "name": name, "val_loss": val_loss, "seconds": time.perf_counter() - t0, "halted_at": halted_at,
-        "ours_steps": [e["step"] for e in ours.events] if ours else None,
+        "ours_steps": [e["step"] for e in ours.events if e["actions"]] if ours else None,
+        "ours_level_shifts": [e["step"] for e in ours.events if not e["actions"]] if ours else None,
         "ours_events": ours.events if ours else None,
         "lightning_steps": getattr(light, "spike_batches", None) if light else None,
         "losses": injector.losses,

@@ -87,6 +87,17 @@ def test_detector_reasons_and_warmup() -> None:
     assert detector.loss_stat.count == count  # spikes are not absorbed into the statistics
 
 
+def test_a_lasting_level_shift_is_accepted_after_max_consecutive_spikes() -> None:
+    losses = synthetic_losses(1500, 0)
+    shifted = losses[:1000] + [1.6 * x for x in losses[1000:]]  # the loss level moves up for good
+    detector = SpikeDetector(max_consecutive=10)
+    decisions = [detector.decide(x) for x in shifted]
+    assert [t for t, d in enumerate(decisions) if d.is_spike] == list(range(1000, 1009))
+    assert [t for t, d in enumerate(decisions) if d.level_shift] == [1009]
+    never = SpikeDetector(max_consecutive=None)
+    assert sum(never.decide(x).is_spike for x in shifted) > 400  # without it, skip would drop every later step
+
+
 def test_both_thresholds_must_hold() -> None:
     only_z = SpikeDetector(z_threshold=6.0, rel_threshold=None, warmup_steps=5)
     both = SpikeDetector(z_threshold=6.0, rel_threshold=0.2, warmup_steps=5)

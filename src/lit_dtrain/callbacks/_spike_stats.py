@@ -141,6 +141,16 @@ class RobustStat:
         self.mean += alpha * error
         self.var += alpha_scale * (error * error - self.var)
 
+    def reseed(self, values: list[float]) -> None:
+        """Restart the statistics from ``values`` (a new level), immediately :attr:`ready`."""
+        self.count, self.mean, self.var = 0, 0.0, 0.0
+        self.values.clear()
+        clip_z, self.clip_z = self.clip_z, None
+        for v in values:
+            self.add(v)
+        self.clip_z = clip_z
+        self.count = max(self.count, self.warmup)
+
     def state_dict(self) -> dict:
         return {"count": self.count, "mean": self.mean, "var": self.var, "values": list(self.values)}
 
@@ -165,6 +175,7 @@ class SpikeDecision:
     grad_norm: float | None = None
     grad_z: float | None = None
     reasons: list[str] = field(default_factory=list)
+    level_shift: bool = False  # this step ended a run of max_consecutive loss spikes: accepted as the new level
 
     @property
     def is_spike(self) -> bool:
@@ -182,7 +193,10 @@ class SpikeDetector:
       are set both must hold, so a statistically unusual but tiny rise is not a spike;
     - ``grad_z_threshold`` is set, the grad-norm statistics are ready and the grad norm's z-score exceeds it.
 
-    Lower-than-usual values are never spikes.
+    Lower-than-usual values are never spikes. After ``max_consecutive`` loss spikes in a row the raised
+    level is taken to be real (a data-mixture change, or damage that skipping cannot undo): that step is
+    not a spike, the loss statistics restart from the run's values, and :attr:`SpikeDecision.level_shift`
+    is set. Without this, ``skip`` would drop every later step of a run whose loss level moved for good.
     """
 
     def __init__(
@@ -197,6 +211,7 @@ class SpikeDetector:
         warmup_steps: int = 50,
         clip_z: float | None = 3.0,
         min_rel_scale: float = 0.01,
+        max_consecutive: int | None = 10,
     ) -> None:
         if z_threshold is None and rel_threshold is None:
             raise ValueError("set at least one of z_threshold and rel_threshold")
@@ -204,7 +219,11 @@ class SpikeDetector:
                             ("grad_z_threshold", grad_z_threshold)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if max_consecutive is not None and max_consecutive < 2:
+            raise ValueError(f"max_consecutive must be >= 2 or None, got {max_consecutive}")
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
+        self.max_consecutive = max_consecutive
+        self.consecutive: list[float] = []  # losses of the current run of consecutive loss spikes
         kwargs = dict(method=method, decay=decay, scale_decay=scale_decay, window=window, warmup=warmup_steps,
                       clip_z=clip_z)
         self.loss_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
@@ -226,22 +245,34 @@ class SpikeDetector:
             rel_hit = self.rel_threshold is None or loss_rel > self.rel_threshold
             if z_hit and rel_hit:
                 d.reasons.append(LOSS_SPIKE)
+        if update and LOSS_SPIKE in d.reasons:
+            self.consecutive.append(loss)
+            if self.max_consecutive is not None and len(self.consecutive) >= self.max_consecutive:
+                d.reasons.remove(LOSS_SPIKE)
+                d.level_shift = True
+                self.loss_stat.reseed(self.consecutive)
+                self.consecutive = []
+        elif update and math.isfinite(loss):
+            self.consecutive = []
         if grad_norm is not None and math.isfinite(grad_norm):
             d.grad_z = self.grad_stat.zscore(grad_norm)
             if self.grad_z_threshold is not None and self.grad_stat.ready and d.grad_z > self.grad_z_threshold:
                 d.reasons.append(GRAD_SPIKE)
         if update and not d.is_spike:
-            self.loss_stat.add(loss)
+            if not d.level_shift:
+                self.loss_stat.add(loss)
             if grad_norm is not None:
                 self.grad_stat.add(grad_norm)
         return d
 
     def state_dict(self) -> dict:
-        return {"loss_stat": self.loss_stat.state_dict(), "grad_stat": self.grad_stat.state_dict()}
+        return {"loss_stat": self.loss_stat.state_dict(), "grad_stat": self.grad_stat.state_dict(),
+                "consecutive": list(self.consecutive)}
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_stat.load_state_dict(state["loss_stat"])
         self.grad_stat.load_state_dict(state["grad_stat"])
+        self.consecutive = [float(v) for v in state.get("consecutive", [])]
 
 
 class SpikeWindow:

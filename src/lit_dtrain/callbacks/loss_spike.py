@@ -92,6 +92,9 @@ class LossSpikeMonitor(L.Callback):
         cooldown_factor, cooldown_steps, cooldown_ramp_steps: the ``lr_cooldown`` multiplier, hold and ramp.
         raise_after, raise_window: the ``raise`` action fires at ``raise_after`` spikes within
             ``raise_window`` steps.
+        max_consecutive: after this many loss spikes in a row the new loss level is accepted (statistics
+            restart from it; a ``level_shift`` line goes to spikes.jsonl), so ``skip`` cannot stall a run whose
+            loss moved for good. None: never (non-finite losses are never accepted).
         path: the events file (default ``<trainer.default_root_dir>/spikes.jsonl``).
     """
 
@@ -116,6 +119,7 @@ class LossSpikeMonitor(L.Callback):
         cooldown_ramp_steps: int = 50,
         raise_after: int = 3,
         raise_window: int = 1000,
+        max_consecutive: int | None = 10,
         path: str | None = None,
     ) -> None:
         super().__init__()
@@ -136,7 +140,8 @@ class LossSpikeMonitor(L.Callback):
         if not 0.0 < cooldown_factor <= 1.0:
             raise ValueError(f"LossSpikeMonitor: cooldown_factor must be in (0, 1], got {cooldown_factor}")
         self.detector = SpikeDetector(z_threshold, rel_threshold, grad_z_threshold, method=method, decay=decay,
-                                      scale_decay=scale_decay, window=window, warmup_steps=warmup_steps)
+                                      scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,
+                                      max_consecutive=max_consecutive)
         self.window = SpikeWindow(raise_after, raise_window)
         self.check_grad, self.path = bool(check_grad), path
         self.snapshot_every, self.snapshot_keep = int(snapshot_every), int(snapshot_keep)
@@ -253,6 +258,10 @@ class LossSpikeMonitor(L.Callback):
             grad_norm = math.inf
         decision = self.detector.decide(loss_total / world, grad_norm)
         self.last_decision = decision
+        if decision.level_shift:
+            self._record(trainer, {"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
+                         f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in a row; "
+                         f"statistics restart at loss {decision.loss:.4g}")
         if not decision.is_spike and hit_count > 0:
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
@@ -365,19 +374,24 @@ class LossSpikeMonitor(L.Callback):
             "index": pending["indices"], "rolled_back_to": rolled_back_to,
             "lr_multiplier_next": self.lr_multiplier(step + 1), "time": time.time(),
         }
+        msg = (f"loss spike at step {step}: loss={d.loss:.4g} z={d.loss_z:.3g} rel={d.loss_rel:.3g} "
+               f"grad_norm={d.grad_norm} reasons={d.reasons} -> {actions}")
+        self._record(trainer, event, msg if "log" in actions else None)
+
+    def _record(self, trainer, event: dict, message: str | None) -> None:
+        """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
         self.events.append(event)
-        if trainer.is_global_zero:
-            path = self._events_path(trainer)
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "a") as f:
-                f.write(json.dumps(event) + "\n")
-            if "log" in actions:
-                msg = (f"loss spike at step {step}: loss={d.loss:.4g} z={d.loss_z:.3g} rel={d.loss_rel:.3g} "
-                       f"grad_norm={d.grad_norm} reasons={d.reasons} -> {actions}")
-                log.warning(msg)
-                for lg in trainer.loggers:
-                    if hasattr(getattr(lg, "experiment", None), "add_text"):
-                        lg.experiment.add_text("spike/events", msg, global_step=step)
+        if not trainer.is_global_zero:
+            return
+        path = self._events_path(trainer)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _json_float(v) if isinstance(v, float) else v for k, v in event.items()}) + "\n")
+        if message:
+            log.warning(message)
+            for lg in trainer.loggers:
+                if hasattr(getattr(lg, "experiment", None), "add_text"):
+                    lg.experiment.add_text("spike/events", message, global_step=event["step"])
 
     def exclude(self, indices: list[int]) -> None:
         """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them)."""
