@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
             "by_config": {
                 f"{c['shape']}/T{c['seq']}": {k: c["policies"][p][k] for k in (
                     "saved_bytes_ratio", "max_act_ratio", "time_ratio", "max_abs_grad_diff", "peak_act_mib", "step_s",
-                    "wall_s", "peak_rss_mib", "bwd_gflops_mm", "bwd_gflops_all")} for c in configs
+                    "wall_s", "peak_rss_mib", "step_rss_mib", "bwd_gflops_mm", "bwd_gflops_all")} for c in configs
             },
         }
     targets = {}

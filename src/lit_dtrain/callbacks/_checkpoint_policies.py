@@ -73,13 +73,18 @@ class SaveOpsPolicy:
 
     def __init__(self, ops: frozenset) -> None:
         self.ops = ops
+        self._decisions: dict[int, CheckpointPolicy] = {}  # id(op) -> policy: called for every op, twice a step
 
     def saves(self, func) -> bool:
         """Whether the output of aten op ``func`` is kept in forward."""
         return func in self.ops or getattr(func, "overloadpacket", None) in self.ops
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if self.saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+        decision = self._decisions.get(id(func))
+        if decision is None:  # op objects live as long as the process, so their ids are stable keys
+            decision = CheckpointPolicy.MUST_SAVE if self.saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+            self._decisions[id(func)] = decision
+        return decision
 
 
 def selective_context_fn(save_ops: Sequence[str] | None = None) -> Callable:
