@@ -29,7 +29,6 @@ appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by ra
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -43,6 +42,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks._spike_stats import SpikeDetector, SpikeWindow, cooldown_factor
 from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
 
@@ -54,17 +54,6 @@ EXCLUDED_SAMPLE = "excluded_sample"
 
 class LossSpikeError(RuntimeError):
     """Raised by the ``raise`` action when too many spikes fall within the window."""
-
-
-def _to_cpu(obj):
-    """A deep copy of a (nested) state dict with every tensor cloned to CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def _json_float(x: float | None):
@@ -155,7 +144,7 @@ class LossSpikeMonitor(L.Callback):
         self.cooldown_start = -(10**9)
         self.recent_indices: deque[list[int]] = deque(maxlen=max(self.exclude_previous_steps, 1))
         # per-step / in-memory state
-        self.snapshots: deque[dict] = deque(maxlen=self.snapshot_keep)
+        self.snapshots = snapshots.SnapshotRing(self.snapshot_keep)
         self.last_decision = None
         self._reset_step()
         self._lr_restore: list[tuple[dict, float]] | None = None
@@ -181,6 +170,9 @@ class LossSpikeMonitor(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise RuntimeError("LossSpikeMonitor needs automatic optimization (pl_module.automatic_optimization)")
+        if "rollback" in self.actions and is_sharded(trainer.strategy):
+            raise NotImplementedError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not "
+                                      f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
         sampler = getattr(trainer.datamodule, "sampler", None) if trainer.datamodule is not None else None
         self._sampler = sampler if callable(getattr(sampler, "exclude", None)) else None
         if self.excluded and self._sampler is not None:
@@ -195,7 +187,7 @@ class LossSpikeMonitor(L.Callback):
             self._hook_handles.append(opt.register_step_post_hook(self._restore_lr))
         if "rollback" in self.actions:
             self.snapshots.clear()
-            self._snapshot(trainer)
+            self.snapshots.add(trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -276,9 +268,9 @@ class LossSpikeMonitor(L.Callback):
         drop_step = "skip" in actions or "rollback" in actions
         if drop_step:
             self._saved = {
-                "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+                "schedulers": snapshots.scheduler_states(trainer),
                 "lrs": [g["lr"] for g in optimizer.param_groups],
-                "scaler": _scaler_state(trainer),
+                "scaler": snapshots.scaler_state(trainer),
             }
             for g in optimizer.param_groups:
                 for p in g["params"]:
@@ -327,7 +319,7 @@ class LossSpikeMonitor(L.Callback):
             if self.exclude_previous_steps:
                 self.recent_indices.append(self._gather_indices(trainer))
             if "rollback" in self.actions and trainer.global_step % self.snapshot_every == 0:
-                self._snapshot(trainer)
+                self.snapshots.add(trainer)
         else:
             self._finish_event(trainer, pl_module, pending)
         if pending is not None or (trainer.global_step - 1) % max(trainer.log_every_n_steps, 1) == 0:
@@ -351,13 +343,12 @@ class LossSpikeMonitor(L.Callback):
         step, actions = pending["step"], pending["actions"]
         rolled_back_to = None
         if "rollback" in actions:
-            rolled_back_to = self._rollback(trainer, pl_module, step)
-        elif pending["drop"]:
-            for cfg, state in zip(trainer.lr_scheduler_configs, self._saved["schedulers"]):
-                cfg.scheduler.load_state_dict(state)
+            rolled_back_to = self._rollback(trainer, step)
+        elif pending["drop"]:  # skip: Lightning stepped the schedulers (and GradScaler) after the empty step
+            snapshots.load_scheduler_states(trainer, self._saved["schedulers"])
             for g, lr in zip(trainer.optimizers[0].param_groups, self._saved["lrs"]):
                 g["lr"] = lr
-            _load_scaler_state(trainer, self._saved["scaler"])
+            snapshots.load_scaler_state(trainer, self._saved["scaler"])
         to_exclude = list(pending["indices"])
         if pending["drop"] and pending["counted"]:
             if self.exclude_previous_steps:
@@ -409,32 +400,13 @@ class LossSpikeMonitor(L.Callback):
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
 
     # ---- rollback -----------------------------------------------------------------------------------------------
-    def _snapshot(self, trainer) -> None:
-        module = trainer.lightning_module
-        self.snapshots.append({
-            "step": trainer.global_step,
-            "model": _to_cpu(module.state_dict()),
-            "optimizers": [_to_cpu(opt.state_dict()) for opt in trainer.optimizers],
-            "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
-            "scaler": _scaler_state(trainer),
-        })
-
-    def _rollback(self, trainer, pl_module, step: int) -> int:
+    def _rollback(self, trainer, step: int) -> int:
         """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step."""
-        eligible = [s for s in self.snapshots if step - s["step"] >= self.rollback_min_age]
-        if not eligible:
+        snap, old_enough = self.snapshots.pick(step, self.rollback_min_age)
+        if not old_enough:
             rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
-                           "restoring the oldest one")
-            eligible = [self.snapshots[0]]
-        snap = eligible[-1]
-        while self.snapshots and self.snapshots[-1] is not snap:  # newer snapshots may hold the bad update
-            self.snapshots.pop()
-        pl_module.load_state_dict(snap["model"], strict=True)
-        for opt, state in zip(trainer.optimizers, snap["optimizers"]):
-            opt.load_state_dict(copy.deepcopy(state))
-        for cfg, state in zip(trainer.lr_scheduler_configs, snap["schedulers"]):
-            cfg.scheduler.load_state_dict(copy.deepcopy(state))
-        _load_scaler_state(trainer, snap["scaler"])
+                           f"restoring the oldest one (step {snap['step']})")
+        snapshots.restore(trainer, snap)
         return int(snap["step"])
 
     # ---- state ----------------------------------------------------------------------------------------------------
@@ -459,13 +431,3 @@ class LossSpikeMonitor(L.Callback):
         self.recent_indices.clear()
         self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
 
-
-def _scaler_state(trainer) -> dict | None:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return None if scaler is None else copy.deepcopy(scaler.state_dict())
-
-
-def _load_scaler_state(trainer, state: dict | None) -> None:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and state is not None:
-        scaler.load_state_dict(state)

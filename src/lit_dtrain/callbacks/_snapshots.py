@@ -1,0 +1,91 @@
+"""In-memory CPU snapshots of the training state (model, optimizers, LR schedulers, GradScaler).
+
+Used by ``LossSpikeMonitor``'s ``rollback`` and ``skip`` actions. A snapshot is a deep copy with every
+tensor cloned to CPU, so restoring it with the modules' own ``load_state_dict`` is bit-exact and keeps the
+parameter objects the optimizer refers to. Snapshots are not checkpointed: after a resume the ring starts
+again from the resumed state. Full (unsharded) state dicts only; sharded strategies are rejected by the caller.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+
+def to_cpu(obj):
+    """A deep copy of a (nested) state dict with every tensor cloned to CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def scaler_state(trainer) -> dict | None:
+    """The GradScaler's state under ``16-mixed`` (None otherwise)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return None if scaler is None else copy.deepcopy(scaler.state_dict())
+
+
+def load_scaler_state(trainer, state: dict | None) -> None:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and state is not None:
+        scaler.load_state_dict(state)
+
+
+def scheduler_states(trainer) -> list[dict]:
+    return [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+
+
+def load_scheduler_states(trainer, states: list[dict]) -> None:
+    for cfg, state in zip(trainer.lr_scheduler_configs, states):
+        cfg.scheduler.load_state_dict(copy.deepcopy(state))
+
+
+def capture(trainer) -> dict:
+    """Snapshot of the whole training state after ``trainer.global_step`` steps."""
+    return {
+        "step": trainer.global_step,
+        "model": to_cpu(trainer.lightning_module.state_dict()),
+        "optimizers": [to_cpu(opt.state_dict()) for opt in trainer.optimizers],
+        "schedulers": scheduler_states(trainer),
+        "scaler": scaler_state(trainer),
+    }
+
+
+def restore(trainer, snapshot: dict) -> None:
+    """Load ``snapshot`` back (optimizers before schedulers, as Lightning restores a checkpoint)."""
+    trainer.lightning_module.load_state_dict(snapshot["model"], strict=True)
+    for opt, state in zip(trainer.optimizers, snapshot["optimizers"]):
+        opt.load_state_dict(copy.deepcopy(state))
+    load_scheduler_states(trainer, snapshot["schedulers"])
+    load_scaler_state(trainer, snapshot["scaler"])
+
+
+class SnapshotRing:
+    """The last ``keep`` snapshots; :meth:`pick` returns the newest one at least ``min_age`` steps old."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.snapshots: deque[dict] = deque(maxlen=keep)
+
+    def add(self, trainer) -> None:
+        self.snapshots.append(capture(trainer))
+
+    def clear(self) -> None:
+        self.snapshots.clear()
+
+    def __len__(self) -> int:
+        return len(self.snapshots)
+
+    def pick(self, step: int, min_age: int) -> tuple[dict, bool]:
+        """(snapshot, old_enough); drops the newer snapshots, which may hold the update that caused the spike."""
+        eligible = [s for s in self.snapshots if step - s["step"] >= min_age]
+        snap = eligible[-1] if eligible else self.snapshots[0]
+        while self.snapshots and self.snapshots[-1] is not snap:
+            self.snapshots.pop()
+        return snap, bool(eligible)
