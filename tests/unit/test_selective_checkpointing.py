@@ -243,6 +243,8 @@ def test_foreign_lightning_module_through_module_pattern():
         assert (a - b).abs().max().item() <= 1e-6, name
     with pytest.raises(ValueError, match="model.layers.*matched no module"):
         fit(ForeignLM(), [SelectiveCheckpointing(module_pattern="model.layers.*")])
+    with pytest.raises(ValueError, match="every_k=5 exceeds the 4 blocks"):
+        fit(ForeignLM(), [SelectiveCheckpointing("every_k", every_k=5, module_pattern="model.transformer.*.layers.*")])
 
 
 def test_composes_with_torch_compile(ids):

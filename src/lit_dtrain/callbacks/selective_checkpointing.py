@@ -127,6 +127,9 @@ class SelectiveCheckpointing(Callback):
             plan = self._budget_plan(trainer, pl_module, blocks)
         elif self.policy == "every_k":
             plan = every_k_plan(len(blocks), self.every_k)
+            if "full" not in plan:
+                raise ValueError(f"SelectiveCheckpointing every_k={self.every_k} exceeds the {len(blocks)} blocks "
+                                 f"found: nothing would be checkpointed; use every_k <= {len(blocks)}")
         elif self.policy == "none":
             plan = uniform_plan(len(blocks), "none")
         else:
