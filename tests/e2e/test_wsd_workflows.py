@@ -187,3 +187,20 @@ def test_branch_one_command_via_train_py(tmp_path, corpus):
     out = torch.load(tmp_path / "outputs/runs/decay_at_3/checkpoints/last.ckpt", weights_only=True)
     assert out["global_step"] == 5
     assert out["optimizer_states"][0]["param_groups"][0]["lr"] == 0.0  # the decay reached min_lr_factor 0
+
+
+def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path):
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+
+    _, src, _ = run(tiny_cfg("trainer.max_steps=2", run="src2"))
+    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    args = (f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", "resume=auto")
+    cfg = tiny_cfg(*args, run="br")
+    assert apply_decay_branch(cfg) == 2 and cfg.ckpt_path == str(ckpt) and cfg.resume is None  # first start
+    own = tmp_path / "br" / "checkpoints" / "last.ckpt"
+    own.parent.mkdir(parents=True)
+    own.write_bytes(ckpt.read_bytes())
+    cfg = tiny_cfg(*args, run="br")
+    apply_decay_branch(cfg)  # restart after an interruption: resume the branch's own last.ckpt
+    assert cfg.ckpt_path is None and cfg.resume == "auto"
+    assert cfg.trainer.max_steps == 5 and cfg.scheduler.total_steps == 5 and cfg.scheduler.decay_steps == 3
