@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_dtrain.callbacks import LossSpikeMonitor
+from lit_dtrain.callbacks import AdaptiveGradClip, LossSpikeMonitor
 from lit_dtrain.callbacks._spike_stats import (
     GRAD_SPIKE,
     LOSS_SPIKE,
@@ -461,3 +461,43 @@ def test_train_cfg_split_run_with_skips_reproduces_the_straight_run(tiny_cfg) ->
     sa, sb = straight["module"].model.state_dict(), resumed["module"].model.state_dict()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+def test_16_mixed_grad_scaler_skip_and_rollback(tmp_path: Path, fused: bool, action: str) -> None:
+    """A real GradScaler (fp16 autocast on CPU via an explicit plugin): params, optimizer and scaler exact.
+
+    Fused AdamW unscales inside ``step`` (grads reach the hook still scaled); foreach AdamW is unscaled by
+    Lightning first. Both must leave ``scaler.update()`` an inf check, or it raises.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lit_dtrain.optim import adamw
+
+    class ScalerProbe(L.Callback):
+        def __init__(self):
+            self.states = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.states[trainer.global_step] = dict(trainer.precision_plugin.scaler.state_dict())
+
+    monitor, probe, scaler_probe = LossSpikeMonitor(actions=[action], warmup_steps=3, snapshot_every=2), Probe(), \
+        ScalerProbe()
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1))
+    clip = AdaptiveGradClip(warmup_steps=3)  # also under the scaler: norms measured unscaled
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, plugins=[plugin], logger=False,
+                        callbacks=[Inject({6: "finite"}), monitor, clip, probe, scaler_probe],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0,
+                        default_root_dir=str(tmp_path))
+    module = make_module()
+    module.optimizer_factory = partial(adamw, lr=3e-3, fused=fused)
+    trainer.fit(module, datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events] == [6]
+    # skip: as after step 5; rollback: snapshot 6 is too new (min age 1), so snapshot 4 is restored
+    expected = 6 if action == "skip" else 4
+    assert_identical(probe.after[expected], probe.after[7])
+    assert scaler_probe.states[7] == scaler_probe.states[expected]  # scale and growth tracker too
+    assert scaler_probe.states[8]["scale"] == 2 * scaler_probe.states[7]["scale"]  # and the scaler carries on
+    assert clip.stat.ready and 0.05 < clip.stat.location() < 50  # unscaled norms (the scale reaches 2**16)

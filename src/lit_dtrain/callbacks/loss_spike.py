@@ -272,9 +272,7 @@ class LossSpikeMonitor(L.Callback):
                 "lrs": [g["lr"] for g in optimizer.param_groups],
                 "scaler": snapshots.scaler_state(trainer),
             }
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    p.grad = None  # torch optimizers skip params without grad: params and state stay bit-identical
+            _drop_grads(trainer, optimizer)
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
@@ -431,3 +429,25 @@ class LossSpikeMonitor(L.Callback):
         self.recent_indices.clear()
         self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
 
+
+def _drop_grads(trainer, optimizer) -> None:
+    """Make the coming optimizer step a no-op: params and optimizer state stay bit-identical.
+
+    torch optimizers skip params whose grad is None. Under ``16-mixed`` the GradScaler must also see an
+    inf check for this step, or ``scaler.update()`` fails ("No inf checks were recorded"); so the grads are
+    unscaled first where the optimizer would have done it inside ``step`` (fused Adam) and the step is marked
+    as overflowed: the scaler then skips ``optimizer.step``. Its scale/growth tracker are restored afterwards.
+    This uses GradScaler's per-optimizer state (``_per_optimizer_states``, torch.amp.grad_scaler), which
+    has no public accessor.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+        from torch.amp.grad_scaler import OptState
+
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)
+        for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            found_inf.fill_(1.0)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
