@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -150,6 +151,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     callbacks = build_callbacks(cfg)
+    if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     check_step_outputs(callbacks, module)  # before any compute
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(

@@ -95,3 +95,12 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
+
+
+def test_default_warmup_scales_with_short_runs(tmp_path, corpus):
+    from lit_dtrain.config_resolvers import default_warmup
+
+    assert [default_warmup(n) for n in (1, 10, 500, 1000, 5000)] == [1, 1, 50, 100, 100]
+    cfg = compose_cfg(["trainer.max_steps=10"], tmp_path / "w", corpus, tiny=False)
+    assert cfg.scheduler.warmup_steps == 1
+    check_config(cfg)  # a 10-step run is valid without touching the warmup
