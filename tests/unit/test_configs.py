@@ -104,3 +104,11 @@ def test_default_warmup_scales_with_short_runs(tmp_path, corpus):
     cfg = compose_cfg(["trainer.max_steps=10"], tmp_path / "w", corpus, tiny=False)
     assert cfg.scheduler.warmup_steps == 1
     check_config(cfg)  # a 10-step run is valid without touching the warmup
+
+
+def test_every_experiment_composes(tmp_path, corpus):
+    for name in options("experiment"):
+        cfg = compose_cfg([f"experiment={name}"], tmp_path / name, None, tiny=False)
+        check_config(cfg)
+        assert instantiate(cfg.model) is not None
+        assert isinstance(instantiate(cfg.optimizer), object)

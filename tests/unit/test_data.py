@@ -154,3 +154,18 @@ def test_unreadable_file_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "open", fake_open)
     with pytest.raises(CorpusError, match="doc_001.txt.*Permission denied"):
         dm_for(corpus, tmp_path)
+
+
+def test_zero_weight_source_is_validation_only(tmp_path):
+    a = make_corpus(tmp_path / "a", n_files=6, size=4000, seed=1)
+    b = make_corpus(tmp_path / "b", n_files=6, size=4000, seed=2)
+    sources = [
+        CorpusSource(name="new", kind="files", paths=[str(a)], weight=1.0),
+        CorpusSource(name="old", kind="files", paths=[str(b)], weight=0.0),
+    ]
+    dm = dm_for(None, tmp_path, sources=sources, batch_size=32)
+    idx = torch.cat([dm.batch_for_step(s)["index"] for s in range(10)]).numpy()
+    assert (dm.train_windows.source_of(idx) == 0).all()  # never trained on
+    assert len(dm.val_dataloader()) == 2  # but validated on
+    with pytest.raises(CorpusError, match="every weight is 0"):
+        dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(a)], weight=0.0)])

@@ -45,7 +45,7 @@ class CorpusSource:
     name: str = "stdlib"
     kind: str = "stdlib"  # stdlib | files
     paths: list[str] = field(default_factory=list)
-    weight: float = 1.0  # sampling weight in a mixture (normalized over sources)
+    weight: float = 1.0  # sampling weight in a mixture (normalized over sources); 0 = validation only
     pattern: str = "*"  # file-name pattern used when a path is a directory
 
     def __post_init__(self) -> None:
@@ -53,8 +53,8 @@ class CorpusSource:
             raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
         if self.kind == "files" and not self.paths:
             raise CorpusError(f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list")
-        if not self.weight > 0:
-            raise CorpusError(f"data source {self.name!r}: weight must be > 0, got {self.weight}")
+        if not self.weight >= 0:
+            raise CorpusError(f"data source {self.name!r}: weight must be >= 0, got {self.weight}")
 
 
 def stdlib_files() -> list[Path]:

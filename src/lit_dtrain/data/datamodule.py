@@ -140,6 +140,9 @@ class LMDataModule(L.LightningDataModule):
             ]
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
+        if not weights.sum() > 0:
+            names = [s.name for s in self.sources]
+            raise CorpusError(f"data.sources: every weight is 0 ({names}); nothing to train on")
         weights = weights / weights.sum()
         base = None
         if len(self.sources) > 1:
