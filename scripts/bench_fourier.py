@@ -14,10 +14,12 @@ evaluated every ``--eval-every`` steps. Corpora:
 
 Variants (the ablation): ``uniform`` (drawn by the same inverse CDF and generator stream as the Fourier sampler,
 so the comparison is paired: with equal probabilities both draw the same batches); ``uniform_seed2`` (uniform
-with another data seed: the data-order noise); for each of the two importance transforms (``brief`` =
-moment_ratio, ``mag`` = magnitude): ``*_stages`` (mixed score + the staged schedule), ``*_mixed``, ``*_time``,
-``*_freq`` (no stages). The stage schedule and the cosine mix are
-scaled to the run: ``step_unit = steps / 50`` (the brief's 50k-step run), ``decay_steps = 10 * step_unit``.
+with another data seed: the data-order noise); ``uniform_stagelr`` (uniform sampling with only the stage
+schedule's LR multiplier: attributes what the stages do to the LR); for each of the two importance transforms
+(``brief`` = moment_ratio, ``mag`` = magnitude): ``*_stages`` (mixed score + the full staged schedule),
+``*_stages_nolr`` (stage bands and mix, no LR multiplier), ``*_mixed``, ``*_time``, ``*_freq`` (no stages).
+The stage schedule and the cosine mix are scaled to the run: ``step_unit = steps / 50`` (the brief's 50k-step
+run), ``decay_steps = 10 * step_unit``.
 Block length 1024 runs a reduced set at the same tokens per step.
 
 Every variant runs for each of ``--seeds`` (model init and data seed); results are paired by seed and the
@@ -54,10 +56,14 @@ from lit_dtrain.models import build_llama
 from lit_dtrain.module import param_groups
 from lit_dtrain.schedules.lr import cosine_scheduler
 
-SCORE_ABLATION = {"stages": ("mixed", True), "mixed": ("mixed", False), "time": ("time", False),
-                  "freq": ("frequency", False)}
-ALL_VARIANTS = ["uniform", "uniform_seed2"] + [f"{v}_{a}" for v in ("brief", "mag") for a in SCORE_ABLATION]
-LONG_VARIANTS = ["uniform", "uniform_seed2", "brief_stages", "mag_mixed"]
+# ablation -> (score, stages, stage LR multiplier)
+SCORE_ABLATION = {"stages": ("mixed", True, True), "stages_nolr": ("mixed", True, False),
+                  "mixed": ("mixed", False, False), "time": ("time", False, False),
+                  "freq": ("frequency", False, False)}
+ALL_VARIANTS = ["uniform", "uniform_seed2", "uniform_stagelr"] + [
+    f"{v}_{a}" for v in ("brief", "mag") for a in SCORE_ABLATION
+]
+LONG_VARIANTS = ["uniform", "uniform_seed2", "uniform_stagelr", "brief_stages", "mag_mixed"]
 MIXTURE_SHARES = {"code": 0.35, "prose": 0.35, "boilerplate": 0.15, "random": 0.15}
 
 
@@ -123,18 +129,19 @@ class PairedUniformSampler(FourierSampler):
     both draw identical batches, so a comparison differs only where the probabilities do (torch.multinomial's
     float32 CDF would drift from ours by hundreds of indices at N = 1e5)."""
 
-    def __init__(self) -> None:
-        super().__init__(stages=False, require_updates=False)
+    def __init__(self, stage_lr: bool = False, step_unit: float = 1000) -> None:
+        # stage_lr: keep only the stage schedule's LR multiplier (sampling stays uniform): the attribution control
+        super().__init__(stages=stage_lr, stage_lr=stage_lr, step_unit=step_unit, require_updates=False)
 
 
 def make_sampler(variant: str, steps: int):
-    if variant.startswith("uniform"):
-        return PairedUniformSampler()
-    transform, ablation = variant.split("_", 1)
-    score, stages = SCORE_ABLATION[ablation]
     unit = steps / 50
+    if variant.startswith("uniform"):
+        return PairedUniformSampler(stage_lr=variant == "uniform_stagelr", step_unit=unit)
+    transform, ablation = variant.split("_", 1)
+    score, stages, stage_lr = SCORE_ABLATION[ablation]
     return FourierSampler(
-        score=score, stages=stages, step_unit=unit, decay_steps=max(1, round(10 * unit)),
+        score=score, stages=stages, stage_lr=stage_lr, step_unit=unit, decay_steps=max(1, round(10 * unit)),
         variant="moment_ratio" if transform == "brief" else "magnitude", async_op=False,
     )
 
@@ -226,7 +233,7 @@ def run(corpus, dirs, block, variant, seed, args) -> dict:
         t0 = time.perf_counter()
         b = dm.batch_for_step(step)
         t1 = time.perf_counter()
-        token_loss = train_step(model, opt, sched, b, sampler.lr_multiplier(step) if fourier else 1.0)
+        token_loss = train_step(model, opt, sched, b, sampler.lr_multiplier(step))
         t2 = time.perf_counter()
         if fourier:
             sampler.observe(token_loss, b["index"], step + 1)
@@ -281,7 +288,7 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
                 t0 = time.perf_counter()
                 b = dm.batch_for_step(step)
                 fourier = name == "fourier"
-                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step) if fourier else 1.0)
+                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
                 if fourier:
                     dm.sampler.observe(token_loss, b["index"], step + 1)
                 times[name].append(time.perf_counter() - t0)
