@@ -50,6 +50,14 @@ def make_corpus(root: Path, n_files: int = 12, size: int = 3000, seed: int = 0) 
     return root
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """One intra-op thread: on a 2-core CI box, oversubscribed threads slow small models many times over."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     return make_corpus(tmp_path / "corpus")

@@ -130,6 +130,8 @@ class LitLLM(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         if not self.check_finite:
             return
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return  # fp16 loss scaling: an overflowing step is the GradScaler's to skip, not an error
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:  # a callback dropped this step's gradients (e.g. a loss-spike skip)
             return
