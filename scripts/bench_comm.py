@@ -55,12 +55,13 @@ VARIANTS = {  # name -> (compressor spec, local-update spec); "ddp" is native DD
     "int4": ({"name": "int4", "block_size": 256, "error_feedback": True}, None),
     "powersgd": ({"name": "powersgd", "matrix_approximation_rank": 4}, None),
     "topk": ({"name": "topk", "ratio": 0.01}, None),
+    "topk_dynamic": ({"name": "topk", "ratio": 0.01, "initial_ratio": 0.1, "ratio_warmup_steps": 24}, None),
     "sign": ("sign", None),
     "local_sgd": (None, {"name": "local_sgd", "sync_period": 8}),
-    "local_sgd_adaptive": (None, {"name": "local_sgd_adaptive", "sync_period": 8, "divergence_threshold": 1e-4}),
+    "local_sgd_adaptive": (None, {"name": "local_sgd_adaptive", "sync_period": 8, "divergence_threshold": 5e-3}),
     "diloco": (None, {"name": "diloco", "sync_period": 16}),
 }
-DEFAULT_VARIANTS = "ddp,fp32_hook,fp16,int8,powersgd,topk,sign,local_sgd,local_sgd_adaptive,diloco"
+DEFAULT_VARIANTS = "ddp,fp32_hook,fp16,int8,powersgd,topk,topk_dynamic,sign,local_sgd,local_sgd_adaptive,diloco"
 TBF = ["burst", "512kb", "latency", "100ms"]
 
 
@@ -80,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "docs" / "img"), help="directory for the PNG plots")
     p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"))
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit (smoke test only)")
+    p.add_argument("--save-results", help="also write the raw per-step results (JSON) here")
+    p.add_argument("--replot", help="skip the run: report and plot a --save-results file")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_result-file", help=argparse.SUPPRESS)
     p.add_argument("--_shaped", action="store_true", help=argparse.SUPPRESS)
@@ -139,7 +142,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             session.attach(ddp, Communicator())
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
         variants[name] = {"model": model, "ddp": ddp, "session": session, "opt": opt, "step": 0,
-                          "times": [], "bytes": [], "losses": [], "val": [], "periods": []}
+                          "times": [], "bytes": [], "losses": [], "val": [], "periods": [],
+                          "divergence": []}
     dense_bytes = sum(p.numel() * p.element_size() for p in variants["ddp"]["model"].parameters() if p.requires_grad)
 
     def val_loss(model) -> float:
@@ -187,6 +191,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             lu = v["session"].local_update if v["session"] is not None else None
             if lu is not None:
                 v["periods"].append(lu.period)
+                v["divergence"].append(getattr(lu, "last_divergence", None))
             v["val"].append((v["step"], val_loss(v["model"])))
         if rank == 0:
             print(f"[bench_comm] {args.rate_list[0]}: step {chunk_start + args.chunk}/{args.steps} done", flush=True)
@@ -229,6 +234,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             "bytes_per_step": v["total_bytes"] / len(v["bytes"]),
             "comm_ms_per_step": v["comm_ms"] / len(v["bytes"]) if "comm_ms" in v else None,
             "losses": v["losses"], "val": v["val"], "final_val_loss": v["final_val"], "periods": v["periods"],
+            "divergence": v["divergence"],
             "slow": slow_times[name],
         }
     gathered: list = [None] * world
@@ -257,6 +263,9 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------------------
 def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
     forwarded = [a for a in sys.argv[1:] if a != "--no-netns"]
+    if "--save-results" in forwarded:  # the parent writes it
+        i = forwarded.index("--save-results")
+        del forwarded[i : i + 2]
     cmd = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--_worker", "--_result-file", result_file]
     if args.no_netns:
         subprocess.run(cmd, check=True)
@@ -293,7 +302,9 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
                 entry[f"ms_per_step_{rate}"] = r["ms_per_step"][rate]
                 entry[f"speedup_{rate}"] = base["ms_per_step"][rate] / r["ms_per_step"][rate]
         if r["periods"]:
-            entry["sync_periods"] = r["periods"]
+            entry["sync_periods"] = r["periods"]  # the period after each chunk
+        if any(d for d in r.get("divergence", []) if d):
+            entry["divergence"] = [float(f"{d:.3g}") for d in r["divergence"]]
         summary[name] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}
     return summary
 
@@ -312,20 +323,23 @@ def print_table(summary: dict, results: dict) -> None:
 
 
 def check_targets(summary: dict) -> dict:
-    """The issue's targets at the first (1 Gbit/s) rate."""
+    """The issue's targets at the first (1 Gbit/s) rate. "Within x%" is read one-sided: the val loss
+    is at most x% above ddp's (a lower loss is not a miss); the signed deltas are in the table."""
     lossy = {n: s for n, s in summary.items() if n not in ("ddp", "fp32_hook")}
     qualifying = [n for n, s in lossy.items() if s["bytes_ratio"] >= 10 and s["speedup"] >= 2
                   and s["val_loss_delta_pct"] <= 2]
-    best = max(lossy, key=lambda n: (lossy[n]["val_loss_delta_pct"] <= 2, lossy[n]["speedup"])) if lossy else None
+    within = {n: s for n, s in lossy.items() if s["val_loss_delta_pct"] <= 2 and s["bytes_ratio"] >= 10}
+    best = max(within, key=lambda n: within[n]["speedup"]) if within else None
     targets = {
-        "best_lossy": best,
+        "best_lossy_10x_bytes_2pct_loss": best,
+        "best_lossy_speedup": summary[best]["speedup"] if best else None,
         "best_lossy_meets_10x_bytes_2x_speed_2pct_loss": bool(qualifying),
         "qualifying": qualifying,
         "no_silent_fallback": all(s["bytes_ratio"] > 1.5 for n, s in lossy.items()),
     }
     if "int8" in summary:
         targets["int8_bytes_ratio_ge_3.9"] = summary["int8"]["bytes_ratio"] >= 3.9
-        targets["int8_val_loss_within_0.5pct"] = abs(summary["int8"]["val_loss_delta_pct"]) <= 0.5
+        targets["int8_val_loss_at_most_0.5pct_above"] = summary["int8"]["val_loss_delta_pct"] <= 0.5
     return targets
 
 
@@ -337,12 +351,16 @@ def plot(results: dict, summary: dict, out_dir: Path) -> list[str]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rates = results["rates"]
+    palette = plt.get_cmap("tab20").colors
+    style = {name: {"color": "black", "lw": 2.4} if name == "ddp" else
+             {"color": palette[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20], "lw": 1.3,
+              "ls": "-" if i % 2 else "--"} for i, name in enumerate(results["variants"])}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, r in results["variants"].items():
         losses = r["losses"]
         smooth = [sum(losses[max(0, i - 3) : i + 1]) / len(losses[max(0, i - 3) : i + 1]) for i in range(len(losses))]
-        axes[0].plot(range(1, len(losses) + 1), smooth, label=name, lw=1.3)
-        axes[1].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", ms=3, label=name, lw=1.3)
+        axes[0].plot(range(1, len(losses) + 1), smooth, label=name, **style[name])
+        axes[1].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", ms=3, label=name, **style[name])
     axes[0].set(xlabel="step", ylabel="train loss (4-step mean, both ranks)", title="train loss")
     axes[1].set(xlabel="step", ylabel="val loss (rank 0)", title="val loss")
     axes[1].legend(fontsize=8)
@@ -357,7 +375,7 @@ def plot(results: dict, summary: dict, out_dir: Path) -> list[str]:
             if f"ms_per_step_{rate}" not in s:
                 continue
             point = (max(s["bytes_per_step"], 1) / 1e6, s[f"ms_per_step_{rate}"])
-            ax.scatter(*point, s=30)
+            ax.scatter(*point, s=30, color=style[name]["color"])
             ax.annotate(f"{name} ({s['val_loss_delta_pct']:+.1f}%)", point, fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         ax.set(xscale="log", yscale="log", xlabel="MB per step per rank (log)", ylabel="ms per step (log)",
@@ -374,11 +392,16 @@ def main(argv=None) -> None:
     if args._worker:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = str(Path(tmp) / "results.json")
-        t0 = time.time()
-        run_in_namespace(args, result_file)
-        results = json.loads(Path(result_file).read_text())
+    t0 = time.time()
+    if args.replot:
+        results = json.loads(Path(args.replot).read_text())
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = str(Path(tmp) / "results.json")
+            run_in_namespace(args, result_file)
+            results = json.loads(Path(result_file).read_text())
+        if args.save_results:
+            Path(args.save_results).write_text(json.dumps(results))
     summary = summarize(results, args)
     print_table(summary, results)
     plots = plot(results, summary, Path(args.out))

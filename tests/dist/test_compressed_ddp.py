@@ -403,11 +403,10 @@ def test_strategy_registry_and_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["powersgd", "topk", "diloco"])
+@pytest.mark.parametrize("name", ["powersgd", "diloco"])  # top-k's residual state is covered in unit tests
 def test_resume_restores_comm_state_exactly(tmp_path, name):
     kwargs = {
         "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
-        "topk": {"compressor": {"name": "topk", "ratio": 0.05}},
         "diloco": {"local_update": {"name": "diloco", "sync_period": 2,
                                     "compressor": {"name": "int4", "error_feedback": True}}},
     }[name]

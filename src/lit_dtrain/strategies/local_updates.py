@@ -122,7 +122,7 @@ class LocalSGD(LocalUpdate):
         adaptive: bool = False,
         min_period: int = 2,
         max_period: int = 64,
-        divergence_threshold: float = 1e-4,
+        divergence_threshold: float = 5e-3,
         growth_factor: int = 2,
     ) -> None:
         super().__init__(sync_period)
