@@ -99,8 +99,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per round")
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from timing")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of each variant")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small data.batch_size=8")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose_default(tmp, args.steps, args.overrides)
         plain, light = [], []
