@@ -414,7 +414,7 @@ def summarize(runs: list, timing: dict, args) -> dict:
         base_draw = _mean([uniform[s]["draw_ms"] for s in seeds])
         print(f"\n== {corpus}, T={block}, seeds {seeds}: uniform final {target:.4f} (reached at step "
               f"{uniform_steps}) ==")
-        print(f"  {'variant':14s} {'final':>8s} {'Δ% mean±sd':>14s} {'steps→tgt':>9s} {'saved%':>7s} "
+        print(f"  {'variant':17s} {'final':>8s} {'Δ% mean±sd':>14s} {'steps→tgt':>9s} {'saved%':>7s} "
               f"{'sampler ms':>10s} {'H/Hmax':>7s}  per-seed Δ%")
         table = {}
         for name, by_seed in by_variant.items():
@@ -438,7 +438,7 @@ def summarize(runs: list, timing: dict, args) -> dict:
             saved = "n/a" if entry["steps_saved_pct"] is None else f"{entry['steps_saved_pct']:.1f}"
             steps_s = "never" if steps is None else f"{steps:.0f}"
             delta = f"{entry['val_loss_delta_pct']:7.2f}±{entry['val_loss_delta_sd']:5.2f}"
-            print(f"  {name:14s} {entry['final']:8.4f} {delta} "
+            print(f"  {name:17s} {entry['final']:8.4f} {delta} "
                   f"{steps_s:>9s} {saved:>7s} {sampler_ms:10.2f} {entry['entropy_ratio'] or 1.0:7.4f}  "
                   f"{entry['val_loss_delta_pct_per_seed']}")
         if corpus == "mixture":
@@ -449,6 +449,8 @@ def summarize(runs: list, timing: dict, args) -> dict:
         fourier = {k: v for k, v in table.items() if not k.startswith("uniform")}
         head = table.get("brief_stages") or next(iter(fourier.values()), {})
         best = min(fourier, key=lambda k: fourier[k]["val_loss_delta_pct"]) if fourier else None
+        sampling = {k: v for k, v in fourier.items() if not k.endswith("_stages")}  # no stage LR multiplier
+        best_sampling = min(sampling, key=lambda k: sampling[k]["val_loss_delta_pct"]) if sampling else None
         out[key] = {
             "block": block, "seeds": seeds,
             "steps_to_target_uniform": uniform_steps,
@@ -460,6 +462,10 @@ def summarize(runs: list, timing: dict, args) -> dict:
             "best_variant": best,
             "best_val_loss_delta_pct": fourier[best]["val_loss_delta_pct"] if best else None,
             "best_steps_to_target": fourier[best]["steps_to_target"] if best else None,
+            "stage_lr_only_delta_pct": table.get("uniform_stagelr", {}).get("val_loss_delta_pct"),
+            "best_sampling_variant": best_sampling,
+            "best_sampling_delta_pct": sampling[best_sampling]["val_loss_delta_pct"] if best_sampling else None,
+            "best_sampling_delta_sd": sampling[best_sampling]["val_loss_delta_sd"] if best_sampling else None,
             "variants": {k: {"delta_pct": round(v["val_loss_delta_pct"], 3), "sd": round(v["val_loss_delta_sd"], 3),
                              "steps_to_target": _round(v["steps_to_target"])} for k, v in table.items()},
         }
@@ -470,8 +476,16 @@ def summarize(runs: list, timing: dict, args) -> dict:
     return out
 
 
+PLOT_STYLE = {  # variant -> (color, linestyle, width)
+    "uniform": ("k", "-", 2.0), "uniform_seed2": ("0.5", ":", 1.5), "uniform_stagelr": ("tab:red", "-", 3.0),
+    "brief_stages": ("tab:orange", "--", 1.5), "brief_mixed": ("tab:olive", "-.", 1.0),
+    "mag_mixed": ("tab:blue", "-", 1.2), "mag_time": ("tab:purple", "-", 1.2), "mag_freq": ("tab:green", "-", 1.2),
+    "mag_stages": ("tab:brown", "--", 1.0),
+}
+
+
 def plot_curves(runs: list, path: str) -> None:
-    """Seed-averaged val loss against step, one panel per (corpus, block), relative to uniform."""
+    """Seed-averaged val loss minus uniform's against step, one panel per (corpus, block)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -481,19 +495,25 @@ def plot_curves(runs: list, path: str) -> None:
     for r in runs:
         groups.setdefault((r["corpus"], r["block"]), {}).setdefault(r["variant"], []).append(r)
     keys = sorted(groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = 2
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
         base = dict(mean_curve(groups[key]["uniform"]))
-        for variant, rs in sorted(groups[key].items()):
-            curve = [(s, v - base[s]) for s, v in mean_curve(rs) if s > 0]
-            style = "k-" if variant == "uniform" else ":" if variant == "uniform_seed2" else "-"
-            ax.plot(*zip(*curve), style, label=variant, lw=2 if variant.startswith("uniform") else 1)
+        for variant, (color, ls, lw) in PLOT_STYLE.items():
+            if variant in groups[key]:
+                curve = [(s, v - base[s]) for s, v in mean_curve(groups[key][variant]) if s > 0]
+                ax.plot(*zip(*curve), color=color, ls=ls, lw=lw, label=variant)
+        ax.set_ylim(-0.4, 0.4)
         ax.set_title(f"{key[0]}, T={key[1]}, {len(groups[key]['uniform'])} seeds", fontsize=9)
         ax.set_xlabel("step")
-        ax.set_ylabel("val loss - uniform val loss (nats)")
+        ax.set_ylabel("val loss minus uniform's (nats)")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
