@@ -66,11 +66,7 @@ def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray,
         B, T, V = logits.shape
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, V), w[:, 1:].reshape(-1),
                                                  reduction="none").view(B, T)
-        spec = torch.fft.rfft(loss - loss.mean(1, keepdim=True), dim=-1)
-        scale = torch.full((T // 2 + 1,), 2.0)
-        if T % 2 == 0:
-            scale[-1] = 1.0
-        powers.append((spec.abs().square() * scale / (T * T)).sum(0))
+        powers.append(spectral.power_spectrum(loss - loss.mean(1, keepdim=True)).sum(0))
         losses.append(loss.mean(1))
     return (torch.stack(powers).sum(0) / len(windows)).numpy(), float(torch.cat(losses).mean())
 

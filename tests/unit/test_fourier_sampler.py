@@ -287,6 +287,33 @@ def test_probabilities_are_always_valid(n, floor, variant, data):
     assert bool((p[~excluded] >= floor / int((~excluded).sum()) * (1 - 1e-12)).all())
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(3, 30),
+    variant=st.sampled_from(S.VARIANTS),
+    score=st.sampled_from(["mixed", "time", "frequency"]),
+    floor=st.floats(0.0, 1.0),
+    steps=st.integers(1, 6),
+    scale=st.floats(1e-3, 30.0),
+    seed=st.integers(0, 2**16),
+)
+def test_sampler_probabilities_are_always_valid(n, variant, score, floor, steps, scale, seed):
+    """Through the sampler itself: any sequence of updates leaves a valid distribution and valid draws."""
+    s = make(num_samples=n, variant=variant, score=score, uniform_floor=floor, step_unit=1, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    s.exclude([seed % n])
+    for step in range(steps):
+        idx = s.global_batch(step, 4)
+        s.observe(torch.rand(4, 32, generator=g) * scale, idx, step + 1)
+    p = s.probabilities(steps)
+    active = ~s.excluded
+    assert p.sum().item() == pytest.approx(1.0, abs=1e-9)
+    assert p[seed % n] == 0 and bool((p[active] > 0).all())
+    assert bool((p[active] >= floor / int(active.sum()) * (1 - 1e-9)).all())
+    drawn = s.global_batch(steps, 64)
+    assert bool(((drawn >= 0) & (drawn < n)).all()) and not bool((drawn == seed % n).any())
+
+
 # ---- the callback and the trainer ----------------------------------------------------------------------------
 
 

@@ -82,20 +82,27 @@ def band_energies(token_loss: torch.Tensor, max_freq: int, num_bands: int) -> to
     of a row sum to the population variance of that row: the profile splits a sample's loss fluctuation by
     scale (low bands: slow, long-range changes; high bands: token-to-token noise).
     """
-    if token_loss.dim() != 2:
-        raise ValueError(f"token_loss must be [B, T], got shape {tuple(token_loss.shape)}")
     B, T = token_loss.shape
-    x = token_loss.detach().float()
-    spec = torch.fft.rfft(x, dim=-1)  # (B, T//2 + 1)
-    power = spec.real.square() + spec.imag.square()
-    scale = torch.full((T // 2 + 1,), 2.0, device=x.device)
-    if T % 2 == 0:
-        scale[-1] = 1.0  # the Nyquist bin has no mirror image
-    power = power * scale / float(T * T)
-    band = bin_to_band(max_freq, num_bands, T).to(x.device)
-    out = torch.zeros(B, num_bands, device=x.device)
+    power = power_spectrum(token_loss)
+    band = bin_to_band(max_freq, num_bands, T).to(power.device)
+    out = torch.zeros(B, num_bands, device=power.device)
     out.index_add_(1, band[1:], power[:, 1:])
     return out
+
+
+def power_spectrum(token_loss: torch.Tensor) -> torch.Tensor:
+    """One-sided power ``[B, T//2 + 1]`` (fp32) of each row's rfft, scaled so that bins ``1..T//2`` sum to the
+    row's population variance (Parseval); bin 0 holds ``mean**2``."""
+    if token_loss.dim() != 2:
+        raise ValueError(f"token_loss must be [B, T], got shape {tuple(token_loss.shape)}")
+    T = token_loss.shape[1]
+    x = token_loss.detach().float()
+    spec = torch.fft.rfft(x, dim=-1)  # (B, T//2 + 1)
+    scale = torch.full((T // 2 + 1,), 2.0, device=x.device)
+    scale[0] = 1.0
+    if T % 2 == 0:
+        scale[-1] = 1.0  # the Nyquist bin has no mirror image
+    return (spec.real.square() + spec.imag.square()) * scale / float(T * T)
 
 
 def merge_bands(profile: torch.Tensor, num_bands: int) -> torch.Tensor:
