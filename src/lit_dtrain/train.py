@@ -153,6 +153,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     callbacks = build_callbacks(cfg)
     if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    for cb in getattr(datamodule.sampler, "required_callbacks", lambda: [])():  # a sampler is inert without them
+        if not any(isinstance(c, type(cb)) for c in callbacks):
+            log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
+            callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(
@@ -165,13 +169,13 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         (out_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     start_step = 0
+    if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
+        start_step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
     t0 = time.perf_counter()
     _fit(trainer, module, datamodule, ckpt_path)
     fit_seconds = time.perf_counter() - t0
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt)  # always leave a resumable checkpoint of the final step
-    if ckpt_path:
-        start_step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
     val = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}

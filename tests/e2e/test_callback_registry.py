@@ -66,3 +66,9 @@ def test_callback_needing_token_loss_is_rejected_before_compute(tiny_cfg):
     with pytest.raises(StepOutputError, match=match):
         check_step_outputs(needy, module)
     check_step_outputs(needy, LitLLM(instantiate(cfg.model), instantiate(cfg.optimizer)))  # LitLLM satisfies it
+
+
+def test_fourier_sampler_brings_its_callback(tiny_cfg):
+    _, objs = train(tiny_cfg("data/sampler=fourier", "sample.max_new_tokens=0", run="fourier_auto"))
+    names = [type(c).__name__ for c in objs["trainer"].callbacks]
+    assert names.count("FourierSamplerCallback") == 1

@@ -57,6 +57,7 @@ def test_resume_auto_picks_last_ckpt(tiny_cfg):
     metrics, second = train(tiny_cfg("trainer.max_steps=6", "scheduler.total_steps=6", "resume=auto", run="auto"))
     assert second["trainer"].global_step == 6
     assert second["datamodule"].micro_step == 6  # continued the data stream, did not restart it
+    assert metrics["tokens_per_sec"] > 0  # counted from the resumed step, not from the overwritten file
 
 
 @pytest.mark.slow
