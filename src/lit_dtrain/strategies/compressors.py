@@ -111,9 +111,13 @@ class Compressor:
         raise NotImplementedError
 
     def roundtrip(self, x: Tensor, segments: Sequence[Segment] | None = None, step: int = 0) -> Tensor:
-        """``decompress(compress(x))`` for a flat fp32 tensor (no error feedback, no communication)."""
-        segments = segments if segments is not None else [Segment("x", 0, x.numel(), (x.numel(),))]
-        return self.decompress(self.compress(x, segments, step), segments, x.numel())
+        """``decompress(compress(x))`` for a tensor of any shape or strides (no error feedback, no communication).
+
+        ``x`` is flattened (copied if non-contiguous) first; the result has ``x``'s shape.
+        """
+        flat = x.reshape(-1)
+        segments = segments if segments is not None else [Segment("x", 0, flat.numel(), tuple(x.shape))]
+        return self.decompress(self.compress(flat, segments, step), segments, flat.numel()).view(x.shape)
 
     # --- error feedback ----------------------------------------------------------------------
     def residual_buffer(self, segments: Sequence[Segment], like: Tensor) -> Tensor:
