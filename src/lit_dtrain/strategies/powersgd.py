@@ -126,11 +126,9 @@ class PowerSGD(Compressor):
         separated by an all-reduce of the first, which :meth:`reduce` does."""
         return self._power_step(x, segments, step, lambda t: t, 1)[0]
 
-    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
-        """Rebuild the flat buffer: uncompressed values in place, each matrix as ``P_hat Q^T``."""
-        head, q_flat = payload
+    def _expand(self, head: Tensor, q_flat: Tensor, segments: Sequence[Segment], out: Tensor) -> Tensor:
+        """Write the uncompressed values and each ``P_hat Q^T`` of a payload into the flat ``out``, in place."""
         compressed, uncompressed = self.plan(segments)
-        out = torch.zeros(numel, dtype=torch.float32, device=head.device)
         offset = 0
         for s in uncompressed:
             out[s.offset : s.offset + s.numel] = head[offset : offset + s.numel]
@@ -140,15 +138,21 @@ class PowerSGD(Compressor):
             p_hat = head[offset : offset + n * rank].view(n, rank)
             q = q_flat[q_offset : q_offset + m * rank].view(m, rank)
             offset, q_offset = offset + n * rank, q_offset + m * rank
-            out[s.offset : s.offset + s.numel] = (p_hat @ q.T).reshape(-1)
+            torch.mm(p_hat, q.T, out=out[s.offset : s.offset + s.numel].view(n, m))
         return out
+
+    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
+        """Rebuild the flat buffer: uncompressed values in place, each matrix as ``P_hat Q^T``."""
+        head, q_flat = payload
+        return self._expand(head, q_flat, segments, torch.zeros(numel, dtype=torch.float32, device=head.device))
 
     def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
         """Two all-reduce rounds (uncompressed vectors with all Ps, then all Qs); returns a completed future.
 
-        The rounds run synchronously in the hook: a second collective launched from inside a gloo
-        future callback can deadlock when several buckets are in flight (each callback holds a gloo
-        worker thread while it waits).
+        The rounds run synchronously in the hook, so every rank issues its collectives in the same
+        order from one thread. (torch's hook launches the second round from a future callback: with
+        several buckets in flight the ranks' orders can differ, and a waiting callback holds a gloo
+        worker thread.)
         """
         self.num_calls += 1
         self.rank = comm.rank
@@ -159,17 +163,25 @@ class PowerSGD(Compressor):
         if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
             x = self.residual_buffer(segments, x).add_(x)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
-        if self.error_feedback:  # local residual M - P_hat Q_local^T; uncompressed vectors are exact
-            x.sub_(self.decompress([head, q_flat], segments, x.numel()))
-            for s in self.plan(segments)[1]:
+        compressed, uncompressed = self.plan(segments)
+        if self.error_feedback:  # local residual M - P_hat Q_local^T, in place; uncompressed vectors are exact
+            offset, q_offset = sum(s.numel for s in uncompressed), 0
+            for s, n, m, rank in compressed:
+                p_hat = head[offset : offset + n * rank].view(n, rank)
+                q = q_flat[q_offset : q_offset + m * rank].view(m, rank)
+                offset, q_offset = offset + n * rank, q_offset + m * rank
+                x[s.offset : s.offset + s.numel].view(n, m).addmm_(p_hat, q.T, alpha=-1.0)
+            for s in uncompressed:
                 x[s.offset : s.offset + s.numel] = 0.0
-        q_mean = comm.all_reduce_sum(q_flat) / world if q_flat.numel() else q_flat
+        q_mean = comm.all_reduce_sum(q_flat).div_(world) if q_flat.numel() else q_flat
         if self.warm_start:
             offset = 0
-            for s, _, m, rank in self.plan(segments)[0]:
+            for s, _, m, rank in compressed:
                 self.q_memory[s.name] = q_mean[offset : offset + m * rank].view(m, rank).clone()
                 offset += m * rank
-        return completed_future(flat.copy_(self.decompress([head, q_mean], segments, x.numel())))
+        if flat.dtype == torch.float32:
+            return completed_future(self._expand(head, q_mean, segments, flat))
+        return completed_future(flat.copy_(self.decompress([head, q_mean], segments, flat.numel())))
 
     def state_dict(self) -> dict:
         state = super().state_dict()
