@@ -177,6 +177,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt)  # always leave a resumable checkpoint of the final step
 
+    train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     val = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
@@ -192,7 +193,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         "wall_seconds": fit_seconds,
         "checkpoint": last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),
-        "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        "train_loss": train_loss,
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
     }
     sample = _generate_sample(module, datamodule, cfg)

@@ -25,6 +25,7 @@ def test_train_py_writes_summary_and_checkpoint(tmp_path, corpus):
     run_dir = tmp_path / "outputs" / "runs" / "e2e"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6
+    assert 0 < summary["train_loss"] < 6.0
     assert 0 < summary["val_loss"] < 6.0  # below ln(257) = 5.55 + margin: it learned something
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / "config_resolved.yaml").is_file()
