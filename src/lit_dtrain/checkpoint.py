@@ -49,7 +49,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         pass
 
 
-def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with errors that name the file."""
     path = Path(path)
     if not path.is_file():
@@ -57,7 +57,7 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
 

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
-from lit_dtrain.checkpoint import AtomicCheckpointIO
+from lit_dtrain.checkpoint import AtomicCheckpointIO, safe_torch_load
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
 
@@ -170,7 +170,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     start_step = 0
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
-        start_step = int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+        start_step = int(safe_torch_load(ckpt_path, mmap=True)["global_step"])
     t0 = time.perf_counter()
     _fit(trainer, module, datamodule, ckpt_path)
     fit_seconds = time.perf_counter() - t0
