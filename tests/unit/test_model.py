@@ -82,3 +82,26 @@ def test_generate_is_deterministic_with_generator():
     a = m.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
     b = m.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
     assert a.shape == (1, 8) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
+
+
+def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():
+    from lit_dtrain.models.llama import apply_rope, rope_cache
+
+    T, hs = 12, 8
+    cos, sin = rope_cache(T, hs, 10000.0)
+    rope = torch.complex(cos, sin)[None, None]
+    x = torch.randn(2, 3, T, hs, dtype=torch.float64)
+    out = apply_rope(x, rope)
+    # Reference: the real-valued rotation of each pair (x[2i], x[2i+1]) by angle t * theta_i.
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos.double(), sin.double()
+    ref = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    torch.testing.assert_close(out, ref)
+    assert out.dtype == x.dtype
+    # A rotation keeps norms, and q.k after RoPE depends only on the distance between positions.
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
+    q = torch.randn(hs, dtype=torch.float64).expand(1, 1, T, hs)
+    k = torch.randn(hs, dtype=torch.float64).expand(1, 1, T, hs)
+    qr, kr = apply_rope(q, rope)[0, 0], apply_rope(k, rope)[0, 0]
+    torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6])
+    assert not torch.allclose(qr[5] @ kr[2], qr[5] @ kr[3])
