@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,3 +107,18 @@ def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():
     qr, kr = apply_rope(q, rope)[0, 0], apply_rope(k, rope)[0, 0]
     torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6])
     assert not torch.allclose(qr[5] @ kr[2], qr[5] @ kr[3])
+
+
+def test_rope_table_is_the_correctly_rounded_float32_table():
+    """The table must not depend on how a vectorized float32 cos split the call across threads
+    (MKL VML's last bit does, so the first call in a process could differ from later ones): it is
+    computed in float64 and rounded once, which equals Python's libm cos/sin rounded to float32."""
+    from lit_dtrain.models.llama import rope_cache
+
+    T, hs, theta = 256, 32, 10000.0
+    cos, sin = rope_cache(T, hs, theta)
+    angles = [[t * (1.0 / theta ** (i / hs)) for i in range(0, hs, 2)] for t in range(T)]
+    ref_cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float()
+    ref_sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
+    assert cos.dtype == sin.dtype == torch.float32
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)

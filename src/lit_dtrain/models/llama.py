@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,10 +71,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2), float32.
+
+    Computed with numpy in float64 and rounded once, so the table is the same in every process.
+    ``torch.cos`` on CPU goes through MKL VML in chunks across threads, and at model construction
+    in a full training process the worker thread's chunk was sometimes less accurate (1 in 5
+    processes, in float32 and in float64 alike): two identical runs then trained on RoPE tables
+    that differed in the last bit, and ended at different losses.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
+    return torch.from_numpy(np.cos(angles)).float(), torch.from_numpy(np.sin(angles)).float()
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
