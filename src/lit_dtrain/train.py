@@ -14,8 +14,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -105,6 +106,19 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return callbacks
 
 
+def build_logger(cfg: DictConfig, start_step: int):
+    """The configured logger, or False. A TensorBoard logger resuming at ``start_step`` > 0 gets
+    ``purge_step=start_step``: TensorBoard then hides what the interrupted run logged past its last
+    checkpoint, so a resumed curve continues the old one instead of doubling back over it."""
+    node = cfg.get("logger")
+    if not node:
+        return False
+    extra = {}
+    if start_step > 0 and "purge_step" not in node and issubclass(get_class(node._target_), TensorBoardLogger):
+        extra["purge_step"] = start_step
+    return instantiate(node, **extra)
+
+
 def build_strategy(cfg: DictConfig):
     node = cfg.get("strategy")
     if node is None:
@@ -158,19 +172,19 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
             callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    ckpt_path = resolve_ckpt_path(cfg)
+    start_step = 0
+    if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
+        start_step = int(safe_torch_load(ckpt_path, mmap=True)["global_step"])
+    logger = build_logger(cfg, start_step)
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()]
     )
-    ckpt_path = resolve_ckpt_path(cfg)
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    start_step = 0
-    if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
-        start_step = int(safe_torch_load(ckpt_path, mmap=True)["global_step"])
     t0 = time.perf_counter()
     _fit(trainer, module, datamodule, ckpt_path)
     fit_seconds = time.perf_counter() - t0

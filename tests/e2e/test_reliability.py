@@ -17,7 +17,8 @@ from lit_dtrain.train import train
 from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
 
 MAX_STEPS = 12
-RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "sample.max_new_tokens=0"]
+RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+       "sample.max_new_tokens=0"]
 
 
 def train_proc(tmp_path: Path, corpus: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -30,6 +31,15 @@ def final_state(tmp_path: Path, run: str) -> dict:
     ckpt = torch.load(tmp_path / "outputs" / "runs" / run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == MAX_STEPS
     return ckpt
+
+
+def tb_scalars(tmp_path: Path, run: str, tag: str = "train/loss") -> list[tuple[int, float]]:
+    """(step, value) of ``tag`` as TensorBoard shows it: all event files of the run, orphans purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "outputs" / "runs" / run / "tb"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -52,7 +62,9 @@ STATEFUL: list[str] = [
 def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, extra):
     if extra is STATEFUL and not STATEFUL:
         pytest.skip("no stateful techniques registered")
-    kill_step = random.Random(1234).randint(3, MAX_STEPS - 2)  # a 'random' step, fixed for reproducibility
+    # A 'random' step, fixed for reproducibility, and odd: checkpoints come every 2 steps, so the killed run
+    # has logged a step past its last checkpoint that the resumed run must replace, not duplicate.
+    kill_step = random.Random(1234).randint(3, MAX_STEPS - 3) | 1
     ok = train_proc(tmp_path, corpus, "run_name=straight", *extra)
     assert ok.returncode == 0, ok.stderr[-2000:]
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={kill_step}"]
@@ -63,6 +75,11 @@ def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, extra):
     resumed = train_proc(tmp_path, corpus, "run_name=killed", "resume=auto", *extra)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "killed"))
+    # TensorBoard: the resumed run hides what the killed run logged past its checkpoint (purge_step), so
+    # the curve is the straight run's, one point per step, not two overlapping curves.
+    straight, killed_tb = tb_scalars(tmp_path, "straight"), tb_scalars(tmp_path, "killed")
+    assert [s for s, _ in straight] == list(range(MAX_STEPS)), straight
+    assert killed_tb == straight
 
 
 @pytest.mark.slow
