@@ -164,6 +164,44 @@ def test_probabilities_valid_after_training(variant):
     assert not bool(((drawn == 3) | (drawn == 4)).any())
 
 
+@pytest.mark.parametrize("mixture", [False, True], ids=["uniform_prior", "mixture_prior_and_exclusions"])
+def test_draws_follow_the_probabilities(mixture):
+    """The two-level inverse CDF (blocks of 256, the last one partial here) draws from ``probabilities()``."""
+    n = 1000
+    s = FourierSampler(variant="magnitude", stages=False, score="time", uniform_floor=0.2)
+    base = torch.where(torch.arange(n) < 300, 3.0, 1.0) if mixture else None
+    s.setup(n, base, seed=0)
+    feed(s, 40, batch=32, hot=set(range(0, n, 7)))
+    excluded = [5, 600, 999] if mixture else []
+    s.exclude(excluded)
+    p = s.probabilities(40)
+    uniform = torch.full((n,), 1.0 / n, dtype=torch.float64)
+    assert 0.5 * (p - uniform).abs().sum() > 0.15  # far from uniform, so the check below has teeth
+    draws = torch.cat([s.global_batch(step, 4096) for step in range(40, 140)])  # no updates in between
+    freq = torch.bincount(draws, minlength=n).double() / draws.numel()
+    assert freq[excluded].sum() == 0  # excluded: never drawn
+    assert 0.5 * (freq - p).abs().sum() < 0.03  # total variation; sampling noise alone is ~0.02
+    hot = torch.zeros(n, dtype=torch.bool)
+    hot[::7] = True
+    assert freq[hot].sum().item() == pytest.approx(p[hot].sum().item(), abs=0.01)
+
+
+@pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
+def test_incremental_cdf_equals_a_full_rebuild(variant):
+    """Updates rescan only their blocks; the result must equal a rebuild from scratch bit for bit (a resumed
+    sampler rebuilds everything, so this is what keeps its draws identical to the uninterrupted run's)."""
+    s = make(num_samples=5000, variant=variant, step_unit=1)
+    feed(s, 30, batch=16)
+    c = s._distribution()
+    kept = {k: c[k].clone() for k in ("w", "rows", "top")}
+    draws = s.global_batch(30, 256)
+    s._touch(raw=True)  # drop every cache: the next draw rebuilds all blocks
+    c = s._distribution()
+    for k, v in kept.items():
+        assert torch.equal(c[k], v), k
+    assert torch.equal(s.global_batch(30, 256), draws)
+
+
 def test_magnitude_variant_oversamples_persistently_hard_samples():
     hot = set(range(10))
     s = make(num_samples=100, variant="magnitude", stages=False, score="time", uniform_floor=0.1)

@@ -49,6 +49,8 @@ class FourierSampler(IndexSampler):
         require_updates: raise if batches are drawn past step 1 while no update ever arrived.
     """
 
+    BLOCK = 256  # samples per block of the two-level sampling CDF
+
     def __init__(
         self,
         max_freq: int | None = None,
@@ -116,6 +118,7 @@ class FourierSampler(IndexSampler):
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
         self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date
         self._raw: torch.Tensor | None = None  # importance of every sample (float64)
+        self._dirty: list[torch.Tensor] = []  # samples updated since the CDF was last rebuilt
         self._cache: dict = {}
 
     # ---- binding -----------------------------------------------------------------------------------------
@@ -256,6 +259,7 @@ class FourierSampler(IndexSampler):
         if self._elem is not None:  # refresh only the updated entries
             self._elem[uniq] = self._elementwise(uniq)
             self._unseen[uniq] = False
+            self._dirty.append(uniq)
         self._touch()
 
     # ---- drawing -----------------------------------------------------------------------------------------
@@ -266,45 +270,75 @@ class FourierSampler(IndexSampler):
         )
 
     def _distribution(self) -> dict:
-        """The sampling CDF, rebuilt when the table changed: O(N) float64 work, a handful of in-place passes.
+        """The two-level sampling CDF, brought up to date: O(B) blocks per step for ``moment_ratio``.
 
-        The per-sample part of the importance is kept between calls and refreshed only at updated indices, so
-        an update costs O(B) and a draw one cumsum (plus a rescale and the floor) over N, in preallocated
-        buffers. A resume recomputes everything the same way, so draws stay bit-identical.
+        The weights ``w`` (the importance, times the mixture prior when there is one) are cut into blocks of
+        ``BLOCK`` samples. ``rows`` holds each block's prefix sums and ``top`` the prefix sums of the block
+        totals. An update dirties only the blocks of the samples it touched, so a draw rescans those blocks
+        and the N / BLOCK totals instead of all N samples (at N = 121k: 0.04 against 0.24 ms, and no sweep
+        of three 1 MB arrays through the cache every step). ``magnitude`` renormalizes every sample each step
+        and rescans every block. Each block's prefix sum is one sequential ``cumsum`` along its row, so its
+        values do not depend on which other blocks were rescanned with it: a resumed sampler, which rescans
+        everything, draws bit-identically to an uninterrupted one.
         """
         cache = self._cache
         if cache.get("version") == self._version:
             return cache
-        n = self.num_samples
+        n, k = self.num_samples, self.BLOCK
+        nb = -(-n // k)
+        full = False
         if cache.get("target_version") != self._target_version:
-            target = spectral.target_distribution(n, self.excluded, self.base_weights)
             uniform = self.base_weights is None and not bool(self.excluded.any())
-            cache.update(target=target, target_cdf=target.cumsum(0), uniform=uniform,
-                         target_version=self._target_version, cdf=torch.empty(n, dtype=torch.float64))
+            # uniform: the target is 1/N everywhere, so no per-sample target arrays (16 B/sample) are kept
+            target = None if uniform else spectral.target_distribution(n, self.excluded, self.base_weights)
+            cache.update(target=target, target_cdf=None if uniform else target.cumsum(0), uniform=uniform,
+                         target_version=self._target_version, w=torch.zeros(nb * k, dtype=torch.float64),
+                         rows=torch.empty(nb, k, dtype=torch.float64))
+            full = True
         if self._elem is None:
             self._elem, self._unseen = self._elementwise(), self.visits == 0
-        if self.variant != "moment_ratio" and (self._raw is None or self._raw is self._elem):
-            self._raw = torch.empty(n, dtype=torch.float64)
-        self._raw = spectral.importance_finish(
-            self._elem, self._unseen, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
-            prior=self.prior, eps=self.eps, out=None if self.variant == "moment_ratio" else self._raw,
-        )
-        cdf = cache["cdf"]
-        if cache["uniform"]:  # raw * (1/N) folded into the total
-            torch.cumsum(self._raw, 0, out=cdf)
+            full = True
+        w, rows = cache["w"], cache["rows"]
+        if self.variant == "moment_ratio":
+            self._raw = self._elem  # per-sample: nothing global to finish
+        else:  # written straight into the weights when the prior is uniform (no extra pass, no extra array)
+            if cache["uniform"]:
+                out = w[:n]
+            elif self._raw is None or self._raw is self._elem or self._raw.data_ptr() == w.data_ptr():
+                out = torch.empty(n, dtype=torch.float64)
+            else:
+                out = self._raw
+            self._raw = spectral.importance_finish(
+                self._elem, self._unseen, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
+                prior=self.prior, eps=self.eps, out=out,
+            )
+            full = True
+        if full or not self._dirty:
+            sel = slice(None)
+            if not cache["uniform"]:
+                torch.mul(self._raw, cache["target"], out=w[:n])
+            elif self._raw.data_ptr() != w.data_ptr():
+                w[:n] = self._raw
         else:
-            torch.mul(self._raw, cache["target"], out=cdf).cumsum_(0)
-        total = float(cdf[-1])
-        floor = self.uniform_floor
-        cdf.mul_((1.0 - floor) / total).add_(cache["target_cdf"], alpha=floor)
-        cache.update(version=self._version, total=total)
+            idx = torch.cat(self._dirty)
+            w[idx] = self._raw[idx] if cache["uniform"] else self._raw[idx] * cache["target"][idx]
+            sel = torch.unique(idx // k)
+        self._dirty = []
+        rows[sel] = torch.cumsum(w.view(nb, k)[sel], dim=1)
+        top = rows[:, -1].cumsum(0)
+        cache.update(version=self._version, top=top, total=float(top[-1]))
         return cache
 
     def _probs_at(self, idx: torch.Tensor) -> torch.Tensor:
         c = self._distribution()
-        target = c["target"][idx]
-        weighted = self._raw[idx] if c["uniform"] else self._raw[idx] * target
-        return ((1.0 - self.uniform_floor) / c["total"]) * weighted + self.uniform_floor * target
+        return ((1.0 - self.uniform_floor) / c["total"]) * c["w"][idx] + self.uniform_floor * self._target_at(idx)
+
+    def _target_at(self, idx: torch.Tensor) -> torch.Tensor:
+        """The target distribution (mixture prior over non-excluded samples) at ``idx``."""
+        c = self._distribution()
+        if c["uniform"]:
+            return torch.full(idx.shape, 1.0 / self.num_samples, dtype=torch.float64)
+        return c["target"][idx]
 
     def probabilities(self, step: int) -> torch.Tensor:
         """The current sampling distribution (float64, sums to 1; excluded samples 0)."""
@@ -326,9 +360,26 @@ class FourierSampler(IndexSampler):
                 "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
                 "or set require_updates=False to sample from the prior"
             )
-        cdf = self._distribution()["cdf"]
+        c = self._distribution()
         u = torch.rand(size, generator=step_generator(self.seed, step), dtype=torch.float64)
-        idx = torch.searchsorted(cdf, u * cdf[-1], right=True)
+        # p = (1 - f) * w / total + f * target: u < f draws from the floor (the target), the rest from w.
+        f = self.uniform_floor
+        v = ((u - f) / (1.0 - f)).clamp_(min=0.0) if f < 1.0 else torch.zeros_like(u)
+        top, rows = c["top"], c["rows"]
+        zero = torch.zeros((), dtype=torch.float64)
+        x = torch.minimum(v * c["total"], torch.nextafter(top[-1], zero))  # rounding: below the total
+        block = torch.searchsorted(top, x, right=True).clamp_(max=len(top) - 1)
+        x = x - torch.where(block > 0, top[(block - 1).clamp(min=0)], 0.0)  # offset inside the block
+        row = rows[block]  # (size, BLOCK) prefix sums
+        x = torch.minimum(x, torch.nextafter(row[:, -1], zero)).unsqueeze(1)  # rounding: stay inside the block
+        idx = block * self.BLOCK + torch.searchsorted(row, x, right=True).squeeze(1)
+        if f > 0.0:
+            if c["uniform"]:
+                floor_idx = (u * (self.num_samples / f)).long()
+            else:
+                tcdf = c["target_cdf"]
+                floor_idx = torch.searchsorted(tcdf, (u / f) * tcdf[-1], right=True)
+            idx = torch.where(u < f, floor_idx, idx)
         return idx.clamp_(max=self.num_samples - 1)
 
     def loss_weights(self, shard_indices: torch.Tensor) -> torch.Tensor | None:
@@ -336,7 +387,7 @@ class FourierSampler(IndexSampler):
         if not self.importance_weights:
             return None
         idx = torch.as_tensor(shard_indices, dtype=torch.long)
-        return (self._distribution()["target"][idx] / self._probs_at(idx)).float()
+        return (self._target_at(idx) / self._probs_at(idx)).float()
 
     def exclude(self, indices) -> None:
         super().exclude(indices)
@@ -349,17 +400,23 @@ class FourierSampler(IndexSampler):
             self._target_version += 1
         if raw:
             self._elem = None
+            self._dirty = []
 
     # ---- state -------------------------------------------------------------------------------------------
     def bytes_per_sample(self) -> dict:
         """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
-        profile fp16 x bands, excluded bool) and the derived caches (float64 importance parts, target, target CDF and
-        CDF; the unseen mask), from the tensors actually held (after setup and the first update)."""
+        profile fp16 x bands, excluded bool) and the derived caches (float64 importance, weights and per-block
+        prefix sums; the unseen mask; target and target CDF under a mixture prior or exclusions), from the
+        tensors actually held (after setup and the first update)."""
         n = max(self.num_samples, 1)
         table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
-        cache = [self._elem, self._unseen] + ([self._raw] if self._raw is not self._elem else [])
+        cache = [self._elem, self._unseen, self._raw]
         cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None) / n  # noqa: E731
+
+        def size(ts) -> float:  # each storage once (the importance may be a view of the weights)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t is not None}
+            return sum(storages.values()) / n
+
         return {"table": size(table), "cache": size(cache), "total": size(table) + size(cache)}
 
     def state_dict(self) -> dict:
