@@ -271,8 +271,9 @@ def steps_to_target(curve, target: float) -> float | None:
 
 
 def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dict:
-    """Alternate one uniform and one Fourier step (separate models and data), ``--timing-rounds`` rounds of
-    ``--timing-steps`` steps each; the ratio of median step times per round, and the median over rounds."""
+    """Alternate one uniform and one Fourier step (separate models and data; which goes first alternates too),
+    ``--timing-rounds`` rounds of ``--timing-steps`` steps each; the ratio of median step times per round,
+    and the median over rounds."""
     batch = max(1, args.tokens_per_step // block)
     setups = {}
     for name, sampler in (("uniform", PairedUniformSampler()), ("fourier", make_sampler(variant, args.steps))):
@@ -283,8 +284,10 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
     ratios, medians, step = [], [], 0
     for _ in range(args.timing_rounds):
         times = {k: [] for k in setups}
-        for _ in range(args.timing_steps):
-            for name, (dm, model, opt, sched) in setups.items():
+        for i in range(args.timing_steps):
+            order = list(setups) if i % 2 == 0 else list(setups)[::-1]  # neither always runs on a warm cache
+            for name in order:
+                dm, model, opt, sched = setups[name]
                 t0 = time.perf_counter()
                 b = dm.batch_for_step(step)
                 fourier = name == "fourier"
