@@ -74,8 +74,8 @@ def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor,
     """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2), float32.
 
     Computed with numpy in float64 and rounded once, so the table is the same in every process.
-    ``torch.cos`` on CPU goes through MKL VML in chunks across threads, and at model construction
-    in a full training process the worker thread's chunk was sometimes less accurate (1 in 5
+    ``torch.cos`` on CPU goes through MKL VML in 2048-element chunks across threads, and at model
+    construction in a full training process the second chunk was sometimes less accurate (1 in 5
     processes, in float32 and in float64 alike): two identical runs then trained on RoPE tables
     that differed in the last bit, and ended at different losses.
     """

@@ -275,11 +275,12 @@ class FourierSampler(IndexSampler):
         The weights ``w`` (the importance, times the mixture prior when there is one) are cut into blocks of
         ``BLOCK`` samples. ``rows`` holds each block's prefix sums and ``top`` the prefix sums of the block
         totals. An update dirties only the blocks of the samples it touched, so a draw rescans those blocks
-        and the N / BLOCK totals instead of all N samples (at N = 121k: 0.04 against 0.24 ms, and no sweep
-        of three 1 MB arrays through the cache every step). ``magnitude`` renormalizes every sample each step
-        and rescans every block. Each block's prefix sum is one sequential ``cumsum`` along its row, so its
-        values do not depend on which other blocks were rescanned with it: a resumed sampler, which rescans
-        everything, draws bit-identically to an uninterrupted one.
+        and the N / BLOCK totals instead of all N samples (at N = 121k a draw takes 0.17 ms against 0.27 ms
+        with one prefix sum over N, and no 1 MB arrays are swept through the cache every step).
+        ``magnitude`` renormalizes every sample each step and rescans every block. Each block's prefix sum
+        is one sequential ``cumsum`` along its row, so its values do not depend on which other blocks were
+        rescanned with it: a resumed sampler, which rescans everything, draws bit-identically to an
+        uninterrupted one.
         """
         cache = self._cache
         if cache.get("version") == self._version:
