@@ -169,3 +169,34 @@ def test_zero_weight_source_is_validation_only(tmp_path):
     assert len(dm.val_dataloader()) == 2  # but validated on
     with pytest.raises(CorpusError, match="every weight is 0"):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(a)], weight=0.0)])
+
+
+def test_mixture_prior_and_exclusions_are_drawn_from_a_cached_cdf():
+    """Under a mixture prior (or exclusions) the sampler draws by inverse CDF from a cached table: the
+    frequencies follow the prior, excluded samples are never drawn (not even at ``u = 1`` when the last
+    sample is excluded), and the cache follows new exclusions and a restored state."""
+    from lit_dtrain.data.samplers import RandomSampler
+    from lit_dtrain.data.samplers.base import draw_from_cdf
+
+    n = 600
+    base = torch.where(torch.arange(n) < 200, 4.0, 1.0)  # the first third carries 2/3 of the mass
+    s = RandomSampler()
+    s.setup(n, base, seed=0)
+    s.exclude([7, n - 1])
+    draws = torch.cat([s.global_batch(step, 2048) for step in range(100)])
+    freq = torch.bincount(draws, minlength=n).double() / draws.numel()
+    assert freq[[7, n - 1]].sum() == 0
+    target = base.double().masked_fill(s.excluded, 0.0)
+    target /= target.sum()
+    assert 0.5 * (freq - target).abs().sum().item() < 0.03  # total variation; sampling noise is ~0.01
+    assert freq[:200].sum().item() == pytest.approx(target[:200].sum().item(), abs=0.01)
+    # u = 1 happens when a draw rescales u (u / floor can round up to 1)
+    top = torch.tensor([1.0 - 2.0**-53, 1.0], dtype=torch.float64)
+    assert draw_from_cdf(s.target_cdf(), top).tolist() == [n - 2, n - 2]  # not the excluded last sample
+    s.exclude([0])
+    assert 0 not in torch.cat([s.global_batch(step, 4096) for step in range(20)]).tolist()
+    other = RandomSampler()
+    other.setup(n, base, seed=0)
+    assert 0 in torch.cat([other.global_batch(step, 4096) for step in range(20)]).tolist()
+    other.load_state_dict(s.state_dict())
+    assert other.num_excluded == 3 and torch.equal(other.global_batch(5, 64), s.global_batch(5, 64))

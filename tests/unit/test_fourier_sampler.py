@@ -193,13 +193,48 @@ def test_incremental_cdf_equals_a_full_rebuild(variant):
     s = make(num_samples=5000, variant=variant, step_unit=1)
     feed(s, 30, batch=16)
     c = s._distribution()
-    kept = {k: c[k].clone() for k in ("w", "rows", "top")}
+    kept = {k: v.clone() for k, v in c.items() if isinstance(v, torch.Tensor)}
     draws = s.global_batch(30, 256)
     s._touch(raw=True)  # drop every cache: the next draw rebuilds all blocks
     c = s._distribution()
     for k, v in kept.items():
         assert torch.equal(c[k], v), k
     assert torch.equal(s.global_batch(30, 256), draws)
+
+
+def test_magnitude_blocks_are_rescanned_when_the_mean_moves_samples_across_a_clamp():
+    """``magnitude`` divides by the mean over seen samples, which moves every step; a block that no update
+    touched must still be rescanned when that moves one of its samples across a clamp edge. Tight clamps and
+    a hot set that changes make that happen here (checked), and the sampler must agree with the pure
+    reference and with a full rebuild at every step."""
+    n, lo, cap = 3000, 0.6, 1.4
+    s = make(num_samples=n, variant="magnitude", stages=False, score="time", min_prob=lo, magnitude_cap=cap,
+             uniform_floor=0.1)
+    crossed = 0
+    prev = None
+    for phase, hot in enumerate([set(range(0, n, 5)), set(range(1, n, 3)), set()]):
+        for step in range(phase * 15, phase * 15 + 15):
+            before = s.visits.clone()
+            feed(s, 1, batch=64, start=step, hot=hot)
+            p = s.probabilities(step + 1)
+            elem = S.importance_elementwise(s.m1, s.m2, s.visits, "magnitude", momentum=s.momentum)
+            seen = s.visits > 0
+            x = elem / (elem[seen].sum() / seen.sum())
+            cls = torch.where(~seen, 0, torch.where(x < lo, 1, torch.where(x > cap, 2, 3)))
+            if prev is not None:
+                untouched = s.visits == before
+                crossed += int(((cls != prev) & untouched & seen).sum())
+            prev = cls
+            raw = S.importance(s.m1, s.m2, s.visits, "magnitude", min_prob=lo, magnitude_cap=cap)
+            ref = S.sampling_probabilities(raw, 0.1)
+            torch.testing.assert_close(p, ref, rtol=1e-9, atol=0)
+            c = s._distribution()
+            kept = {k: v.clone() for k, v in c.items() if isinstance(v, torch.Tensor)}
+            s._touch(raw=True)
+            c = s._distribution()
+            for k, v in kept.items():
+                assert torch.equal(c[k], v), (step, k)
+    assert crossed > 50  # the mean did move samples that no update touched across a clamp edge
 
 
 def test_magnitude_variant_oversamples_persistently_hard_samples():
@@ -441,3 +476,4 @@ def test_stage_lr_multiplier_is_applied_inside_the_step(tiny_cfg):
     expected = [lr * (0.1 if s < 2 else 0.5 if s < 8 else 1.0) for s in range(10)]
     assert rec.used == pytest.approx(expected)
     assert rec.after == pytest.approx([lr] * 10)  # the scheduler's LR is restored after every update
+

@@ -19,6 +19,26 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return g
 
 
+def target_distribution(num_samples: int, excluded: torch.Tensor | None, base_weights: torch.Tensor | None):
+    """The mixture prior (uniform when None) over the non-excluded samples, normalized (float64)."""
+    base = torch.ones(num_samples, dtype=torch.float64) if base_weights is None else base_weights.double().clone()
+    if excluded is not None:
+        base = base.masked_fill(excluded, 0.0)
+    return base / base.sum()
+
+
+def draw_from_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: for ``u`` in [0, 1], the index ``i`` with ``cdf[i-1] <= u * total < cdf[i]``.
+
+    ``cdf`` is a non-decreasing float64 prefix sum. ``u * total`` is kept strictly below the total, so
+    ``u = 1`` (which a rescaled ``u`` can round to) never returns an index past the last sample of positive
+    weight.
+    """
+    total, u = cdf[-1], u.to(cdf.dtype)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros((), dtype=total.dtype)))
+    return torch.searchsorted(cdf, x, right=True)
+
+
 class IndexSampler:
     """Base class: draws window indices in ``[0, num_samples)`` for each step.
 
@@ -31,6 +51,8 @@ class IndexSampler:
         self.seed = 0
         self.base_weights: torch.Tensor | None = None
         self.excluded = torch.zeros(0, dtype=torch.bool)
+        self.num_excluded = 0
+        self._target_cdf: torch.Tensor | None = None  # cached CDF of target_distribution(); None: stale
 
     def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0) -> None:
         """Bind to a dataset of ``num_samples`` windows; ``base_weights`` (optional) is a mixture prior."""
@@ -42,28 +64,46 @@ class IndexSampler:
         self.base_weights = None if base_weights is None else base_weights.double() / base_weights.sum()
         if self.excluded.numel() != num_samples:
             self.excluded = torch.zeros(num_samples, dtype=torch.bool)
+        self._exclusions_changed()
 
     def exclude(self, indices) -> None:
         """Never draw these sample indices again (they persist through ``state_dict``)."""
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         self.excluded[idx] = True
-        if bool(self.excluded.all()):
+        self._exclusions_changed()
+        if self.num_excluded == self.num_samples:
             raise RuntimeError("every training sample has been excluded; nothing is left to train on")
+
+    def _exclusions_changed(self) -> None:
+        self.num_excluded = int(self.excluded.sum())  # O(N), but only when the set changes, never per step
+        self._target_cdf = None
+
+    def target_cdf(self) -> torch.Tensor:
+        """Prefix sums of :func:`target_distribution` (cached until the exclusions or the prior change)."""
+        if self._target_cdf is None:
+            excluded = self.excluded if self.num_excluded else None
+            self._target_cdf = target_distribution(self.num_samples, excluded, self.base_weights).cumsum(0)
+        return self._target_cdf
 
     def probabilities(self, step: int) -> torch.Tensor | None:
         """Sampling distribution over samples (float64, sums to 1), or None for uniform."""
         return self.base_weights
 
     def global_batch(self, step: int, size: int) -> torch.Tensor:
-        """The ``size`` sample indices of step ``step`` (with replacement), identical on every rank."""
+        """The ``size`` sample indices of step ``step`` (with replacement), identical on every rank.
+
+        Uniform with no exclusions: ``randint``. The mixture prior or exclusions: inverse-CDF draws from the
+        cached :meth:`target_cdf`, O(size log N) per step. A distribution that a subclass computes per step:
+        ``multinomial``.
+        """
         if self.num_samples == 0:
             raise RuntimeError(f"{type(self).__name__}.setup() was not called")
         g = step_generator(self.seed, step)
         probs = self.probabilities(step)
-        if probs is None and not bool(self.excluded.any()):
+        if probs is None and not self.num_excluded:
             return torch.randint(self.num_samples, (size,), generator=g)
-        if probs is None:
-            probs = torch.ones(self.num_samples, dtype=torch.float64)
+        if probs is None or probs is self.base_weights:
+            return draw_from_cdf(self.target_cdf(), torch.rand(size, generator=g, dtype=torch.float64))
         probs = probs.masked_fill(self.excluded, 0.0)
         return torch.multinomial(probs.float(), size, replacement=True, generator=g)
 
@@ -74,6 +114,7 @@ class IndexSampler:
         self.excluded = torch.zeros(max(self.num_samples, 0), dtype=torch.bool)
         if len(state.get("excluded", [])):
             self.excluded[torch.as_tensor(state["excluded"], dtype=torch.long)] = True
+        self._exclusions_changed()
 
 
 class RandomSampler(IndexSampler):

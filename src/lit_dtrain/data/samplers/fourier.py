@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lit_dtrain.data.samplers import spectral
-from lit_dtrain.data.samplers.base import IndexSampler, step_generator
+from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator, target_distribution
 
 SCORES = ("mixed", "time", "frequency")
 
@@ -116,8 +116,7 @@ class FourierSampler(IndexSampler):
         self._pending: tuple | None = None
         self._version = self._target_version = 0
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
-        self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date
-        self._raw: torch.Tensor | None = None  # importance of every sample (float64)
+        self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date (magnitude only)
         self._dirty: list[torch.Tensor] = []  # samples updated since the CDF was last rebuilt
         self._cache: dict = {}
 
@@ -244,6 +243,8 @@ class FourierSampler(IndexSampler):
         self._apply(index, score, profile, step)
 
     def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
+        self.updates += 1
+        self.last_step = step
         # A sample drawn twice in one global batch gets one update with its mean score and profile.
         uniq, inverse = torch.unique(index, sorted=True, return_inverse=True)
         count = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones(len(index)))
@@ -254,11 +255,10 @@ class FourierSampler(IndexSampler):
         )
         self.visits[uniq] += 1
         self.profile[uniq] = mean_prof.half()
-        self.updates += 1
-        self.last_step = step
         if self._elem is not None:  # refresh only the updated entries
             self._elem[uniq] = self._elementwise(uniq)
-            self._unseen[uniq] = False
+            if self._unseen is not None:
+                self._unseen[uniq] = False
             self._dirty.append(uniq)
         self._touch()
 
@@ -270,17 +270,24 @@ class FourierSampler(IndexSampler):
         )
 
     def _distribution(self) -> dict:
-        """The two-level sampling CDF, brought up to date: O(B) blocks per step for ``moment_ratio``.
+        """The two-level sampling CDF, brought up to date in O(B * BLOCK + N / BLOCK) per step.
 
-        The weights ``w`` (the importance, times the mixture prior when there is one) are cut into blocks of
-        ``BLOCK`` samples. ``rows`` holds each block's prefix sums and ``top`` the prefix sums of the block
-        totals. An update dirties only the blocks of the samples it touched, so a draw rescans those blocks
-        and the N / BLOCK totals instead of all N samples (at N = 121k a draw takes 0.17 ms against 0.27 ms
-        with one prefix sum over N, and no 1 MB arrays are swept through the cache every step).
-        ``magnitude`` renormalizes every sample each step and rescans every block. Each block's prefix sum
-        is one sequential ``cumsum`` along its row, so its values do not depend on which other blocks were
-        rescanned with it: a resumed sampler, which rescans everything, draws bit-identically to an
-        uninterrupted one.
+        The sampling weight of a sample is its importance, times the mixture prior when there is one. The
+        samples are cut into blocks of ``BLOCK``; the cache keeps one total per block, and ``top``, the prefix
+        sums of those totals. An update dirties only the blocks of the samples it touched, so a step rescans
+        those blocks and the N / BLOCK totals, never all N samples. A draw picks a block from ``top`` and
+        builds the prefix sums of just that block (:meth:`_block_rows`).
+
+        ``magnitude`` divides every sample by the mean over seen samples, which moves at every step. Its
+        weights are therefore kept as ``e / mean`` (``e = |m1_hat|``) with per-block sums of ``e`` over the
+        samples inside the clamp ``[min_prob, magnitude_cap]`` and of the constant weights of the clamped and
+        unseen ones, so a block's total is ``S / mean + C``. A block is rescanned only when it was updated or
+        when the new mean moves one of its samples across a clamp edge, which four per-block extremes tell
+        exactly (float division is monotone).
+
+        Every per-block value is a sequential ``cumsum`` along the block's row, so it does not depend on which
+        other blocks were rescanned with it: a resumed sampler, which rescans everything, draws bit-identically
+        to an uninterrupted one (tested).
         """
         cache = self._cache
         if cache.get("version") == self._version:
@@ -289,50 +296,108 @@ class FourierSampler(IndexSampler):
         nb = -(-n // k)
         full = False
         if cache.get("target_version") != self._target_version:
-            uniform = self.base_weights is None and not bool(self.excluded.any())
+            uniform = self.base_weights is None and not self.num_excluded
             # uniform: the target is 1/N everywhere, so no per-sample target arrays (16 B/sample) are kept
-            target = None if uniform else spectral.target_distribution(n, self.excluded, self.base_weights)
-            cache.update(target=target, target_cdf=None if uniform else target.cumsum(0), uniform=uniform,
-                         target_version=self._target_version, w=torch.zeros(nb * k, dtype=torch.float64),
-                         rows=torch.empty(nb, k, dtype=torch.float64))
+            target = None if uniform else target_distribution(n, self.excluded, self.base_weights)
+            cache.clear()
+            cache.update(target=target, target_cdf=None if uniform else self.target_cdf(), uniform=uniform,
+                         target_version=self._target_version)
             full = True
-        if self._elem is None:
-            self._elem, self._unseen = self._elementwise(), self.visits == 0
-            full = True
-        w, rows = cache["w"], cache["rows"]
-        if self.variant == "moment_ratio":
-            self._raw = self._elem  # per-sample: nothing global to finish
-        else:  # written straight into the weights when the prior is uniform (no extra pass, no extra array)
-            if cache["uniform"]:
-                out = w[:n]
-            elif self._raw is None or self._raw is self._elem or self._raw.data_ptr() == w.data_ptr():
-                out = torch.empty(n, dtype=torch.float64)
-            else:
-                out = self._raw
-            self._raw = spectral.importance_finish(
-                self._elem, self._unseen, self.variant, min_prob=self.min_prob, magnitude_cap=self.magnitude_cap,
-                prior=self.prior, eps=self.eps, out=out,
-            )
+        if self._elem is None:  # padded to whole blocks with zeros
+            self._elem = torch.zeros(nb * k, dtype=torch.float64)
+            self._elem[:n] = self._elementwise()
+            self._unseen = (self.visits == 0) if self.variant == "magnitude" else None
             full = True
         if full or not self._dirty:
-            sel = slice(None)
-            if not cache["uniform"]:
-                torch.mul(self._raw, cache["target"], out=w[:n])
-            elif self._raw.data_ptr() != w.data_ptr():
-                w[:n] = self._raw
+            sel, dirty = torch.arange(nb), None
         else:
-            idx = torch.cat(self._dirty)
-            w[idx] = self._raw[idx] if cache["uniform"] else self._raw[idx] * cache["target"][idx]
-            sel = torch.unique(idx // k)
+            dirty = torch.cat(self._dirty)
+            sel = torch.unique(dirty // k)
         self._dirty = []
-        rows[sel] = torch.cumsum(w.view(nb, k)[sel], dim=1)
-        top = rows[:, -1].cumsum(0)
+        if self.variant == "moment_ratio":
+            if cache["uniform"]:
+                cache["w"] = self._elem  # the importance is the weight: no copy
+            elif full or "w" not in cache:
+                cache["w"] = torch.zeros(nb * k, dtype=torch.float64)
+                torch.mul(self._elem[:n], cache["target"], out=cache["w"][:n])
+            else:
+                cache["w"][dirty] = self._elem[dirty] * cache["target"][dirty]
+            if "block_total" not in cache:
+                cache["block_total"] = torch.empty(nb, dtype=torch.float64)
+            cache["block_total"][sel] = cache["w"].view(nb, k)[sel].cumsum(1)[:, -1]
+            block_total = cache["block_total"]
+        else:
+            block_total = self._magnitude_totals(cache, sel, nb)
+        top = block_total.cumsum(0)
         cache.update(version=self._version, top=top, total=float(top[-1]))
         return cache
 
+    def _magnitude_totals(self, cache: dict, sel: torch.Tensor, nb: int) -> torch.Tensor:
+        """Per-block totals of the ``magnitude`` weights, rescanning the blocks ``sel`` and any block whose
+        clamp classes the new mean changes."""
+        keys = ("seen_sum", "seen_count", "mid_sum", "const_sum", "low_max", "mid_min", "mid_max", "high_min")
+        if "seen_sum" not in cache:
+            cache.update({key: torch.zeros(nb, dtype=torch.float64) for key in keys})
+        pos, valid, e, seen = self._block_samples(sel)
+        cache["seen_sum"][sel] = torch.where(seen, e, 0.0).cumsum(1)[:, -1]
+        cache["seen_count"][sel] = seen.sum(1, dtype=torch.float64)
+        n_seen = float(cache["seen_count"].sum())
+        mean = max(float(cache["seen_sum"].sum()) / n_seen if n_seen else 1.0, self.eps)
+        lo, cap = self.min_prob, self.magnitude_cap
+        stale = ~((cache["low_max"] / mean < lo) & (cache["mid_min"] / mean >= lo)
+                  & (cache["mid_max"] / mean <= cap) & (cache["high_min"] / mean > cap))
+        if bool(stale.any()):
+            extra = stale.nonzero().squeeze(1)
+            sel = torch.unique(torch.cat([sel, extra]))
+            pos, valid, e, seen = self._block_samples(sel)
+        x = e / mean
+        low, high = seen & (x < lo), seen & (x > cap)
+        mid = seen & ~low & ~high
+        t = 1.0 if cache["uniform"] else torch.where(valid, cache["target"][pos.clamp(max=self.num_samples - 1)], 0.0)
+        unseen = valid & ~seen
+        const = torch.zeros_like(e).masked_fill_(low, lo).masked_fill_(high, cap).masked_fill_(unseen, self.prior) * t
+        cache["mid_sum"][sel] = (torch.where(mid, e, 0.0) * t).cumsum(1)[:, -1]
+        cache["const_sum"][sel] = const.cumsum(1)[:, -1]
+        inf = float("inf")
+        cache["low_max"][sel] = torch.where(low, e, -inf).amax(1)
+        cache["mid_min"][sel] = torch.where(mid, e, inf).amin(1)
+        cache["mid_max"][sel] = torch.where(mid, e, -inf).amax(1)
+        cache["high_min"][sel] = torch.where(high, e, inf).amin(1)
+        cache["mean"] = mean
+        return cache["mid_sum"] / mean + cache["const_sum"]
+
+    def _block_positions(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample positions ``(len(blocks), BLOCK)`` of the given blocks, and which of them are real samples."""
+        pos = blocks[:, None] * self.BLOCK + torch.arange(self.BLOCK)
+        return pos, pos < self.num_samples
+
+    def _block_samples(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For ``magnitude``: positions, real-sample mask, ``|m1_hat|`` and seen mask of the given blocks."""
+        pos, valid = self._block_positions(blocks)
+        seen = ~self._unseen[pos.clamp(max=self.num_samples - 1)] & valid
+        return pos, valid, self._elem[pos], seen
+
+    def _weights_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Sampling weights (unnormalized, float64) at sample positions ``pos`` (0 past the last sample)."""
+        c = self._distribution()
+        if self.variant == "moment_ratio":
+            return c["w"][pos]
+        valid = pos < self.num_samples
+        safe = pos.clamp(max=self.num_samples - 1)
+        w = (self._elem[pos] / c["mean"]).clamp_(self.min_prob, self.magnitude_cap)
+        w = w.masked_fill_(self._unseen[safe], self.prior)
+        if not c["uniform"]:
+            w = w * c["target"][safe]
+        return w.masked_fill_(~valid, 0.0)
+
+    def _block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Prefix sums of the weights inside each of ``blocks``: ``(len(blocks), BLOCK)``."""
+        return self._weights_at(self._block_positions(blocks)[0]).cumsum(1)
+
     def _probs_at(self, idx: torch.Tensor) -> torch.Tensor:
         c = self._distribution()
-        return ((1.0 - self.uniform_floor) / c["total"]) * c["w"][idx] + self.uniform_floor * self._target_at(idx)
+        scale = (1.0 - self.uniform_floor) / c["total"]
+        return scale * self._weights_at(idx) + self.uniform_floor * self._target_at(idx)
 
     def _target_at(self, idx: torch.Tensor) -> torch.Tensor:
         """The target distribution (mixture prior over non-excluded samples) at ``idx``."""
@@ -366,20 +431,19 @@ class FourierSampler(IndexSampler):
         # p = (1 - f) * w / total + f * target: u < f draws from the floor (the target), the rest from w.
         f = self.uniform_floor
         v = ((u - f) / (1.0 - f)).clamp_(min=0.0) if f < 1.0 else torch.zeros_like(u)
-        top, rows = c["top"], c["rows"]
+        top = c["top"]
         zero = torch.zeros((), dtype=torch.float64)
         x = torch.minimum(v * c["total"], torch.nextafter(top[-1], zero))  # rounding: below the total
         block = torch.searchsorted(top, x, right=True).clamp_(max=len(top) - 1)
         x = x - torch.where(block > 0, top[(block - 1).clamp(min=0)], 0.0)  # offset inside the block
-        row = rows[block]  # (size, BLOCK) prefix sums
+        row = self._block_rows(block)  # (size, BLOCK) prefix sums
         x = torch.minimum(x, torch.nextafter(row[:, -1], zero)).unsqueeze(1)  # rounding: stay inside the block
         idx = block * self.BLOCK + torch.searchsorted(row, x, right=True).squeeze(1)
         if f > 0.0:
             if c["uniform"]:
                 floor_idx = (u * (self.num_samples / f)).long()
             else:
-                tcdf = c["target_cdf"]
-                floor_idx = torch.searchsorted(tcdf, (u / f) * tcdf[-1], right=True)
+                floor_idx = draw_from_cdf(c["target_cdf"], u / f)
             idx = torch.where(u < f, floor_idx, idx)
         return idx.clamp_(max=self.num_samples - 1)
 
@@ -406,15 +470,16 @@ class FourierSampler(IndexSampler):
     # ---- state -------------------------------------------------------------------------------------------
     def bytes_per_sample(self) -> dict:
         """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
-        profile fp16 x bands, excluded bool) and the derived caches (float64 importance, weights and per-block
-        prefix sums; the unseen mask; target and target CDF under a mixture prior or exclusions), from the
-        tensors actually held (after setup and the first update)."""
+        profile fp16 x bands, excluded bool) and the derived caches (the float64 importance, which is also the
+        sampling weight with one source; the weights, target and target CDF under a mixture prior or exclusions;
+        the unseen mask for ``magnitude``; a few float64 values per block of ``BLOCK``), from the tensors
+        actually held (after setup and the first update)."""
         n = max(self.num_samples, 1)
         table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
-        cache = [self._elem, self._unseen, self._raw]
+        cache = [self._elem, self._unseen]
         cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
 
-        def size(ts) -> float:  # each storage once (the importance may be a view of the weights)
+        def size(ts) -> float:  # each storage once (the weights may be the importance itself)
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t is not None}
             return sum(storages.values()) / n
 

@@ -303,14 +303,6 @@ def sampling_probabilities(
     return (1.0 - uniform_floor) * weighted + uniform_floor * base
 
 
-def target_distribution(num_samples: int, excluded: torch.Tensor | None, base_weights: torch.Tensor | None):
-    """The distribution the loss should be unbiased for: the mixture prior (or uniform) over non-excluded."""
-    base = torch.ones(num_samples, dtype=torch.float64) if base_weights is None else base_weights.double().clone()
-    if excluded is not None:
-        base = base.masked_fill(excluded, 0.0)
-    return base / base.sum()
-
-
 def entropy(probs: torch.Tensor) -> float:
     """Shannon entropy (nats) of a distribution; ``log(N)`` for uniform over ``N``."""
     p = probs[probs > 0].double()
