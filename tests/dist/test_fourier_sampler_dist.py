@@ -21,6 +21,7 @@ from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
 pytestmark = pytest.mark.dist
 
 WORLD, PER_RANK, STEPS, N, T = 2, 4, 6, 40, 64
+NAN_STEP = 3  # rank 1's first row of this step has a NaN token loss
 
 
 def free_port() -> int:
@@ -38,6 +39,8 @@ def _run(rank: int, async_op: bool) -> dict:
         shard = global_batch[rank * PER_RANK : (rank + 1) * PER_RANK]
         g = torch.Generator().manual_seed(1000 * rank + step)  # each rank sees different losses
         loss = torch.rand(PER_RANK, T, generator=g) * (1 + shard[:, None].float() % 5)
+        if step == NAN_STEP and rank == 1:
+            loss[0, 5] = float("nan")  # one rank's non-finite row: every rank must drop it alike
         stats = sampler.observe(loss, shard, step + 1)
         batches.append(global_batch)
         shards.append(shard)
@@ -75,7 +78,10 @@ def check_identical_tables(r0: dict, r1: dict) -> None:
     # the table holds both ranks' updates: one visit per distinct sample per step
     expected = torch.zeros(N, dtype=torch.int32)
     for step in range(STEPS):
-        expected[torch.unique(r0["batches"][step])] += 1
+        slots = torch.ones(WORLD * PER_RANK, dtype=torch.bool)
+        slots[PER_RANK] = step != NAN_STEP  # the NaN row is not learned from
+        expected[torch.unique(r0["batches"][step][slots])] += 1
+    assert r0["state"]["nonfinite_skipped"] == r1["state"]["nonfinite_skipped"] == 1
     assert torch.equal(r0["state"]["visits"], expected)
     assert bool((r0["state"]["m1"][expected > 0] > 0).all())
     assert r0["state"]["profile"].dtype == torch.float16

@@ -477,3 +477,30 @@ def test_stage_lr_multiplier_is_applied_inside_the_step(tiny_cfg):
     assert rec.used == pytest.approx(expected)
     assert rec.after == pytest.approx([lr] * 10)  # the scheduler's LR is restored after every update
 
+
+@pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
+def test_nonfinite_token_loss_is_left_out_of_the_table(variant):
+    """A NaN/inf row (an fp16 overflow that the GradScaler skips) must not poison its sample's moments, nor,
+    through the shared band weights, the scores of the other samples of its batch."""
+    clean, dirty = make(variant=variant, stages=False), make(variant=variant, stages=False)
+    feed(clean, 5)
+    feed(dirty, 5)
+    g = torch.Generator().manual_seed(0)
+    loss = torch.rand(4, 64, generator=g) + 1.0
+    bad = loss.clone()
+    bad[1, 10] = float("nan")
+    bad[3] = float("inf")
+    idx = torch.tensor([40, 41, 42, 43])
+    before = dirty.visits.clone()
+    clean.observe(loss[[0, 2]], idx[[0, 2]], 6)
+    stats = dirty.observe(bad, idx, 6)
+    assert stats["nonfinite"] == 2 and dirty.nonfinite_skipped == 2
+    for key in ("m1", "m2", "visits"):  # exactly as if only the two finite rows had been observed
+        assert torch.equal(getattr(clean, key), getattr(dirty, key)), key
+    assert torch.equal(dirty.visits - before, torch.isin(torch.arange(50), idx[[0, 2]]).int())
+    p = dirty.probabilities(6)
+    assert bool(torch.isfinite(p).all()) and p.sum().item() == pytest.approx(1.0, abs=1e-12)
+    assert torch.equal(dirty.global_batch(6, 32), clean.global_batch(6, 32))
+    restored = make(variant=variant, stages=False)
+    restored.load_state_dict(dirty.state_dict())
+    assert restored.nonfinite_skipped == 2

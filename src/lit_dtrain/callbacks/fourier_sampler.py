@@ -6,13 +6,15 @@ gather is waited on at the next draw, which ``LMDataModule`` makes at step time)
 multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR is restored right
 after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs ``fourier/mix``,
 ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
-``fourier/top_band_energy``, ``fourier/lr_mult`` and ``fourier/comm_bytes_per_step`` to the loggers
-(TensorBoard by default).
+``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and
+``fourier/nonfinite_skipped`` (samples whose token loss was NaN/inf, which the sampler leaves out of its table;
+the first one also warns) to the loggers (TensorBoard by default).
 """
 
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._contract import require_outputs
@@ -36,6 +38,7 @@ class FourierSamplerCallback(L.Callback):
         self.apply_lr_multiplier = apply_lr_multiplier
         self._hooks: list = []
         self._comm_bytes = 0
+        self._warned_nonfinite = False
 
     @staticmethod
     def sampler_of(trainer: L.Trainer) -> FourierSampler:
@@ -98,6 +101,11 @@ class FourierSamplerCallback(L.Callback):
         sampler = self.sampler_of(trainer)
         stats = sampler.observe(outputs["token_loss"], outputs["index"], step=trainer.global_step)
         self._comm_bytes += stats["comm_bytes"]
+        if stats["nonfinite"] and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {trainer.global_step} had a "
+                           "NaN/inf token loss; they are left out of the sampling table (counted in "
+                           "fourier/nonfinite_skipped)")
         if (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1):
             return  # mid-accumulation: log once per optimizer step
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -110,6 +118,7 @@ class FourierSamplerCallback(L.Callback):
                 "fourier/top_band_energy": stats["top_band_energy"],
                 "fourier/lr_mult": sampler.lr_multiplier(trainer.global_step),
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),
+                "fourier/nonfinite_skipped": float(sampler.nonfinite_skipped),
             }
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         self._comm_bytes = 0

@@ -113,6 +113,7 @@ class FourierSampler(IndexSampler):
         self.profile = torch.zeros(0, 0, dtype=torch.float16)
         self.seq_len, self.fine_bands = 0, 0
         self.updates, self.last_step = 0, 0
+        self.nonfinite_skipped = 0  # samples whose token loss was NaN/inf, left out of the table
         self._pending: tuple | None = None
         self._version = self._target_version = 0
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
@@ -204,6 +205,14 @@ class FourierSampler(IndexSampler):
         self.flush()
         self._bind_length(int(token_loss.shape[1]))
         world, _ = self._world()
+        # A row with a NaN/inf token loss (an fp16 overflow that the GradScaler skips, a loss spike) must not
+        # poison its sample's moments or, through the band weights, every other sample's score: it is scored
+        # as zero loss here and marked NaN in the record, and every rank drops it in _apply.
+        token_loss = token_loss.detach()
+        finite = torch.isfinite(token_loss).all(dim=1)
+        all_finite = bool(finite.all())
+        if not all_finite:
+            token_loss = token_loss.masked_fill(~finite[:, None], 0.0)
         fine = spectral.band_energies(token_loss, self.max_freq, self.fine_bands)  # (B, F) on token_loss.device
         bands = self.bands_at(step)
         profile = spectral.merge_bands(fine, bands)
@@ -218,6 +227,8 @@ class FourierSampler(IndexSampler):
         weights = spectral.adaptive_band_weights(local, global_energy.to(local.device).squeeze(0))
         mix = self.mix_at(step)
         score = (1.0 - mix) * spectral.time_score(token_loss) + mix * spectral.frequency_score(profile, weights, world)
+        if not all_finite:
+            score = score.masked_fill(~finite, float("nan"))
         record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
         if world > 1:
             record = record.to(self._comm_device(record.device))
@@ -229,7 +240,8 @@ class FourierSampler(IndexSampler):
             self._pending = (None, [record], int(step))
         if world == 1 or not self.async_op:  # nothing to overlap with on one process
             self.flush()
-        return {"mix": mix, "bands": bands, "top_band_energy": float(profile[:, -1].mean()), "comm_bytes": comm_bytes}
+        return {"mix": mix, "bands": bands, "top_band_energy": float(profile[:, -1].mean()), "comm_bytes": comm_bytes,
+                "nonfinite": int((~finite).sum())}
 
     def flush(self) -> None:
         """Wait for the pending gathered update (if any) and apply it to the table, identically on every rank."""
@@ -243,8 +255,14 @@ class FourierSampler(IndexSampler):
         self._apply(index, score, profile, step)
 
     def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
+        keep = torch.isfinite(score)  # rows whose token loss was not finite (see observe) are not learned from
+        if not bool(keep.all()):
+            self.nonfinite_skipped += int((~keep).sum())
+            index, score, profile = index[keep], score[keep], profile[keep]
         self.updates += 1
         self.last_step = step
+        if index.numel() == 0:
+            return
         # A sample drawn twice in one global batch gets one update with its mean score and profile.
         uniq, inverse = torch.unique(index, sorted=True, return_inverse=True)
         count = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones(len(index)))
@@ -491,6 +509,7 @@ class FourierSampler(IndexSampler):
         state.update(
             m1=self.m1.clone(), m2=self.m2.clone(), visits=self.visits.clone(), profile=self.profile.clone(),
             updates=int(self.updates), last_step=int(self.last_step), seq_len=int(self.seq_len),
+            nonfinite_skipped=int(self.nonfinite_skipped),
             max_freq=int(self.max_freq or 0), num_bands=int(self.num_bands or 0), fine_bands=int(self.fine_bands),
         )
         return state
@@ -510,6 +529,7 @@ class FourierSampler(IndexSampler):
         self.m2 = state["m2"].float().clone()
         self.visits = state["visits"].int().clone()
         self.updates, self.last_step = int(state["updates"]), int(state["last_step"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))  # absent in checkpoints before it existed
         self.seq_len, self.fine_bands = 0, 0
         if int(state["seq_len"]):
             self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
