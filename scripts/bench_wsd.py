@@ -53,7 +53,7 @@ class SaveAtSteps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.steps:
-            trainer.save_checkpoint(self.dirpath / f"step{trainer.global_step:06d}.ckpt")
+            trainer.save_checkpoint(self.dirpath / f"step{trainer.global_step:06d}.ckpt", weights_only=False)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -189,7 +189,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     _fit(trainer, module, datamodule, ckpt_path)
     fit_seconds = time.perf_counter() - t0
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
-    trainer.save_checkpoint(last_ckpt)  # always leave a resumable checkpoint of the final step
+    trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
 
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     val = trainer.validate(module, datamodule=datamodule, verbose=False)

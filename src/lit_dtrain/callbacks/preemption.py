@@ -27,7 +27,7 @@ class PreemptionCheckpoint(L.Callback):
         if not trainer.received_sigterm or self.saved_step == trainer.global_step:
             return
         path = os.path.join(self.dirpath, self.filename)
-        trainer.save_checkpoint(path)  # every rank calls it; the strategy writes on rank 0 only
+        trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
         rank_zero_info(
             f"SIGTERM received: saved {path} at step {trainer.global_step}; exiting cleanly. "
