@@ -124,7 +124,10 @@ class LMDataModule(L.LightningDataModule):
 
     # ---- building -----------------------------------------------------------------------------------
     def prepare_data(self) -> None:
-        """Build the token caches once (rank 0 / local rank 0)."""
+        """Build the token caches once (rank 0 / local rank 0). Lightning calls it again at every entry point
+        (``fit``, then ``validate``): the corpus is hashed once per process."""
+        if self.splits:
+            return
         self.splits = [
             build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress)
             for s in self.sources
