@@ -177,6 +177,8 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         Path(table).parent.mkdir(parents=True, exist_ok=True)
         Path(table).write_text(text)
     if out:
+        if not Path(out).suffix:  # matplotlib would append .png itself; report the file actually written
+            out = f"{out}.png"
         plot(curves, metrics, Path(out), title=title, logy=logy)
     finite = [r for r in rows if math.isfinite(r["final"])]
     best = min(finite, key=lambda r: r["final"])["label"] if finite else None

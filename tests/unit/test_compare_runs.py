@@ -44,6 +44,10 @@ def test_runs_table_png_and_json(tmp_path, capsys):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     md = table.read_text()
     assert "| a | 30 | 2.6000 | 2.5000 (20) | +13.04% |" in md and "| b | 30 | 2.3000 | 2.3000 (30) | +0.00% |" in md
+    # the README's `--out lr_sweep` form: no suffix, so the PNG is lr_sweep.png, and that is what is reported
+    assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "sweep")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["png"] == str(tmp_path / "sweep.png") and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_sweep_dir_expands_to_jobs_labelled_by_differing_overrides(tmp_path):
