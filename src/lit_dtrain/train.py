@@ -16,12 +16,13 @@ import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.checkpoint import AtomicCheckpointIO, safe_torch_load
+from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
 
@@ -107,15 +108,21 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def build_logger(cfg: DictConfig, start_step: int):
-    """The configured logger, or False. A TensorBoard logger resuming at ``start_step`` > 0 gets
-    ``purge_step=start_step``: TensorBoard then hides what the interrupted run logged past its last
-    checkpoint, so a resumed curve continues the old one instead of doubling back over it."""
+    """The configured logger, or False. On a resume at ``start_step`` > 0 it gets ``purge_step=start_step``
+    (TensorBoard, and lit_dtrain's ``ResumableCSVLogger`` behind ``logger=csv``): what the interrupted run
+    logged past its last checkpoint is dropped, so a resumed curve continues the old one instead of
+    doubling back over it, and the history before it is kept."""
     node = cfg.get("logger")
     if not node:
         return False
     extra = {}
-    if start_step > 0 and "purge_step" not in node and issubclass(get_class(node._target_), TensorBoardLogger):
-        extra["purge_step"] = start_step
+    cls = get_class(node._target_)
+    if start_step > 0 and "purge_step" not in node:
+        if issubclass(cls, (TensorBoardLogger, ResumableCSVLogger)):
+            extra["purge_step"] = start_step
+        elif issubclass(cls, CSVLogger):
+            log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
+                        "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
     return instantiate(node, **extra)
 
 

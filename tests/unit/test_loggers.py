@@ -1,0 +1,46 @@
+"""ResumableCSVLogger: a resumed run keeps the CSV history up to its checkpoint and appends to it."""
+
+import csv
+
+import pytest
+
+from lit_dtrain.loggers import ResumableCSVLogger, purge_csv_metrics
+
+
+def rows(path):
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def log_steps(logger, steps, key="train/loss"):
+    for s in steps:
+        logger.log_metrics({key: float(s)}, step=s)
+    logger.save()
+
+
+def test_resume_keeps_history_before_purge_step_and_drops_the_rest(tmp_path):
+    first = ResumableCSVLogger(tmp_path, name="csv", version="")
+    log_steps(first, range(10))
+    path = tmp_path / "csv" / "metrics.csv"
+    assert [int(r["step"]) for r in rows(path)] == list(range(10))
+
+    resumed = ResumableCSVLogger(tmp_path, name="csv", version="", purge_step=6)
+    log_steps(resumed, range(6, 12))
+    log_steps(resumed, [12], key="val/loss")  # a new column: the file is rewritten with the wider header
+    got = rows(path)
+    assert [int(r["step"]) for r in got] == list(range(13))  # steps 6-9 once, from the resumed run
+    assert [float(r["train/loss"]) for r in got[:12]] == [float(s) for s in range(12)]
+    assert got[12]["val/loss"] == "12.0" and got[0]["val/loss"] == ""
+
+    fresh = ResumableCSVLogger(tmp_path, name="csv", version="")  # not a resume: Lightning's behaviour
+    with pytest.warns(UserWarning, match="exists and is not empty"):
+        log_steps(fresh, [0])
+    assert [int(r["step"]) for r in rows(path)] == [0]
+
+
+def test_purge_names_a_file_that_is_not_a_metrics_file(tmp_path):
+    bad = tmp_path / "metrics.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="no 'step' column"):
+        purge_csv_metrics(bad, 3)
+    assert purge_csv_metrics(tmp_path / "missing.csv", 3) == []
