@@ -106,6 +106,24 @@ def test_default_warmup_scales_with_short_runs(tmp_path, corpus):
     check_config(cfg)  # a 10-step run is valid without touching the warmup
 
 
+def test_every_sweep_value_of_every_experiment_composes(tmp_path):
+    """A multirun composes each job only when it starts: a typo in a sweep value would fail mid-sweep."""
+    from omegaconf import OmegaConf
+
+    checked = 0
+    for name in options("experiment"):
+        params = OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{name}.yaml").get("hydra", {})
+        params = params.get("sweeper", {}).get("params", {})
+        for key, values in params.items():
+            for value in str(values).split(","):
+                cfg = compose_cfg([f"experiment={name}", f"{key}={value.strip()}"], tmp_path / name, None, tiny=False)
+                check_config(cfg)
+                if key == "strategy":
+                    assert build_strategy(cfg) is not None
+                checked += 1
+    assert checked >= 10  # wsd_vs_cosine's 5 values and compression_sweep's 5
+
+
 def test_every_experiment_composes(tmp_path, corpus):
     for name in options("experiment"):
         cfg = compose_cfg([f"experiment={name}"], tmp_path / name, None, tiny=False)
