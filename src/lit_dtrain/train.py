@@ -152,6 +152,18 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     return datamodule.tokenizer.decode(out[0].cpu())
 
 
+def pin_sweep_dir() -> None:
+    """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
+    sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
+    ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
+    later-timestamped multirun folder. A no-op outside a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
+
+
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
