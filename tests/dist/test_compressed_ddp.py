@@ -403,12 +403,13 @@ def test_strategy_registry_and_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["powersgd", "diloco"])  # top-k's residual state is covered in unit tests
+@pytest.mark.parametrize("name", ["powersgd", "diloco", "local_sgd"])  # top-k's residuals: unit tests
 def test_resume_restores_comm_state_exactly(tmp_path, name):
     kwargs = {
         "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
         "diloco": {"local_update": {"name": "diloco", "sync_period": 2,
                                     "compressor": {"name": "int4", "error_feedback": True}}},
+        "local_sgd": {"local_update": {"name": "local_sgd", "sync_period": 3}},  # step 4: mid-period
     }[name]
     fit(tmp_path, "straight", max_steps=8, **kwargs)
     ckpt = tmp_path / "straight" / "step=4.ckpt"
@@ -423,15 +424,20 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         assert_same(start[r]["counters"], at4[r]["counters"], f"rank{r} counters")
         assert_same(start[r]["local_update"], at4[r]["local_update"], f"rank{r} local update")
         assert_same(start[r]["local_update_rank"], at4[r]["local_update_rank"], f"rank{r} local residual")
+    end_straight, end_resumed = dumps(tmp_path, "straight", "end"), dumps(tmp_path, "resumed", "end")
+    for r in range(WORLD):
+        # every rank resumes from its own parameters and optimizer state, not rank 0's: the resumed run
+        # reproduces the straight one bit for bit (before, local updates restarted all ranks from rank 0's)
+        assert_same(start[r]["params"], at4[r]["params"], f"rank{r} params at resume")
+        assert_same(end_resumed[r]["params"], end_straight[r]["params"], f"rank{r} params after resume")
+    if name == "local_sgd":  # the checkpoint fell between syncs, where the ranks' parameters differ
+        assert not torch.equal(at4[0]["params"]["0.weight"], at4[1]["params"]["0.weight"])
     if name == "diloco":
         assert start[0]["local_update"]["num_syncs"] == 2 and start[0]["local_update"]["outer_params"]
         assert start[0]["local_update_rank"]["residuals"] != {}  # the int4 pseudo-gradient residual
         assert not torch.equal(start[0]["local_update_rank"]["residuals"]["net.0.weight"],
                                start[1]["local_update_rank"]["residuals"]["net.0.weight"])  # rank-local
-    else:
+    elif name == "powersgd":
         assert not torch.equal(start[0]["compressor"]["residuals"]["net.0.weight"],
                                start[1]["compressor"]["residuals"]["net.0.weight"])  # rank-local
-        # gradient compression keeps replicas identical, so the resumed run reproduces the straight one
-        end_straight, end_resumed = dumps(tmp_path, "straight", "end"), dumps(tmp_path, "resumed", "end")
-        assert_same(end_resumed[0]["params"], end_straight[0]["params"], "params after resume")
         assert_same(end_resumed[1]["compressor"], end_straight[1]["compressor"], "compressor after resume")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -113,6 +114,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
         self.sync_on_last_step = bool(sync_on_last_step)
+        self._rank_restore: dict | None = None  # this rank's params/optimizer state from a local-update checkpoint
 
     @property
     def compressor(self) -> Compressor | None:
@@ -127,6 +129,11 @@ class CompressedDDPStrategy(DDPStrategy):
         # Lightning only registers hooks on CUDA; ours runs on every device and backend.
         assert isinstance(self.model, DistributedDataParallel)
         self.session.attach(self.model, Communicator(group=None))
+        params = (self._rank_restore or {}).pop("params", None)
+        if params is not None:  # a resume under local updates: this rank's own parameters, not rank 0's
+            with torch.no_grad():
+                for name, p in CommSession.named_params(self.lightning_module):
+                    p.copy_(params[name])
         what = self.local_update if self.local_update is not None else self.compressor
         rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
                        f"({dist.get_backend()}): {what!r}")
@@ -162,6 +169,11 @@ class CompressedDDPStrategy(DDPStrategy):
             "compressor": self.compressor.state_dict() if self.compressor is not None else None,
             "local_update": lu.rank_local_state_dict() if lu is not None else None,
         }
+        if lu is not None and self.lightning_module is not None:
+            # Under local updates the ranks' parameters differ between syncs, and their inner optimizer
+            # states always do; Lightning saves rank 0's only, so every rank's own copy is kept here.
+            local["params"] = {n: p.detach().cpu().clone() for n, p in CommSession.named_params(self.lightning_module)}
+            local["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             gathered: list = [None] * world
@@ -196,7 +208,19 @@ class CompressedDDPStrategy(DDPStrategy):
         if lu is not None:
             lu.load_state_dict(state["local_update"])
             lu.load_rank_local_state_dict(mine["local_update"])
+            if "params" in mine:  # applied after DDP's wrap (which broadcasts rank 0's) and to the optimizer
+                self._rank_restore = {"params": mine["params"], "optimizer_states": mine["optimizer_states"]}
+            else:
+                rank_zero_warn(f"{CHECKPOINT_KEY}: this checkpoint predates per-rank parameters; every rank "
+                               "resumes from rank 0's parameters and optimizer state")
         self.session.load_counters_state_dict(mine["counters"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        mine = (self._rank_restore or {}).pop("optimizer_states", None)
+        if mine is not None:  # a resume under local updates: this rank's own optimizer state
+            checkpoint = {**checkpoint, "optimizer_states": mine}
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
