@@ -402,8 +402,9 @@ class FourierSampler(IndexSampler):
             return c["w"][pos]
         valid = pos < self.num_samples
         safe = pos.clamp(max=self.num_samples - 1)
-        w = (self._elem[pos] / c["mean"]).clamp_(self.min_prob, self.magnitude_cap)
-        w = w.masked_fill_(self._unseen[safe], self.prior)
+        w = spectral.importance_finish(self._elem[pos], self._unseen[safe], self.variant, min_prob=self.min_prob,
+                                       magnitude_cap=self.magnitude_cap, prior=self.prior, eps=self.eps,
+                                       mean=c["mean"])
         if not c["uniform"]:
             w = w * c["target"][safe]
         return w.masked_fill_(~valid, 0.0)

@@ -265,17 +265,17 @@ def importance_finish(
     magnitude_cap: float = 10.0,
     prior: float = 1.0,
     eps: float = 1e-8,
-    out: torch.Tensor | None = None,
+    mean: float | None = None,
 ) -> torch.Tensor:
     """The global part of :func:`importance` (identity for ``moment_ratio``; for ``magnitude`` the division
-    by the mean over seen samples, the clamp and the prior). ``unseen`` is ``visits == 0``; ``out`` is an
-    optional preallocated float64 buffer (fresh 1 MB allocations page-fault on every call)."""
+    by the mean over seen samples, the clamp and the prior). ``unseen`` is ``visits == 0``. ``mean``: the
+    mean over seen samples when ``elem`` is only a subset (the sampler passes the one its blocks keep)."""
     if variant == "moment_ratio":
         return elem
-    n_seen = elem.numel() - int(unseen.sum())
-    mean = float(elem.sum()) / n_seen if n_seen else 1.0
-    raw = torch.div(elem, max(mean, eps), out=out) if out is not None else elem / max(mean, eps)
-    return raw.clamp_(min_prob, magnitude_cap).masked_fill_(unseen, float(prior))
+    if mean is None:
+        n_seen = elem.numel() - int(unseen.sum())
+        mean = float(elem.sum()) / n_seen if n_seen else 1.0
+    return (elem / max(mean, eps)).clamp_(min_prob, magnitude_cap).masked_fill_(unseen, float(prior))
 
 
 def sampling_probabilities(
