@@ -78,11 +78,18 @@ class IndexSampler:
         self.num_excluded = int(self.excluded.sum())  # O(N), but only when the set changes, never per step
         self._target_cdf = None
 
-    def target_cdf(self) -> torch.Tensor:
-        """Prefix sums of :func:`target_distribution` (cached until the exclusions or the prior change)."""
+    def target_distribution(self) -> torch.Tensor:
+        """:func:`target_distribution` of this sampler's prior and exclusions (O(N): not cached)."""
+        excluded = self.excluded if self.num_excluded else None
+        return target_distribution(self.num_samples, excluded, self.base_weights)
+
+    def target_cdf(self, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefix sums of :meth:`target_distribution` (cached until the exclusions or the prior change).
+
+        A caller that has just computed the distribution passes it as ``target`` to save a second O(N) pass.
+        """
         if self._target_cdf is None:
-            excluded = self.excluded if self.num_excluded else None
-            self._target_cdf = target_distribution(self.num_samples, excluded, self.base_weights).cumsum(0)
+            self._target_cdf = (self.target_distribution() if target is None else target).cumsum(0)
         return self._target_cdf
 
     def probabilities(self, step: int) -> torch.Tensor | None:

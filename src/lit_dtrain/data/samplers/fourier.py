@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lit_dtrain.data.samplers import spectral
-from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator, target_distribution
+from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator
 
 SCORES = ("mixed", "time", "frequency")
 
@@ -316,9 +316,9 @@ class FourierSampler(IndexSampler):
         if cache.get("target_version") != self._target_version:
             uniform = self.base_weights is None and not self.num_excluded
             # uniform: the target is 1/N everywhere, so no per-sample target arrays (16 B/sample) are kept
-            target = None if uniform else target_distribution(n, self.excluded, self.base_weights)
+            target = None if uniform else self.target_distribution()
             cache.clear()
-            cache.update(target=target, target_cdf=None if uniform else self.target_cdf(), uniform=uniform,
+            cache.update(target=target, target_cdf=None if uniform else self.target_cdf(target), uniform=uniform,
                          target_version=self._target_version)
             full = True
         if self._elem is None:  # padded to whole blocks with zeros
