@@ -148,3 +148,94 @@ def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
     assert rb0["events"] == rb1["events"] and [(e[0], e[3]) for e in rb0["events"]] == [(8, 6)]
     for k, v in rb0["params"][9].items():  # after step 8: exactly the snapshot of step 6, on both ranks
         assert torch.equal(v, rb0["params"][6][k]) and torch.equal(v, rb1["params"][9][k]), k
+
+
+def _comm_worker(rank: int, port: int, root: str) -> None:
+    """Skip under error-feedback compressors and rollback under DiLoCo, on the compressed-DDP strategy."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import LossSpikeMonitor
+    from lit_dtrain.callbacks._snapshots import to_cpu
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.schedules import cosine_scheduler
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    class Spike(L.Callback):
+        """Rank 1's logits x100 at step 6."""
+
+        def __init__(self):
+            self.handle = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6 and trainer.global_rank == 1:
+                self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * 100.0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+    class CommState(L.Callback):
+        def __init__(self):
+            self.after: dict[int, dict] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after[trainer.global_step] = to_cpu(trainer.strategy.comm_local_state_dict())
+
+    def fit(action: str, **strategy):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(block_size=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32))
+        lit = LitLLM(model, optimizer=partial(adamw, lr=3e-3),
+                     scheduler=partial(cosine_scheduler, total_steps=40, warmup_steps=2))
+        monitor, record = LossSpikeMonitor(actions=[action], warmup_steps=3, snapshot_every=2), CommState()
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=9, logger=False, enable_checkpointing=False,
+                            strategy=CompressedDDPStrategy(log_comm_metrics=False, **strategy),
+                            callbacks=[Spike(), monitor, record], enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+        trainer.fit(lit, datamodule=_data(root))
+        return {"events": [(e["step"], e["rolled_back_to"]) for e in monitor.events], "after": record.after}
+
+    results = {
+        "topk": fit("skip", compressor={"name": "topk", "ratio": 0.05}),
+        "powersgd": fit("skip", compressor="powersgd"),
+        "diloco": fit("rollback", local_update={"name": "diloco", "sync_period": 3}),
+    }
+    torch.save(results, os.path.join(root, f"comm_rank{rank}.pt"))
+
+
+def _assert_state_equal(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_state_equal(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+def test_skip_and_rollback_also_undo_the_strategys_comm_state(tmp_path: Path) -> None:
+    """The spike's gradient must not survive in an error-feedback residual (it would be applied at the next
+    step), nor DiLoCo's outer state in a rollback: both ranks end the dropped step with the state before it."""
+    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
+    _data(str(tmp_path)).prepare_data()
+    mp.spawn(_comm_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"comm_rank{rank}.pt", weights_only=False)
+        for name in ("topk", "powersgd"):
+            after = r[name]["after"]
+            assert r[name]["events"] == [(6, None)], name
+            # the skipped step 6 (7 steps done) leaves residuals (and PowerSGD's Qs) exactly as after step 5 ...
+            _assert_state_equal(after[7]["compressor"], after[6]["compressor"], f"{name} rank {rank}")
+            # ... while normal steps change them (the comparison can fail)
+            with pytest.raises(AssertionError):
+                _assert_state_equal(after[6]["compressor"], after[5]["compressor"], name)
+        diloco = r["diloco"]
+        assert diloco["events"] == [(6, 4)]  # snapshot 6 is too new (rollback_min_age=1): 4 is restored
+        # outer parameters, momentum and counters as at the snapshot (4 steps: one sync done, at step 3)
+        _assert_state_equal(diloco["after"][7]["local_update"], diloco["after"][4]["local_update"], f"rank {rank}")
+        assert diloco["after"][4]["local_update"]["num_syncs"] == 1
+        assert diloco["after"][6]["local_update"]["num_syncs"] == 2

@@ -1,9 +1,13 @@
-"""In-memory CPU snapshots of the training state (model, optimizers, LR schedulers, GradScaler).
+"""In-memory CPU snapshots of the training state (model, optimizers, GradScaler, strategy comm state).
 
-Used by ``LossSpikeMonitor``'s ``rollback`` and ``skip`` actions. A snapshot is a deep copy with every
-tensor cloned to CPU, so restoring it with the modules' own ``load_state_dict`` is bit-exact and keeps the
-parameter objects the optimizer refers to. Snapshots are not checkpointed: after a resume the ring starts
-again from the resumed state. Full (unsharded) state dicts only; sharded strategies are rejected by the caller.
+Used by ``LossSpikeMonitor``'s ``rollback`` action. A snapshot is a deep copy with every tensor cloned to
+CPU, so restoring it with the modules' own ``load_state_dict`` is bit-exact and keeps the parameter objects
+the optimizer refers to. LR schedulers are not part of it: the schedule follows the step count, so after a
+restore every param group gets the LR its scheduler holds *now*. A strategy that keeps state of its own
+between steps (``CompressedDDPStrategy``: error-feedback residuals, PowerSGD's warm start, DiLoCo's outer
+parameters) is snapshotted through ``comm_local_state_dict`` / ``load_comm_local_state_dict``, no
+collective involved. Snapshots are not checkpointed: after a resume the ring starts again from the resumed
+state. Full (unsharded) state dicts only; sharded strategies are rejected by the caller.
 """
 
 from __future__ import annotations
@@ -38,33 +42,34 @@ def load_scaler_state(trainer, state: dict | None) -> None:
         scaler.load_state_dict(state)
 
 
-def scheduler_states(trainer) -> list[dict]:
-    return [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-
-
-def load_scheduler_states(trainer, states: list[dict]) -> None:
-    for cfg, state in zip(trainer.lr_scheduler_configs, states):
-        cfg.scheduler.load_state_dict(copy.deepcopy(state))
+def scheduled_lrs_to_optimizers(trainer) -> None:
+    """Set every scheduled param group's LR to what its scheduler holds now (after an optimizer restore)."""
+    for cfg in trainer.lr_scheduler_configs:
+        for group, lr in zip(cfg.scheduler.optimizer.param_groups, cfg.scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def capture(trainer) -> dict:
     """Snapshot of the whole training state after ``trainer.global_step`` steps."""
+    comm_state = getattr(trainer.strategy, "comm_local_state_dict", None)
     return {
         "step": trainer.global_step,
         "model": to_cpu(trainer.lightning_module.state_dict()),
         "optimizers": [to_cpu(opt.state_dict()) for opt in trainer.optimizers],
-        "schedulers": scheduler_states(trainer),
         "scaler": scaler_state(trainer),
+        "strategy": to_cpu(comm_state()) if comm_state is not None else None,
     }
 
 
 def restore(trainer, snapshot: dict) -> None:
-    """Load ``snapshot`` back (optimizers before schedulers, as Lightning restores a checkpoint)."""
+    """Load ``snapshot`` back; the LRs stay those of the current step's schedule."""
     trainer.lightning_module.load_state_dict(snapshot["model"], strict=True)
     for opt, state in zip(trainer.optimizers, snapshot["optimizers"]):
         opt.load_state_dict(copy.deepcopy(state))
-    load_scheduler_states(trainer, snapshot["schedulers"])
+    scheduled_lrs_to_optimizers(trainer)
     load_scaler_state(trainer, snapshot["scaler"])
+    if snapshot["strategy"] is not None:
+        trainer.strategy.load_comm_local_state_dict(to_cpu(snapshot["strategy"]))
 
 
 class SnapshotRing:

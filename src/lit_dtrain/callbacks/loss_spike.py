@@ -7,11 +7,12 @@ the loss, optionally of the grad norm; a non-finite loss or grad always counts; 
 
 - ``log``: TensorBoard scalars and a text event, plus a console warning;
 - ``skip``: the step is not applied: every grad is set to None (torch optimizers then leave the parameters
-  and their state untouched), and the LR schedulers and GradScaler are restored after Lightning stepped
-  them, so the schedule continues as if the batch never came (``global_step`` still advances, as
-  Megatron's skipped iterations do);
-- ``rollback``: model, optimizer, schedulers (and GradScaler) are restored from an in-memory CPU snapshot
-  taken every ``snapshot_every`` steps (at least ``rollback_min_age`` steps older than the spike), PaLM-style;
+  and their state untouched), the GradScaler is restored after Lightning stepped it, and a strategy that
+  holds per-step state undoes the step (``CompressedDDPStrategy``: the spike's gradient, already folded
+  into the error-feedback residual by the comm hook, is taken out again);
+- ``rollback``: model, optimizer (and GradScaler, and the strategy's comm state) are restored from an
+  in-memory CPU snapshot taken every ``snapshot_every`` steps (at least ``rollback_min_age`` steps older
+  than the spike), PaLM-style;
 - ``lr_cooldown``: the LR is multiplied by ``cooldown_factor`` for ``cooldown_steps`` steps, then ramped back;
 - ``raise``: :class:`LossSpikeError` once ``raise_after`` spikes fall within ``raise_window`` steps.
 
@@ -19,6 +20,12 @@ With ``skip`` or ``rollback`` the sample ``index`` values of the spiking batch (
 ``exclude_previous_steps`` batches before it) are excluded from ``trainer.datamodule.sampler`` (whose
 exclusion set is checkpointed with the datamodule), so they are never trained on again, also after a
 resume. Without such a sampler, any later step whose batch holds an excluded index is skipped instead.
+
+The LR schedule follows the step count through skips and rollbacks (``global_step`` advances, and a
+rollback restores weights and optimizer moments but not the schedule). So a run ends on the schedule's last
+LR however many steps were dropped, a WSD decay is never cut short, and a ``WSDScheduler`` callback and the
+equivalent LR scheduler give the same LRs. The dropped steps are not made up for: the run applies that
+many fewer updates.
 
 Hook order per optimizer step: ``on_train_batch_start`` (indices) -> ``on_before_backward`` (loss, per
 micro-batch) -> ``on_before_optimizer_step`` (one all-reduce of [loss, grad norm, flags], decision,
@@ -148,6 +155,7 @@ class LossSpikeMonitor(L.Callback):
         self.last_decision = None
         self._reset_step()
         self._lr_restore: list[tuple[dict, float]] | None = None
+        self._saved_scaler: dict | None = None  # the GradScaler's state before a dropped step
         self._hook_handles: list = []
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
@@ -185,6 +193,9 @@ class LossSpikeMonitor(L.Callback):
         self._set_excluded_device(self._device)
         for opt in trainer.optimizers:
             self._hook_handles.append(opt.register_step_post_hook(self._restore_lr))
+        track_undo = getattr(trainer.strategy, "track_comm_undo", None)
+        if needs_index and track_undo is not None:
+            track_undo()
         if "rollback" in self.actions:
             self.snapshots.clear()
             self.snapshots.add(trainer)
@@ -267,11 +278,7 @@ class LossSpikeMonitor(L.Callback):
         indices = self._gather_indices(trainer)
         drop_step = "skip" in actions or "rollback" in actions
         if drop_step:
-            self._saved = {
-                "schedulers": snapshots.scheduler_states(trainer),
-                "lrs": [g["lr"] for g in optimizer.param_groups],
-                "scaler": snapshots.scaler_state(trainer),
-            }
+            self._saved_scaler = snapshots.scaler_state(trainer)
             _drop_grads(trainer, optimizer)
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
@@ -342,11 +349,11 @@ class LossSpikeMonitor(L.Callback):
         rolled_back_to = None
         if "rollback" in actions:
             rolled_back_to = self._rollback(trainer, step)
-        elif pending["drop"]:  # skip: Lightning stepped the schedulers (and GradScaler) after the empty step
-            snapshots.load_scheduler_states(trainer, self._saved["schedulers"])
-            for g, lr in zip(trainer.optimizers[0].param_groups, self._saved["lrs"]):
-                g["lr"] = lr
-            snapshots.load_scaler_state(trainer, self._saved["scaler"])
+        elif pending["drop"]:  # skip: Lightning stepped the GradScaler after the empty step
+            snapshots.load_scaler_state(trainer, self._saved_scaler)
+            undo = getattr(trainer.strategy, "undo_comm_step", None)
+            if undo is not None:
+                undo()
         to_exclude = list(pending["indices"])
         if pending["drop"] and pending["counted"]:
             if self.exclude_previous_steps:

@@ -159,15 +159,46 @@ class CompressedDDPStrategy(DDPStrategy):
             self.session.final_sync(CommSession.named_params(self.lightning_module))
         super().on_train_end()
 
+    # --- in-memory snapshots and step undo (LossSpikeMonitor's rollback and skip) ---------------
+    def comm_local_state_dict(self) -> dict:
+        """This rank's compressor and local-update state, with no collective (for in-memory snapshots)."""
+        lu = self.local_update
+        return {
+            "compressor": self.compressor.state_dict() if self.compressor is not None else None,
+            "local_update": lu.state_dict() if lu is not None else None,
+            "local_update_rank": lu.rank_local_state_dict() if lu is not None else None,
+        }
+
+    def load_comm_local_state_dict(self, state: dict) -> None:
+        """Restore :meth:`comm_local_state_dict` output (residuals, PowerSGD's Qs, DiLoCo's outer state)."""
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+        if self.local_update is not None:
+            self.local_update.load_state_dict(state["local_update"])
+            self.local_update.load_rank_local_state_dict(state["local_update_rank"])
+
+    def track_comm_undo(self) -> None:
+        """Keep each step's pre-step compressor state, so :meth:`undo_comm_step` can drop a step after its
+        backward (one extra copy of the error-feedback residuals)."""
+        if self.compressor is not None:
+            self.compressor.track_undo(True)
+
+    def undo_comm_step(self) -> bool:
+        """Undo what the latest step's comm hook changed: a skipped step's gradient leaves no trace in the
+        error-feedback residual or PowerSGD's warm start. (Under local updates a skipped step has no
+        per-step communication; it still counts toward the sync period.)"""
+        return self.compressor.undo_step() if self.compressor is not None else False
+
     # --- checkpoint ----------------------------------------------------------------------------
     def comm_state_dict(self) -> dict:
         """Collective (call on every rank): each rank's counters and compressor state, plus the replicated
         local-update state (counters, period, DiLoCo outer parameters and momentum) from this rank."""
         lu = self.local_update
+        own = self.comm_local_state_dict()
         local = {
             "counters": self.session.counters_state_dict(),  # per rank: comm time differs between ranks
-            "compressor": self.compressor.state_dict() if self.compressor is not None else None,
-            "local_update": lu.rank_local_state_dict() if lu is not None else None,
+            "compressor": own["compressor"],
+            "local_update": own["local_update_rank"],
         }
         if lu is not None and self.lightning_module is not None:
             # Under local updates the ranks' parameters differ between syncs, and their inner optimizer
@@ -183,7 +214,7 @@ class CompressedDDPStrategy(DDPStrategy):
         return {
             "version": _STATE_VERSION,
             "world_size": world,
-            "local_update": lu.state_dict() if lu is not None else None,
+            "local_update": own["local_update"],
             "per_rank": gathered,
         }
 
@@ -200,14 +231,12 @@ class CompressedDDPStrategy(DDPStrategy):
         if (mine["compressor"] is None) != (self.compressor is None):
             raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
                              f"not match this strategy's compressor {self.compressor!r}")
-        if self.compressor is not None:
-            self.compressor.load_state_dict(mine["compressor"])
         lu = self.local_update
         if (state["local_update"] is None) != (lu is None):
             raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
+        self.load_comm_local_state_dict({"compressor": mine["compressor"], "local_update": state["local_update"],
+                                         "local_update_rank": mine["local_update"]})
         if lu is not None:
-            lu.load_state_dict(state["local_update"])
-            lu.load_rank_local_state_dict(mine["local_update"])
             if "params" in mine:  # applied after DDP's wrap (which broadcasts rank 0's) and to the optimizer
                 self._rank_restore = {"params": mine["params"], "optimizer_states": mine["optimizer_states"]}
             else:

@@ -100,6 +100,7 @@ class Compressor:
         self._flat_residuals: dict[tuple, Tensor] = {}
         self.num_calls = 0
         self.rank = 0  # this process's rank, set by reduce(); seeds rank-distinct noise
+        self._undo: dict | None = None  # None: off; else the pre-step state of the latest step (see undo_step)
 
     # --- codec -------------------------------------------------------------------------------
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
@@ -153,6 +154,50 @@ class Compressor:
                 out[s.offset : s.offset + s.numel] = r.reshape(-1).to(out)
         return out
 
+    def add_residual(self, segments: Sequence[Segment], x: Tensor, step: int) -> Tensor:
+        """``x + e`` written into this layout's residual buffer (returned; it becomes the new residual).
+
+        With :meth:`track_undo` on, the buffer's content before step ``step`` is kept first.
+        """
+        buffer = self.residual_buffer(segments, x)
+        if self._undo is not None:
+            self._undo_begin(step)
+            self._undo["residuals"].append((buffer, buffer.clone()))
+        return buffer.add_(x)
+
+    # --- undoing a step (LossSpikeMonitor's skip) ----------------------------------------------
+    def track_undo(self, enabled: bool = True) -> None:
+        """Keep what each step changes (residuals, codec state) until the next step, for :meth:`undo_step`.
+
+        Costs one copy of the residuals. A step dropped after its backward (a loss spike) has already been
+        folded into the residual by the comm hook, and would be applied at the next step without the undo.
+        """
+        self._undo = {} if enabled else None
+
+    def _undo_begin(self, step: int) -> None:
+        """Called by :meth:`reduce` first: the first call of a new step records the state before it."""
+        if self._undo is not None and self._undo.get("step") != step:
+            self._undo = {"step": step, "residuals": [], "num_calls": self.num_calls,
+                          "codec": self._codec_undo_state()}
+
+    def _codec_undo_state(self):
+        """State other than the residuals that a step replaces (PowerSGD: its warm-start Qs)."""
+        return None
+
+    def _load_codec_undo_state(self, state) -> None:
+        pass
+
+    def undo_step(self) -> bool:
+        """Put back the state from before the latest step's :meth:`reduce` calls. Returns whether it did."""
+        if not self._undo:
+            return False
+        for buffer, saved in self._undo["residuals"]:
+            buffer.copy_(saved)
+        self.num_calls = self._undo["num_calls"]  # it seeds stochastic rounding
+        self._load_codec_undo_state(self._undo["codec"])
+        self._undo = {}
+        return True
+
     # --- communication -----------------------------------------------------------------------
     def decompress_sum(self, payloads: Sequence[Sequence[Tensor]], segments: Sequence[Segment], numel: int) -> Tensor:
         """Sum of the decoded payloads of all ranks, in rank order (override to fuse)."""
@@ -163,13 +208,14 @@ class Compressor:
 
     def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
         """Average ``flat`` over ranks through this codec; the future holds ``flat`` overwritten with the mean."""
+        self._undo_begin(step)
         self.num_calls += 1
         self.rank = comm.rank
         if step < self.start_step:
             return comm.all_reduce_mean_async(flat)
         x = flat.detach().float()
         if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.residual_buffer(segments, x).add_(x)
+            x = self.add_residual(segments, x, step)
         world, numel = comm.world_size, x.numel()
         if self.collective == "all_reduce":
             payload = self.compress(x, segments, step)
@@ -212,6 +258,8 @@ class Compressor:
         self.num_calls = int(state["num_calls"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self._flat_residuals = {}
+        if self._undo is not None:
+            self._undo = {}
 
     def extra_repr(self) -> str:
         return f"error_feedback={self.error_feedback}, start_step={self.start_step}"
@@ -237,6 +285,7 @@ class NoCompression(Compressor):
 
     def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
         """In-place all-reduce of the bucket itself: no copies, the same work as DDP's default hook."""
+        self._undo_begin(step)
         self.num_calls += 1
         self.rank = comm.rank
         return comm.all_reduce_mean_async(flat)

@@ -154,6 +154,7 @@ class PowerSGD(Compressor):
         several buckets in flight the ranks' orders can differ, and a waiting callback holds a gloo
         worker thread.)
         """
+        self._undo_begin(step)
         self.num_calls += 1
         self.rank = comm.rank
         if step < self.start_step:
@@ -161,7 +162,7 @@ class PowerSGD(Compressor):
         world = comm.world_size
         x = flat.detach().float()
         if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.residual_buffer(segments, x).add_(x)
+            x = self.add_residual(segments, x, step)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
         compressed, uncompressed = self.plan(segments)
         if self.error_feedback:  # local residual M - P_hat Q_local^T, in place; uncompressed vectors are exact
@@ -182,6 +183,12 @@ class PowerSGD(Compressor):
         if flat.dtype == torch.float32:
             return completed_future(self._expand(head, q_mean, segments, flat))
         return completed_future(flat.copy_(self.decompress([head, q_mean], segments, flat.numel())))
+
+    def _codec_undo_state(self):
+        return dict(self.q_memory)  # entries are replaced, never changed in place: a shallow copy suffices
+
+    def _load_codec_undo_state(self, state) -> None:
+        self.q_memory = dict(state)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
