@@ -51,7 +51,11 @@ class RobustStat:
         window: values kept (``"median"``).
         warmup: values needed before :attr:`ready` (before that, nothing can be a spike).
         clip_z: (``"ema"``) values are clipped to ``location + clip_z * scale`` before they are added once
-            ready, so one outlier under the detection threshold cannot inflate the scale; None: off.
+            ready, so one outlier under the detection threshold cannot inflate the scale; None: off. During
+            the warmup nothing can be clipped yet, so when the warmup ends its values are despiked (a value
+            more than ``clip_z`` robust noise scales above the median of its 10 neighbours is replaced by that
+            median) and the EMA is recomputed from them: a spike inside the warmup would otherwise inflate
+            the scale for hundreds of steps.
         min_rel_scale: the scale is at least this fraction of ``|location|`` (a plateau never gives z = inf).
         min_scale: an absolute lower bound of the scale.
     """
@@ -90,6 +94,7 @@ class RobustStat:
         self.mean = 0.0
         self.var = 0.0
         self.values: deque[float] = deque(maxlen=self.window)
+        self.warm: list[float] = []  # ("ema") the warmup's values, despiked when the warmup ends
 
     @property
     def ready(self) -> bool:
@@ -131,15 +136,32 @@ class RobustStat:
         if self.method == "median":
             self.values.append(float(x))
             return
-        if self.count == 1:
-            self.mean, self.var = float(x), 0.0
+        self._ema_update(float(x), self.count)
+        if self.count <= self.warmup:
+            self.warm.append(float(x))
+            if self.count == self.warmup:
+                self._end_warmup()
+
+    def _ema_update(self, x: float, count: int) -> None:
+        if count == 1:
+            self.mean, self.var = x, 0.0
             return
         # equal weights while count is small, then the EMA; the error is measured before the update
         error = x - self.mean
-        alpha = max(1.0 - self.decay, 1.0 / self.count)
-        alpha_scale = max(1.0 - self.scale_decay, 1.0 / (self.count - 1))
+        alpha = max(1.0 - self.decay, 1.0 / count)
+        alpha_scale = max(1.0 - self.scale_decay, 1.0 / (count - 1))
         self.mean += alpha * error
         self.var += alpha_scale * (error * error - self.var)
+
+    def _end_warmup(self) -> None:
+        """Recompute the EMA from the despiked warmup values (see ``clip_z``); a no-op when none is a spike."""
+        warm, self.warm = self.warm, []
+        if self.clip_z is None:
+            return
+        cleaned = despike(warm, self.clip_z)
+        if cleaned != warm:
+            for i, v in enumerate(cleaned, start=1):
+                self._ema_update(v, i)
 
     def reseed(self, values: list[float]) -> None:
         """Restart the statistics from ``values`` (a new level), immediately :attr:`ready`."""
@@ -150,13 +172,34 @@ class RobustStat:
             self.add(v)
         self.clip_z = clip_z
         self.count = max(self.count, self.warmup)
+        self.warm = []
 
     def state_dict(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "var": self.var, "values": list(self.values)}
+        return {"count": self.count, "mean": self.mean, "var": self.var, "values": list(self.values),
+                "warm": list(self.warm)}
 
     def load_state_dict(self, state: dict) -> None:
         self.count, self.mean, self.var = int(state["count"]), float(state["mean"]), float(state["var"])
         self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
+        self.warm = [float(v) for v in state.get("warm", [])]  # absent in checkpoints before it existed
+
+
+def despike(values: list[float], z: float, half_width: int = 5) -> list[float]:
+    """``values`` with every upward outlier replaced by the median of its ``2 * half_width`` neighbours.
+
+    An outlier lies more than ``z`` noise scales above that median; the noise scale is the MAD of first
+    differences (robust to the series' trend and to a few spikes). A series with no outlier comes back equal.
+    """
+    if len(values) < 3:
+        return list(values)
+    diffs = [abs(b - a) for a, b in zip(values[:-1], values[1:])]
+    scale = _MAD_TO_STD * _median(diffs) / math.sqrt(2.0)
+    out = list(values)
+    for i, x in enumerate(values):
+        med = _median(values[max(0, i - half_width) : i] + values[i + 1 : i + 1 + half_width])
+        if x - med > z * scale:
+            out[i] = med
+    return out
 
 
 def _median(values: list[float]) -> float:
