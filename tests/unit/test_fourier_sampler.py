@@ -407,6 +407,46 @@ def test_callback_rejects_other_samplers_and_missing_keys():
         cb.on_train_batch_end(trainer, None, {"token_loss": torch.rand(1, 8)}, None, 0)
 
 
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
+    """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs
+    to (at batch end Lightning has already advanced global_step after the last micro-batch, not the others)."""
+    seen = []
+
+    class Recording(FourierSampler):
+        def observe(self, token_loss, index, step):
+            seen.append((int(index[0]), step))
+            return super().observe(token_loss, index, step)
+
+    class Data(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.sampler = Recording(step_unit=1)
+            self.sampler.setup(64, seed=0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def training_step(self, batch, batch_idx):
+            token_loss = self.w * torch.linspace(1, 2, 16)[None]
+            return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=accumulate, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[FourierSamplerCallback()])
+    trainer.fit(Module(), datamodule=Data())
+    assert [step for _, step in seen] == [i // accumulate for i in range(4 * accumulate)]
+    assert [i for i, _ in seen] == list(range(4 * accumulate))
+
+
 class _LrRecorder(L.Callback):
     """Records the LR that each optimizer update used (a step pre-hook registered after the sampler's)."""
 

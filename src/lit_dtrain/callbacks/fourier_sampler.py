@@ -38,6 +38,7 @@ class FourierSamplerCallback(L.Callback):
         self.apply_lr_multiplier = apply_lr_multiplier
         self._hooks: list = []
         self._comm_bytes = 0
+        self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
         self._warned_nonfinite = False
 
     @staticmethod
@@ -96,14 +97,21 @@ class FourierSamplerCallback(L.Callback):
         self._hooks = []
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        # the optimizer step this micro-batch belongs to: at batch end, global_step has already advanced
+        # after the last micro-batch of a step but not after the others
+        self._batch_step = trainer.global_step
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
         require_outputs(self, outputs, self.required_step_outputs)
         sampler = self.sampler_of(trainer)
-        stats = sampler.observe(outputs["token_loss"], outputs["index"], step=trainer.global_step)
+        step = self._batch_step
+        stats = sampler.observe(outputs["token_loss"], outputs["index"], step=step)
         self._comm_bytes += stats["comm_bytes"]
         if stats["nonfinite"] and not self._warned_nonfinite:
             self._warned_nonfinite = True
-            rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {trainer.global_step} had a "
+            rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {step} had a "
                            "NaN/inf token loss; they are left out of the sampling table (counted in "
                            "fourier/nonfinite_skipped)")
         if (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1):
