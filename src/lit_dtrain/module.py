@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_dtrain.optim import adamw
+
 
 class NonFiniteError(FloatingPointError):
     """The loss or the gradients became NaN/Inf; raised before the weights are touched."""
@@ -158,10 +160,26 @@ class LitLLM(L.LightningModule):
         if self.optimizer_factory is None:
             raise ValueError("LitLLM needs an optimizer factory (cfg.optimizer)")
         optimizer = self.optimizer_factory(param_groups(self.model))
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._clips_under_mixed_precision():
+            # A fused optimizer unscales inside step(), so Lightning refuses to clip its grads under AMP.
+            if getattr(self.optimizer_factory, "func", None) is adamw and \
+                    self.optimizer_factory.keywords.get("fused") is None:  # fused was automatic: use foreach
+                optimizer = self.optimizer_factory(param_groups(self.model), fused=False)
+            else:
+                raise ValueError(
+                    f"optimizer.fused=true cannot be combined with trainer.gradient_clip_val="
+                    f"{self.trainer.gradient_clip_val} under precision={self.trainer.precision}: a fused optimizer "
+                    "unscales its grads inside step(), so they cannot be clipped. Set optimizer.fused=null (or "
+                    "false), or trainer.gradient_clip_val=null")
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+    def _clips_under_mixed_precision(self) -> bool:
+        trainer = self._trainer
+        return bool(trainer is not None and trainer.gradient_clip_val and "mixed" in str(trainer.precision))
 
 
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:

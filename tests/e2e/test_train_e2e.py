@@ -61,6 +61,19 @@ def test_resume_auto_picks_last_ckpt(tiny_cfg):
     assert metrics["tokens_per_sec"] > 0  # counted from the resumed step, not from the overwritten file
 
 
+def test_mixed_precision_with_grad_clipping_trains(tiny_cfg):
+    """Lightning refuses to clip a fused optimizer's grads under AMP; the automatic choice falls back to
+    foreach AdamW there (it used to crash `trainer=gpu` and `trainer.precision=bf16-mixed` at step 0)."""
+    common = ["trainer.max_steps=2", "trainer.val_check_interval=2", "sample.max_new_tokens=0"]
+    metrics, objects = train(tiny_cfg(*common, "trainer.precision=bf16-mixed", run="bf16"))
+    assert objects["trainer"].global_step == 2 and objects["trainer"].gradient_clip_val == 1.0
+    assert not objects["trainer"].optimizers[0].defaults["fused"] and 0 < metrics["val_loss"] < 6.0
+    _, fp32 = train(tiny_cfg(*common, run="fp32"))
+    assert fp32["trainer"].optimizers[0].defaults["fused"]  # still fused where clipping allows it
+    with pytest.raises(ValueError, match="optimizer.fused=true cannot be combined with trainer.gradient_clip_val"):
+        train(tiny_cfg(*common, "trainer.precision=bf16-mixed", "optimizer.fused=true", run="bf16_fused"))
+
+
 @pytest.mark.slow
 def test_multirun_sweep_has_one_dir_per_job(tmp_path, corpus):
     run_train(["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "optimizer.lr=1e-3,3e-3"], tmp_path)
