@@ -95,6 +95,17 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return None
 
 
+def val_check_in_batches(cfg: DictConfig) -> dict:
+    """``trainer.val_check_interval`` counts optimizer steps here, Lightning counts micro-batches: with gradient
+    accumulation it is scaled, so validation (and the checkpoint after it) falls every N optimizer steps, at the
+    end of a step, never in the middle of an accumulation."""
+    interval = cfg.trainer.get("val_check_interval")
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    if accumulate > 1 and isinstance(interval, int):
+        return {"val_check_interval": interval * accumulate}
+    return {}
+
+
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     """Every entry of ``cfg.callbacks`` that has a ``_target_`` (null entries switch one off)."""
     callbacks = []
@@ -197,7 +208,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         start_step = int(safe_torch_load(ckpt_path, mmap=True)["global_step"])
     logger = build_logger(cfg, start_step)
     trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()]
+        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],
+        **val_check_in_batches(cfg),
     )
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:

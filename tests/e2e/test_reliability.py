@@ -91,17 +91,21 @@ def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, extra):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus):
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus, accumulate):
+    acc = [f"trainer.accumulate_grad_batches={accumulate}"]
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5",
-             "+callbacks.fault.signal=SIGTERM"]
-    term = train_proc(tmp_path, corpus, "run_name=term", *fault)
+             "+callbacks.fault.signal=SIGTERM"]  # at the first micro-batch of step 5
+    term = train_proc(tmp_path, corpus, "run_name=term", *acc, *fault)
     assert term.returncode == 0, term.stderr[-2000:]
     assert "SIGTERM received: saved" in term.stdout + term.stderr
     ckpt = torch.load(tmp_path / "outputs/runs/term/checkpoints/last.ckpt", weights_only=True)
-    assert ckpt["global_step"] == 6  # the batch during which the signal came was finished and saved
-    resumed = train_proc(tmp_path, corpus, "run_name=term", "resume=auto")
+    # the optimizer step during which the signal came was finished (all its micro-batches) and saved
+    assert ckpt["global_step"] == 6
+    assert ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 6 * accumulate
+    resumed = train_proc(tmp_path, corpus, "run_name=term", "resume=auto", *acc)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    straight = train_proc(tmp_path, corpus, "run_name=straight")
+    straight = train_proc(tmp_path, corpus, "run_name=straight", *acc)
     assert straight.returncode == 0
     assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
 

@@ -61,6 +61,27 @@ def test_resume_auto_picks_last_ckpt(tiny_cfg):
     assert metrics["tokens_per_sec"] > 0  # counted from the resumed step, not from the overwritten file
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_validation_and_best_checkpoint_follow_optimizer_steps(tiny_cfg, accumulate):
+    """Validation comes every val_check_interval *optimizer* steps (Lightning counts micro-batches), and the best
+    checkpoint is saved after that validation, named and ranked by its val/loss (it used to carry the previous
+    validation's)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "sample.max_new_tokens=0",
+                   f"trainer.accumulate_grad_batches={accumulate}", "trainer.log_every_n_steps=1",
+                   run=f"acc{accumulate}")
+    _, objects = train(cfg)
+    run_dir = Path(objects["trainer"].default_root_dir)
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    val = {e.step: e.value for e in acc.Scalars("val/loss")}
+    assert sorted(val)[:2] == [2, 5]  # logged at the 0-based index of optimizer steps 3 and 6 (6 again: final)
+    (best,) = [p.name for p in (run_dir / "checkpoints").glob("step*.ckpt")]
+    step = min((2, 5), key=lambda s: val[s]) + 1
+    assert best == f"step{step:06d}-val{val[step - 1]:.4f}.ckpt"
+
+
 def test_mixed_precision_with_grad_clipping_trains(tiny_cfg):
     """Lightning refuses to clip a fused optimizer's grads under AMP; the automatic choice falls back to
     foreach AdamW there (it used to crash `trainer=gpu` and `trainer.precision=bf16-mixed` at step 0)."""
