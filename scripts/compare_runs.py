@@ -36,6 +36,9 @@ def expand_runs(paths: list[str]) -> list[Path]:
     runs: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
+        if path.is_file():  # a shell glob over a sweep dir also matches Hydra's multirun.yaml
+            print(f"compare_runs: skipping {raw} (a file, not a run dir)", file=sys.stderr)
+            continue
         if not path.is_dir():
             raise CompareError(f"run dir {raw!r} does not exist")
         own = [d for d in event_dirs(path) if not _inside_job(d, path)]

@@ -57,6 +57,11 @@ def test_sweep_dir_expands_to_jobs_labelled_by_differing_overrides(tmp_path):
     result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "s.png"))
     assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3", "optimizer.lr=1e-2"]
     assert result["best"] == "optimizer.lr=1e-2"
+    # the README's `outputs/multiruns/<time>/*` glob also matches Hydra's multirun.yaml: skipped, not an error
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    globbed = sorted(str(p) for p in sweep.glob("*"))
+    assert len(globbed) == 4
+    assert compare_runs.compare(globbed, ["val/loss"], out=str(tmp_path / "g.png"))["best"] == "optimizer.lr=1e-2"
 
 
 def test_errors_name_the_run_and_metric(tmp_path, capsys):
