@@ -34,7 +34,7 @@ def load_model(path: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
-    ap.add_argument("--prompt", default="def ", help="text to continue")
+    ap.add_argument("--prompt", default="def ", help="text to continue ('' starts a new document)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
@@ -43,7 +43,7 @@ def main() -> None:
 
     model, ckpt = load_model(args.checkpoint)
     tok = ByteTokenizer()
-    ids = torch.as_tensor(tok.encode(args.prompt).astype("int64"))[None]
+    ids = torch.as_tensor(tok.prompt_ids(args.prompt).astype("int64"))[None]  # "" starts a new document
     g = torch.Generator().manual_seed(args.seed)
     out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, generator=g)
     text = tok.decode(out[0])

@@ -5,8 +5,10 @@ A plain function (as in lightning-hydra-template) so tests and other programs ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -56,8 +58,28 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
         raise
 
 
+_NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
+    "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
+    "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
+    "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
+}
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Numbers must be numbers: name the key and the value instead of failing later in a comparison."""
+    for key, kind in _NUMERIC_KEYS.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+        if not ok or isinstance(value, bool):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before any compute, naming the offending key."""
+    check_types(cfg)
     lr = cfg.optimizer.get("lr")
     if lr is not None and not lr > 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
@@ -87,11 +109,18 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         if not path.is_file():
             raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
         return str(path)
+    ckpt_dir = Path(cfg.paths.checkpoint_dir)
+    if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
+        return str(ckpt_dir / "last.ckpt")
+    earlier = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+    if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
+        raise ConfigError(
+            f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or choose "
+            "another run_name"
+        )
     if cfg.get("resume") == "auto":
-        last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
-        if last.is_file():
-            return str(last)
-        log.info("resume=auto: no %s yet, starting fresh", last)
+        log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
 
 
@@ -152,7 +181,7 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     if n_tokens <= 0 or not hasattr(module.model, "generate"):
         return ""
     model = getattr(module.model, "_orig_mod", module.model)
-    prompt = datamodule.tokenizer.encode(str(gen_cfg.get("prompt", "def ")))
+    prompt = datamodule.tokenizer.prompt_ids(str(gen_cfg.get("prompt", "def ")))
     ids = torch.as_tensor(prompt.astype("int64"))[None].to(module.device)
     g = torch.Generator(device=module.device.type).manual_seed(int(cfg.seed))
     was_training = model.training
@@ -197,6 +226,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     callbacks = build_callbacks(cfg)
     if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if not cfg.get("logger"):  # logger=none / ~logger: the LR monitor has nowhere to log (Lightning would refuse)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     for cb in getattr(datamodule.sampler, "required_callbacks", lambda: [])():  # a sampler is inert without them
         if not any(isinstance(c, type(cb)) for c in callbacks):
             log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
@@ -226,6 +257,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     val = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
+    previous: dict = {}
+    if steps == start_step > 0:
+        log.info("the checkpoint is already at step %d = trainer.max_steps: nothing to train, only validated", steps)
+        with contextlib.suppress(OSError, ValueError):  # keep the training figures of the run that got there
+            previous = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
     world = trainer.world_size
     tokens = (steps - start_step) * datamodule.batch_size * world * datamodule.block_size
     tokens *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
@@ -234,13 +270,14 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         "val_loss": val_loss,
         "val_ppl": perplexity(val_loss),
         "steps": steps,
-        "tokens_per_sec": tokens / max(fit_seconds, 1e-9),
+        "tokens_per_sec": tokens / fit_seconds if tokens else None,  # None: this invocation trained no step
         "wall_seconds": fit_seconds,
         "checkpoint": last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),
         "train_loss": train_loss,
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
     }
+    metrics.update({k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous})
     sample = _generate_sample(module, datamodule, cfg)
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer)
@@ -250,15 +287,17 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 @rank_zero_only
 def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
     tmp = out_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2))
+    safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    tmp.write_text(json.dumps(safe, indent=2, allow_nan=False))  # strict JSON: NaN/inf become null
     os.replace(tmp, out_dir / "summary.json")
     if sample:
         print(f"--- sample ---\n{sample}\n--------------")
         for lg in trainer.loggers:
             if hasattr(getattr(lg, "experiment", None), "add_text"):
                 lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
+    tokens_per_sec = metrics["tokens_per_sec"]
     print(
         f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
-        f"tokens/s={metrics['tokens_per_sec']:.0f} steps={metrics['steps']} "
+        f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
     )

@@ -82,6 +82,41 @@ def test_validation_and_best_checkpoint_follow_optimizer_steps(tiny_cfg, accumul
     assert best == f"step{step:06d}-val{val[step - 1]:.4f}.ckpt"
 
 
+def test_a_run_dir_with_checkpoints_is_not_started_over(tiny_cfg):
+    """A fresh run in a run dir that holds checkpoints would write last-v1.ckpt beside the old last.ckpt, and a
+    later resume=auto would pick the old run's; it is refused with a message that says what to do."""
+    from lit_dtrain.train import ConfigError
+
+    common = ["trainer.max_steps=2", "trainer.val_check_interval=2", "sample.max_new_tokens=0"]
+    train(tiny_cfg(*common, run="reused"))
+    with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run.*resume=auto"):
+        train(tiny_cfg(*common, "seed=7", run="reused"))
+    _, resumed = train(tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
+                                "resume=auto", run="reused"))
+    assert resumed["trainer"].global_step == 4
+
+
+def test_resuming_a_finished_run_keeps_its_summary(tiny_cfg):
+    common = ["trainer.max_steps=2", "trainer.val_check_interval=2", "sample.max_new_tokens=0"]
+    first, objects = train(tiny_cfg(*common, run="done"))
+    summary = Path(objects["trainer"].default_root_dir) / "summary.json"
+    again, _ = train(tiny_cfg(*common, "resume=auto", run="done"))  # nothing left to train: validates only
+    kept = json.loads(summary.read_text())  # strict JSON (no NaN)
+    assert kept["steps"] == 2 and kept["val_loss"] == pytest.approx(first["val_loss"])
+    assert kept["tokens_per_sec"] == pytest.approx(first["tokens_per_sec"]) and first["tokens_per_sec"] > 0
+    assert kept["train_loss"] == pytest.approx(first["train_loss"])
+
+
+def test_logger_none_trains_without_the_lr_monitor(tiny_cfg):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    metrics, objects = train(tiny_cfg("logger=none", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                                      "sample.max_new_tokens=0", run="nolog"))
+    assert objects["trainer"].logger is None and objects["trainer"].global_step == 2
+    assert not any(isinstance(c, LearningRateMonitor) for c in objects["trainer"].callbacks)
+    assert not (Path(objects["trainer"].default_root_dir) / "tb").exists() and metrics["val_loss"] < 6.0
+
+
 def test_mixed_precision_with_grad_clipping_trains(tiny_cfg):
     """Lightning refuses to clip a fused optimizer's grads under AMP; the automatic choice falls back to
     foreach AdamW there (it used to crash `trainer=gpu` and `trainer.precision=bf16-mixed` at step 0)."""
@@ -139,3 +174,9 @@ def test_generate_script_samples_from_checkpoint(tiny_cfg, tmp_path):
     payload = json.loads(text)
     assert payload["text"].startswith("ab") and payload["new_tokens"] == 10
     assert out2.stdout == out.stdout  # seeded: reproducible
+    empty = subprocess.run(  # an empty prompt starts a new document (from EOS) instead of crashing
+        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "", "--max-new-tokens", "7"],
+        capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
+    )
+    assert empty.returncode == 0, empty.stderr
+    assert json.loads(empty.stdout.strip().splitlines()[-1])["new_tokens"] == 7

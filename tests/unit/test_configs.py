@@ -86,6 +86,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("resume=sometimes", "resume"),
         ("ckpt_path=/nonexistent.ckpt", "ckpt_path"),
+        ("trainer.max_steps=abc", r"trainer.max_steps must be an integer, got 'abc' \(str\)"),
+        ("optimizer.lr=3e-3x", r"optimizer.lr must be a number, got '3e-3x'"),
+        ("data.batch_size=1.5", "data.batch_size must be an integer, got 1.5"),
+        ("trainer.val_check_interval=0.5", "trainer.val_check_interval must be an integer"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):

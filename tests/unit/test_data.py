@@ -141,6 +141,27 @@ def test_errors_name_the_problem(tmp_path):
         CorpusSource(name="x", kind="web")
 
 
+def test_directory_sources_leave_out_hidden_paths_and_warn_about_binary_files(tmp_path, caplog):
+    from lit_dtrain.data.corpus import CorpusSource, build_token_cache, resolve_files
+
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / "README.md").write_text("hello " * 200)
+    (repo / "src" / "a.py").write_text("x = 1\n" * 200)
+    (repo / "src" / ".a.py.swp").write_bytes(b"swap")
+    (repo / ".git" / "objects" / "ab").write_bytes(b"x\x9c\x00zlib" * 10)
+    (repo / "blob.bin").write_bytes(b"\x00\x01" * 100)
+    source = CorpusSource(name="repo", kind="files", paths=[str(repo)])
+    assert [p.relative_to(repo).as_posix() for p in resolve_files(source)] == ["README.md", "blob.bin", "src/a.py"]
+    # asked for by name, a hidden file is taken
+    hidden = CorpusSource(name="h", kind="files", paths=[str(repo / "src" / ".a.py.swp")])
+    assert resolve_files(hidden) == [repo / "src" / ".a.py.swp"]
+    with caplog.at_level("WARNING"):
+        build_token_cache(source, tmp_path / "cache", min_tokens=33, progress=False)
+    assert "1 file(s) look binary" in caplog.text and "blob.bin" in caplog.text
+
+
 def test_unreadable_file_is_named(tmp_path, monkeypatch):
     corpus = make_corpus(tmp_path / "c", n_files=3)
     bad = corpus / "doc_001.txt"

@@ -1,8 +1,9 @@
 """Tokens/s logging through Lightning's own ``ThroughputMonitor``.
 
 ``ThroughputMonitor`` needs to know how big a batch is; for the lit_dtrain batch contract the "items"
-it counts are tokens, so ``train/items_per_sec`` is tokens/s per rank (and ``train/samples_per_sec``
-sequences/s).
+it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank (and
+``train/device/samples_per_sec`` its sequences/s). With several ranks Lightning also logs the global
+figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 """
 
 from __future__ import annotations

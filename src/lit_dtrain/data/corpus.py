@@ -81,7 +81,12 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files")
             out.update(matches)
         elif os.path.isdir(path):
-            matches = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
+            found = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
+            # hidden files and dirs (.git, .venv, editor swap files) are not corpus text
+            matches = [p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+            if len(matches) < len(found):
+                log.info("data source %r: left out %d hidden file(s) under %s (dot files and dot dirs)",
+                         source.name, len(found) - len(matches), raw)
             if not matches:
                 raise CorpusError(
                     f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}"
@@ -138,11 +143,14 @@ def build_token_cache(
     docs: list[tuple[Path, bytes, bytes]] = []
     empty = 0
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
+    binary: list[Path] = []
     for path in bar:
         data = _read(path)
         if not data:
             empty += 1
             continue
+        if b"\0" in data[:8192]:
+            binary.append(path)
         digest = hashlib.sha256(data).digest()
         key_hash.update(digest)
         docs.append((path, data, digest))
@@ -152,6 +160,10 @@ def build_token_cache(
         )
     if empty:
         log.warning("data source %r: skipped %d empty file(s)", source.name, empty)
+    if binary:
+        log.warning("data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
+                    "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
+                    str(binary[0]))
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
     if not (out_dir / "meta.json").exists():

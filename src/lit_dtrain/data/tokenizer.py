@@ -23,6 +23,11 @@ class ByteTokenizer:
             ids = np.append(ids, np.uint16(self.eos_id))
         return ids
 
+    def prompt_ids(self, text: str) -> np.ndarray:
+        """Token ids to start generation from: ``text``, or EOS alone for an empty prompt (a document start)."""
+        ids = self.encode(text)
+        return ids if len(ids) else np.array([self.eos_id], dtype=np.uint16)
+
     def decode(self, ids) -> str:
         """Text of token ids; EOS becomes a newline and invalid UTF-8 is replaced, never raised."""
         out = bytearray()
