@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,6 +264,24 @@ def test_undo_step_erases_a_dropped_step_exactly(name):
             leaky.reduce(grad(step), SEGMENTS, comm, step).wait()
         leaky.reduce(grad(99, scale=1e4), SEGMENTS, comm, 3).wait()
         assert leaky.reduce(grad(4), SEGMENTS, comm, 4).wait().norm() > 10 * grad(4).norm()
+
+
+def test_compressor_names_build_what_their_presets_configure():
+    """``compressor="int4"`` (Python) and ``strategy=ddp_compressed/int4`` (Hydra) are the same codec."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF_DIR
+
+    for preset in sorted((Path(CONF_DIR) / "strategy" / "ddp_compressed").glob("*.yaml")):
+        node = OmegaConf.load(preset).get("compressor")
+        if not node or "_target_" not in node:
+            continue
+        from hydra.utils import instantiate
+
+        configured = instantiate(node)
+        by_name = build_compressor(preset.stem) if preset.stem in COMPRESSORS else None
+        if by_name is not None:
+            assert repr(by_name) == repr(configured), preset.stem
 
 
 def test_loading_another_compressors_state_fails_loudly():

@@ -39,7 +39,7 @@ COMPRESSORS: dict[str, Callable[..., Compressor]] = {
     "fp16": lambda **kw: HalfPrecision(dtype="fp16", **kw),
     "bf16": lambda **kw: HalfPrecision(dtype="bf16", **kw),
     "int8": lambda **kw: BlockQuantizer(bits=8, **kw),
-    "int4": lambda **kw: BlockQuantizer(bits=4, **kw),
+    "int4": lambda **kw: BlockQuantizer(bits=4, **{"error_feedback": True, **kw}),  # as its preset and docs
     "powersgd": PowerSGD,
     "topk": TopK,
     "sign": ScaledSign,
