@@ -200,6 +200,10 @@ def test_callback_in_trainer_matches_plain_training(precision):
     assert torch.load(buf, weights_only=True) == {"policy": "selective", "plan": ["selective"] * 4}
     cb.setup(trainer, ckpt, "validate")  # a second setup does not wrap twice
     assert all(b.forward is w for b, w in zip(ckpt.model.blocks, cb.wrappers))
+    again = lit_llm()  # the same callback object on another module (a sweep loop) wraps that module's blocks
+    fit(again, [cb], precision=precision)
+    assert all(b.forward is w for b, w in zip(again.model.blocks, cb.wrappers))
+    assert all(w.calls >= 3 for w in cb.wrappers)
 
 
 def test_budget_callback_probes_and_restores_state_plan():

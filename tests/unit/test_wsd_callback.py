@@ -81,6 +81,19 @@ def test_callback_and_scheduler_give_identical_lr_sequences(decay_type):
     assert rec_cb.at_batch_start == rec_sched.at_batch_start == expected(range(14), **kw)
 
 
+def test_a_reused_callback_reads_the_new_fits_peak_lrs():
+    """One callback object for two fits (a sweep loop): the second fit's configured LRs are its peaks."""
+    kw = dict(total_steps=6, warmup_steps=0, decay_steps=2)
+    callback, first, second = WSDScheduler(**kw), LRRecorder(), LRRecorder()
+    fit(Toy(), [first, callback], max_steps=6)
+    halved = Toy()
+    halved.configure_optimizers = lambda: torch.optim.SGD(
+        [{"params": halved.a.parameters(), "lr": BASE[0] / 2}, {"params": halved.b.parameters(), "lr": BASE[1] / 2}])
+    fit(halved, [second, callback], max_steps=6)
+    assert first.at_step == expected(range(6), **kw)
+    assert second.at_step == [(s, [lr / 2 for lr in lrs]) for s, lrs in expected(range(6), **kw)]
+
+
 def test_gradient_accumulation_uses_one_lr_per_optimizer_step():
     kw = dict(total_steps=8, warmup_steps=2, decay_fraction=0.5)
     rec_sched, rec_cb = LRRecorder(), LRRecorder()

@@ -107,11 +107,12 @@ class SelectiveCheckpointing(Callback):
         self.plan: list[str] = []
         self.wrappers: list[CheckpointedForward] = []
         self.budget_report: dict | None = None
+        self._patched: LightningModule | None = None  # the module whose blocks are wrapped
 
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.wrappers:  # setup runs again for validate/test: the blocks are already patched
+        if self.wrappers and self._patched is pl_module:  # setup runs again for validate/test: already patched
             return
         try:
             named = find_blocks(pl_module, self.module_pattern)
@@ -123,6 +124,7 @@ class SelectiveCheckpointing(Callback):
         self.block_names = [n for n, _ in named]
         blocks = [m for _, m in named]
         self.wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"), self.save_ops)
+        self._patched = pl_module
         if self.policy == "budget":
             plan = self._budget_plan(trainer, pl_module, blocks)
         elif self.policy == "every_k":

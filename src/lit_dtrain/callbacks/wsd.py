@@ -90,6 +90,13 @@ class WSDScheduler(L.Callback):
         self.last_step = step
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_train_start, even
+        # when this callback object already served another fit (a sweep loop, staged training).
+        if stage == "fit":
+            self.base_lrs, self.last_step = None, -1
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.optimizers:
             raise RuntimeError("WSDScheduler needs an optimizer; configure_optimizers returned none")
