@@ -350,6 +350,39 @@ def test_lr_cooldown_scales_the_applied_lr_and_leaves_the_schedule(tmp_path: Pat
     assert factors == pytest.approx({4: 1.0, 5: 0.1, 6: 0.1, 7: 0.55, 8: 1.0, 9: 1.0})
 
 
+def test_a_batch_skipped_by_the_module_is_ignored(tmp_path: Path) -> None:
+    """``training_step`` returning None is Lightning's way to skip a batch: no decision, no crash."""
+    module = make_module()
+    step = module.training_step
+    module.training_step = lambda batch, batch_idx: None if module.trainer.global_step == 5 else step(batch, batch_idx)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=8)
+    trainer.fit(module, datamodule=make_data(tmp_path))
+    assert trainer.global_step == 8 and monitor.events == []
+    assert monitor.detector.loss_stat.count == 7  # the seven steps with a loss, not the skipped batch
+
+
+def test_state_survives_a_resume_with_retuned_thresholds(tmp_path: Path) -> None:
+    """The state key is the class name: retuning a threshold on resume keeps the excluded samples and counts,
+    and a checkpoint that stored them under the older argument-built key still loads."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor], max_steps=7)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert monitor.num_spikes == 1 and monitor.excluded
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    raw = torch.load(ckpt, weights_only=False)
+    old_key = "LossSpikeMonitor{'actions': ('log', 'skip'), 'z': 6.0, 'rel': 0.2, 'method': 'ema'}"
+    raw["callbacks"] = {old_key: raw["callbacks"]["LossSpikeMonitor"]}
+    torch.save(raw, tmp_path / "old_key.ckpt")
+    for path in (ckpt, tmp_path / "old_key.ckpt"):
+        retuned = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, z_threshold=8.0, rel_threshold=0.3)
+        again = make_trainer(tmp_path, [retuned], max_steps=8)
+        again.fit(make_module(), datamodule=make_data(tmp_path), ckpt_path=str(path))
+        assert retuned.num_spikes == 1 and retuned.excluded == monitor.excluded, path.name
+        assert retuned.detector.loss_stat.count >= monitor.detector.loss_stat.count
+
+
 def test_raise_after_m_spikes(tmp_path: Path) -> None:
     monitor = LossSpikeMonitor(actions=["log", "skip", "raise"], warmup_steps=3, raise_after=2, raise_window=10)
     trainer = make_trainer(tmp_path, [Inject({5: "finite", 7: "nan"}), monitor], max_steps=12)

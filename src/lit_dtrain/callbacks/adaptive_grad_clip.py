@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
+from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 
 MODES = ("zscore", "reciprocal")
 
@@ -119,10 +120,9 @@ class AdaptiveGradClip(L.Callback):
         self.clip_events = 0
         self.last: dict[str, float] = {}
 
-    @property
     @override
-    def state_key(self) -> str:
-        return self._generate_state_key(z_threshold=self.z_threshold, mode=self.mode)
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        load_state_under_old_key(self, checkpoint)  # state key: the class name, not the (retunable) thresholds
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

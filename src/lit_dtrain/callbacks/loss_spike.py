@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks._spike_stats import SpikeDetector, SpikeWindow, cooldown_factor
+from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,6 @@ class LossSpikeMonitor(L.Callback):
         self.snapshot_every, self.snapshot_keep = int(snapshot_every), int(snapshot_keep)
         self.rollback_min_age, self.exclude_previous_steps = int(rollback_min_age), int(exclude_previous_steps)
         self.cooldown = (float(cooldown_factor), int(cooldown_steps), int(cooldown_ramp_steps))
-        self._key = dict(actions=tuple(self.actions), z=z_threshold, rel=rel_threshold, method=method)
         # persistent state
         self.excluded: list[int] = []  # global sample indices never to be trained on again
         self.events: list[dict] = []  # this process's events (also in spikes.jsonl)
@@ -162,10 +162,11 @@ class LossSpikeMonitor(L.Callback):
         self._device = torch.device("cpu")
         self._stepped = False
 
-    @property
     @override
-    def state_key(self) -> str:
-        return self._generate_state_key(**self._key)
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # the state key is the class name (not the thresholds), so a resume with retuned thresholds keeps the
+        # excluded samples; checkpoints written with the old argument-built key still load
+        load_state_under_old_key(self, checkpoint)
 
     def _reset_step(self) -> None:
         self._loss_sum: torch.Tensor | None = None
@@ -240,8 +241,9 @@ class LossSpikeMonitor(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._loss_sum is None:
-            raise RuntimeError("LossSpikeMonitor saw no loss in on_before_backward before the optimizer step")
+        if self._loss_sum is None:  # training_step returned None (Lightning's way to skip a batch): no decision
+            self._reset_step()
+            return
         step, world = trainer.global_step, trainer.world_size
         params = [p for g in optimizer.param_groups for p in g["params"]]
         zero = torch.zeros((), device=self._loss_sum.device)
