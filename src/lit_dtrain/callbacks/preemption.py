@@ -1,20 +1,27 @@
 """Save a checkpoint and stop cleanly on SIGTERM, so a preempted or cancelled job can be requeued.
 
-Lightning already catches SIGTERM (its signal connector sets ``trainer.received_sigterm`` and, after the
-current batch, raises ``SIGTERMException``, a clean ``SystemExit``) but it saves nothing outside SLURM's
-auto-requeue. This callback writes ``last.ckpt`` at the end of the optimizer step during which the signal
-came, before Lightning exits, so ``resume=auto`` continues exactly from there.
+Lightning catches SIGTERM (its signal connector sets ``trainer.received_sigterm``; after the current batch it
+raises ``SIGTERMException``, a clean ``SystemExit``) but saves nothing outside SLURM's auto-requeue. This
+callback writes ``last.ckpt`` at the end of the optimizer step during which the signal came, then lets
+Lightning exit, so ``resume=auto`` continues exactly from there.
 
-With gradient accumulation a checkpoint in the middle of an optimizer step would lose the grads accumulated
-so far (a resume could not be exact), so a signal that comes mid-accumulation is held back until the step's
-last micro-batch: the callback clears Lightning's flag (``trainer._signal_connector.received_sigterm``, which
-has no public setter) and sets it again once the step is done and saved. That waits at most
-``accumulate_grad_batches - 1`` micro-batches.
+- **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
+  so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
+  ``accumulate_grad_batches - 1`` micro-batches later).
+- **Several ranks.** Saving is collective, so every rank must decide at the same batch. The signal reaches
+  the ranks at different moments (or only some of them), and Lightning's own handler runs a broadcast inside
+  the signal handler, which can interleave with the ranks' other collectives and hang them. So while training,
+  this callback's handler replaces Lightning's: it only records the signal (and forwards it to child ranks, as
+  Lightning does); at every batch end the ranks agree with one tiny all-reduce (any rank signalled), save at
+  the same step, and then set Lightning's flag (``trainer._signal_connector.received_sigterm``, which has no
+  public setter) on every rank, so all ranks leave the loop at the same batch.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
@@ -27,25 +34,51 @@ class PreemptionCheckpoint(L.Callback):
     def __init__(self, dirpath: str, filename: str = "last.ckpt") -> None:
         self.dirpath, self.filename = dirpath, filename
         self.saved_step: int | None = None
-        self.deferred = False  # a SIGTERM held back until the current accumulation ends
+        self.signalled = False  # this process (or, after the agreement, any rank) got SIGTERM
+        self._previous_handler = None
+        self._trainer: L.Trainer | None = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self.signalled:
+            launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+            if launcher is not None:
+                launcher.kill(signum)  # forward to the child ranks this process launched, as Lightning does
+        self.signalled = True
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        self._trainer = trainer
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        self._restore_handler()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        self._restore_handler()
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if not (trainer.received_sigterm or self.deferred) or self.saved_step == trainer.global_step:
+        signalled = self.signalled or trainer.received_sigterm  # Lightning's flag: a signal before on_train_start
+        if trainer.world_size > 1:
+            signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
+        self.signalled = signalled
+        if not signalled or self.saved_step == trainer.global_step:
             return
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the step first
-            if not self.deferred:
-                rank_zero_info("SIGTERM received in the middle of gradient accumulation: finishing the optimizer "
-                               "step before saving")
-            self.deferred = True
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the optimizer step first
             trainer._signal_connector.received_sigterm = False
             return
-        if self.deferred:
-            self.deferred = False
-            trainer._signal_connector.received_sigterm = True  # Lightning exits after this batch
         path = os.path.join(self.dirpath, self.filename)
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
+        trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         rank_zero_info(
             f"SIGTERM received: saved {path} at step {trainer.global_step}; exiting cleanly. "
             "Resume with resume=auto (same run_name) or ckpt_path=<that file>."
