@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import string
 import sys
 from pathlib import Path
@@ -56,6 +57,13 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a test's process group (the only address tests use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -11,12 +11,13 @@ registration on CPU, logged metrics, and exact resume.
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+
+from tests.conftest import free_port
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -53,11 +54,6 @@ VARIANTS = {  # name -> (compressor spec, local-update spec)
 }
 STEPS = 60
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def regression_batch(step: int, rank: int, batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -16,18 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_dtrain.data.samplers import FourierSampler
-from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, free_port, subprocess_env
 
 pytestmark = pytest.mark.dist
 
 WORLD, PER_RANK, STEPS, N, T = 2, 4, 6, 40, 64
 NAN_STEP = 3  # rank 1's first row of this step has a NaN token loss
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(rank: int, async_op: bool) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from functools import partial
 from pathlib import Path
 
@@ -12,17 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import make_corpus
+from tests.conftest import free_port, make_corpus
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BATCH = 4
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(root: str):
@@ -113,7 +107,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
     make_corpus(tmp_path / "corpus", n_files=6, size=2000)
     _data(str(tmp_path)).prepare_data()  # build the token cache once, before the ranks start
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
     skip0, skip1 = r0["skip"], r1["skip"]
@@ -222,7 +216,7 @@ def test_skip_and_rollback_also_undo_the_strategys_comm_state(tmp_path: Path) ->
     step), nor DiLoCo's outer state in a rollback: both ranks end the dropped step with the state before it."""
     make_corpus(tmp_path / "corpus", n_files=6, size=2000)
     _data(str(tmp_path)).prepare_data()
-    mp.spawn(_comm_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_comm_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"comm_rank{rank}.pt", weights_only=False)
         for name in ("topk", "powersgd"):

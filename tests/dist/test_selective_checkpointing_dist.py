@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import lightning as L
 import pytest
 import torch
+
+from tests.conftest import free_port
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
@@ -15,11 +16,6 @@ pytestmark = pytest.mark.dist
 
 STEPS = 3
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches(n: int) -> DataLoader:
@@ -74,7 +70,7 @@ def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
 @pytest.mark.slow  # ~20-25 s each on 2 shared cores: 2 processes x 3 short fits
 @pytest.mark.parametrize("strategy_name", ["ddp", "ddp_compressed_bf16"])
 def test_ddp_selective_ranks_identical_and_match_plain(tmp_path, strategy_name):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), strategy_name), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), strategy_name), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["selective_plan"] == r1["selective_plan"] == ["selective"] * 3
     assert all(c == STEPS for c in r0["selective_calls"] + r1["selective_calls"])  # every block, every step
