@@ -162,7 +162,10 @@ class Compressor:
         buffer = self.residual_buffer(segments, x)
         if self._undo is not None:
             self._undo_begin(step)
-            self._undo["residuals"].append((buffer, buffer.clone()))
+            saved = self._undo_copies.get(buffer.data_ptr())  # reused every step: no allocation per step
+            if saved is None or saved.shape != buffer.shape or saved.device != buffer.device:
+                saved = self._undo_copies[buffer.data_ptr()] = torch.empty_like(buffer)
+            self._undo["residuals"].append((buffer, saved.copy_(buffer)))
         return buffer.add_(x)
 
     # --- undoing a step (LossSpikeMonitor's skip) ----------------------------------------------
@@ -173,6 +176,7 @@ class Compressor:
         folded into the residual by the comm hook, and would be applied at the next step without the undo.
         """
         self._undo = {} if enabled else None
+        self._undo_copies: dict[int, Tensor] = {}
 
     def _undo_begin(self, step: int) -> None:
         """Called by :meth:`reduce` first: the first call of a new step records the state before it."""
@@ -259,7 +263,7 @@ class Compressor:
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self._flat_residuals = {}
         if self._undo is not None:
-            self._undo = {}
+            self._undo, self._undo_copies = {}, {}
 
     def extra_repr(self) -> str:
         return f"error_feedback={self.error_feedback}, start_step={self.start_step}"
