@@ -231,7 +231,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run (>= 2000 for the FP target)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per sample (nano's default is 256)")
-    p.add_argument("--batch-size", type=int, default=8, help="micro-batch (the default config uses 16)")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch (the default config's too)")
     p.add_argument("--val-windows", type=int, default=512, help="validation windows (same for every run)")
     p.add_argument("--inject", default="random_tokens:610,lr_x100:1130,nan_loss:1660",
                    help="comma list kind:step with kind in " + ", ".join(KINDS))
