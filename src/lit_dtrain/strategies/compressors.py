@@ -154,14 +154,14 @@ class Compressor:
                 out[s.offset : s.offset + s.numel] = r.reshape(-1).to(out)
         return out
 
-    def add_residual(self, segments: Sequence[Segment], x: Tensor, step: int) -> Tensor:
+    def add_residual(self, segments: Sequence[Segment], x: Tensor) -> Tensor:
         """``x + e`` written into this layout's residual buffer (returned; it becomes the new residual).
 
-        With :meth:`track_undo` on, the buffer's content before step ``step`` is kept first.
+        With :meth:`track_undo` on, the buffer's content before this step is kept first (:meth:`reduce` has
+        already opened the step's undo record).
         """
         buffer = self.residual_buffer(segments, x)
         if self._undo is not None:
-            self._undo_begin(step)
             saved = self._undo_copies.get(buffer.data_ptr())  # reused every step: no allocation per step
             if saved is None or saved.shape != buffer.shape or saved.device != buffer.device:
                 saved = self._undo_copies[buffer.data_ptr()] = torch.empty_like(buffer)
@@ -219,7 +219,7 @@ class Compressor:
             return comm.all_reduce_mean_async(flat)
         x = flat.detach().float()
         if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.add_residual(segments, x, step)
+            x = self.add_residual(segments, x)
         world, numel = comm.world_size, x.numel()
         if self.collective == "all_reduce":
             payload = self.compress(x, segments, step)

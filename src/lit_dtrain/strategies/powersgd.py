@@ -162,7 +162,7 @@ class PowerSGD(Compressor):
         world = comm.world_size
         x = flat.detach().float()
         if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.add_residual(segments, x, step)
+            x = self.add_residual(segments, x)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
         compressed, uncompressed = self.plan(segments)
         if self.error_feedback:  # local residual M - P_hat Q_local^T, in place; uncompressed vectors are exact
