@@ -337,6 +337,20 @@ def test_bad_arguments_name_the_key():
         s.observe(torch.rand(2, 32), torch.tensor([0, 1]), 2)
 
 
+
+@pytest.mark.parametrize("kw", [{"num_bands": 0}, {"max_freq": 0}, {"num_bands": -3},
+                                {"num_bands": -1, "stages": False}, {"max_freq": -5},
+                                {"max_freq": 256, "num_bands": 0}])
+def test_non_positive_band_config_is_rejected_not_replaced_by_auto(kw):
+    """0 is not "auto" (that is None): num_bands=0 used to be silently replaced by the brief's 4 bands."""
+    key = next(k for k in ("max_freq", "num_bands") if k in kw and kw[k] <= 0)
+    with pytest.raises(ValueError, match=key):
+        FourierSampler(**kw)
+    s = make(max_freq=None, num_bands=None, stages=False)  # None still picks the brief's default for T
+    s.observe(torch.rand(2, 64), torch.tensor([0, 1]), 0)
+    assert (s.max_freq, s.num_bands) == (256, 4)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(2, 40),

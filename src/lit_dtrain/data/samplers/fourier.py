@@ -94,8 +94,9 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"FourierSampler uniform_floor must be in [0, 1], got {uniform_floor}")
         if not step_unit > 0 or not decay_steps > 0:
             raise ValueError(f"FourierSampler step_unit and decay_steps must be > 0, got {step_unit}, {decay_steps}")
-        if max_freq is not None and num_bands is not None:
-            spectral.compute_bands(max_freq, num_bands)  # validates both
+        for name, value in {"max_freq": max_freq, "num_bands": num_bands}.items():
+            if value is not None and not int(value) > 0:  # None (not 0) picks the brief's default for T
+                raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), got {value}")
         self.max_freq, self.num_bands = max_freq, num_bands
         self.score, self.variant = score, variant
         self.mix_initial, self.mix_final, self.decay_steps = float(mix_initial), float(mix_final), int(decay_steps)
@@ -139,8 +140,8 @@ class FourierSampler(IndexSampler):
         if self.seq_len and self.seq_len != seq_len:
             raise ValueError(f"FourierSampler was bound to T={self.seq_len} but got token_loss with T={seq_len}")
         auto_freq, auto_bands = spectral.default_band_config(seq_len)
-        self.max_freq = int(self.max_freq or auto_freq)
-        self.num_bands = int(self.num_bands or auto_bands)
+        self.max_freq = int(auto_freq if self.max_freq is None else self.max_freq)
+        self.num_bands = int(auto_bands if self.num_bands is None else self.num_bands)
         fine = self.num_bands
         if self.stages and self.stage_bands:
             fine = max(fine, *(s.bands for s in self.stage_table))
