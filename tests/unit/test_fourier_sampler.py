@@ -351,6 +351,14 @@ def test_non_positive_band_config_is_rejected_not_replaced_by_auto(kw):
     assert (s.max_freq, s.num_bands) == (256, 4)
 
 
+
+@pytest.mark.parametrize("cap", [-1.0, 0.0, 1e-5])
+def test_magnitude_cap_below_min_prob_is_rejected(cap):
+    """magnitude_cap=-1 used to give negative sampling probabilities (clamp(min, max) with max < min is max)."""
+    with pytest.raises(ValueError, match="magnitude_cap"):
+        FourierSampler(variant="magnitude", magnitude_cap=cap)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(2, 40),

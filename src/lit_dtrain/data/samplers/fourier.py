@@ -88,6 +88,8 @@ class FourierSampler(IndexSampler):
                 raise ValueError(f"FourierSampler {name} must be in [0, 1), got {value}")
         if not 0.0 < min_prob <= max_prob:
             raise ValueError(f"FourierSampler needs 0 < min_prob <= max_prob, got {min_prob}, {max_prob}")
+        if not magnitude_cap >= min_prob:  # else clamp(min_prob, cap) returns cap: zero or negative weights
+            raise ValueError(f"FourierSampler needs magnitude_cap >= min_prob, got {magnitude_cap}, {min_prob}")
         if not prior > 0:
             raise ValueError(f"FourierSampler prior must be > 0, got {prior}")
         if not 0.0 <= uniform_floor <= 1.0:
