@@ -107,6 +107,20 @@ def test_stage_schedule_and_switches():
         FourierSampler(stage_table=[["a", 1, 2, 0.1, 1.0]])
 
 
+
+def test_stage_table_rows_as_mappings_from_a_hydra_config():
+    """Rows as mappings (documented: "or dicts") arrive from Hydra as DictConfig, which is not a dict: they used
+    to be unpacked positionally, i.e. as their keys ("could not convert string to float: 'start'")."""
+    from omegaconf import OmegaConf
+
+    rows = [{"name": "warm", "start": 0, "bands": 4, "mix": 0.3, "lr_mult": 0.1},
+            {"name": "stable", "start": 2, "bands": 8, "mix": 0.7, "lr_mult": 1.0}]
+    expected = (S.Stage("warm", 0.0, 4, 0.3, 0.1), S.Stage("stable", 2.0, 8, 0.7, 1.0))
+    assert S.parse_stages(rows) == expected
+    assert S.parse_stages(OmegaConf.create(rows)) == expected
+    assert FourierSampler(stage_table=OmegaConf.create(rows)).stage_table == expected
+
+
 def test_moment_ratio_is_scale_free_and_magnitude_is_not():
     """The brief's |m1|/sqrt(m2) ranks by the score's stability, not its size (a documented finding)."""
     m1, m2 = torch.zeros(3), torch.zeros(3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +173,7 @@ def parse_stages(table) -> tuple[Stage, ...]:
         return DEFAULT_STAGES
     stages = []
     for row in table:
-        stage = Stage(**row) if isinstance(row, dict) else Stage(*row)
+        stage = Stage(**row) if isinstance(row, Mapping) else Stage(*row)  # Mapping: also a Hydra DictConfig
         stage = Stage(str(stage.name), float(stage.start), int(stage.bands), float(stage.mix), float(stage.lr_mult))
         if stage.bands <= 0 or not 0.0 <= stage.mix <= 1.0 or stage.lr_mult <= 0:
             raise ValueError(f"stage_table row {row!r}: need bands > 0, 0 <= mix <= 1, lr_mult > 0")
