@@ -443,6 +443,28 @@ def test_callback_rejects_other_samplers_and_missing_keys():
         cb.on_train_batch_end(trainer, None, {"token_loss": torch.rand(1, 8)}, None, 0)
 
 
+
+def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
+    """On one process observe() applies its update at once: the entropy logged after it was the next draw's."""
+    s = make(variant="magnitude", stages=False, uniform_floor=0.0)
+    cb = FourierSamplerCallback(log_every_n_steps=1)
+    trainer = _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
+    logged = []
+    module = type("M", (), {"log_dict": lambda self, metrics, **kw: logged.append(metrics)})()
+    drawn_from = []
+    for step in range(4):
+        idx = s.global_batch(step, 8)
+        drawn_from.append(S.entropy(s.probabilities(step)))
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
+        token_loss = torch.rand(8, 32, generator=torch.Generator().manual_seed(step)) * (1 + idx[:, None] % 5)
+        cb.on_train_batch_end(trainer, module, {"token_loss": token_loss, "index": idx}, None, step)
+    assert len(set(drawn_from)) > 1  # the distribution does move
+    assert [m["fourier/prob_entropy"] for m in logged] == drawn_from
+
+
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
     """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs

@@ -107,6 +107,12 @@ class FourierSamplerCallback(L.Callback):
         require_outputs(self, outputs, self.required_step_outputs)
         sampler = self.sampler_of(trainer)
         step = self._batch_step
+        last_micro = not (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1)
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        log_now = last_micro and (trainer.global_step % every == 0 or trainer.global_step == 1)
+        # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
+        # entropy would be that of the *next* draw, not of the distribution this batch was drawn from
+        prob_entropy = sampler.entropy() if log_now else None
         stats = sampler.observe(outputs["token_loss"], outputs["index"], step=step)
         self._comm_bytes += stats["comm_bytes"]
         if stats["nonfinite"] and not self._warned_nonfinite:
@@ -114,15 +120,14 @@ class FourierSamplerCallback(L.Callback):
             rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {step} had a "
                            "NaN/inf token loss; they are left out of the sampling table (counted in "
                            "fourier/nonfinite_skipped)")
-        if (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1):
+        if not last_micro:
             return  # mid-accumulation: log once per optimizer step
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every == 0 or trainer.global_step == 1:
+        if log_now:
             batch_size = int(outputs["token_loss"].shape[0])
             metrics = {
                 "fourier/mix": float(stats["mix"]),
                 "fourier/bands": float(stats["bands"]),
-                "fourier/prob_entropy": sampler.entropy(),
+                "fourier/prob_entropy": prob_entropy,
                 "fourier/top_band_energy": stats["top_band_energy"],
                 "fourier/lr_mult": sampler.lr_multiplier(trainer.global_step),
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),

@@ -434,7 +434,10 @@ class FourierSampler(IndexSampler):
         return self._probs_at(torch.arange(self.num_samples))
 
     def entropy(self) -> float:
-        """Entropy (nats) of the distribution of the last draw (no flush); ``log(N)`` is uniform. O(N)."""
+        """Entropy (nats) of the distribution of the table as it is (no flush); ``log(N)`` is uniform. O(N).
+
+        Called between a draw and the :meth:`observe` of its batch, it is the distribution the batch was drawn
+        from (on one process, or with ``async_op=False``, ``observe`` applies its update at once)."""
         return spectral.entropy(self._probs_at(torch.arange(self.num_samples)))
 
     def global_batch(self, step: int, size: int) -> torch.Tensor:
