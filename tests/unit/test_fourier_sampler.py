@@ -319,6 +319,21 @@ def test_memory_is_linear_in_samples():
     assert per[0]["total"] <= 64
 
 
+
+def test_bytes_per_sample_counts_every_per_sample_tensor_held():
+    """Under a mixture prior the sampler also holds the prior (float64, 8 B/sample): it was left out."""
+    n = 3000
+    for base in (None, torch.cat([torch.full((n // 2,), 3.0), torch.ones(n - n // 2)]).double()):
+        s = FourierSampler(step_unit=1)
+        s.setup(n, base, seed=0)
+        feed(s, 2)
+        s.global_batch(2, 8)
+        held = [v for v in vars(s).values() if isinstance(v, torch.Tensor)]
+        held += [v for v in s._cache.values() if isinstance(v, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t.numel() > 1}
+        assert s.bytes_per_sample()["total"] == pytest.approx(sum(storages.values()) / n)
+
+
 def test_importance_weights_are_unbiased():
     s = make(variant="magnitude", importance_weights=True, stages=False)
     feed(s, 10, hot={1, 2})

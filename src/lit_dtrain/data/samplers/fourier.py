@@ -496,12 +496,13 @@ class FourierSampler(IndexSampler):
     def bytes_per_sample(self) -> dict:
         """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
         profile fp16 x bands, excluded bool) and the derived caches (the float64 importance, which is also the
-        sampling weight with one source; the weights, target and target CDF under a mixture prior or exclusions;
+        sampling weight with one source; the mixture prior itself, and the weights, target and target CDF under a
+        mixture prior or exclusions;
         the unseen mask for ``magnitude``; a few float64 values per block of ``BLOCK``), from the tensors
         actually held (after setup and the first update)."""
         n = max(self.num_samples, 1)
         table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
-        cache = [self._elem, self._unseen]
+        cache = [self._elem, self._unseen, self.base_weights]  # base_weights: the mixture prior (None: uniform)
         cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
 
         def size(ts) -> float:  # each storage once (the weights may be the importance itself)
