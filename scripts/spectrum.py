@@ -86,6 +86,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
     ap.add_argument("--out", default="spectrum.png", help="PNG path")
     args = ap.parse_args()
+    for flag, value in (("--max-freq", args.max_freq), ("--num-bands", args.num_bands),
+                        ("--block-size", args.block_size)):
+        if value is not None and value <= 0:  # not "auto": that is leaving the flag out
+            ap.error(f"{flag} must be a positive integer, got {value}")
 
     import matplotlib
 
@@ -95,7 +99,8 @@ def main() -> None:
     models = [load_model(p) for p in args.checkpoints]
     T = args.block_size or models[0].config.block_size
     auto_freq, auto_bands = spectral.default_band_config(T)
-    max_freq, num_bands = args.max_freq or auto_freq, args.num_bands or auto_bands
+    max_freq = auto_freq if args.max_freq is None else args.max_freq
+    num_bands = auto_bands if args.num_bands is None else args.num_bands
     windows = windows_of(args, T)
     labels = args.labels or args.checkpoints
     fig, ax = plt.subplots(figsize=(8, 4.8))

@@ -381,6 +381,18 @@ def test_non_positive_band_config_is_rejected_not_replaced_by_auto(kw):
 
 
 
+
+def test_spectrum_script_rejects_non_positive_band_flags(tmp_path):
+    """scripts/spectrum.py --num-bands 0 (or --max-freq 0) used to plot the auto bands as if the flag were absent."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "spectrum.py"),
+                           str(tmp_path / "missing.ckpt"), "--num-bands", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--num-bands must be a positive integer" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("cap", [-1.0, 0.0, 1e-5])
 def test_magnitude_cap_below_min_prob_is_rejected(cap):
     """magnitude_cap=-1 used to give negative sampling probabilities (clamp(min, max) with max < min is max)."""
