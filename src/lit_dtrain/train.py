@@ -192,6 +192,18 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     return datamodule.tokenizer.decode(out[0].cpu())
 
 
+class _TrainClock(L.Callback):
+    """When training proper starts (``on_train_start``): after the DDP launch, the process-group rendezvous,
+    data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
+    with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+
 def pin_sweep_dir() -> None:
     """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
     sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
@@ -233,6 +245,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
             callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
+    clock = _TrainClock()
+    callbacks.append(clock)
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = 0
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
@@ -249,7 +263,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     t0 = time.perf_counter()
     _fit(trainer, module, datamodule, ckpt_path)
-    fit_seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    fit_seconds = t1 - t0
+    train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
 
@@ -270,7 +286,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         "val_loss": val_loss,
         "val_ppl": perplexity(val_loss),
         "steps": steps,
-        "tokens_per_sec": tokens / fit_seconds if tokens else None,  # None: this invocation trained no step
+        "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
         "wall_seconds": fit_seconds,
         "checkpoint": last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),

@@ -180,3 +180,25 @@ def test_generate_script_samples_from_checkpoint(tiny_cfg, tmp_path):
     )
     assert empty.returncode == 0, empty.stderr
     assert json.loads(empty.stdout.strip().splitlines()[-1])["new_tokens"] == 7
+
+
+def test_tokens_per_sec_excludes_startup(tiny_cfg, monkeypatch):
+    """tokens/s is measured from the start of training, not of trainer.fit: start-up before the first step
+    (in a DDP multirun, job 0 alone launches rank 1 and waits for its imports) would make that job look slower
+    than an identical later one."""
+    import time
+
+    from lit_dtrain.data import LMDataModule
+
+    setup = LMDataModule.setup
+
+    def slow_setup(self, stage=None):
+        time.sleep(3.0)  # stands in for start-up that only some jobs of a sweep pay
+        return setup(self, stage)
+
+    monkeypatch.setattr(LMDataModule, "setup", slow_setup)
+    metrics, objects = train(tiny_cfg("sample.max_new_tokens=0", run="slow_start"))
+    dm = objects["datamodule"]
+    tokens = metrics["steps"] * dm.batch_size * dm.block_size
+    assert metrics["wall_seconds"] > 3.0
+    assert tokens / metrics["tokens_per_sec"] < metrics["wall_seconds"] - 2.5  # the 3 s of start-up not counted
