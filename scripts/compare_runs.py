@@ -31,9 +31,19 @@ def event_dirs(run: Path) -> list[Path]:
     return sorted({p.parent for p in run.rglob(EVENT_GLOB)})
 
 
-def expand_runs(paths: list[str]) -> list[Path]:
-    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are."""
+def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path]:
+    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are.
+
+    A Hydra job dir (``.hydra/``) without event files, a sweep job that failed before logging anything, is
+    skipped with a warning on stderr and appended to ``skipped``; it does not stop the comparison."""
     runs: list[Path] = []
+    skipped = [] if skipped is None else skipped
+
+    def skip(job: Path) -> None:
+        print(f"compare_runs: skipping {job} (a Hydra job without TensorBoard event files: it failed before "
+              "logging, or has not started)", file=sys.stderr)
+        skipped.append(str(job))
+
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_file():  # a shell glob over a sweep dir also matches Hydra's multirun.yaml
@@ -42,13 +52,22 @@ def expand_runs(paths: list[str]) -> list[Path]:
         if not path.is_dir():
             raise CompareError(f"run dir {raw!r} does not exist")
         own = [d for d in event_dirs(path) if not _inside_job(d, path)]
-        jobs = sorted((d for d in path.iterdir() if d.is_dir() and event_dirs(d)), key=_job_key)
+        subdirs = sorted((d for d in path.iterdir() if d.is_dir()), key=_job_key)
+        jobs = [d for d in subdirs if event_dirs(d)]
         if own or not jobs:
             if not event_dirs(path):
+                if (path / ".hydra").is_dir():  # e.g. one job of the README's `outputs/multiruns/<time>/*` glob
+                    skip(path)
+                    continue
                 raise CompareError(f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) below it")
             runs.append(path)
         else:
             runs.extend(jobs)
+            for d in subdirs:
+                if (d / ".hydra").is_dir() and not event_dirs(d):
+                    skip(d)
+    if not runs and skipped:
+        raise CompareError(f"no run has TensorBoard event files; skipped {skipped}")
     return runs
 
 
@@ -161,7 +180,8 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
 def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None, out: str | None = None,
             table: str | None = None, title: str = "", logy: bool = False) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result."""
-    run_dirs = expand_runs(runs)
+    skipped: list[str] = []
+    run_dirs = expand_runs(runs, skipped)
     if labels and len(labels) != len(run_dirs):
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
@@ -185,7 +205,8 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         plot(curves, metrics, Path(out), title=title, logy=logy)
     finite = [r for r in rows if math.isfinite(r["final"])]
     best = min(finite, key=lambda r: r["final"])["label"] if finite else None
-    return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "markdown": text}
+    return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "skipped": skipped,
+            "markdown": text}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,3 +77,18 @@ def test_errors_name_the_run_and_metric(tmp_path, capsys):
         compare_runs.compare([str(a)], ["val/loss"], labels=["x", "y"])
     assert compare_runs.main([str(tmp_path / "nope")]) == 2
     assert "error" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_failed_sweep_job_is_skipped_and_reported(tmp_path, capsys):
+    """A sweep job that failed before logging (e.g. a bad value) has .hydra/ but no event files: it is
+    named on stderr and in the JSON, and neither silently dropped nor fatal for the README's glob form."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
+    (sweep / "1" / ".hydra").mkdir(parents=True)  # the failed job: Hydra wrote its config, nothing else
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=-1\n")
+    write_run(sweep / "2", {5: 2.9}, overrides=["optimizer.lr=3e-3"])
+    for args in ([str(sweep)], sorted(str(p) for p in sweep.glob("*"))):
+        result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "s.png"))
+        assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
+        assert result["skipped"] == [str(sweep / "1")]
+        assert f"skipping {sweep / '1'}" in capsys.readouterr().err
