@@ -140,6 +140,9 @@ def markdown_table(rows: list[dict], metric: str) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if r.get("missing"):  # the run has not logged the metric at all
+            lines.append(f"| {r['label']} | - | - | - | - |")
+            continue
         gap = (r["final"] / ref - 1) * 100 if math.isfinite(r["final"]) and ref else float("nan")
         lines.append(
             f"| {r['label']} | {r['final_step']} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
@@ -188,13 +191,18 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
     labels = labels or make_labels(run_dirs)
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     rows = []
-    for label, run in zip(labels, run_dirs):
-        scalars = read_scalars(run)
-        for metric in metrics:
+    all_scalars = [read_scalars(run) for run in run_dirs]
+    for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
+        if not any(metric in scalars for scalars in all_scalars):
+            raise CompareError(f"run {str(run_dirs[0])!r} has no scalar {metric!r}; it has {sorted(all_scalars[0])}")
+        for run, scalars in zip(run_dirs, all_scalars):
             if metric not in scalars:
-                raise CompareError(f"run {str(run)!r} has no scalar {metric!r}; it has {sorted(scalars)}")
-        curves[label] = {m: scalars[m] for m in metrics}
-        rows.append({"label": label, "dir": str(run), **summarize(scalars[metrics[0]])})
+                print(f"compare_runs: run {str(run)!r} has no scalar {metric!r} (it stopped before logging it?); "
+                      f"it has {sorted(scalars)}", file=sys.stderr)
+    for label, run, scalars in zip(labels, run_dirs, all_scalars):
+        curves[label] = {m: scalars.get(m, []) for m in metrics}
+        rows.append({"label": label, "dir": str(run), **summarize(scalars.get(metrics[0], [])),
+                     **({"missing": True} if metrics[0] not in scalars else {})})
     text = markdown_table(rows, metrics[0])
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)

@@ -92,3 +92,19 @@ def test_failed_sweep_job_is_skipped_and_reported(tmp_path, capsys):
         assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
         assert result["skipped"] == [str(sweep / "1")]
         assert f"skipping {sweep / '1'}" in capsys.readouterr().err
+
+
+def test_run_without_the_metric_does_not_abort_the_comparison(tmp_path, capsys):
+    """A run killed (or still running) before its first validation has train scalars but no val/loss: the
+    other runs are still tabulated, that one gets an empty row and a warning."""
+    a = write_run(tmp_path / "a", {10: 3.0, 20: 2.5})
+    b = tmp_path / "b"
+    w = SummaryWriter(str(b / "tb"))
+    w.add_scalar("train/loss", 4.0, 3)
+    w.close()
+    result = compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
+    rows = {r["label"]: r for r in result["runs"]}
+    assert rows["a"]["final"] == pytest.approx(2.5) and result["best"] == "a"
+    assert rows["b"]["missing"] and rows["b"]["final_step"] is None
+    assert "| b | - | - | - | - |" in result["markdown"]
+    assert "run '" + str(b) + "' has no scalar 'val/loss'" in capsys.readouterr().err
