@@ -202,3 +202,18 @@ def test_tokens_per_sec_excludes_startup(tiny_cfg, monkeypatch):
     tokens = metrics["steps"] * dm.batch_size * dm.block_size
     assert metrics["wall_seconds"] > 3.0
     assert tokens / metrics["tokens_per_sec"] < metrics["wall_seconds"] - 2.5  # the 3 s of start-up not counted
+
+
+def test_spike_loss_z_is_not_logged_during_the_detector_warmup(tiny_cfg):
+    """spike/loss_z of a run without spikes stays in a plottable range: before the statistics exist (step 1)
+    the z-score used to be logged as 1e6, which flattened every overlaid loss_spike run in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_cfg("callbacks=[default,loss_spike]", "callbacks.progress_bar=null",
+                   "callbacks.loss_spike.warmup_steps=2", "trainer.log_every_n_steps=1", "sample.max_new_tokens=0",
+                   run="spikes")
+    _, objects = train(cfg)
+    acc = EventAccumulator(str(Path(objects["trainer"].default_root_dir) / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    z = [(e.step, e.value) for e in acc.Scalars("spike/loss_z")]
+    assert z and all(abs(v) < 1e3 for _, v in z), z

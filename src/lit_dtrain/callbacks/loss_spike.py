@@ -331,8 +331,10 @@ class LossSpikeMonitor(L.Callback):
             self._finish_event(trainer, pl_module, pending)
         if pending is not None or (trainer.global_step - 1) % max(trainer.log_every_n_steps, 1) == 0:
             # self.log costs ~0.1-1 ms; at the logger's cadence (and on every event) is enough
-            pl_module.log("spike/loss_z", min(decision.loss_z, 1e6), on_step=True, on_epoch=False,
-                          rank_zero_only=True)
+            if pending is not None or self.detector.loss_stat.ready:  # in the warmup z is unused and meaningless
+                # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot)
+                pl_module.log("spike/loss_z", min(decision.loss_z, 1e6), on_step=True, on_epoch=False,
+                              rank_zero_only=True)
             pl_module.log("spike/count", float(self.num_spikes), on_step=True, on_epoch=False, rank_zero_only=True)
             if "lr_cooldown" in self.actions:
                 pl_module.log("spike/lr_multiplier", self.lr_multiplier(trainer.global_step), on_step=True,
