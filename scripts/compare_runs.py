@@ -238,8 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(result.pop("markdown"), end="")
     print(f"wrote {result['png']}" + (f" and {result['table']}" if result["table"] else ""))
-    print(json.dumps(result))
+    print(json.dumps(_finite_or_none(result), allow_nan=False))  # strict JSON: NaN/inf (a diverged run) -> null
     return 0
+
+
+def _finite_or_none(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

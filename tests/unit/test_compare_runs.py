@@ -108,3 +108,17 @@ def test_run_without_the_metric_does_not_abort_the_comparison(tmp_path, capsys):
     assert rows["b"]["missing"] and rows["b"]["final_step"] is None
     assert "| b | - | - | - | - |" in result["markdown"]
     assert "run '" + str(b) + "' has no scalar 'val/loss'" in capsys.readouterr().err
+
+
+def test_json_line_is_strict_json_with_a_diverged_run(tmp_path, capsys):
+    """A diverged run logs NaN val/loss: the last line must still be valid JSON (null, not the NaN literal)."""
+    a = write_run(tmp_path / "a", {10: 3.0, 20: 2.5})
+    b = write_run(tmp_path / "b", {10: float("nan"), 20: float("nan")})
+    assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "c.png")]) == 0
+
+    def reject(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=reject)
+    rows = {r["label"]: r for r in result["runs"]}
+    assert rows["b"]["final"] is None and rows["a"]["final"] == pytest.approx(2.5) and result["best"] == "a"
