@@ -134,3 +134,26 @@ def test_every_experiment_composes(tmp_path, corpus):
         check_config(cfg)
         assert instantiate(cfg.model) is not None
         assert isinstance(instantiate(cfg.optimizer), object)
+
+
+def test_sweeps_started_in_the_same_second_get_their_own_dirs(monkeypatch, tmp_path):
+    """Two `python train.py -m ...` started in the same second (one per GPU from a script, a SLURM array) used to
+    resolve the same outputs/multiruns/<time>, so their job 0, 1, ... wrote into each other's dirs."""
+    import time
+
+    from hydra import compose, initialize_config_dir
+
+    monkeypatch.delenv("LIT_DTRAIN_SWEEP_DIR", raising=False)
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path))
+
+    def sweep_dir() -> tuple[str, int]:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", return_hydra_config=True)
+            return str(cfg.hydra.sweep.dir), int(time.time())
+
+    for _ in range(5):  # two composes a few ms apart, in the same wall-clock second
+        (a, sa), (b, sb) = sweep_dir(), sweep_dir()
+        if sa == sb:
+            break
+    assert sa == sb
+    assert a.startswith(str(tmp_path / "multiruns")) and a != b
