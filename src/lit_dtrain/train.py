@@ -86,6 +86,10 @@ def check_config(cfg: DictConfig) -> None:
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
+    for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value}")
     model_block = cfg.model.get("block_size")
     data_block = cfg.data.get("block_size")
     if model_block is not None and data_block is not None and data_block > model_block:

@@ -90,6 +90,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("optimizer.lr=3e-3x", r"optimizer.lr must be a number, got '3e-3x'"),
         ("data.batch_size=1.5", "data.batch_size must be an integer, got 1.5"),
         ("trainer.val_check_interval=0.5", "trainer.val_check_interval must be an integer"),
+        ("trainer.val_check_interval=0", "trainer.val_check_interval must be a positive integer, got 0"),
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
