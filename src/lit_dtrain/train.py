@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
-from lit_dtrain.checkpoint import AtomicCheckpointIO, safe_torch_load
+from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, safe_torch_load
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
@@ -46,6 +46,11 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except RuntimeError as e:
+        if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
+            raise CheckpointError(
+                f"checkpoint {ckpt_path!r} does not fit the configured model (set model.* to the shape of the run "
+                f"that wrote it): {str(e)[:800]}"
+            ) from e
         if trainer.world_size > 1 and any(h in str(e).lower() for h in _COLLECTIVE_HINTS):
             launcher = getattr(trainer.strategy, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank
@@ -104,6 +109,19 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def checkpoint_global_step(path: str | os.PathLike) -> int:
+    """``global_step`` of a Lightning training checkpoint; :class:`CheckpointError` naming the file if it is
+    readable but not one (a plain model state dict, a tensor, a list ...)."""
+    ckpt = safe_torch_load(path, mmap=True)
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt or not isinstance(ckpt.get("state_dict"), dict):
+        what = f"a dict with keys {sorted(map(str, ckpt))[:5]}" if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a Lightning training checkpoint: it holds {what}, without "
+            "'global_step' and 'state_dict'; resume from a .ckpt written by train.py"
+        )
+    return int(ckpt["global_step"])
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -254,7 +272,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = 0
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
-        start_step = int(safe_torch_load(ckpt_path, mmap=True)["global_step"])
+        start_step = checkpoint_global_step(ckpt_path)
     logger = build_logger(cfg, start_step)
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],

@@ -280,3 +280,21 @@ def test_changed_corpus_rebuilds_cache_and_unreadable_is_named(tiny_cfg, corpus,
     monkeypatch.setattr(builtins, "open", deny)
     with pytest.raises(CorpusError, match="doc_005.txt.*Permission denied"):
         train(tiny_cfg("sample.max_new_tokens=0", run="c3"))
+
+
+def test_checkpoint_that_is_not_a_training_checkpoint_is_named(tiny_cfg, tmp_path):
+    """A readable torch file that is not a Lightning checkpoint, or one of another model shape: CheckpointError
+    naming the file (it was a raw KeyError / TypeError / IndexError, or a state_dict RuntimeError)."""
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                             "model.d_model=64", run="wide"))
+    wide = Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    state = torch.load(wide, weights_only=True)["state_dict"]
+    bad = {"plain_state_dict": state, "a_tensor": torch.zeros(3), "a_list": [1, 2],
+           "no_state_dict": {"global_step": 2}}
+    for name, obj in bad.items():
+        path = tmp_path / f"{name}.ckpt"
+        torch.save(obj, path)
+        with pytest.raises(CheckpointError, match=f"{name}.ckpt' is not a Lightning training checkpoint"):
+            train(tiny_cfg("sample.max_new_tokens=0", f"ckpt_path={path}", run=f"resume_{name}"))
+    with pytest.raises(CheckpointError, match="last.ckpt' does not fit the configured model"):
+        train(tiny_cfg("sample.max_new_tokens=0", f"ckpt_path={wide}", run="resume_wide"))
