@@ -124,6 +124,17 @@ def checkpoint_global_step(path: str | os.PathLike) -> int:
     return int(ckpt["global_step"])
 
 
+def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step``, or None."""
+    steps = {}
+    for p in sorted(ckpt_dir.glob("*.ckpt")):
+        try:
+            steps[p] = checkpoint_global_step(p)
+        except CheckpointError as e:
+            log.warning("resume=auto: skipping %s", e)
+    return max(steps, key=steps.get) if steps else None
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of this run dir when ``resume=auto``."""
     if cfg.get("ckpt_path"):
@@ -135,6 +146,13 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
         return str(ckpt_dir / "last.ckpt")
     earlier = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+    if earlier and cfg.get("resume") == "auto":
+        # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
+        # (ModelCheckpoint writes the step file first). Continue from the newest intact one.
+        newest = _newest_step_checkpoint(ckpt_dir)
+        if newest is not None:
+            log.warning("resume=auto: no %s, resuming from the newest checkpoint %s", ckpt_dir / "last.ckpt", newest)
+            return str(newest)
     if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
         raise ConfigError(
             f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"

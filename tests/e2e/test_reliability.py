@@ -298,3 +298,20 @@ def test_checkpoint_that_is_not_a_training_checkpoint_is_named(tiny_cfg, tmp_pat
             train(tiny_cfg("sample.max_new_tokens=0", f"ckpt_path={path}", run=f"resume_{name}"))
     with pytest.raises(CheckpointError, match="last.ckpt' does not fit the configured model"):
         train(tiny_cfg("sample.max_new_tokens=0", f"ckpt_path={wide}", run="resume_wide"))
+
+
+def test_resume_auto_without_last_ckpt_continues_from_the_newest_checkpoint(tiny_cfg):
+    """Killed while writing the first last.ckpt (ModelCheckpoint writes the step file first): resume=auto used to
+    refuse with 'continue it with resume=auto'; it now resumes from the step file and ends like a straight run."""
+    straight, _ = train(tiny_cfg("sample.max_new_tokens=0", run="straight"))
+    keep_all = "callbacks.model_checkpoint.save_top_k=-1"
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", keep_all, run="killed"))
+    ckpt_dir = Path(objs["trainer"].default_root_dir) / "checkpoints"
+    for p in ckpt_dir.glob("*.ckpt"):  # leave what a SIGKILL before the first last.ckpt's rename leaves
+        if not p.name.startswith("step000003"):
+            p.unlink()
+    (ckpt_dir / "garbage.ckpt").write_bytes(b"junk")  # an unreadable file is skipped, not picked
+    assert [p.name for p in ckpt_dir.glob("step*.ckpt")]
+    resumed, _ = train(tiny_cfg("sample.max_new_tokens=0", keep_all, "resume=auto", run="killed"))
+    assert resumed["steps"] == straight["steps"] == 6
+    assert resumed["val_loss"] == straight["val_loss"]
