@@ -98,6 +98,33 @@ def test_token_cache_reused_and_rebuilt_on_change(corpus, tmp_path):
     assert len(list((tmp_path / "c").iterdir())) == 2
 
 
+@pytest.mark.parametrize("damage", ["truncate_even", "truncate_odd", "empty", "bad_meta", "missing_val"])
+def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
+    """A cache file truncated or damaged after the build was read as it was (training on a fraction of the
+    corpus without a word) or failed with a raw numpy/json error; it is now detected and rebuilt."""
+    src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    good = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    expected = np.asarray(good.train).copy(), np.asarray(good.val).copy()
+    out_dir = os.path.dirname(good.train.filename)
+    del good
+    train_bin, meta = os.path.join(out_dir, "train.bin"), os.path.join(out_dir, "meta.json")
+    if damage == "truncate_even":
+        os.truncate(train_bin, 1000)
+    elif damage == "truncate_odd":
+        os.truncate(train_bin, 999)
+    elif damage == "empty":
+        os.truncate(train_bin, 0)
+    elif damage == "bad_meta":
+        with open(meta, "w") as f:
+            f.write('{"sou')
+    else:
+        os.remove(os.path.join(out_dir, "val.bin"))
+    again = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert np.array_equal(np.asarray(again.train), expected[0])
+    assert np.array_equal(np.asarray(again.val), expected[1])
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [os.path.basename(out_dir)]
+
+
 def test_split_is_by_document_and_deterministic(tmp_path):
     corpus = make_corpus(tmp_path / "big", n_files=60, size=2000)
     src = CorpusSource(name="t", kind="files", paths=[str(corpus)])

@@ -166,12 +166,46 @@ def build_token_cache(
                     str(binary[0]))
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
+    if (out_dir / "meta.json").exists():
+        problem = _cache_problem(out_dir)
+        if problem is not None:  # truncated or damaged after it was built: never train on it
+            log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
+            _discard(out_dir)
     if not (out_dir / "meta.json").exists():
         _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
     meta = json.loads((out_dir / "meta.json").read_text())
     train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
     return TokenSplits(source.name, train, val, meta)
+
+
+def _cache_problem(out_dir: Path) -> str | None:
+    """What is wrong with a built cache dir (unreadable meta.json, a .bin file whose size does not match the
+    token count recorded in meta.json), or None when it is intact."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+        expected = {"train.bin": int(meta["train_tokens"]), "val.bin": int(meta["val_tokens"])}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"meta.json unreadable: {type(e).__name__}: {e}"
+    itemsize = np.dtype(np.uint16).itemsize
+    for name, tokens in expected.items():
+        try:
+            size = (out_dir / name).stat().st_size
+        except OSError as e:
+            return f"{name}: {e.strerror or e}"
+        if size != tokens * itemsize:
+            return f"{name} holds {size} bytes, meta.json records {tokens} tokens ({tokens * itemsize} bytes)"
+    return None
+
+
+def _discard(out_dir: Path) -> None:
+    """Move a damaged cache dir out of the way (atomically, so a concurrent reader never sees half of it)."""
+    trash = out_dir.with_name(f".{out_dir.name}.damaged-{os.getpid()}")
+    try:
+        os.replace(out_dir, trash)
+    except OSError:  # another process moved or rebuilt it first
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress) -> None:
