@@ -315,3 +315,22 @@ def test_resume_auto_without_last_ckpt_continues_from_the_newest_checkpoint(tiny
     resumed, _ = train(tiny_cfg("sample.max_new_tokens=0", keep_all, "resume=auto", run="killed"))
     assert resumed["steps"] == straight["steps"] == 6
     assert resumed["val_loss"] == straight["val_loss"]
+
+
+@pytest.mark.parametrize("content", ["empty", "truncated", "garbage", "tensor"])
+def test_bad_decay_branch_checkpoint_is_named(tiny_cfg, tmp_path, content):
+    """decay_branch.ckpt went through a bare torch.load: a damaged file was a raw torch RuntimeError."""
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+    from lit_dtrain.train import ConfigError
+
+    path = tmp_path / f"{content}.ckpt"
+    if content == "tensor":
+        torch.save(torch.zeros(3), path)
+    elif content == "truncated":
+        torch.save({"global_step": 3, "state_dict": {"w": torch.zeros(1000)}}, path)
+        path.write_bytes(path.read_bytes()[:2000])
+    else:
+        path.write_bytes(b"" if content == "empty" else b"not a checkpoint" * 10)
+    cfg = tiny_cfg(f"decay_branch.ckpt={path}", "decay_branch.steps=2", "scheduler.warmup_steps=0", run="branch")
+    with pytest.raises((CheckpointError, ConfigError), match=f"{content}.ckpt"):
+        apply_decay_branch(cfg)

@@ -36,8 +36,8 @@ def _config_error(message: str) -> Exception:
 
 def checkpoint_step(path: str | Path) -> int:
     """The ``global_step`` stored in a Lightning checkpoint file."""
-    ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    if "global_step" not in ckpt:
+    ckpt = safe_torch_load(path, mmap=True)  # a corrupt file is a CheckpointError naming it
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
         raise _config_error(f"checkpoint {str(path)!r} has no 'global_step'; is it a Lightning checkpoint?")
     return int(ckpt["global_step"])
 
