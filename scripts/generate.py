@@ -20,14 +20,19 @@ from lit_dtrain.models import build_llama
 
 def load_model(path: str):
     ckpt = safe_torch_load(path)
-    if "model_config" not in ckpt:
+    if not isinstance(ckpt, dict) or "model_config" not in ckpt:
         raise SystemExit(f"{path}: no 'model_config' entry; was it written by lit_dtrain's LitLLM?")
     model = build_llama(**ckpt["model_config"])
+    if not isinstance(ckpt.get("state_dict"), dict):
+        raise SystemExit(f"{path}: no 'state_dict' entry; was it written by lit_dtrain's LitLLM?")
     prefix = "model."
     state = {
         k[len(prefix) :].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)
     }
-    model.load_state_dict(state, strict=False)  # rope tables are non-persistent buffers
+    try:  # strict: a checkpoint without (all of) the weights must not sample from a random init
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise SystemExit(f"{path}: the weights do not match its model_config: {str(e)[:600]}") from e
     return model.eval(), ckpt
 
 

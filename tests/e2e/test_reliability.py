@@ -334,3 +334,25 @@ def test_bad_decay_branch_checkpoint_is_named(tiny_cfg, tmp_path, content):
     cfg = tiny_cfg(f"decay_branch.ckpt={path}", "decay_branch.steps=2", "scheduler.warmup_steps=0", run="branch")
     with pytest.raises((CheckpointError, ConfigError), match=f"{content}.ckpt"):
         apply_decay_branch(cfg)
+
+
+@pytest.mark.parametrize("script", ["generate", "spectrum"])
+def test_scripts_refuse_checkpoints_without_their_weights(tiny_cfg, tmp_path, script):
+    """scripts/generate.py loaded with strict=False: a checkpoint with an empty state_dict sampled from a random
+    init without a word; a tensor or a dict without state_dict was a raw RuntimeError/KeyError."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_{script}", ROOT / "scripts" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2"))
+    good = Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    mod.load_model(str(good))  # a real checkpoint loads strictly
+    ckpt = torch.load(good, weights_only=True)
+    bad = {"empty_state_dict": {**ckpt, "state_dict": {}}, "a_tensor": torch.zeros(3),
+           "no_state_dict": {k: v for k, v in ckpt.items() if k != "state_dict"}}
+    for name, obj in bad.items():
+        path = tmp_path / f"{name}.ckpt"
+        torch.save(obj, path)
+        with pytest.raises(SystemExit, match=f"{name}.ckpt"):
+            mod.load_model(str(path))
