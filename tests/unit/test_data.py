@@ -1,5 +1,6 @@
 import builtins
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -123,6 +124,21 @@ def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
     assert np.array_equal(np.asarray(again.train), expected[0])
     assert np.array_equal(np.asarray(again.val), expected[1])
     assert [p.name for p in (tmp_path / "c").iterdir()] == [os.path.basename(out_dir)]
+
+
+def test_full_disk_while_writing_the_token_cache_is_named(corpus, tmp_path):
+    """A cache dir on a full disk failed with numpy's bare "OSError: N requested and M written"."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.fail("cannot mount a tmpfs (the disk-full test needs root, which CI has)")
+    try:
+        src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+        with pytest.raises(CorpusError, match=r"cannot write the token cache of data source 't' under .*tmpfs"):
+            build_token_cache(src, mnt, 33, progress=False)
+        assert list(mnt.iterdir()) == []  # no half-written cache or temp dir left
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_split_is_by_document_and_deterministic(tmp_path):

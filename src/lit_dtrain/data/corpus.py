@@ -226,6 +226,21 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
             f"data source {source.name!r} is too short: {len(train) + len(val)} tokens in {len(docs)} file(s), "
             f"but train and val each need at least one window of block_size+1 = {min_tokens} tokens"
         )
+    try:
+        meta = _write_cache_files(out_dir, train, val, split, len(docs), tokenizer, source)
+    except OSError as e:  # disk full, read-only or missing cache dir ...
+        reason = e.strerror or str(e)
+        if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
+            reason += " (is the disk full?)"
+        raise CorpusError(
+            f"cannot write the token cache of data source {source.name!r} under {str(out_dir.parent)!r}: {reason}; "
+            "free space there or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"
+        ) from e
+    log.info("token cache %s: %s", out_dir, meta)
+
+
+def _write_cache_files(out_dir, train, val, split, n_docs, tokenizer, source) -> dict:
+    """Write the cache into a temp dir beside ``out_dir``, fsync, rename; the temp dir never stays behind."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -234,7 +249,7 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
         meta = {
             "source": source.name,
             "tokenizer": tokenizer.name,
-            "documents": len(docs),
+            "documents": n_docs,
             "split": split,
             "train_tokens": int(len(train)),
             "val_tokens": int(len(val)),
@@ -250,4 +265,4 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("token cache %s: %s", out_dir, meta)
+    return meta
