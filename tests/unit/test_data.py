@@ -141,6 +141,22 @@ def test_full_disk_while_writing_the_token_cache_is_named(corpus, tmp_path):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
+@pytest.mark.parametrize("weight, match", [("abc", r"weight must be a number, got 'abc' \(str\)"),
+                                           (float("inf"), "weight must be finite and >= 0, got inf"),
+                                           (float("nan"), "weight must be finite and >= 0, got nan"),
+                                           (-1.0, "weight must be finite and >= 0, got -1.0")])
+def test_bad_source_weight_is_named(weight, match):
+    """weight='abc' was a TypeError from '>=' and weight=inf made the mixture NaN (an IndexError mid-training)."""
+    with pytest.raises(CorpusError, match=match):
+        CorpusSource(name="t", kind="files", paths=["x"], weight=weight)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_val_batch_size_is_named(corpus, tmp_path, value):
+    with pytest.raises(ValueError, match=f"data.val_batch_size must be positive, got {value}"):
+        LMDataModule(sources=[CorpusSource(name="t", kind="files", paths=[str(corpus)])], val_batch_size=value)
+
+
 def test_split_is_by_document_and_deterministic(tmp_path):
     corpus = make_corpus(tmp_path / "big", n_files=60, size=2000)
     src = CorpusSource(name="t", kind="files", paths=[str(corpus)])

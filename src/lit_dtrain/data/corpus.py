@@ -53,8 +53,11 @@ class CorpusSource:
             raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
         if self.kind == "files" and not self.paths:
             raise CorpusError(f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list")
-        if not self.weight >= 0:
-            raise CorpusError(f"data source {self.name!r}: weight must be >= 0, got {self.weight}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
+            raise CorpusError(f"data source {self.name!r}: weight must be a number, got {self.weight!r} "
+                              f"({type(self.weight).__name__})")
+        if not 0 <= self.weight < float("inf"):  # inf made the mixture's probabilities NaN
+            raise CorpusError(f"data source {self.name!r}: weight must be finite and >= 0, got {self.weight}")
 
 
 def stdlib_files() -> list[Path]:

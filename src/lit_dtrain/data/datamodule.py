@@ -108,6 +108,8 @@ class LMDataModule(L.LightningDataModule):
         if len(set(names)) != len(names):
             raise CorpusError(f"data.sources names must be unique, got {names}")
         sizes = {"block_size": block_size, "batch_size": batch_size, "max_val_windows": max_val_windows}
+        if val_batch_size is not None:  # 0 used to mean batch_size silently, -1 failed inside torch's DataLoader
+            sizes["val_batch_size"] = val_batch_size
         for name, value in sizes.items():
             if int(value) <= 0:
                 raise ValueError(f"data.{name} must be positive, got {value}")
