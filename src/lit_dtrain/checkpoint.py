@@ -28,7 +28,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialize fully before touching the disk
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_file_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
@@ -47,6 +47,25 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.close(dir_fd)
     except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
         pass
+
+
+def temp_file_name(path: Path) -> Path:
+    """The temp file :func:`atomic_torch_save` writes before renaming it over ``path``."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
+    """Delete the ``.<name>.tmp-<pid>`` files that a process killed mid-write left in ``directory``.
+
+    Each is as large as a checkpoint, and repeated preemptions would otherwise fill the disk. Call it only
+    where no other process can be writing into ``directory`` (train() does, on rank 0, before fitting a run
+    that owns the directory). Returns the removed paths."""
+    removed = []
+    for tmp in sorted(Path(directory).glob(".*.ckpt.tmp-*")):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:

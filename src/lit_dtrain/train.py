@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
-from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, safe_torch_load
+from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temp_files, safe_torch_load
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
@@ -248,6 +248,29 @@ class _TrainClock(L.Callback):
         self.start = time.perf_counter()
 
 
+class _LogStepSync(L.Callback):
+    """Keeps the step that loggers see equal to ``global_step`` after a resume.
+
+    Lightning logs at its own counter of stepped batches, restored from the checkpoint and bumped by one on
+    restart, on the assumption that the checkpoint was saved inside a training batch. The final ``last.ckpt``
+    that :func:`train` writes after ``fit`` is not, so continuing a finished run (``resume=auto`` with a larger
+    ``trainer.max_steps``) logged every later point one step late (val at 9, 12, 13 instead of 8, 11, 12) and its
+    curves did not line up with a straight run's. With one optimizer (LitLLM) the two counters are equal by
+    construction; this puts them back in line at the first batch, after Lightning's restart bookkeeping."""
+
+    def __init__(self) -> None:
+        self._checked = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        loop = trainer.fit_loop.epoch_loop
+        if getattr(loop, "_batches_that_stepped", trainer.global_step) != trainer.global_step:
+            log.debug("logging step %d -> global_step %d", loop._batches_that_stepped, trainer.global_step)
+            loop._batches_that_stepped = trainer.global_step
+
+
 def pin_sweep_dir() -> None:
     """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
     sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
@@ -290,8 +313,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
     clock = _TrainClock()
-    callbacks.append(clock)
+    callbacks += [clock, _LogStepSync()]
     ckpt_path = resolve_ckpt_path(cfg)
+    if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
+        for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):
+            log.warning("removed %s, left by a process killed while writing a checkpoint", tmp)
     start_step = 0
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
         start_step = checkpoint_global_step(ckpt_path)

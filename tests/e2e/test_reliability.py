@@ -311,10 +311,13 @@ def test_resume_auto_without_last_ckpt_continues_from_the_newest_checkpoint(tiny
         if not p.name.startswith("step000003"):
             p.unlink()
     (ckpt_dir / "garbage.ckpt").write_bytes(b"junk")  # an unreadable file is skipped, not picked
+    stale = ckpt_dir / ".last.ckpt.tmp-999999"  # the half-written file the kill left; as large as a checkpoint
+    stale.write_bytes(b"x" * 1000)
     assert [p.name for p in ckpt_dir.glob("step*.ckpt")]
     resumed, _ = train(tiny_cfg("sample.max_new_tokens=0", keep_all, "resume=auto", run="killed"))
     assert resumed["steps"] == straight["steps"] == 6
     assert resumed["val_loss"] == straight["val_loss"]
+    assert not stale.exists() and not list(ckpt_dir.glob(".*.tmp-*"))  # removed, not left to fill the disk
 
 
 @pytest.mark.parametrize("content", ["empty", "truncated", "garbage", "tensor"])

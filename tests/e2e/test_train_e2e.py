@@ -217,3 +217,22 @@ def test_spike_loss_z_is_not_logged_during_the_detector_warmup(tiny_cfg):
     acc.Reload()
     z = [(e.step, e.value) for e in acc.Scalars("spike/loss_z")]
     assert z and all(abs(v) < 1e3 for _, v in z), z
+
+
+def test_continuing_a_finished_run_logs_at_the_same_steps_as_a_straight_run(tiny_cfg):
+    """resume=auto from the final last.ckpt with a larger max_steps: every later point is logged at its own
+    global step (Lightning bumped its logging counter on restart, so val came at 9, 12, 13 instead of 8, 11, 12)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def logged_steps(objects, tag: str) -> list[int]:
+        acc = EventAccumulator(str(Path(objects["trainer"].default_root_dir) / "tb"), size_guidance={"scalars": 0})
+        acc.Reload()
+        return [e.step for e in acc.Scalars(tag)]
+
+    common = ["trainer.val_check_interval=3", "trainer.log_every_n_steps=2", "sample.max_new_tokens=0"]
+    train(tiny_cfg(*common, "trainer.max_steps=6", run="extended"))
+    _, extended = train(tiny_cfg(*common, "trainer.max_steps=12", "resume=auto", run="extended"))
+    _, straight = train(tiny_cfg(*common, "trainer.max_steps=12", run="straight"))
+    assert extended["trainer"].global_step == 12
+    for tag in ("val/loss", "train/loss"):
+        assert logged_steps(extended, tag) == logged_steps(straight, tag), tag

@@ -572,3 +572,22 @@ def test_16_mixed_grad_scaler_skip_and_rollback(tmp_path: Path, fused: bool, act
     assert scaler_probe.states[7] == scaler_probe.states[expected]  # scale and growth tracker too
     assert scaler_probe.states[8]["scale"] == 2 * scaler_probe.states[7]["scale"]  # and the scaler carries on
     assert clip.stat.ready and 0.05 < clip.stat.location() < 50  # unscaled norms (the scale reaches 2**16)
+
+
+def test_a_run_that_is_nan_at_every_step_stops_instead_of_skipping_forever(tmp_path: Path) -> None:
+    """Skip drops a NaN step; but if every step is NaN the run cannot recover and must not end as a success."""
+    from lit_dtrain.module import NonFiniteError
+
+    nan_from_3 = Inject({s: "nan" for s in range(3, 40)})
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_nonfinite=4)
+    trainer = make_trainer(tmp_path, [nan_from_3, monitor], max_steps=30)
+    with pytest.raises(NonFiniteError, match=r"4 non-finite \(NaN/inf\) steps in a row, steps 3-6"):
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert trainer.global_step == 7  # steps 3..6 were dropped, not applied, before it stopped
+    assert len((tmp_path / "spikes.jsonl").read_text().splitlines()) == 4
+    # an isolated NaN step is still just skipped: the count restarts at every finite step
+    sparse = Inject({3: "nan", 5: "nan", 7: "nan"})
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_nonfinite=2)
+    trainer = make_trainer(tmp_path / "sparse", [sparse, monitor], max_steps=10)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path / "sparse"))
+    assert trainer.global_step == 10 and monitor.num_spikes == 3 and monitor.nonfinite_run == []

@@ -50,9 +50,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
-from lit_dtrain.callbacks._spike_stats import SpikeDetector, SpikeWindow, cooldown_factor
+from lit_dtrain.callbacks._spike_stats import (
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    SpikeDetector,
+    SpikeWindow,
+    cooldown_factor,
+)
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
+from lit_dtrain.module import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,9 @@ class LossSpikeMonitor(L.Callback):
         max_consecutive: after this many loss spikes in a row the new loss level is accepted (statistics
             restart from it; a ``level_shift`` line goes to spikes.jsonl), so ``skip`` cannot stall a run whose
             loss moved for good. None: never (non-finite losses are never accepted).
+        max_nonfinite: after this many non-finite steps in a row (NaN/inf loss or grads, each dropped by
+            ``skip``/``rollback``) raise :class:`~lit_dtrain.module.NonFiniteError`: a run whose every step is NaN
+            cannot be recovered by dropping steps, and must not end as if it had trained. None: never.
         path: the events file (default ``<trainer.default_root_dir>/spikes.jsonl``).
     """
 
@@ -117,6 +127,7 @@ class LossSpikeMonitor(L.Callback):
         raise_after: int = 3,
         raise_window: int = 1000,
         max_consecutive: int | None = 10,
+        max_nonfinite: int | None = 10,
         path: str | None = None,
     ) -> None:
         super().__init__()
@@ -134,6 +145,9 @@ class LossSpikeMonitor(L.Callback):
                             ("cooldown_ramp_steps", cooldown_ramp_steps)):
             if int(value) < 0:
                 raise ValueError(f"LossSpikeMonitor: {name} must be >= 0, got {value}")
+        if max_nonfinite is not None and int(max_nonfinite) < 1:
+            raise ValueError(f"LossSpikeMonitor: max_nonfinite must be >= 1 or None, got {max_nonfinite}")
+        self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)
         if not 0.0 < cooldown_factor <= 1.0:
             raise ValueError(f"LossSpikeMonitor: cooldown_factor must be in (0, 1], got {cooldown_factor}")
         self.detector = SpikeDetector(z_threshold, rel_threshold, grad_z_threshold, method=method, decay=decay,
@@ -148,6 +162,7 @@ class LossSpikeMonitor(L.Callback):
         self.excluded: list[int] = []  # global sample indices never to be trained on again
         self.events: list[dict] = []  # this process's events (also in spikes.jsonl)
         self.num_spikes = 0
+        self.nonfinite_run: list[int] = []  # steps of the current run of consecutive non-finite steps
         self.cooldown_start = -(10**9)
         self.recent_indices: deque[list[int]] = deque(maxlen=max(self.exclude_previous_steps, 1))
         # per-step / in-memory state
@@ -263,6 +278,10 @@ class LossSpikeMonitor(L.Callback):
             grad_norm = math.inf
         decision = self.detector.decide(loss_total / world, grad_norm)
         self.last_decision = decision
+        if NONFINITE_LOSS in decision.reasons or NONFINITE_GRAD in decision.reasons:
+            self.nonfinite_run.append(step)
+        else:
+            self.nonfinite_run = []
         if decision.level_shift:
             self._record(trainer, {"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
                          f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in a row; "
@@ -340,6 +359,13 @@ class LossSpikeMonitor(L.Callback):
                 pl_module.log("spike/lr_multiplier", self.lr_multiplier(trainer.global_step), on_step=True,
                               on_epoch=False, rank_zero_only=True)
         self._reset_step()
+        if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
+            steps = self.nonfinite_run
+            raise NonFiniteError(
+                f"LossSpikeMonitor: {len(steps)} non-finite (NaN/inf) steps in a row, steps {steps[0]}-{steps[-1]} "
+                f"(max_nonfinite={self.max_nonfinite}); dropping steps cannot recover this run: lower optimizer.lr, "
+                f"check the data, or resume from an earlier checkpoint. See {self._events_path(trainer)}"
+            )
         if pending is not None and "raise" in pending["actions"] and pending["counted"]:
             if self.window.add(pending["step"]):
                 raise LossSpikeError(
@@ -426,6 +452,7 @@ class LossSpikeMonitor(L.Callback):
             "window_steps": list(self.window.steps),
             "excluded": torch.as_tensor(self.excluded, dtype=torch.long),
             "num_spikes": self.num_spikes,
+            "nonfinite_run": list(self.nonfinite_run),
             "cooldown_start": self.cooldown_start,
             "recent_indices": [list(x) for x in self.recent_indices],
         }
@@ -436,6 +463,7 @@ class LossSpikeMonitor(L.Callback):
         self.window.steps = [int(s) for s in state_dict["window_steps"]]
         self.excluded = [int(i) for i in torch.as_tensor(state_dict["excluded"]).tolist()]
         self.num_spikes = int(state_dict["num_spikes"])
+        self.nonfinite_run = [int(s) for s in state_dict.get("nonfinite_run", [])]
         self.cooldown_start = int(state_dict["cooldown_start"])
         self.recent_indices.clear()
         self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
