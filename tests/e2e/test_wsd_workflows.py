@@ -204,3 +204,22 @@ def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path):
     apply_decay_branch(cfg)  # restart after an interruption: resume the branch's own last.ckpt
     assert cfg.ckpt_path is None and cfg.resume == "auto"
     assert cfg.trainer.max_steps == 5 and cfg.scheduler.total_steps == 5 and cfg.scheduler.decay_steps == 3
+
+
+@pytest.mark.parametrize("mode", [[], ["~scheduler", "callbacks=[default,wsd]"]], ids=["scheduler", "callback"])
+def test_branch_warmup_check_uses_the_branch_horizon_not_the_default_max_steps(tmp_path, mode):
+    # The default warmup is ${lit.warmup:${trainer.max_steps}}; the branch sets max_steps = S + N, so the check
+    # must see min(100, (S + N) // 10) = 7 here, not min(100, 1000 // 10) = 100 from conf/trainer's default.
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+    from lit_dtrain.train import check_config
+    from tests.conftest import compose_cfg
+
+    ckpt = tmp_path / "src" / "step60.ckpt"
+    ckpt.parent.mkdir()
+    torch.save({"global_step": 60, "state_dict": {}}, ckpt)
+    cfg = compose_cfg([*mode, f"decay_branch.ckpt={ckpt}", "decay_branch.steps=10"], tmp_path / "branch", tiny=False)
+    assert apply_decay_branch(cfg) == 60
+    assert cfg.trainer.max_steps == 70
+    node = cfg.scheduler if not mode else cfg.callbacks.wsd
+    assert (node.total_steps, node.decay_steps, node.warmup_steps) == (70, 10, 7)
+    check_config(cfg)  # the schedule the branch will run is valid

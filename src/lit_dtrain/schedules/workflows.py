@@ -94,6 +94,8 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         )
     start = checkpoint_step(src)
     total = start + steps
+    with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
+        cfg.trainer.max_steps = total
     for node in nodes:
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup:
@@ -107,7 +109,6 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             node.decay_fraction = None
     own_last = Path(str(cfg.paths.checkpoint_dir)) / "last.ckpt"
     with open_dict(cfg):
-        cfg.trainer.max_steps = total
         if cfg.get("resume") == "auto" and own_last.is_file():
             log.info("decay_branch: resuming this branch's own %s", own_last)
         else:
