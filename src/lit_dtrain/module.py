@@ -8,6 +8,7 @@ the step output contract ``{"loss", "token_loss" [B, T], "index" [B]}`` of :meth
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 
@@ -18,6 +19,9 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_dtrain.optim import adamw
+from lit_dtrain.schedules.lr import StepLambdaLR
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
@@ -96,6 +100,18 @@ class LitLLM(L.LightningModule):
         B, T, V = logits.shape
         token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
         return token_loss.view(B, T)
+
+    def on_train_start(self) -> None:
+        # The schedule is a function of the optimizer step. A checkpoint without LR-scheduler state (written with
+        # the WSDScheduler callback, or with '~scheduler') leaves the new scheduler at step 0 while global_step
+        # continues from the checkpoint: it would re-warm and put the decay S steps too late. Align it.
+        step = self.trainer.global_step
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if isinstance(scheduler, StepLambdaLR) and scheduler.last_epoch != step:
+                log.warning("LR scheduler at step %d but the run is at global_step %d (the checkpoint holds no "
+                            "scheduler state): moving the schedule to step %d", scheduler.last_epoch, step, step)
+                scheduler.set_step(step)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         if self.flops_per_batch is None and isinstance(batch, dict) and "input_ids" in batch:

@@ -223,3 +223,18 @@ def test_branch_warmup_check_uses_the_branch_horizon_not_the_default_max_steps(t
     node = cfg.scheduler if not mode else cfg.callbacks.wsd
     assert (node.total_steps, node.decay_steps, node.warmup_steps) == (70, 10, 7)
     check_config(cfg)  # the schedule the branch will run is valid
+
+
+def test_scheduler_resuming_a_checkpoint_without_scheduler_state_follows_the_global_step(
+        tiny_cfg, tmp_path, corpus):
+    # a run with the WSDScheduler callback saves no LR-scheduler state; resuming (extending) it with the default
+    # LR scheduler must run the schedule at global_step, not restart it at step 0 (re-warmup, decay 4 steps late)
+    tiny_no_sched = [o for o in TINY if not o.startswith("scheduler.")]
+    cb_overrides = [*tiny_no_sched, "~scheduler", "callbacks=[default,wsd]", "callbacks.progress_bar=null",
+                    "callbacks.wsd.warmup_steps=2", "callbacks.wsd.total_steps=100", "trainer.max_steps=4"]
+    _, first, _ = run(compose_cfg(cb_overrides, tmp_path / "cb", corpus, tiny=False))
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    _, ext, probe = run(tiny_cfg("scheduler.warmup_steps=2", f"ckpt_path={ckpt}", "trainer.max_steps=8", run="ext"))
+    assert ext["trainer"].global_step == 8
+    expected = [PEAK * wsd_lr_factor(s, total_steps=8, warmup_steps=2, decay_steps=2) for s in range(4, 8)]
+    assert [probe.lrs[s] for s in range(4, 8)] == expected  # PEAK, PEAK, PEAK * (1 - sqrt(1/2)), 0

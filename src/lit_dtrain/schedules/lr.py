@@ -184,6 +184,11 @@ class StepLambdaLR(LambdaLR):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        self.set_step(self.last_epoch)
+
+    def set_step(self, step: int) -> None:
+        """Move the schedule to optimizer step ``step`` and set every group's LR to ``base_lr * factor(step)``."""
+        self.last_epoch = int(step)
         values = [base_lr * fn(self.last_epoch) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]
         for group, lr in zip(self.optimizer.param_groups, values):
             group["lr"] = lr
