@@ -280,3 +280,22 @@ def test_mixture_prior_and_exclusions_are_drawn_from_a_cached_cdf():
     assert 0 in torch.cat([other.global_batch(step, 4096) for step in range(20)]).tolist()
     other.load_state_dict(s.state_dict())
     assert other.num_excluded == 3 and torch.equal(other.global_batch(5, 64), s.global_batch(5, 64))
+
+
+def test_empty_files_warn_for_user_files_but_not_for_the_stdlib(tmp_path, monkeypatch, caplog):
+    """The default corpus (the stdlib) always holds empty __init__.py files: no warning on every run."""
+    import lit_dtrain.data.corpus as corpus_mod
+
+    corpus = make_corpus(tmp_path / "c", n_files=3)
+    (corpus / "empty.txt").write_text("")
+    files = sorted(corpus.iterdir())
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        build_token_cache(CorpusSource(name="x", kind="files", paths=[str(corpus)]), tmp_path / "a", 33, progress=False)
+    warned = [r for r in caplog.records if "empty file" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"]
+    caplog.clear()
+    monkeypatch.setattr(corpus_mod, "stdlib_files", lambda: files)
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        build_token_cache(CorpusSource(name="stdlib", kind="stdlib"), tmp_path / "b", 33, progress=False)
+    noted = [r for r in caplog.records if "empty file" in r.getMessage()]
+    assert [r.levelname for r in noted] == ["INFO"]

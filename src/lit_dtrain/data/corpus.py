@@ -162,7 +162,9 @@ def build_token_cache(
             f"data source {source.name!r} is empty: {len(files)} file(s), all empty (e.g. {str(files[0])!r})"
         )
     if empty:
-        log.warning("data source %r: skipped %d empty file(s)", source.name, empty)
+        # the stdlib always holds empty files (__init__.py ...): expected, so not a warning on every run
+        level = logging.INFO if source.kind == "stdlib" else logging.WARNING
+        log.log(level, "data source %r: skipped %d empty file(s)", source.name, empty)
     if binary:
         log.warning("data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
                     "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
