@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -29,6 +30,30 @@ from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
 
 log = logging.getLogger(__name__)
+
+
+class _DropLightningTips(logging.Filter):
+    """Drop Lightning's '💡 Tip: ... try installing litlogger/litmodels' adverts (printed on every run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_lightning_noise() -> None:
+    """Silence messages every run prints that a user cannot act on (idempotent).
+
+    - Lightning's litlogger / litmodels adverts;
+    - torch's FutureWarning about ``LeafSpec``, raised inside Lightning's own ``_pytree`` helper;
+    - Lightning's "use sync_dist=True" hint for ``val/*``: LitLLM logs values of torchmetrics metrics, whose
+      ``compute()`` has already reduced them over the ranks.
+    """
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
+            logger.addFilter(_DropLightningTips())
+    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
 
 
 class ConfigError(ValueError):
@@ -285,6 +310,7 @@ def pin_sweep_dir() -> None:
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
+    quiet_lightning_noise()
     apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
     check_config(cfg)
     check_init_from(cfg)
