@@ -13,13 +13,16 @@ import json
 
 import torch
 
-from lit_dtrain.checkpoint import safe_torch_load
+from lit_dtrain.checkpoint import CheckpointError, safe_torch_load
 from lit_dtrain.data import ByteTokenizer
 from lit_dtrain.models import build_llama
 
 
 def load_model(path: str):
-    ckpt = safe_torch_load(path)
+    try:  # a missing, truncated or foreign file: one line naming it, not a traceback
+        ckpt = safe_torch_load(path)
+    except CheckpointError as e:
+        raise SystemExit(str(e)) from e
     if not isinstance(ckpt, dict) or "model_config" not in ckpt:
         raise SystemExit(f"{path}: no 'model_config' entry; was it written by lit_dtrain's LitLLM?")
     model = build_llama(**ckpt["model_config"])

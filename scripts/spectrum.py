@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lit_dtrain.checkpoint import safe_torch_load
+from lit_dtrain.checkpoint import CheckpointError, safe_torch_load
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.models import build_llama
@@ -31,7 +31,10 @@ from lit_dtrain.models import build_llama
 
 def load_model(path: str) -> torch.nn.Module:
     """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``)."""
-    ckpt = safe_torch_load(path)
+    try:  # a missing, truncated or foreign file: one line naming it, not a traceback
+        ckpt = safe_torch_load(path)
+    except CheckpointError as e:
+        raise SystemExit(str(e)) from e
     if not isinstance(ckpt, dict) or "model_config" not in ckpt:
         raise SystemExit(f"{path}: no 'model_config' in the checkpoint (was it written by lit_dtrain's LitLLM?)")
     model = build_llama(**ckpt["model_config"])
