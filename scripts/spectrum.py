@@ -117,7 +117,7 @@ def main() -> None:
     for model, label in zip(models, labels):
         power, mean_loss = mean_spectrum(model, windows, args.batch_size)
         band = spectral.bin_to_band(max_freq, num_bands, T).numpy()
-        energy = np.array([power[band == b].sum() for b in range(num_bands)])
+        energy = np.array([power[band == b].sum() for b in range(num_bands)], dtype=np.float64)  # no f32 noise in JSON
         cumulative = np.cumsum(power[1:]) / power[1:].sum()
         bandwidth = int(np.searchsorted(cumulative, args.bandwidth_fraction) + 1)
         ax.loglog(freqs[1:], power[1:], label=f"{label} (mean loss {mean_loss:.3f})")
