@@ -81,6 +81,19 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
 
 
+def checkpoint_global_step(path: str | os.PathLike) -> int:
+    """``global_step`` of a Lightning training checkpoint; :class:`CheckpointError` naming the file if it is
+    readable but not one (a plain model state dict, a tensor, a list ...)."""
+    ckpt = safe_torch_load(path, mmap=True)
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt or not isinstance(ckpt.get("state_dict"), dict):
+        what = f"a dict with keys {sorted(map(str, ckpt))[:5]}" if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a Lightning training checkpoint: it holds {what}, without "
+            "'global_step' and 'state_dict'; resume from a .ckpt written by train.py"
+        )
+    return int(ckpt["global_step"])
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`."""
 

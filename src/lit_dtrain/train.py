@@ -24,7 +24,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
-from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temp_files, safe_torch_load
+from lit_dtrain.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    checkpoint_global_step,
+    remove_stale_temp_files,
+)
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
@@ -138,19 +143,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
-
-
-def checkpoint_global_step(path: str | os.PathLike) -> int:
-    """``global_step`` of a Lightning training checkpoint; :class:`CheckpointError` naming the file if it is
-    readable but not one (a plain model state dict, a tensor, a list ...)."""
-    ckpt = safe_torch_load(path, mmap=True)
-    if not isinstance(ckpt, dict) or "global_step" not in ckpt or not isinstance(ckpt.get("state_dict"), dict):
-        what = f"a dict with keys {sorted(map(str, ckpt))[:5]}" if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is not a Lightning training checkpoint: it holds {what}, without "
-            "'global_step' and 'state_dict'; resume from a .ckpt written by train.py"
-        )
-    return int(ckpt["global_step"])
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from lit_dtrain.checkpoint import safe_torch_load
+from lit_dtrain.checkpoint import checkpoint_global_step, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,6 @@ def _config_error(message: str) -> Exception:
     from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
 
     return ConfigError(message)
-
-
-def checkpoint_step(path: str | Path) -> int:
-    """The ``global_step`` stored in a Lightning checkpoint file."""
-    ckpt = safe_torch_load(path, mmap=True)  # a corrupt file is a CheckpointError naming it
-    if not isinstance(ckpt, dict) or "global_step" not in ckpt:
-        raise _config_error(f"checkpoint {str(path)!r} has no 'global_step'; is it a Lightning checkpoint?")
-    return int(ckpt["global_step"])
 
 
 def _wsd_nodes(cfg: DictConfig) -> list:
@@ -92,7 +84,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             "decay_branch needs the WSD schedule: scheduler=wsd (the default), "
             "or '~scheduler' 'callbacks=[default,wsd]'"
         )
-    start = checkpoint_step(src)
+    start = checkpoint_global_step(src)  # a corrupt or foreign file is a CheckpointError naming it
     total = start + steps
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
