@@ -103,6 +103,33 @@ def test_int_blocks_start_at_parameters_so_bucket_layout_does_not_matter(bits):
     assert q.compress(x, SEGMENTS, 0)[0].numel() == 15
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int_values_equal_each_parameter_quantized_on_its_own(bits):
+    """The codec works on views of runs of parameters; the result must equal quantizing every parameter alone,
+    in zero-padded blocks of its own (mixed layout: whole-block parameters next to ragged ones, and a run of
+    several whole-block parameters)."""
+    block, levels = 16, (127 if bits == 8 else 7)
+    shapes = [("a", (32,)), ("b", (16, 2)), ("c", (7,)), ("d", (48,)), ("e", (5, 5)), ("f", (16,)), ("g", (3,))]
+    segments = segments_from_shapes(shapes)
+    numel = sum(s.numel for s in segments)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(11)) * 2
+    x[40:48] = 0  # an all-zero block
+    q = BlockQuantizer(bits=bits, block_size=block)
+    scales, _ = payload = q.compress(x, segments, 0)
+    y = q.decompress(payload, segments, numel)
+    expected, expected_scales = [], []
+    for s in segments:
+        v = x[s.offset : s.offset + s.numel]
+        blocks = torch.cat([v, v.new_zeros((-v.numel()) % block)]).view(-1, block)
+        scale = blocks.abs().amax(1) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        qv = torch.round(blocks / safe[:, None]).clamp(-levels, levels)
+        expected.append((qv * scale[:, None]).view(-1)[: s.numel])
+        expected_scales.append(scale)
+    torch.testing.assert_close(scales, torch.cat(expected_scales), rtol=0, atol=0)
+    torch.testing.assert_close(y, torch.cat(expected), rtol=1e-6, atol=1e-7)
+
+
 def test_stochastic_rounding_is_unbiased_and_within_one_step():
     x = torch.randn(512) * 0.37
     q = BlockQuantizer(bits=4, block_size=64, stochastic_rounding=True)

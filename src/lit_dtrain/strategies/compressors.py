@@ -364,56 +364,62 @@ class BlockQuantizer(Compressor):
         self.seed = int(seed)
         self.levels = 127 if bits == 8 else 7
         self.name = f"int{bits}"
-        self._plans: dict[tuple, tuple | None] = {}
+        self._plans: dict[tuple, tuple[list[tuple[int, int, int]], int]] = {}
 
-    def _plan(self, segments: Sequence[Segment], numel: int) -> tuple | None:
-        """``(pieces, padded_numel)`` that start every parameter on a block: ``pieces`` are (flat offset, padded
-        offset, numel) in flat order. None when flat blocks already do that (every parameter but the last is a
-        whole number of blocks) or when the segments do not tile the buffer (then blocks are flat)."""
+    def _runs(self, segments: Sequence[Segment], numel: int) -> tuple[list[tuple[int, int, int]], int]:
+        """``(runs, num_blocks)``: the buffer as contiguous runs ``(flat offset, first block, numel)`` whose blocks
+        are whole ``block_size`` views except for a padded last one. A run ends after every parameter whose size is
+        not a multiple of ``block_size``, so every parameter starts on a block; one run of the whole buffer when the
+        segments do not tile it (then blocks are flat)."""
         key = (numel, *((s.offset, s.numel) for s in segments))
         if key not in self._plans:
-            pieces, flat, padded, aligned = [], 0, 0, True
+            bs, runs, flat, block, count = self.block_size, [], 0, 0, 0
             for offset, n in sorted(key[1:]):
                 if offset != flat:
                     break
-                aligned = aligned and padded == flat
-                pieces.append((offset, padded, n))
-                flat, padded = flat + n, padded + -(-n // self.block_size) * self.block_size
-            tiles = flat == numel and len(pieces) == len(segments)
-            self._plans[key] = (pieces, padded) if tiles and not aligned else None
+                if runs and runs[-1][2] % bs == 0:  # the run so far ends on a block boundary: extend it
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+                else:
+                    runs.append((offset, block, n))
+                flat, count = flat + n, count + 1
+                block = runs[-1][1] + -(-runs[-1][2] // bs)
+            if flat != numel or count != len(segments):
+                runs, block = [(0, 0, numel)], -(-numel // bs)
+            self._plans[key] = (runs, block)
         return self._plans[key]
 
-    def _blocks(self, x: Tensor, plan: tuple | None) -> Tensor:
-        if plan is not None:
-            pieces, padded = plan
-            buf = x.new_zeros(padded)
-            for offset, start, n in pieces:
-                buf[start : start + n] = x[offset : offset + n]
-            return buf.view(-1, self.block_size)
-        pad = (-x.numel()) % self.block_size
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad)])
-        return x.view(-1, self.block_size)  # (num_blocks, block_size)
+    def _views(self, runs: list[tuple[int, int, int]]):
+        """``(flat slice, block slice, rows)`` for every whole-block part and padded tail of ``runs``."""
+        bs = self.block_size
+        for a, b, n in runs:
+            full = n // bs
+            if full:
+                yield slice(a, a + full * bs), slice(b, b + full), full
+            if n % bs:
+                yield slice(a + full * bs, a + n), slice(b + full, b + full + 1), 1
 
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
-        plan = self._plan(segments, x.numel())
-        blocks = self._blocks(x, plan)
-        scales = blocks.abs().amax(dim=1) / self.levels  # (num_blocks,)
+        runs, num_blocks = self._runs(segments, x.numel())
+        bs, levels = self.block_size, self.levels
+        parts = list(self._views(runs))
+        # per-block max|x|: the whole blocks of each run as a (rows, bs) view, the tail block (padded with zeros,
+        # which do not change a max of absolute values) as one row
+        scales = torch.cat([x[f].view(rows, -1).abs().amax(dim=1) for f, _, rows in parts]).div_(levels)
         inverse = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
-        scaled = blocks * inverse[:, None]  # a broadcast multiply is ~4x faster than a divide on CPU
+        noise = None
         if self.stochastic_rounding:
             gen = torch.Generator(device=x.device).manual_seed(
                 (self.seed * 1_000_003 + step * 7919 + self.num_calls * 31 + self.rank * 104_729) % (2**63)
-            )
-            noise = torch.rand(scaled.shape, generator=gen, device=x.device)
-            q = torch.floor(scaled + noise)
-        else:
-            q = scaled.round_()
-        q = q.clamp_(-self.levels, self.levels).to(torch.int8).view(-1)
-        if plan is None:
-            q = q[: x.numel()]  # padding is not sent
-        else:
-            q = torch.cat([q[start : start + n] for _, start, n in plan[0]])
+            )  # drawn in the padded block layout, so a value's noise depends only on its block and position
+            noise = torch.rand((num_blocks, bs), generator=gen, device=x.device)
+        q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)  # padding is not sent
+        for f, blk, rows in parts:
+            scaled = x[f].view(rows, -1) * inverse[blk, None]  # a broadcast multiply is ~4x faster than a divide
+            if noise is not None:
+                scaled = torch.floor(scaled.add_(noise[blk, : scaled.shape[1]]))
+            else:
+                scaled = scaled.round_()
+            q[f].view(rows, -1).copy_(scaled.clamp_(-levels, levels))
         if self.bits == 4:  # two values per byte: stored as q + 8 in [1, 15]
             u = (q + 8).to(torch.uint8)
             if u.numel() % 2:
@@ -426,16 +432,11 @@ class BlockQuantizer(Compressor):
         scales, q = payload
         if self.bits == 4:
             q = torch.stack([q & 0x0F, q >> 4], dim=1).view(-1).to(torch.int16) - 8
-        plan = self._plan(segments, numel)
-        if plan is not None:
-            values = self._blocks(q[:numel].float(), plan).mul_(scales[:, None]).view(-1)
-            out = torch.empty(numel, dtype=torch.float32, device=values.device)
-            for offset, start, n in plan[0]:
-                out[offset : offset + n] = values[start : start + n]
-            return out
-        pad = scales.numel() * self.block_size - numel
-        values = q[:numel].float() if not pad else torch.cat([q[:numel].float(), q.new_zeros(pad, dtype=torch.float32)])
-        return values.view(-1, self.block_size).mul_(scales[:, None]).view(-1)[:numel]
+        runs, _ = self._runs(segments, numel)
+        out = torch.empty(numel, dtype=torch.float32, device=scales.device)
+        for f, blk, rows in self._views(runs):  # int * fp32 scale, written straight into the output
+            torch.mul(q[f].view(rows, -1), scales[blk, None], out=out[f].view(rows, -1))
+        return out
 
     def extra_repr(self) -> str:
         return (f"bits={self.bits}, block_size={self.block_size}, stochastic_rounding={self.stochastic_rounding}, "
