@@ -13,30 +13,18 @@ import json
 
 import torch
 
-from lit_dtrain.checkpoint import CheckpointError, safe_torch_load
+from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import ByteTokenizer
-from lit_dtrain.models import build_llama
+from lit_dtrain.schedules.workflows import model_from_checkpoint
 
 
 def load_model(path: str):
-    try:  # a missing, truncated or foreign file: one line naming it, not a traceback
-        ckpt = safe_torch_load(path)
+    """``(model, checkpoint)`` of a lit_dtrain checkpoint; one line naming the file when it is unusable."""
+    try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
+        model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
         raise SystemExit(str(e)) from e
-    if not isinstance(ckpt, dict) or "model_config" not in ckpt:
-        raise SystemExit(f"{path}: no 'model_config' entry; was it written by lit_dtrain's LitLLM?")
-    model = build_llama(**ckpt["model_config"])
-    if not isinstance(ckpt.get("state_dict"), dict):
-        raise SystemExit(f"{path}: no 'state_dict' entry; was it written by lit_dtrain's LitLLM?")
-    prefix = "model."
-    state = {
-        k[len(prefix) :].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)
-    }
-    try:  # strict: a checkpoint without (all of) the weights must not sample from a random init
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise SystemExit(f"{path}: the weights do not match its model_config: {str(e)[:600]}") from e
-    return model.eval(), ckpt
+    return model, ckpt
 
 
 def main() -> None:

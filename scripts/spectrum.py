@@ -23,31 +23,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lit_dtrain.checkpoint import CheckpointError, safe_torch_load
+from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.samplers import spectral
-from lit_dtrain.models import build_llama
+from lit_dtrain.schedules.workflows import model_from_checkpoint
 
 
 def load_model(path: str) -> torch.nn.Module:
     """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``)."""
-    try:  # a missing, truncated or foreign file: one line naming it, not a traceback
-        ckpt = safe_torch_load(path)
+    try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
+        model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
         raise SystemExit(str(e)) from e
-    if not isinstance(ckpt, dict) or "model_config" not in ckpt:
-        raise SystemExit(f"{path}: no 'model_config' in the checkpoint (was it written by lit_dtrain's LitLLM?)")
-    model = build_llama(**ckpt["model_config"])
-    if not isinstance(ckpt.get("state_dict"), dict):
-        raise SystemExit(f"{path}: no 'state_dict' entry; was it written by lit_dtrain's LitLLM?")
-    prefix = "model."
-    state = {k[len(prefix):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
-             if k.startswith(prefix)}
-    try:  # strict: a checkpoint without (all of) the weights must not sample from a random init
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise SystemExit(f"{path}: the weights do not match its model_config: {str(e)[:600]}") from e
-    return model.eval()
+    return model
 
 
 def windows_of(args, block_size: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from lit_dtrain.checkpoint import checkpoint_global_step, safe_torch_load
+from lit_dtrain.checkpoint import CheckpointError, checkpoint_global_step, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +123,47 @@ def check_init_from(cfg: DictConfig) -> None:
         )
 
 
-def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "model.") -> list[str]:
-    """Load only the model weights from a Lightning checkpoint of :class:`~lit_dtrain.module.LitLLM`.
-
-    Takes the ``state_dict`` entries under ``prefix`` (LitLLM keeps the model at ``self.model``), drops a
-    ``torch.compile`` ``_orig_mod.`` segment, and loads them strictly; returns the loaded keys. The
-    optimizer, scheduler, step and data position of the checkpoint are ignored.
-    """
-    ckpt = safe_torch_load(Path(str(path)).expanduser())
+def checkpoint_weights(ckpt, path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The model weights of a loaded :class:`~lit_dtrain.module.LitLLM` checkpoint: its ``state_dict`` entries under
+    ``prefix`` (LitLLM keeps the model at ``self.model``) with a ``torch.compile`` ``_orig_mod.`` segment dropped.
+    :class:`~lit_dtrain.checkpoint.CheckpointError` naming ``path`` when there are none."""
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    if state is None:
-        raise _config_error(f"init_from={str(path)!r} has no 'state_dict'; is it a Lightning checkpoint?")
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{str(path)!r} has no 'state_dict'; is it a Lightning checkpoint of lit_dtrain's LitLLM?"
+        )
     weights = {k[len(prefix):].replace("_orig_mod.", ""): v for k, v in state.items() if k.startswith(prefix)}
     if not weights:
-        raise _config_error(f"init_from={str(path)!r} has no weights under {prefix!r}; keys: {sorted(state)[:5]}")
+        raise CheckpointError(f"{str(path)!r} has no weights under {prefix!r}; keys: {sorted(state)[:5]}")
+    return weights
+
+
+def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
+    """``(model in eval mode, checkpoint dict)``: the model built from the checkpoint's ``model_config`` with all of
+    its weights loaded strictly (a checkpoint without them must not give a random init).
+    :class:`~lit_dtrain.checkpoint.CheckpointError` naming the file for a missing, damaged or foreign one."""
+    from lit_dtrain.models import build_llama
+
+    ckpt = safe_torch_load(Path(str(path)).expanduser())
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_config"), dict):
+        raise CheckpointError(f"{str(path)!r} has no 'model_config'; was it written by lit_dtrain's LitLLM?")
+    weights = checkpoint_weights(ckpt, path)
+    model = build_llama(**ckpt["model_config"])
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise CheckpointError(f"{str(path)!r}: the weights do not match its model_config: {str(e)[:600]}") from e
+    return model.eval(), ckpt
+
+
+def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "model.") -> list[str]:
+    """Load only the model weights (:func:`checkpoint_weights`) of a Lightning checkpoint of
+    :class:`~lit_dtrain.module.LitLLM` into ``model``, strictly; returns the loaded keys. The optimizer, scheduler,
+    step and data position of the checkpoint are ignored."""
+    try:
+        weights = checkpoint_weights(safe_torch_load(Path(str(path)).expanduser()), path, prefix)
+    except CheckpointError as e:
+        raise _config_error(f"init_from: {e}") from e
     target = getattr(model, "_orig_mod", model)
     try:
         target.load_state_dict(weights, strict=True)
