@@ -591,3 +591,36 @@ def test_a_run_that_is_nan_at_every_step_stops_instead_of_skipping_forever(tmp_p
     trainer = make_trainer(tmp_path / "sparse", [sparse, monitor], max_steps=10)
     trainer.fit(make_module(), datamodule=make_data(tmp_path / "sparse"))
     assert trainer.global_step == 10 and monitor.num_spikes == 3 and monitor.nonfinite_run == []
+
+
+def test_tensorboard_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:
+    """Lightning writes step metrics only at its log cadence (after step ``k`` with ``(k + 1) % n == 0``); a value
+    self.log-ged at another step was written at the next such step under that step's number. So a spike's z at
+    step 7 showed as step 9's, and every later point was the z of 4 steps earlier."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Decisions(L.Callback):
+        def __init__(self):
+            self.z, self.count = {}, {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step - 1  # the step that just ended: Lightning's (and TensorBoard's) x
+            self.z[step], self.count[step] = monitor.last_decision.loss_z, float(monitor.num_spikes)
+
+    monitor, decisions = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3), Decisions()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20,
+                        callbacks=[Inject({7: "finite"}), monitor, decisions],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=5,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), limit_val_batches=0)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events] == [7]
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    z = {e.step: e.value for e in acc.Scalars("spike/loss_z")}
+    count = {e.step: e.value for e in acc.Scalars("spike/count")}
+    # the cadence's steps (4, 9, 14, 19) with their own values, and the spike at its own step
+    assert z == pytest.approx({s: decisions.z[s] for s in (4, 7, 9, 14, 19)}, rel=1e-6)
+    assert z[7] > 6 and all(abs(z[s]) < 6 for s in (4, 9, 14, 19))
+    assert count == {s: decisions.count[s] for s in (4, 7, 9, 14, 19)} == {4: 0.0, 7: 1.0, 9: 1.0, 14: 1.0, 19: 1.0}

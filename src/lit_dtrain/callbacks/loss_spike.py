@@ -348,16 +348,24 @@ class LossSpikeMonitor(L.Callback):
                 self.snapshots.add(trainer)
         else:
             self._finish_event(trainer, pl_module, pending)
-        if pending is not None or (trainer.global_step - 1) % max(trainer.log_every_n_steps, 1) == 0:
-            # self.log costs ~0.1-1 ms; at the logger's cadence (and on every event) is enough
-            if pending is not None or self.detector.loss_stat.ready:  # in the warmup z is unused and meaningless
-                # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot)
-                pl_module.log("spike/loss_z", min(decision.loss_z, 1e6), on_step=True, on_epoch=False,
-                              rank_zero_only=True)
-            pl_module.log("spike/count", float(self.num_spikes), on_step=True, on_epoch=False, rank_zero_only=True)
-            if "lr_cooldown" in self.actions:
-                pl_module.log("spike/lr_multiplier", self.lr_multiplier(trainer.global_step), on_step=True,
-                              on_epoch=False, rank_zero_only=True)
+        scalars = {}
+        if pending is not None or self.detector.loss_stat.ready:  # in the warmup z is unused and meaningless
+            # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot)
+            scalars["spike/loss_z"] = min(decision.loss_z, 1e6)
+        scalars["spike/count"] = float(self.num_spikes)
+        if "lr_cooldown" in self.actions:
+            scalars["spike/lr_multiplier"] = self.lr_multiplier(trainer.global_step)
+        every = trainer.log_every_n_steps
+        if every > 0 and trainer.global_step % every == 0:
+            # Lightning writes step metrics after this hook when (its step counter + 1) % every == 0, i.e. when
+            # global_step % every == 0 (train.py keeps the two equal); a value self.log-ged at any other step
+            # would be written at the next such step under that step's number. self.log costs ~0.1-1 ms: at
+            # the logger's cadence is enough
+            for name, value in scalars.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        elif every > 0 and pending is not None and trainer.is_global_zero:
+            for lg in trainer.loggers:  # an event off the cadence: written now, at its own step
+                lg.log_metrics(scalars, step=pending["step"])
         self._reset_step()
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
             steps = self.nonfinite_run
