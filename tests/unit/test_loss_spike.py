@@ -624,3 +624,43 @@ def test_tensorboard_scalars_are_written_at_the_step_they_describe(tmp_path: Pat
     assert z == pytest.approx({s: decisions.z[s] for s in (4, 7, 9, 14, 19)}, rel=1e-6)
     assert z[7] > 6 and all(abs(z[s]) < 6 for s in (4, 9, 14, 19))
     assert count == {s: decisions.count[s] for s in (4, 7, 9, 14, 19)} == {4: 0.0, 7: 1.0, 9: 1.0, 14: 1.0, 19: 1.0}
+
+
+def test_rollback_under_the_wsd_callback_keeps_the_lr_of_the_step(tmp_path: Path) -> None:
+    """A rollback reloads the optimizer state, whose param groups hold the snapshot's LR. With the WSDScheduler
+    callback (no LR scheduler) listed before the monitor, that stale LR stayed in the optimizer until the next
+    batch start, where LearningRateMonitor logged it (0.0021 instead of the 0.0027 used at step 8)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_dtrain.callbacks import WSDScheduler
+
+    class UsedLr(L.Callback):
+        def __init__(self):
+            self.lr = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.lr[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    wsd = WSDScheduler(total_steps=12, warmup_steps=10, decay_steps=1)
+    monitor = LossSpikeMonitor(actions=["rollback"], warmup_steps=3, snapshot_every=2)
+    used = UsedLr()
+    module = make_module()
+    module.scheduler_factory = None
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=1,
+                        callbacks=[LearningRateMonitor(logging_interval="step"), wsd, Inject({7: "finite"}), monitor,
+                                   used],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        limit_val_batches=0)
+    trainer.fit(module, datamodule=make_data(tmp_path))
+    assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(7, 6)]
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("lr-")]  # one per param group
+    expected = {s: 3e-3 * wsd.lr_factor(s) for s in range(12)}
+    assert used.lr == pytest.approx(expected, rel=1e-6)
+    assert len(tags) == 2
+    for tag in tags:  # step 8 too, right after the rollback
+        assert {e.step: e.value for e in acc.Scalars(tag)} == pytest.approx(expected, rel=1e-6), tag

@@ -3,11 +3,12 @@
 Used by ``LossSpikeMonitor``'s ``rollback`` action. A snapshot is a deep copy with every tensor cloned to
 CPU, so restoring it with the modules' own ``load_state_dict`` is bit-exact and keeps the parameter objects
 the optimizer refers to. LR schedulers are not part of it: the schedule follows the step count, so after a
-restore every param group gets the LR its scheduler holds *now*. A strategy that keeps state of its own
-between steps (``CompressedDDPStrategy``: error-feedback residuals, PowerSGD's warm start, DiLoCo's outer
-parameters) is snapshotted through ``comm_local_state_dict`` / ``load_comm_local_state_dict``, no
-collective involved. Snapshots are not checkpointed: after a resume the ring starts again from the resumed
-state. Full (unsharded) state dicts only; sharded strategies are rejected by the caller.
+restore every param group keeps the LR it holds *now* (its scheduler's, or a schedule callback's). A
+strategy that keeps state of its own between steps (``CompressedDDPStrategy``: error-feedback residuals,
+PowerSGD's warm start, DiLoCo's outer parameters) is snapshotted through ``comm_local_state_dict`` /
+``load_comm_local_state_dict``, no collective involved. Snapshots are not checkpointed: after a resume the
+ring starts again from the resumed state. Full (unsharded) state dicts only; sharded strategies are rejected
+by the caller.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def load_scaler_state(trainer, state: dict | None) -> None:
         scaler.load_state_dict(state)
 
 
-def scheduled_lrs_to_optimizers(trainer) -> None:
-    """Set every scheduled param group's LR to what its scheduler holds now (after an optimizer restore)."""
-    for cfg in trainer.lr_scheduler_configs:
-        for group, lr in zip(cfg.scheduler.optimizer.param_groups, cfg.scheduler.get_last_lr()):
+def current_lrs(trainer) -> list[list[float]]:
+    """Every param group's LR as the schedule set it now (an LR scheduler or a callback such as WSDScheduler)."""
+    return [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+
+
+def set_lrs(trainer, lrs: list[list[float]]) -> None:
+    for opt, opt_lrs in zip(trainer.optimizers, lrs):
+        for group, lr in zip(opt.param_groups, opt_lrs):
             group["lr"] = lr
 
 
@@ -62,11 +67,16 @@ def capture(trainer) -> dict:
 
 
 def restore(trainer, snapshot: dict) -> None:
-    """Load ``snapshot`` back; the LRs stay those of the current step's schedule."""
+    """Load ``snapshot`` back; the LRs stay those of the current step's schedule.
+
+    The optimizer state holds the snapshot's LRs; the ones set now are put back, whoever set them (an LR
+    scheduler, or a callback that had already set the next step's LR, which ``LearningRateMonitor`` logs at
+    the next batch start before that callback sets it again)."""
+    lrs = current_lrs(trainer)
     trainer.lightning_module.load_state_dict(snapshot["model"], strict=True)
     for opt, state in zip(trainer.optimizers, snapshot["optimizers"]):
         opt.load_state_dict(copy.deepcopy(state))
-    scheduled_lrs_to_optimizers(trainer)
+    set_lrs(trainer, lrs)
     load_scaler_state(trainer, snapshot["scaler"])
     if snapshot["strategy"] is not None:
         trainer.strategy.load_comm_local_state_dict(to_cpu(snapshot["strategy"]))
