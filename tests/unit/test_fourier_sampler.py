@@ -477,8 +477,12 @@ def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
     cb = FourierSamplerCallback(log_every_n_steps=1)
     trainer = _FakeTrainer(s)
     trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
-    logged = []
-    module = type("M", (), {"log_dict": lambda self, metrics, **kw: logged.append(metrics)})()
+    logged: dict[int, dict] = {}  # global_step at batch end -> {name: value}
+
+    def log(self, name, value, **kw):
+        logged.setdefault(trainer.global_step, {})[name] = value
+
+    module = type("M", (), {"log": log})()
     drawn_from = []
     for step in range(4):
         idx = s.global_batch(step, 8)
@@ -489,7 +493,7 @@ def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
         token_loss = torch.rand(8, 32, generator=torch.Generator().manual_seed(step)) * (1 + idx[:, None] % 5)
         cb.on_train_batch_end(trainer, module, {"token_loss": token_loss, "index": idx}, None, step)
     assert len(set(drawn_from)) > 1  # the distribution does move
-    assert [m["fourier/prob_entropy"] for m in logged] == drawn_from
+    assert [logged[step + 1]["fourier/prob_entropy"] for step in range(4)] == drawn_from
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])

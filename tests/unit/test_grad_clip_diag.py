@@ -196,3 +196,40 @@ def test_optimizer_diagnostics_without_adam_state_warns(tmp_path: Path) -> None:
                                                                                           "grad_rms")}
     with pytest.raises(ValueError, match="every_n_steps"):
         OptimizerDiagnostics(every_n_steps=0)
+
+
+def test_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:
+    """self.log in a callback is written only after a step k with (k + 1) % log_every_n_steps == 0, under that k,
+    with the last value logged: grad_clip/* logged at steps 0, 3, 6, 9 (and on a clip) and optim/* at 0, 4, 8 were
+    written at 4, 9 under those numbers with older steps' values. Now each value is written at its own step."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.norm, self.clipped, self.diag = {}, {}, {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step - 1
+            self.norm[step], self.clipped[step] = clip.last["norm"], clip.last["clipped"]
+            if step % 4 == 0:
+                self.diag[step] = diag.last["optim/decay/grad_rms"]
+
+    clip = AdaptiveGradClip(warmup_steps=3, log_every_n_steps=3)
+    diag, record = OptimizerDiagnostics(every_n_steps=4), Record()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12,
+                        callbacks=[Inject({7: "finite"}), clip, diag, record],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=5,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), limit_val_batches=0)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    norm = {e.step: e.value for e in acc.Scalars("grad_clip/norm")}
+    clip_steps = {s for s, c in record.clipped.items() if c}
+    assert 7 in clip_steps  # the injected spike was clipped
+    assert set(norm) == {0, 3, 6, 9} | clip_steps
+    assert norm == pytest.approx({s: record.norm[s] for s in norm}, rel=1e-6)
+    diag_tb = {e.step: e.value for e in acc.Scalars("optim/decay/grad_rms")}
+    assert diag_tb == pytest.approx(record.diag, rel=1e-6) and set(diag_tb) == {0, 4, 8}
+    assert "grad_clip/norm" in trainer.callback_metrics and "optim/decay/grad_rms" in trainer.callback_metrics

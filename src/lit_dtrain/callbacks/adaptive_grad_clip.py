@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_dtrain.callbacks._logging import log_step_metrics
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 
@@ -174,14 +175,11 @@ class AdaptiveGradClip(L.Callback):
             "clipped": float(clipped < norm),
         }
         every = self.log_every_n_steps or max(getattr(trainer, "log_every_n_steps", 1), 1)
-        if trainer.global_step % every == 0 or clipped < norm:
-            pl_module.log("grad_clip/norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
-            pl_module.log("grad_clip/threshold", self.last["threshold"], on_step=True, on_epoch=False,
-                          rank_zero_only=True)
-            pl_module.log("grad_clip/clipped", self.last["clipped"], on_step=True, on_epoch=False,
-                          rank_zero_only=True)
-            pl_module.log("grad_clip/clip_events", float(self.clip_events), on_step=True, on_epoch=False,
-                          rank_zero_only=True)
+        if trainer.global_step % every == 0 or clipped < norm:  # global_step: this step, before it is taken
+            log_step_metrics(trainer, pl_module, {
+                "grad_clip/norm": norm, "grad_clip/threshold": self.last["threshold"],
+                "grad_clip/clipped": self.last["clipped"], "grad_clip/clip_events": float(self.clip_events),
+            }, trainer.global_step)
 
     @override
     def state_dict(self) -> dict:

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._contract import require_outputs
+from lit_dtrain.callbacks._logging import log_step_metrics
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -123,7 +124,6 @@ class FourierSamplerCallback(L.Callback):
         if not last_micro:
             return  # mid-accumulation: log once per optimizer step
         if log_now:
-            batch_size = int(outputs["token_loss"].shape[0])
             metrics = {
                 "fourier/mix": float(stats["mix"]),
                 "fourier/bands": float(stats["bands"]),
@@ -133,5 +133,5 @@ class FourierSamplerCallback(L.Callback):
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),
                 "fourier/nonfinite_skipped": float(sampler.nonfinite_skipped),
             }
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+            log_step_metrics(trainer, pl_module, metrics, step)
         self._comm_bytes = 0

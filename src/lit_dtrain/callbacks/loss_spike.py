@@ -50,6 +50,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
+from lit_dtrain.callbacks._logging import log_step_metrics
 from lit_dtrain.callbacks._spike_stats import (
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -355,17 +356,10 @@ class LossSpikeMonitor(L.Callback):
         scalars["spike/count"] = float(self.num_spikes)
         if "lr_cooldown" in self.actions:
             scalars["spike/lr_multiplier"] = self.lr_multiplier(trainer.global_step)
-        every = trainer.log_every_n_steps
-        if every > 0 and trainer.global_step % every == 0:
-            # Lightning writes step metrics after this hook when (its step counter + 1) % every == 0, i.e. when
-            # global_step % every == 0 (train.py keeps the two equal); a value self.log-ged at any other step
-            # would be written at the next such step under that step's number. self.log costs ~0.1-1 ms: at
-            # the logger's cadence is enough
-            for name, value in scalars.items():
-                pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
-        elif every > 0 and pending is not None and trainer.is_global_zero:
-            for lg in trainer.loggers:  # an event off the cadence: written now, at its own step
-                lg.log_metrics(scalars, step=pending["step"])
+        every = max(int(trainer.log_every_n_steps), 1)
+        step = trainer.global_step - 1  # the optimizer step that just ended
+        if pending is not None or (step + 1) % every == 0:  # Lightning's own cadence (train/loss), and every event
+            log_step_metrics(trainer, pl_module, scalars, step)
         self._reset_step()
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
             steps = self.nonfinite_run

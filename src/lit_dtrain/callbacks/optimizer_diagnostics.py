@@ -22,6 +22,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_dtrain.callbacks._logging import log_step_metrics
+
 
 def eps_dominated_fraction(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> tuple[int, int]:
     """(count, numel) of elements with ``sqrt(v / (1 - beta2**step)) < eps``, i.e. ``v < eps**2 * bias_c2``."""
@@ -76,6 +78,7 @@ class OptimizerDiagnostics(Callback):
             before.append([p.detach().clone() for p in group["params"]])
         self._before = before
         self._optimizer = optimizer
+        self._step = trainer.global_step  # this step, before it is taken
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
@@ -96,8 +99,7 @@ class OptimizerDiagnostics(Callback):
             if frac is not None:
                 metrics[f"{name}/eps_dominated_frac"] = frac
         self.last = metrics
-        for key, value in metrics.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        log_step_metrics(trainer, pl_module, metrics, self._step)
 
     def _eps_fraction(self, optimizer, group: dict) -> float | None:
         if "eps" not in group or "betas" not in group:

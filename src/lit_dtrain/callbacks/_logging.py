@@ -1,0 +1,28 @@
+"""Writing a callback's step scalars under the optimizer step they describe.
+
+``self.log(..., on_step=True)`` inside a callback does not write at that step: Lightning writes the step
+metrics only after a step ``k`` with ``(k + 1) % log_every_n_steps == 0``, under that ``k``, with the *last*
+value each name was given. A callback with a cadence of its own (every N steps, on every clip or spike event)
+therefore had its values written at a later step's number, and the same stale value written again at every
+cadence step until it was logged anew. Lightning's ``LearningRateMonitor`` writes to the loggers directly for
+this reason; :func:`log_step_metrics` does the same, and also puts the values into ``trainer.callback_metrics``
+(``self.log(logger=False)``) for the progress bar and for monitors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning as L
+
+
+def log_step_metrics(trainer: L.Trainer, pl_module: L.LightningModule, metrics: Mapping[str, float], step: int) -> None:
+    """``metrics`` to every logger now, under optimizer step ``step`` (0-based, Lightning's x axis), on global rank
+    0; and into ``trainer.callback_metrics``. Values must already be the same on every rank."""
+    if not metrics:
+        return
+    for name, value in metrics.items():
+        pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
+    if getattr(trainer, "is_global_zero", True):  # (a stand-in trainer in a unit test may have neither)
+        for logger in getattr(trainer, "loggers", ()):
+            logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=int(step))
