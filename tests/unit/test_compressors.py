@@ -446,3 +446,34 @@ def test_diloco_compresses_its_pseudo_gradient():
     record = comm.take_step_record()
     assert record["bytes"] == 29 + 2 * 4  # 29 int8 values; a block per parameter (24 and 5 values), 2 fp32 scales
     assert rule.compressor.num_calls == 1
+
+
+@pytest.mark.parametrize("make", [lambda period: LocalSGD(sync_period=period),
+                                  lambda period: DiLoCo(sync_period=period)])
+def test_resuming_with_another_sync_period_uses_the_configured_one(make):
+    """A fixed period is configuration, not state: ``strategy.local_update.sync_period=5`` on a resume of a
+    period-3 run must sync every 5 steps (it silently kept 3)."""
+    params = make_params()
+    comm = TwoRankComm(lambda t: t)
+    old = make(3)
+    old.maybe_initialize(params)
+    for _ in range(4):  # synced at step 3; one step into the next period
+        old.after_optimizer_step(params, comm)
+    rule = make(5)
+    rule.load_state_dict(old.state_dict())
+    synced = [rule.after_optimizer_step(params, comm) for _ in range(9)]
+    assert rule.period == 5
+    assert synced == [False, False, False, True, False, False, False, False, True]  # steps 8 and 13
+
+
+def test_resuming_adaptive_local_sgd_keeps_its_period_within_the_configured_bounds():
+    rule = LocalSGD(sync_period=8, adaptive=True, min_period=2, max_period=64)
+    rule.period = 64
+    restored = LocalSGD(sync_period=4, adaptive=True, min_period=2, max_period=16)
+    restored.load_state_dict(rule.state_dict())
+    assert restored.period == 16  # the adapted period is state, but within this run's max_period
+    rule.period = 32
+    restored = LocalSGD(sync_period=8, adaptive=True, min_period=2, max_period=64)
+    restored.load_state_dict(rule.state_dict())
+    assert restored.period == 32
+

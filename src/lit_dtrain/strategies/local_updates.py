@@ -90,7 +90,11 @@ class LocalUpdate:
         if state.get("name") != self.name:
             raise ValueError(f"local-update state is for {state.get('name')!r}, this rule is {self.name!r}")
         self.step, self.steps_since_sync = int(state["step"]), int(state["steps_since_sync"])
-        self.num_syncs, self.period = int(state["num_syncs"]), int(state["period"])
+        self.num_syncs, self.period = int(state["num_syncs"]), self._restored_period(int(state["period"]))
+
+    def _restored_period(self, saved: int) -> int:
+        """The period after a resume: a fixed period is configuration, so this run's ``sync_period`` wins."""
+        return self.sync_period
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
@@ -162,6 +166,10 @@ class LocalSGD(LocalUpdate):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.last_divergence = float(state["last_divergence"])
+
+    def _restored_period(self, saved: int) -> int:
+        # an adapted period is state, kept within this run's (possibly changed) bounds
+        return min(max(saved, self.min_period), self.max_period) if self.adaptive else self.sync_period
 
 
 class DiLoCo(LocalUpdate):
