@@ -477,3 +477,22 @@ def test_resuming_adaptive_local_sgd_keeps_its_period_within_the_configured_boun
     restored.load_state_dict(rule.state_dict())
     assert restored.period == 32
 
+
+
+@pytest.mark.parametrize("spec", ["int8", {"name": "int8"}])
+def test_diloco_builds_its_compressor_from_a_name_or_mapping(spec):
+    """``strategy.local_update.compressor=int8`` (Hydra builds DiLoCo itself, not through build_local_update)
+    gave DiLoCo the string, which failed only at the first sync, H steps into the run."""
+    params = make_params()
+    rule = DiLoCo(sync_period=1, compressor=spec)
+    assert isinstance(rule.compressor, BlockQuantizer) and rule.compressor.bits == 8
+    rule.maybe_initialize(params)
+    for _, p in params:
+        p.data.add_(0.01)
+    comm = LoopbackCommunicator()
+    assert rule.after_optimizer_step(params, comm) is True
+    assert comm.take_step_record()["bytes"] == 29 + 2 * 4
+    with pytest.raises(ValueError, match="unknown compressor 'int16'"):
+        DiLoCo(compressor="int16")
+    with pytest.raises(TypeError, match="bogus"):
+        DiLoCo(compressor={"name": "int8", "bogus": 1})

@@ -63,8 +63,6 @@ def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str):
     name = kwargs.pop("name")
     if name not in registry:
         raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)}")
-    if "compressor" in kwargs:
-        kwargs["compressor"] = build_compressor(kwargs["compressor"])
     return registry[name](**kwargs)
 
 

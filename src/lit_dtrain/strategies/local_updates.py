@@ -13,7 +13,7 @@ Plain objects: they only talk through a ``Communicator`` and keep their state in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,7 +188,7 @@ class DiLoCo(LocalUpdate):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        compressor: Compressor | None = None,
+        compressor: Compressor | str | Mapping | None = None,
     ) -> None:
         super().__init__(sync_period)
         if outer_lr <= 0:
@@ -196,7 +196,10 @@ class DiLoCo(LocalUpdate):
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum}")
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
-        self.compressor = compressor
+        # a name or {"name", **kwargs} as for the strategy's compressor (Hydra builds DiLoCo without build_local_update)
+        from lit_dtrain.strategies.compressed_ddp import build_compressor  # that module imports this one
+
+        self.compressor = build_compressor(compressor)
         self.outer_params: Tensor | None = None  # flat fp32
         self.momentum: Tensor | None = None  # flat fp32
         self._pending: dict | None = None  # loaded per-name state, laid out at the first step
