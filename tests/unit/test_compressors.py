@@ -25,7 +25,7 @@ from lit_dtrain.strategies import (
     build_compressor,
     build_local_update,
 )
-from lit_dtrain.strategies.compressors import pack_payload, segments_from_shapes, unpack_payload
+from lit_dtrain.strategies.compressors import Segment, pack_payload, segments_from_shapes, unpack_payload
 from lit_dtrain.strategies.sparsify import exact_topk_indices, pack_bits, topk_ratio_at, unpack_bits
 
 SHAPES = [("w1", (48, 40)), ("b1", (40,)), ("w2", (40, 24)), ("emb", (13, 8, 3))]
@@ -128,6 +128,17 @@ def test_int_values_equal_each_parameter_quantized_on_its_own(bits):
         expected_scales.append(scale)
     torch.testing.assert_close(scales, torch.cat(expected_scales), rtol=0, atol=0)
     torch.testing.assert_close(y, torch.cat(expected), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int_codec_handles_an_empty_buffer(bits):
+    """An empty buffer is an empty payload (810ee52's views made compress fail on it: torch.cat of no blocks)."""
+    q = BlockQuantizer(bits=bits, block_size=16)
+    segments = [Segment("empty", 0, 0, (0, 3))]
+    payload = q.compress(torch.empty(0), segments, 0)
+    assert payload_bytes(payload) == 0
+    assert q.decompress(payload, segments, 0).shape == (0,)
+    assert q.roundtrip(torch.empty(0, 3)).shape == (0, 3)
 
 
 def test_stochastic_rounding_is_unbiased_and_within_one_step():

@@ -404,7 +404,8 @@ class BlockQuantizer(Compressor):
         parts = list(self._views(runs))
         # per-block max|x|: the whole blocks of each run as a (rows, bs) view, the tail block (padded with zeros,
         # which do not change a max of absolute values) as one row
-        scales = torch.cat([x[f].view(rows, -1).abs().amax(dim=1) for f, _, rows in parts]).div_(levels)
+        amax = [x[f].view(rows, -1).abs().amax(dim=1) for f, _, rows in parts]
+        scales = (torch.cat(amax) if amax else x.new_zeros(0)).div_(levels)  # an empty buffer has no blocks
         inverse = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
         noise = None
         if self.stochastic_rounding:
