@@ -78,12 +78,14 @@ def test_int8_bytes_are_one_byte_plus_block_scales():
     assert payload_bytes(q4.compress(x[:9_999], [], 0)) == 5_000 + 4 * 40  # odd count: one half-used byte
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_int_blocks_start_at_parameters_so_bucket_layout_does_not_matter(bits):
+def test_int_blocks_start_at_parameters_so_bucket_layout_does_not_matter(bits, stochastic):
     """DDP lays parameters out in one order for the first step after a start and another after it rebuilds its
     buckets; each parameter's decoded values must not depend on that, or a resumed run differs from the
-    uninterrupted one."""
-    q = BlockQuantizer(bits=bits, block_size=256)
+    uninterrupted one. With stochastic rounding the noise was drawn over the bucket's flat layout (seeded by the
+    call count, which also depends on the bucket count); it is now drawn per parameter."""
+    q = BlockQuantizer(bits=bits, block_size=256, stochastic_rounding=stochastic)
     x = grad(7)
     permuted = [SEGMENTS[i] for i in (3, 0, 2, 1)]
     offsets, y = {}, []
@@ -95,6 +97,7 @@ def test_int_blocks_start_at_parameters_so_bucket_layout_does_not_matter(bits):
     y = torch.cat(y)
     other = segments_from_shapes([(s.name, s.shape) for s in permuted])
     a = q.decompress(q.compress(x, SEGMENTS, 0), SEGMENTS, NUMEL)
+    q.num_calls += 3  # another bucket count before this one: the call count differs
     b = q.decompress(q.compress(y, other, 0), other, NUMEL)
     for s in SEGMENTS:
         assert torch.equal(a[s.offset : s.offset + s.numel], b[offsets[s.name] : offsets[s.name] + s.numel]), s.name
@@ -139,6 +142,23 @@ def test_int_codec_handles_an_empty_buffer(bits):
     assert payload_bytes(payload) == 0
     assert q.decompress(payload, segments, 0).shape == (0,)
     assert q.roundtrip(torch.empty(0, 3)).shape == (0, 3)
+
+
+def test_stochastic_rounding_noise_differs_by_rank_step_and_parameter():
+    x = torch.full((512,), 0.5) * torch.linspace(0.1, 1.0, 512)
+    segments = segments_from_shapes([("a", (256,)), ("b", (256,))])
+
+    def draw(rank, step, segs=segments):
+        q = BlockQuantizer(bits=4, block_size=64, stochastic_rounding=True)
+        q.rank = rank
+        return q.decompress(q.compress(x, segs, step), segs, 512)
+
+    base = draw(0, 1)
+    assert torch.equal(base, draw(0, 1))  # deterministic
+    assert not torch.equal(base, draw(1, 1)) and not torch.equal(base, draw(0, 2))
+    renamed = segments_from_shapes([("a", (256,)), ("c", (256,))])
+    other = draw(0, 1, renamed)
+    assert torch.equal(other[:256], base[:256]) and not torch.equal(other[256:], base[256:])
 
 
 def test_stochastic_rounding_is_unbiased_and_within_one_step():

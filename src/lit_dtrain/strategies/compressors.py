@@ -23,6 +23,7 @@ cannot survive a resume (pytorch#75666).
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -333,16 +334,17 @@ class BlockQuantizer(Compressor):
     ``[-L, L]`` (``L = 127`` for 8 bits, ``7`` for 4 bits; two 4-bit values share a byte) plus its
     scale ``s = max|block| / L``. Deterministic rounding errs by at most ``s / 2`` per value, so the
     rank mean errs by at most ``max_r max|block_r| / (2 L)``; stochastic rounding
-    (``floor(x / s + u)``, ``u ~ U[0, 1)``) is unbiased and errs by less than ``s``. Its noise is a
-    pure function of (``seed``, ``step``, rank-local call order), so a resumed run draws the same noise.
+    (``floor(x / s + u)``, ``u ~ U[0, 1)``) is unbiased and errs by less than ``s``. Its noise is drawn per
+    parameter from (``seed``, ``step``, rank, parameter name), so a resumed run draws the same noise.
     Bytes per value: ``bits / 8 + 4 / block_size`` (8 bits, block 256: 4/1.0156 = 3.94x less than fp32);
     the zero padding of the last block is not sent.
 
     Blocks start at parameter boundaries (when the segments tile the buffer), so a value's block, and thus
     its rounding, does not depend on how DDP happens to lay parameters out in a bucket. DDP uses one layout
     for the first step after a start and rebuilds its buckets after it, so flat blocks made a resumed run
-    differ from the uninterrupted one. This costs at most one extra scale per parameter, and a copy in and
-    out of a padded buffer only when some parameter's size is not a multiple of ``block_size``.
+    differ from the uninterrupted one. This costs at most one extra scale per parameter; the blocks are
+    quantized through views of the bucket (the whole blocks of each run of parameters, then one tail row), not
+    through a padded copy.
     """
 
     def __init__(
@@ -364,29 +366,49 @@ class BlockQuantizer(Compressor):
         self.seed = int(seed)
         self.levels = 127 if bits == 8 else 7
         self.name = f"int{bits}"
-        self._plans: dict[tuple, tuple[list[tuple[int, int, int]], int]] = {}
+        self._plans: dict[tuple, tuple[list[tuple[int, int, int]], int, list | None]] = {}
 
-    def _runs(self, segments: Sequence[Segment], numel: int) -> tuple[list[tuple[int, int, int]], int]:
-        """``(runs, num_blocks)``: the buffer as contiguous runs ``(flat offset, first block, numel)`` whose blocks
-        are whole ``block_size`` views except for a padded last one. A run ends after every parameter whose size is
-        not a multiple of ``block_size``, so every parameter starts on a block; one run of the whole buffer when the
-        segments do not tile it (then blocks are flat)."""
-        key = (numel, *((s.offset, s.numel) for s in segments))
+    def _runs(self, segments: Sequence[Segment], numel: int) -> tuple[list[tuple[int, int, int]], int, list | None]:
+        """``(runs, num_blocks, params)``: the buffer as contiguous runs ``(flat offset, first block, numel)`` whose
+        blocks are whole ``block_size`` views except for a padded last one. A run ends after every parameter whose
+        size is not a multiple of ``block_size``, so every parameter starts on a block; ``params`` lists
+        ``(name, num_blocks)`` in buffer order. One run of the whole buffer and ``params=None`` when the segments
+        do not tile it (then blocks are flat)."""
+        key = (numel, *((s.offset, s.numel, s.name) for s in segments))
         if key not in self._plans:
-            bs, runs, flat, block, count = self.block_size, [], 0, 0, 0
-            for offset, n in sorted(key[1:]):
+            bs, runs, params, flat, block = self.block_size, [], [], 0, 0
+            for offset, n, name in sorted(key[1:]):
                 if offset != flat:
                     break
                 if runs and runs[-1][2] % bs == 0:  # the run so far ends on a block boundary: extend it
                     runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
                 else:
                     runs.append((offset, block, n))
-                flat, count = flat + n, count + 1
+                flat = flat + n
+                params.append((name, -(-n // bs)))
                 block = runs[-1][1] + -(-runs[-1][2] // bs)
-            if flat != numel or count != len(segments):
-                runs, block = [(0, 0, numel)], -(-numel // bs)
-            self._plans[key] = (runs, block)
+            if flat != numel or len(params) != len(segments):
+                runs, block, params = [(0, 0, numel)], -(-numel // bs), None
+            self._plans[key] = (runs, block, params)
         return self._plans[key]
+
+    def _noise(self, params: list | None, num_blocks: int, step: int, device: torch.device) -> Tensor:
+        """Stochastic-rounding noise ``U[0, 1)`` in the padded block layout, ``(num_blocks, block_size)``.
+
+        Drawn per parameter, seeded by (``seed``, ``step``, rank, parameter name), so a value's noise does not
+        depend on the bucket it lands in or on how many buckets came before: a resumed run, whose first step uses
+        DDP's initial bucket layout, draws the uninterrupted run's noise. Without parameter segments (a flat
+        buffer) one draw seeded by (``seed``, ``step``, rank, call count)."""
+        base = self.seed * 1_000_003 + step * 7919 + self.rank * 104_729
+        shape = (num_blocks, self.block_size)
+        if params is None:
+            gen = torch.Generator(device=device).manual_seed((base + self.num_calls * 31) % (2**63))
+            return torch.rand(shape, generator=gen, device=device)
+        parts = []
+        for name, blocks in params:
+            gen = torch.Generator(device=device).manual_seed((base + zlib.crc32(name.encode()) * 65_537) % (2**63))
+            parts.append(torch.rand((blocks, self.block_size), generator=gen, device=device))
+        return torch.cat(parts) if parts else torch.empty(shape, device=device)
 
     def _views(self, runs: list[tuple[int, int, int]]):
         """``(flat slice, block slice, rows)`` for every whole-block part and padded tail of ``runs``."""
@@ -399,20 +421,15 @@ class BlockQuantizer(Compressor):
                 yield slice(a + full * bs, a + n), slice(b + full, b + full + 1), 1
 
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
-        runs, num_blocks = self._runs(segments, x.numel())
-        bs, levels = self.block_size, self.levels
+        runs, num_blocks, params = self._runs(segments, x.numel())
+        levels = self.levels
         parts = list(self._views(runs))
         # per-block max|x|: the whole blocks of each run as a (rows, bs) view, the tail block (padded with zeros,
         # which do not change a max of absolute values) as one row
         amax = [x[f].view(rows, -1).abs().amax(dim=1) for f, _, rows in parts]
         scales = (torch.cat(amax) if amax else x.new_zeros(0)).div_(levels)  # an empty buffer has no blocks
         inverse = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
-        noise = None
-        if self.stochastic_rounding:
-            gen = torch.Generator(device=x.device).manual_seed(
-                (self.seed * 1_000_003 + step * 7919 + self.num_calls * 31 + self.rank * 104_729) % (2**63)
-            )  # drawn in the padded block layout, so a value's noise depends only on its block and position
-            noise = torch.rand((num_blocks, bs), generator=gen, device=x.device)
+        noise = self._noise(params, num_blocks, step, x.device) if self.stochastic_rounding else None
         q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)  # padding is not sent
         for f, blk, rows in parts:
             scaled = x[f].view(rows, -1) * inverse[blk, None]  # a broadcast multiply is ~4x faster than a divide
@@ -433,7 +450,7 @@ class BlockQuantizer(Compressor):
         scales, q = payload
         if self.bits == 4:
             q = torch.stack([q & 0x0F, q >> 4], dim=1).view(-1).to(torch.int16) - 8
-        runs, _ = self._runs(segments, numel)
+        runs, _, _ = self._runs(segments, numel)
         out = torch.empty(numel, dtype=torch.float32, device=scales.device)
         for f, blk, rows in self._views(runs):  # int * fp32 scale, written straight into the output
             torch.mul(q[f].view(rows, -1), scales[blk, None], out=out[f].view(rows, -1))
