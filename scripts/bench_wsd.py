@@ -120,7 +120,7 @@ class Bench:
         from hydra import compose, initialize_config_dir
         from omegaconf import open_dict
 
-        from lit_dtrain.schedules.workflows import checkpoint_step
+        from lit_dtrain.checkpoint import checkpoint_global_step
         from lit_dtrain.train import train
 
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -135,7 +135,7 @@ class Bench:
         t0 = time.perf_counter()
         metrics, objects = train(cfg)
         self.times[name] = time.perf_counter() - t0
-        start = checkpoint_step(cfg.ckpt_path) if cfg.get("ckpt_path") else 0  # a decay branch starts at S
+        start = checkpoint_global_step(cfg.ckpt_path) if cfg.get("ckpt_path") else 0  # a decay branch starts at S
         self.steps_run += int(objects["trainer"].global_step) - start
         self.params = sum(p.numel() for p in objects["module"].model.parameters())
         print(f"[bench_wsd] {name}: val_loss={metrics['val_loss']:.4f} steps={metrics['steps']} "
