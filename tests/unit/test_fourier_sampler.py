@@ -496,6 +496,25 @@ def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
     assert [logged[step + 1]["fourier/prob_entropy"] for step in range(4)] == drawn_from
 
 
+def test_logged_lr_multiplier_is_the_one_the_step_used():
+    """fourier/lr_mult at step s is the multiplier of step s's update (the pre-step hook reads the step before
+    Lightning advances global_step), like fourier/bands and fourier/mix of the same row, not step s + 1's."""
+    s = make(step_unit=1)  # stages warmup [0, 5) x0.1, ramp [5, 20) x0.5
+    cb = FourierSamplerCallback(log_every_n_steps=1)
+    trainer = _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
+    logged = []
+    module = type("M", (), {"log_dict": lambda self, metrics, **kw: logged.append(metrics)})()
+    for step in range(8):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
+        idx = s.global_batch(step, 4)
+        cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
+    assert [m["fourier/lr_mult"] for m in logged] == [s.lr_multiplier(step) for step in range(8)]
+    assert [m["fourier/lr_mult"] for m in logged] == [0.1] * 5 + [0.5] * 3
+
+
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
     """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs

@@ -129,7 +129,7 @@ class FourierSamplerCallback(L.Callback):
                 "fourier/bands": float(stats["bands"]),
                 "fourier/prob_entropy": prob_entropy,
                 "fourier/top_band_energy": stats["top_band_energy"],
-                "fourier/lr_mult": sampler.lr_multiplier(trainer.global_step),
+                "fourier/lr_mult": sampler.lr_multiplier(step),  # the multiplier this step's update used
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),
                 "fourier/nonfinite_skipped": float(sampler.nonfinite_skipped),
             }
