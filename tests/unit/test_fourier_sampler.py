@@ -471,18 +471,23 @@ def test_callback_rejects_other_samplers_and_missing_keys():
 
 
 
+class _Recorder:
+    """A stand-in LightningModule: ``log(name, value)`` calls by the trainer's ``global_step`` at the time."""
+
+    def __init__(self, trainer):
+        self.trainer, self.logged = trainer, {}
+
+    def log(self, name, value, **kw):
+        self.logged.setdefault(self.trainer.global_step, {})[name] = value
+
+
 def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
     """On one process observe() applies its update at once: the entropy logged after it was the next draw's."""
     s = make(variant="magnitude", stages=False, uniform_floor=0.0)
     cb = FourierSamplerCallback(log_every_n_steps=1)
     trainer = _FakeTrainer(s)
     trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
-    logged: dict[int, dict] = {}  # global_step at batch end -> {name: value}
-
-    def log(self, name, value, **kw):
-        logged.setdefault(trainer.global_step, {})[name] = value
-
-    module = type("M", (), {"log": log})()
+    module = _Recorder(trainer)
     drawn_from = []
     for step in range(4):
         idx = s.global_batch(step, 8)
@@ -493,7 +498,7 @@ def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
         token_loss = torch.rand(8, 32, generator=torch.Generator().manual_seed(step)) * (1 + idx[:, None] % 5)
         cb.on_train_batch_end(trainer, module, {"token_loss": token_loss, "index": idx}, None, step)
     assert len(set(drawn_from)) > 1  # the distribution does move
-    assert [logged[step + 1]["fourier/prob_entropy"] for step in range(4)] == drawn_from
+    assert [module.logged[step + 1]["fourier/prob_entropy"] for step in range(4)] == drawn_from
 
 
 def test_logged_lr_multiplier_is_the_one_the_step_used():
@@ -503,16 +508,15 @@ def test_logged_lr_multiplier_is_the_one_the_step_used():
     cb = FourierSamplerCallback(log_every_n_steps=1)
     trainer = _FakeTrainer(s)
     trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
-    logged = []
-    module = type("M", (), {"log_dict": lambda self, metrics, **kw: logged.append(metrics)})()
+    module = _Recorder(trainer)
     for step in range(8):
         trainer.global_step = step
         cb.on_train_batch_start(trainer, module, None, step)
         trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
         idx = s.global_batch(step, 4)
         cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
-    assert [m["fourier/lr_mult"] for m in logged] == [s.lr_multiplier(step) for step in range(8)]
-    assert [m["fourier/lr_mult"] for m in logged] == [0.1] * 5 + [0.5] * 3
+    logged = [module.logged[step + 1]["fourier/lr_mult"] for step in range(8)]
+    assert logged == [s.lr_multiplier(step) for step in range(8)] == [0.1] * 5 + [0.5] * 3
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
