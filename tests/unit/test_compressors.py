@@ -527,3 +527,21 @@ def test_diloco_builds_its_compressor_from_a_name_or_mapping(spec):
         DiLoCo(compressor="int16")
     with pytest.raises(TypeError, match="bogus"):
         DiLoCo(compressor={"name": "int8", "bogus": 1})
+
+
+def test_compression_ratio_is_absent_until_something_was_sent():
+    """Before a local-update run's first sync nothing is sent; the ratio was logged as inf, which flattened
+    TensorBoard's axis for the whole run."""
+    from lit_dtrain.strategies import CommSession
+
+    session = CommSession(None, LocalSGD(sync_period=3))
+    session.comm = LoopbackCommunicator()
+    params = [("w", torch.nn.Parameter(torch.randn(4, 4)))]
+    seen = []
+    for _ in range(3):
+        session.before_optimizer_step(params)
+        session._dense_this_step = 64  # what the comm hook counts for a 4x4 fp32 gradient under DDP
+        metrics = session.after_optimizer_step(params)
+        seen.append(metrics.get("comm/compression_ratio"))
+    assert seen[:2] == [None, None]
+    assert seen[2] == pytest.approx(3 * 64 / 64)  # the sync at step 3 sent the 64 parameter bytes once

@@ -247,16 +247,18 @@ class CommSession:
         return synced
 
     def metrics(self) -> dict[str, float]:
-        """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent),
+        """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent; once something was sent),
         ``comm/time_ms`` (last step, collectives in flight), and running totals."""
-        ratio = self.total_dense_bytes / self.total_bytes if self.total_bytes else float("inf")
-        return {
+        metrics = {
             "comm/bytes_per_step": float(self.last_step.get("bytes", 0)),
             "comm/bytes_per_step_avg": self.total_bytes / max(self.step, 1),
-            "comm/compression_ratio": ratio,
             "comm/time_ms": float(self.last_step.get("time_ms", 0.0)),
             "comm/hook_calls": float(self.hook_calls),
         }
+        if self.total_bytes:  # before a local-update run's first sync nothing was sent: no ratio yet (not inf,
+            # which flattened TensorBoard's axis for the whole run)
+            metrics["comm/compression_ratio"] = self.total_dense_bytes / self.total_bytes
+        return metrics
 
     # --- state --------------------------------------------------------------------------------
     def counters_state_dict(self) -> dict:
