@@ -264,3 +264,12 @@ def test_composes_with_torch_compile(ids):
         diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
         assert diff <= 1e-6, (mode, diff)
     torch._dynamo.reset()
+
+
+def test_module_pattern_naming_a_container_is_an_error():
+    """``model.layers`` (the ModuleList, never called) instead of ``model.layers.*`` checkpointed nothing, silently."""
+    module = LitLLM(make_model())
+    with pytest.raises(ValueError, match=r"matched model\.blocks, which has no forward.*'model\.blocks\.\*'"):
+        find_blocks(module, "model.blocks")
+    with pytest.raises(ValueError, match=r"model\.blocks, which has no forward"):
+        fit(lit_llm(), [SelectiveCheckpointing("full", module_pattern="model.blocks")], steps=1)

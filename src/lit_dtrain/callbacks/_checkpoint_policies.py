@@ -134,6 +134,12 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
             f"module_pattern {module_pattern!r} matched no module of {type(root).__name__}. "
             f"Modules seen: {_modules_seen(root)}"
         )
+    containers = [n for n, m in matches if type(m).forward is nn.Module.forward]
+    if containers:  # a ModuleList/ModuleDict is never called: wrapping it would checkpoint nothing
+        raise ValueError(
+            f"module_pattern {module_pattern!r} matched {', '.join(containers)}, which has no forward of its own "
+            f"(a container such as nn.ModuleList is never called); match its children, e.g. '{containers[0]}.*'"
+        )
     return matches
 
 
