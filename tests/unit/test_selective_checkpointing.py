@@ -273,3 +273,19 @@ def test_module_pattern_naming_a_container_is_an_error():
         find_blocks(module, "model.blocks")
     with pytest.raises(ValueError, match=r"model\.blocks, which has no forward"):
         fit(lit_llm(), [SelectiveCheckpointing("full", module_pattern="model.blocks")], steps=1)
+
+
+def test_budget_probes_only_for_fit():
+    """validate/test/predict run without grad: the probe (forward + backward per mode) is skipped, and on a
+    frozen model it used to fail ("cannot register a hook on a tensor that doesn't require gradient")."""
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.6, probe_seq_len=48)
+    module = lit_llm()
+    module.requires_grad_(False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[cb], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.validate(module, token_batches(2))
+    assert cb.budget_report is None and cb.plan == ["none"] * 4 and all(w.calls == 0 for w in cb.wrappers)
+    module.requires_grad_(True)
+    fit(module, [cb], steps=1)  # a later fit of the same module still probes and plans
+    assert cb.budget_report["fits"] and cb.plan == cb.budget_report["plan"] and "full" in cb.plan
+    assert [w.mode for w in cb.wrappers] == cb.plan

@@ -112,7 +112,9 @@ class SelectiveCheckpointing(Callback):
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.wrappers and self._patched is pl_module:  # setup runs again for validate/test: already patched
+        # budget probes only for fit; a validate/test/predict setup that came first left the probe to it
+        probe_due = stage == "fit" and self.policy == "budget" and self.budget_report is None
+        if self.wrappers and self._patched is pl_module and not probe_due:  # setup runs again: already patched
             return
         try:
             named = find_blocks(pl_module, self.module_pattern)
@@ -125,7 +127,11 @@ class SelectiveCheckpointing(Callback):
         blocks = [m for _, m in named]
         self.wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"), self.save_ops)
         self._patched = pl_module
-        if self.policy == "budget":
+        self.budget_report = None
+        if self.policy == "budget" and stage != "fit":
+            # without grad nothing is checkpointed: no probe (a forward + backward per mode) outside fit
+            plan = uniform_plan(len(blocks), "none")
+        elif self.policy == "budget":
             plan = self._budget_plan(trainer, pl_module, blocks)
         elif self.policy == "every_k":
             plan = every_k_plan(len(blocks), self.every_k)
