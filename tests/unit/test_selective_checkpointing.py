@@ -289,3 +289,46 @@ def test_budget_probes_only_for_fit():
     fit(module, [cb], steps=1)  # a later fit of the same module still probes and plans
     assert cb.budget_report["fits"] and cb.plan == cb.budget_report["plan"] and "full" in cb.plan
     assert [w.mode for w in cb.wrappers] == cb.plan
+
+
+class NormBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(d, d), torch.nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + F.relu(self.bn(self.lin(x)))
+
+
+class BatchNormLM(L.LightningModule):
+    """Blocks with buffers updated in forward: BatchNorm's running statistics and batch counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(257, 16)
+        self.model = torch.nn.Sequential(NormBlock(16), NormBlock(16))
+        self.head = torch.nn.Linear(16, 257)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.model(self.emb(batch["input_ids"]).flatten(0, 1)))
+        return F.cross_entropy(logits, batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputation_does_not_update_buffers_twice(policy):
+    """Recomputing a BatchNorm block in backward ran its running-statistics update a second time."""
+    plain = BatchNormLM()
+    fit(plain, [])
+    cb = SelectiveCheckpointing(policy=policy, module_pattern="model.*")
+    ckpt = BatchNormLM()
+    fit(ckpt, [cb])
+    assert all(w.calls == 3 for w in cb.wrappers)
+    a, b = plain.state_dict(), ckpt.state_dict()
+    assert a.keys() == b.keys()
+    assert int(b["model.0.bn.num_batches_tracked"]) == 3  # one update per step, not two
+    for k in a:
+        assert (a[k].float() - b[k].float()).abs().max().item() <= 1e-6, k

@@ -19,6 +19,7 @@ switched later (the budget probe and ``load_state_dict`` do that) without re-wra
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
@@ -26,7 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 MODES = ("none", "selective", "full")
 """What one block can do: keep everything, keep the outputs of ``save_ops``, keep only its inputs."""
@@ -155,6 +161,7 @@ class CheckpointedForward:
         if mode not in MODES:
             raise ValueError(f"checkpoint mode must be one of {MODES}, got {mode!r}")
         self.inner = module.forward  # the block's own (bound) forward
+        self.buffers = module.buffers
         self.mode = mode
         self.context_fn = context_fn
         self.calls = 0
@@ -163,9 +170,46 @@ class CheckpointedForward:
         if self.mode == "none" or not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         self.calls += 1
+        buffers = [] if torch.compiler.is_compiling() else list(self.buffers())
+        if buffers:  # recomputation must not update BatchNorm's running statistics a second time
+            keep = _KeepUpdatedBuffers(buffers)
+            context_fn = self.context_fn if self.mode == "selective" else noop_context_fn
+
+            def with_keep():
+                forward_ctx, recompute_ctx = context_fn()
+                return forward_ctx, _entered_together(keep, recompute_ctx)  # keep's copies outside SAC's mode
+            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=with_keep, **kwargs)
         if self.mode == "full":  # no context_fn argument: torch.compile cannot trace a passed-in no-op one
             return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+
+
+class _KeepUpdatedBuffers:
+    """Recompute context: the block's buffers get back, after recomputation, the values they had when it
+    started, so an in-place update in the forward (BatchNorm's running statistics, counters) counts once.
+
+    All buffers are restored: aten's batch norm updates the running statistics without bumping their
+    version counters, so which buffers changed cannot be told without comparing values.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for b, value in zip(self.buffers, self.saved):
+                b.copy_(value)
+        self.saved = []
+
+
+@contextlib.contextmanager
+def _entered_together(outer, inner):
+    with outer, inner:
+        yield
 
 
 def apply_checkpointing(
