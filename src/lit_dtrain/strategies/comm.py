@@ -247,8 +247,8 @@ class CommSession:
         return synced
 
     def metrics(self) -> dict[str, float]:
-        """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent; once something was sent),
-        ``comm/time_ms`` (last step, collectives in flight), and running totals."""
+        """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent;
+        from the first step that sent something), ``comm/time_ms`` (last step, collectives in flight), totals."""
         metrics = {
             "comm/bytes_per_step": float(self.last_step.get("bytes", 0)),
             "comm/bytes_per_step_avg": self.total_bytes / max(self.step, 1),
