@@ -664,3 +664,24 @@ def test_rollback_under_the_wsd_callback_keeps_the_lr_of_the_step(tmp_path: Path
     assert len(tags) == 2
     for tag in tags:  # step 8 too, right after the rollback
         assert {e.step: e.value for e in acc.Scalars(tag)} == pytest.approx(expected, rel=1e-6), tag
+
+
+def test_log_every_n_steps_zero_writes_only_the_events(tmp_path: Path) -> None:
+    """``Trainer(log_every_n_steps=0)`` is Lightning's "no step logging" (its own train/loss and the LR monitor write
+    nothing). 3c9b2e8 read 0 as 1, so spike/* and grad_clip/* were written at every step; only the events (the
+    spike at 7 and its clip) are."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor, clip = LossSpikeMonitor(actions=["log"], warmup_steps=3), AdaptiveGradClip(warmup_steps=3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, callbacks=[Inject({7: "finite"}), clip, monitor],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=0,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), limit_val_batches=0)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events] == [7] and clip.clip_events == 1
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("spike/count")] == [7]
+    assert [e.step for e in acc.Scalars("grad_clip/clipped")] == [7]
+    assert [e.value for e in acc.Scalars("grad_clip/clipped")] == [1.0]

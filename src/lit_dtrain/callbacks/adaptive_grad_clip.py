@@ -174,8 +174,9 @@ class AdaptiveGradClip(L.Callback):
             "threshold": float("nan") if threshold is None else threshold,
             "clipped": float(clipped < norm),
         }
-        every = self.log_every_n_steps or max(getattr(trainer, "log_every_n_steps", 1), 1)
-        if trainer.global_step % every == 0 or clipped < norm:  # global_step: this step, before it is taken
+        # the trainer's 0 is Lightning's "no step logging": then only clips are written
+        every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 1))
+        if (every > 0 and trainer.global_step % every == 0) or clipped < norm:  # global_step: this step, not taken yet
             log_step_metrics(trainer, pl_module, {
                 "grad_clip/norm": norm, "grad_clip/threshold": self.last["threshold"],
                 "grad_clip/clipped": self.last["clipped"], "grad_clip/clip_events": float(self.clip_events),

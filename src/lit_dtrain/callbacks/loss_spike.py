@@ -356,9 +356,9 @@ class LossSpikeMonitor(L.Callback):
         scalars["spike/count"] = float(self.num_spikes)
         if "lr_cooldown" in self.actions:
             scalars["spike/lr_multiplier"] = self.lr_multiplier(trainer.global_step)
-        every = max(int(trainer.log_every_n_steps), 1)
+        every = int(trainer.log_every_n_steps)  # 0: Lightning writes no step metrics; only events are written
         step = trainer.global_step - 1  # the optimizer step that just ended
-        if pending is not None or (step + 1) % every == 0:  # Lightning's own cadence (train/loss), and every event
+        if pending is not None or (every > 0 and (step + 1) % every == 0):  # Lightning's cadence, and every event
             log_step_metrics(trainer, pl_module, scalars, step)
         self._reset_step()
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
