@@ -519,6 +519,25 @@ def test_logged_lr_multiplier_is_the_one_the_step_used():
     assert logged == [s.lr_multiplier(step) for step in range(8)] == [0.1] * 5 + [0.5] * 3
 
 
+def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
+    """Lightning's log_every_n_steps=0 ("no step logging") made the callback divide by zero at its first batch
+    (``global_step % 0``), so a run with data/sampler=fourier died; now the sampler learns and no fourier/* is
+    written, as Lightning writes no step metrics."""
+    s = make(stages=False)
+    cb = FourierSamplerCallback()
+    trainer = _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 0
+    module = _Recorder(trainer)
+    for step in range(4):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1
+        idx = s.global_batch(step, 4)
+        cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
+    assert module.logged == {}
+    assert s.updates == 4
+
+
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
     """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs
