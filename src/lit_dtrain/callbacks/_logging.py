@@ -26,3 +26,4 @@ def log_step_metrics(trainer: L.Trainer, pl_module: L.LightningModule, metrics: 
     if getattr(trainer, "is_global_zero", True):  # (a stand-in trainer in a unit test may have neither)
         for logger in getattr(trainer, "loggers", ()):
             logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=int(step))
+            logger.save()  # as Lightning's own logger connector does after every write (CSV rows reach the file)
