@@ -501,20 +501,25 @@ def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():
     assert [module.logged[step + 1]["fourier/prob_entropy"] for step in range(4)] == drawn_from
 
 
+def _drive(cb, sampler, steps: int, trainer_every: int) -> _Recorder:
+    """Run ``cb`` over ``steps`` optimizer steps of batches of 4 drawn from ``sampler``, as Lightning calls it."""
+    trainer = _FakeTrainer(sampler)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, trainer_every
+    module = _Recorder(trainer)
+    for step in range(steps):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
+        idx = sampler.global_batch(step, 4)
+        cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
+    return module
+
+
 def test_logged_lr_multiplier_is_the_one_the_step_used():
     """fourier/lr_mult at step s is the multiplier of step s's update (the pre-step hook reads the step before
     Lightning advances global_step), like fourier/bands and fourier/mix of the same row, not step s + 1's."""
     s = make(step_unit=1)  # stages warmup [0, 5) x0.1, ramp [5, 20) x0.5
-    cb = FourierSamplerCallback(log_every_n_steps=1)
-    trainer = _FakeTrainer(s)
-    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
-    module = _Recorder(trainer)
-    for step in range(8):
-        trainer.global_step = step
-        cb.on_train_batch_start(trainer, module, None, step)
-        trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
-        idx = s.global_batch(step, 4)
-        cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
+    module = _drive(FourierSamplerCallback(log_every_n_steps=1), s, steps=8, trainer_every=1)
     logged = [module.logged[step + 1]["fourier/lr_mult"] for step in range(8)]
     assert logged == [s.lr_multiplier(step) for step in range(8)] == [0.1] * 5 + [0.5] * 3
 
@@ -524,16 +529,7 @@ def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
     (``global_step % 0``), so a run with data/sampler=fourier died; now the sampler learns and no fourier/* is
     written, as Lightning writes no step metrics."""
     s = make(stages=False)
-    cb = FourierSamplerCallback()
-    trainer = _FakeTrainer(s)
-    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 0
-    module = _Recorder(trainer)
-    for step in range(4):
-        trainer.global_step = step
-        cb.on_train_batch_start(trainer, module, None, step)
-        trainer.global_step = step + 1
-        idx = s.global_batch(step, 4)
-        cb.on_train_batch_end(trainer, module, {"token_loss": torch.rand(4, 32), "index": idx}, None, step)
+    module = _drive(FourierSamplerCallback(), s, steps=4, trainer_every=0)
     assert module.logged == {}
     assert s.updates == 4
 
