@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     if "ddp" not in args.variant_list:
         p.error("the ddp baseline is needed for the ratios; keep it in --variants")
+    if not 1 <= args.chunk < args.steps:  # the chunk is also the LR warm-up, which must end before the last step
+        p.error(f"--chunk must be in [1, --steps) = [1, {args.steps}), got {args.chunk}; e.g. --steps 4 --chunk 2")
     args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
     return args
 

@@ -16,6 +16,12 @@ from collections.abc import Mapping
 import lightning as L
 
 
+def log_interval(own: int | None, trainer: L.Trainer) -> int:
+    """A callback's logging interval in optimizer steps: its own, else the trainer's ``log_every_n_steps``; 0 means
+    no regular rows (Lightning's own meaning of ``log_every_n_steps=0``), events may still be written."""
+    return int(own) if own else int(getattr(trainer, "log_every_n_steps", 1))
+
+
 def log_step_metrics(trainer: L.Trainer, pl_module: L.LightningModule, metrics: Mapping[str, float], step: int) -> None:
     """``metrics`` to every logger now, under optimizer step ``step`` (0-based, Lightning's x axis), on global rank
     0; and into ``trainer.callback_metrics``. Values must already be the same on every rank."""

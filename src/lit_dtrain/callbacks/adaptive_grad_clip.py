@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._logging import log_step_metrics
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 
@@ -174,8 +174,7 @@ class AdaptiveGradClip(L.Callback):
             "threshold": float("nan") if threshold is None else threshold,
             "clipped": float(clipped < norm),
         }
-        # the trainer's 0 is Lightning's "no step logging": then only clips are written
-        every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 1))
+        every = log_interval(self.log_every_n_steps, trainer)  # 0: only clips are written
         if (every > 0 and trainer.global_step % every == 0) or clipped < norm:  # global_step: this step, not taken yet
             log_step_metrics(trainer, pl_module, {
                 "grad_clip/norm": norm, "grad_clip/threshold": self.last["threshold"],

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._contract import require_outputs
-from lit_dtrain.callbacks._logging import log_step_metrics
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -109,7 +109,7 @@ class FourierSamplerCallback(L.Callback):
         sampler = self.sampler_of(trainer)
         step = self._batch_step
         last_micro = not (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1)
-        every = self.log_every_n_steps or trainer.log_every_n_steps  # the trainer's 0: no step logging
+        every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
         log_now = last_micro and every > 0 and (trainer.global_step % every == 0 or trainer.global_step == 1)
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
         # entropy would be that of the *next* draw, not of the distribution this batch was drawn from
