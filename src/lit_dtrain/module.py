@@ -128,8 +128,17 @@ class LitLLM(L.LightningModule):
         return {"loss": loss, "token_loss": token_loss.detach(), "index": batch.get("index")}
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        token_loss = self._token_loss(batch)
-        weight = torch.full_like(token_loss, 1.0)
+        """Accumulate the token loss, each window's tokens weighted by the batch's ``loss_weight [B]`` if any.
+
+        ``val/loss`` is the mean over all tokens of all ranks: each rank's ``MeanMetric`` sums loss x weight
+        and weight, ``compute()`` sums both over the ranks, so ranks with different numbers of windows still
+        give the exact global mean. ``LMDataModule`` sets ``loss_weight`` 0 on the padding windows that give
+        every rank as many (see ``LMDataModule.val_dataloader``).
+        """
+        token_loss = self._token_loss(batch)  # (B, T)
+        weight = torch.ones_like(token_loss)
+        if "loss_weight" in batch:
+            weight = weight * batch["loss_weight"].to(token_loss)[:, None]
         self.val_loss.update(token_loss, weight)
         self.val_loss_by_source[dataloader_idx].update(token_loss, weight)
 

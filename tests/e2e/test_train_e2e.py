@@ -152,6 +152,7 @@ def test_ddp_cpu_two_processes(tmp_path, corpus):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6
     assert proc.stdout.count("summary: val_loss=") == 1  # reported once, by rank 0
+    assert "DistributedSampler" not in proc.stdout + proc.stderr  # LMDataModule splits validation itself, exactly
     events = list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert events and len({e.name.split(".")[-2] for e in events}) == 1  # TB logs come from one process (rank 0)
     assert not list(tmp_path.glob("outputs/runs/*/.pl_hydra*"))  # no colliding run dirs

@@ -1,10 +1,12 @@
 import builtins
 import os
 import subprocess
+import types
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from lit_dtrain.data import ByteTokenizer, CorpusError, CorpusSource, LMDataModule, build_token_cache, stdlib_files
 from tests.conftest import make_corpus
@@ -60,6 +62,34 @@ def test_rank_shards_are_disjoint_pieces_of_the_global_batch(corpus, tmp_path):
         assert torch.equal(torch.cat([r0, r1]), glob)
         # positions in the global batch are disjoint; with replacement an index may repeat, so compare slots
         assert r0.numel() == r1.numel() == 4
+
+
+def test_val_shards_hold_every_window_once_and_even_out_the_ranks(corpus, tmp_path):
+    """Under data parallelism each rank validates its own windows: together every window exactly once, with
+    weight 1; the ranks run equally many items (and batches), the padding that evens them out weighs 0."""
+    for n in (1, 2, 5, 7, 8):
+        dm = dm_for(corpus, tmp_path, max_val_windows=n, val_batch_size=3)
+        (single,) = dm.val_dataloader()
+        everything = [int(i) for b in single for i in b["index"]]
+        assert len(everything) == n and all(float(w) == 1 for b in single for w in b["loss_weight"])
+        for world in (2, 3, 4, 8):
+            real, padding, items, batches = [], [], set(), set()
+            for rank in range(world):
+                dm.trainer = types.SimpleNamespace(global_rank=rank, world_size=world)
+                (loader,) = dm.val_dataloader()
+                # Lightning replaces any sampler of a distributed run that is not a DistributedSampler
+                assert isinstance(loader.sampler, DistributedSampler)
+                shard = list(loader)
+                index = [int(i) for b in shard for i in b["index"]]
+                weight = [float(w) for b in shard for w in b["loss_weight"]]
+                assert set(weight) <= {0.0, 1.0}
+                real += [i for i, w in zip(index, weight) if w == 1]
+                padding += [i for i, w in zip(index, weight) if w == 0]
+                items.add(len(index))
+                batches.add(len(shard))
+            assert sorted(real) == sorted(everything), (n, world)  # disjoint and complete
+            assert items == {-(-n // world)} and len(batches) == 1, (n, world)  # same count on every rank
+            assert len(padding) == world * -(-n // world) - n < world, (n, world)
 
 
 def test_data_position_advances_and_restores(corpus, tmp_path):

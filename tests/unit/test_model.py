@@ -122,3 +122,18 @@ def test_rope_table_is_the_correctly_rounded_float32_table():
     ref_sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
     assert cos.dtype == sin.dtype == torch.float32
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def test_val_loss_is_the_token_mean_over_windows_of_weight_one():
+    """Padding windows (``loss_weight`` 0, see LMDataModule.val_dataloader) leave the val loss unchanged."""
+    from lit_dtrain.data import window_batch
+    from lit_dtrain.module import LitLLM
+
+    lit = LitLLM(tiny(), val_names=["a"])
+    windows = torch.randint(0, 257, (3, 9), generator=torch.Generator().manual_seed(0))
+    batch = window_batch(windows, torch.arange(3))
+    with torch.no_grad():
+        want = F.cross_entropy(lit(batch["input_ids"][:2]).flatten(0, 1), batch["labels"][:2].flatten())
+        lit.validation_step({**batch, "loss_weight": torch.tensor([1.0, 1.0, 0.0])}, 0)
+    assert lit.val_loss.compute() == pytest.approx(float(want), rel=1e-6)
+    assert lit.val_loss_by_source[0].compute() == pytest.approx(float(want), rel=1e-6)

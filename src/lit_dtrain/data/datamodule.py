@@ -6,6 +6,10 @@ Training samples are non-overlapping windows of ``block_size + 1`` tokens; windo
 :meth:`LMDataModule.on_before_batch_transfer`, which Lightning calls at step time, after the previous
 step's ``on_train_batch_end``. So the batch of micro-step ``s`` is a pure function of
 (seed, s, sampler state) even though Lightning prefetches one item ahead, and resume and DDP are exact.
+
+Validation under data parallelism is exact too: every rank gets its own share of the validation windows and
+runs the same number of them; the few padding windows that even out the shares carry ``loss_weight`` 0
+(see :meth:`LMDataModule.val_dataloader`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
@@ -61,16 +65,24 @@ def window_batch(windows: torch.Tensor, index: torch.Tensor) -> dict:
 
 
 class _ValWindows(Dataset):
-    def __init__(self, windows: WindowSet, indices: np.ndarray) -> None:
-        self.windows, self.indices = windows, indices
+    """The validation windows at ``indices``, then ``padding`` fillers: copies of the first windows whose
+    ``loss_weight`` is 0 (a real window's is 1), so that a data-parallel split gives every rank as many."""
+
+    def __init__(self, windows: WindowSet, indices: np.ndarray, padding: int = 0) -> None:
+        self.windows, self.indices, self.padding = windows, indices, padding
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.indices) + self.padding
 
     def __getitem__(self, i: int) -> dict:
-        w = self.windows.gather(self.indices[i : i + 1])
-        b = window_batch(w, torch.as_tensor(self.indices[i : i + 1]))
-        return {k: v[0] for k, v in b.items()}
+        if not 0 <= i < len(self):
+            raise IndexError(f"validation item {i} out of range [0, {len(self)})")
+        position = i % len(self.indices)  # a filler repeats a window, as torch's DistributedSampler pads
+        w = self.windows.gather(self.indices[position : position + 1])
+        b = window_batch(w, torch.as_tensor(self.indices[position : position + 1]))
+        item = {k: v[0] for k, v in b.items()}
+        item["loss_weight"] = torch.tensor(1.0 if i < len(self.indices) else 0.0)
+        return item
 
 
 class LMDataModule(L.LightningDataModule):
@@ -198,6 +210,23 @@ class LMDataModule(L.LightningDataModule):
 
     # ---- validation ------------------------------------------------------------------------------------
     def val_dataloader(self) -> list[DataLoader]:
+        """One loader per source, over up to ``max_val_windows`` windows evenly spaced over its val stream.
+
+        Under data parallelism each rank validates its own share, and the shares hold every window exactly
+        once. Lightning would instead wrap each loader in torch's ``DistributedSampler``, which evens the
+        shares out by repeating windows: those count twice unless the world size divides the window count
+        (and it warns so during ``trainer.validate()``). Ranks must still run the same number of batches:
+        under FSDP every forward is a collective, and Lightning stops a rank whose loader is empty ("within
+        local rank has zero length"), or, with ``allow_zero_length_dataloader_with_multiple_devices``, lets it
+        skip the evaluation loop and with it the epoch-end metric reduction, which the other ranks then wait
+        for (Lightning's ``UnrepeatedDistributedSampler``, which does not pad, asserts that no rank is empty).
+        So the set is padded to a multiple of the world size with fillers whose ``loss_weight`` is 0, and
+        split by torch's ``DistributedSampler`` (rank ``r`` takes items ``r, r + world, ...``), which needs
+        no padding of its own then; Lightning keeps a ``DistributedSampler`` it is given, and does not warn.
+        ``LitLLM`` weighs each window's tokens by its ``loss_weight``, so its val loss is the single-process
+        one.
+        """
+        rank, world = self._world()
         loaders = []
         for split in self.splits:
             windows = WindowSet([split.val], self.block_size)
@@ -205,7 +234,11 @@ class LMDataModule(L.LightningDataModule):
             if n == 0:
                 raise CorpusError(f"data source {split.name!r}: validation split has no full window")
             idx = np.unique(np.linspace(0, n - 1, min(n, self.max_val_windows)).round().astype(np.int64))
-            loaders.append(DataLoader(_ValWindows(windows, idx), batch_size=self.val_batch_size, shuffle=False))
+            dataset = _ValWindows(windows, idx, padding=-len(idx) % world)
+            sampler = None
+            if world > 1:
+                sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+            loaders.append(DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, sampler=sampler))
         return loaders
 
     @property
