@@ -1,0 +1,94 @@
+"""Validation under 2-process DDP (gloo, CPU, 127.0.0.1) gives the single-process val loss of the same weights.
+
+7 windows of source ``a`` on 2 ranks do not divide evenly, and source ``b`` has 1 window, fewer than the ranks.
+Lightning's own ``DistributedSampler`` pads each rank's share by repeating windows, so ``a``'s first window used
+to count twice.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import free_port, make_corpus
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
+
+VAL_WINDOWS = 7  # source a: odd, so 2 ranks share it unevenly
+VAL_KEYS = ("val/loss", "val/a/loss", "val/b/loss")
+
+
+def _data(root: str):
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.data.corpus import CorpusSource
+
+    sources = [CorpusSource(name=name, kind="files", paths=[os.path.join(root, name)]) for name in ("a", "b")]
+    return LMDataModule(sources=sources, block_size=32, batch_size=4, val_batch_size=3, max_val_windows=VAL_WINDOWS,
+                        cache_dir=os.path.join(root, "cache"), progress=False)
+
+
+def _module():
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(block_size=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32))
+    return LitLLM(model, optimizer=lambda params: adamw(params, lr=1e-2), val_names=["a", "b"])
+
+
+def _trainer(root: str, devices: int, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=root, **kwargs)
+
+
+def _val(metrics: dict) -> dict:
+    return {k: float(metrics[k]) for k in VAL_KEYS}
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    lit = _module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated = _trainer(root, 2).validate(lit, datamodule=_data(root), verbose=False)[0]
+    # then a short fit: its validation runs through the DDP wrapper, on the weights the fit ends with
+    trainer = _trainer(root, 2, max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
+                       num_sanity_val_steps=0)
+    trainer.fit(lit, datamodule=_data(root))
+    torch.save({"validate": _val(validated), "fit": _val(trainer.callback_metrics),
+                "warnings": [str(w.message) for w in caught if "DistributedSampler" in str(w.message)],
+                "weights": {k: v.detach().clone() for k, v in lit.state_dict().items()}},
+               os.path.join(root, f"rank{rank}.pt"))
+
+
+def test_ddp_val_loss_is_the_single_process_val_loss(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "a")
+    make_corpus(tmp_path / "b", n_files=1, size=1200)  # its val split is one window
+    dm = _data(str(tmp_path))
+    dm.prepare_data()  # build the token caches once, before the ranks start
+    dm.setup()
+    assert [len(loader.dataset) for loader in dm.val_dataloader()] == [VAL_WINDOWS, 1]
+
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+
+    lit = _module()
+    single = _val(_trainer(str(tmp_path), 1).validate(lit, datamodule=_data(str(tmp_path)), verbose=False)[0])
+    lit.load_state_dict(r0["weights"])
+    single_fitted = _val(_trainer(str(tmp_path), 1).validate(lit, datamodule=_data(str(tmp_path)), verbose=False)[0])
+    for key in VAL_KEYS:
+        assert r0["validate"][key] == r1["validate"][key]  # every rank logs the same reduced value
+        assert r0["validate"][key] == pytest.approx(single[key], rel=1e-6, abs=1e-6), key
+        assert r0["fit"][key] == pytest.approx(single_fitted[key], rel=1e-6, abs=1e-6), key
+    assert single_fitted["val/loss"] != single["val/loss"]  # the fit moved the weights: a second, distinct check
+    assert r0["warnings"] == []  # Lightning's "Using DistributedSampler ... during trainer.validate()" is gone
