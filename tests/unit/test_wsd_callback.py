@@ -135,6 +135,57 @@ def test_decay_branch_first_lr_is_the_first_decay_value(tmp_path):
     assert rec.at_step[-1][1] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("form", ["callback", "scheduler"])
+def test_decay_branch_from_a_fully_decayed_scheduler_checkpoint_uses_the_configured_peak(tmp_path, form):
+    """A scheduler-form checkpoint holds no WSDScheduler state and its optimizer LR is 0 after a full decay.
+    The callback took that restored LR as its peak and trained the whole branch at LR 0; both forms must run
+    the branch's decay from the configured peak (BASE), the scheduler form from its restored base_lrs."""
+    done = fit(Toy(schedule=dict(total_steps=6, warmup_steps=1, decay_steps=3)), [], max_steps=6, root=tmp_path)
+    ckpt = tmp_path / "decayed.ckpt"
+    done.save_checkpoint(ckpt)
+    assert [g["lr"] for g in torch.load(ckpt, weights_only=True)["optimizer_states"][0]["param_groups"]] == [0.0, 0.0]
+    branch, rec = dict(total_steps=10, warmup_steps=1, decay_steps=4), LRRecorder()
+    if form == "callback":
+        fit(Toy(), [rec, WSDScheduler(**branch)], max_steps=10, ckpt_path=ckpt)
+    else:
+        fit(Toy(schedule=branch), [rec], max_steps=10, ckpt_path=ckpt)
+    assert rec.at_step == expected(range(6, 10), **branch)
+    assert rec.at_step[0][1] == pytest.approx([b * 0.5 for b in BASE], abs=1e-12)  # 1 - sqrt(1/4) on step 6
+
+
+@pytest.mark.parametrize("form", ["callback", "scheduler"])
+def test_decay_branch_warns_when_its_checkpoint_is_already_decayed(tmp_path, form, caplog):
+    """apply_decay_branch warns when the source's LR is below the branch's first LR (the source was decaying and
+    the branch raises the LR again); a stable-phase source is quiet."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+
+    kw = dict(total_steps=6, warmup_steps=1, decay_steps=3)
+    paths = {}
+    at = {"stable": 2, "decayed": 6}  # the source decays over steps 3..5
+    for name, steps in at.items():
+        module, callbacks = (Toy(), [WSDScheduler(**kw)]) if form == "callback" else (Toy(schedule=kw), [])
+        trainer = fit(module, callbacks, max_steps=steps, root=tmp_path)
+        paths[name] = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(paths[name])
+    warnings = {}
+    for name, path in paths.items():
+        cfg = OmegaConf.create({
+            "decay_branch": {"ckpt": str(path), "steps": 4}, "trainer": {"max_steps": 6},
+            "paths": {"output_dir": str(tmp_path / f"branch_{name}"), "checkpoint_dir": str(tmp_path / "none")},
+            "scheduler": {"_target_": "lit_dtrain.schedules.wsd_scheduler", **kw},
+        })
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.schedules.workflows"):
+            assert apply_decay_branch(cfg) == at[name]
+        warnings[name] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings["stable"] == []
+    assert len(warnings["decayed"]) == 1
+    assert "is in its decay: its LR for step 6 is [0, 0] (peak [0.1, 0.05]), below the branch's first LR " \
+           "[0.05, 0.025]" in warnings["decayed"][0]
+
+
 def test_callback_refuses_a_module_that_has_its_own_scheduler():
     kw = dict(total_steps=5, decay_steps=1)
     with pytest.raises(RuntimeError, match="also configures LR scheduler"):

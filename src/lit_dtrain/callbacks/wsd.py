@@ -5,10 +5,14 @@ trainer, so another project gets WSD without touching its ``configure_optimizers
 same pure function :func:`lit_dtrain.schedules.wsd_lr_factor` that ``conf/scheduler/wsd.yaml`` hands to
 ``LambdaLR``, and the LR sequence is identical to the scheduler's.
 
-The base (peak) LRs are read from the optimizers at the start of the first fit and kept in the
-callback's state, so a resume (whose restored optimizer holds an already-scaled LR) continues with the
-right peak; the schedule's arguments come from the constructor, so resuming with a larger
-``total_steps`` extends the run and a new ``decay_steps`` starts a decay branch.
+The base (peak) LRs are the configured ones: they are read from the freshly built optimizers in
+``on_fit_start``, which Lightning calls after ``configure_optimizers`` and before it restores a
+checkpoint's optimizer state, and kept in the callback's state. A resume of a checkpoint that holds this
+callback's state continues with the saved peaks (as ``LambdaLR`` restores its ``base_lrs``); one without
+it (written with the ``LambdaLR`` scheduler instead) uses the configured peaks, never the restored
+optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's arguments come from
+the constructor, so resuming with a larger ``total_steps`` extends the run and a new ``decay_steps``
+starts a decay branch.
 """
 
 from __future__ import annotations
@@ -91,10 +95,18 @@ class WSDScheduler(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_train_start, even
+        # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_fit_start, even
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
             self.base_lrs, self.last_step = None, -1
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The optimizers are built, but a checkpoint's optimizer state is not restored yet (Lightning's _run:
+        # strategy.setup, on_fit_start, then restore_training_state): their LRs are the configured peaks. Reading
+        # them later would take a resumed scheduler-form checkpoint's scaled LR (0 after a full decay) as the peak.
+        if self.base_lrs is None and trainer.optimizers:
+            self.base_lrs = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -106,8 +118,11 @@ class WSDScheduler(L.Callback):
                 f"WSDScheduler sets the LR itself, but the LightningModule also configures LR scheduler(s) {names}; "
                 f"use one of them (with lit_dtrain's trainer: '~scheduler' 'callbacks=[default,wsd]')"
             )
-        if self.base_lrs is None:  # a fresh fit: the configured LRs are the peaks
-            self.base_lrs = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
+        if self.base_lrs is None:
+            raise RuntimeError(
+                "WSDScheduler: the peak LRs are unknown: the optimizers did not exist at on_fit_start and no "
+                "checkpoint restored this callback's state (the restored optimizer's LR is not the peak)"
+            )
         step = trainer.global_step
         if step >= self.total_steps:
             log.warning("WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor",

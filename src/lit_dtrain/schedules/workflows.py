@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from lit_dtrain.checkpoint import CheckpointError, checkpoint_global_step, safe_torch_load
+from lit_dtrain.schedules.lr import wsd_lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,53 @@ def _wsd_nodes(cfg: DictConfig) -> list:
         if node is not None and node.get("_target_") in WSD_CALLBACK_TARGETS:
             nodes.append(node)
     return nodes
+
+
+def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] | None:
+    """``(LRs, peak LRs)`` of the first optimizer's param groups in a Lightning checkpoint: the LRs its optimizer
+    state holds and the peaks its WSD state holds (``LambdaLR``'s ``base_lrs``, else the ``WSDScheduler``
+    callback's). ``None`` when either is missing (no optimizer state, no schedule state)."""
+    ckpt = safe_torch_load(Path(path), mmap=True)
+    try:
+        lrs = [float(g["lr"]) for g in ckpt["optimizer_states"][0]["param_groups"]]
+    except (KeyError, IndexError, TypeError):
+        return None
+    peaks = None
+    for state in ckpt.get("lr_schedulers") or []:
+        if isinstance(state, dict) and "base_lrs" in state:
+            peaks = state["base_lrs"]
+            break
+    for key, state in (ckpt.get("callbacks") or {}).items():
+        if peaks is None and str(key).startswith("WSDScheduler") and isinstance(state, dict) and state.get("base_lrs"):
+            peaks = state["base_lrs"][0]
+    if peaks is None or len(peaks) != len(lrs):
+        return None
+    return lrs, [float(x) for x in peaks]
+
+
+def _warn_if_the_branch_jumps_up(src: Path, start: int, node) -> None:
+    """Warn when the source checkpoint's LR for its next step is below the branch's first LR: the source was already
+    decaying (a finished run's last.ckpt, a branch of a branch) and the branch, which decays from the peak as both
+    schedule forms do, raises the LR again without a re-warmup."""
+    lr_and_peak = checkpoint_lr_and_peak(src)
+    if lr_and_peak is None:
+        return
+    factor = wsd_lr_factor(start, total_steps=int(node.total_steps), warmup_steps=int(node.get("warmup_steps") or 0),
+                           decay_steps=int(node.decay_steps), decay_type=str(node.get("decay_type", "1-sqrt")),
+                           min_lr_factor=float(node.get("min_lr_factor", 0.0)))
+    lrs, peaks = lr_and_peak
+    if any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(lrs, peaks)):
+        log.warning(
+            "decay_branch.ckpt %s is in its decay: its LR for step %d is %s (peak %s), below the branch's first LR "
+            "%s: the branch decays from the peak, so the LR jumps up without a re-warmup. Branch from a stable-phase "
+            "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
+            "docs/wsd.md)",
+            src, start, _fmt(lrs), _fmt(peaks), _fmt([peak * factor for peak in peaks]),
+        )
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
 
 def apply_decay_branch(cfg: DictConfig) -> int | None:
@@ -106,6 +154,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
+    _warn_if_the_branch_jumps_up(src, start, nodes[0])
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
 
