@@ -123,6 +123,18 @@ def make_labels(runs: list[Path]) -> list[str]:
 
 
 def summarize(series: list[tuple[int, float]]) -> dict:
+    """Final and best value of one run's series, with their (TensorBoard) steps.
+
+    Lightning logs a validation during fit at the 0-based index of the last optimizer step (``S - 1`` after
+    ``S`` steps), but ``train(cfg)``'s final ``trainer.validate`` at ``S``: when ``S`` is a multiple of
+    ``val_check_interval`` both measure the same weights, and the series ends with the same value twice,
+    one step apart. That pair is one measurement, reported at ``S`` (the steps trained), so that the same
+    value never gets a best step one before its final step. Any other point keeps its logged step.
+    """
+    if len(series) >= 2:
+        (prev_step, prev), (last_step, last) = series[-2], series[-1]
+        if last_step == prev_step + 1 and math.isclose(prev, last, rel_tol=1e-5):
+            series = [*series[:-2], series[-1]]
     finite = [(s, v) for s, v in series if math.isfinite(v)]
     if not finite:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}

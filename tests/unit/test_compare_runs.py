@@ -122,3 +122,17 @@ def test_json_line_is_strict_json_with_a_diverged_run(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=reject)
     rows = {r["label"]: r for r in result["runs"]}
     assert rows["b"]["final"] is None and rows["a"]["final"] == pytest.approx(2.5) and result["best"] == "a"
+
+
+def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_trained(tmp_path):
+    """train(cfg) with trainer.max_steps=6, val_check_interval=3 logs val/loss at 2 and 5 (Lightning: the last step's
+    0-based index) and its final validate, of the same weights, at 6. The report gave best step 5 and final step 6
+    for one value; both are 6 now. A last point one step later with another value is a new measurement."""
+    a = write_run(tmp_path / "a", {2: 5.1259684562683105, 5: 4.864140510559082, 6: 4.864140510559082})
+    b = write_run(tmp_path / "b", {2: 5.0, 5: 4.7, 6: 4.8})  # not a repeat: the best stays at 5
+    result = compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
+    rows = {r["label"]: r for r in result["runs"]}
+    assert (rows["a"]["best_step"], rows["a"]["final_step"]) == (6, 6)
+    assert rows["a"]["best"] == rows["a"]["final"] == pytest.approx(4.864140510559082)
+    assert (rows["b"]["best_step"], rows["b"]["best"], rows["b"]["final_step"]) == (5, pytest.approx(4.7), 6)
+    assert "| a | 6 | 4.8641 | 4.8641 (6) | +1.34% |" in result["markdown"]
