@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -261,6 +262,58 @@ def test_magnitude_variant_oversamples_persistently_hard_samples():
     feed(ratio, 60, hot=hot)
     q = ratio.probabilities(60)
     assert q[:10].mean() < 1.2 * q[10:].mean()
+
+
+def test_magnitude_without_skips_draws_and_weighs_exactly_as_before():
+    """Leaving skipped samples out of the magnitude mean must not change a bit when nothing is skipped (the
+    published benchmark grid has no skips). Expected values: computed with the code before that change (at
+    6aa59be; torch 2.13 CPU), draws of 30 steps with the clamps active, then the table's probabilities, mean and
+    importance weights. A torch build that rounds the FFT differently would need them recomputed there."""
+    s = FourierSampler(variant="magnitude", step_unit=2, uniform_floor=0.1, importance_weights=True, min_prob=0.3,
+                       magnitude_cap=2.0)
+    s.setup(700, seed=7)
+    draws = feed(s, 30, batch=16, hot=set(range(0, 700, 9)))
+    p = s.probabilities(30)
+    assert hashlib.sha256(draws.numpy().tobytes()).hexdigest() == (
+        "539276ca0033bd3c2955b23ccc2df4879449966e476154c0f46233f015467c55")
+    assert s._distribution()["mean"] == float.fromhex("0x1.2a8be2f467853p+0")
+    assert [p[i].item() for i in (0, 1, 9, 50, 333, 699)] == [float.fromhex(x) for x in (
+        "0x1.69373ee22817cp-9", "0x1.254b20426360cp-10", "0x1.7bf0bc65856c5p-10", "0x1.1c2f7a6ad3680p-9",
+        "0x1.69373ee22817cp-9", "0x1.3891dcfe43037p-11")]
+    assert hashlib.sha256(p.numpy().tobytes()).hexdigest() == (
+        "aeff68f9ef8dc1e20d8fa3165124282c56af290a3a9659e87c28abae0a0b5213")
+    nxt = s.global_batch(30, 16)
+    assert nxt.tolist() == [659, 98, 588, 661, 549, 403, 428, 134, 475, 380, 638, 254, 27, 254, 295, 123]
+    assert s.loss_weights(nxt[:4]).double().tolist() == [float.fromhex(x) for x in (
+        "0x1.b1facc0000000p-1", "0x1.f8a8380000000p-1", "0x1.f8a8380000000p-1", "0x1.f8a8380000000p-1")]
+
+
+def test_magnitude_mean_leaves_out_the_samples_of_a_skipped_batch():
+    """A loss-spike monitor that skips a step excludes its batch's samples from the sampler, but the callback has
+    already scored them (at the spike's loss). Under ``magnitude`` their scores entered the mean that every other
+    sample is divided by: a 16-sample batch at loss +30 moved the mean from 1.78 to 3.33 and the other samples'
+    probabilities by up to 29 %. The other samples must be drawn exactly as if that batch had never been scored."""
+
+    def run(score_the_spike: bool) -> FourierSampler:
+        s = FourierSampler(variant="magnitude", stages=False, score="time", uniform_floor=0.1)
+        s.setup(400, seed=3)
+        feed(s, 20, batch=16, hot=set(range(0, 400, 10)))
+        idx = s.global_batch(20, 16)
+        if score_the_spike:
+            s.observe(torch.rand(16, 64, generator=torch.Generator().manual_seed(99)) + 30.0, idx, 21)
+        s.exclude(idx.tolist())
+        return s
+
+    scored, unscored = run(True), run(False)
+    assert scored.num_excluded == 16 and not torch.equal(scored.m1, unscored.m1)  # the spike did reach the table
+    p = scored.probabilities(21)
+    assert torch.equal(p, unscored.probabilities(21))
+    assert torch.equal(scored.global_batch(21, 64), unscored.global_batch(21, 64))
+    counted = (scored.visits > 0) & ~scored.excluded
+    elem = S.importance_elementwise(scored.m1, scored.m2, scored.visits, "magnitude")
+    assert scored._distribution()["mean"] == pytest.approx(float(elem[counted].mean()), rel=1e-12)
+    raw = S.importance(scored.m1, scored.m2, scored.visits, "magnitude", excluded=scored.excluded)
+    torch.testing.assert_close(p, S.sampling_probabilities(raw, 0.1, scored.excluded), rtol=1e-9, atol=0)
 
 
 def test_time_score_update_and_fp16_profile():

@@ -393,9 +393,18 @@ class FourierSampler(IndexSampler):
         return pos, pos < self.num_samples
 
     def _block_samples(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """For ``magnitude``: positions, real-sample mask, ``|m1_hat|`` and seen mask of the given blocks."""
+        """For ``magnitude``: positions, real-sample mask, ``|m1_hat|`` and seen mask of the given blocks.
+
+        An excluded sample counts as not seen: the samples of a batch that a loss-spike monitor skipped (it
+        excludes them; the callback still scored them, often at a spike's loss) must not enter the mean that
+        every other sample is divided by. Its weight is 0 either way (its target is 0). Without exclusions
+        this is the plain seen mask, so nothing changes bit for bit when no step is skipped.
+        """
         pos, valid = self._block_positions(blocks)
-        seen = ~self._unseen[pos.clamp(max=self.num_samples - 1)] & valid
+        safe = pos.clamp(max=self.num_samples - 1)
+        seen = ~self._unseen[safe] & valid
+        if self.num_excluded:  # exclusions invalidate the target, so every block is rescanned with this mask
+            seen &= ~self.excluded[safe]
         return pos, valid, self._elem[pos], seen
 
     def _weights_at(self, pos: torch.Tensor) -> torch.Tensor:

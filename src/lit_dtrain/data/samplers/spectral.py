@@ -213,6 +213,7 @@ def importance(
     magnitude_cap: float = 10.0,
     prior: float = 1.0,
     eps: float = 1e-8,
+    excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unnormalized sampling weight of every sample (float64); unseen samples (``visits == 0``) get ``prior``.
 
@@ -222,6 +223,8 @@ def importance(
     * ``magnitude``: the bias-corrected EMA ``|m1| / (1 - momentum**visits)`` relative to its mean over seen
       samples, ``clamp(., min_prob, magnitude_cap)``: samples with a persistently high score are drawn more.
       (``|m1_hat| = ratio * rms``, i.e. the brief's ratio times the score's magnitude.)
+      ``excluded`` samples (a skipped loss spike's) are left out of that mean; their own weight is zeroed
+      by :func:`sampling_probabilities`.
 
     It is :func:`importance_finish` of :func:`importance_elementwise`; the sampler keeps the elementwise part
     and refreshes it only where the table changed.
@@ -230,7 +233,7 @@ def importance(
         m1, m2, visits, variant, momentum=momentum, min_prob=min_prob, max_prob=max_prob, prior=prior, eps=eps
     )
     return importance_finish(elem, visits == 0, variant, min_prob=min_prob, magnitude_cap=magnitude_cap,
-                             prior=prior, eps=eps)
+                             prior=prior, eps=eps, excluded=excluded)
 
 
 def importance_elementwise(
@@ -267,15 +270,20 @@ def importance_finish(
     prior: float = 1.0,
     eps: float = 1e-8,
     mean: float | None = None,
+    excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The global part of :func:`importance` (identity for ``moment_ratio``; for ``magnitude`` the division
-    by the mean over seen samples, the clamp and the prior). ``unseen`` is ``visits == 0``. ``mean``: the
-    mean over seen samples when ``elem`` is only a subset (the sampler passes the one its blocks keep)."""
+    by the mean over seen, non-``excluded`` samples, the clamp and the prior). ``unseen`` is ``visits == 0``.
+    ``mean``: that mean when ``elem`` is only a subset (the sampler passes the one its blocks keep)."""
     if variant == "moment_ratio":
         return elem
-    if mean is None:
+    if mean is None and excluded is None:
         n_seen = elem.numel() - int(unseen.sum())
         mean = float(elem.sum()) / n_seen if n_seen else 1.0
+    elif mean is None:
+        counted = ~unseen & ~excluded
+        n_seen = int(counted.sum())
+        mean = float(torch.where(counted, elem, 0.0).sum()) / n_seen if n_seen else 1.0
     return (elem / max(mean, eps)).clamp_(min_prob, magnitude_cap).masked_fill_(unseen, float(prior))
 
 
