@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import open_dict
 
-from lit_dtrain.callbacks import FourierSamplerCallback
+from lit_dtrain.callbacks import FourierSamplerCallback, LossSpikeMonitor
 from lit_dtrain.data.samplers import FourierSampler, RandomSampler
 from lit_dtrain.data.samplers import spectral as S
 from lit_dtrain.train import train
@@ -696,6 +696,42 @@ def test_stage_lr_multiplier_is_applied_inside_the_step(tiny_cfg):
     expected = [lr * (0.1 if s < 2 else 0.5 if s < 8 else 1.0) for s in range(10)]
     assert rec.used == pytest.approx(expected)
     assert rec.after == pytest.approx([lr] * 10)  # the scheduler's LR is restored after every update
+
+
+class _ScaleLogitsAt(L.Callback):
+    """Multiplies the logits by 50 for one step: a finite loss spike that LossSpikeMonitor skips."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.handle = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * 50.0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_a_skipped_spike_batch_is_left_out_of_the_magnitude_mean_through_the_callbacks(tiny_cfg):
+    """The callbacks' path: the FourierSamplerCallback scores every batch, also the one LossSpikeMonitor skips; the
+    monitor then excludes its samples. The mean of ``magnitude`` must be over the seen samples still drawable
+    (before the fix it was 4.18 here, over all seen samples, against 3.38 without the 4 spiked ones)."""
+    cfg = tiny_cfg("data/sampler=fourier", "data.sampler.variant=magnitude", "data.sampler.stages=false",
+                   "callbacks=[default,loss_spike,fourier_sampler]", "callbacks.loss_spike.warmup_steps=3",
+                   "trainer.max_steps=14", "sample.max_new_tokens=0")
+    with open_dict(cfg):
+        cfg.callbacks["spike"] = {"_target_": f"{__name__}._ScaleLogitsAt", "step": 8}
+    _, objects = train(cfg)
+    sampler = objects["datamodule"].sampler
+    monitor = next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))
+    assert [(e["step"], e["actions"]) for e in monitor.events] == [(8, ["log", "skip"])]
+    seen = sampler.visits > 0
+    assert sampler.num_excluded == int((seen & sampler.excluded).sum()) == 4  # scored, then excluded
+    elem = S.importance_elementwise(sampler.m1, sampler.m2, sampler.visits, "magnitude")
+    assert sampler._distribution()["mean"] == pytest.approx(float(elem[seen & ~sampler.excluded].mean()), rel=1e-12)
+    assert float(elem[seen].mean()) > 1.1 * sampler._distribution()["mean"]  # the spike's scores would move it
 
 
 @pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
