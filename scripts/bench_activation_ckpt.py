@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="step time for the ratios: cpu = this process's CPU time (robust to other processes\n"
                         "on a shared machine, with --threads 1); wall = elapsed time. Both are printed.")
-    p.add_argument("--plot", default="docs/img/actckpt_memory_vs_time.png", help="PNG path ('' to skip)")
+    p.add_argument("--plot", default="outputs/bench_actckpt/actckpt_memory_vs_time.png",
+                   help="PNG path ('' to skip; the docs' figure: --plot docs/img/actckpt_memory_vs_time.png)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

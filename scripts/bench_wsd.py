@@ -17,7 +17,8 @@
     python scripts/bench_wsd.py                 # the documented run (docs/wsd.md), ~20 min on 2 busy cores
     python scripts/bench_wsd.py --quick         # a smoke run of every code path (~2 min)
 
-Runs go under ``--out-dir``; plots to ``--img-dir`` (docs/img/wsd_*.png). The last line is one JSON object.
+Runs go under ``--out-dir``; plots to ``--img-dir`` (default ``--out-dir``;
+``docs/img`` for the docs). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a contended 2-core box)")
     p.add_argument("--seed", type=int, default=1337, help="seed of every run")
     p.add_argument("--out-dir", default="outputs/bench_wsd", help="run dirs (wiped first)")
-    p.add_argument("--img-dir", default="docs/img", help="where wsd_*.png go")
+    p.add_argument("--img-dir", default=None,
+                   help="where wsd_*.png go (default: --out-dir; the docs' figures: --img-dir docs/img)")
     p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"),
                    help="token cache")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every code path")
@@ -295,7 +297,7 @@ def experiment_3(bench: Bench, e1: dict) -> dict:
 
 
 def plots(bench: Bench, e1: dict, e2: dict, e3: dict) -> list[str]:
-    img = Path(bench.args.img_dir)
+    img = Path(bench.args.img_dir or bench.args.out_dir)
     out = []
     p = img / "wsd_vs_cosine.png"
     compare_runs.compare([e1["dirs"]["wsd"], e1["dirs"]["cosine"]], ["val/loss", "lr-AdamW/decay"],

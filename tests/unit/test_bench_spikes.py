@@ -1,4 +1,4 @@
-"""scripts/bench_spikes.py writes its figure under its own --out-dir unless a path is given."""
+"""The benchmark scripts write their figures under their own output dir unless a path is given."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def test_the_figure_goes_under_out_dir_by_default_never_to_the_docs(tmp_path, mo
     expected = {"out": [tmp_path / "out" / "spikes_loss.png"], "given": [tmp_path / "elsewhere.png"], None: []}
     assert written == expected[where]
     assert (tmp_path / "out" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("script, keys", [("bench_wsd", ["img_dir", "out_dir"]), ("bench_comm", ["out"]),
+                                          ("bench_activation_ckpt", ["plot"])])
+def test_the_other_benchmarks_write_no_figure_into_the_docs_unless_asked(script, keys):
+    """Like bench_spikes: a smoke run with the defaults (``bench_wsd.py --quick``: "numbers meaningless") must not
+    overwrite the docs' figures; the documented commands name docs/img explicitly."""
+    spec = importlib.util.spec_from_file_location(f"_{script}_defaults", ROOT / "scripts" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.parse_args([])
+    docs = (ROOT / "docs").resolve()
+    for key in keys:
+        value = getattr(args, key)
+        assert value is None or docs not in (ROOT / value).resolve().parents and (ROOT / value).resolve() != docs
