@@ -200,6 +200,44 @@ def test_sampled_threshold_topk_is_exact(n, ratio, seed):
     assert torch.equal(a[got].sort().values, a.topk(k).values.sort().values)
 
 
+@pytest.mark.parametrize("nonzeros", [0, 300, 15_000])  # all zero; fewer nonzeros than k; more, but under 2k
+def test_topk_of_a_mostly_zero_bucket_is_exact_and_cheap(monkeypatch, nonzeros):
+    """A (nearly) all-zero bucket makes the sampled threshold 0, which passed every entry to a topk over the
+    whole bucket (230-300 ms for 9M values). Now the nonzeros are found in one pass and topk sees only them;
+    the zeros that fill up ``k`` are the lowest-index ones, the set topk itself picked among ties."""
+    n, k = 1_000_000, 10_000
+    g = torch.Generator().manual_seed(nonzeros)
+    x = torch.zeros(n)
+    where = torch.randperm(n, generator=g)[:nonzeros]
+    x[where] = torch.randn(nonzeros, generator=g) + 0.5  # a few exact zeros among them are fine
+    nonzero_set = set(x.nonzero().flatten().tolist())
+    topk_sizes: list[int] = []
+    real_topk = torch.Tensor.topk
+
+    def recording_topk(self, *args, **kwargs):
+        topk_sizes.append(self.numel())
+        return real_topk(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", recording_topk)
+    got = exact_topk_indices(x.abs(), k, seed=3)
+    monkeypatch.undo()
+    assert got.numel() == k and got.unique().numel() == k
+    assert max(topk_sizes, default=0) <= len(nonzero_set)  # never a topk over the bucket's zeros
+    if len(nonzero_set) <= k:  # every nonzero, then the lowest-index zeros
+        zeros = [i for i in range(n) if i not in nonzero_set][: k - len(nonzero_set)]
+        assert sorted(got.tolist()) == sorted(nonzero_set | set(zeros))
+    assert torch.equal(x.abs()[got].sort().values, x.abs().topk(k).values.sort().values)  # the true top-k
+    c = TopK(ratio=k / n, error_feedback=True)
+    segments = [Segment("p", 0, n, (n,))]
+    values, indices = c.compress(x, segments, 0)
+    assert torch.equal(values, x[indices.long()])
+    sent = c.decompress([values, indices], segments, n)
+    if len(nonzero_set) <= k:
+        assert torch.equal(sent, x)  # nothing dropped, so error feedback keeps a zero residual
+    else:
+        assert (sent != 0).sum() == k and torch.equal(sent[sent != 0], x[sent != 0])
+
+
 def test_dynamic_topk_ratio_schedule():
     assert topk_ratio_at(0, 0.01, 0.25, 100) == pytest.approx(0.25)
     assert topk_ratio_at(50, 0.01, 0.25, 100) == pytest.approx(0.05)  # geometric mean
