@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 from pathlib import Path
@@ -233,3 +234,95 @@ def test_skip_and_rollback_also_undo_the_strategys_comm_state(tmp_path: Path) ->
         _assert_state_equal(diloco["after"][7]["local_update"], diloco["after"][4]["local_update"], f"rank {rank}")
         assert diloco["after"][4]["local_update"]["num_syncs"] == 1
         assert diloco["after"][6]["local_update"]["num_syncs"] == 2
+
+
+def _local_update_worker(rank: int, port: int, root: str) -> None:
+    """A NaN loss on rank 1 only under local updates, where gradients are not all-reduced (so only rank 1's
+    grads are NaN): local SGD with ``skip`` mid-period, DiLoCo with ``rollback`` on a sync step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import LossSpikeMonitor
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.schedules import cosine_scheduler
+    from lit_dtrain.strategies import CompressedDDPStrategy
+    from tests.faults import PoisonLossAtStep
+
+    class PoisonOneRank(PoisonLossAtStep):
+        def __init__(self, step: int, rank: int) -> None:
+            super().__init__(step)
+            self.rank = rank
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_rank == self.rank:
+                super().on_before_backward(trainer, pl_module, loss)
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.local_loss, self.params, self.syncs = {}, {}, {}
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.local_loss[trainer.global_step] = float(loss.detach())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.params[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            self.syncs[trainer.global_step] = trainer.strategy.local_update.num_syncs
+
+    def fit(action: str, nan_step: int, local_update: dict):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(block_size=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32))
+        lit = LitLLM(model, optimizer=partial(adamw, lr=3e-3),
+                     scheduler=partial(cosine_scheduler, total_steps=40, warmup_steps=2))
+        monitor, record = LossSpikeMonitor(actions=["log", action], warmup_steps=3, snapshot_every=2), Record()
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=9, logger=False, enable_checkpointing=False,
+                            # a rank left waiting fails the run after 30 s instead of the default 30 min
+                            strategy=CompressedDDPStrategy(local_update=local_update, collective_timeout_s=30,
+                                                           log_comm_metrics=False),
+                            callbacks=[PoisonOneRank(nan_step, rank=1), monitor, record], enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+        trainer.fit(lit, datamodule=_data(root))
+        return {"global_step": trainer.global_step, "num_spikes": monitor.num_spikes,
+                "events": [(e["step"], e["actions"], e["reasons"], e["rolled_back_to"]) for e in monitor.events],
+                "local_loss": record.local_loss, "params": record.params, "syncs": record.syncs}
+
+    results = {
+        # local SGD syncs after steps 2, 5, 8: step 4 is mid-period, where the ranks' parameters differ
+        "local_sgd": fit("skip", 4, {"name": "local_sgd", "sync_period": 3}),
+        # DiLoCo's outer step falls on step 5 itself (lr/momentum 0.5: the defaults overshoot at H = 3)
+        "diloco": fit("rollback", 5, {"name": "diloco", "sync_period": 3, "outer_lr": 0.5, "outer_momentum": 0.5}),
+    }
+    torch.save(results, os.path.join(root, f"local_rank{rank}.pt"))
+
+
+def test_nan_on_one_rank_under_local_updates_same_decision_on_both(tmp_path: Path) -> None:
+    """Under local SGD / DiLoCo only rank 1's gradients are NaN, yet the monitor's all-reduced loss makes both
+    ranks drop the step: neither waits for the other (a one-sided decision would leave a rank blocked in the next
+    collective until the 30 s timeout), both end after the same steps and syncs with identical parameters."""
+    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
+    _data(str(tmp_path)).prepare_data()
+    mp.spawn(_local_update_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"local_rank{r}.pt", weights_only=False) for r in (0, 1))
+    for name, nan_step, action, rolled_back_to in (("local_sgd", 4, "skip", None), ("diloco", 5, "rollback", 4)):
+        a, b = r0[name], r1[name]
+        assert a["global_step"] == b["global_step"] == 9, name  # both ranks trained to the end
+        assert math.isnan(b["local_loss"][nan_step]) and math.isfinite(a["local_loss"][nan_step]), name
+        assert a["events"] == b["events"], name
+        assert [(s, acts, rb) for s, acts, _, rb in a["events"]] == [(nan_step, ["log", action], rolled_back_to)]
+        assert "nonfinite_loss" in a["events"][0][2], name
+        assert a["num_spikes"] == b["num_spikes"] == 1, name  # the same number of dropped steps
+        assert a["syncs"] == b["syncs"], name  # the same syncs at the same steps
+        for k, v in a["params"][9].items():  # synchronized at the last step: identical, and no NaN got in
+            assert torch.equal(v, b["params"][9][k]) and torch.isfinite(v).all(), (name, k)
+    for r in (r0, r1):  # each rank's dropped step left its own (rank-local) parameters as they were
+        params = r["local_sgd"]["params"]
+        for k, v in params[5].items():
+            assert torch.equal(v, params[4][k]), k
+        params = r["diloco"]["params"]  # rolled back to its own snapshot of step 4 (after the outer step of 5)
+        for k, v in params[6].items():
+            assert torch.equal(v, params[4][k]), k
+        assert r["diloco"]["syncs"][4] == r["diloco"]["syncs"][6] == 1  # DiLoCo's outer state went back too
+    # mid-period the ranks' parameters really differ (the checks above compare rank-local states)
+    assert not torch.equal(r0["local_sgd"]["params"][4]["model.tok_embeddings.weight"],
+                           r1["local_sgd"]["params"][4]["model.tok_embeddings.weight"])
