@@ -20,6 +20,7 @@ from torchmetrics import MeanMetric
 
 from lit_dtrain.optim import adamw
 from lit_dtrain.schedules.lr import StepLambdaLR
+from lit_dtrain.strategies import warn_if_comm_state_dropped
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,12 @@ class LitLLM(L.LightningModule):
             "'callbacks=[default,loss_spike]' to skip or roll back such steps, or lower the LR; "
             "resume from the last checkpoint with resume=auto."
         )
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies (``strategy=ddp``)
+        ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without a word."""
+        if self._trainer is not None:  # not when a checkpoint is only read for its weights
+            warn_if_comm_state_dropped(checkpoint, self._trainer.strategy, self._trainer.ckpt_path)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""

@@ -439,3 +439,66 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         assert not torch.equal(start[0]["compressor"]["residuals"]["net.0.weight"],
                                start[1]["compressor"]["residuals"]["net.0.weight"])  # rank-local
         assert_same(end_resumed[1]["compressor"], end_straight[1]["compressor"], "compressor after resume")
+
+
+def _plain_resume_worker(rank: int, port: int, root: str) -> None:
+    """Write a compressed checkpoint at step 4, resume it with plain DDP (``make_ddp``, as ``strategy=ddp`` does)
+    and with the same compressed strategy; record every rank's warnings about the resume."""
+    import os
+    import warnings
+    from functools import partial
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.strategies import make_ddp
+
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 257, (64, 17), generator=g)
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+
+    def fit(strategy, max_steps: int, tag: str, ckpt_path: str | None = None) -> list[str]:
+        torch.manual_seed(0)
+        lit = LitLLM(Llama(LlamaConfig(block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16)),
+                     optimizer=partial(adamw, lr=1e-3))
+        trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=max_steps, strategy=strategy, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(root) / tag, filename="{step}",
+                                                                           every_n_train_steps=4, save_top_k=-1)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(lit, train_dataloaders=DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught if CHECKPOINT_KEY in str(w.message)]
+
+    results = {}
+    for name, kwargs in (("powersgd", {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}}),
+                         ("local_sgd", {"local_update": {"name": "local_sgd", "sync_period": 3}})):  # step 4: mid-period
+        fit(CompressedDDPStrategy(log_comm_metrics=False, **kwargs), 5, name)  # not 4: the last step syncs
+        ckpt = str(Path(root) / name / "step=4.ckpt")
+        results[name] = {
+            "plain": fit(make_ddp(collective_timeout_s=60), 6, f"{name}_plain", ckpt),
+            "same": fit(CompressedDDPStrategy(log_comm_metrics=False, **kwargs), 6, f"{name}_same", ckpt),
+        }
+    torch.save(results, Path(root) / f"plain_resume_rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_path):
+    """``strategy=ddp`` on a checkpoint of ``strategy=ddp_compressed/...`` is legitimate (a decay branch), but it
+    drops the error-feedback residuals (PowerSGD) or every rank's own parameters and optimizer state (local SGD,
+    here mid-period): rank 0 warns once, naming the preset and the state, and a same-preset resume does not."""
+    mp.spawn(_plain_resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"plain_resume_rank{r}.pt", weights_only=False) for r in range(WORLD))
+    for name in ("powersgd", "local_sgd"):
+        assert r1[name]["plain"] == [], name  # rank-zero only
+        assert r0[name]["same"] == r1[name]["same"] == [], name  # the compressed strategy restores it all
+        (message,) = r0[name]["plain"]
+        assert f"strategy=ddp_compressed/{name}" in message and "DDPStrategy" in message, message
+        assert "2 ranks" in message, message
+    powersgd = r0["powersgd"]["plain"][0]
+    assert "error-feedback residuals" in powersgd and "PowerSGD Q matrices" in powersgd, powersgd
+    local_sgd = r0["local_sgd"]["plain"][0]
+    assert "1 step since the last sync" in local_sgd and "rank 0's parameters" in local_sgd, local_sgd

@@ -583,3 +583,32 @@ def test_compression_ratio_is_absent_until_something_was_sent():
         seen.append(metrics.get("comm/compression_ratio"))
     assert seen[:2] == [None, None]
     assert seen[2] == pytest.approx(3 * 64 / 64)  # the sync at step 3 sent the 64 parameter bytes once
+
+
+def test_another_strategy_resuming_compressed_state_is_told_what_it_drops():
+    """The message a plain-DDP (or single-device) resume of a ``ddp_compressed`` checkpoint warns with, from the
+    strategy's own ``comm_state_dict``; the 2-rank run through Lightning is in tests/dist/test_compressed_ddp.py."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy, dropped_comm_state_message
+
+    plain = SingleDeviceStrategy(device="cpu")
+    diloco = CompressedDDPStrategy(local_update=DiLoCo(sync_period=2, compressor="int4"))
+    params = make_params()
+    diloco.local_update.maybe_initialize(params)
+    for _ in range(2):  # one outer step: outer parameters, momentum and the int4 pseudo-gradient residual
+        for _, p in params:
+            p.data.add_(0.01)
+        diloco.local_update.after_optimizer_step(params, LoopbackCommunicator())
+    checkpoint = {CHECKPOINT_KEY: diloco.comm_state_dict()}
+    message = dropped_comm_state_message(checkpoint, plain, "x.ckpt")
+    assert message.startswith(f"{CHECKPOINT_KEY}: x.ckpt was written under CompressedDDPStrategy "
+                              "(strategy=ddp_compressed/diloco, 1 rank)"), message
+    for part in ("DiLoCo's outer parameters and momentum", "pseudo-gradient compressor's error-feedback residuals",
+                 "SingleDeviceStrategy does not read", "written right after a sync"):
+        assert part in message, (part, message)
+    assert dropped_comm_state_message(checkpoint, diloco) is None  # it restores the state itself
+    assert dropped_comm_state_message({}, plain) is None  # a plain checkpoint: nothing to drop
+    fp16 = {CHECKPOINT_KEY: CompressedDDPStrategy(compressor="fp16").comm_state_dict()}
+    assert "ddp_compressed/fp16" in dropped_comm_state_message(fp16, plain)  # no error feedback: only counters
+    assert "only the comm/* counters restart" in dropped_comm_state_message(fp16, plain)

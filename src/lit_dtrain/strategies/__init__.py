@@ -22,7 +22,9 @@ from lit_dtrain.strategies.compressed_ddp import (
     CompressedDDPStrategy,
     build_compressor,
     build_local_update,
+    dropped_comm_state_message,
     register_strategies,
+    warn_if_comm_state_dropped,
 )
 from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression, Segment
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
@@ -43,5 +45,6 @@ __all__ = [
     "CHECKPOINT_KEY", "COMPRESSORS", "LOCAL_UPDATES", "BlockQuantizer", "CommSession", "Communicator",
     "CompressedDDPStrategy", "Compressor", "DiLoCo", "HalfPrecision", "LocalSGD", "LocalUpdate",
     "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "TopK", "build_compressor",
-    "build_local_update", "compressed_comm_hook", "make_ddp", "register_strategies",
+    "build_local_update", "compressed_comm_hook", "dropped_comm_state_message", "make_ddp", "register_strategies",
+    "warn_if_comm_state_dropped",
 ]
