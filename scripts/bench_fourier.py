@@ -64,6 +64,11 @@ ALL_VARIANTS = ["uniform", "uniform_seed2", "uniform_stagelr"] + [
     f"{v}_{a}" for v in ("brief", "mag") for a in SCORE_ABLATION
 ]
 LONG_VARIANTS = ["uniform", "uniform_seed2", "uniform_stagelr", "brief_stages", "mag_mixed"]
+# Oracle references (mixture only, not samplers): uniform sampling with the random-character source's draw share
+# scaled by a known factor, i.e. what a sampler that recognised the noise segments perfectly could do at best by
+# down-weighting them. 0.5 is about the share mag_freq reaches (7 % vs 15 %).
+ORACLE_RANDOM_SCALE = {"oracle_halfrandom": 0.5, "oracle_norandom": 0.0}
+ALL_VARIANTS += list(ORACLE_RANDOM_SCALE)
 MIXTURE_SHARES = {"code": 0.35, "prose": 0.35, "boilerplate": 0.15, "random": 0.15}
 
 
@@ -136,7 +141,7 @@ class PairedUniformSampler(FourierSampler):
 
 def make_sampler(variant: str, steps: int):
     unit = steps / 50
-    if variant.startswith("uniform"):
+    if variant.startswith(("uniform", "oracle")):
         return PairedUniformSampler(stage_lr=variant == "uniform_stagelr", step_unit=unit)
     transform, ablation = variant.split("_", 1)
     score, stages, stage_lr = SCORE_ABLATION[ablation]
@@ -146,11 +151,14 @@ def make_sampler(variant: str, steps: int):
     )
 
 
-def make_datamodule(corpus: str, dirs, block: int, batch: int, seed: int, sampler, cache_dir: str) -> LMDataModule:
+def make_datamodule(corpus: str, dirs, block: int, batch: int, seed: int, sampler, cache_dir: str,
+                    random_scale: float = 1.0) -> LMDataModule:
+    """``random_scale`` scales the random source's weight (its share of the draws) for the oracle references."""
     if corpus == "stdlib":
         sources = [CorpusSource()]
     else:
-        sources = [CorpusSource(name=k, kind="files", paths=[str(d)], weight=MIXTURE_SHARES[k])
+        sources = [CorpusSource(name=k, kind="files", paths=[str(d)],
+                                weight=MIXTURE_SHARES[k] * (random_scale if k == "random" else 1.0))
                    for k, d in dirs.items()]
     dm = LMDataModule(sources=sources, block_size=block, batch_size=batch, seed=seed, cache_dir=cache_dir,
                       sampler=sampler, val_fraction=0.02 if corpus == "stdlib" else 0.15, progress=False)
@@ -221,12 +229,13 @@ def run(corpus, dirs, block, variant, seed, args) -> dict:
     batch = max(1, args.tokens_per_step // block)
     data_seed = seed + (1000 if variant == "uniform_seed2" else 0)  # the control: only the data order differs
     sampler = make_sampler(variant, args.steps)
-    dm = make_datamodule(corpus, dirs, block, batch, data_seed, sampler, args.cache_dir)
+    dm = make_datamodule(corpus, dirs, block, batch, data_seed, sampler, args.cache_dir,
+                         random_scale=ORACLE_RANDOM_SCALE.get(variant, 1.0))
     vals = val_set(dm, corpus, args.val_windows * 256 // block)
     model = model_for(block, seed, args)
     opt = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = cosine_scheduler(opt, total_steps=args.steps, warmup_steps=max(1, args.steps // 20), min_lr_factor=0.1)
-    fourier = not variant.startswith("uniform")
+    fourier = not variant.startswith(("uniform", "oracle"))
     curve, draw_t, step_t, obs_t, seen = [], [], [], [], set()
     curve.append((0, evaluate(model, vals, args.eval_batch)[0]))
     for step in range(args.steps):
@@ -361,6 +370,8 @@ def train_all(args) -> tuple[list, dict]:
                 print(f"[{corpus}] interleaved timing: {timing[corpus]}", flush=True)
             for block in args.block_sizes:
                 variants = args.variants if block <= 256 else [v for v in args.long_variants if v in args.variants]
+                if corpus != "mixture":  # the oracles reweight the mixture's random source
+                    variants = [v for v in variants if v not in ORACLE_RANDOM_SCALE]
                 for seed in args.seeds:
                     for variant in variants:
                         t0 = time.perf_counter()
@@ -447,9 +458,9 @@ def summarize(runs: list, timing: dict, args) -> dict:
         if corpus == "mixture":
             print("  per-source val loss: " + "; ".join(
                 f"{n}: " + ", ".join(f"{k}={v:.3f}" for k, v in e["per_source"].items()) for n, e in table.items()
-                if n in ("uniform", "brief_stages", "mag_mixed", "mag_time", "mag_freq")))
+                if n in ("uniform", "brief_stages", "mag_mixed", "mag_time", "mag_freq", *ORACLE_RANDOM_SCALE)))
         key = corpus if block == min(args.block_sizes) else f"{corpus}_block{block}"
-        fourier = {k: v for k, v in table.items() if not k.startswith("uniform")}
+        fourier = {k: v for k, v in table.items() if not k.startswith(("uniform", "oracle"))}
         head = table.get("brief_stages") or next(iter(fourier.values()), {})
         best = min(fourier, key=lambda k: fourier[k]["val_loss_delta_pct"]) if fourier else None
         sampling = {k: v for k, v in fourier.items() if not k.endswith("_stages")}  # no stage LR multiplier
@@ -483,7 +494,8 @@ PLOT_STYLE = {  # variant -> (color, linestyle, width)
     "uniform": ("k", "-", 2.0), "uniform_seed2": ("0.5", ":", 1.5), "uniform_stagelr": ("tab:red", "-", 3.0),
     "brief_stages": ("tab:orange", "--", 1.5), "brief_mixed": ("tab:olive", "-.", 1.0),
     "mag_mixed": ("tab:blue", "-", 1.2), "mag_time": ("tab:purple", "-", 1.2), "mag_freq": ("tab:green", "-", 1.2),
-    "mag_stages": ("tab:brown", "--", 1.0),
+    "mag_stages": ("tab:brown", "--", 1.0), "oracle_halfrandom": ("tab:gray", "--", 1.0),
+    "oracle_norandom": ("tab:gray", ":", 1.0),
 }
 
 
