@@ -612,3 +612,18 @@ def test_another_strategy_resuming_compressed_state_is_told_what_it_drops():
     fp16 = {CHECKPOINT_KEY: CompressedDDPStrategy(compressor="fp16").comm_state_dict()}
     assert "ddp_compressed/fp16" in dropped_comm_state_message(fp16, plain)  # no error feedback: only counters
     assert "only the comm/* counters restart" in dropped_comm_state_message(fp16, plain)
+
+
+@pytest.mark.parametrize("written, resumed", [("powersgd", "int8"), (None, "int8"), ("int8", None)])
+def test_a_resume_under_another_preset_names_the_file_and_the_ways_out(tmp_path, written, resumed):
+    """``ddp_compressed/int8`` resuming a PowerSGD checkpoint is refused (its state cannot be applied); the error
+    named neither the file nor the preset that wrote it nor ``strategy=ddp``, which resumes without that state."""
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy
+
+    path = tmp_path / "last.ckpt"
+    torch.save({CHECKPOINT_KEY: CompressedDDPStrategy(compressor=written).comm_state_dict()}, path)
+    with pytest.raises(ValueError) as err:
+        CompressedDDPStrategy(compressor=resumed).load_checkpoint(path)
+    message = str(err.value)
+    for part in (str(path), f"strategy=ddp_compressed/{written or 'none'} on 1 rank)", "or with strategy=ddp,"):
+        assert part in message, (part, message)

@@ -262,8 +262,31 @@ class CompressedDDPStrategy(DDPStrategy):
             rank_zero_warn(f"{checkpoint_path} has no {CHECKPOINT_KEY!r} entry (written without compression?); "
                            "compressor and local-update state start fresh")
         else:
-            self.load_comm_state_dict(state)
+            try:
+                self.load_comm_state_dict(state)
+            except ValueError as e:  # another world size or preset: say which file, and the two ways out
+                world = state.get("world_size") if isinstance(state, Mapping) else None
+                raise ValueError(
+                    f"{checkpoint_path}: {e}. Resume it with the preset that wrote it (strategy=ddp_compressed/"
+                    f"{written_preset(state)} on {_ranks(world)}), or with strategy=ddp, which drops this state with a "
+                    "warning that lists what is lost"
+                ) from e
         return checkpoint
+
+
+def _ranks(n) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def written_preset(state: Mapping) -> str:
+    """The ``conf/strategy/ddp_compressed/<name>`` preset (named as its codec or rule) that wrote ``state``."""
+    if not isinstance(state, Mapping):
+        return "?"
+    if state.get("local_update") is not None:
+        return str(state["local_update"].get("name", "?"))
+    per_rank = list(state.get("per_rank") or [{}])
+    compressor = (per_rank[0] or {}).get("compressor")
+    return "none" if compressor is None else str(compressor.get("name", "?"))
 
 
 def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
@@ -281,11 +304,11 @@ def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = N
         return None
     per_rank = list(state.get("per_rank") or [{}])
     world = state.get("world_size", len(per_rank))
-    ranks = f"{world} rank{'s' if world != 1 else ''}"
+    ranks = _ranks(world)
     rank0 = per_rank[0] or {}
     local = state.get("local_update")
+    preset = written_preset(state)
     if local is not None:
-        preset = local.get("name", "?")
         held = [f"{preset} counters and period"]
         if local.get("outer_params"):
             held.append("DiLoCo's outer parameters and momentum")
@@ -299,7 +322,6 @@ def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = N
                    if since else "written right after a sync"))
     else:
         compressor = rank0.get("compressor") or {}
-        preset = compressor.get("name", "?")
         held, lost = [], "only the comm/* counters restart"
         if compressor.get("residuals"):
             held.append(f"error-feedback residuals of {ranks}")
