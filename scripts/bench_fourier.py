@@ -510,16 +510,19 @@ def plot_curves(runs: list, path: str) -> None:
     for r in runs:
         groups.setdefault((r["corpus"], r["block"]), {}).setdefault(r["variant"], []).append(r)
     keys = sorted(groups)
-    cols = 2
+    cols = min(2, len(keys))
     rows = (len(keys) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols + (1 if cols == 1 else 0), 3.6 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         base = dict(mean_curve(groups[key]["uniform"]))
+        spread = 0.0
         for variant, (color, ls, lw) in PLOT_STYLE.items():
             if variant in groups[key]:
                 curve = [(s, v - base[s]) for s, v in mean_curve(groups[key][variant]) if s > 0]
                 ax.plot(*zip(*curve), color=color, ls=ls, lw=lw, label=variant)
-        ax.set_ylim(-0.4, 0.4)
+                spread = max([spread] + [abs(d) for _, d in curve])
+        lim = min(0.4, max(0.05, 1.15 * spread))  # small effects stay visible; the grid's panels share +-0.4
+        ax.set_ylim(-lim, lim)
         ax.set_title(f"{key[0]}, T={key[1]}, {len(groups[key]['uniform'])} seeds", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("val loss minus uniform's (nats)")
@@ -527,8 +530,8 @@ def plot_curves(runs: list, path: str) -> None:
     for ax in axes.flat[len(keys):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=5 if cols > 1 else 3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08 if cols > 1 else 0.14, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
