@@ -1,0 +1,39 @@
+"""scripts/bench_fourier.py's oracle references draw the mixture's random windows at the stated share."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("_bench_fourier_oracle", ROOT / "scripts" / "bench_fourier.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def random_share(bench, tmp_path, variant: str, steps: int = 150, batch: int = 8) -> float:
+    dirs = bench.make_mixture(tmp_path / "mixture", total_kb=48, seed=0)
+    sampler = bench.make_sampler(variant, steps)
+    dm = bench.make_datamodule("mixture", dirs, 64, batch, 0, sampler, str(tmp_path / "cache"),
+                               random_scale=bench.ORACLE_RANDOM_SCALE.get(variant, 1.0))
+    names = [s.name for s in dm.sources]
+    offsets = dm.train_windows.offsets
+    lo, hi = offsets[names.index("random")], offsets[names.index("random") + 1]
+    drawn = torch.cat([dm.batch_for_step(step)["index"] for step in range(steps)])
+    return float(((drawn >= lo) & (drawn < hi)).double().mean())
+
+
+def test_the_oracles_scale_the_random_share_of_the_draws(bench, tmp_path):
+    uniform = random_share(bench, tmp_path, "uniform")
+    half = random_share(bench, tmp_path, "oracle_halfrandom")
+    assert 0.12 < uniform < 0.18  # the mixture's 15 % of random characters
+    assert random_share(bench, tmp_path, "oracle_norandom") == 0.0
+    assert 0.4 * uniform < half < 0.6 * uniform
+    assert "oracle_norandom" not in bench.LONG_VARIANTS  # T=1024 runs the grid's long variants only
