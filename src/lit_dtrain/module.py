@@ -20,7 +20,6 @@ from torchmetrics import MeanMetric
 
 from lit_dtrain.optim import adamw
 from lit_dtrain.schedules.lr import StepLambdaLR
-from lit_dtrain.strategies import warn_if_comm_state_dropped
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +178,11 @@ class LitLLM(L.LightningModule):
         """Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies (``strategy=ddp``)
         ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without a word."""
         if self._trainer is not None:  # not when a checkpoint is only read for its weights
+            # Imported here: lit_dtrain.strategies (compressed DDP, PowerSGD, ...; importing it registers
+            # ddp_compressed in Lightning's registry) is not needed by callbacks that import this module
+            # (LossSpikeMonitor for NonFiniteError).
+            from lit_dtrain.strategies import warn_if_comm_state_dropped
+
             warn_if_comm_state_dropped(checkpoint, self._trainer.strategy, self._trainer.ckpt_path)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

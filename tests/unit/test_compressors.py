@@ -627,3 +627,37 @@ def test_a_resume_under_another_preset_names_the_file_and_the_ways_out(tmp_path,
     message = str(err.value)
     for part in (str(path), f"strategy=ddp_compressed/{written or 'none'} on 1 rank)", "or with strategy=ddp,"):
         assert part in message, (part, message)
+
+
+def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_front(tmp_path):
+    """``LitLLM.on_load_checkpoint`` warns through ``lit_dtrain.strategies``, but importing ``lit_dtrain.module``
+    (as ``LossSpikeMonitor`` does, for ``NonFiniteError``) must not import the compressed-DDP package, which
+    registers ``ddp_compressed`` in Lightning's strategy registry: the callbacks are imported one by one."""
+    import subprocess
+    import sys
+    import types
+    import warnings
+
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from tests.conftest import subprocess_env
+
+    code = ("import sys; from lit_dtrain.callbacks import LossSpikeMonitor; import lit_dtrain.module; "
+            "print(sorted(m for m in sys.modules if m.startswith('lit_dtrain.strategies')))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(tmp_path), capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy
+
+    lit = LitLLM(Llama(LlamaConfig(block_size=8, n_layer=1, n_head=2, n_kv_head=1, d_model=8)))
+    checkpoint = {CHECKPOINT_KEY: CompressedDDPStrategy(compressor="int8").comm_state_dict()}
+    lit.on_load_checkpoint(checkpoint)  # no trainer: only the weights are read, nothing to say
+    lit._trainer = types.SimpleNamespace(strategy=SingleDeviceStrategy(device="cpu"), ckpt_path="x.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lit.on_load_checkpoint(checkpoint)
+    (message,) = [str(w.message) for w in caught if CHECKPOINT_KEY in str(w.message)]
+    assert "x.ckpt was written under CompressedDDPStrategy (strategy=ddp_compressed/int8" in message
