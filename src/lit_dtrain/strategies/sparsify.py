@@ -58,9 +58,12 @@ def _sparse_topk_indices(magnitude: Tensor, k: int) -> Tensor:
     """Top-k of a non-negative flat tensor with few nonzeros: one ``nonzero`` pass, topk only among the nonzeros.
 
     With at most ``k`` nonzeros (an all-zero bucket among them) every nonzero is kept and the rest of the ``k``
-    are the lowest-index zeros, the same set ``topk`` picks among ties (it returned a permutation of
-    ``arange(k)`` for an all-zero bucket): the first ``k - m`` zeros lie in ``[0, k)`` because at most ``m``
-    of those ``k`` entries are nonzero. NaN counts as nonzero (and ``topk`` ranks it first), so it is kept.
+    are the lowest-index zeros: the first ``k - m`` zeros lie in ``[0, k)`` because at most ``m`` of those
+    ``k`` entries are nonzero. That is a true top-k, but not necessarily the zeros ``topk`` picks among ties,
+    which depend on ``n`` and ``k`` (``arange(k)`` for some all-zero buckets, a run in the middle for others,
+    e.g. n = 100000, k = 5000), so the indices sent may differ from ``topk``'s; their values are 0 either way,
+    so the decoded gradient and the error-feedback residual do not. NaN counts as nonzero (and ``topk`` ranks
+    it first), so it is kept.
     """
     nonzero = magnitude.nonzero().squeeze(1)  # ascending
     m = nonzero.numel()
