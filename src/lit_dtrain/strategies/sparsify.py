@@ -62,8 +62,8 @@ def _sparse_topk_indices(magnitude: Tensor, k: int) -> Tensor:
     ``k`` entries are nonzero. That is a true top-k, but not necessarily the zeros ``topk`` picks among ties,
     which depend on ``n`` and ``k`` (``arange(k)`` for some all-zero buckets, a run in the middle for others,
     e.g. n = 100000, k = 5000), so the indices sent may differ from ``topk``'s; their values are 0 either way,
-    so the decoded gradient and the error-feedback residual do not. NaN counts as nonzero (and ``topk`` ranks
-    it first), so it is kept.
+    so the decoded gradient and the error-feedback residual compare equal (a ``-0.0`` may be sent as ``+0.0``).
+    NaN counts as nonzero (and ``topk`` ranks it first), so it is kept.
     """
     nonzero = magnitude.nonzero().squeeze(1)  # ascending
     m = nonzero.numel()
