@@ -273,7 +273,9 @@ def _block_samples_before_exclusions(self, blocks):
 def test_magnitude_without_skips_draws_and_weighs_exactly_as_before(monkeypatch):
     """Leaving skipped samples out of the magnitude mean must not change a bit when nothing is skipped (the
     published benchmark grid has no skips): draws of 30 steps with the clamps active, then the probabilities, the
-    mean, the next batch and its importance weights equal those of the code before that change, run here too."""
+    mean, the next batch and its importance weights equal those of the code before that change, run here too.
+    The change acts only when something is excluded, so this passed before it as well: it guards the no-skip path
+    against later edits (a mask that drops seen samples fails it)."""
 
     def run() -> tuple:
         s = FourierSampler(variant="magnitude", step_unit=2, uniform_floor=0.1, importance_weights=True,
