@@ -33,6 +33,7 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
+from lit_dtrain.utils.distributed import destroy_process_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,7 @@ def pin_sweep_dir() -> None:
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     quiet_lightning_noise()
+    destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
     check_config(cfg)
     check_init_from(cfg)

@@ -30,6 +30,7 @@ from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPr
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
+from lit_dtrain.utils.distributed import destroy_process_group_at_exit
 
 CHECKPOINT_KEY = "lit_dtrain_comm"
 _STATE_VERSION = 1
@@ -121,6 +122,11 @@ class CompressedDDPStrategy(DDPStrategy):
     @property
     def local_update(self) -> LocalUpdate | None:
         return self.session.local_update
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the process group exists from here on
+        destroy_process_group_at_exit()
 
     @override
     def _register_ddp_hooks(self) -> None:
