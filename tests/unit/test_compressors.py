@@ -388,6 +388,53 @@ def test_undo_step_erases_a_dropped_step_exactly(name):
         assert leaky.reduce(grad(4), SEGMENTS, comm, 4).wait().norm() > 10 * grad(4).norm()
 
 
+EF_OR_WARM_START = ["fp16_ef", "int4", "topk", "sign", "powersgd", "powersgd_no_ef"]
+
+
+def build_ef_or_warm_start(name):
+    return {"fp16_ef": lambda: HalfPrecision("fp16", error_feedback=True),
+            "powersgd_no_ef": lambda: PowerSGD(error_feedback=False)}.get(name, lambda: build_compressor(name))()
+
+
+@pytest.mark.parametrize("name", EF_OR_WARM_START)
+def test_an_overflowed_step_does_not_poison_later_steps(name):
+    """Under ``16-mixed`` the GradScaler skips a step whose gradients overflowed (routine in the first steps). Its
+    non-finite bucket must still come out non-finite (so the scaler sees it), but must leave the error-feedback
+    residual and PowerSGD's warm-start Q as they were: later steps equal those of a compressor that never saw it.
+    (Before: inf - inf put NaN in the residual / Q, and every later step decoded to NaN, so every later step was
+    skipped too.)"""
+    clean, hit = build_ef_or_warm_start(name), build_ef_or_warm_start(name)
+    comm = LoopbackCommunicator()
+    for step in range(3):
+        clean.reduce(grad(step), SEGMENTS, comm, step).wait()
+        hit.reduce(grad(step), SEGMENTS, comm, step).wait()
+    overflow = grad(99)
+    overflow[[5, 2000]] = torch.tensor([float("inf"), float("nan")])
+    assert not hit.reduce(overflow, SEGMENTS, comm, 3).wait().isfinite().all()
+    for step in range(4, 7):
+        out = hit.reduce(grad(step), SEGMENTS, comm, step).wait()
+        assert out.isfinite().all(), (name, step)
+        assert torch.equal(out, clean.reduce(grad(step), SEGMENTS, comm, step).wait()), (name, step)
+
+
+def test_powersgd_with_another_rank_overflowed_keeps_what_it_could_not_send():
+    """The other rank's gradient overflowed: the all-reduced P is non-finite on this rank too. Nothing usable was
+    delivered, so this rank's residual becomes all of ``g + e`` (finite), and the replicated warm-start Q is kept."""
+    inf_other = [True]
+    comm = TwoRankComm(lambda t: torch.full_like(t, float("inf")) if inf_other[0] else t.clone())
+    c = PowerSGD(matrix_approximation_rank=2)
+    inf_other[0] = False
+    c.reduce(grad(0), SEGMENTS, comm, 0).wait()
+    q_before = {k: v.clone() for k, v in c.q_memory.items()}
+    e_before = c.residual_for(SEGMENTS, grad(0))
+    inf_other[0] = True
+    assert not c.reduce(grad(1), SEGMENTS, comm, 1).wait().isfinite().all()
+    assert torch.equal(c.residual_for(SEGMENTS, grad(0)), e_before + grad(1))
+    assert set(c.q_memory) == set(q_before) and all(torch.equal(c.q_memory[k], q_before[k]) for k in q_before)
+    inf_other[0] = False
+    assert c.reduce(grad(2), SEGMENTS, comm, 2).wait().isfinite().all()
+
+
 def test_compressor_names_build_what_their_presets_configure():
     """``compressor="int4"`` (Python) and ``strategy=ddp_compressed/int4`` (Hydra) are the same codec."""
     from omegaconf import OmegaConf

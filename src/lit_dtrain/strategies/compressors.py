@@ -55,6 +55,11 @@ def segments_from_shapes(named_shapes: Sequence[tuple[str, Sequence[int]]]) -> l
     return segments
 
 
+def all_finite(x: Tensor) -> bool:
+    """Whether every value of ``x`` is finite (one pass; a host sync on CUDA)."""
+    return bool(torch.isfinite(x).all())
+
+
 def completed_future(value: Tensor) -> torch.futures.Future:
     """A ``torch.futures.Future`` that already holds ``value``."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -219,7 +224,10 @@ class Compressor:
         if step < self.start_step:
             return comm.all_reduce_mean_async(flat)
         x = flat.detach().float()
-        if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
+        # A non-finite bucket (a step the GradScaler will skip under 16-mixed) is sent as it is, so every rank
+        # sees the overflow, but neither reads nor writes the residual: inf - inf would leave NaN there for good.
+        error_feedback = self.error_feedback and all_finite(x)
+        if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
             x = self.add_residual(segments, x)
         world, numel = comm.world_size, x.numel()
         if self.collective == "all_reduce":
@@ -227,7 +235,7 @@ class Compressor:
             if len(payload) != 1:
                 raise RuntimeError(f"{self.name}: an all_reduce codec must produce exactly one payload tensor")
             payload[0].div_(world)  # in the payload dtype, as torch's fp16_compress_hook does
-            if self.error_feedback:
+            if error_feedback:
                 x.sub_(self.decompress(payload, segments, numel).mul_(world))
 
             def finish_sum(fut: torch.futures.Future) -> Tensor:
@@ -237,7 +245,7 @@ class Compressor:
         if self.collective != "all_gather":
             raise RuntimeError(f"{self.name}: unknown collective {self.collective!r}")
         payload = self.compress(x, segments, step)  # payload tensors never alias x
-        if self.error_feedback:
+        if error_feedback:
             x.sub_(self.decompress(payload, segments, numel))
 
         def finish_gather(fut: torch.futures.Future) -> Tensor:

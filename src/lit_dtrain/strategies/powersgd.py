@@ -27,7 +27,7 @@ from torch import Tensor
 # torch's own helpers, so the compress decision and the orthogonalization match its powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
 
-from lit_dtrain.strategies.compressors import Compressor, Segment, completed_future
+from lit_dtrain.strategies.compressors import Compressor, Segment, all_finite, completed_future
 
 if TYPE_CHECKING:
     from lit_dtrain.strategies.comm import Communicator
@@ -161,11 +161,16 @@ class PowerSGD(Compressor):
             return comm.all_reduce_mean_async(flat)
         world = comm.world_size
         x = flat.detach().float()
-        if self.error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
+        # a non-finite bucket (an overflow the GradScaler will skip) neither reads nor writes the residual
+        error_feedback = self.error_feedback and all_finite(x)
+        if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
             x = self.add_residual(segments, x)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
         compressed, uncompressed = self.plan(segments)
-        if self.error_feedback:  # local residual M - P_hat Q_local^T, in place; uncompressed vectors are exact
+        # another rank's overflow makes the all-reduced P_hat non-finite here too: nothing usable was delivered,
+        # so the residual keeps all of g + e, and the warm-start Qs stay (q_mean is non-finite on every rank)
+        delivered = all_finite(head)
+        if error_feedback and delivered:  # local residual M - P_hat Q_local^T, in place; uncompressed vectors exact
             offset, q_offset = sum(s.numel for s in uncompressed), 0
             for s, n, m, rank in compressed:
                 p_hat = head[offset : offset + n * rank].view(n, rank)
@@ -175,7 +180,7 @@ class PowerSGD(Compressor):
             for s in uncompressed:
                 x[s.offset : s.offset + s.numel] = 0.0
         q_mean = comm.all_reduce_sum(q_flat).div_(world) if q_flat.numel() else q_flat
-        if self.warm_start:
+        if self.warm_start and delivered and all_finite(q_mean):
             offset = 0
             for s, _, m, rank in compressed:
                 self.q_memory[s.name] = q_mean[offset : offset + m * rank].view(m, rank).clone()
