@@ -70,7 +70,7 @@ class PowerSGD(Compressor):
         """Split segments into compressed ``(segment, n, m, r)`` and uncompressed ones, as torch's hook does."""
         compressed, uncompressed = [], []
         for s in segments:
-            if len(s.shape) < 2:
+            if len(s.shape) < 2 or s.numel == 0:  # vectors; an empty matrix has no rows to divide by
                 uncompressed.append(s)
                 continue
             n, m = s.shape[0], s.numel // s.shape[0]

@@ -110,7 +110,7 @@ class TopK(Compressor):
     def k_at(self, numel: int, step: int) -> int:
         """Number of values kept from a buffer of ``numel`` values at ``step``."""
         ratio = topk_ratio_at(step, self.ratio, self.initial_ratio, self.ratio_warmup_steps)
-        return max(1, min(numel, math.ceil(ratio * numel)))
+        return max(1, min(numel, math.ceil(ratio * numel))) if numel else 0  # an empty buffer sends nothing
 
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
         k = self.k_at(x.numel(), step)
