@@ -552,6 +552,35 @@ def test_diloco_outer_nesterov_step_matches_the_formula():
     assert (restored.num_syncs, restored.step) == (1, 2)
 
 
+def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():
+    """LossSpikeMonitor's rollback snapshot is taken at ``on_train_start``, before DiLoCo's first step, when it has
+    no outer parameters yet. Restoring it (a NaN step before the next snapshot) must start the outer loop afresh
+    from the restored parameters (before: 'DiLoCo state has no outer parameters for [...]' at the next step)."""
+    params = make_params()
+    initial = [(n, p.clone()) for n, p in params]
+    comm = TwoRankComm(lambda t: torch.full_like(t, 0.2))
+    rule = DiLoCo(sync_period=2, outer_lr=0.5, outer_momentum=0.5)
+    snapshot = rule.state_dict()  # before the first step
+    rule.maybe_initialize(params)
+    for _ in range(3):
+        for _, p in params:
+            p.data.sub_(0.1)
+        rule.after_optimizer_step(params, comm)
+    rule.load_state_dict(snapshot)  # the rollback: parameters back to the initial ones, and the rule's state
+    for (_, p), (_, p0) in zip(params, initial):
+        p.data.copy_(p0)
+    fresh, fresh_params = DiLoCo(sync_period=2, outer_lr=0.5, outer_momentum=0.5), [(n, p.clone()) for n, p in initial]
+    for ps, r in ((params, rule), (fresh_params, fresh)):
+        for _ in range(2):
+            r.maybe_initialize(ps)
+            for _, p in ps:
+                p.data.sub_(0.1)
+            r.after_optimizer_step(ps, comm)
+    assert (rule.step, rule.num_syncs) == (fresh.step, fresh.num_syncs) == (2, 1)
+    assert torch.equal(rule.outer_params, fresh.outer_params) and torch.equal(rule.momentum, fresh.momentum)
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(params, fresh_params))
+
+
 def test_diloco_compresses_its_pseudo_gradient():
     params = make_params()
     comm = LoopbackCommunicator()

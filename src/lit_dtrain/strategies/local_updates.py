@@ -252,7 +252,10 @@ class DiLoCo(LocalUpdate):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.outer_params, self.momentum = None, None
-        self._pending = {"outer_params": dict(state["outer_params"]), "momentum": dict(state["momentum"])}
+        # a state from before the first step (LossSpikeMonitor's on_train_start snapshot) holds no outer parameters:
+        # the next step starts the outer loop afresh from the parameters it finds, as a new run does
+        self._pending = ({"outer_params": dict(state["outer_params"]), "momentum": dict(state["momentum"])}
+                         if state["outer_params"] else None)
 
     def rank_local_state_dict(self) -> dict | None:
         return self.compressor.state_dict() if self.compressor is not None else None
