@@ -8,6 +8,12 @@ Lightning exit, so ``resume=auto`` continues exactly from there.
 - **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
   so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
   ``accumulate_grad_batches - 1`` micro-batches later).
+- **Last of the callbacks.** Other callbacks finish the step in their ``on_train_batch_end`` (``LossSpikeMonitor``
+  undoes a dropped step in the compressor's residual, excludes its samples, rolls back; ``FourierSamplerCallback``
+  feeds the step's losses to the sampler), so the save must come after them. Lightning calls callbacks in list
+  order, and ``callbacks=[default,loss_spike]`` puts this one first: at ``setup`` it moves itself to the end of
+  ``trainer.callbacks`` (before, a SIGTERM during a skipped spike's step saved the step unfinished, and the
+  resumed run applied the spike's gradient from the error-feedback residual and trained on its samples again).
 - **Several ranks.** Saving is collective, so every rank must decide at the same batch. The signal reaches
   the ranks at different moments (or only some of them), and Lightning's own handler runs a broadcast inside
   the signal handler, which can interleave with the ranks' other collectives and hang them. So while training,
@@ -44,6 +50,11 @@ class PreemptionCheckpoint(L.Callback):
             if launcher is not None:
                 launcher.kill(signum)  # forward to the child ranks this process launched, as Lightning does
         self.signalled = True
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        # A new list, not an in-place move: Lightning is iterating over the current one to call this hook.
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
