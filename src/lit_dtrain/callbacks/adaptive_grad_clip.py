@@ -6,8 +6,10 @@ z-score exceeds ``z_threshold`` is clipped to ``mean + z_threshold * std`` (``mo
 absorbs the clipped norm. OLMo's EMA-relative clipping is the same idea with a ratio instead of a z-score.
 
 It runs in ``on_before_optimizer_step``: after backward (so after DDP's gradient all-reduce, every rank
-sees the same norm and clips identically) and, under ``16-mixed``, after Lightning unscaled the grads
-(for optimizers that unscale inside ``step``, the loss scale is divided out of the norm). Lightning's own
+sees the same norm and clips identically; under local SGD / DiLoCo, which skip that all-reduce, the norm is
+the root mean square of the ranks' norms, so the statistics stay identical on every rank) and, under
+``16-mixed``, after Lightning unscaled the grads (for optimizers that unscale inside ``step``, the loss scale
+is divided out of the norm). Lightning's own
 ``gradient_clip_val`` is applied after this hook; set ``trainer.gradient_clip_val=null`` to use this alone.
 The pure statistics live in :mod:`lit_dtrain.callbacks._spike_stats` (shared with ``LossSpikeMonitor``).
 """
@@ -33,6 +35,12 @@ def is_sharded(strategy) -> bool:
     """True when each rank holds only a shard of the gradients (FSDP), so squared norms must be summed."""
     name = type(strategy).__name__
     return "FSDP" in name or "ModelParallel" in name
+
+
+def unsynced_grads(strategy) -> bool:
+    """True under a local-update rule (``CompressedDDPStrategy`` with local SGD / DiLoCo): no per-step gradient
+    all-reduce, so every rank holds its own gradients."""
+    return getattr(strategy, "local_update", None) is not None
 
 
 def loss_scale(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> float:
@@ -61,13 +69,18 @@ def global_grad_norm(params: Iterable[torch.Tensor], trainer: L.Trainer | None =
     """The global L2 norm of the grads of ``params`` in fp32 (a 0-dim tensor), or None without grads.
 
     Under DDP the grads are already all-reduced, so the local norm is the global one; under FSDP the squared
-    norms of the shards are summed across ranks.
+    norms of the shards are summed across ranks. Under local updates (each rank its own grads) it is the root
+    mean square of the ranks' norms, the same on every rank, so statistics built on it stay replicated (and the
+    checkpoint, which keeps rank 0's callback state, resumes every rank).
     """
     sumsq = local_grad_sumsq(params)
     if sumsq is None:
         return None
-    if trainer is not None and trainer.world_size > 1 and is_sharded(trainer.strategy):
-        sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum")
+    if trainer is not None and trainer.world_size > 1:
+        if is_sharded(trainer.strategy):
+            sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum")
+        elif unsynced_grads(trainer.strategy):
+            sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum") / trainer.world_size
     return sumsq.sqrt()
 
 
