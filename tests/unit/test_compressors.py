@@ -738,3 +738,27 @@ def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_f
         lit.on_load_checkpoint(checkpoint)
     (message,) = [str(w.message) for w in caught if CHECKPOINT_KEY in str(w.message)]
     assert "x.ckpt was written under CompressedDDPStrategy (strategy=ddp_compressed/int8" in message
+
+
+def test_local_update_checkpoint_holds_cpu_copies_of_each_ranks_optimizer_state():
+    """Under local updates every rank's optimizer state is all-gathered into the checkpoint. It was gathered as
+    ``opt.state_dict()``: the live tensors, on the rank's device (on GPUs, rank r's would be unpickled on rank 0
+    as ``cuda:r``, which a one-GPU-per-task job cannot see); the parameters next to it were already CPU copies."""
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    strategy = CompressedDDPStrategy(local_update=LocalSGD(sync_period=2))
+    strategy._lightning_module, strategy.optimizers = model, [opt]
+    saved = strategy.comm_state_dict()["per_rank"][0]["optimizer_states"][0]["state"]
+    live = opt.state_dict()["state"]
+    assert saved.keys() == live.keys() and saved
+    for i, entry in saved.items():
+        for key, value in entry.items():
+            assert value.device.type == "cpu"
+            assert value.untyped_storage().data_ptr() != live[i][key].untyped_storage().data_ptr(), (i, key)
+    before = {i: {k: v.clone() for k, v in e.items()} for i, e in saved.items()}
+    opt.step()  # the live state moves on; what was saved does not
+    assert all(torch.equal(saved[i][k], before[i][k]) for i in saved for k in saved[i])

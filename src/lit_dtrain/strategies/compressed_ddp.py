@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -208,7 +209,11 @@ class CompressedDDPStrategy(DDPStrategy):
             # Under local updates the ranks' parameters differ between syncs, and their inner optimizer
             # states always do; Lightning saves rank 0's only, so every rank's own copy is kept here.
             local["params"] = {n: p.detach().cpu().clone() for n, p in CommSession.named_params(self.lightning_module)}
-            local["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
+            # CPU copies, as for the parameters: gathered live, rank r's state would be unpickled on rank 0 as
+            # cuda:r (a device a one-GPU-per-task job cannot see), and would alias the running optimizer's tensors
+            local["optimizer_states"] = [apply_to_collection(opt.state_dict(), torch.Tensor,
+                                                             lambda t: t.detach().cpu().clone())
+                                         for opt in self.optimizers]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             gathered: list = [None] * world
