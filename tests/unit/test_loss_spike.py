@@ -685,3 +685,61 @@ def test_log_every_n_steps_zero_writes_only_the_events(tmp_path: Path) -> None:
     assert [e.step for e in acc.Scalars("spike/count")] == [7]
     assert [e.step for e in acc.Scalars("grad_clip/clipped")] == [7]
     assert [e.value for e in acc.Scalars("grad_clip/clipped")] == [1.0]
+
+
+def test_a_short_accumulation_window_at_the_end_of_an_epoch_is_judged_by_its_mean_loss(tmp_path: Path) -> None:
+    """A LightningModule of one's own with ``max_epochs`` and ``accumulate_grad_batches=4`` over 5 batches per epoch:
+    every epoch ends in an optimizer step of 1 micro-batch, whose loss Lightning still divides by 4 before backward.
+    The monitor summed those divided losses, so it saw that step at a quarter of its loss: a 3x spike there read as
+    0.75x and was never detected, and every such step pulled the statistics down. The decision must use the mean
+    loss of the micro-batches the step had."""
+    from torch.utils.data import DataLoader
+
+    class Constant(L.LightningModule):  # every sample has the same loss, and lr=0 keeps it so
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.losses: list[tuple[int, float]] = []  # (optimizer step, unscaled micro-batch loss)
+            self.spike_step: int | None = None
+
+        def training_step(self, batch, batch_idx):
+            loss = (self.lin(batch["x"]) ** 2).mean() + 1.0
+            if self.trainer.global_step == self.spike_step:
+                loss = loss * 3.0
+            self.losses.append((self.trainer.global_step, float(loss.detach())))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Decisions(L.Callback):  # after the monitor: the loss it decided on, per optimizer step
+        def __init__(self, monitor) -> None:
+            self.monitor, self.loss = monitor, {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.loss[trainer.global_step] = self.monitor.last_decision.loss
+
+    items = [{"x": torch.ones(4), "index": torch.tensor(i)} for i in range(20)]  # 5 batches of 4
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
+    decisions = Decisions(monitor)
+    module = Constant()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=4, accumulate_grad_batches=4, logger=False,
+                        callbacks=[monitor, decisions], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=4))
+    assert trainer.global_step == 8  # 2 optimizer steps per epoch (4 + 1 micro-batches)
+    for step in range(8):
+        micro = [loss for s, loss in module.losses if s == step]
+        assert len(micro) == (4 if step % 2 == 0 else 1)
+        assert decisions.loss[step] == pytest.approx(sum(micro) / len(micro), rel=1e-6), step
+    module.spike_step = 7  # epoch 3's last optimizer step: its single micro-batch (samples 16-19) at 3x the loss
+    monitor2 = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes2.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=4, accumulate_grad_batches=4, logger=False,
+                        callbacks=[monitor2], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    module.losses.clear()
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=4))
+    assert [(e["step"], e["reasons"]) for e in monitor2.events] == [(7, ["loss"])]
+    assert monitor2.events[0]["index"] == [16, 17, 18, 19]

@@ -186,6 +186,7 @@ class LossSpikeMonitor(L.Callback):
 
     def _reset_step(self) -> None:
         self._loss_sum: torch.Tensor | None = None
+        self._micro_batches = 0  # backward passes of this optimizer step
         self._indices: list[torch.Tensor] = []
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
@@ -251,6 +252,7 @@ class LossSpikeMonitor(L.Callback):
         if scaler is not None:  # 16-mixed hands this hook the scaled loss
             value = value / scaler.get_scale()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._micro_batches += 1
 
     # ---- decision -------------------------------------------------------------------------------------------
     @override
@@ -269,8 +271,16 @@ class LossSpikeMonitor(L.Callback):
             sumsq = zero if sumsq is None else sumsq.to(zero.device) / loss_scale(trainer, optimizer) ** 2
             # DDP: every rank holds the same all-reduced grads, so the sum of sumsq/world is their sumsq
             grad_part = sumsq if is_sharded(trainer.strategy) else sumsq / world
+        # Lightning divides every micro-batch's loss (so its gradient) by accumulate_grad_batches, also in a step with
+        # fewer micro-batches (the last of an epoch whose batch count it does not divide): judge such a step by the
+        # mean over the micro-batches it had, not at k/accumulate of its loss and grad norm.
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        short = accumulate / self._micro_batches if 0 < self._micro_batches < accumulate else 1.0
+        loss_sum = self._loss_sum.reshape(()) * short if short != 1.0 else self._loss_sum.reshape(())
+        if short != 1.0:
+            grad_part = grad_part * short**2
         hit = zero if self._hit_excluded is None else self._hit_excluded.float().to(zero.device)
-        stats = torch.stack([self._loss_sum.reshape(()), grad_part, hit])
+        stats = torch.stack([loss_sum, grad_part, hit])
         if world > 1:
             stats = trainer.strategy.reduce(stats, reduce_op="sum")
         loss_total, grad_sumsq, hit_count = stats.tolist()
