@@ -233,3 +233,34 @@ def test_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:
     diag_tb = {e.step: e.value for e in acc.Scalars("optim/decay/grad_rms")}
     assert diag_tb == pytest.approx(record.diag, rel=1e-6) and set(diag_tb) == {0, 4, 8}
     assert "grad_clip/norm" in trainer.callback_metrics and "optim/decay/grad_rms" in trainer.callback_metrics
+
+
+def test_eps_dominated_frac_uses_the_amsgrad_denominator(tmp_path: Path) -> None:
+    """With ``amsgrad=True`` torch's Adam/AdamW divide by ``sqrt(max_exp_avg_sq / bias_correction2) + eps``, not by
+    ``exp_avg_sq``. A LightningModule of one's own whose gradient is large at step 0 and zero afterwards: ``exp_avg_sq``
+    decays (beta2=0.1) far below eps**2 while ``max_exp_avg_sq`` keeps step 0's value, so no element is eps-dominated.
+    The diagnostic read ``exp_avg_sq`` and reported every element as dominated."""
+    from torch.utils.data import DataLoader
+
+    class Vanishing(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+        def training_step(self, batch, batch_idx):
+            scale = 1.0 if self.trainer.global_step == 0 else 0.0
+            return (self.w * batch).sum() * scale
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.1), eps=1e-8, amsgrad=True)
+
+    diag = OptimizerDiagnostics(every_n_steps=20)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=21, callbacks=[diag], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(Vanishing(), train_dataloaders=DataLoader(torch.ones(64, 8), batch_size=2))
+    state = trainer.optimizers[0].state[next(trainer.lightning_module.parameters())]
+    bias_correction2 = 1 - 0.1 ** float(state["step"])
+    denom = (state["max_exp_avg_sq"] / bias_correction2).sqrt()
+    assert bool((denom > 1e-8).all()) and bool(((state["exp_avg_sq"] / bias_correction2).sqrt() < 1e-8).all())
+    assert diag.last["optim/0/eps_dominated_frac"] == 0.0

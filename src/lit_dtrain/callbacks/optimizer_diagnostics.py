@@ -7,7 +7,7 @@ of the loss-spike mechanisms discussed for AdamW. This callback logs, per param 
 position), every ``every_n_steps`` optimizer steps:
 
 - ``optim/<group>/eps_dominated_frac``: fraction of elements with ``sqrt(v_hat) < eps`` (Adam-family
-  optimizers holding ``exp_avg_sq``; others log nothing for it and warn once);
+  optimizers holding ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; others log nothing for it and warn once);
 - ``optim/<group>/update_to_param_rms``: RMS of this step's parameter change over the parameters' RMS;
 - ``optim/<group>/grad_rms``: RMS of the gradient seen by the optimizer hook (before Lightning's clipping).
 
@@ -112,7 +112,9 @@ class OptimizerDiagnostics(Callback):
                     return self._warn_unsupported(optimizer)
                 continue  # no step taken for this param yet
             step = float(state["step"])
-            c, n = eps_dominated_fraction(state["exp_avg_sq"], step, group["betas"][1], group["eps"])
+            # amsgrad divides by the running maximum of exp_avg_sq (torch.optim.Adam/AdamW), not by exp_avg_sq
+            v = state["max_exp_avg_sq"] if group.get("amsgrad") and "max_exp_avg_sq" in state else state["exp_avg_sq"]
+            c, n = eps_dominated_fraction(v, step, group["betas"][1], group["eps"])
             count, total = count + c, total + n
         return count / total if total else None
 
