@@ -8,15 +8,28 @@ figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from lightning.pytorch.callbacks import ThroughputMonitor
 
 
+def _input_ids(batch):
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if ids is None:
+        got = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else type(batch).__name__
+        raise TypeError(
+            f"token_throughput_monitor counts batches of the form {{'input_ids': Tensor[B, T]}}, got {got}; for other "
+            "batches use Lightning's ThroughputMonitor(batch_size_fn=..., length_fn=...) directly"
+        )
+    return ids
+
+
 def _batch_size(batch: dict) -> int:
-    return int(batch["input_ids"].size(0))
+    return int(_input_ids(batch).size(0))
 
 
 def _tokens(batch: dict) -> int:
-    return int(batch["input_ids"].numel())
+    return int(_input_ids(batch).numel())
 
 
 def token_throughput_monitor(window_size: int = 50) -> ThroughputMonitor:

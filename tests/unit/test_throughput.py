@@ -1,0 +1,56 @@
+"""token_throughput_monitor in a LightningModule of one's own: tokens and sequences counted from ``input_ids``, and a
+batch of another shape rejected with an error that says what the monitor needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lit_dtrain.callbacks import token_throughput_monitor
+
+
+class Tokens(L.LightningModule):
+    def __init__(self, tuples: bool = False) -> None:
+        super().__init__()
+        self.emb, self.tuples = torch.nn.Embedding(16, 4), tuples
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0] if self.tuples else batch["input_ids"]
+        return self.emb(ids).square().mean()
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 16, (24, 6), generator=torch.Generator().manual_seed(0))
+        items = [(r,) for r in ids] if self.tuples else [{"input_ids": r} for r in ids]
+        return DataLoader(items, batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(module: L.LightningModule, tmp_path: Path) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[token_throughput_monitor(window_size=2)],
+                        logger=CSVLogger(str(tmp_path), name="csv", version=0), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    return trainer
+
+
+def test_counts_sequences_and_tokens_of_input_ids(tmp_path: Path) -> None:
+    import csv
+
+    fit(Tokens(), tmp_path)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("train/samples")]
+    assert [float(r["train/samples"]) for r in rows] == [4.0, 8.0, 12.0, 16.0]  # batches of 4 sequences
+    assert [float(r["train/lengths"]) for r in rows] == [24.0, 48.0, 72.0, 96.0]  # of 6 tokens each
+    last = rows[-1]
+    assert float(last["train/device/items_per_sec"]) == pytest.approx(6 * float(last["train/device/samples_per_sec"]))
+
+
+def test_a_batch_without_input_ids_is_an_error_that_names_the_contract(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"input_ids.*got list.*ThroughputMonitor\(batch_size_fn"):
+        fit(Tokens(tuples=True), tmp_path)
