@@ -743,3 +743,58 @@ def test_a_short_accumulation_window_at_the_end_of_an_epoch_is_judged_by_its_mea
         trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=4))
     assert [(e["step"], e["reasons"]) for e in monitor2.events] == [(7, ["loss"])]
     assert monitor2.events[0]["index"] == [16, 17, 18, 19]
+
+
+@pytest.mark.parametrize("scheduler", ["lambda", "exponential"])
+def test_lr_cooldown_survives_a_step_the_grad_scaler_skips(tmp_path: Path, scheduler: str) -> None:
+    """Under ``16-mixed`` the GradScaler skips ``optimizer.step`` on an fp16 overflow, and with it the optimizer's
+    post-hook that takes the cool-down multiplier out again; Lightning still steps the LR scheduler. The multiplier was
+    put in at ``on_before_optimizer_step``, so the scheduler stepped from the cooled LR and the restore at batch end
+    then wrote the *previous* step's LR back: the next step ran one scheduler step behind (LambdaLR), and a chainable
+    scheduler (ExponentialLR) stayed one step behind for the rest of the run. Every step the optimizer takes must run
+    at ``scheduled LR x multiplier``, and the group LR must end on the scheduler's."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    class Own(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 1)
+            self.lin.weight.register_hook(lambda g: g * math.inf if self.trainer.global_step == 7 else g)
+
+        def training_step(self, batch, batch_idx):
+            loss = (self.lin(batch["x"]) - batch["y"]).square().mean()
+            return loss * 30.0 if self.trainer.global_step == 5 else loss  # the spike; step 7 overflows in fp16
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s) if scheduler == "lambda"
+                     else torch.optim.lr_scheduler.ExponentialLR(opt, 0.9))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Applied(L.Callback):  # the LR inside optimizer.step, after every other pre-hook
+        def __init__(self) -> None:
+            self.lr: dict[int, float] = {}
+
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_pre_hook(
+                lambda opt, args, kwargs: self.lr.__setitem__(trainer.global_step, opt.param_groups[0]["lr"]))
+
+    g = torch.Generator().manual_seed(0)
+    items = [{"x": x, "y": x.sum(0, keepdim=True)} for x in torch.randn(48, 4, generator=g)]
+    monitor = LossSpikeMonitor(actions=["lr_cooldown"], z_threshold=None, rel_threshold=5.0, warmup_steps=3,
+                               cooldown_factor=0.1, cooldown_steps=4, cooldown_ramp_steps=0,
+                               path=str(tmp_path / "spikes.jsonl"))
+    applied = Applied()
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=11, plugins=[plugin], logger=False,
+                        callbacks=[monitor, applied], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Own(), train_dataloaders=DataLoader(items, batch_size=4))
+    assert [e["step"] for e in monitor.events] == [5]
+    assert sorted(applied.lr) == [s for s in range(11) if s != 7]  # the scaler skipped step 7
+    mult = {s: 0.1 if 5 <= s < 9 else 1.0 for s in range(11)}
+    for step, lr in applied.lr.items():
+        assert lr == pytest.approx(0.01 * 0.9**step * mult[step], rel=1e-9), step
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**11, rel=1e-9)

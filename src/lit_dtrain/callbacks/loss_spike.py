@@ -301,7 +301,7 @@ class LossSpikeMonitor(L.Callback):
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
             self._start_event(trainer, optimizer, step, decision)
-        self._apply_cooldown(optimizer, step)
+        self._apply_cooldown(trainer, optimizer, step)
         self._stepped = True
 
     def _start_event(self, trainer, optimizer, step: int, decision) -> None:
@@ -329,9 +329,12 @@ class LossSpikeMonitor(L.Callback):
         factor, hold, ramp = self.cooldown
         return cooldown_factor(step - self.cooldown_start, factor, hold, ramp)
 
-    def _apply_cooldown(self, optimizer, step: int) -> None:
+    def _apply_cooldown(self, trainer, optimizer, step: int) -> None:
         mult = self.lr_multiplier(step)
-        if mult == 1.0 or "lr_cooldown" not in self.actions:
+        if mult == 1.0 or "lr_cooldown" not in self.actions or _scaler_skips_step(trainer, optimizer):
+            # (a step the GradScaler skips never runs the post-hook that takes the multiplier out, while Lightning
+            # still steps the LR scheduler: it would step from the cooled LR, and the restore at batch end would then
+            # write the previous step's LR over the scheduler's)
             return
         self._lr_restore = [(g, g["lr"]) for g in optimizer.param_groups]
         for g in optimizer.param_groups:
@@ -479,6 +482,21 @@ class LossSpikeMonitor(L.Callback):
         self.cooldown_start = int(state_dict["cooldown_start"])
         self.recent_indices.clear()
         self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
+
+
+def _scaler_skips_step(trainer, optimizer) -> bool:
+    """True when the GradScaler has already found inf/NaN grads for this step, so that it will not call
+    ``optimizer.step`` (nor the optimizer's hooks). An optimizer that unscales inside ``step`` (fused Adam) is still
+    called, hooks included, and is not flagged. Uses GradScaler's ``_per_optimizer_states``, as :func:`_drop_grads`."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return False
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is not OptState.UNSCALED:
+        return False
+    return any(bool(found_inf.item()) for found_inf in state["found_inf_per_device"].values())
 
 
 def _drop_grads(trainer, optimizer) -> None:
