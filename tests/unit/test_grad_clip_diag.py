@@ -264,3 +264,37 @@ def test_eps_dominated_frac_uses_the_amsgrad_denominator(tmp_path: Path) -> None
     denom = (state["max_exp_avg_sq"] / bias_correction2).sqrt()
     assert bool((denom > 1e-8).all()) and bool(((state["exp_avg_sq"] / bias_correction2).sqrt() < 1e-8).all())
     assert diag.last["optim/0/eps_dominated_frac"] == 0.0
+
+
+def test_grad_rms_is_unscaled_under_16_mixed_with_fused_adamw(tmp_path: Path) -> None:
+    """Under ``16-mixed``, Lightning unscales the grads before ``on_before_optimizer_step`` except for optimizers that
+    unscale inside ``step`` (fused AdamW): theirs still carry the GradScaler's scale there. AdaptiveGradClip and
+    LossSpikeMonitor divide it out; OptimizerDiagnostics did not, so grad_rms read 1024x too high (init_scale 2**10)
+    with fused AdamW. The same first step must give the same grad_rms with fused and foreach AdamW."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    class Own(L.LightningModule):
+        def __init__(self, fused: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.fused = torch.nn.Linear(4, 1), fused
+
+        def training_step(self, batch, batch_idx):
+            return (self.lin(batch) - 1.0).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused, foreach=None if self.fused else True)
+
+    grad_rms = {}
+    for fused in (False, True):
+        diag = OptimizerDiagnostics(every_n_steps=1)
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, plugins=[plugin], callbacks=[diag], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=str(tmp_path))
+        data = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+        trainer.fit(Own(fused), train_dataloaders=DataLoader(data, batch_size=8))
+        grad_rms[fused] = diag.last["optim/0/grad_rms"]
+    assert 0.0 < grad_rms[False] < 10.0
+    assert grad_rms[True] == pytest.approx(grad_rms[False], rel=1e-3)

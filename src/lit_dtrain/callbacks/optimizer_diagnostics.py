@@ -9,7 +9,8 @@ position), every ``every_n_steps`` optimizer steps:
 - ``optim/<group>/eps_dominated_frac``: fraction of elements with ``sqrt(v_hat) < eps`` (Adam-family
   optimizers holding ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; others log nothing for it and warn once);
 - ``optim/<group>/update_to_param_rms``: RMS of this step's parameter change over the parameters' RMS;
-- ``optim/<group>/grad_rms``: RMS of the gradient seen by the optimizer hook (before Lightning's clipping).
+- ``optim/<group>/grad_rms``: RMS of the gradient seen by the optimizer hook (before Lightning's clipping; unscaled
+  under ``16-mixed``, also for optimizers that unscale inside ``step`` such as fused Adam).
 
 Cost: nothing on other steps; on a diagnostic step one copy of the parameters and a few reductions.
 ``scripts/bench_optim_diag.py`` measures the overhead (target <= 2% at the default interval).
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._logging import log_step_metrics
+from lit_dtrain.callbacks.adaptive_grad_clip import loss_scale
 
 
 def eps_dominated_fraction(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> tuple[int, int]:
@@ -71,10 +73,11 @@ class OptimizerDiagnostics(Callback):
             return
         self._grad_rms = []
         before = []
+        scale = loss_scale(trainer, optimizer)  # 16-mixed with fused Adam: the grads here are still loss-scaled
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             numel = sum(p.numel() for p in params)
-            self._grad_rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5)
+            self._grad_rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
             before.append([p.detach().clone() for p in group["params"]])
         self._before = before
         self._optimizer = optimizer
