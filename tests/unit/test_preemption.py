@@ -1,0 +1,86 @@
+"""PreemptionCheckpoint in a LightningModule of one's own: the checkpoint written on SIGTERM holds the state at the end
+of the optimizer step, after every other callback has finished that step, whatever the callback order."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
+
+from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint
+
+SPIKE = 15  # the last optimizer step of epoch 0 (16 batches): a resume starts a fresh epoch, as the straight run does
+
+
+class Own(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = (self.net(batch["x"]) - batch["y"]).square().mean()
+        return loss * 100.0 if self.trainer.global_step == SPIKE else loss
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+        return DataLoader([{"x": x[i], "y": y[i], "index": torch.tensor(i)} for i in range(64)], batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class SigtermAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def fit(tmp_path: Path, callbacks, ckpt_path=None) -> Own:
+    module = Own()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=24, callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module
+
+
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+def test_sigterm_during_a_spike_step_checkpoints_the_finished_step(tmp_path: Path, action: str) -> None:
+    """Listed before LossSpikeMonitor (as in ``callbacks=[default,loss_spike]``), PreemptionCheckpoint saved inside
+    its own on_train_batch_end, before the monitor's had recorded the spike: the checkpoint held num_spikes 0, no
+    excluded samples and (rollback) the weights that were not rolled back, and the resumed run trained on the spike's
+    samples again and ended elsewhere than the straight run."""
+
+    def monitor():
+        return LossSpikeMonitor(actions=[action], warmup_steps=5, snapshot_every=4, path=str(tmp_path / "s.jsonl"))
+
+    straight_monitor = monitor()
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        straight = fit(tmp_path, [straight_monitor])
+    assert [e["step"] for e in straight_monitor.events] == [SPIKE] and straight_monitor.excluded == [60, 61, 62, 63]
+
+    preemption = PreemptionCheckpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(SIGTERMException), pytest.warns(UserWarning, match="no sampler with exclude"):
+        fit(tmp_path, [preemption, monitor(), SigtermAt(SPIKE)])
+    assert preemption.saved_step == SPIKE + 1
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["callbacks"]["LossSpikeMonitor"]
+    assert state["num_spikes"] == 1 and state["excluded"].tolist() == [60, 61, 62, 63]
+
+    resumed_monitor = monitor()
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        resumed = fit(tmp_path, [resumed_monitor], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed_monitor.num_spikes == 1 and resumed_monitor.excluded == straight_monitor.excluded
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
