@@ -196,6 +196,8 @@ def test_optimizer_diagnostics_without_adam_state_warns(tmp_path: Path) -> None:
                                                                                           "grad_rms")}
     with pytest.raises(ValueError, match="every_n_steps"):
         OptimizerDiagnostics(every_n_steps=0)
+    with pytest.raises(ValueError, match=r"AdaptiveGradClip: warmup_steps must be >= 2, got 1"):  # named ``warmup``
+        AdaptiveGradClip(warmup_steps=1)
 
 
 def test_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:

@@ -179,6 +179,13 @@ def test_bad_arguments_fail_loudly() -> None:
         RobustStat("mean")
     with pytest.raises(ValueError, match="grad_z_threshold needs check_grad"):
         LossSpikeMonitor(grad_z_threshold=5.0, check_grad=False)
+    # the message names the argument the user passed (it named the internal ``warmup`` / ``max_spikes``)
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: warmup_steps must be >= 2, got 0"):
+        LossSpikeMonitor(warmup_steps=0)
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_after must be >= 1, got 0"):
+        LossSpikeMonitor(raise_after=0)
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_window must be >= 1, got 0"):
+        LossSpikeMonitor(raise_window=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

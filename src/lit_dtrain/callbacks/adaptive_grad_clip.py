@@ -124,6 +124,8 @@ class AdaptiveGradClip(L.Callback):
             raise ValueError(f"AdaptiveGradClip: mode must be one of {MODES}, got {mode!r}")
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"AdaptiveGradClip: max_norm must be > 0 or None, got {max_norm}")
+        if int(warmup_steps) < 2:  # (RobustStat's own message names its ``warmup``)
+            raise ValueError(f"AdaptiveGradClip: warmup_steps must be >= 2, got {warmup_steps}")
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}")
         self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm

@@ -138,7 +138,8 @@ class LossSpikeMonitor(L.Callback):
             raise ValueError(f"LossSpikeMonitor: actions must be a non-empty subset of {ACTIONS}, got {self.actions}")
         if grad_z_threshold is not None and not check_grad:
             raise ValueError("LossSpikeMonitor: grad_z_threshold needs check_grad=True")
-        ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps}
+        ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps,
+                "raise_after": raise_after, "raise_window": raise_window}
         for name, value in ints.items():
             if int(value) < 1:
                 raise ValueError(f"LossSpikeMonitor: {name} must be >= 1, got {value}")
@@ -146,6 +147,8 @@ class LossSpikeMonitor(L.Callback):
                             ("cooldown_ramp_steps", cooldown_ramp_steps)):
             if int(value) < 0:
                 raise ValueError(f"LossSpikeMonitor: {name} must be >= 0, got {value}")
+        if int(warmup_steps) < 2:  # checked here too, so that the message names this argument
+            raise ValueError(f"LossSpikeMonitor: warmup_steps must be >= 2, got {warmup_steps}")
         if max_nonfinite is not None and int(max_nonfinite) < 1:
             raise ValueError(f"LossSpikeMonitor: max_nonfinite must be >= 1 or None, got {max_nonfinite}")
         self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)

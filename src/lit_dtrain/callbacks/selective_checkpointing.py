@@ -95,6 +95,10 @@ class SelectiveCheckpointing(Callback):
             raise ValueError(f"SelectiveCheckpointing every_k must be >= 1, got {every_k}")
         if policy == "budget" and not 0.0 < float(memory_budget) <= 1.0:
             raise ValueError(f"SelectiveCheckpointing memory_budget must be in (0, 1], got {memory_budget}")
+        if int(probe_batch_size) < 1:
+            raise ValueError(f"SelectiveCheckpointing probe_batch_size must be >= 1, got {probe_batch_size}")
+        if probe_seq_len is not None and int(probe_seq_len) < 1:
+            raise ValueError(f"SelectiveCheckpointing probe_seq_len must be >= 1 or None, got {probe_seq_len}")
         self.policy = policy
         self.every_k = int(every_k)
         self.save_ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)

@@ -85,7 +85,8 @@ class WSDScheduler(L.Callback):
         if [len(o.param_groups) for o in optimizers] != [len(b) for b in self.base_lrs]:
             raise RuntimeError(
                 f"WSDScheduler: the optimizers' param groups {[len(o.param_groups) for o in optimizers]} do not "
-                f"match the restored base_lrs {[len(b) for b in self.base_lrs]}"
+                f"match the {[len(b) for b in self.base_lrs]} whose peak LRs it read at fit start (or from the "
+                "checkpoint); a param group added during training has no peak LR"
             )
         factor = self.lr_factor(step)
         for optimizer, base_lrs in zip(optimizers, self.base_lrs):
