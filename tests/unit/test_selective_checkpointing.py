@@ -115,6 +115,26 @@ def test_budget_plan_fits_and_uses_the_budget(ids):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_budget_probe_seeds_only_the_generators_it_restores(ids, monkeypatch):
+    """The probe reseeds before each measured pass inside ``fork_rng``, which restores the CPU generator and the
+    probed parameters' CUDA generators. It reseeded with ``torch.manual_seed``, which also reseeds every CUDA
+    device's generator (and MPS/XPU's), none of which it restored: on a GPU the run's dropout stream after the
+    probe was no longer the one it would have had without it. Checked here through the global seeding calls."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the probe reseeded a generator that fork_rng does not restore")
+
+    model = make_model()
+    blocks = [b for _, b in find_blocks(model)]
+    wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", forbidden)
+    monkeypatch.setattr(torch, "manual_seed", forbidden)
+    torch.random.default_generator.manual_seed(123)
+    state = torch.get_rng_state()
+    _, report = budget_plan_from_probe(loss_fn(model, ids), model, blocks, wrappers, 0.6)
+    assert report["fits"]
+    assert torch.equal(torch.get_rng_state(), state)  # the CPU stream is where it was
+
+
 def test_plan_budget_prefers_cheap_recompute():
     prof = BlockProfile(retained={"none": 10.0, "selective": 5.0, "full": 1.0},
                         recompute={"none": 0.0, "selective": 1.0, "full": 4.0})

@@ -109,13 +109,23 @@ def budget_plan_from_probe(
     def step() -> None:
         forward_fn().backward()
 
+    # the generators a probe pass draws from: the CPU one and the CUDA ones of the probed parameters; fork_rng
+    # restores exactly these, so only these are reseeded (torch.manual_seed would reseed every device's)
+    cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+
+    def reseed(seed: int) -> None:
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda_devices:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=cuda_devices):
             seed = torch.initial_seed()
             measured: dict[str, object] = {}
             for mode in ("none", "selective", "full"):
                 set_plan(wrappers, uniform_plan(len(blocks), mode))
-                torch.manual_seed(seed)
+                reseed(seed)
                 measured[mode] = measure_activation_memory(step, root, blocks)
                 for p in params:
                     p.grad = None
@@ -136,7 +146,7 @@ def budget_plan_from_probe(
             tried = []
             for _ in range(max_replans + 1):
                 set_plan(wrappers, plan)
-                torch.manual_seed(seed)
+                reseed(seed)
                 actual = measure_activation_memory(step, root).max_act
                 for p in params:
                     p.grad = None
