@@ -140,10 +140,30 @@ def check_config(cfg: DictConfig) -> None:
             instantiate(cfg.scheduler)(dummy)
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
+    check_sample(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def check_sample(cfg: DictConfig) -> None:
+    """``sample.*`` is used only after training: a bad value must fail now, not after the last step (it used to
+    raise from inside ``generate`` before ``summary.json`` was written)."""
+    node = cfg.get("sample") or {}
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n = node.get("max_new_tokens", 0)
+    if n is not None and not (is_int(n) and n >= 0):
+        raise ConfigError(f"sample.max_new_tokens must be an integer >= 0 (0: no sample), got {n!r}")
+    t = node.get("temperature", 0.8)
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0):
+        raise ConfigError(f"sample.temperature must be a number >= 0 (0: greedy), got {t!r}")
+    k = node.get("top_k", None)
+    if k is not None and not (is_int(k) and k >= 0):
+        raise ConfigError(f"sample.top_k must be null or an integer >= 0 (0: all tokens), got {k!r}")
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -239,7 +259,7 @@ def build_strategy(cfg: DictConfig):
 
 def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     gen_cfg = cfg.get("sample") or {}
-    n_tokens = int(gen_cfg.get("max_new_tokens", 0))
+    n_tokens = int(gen_cfg.get("max_new_tokens") or 0)
     if n_tokens <= 0 or not hasattr(module.model, "generate"):
         return ""
     model = getattr(module.model, "_orig_mod", module.model)

@@ -96,6 +96,13 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("data.max_val_windows=abc", r"data.max_val_windows must be an integer, got 'abc'"),
         ("trainer.val_check_interval=0", "trainer.val_check_interval must be a positive integer, got 0"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
+        # the end-of-run sample used to crash after training (before summary.json was written)
+        ("sample.top_k=-3", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got -3"),
+        ("sample.top_k=abc", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got 'abc'"),
+        ("sample.temperature=abc", r"sample.temperature must be a number >= 0 \(0: greedy\), got 'abc'"),
+        ("sample.temperature=-1", r"sample.temperature must be a number >= 0 \(0: greedy\), got -1"),
+        ("sample.max_new_tokens=1.5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got 1.5"),
+        ("sample.max_new_tokens=-5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got -5"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
@@ -105,6 +112,12 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
+
+
+def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
+    """sample.top_k=0 means all tokens (as scripts/generate.py --top-k 0); it used to crash after training."""
+    for override in ("sample.top_k=0", "sample.top_k=null", "sample.temperature=0", "sample.max_new_tokens=0"):
+        check_config(tiny_cfg(override))
 
 
 def test_default_warmup_scales_with_short_runs(tmp_path, corpus):

@@ -86,6 +86,22 @@ def test_generate_is_deterministic_with_generator():
     assert a.shape == (1, 8) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
 
 
+def test_generate_top_k_zero_means_all_tokens_and_bad_arguments_are_named():
+    """top_k=0 is "no top-k" (as in scripts/generate.py and sample.top_k); it used to be an IndexError from
+    torch.topk(k=0), and a negative top_k a RuntimeError, and a negative temperature silently meant greedy."""
+    m = tiny().eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    a = m.generate(prompt, 5, top_k=0, generator=torch.Generator().manual_seed(0))
+    b = m.generate(prompt, 5, top_k=None, generator=torch.Generator().manual_seed(0))
+    assert a.shape == (1, 8) and torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"top_k must be None or >= 0 \(0: all tokens\), got -3"):
+        m.generate(prompt, 5, top_k=-3)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        m.generate(prompt, 5, temperature=-1.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        m.generate(prompt, -1)
+
+
 def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():
     from lit_dtrain.models.llama import apply_rope, rope_cache
 

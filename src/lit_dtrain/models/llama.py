@@ -203,7 +203,16 @@ class Llama(nn.Module):
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens."""
+        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens.
+
+        ``temperature=0`` is greedy; ``top_k`` None or 0 samples among all tokens."""
+        if max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature >= 0:
+            raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"generate: top_k must be None or >= 0 (0: all tokens), got {top_k}")
+        top_k = top_k or None
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.block_size :]
             logits = self(ctx)[:, -1, :].float()
