@@ -27,7 +27,7 @@ def load_model(path: str):
     return model, ckpt
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
     ap.add_argument("--prompt", default="def ", help="text to continue ('' starts a new document)")
@@ -35,7 +35,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    checks = (("--temperature", args.temperature, "(0: greedy)"), ("--top-k", args.top_k, "(0: all tokens)"),
+              ("--max-new-tokens", args.max_new_tokens, ""))
+    for flag, value, rule in checks:
+        if not value >= 0:  # before loading: a negative temperature used to mean greedy silently
+            ap.error(f"{flag} must be >= 0{' ' + rule if rule else ''}, got {value}")
 
     model, ckpt = load_model(args.checkpoint)
     tok = ByteTokenizer()

@@ -25,6 +25,7 @@ import torch
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
+from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.schedules.workflows import model_from_checkpoint
 
@@ -67,7 +68,7 @@ def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray,
     return (torch.stack(powers).sum(0) / len(windows)).numpy(), float(torch.cat(losses).mean())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="lit_dtrain checkpoints (last.ckpt ...), overlaid")
     ap.add_argument("--files", nargs="*", default=None, help="corpus files/dirs/globs (default: the stdlib corpus)")
@@ -81,11 +82,14 @@ def main() -> None:
     ap.add_argument("--labels", nargs="*", default=None, help="legend labels (default: file paths)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
     ap.add_argument("--out", default="spectrum.png", help="PNG path")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for flag, value in (("--max-freq", args.max_freq), ("--num-bands", args.num_bands),
-                        ("--block-size", args.block_size)):
+                        ("--block-size", args.block_size), ("--windows", args.windows),
+                        ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:  # not "auto": that is leaving the flag out
             ap.error(f"{flag} must be a positive integer, got {value}")
+    if not 0 < args.bandwidth_fraction <= 1:
+        ap.error(f"--bandwidth-fraction must be in (0, 1], got {args.bandwidth_fraction}")
 
     import matplotlib
 
@@ -94,10 +98,16 @@ def main() -> None:
 
     models = [load_model(p) for p in args.checkpoints]
     T = args.block_size or models[0].config.block_size
+    for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
+        if T > model.config.block_size:
+            ap.error(f"--block-size {T} exceeds the block_size {model.config.block_size} of {path}")
     auto_freq, auto_bands = spectral.default_band_config(T)
     max_freq = auto_freq if args.max_freq is None else args.max_freq
     num_bands = auto_bands if args.num_bands is None else args.num_bands
-    windows = windows_of(args, T)
+    try:
+        windows = windows_of(args, T)
+    except CorpusError as e:  # a missing --files path, a dir without files: one line naming it
+        raise SystemExit(f"spectrum.py: {e}") from e
     labels = args.labels or args.checkpoints
     fig, ax = plt.subplots(figsize=(8, 4.8))
     results = []

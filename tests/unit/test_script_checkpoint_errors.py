@@ -17,3 +17,77 @@ def test_scripts_name_a_missing_or_unreadable_checkpoint_without_a_traceback(tmp
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit, match="garbage.ckpt"):
         mod.load_model(str(garbage))
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_{name}_args", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny_checkpoint(path: Path, block_size: int = 32) -> Path:
+    import dataclasses
+
+    import torch
+
+    from lit_dtrain.models import build_llama
+
+    model = build_llama(vocab_size=257, block_size=block_size, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"model_config": dataclasses.asdict(model.config), "state_dict": state, "global_step": 3}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
+        (["--top-k", "-2"], "--top-k must be >= 0 (0: all tokens), got -2"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    ],
+)
+def test_generate_rejects_bad_sampling_flags_before_loading(tmp_path, capsys, flags, message):
+    """A negative --temperature used to mean greedy silently, a negative --max-new-tokens printed the prompt
+    alone, and a negative --top-k was a RuntimeError from torch.topk."""
+    with pytest.raises(SystemExit) as e:
+        _script("generate").main([str(tmp_path / "never_read.ckpt"), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_top_k_zero_samples_from_all_tokens(tmp_path, capsys):
+    import json
+
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt")
+    _script("generate").main([str(ckpt), "--top-k", "0", "--max-new-tokens", "4", "--prompt", "ab"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["new_tokens"] == 4 and out["global_step"] == 3
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--windows", "0"], "--windows must be a positive integer, got 0"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--bandwidth-fraction", "2"], "--bandwidth-fraction must be in (0, 1], got 2.0"),
+        (["--bandwidth-fraction", "0"], "--bandwidth-fraction must be in (0, 1], got 0.0"),
+    ],
+)
+def test_spectrum_rejects_bad_flags_before_loading(tmp_path, capsys, flags, message):
+    """--windows 0 was 'stack expects a non-empty TensorList', --batch-size 0 'range() arg 3 must not be zero',
+    both after tokenizing the corpus; --bandwidth-fraction 2 reported a bandwidth bin past the spectrum."""
+    with pytest.raises(SystemExit) as e:
+        _script("spectrum").main([str(tmp_path / "never_read.ckpt"), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_spectrum_names_a_block_size_above_the_models_and_a_bad_corpus(tmp_path, capsys):
+    """--block-size above the checkpoint's block_size was a ValueError from the model's forward, after the corpus
+    was tokenized; a missing --files path was a CorpusError traceback."""
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt", block_size=32)
+    with pytest.raises(SystemExit) as e:
+        _script("spectrum").main([str(ckpt), "--block-size", "64", "--files", str(tmp_path / "nowhere")])
+    assert e.value.code == 2
+    assert "--block-size 64 exceeds the block_size 32 of" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="nowhere.*does not exist"):
+        _script("spectrum").main([str(ckpt), "--files", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s.png")])
