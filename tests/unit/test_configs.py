@@ -5,7 +5,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 
 from lit_dtrain.train import ConfigError, build_callbacks, build_strategy, check_config
@@ -176,3 +176,16 @@ def test_sweeps_started_in_the_same_second_get_their_own_dirs(monkeypatch, tmp_p
             break
     assert sa == sb
     assert a.startswith(str(tmp_path / "multiruns")) and a != b
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_compressed/int8", "ddp_compressed/diloco"])
+@pytest.mark.parametrize("value, shown", [("-1", "-1"), ("0", "0"), ("abc", "'abc'")])
+def test_collective_timeout_must_be_a_positive_number(strategy, value, shown, tmp_path, corpus):
+    """strategy.collective_timeout_s=-1 used to reach torch's TCPStore ('The client socket has timed out after
+    -1000ms'), 0 made every collective time out at once, and 'abc' was 'could not convert string to float'."""
+    cfg = compose_cfg([f"strategy={strategy}", f"strategy.collective_timeout_s={value}"], tmp_path / "t", corpus)
+    message = rf"strategy.collective_timeout_s must be a number of seconds > 0, got {shown}"
+    with pytest.raises((ValueError, InstantiationException), match=message):  # Hydra wraps it, keeping the text
+        build_strategy(cfg)
+    ok = compose_cfg([f"strategy={strategy}", "strategy.collective_timeout_s=8"], tmp_path / "t", corpus)
+    assert build_strategy(ok)._timeout.total_seconds() == 8

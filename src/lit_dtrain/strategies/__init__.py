@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -22,6 +21,7 @@ from lit_dtrain.strategies.compressed_ddp import (
     CompressedDDPStrategy,
     build_compressor,
     build_local_update,
+    collective_timeout,
     dropped_comm_state_message,
     register_strategies,
     warn_if_comm_state_dropped,
@@ -36,7 +36,7 @@ def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
     """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta)."""
     if "timeout" in kwargs:
         raise ValueError("make_ddp: pass collective_timeout_s (seconds) instead of timeout")
-    return DDPStrategy(timeout=timedelta(seconds=float(collective_timeout_s)), **kwargs)
+    return DDPStrategy(timeout=collective_timeout(collective_timeout_s), **kwargs)
 
 
 register_strategies()

@@ -78,6 +78,15 @@ def build_local_update(spec: LocalUpdate | str | Mapping | None) -> LocalUpdate 
     return _build(spec, LOCAL_UPDATES, LocalUpdate, "local_update")
 
 
+def collective_timeout(seconds: Any) -> timedelta:
+    """``strategy.collective_timeout_s`` as a ``timedelta``; a ValueError naming the key unless it is a number > 0
+    (a negative one reached torch's TCPStore as 'The client socket has timed out after -1000ms')."""
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0
+    if not ok or seconds == float("inf"):
+        raise ValueError(f"strategy.collective_timeout_s must be a number of seconds > 0, got {seconds!r}")
+    return timedelta(seconds=float(seconds))
+
+
 class CompressedDDPStrategy(DDPStrategy):
     """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
 
@@ -110,7 +119,7 @@ class CompressedDDPStrategy(DDPStrategy):
                                  f"(use compressor=/local_update=)")
         if "timeout" in kwargs:
             raise ValueError("pass collective_timeout_s (seconds) instead of timeout")
-        super().__init__(timeout=timedelta(seconds=float(collective_timeout_s)), **kwargs)
+        super().__init__(timeout=collective_timeout(collective_timeout_s), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
         self.sync_on_last_step = bool(sync_on_last_step)
