@@ -281,6 +281,17 @@ def test_zero_weight_source_is_validation_only(tmp_path):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(a)], weight=0.0)])
 
 
+def test_all_zero_weights_fail_when_the_datamodule_is_built_before_tokenizing(tmp_path):
+    """Every weight 0 (data=mixture data.sources.0.weight=0 data.sources.1.weight=0) used to be found in setup(),
+    inside trainer.fit, after every source had been hashed and tokenized into the cache."""
+    a = make_corpus(tmp_path / "a", n_files=2, size=500)
+    sources = [CorpusSource(name="x", kind="files", paths=[str(a)], weight=0.0),
+               CorpusSource(name="y", kind="stdlib", weight=0)]
+    with pytest.raises(CorpusError, match=r"data.sources: every weight is 0 \(\['x', 'y'\]\); nothing to train on"):
+        LMDataModule(sources=sources, block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+
+
 def test_mixture_prior_and_exclusions_are_drawn_from_a_cached_cdf():
     """Under a mixture prior (or exclusions) the sampler draws by inverse CDF from a cached table: the
     frequencies follow the prior, excluded samples are never drawn (not even at ``u = 1`` when the last

@@ -119,6 +119,8 @@ class LMDataModule(L.LightningDataModule):
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise CorpusError(f"data.sources names must be unique, got {names}")
+        if not sum(s.weight for s in self.sources) > 0:  # here, not in setup(): before any source is tokenized
+            raise CorpusError(f"data.sources: every weight is 0 ({names}); nothing to train on")
         sizes = {"block_size": block_size, "batch_size": batch_size, "max_val_windows": max_val_windows}
         if val_batch_size is not None:  # 0 used to mean batch_size silently, -1 failed inside torch's DataLoader
             sizes["val_batch_size"] = val_batch_size
