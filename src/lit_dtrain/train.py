@@ -134,6 +134,13 @@ def check_config(cfg: DictConfig) -> None:
     data_block = cfg.data.get("block_size")
     if model_block is not None and data_block is not None and data_block > model_block:
         raise ConfigError(f"data.block_size={data_block} exceeds model.block_size={model_block} (the model's maximum)")
+    vocab = cfg.model.get("vocab_size")
+    if vocab is not None and cfg.data.get("tokenizer") is None:  # LMDataModule's default: the byte tokenizer
+        from lit_dtrain.data.tokenizer import ByteTokenizer
+
+        if vocab < ByteTokenizer.vocab_size:  # an IndexError in the embedding at the first step otherwise
+            raise ConfigError(f"model.vocab_size={vocab} is below the tokenizer's {ByteTokenizer.vocab_size} token "
+                              "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
     if cfg.get("scheduler"):  # build the schedule on a dummy optimizer so bad arguments fail now
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         try:

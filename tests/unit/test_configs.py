@@ -96,6 +96,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("data.max_val_windows=abc", r"data.max_val_windows must be an integer, got 'abc'"),
         ("trainer.val_check_interval=0", "trainer.val_check_interval must be a positive integer, got 0"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
+        # an IndexError from the embedding at the first training step
+        ("model.vocab_size=100", r"model.vocab_size=100 is below the tokenizer's 257 token ids \(byte tokenizer"),
         # the end-of-run sample used to crash after training (before summary.json was written)
         ("sample.top_k=-3", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got -3"),
         ("sample.top_k=abc", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got 'abc'"),
