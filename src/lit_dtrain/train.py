@@ -213,6 +213,17 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return None
 
 
+def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) -> None:
+    """A checkpoint past ``trainer.max_steps`` leaves nothing to train: refuse it instead of validating it and
+    reporting its step as if this run had been asked for it (at ``max_steps`` it is a finished run: validated)."""
+    max_steps = cfg.trainer.get("max_steps")
+    if ckpt_path and isinstance(max_steps, int) and start_step > max_steps:
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} is at step {start_step}, past trainer.max_steps={max_steps}; set "
+            f"trainer.max_steps >= {start_step} to continue it (= {start_step} only validates it)"
+        )
+
+
 def val_check_in_batches(cfg: DictConfig) -> dict:
     """``trainer.val_check_interval`` counts optimizer steps here, Lightning counts micro-batches: with gradient
     accumulation it is scaled, so validation (and the checkpoint after it) falls every N optimizer steps, at the
@@ -368,6 +379,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     start_step = 0
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
         start_step = checkpoint_global_step(ckpt_path)
+        check_start_step(cfg, start_step, ckpt_path)
     logger = build_logger(cfg, start_step)
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],

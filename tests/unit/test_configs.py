@@ -191,3 +191,16 @@ def test_collective_timeout_must_be_a_positive_number(strategy, value, shown, tm
         build_strategy(cfg)
     ok = compose_cfg([f"strategy={strategy}", "strategy.collective_timeout_s=8"], tmp_path / "t", corpus)
     assert build_strategy(ok)._timeout.total_seconds() == 8
+
+
+def test_a_checkpoint_past_max_steps_is_refused(tiny_cfg, tmp_path):
+    """ckpt_path/resume=auto of a run at step 9 with trainer.max_steps=3 trained nothing, exited 0, reported
+    steps=9 and logged 'the checkpoint is already at step 9 = trainer.max_steps'. At max_steps it stays the
+    documented validate-only resume of a finished run."""
+    from lit_dtrain.train import check_start_step
+
+    cfg = tiny_cfg("trainer.max_steps=3")
+    with pytest.raises(ConfigError, match=r"is at step 9, past trainer.max_steps=3; .*trainer.max_steps >= 9"):
+        check_start_step(cfg, 9, "run/checkpoints/last.ckpt")
+    check_start_step(cfg, 3, "run/checkpoints/last.ckpt")  # a finished run: validated only
+    check_start_step(cfg, 0, None)
