@@ -148,6 +148,7 @@ def check_config(cfg: DictConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
     check_sample(cfg)
+    check_monitors(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
@@ -171,6 +172,22 @@ def check_sample(cfg: DictConfig) -> None:
     k = node.get("top_k", None)
     if k is not None and not (is_int(k) and k >= 0):
         raise ConfigError(f"sample.top_k must be null or an integer >= 0 (0: all tokens), got {k!r}")
+
+
+def check_monitors(cfg: DictConfig) -> None:
+    """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping) naming a ``val``/``train`` metric that ``LitLLM``
+    does not log, or a name without a ``/`` (``val_loss``): Lightning finds out only at the first validation, after
+    ``trainer.val_check_interval`` steps of training, and stops without a checkpoint. Metrics of other families
+    (logged by callbacks or strategies) are left to Lightning."""
+    names = [str(s.get("name")) for s in (cfg.data.get("sources") or [])]
+    known = ["train/loss", "val/loss", "val/ppl"] + ([f"val/{n}/loss" for n in names] if len(names) > 1 else [])
+    for key, node in (cfg.get("callbacks") or {}).items():
+        monitor = node.get("monitor") if isinstance(node, DictConfig) else None
+        if not isinstance(monitor, str) or monitor in known:
+            continue
+        if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):
+            raise ConfigError(f"callbacks.{key}.monitor={monitor!r} is not a metric lit_dtrain logs; use one of "
+                              f"{', '.join(map(repr, known))}")
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:

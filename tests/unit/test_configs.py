@@ -98,6 +98,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
         # an IndexError from the embedding at the first training step
         ("model.vocab_size=100", r"model.vocab_size=100 is below the tokenizer's 257 token ids \(byte tokenizer"),
+        # a MisconfigurationException at the first validation, after val_check_interval steps, with no checkpoint
+        ("callbacks.model_checkpoint.monitor=val/los",
+         r"callbacks.model_checkpoint.monitor='val/los' is not a metric lit_dtrain logs; .*'val/loss', 'val/ppl'"),
+        ("callbacks.model_checkpoint.monitor=val_loss", r"callbacks.model_checkpoint.monitor='val_loss' is not"),
         # the end-of-run sample used to crash after training (before summary.json was written)
         ("sample.top_k=-3", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got -3"),
         ("sample.top_k=abc", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got 'abc'"),
@@ -120,6 +124,17 @@ def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
     """sample.top_k=0 means all tokens (as scripts/generate.py --top-k 0); it used to crash after training."""
     for override in ("sample.top_k=0", "sample.top_k=null", "sample.temperature=0", "sample.max_new_tokens=0"):
         check_config(tiny_cfg(override))
+
+
+def test_checkpoint_monitors_that_lit_dtrain_logs_are_valid(tiny_cfg, tmp_path, corpus):
+    for metric in ("val/loss", "val/ppl", "train/loss", "fourier/mix"):  # another family: left to Lightning
+        check_config(tiny_cfg(f"callbacks.model_checkpoint.monitor={metric}"))
+    mixture = compose_cfg(["data=mixture", f"data.sources.1.paths=[{corpus}]",
+                           "callbacks.model_checkpoint.monitor=val/text/loss"], tmp_path / "m", None)
+    check_config(mixture)
+    with pytest.raises(ConfigError, match="val/text/los"):
+        check_config(compose_cfg(["data=mixture", f"data.sources.1.paths=[{corpus}]",
+                                  "callbacks.model_checkpoint.monitor=val/text/los"], tmp_path / "m", None))
 
 
 def test_default_warmup_scales_with_short_runs(tmp_path, corpus):
