@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import time
 import warnings
@@ -190,6 +191,9 @@ def check_monitors(cfg: DictConfig) -> None:
                               f"{', '.join(map(repr, known))}")
 
 
+_DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
+
+
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
     """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step``, or None."""
     steps = {}
@@ -226,6 +230,13 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             "another run_name"
         )
     if cfg.get("resume") == "auto":
+        run_name = str(cfg.get("run_name"))
+        if Path(str(cfg.paths.output_dir)).name == run_name and re.fullmatch(_DEFAULT_RUN_NAME, run_name):
+            # a single run under the default run_name (a new timestamp each time): there is never anything to resume
+            raise ConfigError(
+                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's timestamp "
+                f"({run_name}), a new run dir that holds no checkpoint; or give ckpt_path=PATH"
+            )
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
 

@@ -219,3 +219,24 @@ def test_a_checkpoint_past_max_steps_is_refused(tiny_cfg, tmp_path):
         check_start_step(cfg, 9, "run/checkpoints/last.ckpt")
     check_start_step(cfg, 3, "run/checkpoints/last.ckpt")  # a finished run: validated only
     check_start_step(cfg, 0, None)
+
+
+def test_resume_auto_without_a_run_name_is_refused(tmp_path, corpus):
+    """`python train.py resume=auto` (no run_name) resolved run_name to a new timestamp, so it never found the run
+    to continue and silently started a fresh one in a new dir; an explicit run_name without checkpoints still
+    starts fresh (README: 'picks up last.ckpt of that run dir, if any')."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import resolve_ckpt_path
+
+    cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "runs" / str(cfg.run_name))  # as conf/hydra puts a single run
+        cfg.paths.checkpoint_dir = str(tmp_path / "runs" / str(cfg.run_name) / "checkpoints")
+    with pytest.raises(ConfigError, match=r"resume=auto needs run_name=<the run to continue>"):
+        resolve_ckpt_path(cfg)
+    named = compose_cfg(["resume=auto", "run_name=exp1"], tmp_path / "x", corpus)
+    with open_dict(named):
+        named.paths.output_dir = str(tmp_path / "runs" / "exp1")
+        named.paths.checkpoint_dir = str(tmp_path / "runs" / "exp1" / "checkpoints")
+    assert resolve_ckpt_path(named) is None  # a fresh start of the named run
