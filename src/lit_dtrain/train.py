@@ -131,6 +131,9 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+    clip = cfg.trainer.get("gradient_clip_val")
+    if clip is not None and not clip >= 0:  # Lightning skips clipping for < 0 without a word
+        raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (null or 0: no clipping), got {clip}")
     model_block = cfg.model.get("block_size")
     data_block = cfg.data.get("block_size")
     if model_block is not None and data_block is not None and data_block > model_block:
