@@ -131,6 +131,9 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+    seed = cfg.get("seed")
+    if seed is not None and not 0 <= seed <= 2**32 - 1:  # seed_everything's bounds, named here
+        raise ConfigError(f"seed must be an integer in [0, {2**32 - 1}] (numpy's range), got {seed}")
     clip = cfg.trainer.get("gradient_clip_val")
     if clip is not None and not clip >= 0:  # Lightning skips clipping for < 0 without a word
         raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (null or 0: no clipping), got {clip}")

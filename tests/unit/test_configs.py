@@ -96,6 +96,9 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("data.max_val_windows=abc", r"data.max_val_windows must be an integer, got 'abc'"),
         ("trainer.val_check_interval=0", "trainer.val_check_interval must be a positive integer, got 0"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
+        # Lightning's seed_everything: 'ValueError: -1 is not in bounds, numpy accepts from 0 to 4294967295'
+        ("seed=-1", r"seed must be an integer in \[0, 4294967295\] \(numpy's range\), got -1"),
+        ("seed=4294967296", r"seed must be an integer in \[0, 4294967295\]"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
         ("trainer.gradient_clip_val=-1", r"trainer.gradient_clip_val must be >= 0 \(null or 0: no clipping\), got -1"),
         # an IndexError from the embedding at the first training step
