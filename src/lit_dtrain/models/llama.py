@@ -38,6 +38,13 @@ class LlamaConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.mlp_hidden is not None and not self.mlp_hidden > 0:  # 0 built a model without MLPs, silently
+            raise ValueError(f"LlamaConfig.mlp_hidden must be positive or None, got {self.mlp_hidden}")
+        if not self.rope_theta > 0:  # 0 gives a NaN RoPE table
+            raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("init_std", "norm_eps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"LlamaConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(f"LlamaConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
