@@ -131,6 +131,9 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+    matmul = cfg.get("matmul_precision", "high")
+    if matmul not in ("highest", "high", "medium"):  # torch warns that the call has no effect, and goes on
+        raise ConfigError(f"matmul_precision must be one of 'highest', 'high', 'medium', got {matmul!r}")
     seed = cfg.get("seed")
     if seed is not None and not 0 <= seed <= 2**32 - 1:  # seed_everything's bounds, named here
         raise ConfigError(f"seed must be an integer in [0, {2**32 - 1}] (numpy's range), got {seed}")

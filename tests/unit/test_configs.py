@@ -99,6 +99,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         # Lightning's seed_everything: 'ValueError: -1 is not in bounds, numpy accepts from 0 to 4294967295'
         ("seed=-1", r"seed must be an integer in \[0, 4294967295\] \(numpy's range\), got -1"),
         ("seed=4294967296", r"seed must be an integer in \[0, 4294967295\]"),
+        # torch only warns that the call 'has no effect'
+        ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
         ("trainer.gradient_clip_val=-1", r"trainer.gradient_clip_val must be >= 0 \(null or 0: no clipping\), got -1"),
         # an IndexError from the embedding at the first training step
