@@ -151,6 +151,14 @@ def check_config(cfg: DictConfig) -> None:
         if vocab < ByteTokenizer.vocab_size:  # an IndexError in the embedding at the first step otherwise
             raise ConfigError(f"model.vocab_size={vocab} is below the tokenizer's {ByteTokenizer.vocab_size} token "
                               "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
+    if cfg.get("scheduler"):  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
+        from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
+
+        for key, node in (cfg.get("callbacks") or {}).items():
+            if isinstance(node, DictConfig) and node.get("_target_") in WSD_CALLBACK_TARGETS:
+                raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={cfg.scheduler._target_} "
+                                  "configures an LR scheduler too; use one of them: '~scheduler' "
+                                  f"'callbacks=[default,{key}]' for the callback form")
     if cfg.get("scheduler"):  # build the schedule on a dummy optimizer so bad arguments fail now
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         try:

@@ -22,7 +22,7 @@ def check(cfg):
     model = instantiate(cfg.model)
     params = [p for p in model.parameters()]
     opt = instantiate(cfg.optimizer)([{"params": params}])
-    if cfg.scheduler:
+    if cfg.get("scheduler"):
         sched = instantiate(cfg.scheduler)(opt)
         assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
     cbs = build_callbacks(cfg)
@@ -40,12 +40,14 @@ def test_every_option_composes_and_instantiates(group, tmp_path, corpus):
     for opt in opts:
         if group == "trainer" and opt == "gpu" and not torch.cuda.is_available():
             continue
-        overrides = [f"{group}={opt}"]
+        overrides, tiny = [f"{group}={opt}"], True
         if group == "callbacks":
             overrides = [f"callbacks=[default,{opt}]"] if opt != "default" else []
+        if group == "callbacks" and opt == "wsd":  # the callback form of WSD replaces the scheduler (README)
+            overrides, tiny = ["~scheduler", *overrides, "trainer.max_steps=6", "trainer.accelerator=cpu"], False
         if group == "strategy" and opt == "fsdp" and not torch.cuda.is_available():
             continue  # FSDPStrategy needs CUDA devices
-        cfg = compose_cfg(overrides, tmp_path / group / opt.replace("/", "_"), corpus)
+        cfg = compose_cfg(overrides, tmp_path / group / opt.replace("/", "_"), corpus, tiny=tiny)
         trainer = check(cfg)
         assert isinstance(trainer, L.Trainer), (group, opt)
 
@@ -99,6 +101,9 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         # Lightning's seed_everything: 'ValueError: -1 is not in bounds, numpy accepts from 0 to 4294967295'
         ("seed=-1", r"seed must be an integer in \[0, 4294967295\] \(numpy's range\), got -1"),
         ("seed=4294967296", r"seed must be an integer in \[0, 4294967295\]"),
+        # a RuntimeError from WSDScheduler.on_train_start, inside fit, after the corpus was tokenized
+        ("callbacks=[default,wsd]",
+         r"callbacks.wsd sets the LR itself, and scheduler=\S+ configures an LR scheduler too; .*'~scheduler'"),
         # torch only warns that the call 'has no effect'
         ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
