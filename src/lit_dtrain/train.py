@@ -106,8 +106,18 @@ _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_
 }
 
 
+_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
+    "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
+)
+
+
 def check_types(cfg: DictConfig) -> None:
-    """Numbers must be numbers: name the key and the value instead of failing later in a comparison."""
+    """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
+    comparison, or reading 'off' as true."""
+    for key in _BOOL_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
     for key, kind in _NUMERIC_KEYS.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is None:

@@ -104,6 +104,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         # a RuntimeError from WSDScheduler.on_train_start, inside fit, after the corpus was tokenized
         ("callbacks=[default,wsd]",
          r"callbacks.wsd sets the LR itself, and scheduler=\S+ configures an LR scheduler too; .*'~scheduler'"),
+        # a non-empty string is truthy: compile=off compiled, check_finite=no kept the check on
+        ("module.compile=off", r"module.compile must be true or false, got 'off' \(str\)"),
+        ("module.check_finite=no", r"module.check_finite must be true or false, got 'no' \(str\)"),
+        ("model.tie_embeddings=0", r"model.tie_embeddings must be true or false, got 0 \(int\)"),
         # torch only warns that the call 'has no effect'
         ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
