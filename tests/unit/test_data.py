@@ -292,6 +292,19 @@ def test_all_zero_weights_fail_when_the_datamodule_is_built_before_tokenizing(tm
     assert not (tmp_path / "cache").exists()
 
 
+def test_paths_given_as_one_string_is_one_path_not_its_characters(tmp_path):
+    """data.sources.0.paths=/my/corpus (no brackets) arrives as a str; iterating it made '/', 'm', 'y', ... paths:
+    '/' is a directory, so the whole filesystem was walked (PermissionError at /proc/1/cwd as root)."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "c", n_files=3, size=200)
+    source = CorpusSource(name="t", kind="files", paths=str(corpus))
+    assert source.paths == [str(corpus)]
+    assert [p.name for p in resolve_files(source)] == ["doc_000.txt", "doc_001.txt", "doc_002.txt"]
+    with pytest.raises(CorpusError, match=r"data source 't': paths must be a list of files, directories or globs"):
+        CorpusSource(name="t", kind="files", paths=3)
+
+
 def test_mixture_prior_and_exclusions_are_drawn_from_a_cached_cdf():
     """Under a mixture prior (or exclusions) the sampler draws by inverse CDF from a cached table: the
     frequencies follow the prior, excluded samples are never drawn (not even at ``u = 1`` when the last

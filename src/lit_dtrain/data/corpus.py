@@ -16,6 +16,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,11 @@ class CorpusSource:
     def __post_init__(self) -> None:
         if self.kind not in ("stdlib", "files"):
             raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
+        if isinstance(self.paths, (str, os.PathLike)):  # paths=/my/corpus without brackets: one path, not its chars
+            self.paths = [os.fspath(self.paths)]
+        elif not isinstance(self.paths, Sequence):
+            raise CorpusError(f"data source {self.name!r}: paths must be a list of files, directories or globs, "
+                              f"got {self.paths!r} ({type(self.paths).__name__})")
         if self.kind == "files" and not self.paths:
             raise CorpusError(f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
