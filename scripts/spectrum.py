@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                         ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:  # not "auto": that is leaving the flag out
             ap.error(f"{flag} must be a positive integer, got {value}")
+    if args.labels is not None and len(args.labels) != len(args.checkpoints):  # zip() dropped the extra checkpoints
+        ap.error(f"--labels has {len(args.labels)} entries but there are {len(args.checkpoints)} checkpoints")
     if not 0 < args.bandwidth_fraction <= 1:
         ap.error(f"--bandwidth-fraction must be in (0, 1], got {args.bandwidth_fraction}")
 

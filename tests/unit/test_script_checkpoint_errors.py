@@ -91,3 +91,10 @@ def test_spectrum_names_a_block_size_above_the_models_and_a_bad_corpus(tmp_path,
     assert "--block-size 64 exceeds the block_size 32 of" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="nowhere.*does not exist"):
         _script("spectrum").main([str(ckpt), "--files", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s.png")])
+
+
+def test_spectrum_labels_must_match_the_checkpoints(tmp_path, capsys):
+    """Two checkpoints with one --labels entry: zip() dropped the second checkpoint from the plot and the JSON."""
+    with pytest.raises(SystemExit) as e:
+        _script("spectrum").main([str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt"), "--labels", "only_one"])
+    assert e.value.code == 2 and "--labels has 1 entries but there are 2 checkpoints" in capsys.readouterr().err
