@@ -237,7 +237,8 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.is_file():
-            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
+            what = "is a directory; give a checkpoint file in it" if path.is_dir() else "does not exist"
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {what}")
         return str(path)
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
     if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():

@@ -256,3 +256,18 @@ def test_resume_auto_without_a_run_name_is_refused(tmp_path, corpus):
         named.paths.output_dir = str(tmp_path / "runs" / "exp1")
         named.paths.checkpoint_dir = str(tmp_path / "runs" / "exp1" / "checkpoints")
     assert resolve_ckpt_path(named) is None  # a fresh start of the named run
+
+
+def test_a_checkpoint_key_naming_a_directory_says_so(tiny_cfg, tmp_path):
+    """ckpt_path=<run>/checkpoints (the dir, not the file) was reported as 'does not exist'."""
+    from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from
+    from lit_dtrain.train import resolve_ckpt_path
+
+    d = tmp_path / "somerun" / "checkpoints"
+    d.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"ckpt_path='{d}' is a directory; give a checkpoint file"):
+        resolve_ckpt_path(tiny_cfg(f"ckpt_path={d}"))
+    with pytest.raises(ConfigError, match=rf"init_from='{d}' is a directory; give a checkpoint file"):
+        check_init_from(tiny_cfg(f"init_from={d}"))
+    with pytest.raises(ConfigError, match=rf"decay_branch.ckpt='{d}' is a directory; give a checkpoint file"):
+        apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={d}", "decay_branch.steps=2"))

@@ -112,7 +112,8 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         )
     src = Path(str(branch.ckpt)).expanduser()
     if not src.is_file():
-        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} does not exist")
+        what = "is a directory; give a checkpoint file in it" if src.is_dir() else "does not exist"
+        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} {what}")
     steps = branch.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise _config_error(f"decay_branch.steps must be a positive integer, got {steps!r}")
@@ -164,8 +165,10 @@ def check_init_from(cfg: DictConfig) -> None:
     path = cfg.get("init_from")
     if not path:
         return
-    if not Path(str(path)).expanduser().is_file():
-        raise _config_error(f"init_from={str(path)!r} does not exist")
+    target = Path(str(path)).expanduser()
+    if not target.is_file():
+        what = "is a directory; give a checkpoint file in it" if target.is_dir() else "does not exist"
+        raise _config_error(f"init_from={str(path)!r} {what}")
     if cfg.get("ckpt_path"):
         raise _config_error(
             "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
