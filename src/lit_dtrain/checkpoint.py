@@ -71,6 +71,8 @@ def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
 def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with errors that name the file."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if path.stat().st_size == 0:

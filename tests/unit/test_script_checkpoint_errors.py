@@ -98,3 +98,11 @@ def test_spectrum_labels_must_match_the_checkpoints(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         _script("spectrum").main([str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt"), "--labels", "only_one"])
     assert e.value.code == 2 and "--labels has 1 entries but there are 2 checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["generate", "spectrum"])
+def test_scripts_say_a_directory_is_not_a_checkpoint(tmp_path, script):
+    """generate.py outputs/runs/x/checkpoints (the dir) said 'checkpoint ... does not exist'."""
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(SystemExit, match=r"checkpoint '.*checkpoints' is a directory, not a checkpoint file"):
+        _script(script).load_model(str(tmp_path / "checkpoints"))
