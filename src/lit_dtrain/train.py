@@ -22,7 +22,7 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.checkpoint import (
@@ -132,8 +132,15 @@ def check_config(cfg: DictConfig) -> None:
     """Reject bad values before any compute, naming the offending key."""
     check_types(cfg)
     lr = cfg.optimizer.get("lr")
-    if lr is not None and not lr > 0:
+    if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
         raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
+    betas = cfg.optimizer.get("betas")
+    if betas is not None:
+        values = list(betas) if isinstance(betas, (list, tuple, ListConfig)) else None
+        if not (values and len(values) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in values)):
+            shown = values if values is not None else betas
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {shown!r}")
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
@@ -169,6 +176,10 @@ def check_config(cfg: DictConfig) -> None:
                 raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={cfg.scheduler._target_} "
                                   "configures an LR scheduler too; use one of them: '~scheduler' "
                                   f"'callbacks=[default,{key}]' for the callback form")
+    try:  # the optimizer is built in configure_optimizers, inside fit: build it on a dummy parameter now
+        instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer: {e}") from e
     if cfg.get("scheduler"):  # build the schedule on a dummy optimizer so bad arguments fail now
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         try:

@@ -108,6 +108,12 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("module.compile=off", r"module.compile must be true or false, got 'off' \(str\)"),
         ("module.check_finite=no", r"module.check_finite must be true or false, got 'no' \(str\)"),
         ("model.tie_embeddings=0", r"model.tie_embeddings must be true or false, got 0 \(int\)"),
+        # the optimizer is built in configure_optimizers, inside fit: these were TypeErrors there
+        ("optimizer.lr=null", r"optimizer.lr must be > 0, got None"),
+        ("optimizer.betas=[0.9,abc]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 'abc'\]"),
+        ("optimizer.betas=0.9", r"optimizer.betas must be two numbers in \[0, 1\), got 0.9"),
+        ("optimizer.betas=[0.9,1.5]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
+        ("optimizer.eps=-1", r"optimizer: Invalid epsilon value: -1"),
         # torch only warns that the call 'has no effect'
         ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
