@@ -168,6 +168,11 @@ def check_config(cfg: DictConfig) -> None:
         if vocab < ByteTokenizer.vocab_size:  # an IndexError in the embedding at the first step otherwise
             raise ConfigError(f"model.vocab_size={vocab} is below the tokenizer's {ByteTokenizer.vocab_size} token "
                               "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
+    warmup = cfg.scheduler.get("warmup_steps") if cfg.get("scheduler") else None
+    if "total_steps" not in (cfg.get("scheduler") or {}) and isinstance(warmup, int) and warmup > max_steps:
+        # cosine/wsd refuse warmup > total_steps themselves; a schedule without a horizon (constant) cannot
+        raise ConfigError(f"scheduler.warmup_steps={warmup} exceeds trainer.max_steps={max_steps}: the LR would "
+                          "never reach optimizer.lr")
     if cfg.get("scheduler"):  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
         from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
 

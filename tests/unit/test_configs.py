@@ -114,6 +114,9 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("optimizer.betas=0.9", r"optimizer.betas must be two numbers in \[0, 1\), got 0.9"),
         ("optimizer.betas=[0.9,1.5]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
         ("optimizer.eps=-1", r"optimizer: Invalid epsilon value: -1"),
+        # cosine and wsd refuse warmup > total_steps; constant trained without ever reaching optimizer.lr
+        ("scheduler=constant scheduler.warmup_steps=10",
+         r"scheduler.warmup_steps=10 exceeds trainer.max_steps=6: the LR would never reach optimizer.lr"),
         # torch only warns that the call 'has no effect'
         ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
@@ -136,7 +139,7 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     from lit_dtrain.train import resolve_ckpt_path
 
-    cfg = tiny_cfg(override)
+    cfg = tiny_cfg(*override.split(" "))
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
