@@ -30,6 +30,7 @@ from lit_dtrain.checkpoint import (
     CheckpointError,
     checkpoint_global_step,
     remove_stale_temp_files,
+    safe_torch_load,
 )
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
@@ -296,6 +297,40 @@ def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) ->
         )
 
 
+_OPTIMIZER_KINDS = {  # configured target -> the per-parameter state it reads on resume
+    "lit_dtrain.optim.adamw": ("torch", "torch AdamW"),
+    "lit_dtrain.optim.adamw8bit": ("bnb", "bitsandbytes 8-bit AdamW"),
+}
+
+
+def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
+    """Refuse resuming a checkpoint whose optimizer state was written by the other AdamW (torch <-> bitsandbytes):
+    Lightning restores it without complaint and the first step fails inside the optimizer (``KeyError: 'state1'``
+    in bitsandbytes, ``KeyError: 'exp_avg'`` in torch)."""
+    configured = _OPTIMIZER_KINDS.get(str(cfg.optimizer.get("_target_")))
+    if configured is None:
+        return
+    ckpt = safe_torch_load(ckpt_path, mmap=True)
+    saved = None
+    for opt_state in ckpt.get("optimizer_states") or []:
+        for param_state in (opt_state.get("state") or {}).values() if isinstance(opt_state, dict) else []:
+            keys = set(param_state) if isinstance(param_state, dict) else set()
+            if "exp_avg" in keys:
+                saved = ("torch", "torch AdamW")
+            elif "state1" in keys or any(str(k).startswith("__bnb") for k in keys):
+                saved = ("bnb", "bitsandbytes 8-bit AdamW")
+            if saved:
+                break
+        if saved:
+            break
+    if saved is not None and saved[0] != configured[0]:
+        name = cfg.optimizer._target_.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} holds {saved[1]} optimizer state, but optimizer={name} is configured; resume "
+            f"with the optimizer it was trained with, or switch with init_from={ckpt_path} (weights only)"
+        )
+
+
 def val_check_in_batches(cfg: DictConfig) -> dict:
     """``trainer.val_check_interval`` counts optimizer steps here, Lightning counts micro-batches: with gradient
     accumulation it is scaled, so validation (and the checkpoint after it) falls every N optimizer steps, at the
@@ -452,6 +487,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
         start_step = checkpoint_global_step(ckpt_path)
         check_start_step(cfg, start_step, ckpt_path)
+        check_optimizer_state(cfg, ckpt_path)
     logger = build_logger(cfg, start_step)
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],

@@ -280,3 +280,21 @@ def test_a_checkpoint_key_naming_a_directory_says_so(tiny_cfg, tmp_path):
         check_init_from(tiny_cfg(f"init_from={d}"))
     with pytest.raises(ConfigError, match=rf"decay_branch.ckpt='{d}' is a directory; give a checkpoint file"):
         apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={d}", "decay_branch.steps=2"))
+
+
+@pytest.mark.parametrize("saved, configured", [("torch", "adamw8bit"), ("bnb", "adamw")])
+def test_resuming_with_the_other_adamw_is_refused_before_fit(saved, configured, tiny_cfg, tmp_path):
+    """ckpt_path=<an AdamW run> optimizer=adamw8bit restored the checkpoint and died at the first step with
+    KeyError: 'state1' inside bitsandbytes; the other way round with KeyError: 'exp_avg' inside torch.optim."""
+    from lit_dtrain.train import check_optimizer_state
+
+    t = torch.zeros(2)
+    state = {"step": torch.tensor(3.0), "exp_avg": t, "exp_avg_sq": t} if saved == "torch" else \
+        {"step": 3, "__bnb_optimizer_quant_state__": {}}
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 3, "state_dict": {}, "optimizer_states": [{"state": {0: state}, "param_groups": []}]},
+               ckpt)
+    with pytest.raises(ConfigError, match=rf"checkpoint '{ckpt}' holds .* optimizer state, but optimizer={configured}"
+                                          r" is configured; .*init_from="):
+        check_optimizer_state(tiny_cfg(f"optimizer={configured}"), str(ckpt))
+    check_optimizer_state(tiny_cfg(f"optimizer={'adamw' if saved == 'torch' else 'adamw8bit'}"), str(ckpt))
