@@ -353,3 +353,19 @@ def test_empty_files_warn_for_user_files_but_not_for_the_stdlib(tmp_path, monkey
         build_token_cache(CorpusSource(name="stdlib", kind="stdlib"), tmp_path / "b", 33, progress=False)
     noted = [r for r in caplog.records if "empty file" in r.getMessage()]
     assert [r.levelname for r in noted] == ["INFO"]
+
+
+@pytest.mark.parametrize("kind", ["random", "fourier"])
+def test_excluding_every_weighted_sample_fails_even_when_zero_weight_samples_remain(kind):
+    """A mixture with a validation-only (weight 0) source: once every window of the weighted sources is
+    excluded, nothing is left to train on. The sampler used to go on drawing from a 0/0 (NaN) target: the
+    RandomSampler returned index N (past the last window), the FourierSampler a weight-0 window."""
+    from lit_dtrain.data.samplers import FourierSampler, RandomSampler
+
+    base = torch.tensor([1.0] * 4 + [0.0] * 4)  # windows 4..7: a weight-0 source
+    s = RandomSampler() if kind == "random" else FourierSampler(require_updates=False)
+    s.setup(8, base, seed=0)
+    s.exclude([0, 1, 2])
+    assert set(s.global_batch(0, 64).tolist()) == {3}
+    with pytest.raises(RuntimeError, match="nothing is left to train on"):
+        s.exclude([3])

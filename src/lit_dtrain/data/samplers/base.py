@@ -71,7 +71,10 @@ class IndexSampler:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         self.excluded[idx] = True
         self._exclusions_changed()
-        if self.num_excluded == self.num_samples:
+        left = self.num_samples - self.num_excluded
+        if left and self.base_weights is not None:  # windows of a weight-0 (validation-only) source don't count
+            left = int((self.base_weights > 0).logical_and_(~self.excluded).sum())
+        if not left:
             raise RuntimeError("every training sample has been excluded; nothing is left to train on")
 
     def _exclusions_changed(self) -> None:
