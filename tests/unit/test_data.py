@@ -369,3 +369,29 @@ def test_excluding_every_weighted_sample_fails_even_when_zero_weight_samples_rem
     assert set(s.global_batch(0, 64).tolist()) == {3}
     with pytest.raises(RuntimeError, match="nothing is left to train on"):
         s.exclude([3])
+
+
+def test_unigram_entropy_is_that_of_the_weighted_mixture_that_is_trained_on(tmp_path):
+    """The context-free baseline is the entropy of the token distribution the sampler trains on: each
+    source's unigram distribution in proportion to its weight; a weight-0 (validation-only) source is not
+    part of it. It was the entropy of all train streams pooled (a 1:3 size ratio overrode 1:1 weights)."""
+    for name, alphabet, n in (("x", "ab", 3), ("y", "cdefgh", 9)):
+        (tmp_path / name).mkdir()
+        for i in range(n):
+            text = "".join(alphabet[(7 * j + i) % len(alphabet)] for j in range(3000))
+            (tmp_path / name / f"{i}.txt").write_text(text)
+
+    def entropy(p):
+        p = p[p > 0] / p.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def source(name, weight):
+        return CorpusSource(name=name, kind="files", paths=[str(tmp_path / name)], weight=weight)
+
+    for wx, wy in ((1.0, 0.0), (0.5, 0.5), (0.2, 0.8)):
+        dm = dm_for(None, tmp_path, sources=[source("x", wx), source("y", wy)])
+        counts = [np.bincount(np.asarray(s.train), minlength=257).astype(np.float64) for s in dm.splits]
+        expected = entropy(wx * counts[0] / counts[0].sum() + wy * counts[1] / counts[1].sum())
+        assert dm.unigram_entropy() == pytest.approx(expected, rel=1e-9), (wx, wy)
+    one = dm_for(None, tmp_path, sources=[source("y", 3.0)])
+    assert one.unigram_entropy() == pytest.approx(entropy(np.bincount(np.asarray(one.splits[0].train))), rel=1e-12)

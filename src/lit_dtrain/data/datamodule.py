@@ -248,12 +248,16 @@ class LMDataModule(L.LightningDataModule):
         return [s.name for s in self.sources]
 
     def unigram_entropy(self) -> float:
-        """Entropy (nats) of the token unigram distribution of the training streams: the loss of a
-        model that ignores context, a baseline that any trained model should beat clearly."""
-        counts = np.zeros(self.tokenizer.vocab_size, dtype=np.float64)
-        for split in self.splits:
-            counts += np.bincount(np.asarray(split.train), minlength=self.tokenizer.vocab_size)
-        p = counts[counts > 0] / counts.sum()
+        """Entropy (nats) of the token unigram distribution that training draws from: the loss of a
+        model that ignores context, a baseline that any trained model should beat clearly. Under a mixture,
+        each source's unigram distribution counts in proportion to its weight (weight 0: not at all)."""
+        total = sum(s.weight for s in self.sources)
+        probs = np.zeros(self.tokenizer.vocab_size, dtype=np.float64)
+        for source, split in zip(self.sources, self.splits):
+            if source.weight > 0:
+                counts = np.bincount(np.asarray(split.train), minlength=self.tokenizer.vocab_size).astype(np.float64)
+                probs += (source.weight / total) * (counts / counts.sum())
+        p = probs[probs > 0] / probs.sum()
         return float(-(p * np.log(p)).sum())
 
     # ---- state -----------------------------------------------------------------------------------------
