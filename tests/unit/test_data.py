@@ -395,3 +395,18 @@ def test_unigram_entropy_is_that_of_the_weighted_mixture_that_is_trained_on(tmp_
         assert dm.unigram_entropy() == pytest.approx(expected, rel=1e-9), (wx, wy)
     one = dm_for(None, tmp_path, sources=[source("y", 3.0)])
     assert one.unigram_entropy() == pytest.approx(entropy(np.bincount(np.asarray(one.splits[0].train))), rel=1e-12)
+
+
+def test_token_cache_directory_gets_the_umask_permissions_not_mkdtemps_0700(corpus, tmp_path):
+    """The cache dir is built as a temp dir and renamed: it kept mkdtemp's 0700, so a cache shared by a
+    team (LIT_DTRAIN_CACHE on a shared disk) was unreadable by everyone but its builder."""
+    old = os.umask(0o022)
+    try:
+        splits = build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c", 33,
+                                   progress=False)
+    finally:
+        os.umask(old)
+    (out_dir,) = [p for p in (tmp_path / "c").iterdir()]
+    assert out_dir.name.startswith("t-") and len(splits.train) > 0
+    assert out_dir.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out_dir.iterdir())

@@ -255,6 +255,9 @@ def _write_cache_files(out_dir, train, val, split, n_docs, tokenizer, source) ->
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would lock other users out of a shared cache
         train.tofile(tmp / "train.bin")
         val.tofile(tmp / "val.bin")
         meta = {
