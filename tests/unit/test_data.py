@@ -410,3 +410,35 @@ def test_token_cache_directory_gets_the_umask_permissions_not_mkdtemps_0700(corp
     assert out_dir.name.startswith("t-") and len(splits.train) > 0
     assert out_dir.stat().st_mode & 0o777 == 0o755
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in out_dir.iterdir())
+
+
+def test_exclusions_of_a_checkpoint_from_another_dataset_are_refused_not_misapplied():
+    """Exclusions are window indices: restored into a dataset of another size (another corpus or block_size)
+    they name unrelated windows. That used to exclude those silently (or fail with a bare IndexError when an
+    index was past the end); the FourierSampler already refused such a state."""
+    from lit_dtrain.data.samplers import RandomSampler
+
+    a = RandomSampler()
+    a.setup(1000)
+    a.exclude([5, 900])
+    state = a.state_dict()
+    for n in (500, 950):
+        b = RandomSampler()
+        b.setup(n)
+        with pytest.raises(ValueError, match=rf"covers 1000 samples but the dataset has {n}"):
+            b.load_state_dict(state)
+    legacy = {"excluded": state["excluded"]}  # a checkpoint from before num_samples was recorded
+    b = RandomSampler()
+    b.setup(500)
+    with pytest.raises(ValueError, match="excluded sample index 900 is out of range for 500 samples"):
+        b.load_state_dict(legacy)
+    same = RandomSampler()
+    same.setup(1000)
+    same.load_state_dict(state)
+    assert same.excluded.nonzero().flatten().tolist() == [5, 900]
+    clean = RandomSampler()
+    clean.setup(1000)
+    other = RandomSampler()
+    other.setup(700)
+    other.load_state_dict(clean.state_dict())  # no exclusions: nothing to misapply, a resume may change the data
+    assert other.num_excluded == 0

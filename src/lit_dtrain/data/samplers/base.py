@@ -118,12 +118,25 @@ class IndexSampler:
         return torch.multinomial(probs.float(), size, replacement=True, generator=g)
 
     def state_dict(self) -> dict:
-        return {"excluded": self.excluded.nonzero().flatten().clone()}
+        return {"excluded": self.excluded.nonzero().flatten().clone(), "num_samples": int(self.num_samples)}
 
     def load_state_dict(self, state: dict) -> None:
+        excluded = torch.as_tensor(state.get("excluded", []), dtype=torch.long).reshape(-1)
+        if len(excluded):  # window indices: they name other windows in a dataset of another size
+            saved = state.get("num_samples")  # absent in checkpoints from before it was recorded
+            if saved is not None and int(saved) != self.num_samples:
+                raise ValueError(
+                    f"sampler state 'excluded' covers {int(saved)} samples but the dataset has {self.num_samples}: "
+                    "the checkpoint belongs to another corpus or block_size"
+                )
+            bad = excluded[(excluded < 0) | (excluded >= self.num_samples)]
+            if len(bad):
+                raise ValueError(
+                    f"sampler state: excluded sample index {int(bad[0])} is out of range for {self.num_samples} "
+                    "samples: the checkpoint belongs to another corpus or block_size"
+                )
         self.excluded = torch.zeros(max(self.num_samples, 0), dtype=torch.bool)
-        if len(state.get("excluded", [])):
-            self.excluded[torch.as_tensor(state["excluded"], dtype=torch.long)] = True
+        self.excluded[excluded] = True
         self._exclusions_changed()
 
 
