@@ -186,6 +186,21 @@ def test_decay_branch_warns_when_its_checkpoint_is_already_decayed(tmp_path, for
            "[0.05, 0.025]" in warnings["decayed"][0]
 
 
+def test_callback_resuming_a_scheduler_checkpoint_takes_the_peak_not_the_scheduled_lr(tmp_path):
+    """A checkpoint written with the LambdaLR scheduler holds no WSDScheduler state, and its optimizer holds the
+    scheduled (here: decayed) LR; the peak is the scheduler's ``initial_lr``. Switching to the callback form
+    (extend, or a decay branch, from that checkpoint) must continue from the peak, not from the decayed LR."""
+    kw = dict(total_steps=10, warmup_steps=2, decay_steps=4)
+    trainer = fit(Toy(schedule=kw), [], max_steps=8, root=tmp_path)  # ends inside the decay: LR < peak
+    ckpt = tmp_path / "sched.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert trainer.optimizers[0].param_groups[0]["lr"] < BASE[0]
+    extend = dict(total_steps=20, warmup_steps=2, decay_steps=4)  # steps 8..15 are stable again
+    rec = LRRecorder()
+    fit(Toy(), [rec, WSDScheduler(**extend)], max_steps=12, ckpt_path=ckpt)
+    assert rec.at_step == expected(range(8, 12), **extend) == [(s, list(BASE)) for s in range(8, 12)]
+
+
 def test_callback_refuses_a_module_that_has_its_own_scheduler():
     kw = dict(total_steps=5, decay_steps=1)
     with pytest.raises(RuntimeError, match="also configures LR scheduler"):
