@@ -478,7 +478,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
     clock = _TrainClock()
-    callbacks += [clock, _LogStepSync()]
+    # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
+    # (LearningRateMonitor logs the step's LR there)
+    callbacks = [_LogStepSync(), *callbacks, clock]
     ckpt_path = resolve_ckpt_path(cfg)
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
         for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):

@@ -238,3 +238,22 @@ def test_scheduler_resuming_a_checkpoint_without_scheduler_state_follows_the_glo
     assert ext["trainer"].global_step == 8
     expected = [PEAK * wsd_lr_factor(s, total_steps=8, warmup_steps=2, decay_steps=2) for s in range(4, 8)]
     assert [probe.lrs[s] for s in range(4, 8)] == expected  # PEAK, PEAK, PEAK * (1 - sqrt(1/2)), 0
+
+
+def test_extending_a_finished_run_logs_each_steps_lr_at_that_step(tiny_cfg):
+    # continuing a finished run (resume=auto, larger max_steps) whose last step validated: the LearningRateMonitor
+    # ran before the logging-step fix-up, so the LR used at step 6 was logged at step 7 (6 missing, 7 twice)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def logged_lrs(objects) -> list[tuple[int, float]]:
+        acc = EventAccumulator(str(Path(objects["trainer"].default_root_dir) / "tb"), size_guidance={"scalars": 0})
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("lr-AdamW/decay")]
+
+    common = ["trainer.log_every_n_steps=1", "scheduler.warmup_steps=2", "scheduler.total_steps=10"]
+    run(tiny_cfg(*common, "trainer.max_steps=6", run="ext"))  # validates (and checkpoints) at steps 3 and 6
+    _, ext, probe = run(tiny_cfg(*common, "trainer.max_steps=10", "resume=auto", run="ext"))
+    assert sorted(probe.lrs) == [6, 7, 8, 9]
+    lrs = logged_lrs(ext)
+    assert [s for s, _ in lrs] == list(range(10))
+    assert [v for s, v in lrs if s >= 6] == pytest.approx([probe.lrs[s] for s in range(6, 10)], rel=1e-6)  # fp32 log
