@@ -257,3 +257,26 @@ def test_extending_a_finished_run_logs_each_steps_lr_at_that_step(tiny_cfg):
     lrs = logged_lrs(ext)
     assert [s for s, _ in lrs] == list(range(10))
     assert [v for s, v in lrs if s >= 6] == pytest.approx([probe.lrs[s] for s in range(6, 10)], rel=1e-6)  # fp32 log
+
+
+def test_rerunning_a_branch_into_its_own_dir_without_resume_auto_is_refused(tmp_path):
+    # without resume=auto a second start of the same branch re-resumed the source checkpoint into a dir that already
+    # held the first start's checkpoints: Lightning wrote last-v1.ckpt and step...-v1.ckpt beside them, and a later
+    # resume=auto picked the stale last.ckpt (the guard a fresh run gets in resolve_ckpt_path)
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+    from tests.conftest import compose_cfg
+
+    src = tmp_path / "src" / "step4.ckpt"
+    src.parent.mkdir()
+    torch.save({"global_step": 4, "state_dict": {}}, src)
+    args = [f"decay_branch.ckpt={src}", "decay_branch.steps=3"]
+    cfg = compose_cfg(args, tmp_path / "br")
+    assert apply_decay_branch(cfg) == 4 and cfg.ckpt_path == str(src)  # first start: an empty dir
+    own = tmp_path / "br" / "checkpoints"
+    own.mkdir(parents=True)
+    (own / "last.ckpt").write_bytes(src.read_bytes())
+    with pytest.raises(ConfigError, match="resume=auto"):
+        apply_decay_branch(compose_cfg(args, tmp_path / "br"))
+    cfg = compose_cfg([*args, "resume=auto"], tmp_path / "br")
+    apply_decay_branch(cfg)  # with resume=auto it continues its own last.ckpt
+    assert cfg.ckpt_path is None and cfg.resume == "auto"

@@ -97,11 +97,11 @@ def _fmt(values: list[float]) -> str:
 def apply_decay_branch(cfg: DictConfig) -> int | None:
     """Turn ``decay_branch.{ckpt,steps}`` into the resume and schedule keys; returns the branch step ``S``.
 
-    Sets ``ckpt_path`` (unless ``resume=auto`` finds this branch's own ``last.ckpt``: an interrupted
-    branch resumes itself), ``trainer.max_steps = S + N`` and, on the WSD scheduler or callback,
+    Sets ``ckpt_path`` (unless ``resume=auto`` finds this branch's own checkpoints: an interrupted branch
+    resumes itself), ``trainer.max_steps = S + N`` and, on the WSD scheduler or callback,
     ``total_steps = S + N``, ``decay_steps = N``, ``decay_fraction = null``. Raises ``ConfigError`` naming
     the key for a missing file, a branch inside the warmup, a branch into the source run's own dir, a
-    non-WSD schedule, or ``ckpt_path`` set as well.
+    non-WSD schedule, ``ckpt_path`` set as well, or a branch dir holding checkpoints without ``resume=auto``.
     """
     branch = cfg.get("decay_branch")
     if branch is None or (branch.get("ckpt") is None and branch.get("steps") is None):
@@ -148,10 +148,16 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             node.total_steps = total
             node.decay_steps = steps
             node.decay_fraction = None
-    own_last = Path(str(cfg.paths.checkpoint_dir)) / "last.ckpt"
+    own_dir = Path(str(cfg.paths.checkpoint_dir))
+    own = sorted(p.name for p in own_dir.glob("*.ckpt")) if own_dir.is_dir() else []
     with open_dict(cfg):
-        if cfg.get("resume") == "auto" and own_last.is_file():
-            log.info("decay_branch: resuming this branch's own %s", own_last)
+        if cfg.get("resume") == "auto" and own:  # resolve_ckpt_path picks last.ckpt (or the newest if it is missing)
+            log.info("decay_branch: resuming this branch's own checkpoints in %s", own_dir)
+        elif own:  # re-resuming the source here would write last-v1.ckpt beside the first start's last.ckpt
+            raise _config_error(
+                f"this branch's run dir {str(own_dir.parent)!r} already holds checkpoints ({', '.join(own[:3])}"
+                f"{', ...' if len(own) > 3 else ''}); continue the branch with resume=auto, or choose another run_name"
+            )
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
