@@ -182,8 +182,34 @@ def test_decay_branch_warns_when_its_checkpoint_is_already_decayed(tmp_path, for
         warnings[name] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings["stable"] == []
     assert len(warnings["decayed"]) == 1
-    assert "is in its decay: its LR for step 6 is [0, 0] (peak [0.1, 0.05]), below the branch's first LR " \
-           "[0.05, 0.025]" in warnings["decayed"][0]
+    assert "is below its peak LR (in its warmup or decay): its LR for step 6 is [0, 0] (peak [0.1, 0.05]), below " \
+           "the branch's first LR [0.05, 0.025]" in warnings["decayed"][0]
+
+
+def test_decay_branch_from_inside_the_source_runs_longer_warmup_warns_as_a_warmup_too(tmp_path, caplog):
+    """The branch refuses a checkpoint inside *its own* warmup; the checkpoint does not record the source run's. A
+    source with a longer warmup (50 steps, branched at 30 with the branch's default warmup of 5) was accepted, and
+    the jump-up warning called the checkpoint 'in its decay'."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.schedules.workflows import apply_decay_branch
+
+    source = dict(total_steps=10, warmup_steps=4, decay_steps=2)  # step 1: half way up
+    trainer = fit(Toy(schedule=source), [], max_steps=1, root=tmp_path)
+    path = tmp_path / "warmup.ckpt"
+    trainer.save_checkpoint(path)
+    cfg = OmegaConf.create({
+        "decay_branch": {"ckpt": str(path), "steps": 16}, "trainer": {"max_steps": 17},
+        "paths": {"output_dir": str(tmp_path / "branch"), "checkpoint_dir": str(tmp_path / "none")},
+        "scheduler": {"_target_": "lit_dtrain.schedules.wsd_scheduler", "total_steps": 10, "warmup_steps": 1,
+                      "decay_steps": 2},
+    })
+    with caplog.at_level("WARNING", logger="lit_dtrain.schedules.workflows"):
+        assert apply_decay_branch(cfg) == 1
+    [message] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "is below its peak LR (in its warmup or decay): its LR for step 1 is [0.05, 0.025]" in message
+    assert "below the branch's first LR [0.075, 0.0375]" in message  # 1 - sqrt(1/16) of the peak
+    assert "re-warmup" in message
 
 
 def test_callback_resuming_a_scheduler_checkpoint_takes_the_peak_not_the_scheduled_lr(tmp_path):

@@ -71,8 +71,9 @@ def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] 
 
 def _warn_if_the_branch_jumps_up(src: Path, start: int, node) -> None:
     """Warn when the source checkpoint's LR for its next step is below the branch's first LR: the source was already
-    decaying (a finished run's last.ckpt, a branch of a branch) and the branch, which decays from the peak as both
-    schedule forms do, raises the LR again without a re-warmup."""
+    decaying (a finished run's last.ckpt, a branch of a branch), or still inside a warmup longer than the branch's
+    own (which is all the branch can check exactly: the checkpoint does not record the source's warmup), and the
+    branch, which decays from the peak as both schedule forms do, raises the LR without a re-warmup."""
     lr_and_peak = checkpoint_lr_and_peak(src)
     if lr_and_peak is None:
         return
@@ -82,10 +83,10 @@ def _warn_if_the_branch_jumps_up(src: Path, start: int, node) -> None:
     lrs, peaks = lr_and_peak
     if any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(lrs, peaks)):
         log.warning(
-            "decay_branch.ckpt %s is in its decay: its LR for step %d is %s (peak %s), below the branch's first LR "
-            "%s: the branch decays from the peak, so the LR jumps up without a re-warmup. Branch from a stable-phase "
-            "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
-            "docs/wsd.md)",
+            "decay_branch.ckpt %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), "
+            "below the branch's first LR %s: the branch decays from the peak, so the LR jumps up without a re-warmup. "
+            "Branch from a stable-phase checkpoint, or continue a decayed model with init_from=... and a re-warmup "
+            "(continual pre-training, docs/wsd.md)",
             src, start, _fmt(lrs), _fmt(peaks), _fmt([peak * factor for peak in peaks]),
         )
 
