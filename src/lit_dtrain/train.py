@@ -129,6 +129,31 @@ def check_types(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
 
 
+def wsd_callback_keys(cfg: DictConfig) -> list[str]:
+    """The ``callbacks.<key>`` entries that are a ``WSDScheduler`` (the callback form of WSD)."""
+    from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
+
+    return [key for key, node in (cfg.get("callbacks") or {}).items()
+            if isinstance(node, DictConfig) and node.get("_target_") in WSD_CALLBACK_TARGETS]
+
+
+def scheduler_config(cfg: DictConfig) -> DictConfig | None:
+    """The ``scheduler`` node to build, or None.
+
+    A node without ``_target_`` is what an experiment's ``scheduler:`` settings leave after ``'~scheduler'``
+    (``experiment=cpt_replay`` sets a warmup). The WSD callback reads them (its ``warmup_steps`` defaults to
+    ``scheduler.warmup_steps``), so with it there is no scheduler to build; without it nothing would read them,
+    which is an error."""
+    node = cfg.get("scheduler")
+    if not node or "_target_" in node:
+        return node or None
+    if wsd_callback_keys(cfg):
+        return None
+    raise ConfigError(f"scheduler has no _target_: it holds only {list(node.keys())} (an experiment's settings "
+                      "after '~scheduler'?), which nothing reads; pick a schedule (scheduler=wsd, cosine, constant) "
+                      "or use the callback form: '~scheduler' 'callbacks=[default,wsd]'")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before any compute, naming the offending key."""
     check_types(cfg)
@@ -169,27 +194,25 @@ def check_config(cfg: DictConfig) -> None:
         if vocab < ByteTokenizer.vocab_size:  # an IndexError in the embedding at the first step otherwise
             raise ConfigError(f"model.vocab_size={vocab} is below the tokenizer's {ByteTokenizer.vocab_size} token "
                               "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
-    warmup = cfg.scheduler.get("warmup_steps") if cfg.get("scheduler") else None
-    if "total_steps" not in (cfg.get("scheduler") or {}) and isinstance(warmup, int) and warmup > max_steps:
+    scheduler = scheduler_config(cfg)
+    warmup = scheduler.get("warmup_steps") if scheduler else None
+    if "total_steps" not in (scheduler or {}) and isinstance(warmup, int) and warmup > max_steps:
         # cosine/wsd refuse warmup > total_steps themselves; a schedule without a horizon (constant) cannot
         raise ConfigError(f"scheduler.warmup_steps={warmup} exceeds trainer.max_steps={max_steps}: the LR would "
                           "never reach optimizer.lr")
-    if cfg.get("scheduler"):  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
-        from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
-
-        for key, node in (cfg.get("callbacks") or {}).items():
-            if isinstance(node, DictConfig) and node.get("_target_") in WSD_CALLBACK_TARGETS:
-                raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={cfg.scheduler._target_} "
-                                  "configures an LR scheduler too; use one of them: '~scheduler' "
-                                  f"'callbacks=[default,{key}]' for the callback form")
+    if scheduler:  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
+        for key in wsd_callback_keys(cfg):
+            raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={scheduler._target_} "
+                              "configures an LR scheduler too; use one of them: '~scheduler' "
+                              f"'callbacks=[default,{key}]' for the callback form")
     try:  # the optimizer is built in configure_optimizers, inside fit: build it on a dummy parameter now
         instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer: {e}") from e
-    if cfg.get("scheduler"):  # build the schedule on a dummy optimizer so bad arguments fail now
+    if scheduler:  # build the schedule on a dummy optimizer so bad arguments fail now
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         try:
-            instantiate(cfg.scheduler)(dummy)
+            instantiate(scheduler)(dummy)
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
     check_sample(cfg)
@@ -463,7 +486,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     module = LitLLM(
         model,
         optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        scheduler=instantiate(scheduler) if (scheduler := scheduler_config(cfg)) else None,
         val_names=datamodule.val_names,
         **OmegaConf.to_container(cfg.module, resolve=True),
     )

@@ -168,6 +168,24 @@ def test_experiment_configs_compose(experiment, tmp_path, corpus):
         assert cfg.init_from is None  # given on the command line
 
 
+def test_an_experiments_scheduler_settings_without_a_scheduler(tmp_path, corpus):
+    """``experiment=cpt_replay '~scheduler'`` leaves the experiment's ``scheduler:`` settings (warmup 50) as a node
+    without ``_target_``. With the WSD callback they are its settings (its warmup_steps reads scheduler.warmup_steps);
+    ``train()`` instantiated the node anyway and failed with ``TypeError: 'DictConfig' object is not callable``
+    after tokenizing. Without the callback nothing reads them: an error naming the node, before any compute."""
+    from lit_dtrain.train import ConfigError, check_config, scheduler_config
+
+    with_callback = compose_cfg(["experiment=cpt_replay", "~scheduler", "callbacks=[default,wsd]"],
+                                tmp_path / "a", tiny=False)
+    check_config(with_callback)
+    assert scheduler_config(with_callback) is None
+    assert with_callback.callbacks.wsd.warmup_steps == 50
+    alone = compose_cfg(["experiment=cpt_replay", "~scheduler"], tmp_path / "b", tiny=False)
+    with pytest.raises(ConfigError, match=r"scheduler has no _target_: it holds only \['warmup_steps', "
+                                          r"'decay_fraction'\].*scheduler=wsd.*callbacks=\[default,wsd\]"):
+        check_config(alone)
+
+
 @pytest.mark.slow
 def test_branch_one_command_via_train_py(tmp_path, corpus):
     """The documented CLI: a stable run keeping its checkpoints, then one command for a decay branch."""
