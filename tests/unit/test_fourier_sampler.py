@@ -367,6 +367,20 @@ def test_state_dict_is_plain_and_checked(tmp_path):
         make().load_state_dict(RandomSampler().state_dict())
 
 
+def test_a_random_sampler_resuming_a_fourier_state_says_what_it_drops():
+    """``data/sampler=random`` resuming a ``data/sampler=fourier`` checkpoint keeps the exclusions and dropped the
+    spectral table silently (switching strategies warns in the same situation)."""
+    s = make(step_unit=1)
+    feed(s, 3)
+    s.exclude([7])
+    random = RandomSampler()
+    random.setup(50, seed=0)
+    seen = int((s.visits > 0).sum())
+    with pytest.warns(UserWarning, match=rf"written by FourierSampler.*{seen} samples seen.*RandomSampler.*dropped"):
+        random.load_state_dict(s.state_dict())
+    assert random.excluded.nonzero().flatten().tolist() == [7]
+
+
 def test_memory_is_linear_in_samples():
     per = []
     for n in (1000, 4000):

@@ -6,6 +6,8 @@ and takes its own contiguous shard, so DDP needs no coordination and a resume re
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _MIX_A = 6364136223846793005
@@ -142,3 +144,14 @@ class IndexSampler:
 
 class RandomSampler(IndexSampler):
     """Uniform sampling with replacement (weighted by the mixture prior when there is one)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "m1" in state and "visits" in state:  # a FourierSampler's state: this sampler keeps only the exclusions
+            seen = int((torch.as_tensor(state["visits"]) > 0).sum())
+            warnings.warn(
+                f"the checkpoint's sampler state was written by FourierSampler (its table: {seen} samples seen); "
+                "this run's RandomSampler keeps the excluded samples, and the table is dropped: a later resume "
+                "with data/sampler=fourier starts it over",
+                UserWarning, stacklevel=2,
+            )
