@@ -104,6 +104,17 @@ def test_data_position_advances_and_restores(corpus, tmp_path):
     assert not torch.equal(first[0], first[1])
 
 
+def test_resuming_with_another_data_seed_warns(corpus, tmp_path):
+    """The checkpoint records the data seed, and a resume with another ``data.seed`` switched the data stream
+    silently (the resumed run is no longer the interrupted one's continuation)."""
+    dm = dm_for(corpus, tmp_path, seed=1)
+    dm.on_before_batch_transfer(0, 0)
+    other = dm_for(corpus, tmp_path, seed=2)
+    with pytest.warns(UserWarning, match=r"data seed 1.*this run's data.seed is 2"):
+        other.load_state_dict(dm.state_dict())
+    assert other.micro_step == 1  # the position is restored all the same
+
+
 def test_exclusions_are_never_drawn_and_persist(corpus, tmp_path):
     dm = dm_for(corpus, tmp_path)
     n = dm.num_train_samples

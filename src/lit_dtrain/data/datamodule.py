@@ -14,6 +14,8 @@ runs the same number of them; the few padding windows that even out the shares c
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import numpy as np
 import torch
@@ -271,5 +273,12 @@ class LMDataModule(L.LightningDataModule):
             self._apply_state(state)
 
     def _apply_state(self, state: dict) -> None:
+        saved_seed = state.get("seed")
+        if saved_seed is not None and int(saved_seed) != self.seed:
+            warnings.warn(
+                f"the checkpoint was trained with data seed {int(saved_seed)}, and this run's data.seed is "
+                f"{self.seed}: from here on the batches are not those the interrupted run would have drawn (set "
+                f"data.seed={int(saved_seed)}, or seed={int(saved_seed)}, to continue it exactly)",
+                UserWarning, stacklevel=2)
         self.micro_step = int(state["micro_step"])
         self.sampler.load_state_dict(state["sampler"])
