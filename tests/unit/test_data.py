@@ -126,6 +126,25 @@ def test_exclusions_are_never_drawn_and_persist(corpus, tmp_path):
     assert set(again.batch_for_step(0)["index"].tolist()) <= {n - 2, n - 1}
 
 
+def test_a_tail_split_says_that_val_shares_a_document_with_train(tmp_path, caplog):
+    """Too few documents for a by-document split: val is the tail of the token stream, which cuts the last
+    train document in two (its start is trained on). This was logged only at INFO as a cache detail."""
+    few = make_corpus(tmp_path / "few", n_files=3, size=2000)
+    src = CorpusSource(name="few", kind="files", paths=[str(few)])
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        splits = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert splits.meta["split"] == "by_tokens_tail"
+    [message] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "data source 'few'" in message and "cuts a document in two" in message
+    assert f"last {len(splits.val)} tokens" in message
+    many = make_corpus(tmp_path / "many", n_files=60, size=2000)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        by_doc = build_token_cache(CorpusSource(name="many", kind="files", paths=[str(many)]), tmp_path / "c", 33,
+                                   val_fraction=0.1, progress=False)
+    assert by_doc.meta["split"] == "by_document" and not caplog.records
+
+
 def test_token_cache_reused_and_rebuilt_on_change(corpus, tmp_path):
     src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
     a = build_token_cache(src, tmp_path / "c", 33, progress=False)

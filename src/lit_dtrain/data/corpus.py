@@ -187,6 +187,11 @@ def build_token_cache(
     meta = json.loads((out_dir / "meta.json").read_text())
     train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
+    if meta.get("split") == "by_tokens_tail":
+        log.warning("data source %r: too few documents for a by-document val split (val_fraction=%s, windows of %d "
+                    "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
+                    "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
+                    source.name, val_fraction, min_tokens, len(val))
     return TokenSplits(source.name, train, val, meta)
 
 
