@@ -16,36 +16,11 @@ import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 
 from tests.conftest import free_port
+from tests.toys import TinyRegression
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
-
-
-class _Data(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict:
-        x = torch.randn(4, generator=torch.Generator().manual_seed(i)) * (1 + i % 7)
-        return {"x": x, "y": x.sum(0, keepdim=True)}
-
-
-class _Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return ((self.net(batch["x"]) - batch["y"]) ** 2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.001)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(_Data(), batch_size=4)
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -60,7 +35,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clip],
                         strategy=CompressedDDPStrategy(local_update={"name": "local_sgd", "sync_period": 4},
                                                        collective_timeout_s=30, log_comm_metrics=False))
-    trainer.fit(_Tiny())
+    trainer.fit(TinyRegression(lr=0.001, spread=True))
     torch.save({"state": clip.state_dict(), "last": clip.last}, os.path.join(root, f"clip{rank}.pt"))
 
 

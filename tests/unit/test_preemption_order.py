@@ -12,41 +12,20 @@ from __future__ import annotations
 import os
 
 import lightning as L
-import torch
-from torch import nn
 
 from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint
 from lit_dtrain.checkpoint import safe_torch_load
 from lit_dtrain.strategies import CompressedDDPStrategy
 from tests.conftest import free_port
+from tests.toys import TinyRegression
 
 SPIKE_STEP = 5
 
 
-class _Data(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict:
-        x = torch.randn(4, generator=torch.Generator().manual_seed(i))
-        return {"x": x, "y": x.sum(0, keepdim=True), "index": torch.tensor(i)}
-
-
-class _Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 1)
-
+class _Tiny(TinyRegression):
     def training_step(self, batch, batch_idx):
-        loss = ((self.net(batch["x"]) - batch["y"]) ** 2).mean()
+        loss = self.loss(batch)
         return loss * 1e4 if self.global_step == SPIKE_STEP else loss  # a finite spike
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(_Data(), batch_size=4)
 
 
 class _SigtermAt(L.Callback):
