@@ -71,6 +71,9 @@ def test_decay_fraction_rounds_like_python():
     assert resolve_decay_steps(10, decay_fraction=0.4) == 4
     assert resolve_decay_steps(5, decay_fraction=0.5) == 2  # round(2.5) == 2 (half to even)
     assert resolve_decay_steps(1000, decay_fraction=0.2) == 200
+    assert resolve_decay_steps(7, decay_fraction=0.5) == 4  # round(3.5) == 4: rounds, does not truncate
+    assert resolve_decay_steps(10, decay_fraction=0.37) == 4  # round(3.7) == 4
+    assert resolve_decay_steps(10, decay_fraction=0.33) == 3  # round(3.3) == 3
     a = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_fraction=0.4, min_lr_factor=0.1) for s in range(11)]
     b = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.1) for s in range(11)]
     assert a == b
