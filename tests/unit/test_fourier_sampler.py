@@ -417,6 +417,25 @@ def test_importance_weights_are_unbiased():
     assert make().loss_weights(torch.arange(4)) is None
 
 
+@pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
+def test_importance_weights_under_a_mixture_prior_are_target_over_p(variant):
+    """With a mixture prior and exclusions the weights are ``target_i / p_i``, so a weighted mean over draws
+    from ``p`` estimates the mean under the prior for every per-sample function, not only E_p[w] = 1."""
+    n = 40
+    base = torch.where(torch.arange(n) < 10, 4.0, 1.0)
+    s = FourierSampler(variant=variant, importance_weights=True, stages=False, step_unit=1)
+    s.setup(n, base, seed=0)
+    feed(s, 10, hot={1, 2, 30})
+    s.exclude([5, 33])
+    p, target = s.probabilities(10), s.target_distribution()
+    assert target[0] == pytest.approx(4 * target[20]) and target[5] == 0  # the prior is far from uniform
+    active = target > 0
+    w = s.loss_weights(torch.arange(n)).double()
+    torch.testing.assert_close(w[active], target[active] / p[active], rtol=1e-6, atol=0)
+    f = torch.arange(n, dtype=torch.float64) % 7 + torch.linspace(0, 1, n, dtype=torch.float64)  # any function
+    assert (p * w * f)[active].sum().item() == pytest.approx((target * f).sum().item(), rel=1e-6)
+
+
 def test_missing_updates_fail_loudly():
     s = make()
     s.global_batch(0, 4)
