@@ -91,3 +91,17 @@ def test_load_refuses_code_and_names_bad_files(tmp_path):
         safe_torch_load(empty)
     with pytest.raises(CheckpointError, match="missing.ckpt.*does not exist"):
         safe_torch_load(tmp_path / "missing.ckpt")
+
+
+def test_remove_stale_temp_files_removes_only_the_temp_files_of_killed_writes(tmp_path):
+    from lit_dtrain.checkpoint import remove_stale_temp_files, temp_file_name
+
+    keep = ["last.ckpt", "epoch=1.ckpt", ".hidden", "notes.ckpt.tmp-1", ".last.ckpt", ".last.pt.tmp-7"]
+    for name in keep:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".dir.ckpt.tmp-3").mkdir()  # not a file: left alone
+    stale = [temp_file_name(tmp_path / "last.ckpt"), tmp_path / ".epoch=1.ckpt.tmp-123"]
+    for path in stale:
+        path.write_bytes(b"half a checkpoint")
+    assert sorted(remove_stale_temp_files(tmp_path)) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + [".dir.ckpt.tmp-3"])
