@@ -472,3 +472,21 @@ def test_exclusions_of_a_checkpoint_from_another_dataset_are_refused_not_misappl
     other.setup(700)
     other.load_state_dict(clean.state_dict())  # no exclusions: nothing to misapply, a resume may change the data
     assert other.num_excluded == 0
+
+
+def test_train_batches_carry_the_samplers_importance_weights_for_their_own_shard(corpus, tmp_path):
+    """A sampler with ``loss_weights`` (FourierSampler, importance_weights=True) puts each rank's weights, for
+    that rank's indices, in the batch as ``loss_weight``; without weights the key is absent."""
+    from lit_dtrain.data.samplers import FourierSampler
+
+    s = FourierSampler(importance_weights=True, require_updates=False, stages=False, step_unit=1)
+    dm = dm_for(corpus, tmp_path, sampler=s)
+    n = len(dm.train_windows)
+    idx = torch.arange(min(n, 64))
+    s.observe(torch.rand(len(idx), 32, generator=torch.Generator().manual_seed(0)) + (idx % 5)[:, None], idx, 1)
+    for rank in (0, 1):
+        batch = dm.batch_for_step(3, rank=rank, world_size=2)
+        want = s.loss_weights(batch["index"])
+        assert batch["loss_weight"].shape == (4,) and torch.equal(batch["loss_weight"], want)
+    assert len(set(s.loss_weights(torch.arange(n)).tolist())) > 1  # the weights differ across samples
+    assert "loss_weight" not in dm_for(corpus, tmp_path).batch_for_step(3)

@@ -164,3 +164,24 @@ def test_val_loss_is_the_token_mean_over_windows_of_weight_one():
         lit.validation_step({**batch, "loss_weight": torch.tensor([1.0, 1.0, 0.0])}, 0)
     assert lit.val_loss.compute() == pytest.approx(float(want), rel=1e-6)
     assert lit.val_loss_by_source[0].compute() == pytest.approx(float(want), rel=1e-6)
+
+
+def test_train_loss_weighs_each_windows_mean_token_loss_by_its_loss_weight():
+    """Sampler importance weights (``loss_weight [B]``) scale each window's mean token loss in the train loss."""
+    from lit_dtrain.data import window_batch
+    from lit_dtrain.module import LitLLM
+
+    lit = LitLLM(tiny(), val_names=["a"])
+    lit.log = lambda *a, **k: None  # no trainer attached
+    windows = torch.randint(0, 257, (3, 9), generator=torch.Generator().manual_seed(0))
+    batch = window_batch(windows, torch.arange(3))
+    weight = torch.tensor([0.5, 2.0, 0.0])
+    with torch.no_grad():
+        per_window = torch.stack([
+            F.cross_entropy(lit(batch["input_ids"][i : i + 1])[0], batch["labels"][i]) for i in range(3)
+        ])
+        plain = lit.training_step(batch, 0)["loss"]
+        weighted = lit.training_step({**batch, "loss_weight": weight}, 0)["loss"]
+    assert float(plain) == pytest.approx(float(per_window.mean()), rel=1e-5)
+    assert float(weighted) == pytest.approx(float((per_window * weight).mean()), rel=1e-5)
+    assert abs(float(weighted) - float(plain)) > 1e-3  # the weights matter here
