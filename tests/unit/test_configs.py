@@ -183,8 +183,17 @@ def test_every_sweep_value_of_every_experiment_composes(tmp_path):
             for value in str(values).split(","):
                 cfg = compose_cfg([f"experiment={name}", f"{key}={value.strip()}"], tmp_path / name, None, tiny=False)
                 check_config(cfg)
-                if key == "strategy":
-                    assert build_strategy(cfg) is not None
+                if key == "strategy":  # the group option named by the value is the one built
+                    strategy = build_strategy(cfg)
+                    assert type(strategy).__name__ == "CompressedDDPStrategy", value
+                    want = value.strip().split("/")[-1]
+                    lu = getattr(strategy, "local_update", None)
+                    built = lu.name if lu is not None else strategy.compressor.name
+                    assert built == want, value
+                elif "." in key:  # a plain value lands at its key
+                    assert OmegaConf.select(cfg, key) == pytest.approx(float(value)), (key, value)
+                else:  # a config group: its option's target
+                    assert cfg[key]["_target_"].endswith(f"{value.strip()}_scheduler"), (key, value)
                 checked += 1
     assert checked >= 10  # wsd_vs_cosine's 5 values and compression_sweep's 5
 
@@ -193,8 +202,11 @@ def test_every_experiment_composes(tmp_path, corpus):
     for name in options("experiment"):
         cfg = compose_cfg([f"experiment={name}"], tmp_path / name, None, tiny=False)
         check_config(cfg)
-        assert instantiate(cfg.model) is not None
-        assert isinstance(instantiate(cfg.optimizer), object)
+        model = instantiate(cfg.model)
+        assert isinstance(model, torch.nn.Module) and sum(p.numel() for p in model.parameters()) > 0
+        optimizer = instantiate(cfg.optimizer)(model.parameters())
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr)
 
 
 def test_sweeps_started_in_the_same_second_get_their_own_dirs(monkeypatch, tmp_path):
