@@ -150,6 +150,16 @@ def test_robust_stat_ema_tracks_mean_and_std() -> None:
     assert abs(med.scale() - 2.0) < 0.2
 
 
+def test_robust_stat_ema_weighs_early_values_and_errors_equally() -> None:
+    """Until ``1/(1-decay)`` values the location is the plain mean and the scale the RMS of the one-step forecast
+    errors ``x_k - mean(x_1..x_(k-1))`` (exact on a short series)."""
+    stat = RobustStat("ema", decay=0.99, warmup=2, clip_z=None, min_rel_scale=0.0, min_scale=0.0)
+    for x in (1.0, 3.0, 2.0, 6.0):  # running means 1, 2, 2, 3; errors 2, 0, 4
+        stat.add(x)
+    assert stat.location() == pytest.approx(3.0, rel=1e-12)
+    assert stat.scale() == pytest.approx(math.sqrt((4 + 0 + 16) / 3), rel=1e-12)
+
+
 def test_detector_state_roundtrip_gives_identical_decisions() -> None:
     losses = with_spikes(synthetic_losses(2000, 3))
     a = SpikeDetector(method="median", window=50)
@@ -166,6 +176,9 @@ def test_detector_state_roundtrip_gives_identical_decisions() -> None:
 def test_window_and_cooldown() -> None:
     w = SpikeWindow(max_spikes=3, window_steps=100)
     assert [w.add(s) for s in (10, 50, 200, 250, 260)] == [False, False, False, False, True]
+    edge = SpikeWindow(max_spikes=3, window_steps=100)  # the window is the last 100 steps, (step - 100, step]
+    assert [edge.add(s) for s in (0, 50, 100)] == [False, False, False]  # step 0 is 100 steps back: outside
+    assert edge.add(149) is True  # 50, 100, 149
     assert [cooldown_factor(s, 0.1, 2, 3) for s in range(-1, 7)] == pytest.approx(
         [1.0, 0.1, 0.1, 0.1 + 0.9 * 0.25, 0.1 + 0.9 * 0.5, 0.1 + 0.9 * 0.75, 1.0, 1.0])
 
