@@ -552,6 +552,25 @@ def test_diloco_outer_nesterov_step_matches_the_formula():
     assert (restored.num_syncs, restored.step) == (1, 2)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_diloco_outer_momentum_accumulates_across_syncs(nesterov):
+    """The first sync has zero momentum, so only later syncs show the momentum recursion m = mu * m + delta."""
+    params = make_params()
+    start = torch.cat([p.view(-1) for _, p in params]).clone()
+    comm = TwoRankComm(lambda t: torch.full_like(t, 0.2))  # other rank's pseudo-gradient: 0.2 everywhere
+    rule = DiLoCo(sync_period=1, outer_lr=0.7, outer_momentum=0.9, nesterov=nesterov)
+    rule.maybe_initialize(params)
+    expected, momentum, delta = start.clone(), 0.0, (0.1 + 0.2) / 2  # each sync: this rank moved by -0.1
+    for sync in range(3):
+        for _, p in params:
+            p.data.sub_(0.1)
+        assert rule.after_optimizer_step(params, comm) is True
+        momentum = 0.9 * momentum + delta  # 0.15, 0.285, 0.4065
+        expected -= 0.7 * ((delta + 0.9 * momentum) if nesterov else momentum)
+        assert torch.allclose(rule.momentum, torch.full_like(start, momentum), atol=1e-6), sync
+        assert torch.allclose(torch.cat([p.view(-1) for _, p in params]), expected, atol=1e-5), sync
+
+
 def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():
     """LossSpikeMonitor's rollback snapshot is taken at ``on_train_start``, before DiLoCo's first step, when it has
     no outer parameters yet. Restoring it (a NaN step before the next snapshot) must start the outer loop afresh
