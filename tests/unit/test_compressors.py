@@ -491,6 +491,39 @@ class TwoRankComm(LoopbackCommunicator):
         return fut
 
 
+class TwoRankGatherComm(TwoRankComm):
+    """Rank 0 of 2 for all-gather codecs too: the other rank's packed payload comes from ``other``."""
+
+    def all_gather_async(self, tensor):
+        fut = super().all_gather_async(tensor)
+        return fut.then(lambda f: torch.stack([f.value()[0], self.other(f.value()[0])]))
+
+
+def test_error_feedback_of_an_all_reduce_codec_keeps_only_its_own_rounding_under_two_ranks():
+    """An all_reduce codec divides its payload by the world size before the sum; the residual must be this
+    rank's own rounding error ``x - fp16(x)``, not ``x - fp16(x) / world`` (invisible with one rank)."""
+    c = HalfPrecision("fp16", error_feedback=True)
+    comm = TwoRankComm(lambda t: t.clone())  # the other rank sends the same payload
+    g = grad(7)
+    mean = c.reduce(g.clone(), SEGMENTS, comm, 0).wait()
+    assert torch.equal(mean, g.half().float())  # the mean of two equal fp16 halves
+    residual = c.residual_for(SEGMENTS, g)
+    torch.testing.assert_close(residual, g - g.half().float(), rtol=0, atol=1e-7)
+    assert bool((residual.abs() <= 2.0**-11 * g.abs() + 1e-7).all())
+
+
+def test_topk_sums_the_ranks_sparse_vectors_where_their_indices_overlap():
+    c = TopK(ratio=0.1)
+    out = c.decompress_sum([[torch.tensor([1.0, 2.0]), torch.tensor([0, 3], dtype=torch.int32)],
+                            [torch.tensor([10.0, 20.0]), torch.tensor([3, 4], dtype=torch.int32)]], [], 6)
+    assert out.tolist() == [1.0, 0.0, 0.0, 12.0, 20.0, 0.0]
+    # end to end over two ranks: the other rank sends the same top-k, so the mean is this rank's top-k
+    g = grad(3)
+    mean = c.reduce(g.clone(), SEGMENTS, TwoRankGatherComm(lambda t: t.clone()), 0).wait()
+    kept = mean != 0
+    assert int(kept.sum()) == math.ceil(0.1 * NUMEL) and torch.equal(mean[kept], g[kept])
+
+
 def make_params(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [("a", torch.randn(6, 4, generator=g)), ("b", torch.randn(5, generator=g))]
