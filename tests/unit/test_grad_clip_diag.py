@@ -101,9 +101,15 @@ def test_loss_scaled_grads_give_the_same_decisions() -> None:
 
 def test_reciprocal_mode_clips_harder_and_max_norm_caps() -> None:
     norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0]
-    _, _, z = run_clip(norms, warmup_steps=25)
-    _, _, rec = run_clip(norms, warmup_steps=25, mode="reciprocal")
+    _, _, z = run_clip(norms, warmup_steps=25, z_threshold=2.5)
+    _, logs, rec = run_clip(norms, warmup_steps=25, mode="reciprocal", z_threshold=2.5)
     assert rec[30][1] < z[30][1]
+    # exactly mean + z_threshold**2 / z * std, z the outlier's z-score under the statistics before it
+    ref = RobustStat("ema", decay=0.97, scale_decay=0.97, warmup=25, clip_z=None, min_rel_scale=0.0)
+    for n in logs.values["grad_clip/norm"][:30]:
+        ref.add(n)
+    mean, std = ref.location(), ref.scale()
+    assert rec[30][1] == pytest.approx(mean + 2.5**2 / ((10.0 - mean) / std) * std, rel=1e-5)
     _, _, capped = run_clip([5.0, 5.0, 5.0], warmup_steps=25, max_norm=2.0)
     assert [round(s[1], 5) for s in capped] == [2.0, 2.0, 2.0]  # the ceiling acts during warmup
 
