@@ -291,6 +291,22 @@ def test_powersgd_is_exact_on_low_rank_matrices_and_counts_bytes():
     assert comm.take_step_record()["bytes"] == expected == 4 * c.payload_numel(SEGMENTS)
 
 
+def test_powersgd_over_two_ranks_returns_the_mean_of_low_rank_gradients():
+    """Both rounds are sums over ranks: the uncompressed vectors and the Qs must be divided by the world size
+    (with one rank, as elsewhere in this file, that division is invisible). The other rank holds 3x, whose
+    payloads are 3 times this rank's in both rounds; the mean 2x is rank 2, so PowerSGD returns it exactly."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(NUMEL, generator=g)
+    for seg in SEGMENTS:
+        if len(seg.shape) >= 2:
+            n, m = seg.shape[0], seg.numel // seg.shape[0]
+            low_rank = torch.randn(n, 2, generator=g) @ torch.randn(2, m, generator=g)
+            x[seg.offset : seg.offset + seg.numel] = low_rank.view(-1)
+    c = PowerSGD(matrix_approximation_rank=2, error_feedback=False, warm_start=False)
+    out = c.reduce(x.clone(), SEGMENTS, TwoRankComm(lambda t: 3 * t), step=0).wait()
+    torch.testing.assert_close(out, 2 * x, atol=1e-4, rtol=1e-4)
+
+
 def test_powersgd_skips_matrices_that_would_not_shrink():
     c = PowerSGD(matrix_approximation_rank=4, min_compression_rate=2.0)
     segs = segments_from_shapes([("tiny", (6, 5)), ("big", (64, 64))])
