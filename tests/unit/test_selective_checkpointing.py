@@ -241,6 +241,20 @@ def test_budget_callback_probes_and_restores_state_plan():
     assert [w.mode for w in other.wrappers] == cb.plan
 
 
+def test_budget_resume_says_which_plan_it_uses():
+    """A resumed budget run probes again in setup and logs that plan, then load_state_dict puts the checkpoint's plan
+    back: when the two differ (another memory_budget, noisy timings) the run must say that the probe's plan is not
+    the one it uses."""
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.9)
+    cb.wrappers = apply_checkpointing(list(make_model().blocks), ["none"] * 4)
+    cb.plan = ["full", "none", "none", "none"]  # what this run's probe chose (and logged)
+    set_plan(cb.wrappers, cb.plan)
+    saved = {"policy": "budget", "plan": ["full", "full", "full", "none"]}
+    with pytest.warns(UserWarning, match=r"checkpoint's plan \['full', 'full', 'full', 'none'\].*not used"):
+        cb.load_state_dict(saved)
+    assert cb.plan == saved["plan"] and [w.mode for w in cb.wrappers] == saved["plan"]
+
+
 class ForeignLM(L.LightningModule):
     """Someone else's LightningModule: Lightning's demo encoder-decoder Transformer, its own loss."""
 

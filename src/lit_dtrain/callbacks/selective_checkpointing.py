@@ -161,6 +161,11 @@ class SelectiveCheckpointing(Callback):
         # A resumed ``budget`` run keeps the plan it trained with (the probe timings are noisy).
         saved = list(state_dict.get("plan", []))
         if state_dict.get("policy") == self.policy == "budget" and len(saved) == len(self.wrappers):
+            if self.plan and saved != self.plan:  # setup's probe logged another plan: say which one is used
+                counts = {m: saved.count(m) for m in MODES if saved.count(m)}
+                rank_zero_warn(f"SelectiveCheckpointing(policy=budget): resumed with the checkpoint's plan {saved} "
+                               f"(modes {counts}); this run's probe plan {self.plan} (memory_budget="
+                               f"{self.memory_budget}) is not used")
             self.plan = saved
             set_plan(self.wrappers, saved)
 
