@@ -646,6 +646,26 @@ def test_tensorboard_scalars_are_written_at_the_step_they_describe(tmp_path: Pat
     assert count == {s: decisions.count[s] for s in (4, 7, 9, 14, 19)} == {4: 0.0, 7: 1.0, 9: 1.0, 14: 1.0, 19: 1.0}
 
 
+def test_loss_z_is_logged_from_the_first_step_after_the_warmup(tmp_path: Path) -> None:
+    """With warmup_steps=w, steps 0..w-1 fill the statistics and cannot be spikes; their z is not logged. The check
+    ran after the decision had added its value, so the z of step w-1 (computed from w-1 values, before the warmup's
+    despiking) was written, e.g. a large z of an undetectable warmup spike with no event."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = LossSpikeMonitor(actions=["log"], warmup_steps=5)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, callbacks=[Inject({4: "finite"}), monitor],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), limit_val_batches=0)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert monitor.events == []  # step 4 is still in the warmup: no spike possible
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("spike/loss_z")] == [5, 6, 7]
+    assert [e.step for e in acc.Scalars("spike/count")] == list(range(8))
+
+
 def test_rollback_under_the_wsd_callback_keeps_the_lr_of_the_step(tmp_path: Path) -> None:
     """A rollback reloads the optimizer state, whose param groups hold the snapshot's LR. With the WSDScheduler
     callback (no LR scheduler) listed before the monitor, that stale LR stayed in the optimizer until the next

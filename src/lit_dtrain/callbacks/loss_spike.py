@@ -180,6 +180,7 @@ class LossSpikeMonitor(L.Callback):
         self._sampler = None
         self._device = torch.device("cpu")
         self._stepped = False
+        self._z_ready = False
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -290,6 +291,7 @@ class LossSpikeMonitor(L.Callback):
         grad_norm = math.sqrt(grad_sumsq) if self.check_grad and math.isfinite(grad_sumsq) else None
         if self.check_grad and not math.isfinite(grad_sumsq) and not has_grad_scaler(trainer):
             grad_norm = math.inf
+        self._z_ready = self.detector.loss_stat.ready  # before decide() adds this step's value
         decision = self.detector.decide(loss_total / world, grad_norm)
         self.last_decision = decision
         if NONFINITE_LOSS in decision.reasons or NONFINITE_GRAD in decision.reasons:
@@ -366,8 +368,9 @@ class LossSpikeMonitor(L.Callback):
         else:
             self._finish_event(trainer, pl_module, pending)
         scalars = {}
-        if pending is not None or self.detector.loss_stat.ready:  # in the warmup z is unused and meaningless
-            # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot)
+        if pending is not None or self._z_ready:  # in the warmup z is unused and meaningless
+            # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot); the
+            # readiness is that of the decision, taken before it added its value (else the warmup's last z showed)
             scalars["spike/loss_z"] = min(decision.loss_z, 1e6)
         scalars["spike/count"] = float(self.num_spikes)
         if "lr_cooldown" in self.actions:
