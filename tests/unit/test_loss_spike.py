@@ -462,6 +462,28 @@ def test_resume_honours_skipped_indices_and_state_survives_checkpoint(tmp_path: 
     assert would & set(skipped)
 
 
+def test_a_resume_that_replays_a_spike_keeps_one_record_of_it(tmp_path: Path) -> None:
+    """A run killed after a spike but before its next checkpoint replays the spike's step on resume: spikes.jsonl
+    had the event twice (and spike/count said 1). The resumed run now moves the records of the steps it replays
+    out of spikes.jsonl (into spikes.superseded.jsonl), so the file holds each event of the run's history once."""
+    def run(max_steps, ckpt_path=None):
+        monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+        trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor], max_steps=max_steps)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path), ckpt_path=ckpt_path)
+        return trainer, monitor
+
+    trainer, _ = run(4)
+    trainer.save_checkpoint(tmp_path / "step4.ckpt")  # the last checkpoint before the spike at step 5
+    run(7, tmp_path / "step4.ckpt")  # ... the spike, then the process dies before it checkpoints again
+    events = tmp_path / "spikes.jsonl"
+    assert [json.loads(line)["step"] for line in events.read_text().splitlines()] == [5]
+    _, monitor = run(8, tmp_path / "step4.ckpt")  # resume=auto from the same checkpoint replays step 5
+    assert [e["step"] for e in monitor.events] == [5] and monitor.num_spikes == 1
+    assert [json.loads(line)["step"] for line in events.read_text().splitlines()] == [5]
+    superseded = tmp_path / "spikes.superseded.jsonl"
+    assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
+
+
 def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> None:
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
     trainer = make_trainer(tmp_path, [Inject({4: "nan"}), monitor], max_steps=7)

@@ -221,6 +221,35 @@ class LossSpikeMonitor(L.Callback):
         if "rollback" in self.actions:
             self.snapshots.clear()
             self.snapshots.add(trainer)
+        if trainer.global_step > 0 and trainer.is_global_zero and self.path is None:  # (a chosen path may be shared)
+            self._supersede_replayed_events(trainer)
+
+    def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
+        """A resume from step s replays steps >= s: their records (from a run that died before checkpointing
+        them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once."""
+        path = self._events_path(trainer)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        keep, drop = [], []
+        for line in lines:
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                step = -1  # not ours: keep it
+            (drop if step >= trainer.global_step else keep).append(line)
+        if not drop:
+            return
+        root, ext = os.path.splitext(path)
+        with open(f"{root}.superseded{ext or '.jsonl'}", "a") as f:
+            f.write("".join(line + "\n" for line in drop))
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+        log.info(f"LossSpikeMonitor: resumed at step {trainer.global_step}; {len(drop)} record(s) of the replayed "
+                 f"steps moved from {path} to {root}.superseded{ext or '.jsonl'}")
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
