@@ -616,6 +616,14 @@ def test_logged_lr_multiplier_is_the_one_the_step_used():
     assert logged == [s.lr_multiplier(step) for step in range(8)] == [0.1] * 5 + [0.5] * 3
 
 
+def test_logged_lr_multiplier_is_one_when_the_callback_does_not_apply_it():
+    """With apply_lr_multiplier=False the updates use the unscaled LR, so fourier/lr_mult must say 1.0; it logged
+    the stage's 0.1/0.5 although no step used them."""
+    s = make(step_unit=1)
+    module = _drive(FourierSamplerCallback(log_every_n_steps=1, apply_lr_multiplier=False), s, steps=8, trainer_every=1)
+    assert [module.logged[step + 1]["fourier/lr_mult"] for step in range(8)] == [1.0] * 8
+
+
 def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
     """Lightning's log_every_n_steps=0 ("no step logging") made the callback divide by zero at its first batch
     (``global_step % 0``), so a run with data/sampler=fourier died; now the sampler learns and no fourier/* is

@@ -129,7 +129,8 @@ class FourierSamplerCallback(L.Callback):
                 "fourier/bands": float(stats["bands"]),
                 "fourier/prob_entropy": prob_entropy,
                 "fourier/top_band_energy": stats["top_band_energy"],
-                "fourier/lr_mult": sampler.lr_multiplier(step),  # the multiplier this step's update used
+                # the multiplier this step's update used (1.0 when this callback does not apply it)
+                "fourier/lr_mult": sampler.lr_multiplier(step) if self.apply_lr_multiplier else 1.0,
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),
                 "fourier/nonfinite_skipped": float(sampler.nonfinite_skipped),
             }
