@@ -68,6 +68,17 @@ def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def not_a_file_reason(path: Path) -> str:
+    """Why ``path``, which is not a file, cannot be a checkpoint: for messages ``f"{key}={path!r} {reason}"``."""
+    return "is a directory; give a checkpoint file in it" if path.is_dir() else "does not exist"
+
+
+def checkpoint_files(directory: str | os.PathLike) -> list[str]:
+    """The names of the ``*.ckpt`` files in ``directory`` (sorted; empty when it does not exist)."""
+    directory = Path(directory)
+    return sorted(p.name for p in directory.glob("*.ckpt")) if directory.is_dir() else []
+
+
 def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with errors that name the file."""
     path = Path(path)

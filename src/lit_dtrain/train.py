@@ -28,7 +28,9 @@ from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
+    checkpoint_files,
     checkpoint_global_step,
+    not_a_file_reason,
     remove_stale_temp_files,
     safe_torch_load,
 )
@@ -277,13 +279,12 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.is_file():
-            what = "is a directory; give a checkpoint file in it" if path.is_dir() else "does not exist"
-            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {what}")
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
         return str(path)
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
     if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
         return str(ckpt_dir / "last.ckpt")
-    earlier = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+    earlier = checkpoint_files(ckpt_dir)
     if earlier and cfg.get("resume") == "auto":
         # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
         # (ModelCheckpoint writes the step file first). Continue from the newest intact one.

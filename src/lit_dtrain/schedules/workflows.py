@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from lit_dtrain.checkpoint import CheckpointError, checkpoint_global_step, safe_torch_load
+from lit_dtrain.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    checkpoint_global_step,
+    not_a_file_reason,
+    safe_torch_load,
+)
 from lit_dtrain.schedules.lr import wsd_lr_factor
 
 log = logging.getLogger(__name__)
@@ -113,8 +119,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         )
     src = Path(str(branch.ckpt)).expanduser()
     if not src.is_file():
-        what = "is a directory; give a checkpoint file in it" if src.is_dir() else "does not exist"
-        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} {what}")
+        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
     steps = branch.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise _config_error(f"decay_branch.steps must be a positive integer, got {steps!r}")
@@ -150,7 +155,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             node.decay_steps = steps
             node.decay_fraction = None
     own_dir = Path(str(cfg.paths.checkpoint_dir))
-    own = sorted(p.name for p in own_dir.glob("*.ckpt")) if own_dir.is_dir() else []
+    own = checkpoint_files(own_dir)
     with open_dict(cfg):
         if cfg.get("resume") == "auto" and own:  # resolve_ckpt_path picks last.ckpt (or the newest if it is missing)
             log.info("decay_branch: resuming this branch's own checkpoints in %s", own_dir)
@@ -174,8 +179,7 @@ def check_init_from(cfg: DictConfig) -> None:
         return
     target = Path(str(path)).expanduser()
     if not target.is_file():
-        what = "is a directory; give a checkpoint file in it" if target.is_dir() else "does not exist"
-        raise _config_error(f"init_from={str(path)!r} {what}")
+        raise _config_error(f"init_from={str(path)!r} {not_a_file_reason(target)}")
     if cfg.get("ckpt_path"):
         raise _config_error(
             "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
