@@ -34,6 +34,7 @@ from lit_dtrain.checkpoint import (
     remove_stale_temp_files,
     safe_torch_load,
 )
+from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
@@ -474,9 +475,12 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
-    apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
-    check_config(cfg)
-    check_init_from(cfg)
+    try:
+        apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
+        check_config(cfg)
+        check_init_from(cfg)
+    except RequiredValueError as e:  # a key an experiment needs from the command line (${lit.required:...})
+        raise ConfigError(str(e).splitlines()[0]) from None
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 

@@ -165,7 +165,20 @@ def test_experiment_configs_compose(experiment, tmp_path, corpus):
     assert cfg.scheduler._target_.endswith("wsd_scheduler")
     if experiment == "cpt_replay":
         assert [s.name for s in cfg.data.sources] == ["stdlib", "licenses"]
-        assert cfg.init_from is None  # given on the command line
+
+
+def test_cpt_replay_without_init_from_is_an_error(tmp_path, corpus):
+    """``experiment=cpt_replay`` continues a checkpoint. Without ``init_from`` it trained a fresh model on the
+    mixture and said nothing (its own ``init_from: null`` was the root's value). Now an error naming the key,
+    before any data is read; given on the command line, the path is used as is."""
+    missing = compose_cfg(["experiment=cpt_replay", "sample.max_new_tokens=0"], tmp_path / "a", tiny=False)
+    with pytest.raises(ConfigError, match=r"experiment=cpt_replay.*init_from=PATH"):
+        train(missing)
+    assert not (tmp_path / "token_cache").exists()  # nothing tokenized
+    given = compose_cfg(["experiment=cpt_replay", "init_from=/x/last.ckpt"], tmp_path / "b", tiny=False)
+    assert given.init_from == "/x/last.ckpt"
+    with pytest.raises(ConfigError, match=r"init_from='/x/last.ckpt' does not exist"):
+        train(given)
 
 
 def test_an_experiments_scheduler_settings_without_a_scheduler(tmp_path, corpus):
