@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import time
 import warnings
@@ -261,7 +260,11 @@ def check_monitors(cfg: DictConfig) -> None:
                               f"{', '.join(map(repr, known))}")
 
 
-_DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
+def _default_run_name(cfg: DictConfig) -> bool:
+    """Whether ``run_name`` is still conf/train.yaml's ``${now:...}`` timestamp, i.e. nobody gave one (a name given
+    on the command line replaces the interpolation, even one that looks like a timestamp)."""
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_name")
+    return isinstance(raw, str) and "${now:" in raw
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -301,7 +304,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         )
     if cfg.get("resume") == "auto":
         run_name = str(cfg.get("run_name"))
-        if Path(str(cfg.paths.output_dir)).name == run_name and re.fullmatch(_DEFAULT_RUN_NAME, run_name):
+        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg):
             # a single run under the default run_name (a new timestamp each time): there is never anything to resume
             raise ConfigError(
                 f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's timestamp "

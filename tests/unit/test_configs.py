@@ -277,6 +277,14 @@ def test_resume_auto_without_a_run_name_is_refused(tmp_path, corpus):
         named.paths.output_dir = str(tmp_path / "runs" / "exp1")
         named.paths.checkpoint_dir = str(tmp_path / "runs" / "exp1" / "checkpoints")
     assert resolve_ckpt_path(named) is None  # a fresh start of the named run
+    # a run_name given on the command line that looks like the default timestamp (continuing a default-named run
+    # killed before its first checkpoint) is a name like any other: it was refused as if no run_name were given
+    stamp = "2026-12-03_19-45-00"
+    given = compose_cfg(["resume=auto", f"run_name={stamp}"], tmp_path / "x", corpus)
+    with open_dict(given):
+        given.paths.output_dir = str(tmp_path / "runs" / stamp)
+        given.paths.checkpoint_dir = str(tmp_path / "runs" / stamp / "checkpoints")
+    assert resolve_ckpt_path(given) is None
 
 
 def test_a_checkpoint_key_naming_a_directory_says_so(tiny_cfg, tmp_path):
