@@ -9,7 +9,6 @@ execute code. Errors name the file.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -26,18 +25,19 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to ``path`` atomically: temp file + fsync + rename + directory fsync."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)  # serialize fully before touching the disk
     tmp = temp_file_name(path)
     try:
+        # streamed into the temp file: serializing into memory first would hold a second copy of every tensor
         with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:  # disk full, I/O error, an object torch cannot pickle ...
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}; "
+        reason = _os_error(e)
+        what = (reason.strerror or str(reason)) if reason is not None else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; "
                               f"the previous file at that path (if any) is intact") from e
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -47,6 +47,19 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.close(dir_fd)
     except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
         pass
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e``: itself or one in its ``__cause__``/``__context__`` chain. On a full disk torch's
+    zip writer can fail with a RuntimeError ("unexpected pos ...") raised while the failed write's OSError is
+    being handled, and that OSError is what names the problem."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def temp_file_name(path: Path) -> Path:
