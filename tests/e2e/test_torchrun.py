@@ -1,0 +1,43 @@
+"""``train.py`` under torchrun (README: "Launch with torchrun or SLURM"): every rank runs Hydra and ``train()``
+itself and Lightning reads the ranks from torchrun's environment instead of launching rank 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+
+def test_torchrun_two_ranks_train_and_resume_exactly(tmp_path, corpus):
+    """2 gloo ranks launched by torchrun train one run (one run dir, rank 0's summary); a resume=auto of a run
+    stopped at step 4 ends bitwise where the uninterrupted 6-step run does, compressor state included."""
+    common = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer=ddp_cpu",
+              "strategy=ddp_compressed/powersgd", "scheduler.total_steps=6", "sample.max_new_tokens=0",
+              "trainer.enable_progress_bar=false"]
+
+    def torchrun(*args):
+        proc = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(ROOT / "train.py"), *common, *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    torchrun("run_name=straight", "trainer.max_steps=6")
+    torchrun("run_name=split", "trainer.max_steps=4")
+    torchrun("run_name=split", "trainer.max_steps=6", "resume=auto")
+    runs = tmp_path / "outputs" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["split", "straight"]
+    ckpts = {name: torch.load(runs / name / "checkpoints" / "last.ckpt", weights_only=True)
+             for name in ("straight", "split")}
+    assert ckpts["split"]["global_step"] == ckpts["straight"]["global_step"] == 6
+    for key, value in ckpts["straight"]["state_dict"].items():
+        assert torch.equal(ckpts["split"]["state_dict"][key], value), key
+    summaries = {name: json.loads((runs / name / "summary.json").read_text()) for name in ("straight", "split")}
+    assert summaries["split"]["steps"] == 6
+    assert summaries["split"]["val_loss"] == summaries["straight"]["val_loss"]
