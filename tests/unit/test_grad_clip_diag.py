@@ -306,3 +306,19 @@ def test_grad_rms_is_unscaled_under_16_mixed_with_fused_adamw(tmp_path: Path) ->
         grad_rms[fused] = diag.last["optim/0/grad_rms"]
     assert 0.0 < grad_rms[False] < 10.0
     assert grad_rms[True] == pytest.approx(grad_rms[False], rel=1e-3)
+
+
+def test_a_reused_grad_clip_starts_fresh_in_a_new_fit(tmp_path: Path) -> None:
+    """The same AdaptiveGradClip object in a second ``trainer.fit`` without ``ckpt_path`` starts with fresh grad-norm
+    statistics (as a new object would), not with the first fit's (which would skip the warmup and clip by them)."""
+    def fit(clip, inject):
+        trainer = make_trainer(tmp_path, [Inject(inject), clip], max_steps=6)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+
+    reused, fresh = AdaptiveGradClip(warmup_steps=3), AdaptiveGradClip(warmup_steps=3)
+    fit(reused, {4: "finite"})
+    assert reused.clip_events == 1
+    fit(fresh, {})
+    fit(reused, {})
+    assert reused.clip_events == fresh.clip_events == 0
+    assert reused.state_dict() == fresh.state_dict() and reused.stat.count == 6

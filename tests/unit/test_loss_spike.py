@@ -860,3 +860,43 @@ def test_lr_cooldown_survives_a_step_the_grad_scaler_skips(tmp_path: Path, sched
     for step, lr in applied.lr.items():
         assert lr == pytest.approx(0.01 * 0.9**step * mult[step], rel=1e-9), step
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**11, rel=1e-9)
+
+
+def test_a_reused_monitor_starts_fresh_in_a_new_fit_and_restores_a_checkpoint(tmp_path: Path) -> None:
+    """The same callback object in a second ``trainer.fit`` (a sweep loop, staged training): a fit without
+    ``ckpt_path`` starts from a fresh state, exactly as a new monitor would; a fit with ``ckpt_path`` continues
+    from the checkpoint's state, not from whatever the object held after its last fit."""
+    def fit(monitor, max_steps, inject, ckpt_path=None):
+        trainer = make_trainer(tmp_path, [Inject(inject), monitor], max_steps=max_steps)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path), ckpt_path=ckpt_path)
+        return trainer
+
+    reused = LossSpikeMonitor(actions=["log", "skip", "lr_cooldown"], warmup_steps=3, exclude_previous_steps=1)
+    trainer = fit(reused, 7, {5: "finite"})
+    assert reused.num_spikes == 1 and reused.excluded and reused.events
+    trainer.save_checkpoint(tmp_path / "seven.ckpt")
+    saved = reused.state_dict()
+
+    fresh = LossSpikeMonitor(actions=["log", "skip", "lr_cooldown"], warmup_steps=3, exclude_previous_steps=1)
+    fit(fresh, 6, {})
+    fit(reused, 6, {})  # a new fit, no checkpoint: nothing of the first fit may carry over
+    assert reused.num_spikes == 0 and reused.excluded == [] and reused.events == []
+    assert reused.state_dict()["detector"] == fresh.state_dict()["detector"]
+    assert reused.cooldown_start == fresh.cooldown_start and reused.window.steps == []
+    assert reused.lr_multiplier(6) == 1.0
+
+    fit(reused, 6, {4: "nan"})  # the object now holds another spike...
+    assert reused.num_spikes == 1 and reused.events[0]["step"] == 4
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = reused.state_dict()
+
+    at_start = AtStart()
+    trainer = make_trainer(tmp_path, [reused, at_start], max_steps=9)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path), ckpt_path=str(tmp_path / "seven.ckpt"))
+    # ... but a fit from the checkpoint starts from the checkpoint's state
+    assert at_start.state["detector"] == saved["detector"]
+    assert at_start.state["excluded"].tolist() == saved["excluded"].tolist()
+    assert at_start.state["num_spikes"] == 1 and at_start.state["cooldown_start"] == saved["cooldown_start"]
+    assert [e["step"] for e in reused.events] == []  # the events of this fit (none after step 7)

@@ -130,11 +130,22 @@ class AdaptiveGradClip(L.Callback):
             raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}")
         self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm
         self.log_every_n_steps = log_every_n_steps
+        self._decay, self._warmup_steps = decay, warmup_steps
+        self._reset_state()
+
+    def _reset_state(self) -> None:
         # clip_z=None: the EMA absorbs the value we pass, which is already the clipped norm (as in ZClip)
-        self.stat = RobustStat("ema", decay=decay, scale_decay=decay, warmup=warmup_steps, clip_z=None,
-                               min_rel_scale=0.0)
+        self.stat = RobustStat("ema", decay=self._decay, scale_decay=self._decay, warmup=self._warmup_steps,
+                               clip_z=None, min_rel_scale=0.0)
         self.clip_events = 0
         self.last: dict[str, float] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before Lightning restores a checkpoint: a fit without ckpt_path starts fresh, also when this object
+        # already served another fit; a fit with ckpt_path then loads the checkpoint's statistics
+        if stage == "fit":
+            self._reset_state()
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

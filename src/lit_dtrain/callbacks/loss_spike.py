@@ -154,17 +154,26 @@ class LossSpikeMonitor(L.Callback):
         self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)
         if not 0.0 < cooldown_factor <= 1.0:
             raise ValueError(f"LossSpikeMonitor: cooldown_factor must be in (0, 1], got {cooldown_factor}")
-        self.detector = SpikeDetector(z_threshold, rel_threshold, grad_z_threshold, method=method, decay=decay,
-                                      scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,
-                                      max_consecutive=max_consecutive)
+        self._detector_args = dict(z_threshold=z_threshold, rel_threshold=rel_threshold,
+                                   grad_z_threshold=grad_z_threshold, method=method, decay=decay,
+                                   scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,
+                                   max_consecutive=max_consecutive)
+        self.detector = SpikeDetector(**self._detector_args)
         self.window = SpikeWindow(raise_after, raise_window)
         self.check_grad, self.path = bool(check_grad), path
         self.snapshot_every, self.snapshot_keep = int(snapshot_every), int(snapshot_keep)
         self.rollback_min_age, self.exclude_previous_steps = int(rollback_min_age), int(exclude_previous_steps)
         self.cooldown = (float(cooldown_factor), int(cooldown_steps), int(cooldown_ramp_steps))
+        self._hook_handles: list = []
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The state of a monitor that has seen no step (see :meth:`setup`)."""
+        self.detector = SpikeDetector(**self._detector_args)
+        self.window = SpikeWindow(self.window.max_spikes, self.window.window_steps)
         # persistent state
         self.excluded: list[int] = []  # global sample indices never to be trained on again
-        self.events: list[dict] = []  # this process's events (also in spikes.jsonl)
+        self.events: list[dict] = []  # this process's events of the current fit (also in spikes.jsonl)
         self.num_spikes = 0
         self.nonfinite_run: list[int] = []  # steps of the current run of consecutive non-finite steps
         self.cooldown_start = -(10**9)
@@ -175,12 +184,19 @@ class LossSpikeMonitor(L.Callback):
         self._reset_step()
         self._lr_restore: list[tuple[dict, float]] | None = None
         self._saved_scaler: dict | None = None  # the GradScaler's state before a dropped step
-        self._hook_handles: list = []
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
         self._device = torch.device("cpu")
         self._stepped = False
         self._z_ready = False
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Runs before Lightning restores a checkpoint (which then loads this callback's state): a fit without
+        # ckpt_path starts fresh even when this object already served another fit (a sweep loop, staged training),
+        # as WSDScheduler does; a fit with ckpt_path continues from the checkpoint's state.
+        if stage == "fit":
+            self._reset_state()
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
