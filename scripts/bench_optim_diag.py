@@ -35,14 +35,18 @@ from lit_dtrain.data import LMDataModule  # noqa: E402
 from lit_dtrain.module import LitLLM  # noqa: E402
 from lit_dtrain.optim import adamw  # noqa: E402
 
-HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+# (OptimizerDiagnostics also measures inside optimizer.step, through torch step pre/post hooks: _pre_step, _post_step)
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end", "_pre_step",
+         "_post_step")
 
 
 def timed(callback: L.Callback) -> L.Callback:
     """Wraps the callback's hooks with a wall-clock accumulator (``callback.hook_seconds``)."""
     callback.hook_seconds = 0.0
     for name in HOOKS:
-        fn = getattr(callback, name)
+        fn = getattr(callback, name, None)
+        if fn is None:
+            continue
 
         def wrapper(*args, _fn=fn, **kwargs):
             t0 = time.perf_counter()

@@ -322,3 +322,35 @@ def test_a_reused_grad_clip_starts_fresh_in_a_new_fit(tmp_path: Path) -> None:
     fit(reused, {})
     assert reused.clip_events == fresh.clip_events == 0
     assert reused.state_dict() == fresh.state_dict() and reused.stat.count == 6
+
+
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+def test_optimizer_diagnostics_agree_in_either_order_with_loss_spike_monitor(
+    tmp_path: Path, monkeypatch, action: str
+) -> None:
+    """A step that LossSpikeMonitor drops is not an update: OptimizerDiagnostics logs nothing for it, whichever of the
+    two comes first in the callback list. Listed after the monitor it saw the dropped grads (grad_rms 0.0) and, with
+    ``rollback``, measured the restore as the step's update; listed before it, it logged the spike's grad_rms with an
+    update of 0. Every other step logs the same values in both orders."""
+    from lit_dtrain.callbacks import LossSpikeMonitor
+    from lit_dtrain.callbacks import optimizer_diagnostics as od
+
+    logged: dict[str, dict[int, dict[str, float]]] = {}
+    for order in ("monitor_first", "diag_first"):
+        rows = logged[order] = {}
+        monkeypatch.setattr(od, "log_step_metrics", lambda tr, pl, metrics, step, rows=rows: rows.__setitem__(
+            step, dict(metrics)))
+        monitor = LossSpikeMonitor(actions=["log", action], warmup_steps=3, snapshot_every=2)
+        diag = OptimizerDiagnostics(every_n_steps=1)
+        callbacks = [monitor, diag] if order == "monitor_first" else [diag, monitor]
+        trainer = make_trainer(tmp_path / order, [Inject({6: "finite"}), *callbacks], max_steps=9)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        assert [e["step"] for e in monitor.events] == [6]
+    for order, rows in logged.items():
+        assert sorted(rows) == [0, 1, 2, 3, 4, 5, 7, 8], order  # nothing for the dropped step 6
+        for step, metrics in rows.items():
+            assert all(math.isfinite(v) for v in metrics.values()), (order, step)
+            assert metrics["optim/decay/grad_rms"] > 0 and metrics["optim/decay/update_to_param_rms"] > 0
+    first, second = logged["monitor_first"], logged["diag_first"]
+    for step in first:
+        assert first[step] == pytest.approx(second[step], rel=1e-6), step

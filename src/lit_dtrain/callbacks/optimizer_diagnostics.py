@@ -12,11 +12,19 @@ position), every ``every_n_steps`` optimizer steps:
 - ``optim/<group>/grad_rms``: RMS of the gradient seen by the optimizer hook (before Lightning's clipping; unscaled
   under ``16-mixed``, also for optimizers that unscale inside ``step`` such as fused Adam).
 
+The parameter change is measured inside ``optimizer.step`` (torch step pre/post hooks), so it is the update the
+optimizer applied, in any callback order. A step that applies no update logs nothing: one whose grads were all
+dropped (``LossSpikeMonitor``'s ``skip``/``rollback``, whether listed before or after this callback; a rollback is
+never measured as an update) or that the ``16-mixed`` GradScaler skipped (inf/NaN grads). With several optimizers
+(manual optimization) the names are ``optim/opt<i>/<group>/...``.
+
 Cost: nothing on other steps; on a diagnostic step one copy of the parameters and a few reductions.
 ``scripts/bench_optim_diag.py`` measures the overhead (target <= 2% at the default interval).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -56,7 +64,12 @@ class OptimizerDiagnostics(Callback):
         self.every_n_steps, self.prefix = int(every_n_steps), prefix
         self.last: dict[str, float] = {}
         self._before: list[list[torch.Tensor]] | None = None
-        self._grad_rms: list[float] = []
+        self._grad_rms: dict[int, list[float]] = {}  # per optimizer (id), measured in on_before_optimizer_step
+        self._pending: dict[str, float] = {}  # this step's metrics, logged at on_train_batch_end
+        self._hooks: list = []
+        self._trainer: Trainer | None = None
+        self._multi = False
+        self._step = 0
         self._warned = False
 
     def _due(self, trainer: Trainer) -> bool:
@@ -67,40 +80,88 @@ class OptimizerDiagnostics(Callback):
         return str(group.get("name", i))
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the update is measured inside optimizer.step (torch step pre/post hooks): after every callback's
+        # on_before_optimizer_step (one may drop the step's grads: LossSpikeMonitor's skip/rollback) and before
+        # on_train_batch_end (where a rollback restores older weights), so the callback order does not matter
+        self._remove_hooks()
+        self._trainer = trainer
+        self._multi = len(trainer.optimizers) > 1
+        for i, optimizer in enumerate(trainer.optimizers):
+            self._hooks.append(optimizer.register_step_pre_hook(partial(self._pre_step, index=i)))
+            self._hooks.append(optimizer.register_step_post_hook(partial(self._post_step, index=i)))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove_hooks()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._before, self._grad_rms, self._pending = None, {}, {}
+
+    @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        self._before = None
+        # grad RMS before Lightning's gradient clipping, as the grads arrive here; a callback listed earlier may
+        # already have dropped them (a skipped step: nothing is logged for it, see _pre_step)
         if not self._due(trainer):
             return
-        self._grad_rms = []
-        before = []
         scale = loss_scale(trainer, optimizer)  # 16-mixed with fused Adam: the grads here are still loss-scaled
+        rms = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             numel = sum(p.numel() for p in params)
-            self._grad_rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
-            before.append([p.detach().clone() for p in group["params"]])
-        self._before = before
-        self._optimizer = optimizer
-        self._step = trainer.global_step  # this step, before it is taken
+            rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
+        self._grad_rms[id(optimizer)] = rms
 
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        if self._before is None:
+    def _pre_step(self, optimizer, args, kwargs, index: int) -> None:
+        trainer = self._trainer
+        self._before = None
+        if trainer is None or not self._due(trainer):
             return
-        optimizer, before, self._before = self._optimizer, self._before, None
-        metrics = {}
+        # (under 32-true Lightning runs the forward/backward closure inside optimizer.step, after this hook)
+        self._step = trainer.global_step  # this step (Lightning counts it as completed after step() returns)
+        self._before = [[p.detach().clone() for p in group["params"]] for group in optimizer.param_groups]
+
+    def _post_step(self, optimizer, args, kwargs, index: int) -> None:
+        before, self._before = self._before, None
+        grad_rms = self._grad_rms.pop(id(optimizer), None)
+        if before is None:
+            return
+        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            return  # the step was dropped (no grads: the optimizer left every parameter alone): nothing to log
+        if grad_rms is None:  # on_before_optimizer_step did not run for it (an optimizer stepped by hand)
+            grad_rms = [float("nan")] * len(optimizer.param_groups)
+        prefix = f"{self.prefix}/opt{index}" if self._multi else self.prefix
+        metrics = self._pending
         for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
-            name = f"{self.prefix}/{self._group_name(group, i)}"
+            name = f"{prefix}/{self._group_name(group, i)}"
             params = list(group["params"])
             numel = max(sum(p.numel() for p in params), 1)
             deltas = [p.detach() - o for p, o in zip(params, old)]
             update_rms = (_sumsq(deltas) / numel) ** 0.5
             param_rms = (_sumsq(old) / numel) ** 0.5
             metrics[f"{name}/update_to_param_rms"] = update_rms / max(param_rms, 1e-30)
-            metrics[f"{name}/grad_rms"] = self._grad_rms[i]
+            metrics[f"{name}/grad_rms"] = grad_rms[i]
             frac = self._eps_fraction(optimizer, group)
             if frac is not None:
                 metrics[f"{name}/eps_dominated_frac"] = frac
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        self._grad_rms = {}
+        if not self._pending:
+            return
+        metrics, self._pending = self._pending, {}
         self.last = metrics
         log_step_metrics(trainer, pl_module, metrics, self._step)
 
