@@ -167,11 +167,11 @@ def test_eps_dominated_fraction_matches_definition() -> None:
 def test_optimizer_diagnostics_values(tmp_path: Path) -> None:
     class Before(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 4:
+            if trainer.global_step == 3:  # the last diagnostic step: (3 + 1) % 2 == 0
                 self.params = [[p.detach().clone() for p in g["params"]] for g in trainer.optimizers[0].param_groups]
 
     diag, before = OptimizerDiagnostics(every_n_steps=2), Before()
-    trainer = make_trainer(tmp_path, [before, diag], max_steps=5)
+    trainer = make_trainer(tmp_path, [before, diag], max_steps=4)
     lit = make_module()
     lit.optimizer_factory = partial(torch.optim.AdamW, lr=1e-3, eps=1e-4)  # a large eps: many elements dominated
     trainer.fit(lit, datamodule=make_data(tmp_path))
@@ -185,7 +185,7 @@ def test_optimizer_diagnostics_values(tmp_path: Path) -> None:
         ratio = float((new - old).square().mean().sqrt() / old.square().mean().sqrt())
         assert diag.last[f"optim/{name}/update_to_param_rms"] == pytest.approx(ratio, rel=1e-4)
         v = torch.cat([opt.state[p]["exp_avg_sq"].flatten() for p in group["params"]])
-        frac = float(((v / (1 - 0.999**5)).sqrt() < 1e-4).float().mean())
+        frac = float(((v / (1 - 0.999**4)).sqrt() < 1e-4).float().mean())
         assert diag.last[f"optim/{name}/eps_dominated_frac"] == pytest.approx(frac, abs=1e-6)
         assert 0.0 < diag.last[f"optim/{name}/grad_rms"] < 1.0
     assert "optim/decay/eps_dominated_frac" in trainer.callback_metrics
@@ -209,9 +209,13 @@ def test_optimizer_diagnostics_without_adam_state_warns(tmp_path: Path) -> None:
 def test_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:
     """self.log in a callback is written only after a step k with (k + 1) % log_every_n_steps == 0, under that k,
     with the last value logged: grad_clip/* logged at steps 0, 3, 6, 9 (and on a clip) and optim/* at 0, 4, 8 were
-    written at 4, 9 under those numbers with older steps' values. Now each value is written at its own step."""
+    written at 4, 9 under those numbers with older steps' values. Now each value is written at its own step, on
+    Lightning's cadence (steps k with (k + 1) % n == 0, where train/loss is written): grad_clip/* had been written at
+    steps 0, 5, 10 while train/loss and spike/* were at 4, 9, 14, and grad_clip/threshold was NaN in the warmup."""
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_dtrain.callbacks import LossSpikeMonitor
 
     class Record(L.Callback):
         def __init__(self):
@@ -220,27 +224,60 @@ def test_scalars_are_written_at_the_step_they_describe(tmp_path: Path) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step - 1
             self.norm[step], self.clipped[step] = clip.last["norm"], clip.last["clipped"]
-            if step % 4 == 0:
+            if (step + 1) % 5 == 0:
                 self.diag[step] = diag.last["optim/decay/grad_rms"]
 
-    clip = AdaptiveGradClip(warmup_steps=3, log_every_n_steps=3)
-    diag, record = OptimizerDiagnostics(every_n_steps=4), Record()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12,
-                        callbacks=[Inject({7: "finite"}), clip, diag, record],
+    clip = AdaptiveGradClip(warmup_steps=3)
+    diag, record = OptimizerDiagnostics(every_n_steps=5), Record()
+    monitor = LossSpikeMonitor(actions=["log"], warmup_steps=3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=15,
+                        callbacks=[Inject({7: "finite"}), clip, diag, monitor, record],
                         logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=5,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path), limit_val_batches=0)
     trainer.fit(make_module(), datamodule=make_data(tmp_path))
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
     acc.Reload()
-    norm = {e.step: e.value for e in acc.Scalars("grad_clip/norm")}
+
+    def steps(tag):
+        return {e.step: e.value for e in acc.Scalars(tag)}
+
+    assert set(steps("train/loss")) == {4, 9, 14}
+    norm = steps("grad_clip/norm")
     clip_steps = {s for s, c in record.clipped.items() if c}
     assert 7 in clip_steps  # the injected spike was clipped
-    assert set(norm) == {0, 3, 6, 9} | clip_steps
+    assert set(norm) == {4, 9, 14} | clip_steps
     assert norm == pytest.approx({s: record.norm[s] for s in norm}, rel=1e-6)
-    diag_tb = {e.step: e.value for e in acc.Scalars("optim/decay/grad_rms")}
-    assert diag_tb == pytest.approx(record.diag, rel=1e-6) and set(diag_tb) == {0, 4, 8}
+    threshold = steps("grad_clip/threshold")
+    assert set(threshold) == set(norm) and all(math.isfinite(v) for v in threshold.values())
+    assert set(steps("spike/count")) == {4, 9, 14} | {7}  # (every spike event is written too)
+    diag_tb = steps("optim/decay/grad_rms")
+    assert diag_tb == pytest.approx(record.diag, rel=1e-6) and set(diag_tb) == {4, 9, 14}
     assert "grad_clip/norm" in trainer.callback_metrics and "optim/decay/grad_rms" in trainer.callback_metrics
+
+
+def test_grad_clip_threshold_is_not_logged_during_the_warmup(tmp_path: Path) -> None:
+    """Before its statistics are ready (and without max_norm) there is no threshold: nothing is logged for it (it was
+    NaN), while the norm is; with max_norm the warmup threshold is max_norm."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    for max_norm in (None, 100.0):
+        clip = AdaptiveGradClip(warmup_steps=4, max_norm=max_norm)
+        logger = CSVLogger(str(tmp_path), name=f"csv{max_norm}", version=0)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[clip], logger=logger,
+                            log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=0)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        import csv
+
+        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        logged = {int(r["step"]): r["grad_clip/threshold"] for r in rows if r.get("grad_clip/norm")}
+        assert sorted(logged) == list(range(6))
+        if max_norm is None:
+            assert [s for s, v in logged.items() if v] == [4, 5]  # warmup steps 0-3: no threshold, not NaN
+            assert all(math.isfinite(float(v)) for v in logged.values() if v)
+        else:
+            assert [float(logged[s]) for s in range(4)] == [100.0] * 4
 
 
 def test_eps_dominated_frac_uses_the_amsgrad_denominator(tmp_path: Path) -> None:

@@ -22,6 +22,16 @@ def log_interval(own: int | None, trainer: L.Trainer) -> int:
     return int(own) if own else int(getattr(trainer, "log_every_n_steps", 1))
 
 
+def on_log_cadence(every: int, step: int, trainer: L.Trainer | None = None) -> bool:
+    """True when optimizer step ``step`` (0-based, the step being taken or just taken) gets a regular row at interval
+    ``every``: ``(step + 1) % every == 0``, the steps after which Lightning writes its own step metrics (``train/loss``;
+    ``_LoggerConnector.should_update_logs`` in lightning 2.6), and, as there, also when the trainer is about to stop.
+    ``every`` 0 means never."""
+    if every <= 0:
+        return False
+    return (step + 1) % every == 0 or bool(getattr(trainer, "should_stop", False))
+
+
 def log_step_metrics(trainer: L.Trainer, pl_module: L.LightningModule, metrics: Mapping[str, float], step: int) -> None:
     """``metrics`` to every logger now, under optimizer step ``step`` (0-based, Lightning's x axis), on global rank
     0; and into ``trainer.callback_metrics``. Values must already be the same on every rank."""

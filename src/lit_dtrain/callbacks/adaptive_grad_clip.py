@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 
@@ -104,8 +104,10 @@ class AdaptiveGradClip(L.Callback):
         warmup_steps: steps of plain statistics gathering before adaptive clipping starts.
         mode: ``"zscore"`` clips to ``mean + z*std``; ``"reciprocal"`` to ``mean + z**2/z_t * std``.
         max_norm: an absolute clip applied during warmup and as a ceiling afterwards (None: none).
-        log_every_n_steps: log norm/threshold/clip flags every N optimizer steps and on every clip event
-            (None: the trainer's ``log_every_n_steps``).
+        log_every_n_steps: log norm/threshold/clip flags every N optimizer steps (after steps ``k`` with
+            ``(k + 1) % N == 0``, where Lightning writes ``train/loss``) and on every clip event (None: the trainer's
+            ``log_every_n_steps``). ``grad_clip/threshold`` is not logged while there is none (the warmup without
+            ``max_norm``; with it, the warmup's threshold is ``max_norm``).
     """
 
     def __init__(
@@ -195,17 +197,15 @@ class AdaptiveGradClip(L.Callback):
             torch._foreach_mul_([p.grad for p in params], coef)
             self.clip_events += 1
         self.stat.add(clipped)
-        self.last = {
-            "norm": norm,
-            "threshold": float("nan") if threshold is None else threshold,
-            "clipped": float(clipped < norm),
-        }
+        self.last = {"norm": norm, "clipped": float(clipped < norm)}
+        if threshold is not None:  # None in the warmup without max_norm: no threshold yet, none is logged
+            self.last["threshold"] = threshold
         every = log_interval(self.log_every_n_steps, trainer)  # 0: only clips are written
-        if (every > 0 and trainer.global_step % every == 0) or clipped < norm:  # global_step: this step, not taken yet
-            log_step_metrics(trainer, pl_module, {
-                "grad_clip/norm": norm, "grad_clip/threshold": self.last["threshold"],
-                "grad_clip/clipped": self.last["clipped"], "grad_clip/clip_events": float(self.clip_events),
-            }, trainer.global_step)
+        # global_step: this step, not taken yet; on Lightning's cadence, so rows line up with train/loss
+        if on_log_cadence(every, trainer.global_step, trainer) or clipped < norm:
+            metrics = {f"grad_clip/{k}": v for k, v in self.last.items()}
+            metrics["grad_clip/clip_events"] = float(self.clip_events)
+            log_step_metrics(trainer, pl_module, metrics, trainer.global_step)
 
     @override
     def state_dict(self) -> dict:

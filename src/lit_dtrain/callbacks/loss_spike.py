@@ -50,7 +50,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
-from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import (
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -422,7 +422,7 @@ class LossSpikeMonitor(L.Callback):
             scalars["spike/lr_multiplier"] = self.lr_multiplier(trainer.global_step)
         every = log_interval(None, trainer)  # 0: Lightning writes no step metrics; only events are written
         step = trainer.global_step - 1  # the optimizer step that just ended
-        if pending is not None or (every > 0 and (step + 1) % every == 0):  # Lightning's cadence, and every event
+        if pending is not None or on_log_cadence(every, step, trainer):  # Lightning's cadence, and every event
             log_step_metrics(trainer, pl_module, scalars, step)
         self._reset_step()
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:

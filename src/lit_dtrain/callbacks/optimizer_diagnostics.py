@@ -4,7 +4,8 @@ Adam's update is ``m_hat / (sqrt(v_hat) + eps)``. Where ``sqrt(v_hat)`` falls be
 vanishing gradients, e.g. embedding rows, deep layers late in training) the update is dominated by ``eps``
 and shrinks towards plain SGD with LR ``lr/eps``; when gradients then grow again, the update jumps, one
 of the loss-spike mechanisms discussed for AdamW. This callback logs, per param group (``name`` key or
-position), every ``every_n_steps`` optimizer steps:
+position), every ``every_n_steps`` optimizer steps (steps ``k`` with ``(k + 1) % every_n_steps == 0``, Lightning's own
+logging cadence, so the rows line up with ``train/loss`` when ``every_n_steps`` is a multiple of ``log_every_n_steps``):
 
 - ``optim/<group>/eps_dominated_frac``: fraction of elements with ``sqrt(v_hat) < eps`` (Adam-family
   optimizers holding ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; others log nothing for it and warn once);
@@ -73,7 +74,8 @@ class OptimizerDiagnostics(Callback):
         self._warned = False
 
     def _due(self, trainer: Trainer) -> bool:
-        return trainer.global_step % self.every_n_steps == 0
+        # after steps k with (k + 1) % N == 0, where Lightning writes train/loss when N is a multiple of its interval
+        return (trainer.global_step + 1) % self.every_n_steps == 0
 
     @staticmethod
     def _group_name(group: dict, i: int) -> str:
