@@ -807,3 +807,106 @@ def test_nonfinite_token_loss_is_left_out_of_the_table(variant):
     restored = make(variant=variant, stages=False)
     restored.load_state_dict(dirty.state_dict())
     assert restored.nonfinite_skipped == 2
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+@pytest.mark.parametrize("order", ["fourier_first", "loss_spike_first"])
+def test_stage_lr_and_spike_cooldown_both_restore_the_lr_in_either_order(tmp_path, order, precision):
+    """The FourierSampler's stage LR multiplier (0.5) and LossSpikeMonitor's lr_cooldown (0.1 for 2 steps after the
+    spike at step 5) both scale the LR for one optimizer step and put it back. Without an LR scheduler (nothing
+    recomputes the LR each step) every put-back must be exact in either callback order: with the monitor listed
+    first its restore ran before the sampler's, which then wrote back the cooled LR (0.1), and the LR decayed for
+    good (each later cool-down compounded). Which order failed depended on the precision: under 32-true Lightning
+    runs the closure (so the monitor's on_before_optimizer_step) inside optimizer.step after the step pre-hooks, under
+    16-mixed before optimizer.step."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Data(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.sampler = FourierSampler(stage_table=[["a", 0, 4, 0.3, 0.5]], step_unit=1)
+            self.sampler.setup(64, seed=0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            scale = 10.0 if self.trainer.global_step == 5 else 1.0
+            token_loss = (1.0 + 0.001 * self.w) * torch.linspace(1, 2, 16)[None] * scale
+            return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+        def configure_optimizers(self):
+            return UsedLrSGD(self.parameters(), lr=1.0)
+
+    class UsedLrSGD(torch.optim.SGD):
+        """Records the LR of each update, taken after the closure (under 32-true Lightning runs the closure, so
+        on_before_optimizer_step, inside step, after the step pre-hooks)."""
+
+        def step(self, closure=None):
+            loss = None if closure is None else closure()
+            used.append(self.param_groups[0]["lr"])
+            super().step()
+            return loss
+
+    used: list[float] = []
+
+    fourier = FourierSamplerCallback()
+    monitor = LossSpikeMonitor(actions=["lr_cooldown"], warmup_steps=3, cooldown_factor=0.1, cooldown_steps=2,
+                               cooldown_ramp_steps=0, path=str(tmp_path / "spikes.jsonl"))
+    recorder = _LrRecorder()
+    callbacks = [fourier, monitor] if order == "fourier_first" else [monitor, fourier]
+    plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))] \
+        if precision == "16-mixed" else []
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[*callbacks, recorder],
+                        plugins=plugins)
+    trainer.fit(Module(), datamodule=Data())
+    assert [e["step"] for e in monitor.events] == [5]
+    assert recorder.after == [1.0] * 10  # the configured LR after every step
+    assert used == pytest.approx([0.5] * 5 + [0.05, 0.05] + [0.5] * 3)
+
+
+def test_an_exception_inside_the_step_leaves_neither_hooks_nor_a_scaled_lr(tmp_path):
+    """A raise inside optimizer.step (here from the closure, which Lightning runs there under 32-true, after the
+    sampler's pre-hook scaled the LR by 0.5) left the optimizer with the sampler's hooks and the scaled LR (0.5); the
+    optimizer outlives the failed fit (the module keeps it, a user retries or inspects it)."""
+    from lit_dtrain.callbacks import OptimizerDiagnostics
+
+    class Data(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.sampler = FourierSampler(stage_table=[["a", 0, 4, 0.3, 0.5]], step_unit=1)
+            self.sampler.setup(64, seed=0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 3:
+                raise RuntimeError("boom at step 3")
+            token_loss = (1.0 + 0.001 * self.w) * torch.linspace(1, 2, 16)[None]
+            return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+        def configure_optimizers(self):
+            self.opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            return self.opt
+
+    module = Module()
+    monitor = LossSpikeMonitor(actions=["lr_cooldown"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[FourierSamplerCallback(), monitor, OptimizerDiagnostics(every_n_steps=1)])
+    with pytest.raises(RuntimeError, match="boom at step 3"):
+        trainer.fit(module, datamodule=Data())
+    assert module.opt.param_groups[0]["lr"] == 1.0
+    assert len(module.opt._optimizer_step_pre_hooks) == 0  # (torch's own registry of step pre-hooks)

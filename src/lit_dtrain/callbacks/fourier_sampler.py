@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._contract import require_outputs
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
+from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -73,24 +74,23 @@ class FourierSamplerCallback(L.Callback):
             return
         sampler = self.sampler_of(trainer)
         for optimizer in trainer.optimizers:
-            saved: list[float] = []
 
-            def pre(opt, args, kwargs, saved=saved):
-                mult = sampler.lr_multiplier(trainer.global_step)
-                saved[:] = [group["lr"] for group in opt.param_groups] if mult != 1.0 else []
-                for group in opt.param_groups if saved else []:
-                    group["lr"] = group["lr"] * mult
+            def pre(opt, args, kwargs):
+                # undone right after the update by _lr_scaling's post-hook, which composes with LossSpikeMonitor's
+                # lr_cooldown in any callback order
+                scale_lrs_for_step(opt, sampler.lr_multiplier(trainer.global_step))
 
-            def post(opt, args, kwargs, saved=saved):
-                for group, lr in zip(opt.param_groups, saved):
-                    group["lr"] = lr
-                saved.clear()
-
-            self._hooks += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+            self._hooks.append(optimizer.register_step_pre_hook(pre))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()  # (a later fit must not find this fit's hooks on a reused optimizer)
+        for optimizer in trainer.optimizers:
+            restore_lrs(optimizer)  # a raise inside optimizer.step would leave the stage-scaled LR
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
+from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks._spike_stats import (
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -164,7 +165,6 @@ class LossSpikeMonitor(L.Callback):
         self.snapshot_every, self.snapshot_keep = int(snapshot_every), int(snapshot_keep)
         self.rollback_min_age, self.exclude_previous_steps = int(rollback_min_age), int(exclude_previous_steps)
         self.cooldown = (float(cooldown_factor), int(cooldown_steps), int(cooldown_ramp_steps))
-        self._hook_handles: list = []
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -182,7 +182,6 @@ class LossSpikeMonitor(L.Callback):
         self.snapshots = snapshots.SnapshotRing(self.snapshot_keep)
         self.last_decision = None
         self._reset_step()
-        self._lr_restore: list[tuple[dict, float]] | None = None
         self._saved_scaler: dict | None = None  # the GradScaler's state before a dropped step
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
@@ -229,8 +228,6 @@ class LossSpikeMonitor(L.Callback):
                            "holds an excluded sample index will be skipped instead.")
         self._device = pl_module.device
         self._set_excluded_device(self._device)
-        for opt in trainer.optimizers:
-            self._hook_handles.append(opt.register_step_post_hook(self._restore_lr))
         track_undo = getattr(trainer.strategy, "track_comm_undo", None)
         if needs_index and track_undo is not None:
             track_undo()
@@ -269,9 +266,13 @@ class LossSpikeMonitor(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        self.snapshots.clear()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # (a raise inside optimizer.step would leave this step's cooled LR on the optimizer; the snapshots hold a
+        # CPU copy of the whole model)
+        self._restore_lr(trainer)
         self.snapshots.clear()
 
     def _set_excluded_device(self, device: torch.device) -> None:
@@ -386,16 +387,13 @@ class LossSpikeMonitor(L.Callback):
             # still steps the LR scheduler: it would step from the cooled LR, and the restore at batch end would then
             # write the previous step's LR over the scheduler's)
             return
-        self._lr_restore = [(g, g["lr"]) for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * mult
+        # put back by a step post-hook before the scheduler steps; composes with other per-step scalings (the
+        # FourierSampler's stage multiplier) in any callback order
+        scale_lrs_for_step(optimizer, mult)
 
-    def _restore_lr(self, *_args) -> None:
-        """Optimizer step post-hook: put back the scheduled LR before the scheduler steps."""
-        if self._lr_restore is not None:
-            for g, lr in self._lr_restore:
-                g["lr"] = lr
-            self._lr_restore = None
+    def _restore_lr(self, trainer) -> None:
+        for opt in trainer.optimizers:
+            restore_lrs(opt)
 
     # ---- after the step ---------------------------------------------------------------------------------------
     @override
@@ -403,7 +401,7 @@ class LossSpikeMonitor(L.Callback):
         if not self._stepped:
             return  # a gradient-accumulation micro-batch without optimizer step
         self._stepped = False
-        self._restore_lr()  # the GradScaler may have skipped optimizer.step (and the post-hook)
+        self._restore_lr(trainer)  # the GradScaler may have skipped optimizer.step (and the post-hook)
         pending, decision = self._pending, self.last_decision
         if pending is None:
             if self.exclude_previous_steps:

@@ -1,0 +1,52 @@
+"""Scaling an optimizer's LRs for one update and putting them back right after it, by several callbacks at once.
+
+``LossSpikeMonitor``'s ``lr_cooldown`` and ``FourierSamplerCallback``'s stage multiplier both scale the LR of one
+optimizer step and must undo it inside ``optimizer.step`` (Lightning steps the LR scheduler before
+``on_train_batch_end``, and chainable torch schedulers read ``group["lr"]``). When each saved "its" LR and restored
+it in a step post-hook of its own, the restores only nested correctly in one order, and which order was right
+depended on the precision (under ``32-true`` Lightning runs the closure, hence ``on_before_optimizer_step``, inside
+``optimizer.step`` after the pre-hooks; under ``16-mixed`` before it): in the wrong one a scaled LR was left in place
+and, without an LR scheduler to recompute it, every later step compounded it.
+
+Here every scaling of one step multiplies the current LRs, and one post-hook per optimizer puts back the LRs from
+before the first scaling of that step, whatever the order of the scalings and of the callbacks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ATTR = "_lit_dtrain_lr_scaling"
+
+
+def _state(optimizer: torch.optim.Optimizer) -> dict:
+    state = optimizer.__dict__.get(_ATTR)
+    if state is None:
+        state = {"base": None}
+        setattr(optimizer, _ATTR, state)
+        # registered once and never removed while torch iterates over the post-hooks; a no-op on unscaled steps
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: restore_lrs(opt))
+    return state
+
+
+def scale_lrs_for_step(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Multiply every param group's LR by ``factor`` for the coming update; the LRs from before the first scaling of
+    this step come back right after ``optimizer.step`` (or at :func:`restore_lrs`, when the step was not taken)."""
+    if factor == 1.0:
+        return
+    state = _state(optimizer)
+    if state["base"] is None:
+        state["base"] = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+
+
+def restore_lrs(optimizer: torch.optim.Optimizer) -> bool:
+    """Put back the LRs from before this step's scalings (True), or do nothing when none is pending (False)."""
+    state = optimizer.__dict__.get(_ATTR)
+    if state is None or state["base"] is None:
+        return False
+    for group, lr in zip(optimizer.param_groups, state["base"]):
+        group["lr"] = lr
+    state["base"] = None
+    return True
