@@ -391,3 +391,65 @@ def test_optimizer_diagnostics_agree_in_either_order_with_loss_spike_monitor(
     first, second = logged["monitor_first"], logged["diag_first"]
     for step in first:
         assert first[step] == pytest.approx(second[step], rel=1e-6), step
+
+
+class TwoOptimizers(L.LightningModule):
+    """A plain LightningModule with manual optimization and two optimizers (a GAN-like layout) whose grad norms differ
+    by about 100x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        with torch.no_grad():
+            self.b.weight.mul_(100.0)
+
+    def training_step(self, batch, batch_idx):
+        for opt, layer in zip(self.optimizers(), (self.a, self.b)):
+            opt.zero_grad()
+            self.manual_backward(layer(batch).square().mean())
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.a.parameters(), 1e-3), torch.optim.AdamW(self.b.parameters(), 1e-3)
+
+
+def _fit_two(tmp_path: Path, callbacks, max_steps: int = 12) -> L.Trainer:
+    from torch.utils.data import DataLoader
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(TwoOptimizers(), DataLoader(torch.randn(64, 4), batch_size=4))
+    return trainer
+
+
+def test_optimizer_diagnostics_cover_every_optimizer_under_manual_optimization(tmp_path: Path, monkeypatch) -> None:
+    """Under manual optimization Lightning counts every optimizer.step in global_step (two per batch here), so the
+    cadence picked one of the two optimizers only (every_n_steps=2: opt1 at global steps 1, 3, ..., 11, opt0 never).
+    The cadence now counts batches, Lightning's own x axis for the module's logs: both optimizers at batches 1, 3, 5."""
+    from lit_dtrain.callbacks import optimizer_diagnostics as od
+
+    rows: dict[int, dict[str, float]] = {}
+    monkeypatch.setattr(od, "log_step_metrics", lambda tr, pl, metrics, step: rows.__setitem__(step, dict(metrics)))
+    _fit_two(tmp_path, [OptimizerDiagnostics(every_n_steps=2)])
+    assert sorted(rows) == [1, 3, 5]
+    for metrics in rows.values():
+        assert {k.split("/")[1] for k in metrics} == {"opt0", "opt1"}
+        assert metrics["optim/opt1/0/grad_rms"] > 10 * metrics["optim/opt0/0/grad_rms"] > 0
+
+
+def test_adaptive_grad_clip_rejects_several_optimizers(tmp_path: Path) -> None:
+    """One grad-norm statistic fed by two optimizers (norms ~1.7 and ~180 alternating) has a mean and scale that fit
+    neither, so it never clipped either; the callback says so instead of silently clipping nothing."""
+    with pytest.raises(RuntimeError, match=r"AdaptiveGradClip keeps one grad-norm statistic.*2 optimizers"):
+        _fit_two(tmp_path, [AdaptiveGradClip(warmup_steps=3)])
+
+
+def test_loss_spike_monitor_names_manual_optimization_as_unsupported(tmp_path: Path) -> None:
+    from lit_dtrain.callbacks import LossSpikeMonitor
+
+    with pytest.raises(RuntimeError, match=r"LossSpikeMonitor needs automatic optimization.*TwoOptimizers.*"
+                                           r"automatic_optimization = False"):
+        _fit_two(tmp_path, [LossSpikeMonitor(actions=["log"])])

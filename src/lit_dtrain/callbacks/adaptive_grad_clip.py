@@ -162,6 +162,16 @@ class AdaptiveGradClip(L.Callback):
                 "set trainer.gradient_clip_val=null to clip adaptively only."
             )
 
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if len(trainer.optimizers) > 1:
+            names = [type(o).__name__ for o in trainer.optimizers]
+            raise RuntimeError(
+                f"AdaptiveGradClip keeps one grad-norm statistic, but {type(pl_module).__name__} configures "
+                f"{len(names)} optimizers {names}: their norms would share it and it would fit none of them. Use one "
+                f"optimizer (param groups for the parts), or clip each optimizer's grads yourself"
+            )
+
     def threshold(self) -> float | None:
         """The current clip value (None: no clipping yet)."""
         adaptive = zclip_threshold(self.stat, self.z_threshold)

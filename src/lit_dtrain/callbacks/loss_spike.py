@@ -214,7 +214,12 @@ class LossSpikeMonitor(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not pl_module.automatic_optimization:
-            raise RuntimeError("LossSpikeMonitor needs automatic optimization (pl_module.automatic_optimization)")
+            raise RuntimeError(
+                f"LossSpikeMonitor needs automatic optimization, but {type(pl_module).__name__} sets "
+                f"automatic_optimization = False: it decides in on_before_optimizer_step once per step and drops or "
+                f"restores that one optimizer's step, which manual optimization (several optimizer.step calls per "
+                f"batch) does not give. Remove the callback, or use automatic optimization with one optimizer"
+            )
         if "rollback" in self.actions and is_sharded(trainer.strategy):
             raise NotImplementedError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not "
                                       f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
