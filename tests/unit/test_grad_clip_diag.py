@@ -59,6 +59,7 @@ def run_clip(norms: list[float], scale: float | None = None, **kwargs):
             p.grad = x * (norm / total) * (scale or 1.0)
         threshold = clip.threshold()
         clip.on_before_optimizer_step(fake_trainer(step, scale), module, opt)
+        clip.on_train_batch_end(fake_trainer(step + 1, scale), module, None, None, step)  # (writes the step's row)
         seen.append((threshold, grad_norm(params) / (scale or 1.0), [p.grad.clone() for p in params],
                      [x.clone() for x in grads]))
     return clip, module, seen
@@ -453,3 +454,38 @@ def test_loss_spike_monitor_names_manual_optimization_as_unsupported(tmp_path: P
     with pytest.raises(RuntimeError, match=r"LossSpikeMonitor needs automatic optimization.*TwoOptimizers.*"
                                            r"automatic_optimization = False"):
         _fit_two(tmp_path, [LossSpikeMonitor(actions=["log"])])
+
+
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+def test_adaptive_grad_clip_agrees_in_either_order_with_loss_spike_monitor(
+    tmp_path: Path, monkeypatch, action: str
+) -> None:
+    """A step LossSpikeMonitor drops never updates the weights, so its grad norm must not enter the clipping statistics
+    nor count or log as a clip, whichever callback comes first. Listed before the monitor, AdaptiveGradClip absorbed
+    the spike's (clipped) norm, counted a clip event and logged it for the dropped step (the docs asked users to list
+    the monitor first). Both orders now end with identical statistics and log the same rows."""
+    from lit_dtrain.callbacks import LossSpikeMonitor
+    from lit_dtrain.callbacks import adaptive_grad_clip as agc
+
+    results = {}
+    for order in ("monitor_first", "clip_first"):
+        rows: dict[int, dict[str, float]] = {}
+        monkeypatch.setattr(agc, "log_step_metrics", lambda tr, pl, metrics, step, rows=rows: rows.__setitem__(
+            step, dict(metrics)))
+        monitor = LossSpikeMonitor(actions=["log", action], warmup_steps=3, snapshot_every=2)
+        clip = AdaptiveGradClip(warmup_steps=3, log_every_n_steps=1)
+        callbacks = [monitor, clip] if order == "monitor_first" else [clip, monitor]
+        trainer = make_trainer(tmp_path / order, [Inject({6: "finite"}), *callbacks], max_steps=9)
+        trainer.gradient_clip_val = None
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        assert [e["step"] for e in monitor.events] == [6]
+        results[order] = (clip.state_dict(), rows, clip.last)
+    (state_a, rows_a, last_a), (state_b, rows_b, last_b) = results["monitor_first"], results["clip_first"]
+    assert sorted(rows_a) == sorted(rows_b) == [0, 1, 2, 3, 4, 5, 7, 8]  # nothing for the dropped step 6
+    assert state_a["stat"]["count"] == state_b["stat"]["count"] == 8
+    assert state_a["clip_events"] == state_b["clip_events"]
+    for key in ("mean", "var"):
+        assert state_a["stat"][key] == pytest.approx(state_b["stat"][key], rel=1e-6)
+    for step in rows_a:
+        assert rows_a[step] == pytest.approx(rows_b[step], rel=1e-6), step
+    assert last_a == pytest.approx(last_b, rel=1e-6)

@@ -11,6 +11,9 @@ the root mean square of the ranks' norms, so the statistics stay identical on ev
 ``16-mixed``, after Lightning unscaled the grads (for optimizers that unscale inside ``step``, the loss scale
 is divided out of the norm). Lightning's own
 ``gradient_clip_val`` is applied after this hook; set ``trainer.gradient_clip_val=null`` to use this alone.
+A step whose grads are dropped after this hook (``LossSpikeMonitor``'s ``skip``/``rollback`` listed after this
+callback) is undone at batch end: its norm leaves the statistics and it is neither counted nor logged, as when the
+monitor comes first. Rows are written at ``on_train_batch_end``, under the step they describe.
 The pure statistics live in :mod:`lit_dtrain.callbacks._spike_stats` (shared with ``LossSpikeMonitor``).
 """
 
@@ -141,6 +144,8 @@ class AdaptiveGradClip(L.Callback):
                                clip_z=None, min_rel_scale=0.0)
         self.clip_events = 0
         self.last: dict[str, float] = {}
+        self._undo: tuple | None = None  # (optimizer, stat state, clip_events, last) from before this step
+        self._log_step: int | None = None  # this step's row is written at batch end, once the step was applied
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -202,6 +207,9 @@ class AdaptiveGradClip(L.Callback):
             return
         threshold = self.threshold()
         clipped = self._clip_to(norm)
+        # a callback listed after this one may still drop the step (LossSpikeMonitor's skip/rollback): what the step
+        # adds is undone at batch end if its grads are gone, so the callback order does not matter
+        self._undo = (optimizer, self.stat.state_dict(), self.clip_events, self.last)
         if clipped < norm:
             coef = clipped / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in params], coef)
@@ -212,10 +220,24 @@ class AdaptiveGradClip(L.Callback):
             self.last["threshold"] = threshold
         every = log_interval(self.log_every_n_steps, trainer)  # 0: only clips are written
         # global_step: this step, not taken yet; on Lightning's cadence, so rows line up with train/loss
+        self._log_step = None
         if on_log_cadence(every, trainer.global_step, trainer) or clipped < norm:
+            self._log_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if self._undo is None:
+            return
+        (optimizer, stat, clip_events, last), self._undo = self._undo, None
+        if not grad_params(optimizer):  # the step was dropped after this callback saw it: as if never seen
+            self.stat.load_state_dict(stat)
+            self.clip_events, self.last, self._log_step = clip_events, last, None
+            return
+        if self._log_step is not None:
             metrics = {f"grad_clip/{k}": v for k, v in self.last.items()}
             metrics["grad_clip/clip_events"] = float(self.clip_events)
-            log_step_metrics(trainer, pl_module, metrics, trainer.global_step)
+            log_step_metrics(trainer, pl_module, metrics, self._log_step)
+            self._log_step = None
 
     @override
     def state_dict(self) -> dict:
