@@ -900,3 +900,20 @@ def test_a_reused_monitor_starts_fresh_in_a_new_fit_and_restores_a_checkpoint(tm
     assert at_start.state["excluded"].tolist() == saved["excluded"].tolist()
     assert at_start.state["num_spikes"] == 1 and at_start.state["cooldown_start"] == saved["cooldown_start"]
     assert [e["step"] for e in reused.events] == []  # the events of this fit (none after step 7)
+
+
+def test_the_same_trainer_continuing_keeps_the_monitor_state(tmp_path: Path) -> None:
+    """``trainer.fit`` again on the same Trainer with a raised max_steps continues the run (global_step goes on from
+    7, the weights are the trained ones): the monitor's statistics, spike count and exclusions go on too; only a
+    fit that starts at step 0 without a checkpoint starts fresh."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor], max_steps=7)
+    module, dm = make_module(), make_data(tmp_path)
+    trainer.fit(module, datamodule=dm)
+    count, excluded = monitor.detector.loss_stat.count, list(monitor.excluded)
+    assert monitor.num_spikes == 1 and excluded
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 10
+    assert monitor.num_spikes == 1 and monitor.excluded == excluded
+    assert monitor.detector.loss_stat.count == count + 3

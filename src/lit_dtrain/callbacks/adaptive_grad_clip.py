@@ -150,8 +150,9 @@ class AdaptiveGradClip(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # before Lightning restores a checkpoint: a fit without ckpt_path starts fresh, also when this object
-        # already served another fit; a fit with ckpt_path then loads the checkpoint's statistics
-        if stage == "fit":
+        # already served another fit; a fit with ckpt_path then loads the checkpoint's statistics; the same Trainer
+        # fitted again (a raised max_steps) continues its run, and these statistics with it
+        if stage == "fit" and trainer.global_step == 0:
             self._reset_state()
 
     @override

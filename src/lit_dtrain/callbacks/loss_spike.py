@@ -192,9 +192,10 @@ class LossSpikeMonitor(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Runs before Lightning restores a checkpoint (which then loads this callback's state): a fit without
-        # ckpt_path starts fresh even when this object already served another fit (a sweep loop, staged training),
-        # as WSDScheduler does; a fit with ckpt_path continues from the checkpoint's state.
-        if stage == "fit":
+        # ckpt_path starts fresh even when this object already served another fit (a sweep loop, staged training);
+        # a fit with ckpt_path continues from the checkpoint's state. The same Trainer fitted again (a raised
+        # max_steps) continues its run at its global_step, and this state with it.
+        if stage == "fit" and trainer.global_step == 0:
             self._reset_state()
 
     @override
