@@ -917,3 +917,43 @@ def test_the_same_trainer_continuing_keeps_the_monitor_state(tmp_path: Path) -> 
     assert trainer.global_step == 10
     assert monitor.num_spikes == 1 and monitor.excluded == excluded
     assert monitor.detector.loss_stat.count == count + 3
+
+
+def test_a_plain_module_gets_told_how_to_use_the_monitor(tmp_path: Path) -> None:
+    """A plain LightningModule fed (x, y) pairs (collated to a list) with the default actions (log, skip): the error
+    names the missing 'index' and the actions that need no index; a dict batch whose 'index' is a list of ints (a
+    default collate of ints gives a tensor, a custom one may not) is taken as the indices (it raised AttributeError:
+    'list' object has no attribute 'detach')."""
+    from torch.utils.data import DataLoader
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+            return (self.lin(x) - y).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x = torch.randn(32, 4)
+    tuples = DataLoader(list(zip(x, x.sum(1, keepdim=True))), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[LossSpikeMonitor(path=str(tmp_path / "s.jsonl"))])
+    with pytest.raises(KeyError, match=r"needs the batch key 'index'.*got list.*actions=\['log', 'lr_cooldown'\]"):
+        trainer.fit(Plain(), tuples)
+
+    def collate(items):
+        return {"x": torch.stack([i[0] for i in items]), "y": torch.stack([i[1] for i in items]),
+                "index": [i[2] for i in items]}
+
+    dicts = DataLoader([(a, a.sum(0, keepdim=True), i) for i, a in enumerate(x)], batch_size=4, collate_fn=collate)
+    monitor = LossSpikeMonitor(warmup_steps=2, path=str(tmp_path / "s.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[monitor])
+    trainer.fit(Plain(), dicts)
+    assert trainer.global_step == 3 and monitor.detector.loss_stat.count == 3

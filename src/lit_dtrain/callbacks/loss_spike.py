@@ -293,9 +293,11 @@ class LossSpikeMonitor(L.Callback):
             if {"skip", "rollback"} & set(self.actions):
                 keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
                 raise KeyError(f"LossSpikeMonitor with actions {self.actions} needs the batch key 'index' "
-                               f"(sample indices, LongTensor[B]); got {keys}")
+                               f"(sample indices, LongTensor[B]) to exclude a spike's samples; got {keys}. Add it to "
+                               f"the batch, or use actions without 'skip'/'rollback', e.g. actions=['log', "
+                               f"'lr_cooldown']")
             return
-        index = index.detach().reshape(-1)
+        index = torch.as_tensor(index).detach().reshape(-1)
         self._indices.append(index)
         if self._excluded_dev is not None:
             hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
