@@ -957,3 +957,26 @@ def test_a_plain_module_gets_told_how_to_use_the_monitor(tmp_path: Path) -> None
                         callbacks=[monitor])
     trainer.fit(Plain(), dicts)
     assert trainer.global_step == 3 and monitor.detector.loss_stat.count == 3
+
+
+def test_a_fit_that_raised_mid_step_leaves_no_half_step_behind(tmp_path: Path) -> None:
+    """An exception between backward and the end of a step (here from on_after_backward at step 5) left that step's
+    loss in the monitor; the same Trainer fitted again (it continues at step 5) added it to the next step's loss,
+    which read as 2x and was dropped as a spike."""
+    class Once(L.Callback):
+        raised = False
+
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 5 and not self.raised:
+                self.raised = True
+                raise RuntimeError("interrupted at step 5")
+
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [monitor, Once()], max_steps=8)
+    module, dm = make_module(), make_data(tmp_path)
+    with pytest.raises(RuntimeError, match="interrupted at step 5"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 5
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 8
+    assert monitor.events == [] and monitor.num_spikes == 0

@@ -197,6 +197,14 @@ class LossSpikeMonitor(L.Callback):
         # max_steps) continues its run at its global_step, and this state with it.
         if stage == "fit" and trainer.global_step == 0:
             self._reset_state()
+        elif stage == "fit":
+            self._reset_inflight()  # (a fit that raised mid-step may have left half a step)
+
+    def _reset_inflight(self) -> None:
+        """Forget a step in progress (its loss, indices, pending event): it never completed."""
+        self._reset_step()
+        self._stepped = False
+        self._saved_scaler = None
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -280,6 +288,7 @@ class LossSpikeMonitor(L.Callback):
         # CPU copy of the whole model)
         self._restore_lr(trainer)
         self.snapshots.clear()
+        self._reset_inflight()
 
     def _set_excluded_device(self, device: torch.device) -> None:
         if self._sampler is None and self.excluded:
