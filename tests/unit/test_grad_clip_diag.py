@@ -59,6 +59,7 @@ def run_clip(norms: list[float], scale: float | None = None, **kwargs):
             p.grad = x * (norm / total) * (scale or 1.0)
         threshold = clip.threshold()
         clip.on_before_optimizer_step(fake_trainer(step, scale), module, opt)
+        clip._after_step(opt, (), {})  # the optimizer step's post-hook: the step was applied
         clip.on_train_batch_end(fake_trainer(step + 1, scale), module, None, None, step)  # (writes the step's row)
         seen.append((threshold, grad_norm(params) / (scale or 1.0), [p.grad.clone() for p in params],
                      [x.clone() for x in grads]))
@@ -489,3 +490,33 @@ def test_adaptive_grad_clip_agrees_in_either_order_with_loss_spike_monitor(
     for step in rows_a:
         assert rows_a[step] == pytest.approx(rows_b[step], rel=1e-6), step
     assert last_a == pytest.approx(last_b, rel=1e-6)
+
+
+def test_grad_clip_counts_steps_of_a_module_that_zeroes_grads_right_after_stepping(tmp_path: Path) -> None:
+    """A LightningModule whose optimizer_step override calls zero_grad(set_to_none=True) right after the step (a
+    common pattern) has no grads at batch end; AdaptiveGradClip must still count its steps as applied (it tells a
+    dropped step by the grads the optimizer saw, inside optimizer.step), and OptimizerDiagnostics still log them."""
+    class ZeroAfterStep(TwoOptimizers):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = True
+
+        def training_step(self, batch, batch_idx):
+            return self.a(batch).square().mean() + self.b(batch).square().mean()
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            optimizer.step(closure=optimizer_closure)
+            optimizer.zero_grad(set_to_none=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), 1e-3)
+
+    from torch.utils.data import DataLoader
+
+    clip, diag = AdaptiveGradClip(warmup_steps=3), OptimizerDiagnostics(every_n_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clip, diag],
+                        default_root_dir=str(tmp_path))
+    trainer.fit(ZeroAfterStep(), DataLoader(torch.randn(64, 4), batch_size=4))
+    assert clip.stat.count == 8 and clip.last and math.isfinite(clip.last["threshold"])
+    assert set(diag.last) == {"optim/0/update_to_param_rms", "optim/0/grad_rms", "optim/0/eps_dominated_frac"}

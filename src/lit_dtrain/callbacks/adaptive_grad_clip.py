@@ -12,7 +12,8 @@ the root mean square of the ranks' norms, so the statistics stay identical on ev
 is divided out of the norm). Lightning's own
 ``gradient_clip_val`` is applied after this hook; set ``trainer.gradient_clip_val=null`` to use this alone.
 A step whose grads are dropped after this hook (``LossSpikeMonitor``'s ``skip``/``rollback`` listed after this
-callback) is undone at batch end: its norm leaves the statistics and it is neither counted nor logged, as when the
+callback; told by the grads the optimizer sees, in a step post-hook) is undone at batch end: its norm leaves the
+statistics and it is neither counted nor logged, as when the
 monitor comes first. Rows are written at ``on_train_batch_end``, under the step they describe.
 The pure statistics live in :mod:`lit_dtrain.callbacks._spike_stats` (shared with ``LossSpikeMonitor``).
 """
@@ -145,6 +146,8 @@ class AdaptiveGradClip(L.Callback):
         self.clip_events = 0
         self.last: dict[str, float] = {}
         self._undo: tuple | None = None  # (optimizer, stat state, clip_events, last) from before this step
+        self._applied = False
+        self._hooks: list = []
         self._log_step: int | None = None  # this step's row is written at batch end, once the step was applied
 
     @override
@@ -177,6 +180,32 @@ class AdaptiveGradClip(L.Callback):
                 f"{len(names)} optimizers {names}: their norms would share it and it would fit none of them. Use one "
                 f"optimizer (param groups for the parts), or clip each optimizer's grads yourself"
             )
+        self._remove_hooks()
+        self._hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        # inside optimizer.step, before anything can zero the grads (a module's optimizer_step override may, right
+        # after the step): grads here mean the update was applied; a step LossSpikeMonitor dropped has none (or,
+        # under 16-mixed, never calls optimizer.step)
+        if self._undo is not None and grad_params(optimizer):
+            self._applied = True
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remove_hooks()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_hooks()
 
     def threshold(self) -> float | None:
         """The current clip value (None: no clipping yet)."""
@@ -211,6 +240,7 @@ class AdaptiveGradClip(L.Callback):
         # a callback listed after this one may still drop the step (LossSpikeMonitor's skip/rollback): what the step
         # adds is undone at batch end if its grads are gone, so the callback order does not matter
         self._undo = (optimizer, self.stat.state_dict(), self.clip_events, self.last)
+        self._applied = False  # set by the step post-hook when the optimizer steps with grads
         if clipped < norm:
             coef = clipped / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in params], coef)
@@ -229,8 +259,8 @@ class AdaptiveGradClip(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if self._undo is None:
             return
-        (optimizer, stat, clip_events, last), self._undo = self._undo, None
-        if not grad_params(optimizer):  # the step was dropped after this callback saw it: as if never seen
+        (_, stat, clip_events, last), self._undo = self._undo, None
+        if not self._applied:  # the step was dropped after this callback saw it: as if never seen
             self.stat.load_state_dict(stat)
             self.clip_events, self.last, self._log_step = clip_events, last, None
             return
