@@ -520,3 +520,28 @@ def test_grad_clip_counts_steps_of_a_module_that_zeroes_grads_right_after_steppi
     trainer.fit(ZeroAfterStep(), DataLoader(torch.randn(64, 4), batch_size=4))
     assert clip.stat.count == 8 and clip.last and math.isfinite(clip.last["threshold"])
     assert set(diag.last) == {"optim/0/update_to_param_rms", "optim/0/grad_rms", "optim/0/eps_dominated_frac"}
+
+
+def test_optimizer_diagnostics_grad_rms_does_not_depend_on_the_order_with_adaptive_grad_clip(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """grad_rms is documented as the gradient before clipping. Listed after AdaptiveGradClip it read the clipped grads
+    (at the injected spike, step 7: the clipped value instead of the raw one). It is now taken in on_after_backward,
+    before any on_before_optimizer_step, so both orders log the same rows."""
+    from lit_dtrain.callbacks import optimizer_diagnostics as od
+
+    logged = {}
+    for order in ("clip_first", "diag_first"):
+        rows = logged[order] = {}
+        monkeypatch.setattr(od, "log_step_metrics", lambda tr, pl, metrics, step, rows=rows: rows.__setitem__(
+            step, dict(metrics)))
+        clip, diag = AdaptiveGradClip(warmup_steps=3), OptimizerDiagnostics(every_n_steps=1)
+        callbacks = [clip, diag] if order == "clip_first" else [diag, clip]
+        trainer = make_trainer(tmp_path / order, [Inject({7: "finite"}), *callbacks], max_steps=9)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        assert clip.clip_events >= 1
+    first, second = logged["clip_first"], logged["diag_first"]
+    assert sorted(first) == sorted(second) == list(range(9))
+    for step in first:
+        assert first[step] == pytest.approx(second[step], rel=1e-6), step
+    assert first[7]["optim/decay/grad_rms"] > 5 * first[6]["optim/decay/grad_rms"]  # the raw spike, not clipped

@@ -10,8 +10,9 @@ logging cadence, so the rows line up with ``train/loss`` when ``every_n_steps`` 
 - ``optim/<group>/eps_dominated_frac``: fraction of elements with ``sqrt(v_hat) < eps`` (Adam-family
   optimizers holding ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; others log nothing for it and warn once);
 - ``optim/<group>/update_to_param_rms``: RMS of this step's parameter change over the parameters' RMS;
-- ``optim/<group>/grad_rms``: RMS of the gradient seen by the optimizer hook (before Lightning's clipping; unscaled
-  under ``16-mixed``, also for optimizers that unscale inside ``step`` such as fused Adam).
+- ``optim/<group>/grad_rms``: RMS of the gradient as backward left it (``on_after_backward``: before any callback's
+  clipping, such as ``AdaptiveGradClip``'s, whatever the callback order, and before Lightning's; unscaled under
+  ``16-mixed``, also for optimizers that unscale inside ``step`` such as fused Adam).
 
 The parameter change is measured inside ``optimizer.step`` (torch step pre/post hooks), so it is the update the
 optimizer applied, in any callback order. A step that applies no update logs nothing: one whose grads were all
@@ -33,7 +34,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._logging import log_step_metrics
-from lit_dtrain.callbacks.adaptive_grad_clip import loss_scale
 
 
 def eps_dominated_fraction(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> tuple[int, int]:
@@ -65,7 +65,7 @@ class OptimizerDiagnostics(Callback):
         self.every_n_steps, self.prefix = int(every_n_steps), prefix
         self.last: dict[str, float] = {}
         self._before: list[list[torch.Tensor]] | None = None
-        self._grad_rms: dict[int, list[float]] = {}  # per optimizer (id), measured in on_before_optimizer_step
+        self._grad_rms: dict[int, list[float]] = {}  # per optimizer (id), measured in on_after_backward
         self._pending: dict[str, float] = {}  # this step's metrics, logged at on_train_batch_end
         self._hooks: list = []
         self._trainer: Trainer | None = None
@@ -122,18 +122,22 @@ class OptimizerDiagnostics(Callback):
         self._before, self._grad_rms, self._pending = None, {}, {}
 
     @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        # grad RMS before Lightning's gradient clipping, as the grads arrive here; a callback listed earlier may
-        # already have dropped them (a skipped step: nothing is logged for it, see _pre_step)
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # grad RMS as backward left it: before any callback's on_before_optimizer_step (AdaptiveGradClip's clipping,
+        # LossSpikeMonitor dropping the grads) and Lightning's gradient clipping, in any callback order. With gradient
+        # accumulation this runs after every micro-batch of a diagnostic step; the last one's grads are the step's.
         if not self._due(trainer):
             return
-        scale = loss_scale(trainer, optimizer)  # 16-mixed with fused Adam: the grads here are still loss-scaled
-        rms = []
-        for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            numel = sum(p.numel() for p in params)
-            rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
-        self._grad_rms[id(optimizer)] = rms
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        # 16-mixed: every optimizer's grads are still loss-scaled here (Lightning unscales them after the closure)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        for optimizer in trainer.optimizers:
+            rms = []
+            for group in optimizer.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                numel = sum(p.numel() for p in params)
+                rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
+            self._grad_rms[id(optimizer)] = rms
 
     def _pre_step(self, optimizer, args, kwargs, index: int) -> None:
         trainer = self._trainer
@@ -151,7 +155,7 @@ class OptimizerDiagnostics(Callback):
             return
         if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             return  # the step was dropped (no grads: the optimizer left every parameter alone): nothing to log
-        if grad_rms is None:  # on_before_optimizer_step did not run for it (an optimizer stepped by hand)
+        if grad_rms is None:  # no backward through Lightning for it (an optimizer stepped by hand)
             grad_rms = [float("nan")] * len(optimizer.param_groups)
         prefix = f"{self.prefix}/opt{index}" if self._multi else self.prefix
         metrics = self._pending
