@@ -36,8 +36,8 @@ from lit_dtrain.module import LitLLM  # noqa: E402
 from lit_dtrain.optim import adamw  # noqa: E402
 
 # (OptimizerDiagnostics also measures inside optimizer.step, through torch step pre/post hooks: _pre_step, _post_step)
-HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end", "_pre_step",
-         "_post_step")
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+         "on_train_batch_end", "_pre_step", "_post_step")
 
 
 def timed(callback: L.Callback) -> L.Callback:
