@@ -545,3 +545,25 @@ def test_optimizer_diagnostics_grad_rms_does_not_depend_on_the_order_with_adapti
     for step in first:
         assert first[step] == pytest.approx(second[step], rel=1e-6), step
     assert first[7]["optim/decay/grad_rms"] > 5 * first[6]["optim/decay/grad_rms"]  # the raw spike, not clipped
+
+
+def test_a_step_interrupted_after_the_clip_is_not_counted_twice(tmp_path: Path) -> None:
+    """An exception after AdaptiveGradClip saw a step and before the optimizer took it (here a later callback's
+    on_before_optimizer_step at step 5) left that step's norm in the statistics; the same Trainer fitted again redoes
+    step 5, so it entered twice (9 norms after 8 steps). The unfinished step is now undone on the exception."""
+    class Once(L.Callback):
+        raised = False
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 5 and not self.raised:
+                self.raised = True
+                raise RuntimeError("interrupted at step 5")
+
+    clip = AdaptiveGradClip(warmup_steps=3)
+    trainer = make_trainer(tmp_path, [clip, Once()], max_steps=8)
+    module, dm = make_module(), make_data(tmp_path)
+    with pytest.raises(RuntimeError, match="interrupted at step 5"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 5
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 8 and clip.stat.count == 8

@@ -202,6 +202,10 @@ class AdaptiveGradClip(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()
+        if self._undo is not None and not self._applied:  # a step seen but never taken: a continued fit redoes it
+            _, stat, self.clip_events, self.last = self._undo
+            self.stat.load_state_dict(stat)
+        self._undo, self._log_step = None, None
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
