@@ -980,3 +980,26 @@ def test_a_fit_that_raised_mid_step_leaves_no_half_step_behind(tmp_path: Path) -
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 8
     assert monitor.events == [] and monitor.num_spikes == 0
+
+
+def test_a_step_interrupted_after_the_decision_is_not_counted_twice(tmp_path: Path) -> None:
+    """An exception after the monitor decided a step and before the optimizer took it (here a later callback's
+    on_before_optimizer_step at step 5) left that step's loss in the statistics; the same Trainer fitted again redoes
+    step 5, so it entered twice (9 losses after 8 steps). The unfinished decision is now undone on the exception."""
+    class Once(L.Callback):
+        raised = False
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 5 and not self.raised:
+                self.raised = True
+                raise RuntimeError("interrupted at step 5")
+
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+    trainer = make_trainer(tmp_path, [monitor, Once()], max_steps=8)
+    module, dm = make_module(), make_data(tmp_path)
+    with pytest.raises(RuntimeError, match="interrupted at step 5"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 5
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 8 and monitor.detector.loss_stat.count == 8
+    assert monitor.detector.grad_stat.count == 8 and monitor.events == []

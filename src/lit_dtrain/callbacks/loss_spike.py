@@ -188,6 +188,7 @@ class LossSpikeMonitor(L.Callback):
         self._device = torch.device("cpu")
         self._stepped = False
         self._z_ready = False
+        self._decision_undo: tuple | None = None  # (step, detector state, nonfinite_run, cooldown_start) before it
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -205,6 +206,7 @@ class LossSpikeMonitor(L.Callback):
         self._reset_step()
         self._stepped = False
         self._saved_scaler = None
+        self._decision_undo = None
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -288,6 +290,10 @@ class LossSpikeMonitor(L.Callback):
         # CPU copy of the whole model)
         self._restore_lr(trainer)
         self.snapshots.clear()
+        undo = self._decision_undo
+        if undo is not None and trainer.global_step == undo[0]:  # decided, never taken: a continued fit redoes it
+            self.detector.load_state_dict(undo[1])
+            self.nonfinite_run, self.cooldown_start = undo[2], undo[3]
         self._reset_inflight()
 
     def _set_excluded_device(self, device: torch.device) -> None:
@@ -354,6 +360,8 @@ class LossSpikeMonitor(L.Callback):
         grad_norm = math.sqrt(grad_sumsq) if self.check_grad and math.isfinite(grad_sumsq) else None
         if self.check_grad and not math.isfinite(grad_sumsq) and not has_grad_scaler(trainer):
             grad_norm = math.inf
+        # what the decision changes, undone if the step is never taken (an exception before optimizer.step returns)
+        self._decision_undo = (step, self.detector.state_dict(), list(self.nonfinite_run), self.cooldown_start)
         self._z_ready = self.detector.loss_stat.ready  # before decide() adds this step's value
         decision = self.detector.decide(loss_total / world, grad_norm)
         self.last_decision = decision
@@ -418,6 +426,7 @@ class LossSpikeMonitor(L.Callback):
         if not self._stepped:
             return  # a gradient-accumulation micro-batch without optimizer step
         self._stepped = False
+        self._decision_undo = None  # the step was taken
         self._restore_lr(trainer)  # the GradScaler may have skipped optimizer.step (and the post-hook)
         pending, decision = self._pending, self.last_decision
         if pending is None:
