@@ -59,6 +59,21 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _restore_seed_env():
+    """``L.seed_everything`` (train() and some tests call it) exports ``PL_GLOBAL_SEED`` and ``PL_SEED_WORKERS``;
+    processes a later test spawns inherit them, and Lightning's DDP setup then reseeds with that seed, so a 2-rank
+    test's data depended on which tests ran before it (test_grad_clip_local_updates_dist clipped nothing after
+    tests/unit/test_loss_spike.py). Each test starts with the variables as the session found them."""
+    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a test's process group (the only address tests use)."""
     with socket.socket() as s:
