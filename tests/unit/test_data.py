@@ -490,3 +490,84 @@ def test_train_batches_carry_the_samplers_importance_weights_for_their_own_shard
         assert batch["loss_weight"].shape == (4,) and torch.equal(batch["loss_weight"], want)
     assert len(set(s.loss_weights(torch.arange(n)).tolist())) > 1  # the weights differ across samples
     assert "loss_weight" not in dm_for(corpus, tmp_path).batch_for_step(3)
+
+
+def three_source_mixture(tmp_path, **kw):
+    """Sources a, b, c weighted 0.5/0.3/0.2 (a has the most windows: its windows weigh the least each)."""
+    sources = [
+        CorpusSource(
+            name=name,
+            kind="files",
+            paths=[str(make_corpus(tmp_path / name, n_files=6, size=size, seed=i))],
+            weight=weight,
+        )
+        for i, (name, size, weight) in enumerate((("a", 6000, 0.5), ("b", 3000, 0.3), ("c", 2000, 0.2)))
+    ]
+    return dm_for(None, tmp_path, sources=sources, val_fraction=0.2, **kw)
+
+
+def source_shares(dm, steps: int) -> list[float]:
+    idx = torch.cat([dm.batch_for_step(s)["index"] for s in range(steps)]).numpy()
+    return np.bincount(dm.train_windows.source_of(idx), minlength=len(dm.sources)) / len(idx)
+
+
+@pytest.mark.parametrize("kind", ["random", "fourier"])
+def test_exclusions_keep_every_sources_share_of_a_mixture(tmp_path, kind):
+    """Excluding windows (the loss-spike monitor's skip) renormalizes within their source: the mixture keeps
+    its configured shares. The target was renormalized over all remaining windows, so excluding half of
+    source a (weights 0.5/0.3/0.2) drew 0.336/0.399/0.266. A FourierSampler that has not learned anything
+    draws its target; its importance part reweights samples (and sources) on purpose, as without exclusions."""
+    from lit_dtrain.data.samplers import FourierSampler
+
+    sampler = FourierSampler(require_updates=False) if kind == "fourier" else None
+    dm = three_source_mixture(tmp_path, batch_size=256, sampler=sampler)
+    offsets = dm.train_windows.offsets
+    dm.sampler.exclude(torch.arange(offsets[0], offsets[0] + dm.train_windows.counts[0] // 2))
+    target = dm.sampler.target_distribution()
+    per_source = [float(target[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert per_source == pytest.approx([0.5, 0.3, 0.2], abs=1e-12)
+    assert float(target[offsets[0] : offsets[0] + dm.train_windows.counts[0] // 2].sum()) == 0
+    assert source_shares(dm, 40) == pytest.approx([0.5, 0.3, 0.2], abs=0.015)  # 10240 draws: noise ~0.005
+
+
+def test_a_mixture_source_with_every_window_excluded_hands_its_share_to_the_others_and_warns(tmp_path):
+    dm = three_source_mixture(tmp_path, batch_size=256)
+    offsets = dm.train_windows.offsets
+    with pytest.warns(UserWarning, match=r"data source 'a': every training window .* excluded.*0\.5"):
+        dm.sampler.exclude(torch.arange(offsets[0], offsets[1]))
+    target = dm.sampler.target_distribution()
+    assert [float(target[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])] == pytest.approx([0, 0.6, 0.4])
+    assert source_shares(dm, 20) == pytest.approx([0, 0.6, 0.4], abs=0.02)
+
+
+def test_exclusions_of_a_checkpoint_written_before_per_source_shares_load_and_keep_the_shares(tmp_path):
+    """The sampler state is unchanged ({"excluded": indices, "num_samples": N}, as the earlier code wrote it):
+    such a checkpoint resumes with the same excluded windows, now drawn with every source's share kept."""
+    dm = three_source_mixture(tmp_path, batch_size=256)
+    n, first_half = dm.num_train_samples, torch.arange(dm.train_windows.counts[0] // 2)
+    old_state = {"micro_step": 5, "seed": 0, "sampler": {"excluded": first_half.clone(), "num_samples": n}}
+    resumed = three_source_mixture(tmp_path, batch_size=256)
+    resumed.load_state_dict(old_state)
+    assert resumed.micro_step == 5 and resumed.sampler.num_excluded == len(first_half)
+    assert torch.equal(resumed.sampler.state_dict()["excluded"], first_half)
+    assert source_shares(resumed, 40) == pytest.approx([0.5, 0.3, 0.2], abs=0.015)
+
+
+def test_without_exclusions_a_mixture_draws_the_batches_of_before():
+    """Per-source renormalization only acts on exclusions: the default draws are those of the earlier code
+    (indices recorded from it, seed 7, windows 60/30/10 at weights 0.5/0.3/0.2)."""
+    from lit_dtrain.data.samplers import FourierSampler, RandomSampler
+
+    counts = torch.tensor([60, 30, 10])
+    base = torch.repeat_interleave(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64) / counts, counts)
+    s = RandomSampler()
+    s.setup(100, base, seed=7, source_offsets=[0, 60, 90, 100], source_names=["a", "b", "c"])
+    assert s.global_batch(3, 16).tolist() == [3, 98, 66, 31, 74, 91, 19, 35, 74, 62, 0, 91, 58, 5, 18, 65]
+    f = FourierSampler(require_updates=False)
+    f.setup(100, base, seed=7, source_offsets=[0, 60, 90, 100], source_names=["a", "b", "c"])
+    assert f.global_batch(3, 16).tolist() == [31, 97, 61, 21, 70, 90, 8, 26, 70, 56, 5, 90, 52, 55, 7, 60]
+    # a sampler that is not told the sources renormalizes over every window left, as before
+    s = RandomSampler()
+    s.setup(100, base, seed=7)
+    s.exclude(torch.arange(0, 30))
+    assert s.global_batch(3, 16).tolist() == [32, 98, 77, 53, 83, 93, 44, 56, 83, 74, 30, 93, 71, 34, 44, 76]

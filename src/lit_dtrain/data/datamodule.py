@@ -169,7 +169,14 @@ class LMDataModule(L.LightningDataModule):
         if len(self.sources) > 1:
             counts = torch.as_tensor(self.train_windows.counts, dtype=torch.float64)
             base = torch.repeat_interleave(weights / counts, torch.as_tensor(self.train_windows.counts))
-        self.sampler.setup(len(self.train_windows), base, self.seed)
+        offsets = [int(o) for o in self.train_windows.offsets] if len(self.sources) > 1 else None
+        self.sampler.setup(
+            len(self.train_windows),
+            base,
+            self.seed,
+            source_offsets=offsets,
+            source_names=[s.name for s in self.sources] if offsets else None,
+        )
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None

@@ -21,11 +21,29 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return g
 
 
-def target_distribution(num_samples: int, excluded: torch.Tensor | None, base_weights: torch.Tensor | None):
-    """The mixture prior (uniform when None) over the non-excluded samples, normalized (float64)."""
+def target_distribution(
+    num_samples: int,
+    excluded: torch.Tensor | None,
+    base_weights: torch.Tensor | None,
+    source_offsets: list[int] | None = None,
+):
+    """The mixture prior (uniform when None) over the non-excluded samples, normalized (float64).
+
+    ``source_offsets`` (``[0, n_0, n_0 + n_1, ..., num_samples]``: the sources' windows are consecutive) makes
+    exclusions renormalize within each source, so that every source keeps its share of the prior; a source
+    with no window left has no share, and the others share its mass in proportion to theirs. Without it the
+    exclusions renormalize over every window left, which moves the sources' shares (half of a 0.5/0.3/0.2
+    mixture's first source excluded: 0.33/0.40/0.27).
+    """
     base = torch.ones(num_samples, dtype=torch.float64) if base_weights is None else base_weights.double().clone()
     if excluded is not None:
-        base = base.masked_fill(excluded, 0.0)
+        kept = base.masked_fill(excluded, 0.0)
+        if source_offsets is not None and len(source_offsets) > 2:
+            for start, stop in zip(source_offsets[:-1], source_offsets[1:]):
+                left = kept[start:stop].sum()
+                if left > 0:
+                    kept[start:stop] *= base[start:stop].sum() / left
+        base = kept
     return base / base.sum()
 
 
@@ -54,14 +72,42 @@ class IndexSampler:
         self.base_weights: torch.Tensor | None = None
         self.excluded = torch.zeros(0, dtype=torch.bool)
         self.num_excluded = 0
+        self.source_offsets: list[int] | None = None  # window boundaries of the mixture's sources (None: one)
+        self.source_names: list[str] = []
+        self._exhausted: set[int] = set()  # sources (of positive share) whose every window is excluded
         self._target_cdf: torch.Tensor | None = None  # cached CDF of target_distribution(); None: stale
 
-    def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0) -> None:
-        """Bind to a dataset of ``num_samples`` windows; ``base_weights`` (optional) is a mixture prior."""
+    def setup(
+        self,
+        num_samples: int,
+        base_weights: torch.Tensor | None = None,
+        seed: int = 0,
+        source_offsets: list[int] | None = None,
+        source_names: list[str] | None = None,
+    ) -> None:
+        """Bind to a dataset of ``num_samples`` windows; ``base_weights`` (optional) is a mixture prior.
+
+        ``source_offsets`` (``[0, ..., num_samples]``, the window boundaries of the mixture's sources) and
+        ``source_names`` (for messages) make exclusions keep every source's share of the prior (see
+        :func:`target_distribution`)."""
         if num_samples <= 0:
             raise ValueError(f"sampler needs at least one sample, got num_samples={num_samples}")
         if base_weights is not None and base_weights.shape != (num_samples,):
             raise ValueError(f"base_weights has shape {tuple(base_weights.shape)}, expected ({num_samples},)")
+        if source_offsets is not None:
+            source_offsets = [int(o) for o in source_offsets]
+            if (
+                source_offsets[0] != 0
+                or source_offsets[-1] != num_samples
+                or any(a > b for a, b in zip(source_offsets, source_offsets[1:]))
+            ):
+                raise ValueError(f"source_offsets must rise from 0 to num_samples={num_samples}, got {source_offsets}")
+        self.source_offsets = source_offsets
+        count = 0 if source_offsets is None else len(source_offsets) - 1
+        self.source_names = list(source_names) if source_names is not None else [str(i) for i in range(count)]
+        if len(self.source_names) != count:
+            raise ValueError(f"{len(self.source_names)} source_names for {count} sources")
+        self._exhausted = set()
         self.num_samples, self.seed = int(num_samples), int(seed)
         self.base_weights = None if base_weights is None else base_weights.double() / base_weights.sum()
         if self.excluded.numel() != num_samples:
@@ -82,11 +128,33 @@ class IndexSampler:
     def _exclusions_changed(self) -> None:
         self.num_excluded = int(self.excluded.sum())  # O(N), but only when the set changes, never per step
         self._target_cdf = None
+        self._warn_exhausted_sources()
+
+    def _warn_exhausted_sources(self) -> None:
+        """Warn once per source of positive share whose every window is now excluded: its share goes to the
+        other sources (in proportion to theirs), so the mixture is no longer the configured one."""
+        if self.source_offsets is None or len(self.source_offsets) < 3 or not self.num_excluded:
+            return
+        base = self.base_weights
+        bounds = zip(self.source_offsets[:-1], self.source_offsets[1:])
+        for source, (start, stop) in enumerate(bounds):
+            share = (stop - start) / self.num_samples if base is None else float(base[start:stop].sum())
+            if source in self._exhausted or stop == start or not share > 0 or not bool(self.excluded[start:stop].all()):
+                continue
+            self._exhausted.add(source)
+            if share < 1.0:  # a lone source excluded in full is the "nothing is left" error, not a warning
+                warnings.warn(
+                    f"data source {self.source_names[source]!r}: every training window of it is excluded (the loss-"
+                    f"spike monitor skipped them): its share {share:.4g} of the mixture goes to the other sources "
+                    "in proportion to their weights",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def target_distribution(self) -> torch.Tensor:
         """:func:`target_distribution` of this sampler's prior and exclusions (O(N): not cached)."""
         excluded = self.excluded if self.num_excluded else None
-        return target_distribution(self.num_samples, excluded, self.base_weights)
+        return target_distribution(self.num_samples, excluded, self.base_weights, self.source_offsets)
 
     def target_cdf(self, target: torch.Tensor | None = None) -> torch.Tensor:
         """Prefix sums of :meth:`target_distribution` (cached until the exclusions or the prior change).

@@ -125,8 +125,8 @@ class FourierSampler(IndexSampler):
         self._cache: dict = {}
 
     # ---- binding -----------------------------------------------------------------------------------------
-    def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0) -> None:
-        super().setup(num_samples, base_weights, seed)
+    def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0, **sources) -> None:
+        super().setup(num_samples, base_weights, seed, **sources)
         if self.m1.numel() != num_samples:
             self.m1 = torch.zeros(num_samples, dtype=torch.float32)
             self.m2 = torch.zeros(num_samples, dtype=torch.float32)
