@@ -1,6 +1,8 @@
 import builtins
 import os
 import subprocess
+import sys
+import time
 import types
 
 import numpy as np
@@ -9,7 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lit_dtrain.data import ByteTokenizer, CorpusError, CorpusSource, LMDataModule, build_token_cache, stdlib_files
-from tests.conftest import make_corpus
+from tests.conftest import ROOT, make_corpus
 
 
 def dm_for(corpus, tmp_path, **kw):
@@ -571,3 +573,91 @@ def test_without_exclusions_a_mixture_draws_the_batches_of_before():
     s.setup(100, base, seed=7)
     s.exclude(torch.arange(0, 30))
     assert s.global_batch(3, 16).tolist() == [32, 98, 77, 53, 83, 93, 44, 56, 83, 74, 30, 93, 71, 34, 44, 76]
+
+
+_SLOW_BUILD = """
+import os, pathlib, sys, time
+import lit_dtrain.data.corpus as corpus
+real_fsync = os.fsync
+def slow_fsync(fd):  # the build is inside its temp dir now: say so, then wait for the release file
+    pathlib.Path(sys.argv[3]).touch()
+    while not pathlib.Path(sys.argv[4]).exists():
+        time.sleep(0.05)
+    real_fsync(fd)
+corpus.os.fsync = slow_fsync
+corpus.build_token_cache(corpus.CorpusSource(name="t", kind="files", paths=[sys.argv[1]]), sys.argv[2], 33,
+                         progress=False)
+"""
+
+
+def _slow_builder(corpus, cache, marker, release):
+    """A build in a subprocess that touches ``marker`` once it is in its temp dir and waits there for ``release``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, "-c", _SLOW_BUILD, str(corpus), str(cache), str(marker), str(release)]
+    return subprocess.Popen(args, env=env)
+
+
+def _wait_for(path, proc, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the builder never reached its fsync"
+        time.sleep(0.05)
+
+
+def test_a_killed_cache_build_leaves_no_temp_dir_behind_after_the_next_build(corpus, tmp_path):
+    """A SIGKILLed build (OOM killer, scancel) left its hidden temp dir (a full copy of the token streams) in
+    the cache dir forever. The next build removes temp dirs whose builder (on this host) is dead."""
+    cache = tmp_path / "cache"
+    proc = _slow_builder(corpus, cache, tmp_path / "marker", tmp_path / "never")
+    try:
+        _wait_for(tmp_path / "marker", proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    leftover = [p.name for p in cache.iterdir() if p.name.startswith(".")]
+    assert len(leftover) == 1
+    build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
+    assert len([p for p in cache.iterdir()]) == 1
+
+
+@pytest.mark.slow  # three subprocesses import torch and lightning: ~20 s on 2 shared cores
+def test_concurrent_cache_builds_make_one_cache_and_never_remove_a_live_builders_temp_dir(corpus, tmp_path):
+    """Three builders of the same cache (DDP ranks on several nodes sharing a cache dir): two of them build and
+    sweep stale temp dirs while the first is inside its temp dir; they leave it alone (it would fail), and all
+    three end with one identical cache."""
+    cache = tmp_path / "cache"
+    first = _slow_builder(corpus, cache, tmp_path / "marker0", tmp_path / "release")
+    try:
+        _wait_for(tmp_path / "marker0", first)
+        (live_temp,) = [p for p in cache.iterdir() if p.name.startswith(".")]
+        others = [_slow_builder(corpus, cache, tmp_path / f"marker{i}", tmp_path / "marker0") for i in (1, 2)]
+        assert [p.wait(timeout=120) for p in others] == [0, 0]
+        # the one that wrote the cache swept (both did, before they looked for the cache) around a live temp dir
+        assert live_temp.is_dir() and ((tmp_path / "marker1").exists() or (tmp_path / "marker2").exists())
+    finally:
+        (tmp_path / "release").touch()
+    assert first.wait(timeout=120) == 0
+    (built,) = list(cache.iterdir())
+    again = build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
+    assert [p.name for p in cache.iterdir()] == [built.name] and again.meta["train_tokens"] > 0
+
+
+def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_path):
+    """A temp dir whose builder cannot be checked (named by the earlier code, or by another host sharing the
+    cache) is removed once it is a day old: a build keeps its temp dir for the seconds its files take to write."""
+    from lit_dtrain.data.corpus import STALE_TEMP_SECONDS
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old_legacy, young_legacy = cache / ".t-0123abcd.k9x_2z", cache / ".t-0123abcd.young1"
+    other_host = cache / ".t-0123abcd.build-some-other-host-1234-ab12"
+    for d in (old_legacy, young_legacy, other_host):
+        d.mkdir()
+        (d / "train.bin").write_bytes(b"\0" * 10)
+    stale = time.time() - STALE_TEMP_SECONDS - 60
+    for path in (old_legacy, old_legacy / "train.bin"):
+        os.utime(path, (stale, stale))
+    build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
+    hidden = sorted(p.name for p in cache.iterdir() if p.name.startswith("."))
+    assert hidden == sorted([young_legacy.name, other_host.name])

@@ -3,7 +3,8 @@
 Tokenization runs once: the token streams are written under ``cache_dir/<key>/`` where ``key`` hashes
 the tokenizer, the split settings and every document's bytes. A changed corpus gets a new key (and is
 rebuilt); an unchanged one is reused. Writes are atomic (temporary directory + rename), so an
-interrupted build never leaves a half-written cache behind.
+interrupted build never leaves a half-written cache behind; the temp dir of a killed build is removed by a
+later build (see :func:`_remove_stale_temp_dirs`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sysconfig
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,9 @@ from lit_dtrain.data.tokenizer import ByteTokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the cache layout changes
+# A build holds its temp dir only while it writes and fsyncs the token files (seconds); one older than this,
+# whose builder cannot be checked (another host, or a name from before the builder was recorded), is stale.
+STALE_TEMP_SECONDS = 24 * 3600
 
 
 class CorpusError(ValueError):
@@ -177,6 +183,7 @@ def build_token_cache(
                     str(binary[0]))
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
+    _remove_stale_temp_dirs(out_dir.parent)
     if (out_dir / "meta.json").exists():
         problem = _cache_problem(out_dir)
         if problem is not None:  # truncated or damaged after it was built: never train on it
@@ -214,9 +221,65 @@ def _cache_problem(out_dir: Path) -> str | None:
     return None
 
 
+def _temp_tag() -> str:
+    """``build-<host>-<pid>-``: names this process as the owner of a temp dir (see _remove_stale_temp_dirs)."""
+    return f"build-{socket.gethostname().replace('.', '_')}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _newest_mtime(path: Path) -> float:
+    times = [path.lstat().st_mtime]
+    for child in path.iterdir():
+        times.append(child.lstat().st_mtime)
+    return max(times)
+
+
+def _remove_stale_temp_dirs(cache_dir: Path) -> None:
+    """Remove the temp dirs (``.<cache name>.<suffix>``) of cache builds that were killed (SIGKILL, OOM, scancel:
+    no ``finally`` ran), which would otherwise hold a copy of the token streams forever.
+
+    A temp dir is named ``.<cache name>.build-<host>-<pid>-<random>`` by its builder. It is stale when that
+    builder is on this host and its process is gone; a temp dir whose builder cannot be checked (another host
+    sharing the cache dir, or a name from before the owner was recorded) is stale once nothing in it changed
+    for STALE_TEMP_SECONDS. So the temp dir of a live concurrent builder is never removed (a recycled pid
+    only keeps a dead builder's dir until it is that old). A concurrent sweeper removing the same dir is harmless.
+    """
+    try:
+        entries = [p for p in cache_dir.iterdir() if p.name.startswith(".") and p.is_dir() and not p.is_symlink()]
+    except OSError:  # no cache dir yet, or unreadable: nothing to sweep (writing reports the real problem)
+        return
+    host = socket.gethostname().replace(".", "_")
+    now = time.time()
+    for path in entries:
+        suffix = path.name.rsplit(".", 1)[-1]
+        owner_pid = None
+        if suffix.startswith(f"build-{host}-"):
+            pid = suffix[len(f"build-{host}-") :].split("-", 1)[0]
+            owner_pid = int(pid) if pid.isdigit() else None
+        try:
+            if owner_pid is not None and owner_pid != os.getpid() and not _pid_alive(owner_pid):
+                stale = True
+            else:
+                stale = now - _newest_mtime(path) > STALE_TEMP_SECONDS
+        except OSError:  # removed meanwhile by its builder or another sweeper
+            continue
+        if stale:
+            log.info("removing %s: the temp dir of a token-cache build that did not finish", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _discard(out_dir: Path) -> None:
     """Move a damaged cache dir out of the way (atomically, so a concurrent reader never sees half of it)."""
-    trash = out_dir.with_name(f".{out_dir.name}.damaged-{os.getpid()}")
+    trash = out_dir.with_name(f".{out_dir.name}.{_temp_tag()}damaged")
     try:
         os.replace(out_dir, trash)
     except OSError:  # another process moved or rebuilt it first
@@ -258,7 +321,7 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
 def _write_cache_files(out_dir, train, val, split, n_docs, tokenizer, source) -> dict:
     """Write the cache into a temp dir beside ``out_dir``, fsync, rename; the temp dir never stays behind."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{_temp_tag()}", dir=out_dir.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
