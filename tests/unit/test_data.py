@@ -661,3 +661,34 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
     hidden = sorted(p.name for p in cache.iterdir() if p.name.startswith("."))
     assert hidden == sorted([young_legacy.name, other_host.name])
+
+
+@pytest.mark.parametrize("name", ["web/en", "a\\b", "", ".hidden", "my corpus", "a:b", None, 1.5])
+def test_a_source_name_that_breaks_metric_names_or_paths_is_a_config_error(tmp_path, name):
+    """The name goes into the metric val/<name>/loss and the cache dir <name>-<key>: 'web/en' made the
+    metric val/web/en/loss (one level deeper, not matched by monitors) and a subdirectory web/ in the cache
+    dir; '.hidden' made a hidden cache dir; '' the metric val//loss. It was not checked."""
+    sources = [{"name": "stdlib", "kind": "stdlib"}, {"name": name, "kind": "stdlib", "weight": 1.0}]
+    with pytest.raises(CorpusError, match=rf"data.sources.1.name={name!r}".replace("\\", "\\\\") + r": .*letters"):
+        LMDataModule(sources=sources, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(CorpusError, match=r"data source name=.*letters"):
+        CorpusSource(name=name, kind="stdlib")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_source_names_of_letters_digits_dots_dashes_and_unicode_are_accepted():
+    for name in ("stdlib", "web-en_v2.1", "código", "x+y", "2024"):
+        assert CorpusSource(name=name, kind="stdlib").name == name
+    assert CorpusSource(name=2024, kind="stdlib").name == "2024"  # YAML's name: 2024
+
+
+def test_a_bad_source_name_stops_train_before_tokenizing(tmp_path, corpus):
+    from hydra.errors import InstantiationException
+
+    from lit_dtrain.train import train
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["data.sources.0.name=web/en"], tmp_path / "run", corpus)
+    with pytest.raises((CorpusError, InstantiationException), match=r"data.sources.0.name='web/en'"):
+        train(cfg)
+    assert not (tmp_path / "token_cache").exists()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sysconfig
@@ -40,6 +41,25 @@ class CorpusError(ValueError):
     """Bad corpus input: a missing path, an unreadable or empty corpus, too few tokens."""
 
 
+_SOURCE_NAME = re.compile(r"\w[\w.+-]*")  # \w: any Unicode letter or digit, and '_'
+
+
+def check_source_name(name, key: str = "data source name") -> str:
+    """``name`` as a source name, or :class:`CorpusError` naming ``key``. A source name becomes the metric
+    ``val/<name>/loss`` and the cache dir ``<name>-<key>``: a ``/`` would nest both one level deeper, a leading
+    ``.`` hide the cache dir, a space or ``:`` trouble loggers and shells. An int (YAML ``name: 2024``) is its
+    decimal string."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        name = str(name)
+    if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
+        fixed = re.sub(r"[^\w.+-]", "_", str(name)).lstrip(".+-") or "source"
+        raise CorpusError(
+            f"{key}={name!r}: a source name must be letters, digits, '_', '.', '+' or '-', starting with a letter, "
+            f"digit or '_' (it names the metric val/<name>/loss and the token cache dir); e.g. {fixed!r}"
+        )
+    return name
+
+
 @dataclass
 class CorpusSource:
     """One corpus of a (possibly weighted) mixture.
@@ -56,6 +76,7 @@ class CorpusSource:
     pattern: str = "*"  # file-name pattern used when a path is a directory
 
     def __post_init__(self) -> None:
+        self.name = check_source_name(self.name)
         if self.kind not in ("stdlib", "files"):
             raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
         if isinstance(self.paths, (str, os.PathLike)):  # paths=/my/corpus without brackets: one path, not its chars

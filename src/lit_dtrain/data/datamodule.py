@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache, check_source_name
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.tokenizer import ByteTokenizer
 
@@ -117,6 +117,9 @@ class LMDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         sources = sources if sources else [CorpusSource()]
+        for i, s in enumerate(sources):  # here, with the key: CorpusSource's own check cannot name the index
+            if not isinstance(s, CorpusSource):
+                check_source_name(dict(s).get("name", CorpusSource.name), f"data.sources.{i}.name")
         self.sources = [s if isinstance(s, CorpusSource) else CorpusSource(**dict(s)) for s in sources]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
