@@ -604,6 +604,13 @@ def _wait_for(path, proc, seconds=60.0):
         time.sleep(0.05)
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_a_killed_cache_build_leaves_no_temp_dir_behind_after_the_next_build(corpus, tmp_path):
     """A SIGKILLed build (OOM killer, scancel) left its hidden temp dir (a full copy of the token streams) in
     the cache dir forever. The next build removes temp dirs whose builder (on this host) is dead."""
@@ -647,20 +654,25 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     """A temp dir whose builder cannot be checked (named by the earlier code, or by another host sharing the
     cache) is removed once it is a day old: a build keeps its temp dir for the seconds its files take to write."""
     from lit_dtrain.data.corpus import STALE_TEMP_SECONDS
+    from lit_dtrain.data.corpus import _host as _host_tag
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    old_legacy, young_legacy = cache / ".t-0123abcd.k9x_2z", cache / ".t-0123abcd.young1"
-    other_host = cache / ".t-0123abcd.build-some-other-host-1234-ab12"
-    for d in (old_legacy, young_legacy, other_host):
+    key = "0123456789abcdef01234567"  # a cache dir is <name>-<24 hex digits>
+    old_legacy, young_legacy = cache / f".t-{key}.k9x_2z", cache / f".t-{key}.young1"
+    # another host whose name starts with this one's: its pid 1 (alive here) must not be taken for ours
+    other_host = cache / f".t-{key}.build-{_host_tag()}_2-1-ab12"
+    dead_here = cache / f".t-{key}.build-{_host_tag()}-{dead_pid()}-ab12"
+    unrelated = cache / ".snapshot"  # not a token cache's temp dir: whatever its age, not ours to remove
+    for d in (old_legacy, young_legacy, other_host, unrelated, dead_here):
         d.mkdir()
         (d / "train.bin").write_bytes(b"\0" * 10)
     stale = time.time() - STALE_TEMP_SECONDS - 60
-    for path in (old_legacy, old_legacy / "train.bin"):
+    for path in (old_legacy, old_legacy / "train.bin", unrelated, unrelated / "train.bin"):
         os.utime(path, (stale, stale))
     build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
     hidden = sorted(p.name for p in cache.iterdir() if p.name.startswith("."))
-    assert hidden == sorted([young_legacy.name, other_host.name])
+    assert hidden == sorted([young_legacy.name, other_host.name, unrelated.name])
 
 
 @pytest.mark.parametrize("name", ["web/en", "a\\b", "", ".hidden", "my corpus", "a:b", None, 1.5])

@@ -242,9 +242,18 @@ def _cache_problem(out_dir: Path) -> str | None:
     return None
 
 
+_TEMP_DIR = re.compile(r"\.\w[\w.+-]*-[0-9a-f]{24}\.(?P<suffix>[^.]+)")  # .<source name>-<key>.<suffix>
+_OWNER = re.compile(r"build-(?P<host>[^-]+)-(?P<pid>\d+)-.*")
+
+
+def _host() -> str:
+    """This host's name without '.' or '-', so that it parses back out of a temp dir name."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+
+
 def _temp_tag() -> str:
     """``build-<host>-<pid>-``: names this process as the owner of a temp dir (see _remove_stale_temp_dirs)."""
-    return f"build-{socket.gethostname().replace('.', '_')}-{os.getpid()}-"
+    return f"build-{_host()}-{os.getpid()}-"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -268,7 +277,8 @@ def _remove_stale_temp_dirs(cache_dir: Path) -> None:
     """Remove the temp dirs (``.<cache name>.<suffix>``) of cache builds that were killed (SIGKILL, OOM, scancel:
     no ``finally`` ran), which would otherwise hold a copy of the token streams forever.
 
-    A temp dir is named ``.<cache name>.build-<host>-<pid>-<random>`` by its builder. It is stale when that
+    Only names of that form count (other hidden entries are left alone). A temp dir is named
+    ``.<cache name>.build-<host>-<pid>-<random>`` by its builder. It is stale when that
     builder is on this host and its process is gone; a temp dir whose builder cannot be checked (another host
     sharing the cache dir, or a name from before the owner was recorded) is stale once nothing in it changed
     for STALE_TEMP_SECONDS. So the temp dir of a live concurrent builder is never removed (a recycled pid
@@ -278,14 +288,13 @@ def _remove_stale_temp_dirs(cache_dir: Path) -> None:
         entries = [p for p in cache_dir.iterdir() if p.name.startswith(".") and p.is_dir() and not p.is_symlink()]
     except OSError:  # no cache dir yet, or unreadable: nothing to sweep (writing reports the real problem)
         return
-    host = socket.gethostname().replace(".", "_")
-    now = time.time()
+    host, now = _host(), time.time()
     for path in entries:
-        suffix = path.name.rsplit(".", 1)[-1]
-        owner_pid = None
-        if suffix.startswith(f"build-{host}-"):
-            pid = suffix[len(f"build-{host}-") :].split("-", 1)[0]
-            owner_pid = int(pid) if pid.isdigit() else None
+        match = _TEMP_DIR.fullmatch(path.name)
+        if match is None:  # not a token cache's temp dir (.snapshot, .git ...): not ours to remove
+            continue
+        owner = _OWNER.fullmatch(match["suffix"])
+        owner_pid = int(owner["pid"]) if owner is not None and owner["host"] == host else None
         try:
             if owner_pid is not None and owner_pid != os.getpid() and not _pid_alive(owner_pid):
                 stale = True
