@@ -11,6 +11,9 @@ stage layout). It prints each band's share of the energy and the effective bandw
 
     python scripts/spectrum.py outputs/runs/RUN/checkpoints/last.ckpt --out spectrum.png
     python scripts/spectrum.py early.ckpt late.ckpt --files ~/corpus --block-size 1024
+
+The held-out documents are those the run held out: ``data.val_fraction`` is read from the checkpoint (or its run's
+``.hydra/config.yaml``); ``--val-fraction`` sets it, and without either a note says the default 0.02 is assumed.
 """
 
 from __future__ import annotations
@@ -29,21 +32,50 @@ from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.schedules.workflows import model_from_checkpoint
 
+DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
 
-def load_model(path: str) -> torch.nn.Module:
-    """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``)."""
+
+def load_model(path: str, with_checkpoint: bool = False):
+    """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``), and with
+    ``with_checkpoint`` the checkpoint dict too."""
     try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
         model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
         raise SystemExit(str(e)) from e
-    return model
+    return (model, ckpt) if with_checkpoint else model
 
 
-def windows_of(args, block_size: int) -> torch.Tensor:
-    """``--windows`` evenly spaced windows [W, T+1] of the corpus' held-out (or train) split."""
+def trained_val_fraction(path: str, ckpt: dict) -> tuple[float | None, str]:
+    """The ``data.val_fraction`` the checkpoint's run held out, and where it was found: the datamodule state in
+    the checkpoint (``LMDataModule``, recorded since it was added there), else the run's ``.hydra/config.yaml``
+    (``<run>/checkpoints/x.ckpt``); ``(None, ...)`` when neither has it."""
+    state = ckpt.get("LMDataModule")
+    if isinstance(state, dict) and isinstance(state.get("val_fraction"), (int, float)):
+        return float(state["val_fraction"]), "the checkpoint"
+    config = Path(path).expanduser().resolve().parent.parent / ".hydra" / "config.yaml"
+    try:
+        import yaml
+
+        value = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("val_fraction")
+    except (OSError, ValueError, AttributeError, ImportError):  # no run dir, unreadable or odd YAML
+        value = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value), str(config)
+    return None, "nowhere"
+
+
+def windows_of(args, block_size: int, val_fraction: float = DEFAULT_VAL_FRACTION) -> torch.Tensor:
+    """``--windows`` evenly spaced windows [W, T+1] of the corpus' held-out (or train) split, with the documents
+    held out by ``val_fraction`` (the trained run's, so that "held-out" means not trained on)."""
     source = CorpusSource(name="files", kind="files", paths=args.files) if args.files else CorpusSource()
-    dm = LMDataModule(sources=[source], block_size=block_size, batch_size=1, cache_dir=args.cache_dir,
-                      progress=False)
+    dm = LMDataModule(
+        sources=[source],
+        block_size=block_size,
+        batch_size=1,
+        cache_dir=args.cache_dir,
+        val_fraction=val_fraction,
+        progress=False,
+    )
     dm.prepare_data()
     stream = dm.splits[0].val if args.split == "val" else dm.splits[0].train
     ws = WindowSet([stream], block_size)
@@ -80,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-bands", type=int, default=None)
     ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
     ap.add_argument("--labels", nargs="*", default=None, help="legend labels (default: file paths)")
+    ap.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="documents held out (default: the run's data.val_fraction, from the checkpoint)",
+    )
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
     ap.add_argument("--out", default="spectrum.png", help="PNG path")
     args = ap.parse_args(argv)
@@ -92,13 +130,36 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--labels has {len(args.labels)} entries but there are {len(args.checkpoints)} checkpoints")
     if not 0 < args.bandwidth_fraction <= 1:
         ap.error(f"--bandwidth-fraction must be in (0, 1], got {args.bandwidth_fraction}")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        ap.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = [load_model(p) for p in args.checkpoints]
+    loaded = [load_model(p, with_checkpoint=True) for p in args.checkpoints]
+    models = [model for model, _ in loaded]
+    val_fraction = args.val_fraction
+    if val_fraction is None:  # the held-out documents must be the ones the runs held out
+        found = {p: trained_val_fraction(p, ckpt) for p, (_, ckpt) in zip(args.checkpoints, loaded)}
+        known = {p: v for p, (v, _) in found.items() if v is not None}
+        if len(set(known.values())) > 1:
+            listed = ", ".join(f"{p}: {v}" for p, v in known.items())
+            ap.error(
+                f"the checkpoints were trained with different data.val_fraction ({listed}), so they held out "
+                "different documents; compare them on one split with --val-fraction (or --split train)"
+            )
+        if known:
+            path, val_fraction = next(iter(known.items()))
+            print(f"val_fraction {val_fraction} (data.val_fraction of the run, from {found[path][1]})")
+        else:
+            val_fraction = DEFAULT_VAL_FRACTION
+            print(
+                f"note: {args.checkpoints[0]} records no data.val_fraction (a checkpoint from before it was "
+                f"recorded, without its run's .hydra/config.yaml); assuming {val_fraction}, the default: if the "
+                "run used another, pass it as --val-fraction, or its 'held-out' windows include trained ones"
+            )
     T = args.block_size or models[0].config.block_size
     for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
         if T > model.config.block_size:
@@ -107,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     max_freq = auto_freq if args.max_freq is None else args.max_freq
     num_bands = auto_bands if args.num_bands is None else args.num_bands
     try:
-        windows = windows_of(args, T)
+        windows = windows_of(args, T, val_fraction)
     except CorpusError as e:  # a missing --files path, a dir without files: one line naming it
         raise SystemExit(f"spectrum.py: {e}") from e
     labels = args.labels or args.checkpoints
@@ -144,8 +205,21 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
-    print(json.dumps({"block_size": T, "max_freq": max_freq, "num_bands": num_bands, "band_lower_bins": edges,
-                      "out": args.out, "checkpoints": results}))
+    print(
+        json.dumps(
+            {
+                "block_size": T,
+                "max_freq": max_freq,
+                "num_bands": num_bands,
+                "band_lower_bins": edges,
+                "val_fraction": val_fraction,
+                "split": args.split,
+                "windows": len(windows),
+                "out": args.out,
+                "checkpoints": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

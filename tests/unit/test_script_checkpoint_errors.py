@@ -106,3 +106,92 @@ def test_scripts_say_a_directory_is_not_a_checkpoint(tmp_path, script):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(SystemExit, match=r"checkpoint '.*checkpoints' is a directory, not a checkpoint file"):
         _script(script).load_model(str(tmp_path / "checkpoints"))
+
+
+def _spectrum_json(capsys) -> dict:
+    import json
+
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _held_out_windows(corpus: Path, cache: Path, block_size: int, val_fraction: float):
+    from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
+
+    dm = LMDataModule(
+        sources=[CorpusSource(name="files", kind="files", paths=[str(corpus)])],
+        block_size=block_size,
+        batch_size=1,
+        val_fraction=val_fraction,
+        cache_dir=str(cache),
+        progress=False,
+    )
+    dm.prepare_data()
+    return WindowSet([dm.splits[0].val], block_size)
+
+
+def test_spectrum_holds_out_the_documents_the_checkpoint_held_out(tmp_path, capsys):
+    """spectrum.py built its "held-out" split with val_fraction 0.02 whatever the run used: a run with
+    data.val_fraction=0.3 has 30 % of the documents held out, and the 0.02 split's windows were mostly documents
+    that run trained on. The checkpoint records the value (LMDataModule state); --val-fraction overrides it."""
+    import torch
+
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=40, size=800)
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt", block_size=32)
+    state = torch.load(ckpt, weights_only=False)
+    state["LMDataModule"] = {"micro_step": 3, "seed": 0, "sampler": {}, "val_fraction": 0.3}
+    torch.save(state, ckpt)
+    flags = ["--files", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--windows", "1000"]
+    _script("spectrum").main([str(ckpt), *flags, "--out", str(tmp_path / "a.png")])
+    out = _spectrum_json(capsys)
+    held_out = _held_out_windows(corpus, tmp_path / "cache", 32, 0.3)
+    assert out["val_fraction"] == 0.3 and out["windows"] == len(held_out) != len(
+        _held_out_windows(corpus, tmp_path / "cache", 32, 0.02)
+    )
+    _script("spectrum").main([str(ckpt), *flags, "--val-fraction", "0.1", "--out", str(tmp_path / "b.png")])
+    out = _spectrum_json(capsys)
+    assert out["val_fraction"] == 0.1 and out["windows"] == len(_held_out_windows(corpus, tmp_path / "cache", 32, 0.1))
+
+
+def test_spectrum_reads_val_fraction_from_the_runs_hydra_config_or_says_it_assumes_the_default(tmp_path, capsys):
+    """A checkpoint written before LMDataModule recorded val_fraction: the run dir's .hydra/config.yaml (the
+    checkpoint is <run>/checkpoints/*.ckpt) has it; without that, a printed note says 0.02 is assumed."""
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=40, size=800)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / ".hydra").mkdir()
+    (tmp_path / "run" / ".hydra" / "config.yaml").write_text("seed: 0\ndata:\n  val_fraction: 0.25\n  batch_size: 8\n")
+    ckpt = _tiny_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", block_size=32)
+    flags = ["--files", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "a.png")]
+    _script("spectrum").main([str(ckpt), *flags])
+    assert _spectrum_json(capsys)["val_fraction"] == 0.25
+    bare = _tiny_checkpoint(tmp_path / "bare.ckpt", block_size=32)
+    _script("spectrum").main([str(bare), *flags])
+    text = capsys.readouterr().out
+    assert "records no data.val_fraction" in text and "assuming 0.02" in text and "--val-fraction" in text
+    assert '"val_fraction": 0.02' in text.splitlines()[-1]
+
+
+def test_spectrum_refuses_checkpoints_that_held_out_different_documents(tmp_path, capsys):
+    import torch
+
+    paths = []
+    for name, fraction in (("a", 0.3), ("b", 0.02)):
+        ckpt = _tiny_checkpoint(tmp_path / f"{name}.ckpt", block_size=32)
+        state = torch.load(ckpt, weights_only=False)
+        state["LMDataModule"] = {"micro_step": 3, "seed": 0, "sampler": {}, "val_fraction": fraction}
+        torch.save(state, ckpt)
+        paths.append(str(ckpt))
+    with pytest.raises(SystemExit) as e:
+        _script("spectrum").main([*paths, "--files", str(tmp_path / "never_read")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "data.val_fraction" in err and "0.3" in err and "0.02" in err and "--val-fraction" in err
+
+
+def test_the_datamodule_state_records_val_fraction(tmp_path):
+    from lit_dtrain.data import LMDataModule
+
+    assert LMDataModule(val_fraction=0.07, cache_dir=str(tmp_path)).state_dict()["val_fraction"] == 0.07

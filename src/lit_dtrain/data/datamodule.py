@@ -274,7 +274,14 @@ class LMDataModule(L.LightningDataModule):
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"micro_step": self.micro_step, "seed": self.seed, "sampler": self.sampler.state_dict()}
+        # val_fraction: not restored (the config decides), recorded so that tools (scripts/spectrum.py) can hold out
+        # the documents this run held out
+        return {
+            "micro_step": self.micro_step,
+            "seed": self.seed,
+            "sampler": self.sampler.state_dict(),
+            "val_fraction": self.val_fraction,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if self.train_windows is None:  # setup() has not run yet: apply once the sampler is bound
