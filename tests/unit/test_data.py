@@ -704,3 +704,27 @@ def test_a_bad_source_name_stops_train_before_tokenizing(tmp_path, corpus):
     with pytest.raises((CorpusError, InstantiationException), match=r"data.sources.0.name='web/en'"):
         train(cfg)
     assert not (tmp_path / "token_cache").exists()
+
+
+def test_a_file_reached_twice_is_one_document(tmp_path, monkeypatch, caplog):
+    """The same file listed as a relative and an absolute path (paths=[corpus, /abs/corpus]), or reached through
+    a symlink inside the corpus, was read once per spelling: 3 files became 6 documents (each trained on at twice
+    its weight). Files are now de-duplicated by their real path; distinct files with equal bytes stay (they are
+    data), but a warning names them."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "c", n_files=3, size=2000)
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "link.txt").symlink_to(corpus / "doc_000.txt")
+    monkeypatch.chdir(tmp_path)
+    source = CorpusSource(name="t", kind="files", paths=["c", str(corpus), "c/doc_001.txt", "./c/*.txt"])
+    assert [str(p) for p in resolve_files(source)] == ["c/doc_000.txt", "c/doc_001.txt", "c/doc_002.txt"]
+    (corpus / "copy.txt").write_bytes((corpus / "doc_002.txt").read_bytes())
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        splits = build_token_cache(source, tmp_path / "cache", 33, val_fraction=0.3, progress=False)
+    assert splits.meta["documents"] == 4
+    (warned,) = [r for r in caplog.records if "same bytes" in r.getMessage()]
+    assert warned.levelname == "WARNING" and "c/copy.txt" in warned.getMessage()
+    assert "c/doc_002.txt" in warned.getMessage()
+    (noted,) = [r for r in caplog.records if "reached more than once" in r.getMessage()]
+    assert "left out 6 path(s)" in noted.getMessage()  # 4 absolute spellings, the link twice

@@ -108,14 +108,14 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             root = sysconfig.get_paths()["stdlib"]
             raise CorpusError(f"data source {source.name!r}: found no .py files under {root}")
         return files
-    out: set[Path] = set()
+    out: list[Path] = []  # in the order of source.paths; each path's matches sorted
     for raw in source.paths:
         path = os.path.expanduser(str(raw))
         if glob.has_magic(path):
             matches = [Path(m) for m in glob.glob(path, recursive=True) if Path(m).is_file()]
             if not matches:
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files")
-            out.update(matches)
+            out.extend(sorted(matches))
         elif os.path.isdir(path):
             found = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
             # hidden files and dirs (.git, .venv, editor swap files) are not corpus text
@@ -127,12 +127,37 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 raise CorpusError(
                     f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}"
                 )
-            out.update(matches)
+            out.extend(sorted(matches))
         elif os.path.exists(path):
-            out.add(Path(path))
+            out.append(Path(path))
         else:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
-    return sorted(out)
+    return _one_path_per_file(source, out)
+
+
+def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
+    """``paths`` sorted, each file once: a file reached by two spellings (``corpus`` and ``/abs/corpus``, a
+    directory and a glob inside it) or through a symlink was read once per spelling, a document counted twice.
+    The file keeps its first spelling that is not a symlink. Files with equal bytes are distinct documents."""
+    chosen: dict[str, Path] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        kept = chosen.get(real)
+        if kept is None or (kept.is_symlink() and not path.is_symlink()):
+            chosen[real] = path
+    spellings = set(paths)
+    if len(spellings) > len(chosen):
+        kept = set(chosen.values())
+        example = next(p for p in sorted(spellings) if p not in kept)
+        log.info(
+            "data source %r: left out %d path(s) that reach a file already in the corpus (reached more than once: "
+            "another spelling or a symlink), e.g. %s is %s",
+            source.name,
+            len(spellings) - len(chosen),
+            example,
+            chosen[os.path.realpath(example)],
+        )
+    return sorted(chosen.values())
 
 
 def _read(path: Path) -> bytes:
@@ -180,6 +205,8 @@ def build_token_cache(
     empty = 0
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
     binary: list[Path] = []
+    first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
+    copies: list[tuple[Path, Path]] = []
     for path in bar:
         data = _read(path)
         if not data:
@@ -188,6 +215,8 @@ def build_token_cache(
         if b"\0" in data[:8192]:
             binary.append(path)
         digest = hashlib.sha256(data).digest()
+        if first_with.setdefault(digest, path) is not path:
+            copies.append((path, first_with[digest]))
         key_hash.update(digest)
         docs.append((path, data, digest))
     if not docs:
@@ -198,6 +227,16 @@ def build_token_cache(
         # the stdlib always holds empty files (__init__.py ...): expected, so not a warning on every run
         level = logging.INFO if source.kind == "stdlib" else logging.WARNING
         log.log(level, "data source %r: skipped %d empty file(s)", source.name, empty)
+    if copies:  # kept: copies are the user's data; the by-content split holds them out together
+        log.log(
+            logging.INFO if source.kind == "stdlib" else logging.WARNING,
+            "data source %r: %d file(s) have the same bytes as another file of the corpus, e.g. %s and %s; each "
+            "copy is a document of its own (trained on as many times as it appears, held out together)",
+            source.name,
+            len(copies),
+            str(copies[0][0]),
+            str(copies[0][1]),
+        )
     if binary:
         log.warning("data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
                     "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
