@@ -728,3 +728,26 @@ def test_a_file_reached_twice_is_one_document(tmp_path, monkeypatch, caplog):
     assert "c/doc_002.txt" in warned.getMessage()
     (noted,) = [r for r in caplog.records if "reached more than once" in r.getMessage()]
     assert "left out 6 path(s)" in noted.getMessage()  # 4 absolute spellings, the link twice
+
+
+def test_a_glob_that_matches_directories_says_so(tmp_path, caplog):
+    """paths=["data/*"] over data/en/ and data/fr/ said "glob 'data/*' matched no files", and with a file next to
+    the directories it dropped every file below them without a word: a glob takes files only."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    for lang in ("en", "fr"):
+        make_corpus(tmp_path / "data" / lang, n_files=2, size=300)
+    only_dirs = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "data" / "*")])
+    with pytest.raises(CorpusError, match=r"glob '.*data/\*' matched 2 directories but no files.*data/\*/\*\*/\*"):
+        resolve_files(only_dirs)
+    (tmp_path / "data" / "README.txt").write_text("read me")
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        assert [p.name for p in resolve_files(only_dirs)] == ["README.txt"]
+    assert "also matched 2 directories" in caplog.text and "left out" in caplog.text
+    assert "add '" + str(tmp_path / "data" / "*" / "**" / "*") + "' to paths" in caplog.text
+    suggested = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "data" / p) for p in ("*", "*/**/*")])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        assert len(resolve_files(suggested)) == 5  # the suggestion adds every file below the directories
+        assert len(resolve_files(CorpusSource(name="t", kind="files", paths=[str(tmp_path / "data" / "**")]))) == 5
+    assert "matched" not in caplog.text  # a ** glob matches its files' directories: nothing left out, no warning

@@ -109,12 +109,25 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             raise CorpusError(f"data source {source.name!r}: found no .py files under {root}")
         return files
     out: list[Path] = []  # in the order of source.paths; each path's matches sorted
+    globbed_dirs: list[tuple] = []  # (glob, directories it matched without their files, a glob for those)
     for raw in source.paths:
         path = os.path.expanduser(str(raw))
         if glob.has_magic(path):
-            matches = [Path(m) for m in glob.glob(path, recursive=True) if Path(m).is_file()]
+            hits = [Path(m) for m in glob.glob(path, recursive=True)]
+            matches = [p for p in hits if p.is_file()]
+            # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
+            covered = {parent for m in matches for parent in m.parents}
+            dirs = [p for p in hits if p.is_dir() and p not in covered and any(f.is_file() for f in p.rglob("*"))]
+            every_file = f"{str(raw).rstrip('/')}/**/*"  # ** also matches no directory: files at any depth
+            if not matches and dirs:
+                raise CorpusError(
+                    f"data source {source.name!r}: glob {raw!r} matched {len(dirs)} directories but no files (e.g. "
+                    f"{str(dirs[0])!r}), and a glob takes files only; for every file below them use {every_file!r}"
+                )
             if not matches:
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files")
+            if dirs:
+                globbed_dirs.append((raw, dirs, every_file))
             out.extend(sorted(matches))
         elif os.path.isdir(path):
             found = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
@@ -132,6 +145,19 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             out.append(Path(path))
         else:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
+    covered = {parent for f in out for parent in f.parents}
+    for raw, dirs, every_file in globbed_dirs:
+        left_out = [d for d in dirs if d not in covered]  # another path may have taken their files
+        if left_out:
+            log.warning(
+                "data source %r: glob %r also matched %d directories (e.g. %s), left out with the files below them: "
+                "a glob takes files only; add %r to paths for every file below them",
+                source.name,
+                raw,
+                len(left_out),
+                left_out[0],
+                every_file,
+            )
     return _one_path_per_file(source, out)
 
 
