@@ -751,3 +751,65 @@ def test_a_glob_that_matches_directories_says_so(tmp_path, caplog):
         assert len(resolve_files(suggested)) == 5  # the suggestion adds every file below the directories
         assert len(resolve_files(CorpusSource(name="t", kind="files", paths=[str(tmp_path / "data" / "**")]))) == 5
     assert "matched" not in caplog.text  # a ** glob matches its files' directories: nothing left out, no warning
+
+
+def test_the_token_cache_is_built_one_document_at_a_time(tmp_path):
+    """Building held every file's bytes, then every token array, then their concatenation in memory at once:
+    a 191 MB corpus peaked at 1.3 GB over the baseline (~7x the corpus), so a corpus of tens of GB could not be
+    built. Now one document is in memory at a time (the peak stays near the largest file), and the streams are
+    the same: each split is its documents' tokens in path order, and the tail split of a corpus too small for a
+    by-document split is the tail of the whole stream."""
+    import tracemalloc
+
+    tok = ByteTokenizer()
+    corpus = make_corpus(tmp_path / "c", n_files=40, size=100_000)  # 4 MB; 100 KB per file
+    source = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    tracemalloc.start()
+    try:
+        splits = build_token_cache(source, tmp_path / "cache", 33, val_fraction=0.2, progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_500_000, peak  # the old build: ~28 MB
+    files = sorted(corpus.iterdir())
+    docs = [tok.encode(f.read_bytes(), add_eos=True) for f in files]
+    held_out = [ids for f, ids in zip(files, docs) if _is_val(f.read_bytes(), 0.2)]
+    assert splits.meta["split"] == "by_document" and 0 < len(held_out) < len(docs)
+    assert np.array_equal(splits.val, np.concatenate(held_out))
+    assert np.array_equal(splits.train, np.concatenate([ids for ids in docs if not any(ids is h for h in held_out)]))
+    for n_files, min_tokens in ((1, 33), (3, 4000)):  # too few documents: the tail of the stream is val
+        small = make_corpus(tmp_path / f"s{n_files}", n_files=n_files, size=3000, seed=n_files)
+        source = CorpusSource(name="s", kind="files", paths=[str(small)])
+        got = build_token_cache(source, tmp_path / "cache", min_tokens, val_fraction=0.2, progress=False)
+        stream = np.concatenate([tok.encode(f.read_bytes(), add_eos=True) for f in sorted(small.iterdir())])
+        n_val = max(min_tokens, int(len(stream) * 0.2))
+        assert got.meta["split"] == "by_tokens_tail"
+        assert np.array_equal(got.train, stream[:-n_val]) and np.array_equal(got.val, stream[-n_val:])
+
+
+def _is_val(data: bytes, val_fraction: float) -> bool:
+    import hashlib
+
+    from lit_dtrain.data.corpus import _is_val_doc
+
+    return _is_val_doc(hashlib.sha256(data).digest(), val_fraction)
+
+
+def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, monkeypatch):
+    """The build reads each file twice (to hash it, then to tokenize it): bytes that changed in between would be
+    cached under the key of the old ones, so the build stops, naming the file."""
+    import lit_dtrain.data.corpus as corpus_mod
+
+    corpus = make_corpus(tmp_path / "c", n_files=3, size=2000)
+    reads = {}
+    real_read = corpus_mod._read
+
+    def read(path):
+        reads[path] = reads.get(path, 0) + 1
+        data = real_read(path)
+        return data + b"appended meanwhile" if path.name == "doc_001.txt" and reads[path] == 2 else data
+
+    monkeypatch.setattr(corpus_mod, "_read", read)
+    with pytest.raises(CorpusError, match=r"doc_001.txt' changed while the token cache of data source 't' was built"):
+        build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c2", 33)
+    assert list((tmp_path / "c2").iterdir()) == []

@@ -227,7 +227,7 @@ def build_token_cache(
         raise CorpusError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     files = resolve_files(source)
     key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}|{val_fraction}|{min_tokens}".encode())
-    docs: list[tuple[Path, bytes, bytes]] = []
+    docs: list[tuple[Path, bytes]] = []  # (file, sha256 of its bytes): the bytes are read again to tokenize
     empty = 0
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
     binary: list[Path] = []
@@ -244,7 +244,7 @@ def build_token_cache(
         if first_with.setdefault(digest, path) is not path:
             copies.append((path, first_with[digest]))
         key_hash.update(digest)
-        docs.append((path, data, digest))
+        docs.append((path, digest))
     if not docs:
         raise CorpusError(
             f"data source {source.name!r} is empty: {len(files)} file(s), all empty (e.g. {str(files[0])!r})"
@@ -383,25 +383,11 @@ def _discard(out_dir: Path) -> None:
 
 
 def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress) -> None:
-    train_parts, val_parts = [], []
-    for _path, data, digest in tqdm(docs, desc=f"tokenizing {source.name!r}", disable=not progress, leave=False):
-        ids = tokenizer.encode(data, add_eos=True)
-        (val_parts if _is_val_doc(digest, val_fraction) else train_parts).append(ids)
-    train = np.concatenate(train_parts) if train_parts else np.zeros(0, np.uint16)
-    val = np.concatenate(val_parts) if val_parts else np.zeros(0, np.uint16)
-    split = "by_document"
-    if len(val) < min_tokens or len(train) < min_tokens:
-        # Too few documents for a by-document split of this window size: split the stream instead.
-        stream = np.concatenate([train, val])
-        n_val = max(min_tokens, int(len(stream) * val_fraction))
-        train, val, split = stream[:-n_val], stream[-n_val:], "by_tokens_tail"
-    if len(train) < min_tokens:
-        raise CorpusError(
-            f"data source {source.name!r} is too short: {len(train) + len(val)} tokens in {len(docs)} file(s), "
-            f"but train and val each need at least one window of block_size+1 = {min_tokens} tokens"
-        )
+    def fill(tmp: Path) -> dict:
+        return _tokenize_into(tmp, docs, tokenizer, val_fraction, min_tokens, source, progress)
+
     try:
-        meta = _write_cache_files(out_dir, train, val, split, len(docs), tokenizer, source)
+        meta = _write_cache_files(out_dir, fill, tokenizer, source)
     except OSError as e:  # disk full, read-only or missing cache dir ...
         reason = e.strerror or str(e)
         if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
@@ -413,24 +399,74 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
     log.info("token cache %s: %s", out_dir, meta)
 
 
-def _write_cache_files(out_dir, train, val, split, n_docs, tokenizer, source) -> dict:
-    """Write the cache into a temp dir beside ``out_dir``, fsync, rename; the temp dir never stays behind."""
+def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source, progress) -> dict:
+    """Tokenize ``docs`` into ``tmp/train.bin`` and ``tmp/val.bin``, one document in memory at a time (holding
+    them all, then their tokens, then the concatenation took ~7x the corpus in RAM). Returns the meta fields."""
+    n_train = n_val = 0
+    with open(tmp / "train.bin", "wb") as train_file, open(tmp / "val.bin", "wb") as val_file:
+        for path, digest in tqdm(docs, desc=f"tokenizing {source.name!r}", disable=not progress, leave=False):
+            data = _read(path)
+            if hashlib.sha256(data).digest() != digest:  # the cache key hashed other bytes
+                raise CorpusError(
+                    f"corpus file {str(path)!r} changed while the token cache of data source {source.name!r} was "
+                    "built; run again once the corpus is not being written"
+                )
+            ids = tokenizer.encode(data, add_eos=True)
+            del data
+            if _is_val_doc(digest, val_fraction):
+                val_file.write(memoryview(ids))
+                n_val += len(ids)
+            else:
+                train_file.write(memoryview(ids))
+                n_train += len(ids)
+    split = "by_document"
+    if n_val < min_tokens or n_train < min_tokens:
+        # Too few documents for a by-document split of this window size: split the stream instead.
+        n_train, n_val = _split_tail(tmp, n_train, n_val, max(min_tokens, int((n_train + n_val) * val_fraction)))
+        split = "by_tokens_tail"
+    if n_train < min_tokens:
+        raise CorpusError(
+            f"data source {source.name!r} is too short: {n_train + n_val} tokens in {len(docs)} file(s), "
+            f"but train and val each need at least one window of block_size+1 = {min_tokens} tokens"
+        )
+    return {"documents": len(docs), "split": split, "train_tokens": n_train, "val_tokens": n_val}
+
+
+def _tokens(path: Path, count: int) -> np.ndarray:
+    """The ``count`` uint16 tokens of ``path``, memory-mapped (np.memmap refuses an empty file)."""
+    return np.memmap(path, dtype=np.uint16, mode="r") if count else np.zeros(0, np.uint16)
+
+
+def _split_tail(tmp: Path, n_train: int, n_val: int, n_tail: int) -> tuple[int, int]:
+    """Rewrite ``tmp/train.bin`` (``n_train`` tokens) and ``tmp/val.bin`` (``n_val``) as the stream ``train + val``
+    split before its last ``n_tail`` tokens (all of it val when ``n_tail`` covers it). Only the tail is held in
+    memory; returns the new (train, val) token counts."""
+    total = n_train + n_val
+    n_tail = min(n_tail, total)
+    train, val = _tokens(tmp / "train.bin", n_train), _tokens(tmp / "val.bin", n_val)
+    tail = np.concatenate([train[n_train - max(0, n_tail - n_val) :], val[max(0, n_val - n_tail) :]])
+    if n_tail < n_val:  # the head of val joins the end of train
+        with open(tmp / "train.bin", "ab") as f:
+            for start in range(0, n_val - n_tail, 1 << 24):
+                f.write(memoryview(np.ascontiguousarray(val[start : min(start + (1 << 24), n_val - n_tail)])))
+    del train, val  # unmapped before the files are cut or rewritten
+    if n_tail >= n_val:  # the tail of train joins val
+        os.truncate(tmp / "train.bin", (total - n_tail) * np.dtype(np.uint16).itemsize)
+    with open(tmp / "val.bin", "wb") as f:
+        f.write(memoryview(tail))
+    return total - n_tail, n_tail
+
+
+def _write_cache_files(out_dir, fill, tokenizer, source) -> dict:
+    """Create a temp dir beside ``out_dir``, have ``fill(tmp)`` write the token files into it (it returns the meta
+    fields), fsync, rename; the temp dir never stays behind."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{_temp_tag()}", dir=out_dir.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would lock other users out of a shared cache
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
-        meta = {
-            "source": source.name,
-            "tokenizer": tokenizer.name,
-            "documents": n_docs,
-            "split": split,
-            "train_tokens": int(len(train)),
-            "val_tokens": int(len(val)),
-        }
+        meta = {"source": source.name, "tokenizer": tokenizer.name, **fill(tmp)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         for f in tmp.iterdir():
             with open(f, "rb+") as fh:
