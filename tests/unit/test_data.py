@@ -813,3 +813,22 @@ def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, m
     with pytest.raises(CorpusError, match=r"doc_001.txt' changed while the token cache of data source 't' was built"):
         build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c2", 33)
     assert list((tmp_path / "c2").iterdir()) == []
+
+
+def test_a_symlinked_directory_inside_a_corpus_directory_is_read(tmp_path):
+    """corpus/shared -> ../shared: pathlib's rglob does not enter symlinked directories, so their files were left
+    out without a word (while a symlinked file was read). They are read now; a link back up the tree (a loop)
+    is entered once, and a file reached twice is one document."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=2, size=300)
+    shared = make_corpus(tmp_path / "shared", n_files=2, size=300, seed=5)
+    (shared / ".git").mkdir()
+    (shared / ".git" / "HEAD").write_text("ref")
+    (corpus / "shared").symlink_to(shared, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    files = resolve_files(CorpusSource(name="t", kind="files", paths=[str(corpus)]))
+    expected = ["doc_000.txt", "doc_001.txt", "shared/doc_000.txt", "shared/doc_001.txt"]
+    assert [str(p.relative_to(corpus)) for p in files] == expected
+    txt = resolve_files(CorpusSource(name="t", kind="files", paths=[str(corpus)], pattern="*_001.txt"))
+    assert [str(p.relative_to(corpus)) for p in txt] == ["doc_001.txt", "shared/doc_001.txt"]

@@ -130,7 +130,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 globbed_dirs.append((raw, dirs, every_file))
             out.extend(sorted(matches))
         elif os.path.isdir(path):
-            found = [p for p in Path(path).rglob(source.pattern) if p.is_file()]
+            found = _files_below(Path(path), source.pattern)
             # hidden files and dirs (.git, .venv, editor swap files) are not corpus text
             matches = [p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts)]
             if len(matches) < len(found):
@@ -159,6 +159,28 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 every_file,
             )
     return _one_path_per_file(source, out)
+
+
+def _files_below(root: Path, pattern: str) -> list[Path]:
+    """The files matching ``pattern`` in ``root`` and every directory below it, as ``root.rglob(pattern)`` finds
+    them, except that symlinked directories are entered too (rglob leaves them out, so a corpus dir assembled
+    from links lost their files without a word). Each real directory is entered once: a link back up the tree
+    is no loop."""
+    while pattern.startswith("**/"):  # rglob(p) is glob("**/" + p): per directory, the rest of it
+        pattern = pattern[3:]
+    files, entered, stack = [], set(), [root]
+    while stack:
+        directory = stack.pop()
+        real = os.path.realpath(directory)
+        if real in entered:
+            continue
+        entered.add(real)
+        files.extend(p for p in directory.glob(pattern) if p.is_file())
+        try:
+            stack.extend(sorted((p for p in directory.iterdir() if p.is_dir()), reverse=True))
+        except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read)
+            log.warning("cannot list %s (%s): its files are left out", directory, e.strerror or e)
+    return files
 
 
 def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
