@@ -832,3 +832,15 @@ def test_a_symlinked_directory_inside_a_corpus_directory_is_read(tmp_path):
     assert [str(p.relative_to(corpus)) for p in files] == expected
     txt = resolve_files(CorpusSource(name="t", kind="files", paths=[str(corpus)], pattern="*_001.txt"))
     assert [str(p.relative_to(corpus)) for p in txt] == ["doc_001.txt", "shared/doc_001.txt"]
+
+
+def test_a_bad_source_entry_names_its_key(tmp_path):
+    """data=mixture without paths said "data source 'text': kind='files' needs a non-empty 'paths' list" (which of
+    data.sources?), and a misspelled key (+data.sources.0.path=...) was a TypeError from the dataclass."""
+    sources = [{"name": "stdlib", "kind": "stdlib"}, {"name": "text", "kind": "files", "paths": []}]
+    no_paths = r"data.sources.1 \(data source 'text'\): kind='files' needs a non-empty 'paths' list.*sources.1.paths="
+    with pytest.raises(CorpusError, match=no_paths):
+        LMDataModule(sources=sources, cache_dir=str(tmp_path))
+    unknown = r"data.sources.0 has an unknown key 'path' \(keys: name, kind, paths, weight, pattern\)"
+    with pytest.raises(CorpusError, match=unknown):
+        LMDataModule(sources=[{"name": "t", "kind": "files", "path": "~/corpus"}], cache_dir=str(tmp_path))

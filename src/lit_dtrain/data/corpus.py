@@ -85,7 +85,10 @@ class CorpusSource:
             raise CorpusError(f"data source {self.name!r}: paths must be a list of files, directories or globs, "
                               f"got {self.paths!r} ({type(self.paths).__name__})")
         if self.kind == "files" and not self.paths:
-            raise CorpusError(f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list")
+            raise CorpusError(
+                f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list of files, directories or "
+                "globs, e.g. 'data.sources.N.paths=[~/corpus]'"
+            )
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
             raise CorpusError(f"data source {self.name!r}: weight must be a number, got {self.weight!r} "
                               f"({type(self.weight).__name__})")

@@ -14,6 +14,7 @@ runs the same number of them; the few padding windows that even out the shares c
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import lightning as L
@@ -87,6 +88,22 @@ class _ValWindows(Dataset):
         return item
 
 
+def _source_from_config(index: int, entry) -> CorpusSource:
+    """``data.sources.<index>`` (a dict) as a :class:`CorpusSource`; its errors name the key, which
+    CorpusSource itself cannot (it does not know its index)."""
+    entry = dict(entry)
+    fields = [f.name for f in dataclasses.fields(CorpusSource)]
+    unknown = [key for key in entry if key not in fields]
+    if unknown:
+        raise CorpusError(f"data.sources.{index} has an unknown key {unknown[0]!r} (keys: {', '.join(fields)})")
+    name = check_source_name(entry.get("name", CorpusSource.name), f"data.sources.{index}.name")
+    try:
+        return CorpusSource(**entry)
+    except CorpusError as e:
+        message = str(e).replace(f"data source {name!r}", f"data.sources.{index} (data source {name!r})", 1)
+        raise CorpusError(message.replace("data.sources.N.", f"data.sources.{index}.")) from None
+
+
 class LMDataModule(L.LightningDataModule):
     """Language-model data from the stdlib corpus, text files, or a weighted mixture of corpora.
 
@@ -117,10 +134,7 @@ class LMDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         sources = sources if sources else [CorpusSource()]
-        for i, s in enumerate(sources):  # here, with the key: CorpusSource's own check cannot name the index
-            if not isinstance(s, CorpusSource):
-                check_source_name(dict(s).get("name", CorpusSource.name), f"data.sources.{i}.name")
-        self.sources = [s if isinstance(s, CorpusSource) else CorpusSource(**dict(s)) for s in sources]
+        self.sources = [s if isinstance(s, CorpusSource) else _source_from_config(i, s) for i, s in enumerate(sources)]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise CorpusError(f"data.sources names must be unique, got {names}")
