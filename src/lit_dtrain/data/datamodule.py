@@ -26,6 +26,17 @@ from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.tokenizer import ByteTokenizer
 
+COUNT_CHUNK_TOKENS = 1 << 22  # tokens counted per np.bincount call (it makes an int64 copy: 32 MB)
+
+
+def token_counts(stream: np.ndarray, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs in ``stream`` (int64), counted in chunks: ``np.bincount`` of a whole
+    uint16 memmap copies it to int64 first, 8 bytes per token of the corpus."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(stream), COUNT_CHUNK_TOKENS):
+        counts += np.bincount(stream[start : start + COUNT_CHUNK_TOKENS], minlength=vocab_size)
+    return counts
+
 
 class _StepTickets(IterableDataset):
     """An endless stream of placeholder items; training length is set by ``max_steps``."""
@@ -281,7 +292,7 @@ class LMDataModule(L.LightningDataModule):
         probs = np.zeros(self.tokenizer.vocab_size, dtype=np.float64)
         for source, split in zip(self.sources, self.splits):
             if source.weight > 0:
-                counts = np.bincount(np.asarray(split.train), minlength=self.tokenizer.vocab_size).astype(np.float64)
+                counts = token_counts(split.train, self.tokenizer.vocab_size).astype(np.float64)
                 probs += (source.weight / total) * (counts / counts.sum())
         p = probs[probs > 0] / probs.sum()
         return float(-(p * np.log(p)).sum())
