@@ -613,7 +613,10 @@ def dead_pid() -> int:
 
 def test_a_killed_cache_build_leaves_no_temp_dir_behind_after_the_next_build(corpus, tmp_path):
     """A SIGKILLed build (OOM killer, scancel) left its hidden temp dir (a full copy of the token streams) in
-    the cache dir forever. The next build removes temp dirs whose builder (on this host) is dead."""
+    the cache dir forever. A later build removes temp dirs whose builder (on this host) is dead, once nothing in
+    them changed for 10 minutes."""
+    from lit_dtrain.data.corpus import STALE_DEAD_OWNER_SECONDS
+
     cache = tmp_path / "cache"
     proc = _slow_builder(corpus, cache, tmp_path / "marker", tmp_path / "never")
     try:
@@ -621,11 +624,21 @@ def test_a_killed_cache_build_leaves_no_temp_dir_behind_after_the_next_build(cor
     finally:
         proc.kill()
         proc.wait()
-    leftover = [p.name for p in cache.iterdir() if p.name.startswith(".")]
-    assert len(leftover) == 1
-    build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
+    (leftover,) = [p for p in cache.iterdir() if p.name.startswith(".")]
+    source = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    build_token_cache(source, cache, 33, progress=False)
+    assert leftover.is_dir()  # changed a moment ago: maybe a builder whose pid this host cannot see
+    _age(leftover, STALE_DEAD_OWNER_SECONDS + 60)
+    build_token_cache(source, cache, 33, progress=False)
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
     assert len([p for p in cache.iterdir()]) == 1
+
+
+def _age(directory, seconds):
+    """Set back the mtime of ``directory`` and of what it holds by ``seconds``."""
+    then = time.time() - seconds
+    for path in (directory, *directory.iterdir()):
+        os.utime(path, (then, then))
 
 
 @pytest.mark.slow  # three subprocesses import torch and lightning: ~20 s on 2 shared cores
@@ -652,7 +665,8 @@ def test_concurrent_cache_builds_make_one_cache_and_never_remove_a_live_builders
 
 def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_path):
     """A temp dir whose builder cannot be checked (named by the earlier code, or by another host sharing the
-    cache) is removed once it is a day old: a build keeps its temp dir for the seconds its files take to write."""
+    cache) is removed once nothing in it changed for a day (one a day old but for a minute stays); a dead
+    builder's of this host once it is 10 minutes old; a hidden dir not named like a temp dir never."""
     from lit_dtrain.data.corpus import STALE_TEMP_SECONDS
     from lit_dtrain.data.corpus import _host as _host_tag
 
@@ -660,16 +674,15 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     cache.mkdir()
     key = "0123456789abcdef01234567"  # a cache dir is <name>-<24 hex digits>
     old_legacy, young_legacy = cache / f".t-{key}.k9x_2z", cache / f".t-{key}.young1"
-    # another host whose name starts with this one's: its pid 1 (alive here) must not be taken for ours
-    other_host = cache / f".t-{key}.build-{_host_tag()}_2-1-ab12"
+    # another host whose name starts with this one's: its pid (dead here) must not be taken for one of ours
+    other_host = cache / f".t-{key}.build-{_host_tag()}_2-{dead_pid()}-ab12"
     dead_here = cache / f".t-{key}.build-{_host_tag()}-{dead_pid()}-ab12"
     unrelated = cache / ".snapshot"  # not a token cache's temp dir: whatever its age, not ours to remove
     for d in (old_legacy, young_legacy, other_host, unrelated, dead_here):
         d.mkdir()
         (d / "train.bin").write_bytes(b"\0" * 10)
-    stale = time.time() - STALE_TEMP_SECONDS - 60
-    for path in (old_legacy, old_legacy / "train.bin", unrelated, unrelated / "train.bin"):
-        os.utime(path, (stale, stale))
+    for d in (old_legacy, unrelated, dead_here, other_host):
+        _age(d, STALE_TEMP_SECONDS + 60 if d is not other_host else STALE_TEMP_SECONDS - 60)
     build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
     hidden = sorted(p.name for p in cache.iterdir() if p.name.startswith("."))
     assert hidden == sorted([young_legacy.name, other_host.name, unrelated.name])

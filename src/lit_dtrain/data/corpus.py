@@ -35,6 +35,10 @@ CACHE_FORMAT = 1  # bump when the cache layout changes
 # A build holds its temp dir only while it writes and fsyncs the token files (seconds); one older than this,
 # whose builder cannot be checked (another host, or a name from before the builder was recorded), is stale.
 STALE_TEMP_SECONDS = 24 * 3600
+# A temp dir whose builder's pid is gone from this host is stale once it is this old too: a builder in another
+# pid namespace under the same host name (containers with --uts=host) looks dead from here, but writing its
+# token files keeps changing the dir's files (a killed build's stop changing at once).
+STALE_DEAD_OWNER_SECONDS = 600
 
 
 class CorpusError(ValueError):
@@ -369,10 +373,11 @@ def _remove_stale_temp_dirs(cache_dir: Path) -> None:
 
     Only names of that form count (other hidden entries are left alone). A temp dir is named
     ``.<cache name>.build-<host>-<pid>-<random>`` by its builder. It is stale when that
-    builder is on this host and its process is gone; a temp dir whose builder cannot be checked (another host
-    sharing the cache dir, or a name from before the owner was recorded) is stale once nothing in it changed
-    for STALE_TEMP_SECONDS. So the temp dir of a live concurrent builder is never removed (a recycled pid
-    only keeps a dead builder's dir until it is that old). A concurrent sweeper removing the same dir is harmless.
+    builder is on this host, its process is gone and nothing in the dir changed for STALE_DEAD_OWNER_SECONDS
+    (10 min); a temp dir whose builder cannot be checked (another host sharing the cache dir, or a name from
+    before the owner was recorded) is stale once nothing in it changed for STALE_TEMP_SECONDS (a day). So the
+    temp dir of a live concurrent builder is not removed (a recycled pid only keeps a dead builder's dir until
+    it is a day old). A concurrent sweeper removing the same dir is harmless.
     """
     try:
         entries = [p for p in cache_dir.iterdir() if p.name.startswith(".") and p.is_dir() and not p.is_symlink()]
@@ -386,10 +391,8 @@ def _remove_stale_temp_dirs(cache_dir: Path) -> None:
         owner = _OWNER.fullmatch(match["suffix"])
         owner_pid = int(owner["pid"]) if owner is not None and owner["host"] == host else None
         try:
-            if owner_pid is not None and owner_pid != os.getpid() and not _pid_alive(owner_pid):
-                stale = True
-            else:
-                stale = now - _newest_mtime(path) > STALE_TEMP_SECONDS
+            dead = owner_pid is not None and owner_pid != os.getpid() and not _pid_alive(owner_pid)
+            stale = now - _newest_mtime(path) > (STALE_DEAD_OWNER_SECONDS if dead else STALE_TEMP_SECONDS)
         except OSError:  # removed meanwhile by its builder or another sweeper
             continue
         if stale:
