@@ -815,14 +815,15 @@ def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, m
 
     corpus = make_corpus(tmp_path / "c", n_files=3, size=2000)
     reads = {}
-    real_read = corpus_mod._read
+    real_chunks = corpus_mod._chunks
 
-    def read(path):
+    def chunks(path):
         reads[path] = reads.get(path, 0) + 1
-        data = real_read(path)
-        return data + b"appended meanwhile" if path.name == "doc_001.txt" and reads[path] == 2 else data
+        yield from real_chunks(path)
+        if path.name == "doc_001.txt" and reads[path] == 2:
+            yield b"appended meanwhile"
 
-    monkeypatch.setattr(corpus_mod, "_read", read)
+    monkeypatch.setattr(corpus_mod, "_chunks", chunks)
     with pytest.raises(CorpusError, match=r"doc_001.txt' changed while the token cache of data source 't' was built"):
         build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c2", 33)
     assert list((tmp_path / "c2").iterdir()) == []
@@ -881,3 +882,25 @@ def test_unigram_entropy_counts_tokens_in_chunks(tmp_path, monkeypatch):
         tracemalloc.stop()
     assert value == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
     assert peak < 300_000, peak  # the whole stream as int64: 2.4 MB
+
+
+def test_a_huge_file_is_hashed_and_tokenized_in_chunks(tmp_path, monkeypatch):
+    """One document was still read whole, then encoded, then copied to append EOS: a 10 GB file took ~50 GB.
+    Files are now read in chunks (the byte tokenizer encodes byte by byte, so chunks encode as the whole does)."""
+    import tracemalloc
+
+    import lit_dtrain.data.corpus as corpus_mod
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(("héllo wörld\r\n" * 300_000).encode())  # 4.2 MB, one document
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK_BYTES", 1 << 16, raising=False)
+    tracemalloc.start()
+    try:
+        splits = build_token_cache(CorpusSource(name="t", kind="files", paths=[str(big)]), tmp_path / "cache", 33,
+                                   progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak  # whole: ~21 MB
+    stream = ByteTokenizer().encode(big.read_bytes(), add_eos=True)
+    assert np.array_equal(np.concatenate([splits.train, splits.val]), stream)

@@ -215,12 +215,29 @@ def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
     return sorted(chosen.values())
 
 
-def _read(path: Path) -> bytes:
+READ_CHUNK_BYTES = 1 << 26  # corpus files are read 64 MB at a time: a huge file never is in memory whole
+
+
+def _chunks(path: Path):
+    """The bytes of ``path``, READ_CHUNK_BYTES at a time; :class:`CorpusError` naming a file that cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            size = min(READ_CHUNK_BYTES, os.fstat(f.fileno()).st_size + 1)  # read(n) allocates n bytes up front
+            while chunk := f.read(size):
+                yield chunk
     except OSError as e:  # permission denied, is a directory, I/O error ...
         raise CorpusError(f"cannot read corpus file {str(path)!r}: {e.strerror or e}") from e
+
+
+def _hash_file(path: Path) -> tuple[bytes, int, bytes]:
+    """``(sha256 digest, size, first 8192 bytes)`` of ``path``, read in chunks."""
+    digest, size, head = hashlib.sha256(), 0, b""
+    for chunk in _chunks(path):
+        digest.update(chunk)
+        size += len(chunk)
+        if len(head) < 8192:
+            head = (head + chunk[:8192])[:8192]
+    return digest.digest(), size, head
 
 
 @dataclass
@@ -263,13 +280,12 @@ def build_token_cache(
     first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
     copies: list[tuple[Path, Path]] = []
     for path in bar:
-        data = _read(path)
-        if not data:
+        digest, size, head = _hash_file(path)
+        if not size:
             empty += 1
             continue
-        if b"\0" in data[:8192]:
+        if b"\0" in head:
             binary.append(path)
-        digest = hashlib.sha256(data).digest()
         if first_with.setdefault(digest, path) is not path:
             copies.append((path, first_with[digest]))
         key_hash.update(digest)
@@ -433,20 +449,28 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
     n_train = n_val = 0
     with open(tmp / "train.bin", "wb") as train_file, open(tmp / "val.bin", "wb") as val_file:
         for path, digest in tqdm(docs, desc=f"tokenizing {source.name!r}", disable=not progress, leave=False):
-            data = _read(path)
-            if hashlib.sha256(data).digest() != digest:  # the cache key hashed other bytes
+            held_out = _is_val_doc(digest, val_fraction)
+            out, count, read_digest = (val_file if held_out else train_file), 0, hashlib.sha256()
+            if getattr(tokenizer, "bytewise", False):  # a chunk encodes as its part of the whole file does
+                for chunk in _chunks(path):
+                    read_digest.update(chunk)
+                    count += out.write(memoryview(tokenizer.encode(chunk)))
+                count += out.write(memoryview(np.array([tokenizer.eos_id], dtype=np.uint16)))
+            else:
+                data = b"".join(_chunks(path))
+                read_digest.update(data)
+                count += out.write(memoryview(tokenizer.encode(data, add_eos=True)))
+                del data
+            if read_digest.digest() != digest:  # the cache key hashed other bytes
                 raise CorpusError(
                     f"corpus file {str(path)!r} changed while the token cache of data source {source.name!r} was "
                     "built; run again once the corpus is not being written"
                 )
-            ids = tokenizer.encode(data, add_eos=True)
-            del data
-            if _is_val_doc(digest, val_fraction):
-                val_file.write(memoryview(ids))
-                n_val += len(ids)
+            tokens = count // np.dtype(np.uint16).itemsize  # write() returns bytes
+            if held_out:
+                n_val += tokens
             else:
-                train_file.write(memoryview(ids))
-                n_train += len(ids)
+                n_train += tokens
     split = "by_document"
     if n_val < min_tokens or n_train < min_tokens:
         # Too few documents for a by-document split of this window size: split the stream instead.

@@ -14,6 +14,7 @@ class ByteTokenizer:
     name = "byte-v1"  # part of the token-cache key: change it if the encoding ever changes
     vocab_size = 257
     eos_id = 256
+    bytewise = True  # each byte is one token: a file encodes chunk by chunk (the token cache relies on it)
 
     def encode(self, data: str | bytes, add_eos: bool = False) -> np.ndarray:
         """Token ids (uint16) of ``data``; with ``add_eos`` an EOS id is appended."""
