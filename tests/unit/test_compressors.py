@@ -433,6 +433,40 @@ def test_an_overflowed_step_does_not_poison_later_steps(name):
         assert torch.equal(out, clean.reduce(grad(step), SEGMENTS, comm, step).wait()), (name, step)
 
 
+def test_finiteness_check_is_exact_when_the_sum_overflows():
+    """``all_finite`` reads the bucket's sum; a finite bucket whose sum overflows fp32 must still count as
+    finite, and any NaN/inf as not (before: 8 values of 1e38, sum 8e38 > fp32 max, answered False)."""
+    from lit_dtrain.strategies.compressors import all_finite
+
+    big = torch.zeros(1000)
+    big[:8] = 1e38
+    assert math.isinf(float(big.sum())) and all_finite(big)
+    assert all_finite(-big) and all_finite(torch.tensor([3e38, -3e38, 3e38]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = big.clone()
+        x[500] = bad
+        assert not all_finite(x), bad
+        assert not all_finite(torch.tensor([1.0, bad, 2.0])), bad
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # sums to NaN
+
+
+@pytest.mark.parametrize("name", ["topk", "sign", "int4", "int8_ef"])
+def test_a_finite_bucket_whose_sum_overflows_keeps_its_error_feedback(name):
+    """Two values of 1e38 in each parameter: every value and every per-parameter sum is finite, the bucket's sum
+    (8e38) is not. Error feedback must still run: the residual is ``g - decoded`` (before: it stayed 0, the step's
+    compression error was dropped, as for a real overflow)."""
+    c = build_compressor({"name": "int8", "error_feedback": True} if name == "int8_ef" else name)
+    g = grad(5)
+    for s in SEGMENTS:
+        g[s.offset : s.offset + 2] = 1e38
+    assert math.isinf(float(g.sum()))
+    out = c.reduce(g.clone(), SEGMENTS, LoopbackCommunicator(), 0).wait()
+    assert out.isfinite().all()
+    residual = c.residual_for(SEGMENTS, g)
+    assert residual.abs().sum() > 0
+    torch.testing.assert_close(residual, g - out, rtol=0, atol=0)
+
+
 def test_powersgd_with_another_rank_overflowed_keeps_what_it_could_not_send():
     """The other rank's gradient overflowed: the all-reduced P is non-finite on this rank too. Nothing usable was
     delivered, so this rank's residual becomes all of ``g + e`` (finite), and the replicated warm-start Q is kept."""
