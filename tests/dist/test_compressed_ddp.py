@@ -16,8 +16,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-
-from tests.conftest import free_port
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -34,6 +32,7 @@ from lit_dtrain.strategies import (
     build_local_update,
 )
 from lit_dtrain.strategies import comm as comm_module
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -475,7 +474,7 @@ def _plain_resume_worker(rank: int, port: int, root: str) -> None:
 
     results = {}
     for name, kwargs in (("powersgd", {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}}),
-                         ("local_sgd", {"local_update": {"name": "local_sgd", "sync_period": 3}})):  # step 4: mid-period
+                         ("local_sgd", {"local_update": {"name": "local_sgd", "sync_period": 3}})):  # 4: mid-period
         fit(CompressedDDPStrategy(log_comm_metrics=False, **kwargs), 5, name)  # not 4: the last step syncs
         ckpt = str(Path(root) / name / "step=4.ckpt")
         results[name] = {
@@ -502,3 +501,72 @@ def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_pat
     assert "error-feedback residuals" in powersgd and "PowerSGD Q matrices" in powersgd, powersgd
     local_sgd = r0["local_sgd"]["plain"][0]
     assert "1 step since the last sync" in local_sgd and "rank 0's parameters" in local_sgd, local_sgd
+
+
+def _nan_one_rank_worker(rank: int, port: int, root: str, local_update: dict, monitor: bool) -> None:
+    """Rank 1's loss is NaN after 4 steps under a local-update rule (no per-step gradient all-reduce, so only rank 1's
+    gradients are NaN and only rank 1's LitLLM raises NonFiniteError). Records what each rank raised, and when."""
+    import os
+    import time
+    from functools import partial
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import LossSpikeMonitor
+    from lit_dtrain.models import Llama, LlamaConfig
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.optim import adamw
+    from tests.faults import PoisonLossAtStep
+
+    class PoisonRank1(PoisonLossAtStep):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_rank == 1:
+                super().on_before_backward(trainer, pl_module, loss)
+
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 257, (64, 17), generator=g)
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    torch.manual_seed(0)
+    lit = LitLLM(Llama(LlamaConfig(block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16)),
+                 optimizer=partial(adamw, lr=1e-3))
+    callbacks = [PoisonRank1(4)] + ([LossSpikeMonitor(actions=["log"], warmup_steps=2)] if monitor else [])
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=12, logger=False, enable_checkpointing=False,
+                        strategy=CompressedDDPStrategy(local_update=local_update, collective_timeout_s=30,
+                                                       log_comm_metrics=False),
+                        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=root)
+    outcome = {"type": None, "message": None}
+    try:
+        trainer.fit(lit, train_dataloaders=DataLoader(data, batch_size=2))
+    except BaseException as e:  # noqa: BLE001 - record what this rank raised
+        outcome = {"type": type(e).__name__, "message": str(e)}
+    outcome["time"] = time.time()
+    torch.save(outcome, Path(root) / f"nan_one_rank{rank}.pt")
+    os._exit(0)  # not mp.spawn's join: it would kill the surviving rank as soon as rank 1 failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "monitor"), [("local_sgd", False), ("diloco", True)])
+def test_nan_on_one_rank_under_local_updates_names_the_cause_on_the_other(tmp_path, name, monitor):
+    """Rank 1 stops with NonFiniteError at step 4; rank 0's next collective (the monitor's all-reduce, or the sync)
+    then fails. Its error must say that rank 1 stopped and why, not only gloo's 'Connection closed by peer'."""
+    spec = {"name": name, "sync_period": 3}
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_nan_one_rank_worker, args=(r, port, str(tmp_path), spec, monitor))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    r0, r1 = (torch.load(tmp_path / f"nan_one_rank{r}.pt", weights_only=False) for r in range(WORLD))
+    assert r1["type"] == "NonFiniteError" and "step 4" in r1["message"], r1
+    assert r0["type"] is not None, r0  # the survivor failed too ...
+    assert r0["time"] - r1["time"] < 20, (r0, r1)  # ... at once, not after the 30 s collective timeout
+    message = r0["message"]
+    assert "rank 1 stopped" in message and "NonFiniteError" in message, message
+    assert "non-finite gradients at step 4" in message, message

@@ -31,7 +31,7 @@ from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPr
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
-from lit_dtrain.utils.distributed import destroy_process_group_at_exit
+from lit_dtrain.utils.distributed import destroy_process_group_at_exit, naming_peer_failures, record_rank_failure
 
 CHECKPOINT_KEY = "lit_dtrain_comm"
 _STATE_VERSION = 1
@@ -154,6 +154,10 @@ class CompressedDDPStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        with naming_peer_failures():  # the closure's forward/backward (DDP's collectives) and a local-update sync
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _optimizer_step(self, optimizer, closure, model=None, **kwargs):
         module = self.lightning_module
         named = CommSession.named_params(module)
         self.session.before_optimizer_step(named)
@@ -170,8 +174,41 @@ class CompressedDDPStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         # a run stopped by epochs or early stopping may end between syncs: synchronize once more
         if self.local_update is not None and self.session.comm is not None:
-            self.session.final_sync(CommSession.named_params(self.lightning_module))
+            with naming_peer_failures():
+                self.session.final_sync(CommSession.named_params(self.lightning_module))
         super().on_train_end()
+
+    # --- a rank that fails alone ----------------------------------------------------------------------------
+    # Under local updates one rank can raise alone (a NaN loss there: no gradient all-reduce spreads it). The other
+    # ranks then fail in their next collective with gloo's 'Connection closed by peer', which does not say why. The
+    # failing rank records its error in the process group's store; a rank whose collective fails (in the step, in
+    # a callback's reduce/all_gather/broadcast/barrier, or in the final sync) raises PeerRankFailedError naming it.
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        record_rank_failure(exception, trainer.global_step if trainer is not None else None)
+        super().on_exception(exception)
+
+    @override
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        with naming_peer_failures():
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor, group=None, sync_grads=False):
+        with naming_peer_failures():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj, src=0):
+        with naming_peer_failures():
+            return super().broadcast(obj, src=src)
+
+    @override
+    def barrier(self, *args, **kwargs) -> None:
+        with naming_peer_failures():
+            return super().barrier(*args, **kwargs)
 
     # --- in-memory snapshots and step undo (LossSpikeMonitor's rollback and skip) ---------------
     def comm_local_state_dict(self) -> dict:

@@ -1,8 +1,11 @@
-"""Tear the default process group down before the interpreter exits, for every backend."""
+"""Process-group helpers: tear the default group down before the interpreter exits (every backend), and name a
+peer rank's error when a collective fails because that rank stopped."""
 
 from __future__ import annotations
 
 import atexit
+import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -27,3 +30,108 @@ def destroy_process_group_at_exit() -> None:
 def _destroy_default_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --- naming a peer rank's failure -------------------------------------------------------------------------------
+# When one rank raises alone (a NaN loss on one rank under local SGD / DiLoCo, where gradients are not all-reduced),
+# the others only learn of it when their next collective fails with gloo's "Connection closed by peer", which does
+# not say why. The failing rank leaves one line in the process group's key-value store (the TCPStore every rank is
+# already connected to; no collective, nothing on the healthy path) and a rank whose collective fails reads it.
+_FAILURE_KEY = "lit_dtrain/failed/rank{}"
+_COLLECTIVE_HINTS = (
+    "gloo",
+    "nccl",
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "timeout",
+    "peer",
+    "broken pipe",
+)
+
+
+class PeerRankFailedError(RuntimeError):
+    """A collective failed because another rank had stopped with an error; the message names that rank and error."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a failed collective (a dead, hung or disconnected peer) rather than a local error."""
+    if isinstance(exc, PeerRankFailedError):
+        return False
+    backend_error = getattr(dist, "DistBackendError", None)
+    if backend_error is not None and isinstance(exc, backend_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(h in str(exc).lower() for h in _COLLECTIVE_HINTS)
+
+
+def _store_and_rank():
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None, None
+    try:
+        return dist.distributed_c10d._get_default_store(), dist.get_rank()
+    except Exception:  # noqa: BLE001 - best effort: a private torch API
+        return None, None
+
+
+def record_rank_failure(exc: BaseException, step: int | None = None) -> None:
+    """Leave ``exc`` in the store for the other ranks (best effort, never raises). A failed collective is not recorded:
+    it is the consequence of another rank's failure, not a cause."""
+    if is_collective_failure(exc) or isinstance(exc, PeerRankFailedError):
+        return
+    store, rank = _store_and_rank()
+    if store is None:
+        return
+    first = (str(exc).splitlines() or [""])[0][:400]
+    where = f" at step {step}" if step is not None else ""
+    try:
+        store.set(_FAILURE_KEY.format(rank), f"rank {rank} stopped{where}: {type(exc).__name__}: {first}")
+    except Exception:  # noqa: BLE001 - the store may be gone already (its host rank exited)
+        pass
+
+
+def peer_failures(wait_s: float = 1.0) -> list[str]:
+    """The failures other ranks recorded with :func:`record_rank_failure`; waits up to ``wait_s`` for the first."""
+    store, rank = _store_and_rank()
+    if store is None:
+        return []
+    keys = [_FAILURE_KEY.format(r) for r in range(dist.get_world_size()) if r != rank]
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            found = [store.get(k).decode(errors="replace") for k in keys if store.check([k])]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host rank (rank 0) may be gone
+        return []
+
+
+def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
+    """A :class:`PeerRankFailedError` for a failed collective: the peer's recorded error when there is one, else
+    that a peer rank stopped and where its cause is to be found."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    first = (str(exc).splitlines() or [""])[0][:300]
+    failures = peer_failures()
+    if failures:
+        cause = "; ".join(f.rstrip(". ") for f in failures)
+        return PeerRankFailedError(
+            f"rank {rank}: {cause}. This rank's next collective then failed ({type(exc).__name__}: {first}); "
+            "fix that rank's error, then resume with resume=auto"
+        )
+    return PeerRankFailedError(
+        f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): another rank stopped, hung or lost its "
+        "connection without a recorded error (killed, or it was rank 0, whose exit takes the record with it); that "
+        "rank's own output (the first traceback in the log) names the cause. Resume with resume=auto"
+    )
+
+
+@contextmanager
+def naming_peer_failures():
+    """Turn a failed collective inside the block into a :class:`PeerRankFailedError` naming the peer's error."""
+    try:
+        yield
+    except Exception as exc:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed and is_collective_failure(exc):
+            raise explain_collective_failure(exc) from exc
+        raise
