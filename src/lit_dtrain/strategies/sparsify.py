@@ -106,16 +106,70 @@ class TopK(Compressor):
         self.ratio, self.initial_ratio = float(ratio), initial_ratio
         self.ratio_warmup_steps = int(ratio_warmup_steps)
         self.value_dtype_name = value_dtype
+        # The selection groups (parameter names per DDP bucket) of the latest step, saved with the state: DDP runs
+        # the first step after a start on its initial bucket layout (one bucket) and rebuilds its buckets after it,
+        # so a resumed run's first step would select over other groups than the uninterrupted run. It selects over
+        # the saved groups instead, when its bucket is a union of several of them.
+        self._layout: list[tuple[str, ...]] = []
+        self._layout_step: int | None = None
+        self._restored_layout: dict[str, tuple[str, ...]] | None = None  # name -> its group, from load_state_dict
+        self._restored_step: int | None = None
 
     def k_at(self, numel: int, step: int) -> int:
         """Number of values kept from a buffer of ``numel`` values at ``step``."""
         ratio = topk_ratio_at(step, self.ratio, self.initial_ratio, self.ratio_warmup_steps)
         return max(1, min(numel, math.ceil(ratio * numel))) if numel else 0  # an empty buffer sends nothing
 
+    def _groups(self, segments: Sequence[Segment], step: int) -> list[list[Segment]] | None:
+        """The restored groups this bucket is a union of (two or more), at the first step after a restore; else None.
+
+        Records the groups selected over, per step, for :meth:`state_dict`."""
+        if step != self._layout_step:
+            self._layout, self._layout_step = [], step
+        if self._restored_layout is not None and self._restored_step is None:
+            self._restored_step = step
+        elif self._restored_layout is not None and step != self._restored_step:
+            self._restored_layout = None  # from the second step on DDP's rebuilt buckets are the groups
+        groups = None
+        if self._restored_layout is not None and segments:
+            names = {s.name for s in segments}
+            keys = {self._restored_layout.get(s.name) for s in segments}
+            if None not in keys and len(keys) > 1 and all(set(k) <= names for k in keys):
+                by_key: dict[tuple[str, ...], list[Segment]] = {}
+                for s in segments:
+                    by_key.setdefault(self._restored_layout[s.name], []).append(s)
+                groups = list(by_key.values())
+                self._layout.extend(by_key)  # the saved groups themselves, so a resume of a resume splits too
+                return groups
+        self._layout.append(tuple(s.name for s in segments))
+        return None
+
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
-        k = self.k_at(x.numel(), step)
-        indices = exact_topk_indices(x.abs(), k, step)
+        groups = self._groups(segments, step)
+        if groups is None:  # the common case: the bucket is one selection group
+            k = self.k_at(x.numel(), step)
+            indices = exact_topk_indices(x.abs(), k, step)
+        else:  # the first step after a resume, on DDP's initial bucket: select within each saved bucket
+            parts = []
+            for group in groups:
+                where = torch.cat([torch.arange(s.offset, s.offset + s.numel, device=x.device) for s in group])
+                part = x[where]
+                parts.append(where[exact_topk_indices(part.abs(), self.k_at(part.numel(), step), step)])
+            indices = torch.cat(parts)
+            self.num_calls += len(groups) - 1  # one call per group, as the uninterrupted run's hook made
         return [x[indices].to(_VALUE_DTYPES[self.value_dtype_name]), indices.to(torch.int32)]
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["bucket_layout"] = [list(group) for group in self._layout]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        layout = state.get("bucket_layout") or []  # absent from checkpoints written before it was kept
+        self._layout, self._layout_step = [tuple(g) for g in layout], None
+        self._restored_layout = {name: tuple(g) for g in layout for name in g} or None
+        self._restored_step = None
 
     def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
         values, indices = payload
