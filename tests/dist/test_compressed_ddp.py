@@ -573,3 +573,41 @@ def test_nan_on_one_rank_under_local_updates_names_the_cause_on_the_other(tmp_pa
     message = r0["message"]
     assert "rank 1 stopped" in message and "NonFiniteError" in message, message
     assert "non-finite gradients at step 4" in message, message
+
+
+class _ScaleRecord(L.Callback):
+    """Halves the GradScaler's scale after step 2 (as an overflow does) and records the scale the codec was told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float | None]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        scaler = trainer.precision_plugin.scaler
+        self.seen.append((float(scaler.get_scale()), trainer.strategy.compressor.grad_scale))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            trainer.precision_plugin.scaler.update(new_scale=512.0)
+        if trainer.is_global_zero and trainer.global_step == trainer.max_steps:
+            torch.save(self.seen, Path(pl_module.dump_dir) / "scales.pt")
+
+
+def test_strategy_tells_the_codec_the_gradscaler_scale(tmp_path):
+    """16-mixed (here a CPU GradScaler): before each step the strategy passes the scaler's scale to the codec, so its
+    error-feedback residual follows the scaler's changes (test_error_feedback_follows_a_gradscaler_change_of_scale).
+    Before, the codec was never told: a residual made under 1024 was added at twice its value under 512."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[_ScaleRecord()],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        strategy=CompressedDDPStrategy(start_method="spawn", compressor="topk", log_comm_metrics=False),
+    )
+    trainer.fit(TinyModule(str(tmp_path), "scale"))
+    seen = torch.load(tmp_path / "scales.pt", weights_only=True)
+    assert [s for s, _ in seen] == [1024.0] * 3 + [512.0] * 3  # no overflow here: only the forced halving
+    assert all(told == s for s, told in seen), seen
+    residual = torch.load(tmp_path / "scale_end_rank0.pt", weights_only=True)["compressor"]
+    assert residual["grad_scale"] == 512.0 and residual["residuals"]

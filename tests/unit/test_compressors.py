@@ -529,6 +529,32 @@ def test_a_finite_bucket_whose_sum_overflows_keeps_its_error_feedback(name):
     torch.testing.assert_close(residual, g - out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["fp16_ef", "int4", "int8_ef", "topk", "sign", "powersgd"])
+def test_error_feedback_follows_a_gradscaler_change_of_scale(name):
+    """Under ``16-mixed`` the buckets hold ``scale * g`` and the GradScaler halves the scale after an overflow. The
+    residual, made under the old scale, must be halved too: then every decoded step divided by its scale equals that
+    of a run whose scale never changed (the codecs commute with powers of two). Without ``set_grad_scale`` (before:
+    the strategy never told the codec) the old residual is added at twice its value."""
+    make = {"fp16_ef": lambda: HalfPrecision("fp16", error_feedback=True),
+            "int8_ef": lambda: BlockQuantizer(bits=8, error_feedback=True)}.get(name, lambda: build_compressor(name))
+    comm = LoopbackCommunicator()
+    steady, halved, unaware = make(), make(), make()
+    for step in range(6):
+        scale = 1024.0 if step < 3 else 512.0
+        steady.set_grad_scale(1024.0)
+        halved.set_grad_scale(scale)
+        a = steady.reduce(grad(step) * 1024.0, SEGMENTS, comm, step).wait() / 1024.0
+        b = halved.reduce(grad(step) * scale, SEGMENTS, comm, step).wait() / scale
+        c = unaware.reduce(grad(step) * scale, SEGMENTS, comm, step).wait() / scale
+        assert torch.equal(a, b), (name, step)
+        if step >= 3:
+            assert not torch.equal(a, c), (name, step)
+    assert halved.grad_scale == 512.0
+    restored = make()
+    restored.load_state_dict(halved.state_dict())  # the scale the residuals are in is part of the state
+    assert restored.grad_scale == 512.0
+
+
 def test_powersgd_with_another_rank_overflowed_keeps_what_it_could_not_send():
     """The other rank's gradient overflowed: the all-reduced P is non-finite on this rank too. Nothing usable was
     delivered, so this rank's residual becomes all of ``g + e`` (finite), and the replicated warm-start Q is kept."""

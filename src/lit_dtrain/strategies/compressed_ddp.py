@@ -161,6 +161,10 @@ class CompressedDDPStrategy(DDPStrategy):
         module = self.lightning_module
         named = CommSession.named_params(module)
         self.session.before_optimizer_step(named)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.compressor is not None and scaler.is_enabled():
+            # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's changes of scale
+            self.compressor.set_grad_scale(float(scaler.get_scale()))
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = module.trainer if module is not None and module._trainer is not None else None
         last = bool(trainer is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps)

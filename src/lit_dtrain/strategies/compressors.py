@@ -110,6 +110,7 @@ class Compressor:
         self.num_calls = 0
         self.rank = 0  # this process's rank, set by reduce(); seeds rank-distinct noise
         self._undo: dict | None = None  # None: off; else the pre-step state of the latest step (see undo_step)
+        self.grad_scale: float | None = None  # the GradScaler's loss scale the residuals are in (16-mixed), if any
 
     # --- codec -------------------------------------------------------------------------------
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
@@ -176,6 +177,23 @@ class Compressor:
                 saved = self._undo_copies[buffer.data_ptr()] = torch.empty_like(buffer)
             self._undo["residuals"].append((buffer, saved.copy_(buffer)))
         return buffer.add_(x)
+
+    def set_grad_scale(self, scale: float) -> None:
+        """Tell the codec the loss scale of the coming step's gradients (``16-mixed``: the GradScaler's scale).
+
+        Under a GradScaler the bucket holds ``scale * g``, so the error-feedback residual is kept in the units of the
+        scale it was made under. The scaler halves the scale after an overflow (routinely, in the first steps) and
+        doubles it after ``growth_interval`` good steps; without this the residual would then be added at 2x (or
+        0.5x) its value. A change multiplies the residuals by ``new / old`` (exact for the scaler's powers of two).
+        """
+        scale = float(scale)
+        old, self.grad_scale = self.grad_scale, scale
+        if old is None or old == scale or not math.isfinite(scale) or scale <= 0:
+            return
+        factor = scale / old
+        with torch.no_grad():
+            for residual in self.residuals.values():  # disjoint views into the flat buffers, or standalone tensors
+                residual.mul_(factor)
 
     # --- undoing a step (LossSpikeMonitor's skip) ----------------------------------------------
     def track_undo(self, enabled: bool = True) -> None:
@@ -261,11 +279,14 @@ class Compressor:
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain dict (tensors, ints, strings): name, counters and the error-feedback residuals."""
-        return {
+        state = {
             "name": self.name,
             "num_calls": self.num_calls,
             "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
         }
+        if self.grad_scale is not None:  # the loss scale the residuals are in (16-mixed)
+            state["grad_scale"] = self.grad_scale
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output; a state written by another compressor is an error."""
@@ -273,6 +294,7 @@ class Compressor:
             raise ValueError(f"compressor state is for {state.get('name')!r}, this compressor is {self.name!r}")
         self.num_calls = int(state["num_calls"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.grad_scale = state.get("grad_scale")
         self._flat_residuals = {}
         if self._undo is not None:
             self._undo, self._undo_copies = {}, {}
