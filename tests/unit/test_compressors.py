@@ -301,6 +301,20 @@ def test_topk_resumed_on_ddps_initial_bucket_selects_within_the_saved_buckets():
                                                                                            1).wait())
 
 
+def test_topk_records_its_buckets_during_the_uncompressed_warmup_too():
+    """A checkpoint written at the end of ``start_step``'s fp32 warm-up resumes into a compressed step on DDP's initial
+    bucket: the buckets of the warm-up steps must be in the state (before: empty, so that step selected across them)."""
+    comm = LoopbackCommunicator()
+    c = TopK(ratio=0.05, start_step=2)
+    na = SEGMENTS[0].numel + SEGMENTS[1].numel
+    bucket_b = [Segment(s.name, s.offset - na, s.numel, s.shape) for s in SEGMENTS[2:]]
+    for step in range(2):
+        c.reduce(grad(step)[:na].clone(), SEGMENTS[:2], comm, step).wait()
+        c.reduce(grad(step)[na:].clone(), bucket_b, comm, step).wait()
+    assert comm.take_step_record()["sent_log"] == [("all_reduce", 4 * na), ("all_reduce", 4 * (NUMEL - na))] * 2
+    assert c.state_dict()["bucket_layout"] == [["w1", "b1"], ["w2", "emb"]]
+
+
 def test_dynamic_topk_ratio_schedule():
     assert topk_ratio_at(0, 0.01, 0.25, 100) == pytest.approx(0.25)
     assert topk_ratio_at(50, 0.01, 0.25, 100) == pytest.approx(0.05)  # geometric mean

@@ -144,6 +144,11 @@ class TopK(Compressor):
         self._layout.append(tuple(s.name for s in segments))
         return None
 
+    def reduce(self, flat: Tensor, segments: Sequence[Segment], comm, step: int) -> torch.futures.Future:
+        if step < self.start_step:  # plain fp32 warm-up: record the buckets all the same, for a resume right after it
+            self._groups(segments, step)
+        return super().reduce(flat, segments, comm, step)
+
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
         groups = self._groups(segments, step)
         if groups is None:  # the common case: the bucket is one selection group
