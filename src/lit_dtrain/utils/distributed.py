@@ -115,11 +115,11 @@ def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
     if failures:
         cause = "; ".join(f.rstrip(". ") for f in failures)
         return PeerRankFailedError(
-            f"rank {rank}: {cause}. This rank's next collective then failed ({type(exc).__name__}: {first}); "
-            "fix that rank's error, then resume with resume=auto"
+            f"rank {rank}: {cause}. This rank's next collective with that peer then failed "
+            f"({type(exc).__name__}: {first}); fix that rank's error, then resume with resume=auto"
         )
     return PeerRankFailedError(
-        f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): another rank stopped, hung or lost its "
+        f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): a peer rank stopped, hung or lost its "
         "connection without a recorded error (killed, or it was rank 0, whose exit takes the record with it); that "
         "rank's own output (the first traceback in the log) names the cause. Resume with resume=auto"
     )
