@@ -569,6 +569,34 @@ def test_error_feedback_follows_a_gradscaler_change_of_scale(name):
     assert restored.grad_scale == 512.0
 
 
+@pytest.mark.parametrize("name", ["fp16_ef", "topk_fp16"])
+def test_a_payload_that_overflows_its_dtype_leaves_a_finite_residual(name):
+    """A finite fp32 gradient above fp16's 65504 (under 16-mixed: any |g| > 1 at the initial loss scale of 65536)
+    decodes as inf. The bucket still comes out non-finite (the GradScaler skips the step), and the residual goes back
+    to ``e`` (up to one rounding of ``g + e``) instead of ``g + e - inf``: later steps decode finite, close to a codec
+    that never saw the step. (Before: -inf in the residual and every later step inf, so under 16-mixed every later
+    step was skipped.)"""
+    make = {"fp16_ef": lambda: HalfPrecision("fp16", error_feedback=True),
+            "topk_fp16": lambda: TopK(ratio=0.1, value_dtype="fp16")}[name]
+    comm = LoopbackCommunicator()
+    c, clean = make(), make()
+    for step in range(2):
+        c.reduce(grad(step), SEGMENTS, comm, step).wait()
+        clean.reduce(grad(step), SEGMENTS, comm, step).wait()
+    e = c.residual_for(SEGMENTS, grad(0))
+    big = grad(2)
+    big[7] = 1e5
+    assert big.isfinite().all()
+    assert not c.reduce(big.clone(), SEGMENTS, comm, 2).wait().isfinite().all()
+    residual = c.residual_for(SEGMENTS, big)
+    assert residual.isfinite().all()
+    assert (residual - e).abs().max() <= 2.0**-23 * (e + big).abs().max()  # the step is dropped: e, up to rounding
+    for step in range(3, 6):
+        out = c.reduce(grad(step), SEGMENTS, comm, step).wait()
+        assert out.isfinite().all(), step
+        torch.testing.assert_close(out, clean.reduce(grad(step), SEGMENTS, comm, step).wait(), rtol=1e-2, atol=1e-2)
+
+
 def test_powersgd_with_another_rank_overflowed_keeps_what_it_could_not_send():
     """The other rank's gradient overflowed: the all-reduced P is non-finite on this rank too. Nothing usable was
     delivered, so this rank's residual becomes all of ``g + e`` (finite), and the replicated warm-start Q is kept."""

@@ -230,6 +230,22 @@ class Compressor:
         return True
 
     # --- communication -----------------------------------------------------------------------
+    payload_may_overflow = False  # whether a finite fp32 value can decode as inf (a cast to fp16)
+
+    def _subtract_sent(self, x: Tensor, sent: Tensor, flat: Tensor) -> None:
+        """The new residual ``x - sent``, in place (``x = g + e``, ``flat`` holds ``g``).
+
+        A payload whose dtype overflowed (fp16 holds at most 65504: a large gradient, or under 16-mixed a gradient
+        times a loss scale of up to 65536) decodes as inf although ``x`` is finite. It is still sent, so the step is
+        seen as an overflow everywhere (the GradScaler skips it; without one LitLLM stops with NonFiniteError), but
+        ``x - inf`` would leave -inf in the residual and every later step would decode to inf. The step is dropped,
+        so the residual goes back to ``e`` (as ``x - g``: up to one rounding of ``g + e``), as for a non-finite
+        bucket. The check is one sum over the decoded bucket, paid only by codecs whose payload can overflow."""
+        if self.payload_may_overflow and not all_finite(sent):
+            x.sub_(flat.detach().float())
+            return
+        x.sub_(sent)
+
     def decompress_sum(self, payloads: Sequence[Sequence[Tensor]], segments: Sequence[Segment], numel: int) -> Tensor:
         """Sum of the decoded payloads of all ranks, in rank order (override to fuse)."""
         total = self.decompress(payloads[0], segments, numel)
@@ -257,7 +273,7 @@ class Compressor:
                 raise RuntimeError(f"{self.name}: an all_reduce codec must produce exactly one payload tensor")
             payload[0].div_(world)  # in the payload dtype, as torch's fp16_compress_hook does
             if error_feedback:
-                x.sub_(self.decompress(payload, segments, numel).mul_(world))
+                self._subtract_sent(x, self.decompress(payload, segments, numel).mul_(world), flat)
 
             def finish_sum(fut: torch.futures.Future) -> Tensor:
                 return flat.copy_(self.decompress([fut.value()], segments, numel))
@@ -267,7 +283,7 @@ class Compressor:
             raise RuntimeError(f"{self.name}: unknown collective {self.collective!r}")
         payload = self.compress(x, segments, step)  # payload tensors never alias x
         if error_feedback:
-            x.sub_(self.decompress(payload, segments, numel))
+            self._subtract_sent(x, self.decompress(payload, segments, numel), flat)
 
         def finish_gather(fut: torch.futures.Future) -> Tensor:
             gathered = fut.value()  # (world, nbytes); every replica sums in rank order
@@ -349,6 +365,10 @@ class HalfPrecision(Compressor):
         self.dtype_name = dtype
         self.name = dtype
         self.dtype = _HALF_DTYPES[dtype]
+
+    @property
+    def payload_may_overflow(self) -> bool:
+        return self.dtype == torch.float16
 
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
         return [x.to(self.dtype)]

@@ -115,6 +115,10 @@ class TopK(Compressor):
         self._restored_layout: dict[str, tuple[str, ...]] | None = None  # name -> its group, from load_state_dict
         self._restored_step: int | None = None
 
+    @property
+    def payload_may_overflow(self) -> bool:  # fp16 values overflow above 65504 (bf16 only next to fp32's maximum)
+        return self.value_dtype_name != "fp32"
+
     def k_at(self, numel: int, step: int) -> int:
         """Number of values kept from a buffer of ``numel`` values at ``step``."""
         ratio = topk_ratio_at(step, self.ratio, self.initial_ratio, self.ratio_warmup_steps)
