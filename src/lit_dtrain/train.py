@@ -310,6 +310,15 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
                 f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's timestamp "
                 f"({run_name}), a new run dir that holds no checkpoint; or give ckpt_path=PATH"
             )
+        sweep_dir = Path(str(cfg.paths.output_dir)).parent
+        this_start = re.fullmatch(rf"{re.escape(run_name)}\.\d{{6}}", sweep_dir.name)
+        if re.fullmatch(_DEFAULT_RUN_NAME, run_name) and this_start:
+            # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f}): nothing to resume
+            raise ConfigError(
+                f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "
+                f"writes a new sweep dir {str(sweep_dir)!r} that holds no checkpoint. Re-run the same -m arguments "
+                f"with hydra.sweep.dir=<outputs/multiruns/<time> of that sweep>: job N resumes <sweep dir>/N"
+            )
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
 

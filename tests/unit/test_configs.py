@@ -318,3 +318,31 @@ def test_resuming_with_the_other_adamw_is_refused_before_fit(saved, configured, 
                                           r" is configured; .*init_from="):
         check_optimizer_state(tiny_cfg(f"optimizer={configured}"), str(ckpt))
     check_optimizer_state(tiny_cfg(f"optimizer={'adamw' if saved == 'torch' else 'adamw8bit'}"), str(ckpt))
+
+
+def test_resume_auto_in_a_new_multirun_dir_is_refused(tmp_path, corpus):
+    """Re-running a killed sweep as `python train.py -m ... resume=auto` wrote a new timestamped sweep dir, so every
+    job logged 'no .../last.ckpt yet, starting fresh' and retrained from step 0 (reproduced: job 1 killed at step
+    26 with last.ckpt; the re-run trained it 0..60 in a second sweep dir). With hydra.sweep.dir=<the old sweep dir>
+    each job resumes its own <dir>/<job num>, and that stays allowed."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import resolve_ckpt_path
+
+    def job_cfg(sweep_dir: Path, num: int):
+        cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+        with open_dict(cfg):  # as conf/hydra/default.yaml lays out a multirun job
+            cfg.paths.output_dir = str(sweep_dir / str(num))
+            cfg.paths.checkpoint_dir = str(sweep_dir / str(num) / "checkpoints")
+        return cfg
+
+    cfg = job_cfg(tmp_path / "multiruns" / "x", 1)
+    fresh = tmp_path / "multiruns" / f"{cfg.run_name}.123456"  # ${now:%Y-%m-%d_%H-%M-%S.%f} of this start
+    with pytest.raises(ConfigError, match=r"resume=auto in a multirun needs hydra\.sweep\.dir=<the sweep to "
+                                          rf"continue>: .*'{fresh}' .*job N resumes <sweep dir>/N"):
+        resolve_ckpt_path(job_cfg(fresh, 1))
+    old = tmp_path / "multiruns" / "2020-01-02_03-04-05.678901"  # an earlier sweep, pinned with hydra.sweep.dir
+    assert resolve_ckpt_path(job_cfg(old, 1)) is None  # that job had not started: a fresh start of it
+    (old / "1" / "checkpoints").mkdir(parents=True)
+    (old / "1" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    assert resolve_ckpt_path(job_cfg(old, 1)) == str(old / "1" / "checkpoints" / "last.ckpt")
