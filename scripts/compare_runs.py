@@ -1,25 +1,27 @@
 #!/usr/bin/env python
-"""Compare runs from their TensorBoard event files: a PNG of val loss (or any scalar) against step, and a
-markdown table of final and best values.
+"""Compare runs from their TensorBoard event files (or ``logger=csv``'s metrics.csv): a PNG of val loss (or any
+scalar) against step, and a markdown table of final and best values.
 
     python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
     python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
     python scripts/compare_runs.py RUN... --metric val/loss --metric lr-AdamW/decay   # one panel per metric
 
-A RUN is a run dir (event files anywhere below it, e.g. ``tb/``) or a sweep dir whose job subdirs are
-runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
+A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
+dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
 (``.hydra/overrides.yaml``), else from the dir names. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import sys
 from pathlib import Path
 
 EVENT_GLOB = "events.out.tfevents.*"
+CSV_NAME = "metrics.csv"  # Lightning's CSVLogger (logger=csv: ResumableCSVLogger) writes <run>/csv/metrics.csv
 
 
 class CompareError(ValueError):
@@ -27,8 +29,8 @@ class CompareError(ValueError):
 
 
 def event_dirs(run: Path) -> list[Path]:
-    """Dirs below ``run`` that hold TensorBoard event files (sorted)."""
-    return sorted({p.parent for p in run.rglob(EVENT_GLOB)})
+    """Dirs below ``run`` that hold TensorBoard event files or a CSV logger's metrics.csv (sorted)."""
+    return sorted({p.parent for p in run.rglob(EVENT_GLOB)} | {p.parent for p in run.rglob(CSV_NAME) if p.is_file()})
 
 
 def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path]:
@@ -40,8 +42,8 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
     skipped = [] if skipped is None else skipped
 
     def skip(job: Path) -> None:
-        print(f"compare_runs: skipping {job} (a Hydra job without TensorBoard event files: it failed before "
-              "logging, or has not started)", file=sys.stderr)
+        print(f"compare_runs: skipping {job} (a Hydra job without TensorBoard event files or {CSV_NAME}: it failed "
+              "before logging, or has not started)", file=sys.stderr)
         skipped.append(str(job))
 
     for raw in paths:
@@ -59,7 +61,8 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
                 if (path / ".hydra").is_dir():  # e.g. one job of the README's `outputs/multiruns/<time>/*` glob
                     skip(path)
                     continue
-                raise CompareError(f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) below it")
+                raise CompareError(f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) or CSV metrics "
+                                   f"({CSV_NAME}) below it")
             runs.append(path)
         else:
             runs.extend(jobs)
@@ -67,7 +70,7 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
                 if (d / ".hydra").is_dir() and not event_dirs(d):
                     skip(d)
     if not runs and skipped:
-        raise CompareError(f"no run has TensorBoard event files; skipped {skipped}")
+        raise CompareError(f"no run has TensorBoard event files or {CSV_NAME}; skipped {skipped}")
     return runs
 
 
@@ -85,7 +88,8 @@ def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of a run: ``{tag: [(step, value), ...]}`` sorted by step.
 
     Several event files (a resumed run appends a new one) are merged; for a step logged twice, the
-    later write wins.
+    later write wins. A ``metrics.csv`` (``logger=csv``) is read too: one column per tag, rows in logging order
+    (a later row wins; ``epoch`` and ``step`` are not scalars).
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -98,7 +102,27 @@ def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
             for e in acc.Scalars(tag):
                 if e.step not in per_step or e.wall_time >= per_step[e.step][0]:
                     per_step[e.step] = (e.wall_time, float(e.value))
+        csv_file = d / CSV_NAME
+        if csv_file.is_file():
+            for tag, step, value in read_csv_metrics(csv_file):
+                merged.setdefault(tag, {})[step] = (math.inf, value)
     return {tag: [(s, v) for s, (_, v) in sorted(steps.items())] for tag, steps in merged.items()}
+
+
+def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if "step" not in (reader.fieldnames or []):
+            raise CompareError(f"{path} has no 'step' column, so it is not a Lightning CSVLogger metrics file; "
+                               f"its columns are {reader.fieldnames}")
+        out = []
+        for row in reader:
+            if not row.get("step"):
+                continue
+            step = int(float(row["step"]))
+            out += [(tag, step, float(v)) for tag, v in row.items() if tag not in ("step", "epoch") and v]
+    return out
 
 
 def hydra_overrides(run: Path) -> list[str]:

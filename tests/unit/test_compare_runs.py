@@ -136,3 +136,38 @@ def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_t
     assert rows["a"]["best"] == rows["a"]["final"] == pytest.approx(4.864140510559082)
     assert (rows["b"]["best_step"], rows["b"]["best"], rows["b"]["final_step"]) == (5, pytest.approx(4.7), 6)
     assert "| a | 6 | 4.8641 | 4.8641 (6) | +1.34% |" in result["markdown"]
+
+
+def write_csv_run(run: Path, values: dict[int, float]) -> Path:
+    """A `logger=csv` run: Lightning's metrics.csv in <run>/csv/, written by the project's CSV logger."""
+    from lit_dtrain.loggers import ResumableCSVLogger
+
+    logger = ResumableCSVLogger(save_dir=str(run), name="csv", version="")
+    for step, v in sorted(values.items()):
+        logger.log_metrics({"train/loss": v + 1.0}, step)
+        logger.log_metrics({"val/loss": v, "epoch": 0}, step)
+    logger.save()
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- logger=csv\n")
+    return run
+
+
+def test_csv_logger_runs_are_compared(tmp_path, capsys):
+    """`python train.py -m logger=csv ...` then compare_runs: every job was 'skipping ... (a Hydra job without
+    TensorBoard event files: it failed before logging, or has not started)' and the comparison ended with
+    'no run has TensorBoard event files', for two finished runs. Their metrics.csv is read now, also next to a
+    TensorBoard run."""
+    sweep = tmp_path / "sweep"
+    write_csv_run(sweep / "0", {9: 3.9099, 19: 3.4014, 20: 3.4014})
+    write_csv_run(sweep / "1", {9: 3.3350, 19: 3.1988, 20: 3.1988})
+    result = compare_runs.compare([str(sweep)], ["val/loss", "train/loss"], out=str(tmp_path / "c.png"))
+    rows = {r["dir"]: r for r in result["runs"]}
+    assert (rows[str(sweep / "0")]["final_step"], rows[str(sweep / "0")]["final"]) == (20, pytest.approx(3.4014))
+    assert (rows[str(sweep / "1")]["best_step"], rows[str(sweep / "1")]["best"]) == (20, pytest.approx(3.1988))
+    assert result["skipped"] == [] and result["best"] == "1"
+    tb = write_run(tmp_path / "tb", {9: 3.5, 20: 3.3})
+    mixed = compare_runs.compare([str(sweep / "0"), str(tb)], ["val/loss"], out=str(tmp_path / "m.png"))
+    expected = [("0", pytest.approx(3.4014)), ("tb", pytest.approx(3.3))]
+    assert [(r["label"], r["final"]) for r in mixed["runs"]] == expected
+    assert "skipping" not in capsys.readouterr().err
+
