@@ -167,10 +167,32 @@ def summarize(series: list[tuple[int, float]]) -> dict:
     return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
 
 
+def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | None:
+    """Whether a ``train.py`` run dir (it has ``config_resolved.yaml``) ran to its end: ``train(cfg)`` writes
+    ``summary.json`` last, with the steps trained. False without it (killed, preempted, still running) or when the
+    run logged past those steps (resumed, then stopped). None for other dirs: nothing tells."""
+    if not (run / "config_resolved.yaml").is_file():
+        return None
+    try:
+        steps = json.loads((run / "summary.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    last = max((series[-1][0] for series in scalars.values() if series), default=0)
+    return isinstance(steps, int) and last <= steps
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The run with the lowest finite final value, among the finished ones when any run is marked unfinished."""
+    finite = [r for r in rows if math.isfinite(r["final"])]
+    done = [r for r in finite if r.get("finished") is not False]
+    return min(done or finite, key=lambda r: r["final"]) if finite else None
+
+
 def markdown_table(rows: list[dict], metric: str) -> str:
-    """One row per run: label, final step, final and best ``metric``, and the final's gap to the best run's."""
-    finals = [r["final"] for r in rows if math.isfinite(r["final"])]
-    ref = min(finals) if finals else float("nan")
+    """One row per run: label, final step (marked when the run did not finish), final and best ``metric``, and
+    the final's gap to the best run's."""
+    best = best_row(rows)
+    ref = best["final"] if best else float("nan")
     lines = [
         f"| run | final step | final {metric} | best {metric} (step) | vs best final |",
         "|---|---:|---:|---:|---:|",
@@ -180,8 +202,9 @@ def markdown_table(rows: list[dict], metric: str) -> str:
             lines.append(f"| {r['label']} | - | - | - | - |")
             continue
         gap = (r["final"] / ref - 1) * 100 if math.isfinite(r["final"]) and ref else float("nan")
+        step = f"{r['final_step']} (unfinished)" if r.get("finished") is False else r["final_step"]
         lines.append(
-            f"| {r['label']} | {r['final_step']} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
+            f"| {r['label']} | {step} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
             f"{gap:+.2f}% |"
         )
     return "\n".join(lines) + "\n"
@@ -237,7 +260,11 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
                       f"it has {sorted(scalars)}", file=sys.stderr)
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
         curves[label] = {m: scalars.get(m, []) for m in metrics}
-        rows.append({"label": label, "dir": str(run), **summarize(scalars.get(metrics[0], [])),
+        if finished(run, scalars) is False:
+            print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
+                  "that reports): its row is marked '(unfinished)'", file=sys.stderr)
+        rows.append({"label": label, "dir": str(run), "finished": finished(run, scalars),
+                     **summarize(scalars.get(metrics[0], [])),
                      **({"missing": True} if metrics[0] not in scalars else {})})
     text = markdown_table(rows, metrics[0])
     if table:
@@ -247,8 +274,7 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         if not Path(out).suffix:  # matplotlib would append .png itself; report the file actually written
             out = f"{out}.png"
         plot(curves, metrics, Path(out), title=title, logy=logy)
-    finite = [r for r in rows if math.isfinite(r["final"])]
-    best = min(finite, key=lambda r: r["final"])["label"] if finite else None
+    best = best_row(rows)["label"] if best_row(rows) else None
     return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "skipped": skipped,
             "markdown": text}
 

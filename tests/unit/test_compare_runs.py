@@ -171,3 +171,26 @@ def test_csv_logger_runs_are_compared(tmp_path, capsys):
     assert [(r["label"], r["final"]) for r in mixed["runs"]] == expected
     assert "skipping" not in capsys.readouterr().err
 
+
+
+def test_unfinished_runs_are_marked_in_the_table(tmp_path):
+    """A sweep job killed at step 28 of 60 (SIGTERM: last.ckpt, no summary.json) was tabulated like the finished
+    jobs: '| optimizer.lr=0.003 | 19 | 3.1411 | 3.1411 (19) | +8.77% |' beside a job's final at step 60, with
+    nothing saying that it stopped early. A run dir of train.py without summary.json, or one that logged past the
+    steps its summary.json reports (resumed, then killed), is marked now and is not the best run."""
+    done = write_run(tmp_path / "done", {9: 3.5, 19: 3.2, 20: 3.2})
+    (done / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (done / "summary.json").write_text(json.dumps({"val_loss": 3.2, "steps": 20}))
+    killed = write_run(tmp_path / "killed", {9: 3.4, 19: 3.04})
+    (killed / "config_resolved.yaml").write_text("trainer: {max_steps: 60}\n")
+    resumed = write_run(tmp_path / "resumed", {9: 3.6, 19: 3.3, 20: 3.3, 29: 3.25})
+    (resumed / "config_resolved.yaml").write_text("trainer: {max_steps: 60}\n")
+    (resumed / "summary.json").write_text(json.dumps({"val_loss": 3.3, "steps": 20}))
+    result = compare_runs.compare([str(done), str(killed), str(resumed)], ["val/loss"], out=str(tmp_path / "c.png"))
+    rows = {r["label"]: r for r in result["runs"]}
+    assert [rows[k]["finished"] for k in ("done", "killed", "resumed")] == [True, False, False]
+    assert result["best"] == "done"  # killed has the lowest value, at step 19 of 60
+    md = result["markdown"]
+    assert "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |" in md  # the gap is to the best (finished) run
+    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | -5.00% |" in md
+    assert "| resumed | 29 (unfinished) | 3.2500 |" in md
