@@ -1,0 +1,20 @@
+"""``python train.py -m ...``: what a sweep reports about its jobs."""
+
+import subprocess
+
+from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+
+
+def test_every_failed_sweep_job_says_why_in_its_own_dir(tmp_path, corpus):
+    """`python train.py -m optimizer.lr=-5,1e-3,-6`: Hydra runs every job and, at the end, prints the error of the
+    first failed one only. Job 2's 'optimizer.lr must be > 0, got -6' was written nowhere: its dir held .hydra/
+    and an empty train.log. Each failed job now logs its error to its train.log (and the console) as it fails."""
+    args = ["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "optimizer.lr=-5,-6"]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "multiruns").iterdir()
+    for job, lr in (("0", "-5"), ("1", "-6")):
+        log = (sweep / job / "train.log").read_text()
+        assert f"job {job} failed: ConfigError: optimizer.lr must be > 0, got {lr}" in log, log
+    assert "job 1 failed: ConfigError: optimizer.lr must be > 0, got -6" in proc.stdout + proc.stderr
