@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -188,9 +189,19 @@ def best_row(rows: list[dict]) -> dict | None:
     return min(done or finite, key=lambda r: r["final"]) if finite else None
 
 
-def markdown_table(rows: list[dict], metric: str) -> str:
+def job_error(job: Path) -> str | None:
+    """The error a failed sweep job logged to its ``train.log`` (``train.py``: ``job N failed: Type: message``)."""
+    try:
+        text = (job / "train.log").read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"job \d+ failed: (.*)", text)
+    return match.group(1).strip() if match else None
+
+
+def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = ()) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric``, and
-    the final's gap to the best run's."""
+    the final's gap to the best run's; then one row per sweep job that logged nothing, with its error if any."""
     best = best_row(rows)
     ref = best["final"] if best else float("nan")
     lines = [
@@ -207,6 +218,10 @@ def markdown_table(rows: list[dict], metric: str) -> str:
             f"| {r['label']} | {step} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
             f"{gap:+.2f}% |"
         )
+    for job in skipped:
+        status = (f"failed: {job['error']}" if job.get("error")
+                  else "no metrics logged (not started, or stopped before logging)")
+        lines.append(f"| {job['label']} | {status.replace('|', '/')} | - | - | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -247,7 +262,10 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
     if labels and len(labels) != len(run_dirs):
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
-    labels = labels or make_labels(run_dirs)
+    all_labels = make_labels(run_dirs + [Path(j) for j in skipped])  # a failed job's differing value labels it too
+    labels = labels or all_labels[: len(run_dirs)]
+    skipped_jobs = [{"label": label, "dir": job, "error": job_error(Path(job))}
+                    for label, job in zip(all_labels[len(run_dirs):], skipped)]
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
@@ -266,7 +284,7 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         rows.append({"label": label, "dir": str(run), "finished": finished(run, scalars),
                      **summarize(scalars.get(metrics[0], [])),
                      **({"missing": True} if metrics[0] not in scalars else {})})
-    text = markdown_table(rows, metrics[0])
+    text = markdown_table(rows, metrics[0], skipped_jobs)
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)
         Path(table).write_text(text)
@@ -276,7 +294,7 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         plot(curves, metrics, Path(out), title=title, logy=logy)
     best = best_row(rows)["label"] if best_row(rows) else None
     return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "skipped": skipped,
-            "markdown": text}
+            "skipped_jobs": skipped_jobs, "markdown": text}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,3 +194,26 @@ def test_unfinished_runs_are_marked_in_the_table(tmp_path):
     assert "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |" in md  # the gap is to the best (finished) run
     assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | -5.00% |" in md
     assert "| resumed | 29 (unfinished) | 3.2500 |" in md
+
+
+def test_failed_sweep_jobs_have_a_row_in_the_table(tmp_path):
+    """`python train.py -m optimizer.lr=1e-3,-5,3e-3`: the failed job was only named on stderr and in the JSON's
+    'skipped'; the markdown table (what goes into a report) listed 2 runs of a 3-job sweep as if that was all.
+    It has a row now, labelled like the others, with the error train.py logged to the job's train.log."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3", "trainer.max_steps=5"])
+    (sweep / "1" / ".hydra").mkdir(parents=True)
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=-5\n- trainer.max_steps=5\n")
+    (sweep / "1" / "train.log").write_text(
+        "[2026-12-03 19:57:47,120][lit_dtrain.train][ERROR] - job 1 failed: ConfigError: optimizer.lr must be > 0, "
+        "got -5\nTraceback (most recent call last):\n  File \"train.py\", line 19, in main\n"
+    )
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # not started yet (or killed before logging): no error logged
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=1e-2\n- trainer.max_steps=5\n")
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "s.png"))
+    assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3"]
+    assert result["skipped"] == [str(sweep / "1"), str(sweep / "2")]
+    md = result["markdown"].splitlines()
+    assert md[2] == "| optimizer.lr=1e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
+    assert md[3] == "| optimizer.lr=-5 | failed: ConfigError: optimizer.lr must be > 0, got -5 | - | - | - |"
+    assert md[4] == "| optimizer.lr=1e-2 | no metrics logged (not started, or stopped before logging) | - | - | - |"
