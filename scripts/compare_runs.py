@@ -134,17 +134,29 @@ def hydra_overrides(run: Path) -> list[str]:
 
 
 def make_labels(runs: list[Path]) -> list[str]:
-    """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``) if short, else dir names."""
+    """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
+    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it."""
     overrides = [hydra_overrides(r) for r in runs]
     if len(runs) > 1 and all(overrides):
         common = set.intersection(*(set(o) for o in overrides))
-        labels = [" ".join(o for o in ov if o not in common and not o.startswith("run_name=")) for ov in overrides]
-        if all(labels) and len(set(labels)) == len(labels) and max(map(len, labels)) <= 60:
+        differing = [[o for o in ov if o not in common and not o.startswith("run_name=")] for ov in overrides]
+        labels = [" ".join(d) for d in differing]
+        if all(labels) and len(set(labels)) == len(labels):
+            if max(map(len, labels)) > 60:
+                keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
+                short = {k: k.rsplit(".", 1)[-1] for k in keys}
+                clash = {v for v in short.values() if list(short.values()).count(v) > 1}
+                labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
             return labels
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         names = [f"{r.parent.name}/{r.name}" for r in runs]
     return names
+
+
+def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:
+    key, sep, value = override.partition("=")
+    return f"{short[key]}={value}" if sep and short[key] not in clash else override
 
 
 def summarize(series: list[tuple[int, float]]) -> dict:

@@ -217,3 +217,31 @@ def test_failed_sweep_jobs_have_a_row_in_the_table(tmp_path):
     assert md[2] == "| optimizer.lr=1e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
     assert md[3] == "| optimizer.lr=-5 | failed: ConfigError: optimizer.lr must be > 0, got -5 | - | - | - |"
     assert md[4] == "| optimizer.lr=1e-2 | no metrics logged (not started, or stopped before logging) | - | - | - |"
+
+
+def test_long_differing_overrides_still_label_the_runs(tmp_path):
+    """A 2x2x2 sweep (scheduler, optimizer.lr, optimizer.weight_decay): its labels such as 'scheduler=cosine
+    optimizer.lr=0.003 optimizer.weight_decay=0.1' are over 60 characters, so every run was labelled by its job
+    dir, '0' ... '7', in the table and the legend: nothing said which run was which. Dotted keys are shortened to
+    their last part when that keeps the labels unique, and the overrides are kept even when long."""
+    sweep = tmp_path / "sweep"
+    i = 0
+    for sched in ("wsd", "cosine"):
+        for lr in ("0.001", "0.003"):
+            for wd in ("0.0", "0.1"):
+                ov = [f"scheduler={sched}", f"optimizer.lr={lr}", f"optimizer.weight_decay={wd}", "trainer.max_steps=5"]
+                write_run(sweep / str(i), {5: 3.0 - i * 0.01}, overrides=ov)
+                i += 1
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "s.png"))
+    labels = [r["label"] for r in result["runs"]]
+    assert labels[0] == "scheduler=wsd lr=0.001 weight_decay=0.0"
+    assert labels[7] == "scheduler=cosine lr=0.003 weight_decay=0.1" and result["best"] == labels[7]
+    # a shortened key that would make two labels equal keeps its full name
+    a = write_run(tmp_path / "x" / "a", {5: 3.0}, overrides=["optimizer.lr=0.001", "optimizer.weight_decay=0.1",
+                                                            "foo.bar.baz.qux=1"])
+    b = write_run(tmp_path / "x" / "b", {5: 2.9}, overrides=["optimizer.lr=0.003", "optimizer.weight_decay=0.0",
+                                                            "foo.bar.baz.qux=2"])
+    assert compare_runs.make_labels([a, b]) == ["lr=0.001 weight_decay=0.1 qux=1", "lr=0.003 weight_decay=0.0 qux=2"]
+    c = write_run(tmp_path / "y" / "c", {5: 3.0}, overrides=["model.lr=1", "optimizer.lr=1"])
+    d = write_run(tmp_path / "y" / "d", {5: 3.0}, overrides=["model.lr=1", "optimizer.lr=2"])
+    assert compare_runs.make_labels([c, d]) == ["optimizer.lr=1", "optimizer.lr=2"]  # short enough: as before
