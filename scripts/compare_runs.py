@@ -197,7 +197,7 @@ def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | N
 def best_row(rows: list[dict]) -> dict | None:
     """The run with the lowest finite final value, among the finished ones when any run is marked unfinished."""
     finite = [r for r in rows if math.isfinite(r["final"])]
-    done = [r for r in finite if r.get("finished") is not False]
+    done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
     return min(done or finite, key=lambda r: r["final"]) if finite else None
 
 
@@ -222,19 +222,28 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = ()) -> s
     ]
     for r in rows:
         if r.get("missing"):  # the run has not logged the metric at all
-            lines.append(f"| {r['label']} | - | - | - | - |")
+            status = f"failed: {_cell(r['error'])}" if r.get("error") else "-"
+            lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
         gap = (r["final"] / ref - 1) * 100 if math.isfinite(r["final"]) and ref else float("nan")
-        step = f"{r['final_step']} (unfinished)" if r.get("finished") is False else r["final_step"]
+        step = r["final_step"]
+        if r.get("finished") is False or r.get("error"):
+            step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
         lines.append(
             f"| {r['label']} | {step} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
             f"{gap:+.2f}% |"
         )
     for job in skipped:
-        status = (f"failed: {job['error']}" if job.get("error")
+        status = (f"failed: {_cell(job['error'])}" if job.get("error")
                   else "no metrics logged (not started, or stopped before logging)")
-        lines.append(f"| {job['label']} | {status.replace('|', '/')} | - | - | - |")
+        lines.append(f"| {job['label']} | {status} | - | - | - |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str, limit: int = 100) -> str:
+    """An error message as one table cell: no '|', at most ``limit`` characters (the JSON keeps all of it)."""
+    text = text.replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
@@ -290,10 +299,12 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
                       f"it has {sorted(scalars)}", file=sys.stderr)
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
         curves[label] = {m: scalars.get(m, []) for m in metrics}
-        if finished(run, scalars) is False:
+        done = finished(run, scalars)
+        error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
+        if done is False:
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
-        rows.append({"label": label, "dir": str(run), "finished": finished(run, scalars),
+        rows.append({"label": label, "dir": str(run), "finished": done, **({"error": error} if error else {}),
                      **summarize(scalars.get(metrics[0], [])),
                      **({"missing": True} if metrics[0] not in scalars else {})})
     text = markdown_table(rows, metrics[0], skipped_jobs)

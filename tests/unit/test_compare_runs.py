@@ -245,3 +245,32 @@ def test_long_differing_overrides_still_label_the_runs(tmp_path):
     c = write_run(tmp_path / "y" / "c", {5: 3.0}, overrides=["model.lr=1", "optimizer.lr=1"])
     d = write_run(tmp_path / "y" / "d", {5: 3.0}, overrides=["model.lr=1", "optimizer.lr=2"])
     assert compare_runs.make_labels([c, d]) == ["optimizer.lr=1", "optimizer.lr=2"]  # short enough: as before
+
+
+def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path):
+    """`python train.py -m optimizer.lr=3e-3,1e4`: job 1 raised NonFiniteError at step 1 after its logger had
+    written an event file, so it was not a skipped job; its row was '| optimizer.lr=10000.0 | - | - | - | - |' and
+    the error stayed in its train.log. A run dir whose train.log holds train.py's 'job N failed' line now shows the
+    error where it has no value, and '(failed)' beside its last step where it has."""
+    ok = write_run(tmp_path / "s" / "0", {5: 3.0}, overrides=["optimizer.lr=3e-3"])
+    bad = tmp_path / "s" / "1"
+    SummaryWriter(str(bad / "tb")).close()
+    (bad / ".hydra").mkdir(parents=True)
+    (bad / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=10000.0\n")
+    (bad / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 1 failed: NonFiniteError: non-finite "
+                                   "gradients at step 1 (train/loss=5.5)\nTraceback (most recent call last):\n")
+    mid = write_run(tmp_path / "s" / "2", {5: 3.5, 10: 3.4}, overrides=["optimizer.lr=1e-1"])
+    (mid / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (mid / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 2 failed: LossSpikeError: spike at 11\n")
+    result = compare_runs.compare([str(tmp_path / "s")], ["val/loss"], out=str(tmp_path / "c.png"))
+    md = result["markdown"].splitlines()
+    assert md[2] == "| optimizer.lr=3e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
+    assert md[3] == ("| optimizer.lr=10000.0 | failed: NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)"
+                     " | - | - | - |")
+    assert md[4] == "| optimizer.lr=1e-1 | 10 (failed) | 3.4000 | 3.4000 (10) | +13.33% |"
+    errors = [r.get("error") for r in result["runs"]]
+    assert errors == [None, "NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)",
+                      "LossSpikeError: spike at 11"]
+    assert ok.name == "0"
+    long = compare_runs._cell("NonFiniteError: " + "x" * 200 + " | y")  # the table cell, not the JSON, is cut
+    assert len(long) == 100 and long.endswith("...") and "|" not in long
