@@ -425,6 +425,9 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     if n_tokens <= 0 or not hasattr(module.model, "generate"):
         return ""
     model = getattr(module.model, "_orig_mod", module.model)
+    if not all(torch.isfinite(p).all() for p in model.parameters()):  # torch.multinomial would raise on NaN
+        log.warning("no text sample: the model's weights are not finite (the run diverged; val_loss is NaN)")
+        return ""
     prompt = datamodule.tokenizer.prompt_ids(str(gen_cfg.get("prompt", "def ")))
     ids = torch.as_tensor(prompt.astype("int64"))[None].to(module.device)
     g = torch.Generator(device=module.device.type).manual_seed(int(cfg.seed))

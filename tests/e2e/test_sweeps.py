@@ -1,5 +1,6 @@
 """``python train.py -m ...``: what a sweep reports about its jobs."""
 
+import json
 import subprocess
 
 from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
@@ -18,3 +19,20 @@ def test_every_failed_sweep_job_says_why_in_its_own_dir(tmp_path, corpus):
         log = (sweep / job / "train.log").read_text()
         assert f"job {job} failed: ConfigError: optimizer.lr must be > 0, got {lr}" in log, log
     assert "job 1 failed: ConfigError: optimizer.lr must be > 0, got -6" in proc.stdout + proc.stderr
+
+
+def test_a_diverged_run_without_the_finite_check_still_reports_its_nan(tmp_path, corpus):
+    """An LR sweep with module.check_finite=false lets a too-high LR diverge, which is a result to compare: job
+    'optimizer.lr=1e4' trained to the end with NaN weights, then died in the end-of-run text sample with
+    'RuntimeError: probability tensor contains either `inf`, `nan` or element < 0' (torch.multinomial), after its
+    last checkpoint and before summary.json, so the sweep listed it as failed. The sample is skipped now, with a
+    warning, and summary.json reports val_loss null (NaN)."""
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "optimizer.lr=1e4",
+            "module.check_finite=false", "trainer.gradient_clip_val=null", "run_name=diverged"]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "outputs" / "runs" / "diverged" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["val_loss"] is None
+    assert "no text sample: the model's weights are not finite" in out
