@@ -24,6 +24,11 @@ def load_model(path: str):
         model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
         raise SystemExit(str(e)) from e
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:  # a diverged run's checkpoint: NaN logits (multinomial raises; greedy picks token 0 every time)
+        raise SystemExit(f"checkpoint {path!r} (step {ckpt.get('global_step')}) has non-finite weights ({bad[0]}"
+                         f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged; sample from an "
+                         "earlier checkpoint of it")
     return model, ckpt
 
 

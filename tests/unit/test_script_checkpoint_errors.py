@@ -195,3 +195,19 @@ def test_the_datamodule_state_records_val_fraction(tmp_path):
     from lit_dtrain.data import LMDataModule
 
     assert LMDataModule(val_fraction=0.07, cache_dir=str(tmp_path)).state_dict()["val_fraction"] == 0.07
+
+
+@pytest.mark.parametrize("temperature", ["0.8", "0"])
+def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, temperature):
+    """The last.ckpt of a sweep job that diverged (module.check_finite=false, optimizer.lr=1e4): generate.py died in
+    torch.multinomial with 'RuntimeError: probability tensor contains either inf, nan or element < 0', and with
+    --temperature 0 printed 'def ' and five NUL bytes (argmax of NaN logits) as if it were text."""
+    import torch
+
+    ckpt = _tiny_checkpoint(tmp_path / "last.ckpt")
+    data = torch.load(ckpt, weights_only=True)
+    key = next(k for k in data["state_dict"] if k.endswith("attn.wq.weight"))
+    data["state_dict"][key] = torch.full_like(data["state_dict"][key], float("nan"))
+    torch.save(data, ckpt)
+    with pytest.raises(SystemExit, match=rf"checkpoint '{ckpt}' \(step 3\) has non-finite weights \({key[6:]}"):
+        _script("generate").main([str(ckpt), "--temperature", temperature, "--max-new-tokens", "5"])
