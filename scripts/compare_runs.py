@@ -172,11 +172,13 @@ def summarize(series: list[tuple[int, float]]) -> dict:
         (prev_step, prev), (last_step, last) = series[-2], series[-1]
         if last_step == prev_step + 1 and math.isclose(prev, last, rel_tol=1e-5):
             series = [*series[:-2], series[-1]]
-    finite = [(s, v) for s, v in series if math.isfinite(v)]
-    if not finite:
+    if not series:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
-    best_step, best = min(finite, key=lambda sv: sv[1])
     final_step, final = series[-1]
+    finite = [(s, v) for s, v in series if math.isfinite(v)]
+    if not finite:  # diverged from the first point: its steps are still known
+        return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
+    best_step, best = min(finite, key=lambda sv: sv[1])
     return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
 
 
@@ -225,14 +227,13 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = ()) -> s
             status = f"failed: {_cell(r['error'])}" if r.get("error") else "-"
             lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
-        gap = (r["final"] / ref - 1) * 100 if math.isfinite(r["final"]) and ref else float("nan")
+        comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
+        gap = f"{(r['final'] / ref - 1) * 100:+.2f}%" if comparable else "-"
+        best = f"{r['best']:.4f} ({r['best_step']})" if r["best_step"] is not None else "-"
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
-        lines.append(
-            f"| {r['label']} | {step} | {r['final']:.4f} | {r['best']:.4f} ({r['best_step']}) | "
-            f"{gap:+.2f}% |"
-        )
+        lines.append(f"| {r['label']} | {step} | {r['final']:.4f} | {best} | {gap} |")
     for job in skipped:
         status = (f"failed: {_cell(job['error'])}" if job.get("error")
                   else "no metrics logged (not started, or stopped before logging)")

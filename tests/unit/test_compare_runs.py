@@ -274,3 +274,19 @@ def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path):
     assert ok.name == "0"
     long = compare_runs._cell("NonFiniteError: " + "x" * 200 + " | y")  # the table cell, not the JSON, is cut
     assert len(long) == 100 and long.endswith("...") and "|" not in long
+
+
+def test_a_run_whose_values_are_all_nan_keeps_its_steps(tmp_path):
+    """A diverged run (module.check_finite=false, optimizer.lr=1e4) logs val/loss NaN at every check, 4 ... 20: its
+    row read '| b | None | nan | nan (None) | +nan% |', as if it had logged nothing. Its last step is 20 and its
+    final value NaN; it has no best value and no gap."""
+    a = write_run(tmp_path / "a", {4: 3.4, 20: 3.19})
+    b = write_run(tmp_path / "b", {4: float("nan"), 20: float("nan")})
+    c = write_run(tmp_path / "c", {4: 3.5, 20: float("nan")})  # diverged after a finite check
+    result = compare_runs.compare([str(a), str(b), str(c)], ["val/loss"], out=str(tmp_path / "c.png"))
+    rows = {r["label"]: r for r in result["runs"]}
+    assert (rows["b"]["final_step"], rows["b"]["best_step"]) == (20, None)
+    md = result["markdown"].splitlines()
+    assert md[3] == "| b | 20 | nan | - | - |"
+    assert md[4] == "| c | 20 | nan | 3.5000 (4) | - |"
+    assert result["best"] == "a"
