@@ -35,7 +35,8 @@ def event_dirs(run: Path) -> list[Path]:
 
 
 def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path]:
-    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are.
+    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are. A dir
+    that holds sweeps or run dirs deeper down (``outputs``, ``outputs/multiruns``) is expanded into each of them.
 
     A Hydra job dir (``.hydra/``) without event files, a sweep job that failed before logging anything, is
     skipped with a warning on stderr and appended to ``skipped``; it does not stop the comparison."""
@@ -54,6 +55,11 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
             continue
         if not path.is_dir():
             raise CompareError(f"run dir {raw!r} does not exist")
+        if _holds_runs(path):
+            subs = [d for d in sorted(path.iterdir(), key=_job_key)
+                    if d.is_dir() and (event_dirs(d) or _hydra_below(d))]
+            runs.extend(expand_runs([str(d) for d in subs], skipped))
+            continue
         own = [d for d in event_dirs(path) if not _inside_job(d, path)]
         subdirs = sorted((d for d in path.iterdir() if d.is_dir()), key=_job_key)
         jobs = [d for d in subdirs if event_dirs(d)]
@@ -73,6 +79,22 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
     if not runs and skipped:
         raise CompareError(f"no run has TensorBoard event files or {CSV_NAME}; skipped {skipped}")
     return runs
+
+
+def _is_run_dir(d: Path) -> bool:
+    return (d / ".hydra").is_dir() or (d / "summary.json").is_file()
+
+
+def _hydra_below(d: Path) -> bool:
+    return any(p.is_dir() for p in d.rglob(".hydra"))
+
+
+def _holds_runs(path: Path) -> bool:
+    """Whether ``path`` is no run but holds run dirs two or more levels down (sweep dirs, ``runs/``): merging their
+    event files would make one run of many."""
+    if _is_run_dir(path):
+        return False
+    return any(len(p.parent.relative_to(path).parts) >= 2 for p in path.rglob(".hydra") if p.is_dir())
 
 
 def _inside_job(event_dir: Path, root: Path) -> bool:

@@ -290,3 +290,25 @@ def test_a_run_whose_values_are_all_nan_keeps_its_steps(tmp_path):
     assert md[3] == "| b | 20 | nan | - | - |"
     assert md[4] == "| c | 20 | nan | 3.5000 (4) | - |"
     assert result["best"] == "a"
+
+
+def test_a_dir_of_several_sweeps_is_not_one_run(tmp_path):
+    """`compare_runs.py outputs/multiruns` (the dir that holds every sweep) or `outputs`: the event files of all
+    jobs below it were merged into one run named 'multiruns', whose 'final' was whichever job wrote step 30 last
+    (6 wsd/cosine jobs tabulated as '| multiruns | 30 | 3.2407 | ...'). Such a dir is expanded into its sweeps'
+    jobs and its single runs now."""
+    root = tmp_path / "outputs"
+    write_run(root / "multiruns" / "t1" / "0", {10: 3.0, 30: 2.5}, overrides=["optimizer.lr=1e-3"])
+    write_run(root / "multiruns" / "t1" / "1", {10: 3.1, 30: 2.4}, overrides=["optimizer.lr=3e-3"])
+    write_run(root / "multiruns" / "t2" / "0", {10: 3.2, 30: 2.7}, overrides=["optimizer.lr=1e-2"])
+    write_run(root / "runs" / "exp1", {10: 3.3, 30: 2.6}, overrides=["optimizer.lr=3e-2"])
+    for arg, n in ((root / "multiruns", 3), (root, 4)):
+        result = compare_runs.compare([str(arg)], ["val/loss"], out=str(tmp_path / "c.png"))
+        finals = {r["label"]: (r["final_step"], r["final"]) for r in result["runs"]}
+        assert len(finals) == n, finals
+        assert finals["optimizer.lr=1e-3"] == (30, pytest.approx(2.5))
+        assert finals["optimizer.lr=3e-3"] == (30, pytest.approx(2.4)) and result["best"] == "optimizer.lr=3e-3"
+        assert finals["optimizer.lr=1e-2"] == (30, pytest.approx(2.7))
+    # a run with its event files in a subdir of its own (tb/) is still one run
+    assert [r["final"] for r in compare_runs.compare([str(root / "runs" / "exp1")], ["val/loss"])["runs"]] == [
+        pytest.approx(2.6)]
