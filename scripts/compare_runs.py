@@ -148,10 +148,11 @@ def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
     return out
 
 
-def hydra_overrides(run: Path) -> list[str]:
+def hydra_overrides(run: Path) -> list[str] | None:
+    """The run's command-line overrides (``.hydra/overrides.yaml``); None when it has no such file."""
     f = run / ".hydra" / "overrides.yaml"
     if not f.is_file():
-        return []
+        return None
     return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
 
 
@@ -159,21 +160,39 @@ def make_labels(runs: list[Path]) -> list[str]:
     """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
     60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it."""
     overrides = [hydra_overrides(r) for r in runs]
-    if len(runs) > 1 and all(overrides):
-        common = set.intersection(*(set(o) for o in overrides))
-        differing = [[o for o in ov if o not in common and not o.startswith("run_name=")] for ov in overrides]
-        labels = [" ".join(d) for d in differing]
-        if all(labels) and len(set(labels)) == len(labels):
+    if len(runs) > 1 and all(o is not None for o in overrides):
+        common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
+        differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")]
+                     for ov in overrides]
+        labels = [" ".join(d) or r.name for d, r in zip(differing, runs)]  # only defaults left: its dir name
+        if len(set(labels)) == len(labels):
             if max(map(len, labels)) > 60:
                 keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
                 short = {k: k.rsplit(".", 1)[-1] for k in keys}
                 clash = {v for v in short.values() if list(short.values()).count(v) > 1}
-                labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
+                labels = [" ".join(_shorten(o, short, clash) for o in d) or r.name for d, r in zip(differing, runs)]
             return labels
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         names = [f"{r.parent.name}/{r.name}" for r in runs]
     return names
+
+
+def _as_value(override: str) -> tuple[str, object]:
+    """``key=value`` as (key, value) compared by value: Hydra's sweeper writes a job's ``1e-3`` as ``0.001`` and
+    ``false`` as ``False``; a single run keeps them as typed."""
+    key, sep, value = override.partition("=")
+    if not sep:
+        return key, None
+    low = value.strip().lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low in ("null", "none", "~"):
+        return key, None
+    try:
+        return key, float(value)
+    except ValueError:
+        return key, value.strip().strip("'\"")
 
 
 def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:

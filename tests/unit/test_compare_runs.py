@@ -312,3 +312,29 @@ def test_a_dir_of_several_sweeps_is_not_one_run(tmp_path):
     # a run with its event files in a subdir of its own (tb/) is still one run
     assert [r["final"] for r in compare_runs.compare([str(root / "runs" / "exp1")], ["val/loss"])["runs"]] == [
         pytest.approx(2.6)]
+
+
+def test_sweep_jobs_beside_a_single_run_are_labelled_by_real_differences(tmp_path):
+    """Sweep jobs and a baseline run made with the same settings: Hydra's sweeper writes the jobs' overrides
+    normalized ('trainer.enable_progress_bar=False', 'optimizer.lr=0.001') while a single run keeps them as typed
+    ('...=false', '1e-3'), so the labels listed settings that do not differ: 'lr=0.001 enable_progress_bar=False
+    enable_model_summary=False progress=False' against 'enable_progress_bar=false ...'. Values are compared as
+    values now, and a run that differs only by what it leaves at the default is labelled by its dir name."""
+    sweep = tmp_path / "sweep"
+    for i, lr in enumerate(["0.001", "0.003"]):
+        write_run(sweep / str(i), {20: 3.4 - i * 0.2},
+                  overrides=[f"optimizer.lr={lr}", "trainer.max_steps=20", "trainer.enable_progress_bar=False"])
+    base = write_run(tmp_path / "runs" / "base", {20: 3.2},
+                     overrides=["run_name=base", "trainer.max_steps=20", "trainer.enable_progress_bar=false"])
+    other = write_run(tmp_path / "runs" / "other", {20: 3.3},
+                      overrides=["optimizer.lr=1e-3", "trainer.max_steps=20", "trainer.enable_progress_bar=false",
+                                 "seed=7"])
+    result = compare_runs.compare([str(sweep), str(base), str(other)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == ["optimizer.lr=0.001", "optimizer.lr=0.003", "base",
+                                                    "optimizer.lr=1e-3 seed=7"]
+    plain = write_run(tmp_path / "runs" / "plain", {20: 3.2})  # `python train.py`: Hydra writes '[]'
+    (plain / ".hydra").mkdir()
+    (plain / ".hydra" / "overrides.yaml").write_text("[]\n")
+    result = compare_runs.compare([str(sweep), str(plain)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == [
+        "lr=0.001 max_steps=20 enable_progress_bar=False", "lr=0.003 max_steps=20 enable_progress_bar=False", "plain"]
