@@ -288,6 +288,9 @@ def _cell(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+
+
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
          logy: bool = False) -> None:
     """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``."""
@@ -298,11 +301,13 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for label, tags in curves.items():
+        for i, (label, tags) in enumerate(curves.items()):
             series = tags.get(metric)
             if series:
                 steps, values = zip(*series)
-                ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3)
+                # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
+                ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
+                        color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
         if logy:

@@ -338,3 +338,33 @@ def test_sweep_jobs_beside_a_single_run_are_labelled_by_real_differences(tmp_pat
     result = compare_runs.compare([str(sweep), str(plain)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert [r["label"] for r in result["runs"]] == [
         "lr=0.001 max_steps=20 enable_progress_bar=False", "lr=0.003 max_steps=20 enable_progress_bar=False", "plain"]
+
+
+def test_every_run_of_a_large_sweep_has_its_own_line_style(tmp_path, monkeypatch):
+    """A 2 x 6 sweep (scheduler x optimizer.lr) has 12 runs; matplotlib's colour cycle has 10, so runs 0 and 10,
+    1 and 11 were drawn in the same colour, marker and line style: two legend entries for one look."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.extend(
+        (line.get_label(), line.get_color(), line.get_linestyle()) for line in fig.axes[0].lines))
+    curves = {f"run{i}": {"val/loss": [(1, 3.0 + i), (2, 2.0 + i)]} for i in range(25)}
+    compare_runs.plot(curves, ["val/loss"], tmp_path / "c.png")
+    assert [label for label, _, _ in seen] == list(curves)
+    assert len({(color, style) for _, color, style in seen}) == 25
+
+
+def test_a_run_missing_from_one_panel_keeps_its_colour_in_the_others(tmp_path, monkeypatch):
+    """The legend is drawn in the first panel only, but each panel took colours in turn from the runs that had its
+    metric: with run 'a' lacking comm/bytes_per_step (it died before logging it), run 'b' was drawn in a's colour
+    there, so the second panel named the wrong runs."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        {line.get_label(): line.get_color() for line in fig.axes[1].lines} | {
+            "first": {line.get_label(): line.get_color() for line in fig.axes[0].lines}}))
+    curves = {"a": {"val/loss": [(1, 3.0)], "comm/b": []},
+              "b": {"val/loss": [(1, 2.0)], "comm/b": [(1, 5.0)]}}
+    compare_runs.plot(curves, ["val/loss", "comm/b"], tmp_path / "c.png")
+    assert seen[0]["b"] == seen[0]["first"]["b"] != seen[0]["first"]["a"]
