@@ -313,7 +313,12 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles = {}  # every run once, also one drawn only in a later panel (it lacks the first metric)
+    for ax in axes[0]:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    order = [label for label in curves if label in handles]
+    axes[0][0].legend([handles[label] for label in order], order, fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

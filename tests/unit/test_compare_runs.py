@@ -368,3 +368,16 @@ def test_a_run_missing_from_one_panel_keeps_its_colour_in_the_others(tmp_path, m
               "b": {"val/loss": [(1, 2.0)], "comm/b": [(1, 5.0)]}}
     compare_runs.plot(curves, ["val/loss", "comm/b"], tmp_path / "c.png")
     assert seen[0]["b"] == seen[0]["first"]["b"] != seen[0]["first"]["a"]
+
+
+def test_the_legend_names_runs_drawn_only_in_a_later_panel(tmp_path, monkeypatch):
+    """A run without the first metric (killed before its first validation) but with the second was drawn in the
+    second panel and missing from the legend, which is built from the first panel's lines only."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]))
+    curves = {"a": {"val/loss": [(1, 3.0)], "train/loss": [(1, 4.0)]}, "b": {"val/loss": [], "train/loss": [(1, 5.0)]}}
+    compare_runs.plot(curves, ["val/loss", "train/loss"], tmp_path / "c.png")
+    assert seen == [["a", "b"]]
