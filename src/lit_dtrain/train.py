@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
 
 import lightning as L
@@ -267,6 +268,18 @@ def _default_run_name(cfg: DictConfig) -> bool:
     return isinstance(raw, str) and "${now:" in raw
 
 
+_IMPORTED_AT = time.time()  # before Hydra resolves ${now:...} for this start's sweep dir
+
+
+def _created_by_this_start(sweep_dir: Path) -> bool:
+    """Whether ``sweep_dir`` is the default sweep dir (conf/hydra: ``<time>.%f``) of this very start (not one given
+    with ``hydra.sweep.dir``): its timestamp is not older than this process's import of lit_dtrain.train."""
+    if not re.fullmatch(rf"{_DEFAULT_RUN_NAME}\.\d{{6}}", sweep_dir.name):
+        return False
+    started = datetime.strptime(sweep_dir.name, "%Y-%m-%d_%H-%M-%S.%f").timestamp()
+    return started >= _IMPORTED_AT - 1.0
+
+
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
     """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step``, or None."""
     steps = {}
@@ -311,8 +324,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
                 f"({run_name}), a new run dir that holds no checkpoint; or give ckpt_path=PATH"
             )
         sweep_dir = Path(str(cfg.paths.output_dir)).parent
-        this_start = re.fullmatch(rf"{re.escape(run_name)}\.\d{{6}}", sweep_dir.name)
-        if re.fullmatch(_DEFAULT_RUN_NAME, run_name) and this_start:
+        if _created_by_this_start(sweep_dir):
             # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f}): nothing to resume
             raise ConfigError(
                 f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "

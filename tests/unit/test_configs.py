@@ -1,5 +1,6 @@
 """Every option of every config group composes and instantiates; bad configs fail before compute."""
 
+from datetime import datetime
 from pathlib import Path
 
 import lightning as L
@@ -329,8 +330,8 @@ def test_resume_auto_in_a_new_multirun_dir_is_refused(tmp_path, corpus):
 
     from lit_dtrain.train import resolve_ckpt_path
 
-    def job_cfg(sweep_dir: Path, num: int):
-        cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    def job_cfg(sweep_dir: Path, num: int, *extra: str):
+        cfg = compose_cfg(["resume=auto", *extra], tmp_path / "x", corpus)
         with open_dict(cfg):  # as conf/hydra/default.yaml lays out a multirun job
             cfg.paths.output_dir = str(sweep_dir / str(num))
             cfg.paths.checkpoint_dir = str(sweep_dir / str(num) / "checkpoints")
@@ -341,6 +342,10 @@ def test_resume_auto_in_a_new_multirun_dir_is_refused(tmp_path, corpus):
     with pytest.raises(ConfigError, match=r"resume=auto in a multirun needs hydra\.sweep\.dir=<the sweep to "
                                           rf"continue>: .*'{fresh}' .*job N resumes <sweep dir>/N"):
         resolve_ckpt_path(job_cfg(fresh, 1))
+    # run_name names nothing in a multirun: `-m ... run_name=exp1 resume=auto` also started every job fresh
+    now = tmp_path / "multiruns" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
+    with pytest.raises(ConfigError, match=r"resume=auto in a multirun needs hydra\.sweep\.dir="):
+        resolve_ckpt_path(job_cfg(now, 0, "run_name=exp1"))
     old = tmp_path / "multiruns" / "2020-01-02_03-04-05.678901"  # an earlier sweep, pinned with hydra.sweep.dir
     assert resolve_ckpt_path(job_cfg(old, 1)) is None  # that job had not started: a fresh start of it
     (old / "1" / "checkpoints").mkdir(parents=True)
