@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model, ckpt = load_model(args.checkpoint)
     tok = ByteTokenizer()
-    ids = torch.as_tensor(tok.prompt_ids(args.prompt).astype("int64"))[None]  # "" starts a new document
+    # the bytes given on the command line: argv bytes that are not UTF-8 arrive as surrogates, which str.encode refuses
+    prompt = os.fsencode(args.prompt)
+    ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None]  # "" starts a new document
     g = torch.Generator().manual_seed(args.seed)
     out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, generator=g)
     text = tok.decode(out[0])

@@ -211,3 +211,17 @@ def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, temperatu
     torch.save(data, ckpt)
     with pytest.raises(SystemExit, match=rf"checkpoint '{ckpt}' \(step 3\) has non-finite weights \({key[6:]}"):
         _script("generate").main([str(ckpt), "--temperature", temperature, "--max-new-tokens", "5"])
+
+
+def test_generate_takes_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):
+    """`generate.py CKPT --prompt $'\\xff\\xfeab'`: Python hands such argv bytes over as surrogates, and the prompt
+    died in str.encode with 'UnicodeEncodeError: ... surrogates not allowed'. The model reads bytes; the prompt is
+    now the bytes given on the command line (os.fsencode), here ff fe 61 62."""
+    import json
+
+    ckpt = _tiny_checkpoint(tmp_path / "last.ckpt")
+    _script("generate").main([str(ckpt), "--prompt", "\udcff\udcfeab", "--max-new-tokens", "3", "--temperature", "0"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["text"].startswith("\ufffd\ufffdab") and result["new_tokens"] == 3
+    _script("generate").main([str(ckpt), "--prompt", "héllo ☃", "--max-new-tokens", "2", "--temperature", "0"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"].startswith("héllo ☃")
