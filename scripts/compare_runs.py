@@ -344,7 +344,8 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
     all_scalars = [read_scalars(run) for run in run_dirs]
     for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
         if not any(metric in scalars for scalars in all_scalars):
-            raise CompareError(f"run {str(run_dirs[0])!r} has no scalar {metric!r}; it has {sorted(all_scalars[0])}")
+            tags = sorted(set().union(*all_scalars))
+            raise CompareError(f"no scalar {metric!r} in any of the {len(run_dirs)} runs; they have {tags}")
         for run, scalars in zip(run_dirs, all_scalars):
             if metric not in scalars:
                 print(f"compare_runs: run {str(run)!r} has no scalar {metric!r} (it stopped before logging it?); "

@@ -381,3 +381,14 @@ def test_the_legend_names_runs_drawn_only_in_a_later_panel(tmp_path, monkeypatch
     curves = {"a": {"val/loss": [(1, 3.0)], "train/loss": [(1, 4.0)]}, "b": {"val/loss": [], "train/loss": [(1, 5.0)]}}
     compare_runs.plot(curves, ["val/loss", "train/loss"], tmp_path / "c.png")
     assert seen == [["a", "b"]]
+
+
+def test_a_metric_no_run_has_lists_the_tags_of_all_runs(tmp_path):
+    """A typo in --metric named the first run's tags only: with a failed job first (an event file without scalars,
+    NonFiniteError at step 1) it said "run '.../1' has no scalar 'val/los'; it has []", hiding the right name."""
+    empty = tmp_path / "1"
+    SummaryWriter(str(empty / "tb")).close()
+    ok = write_run(tmp_path / "0", {5: 3.0})
+    with pytest.raises(compare_runs.CompareError,
+                       match=r"no scalar 'val/los' in any of the 2 runs; they have \['lr-AdamW/decay', 'val/loss'\]"):
+        compare_runs.compare([str(empty), str(ok)], ["val/los"])
