@@ -36,3 +36,17 @@ def test_a_diverged_run_without_the_finite_check_still_reports_its_nan(tmp_path,
     summary = json.loads((tmp_path / "outputs" / "runs" / "diverged" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["val_loss"] is None
     assert "no text sample: the model's weights are not finite" in out
+
+
+def test_an_experiment_sweep_run_without_dash_m_says_it_runs_one_job(tmp_path, corpus):
+    """`python train.py experiment=wsd_vs_cosine` (the README's command without -m) silently trained one run,
+    scheduler=wsd at the default optimizer.lr, for the 1000 steps meant for each of 6 jobs: Hydra ignores
+    hydra.sweeper.params outside a multirun. It now warns which grid it does not sweep, before training."""
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "experiment=wsd_vs_cosine",
+            "optimizer.lr=-1"]  # fails in check_config, after the warning: nothing is trained
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "optimizer.lr must be > 0, got -1" in out, out[-3000:]
+    assert ("this config sweeps scheduler=wsd,cosine optimizer.lr=1e-3,3e-3,1e-2 (hydra.sweeper.params) only with "
+            "-m; without it this is one run") in out, out[-3000:]
