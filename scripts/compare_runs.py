@@ -178,6 +178,18 @@ def make_labels(runs: list[Path]) -> list[str]:
     return names
 
 
+def _unique(labels: list[str]) -> list[str]:
+    """``labels`` with a repeated one numbered: ``x``, ``x (2)``, ..."""
+    out: list[str] = []
+    for label in labels:
+        new, n = label, 1
+        while new in out:
+            n += 1
+            new = f"{label} ({n})"
+        out.append(new)
+    return out
+
+
 def _as_value(override: str) -> tuple[str, object]:
     """``key=value`` as (key, value) compared by value: Hydra's sweeper writes a job's ``1e-3`` as ``0.001`` and
     ``false`` as ``False``; a single run keeps them as typed."""
@@ -336,7 +348,7 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
     all_labels = make_labels(run_dirs + [Path(j) for j in skipped])  # a failed job's differing value labels it too
-    labels = labels or all_labels[: len(run_dirs)]
+    labels = _unique(labels or all_labels[: len(run_dirs)])  # curves are keyed by label: no run may hide another
     skipped_jobs = [{"label": label, "dir": job, "error": job_error(Path(job))}
                     for label, job in zip(all_labels[len(run_dirs):], skipped)]
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}

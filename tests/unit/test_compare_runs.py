@@ -392,3 +392,21 @@ def test_a_metric_no_run_has_lists_the_tags_of_all_runs(tmp_path):
     with pytest.raises(compare_runs.CompareError,
                        match=r"no scalar 'val/los' in any of the 2 runs; they have \['lr-AdamW/decay', 'val/loss'\]"):
         compare_runs.compare([str(empty), str(ok)], ["val/los"])
+
+
+def test_runs_with_the_same_label_are_all_plotted(tmp_path, monkeypatch):
+    """Two sweeps copied from two machines, /m1/sweep/0 and /m2/sweep/0 with the same overrides, both got the label
+    'sweep/0'; the plot keeps its curves in a dict by label, so one run's curve replaced the other's (2 table rows,
+    1 line). Labels are made unique now ('sweep/0', 'sweep/0 (2)'), also for --labels x,x."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        [(line.get_label(), line.get_ydata()[-1]) for line in fig.axes[0].lines]))
+    a = write_run(tmp_path / "m1" / "sweep" / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
+    b = write_run(tmp_path / "m2" / "sweep" / "0", {5: 2.0}, overrides=["optimizer.lr=1e-3"])
+    result = compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == ["sweep/0", "sweep/0 (2)"]
+    assert seen[-1] == [("sweep/0", pytest.approx(3.0)), ("sweep/0 (2)", pytest.approx(2.0))]
+    result = compare_runs.compare([str(a), str(b)], ["val/loss"], labels=["x", "x"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == ["x", "x (2)"] and len(seen[-1]) == 2
