@@ -50,3 +50,30 @@ def test_an_experiment_sweep_run_without_dash_m_says_it_runs_one_job(tmp_path, c
     assert "optimizer.lr must be > 0, got -1" in out, out[-3000:]
     assert ("this config sweeps scheduler=wsd,cosine optimizer.lr=1e-3,3e-3,1e-2 (hydra.sweeper.params) only with "
             "-m; without it this is one run") in out, out[-3000:]
+
+
+def test_resuming_a_sweep_with_its_values_in_another_order_is_refused(tmp_path, corpus):
+    """resume=auto with hydra.sweep.dir=<old sweep> resumes job N from <dir>/N. Re-run with the swept values in
+    another order ('optimizer.lr=3e-3,1e-3' after '1e-3,3e-3'), job 0 resumed the lr=1e-3 run's checkpoint, trained
+    on to step 70 and was relabelled optimizer.lr=0.003 (its .hydra/overrides.yaml), silently. A job whose earlier
+    config_resolved.yaml holds another value of a swept key is refused now, naming both values."""
+    base = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0"]
+    env = subprocess_env(tmp_path)
+
+    def sweep(*args):
+        return subprocess.run([PYTHON, str(ROOT / "train.py"), "-m", *base, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = sweep("optimizer.lr=1e-3,3e-3")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multiruns").iterdir()
+    resume = ["resume=auto", f"hydra.sweep.dir={sweep_dir}", "trainer.max_steps=9"]
+    swapped = sweep("optimizer.lr=3e-3,1e-3", *resume)
+    out = swapped.stdout + swapped.stderr
+    assert swapped.returncode == 1, out[-3000:]
+    assert (f"job 0 failed: ConfigError: resume=auto: {sweep_dir / '0'} was trained with optimizer.lr=0.001, this "
+            "job sets optimizer.lr=0.003") in out, out[-3000:]
+    assert json.loads((sweep_dir / "0" / "summary.json").read_text())["steps"] == 6  # not trained on
+    same = sweep("optimizer.lr=1e-3,3e-3", *resume)
+    assert same.returncode == 0, same.stdout[-2000:] + same.stderr[-2000:]
+    assert [json.loads((sweep_dir / j / "summary.json").read_text())["steps"] for j in "01"] == [9, 9]
