@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import time
 import warnings
@@ -259,6 +260,9 @@ def check_monitors(cfg: DictConfig) -> None:
         if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):
             raise ConfigError(f"callbacks.{key}.monitor={monitor!r} is not a metric lit_dtrain logs; use one of "
                               f"{', '.join(map(repr, known))}")
+
+
+_DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
 
 
 def _default_run_name(cfg: DictConfig) -> bool:
