@@ -39,7 +39,11 @@ from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
-from lit_dtrain.utils.distributed import destroy_process_group_at_exit
+from lit_dtrain.utils.distributed import (
+    PeerRankFailedError,
+    destroy_process_group_at_exit,
+    is_collective_failure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +80,6 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out: another rank died, hung, or the network broke."""
 
 
-_COLLECTIVE_HINTS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "peer")
-
-
 def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -88,7 +89,7 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
                 f"checkpoint {ckpt_path!r} does not fit the configured model (set model.* to the shape of the run "
                 f"that wrote it): {str(e)[:800]}"
             ) from e
-        if trainer.world_size > 1 and any(h in str(e).lower() for h in _COLLECTIVE_HINTS):
+        if trainer.world_size > 1 and (is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
             launcher = getattr(trainer.strategy, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank
                 launcher.kill(signal.SIGKILL)
