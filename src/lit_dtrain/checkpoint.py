@@ -104,7 +104,24 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is refused: {_weights_only_reason(str(e))}. It is not a checkpoint "
+                "written by lit_dtrain, or it holds objects other than tensors and plain containers, and loading "
+                "those (weights_only=False) could run code inside the file; a checkpoint train.py wrote never needs it"
+            ) from e
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+
+
+def _weights_only_reason(message: str) -> str:
+    """The specific reason in torch's weights_only error (its other lines advise weights_only=False, which we do
+    not pass on): e.g. 'Trying to load unsupported GLOBAL posix.system ...' or 'Unsupported operand 123'."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    reasons = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines
+               if not line.startswith(skip)]
+    reasons = [r for r in reasons if r]
+    return "; ".join(r.rstrip(".") for r in reasons)[:300] or "torch.load(weights_only=True) failed"
 
 
 def checkpoint_global_step(path: str | os.PathLike) -> int:

@@ -136,3 +136,21 @@ def test_a_failed_serialization_leaves_no_temp_file_and_keeps_previous(tmp_path)
         atomic_torch_save({"step": 2, "bad": lambda: None}, path)
     assert safe_torch_load(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_refused_load_does_not_advise_weights_only_false(tmp_path):
+    """torch's weights_only error advises re-running with weights_only=False ("will likely succeed"), which runs
+    the file's code; our message passed that advice on for pickled code and for files that are no checkpoint at all
+    (a summary.json). It now gives torch's reason and says why the file is refused."""
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"x": NotAllowed()}, evil)
+    with pytest.raises(CheckpointError) as info:
+        safe_torch_load(evil)
+    message = str(info.value)
+    assert "evil.ckpt" in message and "posix.system" in message and "could run code" in message
+    assert "weights_only` set to `False` will likely succeed" not in message
+    text = tmp_path / "summary.json"
+    text.write_text('{"val_loss": 1.0}')
+    with pytest.raises(CheckpointError, match=r"summary\.json.*Unsupported operand") as info:
+        safe_torch_load(text)
+    assert "will likely succeed" not in str(info.value)
