@@ -92,5 +92,6 @@ class PreemptionCheckpoint(L.Callback):
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         rank_zero_info(
             f"SIGTERM received: saved {path} at step {trainer.global_step}; exiting cleanly. "
-            "Resume with resume=auto (same run_name) or ckpt_path=<that file>."
+            "Resume with resume=auto (same run_name; a multirun job: the same -m arguments with "
+            "hydra.sweep.dir=<its sweep dir>) or ckpt_path=<that file>."
         )
