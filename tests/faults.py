@@ -67,3 +67,25 @@ class HangAtStep(L.Callback):
             import time
 
             time.sleep(self.seconds)
+
+
+class RaiseOnceAt(L.Callback):
+    """Raise ``RuntimeError('interrupted at step N')`` from ``hook`` (``on_after_backward`` or
+    ``on_before_optimizer_step``) the first time it runs at global step ``step``: a fit that fails mid-step, which
+    the same Trainer can then be fitted again to continue."""
+
+    def __init__(self, hook: str, step: int) -> None:
+        if hook not in ("on_after_backward", "on_before_optimizer_step"):
+            raise ValueError(f"RaiseOnceAt: unsupported hook {hook!r}")
+        self.hook, self.step, self.raised = hook, int(step), False
+
+    def _maybe_raise(self, hook: str, trainer) -> None:
+        if hook == self.hook and trainer.global_step == self.step and not self.raised:
+            self.raised = True
+            raise RuntimeError(f"interrupted at step {self.step}")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._maybe_raise("on_after_backward", trainer)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._maybe_raise("on_before_optimizer_step", trainer)

@@ -809,6 +809,18 @@ def test_nonfinite_token_loss_is_left_out_of_the_table(variant):
     assert restored.nonfinite_skipped == 2
 
 
+class _StageLrData(L.LightningDataModule):
+    """64 single-index batches and a FourierSampler whose one stage scales the LR by 0.5 (steps 0-3, then held)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sampler = FourierSampler(stage_table=[["a", 0, 4, 0.3, 0.5]], step_unit=1)
+        self.sampler.setup(64, seed=0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
+
+
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
 @pytest.mark.parametrize("order", ["fourier_first", "loss_spike_first"])
 def test_stage_lr_and_spike_cooldown_both_restore_the_lr_in_either_order(tmp_path, order, precision):
@@ -820,15 +832,6 @@ def test_stage_lr_and_spike_cooldown_both_restore_the_lr_in_either_order(tmp_pat
     runs the closure (so the monitor's on_before_optimizer_step) inside optimizer.step after the step pre-hooks, under
     16-mixed before optimizer.step."""
     from lightning.pytorch.plugins.precision import MixedPrecision
-
-    class Data(L.LightningDataModule):
-        def __init__(self):
-            super().__init__()
-            self.sampler = FourierSampler(stage_table=[["a", 0, 4, 0.3, 0.5]], step_unit=1)
-            self.sampler.setup(64, seed=0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -865,7 +868,7 @@ def test_stage_lr_and_spike_cooldown_both_restore_the_lr_in_either_order(tmp_pat
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[*callbacks, recorder],
                         plugins=plugins)
-    trainer.fit(Module(), datamodule=Data())
+    trainer.fit(Module(), datamodule=_StageLrData())
     assert [e["step"] for e in monitor.events] == [5]
     assert recorder.after == [1.0] * 10  # the configured LR after every step
     assert used == pytest.approx([0.5] * 5 + [0.05, 0.05] + [0.5] * 3)
@@ -876,15 +879,6 @@ def test_an_exception_inside_the_step_leaves_neither_hooks_nor_a_scaled_lr(tmp_p
     sampler's pre-hook scaled the LR by 0.5) left the optimizer with the sampler's hooks and the scaled LR (0.5); the
     optimizer outlives the failed fit (the module keeps it, a user retries or inspects it)."""
     from lit_dtrain.callbacks import OptimizerDiagnostics
-
-    class Data(L.LightningDataModule):
-        def __init__(self):
-            super().__init__()
-            self.sampler = FourierSampler(stage_table=[["a", 0, 4, 0.3, 0.5]], step_unit=1)
-            self.sampler.setup(64, seed=0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -907,6 +901,6 @@ def test_an_exception_inside_the_step_leaves_neither_hooks_nor_a_scaled_lr(tmp_p
                         enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[FourierSamplerCallback(), monitor, OptimizerDiagnostics(every_n_steps=1)])
     with pytest.raises(RuntimeError, match="boom at step 3"):
-        trainer.fit(module, datamodule=Data())
+        trainer.fit(module, datamodule=_StageLrData())
     assert module.opt.param_groups[0]["lr"] == 1.0
     assert len(module.opt._optimizer_step_pre_hooks) == 0  # (torch's own registry of step pre-hooks)

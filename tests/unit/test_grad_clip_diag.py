@@ -14,6 +14,7 @@ import torch
 from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks.optimizer_diagnostics import eps_dominated_fraction
+from tests.faults import RaiseOnceAt
 from tests.unit.test_loss_spike import Inject, make_data, make_module, make_trainer
 
 
@@ -551,16 +552,8 @@ def test_a_step_interrupted_after_the_clip_is_not_counted_twice(tmp_path: Path) 
     """An exception after AdaptiveGradClip saw a step and before the optimizer took it (here a later callback's
     on_before_optimizer_step at step 5) left that step's norm in the statistics; the same Trainer fitted again redoes
     step 5, so it entered twice (9 norms after 8 steps). The unfinished step is now undone on the exception."""
-    class Once(L.Callback):
-        raised = False
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 5 and not self.raised:
-                self.raised = True
-                raise RuntimeError("interrupted at step 5")
-
     clip = AdaptiveGradClip(warmup_steps=3)
-    trainer = make_trainer(tmp_path, [clip, Once()], max_steps=8)
+    trainer = make_trainer(tmp_path, [clip, RaiseOnceAt("on_before_optimizer_step", 5)], max_steps=8)
     module, dm = make_module(), make_data(tmp_path)
     with pytest.raises(RuntimeError, match="interrupted at step 5"):
         trainer.fit(module, datamodule=dm)

@@ -25,6 +25,7 @@ from lit_dtrain.callbacks._spike_stats import (
 )
 from lit_dtrain.callbacks.loss_spike import LossSpikeError
 from tests.conftest import make_corpus
+from tests.faults import RaiseOnceAt
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -963,16 +964,8 @@ def test_a_fit_that_raised_mid_step_leaves_no_half_step_behind(tmp_path: Path) -
     """An exception between backward and the end of a step (here from on_after_backward at step 5) left that step's
     loss in the monitor; the same Trainer fitted again (it continues at step 5) added it to the next step's loss,
     which read as 2x and was dropped as a spike."""
-    class Once(L.Callback):
-        raised = False
-
-        def on_after_backward(self, trainer, pl_module):
-            if trainer.global_step == 5 and not self.raised:
-                self.raised = True
-                raise RuntimeError("interrupted at step 5")
-
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
-    trainer = make_trainer(tmp_path, [monitor, Once()], max_steps=8)
+    trainer = make_trainer(tmp_path, [monitor, RaiseOnceAt("on_after_backward", 5)], max_steps=8)
     module, dm = make_module(), make_data(tmp_path)
     with pytest.raises(RuntimeError, match="interrupted at step 5"):
         trainer.fit(module, datamodule=dm)
@@ -986,16 +979,8 @@ def test_a_step_interrupted_after_the_decision_is_not_counted_twice(tmp_path: Pa
     """An exception after the monitor decided a step and before the optimizer took it (here a later callback's
     on_before_optimizer_step at step 5) left that step's loss in the statistics; the same Trainer fitted again redoes
     step 5, so it entered twice (9 losses after 8 steps). The unfinished decision is now undone on the exception."""
-    class Once(L.Callback):
-        raised = False
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 5 and not self.raised:
-                self.raised = True
-                raise RuntimeError("interrupted at step 5")
-
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
-    trainer = make_trainer(tmp_path, [monitor, Once()], max_steps=8)
+    trainer = make_trainer(tmp_path, [monitor, RaiseOnceAt("on_before_optimizer_step", 5)], max_steps=8)
     module, dm = make_module(), make_data(tmp_path)
     with pytest.raises(RuntimeError, match="interrupted at step 5"):
         trainer.fit(module, datamodule=dm)
