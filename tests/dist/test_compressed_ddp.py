@@ -396,7 +396,7 @@ def test_strategy_registry_and_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "diloco", "local_sgd", "topk_buckets"])
+@pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets"])
 def test_resume_restores_comm_state_exactly(tmp_path, name):
     kwargs = {
         "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
@@ -404,6 +404,8 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         # after a start runs on DDP's initial single bucket, where top-k used to select across the bucket boundary
         "topk_buckets": {"compressor": {"name": "topk", "ratio": 0.05}, "bucket_cap_mb": 0.004},
         "int8": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64}},
+        # reduce-scatter int8: each rank's share of the mean and its error ("server residual") must come back too
+        "int8_rs": {"compressor": {"name": "int8_rs", "error_feedback": True, "block_size": 64}},
         # stochastic rounding: its noise must not depend on the bucket layout, which differs after a start
         "int8_sr": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64,
                                    "stochastic_rounding": True}},
@@ -437,10 +439,12 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         assert start[0]["local_update_rank"]["residuals"] != {}  # the int4 pseudo-gradient residual
         assert not torch.equal(start[0]["local_update_rank"]["residuals"]["net.0.weight"],
                                start[1]["local_update_rank"]["residuals"]["net.0.weight"])  # rank-local
-    elif name in ("powersgd", "int8", "int8_sr", "topk_buckets"):
+    elif name in ("powersgd", "int8", "int8_sr", "int8_rs", "topk_buckets"):
         assert not torch.equal(start[0]["compressor"]["residuals"]["net.0.weight"],
                                start[1]["compressor"]["residuals"]["net.0.weight"])  # rank-local
         assert_same(end_resumed[1]["compressor"], end_straight[1]["compressor"], "compressor after resume")
+        if name == "int8_rs":
+            assert start[0]["compressor"]["server_residuals"] and start[1]["compressor"]["server_residuals"]
 
 
 def _plain_resume_worker(rank: int, port: int, root: str) -> None:

@@ -2,7 +2,8 @@
 
 - :class:`CompressedDDPStrategy`: Lightning DDP with a compressor or local-update rule as its comm hook.
 - Compressors (plain objects, no Lightning): :class:`NoCompression`, :class:`HalfPrecision` (fp16/bf16),
-  :class:`BlockQuantizer` (int8/int4), :class:`PowerSGD`, :class:`TopK`, :class:`ScaledSign`.
+  :class:`BlockQuantizer` (int8/int4), :class:`ShardedBlockQuantizer`
+  (int8/int4 through a quantized reduce-scatter), :class:`PowerSGD`, :class:`TopK`, :class:`ScaledSign`.
 - Local updates: :class:`LocalSGD` (fixed or adaptive period), :class:`DiLoCo`.
 - :func:`make_ddp`: plain Lightning ``DDPStrategy`` with a timeout in seconds (``conf/strategy/ddp.yaml``).
 """
@@ -29,6 +30,7 @@ from lit_dtrain.strategies.compressed_ddp import (
 from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression, Segment
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 
 
@@ -44,7 +46,7 @@ register_strategies()
 __all__ = [
     "CHECKPOINT_KEY", "COMPRESSORS", "LOCAL_UPDATES", "BlockQuantizer", "CommSession", "Communicator",
     "CompressedDDPStrategy", "Compressor", "DiLoCo", "HalfPrecision", "LocalSGD", "LocalUpdate",
-    "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "TopK", "build_compressor",
-    "build_local_update", "compressed_comm_hook", "dropped_comm_state_message", "make_ddp", "register_strategies",
-    "warn_if_comm_state_dropped",
+    "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "ShardedBlockQuantizer", "TopK",
+    "build_compressor", "build_local_update", "compressed_comm_hook", "dropped_comm_state_message", "make_ddp",
+    "register_strategies", "warn_if_comm_state_dropped",
 ]

@@ -2,9 +2,10 @@
 
 :class:`Communicator` is the only place that calls ``torch.distributed``. It records the exact bytes
 of every tensor it hands to a collective (the input this rank contributes: for ``all_gather`` its
-own shard, not the gathered output) and the wall time during which any collective was in flight.
-With 2 ranks these bytes equal what each rank puts on the wire (ring all-reduce of B bytes sends
-B per rank; all-gather of B bytes sends B); with W ranks all-gather codecs send (W-1) x B.
+own shard, not the gathered output; for ``all_to_all`` the pieces for the other ranks) and the wall time
+during which any collective was in flight. With 2 ranks these bytes equal what each rank puts on the wire
+(ring all-reduce of B bytes sends B per rank; all-gather of B bytes sends B); with W ranks ring all-reduce
+sends 2 (W-1)/W x B and all-gather (W-1) x B.
 
 :class:`CommSession` glues one compressor and/or one local-update rule to a DDP model: it is the
 state object of :func:`compressed_comm_hook`, counts hook calls and steps, and turns per-step
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,8 @@ class Communicator:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def _record(self, op: str, tensor: Tensor) -> float:
-        nbytes = tensor.numel() * tensor.element_size()
+    def _record(self, op: str, tensor: Tensor, exclude: int = 0) -> float:
+        nbytes = (tensor.numel() - exclude) * tensor.element_size()  # exclude: elements that stay on this rank
         with self._lock:
             self.bytes_sent += nbytes
             self.num_collectives += 1
@@ -109,6 +110,21 @@ class Communicator:
 
         return work.get_future().then(done)
 
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int]) -> Tensor:
+        """Blocking all-to-all of a 1-D ``tensor`` cut into ``send_sizes`` pieces, piece ``r`` going to rank ``r``.
+
+        Every rank sends this rank the same number of elements, ``send_sizes[rank]`` (the caller's layout is the same
+        on every rank); the result holds them in rank order. Counted: the pieces that leave this rank.
+        """
+        rank, world = self.rank, self.world_size
+        own = send_sizes[rank]
+        out = torch.empty(world * own, dtype=tensor.dtype, device=tensor.device)
+        start = self._record("all_to_all", tensor, exclude=own)
+        dist.all_to_all_single(out, tensor, output_split_sizes=[own] * world, input_split_sizes=list(send_sizes),
+                               group=self.group)
+        self._finish(start)
+        return out
+
     def take_step_record(self) -> dict:
         """Bytes, collectives and in-flight milliseconds since the last call; resets them."""
         with self._lock:
@@ -144,6 +160,10 @@ class LoopbackCommunicator(Communicator):
     def all_gather_async(self, tensor: Tensor) -> torch.futures.Future:
         self._finish(self._record("all_gather", tensor))
         return completed_future(tensor.view(1, -1))
+
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int]) -> Tensor:
+        self._finish(self._record("all_to_all", tensor, exclude=tensor.numel()))
+        return tensor
 
 
 def bucket_segments(bucket: dist.GradBucket, names: dict[int, str]) -> list[Segment]:

@@ -30,6 +30,7 @@ from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 from lit_dtrain.utils.distributed import destroy_process_group_at_exit, naming_peer_failures, record_rank_failure
 
@@ -42,6 +43,8 @@ COMPRESSORS: dict[str, Callable[..., Compressor]] = {
     "bf16": lambda **kw: HalfPrecision(dtype="bf16", **kw),
     "int8": lambda **kw: BlockQuantizer(bits=8, **kw),
     "int4": lambda **kw: BlockQuantizer(bits=4, **{"error_feedback": True, **kw}),  # as its preset and docs
+    "int8_rs": lambda **kw: ShardedBlockQuantizer(bits=8, **kw),
+    "int4_rs": lambda **kw: ShardedBlockQuantizer(bits=4, **{"error_feedback": True, **kw}),
     "powersgd": PowerSGD,
     "topk": TopK,
     "sign": ScaledSign,

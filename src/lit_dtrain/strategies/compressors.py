@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -192,8 +192,12 @@ class Compressor:
             return
         factor = scale / old
         with torch.no_grad():
-            for residual in self.residuals.values():  # disjoint views into the flat buffers, or standalone tensors
+            for residual in self._residual_tensors():  # disjoint views into the flat buffers, or standalone tensors
                 residual.mul_(factor)
+
+    def _residual_tensors(self) -> Iterator[Tensor]:
+        """Every error-feedback tensor, all in the units of the loss scale (:meth:`set_grad_scale` rescales them)."""
+        yield from self.residuals.values()
 
     # --- undoing a step (LossSpikeMonitor's skip) ----------------------------------------------
     def track_undo(self, enabled: bool = True) -> None:
@@ -475,6 +479,13 @@ class BlockQuantizer(Compressor):
 
     def compress(self, x: Tensor, segments: Sequence[Segment], step: int) -> list[Tensor]:
         runs, num_blocks, params = self._runs(segments, x.numel())
+        noise = self._noise(params, num_blocks, step, x.device) if self.stochastic_rounding else None
+        scales, q = self._quantize(x, runs, noise)
+        return [scales, self._pack(q)]
+
+    def _quantize(self, x: Tensor, runs: list[tuple[int, int, int]], noise: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(scales, q)`` of flat ``x`` laid out as ``runs``: one fp32 scale per block, one int8 in ``[-L, L]`` per
+        value (not yet packed two per byte for 4 bits)."""
         levels = self.levels
         parts = list(self._views(runs))
         # per-block max|x|: the whole blocks of each run as a (rows, bs) view, the tail block (padded with zeros,
@@ -482,7 +493,6 @@ class BlockQuantizer(Compressor):
         amax = [x[f].view(rows, -1).abs().amax(dim=1) for f, _, rows in parts]
         scales = (torch.cat(amax) if amax else x.new_zeros(0)).div_(levels)  # an empty buffer has no blocks
         inverse = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
-        noise = self._noise(params, num_blocks, step, x.device) if self.stochastic_rounding else None
         q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)  # padding is not sent
         for f, blk, rows in parts:
             scaled = x[f].view(rows, -1) * inverse[blk, None]  # a broadcast multiply is ~4x faster than a divide
@@ -491,23 +501,34 @@ class BlockQuantizer(Compressor):
             else:
                 scaled = scaled.round_()
             q[f].view(rows, -1).copy_(scaled.clamp_(-levels, levels))
-        if self.bits == 4:  # two values per byte: stored as q + 8 in [1, 15]
-            u = (q + 8).to(torch.uint8)
-            if u.numel() % 2:
-                u = torch.cat([u, u.new_full((1,), 8)])
-            u = u.view(-1, 2)
-            return [scales, u[:, 0] | (u[:, 1] << 4)]
-        return [scales, q]
+        return scales, q
 
-    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
-        scales, q = payload
-        if self.bits == 4:
-            q = torch.stack([q & 0x0F, q >> 4], dim=1).view(-1).to(torch.int16) - 8
-        runs, _, _ = self._runs(segments, numel)
+    def _pack(self, q: Tensor) -> Tensor:
+        """The int8 values as sent: as they are for 8 bits; two per byte, stored as ``q + 8`` in [1, 15], for 4."""
+        if self.bits == 8:
+            return q
+        u = (q + 8).to(torch.uint8)
+        if u.numel() % 2:
+            u = torch.cat([u, u.new_full((1,), 8)])
+        u = u.view(-1, 2)
+        return u[:, 0] | (u[:, 1] << 4)
+
+    def _unpack(self, packed: Tensor) -> Tensor:
+        """Inverse of :meth:`_pack` (4 bits: one padding value more for an odd count)."""
+        if self.bits == 8:
+            return packed
+        return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1).to(torch.int16) - 8
+
+    def _dequantize(self, scales: Tensor, q: Tensor, runs: list[tuple[int, int, int]], numel: int) -> Tensor:
+        """Flat fp32 values of unpacked ``q`` with its block ``scales``, laid out as ``runs``."""
         out = torch.empty(numel, dtype=torch.float32, device=scales.device)
         for f, blk, rows in self._views(runs):  # int * fp32 scale, written straight into the output
             torch.mul(q[f].view(rows, -1), scales[blk, None], out=out[f].view(rows, -1))
         return out
+
+    def decompress(self, payload: Sequence[Tensor], segments: Sequence[Segment], numel: int) -> Tensor:
+        scales, packed = payload
+        return self._dequantize(scales, self._unpack(packed), self._runs(segments, numel)[0], numel)
 
     def extra_repr(self) -> str:
         return (f"bits={self.bits}, block_size={self.block_size}, stochastic_rounding={self.stochastic_rounding}, "
