@@ -904,3 +904,13 @@ def test_an_exception_inside_the_step_leaves_neither_hooks_nor_a_scaled_lr(tmp_p
         trainer.fit(module, datamodule=_StageLrData())
     assert module.opt.param_groups[0]["lr"] == 1.0
     assert len(module.opt._optimizer_step_pre_hooks) == 0  # (torch's own registry of step pre-hooks)
+
+
+def test_rows_follow_lightnings_logging_cadence():
+    """fourier/* rows at the steps where Lightning writes train/loss, ``(k + 1) % log_every_n_steps == 0``, like the
+    other callbacks (``_logging.on_log_cadence``); it also wrote a row at step 0, one off that cadence."""
+    s = make(stages=False)
+    module = _drive(FourierSamplerCallback(), s, steps=10, trainer_every=5)
+    assert sorted(step - 1 for step in module.logged) == [4, 9]  # _Recorder keys: global_step after the step
+    module = _drive(FourierSamplerCallback(log_every_n_steps=3), make(stages=False), steps=10, trainer_every=5)
+    assert sorted(step - 1 for step in module.logged) == [2, 5, 8]

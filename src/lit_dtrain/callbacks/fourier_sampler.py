@@ -8,7 +8,8 @@ after the update, so schedules and ``LearningRateMonitor`` see unscaled values) 
 ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
 ``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and
 ``fourier/nonfinite_skipped`` (samples whose token loss was NaN/inf, which the sampler leaves out of its table;
-the first one also warns) to the loggers (TensorBoard by default).
+the first one also warns) to the loggers (TensorBoard by default), after the steps ``k`` with
+``(k + 1) % log_every_n_steps == 0`` (Lightning's own cadence, so the rows line up with ``train/loss``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._contract import require_outputs
-from lit_dtrain.callbacks._logging import log_interval, log_step_metrics
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
@@ -110,7 +111,7 @@ class FourierSamplerCallback(L.Callback):
         step = self._batch_step
         last_micro = not (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1)
         every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
-        log_now = last_micro and every > 0 and (trainer.global_step % every == 0 or trainer.global_step == 1)
+        log_now = last_micro and on_log_cadence(every, step, trainer)  # Lightning's: rows line up with train/loss
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
         # entropy would be that of the *next* draw, not of the distribution this batch was drawn from
         prob_entropy = sampler.entropy() if log_now else None
