@@ -314,6 +314,23 @@ def test_eps_dominated_frac_uses_the_amsgrad_denominator(tmp_path: Path) -> None
     assert diag.last["optim/0/eps_dominated_frac"] == 0.0
 
 
+class AdamWLinear(L.LightningModule):
+    """A plain module: ``nn.Linear(4, 1)`` (seeded) regressed to 1.0, with fused or foreach AdamW; its loss is inf at
+    ``inf_at_step`` (inf grads, a step the GradScaler skips)."""
+
+    def __init__(self, fused: bool, inf_at_step: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.fused, self.inf_at_step = torch.nn.Linear(4, 1), fused, inf_at_step
+
+    def training_step(self, batch, batch_idx):
+        loss = (self.lin(batch) - 1.0).square().mean()
+        return loss * float("inf") if self.global_step == self.inf_at_step else loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused, foreach=None if self.fused else True)
+
+
 def test_grad_rms_is_unscaled_under_16_mixed_with_fused_adamw(tmp_path: Path) -> None:
     """Under ``16-mixed``, Lightning unscales the grads before ``on_before_optimizer_step`` except for optimizers that
     unscale inside ``step`` (fused AdamW): theirs still carry the GradScaler's scale there. AdaptiveGradClip and
@@ -321,18 +338,6 @@ def test_grad_rms_is_unscaled_under_16_mixed_with_fused_adamw(tmp_path: Path) ->
     with fused AdamW. The same first step must give the same grad_rms with fused and foreach AdamW."""
     from lightning.pytorch.plugins.precision import MixedPrecision
     from torch.utils.data import DataLoader
-
-    class Own(L.LightningModule):
-        def __init__(self, fused: bool) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin, self.fused = torch.nn.Linear(4, 1), fused
-
-        def training_step(self, batch, batch_idx):
-            return (self.lin(batch) - 1.0).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused, foreach=None if self.fused else True)
 
     grad_rms = {}
     for fused in (False, True):
@@ -342,7 +347,7 @@ def test_grad_rms_is_unscaled_under_16_mixed_with_fused_adamw(tmp_path: Path) ->
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=str(tmp_path))
         data = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-        trainer.fit(Own(fused), train_dataloaders=DataLoader(data, batch_size=8))
+        trainer.fit(AdamWLinear(fused), train_dataloaders=DataLoader(data, batch_size=8))
         grad_rms[fused] = diag.last["optim/0/grad_rms"]
     assert 0.0 < grad_rms[False] < 10.0
     assert grad_rms[True] == pytest.approx(grad_rms[False], rel=1e-3)
@@ -560,3 +565,34 @@ def test_a_step_interrupted_after_the_clip_is_not_counted_twice(tmp_path: Path) 
     assert trainer.global_step == 5
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 8 and clip.stat.count == 8
+
+
+def test_a_step_the_grad_scaler_skips_logs_nothing_with_fused_or_foreach_adamw(tmp_path: Path, monkeypatch) -> None:
+    """Under ``16-mixed`` the GradScaler skips a step with inf grads. For foreach AdamW it never calls
+    ``optimizer.step``, so OptimizerDiagnostics logged nothing; fused AdamW unscales inside ``step`` and is called with
+    the scaler's ``found_inf`` (it then leaves the parameters alone), and the diagnostics logged an inf grad_rms with an
+    update of 0 for it. Both now log nothing for the skipped step and the same rows for the others."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    from lit_dtrain.callbacks import optimizer_diagnostics as od
+
+    logged = {}
+    for fused in (False, True):
+        rows = logged[fused] = {}
+        monkeypatch.setattr(od, "log_step_metrics", lambda tr, pl, metrics, step, rows=rows: rows.__setitem__(
+            step, dict(metrics)))
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, plugins=[plugin], logger=False,
+                            callbacks=[OptimizerDiagnostics(every_n_steps=1)], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        data = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+        trainer.fit(AdamWLinear(fused, inf_at_step=2), train_dataloaders=DataLoader(data, batch_size=8))
+        assert trainer.precision_plugin.scaler.get_scale() == 2.0**9  # the scaler did skip step 2 (and backed off)
+    for fused, rows in logged.items():
+        assert sorted(rows) == [0, 1, 3, 4], fused
+        assert all(math.isfinite(v) for metrics in rows.values() for v in metrics.values()), fused
+        assert all(metrics["optim/0/grad_rms"] > 0 and metrics["optim/0/update_to_param_rms"] > 0
+                   for metrics in rows.values()), fused
+    for step, metrics in logged[False].items():
+        assert logged[True][step] == pytest.approx(metrics, rel=1e-3), step

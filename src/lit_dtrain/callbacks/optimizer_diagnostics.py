@@ -17,7 +17,8 @@ logging cadence, so the rows line up with ``train/loss`` when ``every_n_steps`` 
 The parameter change is measured inside ``optimizer.step`` (torch step pre/post hooks), so it is the update the
 optimizer applied, in any callback order. A step that applies no update logs nothing: one whose grads were all
 dropped (``LossSpikeMonitor``'s ``skip``/``rollback``, whether listed before or after this callback; a rollback is
-never measured as an update) or that the ``16-mixed`` GradScaler skipped (inf/NaN grads). With several optimizers
+never measured as an update) or that the ``16-mixed`` GradScaler skipped (inf/NaN grads; also with fused Adam, which
+the scaler still calls, with its ``found_inf``, and which then leaves the parameters alone). With several optimizers
 (manual optimization) the names are ``optim/opt<i>/<group>/...``.
 
 Cost: nothing on other steps; on a diagnostic step one copy of the parameters and a few reductions.
@@ -155,6 +156,12 @@ class OptimizerDiagnostics(Callback):
             return
         if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             return  # the step was dropped (no grads: the optimizer left every parameter alone): nothing to log
+        found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(found_inf, torch.Tensor) and bool(found_inf.any()):
+            # the GradScaler skips this step: an optimizer that unscales inside step (fused Adam) is still called, with
+            # the scaler's found_inf (torch.amp.GradScaler.step sets it for the call), and leaves the parameters alone;
+            # others are not called at all. Either way no update: nothing to log
+            return
         if grad_rms is None:  # no backward through Lightning for it (an optimizer stepped by hand)
             grad_rms = [float("nan")] * len(optimizer.param_groups)
         prefix = f"{self.prefix}/opt{index}" if self._multi else self.prefix
