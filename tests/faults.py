@@ -26,14 +26,39 @@ class KillAtStep(L.Callback):
 
 
 class PoisonLossAtStep(L.Callback):
-    """Multiply the loss of the batch after ``step`` completed steps by ``value`` (NaN or Inf)."""
+    """Multiply the loss that ``training_step`` returns by ``value`` (NaN or Inf) in every micro-batch of the step
+    after ``step`` completed steps (on rank ``rank`` only, when given).
 
-    def __init__(self, step: int, value: float = float("nan")) -> None:
-        self.step, self.value = int(step), float(value)
+    The module's ``training_step`` is wrapped for the fit, so every callback sees the poisoned loss, whatever its
+    place in the list, as a bad batch would give it. (Multiplying in this callback's ``on_before_backward`` reached
+    the callbacks listed before it only through the first micro-batch's tensor, where they kept that tensor, and not
+    at all where they kept a copy, as ``LossSpikeMonitor`` does under ``16-mixed``.)
+    """
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
-        if trainer.global_step == self.step:
-            loss.mul_(self.value)
+    def __init__(self, step: int, value: float = float("nan"), rank: int | None = None) -> None:
+        self.step, self.value, self.rank = int(step), float(value), rank
+        self._module = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if stage != "fit" or self._module is not None:
+            return
+        original = pl_module.training_step
+
+        def training_step(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if trainer.global_step != self.step or (self.rank is not None and trainer.global_rank != self.rank):
+                return out
+            if isinstance(out, dict):
+                return {**out, "loss": out["loss"] * self.value}
+            return out * self.value
+
+        pl_module.training_step = training_step  # an instance attribute: Lightning looks the hook up on the object
+        self._module = pl_module
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self._module is not None:
+            del self._module.training_step  # the class's method again
+            self._module = None
 
 
 class FillDiskAtStep(L.Callback):

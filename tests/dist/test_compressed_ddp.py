@@ -526,18 +526,13 @@ def _nan_one_rank_worker(rank: int, port: int, root: str, local_update: dict, mo
     from lit_dtrain.optim import adamw
     from tests.faults import PoisonLossAtStep
 
-    class PoisonRank1(PoisonLossAtStep):
-        def on_before_backward(self, trainer, pl_module, loss):
-            if trainer.global_rank == 1:
-                super().on_before_backward(trainer, pl_module, loss)
-
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 257, (64, 17), generator=g)
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
     torch.manual_seed(0)
     lit = LitLLM(Llama(LlamaConfig(block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16)),
                  optimizer=partial(adamw, lr=1e-3))
-    callbacks = [PoisonRank1(4)] + ([LossSpikeMonitor(actions=["log"], warmup_steps=2)] if monitor else [])
+    callbacks = [PoisonLossAtStep(4, rank=1)] + ([LossSpikeMonitor(actions=["log"], warmup_steps=2)] if monitor else [])
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=12, logger=False, enable_checkpointing=False,
                         strategy=CompressedDDPStrategy(local_update=local_update, collective_timeout_s=30,
                                                        log_comm_metrics=False),

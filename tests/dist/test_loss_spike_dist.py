@@ -250,15 +250,6 @@ def _local_update_worker(rank: int, port: int, root: str) -> None:
     from lit_dtrain.strategies import CompressedDDPStrategy
     from tests.faults import PoisonLossAtStep
 
-    class PoisonOneRank(PoisonLossAtStep):
-        def __init__(self, step: int, rank: int) -> None:
-            super().__init__(step)
-            self.rank = rank
-
-        def on_before_backward(self, trainer, pl_module, loss):
-            if trainer.global_rank == self.rank:
-                super().on_before_backward(trainer, pl_module, loss)
-
     class Record(L.Callback):
         def __init__(self):
             self.local_loss, self.params, self.syncs = {}, {}, {}
@@ -280,7 +271,7 @@ def _local_update_worker(rank: int, port: int, root: str) -> None:
                             # a rank left waiting fails the run after 30 s instead of the default 30 min
                             strategy=CompressedDDPStrategy(local_update=local_update, collective_timeout_s=30,
                                                            log_comm_metrics=False),
-                            callbacks=[PoisonOneRank(nan_step, rank=1), monitor, record], enable_progress_bar=False,
+                            callbacks=[PoisonLossAtStep(nan_step, rank=1), monitor, record], enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
         trainer.fit(lit, datamodule=_data(root))
         return {"global_step": trainer.global_step, "num_spikes": monitor.num_spikes,

@@ -988,3 +988,33 @@ def test_a_step_interrupted_after_the_decision_is_not_counted_twice(tmp_path: Pa
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 8 and monitor.detector.loss_stat.count == 8
     assert monitor.detector.grad_stat.count == 8 and monitor.events == []
+
+
+@pytest.mark.parametrize(("precision", "accumulate", "value"), [("32-true", 2, 50.0), ("16-mixed", 1, float("nan"))])
+def test_the_poison_fault_reaches_the_monitor_in_either_callback_order(
+    tmp_path: Path, precision: str, accumulate: int, value: float
+) -> None:
+    """``tests.faults.PoisonLossAtStep`` multiplied the loss in place in its own on_before_backward: listed after the
+    monitor (as ``+callbacks.fault`` is after ``callbacks=[default,loss_spike]``) it reached the monitor's loss only
+    through the first micro-batch's tensor, which the monitor happened to keep (not the others': the monitor judged
+    step 3 by (50 l0 + l1) / 2), and under 16-mixed (the monitor divides by the loss scale, a copy) not at all. The
+    fault must hit every callback the same way, as a bad batch would."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from tests.faults import PoisonLossAtStep
+
+    events = {}
+    for order in ("poison_first", "poison_last"):
+        monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2)
+        poison = PoisonLossAtStep(3, value=value)
+        callbacks = [poison, monitor] if order == "poison_first" else [monitor, poison]
+        plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))] if precision == "16-mixed" else []
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=callbacks, logger=False,
+                            plugins=plugins, accumulate_grad_batches=accumulate, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            default_root_dir=str(tmp_path / order))
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        events[order] = [(e["step"], e["reasons"], e["loss"]) for e in monitor.events]
+    assert [step for step, _, _ in events["poison_first"]] == [3]
+    assert events["poison_last"] == events["poison_first"]
+
