@@ -1018,3 +1018,50 @@ def test_the_poison_fault_reaches_the_monitor_in_either_callback_order(
     assert [step for step, _, _ in events["poison_first"]] == [3]
     assert events["poison_last"] == events["poison_first"]
 
+
+
+@pytest.mark.parametrize("how", ["same_trainer", "checkpoint"])
+def test_a_level_shift_of_a_step_that_never_completed_is_not_recorded(tmp_path: Path, how: str) -> None:
+    """The ``level_shift`` line was written to the events file when the step was decided, before it was taken. A fit
+    that failed after the decision (here a later callback raising in on_before_optimizer_step at step 6) left it
+    there, and the run continued (the same Trainer fitted again, or a resume from the step-6 checkpoint) recorded the
+    step again: the file held the level shift twice (with a chosen ``path``; the default spikes.jsonl moved it to
+    spikes.superseded.jsonl on resume), and the continued monitor's events too. Events are now recorded when their
+    step completes, so the file equals the straight run's."""
+    injected = {step: "finite" for step in range(5, 12)}  # the loss level moves up for good at step 5
+
+    def monitor(run: str) -> LossSpikeMonitor:
+        return LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_consecutive=2,
+                                path=str(tmp_path / run / "events.jsonl"))
+
+    def lines(run: str) -> list:
+        text = (tmp_path / run / "events.jsonl").read_text()
+        return [(d["step"], d["reasons"]) for d in map(json.loads, text.splitlines())]
+
+    straight = monitor("straight")
+    make_trainer(tmp_path / "straight", [Inject(injected), straight], max_steps=9).fit(
+        make_module(), datamodule=make_data(tmp_path))
+    expected = [(5, ["loss"]), (6, ["level_shift"])]
+    assert lines("straight") == expected and [(e["step"], e["reasons"]) for e in straight.events] == expected
+
+    interrupted = monitor("run")
+    raising = [Inject(injected), interrupted, RaiseOnceAt("on_before_optimizer_step", 6)]
+    module, dm = make_module(), make_data(tmp_path)
+    if how == "same_trainer":
+        trainer = make_trainer(tmp_path / "run", raising, max_steps=9)
+        with pytest.raises(RuntimeError, match="interrupted at step 6"):
+            trainer.fit(module, datamodule=dm)
+        assert lines("run") == expected[:1]  # nothing for the step that was decided but never taken
+        trainer.fit(module, datamodule=dm)
+        assert [(e["step"], e["reasons"]) for e in interrupted.events] == expected
+    else:
+        first = make_trainer(tmp_path / "run", [Inject(injected), monitor("run")], max_steps=6)
+        first.fit(module, datamodule=dm)
+        first.save_checkpoint(tmp_path / "run" / "step6.ckpt")
+        with pytest.raises(RuntimeError, match="interrupted at step 6"):
+            make_trainer(tmp_path / "run", raising, max_steps=9).fit(
+                make_module(), datamodule=make_data(tmp_path), ckpt_path=tmp_path / "run" / "step6.ckpt")
+        assert lines("run") == expected[:1]
+        make_trainer(tmp_path / "run", [Inject(injected), monitor("run")], max_steps=9).fit(
+            make_module(), datamodule=make_data(tmp_path), ckpt_path=tmp_path / "run" / "step6.ckpt")
+    assert lines("run") == expected

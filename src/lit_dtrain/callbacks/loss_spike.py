@@ -31,7 +31,7 @@ Hook order per optimizer step: ``on_train_batch_start`` (indices) -> ``on_before
 micro-batch) -> ``on_before_optimizer_step`` (one all-reduce of [loss, grad norm, flags], decision,
 grads dropped) -> optimizer and scheduler step -> ``on_train_batch_end`` (restore, exclude, record).
 Under DDP the decision uses all-reduced values, so every rank takes the same action. Every event is
-appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by rank 0.
+appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by rank 0 when its step completes.
 """
 
 from __future__ import annotations
@@ -220,6 +220,7 @@ class LossSpikeMonitor(L.Callback):
         self._indices: list[torch.Tensor] = []
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
+        self._level_shift: tuple | None = None  # (event, message) of this step's accepted level shift
 
     # ---- setup --------------------------------------------------------------------------------------------
     @override
@@ -369,10 +370,10 @@ class LossSpikeMonitor(L.Callback):
             self.nonfinite_run.append(step)
         else:
             self.nonfinite_run = []
-        if decision.level_shift:
-            self._record(trainer, {"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
-                         f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in a row; "
-                         f"statistics restart at loss {decision.loss:.4g}")
+        if decision.level_shift:  # recorded when the step completes (a step that raises before is redone)
+            self._level_shift = ({"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
+                                 f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in "
+                                 f"a row; statistics restart at loss {decision.loss:.4g}")
         if not decision.is_spike and hit_count > 0:
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
@@ -429,6 +430,8 @@ class LossSpikeMonitor(L.Callback):
         self._decision_undo = None  # the step was taken
         self._restore_lr(trainer)  # the GradScaler may have skipped optimizer.step (and the post-hook)
         pending, decision = self._pending, self.last_decision
+        if self._level_shift is not None:
+            self._record(trainer, *self._level_shift)
         if pending is None:
             if self.exclude_previous_steps:
                 self.recent_indices.append(self._gather_indices(trainer))
