@@ -101,14 +101,21 @@ class DumpSamplerTables(L.Callback):
 
 
 @pytest.mark.slow
-def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus):
+@pytest.mark.parametrize("spike", [False, True])
+def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, spike):
+    """With ``spike``, a LossSpikeMonitor listed before the callback skips step 4 (logits x50 on both ranks): no rank
+    learns from it (the table took 6 updates, the dropped step's included, before the sampler was told by the grads
+    the optimizer step saw), and the tables stay identical."""
     dump = tmp_path / "dump"
     dump.mkdir()
     env = subprocess_env(tmp_path)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env["PYTHONPATH"]  # the dump callback lives in tests/
+    callbacks = ["callbacks=[default,loss_spike,fourier_sampler]", "callbacks.loss_spike.warmup_steps=3",
+                 "+callbacks.spike._target_=tests.unit.test_fourier_sampler._ScaleLogitsAt", "+callbacks.spike.step=4"]
     args = [*TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "data=textfiles",
             f"data.sources.0.paths=[{corpus}]", "run_name=ddp", "data/sampler=fourier",
-            "callbacks=[default,fourier_sampler]", "data.sampler.step_unit=1", "sample.max_new_tokens=0",
+            *(callbacks if spike else ["callbacks=[default,fourier_sampler]"]), "data.sampler.step_unit=1",
+            "sample.max_new_tokens=0",
             f"+callbacks.dump._target_={__name__}.DumpSamplerTables", f"+callbacks.dump.out={dump}"]
     proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -118,7 +125,9 @@ def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus):
     r0, r1 = (torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2))
     for key in ("m1", "m2", "visits", "profile"):
         assert torch.equal(r0["state"][key], r1["state"][key]), key
-    assert r0["state"]["updates"] == 6 and int((r0["state"]["visits"] > 0).sum()) > 4
+    assert r0["state"]["updates"] == (5 if spike else 6) and int((r0["state"]["visits"] > 0).sum()) > 4
+    assert torch.equal(r0["state"]["excluded"], r1["state"]["excluded"])
+    assert r0["state"]["excluded"].tolist() == (sorted(set(r0["batches"][4].tolist())) if spike else [])
     assert torch.equal(r0["batches"], r1["batches"])
     per_rank = r0["shards"].shape[1]
     assert torch.equal(r0["shards"], r0["batches"][:, :per_rank])

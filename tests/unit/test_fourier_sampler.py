@@ -634,10 +634,11 @@ def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
     assert s.updates == 4
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
+@pytest.mark.parametrize(("accumulate", "epoch_length"), [(1, 64), (3, 64), (2, 5)])
+def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate, epoch_length):
     """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs
-    to (at batch end Lightning has already advanced global_step after the last micro-batch, not the others)."""
+    to (at batch end Lightning has already advanced global_step after the last micro-batch, not the others). With 5
+    batches an epoch and accumulate 2, Lightning steps after the epoch's lone 5th batch: that is step 2's only one."""
     seen = []
 
     class Recording(FourierSampler):
@@ -652,7 +653,8 @@ def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
             self.sampler.setup(64, seed=0)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(64)], batch_size=None)
+            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(epoch_length)],
+                                               batch_size=None)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -670,6 +672,9 @@ def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate):
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[FourierSamplerCallback()])
     trainer.fit(Module(), datamodule=Data())
+    if epoch_length == 5:
+        assert seen == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (0, 3), (1, 3)]
+        return
     assert [step for _, step in seen] == [i // accumulate for i in range(4 * accumulate)]
     assert [i for i, _ in seen] == list(range(4 * accumulate))
 
@@ -762,9 +767,11 @@ class _ScaleLogitsAt(L.Callback):
 
 
 def test_a_skipped_spike_batch_is_left_out_of_the_magnitude_mean_through_the_callbacks(tiny_cfg):
-    """The callbacks' path: the FourierSamplerCallback scores every batch, also the one LossSpikeMonitor skips; the
+    """The callbacks' path: the FourierSamplerCallback scored every batch, also the one LossSpikeMonitor skips; the
     monitor then excludes its samples. The mean of ``magnitude`` must be over the seen samples still drawable
-    (before the fix it was 4.18 here, over all seen samples, against 3.38 without the 4 spiked ones)."""
+    (before the fix it was 4.18 here, over all seen samples, against 3.38 without the 4 spiked ones). The callback
+    now leaves the skipped batch out of the table altogether (test_the_table_does_not_learn_from_a_step_the_monitor_
+    dropped); the mean is still over the drawable samples."""
     cfg = tiny_cfg("data/sampler=fourier", "data.sampler.variant=magnitude", "data.sampler.stages=false",
                    "callbacks=[default,loss_spike,fourier_sampler]", "callbacks.loss_spike.warmup_steps=3",
                    "trainer.max_steps=14", "sample.max_new_tokens=0")
@@ -775,10 +782,9 @@ def test_a_skipped_spike_batch_is_left_out_of_the_magnitude_mean_through_the_cal
     monitor = next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))
     assert [(e["step"], e["actions"]) for e in monitor.events] == [(8, ["log", "skip"])]
     seen = sampler.visits > 0
-    assert sampler.num_excluded == int((seen & sampler.excluded).sum()) == 4  # scored, then excluded
+    assert sampler.num_excluded == 4
     elem = S.importance_elementwise(sampler.m1, sampler.m2, sampler.visits, "magnitude")
     assert sampler._distribution()["mean"] == pytest.approx(float(elem[seen & ~sampler.excluded].mean()), rel=1e-12)
-    assert float(elem[seen].mean()) > 1.1 * sampler._distribution()["mean"]  # the spike's scores would move it
 
 
 @pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
@@ -914,3 +920,80 @@ def test_rows_follow_lightnings_logging_cadence():
     assert sorted(step - 1 for step in module.logged) == [4, 9]  # _Recorder keys: global_step after the step
     module = _drive(FourierSamplerCallback(log_every_n_steps=3), make(stages=False), steps=10, trainer_every=5)
     assert sorted(step - 1 for step in module.logged) == [2, 5, 8]
+
+
+class _TableAtBatchStart(L.Callback):
+    """The sampler's table (m1, m2, visits, profile, updates) when each micro-batch starts, by global step: at the
+    start of step s + 1 every callback has finished step s."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, dict] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        sampler = trainer.datamodule.sampler
+        sampler.flush()
+        self.tables.setdefault(trainer.global_step, {
+            "m1": sampler.m1.clone(), "m2": sampler.m2.clone(), "visits": sampler.visits.clone(),
+            "profile": sampler.profile.clone(), "updates": sampler.updates})
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("order", ["monitor_first", "sampler_first"])
+def test_the_table_does_not_learn_from_a_step_the_monitor_dropped(tiny_cfg, order, accumulate):
+    """FourierSamplerCallback scored every batch, also the one LossSpikeMonitor then skipped: m1/m2, visits, the band
+    profile and the update count took in the spike. A step whose grads the monitor dropped is now left out of the
+    table (told, in either callback order, by the grads the optimizer step saw), and only that step: the table is the
+    same before and after it, and changes at every other step."""
+    callbacks = "[default,loss_spike,fourier_sampler]" if order == "monitor_first" else \
+        "[default,fourier_sampler,loss_spike]"
+    cfg = tiny_cfg("data/sampler=fourier", "data.sampler.variant=magnitude", "data.sampler.stages=false",
+                   f"callbacks={callbacks}", "callbacks.loss_spike.warmup_steps=3", "trainer.max_steps=11",
+                   f"trainer.accumulate_grad_batches={accumulate}", "sample.max_new_tokens=0",
+                   run=f"{order}_{accumulate}")
+    with open_dict(cfg):
+        cfg.callbacks["spike"] = {"_target_": f"{__name__}._ScaleLogitsAt", "step": 8}
+        cfg.callbacks["tables"] = {"_target_": f"{__name__}._TableAtBatchStart"}
+    _, objects = train(cfg)
+    trainer = objects["trainer"]
+    monitor = next(c for c in trainer.callbacks if isinstance(c, LossSpikeMonitor))
+    tables = next(c for c in trainer.callbacks if isinstance(c, _TableAtBatchStart)).tables
+    assert [(e["step"], e["actions"]) for e in monitor.events] == [(8, ["log", "skip"])]
+    sampler = objects["datamodule"].sampler
+    assert sampler.num_excluded == 4 * accumulate  # the monitor still excludes the dropped step's samples
+    for step in range(10):
+        before, after = tables[step], tables[step + 1]
+        same = all(torch.equal(before[k], after[k]) for k in ("m1", "m2", "visits", "profile"))
+        assert same == (step == 8), step
+        assert after["updates"] - before["updates"] == (0 if step == 8 else accumulate), step
+    assert sampler.updates == 10 * accumulate
+
+
+@pytest.mark.parametrize(("action", "order"), [("skip", "sampler_first"), ("rollback", "monitor_first")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_table_does_not_learn_from_a_step_the_monitor_dropped_under_16_mixed(tmp_path, fused, action, order):
+    """Under 16-mixed a dropped step never reaches foreach AdamW's ``step`` (the GradScaler skips it), and fused AdamW
+    is called without grads: both are told apart from an applied step, in either callback order."""
+    from functools import partial
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lit_dtrain.optim import adamw
+    from tests.unit.test_loss_spike import Inject, make_data, make_module
+
+    dm = make_data(tmp_path)
+    dm.sampler = FourierSampler(stages=False)
+    tables = _TableAtBatchStart()
+    monitor = LossSpikeMonitor(actions=["log", action], warmup_steps=3, snapshot_every=2)
+    pair = [FourierSamplerCallback(), monitor] if order == "sampler_first" else [monitor, FourierSamplerCallback()]
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=9, plugins=[plugin], logger=False,
+                        callbacks=[Inject({6: "finite"}), *pair, tables],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=str(tmp_path))
+    module = make_module()
+    module.optimizer_factory = partial(adamw, lr=3e-3, fused=fused)
+    trainer.fit(module, datamodule=dm)
+    assert [e["step"] for e in monitor.events] == [6]
+    for step in range(8):
+        same = all(torch.equal(tables.tables[step][k], tables.tables[step + 1][k]) for k in ("m1", "visits"))
+        assert same == (step == 6), step

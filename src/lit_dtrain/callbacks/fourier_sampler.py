@@ -1,8 +1,14 @@
 """``FourierSamplerCallback``: feeds each step's token losses to the :class:`FourierSampler` and logs it.
 
-After every training micro-batch it hands ``outputs["token_loss"]`` and ``outputs["index"]`` to
-``trainer.datamodule.sampler.observe`` (which runs the all-reduce/all-gather sync on every rank; an async
-gather is waited on at the next draw, which ``LMDataModule`` makes at step time). It applies the stage's LR
+At the end of every optimizer step it hands each of the step's micro-batches' ``outputs["token_loss"]`` and
+``outputs["index"]`` to ``trainer.datamodule.sampler.observe`` (which runs the all-reduce/all-gather sync on every
+rank; an async gather is waited on at the next draw, which ``LMDataModule`` makes at step time), so the
+micro-batches of one step are all drawn from the table as the step began. A step whose gradients were dropped
+(``LossSpikeMonitor``'s ``skip``/``rollback``, listed before or after this callback) is not handed over: the table
+does not learn from a batch that was never trained on (the monitor excludes its samples from later draws). This
+is told as ``AdaptiveGradClip`` and ``OptimizerDiagnostics`` tell it, by the grads the optimizer step saw (a step
+post-hook; when the GradScaler skipped ``optimizer.step``, by the grads left at batch end: an fp16 overflow keeps
+its grads and is still learned from; its non-finite rows are not, see the sampler). It applies the stage's LR
 multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR is restored right
 after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs ``fourier/mix``,
 ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
@@ -21,6 +27,7 @@ from typing_extensions import override
 from lit_dtrain.callbacks._contract import require_outputs
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
+from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -43,6 +50,12 @@ class FourierSamplerCallback(L.Callback):
         self._comm_bytes = 0
         self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
         self._warned_nonfinite = False
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._micro_outputs: list[tuple] = []  # (token_loss, index) of this step's micro-batches so far
+        self._optimizer_ran = False  # an optimizer.step of this step ran (its post-hook)
+        self._optimizer_had_grads = False  # ... and saw grads: the step was not dropped
 
     @staticmethod
     def sampler_of(trainer: L.Trainer) -> FourierSampler:
@@ -71,6 +84,8 @@ class FourierSamplerCallback(L.Callback):
         # The stage multiplier must be undone *inside* optimizer.step: Lightning steps the LR scheduler before
         # on_train_batch_end, and chainable torch schedulers read group["lr"]. So: torch step pre/post hooks.
         self._remove_hooks()
+        self._reset_step()
+        self._hooks = [optimizer.register_step_post_hook(self._after_step) for optimizer in trainer.optimizers]
         if not self.apply_lr_multiplier:
             return
         sampler = self.sampler_of(trainer)
@@ -83,6 +98,21 @@ class FourierSamplerCallback(L.Callback):
 
             self._hooks.append(optimizer.register_step_pre_hook(pre))
 
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        # inside optimizer.step, before anything can zero the grads (as AdaptiveGradClip's post-hook): no grads here
+        # means LossSpikeMonitor dropped the step, in whichever order the two callbacks are listed
+        self._optimizer_ran = True
+        self._optimizer_had_grads = self._optimizer_had_grads or bool(grad_params(optimizer))
+
+    def _step_dropped(self, trainer: L.Trainer) -> bool:
+        """True when this step's grads were dropped, so its batches were never trained on."""
+        if self._optimizer_ran:
+            return not self._optimizer_had_grads
+        # no optimizer.step ran: the GradScaler skipped it (an fp16 overflow keeps its grads; a LossSpikeMonitor drop
+        # under 16-mixed has none), or a stand-in trainer without optimizers
+        optimizers = getattr(trainer, "optimizers", None) or []
+        return bool(optimizers) and not any(grad_params(optimizer) for optimizer in optimizers)
+
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
@@ -90,6 +120,7 @@ class FourierSamplerCallback(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()  # (a later fit must not find this fit's hooks on a reused optimizer)
+        self._reset_step()  # an unfinished step's micro-batches: a continued fit redoes the step
         for optimizer in trainer.optimizers:
             restore_lrs(optimizer)  # a raise inside optimizer.step would leave the stage-scaled LR
 
@@ -109,21 +140,29 @@ class FourierSamplerCallback(L.Callback):
         require_outputs(self, outputs, self.required_step_outputs)
         sampler = self.sampler_of(trainer)
         step = self._batch_step
-        last_micro = not (batch_idx + 1) % max(int(trainer.accumulate_grad_batches), 1)
+        self._micro_outputs.append((outputs["token_loss"].detach(), outputs["index"]))
+        if trainer.global_step == step:
+            # mid-accumulation (no optimizer step in this batch; told by the step count rather than batch_idx, which
+            # misses the short accumulation window Lightning steps at the end of an epoch): whether the step is
+            # applied is known after its optimizer step
+            return
+        micro_outputs, dropped = self._micro_outputs, self._step_dropped(trainer)
+        self._reset_step()
+        if dropped:
+            return  # never trained on: not learned from, and (as the other callbacks) no row for it
         every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
-        log_now = last_micro and on_log_cadence(every, step, trainer)  # Lightning's: rows line up with train/loss
+        log_now = on_log_cadence(every, step, trainer)  # Lightning's cadence: rows line up with train/loss
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
-        # entropy would be that of the *next* draw, not of the distribution this batch was drawn from
+        # entropy would be that of the *next* draw, not of the distribution this step's batches were drawn from
         prob_entropy = sampler.entropy() if log_now else None
-        stats = sampler.observe(outputs["token_loss"], outputs["index"], step=step)
-        self._comm_bytes += stats["comm_bytes"]
-        if stats["nonfinite"] and not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {step} had a "
-                           "NaN/inf token loss; they are left out of the sampling table (counted in "
-                           "fourier/nonfinite_skipped)")
-        if not last_micro:
-            return  # mid-accumulation: log once per optimizer step
+        for token_loss, index in micro_outputs:
+            stats = sampler.observe(token_loss, index, step=step)
+            self._comm_bytes += stats["comm_bytes"]
+            if stats["nonfinite"] and not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {step} had a "
+                               "NaN/inf token loss; they are left out of the sampling table (counted in "
+                               "fourier/nonfinite_skipped)")
         if log_now:
             metrics = {
                 "fourier/mix": float(stats["mix"]),

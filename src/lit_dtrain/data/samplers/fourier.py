@@ -396,7 +396,8 @@ class FourierSampler(IndexSampler):
         """For ``magnitude``: positions, real-sample mask, ``|m1_hat|`` and seen mask of the given blocks.
 
         An excluded sample counts as not seen: the samples of a batch that a loss-spike monitor skipped (it
-        excludes them; the callback still scored them, often at a spike's loss) must not enter the mean that
+        excludes them; ``FourierSamplerCallback`` no longer scores such a step, but another caller of :meth:`observe`
+        may have, often at a spike's loss) must not enter the mean that
         every other sample is divided by. Its weight is 0 either way (its target is 0). Without exclusions
         this is the plain seen mask, so nothing changes bit for bit when no step is skipped.
         """
