@@ -634,44 +634,62 @@ def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
     assert s.updates == 4
 
 
+class _RecordingSampler(FourierSampler):
+    """A FourierSampler that records the (first index, step) of every observe()."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[tuple[int, int]] = []
+
+    def observe(self, token_loss, index, step):
+        self.seen.append((int(index[0]), step))
+        return super().observe(token_loss, index, step)
+
+
+class _IndexData(L.LightningDataModule):
+    """Batches ``{"index": [i]}`` for i in range(epoch_length), one epoch after another, and a recording sampler."""
+
+    def __init__(self, epoch_length: int = 64) -> None:
+        super().__init__()
+        self.epoch_length = epoch_length
+        self.sampler = _RecordingSampler(step_unit=1)
+        self.sampler.setup(64, seed=0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(self.epoch_length)],
+                                           batch_size=None)
+
+
+class _TokenLossModule(L.LightningModule):
+    """A plain module returning loss, token_loss and index; ``training_step`` returns None (Lightning's way to skip a
+    batch) at the batch indices ``skip``."""
+
+    def __init__(self, skip: tuple[int, ...] = (), lr: float = 0.0) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.skip, self.lr = skip, lr
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx in self.skip:
+            return None
+        token_loss = self.w * torch.linspace(1, 2, 16)[None]
+        return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 @pytest.mark.parametrize(("accumulate", "epoch_length"), [(1, 64), (3, 64), (2, 5)])
 def test_every_micro_batch_is_scored_at_its_own_optimizer_step(accumulate, epoch_length):
     """Stage and mix boundaries fall on the right step: observe() gets the optimizer step the micro-batch belongs
     to (at batch end Lightning has already advanced global_step after the last micro-batch, not the others). With 5
     batches an epoch and accumulate 2, Lightning steps after the epoch's lone 5th batch: that is step 2's only one."""
-    seen = []
-
-    class Recording(FourierSampler):
-        def observe(self, token_loss, index, step):
-            seen.append((int(index[0]), step))
-            return super().observe(token_loss, index, step)
-
-    class Data(L.LightningDataModule):
-        def __init__(self):
-            super().__init__()
-            self.sampler = Recording(step_unit=1)
-            self.sampler.setup(64, seed=0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader([{"index": torch.tensor([i])} for i in range(epoch_length)],
-                                               batch_size=None)
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(1))
-
-        def training_step(self, batch, batch_idx):
-            token_loss = self.w * torch.linspace(1, 2, 16)[None]
-            return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
+    data = _IndexData(epoch_length)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=accumulate, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[FourierSamplerCallback()])
-    trainer.fit(Module(), datamodule=Data())
+    trainer.fit(_TokenLossModule(), datamodule=data)
+    seen = data.sampler.seen
     if epoch_length == 5:
         assert seen == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (0, 3), (1, 3)]
         return
@@ -997,3 +1015,19 @@ def test_the_table_does_not_learn_from_a_step_the_monitor_dropped_under_16_mixed
     for step in range(8):
         same = all(torch.equal(tables.tables[step][k], tables.tables[step + 1][k]) for k in ("m1", "visits"))
         assert same == (step == 6), step
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_batch_the_module_skips_is_left_out(accumulate):
+    """``training_step`` returning None is Lightning's way to skip a batch (it passes ``{}`` to on_train_batch_end);
+    the callback raised StepOutputError ("got keys []") there and stopped the run. It now leaves such a batch out and
+    observes the others."""
+    data = _IndexData()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=accumulate, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[FourierSamplerCallback()])
+    trainer.fit(_TokenLossModule(skip=(2, 3) if accumulate == 1 else (2,), lr=0.1), datamodule=data)
+    if accumulate == 1:  # steps 2 and 3 are skipped whole
+        assert data.sampler.seen == [(0, 0), (1, 1), (4, 4)]
+    else:  # step 1 keeps its second micro-batch
+        assert data.sampler.seen == [(0, 0), (1, 0), (3, 1), (4, 2), (5, 2), (6, 3), (7, 3), (8, 4), (9, 4)]

@@ -20,6 +20,8 @@ the first one also warns) to the loggers (TensorBoard by default), after the ste
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -137,10 +139,12 @@ class FourierSamplerCallback(L.Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
-        require_outputs(self, outputs, self.required_step_outputs)
+        if outputs is not None and not (isinstance(outputs, Mapping) and not outputs):
+            require_outputs(self, outputs, self.required_step_outputs)
+            self._micro_outputs.append((outputs["token_loss"].detach(), outputs["index"]))
+        # else: training_step returned None, Lightning's way to skip a batch (it hands on {}): nothing to learn from
         sampler = self.sampler_of(trainer)
         step = self._batch_step
-        self._micro_outputs.append((outputs["token_loss"].detach(), outputs["index"]))
         if trainer.global_step == step:
             # mid-accumulation (no optimizer step in this batch; told by the step count rather than batch_idx, which
             # misses the short accumulation window Lightning steps at the end of an epoch): whether the step is
@@ -148,7 +152,7 @@ class FourierSamplerCallback(L.Callback):
             return
         micro_outputs, dropped = self._micro_outputs, self._step_dropped(trainer)
         self._reset_step()
-        if dropped:
+        if dropped or not micro_outputs:
             return  # never trained on: not learned from, and (as the other callbacks) no row for it
         every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
         log_now = on_log_cadence(every, step, trainer)  # Lightning's cadence: rows line up with train/loss
