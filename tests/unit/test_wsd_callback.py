@@ -258,3 +258,16 @@ def test_callback_state_roundtrip_and_missing_key():
     assert other.total_steps == 20  # the constructor's schedule wins (extend / branch)
     with pytest.raises(KeyError, match="base_lrs"):
         other.load_state_dict({"last_step": 3})
+
+
+def test_both_decay_arguments_name_the_callbacks_keys_not_the_schedulers():
+    """``callbacks.wsd.decay_steps=50`` with the callback's default ``decay_fraction: 0.2`` told the user to set
+    ``scheduler.decay_fraction=null``, a key of the scheduler form (which '~scheduler' removed). The callback's error
+    names its own keys; the scheduler's keeps naming the scheduler's."""
+    from lit_dtrain.schedules import check_wsd_args
+
+    with pytest.raises(ValueError, match=r"WSDScheduler: give exactly one") as info:
+        WSDScheduler(total_steps=100, decay_steps=50, decay_fraction=0.2)
+    assert "callbacks.wsd.decay_fraction=null" in str(info.value) and "scheduler." not in str(info.value)
+    with pytest.raises(ValueError, match=r"set scheduler.decay_fraction=null"):
+        check_wsd_args(total_steps=100, decay_steps=50, decay_fraction=0.2)

@@ -54,14 +54,20 @@ class WSDScheduler(L.Callback):
         decay_type: str = "1-sqrt",
         min_lr_factor: float = 0.0,
     ) -> None:
-        self.decay_steps = check_wsd_args(
-            total_steps=total_steps,
-            warmup_steps=warmup_steps,
-            decay_steps=decay_steps,
-            decay_type=decay_type,
-            min_lr_factor=min_lr_factor,
-            decay_fraction=decay_fraction,
-        )
+        try:
+            self.decay_steps = check_wsd_args(
+                total_steps=total_steps,
+                warmup_steps=warmup_steps,
+                decay_steps=decay_steps,
+                decay_type=decay_type,
+                min_lr_factor=min_lr_factor,
+                decay_fraction=decay_fraction,
+                # conf/callbacks/wsd.yaml sets decay_fraction 0.2: the scheduler's keys are not this form's
+                hint="with conf/callbacks/wsd.yaml, set callbacks.wsd.decay_fraction=null when you set "
+                "callbacks.wsd.decay_steps",
+            )
+        except ValueError as e:
+            raise ValueError(f"WSDScheduler: {e}") from None
         self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
         self.decay_type, self.min_lr_factor = str(decay_type), float(min_lr_factor)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group

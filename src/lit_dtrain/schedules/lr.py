@@ -43,8 +43,19 @@ def _warmup_factor(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps
 
 
-def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_fraction: float | None = None) -> int:
-    """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given.
+SCHEDULER_DECAY_HINT = (
+    "with conf/scheduler/wsd.yaml, set scheduler.decay_fraction=null when you set scheduler.decay_steps"
+)
+
+
+def resolve_decay_steps(
+    total_steps: int,
+    decay_steps: int | None = None,
+    decay_fraction: float | None = None,
+    hint: str = SCHEDULER_DECAY_HINT,
+) -> int:
+    """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given (``hint``: how
+    to give one with the caller's config keys).
 
     ``round`` is Python's (round half to even), as the WSD definition states.
     """
@@ -52,8 +63,7 @@ def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_
     if (decay_steps is None) == (decay_fraction is None):
         raise ValueError(
             f"give exactly one of decay_steps and decay_fraction, got decay_steps={decay_steps!r}, "
-            f"decay_fraction={decay_fraction!r} (with conf/scheduler/wsd.yaml, set scheduler.decay_fraction=null "
-            f"when you set scheduler.decay_steps)"
+            f"decay_fraction={decay_fraction!r} ({hint})"
         )
     if decay_fraction is not None:
         if isinstance(decay_fraction, bool) or not isinstance(decay_fraction, numbers.Real):
@@ -72,9 +82,10 @@ def check_wsd_args(
     decay_type: str = "1-sqrt",
     min_lr_factor: float = 0.0,
     decay_fraction: float | None = None,
+    hint: str = SCHEDULER_DECAY_HINT,
 ) -> int:
     """Validate WSD arguments (``ValueError`` naming the argument); returns the resolved ``decay_steps``."""
-    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
+    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction, hint)
     warmup_steps = _check_int("warmup_steps", warmup_steps)
     m = _check_min_factor(min_lr_factor)
     if decay_type not in DECAY_TYPES:
