@@ -84,3 +84,36 @@ def test_sigterm_during_a_spike_step_checkpoints_the_finished_step(tmp_path: Pat
     assert resumed_monitor.num_spikes == 1 and resumed_monitor.excluded == straight_monitor.excluded
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path) -> None:
+    """Under DDP the ranks agree on 'any rank signalled' with one all-reduce at the last micro-batch of each optimizer
+    step (before: one per micro-batch, 4 per step here), and a signal that comes mid-accumulation is saved at the
+    step's end. A stand-in trainer counts the all-reduces: Lightning's CPU DDP runs them for real in
+    tests/e2e/test_reliability.py."""
+    from types import SimpleNamespace
+
+    accumulate, decisions, saved = 4, [], []
+    batch = {"idx": 0}
+    trainer = SimpleNamespace(
+        world_size=2, received_sigterm=False, global_step=0,
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: decisions.append(d) or d),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
+            _should_accumulate=lambda: (batch["idx"] + 1) % accumulate != 0)),
+        _signal_connector=SimpleNamespace(received_sigterm=False),
+        save_checkpoint=lambda path, weights_only=False: saved.append((path, trainer.global_step)),
+    )
+    callback = PreemptionCheckpoint(dirpath=str(tmp_path))
+    for idx in range(12):
+        batch["idx"] = idx
+        trainer.global_step = (idx + 1) // accumulate  # the optimizer step ran at the window's last micro-batch
+        if idx == 5:  # SIGTERM during step 1's second micro-batch (what the signal handler records)
+            callback.signalled = True
+        callback.on_train_batch_end(trainer, None, None, None, idx)
+        if idx == 6:
+            assert not saved and not trainer._signal_connector.received_sigterm  # mid-step: no save, no exit yet
+        if idx == 7:
+            break
+    assert decisions == [False, True]  # one all-reduce per optimizer step, the second with the signal
+    assert saved == [(os.path.join(str(tmp_path), "last.ckpt"), 2)]  # at the end of the step it came in
+    assert trainer._signal_connector.received_sigterm  # every rank now leaves the loop

@@ -18,7 +18,8 @@ Lightning exit, so ``resume=auto`` continues exactly from there.
   the ranks at different moments (or only some of them), and Lightning's own handler runs a broadcast inside
   the signal handler, which can interleave with the ranks' other collectives and hang them. So while training,
   this callback's handler replaces Lightning's: it only records the signal (and forwards it to child ranks, as
-  Lightning does); at every batch end the ranks agree with one tiny all-reduce (any rank signalled), save at
+  Lightning does); at the last micro-batch of every optimizer step the ranks agree with one tiny all-reduce (any
+  rank signalled; mid-accumulation a signal is only noted, as a save must wait for the step's end anyway), save at
   the same step, and then set Lightning's flag (``trainer._signal_connector.received_sigterm``, which has no
   public setter) on every rank, so all ranks leave the loop at the same batch.
 """
@@ -78,13 +79,15 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         signalled = self.signalled or trainer.received_sigterm  # Lightning's flag: a signal before on_train_start
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the optimizer step first
+            if signalled:  # kept for the step's last micro-batch, where the ranks agree (one all-reduce per step)
+                self.signalled = True
+                trainer._signal_connector.received_sigterm = False
+            return
         if trainer.world_size > 1:
             signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
         self.signalled = signalled
         if not signalled or self.saved_step == trainer.global_step:
-            return
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the optimizer step first
-            trainer._signal_connector.received_sigterm = False
             return
         path = os.path.join(self.dirpath, self.filename)
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
