@@ -239,6 +239,33 @@ def test_topk_of_a_mostly_zero_bucket_is_exact_and_cheap(monkeypatch, nonzeros):
         assert (sent != 0).sum() == k and torch.equal(sent[sent != 0], x[sent != 0])
 
 
+@pytest.mark.parametrize("path", ["full", "threshold", "mostly_zero", "many_nan"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_topk_sends_a_non_finite_entry_on_every_selection_path(path, bad):
+    """A bucket with a NaN/inf must decode non-finite on every rank (so the GradScaler skips the step, or LitLLM stops
+    with NonFiniteError), as every other codec sends such a bucket as it is. ``topk`` ranks NaN first, but the sampled
+    threshold's ``magnitude >= threshold`` is False for NaN: a NaN the sample missed was dropped there, and the step
+    went on with a finite gradient on the threshold path only."""
+    n = {"full": 5_000, "threshold": 200_000, "mostly_zero": 200_000, "many_nan": 200_000}[path]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, generator=g) if path != "mostly_zero" else torch.zeros(n)
+    if path == "mostly_zero":
+        x[torch.randperm(n, generator=g)[:150]] = 1.0 + torch.rand(150, generator=g)  # < 2k: threshold 0
+    where = torch.randperm(n, generator=g)[: 400 if path == "many_nan" else 3]  # 400 > k: at least k are sent
+    x[where] = bad
+    c = TopK(ratio=0.001, error_feedback=True)
+    k = c.k_at(n, 0)
+    values, indices = c.compress(x, [Segment("p", 0, n, (n,))], 0)
+    assert values.numel() == k
+    if where.numel() <= k:
+        assert set(where.tolist()) <= set(indices.tolist()), (path, bad)
+    else:
+        assert not values.isfinite().any(), (path, bad)
+    out = c.reduce(x.clone(), [Segment("p", 0, n, (n,))], LoopbackCommunicator(), 0).wait()
+    assert not out.isfinite().all(), (path, bad)
+    assert all(v.isfinite().all() for v in c.residuals.values())  # a non-finite bucket leaves the residual alone
+
+
 def test_topk_resumed_on_ddps_initial_bucket_selects_within_the_saved_buckets():
     """DDP runs a start's first step on one bucket and rebuilds its buckets after it. Top-k selects per bucket, so a
     resumed run's first step (one bucket holding two saved buckets) selected across their boundary and the run left

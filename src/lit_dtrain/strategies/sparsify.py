@@ -35,7 +35,8 @@ def exact_topk_indices(magnitude: Tensor, k: int, seed: int = 0, sample_size: in
     As in DGC, a threshold is estimated from a random sample, here at twice the wanted fraction so
     it almost always undershoots; the exact top-k is then taken among the (few) entries above it.
     If fewer than ``k`` entries pass, plain ``topk`` runs. The result is the true top-k either way:
-    ``k`` distinct indices in no particular order, as ``topk(sorted=False)`` gives them.
+    ``k`` distinct indices in no particular order, as ``topk(sorted=False)`` gives them. NaN ranks above every
+    number on every path, as in ``topk``, so a bucket's NaN/inf is sent and the step is seen as non-finite everywhere.
 
     A threshold of 0 means the bucket is (nearly) all zeros (``magnitude >= 0`` would pass every entry,
     and a topk over the whole bucket cost 230-300 ms for 9M values): see :func:`_sparse_topk_indices`.
@@ -48,7 +49,10 @@ def exact_topk_indices(magnitude: Tensor, k: int, seed: int = 0, sample_size: in
     threshold = torch.quantile(sample, 1.0 - 2.0 * k / n)
     if threshold == 0:
         return _sparse_topk_indices(magnitude, k)
-    candidates = (magnitude >= threshold).nonzero().squeeze(1)
+    # not (|x| < t) rather than |x| >= t: a NaN passes, as topk ranks it first (a NaN the sample missed was dropped
+    # here while the other paths kept it; a non-finite bucket must reach every rank, see Compressor.reduce). A NaN
+    # threshold (the sample hit a NaN) passes every entry: exact, at the cost of a full topk.
+    candidates = (magnitude < threshold).logical_not_().nonzero().squeeze(1)
     if candidates.numel() < k:
         return magnitude.topk(k, sorted=False).indices
     return candidates[magnitude[candidates].topk(k, sorted=False).indices]
