@@ -11,6 +11,7 @@ registration on CPU, logged metrics, and exact resume.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import lightning as L
@@ -510,6 +511,21 @@ def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_pat
     assert "1 step since the last sync" in local_sgd and "rank 0's parameters" in local_sgd, local_sgd
 
 
+def run_rank_processes(target, *args) -> None:
+    """Run ``target(rank, port, *args)`` in one spawned process per rank, without ``mp.spawn``'s join (which kills
+    the other ranks as soon as one fails); a process still alive after 240 s is killed."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+
+
 def _nan_one_rank_worker(rank: int, port: int, root: str, local_update: dict, monitor: bool) -> None:
     """Rank 1's loss is NaN after 4 steps under a local-update rule (no per-step gradient all-reduce, so only rank 1's
     gradients are NaN and only rank 1's LitLLM raises NonFiniteError). Records what each rank raised, and when."""
@@ -554,17 +570,7 @@ def test_nan_on_one_rank_under_local_updates_names_the_cause_on_the_other(tmp_pa
     """Rank 1 stops with NonFiniteError at step 4; rank 0's next collective (the monitor's all-reduce, or the sync)
     then fails. Its error must say that rank 1 stopped and why, not only gloo's 'Connection closed by peer'."""
     spec = {"name": name, "sync_period": 3}
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_nan_one_rank_worker, args=(r, port, str(tmp_path), spec, monitor))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    run_rank_processes(_nan_one_rank_worker, str(tmp_path), spec, monitor)
     r0, r1 = (torch.load(tmp_path / f"nan_one_rank{r}.pt", weights_only=False) for r in range(WORLD))
     assert r1["type"] == "NonFiniteError" and "step 4" in r1["message"], r1
     assert r0["type"] is not None, r0  # the survivor failed too ...
@@ -610,3 +616,82 @@ def test_strategy_tells_the_codec_the_gradscaler_scale(tmp_path):
     assert all(told == s for s, told in seen), seen
     residual = torch.load(tmp_path / "scale_end_rank0.pt", weights_only=True)["compressor"]
     assert residual["grad_scale"] == 512.0 and residual["residuals"]
+
+
+class _FailAt(TinyModule):
+    """TinyModule that fails at ``step``: raises ``ValueError`` (``how="raise"``), or exits the process with no error
+    recorded (``how="exit"``: as a rank killed by the OOM killer or a signal would)."""
+
+    def __init__(self, dump_dir: str, tag: str, step: int, how: str) -> None:
+        super().__init__(dump_dir, tag)
+        self.fail_step, self.how = step, how
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_step and self.how == "raise":
+            raise ValueError(f"planned failure of {self.tag}")
+        if self.global_step == self.fail_step and self.how == "exit":
+            os._exit(3)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        pass
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        pass
+
+    def on_train_end(self) -> None:
+        pass
+
+
+def _fits_worker(rank: int, port: int, root: str, plan: list[tuple[str, dict]], compressor: str) -> None:
+    """Fits in sequence in one process group (the group outlives a fit); ``plan`` is ``[(tag, {rank: how})]`` with
+    ``how`` as in :class:`_FailAt`, failing at step 2. Each outcome is caught (as a caller that goes on would) and
+    recorded."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    outcomes = []
+    for tag, how in plan:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            max_steps=6,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            strategy=CompressedDDPStrategy(compressor=compressor, collective_timeout_s=30, log_comm_metrics=False),
+        )
+        try:
+            trainer.fit(_FailAt(root, tag, step=2, how=how.get(rank)))
+            outcomes.append({"type": None, "message": None, "step": trainer.global_step})
+        except Exception as e:  # noqa: BLE001 - the caller catches the failure and goes on
+            outcomes.append({"type": type(e).__name__, "message": str(e), "step": trainer.global_step})
+        torch.save(outcomes, Path(root) / f"fits_rank{rank}.pt")
+    os._exit(0)
+
+
+def run_fits(tmp_path: Path, plan: list[tuple[str, dict]], compressor: str = "sign") -> list[list[dict]]:
+    """Each rank's outcomes of :func:`_fits_worker`."""
+    run_rank_processes(_fits_worker, str(tmp_path), plan, compressor)
+    paths = [tmp_path / f"fits_rank{r}.pt" for r in range(WORLD)]  # none: the rank exited in its first fit
+    return [torch.load(path, weights_only=False) if path.exists() else [] for path in paths]
+
+
+@pytest.mark.parametrize("compressor", ["sign", "int8"])
+def test_a_gather_codec_fails_when_a_peer_dies_instead_of_reading_garbage(tmp_path, compressor):
+    """Rank 1 exits at step 2 with no error recorded (as a killed rank). Rank 0's next all_gather must fail and say
+    that a peer stopped; before, the Communicator never read the all_gather's result, so its error was dropped and
+    rank 0 decoded the uninitialized output buffer as rank 1's payload and finished all 6 steps."""
+    r0, r1 = run_fits(tmp_path, [("fit", {1: "exit"})], compressor)
+    assert r1 == []  # rank 1 exited in the fit
+    (outcome,) = r0
+    assert outcome["type"] == "PeerRankFailedError" and outcome["step"] == 2, outcome
+    assert "without a recorded error" in outcome["message"], outcome["message"]

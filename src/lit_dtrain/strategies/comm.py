@@ -106,6 +106,7 @@ class Communicator:
 
         def done(fut: torch.futures.Future) -> Tensor:
             self._finish(start)
+            fut.value()  # raises a failed gather's error (a dead or hung peer); else ``out`` would be read unwritten
             return out.view(self.world_size, -1)
 
         return work.get_future().then(done)
