@@ -695,3 +695,20 @@ def test_a_gather_codec_fails_when_a_peer_dies_instead_of_reading_garbage(tmp_pa
     (outcome,) = r0
     assert outcome["type"] == "PeerRankFailedError" and outcome["step"] == 2, outcome
     assert "without a recorded error" in outcome["message"], outcome["message"]
+
+
+@pytest.mark.parametrize("second", ["exit", "raise"])
+def test_a_caught_failure_of_an_earlier_fit_is_not_blamed_for_a_later_one(tmp_path, second):
+    """Two fits in one process group: in the first both ranks raise at step 2 and the caller catches it; in the
+    second rank 1 exits at step 2 without a recorded error, or raises another error alone. Rank 0 must not name the
+    first fit's ValueError (still in the store) as the cause of the second failure, and must name the second's."""
+    r0, r1 = run_fits(tmp_path, [("fit1", {0: "raise", 1: "raise"}), ("fit2", {1: second})])
+    assert [o["type"] for o in r1] == ["ValueError"] * (1 if second == "exit" else 2), r1
+    assert r0[0]["type"] == "ValueError" and "planned failure of fit1" in r0[0]["message"], r0
+    assert r0[1]["type"] == "PeerRankFailedError" and r0[1]["step"] == 2, r0
+    message = r0[1]["message"]
+    assert "fit1" not in message, message
+    if second == "exit":
+        assert "without a recorded error" in message, message
+    else:
+        assert "rank 1 stopped at step 2: ValueError: planned failure of fit2" in message, message

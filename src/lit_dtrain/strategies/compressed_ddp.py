@@ -32,7 +32,12 @@ from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
-from lit_dtrain.utils.distributed import destroy_process_group_at_exit, naming_peer_failures, record_rank_failure
+from lit_dtrain.utils.distributed import (
+    begin_fit_records,
+    destroy_process_group_at_exit,
+    naming_peer_failures,
+    record_rank_failure,
+)
 
 CHECKPOINT_KEY = "lit_dtrain_comm"
 _STATE_VERSION = 1
@@ -140,6 +145,7 @@ class CompressedDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # the process group exists from here on
         destroy_process_group_at_exit()
+        begin_fit_records()  # a peer's failure recorded in an earlier fit in this group is not this fit's
 
     @override
     def _register_ddp_hooks(self) -> None:

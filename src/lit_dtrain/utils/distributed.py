@@ -37,7 +37,11 @@ def _destroy_default_group() -> None:
 # the others only learn of it when their next collective fails with gloo's "Connection closed by peer", which does
 # not say why. The failing rank leaves one line in the process group's key-value store (the TCPStore every rank is
 # already connected to; no collective, nothing on the healthy path) and a rank whose collective fails reads it.
-_FAILURE_KEY = "lit_dtrain/failed/rank{}"
+# The process group (and its store) outlives a fit, so the records are kept per fit: a failure of an earlier fit in
+# the same group, which its caller caught, must not be named as the cause of a later one. See begin_fit_records.
+_FAILURE_KEY = "lit_dtrain/failed/fit{}/rank{}"
+_FITS_KEY = "lit_dtrain/fits"
+_fit_generation = 0  # this fit's index in the current store; every rank of the group computes the same one
 _COLLECTIVE_HINTS = (
     "gloo",
     "nccl",
@@ -73,6 +77,25 @@ def _store_and_rank():
         return None, None
 
 
+def begin_fit_records() -> None:
+    """Start this fit's failure records (call on every rank once per fit, after the process group exists).
+
+    Each rank adds 1 to a counter in the store; ``(its value - 1) // world_size`` is the same fit index on every rank,
+    because no rank can finish a fit (whose collectives need every rank) before the others have started it. One
+    store request, answered at once: no collective and no waiting for the other ranks, so it cannot deadlock; nothing
+    is deleted (the old records are a few short keys, and no rank reads them again). Should the store
+    not answer, this rank keeps its previous index and at worst finds no record (the message then says that the
+    peer's own output names the cause), never another fit's."""
+    global _fit_generation
+    store, _ = _store_and_rank()
+    if store is None:
+        return
+    try:
+        _fit_generation = (int(store.add(_FITS_KEY, 1)) - 1) // dist.get_world_size()
+    except Exception:  # noqa: BLE001 - best effort, as recording and reading are
+        pass
+
+
 def record_rank_failure(exc: BaseException, step: int | None = None) -> None:
     """Leave ``exc`` in the store for the other ranks (best effort, never raises). A failed collective is not recorded:
     it is the consequence of another rank's failure, not a cause."""
@@ -84,17 +107,19 @@ def record_rank_failure(exc: BaseException, step: int | None = None) -> None:
     first = (str(exc).splitlines() or [""])[0][:400]
     where = f" at step {step}" if step is not None else ""
     try:
-        store.set(_FAILURE_KEY.format(rank), f"rank {rank} stopped{where}: {type(exc).__name__}: {first}")
+        message = f"rank {rank} stopped{where}: {type(exc).__name__}: {first}"
+        store.set(_FAILURE_KEY.format(_fit_generation, rank), message)
     except Exception:  # noqa: BLE001 - the store may be gone already (its host rank exited)
         pass
 
 
 def peer_failures(wait_s: float = 1.0) -> list[str]:
-    """The failures other ranks recorded with :func:`record_rank_failure`; waits up to ``wait_s`` for the first."""
+    """The failures other ranks recorded with :func:`record_rank_failure` in this fit; waits up to ``wait_s`` for the
+    first."""
     store, rank = _store_and_rank()
     if store is None:
         return []
-    keys = [_FAILURE_KEY.format(r) for r in range(dist.get_world_size()) if r != rank]
+    keys = [_FAILURE_KEY.format(_fit_generation, r) for r in range(dist.get_world_size()) if r != rank]
     deadline = time.monotonic() + wait_s
     try:
         while True:
