@@ -145,7 +145,8 @@ def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
         )
     return PeerRankFailedError(
         f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): a peer rank stopped, hung or lost its "
-        "connection without a recorded error (killed, or it was rank 0, whose exit takes the record with it); that "
+        "connection without a recorded error (killed, or it was rank 0, whose exit takes the record with it unless "
+        "the job was launched with torchrun, whose agent keeps the store); that "
         "rank's own output (the first traceback in the log) names the cause. Resume with resume=auto"
     )
 
