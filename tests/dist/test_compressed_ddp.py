@@ -712,3 +712,54 @@ def test_a_caught_failure_of_an_earlier_fit_is_not_blamed_for_a_later_one(tmp_pa
         assert "without a recorded error" in message, message
     else:
         assert "rank 1 stopped at step 2: ValueError: planned failure of fit2" in message, message
+
+
+class _BranchModule(TinyModule):
+    """TinyModule with a branch (``branch``) that every rank uses only at steps 0 and 3: at the other steps it is
+    unused on all ranks, so under ``find_unused_parameters=True`` DDP leaves its ``.grad`` None. Records the
+    branch's error-feedback residual after every step."""
+
+    def __init__(self, dump_dir: str, tag: str) -> None:
+        super().__init__(dump_dir, tag)
+        self.branch = nn.Linear(16, 8)
+        self.seen: list[tuple[int, bool, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = regression_batch(self.global_step, self.global_rank)
+        out = self.net(x) + (self.branch(x) if self.global_step % 3 == 0 else 0)
+        return F.mse_loss(out, y)
+
+    def on_train_start(self) -> None:
+        pass
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        residual = self.trainer.strategy.compressor.residuals["branch.weight"].clone()
+        self.seen.append((self.global_step - 1, self.branch.weight.grad is None, residual))
+
+    def on_train_end(self) -> None:
+        torch.save(self.seen, Path(self.dump_dir) / f"branch_rank{self.global_rank}.pt")
+
+
+@pytest.mark.parametrize(
+    "compressor", ["sign", "topk", pytest.param({"name": "powersgd", "matrix_approximation_rank": 1}, id="powersgd")]
+)
+def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(tmp_path, compressor):
+    """find_unused_parameters=True, error-feedback codec: at a step where no rank used ``branch``, DDP leaves its grad
+    None and discards what the hook sent for it, so its residual must stay as it was (to be sent at its next use).
+    Before, the hook sent part of it and kept the rest, and the sent part was lost: the residual drained."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        strategy=CompressedDDPStrategy(start_method="spawn", compressor=compressor, find_unused_parameters=True,
+                                       log_comm_metrics=False),
+    )
+    trainer.fit(_BranchModule(str(tmp_path), "branch"))
+    for rank in range(WORLD):
+        seen = torch.load(tmp_path / f"branch_rank{rank}.pt", weights_only=True)
+        assert [(step, unused) for step, unused, _ in seen] == [(s, s % 3 != 0) for s in range(6)], seen
+        for (step, unused, residual), (_, _, before) in zip(seen[1:], seen):
+            assert before.abs().sum() > 0, (rank, step)  # the codec left something in it at the step before
+            if unused:
+                assert torch.equal(residual, before), (rank, step, (residual - before).abs().sum())
+            else:
+                assert not torch.equal(residual, before), (rank, step)

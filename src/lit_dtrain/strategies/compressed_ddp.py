@@ -134,6 +134,12 @@ class CompressedDDPStrategy(DDPStrategy):
         self._rank_restore: dict | None = None  # this rank's params/optimizer state from a local-update checkpoint
 
     @property
+    def _keeps_unused_residuals(self) -> bool:
+        """Whether a step can leave parameters unused (``find_unused_parameters``) under an error-feedback codec."""
+        c = self.compressor
+        return bool(self._ddp_kwargs.get("find_unused_parameters")) and c is not None and c.error_feedback
+
+    @property
     def compressor(self) -> Compressor | None:
         return self.session.compressor
 
@@ -152,6 +158,8 @@ class CompressedDDPStrategy(DDPStrategy):
         # Lightning only registers hooks on CUDA; ours runs on every device and backend.
         assert isinstance(self.model, DistributedDataParallel)
         self.session.attach(self.model, Communicator(group=None))
+        if self._keeps_unused_residuals:
+            self.compressor.track_undo(True)  # each step's pre-step residuals, for keep_residuals
         params = (self._rank_restore or {}).pop("params", None)
         if params is not None:  # a resume under local updates: this rank's own parameters, not rank 0's
             with torch.no_grad():
@@ -175,6 +183,11 @@ class CompressedDDPStrategy(DDPStrategy):
             # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's changes of scale
             self.compressor.set_grad_scale(float(scaler.get_scale()))
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._keeps_unused_residuals:  # DDP left the grad of a parameter no rank used None, and dropped what the
+            # hook sent for it: its error-feedback residual goes back to what it was before the step
+            unused = [self.session.names[id(p)] for _, p in named if p.grad is None and id(p) in self.session.names]
+            if unused:
+                self.compressor.keep_residuals(unused)
         trainer = module.trainer if module is not None and module._trainer is not None else None
         last = bool(trainer is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps)
         metrics = self.session.after_optimizer_step(named, force_sync=self.sync_on_last_step and last)

@@ -233,6 +233,23 @@ class Compressor:
         self._undo = {}
         return True
 
+    def keep_residuals(self, names: Sequence[str]) -> None:
+        """Put the latest step's pre-step residual of the named parameters back (needs :meth:`track_undo` on).
+
+        For parameters no rank used in the step (``find_unused_parameters=True``): their bucket slots were zero, so
+        the hook sent part of their residual and kept the rest, and DDP then discarded what was sent with the unused
+        gradient. Without this their residual drained without ever being applied."""
+        saved_buffers = (self._undo or {}).get("residuals", [])  # (flat residual buffer, its pre-step copy)
+        for name in names:
+            residual = self.residuals.get(name)  # a view into one of the flat buffers
+            if residual is None:
+                continue
+            for buffer, saved in saved_buffers:
+                if residual.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                    offset = (residual.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+                    residual.copy_(saved[offset : offset + residual.numel()].view_as(residual))
+                    break
+
     # --- communication -----------------------------------------------------------------------
     payload_may_overflow = False  # whether a finite fp32 value can decode as inf (a cast to fp16)
 
