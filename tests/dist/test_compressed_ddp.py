@@ -733,7 +733,11 @@ class _BranchModule(TinyModule):
         pass
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        residual = self.trainer.strategy.compressor.residuals["branch.weight"].clone()
+        compressor = self.trainer.strategy.compressor
+        residual = compressor.residuals["branch.weight"].clone()
+        server = getattr(compressor, "server_residuals", {}).get("branch.weight")  # int8_rs: this rank's share
+        if server is not None:
+            residual = torch.cat([residual.view(-1), server])
         self.seen.append((self.global_step - 1, self.branch.weight.grad is None, residual))
 
     def on_train_end(self) -> None:
@@ -741,7 +745,8 @@ class _BranchModule(TinyModule):
 
 
 @pytest.mark.parametrize(
-    "compressor", ["sign", "topk", pytest.param({"name": "powersgd", "matrix_approximation_rank": 1}, id="powersgd")]
+    "compressor", ["sign", "topk", pytest.param({"name": "powersgd", "matrix_approximation_rank": 1}, id="powersgd"),
+                   pytest.param({"name": "int8_rs", "error_feedback": True, "block_size": 64}, id="int8_rs")]
 )
 def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(tmp_path, compressor):
     """find_unused_parameters=True, error-feedback codec: at a step where no rank used ``branch``, DDP leaves its grad

@@ -213,6 +213,17 @@ class ShardedBlockQuantizer(BlockQuantizer):
         yield from super()._residual_tensors()
         yield from self.server_residuals.values()
 
+    def keep_residuals(self, names: Sequence[str]) -> None:
+        """:meth:`Compressor.keep_residuals`, and the server residuals of those parameters too (their shard's mean
+        was all residual, which DDP discarded with the unused gradient)."""
+        super().keep_residuals(names)
+        before = (self._undo or {}).get("codec") or {}
+        for name in names:
+            if name in before:
+                self.server_residuals[name] = before[name]
+            else:
+                self.server_residuals.pop(name, None)
+
     def _codec_undo_state(self):
         return dict(self.server_residuals)
 
