@@ -117,3 +117,15 @@ def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path)
     assert decisions == [False, True]  # one all-reduce per optimizer step, the second with the signal
     assert saved == [(os.path.join(str(tmp_path), "last.ckpt"), 2)]  # at the end of the step it came in
     assert trainer._signal_connector.received_sigterm  # every rank now leaves the loop
+
+
+def test_a_reused_callback_does_not_carry_a_signal_into_the_next_fit(tmp_path: Path) -> None:
+    """The same PreemptionCheckpoint object in a second fit (a requeued job in one process, a sweep) starts with no
+    signal. Before, its ``signalled`` flag from the first fit's SIGTERM stayed set: the second fit saved and stopped
+    at its first step."""
+    preemption = PreemptionCheckpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(SIGTERMException):
+        fit(tmp_path, [preemption, SigtermAt(3)])
+    assert preemption.saved_step == 4
+    module = fit(tmp_path, [preemption])  # no signal this time: trains to max_steps
+    assert module.trainer.global_step == 24 and preemption.saved_step is None

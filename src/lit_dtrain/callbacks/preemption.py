@@ -60,6 +60,9 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self._trainer = trainer
+        # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
+        # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
+        self.signalled, self.saved_step = False, None
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
