@@ -245,6 +245,15 @@ def check_sample(cfg: DictConfig) -> None:
     k = node.get("top_k", None)
     if k is not None and not (is_int(k) and k >= 0):
         raise ConfigError(f"sample.top_k must be null or an integer >= 0 (0: all tokens), got {k!r}")
+    prompt = node.get("prompt", "def ")
+    if prompt is None or isinstance(prompt, bool) or not isinstance(prompt, (str, int, float)):
+        raise ConfigError(f"sample.prompt must be text (a string; '' starts at a document start), got {prompt!r}")
+    bad = next((i for i, c in enumerate(str(prompt)) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:  # the tokenizer encodes UTF-8, which has no surrogates
+        c = str(prompt)[bad]
+        byte = f" (byte 0x{ord(c) - 0xDC00:02x} of a command line that is not UTF-8)" if c >= "\udc80" else ""
+        raise ConfigError(f"sample.prompt={prompt!r} is not valid text: character {bad} is a lone surrogate{byte}; "
+                          "write the prompt in UTF-8")
 
 
 def check_monitors(cfg: DictConfig) -> None:

@@ -351,3 +351,29 @@ def test_resume_auto_in_a_new_multirun_dir_is_refused(tmp_path, corpus):
     (old / "1" / "checkpoints").mkdir(parents=True)
     (old / "1" / "checkpoints" / "last.ckpt").write_bytes(b"x")
     assert resolve_ckpt_path(job_cfg(old, 1)) == str(old / "1" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        # $'\xff' on a shell command line: Python's argv holds the undecodable byte as the lone surrogate \udcff
+        ("\udcff", r"sample.prompt='\\udcff' is not valid text: character 0 is a lone surrogate \(byte 0xff"),
+        ("ab\ud800", r"sample.prompt='ab\\ud800' is not valid text: character 2 is a lone surrogate"),
+        # str(None) prompted the sample with the four characters 'None'
+        (None, r"sample.prompt must be text \(a string; '' starts at a document start\), got None"),
+    ],
+)
+def test_a_prompt_that_is_not_text_fails_before_compute(prompt, match, tiny_cfg):
+    """The end-of-run sample encodes sample.prompt after the last step: a UnicodeEncodeError there ended a finished
+    run with exit 1 before summary.json was written."""
+    cfg = tiny_cfg()
+    cfg.sample.prompt = prompt
+    with pytest.raises(ConfigError, match=match):
+        check_config(cfg)
+
+
+def test_prompts_that_are_text_are_valid(tiny_cfg):
+    for prompt in ("", "def ", "héllo ✓", 42):  # sample.prompt=42 arrives as an int: its digits
+        cfg = tiny_cfg()
+        cfg.sample.prompt = prompt
+        check_config(cfg)
