@@ -904,3 +904,60 @@ def test_a_huge_file_is_hashed_and_tokenized_in_chunks(tmp_path, monkeypatch):
     assert peak < 1_000_000, peak  # whole: ~21 MB
     stream = ByteTokenizer().encode(big.read_bytes(), add_eos=True)
     assert np.array_equal(np.concatenate([splits.train, splits.val]), stream)
+
+
+@pytest.mark.parametrize(
+    "data, named",
+    [
+        ("hello wörld ✓\n" * 100, None),  # UTF-8: no warning
+        (b"\xff\xfe", "UTF-16"),  # a UTF-16 byte-order mark alone (an empty document saved by a UTF-16 editor)
+        ("hello wörld ✓\n".encode("utf-16") * 100, "UTF-16"),  # with its BOM (little-endian here)
+        ("\ufeffhello wörld ✓\n".encode("utf-16-be") * 100, "UTF-16"),
+        ("hello wörld ✓\n".encode("utf-16-le") * 100, "UTF-16LE"),  # no BOM: told by its NUL pattern
+        ("hello wörld ✓\n".encode("utf-16-be") * 100, "UTF-16BE"),
+        ("hello wörld ✓\n".encode("utf-32") * 100, "UTF-32"),
+        ("hello wörld ✓\n".encode("utf-32-le") * 100, "UTF-32LE"),
+    ],
+)
+def test_utf16_and_utf32_files_are_named_with_how_to_convert_them(data, named, tmp_path, caplog):
+    """A UTF-16 text file was reported as 'binary (NUL bytes)', and a lone UTF-16 BOM not at all: the byte tokenizer
+    trains on a file's bytes as they are (its contract), so a UTF-16 corpus trains on a NUL after each ASCII
+    character. The warning names the encoding and the iconv command that converts the file."""
+    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "plain.txt").write_text("some utf-8 text\n" * 20)
+    odd = tmp_path / "c" / "odd.txt"
+    odd.write_bytes(data if isinstance(data, bytes) else data.encode())
+    with caplog.at_level("WARNING"):
+        splits = build_token_cache(
+            CorpusSource(name="x", kind="files", paths=[str(tmp_path / "c")]),
+            tmp_path / "cache",
+            min_tokens=9,
+            progress=False,
+        )
+    assert splits.meta["train_tokens"] + splits.meta["val_tokens"] == 16 * 20 + odd.stat().st_size + 2  # bytes + EOS
+    assert "binary" not in caplog.text
+    if named is None:
+        assert "UTF-" not in caplog.text
+    else:
+        assert f"1 file(s) are {named} text" in caplog.text and str(odd) in caplog.text
+        assert f"iconv -f {named} -t UTF-8" in caplog.text
+
+
+def test_binary_files_are_not_taken_for_utf16(tmp_path, caplog):
+    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "plain.txt").write_text("some utf-8 text\n" * 20)
+    (tmp_path / "c" / "blob.bin").write_bytes(b"\x00\x01" * 100)  # decodes as UTF-16LE 'ĀĀĀ...': not text
+    (tmp_path / "c" / "zeros.bin").write_bytes(bytes(64))
+    (tmp_path / "c" / "rand.bin").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with caplog.at_level("WARNING"):
+        build_token_cache(
+            CorpusSource(name="x", kind="files", paths=[str(tmp_path / "c")]),
+            tmp_path / "cache",
+            min_tokens=9,
+            progress=False,
+        )
+    assert "3 file(s) look binary" in caplog.text and "UTF-" not in caplog.text

@@ -9,6 +9,7 @@ later build (see :func:`_remove_stale_temp_dirs`).
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -240,6 +241,36 @@ def _hash_file(path: Path) -> tuple[bytes, int, bytes]:
     return digest.digest(), size, head
 
 
+_BOMS = (  # UTF-32 first: its little-endian BOM starts with UTF-16's
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def wide_encoding(head: bytes) -> str | None:
+    """``'UTF-16'``/``'UTF-32'`` (with a byte-order mark), ``'UTF-16LE'`` ... (without one), or None: the encoding
+    of a text file that starts with ``head``, when it is UTF-16 or UTF-32 rather than UTF-8 or binary. Without a
+    BOM a file counts only when it has NUL bytes and ``head`` decodes to printable text, at least half of it ASCII
+    (Latin-script text in UTF-16 has a NUL in every other byte; binary bytes decode to control or unassigned
+    characters)."""
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return name
+    if b"\0" not in head:
+        return None
+    for name in ("UTF-32LE", "UTF-32BE", "UTF-16LE", "UTF-16BE"):
+        try:  # final=False: head may end inside a character
+            text = codecs.getincrementaldecoder(name)("strict").decode(head, final=False)
+        except UnicodeDecodeError:
+            continue
+        text = re.sub(r"[\t\n\r]", "", text)
+        if text and text.isprintable() and sum(c.isascii() for c in text) * 2 >= len(text):
+            return name
+    return None
+
+
 @dataclass
 class TokenSplits:
     """Train and val token streams (uint16 memmaps) of one source, plus what built them."""
@@ -277,6 +308,7 @@ def build_token_cache(
     empty = 0
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
     binary: list[Path] = []
+    wide: dict[str, list[Path]] = {}  # UTF-16/UTF-32 encoding -> its files
     first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
     copies: list[tuple[Path, Path]] = []
     for path in bar:
@@ -284,7 +316,10 @@ def build_token_cache(
         if not size:
             empty += 1
             continue
-        if b"\0" in head:
+        encoding = wide_encoding(head)
+        if encoding is not None:
+            wide.setdefault(encoding, []).append(path)
+        elif b"\0" in head:
             binary.append(path)
         if first_with.setdefault(digest, path) is not path:
             copies.append((path, first_with[digest]))
@@ -312,6 +347,18 @@ def build_token_cache(
         log.warning("data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
                     "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
                     str(binary[0]))
+    for encoding, paths in wide.items():  # the tokenizer's contract: a file's bytes, as they are
+        log.warning(
+            "data source %r: %d file(s) are %s text, e.g. %s; the byte tokenizer trains on their %s bytes as they are "
+            "(a NUL byte beside each ASCII character), not on UTF-8 text: convert them first, e.g. "
+            "iconv -f %s -t UTF-8 FILE > FILE.utf8",
+            source.name,
+            len(paths),
+            encoding,
+            str(paths[0]),
+            encoding,
+            encoding,
+        )
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
     _remove_stale_temp_dirs(out_dir.parent)
