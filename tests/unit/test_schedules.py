@@ -74,6 +74,10 @@ def test_decay_fraction_rounds_like_python():
     assert resolve_decay_steps(7, decay_fraction=0.5) == 4  # round(3.5) == 4: rounds, does not truncate
     assert resolve_decay_steps(10, decay_fraction=0.37) == 4  # round(3.7) == 4
     assert resolve_decay_steps(10, decay_fraction=0.33) == 3  # round(3.3) == 3
+    # the decimal value as written, exactly: 0.35 * 90 is 31.499999999999996 in floats (31), 31.5 exactly (32)
+    assert resolve_decay_steps(90, decay_fraction=0.35) == 32
+    assert resolve_decay_steps(150, decay_fraction=0.07) == 10  # 10.500000000000002 in floats (11), 10.5 exactly
+    assert resolve_decay_steps(170, decay_fraction=0.35) == 60  # 59.49999999999999 in floats (59), 59.5 exactly
     a = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_fraction=0.4, min_lr_factor=0.1) for s in range(11)]
     b = [wsd_lr_factor(s, total_steps=10, warmup_steps=2, decay_steps=4, min_lr_factor=0.1) for s in range(11)]
     assert a == b

@@ -271,3 +271,16 @@ def test_both_decay_arguments_name_the_callbacks_keys_not_the_schedulers():
     assert "callbacks.wsd.decay_fraction=null" in str(info.value) and "scheduler." not in str(info.value)
     with pytest.raises(ValueError, match=r"set scheduler.decay_fraction=null"):
         check_wsd_args(total_steps=100, decay_steps=50, decay_fraction=0.2)
+
+
+def test_callback_and_scheduler_resolve_an_exact_half_decay_fraction_alike():
+    """decay_fraction=0.35 of 90 steps is 31.5 exactly, 31.499999999999996 in floats: round() gave 31. The decimal
+    value as written is rounded (half to even): 32 decay steps, in both forms."""
+    kw = dict(total_steps=90, warmup_steps=3, decay_fraction=0.35, min_lr_factor=0.1)
+    exact = dict(kw, decay_fraction=None, decay_steps=32)
+    assert WSDScheduler(**kw).decay_steps == 32
+    rec_sched, rec_cb = LRRecorder(), LRRecorder()
+    fit(Toy(schedule=kw), [rec_sched], max_steps=90)
+    fit(Toy(), [rec_cb, WSDScheduler(**kw)], max_steps=90)
+    assert rec_cb.at_step == rec_sched.at_step == expected(range(90), **exact)
+    assert [lrs for _, lrs in rec_sched.at_step[57:59]] == [list(BASE), [b * wsd_lr_factor(58, **exact) for b in BASE]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from functools import partial
 
 from torch.optim import Optimizer
@@ -57,7 +58,9 @@ def resolve_decay_steps(
     """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given (``hint``: how
     to give one with the caller's config keys).
 
-    ``round`` is Python's (round half to even), as the WSD definition states.
+    ``round`` is Python's (round half to even), as the WSD definition states, of the exact product of
+    ``decay_fraction`` as written (its shortest decimal form) and ``total_steps``: in floats ``0.35 * 90`` is
+    ``31.499999999999996``, which rounded to 31 where ``31.5`` rounds to 32.
     """
     total_steps = _check_int("total_steps", total_steps, minimum=1)
     if (decay_steps is None) == (decay_fraction is None):
@@ -70,7 +73,11 @@ def resolve_decay_steps(
             raise ValueError(f"decay_fraction must be a number in [0, 1], got {decay_fraction!r}")
         if not 0.0 <= decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction must be in [0, 1], got {decay_fraction}")
-        return round(decay_fraction * total_steps)
+        try:  # str: the shortest decimal that reads back as this float, i.e. the number as written in a config
+            exact = Fraction(str(decay_fraction))
+        except ValueError:
+            exact = Fraction(decay_fraction)
+        return round(exact * total_steps)
     return _check_int("decay_steps", decay_steps)
 
 
