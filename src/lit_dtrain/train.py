@@ -222,6 +222,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"scheduler: {e}") from e
     check_sample(cfg)
     check_monitors(cfg)
+    check_lightning_choices(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
@@ -270,6 +271,67 @@ def check_monitors(cfg: DictConfig) -> None:
         if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):
             raise ConfigError(f"callbacks.{key}.monitor={monitor!r} is not a metric lit_dtrain logs; use one of "
                               f"{', '.join(map(repr, known))}")
+
+
+def _precisions() -> tuple:
+    """The ``precision`` values Lightning's Trainer accepts (its own list), or () where it cannot be read."""
+    from typing import get_args
+
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT
+    except ImportError:  # a Lightning without it: its Trainer names a bad value itself
+        return ()
+    return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
+
+
+def check_lightning_choices(cfg: DictConfig) -> None:
+    """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
+    (``full_key: trainer``) but not the key: name the key and the values allowed."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    precision, precisions = cfg.trainer.get("precision"), _precisions()
+    if precision is not None and precisions and precision not in precisions:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
+        )
+    algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
+    if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={algorithm!r} must be one of "
+            f"{', '.join(map(repr, algorithms))} (or null: 'norm')"
+        )
+    devices = cfg.trainer.get("devices")
+    ids = list(devices) if isinstance(devices, ListConfig) else None
+    valid = (
+        devices is None
+        or devices == "auto"
+        or (isinstance(devices, str) and re.fullmatch(r"[\d, ]+", devices))
+        or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))
+        or (ids is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
+    )
+    if not valid:
+        shown = ids if ids is not None else devices
+        raise ConfigError(
+            f"trainer.devices={shown!r} must be a number of devices >= 1, -1 (all), 'auto' or a list of "
+            "device ids ([0, 1] or '0,1')"
+        )
+    for key, node in (cfg.get("callbacks") or {}).items():
+        if not isinstance(node, DictConfig) or "mode" not in node or "_target_" not in node:
+            continue
+        try:
+            cls = get_class(node._target_)
+        except Exception:  # an unimportable target: build_callbacks names it
+            continue
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, (ModelCheckpoint, EarlyStopping))
+            and node.mode not in ("min", "max")
+        ):
+            raise ConfigError(
+                f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
+                f"higher {node.get('monitor') or 'monitored value'} is better)"
+            )
 
 
 _DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}

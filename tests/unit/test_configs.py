@@ -128,6 +128,16 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("callbacks.model_checkpoint.monitor=val/los",
          r"callbacks.model_checkpoint.monitor='val/los' is not a metric lit_dtrain logs; .*'val/loss', 'val/ppl'"),
         ("callbacks.model_checkpoint.monitor=val_loss", r"callbacks.model_checkpoint.monitor='val_loss' is not"),
+        # refused by Lightning when the Trainer or callback is built, in Hydra's wrapper: 'Error in call to target
+        # lightning.pytorch.trainer.trainer.Trainer ... full_key: trainer', not naming the key
+        ("trainer.precision=fp16", r"trainer.precision='fp16' is not one of Lightning's precisions: .*'bf16-mixed'"),
+        ("trainer.gradient_clip_algorithm=nrm",
+         r"trainer.gradient_clip_algorithm='nrm' must be one of 'value', 'norm'"),
+        ("callbacks.model_checkpoint.mode=minimum",
+         r"callbacks.model_checkpoint.mode='minimum' must be 'min' or 'max' \(whether a lower or a higher val/loss"),
+        ("trainer.devices=0", r"trainer.devices=0 must be a number of devices >= 1, -1 \(all\), 'auto' or a list of"),
+        ("trainer.devices=[]", r"trainer.devices=\[\] must be a number of devices >= 1"),
+        ("trainer.devices=-2", r"trainer.devices=-2 must be a number of devices >= 1"),
         # the end-of-run sample used to crash after training (before summary.json was written)
         ("sample.top_k=-3", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got -3"),
         ("sample.top_k=abc", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got 'abc'"),
@@ -144,6 +154,14 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
+
+
+def test_lightning_choices_that_are_valid_pass(tiny_cfg):
+    for override in ("trainer.precision=16", "trainer.precision=bf16-mixed", "trainer.precision=32",
+                     "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
+                     "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
+                     "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2"):
+        check_config(tiny_cfg(override))
 
 
 def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
