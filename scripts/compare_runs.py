@@ -8,7 +8,8 @@ scalar) against step, and a markdown table of final and best values.
 
 A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
 dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
-(``.hydra/overrides.yaml``), else from the dir names. The last line printed is one JSON object.
+(``overrides.yaml``, written by ``train.py`` when it trains; ``.hydra/overrides.yaml`` for older runs), else from the
+dir names. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -149,9 +150,11 @@ def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
 
 
 def hydra_overrides(run: Path) -> list[str] | None:
-    """The run's command-line overrides (``.hydra/overrides.yaml``); None when it has no such file."""
-    f = run / ".hydra" / "overrides.yaml"
-    if not f.is_file():
+    """The run's command-line overrides: ``overrides.yaml``, written by the last start that trained it, else
+    ``.hydra/overrides.yaml``, which Hydra rewrites at every start (one that failed before training included);
+    None when it has neither."""
+    f = next((f for f in (run / "overrides.yaml", run / ".hydra" / "overrides.yaml") if f.is_file()), None)
+    if f is None:
         return None
     return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
 

@@ -562,6 +562,18 @@ class _LogStepSync(L.Callback):
             loop._batches_that_stepped = trainer.global_step
 
 
+def save_trained_overrides(out_dir: Path) -> None:
+    """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` (a no-op outside Hydra). Hydra writes
+    ``.hydra/overrides.yaml`` at every start, before the job runs: a start that a check refused in a run dir
+    (a sweep re-run with ``resume=auto`` and its values in another order, a bad value) overwrote the record of the
+    run trained there, and ``scripts/compare_runs.py`` labelled that run with the refused values. This file is
+    written only by a start that passed the checks and trains, beside ``config_resolved.yaml``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        OmegaConf.save(HydraConfig.get().overrides.task, out_dir / "overrides.yaml")
+
+
 def pin_sweep_dir() -> None:
     """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
     sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
@@ -630,6 +642,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        save_trained_overrides(out_dir)
 
     t0 = time.perf_counter()
     _fit(trainer, module, datamodule, ckpt_path)

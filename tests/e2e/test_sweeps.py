@@ -4,6 +4,7 @@ import json
 import subprocess
 
 from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.unit.test_compare_runs import compare_runs
 
 
 def test_every_failed_sweep_job_says_why_in_its_own_dir(tmp_path, corpus):
@@ -74,6 +75,12 @@ def test_resuming_a_sweep_with_its_values_in_another_order_is_refused(tmp_path, 
     assert (f"job 0 failed: ConfigError: resume=auto: {sweep_dir / '0'} was trained with optimizer.lr=0.001, this "
             "job sets optimizer.lr=0.003") in out, out[-3000:]
     assert json.loads((sweep_dir / "0" / "summary.json").read_text())["steps"] == 6  # not trained on
+    # Hydra rewrites a job's .hydra/overrides.yaml before the job runs, refused or not: compare_runs labelled the
+    # lr=1e-3 run 'optimizer.lr=3e-3' from it. It reads overrides.yaml, written by the start that trained the run.
+    assert "- optimizer.lr=0.003\n" in (sweep_dir / "0" / ".hydra" / "overrides.yaml").read_text()
+    runs = compare_runs.compare([str(sweep_dir)], ["val/loss"])["runs"]
+    assert {r["dir"]: r["label"] for r in runs} == {
+        str(sweep_dir / "0"): "optimizer.lr=0.001", str(sweep_dir / "1"): "optimizer.lr=0.003"}
     same = sweep("optimizer.lr=1e-3,3e-3", *resume)
     assert same.returncode == 0, same.stdout[-2000:] + same.stderr[-2000:]
     assert [json.loads((sweep_dir / j / "summary.json").read_text())["steps"] for j in "01"] == [9, 9]
