@@ -221,6 +221,8 @@ def check_config(cfg: DictConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
     check_sample(cfg)
+    # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)
+    check_utf8_text("run_name", str(cfg.get("run_name", "")))
     check_monitors(cfg)
     check_lightning_choices(cfg)
     if cfg.get("resume") not in (None, "auto"):
@@ -249,12 +251,18 @@ def check_sample(cfg: DictConfig) -> None:
     prompt = node.get("prompt", "def ")
     if prompt is None or isinstance(prompt, bool) or not isinstance(prompt, (str, int, float)):
         raise ConfigError(f"sample.prompt must be text (a string; '' starts at a document start), got {prompt!r}")
-    bad = next((i for i, c in enumerate(str(prompt)) if "\ud800" <= c <= "\udfff"), None)
-    if bad is not None:  # the tokenizer encodes UTF-8, which has no surrogates
-        c = str(prompt)[bad]
+    check_utf8_text("sample.prompt", str(prompt))  # the tokenizer encodes UTF-8
+
+
+def check_utf8_text(key: str, text: str) -> None:
+    """:class:`ConfigError` naming ``key`` when ``text`` holds a lone surrogate, which UTF-8 cannot encode: what
+    Python makes of a command-line byte that is not UTF-8 (``$'\\xff'`` is ``'\\udcff'``)."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        c = text[bad]
         byte = f" (byte 0x{ord(c) - 0xDC00:02x} of a command line that is not UTF-8)" if c >= "\udc80" else ""
-        raise ConfigError(f"sample.prompt={prompt!r} is not valid text: character {bad} is a lone surrogate{byte}; "
-                          "write the prompt in UTF-8")
+        raise ConfigError(f"{key}={text!r} is not valid text: character {bad} is a lone surrogate{byte}; write it "
+                          "in UTF-8")
 
 
 def check_monitors(cfg: DictConfig) -> None:

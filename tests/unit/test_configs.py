@@ -395,3 +395,16 @@ def test_prompts_that_are_text_are_valid(tiny_cfg):
         cfg = tiny_cfg()
         cfg.sample.prompt = prompt
         check_config(cfg)
+
+
+def test_a_run_name_that_is_not_utf8_text_fails_before_compute(tiny_cfg):
+    """run_name names the run dir and TensorBoard's event file, whose name TensorBoard encodes as UTF-8: a byte that
+    is not UTF-8 on the command line (run_name=$'\\xff', quoted for Hydra) failed in Lightning's setup with
+    "UnicodeEncodeError: 'utf-8' codec can't encode character '\\udcff' in position 14", after the run dir was made."""
+    cfg = tiny_cfg()
+    cfg.run_name = "exp\udcff"
+    with pytest.raises(ConfigError, match=r"run_name='exp\\udcff' is not valid text: character 3 is a lone surrogate "
+                                          r"\(byte 0xff of a command line that is not UTF-8\)"):
+        check_config(cfg)
+    cfg.run_name = "expé_✓"
+    check_config(cfg)
