@@ -43,6 +43,7 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
     skipped with a warning on stderr and appended to ``skipped``; it does not stop the comparison."""
     runs: list[Path] = []
     skipped = [] if skipped is None else skipped
+    files: list[str] = []
 
     def skip(job: Path) -> None:
         print(f"compare_runs: skipping {job} (a Hydra job without TensorBoard event files or {CSV_NAME}: it failed "
@@ -53,6 +54,7 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
         path = Path(raw).expanduser()
         if path.is_file():  # a shell glob over a sweep dir also matches Hydra's multirun.yaml
             print(f"compare_runs: skipping {raw} (a file, not a run dir)", file=sys.stderr)
+            files.append(raw)
             continue
         if not path.is_dir():
             raise CompareError(f"run dir {raw!r} does not exist")
@@ -79,6 +81,11 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
                     skip(d)
     if not runs and skipped:
         raise CompareError(f"no run has TensorBoard event files or {CSV_NAME}; skipped {skipped}")
+    if not runs and files:  # e.g. a checkpoint
+        raise CompareError(
+            f"no run dir among the arguments: {files[0]!r} is a file; give the run dir that holds it "
+            "(e.g. outputs/runs/<run>)"
+        )
     return runs
 
 

@@ -410,3 +410,14 @@ def test_runs_with_the_same_label_are_all_plotted(tmp_path, monkeypatch):
     assert seen[-1] == [("sweep/0", pytest.approx(3.0)), ("sweep/0 (2)", pytest.approx(2.0))]
     result = compare_runs.compare([str(a), str(b)], ["val/loss"], labels=["x", "x"], out=str(tmp_path / "c.png"))
     assert [r["label"] for r in result["runs"]] == ["x", "x (2)"] and len(seen[-1]) == 2
+
+
+def test_only_files_given_says_so(tmp_path):
+    """`compare_runs.py outputs/runs/a/checkpoints/last.ckpt` skipped the file (a shell glob over a sweep dir also
+    matches multirun.yaml) and then failed with "no scalar 'val/loss' in any of the 0 runs; they have []"."""
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"x")
+    match = r"no run dir among the arguments: .*last.ckpt' is a file; give the run dir that holds it \(e.g. outputs/"
+    with pytest.raises(compare_runs.CompareError, match=match):
+        compare_runs.compare([str(ckpt)], ["val/loss"])
