@@ -961,3 +961,17 @@ def test_binary_files_are_not_taken_for_utf16(tmp_path, caplog):
             progress=False,
         )
     assert "3 file(s) look binary" in caplog.text and "UTF-" not in caplog.text
+
+
+def test_a_pipe_as_a_corpus_path_is_refused_naming_it(tmp_path):
+    """A corpus is read twice (hashed for the cache key, then tokenized). `paths=[<(zcat corpus.gz)]` (bash process
+    substitution: /dev/fd/63, a pipe) read the data once, got nothing the second time and failed with "corpus file
+    '/dev/fd/63' changed while the token cache ... was built; run again once the corpus is not being written",
+    which running again does not fix; a named FIFO without a writer blocked the run forever."""
+    from lit_dtrain.data.corpus import CorpusSource, resolve_files
+
+    fifo = tmp_path / "corpus.fifo"
+    os.mkfifo(fifo)
+    match = r"data source 'x': path '.*corpus.fifo' is a pipe \(FIFO\), not a regular file: .*read twice.*to a file"
+    with pytest.raises(CorpusError, match=match):
+        resolve_files(CorpusSource(name="x", kind="files", paths=[str(fifo)]))

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sysconfig
 import tempfile
 import time
@@ -150,6 +151,13 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 )
             out.extend(sorted(matches))
         elif os.path.exists(path):
+            kind = _special_file_kind(path)
+            if kind is not None:
+                raise CorpusError(
+                    f"data source {source.name!r}: path {raw!r} is {kind}, not a regular file: a corpus is read twice "
+                    "(hashed for the token cache's key, then tokenized), so write it to a file first (e.g. "
+                    "'zcat corpus.gz > corpus.txt' instead of <(zcat corpus.gz))"
+                )
             out.append(Path(path))
         else:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
@@ -167,6 +175,20 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 every_file,
             )
     return _one_path_per_file(source, out)
+
+
+def _special_file_kind(path: str) -> str | None:
+    """What ``path`` is when it exists but is no regular file or directory (a pipe, a device, a socket), else None."""
+    mode = os.stat(path).st_mode
+    for test, kind in (
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return None
 
 
 def _files_below(root: Path, pattern: str) -> list[Path]:
