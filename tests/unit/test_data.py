@@ -906,6 +906,14 @@ def test_a_huge_file_is_hashed_and_tokenized_in_chunks(tmp_path, monkeypatch):
     assert np.array_equal(np.concatenate([splits.train, splits.val]), stream)
 
 
+def cache_of_dir(corpus):
+    """The token cache of one 'files' source over ``corpus`` (windows of 9 tokens), built beside it."""
+    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
+
+    source = CorpusSource(name="x", kind="files", paths=[str(corpus)])
+    return build_token_cache(source, corpus.parent / "cache", min_tokens=9, progress=False)
+
+
 @pytest.mark.parametrize(
     "data, named",
     [
@@ -923,19 +931,12 @@ def test_utf16_and_utf32_files_are_named_with_how_to_convert_them(data, named, t
     """A UTF-16 text file was reported as 'binary (NUL bytes)', and a lone UTF-16 BOM not at all: the byte tokenizer
     trains on a file's bytes as they are (its contract), so a UTF-16 corpus trains on a NUL after each ASCII
     character. The warning names the encoding and the iconv command that converts the file."""
-    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
-
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "plain.txt").write_text("some utf-8 text\n" * 20)
     odd = tmp_path / "c" / "odd.txt"
     odd.write_bytes(data if isinstance(data, bytes) else data.encode())
     with caplog.at_level("WARNING"):
-        splits = build_token_cache(
-            CorpusSource(name="x", kind="files", paths=[str(tmp_path / "c")]),
-            tmp_path / "cache",
-            min_tokens=9,
-            progress=False,
-        )
+        splits = cache_of_dir(tmp_path / "c")
     assert splits.meta["train_tokens"] + splits.meta["val_tokens"] == 16 * 20 + odd.stat().st_size + 2  # bytes + EOS
     assert "binary" not in caplog.text
     if named is None:
@@ -946,20 +947,13 @@ def test_utf16_and_utf32_files_are_named_with_how_to_convert_them(data, named, t
 
 
 def test_binary_files_are_not_taken_for_utf16(tmp_path, caplog):
-    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
-
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "plain.txt").write_text("some utf-8 text\n" * 20)
     (tmp_path / "c" / "blob.bin").write_bytes(b"\x00\x01" * 100)  # decodes as UTF-16LE 'ĀĀĀ...': not text
     (tmp_path / "c" / "zeros.bin").write_bytes(bytes(64))
     (tmp_path / "c" / "rand.bin").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     with caplog.at_level("WARNING"):
-        build_token_cache(
-            CorpusSource(name="x", kind="files", paths=[str(tmp_path / "c")]),
-            tmp_path / "cache",
-            min_tokens=9,
-            progress=False,
-        )
+        cache_of_dir(tmp_path / "c")
     assert "3 file(s) look binary" in caplog.text and "UTF-" not in caplog.text
 
 
@@ -975,3 +969,18 @@ def test_a_pipe_as_a_corpus_path_is_refused_naming_it(tmp_path):
     match = r"data source 'x': path '.*corpus.fifo' is a pipe \(FIFO\), not a regular file: .*read twice.*to a file"
     with pytest.raises(CorpusError, match=match):
         resolve_files(CorpusSource(name="x", kind="files", paths=[str(fifo)]))
+
+
+def test_files_that_are_not_utf8_are_named(tmp_path, caplog):
+    """A corpus with Latin-1 (or cp1252) files beside UTF-8 ones trained on two encodings of every accented letter
+    without a word: the byte tokenizer takes a file's bytes as they are. A file whose first 8 KiB are not valid
+    UTF-8 is named in a warning, with the offending byte and the iconv command."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a_utf8.txt").write_text("café crème ✓\n" * 50)
+    (tmp_path / "c" / "b_latin1.txt").write_bytes("déjà vu\n".encode("latin-1") * 50)
+    (tmp_path / "c" / "c_cut.txt").write_bytes(b"a" + "é".encode() * 4096)  # the first 8 KiB end inside a character
+    with caplog.at_level("WARNING"):
+        cache_of_dir(tmp_path / "c")
+    assert "1 file(s) are not UTF-8 text" in caplog.text and "b_latin1.txt" in caplog.text
+    assert "byte 0xe9 at offset 1" in caplog.text and "iconv -f LATIN1 -t UTF-8" in caplog.text
+    assert "a_utf8.txt" not in caplog.text and "c_cut.txt" not in caplog.text

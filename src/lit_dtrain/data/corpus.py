@@ -293,6 +293,16 @@ def wide_encoding(head: bytes) -> str | None:
     return None
 
 
+def _not_utf8_at(head: bytes) -> int | None:
+    """The offset of the first byte of ``head`` (a file's first bytes) that is not UTF-8, or None; a character cut
+    at the end of ``head`` counts as UTF-8."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(head, final=False)
+    except UnicodeDecodeError as e:
+        return e.start
+    return None
+
+
 @dataclass
 class TokenSplits:
     """Train and val token streams (uint16 memmaps) of one source, plus what built them."""
@@ -331,6 +341,7 @@ def build_token_cache(
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
     binary: list[Path] = []
     wide: dict[str, list[Path]] = {}  # UTF-16/UTF-32 encoding -> its files
+    not_utf8: list[tuple[Path, int, int]] = []  # (file, offset of its first byte that is not UTF-8, that byte)
     first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
     copies: list[tuple[Path, Path]] = []
     for path in bar:
@@ -343,6 +354,8 @@ def build_token_cache(
             wide.setdefault(encoding, []).append(path)
         elif b"\0" in head:
             binary.append(path)
+        elif (bad := _not_utf8_at(head)) is not None:
+            not_utf8.append((path, bad, head[bad]))
         if first_with.setdefault(digest, path) is not path:
             copies.append((path, first_with[digest]))
         key_hash.update(digest)
@@ -380,6 +393,19 @@ def build_token_cache(
             str(paths[0]),
             encoding,
             encoding,
+        )
+    if not_utf8:  # Latin-1, cp1252 ...: the model would learn two encodings of each accented letter
+        path, offset, byte = not_utf8[0]
+        log.log(
+            logging.INFO if source.kind == "stdlib" else logging.WARNING,
+            "data source %r: %d file(s) are not UTF-8 text in their first 8 KiB, e.g. %s (byte 0x%02x at offset %d); "
+            "the byte tokenizer trains on their bytes as they are: if they are Latin-1 or cp1252 text, convert them "
+            "first, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8",
+            source.name,
+            len(not_utf8),
+            str(path),
+            byte,
+            offset,
         )
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
