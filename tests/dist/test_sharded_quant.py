@@ -71,6 +71,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     for tag, ef in (("ef", True), ("no_ef", False)):
         c = ShardedBlockQuantizer(bits=4, block_size=BLOCK, error_feedback=ef)
         res[f"avg_{tag}"] = sum(c.reduce(g.clone(), SEGMENTS, comm, s).wait() for s in range(40)) / 40
+    # an overflow on rank 0 only (one value of w2 inf), after a finite step that left residuals on every rank
+    c = ShardedBlockQuantizer(block_size=BLOCK, error_feedback=True)
+    c.reduce(rank_grad(rank, 0), SEGMENTS, comm, 0).wait()
+    before = c.state_dict()
+    bad = rank_grad(rank, 1)
+    if rank == 0:
+        bad[SEGMENTS[2].offset] = float("inf")
+    res["overflow"] = {"out": c.reduce(bad, SEGMENTS, comm, 1).wait(), "before": before, "after": c.state_dict()}
     everyone = torch.empty(WORLD * NUMEL)
     dist.all_gather_single(everyone, g)
     res["local"] = everyone.view(WORLD, NUMEL)
@@ -144,3 +152,16 @@ def test_error_feedback_removes_the_bias_of_a_repeated_gradient(ranks):
     with_ef = (ranks[0]["avg_ef"] - mean).abs().max()
     without = (ranks[0]["avg_no_ef"] - mean).abs().max()
     assert with_ef < 0.1 * without, (with_ef, without)
+
+
+def test_an_overflow_on_one_rank_reaches_every_rank_and_keeps_the_server_residuals(ranks):
+    """Rank 0's bucket holds an inf: every rank decodes non-finite values (the GradScaler skips the step everywhere),
+    rank 0 keeps its own residual, and every rank keeps its share's server residual, as the owner of the inf's block
+    does: what it added to the mean was dropped with the step. Before, the owners of finite shards kept the error of
+    the dropped step's mean instead."""
+    for r, res in enumerate(ranks):
+        out, before, after = res["overflow"]["out"], res["overflow"]["before"], res["overflow"]["after"]
+        assert not torch.isfinite(out).all(), r
+        assert before["server_residuals"], r  # the finite step left a server residual on every rank
+        assert_same(after["server_residuals"], before["server_residuals"], f"rank {r} server")
+    assert_same(ranks[0]["overflow"]["after"]["residuals"], ranks[0]["overflow"]["before"]["residuals"], "rank 0")

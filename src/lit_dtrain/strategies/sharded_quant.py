@@ -126,9 +126,10 @@ class ShardedBlockQuantizer(BlockQuantizer):
         return [torch.empty(shard.num_blocks, device=device),
                 torch.empty(self._packed_bytes(shard.numel), dtype=q_dtype, device=device)]
 
-    def _decode(self, packed: Tensor, shard: Shard) -> Tensor:
+    def _decode(self, packed: Tensor, shard: Shard) -> tuple[Tensor, Tensor]:
+        """``(values, block scales)`` of a shard's payload (a value is non-finite exactly where its scale is)."""
         scales, q = unpack_payload(packed, self._template(shard, packed.device))
-        return self._dequantize(scales, self._unpack(q), list(shard.runs), shard.numel)
+        return self._dequantize(scales, self._unpack(q), list(shard.runs), shard.numel), scales
 
     @staticmethod
     def _slices(shard: Shard, blocks: bool = False) -> Iterator[slice]:
@@ -147,7 +148,8 @@ class ShardedBlockQuantizer(BlockQuantizer):
         if numel == 0:
             return completed_future(flat)
         x = flat.detach().float()
-        # a non-finite bucket (an overflow the GradScaler will skip) is sent as it is and keeps both residuals
+        # a non-finite bucket (an overflow the GradScaler will skip) is sent as it is and keeps this rank's residual;
+        # its blocks decode as non-finite on every rank, and every rank then keeps its server residual (finish)
         error_feedback = self.error_feedback and all_finite(x)
         if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
             x = self.add_residual(segments, x)
@@ -166,12 +168,13 @@ class ShardedBlockQuantizer(BlockQuantizer):
         mine = shards[rank]
         mean = x.new_zeros(mine.numel)
         for piece in received.view(world, mine.nbytes):
-            mean += self._decode(piece, mine)
+            mean += self._decode(piece, mine)[0]
         mean /= world
 
         # 2. that mean, quantized again (plus this rank's server residual of it), to every rank
         server_feedback = self.error_feedback and all_finite(mean)
         if server_feedback:
+            kept = {name: self.server_residuals.get(name) for name, *_ in mine.ranges}
             self._add_server_residual(mine, mean)
         mine_scales, mine_q = self._quantize(mean, list(mine.runs), None)
         if server_feedback:
@@ -183,13 +186,19 @@ class ShardedBlockQuantizer(BlockQuantizer):
 
         def finish(fut: torch.futures.Future) -> Tensor:
             gathered = fut.value()  # (world, width): every rank decodes the same bytes
+            all_scales = []
             for r, shard in enumerate(shards):
                 if shard.numel:
-                    values, offset = self._decode(gathered[r, : shard.nbytes], shard), 0
+                    (values, scales), offset = self._decode(gathered[r, : shard.nbytes], shard), 0
+                    all_scales.append(scales)
                     for s in self._slices(shard):
                         n = s.stop - s.start
                         flat[s].copy_(values[offset : offset + n])
                         offset += n
+            if server_feedback and not all_finite(torch.cat(all_scales)):
+                # another shard's mean was not finite (an overflow on some rank): the step is dropped everywhere,
+                # so what this rank added to its share's mean is put back, as that shard's owner kept its own
+                self._put_back_server_residuals(kept)
             return flat
 
         return comm.all_gather_async(payload).then(finish)
@@ -218,11 +227,15 @@ class ShardedBlockQuantizer(BlockQuantizer):
         was all residual, which DDP discarded with the unused gradient)."""
         super().keep_residuals(names)
         before = (self._undo or {}).get("codec") or {}
-        for name in names:
-            if name in before:
-                self.server_residuals[name] = before[name]
-            else:
+        self._put_back_server_residuals({name: before.get(name) for name in names})
+
+    def _put_back_server_residuals(self, saved: dict[str, Tensor | None]) -> None:
+        """Make ``saved`` (pre-step server residuals by name, None: none then) the current ones again."""
+        for name, e in saved.items():
+            if e is None:
                 self.server_residuals.pop(name, None)
+            else:
+                self.server_residuals[name] = e
 
     def _codec_undo_state(self):
         return dict(self.server_residuals)
