@@ -79,6 +79,21 @@ def _worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         bad[SEGMENTS[2].offset] = float("inf")
     res["overflow"] = {"out": c.reduce(bad, SEGMENTS, comm, 1).wait(), "before": before, "after": c.state_dict()}
+    # server residuals saved under another layout, resumed on zero gradients with no worker residual: the shares
+    # of a parameter differ, some with as many values (emb, w3), so they must not be added (the output stays 0)
+    c = ShardedBlockQuantizer(block_size=BLOCK // 2, error_feedback=True)
+    c.reduce(g.clone(), SEGMENTS, comm, 0).wait()
+    other_block = {**c.state_dict(), "residuals": {}}
+    shares_at_2 = ShardedBlockQuantizer(block_size=BLOCK).shards(SEGMENTS, NUMEL, 2)[rank].ranges if rank < 2 else ()
+    other_world = {
+        **other_block,
+        "server_layout": {"world_size": 2, "block_size": BLOCK},
+        "server_residuals": {name: torch.ones(b - a) for name, a, b, *_ in shares_at_2},
+    }
+    for tag, state in (("other_block", other_block), ("other_world", other_world)):
+        c = ShardedBlockQuantizer(block_size=BLOCK, error_feedback=True)
+        c.load_state_dict(state)
+        res[tag] = c.reduce(torch.zeros(NUMEL), SEGMENTS, comm, 1).wait()
     everyone = torch.empty(WORLD * NUMEL)
     dist.all_gather_single(everyone, g)
     res["local"] = everyone.view(WORLD, NUMEL)
@@ -165,3 +180,15 @@ def test_an_overflow_on_one_rank_reaches_every_rank_and_keeps_the_server_residua
         assert before["server_residuals"], r  # the finite step left a server residual on every rank
         assert_same(after["server_residuals"], before["server_residuals"], f"rank {r} server")
     assert_same(ranks[0]["overflow"]["after"]["residuals"], ranks[0]["overflow"]["before"]["residuals"], "rank 0")
+
+
+@pytest.mark.parametrize("tag", ["other_block", "other_world"])
+def test_server_residuals_of_another_layout_are_not_added(ranks, tag):
+    """A state saved at block size 32 (or at 2 ranks) and loaded at block size 64 on 4 ranks: a rank's share of a
+    parameter covers other values, some of them as many. All its server residuals start from zero (also those of
+    shares that happen to cover the same values). Before, a share with the same number of values got the residual
+    of the other values (emb: rank 0's [2648, 2712) that of [2680, 2744) at block 32; rank 1's [2712, 2776) that
+    of [2648, 2712) at 2 ranks)."""
+    for r, res in enumerate(ranks):
+        added = [s.name for s in SEGMENTS if res[tag][s.offset : s.offset + s.numel].any()]
+        assert not added, (r, added)

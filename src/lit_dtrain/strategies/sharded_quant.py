@@ -81,6 +81,7 @@ class ShardedBlockQuantizer(BlockQuantizer):
         # this rank's error of the second quantization, per parameter: its owned slice only. Each step replaces
         # the tensors (never changes them in place), so the undo record is a shallow copy of the dict.
         self.server_residuals: dict[str, Tensor] = {}
+        self.server_world: int | None = None  # the world size the server residuals' shares were made at
         self._shard_plans: dict[tuple, list[Shard]] = {}
 
     # --- layout --------------------------------------------------------------------------------
@@ -139,6 +140,8 @@ class ShardedBlockQuantizer(BlockQuantizer):
     # --- reduce ---------------------------------------------------------------------------------
     def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
         """Average ``flat`` over ranks: quantized reduce-scatter (blocking), then a quantized all-gather (async)."""
+        if self.server_world not in (None, comm.world_size):  # other shares (a state saved at another world size)
+            self.server_residuals, self.server_world = {}, None
         self._undo_begin(step)
         self.num_calls += 1
         self.rank = comm.rank
@@ -180,6 +183,7 @@ class ShardedBlockQuantizer(BlockQuantizer):
         if server_feedback:
             self._keep_server_residual(mine, mean - self._dequantize(mine_scales, mine_q, list(mine.runs),
                                                                      mine.numel))
+            self.server_world = world
         payload = pack_payload([mine_scales, self._pack(mine_q)])
         width = max(shard.nbytes for shard in shards)
         payload = torch.cat([payload, payload.new_zeros(width - payload.numel())])
@@ -208,7 +212,7 @@ class ShardedBlockQuantizer(BlockQuantizer):
         offset = 0
         for name, a, b, _, _ in shard.ranges:
             e = self.server_residuals.get(name)
-            if e is not None and e.numel() == b - a:  # another world size owns other slices: start from zero
+            if e is not None and e.numel() == b - a:  # (a state saved without its layout: same size only)
                 mean[offset : offset + b - a] += e.to(mean)
             offset += b - a
 
@@ -247,8 +251,15 @@ class ShardedBlockQuantizer(BlockQuantizer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["server_residuals"] = {k: v.detach().cpu().clone() for k, v in self.server_residuals.items()}
+        # a parameter's shares follow from both: under another, a rank's share holds other values (maybe as many)
+        state["server_layout"] = {"world_size": self.server_world, "block_size": self.block_size}
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """:meth:`Compressor.load_state_dict`, and the server residuals, unless they were made at another block
+        size (or, found at the next :meth:`reduce`, world size): those start from zero, as their shares differ."""
         super().load_state_dict(state)
-        self.server_residuals = {k: v.clone() for k, v in state["server_residuals"].items()}
+        layout = state.get("server_layout", {})  # (a state written before the layout was kept: assume this one)
+        self.server_world = layout.get("world_size")
+        same = layout.get("block_size", self.block_size) == self.block_size
+        self.server_residuals = {k: v.clone() for k, v in state["server_residuals"].items()} if same else {}
