@@ -1031,3 +1031,21 @@ def test_a_batch_the_module_skips_is_left_out(accumulate):
         assert data.sampler.seen == [(0, 0), (1, 1), (4, 4)]
     else:  # step 1 keeps its second micro-batch
         assert data.sampler.seen == [(0, 0), (1, 0), (3, 1), (4, 2), (5, 2), (6, 3), (7, 3), (8, 4), (9, 4)]
+
+
+def test_gradient_accumulation_over_more_than_two_micro_batches_trains(tiny_cfg):
+    """The sampler's check for a missing callback (no update by micro-step 2) fired under accumulate_grad_batches=3:
+    the first optimizer step, and with it the first update, ends after micro-step 2 is drawn. With the callback
+    attached the check is off, and every micro-batch is learned from."""
+    cfg = tiny_cfg(*FOURIER, "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.accumulate_grad_batches=3")
+    _, objects = train(cfg)
+    assert objects["trainer"].global_step == 3
+    assert objects["datamodule"].sampler.updates == 9
+
+
+def test_the_missing_callback_check_still_fires_without_a_feeder():
+    s = make()
+    s.expect_updates()  # a feeder is attached: updates arrive at its optimizer steps
+    s.global_batch(5, 4)
+    with pytest.raises(RuntimeError, match="fourier_sampler"):
+        make().global_batch(2, 4)

@@ -88,9 +88,10 @@ class FourierSamplerCallback(L.Callback):
         self._remove_hooks()
         self._reset_step()
         self._hooks = [optimizer.register_step_post_hook(self._after_step) for optimizer in trainer.optimizers]
+        sampler = self.sampler_of(trainer)
+        sampler.expect_updates()  # its first update comes after accumulate_grad_batches micro-batches have been drawn
         if not self.apply_lr_multiplier:
             return
-        sampler = self.sampler_of(trainer)
         for optimizer in trainer.optimizers:
 
             def pre(opt, args, kwargs):

@@ -110,6 +110,7 @@ class FourierSampler(IndexSampler):
         self.stage_table = spectral.parse_stages(stage_table)
         self.async_op, self.require_updates = bool(async_op), bool(require_updates)
         self.group = None  # process group of the collectives (None: the default group)
+        self.feeder_attached = False  # set by expect_updates(): the require_updates check is then off
         # the table (allocated by setup / at the first update)
         self.m1 = self.m2 = torch.zeros(0)
         self.visits = torch.zeros(0, dtype=torch.int32)
@@ -149,6 +150,14 @@ class FourierSampler(IndexSampler):
             fine = max(fine, *(s.bands for s in self.stage_table))
         self.seq_len, self.fine_bands = int(seq_len), int(fine)
         self.profile = torch.zeros(self.num_samples, fine, dtype=torch.float16)
+
+    def expect_updates(self) -> None:
+        """A feeder (``FourierSamplerCallback``, at train start) declares that it hands over every trained step.
+
+        ``require_updates`` catches a missing feeder by the lack of an update at micro-step 2; a feeder observes at
+        the end of each optimizer step, so under ``accumulate_grad_batches >= 3`` micro-step 2 is drawn before its
+        first update. Once a feeder is attached that check is off."""
+        self.feeder_attached = True
 
     def required_callbacks(self) -> list:
         """The callback that feeds this sampler (for trainers that add a sampler's callbacks automatically)."""
@@ -455,7 +464,7 @@ class FourierSampler(IndexSampler):
         if self.num_samples == 0:
             raise RuntimeError("FourierSampler.setup() was not called")
         self.flush()
-        if self.require_updates and self.updates == 0 and step >= 2:
+        if self.require_updates and not self.feeder_attached and self.updates == 0 and step >= 2:
             raise RuntimeError(
                 f"FourierSampler is drawing step {step} but never received a training update: add the callback "
                 "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
