@@ -363,8 +363,32 @@ def test_state_dict_is_plain_and_checked(tmp_path):
     other = make(num_samples=51)
     with pytest.raises(ValueError, match="'m1'"):
         other.load_state_dict(state)
-    with pytest.raises(KeyError, match="'m1'"):
-        make().load_state_dict(RandomSampler().state_dict())
+    partial = {k: v for k, v in state.items() if k != "m2"}
+    with pytest.raises(KeyError, match="'m2'"):
+        make().load_state_dict(partial)
+
+
+def test_a_fourier_sampler_resuming_a_random_sampler_state_starts_its_table_over(tiny_cfg):
+    """RandomSampler's warning on resuming a FourierSampler state says that "a later resume with
+    data/sampler=fourier starts it over", but FourierSampler refused a RandomSampler's state with a KeyError ('m1'):
+    a run could not switch to data/sampler=fourier on resume. It now keeps the exclusions, warns, and learns a fresh
+    table from the resumed step on."""
+    random = RandomSampler()
+    random.setup(50, seed=0)
+    random.exclude([3, 9])
+    s = make(step_unit=1)
+    with pytest.warns(UserWarning, match=r"written by RandomSampler.*2 excluded samples.*table starts empty"):
+        s.load_state_dict(random.state_dict())
+    assert s.excluded.nonzero().flatten().tolist() == [3, 9] and s.updates == 0 and int(s.visits.sum()) == 0
+    assert float(s.probabilities(0)[[3, 9]].sum()) == 0.0
+    common = ["scheduler=constant", "sample.max_new_tokens=0", "trainer.val_check_interval=3"]
+    _, first = train(tiny_cfg(*common, "trainer.max_steps=3", run="switch"))
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    with pytest.warns(UserWarning, match="written by RandomSampler"):
+        _, resumed = train(
+            tiny_cfg(*common, "data/sampler=fourier", "trainer.max_steps=6", f"ckpt_path={ckpt}", run="switch")
+        )
+    assert resumed["trainer"].global_step == 6 and resumed["datamodule"].sampler.updates == 3
 
 
 def test_a_random_sampler_resuming_a_fourier_state_says_what_it_drops():

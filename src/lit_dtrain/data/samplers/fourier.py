@@ -17,6 +17,8 @@ Not to be confused with the published "FourierSampler" that orders token unmaski
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -129,12 +131,16 @@ class FourierSampler(IndexSampler):
     def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0, **sources) -> None:
         super().setup(num_samples, base_weights, seed, **sources)
         if self.m1.numel() != num_samples:
-            self.m1 = torch.zeros(num_samples, dtype=torch.float32)
-            self.m2 = torch.zeros(num_samples, dtype=torch.float32)
-            self.visits = torch.zeros(num_samples, dtype=torch.int32)
-            self.profile = torch.zeros(num_samples, 0, dtype=torch.float16)
-            self.seq_len = self.fine_bands = 0
+            self._empty_table()
         self._touch(target=True, raw=True)
+
+    def _empty_table(self) -> None:
+        """A table of ``num_samples`` unseen samples; the band layout is bound at the first update."""
+        self.m1 = torch.zeros(self.num_samples, dtype=torch.float32)
+        self.m2 = torch.zeros(self.num_samples, dtype=torch.float32)
+        self.visits = torch.zeros(self.num_samples, dtype=torch.int32)
+        self.profile = torch.zeros(self.num_samples, 0, dtype=torch.float16)
+        self.seq_len = self.fine_bands = 0
 
     def _bind_length(self, seq_len: int) -> None:
         """Fix the band layout for sequences of ``seq_len`` tokens and allocate the profile table."""
@@ -543,7 +549,20 @@ class FourierSampler(IndexSampler):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for key in ("m1", "m2", "visits", "profile"):
+        table_keys = ("m1", "m2", "visits", "profile")
+        if not any(key in state for key in table_keys):  # a RandomSampler's state: only the exclusions
+            warnings.warn(
+                f"the checkpoint's sampler state was written by RandomSampler (no table; {self.num_excluded} excluded "
+                "samples, kept): this FourierSampler's table starts empty and learns from the resumed step on",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._pending = None
+            self._empty_table()
+            self.updates = self.last_step = self.nonfinite_skipped = 0
+            self._touch(target=True, raw=True)
+            return
+        for key in table_keys:
             if key not in state:
                 raise KeyError(f"FourierSampler state lacks {key!r} (was it saved by another sampler?)")
             if state[key].shape[0] != self.num_samples:
