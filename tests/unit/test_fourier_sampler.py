@@ -1073,3 +1073,37 @@ def test_the_missing_callback_check_still_fires_without_a_feeder():
     s.global_batch(5, 4)
     with pytest.raises(RuntimeError, match="fourier_sampler"):
         make().global_batch(2, 4)
+
+
+def test_a_table_from_another_corpus_of_the_same_size_is_refused(tiny_cfg, corpus):
+    """The table is indexed by window: resuming on another corpus (here one document reversed, so the same number
+    of windows) silently applied its scores to other text. The checkpoint now records which dataset the table
+    indexes (the token caches' content keys, which cover the files, block_size and val_fraction) and a resume on
+    another one is a ValueError naming both, before any step."""
+    common = [*FOURIER, "trainer.val_check_interval=3"]
+    _, first = train(tiny_cfg(*common, "trainer.max_steps=3", run="other"))
+    n = first["datamodule"].num_train_samples
+    ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    doc = corpus / "doc_000.txt"
+    doc.write_text(doc.read_text()[::-1])
+    # the same bytes in another order: the same number of windows, so the size check cannot tell
+    other = r"dataset [0-9a-f]{16}, and this run's is [0-9a-f]{16}: the checkpoint belongs to another corpus"
+    with pytest.raises(ValueError, match=other):
+        train(tiny_cfg(*common, "trainer.max_steps=6", f"ckpt_path={ckpt}", run="other"))
+    doc.write_text(doc.read_text()[::-1])  # the corpus it was trained on: resumes
+    _, resumed = train(tiny_cfg(*common, "trainer.max_steps=6", f"ckpt_path={ckpt}", run="other"))
+    assert resumed["datamodule"].num_train_samples == n and resumed["datamodule"].sampler.updates == 6
+
+
+def test_exclusions_from_another_dataset_are_refused_and_an_exclusion_free_state_is_not():
+    a, b = RandomSampler(), RandomSampler()
+    a.setup(50, seed=0, dataset_key="aaaa")
+    b.setup(50, seed=0, dataset_key="bbbb")
+    b.load_state_dict(a.state_dict())  # nothing per-window: any dataset may take it
+    a.exclude([4])
+    with pytest.raises(ValueError, match="'excluded' indexes the windows of dataset aaaa, and this run's is bbbb"):
+        b.load_state_dict(a.state_dict())
+    c = RandomSampler()
+    c.setup(50, seed=0)  # no key (a sampler outside LMDataModule), or a checkpoint from before keys: not checked
+    c.load_state_dict(a.state_dict())
+    assert c.excluded.nonzero().flatten().tolist() == [4]

@@ -15,7 +15,9 @@ runs the same number of them; the few padding windows that even out the shares c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import warnings
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -71,6 +73,16 @@ class WindowSet:
             start = (i - int(self.offsets[s])) * T
             out[row] = self.streams[s][start : start + T + 1]
         return torch.from_numpy(out)
+
+
+def dataset_key(splits: list[TokenSplits]) -> str | None:
+    """Which training windows a sampler's per-window state (its table, its exclusions) indexes: a hash of the
+    sources' token-cache keys in order (each covers the files' bytes, the window length and val_fraction), or None
+    when a stream is not a cache file. Recorded in the sampler's state, so a resume on another corpus is refused."""
+    keys = [Path(getattr(s.train, "filename", None) or "").parent.name.rpartition("-")[2] for s in splits]
+    if not all(keys):
+        return None
+    return hashlib.sha256("|".join(keys).encode()).hexdigest()[:16]
 
 
 def window_batch(windows: torch.Tensor, index: torch.Tensor) -> dict:
@@ -204,6 +216,7 @@ class LMDataModule(L.LightningDataModule):
             self.seed,
             source_offsets=offsets,
             source_names=[s.name for s in self.sources] if offsets else None,
+            dataset_key=dataset_key(self.splits),
         )
         if self._pending_state is not None:
             self._apply_state(self._pending_state)

@@ -76,6 +76,7 @@ class IndexSampler:
         self.source_names: list[str] = []
         self._exhausted: set[int] = set()  # sources (of positive share) whose every window is excluded
         self._target_cdf: torch.Tensor | None = None  # cached CDF of target_distribution(); None: stale
+        self.dataset_key: str | None = None  # which windows the per-window state indexes (see setup)
 
     def setup(
         self,
@@ -84,12 +85,14 @@ class IndexSampler:
         seed: int = 0,
         source_offsets: list[int] | None = None,
         source_names: list[str] | None = None,
+        dataset_key: str | None = None,
     ) -> None:
         """Bind to a dataset of ``num_samples`` windows; ``base_weights`` (optional) is a mixture prior.
 
         ``source_offsets`` (``[0, ..., num_samples]``, the window boundaries of the mixture's sources) and
         ``source_names`` (for messages) make exclusions keep every source's share of the prior (see
-        :func:`target_distribution`)."""
+        :func:`target_distribution`). ``dataset_key`` names the windows (``LMDataModule``: a hash of the token
+        caches' keys); it is saved with the state, and a state of another dataset is refused on load."""
         if num_samples <= 0:
             raise ValueError(f"sampler needs at least one sample, got num_samples={num_samples}")
         if base_weights is not None and base_weights.shape != (num_samples,):
@@ -108,7 +111,7 @@ class IndexSampler:
         if len(self.source_names) != count:
             raise ValueError(f"{len(self.source_names)} source_names for {count} sources")
         self._exhausted = set()
-        self.num_samples, self.seed = int(num_samples), int(seed)
+        self.num_samples, self.seed, self.dataset_key = int(num_samples), int(seed), dataset_key
         self.base_weights = None if base_weights is None else base_weights.double() / base_weights.sum()
         if self.excluded.numel() != num_samples:
             self.excluded = torch.zeros(num_samples, dtype=torch.bool)
@@ -188,11 +191,27 @@ class IndexSampler:
         return torch.multinomial(probs.float(), size, replacement=True, generator=g)
 
     def state_dict(self) -> dict:
-        return {"excluded": self.excluded.nonzero().flatten().clone(), "num_samples": int(self.num_samples)}
+        state = {"excluded": self.excluded.nonzero().flatten().clone(), "num_samples": int(self.num_samples)}
+        if self.dataset_key is not None:
+            state["dataset_key"] = self.dataset_key
+        return state
+
+    def check_dataset(self, state: dict, what: str) -> None:
+        """Refuse a state whose per-window data (``what``) indexes the windows of another dataset: another corpus
+        of the same size would otherwise take it silently. Checkpoints without a key (older ones) pass."""
+        saved = state.get("dataset_key")
+        if saved is not None and self.dataset_key is not None and saved != self.dataset_key:
+            raise ValueError(
+                f"the checkpoint's sampler {what} indexes the windows of dataset {saved}, and this run's is "
+                f"{self.dataset_key}: the checkpoint belongs to another corpus (other files or file contents), "
+                "block_size or data.val_fraction, so its per-window state would be applied to other text. Resume "
+                "on the data it was trained on, or start from its weights with init_from=<checkpoint>"
+            )
 
     def load_state_dict(self, state: dict) -> None:
         excluded = torch.as_tensor(state.get("excluded", []), dtype=torch.long).reshape(-1)
         if len(excluded):  # window indices: they name other windows in a dataset of another size
+            self.check_dataset(state, "state 'excluded'")
             saved = state.get("num_samples")  # absent in checkpoints from before it was recorded
             if saved is not None and int(saved) != self.num_samples:
                 raise ValueError(

@@ -562,6 +562,8 @@ class FourierSampler(IndexSampler):
             self.updates = self.last_step = self.nonfinite_skipped = 0
             self._touch(target=True, raw=True)
             return
+        if bool(torch.as_tensor(state.get("visits", [])).any()):
+            self.check_dataset(state, "table")
         for key in table_keys:
             if key not in state:
                 raise KeyError(f"FourierSampler state lacks {key!r} (was it saved by another sampler?)")
