@@ -5,15 +5,21 @@ The brief's "spectral analysis tool to verify effective bandwidth": it computes 
 per-token loss, takes the one-sided power spectrum of the rfft along the sequence (normalized so that a
 window's bins sum to the variance of its token loss, as :func:`band_energies` does), averages over windows and
 plots power against frequency (cycles per window; the top axis shows the period in tokens). Vertical lines mark
-the lower edges of the FourierSampler's bands for this length (solid: ``--num-bands``; dotted: the 8-band
-stage layout). It prints each band's share of the energy and the effective bandwidth (the bin below which
-``--bandwidth-fraction`` of the energy lies); the last line is one JSON object.
+the lower edges of the FourierSampler's bands for this length (solid: ``num_bands``, the bands it scores with when
+the stage schedule is off; dotted: its finest layout, the stage schedule's 8 bands by default). It prints each
+band's share of the energy and the effective bandwidth (the bin below which ``--bandwidth-fraction`` of the energy
+lies); the last line is one JSON object.
 
     python scripts/spectrum.py outputs/runs/RUN/checkpoints/last.ckpt --out spectrum.png
     python scripts/spectrum.py early.ckpt late.ckpt --files ~/corpus --block-size 1024
 
 The held-out documents are those the run held out: ``data.val_fraction`` is read from the checkpoint (or its run's
 ``.hydra/config.yaml``); ``--val-fraction`` sets it, and without either a note says the default 0.02 is assumed.
+The corpus and the window length are the run's too (``data.sources`` and ``data.block_size`` of the run dir's
+``config_resolved.yaml``; ``--files``/``--source`` and ``--block-size`` set them), and the band edges are those of
+the run's FourierSampler at that length (``max_freq``/``num_bands`` of the sampler state in the checkpoint;
+``--max-freq``/``--num-bands`` set them). Without a run config the stdlib corpus and the model's block_size are
+used, and without a FourierSampler state the brief's bands for ``T``; a line says which.
 """
 
 from __future__ import annotations
@@ -53,23 +59,65 @@ def trained_val_fraction(path: str, ckpt: dict) -> tuple[float | None, str]:
     if isinstance(state, dict) and isinstance(state.get("val_fraction"), (int, float)):
         return float(state["val_fraction"]), "the checkpoint"
     config = Path(path).expanduser().resolve().parent.parent / ".hydra" / "config.yaml"
-    try:
-        import yaml
-
-        value = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("val_fraction")
-    except (OSError, ValueError, AttributeError, ImportError):  # no run dir, unreadable or odd YAML
-        value = None
+    value = (run_data_config(path, ".hydra/config.yaml") or {}).get("val_fraction")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value), str(config)
     return None, "nowhere"
 
 
-def windows_of(args, block_size: int, val_fraction: float = DEFAULT_VAL_FRACTION) -> torch.Tensor:
+def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | None:
+    """``data`` of the checkpoint's run config ``<run>/<name>`` (``<run>/checkpoints/x.ckpt``), or None."""
+    config = Path(path).expanduser().resolve().parent.parent / name
+    try:
+        import yaml
+
+        data = (yaml.safe_load(config.read_text()) or {}).get("data")
+    except (OSError, ValueError, AttributeError, ImportError):  # no run dir, unreadable or odd YAML
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
+    """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none."""
+    sources = [s for s in (data or {}).get("sources") or [] if isinstance(s, dict)]
+    if not sources:
+        if name is not None:
+            raise SystemExit(f"spectrum.py: --source {name}: the run's config_resolved.yaml lists no data.sources")
+        return None
+    names = [str(s.get("name")) for s in sources]
+    if name is None and len(sources) > 1:
+        raise SystemExit(
+            f"spectrum.py: the run trained on a mixture of sources {names}: pick one with --source NAME (or give "
+            "the corpus with --files)"
+        )
+    if name is not None and name not in names:
+        raise SystemExit(f"spectrum.py: --source {name!r} is not one of the run's sources {names}")
+    chosen = sources[names.index(name) if name is not None else 0]
+    keys = ("name", "kind", "paths", "pattern")
+    return CorpusSource(**{k: chosen[k] for k in keys if k in chosen})
+
+
+def sampler_bands(ckpt: dict, seq_len: int) -> tuple[int, int, int] | None:
+    """``(max_freq, num_bands, fine_bands)`` of the checkpoint's FourierSampler state when it was bound to windows of
+    ``seq_len`` tokens, else None."""
+    state = ckpt.get("LMDataModule")
+    sampler = state.get("sampler") if isinstance(state, dict) else None
+    if not isinstance(sampler, dict) or int(sampler.get("seq_len") or 0) != seq_len:
+        return None
+    max_freq, num_bands, fine = (int(sampler.get(k) or 0) for k in ("max_freq", "num_bands", "fine_bands"))
+    return (max_freq, num_bands, max(fine, num_bands)) if max_freq > 0 and num_bands > 0 else None
+
+
+def windows_of(
+    args, block_size: int, val_fraction: float = DEFAULT_VAL_FRACTION, source: CorpusSource | None = None
+) -> torch.Tensor:
     """``--windows`` evenly spaced windows [W, T+1] of the corpus' held-out (or train) split, with the documents
-    held out by ``val_fraction`` (the trained run's, so that "held-out" means not trained on)."""
-    source = CorpusSource(name="files", kind="files", paths=args.files) if args.files else CorpusSource()
+    held out by ``val_fraction`` (the trained run's, so that "held-out" means not trained on). The corpus: ``--files``,
+    else ``source`` (the run's), else the stdlib corpus."""
+    if args.files:
+        source = CorpusSource(name="files", kind="files", paths=args.files)
     dm = LMDataModule(
-        sources=[source],
+        sources=[source or CorpusSource()],
         block_size=block_size,
         batch_size=1,
         cache_dir=args.cache_dir,
@@ -103,12 +151,28 @@ def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray,
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="lit_dtrain checkpoints (last.ckpt ...), overlaid")
-    ap.add_argument("--files", nargs="*", default=None, help="corpus files/dirs/globs (default: the stdlib corpus)")
+    ap.add_argument(
+        "--files",
+        nargs="*",
+        default=None,
+        help="corpus files/dirs/globs (default: the run's corpus, else the stdlib corpus)",
+    )
+    ap.add_argument("--source", default=None, help="which of the run's data.sources (needed for a mixture)")
     ap.add_argument("--split", choices=["val", "train"], default="val")
-    ap.add_argument("--block-size", type=int, default=None, help="window length T (default: the model's)")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="window length T (default: the run's data.block_size, else the model's)",
+    )
     ap.add_argument("--windows", type=int, default=128, help="windows averaged")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--max-freq", type=int, default=None, help="band edges (default: the brief's for T)")
+    ap.add_argument(
+        "--max-freq",
+        type=int,
+        default=None,
+        help="band edges (default: the run's FourierSampler's at T, else the brief's for T)",
+    )
     ap.add_argument("--num-bands", type=int, default=None)
     ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
     ap.add_argument("--labels", nargs="*", default=None, help="legend labels (default: file paths)")
@@ -160,15 +224,37 @@ def main(argv: list[str] | None = None) -> None:
                 f"recorded, without its run's .hydra/config.yaml); assuming {val_fraction}, the default: if the "
                 "run used another, pass it as --val-fraction, or its 'held-out' windows include trained ones"
             )
-    T = args.block_size or models[0].config.block_size
+    data = run_data_config(args.checkpoints[0])
+    source = None if args.files else run_source(data, args.source)
+    if source is not None:  # overlaid runs must be measured on one corpus
+        for path in args.checkpoints[1:]:
+            other = run_source(run_data_config(path), args.source)
+            if other is not None and (other.kind, other.paths) != (source.kind, source.paths):
+                ap.error(
+                    f"{args.checkpoints[0]} was trained on {source.kind} {source.paths} and {path} on {other.kind} "
+                    f"{other.paths}; compare them on one corpus with --files"
+                )
+    if args.files:
+        print(f"corpus: --files {args.files}")
+    else:
+        print(
+            f"corpus: {source} (the run's, from its config_resolved.yaml)"
+            if source
+            else "corpus: the stdlib corpus (no run config beside the checkpoint; give the run's corpus with --files)"
+        )
+    trained_T = (data or {}).get("block_size")
+    trained_T = trained_T if isinstance(trained_T, int) and not isinstance(trained_T, bool) and trained_T > 0 else None
+    T = args.block_size or trained_T or models[0].config.block_size
     for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
         if T > model.config.block_size:
             ap.error(f"--block-size {T} exceeds the block_size {model.config.block_size} of {path}")
-    auto_freq, auto_bands = spectral.default_band_config(T)
+    run_bands = sampler_bands(loaded[0][1], T)
+    auto_freq, auto_bands, fine = run_bands or (*spectral.default_band_config(T), 8)
+    print(f"bands: the run's FourierSampler's at T={T}" if run_bands else f"bands: the brief's default for T={T}")
     max_freq = auto_freq if args.max_freq is None else args.max_freq
     num_bands = auto_bands if args.num_bands is None else args.num_bands
     try:
-        windows = windows_of(args, T, val_fraction)
+        windows = windows_of(args, T, val_fraction, source)
     except CorpusError as e:  # a missing --files path, a dir without files: one line naming it
         raise SystemExit(f"spectrum.py: {e}") from e
     labels = args.labels or args.checkpoints
@@ -191,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     edges = spectral.band_lower_bins(max_freq, num_bands, T).tolist()
     for e in edges:
         ax.axvline(e, color="k", lw=1)
-    for e in spectral.band_lower_bins(max_freq, 8, T).tolist():
+    for e in spectral.band_lower_bins(max_freq, fine, T).tolist():
         if e not in edges:
             ax.axvline(e, color="k", lw=0.6, ls=":")
     ax.set_xlabel(f"frequency (cycles per {T}-token window)")
@@ -200,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     top.set_xlabel("period (tokens)")
     ax.legend(fontsize=8)
     ax.set_title(f"Token-loss spectrum, {len(windows)} {args.split} windows; band edges: compute_bands("
-                 f"{max_freq}, {num_bands}) solid, 8 bands dotted", fontsize=9)
+                 f"{max_freq}, {num_bands}) solid, {fine} bands dotted", fontsize=9)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)

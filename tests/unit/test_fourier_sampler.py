@@ -1107,3 +1107,46 @@ def test_exclusions_from_another_dataset_are_refused_and_an_exclusion_free_state
     c.setup(50, seed=0)  # no key (a sampler outside LMDataModule), or a checkpoint from before keys: not checked
     c.load_state_dict(a.state_dict())
     assert c.excluded.nonzero().flatten().tolist() == [4]
+
+
+def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, corpus, tmp_path, capsys):
+    """`scripts/spectrum.py <ckpt>` took its "held-out" windows from the stdlib corpus whatever the run trained on,
+    at the model's block_size rather than the run's data.block_size, and marked the brief's default bands rather
+    than the run's sampler bands. It now reads the run's corpus and window length from <run>/config_resolved.yaml
+    and the band layout from the checkpoint's sampler state (flags still override)."""
+    import importlib.util
+    import json
+
+    from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
+
+    bands = ["data.sampler.max_freq=64", "data.sampler.num_bands=3", "data.sampler.stages=false"]
+    _, run = train(tiny_cfg(*FOURIER, *bands, "data.block_size=16", "trainer.max_steps=2",
+                            "trainer.val_check_interval=2", run="spec"))
+    ckpt = Path(run["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file() and run["datamodule"].sampler.seq_len == 16
+    script = Path(__file__).parents[2] / "scripts" / "spectrum.py"
+    spec = importlib.util.spec_from_file_location("_spectrum_run", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cache = tmp_path / "spectrum_cache"
+    mod.main([str(ckpt), "--out", str(tmp_path / "s.png"), "--windows", "1000", "--cache-dir", str(cache)])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dm = LMDataModule(sources=[CorpusSource(name="text", kind="files", paths=[str(corpus)])], block_size=16,
+                      batch_size=1, val_fraction=run["datamodule"].val_fraction, cache_dir=str(cache), progress=False)
+    dm.prepare_data()
+    assert out["windows"] == len(WindowSet([dm.splits[0].val], 16))  # the run's held-out windows
+    assert out["block_size"] == 16
+    assert (out["max_freq"], out["num_bands"]) == (64, 3)
+    assert out["band_lower_bins"] == S.band_lower_bins(64, 3, 16).tolist()
+    assert (tmp_path / "s.png").stat().st_size > 0
+    mixture = {"sources": [{"name": "stdlib", "kind": "stdlib"}, {"name": "text", "kind": "files", "paths": ["x"]}]}
+    with pytest.raises(SystemExit, match=r"mixture of sources \['stdlib', 'text'\]: pick one with --source"):
+        mod.run_source(mixture, None)
+    assert mod.run_source(mixture, "text").paths == ["x"] and mod.run_source(None, None) is None
+    other = tmp_path / "other" / "checkpoints"
+    other.mkdir(parents=True)
+    (other / "x.ckpt").write_bytes(ckpt.read_bytes())
+    (other.parent / "config_resolved.yaml").write_text("data:\n  sources:\n  - {name: stdlib, kind: stdlib}\n")
+    with pytest.raises(SystemExit):  # overlaid runs of two corpora: one corpus, named
+        mod.main([str(ckpt), str(other / "x.ckpt"), "--out", str(tmp_path / "t.png"), "--cache-dir", str(cache)])
+    assert "compare them on one corpus with --files" in capsys.readouterr().err
