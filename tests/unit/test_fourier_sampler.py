@@ -1150,3 +1150,20 @@ def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, cor
     with pytest.raises(SystemExit):  # overlaid runs of two corpora: one corpus, named
         mod.main([str(ckpt), str(other / "x.ckpt"), "--out", str(tmp_path / "t.png"), "--cache-dir", str(cache)])
     assert "compare them on one corpus with --files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changed", [{"max_freq": 512}, {"num_bands": 6}])
+def test_a_band_config_changed_on_resume_is_refused_not_silently_replaced(changed):
+    """The table's band profile was computed with the checkpoint's band edges, and load_state_dict took them over
+    silently: resuming with data.sampler.max_freq=512 (or num_bands=6, stages on: the same 8-band profile shape)
+    kept scoring with 256/4 while the config said otherwise. A configured value that differs is now an error naming
+    both; null (auto) takes the checkpoint's."""
+    s = make(max_freq=256, num_bands=4, step_unit=1)
+    feed(s, 3)
+    state = s.state_dict()
+    key, value = next(iter(changed.items()))
+    with pytest.raises(ValueError, match=rf"{key}={value}.*checkpoint.*{key}={state[key]}"):
+        make(step_unit=1, **{"max_freq": 256, "num_bands": 4, **changed}).load_state_dict(state)
+    auto = make(step_unit=1)  # null: the checkpoint's
+    auto.load_state_dict(state)
+    assert (auto.max_freq, auto.num_bands) == (256, 4)

@@ -102,6 +102,7 @@ class FourierSampler(IndexSampler):
             if value is not None and not int(value) > 0:  # None (not 0) picks the brief's default for T
                 raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), got {value}")
         self.max_freq, self.num_bands = max_freq, num_bands
+        self._configured_bands = {"max_freq": max_freq, "num_bands": num_bands}  # None: auto (a resume takes its)
         self.score, self.variant = score, variant
         self.mix_initial, self.mix_final, self.decay_steps = float(mix_initial), float(mix_final), int(decay_steps)
         self.momentum, self.beta = float(momentum), float(beta)
@@ -580,6 +581,13 @@ class FourierSampler(IndexSampler):
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))  # absent in checkpoints before it existed
         self.seq_len, self.fine_bands = 0, 0
         if int(state["seq_len"]):
+            for name, configured in self._configured_bands.items():  # the profile was computed with the saved edges
+                if configured is not None and int(configured) != int(state[name]):
+                    raise ValueError(
+                        f"FourierSampler {name}={configured} is configured, but the checkpoint's table was built with "
+                        f"{name}={int(state[name])} (its band profile is of those edges): resume with "
+                        f"data.sampler.{name}={int(state[name])} (or null), or start the table over in a new run"
+                    )
             self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
             self._bind_length(int(state["seq_len"]))
             if state["profile"].shape[1] != self.fine_bands:
