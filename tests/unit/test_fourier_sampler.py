@@ -1167,3 +1167,12 @@ def test_a_band_config_changed_on_resume_is_refused_not_silently_replaced(change
     auto = make(step_unit=1)  # null: the checkpoint's
     auto.load_state_dict(state)
     assert (auto.max_freq, auto.num_bands) == (256, 4)
+
+
+@pytest.mark.parametrize("kw", [{"mix_initial": 1.5}, {"mix_final": -0.2}, {"eps": 0.0}, {"eps": -1e-8}])
+def test_mix_weights_outside_0_1_and_a_non_positive_eps_are_rejected(kw):
+    """The stage table's mix must lie in [0, 1], the cosine schedule's mix_initial/mix_final were not checked
+    (mix_initial=1.5 weighted the time score by -0.5); eps=0 made a zero-score sample's moment ratio 0/0: NaN
+    probabilities, and the draws came out of a NaN CDF without an error."""
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        FourierSampler(**kw)

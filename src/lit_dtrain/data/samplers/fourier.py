@@ -94,6 +94,11 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"FourierSampler needs magnitude_cap >= min_prob, got {magnitude_cap}, {min_prob}")
         if not prior > 0:
             raise ValueError(f"FourierSampler prior must be > 0, got {prior}")
+        if not eps > 0:  # eps=0: a sample whose score was 0 gets 0/0, a NaN probability
+            raise ValueError(f"FourierSampler eps must be > 0, got {eps}")
+        for name, value in {"mix_initial": mix_initial, "mix_final": mix_final}.items():
+            if not 0.0 <= value <= 1.0:  # as a stage_table row's mix: the weight of the frequency score
+                raise ValueError(f"FourierSampler {name} must be in [0, 1], got {value}")
         if not 0.0 <= uniform_floor <= 1.0:
             raise ValueError(f"FourierSampler uniform_floor must be in [0, 1], got {uniform_floor}")
         if not step_unit > 0 or not decay_steps > 0:
