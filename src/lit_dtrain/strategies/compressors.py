@@ -274,19 +274,29 @@ class Compressor:
             total += self.decompress(payload, segments, numel)
         return total
 
-    def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
-        """Average ``flat`` over ranks through this codec; the future holds ``flat`` overwritten with the mean."""
+    def _begin_reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator,
+                      step: int) -> tuple[Tensor, bool] | None:
+        """What every :meth:`reduce` does first: open the step's undo record, count the call, and (after the
+        uncompressed warm-up, else ``None``) return ``(x, error_feedback)``: ``x = g + e`` in the residual buffer
+        (which becomes the new residual) when error feedback applies, else ``g`` in fp32.
+
+        A non-finite bucket (a step the GradScaler will skip under 16-mixed) is sent as it is, so every rank sees the
+        overflow, but it neither reads nor writes the residual: inf - inf would leave NaN there for good."""
         self._undo_begin(step)
         self.num_calls += 1
         self.rank = comm.rank
         if step < self.start_step:
-            return comm.all_reduce_mean_async(flat)
+            return None
         x = flat.detach().float()
-        # A non-finite bucket (a step the GradScaler will skip under 16-mixed) is sent as it is, so every rank
-        # sees the overflow, but neither reads nor writes the residual: inf - inf would leave NaN there for good.
         error_feedback = self.error_feedback and all_finite(x)
-        if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.add_residual(segments, x)
+        return (self.add_residual(segments, x) if error_feedback else x), error_feedback
+
+    def reduce(self, flat: Tensor, segments: Sequence[Segment], comm: Communicator, step: int) -> torch.futures.Future:
+        """Average ``flat`` over ranks through this codec; the future holds ``flat`` overwritten with the mean."""
+        begun = self._begin_reduce(flat, segments, comm, step)
+        if begun is None:
+            return comm.all_reduce_mean_async(flat)
+        x, error_feedback = begun
         world, numel = comm.world_size, x.numel()
         if self.collective == "all_reduce":
             payload = self.compress(x, segments, step)

@@ -154,17 +154,11 @@ class PowerSGD(Compressor):
         several buckets in flight the ranks' orders can differ, and a waiting callback holds a gloo
         worker thread.)
         """
-        self._undo_begin(step)
-        self.num_calls += 1
-        self.rank = comm.rank
-        if step < self.start_step:
+        begun = self._begin_reduce(flat, segments, comm, step)
+        if begun is None:
             return comm.all_reduce_mean_async(flat)
+        x, error_feedback = begun
         world = comm.world_size
-        x = flat.detach().float()
-        # a non-finite bucket (an overflow the GradScaler will skip) neither reads nor writes the residual
-        error_feedback = self.error_feedback and all_finite(x)
-        if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.add_residual(segments, x)
         (head, q_flat), _ = self._power_step(x, segments, step, comm.all_reduce_sum, world)
         compressed, uncompressed = self.plan(segments)
         # another rank's overflow makes the all-reduced P_hat non-finite here too: nothing usable was delivered,

@@ -142,20 +142,15 @@ class ShardedBlockQuantizer(BlockQuantizer):
         """Average ``flat`` over ranks: quantized reduce-scatter (blocking), then a quantized all-gather (async)."""
         if self.server_world not in (None, comm.world_size):  # other shares (a state saved at another world size)
             self.server_residuals, self.server_world = {}, None
-        self._undo_begin(step)
-        self.num_calls += 1
-        self.rank = comm.rank
-        if step < self.start_step:
+        begun = self._begin_reduce(flat, segments, comm, step)
+        if begun is None:
             return comm.all_reduce_mean_async(flat)
+        # a non-finite bucket (an overflow the GradScaler will skip) is sent as it is and keeps this rank's residual;
+        # its blocks decode as non-finite on every rank, and every rank then keeps its server residual (finish)
+        x, error_feedback = begun
         rank, world, numel = comm.rank, comm.world_size, flat.numel()
         if numel == 0:
             return completed_future(flat)
-        x = flat.detach().float()
-        # a non-finite bucket (an overflow the GradScaler will skip) is sent as it is and keeps this rank's residual;
-        # its blocks decode as non-finite on every rank, and every rank then keeps its server residual (finish)
-        error_feedback = self.error_feedback and all_finite(x)
-        if error_feedback:  # x = g + e, in the residual buffer; it becomes the new residual below
-            x = self.add_residual(segments, x)
         runs, num_blocks, params = self._runs(segments, numel)
         noise = self._noise(params, num_blocks, step, x.device) if self.stochastic_rounding else None
         scales, q = self._quantize(x, runs, noise)
