@@ -58,6 +58,9 @@ class LitLLM(L.LightningModule):
         check_finite: stop with :class:`NonFiniteError` before an optimizer step whose gradients hold a
             NaN or Inf, so weights never become non-finite. Runs after every callback's
             ``on_before_optimizer_step``: a spike monitor that skips the step (drops the grads) goes first.
+
+    ``train/loss`` is the loss of an optimizer step: with ``accumulate_grad_batches=A`` the mean over its A
+    micro-batches (the loss its gradient is of), on this rank.
     """
 
     step_output_keys = ("loss", "token_loss", "index")  # what training_step returns (the callback contract)
@@ -81,6 +84,8 @@ class LitLLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_loss_by_source = nn.ModuleList(MeanMetric() for _ in self.val_names)
         self._compiled = False
+        self._loss_step: int | None = None  # train/loss: the optimizer step whose micro-batch losses are summed
+        self._loss_sum, self._loss_count = torch.zeros(()), 0
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor (FLOP/s, MFU)
 
     # ---- model ------------------------------------------------------------------------------------------
@@ -105,6 +110,7 @@ class LitLLM(L.LightningModule):
         # The schedule is a function of the optimizer step. A checkpoint without LR-scheduler state (written with
         # the WSDScheduler callback, or with '~scheduler') leaves the new scheduler at step 0 while global_step
         # continues from the checkpoint: it would re-warm and put the decay S steps too late. Align it.
+        self._loss_step = None  # a new fit (perhaps restored to an earlier step) sums no stale micro-batch loss
         step = self.trainer.global_step
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
@@ -124,8 +130,19 @@ class LitLLM(L.LightningModule):
             loss = (token_loss.mean(dim=1) * batch["loss_weight"].to(token_loss)).mean()
         else:
             loss = token_loss.mean()
-        self.log("train/loss", loss.detach(), on_step=True, prog_bar=True, batch_size=token_loss.size(0))
+        step_loss = self._step_mean_loss(loss.detach())
+        self.log("train/loss", step_loss, on_step=True, prog_bar=True, batch_size=token_loss.size(0))
         return {"loss": loss, "token_loss": token_loss.detach(), "index": batch.get("index")}
+
+    def _step_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this optimizer step's micro-batches so far. With ``accumulate_grad_batches=A`` Lightning
+        writes ``train/loss`` once per optimizer step, the value logged at its last micro-batch: the mean over all
+        A, the loss the step's gradient is of (it was the last micro-batch's alone, a quarter of the tokens at A=4)."""
+        step = self._trainer.global_step if self._trainer is not None else None
+        if step is None or step != self._loss_step:
+            self._loss_step, self._loss_sum, self._loss_count = step, loss.new_zeros(()), 0
+        self._loss_sum, self._loss_count = self._loss_sum + loss, self._loss_count + 1
+        return self._loss_sum / self._loss_count
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Accumulate the token loss, each window's tokens weighted by the batch's ``loss_weight [B]`` if any.

@@ -1,0 +1,75 @@
+"""LitLLM inside a real Lightning Trainer: what it logs, and how it wires the optimizer."""
+
+from __future__ import annotations
+
+import csv
+import functools
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lit_dtrain.data import window_batch
+from lit_dtrain.models import build_llama
+from lit_dtrain.module import LitLLM
+from lit_dtrain.optim import adamw
+
+
+def tiny_lit(**kw) -> LitLLM:
+    torch.manual_seed(0)
+    model = build_llama(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+    return LitLLM(model, optimizer=functools.partial(adamw, lr=1e-2), **kw)
+
+
+def window_loader(n_batches: int, batch_size: int = 2, seq: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 257, (n_batches * batch_size, seq + 1), generator=g)
+    return [
+        window_batch(windows[i : i + batch_size], torch.arange(i, i + batch_size))
+        for i in range(0, len(windows), batch_size)
+    ]
+
+
+class MicroLosses(L.Callback):
+    """Each optimizer step's micro-batch losses, as Lightning hands them to backward (divided by A)."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, list[float]] = {}
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.by_step.setdefault(trainer.global_step, []).append(float(loss))
+
+
+def fit(module: LitLLM, tmp_path: Path, steps: int, accumulate: int, callbacks=()) -> list[dict]:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=CSVLogger(str(tmp_path), name="csv", version=0),
+        log_every_n_steps=1,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(window_loader(steps * accumulate), batch_size=None))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_loss_under_accumulation_is_the_mean_over_the_steps_micro_batches(tmp_path: Path) -> None:
+    """``train/loss`` of an optimizer step with ``accumulate_grad_batches=A`` is the loss of the whole step (the mean
+    over its A micro-batches, what the gradient is of), not the loss of its last micro-batch."""
+    micro = MicroLosses()
+    rows = fit(tiny_lit(), tmp_path, steps=3, accumulate=4, callbacks=[micro])
+    logged = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    assert sorted(logged) == [0, 1, 2]
+    for step, value in logged.items():
+        losses = micro.by_step[step]
+        assert len(losses) == 4
+        assert value == pytest.approx(sum(losses), rel=1e-5)  # each is divided by A = 4
+        assert abs(value - 4 * losses[-1]) > 1e-4  # the last micro-batch alone differs here
