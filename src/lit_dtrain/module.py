@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import lightning as L
 import torch
@@ -98,6 +98,11 @@ class LitLLM(L.LightningModule):
         return self.model(input_ids)
 
     def _token_loss(self, batch: dict) -> torch.Tensor:
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                "LitLLM trains on batches {'input_ids': Tensor[B, T], 'labels': Tensor[B, T]} (a dict, "
+                f"lit_dtrain.data.window_batch builds one), got a {type(batch).__name__}"
+            )
         for key in ("input_ids", "labels"):
             if key not in batch:
                 raise KeyError(f"LitLLM batch is missing {key!r}; got keys {sorted(batch)}")

@@ -73,3 +73,18 @@ def test_train_loss_under_accumulation_is_the_mean_over_the_steps_micro_batches(
         assert len(losses) == 4
         assert value == pytest.approx(sum(losses), rel=1e-5)  # each is divided by A = 4
         assert abs(value - 4 * losses[-1]) > 1e-4  # the last micro-batch alone differs here
+
+
+@pytest.mark.parametrize(
+    "batch, got",
+    [
+        ((torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)), "tuple"),
+        (torch.zeros(2, 8, dtype=torch.long), "Tensor"),
+        ([{"input_ids": torch.zeros(2, 8, dtype=torch.long)}], "list"),
+    ],
+)
+def test_a_batch_that_is_not_a_dict_is_an_error_naming_its_type_and_the_contract(batch, got) -> None:
+    """A tuple ``(x, y)`` (the usual DataLoader batch), a bare tensor, or a list of dicts (what Lightning hands
+    over when ``fit`` is given a list of batches) was a RuntimeError from inside ``in`` or ``sorted``."""
+    with pytest.raises(TypeError, match=rf"LitLLM.*'input_ids'.*'labels'.*a dict.*got a {got}$"):
+        tiny_lit().validation_step(batch, 0)
