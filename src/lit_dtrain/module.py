@@ -53,8 +53,8 @@ class LitLLM(L.LightningModule):
         optimizer: a callable ``params -> Optimizer`` (a Hydra ``_partial_``), given parameter groups.
         scheduler: a callable ``optimizer -> LRScheduler`` stepped every optimizer step, or None.
         val_names: names of the validation sets (one per data source), logged as ``val/<name>/loss``.
-        compile: wrap the model in ``torch.compile`` in ``configure_model`` (after activation
-            checkpointing, before DDP/FSDP, the order torchtitan uses).
+        compile: compile the model in place (``nn.Module.compile``) in ``configure_model`` (after activation
+            checkpointing, before DDP/FSDP, the order torchtitan uses); its checkpoints keep the eager key names.
         check_finite: stop with :class:`NonFiniteError` before an optimizer step whose gradients hold a
             NaN or Inf, so weights never become non-finite. Runs after every callback's
             ``on_before_optimizer_step``: a spike monitor that skips the step (drops the grads) goes first.
@@ -91,7 +91,9 @@ class LitLLM(L.LightningModule):
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.compile and not self._compiled:
-            self.model = torch.compile(self.model)
+            # In place (nn.Module.compile), not torch.compile(model): the wrapper it returns puts an '_orig_mod.'
+            # segment into every state_dict key, and a checkpoint then did not load without compile (nor the reverse)
+            self.model.compile()
             self._compiled = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -197,8 +199,13 @@ class LitLLM(L.LightningModule):
         )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies (``strategy=ddp``)
+        """Drop the ``_orig_mod.`` key segment of checkpoints written by compiled runs before the model was compiled
+        in place. Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies (``strategy=ddp``)
         ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without a word."""
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict) and any(k.startswith("model._orig_mod.") for k in state):
+            # written while the model was compiled as a torch.compile wrapper (before it was compiled in place)
+            checkpoint["state_dict"] = {k.replace("model._orig_mod.", "model.", 1): v for k, v in state.items()}
         if self._trainer is not None:  # not when a checkpoint is only read for its weights
             # Imported here: lit_dtrain.strategies (compressed DDP, PowerSGD, ...; importing it registers
             # ddp_compressed in Lightning's registry) is not needed by callbacks that import this module

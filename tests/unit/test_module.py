@@ -88,3 +88,28 @@ def test_a_batch_that_is_not_a_dict_is_an_error_naming_its_type_and_the_contract
     over when ``fit`` is given a list of batches) was a RuntimeError from inside ``in`` or ``sorted``."""
     with pytest.raises(TypeError, match=rf"LitLLM.*'input_ids'.*'labels'.*a dict.*got a {got}$"):
         tiny_lit().validation_step(batch, 0)
+
+
+def test_compiled_and_eager_modules_have_the_same_state_dict_keys() -> None:
+    """``module.compile=true`` wrapped the model in an ``OptimizedModule``, so every key of its checkpoints gained an
+    ``_orig_mod.`` segment: resuming one without compile (another machine, a debugging session), or a run started
+    eagerly with compile, failed with 'Missing key(s) in state_dict'. The model is now compiled in place."""
+    compiled, eager = tiny_lit(compile=True), tiny_lit()
+    compiled.configure_model()
+    assert compiled.model._compiled_call_impl is not None  # compiled (forward goes through torch.compile)
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    eager.load_state_dict(compiled.state_dict())  # strict: every key matches
+    compiled.load_state_dict(eager.state_dict())
+
+
+def test_a_checkpoint_of_a_model_compiled_as_a_wrapper_loads_into_either_module() -> None:
+    """Checkpoints written before the model was compiled in place hold ``model._orig_mod.*`` keys; they still load."""
+    source = tiny_lit()
+    state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in source.state_dict().items()}
+    for module in (tiny_lit(), tiny_lit(compile=True)):
+        module.configure_model()
+        checkpoint = {"state_dict": dict(state)}
+        module.on_load_checkpoint(checkpoint)
+        module.load_state_dict(checkpoint["state_dict"])
+        for k, v in source.state_dict().items():
+            assert torch.equal(module.state_dict()[k], v), k
