@@ -117,9 +117,13 @@ def _weights_only_reason(message: str) -> str:
     """The specific reason in torch's weights_only error (its other lines advise weights_only=False, which we do
     not pass on): e.g. 'Trying to load unsupported GLOBAL posix.system ...' or 'Unsupported operand 123'."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
+    marker = "WeightsUnpickler error:"
+    if any(line.startswith(marker) for line in lines):  # a global not allowed lists options (1) and (2) first
+        lines = [line for line in lines if line.startswith(marker)]
     skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
-    reasons = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines
-               if not line.startswith(skip)]
+    reasons = [
+        line.removeprefix(marker).strip().split(". Please use ")[0] for line in lines if not line.startswith(skip)
+    ]
     reasons = [r for r in reasons if r]
     return "; ".join(r.rstrip(".") for r in reasons)[:300] or "torch.load(weights_only=True) failed"
 

@@ -154,3 +154,18 @@ def test_a_refused_load_does_not_advise_weights_only_false(tmp_path):
     with pytest.raises(CheckpointError, match=r"summary\.json.*Unsupported operand") as info:
         safe_torch_load(text)
     assert "will likely succeed" not in str(info.value)
+
+
+def test_a_checkpoint_holding_a_class_names_the_class_and_does_not_advise_weights_only_false(tmp_path):
+    """A plain Lightning checkpoint whose module saved hyperparameters holds their classes (a ``pathlib.Path`` here).
+    torch's error for such a global lists two options, and the message passed on option (1), "Re-running torch.load
+    with weights_only set to False will likely succeed", cut at 300 characters before the class was named."""
+    from pathlib import Path
+
+    ckpt = tmp_path / "plain_lightning.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3, "hyper_parameters": {"root": Path("/x")}}, ckpt)
+    with pytest.raises(CheckpointError) as info:
+        safe_torch_load(ckpt)
+    message = str(info.value)
+    assert "plain_lightning.ckpt" in message and "pathlib.PosixPath" in message and "could run code" in message
+    assert "will likely succeed" not in message and "(1)" not in message
