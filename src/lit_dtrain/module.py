@@ -86,7 +86,8 @@ class LitLLM(L.LightningModule):
         self._compiled = False
         self._loss_step: int | None = None  # train/loss: the optimizer step whose micro-batch losses are summed
         self._loss_sum, self._loss_count = torch.zeros(()), 0
-        self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor (FLOP/s, MFU)
+        self.flops_per_batch: float | None = None  # of the current batch, read by ThroughputMonitor (FLOP/s, MFU)
+        self._flops_by_shape: dict[tuple, float] = {}
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -127,8 +128,21 @@ class LitLLM(L.LightningModule):
                 scheduler.set_step(step)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        if self.flops_per_batch is None and isinstance(batch, dict) and "input_ids" in batch:
-            self.flops_per_batch = estimate_train_flops(self.model, *batch["input_ids"].shape)
+        self._set_flops_per_batch(batch, backward=True)
+
+    def on_validation_batch_start(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._set_flops_per_batch(batch, backward=False)
+
+    def _set_flops_per_batch(self, batch: dict, backward: bool) -> None:
+        """``flops_per_batch`` of the batch about to run: forward + backward for a train batch, forward only (a third,
+        see :func:`estimate_train_flops`) for a validation batch, each at its own shape."""
+        if not (isinstance(batch, Mapping) and "input_ids" in batch):
+            return
+        key = (*batch["input_ids"].shape, backward)
+        if key not in self._flops_by_shape:
+            flops = estimate_train_flops(self.model, *batch["input_ids"].shape)
+            self._flops_by_shape[key] = flops if backward else flops / 3
+        self.flops_per_batch = self._flops_by_shape[key]
 
     # ---- steps ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
@@ -250,7 +264,8 @@ class LitLLM(L.LightningModule):
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:
     """Forward+backward FLOPs of one batch: 6 * params * tokens plus causal attention scores.
 
-    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head.
+    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head. The forward pass
+    alone (a validation batch) is a third of it: 2 FLOPs per parameter and token, backward 4.
     """
     config = getattr(getattr(model, "_orig_mod", model), "config", None)
     n_params = sum(p.numel() for p in model.parameters())

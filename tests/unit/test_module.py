@@ -113,3 +113,31 @@ def test_a_checkpoint_of_a_model_compiled_as_a_wrapper_loads_into_either_module(
         module.load_state_dict(checkpoint["state_dict"])
         for k, v in source.state_dict().items():
             assert torch.equal(module.state_dict()[k], v), k
+
+
+def test_flops_per_batch_follows_the_batch_being_measured_train_or_validation(tmp_path: Path) -> None:
+    """The ThroughputMonitor reads ``flops_per_batch`` after every train and validation batch. It was the estimate of
+    the first train batch, forward + backward, also for validation batches: validate/device/flops_per_sec (and MFU)
+    counted the backward pass validation does not run, at the train batch size (val batches are 4x larger by
+    default). Validation batches now count their own forward FLOPs."""
+    from lit_dtrain.callbacks import token_throughput_monitor
+    from lit_dtrain.module import estimate_train_flops
+
+    module = tiny_lit()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
+        callbacks=[token_throughput_monitor(window_size=2)], logger=CSVLogger(str(tmp_path), name="csv", version=0),
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    train = DataLoader(window_loader(3, batch_size=2), batch_size=None)
+    val = DataLoader(window_loader(4, batch_size=8), batch_size=None)
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+
+    def flops_per_batch(stage: str) -> float:
+        row = [r for r in rows if r.get(f"{stage}/device/flops_per_sec")][-1]
+        return float(row[f"{stage}/device/flops_per_sec"]) / float(row[f"{stage}/device/batches_per_sec"])
+
+    assert flops_per_batch("train") == pytest.approx(estimate_train_flops(module.model, 2, 16), rel=1e-6)
+    assert flops_per_batch("validate") == pytest.approx(estimate_train_flops(module.model, 8, 16) / 3, rel=1e-6)
