@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.optim import adamw
 from lit_dtrain.schedules.lr import StepLambdaLR
 
@@ -220,6 +221,7 @@ class LitLLM(L.LightningModule):
         if isinstance(state, dict) and any(k.startswith("model._orig_mod.") for k in state):
             # written while the model was compiled as a torch.compile wrapper (before it was compiled in place)
             checkpoint["state_dict"] = {k.replace("model._orig_mod.", "model.", 1): v for k, v in state.items()}
+        self._check_model_config(checkpoint)
         if self._trainer is not None:  # not when a checkpoint is only read for its weights
             # Imported here: lit_dtrain.strategies (compressed DDP, PowerSGD, ...; importing it registers
             # ddp_compressed in Lightning's registry) is not needed by callbacks that import this module
@@ -227,6 +229,30 @@ class LitLLM(L.LightningModule):
             from lit_dtrain.strategies import warn_if_comm_state_dropped
 
             warn_if_comm_state_dropped(checkpoint, self._trainer.strategy, self._trainer.ckpt_path)
+
+    # LlamaConfig keys that decide what the weights mean. A change of n_head and n_kv_head together (heads regrouped)
+    # or of tie_embeddings keeps every tensor's shape, so load_state_dict alone took such a checkpoint silently.
+    # block_size and rope_theta are free to change (context extension): the RoPE tables are rebuilt from the config.
+    _weight_config_keys = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_hidden", "tie_embeddings")
+
+    def _check_model_config(self, checkpoint: dict) -> None:
+        """:class:`CheckpointError` naming the keys when the checkpoint's ``model_config`` (stored by
+        :meth:`on_save_checkpoint`) gives the weights another meaning than this model's config."""
+        saved = checkpoint.get("model_config")
+        config = getattr(self.model, "config", None)
+        if not isinstance(saved, dict) or not dataclasses.is_dataclass(config):
+            return
+        differ = [k for k in self._weight_config_keys if k in saved and saved[k] != getattr(config, k, saved[k])]
+        if not differ:
+            return
+        path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        theirs = ", ".join(f"{k}={saved[k]}" for k in differ)
+        ours = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
+        overrides = " ".join(f"model.{k}={saved[k]}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint{f' {str(path)!r}' if path else ''} does not fit the configured model: it holds a model with "
+            f"{theirs}, this model has {ours}. model.* must be the shape of the run that wrote it: set {overrides}"
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
+from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import window_batch
 from lit_dtrain.models import build_llama
 from lit_dtrain.module import LitLLM
@@ -141,3 +142,36 @@ def test_flops_per_batch_follows_the_batch_being_measured_train_or_validation(tm
 
     assert flops_per_batch("train") == pytest.approx(estimate_train_flops(module.model, 2, 16), rel=1e-6)
     assert flops_per_batch("validate") == pytest.approx(estimate_train_flops(module.model, 8, 16) / 3, rel=1e-6)
+
+
+def lit_of(**shape) -> LitLLM:
+    config = dict(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_kv_head=2, d_model=16)
+    return LitLLM(build_llama(**{**config, **shape}))
+
+
+@pytest.mark.parametrize(
+    "saved, configured, named",
+    [
+        ({}, {"n_head": 4, "n_kv_head": 4}, r"n_head=2, n_kv_head=2.*n_head=4, n_kv_head=4"),  # same weight shapes
+        ({"tie_embeddings": False}, {"tie_embeddings": True}, r"tie_embeddings=False.*tie_embeddings=True"),
+        ({}, {"d_model": 32}, r"d_model=16.*d_model=32"),  # was a wall of 'size mismatch' lines
+    ],
+)
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_keys(saved, configured, named) -> None:
+    """Resuming a checkpoint into a model of another shape: with heads regrouped (n_head and n_kv_head scaled
+    together) or the embeddings tied, every tensor still fits, and the weights loaded silently into a model that
+    computes something else. The checkpoint's ``model_config`` is now compared with the model's first."""
+    source, target = lit_of(**saved), lit_of(**configured)
+    checkpoint = {"state_dict": source.state_dict()}
+    source.on_save_checkpoint(checkpoint)
+    with pytest.raises(CheckpointError, match=rf"checkpoint.*{named}.*model\.\*"):
+        target.on_load_checkpoint(checkpoint)
+
+
+def test_a_checkpoint_with_another_block_size_or_rope_theta_still_loads() -> None:
+    """Neither changes a weight's meaning or shape (RoPE tables are rebuilt from the config): context extension."""
+    source, target = lit_of(), lit_of(block_size=64, rope_theta=500000.0)
+    checkpoint = {"state_dict": source.state_dict()}
+    source.on_save_checkpoint(checkpoint)
+    target.on_load_checkpoint(checkpoint)
+    target.load_state_dict(checkpoint["state_dict"])
