@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -111,6 +112,23 @@ def test_generate_top_k_zero_means_all_tokens_and_bad_arguments_are_named():
         m.generate(prompt, 5, temperature=-1.0)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
         m.generate(prompt, -1)
+
+
+def test_generate_names_a_prompt_it_cannot_continue():
+    """An empty prompt was an IndexError ('index -1 is out of bounds'), a 1-D one 'too many indices', a float one a
+    RuntimeError from the embedding, and a token id >= vocab_size 'index out of range in self'."""
+    m = tiny().eval()
+    for empty in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)):
+        shape = re.escape(str(tuple(empty.shape)))
+        with pytest.raises(ValueError, match=rf"must be \(batch, tokens\) with at least one token, got shape {shape}"):
+            m.generate(empty, 2)
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, tokens\).*\(3,\)"):
+        m.generate(torch.tensor([1, 2, 3]), 2)
+    with pytest.raises(ValueError, match=r"input_ids must hold integer token ids.*torch.float32"):
+        m.generate(torch.zeros(1, 3), 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 257\), got 300"):
+        m.generate(torch.tensor([[1, 300]]), 2)
+    assert m.generate(torch.tensor([[1, 2]]), 3, temperature=0).shape == (1, 5)  # a good prompt still works
 
 
 def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():

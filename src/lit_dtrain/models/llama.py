@@ -219,6 +219,14 @@ class Llama(nn.Module):
             raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"generate: top_k must be None or >= 0 (0: all tokens), got {top_k}")
+        shape = tuple(input_ids.shape)
+        if input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError(f"generate: input_ids must be (batch, tokens) with at least one token, got shape {shape}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"generate: input_ids must hold integer token ids, got {input_ids.dtype}")
+        lo, hi, vocab = int(input_ids.min()), int(input_ids.max()), self.config.vocab_size
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"generate: token ids must be in [0, {vocab}), got {hi if hi >= vocab else lo}")
         top_k = top_k or None
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.block_size :]
