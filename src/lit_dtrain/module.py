@@ -29,8 +29,25 @@ class NonFiniteError(FloatingPointError):
     """The loss or the gradients became NaN/Inf; raised before the weights are touched."""
 
 
+_SHAPE_ATTR = "_lit_dtrain_shape"
+
+
+def remember_parameter_shapes(model: nn.Module) -> None:
+    """Tag each parameter with its shape, for :func:`param_groups` and :func:`estimate_train_flops`. Call it before a
+    sharding strategy wraps the model: Lightning's FSDPStrategy (``use_orig_params=True``) keeps the parameter objects
+    but leaves each as a 1-D view of this rank's shard on 2 or more ranks, and by then ``p.dim()`` and ``p.numel()``
+    no longer tell a matrix from a norm weight, nor the model's size."""
+    for p in model.parameters():
+        setattr(p, _SHAPE_ATTR, tuple(p.shape))
+
+
+def _shape(p: torch.Tensor) -> tuple[int, ...]:
+    return getattr(p, _SHAPE_ATTR, tuple(p.shape))
+
+
 def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict]:
-    """Two AdamW groups: matrices decay; norms, biases and embeddings (and tied heads) do not."""
+    """Two AdamW groups: matrices decay; norms, biases and embeddings (and tied heads) do not. A parameter's
+    dimensions are those :func:`remember_parameter_shapes` recorded, if it was called (``LitLLM`` does)."""
     no_decay_ids = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
@@ -39,7 +56,7 @@ def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[di
     for _name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or id(p) in no_decay_ids else decay).append(p)
+        (no_decay if len(_shape(p)) < 2 or id(p) in no_decay_ids else decay).append(p)
     decay_group = {"params": decay, "name": "decay"}
     if weight_decay is not None:
         decay_group["weight_decay"] = weight_decay
@@ -76,6 +93,7 @@ class LitLLM(L.LightningModule):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
+        remember_parameter_shapes(model)  # before a strategy shards it: weight decay groups and FLOPs read them
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -290,14 +308,15 @@ class LitLLM(L.LightningModule):
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:
     """Forward+backward FLOPs of one batch: 6 * params * tokens plus causal attention scores.
 
-    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head. The forward pass
-    alone (a validation batch) is a third of it: 2 FLOPs per parameter and token, backward 4.
+    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head. Parameter sizes
+    are the full ones (:func:`remember_parameter_shapes`), not a shard's: every rank computes the whole model. The
+    forward pass alone (a validation batch) is a third of it: 2 FLOPs per parameter and token, backward 4.
     """
     config = getattr(getattr(model, "_orig_mod", model), "config", None)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(math.prod(_shape(p)) for p in model.parameters())
     for module in model.modules():
         if isinstance(module, nn.Embedding) and not getattr(config, "tie_embeddings", False):
-            n_params -= module.weight.numel()
+            n_params -= math.prod(_shape(module.weight))
     tokens = batch_size * seq_len
     flops = 6.0 * n_params * tokens
     if config is not None and hasattr(config, "n_layer"):

@@ -175,3 +175,23 @@ def test_a_checkpoint_with_another_block_size_or_rope_theta_still_loads() -> Non
     source.on_save_checkpoint(checkpoint)
     target.on_load_checkpoint(checkpoint)
     target.load_state_dict(checkpoint["state_dict"])
+
+
+def test_weight_decay_groups_and_flops_do_not_change_when_a_sharding_strategy_flattens_the_parameters() -> None:
+    """Lightning's FSDPStrategy (``use_orig_params=True``, built before ``configure_optimizers``) leaves each original
+    parameter as a 1-D view of this rank's shard, on 2 or more ranks (pytorch/pytorch#136314). Decay was decided by
+    ``p.dim() < 2`` and FLOPs counted from ``p.numel()``: every matrix went to the no-decay group (weight decay off,
+    silently) and FLOP/s and MFU counted a shard. Shapes are remembered when LitLLM is built. Simulated here by
+    replacing each parameter's data with the first half of it, flattened (FSDP cannot run on CPU)."""
+    from lit_dtrain.module import estimate_train_flops, param_groups
+
+    lit = tiny_lit()
+    names = {id(p): n for n, p in lit.model.named_parameters()}
+    want = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in param_groups(lit.model)}
+    want_flops = estimate_train_flops(lit.model, 2, 16)
+    assert "blocks.0.attn.wq.weight" in want["decay"] and "norm.weight" in want["no_decay"]
+    for p in lit.model.parameters():
+        p.data = p.data.flatten()[: max(1, p.numel() // 2)]
+    got = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in param_groups(lit.model)}
+    assert got == want
+    assert estimate_train_flops(lit.model, 2, 16) == want_flops
