@@ -100,8 +100,11 @@ class LitLLM(L.LightningModule):
         self.compile = compile
         self.check_finite = check_finite
         self.val_names = list(val_names or ["val"])
-        self.val_loss = MeanMetric()
-        self.val_loss_by_source = nn.ModuleList(MeanMetric() for _ in self.val_names)
+        # A NaN token loss makes val/loss NaN: the default nan_strategy drops NaNs (with a warning), and a model whose
+        # logits overflowed on some windows reported the mean of the others as a healthy val/loss. A float strategy
+        # puts that float (NaN) in their place; "disable" cannot be used, it replaces every weight by 1 (loss_weight).
+        self.val_loss = MeanMetric(nan_strategy=math.nan)
+        self.val_loss_by_source = nn.ModuleList(MeanMetric(nan_strategy=math.nan) for _ in self.val_names)
         self._compiled = False
         self._loss_step: int | None = None  # train/loss: the optimizer step whose micro-batch losses are summed
         self._loss_sum, self._loss_count = torch.zeros(()), 0

@@ -233,3 +233,16 @@ def test_adamw8bit_runs_on_cpu_and_resumes_its_quantized_state_bitwise(tiny_cfg)
     assert _assert_nested_equal(straight["optimizer_states"], resumed["optimizer_states"]) > 0  # 8-bit state compared
     groups = straight["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["weight_decay"]) for g in groups] == [("decay", 0.1), ("no_decay", 0.0)]
+
+
+def test_val_loss_is_nan_when_any_window_is_nan() -> None:
+    """torchmetrics' MeanMetric drops NaN values by default (with a warning): a model whose logits overflowed on some
+    validation windows reported the mean of the others, a healthy-looking val/loss that ModelCheckpoint could keep as
+    the best. A NaN token loss now makes val/loss (and the source's) NaN."""
+    lit = tiny_lit(val_names=["a", "b"])
+    lit.model.register_forward_hook(lambda module, args, out: out.index_fill(0, torch.tensor([0]), float("nan")))
+    batch = window_loader(1, batch_size=3)[0]
+    with torch.no_grad():
+        lit.validation_step(batch, 0, dataloader_idx=1)
+    assert torch.isnan(lit.val_loss.compute())
+    assert torch.isnan(lit.val_loss_by_source[1].compute())
