@@ -235,13 +235,19 @@ class LitLLM(L.LightningModule):
         )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Drop the ``_orig_mod.`` key segment of checkpoints written by compiled runs before the model was compiled
-        in place. Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies (``strategy=ddp``)
-        ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without a word."""
+        """Match the ``_orig_mod.`` key segment of a ``torch.compile`` wrapper to this module's model (checkpoints
+        of compiled runs from before the model was compiled in place have it), and refuse a checkpoint of another
+        model shape. Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies
+        (``strategy=ddp``) ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without
+        a word."""
         state = checkpoint.get("state_dict")
-        if isinstance(state, dict) and any(k.startswith("model._orig_mod.") for k in state):
-            # written while the model was compiled as a torch.compile wrapper (before it was compiled in place)
-            checkpoint["state_dict"] = {k.replace("model._orig_mod.", "model.", 1): v for k, v in state.items()}
+        if isinstance(state, dict):
+            wrapped = hasattr(self.model, "_orig_mod")  # a caller's torch.compile(model); LitLLM compiles in place
+            prefix = "model._orig_mod." if wrapped else "model."
+            eager = {k.replace("model._orig_mod.", "model.", 1): v for k, v in state.items()}
+            checkpoint["state_dict"] = {
+                k.replace("model.", prefix, 1) if k.startswith("model.") else k: v for k, v in eager.items()
+            }
         self._check_model_config(checkpoint)
         if self._trainer is not None:  # not when a checkpoint is only read for its weights
             # Imported here: lit_dtrain.strategies (compressed DDP, PowerSGD, ...; importing it registers

@@ -104,16 +104,22 @@ def test_compiled_and_eager_modules_have_the_same_state_dict_keys() -> None:
 
 
 def test_a_checkpoint_of_a_model_compiled_as_a_wrapper_loads_into_either_module() -> None:
-    """Checkpoints written before the model was compiled in place hold ``model._orig_mod.*`` keys; they still load."""
+    """Checkpoints written before the model was compiled in place hold ``model._orig_mod.*`` keys; they still load,
+    and a LitLLM given a ``torch.compile`` wrapper by its caller loads either kind too."""
     source = tiny_lit()
-    state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in source.state_dict().items()}
-    for module in (tiny_lit(), tiny_lit(compile=True)):
+    eager_state = source.state_dict()
+    wrapped_state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in eager_state.items()}
+    wrapped = tiny_lit()
+    wrapped.model = torch.compile(wrapped.model)
+    for module in (tiny_lit(), tiny_lit(compile=True), wrapped):
         module.configure_model()
-        checkpoint = {"state_dict": dict(state)}
-        module.on_load_checkpoint(checkpoint)
-        module.load_state_dict(checkpoint["state_dict"])
-        for k, v in source.state_dict().items():
-            assert torch.equal(module.state_dict()[k], v), k
+        for state in (eager_state, wrapped_state):
+            checkpoint = {"state_dict": dict(state)}
+            module.on_load_checkpoint(checkpoint)
+            module.load_state_dict(checkpoint["state_dict"])  # strict
+            got = {k.replace("_orig_mod.", ""): v for k, v in module.state_dict().items()}
+            assert got.keys() == eager_state.keys()
+            assert all(torch.equal(got[k], v) for k, v in eager_state.items())
 
 
 def test_flops_per_batch_follows_the_batch_being_measured_train_or_validation(tmp_path: Path) -> None:
