@@ -32,8 +32,9 @@ class Tokens(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(module: L.LightningModule, tmp_path: Path) -> L.Trainer:
+def fit(module: L.LightningModule, tmp_path: Path, accumulate: int = 1) -> L.Trainer:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[token_throughput_monitor(window_size=2)],
+                        accumulate_grad_batches=accumulate,
                         logger=CSVLogger(str(tmp_path), name="csv", version=0), log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
@@ -54,3 +55,16 @@ def test_counts_sequences_and_tokens_of_input_ids(tmp_path: Path) -> None:
 def test_a_batch_without_input_ids_is_an_error_that_names_the_contract(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"input_ids.*got list.*ThroughputMonitor\(batch_size_fn"):
         fit(Tokens(tuples=True), tmp_path)
+
+
+def test_window_size_counts_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
+    """``window_size`` is in optimizer steps (conf/callbacks/default.yaml: "steps averaged for tokens/s"). Lightning's
+    window counts the batches it is updated with, which are micro-batches: with accumulate_grad_batches=3 a window of
+    2 covered two thirds of one step, and the rate was first logged after the first step instead of the second."""
+    import csv
+
+    fit(Tokens(), tmp_path, accumulate=3)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("train/samples")]
+    assert [int(float(r["train/batches"])) for r in rows] == [3, 6, 9, 12]  # micro-batches, logged once per step
+    with_rate = [int(float(r["train/batches"])) for r in rows if r.get("train/device/items_per_sec")]
+    assert with_rate == [6, 9, 12]  # from the end of the 2nd step: a window of 2 steps = 6 micro-batches

@@ -4,13 +4,16 @@
 it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank (and
 ``train/device/samples_per_sec`` its sequences/s). With several ranks Lightning also logs the global
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
+Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 
 
 def _input_ids(batch):
@@ -32,6 +35,22 @@ def _tokens(batch: dict) -> int:
     return int(_input_ids(batch).numel())
 
 
+class _StepWindowThroughputMonitor(ThroughputMonitor):
+    """``window_size`` in optimizer steps for training. Lightning's window counts the batches it is updated with,
+    micro-batches: with ``accumulate_grad_batches=A`` a window of ``n`` covered ``n / A`` steps (a fraction of one
+    step for ``n < A``). Validation keeps a window of ``n`` batches."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        accumulate = max(1, int(trainer.accumulate_grad_batches or 1))
+        if trainer.state.stage == RunningStage.TRAINING and accumulate > 1:
+            kwargs = {**self.kwargs, "window_size": self.kwargs.get("window_size", 100) * accumulate}
+            self._throughputs[RunningStage.TRAINING] = Throughput(
+                available_flops=self.available_flops, world_size=trainer.world_size, **kwargs
+            )
+
+
 def token_throughput_monitor(window_size: int = 50) -> ThroughputMonitor:
-    """A ``ThroughputMonitor`` that counts sequences and tokens of ``{"input_ids": [B, T]}`` batches."""
-    return ThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens, window_size=window_size)
+    """A ``ThroughputMonitor`` that counts sequences and tokens of ``{"input_ids": [B, T]}`` batches; the rates are
+    averaged over the last ``window_size`` optimizer steps (validation: batches)."""
+    return _StepWindowThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens, window_size=window_size)
