@@ -685,11 +685,12 @@ def run_fits(tmp_path: Path, plan: list[tuple[str, dict]], compressor: str = "si
     return [torch.load(path, weights_only=False) if path.exists() else [] for path in paths]
 
 
-@pytest.mark.parametrize("compressor", ["sign", "int8"])
+@pytest.mark.parametrize("compressor", ["sign", "int8", "int8_rs"])
 def test_a_gather_codec_fails_when_a_peer_dies_instead_of_reading_garbage(tmp_path, compressor):
     """Rank 1 exits at step 2 with no error recorded (as a killed rank). Rank 0's next all_gather must fail and say
     that a peer stopped; before, the Communicator never read the all_gather's result, so its error was dropped and
-    rank 0 decoded the uninitialized output buffer as rank 1's payload and finished all 6 steps."""
+    rank 0 decoded the uninitialized output buffer as rank 1's payload and finished all 6 steps. (``int8_rs``: its
+    blocking all_to_all comes first and must fail the same way.)"""
     r0, r1 = run_fits(tmp_path, [("fit", {1: "exit"})], compressor)
     assert r1 == []  # rank 1 exited in the fit
     (outcome,) = r0
