@@ -23,12 +23,14 @@ are unchanged (recomputation is exact). See docs/activation_checkpointing.md for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -59,6 +61,16 @@ def _sum_outputs(out) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)
 
 
+def _probe_autocast(trainer: Trainer, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast of the trainer's mixed precision on the probe's device (its forward keeps bf16/fp16 matmul
+    outputs next to fp32 ones, which changes the ratios between modes); no-op for other precisions."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    if not isinstance(plugin, MixedPrecision):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)  # Lightning's own autocast arguments
+
+
 class SelectiveCheckpointing(Callback):
     """Activation checkpointing of a model's blocks with a configurable policy.
 
@@ -76,7 +88,8 @@ class SelectiveCheckpointing(Callback):
 
     The probe input is the LightningModule's ``example_input_array`` if set (surrogate loss: the sum
     of the outputs), else random token ids for a model with ``config.vocab_size`` (next-token
-    cross-entropy through ``pl_module(input_ids)``).
+    cross-entropy through ``pl_module(input_ids)``). Its forward runs under the trainer's mixed-precision
+    autocast, if any, as training's does.
     """
 
     def __init__(
@@ -171,14 +184,20 @@ class SelectiveCheckpointing(Callback):
 
     # ---- budget -------------------------------------------------------------------------------------------
     def _probe_forward(self, trainer: Trainer, pl_module: LightningModule):
+        device = next(pl_module.parameters()).device
         example = getattr(pl_module, "example_input_array", None)
         if example is not None:
+
             def forward_fn():
-                if isinstance(example, dict):
-                    return _sum_outputs(pl_module(**example))
-                if isinstance(example, (tuple, list)):
-                    return _sum_outputs(pl_module(*example))
-                return _sum_outputs(pl_module(example))
+                with _probe_autocast(trainer, device):
+                    if isinstance(example, dict):
+                        out = pl_module(**example)
+                    elif isinstance(example, (tuple, list)):
+                        out = pl_module(*example)
+                    else:
+                        out = pl_module(example)
+                return _sum_outputs(out)
+
             return forward_fn
         configs = (getattr(m, "config", None) for m in pl_module.modules())
         config = next((c for c in configs if hasattr(c, "vocab_size")), None)
@@ -189,13 +208,14 @@ class SelectiveCheckpointing(Callback):
             )
         seq = self.probe_seq_len or getattr(getattr(trainer, "datamodule", None), "block_size", None)
         seq = int(seq or config.block_size)
-        device = next(pl_module.parameters()).device
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, config.vocab_size, (self.probe_batch_size, seq + 1), generator=gen).to(device)
 
         def forward_fn():
-            logits = pl_module(ids[:, :-1])
+            with _probe_autocast(trainer, device):
+                logits = pl_module(ids[:, :-1])
             return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+
         return forward_fn
 
     def _budget_plan(self, trainer: Trainer, pl_module: LightningModule, blocks: list[nn.Module]) -> list[str]:
