@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import lightning as L
 import pytest
@@ -414,3 +415,25 @@ def test_budget_probe_runs_under_the_trainers_autocast():
     none = act(["none"] * 5)
     ratio = act(cb.plan) / none
     assert cb.budget_report["fits"] and ratio <= 0.3
+
+
+class SpareBlocksLM(BatchNormLM):
+    """A LightningModule with blocks its training step never calls (an unused copy, a module used only by weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = torch.nn.Sequential(NormBlock(16), NormBlock(16))
+
+
+def test_pattern_matching_blocks_that_never_run_warns():
+    """A module_pattern that matched modules the training step never calls checkpointed nothing there, while the
+    log said ``modes {'full': 4}``: the first training step now names the blocks that did not run."""
+    cb = SelectiveCheckpointing(policy="full", module_pattern="*.*")  # model.0, model.1, spare.0, spare.1
+    with pytest.warns(UserWarning, match=r"spare\.0, spare\.1 did not run with grad in the first training step"):
+        fit(SpareBlocksLM(), [cb])
+    assert [w.calls for w in cb.wrappers] == [3, 3, 0, 0]
+    ok = SelectiveCheckpointing(policy="full", module_pattern="model.*")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*did not run")
+        fit(SpareBlocksLM(), [ok])
+    assert [w.calls for w in ok.wrappers] == [3, 3]

@@ -125,6 +125,7 @@ class SelectiveCheckpointing(Callback):
         self.wrappers: list[CheckpointedForward] = []
         self.budget_report: dict | None = None
         self._patched: LightningModule | None = None  # the module whose blocks are wrapped
+        self._calls_at_start: list[int] | None = None  # wrappers' calls at train start, until the first batch ends
 
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
@@ -164,6 +165,29 @@ class SelectiveCheckpointing(Callback):
         counts = {m: self.plan.count(m) for m in MODES if self.plan.count(m)}
         rank_zero_info(f"SelectiveCheckpointing(policy={self.policy}): {len(blocks)} blocks "
                        f"({self.block_names[0]} .. {self.block_names[-1]}), modes {counts}")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._calls_at_start = [w.calls for w in self.wrappers]
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self._calls_at_start is None:
+            return
+        # a block in a checkpointing mode that training never called (matched by module_pattern but unused, or used
+        # only through its weights) is checkpointed nowhere: say so once, naming it
+        idle = [
+            name
+            for name, w, before in zip(self.block_names, self.wrappers, self._calls_at_start)
+            if w.mode != "none" and w.calls == before
+        ]
+        self._calls_at_start = None
+        if idle:
+            rank_zero_warn(
+                f"SelectiveCheckpointing(policy={self.policy}): {', '.join(idle)} did not run with grad in the first "
+                f"training step, so nothing is checkpointed there (module_pattern={self.module_pattern!r}); "
+                "match the modules the forward calls"
+            )
 
     @override
     def state_dict(self) -> dict:
