@@ -437,3 +437,39 @@ def test_pattern_matching_blocks_that_never_run_warns():
         warnings.filterwarnings("error", message=".*did not run")
         fit(SpareBlocksLM(), [ok])
     assert [w.calls for w in ok.wrappers] == [3, 3]
+
+
+class SharedBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class SharedBlocksLM(BatchNormLM):
+    """ALBERT-style weight sharing: one block object listed four times in ``blocks`` and called four times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([SharedBlock(16)] * 4)
+        self.model = torch.nn.Sequential(*self.blocks)
+        self.example_input_array = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def forward(self, ids):
+        return self.head(self.model(self.emb(ids)))
+
+
+def test_a_block_listed_twice_is_one_block():
+    """Each entry of ``blocks`` got a plan entry, but a shared block has one forward, so the last entry's mode won:
+    ``budget`` reported plan ['full', 'full', 'selective', 'none'] and ran every call in ``none`` (measured 1.0 of
+    ``none``, "fits": False), and ``every_k=2`` logged ['none', 'full', 'none', 'full'] and ran all four in full."""
+    module = SharedBlocksLM()
+    assert [name for name, _ in find_blocks(module)] == ["blocks.0"]
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.8)
+    fit(module, [cb])
+    assert cb.block_names == ["blocks.0"] and [w.mode for w in cb.wrappers] == cb.plan
+    assert cb.budget_report["fits"] and cb.budget_report["measured_ratio"] <= 0.8
+    with pytest.raises(ValueError, match="every_k=2 exceeds the 1 blocks found"):
+        fit(SharedBlocksLM(), [SelectiveCheckpointing("every_k", every_k=2)])

@@ -119,6 +119,7 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
     With ``module_pattern=None`` the blocks are the children of the one ``nn.ModuleList`` named
     ``blocks`` under ``root`` (lit_dtrain's model contract). Otherwise every module whose dotted path
     matches the glob, segment by segment (``model.layers.*``, ``model.transformer.*.layers.*``).
+    A module listed or registered more than once (weight sharing) is returned once, at its first path.
     Raises ``ValueError`` naming the pattern and listing the modules seen when nothing matches.
     """
     if module_pattern is None:
@@ -132,8 +133,12 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
                 f"pass module_pattern (a glob over module paths, e.g. 'model.layers.*'). "
                 f"Modules seen: {_modules_seen(root)}"
             )
-        prefix = lists[0][0]
-        return [(f"{prefix}.{i}", m) for i, m in enumerate(lists[0][1])]
+        prefix, blocks = lists[0][0], {}
+        for i, m in enumerate(lists[0][1]):
+            # a block listed more than once (weight sharing) has one forward, hence one mode: it is one block, named
+            # by its first entry (named_modules does the same for module_pattern)
+            blocks.setdefault(id(m), (f"{prefix}.{i}", m))
+        return list(blocks.values())
     matches = [(n, m) for n, m in root.named_modules() if n and _match(module_pattern, n)]
     if not matches:
         raise ValueError(
