@@ -311,3 +311,28 @@ def test_rerunning_a_branch_into_its_own_dir_without_resume_auto_is_refused(tmp_
     cfg = compose_cfg([*args, "resume=auto"], tmp_path / "br")
     apply_decay_branch(cfg)  # with resume=auto it continues its own last.ckpt
     assert cfg.ckpt_path is None and cfg.resume == "auto"
+
+
+def test_branch_from_a_stable_checkpoint_is_not_refused_for_a_default_warmup_grown_by_a_long_decay(tiny_cfg):
+    # The source (warmup 1) is at its peak LR at step 2. A 28-step branch gets max_steps = 30, whose *default* warmup
+    # min(100, max(1, 30 // 10)) = 3 lies past step 2: the branch runs no step < 3 in warmup, so that derived number
+    # must not refuse it as "inside the warmup" (the checkpoint's LR shows it is past its own warmup).
+    _, src, _ = run(tiny_cfg("trainer.max_steps=2", "scheduler.total_steps=100", run="src"))  # a stable run
+    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    cfg = tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=28", run="long_branch")
+    with open_dict(cfg):
+        cfg.scheduler.warmup_steps = "${lit.warmup:${trainer.max_steps}}"  # conf/scheduler/wsd.yaml's default
+    metrics, _, probe = run(cfg)
+    assert probe.start_step == 2 and metrics["steps"] == 30
+    assert [probe.lrs[s] for s in range(2, 30)] == [
+        PEAK * wsd_lr_factor(s, total_steps=30, decay_steps=28) for s in range(2, 30)
+    ]
+    assert probe.lrs[2] == pytest.approx(PEAK * (1 - (1 / 28) ** 0.5), rel=1e-12) and probe.lrs[29] == 0.0
+
+
+def test_branch_inside_an_explicit_warmup_names_the_key(tiny_cfg):
+    _, src, _ = run(tiny_cfg("trainer.max_steps=2", run="src"))
+    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    cfg = tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", "scheduler.warmup_steps=5", run="b")
+    with pytest.raises(ConfigError, match=r"inside the warmup \(scheduler\.warmup_steps=5\)"):
+        train(cfg)

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_dtrain.checkpoint import (
     CheckpointError,
@@ -27,6 +27,7 @@ from lit_dtrain.checkpoint import (
     not_a_file_reason,
     safe_torch_load,
 )
+from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.schedules.lr import wsd_lr_factor
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,36 @@ def _config_error(message: str) -> Exception:
     return ConfigError(message)
 
 
-def _wsd_nodes(cfg: DictConfig) -> list:
-    """The config nodes that carry a WSD schedule: ``scheduler`` and/or a ``WSDScheduler`` callback."""
+def _wsd_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """``(key, node)`` of the config nodes that carry a WSD schedule: ``scheduler`` and/or a ``WSDScheduler``
+    callback (``callbacks.<name>``)."""
     nodes = []
     sched = cfg.get("scheduler")
     if sched is not None and sched.get("_target_") in WSD_TARGETS:
-        nodes.append(sched)
-    for node in (cfg.get("callbacks") or {}).values():
+        nodes.append(("scheduler", sched))
+    for name, node in (cfg.get("callbacks") or {}).items():
         if node is not None and node.get("_target_") in WSD_CALLBACK_TARGETS:
-            nodes.append(node)
+            nodes.append((f"callbacks.{name}", node))
     return nodes
+
+
+def _is_default_warmup(node: DictConfig, total: int) -> bool:
+    """Whether ``node.warmup_steps`` is the configs' derived default ``${lit.warmup:${trainer.max_steps}}`` (not a
+    number the user gave), evaluated at the branch's ``max_steps = total``."""
+    raw = OmegaConf.to_container(node, resolve=False).get("warmup_steps")
+    return isinstance(raw, str) and "lit.warmup:" in raw and int(node.warmup_steps) == default_warmup(total)
+
+
+def _below(lr_and_peak: tuple[list[float], list[float]], factor: float) -> bool:
+    """Whether any param group's LR is below ``peak * factor`` (beyond float rounding)."""
+    return any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(*lr_and_peak))
+
+
+def _at_peak(path: Path) -> bool:
+    """Whether the checkpoint's LR for its next step is its peak LR in every param group (past its warmup, not in a
+    decay); ``False`` when it does not record both."""
+    lr_and_peak = checkpoint_lr_and_peak(path)
+    return lr_and_peak is not None and not _below(lr_and_peak, 1.0)
 
 
 def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] | None:
@@ -87,7 +108,7 @@ def _warn_if_the_branch_jumps_up(src: Path, start: int, node) -> None:
                            decay_steps=int(node.decay_steps), decay_type=str(node.get("decay_type", "1-sqrt")),
                            min_lr_factor=float(node.get("min_lr_factor", 0.0)))
     lrs, peaks = lr_and_peak
-    if any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(lrs, peaks)):
+    if _below(lr_and_peak, factor):
         log.warning(
             "decay_branch.ckpt %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), "
             "below the branch's first LR %s: the branch decays from the peak, so the LR jumps up without a re-warmup. "
@@ -143,12 +164,31 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     total = start + steps
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
-    for node in nodes:
+    for key, node in nodes:
         warmup = int(node.get("warmup_steps") or 0)
-        if start < warmup:
+        default = start < warmup and _is_default_warmup(node, total)
+        if default and _at_peak(src):
+            # min(100, max(1, (S + N) // 10)) grew past S with a long decay, but the source is past its own warmup:
+            # any warmup <= S gives the branch's steps S..S+N-1 the same LRs
+            log.info(
+                "decay_branch: %s.warmup_steps defaults to %d for max_steps=%d, past the checkpoint's step %d, "
+                "which is at its peak LR: the branch uses warmup_steps=%d",
+                key,
+                warmup,
+                total,
+                start,
+                start,
+            )
+            with open_dict(node):
+                node.warmup_steps = start
+        elif start < warmup:
+            why, fix = "", ""
+            if default:
+                why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
+                fix = f", or set {key}.warmup_steps to the source run's warmup"
             raise _config_error(
-                f"decay_branch.ckpt is at step {start}, inside the warmup (warmup_steps={warmup}); "
-                "branch from a stable-phase checkpoint"
+                f"decay_branch.ckpt is at step {start}, inside the warmup ({key}.warmup_steps={warmup}{why}); "
+                f"branch from a stable-phase checkpoint{fix}"
             )
         with open_dict(node):
             node.total_steps = total
@@ -167,7 +207,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
-    _warn_if_the_branch_jumps_up(src, start, nodes[0])
+    _warn_if_the_branch_jumps_up(src, start, nodes[0][1])
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
 
