@@ -38,7 +38,12 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.loggers import ResumableCSVLogger
 from lit_dtrain.module import LitLLM, perplexity
-from lit_dtrain.schedules.workflows import apply_decay_branch, check_init_from, load_model_weights
+from lit_dtrain.schedules.workflows import (
+    apply_decay_branch,
+    check_init_from,
+    fit_default_warmup,
+    load_model_weights,
+)
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_process_group_at_exit,
@@ -604,6 +609,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         check_init_from(cfg)
     except RequiredValueError as e:  # a key an experiment needs from the command line (${lit.required:...})
         raise ConfigError(str(e).splitlines()[0]) from None
+    ckpt_path = resolve_ckpt_path(cfg)
+    start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
+    if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
+        fit_default_warmup(cfg, ckpt_path, start_step)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 
@@ -632,13 +641,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
     callbacks = [_LogStepSync(), *callbacks, clock]
-    ckpt_path = resolve_ckpt_path(cfg)
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
         for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):
             log.warning("removed %s, left by a process killed while writing a checkpoint", tmp)
-    start_step = 0
-    if ckpt_path:  # read before fit: the final save below may overwrite this very file (resume=auto)
-        start_step = checkpoint_global_step(ckpt_path)
+    if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)
     logger = build_logger(cfg, start_step)

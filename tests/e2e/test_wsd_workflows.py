@@ -313,16 +313,24 @@ def test_rerunning_a_branch_into_its_own_dir_without_resume_auto_is_refused(tmp_
     assert cfg.ckpt_path is None and cfg.resume == "auto"
 
 
+def run_from_a_stable_checkpoint_with_the_default_warmup(tiny_cfg, src_steps: int, *overrides: str):
+    """Train a stable run (warmup 1, horizon 100) for ``src_steps``, then run ``overrides`` (CKPT: its last.ckpt) with
+    conf/scheduler/wsd.yaml's default warmup ``${lit.warmup:${trainer.max_steps}}`` (TINY sets warmup 1)."""
+    _, src, _ = run(tiny_cfg(f"trainer.max_steps={src_steps}", "scheduler.total_steps=100", run="src"))
+    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    cfg = tiny_cfg(*(o.replace("CKPT", str(ckpt)) for o in overrides), run="next")
+    with open_dict(cfg):
+        cfg.scheduler.warmup_steps = "${lit.warmup:${trainer.max_steps}}"
+    return run(cfg)
+
+
 def test_branch_from_a_stable_checkpoint_is_not_refused_for_a_default_warmup_grown_by_a_long_decay(tiny_cfg):
     # The source (warmup 1) is at its peak LR at step 2. A 28-step branch gets max_steps = 30, whose *default* warmup
     # min(100, max(1, 30 // 10)) = 3 lies past step 2: the branch runs no step < 3 in warmup, so that derived number
     # must not refuse it as "inside the warmup" (the checkpoint's LR shows it is past its own warmup).
-    _, src, _ = run(tiny_cfg("trainer.max_steps=2", "scheduler.total_steps=100", run="src"))  # a stable run
-    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
-    cfg = tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=28", run="long_branch")
-    with open_dict(cfg):
-        cfg.scheduler.warmup_steps = "${lit.warmup:${trainer.max_steps}}"  # conf/scheduler/wsd.yaml's default
-    metrics, _, probe = run(cfg)
+    metrics, _, probe = run_from_a_stable_checkpoint_with_the_default_warmup(
+        tiny_cfg, 2, "decay_branch.ckpt=CKPT", "decay_branch.steps=28"
+    )
     assert probe.start_step == 2 and metrics["steps"] == 30
     assert [probe.lrs[s] for s in range(2, 30)] == [
         PEAK * wsd_lr_factor(s, total_steps=30, decay_steps=28) for s in range(2, 30)
@@ -336,3 +344,17 @@ def test_branch_inside_an_explicit_warmup_names_the_key(tiny_cfg):
     cfg = tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", "scheduler.warmup_steps=5", run="b")
     with pytest.raises(ConfigError, match=r"inside the warmup \(scheduler\.warmup_steps=5\)"):
         train(cfg)
+
+
+def test_extending_a_stable_run_past_the_default_warmup_keeps_the_peak(tiny_cfg):
+    # docs/wsd.md (b): ckpt_path=... trainer.max_steps=LARGER, "the restored step skips the warmup". The source
+    # (warmup 1) is at its peak LR at step 4; the extension's *default* warmup min(100, max(1, 60 // 10)) = 6 used
+    # to put step 4 back into a warmup: LR 5/6 of the peak, re-warmed over steps 4 and 5.
+    metrics, _, probe = run_from_a_stable_checkpoint_with_the_default_warmup(
+        tiny_cfg, 4, "ckpt_path=CKPT", "trainer.max_steps=60"
+    )
+    assert probe.start_step == 4 and metrics["steps"] == 60
+    assert [probe.lrs[s] for s in range(4, 48)] == [PEAK] * 44  # stable; decay = round(0.2 * 60) = 12 steps
+    assert [probe.lrs[s] for s in range(48, 60)] == [
+        PEAK * wsd_lr_factor(s, total_steps=60, decay_steps=12) for s in range(48, 60)
+    ]

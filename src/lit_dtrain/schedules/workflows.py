@@ -6,8 +6,9 @@
   ``total_steps = S + N``, ``decay_steps = N``. The branch's first step ``S`` runs at the first decay value
   (:class:`~lit_dtrain.schedules.StepLambdaLR` re-applies the new schedule on load). The checkpoint is
   only read, so the original run is not disturbed.
-- **Extend**: no helper needed: ``ckpt_path=PATH trainer.max_steps=LARGER`` (WSD's ``total_steps`` follows
-  ``trainer.max_steps``); the restored step skips the warmup.
+- **Extend**: ``ckpt_path=PATH trainer.max_steps=LARGER`` (WSD's ``total_steps`` follows ``trainer.max_steps``);
+  the restored step skips the warmup (:func:`fit_default_warmup` keeps a grown default warmup from re-warming a
+  checkpoint at its peak LR).
 - **Continual pre-training** (``init_from=PATH``): load only the model weights of a checkpoint; optimizer,
   schedule (with its re-warmup), step and data position start fresh.
 """
@@ -72,6 +73,30 @@ def _at_peak(path: Path) -> bool:
     decay); ``False`` when it does not record both."""
     lr_and_peak = checkpoint_lr_and_peak(path)
     return lr_and_peak is not None and not _below(lr_and_peak, 1.0)
+
+
+def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = None) -> None:
+    """Resuming a checkpoint at step ``start`` that is at its peak LR (past its run's warmup): a WSD ``warmup_steps``
+    that is the derived default ``min(100, max(1, max_steps // 10))`` of a larger ``trainer.max_steps`` (an extension,
+    a long decay branch) and lies past ``start`` would put the resumed steps back into a warmup; it becomes ``start``
+    (no resumed step lies in it, so the schedule goes on at the peak). A number the user gave is left alone."""
+    ckpt = Path(str(ckpt))
+    start = checkpoint_global_step(ckpt) if start is None else start
+    for key, node in _wsd_nodes(cfg):
+        warmup = int(node.get("warmup_steps") or 0)
+        if start < warmup and _is_default_warmup(node, int(cfg.trainer.max_steps)) and _at_peak(ckpt):
+            log.info(
+                "%s.warmup_steps defaults to %d for trainer.max_steps=%d, past the checkpoint's step %d, which is at "
+                "its peak LR: using warmup_steps=%d (pass %s.warmup_steps=W to choose another)",
+                key,
+                warmup,
+                int(cfg.trainer.max_steps),
+                start,
+                start,
+                key,
+            )
+            with open_dict(node):
+                node.warmup_steps = start
 
 
 def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] | None:
@@ -164,26 +189,12 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     total = start + steps
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
+    fit_default_warmup(cfg, src, start)  # a long decay's default warmup past a stable S: any warmup <= S is the same
     for key, node in nodes:
         warmup = int(node.get("warmup_steps") or 0)
-        default = start < warmup and _is_default_warmup(node, total)
-        if default and _at_peak(src):
-            # min(100, max(1, (S + N) // 10)) grew past S with a long decay, but the source is past its own warmup:
-            # any warmup <= S gives the branch's steps S..S+N-1 the same LRs
-            log.info(
-                "decay_branch: %s.warmup_steps defaults to %d for max_steps=%d, past the checkpoint's step %d, "
-                "which is at its peak LR: the branch uses warmup_steps=%d",
-                key,
-                warmup,
-                total,
-                start,
-                start,
-            )
-            with open_dict(node):
-                node.warmup_steps = start
-        elif start < warmup:
+        if start < warmup:
             why, fix = "", ""
-            if default:
+            if _is_default_warmup(node, total):
                 why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
                 fix = f", or set {key}.warmup_steps to the source run's warmup"
             raise _config_error(
