@@ -43,6 +43,7 @@ from lit_dtrain.schedules.workflows import (
     check_init_from,
     fit_default_warmup,
     load_model_weights,
+    warn_if_the_resume_jumps_up,
 )
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
@@ -604,7 +605,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     try:
-        apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
+        branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
         check_init_from(cfg)
     except RequiredValueError as e:  # a key an experiment needs from the command line (${lit.required:...})
@@ -613,6 +614,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
         fit_default_warmup(cfg, ckpt_path, start_step)
+        if branch_step is None:  # (a branch warns itself, naming decay_branch.ckpt)
+            warn_if_the_resume_jumps_up(cfg, ckpt_path, start_step)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 

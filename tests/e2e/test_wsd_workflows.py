@@ -358,3 +358,21 @@ def test_extending_a_stable_run_past_the_default_warmup_keeps_the_peak(tiny_cfg)
     assert [probe.lrs[s] for s in range(48, 60)] == [
         PEAK * wsd_lr_factor(s, total_steps=60, decay_steps=12) for s in range(48, 60)
     ]
+
+
+def test_extending_a_decayed_checkpoint_warns_that_the_lr_jumps_up(tiny_cfg, caplog):
+    # A finished run's last.ckpt has decayed to LR 0; ckpt_path=... trainer.max_steps=LARGER puts step 6 back in the
+    # stable phase at the peak. decay_branch warned about this jump; the extension said nothing.
+    def extend(total: int) -> list[str]:
+        _, src, _ = run(tiny_cfg("trainer.max_steps=6", f"scheduler.total_steps={total}", run=f"src{total}"))
+        ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.schedules.workflows"):
+            _, _, probe = run(tiny_cfg(f"ckpt_path={ckpt}", "trainer.max_steps=10", run=f"ext{total}"))
+        assert probe.lrs[6] == PEAK
+        return [r.getMessage() for r in caplog.records if r.name == "lit_dtrain.schedules.workflows"]
+
+    assert extend(100) == []  # a stable checkpoint: its LR for step 6 is already the peak
+    [message] = extend(6)  # decayed: 1-sqrt over steps 5..5 (round(0.2 * 6) = 1), LR 0 for step 6
+    assert "checkpoint" in message and "its LR for step 6 is [0, 0] (peak [0.003, 0.003])" in message
+    assert "below this run's LR for that step [0.003, 0.003]" in message and "init_from" in message

@@ -29,7 +29,7 @@ from lit_dtrain.checkpoint import (
     safe_torch_load,
 )
 from lit_dtrain.config_resolvers import default_warmup
-from lit_dtrain.schedules.lr import wsd_lr_factor
+from lit_dtrain.schedules.lr import resolve_decay_steps, wsd_lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -121,26 +121,62 @@ def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] 
     return lrs, [float(x) for x in peaks]
 
 
-def _warn_if_the_branch_jumps_up(src: Path, start: int, node) -> None:
-    """Warn when the source checkpoint's LR for its next step is below the branch's first LR: the source was already
-    decaying (a finished run's last.ckpt, a branch of a branch), or still inside a warmup longer than the branch's
-    own (which is all the branch can check exactly: the checkpoint does not record the source's warmup), and the
-    branch, which decays from the peak as both schedule forms do, raises the LR without a re-warmup."""
-    lr_and_peak = checkpoint_lr_and_peak(src)
+# the wording of _warn_if_the_lr_jumps_up for a decay branch and for any other resume
+_BRANCH_JUMP = {
+    "label": "decay_branch.ckpt",
+    "what": "the branch's first LR",
+    "why": "the branch decays from the peak",
+    "advice": "Branch from a stable-phase checkpoint",
+}
+_RESUME_JUMP = {
+    "label": "checkpoint",
+    "what": "this run's LR for that step",
+    "why": "this run's schedule is not the checkpoint's (a larger trainer.max_steps moves the decay later)",
+    "advice": "Extend a stable-phase checkpoint",
+}
+
+
+def _warn_if_the_lr_jumps_up(ckpt: Path, start: int, node, *, label: str, what: str, why: str, advice: str) -> None:
+    """Warn when the checkpoint's LR for its next step ``start`` is below the LR that ``node``'s WSD schedule gives
+    that step: the checkpoint was decaying (a finished run's last.ckpt, a branch of a branch), or inside a warmup
+    longer than the new schedule's (the checkpoint does not record its run's warmup), and the new schedule raises
+    the LR without a re-warmup."""
+    lr_and_peak = checkpoint_lr_and_peak(ckpt)
     if lr_and_peak is None:
         return
-    factor = wsd_lr_factor(start, total_steps=int(node.total_steps), warmup_steps=int(node.get("warmup_steps") or 0),
-                           decay_steps=int(node.decay_steps), decay_type=str(node.get("decay_type", "1-sqrt")),
-                           min_lr_factor=float(node.get("min_lr_factor", 0.0)))
+    total = int(node.total_steps)
+    factor = wsd_lr_factor(
+        start,
+        total_steps=total,
+        warmup_steps=int(node.get("warmup_steps") or 0),
+        decay_steps=resolve_decay_steps(total, node.get("decay_steps"), node.get("decay_fraction")),
+        decay_type=str(node.get("decay_type", "1-sqrt")),
+        min_lr_factor=float(node.get("min_lr_factor", 0.0)),
+    )
     lrs, peaks = lr_and_peak
     if _below(lr_and_peak, factor):
         log.warning(
-            "decay_branch.ckpt %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), "
-            "below the branch's first LR %s: the branch decays from the peak, so the LR jumps up without a re-warmup. "
-            "Branch from a stable-phase checkpoint, or continue a decayed model with init_from=... and a re-warmup "
-            "(continual pre-training, docs/wsd.md)",
-            src, start, _fmt(lrs), _fmt(peaks), _fmt([peak * factor for peak in peaks]),
+            "%s %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), below %s %s: "
+            "%s, so the LR jumps up without a re-warmup. %s, or continue a decayed model with init_from=... and a "
+            "re-warmup (continual pre-training, docs/wsd.md)",
+            label,
+            ckpt,
+            start,
+            _fmt(lrs),
+            _fmt(peaks),
+            what,
+            _fmt([peak * factor for peak in peaks]),
+            why,
+            advice,
         )
+
+
+def warn_if_the_resume_jumps_up(cfg: DictConfig, ckpt: str | Path, start: int) -> None:
+    """A resume (``ckpt_path``, ``resume=auto``; not a decay branch, which warns itself) whose WSD schedule gives step
+    ``start`` a higher LR than the checkpoint's: extending a decayed run re-enters the stable phase at the peak."""
+    nodes = _wsd_nodes(cfg)
+    if nodes:
+        _warn_if_the_lr_jumps_up(Path(str(ckpt)), start, nodes[0][1], **_RESUME_JUMP)
 
 
 def _fmt(values: list[float]) -> str:
@@ -218,7 +254,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
-    _warn_if_the_branch_jumps_up(src, start, nodes[0][1])
+    _warn_if_the_lr_jumps_up(src, start, nodes[0][1], **_BRANCH_JUMP)
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
 
