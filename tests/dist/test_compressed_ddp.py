@@ -455,9 +455,7 @@ def _plain_resume_worker(rank: int, port: int, root: str) -> None:
     import warnings
     from functools import partial
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
+    as_launched_rank(rank, port)
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
     from lit_dtrain.optim import adamw
@@ -511,6 +509,13 @@ def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_pat
     assert "1 step since the last sync" in local_sgd and "rank 0's parameters" in local_sgd, local_sgd
 
 
+def as_launched_rank(rank: int, port: int) -> None:
+    """Make this process rank ``rank`` of ``WORLD`` as a launcher would (Lightning then joins that group), one thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+
+
 def run_rank_processes(target, *args) -> None:
     """Run ``target(rank, port, *args)`` in one spawned process per rank, without ``mp.spawn``'s join (which kills
     the other ranks as soon as one fails); a process still alive after 240 s is killed."""
@@ -533,9 +538,7 @@ def _nan_one_rank_worker(rank: int, port: int, root: str, local_update: dict, mo
     import time
     from functools import partial
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
+    as_launched_rank(rank, port)
     from lit_dtrain.callbacks import LossSpikeMonitor
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
@@ -647,15 +650,7 @@ def _fits_worker(rank: int, port: int, root: str, plan: list[tuple[str, dict]], 
     """Fits in sequence in one process group (the group outlives a fit); ``plan`` is ``[(tag, {rank: how})]`` with
     ``how`` as in :class:`_FailAt`, failing at step 2. Each outcome is caught (as a caller that goes on would) and
     recorded."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD),
-        NODE_RANK="0",
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    as_launched_rank(rank, port)
     outcomes = []
     for tag, how in plan:
         trainer = L.Trainer(
@@ -769,3 +764,102 @@ def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(t
                 assert torch.equal(residual, before), (rank, step, (residual - before).abs().sum())
             else:
                 assert not torch.equal(residual, before), (rank, step)
+
+
+OVERFLOW_CODECS = {  # every codec with error feedback (and PowerSGD's warm start, int8_rs's server residuals)
+    "fp16_ef": {"name": "fp16", "error_feedback": True},
+    "int8_ef": {"name": "int8", "error_feedback": True, "block_size": 64},
+    "int4": {"name": "int4", "block_size": 64},
+    "topk": {"name": "topk", "ratio": 0.05},
+    "sign": "sign",
+    "powersgd": {"name": "powersgd", "matrix_approximation_rank": 1},
+    "int8_rs_ef": {"name": "int8_rs", "error_feedback": True, "block_size": 64},
+}
+OVERFLOW_STEP = 2
+
+
+class _OverflowModule(TinyModule):
+    """TinyModule whose rank 1 alone puts an inf into one value of ``net.0.weight``'s gradient at ``OVERFLOW_STEP``
+    (a tensor hook: it runs before DDP's bucket sees the gradient). Records after every step the compressor's state,
+    the GradScaler's scale and the parameters. Its output is multiplied by ``gain`` outside autocast: every other
+    gradient is an fp16 value under 16-mixed (CPU autocast runs these layers in fp16), on which the fp16 codec's
+    residual stays 0."""
+
+    def __init__(self, dump_dir: str, tag: str) -> None:
+        super().__init__(dump_dir, tag)
+        self.gain = nn.Parameter(torch.ones(8))
+        self.seen: list[dict] = []
+
+        def poison(grad):
+            if self.global_rank == 1 and self.global_step == OVERFLOW_STEP:
+                grad = grad.clone()
+                grad[0, 0] = float("inf")
+            return grad
+
+        self.net[0].weight.register_hook(poison)
+
+    def training_step(self, batch, batch_idx):
+        x, y = regression_batch(self.global_step, self.global_rank)
+        with torch.autocast("cpu", enabled=False):
+            return F.mse_loss(self.net(x).float() * self.gain, y)
+
+    def on_train_start(self) -> None:
+        pass
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        state = self.trainer.strategy.compressor.state_dict()
+        self.seen.append(
+            {
+                "step": self.global_step,
+                "scale": float(self.trainer.precision_plugin.scaler.get_scale()),
+                "state": {k: state[k] for k in ("residuals", "server_residuals", "q_memory") if k in state},
+                "params": {k: v.detach().clone() for k, v in self.state_dict().items()},
+            }
+        )
+
+    def on_train_end(self) -> None:
+        torch.save(self.seen, Path(self.dump_dir) / f"{self.tag}_rank{self.global_rank}.pt")
+
+
+def _overflow_worker(rank: int, port: int, root: str) -> None:
+    """One 16-mixed fit (CPU GradScaler, several DDP buckets) per codec of ``OVERFLOW_CODECS``, in one process group."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    as_launched_rank(rank, port)
+    for tag, spec in OVERFLOW_CODECS.items():
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            max_steps=OVERFLOW_STEP + 2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=root,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            strategy=CompressedDDPStrategy(
+                compressor=spec, bucket_cap_mb=0.004, collective_timeout_s=60, log_comm_metrics=False
+            ),
+        )
+        trainer.fit(_OverflowModule(root, tag))
+    os._exit(0)
+
+
+def test_a_step_skipped_for_one_ranks_overflow_leaves_every_ranks_residuals_as_they_were(tmp_path):
+    """16-mixed, several DDP buckets: at one step rank 1's gradient holds an inf and rank 0's is finite. Every rank
+    must see the overflow (the GradScaler halves its scale and skips the step on both: parameters unchanged and
+    equal), and since the step's gradient is discarded, as in plain DDP, every rank's error-feedback state (worker
+    residuals, PowerSGD's Qs, int8_rs's server residuals) must be exactly what it was before the step."""
+    run_rank_processes(_overflow_worker, str(tmp_path))
+    for tag in OVERFLOW_CODECS:
+        ranks = [torch.load(tmp_path / f"{tag}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+        for rank, seen in enumerate(ranks):
+            before, after = seen[OVERFLOW_STEP - 1], seen[OVERFLOW_STEP]
+            where = f"{tag} rank {rank}"
+            assert (before["scale"], after["scale"]) == (1024.0, 512.0), where  # the scaler skipped the step
+            assert_same(after["params"], before["params"], f"{where} params")  # no rank stepped alone
+            assert_same(after["params"], ranks[0][OVERFLOW_STEP]["params"], f"{where} params across ranks")
+            assert any(r.abs().sum() > 0 for r in before["state"]["residuals"].values()), where
+            assert_same(after["state"], before["state"], f"{where} state")
+            assert not torch.equal(seen[-1]["params"]["net.0.weight"], after["params"]["net.0.weight"]), where

@@ -139,6 +139,11 @@ class CompressedDDPStrategy(DDPStrategy):
         c = self.compressor
         return bool(self._ddp_kwargs.get("find_unused_parameters")) and c is not None and c.error_feedback
 
+    def _loss_scaler(self):
+        """The enabled GradScaler of ``16-mixed`` when a compressor runs the gradient all-reduce, else None."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and self.compressor is not None and scaler.is_enabled() else None
+
     @property
     def compressor(self) -> Compressor | None:
         return self.session.compressor
@@ -158,8 +163,9 @@ class CompressedDDPStrategy(DDPStrategy):
         # Lightning only registers hooks on CUDA; ours runs on every device and backend.
         assert isinstance(self.model, DistributedDataParallel)
         self.session.attach(self.model, Communicator(group=None))
-        if self._keeps_unused_residuals:
-            self.compressor.track_undo(True)  # each step's pre-step residuals, for keep_residuals
+        if self._keeps_unused_residuals or self._loss_scaler() is not None:
+            # each step's pre-step residuals (and codec state), for keep_residuals and for a step the GradScaler skips
+            self.compressor.track_undo(True)
         params = (self._rank_restore or {}).pop("params", None)
         if params is not None:  # a resume under local updates: this rank's own parameters, not rank 0's
             with torch.no_grad():
@@ -178,12 +184,19 @@ class CompressedDDPStrategy(DDPStrategy):
         module = self.lightning_module
         named = CommSession.named_params(module)
         self.session.before_optimizer_step(named)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and self.compressor is not None and scaler.is_enabled():
-            # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's changes of scale
-            self.compressor.set_grad_scale(float(scaler.get_scale()))
+        scaler = self._loss_scaler()
+        if scaler is not None:  # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's
+            scale = float(scaler.get_scale())  # changes of scale
+            self.compressor.set_grad_scale(scale)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._keeps_unused_residuals:  # DDP left the grad of a parameter no rank used None, and dropped what the
+        if scaler is not None and float(scaler.get_scale()) < scale:
+            # The GradScaler found inf/NaN in the reduced grads, the same on every rank, and skipped the step
+            # everywhere (update() multiplies the scale by backoff_factor < 1 exactly then). The step's gradient is
+            # discarded, as in plain DDP, so the comm hook's changes go too: every rank's residuals (and PowerSGD's
+            # Qs, int8_rs's server residuals) are what they were before the step, also on the ranks whose own
+            # gradient was finite and in the buckets that were finite.
+            self.compressor.undo_step()
+        elif self._keeps_unused_residuals:  # DDP left the grad of a parameter no rank used None, and dropped what the
             # hook sent for it: its error-feedback residual goes back to what it was before the step
             unused = [self.session.names[id(p)] for _, p in named if p.grad is None and id(p) in self.session.names]
             if unused:
