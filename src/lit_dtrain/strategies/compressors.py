@@ -203,8 +203,9 @@ class Compressor:
     def track_undo(self, enabled: bool = True) -> None:
         """Keep what each step changes (residuals, codec state) until the next step, for :meth:`undo_step`.
 
-        Costs one copy of the residuals. A step dropped after its backward (a loss spike) has already been
-        folded into the residual by the comm hook, and would be applied at the next step without the undo.
+        Costs one copy of the residuals. A step dropped after its backward (a loss spike, or a step the GradScaler
+        skipped for an inf/NaN on any rank) has already been folded into the residual by the comm hook, and would be
+        applied in later steps without the undo (in part or in full, depending on the codec).
         """
         self._undo = {} if enabled else None
         self._undo_copies: dict[int, Tensor] = {}
@@ -223,7 +224,10 @@ class Compressor:
         pass
 
     def undo_step(self) -> bool:
-        """Put back the state from before the latest step's :meth:`reduce` calls. Returns whether it did."""
+        """Put back the state from before the latest step's :meth:`reduce` calls. Returns whether it did.
+
+        Call it on every rank after a step whose gradient was discarded: ``CompressedDDPStrategy`` does after a step
+        the ``16-mixed`` GradScaler skipped, and ``LossSpikeMonitor``'s skip calls it through the strategy."""
         if not self._undo:
             return False
         for buffer, saved in self._undo["residuals"]:
