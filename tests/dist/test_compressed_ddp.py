@@ -405,8 +405,10 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         # after a start runs on DDP's initial single bucket, where top-k used to select across the bucket boundary
         "topk_buckets": {"compressor": {"name": "topk", "ratio": 0.05}, "bucket_cap_mb": 0.004},
         "int8": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64}},
-        # reduce-scatter int8: each rank's share of the mean and its error ("server residual") must come back too
-        "int8_rs": {"compressor": {"name": "int8_rs", "error_feedback": True, "block_size": 64}},
+        # reduce-scatter int8: each rank's share of the mean and its error ("server residual") must come back too;
+        # stochastic rounding: the second rounding's noise too (drawn by the share's owner)
+        "int8_rs": {"compressor": {"name": "int8_rs", "error_feedback": True, "block_size": 64,
+                                   "stochastic_rounding": True}},
         # stochastic rounding: its noise must not depend on the bucket layout, which differs after a start
         "int8_sr": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64,
                                    "stochastic_rounding": True}},

@@ -4,7 +4,8 @@ One spawn of 4 ranks (module fixture) records what the tests check: the reduced 
 rank and within the two-rounding bound of the exact mean; the bytes each rank hands to collectives follow the
 shard formula and, at 4 ranks, are about half of what the all-gather codec hands over the wire; two different
 bucket layouts give bit-identical results and residuals; error feedback (worker and server) removes the bias of
-a repeated gradient. The 2-rank Lightning resume test is ``int8_rs`` in tests/dist/test_compressed_ddp.py.
+a repeated gradient; with stochastic rounding the average of many reductions tends to the exact mean (both
+roundings are stochastic). The 2-rank Lightning resume test is ``int8_rs`` in tests/dist/test_compressed_ddp.py.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SHAPES = [("w1", (48, 16)), ("b1", (48,)), ("w2", (32, 48)), ("b2", (32,)), ("w3
           ("emb", (37, 5))]
 SEGMENTS = segments_from_shapes(SHAPES)
 NUMEL = sum(s.numel for s in SEGMENTS)
+SR_STEPS = 200
 
 
 def rank_grad(rank: int, step: int = 0) -> torch.Tensor:
@@ -71,6 +73,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     for tag, ef in (("ef", True), ("no_ef", False)):
         c = ShardedBlockQuantizer(bits=4, block_size=BLOCK, error_feedback=ef)
         res[f"avg_{tag}"] = sum(c.reduce(g.clone(), SEGMENTS, comm, s).wait() for s in range(40)) / 40
+    # stochastic rounding without error feedback: integers in [-7, 7] (int4's levels, scale 1), so the first rounding
+    # is exact and the mean of 4 ranks falls on quarters, which only the second rounding can round
+    c = ShardedBlockQuantizer(bits=4, block_size=BLOCK, stochastic_rounding=True, seed=5)
+    quarters = torch.randint(-7, 8, (4 * BLOCK,), generator=torch.Generator().manual_seed(rank)).float()
+    quarters[::BLOCK] = 7.0  # every block's scale is 1 on every rank, and so is its mean's
+    res["sr_grid"] = quarters
+    flat_segments = segments_from_shapes([("q", (4 * BLOCK,))])
+    res["sr_avg"] = sum(c.reduce(quarters.clone(), flat_segments, comm, s).wait() for s in range(SR_STEPS)) / SR_STEPS
     # an overflow on rank 0 only (one value of w2 inf), after a finite step that left residuals on every rank
     c = ShardedBlockQuantizer(block_size=BLOCK, error_feedback=True)
     c.reduce(rank_grad(rank, 0), SEGMENTS, comm, 0).wait()
@@ -108,7 +118,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("key", ["int8_rs", "int4_rs", "layout_a", "avg_ef"])
+@pytest.mark.parametrize("key", ["int8_rs", "int4_rs", "layout_a", "avg_ef", "sr_avg"])
 def test_every_rank_holds_the_same_reduced_values(ranks, key):
     for r in range(1, WORLD):
         assert_same(ranks[r][key] if key != "layout_a" else ranks[r][key]["outs"],
@@ -167,6 +177,17 @@ def test_error_feedback_removes_the_bias_of_a_repeated_gradient(ranks):
     with_ef = (ranks[0]["avg_ef"] - mean).abs().max()
     without = (ranks[0]["avg_no_ef"] - mean).abs().max()
     assert with_ef < 0.1 * without, (with_ef, without)
+
+
+def test_stochastic_rounding_of_the_mean_is_unbiased(ranks):
+    """With ``stochastic_rounding`` both roundings are stochastic, so the average of many reductions of the same
+    gradients tends to the exact mean. Here the ranks' values are on int4's grid (the first rounding is exact) and
+    their mean on quarters of it: over 200 steps every value's average is within 0.2 of the mean (its noise: at most
+    0.5 / sqrt(200) = 0.035 per value). Before, the mean was rounded to nearest: errs by 0.25 or 0.5 at every step."""
+    exact = torch.stack([res["sr_grid"] for res in ranks]).mean(0)
+    assert (exact != exact.round()).sum() > 100  # most means need the second rounding
+    err = (ranks[0]["sr_avg"] - exact).abs()
+    assert err.max() < 0.2, err.max()
 
 
 def test_an_overflow_on_one_rank_reaches_every_rank_and_keeps_the_server_residuals(ranks):

@@ -23,8 +23,9 @@ it at every W. At W = 2 both send the same bytes. Two steps per bucket:
    so a resumed run, whose first step runs on DDP's initial buckets, owns and rounds every value as the
    uninterrupted run does.
 2. **Quantized all-gather.** Rank ``j`` decodes the W pieces of its shard, sums them in rank order, divides by
-   W, quantizes that mean again (deterministic rounding, same blocks) and all-gathers it. Every rank decodes
-   the same bytes, so replicas stay bit-identical. With ``error_feedback`` rank ``j`` also keeps the error of
+   W, quantizes that mean again (same blocks; with ``stochastic_rounding`` stochastically too, its noise drawn
+   from (``seed``, step, parameter name, block) only) and all-gathers it. Every rank decodes the same bytes,
+   so replicas stay bit-identical. With ``error_feedback`` rank ``j`` also keeps the error of
    this second quantization for its shard and adds it to the next step's mean: the "server" error of 1-bit
    Adam's compressed all-reduce (Tang et al. 2021), next to each rank's own ("worker") residual.
 
@@ -36,6 +37,7 @@ PowerSGD's rounds do, so every rank issues its collectives in the same order).
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -64,13 +66,16 @@ class Shard:
     numel: int
     num_blocks: int
     nbytes: int  # packed payload: fp32 scales, then int8 values (4 bits: two per byte)
+    param_blocks: tuple[int, ...]  # per range: its first block within its parameter (seeds the second rounding)
 
 
 class ShardedBlockQuantizer(BlockQuantizer):
     """:class:`BlockQuantizer` whose ranks reduce-scatter and all-gather quantized shards (see the module doc).
 
-    Same arguments and first-step rounding as ``BlockQuantizer``; ``stochastic_rounding`` applies to the first
-    quantization, the second rounds to nearest. Registered as ``int8_rs`` and ``int4_rs``.
+    Same arguments and first-step rounding as ``BlockQuantizer``; ``stochastic_rounding`` applies to both
+    quantizations, so the result is unbiased (with nearest rounding of the mean it was not: a repeated int4
+    gradient, stochastic rounding, no error feedback, averaged over 400 steps on 4 ranks erred by 1.6-3.3% of the
+    parameter's largest value, against 0.6-1.4% for ``BlockQuantizer``). Registered as ``int8_rs`` and ``int4_rs``.
     """
 
     collective = "all_to_all"
@@ -100,6 +105,7 @@ class ShardedBlockQuantizer(BlockQuantizer):
                 pieces.append((s.name, s.offset, s.numel, block))
                 block += -(-s.numel // bs)
         owned: list[list[tuple[str, int, int, int, int]]] = [[] for _ in range(world)]
+        param_blocks: list[list[int]] = [[] for _ in range(world)]
         for name, offset, n, first in pieces:
             nb = -(-n // bs)
             rotation = zlib.crc32(name.encode()) % world
@@ -108,13 +114,16 @@ class ShardedBlockQuantizer(BlockQuantizer):
                 if lo < hi:
                     owned[(k + rotation) % world].append((name, offset + lo * bs, offset + min(hi * bs, n),
                                                           first + lo, first + hi))
+                    param_blocks[(k + rotation) % world].append(lo)
         plan = []
-        for ranges in owned:
+        for ranges, los in zip(owned, param_blocks):
             runs, size, blocks = [], 0, 0
             for _, a, b, c, d in ranges:
                 runs.append((size, blocks, b - a))
                 size, blocks = size + b - a, blocks + d - c
-            plan.append(Shard(tuple(ranges), tuple(runs), size, blocks, 4 * blocks + self._packed_bytes(size)))
+            plan.append(
+                Shard(tuple(ranges), tuple(runs), size, blocks, 4 * blocks + self._packed_bytes(size), tuple(los))
+            )
         self._shard_plans[key] = plan
         return plan
 
@@ -131,6 +140,19 @@ class ShardedBlockQuantizer(BlockQuantizer):
         """``(values, block scales)`` of a shard's payload (a value is non-finite exactly where its scale is)."""
         scales, q = unpack_payload(packed, self._template(shard, packed.device))
         return self._dequantize(scales, self._unpack(q), list(shard.runs), shard.numel), scales
+
+    def _shard_noise(self, shard: Shard, step: int, device: torch.device) -> Tensor:
+        """Noise ``U[0, 1)`` for the second rounding of ``shard``, ``(num_blocks, block_size)`` in its block order.
+
+        Drawn per range from (``seed``, ``step``, parameter name, its first block in the parameter): not from the
+        rank (one owner rounds each value; every rank decodes its bytes) nor from the bucket, so a resumed run draws
+        the uninterrupted run's noise; a stream of its own, apart from the first rounding's (seeded per rank)."""
+        parts = []
+        for (name, _, _, c, d), lo in zip(shard.ranges, shard.param_blocks):
+            key = hashlib.blake2b(f"int_rs/{self.seed}/{step}/{name}/{lo}".encode(), digest_size=8).digest()
+            gen = torch.Generator(device=device).manual_seed(int.from_bytes(key, "little") % (2**63))
+            parts.append(torch.rand((d - c, self.block_size), generator=gen, device=device))
+        return torch.cat(parts) if parts else torch.empty((0, self.block_size), device=device)
 
     @staticmethod
     def _slices(shard: Shard, blocks: bool = False) -> Iterator[slice]:
@@ -174,7 +196,8 @@ class ShardedBlockQuantizer(BlockQuantizer):
         if server_feedback:
             kept = {name: self.server_residuals.get(name) for name, *_ in mine.ranges}
             self._add_server_residual(mine, mean)
-        mine_scales, mine_q = self._quantize(mean, list(mine.runs), None)
+        server_noise = self._shard_noise(mine, step, x.device) if self.stochastic_rounding else None
+        mine_scales, mine_q = self._quantize(mean, list(mine.runs), server_noise)
         if server_feedback:
             self._keep_server_residual(mine, mean - self._dequantize(mine_scales, mine_q, list(mine.runs),
                                                                      mine.numel))
