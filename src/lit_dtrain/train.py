@@ -226,6 +226,7 @@ def check_config(cfg: DictConfig) -> None:
             instantiate(scheduler)(dummy)
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
+    check_validation_limit(cfg)
     check_sample(cfg)
     # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)
     check_utf8_text("run_name", str(cfg.get("run_name", "")))
@@ -235,6 +236,31 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def check_validation_limit(cfg: DictConfig) -> None:
+    """``trainer.limit_val_batches``: 0 is Lightning's switch for no validation, which a lit_dtrain run cannot do
+    without. The default ``ModelCheckpoint`` saves after each validation, so such a run wrote no checkpoint before its
+    end, and its result (``val_loss``: summary.json, the value a sweep optimizes) was NaN, without a word. Values
+    Lightning refuses (``-1``, ``1.5``) failed in Hydra's wrapper of the Trainer, ``abc`` as a TypeError."""
+    value = cfg.trainer.get("limit_val_batches")
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (isinstance(value, float) and value > 1):
+        raise ConfigError(
+            f"trainer.limit_val_batches must be null (all), a number of batches >= 1 or a fraction in (0, 1], "
+            f"got {value!r}"
+        )
+    if value == 0:
+        raise ConfigError(
+            f"trainer.limit_val_batches={value} switches validation off, which a lit_dtrain run needs: checkpoints "
+            "are saved after each validation (callbacks.model_checkpoint ranks them by val/loss), so none would be "
+            "written before the end, and the run's val_loss (summary.json, a sweep's objective) would be NaN. To "
+            "validate less, lower data.max_val_windows (windows per source) or set trainer.limit_val_batches=<N >= 1 "
+            "batches>; to validate only once, after the last step, set trainer.val_check_interval >= "
+            "trainer.max_steps"
+        )
 
 
 def check_sample(cfg: DictConfig) -> None:

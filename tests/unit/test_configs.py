@@ -145,6 +145,21 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("sample.temperature=-1", r"sample.temperature must be a number >= 0 \(0: greedy\), got -1"),
         ("sample.max_new_tokens=1.5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got 1.5"),
         ("sample.max_new_tokens=-5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got -5"),
+        # Lightning switches validation off: no checkpoint before the end, and a NaN val_loss (summary.json: null)
+        (
+            "trainer.limit_val_batches=0",
+            r"trainer.limit_val_batches=0 switches validation off, .*checkpoints.*val_loss.*"
+            r"trainer.val_check_interval >= trainer.max_steps",
+        ),
+        ("trainer.limit_val_batches=0.0", r"trainer.limit_val_batches=0.0 switches validation off"),
+        # Lightning's 'invalid value -1 for limit_val_batches', in Hydra's wrapper; 'abc' was a TypeError there
+        (
+            "trainer.limit_val_batches=-1",
+            r"trainer.limit_val_batches must be null \(all\), a number of batches >= 1 or a fraction in "
+            r"\(0, 1\], got -1",
+        ),
+        ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches must be null \(all\), .* got 1.5"),
+        ("trainer.limit_val_batches=abc", r"trainer.limit_val_batches must be null \(all\), .* got 'abc'"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
@@ -162,6 +177,11 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2"):
         check_config(tiny_cfg(override))
+
+
+def test_validation_limits_that_validate_something_pass(tiny_cfg):
+    for value in ("null", "1", "3", "0.5", "1.0"):
+        check_config(tiny_cfg(f"trainer.limit_val_batches={value}"))
 
 
 def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
