@@ -104,6 +104,9 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
+        truncated = truncation_reason(path)
+        if truncated:  # before the weights-only branch: a file cut to a byte or two reads as a foreign pickle
+            raise CheckpointError(f"checkpoint {str(path)!r} {truncated}") from e
         if "Weights only load failed" in str(e):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is refused: {_weights_only_reason(str(e))}. It is not a checkpoint "
@@ -111,6 +114,39 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
                 "those (weights_only=False) could run code inside the file; a checkpoint train.py wrote never needs it"
             ) from e
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+
+
+_ZIP_START = b"PK\x03\x04"  # a zip's first local file header: torch.save's format since torch 1.6
+_ZIP_END = b"PK\x05\x06"  # the end-of-central-directory record, the last 22 bytes (+ a comment) of a zip
+_ZIP_END_SIZE = 22
+
+
+def truncation_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is an incomplete torch checkpoint, for messages ``f"checkpoint {path!r} {reason}"``; None when
+    it does not start like a torch zip file or ends with a zip end record (then it is whole, or damaged otherwise).
+
+    torch finds a zip's table of contents from its end record, so a file cut short anywhere (a copy, download or
+    write that was interrupted) fails as ``OSError: [Errno 22] Invalid argument`` (a seek before the start of the
+    file), a miniz 'failed finding central directory', or, cut to a byte, a pickle error; none says so. Reads the
+    first 4 bytes and at most the last 64 KiB, never writes."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(len(_ZIP_START))
+        if not head or not _ZIP_START.startswith(head):
+            return None
+        f.seek(max(0, size - _ZIP_END_SIZE - 0xFFFF))  # the record's comment is at most 0xFFFF bytes
+        tail = f.read()
+    pos = tail.rfind(_ZIP_END)
+    while pos >= 0:  # an end record's comment length takes it exactly to the end of the file
+        comment = len(tail) - pos - _ZIP_END_SIZE
+        if comment >= 0 and int.from_bytes(tail[pos + 20 : pos + 22], "little") == comment:
+            return None
+        pos = tail.rfind(_ZIP_END, 0, pos)
+    return (
+        f"is truncated: its {size} bytes start like a torch checkpoint (a zip archive) but end without the zip end "
+        "record that closes every complete one, so the file is incomplete (a copy, download or write cut short). "
+        "It is left as it is; use a complete copy or another checkpoint"
+    )
 
 
 def _weights_only_reason(message: str) -> str:

@@ -169,3 +169,33 @@ def test_a_checkpoint_holding_a_class_names_the_class_and_does_not_advise_weight
     message = str(info.value)
     assert "plain_lightning.ckpt" in message and "pathlib.PosixPath" in message and "could run code" in message
     assert "will likely succeed" not in message and "(1)" not in message
+
+
+def test_a_truncated_checkpoint_is_called_truncated_and_left_untouched(tiny_cfg, tmp_path):
+    """A checkpoint cut short (an interrupted copy or download) was 'corrupt or unreadable: OSError: [Errno 22]
+    Invalid argument' (torch seeking before the start of the file to find the zip end record), and cut to one byte
+    'refused: Unsupported operand 80', as if it held code: the file was named, the cause was not."""
+    from lit_dtrain.train import train
+
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2"))
+    data = (Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt").read_bytes()
+    n = len(data)
+    for cut in (1, 3, 100, n // 2, n - 98, n - 22, n - 5, n - 1):
+        path = tmp_path / f"cut_{cut}.ckpt"
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=rf"cut_{cut}.ckpt' is truncated: its {cut} bytes .*zip end record"):
+            safe_torch_load(path, mmap=cut % 2 == 0)
+        assert path.read_bytes() == data[:cut]  # left as it is
+    empty = tmp_path / "cut_0.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"cut_0.ckpt' is empty \(0 bytes\)"):
+        safe_torch_load(empty)
+    whole = tmp_path / "whole.ckpt"
+    whole.write_bytes(data)
+    assert safe_torch_load(whole)["global_step"] == 2
+    # damage that is not a truncation is not called one: the end record is there
+    flipped = tmp_path / "flipped.ckpt"
+    flipped.write_bytes(data[:40] + bytes(64) + data[104:])
+    with pytest.raises(CheckpointError, match="flipped.ckpt") as info:
+        safe_torch_load(flipped)
+    assert "is truncated" not in str(info.value)
