@@ -1176,3 +1176,19 @@ def test_mix_weights_outside_0_1_and_a_non_positive_eps_are_rejected(kw):
     probabilities, and the draws came out of a NaN CDF without an error."""
     with pytest.raises(ValueError, match=next(iter(kw))):
         FourierSampler(**kw)
+
+
+def test_a_block_size_below_the_samplers_minimum_is_refused_before_any_compute(tiny_cfg, tmp_path):
+    """data.block_size=1 with the FourierSampler trained step 0 and failed at the first table update ('token_loss
+    needs at least 2 positions for a spectrum, got T=1'): a window of T tokens has T // 2 frequency bins besides the
+    mean (bin 0), so the spectrum needs T >= 2. Refused when the datamodule is built, before any corpus is read."""
+    cfg = tiny_cfg("data/sampler=fourier", "data.block_size=1", "sample.max_new_tokens=0")
+    with pytest.raises(Exception, match=r"data.block_size=1 is below FourierSampler's minimum of 2: .*frequency"):
+        train(cfg)
+    assert not Path(cfg.paths.cache_dir).exists()  # no token cache built: refused before any compute
+    assert not Path(cfg.paths.output_dir).exists()
+    metrics, _ = train(tiny_cfg("data/sampler=fourier", "data.block_size=2", "sample.max_new_tokens=0", run="two"))
+    assert metrics["steps"] == 6 and math.isfinite(metrics["val_loss"])  # the smallest it supports trains
+    # RandomSampler has no such minimum
+    metrics, _ = train(tiny_cfg("data.block_size=1", "sample.max_new_tokens=0", run="random"))
+    assert metrics["steps"] == 6

@@ -175,6 +175,12 @@ class LMDataModule(L.LightningDataModule):
         self.cache_dir, self.progress = cache_dir, progress
         self.tokenizer = tokenizer or ByteTokenizer()
         self.sampler = sampler if sampler is not None else RandomSampler()
+        minimum = self.sampler.min_block_size  # here, before any corpus is read: not at the first sampler update
+        if self.block_size < minimum:
+            raise ValueError(
+                f"data.block_size={self.block_size} is below {type(self.sampler).__name__}'s minimum of "
+                f"{minimum}: {self.sampler.min_block_size_reason}"
+            )
         self.micro_step = 0  # train batches materialized so far (the data position)
         self.splits: list[TokenSplits] = []
         self.train_windows: WindowSet | None = None

@@ -66,6 +66,9 @@ class IndexSampler:
     batches that caused a loss spike) are never drawn again; the exclusion set is part of the state.
     """
 
+    min_block_size = 1  # the fewest tokens per window (data.block_size) it can learn from; LMDataModule checks it
+    min_block_size_reason = ""  # why, for the error message
+
     def __init__(self) -> None:
         self.num_samples = 0
         self.seed = 0

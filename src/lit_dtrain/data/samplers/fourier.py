@@ -53,6 +53,12 @@ class FourierSampler(IndexSampler):
 
     BLOCK = 256  # samples per block of the two-level sampling CDF
 
+    min_block_size = 2
+    min_block_size_reason = (
+        "it scores a window by the rfft of its T token losses, whose T // 2 frequency bins besides the mean (bin 0) "
+        "are the spectrum: T = 1 has none"
+    )
+
     def __init__(
         self,
         max_freq: int | None = None,
