@@ -470,6 +470,9 @@ def test_missing_updates_fail_loudly():
 
 
 def test_bad_arguments_name_the_key():
+    # it was 'log_every_n_steps must be positive, got 0', not naming the class (AdaptiveGradClip takes the key too)
+    with pytest.raises(ValueError, match=r"^FourierSamplerCallback: log_every_n_steps must be positive, got 0$"):
+        FourierSamplerCallback(log_every_n_steps=0)
     with pytest.raises(ValueError, match="score"):
         FourierSampler(score="spectral")
     with pytest.raises(ValueError, match="variant"):

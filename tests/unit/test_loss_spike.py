@@ -200,6 +200,12 @@ def test_bad_arguments_fail_loudly() -> None:
         LossSpikeMonitor(raise_after=0)
     with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_window must be >= 1, got 0"):
         LossSpikeMonitor(raise_window=0)
+    # the EMA decays are checked by RobustStat, under LossSpikeMonitor and AdaptiveGradClip: name it (it was
+    # 'decay must be in (0, 1), got 1.5', no class)
+    with pytest.raises(ValueError, match=r"^RobustStat: decay must be in \(0, 1\), got 1.5$"):
+        LossSpikeMonitor(decay=1.5)
+    with pytest.raises(ValueError, match=r"^RobustStat: scale_decay must be in \(0, 1\), got 0.0$"):
+        RobustStat(scale_decay=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class RobustStat:
         scale_decay = decay if scale_decay is None else scale_decay
         for name, value in (("decay", decay), ("scale_decay", scale_decay)):
             if not 0.0 < value < 1.0:
-                raise ValueError(f"{name} must be in (0, 1), got {value}")
+                raise ValueError(f"RobustStat: {name} must be in (0, 1), got {value}")
         if window < 3:
             raise ValueError(f"window must be >= 3, got {window}")
         if warmup < 2:

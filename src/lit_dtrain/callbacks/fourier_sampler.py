@@ -45,7 +45,7 @@ class FourierSamplerCallback(L.Callback):
 
     def __init__(self, log_every_n_steps: int | None = None, apply_lr_multiplier: bool = True) -> None:
         if log_every_n_steps is not None and int(log_every_n_steps) <= 0:
-            raise ValueError(f"log_every_n_steps must be positive, got {log_every_n_steps}")
+            raise ValueError(f"FourierSamplerCallback: log_every_n_steps must be positive, got {log_every_n_steps}")
         self.log_every_n_steps = log_every_n_steps
         self.apply_lr_multiplier = apply_lr_multiplier
         self._hooks: list = []
