@@ -8,17 +8,22 @@ file's columns over. A new metric (a wider header) rewrites the file atomically,
 ``TensorBoardLogger`` already has ``purge_step``; ``train()`` passes
 ``purge_step=<resumed step>`` to either. (The Trainer calls ``logger.save()`` after every ``log_metrics``,
 which writes CSV rows and flushes TensorBoard's writer, so a SIGKILL loses nothing already logged.)
+
+:class:`ConfigHparams`: the run's resolved config in TensorBoard's HParams view, written once per run dir (a
+resumed run does not add a second entry).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import mmap
 import os
 from pathlib import Path
 
+import lightning as L
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 log = logging.getLogger(__name__)
@@ -100,3 +105,61 @@ class ResumableCSVLogger(CSVLogger):
         self._fs.makedirs(self.root_dir, exist_ok=True)
         self._experiment = _ResumableExperimentWriter(self.log_dir, self.purge_step)
         return self._experiment
+
+
+def flat_hparams(config: dict | list, prefix: str = "") -> dict[str, bool | int | float | str]:
+    """The scalar leaves of a plain (resolved) config, keyed by their dotted path (``optimizer.lr``; list items by
+    index: ``optimizer.betas.0``). Null leaves are left out: TensorBoard has no null value, and the string 'None'
+    would turn a numeric column of a sweep (``gradient_clip_val=null,1.0``) into text; an empty cell says it."""
+    items = config.items() if isinstance(config, dict) else enumerate(config)
+    flat: dict[str, bool | int | float | str] = {}
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            flat.update(flat_hparams(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        elif value is not None:
+            flat[name] = str(value)
+    return flat
+
+
+_SESSION_START_TAG = b"_hparams_/session_start_info"  # tensorboard.plugins.hparams.metadata.SESSION_START_INFO_TAG
+
+
+class ConfigHparams(L.Callback):
+    """Writes ``hparams`` (e.g. :func:`flat_hparams` of the resolved config) to each ``TensorBoardLogger`` as an
+    HParams session (a ``SessionStartInfo``, TensorBoard's ``hparams_pb``), at the start of training on rank 0.
+
+    Lightning's ``log_hyperparams`` writes the module's saved hyperparameters, which ``LitLLM`` has none of, and
+    with ``metrics`` logs them as scalars at step 0, a point on the ``val/loss`` curve. Only the session is written
+    here, no experiment summary: TensorBoard then builds the table's columns from every run's session (a sweep over
+    ``data/sampler=random,fourier`` shows the keys of both; one run's experiment summary would define the columns of
+    all) and its metric columns from the runs' scalars: the last ``val/loss`` is the final validation's. A run dir
+    whose event files already hold a session (a resumed run) gets none: TensorBoard keeps the first per run and
+    ignores the rest, so the table shows the config the run was started with."""
+
+    def __init__(self, hparams: dict) -> None:
+        self.hparams = hparams
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and not has_hparams_session(logger.log_dir):
+                logger.experiment._get_file_writer().add_summary(hparams_pb(self.hparams))
+                logger.experiment.flush()
+
+
+def has_hparams_session(log_dir: str | os.PathLike) -> bool:
+    """Whether a TensorBoard event file in ``log_dir`` holds an HParams session (a byte search: TensorBoard itself
+    would parse every event of every file)."""
+    for path in Path(log_dir).glob("events.out.tfevents.*"):
+        if path.stat().st_size == 0:
+            continue
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data.find(_SESSION_START_TAG) >= 0:
+                return True
+    return False

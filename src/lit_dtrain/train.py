@@ -36,7 +36,7 @@ from lit_dtrain.checkpoint import (
     safe_torch_load,
 )
 from lit_dtrain.config_resolvers import RequiredValueError
-from lit_dtrain.loggers import ResumableCSVLogger
+from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
@@ -670,6 +670,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
     callbacks = [_LogStepSync(), *callbacks, clock]
+    if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
+        callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
         for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):
             log.warning("removed %s, left by a process killed while writing a checkpoint", tmp)

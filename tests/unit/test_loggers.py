@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from lit_dtrain.loggers import ResumableCSVLogger, purge_csv_metrics
+from lit_dtrain.loggers import ResumableCSVLogger, flat_hparams, purge_csv_metrics
 
 
 def rows(path):
@@ -70,3 +70,93 @@ def test_a_write_that_fails_while_a_new_column_widens_the_file_keeps_the_history
     got = rows(path)
     assert [int(r["step"]) for r in got] == [0, 1, 2, 3, 4, 5, 6]
     assert got[-1]["val/loss"] == "6.0" and got[0]["val/loss"] == ""
+
+
+def hparams_table(logdir):
+    """TensorBoard's HParams table for ``logdir``, computed by its own plugin: {session run: (hparams, metrics)}."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment, list_session_groups
+
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
+    tb_context = base_plugin.TBContext(logdir=str(logdir), multiplexer=mux, data_provider=provider)
+    backend = backend_context.Context(tb_context)
+    ctx = context.RequestContext()
+    experiment = get_experiment.Handler(ctx, backend, "", api_pb2.GetExperimentRequest()).run()
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=100, allowed_statuses=[api_pb2.STATUS_UNKNOWN])
+    for info in experiment.hparam_infos:
+        request.col_params.add(hparam=info.name)
+    for info in experiment.metric_infos:
+        request.col_params.add(metric=info.name)
+    table = {}
+    for group in list_session_groups.Handler(ctx, backend, "", request).run().session_groups:
+        values = {k: getattr(v, v.WhichOneof("kind")) for k, v in group.hparams.items()}
+        metrics = {m.name.tag: m.value for m in group.metric_values}
+        for session in group.sessions:
+            table[session.name] = (values, metrics)
+    return table
+
+
+def test_flat_hparams_keys_the_scalar_leaves_by_their_path():
+    config = {
+        "optimizer": {"lr": 1e-3, "betas": [0.9, 0.95], "_target_": "x.adamw"},
+        "ckpt_path": None,
+        "module": {"compile": False},
+        "data": {"sources": [{"name": "a", "weight": 1}]},
+        "empty": {},
+    }
+    assert flat_hparams(config) == {
+        "optimizer.lr": 1e-3,
+        "optimizer.betas.0": 0.9,
+        "optimizer.betas.1": 0.95,
+        "optimizer._target_": "x.adamw",
+        "module.compile": False,
+        "data.sources.0.name": "a",
+        "data.sources.0.weight": 1,
+    }
+
+
+def test_the_config_is_in_tensorboards_hparams_table_once_per_run_with_the_final_val_loss(tiny_cfg, tmp_path):
+    """The config was only in config_resolved.yaml: TensorBoard's HParams view showed nothing to compare runs by."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_dtrain.train import train
+
+    common = ("sample.max_new_tokens=0", "trainer.max_steps=4")
+    train(tiny_cfg(*common, "optimizer.lr=1e-3", run="runs/a"))
+    train(tiny_cfg(*common, "optimizer.lr=3e-3", run="runs/b"))
+    # b resumed to 6 steps: its TensorBoard dir gets a second event file, and no second session
+    train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=6", "optimizer.lr=3e-3", "resume=auto", run="runs/b"))
+    table = hparams_table(tmp_path / "runs")
+    assert sorted(table) == ["a/tb", "b/tb"]
+    for run, lr, steps in (("a", 1e-3, 4), ("b", 3e-3, 4)):
+        hparams, metrics = table[f"{run}/tb"]
+        assert hparams["optimizer.lr"] == lr and hparams["model.n_layer"] == 2 and hparams["module.compile"] is False
+        assert hparams["optimizer._target_"] == "lit_dtrain.optim.adamw" and hparams["data.sources.0.name"] == "text"
+        assert hparams["trainer.max_steps"] == steps  # b: the config it was started with
+        assert "ckpt_path" not in hparams  # null
+        summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+        assert metrics["val/loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # the final validation's
+    assert len(list((tmp_path / "runs" / "b" / "tb").glob("events.out.tfevents.*"))) > 1
+    event_files = (tmp_path / "runs" / "b" / "tb").glob("events.out.tfevents.*")
+    assert sum(p.read_bytes().count(b"_hparams_/session_start_info") for p in event_files) == 1
+    accumulator = EventAccumulator(str(tmp_path / "runs" / "b" / "tb"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("val/loss")] == [2, 5, 6]  # none added at step 0 (4: purged)
+
+
+@pytest.mark.parametrize("logger", ["csv", "none"])
+def test_runs_without_tensorboard_train_and_write_no_hparams(logger, tiny_cfg, tmp_path):
+    from lit_dtrain.train import train
+
+    metrics, _ = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=3", f"logger={logger}"))
+    assert metrics["steps"] == 3
+    assert not (tmp_path / "run" / "tb").exists()
+    if logger == "csv":
+        assert "val/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text().splitlines()[0]
