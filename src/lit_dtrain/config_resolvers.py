@@ -3,12 +3,20 @@
 ``${lit.warmup:${trainer.max_steps}}`` is the default warmup: 100 steps, or a tenth of a shorter run,
 so that ``python train.py trainer.max_steps=10`` works without also setting the warmup.
 
+``${lit.launch_run_name:<timestamp>}`` is the default ``run_name``: the timestamp, or under a launcher that starts
+every rank itself (``srun`` with several tasks, ``torchrun``) an id of the launch that every rank reads from its
+environment, so that all ranks name the same run dir without communicating (each one composes the config on its
+own, and ranks that start in different seconds wrote different run dirs).
+
 ``${lit.required:"message"}`` marks a key that a config needs from the command line (an experiment cannot
 mark it ``???``: a missing value does not override the root's default in a merge). Reading the key raises
 :class:`RequiredValueError` with the message until an override replaces it.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -27,9 +35,31 @@ def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int
     return min(int(cap), max(1, int(float(fraction) * int(max_steps))))
 
 
+def launch_run_name(timestamp: str) -> str:
+    """``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` in an ``srun`` step of several tasks, ``torchrun-<TORCHELASTIC_RUN_ID>``
+    in a ``torchrun`` launch of several processes (its ``--rdzv-id``, a new uuid with ``--standalone``; torchrun's
+    default ``none`` names nothing), else ``timestamp``. Characters other than letters, digits, ``.``, ``_`` and
+    ``-`` become ``_``: the name is a directory."""
+    env = os.environ
+
+    def count(key: str) -> int:
+        value = env.get(key, "")
+        return int(value) if value.isdigit() else 1
+
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") and count("SLURM_STEP_NUM_TASKS") > 1:
+        name = f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    elif env.get("TORCHELASTIC_RUN_ID", "none") != "none" and count("WORLD_SIZE") > 1:
+        name = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    else:
+        return timestamp
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("lit.warmup"):
         OmegaConf.register_new_resolver("lit.warmup", default_warmup)
+    if not OmegaConf.has_resolver("lit.launch_run_name"):
+        OmegaConf.register_new_resolver("lit.launch_run_name", launch_run_name)
     if not OmegaConf.has_resolver("lit.required"):
         OmegaConf.register_new_resolver("lit.required", required)
 

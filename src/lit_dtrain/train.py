@@ -378,8 +378,8 @@ _DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: $
 
 
 def _default_run_name(cfg: DictConfig) -> bool:
-    """Whether ``run_name`` is still conf/train.yaml's ``${now:...}`` timestamp, i.e. nobody gave one (a name given
-    on the command line replaces the interpolation, even one that looks like a timestamp)."""
+    """Whether ``run_name`` is still conf/train.yaml's default (the ``${now:...}`` timestamp, or a launcher's id), i.e.
+    nobody gave one (a name given on the command line replaces the interpolation, even one that looks like it)."""
     raw = OmegaConf.to_container(cfg, resolve=False).get("run_name")
     return isinstance(raw, str) and "${now:" in raw
 
@@ -434,10 +434,11 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if cfg.get("resume") == "auto":
         run_name = str(cfg.get("run_name"))
         if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg):
-            # a single run under the default run_name (a new timestamp each time): there is never anything to resume
+            # a single run under the default run_name (a new one each start or launch): nothing to resume
             raise ConfigError(
-                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's timestamp "
-                f"({run_name}), a new run dir that holds no checkpoint; or give ckpt_path=PATH"
+                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
+                f"({run_name}: its start time, or its srun/torchrun launch), a new run dir that holds no checkpoint; "
+                "or give ckpt_path=PATH"
             )
         sweep_dir = Path(str(cfg.paths.output_dir)).parent
         if _created_by_this_start(sweep_dir):

@@ -4,6 +4,7 @@ itself and Lightning reads the ranks from torchrun's environment instead of laun
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -41,3 +42,32 @@ def test_torchrun_two_ranks_train_and_resume_exactly(tmp_path, corpus):
     summaries = {name: json.loads((runs / name / "summary.json").read_text()) for name in ("straight", "split")}
     assert summaries["split"]["steps"] == 6
     assert summaries["split"]["val_loss"] == summaries["straight"]["val_loss"]
+
+
+def test_torchrun_without_run_name_gives_every_rank_the_same_run_dir(tmp_path, corpus):
+    """Each rank composes the config itself, and the default run_name was each process's start time: rank 1,
+    started here 1.2 s after rank 0 (a sitecustomize on its path sleeps), wrote a run dir of its own (its .hydra/
+    and train.log). The default is now torchrun's run id (a uuid under --standalone), the same on both ranks."""
+    delay = tmp_path / "delay_rank1"
+    delay.mkdir()
+    (delay / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '1' and os.environ.get('TORCHELASTIC_RUN_ID'):\n"
+        "    time.sleep(1.2)\n"
+    )
+    env = subprocess_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(delay), env["PYTHONPATH"]])
+    args = [
+        *TINY,
+        "data=textfiles",
+        f"data.sources.0.paths=[{corpus}]",
+        "trainer=ddp_cpu",
+        "trainer.max_steps=2",
+        "sample.max_new_tokens=0",
+        "trainer.enable_progress_bar=false",
+    ]
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
+    proc = subprocess.run([*launch, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs
+    assert json.loads((tmp_path / "outputs" / "runs" / runs[0] / "summary.json").read_text())["steps"] == 2

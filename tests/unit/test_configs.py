@@ -428,3 +428,46 @@ def test_a_run_name_that_is_not_utf8_text_fails_before_compute(tiny_cfg):
         check_config(cfg)
     cfg.run_name = "expé_✓"
     check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({}, "stamp"),
+        ({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "8"}, "slurm-123.4"),
+        ({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "1"}, "stamp"),  # one task
+        ({"SLURM_JOB_ID": "123", "SLURM_NTASKS": "8"}, "stamp"),  # the batch script itself, not an srun step
+        ({"TORCHELASTIC_RUN_ID": "5b3c-9f", "WORLD_SIZE": "2"}, "torchrun-5b3c-9f"),
+        ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, "stamp"),  # torchrun's default --rdzv-id
+        ({"TORCHELASTIC_RUN_ID": "job/7", "WORLD_SIZE": "16"}, "torchrun-job_7"),
+        ({"TORCHELASTIC_RUN_ID": "5b3c", "WORLD_SIZE": "1"}, "stamp"),
+    ],
+)
+def test_the_default_run_name_is_the_launchs_id_under_srun_and_torchrun(env, name, monkeypatch):
+    """Under a launcher every rank composes the config itself: the start-time default differed between ranks that
+    started in different seconds, and rank 1 wrote a run dir of its own (tests/e2e/test_torchrun.py)."""
+    from lit_dtrain.config_resolvers import launch_run_name
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch_run_name("stamp") == name
+
+
+def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path, corpus):
+    """It names the launch, not a run to continue: resume=auto still needs run_name=..."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import _default_run_name, resolve_ckpt_path
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    assert cfg.run_name == "torchrun-abc" and _default_run_name(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "runs" / "torchrun-abc")
+        cfg.paths.checkpoint_dir = str(tmp_path / "runs" / "torchrun-abc" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"resume=auto needs run_name=.*\(torchrun-abc: its start time, or its"):
+        resolve_ckpt_path(cfg)
+    assert not _default_run_name(compose_cfg(["run_name=torchrun-abc"], tmp_path / "x", corpus))
