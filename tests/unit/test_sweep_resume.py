@@ -1,0 +1,64 @@
+"""``resume=auto`` in a Hydra multirun: job N resumes ``<sweep dir>/N`` only if it was trained with the same swept
+values (``lit_dtrain.sweeps.check_resumed_job``). The jobs run in-process under a Hydra runtime config set up the
+way Hydra's multirun sets it (mode, job dir, this start's ``multirun.yaml``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import CONF_DIR, TINY
+
+
+@contextlib.contextmanager
+def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path):
+    """The config of one job of ``python <entry> -m *sweep``, which Hydra expanded to ``job``, with Hydra's runtime
+    config set as in that job (``multirun.yaml`` of this start beside the job dir)."""
+    base = [*TINY, "sample.max_new_tokens=0", "data=textfiles", f"data.sources.0.paths=[{corpus}]"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        full = compose(config_name="train", overrides=base + job, return_hydra_config=True)
+    with open_dict(full):
+        full.hydra.mode = RunMode.MULTIRUN
+        full.hydra.runtime.output_dir = str(job_dir)
+        full.hydra.overrides.task = base + job
+        full.paths.output_dir = str(job_dir)
+        full.paths.cache_dir = str(job_dir.parent.parent / "token_cache")
+    job_dir.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save({"hydra": {"overrides": {"task": base + sweep}}}, job_dir.parent / "multirun.yaml")
+    HydraConfig.instance().set_config(full)
+    try:
+        cfg = full.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+def test_train_called_from_another_hydra_entry_refuses_a_job_dir_trained_with_other_swept_values(tmp_path, corpus):
+    """A Hydra app of one's own that calls ``lit_dtrain.train.train(cfg)`` (train(cfg) is the library's entry point)
+    got none of the sweep checks, which lived in the root train.py: re-running '-m optimizer.lr=3e-3,1e-3 resume=auto'
+    into a sweep run as '1e-3,3e-3' made job 0 resume the lr=1e-3 run and train on with lr=3e-3. train(cfg) refuses
+    it now, in any Hydra multirun, and the earlier run is untouched."""
+    job0 = tmp_path / "sweep" / "0"
+    with multirun_job(job0, ["optimizer.lr=1e-3,3e-3"], ["optimizer.lr=0.001"], corpus) as cfg:
+        train(cfg)
+    assert json.loads((job0 / "summary.json").read_text())["steps"] == 6
+    resumed = ["resume=auto", "trainer.max_steps=9"]
+    with multirun_job(job0, ["optimizer.lr=3e-3,1e-3", *resumed], ["optimizer.lr=0.003", *resumed], corpus) as cfg:
+        with pytest.raises(
+            ConfigError,
+            match=rf"resume=auto: {job0} was trained with optimizer.lr=0.001, this job "
+            "sets optimizer.lr=0.003",
+        ):
+            train(cfg)
+    assert json.loads((job0 / "summary.json").read_text())["steps"] == 6
+    assert OmegaConf.load(job0 / "config_resolved.yaml").optimizer.lr == 0.001
