@@ -32,30 +32,49 @@ def check_resumed_job(cfg: DictConfig) -> None:
     swept |= set(hc.sweeper.get("params") or {})
     old = OmegaConf.load(old_file)
     for key in sorted(swept):
-        before, now = _comparable(OmegaConf.select(old, key), OmegaConf.select(cfg, key))
-        if before != now:
+        diffs = _differences(
+            _plain(OmegaConf.select(old, key)),
+            _plain(OmegaConf.select(cfg, key)),
+            _plain(OmegaConf.select(cfg, key), resolve=False),
+            key,
+        )
+        if diffs:
             from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
 
+            (where, before, now), more = diffs[0], len(diffs) - 1
             raise ConfigError(
-                f"resume=auto: {old_file.parent} was trained with {key}={_show(before)}, this job sets "
-                f"{key}={_show(now)}: job N resumes <sweep dir>/N, so re-run the sweep with the same -m arguments in "
-                "the same order (or resume into another hydra.sweep.dir)"
+                f"resume=auto: {old_file.parent} was trained with {where}={_show(before)}, this job sets "
+                f"{where}={_show(now)}{f' (and {more} more under {key})' if more else ''}: job N resumes "
+                "<sweep dir>/N, so re-run the sweep with the same -m arguments in the same order (or resume into "
+                "another hydra.sweep.dir)"
             )
 
 
-def _comparable(old, new):
-    """The earlier run's resolved value and this job's, as plain values; for a config group, without the entries
-    this job interpolates (``total_steps: ${trainer.max_steps}`` follows a resume's longer max_steps)."""
-    plain_old = OmegaConf.to_container(old, resolve=True) if isinstance(old, (DictConfig, ListConfig)) else old
-    if not isinstance(new, DictConfig):
-        return plain_old, OmegaConf.to_container(new, resolve=True) if isinstance(new, ListConfig) else new
-    raw = OmegaConf.to_container(new, resolve=False)
-    skip = {k for k, v in raw.items() if isinstance(v, str) and "${" in v}
-    plain_new = {k: v for k, v in OmegaConf.to_container(new, resolve=True).items() if k not in skip}
-    if isinstance(plain_old, dict):
-        plain_old = {k: v for k, v in plain_old.items() if k not in skip}
-    return plain_old, plain_new
+_UNSET = object()  # an entry one of the two configs does not have
+
+
+def _plain(value, resolve: bool = True):
+    return OmegaConf.to_container(value, resolve=resolve) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _differences(old, new, raw, key: str) -> list[tuple[str, object, object]]:
+    """``(dotted key, earlier value, this job's value)`` of each entry that differs between the earlier run's
+    resolved config and this job's, leaving out the entries this job interpolates (``raw``, its unresolved
+    config), at any depth: ``callbacks.wsd.total_steps: ${trainer.max_steps}`` follows a resume's longer
+    max_steps. A node whose ``_target_`` differs is one difference (``scheduler``: wsd vs cosine)."""
+    if isinstance(raw, str) and "${" in raw:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict) and old.get("_target_") == new.get("_target_"):
+        raw = raw if isinstance(raw, dict) else {}
+        return [
+            diff
+            for k in sorted(old.keys() | new.keys(), key=str)
+            for diff in _differences(old.get(k, _UNSET), new.get(k, _UNSET), raw.get(k), f"{key}.{k}")
+        ]
+    return [] if old == new else [(key, old, new)]
 
 
 def _show(value) -> str:
+    if value is _UNSET:
+        return "(not set)"
     return value.get("_target_", str(value)) if isinstance(value, dict) else str(value)

@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
+from lit_dtrain.sweeps import check_resumed_job
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import CONF_DIR, TINY
 
@@ -22,7 +23,8 @@ from tests.conftest import CONF_DIR, TINY
 def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path):
     """The config of one job of ``python <entry> -m *sweep``, which Hydra expanded to ``job``, with Hydra's runtime
     config set as in that job (``multirun.yaml`` of this start beside the job dir)."""
-    base = [*TINY, "sample.max_new_tokens=0", "data=textfiles", f"data.sources.0.paths=[{corpus}]"]
+    tiny = [o for o in TINY if not (o.startswith("scheduler.") and "~scheduler" in job)]
+    base = [*tiny, "sample.max_new_tokens=0", "data=textfiles", f"data.sources.0.paths=[{corpus}]"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         full = compose(config_name="train", overrides=base + job, return_hydra_config=True)
     with open_dict(full):
@@ -62,3 +64,29 @@ def test_train_called_from_another_hydra_entry_refuses_a_job_dir_trained_with_ot
             train(cfg)
     assert json.loads((job0 / "summary.json").read_text())["steps"] == 6
     assert OmegaConf.load(job0 / "config_resolved.yaml").optimizer.lr == 0.001
+
+
+def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_names_the_callback(tmp_path, corpus):
+    """'-m ~scheduler callbacks=[default,wsd],[default,wsd,loss_spike]', resumed with resume=auto and a longer
+    trainer.max_steps (the extension the check lets through for scheduler=wsd,cosine) was refused for every job:
+    the callbacks group was compared without its own interpolated entries only, and callbacks.wsd.total_steps
+    (${trainer.max_steps}) lies one level down. The refusal printed both whole callbacks dicts (over 1,500
+    characters). Interpolated entries are skipped at any depth now, and a refusal names the entry that differs."""
+    sweep = ["~scheduler", "callbacks=[default,wsd],[default,wsd,loss_spike]"]
+    job1 = tmp_path / "sweep" / "1"
+    with multirun_job(job1, sweep, ["~scheduler", "callbacks=[default,wsd,loss_spike]"], corpus) as cfg:
+        job1.mkdir(parents=True)
+        (job1 / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as train(cfg) writes it
+    longer = ["resume=auto", "trainer.max_steps=9"]
+    job = ["~scheduler", "callbacks=[default,wsd,loss_spike]", *longer]
+    with multirun_job(job1, sweep + longer, job, corpus) as cfg:
+        check_resumed_job(cfg)  # the same job, extended: resumed
+    reordered = ["~scheduler", "callbacks=[default,wsd,loss_spike],[default,wsd]", *longer]
+    with multirun_job(job1, reordered, ["~scheduler", "callbacks=[default,wsd]", *longer], corpus) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            check_resumed_job(cfg)
+    assert str(refused.value) == (
+        f"resume=auto: {job1} was trained with callbacks.loss_spike=lit_dtrain.callbacks.LossSpikeMonitor, this job "
+        "sets callbacks.loss_spike=(not set): job N resumes <sweep dir>/N, so re-run the sweep with the same -m "
+        "arguments in the same order (or resume into another hydra.sweep.dir)"
+    )
