@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Compare runs from their TensorBoard event files (or ``logger=csv``'s metrics.csv): a PNG of val loss (or any
-scalar) against step, and a markdown table of final and best values.
+scalar) against step, and a markdown table of final and best values per metric.
 
     python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
     python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
@@ -9,7 +9,8 @@ scalar) against step, and a markdown table of final and best values.
 A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
 dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
 (``overrides.yaml``, written by ``train.py`` when it trains; ``.hydra/overrides.yaml`` for older runs), else from the
-dir names. The last line printed is one JSON object.
+dir names. The last line printed is one JSON object: ``runs`` (each with the first metric's values and ``by_metric``,
+every metric's), ``best`` (by the first metric) and ``best_by_metric``.
 """
 
 from __future__ import annotations
@@ -292,16 +293,29 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = ()) -> s
             continue
         comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
         gap = f"{(r['final'] / ref - 1) * 100:+.2f}%" if comparable else "-"
-        best = f"{r['best']:.4f} ({r['best_step']})" if r["best_step"] is not None else "-"
+        best = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
-        lines.append(f"| {r['label']} | {step} | {r['final']:.4f} | {best} | {gap} |")
+        lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
     for job in skipped:
         status = (f"failed: {_cell(job['error'])}" if job.get("error")
                   else "no metrics logged (not started, or stopped before logging)")
         lines.append(f"| {job['label']} | {status} | - | - | - |")
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """4 decimals (losses, bytes), or 4 significant digits for a value under 0.01 (an LR: 3e-05, not 0.0000)."""
+    return f"{value:.4f}" if value == 0 or not math.isfinite(value) or abs(value) >= 0.01 else f"{value:.4g}"
+
+
+_SUMMARY_KEYS = ("final_step", "final", "best", "best_step", "missing")
+
+
+def metric_rows(rows: list[dict], metric: str) -> list[dict]:
+    """``rows`` with ``metric``'s final and best values (from ``by_metric``) in place of the first metric's."""
+    return [{**{k: v for k, v in r.items() if k not in _SUMMARY_KEYS}, **r["by_metric"][metric]} for r in rows]
 
 
 def _cell(text: str, limit: int = 100) -> str:
@@ -379,10 +393,20 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         if done is False:
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
-        rows.append({"label": label, "dir": str(run), "finished": done, **({"error": error} if error else {}),
-                     **summarize(scalars.get(metrics[0], [])),
-                     **({"missing": True} if metrics[0] not in scalars else {})})
-    text = markdown_table(rows, metrics[0], skipped_jobs)
+        by_metric = {
+            m: {**summarize(scalars.get(m, [])), **({"missing": True} if m not in scalars else {})} for m in metrics
+        }
+        rows.append(
+            {
+                "label": label,
+                "dir": str(run),
+                "finished": done,
+                **({"error": error} if error else {}),
+                **by_metric[metrics[0]],
+                "by_metric": by_metric,
+            }
+        )
+    text = "\n".join(markdown_table(metric_rows(rows, m), m, skipped_jobs) for m in metrics)  # a blank line between
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)
         Path(table).write_text(text)
@@ -390,17 +414,31 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         if not Path(out).suffix:  # matplotlib would append .png itself; report the file actually written
             out = f"{out}.png"
         plot(curves, metrics, Path(out), title=title, logy=logy)
-    best = best_row(rows)["label"] if best_row(rows) else None
-    return {"metric": metrics[0], "runs": rows, "best": best, "png": out, "table": table, "skipped": skipped,
-            "skipped_jobs": skipped_jobs, "markdown": text}
+    best_by_metric = {m: best["label"] if (best := best_row(metric_rows(rows, m))) else None for m in metrics}
+    return {
+        "metric": metrics[0],
+        "runs": rows,
+        "best": best_by_metric[metrics[0]],
+        "png": out,
+        "table": table,
+        "skipped": skipped,
+        "skipped_jobs": skipped_jobs,
+        "metrics": metrics,
+        "best_by_metric": best_by_metric,
+        "markdown": text,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run dirs, or sweep dirs whose job subdirs are runs")
-    parser.add_argument("--metric", action="append", default=None,
-                        help="scalar tag to plot (repeatable; one panel each; the first one is tabulated). "
-                             "Default: val/loss")
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=None,
+        help="scalar tag to plot and tabulate (repeatable; one panel and one table each; the first one picks the "
+        "JSON's 'best'). Default: val/loss",
+    )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")
     parser.add_argument("--table", default=None, help="also write the markdown table to this file")

@@ -421,3 +421,50 @@ def test_only_files_given_says_so(tmp_path):
     match = r"no run dir among the arguments: .*last.ckpt' is a file; give the run dir that holds it \(e.g. outputs/"
     with pytest.raises(compare_runs.CompareError, match=match):
         compare_runs.compare([str(ckpt)], ["val/loss"])
+
+
+def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
+    """`--metric val/loss --metric comm/bytes_per_step_avg` (the compression sweep's command) plotted both but
+    tabulated val/loss only: the bytes each preset sends, the point of that sweep, were in the PNG alone, and the
+    JSON line had no value of the second metric. Each --metric has a table now (final and best per run, gap to the
+    best run by that metric) and a value per run in the JSON; its keys for the first metric are as before. Values
+    under 0.01 keep 4 significant digits (an LR of 3e-05 read 0.0000)."""
+    runs = {
+        "a": ({10: 3.0, 20: 2.5}, {10: 4000.0, 20: 4000.0}, 1e-3),
+        "b": ({10: 3.1, 20: 2.6}, {10: 1000.0, 20: 1016.0}, 3e-5),
+    }
+    for name, (loss, sent, lr) in runs.items():
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step in (10, 20):
+            w.add_scalar("val/loss", loss[step], step)
+            w.add_scalar("comm/bytes_per_step_avg", sent[step], step)
+            w.add_scalar("lr-AdamW/decay", lr, step)
+        w.close()
+    table = tmp_path / "t.md"
+    metrics = ["val/loss", "comm/bytes_per_step_avg", "lr-AdamW/decay"]
+    args = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c.png"), "--table", str(table)]
+    assert compare_runs.main(args + [arg for m in metrics for arg in ("--metric", m)]) == 0
+    assert table.read_text() == (
+        "| run | final step | final val/loss | best val/loss (step) | vs best final |\n"
+        "|---|---:|---:|---:|---:|\n"
+        "| a | 20 | 2.5000 | 2.5000 (20) | +0.00% |\n"
+        "| b | 20 | 2.6000 | 2.6000 (20) | +4.00% |\n"
+        "\n"
+        "| run | final step | final comm/bytes_per_step_avg | best comm/bytes_per_step_avg (step) | vs best final |\n"
+        "|---|---:|---:|---:|---:|\n"
+        "| a | 20 | 4000.0000 | 4000.0000 (10) | +293.70% |\n"
+        "| b | 20 | 1016.0000 | 1000.0000 (10) | +0.00% |\n"
+        "\n"
+        "| run | final step | final lr-AdamW/decay | best lr-AdamW/decay (step) | vs best final |\n"
+        "|---|---:|---:|---:|---:|\n"
+        "| a | 20 | 0.001 | 0.001 (10) | +3233.33% |\n"
+        "| b | 20 | 3e-05 | 3e-05 (10) | +0.00% |\n"
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["metric"], result["best"]) == ("val/loss", "a")  # the first metric's keys, as before
+    rows = {r["label"]: r for r in result["runs"]}
+    assert (rows["a"]["final"], rows["a"]["best_step"]) == (pytest.approx(2.5), 20)
+    assert result["metrics"] == metrics
+    assert result["best_by_metric"] == {"val/loss": "a", "comm/bytes_per_step_avg": "b", "lr-AdamW/decay": "b"}
+    bytes_b = rows["b"]["by_metric"]["comm/bytes_per_step_avg"]
+    assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": pytest.approx(1000.0), "best_step": 10}
