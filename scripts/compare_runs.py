@@ -5,6 +5,7 @@ scalar) against step, and a markdown table of final and best values per metric.
     python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
     python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
     python scripts/compare_runs.py RUN... --metric val/loss --metric lr-AdamW/decay   # one panel per metric
+    python scripts/compare_runs.py RUN... --metric train/device/items_per_sec --maximize train/device/items_per_sec
 
 A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
 dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
@@ -223,8 +224,9 @@ def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:
     return f"{short[key]}={value}" if sep and short[key] not in clash else override
 
 
-def summarize(series: list[tuple[int, float]]) -> dict:
-    """Final and best value of one run's series, with their (TensorBoard) steps.
+def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
+    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
+    steps.
 
     Lightning logs a validation during fit at the 0-based index of the last optimizer step (``S - 1`` after
     ``S`` steps), but ``train(cfg)``'s final ``trainer.validate`` at ``S``: when ``S`` is a multiple of
@@ -242,7 +244,7 @@ def summarize(series: list[tuple[int, float]]) -> dict:
     finite = [(s, v) for s, v in series if math.isfinite(v)]
     if not finite:  # diverged from the first point: its steps are still known
         return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
-    best_step, best = min(finite, key=lambda sv: sv[1])
+    best_step, best = (max if maximize else min)(finite, key=lambda sv: sv[1])
     return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
 
 
@@ -260,11 +262,12 @@ def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | N
     return isinstance(steps, int) and last <= steps
 
 
-def best_row(rows: list[dict]) -> dict | None:
-    """The run with the lowest finite final value, among the finished ones when any run is marked unfinished."""
+def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
+    """The run with the lowest (``maximize``: highest) finite final value, among the finished ones when any run is
+    marked unfinished."""
     finite = [r for r in rows if math.isfinite(r["final"])]
     done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
-    return min(done or finite, key=lambda r: r["final"]) if finite else None
+    return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
 
 
 def job_error(job: Path) -> str | None:
@@ -277,13 +280,15 @@ def job_error(job: Path) -> str | None:
     return match.group(1).strip() if match else None
 
 
-def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = ()) -> str:
-    """One row per run: label, final step (marked when the run did not finish), final and best ``metric``, and
-    the final's gap to the best run's; then one row per sweep job that logged nothing, with its error if any."""
-    best = best_row(rows)
+def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maximize: bool = False) -> str:
+    """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
+    highest with ``maximize``), and the final's gap to the best run's; then one row per sweep job that logged
+    nothing, with its error if any."""
+    best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
+    best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
     lines = [
-        f"| run | final step | final {metric} | best {metric} (step) | vs best final |",
+        f"| run | final step | final {metric} | {best_name} (step) | vs best final |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -363,9 +368,21 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
     plt.close(fig)
 
 
-def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None, out: str | None = None,
-            table: str | None = None, title: str = "", logy: bool = False) -> dict:
-    """Read the runs, write the PNG (and table file) and return the JSON-able result."""
+def compare(
+    runs: list[str],
+    metrics: list[str],
+    labels: list[str] | None = None,
+    out: str | None = None,
+    table: str | None = None,
+    title: str = "",
+    logy: bool = False,
+    maximize: list[str] = (),
+) -> dict:
+    """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
+    better higher (tokens/s); the others lower."""
+    for m in maximize:
+        if m not in metrics:
+            raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
     skipped: list[str] = []
     run_dirs = expand_runs(runs, skipped)
     if labels and len(labels) != len(run_dirs):
@@ -394,7 +411,8 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
-            m: {**summarize(scalars.get(m, [])), **({"missing": True} if m not in scalars else {})} for m in metrics
+            m: {**summarize(scalars.get(m, []), m in maximize), **({"missing": True} if m not in scalars else {})}
+            for m in metrics
         }
         rows.append(
             {
@@ -406,7 +424,8 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
                 "by_metric": by_metric,
             }
         )
-    text = "\n".join(markdown_table(metric_rows(rows, m), m, skipped_jobs) for m in metrics)  # a blank line between
+    tables = [markdown_table(metric_rows(rows, m), m, skipped_jobs, m in maximize) for m in metrics]
+    text = "\n".join(tables)  # a blank line between
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)
         Path(table).write_text(text)
@@ -414,7 +433,9 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         if not Path(out).suffix:  # matplotlib would append .png itself; report the file actually written
             out = f"{out}.png"
         plot(curves, metrics, Path(out), title=title, logy=logy)
-    best_by_metric = {m: best["label"] if (best := best_row(metric_rows(rows, m))) else None for m in metrics}
+    best_by_metric = {
+        m: best["label"] if (best := best_row(metric_rows(rows, m), m in maximize)) else None for m in metrics
+    }
     return {
         "metric": metrics[0],
         "runs": rows,
@@ -425,6 +446,7 @@ def compare(runs: list[str], metrics: list[str], labels: list[str] | None = None
         "skipped_jobs": skipped_jobs,
         "metrics": metrics,
         "best_by_metric": best_by_metric,
+        "maximize": list(maximize),
         "markdown": text,
     }
 
@@ -439,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         help="scalar tag to plot and tabulate (repeatable; one panel and one table each; the first one picks the "
         "JSON's 'best'). Default: val/loss",
     )
+    parser.add_argument(
+        "--maximize",
+        action="append",
+        default=[],
+        metavar="METRIC",
+        help="a --metric that is better higher (tokens/s, comm/compression_ratio): its best value and best run are the "
+        "highest (repeatable). The others are better lower",
+    )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")
     parser.add_argument("--table", default=None, help="also write the markdown table to this file")
@@ -446,8 +476,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logy", action="store_true", help="log-scale y axis")
     args = parser.parse_args(argv)
     try:
-        result = compare(args.runs, args.metric or ["val/loss"], args.labels.split(",") if args.labels else None,
-                         args.out, args.table, args.title, args.logy)
+        result = compare(
+            args.runs,
+            args.metric or ["val/loss"],
+            args.labels.split(",") if args.labels else None,
+            args.out,
+            args.table,
+            args.title,
+            args.logy,
+            args.maximize,
+        )
     except CompareError as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)
         print(json.dumps({"error": str(e)}))

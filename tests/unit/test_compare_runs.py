@@ -468,3 +468,30 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
     assert result["best_by_metric"] == {"val/loss": "a", "comm/bytes_per_step_avg": "b", "lr-AdamW/decay": "b"}
     bytes_b = rows["b"]["by_metric"]["comm/bytes_per_step_avg"]
     assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": pytest.approx(1000.0), "best_step": 10}
+
+
+def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path, capsys):
+    """A sweep of activation-checkpointing policies compared by `--metric train/device/items_per_sec` (tokens/s):
+    every table ranks by the lowest value, so the slowest run was 'best' and the fastest '+25.00%'. `--maximize
+    METRIC` ranks that metric by its highest value (best column, gap, best_by_metric); a --maximize that is not one
+    of the --metric values is an error that names both."""
+    for name, rate in (("full", {10: 800.0, 20: 810.0}), ("none", {10: 1000.0, 20: 1012.5})):
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step, value in rate.items():
+            w.add_scalar("train/device/items_per_sec", value, step)
+        w.close()
+    metric = "train/device/items_per_sec"
+    args = [str(tmp_path / "full"), str(tmp_path / "none"), "--out", str(tmp_path / "c.png"), "--metric", metric]
+    assert compare_runs.main([*args, "--maximize", metric]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["best"] == "none" and result["best_by_metric"] == {metric: "none"}
+    assert result["maximize"] == [metric]
+    best = [(r["label"], r["best"], r["best_step"]) for r in result["runs"]]
+    assert best == [("full", 810.0, 20), ("none", 1012.5, 20)]
+    assert f"| run | final step | final {metric} | best (highest) {metric} (step) | vs best final |" in out
+    assert "| full | 20 | 810.0000 | 810.0000 (20) | -20.00% |" in out
+    assert "| none | 20 | 1012.5000 | 1012.5000 (20) | +0.00% |" in out
+    wrong = r"--maximize 'val/loss' is not one of the --metric values \['train/device/items_per_sec'\]"
+    with pytest.raises(compare_runs.CompareError, match=wrong):
+        compare_runs.compare(args[:2], [metric], maximize=["val/loss"])
