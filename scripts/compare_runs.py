@@ -73,6 +73,11 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
                 if (path / ".hydra").is_dir():  # e.g. one job of the README's `outputs/multiruns/<time>/*` glob
                     skip(path)
                     continue
+                hydra_jobs = [d for d in subdirs if (d / ".hydra").is_dir()]
+                if hydra_jobs:  # a sweep none of whose jobs logged anything: all failed, or none started
+                    for d in hydra_jobs:
+                        skip(d)
+                    continue
                 raise CompareError(f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) or CSV metrics "
                                    f"({CSV_NAME}) below it")
             runs.append(path)
@@ -82,7 +87,13 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None) -> list[Path
                 if (d / ".hydra").is_dir() and not event_dirs(d):
                     skip(d)
     if not runs and skipped:
-        raise CompareError(f"no run has TensorBoard event files or {CSV_NAME}; skipped {skipped}")
+        jobs = [
+            f"{job} failed: {_cell(error)}"
+            if (error := job_error(Path(job)))
+            else f"{job} logged no error (not started, or stopped before logging)"
+            for job in skipped
+        ]
+        raise CompareError(f"no run has TensorBoard event files or {CSV_NAME}: {'; '.join(jobs)}")
     if not runs and files:  # e.g. a checkpoint
         raise CompareError(
             f"no run dir among the arguments: {files[0]!r} is a file; give the run dir that holds it "

@@ -495,3 +495,27 @@ def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path
     wrong = r"--maximize 'val/loss' is not one of the --metric values \['train/device/items_per_sec'\]"
     with pytest.raises(compare_runs.CompareError, match=wrong):
         compare_runs.compare(args[:2], [metric], maximize=["val/loss"])
+
+
+def test_a_sweep_whose_every_job_failed_names_the_jobs_and_their_errors(tmp_path):
+    """`python train.py -m experiment=wsd_vs_cosine trainer.max_steps=20`: all 6 jobs failed their config check
+    (the experiment's 50 warmup steps exceed 20) before logging. `compare_runs.py <sweep dir>` then said "run dir
+    '<sweep dir>' has no TensorBoard event files ... below it", as if the sweep dir were one run, and nothing of the
+    failures; the README's glob form said 'skipped [<dirs>]' without the errors. Both name each job and its error
+    from its train.log now."""
+    sweep = tmp_path / "sweep"
+    error = "ConfigError: scheduler: warmup_steps + decay_steps must be <= total_steps, got warmup_steps=50"
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={lr}\n")
+        (sweep / job / "train.log").write_text(f"[x][lit_dtrain.train][ERROR] - job {job} failed: {error}\n")
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # not started (the sweep was killed)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    expected = (
+        f"no run has TensorBoard event files or metrics.csv: {sweep / '0'} failed: {error}; {sweep / '1'} failed: "
+        f"{error}; {sweep / '2'} logged no error (not started, or stopped before logging)"
+    )
+    for args in ([str(sweep)], sorted(str(p) for p in sweep.glob("*"))):
+        with pytest.raises(compare_runs.CompareError) as refused:
+            compare_runs.compare(args, ["val/loss"])
+        assert str(refused.value) == expected
