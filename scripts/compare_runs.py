@@ -293,15 +293,16 @@ def job_error(job: Path) -> str | None:
 
 def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maximize: bool = False) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
-    highest with ``maximize``), and the final's gap to the best run's; then one row per sweep job that logged
-    nothing, with its error if any."""
+    highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
+    nothing, with its error if any. A sweep's jobs are listed in job order (:func:`table_order`)."""
     best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
     best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
-    lines = [
+    header = [
         f"| run | final step | final {metric} | {best_name} (step) | vs best final |",
         "|---|---:|---:|---:|---:|",
     ]
+    lines = []
     for r in rows:
         if r.get("missing"):  # the run has not logged the metric at all
             status = f"failed: {_cell(r['error'])}" if r.get("error") else "-"
@@ -318,7 +319,23 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maxi
         status = (f"failed: {_cell(job['error'])}" if job.get("error")
                   else "no metrics logged (not started, or stopped before logging)")
         lines.append(f"| {job['label']} | {status} | - | - | - |")
-    return "\n".join(lines) + "\n"
+    order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped])
+    return "\n".join(header + [lines[i] for i in order]) + "\n"
+
+
+def table_order(dirs: list[str]) -> list[int]:
+    """Indices of ``dirs`` in table order: the jobs of one sweep (numbered subdirs of one dir) by job number, from
+    where the first of them is; any other run where it is. A job that failed before logging is skipped by
+    :func:`expand_runs` and comes after the runs, but its row belongs between its neighbours."""
+    paths = [Path(d) for d in dirs]
+    first: dict[Path, int] = {}
+    for i, path in enumerate(paths):
+        if path.name.isdigit():
+            first.setdefault(path.parent, i)
+    return sorted(
+        range(len(paths)),
+        key=lambda i: (first[paths[i].parent], int(paths[i].name)) if paths[i].name.isdigit() else (i, -1),
+    )
 
 
 def _number(value: float) -> str:

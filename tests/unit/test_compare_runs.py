@@ -519,3 +519,19 @@ def test_a_sweep_whose_every_job_failed_names_the_jobs_and_their_errors(tmp_path
         with pytest.raises(compare_runs.CompareError) as refused:
             compare_runs.compare(args, ["val/loss"])
         assert str(refused.value) == expected
+
+
+def test_the_table_lists_a_sweeps_jobs_in_job_order(tmp_path):
+    """`python train.py -m optimizer.lr=1e-3,-1,1e4,3e-3`: job 1 failed before logging, so its row came after all
+    the runs that logged, below job 3 ('0.001, 10000.0, 0.003, -1'): the grid no longer read in its order. The rows
+    of a sweep's jobs follow the job numbers now; runs given one by one keep the order they were given in."""
+    sweep = tmp_path / "sweep"
+    for job, lr in (("0", "0.001"), ("2", "10000.0"), ("3", "0.003")):
+        write_run(sweep / job, {5: 3.0 - int(job) * 0.1}, overrides=[f"optimizer.lr={lr}"])
+    (sweep / "1" / ".hydra").mkdir(parents=True)
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=-1\n")
+    (sweep / "1" / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 1 failed: ConfigError: lr < 0\n")
+    other = write_run(tmp_path / "runs" / "baseline", {5: 3.5}, overrides=["optimizer.lr=0.01"])
+    result = compare_runs.compare([str(other), str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
+    labels = [line.split(" | ")[0][2:] for line in result["markdown"].splitlines()[2:]]
+    assert labels == [f"optimizer.lr={lr}" for lr in ("0.01", "0.001", "-1", "10000.0", "0.003")]
