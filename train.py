@@ -16,10 +16,6 @@ log = logging.getLogger("lit_dtrain.train")
 def main(cfg: DictConfig) -> float:
     pin_sweep_dir()  # before Lightning re-launches rank 1 (multirun + DDP)
     hc = HydraConfig.get()
-    grid = hc.sweeper.get("params") if hc.mode != RunMode.MULTIRUN else None
-    if grid:  # e.g. `python train.py experiment=wsd_vs_cosine`: Hydra ignores the experiment's grid without -m
-        log.warning("this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one run",
-                    " ".join(f"{k}={v}" for k, v in grid.items()))
     try:
         metrics, _ = train(cfg)
     except Exception as e:

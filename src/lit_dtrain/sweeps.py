@@ -1,11 +1,33 @@
-"""Hydra multirun checks that ``train(cfg)`` runs itself, so that any Hydra entry point calling it gets them, not
-only the root ``train.py``. Each is a no-op outside a Hydra multirun (``train(cfg)`` called from plain Python)."""
+"""Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`), so that any Hydra entry point calling
+it gets them, not only the root ``train.py``. They read Hydra's runtime config and are no-ops without one
+(``train(cfg)`` called from plain Python)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def sweep_checks(cfg: DictConfig) -> None:
+    """Warn when this config sweeps only with ``-m`` and runs without it; refuse a multirun's ``resume=auto`` into a
+    job dir trained with other swept values (:func:`check_resumed_job`). A no-op outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    grid = hc.sweeper.get("params") if hc.mode != RunMode.MULTIRUN else None
+    if grid:  # e.g. `python train.py experiment=wsd_vs_cosine`: Hydra ignores the experiment's grid without -m
+        log.warning(
+            "this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one run",
+            " ".join(f"{k}={v}" for k, v in grid.items()),
+        )
+    check_resumed_job(cfg)
 
 
 def check_resumed_job(cfg: DictConfig) -> None:

@@ -45,7 +45,7 @@ from lit_dtrain.schedules.workflows import (
     load_model_weights,
     warn_if_the_resume_jumps_up,
 )
-from lit_dtrain.sweeps import check_resumed_job
+from lit_dtrain.sweeps import sweep_checks
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_process_group_at_exit,
@@ -632,7 +632,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
-    check_resumed_job(cfg)  # a Hydra multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
+    sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
     try:
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)

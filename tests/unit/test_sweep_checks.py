@@ -1,6 +1,7 @@
-"""``resume=auto`` in a Hydra multirun: job N resumes ``<sweep dir>/N`` only if it was trained with the same swept
-values (``lit_dtrain.sweeps.check_resumed_job``). The jobs run in-process under a Hydra runtime config set up the
-way Hydra's multirun sets it (mode, job dir, this start's ``multirun.yaml``)."""
+"""The sweep checks that ``train(cfg)`` runs under Hydra (``lit_dtrain.sweeps``): ``resume=auto`` in a multirun
+resumes job N from ``<sweep dir>/N`` only if it was trained with the same swept values, and a config that sweeps
+only with ``-m`` says so without it. The jobs run in-process under a Hydra runtime config set up the way Hydra sets
+it (mode, job dir, this start's ``multirun.yaml``)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ from tests.conftest import CONF_DIR, TINY
 
 
 @contextlib.contextmanager
-def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path):
+def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, mode: RunMode = RunMode.MULTIRUN):
     """The config of one job of ``python <entry> -m *sweep``, which Hydra expanded to ``job``, with Hydra's runtime
-    config set as in that job (``multirun.yaml`` of this start beside the job dir)."""
+    config set as in that job (``multirun.yaml`` of this start beside the job dir); ``mode=RunMode.RUN``: the one
+    run of ``python <entry> *job``."""
     tiny = [o for o in TINY if not (o.startswith("scheduler.") and "~scheduler" in job)]
     base = [*tiny, "sample.max_new_tokens=0", "data=textfiles", f"data.sources.0.paths=[{corpus}]"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         full = compose(config_name="train", overrides=base + job, return_hydra_config=True)
     with open_dict(full):
-        full.hydra.mode = RunMode.MULTIRUN
+        full.hydra.mode = mode
         full.hydra.runtime.output_dir = str(job_dir)
         full.hydra.overrides.task = base + job
         full.paths.output_dir = str(job_dir)
@@ -90,3 +92,17 @@ def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_n
         "sets callbacks.loss_spike=(not set): job N resumes <sweep dir>/N, so re-run the sweep with the same -m "
         "arguments in the same order (or resume into another hydra.sweep.dir)"
     )
+
+
+def test_train_called_from_another_hydra_entry_warns_that_an_experiment_grid_needs_dash_m(tmp_path, corpus, caplog):
+    """`python my_train.py experiment=wsd_vs_cosine` (a Hydra app of one's own calling train(cfg), without -m)
+    trained one run at the default LR for the budget of each of 6 jobs, silently: the warning that Hydra ignores
+    hydra.sweeper.params outside a multirun was logged by the root train.py only. train(cfg) logs it now."""
+    job = tmp_path / "runs" / "one"
+    with multirun_job(job, [], ["experiment=wsd_vs_cosine", "optimizer.lr=-1"], corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):  # after the warning: nothing trained
+            train(cfg)
+    assert (
+        "this config sweeps scheduler=wsd,cosine optimizer.lr=1e-3,3e-3,1e-2 (hydra.sweeper.params) only with -m; "
+        "without it this is one run"
+    ) in caplog.messages
