@@ -7,14 +7,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from lit_dtrain.train import pin_sweep_dir, train
+from lit_dtrain.train import train
 
 log = logging.getLogger("lit_dtrain.train")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    pin_sweep_dir()  # before Lightning re-launches rank 1 (multirun + DDP)
     hc = HydraConfig.get()
     try:
         metrics, _ = train(cfg)

@@ -632,6 +632,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
+    pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
     try:
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon

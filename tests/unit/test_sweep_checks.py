@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, 
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save({"hydra": {"overrides": {"task": base + sweep}}}, job_dir.parent / "multirun.yaml")
     HydraConfig.instance().set_config(full)
+    pinned = os.environ.get("LIT_DTRAIN_SWEEP_DIR")  # train(cfg) exports the sweep dir: not for later tests
     try:
         cfg = full.copy()
         with open_dict(cfg):
@@ -45,6 +47,10 @@ def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, 
         yield cfg
     finally:
         HydraConfig.instance().cfg = None
+        if pinned is None:
+            os.environ.pop("LIT_DTRAIN_SWEEP_DIR", None)
+        else:
+            os.environ["LIT_DTRAIN_SWEEP_DIR"] = pinned
 
 
 def test_train_called_from_another_hydra_entry_refuses_a_job_dir_trained_with_other_swept_values(tmp_path, corpus):
@@ -106,3 +112,17 @@ def test_train_called_from_another_hydra_entry_warns_that_an_experiment_grid_nee
         "this config sweeps scheduler=wsd,cosine optimizer.lr=1e-3,3e-3,1e-2 (hydra.sweeper.params) only with -m; "
         "without it this is one run"
     ) in caplog.messages
+
+
+def test_train_called_from_another_hydra_entry_pins_the_sweep_dir_for_rank_1(tmp_path, corpus, monkeypatch):
+    """Multirun + DDP: Lightning re-launches rank 1 with the same -m arguments, and rank 1 joins rank 0's sweep dir
+    only through LIT_DTRAIN_SWEEP_DIR (conf/hydra). The root train.py exported it before train(cfg); a Hydra app of
+    one's own calling train(cfg) did not, so rank 1 wrote its jobs into a second, later-timestamped sweep dir (job
+    dirs without metrics, which compare_runs lists as jobs that logged nothing). train(cfg) exports it now."""
+    monkeypatch.delenv("LIT_DTRAIN_SWEEP_DIR", raising=False)
+    job0 = tmp_path / "sweep" / "0"
+    with multirun_job(job0, ["optimizer.lr=-1,1e-3"], ["optimizer.lr=-1"], corpus) as cfg:
+        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):  # before any training
+            train(cfg)
+        assert os.environ.get("LIT_DTRAIN_SWEEP_DIR") == str(job0.parent)
+    assert "LIT_DTRAIN_SWEEP_DIR" not in os.environ
