@@ -435,7 +435,9 @@ def compare(
         curves[label] = {m: scalars.get(m, []) for m in metrics}
         done = finished(run, scalars)
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
-        if done is False:
+        if done is False and error:  # its train.log says why; its row says 'failed'
+            print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
+        elif done is False:
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {

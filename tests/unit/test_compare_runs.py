@@ -247,7 +247,7 @@ def test_long_differing_overrides_still_label_the_runs(tmp_path):
     assert compare_runs.make_labels([c, d]) == ["optimizer.lr=1", "optimizer.lr=2"]  # short enough: as before
 
 
-def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path):
+def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path, capsys):
     """`python train.py -m optimizer.lr=3e-3,1e4`: job 1 raised NonFiniteError at step 1 after its logger had
     written an event file, so it was not a skipped job; its row was '| optimizer.lr=10000.0 | - | - | - | - |' and
     the error stayed in its train.log. A run dir whose train.log holds train.py's 'job N failed' line now shows the
@@ -268,6 +268,9 @@ def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path):
     assert md[3] == ("| optimizer.lr=10000.0 | failed: NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)"
                      " | - | - | - |")
     assert md[4] == "| optimizer.lr=1e-1 | 10 (failed) | 3.4000 | 3.4000 (10) | +13.33% |"
+    # stderr said "did not finish ...: its row is marked '(unfinished)'" of this run, whose row says '(failed)'
+    err = capsys.readouterr().err
+    assert f"run {str(mid)!r} failed: LossSpikeError: spike at 11\n" in err and "unfinished" not in err
     errors = [r.get("error") for r in result["runs"]]
     assert errors == [None, "NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)",
                       "LossSpikeError: spike at 11"]
