@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import re
@@ -179,10 +180,12 @@ def hydra_overrides(run: Path) -> list[str] | None:
     return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
 
 
-def make_labels(runs: list[Path]) -> list[str]:
+def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) -> list[str]:
     """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
-    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it."""
-    overrides = [hydra_overrides(r) for r in runs]
+    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it.
+    ``known``: the overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
+    known = known or {}
+    overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
     if len(runs) > 1 and all(o is not None for o in overrides):
         common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
         differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")]
@@ -199,6 +202,47 @@ def make_labels(runs: list[Path]) -> list[str]:
     if len(set(names)) < len(names):
         names = [f"{r.parent.name}/{r.name}" for r in runs]
     return names
+
+
+def sweep_jobs(sweep: Path) -> list[list[str]] | None:
+    """Each job's overrides (job N: entry N) of the multirun whose ``multirun.yaml`` is in ``sweep``, as Hydra's basic
+    sweeper makes them: the product of the swept values of ``hydra.sweeper.params`` then the command line's (as in
+    ``BasicSweeper.split_arguments``). None for another sweeper, or without a readable ``multirun.yaml``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        hydra = OmegaConf.load(sweep / "multirun.yaml").hydra
+        if not str(hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+            return None
+        params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides(params + list(hydra.overrides.task))
+    except Exception as e:  # any unreadable file: only the rows of jobs that never started depend on it
+        print(
+            f"compare_runs: cannot list the jobs of {sweep / 'multirun.yaml'} ({type(e).__name__}: {e}); jobs "
+            "that never started have no row",
+            file=sys.stderr,
+        )
+        return None
+    values = {}
+    for o in overrides:
+        key = o.get_key_element()
+        swept = o.is_sweep_override() and o.is_discrete_sweep()
+        values[key] = (
+            [f"{key}={v}" for v in o.sweep_string_iterator()] if swept else [f"{key}={o.get_value_element_as_str()}"]
+        )
+    return [list(job) for job in itertools.product(*values.values())]
+
+
+def jobs_not_started(runs: list[Path]) -> dict[Path, list[str]]:
+    """``{<sweep dir>/N: its overrides}`` of the jobs of the sweeps that ``runs`` belong to which have no dir: Hydra
+    creates a job's dir when the job starts, so a sweep stopped in job 1 of 4 has no trace of jobs 2 and 3."""
+    missing: dict[Path, list[str]] = {}
+    for sweep in dict.fromkeys(r.parent for r in runs if (r.parent / "multirun.yaml").is_file()):
+        for n, overrides in enumerate(sweep_jobs(sweep) or []):
+            if not (sweep / str(n)).exists():
+                missing[sweep / str(n)] = overrides
+    return missing
 
 
 def _unique(labels: list[str]) -> list[str]:
@@ -316,8 +360,13 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maxi
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
         lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
     for job in skipped:
-        status = (f"failed: {_cell(job['error'])}" if job.get("error")
-                  else "no metrics logged (not started, or stopped before logging)")
+        status = (
+            f"failed: {_cell(job['error'])}"
+            if job.get("error")
+            else "not started"
+            if job.get("not_started")
+            else "no metrics logged (not started, or stopped before logging)"
+        )
         lines.append(f"| {job['label']} | {status} | - | - | - |")
     order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped])
     return "\n".join(header + [lines[i] for i in order]) + "\n"
@@ -416,10 +465,15 @@ def compare(
     if labels and len(labels) != len(run_dirs):
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
-    all_labels = make_labels(run_dirs + [Path(j) for j in skipped])  # a failed job's differing value labels it too
+    missing = jobs_not_started(run_dirs + [Path(j) for j in skipped])
+    # a failed job's (and one not started's) differing value labels it too
+    all_labels = make_labels(run_dirs + [Path(j) for j in skipped] + list(missing), missing)
     labels = _unique(labels or all_labels[: len(run_dirs)])  # curves are keyed by label: no run may hide another
     skipped_jobs = [{"label": label, "dir": job, "error": job_error(Path(job))}
                     for label, job in zip(all_labels[len(run_dirs):], skipped)]
+    not_started = [
+        {"label": label, "dir": str(job)} for label, job in zip(all_labels[len(run_dirs) + len(skipped) :], missing)
+    ]
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
@@ -454,7 +508,8 @@ def compare(
                 "by_metric": by_metric,
             }
         )
-    tables = [markdown_table(metric_rows(rows, m), m, skipped_jobs, m in maximize) for m in metrics]
+    table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
+    tables = [markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize) for m in metrics]
     text = "\n".join(tables)  # a blank line between
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)
@@ -474,6 +529,7 @@ def compare(
         "table": table,
         "skipped": skipped,
         "skipped_jobs": skipped_jobs,
+        "not_started": not_started,
         "metrics": metrics,
         "best_by_metric": best_by_metric,
         "maximize": list(maximize),

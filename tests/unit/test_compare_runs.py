@@ -538,3 +538,41 @@ def test_the_table_lists_a_sweeps_jobs_in_job_order(tmp_path):
     result = compare_runs.compare([str(other), str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
     labels = [line.split(" | ")[0][2:] for line in result["markdown"].splitlines()[2:]]
     assert labels == [f"optimizer.lr={lr}" for lr in ("0.01", "0.001", "-1", "10000.0", "0.003")]
+
+
+def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
+    """A 2 x 2 sweep ('-m scheduler=wsd,cosine optimizer.lr=1e-3,3e-3') stopped by SIGTERM in job 1: Hydra creates a
+    job's dir when the job starts, so the table listed job 0 and job 1 (unfinished) only, and read like a complete
+    comparison of the wsd runs with no cosine in it. The jobs of the sweep's multirun.yaml (Hydra's basic sweeper:
+    the product of the swept values, hydra.sweeper.params first) that have no dir get a 'not started' row, labelled
+    like the others, and are listed in the JSON's 'not_started'."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "    params:\n      scheduler: wsd,cosine\n"
+        "  overrides:\n    task:\n    - optimizer.lr=1e-3,3e-3\n    - trainer.max_steps=5\n"
+    )
+    write_run(sweep / "0", {5: 3.0}, overrides=["scheduler=wsd", "optimizer.lr=0.001", "trainer.max_steps=5"])
+    (sweep / "0" / "config_resolved.yaml").write_text("trainer: {max_steps: 5}\n")
+    (sweep / "0" / "summary.json").write_text(json.dumps({"steps": 5}))
+    write_run(sweep / "1", {2: 3.2}, overrides=["scheduler=wsd", "optimizer.lr=0.003", "trainer.max_steps=5"])
+    (sweep / "1" / "config_resolved.yaml").write_text("trainer: {max_steps: 5}\n")
+    for args in ([str(sweep)], sorted(str(p) for p in sweep.glob("*"))):
+        result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
+        assert result["markdown"].splitlines()[2:] == [
+            "| scheduler=wsd optimizer.lr=0.001 | 5 | 3.0000 | 3.0000 (5) | +0.00% |",
+            "| scheduler=wsd optimizer.lr=0.003 | 2 (unfinished) | 3.2000 | 3.2000 (2) | +6.67% |",
+            "| scheduler=cosine optimizer.lr=0.001 | not started | - | - | - |",
+            "| scheduler=cosine optimizer.lr=0.003 | not started | - | - | - |",
+        ]
+        assert result["not_started"] == [
+            {"label": "scheduler=cosine optimizer.lr=0.001", "dir": str(sweep / "2")},
+            {"label": "scheduler=cosine optimizer.lr=0.003", "dir": str(sweep / "3")},
+        ]
+    complete = write_run(tmp_path / "other" / "0", {5: 3.1}, overrides=["optimizer.lr=0.01"])
+    (complete.parent / "multirun.yaml").write_text(
+        "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "  overrides:\n    task:\n    - optimizer.lr=0.01\n"
+    )
+    assert compare_runs.compare([str(complete.parent)], ["val/loss"], out=str(tmp_path / "d.png"))["not_started"] == []
