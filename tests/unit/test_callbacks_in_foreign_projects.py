@@ -1,0 +1,159 @@
+"""lit_dtrain's callbacks imported into a Lightning project that is not lit_dtrain's: a plain LightningModule whose
+``training_step`` returns a bare loss tensor, its own optimizer (and LR scheduler), its own DataLoader of ``(x, y)``
+tuples, no Hydra. What must work, what must be refused at fit start (naming what is missing and how to provide it),
+and that a ``trainer.fit(ckpt_path=...)`` resume of such a module continues each callback exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_dtrain.callbacks import (
+    AdaptiveGradClip,
+    LossSpikeMonitor,
+    OptimizerDiagnostics,
+    SelectiveCheckpointing,
+    WSDScheduler,
+)
+
+
+def regression_data(n: int = 64, batch_size: int = 8) -> DataLoader:
+    """The user's own DataLoader: ``(x, y)`` tuples, no ``index``, no dict; some samples 8x larger (grad spikes)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    x[5::11] *= 8.0
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+class UserModule(L.LightningModule):
+    """``nn.Sequential`` MLP; ``training_step`` returns the bare loss. ``groups``: two param groups with LRs 1e-2 and
+    1e-3; ``scheduler``: a ``StepLR`` of its own; ``manual``: manual optimization (every optimizer steps each batch);
+    ``two``: two optimizers (AdamW for the first layer, SGD for the last)."""
+
+    def __init__(self, groups: bool = False, scheduler: bool = False, manual: bool = False, two: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.groups, self.scheduler, self.two = groups, scheduler, two
+        self.automatic_optimization = not manual
+        self.example_input_array = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+        return None
+
+    def configure_optimizers(self):
+        if self.two:
+            return torch.optim.AdamW(self.net[0].parameters(), 1e-2), torch.optim.SGD(self.net[2].parameters(), 1e-2)
+        if self.groups:
+            opt = torch.optim.AdamW(
+                [{"params": self.net[0].parameters(), "lr": 1e-2}, {"params": self.net[2].parameters(), "lr": 1e-3}]
+            )
+        else:
+            opt = torch.optim.AdamW(self.parameters(), 1e-2)
+        if self.scheduler:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
+        return opt
+
+
+def fit(
+    tmp_path: Path,
+    callbacks,
+    module: L.LightningModule | None = None,
+    max_steps: int = 8,
+    ckpt_path=None,
+    save_every: int | None = None,
+    **trainer_kwargs,
+) -> L.Trainer:
+    if save_every:
+        callbacks = [
+            *callbacks,
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_train_steps=save_every
+            ),
+        ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=bool(save_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=str(tmp_path),
+        **trainer_kwargs,
+    )
+    trainer.fit(module if module is not None else UserModule(), regression_data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _equal(a, b) -> bool:
+    """Exact equality of nested states holding tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+RESUMABLE = {
+    "wsd": (lambda tmp: WSDScheduler(total_steps=16, warmup_steps=4, decay_steps=6), {"groups": True}),
+    "loss_spike": (
+        lambda tmp: LossSpikeMonitor(
+            actions=["log", "lr_cooldown"],
+            warmup_steps=3,
+            z_threshold=1.0,
+            rel_threshold=None,
+            grad_z_threshold=1.0,
+            cooldown_steps=2,
+            cooldown_ramp_steps=2,
+            path=str(tmp / "spikes.jsonl"),
+        ),
+        {},
+    ),
+    "adaptive_grad_clip": (lambda tmp: AdaptiveGradClip(warmup_steps=3, z_threshold=1.0), {}),
+    "optimizer_diagnostics": (lambda tmp: OptimizerDiagnostics(every_n_steps=3), {"groups": True}),
+    "selective_checkpointing": (lambda tmp: SelectiveCheckpointing(policy="budget", module_pattern="net.*"), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMABLE))
+def test_a_resume_of_the_users_module_continues_each_callback_exactly(tmp_path: Path, name: str) -> None:
+    """16 steps straight (checkpoint after step 8, an epoch boundary of the user's DataLoader) against 8 steps, then
+    ``trainer.fit(ckpt_path=<step 8>)`` with a new callback object: the callback's state and the weights are equal."""
+    make, module_kwargs = RESUMABLE[name]
+    straight_cb = make(tmp_path / "a")
+    straight = UserModule(**module_kwargs)
+    fit(tmp_path / "a", [straight_cb], straight, max_steps=16, save_every=8)
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8*.ckpt")
+    saved = torch.load(ckpt, weights_only=True)["callbacks"].get(straight_cb.state_key)
+    if name not in ("optimizer_diagnostics", "selective_checkpointing"):  # (their state does not change in a fit)
+        assert saved is not None and not _equal(saved, straight_cb.state_dict()), name  # the resume had work to do
+    resumed_cb = make(tmp_path / "b")
+    resumed = UserModule(**module_kwargs)
+    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=16, ckpt_path=str(ckpt))
+    assert _equal(resumed_cb.state_dict(), straight_cb.state_dict()), name
+    for (key, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(p, q), (name, key)
