@@ -134,6 +134,10 @@ RESUMABLE = {
         {},
     ),
     "adaptive_grad_clip": (lambda tmp: AdaptiveGradClip(warmup_steps=3, z_threshold=1.0), {}),
+    "adaptive_grad_clip_two_optimizers": (
+        lambda tmp: AdaptiveGradClip(warmup_steps=3, z_threshold=1.0),
+        {"manual": True, "two": True},
+    ),
     "optimizer_diagnostics": (lambda tmp: OptimizerDiagnostics(every_n_steps=3), {"groups": True}),
     "selective_checkpointing": (lambda tmp: SelectiveCheckpointing(policy="budget", module_pattern="net.*"), {}),
 }
@@ -144,16 +148,18 @@ def test_a_resume_of_the_users_module_continues_each_callback_exactly(tmp_path: 
     """16 steps straight (checkpoint after step 8, an epoch boundary of the user's DataLoader) against 8 steps, then
     ``trainer.fit(ckpt_path=<step 8>)`` with a new callback object: the callback's state and the weights are equal."""
     make, module_kwargs = RESUMABLE[name]
+    half = 8 * (2 if module_kwargs.get("two") else 1)  # global_step counts both optimizers' steps: 2 a batch
     straight_cb = make(tmp_path / "a")
     straight = UserModule(**module_kwargs)
-    fit(tmp_path / "a", [straight_cb], straight, max_steps=16, save_every=8)
-    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8*.ckpt")
+    fit(tmp_path / "a", [straight_cb], straight, max_steps=2 * half, save_every=half)
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob(f"*step={half}.ckpt")
     saved = torch.load(ckpt, weights_only=True)["callbacks"].get(straight_cb.state_key)
     if name not in ("optimizer_diagnostics", "selective_checkpointing"):  # (their state does not change in a fit)
         assert saved is not None and not _equal(saved, straight_cb.state_dict()), name  # the resume had work to do
     resumed_cb = make(tmp_path / "b")
     resumed = UserModule(**module_kwargs)
-    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=16, ckpt_path=str(ckpt))
+    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=2 * half, ckpt_path=str(ckpt))
     assert _equal(resumed_cb.state_dict(), straight_cb.state_dict()), name
     for (key, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), (name, key)
+

@@ -448,11 +448,66 @@ def test_optimizer_diagnostics_cover_every_optimizer_under_manual_optimization(t
         assert metrics["optim/opt1/0/grad_rms"] > 10 * metrics["optim/opt0/0/grad_rms"] > 0
 
 
-def test_adaptive_grad_clip_rejects_several_optimizers(tmp_path: Path) -> None:
-    """One grad-norm statistic fed by two optimizers (norms ~1.7 and ~180 alternating) has a mean and scale that fit
-    neither, so it never clipped either; the callback says so instead of silently clipping nothing."""
-    with pytest.raises(RuntimeError, match=r"AdaptiveGradClip keeps one grad-norm statistic.*2 optimizers"):
-        _fit_two(tmp_path, [AdaptiveGradClip(warmup_steps=3)])
+class SpikeOptimizer(L.Callback):
+    """Multiplies the grads of optimizer ``index`` by ``factor`` at batch ``batch`` (listed before the clip), and
+    records every optimizer's grad norm as the clip then sees it: ``norms[i]`` per batch."""
+
+    def __init__(self, index: int, batch: int, factor: float) -> None:
+        self.index, self.batch, self.factor = index, batch, factor
+        self.norms: dict[int, list[float]] = {0: [], 1: []}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        i = [id(o) for o in trainer.optimizers].index(id(optimizer))
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if i == self.index and len(self.norms[i]) == self.batch:
+            for p in params:
+                p.grad.mul_(self.factor)
+        self.norms[i].append(grad_norm(params))
+
+
+def test_adaptive_grad_clip_keeps_one_statistic_per_optimizer(tmp_path: Path, monkeypatch) -> None:
+    """Two optimizers (manual optimization) whose grad norms differ ~100x: one shared statistic would fit neither (it
+    used to refuse them). Each optimizer now has its own: its statistic is ZClip's on its own norms only, a spike in one
+    optimizer's grads is clipped to that optimizer's threshold, and the rows are written per optimizer at the batch
+    (Lightning's logging axis under manual optimization)."""
+    from lit_dtrain.callbacks import adaptive_grad_clip as agc
+
+    rows: dict[int, dict[str, float]] = {}
+    monkeypatch.setattr(agc, "log_step_metrics", lambda tr, pl, m, step: rows.setdefault(step, {}).update(m))
+    spike = SpikeOptimizer(index=1, batch=8, factor=20.0)
+    clip = AdaptiveGradClip(warmup_steps=3, log_every_n_steps=4)
+    _fit_two(tmp_path, [spike, clip], max_steps=24)  # 12 batches, 2 optimizer steps each
+    assert [s.count for s in clip.stats] == [12, 12]
+    clips = []
+    for i, stat in enumerate(clip.stats):  # ZClip on this optimizer's norms only
+        ref = RobustStat("ema", decay=0.97, scale_decay=0.97, warmup=3, clip_z=None, min_rel_scale=0.0)
+        for batch, norm in enumerate(spike.norms[i]):
+            threshold = zclip_threshold(ref, 2.5)
+            if threshold is not None and norm > threshold:
+                clips.append((i, batch))
+                norm = threshold
+            ref.add(norm)
+        assert stat.mean == pytest.approx(ref.mean, rel=1e-6) and stat.var == pytest.approx(ref.var, rel=1e-6)
+    assert (1, 8) in clips and clip.clip_events == len(clips)
+    assert clip.stats[1].mean > 30 * clip.stats[0].mean  # one shared statistic would fit neither
+    assert sorted(rows) == sorted({3, 7, 11} | {batch for _, batch in clips})  # every 4th batch, and every clip
+    clipped = rows[8]
+    assert clipped["grad_clip/opt1/clipped"] == 1.0
+    assert clipped["grad_clip/opt1/clip_events"] == sum(c == 1 and b <= 8 for c, b in clips)
+    assert clipped["grad_clip/opt1/norm"] == pytest.approx(spike.norms[1][8], rel=1e-5)
+    assert clipped["grad_clip/opt1/threshold"] < spike.norms[1][8] / 5
+    per_optimizer = [sum(i == j for i, _ in clips) for j in (0, 1)]
+    assert [o["clip_events"] for o in clip.state_dict()["optimizers"]] == per_optimizer
+
+
+def test_adaptive_grad_clip_loads_a_checkpoint_from_before_per_optimizer_statistics() -> None:
+    """A checkpoint written when the callback kept one statistic (``{"stat", "clip_events"}``) is its optimizer 0's."""
+    clip, _, _ = run_clip([1.0, 1.1, 0.9, 1.0, 5.0], warmup_steps=3)
+    old_format = {"stat": clip.stats[0].state_dict(), "clip_events": clip.clip_events}
+    other = AdaptiveGradClip(warmup_steps=3)
+    other.load_state_dict(old_format)
+    assert other.state_dict() == clip.state_dict() and other.threshold() == clip.threshold()
+    assert other.clip_events == 1
 
 
 def test_loss_spike_monitor_names_manual_optimization_as_unsupported(tmp_path: Path) -> None:
@@ -489,10 +544,11 @@ def test_adaptive_grad_clip_agrees_in_either_order_with_loss_spike_monitor(
         results[order] = (clip.state_dict(), rows, clip.last)
     (state_a, rows_a, last_a), (state_b, rows_b, last_b) = results["monitor_first"], results["clip_first"]
     assert sorted(rows_a) == sorted(rows_b) == [0, 1, 2, 3, 4, 5, 7, 8]  # nothing for the dropped step 6
-    assert state_a["stat"]["count"] == state_b["stat"]["count"] == 8
-    assert state_a["clip_events"] == state_b["clip_events"]
+    (opt_a,), (opt_b,) = state_a["optimizers"], state_b["optimizers"]
+    assert opt_a["stat"]["count"] == opt_b["stat"]["count"] == 8
+    assert opt_a["clip_events"] == opt_b["clip_events"]
     for key in ("mean", "var"):
-        assert state_a["stat"][key] == pytest.approx(state_b["stat"][key], rel=1e-6)
+        assert opt_a["stat"][key] == pytest.approx(opt_b["stat"][key], rel=1e-6)
     for step in rows_a:
         assert rows_a[step] == pytest.approx(rows_b[step], rel=1e-6), step
     assert last_a == pytest.approx(last_b, rel=1e-6)

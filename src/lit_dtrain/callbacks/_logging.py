@@ -22,6 +22,16 @@ def log_interval(own: int | None, trainer: L.Trainer) -> int:
     return int(own) if own else int(getattr(trainer, "log_every_n_steps", 1))
 
 
+def logging_step(trainer: L.Trainer) -> int:
+    """The step on Lightning's logging axis now: the optimizer step under automatic optimization; under manual
+    optimization the batch (Lightning then counts every ``optimizer.step`` in ``global_step``, several per batch
+    with several optimizers, and writes the module's logs at the batch count)."""
+    module = getattr(trainer, "lightning_module", None)  # (a stand-in trainer in a unit test may have none)
+    if module is not None and not module.automatic_optimization:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    return trainer.global_step
+
+
 def on_log_cadence(every: int, step: int, trainer: L.Trainer | None = None) -> bool:
     """True when optimizer step ``step`` (0-based, the step being taken or just taken) gets a regular row at interval
     ``every``: ``(step + 1) % every == 0``, the steps after which Lightning writes its own step metrics (``train/loss``;

@@ -14,7 +14,8 @@ is divided out of the norm). Lightning's own
 A step whose grads are dropped after this hook (``LossSpikeMonitor``'s ``skip``/``rollback`` listed after this
 callback; told by the grads the optimizer sees, in a step post-hook) is undone at batch end: its norm leaves the
 statistics and it is neither counted nor logged, as when the
-monitor comes first. Rows are written at ``on_train_batch_end``, under the step they describe.
+monitor comes first. Rows are written at ``on_train_batch_end``, under the step they describe. Each optimizer (several
+under manual optimization) has its own statistic: their grad norms can differ by orders of magnitude.
 The pure statistics live in :mod:`lit_dtrain.callbacks._spike_stats` (shared with ``LossSpikeMonitor``).
 """
 
@@ -28,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 
@@ -111,7 +112,8 @@ class AdaptiveGradClip(L.Callback):
         log_every_n_steps: log norm/threshold/clip flags every N optimizer steps (after steps ``k`` with
             ``(k + 1) % N == 0``, where Lightning writes ``train/loss``) and on every clip event (None: the trainer's
             ``log_every_n_steps``). ``grad_clip/threshold`` is not logged while there is none (the warmup without
-            ``max_norm``; with it, the warmup's threshold is ``max_norm``).
+            ``max_norm``; with it, the warmup's threshold is ``max_norm``). With several optimizers the names are
+            ``grad_clip/opt<i>/...``, each optimizer with its own statistic, and the rows are written at the batch.
     """
 
     def __init__(
@@ -139,16 +141,50 @@ class AdaptiveGradClip(L.Callback):
         self._decay, self._warmup_steps = decay, warmup_steps
         self._reset_state()
 
-    def _reset_state(self) -> None:
+    def _new_stat(self) -> RobustStat:
         # clip_z=None: the EMA absorbs the value we pass, which is already the clipped norm (as in ZClip)
-        self.stat = RobustStat("ema", decay=self._decay, scale_decay=self._decay, warmup=self._warmup_steps,
-                               clip_z=None, min_rel_scale=0.0)
-        self.clip_events = 0
-        self.last: dict[str, float] = {}
-        self._undo: tuple | None = None  # (optimizer, stat state, clip_events, last) from before this step
-        self._applied = False
+        return RobustStat(
+            "ema", decay=self._decay, scale_decay=self._decay, warmup=self._warmup_steps, clip_z=None, min_rel_scale=0.0
+        )
+
+    def _reset_state(self) -> None:
+        # one statistic (and clip count, and last row) per optimizer, by its position in trainer.optimizers: the grad
+        # norms of two optimizers (a GAN's generator and discriminator) differ by orders of magnitude
+        self.stats: list[RobustStat] = [self._new_stat()]
+        self._clip_events: list[int] = [0]
+        self._last: list[dict[str, float]] = [{}]
+        self._optimizer_index: dict[int, int] = {}  # id(optimizer) -> its position, set at train start
+        self._multi = False
+        self._undo: dict[int, tuple] = {}  # optimizer index -> (stat state, clip events, last) before this batch's step
+        self._applied: set[int] = set()  # optimizer indices whose step this batch was taken (step post-hook)
+        self._log_rows: set[int] = set()  # optimizer indices whose row is due this batch (written at batch end)
+        self._log_step: int | None = None
         self._hooks: list = []
-        self._log_step: int | None = None  # this step's row is written at batch end, once the step was applied
+
+    @property
+    def stat(self) -> RobustStat:
+        """The grad-norm statistic of the (first) optimizer."""
+        return self.stats[0]
+
+    @property
+    def clip_events(self) -> int:
+        """Clips so far, over all optimizers."""
+        return sum(self._clip_events)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The last step's values (``norm``, ``clipped``, ``threshold``), as logged without the ``grad_clip/`` prefix:
+        with several optimizers as ``opt<i>/norm``, ...."""
+        if not self._multi:
+            return dict(self._last[0])
+        return {f"opt{i}/{k}": v for i, last in enumerate(self._last) for k, v in last.items()}
+
+    def _ensure(self, count: int) -> None:
+        """Statistics for ``count`` optimizers (fresh ones for those a checkpoint or an earlier step did not give)."""
+        while len(self.stats) < count:
+            self.stats.append(self._new_stat())
+            self._clip_events.append(0)
+            self._last.append({})
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -173,22 +209,23 @@ class AdaptiveGradClip(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if len(trainer.optimizers) > 1:
-            names = [type(o).__name__ for o in trainer.optimizers]
-            raise RuntimeError(
-                f"AdaptiveGradClip keeps one grad-norm statistic, but {type(pl_module).__name__} configures "
-                f"{len(names)} optimizers {names}: their norms would share it and it would fit none of them. Use one "
-                f"optimizer (param groups for the parts), or clip each optimizer's grads yourself"
-            )
+        optimizers = trainer.optimizers
+        self._ensure(len(optimizers))
+        self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
+        self._multi = len(optimizers) > 1
         self._remove_hooks()
-        self._hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
+        self._hooks = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
+
+    def _index(self, optimizer: torch.optim.Optimizer) -> int:
+        return self._optimizer_index.get(id(optimizer), 0)  # (0: a stand-in trainer in a unit test)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         # inside optimizer.step, before anything can zero the grads (a module's optimizer_step override may, right
         # after the step): grads here mean the update was applied; a step LossSpikeMonitor dropped has none (or,
         # under 16-mixed, never calls optimizer.step)
-        if self._undo is not None and grad_params(optimizer):
-            self._applied = True
+        index = self._index(optimizer)
+        if index in self._undo and grad_params(optimizer):
+            self._applied.add(index)
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -202,29 +239,36 @@ class AdaptiveGradClip(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()
-        if self._undo is not None and not self._applied:  # a step seen but never taken: a continued fit redoes it
-            _, stat, self.clip_events, self.last = self._undo
-            self.stat.load_state_dict(stat)
-        self._undo, self._log_step = None, None
+        self._undo_unapplied()  # a step seen but never taken: a continued fit redoes it
+        self._log_rows, self._log_step = set(), None
+
+    def _undo_unapplied(self) -> None:
+        """Take the steps seen this batch whose update was not applied back out of the statistics; clear the undo."""
+        for index, (stat, clip_events, last) in self._undo.items():
+            if index not in self._applied:
+                self.stats[index].load_state_dict(stat)
+                self._clip_events[index], self._last[index] = clip_events, last
+                self._log_rows.discard(index)
+        self._undo, self._applied = {}, set()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_hooks()
 
-    def threshold(self) -> float | None:
-        """The current clip value (None: no clipping yet)."""
-        adaptive = zclip_threshold(self.stat, self.z_threshold)
+    def threshold(self, optimizer_index: int = 0) -> float | None:
+        """The current clip value of the optimizer at ``optimizer_index`` (None: no clipping yet)."""
+        adaptive = zclip_threshold(self.stats[optimizer_index], self.z_threshold)
         candidates = [v for v in (adaptive, self.max_norm) if v is not None]
         return min(candidates) if candidates else None
 
-    def _clip_to(self, norm: float) -> float:
+    def _clip_to(self, norm: float, optimizer_index: int) -> float:
         """The norm after clipping (== ``norm`` when not clipped)."""
-        limit = self.threshold()
+        limit, stat = self.threshold(optimizer_index), self.stats[optimizer_index]
         if limit is None or norm <= limit:
             return norm
-        if self.mode == "reciprocal" and self.stat.ready:
-            z = (norm - self.stat.location()) / self.stat.scale()
-            limit = min(limit, self.stat.location() + self.z_threshold**2 / z * self.stat.scale())
+        if self.mode == "reciprocal" and stat.ready:
+            z = (norm - stat.location()) / stat.scale()
+            limit = min(limit, stat.location() + self.z_threshold**2 / z * stat.scale())
         return limit
 
     @override
@@ -239,46 +283,56 @@ class AdaptiveGradClip(L.Callback):
         norm = float(total) / scale
         if not math.isfinite(norm):  # left to the GradScaler / LossSpikeMonitor; never absorbed in the EMA
             return
-        threshold = self.threshold()
-        clipped = self._clip_to(norm)
+        index = self._index(optimizer)
+        self._ensure(index + 1)
+        threshold = self.threshold(index)
+        clipped = self._clip_to(norm, index)
         # a callback listed after this one may still drop the step (LossSpikeMonitor's skip/rollback): what the step
         # adds is undone at batch end if its grads are gone, so the callback order does not matter
-        self._undo = (optimizer, self.stat.state_dict(), self.clip_events, self.last)
-        self._applied = False  # set by the step post-hook when the optimizer steps with grads
+        self._undo[index] = (self.stats[index].state_dict(), self._clip_events[index], self._last[index])
+        self._applied.discard(index)  # added by the step post-hook when the optimizer steps with grads
         if clipped < norm:
             coef = clipped / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in params], coef)
-            self.clip_events += 1
-        self.stat.add(clipped)
-        self.last = {"norm": norm, "clipped": float(clipped < norm)}
+            self._clip_events[index] += 1
+        self.stats[index].add(clipped)
+        last = {"norm": norm, "clipped": float(clipped < norm)}
         if threshold is not None:  # None in the warmup without max_norm: no threshold yet, none is logged
-            self.last["threshold"] = threshold
+            last["threshold"] = threshold
+        self._last[index] = last
         every = log_interval(self.log_every_n_steps, trainer)  # 0: only clips are written
-        # global_step: this step, not taken yet; on Lightning's cadence, so rows line up with train/loss
-        self._log_step = None
-        if on_log_cadence(every, trainer.global_step, trainer) or clipped < norm:
-            self._log_step = trainer.global_step
+        # this step, not taken yet, on Lightning's axis (the batch under manual optimization) and cadence, so rows line
+        # up with train/loss
+        step = logging_step(trainer)
+        self._log_rows.discard(index)
+        if on_log_cadence(every, step, trainer) or clipped < norm:
+            self._log_rows.add(index)
+            self._log_step = step
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if self._undo is None:
+        self._undo_unapplied()  # a step dropped after this callback saw it: as if never seen
+        rows, self._log_rows = sorted(self._log_rows), set()
+        if not rows:
             return
-        (_, stat, clip_events, last), self._undo = self._undo, None
-        if not self._applied:  # the step was dropped after this callback saw it: as if never seen
-            self.stat.load_state_dict(stat)
-            self.clip_events, self.last, self._log_step = clip_events, last, None
-            return
-        if self._log_step is not None:
-            metrics = {f"grad_clip/{k}": v for k, v in self.last.items()}
-            metrics["grad_clip/clip_events"] = float(self.clip_events)
-            log_step_metrics(trainer, pl_module, metrics, self._log_step)
-            self._log_step = None
+        metrics = {}
+        for index in rows:
+            prefix = f"grad_clip/opt{index}/" if self._multi else "grad_clip/"
+            metrics.update({f"{prefix}{k}": v for k, v in self._last[index].items()})
+            metrics[f"{prefix}clip_events"] = float(self._clip_events[index])
+        log_step_metrics(trainer, pl_module, metrics, self._log_step)
 
     @override
     def state_dict(self) -> dict:
-        return {"stat": self.stat.state_dict(), "clip_events": self.clip_events}
+        per_optimizer = zip(self.stats, self._clip_events)
+        return {"optimizers": [{"stat": stat.state_dict(), "clip_events": events} for stat, events in per_optimizer]}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        self.stat.load_state_dict(state_dict["stat"])
-        self.clip_events = int(state_dict["clip_events"])
+        # a checkpoint from before per-optimizer statistics holds one {"stat", "clip_events"}: optimizer 0's
+        per_optimizer = state_dict["optimizers"] if "optimizers" in state_dict else [state_dict]
+        self.stats, self._clip_events, self._last = [], [], []
+        self._ensure(len(per_optimizer))
+        for stat, saved in zip(self.stats, per_optimizer):
+            stat.load_state_dict(saved["stat"])
+        self._clip_events = [int(saved["clip_events"]) for saved in per_optimizer]

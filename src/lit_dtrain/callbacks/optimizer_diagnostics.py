@@ -34,7 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._logging import log_step_metrics
+from lit_dtrain.callbacks._logging import log_step_metrics, logging_step
 
 
 def eps_dominated_fraction(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> tuple[int, int]:
@@ -76,17 +76,7 @@ class OptimizerDiagnostics(Callback):
 
     def _due(self, trainer: Trainer) -> bool:
         # after steps k with (k + 1) % N == 0, where Lightning writes train/loss when N is a multiple of its interval
-        return (self._axis_step(trainer) + 1) % self.every_n_steps == 0
-
-    @staticmethod
-    def _axis_step(trainer: Trainer) -> int:
-        """The step on Lightning's logging axis: the optimizer step under automatic optimization; under manual
-        optimization the batch (Lightning then counts every ``optimizer.step`` in ``global_step``, several per batch
-        with several optimizers, and writes the module's logs at the batch count)."""
-        module = trainer.lightning_module
-        if module is not None and not module.automatic_optimization:
-            return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-        return trainer.global_step
+        return (logging_step(trainer) + 1) % self.every_n_steps == 0
 
     @staticmethod
     def _group_name(group: dict, i: int) -> str:
@@ -146,7 +136,7 @@ class OptimizerDiagnostics(Callback):
         if trainer is None or not self._due(trainer):
             return
         # (under 32-true Lightning runs the forward/backward closure inside optimizer.step, after this hook)
-        self._step = self._axis_step(trainer)  # this step (Lightning counts it as completed after step() returns)
+        self._step = logging_step(trainer)  # this step (Lightning counts it as completed after step() returns)
         self._before = [[p.detach().clone() for p in group["params"]] for group in optimizer.param_groups]
 
     def _post_step(self, optimizer, args, kwargs, index: int) -> None:
