@@ -82,6 +82,7 @@ def fit(
     max_steps: int = 8,
     ckpt_path=None,
     save_every: int | None = None,
+    datamodule: L.LightningDataModule | None = None,
     **trainer_kwargs,
 ) -> L.Trainer:
     if save_every:
@@ -103,7 +104,11 @@ def fit(
         default_root_dir=str(tmp_path),
         **trainer_kwargs,
     )
-    trainer.fit(module if module is not None else UserModule(), regression_data(), ckpt_path=ckpt_path)
+    module = module if module is not None else UserModule()
+    if datamodule is not None:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    else:
+        trainer.fit(module, regression_data(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -163,3 +168,75 @@ def test_a_resume_of_the_users_module_continues_each_callback_exactly(tmp_path: 
     for (key, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), (name, key)
 
+
+class UserLM(L.LightningModule):
+    """A user's own byte-level LM on lit_dtrain's ``LMDataModule`` batches (``input_ids``, ``labels``, ``index``);
+    ``training_step`` returns the bare loss unless ``per_token``, which returns the keys the FourierSampler reads."""
+
+    def __init__(self, per_token: bool = False, declare: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+        self.per_token = per_token
+        if declare is not None:
+            self.step_output_keys = declare
+        self.steps_run = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps_run += 1
+        logits = self.head(self.embed(batch["input_ids"]))  # (B, T, V)
+        token_loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        token_loss = token_loss.view_as(batch["labels"])  # (B, T)
+        if not self.per_token:
+            return token_loss.mean()
+        return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), 1e-2)
+
+
+def lm_data(tmp_path: Path):
+    from lit_dtrain.data.corpus import CorpusSource
+    from lit_dtrain.data.datamodule import LMDataModule
+    from lit_dtrain.data.samplers.fourier import FourierSampler
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    source = CorpusSource(name="text", kind="files", paths=[str(corpus)])
+    return LMDataModule(
+        sources=[source],
+        block_size=16,
+        batch_size=4,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+        sampler=FourierSampler(step_unit=1),
+    )
+
+
+def test_fourier_sampler_with_a_users_lm_learns_from_its_token_losses(tmp_path: Path) -> None:
+    from lit_dtrain.callbacks import FourierSamplerCallback
+
+    data, module = lm_data(tmp_path), UserLM(per_token=True)
+    fit(tmp_path, [FourierSamplerCallback()], module, max_steps=4, datamodule=data, limit_val_batches=0)
+    assert data.sampler.state_dict()["updates"] == 4
+
+
+@pytest.mark.parametrize("declare", [("loss",), None])
+def test_fourier_sampler_callback_names_the_keys_a_users_module_does_not_return(tmp_path: Path, declare) -> None:
+    """A module that returns a bare loss: a module that declares ``step_output_keys`` is refused at setup, before any
+    training step; one that does not is refused at the end of its first step (the outputs are not known before).
+    Either way the message names the missing keys and what they are."""
+    from lit_dtrain.callbacks import FourierSamplerCallback
+    from lit_dtrain.callbacks._contract import StepOutputError
+
+    module = UserLM(declare=declare)
+    match = (
+        r"FourierSamplerCallback needs training_step to return \['token_loss', 'index'\].*"
+        r"'token_loss': the per-token loss \[B, T\], detached.*'index': the batch's sample indices"
+    )
+    with pytest.raises(StepOutputError, match=match):
+        fit(
+            tmp_path, [FourierSamplerCallback()], module, max_steps=4, datamodule=lm_data(tmp_path), limit_val_batches=0
+        )
+    assert module.steps_run == (0 if declare else 1)

@@ -26,7 +26,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._contract import require_outputs
+from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
@@ -41,7 +41,7 @@ class FourierSamplerCallback(L.Callback):
         apply_lr_multiplier: scale the LR by the sampler's stage multiplier (off: stages only shape sampling).
     """
 
-    required_step_outputs = ("token_loss", "index")  # checked against LitLLM.step_output_keys before compute
+    required_step_outputs = ("token_loss", "index")  # checked against the module's step_output_keys at setup
 
     def __init__(self, log_every_n_steps: int | None = None, apply_lr_multiplier: bool = True) -> None:
         if log_every_n_steps is not None and int(log_every_n_steps) <= 0:
@@ -80,6 +80,7 @@ class FourierSamplerCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.sampler_of(trainer)
+            check_step_outputs([self], pl_module)  # a module that declares step_output_keys: refused before compute
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
