@@ -18,8 +18,10 @@ class Tokens(L.LightningModule):
     def __init__(self, tuples: bool = False) -> None:
         super().__init__()
         self.emb, self.tuples = torch.nn.Embedding(16, 4), tuples
+        self.steps_run = 0
 
     def training_step(self, batch, batch_idx):
+        self.steps_run += 1
         ids = batch[0] if self.tuples else batch["input_ids"]
         return self.emb(ids).square().mean()
 
@@ -53,8 +55,11 @@ def test_counts_sequences_and_tokens_of_input_ids(tmp_path: Path) -> None:
 
 
 def test_a_batch_without_input_ids_is_an_error_that_names_the_contract(tmp_path: Path) -> None:
+    """Refused at the first batch's start, before it trains (it was refused at its end, after an optimizer step)."""
+    module = Tokens(tuples=True)
     with pytest.raises(TypeError, match=r"input_ids.*got list.*ThroughputMonitor\(batch_size_fn"):
-        fit(Tokens(tuples=True), tmp_path)
+        fit(module, tmp_path)
+    assert module.steps_run == 0
 
 
 def test_window_size_counts_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:

@@ -38,7 +38,13 @@ def _tokens(batch: dict) -> int:
 class _StepWindowThroughputMonitor(ThroughputMonitor):
     """``window_size`` in optimizer steps for training. Lightning's window counts the batches it is updated with,
     micro-batches: with ``accumulate_grad_batches=A`` a window of ``n`` covered ``n / A`` steps (a fraction of one
-    step for ``n < A``). Validation keeps a window of ``n`` batches."""
+    step for ``n < A``). Validation keeps a window of ``n`` batches. A batch without ``input_ids`` is refused when a
+    training batch starts, before it trains."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        # Lightning's monitor reads the batch at its end, after the optimizer step: check its form before it trains
+        _input_ids(batch)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
