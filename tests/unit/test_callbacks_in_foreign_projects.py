@@ -34,13 +34,21 @@ def regression_data(n: int = 64, batch_size: int = 8) -> DataLoader:
 class UserModule(L.LightningModule):
     """``nn.Sequential`` MLP; ``training_step`` returns the bare loss. ``groups``: two param groups with LRs 1e-2 and
     1e-3; ``scheduler``: a ``StepLR`` of its own; ``manual``: manual optimization (every optimizer steps each batch);
-    ``two``: two optimizers (AdamW for the first layer, SGD for the last)."""
+    ``two``: two optimizers (AdamW for the first layer, SGD for the last); ``step_every``: under manual optimization,
+    accumulate the grads of that many batches per update."""
 
-    def __init__(self, groups: bool = False, scheduler: bool = False, manual: bool = False, two: bool = False):
+    def __init__(
+        self,
+        groups: bool = False,
+        scheduler: bool = False,
+        manual: bool = False,
+        two: bool = False,
+        step_every: int = 1,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.groups, self.scheduler, self.two = groups, scheduler, two
+        self.groups, self.scheduler, self.two, self.step_every = groups, scheduler, two, step_every
         self.automatic_optimization = not manual
         self.example_input_array = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
 
@@ -54,11 +62,11 @@ class UserModule(L.LightningModule):
             return loss
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        for opt in optimizers:
-            opt.zero_grad()
-        self.manual_backward(loss)
-        for opt in optimizers:
-            opt.step()
+        self.manual_backward(loss / self.step_every)
+        if (batch_idx + 1) % self.step_every == 0:
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
         return None
 
     def configure_optimizers(self):
@@ -125,6 +133,10 @@ def _equal(a, b) -> bool:
 
 RESUMABLE = {
     "wsd": (lambda tmp: WSDScheduler(total_steps=16, warmup_steps=4, decay_steps=6), {"groups": True}),
+    "wsd_two_optimizers": (
+        lambda tmp: WSDScheduler(total_steps=16, warmup_steps=4, decay_steps=6),
+        {"manual": True, "two": True},
+    ),
     "loss_spike": (
         lambda tmp: LossSpikeMonitor(
             actions=["log", "lr_cooldown"],
@@ -240,3 +252,48 @@ def test_fourier_sampler_callback_names_the_keys_a_users_module_does_not_return(
             tmp_path, [FourierSamplerCallback()], module, max_steps=4, datamodule=lm_data(tmp_path), limit_val_batches=0
         )
     assert module.steps_run == (0 if declare else 1)
+
+
+class UpdateLRs(L.Callback):
+    """Records the LR of every update of every optimizer (step pre-hooks, so the LR the update used)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.used = {i: [] for i in range(len(trainer.optimizers))}
+        for i, opt in enumerate(trainer.optimizers):
+            opt.register_step_pre_hook(lambda o, args, kwargs, i=i: self.used[i].append(o.param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize(("two", "step_every"), [(True, 1), (False, 2), (False, 1)])
+def test_wsd_under_manual_optimization_follows_each_optimizers_updates(tmp_path: Path, two: bool, step_every: int):
+    """Under manual optimization Lightning's global_step counts every optimizer.step: with two optimizers stepping each
+    batch it advances by 2 a batch, and the schedule, which followed it, gave each optimizer every other LR of the
+    schedule (0.5, 1.0, 0.0, 0.0 for 4 updates of a 4-step schedule; its warmup and stable phase in half the updates).
+    The k-th update of each optimizer now uses the schedule's LR for step k; one that accumulates by hand (an update
+    every 2 batches) keeps following its updates, and so does a plain manual loop."""
+    wsd, record = WSDScheduler(total_steps=4, warmup_steps=2, decay_steps=2, decay_type="linear"), UpdateLRs()
+    optimizers = 2 if two else 1
+    fit(tmp_path, [wsd, record], UserModule(manual=True, two=two, step_every=step_every), max_steps=4 * optimizers)
+    expected = [1e-2 * wsd.lr_factor(k) for k in range(4)]
+    assert [0.5, 1.0, 0.5, 0.0] == [wsd.lr_factor(k) for k in range(4)]
+    for i in range(optimizers):
+        assert record.used[i] == expected, i
+
+
+class HalveLRInsideStep(L.Callback):
+    """Scales the LR of every update by 0.5 the way ``FourierSamplerCallback``'s stage multiplier does (a step pre-hook
+    through ``_lr_scaling``, undone right after the update)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lit_dtrain.callbacks._lr_scaling import scale_lrs_for_step
+
+        for opt in trainer.optimizers:
+            opt.register_step_pre_hook(lambda o, args, kwargs: scale_lrs_for_step(o, 0.5))
+
+
+def test_wsd_under_manual_optimization_composes_with_a_per_step_lr_scaling(tmp_path: Path) -> None:
+    """The schedule sets the next update's LR inside optimizer.step (a post-hook); the scaling's own restore, a later
+    post-hook, would put back the LR from before the update over it unless it is taken back first."""
+    wsd, record = WSDScheduler(total_steps=4, warmup_steps=2, decay_steps=2, decay_type="linear"), UpdateLRs()
+    trainer = fit(tmp_path, [wsd, HalveLRInsideStep(), record], UserModule(manual=True), max_steps=4)
+    assert record.used[0] == [0.5 * 1e-2 * wsd.lr_factor(k) for k in range(4)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2 * wsd.lr_factor(4)  # the schedule's, unscaled

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
+from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 
 MODES = ("zscore", "reciprocal")
 
@@ -100,7 +101,7 @@ def local_grad_sumsq(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
 
 
-class AdaptiveGradClip(L.Callback):
+class AdaptiveGradClip(StepHooksCallback):
     """Clip the global grad norm to ``mean + z_threshold * std`` of its running EMA statistics (ZClip).
 
     Args:
@@ -227,18 +228,9 @@ class AdaptiveGradClip(L.Callback):
         if index in self._undo and grad_params(optimizer):
             self._applied.add(index)
 
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._remove_hooks()
-
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
+        super().on_exception(trainer, pl_module, exception)  # removes the step hooks
         self._undo_unapplied()  # a step seen but never taken: a continued fit redoes it
         self._log_rows, self._log_step = set(), None
 
@@ -250,10 +242,6 @@ class AdaptiveGradClip(L.Callback):
                 self._clip_events[index], self._last[index] = clip_events, last
                 self._log_rows.discard(index)
         self._undo, self._applied = {}, set()
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._remove_hooks()
 
     def threshold(self, optimizer_index: int = 0) -> float | None:
         """The current clip value of the optimizer at ``optimizer_index`` (None: no clipping yet)."""

@@ -13,21 +13,28 @@ it (written with the ``LambdaLR`` scheduler instead) uses the configured peaks, 
 optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's arguments come from
 the constructor, so resuming with a larger ``total_steps`` extends the run and a new ``decay_steps``
 starts a decay branch.
+
+Under manual optimization Lightning's ``global_step`` counts every ``optimizer.step``, two a batch with two
+optimizers, so it is no optimizer's step count: there each optimizer's ``k``-th update uses the schedule's LR for
+step ``k`` (its updates are counted in a step post-hook, which sets the LR of its next one, and checkpointed).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import lightning as L
 from typing_extensions import override
 
+from lit_dtrain.callbacks._lr_scaling import restore_lrs
+from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 
 log = logging.getLogger(__name__)
 
 
-class WSDScheduler(L.Callback):
+class WSDScheduler(StepHooksCallback):
     """Warmup-stable-decay LR for every optimizer of the trainer (no ``LRScheduler`` needed).
 
     Args:
@@ -42,7 +49,9 @@ class WSDScheduler(L.Callback):
     ``LearningRateMonitor`` logs the LR actually used at step ``s`` whatever the callback order) and
     again right before step ``s`` (``on_train_batch_start``, idempotent), and at ``on_train_start`` for
     the first step of a fit or a resume. With gradient accumulation every micro-batch of one optimizer
-    step sees the same ``global_step`` and so the same LR.
+    step sees the same ``global_step`` and so the same LR. Under manual optimization the step is each
+    optimizer's own count of updates (see the module docstring): with two optimizers that step every batch,
+    ``total_steps`` is ``max_steps / 2``.
     """
 
     def __init__(
@@ -72,6 +81,8 @@ class WSDScheduler(L.Callback):
         self.decay_type, self.min_lr_factor = str(decay_type), float(min_lr_factor)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
+        self.updates: list[int] | None = None  # manual optimization: each optimizer's updates so far (its step)
+        self._hooks: list = []
 
     def lr_factor(self, step: int) -> float:
         """The schedule's factor for optimizer step ``step``."""
@@ -84,7 +95,8 @@ class WSDScheduler(L.Callback):
             min_lr_factor=self.min_lr_factor,
         )
 
-    def _apply(self, trainer: L.Trainer, step: int) -> None:
+    def _apply(self, trainer: L.Trainer, step: int | list[int]) -> None:
+        """Set every optimizer's LRs for ``step`` (one for all, or one per optimizer)."""
         optimizers = trainer.optimizers
         if self.base_lrs is None:
             raise RuntimeError("WSDScheduler: base LRs are unknown; on_train_start did not run")
@@ -94,18 +106,29 @@ class WSDScheduler(L.Callback):
                 f"match the {[len(b) for b in self.base_lrs]} whose peak LRs it read at fit start (or from the "
                 "checkpoint); a param group added during training has no peak LR"
             )
+        steps = step if isinstance(step, list) else [step] * len(optimizers)
+        for optimizer, base_lrs, optimizer_step in zip(optimizers, self.base_lrs, steps):
+            self._set(optimizer, base_lrs, optimizer_step)
+
+    def _set(self, optimizer, base_lrs: list[float], step: int) -> None:
         factor = self.lr_factor(step)
-        for optimizer, base_lrs in zip(optimizers, self.base_lrs):
-            for group, base_lr in zip(optimizer.param_groups, base_lrs):
-                group["lr"] = base_lr * factor
+        for group, base_lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base_lr * factor
         self.last_step = step
+
+    def _after_update(self, optimizer, args, kwargs, index: int) -> None:
+        # manual optimization: this optimizer took its update; set the LR of its next one. A per-step scaling (the
+        # FourierSampler's stage multiplier) is taken back first, so that its own restore cannot write over this LR
+        restore_lrs(optimizer)
+        self.updates[index] += 1
+        self._set(optimizer, self.base_lrs[index], self.updates[index])
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_fit_start, even
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
-            self.base_lrs, self.last_step = None, -1
+            self.base_lrs, self.last_step, self.updates = None, -1, None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -131,24 +154,39 @@ class WSDScheduler(L.Callback):
                 "checkpoint restored this callback's state (the restored optimizer's LR is not the peak)"
             )
         step = trainer.global_step
+        self._remove_hooks()
+        if not pl_module.automatic_optimization:
+            optimizers = trainer.optimizers
+            if self.updates is None or len(self.updates) != len(optimizers):
+                # a fresh fit (0), or a checkpoint without the counts: every optimizer stepped at each of its steps
+                self.updates = [step // len(optimizers)] * len(optimizers)
+            self._apply(trainer, self.updates)
+            for i, optimizer in enumerate(optimizers):
+                self._hooks.append(optimizer.register_step_post_hook(partial(self._after_update, index=i)))
+            step = min(self.updates)
+        else:
+            self.updates = None
+            self._apply(trainer, step)
         if step >= self.total_steps:
-            log.warning("WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor",
-                        step, self.total_steps)
-        self._apply(trainer, step)
+            msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
+            log.warning(msg, step, self.total_steps)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        self._apply(trainer, trainer.global_step)
+        if not self._hooks:  # (manual optimization: set after each update)
+            self._apply(trainer, trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        self._apply(trainer, trainer.global_step)  # global_step already counts the step that just ended
+        if not self._hooks:
+            self._apply(trainer, trainer.global_step)  # global_step already counts the step that just ended
 
     @override
     def state_dict(self) -> dict:
         return {
             "base_lrs": [list(b) for b in self.base_lrs] if self.base_lrs is not None else None,
             "last_step": self.last_step,
+            "optimizer_updates": list(self.updates) if self.updates is not None else None,  # manual optimization
             "total_steps": self.total_steps,  # for information: the constructor's arguments always win
             "warmup_steps": self.warmup_steps,
             "decay_steps": self.decay_steps,
@@ -163,6 +201,8 @@ class WSDScheduler(L.Callback):
         base = state_dict["base_lrs"]
         self.base_lrs = [[float(x) for x in b] for b in base] if base is not None else None
         self.last_step = int(state_dict.get("last_step", -1))
+        updates = state_dict.get("optimizer_updates")  # absent before it existed, None under automatic optimization
+        self.updates = [int(u) for u in updates] if updates is not None else None
         changed = {
             k: (state_dict[k], getattr(self, k))
             for k in ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
