@@ -322,12 +322,16 @@ def test_fourier_sampler_callback_names_the_keys_a_users_module_does_not_return(
 
 
 class UpdateLRs(L.Callback):
-    """Records the LR of every update of every optimizer (step pre-hooks, so the LR the update used)."""
+    """Records the LR of param group ``group`` at every update of every optimizer (step pre-hooks, so the LR the update
+    used)."""
+
+    def __init__(self, group: int = 0) -> None:
+        self.group = group
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.used = {i: [] for i in range(len(trainer.optimizers))}
         for i, opt in enumerate(trainer.optimizers):
-            opt.register_step_pre_hook(lambda o, args, kwargs, i=i: self.used[i].append(o.param_groups[0]["lr"]))
+            opt.register_step_pre_hook(lambda o, a, kw, i=i: self.used[i].append(o.param_groups[self.group]["lr"]))
 
 
 @pytest.mark.parametrize(("two", "step_every"), [(True, 1), (False, 2), (False, 1)])
@@ -364,3 +368,16 @@ def test_wsd_under_manual_optimization_composes_with_a_per_step_lr_scaling(tmp_p
     trainer = fit(tmp_path, [wsd, HalveLRInsideStep(), record], UserModule(manual=True), max_steps=4)
     assert record.used[0] == [0.5 * 1e-2 * wsd.lr_factor(k) for k in range(4)]
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2 * wsd.lr_factor(4)  # the schedule's, unscaled
+
+
+@pytest.mark.parametrize("trainer_kwargs", [{}, MIXED], ids=["fp32", "bf16_accumulate2"])
+def test_wsd_sets_each_param_groups_lr_of_a_users_optimizer_exactly(tmp_path: Path, trainer_kwargs) -> None:
+    """Two param groups with peaks 1e-2 and 1e-3: every update uses each group's peak times the schedule's factor for
+    its step, float for float; under accumulation once per optimizer step."""
+    wsd = WSDScheduler(total_steps=6, warmup_steps=2, decay_steps=3, decay_type="linear")
+    first, second = UpdateLRs(group=0), UpdateLRs(group=1)
+    trainer = fit(tmp_path, [wsd, first, second], UserModule(groups=True), max_steps=6, **trainer_kwargs)
+    assert trainer.global_step == 6
+    assert first.used[0] == [1e-2 * wsd.lr_factor(k) for k in range(6)]
+    assert second.used[0] == [1e-3 * wsd.lr_factor(k) for k in range(6)]
+    assert len(set(first.used[0])) == 5  # warmup, peak, three decay steps (the last at 0): the schedule moved
