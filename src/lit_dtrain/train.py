@@ -23,9 +23,11 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
+from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
 from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -106,6 +108,23 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
                 "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
             ) from e
         raise
+
+
+PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
+
+
+def _stopped_by_sigterm(trainer: L.Trainer) -> int:
+    """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
+    status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
+    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved."""
+    if not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
+        log.warning(
+            "stopped by SIGTERM at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
+            "resume=auto continues from the last validation's checkpoint, if any",
+            trainer.global_step,
+        )
+    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
+    return PREEMPTED_EXIT_STATUS
 
 
 _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
@@ -694,7 +713,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         save_trained_overrides(out_dir)
 
     t0 = time.perf_counter()
-    _fit(trainer, module, datamodule, ckpt_path)
+    try:
+        _fit(trainer, module, datamodule, ckpt_path)
+    except SIGTERMException:
+        raise SystemExit(_stopped_by_sigterm(trainer)) from None
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds

@@ -129,3 +129,29 @@ def test_a_reused_callback_does_not_carry_a_signal_into_the_next_fit(tmp_path: P
     assert preemption.saved_step == 4
     module = fit(tmp_path, [preemption])  # no signal this time: trains to max_steps
     assert module.trainer.global_step == 24 and preemption.saved_step is None
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+def test_train_stopped_by_sigterm_exits_with_status_143_not_0(tiny_cfg, preemption, caplog):
+    """A run that SIGTERM stopped has not finished. Lightning's SIGTERMException is a SystemExit with status 0, so
+    ``train.py && compare_runs``, SLURM's ``afterok`` and a multirun's exit status read a preempted run as done.
+    train() exits with 143 (128 + SIGTERM, what a shell reports for a process SIGTERM ended), writes no summary, and
+    says so when no checkpoint was saved on the way out."""
+    from lit_dtrain.train import train
+
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=2",
+             "+callbacks.fault.signal=SIGTERM"]
+    off = [] if preemption else ["callbacks.preemption=null"]
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", *fault, *off)
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 143
+    out = Path(cfg.paths.output_dir)
+    assert not (out / "summary.json").exists()
+    saved = out / "checkpoints" / "last.ckpt"
+    if preemption:
+        assert torch.load(saved, weights_only=True)["global_step"] == 3  # the step during which the signal came
+        assert "without a checkpoint" not in caplog.text
+    else:
+        assert not saved.exists()
+        assert "stopped by SIGTERM at step" in caplog.text and "without a checkpoint" in caplog.text
