@@ -1,9 +1,10 @@
-"""Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`), so that any Hydra entry point calling
-it gets them, not only the root ``train.py``. They read Hydra's runtime config and are no-ops without one
-(``train(cfg)`` called from plain Python)."""
+"""Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`, :func:`logs_a_failed_job`), so that any
+Hydra entry point calling it gets them, not only the root ``train.py``. They read Hydra's runtime config and are
+no-ops without one (``train(cfg)`` called from plain Python)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -28,6 +29,29 @@ def sweep_checks(cfg: DictConfig) -> None:
             " ".join(f"{k}={v}" for k, v in grid.items()),
         )
     check_resumed_job(cfg)
+
+
+def logs_a_failed_job(train_fn):
+    """Wrap ``train_fn(cfg)`` so that in a Hydra multirun a job that raises logs ``job N failed: Type: message``
+    with its traceback (to ``train_fn``'s module logger; Hydra's job logging writes it to the job's
+    ``<job name>.log``) before the error goes on to Hydra. Hydra runs the next job and reports only the first
+    failed job's error, after the whole sweep; ``scripts/compare_runs.py`` shows each failed job's error from this
+    line. Outside a multirun the error ends the run itself, and nothing is logged."""
+    job_log = logging.getLogger(train_fn.__module__)
+
+    @functools.wraps(train_fn)
+    def wrapper(cfg: DictConfig):
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        try:
+            return train_fn(cfg)
+        except Exception as e:
+            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+                job_log.exception("job %s failed: %s: %s", HydraConfig.get().job.num, type(e).__name__, e)
+            raise
+
+    return wrapper
 
 
 def check_resumed_job(cfg: DictConfig) -> None:

@@ -47,7 +47,7 @@ from lit_dtrain.schedules.workflows import (
     load_model_weights,
     warn_if_the_resume_jumps_up,
 )
-from lit_dtrain.sweeps import sweep_checks
+from lit_dtrain.sweeps import logs_a_failed_job, sweep_checks
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_process_group_at_exit,
@@ -647,6 +647,7 @@ def pin_sweep_dir() -> None:
         os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
 
 
+@logs_a_failed_job  # a sweep job's error, in its log: any Hydra app calling train(cfg) gets it
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
     quiet_lightning_noise()

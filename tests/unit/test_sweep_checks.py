@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, 
         full = compose(config_name="train", overrides=base + job, return_hydra_config=True)
     with open_dict(full):
         full.hydra.mode = mode
+        if mode == RunMode.MULTIRUN:
+            full.hydra.job.num = int(job_dir.name)
         full.hydra.runtime.output_dir = str(job_dir)
         full.hydra.overrides.task = base + job
         full.paths.output_dir = str(job_dir)
@@ -126,3 +129,25 @@ def test_train_called_from_another_hydra_entry_pins_the_sweep_dir_for_rank_1(tmp
             train(cfg)
         assert os.environ.get("LIT_DTRAIN_SWEEP_DIR") == str(job0.parent)
     assert "LIT_DTRAIN_SWEEP_DIR" not in os.environ
+
+
+def test_train_called_from_another_hydra_entry_logs_a_failed_jobs_error(tmp_path, corpus, caplog):
+    """A failed sweep job's 'job N failed: Type: message' line, which Hydra's job logging writes to the job's log
+    file and scripts/compare_runs.py shows as the job's error, was logged by the root train.py's wrapper only: a
+    job of a Hydra app of one's own calling train(cfg) that failed left nothing in its log, and compare_runs
+    listed it as 'no metrics logged'. train(cfg) logs it now, with the traceback, once; outside a multirun
+    nothing (the error ends the run)."""
+    job1 = tmp_path / "sweep" / "1"
+    with multirun_job(job1, ["optimizer.lr=1e-3,-1"], ["optimizer.lr=-1"], corpus) as cfg:
+        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
+            train(cfg)
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert [(r.name, r.levelno, r.getMessage()) for r in failed] == [
+        ("lit_dtrain.train", logging.ERROR, "job 1 failed: ConfigError: optimizer.lr must be > 0, got -1")
+    ]
+    assert failed[0].exc_info[0] is ConfigError  # the traceback, as the root train.py logged it
+    caplog.clear()
+    with multirun_job(tmp_path / "runs" / "one", [], ["optimizer.lr=-1"], corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
+            train(cfg)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
