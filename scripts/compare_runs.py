@@ -325,10 +325,24 @@ def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
     return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
 
 
-def job_error(job: Path) -> str | None:
-    """The error a failed sweep job logged to its ``train.log`` (``train.py``: ``job N failed: Type: message``)."""
+def job_log(job: Path) -> Path:
+    """The log file Hydra's job logging writes in a job dir: ``<hydra.job.name>.log``, the app's script name
+    (``train.log`` for the root ``train.py``, ``my_train.log`` for an app of one's own calling ``train(cfg)``), as
+    ``.hydra/hydra.yaml`` names it; ``train.log`` without one."""
+    from omegaconf import OmegaConf
+
     try:
-        text = (job / "train.log").read_text(errors="replace")
+        name = OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.job.name
+    except Exception:  # no (readable) hydra.yaml: the root train.py's name
+        name = None
+    return job / f"{name or 'train'}.log"
+
+
+def job_error(job: Path) -> str | None:
+    """The error a failed sweep job logged to its Hydra job log (:func:`job_log`; ``train(cfg)`` logs
+    ``job N failed: Type: message``)."""
+    try:
+        text = job_log(job).read_text(errors="replace")
     except OSError:
         return None
     match = re.search(r"job \d+ failed: (.*)", text)

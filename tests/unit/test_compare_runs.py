@@ -576,3 +576,21 @@ def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
         "  overrides:\n    task:\n    - optimizer.lr=0.01\n"
     )
     assert compare_runs.compare([str(complete.parent)], ["val/loss"], out=str(tmp_path / "d.png"))["not_started"] == []
+
+
+def test_a_failed_job_of_a_hydra_app_of_ones_own_shows_its_error(tmp_path):
+    """Hydra's job logging writes to ``<job dir>/<hydra.job.name>.log``, the app's script name: train.log for the
+    root train.py, my_train.log for a Hydra app of one's own calling train(cfg). compare_runs read train.log only,
+    so such an app's failed job got 'no metrics logged (not started, ...)' although its log held the error. The
+    log is the one .hydra/hydra.yaml names (rank 1's train_ddp_process_1.log is another job name's, not read)."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
+    failed = sweep / "1"
+    (failed / ".hydra").mkdir(parents=True)
+    (failed / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=-1\n")
+    (failed / ".hydra" / "hydra.yaml").write_text("hydra:\n  job:\n    name: my_train\n    num: 1\n")
+    (failed / "my_train.log").write_text("[x][lit_dtrain.train][ERROR] - job 1 failed: ConfigError: lr < 0\n")
+    (failed / "my_train_ddp_process_1.log").write_text("[x][lit_dtrain.train][ERROR] - job 1 failed: rank 1's\n")
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[3] == "| optimizer.lr=-1 | failed: ConfigError: lr < 0 | - | - | - |"
+    assert result["skipped_jobs"][0]["error"] == "ConfigError: lr < 0"
