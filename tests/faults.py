@@ -25,6 +25,22 @@ class KillAtStep(L.Callback):
         os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
+class SignalInValidation(L.Callback):
+    """Send ``signal`` to this process at the first batch of the validation at ``step`` completed steps that
+    ``stage`` runs: ``fit`` (a validation inside fit, e.g. the last one) or ``validate`` (``train()``'s final
+    ``trainer.validate``)."""
+
+    def __init__(self, step: int, stage: str = "validate", signal: str = "SIGTERM") -> None:
+        self.step, self.stage, self.signal = int(step), stage, signal
+        self.fired = False
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.fired or trainer.sanity_checking or trainer.global_step != self.step or trainer.state.fn != self.stage:
+            return
+        self.fired = True
+        os.kill(os.getpid(), getattr(signal_module, self.signal))
+
+
 class PoisonLossAtStep(L.Callback):
     """Multiply the loss that ``training_step`` returns by ``value`` (NaN or Inf) in every micro-batch of the step
     after ``step`` completed steps (on rank ``rank`` only, when given).

@@ -113,11 +113,18 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
 PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
 
 
-def _stopped_by_sigterm(trainer: L.Trainer) -> int:
+def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
     status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
-    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved."""
-    if not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
+    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved
+    (``saved_last``: train() saved the final ``last.ckpt``)."""
+    if saved_last:
+        log.warning(
+            "stopped by SIGTERM after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
+            "writes summary.json",
+            trainer.global_step,
+        )
+    elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
         log.warning(
             "stopped by SIGTERM at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
             "resume=auto continues from the last validation's checkpoint, if any",
@@ -125,6 +132,17 @@ def _stopped_by_sigterm(trainer: L.Trainer) -> int:
         )
     log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
     return PREEMPTED_EXIT_STATUS
+
+
+def _sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
+    """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
+    handler only records it (it saves at the end of a batch, and none ends after the last validation), and
+    Lightning's flag is read before validation batches but the last. The ranks agree (one all-reduce), so that
+    all of them stop, or none."""
+    pending = trainer.received_sigterm or any(
+        isinstance(c, PreemptionCheckpoint) and c.signalled for c in trainer.callbacks
+    )
+    return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
 
 _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
@@ -723,9 +741,14 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
+    if _sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
+        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True))
 
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
-    val = trainer.validate(module, datamodule=datamodule, verbose=False)
+    try:
+        val = trainer.validate(module, datamodule=datamodule, verbose=False)
+    except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
+        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True)) from None
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
     previous: dict = {}

@@ -3,6 +3,7 @@ of the optimizer step, after every other callback has finished that step, whatev
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -155,3 +156,30 @@ def test_train_stopped_by_sigterm_exits_with_status_143_not_0(tiny_cfg, preempti
     else:
         assert not saved.exists()
         assert "stopped by SIGTERM at step" in caplog.text and "without a checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_sigterm_during_the_last_validation_also_exits_with_status_143(tiny_cfg, stage, caplog):
+    """A SIGTERM during the validation at the last step (inside fit: PreemptionCheckpoint's handler only records it,
+    and no batch ends after it) was ignored: the run went on to its final validation, sample and summary, and in a
+    multirun the next job started, still under the preemption. One during train()'s final trainer.validate ended
+    it with Lightning's SIGTERMException, exit status 0. Both exit with 143 after the final last.ckpt is saved,
+    before the final validation; resume=auto only validates that checkpoint and writes the summary."""
+    from lit_dtrain.train import train
+
+    fault = [
+        "+callbacks.fault._target_=tests.faults.SignalInValidation",
+        "+callbacks.fault.step=6",
+        f"+callbacks.fault.stage={stage}",
+    ]
+    # several validation batches: Lightning's evaluation loop acts on a SIGTERM before a batch that is not the last
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "data.val_batch_size=2", *fault)
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 143
+    out = Path(cfg.paths.output_dir)
+    assert not (out / "summary.json").exists()
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert "stopped by SIGTERM after the last step (6), whose last.ckpt is saved" in caplog.text
+    metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "resume=auto"))
+    assert metrics["steps"] == 6 and json.loads((out / "summary.json").read_text())["steps"] == 6
