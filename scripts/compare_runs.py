@@ -349,10 +349,17 @@ def job_error(job: Path) -> str | None:
     return match.group(1).strip() if match else None
 
 
-def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maximize: bool = False) -> str:
+def markdown_table(
+    rows: list[dict], metric: str, skipped: list[dict] = (), maximize: bool = False, errors_in: str | None = None
+) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
     highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
-    nothing, with its error if any. A sweep's jobs are listed in job order (:func:`table_order`)."""
+    nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
+    it). A sweep's jobs are listed in job order (:func:`table_order`)."""
+
+    def failed(error: str) -> str:
+        return f"failed (error in the {errors_in} table)" if errors_in else f"failed: {_cell(error)}"
+
     best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
     best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
@@ -363,7 +370,7 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maxi
     lines = []
     for r in rows:
         if r.get("missing"):  # the run has not logged the metric at all
-            status = f"failed: {_cell(r['error'])}" if r.get("error") else "-"
+            status = failed(r["error"]) if r.get("error") else "-"
             lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
         comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
@@ -375,7 +382,7 @@ def markdown_table(rows: list[dict], metric: str, skipped: list[dict] = (), maxi
         lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
     for job in skipped:
         status = (
-            f"failed: {_cell(job['error'])}"
+            failed(job["error"])
             if job.get("error")
             else "not started"
             if job.get("not_started")
@@ -523,7 +530,10 @@ def compare(
             }
         )
     table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
-    tables = [markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize) for m in metrics]
+    tables = [  # a failed job's error in the first table only
+        markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize, metrics[0] if i else None)
+        for i, m in enumerate(metrics)
+    ]
     text = "\n".join(tables)  # a blank line between
     if table:
         Path(table).parent.mkdir(parents=True, exist_ok=True)

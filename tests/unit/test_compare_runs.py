@@ -594,3 +594,31 @@ def test_a_failed_job_of_a_hydra_app_of_ones_own_shows_its_error(tmp_path):
     result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert result["markdown"].splitlines()[3] == "| optimizer.lr=-1 | failed: ConfigError: lr < 0 | - | - | - |"
     assert result["skipped_jobs"][0]["error"] == "ConfigError: lr < 0"
+
+
+def test_a_failed_jobs_error_is_shown_in_the_first_table_only(tmp_path):
+    """'--metric val/loss --metric lr-AdamW/decay' over a sweep with a failed job printed the job's error (up to
+    100 characters) in every metric's table, the same text once per table. The first table shows it; the others
+    say where it is. The JSON keeps it in each run and skipped job as before."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
+    bad = sweep / "1"
+    SummaryWriter(str(bad / "tb")).close()  # failed after its logger started: a run without the metrics
+    (bad / ".hydra").mkdir(parents=True)
+    (bad / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=1e4\n")
+    (bad / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 1 failed: NonFiniteError: at step 1\n")
+    (sweep / "2" / ".hydra").mkdir(parents=True)
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=-1\n")
+    (sweep / "2" / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 2 failed: ConfigError: lr < 0\n")
+    result = compare_runs.compare([str(sweep)], ["val/loss", "lr-AdamW/decay"], out=str(tmp_path / "c.png"))
+    first, second = result["markdown"].split("\n\n")
+    assert first.splitlines()[3:] == [
+        "| optimizer.lr=1e4 | failed: NonFiniteError: at step 1 | - | - | - |",
+        "| optimizer.lr=-1 | failed: ConfigError: lr < 0 | - | - | - |",
+    ]
+    assert second.splitlines()[3:] == [
+        "| optimizer.lr=1e4 | failed (error in the val/loss table) | - | - | - |",
+        "| optimizer.lr=-1 | failed (error in the val/loss table) | - | - | - |",
+    ]
+    assert result["runs"][1]["error"] == "NonFiniteError: at step 1"
+    assert result["skipped_jobs"][0]["error"] == "ConfigError: lr < 0"
