@@ -275,7 +275,7 @@ def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path, ca
     assert errors == [None, "NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)",
                       "LossSpikeError: spike at 11"]
     assert ok.name == "0"
-    long = compare_runs._cell("NonFiniteError: " + "x" * 200 + " | y")  # the table cell, not the JSON, is cut
+    long = compare_runs.table_cell("NonFiniteError: " + "x" * 200 + " | y")  # the table cell, not the JSON, is cut
     assert len(long) == 100 and long.endswith("...") and "|" not in long
 
 

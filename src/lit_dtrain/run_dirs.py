@@ -1,0 +1,267 @@
+"""Read back what ``train(cfg)`` and a Hydra sweep leave in run dirs (``scripts/compare_runs.py`` compares them).
+
+- which dirs are runs: a run dir, a sweep dir's job subdirs, or every run below ``outputs/`` (:func:`expand_runs`);
+- each run's scalars, from TensorBoard event files or ``logger=csv``'s ``metrics.csv`` (:func:`read_scalars`);
+- its overrides (:func:`hydra_overrides`), whether it finished (``summary.json``, :func:`finished`), the error a
+  failed sweep job logged (:func:`job_error`, the line :func:`lit_dtrain.sweeps.logs_a_failed_job` writes), and a
+  stopped sweep's jobs that never started (:func:`jobs_not_started`).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+Warn = Callable[[str], None]  # where a skipped dir or an unreadable multirun.yaml is reported
+
+EVENT_GLOB = "events.out.tfevents.*"
+CSV_NAME = "metrics.csv"  # Lightning's CSVLogger (logger=csv: ResumableCSVLogger) writes <run>/csv/metrics.csv
+
+
+class RunDirError(ValueError):
+    """A run dir, an event file or a metric is missing; the message names it."""
+
+
+def event_dirs(run: Path) -> list[Path]:
+    """Dirs below ``run`` that hold TensorBoard event files or a CSV logger's metrics.csv (sorted)."""
+    return sorted({p.parent for p in run.rglob(EVENT_GLOB)} | {p.parent for p in run.rglob(CSV_NAME) if p.is_file()})
+
+
+def expand_runs(paths: list[str], skipped: list[str] | None = None, warn: Warn = log.warning) -> list[Path]:
+    """Run dirs from the arguments: a dir with event files of its own is a run; else its job subdirs are. A dir
+    that holds sweeps or run dirs deeper down (``outputs``, ``outputs/multiruns``) is expanded into each of them.
+
+    A Hydra job dir (``.hydra/``) without event files, a sweep job that failed before logging anything, is
+    skipped with a warning (``warn``) and appended to ``skipped``; it does not stop the comparison."""
+    runs: list[Path] = []
+    skipped = [] if skipped is None else skipped
+    files: list[str] = []
+
+    def skip(job: Path) -> None:
+        warn(
+            f"skipping {job} (a Hydra job without TensorBoard event files or {CSV_NAME}: it failed before logging, "
+            "or has not started)"
+        )
+        skipped.append(str(job))
+
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_file():  # a shell glob over a sweep dir also matches Hydra's multirun.yaml
+            warn(f"skipping {raw} (a file, not a run dir)")
+            files.append(raw)
+            continue
+        if not path.is_dir():
+            raise RunDirError(f"run dir {raw!r} does not exist")
+        if _holds_runs(path):
+            subs = [
+                d for d in sorted(path.iterdir(), key=_job_key) if d.is_dir() and (event_dirs(d) or _hydra_below(d))
+            ]
+            runs.extend(expand_runs([str(d) for d in subs], skipped, warn))
+            continue
+        own = [d for d in event_dirs(path) if not _inside_job(d, path)]
+        subdirs = sorted((d for d in path.iterdir() if d.is_dir()), key=_job_key)
+        jobs = [d for d in subdirs if event_dirs(d)]
+        if own or not jobs:
+            if not event_dirs(path):
+                if (path / ".hydra").is_dir():  # e.g. one job of the README's `outputs/multiruns/<time>/*` glob
+                    skip(path)
+                    continue
+                hydra_jobs = [d for d in subdirs if (d / ".hydra").is_dir()]
+                if hydra_jobs:  # a sweep none of whose jobs logged anything: all failed, or none started
+                    for d in hydra_jobs:
+                        skip(d)
+                    continue
+                raise RunDirError(
+                    f"run dir {raw!r} has no TensorBoard event files ({EVENT_GLOB}) or CSV metrics "
+                    f"({CSV_NAME}) below it"
+                )
+            runs.append(path)
+        else:
+            runs.extend(jobs)
+            for d in subdirs:
+                if (d / ".hydra").is_dir() and not event_dirs(d):
+                    skip(d)
+    if not runs and skipped:
+        jobs = [
+            f"{job} failed: {table_cell(error)}"
+            if (error := job_error(Path(job)))
+            else f"{job} logged no error (not started, or stopped before logging)"
+            for job in skipped
+        ]
+        raise RunDirError(f"no run has TensorBoard event files or {CSV_NAME}: {'; '.join(jobs)}")
+    if not runs and files:  # e.g. a checkpoint
+        raise RunDirError(
+            f"no run dir among the arguments: {files[0]!r} is a file; give the run dir that holds it "
+            "(e.g. outputs/runs/<run>)"
+        )
+    return runs
+
+
+def _is_run_dir(d: Path) -> bool:
+    return (d / ".hydra").is_dir() or (d / "summary.json").is_file()
+
+
+def _hydra_below(d: Path) -> bool:
+    return any(p.is_dir() for p in d.rglob(".hydra"))
+
+
+def _holds_runs(path: Path) -> bool:
+    """Whether ``path`` is no run but holds run dirs two or more levels down (sweep dirs, ``runs/``): merging their
+    event files would make one run of many."""
+    if _is_run_dir(path):
+        return False
+    return any(len(p.parent.relative_to(path).parts) >= 2 for p in path.rglob(".hydra") if p.is_dir())
+
+
+def _inside_job(event_dir: Path, root: Path) -> bool:
+    """Whether ``event_dir`` lies in a sweep job subdir of ``root`` (one with its own .hydra or summary)."""
+    rel = event_dir.relative_to(root).parts
+    return bool(rel) and ((root / rel[0] / ".hydra").is_dir() or (root / rel[0] / "summary.json").is_file())
+
+
+def _job_key(path: Path):
+    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+
+
+def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run: ``{tag: [(step, value), ...]}`` sorted by step.
+
+    Several event files (a resumed run appends a new one) are merged; for a step logged twice, the
+    later write wins. A ``metrics.csv`` (``logger=csv``) is read too: one column per tag, rows in logging order
+    (a later row wins; ``epoch`` and ``step`` are not scalars).
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    merged: dict[str, dict[int, tuple[float, float]]] = {}
+    for d in event_dirs(run):
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            per_step = merged.setdefault(tag, {})
+            for e in acc.Scalars(tag):
+                if e.step not in per_step or e.wall_time >= per_step[e.step][0]:
+                    per_step[e.step] = (e.wall_time, float(e.value))
+        csv_file = d / CSV_NAME
+        if csv_file.is_file():
+            for tag, step, value in read_csv_metrics(csv_file):
+                merged.setdefault(tag, {})[step] = (math.inf, value)
+    return {tag: [(s, v) for s, (_, v) in sorted(steps.items())] for tag, steps in merged.items()}
+
+
+def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if "step" not in (reader.fieldnames or []):
+            raise RunDirError(
+                f"{path} has no 'step' column, so it is not a Lightning CSVLogger metrics file; "
+                f"its columns are {reader.fieldnames}"
+            )
+        out = []
+        for row in reader:
+            if not row.get("step"):
+                continue
+            step = int(float(row["step"]))
+            out += [(tag, step, float(v)) for tag, v in row.items() if tag not in ("step", "epoch") and v]
+    return out
+
+
+def hydra_overrides(run: Path) -> list[str] | None:
+    """The run's command-line overrides: ``overrides.yaml``, written by the last start that trained it, else
+    ``.hydra/overrides.yaml``, which Hydra rewrites at every start (one that failed before training included);
+    None when it has neither."""
+    f = next((f for f in (run / "overrides.yaml", run / ".hydra" / "overrides.yaml") if f.is_file()), None)
+    if f is None:
+        return None
+    return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
+
+
+def sweep_jobs(sweep: Path, warn: Warn = log.warning) -> list[list[str]] | None:
+    """Each job's overrides (job N: entry N) of the multirun whose ``multirun.yaml`` is in ``sweep``, as Hydra's basic
+    sweeper makes them: the product of the swept values of ``hydra.sweeper.params`` then the command line's (as in
+    ``BasicSweeper.split_arguments``). None for another sweeper, or without a readable ``multirun.yaml``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        hydra = OmegaConf.load(sweep / "multirun.yaml").hydra
+        if not str(hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+            return None
+        params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides(params + list(hydra.overrides.task))
+    except Exception as e:  # any unreadable file: only the rows of jobs that never started depend on it
+        warn(
+            f"cannot list the jobs of {sweep / 'multirun.yaml'} ({type(e).__name__}: {e}); jobs that never started "
+            "have no row"
+        )
+        return None
+    values = {}
+    for o in overrides:
+        key = o.get_key_element()
+        swept = o.is_sweep_override() and o.is_discrete_sweep()
+        values[key] = (
+            [f"{key}={v}" for v in o.sweep_string_iterator()] if swept else [f"{key}={o.get_value_element_as_str()}"]
+        )
+    return [list(job) for job in itertools.product(*values.values())]
+
+
+def jobs_not_started(runs: list[Path], warn: Warn = log.warning) -> dict[Path, list[str]]:
+    """``{<sweep dir>/N: its overrides}`` of the jobs of the sweeps that ``runs`` belong to which have no dir: Hydra
+    creates a job's dir when the job starts, so a sweep stopped in job 1 of 4 has no trace of jobs 2 and 3."""
+    missing: dict[Path, list[str]] = {}
+    for sweep in dict.fromkeys(r.parent for r in runs if (r.parent / "multirun.yaml").is_file()):
+        for n, overrides in enumerate(sweep_jobs(sweep, warn) or []):
+            if not (sweep / str(n)).exists():
+                missing[sweep / str(n)] = overrides
+    return missing
+
+
+def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | None:
+    """Whether a ``train.py`` run dir (it has ``config_resolved.yaml``) ran to its end: ``train(cfg)`` writes
+    ``summary.json`` last, with the steps trained. False without it (killed, preempted, still running) or when the
+    run logged past those steps (resumed, then stopped). None for other dirs: nothing tells."""
+    if not (run / "config_resolved.yaml").is_file():
+        return None
+    try:
+        steps = json.loads((run / "summary.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    last = max((series[-1][0] for series in scalars.values() if series), default=0)
+    return isinstance(steps, int) and last <= steps
+
+
+def job_log(job: Path) -> Path:
+    """The log file Hydra's job logging writes in a job dir: ``<hydra.job.name>.log``, the app's script name
+    (``train.log`` for the root ``train.py``, ``my_train.log`` for an app of one's own calling ``train(cfg)``), as
+    ``.hydra/hydra.yaml`` names it; ``train.log`` without one."""
+    from omegaconf import OmegaConf
+
+    try:
+        name = OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.job.name
+    except Exception:  # no (readable) hydra.yaml: the root train.py's name
+        name = None
+    return job / f"{name or 'train'}.log"
+
+
+def job_error(job: Path) -> str | None:
+    """The error a failed sweep job logged to its Hydra job log (:func:`job_log`; ``train(cfg)`` logs
+    ``job N failed: Type: message``)."""
+    try:
+        text = job_log(job).read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"job \d+ failed: (.*)", text)
+    return match.group(1).strip() if match else None
+
+
+def table_cell(text: str, limit: int = 100) -> str:
+    """An error message as one table cell: no '|', at most ``limit`` characters (the JSON keeps all of it)."""
+    text = text.replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
