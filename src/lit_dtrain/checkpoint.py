@@ -10,6 +10,7 @@ execute code. Errors name the file.
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,9 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         truncated = truncation_reason(path)
         if truncated:  # before the weights-only branch: a file cut to a byte or two reads as a foreign pickle
             raise CheckpointError(f"checkpoint {str(path)!r} {truncated}") from e
+        damaged = damage_reason(path)
+        if damaged:  # also before it: a changed byte in data.pkl reads as a foreign pickle ('Unsupported operand')
+            raise CheckpointError(f"checkpoint {str(path)!r} {damaged}") from e
         if "Weights only load failed" in str(e):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is refused: {_weights_only_reason(str(e))}. It is not a checkpoint "
@@ -147,6 +151,39 @@ def truncation_reason(path: str | os.PathLike) -> str | None:
         "record that closes every complete one, so the file is incomplete (a copy, download or write cut short). "
         "It is left as it is; use a complete copy or another checkpoint"
     )
+
+
+def damage_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path``, a torch checkpoint (a zip archive) with its end record, is damaged, for messages
+    ``f"checkpoint {path!r} {reason}"``; None when it does not start like one or each of its members reads back
+    whole with the CRC-32 its zip directory records.
+
+    torch writes each member stored (uncompressed) with a CRC-32 but never checks one on load, so a changed byte
+    (bit rot, a bad disk or copy) fails there as whatever the bytes now mean: a pickle opcode it calls an
+    'Unsupported operand' (the message for a file holding code), a UnicodeDecodeError, a miniz error; in a
+    tensor's bytes it loads without a word. Reads the whole file once, never writes: call it only after a load
+    failed."""
+    with open(path, "rb") as f:
+        if f.read(len(_ZIP_START)) != _ZIP_START:
+            return None
+    keep = "It is left as it is; use an intact copy or another checkpoint"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                try:
+                    with archive.open(member) as f:
+                        while f.read(1 << 20):  # ZipExtFile compares the CRC-32 once the member is read to its end
+                            pass
+                except Exception as e:  # a bad CRC, a local header unlike the directory's entry, a bad method ...
+                    if "CRC-32" in str(e):
+                        return (
+                            f"is damaged: member {member.filename!r} fails its CRC-32 check: its bytes changed "
+                            f"after torch wrote them (bit rot, a bad disk or copy). {keep}"
+                        )
+                    return f"is damaged: member {member.filename!r} cannot be read ({type(e).__name__}: {e}). {keep}"
+    except Exception as e:  # BadZipFile, a name that is not UTF-8 ...: the directory itself is damaged
+        return f"is damaged: its zip directory cannot be read ({type(e).__name__}: {e}). {keep}"
+    return None
 
 
 def _weights_only_reason(message: str) -> str:

@@ -199,3 +199,74 @@ def test_a_truncated_checkpoint_is_called_truncated_and_left_untouched(tiny_cfg,
     with pytest.raises(CheckpointError, match="flipped.ckpt") as info:
         safe_torch_load(flipped)
     assert "is truncated" not in str(info.value)
+
+
+def _member_data_offset(data: bytes, info) -> int:
+    """Where a zip member's bytes start: after its 30-byte local header, its name and its extra field."""
+    header = data[info.header_offset : info.header_offset + 30]
+    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+def _tensors(obj, prefix: str = "") -> dict:
+    """Every tensor in a nest of dicts and lists, by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return {path: t for key, value in items for path, t in _tensors(value, f"{prefix}/{key}").items()}
+
+
+def test_a_checkpoint_damaged_inside_is_called_damaged_naming_the_member(tiny_cfg, tmp_path):
+    """A changed byte inside a whole checkpoint (its zip end record intact: bit rot, a bad disk or copy) failed as
+    whatever the bytes now meant: in data.pkl mostly 'is refused: Unsupported operand 105 ... could run code' (the
+    message for a file holding code), else 'corrupt or unreadable: UnicodeDecodeError' or a miniz error. The zip
+    members' CRC-32s now tell damage from a foreign pickle, and name the member."""
+    import zipfile
+
+    from lit_dtrain.checkpoint import damage_reason
+    from lit_dtrain.train import train
+
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2"))
+    data = (Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt").read_bytes()
+    whole = tmp_path / "whole.ckpt"
+    whole.write_bytes(data)
+    with zipfile.ZipFile(whole) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+    pkl = members["archive/data.pkl"]
+    start = _member_data_offset(data, pkl)
+    central = data.find(b"PK\x01\x02")  # the zip directory's first entry
+
+    def damaged(name: str, offset: int) -> Path:
+        path = tmp_path / f"{name}.ckpt"
+        path.write_bytes(data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1 :])
+        return path
+
+    failed = 0
+    for i in range(0, pkl.file_size, max(1, pkl.file_size // 23)):  # bytes across the pickle
+        path = damaged(f"pkl_{i}", start + i)
+        try:
+            safe_torch_load(path, mmap=i % 2 == 0)
+        except CheckpointError as e:
+            failed += 1
+            assert str(e).startswith(
+                f"checkpoint {str(path)!r} is damaged: member 'archive/data.pkl' fails its CRC-32 check"
+            ), str(e)
+            assert "refused" not in str(e) and "could run code" not in str(e)
+        assert path.read_bytes() != data and len(path.read_bytes()) == len(data)  # left as it is
+    assert failed >= 15, failed
+    local_header = members["archive/data/3"].header_offset
+    for where, offset in {"directory": central + 1, "local_header": local_header + 1}.items():
+        with pytest.raises(CheckpointError, match=rf"{where}.ckpt' is damaged: .*(zip directory|'archive/data/3')"):
+            safe_torch_load(damaged(where, offset))
+    # torch never checks a CRC: a changed byte in a tensor loads without a word; damage_reason still finds it
+    tensor = damaged("tensor", _member_data_offset(data, members["archive/data/3"]) + 5)
+    loaded, original = _tensors(safe_torch_load(tensor)), _tensors(safe_torch_load(whole))
+    assert loaded.keys() == original.keys()
+    assert [k for k in original if not torch.equal(original[k], loaded[k])] != []  # one tensor changed, silently
+    assert damage_reason(tensor).startswith("is damaged: member 'archive/data/3' fails its CRC-32 check")
+    assert damage_reason(whole) is None
+    # a whole file that pickles code is still refused, not called damaged
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"x": NotAllowed()}, evil)
+    assert damage_reason(evil) is None
+    with pytest.raises(CheckpointError, match=r"evil\.ckpt' is refused: .*posix\.system.*could run code"):
+        safe_torch_load(evil)
