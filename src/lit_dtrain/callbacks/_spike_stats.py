@@ -23,6 +23,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from lit_dtrain.callbacks._args import check_arg
+
 METHODS = ("ema", "median")
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"
@@ -71,22 +73,17 @@ class RobustStat:
         min_rel_scale: float = 0.01,
         min_scale: float = 1e-8,
     ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_arg("RobustStat", "method", method, lambda v: v in METHODS, f"one of {METHODS}")
         scale_decay = decay if scale_decay is None else scale_decay
         for name, value in (("decay", decay), ("scale_decay", scale_decay)):
-            if not 0.0 < value < 1.0:
-                raise ValueError(f"RobustStat: {name} must be in (0, 1), got {value}")
-        if window < 3:
-            raise ValueError(f"window must be >= 3, got {window}")
-        if warmup < 2:
-            raise ValueError(f"warmup must be >= 2, got {warmup}")
+            check_arg("RobustStat", name, value, lambda v: 0.0 < v < 1.0, "in (0, 1)")
+        check_arg("RobustStat", "window", window, lambda v: v >= 3, ">= 3")
+        check_arg("RobustStat", "warmup", warmup, lambda v: v >= 2, ">= 2")
         if method == "median" and warmup > window:
-            raise ValueError(f"warmup ({warmup}) must be <= window ({window}) for method='median'")
-        if clip_z is not None and clip_z <= 0:
-            raise ValueError(f"clip_z must be > 0 or None, got {clip_z}")
-        if min_rel_scale < 0 or min_scale < 0:
-            raise ValueError(f"min_rel_scale and min_scale must be >= 0, got {min_rel_scale}, {min_scale}")
+            raise ValueError(f"RobustStat: warmup ({warmup}) must be <= window ({window}) for method='median'")
+        check_arg("RobustStat", "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
+        for name, value in (("min_rel_scale", min_rel_scale), ("min_scale", min_scale)):
+            check_arg("RobustStat", name, value, lambda v: v >= 0, ">= 0")
         self.method, self.decay, self.scale_decay = method, float(decay), float(scale_decay)
         self.window, self.warmup = int(window), int(warmup)
         self.clip_z, self.min_rel_scale, self.min_scale = clip_z, float(min_rel_scale), float(min_scale)
@@ -257,13 +254,13 @@ class SpikeDetector:
         max_consecutive: int | None = 10,
     ) -> None:
         if z_threshold is None and rel_threshold is None:
-            raise ValueError("set at least one of z_threshold and rel_threshold")
+            raise ValueError("SpikeDetector: set at least one of z_threshold and rel_threshold")
         for name, value in (("z_threshold", z_threshold), ("rel_threshold", rel_threshold),
                             ("grad_z_threshold", grad_z_threshold)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value}")
-        if max_consecutive is not None and max_consecutive < 2:
-            raise ValueError(f"max_consecutive must be >= 2 or None, got {max_consecutive}")
+            check_arg("SpikeDetector", name, value, lambda v: v is None or v > 0, "> 0 or None")
+        check_arg("SpikeDetector", "max_consecutive", max_consecutive, lambda v: v is None or v >= 2, ">= 2 or None")
+        # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
+        check_arg("SpikeDetector", "warmup_steps", warmup_steps, lambda v: v >= 2, ">= 2")
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
         self.max_consecutive = max_consecutive
         self.consecutive: list[float] = []  # losses of the current run of consecutive loss spikes
@@ -322,8 +319,8 @@ class SpikeWindow:
     """Counts spikes in a sliding window of steps: :meth:`add` returns True once ``max_spikes`` fall in it."""
 
     def __init__(self, max_spikes: int = 3, window_steps: int = 1000) -> None:
-        if max_spikes < 1 or window_steps < 1:
-            raise ValueError(f"max_spikes and window_steps must be >= 1, got {max_spikes}, {window_steps}")
+        for name, value in (("max_spikes", max_spikes), ("window_steps", window_steps)):
+            check_arg("SpikeWindow", name, value, lambda v: v >= 1, ">= 1")
         self.max_spikes, self.window_steps = int(max_spikes), int(window_steps)
         self.steps: list[int] = []
 

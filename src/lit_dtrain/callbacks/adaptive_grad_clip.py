@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
@@ -127,16 +128,14 @@ class AdaptiveGradClip(StepHooksCallback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
-        if not z_threshold > 0:
-            raise ValueError(f"AdaptiveGradClip: z_threshold must be > 0, got {z_threshold}")
-        if mode not in MODES:
-            raise ValueError(f"AdaptiveGradClip: mode must be one of {MODES}, got {mode!r}")
-        if max_norm is not None and not max_norm > 0:
-            raise ValueError(f"AdaptiveGradClip: max_norm must be > 0 or None, got {max_norm}")
-        if int(warmup_steps) < 2:  # (RobustStat's own message names its ``warmup``)
-            raise ValueError(f"AdaptiveGradClip: warmup_steps must be >= 2, got {warmup_steps}")
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"AdaptiveGradClip: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}")
+        check_arg("AdaptiveGradClip", "z_threshold", z_threshold, lambda v: v > 0, "> 0")
+        check_arg("AdaptiveGradClip", "mode", mode, lambda v: v in MODES, f"one of {MODES}")
+        check_arg("AdaptiveGradClip", "max_norm", max_norm, lambda v: v is None or v > 0, "> 0 or None")
+        # (RobustStat's own message names its ``warmup``)
+        check_arg("AdaptiveGradClip", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
+        check_arg(
+            "AdaptiveGradClip", "log_every_n_steps", log_every_n_steps, lambda v: v is None or v >= 1, ">= 1 or None"
+        )
         self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm
         self.log_every_n_steps = log_every_n_steps
         self._decay, self._warmup_steps = decay, warmup_steps

@@ -26,6 +26,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
@@ -44,8 +45,13 @@ class FourierSamplerCallback(L.Callback):
     required_step_outputs = ("token_loss", "index")  # checked against the module's step_output_keys at setup
 
     def __init__(self, log_every_n_steps: int | None = None, apply_lr_multiplier: bool = True) -> None:
-        if log_every_n_steps is not None and int(log_every_n_steps) <= 0:
-            raise ValueError(f"FourierSamplerCallback: log_every_n_steps must be positive, got {log_every_n_steps}")
+        check_arg(
+            "FourierSamplerCallback",
+            "log_every_n_steps",
+            log_every_n_steps,
+            lambda v: v is None or int(v) > 0,
+            "positive",
+        )
         self.log_every_n_steps = log_every_n_steps
         self.apply_lr_multiplier = apply_lr_multiplier
         self._hooks: list = []

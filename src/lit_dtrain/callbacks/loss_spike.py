@@ -50,6 +50,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks._spike_stats import (
@@ -142,19 +143,17 @@ class LossSpikeMonitor(L.Callback):
         ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps,
                 "raise_after": raise_after, "raise_window": raise_window}
         for name, value in ints.items():
-            if int(value) < 1:
-                raise ValueError(f"LossSpikeMonitor: {name} must be >= 1, got {value}")
+            check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 1, ">= 1")
         for name, value in (("rollback_min_age", rollback_min_age), ("exclude_previous_steps", exclude_previous_steps),
                             ("cooldown_ramp_steps", cooldown_ramp_steps)):
-            if int(value) < 0:
-                raise ValueError(f"LossSpikeMonitor: {name} must be >= 0, got {value}")
-        if int(warmup_steps) < 2:  # checked here too, so that the message names this argument
-            raise ValueError(f"LossSpikeMonitor: warmup_steps must be >= 2, got {warmup_steps}")
-        if max_nonfinite is not None and int(max_nonfinite) < 1:
-            raise ValueError(f"LossSpikeMonitor: max_nonfinite must be >= 1 or None, got {max_nonfinite}")
+            check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 0, ">= 0")
+        # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
+        check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
+        check_arg(
+            "LossSpikeMonitor", "max_nonfinite", max_nonfinite, lambda v: v is None or int(v) >= 1, ">= 1 or None"
+        )
         self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)
-        if not 0.0 < cooldown_factor <= 1.0:
-            raise ValueError(f"LossSpikeMonitor: cooldown_factor must be in (0, 1], got {cooldown_factor}")
+        check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         self._detector_args = dict(z_threshold=z_threshold, rel_threshold=rel_threshold,
                                    grad_z_threshold=grad_z_threshold, method=method, decay=decay,
                                    scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,

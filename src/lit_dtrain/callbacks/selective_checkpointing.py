@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._checkpoint_policies import (
     DEFAULT_SAVE_OPS,
     MODES,
@@ -102,16 +103,17 @@ class SelectiveCheckpointing(Callback):
         probe_batch_size: int = 1,
         probe_seq_len: int | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"SelectiveCheckpointing policy must be one of {POLICIES}, got {policy!r}")
-        if policy == "every_k" and int(every_k) < 1:
-            raise ValueError(f"SelectiveCheckpointing every_k must be >= 1, got {every_k}")
-        if policy == "budget" and not 0.0 < float(memory_budget) <= 1.0:
-            raise ValueError(f"SelectiveCheckpointing memory_budget must be in (0, 1], got {memory_budget}")
-        if int(probe_batch_size) < 1:
-            raise ValueError(f"SelectiveCheckpointing probe_batch_size must be >= 1, got {probe_batch_size}")
-        if probe_seq_len is not None and int(probe_seq_len) < 1:
-            raise ValueError(f"SelectiveCheckpointing probe_seq_len must be >= 1 or None, got {probe_seq_len}")
+        check_arg("SelectiveCheckpointing", "policy", policy, lambda v: v in POLICIES, f"one of {POLICIES}")
+        if policy == "every_k":
+            check_arg("SelectiveCheckpointing", "every_k", every_k, lambda v: int(v) >= 1, ">= 1")
+        if policy == "budget":
+            check_arg(
+                "SelectiveCheckpointing", "memory_budget", memory_budget, lambda v: 0.0 < float(v) <= 1.0, "in (0, 1]"
+            )
+        check_arg("SelectiveCheckpointing", "probe_batch_size", probe_batch_size, lambda v: int(v) >= 1, ">= 1")
+        check_arg(
+            "SelectiveCheckpointing", "probe_seq_len", probe_seq_len, lambda v: v is None or int(v) >= 1, ">= 1 or None"
+        )
         self.policy = policy
         self.every_k = int(every_k)
         self.save_ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
