@@ -44,10 +44,9 @@ def test_torchrun_two_ranks_train_and_resume_exactly(tmp_path, corpus):
     assert summaries["split"]["val_loss"] == summaries["straight"]["val_loss"]
 
 
-def test_torchrun_without_run_name_gives_every_rank_the_same_run_dir(tmp_path, corpus):
-    """Each rank composes the config itself, and the default run_name was each process's start time: rank 1,
-    started here 1.2 s after rank 0 (a sitecustomize on its path sleeps), wrote a run dir of its own (its .hydra/
-    and train.log). The default is now torchrun's run id (a uuid under --standalone), the same on both ranks."""
+def delayed_rank1_env(tmp_path):
+    """The environment of a torchrun launch whose rank 1 starts 1.2 s after rank 0 (a sitecustomize on its path
+    sleeps), as ranks on a busy machine or on several nodes do."""
     delay = tmp_path / "delay_rank1"
     delay.mkdir()
     (delay / "sitecustomize.py").write_text(
@@ -56,6 +55,14 @@ def test_torchrun_without_run_name_gives_every_rank_the_same_run_dir(tmp_path, c
     )
     env = subprocess_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(delay), env["PYTHONPATH"]])
+    return env
+
+
+def test_torchrun_without_run_name_gives_every_rank_the_same_run_dir(tmp_path, corpus):
+    """Each rank composes the config itself, and the default run_name was each process's start time: rank 1,
+    started here 1.2 s after rank 0 (a sitecustomize on its path sleeps), wrote a run dir of its own (its .hydra/
+    and train.log). The default is now torchrun's run id (a uuid under --standalone), the same on both ranks."""
+    env = delayed_rank1_env(tmp_path)
     args = [
         *TINY,
         "data=textfiles",
@@ -71,3 +78,45 @@ def test_torchrun_without_run_name_gives_every_rank_the_same_run_dir(tmp_path, c
     runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs
     assert json.loads((tmp_path / "outputs" / "runs" / runs[0] / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_multirun_under_torchrun_writes_one_sweep_dir_and_resumes_in_it(tmp_path, corpus):
+    """Each rank composes hydra.sweep.dir itself, and its default was each process's start time to the microsecond:
+    every `torchrun ... train.py -m` wrote two sweep dirs, rank 1's holding only .hydra/ and train.log of each job.
+    It is torchrun's run id now (as run_name's default). A re-run with resume=auto and no hydra.sweep.dir (a new
+    id under --standalone) is refused as in a new timestamped sweep dir; with hydra.sweep.dir each job resumes."""
+    env = delayed_rank1_env(tmp_path)
+    args = [
+        "-m",
+        *TINY,
+        "data=textfiles",
+        f"data.sources.0.paths=[{corpus}]",
+        "trainer=ddp_cpu",
+        "trainer.val_check_interval=2",
+        "sample.max_new_tokens=0",
+        "optimizer.lr=1e-3,1e-2",
+    ]
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
+
+    def torchrun(*extra):
+        return subprocess.run(
+            [*launch, *args, *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    proc = torchrun("trainer.max_steps=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweeps = sorted((tmp_path / "outputs" / "multiruns").iterdir())
+    assert len(sweeps) == 1 and sweeps[0].name.startswith("torchrun-"), sweeps
+    summaries = [json.loads((sweeps[0] / job / "summary.json").read_text()) for job in ("0", "1")]
+    assert [s["steps"] for s in summaries] == [2, 2]
+
+    refused = torchrun("trainer.max_steps=4", "resume=auto")
+    assert refused.returncode != 0
+    assert "resume=auto in a multirun needs hydra.sweep.dir=" in refused.stdout + refused.stderr
+    (new,) = [p for p in (tmp_path / "outputs" / "multiruns").iterdir() if p != sweeps[0]]  # the new id's
+    assert new.name.startswith("torchrun-") and not list(new.glob("*/checkpoints/*"))
+
+    proc = torchrun("trainer.max_steps=4", "resume=auto", f"hydra.sweep.dir={sweeps[0]}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summaries = [json.loads((sweeps[0] / job / "summary.json").read_text()) for job in ("0", "1")]
+    assert [s["steps"] for s in summaries] == [4, 4]

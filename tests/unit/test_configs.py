@@ -471,3 +471,77 @@ def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path
     with pytest.raises(ConfigError, match=r"resume=auto needs run_name=.*\(torchrun-abc: its start time, or its"):
         resolve_ckpt_path(cfg)
     assert not _default_run_name(compose_cfg(["run_name=torchrun-abc"], tmp_path / "x", corpus))
+
+
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({"TORCHELASTIC_RUN_ID": "5b3c-9f", "WORLD_SIZE": "2"}, "torchrun-5b3c-9f"),
+        ({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "8"}, "slurm-123.4"),
+    ],
+)
+def test_a_multiruns_default_sweep_dir_is_the_launchs_id_under_srun_and_torchrun(env, name, monkeypatch, tmp_path):
+    """Every rank composes hydra.sweep.dir itself, and its default was each process's start time (to the
+    microsecond): `torchrun --nproc_per_node=2 train.py -m ...` wrote two sweep dirs on every launch, rank 1's
+    holding only .hydra/ and train.log of each job (tests/e2e/test_torchrun.py). It is the launch's id now, as
+    run_name's default; without a launcher it is still the start time."""
+    from hydra import compose, initialize_config_dir
+
+    launcher = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+    for key in (*launcher, "LIT_DTRAIN_SWEEP_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path))
+
+    def sweep_dir() -> str:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return str(compose(config_name="train", return_hydra_config=True).hydra.sweep.dir)
+
+    assert Path(sweep_dir()).parent == tmp_path / "multiruns"
+    assert datetime.strptime(Path(sweep_dir()).name, "%Y-%m-%d_%H-%M-%S.%f")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert sweep_dir() == str(tmp_path / "multiruns" / name)
+
+
+def test_resume_auto_in_a_launchers_new_default_sweep_dir_is_refused(monkeypatch, tmp_path, corpus):
+    """The launch's id names a new sweep dir on each torchrun --standalone launch, so a sweep re-run with resume=auto
+    and no hydra.sweep.dir would start every job fresh: refused, as in a new timestamped sweep dir. A re-launch with
+    the same id (a requeued SLURM job, a fixed --rdzv-id) finds its earlier jobs' checkpoints there: each job resumes
+    its own, and one that never started starts fresh."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import resolve_ckpt_path
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sweep = tmp_path / "multiruns" / "torchrun-abc"
+
+    def job_cfg(num: int, sweep_dir: Path = sweep):
+        cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+        with open_dict(cfg):  # as conf/hydra/default.yaml lays out a multirun job
+            cfg.paths.output_dir = str(sweep_dir / str(num))
+            cfg.paths.checkpoint_dir = str(sweep_dir / str(num) / "checkpoints")
+        return cfg
+
+    for num in (0, 1):
+        with pytest.raises(ConfigError, match=rf"resume=auto in a multirun needs hydra\.sweep\.dir=.*'{sweep}'"):
+            resolve_ckpt_path(job_cfg(num))
+    (sweep / "0" / "checkpoints").mkdir(parents=True)
+    (sweep / "0" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    assert resolve_ckpt_path(job_cfg(0)) == str(sweep / "0" / "checkpoints" / "last.ckpt")
+    assert resolve_ckpt_path(job_cfg(1)) is None  # not started before: a fresh start of it
+    # given with hydra.sweep.dir, a dir of that name is the user's, checkpoints or not
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    other = tmp_path / "multiruns2" / "torchrun-abc"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        HydraConfig.instance().set_config(
+            compose(config_name="train", overrides=[f"hydra.sweep.dir={other}"], return_hydra_config=True)
+        )
+    try:
+        assert resolve_ckpt_path(job_cfg(0, other)) is None
+    finally:
+        HydraConfig.instance().cfg = None
