@@ -659,6 +659,28 @@ class _LogStepSync(L.Callback):
             loop._batches_that_stepped = trainer.global_step
 
 
+class _ValLimitCheck(L.Callback):
+    """A fractional ``trainer.limit_val_batches`` that leaves a val loader 0 batches: Lightning finds out at the
+    first validation, ``val_check_interval`` steps into the run and before any checkpoint, and stops the run there
+    (0.1 of a 1-batch loader trained 15 steps, then failed and saved nothing). The loaders' sizes are known once
+    the datamodule is set up, so this checks them when the fit starts, before the first step."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loaders = trainer.datamodule.val_dataloader() if trainer.datamodule is not None else []
+        names = getattr(pl_module, "val_names", None) or [str(i) for i in range(len(loaders))]
+        sizes = {name: len(loader) for name, loader in zip(names, loaders)}
+        empty = {name: n for name, n in sizes.items() if int(n * self.limit) < 1}
+        if empty:
+            raise ConfigError(
+                f"trainer.limit_val_batches={self.limit} leaves no validation batch: it is a fraction of each val "
+                f"loader, and int({self.limit} x batches) is 0 for {empty} (batches per source and rank: {sizes}). "
+                f"Give a fraction >= {1 / min(sizes.values()):.3g}, a number of batches (an int >= 1), or null for all"
+            )
+
+
 def save_trained_overrides(out_dir: Path) -> None:
     """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` (a no-op outside Hydra). Hydra writes
     ``.hydra/overrides.yaml`` at every start, before the job runs: a start that a check refused in a run dir
@@ -730,6 +752,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
     callbacks = [_LogStepSync(), *callbacks, clock]
+    if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
+        callbacks.append(_ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
         callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet

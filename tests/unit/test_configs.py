@@ -1,5 +1,6 @@
 """Every option of every config group composes and instantiates; bad configs fail before compute."""
 
+import math
 from datetime import datetime
 from pathlib import Path
 
@@ -545,3 +546,24 @@ def test_resume_auto_in_a_launchers_new_default_sweep_dir_is_refused(monkeypatch
         assert resolve_ckpt_path(job_cfg(0, other)) is None
     finally:
         HydraConfig.instance().cfg = None
+
+
+def test_a_val_fraction_that_rounds_to_no_batch_is_refused_before_the_first_step(tiny_cfg, monkeypatch):
+    """trainer.limit_val_batches=0.1 of a 1-batch val loader: Lightning raised at the first validation,
+    val_check_interval steps in and before any checkpoint (a run trained 15 steps and saved nothing). The loaders'
+    sizes are known at fit start: the run now stops there, naming the key, the sizes and the smallest fraction that
+    works; a fraction that leaves a batch trains."""
+    from lit_dtrain.module import LitLLM
+    from lit_dtrain.train import train
+
+    steps = []
+    original = LitLLM.training_step
+    monkeypatch.setattr(LitLLM, "training_step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
+    cfg = tiny_cfg("trainer.limit_val_batches=0.1", "data.max_val_windows=16", "data.val_batch_size=8")
+    with pytest.raises(ConfigError, match=r"limit_val_batches=0\.1 leaves no validation batch.*'text': 2.*>= 0\.5"):
+        train(cfg)
+    assert steps == []
+    assert not (Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt").exists()
+    metrics, _ = train(tiny_cfg("trainer.limit_val_batches=0.5", "data.max_val_windows=16", "data.val_batch_size=8",
+                                "sample.max_new_tokens=0", run="ok"))
+    assert metrics["steps"] == 6 and math.isfinite(metrics["val_loss"])
