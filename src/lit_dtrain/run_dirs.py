@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -142,7 +143,8 @@ def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     merged: dict[str, dict[int, tuple[float, float]]] = {}
     for d in event_dirs(run):
         acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
-        acc.Reload()
+        with _quiet_tensorboard():
+            acc.Reload()
         for tag in acc.Tags().get("scalars", []):
             per_step = merged.setdefault(tag, {})
             for e in acc.Scalars(tag):
@@ -153,6 +155,21 @@ def read_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
             for tag, step, value in read_csv_metrics(csv_file):
                 merged.setdefault(tag, {})[step] = (math.inf, value)
     return {tag: [(s, v) for s, (_, v) in sorted(steps.items())] for tag, steps in merged.items()}
+
+
+@contextlib.contextmanager
+def _quiet_tensorboard():
+    """Hide TensorBoard's 'Detected out of order event.step likely caused by a TensorFlow restart. Purging expired
+    events ...' warning while reading: a resumed run writes it by design (``purge_step``: the points the interrupted
+    run logged past its checkpoint are dropped, as TensorBoard's own view drops them), so it told the user nothing
+    they could act on."""
+    logger = logging.getLogger("tensorboard")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -622,3 +623,24 @@ def test_a_failed_jobs_error_is_shown_in_the_first_table_only(tmp_path):
     ]
     assert result["runs"][1]["error"] == "NonFiniteError: at step 1"
     assert result["skipped_jobs"][0]["error"] == "ConfigError: lr < 0"
+
+
+def test_a_resumed_runs_purged_points_are_dropped_without_tensorboards_warning(tmp_path, caplog):
+    """A resumed run's event files: the killed run logged steps 0-5, the resume (``purge_step=3``, as train() passes
+    it) logged 3-7. TensorBoard drops the killed run's 3-5 and printed 'Detected out of order event.step likely
+    caused by a TensorFlow restart. Purging expired events ...' on stderr for every such run, which no user can act
+    on; the values are the resumed run's and stderr is quiet."""
+    from lit_dtrain.run_dirs import read_scalars
+
+    tb = tmp_path / "run" / "tb"
+    with SummaryWriter(str(tb)) as w:
+        for step in range(6):
+            w.add_scalar("val/loss", 10.0 + step, step)
+    with SummaryWriter(str(tb), purge_step=3) as w:
+        for step in range(3, 8):
+            w.add_scalar("val/loss", float(step), step)
+    with caplog.at_level(logging.INFO):
+        values = read_scalars(tmp_path / "run")["val/loss"]
+    assert values == [(0, 10.0), (1, 11.0), (2, 12.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0), (7, 7.0)]
+    assert not [r for r in caplog.records if "out of order" in r.getMessage()]
+    assert logging.getLogger("tensorboard").level == logging.NOTSET  # put back after reading
