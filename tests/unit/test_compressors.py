@@ -502,6 +502,13 @@ def test_state_dict_round_trip_continues_identically(name):
         assert set(b.q_memory) == {"w1", "w2", "emb"}
 
 
+def assert_same_steps(a, b, comm, steps) -> None:
+    """``a`` and ``b`` reduce ``grad(step)`` to bitwise the same values at each of ``steps``."""
+    for step in steps:
+        x, y = (c.reduce(grad(step), SEGMENTS, comm, step).wait() for c in (a, b))
+        assert torch.equal(x, y), (a, step)
+
+
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_undo_step_erases_a_dropped_step_exactly(name):
     """A step dropped after its comm hook ran (a loss spike) leaves no trace: with ``track_undo`` the later
@@ -512,15 +519,12 @@ def test_undo_step_erases_a_dropped_step_exactly(name):
     clean, spiked = build_compressor(spec), build_compressor(spec)
     spiked.track_undo()
     comm = LoopbackCommunicator()
-    for step in range(3):
-        assert torch.equal(clean.reduce(grad(step), SEGMENTS, comm, step).wait(),
-                           spiked.reduce(grad(step), SEGMENTS, comm, step).wait())
+    assert_same_steps(clean, spiked, comm, range(3))
     spiked.reduce(grad(99, scale=1e4), SEGMENTS, comm, 3).wait()  # the spike's step, then dropped
     assert spiked.undo_step()
     assert not spiked.undo_step()  # one step's state is kept, and it is used up
-    for step in range(4, 7):  # the clean compressor skips step number 3, as the strategy's counter does not
-        assert torch.equal(clean.reduce(grad(step), SEGMENTS, comm, step).wait(),
-                           spiked.reduce(grad(step), SEGMENTS, comm, step).wait()), (name, step)
+    # the clean compressor skips step number 3, as the strategy's counter does not
+    assert_same_steps(clean, spiked, comm, range(4, 7))
     if spiked.error_feedback:  # ... and without the undo the spike would leak into the next step
         leaky = build_compressor(spec)
         for step in range(3):
@@ -535,6 +539,22 @@ EF_OR_WARM_START = ["fp16_ef", "int4", "topk", "sign", "powersgd", "powersgd_no_
 def build_ef_or_warm_start(name):
     return {"fp16_ef": lambda: HalfPrecision("fp16", error_feedback=True),
             "powersgd_no_ef": lambda: PowerSGD(error_feedback=False)}.get(name, lambda: build_compressor(name))()
+
+
+@pytest.mark.parametrize("name", ["fp16_ef", "int4", "topk", "sign", "powersgd"])
+def test_undo_of_a_step_whose_hook_ran_twice_puts_back_the_state_from_before_the_first(name):
+    """Gradient accumulation without ``no_sync`` (a manual loop that syncs every micro-batch) runs the comm hook once
+    per micro-batch within one optimizer step. ``undo_step`` after that step is skipped must give back the state from
+    before the step's first reduce, not from between its micro-batches: the residual of the first micro-batch is as
+    much the skipped step's as that of the second."""
+    clean, skipped = build_ef_or_warm_start(name), build_ef_or_warm_start(name)
+    skipped.track_undo()
+    comm = LoopbackCommunicator()
+    assert_same_steps(clean, skipped, comm, range(3))
+    for micro in range(2):  # step 3: two micro-batches, each through the hook; then the step is skipped
+        skipped.reduce(grad(50 + micro), SEGMENTS, comm, 3).wait()
+    assert skipped.undo_step()
+    assert_same_steps(clean, skipped, comm, range(4, 7))
 
 
 @pytest.mark.parametrize("name", EF_OR_WARM_START)

@@ -171,7 +171,9 @@ class Compressor:
         already opened the step's undo record).
         """
         buffer = self.residual_buffer(segments, x)
-        if self._undo is not None:
+        # once per buffer and step: a second reduce of it in the same step (accumulation that syncs every micro-batch)
+        # must not overwrite the pre-step copy with the state between its micro-batches
+        if self._undo is not None and not any(b is buffer for b, _ in self._undo["residuals"]):
             saved = self._undo_copies.get(buffer.data_ptr())  # reused every step: no allocation per step
             if saved is None or saved.shape != buffer.shape or saved.device != buffer.device:
                 saved = self._undo_copies[buffer.data_ptr()] = torch.empty_like(buffer)
