@@ -5,12 +5,14 @@ and that a ``trainer.fit(ckpt_path=...)`` resume of such a module continues each
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -381,3 +383,49 @@ def test_wsd_sets_each_param_groups_lr_of_a_users_optimizer_exactly(tmp_path: Pa
     assert first.used[0] == [1e-2 * wsd.lr_factor(k) for k in range(6)]
     assert second.used[0] == [1e-3 * wsd.lr_factor(k) for k in range(6)]
     assert len(set(first.used[0])) == 5  # warmup, peak, three decay steps (the last at 0): the schedule moved
+
+
+class OverflowAtBatch(UserModule):
+    """``UserModule`` under manual optimization whose loss is inf at batch ``bad`` (an fp16 overflow the GradScaler
+    skips under ``16-mixed``); ``fused``: a fused AdamW, which unscales inside ``step`` (its hooks still run)."""
+
+    def __init__(self, bad: int, fused: bool) -> None:
+        super().__init__(manual=True)
+        self.bad, self.fused = bad, fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y) * (math.inf if batch_idx == self.bad else 1.0)
+        opt = self.optimizers()
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), 1e-2, fused=self.fused)
+
+
+class LRAtEachStepCall(L.Callback):
+    """The LR of param group 0 at every ``optimizer.step`` call, taken or skipped by the GradScaler, and the scale."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.lrs, self.scales = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_wsd_under_manual_optimization_counts_a_step_the_gradscaler_skipped(tmp_path: Path, fused: bool) -> None:
+    """Under ``16-mixed`` the GradScaler skips an update whose grads overflowed: a foreach optimizer's ``step`` (and its
+    post-hook) is then never called, a fused one's is (it skips inside). Both count it as one of the schedule's steps,
+    as automatic optimization does (``global_step``, and so the schedule, advance on a skipped step): else the
+    schedule fell one step behind per skip and never reached its end by ``max_steps``, and only for foreach."""
+    wsd, record = WSDScheduler(total_steps=4, warmup_steps=2, decay_steps=2, decay_type="linear"), LRAtEachStepCall()
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = fit(tmp_path, [wsd, record], OverflowAtBatch(bad=1, fused=fused), max_steps=4, plugins=[plugin])
+    assert record.scales[2] == record.scales[1] / 2  # the overflowed step was skipped
+    assert record.lrs == [1e-2 * wsd.lr_factor(k) for k in range(4)]
+    assert wsd.updates == [4]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2 * wsd.lr_factor(4)

@@ -16,7 +16,8 @@ starts a decay branch.
 
 Under manual optimization Lightning's ``global_step`` counts every ``optimizer.step``, two a batch with two
 optimizers, so it is no optimizer's step count: there each optimizer's ``k``-th update uses the schedule's LR for
-step ``k`` (its updates are counted in a step post-hook, which sets the LR of its next one, and checkpointed).
+step ``k`` (its updates are counted in a step post-hook, which sets the LR of its next one, and checkpointed). A
+call the GradScaler skips counts too, as ``global_step`` counts it under automatic optimization.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class WSDScheduler(StepHooksCallback):
         self.decay_type, self.min_lr_factor = str(decay_type), float(min_lr_factor)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
-        self.updates: list[int] | None = None  # manual optimization: each optimizer's updates so far (its step)
-        self._hooks: list = []
+        self.updates: list[int] | None = None  # manual optimization: each optimizer's step calls so far (its step)
+        self._index: dict[int, int] = {}  # manual optimization: id(optimizer) -> its position in trainer.optimizers
+        self._remove_hooks()
 
     def lr_factor(self, step: int) -> float:
         """The schedule's factor for optimizer step ``step``."""
@@ -119,9 +121,31 @@ class WSDScheduler(StepHooksCallback):
     def _after_update(self, optimizer, args, kwargs, index: int) -> None:
         # manual optimization: this optimizer took its update; set the LR of its next one. A per-step scaling (the
         # FourierSampler's stage multiplier) is taken back first, so that its own restore cannot write over this LR
+        self._pending.pop(index, None)
         restore_lrs(optimizer)
+        self._count_update(optimizer, index)
+
+    def _count_update(self, optimizer, index: int) -> None:
         self.updates[index] += 1
         self._set(optimizer, self.base_lrs[index], self.updates[index])
+
+    def _remove_hooks(self) -> None:
+        super()._remove_hooks()
+        self._pending: dict[int, object] = {}  # manual optimization: optimizer index -> the optimizer, whose step was
+        # called this batch but has not reached its post-hook (yet, or ever: the GradScaler skipped it)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        # Every optimizer.step call, taken or not, is one step of the schedule, as under automatic optimization
+        # (global_step counts a step the GradScaler skips). Lightning calls this hook for each one; torch calls the
+        # post-hook only when the update runs (a foreach optimizer whose step the GradScaler skipped never runs it, a
+        # fused one does), so a call without its post-hook is counted here at the next call or at batch end.
+        index = self._index.get(id(optimizer)) if self._hooks else None
+        if index is None:
+            return
+        if index in self._pending:  # its previous call this batch was skipped (16-mixed: no scaling is in flight here)
+            self._count_update(optimizer, index)
+        self._pending[index] = optimizer
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -161,6 +185,7 @@ class WSDScheduler(StepHooksCallback):
                 # a fresh fit (0), or a checkpoint without the counts: every optimizer stepped at each of its steps
                 self.updates = [step // len(optimizers)] * len(optimizers)
             self._apply(trainer, self.updates)
+            self._index = {id(optimizer): i for i, optimizer in enumerate(optimizers)}
             for i, optimizer in enumerate(optimizers):
                 self._hooks.append(optimizer.register_step_post_hook(partial(self._after_update, index=i)))
             step = min(self.updates)
@@ -180,6 +205,9 @@ class WSDScheduler(StepHooksCallback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if not self._hooks:
             self._apply(trainer, trainer.global_step)  # global_step already counts the step that just ended
+        for index, optimizer in self._pending.items():  # manual optimization: a step the GradScaler skipped
+            self._count_update(optimizer, index)
+        self._pending = {}
 
     @override
     def state_dict(self) -> dict:
