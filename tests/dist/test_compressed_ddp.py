@@ -825,27 +825,53 @@ class _OverflowModule(TinyModule):
 
 def _overflow_worker(rank: int, port: int, root: str) -> None:
     """One 16-mixed fit (CPU GradScaler, several DDP buckets) per codec of ``OVERFLOW_CODECS``, in one process group."""
-    from lightning.pytorch.plugins import MixedPrecision
-
     as_launched_rank(rank, port)
     for tag, spec in OVERFLOW_CODECS.items():
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=WORLD,
-            max_steps=OVERFLOW_STEP + 2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            default_root_dir=root,
-            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-            strategy=CompressedDDPStrategy(
-                compressor=spec, bucket_cap_mb=0.004, collective_timeout_s=60, log_comm_metrics=False
-            ),
-        )
-        trainer.fit(_OverflowModule(root, tag))
+        _fit_16_mixed(_OverflowModule(root, tag), root, spec, scaler, OVERFLOW_STEP + 2, bucket_cap_mb=0.004)
     os._exit(0)
+
+
+def _fit_16_mixed(module, root: str, spec, scaler, max_steps: int, **strategy_kwargs) -> None:
+    """``module`` fitted on every rank under 16-mixed with ``scaler``, through the codec ``spec``."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        strategy=CompressedDDPStrategy(
+            compressor=spec, collective_timeout_s=60, log_comm_metrics=False, **strategy_kwargs
+        ),
+    )
+    trainer.fit(module)
+
+
+def _init_scale_worker(rank: int, port: int, root: str) -> None:
+    """One 16-mixed top-k fit of 2 steps, without overflow, under a GradScaler whose ``init_scale`` (1000.1) fp32
+    does not hold: the scaler keeps it as fp32 1000.0999755859375 from the first step on."""
+    as_launched_rank(rank, port)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.1)
+    # (the module's overflow is at step 2: never reached)
+    _fit_16_mixed(_OverflowModule(root, "init_scale"), root, OVERFLOW_CODECS["topk"], scaler, 2)
+    os._exit(0)
+
+
+def test_a_first_step_under_an_init_scale_fp32_cannot_hold_is_not_taken_for_a_skip(tmp_path):
+    """The skip is told by the scale going down in the step. Before the first step the GradScaler reports its
+    ``init_scale`` as the Python float given, after it the fp32 it holds: for 1000.1 that is lower, and the strategy
+    took the taken first step for a skipped one and undid it in the codec (its residuals back to zero)."""
+    run_rank_processes(_init_scale_worker, str(tmp_path))
+    for rank in range(WORLD):
+        first = torch.load(tmp_path / f"init_scale_rank{rank}.pt", weights_only=True)[0]
+        assert first["scale"] == torch.tensor(1000.1, dtype=torch.float32).item() < 1000.1  # taken, not halved
+        assert any(r.abs().sum() > 0 for r in first["state"]["residuals"].values()), rank  # the step's residual
 
 
 def test_a_step_skipped_for_one_ranks_overflow_leaves_every_ranks_residuals_as_they_were(tmp_path):

@@ -186,7 +186,9 @@ class CompressedDDPStrategy(DDPStrategy):
         self.session.before_optimizer_step(named)
         scaler = self._loss_scaler()
         if scaler is not None:  # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's
-            scale = float(scaler.get_scale())  # changes of scale
+            # changes of scale. As the fp32 the scaler holds: before its first step it reports init_scale as given
+            # (1000.1), after it as fp32 (1000.0999755859375), which read as a skip below
+            scale = torch.tensor(scaler.get_scale(), dtype=torch.float32).item()
             self.compressor.set_grad_scale(scale)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if scaler is not None and float(scaler.get_scale()) < scale:
