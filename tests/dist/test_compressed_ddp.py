@@ -853,6 +853,57 @@ def _fit_16_mixed(module, root: str, spec, scaler, max_steps: int, **strategy_kw
     trainer.fit(module)
 
 
+class _ManualOverflowModule(_OverflowModule):
+    """:class:`_OverflowModule` under manual optimization: its backward, so the comm hook, runs before
+    ``optimizer.step`` (and before the strategy's ``optimizer_step``). Records at every reduce the loss scale the codec
+    was told and the GradScaler's scale the bucket holds."""
+
+    def __init__(self, dump_dir: str, tag: str) -> None:
+        super().__init__(dump_dir, tag)
+        self.automatic_optimization = False
+        self.told: list[tuple[int, float | None, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+        opt.zero_grad()
+
+    def on_train_start(self) -> None:
+        codec, scaler = self.trainer.strategy.compressor, self.trainer.precision_plugin.scaler
+        reduce = codec.reduce
+
+        def recording(flat, segments, comm, step):
+            self.told.append((step, codec.grad_scale, float(scaler.get_scale())))
+            return reduce(flat, segments, comm, step)
+
+        codec.reduce = recording
+
+    def on_train_end(self) -> None:
+        torch.save(self.told, Path(self.dump_dir) / f"told_rank{self.global_rank}.pt")
+
+
+def _manual_worker(rank: int, port: int, root: str) -> None:
+    """The overflow fit of top-k (several buckets) under manual optimization."""
+    as_launched_rank(rank, port)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    module = _ManualOverflowModule(root, "manual")
+    _fit_16_mixed(module, root, OVERFLOW_CODECS["topk"], scaler, OVERFLOW_STEP + 2, bucket_cap_mb=0.004)
+    os._exit(0)
+
+
+def test_manual_optimization_tells_the_codec_the_scale_before_its_backward(tmp_path):
+    """Under manual optimization the comm hook runs in ``manual_backward``, before the strategy's ``optimizer_step``,
+    which was where the codec was told the scale: after the skipped step (scale 1024 -> 512) the hook added the
+    residual, made under 1024, to a bucket under 512 (at twice its value), and the late rescale then halved the new
+    residual. Every reduce must run under the scale its bucket holds, as under automatic optimization."""
+    run_rank_processes(_manual_worker, str(tmp_path))
+    for rank in range(WORLD):
+        told = torch.load(tmp_path / f"told_rank{rank}.pt", weights_only=True)
+        assert {scale for _, _, scale in told} == {1024.0, 512.0}, told  # the skip at step 2 halved it
+        assert all(codec == scale for _, codec, scale in told), (rank, told)
+
+
 def _init_scale_worker(rank: int, port: int, root: str) -> None:
     """One 16-mixed top-k fit of 2 steps, without overflow, under a GradScaler whose ``init_scale`` (1000.1) fp32
     does not hold: the scaler keeps it as fp32 1000.0999755859375 from the first step on."""

@@ -175,6 +175,24 @@ class CompressedDDPStrategy(DDPStrategy):
         rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
                        f"({dist.get_backend()}): {what!r}")
 
+    def _tell_grad_scale(self) -> float | None:
+        """Under 16-mixed tell the codec the scaler's scale (returned), else None. The buckets hold scale * grad, so
+        the residuals must follow the scaler's changes of scale. As the fp32 the scaler holds: before its first step
+        it reports init_scale as given (1000.1), after it as fp32 (1000.0999755859375), which read as a skip."""
+        scaler = self._loss_scaler()
+        if scaler is None:
+            return None
+        scale = torch.tensor(scaler.get_scale(), dtype=torch.float32).item()
+        self.compressor.set_grad_scale(scale)
+        return scale
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        # the comm hook runs in this backward: under manual optimization (manual_backward) that is before
+        # optimizer_step, so the codec is told the scale here too (under automatic optimization it already was)
+        self._tell_grad_scale()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         with naming_peer_failures():  # the closure's forward/backward (DDP's collectives) and a local-update sync
@@ -184,12 +202,7 @@ class CompressedDDPStrategy(DDPStrategy):
         module = self.lightning_module
         named = CommSession.named_params(module)
         self.session.before_optimizer_step(named)
-        scaler = self._loss_scaler()
-        if scaler is not None:  # 16-mixed: the buckets hold scale * grad; the residuals must follow the scaler's
-            # changes of scale. As the fp32 the scaler holds: before its first step it reports init_scale as given
-            # (1000.1), after it as fp32 (1000.0999755859375), which read as a skip below
-            scale = torch.tensor(scaler.get_scale(), dtype=torch.float32).item()
-            self.compressor.set_grad_scale(scale)
+        scaler, scale = self._loss_scaler(), self._tell_grad_scale()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if scaler is not None and float(scaler.get_scale()) < scale:
             # The GradScaler found inf/NaN in the reduced grads, the same on every rank, and skipped the step
