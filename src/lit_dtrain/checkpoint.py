@@ -105,12 +105,13 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
-        truncated = truncation_reason(path)
-        if truncated:  # before the weights-only branch: a file cut to a byte or two reads as a foreign pickle
-            raise CheckpointError(f"checkpoint {str(path)!r} {truncated}") from e
-        damaged = damage_reason(path)
-        if damaged:  # also before it: a changed byte in data.pkl reads as a foreign pickle ('Unsupported operand')
-            raise CheckpointError(f"checkpoint {str(path)!r} {damaged}") from e
+        try:  # before the weights-only branch: a file cut to a byte or two, or a changed byte in data.pkl, reads
+            # as a foreign pickle ('Unsupported operand')
+            broken = truncation_reason(path) or damage_reason(path)
+        except OSError:  # it cannot be opened (permissions, removed meanwhile): torch's own error says so, below
+            broken = None
+        if broken:
+            raise CheckpointError(f"checkpoint {str(path)!r} {broken}") from e
         if "Weights only load failed" in str(e):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is refused: {_weights_only_reason(str(e))}. It is not a checkpoint "

@@ -270,3 +270,22 @@ def test_a_checkpoint_damaged_inside_is_called_damaged_naming_the_member(tiny_cf
     assert damage_reason(evil) is None
     with pytest.raises(CheckpointError, match=r"evil\.ckpt' is refused: .*posix\.system.*could run code"):
         safe_torch_load(evil)
+
+
+def test_a_checkpoint_that_cannot_be_opened_is_reported_as_unreadable_naming_the_file(tmp_path, monkeypatch):
+    """A load that fails because the file cannot be opened (no read permission as a non-root user, a file removed
+    meanwhile) must stay a CheckpointError naming it: the truncation/damage diagnosis opens the file again, and
+    its own OSError used to escape as a bare 'PermissionError: [Errno 13]' (resume=auto's scan of a checkpoint dir,
+    which skips unreadable files by their CheckpointError, then crashed)."""
+    import lit_dtrain.checkpoint as checkpoint
+
+    path = tmp_path / "locked.ckpt"
+    torch.save({"x": torch.zeros(2)}, path)
+
+    def denied(file, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(file))
+
+    monkeypatch.setattr(checkpoint.torch, "load", denied)
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)  # the diagnosis's own open() of the file
+    with pytest.raises(CheckpointError, match=r"locked.ckpt' is corrupt or unreadable: PermissionError"):
+        safe_torch_load(path)
