@@ -677,8 +677,19 @@ class _ValLimitCheck(L.Callback):
             raise ConfigError(
                 f"trainer.limit_val_batches={self.limit} leaves no validation batch: it is a fraction of each val "
                 f"loader, and int({self.limit} x batches) is 0 for {empty} (batches per source and rank: {sizes}). "
-                f"Give a fraction >= {1 / min(sizes.values()):.3g}, a number of batches (an int >= 1), or null for all"
+                f"Give a fraction >= {_fraction_for_one_batch(min(sizes.values()))}, a number of batches (an int >= "
+                "1), or null for all"
             )
+
+
+def _fraction_for_one_batch(batches: int) -> str:
+    """The smallest fraction, to 3 significant digits, that leaves a loader of ``batches`` one batch by Lightning's
+    count ``int(batches * fraction)``: 1 / batches rounded up (0.334 of 3; 0.333 gives 0, as 1 / 49 does of 49)."""
+    decimals = max(0, 2 - math.floor(math.log10(1 / batches)))
+    units = -(-(10**decimals) // batches)  # ceil(10**decimals / batches)
+    while int(batches * float(text := f"{units / 10**decimals:.{decimals}f}")) < 1:
+        units += 1
+    return text.rstrip("0").rstrip(".") if "." in text else text  # 0.5 of 2, not 0.500
 
 
 def save_trained_overrides(out_dir: Path) -> None:

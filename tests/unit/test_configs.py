@@ -1,6 +1,7 @@
 """Every option of every config group composes and instantiates; bad configs fail before compute."""
 
 import math
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -567,3 +568,23 @@ def test_a_val_fraction_that_rounds_to_no_batch_is_refused_before_the_first_step
     metrics, _ = train(tiny_cfg("trainer.limit_val_batches=0.5", "data.max_val_windows=16", "data.val_batch_size=8",
                                 "sample.max_new_tokens=0", run="ok"))
     assert metrics["steps"] == 6 and math.isfinite(metrics["val_loss"])
+
+
+@pytest.mark.parametrize("batches", [3, 9, 49, 1000])
+def test_the_smallest_val_fraction_a_refusal_suggests_keeps_a_batch(batches):
+    """The refusal of a val fraction that leaves no batch suggests the smallest fraction that works. It printed
+    1 / batches to 3 significant digits, rounded to nearest: 0.333 for a 3-batch loader, which leaves int(3 x 0.333) = 0
+    batches (Lightning's count) and is refused again; 1 / 49 fails even unrounded (49 x (1/49) < 1 in floats)."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.train import _ValLimitCheck
+
+    loaders = [range(batches), range(3 * batches)]  # 0.5 / batches leaves the large one a batch
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(val_dataloader=lambda: loaders))
+    module = SimpleNamespace(val_names=["small", "large"])
+    with pytest.raises(ConfigError, match=rf"is 0 for {{'small': {batches}}}.*fraction >= ([0-9.]+),") as e:
+        _ValLimitCheck(0.5 / batches).on_fit_start(trainer, module)
+    suggested = float(re.search(r"fraction >= ([0-9.]+),", str(e.value)).group(1))
+    assert all(int(len(loader) * suggested) >= 1 for loader in loaders), suggested
+    assert suggested <= 1.01 / batches  # and it is still the smallest, to 3 significant digits
+    _ValLimitCheck(suggested).on_fit_start(trainer, module)  # the suggestion is accepted
