@@ -200,16 +200,24 @@ def hydra_overrides(run: Path) -> list[str] | None:
     return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
 
 
+_JOB_NUM = ("${hydra.job.num}", "${hydra:job.num}")  # Hydra's default hydra.sweep.subdir, and conf/hydra's
+
+
 def sweep_jobs(sweep: Path, warn: Warn = log.warning) -> list[list[str]] | None:
     """Each job's overrides (job N: entry N) of the multirun whose ``multirun.yaml`` is in ``sweep``, as Hydra's basic
     sweeper makes them: the product of the swept values of ``hydra.sweeper.params`` then the command line's (as in
-    ``BasicSweeper.split_arguments``). None for another sweeper, or without a readable ``multirun.yaml``."""
+    ``BasicSweeper.split_arguments``). None for another sweeper, for job dirs not named by the job number (a
+    ``hydra.sweep.subdir`` of one's own: ``${hydra.job.override_dirname}``), or without a readable
+    ``multirun.yaml``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     try:
         hydra = OmegaConf.load(sweep / "multirun.yaml").hydra
         if not str(hydra.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+            return None
+        subdir = OmegaConf.to_container(hydra, resolve=False).get("sweep", {}).get("subdir", _JOB_NUM[0])
+        if str(subdir).replace(" ", "") not in _JOB_NUM:  # job N's dir is not <sweep>/N
             return None
         params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
         overrides = OverridesParser.create().parse_overrides(params + list(hydra.overrides.task))

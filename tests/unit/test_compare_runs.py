@@ -644,3 +644,33 @@ def test_a_resumed_runs_purged_points_are_dropped_without_tensorboards_warning(t
     assert values == [(0, 10.0), (1, 11.0), (2, 12.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0), (7, 7.0)]
     assert not [r for r in caplog.records if "out of order" in r.getMessage()]
     assert logging.getLogger("tensorboard").level == logging.NOTSET  # put back after reading
+
+
+def test_a_sweep_whose_job_dirs_are_not_numbered_has_no_not_started_rows(tmp_path):
+    """'-m seed=1,2 hydra.sweep.subdir=${hydra.job.override_dirname}' names the job dirs seed=1 and seed=2, not 0 and
+    1: both jobs ran, yet each got a second row, 'not started', because <sweep>/0 and <sweep>/1 do not exist. Jobs
+    that never started can be named only where the job dirs are the job numbers (conf/hydra's subdir)."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+
+    def multirun(subdir: str) -> None:  # as Hydra saves it: the subdir unresolved
+        (sweep / "multirun.yaml").write_text(
+            f"hydra:\n  sweep:\n    dir: {sweep}\n    subdir: {subdir}\n"
+            "  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+            "  overrides:\n    task:\n    - seed=1,2\n"
+        )
+
+    multirun("${hydra.job.override_dirname}")
+    for seed, loss in ((1, 3.0), (2, 3.2)):
+        write_run(sweep / f"seed={seed}", {5: loss}, overrides=[f"seed={seed}"])
+    for args in ([str(sweep)], sorted(str(p) for p in sweep.glob("seed=*"))):
+        result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
+        assert result["not_started"] == []
+        assert result["markdown"].splitlines()[2:] == [
+            "| seed=1 | 5 | 3.0000 | 3.0000 (5) | +0.00% |",
+            "| seed=2 | 5 | 3.2000 | 3.2000 (5) | +6.67% |",
+        ]
+    for subdir in ("${hydra:job.num}", "${hydra.job.num}"):  # numbered job dirs (conf/hydra's, Hydra's own default)
+        multirun(subdir)
+        result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "d.png"))
+        assert [job["dir"] for job in result["not_started"]] == [str(sweep / "0"), str(sweep / "1")]
