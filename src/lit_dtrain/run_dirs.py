@@ -277,13 +277,14 @@ def job_log(job: Path) -> Path:
 
 def job_error(job: Path) -> str | None:
     """The error a failed sweep job logged to its Hydra job log (:func:`job_log`; ``train(cfg)`` logs
-    ``job N failed: Type: message``)."""
+    ``job N failed: Type: message``): the last one, since Hydra appends to the log of a job re-run into its dir
+    (``resume=auto``)."""
     try:
         text = job_log(job).read_text(errors="replace")
     except OSError:
         return None
-    match = re.search(r"job \d+ failed: (.*)", text)
-    return match.group(1).strip() if match else None
+    errors = re.findall(r"job \d+ failed: (.*)", text)
+    return errors[-1].strip() if errors else None
 
 
 def table_cell(text: str, limit: int = 100) -> str:

@@ -674,3 +674,23 @@ def test_a_sweep_whose_job_dirs_are_not_numbered_has_no_not_started_rows(tmp_pat
         multirun(subdir)
         result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "d.png"))
         assert [job["dir"] for job in result["not_started"]] == [str(sweep / "0"), str(sweep / "1")]
+
+
+def test_a_job_that_failed_again_shows_its_latest_error(tmp_path):
+    """Hydra's job log is opened for appending: a job re-run into its dir (resume=auto hydra.sweep.dir=...) adds to
+    the same train.log. A job that failed at a collective, was re-run with resume=auto and failed again at a loss
+    spike was reported with the first, stale error."""
+    from lit_dtrain.run_dirs import job_error
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
+    failed = write_run(sweep / "1", {2: 3.4}, overrides=["optimizer.lr=3e-3"])
+    (failed / "train.log").write_text(
+        "[x][lit_dtrain.train][ERROR] - job 1 failed: CollectiveError: rank 1: a collective failed\n"
+        "Traceback (most recent call last):\n"
+        "[y][lightning.pytorch.utilities.rank_zero][INFO] - Restoring states from the checkpoint path\n"
+        "[z][lit_dtrain.train][ERROR] - job 1 failed: LossSpikeError: spike at 11\nTraceback (most recent call last):\n"
+    )
+    assert job_error(failed) == "LossSpikeError: spike at 11"
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r.get("error") for r in result["runs"]] == [None, "LossSpikeError: spike at 11"]
