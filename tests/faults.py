@@ -28,14 +28,16 @@ class KillAtStep(L.Callback):
 class SignalInValidation(L.Callback):
     """Send ``signal`` to this process at the first batch of the validation at ``step`` completed steps that
     ``stage`` runs: ``fit`` (a validation inside fit, e.g. the last one) or ``validate`` (``train()``'s final
-    ``trainer.validate``)."""
+    ``trainer.validate``); on rank ``rank`` only, when given."""
 
-    def __init__(self, step: int, stage: str = "validate", signal: str = "SIGTERM") -> None:
-        self.step, self.stage, self.signal = int(step), stage, signal
+    def __init__(self, step: int, stage: str = "validate", signal: str = "SIGTERM", rank: int | None = None) -> None:
+        self.step, self.stage, self.signal, self.rank = int(step), stage, signal, rank
         self.fired = False
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.fired or trainer.sanity_checking or trainer.global_step != self.step or trainer.state.fn != self.stage:
+            return
+        if self.rank is not None and trainer.global_rank != self.rank:
             return
         self.fired = True
         os.kill(os.getpid(), getattr(signal_module, self.signal))

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 from datetime import datetime
@@ -137,10 +138,11 @@ def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
 def _sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
     """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
     handler only records it (it saves at the end of a batch, and none ends after the last validation), and
-    Lightning's flag is read before validation batches but the last. The ranks agree (one all-reduce), so that
-    all of them stop, or none."""
+    Lightning's flag is read before validation batches but the last; or during ``train()``'s final validation,
+    which :class:`_HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
+    or none."""
     pending = trainer.received_sigterm or any(
-        isinstance(c, PreemptionCheckpoint) and c.signalled for c in trainer.callbacks
+        isinstance(c, (PreemptionCheckpoint, _HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
     )
     return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
@@ -682,6 +684,42 @@ class _ValLimitCheck(L.Callback):
             )
 
 
+class _HoldSigtermInValidate(L.Callback):
+    """During ``train()``'s final ``trainer.validate`` a SIGTERM is only recorded (``signalled``): the validation
+    finishes on every rank, then ``train()`` has the ranks agree (:func:`_sigterm_after_the_last_step`) and exit with
+    143 together. Lightning's own handler broadcasts from inside the handler, and its evaluation loop stops the
+    signalled rank alone at its next batch: under DDP the other ranks waited for it in the epoch-end metric
+    reduction until ``strategy.collective_timeout_s`` (30 min by default) and failed with a timeout, exit status 1.
+    Inert in fit's validations (``PreemptionCheckpoint`` handles a SIGTERM there) and in a single process, where
+    Lightning's early stop involves no other rank."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signalled = True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        main_thread = threading.current_thread() is threading.main_thread()
+        if trainer.state.fn != "validate" or trainer.world_size == 1 or not main_thread:
+            return
+        self.signalled = trainer.received_sigterm  # one before this hook: Lightning's flag would stop this rank alone
+        trainer._signal_connector.received_sigterm = False
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # after Lightning registered its own
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handler()  # after the epoch-end metric reduction
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore_handler()
+
+
 def _fraction_for_one_batch(batches: int) -> str:
     """The smallest fraction, to 3 significant digits, that leaves a loader of ``batches`` one batch by Lightning's
     count ``int(batches * fraction)``: 1 / batches rounded up (0.334 of 3; 0.333 gives 0, as 1 / 49 does of 49)."""
@@ -762,7 +800,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     clock = _TrainClock()
     # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
-    callbacks = [_LogStepSync(), *callbacks, clock]
+    callbacks = [_LogStepSync(), *callbacks, clock, _HoldSigtermInValidate()]
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(_ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
@@ -802,6 +840,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         val = trainer.validate(module, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
         raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True)) from None
+    if _sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
+        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True))
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
     previous: dict = {}

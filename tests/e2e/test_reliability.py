@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import random
 import signal
 import subprocess
@@ -128,6 +129,42 @@ def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus
     straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp_path, corpus):
+    """SIGTERM to rank 1 only during train()'s final trainer.validate: Lightning's handler broadcast from inside the
+    handler and its evaluation loop stopped rank 1 alone at its next batch (exit 143), while rank 0 waited for it in
+    the epoch-end metric reduction until strategy.collective_timeout_s (30 min by default) and failed with a gloo
+    timeout, exit status 1. The validation now finishes on both ranks, which then agree to exit with 143 together;
+    resume=auto validates the saved last.ckpt and writes the summary."""
+    ddp = [
+        "trainer=ddp_cpu",
+        *[o for o in RUN if o.startswith("trainer.")],
+        "strategy=ddp",
+        "strategy.collective_timeout_s=60",
+        "data.val_batch_size=2",
+    ]
+    fault = [
+        "+callbacks.fault._target_=tests.faults.SignalInValidation",
+        f"+callbacks.fault.step={MAX_STEPS}",
+        "+callbacks.fault.stage=validate",
+        "+callbacks.fault.rank=1",
+    ]
+    t0 = time.monotonic()
+    term = train_proc(tmp_path, corpus, "run_name=term", *ddp, *fault, timeout=240)
+    elapsed = time.monotonic() - t0
+    out = term.stdout + term.stderr
+    assert term.returncode == 143, out[-3000:]
+    assert elapsed < 60, elapsed  # no rank waited for a collective timeout
+    assert out.count("stopped by SIGTERM after the last step") >= 2, out[-3000:]  # both ranks
+    assert not (tmp_path / "outputs/runs/term/summary.json").exists()
+    ckpt = torch.load(tmp_path / "outputs/runs/term/checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == MAX_STEPS
+    resumed = train_proc(tmp_path, corpus, "run_name=term", "resume=auto", *ddp, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "outputs/runs/term/summary.json").read_text())["steps"] == MAX_STEPS
 
 
 @pytest.mark.slow
