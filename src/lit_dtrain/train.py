@@ -489,12 +489,13 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         )
     if cfg.get("resume") == "auto":
         run_name = str(cfg.get("run_name"))
-        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg):
-            # a single run under the default run_name (a new one each start or launch): nothing to resume
+        requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
+        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
+            # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
             raise ConfigError(
                 f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
-                f"({run_name}: its start time, or its srun/torchrun launch), a new run dir that holds no checkpoint; "
-                "or give ckpt_path=PATH"
+                f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
+                "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
             )
         sweep_dir = Path(str(cfg.paths.output_dir)).parent
         if _created_by_this_start(sweep_dir):

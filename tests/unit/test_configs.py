@@ -475,6 +475,29 @@ def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path
     assert not _default_run_name(compose_cfg(["run_name=torchrun-abc"], tmp_path / "x", corpus))
 
 
+def test_resume_auto_under_srun_continues_the_requeued_job_in_its_default_run_dir(monkeypatch, tmp_path, corpus):
+    """A requeue-ready batch script runs `srun python train.py resume=auto`: Slurm requeues a preempted job with its
+    SLURM_JOB_ID and step, so the default run_name slurm-<job>.<step> names the same run dir again. It was refused
+    like a new timestamp ('resume=auto needs run_name'), on the first start and after the requeue alike; now the
+    first start trains fresh and the requeued one finds last.ckpt. torchrun (a new uuid per --standalone launch) is
+    still refused (previous test)."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import _default_run_name, resolve_ckpt_path
+
+    for key, value in {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    assert cfg.run_name == "slurm-123.0" and _default_run_name(cfg)
+    run = tmp_path / "runs" / "slurm-123.0"
+    with open_dict(cfg):
+        cfg.paths.output_dir, cfg.paths.checkpoint_dir = str(run), str(run / "checkpoints")
+    assert resolve_ckpt_path(cfg) is None  # the first start: nothing to resume yet, a fresh run
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 4, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(run / "checkpoints" / "last.ckpt")  # the requeued start resumes
+
+
 @pytest.mark.parametrize(
     "env, name",
     [
