@@ -33,7 +33,7 @@ from lit_dtrain.strategies import (
     build_local_update,
 )
 from lit_dtrain.strategies import comm as comm_module
-from tests.conftest import free_port
+from tests.conftest import free_port, leave_rank
 
 pytestmark = pytest.mark.dist
 
@@ -142,7 +142,7 @@ def _raw_worker(rank: int, port: int, out_path: str, variants: dict) -> None:
         dist.all_reduce, dist.all_gather_single = real_all_reduce, real_all_gather
         comm_module.bucket_segments = real_bucket_segments
     torch.save(results, f"{out_path}.rank{rank}")
-    dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")
@@ -490,6 +490,7 @@ def _plain_resume_worker(rank: int, port: int, root: str) -> None:
             "same": fit(CompressedDDPStrategy(log_comm_metrics=False, **kwargs), 6, f"{name}_same", ckpt),
         }
     torch.save(results, Path(root) / f"plain_resume_rank{rank}.pt")
+    leave_rank()
 
 
 @pytest.mark.slow

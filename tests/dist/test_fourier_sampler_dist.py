@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_dtrain.data.samplers import FourierSampler
-from tests.conftest import PYTHON, ROOT, TINY, free_port, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, free_port, leave_rank, subprocess_env
 
 pytestmark = pytest.mark.dist
 
@@ -46,8 +46,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.save({mode: _run(rank, mode == "async") for mode in ("async", "sync")}, Path(out) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.conftest import free_port, leave_rank
 from tests.toys import TinyRegression
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -37,6 +37,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                                                        collective_timeout_s=30, log_comm_metrics=False))
     trainer.fit(TinyRegression(lr=0.001, spread=True))
     torch.save({"state": clip.state_dict(), "last": clip.last}, os.path.join(root, f"clip{rank}.pt"))
+    leave_rank()
 
 
 def test_adaptive_grad_clip_state_is_the_same_on_every_rank_under_local_updates(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port, make_corpus
+from tests.conftest import free_port, leave_rank, make_corpus
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -103,6 +103,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                         LossSpikeMonitor(actions=["log", "rollback"], warmup_steps=3, snapshot_every=3)),
     }
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+    leave_rank()
 
 
 def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
@@ -199,6 +200,7 @@ def _comm_worker(rank: int, port: int, root: str) -> None:
         "diloco": fit("rollback", local_update={"name": "diloco", "sync_period": 3}),
     }
     torch.save(results, os.path.join(root, f"comm_rank{rank}.pt"))
+    leave_rank()
 
 
 def _assert_state_equal(a, b, where: str) -> None:
@@ -285,6 +287,7 @@ def _local_update_worker(rank: int, port: int, root: str) -> None:
         "diloco": fit("rollback", 5, {"name": "diloco", "sync_period": 3, "outer_lr": 0.5, "outer_momentum": 0.5}),
     }
     torch.save(results, os.path.join(root, f"local_rank{rank}.pt"))
+    leave_rank()
 
 
 def test_nan_on_one_rank_under_local_updates_same_decision_on_both(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import free_port, leave_rank
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
@@ -65,6 +65,7 @@ def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
             results[f"{name}_calls"] = [w.calls for w in callbacks[0].wrappers]
             results[f"{name}_plan"] = callbacks[0].plan
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_rank()
 
 
 @pytest.mark.slow  # ~20-25 s each on 2 shared cores: 2 processes x 3 short fits

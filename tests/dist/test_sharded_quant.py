@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from lit_dtrain.strategies import BlockQuantizer, Communicator, ShardedBlockQuantizer
 from lit_dtrain.strategies.compressors import segments_from_shapes
-from tests.conftest import free_port
+from tests.conftest import free_port, leave_rank
 from tests.dist.test_compressed_ddp import assert_same
 
 pytestmark = pytest.mark.dist
@@ -108,7 +108,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.all_gather_single(everyone, g)
     res["local"] = everyone.view(WORLD, NUMEL)
     torch.save(res, f"{out}.rank{rank}")
-    dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port, make_corpus
+from tests.conftest import free_port, leave_rank, make_corpus
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -69,6 +69,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                 "warnings": [str(w.message) for w in caught if "DistributedSampler" in str(w.message)],
                 "weights": {k: v.detach().clone() for k, v in lit.state_dict().items()}},
                os.path.join(root, f"rank{rank}.pt"))
+    leave_rank()
 
 
 def test_ddp_val_loss_is_the_single_process_val_loss(tmp_path: Path) -> None:
