@@ -41,6 +41,10 @@ def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Communicator:
     """Collectives on a process group (default: WORLD) with exact byte and time accounting.
 
@@ -102,7 +106,7 @@ class Communicator:
         """Gather every rank's 1-D ``tensor`` (same size everywhere); the future holds a (world, numel) tensor."""
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         start = self._record("all_gather", tensor)
-        work = dist.all_gather_single(out, tensor, group=self.group, async_op=True)
+        work = _all_gather_single(out, tensor, group=self.group, async_op=True)
 
         def done(fut: torch.futures.Future) -> Tensor:
             self._finish(start)
