@@ -309,6 +309,19 @@ class LitLLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Under FSDP clip by norm through the root FSDP module, whose ``clip_grad_norm_`` sums the squared norms of
+        every rank's shards (Lightning's FSDP precision plugin refuses ``gradient_clip_algorithm='norm'``, so
+        ``strategy=fsdp`` with the default ``trainer.gradient_clip_val=1.0`` stopped at the first step)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = getattr(self.trainer.strategy, "model", None)
+        if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm" and \
+                isinstance(root, FullyShardedDataParallel):
+            root.clip_grad_norm_(float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def _clips_under_mixed_precision(self) -> bool:
         trainer = self._trainer
         return bool(trainer is not None and trainer.gradient_clip_val and "mixed" in str(trainer.precision))

@@ -48,11 +48,30 @@ def test_every_option_composes_and_instantiates(group, tmp_path, corpus):
             overrides = [f"callbacks=[default,{opt}]"] if opt != "default" else []
         if group == "callbacks" and opt == "wsd":  # the callback form of WSD replaces the scheduler (README)
             overrides, tiny = ["~scheduler", *overrides, "trainer.max_steps=6", "trainer.accelerator=cpu"], False
-        if group == "strategy" and opt == "fsdp" and not torch.cuda.is_available():
-            continue  # FSDPStrategy needs CUDA devices
+        if group == "strategy" and opt == "fsdp":
+            if not torch.cuda.is_available():
+                continue  # FSDPStrategy needs CUDA devices (its config is checked below)
+            overrides.append("trainer.accelerator=gpu")
         cfg = compose_cfg(overrides, tmp_path / group / opt.replace("/", "_"), corpus, tiny=tiny)
         trainer = check(cfg)
         assert isinstance(trainer, L.Trainer), (group, opt)
+
+
+def test_fsdp_config_builds_a_module_wrap_policy_of_the_named_blocks(tmp_path, corpus):
+    """conf/strategy/fsdp.yaml used to hand FSDPStrategy a ListConfig of classes, which it called as a policy at
+    setup ("'ListConfig' object is not callable", seen on a GPU); make_fsdp gives it the set Lightning expects."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lit_dtrain.models import Block
+
+    strategy = build_strategy(compose_cfg(["strategy=fsdp"], tmp_path / "fsdp", corpus))
+    assert isinstance(strategy, FSDPStrategy)
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {Block}
+    assert strategy._timeout.total_seconds() == 1800
+    with pytest.raises(InstantiationException, match="wrap_modules must name at least one"):
+        build_strategy(compose_cfg(["strategy=fsdp", "strategy.wrap_modules=[]"], tmp_path / "none", corpus))
 
 
 @pytest.mark.parametrize("data", ["stdlib", "textfiles", "mixture"])

@@ -6,13 +6,16 @@
   (int8/int4 through a quantized reduce-scatter), :class:`PowerSGD`, :class:`TopK`, :class:`ScaledSign`.
 - Local updates: :class:`LocalSGD` (fixed or adaptive period), :class:`DiLoCo`.
 - :func:`make_ddp`: plain Lightning ``DDPStrategy`` with a timeout in seconds (``conf/strategy/ddp.yaml``).
+- :func:`make_fsdp`: Lightning ``FSDPStrategy`` wrapping the named module classes (``conf/strategy/fsdp.yaml``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+from hydra.utils import get_class
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
@@ -41,6 +44,19 @@ def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
     return DDPStrategy(timeout=collective_timeout(collective_timeout_s), **kwargs)
 
 
+def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",), collective_timeout_s: float = 1800,
+              **kwargs: Any) -> FSDPStrategy:
+    """Lightning's ``FSDPStrategy`` sharding each module of the classes named in ``wrap_modules`` (dotted paths).
+
+    Lightning turns a *set* of classes into torch's ``ModuleWrapPolicy``; from YAML Hydra hands over a ``ListConfig``,
+    which ``FSDPStrategy`` took for a policy callable and failed with at setup ("'ListConfig' object is not callable").
+    """
+    if not wrap_modules:
+        raise ValueError("make_fsdp: wrap_modules must name at least one module class, e.g. lit_dtrain.models.Block")
+    classes = {m if isinstance(m, type) else get_class(str(m)) for m in wrap_modules}
+    return FSDPStrategy(auto_wrap_policy=classes, timeout=collective_timeout(collective_timeout_s), **kwargs)
+
+
 register_strategies()
 
 __all__ = [
@@ -48,5 +64,6 @@ __all__ = [
     "CompressedDDPStrategy", "Compressor", "DiLoCo", "HalfPrecision", "LocalSGD", "LocalUpdate",
     "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "ShardedBlockQuantizer", "TopK",
     "build_compressor", "build_local_update", "compressed_comm_hook", "dropped_comm_state_message", "make_ddp",
+    "make_fsdp",
     "register_strategies", "warn_if_comm_state_dropped",
 ]
