@@ -187,7 +187,7 @@ def evaluate(model, vals, batch: int) -> tuple[float, dict]:
     for name, w in vals:
         s = 0.0
         for i in range(0, len(w), batch):
-            x = w[i : i + batch]
+            x = w[i : i + batch].to(_device(model))
             logits = model(x[:, :-1])
             s += float(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum"))
         ntok = w[:, 1:].numel()
@@ -200,10 +200,27 @@ def evaluate(model, vals, batch: int) -> tuple[float, dict]:
 def model_for(block: int, seed: int, args):
     torch.manual_seed(seed)
     return build_llama(vocab_size=257, block_size=block, n_layer=args.n_layer, d_model=args.d_model,
-                       n_head=args.n_head, n_kv_head=args.n_kv_head)
+                       n_head=args.n_head, n_kv_head=args.n_kv_head).to(args.device)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def on_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on ``device``; ``index`` stays where the sampler keeps its table (CPU)."""
+    return {k: v if k == "index" or not torch.is_tensor(v) else v.to(device, non_blocking=True)
+            for k, v in batch.items()}
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work before reading a clock (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def train_step(model, opt, sched, batch, lr_mult: float) -> torch.Tensor:
+    batch = on_device(batch, _device(model))
     logits = model(batch["input_ids"])
     B, T, V = logits.shape
     token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
@@ -243,6 +260,7 @@ def run(corpus, dirs, block, variant, seed, args) -> dict:
         b = dm.batch_for_step(step)
         t1 = time.perf_counter()
         token_loss = train_step(model, opt, sched, b, sampler.lr_multiplier(step))
+        sync(args.device)
         t2 = time.perf_counter()
         if fourier:
             sampler.observe(token_loss, b["index"], step + 1)
@@ -297,21 +315,54 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
             order = list(setups) if i % 2 == 0 else list(setups)[::-1]  # neither always runs on a warm cache
             for name in order:
                 dm, model, opt, sched = setups[name]
+                sync(args.device)
                 t0 = time.perf_counter()
                 b = dm.batch_for_step(step)
                 fourier = name == "fourier"
                 token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
                 if fourier:
                     dm.sampler.observe(token_loss, b["index"], step + 1)
+                sync(args.device)
                 times[name].append(time.perf_counter() - t0)
             step += 1
         med = {k: statistics.median(v) for k, v in times.items()}
         medians.append(med)
         ratios.append(med["fourier"] / med["uniform"])
-    return {"uniform_ms": 1e3 * statistics.median(m["uniform"] for m in medians),
+    out = {"uniform_ms": 1e3 * statistics.median(m["uniform"] for m in medians),
             "fourier_ms": 1e3 * statistics.median(m["fourier"] for m in medians),
             "wall_ratio": statistics.median(ratios), "round_ratios": [round(r, 4) for r in ratios],
-            "num_samples": setups["fourier"][0].num_train_samples, "variant": variant}
+            "num_samples": setups["fourier"][0].num_train_samples, "variant": variant, "device": str(args.device)}
+    if torch.device(args.device).type == "cuda":
+        out.update(pipelined_timing(setups, args, step))
+    return out
+
+
+def pipelined_timing(setups: dict, args, step: int) -> dict:
+    """On a GPU the per-step synchronization above hides what the sampler costs a pipelined loop: the host queues
+    the next step while the device still runs this one, except where ``observe`` copies the token loss to the CPU
+    table, which waits for the step. Here each sampler runs ``--timing-steps`` steps with one synchronization at the
+    end (rounds alternate which goes first); the ratio of the per-round times, and the median over rounds."""
+    ratios, per_step = [], {k: [] for k in setups}
+    for r in range(args.timing_rounds):
+        order = list(setups) if r % 2 == 0 else list(setups)[::-1]
+        took = {}
+        for name in order:
+            dm, model, opt, sched = setups[name]
+            sync(args.device)
+            t0 = time.perf_counter()
+            for i in range(args.timing_steps):
+                b = dm.batch_for_step(step + i)
+                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step + i))
+                if name == "fourier":
+                    dm.sampler.observe(token_loss, b["index"], step + i + 1)
+            sync(args.device)
+            took[name] = (time.perf_counter() - t0) / args.timing_steps
+            per_step[name].append(took[name])
+        step += args.timing_steps
+        ratios.append(took["fourier"] / took["uniform"])
+    return {"pipelined_ratio": statistics.median(ratios), "pipelined_round_ratios": [round(x, 4) for x in ratios],
+            "pipelined_uniform_ms": 1e3 * statistics.median(per_step["uniform"]),
+            "pipelined_fourier_ms": 1e3 * statistics.median(per_step["fourier"])}
 
 
 def main() -> None:
@@ -335,12 +386,15 @@ def main() -> None:
     ap.add_argument("--timing-steps", type=int, default=30, help="interleaved steps per sampler and round (0: skip)")
     ap.add_argument("--timing-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the sampler's table stays on CPU either way)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
     ap.add_argument("--out", default=None, help="also write all results (curves included) to this JSON file")
     ap.add_argument("--merge", nargs="+", default=None, help="summarize these --out files instead of training")
     ap.add_argument("--plot", default=None, help="write seed-averaged val curves (every corpus and block) to PNG")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, as train.py's default matmul_precision
     unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS}")
@@ -360,7 +414,8 @@ def main() -> None:
 
 
 def train_all(args) -> tuple[list, dict]:
-    print(f"python {sysconfig.get_python_version()}, torch {torch.__version__}, threads {args.threads}")
+    print(f"python {sysconfig.get_python_version()}, torch {torch.__version__}, threads {args.threads}, "
+          f"device {args.device}")
     runs, timing = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_fourier_") as tmp:
         dirs = make_mixture(Path(tmp), args.mixture_kb, seed=0) if "mixture" in args.corpora else None
@@ -470,6 +525,8 @@ def summarize(runs: list, timing: dict, args) -> dict:
             "steps_to_target_uniform": uniform_steps,
             "steps_to_target_fourier": head.get("steps_to_target"),
             "overhead_ratio": timing.get(corpus, {}).get("wall_ratio") if block == min(args.block_sizes) else None,
+            "overhead_ratio_pipelined": timing.get(corpus, {}).get("pipelined_ratio")
+            if block == min(args.block_sizes) else None,
             "sampler_overhead_pct": head.get("sampler_overhead_pct"),
             "val_loss_delta_pct": head.get("val_loss_delta_pct"),
             "noise_val_loss_delta_pct": table.get("uniform_seed2", {}).get("val_loss_delta_pct"),
@@ -487,6 +544,10 @@ def summarize(runs: list, timing: dict, args) -> dict:
         print(f"[{corpus}] interleaved wall-clock ratio fourier/uniform: {t['wall_ratio']:.4f} "
               f"(rounds {t['round_ratios']}; {t['uniform_ms']:.1f} vs {t['fourier_ms']:.1f} ms/step, "
               f"N={t['num_samples']})")
+        if "pipelined_ratio" in t:
+            print(f"[{corpus}] pipelined ({args.timing_steps} steps, one sync) ratio fourier/uniform: "
+                  f"{t['pipelined_ratio']:.4f} (rounds {t['pipelined_round_ratios']}; {t['pipelined_uniform_ms']:.2f} "
+                  f"vs {t['pipelined_fourier_ms']:.2f} ms/step)")
     return out
 
 
