@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one go: the GPU tests, then the benchmarks' GPU runs (docs/benchmarks.md,
+# "On one GPU"). Each step has its own time limit and a failed step does not stop the next.
+#
+#     bash scripts/gpu_checks.sh [OUT_DIR]      # logs to OUT_DIR/gpu.log, each benchmark's JSON line to results.jsonl
+#
+# Needs the project's dependencies importable (pip install -e '.[dev]', or PYTHONPATH) and one visible GPU.
+set -u
+out=${1:-outputs/gpu_checks}
+mkdir -p "$out"
+log="$out/gpu.log"
+results="$out/results.jsonl"
+: >"$log"
+: >"$results"
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 LIT_DTRAIN_CACHE=${LIT_DTRAIN_CACHE:-/tmp/lit_dtrain_cache}
+py=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep its last JSON line
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $* (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$out/step.log" 2>&1
+    local rc=$?
+    cat "$out/step.log" >>"$log"
+    tail -n 40 "$out/step.log"
+    local json
+    json=$(grep -E '^\{.*\}$' "$out/step.log" | tail -n 1)
+    [ -n "$json" ] && echo "{\"step\": \"$name\", \"rc\": $rc, \"result\": $json}" >>"$results"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+    rm -f "$out/step.log"
+}
+
+step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c \"import torch, \
+lightning, hydra, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), \
+'lightning', lightning.__version__, 'bitsandbytes', bitsandbytes.__version__)\""
+step pytest_gpu 240 "$py" -m pytest -q tests/gpu tests/unit/test_configs.py -p no:cacheprovider --timeout 200 -rfE \
+    --durations 15
+step fourier_overhead_tiny 90 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+    --eval-every 2 --block-sizes 256 --timing-steps 30 --timing-rounds 5
+step fourier_overhead_d512 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+    --eval-every 2 --block-sizes 256 --timing-steps 20 --timing-rounds 5 --d-model 512 --n-layer 8 --n-head 8 \
+    --n-kv-head 4 --tokens-per-step 16384
+step train_default_gpu 120 "$py" train.py trainer=gpu run_name=gpu_default
