@@ -14,18 +14,27 @@ by switching the blocks' checkpoint mode, so all policies see the same weights a
 
 ``budget`` is planned by the callback's probe on the benchmark batch itself (``--memory-budget``).
 
+``--device cuda`` runs the same comparison on the GPU in fp32 (``--dtype bf16``: bf16 autocast). There, step
+time is wall time with ``torch.cuda.synchronize()`` around each step (``--clock cpu`` does not apply), the RSS
+columns are replaced by the CUDA peak of one step above the memory allocated before it
+(``torch.cuda.max_memory_allocated``, ``cuda_peak_step_mib``) and its ratio to ``none``'s (``cuda_peak_ratio``);
+MemTracker's ``ACT`` figures are measured as on CPU. The CPU defaults are too small for a GPU; use more tokens.
+
     python scripts/bench_activation_ckpt.py                     # all shapes, seq 256 and 1024 (a few minutes)
     python scripts/bench_activation_ckpt.py --shapes small --seqs 256 --repeats 3   # quick look
+    python scripts/bench_activation_ckpt.py --device cuda --tokens 16384 --seqs 1024,2048 --repeats 3
 
 The last line is one JSON object keyed by policy: ``saved_bytes_ratio`` (peak ACT of the policy over
 peak ACT of ``none``: the fraction of activation bytes still kept), ``time_ratio`` (step time over
 ``none``'s), ``max_abs_grad_diff``, each the mean (ratios) or max (grad diff) over the configurations,
-with the per-configuration figures under ``by_config``, plus a ``targets`` entry.
+with the per-configuration figures under ``by_config``, plus a ``targets`` entry. On CUDA each policy also has
+the mean ``cuda_peak_ratio``, and ``by_config`` has the CUDA peak instead of the RSS figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -71,8 +80,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "on a shared machine, with --threads 1); wall = elapsed time. Both are printed.")
     p.add_argument("--plot", default="outputs/bench_actckpt/actckpt_memory_vs_time.png",
                    help="PNG path ('' to skip; the docs' figure: --plot docs/img/actckpt_memory_vs_time.png)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: model and batch on the GPU; wall-clock step time; CUDA peak memory instead of RSS")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 weights and maths; bf16 = fp32 weights under bf16 autocast")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def step_clock(args) -> str:
+    """The clock of the step-time ratios: ``--clock``, except on CUDA, where the CPU time of this process
+    says nothing about the GPU's work (it only counts launches and synchronize's wait), so wall time."""
+    return "wall" if args.device == "cuda" else args.clock
 
 
 def plan_for(policy: str, n_blocks: int, args, budget_plan: list[str] | None) -> list[str]:
@@ -83,16 +102,38 @@ def plan_for(policy: str, n_blocks: int, args, budget_plan: list[str] | None) ->
     return uniform_plan(n_blocks, policy)
 
 
+def cuda_step_peak_bytes(step) -> int:
+    """Peak CUDA memory of one ``step()`` above the memory allocated before it (the caching allocator's counters)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def run_config(shape: str, seq: int, args) -> dict:
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    # Weights and batch are drawn on the CPU and then moved, so every device starts from the same numbers.
     torch.manual_seed(args.seed)
-    model = Llama(LlamaConfig(vocab_size=257, block_size=max(seq, 256), **SHAPES[shape]))
+    model = Llama(LlamaConfig(vocab_size=257, block_size=max(seq, 256), **SHAPES[shape])).to(device)
     batch = max(1, args.tokens // seq)
-    ids = torch.randint(0, 257, (batch, seq + 1), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, 257, (batch, seq + 1), generator=torch.Generator().manual_seed(args.seed)).to(device)
     blocks = list(model.blocks)
     wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"))
 
+    def autocast():
+        if args.dtype == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def loss():
-        return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+        with autocast():
+            return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    # CUDA runs asynchronously: wait for the GPU before every clock reading.
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
         loss().backward()
@@ -119,9 +160,12 @@ def run_config(shape: str, seq: int, args) -> dict:
         model.zero_grad(set_to_none=True)
     times = {p: [] for p in policies}
     walls = {p: [] for p in policies}
-    for p in policies:  # warm-up step, which also gives the peak RSS of one step
+    for p in policies:  # warm-up step, which also gives the peak RSS (CPU) or CUDA peak of one step
         set_plan(wrappers, plans[p])
         gc.collect()
+        if cuda:
+            res[p]["cuda_peak_step_mib"] = cuda_step_peak_bytes(step) / MiB
+            continue
         reset_peak_rss()
         rss0 = peak_rss_bytes()
         step()
@@ -129,10 +173,12 @@ def run_config(shape: str, seq: int, args) -> dict:
     for _ in range(args.repeats):
         for p in policies:
             set_plan(wrappers, plans[p])
+            sync()
             t0, c0 = time.perf_counter(), time.process_time()
             step()
+            sync()
             c1, t1 = time.process_time(), time.perf_counter()
-            times[p].append(c1 - c0 if args.clock == "cpu" else t1 - t0)
+            times[p].append(c1 - c0 if step_clock(args) == "cpu" else t1 - t0)
             walls[p].append(t1 - t0)
     ref = res.get("none")
     for p in policies:
@@ -144,6 +190,8 @@ def run_config(shape: str, seq: int, args) -> dict:
             r["max_act_ratio"] = r["max_act_mib"] / ref["max_act_mib"]
             r["time_ratio"] = r["step_s"] / statistics.median(times["none"])
             r["max_abs_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(r["grads"], ref["grads"]))
+            if cuda:
+                r["cuda_peak_ratio"] = r["cuda_peak_step_mib"] / ref["cuda_peak_step_mib"]
     for p in policies:
         del res[p]["grads"]
     return {"shape": shape, "seq": seq, "batch": batch, "policies": res, "budget_report": budget_report}
@@ -166,7 +214,7 @@ def block_level_time_at(memory: float, block_points: list[dict], key: str = "sav
     return pts[0][1] if memory < pts[0][0] else pts[-1][1]
 
 
-def make_plot(configs: list[dict], path: str) -> None:
+def make_plot(configs: list[dict], path: str, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +241,7 @@ def make_plot(configs: list[dict], path: str) -> None:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("Activation checkpointing: memory against time (lower-left is better)")
+    fig.suptitle(f"Activation checkpointing: memory against time (lower-left is better){note}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -202,6 +250,15 @@ def make_plot(configs: list[dict], path: str) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            sys.exit(f"--device cuda, but torch {torch.__version__} sees no CUDA device; run on a GPU machine "
+                     "or use --device cpu")
+        ignored = " (--clock cpu does not apply on CUDA)" if args.clock == "cpu" else ""
+        print(f"device: {torch.cuda.get_device_name()} ({args.dtype}, torch {torch.__version__}). Step time is wall "
+              f"time with torch.cuda.synchronize() around each step{ignored}; memory is MemTracker's ACT and the CUDA "
+              "peak of one step (RSS n/a).")
     configs = []
     for shape in [s for s in args.shapes.split(",") if s]:
         if shape not in SHAPES:
@@ -211,17 +268,22 @@ def main(argv=None) -> dict:
             cfg = run_config(shape, seq, args)
             configs.append(cfg)
             print(f"\n== {shape}  T={seq}  B={cfg['batch']}  ({time.perf_counter() - t0:.0f} s)")
-            clock = args.clock + " s"
+            clock = step_clock(args) + " s"
+            mem_cols = ("CUDA MiB", "ratio") if cuda else ("RSS MiB", "+step")  # CUDA peak of a step, or RSS
             print(f"{'policy':10s} {'peakACT MiB':>11s} {'ratio':>6s} {'maxACT':>7s} {clock:>7s} {'ratio':>6s} "
                   f"{'wall s':>6s} "
-                  f"{'RSS MiB':>8s} {'+step':>6s} {'bwd GF mm':>9s} {'bwd GF all':>10s} {'grad diff':>9s}  plan")
+                  f"{mem_cols[0]:>8s} {mem_cols[1]:>6s} {'bwd GF mm':>9s} {'bwd GF all':>10s} {'grad diff':>9s}  plan")
             for p, r in cfg["policies"].items():
                 plan = "".join({"none": ".", "selective": "s", "full": "F"}[m] for m in r["plan"])
                 nan = float("nan")
+                if cuda:
+                    mem = f"{r['cuda_peak_step_mib']:8.0f} {r.get('cuda_peak_ratio', nan):6.3f}"
+                else:
+                    mem = f"{r['peak_rss_mib']:8.0f} {r['step_rss_mib']:6.0f}"
                 print(f"{p:10s} {r['peak_act_mib']:11.1f} {r.get('saved_bytes_ratio', nan):6.3f} "
                       f"{r.get('max_act_ratio', nan):7.3f} {r['step_s']:7.3f} {r.get('time_ratio', nan):6.3f} "
                       f"{r['wall_s']:6.2f} "
-                      f"{r['peak_rss_mib']:8.0f} {r['step_rss_mib']:6.0f} {r['bwd_gflops_mm']:9.2f} "
+                      f"{mem} {r['bwd_gflops_mm']:9.2f} "
                       f"{r['bwd_gflops_all']:10.2f} {r.get('max_abs_grad_diff', nan):9.1e}  {plan}")
             if cfg["budget_report"]:
                 br = cfg["budget_report"]
@@ -229,12 +291,13 @@ def main(argv=None) -> dict:
                       f"(estimate {br['estimated_ratio']:.3f}, {len(br['tries'])} plan(s) tried, "
                       f"{br['probe_seconds']:.1f} s)")
     if args.plot and configs and all("none" in c["policies"] for c in configs):
-        make_plot(configs, args.plot)
+        make_plot(configs, args.plot, note=f" ({args.device}, {args.dtype}, wall time)" if cuda else "")
         print(f"\nplot: {args.plot}")
 
     # ---- summary keyed by policy, and the issue's targets ----
     policies = list(configs[0]["policies"]) if configs else []
     summary: dict = {}
+    mem_keys = ("cuda_peak_step_mib", "cuda_peak_ratio") if cuda else ("peak_rss_mib", "step_rss_mib")
     for p in policies:
         rows = [c["policies"][p] for c in configs]
         if "none" not in configs[0]["policies"]:
@@ -246,9 +309,11 @@ def main(argv=None) -> dict:
             "by_config": {
                 f"{c['shape']}/T{c['seq']}": {k: c["policies"][p][k] for k in (
                     "saved_bytes_ratio", "max_act_ratio", "time_ratio", "max_abs_grad_diff", "peak_act_mib", "step_s",
-                    "wall_s", "peak_rss_mib", "step_rss_mib", "bwd_gflops_mm", "bwd_gflops_all")} for c in configs
+                    "wall_s", *mem_keys, "bwd_gflops_mm", "bwd_gflops_all")} for c in configs
             },
         }
+        if cuda:
+            summary[p]["cuda_peak_ratio"] = statistics.mean(r["cuda_peak_ratio"] for r in rows)
     targets = {}
     if {"none", "full", "selective"} <= set(summary):
         checks = []
@@ -287,8 +352,11 @@ def main(argv=None) -> dict:
             bad = [row["config"] for row in checks if not row[k]]
             print(f"  {k:36s} {'PASS' if not bad else 'MISS: ' + ', '.join(bad)}")
     summary["targets"] = targets
-    summary["settings"] = {"clock": args.clock, "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
-                           "every_k": args.every_k, "memory_budget": args.memory_budget}
+    summary["settings"] = {"clock": step_clock(args), "threads": args.threads, "tokens": args.tokens,
+                           "repeats": args.repeats, "every_k": args.every_k, "memory_budget": args.memory_budget}
+    if cuda or args.dtype != "fp32":  # the CPU fp32 defaults keep the settings they always had
+        summary["settings"].update(device=args.device, dtype=args.dtype, torch=torch.__version__,
+                                   gpu=torch.cuda.get_device_name() if cuda else None)
     print(json.dumps(summary, separators=(",", ":")))
     return summary
 

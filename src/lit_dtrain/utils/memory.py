@@ -1,8 +1,9 @@
 """Activation memory, backward FLOPs and peak RSS: the measurements behind activation checkpointing.
 
 * :func:`measure_activation_memory` runs a step under
-  ``torch.distributed._tools.mem_tracker.MemTracker`` (works on CPU). Its figure is the ``ACT``
-  category of the peak snapshot; the largest ``ACT`` seen at any point and the bytes each given
+  ``torch.distributed._tools.mem_tracker.MemTracker`` (CPU or CUDA tensors: its snapshots are per
+  device, and ``ACT`` is summed over devices). Its figure is the ``ACT`` category of the peak
+  snapshot; the largest ``ACT`` seen at any point and the bytes each given
   module keeps alive after its forward come with it. Tensors that op-level selective checkpointing
   keeps live in checkpoint's own storage, where ``saved_tensors_hooks`` never see them; counting
   with those hooks reports ``selective`` equal to ``full``, so they are not used here.

@@ -1,0 +1,140 @@
+"""scripts/bench_activation_ckpt.py: ``--device cpu`` (the default) keeps its keys and figures; the CUDA reporting
+path (wall clock, CUDA peak instead of RSS) runs on CPU with the CUDA figures stubbed in.
+
+The figures a CPU run prints for a tiny model are reproduced here independently with the same library calls on
+the same seeded model and batch: activation bytes, backward FLOPs and a zero gradient difference against
+``none`` (the budget plan depends on timings, so only its keys are checked). The CUDA measurements themselves
+(``torch.cuda.max_memory_allocated``, synchronized wall time) need a GPU; this checks the reporting around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from lit_dtrain.callbacks._checkpoint_policies import apply_checkpointing, every_k_plan, set_plan, uniform_plan
+from lit_dtrain.models import Llama, LlamaConfig
+from lit_dtrain.utils.memory import POINTWISE_OPS, backward_flops_by_op, measure_activation_memory
+from tests.conftest import ROOT
+
+TINY_SHAPE = dict(d_model=64, n_layer=4, n_head=4, n_kv_head=2)
+ARGV = ["--shapes", "tiny", "--seqs", "16", "--tokens", "64", "--repeats", "1", "--plot", ""]
+POLICIES = ["none", "full", "every_k", "selective", "budget"]
+# by_config keys of a CPU run before --device existed (commit 69ae026), in order
+CPU_KEYS = ["saved_bytes_ratio", "max_act_ratio", "time_ratio", "max_abs_grad_diff", "peak_act_mib", "step_s",
+            "wall_s", "peak_rss_mib", "step_rss_mib", "bwd_gflops_mm", "bwd_gflops_all"]
+MiB = 2**20
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    path = ROOT / "scripts" / "bench_activation_ckpt.py"
+    spec = importlib.util.spec_from_file_location("_bench_activation_ckpt", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(mod.SHAPES, "tiny", TINY_SHAPE)
+    threads = torch.get_num_threads()
+    yield mod
+    torch.set_num_threads(threads)  # main() sets --threads for the whole process
+
+
+def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench):
+    args = bench.parse_args([])
+    assert (args.device, args.dtype, args.clock, args.tokens, args.shapes, args.seqs, args.repeats) == (
+        "cpu", "fp32", "cpu", 1024, "small,deep", "256,1024", 5)
+    assert bench.step_clock(args) == "cpu"
+    assert bench.step_clock(bench.parse_args(["--clock", "wall"])) == "wall"
+    assert bench.step_clock(bench.parse_args(["--device", "cuda"])) == "wall"  # CPU time means nothing there
+
+
+def test_cpu_run_keeps_its_keys_and_reproduces_its_figures(bench, capsys):
+    summary = bench.main([*ARGV, "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == summary
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    assert header.split()[:13] == ["policy", "peakACT", "MiB", "ratio", "maxACT", "cpu", "s", "ratio", "wall", "s",
+                                   "RSS", "MiB", "+step"]
+    assert "CUDA" not in out
+    assert list(summary) == [*POLICIES, "targets", "settings"]
+    assert summary["settings"] == {"clock": "cpu", "threads": 1, "tokens": 64, "repeats": 1, "every_k": 2,
+                                   "memory_budget": 0.5}
+    for p in POLICIES:
+        assert list(summary[p]) == ["saved_bytes_ratio", "time_ratio", "max_abs_grad_diff", "by_config"]
+        assert list(summary[p]["by_config"]) == ["tiny/T16"]
+        assert list(summary[p]["by_config"]["tiny/T16"]) == CPU_KEYS
+
+    # the same seeded model and batch (B = 64 // 16), measured directly
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=257, block_size=256, **TINY_SHAPE))
+    ids = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(0))
+    blocks = list(model.blocks)
+    wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"))
+
+    def loss():
+        return torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    def step():
+        loss().backward()
+        model.zero_grad(set_to_none=True)
+
+    n = len(blocks)
+    plans = {"none": uniform_plan(n, "none"), "full": uniform_plan(n, "full"), "every_k": every_k_plan(n, 2),
+             "selective": uniform_plan(n, "selective")}  # the script's order
+    peak = {}
+    for p, plan in plans.items():
+        set_plan(wrappers, plan)
+        peak[p] = measure_activation_memory(step, model).peak_act / MiB
+        flops = backward_flops_by_op(loss)
+        model.zero_grad(set_to_none=True)
+        row = summary[p]["by_config"]["tiny/T16"]
+        assert row["peak_act_mib"] == peak[p]
+        assert row["bwd_gflops_all"] == sum(flops.values()) / 1e9
+        assert row["bwd_gflops_mm"] == sum(v for op, v in flops.items() if op not in set(POINTWISE_OPS)) / 1e9
+        assert row["saved_bytes_ratio"] == peak[p] / peak["none"]
+        assert row["max_abs_grad_diff"] == 0.0
+        assert row["peak_rss_mib"] > 0 and row["step_s"] > 0
+    assert peak["full"] < peak["selective"] < peak["none"]  # the policies differ, so the comparison means something
+    assert summary["budget"]["max_abs_grad_diff"] == 0.0
+
+
+def test_cuda_without_a_gpu_stops_with_a_message(bench, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda, but torch .* sees no CUDA device"):
+        bench.main([*ARGV, "--device", "cuda"])
+
+
+def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypatch, capsys, tmp_path):
+    """main()'s CUDA branch (table, JSON, plot), fed by a CPU run_config with made-up CUDA peaks."""
+    real_run_config = bench.run_config
+
+    def run_config_with_cuda_peaks(shape, seq, args):
+        cfg = real_run_config(shape, seq, argparse.Namespace(**{**vars(args), "device": "cpu"}))
+        for i, r in enumerate(cfg["policies"].values()):
+            del r["peak_rss_mib"], r["step_rss_mib"]
+            r["cuda_peak_step_mib"] = 100.0 - 10 * i
+            r["cuda_peak_ratio"] = r["cuda_peak_step_mib"] / 100.0
+        return cfg
+
+    monkeypatch.setattr(bench, "run_config", run_config_with_cuda_peaks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    plot = tmp_path / "cuda.png"
+    summary = bench.main([*ARGV[:-2], "--plot", str(plot), "--device", "cuda"])
+    out = capsys.readouterr().out
+    assert "(--clock cpu does not apply on CUDA)" in out and "RSS n/a" in out
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    assert header.split()[5:13] == ["wall", "s", "ratio", "wall", "s", "CUDA", "MiB", "ratio"]
+    assert json.loads(out.strip().splitlines()[-1]) == summary
+    assert summary["settings"]["clock"] == "wall"
+    assert (summary["settings"]["device"], summary["settings"]["gpu"], summary["settings"]["dtype"]) == (
+        "cuda", "Fake GPU", "fp32")
+    for i, p in enumerate(POLICIES):
+        row = summary[p]["by_config"]["tiny/T16"]
+        assert list(row) == [*CPU_KEYS[:7], "cuda_peak_step_mib", "cuda_peak_ratio", *CPU_KEYS[9:]]
+        assert row["cuda_peak_step_mib"] == 100.0 - 10 * i
+        assert summary[p]["cuda_peak_ratio"] == row["cuda_peak_ratio"] == (100.0 - 10 * i) / 100.0
+    assert plot.stat().st_size > 0
