@@ -16,6 +16,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
 from lit_dtrain.checkpoint import CheckpointError
@@ -291,23 +292,13 @@ class LitLLM(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("LitLLM needs an optimizer factory (cfg.optimizer)")
-        optimizer = self.optimizer_factory(param_groups(self.model))
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._clips_under_mixed_precision():
-            # A fused optimizer unscales inside step(), so Lightning refuses to clip its grads under AMP.
-            if getattr(self.optimizer_factory, "func", None) is adamw and \
-                    self.optimizer_factory.keywords.get("fused") is None:  # fused was automatic: use foreach
-                optimizer = self.optimizer_factory(param_groups(self.model), fused=False)
-            else:
-                raise ValueError(
-                    f"optimizer.fused=true cannot be combined with trainer.gradient_clip_val="
-                    f"{self.trainer.gradient_clip_val} under precision={self.trainer.precision}: a fused optimizer "
-                    "unscales its grads inside step(), so they cannot be clipped. Set optimizer.fused=null (or "
-                    "false), or trainer.gradient_clip_val=null")
+        trainer = self._trainer
+        clip, precision = (trainer.gradient_clip_val, trainer.precision) if trainer is not None else (None, "32-true")
+        optimizer = build_optimizer(self.optimizer_factory, self.model, clip, precision)
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
-
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Under FSDP clip by norm through the root FSDP module, whose ``clip_grad_norm_`` sums the squared norms of
@@ -322,9 +313,25 @@ class LitLLM(L.LightningModule):
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    def _clips_under_mixed_precision(self) -> bool:
-        trainer = self._trainer
-        return bool(trainer is not None and trainer.gradient_clip_val and "mixed" in str(trainer.precision))
+
+def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: float | None, precision: str) -> Optimizer:
+    """``factory(param_groups(model))``, the optimizer ``LitLLM`` trains with under these Trainer settings.
+
+    A fused optimizer unscales its grads inside ``step()``, so Lightning refuses to clip them under a mixed
+    precision (``MixedPrecision.clip_gradients``, bf16 included). When ``fused`` was left automatic
+    (:func:`lit_dtrain.optim.adamw` with ``fused=None``) the foreach AdamW is built instead; an explicit
+    ``fused=True`` is refused. ``scripts/bench_step.py``'s plain loop builds its optimizer here too.
+    """
+    optimizer = factory(param_groups(model))
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and gradient_clip_val and "mixed" in str(precision):
+        if getattr(factory, "func", None) is adamw and factory.keywords.get("fused") is None:
+            optimizer = factory(param_groups(model), fused=False)  # fused was automatic: use foreach
+        else:
+            raise ValueError(
+                f"optimizer.fused=true cannot be combined with trainer.gradient_clip_val={gradient_clip_val} under "
+                f"precision={precision}: a fused optimizer unscales its grads inside step(), so they cannot be "
+                "clipped. Set optimizer.fused=null (or false), or trainer.gradient_clip_val=null")
+    return optimizer
 
 
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:

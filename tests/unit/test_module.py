@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import window_batch
 from lit_dtrain.models import build_llama
-from lit_dtrain.module import LitLLM
+from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.optim import adamw
 
 
@@ -252,3 +252,20 @@ def test_val_loss_is_nan_when_any_window_is_nan() -> None:
         lit.validation_step(batch, 0, dataloader_idx=1)
     assert torch.isnan(lit.val_loss.compute())
     assert torch.isnan(lit.val_loss_by_source[1].compute())
+
+
+@pytest.mark.parametrize(
+    ("fused", "clip", "precision", "expected"),
+    [
+        (None, 1.0, "32-true", "fused"),
+        (None, 1.0, "bf16-mixed", "foreach"),  # Lightning refuses to clip a fused optimizer's grads under AMP
+        (None, None, "bf16-mixed", "fused"),
+        (False, 1.0, "32-true", "foreach"),
+    ],
+)
+def test_build_optimizer_is_fused_unless_its_grads_are_clipped_under_mixed_precision(fused, clip, precision, expected):
+    model = tiny_lit().model
+    optimizer = build_optimizer(functools.partial(adamw, lr=1e-2, fused=fused), model, clip, precision)
+    kind = "fused" if optimizer.defaults["fused"] else "foreach" if optimizer.defaults["foreach"] else None
+    assert kind == expected
+
