@@ -1,14 +1,22 @@
 """Lightning overhead: the default trainer against a minimal hand-written PyTorch loop.
 
 Both train the same model (default ``nano`` shape) on the same batches (``LMDataModule.batch_for_step``)
-with the same fused AdamW, LR schedule and gradient clipping, for K steps. The Lightning side uses the
-default callbacks (ModelCheckpoint, LearningRateMonitor, progress bar, tokens/s) and the TensorBoard
-logger, exactly as ``python train.py`` builds them. Rounds alternate (plain, lightning, plain, ...) so
-that background load hits both alike; ms/step is the median over rounds of steady-state steps.
+with the same AdamW (``lit_dtrain.module.build_optimizer``), LR schedule and gradient clipping, for K
+steps. The Lightning side uses the default callbacks (ModelCheckpoint, LearningRateMonitor, progress bar,
+tokens/s) and the TensorBoard logger, exactly as ``python train.py`` builds them. Rounds alternate
+(plain, lightning, plain, ...) so that background load hits both alike; ms/step is the median over
+rounds of steady-state steps.
+
+The device and precision come from the composed config (``trainer.accelerator``, ``trainer.precision``):
+``trainer=gpu`` runs both sides on one CUDA device under bf16-mixed, the plain loop with the model and
+batches on cuda, ``torch.autocast`` for forward and loss as Lightning's ``MixedPrecision`` plugin does, and
+fp32 parameters. On cuda each step's clock is read after ``torch.cuda.synchronize()``, on both sides.
 
     python scripts/bench_step.py --steps 40 --rounds 3
+    python scripts/bench_step.py trainer=gpu model=small data.batch_size=64
 
-Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio.
+Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio, lightning_tokens_per_s,
+plain_tokens_per_s, device.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -27,20 +37,68 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
-from lit_dtrain.module import LitLLM, param_groups
+from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 class StepTimer(L.Callback):
-    """Wall-clock time at the end of every training batch."""
+    """Wall-clock time at the end of every optimizer step (after ``torch.cuda.synchronize()`` on cuda), and each
+    step's loss (the mean over its micro-batches). Refuses a run on another device than the plain loop's."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.times: list[float] = []
+        self._losses: list[torch.Tensor] = []  # detached; read after fit, so recording them adds no sync
+        self._step_loss: torch.Tensor | None = None
 
-    def on_train_batch_end(self, *args, **kwargs) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type != self.device.type or trainer.world_size != 1:
+            raise RuntimeError(f"Lightning trains on {pl_module.device} with {trainer.world_size} process(es), the "
+                               f"plain loop on one {self.device}: set trainer.accelerator and trainer.devices=1")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss = outputs["loss"].detach()  # Lightning has divided it by accumulate_grad_batches
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # not the last micro-batch of an optimizer step
+        self._losses.append(self._step_loss)
+        self._step_loss = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
+
+    @property
+    def losses(self) -> list[float]:
+        return [float(loss) for loss in self._losses]
+
+
+def bench_device(cfg) -> torch.device:
+    """The device Lightning picks for ``cfg.trainer.accelerator`` with one device (cuda before cpu for auto)."""
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if accelerator in ("gpu", "cuda", "auto"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"trainer.accelerator={accelerator} but torch sees no CUDA device")
+        return torch.device("cuda", 0)
+    raise ValueError(f"bench_step runs on trainer.accelerator cpu, gpu, cuda or auto, got {accelerator!r}")
+
+
+def autocast_dtype(cfg) -> torch.dtype | None:
+    """The autocast dtype of ``cfg.trainer.precision`` (None: fp32 without autocast)."""
+    precision = str(cfg.trainer.precision)
+    if precision in ("32-true", "32"):
+        return None
+    if precision in ("bf16-mixed", "bf16"):
+        return torch.bfloat16
+    raise ValueError(f"bench_step's plain loop mirrors trainer.precision 32-true or bf16-mixed, got {precision!r} "
+                     "(16-mixed would need a GradScaler, *-true half-precision weights)")
+
+
+def tokens_per_step(cfg) -> int:
+    return int(cfg.data.batch_size) * int(cfg.data.block_size) * int(cfg.trainer.accumulate_grad_batches or 1)
 
 
 def compose_default(out_dir: str, steps: int, overrides: list[str]):
@@ -56,42 +114,60 @@ def compose_default(out_dir: str, steps: int, overrides: list[str]):
     return cfg
 
 
-def lightning_round(cfg, warmup: int) -> float:
+def lightning_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[float]]:
+    """One Lightning run: (ms per steady-state step, loss of every step)."""
     L.seed_everything(cfg.seed, verbose=False)
     dm = instantiate(cfg.data, _convert_="all")
     dm.progress = False
     module = LitLLM(instantiate(cfg.model), instantiate(cfg.optimizer), instantiate(cfg.scheduler))
-    timer = StepTimer()
+    timer = StepTimer(device)
     trainer = instantiate(cfg.trainer, callbacks=[*build_callbacks(cfg), timer], logger=instantiate(cfg.logger))
     trainer.fit(module, datamodule=dm)
     t = timer.times
-    return (t[-1] - t[warmup - 1]) / (len(t) - warmup) * 1000
+    return (t[-1] - t[warmup - 1]) / (len(t) - warmup) * 1000, timer.losses
 
 
-def plain_round(cfg, warmup: int) -> float:
+def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[float]]:
+    """The same training in a plain loop: (ms per steady-state step, loss of every step)."""
     L.seed_everything(cfg.seed, verbose=False)
     dm = instantiate(cfg.data, _convert_="all")
     dm.progress = False
     dm.prepare_data()
     dm.setup()
-    model = instantiate(cfg.model)
-    opt = instantiate(cfg.optimizer)(param_groups(model))
-    sched = instantiate(cfg.scheduler)(opt)
+    model = instantiate(cfg.model).to(device)  # initialized on cpu, as LitLLM's model, then moved
+    dtype = autocast_dtype(cfg)
+    precision = "bf16-mixed" if dtype is torch.bfloat16 else "32-true"
     clip = cfg.trainer.gradient_clip_val
-    times = []
+    opt = build_optimizer(instantiate(cfg.optimizer), model, clip, precision)  # LitLLM's choice of fused/foreach
+    params = [p for group in opt.param_groups for p in group["params"]]  # the order Lightning clips them in
+    sched = instantiate(cfg.scheduler)(opt)
+    accumulate = int(cfg.trainer.accumulate_grad_batches or 1)
+    # bf16-mixed as Lightning's MixedPrecision.autocast_context_manager: forward and loss, no weight-cast cache
+    autocast = partial(torch.autocast, device.type, dtype=dtype, cache_enabled=False) if dtype else nullcontext
+    times, losses = [], []
     for step in range(cfg.trainer.max_steps):
-        batch = dm.batch_for_step(step)
-        logits = model(batch["input_ids"])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-        loss.backward()
+        step_loss = 0.0
+        for micro in range(accumulate):
+            batch = dm.batch_for_step(step * accumulate + micro)
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # as Lightning's batch transfer
+            with autocast():
+                logits = model(batch["input_ids"])
+                # LitLLM's loss: per-token fp32 cross-entropy, then the mean (bitwise the same as Lightning's)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none").mean()
+            loss = loss / accumulate  # as Lightning's automatic optimization
+            loss.backward()
+            step_loss = step_loss + loss.detach()
+            loss.item()  # Lightning reads the loss every batch for logging; so do we
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        loss.item()  # Lightning reads the loss every step for logging; so do we
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter())
-    return (times[-1] - times[warmup - 1]) / (len(times) - warmup) * 1000
+        losses.append(step_loss)
+    return (times[-1] - times[warmup - 1]) / (len(times) - warmup) * 1000, [float(x) for x in losses]
 
 
 def main() -> None:
@@ -106,16 +182,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose_default(tmp, args.steps, args.overrides)
+        device = bench_device(cfg)
+        autocast_dtype(cfg)  # refuse an unsupported precision before any run
+        torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))  # as train() sets it
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"device {device} ({name}), precision {cfg.trainer.precision}, {tokens_per_step(cfg)} tokens/step")
         plain, light = [], []
         for r in range(args.rounds):
-            plain.append(plain_round(cfg, args.warmup))
-            light.append(lightning_round(cfg, args.warmup))
+            plain.append(plain_round(cfg, args.warmup, device)[0])
+            light.append(lightning_round(cfg, args.warmup, device)[0])
             print(f"round {r}: plain {plain[-1]:.1f} ms/step, lightning {light[-1]:.1f} ms/step")
     p, lt = statistics.median(plain), statistics.median(light)
-    print(f"{'variant':<12}{'ms/step':>10}\n{'plain':<12}{p:>10.1f}\n{'lightning':<12}{lt:>10.1f}\nratio {lt / p:.3f}")
+    tokens = tokens_per_step(cfg)
+    p_tps, lt_tps = tokens / (p / 1000), tokens / (lt / 1000)
+    print(f"{'variant':<12}{'ms/step':>10}{'tokens/s':>12}")
+    print(f"{'plain':<12}{p:>10.1f}{p_tps:>12.0f}\n{'lightning':<12}{lt:>10.1f}{lt_tps:>12.0f}\nratio {lt / p:.3f}")
     print(json.dumps({"lightning_ms_per_step": round(lt, 2), "plain_ms_per_step": round(p, 2),
-                      "ratio": round(lt / p, 4), "steps": args.steps, "rounds": args.rounds,
-                      "torch_threads": torch.get_num_threads()}))
+                      "ratio": round(lt / p, 4), "lightning_tokens_per_s": round(lt_tps), "plain_tokens_per_s":
+                      round(p_tps), "device": device.type, "precision": str(cfg.trainer.precision),
+                      "steps": args.steps, "rounds": args.rounds, "torch_threads": torch.get_num_threads()}))
 
 
 if __name__ == "__main__":
