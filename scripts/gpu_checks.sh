@@ -3,6 +3,7 @@
 # "On one GPU"). Each step has its own time limit and a failed step does not stop the next.
 #
 #     bash scripts/gpu_checks.sh [OUT_DIR]      # logs to OUT_DIR/gpu.log, each benchmark's JSON line to results.jsonl
+#     ONLY="env pytest_gpu" bash scripts/gpu_checks.sh   # only the named steps
 #
 # Needs the project's dependencies importable (pip install -e '.[dev]', or PYTHONPATH) and one visible GPU.
 set -u
@@ -18,6 +19,7 @@ py=${PYTHON:-python3}
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep its last JSON line
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     echo "=== $name: $* (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$out/step.log" 2>&1
@@ -36,9 +38,20 @@ lightning, hydra, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.
 'lightning', lightning.__version__, 'bitsandbytes', bitsandbytes.__version__)\""
 step pytest_gpu 240 "$py" -m pytest -q tests/gpu tests/unit/test_configs.py -p no:cacheprovider --timeout 200 -rfE \
     --durations 15
+# FourierSampler per-step overhead (issue #5's <= 3 %) on the benchmark's tiny model and on two larger ones
 step fourier_overhead_tiny 90 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
     --eval-every 2 --block-sizes 256 --timing-steps 30 --timing-rounds 5
 step fourier_overhead_d512 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
     --eval-every 2 --block-sizes 256 --timing-steps 20 --timing-rounds 5 --d-model 512 --n-layer 8 --n-head 8 \
     --n-kv-head 4 --tokens-per-step 16384
+step fourier_overhead_d768 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+    --eval-every 2 --block-sizes 256 --timing-steps 10 --timing-rounds 5 --d-model 768 --n-layer 12 --n-head 12 \
+    --n-kv-head 4 --tokens-per-step 32768
+step actckpt 120 "$py" scripts/bench_activation_ckpt.py --device cuda --tokens 16384 --shapes small,deep --seqs 2048 \
+    --repeats 3 --plot "$out/actckpt_memory_vs_time_cuda.png"
+step actckpt_bf16 120 "$py" scripts/bench_activation_ckpt.py --device cuda --dtype bf16 --tokens 16384 \
+    --shapes small,deep --seqs 2048 --repeats 3 --plot "$out/actckpt_memory_vs_time_cuda_bf16.png"
+step bench_step_nano 90 "$py" scripts/bench_step.py --steps 40 --rounds 3 trainer=gpu
+step bench_step_125m 120 "$py" scripts/bench_step.py --steps 30 --rounds 2 trainer=gpu model=llama_125m
 step train_default_gpu 120 "$py" train.py trainer=gpu run_name=gpu_default
+step train_compiled_gpu 150 "$py" train.py trainer=gpu module.compile=true run_name=gpu_compiled
