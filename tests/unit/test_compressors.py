@@ -1108,3 +1108,19 @@ def test_local_update_checkpoint_holds_cpu_copies_of_each_ranks_optimizer_state(
     before = {i: {k: v.clone() for k, v in e.items()} for i, e in saved.items()}
     opt.step()  # the live state moves on; what was saved does not
     assert all(torch.equal(saved[i][k], before[i][k]) for i in saved for k in saved[i])
+
+
+def test_all_gather_uses_all_gather_into_tensor_where_torch_has_no_all_gather_single(monkeypatch):
+    """torch 2.11 (seen on a GPU machine) has no ``dist.all_gather_single``, added in 2.13: every gathering codec
+    failed in its first backward with AttributeError. The communicator falls back to ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    from lit_dtrain.strategies import comm
+
+    calls = []
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda out, t, group=None, async_op=False:
+                        calls.append((out, t, group, async_op)) or "work")
+    out, t = torch.empty(4), torch.ones(2)
+    assert comm._all_gather_single(out, t, group="g", async_op=True) == "work"
+    assert len(calls) == 1 and calls[0][0] is out and calls[0][1] is t and calls[0][2:] == ("g", True)

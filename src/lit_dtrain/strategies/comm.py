@@ -41,8 +41,11 @@ def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(output: Tensor, tensor: Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_single``, new in torch 2.13 (the new name of ``all_gather_into_tensor``, deprecated there);
+    older torch has only the old name. Looked up at each call, so a test's replacement of either is seen."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 class Communicator:
