@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import socket
@@ -135,3 +136,11 @@ def subprocess_env(tmp_path: Path) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def load_script(name: str, alias: str | None = None):
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), under ``alias`` if given."""
+    spec = importlib.util.spec_from_file_location(alias or f"_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

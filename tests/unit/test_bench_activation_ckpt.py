@@ -10,7 +10,6 @@ the same seeded model and batch: activation bytes, backward FLOPs and a zero gra
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from lit_dtrain.callbacks._checkpoint_policies import apply_checkpointing, every_k_plan, set_plan, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
 from lit_dtrain.utils.memory import POINTWISE_OPS, backward_flops_by_op, measure_activation_memory
-from tests.conftest import ROOT
+from tests.conftest import load_script
 
 TINY_SHAPE = dict(d_model=64, n_layer=4, n_head=4, n_kv_head=2)
 ARGV = ["--shapes", "tiny", "--seqs", "16", "--tokens", "64", "--repeats", "1", "--plot", ""]
@@ -32,10 +31,7 @@ MiB = 2**20
 
 @pytest.fixture
 def bench(monkeypatch):
-    path = ROOT / "scripts" / "bench_activation_ckpt.py"
-    spec = importlib.util.spec_from_file_location("_bench_activation_ckpt", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_activation_ckpt")
     monkeypatch.setitem(mod.SHAPES, "tiny", TINY_SHAPE)
     threads = torch.get_num_threads()
     yield mod

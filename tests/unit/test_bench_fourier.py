@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_bench_fourier_oracle", ROOT / "scripts" / "bench_fourier.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_fourier", "_bench_fourier_oracle")
 
 
 def random_share(bench, tmp_path, variant: str, steps: int = 150, batch: int = 8) -> float:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import TINY, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_bench_step", ROOT / "scripts" / "bench_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_step", "_bench_step")
 
 
 @pytest.mark.parametrize(
