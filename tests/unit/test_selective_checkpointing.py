@@ -473,3 +473,31 @@ def test_a_block_listed_twice_is_one_block():
     assert cb.budget_report["fits"] and cb.budget_report["measured_ratio"] <= 0.8
     with pytest.raises(ValueError, match="every_k=2 exceeds the 1 blocks found"):
         fit(SharedBlocksLM(), [SelectiveCheckpointing("every_k", every_k=2)])
+
+
+def test_budget_probe_stopwatch_waits_for_the_gpu_around_a_cuda_op(monkeypatch):
+    """CUDA ops return when queued, so the per-op stopwatch of the ``budget`` probe timed kernel launches on a GPU
+    (seen in bench_activation_ckpt --device cuda); it now synchronizes around an op on CUDA tensors, and only then."""
+    import time
+
+    from lit_dtrain.callbacks._checkpoint_budget import _BlockOpTimer
+    from lit_dtrain.callbacks._checkpoint_policies import SaveOpsPolicy
+
+    class OnCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(time.perf_counter()))
+    timer = _BlockOpTimer(SaveOpsPolicy(frozenset()), n_blocks=1)
+    timer.current = 0
+
+    def op(*args, **kwargs):
+        time.sleep(0.01)
+        return args[0]
+
+    cuda_tensor = torch.Tensor._make_subclass(OnCuda, torch.zeros(2))
+    timer.__torch_dispatch__(op, (), (cuda_tensor,))
+    assert len(syncs) == 2 and syncs[1] - syncs[0] >= 0.01  # before and after the op
+    assert timer.full[0] >= 0.01 and timer.selective[0] == timer.full[0]
+    timer.__torch_dispatch__(op, (), (torch.zeros(2),))
+    assert len(syncs) == 2  # a CPU op: no synchronize

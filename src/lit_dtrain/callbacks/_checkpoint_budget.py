@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lit_dtrain.callbacks._checkpoint_policies import (
     DEFAULT_SAVE_OPS,
@@ -53,8 +54,14 @@ class _BlockOpTimer(TorchDispatchMode):
         self.selective = [0.0] * n_blocks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # CUDA ops return when queued: wait for the device around the op, or the stopwatch times the launch
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_leaves((args, kwargs)))
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        if cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if self.current is not None:
             self.full[self.current] += dt
