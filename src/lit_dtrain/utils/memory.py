@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, get_shape, sdpa_backward_flop, sdpa_flop
 
 
 @dataclass
@@ -109,26 +109,50 @@ def _pointwise_flops(*args, out_shape=None, **kwargs) -> int:
     return sum(math.prod(s) for s in (out_shape if multi else [out_shape]) if s is not None)
 
 
-def _cpu_flash_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
+def _with_kv_heads_expanded(formula: Callable, query_index: int) -> Callable:
+    """Wrap an SDPA FLOP formula so that key and value (the two arguments after the query at ``query_index``,
+    layout (B, H, T, D)) count with the query's head count, as the kernel computes grouped-query attention.
+    Shapes or tensors are accepted; MHA shapes pass through unchanged."""
+
+    def flops(*args, out_shape=None, **kwargs) -> int:
+        args = [get_shape(a) for a in args]
+        heads = args[query_index][1]
+        for i in (query_index + 1, query_index + 2):  # key, value: (B, H_kv, T, D) -> (B, H_q, T, D)
+            if args[i][1] != heads and heads % args[i][1] == 0:
+                args[i] = (args[i][0], heads, *args[i][2:])
+        return formula(*args, **kwargs)
+
+    return flops
 
 
-def _cpu_flash_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-# FlopCounterMode's registry has the CUDA SDPA kernels but not the CPU flash kernel (torch 2.13):
-# without these entries attention FLOPs read zero on CPU.
-CPU_ATTENTION_FLOPS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+# Torch's SDPA formulas assert equal q/k/v head counts (torch 2.11; pytorch/pytorch#177169 lets 2.13 accept GQA), so
+# a model with fewer k/v heads failed on CUDA under FlopCounterMode; these entries count k/v expanded. The CPU
+# flash kernel is missing from FlopCounterMode's registry (torch 2.13): without it attention FLOPs read zero.
+# _flash_attention_forward and kin (registered too) run inside the SDPA ops, below the counter, unseen.
+_SDPA_QUERY_INDEX = {  # op name -> position of the query argument (backward ops take grad_out first)
+    "_scaled_dot_product_flash_attention": 0,
+    "_scaled_dot_product_flash_attention_backward": 1,
+    "_scaled_dot_product_efficient_attention": 0,
+    "_scaled_dot_product_efficient_attention_backward": 1,
+    "_scaled_dot_product_cudnn_attention": 0,
+    "_scaled_dot_product_cudnn_attention_backward": 1,
 }
+ATTENTION_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _with_kv_heads_expanded(sdpa_flop, 0),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _with_kv_heads_expanded(sdpa_backward_flop, 1),
+    **{
+        getattr(_aten, name): _with_kv_heads_expanded(flop_registry[getattr(_aten, name)], query_index)
+        for name, query_index in _SDPA_QUERY_INDEX.items()
+        if hasattr(_aten, name) and getattr(_aten, name) in flop_registry
+    },
+}
+"""FLOP formulas of the SDPA kernels for FlopCounterMode, k/v counted at the query's head count."""
 
 
 def backward_flops_by_op(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = True) -> dict:
     """FLOPs of the backward pass of ``forward_fn()``'s loss per op (``OpOverloadPacket``), recomputation
     included. Leaves the gradients in ``.grad`` like any backward."""
-    mapping = dict(CPU_ATTENTION_FLOPS)
+    mapping = dict(ATTENTION_FLOPS)
     if count_pointwise:
         mapping.update(dict.fromkeys(POINTWISE_OPS, _pointwise_flops))
     loss = forward_fn()
@@ -140,8 +164,8 @@ def backward_flops_by_op(forward_fn: Callable[[], torch.Tensor], count_pointwise
 def measure_backward_flops(forward_fn: Callable[[], torch.Tensor], count_pointwise: bool = False) -> int:
     """Total FLOPs of the backward pass of ``forward_fn()``'s loss, recomputation included.
 
-    With ``count_pointwise=False`` it is FlopCounterMode's count (matmul-class ops only, plus the CPU
-    flash-attention kernel its registry lacks); with
+    With ``count_pointwise=False`` it is FlopCounterMode's count (matmul-class ops only, attention through
+    :data:`ATTENTION_FLOPS`); with
     ``count_pointwise=True`` the :data:`POINTWISE_OPS` add one FLOP per output element.
     """
     return int(sum(backward_flops_by_op(forward_fn, count_pointwise).values()))
