@@ -74,7 +74,8 @@ def _raw_worker(rank: int, port: int, out_path: str, variants: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     handed: list[int] = []  # bytes of every tensor our code hands to a collective
-    real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather_single
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch < 2.13
+    real_all_reduce, real_all_gather = dist.all_reduce, getattr(dist, gather_name)
 
     def recording_all_reduce(tensor, *args, **kwargs):
         handed.append(tensor.numel() * tensor.element_size())
@@ -91,7 +92,8 @@ def _raw_worker(rank: int, port: int, out_path: str, variants: dict) -> None:
         seen_segments.append(real_bucket_segments(bucket, names))
         return seen_segments[-1]
 
-    dist.all_reduce, dist.all_gather_single = recording_all_reduce, recording_all_gather
+    dist.all_reduce = recording_all_reduce
+    setattr(dist, gather_name, recording_all_gather)
     comm_module.bucket_segments = recording_bucket_segments
     results: dict = {}
     try:
@@ -139,7 +141,8 @@ def _raw_worker(rank: int, port: int, out_path: str, variants: dict) -> None:
             res["param_count"] = params.numel()
             results[name] = res
     finally:
-        dist.all_reduce, dist.all_gather_single = real_all_reduce, real_all_gather
+        dist.all_reduce = real_all_reduce
+        setattr(dist, gather_name, real_all_gather)
         comm_module.bucket_segments = real_bucket_segments
     torch.save(results, f"{out_path}.rank{rank}")
     leave_rank()
