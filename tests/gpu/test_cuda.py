@@ -18,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_dtrain.run_dirs import read_scalars as scalars
 from tests.conftest import PYTHON, ROOT, TINY, free_port, subprocess_env
 
 # LIT_DTRAIN_GPU_TESTS_ON_CPU=1 runs the same code on CPU (to check the tests themselves where no GPU is)
@@ -54,14 +55,6 @@ def no_process_group_left():
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def model_state(objects) -> dict[str, torch.Tensor]:
