@@ -20,13 +20,16 @@ schedule's LR multiplier: attributes what the stages do to the LR); for each of 
 ``*_stages_nolr`` (stage bands and mix, no LR multiplier), ``*_mixed``, ``*_time``, ``*_freq`` (no stages).
 The stage schedule and the cosine mix are scaled to the run: ``step_unit = steps / 50`` (the brief's 50k-step
 run), ``decay_steps = 10 * step_unit``.
-Block length 1024 runs a reduced set at the same tokens per step.
+Block length 1024 runs a reduced set at the same tokens per step. Any Fourier variant with the suffix ``_lag1``
+(e.g. ``mag_freq_lag1``; not in the default grid) runs the same sampler with ``lag=1``: each step's batch is drawn
+from the table one step staler, so that ``observe`` never waits for a GPU.
 
 Every variant runs for each of ``--seeds`` (model init and data seed); results are paired by seed and the
 steps-to-target use seed-averaged val curves. Per-step overhead is measured two ways: the sampler's own time
 (draw + observe, timed inside the runs), and an interleaved wall-clock comparison (one uniform step, one
-Fourier step, alternating; ``--timing-rounds`` rounds of ``--timing-steps``) at block 256. Intermediate
-results go to ``--out`` after every run; ``--merge`` re-summarizes such files. The last line is one JSON object.
+Fourier step per ``--timing-lags`` lag, in rotating order; ``--timing-rounds`` rounds of ``--timing-steps``) at
+block 256. Intermediate results go to ``--out`` after every run; ``--merge`` re-summarizes such files. The last line
+is one JSON object.
 
     python scripts/bench_fourier.py --out runs.json  # the full grid: ~2-3 h on 2 busy CPU cores (3 seeds)
     python scripts/bench_fourier.py --steps 40 --corpora mixture --block-sizes 256 --variants uniform brief_stages
@@ -69,6 +72,10 @@ LONG_VARIANTS = ["uniform", "uniform_seed2", "uniform_stagelr", "brief_stages", 
 # down-weighting them. 0.5 is about the share mag_freq reaches (7 % vs 15 %).
 ORACLE_RANDOM_SCALE = {"oracle_halfrandom": 0.5, "oracle_norandom": 0.0}
 ALL_VARIANTS += list(ORACLE_RANDOM_SCALE)
+# any Fourier variant with ``_lag1``: the same sampler with lag=1 (draws from the table one step staler, so that
+# observe never waits for a GPU); not in the default grid
+LAG_SUFFIX = "_lag1"
+LAG_VARIANTS = [v + LAG_SUFFIX for v in ALL_VARIANTS if not v.startswith(("uniform", "oracle"))]
 MIXTURE_SHARES = {"code": 0.35, "prose": 0.35, "boilerplate": 0.15, "random": 0.15}
 
 
@@ -139,15 +146,21 @@ class PairedUniformSampler(FourierSampler):
         super().__init__(stages=stage_lr, stage_lr=stage_lr, step_unit=step_unit, require_updates=False)
 
 
+def base_variant(variant: str) -> str:
+    """The variant without its ``_lag1`` suffix."""
+    return variant.removesuffix(LAG_SUFFIX)
+
+
 def make_sampler(variant: str, steps: int):
     unit = steps / 50
     if variant.startswith(("uniform", "oracle")):
         return PairedUniformSampler(stage_lr=variant == "uniform_stagelr", step_unit=unit)
-    transform, ablation = variant.split("_", 1)
+    transform, ablation = base_variant(variant).split("_", 1)
     score, stages, stage_lr = SCORE_ABLATION[ablation]
     return FourierSampler(
         score=score, stages=stages, stage_lr=stage_lr, step_unit=unit, decay_steps=max(1, round(10 * unit)),
         variant="moment_ratio" if transform == "brief" else "magnitude", async_op=False,
+        lag=int(variant.endswith(LAG_SUFFIX)),
     )
 
 
@@ -298,12 +311,15 @@ def steps_to_target(curve, target: float) -> float | None:
 
 
 def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dict:
-    """Alternate one uniform and one Fourier step (separate models and data; which goes first alternates too),
-    ``--timing-rounds`` rounds of ``--timing-steps`` steps each; the ratio of median step times per round,
-    and the median over rounds."""
+    """Alternate one uniform and one Fourier step per ``--timing-lags`` lag (separate models and data; the order
+    rotates), ``--timing-rounds`` rounds of ``--timing-steps`` steps each; the ratio of median step times per round,
+    and the median over rounds (``wall_ratio``: lag 0, the brief's; ``wall_ratio_lag1``: lag 1)."""
     batch = max(1, args.tokens_per_step // block)
     setups = {}
-    for name, sampler in (("uniform", PairedUniformSampler()), ("fourier", make_sampler(variant, args.steps))):
+    samplers = [("uniform", PairedUniformSampler())] + [
+        ("fourier" + (LAG_SUFFIX if lag else ""), make_sampler(variant + (LAG_SUFFIX if lag else ""), args.steps))
+        for lag in args.timing_lags]
+    for name, sampler in samplers:
         dm = make_datamodule(corpus, dirs, block, batch, args.seeds[0], sampler, args.cache_dir)
         model = model_for(block, args.seeds[0], args)
         opt = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -312,26 +328,28 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
     for _ in range(args.timing_rounds):
         times = {k: [] for k in setups}
         for i in range(args.timing_steps):
-            order = list(setups) if i % 2 == 0 else list(setups)[::-1]  # neither always runs on a warm cache
+            order = _rotated(list(setups), i)  # none always runs on a warm cache
             for name in order:
                 dm, model, opt, sched = setups[name]
                 sync(args.device)
                 t0 = time.perf_counter()
                 b = dm.batch_for_step(step)
-                fourier = name == "fourier"
                 token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
-                if fourier:
+                if name != "uniform":
                     dm.sampler.observe(token_loss, b["index"], step + 1)
                 sync(args.device)
                 times[name].append(time.perf_counter() - t0)
             step += 1
         med = {k: statistics.median(v) for k, v in times.items()}
         medians.append(med)
-        ratios.append(med["fourier"] / med["uniform"])
+        ratios.append({k: med[k] / med["uniform"] for k in setups if k != "uniform"})
     out = {"uniform_ms": 1e3 * statistics.median(m["uniform"] for m in medians),
-            "fourier_ms": 1e3 * statistics.median(m["fourier"] for m in medians),
-            "wall_ratio": statistics.median(ratios), "round_ratios": [round(r, 4) for r in ratios],
-            "num_samples": setups["fourier"][0].num_train_samples, "variant": variant, "device": str(args.device)}
+           "num_samples": setups["uniform"][0].num_train_samples, "variant": variant, "device": str(args.device)}
+    for name in (k for k in setups if k != "uniform"):
+        suffix = name.removeprefix("fourier")  # "" (lag 0) or "_lag1"
+        out[f"fourier{suffix}_ms"] = 1e3 * statistics.median(m[name] for m in medians)
+        out[f"wall_ratio{suffix}"] = statistics.median(r[name] for r in ratios)
+        out[f"round_ratios{suffix}"] = [round(r[name], 4) for r in ratios]
     if torch.device(args.device).type == "cuda":
         out.update(pipelined_timing(setups, args, step))
     return out
@@ -344,25 +362,34 @@ def pipelined_timing(setups: dict, args, step: int) -> dict:
     end (rounds alternate which goes first); the ratio of the per-round times, and the median over rounds."""
     ratios, per_step = [], {k: [] for k in setups}
     for r in range(args.timing_rounds):
-        order = list(setups) if r % 2 == 0 else list(setups)[::-1]
         took = {}
-        for name in order:
+        for name in _rotated(list(setups), r):
             dm, model, opt, sched = setups[name]
             sync(args.device)
             t0 = time.perf_counter()
             for i in range(args.timing_steps):
                 b = dm.batch_for_step(step + i)
                 token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step + i))
-                if name == "fourier":
+                if name != "uniform":
                     dm.sampler.observe(token_loss, b["index"], step + i + 1)
             sync(args.device)
             took[name] = (time.perf_counter() - t0) / args.timing_steps
             per_step[name].append(took[name])
         step += args.timing_steps
-        ratios.append(took["fourier"] / took["uniform"])
-    return {"pipelined_ratio": statistics.median(ratios), "pipelined_round_ratios": [round(x, 4) for x in ratios],
-            "pipelined_uniform_ms": 1e3 * statistics.median(per_step["uniform"]),
-            "pipelined_fourier_ms": 1e3 * statistics.median(per_step["fourier"])}
+        ratios.append({k: took[k] / took["uniform"] for k in setups if k != "uniform"})
+    out = {"pipelined_uniform_ms": 1e3 * statistics.median(per_step["uniform"])}
+    for name in (k for k in setups if k != "uniform"):
+        suffix = name.removeprefix("fourier")
+        out[f"pipelined_ratio{suffix}"] = statistics.median(r[name] for r in ratios)
+        out[f"pipelined_round_ratios{suffix}"] = [round(r[name], 4) for r in ratios]
+        out[f"pipelined_fourier{suffix}_ms"] = 1e3 * statistics.median(per_step[name])
+    return out
+
+
+def _rotated(names: list, i: int) -> list:
+    """``names`` rotated by ``i``: over consecutive ``i`` each runs first, and after each of the others."""
+    k = i % len(names)
+    return names[k:] + names[:k]
 
 
 def main() -> None:
@@ -385,6 +412,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--timing-steps", type=int, default=30, help="interleaved steps per sampler and round (0: skip)")
     ap.add_argument("--timing-rounds", type=int, default=3)
+    ap.add_argument("--timing-lags", nargs="+", type=int, default=[0, 1], choices=[0, 1],
+                    help="FourierSampler lags timed against uniform (0: the brief's; 1: observe never waits)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the sampler's table stays on CPU either way)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
@@ -395,9 +424,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if torch.device(args.device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32, as train.py's default matmul_precision
-    unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS)
+    unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS + LAG_VARIANTS)
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS}")
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS} (a Fourier one may end in "
+                 f"{LAG_SUFFIX})")
     if args.merge:
         loaded = [json.loads(Path(f).read_text()) for f in args.merge]
         runs = [r for d in loaded for r in d["runs"]]
@@ -518,7 +548,8 @@ def summarize(runs: list, timing: dict, args) -> dict:
         fourier = {k: v for k, v in table.items() if not k.startswith(("uniform", "oracle"))}
         head = table.get("brief_stages") or next(iter(fourier.values()), {})
         best = min(fourier, key=lambda k: fourier[k]["val_loss_delta_pct"]) if fourier else None
-        sampling = {k: v for k, v in fourier.items() if not k.endswith("_stages")}  # no stage LR multiplier
+        sampling = {k: v for k, v in fourier.items()
+                    if not base_variant(k).endswith("_stages")}  # no stage LR multiplier
         best_sampling = min(sampling, key=lambda k: sampling[k]["val_loss_delta_pct"]) if sampling else None
         out[key] = {
             "block": block, "seeds": seeds,
@@ -526,6 +557,10 @@ def summarize(runs: list, timing: dict, args) -> dict:
             "steps_to_target_fourier": head.get("steps_to_target"),
             "overhead_ratio": timing.get(corpus, {}).get("wall_ratio") if block == min(args.block_sizes) else None,
             "overhead_ratio_pipelined": timing.get(corpus, {}).get("pipelined_ratio")
+            if block == min(args.block_sizes) else None,
+            "overhead_ratio_lag1": timing.get(corpus, {}).get("wall_ratio_lag1")
+            if block == min(args.block_sizes) else None,
+            "overhead_ratio_pipelined_lag1": timing.get(corpus, {}).get("pipelined_ratio_lag1")
             if block == min(args.block_sizes) else None,
             "sampler_overhead_pct": head.get("sampler_overhead_pct"),
             "val_loss_delta_pct": head.get("val_loss_delta_pct"),
@@ -541,13 +576,16 @@ def summarize(runs: list, timing: dict, args) -> dict:
                              "steps_to_target": _round(v["steps_to_target"])} for k, v in table.items()},
         }
     for corpus, t in timing.items():
-        print(f"[{corpus}] interleaved wall-clock ratio fourier/uniform: {t['wall_ratio']:.4f} "
-              f"(rounds {t['round_ratios']}; {t['uniform_ms']:.1f} vs {t['fourier_ms']:.1f} ms/step, "
-              f"N={t['num_samples']})")
-        if "pipelined_ratio" in t:
-            print(f"[{corpus}] pipelined ({args.timing_steps} steps, one sync) ratio fourier/uniform: "
-                  f"{t['pipelined_ratio']:.4f} (rounds {t['pipelined_round_ratios']}; {t['pipelined_uniform_ms']:.2f} "
-                  f"vs {t['pipelined_fourier_ms']:.2f} ms/step)")
+        for suffix in ("", LAG_SUFFIX):
+            if f"wall_ratio{suffix}" not in t:
+                continue
+            print(f"[{corpus}] interleaved wall-clock ratio fourier{suffix}/uniform: {t[f'wall_ratio{suffix}']:.4f} "
+                  f"(rounds {t[f'round_ratios{suffix}']}; {t['uniform_ms']:.1f} vs {t[f'fourier{suffix}_ms']:.1f} "
+                  f"ms/step, N={t['num_samples']})")
+            if f"pipelined_ratio{suffix}" in t:
+                print(f"[{corpus}] pipelined ({args.timing_steps} steps, one sync) ratio fourier{suffix}/uniform: "
+                      f"{t[f'pipelined_ratio{suffix}']:.4f} (rounds {t[f'pipelined_round_ratios{suffix}']}; "
+                      f"{t['pipelined_uniform_ms']:.2f} vs {t[f'pipelined_fourier{suffix}_ms']:.2f} ms/step)")
     return out
 
 
@@ -578,10 +616,11 @@ def plot_curves(runs: list, path: str) -> None:
         base = dict(mean_curve(groups[key]["uniform"]))
         spread = 0.0
         for variant, (color, ls, lw) in PLOT_STYLE.items():
-            if variant in groups[key]:
-                curve = [(s, v - base[s]) for s, v in mean_curve(groups[key][variant]) if s > 0]
-                ax.plot(*zip(*curve), color=color, ls=ls, lw=lw, label=variant)
-                spread = max([spread] + [abs(d) for _, d in curve])
+            for name, style in ((variant, ls), (variant + LAG_SUFFIX, (0, (1, 1)))):  # lag 1: dotted, same color
+                if name in groups[key]:
+                    curve = [(s, v - base[s]) for s, v in mean_curve(groups[key][name]) if s > 0]
+                    ax.plot(*zip(*curve), color=color, ls=style, lw=lw, label=name)
+                    spread = max([spread] + [abs(d) for _, d in curve])
         lim = min(0.4, max(0.05, 1.15 * spread))  # small effects stay visible; the grid's panels share +-0.4
         ax.set_ylim(-lim, lim)
         ax.set_title(f"{key[0]}, T={key[1]}, {len(groups[key]['uniform'])} seeds", fontsize=9)

@@ -38,13 +38,14 @@ lightning, hydra, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.
 'lightning', lightning.__version__, 'bitsandbytes', bitsandbytes.__version__)\""
 step pytest_gpu 240 "$py" -m pytest -q tests/gpu tests/unit/test_configs.py -p no:cacheprovider --timeout 200 -rfE \
     --durations 15
-# FourierSampler per-step overhead (issue #5's <= 3 %) on the benchmark's tiny model and on two larger ones
-step fourier_overhead_tiny 90 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+# FourierSampler per-step overhead (issue #5's <= 3 %) on the benchmark's tiny model and on two larger ones,
+# with lag 0 (the brief's) and lag 1 (observe does not wait for the GPU)
+step fourier_overhead_tiny 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
     --eval-every 2 --block-sizes 256 --timing-steps 30 --timing-rounds 5
-step fourier_overhead_d512 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+step fourier_overhead_d512 160 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
     --eval-every 2 --block-sizes 256 --timing-steps 20 --timing-rounds 5 --d-model 512 --n-layer 8 --n-head 8 \
     --n-kv-head 4 --tokens-per-step 16384
-step fourier_overhead_d768 120 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
+step fourier_overhead_d768 180 "$py" scripts/bench_fourier.py --device cuda --variants uniform --seeds 0 --steps 2 \
     --eval-every 2 --block-sizes 256 --timing-steps 10 --timing-rounds 5 --d-model 768 --n-layer 12 --n-head 12 \
     --n-kv-head 4 --tokens-per-step 32768
 step actckpt 120 "$py" scripts/bench_activation_ckpt.py --device cuda --tokens 16384 --shapes small,deep --seqs 2048 \

@@ -24,8 +24,8 @@ NAN_STEP = 3  # rank 1's first row of this step has a NaN token loss
 
 
 
-def _run(rank: int, async_op: bool) -> dict:
-    sampler = FourierSampler(async_op=async_op, step_unit=1)  # stages switch bands 4 -> 6 at step 5
+def _run(rank: int, async_op: bool, lag: int = 0) -> dict:
+    sampler = FourierSampler(async_op=async_op, step_unit=1, lag=lag)  # stages switch bands 4 -> 6 at step 5
     sampler.setup(N, seed=11)
     batches, shards = [], []
     for step in range(STEPS):
@@ -45,7 +45,8 @@ def _run(rank: int, async_op: bool) -> dict:
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        torch.save({mode: _run(rank, mode == "async") for mode in ("async", "sync")}, Path(out) / f"rank{rank}.pt")
+        runs = {"async": _run(rank, True), "sync": _run(rank, False), "lag": _run(rank, True, lag=1)}
+        torch.save(runs, Path(out) / f"rank{rank}.pt")
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -60,6 +61,18 @@ def test_two_ranks_hold_identical_tables_and_draw_disjoint_shards(tmp_path):
         check_identical_tables(ranks[0][mode], ranks[1][mode])
     for key in ("m1", "visits", "profile"):  # waiting on the async gather at the next draw changes nothing
         assert torch.equal(ranks[0]["async"]["state"][key], ranks[0]["sync"]["state"][key]), key
+    # lag=1: the last step's gathered update is saved unapplied, the same on both ranks; applied (a lag=0 sampler
+    # loading the state applies it), the tables hold every step's update, as above
+    lagged = [ranks[r]["lag"] for r in range(WORLD)]
+    assert lagged[0]["state"]["updates"] == STEPS - 1 and lagged[0]["state"]["pending_steps"] == [STEPS]
+    assert torch.equal(lagged[0]["state"]["pending_records"][0], lagged[1]["state"]["pending_records"][0])
+    applied = []
+    for r in lagged:
+        sampler = FourierSampler(step_unit=1)
+        sampler.setup(N, seed=11)
+        sampler.load_state_dict(r["state"])
+        applied.append({**r, "state": sampler.state_dict(), "probs": sampler.probabilities(STEPS)})
+    check_identical_tables(*applied)
 
 
 def check_identical_tables(r0: dict, r1: dict) -> None:
@@ -103,11 +116,12 @@ class DumpSamplerTables(L.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spike", [False, True])
-def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, spike):
+@pytest.mark.parametrize(("spike", "lag"), [(False, 0), (True, 0), (False, 1)])
+def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, spike, lag):
     """With ``spike``, a LossSpikeMonitor listed before the callback skips step 4 (logits x50 on both ranks): no rank
     learns from it (the table took 6 updates, the dropped step's included, before the sampler was told by the grads
-    the optimizer step saw), and the tables stay identical."""
+    the optimizer step saw), and the tables stay identical. With ``lag`` 1 the last step's update is saved unapplied,
+the same on both ranks."""
     dump = tmp_path / "dump"
     dump.mkdir()
     env = subprocess_env(tmp_path)
@@ -117,7 +131,7 @@ def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, s
     args = [*TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "data=textfiles",
             f"data.sources.0.paths=[{corpus}]", "run_name=ddp", "data/sampler=fourier",
             *(callbacks if spike else ["callbacks=[default,fourier_sampler]"]), "data.sampler.step_unit=1",
-            "sample.max_new_tokens=0",
+            f"data.sampler.lag={lag}", "sample.max_new_tokens=0",
             f"+callbacks.dump._target_={__name__}.DumpSamplerTables", f"+callbacks.dump.out={dump}"]
     proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -127,7 +141,10 @@ def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, s
     r0, r1 = (torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2))
     for key in ("m1", "m2", "visits", "profile"):
         assert torch.equal(r0["state"][key], r1["state"][key]), key
-    assert r0["state"]["updates"] == (5 if spike else 6) and int((r0["state"]["visits"] > 0).sum()) > 4
+    assert r0["state"]["updates"] == (5 if spike else 6) - lag and int((r0["state"]["visits"] > 0).sum()) > 4
+    assert r0["state"]["pending_steps"] == r1["state"]["pending_steps"] == ([5] if lag else [])
+    for a, b in zip(r0["state"]["pending_records"], r1["state"]["pending_records"]):
+        assert torch.equal(a, b)
     assert torch.equal(r0["state"]["excluded"], r1["state"]["excluded"])
     assert r0["state"]["excluded"].tolist() == (sorted(set(r0["batches"][4].tolist())) if spike else [])
     assert torch.equal(r0["batches"], r1["batches"])

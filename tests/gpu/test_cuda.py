@@ -12,6 +12,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import lightning as L
@@ -90,16 +91,17 @@ def test_bf16_run_with_every_callback_keeps_each_tensor_where_it_belongs(tiny_cf
     assert any(t.startswith("optim/") for t in tb), sorted(tb)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
-def test_resume_is_bit_identical_on_cuda(tiny_cfg, optimizer: str) -> None:
+@pytest.mark.parametrize(("optimizer", "lag"), [("adamw", 0), ("adamw8bit", 0), ("adamw", 1)])
+def test_resume_is_bit_identical_on_cuda(tiny_cfg, optimizer: str, lag: int) -> None:
     """A run split at step 4 and resumed ends with the weights of the straight 8-step run (deterministic kernels:
-    CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts, as the module docstring's command does)."""
+    CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts, as the module docstring's command does). With the
+    FourierSampler's ``lag=1`` its last update is saved unapplied (copied off the GPU without a wait)."""
     from lit_dtrain.train import train
 
     if optimizer == "adamw8bit":
         pytest.importorskip("bitsandbytes")
     common = [*GPU, *EVERY, f"optimizer={optimizer}", "trainer.deterministic=true", "trainer.val_check_interval=4",
-              "scheduler.total_steps=8", "sample.max_new_tokens=0"]
+              "scheduler.total_steps=8", "sample.max_new_tokens=0", f"data.sampler.lag={lag}"]
     _, straight = train(tiny_cfg(*common, "trainer.max_steps=8", run="straight"))
     _, first = train(tiny_cfg(*common, "trainer.max_steps=4", run="split"))
     _, resumed = train(tiny_cfg(*common, "trainer.max_steps=8", "resume=auto", run="split"))
@@ -112,6 +114,44 @@ def test_resume_is_bit_identical_on_cuda(tiny_cfg, optimizer: str) -> None:
     assert_same_weights(model_state(straight), model_state(resumed))
     a, b = straight["datamodule"].sampler, resumed["datamodule"].sampler
     assert torch.equal(a.m1, b.m1) and torch.equal(a.visits, b.visits)
+    assert a.updates == b.updates == 8 - lag and len(a._pending) == len(b._pending) == lag
+    if lag:
+        assert torch.equal(a._pending[0].records(), b._pending[0].records())
+
+
+@pytest.mark.skipif(ON_CPU, reason="whether the host waits for the GPU")
+@pytest.mark.parametrize("lag", [0, 1])
+def test_observe_waits_for_the_gpu_step_only_without_lag(lag: int) -> None:
+    """While the GPU is still busy with a step (a ~0.5 s spin), ``observe`` of that step's token losses returns at
+    once with ``lag=1`` and only after the step with ``lag=0``; the lagged update is applied at the next observe."""
+    from lit_dtrain.data.samplers import FourierSampler
+
+    sampler = FourierSampler(stages=False, lag=lag)
+    sampler.setup(1000, seed=0)
+    g = torch.Generator().manual_seed(0)
+    index, x = torch.randint(1000, (8,), generator=g).cuda(), torch.rand(8, 256, generator=g).cuda()
+    sampler.observe(x * 1.0, index, 1)  # first call: allocations and caches
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(10**7 * 500.0 / start.elapsed_time(end))  # about 500 ms of spinning
+    torch.cuda._sleep(cycles)  # the "step": the GPU is busy ...
+    loss = x * 2.0  # ... and its token losses come after it
+    t0 = time.perf_counter()
+    sampler.observe(loss, index, 2)
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    if lag:
+        assert host_s < 0.1, host_s
+        assert sampler.updates == 1  # step 1's, applied at this call
+        sampler.observe(x, index, 3)
+        assert sampler.updates == 2 and int(sampler.visits.sum()) > 0
+    else:
+        assert host_s > 0.3, host_s
+        assert sampler.updates == 2
 
 
 def test_fp16_grad_scaler_with_a_nan_step_skipped_by_the_spike_monitor(tiny_cfg) -> None:

@@ -32,3 +32,20 @@ def test_the_oracles_scale_the_random_share_of_the_draws(bench, tmp_path):
     assert random_share(bench, tmp_path, "oracle_norandom") == 0.0
     assert 0.4 * uniform < half < 0.6 * uniform
     assert "oracle_norandom" not in bench.LONG_VARIANTS  # T=1024 runs the grid's long variants only
+
+
+def test_lag_variants_and_the_timing_of_each_lag(bench, tmp_path):
+    """``*_lag1`` variants build the same sampler with lag=1, and the interleaved timing reports a ratio per lag."""
+    from types import SimpleNamespace
+
+    a, b = bench.make_sampler("mag_freq", 100), bench.make_sampler("mag_freq_lag1", 100)
+    assert (a.lag, b.lag) == (0, 1) and (a.variant, a.score) == (b.variant, b.score) == ("magnitude", "frequency")
+    assert "mag_freq_lag1" in bench.LAG_VARIANTS and "uniform_lag1" not in bench.LAG_VARIANTS
+    dirs = bench.make_mixture(tmp_path / "mixture", total_kb=48, seed=0)
+    args = SimpleNamespace(tokens_per_step=128, seeds=[0], cache_dir=str(tmp_path / "cache"), device="cpu", lr=1e-3,
+                           steps=50, timing_lags=[0, 1], timing_rounds=2, timing_steps=2, n_layer=1, d_model=16,
+                           n_head=2, n_kv_head=1)
+    t = bench.interleaved_timing("mixture", dirs, 64, args)
+    for key in ("wall_ratio", "wall_ratio_lag1"):
+        assert 0.2 < t[key] < 5.0 and len(t[key.replace("wall_ratio", "round_ratios")]) == 2
+    assert t["fourier_ms"] > 0 and t["fourier_lag1_ms"] > 0

@@ -355,6 +355,97 @@ def test_determinism_given_seed_and_state():
     assert not torch.equal(feed(make(seed=4, step_unit=1), 8), feed(make(seed=3, step_unit=1), 8))
 
 
+def _observations(steps: int, batch: int = 8, T: int = 64, n: int = 50) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed (token_loss, index) pairs, one per step, that do not depend on what a sampler draws."""
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(n, (batch,), generator=g)
+        out.append((torch.rand(batch, T, generator=g) * (1 + idx[:, None].float() % 4), idx))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["moment_ratio", "magnitude"])
+def test_lag_one_draws_from_the_table_through_the_step_before_the_previous_one(variant):
+    """lag=1: the draw of step s sees the updates of steps 1 .. s-2, exactly what lag=0 draws after s-2 updates."""
+    obs = _observations(9)
+    for s in range(2, 10):
+        lag0 = make(step_unit=1, variant=variant, require_updates=False)
+        lag1 = make(step_unit=1, variant=variant, require_updates=False, lag=1)
+        for k in range(s - 2):
+            lag0.observe(*obs[k], k + 1)
+        for k in range(s - 1):
+            lag1.observe(*obs[k], k + 1)
+        assert lag1.updates == lag0.updates == s - 2 and len(lag1._pending) == min(s - 1, 1)
+        assert torch.equal(lag1.global_batch(s, 64), lag0.global_batch(s, 64)), s
+        assert torch.equal(lag1.probabilities(s), lag0.probabilities(s)), s
+    assert not torch.equal(lag0.probabilities(9), make(step_unit=1, variant=variant).probabilities(9))  # it learned
+
+
+def test_lag_one_resumes_exactly_with_its_pending_update(tmp_path):
+    straight = make(seed=3, step_unit=1, lag=1)
+    expected = feed(straight, 10)
+    first = make(seed=3, step_unit=1, lag=1)
+    drawn = feed(first, 4)
+    torch.save(first.state_dict(), tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", weights_only=True)  # plain tensors, ints and lists
+    assert state["pending_steps"] == [4] and state["updates"] == 3
+    resumed = make(seed=3, step_unit=1, lag=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(torch.cat([drawn, feed(resumed, 6, start=4)]), expected)
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(getattr(straight, key), getattr(resumed, key)), key
+    assert straight.updates == resumed.updates == 9
+    assert torch.equal(straight.state_dict()["pending_records"][0], resumed.state_dict()["pending_records"][0])
+
+
+def test_a_lag_one_state_resumed_with_lag_zero_applies_its_pending_update_at_once():
+    obs = _observations(5)
+    lag0, lag1 = make(stages=False), make(stages=False, lag=1)
+    for k, (loss, idx) in enumerate(obs):
+        lag0.observe(loss, idx, k + 1)
+        lag1.observe(loss, idx, k + 1)
+    assert lag1.updates == 4 and lag0.updates == 5
+    resumed = make(stages=False)
+    resumed.load_state_dict(lag1.state_dict())
+    assert resumed.updates == 5 and not resumed._pending
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(getattr(lag0, key), getattr(resumed, key)), key
+
+
+def test_damaged_pending_records_are_refused():
+    s = make(stages=False, lag=1)
+    feed(s, 3)
+    state = s.state_dict()
+    width = state["pending_records"][0].shape[1]
+    for records, match in [(state["pending_records"][0][:, :-2], f"uint8 records \\[n, {width}\\]"),
+                           (state["pending_records"][0].float(), "torch.float32")]:
+        with pytest.raises(ValueError, match=f"'pending_records' of step 3: expected .*{match}"):
+            make(stages=False, lag=1).load_state_dict({**state, "pending_records": [records]})
+    bad = state["pending_records"][0].clone()
+    bad[0, :8] = torch.tensor([200], dtype=torch.int64).view(torch.uint8)  # sample 200 of 50
+    with pytest.raises(ValueError, match=r"names samples outside \[0, 50\)"):
+        make(stages=False, lag=1).load_state_dict({**state, "pending_records": [bad]})
+    with pytest.raises(ValueError, match="lag must be 0 or 1"):
+        FourierSampler(lag=2)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_lag_one_observe_never_reads_the_token_loss_on_the_host(lag):
+    """On a GPU, any host read of the step's token loss (bool, item, .cpu) waits for the step. Meta tensors have no
+    data, so such a read fails: with lag=1 observe queues all its work on the token loss's device; lag=0 reads."""
+    s = make(stages=False, lag=lag)
+    loss, idx = _observations(1)[0]
+    meta = loss.to("meta")
+    if lag == 0:
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            s.observe(meta, idx, 1)
+        return
+    stats = s.observe(meta, idx, 1)
+    assert stats["top_band_energy"].device.type == "meta" and stats["nonfinite"] is None
+    assert s.updates == 0 and len(s._pending) == 1 and s._pending[0].parts[0].device.type == "meta"
+
+
 def test_state_dict_is_plain_and_checked(tmp_path):
     s = make(step_unit=1)
     feed(s, 3)
@@ -760,15 +851,19 @@ FOURIER = [
 ]
 
 
-def test_exact_resume_through_trainer_checkpoint(tiny_cfg):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_exact_resume_through_trainer_checkpoint(tiny_cfg, lag):
     n = 5
-    common = FOURIER + ["trainer.val_check_interval=5"]
+    common = FOURIER + ["trainer.val_check_interval=5", f"data.sampler.lag={lag}"]
     _, straight = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", run="straight"))
     _, first = train(tiny_cfg(*common, f"trainer.max_steps={n}", run="split"))
     ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
     _, resumed = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", f"ckpt_path={ckpt}", run="split"))
     a, b = straight["datamodule"].sampler, resumed["datamodule"].sampler
-    assert isinstance(a, FourierSampler) and a.updates == b.updates == 2 * n
+    assert isinstance(a, FourierSampler) and a.updates == b.updates == 2 * n - lag
+    assert len(a._pending) == len(b._pending) == lag  # lag=1: the last step's update, saved unapplied
+    if lag:
+        assert torch.equal(a._pending[0].records(), b._pending[0].records())
     for key in ("m1", "m2", "visits", "profile"):
         assert torch.equal(getattr(a, key), getattr(b, key)), key
     assert int((a.visits > 0).sum()) > 0

@@ -58,6 +58,7 @@ class FourierSamplerCallback(L.Callback):
         self._comm_bytes = 0
         self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
         self._warned_nonfinite = False
+        self._nonfinite_at_start = 0
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -97,6 +98,7 @@ class FourierSamplerCallback(L.Callback):
         self._hooks = [optimizer.register_step_post_hook(self._after_step) for optimizer in trainer.optimizers]
         sampler = self.sampler_of(trainer)
         sampler.expect_updates()  # its first update comes after accumulate_grad_batches micro-batches have been drawn
+        self._nonfinite_at_start = sampler.nonfinite_skipped  # a resumed table's count was warned about before
         if not self.apply_lr_multiplier:
             return
         for optimizer in trainer.optimizers:
@@ -170,17 +172,20 @@ class FourierSamplerCallback(L.Callback):
         for token_loss, index in micro_outputs:
             stats = sampler.observe(token_loss, index, step=step)
             self._comm_bytes += stats["comm_bytes"]
-            if stats["nonfinite"] and not self._warned_nonfinite:
-                self._warned_nonfinite = True
-                rank_zero_warn(f"FourierSampler: {stats['nonfinite']} sample(s) of step {step} had a "
-                               "NaN/inf token loss; they are left out of the sampling table (counted in "
-                               "fourier/nonfinite_skipped)")
+        # the sampler's count covers every rank's samples; it grows when an update is applied (lag=1: a step later,
+        # so that observe never waits for the GPU; several ranks with async_op: at the next draw)
+        new_nonfinite = sampler.nonfinite_skipped - self._nonfinite_at_start
+        if new_nonfinite > 0 and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank_zero_warn(f"FourierSampler: {new_nonfinite} sample(s) up to step {step} had a "
+                           "NaN/inf token loss; they are left out of the sampling table (counted in "
+                           "fourier/nonfinite_skipped)")
         if log_now:
             metrics = {
                 "fourier/mix": float(stats["mix"]),
                 "fourier/bands": float(stats["bands"]),
                 "fourier/prob_entropy": prob_entropy,
-                "fourier/top_band_energy": stats["top_band_energy"],
+                "fourier/top_band_energy": float(stats["top_band_energy"]),  # lag=1: a tensor (read on log steps)
                 # the multiplier this step's update used (1.0 when this callback does not apply it)
                 "fourier/lr_mult": sampler.lr_multiplier(step) if self.apply_lr_multiplier else 1.0,
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),

@@ -6,7 +6,10 @@ band-weighted energy of the rfft of its token loss, see :mod:`.spectral`). A per
 table: each rank all-gathers its ``(index, score, band profile)`` updates (profiles in fp16, optionally with
 ``async_op=True``, waited on before the next draw), and every rank draws the same global batch from the step's
 seeded generator, so the draw stays a pure function of (seed, step, sampler state) as :class:`IndexSampler`
-requires, and resume is exact.
+requires, and resume is exact. With ``lag=1`` the draw of optimizer step ``s`` uses the table through step
+``s - 2`` instead of ``s - 1``: ``observe`` then never waits for the device (the scores are copied to the host while
+the next step runs, and applied at the next step's ``observe``), so a GPU is not left idle while the host updates
+the table and draws the next batch.
 
 The table lives on CPU and is updated under ``no_grad``. Memory is O(N): see :meth:`bytes_per_sample`.
 ``lit_dtrain.callbacks.FourierSamplerCallback`` feeds it (without the callback the sampler never learns
@@ -48,6 +51,10 @@ class FourierSampler(IndexSampler):
             ``[name, start_in_units, bands, mix, lr_mult]`` (None: warmup 0/4/0.3/0.1, ramp 5/6/0.5/0.5,
             stable 20/8/0.7/1.0).
         async_op: gather updates with ``async_op=True`` and wait for them at the next draw.
+        lag: 0 (the brief): a step's batch is drawn from the table through the previous step, so ``observe`` waits
+            for the step's token losses. 1: through the step before that; ``observe`` queues its work on the
+            token loss's device and copies the result to the host without waiting, and the update is applied at
+            the next step's ``observe`` (pending updates are saved in ``state_dict``: resume stays exact).
         require_updates: raise if batches are drawn past step 1 while no update ever arrived.
     """
 
@@ -85,6 +92,7 @@ class FourierSampler(IndexSampler):
         stage_table: list | None = None,
         async_op: bool = True,
         require_updates: bool = True,
+        lag: int = 0,
     ) -> None:
         super().__init__()
         if score not in SCORES:
@@ -98,6 +106,9 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"FourierSampler needs 0 < min_prob <= max_prob, got {min_prob}, {max_prob}")
         if not magnitude_cap >= min_prob:  # else clamp(min_prob, cap) returns cap: zero or negative weights
             raise ValueError(f"FourierSampler needs magnitude_cap >= min_prob, got {magnitude_cap}, {min_prob}")
+        if lag not in (0, 1):
+            raise ValueError(f"FourierSampler lag must be 0 or 1 (steps between an update and the draws it "
+                             f"reaches), got {lag!r}")
         if not prior > 0:
             raise ValueError(f"FourierSampler prior must be > 0, got {prior}")
         if not eps > 0:  # eps=0: a sample whose score was 0 gets 0/0, a NaN probability
@@ -122,7 +133,7 @@ class FourierSampler(IndexSampler):
         self.stages, self.step_unit = bool(stages), float(step_unit)
         self.stage_bands, self.stage_mix, self.stage_lr = bool(stage_bands), bool(stage_mix), bool(stage_lr)
         self.stage_table = spectral.parse_stages(stage_table)
-        self.async_op, self.require_updates = bool(async_op), bool(require_updates)
+        self.async_op, self.require_updates, self.lag = bool(async_op), bool(require_updates), int(lag)
         self.group = None  # process group of the collectives (None: the default group)
         self.feeder_attached = False  # set by expect_updates(): the require_updates check is then off
         # the table (allocated by setup / at the first update)
@@ -132,7 +143,7 @@ class FourierSampler(IndexSampler):
         self.seq_len, self.fine_bands = 0, 0
         self.updates, self.last_step = 0, 0
         self.nonfinite_skipped = 0  # samples whose token loss was NaN/inf, left out of the table
-        self._pending: tuple | None = None
+        self._pending: list[_Update] = []  # observed updates not yet applied to the table, oldest first
         self._version = self._target_version = 0
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
         self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date (magnitude only)
@@ -225,14 +236,20 @@ class FourierSampler(IndexSampler):
         """Score this rank's samples of one micro-step and share the update with every rank.
 
         Collective when ``torch.distributed`` is initialized: every rank must call it once per micro-step.
-        Returns local statistics for logging (``mix``, ``bands``, ``top_band_energy``, ``comm_bytes``).
+        Returns local statistics for logging (``mix``, ``bands``, ``top_band_energy``, ``comm_bytes``,
+        ``nonfinite``). With ``lag=1`` nothing here waits for the token loss's device: ``top_band_energy`` is then a
+        0-d tensor on that device and ``nonfinite`` is None (the count reaches ``nonfinite_skipped`` when the update
+        is applied, at the next step's ``observe``).
         """
         if self.num_samples == 0:
             raise RuntimeError("FourierSampler.setup() was not called")
         if token_loss.dim() != 2 or index.shape != token_loss.shape[:1]:
             raise ValueError(f"need token_loss [B, T] and index [B], got {tuple(token_loss.shape)} and "
                              f"{tuple(index.shape)}")
-        self.flush()
+        if self.lag:
+            self._apply_pending(before=step)  # the earlier steps' updates: the draws after this call see them
+        else:
+            self.flush()
         self._bind_length(int(token_loss.shape[1]))
         world, _ = self._world()
         # A row with a NaN/inf token loss (an fp16 overflow that the GradScaler skips, a loss spike) must not
@@ -240,9 +257,9 @@ class FourierSampler(IndexSampler):
         # as zero loss here and marked NaN in the record, and every rank drops it in _apply.
         token_loss = token_loss.detach()
         finite = torch.isfinite(token_loss).all(dim=1)
-        all_finite = bool(finite.all())
+        all_finite = None if self.lag else bool(finite.all())  # lag: no host sync, the same values either way
         if not all_finite:
-            token_loss = token_loss.masked_fill(~finite[:, None], 0.0)
+            token_loss = torch.where(finite[:, None], token_loss, 0.0)
         fine = spectral.band_energies(token_loss, self.max_freq, self.fine_bands)  # (B, F) on token_loss.device
         bands = self.bands_at(step)
         profile = spectral.merge_bands(fine, bands)
@@ -258,31 +275,42 @@ class FourierSampler(IndexSampler):
         mix = self.mix_at(step)
         score = (1.0 - mix) * spectral.time_score(token_loss) + mix * spectral.frequency_score(profile, weights, world)
         if not all_finite:
-            score = score.masked_fill(~finite, float("nan"))
-        record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
+            score = torch.where(finite, score, float("nan"))
+        if self.lag:  # packed where the losses are (no wait); the host copy is made below
+            record = _pack(index.detach().to(score.device, torch.long, non_blocking=True), score, fine.half())
+        else:
+            record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
+        update = _Update(int(step), parts=[record])
         if world > 1:
             record = record.to(self._comm_device(record.device))
             gathered = [torch.empty_like(record) for _ in range(world)]
-            handle = dist.all_gather(gathered, record, group=self.group, async_op=self.async_op)
+            overlap = self.async_op or bool(self.lag)
+            handle = dist.all_gather(gathered, record, group=self.group, async_op=overlap)
             comm_bytes += record.numel() * record.element_size()
-            self._pending = (handle if self.async_op else None, gathered, int(step))
-        else:
-            self._pending = (None, [record], int(step))
-        if world == 1 or not self.async_op:  # nothing to overlap with on one process
+            update = _Update(int(step), parts=gathered, handle=handle if overlap else None)
+        if self.lag and update.parts[0].is_cuda:
+            update.to_host_async()
+        self._pending.append(update)
+        if not self.lag and (world == 1 or not self.async_op):  # nothing to overlap with on one process
             self.flush()
-        return {"mix": mix, "bands": bands, "top_band_energy": float(profile[:, -1].mean()), "comm_bytes": comm_bytes,
-                "nonfinite": int((~finite).sum())}
+        top_band_energy = profile[:, -1].mean()
+        return {"mix": mix, "bands": bands, "comm_bytes": comm_bytes,
+                "top_band_energy": top_band_energy if self.lag else float(top_band_energy),
+                "nonfinite": None if self.lag else int((~finite).sum())}
 
     def flush(self) -> None:
-        """Wait for the pending gathered update (if any) and apply it to the table, identically on every rank."""
-        if self._pending is None:
-            return
-        handle, gathered, step = self._pending
-        self._pending = None
-        if handle is not None:
-            handle.wait()
-        index, score, profile = _unpack(torch.cat([g.cpu() for g in gathered]), self.fine_bands)
-        self._apply(index, score, profile, step)
+        """Wait for the pending gathered updates (if any) and apply them to the table, identically on every rank.
+
+        With ``lag=1`` this does nothing: a step's update waits for the next step's :meth:`observe`."""
+        if not self.lag:
+            self._apply_pending()
+
+    def _apply_pending(self, before: int | None = None) -> None:
+        """Apply the pending updates of the steps before ``before`` (all when None), oldest first."""
+        while self._pending and (before is None or self._pending[0].step < before):
+            update = self._pending.pop(0)
+            index, score, profile = _unpack(update.records(), self.fine_bands)
+            self._apply(index, score, profile, update.step)
 
     def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
         keep = torch.isfinite(score)  # rows whose token loss was not finite (see observe) are not learned from
@@ -474,7 +502,8 @@ class FourierSampler(IndexSampler):
         """Entropy (nats) of the distribution of the table as it is (no flush); ``log(N)`` is uniform. O(N).
 
         Called between a draw and the :meth:`observe` of its batch, it is the distribution the batch was drawn
-        from (on one process, or with ``async_op=False``, ``observe`` applies its update at once)."""
+        from (on one process, or with ``async_op=False``, ``observe`` applies its update at once; with ``lag=1``,
+        ``observe`` applies the previous step's)."""
         return spectral.entropy(self._probs_at(torch.arange(self.num_samples)))
 
     def global_batch(self, step: int, size: int) -> torch.Tensor:
@@ -482,7 +511,8 @@ class FourierSampler(IndexSampler):
         if self.num_samples == 0:
             raise RuntimeError("FourierSampler.setup() was not called")
         self.flush()
-        if self.require_updates and not self.feeder_attached and self.updates == 0 and step >= 2:
+        fed = self.updates or self._pending  # lag=1: the first update is applied after step 2 is drawn
+        if self.require_updates and not self.feeder_attached and not fed and step >= 2:
             raise RuntimeError(
                 f"FourierSampler is drawing step {step} but never received a training update: add the callback "
                 "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
@@ -556,6 +586,9 @@ class FourierSampler(IndexSampler):
             updates=int(self.updates), last_step=int(self.last_step), seq_len=int(self.seq_len),
             nonfinite_skipped=int(self.nonfinite_skipped),
             max_freq=int(self.max_freq or 0), num_bands=int(self.num_bands or 0), fine_bands=int(self.fine_bands),
+            # lag=1: the updates not applied yet (gathered, so the same on every rank), applied after the resume
+            pending_steps=[u.step for u in self._pending],
+            pending_records=[u.records().clone() for u in self._pending],
         )
         return state
 
@@ -569,12 +602,13 @@ class FourierSampler(IndexSampler):
                 UserWarning,
                 stacklevel=2,
             )
-            self._pending = None
+            self._pending = []
             self._empty_table()
             self.updates = self.last_step = self.nonfinite_skipped = 0
             self._touch(target=True, raw=True)
             return
-        if bool(torch.as_tensor(state.get("visits", [])).any()):
+        pending = list(zip(state.get("pending_steps", []), state.get("pending_records", [])))
+        if pending or bool(torch.as_tensor(state.get("visits", [])).any()):
             self.check_dataset(state, "table")
         for key in table_keys:
             if key not in state:
@@ -584,7 +618,7 @@ class FourierSampler(IndexSampler):
                     f"FourierSampler state {key!r} covers {state[key].shape[0]} samples but the dataset has "
                     f"{self.num_samples}: the checkpoint belongs to another corpus or block_size"
                 )
-        self._pending = None
+        self._pending = []
         self.m1 = state["m1"].float().clone()
         self.m2 = state["m2"].float().clone()
         self.visits = state["visits"].int().clone()
@@ -608,6 +642,59 @@ class FourierSampler(IndexSampler):
                 )
             self.profile = state["profile"].half().clone()
         self._touch(target=True, raw=True)
+        for step, records in pending:
+            self._restore_pending(int(step), torch.as_tensor(records))
+
+    def _restore_pending(self, step: int, records: torch.Tensor) -> None:
+        """Take back an update saved before it was applied (``lag=1``); under ``lag=0`` it is applied at once."""
+        width = 12 + 2 * self.fine_bands
+        if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != width or not self.fine_bands:
+            raise ValueError(
+                f"FourierSampler state 'pending_records' of step {step}: expected uint8 records [n, {width}] for "
+                f"{self.fine_bands} bands, got {records.dtype} {tuple(records.shape)} (a damaged checkpoint?)"
+            )
+        index = _unpack(records, self.fine_bands)[0]
+        if len(index) and not bool(((index >= 0) & (index < self.num_samples)).all()):
+            raise ValueError(
+                f"FourierSampler state 'pending_records' of step {step} names samples outside [0, {self.num_samples})"
+                ": the checkpoint belongs to another corpus or block_size"
+            )
+        self._pending.append(_Update(step, parts=[records.clone()]))
+        self.flush()  # lag=0 applies it now; lag=1 at the next observe, as the run that saved it would have
+
+
+class _Update:
+    """One observed update on its way to the table: the packed records (one part per rank once gathered), the
+    handle of an asynchronous gather, and, on a GPU under ``lag=1``, a host copy being made without waiting."""
+
+    def __init__(self, step: int, parts: list[torch.Tensor], handle=None) -> None:
+        self.step, self.parts, self.handle = step, parts, handle
+        self.host: torch.Tensor | None = None
+        self.event = None
+
+    def to_host_async(self) -> None:
+        """Start copying the records to pinned host memory; :meth:`records` waits for the copy."""
+        if self.handle is not None:  # an NCCL gather: its wait() only orders the current stream after it
+            self.handle.wait()
+            self.handle = None
+        device = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        self.host.copy_(device, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self.parts = [device]  # kept alive until the copy is done
+
+    def records(self) -> torch.Tensor:
+        """The update's records on the host (waits for the gather or the copy if they are still running)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.event is not None:
+            self.event.synchronize()
+            self.event, self.parts = None, [self.host]
+        if len(self.parts) > 1 or self.parts[0].device.type != "cpu":
+            self.parts = [torch.cat([part.cpu() for part in self.parts])]
+        return self.parts[0]
 
 
 def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,12 @@ def bin_to_band(max_freq: int, num_bands: int, seq_len: int) -> torch.Tensor:
     return band
 
 
+@functools.lru_cache(maxsize=64)
+def _bin_to_band_on(max_freq: int, num_bands: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """:func:`bin_to_band` kept on ``device``: a GPU step does not wait for a host-to-device copy of it."""
+    return bin_to_band(max_freq, num_bands, seq_len).to(device)
+
+
 def band_energies(token_loss: torch.Tensor, max_freq: int, num_bands: int) -> torch.Tensor:
     """Spectral profile ``[B, num_bands]`` (fp32) of each row of ``token_loss [B, T]``.
 
@@ -85,7 +91,7 @@ def band_energies(token_loss: torch.Tensor, max_freq: int, num_bands: int) -> to
     """
     B, T = token_loss.shape
     power = power_spectrum(token_loss)
-    band = bin_to_band(max_freq, num_bands, T).to(power.device)
+    band = _bin_to_band_on(max_freq, num_bands, T, power.device)
     out = torch.zeros(B, num_bands, device=power.device)
     out.index_add_(1, band[1:], power[:, 1:])
     return out
