@@ -225,6 +225,9 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+    val_fraction = OmegaConf.select(cfg, "data.val_fraction", default=None)
+    if val_fraction is not None and not 0 < val_fraction < 1:  # was refused only when the token cache was built
+        raise ConfigError(f"data.val_fraction must be in (0, 1) (the share of documents held out), got {val_fraction}")
     matmul = cfg.get("matmul_precision", "high")
     if matmul not in ("highest", "high", "medium"):  # torch warns that the call has no effect, and goes on
         raise ConfigError(f"matmul_precision must be one of 'highest', 'high', 'medium', got {matmul!r}")

@@ -117,6 +117,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("model.d_model=abc", r"model.d_model must be an integer, got 'abc' \(str\)"),
         ("optimizer.weight_decay=abc", r"optimizer.weight_decay must be a number, got 'abc'"),
         ("data.val_fraction=abc", r"data.val_fraction must be a number, got 'abc'"),
+        ("data.val_fraction=1", r"data.val_fraction must be in \(0, 1\) \(the share of documents held out\), got 1"),
+        ("data.val_fraction=0", r"data.val_fraction must be in \(0, 1\)"),
         ("data.max_val_windows=abc", r"data.max_val_windows must be an integer, got 'abc'"),
         ("trainer.val_check_interval=0", "trainer.val_check_interval must be a positive integer, got 0"),
         ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches must be a positive integer, got 0"),
