@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -760,7 +761,21 @@ def pin_sweep_dir() -> None:
 
 @logs_a_failed_job  # a sweep job's error, in its log: any Hydra app calling train(cfg) gets it
 def train(cfg: DictConfig) -> tuple[dict, dict]:
-    """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir."""
+    """Train per ``cfg``; returns (metrics, objects). Rank 0 writes ``summary.json`` to the run dir.
+
+    A one-process group that the run started (a strategy such as FSDP or DDP on one device) is destroyed when it
+    returns or raises: left alive, an NCCL group made a later ``train()`` on the CPU in the same process fail at its
+    first collective. Groups of several ranks, and any group that existed before the call, are left alone (a
+    multirun under DDP runs its jobs in lockstep on one group)."""
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        return _train(cfg)
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+
+
+def _train(cfg: DictConfig) -> tuple[dict, dict]:
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
+import lightning as L
 import pytest
+import torch.distributed as dist
 
 from tests.conftest import PYTHON, ROOT
 
@@ -36,3 +38,34 @@ def test_the_gloo_group_is_destroyed_before_the_interpreter_exits(tmp_path, regi
     lines = proc.stdout.splitlines()
     assert f"initialized at exit: {not register}" in lines, proc.stdout
     assert f"handlers added: {int(register)}" in lines, proc.stdout
+
+
+class GroupProbe(L.Callback):
+    """Records, at train start, whether a process group exists and its world size."""
+
+    seen: list = []
+
+    def on_train_start(self, trainer, pl_module):
+        GroupProbe.seen.append((dist.is_initialized(), dist.get_world_size() if dist.is_initialized() else 0))
+
+
+@pytest.mark.parametrize("group_before", [False, True])
+def test_a_one_process_group_the_run_started_is_destroyed_when_train_returns(tiny_cfg, tmp_path, group_before):
+    """An NCCL group that FSDP or DDP on one device left behind made a later CPU train() in the same process fail
+    at its first collective; train() now destroys a one-process group it started, and leaves one it found."""
+    from lit_dtrain.train import train
+
+    if group_before:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    GroupProbe.seen = []
+    try:
+        cfg = tiny_cfg("strategy=ddp", "trainer.devices=1", "trainer.accelerator=cpu", "sample.max_new_tokens=0",
+                       f"+callbacks.probe._target_={__name__}.GroupProbe")
+        train(cfg)
+        assert GroupProbe.seen == [(True, 1)]  # DDP on one device ran in a one-process group
+        assert dist.is_initialized() == group_before
+        _, objects = train(tiny_cfg("sample.max_new_tokens=0", run="second"))  # and a plain run after it
+        assert objects["trainer"].global_step == 6
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
