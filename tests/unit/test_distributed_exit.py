@@ -59,13 +59,14 @@ def test_a_one_process_group_the_run_started_is_destroyed_when_train_returns(tin
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     GroupProbe.seen = []
     try:
-        cfg = tiny_cfg("strategy=ddp", "trainer.devices=1", "trainer.accelerator=cpu", "sample.max_new_tokens=0",
-                       f"+callbacks.probe._target_={__name__}.GroupProbe")
-        train(cfg)
+        ddp1 = ["strategy=ddp", "trainer.devices=1", "trainer.accelerator=cpu", "sample.max_new_tokens=0",
+                f"+callbacks.probe._target_={__name__}.GroupProbe"]
+        train(tiny_cfg(*ddp1))
         assert GroupProbe.seen == [(True, 1)]  # DDP on one device ran in a one-process group
         assert dist.is_initialized() == group_before
-        _, objects = train(tiny_cfg("sample.max_new_tokens=0", run="second"))  # and a plain run after it
-        assert objects["trainer"].global_step == 6
+        _, objects = train(tiny_cfg(*ddp1, run="second"))  # a second one in this process starts a group again
+        assert objects["trainer"].global_step == 6 and GroupProbe.seen == [(True, 1)] * 2
+        assert dist.is_initialized() == group_before
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
