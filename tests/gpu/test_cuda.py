@@ -89,6 +89,8 @@ def test_bf16_run_with_every_callback_keeps_each_tensor_where_it_belongs(tiny_cf
     for tag in ("fourier/prob_entropy", "fourier/top_band_energy", "val/loss", "train/loss"):
         assert tag in tb and all(math.isfinite(v) for _, v in tb[tag]), (tag, sorted(tb))
     assert any(t.startswith("optim/") for t in tb), sorted(tb)
+    if not ON_CPU:  # the peak FLOP/s is known on a GPU (an H200 from lit_dtrain's table, which Lightning's lacks)
+        assert "train/device/mfu" in tb and all(0 < v < 1 for _, v in tb["train/device/mfu"]), sorted(tb)
 
 
 @pytest.mark.parametrize(("optimizer", "lag"), [("adamw", 0), ("adamw8bit", 0), ("adamw", 1)])

@@ -73,3 +73,39 @@ def test_window_size_counts_optimizer_steps_under_gradient_accumulation(tmp_path
     assert [int(float(r["train/batches"])) for r in rows] == [3, 6, 9, 12]  # micro-batches, logged once per step
     with_rate = [int(float(r["train/batches"])) for r in rows if r.get("train/device/items_per_sec")]
     assert with_rate == [6, 9, 12]  # from the end of the 2nd step: a window of 2 steps = 6 micro-batches
+
+
+def test_peak_flops_of_gpus_lightnings_table_misses():
+    """torch names an H200 "NVIDIA H200" (or "... NVL"); Lightning's table matches "sxm1"/"nvl1" only, so on the H200
+    that ran the GPU checks no MFU was logged ("FLOPs not found for 'NVIDIA H200'")."""
+    from lit_dtrain.callbacks.throughput import peak_flops_lightning_lacks as peak
+
+    assert peak("NVIDIA H200", "bf16-mixed") == peak("NVIDIA H200", "16-mixed") == 989.4e12  # the H100 SXM's
+    assert peak("NVIDIA H200", "32-true", "high") == 494.7e12  # TF32 tensor cores
+    assert peak("NVIDIA H200", "32-true", "highest") == 66.9e12
+    assert peak("NVIDIA H200 NVL", "bf16-true") == 835.5e12
+    assert peak("NVIDIA H100 80GB HBM3", "bf16-mixed") is None  # Lightning knows it
+    assert peak("NVIDIA H200", "transformer-engine") is None
+
+
+class FlopsTokens(Tokens):
+    def training_step(self, batch, batch_idx):
+        self.flops_per_batch = 1e6
+        return super().training_step(batch, batch_idx)
+
+
+def test_available_flops_gives_mfu_on_any_device(tmp_path: Path) -> None:
+    import csv
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4,
+                        callbacks=[token_throughput_monitor(window_size=2, available_flops=1e9)],
+                        logger=CSVLogger(str(tmp_path), name="csv", version=0), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(FlopsTokens())
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv"))
+            if r.get("train/device/mfu")]
+    assert rows, "no MFU logged"
+    for r in rows:
+        assert float(r["train/device/mfu"]) == pytest.approx(float(r["train/device/flops_per_sec"]) / 1e9)
+    with pytest.raises(ValueError, match="available_flops must be > 0"):
+        token_throughput_monitor(available_flops=0)

@@ -5,15 +5,40 @@ it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank
 ``train/device/samples_per_sec`` its sequences/s). With several ranks Lightning also logs the global
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
+
+FLOP/s and MFU (``train/device/mfu``) need the device's peak FLOP/s. Lightning's table misses the H200 as it names
+itself ("NVIDIA H200", "NVIDIA H200 NVL"; Lightning matches "sxm1"/"nvl1" only, and lists sparse figures for them),
+so :func:`peak_flops_lightning_lacks` fills those in with NVIDIA's dense figures; ``available_flops`` overrides the
+peak for any device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
+
+# NVIDIA's dense peak FLOP/s (datasheets; the sparse figures are twice these) of GPUs Lightning does not recognise by
+# the names torch reports. The H200 SXM has the H100 SXM's tensor cores (Lightning: 989.4e12 bf16 for the H100 SXM).
+_DENSE_PEAK = {
+    "nvidia h200 nvl": {"64": 30e12, "32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "16": 835.5e12},
+    "nvidia h200": {"64": 33.5e12, "32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "16": 989.4e12},
+}
+
+
+def peak_flops_lightning_lacks(device_name: str, precision: str, matmul_precision: str = "high") -> float | None:
+    """Dense peak FLOP/s of a GPU Lightning's table misses, for a Trainer ``precision`` ("bf16-mixed", "32-true",
+    ...) and ``torch.get_float32_matmul_precision()``; None for any other device or precision."""
+    table = _DENSE_PEAK.get(device_name.strip().lower())
+    if table is None:
+        return None
+    kind = str(precision).split("-")[0]  # "bf16", "16", "32", "64" (a bare 32 or "32" too)
+    if kind == "32" and matmul_precision != "highest":
+        kind = "tf32"  # fp32 matmuls on tensor cores, as Lightning counts them on Ampere and later
+    return table.get(kind)
 
 
 def _input_ids(batch):
@@ -46,17 +71,36 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         _input_ids(batch)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
+    def __init__(self, *args, peak_flops: float | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.peak_flops = peak_flops
+
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        peak = self.peak_flops
+        device = trainer.strategy.root_device
+        if peak is None and self.available_flops is None and device.type == "cuda":
+            peak = peak_flops_lightning_lacks(
+                torch.cuda.get_device_name(device), str(trainer.precision), torch.get_float32_matmul_precision()
+            )
+        if peak is not None:
+            self.available_flops = int(peak)
         accumulate = max(1, int(trainer.accumulate_grad_batches or 1))
-        if trainer.state.stage == RunningStage.TRAINING and accumulate > 1:
-            kwargs = {**self.kwargs, "window_size": self.kwargs.get("window_size", 100) * accumulate}
-            self._throughputs[RunningStage.TRAINING] = Throughput(
+        for run_stage in list(self._throughputs):
+            kwargs = self.kwargs
+            if run_stage == RunningStage.TRAINING and accumulate > 1:
+                kwargs = {**self.kwargs, "window_size": self.kwargs.get("window_size", 100) * accumulate}
+            self._throughputs[run_stage] = Throughput(
                 available_flops=self.available_flops, world_size=trainer.world_size, **kwargs
             )
 
 
-def token_throughput_monitor(window_size: int = 50) -> ThroughputMonitor:
+def token_throughput_monitor(window_size: int = 50, available_flops: float | None = None) -> ThroughputMonitor:
     """A ``ThroughputMonitor`` that counts sequences and tokens of ``{"input_ids": [B, T]}`` batches; the rates are
-    averaged over the last ``window_size`` optimizer steps (validation: batches)."""
-    return _StepWindowThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens, window_size=window_size)
+    averaged over the last ``window_size`` optimizer steps (validation: batches). ``available_flops``: the peak
+    FLOP/s of one device, for MFU (None: Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
+    if available_flops is not None and not float(available_flops) > 0:
+        raise ValueError(f"token_throughput_monitor available_flops must be > 0 (FLOP/s of one device) or null, got "
+                         f"{available_flops!r}")
+    return _StepWindowThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens, window_size=window_size,
+                                        peak_flops=available_flops)
