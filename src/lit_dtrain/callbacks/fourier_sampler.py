@@ -3,19 +3,20 @@
 At the end of every optimizer step it hands each of the step's micro-batches' ``outputs["token_loss"]`` and
 ``outputs["index"]`` to ``trainer.datamodule.sampler.observe`` (which runs the all-reduce/all-gather sync on every
 rank; an async gather is waited on at the next draw, which ``LMDataModule`` makes at step time), so the
-micro-batches of one step are all drawn from the table as the step began. A step whose gradients were dropped
-(``LossSpikeMonitor``'s ``skip``/``rollback``, listed before or after this callback) is not handed over: the table
-does not learn from a batch that was never trained on (the monitor excludes its samples from later draws). This
-is told as ``AdaptiveGradClip`` and ``OptimizerDiagnostics`` tell it, by the grads the optimizer step saw (a step
-post-hook; when the GradScaler skipped ``optimizer.step``, by the grads left at batch end: an fp16 overflow keeps
-its grads and is still learned from; its non-finite rows are not, see the sampler). It applies the stage's LR
-multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR is restored right
-after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs ``fourier/mix``,
-``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
-``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and
-``fourier/nonfinite_skipped`` (samples whose token loss was NaN/inf, which the sampler leaves out of its table;
-the first one also warns) to the loggers (TensorBoard by default), after the steps ``k`` with
-``(k + 1) % log_every_n_steps == 0`` (Lightning's own cadence, so the rows line up with ``train/loss``).
+micro-batches of one step are all drawn from the table as the step began (with the sampler's ``lag=1``, as the
+previous step began: ``observe`` then does not wait for the GPU, and applies the previous step's update). A step
+whose gradients were dropped (``LossSpikeMonitor``'s ``skip``/``rollback``, listed before or after this callback) is
+not handed over: the table does not learn from a batch that was never trained on (the monitor excludes its samples
+from later draws). This is told as ``AdaptiveGradClip`` and ``OptimizerDiagnostics`` tell it, by the grads the
+optimizer step saw (a step post-hook; when the GradScaler skipped ``optimizer.step``, by the grads left at batch
+end: an fp16 overflow keeps its grads and is still learned from; its non-finite rows are not, see the sampler). It
+applies the stage's LR multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR
+is restored right after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs
+``fourier/mix``, ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
+``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and ``fourier/nonfinite_skipped``
+(samples whose token loss was NaN/inf, which the sampler leaves out of its table; the first one also warns) to the
+loggers (TensorBoard by default), after the steps ``k`` with ``(k + 1) % log_every_n_steps == 0`` (Lightning's own
+cadence, so the rows line up with ``train/loss``).
 """
 
 from __future__ import annotations
