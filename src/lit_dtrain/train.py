@@ -52,6 +52,7 @@ from lit_dtrain.schedules.workflows import (
 from lit_dtrain.sweeps import logs_a_failed_job, sweep_checks
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
+    destroy_default_group,
     destroy_process_group_at_exit,
     is_collective_failure,
 )
@@ -771,8 +772,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     try:
         return _train(cfg)
     finally:
-        if not had_group and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            dist.destroy_process_group()
+        if not had_group:
+            destroy_default_group(single_process_only=True)
 
 
 def _train(cfg: DictConfig) -> tuple[dict, dict]:

@@ -28,7 +28,12 @@ def destroy_process_group_at_exit() -> None:
 
 
 def _destroy_default_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    destroy_default_group()
+
+
+def destroy_default_group(single_process_only: bool = False) -> None:
+    """Destroy the default process group if there is one (with ``single_process_only``: only a group of one rank)."""
+    if dist.is_available() and dist.is_initialized() and not (single_process_only and dist.get_world_size() > 1):
         dist.destroy_process_group()
 
 
