@@ -60,13 +60,23 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+# exported into the test process by L.seed_everything and by Lightning's DDP setup (a one-device DDP or FSDP run)
+_LIGHTNING_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 @pytest.fixture(autouse=True)
-def _restore_seed_env():
-    """``L.seed_everything`` (train() and some tests call it) exports ``PL_GLOBAL_SEED`` and ``PL_SEED_WORKERS``;
-    processes a later test spawns inherit them, and Lightning's DDP setup then reseeds with that seed, so a 2-rank
-    test's data depended on which tests ran before it (test_grad_clip_local_updates_dist clipped nothing after
-    tests/unit/test_loss_spike.py). Each test starts with the variables as the session found them."""
-    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+def _restore_lightning_env():
+    """Each test starts with the variables Lightning exports as the session found them; processes a later test
+    spawns would inherit them.
+
+    - ``L.seed_everything`` (train() and some tests call it) exports ``PL_GLOBAL_SEED`` and ``PL_SEED_WORKERS``, and
+      Lightning's DDP setup then reseeds with that seed, so a 2-rank test's data depended on which tests ran before
+      it (test_grad_clip_local_updates_dist clipped nothing after tests/unit/test_loss_spike.py).
+    - An in-process DDP run on one device exports ``LOCAL_RANK``, ``NODE_RANK`` and ``MASTER_ADDR/PORT``: a later
+      test's ``train.py`` with 2 DDP ranks then took itself for an externally launched rank 0 and waited for a rank
+      1 forever (tests/e2e/test_multirun_ddp.py after tests/unit/test_distributed_exit.py).
+    """
+    saved = {k: os.environ.get(k) for k in _LIGHTNING_ENV}
     yield
     for key, value in saved.items():
         if value is None:
