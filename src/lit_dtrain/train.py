@@ -767,13 +767,24 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     A one-process group that the run started (a strategy such as FSDP or DDP on one device) is destroyed when it
     returns or raises: left alive, an NCCL group made a later ``train()`` on the CPU in the same process fail at its
     first collective. Groups of several ranks, and any group that existed before the call, are left alone (a
-    multirun under DDP runs its jobs in lockstep on one group)."""
+    multirun under DDP runs its jobs in lockstep on one group). The variables Lightning's DDP setup exported for it
+    (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``/``PORT``) get their earlier values back: a ``train.py`` with 2 DDP
+    ranks that this process starts later would otherwise take itself for an externally launched rank 0 and wait for a
+    rank 1 forever."""
     had_group = dist.is_available() and dist.is_initialized()
+    launch_env = {key: os.environ.get(key) for key in _DDP_LAUNCH_ENV}
     try:
         return _train(cfg)
     finally:
-        if not had_group:
-            destroy_default_group(single_process_only=True)
+        if not had_group and destroy_default_group(single_process_only=True):
+            for key, value in launch_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+_DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _train(cfg: DictConfig) -> tuple[dict, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
 
@@ -64,6 +65,8 @@ def test_a_one_process_group_the_run_started_is_destroyed_when_train_returns(tin
         train(tiny_cfg(*ddp1))
         assert GroupProbe.seen == [(True, 1)]  # DDP on one device ran in a one-process group
         assert dist.is_initialized() == group_before
+        if not group_before:  # and the launch variables Lightning exported for it are gone with it
+            assert [k for k in ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if k in os.environ] == []
         _, objects = train(tiny_cfg(*ddp1, run="second"))  # a second one in this process starts a group again
         assert objects["trainer"].global_step == 6 and GroupProbe.seen == [(True, 1)] * 2
         assert dist.is_initialized() == group_before

@@ -31,10 +31,13 @@ def _destroy_default_group() -> None:
     destroy_default_group()
 
 
-def destroy_default_group(single_process_only: bool = False) -> None:
-    """Destroy the default process group if there is one (with ``single_process_only``: only a group of one rank)."""
+def destroy_default_group(single_process_only: bool = False) -> bool:
+    """Destroy the default process group if there is one (with ``single_process_only``: only a group of one rank);
+    True when it did."""
     if dist.is_available() and dist.is_initialized() and not (single_process_only and dist.get_world_size() > 1):
         dist.destroy_process_group()
+        return True
+    return False
 
 
 # --- naming a peer rank's failure -------------------------------------------------------------------------------
