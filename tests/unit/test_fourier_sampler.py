@@ -413,6 +413,23 @@ def test_a_lag_one_state_resumed_with_lag_zero_applies_its_pending_update_at_onc
         assert torch.equal(getattr(lag0, key), getattr(resumed, key)), key
 
 
+def test_lag_one_keeps_learning_when_the_step_count_starts_over():
+    """A second fit with a new Trainer on the same datamodule counts optimizer steps from 0 again. With lag=1 the
+    update left pending by the first fit's last step (5) waited for a step above 5, and every later update queued
+    behind it: the table stood still through the second fit's first 5 steps. Each observe() now applies the updates
+    of the earlier calls, whatever their step number."""
+    obs = _observations(8)
+    steps = [1, 2, 3, 4, 5, 1, 2, 3]  # a first fit of 5 steps, then a second one
+    lag0, lag1 = make(stages=False), make(stages=False, lag=1)
+    for (loss, idx), step in zip(obs, steps):
+        lag1.observe(loss, idx, step)
+    for (loss, idx), step in zip(obs[:7], steps):
+        lag0.observe(loss, idx, step)
+    assert lag1.updates == lag0.updates == 7 and [u.step for u in lag1._pending] == [3]
+    for key in ("m1", "m2", "visits", "profile"):
+        assert torch.equal(getattr(lag0, key), getattr(lag1, key)), key
+
+
 def test_damaged_pending_records_are_refused():
     s = make(stages=False, lag=1)
     feed(s, 3)

@@ -247,7 +247,7 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"need token_loss [B, T] and index [B], got {tuple(token_loss.shape)} and "
                              f"{tuple(index.shape)}")
         if self.lag:
-            self._apply_pending(before=step)  # the earlier steps' updates: the draws after this call see them
+            self._apply_pending(keep=step)  # the earlier calls' updates: the draws after this call see them
         else:
             self.flush()
         self._bind_length(int(token_loss.shape[1]))
@@ -305,9 +305,11 @@ class FourierSampler(IndexSampler):
         if not self.lag:
             self._apply_pending()
 
-    def _apply_pending(self, before: int | None = None) -> None:
-        """Apply the pending updates of the steps before ``before`` (all when None), oldest first."""
-        while self._pending and (before is None or self._pending[0].step < before):
+    def _apply_pending(self, keep: int | None = None) -> None:
+        """Apply the pending updates, oldest first, up to the first one of step ``keep`` (the step being observed,
+        whose earlier micro-batches wait for the next step; None: all). Not ``step < keep``: a new fit on the same
+        sampler counts from 0 again, and its updates queued behind the last one of the earlier fit."""
+        while self._pending and self._pending[0].step != keep:
             update = self._pending.pop(0)
             index, score, profile = _unpack(update.records(), self.fine_bands)
             self._apply(index, score, profile, update.step)
