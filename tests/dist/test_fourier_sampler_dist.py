@@ -116,7 +116,7 @@ class DumpSamplerTables(L.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("spike", "lag"), [(False, 0), (True, 0), (False, 1)])
+@pytest.mark.parametrize(("spike", "lag"), [(False, 0), (True, 0), (False, 1), (True, 1)])
 def test_callback_under_lightning_ddp_keeps_tables_identical(tmp_path, corpus, spike, lag):
     """With ``spike``, a LossSpikeMonitor listed before the callback skips step 4 (logits x50 on both ranks): no rank
     learns from it (the table took 6 updates, the dropped step's included, before the sampler was told by the grads

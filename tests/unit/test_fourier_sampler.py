@@ -1156,6 +1156,39 @@ def test_the_table_does_not_learn_from_a_step_the_monitor_dropped_under_16_mixed
         assert same == (step == 6), step
 
 
+class _LagAtBatchStart(L.Callback):
+    """The sampler's applied update count and pending steps when each optimizer step starts."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, tuple[int, list[int]]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        sampler = trainer.datamodule.sampler
+        self.at.setdefault(trainer.global_step, (sampler.updates, [u.step for u in sampler._pending]))
+
+
+@pytest.mark.parametrize(("action", "accumulate"), [("skip", 1), ("rollback", 2)])
+def test_lag_one_applies_the_previous_update_at_a_step_the_monitor_dropped(tmp_path, action, accumulate):
+    """With lag=1 the update of step s is applied at the next observe(). A step that LossSpikeMonitor drops (NaN
+    loss) is not observed, so the update before it waited a step more: the step after the dropped one drew from the
+    table through s - 3, not s - 2. The callback now applies it at the dropped step's end."""
+    from tests.unit.test_loss_spike import Inject, make_data, make_module
+
+    dm = make_data(tmp_path)
+    dm.sampler = FourierSampler(stages=False, lag=1)
+    record = _LagAtBatchStart()
+    monitor = LossSpikeMonitor(actions=["log", action], warmup_steps=3, snapshot_every=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, accumulate_grad_batches=accumulate, logger=False,
+                        callbacks=[Inject({6: "nan"}), monitor, FourierSamplerCallback(), record],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=str(tmp_path))
+    trainer.fit(make_module(), datamodule=dm)
+    assert [e["step"] for e in monitor.events] == [6]
+    for step in range(2, 10):  # the draw of step s sees every trained step up to s - 2; only s - 1 is pending
+        trained = [k for k in range(step - 1) if k != 6]
+        assert record.at[step] == (accumulate * len(trained), [step - 1] * accumulate * (step != 7)), step
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_batch_the_module_skips_is_left_out(accumulate):
     """``training_step`` returning None is Lightning's way to skip a batch (it passes ``{}`` to on_train_batch_end);

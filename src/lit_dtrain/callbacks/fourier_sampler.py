@@ -163,8 +163,9 @@ class FourierSamplerCallback(L.Callback):
             return
         micro_outputs, dropped = self._micro_outputs, self._step_dropped(trainer)
         self._reset_step()
-        if dropped or not micro_outputs:
-            return  # never trained on: not learned from, and (as the other callbacks) no row for it
+        if dropped or not micro_outputs:  # never trained on: not learned from, and (as the other callbacks) no row
+            sampler.step_not_observed(step)  # lag=1: the previous step's update is applied now, as observe would
+            return
         every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
         log_now = on_log_cadence(every, step, trainer)  # Lightning's cadence: rows line up with train/loss
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the

@@ -305,6 +305,13 @@ class FourierSampler(IndexSampler):
         if not self.lag:
             self._apply_pending()
 
+    def step_not_observed(self, step: int) -> None:
+        """Optimizer step ``step`` ends without an :meth:`observe` (``LossSpikeMonitor`` dropped it, or the module
+        skipped its batches). With ``lag=1`` the earlier steps' updates are applied now, as its ``observe`` would have
+        applied them, so the draw of step ``step + 1`` still sees the table through step ``step - 1``."""
+        if self.lag:
+            self._apply_pending(keep=step)
+
     def _apply_pending(self, keep: int | None = None) -> None:
         """Apply the pending updates, oldest first, up to the first one of step ``keep`` (the step being observed,
         whose earlier micro-batches wait for the next step; None: all). Not ``step < keep``: a new fit on the same
