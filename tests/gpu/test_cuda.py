@@ -121,6 +121,23 @@ def test_resume_is_bit_identical_on_cuda(tiny_cfg, optimizer: str, lag: int) -> 
         assert torch.equal(a._pending[0].records(), b._pending[0].records())
 
 
+@pytest.mark.skipif(ON_CPU, reason="a GPU-to-host copy")
+def test_lag_one_records_a_cuda_index_beside_cpu_token_losses() -> None:
+    """Token losses on the CPU, the batch's index still being made on the GPU (behind a ~0.2 s spin): the
+    packed records hold the index's values, not pinned memory read before the copy landed."""
+    from lit_dtrain.data.samplers import FourierSampler
+    from lit_dtrain.data.samplers.fourier import _unpack
+
+    sampler = FourierSampler(stages=False, lag=1)
+    sampler.setup(1000, seed=0)
+    expected = torch.arange(100, 108)
+    torch.cuda._sleep(10**8)  # long enough on any current GPU for a host read to win the race
+    index = expected.cuda() + 0  # queued behind the spin
+    sampler.observe(torch.rand(8, 256), index, 1)
+    records = sampler._pending[0].records()
+    assert torch.equal(_unpack(records, sampler.fine_bands)[0], expected)
+
+
 @pytest.mark.skipif(ON_CPU, reason="whether the host waits for the GPU")
 @pytest.mark.parametrize("lag", [0, 1])
 def test_observe_waits_for_the_gpu_step_only_without_lag(lag: int) -> None:

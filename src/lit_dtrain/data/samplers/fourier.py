@@ -277,7 +277,9 @@ class FourierSampler(IndexSampler):
         if not all_finite:
             score = torch.where(finite, score, float("nan"))
         if self.lag:  # packed where the losses are (no wait); the host copy is made below
-            record = _pack(index.detach().to(score.device, torch.long, non_blocking=True), score, fine.half())
+            # non-blocking only towards a GPU: a GPU-to-host copy would land in pinned memory read at once below
+            index = index.detach().to(score.device, torch.long, non_blocking=score.is_cuda)
+            record = _pack(index, score, fine.half())
         else:
             record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
         update = _Update(int(step), parts=[record])
@@ -690,7 +692,7 @@ class _Update:
         self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
         self.host.copy_(device, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(device.device))  # the copy's stream, not the current device's
         self.parts = [device]  # kept alive until the copy is done
 
     def records(self) -> torch.Tensor:
