@@ -64,6 +64,31 @@ def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[di
     return [decay_group, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
+# LlamaConfig keys that decide what the weights mean. A change of n_head and n_kv_head together (heads regrouped)
+# or of tie_embeddings keeps every tensor's shape, so load_state_dict alone took such a checkpoint silently.
+# block_size and rope_theta are free to change (context extension): the RoPE tables are rebuilt from the config.
+WEIGHT_CONFIG_KEYS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_hidden", "tie_embeddings")
+
+
+def check_model_config(checkpoint: dict, config, path=None) -> None:
+    """:class:`CheckpointError` naming the keys when the checkpoint's ``model_config`` (stored by
+    :meth:`LitLLM.on_save_checkpoint`) gives the weights another meaning than ``config`` (a model's dataclass
+    config). Nothing to compare (no ``model_config``, a model without a dataclass config): no error."""
+    saved = checkpoint.get("model_config") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict) or not dataclasses.is_dataclass(config):
+        return
+    differ = [k for k in WEIGHT_CONFIG_KEYS if k in saved and saved[k] != getattr(config, k, saved[k])]
+    if not differ:
+        return
+    theirs = ", ".join(f"{k}={saved[k]}" for k in differ)
+    ours = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
+    overrides = " ".join(f"model.{k}={saved[k]}" for k in differ)
+    raise CheckpointError(
+        f"checkpoint{f' {str(path)!r}' if path else ''} does not fit the configured model: it holds a model with "
+        f"{theirs}, this model has {ours}. model.* must be the shape of the run that wrote it: set {overrides}"
+    )
+
+
 class LitLLM(L.LightningModule):
     """Trains a causal language model ``model(input_ids) -> logits``.
 
@@ -258,29 +283,9 @@ class LitLLM(L.LightningModule):
 
             warn_if_comm_state_dropped(checkpoint, self._trainer.strategy, self._trainer.ckpt_path)
 
-    # LlamaConfig keys that decide what the weights mean. A change of n_head and n_kv_head together (heads regrouped)
-    # or of tie_embeddings keeps every tensor's shape, so load_state_dict alone took such a checkpoint silently.
-    # block_size and rope_theta are free to change (context extension): the RoPE tables are rebuilt from the config.
-    _weight_config_keys = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_hidden", "tie_embeddings")
-
     def _check_model_config(self, checkpoint: dict) -> None:
-        """:class:`CheckpointError` naming the keys when the checkpoint's ``model_config`` (stored by
-        :meth:`on_save_checkpoint`) gives the weights another meaning than this model's config."""
-        saved = checkpoint.get("model_config")
-        config = getattr(self.model, "config", None)
-        if not isinstance(saved, dict) or not dataclasses.is_dataclass(config):
-            return
-        differ = [k for k in self._weight_config_keys if k in saved and saved[k] != getattr(config, k, saved[k])]
-        if not differ:
-            return
         path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
-        theirs = ", ".join(f"{k}={saved[k]}" for k in differ)
-        ours = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
-        overrides = " ".join(f"model.{k}={saved[k]}" for k in differ)
-        raise CheckpointError(
-            f"checkpoint{f' {str(path)!r}' if path else ''} does not fit the configured model: it holds a model with "
-            f"{theirs}, this model has {ours}. model.* must be the shape of the run that wrote it: set {overrides}"
-        )
+        check_model_config(checkpoint, getattr(self.model, "config", None), path)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""

@@ -146,6 +146,9 @@ def test_callback_mode_matches_the_scheduler_in_litllm(tiny_cfg, tmp_path, corpu
         (["init_from=/nonexistent.ckpt"], "init_from"),
         (["init_from=CKPT", "ckpt_path=CKPT"], "either init_from"),
         (["init_from=CKPT", "model.d_model=48"], "does not fit the configured model"),
+        # heads regrouped: every tensor keeps its shape, so load_state_dict alone took it silently
+        (["init_from=CKPT", "model.n_head=4", "model.n_kv_head=2"],
+         r"init_from: checkpoint .* it holds a model with n_head=2, n_kv_head=1, this model has n_head=4, n_kv_head=2"),
     ],
 )
 def test_workflow_config_errors_name_the_key(tiny_cfg, tmp_path, overrides, match):

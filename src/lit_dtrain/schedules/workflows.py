@@ -309,12 +309,18 @@ def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
 def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "model.") -> list[str]:
     """Load only the model weights (:func:`checkpoint_weights`) of a Lightning checkpoint of
     :class:`~lit_dtrain.module.LitLLM` into ``model``, strictly; returns the loaded keys. The optimizer, scheduler,
-    step and data position of the checkpoint are ignored."""
+    step and data position of the checkpoint are ignored. A checkpoint whose ``model_config`` gives the weights
+    another meaning (heads regrouped: n_head and n_kv_head changed together keep every shape) is refused, as a
+    resume refuses it."""
+    from lit_dtrain.module import check_model_config  # lit_dtrain.module imports lit_dtrain.schedules
+
+    target = getattr(model, "_orig_mod", model)
     try:
-        weights = checkpoint_weights(safe_torch_load(Path(str(path)).expanduser()), path, prefix)
+        ckpt = safe_torch_load(Path(str(path)).expanduser())
+        weights = checkpoint_weights(ckpt, path, prefix)
+        check_model_config(ckpt, getattr(target, "config", None), path)
     except CheckpointError as e:
         raise _config_error(f"init_from: {e}") from e
-    target = getattr(model, "_orig_mod", model)
     try:
         target.load_state_dict(weights, strict=True)
     except RuntimeError as e:
