@@ -160,6 +160,13 @@ _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_
 }
 
 
+# numbers that must be finite: lr=inf (or weight_decay=inf) made the first update inf, and the run stopped a step
+# later with a NonFiniteError blaming the gradients and saying the weights were still finite; rope_theta=inf and
+# init_std=inf build a model that cannot train. gradient_clip_val=inf is a valid "no clipping".
+_FINITE_KEYS = ("optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "model.rope_theta", "model.norm_eps",
+                "model.init_std")
+
+
 _BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
     "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
 )
@@ -180,6 +187,8 @@ def check_types(cfg: DictConfig) -> None:
         if not ok or isinstance(value, bool):
             what = "an integer" if kind is int else "a number"
             raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+        if key in _FINITE_KEYS and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
 
 
 def wsd_callback_keys(cfg: DictConfig) -> list[str]:

@@ -132,6 +132,12 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("module.compile=off", r"module.compile must be true or false, got 'off' \(str\)"),
         ("module.check_finite=no", r"module.check_finite must be true or false, got 'no' \(str\)"),
         ("model.tie_embeddings=0", r"model.tie_embeddings must be true or false, got 0 \(int\)"),
+        # lr=inf made the first update inf; the run stopped at step 1 with a NonFiniteError that blamed the
+        # gradients and said the weights were still finite
+        ("optimizer.lr=inf", r"optimizer.lr must be a finite number, got inf"),
+        ("optimizer.weight_decay=inf", r"optimizer.weight_decay must be a finite number, got inf"),
+        ("model.rope_theta=inf", r"model.rope_theta must be a finite number, got inf"),
+        ("model.init_std=nan", r"model.init_std must be a finite number, got nan"),
         # the optimizer is built in configure_optimizers, inside fit: these were TypeErrors there
         ("optimizer.lr=null", r"optimizer.lr must be > 0, got None"),
         ("optimizer.betas=[0.9,abc]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 'abc'\]"),
