@@ -14,7 +14,9 @@ from lit_dtrain.callbacks.adaptive_grad_clip import AdaptiveGradClip
 from lit_dtrain.callbacks.fourier_sampler import FourierSamplerCallback
 from lit_dtrain.callbacks.loss_spike import LossSpikeMonitor
 from lit_dtrain.callbacks.optimizer_diagnostics import OptimizerDiagnostics
+from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
 from lit_dtrain.callbacks.selective_checkpointing import SelectiveCheckpointing
+from lit_dtrain.callbacks.throughput import token_throughput_monitor
 
 CASES = [
     (RobustStat, {"method": "mean"}, "method", r"one of \('ema', 'median'\), got 'mean'"),
@@ -47,6 +49,13 @@ CASES = [
     (SelectiveCheckpointing, {"policy": "budget", "memory_budget": "abc"}, "memory_budget", r"in \(0, 1\], got 'abc'"),
     (SelectiveCheckpointing, {"probe_batch_size": "abc"}, "probe_batch_size", ">= 1, got 'abc'"),
     (SelectiveCheckpointing, {"probe_seq_len": "abc"}, "probe_seq_len", ">= 1 or None, got 'abc'"),
+    # callbacks.preemption.dirpath=null failed only when SIGTERM came (os.path.join(None, ...)), saving nothing
+    (PreemptionCheckpoint, {"dirpath": None}, "dirpath", r"a directory path \(where SIGTERM saves\), got None"),
+    (PreemptionCheckpoint, {"dirpath": ""}, "dirpath", r"a directory path \(where SIGTERM saves\), got ''"),
+    (PreemptionCheckpoint, {"dirpath": "c", "filename": None}, "filename", "a file name such as 'last.ckpt', got None"),
+    # Lightning's Throughput asserted window_size > 1 inside fit: a bare AssertionError
+    (token_throughput_monitor, {"window_size": 1}, "window_size", r"an integer >= 2 \(steps averaged\), got 1"),
+    (token_throughput_monitor, {"window_size": "abc"}, "window_size", r"an integer >= 2 \(steps averaged\), got 'abc'"),
 ]
 
 

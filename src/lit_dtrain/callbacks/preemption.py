@@ -34,11 +34,19 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg
+
 
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, save ``<dirpath>/<filename>`` (default ``last.ckpt``) at the end of the current optimizer step."""
 
     def __init__(self, dirpath: str, filename: str = "last.ckpt") -> None:
+        # checked now: a bad one failed only when SIGTERM came, in os.path.join, and saved nothing
+        def is_path(value) -> bool:
+            return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+
+        check_arg("PreemptionCheckpoint", "dirpath", dirpath, is_path, "a directory path (where SIGTERM saves)")
+        check_arg("PreemptionCheckpoint", "filename", filename, is_path, "a file name such as 'last.ckpt'")
         self.dirpath, self.filename = dirpath, filename
         self.saved_step: int | None = None
         self.signalled = False  # this process (or, after the agreement, any rank) got SIGTERM

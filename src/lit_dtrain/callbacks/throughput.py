@@ -21,6 +21,8 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 
+from lit_dtrain.callbacks._args import check_arg
+
 # NVIDIA's dense peak FLOP/s (datasheets; the sparse figures are twice these) of GPUs Lightning does not recognise by
 # the names torch reports. The H200 SXM has the H100 SXM's tensor cores (Lightning: 989.4e12 bf16 for the H100 SXM).
 _DENSE_PEAK = {
@@ -99,6 +101,9 @@ def token_throughput_monitor(window_size: int = 50, available_flops: float | Non
     """A ``ThroughputMonitor`` that counts sequences and tokens of ``{"input_ids": [B, T]}`` batches; the rates are
     averaged over the last ``window_size`` optimizer steps (validation: batches). ``available_flops``: the peak
     FLOP/s of one device, for MFU (None: Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
+    # Lightning's Throughput asserts window_size > 1 in the monitor's setup, inside fit: a bare AssertionError
+    check_arg("token_throughput_monitor", "window_size", window_size,
+              lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer >= 2 (steps averaged)")
     if available_flops is not None and not float(available_flops) > 0:
         raise ValueError(f"token_throughput_monitor available_flops must be > 0 (FLOP/s of one device) or null, got "
                          f"{available_flops!r}")
