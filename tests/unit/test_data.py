@@ -1,5 +1,6 @@
 import builtins
 import os
+import re
 import subprocess
 import sys
 import time
@@ -260,6 +261,12 @@ def test_errors_name_the_problem(tmp_path):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(short)])])
     with pytest.raises(CorpusError, match="kind"):
         CorpusSource(name="x", kind="web")
+    # a list or a number failed inside fit, in the directory walk ('list' object has no attribute 'startswith'),
+    # '' as pathlib's "Unacceptable pattern: ''"
+    for pattern in (["*.txt", "*.md"], 123, ""):
+        match = rf"data source 'x': pattern must be one glob .*got {re.escape(repr(pattern))}"
+        with pytest.raises(CorpusError, match=match):
+            CorpusSource(name="x", kind="files", paths=[str(tmp_path)], pattern=pattern)
 
 
 def test_directory_sources_leave_out_hidden_paths_and_warn_about_binary_files(tmp_path, caplog):

@@ -95,6 +95,11 @@ class CorpusSource:
                 f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list of files, directories or "
                 "globs, e.g. 'data.sources.N.paths=[~/corpus]'"
             )
+        if not isinstance(self.pattern, str) or not self.pattern:  # was an AttributeError or pathlib's ValueError
+            raise CorpusError(
+                f"data source {self.name!r}: pattern must be one glob for the files below a directory (e.g. '*.txt'), "
+                f"got {self.pattern!r}; for several, give globs in paths: paths=['DIR/**/*.txt', 'DIR/**/*.md']"
+            )
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
             raise CorpusError(f"data source {self.name!r}: weight must be a number, got {self.weight!r} "
                               f"({type(self.weight).__name__})")
