@@ -191,6 +191,81 @@ def check_types(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be a finite number, got {value}")
 
 
+def _flag_or_number(annotation) -> tuple[str, set] | None:
+    """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
+    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("number", allowed)`` for ``int``/``float``;
+    None for any other annotation."""
+    import types
+    import typing
+
+    if annotation is bool:
+        return "bool", set()
+    if annotation in (int, float):
+        return "number", set()
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(annotation)
+    allowed = {None} if type(None) in args else set()
+    rest = [a for a in args if a is not type(None)]
+    literals = [a for a in rest if typing.get_origin(a) is typing.Literal]
+    for literal in literals:
+        allowed.update(typing.get_args(literal))
+    plain = [a for a in rest if a not in literals]
+    if plain == [bool]:
+        return "bool", allowed
+    if plain and not literals and all(a in (int, float) for a in plain):
+        return "number", allowed
+    return None
+
+
+def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
+    """Flags and numbers of every ``_target_`` node (callbacks, sampler, strategy and codecs, Trainer): a value whose
+    parameter is annotated ``bool`` must be a boolean, one annotated as a number must not be a string. Constructors
+    read flags with ``bool(value)`` or ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or
+    ``stages=maybe`` (strings) counted as true, silently; a string where a number belongs failed in a comparison
+    that named neither key nor value."""
+    from typing import get_type_hints
+
+    from hydra.utils import get_object
+
+    node = cfg if node is None else node
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            child = node._get_node(i)
+            if isinstance(child, (DictConfig, ListConfig)):
+                check_target_arguments(cfg, child, f"{path}.{i}" if path else str(i))
+        return
+    if not isinstance(node, DictConfig):
+        return
+    hints: dict = {}
+    if "_target_" in node:
+        try:
+            target = get_object(node._target_)
+            hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
+        except Exception:  # an unimportable target or unresolvable hints: instantiate names it, or nothing to check
+            hints = {}
+    for key in node.keys():
+        key = str(key)
+        if key.startswith("_") or OmegaConf.is_missing(node, key):
+            continue
+        child, full = node._get_node(key), f"{path}.{key}" if path else key
+        if isinstance(child, (DictConfig, ListConfig)):
+            check_target_arguments(cfg, child, full)
+            continue
+        expected = _flag_or_number(hints.get(key))
+        if expected is None:
+            continue
+        kind, allowed = expected
+        value = node[key]
+        if value is None and None in allowed or isinstance(value, str) and value in allowed:
+            continue
+        if kind == "bool" and not isinstance(value, bool):
+            others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
+            raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
+        if kind == "number" and isinstance(value, str):
+            raise ConfigError(f"{full} must be a number, got {value!r} (str)")
+
+
 def wsd_callback_keys(cfg: DictConfig) -> list[str]:
     """The ``callbacks.<key>`` entries that are a ``WSDScheduler`` (the callback form of WSD)."""
     from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
@@ -286,6 +361,7 @@ def check_config(cfg: DictConfig) -> None:
     check_utf8_text("run_name", str(cfg.get("run_name", "")))
     check_monitors(cfg)
     check_lightning_choices(cfg)
+    check_target_arguments(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):

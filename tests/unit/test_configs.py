@@ -132,6 +132,19 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("module.compile=off", r"module.compile must be true or false, got 'off' \(str\)"),
         ("module.check_finite=no", r"module.check_finite must be true or false, got 'no' \(str\)"),
         ("model.tie_embeddings=0", r"model.tie_embeddings must be true or false, got 0 \(int\)"),
+        # the same for the flags of every _target_ node (read with bool(value) or `if value:`)
+        ("strategy=ddp_compressed/int8 strategy.compressor.error_feedback=no",
+         r"strategy.compressor.error_feedback must be true or false, got 'no' \(str\)"),
+        ("callbacks=[default,loss_spike] callbacks.loss_spike.check_grad=off",
+         r"callbacks.loss_spike.check_grad must be true or false, got 'off' \(str\)"),
+        ("data/sampler=fourier data.sampler.stages=maybe", r"data.sampler.stages must be true or false, got 'maybe'"),
+        ("strategy=ddp_compressed/diloco strategy.local_update.nesterov=yes",
+         r"strategy.local_update.nesterov must be true or false, got 'yes'"),
+        ("optimizer.fused=maybe", r"optimizer.fused must be true or false or null, got 'maybe'"),
+        ("trainer.deterministic=maybe", r"trainer.deterministic must be true or false or null or 'warn', got 'maybe'"),
+        # and a string where a number belongs: "'<' not supported between instances of 'float' and 'str'"
+        ("data/sampler=fourier data.sampler.min_prob=abc", r"data.sampler.min_prob must be a number, got 'abc'"),
+        ("callbacks.model_checkpoint.save_top_k=abc", r"callbacks.model_checkpoint.save_top_k must be a number"),
         # lr=inf made the first update inf; the run stopped at step 1 with a NonFiniteError that blamed the
         # gradients and said the weights were still finite
         ("optimizer.lr=inf", r"optimizer.lr must be a finite number, got inf"),
@@ -198,6 +211,20 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
+
+
+@pytest.mark.parametrize("group", ["strategy", "callbacks", "data/sampler", "optimizer", "scheduler", "trainer"])
+def test_every_shipped_choice_passes_the_argument_check(group, tiny_cfg):
+    """check_target_arguments refuses no value the configs ship, nor null or 'warn' where a parameter takes them."""
+    from lit_dtrain.train import check_target_arguments
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / group
+    names = sorted(str(p.relative_to(conf).with_suffix("")) for p in conf.rglob("*.yaml"))
+    assert names
+    for name in names:
+        choice = f"callbacks=[default,{name}]" if group == "callbacks" else f"{group}={name}"
+        check_target_arguments(tiny_cfg(*choice.split(" ")))
+    check_target_arguments(tiny_cfg("trainer.deterministic=warn", "optimizer.fused=null", "optimizer.fused=true"))
 
 
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
