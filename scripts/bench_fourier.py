@@ -276,7 +276,7 @@ def run(corpus, dirs, block, variant, seed, args) -> dict:
         sync(args.device)
         t2 = time.perf_counter()
         if fourier:
-            sampler.observe(token_loss, b["index"], step + 1)
+            sampler.observe(token_loss, b["index"], step)  # the step the batch was drawn for, as the callback
         t3 = time.perf_counter()
         draw_t.append(t1 - t0)
         step_t.append(t2 - t1)
@@ -336,7 +336,7 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
                 b = dm.batch_for_step(step)
                 token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
                 if name != "uniform":
-                    dm.sampler.observe(token_loss, b["index"], step + 1)
+                    dm.sampler.observe(token_loss, b["index"], step)
                 sync(args.device)
                 times[name].append(time.perf_counter() - t0)
             step += 1
@@ -371,7 +371,7 @@ def pipelined_timing(setups: dict, args, step: int) -> dict:
                 b = dm.batch_for_step(step + i)
                 token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step + i))
                 if name != "uniform":
-                    dm.sampler.observe(token_loss, b["index"], step + i + 1)
+                    dm.sampler.observe(token_loss, b["index"], step + i)
             sync(args.device)
             took[name] = (time.perf_counter() - t0) / args.timing_steps
             per_step[name].append(took[name])
