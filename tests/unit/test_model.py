@@ -82,7 +82,8 @@ def test_bad_config_errors():
 @pytest.mark.parametrize("key, value, match", [
     ("mlp_hidden", 0, "LlamaConfig.mlp_hidden must be positive or None, got 0"),  # built an MLP-less model silently
     ("rope_theta", 0.0, "LlamaConfig.rope_theta must be > 0, got 0.0"),  # NaN RoPE table: NaN loss at step 0
-    ("init_std", -0.02, "LlamaConfig.init_std must be >= 0, got -0.02"),  # 'normal expects std >= 0.0' in torch
+    ("init_std", -0.02, "LlamaConfig.init_std must be > 0, got -0.02"),  # 'normal expects std >= 0.0' in torch
+    ("init_std", 0.0, "LlamaConfig.init_std must be > 0, got 0.0"),  # all-zero weights and gradients: never learns
     ("norm_eps", -1.0, "LlamaConfig.norm_eps must be >= 0, got -1.0"),
 ])
 def test_bad_model_scalars_are_named(key, value, match):

@@ -42,9 +42,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.mlp_hidden must be positive or None, got {self.mlp_hidden}")
         if not self.rope_theta > 0:  # 0 gives a NaN RoPE table
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
-        for name in ("init_std", "norm_eps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"LlamaConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.init_std > 0:  # 0: every weight and every gradient is zero, so nothing can ever learn
+            raise ValueError(f"LlamaConfig.init_std must be > 0, got {self.init_std}")
+        if not self.norm_eps >= 0:
+            raise ValueError(f"LlamaConfig.norm_eps must be >= 0, got {self.norm_eps}")
         if self.d_model % self.n_head:
             raise ValueError(f"LlamaConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
