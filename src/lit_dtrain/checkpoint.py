@@ -105,6 +105,9 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
+        if mmap and not _starts_like_zip(path):  # torch maps only zip files ("please torch.save ... with
+            # _use_new_zipfile_serialization=True"); read it plainly: the same reasons as without mmap
+            return safe_torch_load(path, map_location=map_location, mmap=False)
         try:  # before the weights-only branch: a file cut to a byte or two, or a changed byte in data.pkl, reads
             # as a foreign pickle ('Unsupported operand')
             broken = truncation_reason(path) or damage_reason(path)
@@ -124,6 +127,15 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
 _ZIP_START = b"PK\x03\x04"  # a zip's first local file header: torch.save's format since torch 1.6
 _ZIP_END = b"PK\x05\x06"  # the end-of-central-directory record, the last 22 bytes (+ a comment) of a zip
 _ZIP_END_SIZE = 22
+
+
+def _starts_like_zip(path: Path) -> bool:
+    """Whether the file starts like a zip archive (True when it cannot be read: torch's own error says why)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_ZIP_START)) == _ZIP_START
+    except OSError:
+        return True
 
 
 def truncation_reason(path: str | os.PathLike) -> str | None:

@@ -151,9 +151,13 @@ def test_a_refused_load_does_not_advise_weights_only_false(tmp_path):
     assert "weights_only` set to `False` will likely succeed" not in message
     text = tmp_path / "summary.json"
     text.write_text('{"val_loss": 1.0}')
-    with pytest.raises(CheckpointError, match=r"summary\.json.*Unsupported operand") as info:
-        safe_torch_load(text)
-    assert "will likely succeed" not in str(info.value)
+    for mmap in (False, True):  # with mmap (ckpt_path's load), torch asked to re-save it in zip format instead
+        with pytest.raises(CheckpointError, match=r"summary\.json.*Unsupported operand") as info:
+            safe_torch_load(text, mmap=mmap)
+        assert "will likely succeed" not in str(info.value) and "zipfile" not in str(info.value)
+    old = tmp_path / "legacy.ckpt"  # torch's pre-1.6 format: only mmap refused it
+    torch.save({"w": torch.arange(3)}, old, _use_new_zipfile_serialization=False)
+    assert torch.equal(safe_torch_load(old, mmap=True)["w"], torch.arange(3))
 
 
 def test_a_checkpoint_holding_a_class_names_the_class_and_does_not_advise_weights_only_false(tmp_path):
