@@ -121,6 +121,38 @@ def test_resume_is_bit_identical_on_cuda(tiny_cfg, optimizer: str, lag: int) -> 
         assert torch.equal(a._pending[0].records(), b._pending[0].records())
 
 
+@pytest.mark.skipif(ON_CPU, reason="which CUDA attention kernel runs")
+def test_fp32_grouped_query_attention_runs_the_memory_efficient_kernel(monkeypatch) -> None:
+    """fp32 with grouped heads (8 query heads, 2 kv heads) runs under the memory-efficient kernel alone (with
+    ``enable_gqa`` no fused kernel takes it), gives the math path's output, and keeps no T x T scores: its peak
+    is below that of the grouped form, which runs the math path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lit_dtrain.models import build_llama, llama
+
+    torch.manual_seed(0)
+    m = build_llama(vocab_size=257, block_size=2048, n_layer=1, n_head=8, n_kv_head=2, d_model=256).cuda()
+    x = torch.randint(0, 257, (2, 2048), device="cuda")
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        fused = m(x)
+    with sdpa_kernel([SDPBackend.MATH]):
+        reference = m(x)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    peaks = {}
+    for expand in (False, True):
+        monkeypatch.setattr(llama, "expand_kv_heads", lambda q, expand=expand: expand)
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m(x).square().mean().backward()
+        torch.cuda.synchronize()
+        peaks[expand] = torch.cuda.max_memory_allocated() - base
+    mib = {k: round(v / 2**20) for k, v in peaks.items()}
+    print(f"fp32 GQA T=2048 peak MiB: grouped (math path) {mib[False]}, expanded {mib[True]}")
+    assert peaks[True] < 0.7 * peaks[False], peaks
+
+
 @pytest.mark.skipif(ON_CPU, reason="a GPU-to-host copy")
 def test_lag_one_records_a_cuda_index_beside_cpu_token_losses() -> None:
     """Token losses on the CPU, the batch's index still being made on the GPU (behind a ~0.2 s spin): the

@@ -47,6 +47,28 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
     torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_expanded_kv_heads_give_the_grouped_attention_and_gradients(monkeypatch, n_kv_head):
+    """fp32 on CUDA repeats k and v to every query head (so that a fused kernel can run); forced here on CPU, the
+    outputs and gradients are those of ``enable_gqa``."""
+    from lit_dtrain.models import llama
+
+    decide = llama.expand_kv_heads
+    assert decide(torch.zeros(1)) is False and decide(torch.zeros(1, dtype=torch.bfloat16)) is False  # not CUDA
+    x = torch.randint(0, 257, (2, 16))
+    results = []
+    for expand in (False, True):
+        monkeypatch.setattr(llama, "expand_kv_heads", lambda q, expand=expand: expand)
+        m = tiny(n_head=4, n_kv_head=n_kv_head)
+        out = m(x)
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+
+
 def test_tied_embeddings_and_depth_scaled_init():
     m = tiny(n_layer=8, d_model=64, init_std=0.02)
     assert m.lm_head.weight is m.tok_embeddings.weight

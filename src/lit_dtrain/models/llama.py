@@ -104,6 +104,15 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
 
 
+def expand_kv_heads(q: torch.Tensor) -> bool:
+    """Whether to repeat k and v to all query heads rather than pass ``enable_gqa``: in fp32 on CUDA. Of torch's
+    fused CUDA kernels, flash and cuDNN take grouped heads but run fp16/bf16 only, and the memory-efficient kernel
+    runs fp32 but takes no grouped heads (its ``check_batch_size_and_num_heads_dense<false>`` in ``sdp_utils.cpp``),
+    so fp32 with grouped heads ran the math path, which keeps the (T x T) scores for backward. Copies of k and v
+    cost (nh/nkv - 1) x B x T x d_kv; the scores B x nh x T x T."""
+    return q.is_cuda and q.dtype == torch.float32
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
 
@@ -125,6 +134,9 @@ class Attention(nn.Module):
         # enable_gqa: SDPA maps query head h to kv head h // (nh / nkv) itself (the same grouping as
         # repeat_interleave), without materializing nh/nkv copies of k and v.
         gqa = self.n_kv_head != self.n_head
+        if gqa and expand_kv_heads(q):
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
+            gqa = False
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
         return self.wo(y)
