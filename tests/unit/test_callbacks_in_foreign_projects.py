@@ -6,6 +6,7 @@ and that a ``trainer.fit(ckpt_path=...)`` resume of such a module continues each
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -429,3 +430,36 @@ def test_wsd_under_manual_optimization_counts_a_step_the_gradscaler_skipped(tmp_
     assert record.lrs == [1e-2 * wsd.lr_factor(k) for k in range(4)]
     assert wsd.updates == [4]
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2 * wsd.lr_factor(4)
+
+
+@pytest.mark.parametrize(
+    ("total_steps", "trainer_kwargs", "warned"),
+    [
+        (8, {"max_steps": -1, "max_epochs": 2}, True),  # 2 epochs of 8 batches: 16 steps, the last 8 at LR 0
+        (16, {"max_steps": -1, "max_epochs": 2}, False),
+        (8, {"max_steps": -1, "max_epochs": 2, "accumulate_grad_batches": 2}, False),  # 2 x 4 steps
+        (8, {"max_steps": 12}, True),
+        (12, {"max_steps": 12}, False),
+    ],
+    ids=["epochs_past", "epochs_match", "epochs_accumulate_match", "steps_past", "steps_match"],
+)
+def test_wsd_warns_when_the_trainer_runs_past_its_total_steps(tmp_path: Path, total_steps, trainer_kwargs, warned):
+    """A user's ``Trainer(max_epochs=...)`` (or a ``max_steps`` beyond the horizon) whose steps outnumber
+    ``total_steps``: every step after the decay runs at ``min_lr_factor`` (LR 0), which was silent. Now a warning at
+    train start names both counts; a matching horizon says nothing."""
+    wsd = WSDScheduler(total_steps=total_steps, warmup_steps=2, decay_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, [wsd], **trainer_kwargs)
+    horizon = [str(w.message) for w in caught if "WSDScheduler: the trainer will take" in str(w.message)]
+    if warned:
+        steps = trainer.global_step
+        assert steps > total_steps and trainer.optimizers[0].param_groups[0]["lr"] == 0.0  # what it warned about
+        assert horizon == [
+            f"WSDScheduler: the trainer will take {steps} optimizer steps (trainer.estimated_stepping_batches, from "
+            f"max_steps/max_epochs), but total_steps={total_steps}: the decay ends at step {total_steps - 1} and the "
+            f"last {steps - total_steps} steps run at min_lr_factor=0.0 of the peak LR. Set total_steps={steps} (or "
+            f"stop the trainer at max_steps={total_steps})"
+        ]
+    else:
+        assert trainer.global_step == total_steps and horizon == []

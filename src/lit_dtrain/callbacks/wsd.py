@@ -23,9 +23,12 @@ call the GradScaler skips counts too, as ``global_step`` counts it under automat
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 
 import lightning as L
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
@@ -39,7 +42,9 @@ class WSDScheduler(StepHooksCallback):
     """Warmup-stable-decay LR for every optimizer of the trainer (no ``LRScheduler`` needed).
 
     Args:
-        total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``.
+        total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``. With
+            ``max_epochs`` that is ``trainer.estimated_stepping_batches``; a trainer that will take more steps is
+            warned about at train start (its last steps would run at ``min_lr_factor``).
         warmup_steps: linear warmup steps, factor ``(step + 1) / warmup_steps``.
         decay_steps: decay length in steps (or give ``decay_fraction``).
         decay_fraction: decay over ``round(decay_fraction * total_steps)`` steps.
@@ -192,9 +197,28 @@ class WSDScheduler(StepHooksCallback):
         else:
             self.updates = None
             self._apply(trainer, step)
+            self._warn_past_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
             log.warning(msg, step, self.total_steps)
+
+    def _warn_past_horizon(self, trainer: L.Trainer, step: int) -> None:
+        """Warn when the trainer will take more steps than ``total_steps`` (a ``max_epochs`` run, or ``max_steps``
+        larger than the horizon): every step past it runs at ``min_lr_factor`` (LR 0 by default), training nothing
+        while it costs compute. (Under manual optimization the trainer's step count is not an optimizer's.)"""
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            return  # Lightning's estimate counts every epoch at the first epoch's accumulate_grad_batches
+        planned = trainer.estimated_stepping_batches  # min(max_steps, max_epochs x steps); inf or -1: no end known
+        if not math.isfinite(planned) or planned <= self.total_steps or step >= self.total_steps:
+            return  # (a resume past the horizon gets the warning below)
+        planned = int(planned)
+        rank_zero_warn(
+            f"WSDScheduler: the trainer will take {planned} optimizer steps (trainer.estimated_stepping_batches, "
+            f"from max_steps/max_epochs), but total_steps={self.total_steps}: the decay ends at step "
+            f"{self.total_steps - 1} and the last {planned - self.total_steps} steps run at "
+            f"min_lr_factor={self.min_lr_factor} of the peak LR. Set total_steps={planned} (or stop the trainer at "
+            f"max_steps={self.total_steps})"
+        )
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
