@@ -152,7 +152,13 @@ def markdown_table(
     lines = []
     for r in rows:
         if r.get("missing"):  # the run has not logged the metric at all
-            status = failed(r["error"]) if r.get("error") else "-"
+            status = (
+                failed(r["error"])
+                if r.get("error")
+                else f"unfinished (no {metric} logged)"
+                if r.get("finished") is False
+                else "-"
+            )
             lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
         comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref

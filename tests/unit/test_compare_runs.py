@@ -694,3 +694,26 @@ def test_a_job_that_failed_again_shows_its_latest_error(tmp_path):
     assert job_error(failed) == "LossSpikeError: spike at 11"
     result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert [r.get("error") for r in result["runs"]] == [None, "LossSpikeError: spike at 11"]
+
+
+def test_a_run_stopped_before_logging_the_metric_says_it_did_not_finish(tmp_path, capsys):
+    """A sweep job killed at step 7 of 20 with val_check_interval=10 has train/loss but no val/loss and no
+    summary.json. stderr said "its row is marked '(unfinished)'", yet its val/loss row was '| ... | - | - | - | - |',
+    like a finished run that never logs that metric: the table did not say that the job stopped early."""
+    done = write_run(tmp_path / "s" / "0", {9: 3.5, 19: 3.2, 20: 3.2}, overrides=["optimizer.lr=1e-3"])
+    (done / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (done / "summary.json").write_text(json.dumps({"steps": 20}))
+    killed = tmp_path / "s" / "1"
+    with SummaryWriter(str(killed / "tb")) as w:
+        w.add_scalar("train/loss", 4.0, 4)
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=3e-3\n")
+    (killed / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    result = compare_runs.compare([str(tmp_path / "s")], ["val/loss", "train/loss"], out=str(tmp_path / "c.png"))
+    first, second = result["markdown"].split("\n\n")
+    assert first.splitlines()[2:] == [
+        "| optimizer.lr=1e-3 | 20 | 3.2000 | 3.2000 (20) | +0.00% |",
+        "| optimizer.lr=3e-3 | unfinished (no val/loss logged) | - | - | - |",
+    ]
+    assert second.splitlines()[3] == "| optimizer.lr=3e-3 | 4 (unfinished) | 4.0000 | 4.0000 (4) | +0.00% |"
+    assert "its row is marked '(unfinished)'" in capsys.readouterr().err
