@@ -239,12 +239,15 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
         for line in ax.get_lines():
             handles.setdefault(line.get_label(), line)
     order = [label for label in curves if label in handles]
-    axes[0][0].legend([handles[label] for label in order], order, fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    # below the panels, not inside one: a sweep's labels can be wider than a panel and would hide its curves;
+    # bbox_inches="tight" grows the PNG to hold all of it
+    axes[0][0].legend([handles[label] for label in order], order, fontsize=7, loc="upper left",
+                      bbox_to_anchor=(0, -0.16), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -717,3 +717,39 @@ def test_a_run_stopped_before_logging_the_metric_says_it_did_not_finish(tmp_path
     ]
     assert second.splitlines()[3] == "| optimizer.lr=3e-3 | 4 (unfinished) | 4.0000 | 4.0000 (4) | +0.00% |"
     assert "its row is marked '(unfinished)'" in capsys.readouterr().err
+
+
+def test_the_legend_of_many_long_labels_hides_no_curve_and_is_in_the_png(tmp_path, monkeypatch):
+    """`compare_runs.py outputs` over a few sweeps: 20 runs labelled like 'strategy=ddp_compressed/local_sgd_adaptive
+    experiment=compression_sweep max_steps=20 ...'. The legend, inside the first panel, was wider than the panel: it
+    covered the curves and the y label, and its left part (the start of every label) was cut off the PNG. It is
+    below the panels now, clear of every panel and its labels, and the PNG holds all of it."""
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    seen = {}
+    savefig = Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        savefig(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        legend = fig.axes[0].get_legend()
+        seen["legend"] = legend.get_window_extent(renderer)
+        seen["texts"] = [t.get_text() for t in legend.get_texts()]
+        seen["axes"] = [(ax.get_window_extent(renderer), ax.xaxis.label.get_window_extent(renderer),
+                         ax.yaxis.label.get_window_extent(renderer)) for ax in fig.axes]
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    curves = {f"strategy=ddp_compressed/preset{i} experiment=compression_sweep trainer.max_steps=20 "
+              f"trainer.log_every_n_steps=5 window_size=5": {"val/loss": [(9, 3.0 + i / 10), (19, 2.0 + i / 10)],
+                                                               "train/loss": [(9, 3.1), (19, 2.1)]}
+              for i in range(20)}
+    out = tmp_path / "c.png"
+    compare_runs.plot(curves, ["val/loss", "train/loss"], out)
+    assert seen["texts"] == list(curves)
+    legend = seen["legend"]
+    for panel, xlabel, ylabel in seen["axes"]:
+        assert not legend.overlaps(panel) and not legend.overlaps(xlabel) and not legend.overlaps(ylabel)
+    height, width = imread(out).shape[:2]  # the PNG is at least as large as the legend and the panels above it
+    panel = seen["axes"][0][0]
+    assert width >= legend.width and height >= legend.height + panel.height
