@@ -24,9 +24,11 @@ from pathlib import Path
 
 # reading run and sweep dirs (what train(cfg) writes there) is lit_dtrain.run_dirs; this script compares them
 from lit_dtrain.run_dirs import (
+    NO_LOGGER,
     RunDirError,
     expand_runs,
     finished,
+    finished_without_metrics,
     hydra_overrides,
     job_error,
     jobs_not_started,
@@ -174,6 +176,8 @@ def markdown_table(
             if job.get("error")
             else "not started"
             if job.get("not_started")
+            else NO_LOGGER
+            if finished_without_metrics(Path(job["dir"]))
             else "no metrics logged (not started, or stopped before logging)"
         )
         lines.append(f"| {job['label']} | {status} | - | - | - |")

@@ -46,10 +46,8 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None, warn: Warn =
     files: list[str] = []
 
     def skip(job: Path) -> None:
-        warn(
-            f"skipping {job} (a Hydra job without TensorBoard event files or {CSV_NAME}: it failed before logging, "
-            "or has not started)"
-        )
+        why = NO_LOGGER if finished_without_metrics(job) else "it failed before logging, or has not started"
+        warn(f"skipping {job} (a Hydra job without TensorBoard event files or {CSV_NAME}: {why})")
         skipped.append(str(job))
 
     for raw in paths:
@@ -93,6 +91,8 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None, warn: Warn =
         jobs = [
             f"{job} failed: {table_cell(error)}"
             if (error := job_error(Path(job)))
+            else f"{job} {NO_LOGGER}"
+            if finished_without_metrics(Path(job))
             else f"{job} logged no error (not started, or stopped before logging)"
             for job in skipped
         ]
@@ -103,6 +103,15 @@ def expand_runs(paths: list[str], skipped: list[str] | None = None, warn: Warn =
             "(e.g. outputs/runs/<run>)"
         )
     return runs
+
+
+NO_LOGGER = "finished, but logged no metrics (logger=none: its values are in summary.json only)"
+
+
+def finished_without_metrics(job: Path) -> bool:
+    """Whether a run dir without event files or metrics.csv ran to its end: ``train(cfg)`` wrote its summary.json
+    (``logger=none``), so it neither failed nor is still to start."""
+    return (job / "summary.json").is_file()
 
 
 def _is_run_dir(d: Path) -> bool:

@@ -753,3 +753,39 @@ def test_the_legend_of_many_long_labels_hides_no_curve_and_is_in_the_png(tmp_pat
     height, width = imread(out).shape[:2]  # the PNG is at least as large as the legend and the panels above it
     panel = seen["axes"][0][0]
     assert width >= legend.width and height >= legend.height + panel.height
+
+
+def test_a_finished_run_without_a_logger_is_not_called_failed_or_not_started(tmp_path):
+    """`python train.py -m optimizer.lr=1e-3,3e-3 logger=none`: both jobs trained to the end and wrote summary.json,
+    but compare_runs said "skipping ... it failed before logging, or has not started", tabulated them as 'no
+    metrics logged (not started, or stopped before logging)' and, alone, ended with '... logged no error (not
+    started, or stopped before logging)'. They are reported as finished without metrics now."""
+    sweep = tmp_path / "sweep"
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={lr}\n- logger=none\n")
+        (sweep / job / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+        (sweep / job / "summary.json").write_text(json.dumps({"val_loss": 2.75, "steps": 20}))
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # killed before logging: as before
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=0.01\n- logger=none\n")
+    no_logger = "finished, but logged no metrics (logger=none: its values are in summary.json only)"
+    with pytest.raises(compare_runs.CompareError) as refused:
+        compare_runs.compare([str(sweep)], ["val/loss"])
+    assert str(refused.value) == (
+        f"no run has TensorBoard event files or metrics.csv: {sweep / '0'} {no_logger}; {sweep / '1'} {no_logger}; "
+        f"{sweep / '2'} logged no error (not started, or stopped before logging)"
+    )
+    logged = write_run(tmp_path / "logged", {20: 2.9}, overrides=["optimizer.lr=0.003"])
+    warnings = []
+    result = compare_runs.compare([str(sweep), str(logged)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[2:] == [
+        "| optimizer.lr=0.003 | 20 | 2.9000 | 2.9000 (20) | +0.00% |",  # the runs first, then the sweep's jobs
+        f"| optimizer.lr=0.001 logger=none | {no_logger} | - | - | - |",
+        f"| optimizer.lr=0.003 logger=none | {no_logger} | - | - | - |",
+        "| optimizer.lr=0.01 logger=none | no metrics logged (not started, or stopped before logging) | - | - | - |",
+    ]
+    from lit_dtrain.run_dirs import expand_runs
+
+    expand_runs([str(sweep / "0"), str(logged)], warn=warnings.append)
+    assert warnings == [f"skipping {sweep / '0'} (a Hydra job without TensorBoard event files or metrics.csv: "
+                        f"{no_logger})"]
