@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,31 @@ def test_the_readme_test_command_collects_every_test_file():
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")}
     assert on_disk - collected == set(), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert any(f.startswith("tests/dist/") for f in collected)
+
+
+def test_the_readme_shows_how_to_shrink_every_sweep_experiment(tmp_path):
+    """`python train.py -m experiment=wsd_vs_cosine` trains 6 jobs of 1000 steps, and the README said nothing of a
+    smaller budget; the obvious `trainer.max_steps=20` fails every job (the experiment's 50 warmup steps do not fit).
+    The README shows a shrunk command for each experiment with a sweep grid; each of its jobs passes the config check
+    at fewer steps than the experiment's own."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.train import check_config
+    from tests.conftest import CONF_DIR
+
+    for conf in sorted(Path(CONF_DIR, "experiment").glob("*.yaml")):
+        experiment = OmegaConf.load(conf)
+        grid = OmegaConf.select(experiment, "hydra.sweeper.params")
+        if not grid:
+            continue
+        shrunk = [(where, args) for where, args in COMMANDS if where.startswith("README") and "-m" in args
+                  and f"experiment={conf.stem}" in args and any(a.startswith("trainer.max_steps=") for a in args)]
+        assert shrunk, f"README.md shows no smaller run of -m experiment={conf.stem}"
+        for where, args in shrunk:
+            jobs = [[a for a in args if a != "-m"]]
+            for key, values in grid.items():
+                jobs = [job + [f"{key}={v.strip()}"] for job in jobs for v in str(values).split(",")]
+            for i, job in enumerate(jobs):
+                cfg = compose_cfg(job, tmp_path / conf.stem / str(i), None, tiny=False)
+                check_config(cfg)
+                assert cfg.trainer.max_steps < experiment.trainer.max_steps, where
