@@ -200,10 +200,18 @@ def test_bad_arguments_fail_loudly() -> None:
         LossSpikeMonitor(raise_after=0)
     with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_window must be >= 1, got 0"):
         LossSpikeMonitor(raise_window=0)
-    # the EMA decays are checked by RobustStat, under LossSpikeMonitor and AdaptiveGradClip: name it (it was
-    # 'decay must be in (0, 1), got 1.5', no class)
-    with pytest.raises(ValueError, match=r"^RobustStat: decay must be in \(0, 1\), got 1.5$"):
+    # the statistics' arguments are checked by RobustStat and SpikeDetector, but reported under the callback the
+    # user configured and the argument's own name (they said 'RobustStat: method ...', 'RobustStat: warmup ...')
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: decay must be in \(0, 1\), got 1.5$"):
         LossSpikeMonitor(decay=1.5)
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: method must be one of \('ema', 'median'\), got 'mean'$"):
+        LossSpikeMonitor(method="mean")
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: warmup_steps \(20\) must be <= window \(10\)"):
+        LossSpikeMonitor(method="median", window=10, warmup_steps=20)
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: max_consecutive must be >= 2 or None, got 1$"):
+        LossSpikeMonitor(max_consecutive=1)
+    with pytest.raises(ValueError, match=r"^AdaptiveGradClip: decay must be in \(0, 1\), got 1.5$"):
+        AdaptiveGradClip(decay=1.5)
     with pytest.raises(ValueError, match=r"^RobustStat: scale_decay must be in \(0, 1\), got 0.0$"):
         RobustStat(scale_decay=0.0)
 
@@ -542,7 +550,8 @@ def test_without_a_sampler_steps_holding_excluded_samples_are_skipped(tmp_path: 
         items.append({"input_ids": ids[:-1], "labels": ids[1:], "index": torch.tensor(i)})
     monitor, probe = LossSpikeMonitor(actions=["skip"], warmup_steps=2), Probe()
     trainer = make_trainer(tmp_path, [Inject({1: "nan"}), monitor, probe], max_steps=10)
-    with pytest.warns(UserWarning, match="no sampler with exclude"):
+    # (it said "the datamodule has no sampler" when there is no datamodule)
+    with pytest.warns(UserWarning, match="there is no datamodule, so no sampler with exclude"):
         trainer.fit(make_module(), train_dataloaders=DataLoader(items, batch_size=4, shuffle=False))
     events = [(e["step"], e["reasons"]) for e in monitor.events]
     assert events == [(1, ["nonfinite_loss", "nonfinite_grad"]), (5, ["excluded_sample"]),

@@ -60,6 +60,8 @@ class RobustStat:
             the scale for hundreds of steps.
         min_rel_scale: the scale is at least this fraction of ``|location|`` (a plateau never gives z = inf).
         min_scale: an absolute lower bound of the scale.
+        owner: the name bad arguments are reported under (the callback the user configured, not this class).
+        warmup_name: the name ``warmup`` has where the user gave it (``warmup_steps`` in the callbacks).
     """
 
     def __init__(
@@ -72,18 +74,21 @@ class RobustStat:
         clip_z: float | None = 3.0,
         min_rel_scale: float = 0.01,
         min_scale: float = 1e-8,
+        *,
+        owner: str = "RobustStat",
+        warmup_name: str = "warmup",
     ) -> None:
-        check_arg("RobustStat", "method", method, lambda v: v in METHODS, f"one of {METHODS}")
+        check_arg(owner, "method", method, lambda v: v in METHODS, f"one of {METHODS}")
         scale_decay = decay if scale_decay is None else scale_decay
         for name, value in (("decay", decay), ("scale_decay", scale_decay)):
-            check_arg("RobustStat", name, value, lambda v: 0.0 < v < 1.0, "in (0, 1)")
-        check_arg("RobustStat", "window", window, lambda v: v >= 3, ">= 3")
-        check_arg("RobustStat", "warmup", warmup, lambda v: v >= 2, ">= 2")
+            check_arg(owner, name, value, lambda v: 0.0 < v < 1.0, "in (0, 1)")
+        check_arg(owner, "window", window, lambda v: v >= 3, ">= 3")
+        check_arg(owner, warmup_name, warmup, lambda v: v >= 2, ">= 2")
         if method == "median" and warmup > window:
-            raise ValueError(f"RobustStat: warmup ({warmup}) must be <= window ({window}) for method='median'")
-        check_arg("RobustStat", "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
+            raise ValueError(f"{owner}: {warmup_name} ({warmup}) must be <= window ({window}) for method='median'")
+        check_arg(owner, "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
         for name, value in (("min_rel_scale", min_rel_scale), ("min_scale", min_scale)):
-            check_arg("RobustStat", name, value, lambda v: v >= 0, ">= 0")
+            check_arg(owner, name, value, lambda v: v >= 0, ">= 0")
         self.method, self.decay, self.scale_decay = method, float(decay), float(scale_decay)
         self.window, self.warmup = int(window), int(warmup)
         self.clip_z, self.min_rel_scale, self.min_scale = clip_z, float(min_rel_scale), float(min_scale)
@@ -252,20 +257,20 @@ class SpikeDetector:
         clip_z: float | None = 3.0,
         min_rel_scale: float = 0.01,
         max_consecutive: int | None = 10,
+        *,
+        owner: str = "SpikeDetector",
     ) -> None:
         if z_threshold is None and rel_threshold is None:
-            raise ValueError("SpikeDetector: set at least one of z_threshold and rel_threshold")
+            raise ValueError(f"{owner}: set at least one of z_threshold and rel_threshold")
         for name, value in (("z_threshold", z_threshold), ("rel_threshold", rel_threshold),
                             ("grad_z_threshold", grad_z_threshold)):
-            check_arg("SpikeDetector", name, value, lambda v: v is None or v > 0, "> 0 or None")
-        check_arg("SpikeDetector", "max_consecutive", max_consecutive, lambda v: v is None or v >= 2, ">= 2 or None")
-        # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
-        check_arg("SpikeDetector", "warmup_steps", warmup_steps, lambda v: v >= 2, ">= 2")
+            check_arg(owner, name, value, lambda v: v is None or v > 0, "> 0 or None")
+        check_arg(owner, "max_consecutive", max_consecutive, lambda v: v is None or v >= 2, ">= 2 or None")
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
         self.max_consecutive = max_consecutive
         self.consecutive: list[float] = []  # losses of the current run of consecutive loss spikes
         kwargs = dict(method=method, decay=decay, scale_decay=scale_decay, window=window, warmup=warmup_steps,
-                      clip_z=clip_z)
+                      clip_z=clip_z, owner=owner, warmup_name="warmup_steps")
         self.loss_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
         self.grad_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
 

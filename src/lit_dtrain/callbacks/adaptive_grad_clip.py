@@ -144,7 +144,8 @@ class AdaptiveGradClip(StepHooksCallback):
     def _new_stat(self) -> RobustStat:
         # clip_z=None: the EMA absorbs the value we pass, which is already the clipped norm (as in ZClip)
         return RobustStat(
-            "ema", decay=self._decay, scale_decay=self._decay, warmup=self._warmup_steps, clip_z=None, min_rel_scale=0.0
+            "ema", decay=self._decay, scale_decay=self._decay, warmup=self._warmup_steps, clip_z=None,
+            min_rel_scale=0.0, owner="AdaptiveGradClip", warmup_name="warmup_steps",
         )
 
     def _reset_state(self) -> None:

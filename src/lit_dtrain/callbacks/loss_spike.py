@@ -157,7 +157,7 @@ class LossSpikeMonitor(L.Callback):
         self._detector_args = dict(z_threshold=z_threshold, rel_threshold=rel_threshold,
                                    grad_z_threshold=grad_z_threshold, method=method, decay=decay,
                                    scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,
-                                   max_consecutive=max_consecutive)
+                                   max_consecutive=max_consecutive, owner="LossSpikeMonitor")
         self.detector = SpikeDetector(**self._detector_args)
         self.window = SpikeWindow(raise_after, raise_window)
         self.check_grad, self.path = bool(check_grad), path
@@ -240,8 +240,9 @@ class LossSpikeMonitor(L.Callback):
             self._sampler.exclude(self.excluded)
         needs_index = {"skip", "rollback"} & set(self.actions)
         if needs_index and self._sampler is None:
-            rank_zero_warn("LossSpikeMonitor: the datamodule has no sampler with exclude(); steps whose batch "
-                           "holds an excluded sample index will be skipped instead.")
+            where = "the datamodule has" if trainer.datamodule is not None else "there is no datamodule, so"
+            rank_zero_warn(f"LossSpikeMonitor: {where} no sampler with exclude(); steps whose batch holds an "
+                           f"excluded sample index (the batch key 'index') will be skipped instead.")
         self._device = pl_module.device
         self._set_excluded_device(self._device)
         track_undo = getattr(trainer.strategy, "track_comm_undo", None)
