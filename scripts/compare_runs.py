@@ -45,26 +45,41 @@ def _warn(message: str) -> None:
 
 def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) -> list[str]:
     """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
-    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it.
-    ``known``: the overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
+    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it. Runs
+    whose labels would be equal (the same overrides) get their dir name added, ``optimizer.lr=0.003 (job 1)``;
+    the other runs keep theirs. ``known``: the overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
     known = known or {}
     overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
-    if len(runs) > 1 and all(o is not None for o in overrides):
-        common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
-        differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")]
-                     for ov in overrides]
-        labels = [" ".join(d) or r.name for d, r in zip(differing, runs)]  # only defaults left: its dir name
-        if len(set(labels)) == len(labels):
-            if max(map(len, labels)) > 60:
-                keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
-                short = {k: k.rsplit(".", 1)[-1] for k in keys}
-                clash = {v for v in short.values() if list(short.values()).count(v) > 1}
-                labels = [" ".join(_shorten(o, short, clash) for o in d) or r.name for d, r in zip(differing, runs)]
-            return labels
-    names = [r.name for r in runs]
-    if len(set(names)) < len(names):
-        names = [f"{r.parent.name}/{r.name}" for r in runs]
-    return names
+    if len(runs) < 2 or any(o is None for o in overrides):
+        return _dir_names(runs)
+    common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
+    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")] for ov in overrides]
+    labels = [" ".join(d) for d in differing]
+    if max(map(len, labels)) > 60:
+        keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
+        short = {k: k.rsplit(".", 1)[-1] for k in keys}
+        clash = {v for v in short.values() if list(short.values()).count(v) > 1}
+        labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
+    labels = [label or r.name for label, r in zip(labels, runs)]  # only defaults left: its dir name
+    for label in dict.fromkeys(label for label in labels if labels.count(label) > 1):
+        same = [i for i, other in enumerate(labels) if other == label]
+        for i, name in zip(same, _dir_names([runs[i] for i in same])):
+            if differing[i]:
+                labels[i] = f"{label} ({'job ' + name if name.isdigit() else name})"
+            else:  # labelled by its dir name already
+                labels[i] = name
+    return labels
+
+
+def _dir_names(runs: list[Path]) -> list[str]:
+    """The runs' dir names, with as many parent dirs as it takes to tell them apart (``m1/sweep/0``,
+    ``m2/sweep/0``)."""
+    depth = 1
+    while True:
+        names = ["/".join(r.parts[-depth:]) for r in runs]
+        if len(set(names)) == len(names) or all(depth >= len(r.parts) for r in runs):
+            return names
+        depth += 1
 
 
 def _unique(labels: list[str]) -> list[str]:

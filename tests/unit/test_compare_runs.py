@@ -401,7 +401,8 @@ def test_a_metric_no_run_has_lists_the_tags_of_all_runs(tmp_path):
 def test_runs_with_the_same_label_are_all_plotted(tmp_path, monkeypatch):
     """Two sweeps copied from two machines, /m1/sweep/0 and /m2/sweep/0 with the same overrides, both got the label
     'sweep/0'; the plot keeps its curves in a dict by label, so one run's curve replaced the other's (2 table rows,
-    1 line). Labels are made unique now ('sweep/0', 'sweep/0 (2)'), also for --labels x,x."""
+    1 line). Labels are made unique now: by as many parent dirs as tell them apart ('m1/sweep/0', 'm2/sweep/0'),
+    and numbered where nothing does (--labels x,x: 'x', 'x (2)')."""
     from matplotlib.figure import Figure
 
     seen = []
@@ -410,8 +411,8 @@ def test_runs_with_the_same_label_are_all_plotted(tmp_path, monkeypatch):
     a = write_run(tmp_path / "m1" / "sweep" / "0", {5: 3.0}, overrides=["optimizer.lr=1e-3"])
     b = write_run(tmp_path / "m2" / "sweep" / "0", {5: 2.0}, overrides=["optimizer.lr=1e-3"])
     result = compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
-    assert [r["label"] for r in result["runs"]] == ["sweep/0", "sweep/0 (2)"]
-    assert seen[-1] == [("sweep/0", pytest.approx(3.0)), ("sweep/0 (2)", pytest.approx(2.0))]
+    assert [r["label"] for r in result["runs"]] == ["m1/sweep/0", "m2/sweep/0"]
+    assert seen[-1] == [("m1/sweep/0", pytest.approx(3.0)), ("m2/sweep/0", pytest.approx(2.0))]
     result = compare_runs.compare([str(a), str(b)], ["val/loss"], labels=["x", "x"], out=str(tmp_path / "c.png"))
     assert [r["label"] for r in result["runs"]] == ["x", "x (2)"] and len(seen[-1]) == 2
 
@@ -789,3 +790,20 @@ def test_a_finished_run_without_a_logger_is_not_called_failed_or_not_started(tmp
     expand_runs([str(sweep / "0"), str(logged)], warn=warnings.append)
     assert warnings == [f"skipping {sweep / '0'} (a Hydra job without TensorBoard event files or metrics.csv: "
                         f"{no_logger})"]
+
+
+def test_two_runs_with_the_same_overrides_leave_the_other_labels_alone(tmp_path):
+    """A sweep re-run into a second dir beside the first ('seed=1 optimizer.lr=0.001' twice, 'optimizer.lr=0.003'
+    once): two equal labels made every run fall back to its dir name, '0', '1', '2' in the table and the legend,
+    so nothing said which LR a run had. Only the two equal ones get their dir name added now."""
+    sweep = tmp_path / "sweep"
+    for job, lr in enumerate(["0.001", "0.001", "0.003"]):
+        write_run(sweep / str(job), {5: 3.0 - job * 0.1}, overrides=["seed=1", f"optimizer.lr={lr}"])
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == [
+        "optimizer.lr=0.001 (job 0)", "optimizer.lr=0.001 (job 1)", "optimizer.lr=0.003"]
+    a = write_run(tmp_path / "m1" / "sweep" / "0", {5: 3.0}, overrides=["optimizer.lr=0.001"])
+    b = write_run(tmp_path / "m2" / "sweep" / "0", {5: 3.0}, overrides=["optimizer.lr=0.001"])
+    c = write_run(tmp_path / "m2" / "sweep" / "1", {5: 3.0}, overrides=["optimizer.lr=0.003"])
+    assert compare_runs.make_labels([a, b, c]) == [
+        "optimizer.lr=0.001 (m1/sweep/0)", "optimizer.lr=0.001 (m2/sweep/0)", "optimizer.lr=0.003"]
