@@ -47,11 +47,14 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
     """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
     60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it. Runs
     whose labels would be equal (the same overrides) get their dir name added, ``optimizer.lr=0.003 (job 1)``;
-    the other runs keep theirs. ``known``: the overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
+    the other runs keep theirs. A number spelled two ways among the runs (``3e-3`` typed for a run, ``0.003`` as
+    Hydra's sweeper writes it for a job) is shown in one form (:func:`_one_spelling_per_number`). ``known``: the
+    overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
     known = known or {}
     overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
     if len(runs) < 2 or any(o is None for o in overrides):
         return _dir_names(runs)
+    overrides = _one_spelling_per_number(overrides)
     common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
     differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")] for ov in overrides]
     labels = [" ".join(d) for d in differing]
@@ -109,6 +112,28 @@ def _as_value(override: str) -> tuple[str, object]:
         return key, float(value)
     except ValueError:
         return key, value.strip().strip("'\"")
+
+
+def _one_spelling_per_number(overrides: list[list[str]]) -> list[list[str]]:
+    """``overrides`` with every number of a key written in Python's shortest form (``0.003``, ``1e-05``, ``20``)
+    where the runs write one value of that key in two ways (``3e-3``, ``0.003``), so that equal values read
+    equal; other keys and non-numbers are kept as written."""
+    spellings: dict[str, dict[float, set[str]]] = {}
+    for ov in overrides:
+        for o in ov:
+            key, value = _as_value(o)
+            if isinstance(value, float):
+                spellings.setdefault(key, {}).setdefault(value, set()).add(o.partition("=")[2])
+    mixed = {key for key, by_value in spellings.items() if any(len(s) > 1 for s in by_value.values())}
+
+    def canonical(override: str) -> str:
+        key, value = _as_value(override)
+        if key not in mixed or not isinstance(value, float):
+            return override
+        text = repr(value)
+        return f"{key}={text[:-2] if text.endswith('.0') else text}"
+
+    return [[canonical(o) for o in ov] for ov in overrides]
 
 
 def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:

@@ -335,7 +335,7 @@ def test_sweep_jobs_beside_a_single_run_are_labelled_by_real_differences(tmp_pat
                                  "seed=7"])
     result = compare_runs.compare([str(sweep), str(base), str(other)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert [r["label"] for r in result["runs"]] == ["optimizer.lr=0.001", "optimizer.lr=0.003", "base",
-                                                    "optimizer.lr=1e-3 seed=7"]
+                                                    "optimizer.lr=0.001 seed=7"]  # 1e-3 as the jobs write it
     plain = write_run(tmp_path / "runs" / "plain", {20: 3.2})  # `python train.py`: Hydra writes '[]'
     (plain / ".hydra").mkdir()
     (plain / ".hydra" / "overrides.yaml").write_text("[]\n")
@@ -807,3 +807,31 @@ def test_two_runs_with_the_same_overrides_leave_the_other_labels_alone(tmp_path)
     c = write_run(tmp_path / "m2" / "sweep" / "1", {5: 3.0}, overrides=["optimizer.lr=0.003"])
     assert compare_runs.make_labels([a, b, c]) == [
         "optimizer.lr=0.001 (m1/sweep/0)", "optimizer.lr=0.001 (m2/sweep/0)", "optimizer.lr=0.003"]
+
+
+def test_a_number_written_two_ways_is_labelled_one_way(tmp_path):
+    """A baseline run typed as 'optimizer.lr=3e-3' beside a sweep whose jobs Hydra's sweeper wrote as
+    'optimizer.lr=0.001' and 'optimizer.lr=0.003': the table and legend showed 'optimizer.lr=3e-3' and
+    'optimizer.lr=0.003' as if the LRs differed. Every value of such a key is shown in one form now; a key whose
+    values are each written one way, and values that are not numbers, keep what was typed."""
+    sweep = tmp_path / "sweep"
+    for job, lr in enumerate(["0.001", "0.003"]):
+        write_run(sweep / str(job), {5: 3.0 - job * 0.1}, overrides=[f"optimizer.lr={lr}", "scheduler=wsd",
+                                                                    "trainer.max_steps=5"])
+    base = write_run(tmp_path / "runs" / "base", {5: 2.95},
+                     overrides=["optimizer.lr=3e-3", "scheduler=Cosine", "trainer.max_steps=5", "seed=1e1"])
+    other = write_run(tmp_path / "runs" / "other", {5: 2.97},
+                      overrides=["optimizer.lr=1e-2", "scheduler=wsd", "trainer.max_steps=5.0", "seed=2"])
+    result = compare_runs.compare([str(sweep), str(base), str(other)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == [
+        "optimizer.lr=0.001 scheduler=wsd",
+        "optimizer.lr=0.003 scheduler=wsd",
+        "optimizer.lr=0.003 scheduler=Cosine seed=1e1",  # one seed each: as typed
+        "optimizer.lr=0.01 scheduler=wsd seed=2",  # max_steps=5.0 is the others' 5: no difference
+    ]
+    # the pair of equal values is a collision like any other: only those two runs get their dir name
+    c = write_run(tmp_path / "x" / "c", {5: 3.0}, overrides=["optimizer.lr=1e-4"])
+    d = write_run(tmp_path / "x" / "d", {5: 3.0}, overrides=["optimizer.lr=0.0001"])
+    e = write_run(tmp_path / "x" / "e", {5: 3.0}, overrides=["optimizer.lr=2e-4"])
+    assert compare_runs.make_labels([c, d, e]) == ["optimizer.lr=0.0001 (c)", "optimizer.lr=0.0001 (d)",
+                                                  "optimizer.lr=0.0002"]
