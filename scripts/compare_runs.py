@@ -141,20 +141,26 @@ def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:
     return f"{short[key]}={value}" if sep and short[key] not in clash else override
 
 
-def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
-    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
-    steps.
+def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``series`` with its final validation once, at the steps trained.
 
     Lightning logs a validation during fit at the 0-based index of the last optimizer step (``S - 1`` after
     ``S`` steps), but ``train(cfg)``'s final ``trainer.validate`` at ``S``: when ``S`` is a multiple of
     ``val_check_interval`` both measure the same weights, and the series ends with the same value twice,
-    one step apart. That pair is one measurement, reported at ``S`` (the steps trained), so that the same
-    value never gets a best step one before its final step. Any other point keeps its logged step.
-    """
+    one step apart. That pair is one measurement, kept at ``S`` (the steps trained). Any other point keeps its
+    logged step."""
     if len(series) >= 2:
         (prev_step, prev), (last_step, last) = series[-2], series[-1]
         if last_step == prev_step + 1 and math.isclose(prev, last, rel_tol=1e-5):
-            series = [*series[:-2], series[-1]]
+            return [*series[:-2], series[-1]]
+    return series
+
+
+def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
+    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
+    steps; the final validation counts once (:func:`one_point_per_validation`), so that one value never gets a
+    best step one before its final step."""
+    series = one_point_per_validation(series)
     if not series:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
     final_step, final = series[-1]
@@ -258,7 +264,8 @@ LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
          logy: bool = False) -> None:
-    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``."""
+    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``. A run's final
+    validation is drawn once, at the steps trained (:func:`one_point_per_validation`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,7 +274,7 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for i, (label, tags) in enumerate(curves.items()):
-            series = tags.get(metric)
+            series = one_point_per_validation(tags.get(metric) or [])
             if series:
                 steps, values = zip(*series)
                 # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style

@@ -835,3 +835,20 @@ def test_a_number_written_two_ways_is_labelled_one_way(tmp_path):
     e = write_run(tmp_path / "x" / "e", {5: 3.0}, overrides=["optimizer.lr=2e-4"])
     assert compare_runs.make_labels([c, d, e]) == ["optimizer.lr=0.0001 (c)", "optimizer.lr=0.0001 (d)",
                                                   "optimizer.lr=0.0002"]
+
+
+def test_the_final_validation_is_drawn_once_at_the_steps_trained(tmp_path, monkeypatch):
+    """trainer.max_steps=6, val_check_interval=3: Lightning logs the check after step 6 at 5 (the last step's 0-based
+    index) and train(cfg)'s final validate logs the same value at 6. The table counted it once, at 6, but the plot
+    drew both: a flat last segment from 5 to 6 that looked like a plateau. One point at 6 now; a different value
+    one step later is a new measurement and stays."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append({
+        line.get_label(): [(int(s), round(float(v), 4)) for s, v in zip(*line.get_data())] for line in fig.axes[0].lines
+    }))
+    a = write_run(tmp_path / "a", {2: 5.1259684562683105, 5: 4.864140510559082, 6: 4.864140510559082})
+    b = write_run(tmp_path / "b", {2: 5.0, 5: 4.7, 6: 4.8})
+    compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert seen == [{"a": [(2, 5.126), (6, 4.8641)], "b": [(2, 5.0), (5, 4.7), (6, 4.8)]}]
