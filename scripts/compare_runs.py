@@ -10,7 +10,9 @@ scalar) against step, and a markdown table of final and best values per metric.
 A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
 dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
 (``overrides.yaml``, written by ``train.py`` when it trains; ``.hydra/overrides.yaml`` for older runs), else from the
-dir names. The last line printed is one JSON object: ``runs`` (each with the first metric's values and ``by_metric``,
+dir names. Table rows follow the RUNs in the order given; below one RUN, the run dirs by path, a sweep's jobs by
+job number; a job that failed, did not finish or never started keeps its place among them and its row says so.
+The last line printed is one JSON object: ``runs`` (each with the first metric's values and ``by_metric``,
 every metric's), ``best`` (by the first metric) and ``best_by_metric``.
 """
 
@@ -180,12 +182,17 @@ def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
 
 
 def markdown_table(
-    rows: list[dict], metric: str, skipped: list[dict] = (), maximize: bool = False, errors_in: str | None = None
+    rows: list[dict],
+    metric: str,
+    skipped: list[dict] = (),
+    maximize: bool = False,
+    errors_in: str | None = None,
+    given: list[str] = (),
 ) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
     highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
     nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
-    it). A sweep's jobs are listed in job order (:func:`table_order`)."""
+    it). Rows are in the order of the run and sweep dirs ``given`` (:func:`table_order`)."""
 
     def failed(error: str) -> str:
         return f"failed (error in the {errors_in} table)" if errors_in else f"failed: {table_cell(error)}"
@@ -227,23 +234,34 @@ def markdown_table(
             else "no metrics logged (not started, or stopped before logging)"
         )
         lines.append(f"| {job['label']} | {status} | - | - | - |")
-    order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped])
+    order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped], given)
     return "\n".join(header + [lines[i] for i in order]) + "\n"
 
 
-def table_order(dirs: list[str]) -> list[int]:
-    """Indices of ``dirs`` in table order: the jobs of one sweep (numbered subdirs of one dir) by job number, from
-    where the first of them is; any other run where it is. A job that failed before logging is skipped by
-    :func:`expand_runs` and comes after the runs, but its row belongs between its neighbours."""
+def table_order(dirs: list[str], given: list[str] = ()) -> list[int]:
+    """Indices of ``dirs`` in table order: the order of the arguments ``given`` (run dirs, sweep dirs, ``outputs``)
+    that hold them; below one argument, by path, a sweep's job dirs (numbered subdirs of one dir) by job number.
+    The jobs of one sweep stay together, where its first job's argument is (the README's ``<sweep>/*`` glob gives
+    each job as an argument). Whether a run logged, failed or never started does not move its row: rows of jobs
+    that logged nothing come after the others in ``dirs``, but belong between their neighbours. Without ``given``,
+    the order of ``dirs``."""
     paths = [Path(d) for d in dirs]
-    first: dict[Path, int] = {}
-    for i, path in enumerate(paths):
-        if path.name.isdigit():
-            first.setdefault(path.parent, i)
-    return sorted(
-        range(len(paths)),
-        key=lambda i: (first[paths[i].parent], int(paths[i].name)) if paths[i].name.isdigit() else (i, -1),
-    )
+    roots = [Path(g).expanduser() for g in given]
+
+    def argument(i: int) -> int:
+        if not roots:
+            return i
+        return next((n for n, root in enumerate(roots) if root == paths[i] or root in paths[i].parents), len(roots))
+
+    groups = [p.parent if p.name.isdigit() else p for p in paths]
+    position: dict[Path, int] = {}
+    for i, group in enumerate(groups):
+        position[group] = min(position.get(group, argument(i)), argument(i))
+
+    def path_key(path: Path) -> tuple:
+        return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
+
+    return sorted(range(len(paths)), key=lambda i: (position[groups[i]], path_key(paths[i]), i))
 
 
 def _number(value: float) -> str:
@@ -367,7 +385,7 @@ def compare(
         )
     table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
     tables = [  # a failed job's error in the first table only
-        markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize, metrics[0] if i else None)
+        markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize, metrics[0] if i else None, runs)
         for i, m in enumerate(metrics)
     ]
     text = "\n".join(tables)  # a blank line between

@@ -779,11 +779,11 @@ def test_a_finished_run_without_a_logger_is_not_called_failed_or_not_started(tmp
     logged = write_run(tmp_path / "logged", {20: 2.9}, overrides=["optimizer.lr=0.003"])
     warnings = []
     result = compare_runs.compare([str(sweep), str(logged)], ["val/loss"], out=str(tmp_path / "c.png"))
-    assert result["markdown"].splitlines()[2:] == [
-        "| optimizer.lr=0.003 | 20 | 2.9000 | 2.9000 (20) | +0.00% |",  # the runs first, then the sweep's jobs
+    assert result["markdown"].splitlines()[2:] == [  # in the order given: the sweep's jobs, then the run
         f"| optimizer.lr=0.001 logger=none | {no_logger} | - | - | - |",
         f"| optimizer.lr=0.003 logger=none | {no_logger} | - | - | - |",
         "| optimizer.lr=0.01 logger=none | no metrics logged (not started, or stopped before logging) | - | - | - |",
+        "| optimizer.lr=0.003 | 20 | 2.9000 | 2.9000 (20) | +0.00% |",
     ]
     from lit_dtrain.run_dirs import expand_runs
 
@@ -852,3 +852,33 @@ def test_the_final_validation_is_drawn_once_at_the_steps_trained(tmp_path, monke
     b = write_run(tmp_path / "b", {2: 5.0, 5: 4.7, 6: 4.8})
     compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert seen == [{"a": [(2, 5.126), (6, 4.8641)], "b": [(2, 5.0), (5, 4.7), (6, 4.8)]}]
+
+
+def test_rows_follow_the_arguments_whatever_became_of_the_runs(tmp_path):
+    """`compare_runs.py runs/a <sweep> runs/z` where every job of the sweep failed before logging: its rows came
+    last, after runs/z, while a sweep with one job that logged sat where it was given; and in a sweep whose job
+    dirs are not numbered (seed=1, seed=2, seed=3) the failed seed=2 came after seed=3. Rows follow the arguments
+    now, and below one argument the paths (job numbers by number), whatever became of each run."""
+    a = write_run(tmp_path / "runs" / "a", {5: 3.0}, overrides=["optimizer.lr=0.1"])
+    z = write_run(tmp_path / "runs" / "z", {5: 3.1}, overrides=["optimizer.lr=0.2"])
+    failed = tmp_path / "failed"
+    for job in ("0", "1"):
+        (failed / job / ".hydra").mkdir(parents=True)
+        (failed / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr=-{job}\n")
+        (failed / job / "train.log").write_text(f"[x][lit_dtrain.train][ERROR] - job {job} failed: ConfigError: lr\n")
+    seeds = tmp_path / "seeds"
+    write_run(seeds / "seed=1", {5: 2.9}, overrides=["seed=1"])
+    (seeds / "seed=2" / ".hydra").mkdir(parents=True)  # failed before logging
+    (seeds / "seed=2" / ".hydra" / "overrides.yaml").write_text("- seed=2\n")
+    write_run(seeds / "seed=3", {5: 2.8}, overrides=["seed=3"])
+    result = compare_runs.compare([str(a), str(failed), str(seeds), str(z)], ["val/loss"], out=str(tmp_path / "c.png"))
+    rows = [line.split(" | ")[:2] for line in result["markdown"].splitlines()[2:]]
+    assert rows == [
+        ["| optimizer.lr=0.1", "5"],
+        ["| optimizer.lr=-0", "failed: ConfigError: lr"],
+        ["| optimizer.lr=-1", "failed: ConfigError: lr"],
+        ["| seed=1", "5"],
+        ["| seed=2", "no metrics logged (not started, or stopped before logging)"],
+        ["| seed=3", "5"],
+        ["| optimizer.lr=0.2", "5"],
+    ]
