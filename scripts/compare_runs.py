@@ -217,7 +217,8 @@ def markdown_table(
             lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
         comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
-        gap = f"{(r['final'] / ref - 1) * 100:+.2f}%" if comparable else "-"
+        # relative to |best|: a worse run is + (lower is better) or - (--maximize) also where the best is negative
+        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if comparable else "-"
         best = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):

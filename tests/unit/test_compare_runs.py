@@ -882,3 +882,17 @@ def test_rows_follow_the_arguments_whatever_became_of_the_runs(tmp_path):
         ["| seed=3", "5"],
         ["| optimizer.lr=0.2", "5"],
     ]
+
+
+def test_the_gap_to_a_negative_best_has_the_sign_of_a_positive_one(tmp_path):
+    """The gap was final / best - 1: with a best of -2.0 (a metric below zero, e.g. a log-likelihood ranked lower
+    is better) a worse run at -1.0 read '-50.00%', the sign of a better run. It is (final - best) / |best| now:
+    '+50.00%' there, and the same as before for a positive best."""
+    good = write_run(tmp_path / "good", {5: -2.0})
+    bad = write_run(tmp_path / "bad", {5: -1.0})
+    md = compare_runs.compare([str(good), str(bad)], ["val/loss"], out=str(tmp_path / "c.png"))["markdown"]
+    assert md.splitlines()[2:] == ["| good | 5 | -2.0000 | -2.0000 (5) | +0.00% |",
+                                   "| bad | 5 | -1.0000 | -1.0000 (5) | +50.00% |"]
+    md = compare_runs.compare([str(good), str(bad)], ["val/loss"], maximize=["val/loss"])["markdown"]
+    assert md.splitlines()[2:] == ["| good | 5 | -2.0000 | -2.0000 (5) | -100.00% |",
+                                   "| bad | 5 | -1.0000 | -1.0000 (5) | +0.00% |"]
