@@ -121,6 +121,69 @@ def test_stage_table_rows_as_mappings_from_a_hydra_config():
     assert FourierSampler(stage_table=OmegaConf.create(rows)).stage_table == expected
 
 
+_ROW = ["b", 3, 3, 0.9, 0.5]  # a good second row, for the table [["a", 0, 2, 0.1, 1.0], row]
+
+
+@pytest.mark.parametrize(("row", "match"), [
+    (["b", 3, 3, 0.9], r"row 1 \(\['b', 3, 3, 0.9\]\): has 4 fields, needs 5: \[name, start_units"),  # one missing
+    ([*_ROW, 7], r"row 1 .*: has 6 fields, needs 5"),
+    (["b", "x", 3, 0.9, 0.5], r"row 1 .*: start must be a finite number, got 'x' \(str\)"),
+    (["b", 3, "8", 0.9, 0.5], r"row 1 .*: bands must be a finite number, got '8' \(str\)"),
+    (["b", 3, 3, None, 0.5], r"row 1 .*: mix must be a finite number, got None"),
+    (["b", float("nan"), 3, 0.9, 0.5], r"row 1 .*: start must be a finite number, got nan"),  # passed the order check
+    (["b", 3, 2.5, 0.9, 0.5], r"row 1 .*: bands must be a positive integer, got 2.5"),  # was truncated to 2
+    (["b", 3, 3, 0.9, float("inf")], r"row 1 .*: lr_mult must be a finite number, got inf"),
+    (["b", 3, 3, 1.5, 0.5], r"row 1 .*: mix must be in \[0, 1\], got 1.5"),
+    ({"name": "b", "start": 3, "bands": 3, "mix": 0.9}, r"row 1 .*: missing lr_mult \(the keys are"),
+    ({"name": "b", "start": 3, "bands": 3, "mix": 0.9, "lr": 0.5}, r"row 1 .*: missing lr_mult; unknown lr"),
+    (5, r"row 1 \(5\): a row must be a list \[name, start_units, bands, mix, lr_mult\].*got int"),
+    ("bstart", r"row 1 \('bstart'\): a row must be a list"),  # was unpacked letter by letter
+    (["b", 0, 3, 0.9, 0.5], r"row 1 \('b'\) starts at 0, not after row 0 \('a'\) at 0: .*increasing order"),
+])
+def test_a_malformed_stage_table_row_is_named_by_its_index(row, match):
+    """A malformed row gave the dataclass's bare TypeError ("Stage.__init__() missing 1 required positional
+    argument: 'lr_mult'") or float()'s ValueError, naming neither stage_table nor the row; a NaN start or 2.5 bands
+    passed. Now a ValueError names stage_table, the row's index and what is wrong, for lists and mappings."""
+    from omegaconf import OmegaConf
+
+    table = [["a", 0, 2, 0.1, 1.0], row]
+    with pytest.raises(ValueError, match="stage_table " + match):
+        FourierSampler(stage_table=table)
+    if isinstance(row, (list, dict)) and not any(isinstance(v, float) and not math.isfinite(v) for v in
+                                                 (row.values() if isinstance(row, dict) else row)):
+        with pytest.raises(ValueError, match="stage_table " + match):  # as Hydra hands it over
+            FourierSampler(stage_table=OmegaConf.create(table))
+
+
+@pytest.mark.parametrize(("table", "match"), [
+    ([["a", 0, 2, 0.1, 1.0], ["b", 5, 3, 0.9, 0.5], ["c", 2, 4, 0.9, 1.0]],
+     r"row 2 \('c'\) starts at 2, not after row 1 \('b'\) at 5"),
+    ([["a", 1, 2, 0.1, 1.0]], r"row 0 \('a'\) must start at 0, got 1"),
+    ([], r"is empty"),
+    ("warmup", r"must be a list of \[name, start_units, bands, mix, lr_mult\] rows .*got 'warmup'"),
+])
+def test_a_stage_table_out_of_order_or_not_a_list_is_named(table, match):
+    with pytest.raises(ValueError, match="stage_table " + match):
+        FourierSampler(stage_table=table)
+
+
+def test_a_malformed_stage_table_on_the_command_line_is_named(tmp_path):
+    """Through ``python train.py``: the row's error reaches the user (Hydra names the sampler and data.sampler)."""
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, TINY, make_corpus, subprocess_env
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=2)
+    cmd = [PYTHON, str(ROOT / "train.py"), *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+           "data/sampler=fourier", "data.sampler.stage_table=[[warm,0,4,0.3,0.1],[stable,20,8,0.7]]"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "stage_table row 1 (['stable', 20, 8, 0.7]): has 4 fields, needs 5" in proc.stderr, proc.stderr[-3000:]
+    assert "full_key: data.sampler" in proc.stderr
+    assert not (tmp_path / "token_cache").exists()  # refused before the corpus was read
+
+
 def test_moment_ratio_is_scale_free_and_magnitude_is_not():
     """The brief's |m1|/sqrt(m2) ranks by the score's stability, not its size (a documented finding)."""
     m1, m2 = torch.zeros(3), torch.zeros(3)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -173,20 +174,75 @@ DEFAULT_STAGES = (
 )
 
 
+STAGE_FIELDS = ("name", "start", "bands", "mix", "lr_mult")
+
+
 def parse_stages(table) -> tuple[Stage, ...]:
-    """Stages from a list of ``[name, start_units, bands, mix, lr_mult]`` rows (or dicts); None: the brief's."""
+    """Stages from a list of ``[name, start_units, bands, mix, lr_mult]`` rows (or dicts); None: the brief's.
+
+    A malformed table is a ``ValueError`` that names ``stage_table``, the row's index and what is wrong (a row of the
+    wrong length, a string where a number belongs, starts out of order), not the dataclass's bare ``TypeError``."""
     if table is None:
         return DEFAULT_STAGES
-    stages = []
-    for row in table:
-        stage = Stage(**row) if isinstance(row, Mapping) else Stage(*row)  # Mapping: also a Hydra DictConfig
-        stage = Stage(str(stage.name), float(stage.start), int(stage.bands), float(stage.mix), float(stage.lr_mult))
-        if stage.bands <= 0 or not 0.0 <= stage.mix <= 1.0 or stage.lr_mult <= 0:
-            raise ValueError(f"stage_table row {row!r}: need bands > 0, 0 <= mix <= 1, lr_mult > 0")
-        stages.append(stage)
-    if not stages or stages[0].start != 0 or any(b.start <= a.start for a, b in zip(stages, stages[1:])):
-        raise ValueError(f"stage_table must start at 0 with increasing starts, got {[s.start for s in stages]}")
+    if isinstance(table, (str, bytes, Mapping)) or not isinstance(table, Iterable):
+        raise ValueError(f"stage_table must be a list of [name, start_units, bands, mix, lr_mult] rows (or null for "
+                         f"the brief's stages), got {table!r}")
+    stages = [_stage_row(i, row) for i, row in enumerate(table)]
+    if not stages:
+        raise ValueError("stage_table is empty: give at least one row [name, 0, bands, mix, lr_mult], or null for "
+                         "the brief's stages")
+    if stages[0].start != 0:
+        raise ValueError(f"stage_table row 0 ({stages[0].name!r}) must start at 0, got {stages[0].start:g}")
+    for i, (a, b) in enumerate(zip(stages, stages[1:]), start=1):
+        if not b.start > a.start:
+            raise ValueError(f"stage_table row {i} ({b.name!r}) starts at {b.start:g}, not after row {i - 1} "
+                             f"({a.name!r}) at {a.start:g}: the rows must be in increasing order of start")
     return tuple(stages)
+
+
+def _stage_row(i: int, row) -> Stage:
+    """Row ``i`` of a ``stage_table``, checked field by field."""
+    where = f"stage_table row {i} ({_plain(row)!r})"
+    if isinstance(row, Mapping):  # also a Hydra DictConfig
+        keys = [str(key) for key in row.keys()]
+        missing = [key for key in STAGE_FIELDS if key not in keys]
+        unknown = [key for key in keys if key not in STAGE_FIELDS]
+        if missing or unknown:
+            problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unknown {', '.join(unknown)}"] if unknown else [])
+            raise ValueError(f"{where}: {'; '.join(problems)} (the keys are {', '.join(STAGE_FIELDS)})")
+        values = [row[key] for key in STAGE_FIELDS]
+    elif isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
+        raise ValueError(f"{where}: a row must be a list [name, start_units, bands, mix, lr_mult] (or a mapping with "
+                         f"those keys), got {type(row).__name__}")
+    else:
+        values = list(row)
+        if len(values) != len(STAGE_FIELDS):
+            raise ValueError(f"{where}: has {len(values)} fields, needs {len(STAGE_FIELDS)}: "
+                             "[name, start_units, bands, mix, lr_mult]")
+    name, start, bands, mix, lr_mult = values
+    for field, value in zip(STAGE_FIELDS[1:], values[1:]):
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise ValueError(f"{where}: {field} must be a finite number, got {value!r} ({type(value).__name__})")
+    if start < 0:
+        raise ValueError(f"{where}: start must be >= 0 (in step units), got {start!r}")
+    if not (bands > 0 and float(bands).is_integer()):
+        raise ValueError(f"{where}: bands must be a positive integer, got {bands!r}")
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"{where}: mix must be in [0, 1], got {mix!r}")
+    if not lr_mult > 0:
+        raise ValueError(f"{where}: lr_mult must be > 0, got {lr_mult!r}")
+    return Stage(str(name), float(start), int(bands), float(mix), float(lr_mult))
+
+
+def _plain(row):
+    """A Hydra ListConfig/DictConfig row as a plain list/dict (for the message)."""
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(row) if OmegaConf.is_config(row) else row
+    except ImportError:
+        return row
 
 
 def stage_at(step: int, step_unit: float, stages: tuple[Stage, ...] = DEFAULT_STAGES) -> Stage:
