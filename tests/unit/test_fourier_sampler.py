@@ -832,6 +832,97 @@ def test_trainer_log_every_n_steps_zero_learns_and_logs_nothing():
     assert s.updates == 4
 
 
+class _ListLogger:
+    """A stand-in logger: ``(step, name, value)`` of every write, in order."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, str, float]] = []
+
+    def log_metrics(self, metrics, step):
+        self.rows += [(step, name, value) for name, value in metrics.items()]
+
+    def save(self):
+        pass
+
+
+def _drive_fixed(cb, sampler, losses: list[torch.Tensor], index: list[torch.Tensor], every: int = 1):
+    """Run ``cb`` over one optimizer step per ``(losses[k], index[k])`` as Lightning calls it, with a logger."""
+    trainer = _FakeTrainer(sampler)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, every
+    trainer.loggers = [_ListLogger()]
+    module = _Recorder(trainer)
+    for step, (loss, idx) in enumerate(zip(losses, index)):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1  # Lightning advances it before on_train_batch_end
+        cb.on_train_batch_end(trainer, module, {"token_loss": loss, "index": idx}, None, step)
+    return trainer, module
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_nonfinite_warning_names_the_last_step_it_counted(lag):
+    """The count grows when an update is applied; with lag=1 step s's is applied at step s + 1's end, where the
+    warning said "up to step s + 1" although step s + 1's samples were not counted yet. It names the last step
+    applied now: step 2 under both lags, written at step 2's end (lag=0) or step 3's (lag=1)."""
+    import warnings
+
+    obs = _observations(5, batch=4, T=32)
+    losses = [loss.clone() for loss, _ in obs]
+    losses[2][1, 5], losses[2][3] = float("nan"), float("inf")
+    warned = {}
+    cb, s = FourierSamplerCallback(), make(stages=False, lag=lag)
+    trainer = _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
+    module = _Recorder(trainer)
+    for step, (loss, (_, idx)) in enumerate(zip(losses, obs)):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cb.on_train_batch_end(trainer, module, {"token_loss": loss, "index": idx}, None, step)
+        warned[step] = [str(w.message) for w in caught if "NaN/inf" in str(w.message)]
+    assert [step for step, messages in warned.items() if messages] == [2 + lag]
+    assert warned[2 + lag] == ["FourierSampler: 2 sample(s) up to step 2 had a NaN/inf token loss; they are left out "
+                               "of the sampling table (counted in fourier/nonfinite_skipped)"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_lag_one_logs_the_top_band_energy_of_each_logged_step_once_it_has_landed(every):
+    """With lag=1, fourier/top_band_energy was read off the GPU at every logged step (a wait for the step). It is
+    now written under its own step when it has reached the host with that step's update (the next step's end; the
+    last step's at train end): the same (step, value) pairs as with lag=0, where observe() reads it anyway."""
+    obs = _observations(6, batch=4, T=32)
+    losses, index = [loss for loss, _ in obs], [i for _, i in obs]
+    written = {}
+    for lag in (0, 1):
+        cb = FourierSamplerCallback()
+        trainer, module = _drive_fixed(cb, make(stages=False, lag=lag), losses, index, every=every)
+        before_end = [(step, v) for step, name, v in trainer.loggers[0].rows if name == "fourier/top_band_energy"]
+        cb.on_train_end(trainer, module)
+        written[lag] = [(step, v) for step, name, v in trainer.loggers[0].rows if name == "fourier/top_band_energy"]
+        logged_steps = [step for step in range(6) if (step + 1) % every == 0]
+        assert [step for step, _ in written[lag]] == logged_steps
+        # lag=1: each one a step late (on the host by then), the last one at train end
+        assert before_end == written[lag][:len(logged_steps) - lag]
+        if lag:
+            calls = {k: v for k, v in module.logged.items() if "fourier/top_band_energy" in v}
+            assert sorted(calls) == [step + 2 for step in logged_steps[:-1]]  # during step + 1 (global_step + 1)
+            assert all(isinstance(v, float) for _, v in written[lag])
+    assert written[1] == written[0]
+
+
+def test_lag_one_logging_never_reads_the_token_loss_on_the_host():
+    """As observe() (see the meta test above), the callback's logging under lag=1 must not read the step's token loss:
+    a logged step with meta token losses (no data: any read fails) writes its row; float() of the energy failed."""
+    s = make(stages=False, lag=1)
+    loss, idx = _observations(1, batch=4, T=32)[0]
+    trainer, module = _drive_fixed(FourierSamplerCallback(), s, [loss.to("meta")], [idx])
+    row = {name: v for step, name, v in trainer.loggers[0].rows if step == 0}
+    assert row["fourier/bands"] == s.bands_at(0) and "fourier/top_band_energy" not in row  # not landed yet
+    assert s.updates == 0 and len(s._pending) == 1
+
+
 class _RecordingSampler(FourierSampler):
     """A FourierSampler that records the (first index, step) of every observe()."""
 
@@ -909,7 +1000,8 @@ class _LrRecorder(L.Callback):
         self.after.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def _events(run_dir: Path) -> dict:
+def _events(run_dir: Path, steps: bool = False) -> dict:
+    """Each TensorBoard tag's values (with ``steps``: its steps) in the run's event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = {}
@@ -917,7 +1009,7 @@ def _events(run_dir: Path) -> dict:
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
-            tags[tag] = [e.value for e in acc.Scalars(tag)]
+            tags[tag] = [e.step if steps else e.value for e in acc.Scalars(tag)]
     return tags
 
 
@@ -956,6 +1048,8 @@ def test_exact_resume_through_trainer_checkpoint(tiny_cfg, lag):
         assert tag in logged, tag
     assert logged["fourier/bands"][0] == 4.0 and logged["fourier/bands"][-1] == 8.0
     assert logged["fourier/prob_entropy"][-1] <= math.log(straight["datamodule"].num_train_samples) + 1e-6
+    steps = _events(Path(straight["trainer"].default_root_dir), steps=True)  # lag=1: the last one at train end
+    assert steps["fourier/top_band_energy"] == steps["fourier/mix"] == list(range(2 * n))
 
 
 def test_stage_lr_multiplier_is_applied_inside_the_step(tiny_cfg):

@@ -16,7 +16,10 @@ is restored right after the update, so schedules and ``LearningRateMonitor`` see
 ``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and ``fourier/nonfinite_skipped``
 (samples whose token loss was NaN/inf, which the sampler leaves out of its table; the first one also warns) to the
 loggers (TensorBoard by default), after the steps ``k`` with ``(k + 1) % log_every_n_steps == 0`` (Lightning's own
-cadence, so the rows line up with ``train/loss``).
+cadence, so the rows line up with ``train/loss``). With the sampler's ``lag=1``, ``fourier/top_band_energy`` of step
+``k`` is a value the GPU computes: it is written under step ``k`` once it has reached the host with step ``k``'s
+update, at the end of step ``k + 1`` (the last step's at the end of training), so that logging never waits for
+the GPU either.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class FourierSamplerCallback(L.Callback):
         self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
         self._warned_nonfinite = False
         self._nonfinite_at_start = 0
+        self._energy_owed: int | None = None  # lag=1: the logged step whose top_band_energy is still on the device
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -96,6 +100,7 @@ class FourierSamplerCallback(L.Callback):
         # on_train_batch_end, and chainable torch schedulers read group["lr"]. So: torch step pre/post hooks.
         self._remove_hooks()
         self._reset_step()
+        self._energy_owed = None
         self._hooks = [optimizer.register_step_post_hook(self._after_step) for optimizer in trainer.optimizers]
         sampler = self.sampler_of(trainer)
         sampler.expect_updates()  # its first update comes after accumulate_grad_batches micro-batches have been drawn
@@ -129,11 +134,20 @@ class FourierSamplerCallback(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
+        if self._energy_owed is not None:  # lag=1: the last logged step's value, still in its pending update
+            landed = self.sampler_of(trainer).landed_stats(self._energy_owed, wait=True)  # the run is over: may wait
+            self._energy_owed = None
+            if landed is not None and getattr(trainer, "is_global_zero", True):
+                # to the loggers directly: Lightning refuses self.log in on_train_end
+                for logger in getattr(trainer, "loggers", ()):
+                    logger.log_metrics({"fourier/top_band_energy": landed["top_band_energy"]}, step=landed["step"])
+                    logger.save()
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()  # (a later fit must not find this fit's hooks on a reused optimizer)
         self._reset_step()  # an unfinished step's micro-batches: a continued fit redoes the step
+        self._energy_owed = None
         for optimizer in trainer.optimizers:
             restore_lrs(optimizer)  # a raise inside optimizer.step would leave the stage-scaled LR
 
@@ -165,6 +179,7 @@ class FourierSamplerCallback(L.Callback):
         self._reset_step()
         if dropped or not micro_outputs:  # never trained on: not learned from, and (as the other callbacks) no row
             sampler.step_not_observed(step)  # lag=1: the previous step's update is applied now, as observe would
+            self._after_apply(trainer, pl_module, sampler)
             return
         every = log_interval(self.log_every_n_steps, trainer)  # 0: no step logging
         log_now = on_log_cadence(every, step, trainer)  # Lightning's cadence: rows line up with train/loss
@@ -174,24 +189,39 @@ class FourierSamplerCallback(L.Callback):
         for token_loss, index in micro_outputs:
             stats = sampler.observe(token_loss, index, step=step)
             self._comm_bytes += stats["comm_bytes"]
-        # the sampler's count covers every rank's samples; it grows when an update is applied (lag=1: a step later,
-        # so that observe never waits for the GPU; several ranks with async_op: at the next draw)
-        new_nonfinite = sampler.nonfinite_skipped - self._nonfinite_at_start
-        if new_nonfinite > 0 and not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            rank_zero_warn(f"FourierSampler: {new_nonfinite} sample(s) up to step {step} had a "
-                           "NaN/inf token loss; they are left out of the sampling table (counted in "
-                           "fourier/nonfinite_skipped)")
+        self._after_apply(trainer, pl_module, sampler)
         if log_now:
             metrics = {
                 "fourier/mix": float(stats["mix"]),
                 "fourier/bands": float(stats["bands"]),
                 "fourier/prob_entropy": prob_entropy,
-                "fourier/top_band_energy": float(stats["top_band_energy"]),  # lag=1: a tensor (read on log steps)
                 # the multiplier this step's update used (1.0 when this callback does not apply it)
                 "fourier/lr_mult": sampler.lr_multiplier(step) if self.apply_lr_multiplier else 1.0,
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),
                 "fourier/nonfinite_skipped": float(sampler.nonfinite_skipped),
             }
+            if sampler.lag:  # a tensor on the GPU: written once it has reached the host (see _after_apply)
+                self._energy_owed = step
+            else:  # observe() has read it already
+                metrics["fourier/top_band_energy"] = float(stats["top_band_energy"])
             log_step_metrics(trainer, pl_module, metrics, step)
         self._comm_bytes = 0
+
+    def _after_apply(self, trainer: L.Trainer, pl_module: L.LightningModule, sampler: FourierSampler) -> None:
+        """After a step's updates were handed over (or the step was dropped): warn at the first non-finite sample,
+        and, with ``lag=1``, write the top band energy of the logged step whose update has just been applied."""
+        # the sampler's count covers every rank's samples; it grows when an update is applied (lag=1: a step later,
+        # so that observe never waits for the GPU; several ranks with async_op: at the next draw), so the warning
+        # names the last step applied, not the step being handed over
+        new_nonfinite = sampler.nonfinite_skipped - self._nonfinite_at_start
+        if new_nonfinite > 0 and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank_zero_warn(f"FourierSampler: {new_nonfinite} sample(s) up to step {sampler.last_step} had a "
+                           "NaN/inf token loss; they are left out of the sampling table (counted in "
+                           "fourier/nonfinite_skipped)")
+        if self._energy_owed is not None:
+            landed = sampler.landed_stats(self._energy_owed)
+            if landed is not None:
+                self._energy_owed = None
+                log_step_metrics(trainer, pl_module, {"fourier/top_band_energy": landed["top_band_energy"]},
+                                 landed["step"])

@@ -144,6 +144,7 @@ class FourierSampler(IndexSampler):
         self.updates, self.last_step = 0, 0
         self.nonfinite_skipped = 0  # samples whose token loss was NaN/inf, left out of the table
         self._pending: list[_Update] = []  # observed updates not yet applied to the table, oldest first
+        self._landed: dict | None = None  # lag=1: the logging stats of the last applied update (see landed_stats)
         self._version = self._target_version = 0
         self._elem: torch.Tensor | None = None  # per-sample part of the importance (float64), kept up to date
         self._unseen: torch.Tensor | None = None  # visits == 0, kept up to date (magnitude only)
@@ -238,8 +239,9 @@ class FourierSampler(IndexSampler):
         Collective when ``torch.distributed`` is initialized: every rank must call it once per micro-step.
         Returns local statistics for logging (``mix``, ``bands``, ``top_band_energy``, ``comm_bytes``,
         ``nonfinite``). With ``lag=1`` nothing here waits for the token loss's device: ``top_band_energy`` is then a
-        0-d tensor on that device and ``nonfinite`` is None (the count reaches ``nonfinite_skipped`` when the update
-        is applied, at the next step's ``observe``).
+        0-d tensor on that device (its value is copied to the host with the update's records: :meth:`landed_stats`
+        reads it once they have landed) and ``nonfinite`` is None (the count reaches ``nonfinite_skipped`` when the
+        update is applied, at the next step's ``observe``).
         """
         if self.num_samples == 0:
             raise RuntimeError("FourierSampler.setup() was not called")
@@ -282,20 +284,21 @@ class FourierSampler(IndexSampler):
             record = _pack(index, score, fine.half())
         else:
             record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
-        update = _Update(int(step), parts=[record])
+        top_band_energy = profile[:, -1].mean()
+        stats = top_band_energy.reshape(1) if self.lag else None  # copied to the host with the records
+        update = _Update(int(step), parts=[record], stats=stats)
         if world > 1:
             record = record.to(self._comm_device(record.device))
             gathered = [torch.empty_like(record) for _ in range(world)]
             overlap = self.async_op or bool(self.lag)
             handle = dist.all_gather(gathered, record, group=self.group, async_op=overlap)
             comm_bytes += record.numel() * record.element_size()
-            update = _Update(int(step), parts=gathered, handle=handle if overlap else None)
-        if self.lag and update.parts[0].is_cuda:
-            update.to_host_async()
+            update = _Update(int(step), parts=gathered, handle=handle if overlap else None, stats=stats)
+        if self.lag:
+            update.to_host_async()  # (nothing to do where nothing is on a GPU)
         self._pending.append(update)
         if not self.lag and (world == 1 or not self.async_op):  # nothing to overlap with on one process
             self.flush()
-        top_band_energy = profile[:, -1].mean()
         return {"mix": mix, "bands": bands, "comm_bytes": comm_bytes,
                 "top_band_energy": top_band_energy if self.lag else float(top_band_energy),
                 "nonfinite": None if self.lag else int((~finite).sum())}
@@ -322,6 +325,23 @@ class FourierSampler(IndexSampler):
             update = self._pending.pop(0)
             index, score, profile = _unpack(update.records(), self.fine_bands)
             self._apply(index, score, profile, update.step)
+            if update.stats is not None:  # on the host now (records() waited for the copy)
+                self._landed = {"step": update.step, "top_band_energy": float(update.stats)}
+
+    def landed_stats(self, step: int, wait: bool = False) -> dict | None:
+        """``lag=1``: this rank's ``top_band_energy`` of the last micro-batch observed at ``step``, read on the host,
+        as ``{"step", "top_band_energy"}``, once that step's update has been applied (at the next step's
+        :meth:`observe` or :meth:`step_not_observed`), so reading it never waits for the device. With ``wait``, a
+        step whose update is still pending is read from it (this waits for its copy: for the end of training).
+        None when the value is not known (lag 0, another step, or an update restored from a checkpoint)."""
+        if self._landed is not None and self._landed["step"] == step:
+            return dict(self._landed)
+        if wait:
+            for update in reversed(self._pending):
+                if update.step == step and update.stats is not None:
+                    update.records()  # waits for the copy of the records and of the stats
+                    return {"step": step, "top_band_energy": float(update.stats)}
+        return None
 
     def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
         keep = torch.isfinite(score)  # rows whose token loss was not finite (see observe) are not learned from
@@ -613,7 +633,7 @@ class FourierSampler(IndexSampler):
                 UserWarning,
                 stacklevel=2,
             )
-            self._pending = []
+            self._pending, self._landed = [], None
             self._empty_table()
             self.updates = self.last_step = self.nonfinite_skipped = 0
             self._touch(target=True, raw=True)
@@ -629,7 +649,7 @@ class FourierSampler(IndexSampler):
                     f"FourierSampler state {key!r} covers {state[key].shape[0]} samples but the dataset has "
                     f"{self.num_samples}: the checkpoint belongs to another corpus or block_size"
                 )
-        self._pending = []
+        self._pending, self._landed = [], None
         self.m1 = state["m1"].float().clone()
         self.m2 = state["m2"].float().clone()
         self.visits = state["visits"].int().clone()
@@ -676,33 +696,44 @@ class FourierSampler(IndexSampler):
 
 class _Update:
     """One observed update on its way to the table: the packed records (one part per rank once gathered), the
-    handle of an asynchronous gather, and, on a GPU under ``lag=1``, a host copy being made without waiting."""
+    handle of an asynchronous gather, this rank's logging stats (``lag=1``: ``[top_band_energy]``, None when restored
+    from a checkpoint), and, on a GPU under ``lag=1``, host copies of those being made without waiting."""
 
-    def __init__(self, step: int, parts: list[torch.Tensor], handle=None) -> None:
-        self.step, self.parts, self.handle = step, parts, handle
-        self.host: torch.Tensor | None = None
+    def __init__(self, step: int, parts: list[torch.Tensor], handle=None, stats: torch.Tensor | None = None) -> None:
+        self.step, self.parts, self.handle, self.stats = step, parts, handle, stats
         self.event = None
+        self._sources: list[torch.Tensor] = []  # the device tensors being copied, kept alive until the copies land
 
     def to_host_async(self) -> None:
-        """Start copying the records to pinned host memory; :meth:`records` waits for the copy."""
-        if self.handle is not None:  # an NCCL gather: its wait() only orders the current stream after it
-            self.handle.wait()
-            self.handle = None
-        device = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
-        self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-        self.host.copy_(device, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(device.device))  # the copy's stream, not the current device's
-        self.parts = [device]  # kept alive until the copy is done
+        """Start copying the records and stats that are on a GPU to pinned host memory; :meth:`records` waits for
+        the copies. Records not on a GPU (CPU, a gloo gather) are left as they are."""
+        if self.parts[0].is_cuda:
+            if self.handle is not None:  # an NCCL gather: its wait() only orders the current stream after it
+                self.handle.wait()
+                self.handle = None
+            self.parts = [self._copy_to_host(torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0])]
+        if self.stats is not None and self.stats.is_cuda:
+            self.stats = self._copy_to_host(self.stats)
+        if self._sources:
+            self.event = torch.cuda.Event()
+            # the copies' stream, not the current device's
+            self.event.record(torch.cuda.current_stream(self._sources[0].device))
+
+    def _copy_to_host(self, device: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        self._sources.append(device)
+        return host
 
     def records(self) -> torch.Tensor:
-        """The update's records on the host (waits for the gather or the copy if they are still running)."""
+        """The update's records on the host (waits for the gather or the copies if they are still running); the
+        stats are on the host after it too."""
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
         if self.event is not None:
             self.event.synchronize()
-            self.event, self.parts = None, [self.host]
+            self.event, self._sources = None, []
         if len(self.parts) > 1 or self.parts[0].device.type != "cpu":
             self.parts = [torch.cat([part.cpu() for part in self.parts])]
         return self.parts[0]
