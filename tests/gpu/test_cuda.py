@@ -198,8 +198,16 @@ def test_observe_waits_for_the_gpu_step_only_without_lag(lag: int) -> None:
     if lag:
         assert host_s < 0.1, host_s
         assert sampler.updates == 1  # step 1's, applied at this call
+        assert sampler.landed_stats(1) is not None and sampler.landed_stats(2) is None  # step 2's still pending
         sampler.observe(x, index, 3)
         assert sampler.updates == 2 and int(sampler.visits.sum()) > 0
+        # step 2's top band energy reached the host with its records: the value lag 0 reads in observe
+        reference = FourierSampler(stages=False, lag=0)
+        reference.setup(1000, seed=0)
+        expected = reference.observe(loss, index, 2)["top_band_energy"]
+        landed = sampler.landed_stats(2)
+        assert landed is not None and landed["step"] == 2
+        assert math.isclose(landed["top_band_energy"], expected, rel_tol=1e-6), (landed, expected)
     else:
         assert host_s > 0.3, host_s
         assert sampler.updates == 2
