@@ -193,14 +193,16 @@ def check_types(cfg: DictConfig) -> None:
 
 def _flag_or_number(annotation) -> tuple[str, set] | None:
     """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
-    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("number", allowed)`` for ``int``/``float``;
-    None for any other annotation."""
+    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
+    ``("number", allowed)`` for ``float`` or ``int | float``; None for any other annotation."""
     import types
     import typing
 
     if annotation is bool:
         return "bool", set()
-    if annotation in (int, float):
+    if annotation is int:
+        return "int", set()
+    if annotation is float:
         return "number", set()
     if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
         return None
@@ -213,17 +215,21 @@ def _flag_or_number(annotation) -> tuple[str, set] | None:
     plain = [a for a in rest if a not in literals]
     if plain == [bool]:
         return "bool", allowed
+    if plain == [int] and not literals:
+        return "int", allowed
     if plain and not literals and all(a in (int, float) for a in plain):
         return "number", allowed
     return None
 
 
 def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
-    """Flags and numbers of every ``_target_`` node (callbacks, sampler, strategy and codecs, Trainer): a value whose
-    parameter is annotated ``bool`` must be a boolean, one annotated as a number must not be a string. Constructors
-    read flags with ``bool(value)`` or ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or
-    ``stages=maybe`` (strings) counted as true, silently; a string where a number belongs failed in a comparison
-    that named neither key nor value."""
+    """Flags and numbers of every ``_target_`` node (data, callbacks, sampler, strategy and codecs, Trainer): a value
+    whose parameter is annotated ``bool`` must be a boolean, one annotated ``int`` an integer, one annotated as a
+    number a number; null only where the annotation allows None. Constructors read flags with ``bool(value)`` or
+    ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or ``stages=maybe`` (strings) counted as true,
+    silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
+    integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
+    ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
     from typing import get_type_hints
 
     from hydra.utils import get_object
@@ -259,11 +265,13 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
         value = node[key]
         if value is None and None in allowed or isinstance(value, str) and value in allowed:
             continue
+        others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
         if kind == "bool" and not isinstance(value, bool):
-            others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
             raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
-        if kind == "number" and isinstance(value, str):
-            raise ConfigError(f"{full} must be a number, got {value!r} (str)")
+        number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
+        if kind != "bool" and not number:
+            what = "an integer" if kind == "int" else "a number"
+            raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")
 
 
 def wsd_callback_keys(cfg: DictConfig) -> list[str]:
@@ -318,7 +326,7 @@ def check_config(cfg: DictConfig) -> None:
     if matmul not in ("highest", "high", "medium"):  # torch warns that the call has no effect, and goes on
         raise ConfigError(f"matmul_precision must be one of 'highest', 'high', 'medium', got {matmul!r}")
     seed = cfg.get("seed")
-    if seed is not None and not 0 <= seed <= 2**32 - 1:  # seed_everything's bounds, named here
+    if seed is None or not 0 <= seed <= 2**32 - 1:  # seed_everything's bounds, named here (null: int(None) failed)
         raise ConfigError(f"seed must be an integer in [0, {2**32 - 1}] (numpy's range), got {seed}")
     clip = cfg.trainer.get("gradient_clip_val")
     if clip is not None and not clip >= 0:  # Lightning skips clipping for < 0 without a word

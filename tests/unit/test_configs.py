@@ -144,7 +144,20 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.deterministic=maybe", r"trainer.deterministic must be true or false or null or 'warn', got 'maybe'"),
         # and a string where a number belongs: "'<' not supported between instances of 'float' and 'str'"
         ("data/sampler=fourier data.sampler.min_prob=abc", r"data.sampler.min_prob must be a number, got 'abc'"),
-        ("callbacks.model_checkpoint.save_top_k=abc", r"callbacks.model_checkpoint.save_top_k must be a number"),
+        ("callbacks.model_checkpoint.save_top_k=abc",
+         r"callbacks.model_checkpoint.save_top_k must be an integer, got 'abc' \(str\)"),
+        # null, a bool or a fraction where an int belongs: int(value) in the constructor trained data.seed=1.5 and
+        # data.seed=true as seed 1, silently; data.seed=null failed in Hydra's wrapper naming only 'full_key: data'
+        ("data.seed=null", r"data.seed must be an integer, got None \(NoneType\)"),
+        ("data.seed=1.5", r"data.seed must be an integer, got 1.5 \(float\)"),
+        ("data.seed=true", r"data.seed must be an integer, got True \(bool\)"),
+        ("data.seed=abc", r"data.seed must be an integer, got 'abc' \(str\)"),
+        ("data/sampler=fourier data.sampler.max_freq=2.5",
+         r"data.sampler.max_freq must be an integer or null, got 2.5 \(float\)"),
+        ("data/sampler=fourier data.sampler.min_prob=true",
+         r"data.sampler.min_prob must be a number, got True \(bool\)"),
+        ("trainer.num_nodes=null", r"trainer.num_nodes must be an integer, got None"),
+        ("seed=null", r"seed must be an integer in \[0, 4294967295\] \(numpy's range\), got None"),
         # lr=inf made the first update inf; the run stopped at step 1 with a NonFiniteError that blamed the
         # gradients and said the weights were still finite
         ("optimizer.lr=inf", r"optimizer.lr must be a finite number, got inf"),
