@@ -3,10 +3,12 @@
 import hydra
 from omegaconf import DictConfig
 
+from lit_dtrain.sweeps import reports_user_errors
 from lit_dtrain.train import train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@reports_user_errors  # a bad config, corpus or checkpoint: 'error: <message>', no traceback
 def main(cfg: DictConfig) -> float:
     metrics, _ = train(cfg)  # in a sweep, a failed job logs its error to its train.log (lit_dtrain.sweeps)
     return metrics["val_loss"]  # what a sweeper would optimize

@@ -1,13 +1,17 @@
 """Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`, :func:`logs_a_failed_job`), so that any
 Hydra entry point calling it gets them, not only the root ``train.py``. They read Hydra's runtime config and are
-no-ops without one (``train(cfg)`` called from plain Python)."""
+no-ops without one (``train(cfg)`` called from plain Python). :func:`reports_user_errors` is for an entry point
+itself (the root ``train.py``): it reports a bad input in one line instead of a traceback."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from pathlib import Path
 
+from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,61 @@ def logs_a_failed_job(train_fn):
             return train_fn(cfg)
         except Exception as e:
             if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-                job_log.exception("job %s failed: %s: %s", HydraConfig.get().job.num, type(e).__name__, e)
+                error = user_error(e)  # a bad input: its own type and message, no traceback
+                shown = error or e
+                job_log.error("job %s failed: %s: %s", HydraConfig.get().job.num, type(shown).__name__, shown,
+                              exc_info=error is None)
             raise
+
+    return wrapper
+
+
+def user_error(e: BaseException) -> BaseException | None:
+    """The lit_dtrain error behind ``e`` that says the user's input is wrong, or None: a ``ConfigError``, a
+    ``CorpusError`` (also when Hydra's ``instantiate`` wrapped it: ``Error in call to target ... full_key: data``),
+    a ``CheckpointError`` but one from writing a checkpoint that is not an OS error (a full disk is one; an object
+    torch cannot pickle is a bug, whose traceback helps)."""
+    from lit_dtrain.checkpoint import CheckpointError, _os_error
+    from lit_dtrain.data.corpus import CorpusError
+    from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
+
+    if isinstance(e, InstantiationException) and e.__cause__ is not None:
+        e = e.__cause__
+    if isinstance(e, (ConfigError, CorpusError)):
+        return e
+    if isinstance(e, CheckpointError):
+        writing = str(e).startswith("could not write checkpoint")
+        return e if not writing or _os_error(e.__cause__) is not None else None
+    return None
+
+
+class UserInputError(CompactHydraException):
+    """A bad input, which Hydra reports as its message alone (no traceback) at the end of a multirun."""
+
+
+def reports_user_errors(task_fn):
+    """Wrap a Hydra task function so that a bad input (:func:`user_error`) is reported in one line,
+    ``error: <message>`` on stderr, with exit status 1 as before. Hydra printed it under its shortened traceback
+    (about a dozen lines of lit_dtrain frames, the message last). A single run exits there. In a multirun the job
+    fails as before (its ``job N failed: ...`` line, :func:`logs_a_failed_job`), the next jobs run, and Hydra's
+    report of the first failed job after the sweep is that line. Other exceptions keep their traceback, and
+    ``HYDRA_FULL_ERROR=1`` shows it for every error."""
+
+    @functools.wraps(task_fn)
+    def wrapper(cfg: DictConfig):
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        try:
+            return task_fn(cfg)
+        except Exception as e:
+            error = user_error(e)
+            if error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch, read as it does
+                raise
+            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+                raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None  # past Hydra's run_job, which catches Exception only
 
     return wrapper
 

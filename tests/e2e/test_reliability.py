@@ -217,6 +217,35 @@ def test_corrupt_or_truncated_checkpoint_is_named(tiny_cfg, tmp_path):
             train(tiny_cfg("sample.max_new_tokens=0", f"ckpt_path={bad}", run=f"resume_{bad.stem}"))
 
 
+@pytest.mark.parametrize("kind", ["config", "corpus", "checkpoint"])
+def test_a_bad_input_is_one_error_line_without_a_traceback(tmp_path, corpus, kind):
+    """`python train.py data.seed=abc` printed Hydra's shortened traceback, about a dozen lines of lit_dtrain frames
+    with the message last (a corpus error came inside 'Error in call to target ... full_key: data'). A bad config,
+    corpus or checkpoint is now one line on stderr, 'error: <message>', with exit status 1 as before."""
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint" * 10)
+    args, message = {
+        "config": (["data.seed=abc"], "error: data.seed must be an integer, got 'abc' (str)"),
+        "corpus": (["data.sources.0.paths=[]"], "error: data.sources.0 (data source 'text'): kind='files' needs a "
+                   "non-empty 'paths' list of files, directories or globs, e.g. 'data.sources.0.paths=[~/corpus]'"),
+        "checkpoint": ([f"ckpt_path={garbage}"], f"error: checkpoint '{garbage}' is "),
+    }[kind]
+    proc = train_proc(tmp_path, corpus, *args)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(message), proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if "rror" in line] == [proc.stderr.splitlines()[-1]]
+
+
+def test_an_unexpected_error_keeps_its_traceback(tmp_path, corpus):
+    """Only bad inputs lose the traceback: a run that stops on a non-finite gradient (NonFiniteError, a training
+    failure, not a bad value) still shows where it was raised."""
+    proc = train_proc(tmp_path, corpus, "optimizer.lr=1e30", "trainer.max_steps=3")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" in proc.stderr, proc.stderr[-3000:]
+    assert "lit_dtrain.module.NonFiniteError: non-finite gradients at step 1" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_nonfinite_loss_stops_at_that_step_with_finite_weights(tiny_cfg):
     for value in ("nan", "inf"):
         cfg = tiny_cfg("+callbacks.fault._target_=tests.faults.PoisonLossAtStep", "+callbacks.fault.step=3",

@@ -20,6 +20,9 @@ def test_every_failed_sweep_job_says_why_in_its_own_dir(tmp_path, corpus):
         log = (sweep / job / "train.log").read_text()
         assert f"job {job} failed: ConfigError: optimizer.lr must be > 0, got {lr}" in log, log
     assert "job 1 failed: ConfigError: optimizer.lr must be > 0, got -6" in proc.stdout + proc.stderr
+    # a bad value: Hydra's report after the sweep is the first failed job's error in one line, with no traceback
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "\nerror: optimizer.lr must be > 0, got -5\n" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_diverged_run_without_the_finite_check_still_reports_its_nan(tmp_path, corpus):

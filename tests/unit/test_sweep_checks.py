@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from lit_dtrain.sweeps import check_resumed_job
+from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain.data.corpus import CorpusError
+from lit_dtrain.sweeps import UserInputError, check_resumed_job, reports_user_errors, user_error
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import CONF_DIR, TINY
 
@@ -135,8 +138,9 @@ def test_train_called_from_another_hydra_entry_logs_a_failed_jobs_error(tmp_path
     """A failed sweep job's 'job N failed: Type: message' line, which Hydra's job logging writes to the job's log
     file and scripts/compare_runs.py shows as the job's error, was logged by the root train.py's wrapper only: a
     job of a Hydra app of one's own calling train(cfg) that failed left nothing in its log, and compare_runs
-    listed it as 'no metrics logged'. train(cfg) logs it now, with the traceback, once; outside a multirun
-    nothing (the error ends the run)."""
+    listed it as 'no metrics logged'. train(cfg) logs it now, once; outside a multirun nothing (the error ends the
+    run). A bad input (a ConfigError, a CorpusError that Hydra's instantiate wrapped) is logged in one line with
+    its own type, any other error with its traceback."""
     job1 = tmp_path / "sweep" / "1"
     with multirun_job(job1, ["optimizer.lr=1e-3,-1"], ["optimizer.lr=-1"], corpus) as cfg:
         with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
@@ -145,9 +149,84 @@ def test_train_called_from_another_hydra_entry_logs_a_failed_jobs_error(tmp_path
     assert [(r.name, r.levelno, r.getMessage()) for r in failed] == [
         ("lit_dtrain.train", logging.ERROR, "job 1 failed: ConfigError: optimizer.lr must be > 0, got -1")
     ]
-    assert failed[0].exc_info[0] is ConfigError  # the traceback, as the root train.py logged it
+    assert not failed[0].exc_info  # a bad value: the line says it all
+    caplog.clear()
+    # LMDataModule's CorpusError, inside Hydra's 'Error in call to target ...': the line showed only that first line
+    with multirun_job(job1, ["data.sources.0.paths=[a],[]"], ["data.sources.0.paths=[]"], corpus) as cfg:
+        with pytest.raises(InstantiationException):
+            train(cfg)
+    (failed,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert failed.getMessage().startswith("job 1 failed: CorpusError: data.sources.0 (data source 'text'): "
+                                          "kind='files' needs a non-empty 'paths' list"), failed.getMessage()
+    assert not failed.exc_info
+    caplog.clear()
+    with multirun_job(job1, ["+trainer.foo=1,2"], ["+trainer.foo=1"], corpus) as cfg:  # not a bad input of ours
+        with pytest.raises(InstantiationException):
+            train(cfg)
+    (failed,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert failed.getMessage().startswith("job 1 failed: InstantiationException: Error in call to target")
+    assert failed.exc_info[0] is InstantiationException  # with its traceback
     caplog.clear()
     with multirun_job(tmp_path / "runs" / "one", [], ["optimizer.lr=-1"], corpus, mode=RunMode.RUN) as cfg:
         with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
             train(cfg)
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+def test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceback(tmp_path, corpus, capsys,
+                                                                                   monkeypatch):
+    """The root train.py's wrapper: Hydra printed a ConfigError under its shortened traceback (about a dozen lines,
+    the message last). A single run now prints 'error: <message>' alone and exits with status 1 (as before); a
+    multirun job fails with a CompactHydraException, which Hydra reports as its message alone after the sweep; any
+    other error, and every error under HYDRA_FULL_ERROR=1, goes on unchanged."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def failing(error):
+        def task(cfg):
+            raise error
+        return reports_user_errors(task)
+
+    bad = ConfigError("data.seed must be an integer, got 'abc' (str)")
+    with multirun_job(tmp_path / "runs" / "one", [], [], corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(SystemExit) as exit_:
+            failing(bad)(cfg)
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == "error: data.seed must be an integer, got 'abc' (str)\n"
+        bug = RuntimeError("a bug")
+        with pytest.raises(RuntimeError) as raised:
+            failing(bug)(cfg)
+        assert raised.value is bug
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+        with pytest.raises(ConfigError) as raised:
+            failing(bad)(cfg)
+        assert raised.value is bad and capsys.readouterr().err == ""
+        monkeypatch.delenv("HYDRA_FULL_ERROR")
+    with multirun_job(tmp_path / "sweep" / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
+        with pytest.raises(UserInputError, match=r"^error: data.seed must be an integer") as raised:
+            failing(bad)(cfg)
+        assert raised.value.__cause__ is bad and capsys.readouterr().err == ""
+
+
+def test_which_errors_are_a_bad_input():
+    """ConfigError, CorpusError (also inside Hydra's InstantiationException) and CheckpointError are; a checkpoint
+    that could not be written is only for an OS error (a full disk), not for an object torch cannot pickle (a bug)."""
+    corpus_error = CorpusError("data source 'text': path '/x' does not exist")
+    try:
+        raise InstantiationException("Error in call to target 'lit_dtrain.data.LMDataModule'") from corpus_error
+    except InstantiationException as e:
+        wrapped = e
+    assert user_error(wrapped) is corpus_error
+    unreadable = CheckpointError("checkpoint '/x.ckpt' is corrupt or unreadable: KeyError: 105")
+    assert user_error(unreadable) is unreadable
+
+    def write_error(cause):
+        try:
+            raise CheckpointError("could not write checkpoint '/x.ckpt': ...") from cause
+        except CheckpointError as e:
+            return e
+
+    full = write_error(OSError(28, "No space left on device"))
+    assert user_error(full) is full
+    assert user_error(write_error(TypeError("cannot pickle 'generator' object"))) is None
+    assert user_error(RuntimeError("a bug")) is None
+    assert user_error(InstantiationException("Error in call to target")) is None
