@@ -376,6 +376,31 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
 
 
+def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> None:
+    """Warn when ``scheduler.total_steps`` (the horizon of ``scheduler=cosine`` or ``wsd``) is below
+    ``trainer.max_steps``: the steps past it run at the schedule's last factor (``min_lr_factor`` of the peak, 0
+    for WSD), which trained nothing or little without a word. A warning, not an error: a horizon above
+    ``max_steps`` is how a stable run to branch from is planned (docs/wsd.md), and one below may be meant.
+    ``WSDScheduler`` (the callback form) warns the same at train start."""
+    scheduler = scheduler_config(cfg)
+    total = scheduler.get("total_steps") if scheduler else None
+    max_steps = cfg.trainer.get("max_steps")
+    if not (isinstance(total, int) and isinstance(max_steps, int)) or total >= max_steps:
+        return
+    past = max_steps - max(total, start_step)  # steps of this run past the horizon
+    if past <= 0 or rank_zero_only.rank != 0:
+        return
+    floor = scheduler.get("min_lr_factor")
+    at = f"min_lr_factor={floor} of the peak LR" if floor is not None else "the schedule's last LR"
+    name = str(scheduler.get("_target_", "")).rsplit(".", 1)[-1]
+    log.warning(
+        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s ends at step %d and the last %d steps run "
+        "at %s. Set scheduler.total_steps=%d (or leave it at its default, ${trainer.max_steps}), or "
+        "trainer.max_steps=%d",
+        total, max_steps, name or "schedule", total - 1, past, at, max_steps, total,
+    )
+
+
 def check_validation_limit(cfg: DictConfig) -> None:
     """``trainer.limit_val_batches``: 0 is Lightning's switch for no validation, which a lit_dtrain run cannot do
     without. The default ``ModelCheckpoint`` saves after each validation, so such a run wrote no checkpoint before its
@@ -897,6 +922,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         fit_default_warmup(cfg, ckpt_path, start_step)
         if branch_step is None:  # (a branch warns itself, naming decay_branch.ckpt)
             warn_if_the_resume_jumps_up(cfg, ckpt_path, start_step)
+    warn_if_the_schedule_ends_early(cfg, start_step)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 

@@ -678,3 +678,38 @@ def test_the_smallest_val_fraction_a_refusal_suggests_keeps_a_batch(batches):
     assert all(int(len(loader) * suggested) >= 1 for loader in loaders), suggested
     assert suggested <= 1.01 / batches  # and it is still the smallest, to 3 significant digits
     _ValLimitCheck(suggested).on_fit_start(trainer, module)  # the suggestion is accepted
+
+
+def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
+    """scheduler=cosine scheduler.total_steps=3 trainer.max_steps=6 trained steps 3..5 at the floor
+    (min_lr_factor of the peak; 0 for WSD) without a word; the WSD callback warns for the same case. A warning, not
+    an error: a horizon above max_steps plans a stable run to branch from (docs/wsd.md)."""
+    import logging
+
+    from lit_dtrain.train import train, warn_if_the_schedule_ends_early
+
+    caplog.set_level(logging.WARNING, logger="lit_dtrain.train")
+    _, objs = train(tiny_cfg("scheduler=cosine", "scheduler.total_steps=3", "sample.max_new_tokens=0"))
+    warned = [r.getMessage() for r in caplog.records if "scheduler.total_steps" in r.getMessage()]
+    assert warned == [
+        "scheduler.total_steps=3 is below trainer.max_steps=6: the cosine_scheduler ends at step 2 and the last 3 "
+        "steps run at min_lr_factor=0.1 of the peak LR. Set scheduler.total_steps=6 (or leave it at its default, "
+        "${trainer.max_steps}), or trainer.max_steps=3"
+    ]
+    lr = objs["trainer"].optimizers[0].param_groups[0]["lr"]
+    assert lr == pytest.approx(0.1 * objs["module"].trainer.lr_scheduler_configs[0].scheduler.base_lrs[0])
+
+    def warnings_for(*overrides, start_step=0):
+        caplog.clear()
+        warn_if_the_schedule_ends_early(tiny_cfg(*overrides), start_step)
+        return [r.getMessage() for r in caplog.records]
+
+    (wsd,) = warnings_for("scheduler.total_steps=4")  # the default wsd: its floor is 0
+    assert wsd.startswith("scheduler.total_steps=4 is below trainer.max_steps=6: the wsd_scheduler ends at step 3 "
+                          "and the last 2 steps run at min_lr_factor=0.0 of the peak LR")
+    (resumed,) = warnings_for("scheduler=cosine", "scheduler.total_steps=3", start_step=4)  # this run's steps only
+    assert "and the last 2 steps run at" in resumed
+    assert warnings_for("scheduler=cosine", "scheduler.total_steps=3", start_step=6) == []
+    assert warnings_for("scheduler=cosine") == []  # total_steps: ${trainer.max_steps}
+    assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == []  # a longer horizon, on purpose
+    assert warnings_for("scheduler=constant") == []
