@@ -107,7 +107,13 @@ def test_constant_exact_values():
         (dict(step=1.5), "step"),
         (dict(total_steps=0), "total_steps"),
         (dict(total_steps=-5), "total_steps"),
-        (dict(total_steps=10.0), "total_steps"),
+        (dict(total_steps=10.5), "total_steps must be an integer, got 10.5"),
+        (dict(total_steps=float("nan")), "total_steps must be an integer, got nan"),
+        (dict(total_steps=float("inf")), "total_steps must be an integer, got inf"),
+        (dict(total_steps=True), "total_steps must be an integer, got True"),
+        (dict(total_steps="10"), "total_steps must be an integer, got '10'"),
+        (dict(warmup_steps=1.5), "warmup_steps must be an integer, got 1.5"),
+        (dict(decay_steps=2.5), "decay_steps must be an integer, got 2.5"),
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(decay_steps=-1), "decay_steps"),
         (dict(warmup_steps=7, decay_steps=4), "warmup_steps \\+ decay_steps"),
@@ -151,6 +157,26 @@ def test_cosine_and_constant_invalid_arguments(fn, kwargs, match):
         fn(0, **kwargs)
     with pytest.raises(ValueError, match="step must be >= 0"):
         fn(-1, **({"total_steps": 5} if fn is cosine_lr_factor else {}))
+
+
+def test_integral_floats_are_integers():
+    """total_steps=1000.0 (``1e3``, a horizon computed as ``0.5 * steps``) was refused as 'not an integer'; a float
+    that is exactly an integer is that integer now, in every schedule and the adapters (fractions stay refused)."""
+    wsd = dict(warmup_steps=10, decay_steps=200, min_lr_factor=0.1)
+    steps = [0, 5, 10, 500, 799, 800, 900, 999, 1000, 1200]
+    assert [wsd_lr_factor(s, total_steps=1000.0, **wsd) for s in steps] == [
+        wsd_lr_factor(s, total_steps=1000, **wsd) for s in steps]
+    as_floats = dict(warmup_steps=10.0, decay_steps=200.0, min_lr_factor=0.1)
+    assert [wsd_lr_factor(float(s), total_steps=1e3, **as_floats) for s in steps] == [
+        wsd_lr_factor(s, total_steps=1000, **wsd) for s in steps]
+    assert resolve_decay_steps(1000.0, decay_fraction=0.2) == 200
+    assert [cosine_lr_factor(s, total_steps=1000.0, warmup_steps=10.0) for s in steps] == [
+        cosine_lr_factor(s, total_steps=1000, warmup_steps=10) for s in steps]
+    assert [constant_lr_factor(s, warmup_steps=4.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    for make, extra in ((wsd_scheduler, dict(decay_fraction=0.2)), (cosine_scheduler, {})):
+        a, b = _opt(2.0), _opt(2.0)
+        floats = _lrs(make(a, total_steps=20.0, warmup_steps=2.0, **extra), a, 25)
+        assert floats == _lrs(make(b, total_steps=20, warmup_steps=2, **extra), b, 25)
 
 
 def _lrs(scheduler, optimizer, n: int) -> list[float]:

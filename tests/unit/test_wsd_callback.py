@@ -249,6 +249,22 @@ def test_callback_invalid_arguments_raise(kwargs, match):
         WSDScheduler(**kwargs)
 
 
+def test_callback_takes_an_integral_float_and_refuses_a_fraction():
+    """WSDScheduler(total_steps=1000.0) was refused as 'total_steps must be an integer'; a float that is exactly an
+    integer is that integer, and the schedule is the same. A fraction, a bool, nan and inf stay refused, by name."""
+    floats = WSDScheduler(total_steps=1000.0, warmup_steps=10.0, decay_steps=200.0)
+    ints = WSDScheduler(total_steps=1000, warmup_steps=10, decay_steps=200)
+    assert (floats.total_steps, floats.warmup_steps, floats.decay_steps) == (1000, 10, 200)
+    assert all(isinstance(v, int) for v in (floats.total_steps, floats.warmup_steps, floats.decay_steps))
+    assert [floats.lr_factor(s) for s in range(0, 1100, 7)] == [ints.lr_factor(s) for s in range(0, 1100, 7)]
+    assert WSDScheduler(total_steps=1e3, decay_fraction=0.2).decay_steps == 200
+    for bad in (1000.5, True, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"^WSDScheduler: total_steps must be an integer, got {bad!r}$"):
+            WSDScheduler(total_steps=bad, decay_fraction=0.2)
+    with pytest.raises(ValueError, match=r"^WSDScheduler: warmup_steps must be an integer, got 2\.5$"):
+        WSDScheduler(total_steps=10, warmup_steps=2.5, decay_steps=2)
+
+
 def test_callback_state_roundtrip_and_missing_key():
     cb = WSDScheduler(total_steps=10, decay_steps=2)
     cb.base_lrs, cb.last_step = [[0.3, 0.1]], 4

@@ -25,6 +25,12 @@ DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
 
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an ``int``: an integer, or a float that is exactly one (``1000.0``: ``1e3`` in YAML, a horizon
+    computed as ``0.5 * steps``); ``ValueError`` naming ``name`` for anything else (``1000.5``, a bool, nan, inf, a
+    string) and for a value below ``minimum``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+        if math.isfinite(value) and float(value).is_integer():
+            value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
@@ -141,6 +147,7 @@ def wsd_lr_factor(
         decay_fraction=decay_fraction,
     )
     step = _check_int("step", step)
+    total_steps, warmup_steps = int(total_steps), int(warmup_steps)  # checked above: 1000.0 is 1000
     m = float(min_lr_factor)
     if step < warmup_steps:
         return _warmup_factor(step, warmup_steps)
@@ -241,8 +248,8 @@ def wsd_scheduler(
     return lambda_scheduler(
         optimizer,
         wsd_lr_factor,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps,
+        total_steps=int(total_steps),  # checked above: 1000.0 is 1000
+        warmup_steps=int(warmup_steps),
         decay_steps=decay_steps,
         decay_type=decay_type,
         min_lr_factor=min_lr_factor,
