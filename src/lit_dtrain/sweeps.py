@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from hydra.errors import CompactHydraException, InstantiationException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,33 @@ def reports_user_errors(task_fn):
                 raise
             if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
-            print(f"error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None  # past Hydra's run_job, which catches Exception only
+            _exit_with(error)  # past Hydra's run_job, which catches Exception only
 
     return wrapper
+
+
+def _exit_with(error: BaseException):
+    """Print ``error: <message>`` on stderr and exit with status 1 (``HYDRA_FULL_ERROR=1``: raise ``error``)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
+
+
+class ResumeSweepCheck(Callback):
+    """Hydra callback (``conf/hydra/default.yaml``): refuse ``resume=auto`` in a multirun without
+    ``hydra.sweep.dir`` before Hydra creates the sweep dir. ``train(cfg)`` refuses it in each job too (for any Hydra
+    app), but by then Hydra had written a new sweep dir, its ``multirun.yaml`` and a dir per job: every refused
+    start left a sweep of nothing behind in ``outputs/multiruns``, which ``scripts/compare_runs.py`` listed."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from lit_dtrain.train import _created_by_this_start, new_sweep_dir_error
+
+        if OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False) != "auto":
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.exists() and _created_by_this_start(sweep_dir, list(config.hydra.overrides.hydra)):
+            _exit_with(new_sweep_dir_error(sweep_dir))
 
 
 def check_resumed_job(cfg: DictConfig) -> None:

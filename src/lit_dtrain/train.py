@@ -550,29 +550,44 @@ def _default_run_name(cfg: DictConfig) -> bool:
 _IMPORTED_AT = time.time()  # before Hydra resolves ${now:...} for this start's sweep dir
 
 
-def _created_by_this_start(sweep_dir: Path) -> bool:
+def _created_by_this_start(sweep_dir: Path, hydra_overrides: list[str] | None = None) -> bool:
     """Whether ``sweep_dir`` is the default sweep dir (conf/hydra: ``<time>.%f``) of this very start (not one given
     with ``hydra.sweep.dir``): its timestamp is not older than this process's import of lit_dtrain.train. Under
     srun/torchrun the default is the launch's id (as ``run_name``'s), the same on every rank and again on a
     re-launch with that id (a requeued SLURM job, a fixed ``--rdzv-id``): such a dir is this start's while none of
     its jobs holds a checkpoint (every rank sees the same: a job's checkpoints are written after all ranks
-    passed this check, and before any rank starts the next job)."""
+    passed this check, and before any rank starts the next job). ``hydra_overrides``: Hydra's own overrides of this
+    start, where its runtime config is not set yet (default: read from it)."""
     launch = launch_run_name("")
     if launch:
-        return sweep_dir.name == launch and not _sweep_dir_given() and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
+        given = _sweep_dir_given(hydra_overrides)
+        return sweep_dir.name == launch and not given and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
     if not re.fullmatch(rf"{_DEFAULT_RUN_NAME}\.\d{{6}}", sweep_dir.name):
         return False
     started = datetime.strptime(sweep_dir.name, "%Y-%m-%d_%H-%M-%S.%f").timestamp()
     return started >= _IMPORTED_AT - 1.0
 
 
-def _sweep_dir_given() -> bool:
-    """Whether ``hydra.sweep.dir`` was set on the command line (False outside Hydra)."""
+def _sweep_dir_given(hydra_overrides: list[str] | None = None) -> bool:
+    """Whether ``hydra.sweep.dir`` was set on the command line: in ``hydra_overrides``, or by default in Hydra's
+    runtime config (False outside Hydra)."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return False
-    return any(str(o).lstrip("+~").split("=")[0] == "hydra.sweep.dir" for o in HydraConfig.get().overrides.hydra)
+    if hydra_overrides is None:
+        if not HydraConfig.initialized():
+            return False
+        hydra_overrides = list(HydraConfig.get().overrides.hydra)
+    return any(str(o).lstrip("+~").split("=")[0] == "hydra.sweep.dir" for o in hydra_overrides)
+
+
+def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
+    """The refusal of ``resume=auto`` in a multirun whose sweep dir is this start's new one (nothing to resume)."""
+    return ConfigError(
+        f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "
+        f"writes a new sweep dir {str(sweep_dir)!r} that holds no checkpoint. Re-run the same -m arguments "
+        "with hydra.sweep.dir=<outputs/multiruns/<time or launch id> of that sweep>: job N resumes "
+        "<sweep dir>/N"
+    )
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -623,13 +638,8 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         sweep_dir = Path(str(cfg.paths.output_dir)).parent
         if _created_by_this_start(sweep_dir):
             # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
-            # id): nothing to resume
-            raise ConfigError(
-                f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "
-                f"writes a new sweep dir {str(sweep_dir)!r} that holds no checkpoint. Re-run the same -m arguments "
-                "with hydra.sweep.dir=<outputs/multiruns/<time or launch id> of that sweep>: job N resumes "
-                "<sweep dir>/N"
-            )
+            # id): nothing to resume. (The root train.py refuses it before Hydra creates the dir: lit_dtrain.sweeps)
+            raise new_sweep_dir_error(sweep_dir)
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
 

@@ -87,3 +87,27 @@ def test_resuming_a_sweep_with_its_values_in_another_order_is_refused(tmp_path, 
     same = sweep("optimizer.lr=1e-3,3e-3", *resume)
     assert same.returncode == 0, same.stdout[-2000:] + same.stderr[-2000:]
     assert [json.loads((sweep_dir / j / "summary.json").read_text())["steps"] for j in "01"] == [9, 9]
+
+
+def test_resume_auto_without_a_sweep_dir_is_refused_before_hydra_writes_one(tmp_path, corpus):
+    """`python train.py -m ... resume=auto` without hydra.sweep.dir is refused (nothing to resume in a new sweep
+    dir), but each job refused it only after Hydra had created the new sweep dir, its multirun.yaml and a dir per
+    job with .hydra/ and train.log: every refused start left a sweep of nothing in outputs/multiruns, which
+    compare_runs then listed. The start is refused now before Hydra writes anything, in one line; with
+    hydra.sweep.dir it runs (a dir that does not exist yet: each job starts fresh)."""
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0",
+            "optimizer.lr=1e-3,3e-3", "resume=auto"]
+    env = subprocess_env(tmp_path)
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), "-m", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = proc.stderr.splitlines()
+    new = tmp_path / "outputs" / "multiruns"
+    assert line.startswith(f"error: resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: "
+                           f"without it this start writes a new sweep dir '{new}/"), line
+    assert not (tmp_path / "outputs").exists()
+    sweep_dir = tmp_path / "outputs" / "multiruns" / "given"
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [json.loads((sweep_dir / j / "summary.json").read_text())["steps"] for j in "01"] == [6, 6]
