@@ -569,8 +569,8 @@ def _created_by_this_start(sweep_dir: Path, hydra_overrides: list[str] | None = 
 
 
 def _sweep_dir_given(hydra_overrides: list[str] | None = None) -> bool:
-    """Whether ``hydra.sweep.dir`` was set on the command line: in ``hydra_overrides``, or by default in Hydra's
-    runtime config (False outside Hydra)."""
+    """Whether ``hydra.sweep.dir`` was set on the command line: among ``hydra_overrides`` (Hydra's own overrides),
+    by default among those of Hydra's runtime config (False outside Hydra)."""
     from hydra.core.hydra_config import HydraConfig
 
     if hydra_overrides is None:
@@ -638,7 +638,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         sweep_dir = Path(str(cfg.paths.output_dir)).parent
         if _created_by_this_start(sweep_dir):
             # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
-            # id): nothing to resume. (The root train.py refuses it before Hydra creates the dir: lit_dtrain.sweeps)
+            # id): nothing to resume. (conf/hydra's ResumeSweepCheck refuses it before Hydra creates that dir.)
             raise new_sweep_dir_error(sweep_dir)
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
