@@ -332,7 +332,7 @@ def compare(
     maximize: list[str] = (),
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
-    better higher (tokens/s); the others lower."""
+    better higher (train/device/items_per_sec); the others lower."""
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
@@ -431,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="METRIC",
-        help="a --metric that is better higher (tokens/s, comm/compression_ratio): its best value and best run are the "
-        "highest (repeatable). The others are better lower",
+        help="a --metric that is better higher (train/device/items_per_sec, comm/compression_ratio): its best value "
+        "and best run are the highest (repeatable). The others are better lower",
     )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")
