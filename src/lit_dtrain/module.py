@@ -136,6 +136,7 @@ class LitLLM(L.LightningModule):
         self._loss_sum, self._loss_count = torch.zeros(()), 0
         self.flops_per_batch: float | None = None  # of the current batch, read by ThroughputMonitor (FLOP/s, MFU)
         self._flops_by_shape: dict[tuple, float] = {}
+        self._ids_checked = False  # the current loop's first batch was checked (see _check_token_ids)
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -157,12 +158,40 @@ class LitLLM(L.LightningModule):
         for key in ("input_ids", "labels"):
             if key not in batch:
                 raise KeyError(f"LitLLM batch is missing {key!r}; got keys {sorted(batch)}")
+        if not self._ids_checked:
+            self._check_token_ids(batch)
         logits = self.model(batch["input_ids"])  # (B, T, V)
         B, T, V = logits.shape
         token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
         return token_loss.view(B, T)
 
+    def _check_token_ids(self, batch: Mapping) -> None:
+        """The first batch of each training and validation loop: every input id and label must be a row of the
+        embedding. A tokenizer larger than ``model.vocab_size`` otherwise failed inside the embedding on a CPU
+        ("index out of range in self") and with a device-side assert on a GPU, which names nothing; a label
+        ``-100`` (another library's ignore index) was silently a token of loss 0 in the mean. One host read per
+        loop; a later batch with an id out of range still fails as before."""
+        self._ids_checked = True
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is None:
+            return
+        for key in ("input_ids", "labels"):
+            ids = batch[key]
+            if ids.numel() == 0:
+                continue
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= vocab:
+                bad = hi if hi >= vocab else lo
+                hint = (" (LitLLM masks no tokens: every label counts in the loss, so -100 is no ignore index here)"
+                        if bad < 0 else " (set model.vocab_size to the tokenizer's vocabulary size)")
+                raise ValueError(f"LitLLM batch {key!r} holds token id {bad}, outside the model's vocabulary "
+                                 f"[0, {vocab}){hint}")
+
+    def on_validation_start(self) -> None:
+        self._ids_checked = False
+
     def on_train_start(self) -> None:
+        self._ids_checked = False
         # The schedule is a function of the optimizer step. A checkpoint without LR-scheduler state (written with
         # the WSDScheduler callback, or with '~scheduler') leaves the new scheduler at step 0 while global_step
         # continues from the checkpoint: it would re-warm and put the decay S steps too late. Align it.

@@ -91,6 +91,32 @@ def test_a_batch_that_is_not_a_dict_is_an_error_naming_its_type_and_the_contract
         tiny_lit().validation_step(batch, 0)
 
 
+@pytest.mark.parametrize(
+    "key, bad, named",
+    [
+        ("input_ids", 300, r"'input_ids' holds token id 300, outside the model's vocabulary \[0, 257\) \(set model"),
+        ("labels", 257, r"'labels' holds token id 257, outside the model's vocabulary \[0, 257\) \(set model"),
+        ("labels", -100, r"'labels' holds token id -100, .*masks no tokens.*-100 is no ignore index"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_named_in_training_and_validation(tmp_path, key, bad, named) -> None:
+    """A tokenizer larger than the model's vocabulary was torch's "index out of range in self" (CPU) or a
+    device-side assert (GPU); a label -100 (an ignore index elsewhere) trained silently as a token of loss 0."""
+    batches = window_loader(4)
+    batches[0][key][1, 3] = bad
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=named):
+        trainer.fit(tiny_lit(), train_dataloaders=DataLoader(batches, batch_size=None))
+    with pytest.raises(ValueError, match=named):
+        trainer.validate(tiny_lit(), dataloaders=DataLoader(batches, batch_size=None), verbose=False)
+    # the check reads the first batch of each loop only, and in-range batches train as before
+    module = tiny_lit()
+    rows = fit(module, tmp_path / "ok", steps=2, accumulate=1)
+    assert module._ids_checked and sum(1 for r in rows if r.get("train/loss")) == 2
+
+
 def test_compiled_and_eager_modules_have_the_same_state_dict_keys() -> None:
     """``module.compile=true`` wrapped the model in an ``OptimizedModule``, so every key of its checkpoints gained an
     ``_orig_mod.`` segment: resuming one without compile (another machine, a debugging session), or a run started
