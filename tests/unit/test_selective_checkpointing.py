@@ -310,8 +310,12 @@ def test_module_pattern_naming_a_container_is_an_error():
     module = LitLLM(make_model())
     with pytest.raises(ValueError, match=r"matched model\.blocks, which has no forward.*'model\.blocks\.\*'"):
         find_blocks(module, "model.blocks")
-    with pytest.raises(ValueError, match=r"model\.blocks, which has no forward"):
+    with pytest.raises(ValueError, match=r"model\.blocks, which has no forward") as e:
         fit(lit_llm(), [SelectiveCheckpointing("full", module_pattern="model.blocks")], steps=1)
+    # the hint for blocks that do not exist yet belongs to a pattern that matched nothing, not to this one
+    assert "configure_model" not in str(e.value)
+    with pytest.raises(ValueError, match=r"matched no module.*LitLLM\.configure_model builds the blocks"):
+        fit(lit_llm(), [SelectiveCheckpointing("full", module_pattern="model.layers.*")], steps=1)
 
 
 def test_budget_probes_only_for_fit():

@@ -113,6 +113,10 @@ def _match(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n))
 
 
+class BlocksNotFound(ValueError):
+    """:func:`find_blocks` found no block (as opposed to a pattern that matched the wrong modules)."""
+
+
 def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tuple[str, nn.Module]]:
     """The blocks to checkpoint, as ``(module path, module)`` in forward order.
 
@@ -120,7 +124,8 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
     ``blocks`` under ``root`` (lit_dtrain's model contract). Otherwise every module whose dotted path
     matches the glob, segment by segment (``model.layers.*``, ``model.transformer.*.layers.*``).
     A module listed or registered more than once (weight sharing) is returned once, at its first path.
-    Raises ``ValueError`` naming the pattern and listing the modules seen when nothing matches.
+    Raises :class:`BlocksNotFound` (a ``ValueError``) naming the pattern and listing the modules seen when nothing
+    matches, and ``ValueError`` when the pattern matches a container, which is never called.
     """
     if module_pattern is None:
         lists = [
@@ -128,7 +133,7 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
         ]
         if len(lists) != 1:
             found = "none" if not lists else ", ".join(n for n, _ in lists)
-            raise ValueError(
+            raise (ValueError if lists else BlocksNotFound)(
                 f"expected exactly one nn.ModuleList named 'blocks' in {type(root).__name__} (found: {found}); "
                 f"pass module_pattern (a glob over module paths, e.g. 'model.layers.*'). "
                 f"Modules seen: {_modules_seen(root)}"
@@ -141,7 +146,7 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
         return list(blocks.values())
     matches = [(n, m) for n, m in root.named_modules() if n and _match(module_pattern, n)]
     if not matches:
-        raise ValueError(
+        raise BlocksNotFound(
             f"module_pattern {module_pattern!r} matched no module of {type(root).__name__}. "
             f"Modules seen: {_modules_seen(root)}"
         )

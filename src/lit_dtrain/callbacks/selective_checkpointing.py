@@ -40,6 +40,7 @@ from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._checkpoint_policies import (
     DEFAULT_SAVE_OPS,
     MODES,
+    BlocksNotFound,
     CheckpointedForward,
     apply_checkpointing,
     every_k_plan,
@@ -138,7 +139,7 @@ class SelectiveCheckpointing(Callback):
             return
         try:
             named = find_blocks(pl_module, self.module_pattern)
-        except ValueError as e:
+        except BlocksNotFound as e:  # (a pattern that matched a container says so: no hint about configure_model)
             if type(pl_module).configure_model is not LightningModule.configure_model:
                 raise ValueError(f"{e}. (If {type(pl_module).__name__}.configure_model builds the blocks, "
                                  "they do not exist yet when this callback runs in setup.)") from e
