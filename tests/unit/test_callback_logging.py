@@ -1,11 +1,18 @@
-"""callbacks._logging.log_step_metrics: the step, the rank, callback_metrics, and rows that reach the file."""
+"""callbacks._logging.log_step_metrics: the step, the rank, callback_metrics, and rows that reach the file; and
+OncePerStepLRMonitor: one LR row per logged optimizer step."""
 
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
+import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dtrain.callbacks._logging import log_step_metrics
 
@@ -34,3 +41,71 @@ def test_other_ranks_write_nothing(tmp_path):
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
     log_step_metrics(SimpleNamespace(is_global_zero=False, loggers=[logger]), Module(), {"a/x": 1.0}, 3)
     assert not (tmp_path / "csv" / "version_0" / "metrics.csv").exists()
+
+
+class LinearLR(L.LightningModule):
+    """An SGD whose LR is 0.1 * (step + 1) at optimizer step ``step``: every logged LR names its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).square().mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(48, 2, generator=torch.Generator().manual_seed(0))), batch_size=2)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+        return [optimizer], [{"scheduler": LambdaLR(optimizer, lambda step: step + 1), "interval": "step"}]
+
+
+def _tensorboard_scalars(run_dir) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = {}
+    for f in run_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags.setdefault(tag, []).extend((e.step, round(e.value, 6)) for e in acc.Scalars(tag))
+    return tags
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_lr_is_logged_once_per_logged_optimizer_step_under_accumulation(tmp_path, accumulate):
+    """Lightning's LearningRateMonitor logs in on_train_batch_start, once per micro-batch: with
+    accumulate_grad_batches=2 every logged step had two identical lr rows (CSV steps 1, 1, 3, 3, 5, 5)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_dtrain.callbacks import OncePerStepLRMonitor
+
+    monitor = OncePerStepLRMonitor(logging_interval="step", log_momentum=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=accumulate,
+                        log_every_n_steps=2, callbacks=[monitor], enable_checkpointing=False,
+                        logger=[CSVLogger(str(tmp_path), name="csv", version=0),
+                                TensorBoardLogger(str(tmp_path), name="tb", version=0)],
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LinearLR())
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("lr-SGD")]
+    # the steps k with (k + 1) % 2 == 0, each once, with the LR used at that step, and the momentum beside it
+    expected = [(1, 0.2), (3, 0.4), (5, 0.6)]
+    assert [(int(r["step"]), round(float(r["lr-SGD"]), 6)) for r in rows] == expected
+    assert [float(r["lr-SGD-momentum"]) for r in rows] == [0.5] * 3
+    tags = _tensorboard_scalars(tmp_path / "tb")
+    assert tags["lr-SGD"] == expected
+    assert monitor.state_dict() == LearningRateMonitor().state_dict()  # no checkpoint state of its own
+
+
+def test_the_default_config_uses_the_once_per_step_lr_monitor():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.callbacks import OncePerStepLRMonitor
+
+    config = OmegaConf.load(Path(__file__).parents[2] / "conf" / "callbacks" / "default.yaml").lr_monitor
+    monitor = instantiate(config)
+    assert isinstance(monitor, OncePerStepLRMonitor) and monitor.logging_interval == "step"

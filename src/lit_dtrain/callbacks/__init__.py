@@ -17,6 +17,7 @@ _EXPORTS = {
     "FourierSamplerCallback": "lit_dtrain.callbacks.fourier_sampler",
     "token_throughput_monitor": "lit_dtrain.callbacks.throughput",
     "PreemptionCheckpoint": "lit_dtrain.callbacks.preemption",
+    "OncePerStepLRMonitor": "lit_dtrain.callbacks.lr_monitor",
 }
 
 __all__ = sorted(_EXPORTS)

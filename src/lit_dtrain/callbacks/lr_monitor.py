@@ -1,0 +1,41 @@
+"""Lightning's ``LearningRateMonitor``, one row per optimizer step under gradient accumulation.
+
+Lightning's monitor logs the LR in ``on_train_batch_start``, which runs once per micro-batch, and its check
+(``trainer._logger_connector.should_update_logs``) looks at the count of optimizer steps taken, which does not change
+within a step: with ``accumulate_grad_batches=A`` every logged step got ``A`` identical ``lr-*`` rows (CSV rows at
+steps 1, 1, 3, 3, ... for ``A=2``). :class:`OncePerStepLRMonitor` lets the first micro-batch of a step log, as before,
+and skips the rest. Checked lightning 2.6: no option of ``LearningRateMonitor`` does this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor
+from typing_extensions import override
+
+
+class OncePerStepLRMonitor(LearningRateMonitor):
+    """``LearningRateMonitor`` (same arguments, names, ``logging_interval`` and momentum/weight decay logging) that
+    writes the step-interval LRs once per optimizer step, at the step's first micro-batch, whatever
+    ``accumulate_grad_batches`` is. It keeps no checkpoint state, as Lightning's monitor keeps none."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._seen_step: int | None = None  # the logging step of the last micro-batch seen
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._seen_step = None  # a new fit (or a resume) starts counting afresh
+        super().on_train_start(trainer, *args, **kwargs)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        # Lightning's monitor logs at this counter; it moves once per optimizer step (per batch under manual
+        # optimization), so a micro-batch that finds it unchanged belongs to a step whose first micro-batch logged
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if step == self._seen_step:
+            return
+        self._seen_step = step
+        super().on_train_batch_start(trainer, *args, **kwargs)
