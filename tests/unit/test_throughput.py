@@ -109,3 +109,50 @@ def test_available_flops_gives_mfu_on_any_device(tmp_path: Path) -> None:
         assert float(r["train/device/mfu"]) == pytest.approx(float(r["train/device/flops_per_sec"]) / 1e9)
     with pytest.raises(ValueError, match="available_flops must be > 0"):
         token_throughput_monitor(available_flops=0)
+
+
+class Validated(Tokens):
+    """Tokens with a validation set of 4 batches of 4 sequences of 6 tokens, and a val/loss."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.emb(batch["input_ids"]).square().mean())
+
+    def val_dataloader(self):
+        ids = torch.randint(0, 16, (16, 6), generator=torch.Generator().manual_seed(1))
+        return DataLoader([{"input_ids": r} for r in ids], batch_size=4)
+
+
+def test_one_validation_row_per_validation_at_the_step_of_its_val_loss(tmp_path: Path) -> None:
+    """Lightning's ThroughputMonitor wrote validate/* every log_every_n_steps validation batches under its own count
+    of them (steps 1..4, 5..8, 9..12 between training steps 1, 3, 5), and trainer.validate() after the fit restarted it
+    at 1 with counts added to the previous validation's: in TensorBoard the curves went backwards and overlapped."""
+    import csv
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=2, log_every_n_steps=1,
+                        callbacks=[token_throughput_monitor(window_size=2)],
+                        logger=[CSVLogger(str(tmp_path), name="csv", version=0),
+                                TensorBoardLogger(str(tmp_path), name="tb", version=0)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = Validated()
+    trainer.fit(module)
+    trainer.validate(module, verbose=False)
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    val_steps = [int(r["step"]) for r in rows if r.get("val/loss")]
+    assert val_steps == [1, 3, 5, 6]  # after steps 2, 4, 6 (0-based 1, 3, 5); trainer.validate at global_step
+    rows = [r for r in rows if r.get("validate/batches")]
+    assert [int(r["step"]) for r in rows] == val_steps  # one row each, beside its val/loss
+    for r in rows:  # this validation's totals, not a running count
+        assert (float(r["validate/batches"]), float(r["validate/samples"]), float(r["validate/lengths"])) == (4, 16, 96)
+        # rates over the whole validation
+        assert float(r["validate/device/items_per_sec"]) == pytest.approx(96 / float(r["validate/time"]))
+        assert float(r["validate/device/batches_per_sec"]) == pytest.approx(4 / float(r["validate/time"]))
+    steps = {}
+    for f in (tmp_path / "tb").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in ("validate/batches", "validate/device/items_per_sec"):
+            steps.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
+    assert steps == {"validate/batches": val_steps, "validate/device/items_per_sec": val_steps}

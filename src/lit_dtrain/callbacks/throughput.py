@@ -6,6 +6,15 @@ it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
 
+Validation gets one row per validation, under the step where Lightning writes that validation's ``val/loss`` (on
+the training axis: the optimizer step just taken, 0-based; ``trainer.validate`` after ``fit``: ``global_step``).
+``validate/time``, ``validate/batches``, ``validate/samples`` and ``validate/lengths`` (tokens) are that validation's
+totals, and ``validate/device/{batches,samples,items,flops}_per_sec`` (``validate/device/mfu``; with several ranks
+also the global ``validate/*_per_sec``) its rates over all its batches. Lightning's monitor wrote a row every
+``log_every_n_steps`` validation batches under its own count of them (steps 2, 4, 6, 8, ... across a fit's
+validations, among the training steps 1, 3, 5; ``trainer.validate`` restarted at 2, with counts added to the
+previous validation's), so in TensorBoard the curves went backwards and overlapped.
+
 FLOP/s and MFU (``train/device/mfu``) need the device's peak FLOP/s. Lightning's table misses the H200 as it names
 itself ("NVIDIA H200", "NVIDIA H200 NVL"; Lightning matches "sxm1"/"nvl1" only, and lists sparse figures for them),
 so :func:`peak_flops_lightning_lacks` fills those in with NVIDIA's dense figures; ``available_flops`` overrides the
@@ -20,6 +29,8 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 
@@ -65,8 +76,9 @@ def _tokens(batch: dict) -> int:
 class _StepWindowThroughputMonitor(ThroughputMonitor):
     """``window_size`` in optimizer steps for training. Lightning's window counts the batches it is updated with,
     micro-batches: with ``accumulate_grad_batches=A`` a window of ``n`` covered ``n / A`` steps (a fraction of one
-    step for ``n < A``). Validation keeps a window of ``n`` batches. A batch without ``input_ids`` is refused when a
-    training batch starts, before it trains."""
+    step for ``n < A``). Validation writes one row of totals and whole-validation rates when it ends, at the step of
+    its ``val/loss`` (see the module docstring). A batch without ``input_ids`` is refused when a training batch
+    starts, before it trains."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         # Lightning's monitor reads the batch at its end, after the optimizer step: check its form before it trains
@@ -76,6 +88,50 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
     def __init__(self, *args, peak_flops: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.peak_flops = peak_flops
+        self._validation_flops: float | None = 0.0  # this validation's FLOPs so far (None: a batch had none)
+
+    def _start(self, trainer) -> None:
+        if trainer.state.stage == RunningStage.VALIDATING:
+            # count every validation from zero: Lightning resets only inside fit, so trainer.validate() added to the
+            # previous validation's counts while its clock restarted
+            self._samples.pop(RunningStage.VALIDATING, None)
+            self._validation_flops = 0.0
+        super()._start(trainer)
+
+    @override
+    @rank_zero_only
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        if trainer.sanity_checking:
+            return
+        # counted (Lightning's on_validation_end needs the clock to keep training time free of validation time), but
+        # not written: the row comes at the end of the validation
+        self._update(trainer, pl_module, batch, batch_idx)
+        flops = getattr(pl_module, "flops_per_batch", None) if self._module_has_flops else None
+        if flops is None or self._validation_flops is None:
+            self._validation_flops = None  # no FLOPs for one batch: no FLOP/s for the validation
+        else:
+            self._validation_flops += flops
+
+    @override
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        super().on_validation_end(trainer, pl_module)
+        stage = RunningStage.VALIDATING
+        times = self._throughputs[stage]._time
+        if not times:  # no validation batch ran
+            return
+        # the whole validation as one window: from (0 s, nothing counted) to its end
+        whole = Throughput(available_flops=self.available_flops, world_size=trainer.world_size,
+                           **{**self.kwargs, "window_size": 2})
+        with_lengths = self.length_fn is not None
+        whole.update(time=0.0, batches=0, samples=0, lengths=0 if with_lengths else None,
+                     flops=None if self._validation_flops is None else 0)
+        whole.update(time=times[-1], batches=self._batches[stage], samples=self._samples[stage],
+                     lengths=self._lengths[stage] if with_lengths else None, flops=self._validation_flops)
+        metrics = {f"{stage.value}{whole.separator}{k}": v for k, v in whole.compute().items()}
+        trainer._logger_connector.log_metrics(metrics)  # step None: where Lightning writes this validation's val/loss
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -99,8 +155,9 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
 
 def token_throughput_monitor(window_size: int = 50, available_flops: float | None = None) -> ThroughputMonitor:
     """A ``ThroughputMonitor`` that counts sequences and tokens of ``{"input_ids": [B, T]}`` batches; the rates are
-    averaged over the last ``window_size`` optimizer steps (validation: batches). ``available_flops``: the peak
-    FLOP/s of one device, for MFU (None: Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
+    averaged over the last ``window_size`` optimizer steps (validation: one row of totals and rates over the whole
+    validation, at the step of its ``val/loss``). ``available_flops``: the peak FLOP/s of one device, for MFU (None:
+    Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
     # Lightning's Throughput asserts window_size > 1 in the monitor's setup, inside fit: a bare AssertionError
     check_arg("token_throughput_monitor", "window_size", window_size,
               lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer >= 2 (steps averaged)")
