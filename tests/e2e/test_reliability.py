@@ -48,8 +48,12 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert a["state_dict"].keys() == b["state_dict"].keys()
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
-    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
-        assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+    state_a, state_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert state_a.keys() == state_b.keys() and state_a  # every parameter's AdamW state: exp_avg, exp_avg_sq, step
+    for i in state_a:
+        assert state_a[i].keys() == state_b[i].keys(), i
+        for k in state_a[i]:
+            assert torch.equal(torch.as_tensor(state_a[i][k]), torch.as_tensor(state_b[i][k])), (i, k)
 
 
 # Extra overrides that switch on every stateful callback and sampler (extended as techniques land).
@@ -169,6 +173,43 @@ def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_torchrun_reports_a_sigterm_stop_as_failed_and_a_restart_continues_with_resume_auto(tmp_path, corpus):
+    """Under torchrun the workers that SIGTERM stopped exit with 143, so the agent reports a failed worker and exits
+    with status 1 (Lightning's exit status 0 read as success). With --max-restarts the agent starts them again with
+    the same arguments: with resume=auto they continue the run, and end where the stopped run resumed by hand does.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the agent's shared store, a restarted gloo rank read a dead worker's
+    address (pytorch#135712) and its start failed or hung."""
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = [*RUN, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer=ddp_cpu",
+            *[o for o in RUN if o.startswith("trainer.")], "trainer.enable_progress_bar=false"]
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5", "+callbacks.fault.rank=0",
+             "+callbacks.fault.signal=SIGTERM"]
+    env = {**subprocess_env(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def torchrun(*extra, restarts=0):
+        return subprocess.run([*launch, f"--max-restarts={restarts}", str(ROOT / "train.py"), *args, *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    stopped = torchrun("run_name=stopped", *fault)
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 1, out[-3000:]
+    assert "ChildFailedError" in out and "exitcode  : 143" in out, out[-3000:]
+    assert out.count("exiting with status 143 (stopped by SIGTERM, not finished)") == 2, out[-3000:]  # both ranks
+    runs = tmp_path / "outputs" / "runs"
+    assert torch.load(runs / "stopped/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
+    assert not (runs / "stopped/summary.json").exists()
+    resumed = torchrun("run_name=stopped", "resume=auto")
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+
+    restarted = torchrun("run_name=restarted", "resume=auto", *fault, restarts=1)
+    assert restarted.returncode == 0, (restarted.stdout + restarted.stderr)[-3000:]
+    assert "exiting with status 143" in restarted.stdout + restarted.stderr  # the first attempt was stopped
+    assert json.loads((runs / "restarted/summary.json").read_text())["steps"] == MAX_STEPS
+    assert_same_weights(final_state(tmp_path, "stopped"), final_state(tmp_path, "restarted"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_ddp_rank_killed_survivor_fails_fast_and_resume_works(tmp_path, corpus):
     ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp",
            "strategy.collective_timeout_s=20"]
@@ -180,6 +221,8 @@ def test_ddp_rank_killed_survivor_fails_fast_and_resume_works(tmp_path, corpus):
     assert elapsed < 120, elapsed  # well within timeout + start-up: it never hangs
     err = dead.stdout + dead.stderr
     assert "CollectiveError: rank 0: a collective failed at step 5" in err, err[-3000:]
+    # the message says where the timeout is set and how to continue
+    assert "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto." in err, err[-3000:]
     resumed = train_proc(tmp_path, corpus, "run_name=ddp", "resume=auto", *ddp, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ckpt = torch.load(tmp_path / "outputs/runs/ddp/checkpoints/last.ckpt", weights_only=True)
@@ -201,7 +244,9 @@ def test_ddp_hung_rank_hits_the_collective_timeout(tmp_path, corpus):
     # start-up + 8 s (~40 s idle; up to ~100 s on a loaded 2-core machine): rank 0 gave up on its own and did
     # not wait out the peer's 300 s hang
     assert elapsed < 200, elapsed
-    assert "CollectiveError: rank 0: a collective failed at step 4" in hung.stdout + hung.stderr
+    err = hung.stdout + hung.stderr
+    assert "CollectiveError: rank 0: a collective failed at step 4" in err, err[-3000:]
+    assert "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto." in err, err[-3000:]
 
 
 def test_corrupt_or_truncated_checkpoint_is_named(tiny_cfg, tmp_path):

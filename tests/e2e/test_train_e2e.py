@@ -88,9 +88,12 @@ def test_a_run_dir_with_checkpoints_is_not_started_over(tiny_cfg):
     from lit_dtrain.train import ConfigError
 
     common = ["trainer.max_steps=2", "trainer.val_check_interval=2", "sample.max_new_tokens=0"]
-    train(tiny_cfg(*common, run="reused"))
+    _, first = train(tiny_cfg(*common, run="reused"))
+    ckpt_dir = Path(first["trainer"].default_root_dir) / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpt_dir.iterdir()}
     with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run.*resume=auto"):
         train(tiny_cfg(*common, "seed=7", run="reused"))
+    assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before  # nothing written, nothing overwritten
     _, resumed = train(tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
                                 "resume=auto", run="reused"))
     assert resumed["trainer"].global_step == 4

@@ -164,6 +164,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("optimizer.weight_decay=inf", r"optimizer.weight_decay must be a finite number, got inf"),
         ("model.rope_theta=inf", r"model.rope_theta must be a finite number, got inf"),
         ("model.init_std=nan", r"model.init_std must be a finite number, got nan"),
+        ("optimizer.eps=nan", r"optimizer.eps must be a finite number, got nan"),
+        ("model.norm_eps=inf", r"model.norm_eps must be a finite number, got inf"),
         # the optimizer is built in configure_optimizers, inside fit: these were TypeErrors there
         ("optimizer.lr=null", r"optimizer.lr must be > 0, got None"),
         ("optimizer.betas=[0.9,abc]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 'abc'\]"),
