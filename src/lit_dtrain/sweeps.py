@@ -65,6 +65,9 @@ def logs_a_failed_job(train_fn):
 def user_error(e: BaseException) -> BaseException | None:
     """The lit_dtrain error behind ``e`` that says the user's input is wrong, or None: a ``ConfigError``, a
     ``CorpusError`` (also when Hydra's ``instantiate`` wrapped it: ``Error in call to target ... full_key: data``),
+    a plain ``ValueError`` that a constructor raised inside ``instantiate`` (an argument check: reported as a
+    ``ConfigError`` prefixed with Hydra's ``full_key``, ``callbacks.loss_spike: LossSpikeMonitor: method must be
+    ...``; Hydra showed no traceback for it either),
     a ``CheckpointError`` but one from writing a checkpoint that is not an OS error (a full disk is one; an object
     torch cannot pickle is a bug, whose traceback helps)."""
     from lit_dtrain.checkpoint import CheckpointError, _os_error
@@ -72,6 +75,11 @@ def user_error(e: BaseException) -> BaseException | None:
     from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
 
     if isinstance(e, InstantiationException) and e.__cause__ is not None:
+        if type(e.__cause__) is ValueError:  # a constructor's own argument check (check_arg, LlamaConfig, ...)
+            # Hydra's message is "Error in call to target '<class>':\n<repr of the error>\nfull_key: <node>"
+            node = next((line[len("full_key: "):] for line in str(e).splitlines() if line.startswith("full_key: ")),
+                        None)
+            return ConfigError(f"{node}: {e.__cause__}" if node else str(e.__cause__))
         e = e.__cause__
     if isinstance(e, (ConfigError, CorpusError)):
         return e

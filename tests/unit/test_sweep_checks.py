@@ -230,3 +230,20 @@ def test_which_errors_are_a_bad_input():
     assert user_error(write_error(TypeError("cannot pickle 'generator' object"))) is None
     assert user_error(RuntimeError("a bug")) is None
     assert user_error(InstantiationException("Error in call to target")) is None
+
+    def instantiation_error(cause, full_key=True):
+        try:
+            raise InstantiationException(f"Error in call to target 'x.Y':\n{cause!r}"
+                                         + ("\nfull_key: callbacks.loss_spike" if full_key else "")) from cause
+        except InstantiationException as e:
+            return e
+
+    # a constructor's argument check (a plain ValueError) is a bad input too: one line, after Hydra's node name
+    check = ValueError("LossSpikeMonitor: method must be one of ('ema', 'median'), got 'mean'")
+    named = user_error(instantiation_error(check))
+    assert isinstance(named, ConfigError)
+    assert str(named) == "callbacks.loss_spike: LossSpikeMonitor: method must be one of ('ema', 'median'), got 'mean'"
+    assert str(user_error(instantiation_error(check, full_key=False))) == str(check)
+    # other errors inside a constructor are not (a TypeError, a ValueError subclass from deeper down)
+    assert user_error(instantiation_error(TypeError("unexpected keyword argument 'x'"))) is None
+    assert user_error(instantiation_error(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"))) is None
