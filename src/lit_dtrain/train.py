@@ -401,6 +401,30 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     )
 
 
+def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
+    """Under ``torchrun --max-restarts N`` (N > 0), at the first start: warn when a restart cannot continue the run.
+    A restarted worker runs the same command: without ``resume=auto`` it is a fresh start in a run dir that holds
+    checkpoints, which is refused (and each refusal uses up a restart). On gloo (CPU) with the agent's shared
+    store, a restarted rank hung in the process group's setup or failed to connect in 3 of 4 tries here
+    (pytorch#135712); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment avoids it (3 of 3)."""
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if restarts <= 0 or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or rank_zero_only.rank != 0:
+        return
+    if cfg.get("resume") != "auto":
+        log.warning("torchrun --max-restarts=%d: a restarted worker continues this run only with resume=auto; "
+                    "without it the restart is a fresh start in a run dir that holds checkpoints, which is refused",
+                    restarts)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    gloo = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if gloo and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        log.warning("torchrun --max-restarts=%d on gloo with torchrun's shared store: a restarted rank can hang in "
+                    "the process group's setup or fail to connect (pytorch#135712); set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment", restarts)
+
+
 def check_validation_limit(cfg: DictConfig) -> None:
     """``trainer.limit_val_batches``: 0 is Lightning's switch for no validation, which a lit_dtrain run cannot do
     without. The default ``ModelCheckpoint`` saves after each validation, so such a run wrote no checkpoint before its
@@ -933,6 +957,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         if branch_step is None:  # (a branch warns itself, naming decay_branch.ckpt)
             warn_if_the_resume_jumps_up(cfg, ckpt_path, start_step)
     warn_if_the_schedule_ends_early(cfg, start_step)
+    warn_about_torchrun_restarts(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 
