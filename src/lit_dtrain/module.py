@@ -335,16 +335,30 @@ class LitLLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Under FSDP clip by norm through the root FSDP module, whose ``clip_grad_norm_`` sums the squared norms of
-        every rank's shards (Lightning's FSDP precision plugin refuses ``gradient_clip_algorithm='norm'``, so
-        ``strategy=fsdp`` with the default ``trainer.gradient_clip_val=1.0`` stopped at the first step)."""
+        """Log ``train/grad_norm`` (the total gradient norm before clipping, after a GradScaler's unscale) at the
+        steps Lightning writes ``train/loss``, then clip. Under FSDP clip by norm through the root FSDP module, whose
+        ``clip_grad_norm_`` sums the squared norms of every rank's shards and returns the total (Lightning's FSDP
+        precision plugin refuses ``gradient_clip_algorithm='norm'``, so ``strategy=fsdp`` with the default
+        ``trainer.gradient_clip_val=1.0`` stopped at the first step); there the norm is logged only when it
+        clips by norm, as the shards' norms need that reduction."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        root = getattr(self.trainer.strategy, "model", None)
-        if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm" and \
-                isinstance(root, FullyShardedDataParallel):
-            root.clip_grad_norm_(float(gradient_clip_val))
-            return
+        from lit_dtrain.callbacks._logging import on_log_cadence  # (lazy: the callbacks import this module)
+
+        trainer = self.trainer
+        log_now = on_log_cadence(int(trainer.log_every_n_steps), trainer.global_step, trainer)
+        root = getattr(trainer.strategy, "model", None)
+        if isinstance(root, FullyShardedDataParallel):
+            if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
+                norm = root.clip_grad_norm_(float(gradient_clip_val))
+                if log_now:
+                    self.log("train/grad_norm", norm, on_step=True)
+                return
+        elif log_now:
+            # a spike monitor that dropped this step left no gradients: no row
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True)
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 

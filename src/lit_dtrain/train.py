@@ -490,7 +490,8 @@ def check_monitors(cfg: DictConfig) -> None:
     ``trainer.val_check_interval`` steps of training, and stops without a checkpoint. Metrics of other families
     (logged by callbacks or strategies) are left to Lightning."""
     names = [str(s.get("name")) for s in (cfg.data.get("sources") or [])]
-    known = ["train/loss", "val/loss", "val/ppl"] + ([f"val/{n}/loss" for n in names] if len(names) > 1 else [])
+    known = ["train/loss", "train/grad_norm", "val/loss", "val/ppl"]
+    known += [f"val/{n}/loss" for n in names] if len(names) > 1 else []
     for key, node in (cfg.get("callbacks") or {}).items():
         monitor = node.get("monitor") if isinstance(node, DictConfig) else None
         if not isinstance(monitor, str) or monitor in known:

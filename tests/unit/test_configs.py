@@ -262,7 +262,8 @@ def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
 
 
 def test_checkpoint_monitors_that_lit_dtrain_logs_are_valid(tiny_cfg, tmp_path, corpus):
-    for metric in ("val/loss", "val/ppl", "train/loss", "fourier/mix"):  # another family: left to Lightning
+    # fourier/mix: another family, left to Lightning
+    for metric in ("val/loss", "val/ppl", "train/loss", "train/grad_norm", "fourier/mix"):
         check_config(tiny_cfg(f"callbacks.model_checkpoint.monitor={metric}"))
     mixture = compose_cfg(["data=mixture", f"data.sources.1.paths=[{corpus}]",
                            "callbacks.model_checkpoint.monitor=val/text/loss"], tmp_path / "m", None)

@@ -44,18 +44,18 @@ class MicroLosses(L.Callback):
         self.by_step.setdefault(trainer.global_step, []).append(float(loss))
 
 
-def fit(module: LitLLM, tmp_path: Path, steps: int, accumulate: int, callbacks=()) -> list[dict]:
+def fit(module: LitLLM, tmp_path: Path, steps: int, accumulate: int, callbacks=(), **trainer_kw) -> list[dict]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         logger=CSVLogger(str(tmp_path), name="csv", version=0),
-        log_every_n_steps=1,
         callbacks=list(callbacks),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **{"log_every_n_steps": 1, **trainer_kw},
     )
     trainer.fit(module, train_dataloaders=DataLoader(window_loader(steps * accumulate), batch_size=None))
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
@@ -89,6 +89,33 @@ def test_a_batch_that_is_not_a_dict_is_an_error_naming_its_type_and_the_contract
     over when ``fit`` is given a list of batches) was a RuntimeError from inside ``in`` or ``sorted``."""
     with pytest.raises(TypeError, match=rf"LitLLM.*'input_ids'.*'labels'.*a dict.*got a {got}$"):
         tiny_lit().validation_step(batch, 0)
+
+
+class GradNorms(L.Callback):
+    """The total gradient norm of each step as the optimizer is about to see it, before Lightning clips."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
+        self.by_step[trainer.global_step] = float(torch.cat(grads).double().norm())
+
+
+@pytest.mark.parametrize("clip", [0.01, None])
+def test_the_gradient_norm_before_clipping_is_logged_at_the_loss_steps(tmp_path: Path, clip) -> None:
+    """``train/grad_norm`` is the total norm the step's clipping measured (before clipping, so above a clip of 0.01),
+    written at the steps ``train/loss`` is written (every 2nd here); with clipping off it is still measured."""
+    probe = GradNorms()
+    rows = fit(tiny_lit(), tmp_path, steps=6, accumulate=2, callbacks=[probe], gradient_clip_val=clip,
+               log_every_n_steps=2)
+    norms = {int(r["step"]): float(r["train/grad_norm"]) for r in rows if r.get("train/grad_norm")}
+    losses = {int(r["step"]) for r in rows if r.get("train/loss")}
+    assert sorted(norms) == sorted(losses) == [1, 3, 5]
+    for step, norm in norms.items():
+        assert norm == pytest.approx(probe.by_step[step], rel=1e-5)
+        assert norm > 0.05  # the norm before the clip to 0.01
+    assert len(probe.by_step) == 6
 
 
 @pytest.mark.parametrize(
