@@ -340,10 +340,15 @@ class LitLLM(L.LightningModule):
         ``clip_grad_norm_`` sums the squared norms of every rank's shards and returns the total (Lightning's FSDP
         precision plugin refuses ``gradient_clip_algorithm='norm'``, so ``strategy=fsdp`` with the default
         ``trainer.gradient_clip_val=1.0`` stopped at the first step); there the norm is logged only when it
-        clips by norm, as the shards' norms need that reduction."""
+        clips by norm, as the shards' norms need that reduction.
+
+        The norm goes to the loggers at once, under this step (``log_step_metrics``). Through ``self.log`` a step
+        whose grads a spike monitor dropped (no norm, so no row) had the previous logged step's norm written under
+        its number: Lightning writes the last value each name was given."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        from lit_dtrain.callbacks._logging import on_log_cadence  # (lazy: the callbacks import this module)
+        # (lazy: the callbacks import this module)
+        from lit_dtrain.callbacks._logging import log_step_metrics, logging_step, on_log_cadence
 
         trainer = self.trainer
         log_now = on_log_cadence(int(trainer.log_every_n_steps), trainer.global_step, trainer)
@@ -352,13 +357,14 @@ class LitLLM(L.LightningModule):
             if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
                 norm = root.clip_grad_norm_(float(gradient_clip_val))
                 if log_now:
-                    self.log("train/grad_norm", norm, on_step=True)
+                    log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
                 return
         elif log_now:
             # a spike monitor that dropped this step left no gradients: no row
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if grads:
-                self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True)
+                norm = torch.nn.utils.get_total_norm(grads)
+                log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
