@@ -356,7 +356,7 @@ class LitLLM(L.LightningModule):
         if isinstance(root, FullyShardedDataParallel):
             if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
                 norm = root.clip_grad_norm_(float(gradient_clip_val))
-                if log_now:
+                if log_now and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
                     log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
                 return
         elif log_now:
