@@ -154,3 +154,13 @@ def load_script(name: str, alias: str | None = None):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def event_files(root: Path, pattern: str = "events.out.tfevents.*") -> list[Path]:
+    """TensorBoard event files under ``root`` in the order they were written (a run writes two: Lightning closes
+    the writer when fit ends and the final validation opens another). ``rglob`` gives the filesystem's order; the
+    names are ``events.out.tfevents.<time>.<host>.<pid>.<writer number>``, compared here as numbers."""
+    def key(path: Path) -> list:
+        return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.name.split(".")]
+
+    return sorted(root.rglob(pattern), key=key)

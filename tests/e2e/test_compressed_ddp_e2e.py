@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, event_files, subprocess_env
 
 
 @pytest.mark.slow
@@ -39,7 +39,7 @@ def test_train_py_ddp_cpu_powersgd(tmp_path, corpus):
 
     counters = ranks[0]["counters"]
     scalars = {}
-    for events in run_dir.glob("tb/**/events.out.tfevents.*"):
+    for events in event_files(run_dir / "tb"):
         acc = EventAccumulator(str(events))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dtrain.callbacks._logging import log_step_metrics
+from tests.conftest import event_files
 
 
 class Module:
@@ -65,7 +66,7 @@ def _tensorboard_scalars(run_dir) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = {}
-    for f in run_dir.rglob("events.out.tfevents.*"):
+    for f in event_files(run_dir):
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:

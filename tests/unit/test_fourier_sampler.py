@@ -1005,8 +1005,10 @@ def _events(run_dir: Path, steps: bool = False) -> dict:
     """Each TensorBoard tag's values (with ``steps``: its steps) in the run's event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from tests.conftest import event_files
+
     tags = {}
-    for f in run_dir.rglob("events.out.tfevents.*"):
+    for f in event_files(run_dir):
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:

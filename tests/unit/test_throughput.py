@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lit_dtrain.callbacks import token_throughput_monitor
+from tests.conftest import event_files
 
 
 class Tokens(L.LightningModule):
@@ -150,7 +151,7 @@ def test_one_validation_row_per_validation_at_the_step_of_its_val_loss(tmp_path:
         assert float(r["validate/device/items_per_sec"]) == pytest.approx(96 / float(r["validate/time"]))
         assert float(r["validate/device/batches_per_sec"]) == pytest.approx(4 / float(r["validate/time"]))
     steps = {}
-    for f in (tmp_path / "tb").rglob("events.out.tfevents.*"):
+    for f in event_files(tmp_path / "tb"):  # fit's file, then the final validate's
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in ("validate/batches", "validate/device/items_per_sec"):
