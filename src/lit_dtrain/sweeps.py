@@ -15,6 +15,8 @@ from hydra.errors import CompactHydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_dtrain.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +74,6 @@ def user_error(e: BaseException) -> BaseException | None:
     torch cannot pickle is a bug, whose traceback helps)."""
     from lit_dtrain.checkpoint import CheckpointError, _os_error
     from lit_dtrain.data.corpus import CorpusError
-    from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
 
     if isinstance(e, InstantiationException) and e.__cause__ is not None:
         if type(e.__cause__) is ValueError:  # a constructor's own argument check (check_arg, LlamaConfig, ...)
@@ -174,8 +175,6 @@ def check_resumed_job(cfg: DictConfig) -> None:
             key,
         )
         if diffs:
-            from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
-
             (where, before, now), more = diffs[0], len(diffs) - 1
             raise ConfigError(
                 f"resume=auto: {old_file.parent} was trained with {where}={_show(before)}, this job sets "

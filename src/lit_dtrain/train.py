@@ -40,6 +40,7 @@ from lit_dtrain.checkpoint import (
     safe_torch_load,
 )
 from lit_dtrain.config_resolvers import RequiredValueError, launch_run_name
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.schedules.workflows import (
@@ -82,10 +83,6 @@ def quiet_lightning_noise() -> None:
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
 
 
 class CollectiveError(RuntimeError):

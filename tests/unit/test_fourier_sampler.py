@@ -15,6 +15,8 @@ from omegaconf import open_dict
 from lit_dtrain.callbacks import FourierSamplerCallback, LossSpikeMonitor
 from lit_dtrain.data.samplers import FourierSampler, RandomSampler
 from lit_dtrain.data.samplers import spectral as S
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.sweeps import user_error
 from lit_dtrain.train import train
 
 # ---- spectral core -------------------------------------------------------------------------------------------
@@ -1396,8 +1398,9 @@ def test_a_table_from_another_corpus_of_the_same_size_is_refused(tiny_cfg, corpu
     doc.write_text(doc.read_text()[::-1])
     # the same bytes in another order: the same number of windows, so the size check cannot tell
     other = r"dataset [0-9a-f]{16}, and this run's is [0-9a-f]{16}: the checkpoint belongs to another corpus"
-    with pytest.raises(ValueError, match=other):
+    with pytest.raises(ConfigError, match=other) as refused:
         train(tiny_cfg(*common, "trainer.max_steps=6", f"ckpt_path={ckpt}", run="other"))
+    assert user_error(refused.value) is refused.value  # train.py prints it as one line, 'error: ...', no traceback
     doc.write_text(doc.read_text()[::-1])  # the corpus it was trained on: resumes
     _, resumed = train(tiny_cfg(*common, "trainer.max_steps=6", f"ckpt_path={ckpt}", run="other"))
     assert resumed["datamodule"].num_train_samples == n and resumed["datamodule"].sampler.updates == 6
@@ -1409,7 +1412,7 @@ def test_exclusions_from_another_dataset_are_refused_and_an_exclusion_free_state
     b.setup(50, seed=0, dataset_key="bbbb")
     b.load_state_dict(a.state_dict())  # nothing per-window: any dataset may take it
     a.exclude([4])
-    with pytest.raises(ValueError, match="'excluded' indexes the windows of dataset aaaa, and this run's is bbbb"):
+    with pytest.raises(ConfigError, match="'excluded' indexes the windows of dataset aaaa, and this run's is bbbb"):
         b.load_state_dict(a.state_dict())
     c = RandomSampler()
     c.setup(50, seed=0)  # no key (a sampler outside LMDataModule), or a checkpoint from before keys: not checked

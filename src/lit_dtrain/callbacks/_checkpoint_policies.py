@@ -34,6 +34,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from lit_dtrain.errors import ConfigError
+
 MODES = ("none", "selective", "full")
 """What one block can do: keep everything, keep the outputs of ``save_ops``, keep only its inputs."""
 
@@ -113,7 +115,7 @@ def _match(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n))
 
 
-class BlocksNotFound(ValueError):
+class BlocksNotFound(ConfigError):
     """:func:`find_blocks` found no block (as opposed to a pattern that matched the wrong modules)."""
 
 
@@ -152,7 +154,7 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
         )
     containers = [n for n, m in matches if type(m).forward is nn.Module.forward]
     if containers:  # a ModuleList/ModuleDict is never called: wrapping it would checkpoint nothing
-        raise ValueError(
+        raise ConfigError(
             f"module_pattern {module_pattern!r} matched {', '.join(containers)}, which has no forward of its own "
             f"(a container such as nn.ModuleList is never called); match its children, e.g. '{containers[0]}.*'"
         )

@@ -49,6 +49,7 @@ from lit_dtrain.callbacks._checkpoint_policies import (
     set_plan,
     uniform_plan,
 )
+from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +140,12 @@ class SelectiveCheckpointing(Callback):
             return
         try:
             named = find_blocks(pl_module, self.module_pattern)
-        except BlocksNotFound as e:  # (a pattern that matched a container says so: no hint about configure_model)
-            if type(pl_module).configure_model is not LightningModule.configure_model:
-                raise ValueError(f"{e}. (If {type(pl_module).__name__}.configure_model builds the blocks, "
-                                 "they do not exist yet when this callback runs in setup.)") from e
-            raise
+        except ConfigError as e:  # named under this callback; (a pattern that matched a container says so itself)
+            hint = ""
+            if isinstance(e, BlocksNotFound) and type(pl_module).configure_model is not LightningModule.configure_model:
+                hint = (f". (If {type(pl_module).__name__}.configure_model builds the blocks, they do not exist yet "
+                        "when this callback runs in setup.)")
+            raise ConfigError(f"{type(self).__name__}: {e}{hint}") from e
         self.block_names = [n for n, _ in named]
         blocks = [m for _, m in named]
         self.wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"), self.save_ops)
@@ -157,8 +159,8 @@ class SelectiveCheckpointing(Callback):
         elif self.policy == "every_k":
             plan = every_k_plan(len(blocks), self.every_k)
             if "full" not in plan:
-                raise ValueError(f"SelectiveCheckpointing every_k={self.every_k} exceeds the {len(blocks)} blocks "
-                                 f"found: nothing would be checkpointed; use every_k <= {len(blocks)}")
+                raise ConfigError(f"SelectiveCheckpointing every_k={self.every_k} exceeds the {len(blocks)} blocks "
+                                  f"found: nothing would be checkpointed; use every_k <= {len(blocks)}")
         elif self.policy == "none":
             plan = uniform_plan(len(blocks), "none")
         else:

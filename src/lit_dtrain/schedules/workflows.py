@@ -29,18 +29,13 @@ from lit_dtrain.checkpoint import (
     safe_torch_load,
 )
 from lit_dtrain.config_resolvers import default_warmup
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.schedules.lr import resolve_decay_steps, wsd_lr_factor
 
 log = logging.getLogger(__name__)
 
 WSD_TARGETS = ("lit_dtrain.schedules.wsd_scheduler", "lit_dtrain.schedules.lr.wsd_scheduler")
 WSD_CALLBACK_TARGETS = ("lit_dtrain.callbacks.WSDScheduler", "lit_dtrain.callbacks.wsd.WSDScheduler")
-
-
-def _config_error(message: str) -> Exception:
-    from lit_dtrain.train import ConfigError  # lazy: lit_dtrain.train imports this module
-
-    return ConfigError(message)
 
 
 def _wsd_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
@@ -196,28 +191,28 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     if branch is None or (branch.get("ckpt") is None and branch.get("steps") is None):
         return None
     if branch.get("ckpt") is None or branch.get("steps") is None:
-        raise _config_error(
+        raise ConfigError(
             f"decay_branch needs both ckpt and steps, got ckpt={branch.get('ckpt')!r}, steps={branch.get('steps')!r}"
         )
     src = Path(str(branch.ckpt)).expanduser()
     if not src.is_file():
-        raise _config_error(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
+        raise ConfigError(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
     steps = branch.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise _config_error(f"decay_branch.steps must be a positive integer, got {steps!r}")
+        raise ConfigError(f"decay_branch.steps must be a positive integer, got {steps!r}")
     if cfg.get("ckpt_path"):
-        raise _config_error("set either decay_branch.ckpt or ckpt_path, not both (the branch resumes its ckpt)")
+        raise ConfigError("set either decay_branch.ckpt or ckpt_path, not both (the branch resumes its ckpt)")
     if cfg.get("init_from"):
-        raise _config_error("set either decay_branch.ckpt or init_from, not both")
+        raise ConfigError("set either decay_branch.ckpt or init_from, not both")
     out_dir = Path(str(cfg.paths.output_dir)).expanduser().resolve()
     if out_dir == src.resolve().parent or out_dir in src.resolve().parents:
-        raise _config_error(
+        raise ConfigError(
             f"decay_branch.ckpt={str(src)!r} lies inside this run's dir {str(out_dir)!r}; give the branch its own "
             "run_name so that the original run is not disturbed"
         )
     nodes = _wsd_nodes(cfg)
     if not nodes:
-        raise _config_error(
+        raise ConfigError(
             "decay_branch needs the WSD schedule: scheduler=wsd (the default), "
             "or '~scheduler' 'callbacks=[default,wsd]'"
         )
@@ -233,7 +228,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             if _is_default_warmup(node, total):
                 why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
                 fix = f", or set {key}.warmup_steps to the source run's warmup"
-            raise _config_error(
+            raise ConfigError(
                 f"decay_branch.ckpt is at step {start}, inside the warmup ({key}.warmup_steps={warmup}{why}); "
                 f"branch from a stable-phase checkpoint{fix}"
             )
@@ -247,7 +242,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         if cfg.get("resume") == "auto" and own:  # resolve_ckpt_path picks last.ckpt (or the newest if it is missing)
             log.info("decay_branch: resuming this branch's own checkpoints in %s", own_dir)
         elif own:  # re-resuming the source here would write last-v1.ckpt beside the first start's last.ckpt
-            raise _config_error(
+            raise ConfigError(
                 f"this branch's run dir {str(own_dir.parent)!r} already holds checkpoints ({', '.join(own[:3])}"
                 f"{', ...' if len(own) > 3 else ''}); continue the branch with resume=auto, or choose another run_name"
             )
@@ -266,9 +261,9 @@ def check_init_from(cfg: DictConfig) -> None:
         return
     target = Path(str(path)).expanduser()
     if not target.is_file():
-        raise _config_error(f"init_from={str(path)!r} {not_a_file_reason(target)}")
+        raise ConfigError(f"init_from={str(path)!r} {not_a_file_reason(target)}")
     if cfg.get("ckpt_path"):
-        raise _config_error(
+        raise ConfigError(
             "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
         )
 
@@ -320,11 +315,11 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
         weights = checkpoint_weights(ckpt, path, prefix)
         check_model_config(ckpt, getattr(target, "config", None), path)
     except CheckpointError as e:
-        raise _config_error(f"init_from: {e}") from e
+        raise ConfigError(f"init_from: {e}") from e
     try:
         target.load_state_dict(weights, strict=True)
     except RuntimeError as e:
-        raise _config_error(
+        raise ConfigError(
             f"init_from={str(path)!r} does not fit the configured model (set model.* to the checkpoint's shape): "
             f"{str(e).splitlines()[0]} {str(e)[:600]}"
         ) from e

@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from lit_dtrain.errors import ConfigError
+
 _MIX_A = 6364136223846793005
 _MIX_B = 1442695040888963407
 
@@ -204,7 +206,7 @@ class IndexSampler:
         of the same size would otherwise take it silently. Checkpoints without a key (older ones) pass."""
         saved = state.get("dataset_key")
         if saved is not None and self.dataset_key is not None and saved != self.dataset_key:
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's sampler {what} indexes the windows of dataset {saved}, and this run's is "
                 f"{self.dataset_key}: the checkpoint belongs to another corpus (other files or file contents), "
                 "block_size or data.val_fraction, so its per-window state would be applied to other text. Resume "
@@ -217,13 +219,13 @@ class IndexSampler:
             self.check_dataset(state, "state 'excluded'")
             saved = state.get("num_samples")  # absent in checkpoints from before it was recorded
             if saved is not None and int(saved) != self.num_samples:
-                raise ValueError(
+                raise ConfigError(
                     f"sampler state 'excluded' covers {int(saved)} samples but the dataset has {self.num_samples}: "
                     "the checkpoint belongs to another corpus or block_size"
                 )
             bad = excluded[(excluded < 0) | (excluded >= self.num_samples)]
             if len(bad):
-                raise ValueError(
+                raise ConfigError(
                     f"sampler state: excluded sample index {int(bad[0])} is out of range for {self.num_samples} "
                     "samples: the checkpoint belongs to another corpus or block_size"
                 )

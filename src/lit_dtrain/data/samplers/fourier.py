@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator
+from lit_dtrain.errors import ConfigError
 
 SCORES = ("mixed", "time", "frequency")
 
@@ -645,7 +646,7 @@ class FourierSampler(IndexSampler):
             if key not in state:
                 raise KeyError(f"FourierSampler state lacks {key!r} (was it saved by another sampler?)")
             if state[key].shape[0] != self.num_samples:
-                raise ValueError(
+                raise ConfigError(
                     f"FourierSampler state {key!r} covers {state[key].shape[0]} samples but the dataset has "
                     f"{self.num_samples}: the checkpoint belongs to another corpus or block_size"
                 )
@@ -659,7 +660,7 @@ class FourierSampler(IndexSampler):
         if int(state["seq_len"]):
             for name, configured in self._configured_bands.items():  # the profile was computed with the saved edges
                 if configured is not None and int(configured) != int(state[name]):
-                    raise ValueError(
+                    raise ConfigError(
                         f"FourierSampler {name}={configured} is configured, but the checkpoint's table was built with "
                         f"{name}={int(state[name])} (its band profile is of those edges): resume with "
                         f"data.sampler.{name}={int(state[name])} (or null), or start the table over in a new run"
@@ -667,7 +668,7 @@ class FourierSampler(IndexSampler):
             self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
             self._bind_length(int(state["seq_len"]))
             if state["profile"].shape[1] != self.fine_bands:
-                raise ValueError(
+                raise ConfigError(
                     f"FourierSampler state 'profile' has {state['profile'].shape[1]} bands, this configuration "
                     f"uses {self.fine_bands} (stages/stage_table/num_bands changed since the checkpoint)"
                 )
@@ -686,7 +687,7 @@ class FourierSampler(IndexSampler):
             )
         index = _unpack(records, self.fine_bands)[0]
         if len(index) and not bool(((index >= 0) & (index < self.num_samples)).all()):
-            raise ValueError(
+            raise ConfigError(
                 f"FourierSampler state 'pending_records' of step {step} names samples outside [0, {self.num_samples})"
                 ": the checkpoint belongs to another corpus or block_size"
             )
