@@ -750,6 +750,65 @@ def test_a_file_reached_twice_is_one_document(tmp_path, monkeypatch, caplog):
     assert "left out 6 path(s)" in noted.getMessage()  # 4 absolute spellings, the link twice
 
 
+def test_a_hard_link_is_the_same_file_not_a_second_document(tmp_path, caplog):
+    """A file with a second hard link in the corpus was read under both names: one document trained on twice (a
+    "same bytes as another file" warning was all), while a symlink to it counted once."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "c", n_files=3, size=2000)
+    os.link(corpus / "doc_001.txt", corpus / "zz_link.txt")
+    (corpus / "copy.txt").write_bytes((corpus / "doc_002.txt").read_bytes())  # a copy is another file: kept
+    source = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    names = ["copy.txt", "doc_000.txt", "doc_001.txt", "doc_002.txt"]
+    assert [p.name for p in resolve_files(source)] == names
+    outside = tmp_path / "other.txt"
+    os.link(corpus / "doc_000.txt", outside)  # the same file under two listed paths: its first spelling
+    listed = CorpusSource(name="t", kind="files", paths=[str(outside), str(corpus / "doc_000.txt")])
+    assert resolve_files(listed) == [outside]
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        splits = build_token_cache(source, tmp_path / "cache", 33, val_fraction=0.3, progress=False)
+    assert splits.meta["documents"] == 4
+    (noted,) = [r for r in caplog.records if "reached more than once" in r.getMessage()]
+    assert "hard link" in noted.getMessage() and "zz_link.txt is " in noted.getMessage()
+
+
+def test_an_existing_path_with_glob_characters_in_its_name_is_that_file(tmp_path):
+    """paths=['notes [v2].txt'] was taken for a glob ('[v2]' a character class) and failed with "matched no
+    files" though the file exists; a glob that fails on a '[' in a name now says how to match one."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "runs [v2]", n_files=2, size=500)
+    (corpus / "notes [draft] *.txt").write_text("a draft " * 50)
+    for path, expected in [
+        (corpus / "notes [draft] *.txt", ["notes [draft] *.txt"]),
+        (corpus, ["doc_000.txt", "doc_001.txt", "notes [draft] *.txt"]),
+        (tmp_path / "runs [[]v2]" / "doc_*.txt", ["doc_000.txt", "doc_001.txt"]),  # the suggested escape
+    ]:
+        assert [p.name for p in resolve_files(CorpusSource(name="t", kind="files", paths=[str(path)]))] == expected
+    glob_in_dir = str(tmp_path / "runs [v2]" / "*.txt")
+    escaped = re.escape(repr(str(tmp_path / "runs [[]v2]" / "*.txt")))
+    with pytest.raises(CorpusError, match=rf"matched no files \('\[' starts a character class .*'\[\[\]': {escaped}"):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[glob_in_dir]))
+
+
+@pytest.mark.parametrize("kind", ["directory", "glob"])
+def test_symlinks_whose_target_is_missing_are_named(tmp_path, caplog, kind):
+    """A symlink in the corpus whose target is gone (an unmounted disk, a moved directory) was left out without a
+    word: its text was missing from the corpus."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "c", n_files=2, size=500)
+    (corpus / "gone.txt").symlink_to(tmp_path / "unmounted" / "big.txt")
+    (corpus / ".hidden.txt").symlink_to(tmp_path / "unmounted" / "swap")  # left out as a dot file: no warning
+    path = str(corpus) if kind == "directory" else str(corpus / "*.txt")
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        files = resolve_files(CorpusSource(name="t", kind="files", paths=[path]))
+    assert [p.name for p in files] == ["doc_000.txt", "doc_001.txt"]
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert f"left out 1 symlink(s) under {path} whose target does not exist" in warned
+    assert f"gone.txt -> {tmp_path / 'unmounted' / 'big.txt'}" in warned
+
+
 def test_a_glob_that_matches_directories_says_so(tmp_path, caplog):
     """paths=["data/*"] over data/en/ and data/fr/ said "glob 'data/*' matched no files", and with a file next to
     the directories it dropped every file below them without a word: a glob takes files only."""

@@ -126,9 +126,11 @@ def resolve_files(source: CorpusSource) -> list[Path]:
     globbed_dirs: list[tuple] = []  # (glob, directories it matched without their files, a glob for those)
     for raw in source.paths:
         path = os.path.expanduser(str(raw))
-        if glob.has_magic(path):
+        # a path that exists is that file or directory, even when its name holds '[', '*' or '?' ("notes [v2].txt")
+        if glob.has_magic(path) and not os.path.lexists(path):
             hits = [Path(m) for m in glob.glob(path, recursive=True)]
             matches = [p for p in hits if p.is_file()]
+            _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
             # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
             covered = {parent for m in matches for parent in m.parents}
             dirs = [p for p in hits if p.is_dir() and p not in covered and any(f.is_file() for f in p.rglob("*"))]
@@ -139,14 +141,20 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                     f"{str(dirs[0])!r}), and a glob takes files only; for every file below them use {every_file!r}"
                 )
             if not matches:
-                raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files")
+                hint = ""
+                if "[" in str(raw):  # "run[1]/*.txt": '[1]' is a character class in a glob
+                    hint = (f" ('[' starts a character class in a glob; for a '[' in a file or directory name write "
+                            f"'[[]': {str(raw).replace('[', '[[]')!r})")
+                raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files{hint}")
             if dirs:
                 globbed_dirs.append((raw, dirs, every_file))
             out.extend(sorted(matches))
         elif os.path.isdir(path):
-            found = _files_below(Path(path), source.pattern)
+            dangling: list[Path] = []
+            found = _files_below(Path(path), source.pattern, dangling)
             # hidden files and dirs (.git, .venv, editor swap files) are not corpus text
-            matches = [p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+            matches = [p for p in found if not _hidden_below(p, path)]
+            _warn_dangling(source, raw, [p for p in dangling if not _hidden_below(p, path)])
             if len(matches) < len(found):
                 log.info("data source %r: left out %d hidden file(s) under %s (dot files and dot dirs)",
                          source.name, len(found) - len(matches), raw)
@@ -196,11 +204,24 @@ def _special_file_kind(path: str) -> str | None:
     return None
 
 
-def _files_below(root: Path, pattern: str) -> list[Path]:
+def _hidden_below(path: Path, root: str) -> bool:
+    """Whether ``path`` is a dot file or lies in a dot dir below ``root``."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _warn_dangling(source: CorpusSource, raw, links: list[Path]) -> None:
+    """Warn about symlinks that ``raw`` matched whose target is missing (an unmounted disk, a moved corpus): no
+    file to read, but their text is missing from the corpus."""
+    if links:
+        log.warning("data source %r: left out %d symlink(s) under %s whose target does not exist, e.g. %s -> %s",
+                    source.name, len(links), raw, links[0], os.readlink(links[0]))
+
+
+def _files_below(root: Path, pattern: str, dangling: list[Path] | None = None) -> list[Path]:
     """The files matching ``pattern`` in ``root`` and every directory below it, as ``root.rglob(pattern)`` finds
     them, except that symlinked directories are entered too (rglob leaves them out, so a corpus dir assembled
     from links lost their files without a word). Each real directory is entered once: a link back up the tree
-    is no loop."""
+    is no loop. Matching symlinks whose target is missing are appended to ``dangling``."""
     while pattern.startswith("**/"):  # rglob(p) is glob("**/" + p): per directory, the rest of it
         pattern = pattern[3:]
     files, entered, stack = [], set(), [root]
@@ -210,7 +231,11 @@ def _files_below(root: Path, pattern: str) -> list[Path]:
         if real in entered:
             continue
         entered.add(real)
-        files.extend(p for p in directory.glob(pattern) if p.is_file())
+        for p in directory.glob(pattern):
+            if p.is_file():
+                files.append(p)
+            elif dangling is not None and p.is_symlink() and not p.exists():
+                dangling.append(p)
         try:
             stack.extend(sorted((p for p in directory.iterdir() if p.is_dir()), reverse=True))
         except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read)
@@ -220,27 +245,38 @@ def _files_below(root: Path, pattern: str) -> list[Path]:
 
 def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
     """``paths`` sorted, each file once: a file reached by two spellings (``corpus`` and ``/abs/corpus``, a
-    directory and a glob inside it) or through a symlink was read once per spelling, a document counted twice.
-    The file keeps its first spelling that is not a symlink. Files with equal bytes are distinct documents."""
-    chosen: dict[str, Path] = {}
+    directory and a glob inside it), through a symlink or a hard link was read once per spelling, a document
+    counted twice. The file keeps its first spelling that is not a symlink. Files with equal bytes are distinct
+    documents."""
+    chosen: dict[object, Path] = {}
     for path in paths:
-        real = os.path.realpath(path)
-        kept = chosen.get(real)
+        identity = _file_identity(path)
+        kept = chosen.get(identity)
         if kept is None or (kept.is_symlink() and not path.is_symlink()):
-            chosen[real] = path
+            chosen[identity] = path
     spellings = set(paths)
     if len(spellings) > len(chosen):
         kept = set(chosen.values())
         example = next(p for p in sorted(spellings) if p not in kept)
         log.info(
             "data source %r: left out %d path(s) that reach a file already in the corpus (reached more than once: "
-            "another spelling or a symlink), e.g. %s is %s",
+            "another spelling, a symlink or a hard link), e.g. %s is %s",
             source.name,
             len(spellings) - len(chosen),
             example,
-            chosen[os.path.realpath(example)],
+            chosen[_file_identity(example)],
         )
     return sorted(chosen.values())
+
+
+def _file_identity(path: Path) -> object:
+    """What makes two paths one file: its inode when it has hard links (``st_nlink > 1``), else its real path.
+    The inode only then: some network and FUSE file systems make up inode numbers, but not link counts."""
+    try:
+        st = os.stat(path)
+    except OSError:  # gone meanwhile: reading it names it
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino) if st.st_nlink > 1 else os.path.realpath(path)
 
 
 READ_CHUNK_BYTES = 1 << 26  # corpus files are read 64 MB at a time: a huge file never is in memory whole
