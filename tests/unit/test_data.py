@@ -148,6 +148,21 @@ def test_a_tail_split_says_that_val_shares_a_document_with_train(tmp_path, caplo
     assert by_doc.meta["split"] == "by_document" and not caplog.records
 
 
+def test_a_val_fraction_that_leaves_no_training_window_is_named_not_a_short_corpus(tmp_path):
+    """A corpus of 20 documents with data.val_fraction=0.999 (every document held out) was "too short: 42001 tokens",
+    which blamed a corpus that has plenty; the setting that left training 43 tokens is named now."""
+    corpus = make_corpus(tmp_path / "c", n_files=20, size=500)
+    src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    total = sum(len((corpus / f"doc_{i:03d}.txt").read_bytes()) + 1 for i in range(20))
+    held = int(total * 0.999)
+    match = (rf"data source 't': data.val_fraction=0.999 holds out {held} of its {total} tokens for validation and "
+             rf"leaves {total - held} to train on, less than one window of block_size\+1 = 65 tokens; lower data.val_f")
+    with pytest.raises(CorpusError, match=match):
+        build_token_cache(src, tmp_path / "cache", 65, val_fraction=0.999, progress=False)
+    with pytest.raises(CorpusError, match=r"data source 't' is too short: .*block_size\+1 = 9000 tokens"):
+        build_token_cache(src, tmp_path / "cache", 9000, val_fraction=0.999, progress=False)
+
+
 def test_token_cache_reused_and_rebuilt_on_change(corpus, tmp_path):
     src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
     a = build_token_cache(src, tmp_path / "c", 33, progress=False)
@@ -162,7 +177,9 @@ def test_token_cache_reused_and_rebuilt_on_change(corpus, tmp_path):
     assert len(list((tmp_path / "c").iterdir())) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate_even", "truncate_odd", "empty", "bad_meta", "missing_val"])
+@pytest.mark.parametrize(
+    "damage", ["truncate_even", "truncate_odd", "empty", "bad_meta", "missing_val", "missing_meta"]
+)
 def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
     """A cache file truncated or damaged after the build was read as it was (training on a fraction of the
     corpus without a word) or failed with a raw numpy/json error; it is now detected and rebuilt."""
@@ -181,12 +198,39 @@ def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
     elif damage == "bad_meta":
         with open(meta, "w") as f:
             f.write('{"sou')
+    elif damage == "missing_meta":  # was never rebuilt: "cannot write the token cache ...: Directory not empty"
+        os.remove(meta)
     else:
         os.remove(os.path.join(out_dir, "val.bin"))
     again = build_token_cache(src, tmp_path / "c", 33, progress=False)
     assert np.array_equal(np.asarray(again.train), expected[0])
     assert np.array_equal(np.asarray(again.val), expected[1])
     assert [p.name for p in (tmp_path / "c").iterdir()] == [os.path.basename(out_dir)]
+
+
+def test_a_damaged_token_cache_that_cannot_be_moved_aside_is_an_error_not_read(corpus, tmp_path, monkeypatch, caplog):
+    """In a read-only cache dir a damaged cache could not be moved aside: the warning said "rebuilding it", and the
+    run then trained on the truncated token stream (a fraction of the corpus)."""
+    from lit_dtrain.data import corpus as corpus_module
+
+    src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    good = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    out_dir = os.path.dirname(good.train.filename)
+    del good
+    os.truncate(os.path.join(out_dir, "train.bin"), 1000)
+    replace = os.replace
+
+    def read_only_replace(src_path, dst_path):  # what a read-only (or root-owned) cache dir answers
+        if os.fspath(src_path) == out_dir:
+            raise PermissionError(13, "Permission denied")
+        return replace(src_path, dst_path)
+
+    monkeypatch.setattr(corpus_module.os, "replace", read_only_replace)
+    match = rf"token cache '{re.escape(out_dir)}' of data source 't' is damaged \(train.bin holds 1000 bytes.*read-only"
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"), pytest.raises(CorpusError, match=match):
+        build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert not [r for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert os.path.getsize(os.path.join(out_dir, "train.bin")) == 1000  # left for the user to delete
 
 
 def test_full_disk_while_writing_the_token_cache_is_named(corpus, tmp_path):

@@ -451,11 +451,17 @@ def build_token_cache(
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
     _remove_stale_temp_dirs(out_dir.parent)
-    if (out_dir / "meta.json").exists():
-        problem = _cache_problem(out_dir)
-        if problem is not None:  # truncated or damaged after it was built: never train on it
-            log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
-            _discard(out_dir)
+    # a cache dir without meta.json is damaged too: a build renames its temp dir here with meta.json inside
+    if os.path.lexists(out_dir) and (problem := _cache_problem(out_dir)) is not None:
+        # truncated or damaged after it was built: never train on it
+        _discard(out_dir)
+        if os.path.lexists(out_dir) and _cache_problem(out_dir) is not None:  # not moved aside
+            raise CorpusError(
+                f"the token cache {str(out_dir)!r} of data source {source.name!r} is damaged ({problem}) and cannot be "
+                f"moved aside to rebuild it (is {str(out_dir.parent)!r} read-only?): delete {str(out_dir)!r}, or point "
+                "LIT_DTRAIN_CACHE (paths.cache_dir) at a writable directory"
+            )
+        log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
     if not (out_dir / "meta.json").exists():
         _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
     meta = json.loads((out_dir / "meta.json").read_text())
@@ -612,6 +618,12 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
         # Too few documents for a by-document split of this window size: split the stream instead.
         n_train, n_val = _split_tail(tmp, n_train, n_val, max(min_tokens, int((n_train + n_val) * val_fraction)))
         split = "by_tokens_tail"
+    if n_train < min_tokens and n_train + n_val >= 2 * min_tokens:  # long enough: val_fraction holds out too much
+        raise CorpusError(
+            f"data source {source.name!r}: data.val_fraction={val_fraction} holds out {n_val} of its "
+            f"{n_train + n_val} tokens for validation and leaves {n_train} to train on, less than one window of "
+            f"block_size+1 = {min_tokens} tokens; lower data.val_fraction"
+        )
     if n_train < min_tokens:
         raise CorpusError(
             f"data source {source.name!r} is too short: {n_train + n_val} tokens in {len(docs)} file(s), "
