@@ -486,7 +486,8 @@ def check_monitors(cfg: DictConfig) -> None:
     does not log, or a name without a ``/`` (``val_loss``): Lightning finds out only at the first validation, after
     ``trainer.val_check_interval`` steps of training, and stops without a checkpoint. Metrics of other families
     (logged by callbacks or strategies) are left to Lightning."""
-    names = [str(s.get("name")) for s in (cfg.data.get("sources") or [])]
+    sources = cfg.data.get("sources")  # a malformed list (data.sources=[foo]) is LMDataModule's to name
+    names = [str(s.get("name")) for s in sources if isinstance(s, DictConfig)] if OmegaConf.is_list(sources) else []
     known = ["train/loss", "train/grad_norm", "val/loss", "val/ppl"]
     known += [f"val/{n}/loss" for n in names] if len(names) > 1 else []
     for key, node in (cfg.get("callbacks") or {}).items():

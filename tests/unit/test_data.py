@@ -970,6 +970,42 @@ def test_a_bad_source_entry_names_its_key(tmp_path):
         LMDataModule(sources=[{"name": "t", "kind": "files", "path": "~/corpus"}], cache_dir=str(tmp_path))
 
 
+def test_an_empty_or_malformed_sources_list_is_named(tmp_path, corpus):
+    """data.sources=[] trained on the stdlib corpus without a word (an empty list read as "not given"), and
+    data.sources=[foo] failed with an AttributeError traceback in train()'s monitor check (ValueError from dict('foo')
+    in LMDataModule)."""
+    from hydra.errors import InstantiationException
+
+    from lit_dtrain.train import train
+    from tests.conftest import compose_cfg
+
+    for sources in ([], (), "~/corpus", {"name": "t"}):
+        with pytest.raises(CorpusError, match=r"data.sources must be a non-empty list of sources, got "):
+            LMDataModule(sources=sources, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(CorpusError, match=r"data.sources.1 must be a mapping of a source's keys \(name, .*got 'foo'"):
+        LMDataModule(sources=[{"name": "t", "kind": "stdlib"}, "foo"], cache_dir=str(tmp_path / "cache"))
+    for override, match in [("data.sources=[]", r"data.sources must be a non-empty list"),
+                            ("data.sources=[foo]", r"data.sources.0 must be a mapping")]:
+        cfg = compose_cfg([override], tmp_path / "run", corpus)
+        with pytest.raises((CorpusError, InstantiationException), match=match):
+            train(cfg)
+    assert not (tmp_path / "token_cache").exists()
+    assert [s.name for s in LMDataModule(sources=None, cache_dir=str(tmp_path)).sources] == ["stdlib"]
+    generated = (CorpusSource(name=n, kind="stdlib") for n in ("a", "b"))  # any iterable of sources
+    assert [s.name for s in LMDataModule(sources=generated, cache_dir=str(tmp_path)).sources] == ["a", "b"]
+
+
+def test_an_empty_cache_dir_is_refused_not_the_working_directory(tmp_path, corpus, monkeypatch):
+    """LIT_DTRAIN_CACHE= (set, but empty) made cache_dir '' and wrote the token caches into the working dir."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    source = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    for cache_dir in ("", "  "):
+        with pytest.raises(CorpusError, match=r"data.cache_dir is empty .*LIT_DTRAIN_CACHE"):
+            LMDataModule(sources=[source], block_size=32, cache_dir=cache_dir).prepare_data()
+    assert list((tmp_path / "work").iterdir()) == []
+
+
 def test_unigram_entropy_counts_tokens_in_chunks(tmp_path, monkeypatch):
     """The end-of-run summary's unigram_entropy ran np.bincount over the whole train stream, which copies the
     uint16 memmap to int64 first: 8 bytes per token (80 MB per 10M tokens, 80 GB for 10B) after training had

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import lightning as L
@@ -114,8 +115,13 @@ class _ValWindows(Dataset):
 def _source_from_config(index: int, entry) -> CorpusSource:
     """``data.sources.<index>`` (a dict) as a :class:`CorpusSource`; its errors name the key, which
     CorpusSource itself cannot (it does not know its index)."""
-    entry = dict(entry)
     fields = [f.name for f in dataclasses.fields(CorpusSource)]
+    if not isinstance(entry, Mapping):  # data.sources=[foo]: dict('foo') failed with a bare ValueError
+        raise CorpusError(
+            f"data.sources.{index} must be a mapping of a source's keys ({', '.join(fields)}), got {entry!r} "
+            f"({type(entry).__name__})"
+        )
+    entry = dict(entry)
     unknown = [key for key in entry if key not in fields]
     if unknown:
         raise CorpusError(f"data.sources.{index} has an unknown key {unknown[0]!r} (keys: {', '.join(fields)})")
@@ -156,7 +162,16 @@ class LMDataModule(L.LightningDataModule):
         progress: bool = True,
     ) -> None:
         super().__init__()
-        sources = sources if sources else [CorpusSource()]
+        if sources is None:
+            sources = [CorpusSource()]
+        elif not isinstance(sources, (str, bytes, Mapping)) and isinstance(sources, Iterable):
+            sources = list(sources)
+        if isinstance(sources, (str, bytes, Mapping)) or not isinstance(sources, list) or not sources:
+            # an empty list trained on the stdlib corpus without a word
+            raise CorpusError(
+                f"data.sources must be a non-empty list of sources, got {sources!r}; e.g. data=textfiles "
+                "'data.sources.0.paths=[~/corpus]' (data=stdlib, or sources=None, for the stdlib corpus)"
+            )
         self.sources = [s if isinstance(s, CorpusSource) else _source_from_config(i, s) for i, s in enumerate(sources)]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -172,6 +187,11 @@ class LMDataModule(L.LightningDataModule):
         self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
         self.val_fraction, self.max_val_windows = float(val_fraction), int(max_val_windows)
         self.val_batch_size = int(val_batch_size or batch_size)
+        if not str(cache_dir).strip():  # LIT_DTRAIN_CACHE= (set, but empty) put the token caches in the working dir
+            raise CorpusError(
+                f"data.cache_dir is empty ({cache_dir!r}; LIT_DTRAIN_CACHE set to ''?): give the token caches' "
+                "directory, or unset LIT_DTRAIN_CACHE for ~/.cache/lit_dtrain"
+            )
         self.cache_dir, self.progress = cache_dir, progress
         self.tokenizer = tokenizer or ByteTokenizer()
         self.sampler = sampler if sampler is not None else RandomSampler()
