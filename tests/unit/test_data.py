@@ -1006,6 +1006,16 @@ def test_an_empty_cache_dir_is_refused_not_the_working_directory(tmp_path, corpu
     assert list((tmp_path / "work").iterdir()) == []
 
 
+def test_paths_given_to_a_stdlib_source_are_refused_not_ignored(tmp_path, corpus):
+    """CorpusSource(name="web", paths=[...]) (kind defaults to 'stdlib'), or +data.sources.0.paths=[...] with
+    data=stdlib, trained on the standard library and never read the paths."""
+    with pytest.raises(CorpusError, match=r"data source 'web': kind='stdlib' reads .* takes no paths, got paths="):
+        CorpusSource(name="web", paths=[str(corpus)])
+    with pytest.raises(CorpusError, match=r"data.sources.0 \(data source 'stdlib'\): kind='stdlib' .*kind='files'"):
+        LMDataModule(sources=[{"name": "stdlib", "kind": "stdlib", "paths": [str(corpus)]}], cache_dir=str(tmp_path))
+    assert CorpusSource(name="s", kind="stdlib", paths=[]).paths == []  # an empty list is no paths
+
+
 def test_unigram_entropy_counts_tokens_in_chunks(tmp_path, monkeypatch):
     """The end-of-run summary's unigram_entropy ran np.bincount over the whole train stream, which copies the
     uint16 memmap to int64 first: 8 bytes per token (80 MB per 10M tokens, 80 GB for 10B) after training had

@@ -90,6 +90,11 @@ class CorpusSource:
         elif not isinstance(self.paths, Sequence):
             raise CorpusError(f"data source {self.name!r}: paths must be a list of files, directories or globs, "
                               f"got {self.paths!r} ({type(self.paths).__name__})")
+        if self.kind == "stdlib" and self.paths:  # CorpusSource(paths=[...]) without kind: the stdlib, paths unread
+            raise CorpusError(
+                f"data source {self.name!r}: kind='stdlib' reads the running Python's standard library and takes no "
+                f"paths, got paths={list(self.paths)!r}; to read them set kind='files' (data=textfiles)"
+            )
         if self.kind == "files" and not self.paths:
             raise CorpusError(
                 f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list of files, directories or "
