@@ -118,6 +118,24 @@ def test_resuming_with_another_data_seed_warns(corpus, tmp_path):
     assert other.micro_step == 1  # the position is restored all the same
 
 
+def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, recwarn):
+    """A resume after a corpus file was edited (or block_size or val_fraction changed) continued on other windows
+    without a word, unlike one with another data seed; a resume on the same data stays silent."""
+    dm = dm_for(corpus, tmp_path)
+    dm.on_before_batch_transfer(0, 0)
+    same = dm_for(corpus, tmp_path)
+    same.load_state_dict(dm.state_dict())
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    with open(corpus / "doc_003.txt", "a") as f:
+        f.write("one more line\n")
+    edited = dm_for(corpus, tmp_path)
+    with pytest.warns(UserWarning, match=r"trained on dataset \w+, and this run's is \w+: the corpus .*changed since"):
+        edited.load_state_dict(dm.state_dict())
+    assert edited.micro_step == 1  # the position is restored all the same
+    with pytest.warns(UserWarning, match=r"data.block_size or data.val_fraction changed"):
+        dm_for(corpus, tmp_path, val_fraction=0.3).load_state_dict(dm.state_dict())
+
+
 def test_exclusions_are_never_drawn_and_persist(corpus, tmp_path):
     dm = dm_for(corpus, tmp_path)
     n = dm.num_train_samples

@@ -362,4 +362,11 @@ class LMDataModule(L.LightningDataModule):
                 f"data.seed={int(saved_seed)}, or seed={int(saved_seed)}, to continue it exactly)",
                 UserWarning, stacklevel=2)
         self.micro_step = int(state["micro_step"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
+        saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
+        if saved_key is not None and key is not None and saved_key != key:
+            warnings.warn(
+                f"the checkpoint was trained on dataset {saved_key}, and this run's is {key}: the corpus (its files or "
+                "their contents), data.block_size or data.val_fraction changed since, so from here on the batches are "
+                "not those the interrupted run would have drawn, and val/loss is measured on other windows",
+                UserWarning, stacklevel=2)
