@@ -71,8 +71,9 @@ class CorpusSource:
     """One corpus of a (possibly weighted) mixture.
 
     ``kind='stdlib'`` reads the ``.py`` files of the running Python's standard library (found through
-    ``sysconfig``, site-packages excluded); ``kind='files'`` reads ``paths``: files, directories (every
-    file below them) and glob patterns.
+    ``sysconfig``, site-packages excluded) and takes no ``paths``; ``kind='files'`` reads ``paths``: files,
+    directories (every file below them that matches ``pattern``, dot files and dot dirs left out) and glob
+    patterns (a path that exists is read as it is, even with ``[``, ``*`` or ``?`` in its name).
     """
 
     name: str = "stdlib"
