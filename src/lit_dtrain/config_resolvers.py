@@ -8,6 +8,10 @@ every rank itself (``srun`` with several tasks, ``torchrun``) an id of the launc
 environment, so that all ranks name the same run dir without communicating (each one composes the config on its
 own, and ranks that start in different seconds wrote different run dirs).
 
+``${lit.env_dir:VAR,default}`` is the directory that the environment variable ``VAR`` names, or ``default`` when
+it is unset or empty, as the XDG base-directory variables are read (``${oc.env:...}`` gave ``''`` for an empty one:
+the run dirs went to ``/runs`` at the filesystem's root, the token caches into the working dir).
+
 ``${lit.required:"message"}`` marks a key that a config needs from the command line (an experiment cannot
 mark it ``???``: a missing value does not override the root's default in a merge). Reading the key raises
 :class:`RequiredValueError` with the message until an override replaces it.
@@ -28,6 +32,11 @@ class RequiredValueError(InterpolationResolutionError, ValueError):
 
 def required(message: str) -> None:
     raise RequiredValueError(message)
+
+
+def env_dir(var: str, default: str) -> str:
+    value = os.environ.get(var, "")
+    return value if value.strip() else default
 
 
 def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int:
@@ -60,6 +69,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("lit.warmup", default_warmup)
     if not OmegaConf.has_resolver("lit.launch_run_name"):
         OmegaConf.register_new_resolver("lit.launch_run_name", launch_run_name)
+    if not OmegaConf.has_resolver("lit.env_dir"):
+        OmegaConf.register_new_resolver("lit.env_dir", env_dir)
     if not OmegaConf.has_resolver("lit.required"):
         OmegaConf.register_new_resolver("lit.required", required)
 

@@ -343,6 +343,26 @@ def test_sweeps_started_in_the_same_second_get_their_own_dirs(monkeypatch, tmp_p
     assert a.startswith(str(tmp_path / "multiruns")) and a != b
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_output_or_cache_variable_means_the_default_dir(monkeypatch, empty):
+    """LIT_DTRAIN_OUTPUT= (set, but empty) put the run dirs at the filesystem's root (/runs/<name>) and
+    LIT_DTRAIN_CACHE= the token caches in the working dir; an empty one now reads as unset (as XDG_* are read)."""
+    from hydra import compose, initialize_config_dir
+
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", empty)
+    monkeypatch.setenv("LIT_DTRAIN_CACHE", empty)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["run_name=r"], return_hydra_config=True)
+        assert (cfg.paths.log_dir, cfg.paths.cache_dir, cfg.data.cache_dir) == ("outputs", "~/.cache/lit_dtrain",
+                                                                                 "~/.cache/lit_dtrain")
+        assert cfg.hydra.run.dir == "outputs/runs/r" and cfg.hydra.sweep.dir.startswith("outputs/multiruns/")
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", "/data/out")
+    monkeypatch.setenv("LIT_DTRAIN_CACHE", "/data/cache")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["run_name=r"], return_hydra_config=True)
+        assert (cfg.hydra.run.dir, cfg.data.cache_dir) == ("/data/out/runs/r", "/data/cache")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_compressed/int8", "ddp_compressed/diloco"])
 @pytest.mark.parametrize("value, shown", [("-1", "-1"), ("0", "0"), ("abc", "'abc'")])
 def test_collective_timeout_must_be_a_positive_number(strategy, value, shown, tmp_path, corpus):

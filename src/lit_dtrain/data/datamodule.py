@@ -187,10 +187,10 @@ class LMDataModule(L.LightningDataModule):
         self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
         self.val_fraction, self.max_val_windows = float(val_fraction), int(max_val_windows)
         self.val_batch_size = int(val_batch_size or batch_size)
-        if not str(cache_dir).strip():  # LIT_DTRAIN_CACHE= (set, but empty) put the token caches in the working dir
+        if not str(cache_dir).strip():  # '' put the token caches in the working dir
             raise CorpusError(
-                f"data.cache_dir is empty ({cache_dir!r}; LIT_DTRAIN_CACHE set to ''?): give the token caches' "
-                "directory, or unset LIT_DTRAIN_CACHE for ~/.cache/lit_dtrain"
+                f"data.cache_dir is empty ({cache_dir!r}): give the token caches' directory (the configs' default is "
+                "paths.cache_dir: LIT_DTRAIN_CACHE, or ~/.cache/lit_dtrain)"
             )
         self.cache_dir, self.progress = cache_dir, progress
         self.tokenizer = tokenizer or ByteTokenizer()
