@@ -93,3 +93,41 @@ def test_ddp_val_loss_is_the_single_process_val_loss(tmp_path: Path) -> None:
         assert r0["fit"][key] == pytest.approx(single_fitted[key], rel=1e-6, abs=1e-6), key
     assert single_fitted["val/loss"] != single["val/loss"]  # the fit moved the weights: a second, distinct check
     assert r0["warnings"] == []  # Lightning's "Using DistributedSampler ... during trainer.validate()" is gone
+
+
+def _worker_on_own_corpus(rank: int, port: int, root: str) -> None:
+    """Rank r reads corpus ``b`` from ``<root>/b<r>``: another node's copy, which differs."""
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.data.corpus import CorpusError, CorpusSource
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    sources = [CorpusSource(name="a", kind="files", paths=[os.path.join(root, "a")]),
+               CorpusSource(name="b", kind="files", paths=[os.path.join(root, f"b{rank}")])]
+    data = LMDataModule(sources=sources, block_size=32, batch_size=4, cache_dir=os.path.join(root, f"cache{rank}"),
+                        progress=False)
+    trainer = _trainer(root, 2, max_steps=2, num_sanity_val_steps=0)
+    try:
+        trainer.fit(_module(), datamodule=data)
+        outcome = "trained"
+    except CorpusError as e:
+        outcome = str(e)
+    torch.save({"outcome": outcome, "step": trainer.global_step}, os.path.join(root, f"own{rank}.pt"))
+    leave_rank()
+
+
+def test_ranks_that_read_different_corpora_are_refused_before_training(tmp_path: Path) -> None:
+    """Each rank reads the corpus itself: another node's copy of a file (or another Python's standard library, the
+    default corpus) gave the ranks other windows under the same indices, and the run trained on the mix silently.
+    Every rank now stops in setup with a CorpusError naming the source and the ranks."""
+    make_corpus(tmp_path / "a")
+    make_corpus(tmp_path / "b0", n_files=4)
+    make_corpus(tmp_path / "b1", n_files=4)
+    (tmp_path / "b1" / "doc_003.txt").write_text((tmp_path / "b1" / "doc_003.txt").read_text()[::-1])  # same size
+    mp.spawn(_worker_on_own_corpus, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"own{rank}.pt", weights_only=True)
+        assert result["step"] == 0, result
+        assert result["outcome"].startswith("the ranks read different data: rank 1 (host "), result
+        assert "have other token caches of data source 'b'" in result["outcome"]

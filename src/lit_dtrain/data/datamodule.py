@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import socket
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache, check_source_name
@@ -76,11 +78,16 @@ class WindowSet:
         return torch.from_numpy(out)
 
 
+def _cache_key(split: TokenSplits) -> str:
+    """The content key of a source's token cache (the suffix of its dir name), or '' for a stream that is not one."""
+    return Path(getattr(split.train, "filename", None) or "").parent.name.rpartition("-")[2]
+
+
 def dataset_key(splits: list[TokenSplits]) -> str | None:
     """Which training windows a sampler's per-window state (its table, its exclusions) indexes: a hash of the
     sources' token-cache keys in order (each covers the files' bytes, the window length and val_fraction), or None
     when a stream is not a cache file. Recorded in the sampler's state, so a resume on another corpus is refused."""
-    keys = [Path(getattr(s.train, "filename", None) or "").parent.name.rpartition("-")[2] for s in splits]
+    keys = [_cache_key(s) for s in splits]
     if not all(keys):
         return None
     return hashlib.sha256("|".join(keys).encode()).hexdigest()[:16]
@@ -225,6 +232,7 @@ class LMDataModule(L.LightningDataModule):
                 build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, False)
                 for s in self.sources
             ]
+        self._check_every_rank_read_the_same_data()
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
         if not weights.sum() > 0:
@@ -247,6 +255,30 @@ class LMDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
+
+    def _check_every_rank_read_the_same_data(self) -> None:
+        """Under a Trainer of several ranks, refuse to train when the ranks read different data: each one reads the
+        corpus itself (the token cache's key hashes the files' bytes), so another Python's standard library on
+        another node, a corpus copy that differs, or a file edited while the ranks started gave each rank other
+        windows under the same indices, and the run trained on a mix without a word. One all-gather of the
+        sources' cache keys and sizes, in ``setup``, which Lightning calls on every rank."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = (socket.gethostname(), [(s.name, _cache_key(s), len(s.train), len(s.val)) for s in self.splits])
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        differ = [rank for rank, (_, data) in enumerate(every) if data != every[0][1]]
+        if differ:
+            rank = differ[0]
+            (host0, data0), (host, data) = every[0], every[rank]
+            source, key0, key = next((a[0], a[1:], b[1:]) for a, b in zip(data0, data) if a != b)
+            raise CorpusError(
+                f"the ranks read different data: rank {rank} (host {host}) and rank 0 (host {host0}) have other token "
+                f"caches of data source {source!r} ((key, train tokens, val tokens) {tuple(key)} vs {tuple(key0)}; "
+                f"{len(differ)} rank(s) differ from rank 0): give every rank the same corpus files and data settings "
+                "(the default corpus is the running Python's standard library, which differs between Python versions)"
+            )
 
     @property
     def num_train_samples(self) -> int:
