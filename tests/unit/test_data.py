@@ -278,8 +278,28 @@ def test_bad_source_weight_is_named(weight, match):
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_bad_val_batch_size_is_named(corpus, tmp_path, value):
-    with pytest.raises(ValueError, match=f"data.val_batch_size must be positive, got {value}"):
+    with pytest.raises(ValueError, match=f"data.val_batch_size must be >= 1, got {value}"):
         LMDataModule(sources=[CorpusSource(name="t", kind="files", paths=[str(corpus)])], val_batch_size=value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("block_size", 64.5, "data.block_size must be an integer, got 64.5"),  # int() took it as 64
+    ("block_size", "64", "data.block_size must be an integer, got '64'"),
+    ("batch_size", True, "data.batch_size must be an integer, got True"),
+    ("max_val_windows", 0, "data.max_val_windows must be >= 1, got 0"),
+    ("seed", 1.5, "data.seed must be an integer, got 1.5"),
+    ("val_fraction", "abc", "data.val_fraction must be a number in (0, 1) (the share of documents held out), got "
+                            "'abc'"),
+    ("val_fraction", 1.0, "data.val_fraction must be a number in (0, 1)"),
+    ("val_fraction", float("nan"), "data.val_fraction must be a number in (0, 1)"),
+])
+def test_bad_numbers_given_to_the_python_api_are_named(corpus, key, value, message):
+    """The CLI checks these keys' types; LMDataModule took block_size=64.5 as 64 and val_fraction='abc' failed with
+    float()'s own message, naming no argument."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LMDataModule(sources=[CorpusSource(name="t", kind="files", paths=[str(corpus)])], **{key: value})
+    whole = LMDataModule(sources=[CorpusSource(name="t", kind="files", paths=[str(corpus)])], block_size=64.0, seed=-3)
+    assert (whole.block_size, type(whole.block_size), whole.seed) == (64, int, -3)  # an integral float is that int
 
 
 def test_split_is_by_document_and_deterministic(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import numbers
 import socket
 import warnings
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache, check_source_name
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.tokenizer import ByteTokenizer
+from lit_dtrain.utils.args import check_int
 
 COUNT_CHUNK_TOKENS = 1 << 22  # tokens counted per np.bincount call (it makes an int64 copy: 32 MB)
 
@@ -185,15 +187,18 @@ class LMDataModule(L.LightningDataModule):
             raise CorpusError(f"data.sources names must be unique, got {names}")
         if not sum(s.weight for s in self.sources) > 0:  # here, not in setup(): before any source is tokenized
             raise CorpusError(f"data.sources: every weight is 0 ({names}); nothing to train on")
-        sizes = {"block_size": block_size, "batch_size": batch_size, "max_val_windows": max_val_windows}
-        if val_batch_size is not None:  # 0 used to mean batch_size silently, -1 failed inside torch's DataLoader
-            sizes["val_batch_size"] = val_batch_size
-        for name, value in sizes.items():
-            if int(value) <= 0:
-                raise ValueError(f"data.{name} must be positive, got {value}")
-        self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
-        self.val_fraction, self.max_val_windows = float(val_fraction), int(max_val_windows)
-        self.val_batch_size = int(val_batch_size or batch_size)
+        # whole numbers, named: int() took block_size=64.5 as 64 and a string failed with int()'s own message
+        self.block_size = check_int("data.block_size", block_size, minimum=1)
+        self.batch_size = check_int("data.batch_size", batch_size, minimum=1)
+        self.max_val_windows = check_int("data.max_val_windows", max_val_windows, minimum=1)
+        self.seed = check_int("data.seed", seed, minimum=None)
+        # None means batch_size; 0 used to mean it silently, -1 failed inside torch's DataLoader
+        self.val_batch_size = self.batch_size if val_batch_size is None else check_int(
+            "data.val_batch_size", val_batch_size, minimum=1)
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real) or not 0 < val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be a number in (0, 1) (the share of documents held out), got "
+                             f"{val_fraction!r}")
+        self.val_fraction = float(val_fraction)
         if not str(cache_dir).strip():  # '' put the token caches in the working dir
             raise CorpusError(
                 f"data.cache_dir is empty ({cache_dir!r}): give the token caches' directory (the configs' default is "

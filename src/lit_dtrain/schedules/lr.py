@@ -21,21 +21,9 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from lit_dtrain.utils.args import check_int as _check_int
+
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
-
-
-def _check_int(name: str, value, minimum: int = 0) -> int:
-    """``value`` as an ``int``: an integer, or a float that is exactly one (``1000.0``: ``1e3`` in YAML, a horizon
-    computed as ``0.5 * steps``); ``ValueError`` naming ``name`` for anything else (``1000.5``, a bool, nan, inf, a
-    string) and for a value below ``minimum``."""
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
-        if math.isfinite(value) and float(value).is_integer():
-            value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_min_factor(min_lr_factor: float) -> float:

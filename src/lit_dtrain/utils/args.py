@@ -1,0 +1,20 @@
+"""Argument checks shared by the Python API's constructors and functions: an error names the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_int(name: str, value, minimum: int | None = 0) -> int:
+    """``value`` as an ``int``: an integer, or a float that is exactly one (``1000.0``: ``1e3`` in YAML, a horizon
+    computed as ``0.5 * steps``); ``ValueError`` naming ``name`` for anything else (``1000.5``, a bool, nan, inf, a
+    string) and for a value below ``minimum`` (None: no minimum)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+        if math.isfinite(value) and float(value).is_integer():
+            value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
