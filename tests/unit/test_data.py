@@ -372,6 +372,25 @@ def test_directory_sources_leave_out_hidden_paths_and_warn_about_binary_files(tm
     assert "1 file(s) look binary" in caplog.text and "blob.bin" in caplog.text
 
 
+def test_a_directory_of_only_hidden_files_says_so(tmp_path):
+    """A directory whose only text files are dot files (or in a dot dir) was 'has no files matching '**/*'', with the
+    hidden files mentioned only in an INFO line."""
+    from lit_dtrain.data.corpus import CorpusSource, resolve_files
+
+    notes = tmp_path / "notes"
+    (notes / ".drafts").mkdir(parents=True)
+    (notes / ".todo.txt").write_text("x " * 100)
+    (notes / ".drafts" / "a.txt").write_text("y " * 100)
+    with pytest.raises(CorpusError, match=r"directory '.*notes' has no files matching '.*' except 2 hidden "
+                                          r"one\(s\) \(dot files or in dot dirs, e.g. '.*'\), which a directory "
+                                          r"source leaves out"):
+        resolve_files(CorpusSource(name="n", kind="files", paths=[str(notes)]))
+    with pytest.raises(CorpusError, match=r"has no files matching '\*'$"):  # nothing at all: no hidden count
+        (tmp_path / "empty").mkdir()
+        resolve_files(CorpusSource(name="e", kind="files", paths=[str(tmp_path / "empty")]))
+    assert resolve_files(CorpusSource(name="g", kind="files", paths=[str(notes / ".*")])) == [notes / ".todo.txt"]
+
+
 def test_unreadable_file_is_named(tmp_path, monkeypatch):
     corpus = make_corpus(tmp_path / "c", n_files=3)
     bad = corpus / "doc_001.txt"

@@ -165,8 +165,13 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 log.info("data source %r: left out %d hidden file(s) under %s (dot files and dot dirs)",
                          source.name, len(found) - len(matches), raw)
             if not matches:
+                hidden = ""
+                if found:  # all of them dot files or in dot dirs: say so, not only in an INFO line
+                    hidden = (f" except {len(found)} hidden one(s) (dot files or in dot dirs, e.g. "
+                              f"{str(found[0])!r}), which a directory source leaves out; to read them list them as "
+                              "files or a glob such as 'dir/.*'")
                 raise CorpusError(
-                    f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}"
+                    f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}{hidden}"
                 )
             out.extend(sorted(matches))
         elif os.path.exists(path):
