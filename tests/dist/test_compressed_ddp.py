@@ -349,9 +349,10 @@ class TinyModule(L.LightningModule):
         self._dump("end")
 
 
-def fit(tmp: Path, tag: str, max_steps: int, ckpt_path: str | None = None, **strategy_kwargs) -> L.Trainer:
+def fit(tmp: Path, tag: str, max_steps: int, ckpt_path: str | None = None, world: int = WORLD,
+        **strategy_kwargs) -> L.Trainer:
     trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=max_steps, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=world, max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=1,
         strategy=CompressedDDPStrategy(start_method="spawn", **strategy_kwargs),
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, filename="{step}", every_n_train_steps=4,
@@ -361,8 +362,8 @@ def fit(tmp: Path, tag: str, max_steps: int, ckpt_path: str | None = None, **str
     return trainer
 
 
-def dumps(tmp: Path, tag: str, when: str) -> list[dict]:
-    return [torch.load(tmp / f"{tag}_{when}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+def dumps(tmp: Path, tag: str, when: str, world: int = WORLD) -> list[dict]:
+    return [torch.load(tmp / f"{tag}_{when}_rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def assert_same(a, b, where: str = "") -> None:
@@ -400,10 +401,16 @@ def test_strategy_registry_and_config_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets"])
+@pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets",
+                                  "powersgd_3_ranks"])
 def test_resume_restores_comm_state_exactly(tmp_path, name):
+    world = 3 if name.endswith("_3_ranks") else WORLD
     kwargs = {
         "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
+        # on 3 ranks gloo's all-reduce sums in an order that depends on a value's place in the bucket; the first step
+        # after a start runs on DDP's initial bucket, so it must be reduced as the saved buckets were (2 of 4 KB)
+        "powersgd_3_ranks": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2},
+                             "bucket_cap_mb": 0.004},
         # several DDP buckets (4 KB: TinyModule's 10.6 KB of gradients make 2 after DDP's rebuild): the first step
         # after a start runs on DDP's initial single bucket, where top-k used to select across the bucket boundary
         "topk_buckets": {"compressor": {"name": "topk", "ratio": 0.05}, "bucket_cap_mb": 0.004},
@@ -419,21 +426,21 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
                                     "compressor": {"name": "int4", "error_feedback": True}}},
         "local_sgd": {"local_update": {"name": "local_sgd", "sync_period": 3}},  # step 4: mid-period
     }[name]
-    fit(tmp_path, "straight", max_steps=8, **kwargs)
+    fit(tmp_path, "straight", max_steps=8, world=world, **kwargs)
     ckpt = tmp_path / "straight" / "step=4.ckpt"
     saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
-    at4 = dumps(tmp_path, "straight", "step4")
-    fit(tmp_path, "resumed", max_steps=8, ckpt_path=str(ckpt), **kwargs)
-    start = dumps(tmp_path, "resumed", "start")
-    for r in range(WORLD):
+    at4 = dumps(tmp_path, "straight", "step4", world)
+    fit(tmp_path, "resumed", max_steps=8, ckpt_path=str(ckpt), world=world, **kwargs)
+    start = dumps(tmp_path, "resumed", "start", world)
+    for r in range(world):
         # the checkpoint holds every rank's state as it was at step 4, and each rank got its own back
         assert_same(saved["per_rank"][r]["compressor"], at4[r]["compressor"], f"rank{r} saved")
         assert_same(start[r]["compressor"], at4[r]["compressor"], f"rank{r} restored")
         assert_same(start[r]["counters"], at4[r]["counters"], f"rank{r} counters")
         assert_same(start[r]["local_update"], at4[r]["local_update"], f"rank{r} local update")
         assert_same(start[r]["local_update_rank"], at4[r]["local_update_rank"], f"rank{r} local residual")
-    end_straight, end_resumed = dumps(tmp_path, "straight", "end"), dumps(tmp_path, "resumed", "end")
-    for r in range(WORLD):
+    end_straight, end_resumed = dumps(tmp_path, "straight", "end", world), dumps(tmp_path, "resumed", "end", world)
+    for r in range(world):
         # every rank resumes from its own parameters and optimizer state, not rank 0's: the resumed run
         # reproduces the straight one bit for bit (before, local updates restarted all ranks from rank 0's)
         assert_same(start[r]["params"], at4[r]["params"], f"rank{r} params at resume")
@@ -445,12 +452,14 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         assert start[0]["local_update_rank"]["residuals"] != {}  # the int4 pseudo-gradient residual
         assert not torch.equal(start[0]["local_update_rank"]["residuals"]["net.0.weight"],
                                start[1]["local_update_rank"]["residuals"]["net.0.weight"])  # rank-local
-    elif name in ("powersgd", "int8", "int8_sr", "int8_rs", "topk_buckets"):
+    elif name in ("powersgd", "int8", "int8_sr", "int8_rs", "topk_buckets", "powersgd_3_ranks"):
         assert not torch.equal(start[0]["compressor"]["residuals"]["net.0.weight"],
                                start[1]["compressor"]["residuals"]["net.0.weight"])  # rank-local
         assert_same(end_resumed[1]["compressor"], end_straight[1]["compressor"], "compressor after resume")
         if name == "int8_rs":
             assert start[0]["compressor"]["server_residuals"] and start[1]["compressor"]["server_residuals"]
+        if name == "powersgd_3_ranks":  # the resumed run's first bucket held the 2 saved ones
+            assert len(saved["per_rank"][0]["counters"]["bucket_layout"]) == 2
 
 
 def _plain_resume_worker(rank: int, port: int, root: str) -> None:

@@ -222,6 +222,12 @@ class CommSession:
         self.total_time_ms = 0.0
         self._dense_this_step = 0
         self.last_step: dict = {}
+        # The buckets of the latest step that sent gradients, as (name, offset, numel) in bucket order, saved with the
+        # counters; after a restore, the first step's bucket is reduced as these (see reduce_bucket).
+        self.bucket_layout: list[tuple[tuple[str, int, int], ...]] = []
+        self._layout_step: int | None = None  # the step bucket_layout was recorded at (None: restored, or none yet)
+        self._saved_layout: list[tuple[tuple[str, int, int], ...]] = []  # bucket_layout as restored
+        self._restored_buckets: dict[str, int] | None = None  # name -> its saved bucket, until the next step ends
 
     # --- wiring -------------------------------------------------------------------------------
     def attach(self, ddp_model: nn.parallel.DistributedDataParallel, comm: Communicator | None = None) -> None:
@@ -262,6 +268,7 @@ class CommSession:
             "synced": synced,
         }
         self._dense_this_step = 0
+        self._restored_buckets = None  # from the second step on DDP's rebuilt buckets are the uninterrupted run's
         return self.metrics()
 
     def final_sync(self, named_params: Iterable[tuple[str, Tensor]]) -> bool:
@@ -288,16 +295,67 @@ class CommSession:
             metrics["comm/compression_ratio"] = self.total_dense_bytes / self.total_bytes
         return metrics
 
+    # --- reducing a bucket ----------------------------------------------------------------------
+    def reduce_bucket(self, buffer: Tensor, segments: Sequence[Segment]) -> torch.futures.Future:
+        """Average one DDP bucket through the compressor, and record its layout for :meth:`counters_state_dict`.
+
+        The first step after a restore runs on DDP's initial bucket layout (torch 2.13: one bucket holding every
+        gradient); DDP rebuilds its buckets after it. On 3 or more ranks gloo's all-reduce adds the ranks' values in
+        an order that depends on where a value sits in the buffer and on the buffer's size (on 2 ranks a + b = b + a),
+        so an all-reduce codec (none, fp16, bf16, PowerSGD, any codec's ``start_step`` warm-up) gave a resumed run
+        other float roundings than the uninterrupted one (3e-8 in the parameters, 3 ranks). That step's bucket is
+        therefore cut into the saved buckets, each laid out as saved and reduced on its own: blocking, once per run.
+        """
+        if self._layout_step != self.step:
+            self.bucket_layout, self._layout_step = [], self.step
+        groups = self._saved_buckets_of(segments)
+        if groups is None:
+            self.bucket_layout.append(tuple((s.name, s.offset, s.numel) for s in segments))
+            return self.compressor.reduce(buffer, segments, self.comm, self.step)
+        by_name = {s.name: s for s in segments}
+        for group in groups:
+            sub = buffer.new_empty(sum(numel for _, _, numel in group))
+            for name, offset, numel in group:
+                sub[offset : offset + numel] = buffer[by_name[name].offset : by_name[name].offset + numel]
+            sub_segments = [Segment(name, offset, numel, by_name[name].shape) for name, offset, numel in group]
+            sub = self.compressor.reduce(sub, sub_segments, self.comm, self.step).wait()
+            for name, offset, numel in group:
+                buffer[by_name[name].offset : by_name[name].offset + numel] = sub[offset : offset + numel]
+            self.bucket_layout.append(group)
+        self.hook_calls += len(groups) - 1  # one call per saved bucket, as the uninterrupted run's hook made
+        return completed_future(buffer)
+
+    def _saved_buckets_of(self, segments: Sequence[Segment]) -> list[tuple[tuple[str, int, int], ...]] | None:
+        """The saved buckets this bucket is made of, when it is laid out otherwise (the first step after a restore);
+        else None."""
+        if self._restored_buckets is None or not segments:
+            return None
+        keys = {self._restored_buckets.get(s.name) for s in segments}
+        if None in keys:
+            return None
+        groups = [self._saved_layout[k] for k in sorted(keys)]
+        if {name for g in groups for name, _, _ in g} != {s.name for s in segments}:
+            return None  # a saved bucket only partly here: not a union of saved buckets
+        if len(groups) == 1 and groups[0] == tuple((s.name, s.offset, s.numel) for s in segments):
+            return None  # laid out as saved
+        return groups
+
     # --- state --------------------------------------------------------------------------------
     def counters_state_dict(self) -> dict:
-        """Replicated counters (identical on every rank)."""
+        """Replicated counters (identical on every rank), and the latest step's bucket layout."""
         return {"step": self.step, "hook_calls": self.hook_calls, "total_bytes": self.total_bytes,
-                "total_dense_bytes": self.total_dense_bytes, "total_time_ms": self.total_time_ms}
+                "total_dense_bytes": self.total_dense_bytes, "total_time_ms": self.total_time_ms,
+                "bucket_layout": [[list(entry) for entry in bucket] for bucket in self.bucket_layout]}
 
     def load_counters_state_dict(self, state: dict) -> None:
         self.step, self.hook_calls = int(state["step"]), int(state["hook_calls"])
         self.total_bytes, self.total_dense_bytes = int(state["total_bytes"]), int(state["total_dense_bytes"])
         self.total_time_ms = float(state["total_time_ms"])
+        # absent from checkpoints written before it was kept: the first step then runs on DDP's initial buckets
+        layout = [tuple((str(n), int(o), int(k)) for n, o, k in bucket) for bucket in state.get("bucket_layout", [])]
+        self.bucket_layout, self._layout_step = layout, None
+        self._saved_layout = layout
+        self._restored_buckets = {name: i for i, bucket in enumerate(layout) for name, _, _ in bucket} or None
 
 
 def compressed_comm_hook(session: CommSession, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -311,8 +369,7 @@ def compressed_comm_hook(session: CommSession, bucket: dist.GradBucket) -> torch
     session._dense_this_step += buffer.numel() * buffer.element_size()
     if session.local_update is not None:  # local step: no gradient communication at all
         return completed_future(buffer)
-    segments = bucket_segments(bucket, session.names)
-    return session.compressor.reduce(buffer, segments, session.comm, session.step)
+    return session.reduce_bucket(buffer, bucket_segments(bucket, session.names))
 
 
 
