@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 from lit_dtrain.strategies import (
     COMPRESSORS,
     BlockQuantizer,
+    CommSession,
     DiLoCo,
     HalfPrecision,
     LocalSGD,
     LoopbackCommunicator,
+    NoCompression,
     PowerSGD,
     ScaledSign,
     TopK,
@@ -348,6 +350,51 @@ def test_topk_resumed_on_ddps_initial_bucket_selects_within_the_saved_buckets():
     plain.load_state_dict({k: v for k, v in one.state_dict().items() if k != "bucket_layout"})  # an older file
     assert torch.equal(one_resumed.reduce(grad(1), SEGMENTS, comm, 1).wait(), plain.reduce(grad(1), SEGMENTS, comm,
                                                                                            1).wait())
+
+
+def test_session_reduces_the_first_bucket_after_a_restore_as_the_saved_buckets():
+    """On 3+ ranks an all-reduce sums in an order set by a value's place in the buffer, so the first step after a
+    restore (DDP's initial bucket: every parameter, another order) is reduced as the saved buckets, each laid out as
+    saved; a bucket that is not a union of them (another size) is reduced as it is. Checked here by what the codec
+    is handed; tests/dist/test_compressed_ddp.py::test_resume_restores_comm_state_exactly[powersgd_3_ranks] checks
+    the resumed run on 3 ranks."""
+    a, b = SEGMENTS[:2], SEGMENTS[2:]
+    na = sum(s.numel for s in a)
+    saved = [[[s.name, s.offset, s.numel] for s in a], [[s.name, s.offset - na, s.numel] for s in b]]
+    order = [SEGMENTS[3], SEGMENTS[2], SEGMENTS[1], SEGMENTS[0]]  # DDP's initial bucket: emb, w2, b1, w1
+    initial, offset = [], 0
+    for s in order:
+        initial.append(Segment(s.name, offset, s.numel, s.shape))
+        offset += s.numel
+
+    class Recording(NoCompression):
+        def reduce(self, flat, segments, comm, step):
+            self.seen.append((flat.clone(), [(s.name, s.offset, s.numel) for s in segments]))
+            return super().reduce(flat, segments, comm, step)
+
+    def restored(layout):
+        session = CommSession(Recording(), comm=LoopbackCommunicator())
+        session.compressor.seen = []
+        session.load_counters_state_dict({"step": 3, "hook_calls": 6, "total_bytes": 0, "total_dense_bytes": 0,
+                                          "total_time_ms": 0.0, "bucket_layout": layout})
+        return session
+
+    g = grad(3)
+    bucket = torch.cat([g[s.offset : s.offset + s.numel] for s in order])
+    session = restored(saved)
+    out = session.reduce_bucket(bucket.clone(), initial).wait()
+    assert torch.equal(out, bucket)  # one rank: the mean is the gradient, each value back in its place
+    assert [layout for _, layout in session.compressor.seen] == [[tuple(e) for e in part] for part in saved]
+    assert torch.equal(session.compressor.seen[0][0], g[:na]) and torch.equal(session.compressor.seen[1][0], g[na:])
+    assert session.hook_calls == 7 and session.counters_state_dict()["bucket_layout"] == saved
+    session.after_optimizer_step([])  # from the second step on the buckets are DDP's rebuilt ones, as they come
+    session.reduce_bucket(bucket.clone(), initial).wait()
+    assert session.compressor.seen[-1][1] == [(s.name, s.offset, s.numel) for s in initial]
+
+    other_size = [[[n, o, k + 1] for n, o, k in saved[0]], saved[1]]  # not this model's buckets
+    session = restored(other_size)
+    session.reduce_bucket(bucket.clone(), initial).wait()
+    assert [layout for _, layout in session.compressor.seen] == [[(s.name, s.offset, s.numel) for s in initial]]
 
 
 def test_topk_records_its_buckets_during_the_uncompressed_warmup_too():

@@ -304,13 +304,13 @@ class CommSession:
         an order that depends on where a value sits in the buffer and on the buffer's size (on 2 ranks a + b = b + a),
         so an all-reduce codec (none, fp16, bf16, PowerSGD, any codec's ``start_step`` warm-up) gave a resumed run
         other float roundings than the uninterrupted one (3e-8 in the parameters, 3 ranks). That step's bucket is
-        therefore cut into the saved buckets, each laid out as saved and reduced on its own: blocking, once per run.
+        therefore cut into the saved buckets, each laid out as saved and reduced on its own: blocking, once per start.
         """
         if self._layout_step != self.step:
             self.bucket_layout, self._layout_step = [], self.step
         groups = self._saved_buckets_of(segments)
         if groups is None:
-            self.bucket_layout.append(tuple((s.name, s.offset, s.numel) for s in segments))
+            self._record_bucket(tuple((s.name, s.offset, s.numel) for s in segments))
             return self.compressor.reduce(buffer, segments, self.comm, self.step)
         by_name = {s.name: s for s in segments}
         for group in groups:
@@ -321,9 +321,13 @@ class CommSession:
             sub = self.compressor.reduce(sub, sub_segments, self.comm, self.step).wait()
             for name, offset, numel in group:
                 buffer[by_name[name].offset : by_name[name].offset + numel] = sub[offset : offset + numel]
-            self.bucket_layout.append(group)
+            self._record_bucket(group)
         self.hook_calls += len(groups) - 1  # one call per saved bucket, as the uninterrupted run's hook made
         return completed_future(buffer)
+
+    def _record_bucket(self, bucket: tuple[tuple[str, int, int], ...]) -> None:
+        if bucket not in self.bucket_layout:  # (a step whose micro-batches each sync reduces every bucket again)
+            self.bucket_layout.append(bucket)
 
     def _saved_buckets_of(self, segments: Sequence[Segment]) -> list[tuple[tuple[str, int, int], ...]] | None:
         """The saved buckets this bucket is made of, when it is laid out otherwise (the first step after a restore);
@@ -334,8 +338,8 @@ class CommSession:
         if None in keys:
             return None
         groups = [self._saved_layout[k] for k in sorted(keys)]
-        if {name for g in groups for name, _, _ in g} != {s.name for s in segments}:
-            return None  # a saved bucket only partly here: not a union of saved buckets
+        if {(name, numel) for g in groups for name, _, numel in g} != {(s.name, s.numel) for s in segments}:
+            return None  # a saved bucket only partly here (or another size): not a union of saved buckets
         if len(groups) == 1 and groups[0] == tuple((s.name, s.offset, s.numel) for s in segments):
             return None  # laid out as saved
         return groups
