@@ -59,6 +59,8 @@ VARIANTS = {  # name -> (compressor spec, local-update spec); "ddp" is native DD
     "topk": ({"name": "topk", "ratio": 0.01}, None),
     "topk_dynamic": ({"name": "topk", "ratio": 0.01, "initial_ratio": 0.1, "ratio_warmup_steps": 24}, None),
     "sign": ("sign", None),
+    # int8 through a quantized reduce-scatter + all-gather (ZeRO++ qgZ): at 2 ranks it sends what int8 does
+    "int8_rs": ({"name": "int8_rs", "block_size": 256}, None),
     "local_sgd": (None, {"name": "local_sgd", "sync_period": 8}),
     "local_sgd_adaptive": (None, {"name": "local_sgd_adaptive", "sync_period": 8, "divergence_threshold": 5e-3}),
     "diloco": (None, {"name": "diloco", "sync_period": 16}),
