@@ -27,3 +27,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'lit_dtrain.callbacks' has no attribute {name!r}; available: {__all__}")
+
+
+def __dir__() -> list[str]:  # the lazy names too (tab completion, help())
+    return sorted(set(globals()) | set(__all__))

@@ -2,7 +2,9 @@
 
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler, step_generator
 
-__all__ = ["IndexSampler", "RandomSampler", "step_generator"]
+# FourierSampler is resolved lazily (the spectral sampler is optional), but it is public: ``import *`` and ``dir()``
+# list it too
+__all__ = ["FourierSampler", "IndexSampler", "RandomSampler", "step_generator"]
 
 
 def __getattr__(name: str):
@@ -11,3 +13,7 @@ def __getattr__(name: str):
 
         return FourierSampler
     raise AttributeError(f"module 'lit_dtrain.data.samplers' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
