@@ -6,7 +6,13 @@
 #     ONLY="env pytest_gpu" bash scripts/gpu_checks.sh   # only the named steps
 #
 # Needs the project's dependencies importable (pip install -e '.[dev]', or PYTHONPATH) and one visible GPU.
+# The last line of output is one JSON object: {"out", "results", "rc": {step: exit status}, "failed": [steps]};
+# the exit status is 1 when a step failed.
 set -u
+case "${1:-}" in
+    -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    -*) echo "gpu_checks.sh: unknown option $1 (usage: bash scripts/gpu_checks.sh [OUT_DIR]; --help)" >&2; exit 2 ;;
+esac
 out=${1:-outputs/gpu_checks}
 mkdir -p "$out"
 log="$out/gpu.log"
@@ -15,6 +21,7 @@ results="$out/results.jsonl"
 : >"$results"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 LIT_DTRAIN_CACHE=${LIT_DTRAIN_CACHE:-/tmp/lit_dtrain_cache}
 py=${PYTHON:-python3}
+statuses=()  # NAME=RC of every step run
 
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep its last JSON line
     local name=$1 limit=$2
@@ -30,6 +37,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep it
     json=$(grep -E '^\{.*\}$' "$out/step.log" | tail -n 1)
     [ -n "$json" ] && echo "{\"step\": \"$name\", \"rc\": $rc, \"result\": $json}" >>"$results"
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+    statuses+=("$name=$rc")
     rm -f "$out/step.log"
 }
 
@@ -56,3 +64,14 @@ step bench_step_nano 90 "$py" scripts/bench_step.py --steps 40 --rounds 3 traine
 step bench_step_125m 120 "$py" scripts/bench_step.py --steps 30 --rounds 2 trainer=gpu model=llama_125m
 step train_default_gpu 120 "$py" train.py trainer=gpu run_name=gpu_default
 step train_compiled_gpu 150 "$py" train.py trainer=gpu module.compile=true run_name=gpu_compiled
+
+# the summary line (json.dumps: any OUT_DIR is quoted correctly)
+"$py" - "$out" "$results" "${statuses[@]}" <<'EOF'
+import json
+import sys
+
+out, results, *statuses = sys.argv[1:]
+rc = {name: int(code) for name, _, code in (s.rpartition("=") for s in statuses)}
+print(json.dumps({"out": out, "results": results, "rc": rc, "failed": [name for name, code in rc.items() if code]}))
+sys.exit(1 if any(rc.values()) else 0)
+EOF
