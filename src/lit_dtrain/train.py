@@ -169,6 +169,41 @@ _BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=
 )
 
 
+# The keys of conf/train.yaml that are no class's arguments: its config groups, its own keys, and the keys of its plain
+# sections (tests/unit/test_configs.py keeps this in step with the file). Hydra refuses an unknown key on the command
+# line (struct mode), but a config file (an experiment, @package _global_) adds one without a word: `init_form:` there
+# trained from scratch, `sample: {promt: ...}` or `decay_branch: {step: ...}` did nothing. A _target_ node refuses an
+# unknown key itself (its class takes no such argument); paths.* stays open for a user's own interpolations.
+CONFIG_KEYS = {
+    "": ("model", "data", "optimizer", "scheduler", "callbacks", "strategy", "trainer", "logger", "paths", "hydra",
+         "experiment", "seed", "run_name", "ckpt_path", "resume", "init_from", "decay_branch", "matmul_precision",
+         "module", "sample"),
+    "decay_branch": ("ckpt", "steps"),
+    "module": ("compile", "check_finite"),
+    "sample": ("prompt", "max_new_tokens", "temperature", "top_k"),
+}
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
+    conf/train.yaml (see ``CONFIG_KEYS``): a typo in a config file must not fall back silently to the default."""
+    import difflib
+
+    for section, known in CONFIG_KEYS.items():
+        node = cfg if not section else cfg.get(section)
+        if not isinstance(node, DictConfig):
+            continue
+        for key in map(str, node.keys()):
+            if key in known:
+                continue
+            full = f"{section}.{key}" if section else key
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
+            where = f"{section} holds only" if section else "the top level holds only"
+            raise ConfigError(f"unknown config key {full!r} (set in a config file, or added with '+'): lit_dtrain "
+                              f"does not read it, so it would be ignored{hint} ({where} {', '.join(sorted(known))})")
+
+
 def check_types(cfg: DictConfig) -> None:
     """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
     comparison, or reading 'off' as true."""
@@ -298,6 +333,7 @@ def scheduler_config(cfg: DictConfig) -> DictConfig | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before any compute, naming the offending key."""
+    check_known_keys(cfg)
     check_types(cfg)
     lr = cfg.optimizer.get("lr")
     if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
@@ -944,6 +980,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
     try:
+        check_known_keys(cfg)  # first: the decay branch below reads its keys
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
         check_init_from(cfg)

@@ -765,3 +765,58 @@ def test_torchrun_restarts_that_cannot_continue_the_run_are_warned_about(tiny_cf
     assert warnings_for({**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"}) == []  # said at the first start only
     assert warnings_for({**torchrun, "TORCHELASTIC_MAX_RESTARTS": "0"}) == []  # no restarts
     assert warnings_for({}) == []  # not under torchrun
+
+
+def test_config_keys_are_those_of_conf_train_yaml():
+    """CONFIG_KEYS (what check_known_keys accepts) is conf/train.yaml's groups, own keys and plain sections' keys."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.train import CONFIG_KEYS
+
+    primary = OmegaConf.load(Path(CONF_DIR) / "train.yaml")
+    groups = {next(iter(entry)) for entry in primary.defaults if not isinstance(entry, str)}
+    assert set(CONFIG_KEYS[""]) == groups | (set(primary) - {"defaults"})
+    sections = {key for key in primary if key != "defaults" and OmegaConf.is_dict(primary[key])}
+    assert sections == set(CONFIG_KEYS) - {""}
+    for section in sections:
+        assert set(CONFIG_KEYS[section]) == set(primary[section]), section
+
+
+@pytest.mark.parametrize(
+    "experiment, match",
+    [
+        ("init_form: /some/run/last.ckpt", r"unknown config key 'init_form' .*did you mean 'init_from'\?"),
+        ("sample:\n  promt: 'class '", r"unknown config key 'sample.promt' .*did you mean 'sample.prompt'\?"),
+        ("decay_branch:\n  step: 500", r"unknown config key 'decay_branch.step' .*did you mean 'decay_branch.steps'"),
+        ("module:\n  compiled: true", r"unknown config key 'module.compiled' .*did you mean 'module.compile'\?"),
+    ],
+)
+def test_an_unknown_key_in_an_experiment_file_is_refused(experiment, match, tmp_path):
+    """Hydra refuses an unknown key on the command line only: an experiment file (@package _global_) added one without
+    a word, and train() ignored it (init_form: trained from scratch; sample.promt, decay_branch.step did nothing)."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from lit_dtrain.train import check_known_keys
+
+    conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
+    (conf / "experiment" / "typo.yaml").write_text(f"# @package _global_\n{experiment}\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=typo"])
+    with pytest.raises(ConfigError, match=match):
+        check_known_keys(cfg)
+    with pytest.raises(ConfigError, match=match):
+        check_config(cfg)
+
+
+def test_train_refuses_an_unknown_key_before_the_decay_branch_reads_its_keys(tiny_cfg):
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("decay_branch.ckpt=/nonexistent.ckpt")
+    with open_dict(cfg):
+        cfg.decay_branch.step = 5  # what `decay_branch: {step: 5}` in a config file makes
+    with pytest.raises(ConfigError, match=r"unknown config key 'decay_branch.step'"):
+        train(cfg)
