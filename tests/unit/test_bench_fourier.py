@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -46,6 +48,8 @@ def test_lag_variants_and_the_timing_of_each_lag(bench, tmp_path):
                            steps=50, timing_lags=[0, 1], timing_rounds=2, timing_steps=2, n_layer=1, d_model=16,
                            n_head=2, n_kv_head=1)
     t = bench.interleaved_timing("mixture", dirs, 64, args)
-    for key in ("wall_ratio", "wall_ratio_lag1"):
-        assert 0.2 < t[key] < 5.0 and len(t[key.replace("wall_ratio", "round_ratios")]) == 2
+    for key in ("wall_ratio", "wall_ratio_lag1"):  # the median of the rounds' ratios (no bound on a timing itself)
+        rounds = t[key.replace("wall_ratio", "round_ratios")]
+        assert len(rounds) == 2 and all(r > 0 for r in rounds)
+        assert t[key] == pytest.approx(statistics.median(rounds), abs=1e-4)
     assert t["fourier_ms"] > 0 and t["fourier_lag1_ms"] > 0
