@@ -186,17 +186,20 @@ CONFIG_KEYS = {
 
 def check_known_keys(cfg: DictConfig) -> None:
     """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
-    conf/train.yaml (see ``CONFIG_KEYS``): a typo in a config file must not fall back silently to the default."""
+    conf/train.yaml (see ``CONFIG_KEYS``), unless an interpolation reads it: a typo in a config file must not fall
+    back silently to the default."""
     import difflib
 
+    # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
+    text = OmegaConf.to_yaml(cfg, resolve=False)
     for section, known in CONFIG_KEYS.items():
         node = cfg if not section else cfg.get(section)
         if not isinstance(node, DictConfig):
             continue
         for key in map(str, node.keys()):
-            if key in known:
-                continue
             full = f"{section}.{key}" if section else key
+            if key in known or re.search(r"\$\{\s*" + re.escape(full) + r"\s*[.}\[]", text):
+                continue
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
             where = f"{section} holds only" if section else "the top level holds only"

@@ -810,6 +810,26 @@ def test_an_unknown_key_in_an_experiment_file_is_refused(experiment, match, tmp_
         check_config(cfg)
 
 
+def test_a_key_that_an_interpolation_reads_is_not_unknown(tmp_path):
+    """A config's own variable (lightning-hydra-template style) is read through its interpolation: not refused."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from lit_dtrain.train import check_known_keys
+
+    conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
+    (conf / "experiment" / "vars.yaml").write_text("# @package _global_\nwidth: 48\nlr_peak: {base: 0.002}\n"
+                                                   "model:\n  d_model: ${width}\noptimizer:\n  lr: ${lr_peak.base}\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=vars"])
+        typo = compose(config_name="train", overrides=["experiment=vars", "+widht=64"])
+    check_known_keys(cfg)
+    assert (cfg.model.d_model, cfg.optimizer.lr) == (48, 0.002)
+    with pytest.raises(ConfigError, match=r"unknown config key 'widht'"):  # no interpolation reads the typo
+        check_known_keys(typo)
+
+
 def test_train_refuses_an_unknown_key_before_the_decay_branch_reads_its_keys(tiny_cfg):
     from omegaconf import open_dict
 
