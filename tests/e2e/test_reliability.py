@@ -156,12 +156,11 @@ def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp
         "+callbacks.fault.stage=validate",
         "+callbacks.fault.rank=1",
     ]
-    t0 = time.monotonic()
     term = train_proc(tmp_path, corpus, "run_name=term", *ddp, *fault, timeout=240)
-    elapsed = time.monotonic() - t0
     out = term.stdout + term.stderr
+    # 143 on both ranks: no rank waited for the collective timeout (that failed with a gloo timeout, exit status 1)
     assert term.returncode == 143, out[-3000:]
-    assert elapsed < 60, elapsed  # no rank waited for a collective timeout
+    assert "Timed out" not in out and "CollectiveError" not in out, out[-3000:]
     assert out.count("stopped by SIGTERM after the last step") >= 2, out[-3000:]  # both ranks
     assert not (tmp_path / "outputs/runs/term/summary.json").exists()
     ckpt = torch.load(tmp_path / "outputs/runs/term/checkpoints/last.ckpt", weights_only=True)
