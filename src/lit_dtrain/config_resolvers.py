@@ -31,10 +31,12 @@ class RequiredValueError(InterpolationResolutionError, ValueError):
 
 
 def required(message: str) -> None:
+    """``${lit.required:"message"}``: raise :class:`RequiredValueError` with ``message``."""
     raise RequiredValueError(message)
 
 
 def env_dir(var: str, default: str) -> str:
+    """``${lit.env_dir:VAR,default}``: ``$VAR``, or ``default`` when it is unset, empty or blank."""
     value = os.environ.get(var, "")
     return value if value.strip() else default
 
@@ -65,6 +67,7 @@ def launch_run_name(timestamp: str) -> str:
 
 
 def register() -> None:
+    """Register the ``lit.*`` resolvers with OmegaConf (once; importing lit_dtrain does it)."""
     if not OmegaConf.has_resolver("lit.warmup"):
         OmegaConf.register_new_resolver("lit.warmup", default_warmup)
     if not OmegaConf.has_resolver("lit.launch_run_name"):
