@@ -321,13 +321,18 @@ def scheduler_config(cfg: DictConfig) -> DictConfig | None:
     """The ``scheduler`` node to build, or None.
 
     A node without ``_target_`` is what an experiment's ``scheduler:`` settings leave after ``'~scheduler'``
-    (``experiment=cpt_replay`` sets a warmup). The WSD callback reads them (its ``warmup_steps`` defaults to
-    ``scheduler.warmup_steps``), so with it there is no scheduler to build; without it nothing would read them,
-    which is an error."""
+    (``experiment=cpt_replay`` sets a warmup and a decay fraction). The WSD callback reads them (each of its keys in
+    conf/callbacks/wsd.yaml defaults to ``scheduler.<key>``), so with it there is no scheduler to build; a key it has
+    no argument for, or the node without the callback, would be read by nothing, which is an error."""
     node = cfg.get("scheduler")
     if not node or "_target_" in node:
         return node or None
-    if wsd_callback_keys(cfg):
+    if keys := wsd_callback_keys(cfg):
+        arguments = {k for key in keys for k in cfg.callbacks[key].keys() if k != "_target_"}
+        if unread := [k for k in node.keys() if k not in arguments]:
+            raise ConfigError(f"scheduler.{unread[0]} is set, but there is no LR scheduler ('~scheduler'), and the "
+                              f"WSD callback (callbacks.{keys[0]}) takes only {sorted(arguments)}; nothing reads "
+                              f"{['scheduler.' + k for k in unread]}")
         return None
     raise ConfigError(f"scheduler has no _target_: it holds only {list(node.keys())} (an experiment's settings "
                       "after '~scheduler'?), which nothing reads; pick a schedule (scheduler=wsd, cosine, constant) "

@@ -202,6 +202,28 @@ def test_an_experiments_scheduler_settings_without_a_scheduler(tmp_path, corpus)
         check_config(alone)
 
 
+def test_the_wsd_callback_takes_every_setting_an_experiment_leaves_in_scheduler(tmp_path, corpus):
+    """``experiment=cpt_replay '~scheduler' 'callbacks=[default,wsd]' scheduler.decay_fraction=0.5``: the callback
+    read only ``scheduler.warmup_steps`` and decayed over its own default 20% (100 of 500 steps, not 250), and a
+    ``+scheduler.min_lr_factor=0.1`` decayed to 0, without a word. Each of its keys now reads the node's; a key it
+    has no argument for is an error naming it."""
+    from lit_dtrain.callbacks import WSDScheduler
+    from lit_dtrain.train import build_callbacks, check_config
+
+    common = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "~scheduler", "callbacks=[default,wsd]"]
+    cfg = compose_cfg([*common, "scheduler.decay_fraction=0.5", "+scheduler.min_lr_factor=0.1",
+                       "+scheduler.decay_type=linear"], tmp_path / "a", tiny=False)
+    check_config(cfg)
+    (callback,) = [c for c in build_callbacks(cfg) if isinstance(c, WSDScheduler)]
+    assert (callback.total_steps, callback.warmup_steps, callback.decay_steps) == (500, 50, 250)
+    assert (callback.decay_type, callback.min_lr_factor) == ("linear", 0.1)
+    explicit = compose_cfg([*common, "callbacks.wsd.decay_fraction=0.1"], tmp_path / "b", tiny=False)
+    assert explicit.callbacks.wsd.decay_fraction == 0.1  # the callback's own key wins
+    unread = compose_cfg([*common, "+scheduler.decay_fracton=0.5"], tmp_path / "c", tiny=False)
+    with pytest.raises(ConfigError, match=r"scheduler.decay_fracton is set.*callbacks.wsd.*nothing reads"):
+        check_config(unread)
+
+
 @pytest.mark.slow
 def test_branch_one_command_via_train_py(tmp_path, corpus):
     """The documented CLI: a stable run keeping its checkpoints, then one command for a decay branch."""
