@@ -52,7 +52,7 @@ class WSDScheduler(StepHooksCallback):
         min_lr_factor: final LR as a fraction of the peak.
 
     The LR for step ``s`` is set after step ``s - 1`` ends (``on_train_batch_end``, so that
-    ``LearningRateMonitor`` logs the LR actually used at step ``s`` whatever the callback order) and
+    ``LearningRateMonitor`` logs the schedule's LR of step ``s`` whatever the callback order) and
     again right before step ``s`` (``on_train_batch_start``, idempotent), and at ``on_train_start`` for
     the first step of a fit or a resume. With gradient accumulation every micro-batch of one optimizer
     step sees the same ``global_step`` and so the same LR. Under manual optimization the step is each
