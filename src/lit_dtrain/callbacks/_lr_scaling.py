@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from lit_dtrain.optim import set_lr
+
 _ATTR = "_lit_dtrain_lr_scaling"
+
+
+def _value(lr):
+    return lr.clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _state(optimizer: torch.optim.Optimizer) -> dict:
@@ -35,10 +41,10 @@ def scale_lrs_for_step(optimizer: torch.optim.Optimizer, factor: float) -> None:
     if factor == 1.0:
         return
     state = _state(optimizer)
-    if state["base"] is None:
-        state["base"] = [group["lr"] for group in optimizer.param_groups]
+    if state["base"] is None:  # (a Tensor LR is scaled in place below: keep its value)
+        state["base"] = [_value(group["lr"]) for group in optimizer.param_groups]
     for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
+        set_lr(group, group["lr"] * factor)
 
 
 def restore_lrs(optimizer: torch.optim.Optimizer) -> bool:
@@ -47,6 +53,6 @@ def restore_lrs(optimizer: torch.optim.Optimizer) -> bool:
     if state is None or state["base"] is None:
         return False
     for group, lr in zip(optimizer.param_groups, state["base"]):
-        group["lr"] = lr
+        set_lr(group, lr)
     state["base"] = None
     return True

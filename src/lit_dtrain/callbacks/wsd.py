@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
+from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class WSDScheduler(StepHooksCallback):
     def _set(self, optimizer, base_lrs: list[float], step: int) -> None:
         factor = self.lr_factor(step)
         for group, base_lr in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = base_lr * factor
+            set_lr(group, base_lr * factor)
         self.last_step = step
 
     def _after_update(self, optimizer, args, kwargs, index: int) -> None:

@@ -7,6 +7,17 @@ from collections.abc import Iterable
 import torch
 
 
+def set_lr(group: dict, value) -> None:
+    """Set a param group's LR. A Tensor LR (what a compiled or capturable optimizer step is given, so that a new LR
+    neither recompiles nor re-captures it) is filled in place, as torch's LR schedulers do: replacing it with a float,
+    or with another tensor, changed the object that compiled step holds."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr.copy_(value) if isinstance(value, torch.Tensor) else lr.fill_(value)
+    else:
+        group["lr"] = value
+
+
 def adamw(
     params: Iterable,
     lr: float = 1e-3,

@@ -21,6 +21,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from lit_dtrain.optim import set_lr
 from lit_dtrain.utils.args import check_int as _check_int
 
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
@@ -204,7 +205,7 @@ class StepLambdaLR(LambdaLR):
         self.last_epoch = int(step)
         values = [base_lr * fn(self.last_epoch) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]
         for group, lr in zip(self.optimizer.param_groups, values):
-            group["lr"] = lr
+            set_lr(group, lr)
         self._last_lr = list(values)
 
 
