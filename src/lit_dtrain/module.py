@@ -378,13 +378,20 @@ def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: floa
     """
     optimizer = factory(param_groups(model))
     if getattr(optimizer, "_step_supports_amp_scaling", False) and gradient_clip_val and "mixed" in str(precision):
-        if getattr(factory, "func", None) is adamw and factory.keywords.get("fused") is None:
+        ours = getattr(factory, "func", None) is adamw
+        if ours and factory.keywords.get("fused") is None:
             optimizer = factory(param_groups(model), fused=False)  # fused was automatic: use foreach
-        else:
+        elif ours:
             raise ValueError(
                 f"optimizer.fused=true cannot be combined with trainer.gradient_clip_val={gradient_clip_val} under "
                 f"precision={precision}: a fused optimizer unscales its grads inside step(), so they cannot be "
                 "clipped. Set optimizer.fused=null (or false), or trainer.gradient_clip_val=null")
+        else:  # another factory: its own settings made a fused optimizer ('optimizer.fused' may not exist)
+            raise ValueError(
+                f"the optimizer built by optimizer._target_ ({type(optimizer).__name__}) unscales its grads inside "
+                f"step() (a fused implementation), which cannot be combined with trainer.gradient_clip_val="
+                f"{gradient_clip_val} under precision={precision}: they cannot be clipped. Build a non-fused one, or "
+                "set trainer.gradient_clip_val=null")
     return optimizer
 
 

@@ -322,3 +322,17 @@ def test_build_optimizer_is_fused_unless_its_grads_are_clipped_under_mixed_preci
     kind = "fused" if optimizer.defaults["fused"] else "foreach" if optimizer.defaults["foreach"] else None
     assert kind == expected
 
+
+
+def test_a_fused_optimizer_from_another_factory_is_refused_naming_the_factory():
+    """Under a mixed precision with clipping, a fused optimizer built by a factory other than lit_dtrain's adamw was
+    refused as 'optimizer.fused=true cannot be combined ...', a key that factory may not have (it was left null)."""
+    model = torch.nn.Linear(4, 4)
+    factory = functools.partial(torch.optim.AdamW, lr=1e-3, fused=True)
+    with pytest.raises(ValueError, match=r"the optimizer built by optimizer._target_ \(AdamW\) unscales its grads "
+                                         r"inside step\(\).*trainer.gradient_clip_val=1.0 under precision=bf16-mixed"):
+        build_optimizer(factory, model, 1.0, "bf16-mixed")
+    with pytest.raises(ValueError, match=r"^optimizer.fused=true cannot be combined"):
+        build_optimizer(functools.partial(adamw, lr=1e-3, fused=True), model, 1.0, "bf16-mixed")
+    assert not build_optimizer(functools.partial(adamw, lr=1e-3), model, 1.0, "bf16-mixed").defaults["fused"]
+    assert build_optimizer(factory, model, None, "bf16-mixed").defaults["fused"]  # no clipping: allowed
