@@ -189,7 +189,8 @@ def test_an_experiments_scheduler_settings_without_a_scheduler(tmp_path, corpus)
     without ``_target_``. With the WSD callback they are its settings (its warmup_steps reads scheduler.warmup_steps);
     ``train()`` instantiated the node anyway and failed with ``TypeError: 'DictConfig' object is not callable``
     after tokenizing. Without the callback nothing reads them: an error naming the node, before any compute."""
-    from lit_dtrain.train import ConfigError, check_config, scheduler_config
+    from lit_dtrain.config_checks import check_config, scheduler_config
+    from lit_dtrain.train import ConfigError
 
     with_callback = compose_cfg(["experiment=cpt_replay", "~scheduler", "callbacks=[default,wsd]"],
                                 tmp_path / "a", tiny=False)
@@ -208,7 +209,8 @@ def test_the_wsd_callback_takes_every_setting_an_experiment_leaves_in_scheduler(
     ``+scheduler.min_lr_factor=0.1`` decayed to 0, without a word. Each of its keys now reads the node's; a key it
     has no argument for is an error naming it."""
     from lit_dtrain.callbacks import WSDScheduler
-    from lit_dtrain.train import build_callbacks, check_config
+    from lit_dtrain.config_checks import check_config
+    from lit_dtrain.train import build_callbacks
 
     common = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "~scheduler", "callbacks=[default,wsd]"]
     cfg = compose_cfg([*common, "scheduler.decay_fraction=0.5", "+scheduler.min_lr_factor=0.1",
@@ -266,8 +268,8 @@ def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path):
 def test_branch_warmup_check_uses_the_branch_horizon_not_the_default_max_steps(tmp_path, mode):
     # The default warmup is ${lit.warmup:${trainer.max_steps}}; the branch sets max_steps = S + N, so the check
     # must see min(100, (S + N) // 10) = 7 here, not min(100, 1000 // 10) = 100 from conf/trainer's default.
+    from lit_dtrain.config_checks import check_config
     from lit_dtrain.schedules.workflows import apply_decay_branch
-    from lit_dtrain.train import check_config
     from tests.conftest import compose_cfg
 
     ckpt = tmp_path / "src" / "step60.ckpt"

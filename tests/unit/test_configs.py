@@ -11,7 +11,8 @@ import torch
 from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 
-from lit_dtrain.train import ConfigError, build_callbacks, build_strategy, check_config
+from lit_dtrain.config_checks import check_config
+from lit_dtrain.train import ConfigError, build_callbacks, build_strategy
 from tests.conftest import CONF_DIR, compose_cfg
 
 
@@ -231,7 +232,7 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
 @pytest.mark.parametrize("group", ["strategy", "callbacks", "data/sampler", "optimizer", "scheduler", "trainer"])
 def test_every_shipped_choice_passes_the_argument_check(group, tiny_cfg):
     """check_target_arguments refuses no value the configs ship, nor null or 'warn' where a parameter takes them."""
-    from lit_dtrain.train import check_target_arguments
+    from lit_dtrain.config_checks import check_target_arguments
 
     conf = Path(__file__).resolve().parents[2] / "conf" / group
     names = sorted(str(p.relative_to(conf).with_suffix("")) for p in conf.rglob("*.yaml"))
@@ -709,9 +710,10 @@ def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
     an error: a horizon above max_steps plans a stable run to branch from (docs/wsd.md)."""
     import logging
 
-    from lit_dtrain.train import train, warn_if_the_schedule_ends_early
+    from lit_dtrain.config_checks import warn_if_the_schedule_ends_early
+    from lit_dtrain.train import train
 
-    caplog.set_level(logging.WARNING, logger="lit_dtrain.train")
+    caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
     _, objs = train(tiny_cfg("scheduler=cosine", "scheduler.total_steps=3", "sample.max_new_tokens=0"))
     warned = [r.getMessage() for r in caplog.records if "scheduler.total_steps" in r.getMessage()]
     assert warned == [
@@ -744,9 +746,9 @@ def test_torchrun_restarts_that_cannot_continue_the_run_are_warned_about(tiny_cf
     to connect in 3 of 4 tries (pytorch#135712). Both were silent until the restart."""
     import logging
 
-    from lit_dtrain.train import warn_about_torchrun_restarts
+    from lit_dtrain.config_checks import warn_about_torchrun_restarts
 
-    caplog.set_level(logging.WARNING, logger="lit_dtrain.train")
+    caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
     torchrun = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -771,7 +773,7 @@ def test_config_keys_are_those_of_conf_train_yaml():
     """CONFIG_KEYS (what check_known_keys accepts) is conf/train.yaml's groups, own keys and plain sections' keys."""
     from omegaconf import OmegaConf
 
-    from lit_dtrain.train import CONFIG_KEYS
+    from lit_dtrain.config_checks import CONFIG_KEYS
 
     primary = OmegaConf.load(Path(CONF_DIR) / "train.yaml")
     groups = {next(iter(entry)) for entry in primary.defaults if not isinstance(entry, str)}
@@ -798,7 +800,7 @@ def test_an_unknown_key_in_an_experiment_file_is_refused(experiment, match, tmp_
 
     from hydra import compose, initialize_config_dir
 
-    from lit_dtrain.train import check_known_keys
+    from lit_dtrain.config_checks import check_known_keys
 
     conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
     (conf / "experiment" / "typo.yaml").write_text(f"# @package _global_\n{experiment}\n")
@@ -816,7 +818,7 @@ def test_a_key_that_an_interpolation_reads_is_not_unknown(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from lit_dtrain.train import check_known_keys
+    from lit_dtrain.config_checks import check_known_keys
 
     conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
     (conf / "experiment" / "vars.yaml").write_text("# @package _global_\nwidth: 48\nlr_peak: {base: 0.002}\n"

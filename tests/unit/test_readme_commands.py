@@ -84,7 +84,7 @@ def test_the_readme_shows_how_to_shrink_every_sweep_experiment(tmp_path):
     at fewer steps than the experiment's own."""
     from omegaconf import OmegaConf
 
-    from lit_dtrain.train import check_config
+    from lit_dtrain.config_checks import check_config
     from tests.conftest import CONF_DIR
 
     for conf in sorted(Path(CONF_DIR, "experiment").glob("*.yaml")):

@@ -1,0 +1,478 @@
+"""Checks of a composed config before any compute, each naming the offending key: types and values
+(:func:`check_config`), every ``_target_`` node's arguments against its class, unknown keys, and warnings for
+settings that would waste a run (a schedule that ends early, torchrun restarts that cannot continue it).
+``lit_dtrain.train`` runs them; they are importable from there too."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+
+import torch
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lit_dtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+_NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
+    "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
+    "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
+    "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
+    "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,
+    "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
+    "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,
+    "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float,
+}
+
+
+# numbers that must be finite: lr=inf (or weight_decay=inf) made the first update inf, and the run stopped a step
+# later with a NonFiniteError blaming the gradients and saying the weights were still finite; rope_theta=inf and
+# init_std=inf build a model that cannot train. gradient_clip_val=inf is a valid "no clipping".
+_FINITE_KEYS = ("optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "model.rope_theta", "model.norm_eps",
+                "model.init_std")
+
+
+_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
+    "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
+)
+
+
+# The keys of conf/train.yaml that are no class's arguments: its config groups, its own keys, and the keys of its plain
+# sections (tests/unit/test_configs.py keeps this in step with the file). Hydra refuses an unknown key on the command
+# line (struct mode), but a config file (an experiment, @package _global_) adds one without a word: `init_form:` there
+# trained from scratch, `sample: {promt: ...}` or `decay_branch: {step: ...}` did nothing. A _target_ node refuses an
+# unknown key itself (its class takes no such argument); paths.* stays open for a user's own interpolations.
+CONFIG_KEYS = {
+    "": ("model", "data", "optimizer", "scheduler", "callbacks", "strategy", "trainer", "logger", "paths", "hydra",
+         "experiment", "seed", "run_name", "ckpt_path", "resume", "init_from", "decay_branch", "matmul_precision",
+         "module", "sample"),
+    "decay_branch": ("ckpt", "steps"),
+    "module": ("compile", "check_finite"),
+    "sample": ("prompt", "max_new_tokens", "temperature", "top_k"),
+}
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
+    conf/train.yaml (see ``CONFIG_KEYS``), unless an interpolation reads it: a typo in a config file must not fall
+    back silently to the default."""
+    import difflib
+
+    # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    for section, known in CONFIG_KEYS.items():
+        node = cfg if not section else cfg.get(section)
+        if not isinstance(node, DictConfig):
+            continue
+        for key in map(str, node.keys()):
+            full = f"{section}.{key}" if section else key
+            if key in known or re.search(r"\$\{\s*" + re.escape(full) + r"\s*[.}\[]", text):
+                continue
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
+            where = f"{section} holds only" if section else "the top level holds only"
+            raise ConfigError(f"unknown config key {full!r} (set in a config file, or added with '+'): lit_dtrain "
+                              f"does not read it, so it would be ignored{hint} ({where} {', '.join(sorted(known))})")
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
+    comparison, or reading 'off' as true."""
+    for key in _BOOL_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+    for key, kind in _NUMERIC_KEYS.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+        if not ok or isinstance(value, bool):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+        if key in _FINITE_KEYS and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
+def _flag_or_number(annotation) -> tuple[str, set] | None:
+    """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
+    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
+    ``("number", allowed)`` for ``float`` or ``int | float``; None for any other annotation."""
+    import types
+    import typing
+
+    if annotation is bool:
+        return "bool", set()
+    if annotation is int:
+        return "int", set()
+    if annotation is float:
+        return "number", set()
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(annotation)
+    allowed = {None} if type(None) in args else set()
+    rest = [a for a in args if a is not type(None)]
+    literals = [a for a in rest if typing.get_origin(a) is typing.Literal]
+    for literal in literals:
+        allowed.update(typing.get_args(literal))
+    plain = [a for a in rest if a not in literals]
+    if plain == [bool]:
+        return "bool", allowed
+    if plain == [int] and not literals:
+        return "int", allowed
+    if plain and not literals and all(a in (int, float) for a in plain):
+        return "number", allowed
+    return None
+
+
+def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
+    """Flags and numbers of every ``_target_`` node (data, callbacks, sampler, strategy and codecs, Trainer): a value
+    whose parameter is annotated ``bool`` must be a boolean, one annotated ``int`` an integer, one annotated as a
+    number a number; null only where the annotation allows None. Constructors read flags with ``bool(value)`` or
+    ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or ``stages=maybe`` (strings) counted as true,
+    silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
+    integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
+    ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
+    from typing import get_type_hints
+
+    from hydra.utils import get_object
+
+    node = cfg if node is None else node
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            child = node._get_node(i)
+            if isinstance(child, (DictConfig, ListConfig)):
+                check_target_arguments(cfg, child, f"{path}.{i}" if path else str(i))
+        return
+    if not isinstance(node, DictConfig):
+        return
+    hints: dict = {}
+    if "_target_" in node:
+        try:
+            target = get_object(node._target_)
+            hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
+        except Exception:  # an unimportable target or unresolvable hints: instantiate names it, or nothing to check
+            hints = {}
+    for key in node.keys():
+        key = str(key)
+        if key.startswith("_") or OmegaConf.is_missing(node, key):
+            continue
+        child, full = node._get_node(key), f"{path}.{key}" if path else key
+        if isinstance(child, (DictConfig, ListConfig)):
+            check_target_arguments(cfg, child, full)
+            continue
+        expected = _flag_or_number(hints.get(key))
+        if expected is None:
+            continue
+        kind, allowed = expected
+        value = node[key]
+        if value is None and None in allowed or isinstance(value, str) and value in allowed:
+            continue
+        others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
+        if kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
+        number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
+        if kind != "bool" and not number:
+            what = "an integer" if kind == "int" else "a number"
+            raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")
+
+
+def wsd_callback_keys(cfg: DictConfig) -> list[str]:
+    """The ``callbacks.<key>`` entries that are a ``WSDScheduler`` (the callback form of WSD)."""
+    from lit_dtrain.schedules.workflows import WSD_CALLBACK_TARGETS
+
+    return [key for key, node in (cfg.get("callbacks") or {}).items()
+            if isinstance(node, DictConfig) and node.get("_target_") in WSD_CALLBACK_TARGETS]
+
+
+def scheduler_config(cfg: DictConfig) -> DictConfig | None:
+    """The ``scheduler`` node to build, or None.
+
+    A node without ``_target_`` is what an experiment's ``scheduler:`` settings leave after ``'~scheduler'``
+    (``experiment=cpt_replay`` sets a warmup and a decay fraction). The WSD callback reads them (each of its keys in
+    conf/callbacks/wsd.yaml defaults to ``scheduler.<key>``), so with it there is no scheduler to build; a key it has
+    no argument for, or the node without the callback, would be read by nothing, which is an error."""
+    node = cfg.get("scheduler")
+    if not node or "_target_" in node:
+        return node or None
+    if keys := wsd_callback_keys(cfg):
+        arguments = {k for key in keys for k in cfg.callbacks[key].keys() if k != "_target_"}
+        if unread := [k for k in node.keys() if k not in arguments]:
+            raise ConfigError(f"scheduler.{unread[0]} is set, but there is no LR scheduler ('~scheduler'), and the "
+                              f"WSD callback (callbacks.{keys[0]}) takes only {sorted(arguments)}; nothing reads "
+                              f"{['scheduler.' + k for k in unread]}")
+        return None
+    raise ConfigError(f"scheduler has no _target_: it holds only {list(node.keys())} (an experiment's settings "
+                      "after '~scheduler'?), which nothing reads; pick a schedule (scheduler=wsd, cosine, constant) "
+                      "or use the callback form: '~scheduler' 'callbacks=[default,wsd]'")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Reject bad values before any compute, naming the offending key."""
+    check_known_keys(cfg)
+    check_types(cfg)
+    lr = cfg.optimizer.get("lr")
+    if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
+        raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
+    betas = cfg.optimizer.get("betas")
+    if betas is not None:
+        values = list(betas) if isinstance(betas, (list, tuple, ListConfig)) else None
+        if not (values and len(values) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in values)):
+            shown = values if values is not None else betas
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {shown!r}")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps is None or max_steps <= 0:
+        raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
+    for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value}")
+    val_fraction = OmegaConf.select(cfg, "data.val_fraction", default=None)
+    if val_fraction is not None and not 0 < val_fraction < 1:  # was refused only when the token cache was built
+        raise ConfigError(f"data.val_fraction must be in (0, 1) (the share of documents held out), got {val_fraction}")
+    matmul = cfg.get("matmul_precision", "high")
+    if matmul not in ("highest", "high", "medium"):  # torch warns that the call has no effect, and goes on
+        raise ConfigError(f"matmul_precision must be one of 'highest', 'high', 'medium', got {matmul!r}")
+    seed = cfg.get("seed")
+    if seed is None or not 0 <= seed <= 2**32 - 1:  # seed_everything's bounds, named here (null: int(None) failed)
+        raise ConfigError(f"seed must be an integer in [0, {2**32 - 1}] (numpy's range), got {seed}")
+    clip = cfg.trainer.get("gradient_clip_val")
+    if clip is not None and not clip >= 0:  # Lightning skips clipping for < 0 without a word
+        raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (null or 0: no clipping), got {clip}")
+    model_block = cfg.model.get("block_size")
+    data_block = cfg.data.get("block_size")
+    if model_block is not None and data_block is not None and data_block > model_block:
+        raise ConfigError(f"data.block_size={data_block} exceeds model.block_size={model_block} (the model's maximum)")
+    vocab = cfg.model.get("vocab_size")
+    if vocab is not None and cfg.data.get("tokenizer") is None:  # LMDataModule's default: the byte tokenizer
+        from lit_dtrain.data.tokenizer import ByteTokenizer
+
+        if vocab < ByteTokenizer.vocab_size:  # an IndexError in the embedding at the first step otherwise
+            raise ConfigError(f"model.vocab_size={vocab} is below the tokenizer's {ByteTokenizer.vocab_size} token "
+                              "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
+    scheduler = scheduler_config(cfg)
+    warmup = scheduler.get("warmup_steps") if scheduler else None
+    if "total_steps" not in (scheduler or {}) and isinstance(warmup, int) and warmup > max_steps:
+        # cosine/wsd refuse warmup > total_steps themselves; a schedule without a horizon (constant) cannot
+        raise ConfigError(f"scheduler.warmup_steps={warmup} exceeds trainer.max_steps={max_steps}: the LR would "
+                          "never reach optimizer.lr")
+    if scheduler:  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
+        for key in wsd_callback_keys(cfg):
+            raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={scheduler._target_} "
+                              "configures an LR scheduler too; use one of them: '~scheduler' "
+                              f"'callbacks=[default,{key}]' for the callback form")
+    try:  # the optimizer is built in configure_optimizers, inside fit: build it on a dummy parameter now
+        instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer: {e}") from e
+    if scheduler:  # build the schedule on a dummy optimizer so bad arguments fail now
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        try:
+            instantiate(scheduler)(dummy)
+        except ValueError as e:
+            raise ConfigError(f"scheduler: {e}") from e
+    check_validation_limit(cfg)
+    check_sample(cfg)
+    # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)
+    check_utf8_text("run_name", str(cfg.get("run_name", "")))
+    check_monitors(cfg)
+    check_lightning_choices(cfg)
+    check_target_arguments(cfg)
+    if cfg.get("resume") not in (None, "auto"):
+        raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
+    if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
+        raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> None:
+    """Warn when ``scheduler.total_steps`` (the horizon of ``scheduler=cosine`` or ``wsd``) is below
+    ``trainer.max_steps``: the steps past it run at the schedule's last factor (``min_lr_factor`` of the peak, 0
+    for WSD), which trained nothing or little without a word. A warning, not an error: a horizon above
+    ``max_steps`` is how a stable run to branch from is planned (docs/wsd.md), and one below may be meant.
+    ``WSDScheduler`` (the callback form) warns the same at train start."""
+    scheduler = scheduler_config(cfg)
+    total = scheduler.get("total_steps") if scheduler else None
+    max_steps = cfg.trainer.get("max_steps")
+    if not (isinstance(total, int) and isinstance(max_steps, int)) or total >= max_steps:
+        return
+    past = max_steps - max(total, start_step)  # steps of this run past the horizon
+    if past <= 0 or rank_zero_only.rank != 0:
+        return
+    floor = scheduler.get("min_lr_factor")
+    at = f"min_lr_factor={floor} of the peak LR" if floor is not None else "the schedule's last LR"
+    name = str(scheduler.get("_target_", "")).rsplit(".", 1)[-1]
+    log.warning(
+        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s ends at step %d and the last %d steps run "
+        "at %s. Set scheduler.total_steps=%d (or leave it at its default, ${trainer.max_steps}), or "
+        "trainer.max_steps=%d",
+        total, max_steps, name or "schedule", total - 1, past, at, max_steps, total,
+    )
+
+
+def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
+    """Under ``torchrun --max-restarts N`` (N > 0), at the first start: warn when a restart cannot continue the run.
+    A restarted worker runs the same command: without ``resume=auto`` it is a fresh start in a run dir that holds
+    checkpoints, which is refused (and each refusal uses up a restart). On gloo (CPU) with the agent's shared
+    store, a restarted rank hung in the process group's setup or failed to connect in 3 of 4 tries here
+    (pytorch#135712); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment avoids it (3 of 3)."""
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if restarts <= 0 or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or rank_zero_only.rank != 0:
+        return
+    if cfg.get("resume") != "auto":
+        log.warning("torchrun --max-restarts=%d: a restarted worker continues this run only with resume=auto; "
+                    "without it the restart is a fresh start in a run dir that holds checkpoints, which is refused",
+                    restarts)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    gloo = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if gloo and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        log.warning("torchrun --max-restarts=%d on gloo with torchrun's shared store: a restarted rank can hang in "
+                    "the process group's setup or fail to connect (pytorch#135712); set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment", restarts)
+
+
+def check_validation_limit(cfg: DictConfig) -> None:
+    """``trainer.limit_val_batches``: 0 is Lightning's switch for no validation, which a lit_dtrain run cannot do
+    without. The default ``ModelCheckpoint`` saves after each validation, so such a run wrote no checkpoint before its
+    end, and its result (``val_loss``: summary.json, the value a sweep optimizes) was NaN, without a word. Values
+    Lightning refuses (``-1``, ``1.5``) failed in Hydra's wrapper of the Trainer, ``abc`` as a TypeError."""
+    value = cfg.trainer.get("limit_val_batches")
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (isinstance(value, float) and value > 1):
+        raise ConfigError(
+            f"trainer.limit_val_batches must be null (all), a number of batches >= 1 or a fraction in (0, 1], "
+            f"got {value!r}"
+        )
+    if value == 0:
+        raise ConfigError(
+            f"trainer.limit_val_batches={value} switches validation off, which a lit_dtrain run needs: checkpoints "
+            "are saved after each validation (callbacks.model_checkpoint ranks them by val/loss), so none would be "
+            "written before the end, and the run's val_loss (summary.json, a sweep's objective) would be NaN. To "
+            "validate less, lower data.max_val_windows (windows per source) or set trainer.limit_val_batches=<N >= 1 "
+            "batches>; to validate only once, after the last step, set trainer.val_check_interval >= "
+            "trainer.max_steps"
+        )
+
+
+def check_sample(cfg: DictConfig) -> None:
+    """``sample.*`` is used only after training: a bad value must fail now, not after the last step (it used to
+    raise from inside ``generate`` before ``summary.json`` was written)."""
+    node = cfg.get("sample") or {}
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n = node.get("max_new_tokens", 0)
+    if n is not None and not (is_int(n) and n >= 0):
+        raise ConfigError(f"sample.max_new_tokens must be an integer >= 0 (0: no sample), got {n!r}")
+    t = node.get("temperature", 0.8)
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0):
+        raise ConfigError(f"sample.temperature must be a number >= 0 (0: greedy), got {t!r}")
+    k = node.get("top_k", None)
+    if k is not None and not (is_int(k) and k >= 0):
+        raise ConfigError(f"sample.top_k must be null or an integer >= 0 (0: all tokens), got {k!r}")
+    prompt = node.get("prompt", "def ")
+    if prompt is None or isinstance(prompt, bool) or not isinstance(prompt, (str, int, float)):
+        raise ConfigError(f"sample.prompt must be text (a string; '' starts at a document start), got {prompt!r}")
+    check_utf8_text("sample.prompt", str(prompt))  # the tokenizer encodes UTF-8
+
+
+def check_utf8_text(key: str, text: str) -> None:
+    """:class:`ConfigError` naming ``key`` when ``text`` holds a lone surrogate, which UTF-8 cannot encode: what
+    Python makes of a command-line byte that is not UTF-8 (``$'\\xff'`` is ``'\\udcff'``)."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        c = text[bad]
+        byte = f" (byte 0x{ord(c) - 0xDC00:02x} of a command line that is not UTF-8)" if c >= "\udc80" else ""
+        raise ConfigError(f"{key}={text!r} is not valid text: character {bad} is a lone surrogate{byte}; write it "
+                          "in UTF-8")
+
+
+def check_monitors(cfg: DictConfig) -> None:
+    """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping) naming a ``val``/``train`` metric that ``LitLLM``
+    does not log, or a name without a ``/`` (``val_loss``): Lightning finds out only at the first validation, after
+    ``trainer.val_check_interval`` steps of training, and stops without a checkpoint. Metrics of other families
+    (logged by callbacks or strategies) are left to Lightning."""
+    sources = cfg.data.get("sources")  # a malformed list (data.sources=[foo]) is LMDataModule's to name
+    names = [str(s.get("name")) for s in sources if isinstance(s, DictConfig)] if OmegaConf.is_list(sources) else []
+    known = ["train/loss", "train/grad_norm", "val/loss", "val/ppl"]
+    known += [f"val/{n}/loss" for n in names] if len(names) > 1 else []
+    for key, node in (cfg.get("callbacks") or {}).items():
+        monitor = node.get("monitor") if isinstance(node, DictConfig) else None
+        if not isinstance(monitor, str) or monitor in known:
+            continue
+        if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):
+            raise ConfigError(f"callbacks.{key}.monitor={monitor!r} is not a metric lit_dtrain logs; use one of "
+                              f"{', '.join(map(repr, known))}")
+
+
+def _precisions() -> tuple:
+    """The ``precision`` values Lightning's Trainer accepts (its own list), or () where it cannot be read."""
+    from typing import get_args
+
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT
+    except ImportError:  # a Lightning without it: its Trainer names a bad value itself
+        return ()
+    return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
+
+
+def check_lightning_choices(cfg: DictConfig) -> None:
+    """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
+    (``full_key: trainer``) but not the key: name the key and the values allowed."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    precision, precisions = cfg.trainer.get("precision"), _precisions()
+    if precision is not None and precisions and precision not in precisions:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
+        )
+    algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
+    if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={algorithm!r} must be one of "
+            f"{', '.join(map(repr, algorithms))} (or null: 'norm')"
+        )
+    devices = cfg.trainer.get("devices")
+    ids = list(devices) if isinstance(devices, ListConfig) else None
+    valid = (
+        devices is None
+        or devices == "auto"
+        or (isinstance(devices, str) and re.fullmatch(r"[\d, ]+", devices))
+        or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))
+        or (ids is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
+    )
+    if not valid:
+        shown = ids if ids is not None else devices
+        raise ConfigError(
+            f"trainer.devices={shown!r} must be a number of devices >= 1, -1 (all), 'auto' or a list of "
+            "device ids ([0, 1] or '0,1')"
+        )
+    for key, node in (cfg.get("callbacks") or {}).items():
+        if not isinstance(node, DictConfig) or "mode" not in node or "_target_" not in node:
+            continue
+        try:
+            cls = get_class(node._target_)
+        except Exception:  # an unimportable target: build_callbacks names it
+            continue
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, (ModelCheckpoint, EarlyStopping))
+            and node.mode not in ("min", "max")
+        ):
+            raise ConfigError(
+                f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
+                f"higher {node.get('monitor') or 'monitored value'} is better)"
+            )
