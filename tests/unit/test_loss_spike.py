@@ -499,6 +499,26 @@ def test_a_resume_that_replays_a_spike_keeps_one_record_of_it(tmp_path: Path) ->
     assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
 
 
+def test_a_fresh_start_in_the_run_dir_of_a_run_killed_before_its_first_checkpoint_keeps_one_record(
+    tmp_path: Path,
+) -> None:
+    """``resume=auto`` of a run killed before its first checkpoint starts afresh at step 0 in the same run dir and
+    replays every step: the killed attempt's records move to spikes.superseded.jsonl (spikes.jsonl had step 5 twice)."""
+    def run(max_steps):
+        monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
+        trainer = make_trainer(tmp_path, [Inject({5: "finite"}), monitor], max_steps=max_steps)
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+        return monitor
+
+    run(7)  # the spike, then the process dies before any checkpoint
+    monitor = run(8)  # the same run dir, from step 0
+    assert [e["step"] for e in monitor.events] == [5]
+    events = [json.loads(line) for line in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events] == [5] and events[0]["index"] == monitor.events[0]["index"]
+    superseded = tmp_path / "spikes.superseded.jsonl"
+    assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
+
+
 def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> None:
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
     trainer = make_trainer(tmp_path, [Inject({4: "nan"}), monitor], max_steps=7)

@@ -251,12 +251,13 @@ class LossSpikeMonitor(L.Callback):
         if "rollback" in self.actions:
             self.snapshots.clear()
             self.snapshots.add(trainer)
-        if trainer.global_step > 0 and trainer.is_global_zero and self.path is None:  # (a chosen path may be shared)
+        if trainer.is_global_zero and self.path is None:  # (a chosen path may be shared)
             self._supersede_replayed_events(trainer)
 
     def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
-        """A resume from step s replays steps >= s: their records (from a run that died before checkpointing
-        them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once."""
+        """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
+        them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
+        Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
         path = self._events_path(trainer)
         if not os.path.isfile(path):
             return
@@ -278,7 +279,7 @@ class LossSpikeMonitor(L.Callback):
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
-        log.info(f"LossSpikeMonitor: resumed at step {trainer.global_step}; {len(drop)} record(s) of the replayed "
+        log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {len(drop)} record(s) of the replayed "
                  f"steps moved from {path} to {root}.superseded{ext or '.jsonl'}")
 
     @override
