@@ -519,6 +519,22 @@ def test_a_fresh_start_in_the_run_dir_of_a_run_killed_before_its_first_checkpoin
     assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
 
 
+def test_spikes_that_exclude_every_sample_stop_with_the_last_one_recorded(tmp_path: Path) -> None:
+    """Once the spikes' samples are all of the data the sampler raises; the error says the monitor's exclusions did it,
+    and the spike that excluded the last samples is in spikes.jsonl (its record was written after the exclusion)."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_nonfinite=None)
+    trainer = make_trainer(tmp_path, [Inject({s: "nan" for s in range(2, 40)}), monitor], max_steps=40)
+    dm = make_data(tmp_path, n_files=1, size=400)  # 11 windows
+    with pytest.raises(RuntimeError, match=r"LossSpikeMonitor: excluding the samples of the spike at step \d+ failed"
+                                           r".*nothing is left to train on"):
+        trainer.fit(make_module(), datamodule=dm)
+    last = trainer.global_step - 1  # the step that raised
+    lines = [json.loads(x) for x in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines] == list(range(2, last + 1)) == [e["step"] for e in monitor.events]
+    assert monitor.num_spikes == len(lines)
+    assert sorted({i for e in lines for i in e["index"]}) == list(range(dm.num_train_samples))
+
+
 def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> None:
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3)
     trainer = make_trainer(tmp_path, [Inject({4: "nan"}), monitor], max_steps=7)

@@ -478,12 +478,6 @@ class LossSpikeMonitor(L.Callback):
             undo = getattr(trainer.strategy, "undo_comm_step", None)
             if undo is not None:
                 undo()
-        to_exclude = list(pending["indices"])
-        if pending["drop"] and pending["counted"]:
-            if self.exclude_previous_steps:
-                for previous in self.recent_indices:
-                    to_exclude.extend(previous)
-            self.exclude(sorted(set(to_exclude)))
         if pending["counted"]:
             self.num_spikes += 1
         d = pending["decision"]
@@ -497,6 +491,19 @@ class LossSpikeMonitor(L.Callback):
         msg = (f"loss spike at step {step}: loss={d.loss:.4g} z={d.loss_z:.3g} rel={d.loss_rel:.3g} "
                f"grad_norm={d.grad_norm} reasons={d.reasons} -> {actions}")
         self._record(trainer, event, msg if "log" in actions else None)
+        # after the record: an exclusion that leaves nothing to train on raises, and the event is still in the file
+        to_exclude = list(pending["indices"])
+        if pending["drop"] and pending["counted"]:
+            if self.exclude_previous_steps:
+                for previous in self.recent_indices:
+                    to_exclude.extend(previous)
+            try:
+                self.exclude(sorted(set(to_exclude)))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"LossSpikeMonitor: excluding the samples of the spike at step {step} failed ({self.num_spikes} "
+                    f"spikes, {len(self.excluded)} samples excluded in all): {e}. See {self._events_path(trainer)}"
+                ) from e
 
     def _record(self, trainer, event: dict, message: str | None) -> None:
         """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
