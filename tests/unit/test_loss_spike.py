@@ -210,6 +210,12 @@ def test_bad_arguments_fail_loudly() -> None:
         LossSpikeMonitor(method="median", window=10, warmup_steps=20)
     with pytest.raises(ValueError, match=r"^LossSpikeMonitor: max_consecutive must be >= 2 or None, got 1$"):
         LossSpikeMonitor(max_consecutive=1)
+    # no kept snapshot is ever 4 steps old (snapshots 2 steps apart, 2 kept): every rollback restored a newer one
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: rollback_min_age \(4\) must be < snapshot_every \* "
+                                         r"snapshot_keep \(2 \* 2\)"):
+        LossSpikeMonitor(actions=["rollback"], snapshot_every=2, snapshot_keep=2, rollback_min_age=4)
+    assert LossSpikeMonitor(actions=["rollback"], snapshot_every=2, snapshot_keep=2, rollback_min_age=3)
+    assert LossSpikeMonitor(actions=["skip"], snapshot_every=2, snapshot_keep=2, rollback_min_age=4)  # unused
     with pytest.raises(ValueError, match=r"^AdaptiveGradClip: decay must be in \(0, 1\), got 1.5$"):
         AdaptiveGradClip(decay=1.5)
     with pytest.raises(ValueError, match=r"^RobustStat: scale_decay must be in \(0, 1\), got 0.0$"):

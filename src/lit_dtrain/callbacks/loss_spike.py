@@ -147,6 +147,14 @@ class LossSpikeMonitor(L.Callback):
         for name, value in (("rollback_min_age", rollback_min_age), ("exclude_previous_steps", exclude_previous_steps),
                             ("cooldown_ramp_steps", cooldown_ramp_steps)):
             check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 0, ">= 0")
+        if "rollback" in self.actions and int(rollback_min_age) >= int(snapshot_every) * int(snapshot_keep):
+            # the oldest of snapshot_keep snapshots, one every snapshot_every steps, is at most keep * every - 1
+            # steps old (older only where spikes dropped the snapshots after it)
+            raise ValueError(
+                f"LossSpikeMonitor: rollback_min_age ({rollback_min_age}) must be < snapshot_every * snapshot_keep "
+                f"({snapshot_every} * {snapshot_keep}): the kept snapshots are younger than that, so a rollback would "
+                f"restore a newer one than asked; lower rollback_min_age, or raise snapshot_keep or snapshot_every"
+            )
         # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
         check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
         check_arg(
