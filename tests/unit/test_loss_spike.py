@@ -99,6 +99,23 @@ def test_a_lasting_level_shift_is_accepted_after_max_consecutive_spikes() -> Non
     assert sum(never.decide(x).is_spike for x in shifted) > 400  # without it, skip would drop every later step
 
 
+def test_a_lasting_grad_norm_level_shift_is_accepted_after_max_consecutive_spikes() -> None:
+    """With grad_z_threshold, a grad norm that rose for good was a spike at every later step: skip dropped all of
+    them. It is accepted after max_consecutive grad-norm spikes in a row, as the loss is."""
+    losses = synthetic_losses(400, 0)
+    grads = [g if t < 200 else 20.0 * g for t, g in enumerate(synthetic_losses(400, 1))]
+    detector = SpikeDetector(grad_z_threshold=4.0, max_consecutive=10)
+    decisions = [detector.decide(x, g) for x, g in zip(losses, grads)]
+    assert [t for t, d in enumerate(decisions) if d.is_spike] == list(range(200, 209))
+    assert {tuple(d.reasons) for d in decisions if d.is_spike} == {(GRAD_SPIKE,)}
+    assert [t for t, d in enumerate(decisions) if d.grad_level_shift] == [209]
+    assert not any(d.level_shift for d in decisions)  # the loss did not move
+    assert detector.loss_stat.count == 400 - 9  # the accepted step's loss counts; the spikes' do not
+    state = SpikeDetector(grad_z_threshold=4.0)
+    state.load_state_dict(detector.state_dict())
+    assert state.state_dict() == detector.state_dict()
+
+
 def test_both_thresholds_must_hold() -> None:
     only_z = SpikeDetector(z_threshold=6.0, rel_threshold=None, warmup_steps=5)
     both = SpikeDetector(z_threshold=6.0, rel_threshold=0.2, warmup_steps=5)
@@ -539,6 +556,34 @@ def test_spikes_that_exclude_every_sample_stop_with_the_last_one_recorded(tmp_pa
     assert [e["step"] for e in lines] == list(range(2, last + 1)) == [e["step"] for e in monitor.events]
     assert monitor.num_spikes == len(lines)
     assert sorted({i for e in lines for i in e["index"]}) == list(range(dm.num_train_samples))
+
+
+def test_a_lasting_grad_norm_rise_does_not_drop_every_later_step(tmp_path: Path) -> None:
+    """grad_z_threshold and a grad norm that is 20x from step 10 on, with a normal loss: every later step was skipped
+    (the weights after step 60 were those after step 10, and the run ended with exit 0). Now 9 are, then the new
+    level is accepted and recorded."""
+    class GradTimes20(L.Callback):
+        def __init__(self):
+            self.handle = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step >= 10:
+                hook = lambda m, i, out: (out.register_hook(lambda g: g * 20.0), out)[1]  # noqa: E731
+                self.handle = pl_module.model.register_forward_hook(hook)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+    monitor, probe = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=5, grad_z_threshold=4.0), Probe()
+    trainer = make_trainer(tmp_path, [GradTimes20(), monitor, probe], max_steps=30)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert [e["step"] for e in monitor.events if e["actions"]] == list(range(10, 19))
+    lines = [json.loads(x) for x in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["reasons"]) for e in lines][-1] == (19, ["grad_level_shift"])
+    with pytest.raises(AssertionError):  # the steps after the shift train
+        assert_identical(probe.after[19], probe.after[30], schedule=False)
 
 
 def test_state_dict_roundtrip_restores_statistics_exactly(tmp_path: Path) -> None:

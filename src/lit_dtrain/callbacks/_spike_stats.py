@@ -221,6 +221,7 @@ class SpikeDecision:
     grad_z: float | None = None
     reasons: list[str] = field(default_factory=list)
     level_shift: bool = False  # this step ended a run of max_consecutive loss spikes: accepted as the new level
+    grad_level_shift: bool = False  # ... of max_consecutive grad-norm spikes: the grad norm's new level is accepted
 
     @property
     def is_spike(self) -> bool:
@@ -242,6 +243,8 @@ class SpikeDetector:
     level is taken to be real (a data-mixture change, or damage that skipping cannot undo): that step is
     not a spike, the loss statistics restart from the run's values, and :attr:`SpikeDecision.level_shift`
     is set. Without this, ``skip`` would drop every later step of a run whose loss level moved for good.
+    Grad-norm spikes likewise (:attr:`SpikeDecision.grad_level_shift`): a grad norm that rose for good (an LR
+    or batch change) was otherwise a spike at every later step.
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class SpikeDetector:
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
         self.max_consecutive = max_consecutive
         self.consecutive: list[float] = []  # losses of the current run of consecutive loss spikes
+        self.grad_consecutive: list[float] = []  # grad norms of the current run of consecutive grad-norm spikes
         kwargs = dict(method=method, decay=decay, scale_decay=scale_decay, window=window, warmup=warmup_steps,
                       clip_z=clip_z, owner=owner, warmup_name="warmup_steps")
         self.loss_stat = RobustStat(min_rel_scale=min_rel_scale, **kwargs)
@@ -303,21 +307,31 @@ class SpikeDetector:
             d.grad_z = self.grad_stat.zscore(grad_norm)
             if self.grad_z_threshold is not None and self.grad_stat.ready and d.grad_z > self.grad_z_threshold:
                 d.reasons.append(GRAD_SPIKE)
+            if update and GRAD_SPIKE in d.reasons:
+                self.grad_consecutive.append(grad_norm)
+                if self.max_consecutive is not None and len(self.grad_consecutive) >= self.max_consecutive:
+                    d.reasons.remove(GRAD_SPIKE)
+                    d.grad_level_shift = True
+                    self.grad_stat.reseed(self.grad_consecutive)
+                    self.grad_consecutive = []
+            elif update:
+                self.grad_consecutive = []
         if update and not d.is_spike:
             if not d.level_shift:
                 self.loss_stat.add(loss)
-            if grad_norm is not None:
+            if grad_norm is not None and not d.grad_level_shift:
                 self.grad_stat.add(grad_norm)
         return d
 
     def state_dict(self) -> dict:
         return {"loss_stat": self.loss_stat.state_dict(), "grad_stat": self.grad_stat.state_dict(),
-                "consecutive": list(self.consecutive)}
+                "consecutive": list(self.consecutive), "grad_consecutive": list(self.grad_consecutive)}
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_stat.load_state_dict(state["loss_stat"])
         self.grad_stat.load_state_dict(state["grad_stat"])
         self.consecutive = [float(v) for v in state.get("consecutive", [])]
+        self.grad_consecutive = [float(v) for v in state.get("grad_consecutive", [])]  # absent in older checkpoints
 
 
 class SpikeWindow:

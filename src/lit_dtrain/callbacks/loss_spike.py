@@ -101,7 +101,8 @@ class LossSpikeMonitor(L.Callback):
             ``raise_window`` steps.
         max_consecutive: after this many loss spikes in a row the new loss level is accepted (statistics
             restart from it; a ``level_shift`` line goes to spikes.jsonl), so ``skip`` cannot stall a run whose
-            loss moved for good. None: never (non-finite losses are never accepted).
+            loss moved for good; grad-norm spikes likewise (``grad_level_shift``). None: never (non-finite losses
+            are never accepted).
         max_nonfinite: after this many non-finite steps in a row (NaN/inf loss or grads, each dropped by
             ``skip``/``rollback``) raise :class:`~lit_dtrain.module.NonFiniteError`: a run whose every step is NaN
             cannot be recovered by dropping steps, and must not end as if it had trained. None: never.
@@ -227,7 +228,7 @@ class LossSpikeMonitor(L.Callback):
         self._indices: list[torch.Tensor] = []
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
-        self._level_shift: tuple | None = None  # (event, message) of this step's accepted level shift
+        self._level_shifts: list[tuple] = []  # (event, message) of this step's accepted level shifts (loss, grad norm)
 
     # ---- setup --------------------------------------------------------------------------------------------
     @override
@@ -379,10 +380,18 @@ class LossSpikeMonitor(L.Callback):
             self.nonfinite_run.append(step)
         else:
             self.nonfinite_run = []
-        if decision.level_shift:  # recorded when the step completes (a step that raises before is redone)
-            self._level_shift = ({"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
-                                 f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in "
-                                 f"a row; statistics restart at loss {decision.loss:.4g}")
+        # recorded when the step completes (a step that raises before is redone)
+        if decision.level_shift:
+            self._level_shifts.append((
+                {"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
+                f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in a row; "
+                f"statistics restart at loss {decision.loss:.4g}"))
+        if decision.grad_level_shift:
+            self._level_shifts.append((
+                {"step": step, "loss": decision.loss, "grad_norm": grad_norm, "reasons": ["grad_level_shift"],
+                 "actions": []},
+                f"grad-norm level shift accepted at step {step}: {self.detector.max_consecutive} grad-norm spikes in a "
+                f"row; its statistics restart at grad norm {grad_norm:.4g}"))
         if not decision.is_spike and hit_count > 0:
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
@@ -439,8 +448,8 @@ class LossSpikeMonitor(L.Callback):
         self._decision_undo = None  # the step was taken
         self._restore_lr(trainer)  # the GradScaler may have skipped optimizer.step (and the post-hook)
         pending, decision = self._pending, self.last_decision
-        if self._level_shift is not None:
-            self._record(trainer, *self._level_shift)
+        for shift in self._level_shifts:
+            self._record(trainer, *shift)
         if pending is None:
             if self.exclude_previous_steps:
                 self.recent_indices.append(self._gather_indices(trainer))
