@@ -458,6 +458,41 @@ class SharedBlock(torch.nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
+class CompiledSpareBlocksLM(SpareBlocksLM):
+    """Blocks without buffers (with a graph-only backend, a BatchNorm update would run again in recomputation), two of
+    them unused, the model compiled in place in ``configure_model`` (after the callback's setup) as
+    ``LitLLM(compile=True)`` does."""
+
+    def __init__(self, backend) -> None:
+        super().__init__()
+        self.model = torch.nn.Sequential(SharedBlock(16), SharedBlock(16))
+        self.spare = torch.nn.Sequential(SharedBlock(16), SharedBlock(16))
+        self.backend = backend
+
+    def configure_model(self) -> None:
+        self.model.compile(backend=self.backend)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_compiled_blocks_compile_once_and_are_seen_running(policy):
+    """Counting checkpointed calls (``calls += 1``) under torch.compile made dynamo guard on the count: the model
+    recompiled on every step until the recompile limit, and then trained eagerly."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    cb = SelectiveCheckpointing(policy=policy, module_pattern="*.*")  # model.0, model.1 run; spare.0, spare.1 do not
+    torch._dynamo.reset()
+    try:
+        with pytest.warns(UserWarning, match=r"did not run with grad") as record:
+            fit(CompiledSpareBlocksLM(counter), [cb], steps=6)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1  # one graph for six steps: no recompile
+    idle = [str(w.message) for w in record if "did not run with grad" in str(w.message)]
+    assert len(idle) == 1 and "spare.0, spare.1 did not run" in idle[0]  # the compiled blocks were seen running
+    assert [w.ran for w in cb.wrappers] == [True, True, False, False]
+
+
 class SharedBlocksLM(BatchNormLM):
     """ALBERT-style weight sharing: one block object listed four times in ``blocks`` and called four times."""
 

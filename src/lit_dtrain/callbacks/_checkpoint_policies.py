@@ -166,7 +166,8 @@ class CheckpointedForward:
     """The ``forward`` a checkpointed block gets: its mode can be switched at any time.
 
     ``mode`` is one of :data:`MODES`. Without grad (validation, generation) the block runs plainly.
-    ``calls`` counts the checkpointed calls (tests and logs use it as proof that checkpointing ran).
+    ``calls`` counts the checkpointed calls that ran eagerly (tests use it as proof that checkpointing ran);
+    ``ran`` is set by every checkpointed call, compiled or not, and reset by its owner.
     """
 
     def __init__(self, module: nn.Module, mode: str, context_fn: Callable) -> None:
@@ -177,12 +178,18 @@ class CheckpointedForward:
         self.mode = mode
         self.context_fn = context_fn
         self.calls = 0
+        self.ran = False
 
     def __call__(self, *args, **kwargs):
         if self.mode == "none" or not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        self.calls += 1
-        buffers = [] if torch.compiler.is_compiling() else list(self.buffers())
+        # Under torch.compile only a store: dynamo guards on the attributes the code reads, so `calls += 1`
+        # there recompiled the model every step until the recompile limit, and then it ran eagerly.
+        compiling = torch.compiler.is_compiling()
+        self.ran = True
+        if not compiling:
+            self.calls += 1
+        buffers = [] if compiling else list(self.buffers())
         if buffers:  # recomputation must not update BatchNorm's running statistics a second time
             keep = _KeepUpdatedBuffers(buffers)
             context_fn = self.context_fn if self.mode == "selective" else noop_context_fn

@@ -129,7 +129,7 @@ class SelectiveCheckpointing(Callback):
         self.wrappers: list[CheckpointedForward] = []
         self.budget_report: dict | None = None
         self._patched: LightningModule | None = None  # the module whose blocks are wrapped
-        self._calls_at_start: list[int] | None = None  # wrappers' calls at train start, until the first batch ends
+        self._check_idle = False  # from train start until the first batch ends
 
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
@@ -173,20 +173,22 @@ class SelectiveCheckpointing(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._calls_at_start = [w.calls for w in self.wrappers]
+        for w in self.wrappers:
+            w.ran = False
+        self._check_idle = True
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self._calls_at_start is None:
+        if not self._check_idle:
             return
         # a block in a checkpointing mode that training never called (matched by module_pattern but unused, or used
         # only through its weights) is checkpointed nowhere: say so once, naming it
         idle = [
             name
-            for name, w, before in zip(self.block_names, self.wrappers, self._calls_at_start)
-            if w.mode != "none" and w.calls == before
+            for name, w in zip(self.block_names, self.wrappers)
+            if w.mode != "none" and not w.ran
         ]
-        self._calls_at_start = None
+        self._check_idle = False
         if idle:
             rank_zero_warn(
                 f"SelectiveCheckpointing(policy={self.policy}): {', '.join(idle)} did not run with grad in the first "
