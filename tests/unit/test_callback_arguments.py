@@ -49,6 +49,9 @@ CASES = [
     (SelectiveCheckpointing, {"policy": "budget", "memory_budget": "abc"}, "memory_budget", r"in \(0, 1\], got 'abc'"),
     (SelectiveCheckpointing, {"probe_batch_size": "abc"}, "probe_batch_size", ">= 1, got 'abc'"),
     (SelectiveCheckpointing, {"probe_seq_len": "abc"}, "probe_seq_len", ">= 1 or None, got 'abc'"),
+    # a string was split into characters: "save_ops entry 'a' is not 'namespace.op[.overload]'"
+    (SelectiveCheckpointing, {"save_ops": "aten.mm"}, "save_ops",
+     r"a list of op names such as \[aten.mm, aten.bmm\] or None, got 'aten.mm'"),
     # callbacks.preemption.dirpath=null failed only when SIGTERM came (os.path.join(None, ...)), saving nothing
     (PreemptionCheckpoint, {"dirpath": None}, "dirpath", r"a directory path \(where SIGTERM saves\), got None"),
     (PreemptionCheckpoint, {"dirpath": ""}, "dirpath", r"a directory path \(where SIGTERM saves\), got ''"),

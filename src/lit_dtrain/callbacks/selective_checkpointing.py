@@ -116,6 +116,9 @@ class SelectiveCheckpointing(Callback):
         check_arg(
             "SelectiveCheckpointing", "probe_seq_len", probe_seq_len, lambda v: v is None or int(v) >= 1, ">= 1 or None"
         )
+        # a string (save_ops=aten.mm on the command line) became a list of its characters: "entry 'a' is not ..."
+        check_arg("SelectiveCheckpointing", "save_ops", save_ops, lambda v: not isinstance(v, str),
+                  "a list of op names such as [aten.mm, aten.bmm] or None")
         self.policy = policy
         self.every_k = int(every_k)
         self.save_ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
