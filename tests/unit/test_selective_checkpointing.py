@@ -188,6 +188,31 @@ def test_state_dict_keys_unchanged_and_removable(ids):
     assert all("forward" not in b.__dict__ for b in blocks)
 
 
+class DebugFlagBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, debug=False, early_stop=None):
+        y = self.lin(x)
+        return 2 * y if debug else y
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_block_keywords_named_like_checkpoints_own_reach_the_block(mode):
+    """``block(x, debug=True)`` under checkpointing: torch.utils.checkpoint took ``debug`` as its own argument, so
+    ``full`` silently computed without it and ``selective`` raised."""
+    block, x = DebugFlagBlock(), torch.randn(2, 4, requires_grad=True)
+    ref = block(x, debug=True, early_stop=1)
+    ref.sum().backward()
+    ref_grad = x.grad.clone()
+    x.grad = None
+    apply_checkpointing([block], [mode])
+    got = block(x, debug=True, early_stop=1)
+    got.sum().backward()
+    assert torch.equal(got, ref) and torch.equal(x.grad, ref_grad)
+
+
 # ---- Lightning ----------------------------------------------------------------------------------------------
 def token_batches(n: int, seq: int = 32, vocab: int = 257) -> DataLoader:
     g = torch.Generator().manual_seed(0)

@@ -52,6 +52,12 @@ DEFAULT_SAVE_OPS = (
 ``_save_list`` also saves these; norms, activations, RoPE and elementwise ops are recomputed)."""
 
 
+_CHECKPOINT_ARGS = frozenset(
+    {"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop", "preserve_rng_state"}
+)
+"""Keyword arguments that ``torch.utils.checkpoint.checkpoint`` keeps for itself instead of passing them on."""
+
+
 # ---- op list ----------------------------------------------------------------------------------------------
 def resolve_ops(names: Sequence[str]) -> frozenset:
     """Turn ``"aten.mm"`` / ``"aten.mm.default"`` strings into torch op objects.
@@ -189,6 +195,9 @@ class CheckpointedForward:
         self.ran = True
         if not compiling:
             self.calls += 1
+        fn = self.inner
+        if kwargs.keys() & _CHECKPOINT_ARGS:  # checkpoint would take a block's `debug=...` as its own argument
+            fn, kwargs = functools.partial(self.inner, **kwargs), {}
         buffers = [] if compiling else list(self.buffers())
         if buffers:  # recomputation must not update BatchNorm's running statistics a second time
             keep = _KeepUpdatedBuffers(buffers)
@@ -197,10 +206,10 @@ class CheckpointedForward:
             def with_keep():
                 forward_ctx, recompute_ctx = context_fn()
                 return forward_ctx, _entered_together(keep, recompute_ctx)  # keep's copies outside SAC's mode
-            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=with_keep, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=with_keep, **kwargs)
         if self.mode == "full":  # no context_fn argument: torch.compile cannot trace a passed-in no-op one
-            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
 
 class _KeepUpdatedBuffers:
