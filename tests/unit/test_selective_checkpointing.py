@@ -199,18 +199,30 @@ class DebugFlagBlock(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_block_keywords_named_like_checkpoints_own_reach_the_block(mode):
-    """``block(x, debug=True)`` under checkpointing: torch.utils.checkpoint took ``debug`` as its own argument, so
-    ``full`` silently computed without it and ``selective`` raised."""
+def test_block_keywords_reach_the_block_and_checkpoint_positionally(mode, monkeypatch):
+    """``block(x=x, debug=True)`` under checkpointing: torch.utils.checkpoint took ``debug`` as its own argument (so
+    ``full`` silently computed without it and ``selective`` raised), and it takes the device RNG states it replays
+    in recomputation from positional tensors only (on a GPU, ``layer(hidden_states=x)`` got other dropout masks)."""
+    import lit_dtrain.callbacks._checkpoint_policies as policies
+
+    positional = []
+
+    def spy(fn, *args, **kwargs):
+        positional.append(args)
+        return policies.checkpoint.__wrapped__(fn, *args, **kwargs)
+
+    spy.__wrapped__ = policies.checkpoint
+    monkeypatch.setattr(policies, "checkpoint", spy)
     block, x = DebugFlagBlock(), torch.randn(2, 4, requires_grad=True)
-    ref = block(x, debug=True, early_stop=1)
+    ref = block(x=x, debug=True, early_stop=1)
     ref.sum().backward()
     ref_grad = x.grad.clone()
     x.grad = None
     apply_checkpointing([block], [mode])
-    got = block(x, debug=True, early_stop=1)
+    got = block(x=x, debug=True, early_stop=1)
     got.sum().backward()
     assert torch.equal(got, ref) and torch.equal(x.grad, ref_grad)
+    assert len(positional) == 1 and any(a is x for a in positional[0])
 
 
 # ---- Lightning ----------------------------------------------------------------------------------------------

@@ -52,12 +52,6 @@ DEFAULT_SAVE_OPS = (
 ``_save_list`` also saves these; norms, activations, RoPE and elementwise ops are recomputed)."""
 
 
-_CHECKPOINT_ARGS = frozenset(
-    {"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop", "preserve_rng_state"}
-)
-"""Keyword arguments that ``torch.utils.checkpoint.checkpoint`` keeps for itself instead of passing them on."""
-
-
 # ---- op list ----------------------------------------------------------------------------------------------
 def resolve_ops(names: Sequence[str]) -> frozenset:
     """Turn ``"aten.mm"`` / ``"aten.mm.default"`` strings into torch op objects.
@@ -196,8 +190,11 @@ class CheckpointedForward:
         if not compiling:
             self.calls += 1
         fn = self.inner
-        if kwargs.keys() & _CHECKPOINT_ARGS:  # checkpoint would take a block's `debug=...` as its own argument
-            fn, kwargs = functools.partial(self.inner, **kwargs), {}
+        if kwargs:
+            # Keywords reach checkpoint positionally: it keeps some for itself (a block's `debug=True`), and takes the
+            # device RNG states to replay only from positional tensors (`layer(hidden_states=x)` on a GPU: other
+            # dropout masks in recomputation).
+            fn, args = _KeywordsAsPositions(self.inner, len(args), tuple(kwargs)), (*args, *kwargs.values())
         buffers = [] if compiling else list(self.buffers())
         if buffers:  # recomputation must not update BatchNorm's running statistics a second time
             keep = _KeepUpdatedBuffers(buffers)
@@ -206,10 +203,20 @@ class CheckpointedForward:
             def with_keep():
                 forward_ctx, recompute_ctx = context_fn()
                 return forward_ctx, _entered_together(keep, recompute_ctx)  # keep's copies outside SAC's mode
-            return checkpoint(fn, *args, use_reentrant=False, context_fn=with_keep, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=with_keep)
         if self.mode == "full":  # no context_fn argument: torch.compile cannot trace a passed-in no-op one
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn)
+
+
+class _KeywordsAsPositions:
+    """Calls ``fn`` with its trailing positional arguments given back as the keywords ``names``."""
+
+    def __init__(self, fn: Callable, n_args: int, names: tuple[str, ...]) -> None:
+        self.fn, self.n_args, self.names = fn, n_args, names
+
+    def __call__(self, *args):
+        return self.fn(*args[: self.n_args], **dict(zip(self.names, args[self.n_args :])))
 
 
 class _KeepUpdatedBuffers:
