@@ -1503,3 +1503,32 @@ def test_a_block_size_below_the_samplers_minimum_is_refused_before_any_compute(t
     # RandomSampler has no such minimum
     metrics, _ = train(tiny_cfg("data.block_size=1", "sample.max_new_tokens=0", run="random"))
     assert metrics["steps"] == 6
+
+
+@pytest.mark.parametrize("kw", [{"prior": math.inf}, {"eps": math.inf}, {"min_prob": math.inf, "max_prob": math.inf,
+                                                                        "magnitude_cap": math.inf}])
+def test_an_infinite_prior_eps_or_min_prob_is_rejected(kw):
+    """prior=inf passed the `> 0` check and made every probability NaN: the draws then came out of a NaN CDF (all the
+    same index) without an error. eps=inf scored every seen sample min_prob; min_prob=inf gave inf weights."""
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be a finite number"):
+        FourierSampler(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"num_bands": 2.5}, {"max_freq": 300.7}, {"num_bands": True}, {"max_freq": "256"}])
+def test_a_fractional_band_count_or_edge_is_rejected_not_truncated(kw):
+    """num_bands=2.5 was truncated to 2 bands (max_freq=300.7 to 300) without a word; a string failed in int()
+    with a message naming no option."""
+    key = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"FourierSampler {key} must be a positive integer or null"):
+        FourierSampler(**kw)
+    assert FourierSampler(**{key: 4.0}).__dict__[key] == 4  # a whole float is the integer
+
+
+@pytest.mark.parametrize("decay_steps", [0.5, 2.5])
+def test_a_fractional_decay_steps_is_used_as_given(decay_steps):
+    """decay_steps was truncated by int(): 0.5 passed the `> 0` check, became 0, and the first update after the first
+    training step raised 'decay_steps must be positive, got 0'; 2.5 ran the cosine over 2 steps."""
+    s = make(stages=False, decay_steps=decay_steps)
+    stats = s.observe(torch.rand(2, 16), torch.tensor([0, 1]), step=1)
+    assert stats["mix"] == pytest.approx(S.mix_schedule(1, 0.3, 0.7, decay_steps))
+    assert s.mix_at(2) == pytest.approx(0.3 + 0.4 * (1 - math.cos(math.pi * min(2 / decay_steps, 1))) / 2)

@@ -20,7 +20,9 @@ Not to be confused with the published "FourierSampler" that orders token unmaski
 
 from __future__ import annotations
 
+import math
 import warnings
+from numbers import Real
 
 import torch
 import torch.distributed as dist
@@ -114,6 +116,9 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"FourierSampler prior must be > 0, got {prior}")
         if not eps > 0:  # eps=0: a sample whose score was 0 gets 0/0, a NaN probability
             raise ValueError(f"FourierSampler eps must be > 0, got {eps}")
+        for name, value in {"prior": prior, "eps": eps, "min_prob": min_prob}.items():
+            if not math.isfinite(value):  # prior=inf: an infinite total, NaN probabilities and a NaN CDF
+                raise ValueError(f"FourierSampler {name} must be a finite number, got {value}")
         for name, value in {"mix_initial": mix_initial, "mix_final": mix_final}.items():
             if not 0.0 <= value <= 1.0:  # as a stage_table row's mix: the weight of the frequency score
                 raise ValueError(f"FourierSampler {name} must be in [0, 1], got {value}")
@@ -122,12 +127,16 @@ class FourierSampler(IndexSampler):
         if not step_unit > 0 or not decay_steps > 0:
             raise ValueError(f"FourierSampler step_unit and decay_steps must be > 0, got {step_unit}, {decay_steps}")
         for name, value in {"max_freq": max_freq, "num_bands": num_bands}.items():
-            if value is not None and not int(value) > 0:  # None (not 0) picks the brief's default for T
-                raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), got {value}")
+            # None (not 0) picks the brief's default for T; 2.5 is not truncated to 2
+            whole = isinstance(value, Real) and not isinstance(value, bool) and float(value).is_integer()
+            if value is not None and not (whole and value > 0):
+                raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), got {value!r}")
+        max_freq, num_bands = (None if v is None else int(v) for v in (max_freq, num_bands))
         self.max_freq, self.num_bands = max_freq, num_bands
         self._configured_bands = {"max_freq": max_freq, "num_bands": num_bands}  # None: auto (a resume takes its)
         self.score, self.variant = score, variant
-        self.mix_initial, self.mix_final, self.decay_steps = float(mix_initial), float(mix_final), int(decay_steps)
+        # decay_steps as given: int() made 0.5 a 0, which failed at the first update, after a training step
+        self.mix_initial, self.mix_final, self.decay_steps = float(mix_initial), float(mix_final), float(decay_steps)
         self.momentum, self.beta = float(momentum), float(beta)
         self.min_prob, self.max_prob, self.magnitude_cap, self.eps = min_prob, max_prob, magnitude_cap, eps
         self.prior, self.uniform_floor, self.importance_weights = float(prior), float(uniform_floor), importance_weights
