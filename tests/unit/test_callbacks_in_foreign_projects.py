@@ -463,3 +463,42 @@ def test_wsd_warns_when_the_trainer_runs_past_its_total_steps(tmp_path: Path, to
         ]
     else:
         assert trainer.global_step == total_steps and horizon == []
+
+
+class IdDataset(torch.utils.data.Dataset):
+    """Dict samples ``{"x", "y", "index"}`` whose ``index`` is the user's own id: a string, or a float."""
+
+    def __init__(self, kind: str) -> None:
+        self.data, self.kind = regression_data().dataset, kind
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.data[i]
+        return {"x": x, "y": y, "index": f"sample-{i}" if self.kind == "str" else float(i)}
+
+
+class DictBatchModule(UserModule):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+
+@pytest.mark.parametrize("kind", ["str", "float"])
+def test_loss_spike_monitor_names_an_index_that_holds_no_integer_sample_indices(tmp_path: Path, kind: str) -> None:
+    """A user's batch whose ``index`` holds string ids failed in ``torch.as_tensor`` ("too many dimensions 'str'"),
+    with ``log`` alone too, and float values were truncated into exclusions. ``skip`` now says what ``index`` must
+    hold before the first step trains; ``log`` ignores such an index and still records the spikes."""
+    data = DataLoader(IdDataset(kind), batch_size=8)
+    module = DictBatchModule()
+    skip = LossSpikeMonitor(actions=["log", "skip"], path=str(tmp_path / "skip.jsonl"))
+    got = "list of str" if kind == "str" else "torch.float64 values"
+    with pytest.raises(TypeError, match=rf"needs the batch key 'index' to hold integer sample indices.*got {got}\."):
+        L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[skip]).fit(module, data)
+    assert module.steps_run == 0
+    log = LossSpikeMonitor(actions=["log"], warmup_steps=3, z_threshold=1.0, rel_threshold=None,
+                           path=str(tmp_path / "log.jsonl"))
+    L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[log]).fit(DictBatchModule(), data)
+    assert log.num_spikes > 0 and [e["index"] for e in log.events if "index" in e] == [[]] * log.num_spikes

@@ -323,11 +323,34 @@ class LossSpikeMonitor(L.Callback):
                                f"the batch, or use actions without 'skip'/'rollback', e.g. actions=['log', "
                                f"'lr_cooldown']")
             return
-        index = torch.as_tensor(index).detach().reshape(-1)
+        index = self._sample_indices(index)
+        if index is None:
+            return
         self._indices.append(index)
         if self._excluded_dev is not None:
             hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
             self._hit_excluded = hit if self._hit_excluded is None else self._hit_excluded | hit
+
+    def _sample_indices(self, raw) -> torch.Tensor | None:
+        """The batch's ``index`` as a flat integer tensor, else None for actions that do not need it. (String ids or
+        float values failed in ``torch.as_tensor`` with "too many dimensions 'str'", even with ``log`` alone.)"""
+        try:
+            index = torch.as_tensor(raw).detach().reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            index = None
+        integer = index is not None and not (index.dtype.is_floating_point or index.dtype.is_complex)
+        if integer and index.dtype != torch.bool:
+            return index
+        if {"skip", "rollback"} & set(self.actions):
+            first = raw[0] if isinstance(raw, (list, tuple)) and raw else None
+            got = f"{index.dtype} values" if index is not None else f"{type(raw).__name__} of {type(first).__name__}"
+            raise TypeError(
+                f"LossSpikeMonitor with actions {self.actions} needs the batch key 'index' to hold integer sample "
+                f"indices (LongTensor[B]: your Dataset returns each sample's int index under 'index'); got {got}. "
+                f"Return the integer index under 'index', or use actions without 'skip'/'rollback', e.g. "
+                f"actions=['log', 'lr_cooldown']"
+            )
+        return None  # only recorded in the events: left out
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
