@@ -5,6 +5,7 @@ and that a ``trainer.fit(ckpt_path=...)`` resume of such a module continues each
 
 from __future__ import annotations
 
+import csv
 import math
 import warnings
 from pathlib import Path
@@ -502,3 +503,31 @@ def test_loss_spike_monitor_names_an_index_that_holds_no_integer_sample_indices(
     L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, callbacks=[log]).fit(DictBatchModule(), data)
     assert log.num_spikes > 0 and [e["index"] for e in log.events if "index" in e] == [[]] * log.num_spikes
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "accumulate"),
+    [(False, 1), (False, 2), (True, 1)],
+    ids=["no_scheduler", "accumulate2", "epoch_steplr"],
+)
+def test_once_per_step_lr_monitor_writes_one_row_per_step_in_an_epoch_based_run(tmp_path: Path, scheduler, accumulate):
+    """With Lightning's default ``logging_interval=None``, an optimizer without an LR scheduler (the one a
+    ``WSDScheduler`` drives) was logged at every epoch start and again by the epoch's first batch: two rows at the first
+    step of each epoch of a ``max_epochs`` run. Now one row per step; an epoch-interval scheduler (``StepLR``) still
+    gets its row at each epoch start."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_dtrain.callbacks import OncePerStepLRMonitor
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=3, limit_train_batches=4, accumulate_grad_batches=accumulate, log_every_n_steps=1,
+        logger=CSVLogger(str(tmp_path), name="csv", version=0), callbacks=[OncePerStepLRMonitor()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(UserModule(scheduler=scheduler), regression_data())
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [(int(r["step"]), float(r["lr-AdamW"])) for r in csv.DictReader(f) if r.get("lr-AdamW")]
+    if scheduler:  # StepLR(step_size=3, gamma=0.5) stepped per epoch: one row at each epoch's first step
+        assert rows == [(0, 1e-2), (4, 1e-2), (8, 1e-2)]
+    else:
+        assert rows == [(step, 1e-2) for step in range(trainer.global_step)] and trainer.global_step == 12 // accumulate

@@ -4,7 +4,10 @@ Lightning's monitor logs the LR in ``on_train_batch_start``, which runs once per
 (``trainer._logger_connector.should_update_logs``) looks at the count of optimizer steps taken, which does not change
 within a step: with ``accumulate_grad_batches=A`` every logged step got ``A`` identical ``lr-*`` rows (CSV rows at
 steps 1, 1, 3, 3, ... for ``A=2``). :class:`OncePerStepLRMonitor` lets the first micro-batch of a step log, as before,
-and skips the rest. Checked lightning 2.6: no option of ``LearningRateMonitor`` does this.
+and skips the rest. Lightning also logs an optimizer without an LR scheduler (the one ``WSDScheduler`` drives) at every
+epoch start, at the step whose first batch logs it again: a ``max_epochs`` run got two rows at each epoch's first step.
+There only the epoch-interval schedulers are logged. Checked lightning 2.6: no option of ``LearningRateMonitor`` does
+this.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from typing_extensions import override
 
@@ -19,7 +23,8 @@ from typing_extensions import override
 class OncePerStepLRMonitor(LearningRateMonitor):
     """``LearningRateMonitor`` (same arguments, names, ``logging_interval`` and momentum/weight decay logging) that
     writes the step-interval LRs once per optimizer step, at the step's first micro-batch, whatever
-    ``accumulate_grad_batches`` is. It keeps no checkpoint state, as Lightning's monitor keeps none."""
+    ``accumulate_grad_batches`` is, and an optimizer without an LR scheduler once at an epoch's first step. It keeps no
+    checkpoint state, as Lightning's monitor keeps none."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -39,3 +44,23 @@ class OncePerStepLRMonitor(LearningRateMonitor):
             return
         self._seen_step = step
         super().on_train_batch_start(trainer, *args, **kwargs)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.logging_interval is not None or not trainer._logger_connector.should_update_logs:
+            super().on_train_epoch_start(trainer, *args, **kwargs)
+            return
+        # The first batch logs the optimizers without a scheduler at this same step (Lightning logs them at both
+        # intervals); here only the schedulers stepped per epoch, whose LRs the step rows leave out.
+        names, _, _ = self._find_names_from_schedulers(trainer.lr_scheduler_configs)
+        self._remap_keys(names)
+        stats = {}
+        for name, config in zip(names, trainer.lr_scheduler_configs):
+            if config.interval == "epoch":
+                stats.update(self._get_optimizer_stats(config.scheduler.optimizer, name))
+        if not stats:
+            return
+        device = trainer.strategy.root_device
+        trainer.callback_metrics.update({name: torch.tensor(value, device=device) for name, value in stats.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(stats, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
