@@ -531,3 +531,38 @@ def test_once_per_step_lr_monitor_writes_one_row_per_step_in_an_epoch_based_run(
         assert rows == [(0, 1e-2), (4, 1e-2), (8, 1e-2)]
     else:
         assert rows == [(step, 1e-2) for step in range(trainer.global_step)] and trainer.global_step == 12 // accumulate
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """The user's ``(x, y)`` samples as dicts with their position under ``index``."""
+
+    def __init__(self) -> None:
+        self.data = regression_data().dataset
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.data[i]
+        return {"x": x, "y": y, "index": i}
+
+
+class SpikeAtStep(DictBatchModule):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (100.0 if self.global_step == 6 else 1.0)
+
+
+def test_loss_spike_skip_with_a_plain_dataloader_refuses_to_exclude_every_sample(tmp_path: Path) -> None:
+    """Without a sampler, a later step whose batch holds an excluded index is skipped. A spike in a full-batch
+    DataLoader excluded every sample, and every later step was skipped: the run trained nothing more and ended as if
+    it had trained. Now the exclusion raises, naming it (as a sampler with exclude() does), after the spike is
+    recorded."""
+    data = DataLoader(IndexedDataset(), batch_size=64, shuffle=True)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
+    module = SpikeAtStep()
+    trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    with pytest.raises(RuntimeError, match=r"spike at step 6 failed .*every sample of the train DataLoader's dataset "
+                                           r"\(64, indices 0..63\) has been excluded"):
+        trainer.fit(module, data)
+    assert [e["step"] for e in monitor.events] == [6] and sorted(monitor.events[0]["index"]) == list(range(64))

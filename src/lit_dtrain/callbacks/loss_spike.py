@@ -193,6 +193,7 @@ class LossSpikeMonitor(L.Callback):
         self._saved_scaler: dict | None = None  # the GradScaler's state before a dropped step
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
+        self._num_train_samples: int | None = None  # len() of a plain train DataLoader's dataset, when sized
         self._device = torch.device("cpu")
         self._stepped = False
         self._z_ready = False
@@ -245,6 +246,12 @@ class LossSpikeMonitor(L.Callback):
                                       f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
         sampler = getattr(trainer.datamodule, "sampler", None) if trainer.datamodule is not None else None
         self._sampler = sampler if callable(getattr(sampler, "exclude", None)) else None
+        self._num_train_samples = None
+        if self._sampler is None:
+            try:
+                self._num_train_samples = len(trainer.train_dataloader.dataset)
+            except (AttributeError, TypeError, NotImplementedError):
+                pass  # an iterable dataset, or several train loaders: no size to compare the exclusions with
         if self.excluded and self._sampler is not None:
             self._sampler.exclude(self.excluded)
         needs_index = {"skip", "rollback"} & set(self.actions)
@@ -569,8 +576,17 @@ class LossSpikeMonitor(L.Callback):
                 self.excluded.append(int(i))
         if self._sampler is not None:
             self._sampler.exclude(indices)
-        else:
-            self._set_excluded_device(self._device)
+            return
+        self._set_excluded_device(self._device)
+        n = self._num_train_samples
+        if n and len(known) >= n and all(i in known for i in range(n)):
+            # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
+            # would end as if it had trained; a sampler with exclude() refuses this too
+            raise RuntimeError(
+                f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so every "
+                "later step would be skipped; lower the thresholds (z_threshold, rel_threshold), or use actions "
+                "without 'skip'/'rollback'"
+            )
 
     def _events_path(self, trainer) -> str:
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
