@@ -295,12 +295,7 @@ class SpikeDetector:
             if z_hit and rel_hit:
                 d.reasons.append(LOSS_SPIKE)
         if update and LOSS_SPIKE in d.reasons:
-            self.consecutive.append(loss)
-            if self.max_consecutive is not None and len(self.consecutive) >= self.max_consecutive:
-                d.reasons.remove(LOSS_SPIKE)
-                d.level_shift = True
-                self.loss_stat.reseed(self.consecutive)
-                self.consecutive = []
+            d.level_shift = self._accept_level(d, LOSS_SPIKE, self.consecutive, self.loss_stat, loss)
         elif update and math.isfinite(loss):
             self.consecutive = []
         if grad_norm is not None and math.isfinite(grad_norm):
@@ -308,12 +303,8 @@ class SpikeDetector:
             if self.grad_z_threshold is not None and self.grad_stat.ready and d.grad_z > self.grad_z_threshold:
                 d.reasons.append(GRAD_SPIKE)
             if update and GRAD_SPIKE in d.reasons:
-                self.grad_consecutive.append(grad_norm)
-                if self.max_consecutive is not None and len(self.grad_consecutive) >= self.max_consecutive:
-                    d.reasons.remove(GRAD_SPIKE)
-                    d.grad_level_shift = True
-                    self.grad_stat.reseed(self.grad_consecutive)
-                    self.grad_consecutive = []
+                d.grad_level_shift = self._accept_level(d, GRAD_SPIKE, self.grad_consecutive, self.grad_stat,
+                                                        grad_norm)
             elif update:
                 self.grad_consecutive = []
         if update and not d.is_spike:
@@ -322,6 +313,18 @@ class SpikeDetector:
             if grad_norm is not None and not d.grad_level_shift:
                 self.grad_stat.add(grad_norm)
         return d
+
+    def _accept_level(self, d: SpikeDecision, reason: str, run: list[float], stat: RobustStat, value: float) -> bool:
+        """Count ``value`` into ``run``, the current run of consecutive ``reason`` spikes. After ``max_consecutive`` of
+        them the new level is taken to be real: the step is not a spike, ``stat`` restarts from the run's values, and
+        True is returned."""
+        run.append(value)
+        if self.max_consecutive is None or len(run) < self.max_consecutive:
+            return False
+        d.reasons.remove(reason)
+        stat.reseed(list(run))
+        run.clear()
+        return True
 
     def state_dict(self) -> dict:
         return {"loss_stat": self.loss_stat.state_dict(), "grad_stat": self.grad_stat.state_dict(),
