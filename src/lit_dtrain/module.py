@@ -31,6 +31,7 @@ class NonFiniteError(FloatingPointError):
 
 
 _SHAPE_ATTR = "_lit_dtrain_shape"
+NO_IGNORE_INDEX = torch.iinfo(torch.int64).min  # cross_entropy's ignore_index that no label can hit
 
 
 def remember_parameter_shapes(model: nn.Module) -> None:
@@ -162,7 +163,10 @@ class LitLLM(L.LightningModule):
             self._check_token_ids(batch)
         logits = self.model(batch["input_ids"])  # (B, T, V)
         B, T, V = logits.shape
-        token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
+        # No ignore index: cross_entropy's default -100 made such a label (in a batch after the checked first one) a
+        # token of loss 0 in the mean, silently. The int64 minimum is no label, so -100 fails like any other bad id.
+        token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none",
+                                     ignore_index=NO_IGNORE_INDEX)
         return token_loss.view(B, T)
 
     def _check_token_ids(self, batch: Mapping) -> None:

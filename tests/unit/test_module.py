@@ -144,6 +144,21 @@ def test_a_token_id_outside_the_vocabulary_is_named_in_training_and_validation(t
     assert module._ids_checked and sum(1 for r in rows if r.get("train/loss")) == 2
 
 
+def test_a_label_minus_100_after_the_checked_first_batch_fails_instead_of_counting_as_loss_0() -> None:
+    """Only the first batch of a loop is range-checked; cross_entropy's default ignore_index then made a later -100
+    label a token of loss 0 in the mean, silently (a loss lowered by 1/(B*T) of a token's loss per label)."""
+    module = tiny_lit()
+    module.log = lambda *a, **k: None  # no trainer attached
+    first, later = window_loader(2)
+    module.training_step(first, 0)
+    assert module._ids_checked  # the next batch is not range-checked
+    later["labels"][1, 3] = -100
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        module.training_step(later, 1)
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        module.validation_step(later, 1)
+
+
 def test_compiled_and_eager_modules_have_the_same_state_dict_keys() -> None:
     """``module.compile=true`` wrapped the model in an ``OptimizedModule``, so every key of its checkpoints gained an
     ``_orig_mod.`` segment: resuming one without compile (another machine, a debugging session), or a run started
