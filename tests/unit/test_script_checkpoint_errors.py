@@ -225,3 +225,18 @@ def test_generate_takes_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):
     assert result["text"].startswith("\ufffd\ufffdab") and result["new_tokens"] == 3
     _script("generate").main([str(ckpt), "--prompt", "héllo ☃", "--max-new-tokens", "2", "--temperature", "0"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"].startswith("héllo ☃")
+
+
+@pytest.mark.parametrize("script", ["generate", "spectrum"])
+def test_scripts_name_a_checkpoint_whose_model_config_does_not_build(tmp_path, script):
+    """A model_config with a key this version lacks (a checkpoint of another lit_dtrain version) or a damaged value
+    was a ValueError or TypeError traceback from build_llama."""
+    import torch
+
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt")
+    state = torch.load(ckpt, weights_only=False)
+    for name, change in (("newer", {"sliding_window": 64}), ("damaged", {"d_model": "sixteen"})):
+        torch.save({**state, "model_config": {**state["model_config"], **change}}, tmp_path / f"{name}.ckpt")
+        with pytest.raises(SystemExit, match=rf"'.*{name}.ckpt': its model_config does not build a model"):
+            _script(script).load_model(str(tmp_path / f"{name}.ckpt"))
+

@@ -293,7 +293,10 @@ def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_config"), dict):
         raise CheckpointError(f"{str(path)!r} has no 'model_config'; was it written by lit_dtrain's LitLLM?")
     weights = checkpoint_weights(ckpt, path)
-    model = build_llama(**ckpt["model_config"])
+    try:  # a model_config of another version (an unknown key) or a damaged one: one line, not a traceback
+        model = build_llama(**ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{str(path)!r}: its model_config does not build a model: {e}") from e
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
