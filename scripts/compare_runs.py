@@ -37,6 +37,7 @@ from lit_dtrain.run_dirs import (
     read_scalars,
     table_cell,
 )
+from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -317,7 +318,7 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
     axes[0][0].legend([handles[label] for label in order], order, fontsize=7, loc="upper left",
                       bbox_to_anchor=(0, -0.16), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
     plt.close(fig)
 
 
@@ -336,6 +337,11 @@ def compare(
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
+    try:  # before reading the runs: an unwritable --out or --table used to be a traceback after it
+        out = str(output_path(out, "--out", image=True)) if out else out
+        table = str(output_path(table, "--table")) if table else table
+    except OutputPathError as e:
+        raise CompareError(str(e)) from e
     skipped: list[str] = []
     run_dirs = expand_runs(runs, skipped, _warn)
     if labels and len(labels) != len(run_dirs):
@@ -391,11 +397,8 @@ def compare(
     ]
     text = "\n".join(tables)  # a blank line between
     if table:
-        Path(table).parent.mkdir(parents=True, exist_ok=True)
-        Path(table).write_text(text)
+        write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        if not Path(out).suffix:  # matplotlib would append .png itself; report the file actually written
-            out = f"{out}.png"
         plot(curves, metrics, Path(out), title=title, logy=logy)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), m in maximize)) else None for m in metrics

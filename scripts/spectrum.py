@@ -37,6 +37,7 @@ from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.schedules.workflows import model_from_checkpoint
+from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
 
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--bandwidth-fraction must be in (0, 1], got {args.bandwidth_fraction}")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         ap.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    try:  # before the work: an unwritable --out used to be a traceback after it
+        out = output_path(args.out, "--out", image=True)
+    except OutputPathError as e:
+        ap.error(str(e))
 
     import matplotlib
 
@@ -288,9 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_title(f"Token-loss spectrum, {len(windows)} {args.split} windows; band edges: compute_bands("
                  f"{max_freq}, {num_bands}) solid, {fine} bands dotted", fontsize=9)
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=120))
+    print(f"wrote {out}")
     print(
         json.dumps(
             {
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                 "val_fraction": val_fraction,
                 "split": args.split,
                 "windows": len(windows),
-                "out": args.out,
+                "out": str(out),
                 "checkpoints": results,
             }
         )

@@ -896,3 +896,46 @@ def test_the_gap_to_a_negative_best_has_the_sign_of_a_positive_one(tmp_path):
     md = compare_runs.compare([str(good), str(bad)], ["val/loss"], maximize=["val/loss"])["markdown"]
     assert md.splitlines()[2:] == ["| good | 5 | -2.0000 | -2.0000 (5) | -100.00% |",
                                    "| bad | 5 | -1.0000 | -1.0000 (5) | +0.00% |"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--out", "{tmp}/plot.foo"], "--out '{tmp}/plot.foo': matplotlib cannot write '.foo' files"),
+        (["--out", "{tmp}/file/plot.png"], "--out '{tmp}/file/plot.png': cannot create its directory"),
+        (["--table", "{tmp}/file/t.md"], "--table '{tmp}/file/t.md': cannot create its directory"),
+        (["--table", "{tmp}"], "--table '{tmp}' is a directory; give a file path"),
+    ],
+)
+def test_an_unwritable_out_or_table_is_named_before_the_runs_are_read(tmp_path, capsys, flags, message):
+    """An --out suffix matplotlib does not write, an output below a file or a --table that is a dir was a
+    traceback (ValueError, FileExistsError, IsADirectoryError) after every run was read."""
+    run = write_run(tmp_path / "a", {10: 3.0})
+    (tmp_path / "file").write_text("a file, not a dir")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert compare_runs.main([str(run), *flags]) == 2
+    captured = capsys.readouterr()
+    assert message.format(tmp=tmp_path) in captured.err
+    assert "error" in json.loads(captured.out.strip().splitlines()[-1])
+
+
+def test_outputs_replace_an_existing_file_whole(tmp_path, capsys, monkeypatch):
+    """The PNG and table are written beside the target and renamed over it: a failure while writing leaves the
+    earlier file as it was, and no temporary file."""
+    from matplotlib.figure import Figure
+
+    run = write_run(tmp_path / "a", {10: 3.0})
+    out, table = tmp_path / "c.png", tmp_path / "c.md"
+    out.write_bytes(b"earlier plot")
+
+    def fail(self, path, **kwargs):
+        Path(path).write_bytes(b"half a PNG")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", fail)
+    with pytest.raises(OSError, match="disk full"):
+        compare_runs.main([str(run), "--out", str(out), "--table", str(table)])
+    assert out.read_bytes() == b"earlier plot" and sorted(p.name for p in tmp_path.iterdir()) == ["a", "c.md", "c.png"]
+    monkeypatch.undo()
+    assert compare_runs.main([str(run), "--out", str(out), "--table", str(table)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG" and "| a | 10 | 3.0000 |" in table.read_text()

@@ -240,3 +240,34 @@ def test_scripts_name_a_checkpoint_whose_model_config_does_not_build(tmp_path, s
         with pytest.raises(SystemExit, match=rf"'.*{name}.ckpt': its model_config does not build a model"):
             _script(script).load_model(str(tmp_path / f"{name}.ckpt"))
 
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("plot.foo", "--out '{tmp}/plot.foo': matplotlib cannot write '.foo' files"),
+        ("file/plot.png", "--out '{tmp}/file/plot.png': cannot create its directory"),
+        ("adir.png", "--out '{tmp}/adir.png' is a directory; give a file path"),
+    ],
+)
+def test_spectrum_refuses_an_unwritable_out_before_loading(tmp_path, capsys, out, message):
+    """--out with a suffix matplotlib does not write, or below a file, was a traceback from savefig after the
+    whole spectrum was computed."""
+    (tmp_path / "file").write_text("a file, not a dir")
+    (tmp_path / "adir.png").mkdir()
+    with pytest.raises(SystemExit) as e:
+        _script("spectrum").main([str(tmp_path / "never_read.ckpt"), "--out", str(tmp_path / out)])
+    assert e.value.code == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_spectrum_reports_the_png_it_wrote_for_an_out_without_suffix(tmp_path, capsys):
+    """--out spec (no suffix): matplotlib wrote spec.png, but the JSON and 'wrote' line named 'spec', no file."""
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=10, size=400)
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt", block_size=32)
+    flags = ["--files", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--windows", "4", "--val-fraction", "0.5"]
+    _script("spectrum").main([str(ckpt), *flags, "--out", str(tmp_path / "spec")])
+    out = _spectrum_json(capsys)
+    assert out["out"] == str(tmp_path / "spec.png") and (tmp_path / "spec.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("spec", ".spec"))) == ["spec.png"]

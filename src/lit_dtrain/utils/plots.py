@@ -1,0 +1,53 @@
+"""Where the scripts write their plots and tables: checked before any compute, written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written; the message names the flag and the path."""
+
+
+def output_path(path: str | os.PathLike, flag: str, image: bool = False) -> Path:
+    """``path`` checked for writing, before the work that produces it: not a directory, its parent a directory that
+    exists or can be made and is writable. With ``image``, a path without a suffix gets ``.png`` (matplotlib would
+    append it itself, and the script would report a file it did not write) and another suffix must be a format
+    matplotlib writes. :class:`OutputPathError` naming ``flag`` otherwise."""
+    out = Path(path).expanduser()
+    if image:
+        if not out.suffix:
+            out = out.with_name(out.name + ".png")
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if out.suffix[1:].lower() not in formats:
+            raise OutputPathError(f"{flag} {str(path)!r}: matplotlib cannot write {out.suffix!r} files; use one of "
+                                  f"{sorted('.' + f for f in formats)}")
+    if out.is_dir():
+        raise OutputPathError(f"{flag} {str(path)!r} is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"{flag} {str(path)!r}: cannot create its directory: {e.strerror or e}") from e
+    if not os.access(out.parent, os.W_OK):
+        raise OutputPathError(f"{flag} {str(path)!r}: its directory {str(out.parent)!r} is not writable")
+    return out
+
+
+def write_atomically(path: Path, write) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path`` (same suffix), then rename it over ``path``: an
+    existing file is replaced whole, never left half written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the output gets the usual permissions
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
