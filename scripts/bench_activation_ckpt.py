@@ -85,7 +85,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 weights and maths; bf16 = fp32 weights under bf16 autocast")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # before any model is built: each of these was a traceback (ZeroDivisionError, StatisticsError, ...) mid-run
+    for flag, value in (("--tokens", args.tokens), ("--every-k", args.every_k), ("--repeats", args.repeats),
+                        ("--threads", args.threads)):
+        if value < 1:
+            p.error(f"{flag} must be a positive integer, got {value}")
+    if not 0 < args.memory_budget <= 1:
+        p.error(f"--memory-budget must be in (0, 1] (a fraction of none's peak ACT), got {args.memory_budget}")
+    for flag, given, known in (("--shapes", args.shapes, SHAPES), ("--policies", args.policies, POLICIES)):
+        unknown = [v for v in given.split(",") if v and v not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
+    seqs = [s for s in args.seqs.split(",") if s]
+    if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
+        p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")
+    return args
 
 
 def step_clock(args) -> str:
@@ -261,8 +276,6 @@ def main(argv=None) -> dict:
               "peak of one step (RSS n/a).")
     configs = []
     for shape in [s for s in args.shapes.split(",") if s]:
-        if shape not in SHAPES:
-            sys.exit(f"unknown shape {shape!r}; expected one of {list(SHAPES)}")
         for seq in [int(s) for s in args.seqs.split(",") if s]:
             t0 = time.perf_counter()
             cfg = run_config(shape, seq, args)

@@ -134,3 +134,26 @@ def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypa
         assert row["cuda_peak_step_mib"] == 100.0 - 10 * i
         assert summary[p]["cuda_peak_ratio"] == row["cuda_peak_ratio"] == (100.0 - 10 * i) / 100.0
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--repeats", "0"], "--repeats must be a positive integer, got 0"),
+        (["--every-k", "0"], "--every-k must be a positive integer, got 0"),
+        (["--threads", "0"], "--threads must be a positive integer, got 0"),
+        (["--tokens", "-5"], "--tokens must be a positive integer, got -5"),
+        (["--memory-budget", "-1"], "--memory-budget must be in (0, 1] (a fraction of none's peak ACT), got -1.0"),
+        (["--seqs", "0"], "--seqs must be a comma list of positive integers, got '0'"),
+        (["--seqs", "abc"], "--seqs must be a comma list of positive integers, got 'abc'"),
+        (["--policies", "none,foo"], "--policies: unknown ['foo']; choose from"),
+        (["--shapes", "huge"], "--shapes: unknown ['huge']; choose from"),
+    ],
+)
+def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, message):
+    """--repeats 0 was a StatisticsError, --seqs 0 a ZeroDivisionError, --seqs abc, --every-k 0, --policies foo and
+    a bad --memory-budget ValueErrors, --threads 0 a RuntimeError: tracebacks after the first model was built;
+    --tokens -5 ran with batch 1 and reported tokens -5."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
