@@ -22,6 +22,7 @@ import time
 import torch
 
 from lit_dtrain.data.samplers import FourierSampler, RandomSampler
+from lit_dtrain.utils.args import nonnegative_int, positive_int
 
 VARIANTS = ("uniform", "uniform_mixture", "moment_ratio", "magnitude")
 
@@ -53,12 +54,12 @@ def step_once(sampler, step: int, batch: int, T: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", type=int, default=[121_278, 1_000_000, 10_000_000])
-    ap.add_argument("--batch", type=int, default=8, help="global batch per step")
-    ap.add_argument("--block", type=int, default=256, help="tokens per window (T of the token loss)")
-    ap.add_argument("--warmup", type=int, default=20, help="untimed steps first")
-    ap.add_argument("--steps", type=int, default=300, help="timed steps per variant and size")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", nargs="+", type=positive_int, default=[121_278, 1_000_000, 10_000_000])
+    ap.add_argument("--batch", type=positive_int, default=8, help="global batch per step")
+    ap.add_argument("--block", type=positive_int, default=256, help="tokens per window (T of the token loss)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=20, help="untimed steps first")
+    ap.add_argument("--steps", type=positive_int, default=300, help="timed steps per variant and size")
+    ap.add_argument("--threads", type=positive_int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

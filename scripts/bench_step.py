@@ -39,6 +39,7 @@ from omegaconf import open_dict
 
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
+from lit_dtrain.utils.args import nonnegative_int, positive_int
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -172,12 +173,14 @@ def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="steps per round")
-    ap.add_argument("--warmup", type=int, default=5, help="steps excluded from timing")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of each variant")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--steps", type=positive_int, default=40, help="steps per round")
+    ap.add_argument("--warmup", type=positive_int, default=5, help="steps excluded from timing (>= 1, < --steps)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of each variant")
+    ap.add_argument("--threads", type=nonnegative_int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small data.batch_size=8")
     args = ap.parse_args()
+    if args.warmup >= args.steps:  # the timing spans steps warmup..steps-1: none left (a StatisticsError at the end)
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
