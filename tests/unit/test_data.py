@@ -511,6 +511,25 @@ def test_excluding_every_weighted_sample_fails_even_when_zero_weight_samples_rem
         s.exclude([3])
 
 
+@pytest.mark.parametrize("index", [-1, 8])
+def test_an_out_of_range_exclusion_is_refused_not_wrapped(index):
+    """exclude([-1]) excluded the last sample (Python indexing), silently; 8 of 8 samples was an IndexError."""
+    from lit_dtrain.data.samplers import RandomSampler
+
+    s = RandomSampler()
+    s.setup(8, None, seed=0)
+    with pytest.raises(ValueError, match=f"exclude: sample index {index} is out of range for 8 samples"):
+        s.exclude([2, index])
+    assert s.num_excluded == 0 and not s.excluded.any()  # nothing half-applied
+
+
+def test_decode_marks_ids_that_are_no_byte():
+    """A model with vocab_size above 257 can sample ids the byte tokenizer has no byte for: they were dropped from
+    the text without a trace; they are U+FFFD now, as an invalid byte sequence is."""
+    tok = ByteTokenizer()
+    assert tok.decode([300, -1, 65, tok.eos_id, 66]) == "\ufffd\ufffdA\nB"
+
+
 def test_unigram_entropy_is_that_of_the_weighted_mixture_that_is_trained_on(tmp_path):
     """The context-free baseline is the entropy of the token distribution the sampler trains on: each
     source's unigram distribution in proportion to its weight; a weight-0 (validation-only) source is not

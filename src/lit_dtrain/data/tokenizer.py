@@ -30,11 +30,14 @@ class ByteTokenizer:
         return ids if len(ids) else np.array([self.eos_id], dtype=np.uint16)
 
     def decode(self, ids) -> str:
-        """Text of token ids; EOS becomes a newline and invalid UTF-8 is replaced, never raised."""
+        """Text of token ids; EOS becomes a newline and invalid UTF-8 is replaced, never raised. An id that is no
+        byte and not EOS (a model with ``vocab_size`` above 257 can sample one) becomes U+FFFD; it was dropped."""
         out = bytearray()
         for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
             if i == self.eos_id:
                 out += b"\n"
             elif 0 <= i < 256:
                 out.append(i)
+            else:
+                out += "\ufffd".encode()
         return out.decode("utf-8", errors="replace")

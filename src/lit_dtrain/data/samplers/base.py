@@ -125,6 +125,9 @@ class IndexSampler:
     def exclude(self, indices) -> None:
         """Never draw these sample indices again (they persist through ``state_dict``)."""
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= self.num_samples)]
+        if len(bad):  # -1 excluded the last sample (Python indexing), silently
+            raise ValueError(f"exclude: sample index {int(bad[0])} is out of range for {self.num_samples} samples")
         self.excluded[idx] = True
         self._exclusions_changed()
         left = self.num_samples - self.num_excluded
