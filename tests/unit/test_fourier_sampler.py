@@ -1524,6 +1524,19 @@ def test_a_fractional_band_count_or_edge_is_rejected_not_truncated(kw):
     assert FourierSampler(**{key: 4.0}).__dict__[key] == 4  # a whole float is the integer
 
 
+@pytest.mark.parametrize("kw", [{"num_bands": 0}, {"max_freq": -4}, {"max_freq": float("nan")}])
+def test_a_band_count_or_edge_below_one_is_rejected(kw):
+    with pytest.raises(ValueError, match=rf"FourierSampler {next(iter(kw))} must be a positive integer or null"):
+        FourierSampler(**kw)
+
+
+def test_an_infinite_step_unit_is_rejected():
+    """step_unit=inf passed the `> 0` check and kept the run in the warmup stage (bands 4, LR x 0.1) for good."""
+    with pytest.raises(ValueError, match="step_unit must be finite"):
+        FourierSampler(step_unit=float("inf"))
+    assert FourierSampler(step_unit=1e9).stage(10**6).name == "warmup"  # a large finite unit is kept
+
+
 @pytest.mark.parametrize("decay_steps", [0.5, 2.5])
 def test_a_fractional_decay_steps_is_used_as_given(decay_steps):
     """decay_steps was truncated by int(): 0.5 passed the `> 0` check, became 0, and the first update after the first

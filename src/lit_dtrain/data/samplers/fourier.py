@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from numbers import Real
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.args import check_int
 
 SCORES = ("mixed", "time", "frequency")
 
@@ -126,12 +126,17 @@ class FourierSampler(IndexSampler):
             raise ValueError(f"FourierSampler uniform_floor must be in [0, 1], got {uniform_floor}")
         if not step_unit > 0 or not decay_steps > 0:
             raise ValueError(f"FourierSampler step_unit and decay_steps must be > 0, got {step_unit}, {decay_steps}")
-        for name, value in {"max_freq": max_freq, "num_bands": num_bands}.items():
-            # None (not 0) picks the brief's default for T; 2.5 is not truncated to 2
-            whole = isinstance(value, Real) and not isinstance(value, bool) and float(value).is_integer()
-            if value is not None and not (whole and value > 0):
-                raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), got {value!r}")
-        max_freq, num_bands = (None if v is None else int(v) for v in (max_freq, num_bands))
+        if not math.isfinite(step_unit):  # inf kept every run in the warmup stage (its LR multiplier) for good
+            raise ValueError(f"FourierSampler step_unit must be finite (stages=false turns the schedule off), "
+                             f"got {step_unit}")
+        bands = {"max_freq": max_freq, "num_bands": num_bands}
+        for name, value in bands.items():  # None (not 0) picks the brief's default for T; 2.5 is not truncated to 2
+            try:
+                bands[name] = None if value is None else check_int(name, value, minimum=1)
+            except ValueError:
+                raise ValueError(f"FourierSampler {name} must be a positive integer or null (auto), "
+                                 f"got {value!r}") from None
+        max_freq, num_bands = bands["max_freq"], bands["num_bands"]
         self.max_freq, self.num_bands = max_freq, num_bands
         self._configured_bands = {"max_freq": max_freq, "num_bands": num_bands}  # None: auto (a resume takes its)
         self.score, self.variant = score, variant
