@@ -22,6 +22,16 @@ def test_shapes_and_blocks():
     assert isinstance(m.blocks, torch.nn.ModuleList) and len(m.blocks) == 2
 
 
+def test_forward_names_an_input_that_is_not_batch_by_tokens():
+    """A 1-D sequence failed with 'not enough values to unpack (expected 2, got 1)'."""
+    m = tiny()
+    for bad in (torch.tensor([1, 2, 3]), torch.zeros(2, 3, 4, dtype=torch.long)):
+        shape = re.escape(str(tuple(bad.shape)))
+        with pytest.raises(ValueError, match=rf"input_ids must be \(batch, tokens\), got shape {shape}"):
+            m(bad)
+    assert m(torch.tensor([1, 2, 3])[None]).shape == (1, 3, 257)
+
+
 def test_causality():
     m = tiny().eval()
     x = torch.randint(0, 257, (2, 20))

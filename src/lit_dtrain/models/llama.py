@@ -207,6 +207,9 @@ class Llama(nn.Module):
         return n
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2:  # a 1-D sequence failed with "not enough values to unpack"
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}; "
+                             f"one sequence is input_ids[None]")
         B, T = input_ids.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model block_size {self.config.block_size}")
