@@ -295,6 +295,18 @@ def test_budget_resume_says_which_plan_it_uses():
     assert cb.plan == saved["plan"] and [w.mode for w in cb.wrappers] == saved["plan"]
 
 
+def test_budget_resume_with_a_plan_for_another_block_count_says_so():
+    """A checkpoint's plan for another number of blocks (module_pattern changed) was dropped without a word."""
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.9)
+    cb.wrappers = apply_checkpointing(list(make_model().blocks), ["none"] * 4)
+    cb.plan = ["full", "none", "none", "none"]
+    set_plan(cb.wrappers, cb.plan)
+    with pytest.warns(UserWarning, match=r"checkpoint's plan covers 2 blocks, this run checkpoints 4; this run's probe "
+                                         r"plan \['full', 'none', 'none', 'none'\] is used"):
+        cb.load_state_dict({"policy": "budget", "plan": ["full", "full"]})
+    assert [w.mode for w in cb.wrappers] == ["full", "none", "none", "none"]
+
+
 class ForeignLM(L.LightningModule):
     """Someone else's LightningModule: Lightning's demo encoder-decoder Transformer, its own loss."""
 

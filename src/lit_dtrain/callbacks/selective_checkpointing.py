@@ -207,7 +207,11 @@ class SelectiveCheckpointing(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         # A resumed ``budget`` run keeps the plan it trained with (the probe timings are noisy).
         saved = list(state_dict.get("plan", []))
-        if state_dict.get("policy") == self.policy == "budget" and len(saved) == len(self.wrappers):
+        if state_dict.get("policy") == self.policy == "budget" and len(saved) != len(self.wrappers):
+            # module_pattern or the model changed since the checkpoint: its plan cannot be mapped onto these blocks
+            rank_zero_warn(f"SelectiveCheckpointing(policy=budget): the checkpoint's plan covers {len(saved)} blocks, "
+                           f"this run checkpoints {len(self.wrappers)}; this run's probe plan {self.plan} is used")
+        elif state_dict.get("policy") == self.policy == "budget":
             if self.plan and saved != self.plan:  # setup's probe logged another plan: say which one is used
                 counts = {m: saved.count(m) for m in MODES if saved.count(m)}
                 rank_zero_warn(f"SelectiveCheckpointing(policy=budget): resumed with the checkpoint's plan {saved} "
