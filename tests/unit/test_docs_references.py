@@ -28,6 +28,9 @@ COMPOSED = {
     "grad_clip/clip_events": ("src/lit_dtrain/callbacks/adaptive_grad_clip.py", ['"grad_clip/"', "clip_events"]),
     # Lightning's ThroughputMonitor, which lit_dtrain's token_throughput_monitor configures (items are tokens)
     "train/device/items_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "items"]),
+    # Lightning's LearningRateMonitor: lr-<optimizer class>/<param group name>, LitLLM's groups "decay"/"no_decay"
+    "lr-AdamW/decay": ("src/lit_dtrain/module.py", ['"name": "decay"']),
+    "lr-AdamW/no_decay": ("src/lit_dtrain/module.py", ['"name": "no_decay"']),
 }
 # Names quoted as the wrong input of an error example (docs/reliability.md row 6k: `monitor=val/los`).
 WRONG_ON_PURPOSE = {"val/los"}
@@ -58,21 +61,24 @@ def _metric_templates() -> list[re.Pattern]:
 
 
 def documented_metric_names() -> dict[str, list[str]]:
-    """Concrete metric names quoted in backticks (family names with placeholders, ``spike/*``, ``val/<name>/loss``,
-    are left out), each with where it is quoted."""
+    """Concrete metric names quoted in backticks or given to ``compare_runs.py --metric/--maximize`` (also in code
+    blocks), each with where it is quoted; family names with placeholders (``spike/*``, ``val/<name>/loss``) are
+    left out."""
     found: dict[str, list[str]] = {}
     for doc in DOCS:
         for lineno, line in enumerate(doc.read_text().splitlines(), 1):
-            for code in re.findall(r"`([^`]+)`", line):
-                for name in METRIC.findall(code):
-                    if not any(mark in name for mark in ("<", "*", "...")):
-                        found.setdefault(name, []).append(f"{doc.name}:{lineno}")
+            quoted = [n for code in re.findall(r"`([^`]+)`", line) for n in METRIC.findall(code)]
+            quoted += re.findall(r"--(?:metric|maximize)[ =]+([\w/.+-]+)", line)
+            for name in quoted:
+                if not any(mark in name for mark in ("<", "*", "...")) and name != "METRIC":
+                    found.setdefault(name, []).append(f"{doc.name}:{lineno}")
     return found
 
 
 def test_every_metric_name_the_docs_quote_is_logged_by_the_source():
     names = documented_metric_names()
-    assert {"train/loss", "val/loss", "spike/count", "comm/bytes_per_step", "fourier/lr_mult"} <= set(names)
+    expected = {"train/loss", "val/loss", "spike/count", "comm/bytes_per_step", "fourier/lr_mult", "lr-AdamW/decay"}
+    assert expected <= set(names)  # the extractor really finds them
     templates = _metric_templates()
     unknown = {}
     for name, where in names.items():
