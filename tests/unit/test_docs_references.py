@@ -131,3 +131,20 @@ def test_every_test_the_docs_cite_exists_in_the_file_they_name():
         elif test and not re.search(rf"^\s*(?:async )?def {test}\(", path.read_text(), re.M):
             missing.append(f"{where}: {file} has no test {test}")
     assert missing == []
+
+
+def test_every_test_the_docs_name_without_a_file_exists():
+    """A bare ``test_name`` (or ``test_name[param]``) in backticks, cited without its file, is a test somewhere under
+    tests/."""
+    defined = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        defined.update(re.findall(r"^\s*(?:async )?def (test_\w+)\(", path.read_text(), re.M))
+    named = {}
+    for doc in DOCS:
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            for code in re.findall(r"`([^`]+)`", line):
+                match = re.fullmatch(r"(test_\w+)(?:\[[^\]]*\])?", code.strip())
+                if match:
+                    named.setdefault(match.group(1), f"{doc.name}:{lineno}")
+    assert len(named) >= 5  # the extractor really finds them
+    assert {name: where for name, where in named.items() if name not in defined} == {}
