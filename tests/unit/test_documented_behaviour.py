@@ -69,3 +69,4 @@ def test_the_config_defaults_the_docs_state_are_the_classes_defaults_too():
         if default is inspect.Parameter.empty or default != value:
             differ.append(f"{file}: {name}({key}=...): yaml {value!r}, class default {default!r}")
     assert differ == []
+

@@ -271,6 +271,21 @@ def make_trainer(tmp_path: Path, callbacks, max_steps: int) -> L.Trainer:
                      default_root_dir=str(tmp_path), limit_val_batches=0, gradient_clip_val=1.0)
 
 
+def fit_with_tensorboard(tmp_path: Path, callbacks, max_steps: int, log_every_n_steps: int):
+    """Fit ``make_module()`` with a TensorBoard logger; the event files' EventAccumulator, loaded."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks,
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+                        log_every_n_steps=log_every_n_steps, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=0)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
 class Inject(L.Callback):
     """At the given steps, multiplies the logits (finite spike) or makes them NaN."""
 
@@ -742,8 +757,6 @@ def test_tensorboard_scalars_are_written_at_the_step_they_describe(tmp_path: Pat
     """Lightning writes step metrics only at its log cadence (after step ``k`` with ``(k + 1) % n == 0``); a value
     self.log-ged at another step was written at the next such step under that step's number. So a spike's z at
     step 7 showed as step 9's, and every later point was the z of 4 steps earlier."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     class Decisions(L.Callback):
         def __init__(self):
@@ -754,15 +767,8 @@ def test_tensorboard_scalars_are_written_at_the_step_they_describe(tmp_path: Pat
             self.z[step], self.count[step] = monitor.last_decision.loss_z, float(monitor.num_spikes)
 
     monitor, decisions = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3), Decisions()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20,
-                        callbacks=[Inject({7: "finite"}), monitor, decisions],
-                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=5,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path), limit_val_batches=0)
-    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    acc = fit_with_tensorboard(tmp_path, [Inject({7: "finite"}), monitor, decisions], 20, log_every_n_steps=5)
     assert [e["step"] for e in monitor.events] == [7]
-    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
-    acc.Reload()
     z = {e.step: e.value for e in acc.Scalars("spike/loss_z")}
     count = {e.step: e.value for e in acc.Scalars("spike/count")}
     # the cadence's steps (4, 9, 14, 19) with their own values, and the spike at its own step
@@ -775,20 +781,24 @@ def test_loss_z_is_logged_from_the_first_step_after_the_warmup(tmp_path: Path) -
     """With warmup_steps=w, steps 0..w-1 fill the statistics and cannot be spikes; their z is not logged. The check
     ran after the decision had added its value, so the z of step w-1 (computed from w-1 values, before the warmup's
     despiking) was written, e.g. a large z of an undetectable warmup spike with no event."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     monitor = LossSpikeMonitor(actions=["log"], warmup_steps=5)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, callbacks=[Inject({4: "finite"}), monitor],
-                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), log_every_n_steps=1,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path), limit_val_batches=0)
-    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    acc = fit_with_tensorboard(tmp_path, [Inject({4: "finite"}), monitor], 8, log_every_n_steps=1)
     assert monitor.events == []  # step 4 is still in the warmup: no spike possible
-    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
-    acc.Reload()
     assert [e.step for e in acc.Scalars("spike/loss_z")] == [5, 6, 7]
     assert [e.step for e in acc.Scalars("spike/count")] == list(range(8))
+
+
+def test_a_nan_spike_inside_the_warmup_logs_its_loss_z_capped(tmp_path: Path) -> None:
+    """docs/loss_spikes.md, the `log` action: `spike/loss_z` is written from the first step after the warmup, and
+    also at a spike inside the warmup (only a NaN/inf step can be one there), capped at 1e6; `spike/lr_multiplier`
+    only with `lr_cooldown`. (The doc said only "from the first step after the warmup".)"""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=5)
+    acc = fit_with_tensorboard(tmp_path, [Inject({2: "nan"}), monitor], 7, log_every_n_steps=1)
+    assert [e["step"] for e in monitor.events] == [2]
+    # the spike's value never enters the statistics, so the 5 warmup values are steps 0, 1, 3, 4, 5: z from step 6
+    assert [e.step for e in acc.Scalars("spike/loss_z")] == [2, 6]
+    assert acc.Scalars("spike/loss_z")[0].value == 1e6
+    assert "spike/lr_multiplier" not in acc.Tags()["scalars"]
 
 
 def test_rollback_under_the_wsd_callback_keeps_the_lr_of_the_step(tmp_path: Path) -> None:
