@@ -1,10 +1,10 @@
 """Atomic, safely loaded checkpoints.
 
 Lightning's ``TorchCheckpointIO`` writes through fsspec without an fsync and loads with whatever
-``weights_only`` default torch has. Ours writes ``<file>.tmp-<pid>`` in the same directory, fsyncs it,
-``os.replace``-s it over the target and fsyncs the directory, so a crash or a full disk never leaves a
-corrupt ``last.ckpt``; and it loads with ``torch.load(weights_only=True)``, so a checkpoint cannot
-execute code. Errors name the file.
+``weights_only`` default torch has. Ours writes ``.<file>.tmp-<pid>`` in the same directory, fsyncs it,
+``os.replace``-s it over the target and fsyncs the directory (:mod:`lit_dtrain.utils.atomic`), so a crash
+or a full disk never leaves a corrupt ``last.ckpt``; and it loads with ``torch.load(weights_only=True)``, so a
+checkpoint cannot execute code. Errors name the file.
 """
 
 from __future__ import annotations
@@ -17,55 +17,37 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lit_dtrain.utils.atomic import os_error, temp_path, write_atomically
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path`` atomically: temp file + fsync + rename + directory fsync."""
+    """``torch.save`` to ``path`` atomically (:func:`lit_dtrain.utils.atomic.write_atomically`: temp file + fsync +
+    rename + directory fsync); :class:`CheckpointError` naming the file when it fails."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file_name(path)
-    try:
-        # streamed into the temp file: serializing into memory first would hold a second copy of every tensor
+
+    def write(tmp: Path) -> None:
+        # streamed into the temp file: serializing into memory first would hold a second copy of every tensor.
+        # Through a Python file, not torch.save(obj, tmp): torch's C++ writer reports a full disk as a bare
+        # 'file write failed', where Python's write raises the OSError that says ENOSPC
         with open(tmp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+    try:
+        write_atomically(path, write)
     except Exception as e:  # disk full, I/O error, an object torch cannot pickle ...
-        tmp.unlink(missing_ok=True)
-        reason = _os_error(e)
+        reason = os_error(e)
         what = (reason.strerror or str(reason)) if reason is not None else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; "
                               f"the previous file at that path (if any) is intact") from e
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
-
-
-def _os_error(e: BaseException | None) -> OSError | None:
-    """The OSError behind ``e``: itself or one in its ``__cause__``/``__context__`` chain. On a full disk torch's
-    zip writer can fail with a RuntimeError ("unexpected pos ...") raised while the failed write's OSError is
-    being handled, and that OSError is what names the problem."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def temp_file_name(path: Path) -> Path:
     """The temp file :func:`atomic_torch_save` writes before renaming it over ``path``."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return temp_path(path)
 
 
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:

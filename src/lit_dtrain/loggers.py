@@ -26,6 +26,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from lit_dtrain.utils.atomic import write_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -49,18 +51,17 @@ def purge_csv_metrics(path: Path, purge_step: int) -> list[str]:
 
 
 def write_csv_atomically(path: Path, fields: list[str], rows: list[dict]) -> None:
-    """Write ``rows`` under the header ``fields`` to a temp file beside ``path`` and rename it over ``path``: a full
-    disk or a kill midway leaves the previous file whole (and no temp file, unless killed)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
+    """Write ``rows`` under the header ``fields`` to ``path`` with :func:`lit_dtrain.utils.atomic.write_atomically`:
+    a full disk or a kill midway leaves the previous file whole (and no temp file, unless killed); an OS error is an
+    ``AtomicWriteError`` (an ``OSError``) naming ``path``."""
+
+    def write(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, write)
 
 
 class _ResumableExperimentWriter(ExperimentWriter):

@@ -75,6 +75,27 @@ def test_disk_full_reports_clearly_and_keeps_previous(tiny_tmpfs):
     assert [p.name for p in tiny_tmpfs.iterdir()] == ["last.ckpt"]
 
 
+def test_disk_full_keeps_the_previous_metrics_csv_and_plot_too(tiny_tmpfs):
+    """The CSV logger's rewrite and the scripts' plots/tables use the same writer as checkpoints: on a full disk the
+    error names the file and the cause, the previous file stays whole and no temp file is left filling the disk."""
+    from lit_dtrain.loggers import write_csv_atomically
+    from lit_dtrain.utils.atomic import AtomicWriteError
+    from lit_dtrain.utils.plots import write_atomically
+
+    csv_path = tiny_tmpfs / "metrics.csv"
+    write_csv_atomically(csv_path, ["step", "loss"], [{"step": 0, "loss": 1.0}])
+    before = csv_path.read_text()
+    with pytest.raises(AtomicWriteError, match=r"metrics\.csv': No space left on device; the previous file"):
+        write_csv_atomically(csv_path, ["step", "loss"], [{"step": i, "loss": "x" * 1000} for i in range(5000)])
+    assert csv_path.read_text() == before
+    table = tiny_tmpfs / "table.md"
+    table.write_text("old table")
+    with pytest.raises(AtomicWriteError, match=r"table\.md': No space left on device"):
+        write_atomically(table, lambda tmp: tmp.write_bytes(b"|" * (5 << 20)))
+    assert table.read_text() == "old table"
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["metrics.csv", "table.md"]
+
+
 class NotAllowed:
     def __reduce__(self):
         return (os.system, ("echo pwned",))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from lit_dtrain.utils import atomic
 
 
 class OutputPathError(ValueError):
@@ -38,16 +39,7 @@ def output_path(path: str | os.PathLike, flag: str, image: bool = False) -> Path
 
 
 def write_atomically(path: Path, write) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path`` (same suffix), then rename it over ``path``: an
-    existing file is replaced whole, never left half written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the output gets the usual permissions
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Call ``write(tmp)`` on a temporary file beside ``path`` (same suffix: matplotlib picks the format from it),
+    then rename it over ``path``: an existing file is replaced whole, never left half written
+    (:func:`lit_dtrain.utils.atomic.write_atomically`, which also fsyncs and names the path in its error)."""
+    atomic.write_atomically(path, write, keep_suffix=True)

@@ -1,0 +1,100 @@
+"""Write a file whole or not at all: a temp file beside it, fsynced, renamed over it.
+
+The one writer behind ``lit_dtrain.checkpoint.atomic_torch_save`` (checkpoints), ``lit_dtrain.loggers.
+write_csv_atomically`` (``metrics.csv``) and ``lit_dtrain.utils.plots.write_atomically`` (the scripts' plots and
+tables). A kill, a full disk or an I/O error at any point leaves the previous file at the path whole: the new bytes
+go to ``.<name>.tmp-<pid>`` in the same directory (a rename is atomic only within one filesystem), are fsynced,
+``os.replace``-d over the path, and the directory is fsynced so the rename itself survives a power loss. A failure
+removes the temp file; only a kill (SIGKILL, power loss) can leave one behind, under a name that says whose it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+class AtomicWriteError(OSError):
+    """An atomic write that failed on an OS error (disk full, I/O error, permissions); the message names the path
+    and says the previous file is intact. ``errno`` and ``strerror`` are the underlying error's, ``filename`` the
+    path."""
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.message = (
+            f"could not write {str(path)!r}: {self.strerror}; the previous file at that path (if any) is intact"
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def temp_path(path: str | os.PathLike, keep_suffix: bool = False) -> Path:
+    """The temp file :func:`write_atomically` writes before renaming it over ``path``: ``.<name>.tmp-<pid>``, hidden
+    and owned by this process. With ``keep_suffix`` it ends in ``path``'s suffix too (matplotlib picks the format
+    from it); without, a glob for ``*<suffix>`` (resume's ``*.ckpt`` scan) never sees a half-written file."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix if keep_suffix else ''}")
+
+
+def os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e``: itself or one in its ``__cause__``/``__context__`` chain. On a full disk torch's
+    zip writer can fail with a RuntimeError ("unexpected pos ...") raised while the failed write's OSError is being
+    handled, and that OSError is what names the problem."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], keep_suffix: bool = False) -> None:
+    """Call ``write(tmp)`` to write the new contents to a temp file beside ``path`` (:func:`temp_path`), fsync it,
+    rename it over ``path`` and fsync the directory: ``path`` is then the old file or the new one, whole, whatever
+    happens meanwhile. The parent directory is created if needed.
+
+    On any failure (also KeyboardInterrupt) the temp file is removed and the previous file left as it was; a
+    failure on an OS error is raised as :class:`AtomicWriteError` naming ``path``, anything else (a bug in
+    ``write``, an object that cannot be serialized) as it came."""
+    path = Path(path)
+    tmp = temp_path(path, keep_suffix)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        reason = os_error(e) if isinstance(e, Exception) else None
+        if reason is None or isinstance(reason, AtomicWriteError):
+            raise
+        raise AtomicWriteError(path, reason) from e
+    _fsync_directory(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to the disk (fsync through a new descriptor reaches the same inode's dirty pages). An
+    error is the write's error: the data may not be on the disk (EIO, ENOSPC on a delayed allocation)."""
+    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)  # Windows' fsync needs a writable handle
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable. Skipped where the platform cannot (Windows cannot open a directory;
+    some filesystems refuse to fsync one): the rename is atomic all the same, only not yet durable."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

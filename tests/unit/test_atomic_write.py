@@ -1,0 +1,119 @@
+"""lit_dtrain.utils.atomic.write_atomically and its three users: a checkpoint (atomic_torch_save), metrics.csv
+(write_csv_atomically) and a script's plot or table (plots.write_atomically). A failure midway leaves the previous
+file whole and no temp file; the new file is fsynced, and so is its directory."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_dtrain.checkpoint import CheckpointError, atomic_torch_save, safe_torch_load
+from lit_dtrain.loggers import write_csv_atomically
+from lit_dtrain.utils import plots
+from lit_dtrain.utils.atomic import AtomicWriteError, temp_path, write_atomically
+
+
+class Boom(Exception):
+    pass
+
+
+def _half_then(error: BaseException):
+    """A ``write(tmp)`` that writes half a file into ``tmp`` (in the target's directory) and then fails."""
+    seen = []
+
+    def write(tmp: Path) -> None:
+        seen.append(Path(tmp))
+        Path(tmp).write_bytes(b"half of the new file")
+        raise error
+
+    return write, seen
+
+
+@pytest.mark.parametrize(
+    "error, raised, match",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), AtomicWriteError,
+         r"could not write '.*out\.txt': No space left on device; the previous file at that path \(if any\) is intact"),
+        (Boom("a bug in write"), Boom, "a bug in write"),  # not an OS error: raised as it came
+        (KeyboardInterrupt(), KeyboardInterrupt, None),
+    ],
+)
+def test_a_write_failing_midway_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, error, raised, match):
+    path = tmp_path / "out.txt"
+    path.write_text("old")
+    write, seen = _half_then(error)
+    with pytest.raises(raised, match=match) as info:
+        write_atomically(path, write)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    assert seen == [temp_path(path)] and seen[0].parent == tmp_path  # same dir: the rename stays atomic
+    if raised is AtomicWriteError:
+        assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+        assert info.value.filename == str(path)
+
+
+def _record_fsyncs(monkeypatch) -> list[str]:
+    """Patch os.fsync to record what each descriptor it is given refers to: 'file' or 'dir'."""
+    calls, real = [], os.fsync
+
+    def fsync(fd):
+        calls.append("dir" if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def _writers():
+    """(name, write(path, payload), read(path)) for each user of write_atomically."""
+    return [
+        ("ckpt", lambda p, n: atomic_torch_save({"w": torch.zeros(n)}, p), lambda p: safe_torch_load(p)["w"].numel()),
+        ("csv", lambda p, n: write_csv_atomically(p, ["step"], [{"step": i} for i in range(n)]),
+         lambda p: len(p.read_text().splitlines()) - 1),
+        ("plot", lambda p, n: plots.write_atomically(p, lambda tmp: Path(tmp).write_bytes(b"x" * n)),
+         lambda p: p.stat().st_size),
+    ]
+
+
+@pytest.mark.parametrize("name, write, read", _writers(), ids=[w[0] for w in _writers()])
+def test_each_user_fsyncs_the_file_and_its_directory(tmp_path, monkeypatch, name, write, read):
+    """metrics.csv and the scripts' outputs were renamed into place without an fsync: after a power loss the
+    rename could be on the disk and the data not (an empty or partial file where the old one was)."""
+    path = tmp_path / f"out.{name}"
+    calls = _record_fsyncs(monkeypatch)
+    write(path, 10)
+    assert calls == ["file", "dir"]
+    assert read(path) == 10 and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("name, write, read", _writers(), ids=[w[0] for w in _writers()])
+def test_each_user_keeps_the_old_file_when_the_write_fails_midway(tmp_path, monkeypatch, name, write, read):
+    """A write failing after part of the new file is on the disk (here: its fsync, an I/O error) leaves the old
+    file whole, no temp file, and an error naming the path and the cause."""
+    path = tmp_path / f"out.{name}"
+    write(path, 10)
+
+    def broken_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    expected = CheckpointError if name == "ckpt" else AtomicWriteError
+    with pytest.raises(expected, match=rf"out\.{name}'.*Input/output error.*intact"):
+        write(path, 20)
+    monkeypatch.undo()
+    assert read(path) == 10
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_plots_temp_file_keeps_the_suffix_and_a_checkpoint_temp_file_does_not(tmp_path):
+    """matplotlib picks the format from the suffix, so a plot's temp file must keep it; a checkpoint's must not end
+    in .ckpt, or resume=auto's '*.ckpt' scan (pathlib's glob matches hidden files) would see a half-written one."""
+    seen = []
+    plots.write_atomically(tmp_path / "fig.svg", lambda tmp: (seen.append(Path(tmp)), Path(tmp).write_text("<svg/>")))
+    assert seen[0].suffix == ".svg" and seen[0].parent == tmp_path
+    assert not temp_path(tmp_path / "last.ckpt").name.endswith(".ckpt")
+    assert (tmp_path / "fig.svg").read_text() == "<svg/>"
