@@ -91,8 +91,9 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
             # _use_new_zipfile_serialization=True"); read it plainly: the same reasons as without mmap
             return safe_torch_load(path, map_location=map_location, mmap=False)
         try:  # before the weights-only branch: a file cut to a byte or two, or a changed byte in data.pkl, reads
-            # as a foreign pickle ('Unsupported operand')
-            broken = truncation_reason(path) or damage_reason(path)
+            # as a foreign pickle ('Unsupported operand'); then a file that is no torch file at all, which failed as
+            # whatever its bytes meant to the unpickler ('KeyError: 101' for text starting 'he')
+            broken = truncation_reason(path) or damage_reason(path) or foreign_reason(path)
         except OSError:  # it cannot be opened (permissions, removed meanwhile): torch's own error says so, below
             broken = None
         if broken:
@@ -179,6 +180,45 @@ def damage_reason(path: str | os.PathLike) -> str | None:
     except Exception as e:  # BadZipFile, a name that is not UTF-8 ...: the directory itself is damaged
         return f"is damaged: its zip directory cannot be read ({type(e).__name__}: {e}). {keep}"
     return None
+
+
+_LEGACY_START = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"  # torch.save's pre-1.6 format: a pickled magic number
+
+
+def foreign_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a torch checkpoint at all, for messages ``f"checkpoint {path!r} {reason}"``; None when
+    it starts like one (a zip archive holding a ``data.pkl``, or torch's legacy format), whatever else is wrong.
+
+    torch tries such a file as its legacy pickle format, and the unpickler fails on whatever the first bytes mean
+    to it: text starting 'he' was 'KeyError: 101', a CSV 'IndexError: pop from empty list', a JSON file
+    'Unsupported operand 123' (the message for pickled code); none says the file is something else. Reads the
+    first 64 bytes (and a zip's directory), never writes: call it only after a load failed."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(_ZIP_START):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except Exception:  # a damaged zip: damage_reason's to name
+            return None
+        if any(name.endswith("/data.pkl") for name in names):
+            return None
+        return (
+            f"is not a torch checkpoint: it is a zip archive without the '<name>/data.pkl' torch.save writes "
+            f"(it holds {names[:5]}{' ...' if len(names) > 5 else ''}); give a .ckpt written by train.py"
+        )
+    if head.startswith(_LEGACY_START):
+        return None
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        what = f"a Python pickle (protocol {head[1]}) that torch.save did not write"
+    else:
+        text = head.decode("utf-8", errors="ignore")  # a multi-byte character cut at byte 64 is dropped
+        printable = all(c.isprintable() or c in "\t\n\r" for c in text) and len(text) >= len(head) - 3
+        what = f"text starting {text[:40]!r}" if head and printable else f"binary data starting {head[:8].hex(' ')}"
+    return (
+        f"is not a torch checkpoint: it is {what}, neither a zip archive (torch.save's format) nor torch's legacy "
+        "format; give a .ckpt written by train.py"
+    )
 
 
 def _weights_only_reason(message: str) -> str:

@@ -96,6 +96,69 @@ def test_disk_full_keeps_the_previous_metrics_csv_and_plot_too(tiny_tmpfs):
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["metrics.csv", "table.md"]
 
 
+def test_a_file_that_is_no_checkpoint_says_what_it_is(tmp_path):
+    """A text file given as a checkpoint was 'corrupt or unreadable: KeyError: 101' (torch read it as its legacy
+    pickle format, and 'e' is opcode 101), a CSV 'IndexError: pop from empty list', a JSON file or random bytes
+    'is refused: Unsupported operand ...', the message for a file holding code: the file was named, not the cause."""
+    import pickle
+    import zipfile
+
+    files = {
+        "notes.ckpt": (b"hello world\n", r"is not a torch checkpoint: it is text starting 'hello world\\n'"),
+        "metrics.ckpt": (b"epoch,step\n1,2\n", "is not a torch checkpoint: it is text starting 'epoch,step"),
+        "summary.ckpt": (b'{"val_loss": 1.0}', "is not a torch checkpoint: it is text starting '{\"val_loss"),
+        "noise.ckpt": (bytes(range(200, 256)) * 3, "is not a torch checkpoint: it is binary data starting c8 c9 ca"),
+        "state.pkl": (pickle.dumps({"w": [1.0]}), r"is not a torch checkpoint: it is a Python pickle \(protocol"),
+    }
+    plain_zip = tmp_path / "plain.zip"
+    with zipfile.ZipFile(plain_zip, "w") as archive:
+        archive.writestr("a.txt", "hello")
+    for name, (data, _) in files.items():
+        (tmp_path / name).write_bytes(data)
+    files["plain.zip"] = (None, r"is not a torch checkpoint: it is a zip archive without the '<name>/data.pkl'")
+    for name, (_, match) in files.items():
+        for mmap in (False, True):
+            with pytest.raises(CheckpointError, match=rf"^checkpoint '{tmp_path / name}' {match}") as info:
+                safe_torch_load(tmp_path / name, mmap=mmap)
+            message = str(info.value)
+            assert "KeyError" not in message and "Unsupported operand" not in message and "refused" not in message
+    # torch's formats still load: its legacy (pre-1.6) pickle, and a zip written by torch.save
+    torch.save({"w": torch.arange(3)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.arange(3)}, tmp_path / "zip.pt")
+    for name in ("legacy.pt", "zip.pt"):
+        assert torch.equal(safe_torch_load(tmp_path / name)["w"], torch.arange(3))
+
+
+class WritesMarker:
+    """Unpickling this would call ``pathlib.Path.touch`` on the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_not_run_in_any_format(tmp_path):
+    """The object is never built, whatever the format: a torch zip, torch's legacy format, a bare pickle."""
+    import pickle
+
+    marker = tmp_path / "marker"
+    payload = {"state_dict": {"w": torch.zeros(2)}, "global_step": 1, "x": WritesMarker(marker)}
+    pickle.loads(pickle.dumps(WritesMarker(marker)))  # the payload works when it is unpickled ...
+    assert marker.exists()
+    marker.unlink()
+    torch.save(payload, tmp_path / "zip.ckpt")
+    torch.save(payload, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    (tmp_path / "bare.ckpt").write_bytes(pickle.dumps(payload))
+    for name, match in {"zip": "is refused: .*could run code", "legacy": "is refused: .*could run code",
+                        "bare": "is not a torch checkpoint: it is a Python pickle"}.items():
+        for mmap in (False, True):
+            with pytest.raises(CheckpointError, match=rf"{name}\.ckpt' {match}"):
+                safe_torch_load(tmp_path / f"{name}.ckpt", mmap=mmap)
+    assert not marker.exists()  # ... and was never unpickled here
+
+
 class NotAllowed:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
@@ -173,7 +236,7 @@ def test_a_refused_load_does_not_advise_weights_only_false(tmp_path):
     text = tmp_path / "summary.json"
     text.write_text('{"val_loss": 1.0}')
     for mmap in (False, True):  # with mmap (ckpt_path's load), torch asked to re-save it in zip format instead
-        with pytest.raises(CheckpointError, match=r"summary\.json.*Unsupported operand") as info:
+        with pytest.raises(CheckpointError, match=r"summary\.json' is not a torch checkpoint: it is text") as info:
             safe_torch_load(text, mmap=mmap)
         assert "will likely succeed" not in str(info.value) and "zipfile" not in str(info.value)
     old = tmp_path / "legacy.ckpt"  # torch's pre-1.6 format: only mmap refused it
