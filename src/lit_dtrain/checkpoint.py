@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lit_dtrain.utils.atomic import os_error, temp_path, write_atomically
+from lit_dtrain.utils.atomic import os_error as _os_error  # sweeps.user_error imports it from here
+from lit_dtrain.utils.atomic import temp_path, write_atomically
 
 
 class CheckpointError(RuntimeError):
@@ -39,7 +40,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     try:
         write_atomically(path, write)
     except Exception as e:  # disk full, I/O error, an object torch cannot pickle ...
-        reason = os_error(e)
+        reason = _os_error(e)
         what = (reason.strerror or str(reason)) if reason is not None else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; "
                               f"the previous file at that path (if any) is intact") from e
