@@ -250,6 +250,32 @@ def checkpoint_global_step(path: str | os.PathLike) -> int:
     return int(ckpt["global_step"])
 
 
+def state_dict_mismatch(weights: dict, expected: dict) -> str | None:
+    """Why ``weights`` (a checkpoint's) cannot load strictly into a module whose ``state_dict()`` is ``expected``, in
+    one line naming the first mismatched key in the module's order and both shapes, e.g. ``'tok_embeddings.weight'
+    is [257, 128] in the checkpoint, [257, 64] in the model (41 of 42 tensors differ in shape)``; None when every
+    key is in both with the same shape. ``nn.Module.load_state_dict`` lists every tensor over as many lines (40 for
+    a 5-block model of another width), which a message cut to its first few hundred characters left mid-line."""
+
+    def shape(tensor) -> list[int]:
+        return list(getattr(tensor, "shape", ()))
+
+    differ = [k for k in expected if k in weights and shape(weights[k]) != shape(expected[k])]
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    problems = []
+    if differ:
+        k = differ[0]
+        problems.append(f"{k!r} is {shape(weights[k])} in the checkpoint, {shape(expected[k])} in the model "
+                        f"({len(differ)} of {len(expected)} tensors differ in shape)")
+    if missing:
+        problems.append(f"{len(missing)} of the model's tensors are not in the checkpoint, the first {missing[0]!r}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} of the checkpoint's tensors are not in the model, the first "
+                        f"{unexpected[0]!r}")
+    return "; ".join(problems) or None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`."""
 

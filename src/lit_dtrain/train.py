@@ -38,6 +38,7 @@ from lit_dtrain.checkpoint import (
     not_a_file_reason,
     remove_stale_temp_files,
     safe_torch_load,
+    state_dict_mismatch,
 )
 from lit_dtrain.config_checks import (
     check_config,
@@ -103,7 +104,7 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
         if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
             raise CheckpointError(
                 f"checkpoint {ckpt_path!r} does not fit the configured model (set model.* to the shape of the run "
-                f"that wrote it): {str(e)[:800]}"
+                f"that wrote it): {_state_dict_mismatch(ckpt_path, module) or str(e).splitlines()[-1].strip()}"
             ) from e
         if trainer.world_size > 1 and (is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
             launcher = getattr(trainer.strategy, "launcher", None)
@@ -115,6 +116,15 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
                 "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
             ) from e
         raise
+
+
+def _state_dict_mismatch(ckpt_path, module) -> str | None:
+    """:func:`state_dict_mismatch` of the checkpoint's weights and ``module``'s, in one line (torch's error lists
+    every tensor on a line of its own); None when it cannot be told (then torch's last line is reported)."""
+    try:
+        return state_dict_mismatch(safe_torch_load(ckpt_path, mmap=True)["state_dict"], module.state_dict())
+    except Exception:  # only a better message for an error being raised already
+        return None
 
 
 PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended

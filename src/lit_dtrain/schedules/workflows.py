@@ -27,6 +27,7 @@ from lit_dtrain.checkpoint import (
     checkpoint_global_step,
     not_a_file_reason,
     safe_torch_load,
+    state_dict_mismatch,
 )
 from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.errors import ConfigError
@@ -297,10 +298,10 @@ def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
         model = build_llama(**ckpt["model_config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{str(path)!r}: its model_config does not build a model: {e}") from e
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        raise CheckpointError(f"{str(path)!r}: the weights do not match its model_config: {str(e)[:600]}") from e
+    mismatch = state_dict_mismatch(weights, model.state_dict())
+    if mismatch:
+        raise CheckpointError(f"{str(path)!r}: the weights do not match its model_config: {mismatch}")
+    model.load_state_dict(weights)
     return model.eval(), ckpt
 
 
@@ -319,12 +320,12 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
         check_model_config(ckpt, getattr(target, "config", None), path)
     except CheckpointError as e:
         raise ConfigError(f"init_from: {e}") from e
-    try:
-        target.load_state_dict(weights, strict=True)
-    except RuntimeError as e:
+    mismatch = state_dict_mismatch(weights, target.state_dict())
+    if mismatch:
         raise ConfigError(
             f"init_from={str(path)!r} does not fit the configured model (set model.* to the checkpoint's shape): "
-            f"{str(e).splitlines()[0]} {str(e)[:600]}"
-        ) from e
+            f"{mismatch}"
+        )
+    target.load_state_dict(weights, strict=True)
     log.info("init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)", len(weights), path)
     return sorted(weights)

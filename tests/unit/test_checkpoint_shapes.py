@@ -1,0 +1,93 @@
+"""A checkpoint of another model shape: one line naming the first mismatched key and both shapes, whichever way it
+is given (ckpt_path, init_from, scripts/generate.py). torch's load_state_dict error lists every tensor on a line of
+its own (48 lines for nano at another width), and the messages cut it at 600-800 characters, mid-line."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_dtrain.checkpoint import CheckpointError, state_dict_mismatch
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.models import build_llama
+from lit_dtrain.schedules.workflows import load_model_weights
+from tests.conftest import load_script
+
+SHAPE = dict(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_kv_head=1)
+FIRST = r"'tok_embeddings.weight' is \[257, 32\] in the checkpoint, \[257, 16\] in the model \(\d+ of \d+ tensors"
+
+
+def _checkpoint(path: Path, d_model: int = 32, n_layer: int = 2, model_config: dict | None = None) -> Path:
+    """A LitLLM-like checkpoint of a model of width ``d_model``; ``model_config`` stored as given (None: none)."""
+    model = build_llama(**{**SHAPE, "n_layer": n_layer}, d_model=d_model)
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 3}
+    if model_config is not None:
+        ckpt["model_config"] = model_config
+    torch.save(ckpt, path)
+    return path
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message and "size mismatch for" not in message and len(message) < 400, message
+    return message
+
+
+def test_state_dict_mismatch_names_the_first_key_in_the_models_order():
+    model = build_llama(**SHAPE, d_model=16).state_dict()
+    assert state_dict_mismatch(dict(model), model) is None
+    wide = build_llama(**SHAPE, d_model=32).state_dict()
+    assert state_dict_mismatch(wide, model).startswith("'tok_embeddings.weight' is [257, 32]")
+    deeper = build_llama(**{**SHAPE, "n_layer": 3}, d_model=16).state_dict()
+    assert state_dict_mismatch(deeper, model).startswith("9 of the checkpoint's tensors are not in the model, the "
+                                                         "first 'blocks.2.")
+    assert state_dict_mismatch(model, deeper).startswith("9 of the model's tensors are not in the checkpoint, the "
+                                                         "first 'blocks.2.")
+
+
+def test_generate_names_the_first_tensor_that_does_not_fit_its_model_config(tmp_path):
+    """generate.py builds the model from the checkpoint's model_config: weights of another width were 'the weights
+    do not match its model_config: Error(s) in loading state_dict for Llama: ...' cut at 600 characters."""
+    config = dataclasses.asdict(build_llama(**SHAPE, d_model=16).config)
+    path = _checkpoint(tmp_path / "edited.ckpt", d_model=32, model_config=config)
+    with pytest.raises(SystemExit) as info:
+        load_script("generate").load_model(str(path))
+    message = _one_line(str(info.value.code))
+    assert "edited.ckpt" in message and "the weights do not match its model_config" in message
+    with pytest.raises(CheckpointError, match=FIRST):
+        from lit_dtrain.schedules.workflows import model_from_checkpoint
+
+        model_from_checkpoint(path)
+
+
+def test_init_from_without_model_config_names_the_first_tensor_that_does_not_fit(tmp_path):
+    """A checkpoint without model_config (nothing to compare the config with) of another width or depth."""
+    model = build_llama(**SHAPE, d_model=16)
+    wide = _checkpoint(tmp_path / "wide.ckpt", d_model=32)
+    fit = "does not fit the configured model"
+    with pytest.raises(ConfigError, match=rf"init_from='.*wide\.ckpt' {fit} .*{FIRST}") as e:
+        load_model_weights(model, wide)
+    _one_line(str(e.value))
+    deep = _checkpoint(tmp_path / "deep.ckpt", d_model=16, n_layer=3)
+    extra = r"9 of the checkpoint's tensors are not in the model, the first 'blocks\.2\."
+    with pytest.raises(ConfigError, match=rf"deep\.ckpt' .*{extra}") as e:
+        load_model_weights(model, deep)
+    _one_line(str(e.value))
+
+
+def test_resume_from_a_checkpoint_of_another_width_without_model_config_is_one_line(tiny_cfg, tmp_path):
+    from lit_dtrain.train import train
+
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                             "model.d_model=64", run="wide"))
+    ckpt = torch.load(Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt", weights_only=True)
+    del ckpt["model_config"]  # a checkpoint of an older lit_dtrain: Lightning's strict load is what refuses it
+    path = tmp_path / "no_config.ckpt"
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=4", f"ckpt_path={path}", run="narrow"))
+    message = _one_line(str(info.value))
+    assert message.startswith(f"checkpoint {str(path)!r} does not fit the configured model"), message
+    assert "'model.tok_embeddings.weight' is [257, 64] in the checkpoint, [257, " in message, message
