@@ -144,6 +144,29 @@ class ResumeSweepCheck(Callback):
             _exit_with(new_sweep_dir_error(sweep_dir))
 
 
+class OutputDirCheck(Callback):
+    """Hydra callback (``conf/hydra/default.yaml``): refuse in one line a run or sweep dir that cannot be written (a
+    read-only file system, a file in the way, no permission) before Hydra creates it. Hydra's ``mkdir`` failed with
+    a traceback ('OSError: [Errno 30] Read-only file system: .../runs') that did not say which setting chose it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _check_output_dir(config.hydra.run.dir, "run")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _check_output_dir(config.hydra.sweep.dir, "sweep")
+
+
+def _check_output_dir(directory, kind: str) -> None:
+    from lit_dtrain.utils.atomic import unwritable_dir_reason
+
+    reason = unwritable_dir_reason(str(directory))
+    if reason:
+        _exit_with(ConfigError(
+            f"the {kind} dir {str(directory)!r} {reason}; point LIT_DTRAIN_OUTPUT (paths.log_dir, now "
+            f"{os.environ.get('LIT_DTRAIN_OUTPUT', 'unset: outputs')!r}) at a writable directory"
+        ))
+
+
 def check_resumed_job(cfg: DictConfig) -> None:
     """resume=auto in a multirun resumes job N from <sweep dir>/N: refuse it when that run was trained with another
     value of a swept key (the same sweep re-run with its values in another order), before train() rewrites its

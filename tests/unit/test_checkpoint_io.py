@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,14 +57,22 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temp file left behind
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, options: str):
+    """A tmpfs mounted at ``mnt`` (created) with mount ``options`` (``size=4m``, ``ro``), unmounted afterwards."""
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)]).returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs with {options} (the test needs root, which CI has)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.fail("cannot mount a tmpfs (the disk-full test needs root, which CI has)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    with mounted_tmpfs(tmp_path / "tmpfs", "size=4m") as mnt:
+        yield mnt
 
 
 def test_disk_full_reports_clearly_and_keeps_previous(tiny_tmpfs):

@@ -98,3 +98,20 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
+    """Why files cannot be written in ``directory`` (created with its parents if missing), for messages
+    ``f"{directory!r} {reason}"``; None when they can. Looks at the directory or its nearest existing ancestor
+    without creating anything: a file in the way, a read-only file system (which ``os.access`` reports for root
+    too, unlike a permission), no write permission."""
+    path = Path(directory).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    where = "" if existing == path else f": its ancestor {str(existing)!r}"
+    if not existing.is_dir():
+        return f"cannot be created{where} is a file, not a directory"
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"cannot be written{where or ': it'} is on a read-only file system"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written{where or ': it'} is not writable by this user"
+    return None

@@ -1,0 +1,47 @@
+"""An output dir that cannot be written (LIT_DTRAIN_OUTPUT on a read-only file system, a file in the way) is refused
+in one line before Hydra creates the run or sweep dir; it was Hydra's traceback ending in 'OSError: [Errno 30]
+Read-only file system: .../runs'."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lit_dtrain.utils.atomic import unwritable_dir_reason
+from tests.conftest import ROOT, subprocess_env
+from tests.unit.test_checkpoint_io import mounted_tmpfs
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
+        yield mnt
+
+
+def test_unwritable_dir_reason_names_the_ancestor_and_the_cause(tmp_path, read_only_dir):
+    assert unwritable_dir_reason(tmp_path) is None
+    assert unwritable_dir_reason(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists()  # nothing created
+    assert unwritable_dir_reason(read_only_dir) == "cannot be written: it is on a read-only file system"
+    assert unwritable_dir_reason(read_only_dir / "runs" / "x") == (
+        f"cannot be written: its ancestor {str(read_only_dir)!r} is on a read-only file system"
+    )
+    (tmp_path / "file").write_text("x")
+    assert unwritable_dir_reason(tmp_path / "file" / "runs") == (
+        f"cannot be created: its ancestor {str(tmp_path / 'file')!r} is a file, not a directory"
+    )
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_train_py_refuses_a_read_only_output_dir_in_one_line(tmp_path, read_only_dir, multirun):
+    env = {**subprocess_env(tmp_path), "LIT_DTRAIN_OUTPUT": str(read_only_dir)}
+    args = ["-m", "optimizer.lr=1e-3,2e-3"] if multirun else ["run_name=ro"]
+    proc = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    kind, where = ("sweep", "multiruns/") if multirun else ("run", "runs/ro")
+    assert (f"error: the {kind} dir '{read_only_dir}/{where}" in proc.stderr
+            and f"its ancestor '{read_only_dir}' is on a read-only file system; point LIT_DTRAIN_OUTPUT" in proc.stderr)
