@@ -217,14 +217,15 @@ def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
 
 
 def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step``, or None."""
+    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
+    None. Reads each file's ``global_step`` only (mmap: milliseconds for any size)."""
     steps = {}
     for p in sorted(ckpt_dir.glob("*.ckpt")):
         try:
             steps[p] = checkpoint_global_step(p)
         except CheckpointError as e:
             log.warning("resume=auto: skipping %s", e)
-    return max(steps, key=steps.get) if steps else None
+    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -236,6 +237,13 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         return str(path)
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
     if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
+        # ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a
+        # validation behind. Resuming from it redid those steps and saved the step file again as '<name>-v1.ckpt',
+        # leaving the first one behind for good (the resumed ModelCheckpoint state did not know it).
+        newest = _newest_step_checkpoint(ckpt_dir)
+        if newest is not None and newest.name != "last.ckpt":
+            log.warning("resume=auto: %s is newer than %s, resuming from it", newest, ckpt_dir / "last.ckpt")
+            return str(newest)
         return str(ckpt_dir / "last.ckpt")
     earlier = checkpoint_files(ckpt_dir)
     if earlier and cfg.get("resume") == "auto":

@@ -1,0 +1,59 @@
+"""resume=auto resumes from the newest complete checkpoint of the run dir. ModelCheckpoint writes a new best step file
+before last.ckpt, so a kill in between (seen in 1 of 10 SIGKILLs of a real run) leaves last.ckpt a validation
+behind: resuming from it redid those steps, saved the step file again as '<name>-v1.ckpt' and left the first one in
+the dir for good (the resumed ModelCheckpoint did not know it, so save_top_k never removed it)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from lit_dtrain.train import resolve_ckpt_path, train
+
+
+def _cfg(ckpt_dir: Path):
+    return OmegaConf.create({"ckpt_path": None, "resume": "auto", "run_name": "r",
+                             "paths": {"checkpoint_dir": str(ckpt_dir), "output_dir": str(ckpt_dir.parent)}})
+
+
+def _save(path: Path, step: int) -> None:
+    torch.save({"global_step": step, "state_dict": {}}, path)
+
+
+def test_resume_auto_takes_the_newest_readable_checkpoint_last_ckpt_among_equals(tmp_path):
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    _save(d / "last.ckpt", 2)
+    _save(d / "step000002-val4.0000.ckpt", 2)
+    assert resolve_ckpt_path(_cfg(d)) == str(d / "last.ckpt")  # equal steps: last.ckpt
+    _save(d / "step000004-val3.5000.ckpt", 4)  # written, then killed before last.ckpt
+    (d / ".last.ckpt.tmp-123").write_bytes(b"PK\x03\x04 half")  # the kill's temp file: never a candidate
+    assert resolve_ckpt_path(_cfg(d)) == str(d / "step000004-val3.5000.ckpt")
+    (d / "step000006-val3.0000.ckpt").write_bytes(b"PK\x03\x04 cut short")  # unreadable: skipped
+    assert resolve_ckpt_path(_cfg(d)) == str(d / "step000004-val3.5000.ckpt")
+    _save(d / "last.ckpt", 4)
+    assert resolve_ckpt_path(_cfg(d)) == str(d / "last.ckpt")
+
+
+def test_a_kill_between_the_step_file_and_last_ckpt_loses_no_steps_and_leaves_no_duplicate(tiny_cfg, tmp_path):
+    common = ["sample.max_new_tokens=0", "trainer.val_check_interval=2", "callbacks.model_checkpoint.save_top_k=-1"]
+    # save_top_k=-1: every validation writes a step file, then last.ckpt
+    train(tiny_cfg(*common, "trainer.max_steps=2", run="r"))
+    run = tmp_path / "r" / "checkpoints"
+    if not run.is_dir():
+        run = next(tmp_path.glob("**/r/checkpoints"))
+    behind = tmp_path / "last_at_2.ckpt"
+    shutil.copy(run / "last.ckpt", behind)
+    train(tiny_cfg(*common, "trainer.max_steps=4", "resume=auto", run="r"))
+    shutil.copy(behind, run / "last.ckpt")  # as if killed after the step-4 file, before last.ckpt
+    files = sorted(p.name for p in run.glob("*.ckpt"))
+    assert len(files) == 3 and files[2].startswith("step000004"), files
+    cfg = tiny_cfg(*common, "trainer.max_steps=6", "resume=auto", run="r")
+    assert Path(resolve_ckpt_path(cfg)).name == files[2]
+    train(cfg)
+    after = sorted(p.name for p in run.glob("*.ckpt"))
+    assert not [name for name in after if "-v1" in name], after
+    assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 6
