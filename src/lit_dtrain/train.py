@@ -59,6 +59,7 @@ from lit_dtrain.schedules.workflows import (
     warn_if_the_resume_jumps_up,
 )
 from lit_dtrain.sweeps import logs_a_failed_job, sweep_checks
+from lit_dtrain.utils.atomic import write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_default_group,
@@ -669,10 +670,9 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
 
 @rank_zero_only
 def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
-    tmp = out_dir / ".summary.json.tmp"
     safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    tmp.write_text(json.dumps(safe, indent=2, allow_nan=False))  # strict JSON: NaN/inf become null
-    os.replace(tmp, out_dir / "summary.json")
+    text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null
+    write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(text))
     if sample:
         print(f"--- sample ---\n{sample}\n--------------")
         for lg in trainer.loggers:

@@ -168,6 +168,27 @@ def test_a_pickle_that_would_run_code_is_refused_not_run_in_any_format(tmp_path)
     assert not marker.exists()  # ... and was never unpickled here
 
 
+def test_summary_json_on_a_full_disk_keeps_the_previous_and_leaves_no_temp_file(tiny_tmpfs):
+    """train()'s summary.json went through its own temp file (.summary.json.tmp), left behind, half written, when the
+    write failed; it now uses the same writer as checkpoints."""
+    from lit_dtrain.train import _report
+    from lit_dtrain.utils.atomic import AtomicWriteError
+
+    (tiny_tmpfs / "summary.json").write_text('{"val_loss": 1.0}')
+    fd = os.open(tiny_tmpfs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError:  # the disk is full
+        pass
+    finally:
+        os.close(fd)
+    with pytest.raises(AtomicWriteError, match=r"summary\.json': No space left on device"):
+        _report({"val_loss": 2.0, "notes": "x" * 10000}, "", tiny_tmpfs, None)
+    assert (tiny_tmpfs / "summary.json").read_text() == '{"val_loss": 1.0}'
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler", "summary.json"]
+
+
 class NotAllowed:
     def __reduce__(self):
         return (os.system, ("echo pwned",))

@@ -63,6 +63,7 @@ from lit_dtrain.callbacks._spike_stats import (
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
 from lit_dtrain.module import NonFiniteError
+from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +292,7 @@ class LossSpikeMonitor(L.Callback):
         root, ext = os.path.splitext(path)
         with open(f"{root}.superseded{ext or '.jsonl'}", "a") as f:
             f.write("".join(line + "\n" for line in drop))
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in keep)))
         log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {len(drop)} record(s) of the replayed "
                  f"steps moved from {path} to {root}.superseded{ext or '.jsonl'}")
 
