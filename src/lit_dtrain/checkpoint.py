@@ -67,7 +67,13 @@ def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
 
 def not_a_file_reason(path: Path) -> str:
     """Why ``path``, which is not a file, cannot be a checkpoint: for messages ``f"{key}={path!r} {reason}"``."""
-    return "is a directory; give a checkpoint file in it" if path.is_dir() else "does not exist"
+    if path.is_dir():
+        return "is a directory; give a checkpoint file in it"
+    if path.is_symlink() and not path.exists():
+        return f"is a broken symbolic link (to {str(os.readlink(path))!r})"
+    if path.exists():  # a device (/dev/null), a FIFO, a socket
+        return "is not a regular file (a device, FIFO or socket); give a checkpoint file"
+    return "does not exist"
 
 
 def checkpoint_files(directory: str | os.PathLike) -> list[str]:
@@ -82,7 +88,7 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     if path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+        raise CheckpointError(f"checkpoint {str(path)!r} {not_a_file_reason(path)}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
     try:

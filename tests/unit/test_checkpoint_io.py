@@ -189,6 +189,28 @@ def test_summary_json_on_a_full_disk_keeps_the_previous_and_leaves_no_temp_file(
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler", "summary.json"]
 
 
+def test_a_path_that_is_no_regular_file_says_what_it_is(tmp_path, tiny_cfg):
+    """/dev/null (or a FIFO) given as a checkpoint was reported as 'does not exist', and so was a broken symlink."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.train import resolve_ckpt_path
+
+    fifo = tmp_path / "pipe.ckpt"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "link.ckpt"
+    dangling.symlink_to(tmp_path / "gone.ckpt")
+    expected = {
+        "/dev/null": r"is not a regular file \(a device, FIFO or socket\)",
+        str(fifo): r"is not a regular file \(a device, FIFO or socket\)",
+        str(dangling): rf"is a broken symbolic link \(to '{tmp_path}/gone.ckpt'\)",
+        str(tmp_path / "missing.ckpt"): "does not exist",
+    }
+    for path, reason in expected.items():
+        with pytest.raises(CheckpointError, match=rf"^checkpoint '{path}' {reason}"):
+            safe_torch_load(path)
+        with pytest.raises(ConfigError, match=rf"^ckpt_path='{path}' {reason}"):
+            resolve_ckpt_path(tiny_cfg(f"ckpt_path={path}"))
+
+
 class NotAllowed:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
