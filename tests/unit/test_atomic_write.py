@@ -117,3 +117,12 @@ def test_plots_temp_file_keeps_the_suffix_and_a_checkpoint_temp_file_does_not(tm
     assert seen[0].suffix == ".svg" and seen[0].parent == tmp_path
     assert not temp_path(tmp_path / "last.ckpt").name.endswith(".ckpt")
     assert (tmp_path / "fig.svg").read_text() == "<svg/>"
+
+
+def test_a_write_that_writes_nothing_gives_an_empty_file(tmp_path):
+    """The scripts' writer created its temp file before calling ``write`` (mkstemp): a ``write`` that writes nothing
+    (a stubbed ``savefig`` in tests) gave an empty file, not 'No such file or directory'."""
+    path = tmp_path / "fig.png"
+    path.write_text("old")
+    plots.write_atomically(path, lambda tmp: None)
+    assert path.read_bytes() == b"" and [p.name for p in tmp_path.iterdir()] == ["fig.png"]

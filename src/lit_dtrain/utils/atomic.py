@@ -63,6 +63,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object], k
     tmp = temp_path(path, keep_suffix)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.open("wb").close()  # created (or a stale one emptied) here: a write that writes nothing gives an empty file
         write(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
