@@ -574,6 +574,12 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 
     datamodule = instantiate(cfg.data, _convert_="all")
+    if (cfg.get("module") or {}).get("compile"):
+        # Dynamo caches compiled graphs per code object (Llama.forward), not per model, and a job leaves four there
+        # (training, validation, the final validate's inference tensors, the sample). The jobs of a multirun share
+        # the process: one that swept a model shape hit dynamo's recompile_limit (8) at its third job, which then
+        # trained eagerly with only a log warning. Each job compiles from an empty cache.
+        torch.compiler.reset()
     model = instantiate(cfg.model)
     if cfg.get("init_from"):  # continual pre-training: weights only
         load_model_weights(model, cfg.init_from)

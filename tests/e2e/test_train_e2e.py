@@ -240,3 +240,29 @@ def test_continuing_a_finished_run_logs_at_the_same_steps_as_a_straight_run(tiny
     assert extended["trainer"].global_step == 12
     for tag in ("val/loss", "train/loss"):
         assert logged_steps(extended, tag) == logged_steps(straight, tag), tag
+
+
+@pytest.mark.slow  # ~70 s on 2 shared CPU cores (dynamo traces 8 graphs)
+def test_each_compiled_job_of_a_process_compiles_its_model(tiny_cfg, monkeypatch):
+    """A multirun runs its jobs in one process, and dynamo caches compiled graphs per code object (``Llama.forward``),
+    not per model: each job left four there (training, validation under no_grad, the final validate's inference
+    tensors, the sample's growing length). A sweep over a model shape with ``module.compile=true`` reached dynamo's
+    recompile_limit (8) at its third job, which then trained eagerly, with only a log warning. Here the limit is one
+    job's four: the second shape compiled nothing before each train() started from an empty cache."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()  # dynamo's graphs run eagerly: no C++ build
+    compile_in_place = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_in_place(self, backend=counter))
+    frames = []
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=4):
+            for d_model in (32, 48):
+                counter.clear()
+                train(tiny_cfg("module.compile=true", f"model.d_model={d_model}", "trainer.max_steps=2",
+                               "trainer.val_check_interval=2", "sample.max_new_tokens=3", run=f"d{d_model}"))
+                frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert frames == [4, 4]  # train, no_grad validation, inference_mode validate, the sample's dynamic length
