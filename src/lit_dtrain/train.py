@@ -615,9 +615,14 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)
     logger = build_logger(cfg, start_step)
+    extra = val_check_in_batches(cfg)
+    if cfg.module.get("compile") and "inference_mode" not in cfg.trainer:
+        # the final validate under inference_mode is another dispatch key set than the in-fit validation's no_grad:
+        # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's
+        extra["inference_mode"] = False
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],
-        **val_check_in_batches(cfg),
+        **extra,
     )
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:

@@ -265,4 +265,6 @@ def test_each_compiled_job_of_a_process_compiles_its_model(tiny_cfg, monkeypatch
                 frames.append(counter.frame_count)
     finally:
         torch._dynamo.reset()
-    assert frames == [4, 4]  # train, no_grad validation, inference_mode validate, the sample's dynamic length
+    # train, validation (no_grad, the final validate too: train() turns inference_mode off under compile, which
+    # compiled a fourth graph for it), the sample's dynamic length
+    assert frames == [3, 3]
