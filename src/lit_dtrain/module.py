@@ -34,6 +34,17 @@ _SHAPE_ATTR = "_lit_dtrain_shape"
 NO_IGNORE_INDEX = torch.iinfo(torch.int64).min  # cross_entropy's ignore_index that no label can hit
 
 
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+    """Cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T) in fp32: per token (B, T), or ``"sum"``/
+    ``"mean"`` over all of them. No ignore index: cross_entropy's default -100 made such a label a token of loss 0,
+    silently; the int64 minimum is no label, so -100 fails like any other id outside the vocabulary. LitLLM and the
+    scripts' own loops (bench_fourier.py, spectrum.py) share it, so their losses are LitLLM's."""
+    B, T, V = logits.shape
+    loss = F.cross_entropy(logits.float().reshape(B * T, V), labels.reshape(B * T), reduction=reduction,
+                           ignore_index=NO_IGNORE_INDEX)
+    return loss.view(B, T) if reduction == "none" else loss
+
+
 def remember_parameter_shapes(model: nn.Module) -> None:
     """Tag each parameter with its shape, for :func:`param_groups` and :func:`estimate_train_flops`. Call it before a
     sharding strategy wraps the model: Lightning's FSDPStrategy (``use_orig_params=True``) keeps the parameter objects
@@ -161,13 +172,8 @@ class LitLLM(L.LightningModule):
                 raise KeyError(f"LitLLM batch is missing {key!r}; got keys {sorted(batch)}")
         if not self._ids_checked:
             self._check_token_ids(batch)
-        logits = self.model(batch["input_ids"])  # (B, T, V)
-        B, T, V = logits.shape
-        # No ignore index: cross_entropy's default -100 made such a label (in a batch after the checked first one) a
-        # token of loss 0 in the mean, silently. The int64 minimum is no label, so -100 fails like any other bad id.
-        token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none",
-                                     ignore_index=NO_IGNORE_INDEX)
-        return token_loss.view(B, T)
+        # no ignore index (token_loss): a -100 label in a batch after the checked first one fails, not loss 0
+        return token_loss(self.model(batch["input_ids"]), batch["labels"])  # (B, T)
 
     def _check_token_ids(self, batch: Mapping) -> None:
         """The first batch of each training and validation loop: every input id and label must be a row of the

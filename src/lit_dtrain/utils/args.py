@@ -1,9 +1,16 @@
-"""Argument checks shared by the Python API's constructors and functions: an error names the argument."""
+"""Argument checks shared by the Python API's constructors and functions and by the scripts' command lines: an error
+names the argument; a script's bad input ends with a ``{"error": ...}`` JSON line (:func:`fail`)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import numbers
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
 
 
 def check_int(name: str, value, minimum: int | None = 0) -> int:
@@ -31,8 +38,6 @@ def nonnegative_int(text: str) -> int:
 
 
 def _int_at_least(text: str, minimum: int) -> int:
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -40,3 +45,82 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite number > 0 (a learning rate), else argparse's error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def comma_list(item=str, choices=None):
+    """An ``argparse`` type for ``--flag a,b,c``: the list of ``item(entry)``, at least one, each checked by ``item``
+    (``positive_int``, ``positive_float``: its error is argparse's) and, with ``choices``, one of them. An empty
+    entry (``''``, ``a,,b``), a repeated one and an unknown name are refused, naming the entry; they used to
+    select nothing or fail with a KeyError after the earlier entries had run."""
+
+    def parse(text: str) -> list:
+        entries = [entry.strip() for entry in text.split(",")]
+        if any(not entry for entry in entries):
+            raise argparse.ArgumentTypeError(f"expected a comma list without empty entries, got {text!r}")
+        values = []
+        for entry in entries:
+            try:
+                values.append(item(entry))
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise argparse.ArgumentTypeError(f"{entry!r}: {e}") from None
+        repeated = sorted({str(v) for i, v in enumerate(values) if v in values[:i]})
+        if repeated:  # a variant run twice overwrote its first result
+            raise argparse.ArgumentTypeError(f"{repeated} listed twice in {text!r}")
+        unknown = [v for v in values if choices is not None and v not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(choices)}")
+        return values
+
+    parse.__name__ = "comma list"  # argparse's "invalid <type> value" names it
+    return parse
+
+
+def read_json_file(path: str, flag: str, written_by: str):
+    """The JSON value in the file ``path`` that ``flag`` names (a results file the script wrote earlier, written
+    ``written_by`` it); ``ValueError`` naming the flag and the file when it cannot be read or is not JSON."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path!r} is not JSON (not UTF-8 text); give a file written by {written_by}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} {path!r} is not JSON ({e}); give a file written by {written_by}") from None
+
+
+def report_error(message: str, prog: str | None = None) -> None:
+    """Print a script's error: ``prog: error: message`` on stderr and ``{"error": message}`` as a JSON line on
+    stdout. Every script in ``scripts/`` ends with a JSON line on success, so a caller that parses the last line reads
+    an error too (a plain message there was a JSONDecodeError in the caller)."""
+    prog = prog or os.path.basename(sys.argv[0]) or "script"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    print(json.dumps({"error": message}), flush=True)
+
+
+def fail(message: str, prog: str | None = None, code: int = 2) -> NoReturn:
+    """End a script on bad input: :func:`report_error`, then exit with status ``code``."""
+    report_error(message, prog)
+    raise SystemExit(code)
+
+
+class ScriptArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors (a bad flag, a failed type, ``parser.error(...)``) end like
+    :func:`fail`: the usage and ``prog: error: message`` on stderr, ``{"error": message}`` last on stdout, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        fail(message, self.prog)
