@@ -38,7 +38,6 @@ import contextlib
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import apply_checkpointing, every_k_plan, set_plan, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
+from lit_dtrain.utils.args import ScriptArgumentParser, fail
 from lit_dtrain.utils.memory import (
     POINTWISE_OPS,
     backward_flops_by_op,
@@ -65,7 +65,7 @@ MiB = 2**20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default="small,deep", help="comma list of: " + ", ".join(SHAPES))
     p.add_argument("--seqs", default="256,1024", help="comma list of sequence lengths")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per batch: batch size = max(1, tokens // seq)")
@@ -268,8 +268,8 @@ def main(argv=None) -> dict:
     cuda = args.device == "cuda"
     if cuda:
         if not torch.cuda.is_available():
-            sys.exit(f"--device cuda, but torch {torch.__version__} sees no CUDA device; run on a GPU machine "
-                     "or use --device cpu")
+            fail(f"--device cuda, but torch {torch.__version__} sees no CUDA device; run on a GPU machine or use "
+                 "--device cpu")
         ignored = " (--clock cpu does not apply on CUDA)" if args.clock == "cpu" else ""
         print(f"device: {torch.cuda.get_device_name()} ({args.dtype}, torch {torch.__version__}). Step time is wall "
               f"time with torch.cuda.synchronize() around each step{ignored}; memory is MemTracker's ACT and the CUDA "

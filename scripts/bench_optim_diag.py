@@ -34,7 +34,7 @@ from lit_dtrain.callbacks import AdaptiveGradClip, LossSpikeMonitor, OptimizerDi
 from lit_dtrain.data import LMDataModule  # noqa: E402
 from lit_dtrain.module import LitLLM  # noqa: E402
 from lit_dtrain.optim import adamw  # noqa: E402
-from lit_dtrain.utils.args import positive_int  # noqa: E402
+from lit_dtrain.utils.args import ScriptArgumentParser, positive_int  # noqa: E402
 
 # (OptimizerDiagnostics also measures inside optimizer.step, through torch step pre/post hooks: _pre_step, _post_step)
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
@@ -79,7 +79,7 @@ def run(args, callback: L.Callback | None) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=200, help="steps per run")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats per variant")
     p.add_argument("--block-size", type=positive_int, default=64)

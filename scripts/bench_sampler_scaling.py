@@ -22,7 +22,7 @@ import time
 import torch
 
 from lit_dtrain.data.samplers import FourierSampler, RandomSampler
-from lit_dtrain.utils.args import nonnegative_int, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, nonnegative_int, positive_int
 
 VARIANTS = ("uniform", "uniform_mixture", "moment_ratio", "magnitude")
 
@@ -53,7 +53,7 @@ def step_once(sampler, step: int, batch: int, T: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", type=positive_int, default=[121_278, 1_000_000, 10_000_000])
     ap.add_argument("--batch", type=positive_int, default=8, help="global batch per step")
     ap.add_argument("--block", type=positive_int, default=256, help="tokens per window (T of the token loss)")

@@ -39,7 +39,7 @@ from omegaconf import open_dict
 
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
-from lit_dtrain.utils.args import nonnegative_int, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, nonnegative_int, positive_int
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -172,7 +172,7 @@ def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=positive_int, default=40, help="steps per round")
     ap.add_argument("--warmup", type=positive_int, default=5, help="steps excluded from timing (>= 1, < --steps)")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of each variant")

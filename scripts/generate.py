@@ -3,13 +3,15 @@
     python scripts/generate.py outputs/runs/<run>/checkpoints/last.ckpt --prompt "def " --max-new-tokens 200
 
 The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
-``model_config`` entry that ``LitLLM`` stores in every checkpoint. The last line is JSON.
+``model_config`` entry that ``LitLLM`` stores in every checkpoint. The last line is JSON: ``{"error": ...}`` on bad
+input (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import ByteTokenizer
 from lit_dtrain.schedules.workflows import model_from_checkpoint
+from lit_dtrain.utils.args import ScriptArgumentParser, fail
 
 
 def load_model(path: str):
@@ -24,17 +27,17 @@ def load_model(path: str):
     try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
         model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
-        raise SystemExit(str(e)) from e
+        fail(str(e))
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:  # a diverged run's checkpoint: NaN logits (multinomial raises; greedy picks token 0 every time)
-        raise SystemExit(f"checkpoint {path!r} (step {ckpt.get('global_step')}) has non-finite weights ({bad[0]}"
-                         f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged; sample from an "
-                         "earlier checkpoint of it")
+        fail(f"checkpoint {path!r} (step {ckpt.get('global_step')}) has non-finite weights ({bad[0]}"
+             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged; sample from an earlier "
+             "checkpoint of it")
     return model, ckpt
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
     ap.add_argument("--prompt", default="def ", help="text to continue ('' starts a new document)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag, value, rule in checks:
         if not value >= 0:  # before loading: a negative temperature used to mean greedy silently
             ap.error(f"{flag} must be >= 0{' ' + rule if rule else ''}, got {value}")
+    if not math.isfinite(args.temperature):  # inf divided the logits to 0 (and -inf top-k masks to nan)
+        ap.error(f"--temperature must be finite, got {args.temperature}")
 
     model, ckpt = load_model(args.checkpoint)
     tok = ByteTokenizer()

@@ -36,7 +36,9 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
+from lit_dtrain.module import token_loss
 from lit_dtrain.schedules.workflows import model_from_checkpoint
+from lit_dtrain.utils.args import ScriptArgumentParser, fail
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
@@ -48,7 +50,7 @@ def load_model(path: str, with_checkpoint: bool = False):
     try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
         model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
-        raise SystemExit(str(e)) from e
+        fail(str(e))
     return (model, ckpt) if with_checkpoint else model
 
 
@@ -83,16 +85,14 @@ def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     sources = [s for s in (data or {}).get("sources") or [] if isinstance(s, dict)]
     if not sources:
         if name is not None:
-            raise SystemExit(f"spectrum.py: --source {name}: the run's config_resolved.yaml lists no data.sources")
+            fail(f"--source {name}: the run's config_resolved.yaml lists no data.sources")
         return None
     names = [str(s.get("name")) for s in sources]
     if name is None and len(sources) > 1:
-        raise SystemExit(
-            f"spectrum.py: the run trained on a mixture of sources {names}: pick one with --source NAME (or give "
-            "the corpus with --files)"
-        )
+        fail(f"the run trained on a mixture of sources {names}: pick one with --source NAME (or give the corpus "
+             "with --files)")
     if name is not None and name not in names:
-        raise SystemExit(f"spectrum.py: --source {name!r} is not one of the run's sources {names}")
+        fail(f"--source {name!r} is not one of the run's sources {names}")
     chosen = sources[names.index(name) if name is not None else 0]
     keys = ("name", "kind", "paths", "pattern")
     return CorpusSource(**{k: chosen[k] for k in keys if k in chosen})
@@ -129,7 +129,7 @@ def windows_of(
     stream = dm.splits[0].val if args.split == "val" else dm.splits[0].train
     ws = WindowSet([stream], block_size)
     if len(ws) == 0:
-        raise SystemExit(f"the {args.split} split has no window of {block_size + 1} tokens")
+        fail(f"the {args.split} split has no window of {block_size + 1} tokens")
     idx = np.unique(np.linspace(0, len(ws) - 1, min(len(ws), args.windows)).round().astype(np.int64))
     return ws.gather(idx)
 
@@ -140,21 +140,18 @@ def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray,
     powers, losses = [], []
     for i in range(0, len(windows), batch):
         w = windows[i : i + batch]
-        logits = model(w[:, :-1])
-        B, T, V = logits.shape
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, V), w[:, 1:].reshape(-1),
-                                                 reduction="none").view(B, T)
+        loss = token_loss(model(w[:, :-1]), w[:, 1:])  # (B, T), LitLLM's loss
         powers.append(spectral.power_spectrum(loss - loss.mean(1, keepdim=True)).sum(0))
         losses.append(loss.mean(1))
     return (torch.stack(powers).sum(0) / len(windows)).numpy(), float(torch.cat(losses).mean())
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="lit_dtrain checkpoints (last.ckpt ...), overlaid")
     ap.add_argument(
         "--files",
-        nargs="*",
+        nargs="+",
         default=None,
         help="corpus files/dirs/globs (default: the run's corpus, else the stdlib corpus)",
     )
@@ -176,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--num-bands", type=int, default=None)
     ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
-    ap.add_argument("--labels", nargs="*", default=None, help="legend labels (default: file paths)")
+    ap.add_argument("--labels", nargs="+", default=None, help="legend labels (default: file paths)")
     ap.add_argument(
         "--val-fraction",
         type=float,
@@ -250,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     trained_T = (data or {}).get("block_size")
     trained_T = trained_T if isinstance(trained_T, int) and not isinstance(trained_T, bool) and trained_T > 0 else None
     T = args.block_size or trained_T or models[0].config.block_size
+    if T < 2:  # a spectrum needs 2 positions: it was a ValueError traceback from power_spectrum after the corpus
+        ap.error(f"the window length (--block-size) is {T}; a token-loss spectrum needs at least 2 tokens")
     for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
         if T > model.config.block_size:
             ap.error(f"--block-size {T} exceeds the block_size {model.config.block_size} of {path}")
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         windows = windows_of(args, T, val_fraction, source)
     except CorpusError as e:  # a missing --files path, a dir without files: one line naming it
-        raise SystemExit(f"spectrum.py: {e}") from e
+        fail(str(e))
     labels = args.labels or args.checkpoints
     fig, ax = plt.subplots(figsize=(8, 4.8))
     results = []

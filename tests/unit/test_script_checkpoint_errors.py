@@ -1,4 +1,7 @@
+import contextlib
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -6,16 +9,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@contextlib.contextmanager
+def script_error(capsys, pattern: str):
+    """The block ends the script on bad input: exit status 2 and, as the last stdout line, ``{"error": ...}`` matching
+    ``pattern`` (the plain SystemExit message generate.py and spectrum.py ended with was no JSON)."""
+    with pytest.raises(SystemExit) as e:
+        yield
+    assert e.value.code == 2
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert re.search(pattern, error), error
+
+
 @pytest.mark.parametrize("script", ["generate", "spectrum"])
-def test_scripts_name_a_missing_or_unreadable_checkpoint_without_a_traceback(tmp_path, script):
+def test_scripts_name_a_missing_or_unreadable_checkpoint_without_a_traceback(tmp_path, capsys, script):
     spec = importlib.util.spec_from_file_location(f"_{script}_ckpt_err", ROOT / "scripts" / f"{script}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    with pytest.raises(SystemExit, match="nope.ckpt.*does not exist"):
+    with script_error(capsys, "nope.ckpt.*does not exist"):
         mod.load_model(str(tmp_path / "nope.ckpt"))
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(SystemExit, match="garbage.ckpt"):
+    with script_error(capsys, "garbage.ckpt"):
         mod.load_model(str(garbage))
 
 
@@ -45,14 +59,14 @@ def _tiny_checkpoint(path: Path, block_size: int = 32) -> Path:
         (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
         (["--top-k", "-2"], "--top-k must be >= 0 (0: all tokens), got -2"),
         (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+        (["--temperature", "inf"], "--temperature must be finite, got inf"),
     ],
 )
 def test_generate_rejects_bad_sampling_flags_before_loading(tmp_path, capsys, flags, message):
     """A negative --temperature used to mean greedy silently, a negative --max-new-tokens printed the prompt
     alone, and a negative --top-k was a RuntimeError from torch.topk."""
-    with pytest.raises(SystemExit) as e:
+    with script_error(capsys, re.escape(message)):
         _script("generate").main([str(tmp_path / "never_read.ckpt"), *flags])
-    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_generate_top_k_zero_samples_from_all_tokens(tmp_path, capsys):
@@ -71,14 +85,16 @@ def test_generate_top_k_zero_samples_from_all_tokens(tmp_path, capsys):
         (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
         (["--bandwidth-fraction", "2"], "--bandwidth-fraction must be in (0, 1], got 2.0"),
         (["--bandwidth-fraction", "0"], "--bandwidth-fraction must be in (0, 1], got 0.0"),
+        (["--files"], "argument --files: expected at least one argument"),
+        (["--labels"], "argument --labels: expected at least one argument"),
     ],
 )
 def test_spectrum_rejects_bad_flags_before_loading(tmp_path, capsys, flags, message):
     """--windows 0 was 'stack expects a non-empty TensorList', --batch-size 0 'range() arg 3 must not be zero',
-    both after tokenizing the corpus; --bandwidth-fraction 2 reported a bandwidth bin past the spectrum."""
-    with pytest.raises(SystemExit) as e:
+    both after tokenizing the corpus; --bandwidth-fraction 2 reported a bandwidth bin past the spectrum. --files
+    without a value fell back silently to the run's corpus (or the stdlib one)."""
+    with script_error(capsys, re.escape(message)):
         _script("spectrum").main([str(tmp_path / "never_read.ckpt"), *flags])
-    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_spectrum_names_a_block_size_above_the_models_and_a_bad_corpus(tmp_path, capsys):
@@ -89,7 +105,10 @@ def test_spectrum_names_a_block_size_above_the_models_and_a_bad_corpus(tmp_path,
         _script("spectrum").main([str(ckpt), "--block-size", "64", "--files", str(tmp_path / "nowhere")])
     assert e.value.code == 2
     assert "--block-size 64 exceeds the block_size 32 of" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="nowhere.*does not exist"):
+    # one position has no spectrum: a ValueError traceback from power_spectrum after the corpus was tokenized
+    with script_error(capsys, r"the window length \(--block-size\) is 1; a token-loss spectrum needs at least 2"):
+        _script("spectrum").main([str(ckpt), "--block-size", "1", "--files", str(tmp_path / "nowhere")])
+    with script_error(capsys, "nowhere.*does not exist"):
         _script("spectrum").main([str(ckpt), "--files", str(tmp_path / "nowhere"), "--out", str(tmp_path / "s.png")])
 
 
@@ -101,10 +120,10 @@ def test_spectrum_labels_must_match_the_checkpoints(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", ["generate", "spectrum"])
-def test_scripts_say_a_directory_is_not_a_checkpoint(tmp_path, script):
+def test_scripts_say_a_directory_is_not_a_checkpoint(tmp_path, capsys, script):
     """generate.py outputs/runs/x/checkpoints (the dir) said 'checkpoint ... does not exist'."""
     (tmp_path / "checkpoints").mkdir()
-    with pytest.raises(SystemExit, match=r"checkpoint '.*checkpoints' is a directory, not a checkpoint file"):
+    with script_error(capsys, r"checkpoint '.*checkpoints' is a directory, not a checkpoint file"):
         _script(script).load_model(str(tmp_path / "checkpoints"))
 
 
@@ -198,7 +217,7 @@ def test_the_datamodule_state_records_val_fraction(tmp_path):
 
 
 @pytest.mark.parametrize("temperature", ["0.8", "0"])
-def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, temperature):
+def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, capsys, temperature):
     """The last.ckpt of a sweep job that diverged (module.check_finite=false, optimizer.lr=1e4): generate.py died in
     torch.multinomial with 'RuntimeError: probability tensor contains either inf, nan or element < 0', and with
     --temperature 0 printed 'def ' and five NUL bytes (argmax of NaN logits) as if it were text."""
@@ -209,7 +228,7 @@ def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, temperatu
     key = next(k for k in data["state_dict"] if k.endswith("attn.wq.weight"))
     data["state_dict"][key] = torch.full_like(data["state_dict"][key], float("nan"))
     torch.save(data, ckpt)
-    with pytest.raises(SystemExit, match=rf"checkpoint '{ckpt}' \(step 3\) has non-finite weights \({key[6:]}"):
+    with script_error(capsys, rf"checkpoint '{ckpt}' \(step 3\) has non-finite weights \({key[6:]}"):
         _script("generate").main([str(ckpt), "--temperature", temperature, "--max-new-tokens", "5"])
 
 
@@ -228,7 +247,7 @@ def test_generate_takes_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", ["generate", "spectrum"])
-def test_scripts_name_a_checkpoint_whose_model_config_does_not_build(tmp_path, script):
+def test_scripts_name_a_checkpoint_whose_model_config_does_not_build(tmp_path, capsys, script):
     """A model_config with a key this version lacks (a checkpoint of another lit_dtrain version) or a damaged value
     was a ValueError or TypeError traceback from build_llama."""
     import torch
@@ -237,7 +256,7 @@ def test_scripts_name_a_checkpoint_whose_model_config_does_not_build(tmp_path, s
     state = torch.load(ckpt, weights_only=False)
     for name, change in (("newer", {"sliding_window": 64}), ("damaged", {"d_model": "sixteen"})):
         torch.save({**state, "model_config": {**state["model_config"], **change}}, tmp_path / f"{name}.ckpt")
-        with pytest.raises(SystemExit, match=rf"'.*{name}.ckpt': its model_config does not build a model"):
+        with script_error(capsys, rf"'.*{name}.ckpt': its model_config does not build a model"):
             _script(script).load_model(str(tmp_path / f"{name}.ckpt"))
 
 
