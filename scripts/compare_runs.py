@@ -26,6 +26,7 @@ from pathlib import Path
 
 # reading run and sweep dirs (what train(cfg) writes there) is lit_dtrain.run_dirs; this script compares them
 from lit_dtrain.run_dirs import (
+    EVENT_GLOB,
     NO_LOGGER,
     RunDirError,
     expand_runs,
@@ -37,6 +38,7 @@ from lit_dtrain.run_dirs import (
     read_scalars,
     table_cell,
 )
+from lit_dtrain.utils.args import ScriptArgumentParser, report_error
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
@@ -44,6 +46,37 @@ CompareError = RunDirError  # a run dir, an event file or a metric is missing; t
 
 def _warn(message: str) -> None:
     print(f"compare_runs: {message}", file=sys.stderr)
+
+
+def unreadable_event_files(run: Path) -> list[Path]:
+    """The event files below ``run`` that hold no TensorBoard event at all: garbage, truncated to nothing, or empty
+    (a file TensorBoard's writer made holds at least its ``file_version`` event). TensorBoard's reader skips them
+    silently, so such a run read as a run with no scalars."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    bad = []
+    for path in sorted(run.rglob(EVENT_GLOB)):
+        try:
+            events = next(iter(EventFileLoader(str(path)).Load()), None)
+        except Exception:  # noqa: BLE001 - any failure to read a record is "unreadable"
+            events = None
+        if events is None:
+            bad.append(path)
+    return bad
+
+
+def check_event_files(run_dirs: list[Path], all_scalars: list[dict]) -> None:
+    """A run whose event files are all unreadable (and that has no metrics.csv scalars) is an error naming them; an
+    unreadable file beside readable ones is a warning naming it."""
+    for run, scalars in zip(run_dirs, all_scalars):
+        bad = unreadable_event_files(run)
+        if not bad:
+            continue
+        names = ", ".join(repr(str(p)) for p in bad)
+        if not scalars:
+            raise CompareError(f"run {str(run)!r}: its event file(s) {names} hold no TensorBoard events (unreadable, "
+                               "not an event file, or empty)")
+        _warn(f"run {str(run)!r}: skipping event file(s) {names}: no TensorBoard events (unreadable or empty)")
 
 
 def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) -> list[str]:
@@ -359,10 +392,12 @@ def compare(
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
+    check_event_files(run_dirs, all_scalars)
     for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
         if not any(metric in scalars for scalars in all_scalars):
             tags = sorted(set().union(*all_scalars))
-            raise CompareError(f"no scalar {metric!r} in any of the {len(run_dirs)} runs; they have {tags}")
+            have = f"they have {tags}" if tags else "they have no scalars at all (stopped before logging any?)"
+            raise CompareError(f"no scalar {metric!r} in any of the {len(run_dirs)} runs; {have}")
         for run, scalars in zip(run_dirs, all_scalars):
             if metric not in scalars:
                 print(f"compare_runs: run {str(run)!r} has no scalar {metric!r} (it stopped before logging it?); "
@@ -420,7 +455,7 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run dirs, or sweep dirs whose job subdirs are runs")
     parser.add_argument(
         "--metric",
@@ -455,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             args.maximize,
         )
     except CompareError as e:
-        print(f"compare_runs: error: {e}", file=sys.stderr)
-        print(json.dumps({"error": str(e)}))
+        report_error(str(e), "compare_runs")
         return 2
     print(result.pop("markdown"), end="")
     print(f"wrote {result['png']}" + (f" and {result['table']}" if result["table"] else ""))

@@ -939,3 +939,29 @@ def test_outputs_replace_an_existing_file_whole(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()
     assert compare_runs.main([str(run), "--out", str(out), "--table", str(table)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG" and "| a | 10 | 3.0000 |" in table.read_text()
+
+
+@pytest.mark.parametrize("content", [b"garbage, not a TensorBoard event file\n", b""])
+def test_an_unreadable_event_file_is_named(tmp_path, capsys, content):
+    """A garbage or empty event file read as a run without scalars: "no scalar 'val/loss' in any of the 1 runs;
+    they have []". The file is named now: an error when it is all the run has, a warning beside readable ones."""
+    bad = tmp_path / "bad" / "tb" / "events.out.tfevents.123.host"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(content)
+    assert compare_runs.main([str(tmp_path / "bad"), "--out", str(tmp_path / "x.png")]) == 2
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert error == (f"run {str(tmp_path / 'bad')!r}: its event file(s) {str(bad)!r} hold no TensorBoard events "
+                     "(unreadable, not an event file, or empty)")
+    assert not (tmp_path / "x.png").exists()
+    good = write_run(tmp_path / "good", {10: 3.0})
+    extra = good / "tb" / "events.out.tfevents.999.host"
+    extra.write_bytes(content)
+    result = compare_runs.compare([str(good)], ["val/loss"], out=str(tmp_path / "y.png"))
+    assert result["runs"][0]["final"] == pytest.approx(3.0)
+    assert f"skipping event file(s) {str(extra)!r}" in capsys.readouterr().err
+
+
+def test_runs_without_any_scalar_say_so(tmp_path):
+    SummaryWriter(str(tmp_path / "r" / "tb")).close()  # a run that stopped before logging: file_version only
+    with pytest.raises(compare_runs.CompareError, match=r"in any of the 1 runs; they have no scalars at all"):
+        compare_runs.compare([str(tmp_path / "r")], ["val/loss"], out=str(tmp_path / "z.png"))
