@@ -50,14 +50,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.corpus import stdlib_files
 from lit_dtrain.data.samplers import FourierSampler
 from lit_dtrain.models import build_llama
-from lit_dtrain.module import param_groups
+from lit_dtrain.module import param_groups, token_loss
 from lit_dtrain.schedules.lr import cosine_scheduler
+from lit_dtrain.utils.args import (
+    ScriptArgumentParser,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    read_json_file,
+)
+from lit_dtrain.utils.plots import OutputPathError, output_path
 
 # ablation -> (score, stages, stage LR multiplier)
 SCORE_ABLATION = {"stages": ("mixed", True, True), "stages_nolr": ("mixed", True, False),
@@ -202,7 +209,7 @@ def evaluate(model, vals, batch: int) -> tuple[float, dict]:
         for i in range(0, len(w), batch):
             x = w[i : i + batch].to(_device(model))
             logits = model(x[:, :-1])
-            s += float(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum"))
+            s += float(token_loss(logits, x[:, 1:], reduction="sum"))
         ntok = w[:, 1:].numel()
         per[name] = s / ntok
         total, count = total + s, count + ntok
@@ -234,14 +241,11 @@ def sync(device) -> None:
 
 def train_step(model, opt, sched, batch, lr_mult: float) -> torch.Tensor:
     batch = on_device(batch, _device(model))
-    logits = model(batch["input_ids"])
-    B, T, V = logits.shape
-    token_loss = F.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T), reduction="none")
-    token_loss = token_loss.view(B, T)
+    loss_per_token = token_loss(model(batch["input_ids"]), batch["labels"])  # (B, T), LitLLM's loss
     if "loss_weight" in batch:  # as LitLLM.training_step
-        loss = (token_loss.mean(dim=1) * batch["loss_weight"]).mean()
+        loss = (loss_per_token.mean(dim=1) * batch["loss_weight"]).mean()
     else:
-        loss = token_loss.mean()
+        loss = loss_per_token.mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     saved = [g["lr"] for g in opt.param_groups]
@@ -252,7 +256,7 @@ def train_step(model, opt, sched, batch, lr_mult: float) -> torch.Tensor:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
     sched.step()
-    return token_loss.detach()
+    return loss_per_token.detach()
 
 
 def run(corpus, dirs, block, variant, seed, args) -> dict:
@@ -272,11 +276,11 @@ def run(corpus, dirs, block, variant, seed, args) -> dict:
         t0 = time.perf_counter()
         b = dm.batch_for_step(step)
         t1 = time.perf_counter()
-        token_loss = train_step(model, opt, sched, b, sampler.lr_multiplier(step))
+        step_loss = train_step(model, opt, sched, b, sampler.lr_multiplier(step))
         sync(args.device)
         t2 = time.perf_counter()
         if fourier:
-            sampler.observe(token_loss, b["index"], step)  # the step the batch was drawn for, as the callback
+            sampler.observe(step_loss, b["index"], step)  # the step the batch was drawn for, as the callback
         t3 = time.perf_counter()
         draw_t.append(t1 - t0)
         step_t.append(t2 - t1)
@@ -334,9 +338,9 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
                 sync(args.device)
                 t0 = time.perf_counter()
                 b = dm.batch_for_step(step)
-                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
+                step_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step))
                 if name != "uniform":
-                    dm.sampler.observe(token_loss, b["index"], step)
+                    dm.sampler.observe(step_loss, b["index"], step)
                 sync(args.device)
                 times[name].append(time.perf_counter() - t0)
             step += 1
@@ -369,9 +373,9 @@ def pipelined_timing(setups: dict, args, step: int) -> dict:
             t0 = time.perf_counter()
             for i in range(args.timing_steps):
                 b = dm.batch_for_step(step + i)
-                token_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step + i))
+                step_loss = train_step(model, opt, sched, b, dm.sampler.lr_multiplier(step + i))
                 if name != "uniform":
-                    dm.sampler.observe(token_loss, b["index"], step + i)
+                    dm.sampler.observe(step_loss, b["index"], step + i)
             sync(args.device)
             took[name] = (time.perf_counter() - t0) / args.timing_steps
             per_step[name].append(took[name])
@@ -393,43 +397,45 @@ def _rotated(names: list, i: int) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpora", nargs="+", default=["stdlib", "mixture"], choices=["stdlib", "mixture"])
-    ap.add_argument("--block-sizes", nargs="+", type=int, default=[256, 1024])
-    ap.add_argument("--variants", nargs="+", default=ALL_VARIANTS, help=f"of {ALL_VARIANTS}")
-    ap.add_argument("--long-variants", nargs="+", default=LONG_VARIANTS, help="variants run at block > 256")
+    ap.add_argument("--block-sizes", nargs="+", type=positive_int, default=[256, 1024])
+    ap.add_argument("--variants", nargs="+", default=ALL_VARIANTS, metavar="VARIANT",
+                    choices=ALL_VARIANTS + LAG_VARIANTS, help=f"of {ALL_VARIANTS}, uniform included (the reference; "
+                    f"a Fourier one may end in {LAG_SUFFIX})")
+    ap.add_argument("--long-variants", nargs="+", default=LONG_VARIANTS, metavar="VARIANT",
+                    choices=ALL_VARIANTS + LAG_VARIANTS, help="variants run at block > 256 (uniform included)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="model-init and data seeds")
-    ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    ap.add_argument("--tokens-per-step", type=int, default=2048, help="batch = tokens_per_step // block")
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--val-windows", type=int, default=96, help="held-out 256-token windows (fewer when longer)")
-    ap.add_argument("--eval-batch", type=int, default=16)
-    ap.add_argument("--mixture-kb", type=int, default=320, help="size of corpus (b)")
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--n-kv-head", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--timing-steps", type=int, default=30, help="interleaved steps per sampler and round (0: skip)")
-    ap.add_argument("--timing-rounds", type=int, default=3)
+    ap.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run")
+    ap.add_argument("--tokens-per-step", type=positive_int, default=2048, help="batch = tokens_per_step // block")
+    ap.add_argument("--eval-every", type=positive_int, default=20)
+    ap.add_argument("--val-windows", type=positive_int, default=96,
+                    help="held-out 256-token windows (fewer when longer)")
+    ap.add_argument("--eval-batch", type=positive_int, default=16)
+    ap.add_argument("--mixture-kb", type=positive_int, default=320, help="size of corpus (b)")
+    ap.add_argument("--d-model", type=positive_int, default=64)
+    ap.add_argument("--n-layer", type=positive_int, default=2)
+    ap.add_argument("--n-head", type=positive_int, default=4)
+    ap.add_argument("--n-kv-head", type=positive_int, default=2)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--timing-steps", type=nonnegative_int, default=30,
+                    help="interleaved steps per sampler and round (0: skip)")
+    ap.add_argument("--timing-rounds", type=positive_int, default=3)
     ap.add_argument("--timing-lags", nargs="+", type=int, default=[0, 1], choices=[0, 1],
                     help="FourierSampler lags timed against uniform (0: the brief's; 1: observe never waits)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (1 is stable on a shared machine)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the sampler's table stays on CPU either way)")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
     ap.add_argument("--out", default=None, help="also write all results (curves included) to this JSON file")
     ap.add_argument("--merge", nargs="+", default=None, help="summarize these --out files instead of training")
     ap.add_argument("--plot", default=None, help="write seed-averaged val curves (every corpus and block) to PNG")
     args = ap.parse_args()
+    check_args(ap, args)  # before any corpus is built or model trained
     torch.set_num_threads(args.threads)
     if torch.device(args.device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32, as train.py's default matmul_precision
-    unknown = set(args.variants + args.long_variants) - set(ALL_VARIANTS + LAG_VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS} (a Fourier one may end in "
-                 f"{LAG_SUFFIX})")
     if args.merge:
-        loaded = [json.loads(Path(f).read_text()) for f in args.merge]
+        loaded = [read_results(f, ap) for f in args.merge]
         runs = [r for d in loaded for r in d["runs"]]
         timing = {k: v for d in loaded for k, v in d.get("timing", {}).items()}
         args.steps = loaded[0]["args"]["steps"]
@@ -438,9 +444,52 @@ def main() -> None:
     summary = summarize(runs, timing, args)
     if args.plot:
         plot_curves(runs, args.plot)
-    if args.out and not args.merge:
+    if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "timing": timing, "runs": runs}, indent=1))
     print(json.dumps(summary))
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """The flags that argparse's types cannot check alone; each was a traceback after minutes of training, or a
+    summary without a table (every table is against uniform's runs)."""
+    if "uniform" not in args.variants:
+        ap.error("--variants must include uniform: every figure is against uniform's runs")
+    if max(args.block_sizes) > 256 and "uniform" not in args.long_variants:
+        ap.error("--long-variants must include uniform when a block size is above 256 (the reference there)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}, but torch {torch.__version__} sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu or cuda, got {args.device!r}")
+    try:
+        with torch.device("meta"):  # the shape's own checks (d_model % n_head, n_head % n_kv_head), no memory
+            build_llama(vocab_size=257, block_size=max(args.block_sizes), n_layer=args.n_layer,
+                        d_model=args.d_model, n_head=args.n_head, n_kv_head=args.n_kv_head)
+    except ValueError as e:
+        ap.error(f"--d-model/--n-head/--n-kv-head: {e}")
+    if args.merge and args.out:
+        ap.error("--out writes the runs trained here; with --merge nothing is trained (the summary is printed)")
+    try:
+        for flag, path, image in (("--out", args.out, False), ("--plot", args.plot, True)):
+            if path:
+                setattr(args, flag[2:], str(output_path(path, flag, image=image)))
+    except OutputPathError as e:
+        ap.error(str(e))
+
+
+def read_results(path: str, ap: argparse.ArgumentParser) -> dict:
+    """A ``--merge`` file: the JSON that ``--out`` writes; a missing, garbage or foreign one is named."""
+    try:
+        results = read_json_file(path, "--merge", "--out")
+    except ValueError as e:
+        ap.error(str(e))
+    if not (isinstance(results, dict) and isinstance(results.get("runs"), list)
+            and isinstance(results.get("args"), dict) and "steps" in results["args"]):
+        ap.error(f"--merge {path!r} is not an --out file of this script (expected 'args' with 'steps' and 'runs')")
+    return results
 
 
 def train_all(args) -> tuple[list, dict]:

@@ -53,3 +53,47 @@ def test_lag_variants_and_the_timing_of_each_lag(bench, tmp_path):
         assert len(rounds) == 2 and all(r > 0 for r in rounds)
         assert t[key] == pytest.approx(statistics.median(rounds), abs=1e-4)
     assert t["fourier_ms"] > 0 and t["fourier_lag1_ms"] > 0
+
+
+def _old_step_token_loss(model, batch) -> torch.Tensor:
+    """bench_fourier.train_step's token loss before it used lit_dtrain.module.token_loss (the reference figures)."""
+    logits = model(batch["input_ids"])
+    B, T, V = logits.shape
+    return torch.nn.functional.cross_entropy(logits.float().view(B * T, V), batch["labels"].view(B * T),
+                                             reduction="none").view(B, T)
+
+
+TINY = type("Args", (), {"n_layer": 1, "d_model": 16, "n_head": 2, "n_kv_head": 1, "device": "cpu"})
+
+
+def _step(bench, batch, seed: int = 0):
+    from lit_dtrain.schedules.lr import cosine_scheduler
+
+    model = bench.model_for(8, seed, TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = cosine_scheduler(opt, warmup_steps=1, total_steps=10)
+    return model, bench.train_step(model, opt, sched, batch, 1.0)
+
+
+def test_train_step_and_evaluate_use_the_library_token_loss(bench):
+    """The benchmark's loss is LitLLM's: bitwise the same figures for ids in the vocabulary, and a -100 label fails
+    (cross_entropy's default ignore_index made it a token of loss 0, which LitLLM no longer does)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(257, (3, 9), generator=g)
+    batch = {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+    expected = _old_step_token_loss(bench.model_for(8, 0, TINY), batch)
+    _, got = _step(bench, batch)
+    assert torch.equal(got, expected.detach())
+    vals = [("a", ids)]
+    model = bench.model_for(8, 0, TINY)
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+        old_sum = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                                          reduction="sum"))
+    assert bench.evaluate(model, vals, batch=len(ids))[0] == old_sum / ids[:, 1:].numel()
+    bad = {k: v.clone() for k, v in batch.items()}
+    bad["labels"][1, 3] = -100
+    with pytest.raises((IndexError, RuntimeError)):
+        _step(bench, bad)
+    with pytest.raises((IndexError, RuntimeError)):
+        bench.evaluate(model, [("a", torch.cat([ids[:, :5], torch.full((3, 1), -100), ids[:, 6:]], 1))], batch=3)
