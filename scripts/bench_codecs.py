@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, positive_float, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {
     "none": "none",
@@ -48,20 +50,21 @@ CODECS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--codecs", default=",".join(CODECS), help=f"comma list from {list(CODECS)}")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the first is dropped as warm-up)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (bench_comm.py's per-rank batch)")
-    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--ddp-ms", type=float, default=None, help="uncompressed DDP ms/step, for the ceiling column")
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--codecs", type=comma_list(choices=tuple(CODECS)), default=",".join(CODECS),
+                   help=f"comma list from {list(CODECS)}")
+    p.add_argument("--rounds", type=positive_int, default=7,
+                   help="interleaved rounds (the first is dropped as warm-up)")
+    p.add_argument("--batch-size", type=positive_int, default=4,
+                   help="sequences per step (bench_comm.py's per-rank batch)")
+    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--ddp-ms", type=positive_float, default=None,
+                   help="uncompressed DDP ms/step, for the ceiling column")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="run a second process training the same model meanwhile, as bench_comm.py's other rank")
     args = p.parse_args(argv)
-    args.codec_list = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    unknown = [c for c in args.codec_list if c not in CODECS]
-    if unknown or not args.codec_list:
-        p.error(f"--codecs: unknown {unknown}; choose from {list(CODECS)}")
+    args.codec_list = args.codecs
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (the first round is warm-up)")
     return args

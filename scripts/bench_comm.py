@@ -39,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lit_dtrain.utils.args import (
+    ScriptArgumentParser,
+    comma_list,
+    fail,
+    positive_float,
+    positive_int,
+    read_json_file,
+)
+from lit_dtrain.utils.plots import OutputPathError, output_path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> (compressor spec, local-update spec); "ddp" is native DDP without a hook
@@ -73,18 +84,30 @@ DEFAULT_VARIANTS = "ddp,no_comm,fp32_hook,fp16,int8,powersgd,topk,topk_dynamic,s
 TBF = ["burst", "512kb", "latency", "100ms"]
 
 
+def tc_rate(text: str) -> str:
+    """An ``argparse`` type: a ``tc`` rate (``1gbit``, ``100mbit``, ``500kbps``); a typo used to fail in ``tc`` inside
+    the network namespace, as a CalledProcessError traceback."""
+    number = re.fullmatch(r"(\d+(?:\.\d+)?)[kmgt]?(?:bit|bps)", text, flags=re.IGNORECASE)
+    if not number or not float(number.group(1)) > 0:
+        raise argparse.ArgumentTypeError("expected a positive tc rate such as 1gbit, 100mbit or 500kbps")
+    return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs root (or --no-netns).",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list from {sorted(VARIANTS)}")
-    p.add_argument("--rates", default="1gbit,100mbit", help="tc rates; the first one trains, the others time")
-    p.add_argument("--steps", type=int, default=48, help="training steps per variant at the first rate")
-    p.add_argument("--slow-steps", type=int, default=8, help="timed steps per variant at the other rates")
-    p.add_argument("--chunk", type=int, default=8, help="steps a variant runs before the next one's turn")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine, warmup --chunk)")
-    p.add_argument("--val-windows", type=int, default=64, help="held-out windows for the val loss")
+    p = ScriptArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs root (or --no-netns).",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", type=comma_list(choices=tuple(VARIANTS)), default=DEFAULT_VARIANTS,
+                   help=f"comma list from {sorted(VARIANTS)}")
+    p.add_argument("--rates", type=comma_list(tc_rate), default="1gbit,100mbit",
+                   help="tc rates; the first one trains, the others time")
+    p.add_argument("--steps", type=positive_int, default=48, help="training steps per variant at the first rate")
+    p.add_argument("--slow-steps", type=positive_int, default=8, help="timed steps per variant at the other rates")
+    p.add_argument("--chunk", type=positive_int, default=8, help="steps a variant runs before the next one's turn")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank per step")
+    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="peak AdamW learning rate (cosine, warmup --chunk)")
+    p.add_argument("--val-windows", type=positive_int, default=64, help="held-out windows for the val loss")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", default="outputs/bench_comm",
                    help="directory for the PNG plots (the docs' figures: --out docs/img)")
@@ -96,16 +119,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_result-file", help=argparse.SUPPRESS)
     p.add_argument("--_shaped", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variant_list if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    args.variant_list = args.variants
     if "ddp" not in args.variant_list:
         p.error("the ddp baseline is needed for the ratios; keep it in --variants")
     if not 1 <= args.chunk < args.steps:  # the chunk is also the LR warm-up, which must end before the last step
         p.error(f"--chunk must be in [1, --steps) = [1, {args.steps}), got {args.chunk}; e.g. --steps 4 --chunk 2")
-    args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
+    args.rate_list = args.rates
+    if args._worker:
+        return args
+    if args.replot:
+        args.replot_results = read_results(args.replot, p)
+    try:  # before the run: a --save-results that cannot be written failed after it, losing the results
+        if args.save_results:
+            args.save_results = str(output_path(args.save_results, "--save-results"))
+        output_path(Path(args.out) / "comm_loss_curves.png", "--out")
+    except OutputPathError as e:
+        p.error(str(e))
     return args
+
+
+def read_results(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The ``--save-results`` file that ``--replot`` reads; a missing, garbage or foreign file is named (it was a
+    FileNotFoundError, JSONDecodeError or KeyError traceback)."""
+    try:
+        results = read_json_file(path, "--replot", "--save-results")
+    except ValueError as e:
+        parser.error(str(e))
+    keys = ("dense_bytes", "params", "rates", "variants")
+    if not isinstance(results, dict) or any(k not in results for k in keys) or "ddp" not in results["variants"]:
+        parser.error(f"--replot {path!r} is not a --save-results file of this script (expected the keys {list(keys)} "
+                     "and a 'ddp' variant)")
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -283,7 +327,7 @@ def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
         subprocess.run(cmd, check=True)
         return
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        sys.exit("bench_comm: the network namespace needs root and iproute2 (ip, tc); use --no-netns for a smoke test")
+        fail("the network namespace needs root and iproute2 (ip, tc); use --no-netns for a smoke test")
     ns = f"lt_bench_comm_{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
@@ -406,7 +450,7 @@ def main(argv=None) -> None:
         return
     t0 = time.time()
     if args.replot:
-        results = json.loads(Path(args.replot).read_text())
+        results = args.replot_results
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result_file = str(Path(tmp) / "results.json")

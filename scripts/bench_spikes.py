@@ -43,8 +43,15 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from lit_dtrain.callbacks import LossSpikeMonitor  # noqa: E402
 from lit_dtrain.train import train  # noqa: E402
+from lit_dtrain.utils.args import (  # noqa: E402
+    ScriptArgumentParser,
+    comma_list,
+    nonnegative_int,
+    positive_int,
+)
 
 KINDS = ("random_tokens", "lr_x100", "nan_loss")
+VARIANTS = ("clean", "unprotected", "unprotected_no_nan", "lightning", "skip", "rollback")
 
 
 class SpikeInjector(L.Callback):
@@ -187,13 +194,25 @@ def false_positives(detected_steps: list[int] | None, schedule: dict[int, str], 
     return sum(1 for d in detected_steps or [] if not any(s <= d <= s + slack for s in schedule))
 
 
-def parse_schedule(text: str) -> dict[int, str]:
-    schedule = {}
-    for item in text.split(","):
-        kind, step = item.split(":")
-        if kind not in KINDS:
-            raise SystemExit(f"--inject: unknown kind {kind!r}; choose from {KINDS}")
-        schedule[int(step)] = kind
+def injection(text: str) -> tuple[int, str]:
+    """An ``argparse`` type for one ``--inject`` entry ``kind:step``: ``(step, kind)``."""
+    kind, sep, step = text.partition(":")
+    if not sep or kind not in KINDS:
+        raise argparse.ArgumentTypeError(f"expected kind:step with kind in {list(KINDS)}")
+    return nonnegative_int(step), kind
+
+
+def parse_schedule(entries: list[tuple[int, str]], steps: int) -> dict[int, str]:
+    """``{step: kind}`` of the parsed ``--inject`` entries; ``ValueError`` for two at one step (the first was
+    dropped silently) and for a step the run never reaches (it was never injected, and recall counted it missed)."""
+    schedule = dict(entries)
+    steps_given = [step for step, _ in entries]
+    twice = sorted({step for step in steps_given if steps_given.count(step) > 1})
+    if twice:
+        raise ValueError(f"--inject: two injections at step(s) {twice}")
+    late = sorted(s for s in schedule if s >= steps)
+    if late:
+        raise ValueError(f"--inject: step(s) {late} are not below --steps {steps}: the run never reaches them")
     return schedule
 
 
@@ -228,25 +247,33 @@ def plot(results: dict, schedule: dict[int, str], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run (>= 2000 for the FP target)")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per sample (nano's default is 256)")
-    p.add_argument("--batch-size", type=int, default=8, help="micro-batch (the default config's too)")
-    p.add_argument("--val-windows", type=int, default=512, help="validation windows (same for every run)")
-    p.add_argument("--inject", default="random_tokens:610,lr_x100:1130,nan_loss:1660",
-                   help="comma list kind:step with kind in " + ", ".join(KINDS))
-    p.add_argument("--snapshot-every", type=int, default=50, help="rollback snapshot cadence")
-    p.add_argument("--variants", default="clean,unprotected,unprotected_no_nan,lightning,skip,rollback")
-    p.add_argument("--warmup-steps", type=int, default=50, help="our monitor's statistics warmup")
+    p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=positive_int, default=2000,
+                   help="optimizer steps per run (>= 2000 for the FP target)")
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per sample (nano's default is 256)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="micro-batch (the default config's too)")
+    p.add_argument("--val-windows", type=positive_int, default=512, help="validation windows (same for every run)")
+    p.add_argument("--inject", type=comma_list(injection), default="random_tokens:610,lr_x100:1130,nan_loss:1660",
+                   help="comma list kind:step (0 <= step < --steps) with kind in " + ", ".join(KINDS))
+    p.add_argument("--snapshot-every", type=positive_int, default=50, help="rollback snapshot cadence")
+    p.add_argument("--variants", type=comma_list(choices=VARIANTS), default=",".join(VARIANTS),
+                   help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=50, help="our monitor's statistics warmup")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--out-dir", default="outputs/bench_spikes")
     p.add_argument("--plot", default=None,
                    help="figure path (default OUT_DIR/spikes_loss.png; '' to skip); the docs' figure is written only "
                         "when asked: --plot docs/img/spikes_loss.png")
     args = p.parse_args()
+    try:
+        schedule = parse_schedule(args.inject, args.steps)
+    except ValueError as e:
+        p.error(str(e))
+    if args.warmup_steps >= args.steps:  # the clean run's max loss z-score was max() of no steps, after the runs
+        p.error(f"--warmup-steps ({args.warmup_steps}) must be below --steps ({args.steps})")
     torch.set_num_threads(args.threads)
-    schedule = parse_schedule(args.inject)
     no_nan = {s: k for s, k in schedule.items() if k != "nan_loss"}
     plans = {
         "clean": ({}, {"actions": "[log,rollback]"}, "record"),
@@ -257,7 +284,7 @@ def main() -> None:
         "rollback": (schedule, {"actions": "[log,rollback]"}, None),
     }
     results = {}
-    for name in args.variants.split(","):
+    for name in args.variants:
         sched, monitor, lightning = plans[name]
         results[name] = run_variant(args, name, sched, monitor, lightning)
     out_dir = Path(args.out_dir)

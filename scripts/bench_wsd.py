@@ -45,6 +45,17 @@ _spec.loader.exec_module(compare_runs)
 
 import lightning as L  # noqa: E402
 
+from lit_dtrain.utils.args import (  # noqa: E402
+    ScriptArgumentParser,
+    comma_list,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
+
+MODELS = tuple(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
+MARKER = ".bench_wsd"  # in --out-dir: the dir is this script's, so it may be wiped
+
 
 class SaveAtSteps(L.Callback):
     """Saves ``<dirpath>/step{N:06d}.ckpt`` right after optimizer step N, for each N in ``steps``."""
@@ -57,24 +68,37 @@ class SaveAtSteps(L.Callback):
             trainer.save_checkpoint(self.dirpath / f"step{trainer.global_step:06d}.ckpt", weights_only=False)
 
 
+def decay_fraction(text: str) -> float:
+    """An ``argparse`` type: a decay fraction in (0, 1)."""
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=320, help="T: steps of experiment 1 and the longest branch")
-    p.add_argument("--cpt-steps", type=int, default=160, help="steps of each continual-pre-training run")
-    p.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="peak-LR grid (comma-separated)")
-    p.add_argument("--confirm-seeds", type=int, default=1,
+    p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=positive_int, default=320,
+                   help="T: steps of experiment 1 and the longest branch (divisible by 4)")
+    p.add_argument("--cpt-steps", type=positive_int, default=160, help="steps of each continual-pre-training run")
+    p.add_argument("--lrs", type=comma_list(positive_float), default="1e-3,2e-3,4e-3",
+                   help="peak-LR grid (comma-separated)")
+    p.add_argument("--confirm-seeds", type=nonnegative_int, default=1,
                    help="extra seeds on which experiment 1's two best-LR runs are repeated (seed noise)")
-    p.add_argument("--fractions", default="0.1,0.2,0.4", help="decay fractions of the branch experiment")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: T/20)")
-    p.add_argument("--val-every", type=int, default=40, help="validation interval (steps)")
-    p.add_argument("--model", default="nano", help="conf/model/ shape")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per sample")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per step")
-    p.add_argument("--val-windows", type=int, default=512, help="validation windows per corpus")
+    p.add_argument("--fractions", type=comma_list(decay_fraction), default="0.1,0.2,0.4",
+                   help="decay fractions of the branch experiment, each in (0, 1)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None, help="warmup steps (default: T/20; < T/4)")
+    p.add_argument("--val-every", type=positive_int, default=40, help="validation interval (steps)")
+    p.add_argument("--model", choices=MODELS, default="nano", help="conf/model/ shape")
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per sample")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="samples per step")
+    p.add_argument("--val-windows", type=positive_int, default=512, help="validation windows per corpus")
     p.add_argument("--corpus-b", default="/usr/share/common-licenses", help="corpus B of the CPT experiment")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a contended 2-core box)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads (1 is fastest on a contended 2-core box)")
     p.add_argument("--seed", type=int, default=1337, help="seed of every run")
-    p.add_argument("--out-dir", default="outputs/bench_wsd", help="run dirs (wiped first)")
+    p.add_argument("--out-dir", default="outputs/bench_wsd",
+                   help="run dirs (wiped first: an empty dir, or one this script made)")
     p.add_argument("--img-dir", default=None,
                    help="where wsd_*.png go (default: --out-dir; the docs' figures: --img-dir docs/img)")
     p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"),
@@ -82,16 +106,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every code path")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.cpt_steps, args.lrs, args.fractions = 40, 20, "3e-3,6e-3", "0.2"
+        args.steps, args.cpt_steps, args.lrs, args.fractions = 40, 20, [3e-3, 6e-3], [0.2]
         args.val_every, args.val_windows, args.confirm_seeds = 10, 64, 1
-    args.lrs = [float(x) for x in args.lrs.split(",")]
-    args.fractions = [float(x) for x in args.fractions.split(",")]
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     if args.steps % 4:
         p.error(f"--steps must be divisible by 4 (branch lengths T/4, T/2, T), got {args.steps}")
+    if args.warmup >= args.steps // 4:  # the shortest cosine run is T/4 steps: it failed after the longer ones ran
+        p.error(f"--warmup ({args.warmup}) must be below --steps/4 = {args.steps // 4}, the shortest run")
+    for f in args.fractions:  # a branch must start after step 0 and decay for at least one step, at every length
+        for length in (args.steps // 4, args.steps // 2, args.steps):
+            if not 1 <= round(f * length) < length:
+                p.error(f"--fractions {f:g}: a decay of round({f:g} * {length}) = {round(f * length)} steps of the "
+                        f"{length}-step branch; pick a fraction or --steps for which it is between 1 and {length - 1}")
     if not Path(args.corpus_b).exists():
         p.error(f"--corpus-b {args.corpus_b!r} does not exist; pass a directory of English text files")
+    out = Path(args.out_dir).expanduser()
+    if out.exists() and not wipeable(out):  # Bench wipes it: --out-dir . deleted the working directory
+        p.error(f"--out-dir {args.out_dir!r} exists and was not made by this script (it is wiped first); give a new "
+                "or empty directory")
     return args
+
+
+def wipeable(out: Path) -> bool:
+    """Whether ``out`` may be wiped: an empty dir, one with this script's marker, or a marker-less one of an earlier
+    version (only run dirs ``e1_``/``e2_``/``e3_`` and ``wsd_*.png``)."""
+    if not out.is_dir():
+        return False
+    names = [p.name for p in out.iterdir()]
+    return MARKER in names or all(n.startswith(("e1_", "e2_", "e3_")) or (n.startswith("wsd_") and n.endswith(".png"))
+                                  for n in names)
 
 
 class Bench:
@@ -101,8 +144,11 @@ class Bench:
         self.args = args
         self.out = Path(args.out_dir).expanduser().resolve()
         if self.out.exists():
+            if not wipeable(self.out):
+                raise ValueError(f"{self.out} was not made by bench_wsd.py; refusing to wipe it")
             shutil.rmtree(self.out)
         self.out.mkdir(parents=True)
+        (self.out / MARKER).touch()
         self.times: dict[str, float] = {}
         self.steps_run = 0
         self.params = 0
@@ -148,14 +194,14 @@ class Bench:
 @torch.no_grad()
 def eval_sources(model: torch.nn.Module, datamodule) -> dict[str, float]:
     """Mean token cross-entropy of ``model`` on each source's validation windows."""
+    from lit_dtrain.module import token_loss
+
     model.eval()
     out = {}
     for name, loader in zip(datamodule.val_names, datamodule.val_dataloader()):
         total, count = 0.0, 0
         for batch in loader:
-            logits = model(batch["input_ids"])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                                                     reduction="sum")
+            loss = token_loss(model(batch["input_ids"]), batch["labels"], reduction="sum")  # LitLLM's loss
             total, count = total + float(loss), count + batch["labels"].numel()
         out[name] = total / count
     model.train()

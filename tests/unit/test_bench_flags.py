@@ -1,16 +1,20 @@
-"""Bad counts given to the benchmarks are refused by argparse, naming the flag, before any work: ``--steps 0``,
-``--repeats 0`` and ``--rounds 0`` ended minutes later in ``statistics.StatisticsError: no median for empty data``,
-``--batch 0`` in an FFT error, and ``bench_step.py --warmup`` >= ``--steps`` timed nothing (0 ms/step, or the same
-error)."""
+"""Bad flags given to the scripts are refused, naming the flag, before any work, and the last stdout line is the
+JSON ``{"error": ...}`` (a script's last line is JSON on success too). ``--steps 0``, ``--repeats 0`` and ``--rounds
+0`` ended minutes later in ``statistics.StatisticsError: no median for empty data``, ``--batch 0`` in an FFT error,
+``bench_step.py --warmup`` >= ``--steps`` timed nothing (0 ms/step, or the same error); an unknown
+``bench_spikes.py --variants`` name was a KeyError after the earlier variants had trained, an ``--inject`` step past
+``--steps`` was never injected (and counted as missed), an empty ``--lrs`` a ValueError, a ``bench_comm.py --rates``
+typo a ``tc`` failure inside the network namespace, a garbage ``--replot``/``--merge`` file a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -20,10 +24,46 @@ from tests.conftest import ROOT
     ("bench_step.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("bench_step.py", ["--steps", "abc"], "argument --steps: expected a whole number, got 'abc'"),
     ("bench_step.py", ["--steps", "5", "--warmup", "5"], "--warmup (5) must be below --steps (5)"),
+    ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
+    ("bench_spikes.py", ["--inject", "nan_loss:2000"],
+     "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
+    ("bench_spikes.py", ["--inject", "nan:5"], "argument --inject: 'nan:5': expected kind:step with kind in"),
+    ("bench_wsd.py", ["--lrs", "1e-3,,2e-3"], "argument --lrs: expected a comma list without empty entries"),
+    ("bench_wsd.py", ["--lrs", "1e-3,0"], "argument --lrs: '0': must be a finite number > 0, got 0"),
+    ("bench_wsd.py", ["--fractions", "0.001"], "--fractions 0.001: a decay of round(0.001 * 80) = 0 steps"),
+    ("bench_fourier.py", ["--variants", "brief_stages"], "--variants must include uniform"),
+    ("bench_fourier.py", ["--eval-every", "0"], "argument --eval-every: must be >= 1, got 0"),
+    ("bench_fourier.py", ["--merge", "missing.json"], "--merge 'missing.json': cannot read it"),
+    ("bench_codecs.py", ["--codecs", "int8,int8"], "argument --codecs: ['int8'] listed twice in 'int8,int8'"),
+    ("bench_comm.py", ["--rates", "1gbt"], "argument --rates: '1gbt': expected a positive tc rate"),
+    ("bench_comm.py", ["--replot", "missing.json"], "--replot 'missing.json': cannot read it"),
+    ("generate.py", ["missing.ckpt"], "checkpoint 'missing.ckpt' does not exist"),
+    ("spectrum.py", ["missing.ckpt", "--files"], "argument --files: expected at least one argument"),
+    ("compare_runs.py", ["missing_run"], "run dir 'missing_run' does not exist"),
 ])
 def test_bad_counts_are_refused_before_any_work(script, args, message, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert message in json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_bench_wsd_wipes_only_a_dir_of_its_own(tmp_path):
+    """bench_wsd.py wipes --out-dir first: ``--out-dir .`` (or any dir of the user's) deleted it whole."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_wsd.py"), "--out-dir", str(mine)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "exists and was not made by this script" in done.stderr, done.stderr[-2000:]
+    assert (mine / "notes.txt").read_text() == "keep me"
+    bench_wsd = load_script("bench_wsd", "_bench_wsd_wipe")
+    (tmp_path / "empty").mkdir()
+    assert not bench_wsd.wipeable(mine) and bench_wsd.wipeable(tmp_path / "empty")
+    (mine / "notes.txt").unlink()
+    (mine / "e1_wsd_lr0.001").mkdir()  # a run dir of an earlier bench_wsd.py, without the marker
+    assert bench_wsd.wipeable(mine)
+    bench = bench_wsd.Bench(bench_wsd.parse_args(["--out-dir", str(mine)]))
+    assert sorted(p.name for p in mine.iterdir()) == [bench_wsd.MARKER] and bench.out == mine.resolve()
