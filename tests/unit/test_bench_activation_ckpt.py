@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -97,10 +98,13 @@ def test_cpu_run_keeps_its_keys_and_reproduces_its_figures(bench, capsys):
     assert summary["budget"]["max_abs_grad_diff"] == 0.0
 
 
-def test_cuda_without_a_gpu_stops_with_a_message(bench, monkeypatch):
+def test_cuda_without_a_gpu_stops_with_a_message(bench, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="--device cuda, but torch .* sees no CUDA device"):
+    with pytest.raises(SystemExit) as e:
         bench.main([*ARGV, "--device", "cuda"])
+    assert e.value.code == 2  # and the last stdout line is the JSON error, as every script's bad input
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert re.match(r"--device cuda, but torch .* sees no CUDA device", error)
 
 
 def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypatch, capsys, tmp_path):
