@@ -1451,8 +1451,11 @@ def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, cor
     assert out["band_lower_bins"] == S.band_lower_bins(64, 3, 16).tolist()
     assert (tmp_path / "s.png").stat().st_size > 0
     mixture = {"sources": [{"name": "stdlib", "kind": "stdlib"}, {"name": "text", "kind": "files", "paths": ["x"]}]}
-    with pytest.raises(SystemExit, match=r"mixture of sources \['stdlib', 'text'\]: pick one with --source"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
         mod.run_source(mixture, None)
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]  # the JSON error line
+    assert "mixture of sources ['stdlib', 'text']: pick one with --source" in error
     assert mod.run_source(mixture, "text").paths == ["x"] and mod.run_source(None, None) is None
     other = tmp_path / "other" / "checkpoints"
     other.mkdir(parents=True)
