@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [v for v in given.split(",") if v and v not in known]
         if unknown:
             p.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
+        if not any(given.split(",")):  # '' ran no configuration and printed empty results
+            p.error(f"{flag} must name at least one of {list(known)}, got {given!r}")
     seqs = [s for s in args.seqs.split(",") if s]
     if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
         p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")

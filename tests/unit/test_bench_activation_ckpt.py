@@ -152,6 +152,8 @@ def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypa
         (["--seqs", "abc"], "--seqs must be a comma list of positive integers, got 'abc'"),
         (["--policies", "none,foo"], "--policies: unknown ['foo']; choose from"),
         (["--shapes", "huge"], "--shapes: unknown ['huge']; choose from"),
+        (["--shapes", ""], "--shapes must name at least one of ['small', 'deep'"),
+        (["--policies", ","], "--policies must name at least one of ['none', 'full', 'every_k'"),
     ],
 )
 def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, message):
