@@ -1,7 +1,7 @@
 """``LitLLM``: the LightningModule around a plain language model.
 
-It owns the loss (cross-entropy in fp32), the validation metrics (torchmetrics), and the optimizer and
-scheduler wiring (both arrive as Hydra partials). Techniques live in callbacks and strategies; they read
+It owns the loss (cross-entropy in fp32, float64 under 64-true), the validation metrics (torchmetrics), and the
+optimizer and scheduler wiring (both arrive as Hydra partials). Techniques live in callbacks and strategies; they read
 the step output contract ``{"loss", "token_loss" [B, T], "index" [B]}`` of :meth:`training_step`.
 """
 
@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
 from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.optim import adamw
 from lit_dtrain.schedules.lr import StepLambdaLR
 
@@ -35,12 +36,13 @@ NO_IGNORE_INDEX = torch.iinfo(torch.int64).min  # cross_entropy's ignore_index t
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
-    """Cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T) in fp32: per token (B, T), or ``"sum"``/
-    ``"mean"`` over all of them. No ignore index: cross_entropy's default -100 made such a label a token of loss 0,
+    """Cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T) in fp32 (float64 under 64-true): per token
+    (B, T), or ``"sum"``/``"mean"`` over all of them. No ignore index: cross_entropy's default -100 made such a label a token of loss 0,
     silently; the int64 minimum is no label, so -100 fails like any other id outside the vocabulary. LitLLM and the
     scripts' own loops (bench_fourier.py, spectrum.py) share it, so their losses are LitLLM's."""
     B, T, V = logits.shape
-    loss = F.cross_entropy(logits.float().reshape(B * T, V), labels.reshape(B * T), reduction=reduction,
+    logits = logits.to(compute_dtype(logits.dtype))  # fp32 (float64 under 64-true)
+    loss = F.cross_entropy(logits.reshape(B * T, V), labels.reshape(B * T), reduction=reduction,
                            ignore_index=NO_IGNORE_INDEX)
     return loss.view(B, T) if reduction == "none" else loss
 
@@ -233,7 +235,7 @@ class LitLLM(L.LightningModule):
 
     # ---- steps ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        token_loss = self._token_loss(batch)  # (B, T) fp32
+        token_loss = self._token_loss(batch)  # (B, T) fp32 (float64 under 64-true)
         if "loss_weight" in batch:  # importance weights from a sampler (unbiased estimate)
             loss = (token_loss.mean(dim=1) * batch["loss_weight"].to(token_loss)).mean()
         else:

@@ -146,3 +146,31 @@ def test_the_initial_loss_is_about_log_vocab():
     with torch.no_grad():
         loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
     assert abs(loss.item() - math.log(257)) < 0.1
+
+
+def test_a_float64_model_computes_in_float64_rope_tables_included():
+    """precision=64-true converts the model with .to(float64): RMSNorm and RoPE (tables too) must then run in
+    float64. They went through fp32 (x.float(), a complex64 rotation, the fp32 table cast up), which left the
+    logits of a '64-bit' model only fp32-accurate (~1e-5 off here)."""
+    model = random_model(0, **CONFIGS[0]).double()
+    ids = torch.randint(0, 61, (2, CONFIGS[0]["block_size"]), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, reference_logits(model, ids), rtol=1e-11, atol=1e-11)
+
+
+def test_a_cast_model_keeps_rope_tables_of_at_least_fp32_computed_in_its_dtype():
+    """bf16-true/16-true (module.to(bf16/fp16)) cast the tables to 16 bits (error up to 2e-3); they are recomputed
+    in fp32 instead, and in float64 under 64-true (a cast of the fp32 table kept its fp32 error)."""
+    model = build_llama(vocab_size=61, block_size=256, n_layer=1, n_head=4, n_kv_head=2, d_model=64)
+    angles = torch.arange(256, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, 16, 2) / 16).double()
+    cos64, sin64 = torch.cos(angles), torch.sin(angles)
+    for dtype, table in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                         (torch.float64, torch.float64), (torch.float32, torch.float32)):
+        model.to(dtype)
+        assert model.tok_embeddings.weight.dtype == dtype
+        assert model.rope_cos.dtype == model.rope_sin.dtype == table, dtype
+        tol = dict(rtol=0, atol=2e-16 if table == torch.float64 else 0)  # the table is rounded once from float64
+        torch.testing.assert_close(model.rope_cos, cos64.to(table), **tol)
+        torch.testing.assert_close(model.rope_sin, sin64.to(table), **tol)

@@ -351,3 +351,16 @@ def test_a_fused_optimizer_from_another_factory_is_refused_naming_the_factory():
         build_optimizer(functools.partial(adamw, lr=1e-3, fused=True), model, 1.0, "bf16-mixed")
     assert not build_optimizer(functools.partial(adamw, lr=1e-3), model, 1.0, "bf16-mixed").defaults["fused"]
     assert build_optimizer(factory, model, None, "bf16-mixed").defaults["fused"]  # no clipping: allowed
+
+
+def test_the_loss_of_a_float64_model_is_computed_in_float64() -> None:
+    """precision=64-true: the token loss was cast down to fp32 (logits.float()), silently."""
+    lit = tiny_lit()
+    lit.model.double()
+    batch = window_loader(1)[0]
+    token_loss = lit._token_loss(batch)
+    assert token_loss.dtype == torch.float64
+    with torch.no_grad():
+        logits = lit.model(batch["input_ids"])
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    torch.testing.assert_close(token_loss.detach().flatten(), want, rtol=1e-13, atol=0)

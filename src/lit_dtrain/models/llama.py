@@ -64,8 +64,14 @@ class LlamaConfig:
         return cls(**d)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that RMSNorm, RoPE and the loss compute in: fp32 for bf16/fp16 activations, float64 kept as it is
+    (``precision=64-true``: an fp32 detour there made its logits, RoPE tables and loss fp32-accurate, silently)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (no mean subtraction, no bias), computed in fp32."""
+    """Root-mean-square layer norm (no mean subtraction, no bias), computed in fp32 (float64 under 64-true)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -73,13 +79,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(compute_dtype(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2), float32.
+def rope_cache(
+    seq_len: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of rotary position embeddings, each (seq_len, head_dim // 2), in ``dtype`` (float32).
 
     Computed with numpy in float64 and rounded once, so the table is the same in every process.
     ``torch.cos`` on CPU goes through MKL VML in 2048-element chunks across threads, and at model
@@ -89,7 +97,7 @@ def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor,
     """
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
-    return torch.from_numpy(np.cos(angles)).float(), torch.from_numpy(np.sin(angles)).float()
+    return torch.from_numpy(np.cos(angles)).to(dtype), torch.from_numpy(np.sin(angles)).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -100,7 +108,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     half-split form (split, 4 mul, sub, add, cat) it is ~2.4x faster forward + backward on CPU and
     dispatches 3 fewer ops, which op-level selective checkpointing pays twice more in Python.
     """
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, nh, T, hs/2) complex
+    xc = torch.view_as_complex(x.to(compute_dtype(x.dtype)).unflatten(-1, (-1, 2)))  # (B, nh, T, hs/2) complex
     return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
 
 
@@ -187,7 +195,21 @@ class Llama(nn.Module):
         # Non-persistent: derived from the config, so checkpoints stay small and shape-agnostic.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._rope_dtype = cos.dtype  # the dtype the tables were computed in (see _apply)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """After a cast of the module (Lightning's ``bf16-true``, ``16-true`` and ``64-true`` call ``.to(dtype)``),
+        recompute the RoPE tables from the config in :func:`compute_dtype` of the new dtype: a bf16 table is off by
+        up to 2e-3 (1.2e-3 relative error of a rotated vector, on top of bf16's own rounding of it), and under
+        ``64-true`` a cast of the fp32 table kept its fp32 error."""
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != self._rope_dtype and not self.rope_cos.is_meta:
+            cos, sin = rope_cache(self.config.block_size, self.config.d_model // self.config.n_head,
+                                  self.config.rope_theta, compute_dtype(self.rope_cos.dtype))
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+            self._rope_dtype = cos.dtype
+        return self
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2*n_layer)."""
@@ -216,7 +238,8 @@ class Llama(nn.Module):
         x = self.tok_embeddings(input_ids)  # (B, T, C)
         # cos + i sin, (1, 1, T, hs/2): built per forward from real buffers (buffers stay real so that
         # DDP/FSDP can broadcast and cast them like any other).
-        rope = torch.complex(self.rope_cos[:T].float(), self.rope_sin[:T].float())[None, None]
+        dtype = compute_dtype(self.rope_cos.dtype)
+        rope = torch.complex(self.rope_cos[:T].to(dtype), self.rope_sin[:T].to(dtype))[None, None]
         for block in self.blocks:
             x = block(x, rope)
         return self.lm_head(self.norm(x))  # (B, T, V)
