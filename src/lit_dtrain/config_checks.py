@@ -5,6 +5,7 @@ settings that would waste a run (a schedule that ends early, torchrun restarts t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -428,6 +429,28 @@ def _precisions() -> tuple:
     return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
 
 
+def check_precision_on_device(cfg: DictConfig) -> None:
+    """``16-mixed`` (also ``16``) on a CPU: Lightning trains in ``bf16-mixed`` instead, with a warning among the
+    start-up lines (fp16 autocast has no CPU GradScaler there); the run's config and summary still said 16-mixed.
+    ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction."""
+    precision = str(cfg.trainer.get("precision"))
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (
+        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    )
+    if precision in ("16-mixed", "16") and on_cpu:
+        raise ConfigError(
+            f"trainer.precision={precision} (fp16 autocast with loss scaling) does not run on CPU "
+            f"(trainer.accelerator={accelerator}): Lightning would train in bf16-mixed instead. Set "
+            "trainer.precision=bf16-mixed, or train on a GPU (trainer=gpu)"
+        )
+    if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            f"trainer.precision={precision} needs NVIDIA's transformer_engine package, which is not installed "
+            "(and a GPU); use bf16-mixed or 16-mixed"
+        )
+
+
 def check_lightning_choices(cfg: DictConfig) -> None:
     """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
     (``full_key: trainer``) but not the key: name the key and the values allowed."""
@@ -439,6 +462,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
         )
+    check_precision_on_device(cfg)
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

@@ -189,6 +189,15 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         # refused by Lightning when the Trainer or callback is built, in Hydra's wrapper: 'Error in call to target
         # lightning.pytorch.trainer.trainer.Trainer ... full_key: trainer', not naming the key
         ("trainer.precision=fp16", r"trainer.precision='fp16' is not one of Lightning's precisions: .*'bf16-mixed'"),
+        # Lightning trained these in bf16-mixed on a CPU, with only a warning among the start-up lines
+        ("trainer.precision=16-mixed trainer.accelerator=cpu",
+         r"trainer.precision=16-mixed \(fp16 autocast with loss scaling\) does not run on CPU "
+         r"\(trainer.accelerator=cpu\): Lightning would train in bf16-mixed instead"),
+        ("trainer.precision=16 trainer.accelerator=cpu",
+         r"trainer.precision=16 \(fp16 autocast .* does not run on CPU"),
+        # a ModuleNotFoundError from inside the Trainer's construction
+        ("trainer.precision=transformer-engine",
+         r"trainer.precision=transformer-engine needs NVIDIA's transformer_engine package, which is not installed"),
         ("trainer.gradient_clip_algorithm=nrm",
          r"trainer.gradient_clip_algorithm='nrm' must be one of 'value', 'norm'"),
         ("callbacks.model_checkpoint.mode=minimum",
@@ -244,11 +253,12 @@ def test_every_shipped_choice_passes_the_argument_check(group, tiny_cfg):
 
 
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
-    for override in ("trainer.precision=16", "trainer.precision=bf16-mixed", "trainer.precision=32",
+    for override in ("trainer.precision=16-mixed trainer.accelerator=gpu", "trainer.precision=bf16-mixed",
+                     "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2"):
-        check_config(tiny_cfg(override))
+        check_config(tiny_cfg(*override.split(" ")))
 
 
 def test_validation_limits_that_validate_something_pass(tiny_cfg):
