@@ -429,11 +429,25 @@ def _precisions() -> tuple:
     return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
 
 
-def check_precision_on_device(cfg: DictConfig) -> None:
+FP16_TINY = 2.0**-14  # fp16's smallest normal number
+
+
+def check_precision(cfg: DictConfig) -> None:
     """``16-mixed`` (also ``16``) on a CPU: Lightning trains in ``bf16-mixed`` instead, with a warning among the
     start-up lines (fp16 autocast has no CPU GradScaler there); the run's config and summary still said 16-mixed.
-    ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction."""
+    ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction.
+    ``16-true`` with an Adam ``eps`` below fp16's smallest normal number: the second moments are fp16 too, a squared
+    gradient below 6e-8 is 0 there (87 % of them at the first step of the nano model), and the update of such an
+    entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3."""
     precision = str(cfg.trainer.get("precision"))
+    eps = (cfg.get("optimizer") or {}).get("eps")
+    if precision == "16-true" and isinstance(eps, (int, float)) and eps < FP16_TINY:
+        raise ConfigError(
+            f"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps={eps} "
+            f"is below the smallest normal number ({FP16_TINY:.3g}): an update is then gradient / eps, and the weights "
+            "blow up in the first steps. Use bf16-true or bf16-mixed (16-mixed on a GPU), or set "
+            "optimizer.eps=1e-4 or more"
+        )
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     on_cpu = accelerator == "cpu" or (
         accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
@@ -462,7 +476,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
         )
-    check_precision_on_device(cfg)
+    check_precision(cfg)
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

@@ -195,6 +195,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"\(trainer.accelerator=cpu\): Lightning would train in bf16-mixed instead"),
         ("trainer.precision=16 trainer.accelerator=cpu",
          r"trainer.precision=16 \(fp16 autocast .* does not run on CPU"),
+        # AdamW's fp16 second moments underflow to 0 and updates are g / eps: weights 1 -> 105 in a step, NaN at step 3
+        ("trainer.precision=16-true",
+         r"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps=1e-08 is below"),
+        ("trainer.precision=16-true optimizer=adamw8bit", r"trainer.precision=16-true .* optimizer.eps=1e-08"),
         # a ModuleNotFoundError from inside the Trainer's construction
         ("trainer.precision=transformer-engine",
          r"trainer.precision=transformer-engine needs NVIDIA's transformer_engine package, which is not installed"),
@@ -255,6 +259,7 @@ def test_every_shipped_choice_passes_the_argument_check(group, tiny_cfg):
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
     for override in ("trainer.precision=16-mixed trainer.accelerator=gpu", "trainer.precision=bf16-mixed",
                      "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
+                     "trainer.precision=16-true optimizer.eps=1e-4",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2"):
