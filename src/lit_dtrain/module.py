@@ -306,7 +306,15 @@ class LitLLM(L.LightningModule):
         of compiled runs from before the model was compiled in place have it), and refuse a checkpoint of another
         model shape. Warn (rank 0) when a resume drops compressed-DDP state: Lightning's own strategies
         (``strategy=ddp``) ignore the ``lit_dtrain_comm`` entry that ``strategy=ddp_compressed/...`` wrote, without
-        a word."""
+        a word.
+
+        Under a precision that casts the module (``64-true``, ``bf16-true``, ``16-true``) the module is converted here
+        first: Lightning loads the weights before its precision plugin converts the module (``Trainer._run``: restore,
+        then ``strategy.setup``), so a ``64-true`` resume copied the float64 weights into the fp32 model, rounding
+        them, and continued from there (8e-8 off an uninterrupted run after 20 steps; bf16 and fp16 fit in fp32)."""
+        trainer = self._trainer
+        if trainer is not None and not trainer.strategy.restore_checkpoint_after_setup:
+            trainer.precision_plugin.convert_module(self)  # .to(dtype) or nothing; setup's own call is then a no-op
         state = checkpoint.get("state_dict")
         if isinstance(state, dict):
             wrapped = hasattr(self.model, "_orig_mod")  # a caller's torch.compile(model); LitLLM compiles in place

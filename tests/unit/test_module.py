@@ -364,3 +364,23 @@ def test_the_loss_of_a_float64_model_is_computed_in_float64() -> None:
         logits = lit.model(batch["input_ids"])
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
     torch.testing.assert_close(token_loss.detach().flatten(), want, rtol=1e-13, atol=0)
+
+
+def test_a_64_true_checkpoint_resumes_with_its_float64_weights(tmp_path: Path) -> None:
+    """Lightning loads the weights before precision=64-true converts the module: they were copied into the fp32
+    model (rounded) and the resumed run continued from fp32-rounded weights."""
+    kw = dict(accelerator="cpu", precision="64-true", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False)
+    lit = tiny_lit()
+    trainer = L.Trainer(max_steps=2, **kw)
+    trainer.fit(lit, train_dataloaders=DataLoader(window_loader(4), batch_size=None))
+    path = tmp_path / "step2.ckpt"
+    trainer.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in lit.model.state_dict().items()}
+    assert all(v.dtype == torch.float64 for v in saved.values())
+    assert any(not torch.equal(v, v.float().double()) for v in saved.values())  # not all fp32 values
+    resumed = tiny_lit()
+    L.Trainer(max_steps=2, **kw).fit(resumed, train_dataloaders=DataLoader(window_loader(4), batch_size=None),
+                                         ckpt_path=path)  # restores only
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
