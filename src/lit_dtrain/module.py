@@ -37,9 +37,10 @@ NO_IGNORE_INDEX = torch.iinfo(torch.int64).min  # cross_entropy's ignore_index t
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
     """Cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T) in fp32 (float64 under 64-true): per token
-    (B, T), or ``"sum"``/``"mean"`` over all of them. No ignore index: cross_entropy's default -100 made such a label a token of loss 0,
-    silently; the int64 minimum is no label, so -100 fails like any other id outside the vocabulary. LitLLM and the
-    scripts' own loops (bench_fourier.py, spectrum.py) share it, so their losses are LitLLM's."""
+    (B, T), or ``"sum"``/``"mean"`` over all of them. No ignore index: cross_entropy's default -100 made such a label
+    a token of loss 0, silently; the int64 minimum is no label, so -100 fails like any other id outside the
+    vocabulary. LitLLM and the scripts' own loops (bench_fourier.py, spectrum.py) share it, so their losses are
+    LitLLM's."""
     B, T, V = logits.shape
     logits = logits.to(compute_dtype(logits.dtype))  # fp32 (float64 under 64-true)
     loss = F.cross_entropy(logits.reshape(B * T, V), labels.reshape(B * T), reduction=reduction,
