@@ -508,7 +508,8 @@ def save_trained_overrides(out_dir: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
-        OmegaConf.save(HydraConfig.get().overrides.task, out_dir / "overrides.yaml")
+        overrides = HydraConfig.get().overrides.task
+        write_atomically(out_dir / "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
 
 
 def pin_sweep_dir() -> None:
@@ -627,7 +628,9 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        # whole or not at all, as the checkpoints: a resume's sweep check and compare_runs.py read both files
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
         save_trained_overrides(out_dir)
 
     t0 = time.perf_counter()

@@ -126,3 +126,27 @@ def test_a_write_that_writes_nothing_gives_an_empty_file(tmp_path):
     path.write_text("old")
     plots.write_atomically(path, lambda tmp: None)
     assert path.read_bytes() == b"" and [p.name for p in tmp_path.iterdir()] == ["fig.png"]
+
+
+def test_a_run_that_fails_writing_its_resolved_config_keeps_the_previous_one(tiny_cfg, monkeypatch):
+    """config_resolved.yaml (read by a resume's sweep check and by compare_runs.py) was written with write_text: a
+    full disk or a kill midway left it truncated. Now the previous file stays whole and the error names it."""
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0")
+    target = Path(cfg.paths.output_dir) / "config_resolved.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("previous: run\n")
+    write_text = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):
+        if "config_resolved" in self.name:  # half of the text reaches the disk, then ENOSPC
+            write_text(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="config_resolved.yaml"):
+        train(cfg)
+    assert target.read_text() == "previous: run\n"
+    assert not list(target.parent.glob(".config_resolved.yaml.tmp-*"))
