@@ -1108,6 +1108,7 @@ def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_f
     import types
     import warnings
 
+    from lightning.pytorch.plugins import Precision
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from tests.conftest import subprocess_env
@@ -1125,7 +1126,8 @@ def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_f
     lit = LitLLM(Llama(LlamaConfig(block_size=8, n_layer=1, n_head=2, n_kv_head=1, d_model=8)))
     checkpoint = {CHECKPOINT_KEY: CompressedDDPStrategy(compressor="int8").comm_state_dict()}
     lit.on_load_checkpoint(checkpoint)  # no trainer: only the weights are read, nothing to say
-    lit._trainer = types.SimpleNamespace(strategy=SingleDeviceStrategy(device="cpu"), ckpt_path="x.ckpt")
+    lit._trainer = types.SimpleNamespace(strategy=SingleDeviceStrategy(device="cpu"), ckpt_path="x.ckpt",
+                                         precision_plugin=Precision())  # 32-true: converts nothing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lit.on_load_checkpoint(checkpoint)
