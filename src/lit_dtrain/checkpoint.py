@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_dtrain.utils.atomic import os_error as _os_error  # sweeps.user_error imports it from here
-from lit_dtrain.utils.atomic import temp_path, write_atomically
+from lit_dtrain.utils.atomic import temp_path, what_is_left, write_atomically
 
 
 class CheckpointError(RuntimeError):
@@ -42,8 +42,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     except Exception as e:  # disk full, I/O error, an object torch cannot pickle ...
         reason = _os_error(e)
         what = (reason.strerror or str(reason)) if reason is not None else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; "
-                              f"the previous file at that path (if any) is intact") from e
+        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; {what_is_left(path)}") from e
 
 
 def temp_file_name(path: Path) -> Path:

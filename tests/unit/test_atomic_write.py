@@ -37,7 +37,7 @@ def _half_then(error: BaseException):
     "error, raised, match",
     [
         (OSError(errno.ENOSPC, "No space left on device"), AtomicWriteError,
-         r"could not write '.*out\.txt': No space left on device; the previous file at that path \(if any\) is intact"),
+         r"could not write '.*out\.txt': No space left on device; the previous file at that path is intact$"),
         (Boom("a bug in write"), Boom, "a bug in write"),  # not an OS error: raised as it came
         (KeyboardInterrupt(), KeyboardInterrupt, None),
     ],
@@ -54,6 +54,22 @@ def test_a_write_failing_midway_keeps_the_old_file_and_leaves_no_temp_file(tmp_p
     if raised is AtomicWriteError:
         assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
         assert info.value.filename == str(path)
+
+
+def test_a_failed_write_of_a_new_file_says_no_file_was_created(tmp_path, monkeypatch):
+    """A checkpoint's next step file (or any path with no file yet) that a full disk stops says that nothing was
+    created there; it said "the previous file at that path (if any) is intact", of a file that never was."""
+    path = tmp_path / "step=4.ckpt"
+    write, _ = _half_then(OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(AtomicWriteError, match=r"No space left on device; no file was created at that path$"):
+        write_atomically(path, write)
+    def full_disk(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"No space left on device; no file was created at that path$"):
+        atomic_torch_save({"w": torch.zeros(2)}, path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _record_fsyncs(monkeypatch) -> list[str]:

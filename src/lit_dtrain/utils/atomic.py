@@ -17,17 +17,22 @@ from pathlib import Path
 
 class AtomicWriteError(OSError):
     """An atomic write that failed on an OS error (disk full, I/O error, permissions); the message names the path
-    and says the previous file is intact. ``errno`` and ``strerror`` are the underlying error's, ``filename`` the
-    path."""
+    and says what is left there (:func:`what_is_left`). ``errno`` and ``strerror`` are the underlying error's,
+    ``filename`` the path."""
 
     def __init__(self, path: Path, cause: OSError) -> None:
         super().__init__(cause.errno, cause.strerror or str(cause), str(path))
-        self.message = (
-            f"could not write {str(path)!r}: {self.strerror}; the previous file at that path (if any) is intact"
-        )
+        self.message = f"could not write {str(path)!r}: {self.strerror}; {what_is_left(path)}"
 
     def __str__(self) -> str:
         return self.message
+
+
+def what_is_left(path: str | os.PathLike) -> str:
+    """What a failed :func:`write_atomically` left at ``path``, for its error message: the previous file, whole, or
+    nothing (a new file, such as a checkpoint's next step file, that was never there). Called after the failure, when
+    ``path`` is as it was before the write."""
+    return "the previous file at that path is intact" if os.path.lexists(path) else "no file was created at that path"
 
 
 def temp_path(path: str | os.PathLike, keep_suffix: bool = False) -> Path:
