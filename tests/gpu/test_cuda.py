@@ -158,7 +158,7 @@ def test_lag_one_records_a_cuda_index_beside_cpu_token_losses() -> None:
     """Token losses on the CPU, the batch's index still being made on the GPU (behind a ~0.2 s spin): the
     packed records hold the index's values, not pinned memory read before the copy landed."""
     from lit_dtrain.data.samplers import FourierSampler
-    from lit_dtrain.data.samplers.fourier import _unpack
+    from lit_dtrain.data.samplers.fourier_sync import _unpack
 
     sampler = FourierSampler(stages=False, lag=1)
     sampler.setup(1000, seed=0)

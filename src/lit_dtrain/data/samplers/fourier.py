@@ -24,10 +24,10 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, draw_from_cdf, step_generator
+from lit_dtrain.data.samplers.fourier_sync import _pack, _unpack, _Update, all_reduce_sum, gather_update, world_and_rank
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import check_int
 
@@ -237,16 +237,6 @@ class FourierSampler(IndexSampler):
         return stage.lr_mult if stage is not None and self.stage_lr else 1.0
 
     # ---- updates -----------------------------------------------------------------------------------------
-    def _world(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.group), dist.get_rank(self.group)
-        return 1, 0
-
-    def _comm_device(self, default: torch.device) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu") if default.type != "cpu" else default
-
     @torch.no_grad()
     def observe(self, token_loss: torch.Tensor, index: torch.Tensor, step: int) -> dict:
         """Score this rank's samples of one micro-step and share the update with every rank.
@@ -268,7 +258,7 @@ class FourierSampler(IndexSampler):
         else:
             self.flush()
         self._bind_length(int(token_loss.shape[1]))
-        world, _ = self._world()
+        world, _ = world_and_rank(self.group)
         # A row with a NaN/inf token loss (an fp16 overflow that the GradScaler skips, a loss spike) must not
         # poison its sample's moments or, through the band weights, every other sample's score: it is scored
         # as zero loss here and marked NaN in the record, and every rank drops it in _apply.
@@ -284,10 +274,7 @@ class FourierSampler(IndexSampler):
         global_energy = local.square().sum().reshape(1)
         comm_bytes = 0
         if world > 1:
-            device = self._comm_device(global_energy.device)
-            global_energy = global_energy.to(device)
-            dist.all_reduce(global_energy, op=dist.ReduceOp.SUM, group=self.group)  # needed now: synchronous
-            comm_bytes += global_energy.numel() * global_energy.element_size()
+            global_energy, comm_bytes = all_reduce_sum(global_energy, self.group)  # needed now: synchronous
         weights = spectral.adaptive_band_weights(local, global_energy.to(local.device).squeeze(0))
         mix = self.mix_at(step)
         score = (1.0 - mix) * spectral.time_score(token_loss) + mix * spectral.frequency_score(profile, weights, world)
@@ -301,14 +288,12 @@ class FourierSampler(IndexSampler):
             record = _pack(index.detach().to(device="cpu", dtype=torch.long), score.cpu(), fine.cpu().half())
         top_band_energy = profile[:, -1].mean()
         stats = top_band_energy.reshape(1) if self.lag else None  # copied to the host with the records
-        update = _Update(int(step), parts=[record], stats=stats)
         if world > 1:
-            record = record.to(self._comm_device(record.device))
-            gathered = [torch.empty_like(record) for _ in range(world)]
             overlap = self.async_op or bool(self.lag)
-            handle = dist.all_gather(gathered, record, group=self.group, async_op=overlap)
-            comm_bytes += record.numel() * record.element_size()
-            update = _Update(int(step), parts=gathered, handle=handle if overlap else None, stats=stats)
+            update, sent = gather_update(int(step), record, stats, world, self.group, overlap=overlap)
+            comm_bytes += sent
+        else:
+            update = _Update(int(step), parts=[record], stats=stats)
         if self.lag:
             update.to_host_async()  # (nothing to do where nothing is on a GPU)
         self._pending.append(update)
@@ -708,66 +693,3 @@ class FourierSampler(IndexSampler):
         self._pending.append(_Update(step, parts=[records.clone()]))
         self.flush()  # lag=0 applies it now; lag=1 at the next observe, as the run that saved it would have
 
-
-class _Update:
-    """One observed update on its way to the table: the packed records (one part per rank once gathered), the
-    handle of an asynchronous gather, this rank's logging stats (``lag=1``: ``[top_band_energy]``, None when restored
-    from a checkpoint), and, on a GPU under ``lag=1``, host copies of those being made without waiting."""
-
-    def __init__(self, step: int, parts: list[torch.Tensor], handle=None, stats: torch.Tensor | None = None) -> None:
-        self.step, self.parts, self.handle, self.stats = step, parts, handle, stats
-        self.event = None
-        self._sources: list[torch.Tensor] = []  # the device tensors being copied, kept alive until the copies land
-
-    def to_host_async(self) -> None:
-        """Start copying the records and stats that are on a GPU to pinned host memory; :meth:`records` waits for
-        the copies. Records not on a GPU (CPU, a gloo gather) are left as they are."""
-        if self.parts[0].is_cuda:
-            if self.handle is not None:  # an NCCL gather: its wait() only orders the current stream after it
-                self.handle.wait()
-                self.handle = None
-            self.parts = [self._copy_to_host(torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0])]
-        if self.stats is not None and self.stats.is_cuda:
-            self.stats = self._copy_to_host(self.stats)
-        if self._sources:
-            self.event = torch.cuda.Event()
-            # the copies' stream, not the current device's
-            self.event.record(torch.cuda.current_stream(self._sources[0].device))
-
-    def _copy_to_host(self, device: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-        host.copy_(device, non_blocking=True)
-        self._sources.append(device)
-        return host
-
-    def records(self) -> torch.Tensor:
-        """The update's records on the host (waits for the gather or the copies if they are still running); the
-        stats are on the host after it too."""
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-        if self.event is not None:
-            self.event.synchronize()
-            self.event, self._sources = None, []
-        if len(self.parts) > 1 or self.parts[0].device.type != "cpu":
-            self.parts = [torch.cat([part.cpu() for part in self.parts])]
-        return self.parts[0]
-
-
-def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> torch.Tensor:
-    """One uint8 record per sample: int64 index | fp32 score | fp16 band profile (12 + 2F bytes)."""
-    B = index.numel()
-    parts = [
-        index.contiguous().view(torch.uint8).reshape(B, 8),
-        score.float().contiguous().view(torch.uint8).reshape(B, 4),
-        profile.half().contiguous().view(torch.uint8).reshape(B, -1),
-    ]
-    return torch.cat(parts, dim=1)
-
-
-def _unpack(records: torch.Tensor, fine_bands: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    def field(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return records[:, start:stop].reshape(-1).clone().view(dtype)  # fresh 1-D storage: aligned for view
-
-    index, score = field(0, 8, torch.int64), field(8, 12, torch.float32)
-    return index, score, field(12, records.shape[1], torch.float16).reshape(-1, fine_bands)
