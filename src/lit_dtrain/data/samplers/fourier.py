@@ -12,6 +12,10 @@ the next step runs, and applied at the next step's ``observe``), so a GPU is not
 the table and draws the next batch.
 
 The table lives on CPU and is updated under ``no_grad``. Memory is O(N): see :meth:`bytes_per_sample`.
+This module scores a batch (:meth:`FourierSampler.observe`) and holds the table and its state; the update travels
+to every rank's table through :mod:`.fourier_sync` (whose ``UpdateQueue`` applies it when ``lag`` says), and the
+table becomes draws through :mod:`.fourier_cdf` (the two-level CDF). :mod:`.spectral` is the pure core: bands,
+scores, the stage schedule and the importance transforms.
 ``lit_dtrain.callbacks.FourierSamplerCallback`` feeds it (without the callback the sampler never learns
 anything, so it refuses to draw past step 1 without updates unless ``require_updates=False``).
 
@@ -28,14 +32,21 @@ import torch
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, step_generator
 from lit_dtrain.data.samplers.fourier_cdf import TwoLevelCDF
-from lit_dtrain.data.samplers.fourier_sync import _pack, _unpack, _Update, all_reduce_sum, gather_update, world_and_rank
+from lit_dtrain.data.samplers.fourier_sync import (
+    UpdateQueue,
+    _pack,
+    _Update,
+    all_reduce_sum,
+    gather_update,
+    world_and_rank,
+)
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import check_int
 
 SCORES = ("mixed", "time", "frequency")
 
 
-class FourierSampler(TwoLevelCDF, IndexSampler):
+class FourierSampler(UpdateQueue, TwoLevelCDF, IndexSampler):
     """Spectral importance sampler (defaults are the research brief's).
 
     Args:
@@ -157,8 +168,6 @@ class FourierSampler(TwoLevelCDF, IndexSampler):
         self.seq_len, self.fine_bands = 0, 0
         self.updates, self.last_step = 0, 0
         self.nonfinite_skipped = 0  # samples whose token loss was NaN/inf, left out of the table
-        self._pending: list[_Update] = []  # observed updates not yet applied to the table, oldest first
-        self._landed: dict | None = None  # lag=1: the logging stats of the last applied update (see landed_stats)
 
     # ---- binding -----------------------------------------------------------------------------------------
     def setup(self, num_samples: int, base_weights: torch.Tensor | None = None, seed: int = 0, **sources) -> None:
@@ -296,46 +305,6 @@ class FourierSampler(TwoLevelCDF, IndexSampler):
         return {"mix": mix, "bands": bands, "comm_bytes": comm_bytes,
                 "top_band_energy": top_band_energy if self.lag else float(top_band_energy),
                 "nonfinite": None if self.lag else int((~finite).sum())}
-
-    def flush(self) -> None:
-        """Wait for the pending gathered updates (if any) and apply them to the table, identically on every rank.
-
-        With ``lag=1`` this does nothing: a step's update waits for the next step's :meth:`observe`."""
-        if not self.lag:
-            self._apply_pending()
-
-    def step_not_observed(self, step: int) -> None:
-        """Optimizer step ``step`` ends without an :meth:`observe` (``LossSpikeMonitor`` dropped it, or the module
-        skipped its batches). With ``lag=1`` the earlier steps' updates are applied now, as its ``observe`` would have
-        applied them, so the draw of step ``step + 1`` still sees the table through step ``step - 1``."""
-        if self.lag:
-            self._apply_pending(keep=step)
-
-    def _apply_pending(self, keep: int | None = None) -> None:
-        """Apply the pending updates, oldest first, up to the first one of step ``keep`` (the step being observed,
-        whose earlier micro-batches wait for the next step; None: all). Not ``step < keep``: a new fit on the same
-        sampler counts from 0 again, and its updates queued behind the last one of the earlier fit."""
-        while self._pending and self._pending[0].step != keep:
-            update = self._pending.pop(0)
-            index, score, profile = _unpack(update.records(), self.fine_bands)
-            self._apply(index, score, profile, update.step)
-            if update.stats is not None:  # on the host now (records() waited for the copy)
-                self._landed = {"step": update.step, "top_band_energy": float(update.stats)}
-
-    def landed_stats(self, step: int, wait: bool = False) -> dict | None:
-        """``lag=1``: this rank's ``top_band_energy`` of the last micro-batch observed at ``step``, read on the host,
-        as ``{"step", "top_band_energy"}``, once that step's update has been applied (at the next step's
-        :meth:`observe` or :meth:`step_not_observed`), so reading it never waits for the device. With ``wait``, a
-        step whose update is still pending is read from it (this waits for its copy: for the end of training).
-        None when the value is not known (lag 0, another step, or an update restored from a checkpoint)."""
-        if self._landed is not None and self._landed["step"] == step:
-            return dict(self._landed)
-        if wait:
-            for update in reversed(self._pending):
-                if update.step == step and update.stats is not None:
-                    update.records()  # waits for the copy of the records and of the stats
-                    return {"step": step, "top_band_energy": float(update.stats)}
-        return None
 
     def _apply(self, index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor, step: int) -> None:
         keep = torch.isfinite(score)  # rows whose token loss was not finite (see observe) are not learned from
@@ -483,21 +452,3 @@ class FourierSampler(TwoLevelCDF, IndexSampler):
         self._touch(target=True, raw=True)
         for step, records in pending:
             self._restore_pending(int(step), torch.as_tensor(records))
-
-    def _restore_pending(self, step: int, records: torch.Tensor) -> None:
-        """Take back an update saved before it was applied (``lag=1``); under ``lag=0`` it is applied at once."""
-        width = 12 + 2 * self.fine_bands
-        if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != width or not self.fine_bands:
-            raise ValueError(
-                f"FourierSampler state 'pending_records' of step {step}: expected uint8 records [n, {width}] for "
-                f"{self.fine_bands} bands, got {records.dtype} {tuple(records.shape)} (a damaged checkpoint?)"
-            )
-        index = _unpack(records, self.fine_bands)[0]
-        if len(index) and not bool(((index >= 0) & (index < self.num_samples)).all()):
-            raise ConfigError(
-                f"FourierSampler state 'pending_records' of step {step} names samples outside [0, {self.num_samples})"
-                ": the checkpoint belongs to another corpus or block_size"
-            )
-        self._pending.append(_Update(step, parts=[records.clone()]))
-        self.flush()  # lag=0 applies it now; lag=1 at the next observe, as the run that saved it would have
-

@@ -8,13 +8,16 @@ copies them (and the rank's logging stats) from a GPU to pinned host memory with
 reads them only at the next step's ``observe``. The one synchronous collective is :func:`all_reduce_sum` (the
 global band energy, needed before a step can be scored).
 
-Which updates are applied when (``lag``, ``flush``) is the sampler's: see :mod:`.fourier`.
+:class:`UpdateQueue` holds the updates not applied yet and applies them, identically on every rank, when the
+sampler's ``lag`` says: before the next draw (``lag=0``) or at the next step's ``observe`` (``lag=1``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from lit_dtrain.errors import ConfigError
 
 
 def world_and_rank(group=None) -> tuple[int, int]:
@@ -95,6 +98,78 @@ class _Update:
         if len(self.parts) > 1 or self.parts[0].device.type != "cpu":
             self.parts = [torch.cat([part.cpu() for part in self.parts])]
         return self.parts[0]
+
+
+class UpdateQueue:
+    """The observed updates on their way to the table, oldest first, and when they are applied (a mixin of
+    :class:`.fourier.FourierSampler`, which provides ``lag``, ``fine_bands``, ``num_samples`` and ``_apply``, the
+    table update of one step's records).
+
+    ``lag=0``: :meth:`flush` (before a draw, at the next ``observe``, or at once where there is nothing to overlap
+    with) waits for the pending gathers and applies them. ``lag=1``: a step's update waits for the next step's
+    ``observe`` (or :meth:`step_not_observed`), so the draw of step ``s`` sees the table through step ``s - 2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[_Update] = []  # observed updates not yet applied to the table, oldest first
+        self._landed: dict | None = None  # lag=1: the logging stats of the last applied update (see landed_stats)
+
+    def flush(self) -> None:
+        """Wait for the pending gathered updates (if any) and apply them to the table, identically on every rank.
+
+        With ``lag=1`` this does nothing: a step's update waits for the next step's :meth:`observe`."""
+        if not self.lag:
+            self._apply_pending()
+
+    def step_not_observed(self, step: int) -> None:
+        """Optimizer step ``step`` ends without an :meth:`observe` (``LossSpikeMonitor`` dropped it, or the module
+        skipped its batches). With ``lag=1`` the earlier steps' updates are applied now, as its ``observe`` would have
+        applied them, so the draw of step ``step + 1`` still sees the table through step ``step - 1``."""
+        if self.lag:
+            self._apply_pending(keep=step)
+
+    def _apply_pending(self, keep: int | None = None) -> None:
+        """Apply the pending updates, oldest first, up to the first one of step ``keep`` (the step being observed,
+        whose earlier micro-batches wait for the next step; None: all). Not ``step < keep``: a new fit on the same
+        sampler counts from 0 again, and its updates queued behind the last one of the earlier fit."""
+        while self._pending and self._pending[0].step != keep:
+            update = self._pending.pop(0)
+            index, score, profile = _unpack(update.records(), self.fine_bands)
+            self._apply(index, score, profile, update.step)
+            if update.stats is not None:  # on the host now (records() waited for the copy)
+                self._landed = {"step": update.step, "top_band_energy": float(update.stats)}
+
+    def landed_stats(self, step: int, wait: bool = False) -> dict | None:
+        """``lag=1``: this rank's ``top_band_energy`` of the last micro-batch observed at ``step``, read on the host,
+        as ``{"step", "top_band_energy"}``, once that step's update has been applied (at the next step's
+        :meth:`observe` or :meth:`step_not_observed`), so reading it never waits for the device. With ``wait``, a
+        step whose update is still pending is read from it (this waits for its copy: for the end of training).
+        None when the value is not known (lag 0, another step, or an update restored from a checkpoint)."""
+        if self._landed is not None and self._landed["step"] == step:
+            return dict(self._landed)
+        if wait:
+            for update in reversed(self._pending):
+                if update.step == step and update.stats is not None:
+                    update.records()  # waits for the copy of the records and of the stats
+                    return {"step": step, "top_band_energy": float(update.stats)}
+        return None
+
+    def _restore_pending(self, step: int, records: torch.Tensor) -> None:
+        """Take back an update saved before it was applied (``lag=1``); under ``lag=0`` it is applied at once."""
+        width = 12 + 2 * self.fine_bands
+        if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != width or not self.fine_bands:
+            raise ValueError(
+                f"FourierSampler state 'pending_records' of step {step}: expected uint8 records [n, {width}] for "
+                f"{self.fine_bands} bands, got {records.dtype} {tuple(records.shape)} (a damaged checkpoint?)"
+            )
+        index = _unpack(records, self.fine_bands)[0]
+        if len(index) and not bool(((index >= 0) & (index < self.num_samples)).all()):
+            raise ConfigError(
+                f"FourierSampler state 'pending_records' of step {step} names samples outside [0, {self.num_samples})"
+                ": the checkpoint belongs to another corpus or block_size"
+            )
+        self._pending.append(_Update(step, parts=[records.clone()]))
+        self.flush()  # lag=0 applies it now; lag=1 at the next observe, as the run that saved it would have
 
 
 def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> torch.Tensor:
