@@ -795,7 +795,7 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     cache) is removed once nothing in it changed for a day (one a day old but for a minute stays); a dead
     builder's of this host once it is 10 minutes old; a hidden dir not named like a temp dir never."""
     from lit_dtrain.data.corpus import STALE_TEMP_SECONDS
-    from lit_dtrain.data.corpus import _host as _host_tag
+    from lit_dtrain.data.token_cache import _host as _host_tag
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -989,7 +989,7 @@ def test_the_token_cache_is_built_one_document_at_a_time(tmp_path):
 def _is_val(data: bytes, val_fraction: float) -> bool:
     import hashlib
 
-    from lit_dtrain.data.corpus import _is_val_doc
+    from lit_dtrain.data.token_cache import _is_val_doc
 
     return _is_val_doc(hashlib.sha256(data).digest(), val_fraction)
 
@@ -997,11 +997,12 @@ def _is_val(data: bytes, val_fraction: float) -> bool:
 def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, monkeypatch):
     """The build reads each file twice (to hash it, then to tokenize it): bytes that changed in between would be
     cached under the key of the old ones, so the build stops, naming the file."""
-    import lit_dtrain.data.corpus as corpus_mod
+    import lit_dtrain.data.reading as reading_mod
+    import lit_dtrain.data.token_cache as token_cache_mod
 
     corpus = make_corpus(tmp_path / "c", n_files=3, size=2000)
     reads = {}
-    real_chunks = corpus_mod._chunks
+    real_chunks = reading_mod._chunks
 
     def chunks(path):
         reads[path] = reads.get(path, 0) + 1
@@ -1009,7 +1010,8 @@ def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, m
         if path.name == "doc_001.txt" and reads[path] == 2:
             yield b"appended meanwhile"
 
-    monkeypatch.setattr(corpus_mod, "_chunks", chunks)
+    monkeypatch.setattr(reading_mod, "_chunks", chunks)  # the hashing read
+    monkeypatch.setattr(token_cache_mod, "_chunks", chunks)  # the tokenizing read
     with pytest.raises(CorpusError, match=r"doc_001.txt' changed while the token cache of data source 't' was built"):
         build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c2", 33)
     assert list((tmp_path / "c2").iterdir()) == []
@@ -1122,11 +1124,11 @@ def test_a_huge_file_is_hashed_and_tokenized_in_chunks(tmp_path, monkeypatch):
     Files are now read in chunks (the byte tokenizer encodes byte by byte, so chunks encode as the whole does)."""
     import tracemalloc
 
-    import lit_dtrain.data.corpus as corpus_mod
+    import lit_dtrain.data.reading as reading_mod
 
     big = tmp_path / "big.txt"
     big.write_bytes(("héllo wörld\r\n" * 300_000).encode())  # 4.2 MB, one document
-    monkeypatch.setattr(corpus_mod, "READ_CHUNK_BYTES", 1 << 16, raising=False)
+    monkeypatch.setattr(reading_mod, "READ_CHUNK_BYTES", 1 << 16, raising=False)
     tracemalloc.start()
     try:
         splits = build_token_cache(CorpusSource(name="t", kind="files", paths=[str(big)]), tmp_path / "cache", 33,
