@@ -1101,14 +1101,14 @@ def test_unigram_entropy_counts_tokens_in_chunks(tmp_path, monkeypatch):
     finished. It counts in chunks now, with the same value."""
     import tracemalloc
 
-    import lit_dtrain.data.datamodule as dm_mod
+    import lit_dtrain.data.windows as windows_mod
 
     dm = dm_for(make_corpus(tmp_path / "c", n_files=20, size=20_000), tmp_path, val_fraction=0.1)
     stream = np.asarray(dm.splits[0].train)
     assert len(stream) > 300_000
     counts = np.bincount(stream, minlength=dm.tokenizer.vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
-    monkeypatch.setattr(dm_mod, "COUNT_CHUNK_TOKENS", 4096, raising=False)
+    monkeypatch.setattr(windows_mod, "COUNT_CHUNK_TOKENS", 4096, raising=False)
     tracemalloc.start()
     try:
         value = dm.unigram_entropy()
