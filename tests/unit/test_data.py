@@ -352,7 +352,8 @@ def test_errors_name_the_problem(tmp_path):
 
 
 def test_directory_sources_leave_out_hidden_paths_and_warn_about_binary_files(tmp_path, caplog):
-    from lit_dtrain.data.corpus import CorpusSource, build_token_cache, resolve_files
+    from lit_dtrain.data.corpus import CorpusSource, resolve_files
+    from lit_dtrain.data.token_cache import build_token_cache
 
     repo = tmp_path / "repo"
     (repo / "src").mkdir(parents=True)
@@ -705,6 +706,7 @@ def test_without_exclusions_a_mixture_draws_the_batches_of_before():
 _SLOW_BUILD = """
 import os, pathlib, sys, time
 import lit_dtrain.data.corpus as corpus
+import lit_dtrain.data.token_cache as token_cache
 real_fsync = os.fsync
 def slow_fsync(fd):  # the build is inside its temp dir now: say so, then wait for the release file
     pathlib.Path(sys.argv[3]).touch()
@@ -712,8 +714,8 @@ def slow_fsync(fd):  # the build is inside its temp dir now: say so, then wait f
         time.sleep(0.05)
     real_fsync(fd)
 corpus.os.fsync = slow_fsync
-corpus.build_token_cache(corpus.CorpusSource(name="t", kind="files", paths=[sys.argv[1]]), sys.argv[2], 33,
-                         progress=False)
+token_cache.build_token_cache(corpus.CorpusSource(name="t", kind="files", paths=[sys.argv[1]]), sys.argv[2], 33,
+                              progress=False)
 """
 
 
@@ -742,7 +744,7 @@ def test_a_killed_cache_build_leaves_no_temp_dir_behind_after_the_next_build(cor
     """A SIGKILLed build (OOM killer, scancel) left its hidden temp dir (a full copy of the token streams) in
     the cache dir forever. A later build removes temp dirs whose builder (on this host) is dead, once nothing in
     them changed for 10 minutes."""
-    from lit_dtrain.data.corpus import STALE_DEAD_OWNER_SECONDS
+    from lit_dtrain.data.token_cache import STALE_DEAD_OWNER_SECONDS
 
     cache = tmp_path / "cache"
     proc = _slow_builder(corpus, cache, tmp_path / "marker", tmp_path / "never")
@@ -794,7 +796,7 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     """A temp dir whose builder cannot be checked (named by the earlier code, or by another host sharing the
     cache) is removed once nothing in it changed for a day (one a day old but for a minute stays); a dead
     builder's of this host once it is 10 minutes old; a hidden dir not named like a temp dir never."""
-    from lit_dtrain.data.corpus import STALE_TEMP_SECONDS
+    from lit_dtrain.data.token_cache import STALE_TEMP_SECONDS
     from lit_dtrain.data.token_cache import _host as _host_tag
 
     cache = tmp_path / "cache"
@@ -1143,7 +1145,8 @@ def test_a_huge_file_is_hashed_and_tokenized_in_chunks(tmp_path, monkeypatch):
 
 def cache_of_dir(corpus):
     """The token cache of one 'files' source over ``corpus`` (windows of 9 tokens), built beside it."""
-    from lit_dtrain.data.corpus import CorpusSource, build_token_cache
+    from lit_dtrain.data.corpus import CorpusSource
+    from lit_dtrain.data.token_cache import build_token_cache
 
     source = CorpusSource(name="x", kind="files", paths=[str(corpus)])
     return build_token_cache(source, corpus.parent / "cache", min_tokens=9, progress=False)

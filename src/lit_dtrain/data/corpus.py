@@ -266,15 +266,3 @@ def _file_identity(path: Path) -> object:
     except OSError:  # gone meanwhile: reading it names it
         return os.path.realpath(path)
     return (st.st_dev, st.st_ino) if st.st_nlink > 1 else os.path.realpath(path)
-
-
-# The names of the token cache and of reading files, importable from this module as they were before they moved out
-# of it. At the end: those modules import CorpusError, CorpusSource and resolve_files from this one.
-from lit_dtrain.data.reading import READ_CHUNK_BYTES, wide_encoding  # noqa: E402, F401
-from lit_dtrain.data.token_cache import (  # noqa: E402, F401
-    CACHE_FORMAT,
-    STALE_DEAD_OWNER_SECONDS,
-    STALE_TEMP_SECONDS,
-    TokenSplits,
-    build_token_cache,
-)

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, TokenSplits, build_token_cache, check_source_name
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
+from lit_dtrain.data.token_cache import TokenSplits, build_token_cache
 from lit_dtrain.data.tokenizer import ByteTokenizer
-from lit_dtrain.data.windows import (  # noqa: F401  (COUNT_CHUNK_TOKENS: importable from here as before it moved)
-    COUNT_CHUNK_TOKENS,
+from lit_dtrain.data.windows import (
     WindowSet,
     _cache_key,
     _ValWindows,
