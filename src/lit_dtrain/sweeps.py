@@ -1,7 +1,8 @@
-"""Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`, :func:`logs_a_failed_job`), so that any
-Hydra entry point calling it gets them, not only the root ``train.py``. They read Hydra's runtime config and are
-no-ops without one (``train(cfg)`` called from plain Python). :func:`reports_user_errors` is for an entry point
-itself (the root ``train.py``): it reports a bad input in one line instead of a traceback."""
+"""Hydra sweep checks that ``train(cfg)`` runs itself (:func:`sweep_checks`, :func:`logs_a_failed_job`, and
+:func:`pin_sweep_dir` for a multirun under DDP), so that any Hydra entry point calling it gets them, not only the root
+``train.py``. They read Hydra's runtime config and are no-ops without one (``train(cfg)`` called from plain Python).
+:func:`reports_user_errors` is for an entry point itself (the root ``train.py``): it reports a bad input in one line
+instead of a traceback."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def sweep_checks(cfg: DictConfig) -> None:
             " ".join(f"{k}={v}" for k, v in grid.items()),
         )
     check_resumed_job(cfg)
+
+
+def pin_sweep_dir() -> None:
+    """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
+    sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
+    ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
+    later-timestamped multirun folder. A no-op outside a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
 
 
 def logs_a_failed_job(train_fn):
@@ -135,7 +148,7 @@ class ResumeSweepCheck(Callback):
     start left a sweep of nothing behind in ``outputs/multiruns``, which ``scripts/compare_runs.py`` listed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from lit_dtrain.train import _created_by_this_start, new_sweep_dir_error
+        from lit_dtrain.resume import _created_by_this_start, new_sweep_dir_error
 
         if OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False) != "auto":
             return

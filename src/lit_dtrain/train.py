@@ -1,6 +1,10 @@
 """``train(cfg)``: build everything from a composed Hydra config, fit, validate, summarize.
 
-A plain function (as in lightning-hydra-template) so tests and other programs can call it directly.
+A plain function (as in lightning-hydra-template) so tests and other programs can call it directly. Its parts
+are modules of their own: the config checks (``lit_dtrain.config_checks``), the checkpoint a start
+continues from (``lit_dtrain.resume``), the callbacks it adds (``lit_dtrain.train_callbacks``) and its exit on
+SIGTERM (``lit_dtrain.sigterm_exit``). The public names among them that were defined here are importable from
+here too.
 """
 
 from __future__ import annotations
@@ -10,12 +14,8 @@ import json
 import logging
 import math
 import os
-import re
 import signal
-import threading
 import time
-import warnings
-from datetime import datetime
 from pathlib import Path
 
 import lightning as L
@@ -29,13 +29,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
-from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
 from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
-    checkpoint_files,
     checkpoint_global_step,
-    not_a_file_reason,
     remove_stale_temp_files,
     safe_torch_load,
     state_dict_mismatch,
@@ -47,10 +44,16 @@ from lit_dtrain.config_checks import (
     warn_about_torchrun_restarts,
     warn_if_the_schedule_ends_early,
 )
-from lit_dtrain.config_resolvers import RequiredValueError, launch_run_name
+from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
+from lit_dtrain.resume import (
+    check_optimizer_state,
+    check_start_step,
+    new_sweep_dir_error,  # noqa: F401  (importable from here, as before it moved)
+    resolve_ckpt_path,
+)
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
     check_init_from,
@@ -58,7 +61,14 @@ from lit_dtrain.schedules.workflows import (
     load_model_weights,
     warn_if_the_resume_jumps_up,
 )
-from lit_dtrain.sweeps import logs_a_failed_job, sweep_checks
+from lit_dtrain.sigterm_exit import (
+    PREEMPTED_EXIT_STATUS,  # noqa: F401  (importable from here, as before it moved)
+    _HoldSigtermInValidate,
+    _sigterm_after_the_last_step,
+    _stopped_by_sigterm,
+)
+from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
+from lit_dtrain.train_callbacks import _LogStepSync, _TrainClock, _ValLimitCheck
 from lit_dtrain.utils.atomic import write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
@@ -66,32 +76,9 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     is_collective_failure,
 )
+from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
-
-
-class _DropLightningTips(logging.Filter):
-    """Drop Lightning's '💡 Tip: ... try installing litlogger/litmodels' adverts (printed on every run)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
-
-
-def quiet_lightning_noise() -> None:
-    """Silence messages every run prints that a user cannot act on (idempotent).
-
-    - Lightning's litlogger / litmodels adverts;
-    - torch's FutureWarning about ``LeafSpec``, raised inside Lightning's own ``_pytree`` helper;
-    - Lightning's "use sync_dist=True" hint for ``val/*``: LitLLM logs values of torchmetrics metrics, whose
-      ``compute()`` has already reduced them over the ranks.
-    """
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
-            logger.addFilter(_DropLightningTips())
-    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
 
 
 class CollectiveError(RuntimeError):
@@ -126,202 +113,6 @@ def _state_dict_mismatch(ckpt_path, module) -> str | None:
         return state_dict_mismatch(safe_torch_load(ckpt_path, mmap=True)["state_dict"], module.state_dict())
     except Exception:  # only a better message for an error being raised already
         return None
-
-
-PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
-
-
-def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
-    """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
-    status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
-    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved
-    (``saved_last``: train() saved the final ``last.ckpt``)."""
-    if saved_last:
-        log.warning(
-            "stopped by SIGTERM after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
-            "writes summary.json",
-            trainer.global_step,
-        )
-    elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
-        log.warning(
-            "stopped by SIGTERM at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
-            "resume=auto continues from the last validation's checkpoint, if any",
-            trainer.global_step,
-        )
-    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
-    return PREEMPTED_EXIT_STATUS
-
-
-def _sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
-    """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
-    handler only records it (it saves at the end of a batch, and none ends after the last validation), and
-    Lightning's flag is read before validation batches but the last; or during ``train()``'s final validation,
-    which :class:`_HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
-    or none."""
-    pending = trainer.received_sigterm or any(
-        isinstance(c, (PreemptionCheckpoint, _HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
-    )
-    return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
-
-
-_DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
-
-
-def _default_run_name(cfg: DictConfig) -> bool:
-    """Whether ``run_name`` is still conf/train.yaml's default (the ``${now:...}`` timestamp, or a launcher's id), i.e.
-    nobody gave one (a name given on the command line replaces the interpolation, even one that looks like it)."""
-    raw = OmegaConf.to_container(cfg, resolve=False).get("run_name")
-    return isinstance(raw, str) and "${now:" in raw
-
-
-_IMPORTED_AT = time.time()  # before Hydra resolves ${now:...} for this start's sweep dir
-
-
-def _created_by_this_start(sweep_dir: Path, hydra_overrides: list[str] | None = None) -> bool:
-    """Whether ``sweep_dir`` is the default sweep dir (conf/hydra: ``<time>.%f``) of this very start (not one given
-    with ``hydra.sweep.dir``): its timestamp is not older than this process's import of lit_dtrain.train. Under
-    srun/torchrun the default is the launch's id (as ``run_name``'s), the same on every rank and again on a
-    re-launch with that id (a requeued SLURM job, a fixed ``--rdzv-id``): such a dir is this start's while none of
-    its jobs holds a checkpoint (every rank sees the same: a job's checkpoints are written after all ranks
-    passed this check, and before any rank starts the next job). ``hydra_overrides``: Hydra's own overrides of this
-    start, where its runtime config is not set yet (default: read from it)."""
-    launch = launch_run_name("")
-    if launch:
-        given = _sweep_dir_given(hydra_overrides)
-        return sweep_dir.name == launch and not given and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
-    if not re.fullmatch(rf"{_DEFAULT_RUN_NAME}\.\d{{6}}", sweep_dir.name):
-        return False
-    started = datetime.strptime(sweep_dir.name, "%Y-%m-%d_%H-%M-%S.%f").timestamp()
-    return started >= _IMPORTED_AT - 1.0
-
-
-def _sweep_dir_given(hydra_overrides: list[str] | None = None) -> bool:
-    """Whether ``hydra.sweep.dir`` was set on the command line: among ``hydra_overrides`` (Hydra's own overrides),
-    by default among those of Hydra's runtime config (False outside Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if hydra_overrides is None:
-        if not HydraConfig.initialized():
-            return False
-        hydra_overrides = list(HydraConfig.get().overrides.hydra)
-    return any(str(o).lstrip("+~").split("=")[0] == "hydra.sweep.dir" for o in hydra_overrides)
-
-
-def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
-    """The refusal of ``resume=auto`` in a multirun whose sweep dir is this start's new one (nothing to resume)."""
-    return ConfigError(
-        f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "
-        f"writes a new sweep dir {str(sweep_dir)!r} that holds no checkpoint. Re-run the same -m arguments "
-        "with hydra.sweep.dir=<outputs/multiruns/<time or launch id> of that sweep>: job N resumes "
-        "<sweep dir>/N"
-    )
-
-
-def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
-    None. Reads each file's ``global_step`` only (mmap: milliseconds for any size)."""
-    steps = {}
-    for p in sorted(ckpt_dir.glob("*.ckpt")):
-        try:
-            steps[p] = checkpoint_global_step(p)
-        except CheckpointError as e:
-            log.warning("resume=auto: skipping %s", e)
-    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
-
-
-def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of this run dir when ``resume=auto``."""
-    if cfg.get("ckpt_path"):
-        path = Path(str(cfg.ckpt_path)).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
-        return str(path)
-    ckpt_dir = Path(cfg.paths.checkpoint_dir)
-    if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
-        # ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a
-        # validation behind. Resuming from it redid those steps and saved the step file again as '<name>-v1.ckpt',
-        # leaving the first one behind for good (the resumed ModelCheckpoint state did not know it).
-        newest = _newest_step_checkpoint(ckpt_dir)
-        if newest is not None and newest.name != "last.ckpt":
-            log.warning("resume=auto: %s is newer than %s, resuming from it", newest, ckpt_dir / "last.ckpt")
-            return str(newest)
-        return str(ckpt_dir / "last.ckpt")
-    earlier = checkpoint_files(ckpt_dir)
-    if earlier and cfg.get("resume") == "auto":
-        # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
-        # (ModelCheckpoint writes the step file first). Continue from the newest intact one.
-        newest = _newest_step_checkpoint(ckpt_dir)
-        if newest is not None:
-            log.warning("resume=auto: no %s, resuming from the newest checkpoint %s", ckpt_dir / "last.ckpt", newest)
-            return str(newest)
-    if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
-        raise ConfigError(
-            f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
-            f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or choose "
-            "another run_name"
-        )
-    if cfg.get("resume") == "auto":
-        run_name = str(cfg.get("run_name"))
-        requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
-        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
-            # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
-            raise ConfigError(
-                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
-                f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
-                "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
-            )
-        sweep_dir = Path(str(cfg.paths.output_dir)).parent
-        if _created_by_this_start(sweep_dir):
-            # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
-            # id): nothing to resume. (conf/hydra's ResumeSweepCheck refuses it before Hydra creates that dir.)
-            raise new_sweep_dir_error(sweep_dir)
-        log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
-    return None
-
-
-def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) -> None:
-    """A checkpoint past ``trainer.max_steps`` leaves nothing to train: refuse it instead of validating it and
-    reporting its step as if this run had been asked for it (at ``max_steps`` it is a finished run: validated)."""
-    max_steps = cfg.trainer.get("max_steps")
-    if ckpt_path and isinstance(max_steps, int) and start_step > max_steps:
-        raise ConfigError(
-            f"checkpoint {ckpt_path!r} is at step {start_step}, past trainer.max_steps={max_steps}; set "
-            f"trainer.max_steps >= {start_step} to continue it (= {start_step} only validates it)"
-        )
-
-
-_OPTIMIZER_KINDS = {  # configured target -> the per-parameter state it reads on resume
-    "lit_dtrain.optim.adamw": ("torch", "torch AdamW"),
-    "lit_dtrain.optim.adamw8bit": ("bnb", "bitsandbytes 8-bit AdamW"),
-}
-
-
-def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
-    """Refuse resuming a checkpoint whose optimizer state was written by the other AdamW (torch <-> bitsandbytes):
-    Lightning restores it without complaint and the first step fails inside the optimizer (``KeyError: 'state1'``
-    in bitsandbytes, ``KeyError: 'exp_avg'`` in torch)."""
-    configured = _OPTIMIZER_KINDS.get(str(cfg.optimizer.get("_target_")))
-    if configured is None:
-        return
-    ckpt = safe_torch_load(ckpt_path, mmap=True)
-    saved = None
-    for opt_state in ckpt.get("optimizer_states") or []:
-        for param_state in (opt_state.get("state") or {}).values() if isinstance(opt_state, dict) else []:
-            keys = set(param_state) if isinstance(param_state, dict) else set()
-            if "exp_avg" in keys:
-                saved = ("torch", "torch AdamW")
-            elif "state1" in keys or any(str(k).startswith("__bnb") for k in keys):
-                saved = ("bnb", "bitsandbytes 8-bit AdamW")
-            if saved:
-                break
-        if saved:
-            break
-    if saved is not None and saved[0] != configured[0]:
-        name = cfg.optimizer._target_.rsplit(".", 1)[-1]
-        raise ConfigError(
-            f"checkpoint {ckpt_path!r} holds {saved[1]} optimizer state, but optimizer={name} is configured; resume "
-            f"with the optimizer it was trained with, or switch with init_from={ckpt_path} (weights only)"
-        )
 
 
 def val_check_in_batches(cfg: DictConfig) -> dict:
@@ -395,110 +186,6 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
     return datamodule.tokenizer.decode(out[0].cpu())
 
 
-class _TrainClock(L.Callback):
-    """When training proper starts (``on_train_start``): after the DDP launch, the process-group rendezvous,
-    data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
-    with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it)."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start = time.perf_counter()
-
-
-class _LogStepSync(L.Callback):
-    """Keeps the step that loggers see equal to ``global_step`` after a resume.
-
-    Lightning logs at its own counter of stepped batches, restored from the checkpoint and bumped by one on
-    restart, on the assumption that the checkpoint was saved inside a training batch. The final ``last.ckpt``
-    that :func:`train` writes after ``fit`` is not, so continuing a finished run (``resume=auto`` with a larger
-    ``trainer.max_steps``) logged every later point one step late (val at 9, 12, 13 instead of 8, 11, 12) and its
-    curves did not line up with a straight run's. With one optimizer (LitLLM) the two counters are equal by
-    construction; this puts them back in line at the first batch, after Lightning's restart bookkeeping."""
-
-    def __init__(self) -> None:
-        self._checked = False
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
-        if self._checked:
-            return
-        self._checked = True
-        loop = trainer.fit_loop.epoch_loop
-        if getattr(loop, "_batches_that_stepped", trainer.global_step) != trainer.global_step:
-            log.debug("logging step %d -> global_step %d", loop._batches_that_stepped, trainer.global_step)
-            loop._batches_that_stepped = trainer.global_step
-
-
-class _ValLimitCheck(L.Callback):
-    """A fractional ``trainer.limit_val_batches`` that leaves a val loader 0 batches: Lightning finds out at the
-    first validation, ``val_check_interval`` steps into the run and before any checkpoint, and stops the run there
-    (0.1 of a 1-batch loader trained 15 steps, then failed and saved nothing). The loaders' sizes are known once
-    the datamodule is set up, so this checks them when the fit starts, before the first step."""
-
-    def __init__(self, limit: float) -> None:
-        self.limit = limit
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        loaders = trainer.datamodule.val_dataloader() if trainer.datamodule is not None else []
-        names = getattr(pl_module, "val_names", None) or [str(i) for i in range(len(loaders))]
-        sizes = {name: len(loader) for name, loader in zip(names, loaders)}
-        empty = {name: n for name, n in sizes.items() if int(n * self.limit) < 1}
-        if empty:
-            raise ConfigError(
-                f"trainer.limit_val_batches={self.limit} leaves no validation batch: it is a fraction of each val "
-                f"loader, and int({self.limit} x batches) is 0 for {empty} (batches per source and rank: {sizes}). "
-                f"Give a fraction >= {_fraction_for_one_batch(min(sizes.values()))}, a number of batches (an int >= "
-                "1), or null for all"
-            )
-
-
-class _HoldSigtermInValidate(L.Callback):
-    """During ``train()``'s final ``trainer.validate`` a SIGTERM is only recorded (``signalled``): the validation
-    finishes on every rank, then ``train()`` has the ranks agree (:func:`_sigterm_after_the_last_step`) and exit with
-    143 together. Lightning's own handler broadcasts from inside the handler, and its evaluation loop stops the
-    signalled rank alone at its next batch: under DDP the other ranks waited for it in the epoch-end metric
-    reduction until ``strategy.collective_timeout_s`` (30 min by default) and failed with a timeout, exit status 1.
-    Inert in fit's validations (``PreemptionCheckpoint`` handles a SIGTERM there) and in a single process, where
-    Lightning's early stop involves no other rank."""
-
-    def __init__(self) -> None:
-        self.signalled = False
-        self._previous_handler = None
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.signalled = True
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        main_thread = threading.current_thread() is threading.main_thread()
-        if trainer.state.fn != "validate" or trainer.world_size == 1 or not main_thread:
-            return
-        self.signalled = trainer.received_sigterm  # one before this hook: Lightning's flag would stop this rank alone
-        trainer._signal_connector.received_sigterm = False
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # after Lightning registered its own
-
-    def _restore_handler(self) -> None:
-        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_handler)
-        self._previous_handler = None
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore_handler()  # after the epoch-end metric reduction
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore_handler()
-
-
-def _fraction_for_one_batch(batches: int) -> str:
-    """The smallest fraction, to 3 significant digits, that leaves a loader of ``batches`` one batch by Lightning's
-    count ``int(batches * fraction)``: 1 / batches rounded up (0.334 of 3; 0.333 gives 0, as 1 / 49 does of 49)."""
-    decimals = max(0, 2 - math.floor(math.log10(1 / batches)))
-    units = -(-(10**decimals) // batches)  # ceil(10**decimals / batches)
-    while int(batches * float(text := f"{units / 10**decimals:.{decimals}f}")) < 1:
-        units += 1
-    return text.rstrip("0").rstrip(".") if "." in text else text  # 0.5 of 2, not 0.500
-
-
 def save_trained_overrides(out_dir: Path) -> None:
     """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` (a no-op outside Hydra). Hydra writes
     ``.hydra/overrides.yaml`` at every start, before the job runs: a start that a check refused in a run dir
@@ -510,18 +197,6 @@ def save_trained_overrides(out_dir: Path) -> None:
     if HydraConfig.initialized():
         overrides = HydraConfig.get().overrides.task
         write_atomically(out_dir / "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
-
-
-def pin_sweep_dir() -> None:
-    """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
-    sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
-    ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
-    later-timestamped multirun folder. A no-op outside a Hydra multirun."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
 
 
 @logs_a_failed_job  # a sweep job's error, in its log: any Hydra app calling train(cfg) gets it

@@ -567,7 +567,8 @@ def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path
     """It names the launch, not a run to continue: resume=auto still needs run_name=..."""
     from omegaconf import open_dict
 
-    from lit_dtrain.train import _default_run_name, resolve_ckpt_path
+    from lit_dtrain.resume import _default_run_name
+    from lit_dtrain.train import resolve_ckpt_path
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -589,7 +590,8 @@ def test_resume_auto_under_srun_continues_the_requeued_job_in_its_default_run_di
     still refused (previous test)."""
     from omegaconf import open_dict
 
-    from lit_dtrain.train import _default_run_name, resolve_ckpt_path
+    from lit_dtrain.resume import _default_run_name
+    from lit_dtrain.train import resolve_ckpt_path
 
     for key, value in {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}.items():
         monkeypatch.setenv(key, value)
@@ -706,7 +708,7 @@ def test_the_smallest_val_fraction_a_refusal_suggests_keeps_a_batch(batches):
     batches (Lightning's count) and is refused again; 1 / 49 fails even unrounded (49 x (1/49) < 1 in floats)."""
     from types import SimpleNamespace
 
-    from lit_dtrain.train import _ValLimitCheck
+    from lit_dtrain.train_callbacks import _ValLimitCheck
 
     loaders = [range(batches), range(3 * batches)]  # 0.5 / batches leaves the large one a batch
     trainer = SimpleNamespace(datamodule=SimpleNamespace(val_dataloader=lambda: loaders))

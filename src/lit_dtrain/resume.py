@@ -1,0 +1,193 @@
+"""Which checkpoint a start of ``train(cfg)`` continues from, and the checks of it before any compute.
+
+- :func:`resolve_ckpt_path`: ``ckpt_path``, or with ``resume=auto`` the newest readable checkpoint of the run dir
+  (``last.ckpt`` among equals); a fresh start in a run dir that holds checkpoints is refused, and so is
+  ``resume=auto`` where nothing can be resumed (a default ``run_name``, a multirun's new sweep dir:
+  :func:`new_sweep_dir_error`, which ``lit_dtrain.sweeps.ResumeSweepCheck`` raises too);
+- :func:`check_start_step` and :func:`check_optimizer_state`: a checkpoint past ``trainer.max_steps``, or one whose
+  optimizer state the configured optimizer cannot read.
+
+``lit_dtrain.train`` runs them; they are importable from there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from lit_dtrain.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    checkpoint_global_step,
+    not_a_file_reason,
+    safe_torch_load,
+)
+from lit_dtrain.config_resolvers import launch_run_name
+from lit_dtrain.errors import ConfigError
+
+log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
+
+
+_DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
+
+
+def _default_run_name(cfg: DictConfig) -> bool:
+    """Whether ``run_name`` is still conf/train.yaml's default (the ``${now:...}`` timestamp, or a launcher's id), i.e.
+    nobody gave one (a name given on the command line replaces the interpolation, even one that looks like it)."""
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_name")
+    return isinstance(raw, str) and "${now:" in raw
+
+
+_IMPORTED_AT = time.time()  # before Hydra resolves ${now:...} for this start's sweep dir
+
+
+def _created_by_this_start(sweep_dir: Path, hydra_overrides: list[str] | None = None) -> bool:
+    """Whether ``sweep_dir`` is the default sweep dir (conf/hydra: ``<time>.%f``) of this very start (not one given
+    with ``hydra.sweep.dir``): its timestamp is not older than this process's import of lit_dtrain.resume (which
+    lit_dtrain.train imports). Under srun/torchrun the default is the launch's id (as ``run_name``'s), the same on
+    every rank and again on a re-launch with that id (a requeued SLURM job, a fixed ``--rdzv-id``): such a dir is
+    this start's while none of its jobs holds a checkpoint (every rank sees the same: a job's checkpoints are written
+    after all ranks passed this check, and before any rank starts the next job). ``hydra_overrides``: Hydra's own
+    overrides of this start, where its runtime config is not set yet (default: read from it)."""
+    launch = launch_run_name("")
+    if launch:
+        given = _sweep_dir_given(hydra_overrides)
+        return sweep_dir.name == launch and not given and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
+    if not re.fullmatch(rf"{_DEFAULT_RUN_NAME}\.\d{{6}}", sweep_dir.name):
+        return False
+    started = datetime.strptime(sweep_dir.name, "%Y-%m-%d_%H-%M-%S.%f").timestamp()
+    return started >= _IMPORTED_AT - 1.0
+
+
+def _sweep_dir_given(hydra_overrides: list[str] | None = None) -> bool:
+    """Whether ``hydra.sweep.dir`` was set on the command line: among ``hydra_overrides`` (Hydra's own overrides),
+    by default among those of Hydra's runtime config (False outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if hydra_overrides is None:
+        if not HydraConfig.initialized():
+            return False
+        hydra_overrides = list(HydraConfig.get().overrides.hydra)
+    return any(str(o).lstrip("+~").split("=")[0] == "hydra.sweep.dir" for o in hydra_overrides)
+
+
+def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
+    """The refusal of ``resume=auto`` in a multirun whose sweep dir is this start's new one (nothing to resume)."""
+    return ConfigError(
+        f"resume=auto in a multirun needs hydra.sweep.dir=<the sweep to continue>: without it this start "
+        f"writes a new sweep dir {str(sweep_dir)!r} that holds no checkpoint. Re-run the same -m arguments "
+        "with hydra.sweep.dir=<outputs/multiruns/<time or launch id> of that sweep>: job N resumes "
+        "<sweep dir>/N"
+    )
+
+
+def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
+    None. Reads each file's ``global_step`` only (mmap: milliseconds for any size)."""
+    steps = {}
+    for p in sorted(ckpt_dir.glob("*.ckpt")):
+        try:
+            steps[p] = checkpoint_global_step(p)
+        except CheckpointError as e:
+            log.warning("resume=auto: skipping %s", e)
+    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of this run dir when ``resume=auto``."""
+    if cfg.get("ckpt_path"):
+        path = Path(str(cfg.ckpt_path)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
+        return str(path)
+    ckpt_dir = Path(cfg.paths.checkpoint_dir)
+    if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
+        # ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a
+        # validation behind. Resuming from it redid those steps and saved the step file again as '<name>-v1.ckpt',
+        # leaving the first one behind for good (the resumed ModelCheckpoint state did not know it).
+        newest = _newest_step_checkpoint(ckpt_dir)
+        if newest is not None and newest.name != "last.ckpt":
+            log.warning("resume=auto: %s is newer than %s, resuming from it", newest, ckpt_dir / "last.ckpt")
+            return str(newest)
+        return str(ckpt_dir / "last.ckpt")
+    earlier = checkpoint_files(ckpt_dir)
+    if earlier and cfg.get("resume") == "auto":
+        # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
+        # (ModelCheckpoint writes the step file first). Continue from the newest intact one.
+        newest = _newest_step_checkpoint(ckpt_dir)
+        if newest is not None:
+            log.warning("resume=auto: no %s, resuming from the newest checkpoint %s", ckpt_dir / "last.ckpt", newest)
+            return str(newest)
+    if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
+        raise ConfigError(
+            f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+            f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or choose "
+            "another run_name"
+        )
+    if cfg.get("resume") == "auto":
+        run_name = str(cfg.get("run_name"))
+        requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
+        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
+            # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
+            raise ConfigError(
+                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
+                f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
+                "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
+            )
+        sweep_dir = Path(str(cfg.paths.output_dir)).parent
+        if _created_by_this_start(sweep_dir):
+            # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
+            # id): nothing to resume. (conf/hydra's ResumeSweepCheck refuses it before Hydra creates that dir.)
+            raise new_sweep_dir_error(sweep_dir)
+        log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
+    return None
+
+
+def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) -> None:
+    """A checkpoint past ``trainer.max_steps`` leaves nothing to train: refuse it instead of validating it and
+    reporting its step as if this run had been asked for it (at ``max_steps`` it is a finished run: validated)."""
+    max_steps = cfg.trainer.get("max_steps")
+    if ckpt_path and isinstance(max_steps, int) and start_step > max_steps:
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} is at step {start_step}, past trainer.max_steps={max_steps}; set "
+            f"trainer.max_steps >= {start_step} to continue it (= {start_step} only validates it)"
+        )
+
+
+_OPTIMIZER_KINDS = {  # configured target -> the per-parameter state it reads on resume
+    "lit_dtrain.optim.adamw": ("torch", "torch AdamW"),
+    "lit_dtrain.optim.adamw8bit": ("bnb", "bitsandbytes 8-bit AdamW"),
+}
+
+
+def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
+    """Refuse resuming a checkpoint whose optimizer state was written by the other AdamW (torch <-> bitsandbytes):
+    Lightning restores it without complaint and the first step fails inside the optimizer (``KeyError: 'state1'``
+    in bitsandbytes, ``KeyError: 'exp_avg'`` in torch)."""
+    configured = _OPTIMIZER_KINDS.get(str(cfg.optimizer.get("_target_")))
+    if configured is None:
+        return
+    ckpt = safe_torch_load(ckpt_path, mmap=True)
+    saved = None
+    for opt_state in ckpt.get("optimizer_states") or []:
+        for param_state in (opt_state.get("state") or {}).values() if isinstance(opt_state, dict) else []:
+            keys = set(param_state) if isinstance(param_state, dict) else set()
+            if "exp_avg" in keys:
+                saved = ("torch", "torch AdamW")
+            elif "state1" in keys or any(str(k).startswith("__bnb") for k in keys):
+                saved = ("bnb", "bitsandbytes 8-bit AdamW")
+            if saved:
+                break
+        if saved:
+            break
+    if saved is not None and saved[0] != configured[0]:
+        name = cfg.optimizer._target_.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} holds {saved[1]} optimizer state, but optimizer={name} is configured; resume "
+            f"with the optimizer it was trained with, or switch with init_from={ckpt_path} (weights only)"
+        )

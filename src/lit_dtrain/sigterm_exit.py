@@ -1,0 +1,92 @@
+"""How ``train(cfg)`` ends when SIGTERM stops it: with exit status 143 (:data:`PREEMPTED_EXIT_STATUS`), not
+Lightning's 0, on every rank together.
+
+``lit_dtrain.callbacks.PreemptionCheckpoint`` saves a checkpoint during ``fit``; this module is ``train()``'s side:
+the exit status and its log lines (:func:`_stopped_by_sigterm`), a signal that came during the last validation,
+which nothing acted on (:func:`_sigterm_after_the_last_step`), and the callback that holds a SIGTERM back during
+``train()``'s final ``trainer.validate`` until every rank has finished it (:class:`_HoldSigtermInValidate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import lightning as L
+
+from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
+
+log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
+
+
+PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
+
+
+def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
+    """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
+    status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
+    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved
+    (``saved_last``: train() saved the final ``last.ckpt``)."""
+    if saved_last:
+        log.warning(
+            "stopped by SIGTERM after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
+            "writes summary.json",
+            trainer.global_step,
+        )
+    elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
+        log.warning(
+            "stopped by SIGTERM at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
+            "resume=auto continues from the last validation's checkpoint, if any",
+            trainer.global_step,
+        )
+    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
+    return PREEMPTED_EXIT_STATUS
+
+
+def _sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
+    """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
+    handler only records it (it saves at the end of a batch, and none ends after the last validation), and
+    Lightning's flag is read before validation batches but the last; or during ``train()``'s final validation,
+    which :class:`_HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
+    or none."""
+    pending = trainer.received_sigterm or any(
+        isinstance(c, (PreemptionCheckpoint, _HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
+    )
+    return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
+
+
+class _HoldSigtermInValidate(L.Callback):
+    """During ``train()``'s final ``trainer.validate`` a SIGTERM is only recorded (``signalled``): the validation
+    finishes on every rank, then ``train()`` has the ranks agree (:func:`_sigterm_after_the_last_step`) and exit with
+    143 together. Lightning's own handler broadcasts from inside the handler, and its evaluation loop stops the
+    signalled rank alone at its next batch: under DDP the other ranks waited for it in the epoch-end metric
+    reduction until ``strategy.collective_timeout_s`` (30 min by default) and failed with a timeout, exit status 1.
+    Inert in fit's validations (``PreemptionCheckpoint`` handles a SIGTERM there) and in a single process, where
+    Lightning's early stop involves no other rank."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signalled = True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        main_thread = threading.current_thread() is threading.main_thread()
+        if trainer.state.fn != "validate" or trainer.world_size == 1 or not main_thread:
+            return
+        self.signalled = trainer.received_sigterm  # one before this hook: Lightning's flag would stop this rank alone
+        trainer._signal_connector.received_sigterm = False
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)  # after Lightning registered its own
+
+    def _restore_handler(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handler()  # after the epoch-end metric reduction
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore_handler()

@@ -1,0 +1,84 @@
+"""The callbacks that ``train(cfg)`` adds to the configured ones: :class:`_TrainClock` (when training proper starts,
+for ``tokens_per_sec``), :class:`_LogStepSync` (the step loggers see, after a resume) and :class:`_ValLimitCheck`
+(a fractional ``trainer.limit_val_batches`` that leaves a val loader no batch, refused before the first step).
+``lit_dtrain.sigterm_exit._HoldSigtermInValidate`` is the fourth."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import lightning as L
+
+from lit_dtrain.errors import ConfigError
+
+log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
+
+
+class _TrainClock(L.Callback):
+    """When training proper starts (``on_train_start``): after the DDP launch, the process-group rendezvous,
+    data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
+    with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+
+class _LogStepSync(L.Callback):
+    """Keeps the step that loggers see equal to ``global_step`` after a resume.
+
+    Lightning logs at its own counter of stepped batches, restored from the checkpoint and bumped by one on
+    restart, on the assumption that the checkpoint was saved inside a training batch. The final ``last.ckpt``
+    that :func:`train` writes after ``fit`` is not, so continuing a finished run (``resume=auto`` with a larger
+    ``trainer.max_steps``) logged every later point one step late (val at 9, 12, 13 instead of 8, 11, 12) and its
+    curves did not line up with a straight run's. With one optimizer (LitLLM) the two counters are equal by
+    construction; this puts them back in line at the first batch, after Lightning's restart bookkeeping."""
+
+    def __init__(self) -> None:
+        self._checked = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        loop = trainer.fit_loop.epoch_loop
+        if getattr(loop, "_batches_that_stepped", trainer.global_step) != trainer.global_step:
+            log.debug("logging step %d -> global_step %d", loop._batches_that_stepped, trainer.global_step)
+            loop._batches_that_stepped = trainer.global_step
+
+
+class _ValLimitCheck(L.Callback):
+    """A fractional ``trainer.limit_val_batches`` that leaves a val loader 0 batches: Lightning finds out at the
+    first validation, ``val_check_interval`` steps into the run and before any checkpoint, and stops the run there
+    (0.1 of a 1-batch loader trained 15 steps, then failed and saved nothing). The loaders' sizes are known once
+    the datamodule is set up, so this checks them when the fit starts, before the first step."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loaders = trainer.datamodule.val_dataloader() if trainer.datamodule is not None else []
+        names = getattr(pl_module, "val_names", None) or [str(i) for i in range(len(loaders))]
+        sizes = {name: len(loader) for name, loader in zip(names, loaders)}
+        empty = {name: n for name, n in sizes.items() if int(n * self.limit) < 1}
+        if empty:
+            raise ConfigError(
+                f"trainer.limit_val_batches={self.limit} leaves no validation batch: it is a fraction of each val "
+                f"loader, and int({self.limit} x batches) is 0 for {empty} (batches per source and rank: {sizes}). "
+                f"Give a fraction >= {_fraction_for_one_batch(min(sizes.values()))}, a number of batches (an int >= "
+                "1), or null for all"
+            )
+
+
+def _fraction_for_one_batch(batches: int) -> str:
+    """The smallest fraction, to 3 significant digits, that leaves a loader of ``batches`` one batch by Lightning's
+    count ``int(batches * fraction)``: 1 / batches rounded up (0.334 of 3; 0.333 gives 0, as 1 / 49 does of 49)."""
+    decimals = max(0, 2 - math.floor(math.log10(1 / batches)))
+    units = -(-(10**decimals) // batches)  # ceil(10**decimals / batches)
+    while int(batches * float(text := f"{units / 10**decimals:.{decimals}f}")) < 1:
+        units += 1
+    return text.rstrip("0").rstrip(".") if "." in text else text  # 0.5 of 2, not 0.500
