@@ -1,187 +1,36 @@
 """Checks of a composed config before any compute, each naming the offending key: types and values
 (:func:`check_config`), every ``_target_`` node's arguments against its class, unknown keys, and warnings for
 settings that would waste a run (a schedule that ends early, torchrun restarts that cannot continue it).
-``lit_dtrain.train`` runs them; they are importable from there too."""
+``lit_dtrain.train`` runs them; they are importable from there too.
+
+The value checks and the warnings are here; :func:`check_config` also runs the key and type checks of
+``lit_dtrain.config_keys`` and the checks of Lightning's choices in ``lit_dtrain.config_lightning``, whose public
+names are importable from here too."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import math
 import os
-import re
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_dtrain.config_keys import (
+    CONFIG_KEYS,  # noqa: F401  (importable from here, as before it moved)
+    check_known_keys,
+    check_target_arguments,
+    check_types,
+)
+from lit_dtrain.config_lightning import (
+    FP16_TINY,  # noqa: F401  (importable from here, as before it moved)
+    check_lightning_choices,
+    check_precision,  # noqa: F401  (importable from here, as before it moved)
+)
 from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-_NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
-    "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
-    "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
-    "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
-    "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,
-    "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
-    "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,
-    "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float,
-}
-
-
-# numbers that must be finite: lr=inf (or weight_decay=inf) made the first update inf, and the run stopped a step
-# later with a NonFiniteError blaming the gradients and saying the weights were still finite; rope_theta=inf and
-# init_std=inf build a model that cannot train. gradient_clip_val=inf is a valid "no clipping".
-_FINITE_KEYS = ("optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "model.rope_theta", "model.norm_eps",
-                "model.init_std")
-
-
-_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
-    "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
-)
-
-
-# The keys of conf/train.yaml that are no class's arguments: its config groups, its own keys, and the keys of its plain
-# sections (tests/unit/test_configs.py keeps this in step with the file). Hydra refuses an unknown key on the command
-# line (struct mode), but a config file (an experiment, @package _global_) adds one without a word: `init_form:` there
-# trained from scratch, `sample: {promt: ...}` or `decay_branch: {step: ...}` did nothing. A _target_ node refuses an
-# unknown key itself (its class takes no such argument); paths.* stays open for a user's own interpolations.
-CONFIG_KEYS = {
-    "": ("model", "data", "optimizer", "scheduler", "callbacks", "strategy", "trainer", "logger", "paths", "hydra",
-         "experiment", "seed", "run_name", "ckpt_path", "resume", "init_from", "decay_branch", "matmul_precision",
-         "module", "sample"),
-    "decay_branch": ("ckpt", "steps"),
-    "module": ("compile", "check_finite"),
-    "sample": ("prompt", "max_new_tokens", "temperature", "top_k"),
-}
-
-
-def check_known_keys(cfg: DictConfig) -> None:
-    """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
-    conf/train.yaml (see ``CONFIG_KEYS``), unless an interpolation reads it: a typo in a config file must not fall
-    back silently to the default."""
-    import difflib
-
-    # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
-    text = OmegaConf.to_yaml(cfg, resolve=False)
-    for section, known in CONFIG_KEYS.items():
-        node = cfg if not section else cfg.get(section)
-        if not isinstance(node, DictConfig):
-            continue
-        for key in map(str, node.keys()):
-            full = f"{section}.{key}" if section else key
-            if key in known or re.search(r"\$\{\s*" + re.escape(full) + r"\s*[.}\[]", text):
-                continue
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
-            where = f"{section} holds only" if section else "the top level holds only"
-            raise ConfigError(f"unknown config key {full!r} (set in a config file, or added with '+'): lit_dtrain "
-                              f"does not read it, so it would be ignored{hint} ({where} {', '.join(sorted(known))})")
-
-
-def check_types(cfg: DictConfig) -> None:
-    """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
-    comparison, or reading 'off' as true."""
-    for key in _BOOL_KEYS:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
-    for key, kind in _NUMERIC_KEYS.items():
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None:
-            continue
-        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-        if not ok or isinstance(value, bool):
-            what = "an integer" if kind is int else "a number"
-            raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
-        if key in _FINITE_KEYS and not math.isfinite(value):
-            raise ConfigError(f"{key} must be a finite number, got {value}")
-
-
-def _flag_or_number(annotation) -> tuple[str, set] | None:
-    """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
-    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
-    ``("number", allowed)`` for ``float`` or ``int | float``; None for any other annotation."""
-    import types
-    import typing
-
-    if annotation is bool:
-        return "bool", set()
-    if annotation is int:
-        return "int", set()
-    if annotation is float:
-        return "number", set()
-    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
-        return None
-    args = typing.get_args(annotation)
-    allowed = {None} if type(None) in args else set()
-    rest = [a for a in args if a is not type(None)]
-    literals = [a for a in rest if typing.get_origin(a) is typing.Literal]
-    for literal in literals:
-        allowed.update(typing.get_args(literal))
-    plain = [a for a in rest if a not in literals]
-    if plain == [bool]:
-        return "bool", allowed
-    if plain == [int] and not literals:
-        return "int", allowed
-    if plain and not literals and all(a in (int, float) for a in plain):
-        return "number", allowed
-    return None
-
-
-def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
-    """Flags and numbers of every ``_target_`` node (data, callbacks, sampler, strategy and codecs, Trainer): a value
-    whose parameter is annotated ``bool`` must be a boolean, one annotated ``int`` an integer, one annotated as a
-    number a number; null only where the annotation allows None. Constructors read flags with ``bool(value)`` or
-    ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or ``stages=maybe`` (strings) counted as true,
-    silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
-    integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
-    ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
-    from typing import get_type_hints
-
-    from hydra.utils import get_object
-
-    node = cfg if node is None else node
-    if isinstance(node, ListConfig):
-        for i in range(len(node)):
-            child = node._get_node(i)
-            if isinstance(child, (DictConfig, ListConfig)):
-                check_target_arguments(cfg, child, f"{path}.{i}" if path else str(i))
-        return
-    if not isinstance(node, DictConfig):
-        return
-    hints: dict = {}
-    if "_target_" in node:
-        try:
-            target = get_object(node._target_)
-            hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
-        except Exception:  # an unimportable target or unresolvable hints: instantiate names it, or nothing to check
-            hints = {}
-    for key in node.keys():
-        key = str(key)
-        if key.startswith("_") or OmegaConf.is_missing(node, key):
-            continue
-        child, full = node._get_node(key), f"{path}.{key}" if path else key
-        if isinstance(child, (DictConfig, ListConfig)):
-            check_target_arguments(cfg, child, full)
-            continue
-        expected = _flag_or_number(hints.get(key))
-        if expected is None:
-            continue
-        kind, allowed = expected
-        value = node[key]
-        if value is None and None in allowed or isinstance(value, str) and value in allowed:
-            continue
-        others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
-        if kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
-        number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
-        if kind != "bool" and not number:
-            what = "an integer" if kind == "int" else "a number"
-            raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")
 
 
 def wsd_callback_keys(cfg: DictConfig) -> list[str]:
@@ -418,99 +267,3 @@ def check_monitors(cfg: DictConfig) -> None:
                               f"{', '.join(map(repr, known))}")
 
 
-def _precisions() -> tuple:
-    """The ``precision`` values Lightning's Trainer accepts (its own list), or () where it cannot be read."""
-    from typing import get_args
-
-    try:
-        from lightning.fabric.connector import _PRECISION_INPUT
-    except ImportError:  # a Lightning without it: its Trainer names a bad value itself
-        return ()
-    return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
-
-
-FP16_TINY = 2.0**-14  # fp16's smallest normal number
-
-
-def check_precision(cfg: DictConfig) -> None:
-    """``16-mixed`` (also ``16``) on a CPU: Lightning trains in ``bf16-mixed`` instead, with a warning among the
-    start-up lines (fp16 autocast has no CPU GradScaler there); the run's config and summary still said 16-mixed.
-    ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction.
-    ``16-true`` with an Adam ``eps`` below fp16's smallest normal number: the second moments are fp16 too, a squared
-    gradient below 6e-8 is 0 there (87 % of them at the first step of the nano model), and the update of such an
-    entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3."""
-    precision = str(cfg.trainer.get("precision"))
-    eps = (cfg.get("optimizer") or {}).get("eps")
-    if precision == "16-true" and isinstance(eps, (int, float)) and eps < FP16_TINY:
-        raise ConfigError(
-            f"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps={eps} "
-            f"is below the smallest normal number ({FP16_TINY:.3g}): an update is then gradient / eps, and the weights "
-            "blow up in the first steps. Use bf16-true or bf16-mixed (16-mixed on a GPU), or set "
-            "optimizer.eps=1e-4 or more"
-        )
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    on_cpu = accelerator == "cpu" or (
-        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-    )
-    if precision in ("16-mixed", "16") and on_cpu:
-        raise ConfigError(
-            f"trainer.precision={precision} (fp16 autocast with loss scaling) does not run on CPU "
-            f"(trainer.accelerator={accelerator}): Lightning would train in bf16-mixed instead. Set "
-            "trainer.precision=bf16-mixed, or train on a GPU (trainer=gpu)"
-        )
-    if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(
-            f"trainer.precision={precision} needs NVIDIA's transformer_engine package, which is not installed "
-            "(and a GPU); use bf16-mixed or 16-mixed"
-        )
-
-
-def check_lightning_choices(cfg: DictConfig) -> None:
-    """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
-    (``full_key: trainer``) but not the key: name the key and the values allowed."""
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
-
-    precision, precisions = cfg.trainer.get("precision"), _precisions()
-    if precision is not None and precisions and precision not in precisions:
-        raise ConfigError(
-            f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
-        )
-    check_precision(cfg)
-    algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
-    if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
-        raise ConfigError(
-            f"trainer.gradient_clip_algorithm={algorithm!r} must be one of "
-            f"{', '.join(map(repr, algorithms))} (or null: 'norm')"
-        )
-    devices = cfg.trainer.get("devices")
-    ids = list(devices) if isinstance(devices, ListConfig) else None
-    valid = (
-        devices is None
-        or devices == "auto"
-        or (isinstance(devices, str) and re.fullmatch(r"[\d, ]+", devices))
-        or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))
-        or (ids is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
-    )
-    if not valid:
-        shown = ids if ids is not None else devices
-        raise ConfigError(
-            f"trainer.devices={shown!r} must be a number of devices >= 1, -1 (all), 'auto' or a list of "
-            "device ids ([0, 1] or '0,1')"
-        )
-    for key, node in (cfg.get("callbacks") or {}).items():
-        if not isinstance(node, DictConfig) or "mode" not in node or "_target_" not in node:
-            continue
-        try:
-            cls = get_class(node._target_)
-        except Exception:  # an unimportable target: build_callbacks names it
-            continue
-        if (
-            isinstance(cls, type)
-            and issubclass(cls, (ModelCheckpoint, EarlyStopping))
-            and node.mode not in ("min", "max")
-        ):
-            raise ConfigError(
-                f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
-                f"higher {node.get('monitor') or 'monitored value'} is better)"
-            )

@@ -1,0 +1,180 @@
+"""Which keys a composed config may hold, and the types of their values, checked before any compute.
+
+- :func:`check_known_keys`: a key lit_dtrain does not read, at the root or in a plain section of conf/train.yaml
+  (``CONFIG_KEYS``);
+- :func:`check_types`: numbers that must be numbers (and finite), flags that must be booleans;
+- :func:`check_target_arguments`: the flags and numbers of every ``_target_`` node, by its class's annotations.
+
+``lit_dtrain.config_checks.check_config`` runs them; they are importable from there too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lit_dtrain.errors import ConfigError
+
+_NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
+    "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
+    "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
+    "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
+    "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,
+    "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
+    "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,
+    "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float,
+}
+
+
+# numbers that must be finite: lr=inf (or weight_decay=inf) made the first update inf, and the run stopped a step
+# later with a NonFiniteError blaming the gradients and saying the weights were still finite; rope_theta=inf and
+# init_std=inf build a model that cannot train. gradient_clip_val=inf is a valid "no clipping".
+_FINITE_KEYS = ("optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "model.rope_theta", "model.norm_eps",
+                "model.init_std")
+
+
+_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
+    "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
+)
+
+
+# The keys of conf/train.yaml that are no class's arguments: its config groups, its own keys, and the keys of its plain
+# sections (tests/unit/test_configs.py keeps this in step with the file). Hydra refuses an unknown key on the command
+# line (struct mode), but a config file (an experiment, @package _global_) adds one without a word: `init_form:` there
+# trained from scratch, `sample: {promt: ...}` or `decay_branch: {step: ...}` did nothing. A _target_ node refuses an
+# unknown key itself (its class takes no such argument); paths.* stays open for a user's own interpolations.
+CONFIG_KEYS = {
+    "": ("model", "data", "optimizer", "scheduler", "callbacks", "strategy", "trainer", "logger", "paths", "hydra",
+         "experiment", "seed", "run_name", "ckpt_path", "resume", "init_from", "decay_branch", "matmul_precision",
+         "module", "sample"),
+    "decay_branch": ("ckpt", "steps"),
+    "module": ("compile", "check_finite"),
+    "sample": ("prompt", "max_new_tokens", "temperature", "top_k"),
+}
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
+    conf/train.yaml (see ``CONFIG_KEYS``), unless an interpolation reads it: a typo in a config file must not fall
+    back silently to the default."""
+    import difflib
+
+    # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    for section, known in CONFIG_KEYS.items():
+        node = cfg if not section else cfg.get(section)
+        if not isinstance(node, DictConfig):
+            continue
+        for key in map(str, node.keys()):
+            full = f"{section}.{key}" if section else key
+            if key in known or re.search(r"\$\{\s*" + re.escape(full) + r"\s*[.}\[]", text):
+                continue
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
+            where = f"{section} holds only" if section else "the top level holds only"
+            raise ConfigError(f"unknown config key {full!r} (set in a config file, or added with '+'): lit_dtrain "
+                              f"does not read it, so it would be ignored{hint} ({where} {', '.join(sorted(known))})")
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
+    comparison, or reading 'off' as true."""
+    for key in _BOOL_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+    for key, kind in _NUMERIC_KEYS.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+        if not ok or isinstance(value, bool):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+        if key in _FINITE_KEYS and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
+def _flag_or_number(annotation) -> tuple[str, set] | None:
+    """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
+    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
+    ``("number", allowed)`` for ``float`` or ``int | float``; None for any other annotation."""
+    import types
+    import typing
+
+    if annotation is bool:
+        return "bool", set()
+    if annotation is int:
+        return "int", set()
+    if annotation is float:
+        return "number", set()
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(annotation)
+    allowed = {None} if type(None) in args else set()
+    rest = [a for a in args if a is not type(None)]
+    literals = [a for a in rest if typing.get_origin(a) is typing.Literal]
+    for literal in literals:
+        allowed.update(typing.get_args(literal))
+    plain = [a for a in rest if a not in literals]
+    if plain == [bool]:
+        return "bool", allowed
+    if plain == [int] and not literals:
+        return "int", allowed
+    if plain and not literals and all(a in (int, float) for a in plain):
+        return "number", allowed
+    return None
+
+
+def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
+    """Flags and numbers of every ``_target_`` node (data, callbacks, sampler, strategy and codecs, Trainer): a value
+    whose parameter is annotated ``bool`` must be a boolean, one annotated ``int`` an integer, one annotated as a
+    number a number; null only where the annotation allows None. Constructors read flags with ``bool(value)`` or
+    ``if value:``, so ``error_feedback=no``, ``check_grad=off`` or ``stages=maybe`` (strings) counted as true,
+    silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
+    integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
+    ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
+    from typing import get_type_hints
+
+    from hydra.utils import get_object
+
+    node = cfg if node is None else node
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            child = node._get_node(i)
+            if isinstance(child, (DictConfig, ListConfig)):
+                check_target_arguments(cfg, child, f"{path}.{i}" if path else str(i))
+        return
+    if not isinstance(node, DictConfig):
+        return
+    hints: dict = {}
+    if "_target_" in node:
+        try:
+            target = get_object(node._target_)
+            hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
+        except Exception:  # an unimportable target or unresolvable hints: instantiate names it, or nothing to check
+            hints = {}
+    for key in node.keys():
+        key = str(key)
+        if key.startswith("_") or OmegaConf.is_missing(node, key):
+            continue
+        child, full = node._get_node(key), f"{path}.{key}" if path else key
+        if isinstance(child, (DictConfig, ListConfig)):
+            check_target_arguments(cfg, child, full)
+            continue
+        expected = _flag_or_number(hints.get(key))
+        if expected is None:
+            continue
+        kind, allowed = expected
+        value = node[key]
+        if value is None and None in allowed or isinstance(value, str) and value in allowed:
+            continue
+        others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
+        if kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
+        number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
+        if kind != "bool" and not number:
+            what = "an integer" if kind == "int" else "a number"
+            raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")

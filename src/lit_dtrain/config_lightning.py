@@ -1,0 +1,114 @@
+"""Values that Lightning refuses, or silently replaces, when it builds the Trainer or a callback, checked before any
+compute and named by their key: :func:`check_lightning_choices` (precision, gradient clip algorithm, devices, a
+callback's ``mode``) and :func:`check_precision` (a precision that cannot run as configured).
+``lit_dtrain.config_checks.check_config`` runs them; they are importable from there too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig, ListConfig
+
+from lit_dtrain.errors import ConfigError
+
+
+def _precisions() -> tuple:
+    """The ``precision`` values Lightning's Trainer accepts (its own list), or () where it cannot be read."""
+    from typing import get_args
+
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT
+    except ImportError:  # a Lightning without it: its Trainer names a bad value itself
+        return ()
+    return tuple(v for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
+
+
+FP16_TINY = 2.0**-14  # fp16's smallest normal number
+
+
+def check_precision(cfg: DictConfig) -> None:
+    """``16-mixed`` (also ``16``) on a CPU: Lightning trains in ``bf16-mixed`` instead, with a warning among the
+    start-up lines (fp16 autocast has no CPU GradScaler there); the run's config and summary still said 16-mixed.
+    ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction.
+    ``16-true`` with an Adam ``eps`` below fp16's smallest normal number: the second moments are fp16 too, a squared
+    gradient below 6e-8 is 0 there (87 % of them at the first step of the nano model), and the update of such an
+    entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3."""
+    precision = str(cfg.trainer.get("precision"))
+    eps = (cfg.get("optimizer") or {}).get("eps")
+    if precision == "16-true" and isinstance(eps, (int, float)) and eps < FP16_TINY:
+        raise ConfigError(
+            f"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps={eps} "
+            f"is below the smallest normal number ({FP16_TINY:.3g}): an update is then gradient / eps, and the weights "
+            "blow up in the first steps. Use bf16-true or bf16-mixed (16-mixed on a GPU), or set "
+            "optimizer.eps=1e-4 or more"
+        )
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (
+        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    )
+    if precision in ("16-mixed", "16") and on_cpu:
+        raise ConfigError(
+            f"trainer.precision={precision} (fp16 autocast with loss scaling) does not run on CPU "
+            f"(trainer.accelerator={accelerator}): Lightning would train in bf16-mixed instead. Set "
+            "trainer.precision=bf16-mixed, or train on a GPU (trainer=gpu)"
+        )
+    if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            f"trainer.precision={precision} needs NVIDIA's transformer_engine package, which is not installed "
+            "(and a GPU); use bf16-mixed or 16-mixed"
+        )
+
+
+def check_lightning_choices(cfg: DictConfig) -> None:
+    """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
+    (``full_key: trainer``) but not the key: name the key and the values allowed."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    precision, precisions = cfg.trainer.get("precision"), _precisions()
+    if precision is not None and precisions and precision not in precisions:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
+        )
+    check_precision(cfg)
+    algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
+    if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={algorithm!r} must be one of "
+            f"{', '.join(map(repr, algorithms))} (or null: 'norm')"
+        )
+    devices = cfg.trainer.get("devices")
+    ids = list(devices) if isinstance(devices, ListConfig) else None
+    valid = (
+        devices is None
+        or devices == "auto"
+        or (isinstance(devices, str) and re.fullmatch(r"[\d, ]+", devices))
+        or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))
+        or (ids is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
+    )
+    if not valid:
+        shown = ids if ids is not None else devices
+        raise ConfigError(
+            f"trainer.devices={shown!r} must be a number of devices >= 1, -1 (all), 'auto' or a list of "
+            "device ids ([0, 1] or '0,1')"
+        )
+    for key, node in (cfg.get("callbacks") or {}).items():
+        if not isinstance(node, DictConfig) or "mode" not in node or "_target_" not in node:
+            continue
+        try:
+            cls = get_class(node._target_)
+        except Exception:  # an unimportable target: build_callbacks names it
+            continue
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, (ModelCheckpoint, EarlyStopping))
+            and node.mode not in ("min", "max")
+        ):
+            raise ConfigError(
+                f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
+                f"higher {node.get('monitor') or 'monitored value'} is better)"
+            )
