@@ -2,9 +2,9 @@
 Lightning's 0, on every rank together.
 
 ``lit_dtrain.callbacks.PreemptionCheckpoint`` saves a checkpoint during ``fit``; this module is ``train()``'s side:
-the exit status and its log lines (:func:`_stopped_by_sigterm`), a signal that came during the last validation,
-which nothing acted on (:func:`_sigterm_after_the_last_step`), and the callback that holds a SIGTERM back during
-``train()``'s final ``trainer.validate`` until every rank has finished it (:class:`_HoldSigtermInValidate`).
+the exit status and its log lines (:func:`stopped_by_sigterm`), a signal that came during the last validation,
+which nothing acted on (:func:`sigterm_after_the_last_step`), and the callback that holds a SIGTERM back during
+``train()``'s final ``trainer.validate`` until every rank has finished it (:class:`HoldSigtermInValidate`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in
 PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
 
 
-def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
+def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
     status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
     as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved
@@ -44,21 +44,21 @@ def _stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     return PREEMPTED_EXIT_STATUS
 
 
-def _sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
+def sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
     """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
     handler only records it (it saves at the end of a batch, and none ends after the last validation), and
     Lightning's flag is read before validation batches but the last; or during ``train()``'s final validation,
-    which :class:`_HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
+    which :class:`HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
     or none."""
     pending = trainer.received_sigterm or any(
-        isinstance(c, (PreemptionCheckpoint, _HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
+        isinstance(c, (PreemptionCheckpoint, HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
     )
     return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
 
-class _HoldSigtermInValidate(L.Callback):
+class HoldSigtermInValidate(L.Callback):
     """During ``train()``'s final ``trainer.validate`` a SIGTERM is only recorded (``signalled``): the validation
-    finishes on every rank, then ``train()`` has the ranks agree (:func:`_sigterm_after_the_last_step`) and exit with
+    finishes on every rank, then ``train()`` has the ranks agree (:func:`sigterm_after_the_last_step`) and exit with
     143 together. Lightning's own handler broadcasts from inside the handler, and its evaluation loop stops the
     signalled rank alone at its next batch: under DDP the other ranks waited for it in the epoch-end metric
     reduction until ``strategy.collective_timeout_s`` (30 min by default) and failed with a timeout, exit status 1.

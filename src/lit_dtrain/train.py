@@ -63,12 +63,12 @@ from lit_dtrain.schedules.workflows import (
 )
 from lit_dtrain.sigterm_exit import (
     PREEMPTED_EXIT_STATUS,  # noqa: F401  (importable from here, as before it moved)
-    _HoldSigtermInValidate,
-    _sigterm_after_the_last_step,
-    _stopped_by_sigterm,
+    HoldSigtermInValidate,
+    sigterm_after_the_last_step,
+    stopped_by_sigterm,
 )
 from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
-from lit_dtrain.train_callbacks import _LogStepSync, _TrainClock, _ValLimitCheck
+from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
@@ -276,12 +276,12 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
             log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
             callbacks.append(cb)
     check_step_outputs(callbacks, module)  # before any compute
-    clock = _TrainClock()
-    # _LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
+    clock = TrainClock()
+    # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
-    callbacks = [_LogStepSync(), *callbacks, clock, _HoldSigtermInValidate()]
+    callbacks = [LogStepSync(), *callbacks, clock, HoldSigtermInValidate()]
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
-        callbacks.append(_ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
+        callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
         callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
@@ -312,22 +312,22 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     try:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
-        raise SystemExit(_stopped_by_sigterm(trainer)) from None
+        raise SystemExit(stopped_by_sigterm(trainer)) from None
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
-    if _sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
-        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True))
+    if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
 
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     try:
         val = trainer.validate(module, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
-        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True)) from None
-    if _sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
-        raise SystemExit(_stopped_by_sigterm(trainer, saved_last=True))
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True)) from None
+    if sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
     previous: dict = {}

@@ -1,7 +1,7 @@
-"""The callbacks that ``train(cfg)`` adds to the configured ones: :class:`_TrainClock` (when training proper starts,
-for ``tokens_per_sec``), :class:`_LogStepSync` (the step loggers see, after a resume) and :class:`_ValLimitCheck`
+"""The callbacks that ``train(cfg)`` adds to the configured ones: :class:`TrainClock` (when training proper starts,
+for ``tokens_per_sec``), :class:`LogStepSync` (the step loggers see, after a resume) and :class:`ValLimitCheck`
 (a fractional ``trainer.limit_val_batches`` that leaves a val loader no batch, refused before the first step).
-``lit_dtrain.sigterm_exit._HoldSigtermInValidate`` is the fourth."""
+``lit_dtrain.sigterm_exit.HoldSigtermInValidate`` is the fourth."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lit_dtrain.errors import ConfigError
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
 
-class _TrainClock(L.Callback):
+class TrainClock(L.Callback):
     """When training proper starts (``on_train_start``): after the DDP launch, the process-group rendezvous,
     data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
     with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it)."""
@@ -28,7 +28,7 @@ class _TrainClock(L.Callback):
         self.start = time.perf_counter()
 
 
-class _LogStepSync(L.Callback):
+class LogStepSync(L.Callback):
     """Keeps the step that loggers see equal to ``global_step`` after a resume.
 
     Lightning logs at its own counter of stepped batches, restored from the checkpoint and bumped by one on
@@ -51,7 +51,7 @@ class _LogStepSync(L.Callback):
             loop._batches_that_stepped = trainer.global_step
 
 
-class _ValLimitCheck(L.Callback):
+class ValLimitCheck(L.Callback):
     """A fractional ``trainer.limit_val_batches`` that leaves a val loader 0 batches: Lightning finds out at the
     first validation, ``val_check_interval`` steps into the run and before any checkpoint, and stops the run there
     (0.1 of a 1-batch loader trained 15 steps, then failed and saved nothing). The loaders' sizes are known once

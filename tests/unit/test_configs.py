@@ -708,17 +708,17 @@ def test_the_smallest_val_fraction_a_refusal_suggests_keeps_a_batch(batches):
     batches (Lightning's count) and is refused again; 1 / 49 fails even unrounded (49 x (1/49) < 1 in floats)."""
     from types import SimpleNamespace
 
-    from lit_dtrain.train_callbacks import _ValLimitCheck
+    from lit_dtrain.train_callbacks import ValLimitCheck
 
     loaders = [range(batches), range(3 * batches)]  # 0.5 / batches leaves the large one a batch
     trainer = SimpleNamespace(datamodule=SimpleNamespace(val_dataloader=lambda: loaders))
     module = SimpleNamespace(val_names=["small", "large"])
     with pytest.raises(ConfigError, match=rf"is 0 for {{'small': {batches}}}.*fraction >= ([0-9.]+),") as e:
-        _ValLimitCheck(0.5 / batches).on_fit_start(trainer, module)
+        ValLimitCheck(0.5 / batches).on_fit_start(trainer, module)
     suggested = float(re.search(r"fraction >= ([0-9.]+),", str(e.value)).group(1))
     assert all(int(len(loader) * suggested) >= 1 for loader in loaders), suggested
     assert suggested <= 1.01 / batches  # and it is still the smallest, to 3 significant digits
-    _ValLimitCheck(suggested).on_fit_start(trainer, module)  # the suggestion is accepted
+    ValLimitCheck(suggested).on_fit_start(trainer, module)  # the suggestion is accepted
 
 
 def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
