@@ -30,9 +30,10 @@ from lit_dtrain.strategies.compressed_ddp import (
     register_strategies,
     warn_if_comm_state_dropped,
 )
-from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression, Segment
+from lit_dtrain.strategies.compressors import Compressor, Segment
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoCompression
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 

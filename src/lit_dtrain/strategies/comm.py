@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lit_dtrain.strategies.compressors import Compressor, NoCompression, Segment, completed_future
+from lit_dtrain.strategies.compressors import Compressor, Segment, completed_future
 from lit_dtrain.strategies.local_updates import LocalUpdate
+from lit_dtrain.strategies.quantize import NoCompression
 
 
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:

@@ -27,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_dtrain.strategies.comm import CommSession, Communicator
-from lit_dtrain.strategies.compressors import BlockQuantizer, Compressor, HalfPrecision, NoCompression
+from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
+from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoCompression
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 from lit_dtrain.utils.distributed import (

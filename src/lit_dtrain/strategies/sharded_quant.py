@@ -1,6 +1,6 @@
 """Blockwise int8/int4 gradients through a quantized reduce-scatter and all-gather (ZeRO++ qgZ's two steps).
 
-:class:`~lit_dtrain.strategies.compressors.BlockQuantizer` all-gathers every rank's whole quantized bucket, so
+:class:`~lit_dtrain.strategies.quantize.BlockQuantizer` all-gathers every rank's whole quantized bucket, so
 each rank sends its payload to all W - 1 others and decodes W payloads. Per rank, for a bucket of ``n`` values
 that quantize to ``P`` bytes (int8: ``P ~ n``, against ``4 n`` in fp32):
 
@@ -47,13 +47,13 @@ from torch import Tensor
 
 from lit_dtrain.strategies.comm import Communicator
 from lit_dtrain.strategies.compressors import (
-    BlockQuantizer,
     Segment,
     all_finite,
     completed_future,
     pack_payload,
     unpack_payload,
 )
+from lit_dtrain.strategies.quantize import BlockQuantizer
 
 
 @dataclass(frozen=True)
