@@ -32,17 +32,18 @@ micro-batch) -> ``on_before_optimizer_step`` (one all-reduce of [loss, grad norm
 grads dropped) -> optimizer and scheduler step -> ``on_train_batch_end`` (restore, exclude, record).
 Under DDP the decision uses all-reduced values, so every rank takes the same action. Every event is
 appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by rank 0 when its step completes.
+
+This file is the Lightning adapter; the parts it calls are ``_spike_stats.py`` (statistics, decision),
+``_spike_step.py`` (measuring and dropping the step), ``_spike_samples.py`` (sample indices, exclusion),
+``_spike_records.py`` (spikes.jsonl) and ``_snapshots.py`` (rollback).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import lightning as L
 import torch
@@ -53,6 +54,20 @@ from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
+from lit_dtrain.callbacks._spike_records import (
+    append_record,
+    level_shift_records,
+    spike_message,
+    spike_record,
+    supersede_replayed,
+)
+from lit_dtrain.callbacks._spike_samples import (
+    DROP_ACTIONS,
+    batch_sample_indices,
+    check_not_all_excluded,
+    exclusion_sampler,
+    gather_indices,
+)
 from lit_dtrain.callbacks._spike_stats import (
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -60,10 +75,10 @@ from lit_dtrain.callbacks._spike_stats import (
     SpikeWindow,
     cooldown_factor,
 )
+from lit_dtrain.callbacks._spike_step import drop_grads, scaler_skips_step, step_measurements
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
-from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
+from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 from lit_dtrain.module import NonFiniteError
-from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +88,6 @@ EXCLUDED_SAMPLE = "excluded_sample"
 
 class LossSpikeError(RuntimeError):
     """Raised by the ``raise`` action when too many spikes fall within the window."""
-
-
-def _json_float(x: float | None):
-    return None if x is None else (x if math.isfinite(x) else str(x))
 
 
 class LossSpikeMonitor(L.Callback):
@@ -245,17 +256,10 @@ class LossSpikeMonitor(L.Callback):
         if "rollback" in self.actions and is_sharded(trainer.strategy):
             raise NotImplementedError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not "
                                       f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
-        sampler = getattr(trainer.datamodule, "sampler", None) if trainer.datamodule is not None else None
-        self._sampler = sampler if callable(getattr(sampler, "exclude", None)) else None
-        self._num_train_samples = None
-        if self._sampler is None:
-            try:
-                self._num_train_samples = len(trainer.train_dataloader.dataset)
-            except (AttributeError, TypeError, NotImplementedError):
-                pass  # an iterable dataset, or several train loaders: no size to compare the exclusions with
+        self._sampler, self._num_train_samples = exclusion_sampler(trainer)
         if self.excluded and self._sampler is not None:
             self._sampler.exclude(self.excluded)
-        needs_index = {"skip", "rollback"} & set(self.actions)
+        needs_index = DROP_ACTIONS & set(self.actions)
         if needs_index and self._sampler is None:
             where = "the datamodule has" if trainer.datamodule is not None else "there is no datamodule, so"
             rank_zero_warn(f"LossSpikeMonitor: {where} no sampler with exclude(); steps whose batch holds an "
@@ -276,25 +280,10 @@ class LossSpikeMonitor(L.Callback):
         them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
         Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
         path = self._events_path(trainer)
-        if not os.path.isfile(path):
-            return
-        with open(path) as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
-        keep, drop = [], []
-        for line in lines:
-            try:
-                step = int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
-                step = -1  # not ours: keep it
-            (drop if step >= trainer.global_step else keep).append(line)
-        if not drop:
-            return
-        root, ext = os.path.splitext(path)
-        with open(f"{root}.superseded{ext or '.jsonl'}", "a") as f:
-            f.write("".join(line + "\n" for line in drop))
-        write_atomically(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in keep)))
-        log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {len(drop)} record(s) of the replayed "
-                 f"steps moved from {path} to {root}.superseded{ext or '.jsonl'}")
+        moved = supersede_replayed(path, trainer.global_step)
+        if moved is not None:
+            log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {moved[0]} record(s) of the replayed "
+                     f"steps moved from {path} to {moved[1]}")
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -319,43 +308,13 @@ class LossSpikeMonitor(L.Callback):
     # ---- per micro-batch ------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        index = batch.get("index") if isinstance(batch, Mapping) else None
-        if index is None:
-            if {"skip", "rollback"} & set(self.actions):
-                keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-                raise KeyError(f"LossSpikeMonitor with actions {self.actions} needs the batch key 'index' "
-                               f"(sample indices, LongTensor[B]) to exclude a spike's samples; got {keys}. Add it to "
-                               f"the batch, or use actions without 'skip'/'rollback', e.g. actions=['log', "
-                               f"'lr_cooldown']")
-            return
-        index = self._sample_indices(index)
+        index = batch_sample_indices(batch, self.actions)
         if index is None:
             return
         self._indices.append(index)
         if self._excluded_dev is not None:
             hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
             self._hit_excluded = hit if self._hit_excluded is None else self._hit_excluded | hit
-
-    def _sample_indices(self, raw) -> torch.Tensor | None:
-        """The batch's ``index`` as a flat integer tensor, else None for actions that do not need it. (String ids or
-        float values failed in ``torch.as_tensor`` with "too many dimensions 'str'", even with ``log`` alone.)"""
-        try:
-            index = torch.as_tensor(raw).detach().reshape(-1)
-        except (TypeError, ValueError, RuntimeError):
-            index = None
-        integer = index is not None and not (index.dtype.is_floating_point or index.dtype.is_complex)
-        if integer and index.dtype != torch.bool:
-            return index
-        if {"skip", "rollback"} & set(self.actions):
-            first = raw[0] if isinstance(raw, (list, tuple)) and raw else None
-            got = f"{index.dtype} values" if index is not None else f"{type(raw).__name__} of {type(first).__name__}"
-            raise TypeError(
-                f"LossSpikeMonitor with actions {self.actions} needs the batch key 'index' to hold integer sample "
-                f"indices (LongTensor[B]: your Dataset returns each sample's int index under 'index'); got {got}. "
-                f"Return the integer index under 'index', or use actions without 'skip'/'rollback', e.g. "
-                f"actions=['log', 'lr_cooldown']"
-            )
-        return None  # only recorded in the events: left out
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -374,52 +333,20 @@ class LossSpikeMonitor(L.Callback):
         if self._loss_sum is None:  # training_step returned None (Lightning's way to skip a batch): no decision
             self._reset_step()
             return
-        step, world = trainer.global_step, trainer.world_size
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        zero = torch.zeros((), device=self._loss_sum.device)
-        grad_part = zero
-        if self.check_grad:
-            sumsq = local_grad_sumsq(params)
-            sumsq = zero if sumsq is None else sumsq.to(zero.device) / loss_scale(trainer, optimizer) ** 2
-            # DDP: every rank holds the same all-reduced grads, so the sum of sumsq/world is their sumsq
-            grad_part = sumsq if is_sharded(trainer.strategy) else sumsq / world
-        # Lightning divides every micro-batch's loss (so its gradient) by accumulate_grad_batches, also in a step with
-        # fewer micro-batches (the last of an epoch whose batch count it does not divide): judge such a step by the
-        # mean over the micro-batches it had, not at k/accumulate of its loss and grad norm.
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        short = accumulate / self._micro_batches if 0 < self._micro_batches < accumulate else 1.0
-        loss_sum = self._loss_sum.reshape(()) * short if short != 1.0 else self._loss_sum.reshape(())
-        if short != 1.0:
-            grad_part = grad_part * short**2
-        hit = zero if self._hit_excluded is None else self._hit_excluded.float().to(zero.device)
-        stats = torch.stack([loss_sum, grad_part, hit])
-        if world > 1:
-            stats = trainer.strategy.reduce(stats, reduce_op="sum")
-        loss_total, grad_sumsq, hit_count = stats.tolist()
-        grad_norm = math.sqrt(grad_sumsq) if self.check_grad and math.isfinite(grad_sumsq) else None
-        if self.check_grad and not math.isfinite(grad_sumsq) and not has_grad_scaler(trainer):
-            grad_norm = math.inf
+        step = trainer.global_step
+        loss, grad_norm, hit_count = step_measurements(trainer, optimizer, self._loss_sum, self._micro_batches,
+                                                       self._hit_excluded, self.check_grad)
         # what the decision changes, undone if the step is never taken (an exception before optimizer.step returns)
         self._decision_undo = (step, self.detector.state_dict(), list(self.nonfinite_run), self.cooldown_start)
         self._z_ready = self.detector.loss_stat.ready  # before decide() adds this step's value
-        decision = self.detector.decide(loss_total / world, grad_norm)
+        decision = self.detector.decide(loss, grad_norm)
         self.last_decision = decision
         if NONFINITE_LOSS in decision.reasons or NONFINITE_GRAD in decision.reasons:
             self.nonfinite_run.append(step)
         else:
             self.nonfinite_run = []
         # recorded when the step completes (a step that raises before is redone)
-        if decision.level_shift:
-            self._level_shifts.append((
-                {"step": step, "loss": decision.loss, "reasons": ["level_shift"], "actions": []},
-                f"loss level shift accepted at step {step}: {self.detector.max_consecutive} spikes in a row; "
-                f"statistics restart at loss {decision.loss:.4g}"))
-        if decision.grad_level_shift:
-            self._level_shifts.append((
-                {"step": step, "loss": decision.loss, "grad_norm": grad_norm, "reasons": ["grad_level_shift"],
-                 "actions": []},
-                f"grad-norm level shift accepted at step {step}: {self.detector.max_consecutive} grad-norm spikes in a "
-                f"row; its statistics restart at grad norm {grad_norm:.4g}"))
+        self._level_shifts.extend(level_shift_records(step, decision, grad_norm, self.detector.max_consecutive))
         if not decision.is_spike and hit_count > 0:
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
@@ -430,22 +357,15 @@ class LossSpikeMonitor(L.Callback):
     def _start_event(self, trainer, optimizer, step: int, decision) -> None:
         only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
         actions = ["skip"] if only_excluded else list(self.actions)
-        indices = self._gather_indices(trainer)
+        indices = gather_indices(trainer, self._indices)
         drop_step = "skip" in actions or "rollback" in actions
         if drop_step:
             self._saved_scaler = snapshots.scaler_state(trainer)
-            _drop_grads(trainer, optimizer)
+            drop_grads(trainer, optimizer)
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
                          "drop": drop_step, "counted": not only_excluded}
-
-    def _gather_indices(self, trainer) -> list[int]:
-        if not self._indices:
-            return []
-        local = torch.cat(self._indices)
-        gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        return [int(i) for i in gathered.reshape(-1).tolist()]
 
     def lr_multiplier(self, step: int) -> float:
         """The ``lr_cooldown`` LR multiplier at ``step`` (1.0 outside a cool-down)."""
@@ -454,7 +374,7 @@ class LossSpikeMonitor(L.Callback):
 
     def _apply_cooldown(self, trainer, optimizer, step: int) -> None:
         mult = self.lr_multiplier(step)
-        if mult == 1.0 or "lr_cooldown" not in self.actions or _scaler_skips_step(trainer, optimizer):
+        if mult == 1.0 or "lr_cooldown" not in self.actions or scaler_skips_step(trainer, optimizer):
             # (a step the GradScaler skips never runs the post-hook that takes the multiplier out, while Lightning
             # still steps the LR scheduler: it would step from the cooled LR, and the restore at batch end would then
             # write the previous step's LR over the scheduler's)
@@ -480,7 +400,7 @@ class LossSpikeMonitor(L.Callback):
             self._record(trainer, *shift)
         if pending is None:
             if self.exclude_previous_steps:
-                self.recent_indices.append(self._gather_indices(trainer))
+                self.recent_indices.append(gather_indices(trainer, self._indices))
             if "rollback" in self.actions and trainer.global_step % self.snapshot_every == 0:
                 self.snapshots.add(trainer)
         else:
@@ -526,16 +446,8 @@ class LossSpikeMonitor(L.Callback):
         if pending["counted"]:
             self.num_spikes += 1
         d = pending["decision"]
-        event = {
-            "step": step, "loss": _json_float(d.loss), "loss_z": _json_float(d.loss_z),
-            "loss_rel": _json_float(d.loss_rel), "grad_norm": _json_float(d.grad_norm),
-            "grad_z": _json_float(d.grad_z), "reasons": list(d.reasons), "actions": actions,
-            "index": pending["indices"], "rolled_back_to": rolled_back_to,
-            "lr_multiplier_next": self.lr_multiplier(step + 1), "time": time.time(),
-        }
-        msg = (f"loss spike at step {step}: loss={d.loss:.4g} z={d.loss_z:.3g} rel={d.loss_rel:.3g} "
-               f"grad_norm={d.grad_norm} reasons={d.reasons} -> {actions}")
-        self._record(trainer, event, msg if "log" in actions else None)
+        event = spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
+        self._record(trainer, event, spike_message(step, d, actions) if "log" in actions else None)
         # after the record: an exclusion that leaves nothing to train on raises, and the event is still in the file
         to_exclude = list(pending["indices"])
         if pending["drop"] and pending["counted"]:
@@ -555,10 +467,7 @@ class LossSpikeMonitor(L.Callback):
         self.events.append(event)
         if not trainer.is_global_zero:
             return
-        path = self._events_path(trainer)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps({k: _json_float(v) if isinstance(v, float) else v for k, v in event.items()}) + "\n")
+        append_record(self._events_path(trainer), event)
         if message:
             log.warning(message)
             for lg in trainer.loggers:
@@ -576,15 +485,7 @@ class LossSpikeMonitor(L.Callback):
             self._sampler.exclude(indices)
             return
         self._set_excluded_device(self._device)
-        n = self._num_train_samples
-        if n and len(known) >= n and all(i in known for i in range(n)):
-            # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
-            # would end as if it had trained; a sampler with exclude() refuses this too
-            raise RuntimeError(
-                f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so every "
-                "later step would be skipped; lower the thresholds (z_threshold, rel_threshold), or use actions "
-                "without 'skip'/'rollback'"
-            )
+        check_not_all_excluded(known, self._num_train_samples)
 
     def _events_path(self, trainer) -> str:
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
@@ -623,40 +524,3 @@ class LossSpikeMonitor(L.Callback):
         self.recent_indices.clear()
         self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
 
-
-def _scaler_skips_step(trainer, optimizer) -> bool:
-    """True when the GradScaler has already found inf/NaN grads for this step, so that it will not call
-    ``optimizer.step`` (nor the optimizer's hooks). An optimizer that unscales inside ``step`` (fused Adam) is still
-    called, hooks included, and is not flagged. Uses GradScaler's ``_per_optimizer_states``, as :func:`_drop_grads`."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
-        return False
-    from torch.amp.grad_scaler import OptState
-
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if state["stage"] is not OptState.UNSCALED:
-        return False
-    return any(bool(found_inf.item()) for found_inf in state["found_inf_per_device"].values())
-
-
-def _drop_grads(trainer, optimizer) -> None:
-    """Make the coming optimizer step a no-op: params and optimizer state stay bit-identical.
-
-    torch optimizers skip params whose grad is None. Under ``16-mixed`` the GradScaler must also see an
-    inf check for this step, or ``scaler.update()`` fails ("No inf checks were recorded"); so the grads are
-    unscaled first where the optimizer would have done it inside ``step`` (fused Adam) and the step is marked
-    as overflowed: the scaler then skips ``optimizer.step``. Its scale/growth tracker are restored afterwards.
-    This uses GradScaler's per-optimizer state (``_per_optimizer_states``, torch.amp.grad_scaler), which
-    has no public accessor.
-    """
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
-        from torch.amp.grad_scaler import OptState
-
-        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-            scaler.unscale_(optimizer)
-        for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            found_inf.fill_(1.0)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None

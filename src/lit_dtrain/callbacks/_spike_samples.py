@@ -1,0 +1,85 @@
+"""The sample indices behind :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor`'s exclusions.
+
+A spike dropped by ``skip`` or ``rollback`` excludes the sample ``index`` values of its batch (the batch key
+``index``: each sample's integer index in the dataset) from the datamodule's sampler, so that they are never
+trained on again. Without a sampler that has ``exclude()``, a later step whose batch holds an excluded index
+is skipped instead. Here: reading the batch's indices, gathering them from every rank, finding the sampler,
+and refusing an exclusion that leaves nothing to train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+DROP_ACTIONS = {"skip", "rollback"}  # the actions that exclude the spike's samples, so need the batch's indices
+
+
+def batch_sample_indices(batch, actions: Sequence[str]) -> torch.Tensor | None:
+    """The batch's ``index`` as a flat integer tensor, else None where ``actions`` do not need it.
+
+    With ``skip`` or ``rollback`` a batch without the key ``index`` is a KeyError, and one whose ``index`` holds no
+    integer sample indices a TypeError; both name the batch's content and the way out."""
+    raw = batch.get("index") if isinstance(batch, Mapping) else None
+    if raw is None:
+        if DROP_ACTIONS & set(actions):
+            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise KeyError(f"LossSpikeMonitor with actions {actions} needs the batch key 'index' "
+                           f"(sample indices, LongTensor[B]) to exclude a spike's samples; got {keys}. Add it to "
+                           f"the batch, or use actions without 'skip'/'rollback', e.g. actions=['log', "
+                           f"'lr_cooldown']")
+        return None
+    # (string ids or float values failed in ``torch.as_tensor`` with "too many dimensions 'str'", even with ``log``)
+    try:
+        index = torch.as_tensor(raw).detach().reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        index = None
+    integer = index is not None and not (index.dtype.is_floating_point or index.dtype.is_complex)
+    if integer and index.dtype != torch.bool:
+        return index
+    if DROP_ACTIONS & set(actions):
+        first = raw[0] if isinstance(raw, (list, tuple)) and raw else None
+        got = f"{index.dtype} values" if index is not None else f"{type(raw).__name__} of {type(first).__name__}"
+        raise TypeError(
+            f"LossSpikeMonitor with actions {actions} needs the batch key 'index' to hold integer sample "
+            f"indices (LongTensor[B]: your Dataset returns each sample's int index under 'index'); got {got}. "
+            f"Return the integer index under 'index', or use actions without 'skip'/'rollback', e.g. "
+            f"actions=['log', 'lr_cooldown']"
+        )
+    return None  # only recorded in the events: left out
+
+
+def gather_indices(trainer, indices: list[torch.Tensor]) -> list[int]:
+    """This step's sample indices of every rank (an all-gather under DDP), as ints."""
+    if not indices:
+        return []
+    local = torch.cat(indices)
+    gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
+    return [int(i) for i in gathered.reshape(-1).tolist()]
+
+
+def exclusion_sampler(trainer):
+    """``(sampler, num_train_samples)``: the datamodule's sampler when it has ``exclude()`` (else None), and
+    without one the size of a plain train DataLoader's dataset (None when it has none)."""
+    sampler = getattr(trainer.datamodule, "sampler", None) if trainer.datamodule is not None else None
+    sampler = sampler if callable(getattr(sampler, "exclude", None)) else None
+    num_train_samples = None
+    if sampler is None:
+        try:
+            num_train_samples = len(trainer.train_dataloader.dataset)
+        except (AttributeError, TypeError, NotImplementedError):
+            pass  # an iterable dataset, or several train loaders: no size to compare the exclusions with
+    return sampler, num_train_samples
+
+
+def check_not_all_excluded(known: Collection[int], n: int | None) -> None:
+    """Refuse an exclusion set ``known`` that holds every index of a train dataset of ``n`` samples."""
+    if n and len(known) >= n and all(i in known for i in range(n)):
+        # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
+        # would end as if it had trained; a sampler with exclude() refuses this too
+        raise RuntimeError(
+            f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so every "
+            "later step would be skipped; lower the thresholds (z_threshold, rel_threshold), or use actions "
+            "without 'skip'/'rollback'"
+        )

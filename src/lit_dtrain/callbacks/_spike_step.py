@@ -1,0 +1,88 @@
+"""The optimizer step as :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor` sees it: measured, and dropped.
+
+- :func:`step_measurements`: the step's loss, global grad norm and excluded-sample hits, with one all-reduce;
+- :func:`drop_grads`: make the coming optimizer step a no-op (also under the ``16-mixed`` GradScaler);
+- :func:`scaler_skips_step`: whether the GradScaler has already decided to skip the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
+
+
+def step_measurements(trainer, optimizer, loss_sum: torch.Tensor, micro_batches: int, hit: torch.Tensor | None,
+                      check_grad: bool) -> tuple[float, float | None, float]:
+    """``(loss, grad_norm, hit_count)`` of this optimizer step, the same on every rank.
+
+    ``loss_sum`` is the sum of the step's micro-batch losses on this rank, ``hit`` whether its batches held an
+    excluded sample. One all-reduce of [loss, grad sumsq, hits] under DDP; ``loss`` is the mean over ranks,
+    ``grad_norm`` None without ``check_grad``, and ``inf`` for non-finite grads unless a GradScaler handles them.
+    """
+    world = trainer.world_size
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    zero = torch.zeros((), device=loss_sum.device)
+    grad_part = zero
+    if check_grad:
+        sumsq = local_grad_sumsq(params)
+        sumsq = zero if sumsq is None else sumsq.to(zero.device) / loss_scale(trainer, optimizer) ** 2
+        # DDP: every rank holds the same all-reduced grads, so the sum of sumsq/world is their sumsq
+        grad_part = sumsq if is_sharded(trainer.strategy) else sumsq / world
+    # Lightning divides every micro-batch's loss (so its gradient) by accumulate_grad_batches, also in a step with
+    # fewer micro-batches (the last of an epoch whose batch count it does not divide): judge such a step by the
+    # mean over the micro-batches it had, not at k/accumulate of its loss and grad norm.
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    short = accumulate / micro_batches if 0 < micro_batches < accumulate else 1.0
+    loss_sum = loss_sum.reshape(()) * short if short != 1.0 else loss_sum.reshape(())
+    if short != 1.0:
+        grad_part = grad_part * short**2
+    hit = zero if hit is None else hit.float().to(zero.device)
+    stats = torch.stack([loss_sum, grad_part, hit])
+    if world > 1:
+        stats = trainer.strategy.reduce(stats, reduce_op="sum")
+    loss_total, grad_sumsq, hit_count = stats.tolist()
+    grad_norm = math.sqrt(grad_sumsq) if check_grad and math.isfinite(grad_sumsq) else None
+    if check_grad and not math.isfinite(grad_sumsq) and not has_grad_scaler(trainer):
+        grad_norm = math.inf
+    return loss_total / world, grad_norm, hit_count
+
+
+def scaler_skips_step(trainer, optimizer) -> bool:
+    """True when the GradScaler has already found inf/NaN grads for this step, so that it will not call
+    ``optimizer.step`` (nor the optimizer's hooks). An optimizer that unscales inside ``step`` (fused Adam) is still
+    called, hooks included, and is not flagged. Uses GradScaler's ``_per_optimizer_states``, as :func:`drop_grads`."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return False
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is not OptState.UNSCALED:
+        return False
+    return any(bool(found_inf.item()) for found_inf in state["found_inf_per_device"].values())
+
+
+def drop_grads(trainer, optimizer) -> None:
+    """Make the coming optimizer step a no-op: params and optimizer state stay bit-identical.
+
+    torch optimizers skip params whose grad is None. Under ``16-mixed`` the GradScaler must also see an
+    inf check for this step, or ``scaler.update()`` fails ("No inf checks were recorded"); so the grads are
+    unscaled first where the optimizer would have done it inside ``step`` (fused Adam) and the step is marked
+    as overflowed: the scaler then skips ``optimizer.step``. Its scale/growth tracker are restored afterwards.
+    This uses GradScaler's per-optimizer state (``_per_optimizer_states``, torch.amp.grad_scaler), which
+    has no public accessor.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+        from torch.amp.grad_scaler import OptState
+
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)
+        for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            found_inf.fill_(1.0)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
