@@ -197,7 +197,7 @@ class DiLoCo(LocalUpdate):
             raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum}")
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         # a name or {"name", **kwargs} as for the strategy's compressor (Hydra builds DiLoCo without build_local_update)
-        from lit_dtrain.strategies.compressed_ddp import build_compressor  # that module imports this one
+        from lit_dtrain.strategies.registry import build_compressor  # that module imports this one
 
         self.compressor = build_compressor(compressor)
         self.outer_params: Tensor | None = None  # flat fp32
