@@ -1173,18 +1173,3 @@ def test_all_gather_uses_all_gather_into_tensor_where_torch_has_no_all_gather_si
     out, t = torch.empty(4), torch.ones(2)
     assert comm._all_gather_single(out, t, group="g", async_op=True) == "work"
     assert len(calls) == 1 and calls[0][0] is out and calls[0][1] is t and calls[0][2:] == ("g", True)
-
-
-def test_moved_codecs_and_registry_still_import_from_their_old_modules():
-    """NoCompression, HalfPrecision and BlockQuantizer moved to quantize.py, COMPRESSORS/LOCAL_UPDATES and the
-    builders to registry.py: code that imports them from compressors.py or compressed_ddp.py gets the same objects,
-    and a name that never existed is still an AttributeError."""
-    import lit_dtrain.strategies as package
-    from lit_dtrain.strategies import compressed_ddp, compressors, quantize, registry
-
-    for name in ("NoCompression", "HalfPrecision", "BlockQuantizer"):
-        assert getattr(compressors, name) is getattr(quantize, name) is getattr(package, name)
-    for name in ("COMPRESSORS", "LOCAL_UPDATES", "build_compressor", "build_local_update"):
-        assert getattr(compressed_ddp, name) is getattr(registry, name)
-    with pytest.raises(AttributeError, match="has no attribute 'TopK'"):
-        compressors.TopK  # noqa: B018  (defined in sparsify.py, never here)

@@ -20,11 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
     CHECKPOINT_KEY,
-    COMPRESSORS,
-    LOCAL_UPDATES,
     CompressedDDPStrategy,
-    build_compressor,
-    build_local_update,
     collective_timeout,
     dropped_comm_state_message,
     register_strategies,
@@ -34,6 +30,7 @@ from lit_dtrain.strategies.compressors import Compressor, Segment
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
 from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoCompression
+from lit_dtrain.strategies.registry import COMPRESSORS, LOCAL_UPDATES, build_compressor, build_local_update
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 

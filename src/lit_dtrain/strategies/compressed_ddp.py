@@ -29,12 +29,7 @@ from typing_extensions import override
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.local_updates import LocalUpdate
-from lit_dtrain.strategies.registry import (
-    COMPRESSORS,  # noqa: F401  (moved to registry.py; still importable from here)
-    LOCAL_UPDATES,  # noqa: F401
-    build_compressor,
-    build_local_update,
-)
+from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.utils.distributed import (
     begin_fit_records,
     destroy_process_group_at_exit,

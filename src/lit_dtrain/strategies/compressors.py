@@ -360,15 +360,3 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
-
-
-# The simple codecs live in quantize.py (which imports this module); their names still import from here.
-_MOVED = {"NoCompression", "HalfPrecision", "BlockQuantizer"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from lit_dtrain.strategies import quantize
-
-        return getattr(quantize, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
