@@ -1,11 +1,10 @@
 """Checks of a composed config before any compute, each naming the offending key: types and values
 (:func:`check_config`), every ``_target_`` node's arguments against its class, unknown keys, and warnings for
 settings that would waste a run (a schedule that ends early, torchrun restarts that cannot continue it).
-``lit_dtrain.train`` runs them; they are importable from there too.
+``lit_dtrain.train`` runs them.
 
 The value checks and the warnings are here; :func:`check_config` also runs the key and type checks of
-``lit_dtrain.config_keys`` and the checks of Lightning's choices in ``lit_dtrain.config_lightning``, whose public
-names are importable from here too."""
+``lit_dtrain.config_keys`` and the checks of Lightning's choices in ``lit_dtrain.config_lightning``."""
 
 from __future__ import annotations
 
@@ -18,15 +17,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.config_keys import (
-    CONFIG_KEYS,  # noqa: F401  (importable from here, as before it moved)
     check_known_keys,
     check_target_arguments,
     check_types,
 )
 from lit_dtrain.config_lightning import (
-    FP16_TINY,  # noqa: F401  (importable from here, as before it moved)
     check_lightning_choices,
-    check_precision,  # noqa: F401  (importable from here, as before it moved)
 )
 from lit_dtrain.errors import ConfigError
 

@@ -3,8 +3,7 @@
 A plain function (as in lightning-hydra-template) so tests and other programs can call it directly. Its parts
 are modules of their own: the config checks (``lit_dtrain.config_checks``), the checkpoint a start
 continues from (``lit_dtrain.resume``), the callbacks it adds (``lit_dtrain.train_callbacks``) and its exit on
-SIGTERM (``lit_dtrain.sigterm_exit``). The public names among them that were defined here are importable from
-here too.
+SIGTERM (``lit_dtrain.sigterm_exit``).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.resume import (
     check_optimizer_state,
     check_start_step,
-    new_sweep_dir_error,  # noqa: F401  (importable from here, as before it moved)
     resolve_ckpt_path,
 )
 from lit_dtrain.schedules.workflows import (
@@ -62,7 +60,6 @@ from lit_dtrain.schedules.workflows import (
     warn_if_the_resume_jumps_up,
 )
 from lit_dtrain.sigterm_exit import (
-    PREEMPTED_EXIT_STATUS,  # noqa: F401  (importable from here, as before it moved)
     HoldSigtermInValidate,
     sigterm_after_the_last_step,
     stopped_by_sigterm,

@@ -790,7 +790,7 @@ def test_config_keys_are_those_of_conf_train_yaml():
     """CONFIG_KEYS (what check_known_keys accepts) is conf/train.yaml's groups, own keys and plain sections' keys."""
     from omegaconf import OmegaConf
 
-    from lit_dtrain.config_checks import CONFIG_KEYS
+    from lit_dtrain.config_keys import CONFIG_KEYS
 
     primary = OmegaConf.load(Path(CONF_DIR) / "train.yaml")
     groups = {next(iter(entry)) for entry in primary.defaults if not isinstance(entry, str)}
