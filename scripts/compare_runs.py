@@ -48,28 +48,46 @@ def _warn(message: str) -> None:
     print(f"compare_runs: {message}", file=sys.stderr)
 
 
-def unreadable_event_files(run: Path) -> list[Path]:
-    """The event files below ``run`` that hold no TensorBoard event at all: garbage, truncated to nothing, or empty
-    (a file TensorBoard's writer made holds at least its ``file_version`` event). TensorBoard's reader skips them
-    silently, so such a run read as a run with no scalars."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+def read_event_file(path: Path) -> tuple[list, int, str | None]:
+    """The TensorBoard events of one event file, in order, the bytes they take, and why reading stopped before the
+    file's end (None: it did not). A file cut mid-record (its writer killed, a full disk) or damaged further on
+    yields the events before that point; TensorBoard's own reader stops there silently (``EventFileLoader`` logs
+    it at debug level only), so a run read as one that had logged less."""
+    from tensorboard.backend.event_processing.event_file_loader import _make_tf_record_iterator
+    from tensorboard.compat import tf
+    from tensorboard.compat.proto import event_pb2
 
-    bad = []
-    for path in sorted(run.rglob(EVENT_GLOB)):
-        try:
-            events = next(iter(EventFileLoader(str(path)).Load()), None)
-        except Exception:  # noqa: BLE001 - any failure to read a record is "unreadable"
-            events = None
-        if events is None:
-            bad.append(path)
-    return bad
+    events: list = []
+    size = 0
+    try:
+        for record in _make_tf_record_iterator(str(path)):
+            events.append(event_pb2.Event.FromString(record))
+            size += len(record) + 16  # a record: its length (8 bytes), its crc, the event, the event's crc
+    except tf.errors.DataLossError as e:  # its message names the file (as bytes): say what it means instead
+        cut = "truncated" in str(e)
+        return events, size, ("it ends in a partial record: its writer was killed mid-record, or the disk was full"
+                              if cut else "a record fails its crc check: the file is damaged there")
+    except Exception as e:  # noqa: BLE001 - any other failure to read a record ends what can be read too
+        return events, size, f"{type(e).__name__}: {e}"
+    return events, size, None
 
 
 def check_event_files(run_dirs: list[Path], all_scalars: list[dict]) -> None:
-    """A run whose event files are all unreadable (and that has no metrics.csv scalars) is an error naming them; an
-    unreadable file beside readable ones is a warning naming it."""
+    """A run whose event files are all unreadable, holding no TensorBoard event at all (garbage, truncated to
+    nothing, or empty: a file TensorBoard's writer made holds at least its ``file_version`` event), and that has no
+    metrics.csv scalars is an error naming them; TensorBoard's reader skips such files silently, so the run read as
+    a run with no scalars. An unreadable file beside readable ones is a warning naming it, and so is a file that
+    cannot be read to its end (what could be read of it is used: the warning says how much)."""
     for run, scalars in zip(run_dirs, all_scalars):
-        bad = unreadable_event_files(run)
+        bad = []
+        for path in sorted(run.rglob(EVENT_GLOB)):
+            events, size, stopped = read_event_file(path)
+            if not events:
+                bad.append(path)
+            elif stopped:
+                _warn(f"run {str(run)!r}: event file {str(path)!r} cannot be read to its end ({stopped}); using its "
+                      f"first {len(events)} events, up to step {max(e.step for e in events)} ({size} of its "
+                      f"{path.stat().st_size} bytes)")
         if not bad:
             continue
         names = ", ".join(repr(str(p)) for p in bad)

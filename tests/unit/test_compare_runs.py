@@ -965,3 +965,29 @@ def test_runs_without_any_scalar_say_so(tmp_path):
     SummaryWriter(str(tmp_path / "r" / "tb")).close()  # a run that stopped before logging: file_version only
     with pytest.raises(compare_runs.CompareError, match=r"in any of the 1 runs; they have no scalars at all"):
         compare_runs.compare([str(tmp_path / "r")], ["val/loss"], out=str(tmp_path / "z.png"))
+
+
+@pytest.mark.parametrize("damage", ["cut", "crc"])
+def test_an_event_file_that_cannot_be_read_to_its_end_is_named_with_what_was_read(tmp_path, capsys, damage):
+    """TensorBoard's reader stops silently at a record cut off (a killed writer, a full disk) or failing its crc
+    check: the run read as one that had logged less, with no word of it. The file is named now, with the events
+    and bytes read from it and the last step among them; what could be read is still compared."""
+    run = write_run(tmp_path / "run", {10: 3.0, 20: 2.5, 30: 2.6})
+    (event_file,) = (run / "tb").iterdir()
+    data = event_file.read_bytes()
+    last_record_at = 0  # TFRecord framing: an 8-byte length, its crc, the event, the event's crc
+    while last_record_at + 16 + int.from_bytes(data[last_record_at : last_record_at + 8], "little") < len(data):
+        last_record_at += 16 + int.from_bytes(data[last_record_at : last_record_at + 8], "little")
+    if damage == "cut":  # the last record (lr-AdamW/decay at step 30) loses its last 5 bytes
+        event_file.write_bytes(data[:-5])
+        reason = "it ends in a partial record: its writer was killed mid-record, or the disk was full"
+    else:  # a byte of the last record's event flipped
+        event_file.write_bytes(data[:-8] + bytes([data[-8] ^ 0xFF]) + data[-7:])
+        reason = "a record fails its crc check: the file is damaged there"
+    result = compare_runs.compare([str(run)], ["val/loss", "lr-AdamW/decay"], out=str(tmp_path / "x.png"))
+    err = capsys.readouterr().err
+    size = event_file.stat().st_size
+    assert (f"compare_runs: run {str(run)!r}: event file {str(event_file)!r} cannot be read to its end ({reason}); "
+            f"using its first 6 events, up to step 30 ({last_record_at} of its {size} bytes)\n") in err
+    assert result["runs"][0]["by_metric"]["val/loss"]["final_step"] == 30  # read before the damaged record
+    assert result["runs"][0]["by_metric"]["lr-AdamW/decay"]["final_step"] == 20  # its step-30 point is lost
