@@ -189,11 +189,16 @@ def make_datamodule(corpus: str, dirs, block: int, batch: int, seed: int, sample
 
 def val_set(dm: LMDataModule, corpus: str, total: int) -> list[tuple[str, torch.Tensor]]:
     """Fixed held-out windows, evenly spaced over each source's val stream; per source in proportion to its
-    share of the corpus (so the val set is uniform over the corpus composition)."""
+    share of the corpus (so the val set is uniform over the corpus composition). A source whose val stream holds
+    no window is an error naming it (its val loss was a ZeroDivisionError in :func:`evaluate`); LMDataModule gives
+    every source at least one today."""
     out = []
     for source, split in zip(dm.sources, dm.splits):
         share = 1.0 if corpus == "stdlib" else MIXTURE_SHARES[source.name]
         windows = WindowSet([split.val], dm.block_size)
+        if len(windows) == 0:
+            raise ValueError(f"data source {source.name!r}: its val split has {len(split.val)} tokens, no window of "
+                             f"block_size+1 = {dm.block_size + 1} to evaluate on")
         n = min(len(windows), max(1, round(total * share)))
         idx = np.unique(np.linspace(0, len(windows) - 1, n).round().astype(np.int64))
         out.append((source.name, windows.gather(idx)))

@@ -97,3 +97,20 @@ def test_train_step_and_evaluate_use_the_library_token_loss(bench):
         _step(bench, bad)
     with pytest.raises((IndexError, RuntimeError)):
         bench.evaluate(model, [("a", torch.cat([ids[:, :5], torch.full((3, 1), -100), ids[:, 6:]], 1))], batch=3)
+
+
+def test_a_source_without_a_val_window_is_named_not_divided_by_zero(bench):
+    """A val stream shorter than one window gave the source no val windows and evaluate a ZeroDivisionError (its
+    tokens counted 0). LMDataModule holds out at least one window per source, so only a caller of val_set with
+    another datamodule reached it; the source is named now, before any training."""
+    import types
+
+    import numpy as np
+
+    short = types.SimpleNamespace(val=np.arange(10, dtype=np.uint16))
+    enough = types.SimpleNamespace(val=np.arange(40, dtype=np.uint16))
+    dm = types.SimpleNamespace(sources=[types.SimpleNamespace(name="code"), types.SimpleNamespace(name="prose")],
+                               splits=[enough, short], block_size=16)
+    with pytest.raises(ValueError, match=r"^data source 'prose': its val split has 10 tokens, no window of "
+                                         r"block_size\+1 = 17 to evaluate on$"):
+        bench.val_set(dm, "mixture", 8)
