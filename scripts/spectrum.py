@@ -38,7 +38,7 @@ from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.module import token_loss
 from lit_dtrain.schedules.workflows import model_from_checkpoint
-from lit_dtrain.utils.args import ScriptArgumentParser, fail
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
@@ -157,21 +157,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--source", default=None, help="which of the run's data.sources (needed for a mixture)")
     ap.add_argument("--split", choices=["val", "train"], default="val")
+    # the integer flags are >= 1 (positive_int): 0 is not "auto", that is leaving the flag out
     ap.add_argument(
         "--block-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="window length T (default: the run's data.block_size, else the model's)",
     )
-    ap.add_argument("--windows", type=int, default=128, help="windows averaged")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--windows", type=positive_int, default=128, help="windows averaged")
+    ap.add_argument("--batch-size", type=positive_int, default=16)
     ap.add_argument(
         "--max-freq",
-        type=int,
+        type=positive_int,
         default=None,
         help="band edges (default: the run's FourierSampler's at T, else the brief's for T)",
     )
-    ap.add_argument("--num-bands", type=int, default=None)
+    ap.add_argument("--num-bands", type=positive_int, default=None)
     ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
     ap.add_argument("--labels", nargs="+", default=None, help="legend labels (default: file paths)")
     ap.add_argument(
@@ -183,11 +184,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
     ap.add_argument("--out", default="spectrum.png", help="PNG path")
     args = ap.parse_args(argv)
-    for flag, value in (("--max-freq", args.max_freq), ("--num-bands", args.num_bands),
-                        ("--block-size", args.block_size), ("--windows", args.windows),
-                        ("--batch-size", args.batch_size)):
-        if value is not None and value <= 0:  # not "auto": that is leaving the flag out
-            ap.error(f"{flag} must be a positive integer, got {value}")
     if args.labels is not None and len(args.labels) != len(args.checkpoints):  # zip() dropped the extra checkpoints
         ap.error(f"--labels has {len(args.labels)} entries but there are {len(args.checkpoints)} checkpoints")
     if not 0 < args.bandwidth_fraction <= 1:

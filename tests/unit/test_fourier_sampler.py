@@ -683,7 +683,7 @@ def test_spectrum_script_rejects_non_positive_band_flags(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "spectrum.py"),
                            str(tmp_path / "missing.ckpt"), "--num-bands", "0"], capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and "--num-bands must be a positive integer" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "argument --num-bands: must be >= 1, got 0" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("cap", [-1.0, 0.0, 1e-5])

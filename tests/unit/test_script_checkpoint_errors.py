@@ -81,8 +81,12 @@ def test_generate_top_k_zero_samples_from_all_tokens(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--windows", "0"], "--windows must be a positive integer, got 0"),
-        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--windows", "0"], "argument --windows: must be >= 1, got 0"),
+        (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["--block-size", "-2"], "argument --block-size: must be >= 1, got -2"),
+        (["--max-freq", "0"], "argument --max-freq: must be >= 1, got 0"),
+        (["--num-bands", "0"], "argument --num-bands: must be >= 1, got 0"),
+        (["--windows", "1.5"], "argument --windows: expected a whole number, got '1.5'"),
         (["--bandwidth-fraction", "2"], "--bandwidth-fraction must be in (0, 1], got 2.0"),
         (["--bandwidth-fraction", "0"], "--bandwidth-fraction must be in (0, 1], got 0.0"),
         (["--files"], "argument --files: expected at least one argument"),
