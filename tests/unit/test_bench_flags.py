@@ -67,3 +67,21 @@ def test_bench_wsd_wipes_only_a_dir_of_its_own(tmp_path):
     assert bench_wsd.wipeable(mine)
     bench = bench_wsd.Bench(bench_wsd.parse_args(["--out-dir", str(mine)]))
     assert sorted(p.name for p in mine.iterdir()) == [bench_wsd.MARKER] and bench.out == mine.resolve()
+
+
+def test_an_error_names_the_script_also_where_a_test_loads_it(capsys):
+    """A script loaded by a test (or another program) named itself after ``sys.argv[0]``, pytest's: its usage line
+    and ``pytest: error: ...`` (``__main__.py: error``), both from its parser and from ``fail()``. Both name the
+    script's file now, as when it runs as ``python scripts/x.py``."""
+    spectrum = load_script("spectrum", "_spectrum_prog")
+    with pytest.raises(SystemExit):
+        spectrum.main(["missing.ckpt", "--windows", "0"])  # the parser's error
+    err = capsys.readouterr().err
+    assert err.startswith("usage: spectrum.py [-h]") and "\nspectrum.py: error: argument --windows:" in err, err
+    with pytest.raises(SystemExit):
+        spectrum.load_model("missing.ckpt")  # fail() without prog
+    assert capsys.readouterr().err.startswith("spectrum.py: error: checkpoint 'missing.ckpt' does not exist")
+    generate = load_script("generate", "_generate_prog")
+    with pytest.raises(SystemExit):
+        generate.main(["missing.ckpt"])
+    assert capsys.readouterr().err.startswith("generate.py: error: checkpoint 'missing.ckpt'")

@@ -101,11 +101,23 @@ def read_json_file(path: str, flag: str, written_by: str):
         raise ValueError(f"{flag} {path!r} is not JSON ({e}); give a file written by {written_by}") from None
 
 
+def _script_name() -> str:
+    """The file name of the script that calls into this module (``spectrum.py``): that of the nearest module
+    outside this one on the call stack, else ``sys.argv[0]``'s. The same whether the script runs as ``python
+    scripts/spectrum.py`` or is loaded by a test, where ``sys.argv[0]`` is pytest's (``pytest: error: ...``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    file = frame.f_globals.get("__file__") if frame is not None else None
+    return os.path.basename(file or sys.argv[0]) or "script"
+
+
 def report_error(message: str, prog: str | None = None) -> None:
     """Print a script's error: ``prog: error: message`` on stderr and ``{"error": message}`` as a JSON line on
     stdout. Every script in ``scripts/`` ends with a JSON line on success, so a caller that parses the last line reads
-    an error too (a plain message there was a JSONDecodeError in the caller)."""
-    prog = prog or os.path.basename(sys.argv[0]) or "script"
+    an error too (a plain message there was a JSONDecodeError in the caller). Without ``prog``, the calling script's
+    file name (:func:`_script_name`), as its :class:`ScriptArgumentParser` names it."""
+    prog = prog or _script_name()
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.stderr.flush()
     print(json.dumps({"error": message}), flush=True)
@@ -119,7 +131,12 @@ def fail(message: str, prog: str | None = None, code: int = 2) -> NoReturn:
 
 class ScriptArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors (a bad flag, a failed type, ``parser.error(...)``) end like
-    :func:`fail`: the usage and ``prog: error: message`` on stderr, ``{"error": message}`` last on stdout, exit 2."""
+    :func:`fail`: the usage and ``prog: error: message`` on stderr, ``{"error": message}`` last on stdout, exit 2.
+    ``prog`` defaults to the file name of the script that makes the parser (:func:`_script_name`), not
+    ``sys.argv[0]``'s: they differ only where a test or another program loads the script."""
+
+    def __init__(self, prog: str | None = None, *args, **kwargs) -> None:
+        super().__init__(prog or _script_name(), *args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
