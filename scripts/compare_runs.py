@@ -27,19 +27,30 @@ from pathlib import Path
 # reading run and sweep dirs (what train(cfg) writes there) is lit_dtrain.run_dirs; this script compares them
 from lit_dtrain.run_dirs import (
     EVENT_GLOB,
-    NO_LOGGER,
     RunDirError,
     expand_runs,
     finished,
-    finished_without_metrics,
-    hydra_overrides,
     job_error,
     jobs_not_started,
     read_scalars,
-    table_cell,
+    table_cell,  # noqa: F401 - compare_runs.table_cell: the markdown table's cells (_compare_runs_table)
 )
 from lit_dtrain.utils.args import ScriptArgumentParser, report_error
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
+
+# this script's modules beside it (scripts/_compare_runs_*.py): scripts/ is on sys.path when it runs as
+# ``python scripts/compare_runs.py``, not where a test loads it by its path
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of runs
+from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
+    best_row,
+    markdown_table,
+    metric_rows,
+    one_point_per_validation,
+    summarize,
+    table_order,  # noqa: F401 - compare_runs.table_order, as before the split
+)
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -95,239 +106,6 @@ def check_event_files(run_dirs: list[Path], all_scalars: list[dict]) -> None:
             raise CompareError(f"run {str(run)!r}: its event file(s) {names} hold no TensorBoard events (unreadable, "
                                "not an event file, or empty)")
         _warn(f"run {str(run)!r}: skipping event file(s) {names}: no TensorBoard events (unreadable or empty)")
-
-
-def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) -> list[str]:
-    """The overrides that differ between runs (``scheduler=wsd optimizer.lr=0.003``), else dir names. Labels over
-    60 characters name dotted keys by their last part (``lr=0.003``) where no two differing keys share it. Runs
-    whose labels would be equal (the same overrides) get their dir name added, ``optimizer.lr=0.003 (job 1)``;
-    the other runs keep theirs. A number spelled two ways among the runs (``3e-3`` typed for a run, ``0.003`` as
-    Hydra's sweeper writes it for a job) is shown in one form (:func:`_one_spelling_per_number`). ``known``: the
-    overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
-    known = known or {}
-    overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
-    if len(runs) < 2 or any(o is None for o in overrides):
-        return _dir_names(runs)
-    overrides = _one_spelling_per_number(overrides)
-    common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
-    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")] for ov in overrides]
-    labels = [" ".join(d) for d in differing]
-    if max(map(len, labels)) > 60:
-        keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
-        short = {k: k.rsplit(".", 1)[-1] for k in keys}
-        clash = {v for v in short.values() if list(short.values()).count(v) > 1}
-        labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
-    labels = [label or r.name for label, r in zip(labels, runs)]  # only defaults left: its dir name
-    for label in dict.fromkeys(label for label in labels if labels.count(label) > 1):
-        same = [i for i, other in enumerate(labels) if other == label]
-        for i, name in zip(same, _dir_names([runs[i] for i in same])):
-            if differing[i]:
-                labels[i] = f"{label} ({'job ' + name if name.isdigit() else name})"
-            else:  # labelled by its dir name already
-                labels[i] = name
-    return labels
-
-
-def _dir_names(runs: list[Path]) -> list[str]:
-    """The runs' dir names, with as many parent dirs as it takes to tell them apart (``m1/sweep/0``,
-    ``m2/sweep/0``)."""
-    depth = 1
-    while True:
-        names = ["/".join(r.parts[-depth:]) for r in runs]
-        if len(set(names)) == len(names) or all(depth >= len(r.parts) for r in runs):
-            return names
-        depth += 1
-
-
-def _unique(labels: list[str]) -> list[str]:
-    """``labels`` with a repeated one numbered: ``x``, ``x (2)``, ..."""
-    out: list[str] = []
-    for label in labels:
-        new, n = label, 1
-        while new in out:
-            n += 1
-            new = f"{label} ({n})"
-        out.append(new)
-    return out
-
-
-def _as_value(override: str) -> tuple[str, object]:
-    """``key=value`` as (key, value) compared by value: Hydra's sweeper writes a job's ``1e-3`` as ``0.001`` and
-    ``false`` as ``False``; a single run keeps them as typed."""
-    key, sep, value = override.partition("=")
-    if not sep:
-        return key, None
-    low = value.strip().lower()
-    if low in ("true", "false"):
-        return key, low == "true"
-    if low in ("null", "none", "~"):
-        return key, None
-    try:
-        return key, float(value)
-    except ValueError:
-        return key, value.strip().strip("'\"")
-
-
-def _one_spelling_per_number(overrides: list[list[str]]) -> list[list[str]]:
-    """``overrides`` with every number of a key written in Python's shortest form (``0.003``, ``1e-05``, ``20``)
-    where the runs write one value of that key in two ways (``3e-3``, ``0.003``), so that equal values read
-    equal; other keys and non-numbers are kept as written."""
-    spellings: dict[str, dict[float, set[str]]] = {}
-    for ov in overrides:
-        for o in ov:
-            key, value = _as_value(o)
-            if isinstance(value, float):
-                spellings.setdefault(key, {}).setdefault(value, set()).add(o.partition("=")[2])
-    mixed = {key for key, by_value in spellings.items() if any(len(s) > 1 for s in by_value.values())}
-
-    def canonical(override: str) -> str:
-        key, value = _as_value(override)
-        if key not in mixed or not isinstance(value, float):
-            return override
-        text = repr(value)
-        return f"{key}={text[:-2] if text.endswith('.0') else text}"
-
-    return [[canonical(o) for o in ov] for ov in overrides]
-
-
-def _shorten(override: str, short: dict[str, str], clash: set[str]) -> str:
-    key, sep, value = override.partition("=")
-    return f"{short[key]}={value}" if sep and short[key] not in clash else override
-
-
-def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """``series`` with its final validation once, at the steps trained.
-
-    Lightning logs a validation during fit at the 0-based index of the last optimizer step (``S - 1`` after
-    ``S`` steps), but ``train(cfg)``'s final ``trainer.validate`` at ``S``: when ``S`` is a multiple of
-    ``val_check_interval`` both measure the same weights, and the series ends with the same value twice,
-    one step apart. That pair is one measurement, kept at ``S`` (the steps trained). Any other point keeps its
-    logged step."""
-    if len(series) >= 2:
-        (prev_step, prev), (last_step, last) = series[-2], series[-1]
-        if last_step == prev_step + 1 and math.isclose(prev, last, rel_tol=1e-5):
-            return [*series[:-2], series[-1]]
-    return series
-
-
-def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
-    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
-    steps; the final validation counts once (:func:`one_point_per_validation`), so that one value never gets a
-    best step one before its final step."""
-    series = one_point_per_validation(series)
-    if not series:
-        return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
-    final_step, final = series[-1]
-    finite = [(s, v) for s, v in series if math.isfinite(v)]
-    if not finite:  # diverged from the first point: its steps are still known
-        return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
-    best_step, best = (max if maximize else min)(finite, key=lambda sv: sv[1])
-    return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
-
-
-def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
-    """The run with the lowest (``maximize``: highest) finite final value, among the finished ones when any run is
-    marked unfinished."""
-    finite = [r for r in rows if math.isfinite(r["final"])]
-    done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
-    return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
-
-
-def markdown_table(
-    rows: list[dict],
-    metric: str,
-    skipped: list[dict] = (),
-    maximize: bool = False,
-    errors_in: str | None = None,
-    given: list[str] = (),
-) -> str:
-    """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
-    highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
-    nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
-    it). Rows are in the order of the run and sweep dirs ``given`` (:func:`table_order`)."""
-
-    def failed(error: str) -> str:
-        return f"failed (error in the {errors_in} table)" if errors_in else f"failed: {table_cell(error)}"
-
-    best = best_row(rows, maximize)
-    ref = best["final"] if best else float("nan")
-    best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
-    header = [
-        f"| run | final step | final {metric} | {best_name} (step) | vs best final |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    lines = []
-    for r in rows:
-        if r.get("missing"):  # the run has not logged the metric at all
-            status = (
-                failed(r["error"])
-                if r.get("error")
-                else f"unfinished (no {metric} logged)"
-                if r.get("finished") is False
-                else "-"
-            )
-            lines.append(f"| {r['label']} | {status} | - | - | - |")
-            continue
-        comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
-        # relative to |best|: a worse run is + (lower is better) or - (--maximize) also where the best is negative
-        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if comparable else "-"
-        best = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
-        step = r["final_step"]
-        if r.get("finished") is False or r.get("error"):
-            step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
-        lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
-    for job in skipped:
-        status = (
-            failed(job["error"])
-            if job.get("error")
-            else "not started"
-            if job.get("not_started")
-            else NO_LOGGER
-            if finished_without_metrics(Path(job["dir"]))
-            else "no metrics logged (not started, or stopped before logging)"
-        )
-        lines.append(f"| {job['label']} | {status} | - | - | - |")
-    order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped], given)
-    return "\n".join(header + [lines[i] for i in order]) + "\n"
-
-
-def table_order(dirs: list[str], given: list[str] = ()) -> list[int]:
-    """Indices of ``dirs`` in table order: the order of the arguments ``given`` (run dirs, sweep dirs, ``outputs``)
-    that hold them; below one argument, by path, a sweep's job dirs (numbered subdirs of one dir) by job number.
-    The jobs of one sweep stay together, where its first job's argument is (the README's ``<sweep>/*`` glob gives
-    each job as an argument). Whether a run logged, failed or never started does not move its row: rows of jobs
-    that logged nothing come after the others in ``dirs``, but belong between their neighbours. Without ``given``,
-    the order of ``dirs``."""
-    paths = [Path(d) for d in dirs]
-    roots = [Path(g).expanduser() for g in given]
-
-    def argument(i: int) -> int:
-        if not roots:
-            return i
-        return next((n for n, root in enumerate(roots) if root == paths[i] or root in paths[i].parents), len(roots))
-
-    groups = [p.parent if p.name.isdigit() else p for p in paths]
-    position: dict[Path, int] = {}
-    for i, group in enumerate(groups):
-        position[group] = min(position.get(group, argument(i)), argument(i))
-
-    def path_key(path: Path) -> tuple:
-        return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
-
-    return sorted(range(len(paths)), key=lambda i: (position[groups[i]], path_key(paths[i]), i))
-
-
-def _number(value: float) -> str:
-    """4 decimals (losses, bytes), or 4 significant digits for a value under 0.01 (an LR: 3e-05, not 0.0000)."""
-    return f"{value:.4f}" if value == 0 or not math.isfinite(value) or abs(value) >= 0.01 else f"{value:.4g}"
-
-
-_SUMMARY_KEYS = ("final_step", "final", "best", "best_step", "missing")
-
-
-def metric_rows(rows: list[dict], metric: str) -> list[dict]:
-    """``rows`` with ``metric``'s final and best values (from ``by_metric``) in place of the first metric's."""
-    return [{**{k: v for k, v in r.items() if k not in _SUMMARY_KEYS}, **r["by_metric"][metric]} for r in rows]
 
 
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]

@@ -1,0 +1,144 @@
+"""compare_runs.py's summary of runs: each run's final and best value of a metric, the best run, and the markdown
+table of them, its rows in the order of the run and sweep dirs given."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lit_dtrain.run_dirs import NO_LOGGER, finished_without_metrics, table_cell
+
+
+def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``series`` with its final validation once, at the steps trained.
+
+    Lightning logs a validation during fit at the 0-based index of the last optimizer step (``S - 1`` after
+    ``S`` steps), but ``train(cfg)``'s final ``trainer.validate`` at ``S``: when ``S`` is a multiple of
+    ``val_check_interval`` both measure the same weights, and the series ends with the same value twice,
+    one step apart. That pair is one measurement, kept at ``S`` (the steps trained). Any other point keeps its
+    logged step."""
+    if len(series) >= 2:
+        (prev_step, prev), (last_step, last) = series[-2], series[-1]
+        if last_step == prev_step + 1 and math.isclose(prev, last, rel_tol=1e-5):
+            return [*series[:-2], series[-1]]
+    return series
+
+
+def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
+    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
+    steps; the final validation counts once (:func:`one_point_per_validation`), so that one value never gets a
+    best step one before its final step."""
+    series = one_point_per_validation(series)
+    if not series:
+        return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
+    final_step, final = series[-1]
+    finite = [(s, v) for s, v in series if math.isfinite(v)]
+    if not finite:  # diverged from the first point: its steps are still known
+        return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
+    best_step, best = (max if maximize else min)(finite, key=lambda sv: sv[1])
+    return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
+
+
+def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
+    """The run with the lowest (``maximize``: highest) finite final value, among the finished ones when any run is
+    marked unfinished."""
+    finite = [r for r in rows if math.isfinite(r["final"])]
+    done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
+    return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
+
+
+def markdown_table(
+    rows: list[dict],
+    metric: str,
+    skipped: list[dict] = (),
+    maximize: bool = False,
+    errors_in: str | None = None,
+    given: list[str] = (),
+) -> str:
+    """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
+    highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
+    nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
+    it). Rows are in the order of the run and sweep dirs ``given`` (:func:`table_order`)."""
+
+    def failed(error: str) -> str:
+        return f"failed (error in the {errors_in} table)" if errors_in else f"failed: {table_cell(error)}"
+
+    best = best_row(rows, maximize)
+    ref = best["final"] if best else float("nan")
+    best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
+    header = [
+        f"| run | final step | final {metric} | {best_name} (step) | vs best final |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines = []
+    for r in rows:
+        if r.get("missing"):  # the run has not logged the metric at all
+            status = (
+                failed(r["error"])
+                if r.get("error")
+                else f"unfinished (no {metric} logged)"
+                if r.get("finished") is False
+                else "-"
+            )
+            lines.append(f"| {r['label']} | {status} | - | - | - |")
+            continue
+        comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
+        # relative to |best|: a worse run is + (lower is better) or - (--maximize) also where the best is negative
+        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if comparable else "-"
+        best = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
+        step = r["final_step"]
+        if r.get("finished") is False or r.get("error"):
+            step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
+        lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
+    for job in skipped:
+        status = (
+            failed(job["error"])
+            if job.get("error")
+            else "not started"
+            if job.get("not_started")
+            else NO_LOGGER
+            if finished_without_metrics(Path(job["dir"]))
+            else "no metrics logged (not started, or stopped before logging)"
+        )
+        lines.append(f"| {job['label']} | {status} | - | - | - |")
+    order = table_order([r["dir"] for r in rows] + [job["dir"] for job in skipped], given)
+    return "\n".join(header + [lines[i] for i in order]) + "\n"
+
+
+def table_order(dirs: list[str], given: list[str] = ()) -> list[int]:
+    """Indices of ``dirs`` in table order: the order of the arguments ``given`` (run dirs, sweep dirs, ``outputs``)
+    that hold them; below one argument, by path, a sweep's job dirs (numbered subdirs of one dir) by job number.
+    The jobs of one sweep stay together, where its first job's argument is (the README's ``<sweep>/*`` glob gives
+    each job as an argument). Whether a run logged, failed or never started does not move its row: rows of jobs
+    that logged nothing come after the others in ``dirs``, but belong between their neighbours. Without ``given``,
+    the order of ``dirs``."""
+    paths = [Path(d) for d in dirs]
+    roots = [Path(g).expanduser() for g in given]
+
+    def argument(i: int) -> int:
+        if not roots:
+            return i
+        return next((n for n, root in enumerate(roots) if root == paths[i] or root in paths[i].parents), len(roots))
+
+    groups = [p.parent if p.name.isdigit() else p for p in paths]
+    position: dict[Path, int] = {}
+    for i, group in enumerate(groups):
+        position[group] = min(position.get(group, argument(i)), argument(i))
+
+    def path_key(path: Path) -> tuple:
+        return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
+
+    return sorted(range(len(paths)), key=lambda i: (position[groups[i]], path_key(paths[i]), i))
+
+
+def _number(value: float) -> str:
+    """4 decimals (losses, bytes), or 4 significant digits for a value under 0.01 (an LR: 3e-05, not 0.0000)."""
+    return f"{value:.4f}" if value == 0 or not math.isfinite(value) or abs(value) >= 0.01 else f"{value:.4g}"
+
+
+_SUMMARY_KEYS = ("final_step", "final", "best", "best_step", "missing")
+
+
+def metric_rows(rows: list[dict], metric: str) -> list[dict]:
+    """``rows`` with ``metric``'s final and best values (from ``by_metric``) in place of the first metric's."""
+    return [{**{k: v for k, v in r.items() if k not in _SUMMARY_KEYS}, **r["by_metric"][metric]} for r in rows]
