@@ -37,11 +37,9 @@ from lit_dtrain.run_dirs import (
 )
 from lit_dtrain.utils.args import ScriptArgumentParser, report_error
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
+from lit_dtrain.utils.scripts import import_beside
 
-# this script's modules beside it (scripts/_compare_runs_*.py): scripts/ is on sys.path when it runs as
-# ``python scripts/compare_runs.py``, not where a test loads it by its path
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import_beside(__file__)  # this script's modules beside it, scripts/_compare_runs_*.py, also where a test loads it
 from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of runs
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     best_row,

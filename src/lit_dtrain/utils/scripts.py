@@ -1,0 +1,16 @@
+"""What the programs in ``scripts/`` share beyond their flags and errors (:mod:`lit_dtrain.utils.args`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def import_beside(script_file: str) -> None:
+    """Let the script whose ``__file__`` is ``script_file`` import the modules beside it (``scripts/compare_runs.py``
+    its ``scripts/_compare_runs_labels.py``): put its dir on ``sys.path``. Python puts it there when the script runs
+    as ``python scripts/compare_runs.py``, but not where a test (or another program) loads the script by its path
+    with ``importlib.util.spec_from_file_location``."""
+    here = str(Path(script_file).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
