@@ -1,0 +1,111 @@
+"""lit_dtrain.slurm: the checks of an srun launch, and Slurm's requeue signal (the real 2-task runs are in
+tests/e2e/test_slurm.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from omegaconf import OmegaConf
+
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.slurm import check_slurm_launch, requeue_job, slurm_plugins
+
+
+def srun_env(ntasks: int = 2, per_node: int = 2, nnodes: int = 1, rank: int = 0, **extra) -> dict:
+    env = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NAME": "lit", "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(ntasks),
+           "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_NNODES": str(nnodes),
+           "SLURM_NODEID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODELIST": "127.0.0.1"}
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def cfg(devices=2, num_nodes=1, accelerator="cpu"):
+    return OmegaConf.create({"trainer": {"devices": devices, "num_nodes": num_nodes, "accelerator": accelerator}})
+
+
+@pytest.mark.parametrize(("devices", "num_nodes", "env"), [
+    (2, 1, srun_env()),
+    ([0, 1], 1, srun_env()),
+    (4, 2, srun_env(ntasks=8, per_node=4, nnodes=2)),
+    (1, 1, srun_env(ntasks=1, per_node=1)),  # one task: Lightning's world of 1
+    (2, 1, {}),  # not under Slurm
+    (2, 1, srun_env(SLURM_JOB_NAME="interactive", SLURM_STEP_NUM_TASKS="1")),  # salloc shell: Lightning launches
+])
+def test_a_launch_that_forms_one_run_passes(devices, num_nodes, env):
+    check_slurm_launch(cfg(devices, num_nodes), env)
+
+
+@pytest.mark.parametrize(("conf", "env", "message"), [
+    (cfg(1), srun_env(), "trainer.devices=1 starts 1 process(es) per node, but srun started SLURM_NTASKS_PER_NODE=2: "
+                         "set trainer.devices=2 trainer.num_nodes=1, or srun --ntasks-per-node=1 (each task would"),
+    (cfg("auto"), srun_env(), "trainer.devices=auto starts 1 process(es) per node"),
+    (cfg(4), srun_env(), "trainer.devices=4 starts 4 process(es) per node, but srun started SLURM_NTASKS_PER_NODE=2"),
+    (cfg(2, 2), srun_env(), "trainer.num_nodes=2, but srun runs on SLURM_NNODES=1 nodes"),
+    (cfg(), srun_env(SLURM_STEP_NUM_TASKS=None), "this process was not started by srun"),
+    (cfg(), srun_env(SLURM_STEP_NUM_TASKS="1"), "SLURM_NTASKS=2, but srun started SLURM_STEP_NUM_TASKS=1 tasks"),
+    (cfg(), srun_env(SLURM_JOB_NAME="bash"), "SLURM_JOB_NAME='bash' makes Lightning ignore Slurm"),
+    (cfg(), srun_env(SLURM_NTASKS_PER_NODE=None), "without --ntasks-per-node (SLURM_NTASKS_PER_NODE is not set)"),
+    (cfg(), srun_env(SLURM_PROCID=None), "SLURM_PROCID is not set to a number"),
+])
+def test_a_launch_with_a_wrong_world_size_or_a_missing_rank_is_refused(conf, env, message):
+    with pytest.raises(ConfigError) as e:
+        check_slurm_launch(conf, env)
+    assert message in str(e.value)
+
+
+def fake_scontrol(tmp_path, status: int = 0) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\nexit {status}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_the_requeue_signal_requeues_the_job_from_rank_0_only(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path)["PATH"])
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
+        requeue_job(srun_env(rank=1))
+        assert not (tmp_path / "calls").exists()
+        requeue_job(srun_env(rank=0))
+        requeue_job(srun_env(rank=0, SLURM_ARRAY_JOB_ID="77", SLURM_ARRAY_TASK_ID="3"))
+    assert (tmp_path / "calls").read_text() == "requeue 1234\nrequeue 77_3\n"
+    assert "requeued job 1234" in caplog.text
+
+
+def test_a_failed_requeue_is_logged_and_the_run_trains_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
+        requeue_job(srun_env())
+    assert "`scontrol requeue 1234` failed (FileNotFoundError" in caplog.text
+    assert "the job is not requeued and trains on" in caplog.text
+
+
+def test_under_srun_lightning_gets_slurm_without_its_auto_requeue(monkeypatch):
+    """Lightning's auto-requeue saved hpc_ckpt_<n>.ckpt in the run dir at SIGUSR1 and loaded it in the final
+    validation, in place of the trained weights."""
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    assert slurm_plugins() == []  # not under Slurm
+    for key, value in srun_env().items():
+        monkeypatch.setenv(key, value)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        (environment,) = slurm_plugins()
+        assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue is False
+        assert signal.getsignal(signal.SIGUSR1).__name__ == "_on_requeue_signal"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_torchruns_workers_in_an_srun_step_are_left_to_torchruns_environment(monkeypatch):
+    """Lightning prefers torchrun's environment to Slurm's; a SLURMEnvironment given to the Trainer took the step's
+    single task for the world of both workers (rank 0 of 1 each)."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "r1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in {**srun_env(ntasks=1, per_node=1), **torchrun}.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_plugins() == []
+    check_slurm_launch(cfg(2), os.environ)  # torchrun's workers, not srun's tasks: nothing to check against Slurm
