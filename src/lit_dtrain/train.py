@@ -64,6 +64,7 @@ from lit_dtrain.sigterm_exit import (
     sigterm_after_the_last_step,
     stopped_by_sigterm,
 )
+from lit_dtrain.slurm import check_slurm_launch, slurm_plugins
 from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import write_atomically
@@ -243,6 +244,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
             warn_if_the_resume_jumps_up(cfg, ckpt_path, start_step)
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
+    check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 
@@ -294,7 +296,8 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's
         extra["inference_mode"] = False
     trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg), plugins=[AtomicCheckpointIO()],
+        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg),
+        plugins=[AtomicCheckpointIO(), *slurm_plugins()],
         **extra,
     )
     out_dir = Path(cfg.paths.output_dir)
