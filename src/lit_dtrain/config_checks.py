@@ -162,6 +162,59 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     )
 
 
+def devices_per_node(cfg: DictConfig) -> int | None:
+    """The processes per node that ``trainer.devices`` asks Lightning for (``auto`` on a CPU: 1); None where it
+    cannot be told before Lightning looks at the accelerator. What an external launcher (srun, torchrun) must have
+    started on each node."""
+    devices = cfg.trainer.get("devices", "auto")
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
+        return int(devices)
+    if not isinstance(devices, (int, str)):  # a list of device ids
+        try:
+            return len(devices)
+        except TypeError:
+            return None
+    if str(devices).strip() in ("auto", "-1"):  # all devices of the accelerator: one CPU process
+        accelerator = str(cfg.trainer.get("accelerator", "auto"))
+        if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+            return 1
+        if accelerator in ("gpu", "cuda", "auto"):
+            return torch.cuda.device_count()
+    return None
+
+
+def check_torchrun_launch(cfg: DictConfig, env=os.environ) -> None:
+    """Under torchrun (its workers have ``TORCHELASTIC_RUN_ID``), refuse a config whose processes per node or nodes
+    differ from the workers torchrun started, before any compute. ``torchrun --nproc_per_node=2 train.py`` with the
+    default ``trainer.devices`` (``auto``: one process on a CPU) trained 2 single-process runs into one run dir, both
+    exiting 0 (``last.ckpt`` and ``last-v1.ckpt``): Lightning checks the world size only for a strategy of several
+    processes. The nodes' count it checks itself, with a traceback; here it is one line."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if not (world.isdigit() and local.isdigit()) or int(world) <= 1 or int(local) < 1:
+        return
+    world, local = int(world), int(local)
+    devices, num_nodes = devices_per_node(cfg), cfg.trainer.get("num_nodes", 1)
+    fix = f"set trainer.devices={local} trainer.num_nodes={world // local}"
+    if devices is not None and devices != local:
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.get('devices')} starts {devices} process(es) per node, but torchrun "
+            f"started LOCAL_WORLD_SIZE={local} workers per node: {fix} (on a CPU: trainer=ddp_cpu "
+            f"trainer.devices={local}), or torchrun --nproc_per_node={devices}"
+            + (" (each worker would train a run of its own, all in one run dir)" if devices < local else "")
+        )
+    if isinstance(num_nodes, int) and num_nodes * local != world:
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} x {local} workers per node = {num_nodes * local} processes, but torchrun's "
+            f"WORLD_SIZE={world}: {fix}"
+        )
+
+
 def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
     """Under ``torchrun --max-restarts N`` (N > 0), at the first start: warn when a restart cannot continue the run.
     A restarted worker runs the same command: without ``resume=auto`` it is a fresh start in a run dir that holds

@@ -36,6 +36,7 @@ from pathlib import Path
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain.config_checks import devices_per_node
 from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,31 +48,6 @@ _RANK_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")  # what SLUR
 def _number(env, key: str) -> int | None:
     value = str(env.get(key, "")).strip()
     return int(value) if value.isdigit() else None
-
-
-def _devices_per_node(cfg: DictConfig) -> int | None:
-    """The processes per node that ``trainer.devices`` asks Lightning for; None where it cannot be told here."""
-    devices = cfg.trainer.get("devices", "auto")
-    if isinstance(devices, bool):
-        return None
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
-        return int(devices)
-    if not isinstance(devices, (int, str)):  # a list of device ids
-        try:
-            return len(devices)
-        except TypeError:
-            return None
-    if str(devices).strip() in ("auto", "-1"):  # all devices of the accelerator: one CPU process
-        accelerator = str(cfg.trainer.get("accelerator", "auto"))
-        import torch
-
-        if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
-            return 1
-        if accelerator in ("gpu", "cuda", "auto"):
-            return torch.cuda.device_count()
-    return None
 
 
 def check_no_hpc_checkpoint(cfg: DictConfig, env=os.environ) -> None:
@@ -135,7 +111,7 @@ def check_slurm_launch(cfg: DictConfig, env=os.environ) -> None:
             "Lightning needs to check the tasks of each node against trainer.devices: launch with "
             f"srun --ntasks-per-node=<devices per node> (on one node: --ntasks-per-node={ntasks})"
         )
-    devices, num_nodes = _devices_per_node(cfg), cfg.trainer.get("num_nodes", 1)
+    devices, num_nodes = devices_per_node(cfg), cfg.trainer.get("num_nodes", 1)
     fix = (
         f"set trainer.devices={per_node} trainer.num_nodes={nnodes}"
         if per_node is not None and nnodes is not None

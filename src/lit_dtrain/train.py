@@ -39,6 +39,7 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.config_checks import (
     check_config,
     check_known_keys,
+    check_torchrun_launch,
     scheduler_config,
     warn_about_torchrun_restarts,
     warn_if_the_schedule_ends_early,
@@ -245,6 +246,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes
+    check_torchrun_launch(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 

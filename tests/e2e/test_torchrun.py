@@ -120,3 +120,19 @@ def test_a_multirun_under_torchrun_writes_one_sweep_dir_and_resumes_in_it(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summaries = [json.loads((sweeps[0] / job / "summary.json").read_text()) for job in ("0", "1")]
     assert [s["steps"] for s in summaries] == [4, 4]
+
+
+def test_torchrun_workers_that_the_trainer_does_not_expect_are_refused(tmp_path, corpus):
+    """`torchrun --nproc_per_node=2 train.py` without trainer.devices=2: each worker trained a single-process run of
+    its own into the one run dir (last.ckpt and last-v1.ckpt), and torchrun exited 0. Every worker now stops before
+    any compute, naming the setting, and nothing is written to the run dir's checkpoints."""
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=2",
+            "sample.max_new_tokens=0", "trainer.enable_progress_bar=false", "run_name=mismatch"]
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
+    proc = subprocess.run([*launch, *args], cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("error: trainer.devices=1 starts 1 process(es) per node, but torchrun started "
+                     "LOCAL_WORLD_SIZE=2 workers per node") == 2, out[-3000:]
+    assert not list((tmp_path / "outputs" / "runs" / "mismatch").glob("checkpoints/*.ckpt"))

@@ -786,6 +786,44 @@ def test_torchrun_restarts_that_cannot_continue_the_run_are_warned_about(tiny_cf
     assert warnings_for({}) == []  # not under torchrun
 
 
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        ((), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"},  # tiny_cfg: trainer.devices=1
+         "trainer.devices=1 starts 1 process(es) per node, but torchrun started LOCAL_WORLD_SIZE=2 workers per node: "
+         "set trainer.devices=2 trainer.num_nodes=1"),
+        (("trainer.devices=auto",), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"},  # the default: 1 process on a CPU
+         "trainer.devices=auto starts 1 process(es) per node, but torchrun started LOCAL_WORLD_SIZE=2 workers per "
+         "node: set trainer.devices=2 trainer.num_nodes=1 (on a CPU: trainer=ddp_cpu trainer.devices=2), or torchrun "
+         "--nproc_per_node=1 (each worker would train a run of its own, all in one run dir)"),
+        (("trainer=ddp_cpu", "trainer.devices=4"), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"},
+         "trainer.devices=4 starts 4 process(es) per node, but torchrun started LOCAL_WORLD_SIZE=2"),
+        (("trainer=ddp_cpu",), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"},
+         "trainer.num_nodes=1 x 2 workers per node = 2 processes, but torchrun's WORLD_SIZE=4: set trainer.devices=2 "
+         "trainer.num_nodes=2"),
+        (("trainer=ddp_cpu",), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, None),  # what torchrun started
+        (("trainer=ddp_cpu", "trainer.num_nodes=2"), {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}, None),
+        ((), {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1"}, None),  # torchrun --nproc_per_node=1: one process
+    ],
+)
+def test_a_torchrun_launch_that_does_not_match_the_trainer_is_refused_before_any_compute(tiny_cfg, overrides, env,
+                                                                                          message):
+    """`torchrun --nproc_per_node=2 train.py` with the default trainer.devices (auto: one process on a CPU) trained
+    2 single-process runs into one run dir, both exiting 0 (last.ckpt and last-v1.ckpt); Lightning checks the world
+    size only for a strategy of several processes."""
+    from lit_dtrain.config_checks import check_torchrun_launch
+
+    env = {"TORCHELASTIC_RUN_ID": "abc", **env}
+    if message is None:
+        check_torchrun_launch(tiny_cfg(*overrides), env)
+        check_torchrun_launch(tiny_cfg(*overrides), {})  # not under torchrun: nothing to check
+        return
+    with pytest.raises(ConfigError) as e:
+        check_torchrun_launch(tiny_cfg(*overrides), env)
+    assert str(e.value).startswith(message)
+    check_torchrun_launch(tiny_cfg(*overrides), {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"})
+
+
 def test_config_keys_are_those_of_conf_train_yaml():
     """CONFIG_KEYS (what check_known_keys accepts) is conf/train.yaml's groups, own keys and plain sections' keys."""
     from omegaconf import OmegaConf
