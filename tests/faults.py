@@ -43,6 +43,19 @@ class SignalInValidation(L.Callback):
         os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
+class SignalAfterFit(L.Callback):
+    """Send ``signal`` to this process in ``on_fit_end``, which Lightning calls after it has put back the signal
+    handlers from before ``fit``: the window between ``fit`` and ``train()``'s final validation, in which the final
+    ``last.ckpt`` is written; on rank ``rank`` only, when given."""
+
+    def __init__(self, signal: str = "SIGTERM", rank: int | None = None) -> None:
+        self.signal, self.rank = signal, rank
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.rank is None or trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal_module, self.signal))
+
+
 class PoisonLossAtStep(L.Callback):
     """Multiply the loss that ``training_step`` returns by ``value`` (NaN or Inf) in every micro-batch of the step
     after ``step`` completed steps (on rank ``rank`` only, when given).

@@ -3,12 +3,14 @@ Lightning's 0, on every rank together.
 
 ``lit_dtrain.callbacks.PreemptionCheckpoint`` saves a checkpoint during ``fit``; this module is ``train()``'s side:
 the exit status and its log lines (:func:`stopped_by_sigterm`), a signal that came during the last validation,
-which nothing acted on (:func:`sigterm_after_the_last_step`), and the callback that holds a SIGTERM back during
-``train()``'s final ``trainer.validate`` until every rank has finished it (:class:`HoldSigtermInValidate`).
+which nothing acted on (:func:`sigterm_after_the_last_step`), the callback that holds a SIGTERM back during
+``train()``'s final ``trainer.validate`` until every rank has finished it (:class:`HoldSigtermInValidate`), and
+the handler that records one between ``fit`` and that validation (:class:`SigtermRecorder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -48,10 +50,11 @@ def sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
     """Whether a SIGTERM came during fit's last validation, which nothing acted on: ``PreemptionCheckpoint``'s
     handler only records it (it saves at the end of a batch, and none ends after the last validation), and
     Lightning's flag is read before validation batches but the last; or during ``train()``'s final validation,
-    which :class:`HoldSigtermInValidate` lets finish. The ranks agree (one all-reduce), so that all of them stop,
-    or none."""
+    which :class:`HoldSigtermInValidate` lets finish; or between them (:class:`SigtermRecorder`). The ranks agree
+    (one all-reduce), so that all of them stop, or none."""
     pending = trainer.received_sigterm or any(
-        isinstance(c, (PreemptionCheckpoint, HoldSigtermInValidate)) and c.signalled for c in trainer.callbacks
+        isinstance(c, (PreemptionCheckpoint, HoldSigtermInValidate, SigtermRecorder)) and c.signalled
+        for c in trainer.callbacks
     )
     return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
 
@@ -90,3 +93,38 @@ class HoldSigtermInValidate(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore_handler()
+
+
+class SigtermRecorder(L.Callback):
+    """From the end of ``fit`` on, a SIGTERM is only recorded (``signalled``), for :func:`sigterm_after_the_last_step`
+    to act on. Lightning handles SIGTERM only inside ``fit``/``validate``, and when they end it puts back the handler
+    from before them, the default, which ends the process: a SIGTERM while ``on_fit_end`` hooks ran, the final
+    ``last.ckpt`` was written or the ranks agreed ended that rank with -15 and left the others to fail in their next
+    collective (gloo's "Connection reset", exit status 1). At ``on_train_start``, after Lightning registered its
+    handler, this callback becomes the handler Lightning puts back at the end of ``fit``; inside the final
+    ``validate`` Lightning composes its own with it, as before. ``train()`` restores the handler from before it when
+    it returns or raises. Inert outside the main thread, where no handler can be set."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signalled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        handlers = getattr(trainer._signal_connector, "_original_handlers", None)  # what its teardown puts back
+        if threading.current_thread() is threading.main_thread() and handlers and signal.SIGTERM in handlers:
+            handlers[signal.SIGTERM] = self._on_sigterm
+
+
+@contextlib.contextmanager
+def sigterm_handler_kept():
+    """Put the SIGTERM handler from before back on exit (in the main thread): :class:`SigtermRecorder` leaves its
+    own in place when ``fit`` ends."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)

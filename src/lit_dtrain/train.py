@@ -62,7 +62,9 @@ from lit_dtrain.schedules.workflows import (
 )
 from lit_dtrain.sigterm_exit import (
     HoldSigtermInValidate,
+    SigtermRecorder,
     sigterm_after_the_last_step,
+    sigterm_handler_kept,
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import check_slurm_launch, slurm_plugins
@@ -212,7 +214,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     had_group = dist.is_available() and dist.is_initialized()
     launch_env = {key: os.environ.get(key) for key in _DDP_LAUNCH_ENV}
     try:
-        return _train(cfg)
+        with sigterm_handler_kept():
+            return _train(cfg)
     finally:
         if not had_group and destroy_default_group(single_process_only=True):
             for key, value in launch_env.items():
@@ -280,7 +283,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     clock = TrainClock()
     # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
-    callbacks = [LogStepSync(), *callbacks, clock, HoldSigtermInValidate()]
+    callbacks = [LogStepSync(), *callbacks, clock, HoldSigtermInValidate(), SigtermRecorder()]
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view

@@ -137,12 +137,15 @@ def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp_path, corpus):
+@pytest.mark.parametrize("when", ["final_validation", "after_fit"])
+def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp_path, corpus, when):
     """SIGTERM to rank 1 only during train()'s final trainer.validate: Lightning's handler broadcast from inside the
     handler and its evaluation loop stopped rank 1 alone at its next batch (exit 143), while rank 0 waited for it in
     the epoch-end metric reduction until strategy.collective_timeout_s (30 min by default) and failed with a gloo
     timeout, exit status 1. The validation now finishes on both ranks, which then agree to exit with 143 together;
-    resume=auto validates the saved last.ckpt and writes the summary."""
+    resume=auto validates the saved last.ckpt and writes the summary. ``after_fit``: the SIGTERM comes between fit
+    and that validation, where Lightning had put back the default handler: rank 1 died with -15 and rank 0 failed in
+    its next collective (gloo's "Connection reset", exit status 1); now both exit with 143 as well."""
     ddp = [
         "trainer=ddp_cpu",
         *[o for o in RUN if o.startswith("trainer.")],
@@ -156,6 +159,8 @@ def test_ddp_sigterm_to_one_rank_in_the_final_validation_stops_both_with_143(tmp
         "+callbacks.fault.stage=validate",
         "+callbacks.fault.rank=1",
     ]
+    if when == "after_fit":
+        fault = ["+callbacks.fault._target_=tests.faults.SignalAfterFit", "+callbacks.fault.rank=1"]
     term = train_proc(tmp_path, corpus, "run_name=term", *ddp, *fault, timeout=240)
     out = term.stdout + term.stderr
     # 143 on both ranks: no rank waited for the collective timeout (that failed with a gloo timeout, exit status 1)

@@ -158,6 +158,37 @@ def test_train_stopped_by_sigterm_exits_with_status_143_not_0(tiny_cfg, preempti
         assert "stopped by SIGTERM at step" in caplog.text and "without a checkpoint" in caplog.text
 
 
+def test_a_sigterm_between_fit_and_the_final_validation_exits_with_143_and_the_handler_comes_back(tiny_cfg, caplog):
+    """When fit ends Lightning puts back the SIGTERM handler from before it, so a SIGTERM in on_fit_end, while the
+    final last.ckpt was written or the ranks agreed went to that handler: the default one killed the process (-15;
+    under DDP the other rank then failed in its next collective), a handler of the caller's was called and the run
+    went on to its validation and summary. Now it is recorded and train() exits with 143 after the final last.ckpt;
+    the caller's handler is back when train() ends."""
+    import signal
+
+    from lit_dtrain.train import train
+
+    callers = []
+
+    def callers_handler(signum, frame):  # stands for the default handler, which would end this test process
+        callers.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        cfg = tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=2",
+                       "+callbacks.fault._target_=tests.faults.SignalAfterFit")
+        with pytest.raises(SystemExit) as stop:
+            train(cfg)
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stop.value.code == 143 and callers == []
+    out = Path(cfg.paths.output_dir)
+    assert not (out / "summary.json").exists()
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert "stopped by SIGTERM after the last step (4), whose last.ckpt is saved" in caplog.text
+
+
 @pytest.mark.parametrize("stage", ["fit", "validate"])
 def test_a_sigterm_during_the_last_validation_also_exits_with_status_143(tiny_cfg, stage, caplog):
     """A SIGTERM during the validation at the last step (inside fit: PreemptionCheckpoint's handler only records it,
