@@ -215,6 +215,30 @@ def check_torchrun_launch(cfg: DictConfig, env=os.environ) -> None:
         )
 
 
+_CLUSTER_LAUNCH_KEYS = (  # a launcher Lightning reads the nodes' ranks from: torchrun, srun, LSF, Kubeflow, MPI
+    "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "KUBERNETES_PORT", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+)
+
+
+def check_multinode_launch(cfg: DictConfig, env=os.environ) -> None:
+    """``trainer.num_nodes`` above 1 without a cluster launcher means Lightning's own launch on every node, which
+    reads the first node's address and this node's rank from ``MASTER_ADDR`` and ``NODE_RANK``. Without them
+    ``python train.py trainer=ddp_cpu trainer.num_nodes=2`` waited for the other node's ranks on 127.0.0.1 until
+    the collective timeout (30 min), every node taking itself for node 0; refused before any compute."""
+    num_nodes = cfg.trainer.get("num_nodes", 1)
+    if not isinstance(num_nodes, int) or num_nodes <= 1 or any(key in env for key in _CLUSTER_LAUNCH_KEYS):
+        return
+    missing = [key for key in ("MASTER_ADDR", "NODE_RANK") if not str(env.get(key, "")).strip()]
+    if missing:
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} without torchrun or srun: Lightning's own launch on each node reads the "
+            f"first node's address and this node's rank from MASTER_ADDR and NODE_RANK, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set, so this process would wait for the other nodes on "
+            "127.0.0.1 until the collective timeout. Launch with torchrun or srun, set MASTER_ADDR, MASTER_PORT and "
+            "NODE_RANK on every node, or train on this node alone (trainer.num_nodes=1)"
+        )
+
+
 def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
     """Under ``torchrun --max-restarts N`` (N > 0), at the first start: warn when a restart cannot continue the run.
     A restarted worker runs the same command: without ``resume=auto`` it is a fresh start in a run dir that holds

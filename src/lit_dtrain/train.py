@@ -39,6 +39,7 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.config_checks import (
     check_config,
     check_known_keys,
+    check_multinode_launch,
     check_torchrun_launch,
     scheduler_config,
     warn_about_torchrun_restarts,
@@ -250,6 +251,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes
     check_torchrun_launch(cfg)
+    check_multinode_launch(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))
 

@@ -824,6 +824,32 @@ def test_a_torchrun_launch_that_does_not_match_the_trainer_is_refused_before_any
     check_torchrun_launch(tiny_cfg(*overrides), {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"})
 
 
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({}, "trainer.num_nodes=2 without torchrun or srun: Lightning's own launch on each node reads the first "
+             "node's address and this node's rank from MASTER_ADDR and NODE_RANK, and MASTER_ADDR and NODE_RANK are "
+             "not set"),
+        ({"MASTER_ADDR": "10.0.0.1"}, "and NODE_RANK is not set"),
+        ({"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}, None),  # Lightning's own multi-node launch
+        ({"TORCHELASTIC_RUN_ID": "x"}, None),  # torchrun gives the ranks (its own check is check_torchrun_launch)
+        ({"SLURM_NTASKS": "4"}, None),  # srun: lit_dtrain.slurm checks it
+    ],
+)
+def test_several_nodes_without_a_launcher_or_their_addresses_are_refused(tiny_cfg, env, message):
+    """`python train.py trainer=ddp_cpu trainer.num_nodes=2` on one machine, with no launcher and no MASTER_ADDR /
+    NODE_RANK: Lightning's launch waited for the other node's 2 ranks on 127.0.0.1 until the collective timeout."""
+    from lit_dtrain.config_checks import check_multinode_launch
+
+    cfg = tiny_cfg("trainer=ddp_cpu", "trainer.num_nodes=2")
+    if message is None:
+        check_multinode_launch(cfg, env)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_multinode_launch(cfg, env)
+    check_multinode_launch(tiny_cfg("trainer=ddp_cpu"), {})  # one node: nothing to check
+
+
 def test_config_keys_are_those_of_conf_train_yaml():
     """CONFIG_KEYS (what check_known_keys accepts) is conf/train.yaml's groups, own keys and plain sections' keys."""
     from omegaconf import OmegaConf
