@@ -14,36 +14,54 @@ import contextlib
 import logging
 import signal
 import threading
+from pathlib import Path
 
 import lightning as L
 
-from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
+from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
+from lit_dtrain.checkpoint import checkpoint_global_step
+from lit_dtrain.resume import _newest_step_checkpoint
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
 
 PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a process that SIGTERM ended
+INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130: Ctrl-C
+
+
+def stop_signal(trainer: L.Trainer) -> signal.Signals:
+    """The signal that stopped the fit: the one ``PreemptionCheckpoint`` got (SIGINT for Ctrl-C, SIGHUP for a
+    closed terminal), else SIGTERM (Lightning's flag, or another rank's signal)."""
+    for c in trainer.callbacks:
+        if isinstance(c, PreemptionCheckpoint) and c.signum is not None:
+            return signal.Signals(c.signum)
+    return signal.SIGTERM
 
 
 def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
-    status 0). A preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on
-    as if it had, and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved
-    (``saved_last``: train() saved the final ``last.ckpt``)."""
+    status 0): 143, or 128 + the signal for SIGINT and SIGHUP, which ``PreemptionCheckpoint`` handles alike. A
+    preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on as if it had,
+    and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved (``saved_last``: train()
+    saved the final ``last.ckpt``)."""
+    name = stop_signal(trainer).name
     if saved_last:
         log.warning(
-            "stopped by SIGTERM after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
+            "stopped by %s after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
             "writes summary.json",
+            name,
             trainer.global_step,
         )
     elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
         log.warning(
-            "stopped by SIGTERM at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
+            "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
             "resume=auto continues from the last validation's checkpoint, if any",
+            name,
             trainer.global_step,
         )
-    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
-    return PREEMPTED_EXIT_STATUS
+    status = 128 + stop_signal(trainer)
+    log.info("exiting with status %d (stopped by %s, not finished)", status, name)
+    return status
 
 
 def sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
@@ -95,6 +113,35 @@ class HoldSigtermInValidate(L.Callback):
         self._restore_handler()
 
 
+def interrupted_by_ctrl_c(checkpoint_dir: str) -> int:
+    """The exit status (130) of a run that ``KeyboardInterrupt`` (SIGINT, Ctrl-C) stopped where nothing saves:
+    before training, in the token cache build, in setup, at a second Ctrl-C, in the final validation or the sample.
+    It ended with a traceback from ``train()``, or with Lightning's "Detected KeyboardInterrupt" and exit status 1,
+    without saying what was kept. One line says which checkpoint ``resume=auto`` continues from."""
+    ckpt_dir = Path(checkpoint_dir)
+    newest = _newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    if newest is None:
+        kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"
+    else:
+        kept = f"resume=auto continues from {newest} (step {checkpoint_global_step(newest)})"
+    log.warning("interrupted by SIGINT (Ctrl-C); %s", kept)
+    log.info("exiting with status %d (interrupted, not finished)", INTERRUPTED_EXIT_STATUS)
+    return INTERRUPTED_EXIT_STATUS
+
+
+@contextlib.contextmanager
+def keyboard_interrupt_kept(trainer: L.Trainer):
+    """Raise ``KeyboardInterrupt`` again where Lightning turned it into ``sys.exit(1)`` (``trainer.fit``/``validate``
+    catch it, run the ``on_exception`` hooks, tear down and kill the child ranks), for ``train()`` to report it
+    with :func:`interrupted_by_ctrl_c`. :class:`SigtermRecorder` notes it in its ``on_exception``."""
+    try:
+        yield
+    except SystemExit as e:
+        if type(e) is SystemExit and any(isinstance(c, SigtermRecorder) and c.interrupted for c in trainer.callbacks):
+            raise KeyboardInterrupt from None
+        raise
+
+
 class SigtermRecorder(L.Callback):
     """From the end of ``fit`` on, a SIGTERM is only recorded (``signalled``), for :func:`sigterm_after_the_last_step`
     to act on. Lightning handles SIGTERM only inside ``fit``/``validate``, and when they end it puts back the handler
@@ -107,9 +154,13 @@ class SigtermRecorder(L.Callback):
 
     def __init__(self) -> None:
         self.signalled = False
+        self.interrupted = False  # Lightning caught a KeyboardInterrupt (see keyboard_interrupt_kept)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.signalled = True
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.interrupted = isinstance(exception, KeyboardInterrupt)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         handlers = getattr(trainer._signal_connector, "_original_handlers", None)  # what its teardown puts back
@@ -120,11 +171,13 @@ class SigtermRecorder(L.Callback):
 @contextlib.contextmanager
 def sigterm_handler_kept():
     """Put the SIGTERM handler from before back on exit (in the main thread): :class:`SigtermRecorder` leaves its
-    own in place when ``fit`` ends."""
+    own in place when ``fit`` ends. SIGINT's and SIGHUP's too: Lightning ignores SIGINT from the moment it caught a
+    ``KeyboardInterrupt`` on, so Ctrl-C no longer stopped anything in the process (a notebook) that called train()."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS} if main else {}
     try:
         yield
     finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            if handler is not None:
+                signal.signal(s, handler)

@@ -64,6 +64,8 @@ from lit_dtrain.schedules.workflows import (
 from lit_dtrain.sigterm_exit import (
     HoldSigtermInValidate,
     SigtermRecorder,
+    interrupted_by_ctrl_c,
+    keyboard_interrupt_kept,
     sigterm_after_the_last_step,
     sigterm_handler_kept,
     stopped_by_sigterm,
@@ -89,7 +91,8 @@ class CollectiveError(RuntimeError):
 
 def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        with keyboard_interrupt_kept(trainer):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except RuntimeError as e:
         if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
             raise CheckpointError(
@@ -217,6 +220,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     try:
         with sigterm_handler_kept():
             return _train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C where nothing saves (in training, PreemptionCheckpoint saves and exits 130)
+        raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir)) from None
     finally:
         if not had_group and destroy_default_group(single_process_only=True):
             for key, value in launch_env.items():
@@ -330,7 +335,8 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
 
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     try:
-        val = trainer.validate(module, datamodule=datamodule, verbose=False)
+        with keyboard_interrupt_kept(trainer):
+            val = trainer.validate(module, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True)) from None
     if sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished

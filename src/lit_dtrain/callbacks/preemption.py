@@ -1,4 +1,5 @@
-"""Save a checkpoint and stop cleanly on SIGTERM, so a preempted or cancelled job can be requeued.
+"""Save a checkpoint and stop cleanly on SIGTERM, so a preempted or cancelled job can be requeued; on SIGINT
+(Ctrl-C) and SIGHUP (a closed terminal or ssh session) alike.
 
 Lightning catches SIGTERM (its signal connector sets ``trainer.received_sigterm``; after the current batch it
 raises ``SIGTERMException``, a clean ``SystemExit``) but saves nothing outside SLURM's auto-requeue. This
@@ -22,6 +23,13 @@ Lightning exit, so ``resume=auto`` continues exactly from there.
   rank signalled; mid-accumulation a signal is only noted, as a save must wait for the step's end anyway), save at
   the same step, and then set Lightning's flag (``trainer._signal_connector.received_sigterm``, which has no
   public setter) on every rank, so all ranks leave the loop at the same batch.
+- **Ctrl-C and a closed terminal.** SIGINT and SIGHUP are handled as SIGTERM during training, and ``train()`` exits
+  with 128 + the signal (130, 129). Before, Ctrl-C went to Lightning's ``KeyboardInterrupt`` path (exit status 1,
+  nothing saved: every step since the last validation was lost without a word) and SIGHUP killed the process. A
+  second Ctrl-C while the save is pending raises ``KeyboardInterrupt`` at once, Lightning's hard stop. SIGINT is not
+  forwarded to the child ranks: a terminal sends it to the whole process group, and a forwarded copy would be that
+  rank's "second Ctrl-C"; a rank that did not get it stops anyway, as the ranks agree on "any rank signalled".
+  SIGQUIT keeps its default (a core dump at once), the conventional hard stop.
 """
 
 from __future__ import annotations
@@ -36,9 +44,15 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 
+# the signals that stop a run at the end of the current optimizer step, with last.ckpt saved
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)  # (no SIGHUP on Windows)
+
 
 class PreemptionCheckpoint(L.Callback):
-    """On SIGTERM, save ``<dirpath>/<filename>`` (default ``last.ckpt``) at the end of the current optimizer step."""
+    """On SIGTERM (SIGINT, SIGHUP), save ``<dirpath>/<filename>`` (default ``last.ckpt``) at the end of the current
+    optimizer step."""
 
     def __init__(self, dirpath: str, filename: str = "last.ckpt") -> None:
         # checked now: a bad one failed only when SIGTERM came, in os.path.join, and saved nothing
@@ -49,15 +63,20 @@ class PreemptionCheckpoint(L.Callback):
         check_arg("PreemptionCheckpoint", "filename", filename, is_path, "a file name such as 'last.ckpt'")
         self.dirpath, self.filename = dirpath, filename
         self.saved_step: int | None = None
-        self.signalled = False  # this process (or, after the agreement, any rank) got SIGTERM
-        self._previous_handler = None
+        self.signalled = False  # this process (or, after the agreement, any rank) got a stop signal
+        self.signum: int | None = None  # the first stop signal this process got (None: none, or another rank's)
+        self._previous_handlers: dict = {}
         self._trainer: L.Trainer | None = None
 
     def _on_sigterm(self, signum, frame) -> None:
-        if not self.signalled:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without waiting for the save
+        if not self.signalled and signum != signal.SIGINT:
             launcher = self._trainer.strategy.launcher if self._trainer is not None else None
             if launcher is not None:
                 launcher.kill(signum)  # forward to the child ranks this process launched, as Lightning does
+        if self.signum is None:
+            self.signum = signum
         self.signalled = True
 
     @override
@@ -70,14 +89,16 @@ class PreemptionCheckpoint(L.Callback):
         self._trainer = trainer
         # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
         # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
-        self.signalled, self.saved_step = False, None
+        self.signalled, self.saved_step, self.signum = False, None, None
         if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_handlers = {s: signal.signal(s, self._on_sigterm) for s in STOP_SIGNALS}
 
     def _restore_handler(self) -> None:
-        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_handler)
-        self._previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            for s, previous in self._previous_handlers.items():
+                if previous is not None:
+                    signal.signal(s, previous)
+        self._previous_handlers = {}
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
@@ -104,8 +125,9 @@ class PreemptionCheckpoint(L.Callback):
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
+        name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
         rank_zero_info(
-            f"SIGTERM received: saved {path} at step {trainer.global_step}; exiting cleanly. "
+            f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. "
             "Resume with resume=auto (same run_name; a multirun job: the same -m arguments with "
             "hydra.sweep.dir=<its sweep dir>) or ckpt_path=<that file>."
         )

@@ -1,0 +1,88 @@
+"""Ctrl-C (SIGINT) and a closed terminal (SIGHUP) stop ``train(cfg)`` as SIGTERM does: last.ckpt at the end of the
+current optimizer step, exit status 128 + the signal, a line naming where it stopped; where nothing saves (the
+final validation, the sample, a second Ctrl-C) a line names the checkpoint ``resume=auto`` continues from."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_dtrain.train import train
+
+
+def kill_at(step: int, sig: str, key: str = "fault") -> list[str]:
+    return [f"+callbacks.{key}._target_=tests.faults.KillAtStep", f"+callbacks.{key}.step={step}",
+            f"+callbacks.{key}.signal={sig}"]
+
+
+@pytest.mark.parametrize(("sig", "status"), [("SIGINT", 130), ("SIGHUP", 129)])
+def test_ctrl_c_or_a_closed_terminal_mid_training_saves_the_step_and_exits_128_plus_the_signal(
+    tiny_cfg, sig, status, caplog
+):
+    """Ctrl-C went to Lightning's KeyboardInterrupt path: 'Detected KeyboardInterrupt, attempting graceful
+    shutdown ...', exit status 1, no checkpoint: every step since the last validation lost without a word. SIGHUP
+    killed the process (-1), also with nothing saved. Both now save last.ckpt at the end of the step and exit with
+    130 / 129; resume=auto continues from there, and the caller's handlers are back when train() ends."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", *kill_at(2, sig))
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == status
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)) == before
+    out = Path(cfg.paths.output_dir)
+    assert not (out / "summary.json").exists()
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert f"{sig} received: saved {out / 'checkpoints' / 'last.ckpt'} at step 3" in caplog.text
+    metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", "resume=auto"))
+    assert metrics["steps"] == 6
+
+
+def test_ctrl_c_in_the_final_validation_exits_130_and_names_the_checkpoint_to_resume(tiny_cfg, caplog):
+    """Lightning catches the KeyboardInterrupt in trainer.validate, ends with sys.exit(1) and leaves SIGINT ignored
+    (signal.SIG_IGN) in the calling process for good. Now: exit status 130, one line naming the final last.ckpt
+    that resume=auto continues from, and the SIGINT handler from before train()."""
+    before = signal.getsignal(signal.SIGINT)
+    fault = ["+callbacks.fault._target_=tests.faults.SignalInValidation", "+callbacks.fault.step=4",
+             "+callbacks.fault.stage=validate", "+callbacks.fault.signal=SIGINT"]
+    cfg = tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=4", *fault)
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 130
+    assert signal.getsignal(signal.SIGINT) is before
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    assert f"interrupted by SIGINT (Ctrl-C); resume=auto continues from {last} (step 4)" in caplog.text
+    metrics, _ = train(tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=4", "resume=auto"))
+    assert metrics["steps"] == 4 and json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tiny_cfg, caplog):
+    """A second Ctrl-C while the save is pending is the user's hard stop: KeyboardInterrupt at once (Lightning's
+    shutdown), exit status 130 and a line saying there is no checkpoint (before: exit status 1, no word on it)."""
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", *kill_at(2, "SIGINT"),
+                   *kill_at(2, "SIGINT", key="fault2"))
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 130
+    assert not (Path(cfg.paths.checkpoint_dir) / "last.ckpt").exists()
+    assert "interrupted by SIGINT (Ctrl-C); no checkpoint in" in caplog.text
+
+
+def test_ctrl_c_during_the_sample_exits_130_not_with_a_traceback(tiny_cfg, caplog, monkeypatch):
+    """A KeyboardInterrupt outside Lightning (here the end-of-run sample; also the config checks before the trainer)
+    came out of train() as a traceback. Now it is the same line and status as above."""
+    import lit_dtrain.train as train_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_generate_sample", interrupted)
+    cfg = tiny_cfg("trainer.max_steps=2", "trainer.val_check_interval=2")
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 130
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    assert f"resume=auto continues from {last} (step 2)" in caplog.text
