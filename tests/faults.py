@@ -10,10 +10,11 @@ import lightning as L
 
 
 class KillAtStep(L.Callback):
-    """Send ``signal`` to this process when the batch after ``step`` completed steps starts."""
+    """Send ``signal`` to this process when the batch after ``step`` completed steps starts; with ``group``, to its
+    whole process group, as a terminal sends Ctrl-C's SIGINT (every rank Lightning's launcher started)."""
 
-    def __init__(self, step: int, signal: str = "SIGKILL", rank: int | None = None) -> None:
-        self.step, self.signal, self.rank = int(step), signal, rank
+    def __init__(self, step: int, signal: str = "SIGKILL", rank: int | None = None, group: bool = False) -> None:
+        self.step, self.signal, self.rank, self.group = int(step), signal, rank, bool(group)
         self.fired = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -22,7 +23,10 @@ class KillAtStep(L.Callback):
         if self.rank is not None and trainer.global_rank != self.rank:
             return
         self.fired = True
-        os.kill(os.getpid(), getattr(signal_module, self.signal))
+        if self.group:
+            os.killpg(os.getpgrp(), getattr(signal_module, self.signal))
+        else:
+            os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
 class SignalInValidation(L.Callback):

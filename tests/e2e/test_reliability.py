@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import random
 import signal
 import subprocess
@@ -133,6 +135,36 @@ def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus
     straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ddp_ctrl_c_to_the_process_group_saves_the_step_and_resumes_exactly(tmp_path, corpus):
+    """Ctrl-C in a terminal: SIGINT to the whole process group (both ranks of Lightning's launcher), started here in a
+    session of its own. It went to Lightning's KeyboardInterrupt path: a traceback, exit status 1, rank 1 killed,
+    and last.ckpt left at the last validation (the steps since then lost without a word). Now both ranks save
+    last.ckpt at the end of the step and exit with 130 (128 + SIGINT); resume=auto ends bitwise like a straight run."""
+    ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp"]
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5", "+callbacks.fault.rank=0",
+             "+callbacks.fault.signal=SIGINT", "+callbacks.fault.group=true"]
+    cmd = [PYTHON, str(ROOT / "train.py"), *RUN, "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+           "run_name=int", *ddp, *fault]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # its own process group
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # no rank left behind, whatever happened
+    assert proc.returncode == 130, out[-3000:]
+    assert "SIGINT received: saved" in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "outputs/runs/int/summary.json").exists()
+    assert torch.load(tmp_path / "outputs/runs/int/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
+    resumed = train_proc(tmp_path, corpus, "run_name=int", "resume=auto", *ddp, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "int"))
 
 
 @pytest.mark.slow
