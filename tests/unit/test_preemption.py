@@ -98,7 +98,8 @@ def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path)
     batch = {"idx": 0}
     trainer = SimpleNamespace(
         world_size=2, received_sigterm=False, global_step=0,
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: decisions.append(d) or d),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: decisions.append(d) or d,
+                                 all_gather=lambda t: t.unsqueeze(0)),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
             _should_accumulate=lambda: (batch["idx"] + 1) % accumulate != 0)),
         _signal_connector=SimpleNamespace(received_sigterm=False),
@@ -214,3 +215,31 @@ def test_a_sigterm_during_the_last_validation_also_exits_with_status_143(tiny_cf
     assert "stopped by SIGTERM after the last step (6), whose last.ckpt is saved" in caplog.text
     metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "resume=auto"))
     assert metrics["steps"] == 6 and json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
+def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tmp_path: Path) -> None:
+    """Ctrl-C to rank 0 alone (``kill -INT <pid>``; SIGINT is not forwarded): rank 1 stopped with it at the agreed
+    step but logged 'exiting with status 143 (stopped by SIGTERM ...)'. The ranks now agree on the signal (all_gather,
+    once, when they stop), so rank 1 exits with 130 too."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.sigterm_exit import stopped_by_sigterm
+
+    gathered = []
+
+    def all_gather(t):  # rank 0 got SIGINT (2), this rank none (0)
+        gathered.append(int(t))
+        return torch.tensor([int(signal.SIGINT), int(t)])
+
+    trainer = SimpleNamespace(
+        world_size=2, received_sigterm=False, global_step=3,
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, all_gather=all_gather),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
+        _signal_connector=SimpleNamespace(received_sigterm=False),
+        save_checkpoint=lambda path, weights_only=False: None,
+    )
+    callback = PreemptionCheckpoint(dirpath=str(tmp_path))
+    callback.on_train_batch_end(trainer, None, None, None, 2)
+    trainer.callbacks = [callback]
+    assert gathered == [0] and callback.signum == signal.SIGINT and callback.saved_step == 3
+    assert stopped_by_sigterm(trainer) == 130

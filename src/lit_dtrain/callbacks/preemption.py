@@ -39,6 +39,7 @@ import signal
 import threading
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -121,6 +122,9 @@ class PreemptionCheckpoint(L.Callback):
         self.signalled = signalled
         if not signalled or self.saved_step == trainer.global_step:
             return
+        if trainer.world_size > 1:  # and on the signal: a rank that got none exits with the others' 130, not 143
+            mine = torch.tensor(self.signum or 0, device=getattr(pl_module, "device", "cpu"))
+            self.signum = int(trainer.strategy.all_gather(mine).max()) or None
         path = os.path.join(self.dirpath, self.filename)
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
