@@ -243,3 +243,21 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
     trainer.callbacks = [callback]
     assert gathered == [0] and callback.signum == signal.SIGINT and callback.saved_step == 3
     assert stopped_by_sigterm(trainer) == 130
+
+
+def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Path) -> None:
+    """PreemptionCheckpoint in a plain Lightning project: Ctrl-C saves last.ckpt at the end of the step, and the fit
+    ends with a SystemExit of status 130 (Lightning's SIGTERMException alone exits with 0, as if the run had
+    finished; before this callback handled SIGINT, Lightning's KeyboardInterrupt path exited with 1, nothing saved)."""
+
+    class CtrlCAt(SigtermAt):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == self.step and not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as stop:
+        fit(tmp_path, [CtrlCAt(3), PreemptionCheckpoint(dirpath=str(tmp_path))])
+    assert stop.value.code == 130 and signal.getsignal(signal.SIGINT) is before
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4

@@ -41,6 +41,7 @@ import threading
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
@@ -108,6 +109,10 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
         self._restore_handler()
+        if isinstance(exception, SIGTERMException) and self.signum in (signal.SIGINT, getattr(signal, "SIGHUP", None)):
+            # Lightning's SystemExit, status 0: in a project of one's own, Ctrl-C (exit status 1 from Lightning's
+            # KeyboardInterrupt path before this callback handled it) would read as a finished run
+            exception.code = 128 + self.signum
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
