@@ -51,12 +51,22 @@ def batch_sample_indices(batch, actions: Sequence[str]) -> torch.Tensor | None:
 
 
 def gather_indices(trainer, indices: list[torch.Tensor]) -> list[int]:
-    """This step's sample indices of every rank (an all-gather under DDP), as ints."""
+    """This step's sample indices of every rank (an all-gather under DDP), as ints, rank by rank.
+
+    The ranks may hold different numbers of samples (a user's own per-rank shards, ``use_distributed_sampler=False``,
+    whose last batches differ): the sizes are gathered first and each rank's indices padded to the largest. (An
+    all-gather of unequal tensors read past the shorter rank's indices, so excluded samples that were never in the
+    batch, while gloo aborted the other rank: "Received data size doesn't match expected size".)"""
     if not indices:
         return []
-    local = torch.cat(indices)
-    gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-    return [int(i) for i in gathered.reshape(-1).tolist()]
+    local = torch.cat(indices).reshape(-1)
+    if trainer.world_size == 1:
+        return [int(i) for i in local.tolist()]
+    sizes = trainer.strategy.all_gather(torch.tensor([local.numel()], device=local.device)).reshape(-1).tolist()
+    padded = local.new_zeros(max(sizes))
+    padded[: local.numel()] = local
+    gathered = trainer.strategy.all_gather(padded).reshape(len(sizes), -1)
+    return [int(i) for rank, n in enumerate(sizes) for i in gathered[rank, : int(n)].tolist()]
 
 
 def exclusion_sampler(trainer):
