@@ -8,6 +8,7 @@ same action on both, and a resume from the user's checkpoint continues every cal
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -116,8 +117,9 @@ def _worker(rank: int, port: int, root: str) -> None:
             callbacks.append(ModelCheckpoint(dirpath=os.path.join(root, f"{name}_ckpt"), every_n_train_steps=save_every,
                                              save_top_k=-1, filename="{step}"))
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, callbacks=callbacks,
-                            logger=CSVLogger(root, name=name), log_every_n_steps=1, enable_checkpointing=bool(save_every),
-                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+                            logger=CSVLogger(root, name=name), log_every_n_steps=1,
+                            enable_checkpointing=bool(save_every), enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root)
         trainer.fit(UserGPT(), train_dataloaders=DataLoader(samples, batch_size=BATCH), ckpt_path=ckpt_path)
         return {"global_step": trainer.global_step, "params": record.params,
                 "events": [(e["step"], e["actions"], sorted(e["index"])) for e in monitor.events],
@@ -279,30 +281,33 @@ def test_user_lm_with_fourier_sampler_under_ddp(tmp_path: Path) -> None:
     assert resumed["monitor"] == straight["monitor"]
 
 
+class Regression(L.LightningModule):
+    """A user's linear regression on dict batches ``{"x": [B, 4], "y": [B, 1]}``, AdamW; the loss x100 at
+    ``spike_at`` = (step, rank)."""
+
+    def __init__(self, spike_at: tuple[int, int] | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+        self.spike_at = spike_at
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+        return loss * (100.0 if (self.global_step, self.global_rank) == self.spike_at else 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 def _uneven_worker(rank: int, port: int, root: str) -> None:
     """The user shards the data by hand (``use_distributed_sampler=False``): rank 0 holds 18 samples, rank 1 17,
     so the last batches hold 2 and 1. A spike on rank 0's last batch, skipped with the previous step's samples."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
-    import torch.nn.functional as F
-    from torch import nn
     from torch.utils.data import DataLoader
 
     from lit_dtrain.callbacks import LossSpikeMonitor
-
-    class Regression(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = F.mse_loss(self.net(batch["x"]), batch["y"])
-            return loss * (100.0 if (self.global_step, self.global_rank) == (4, 0) else 1.0)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-2)
 
     g = torch.Generator().manual_seed(rank)
     shard = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g), "index": 100 * rank + i}
@@ -312,7 +317,7 @@ def _uneven_worker(rank: int, port: int, root: str) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[monitor], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, default_root_dir=root)
-    trainer.fit(Regression(), train_dataloaders=DataLoader(shard, batch_size=4))
+    trainer.fit(Regression(spike_at=(4, 0)), train_dataloaders=DataLoader(shard, batch_size=4))
     torch.save({"events": [(e["step"], e["index"]) for e in monitor.events], "excluded": sorted(monitor.excluded)},
                os.path.join(root, f"uneven{rank}.pt"))
     leave_rank()
@@ -327,3 +332,74 @@ def test_spike_on_ranks_with_unequal_batches_excludes_exactly_their_samples(tmp_
     assert r0 == r1
     assert r0["events"] == [(4, [16, 17, 116])]  # rank 0's last batch (2 samples), rank 1's (1 sample)
     assert r0["excluded"] == [12, 13, 14, 15, 16, 17, 112, 113, 114, 115, 116]  # and the previous step's
+
+
+def _preemption_worker(rank: int, port: int, root: str) -> None:
+    """SIGTERM to rank 1 alone at step 3 of a user's project with ``PreemptionCheckpoint``; then a resume from the
+    saved file (an epoch boundary: 4 steps an epoch) and a straight run."""
+    import signal
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from torch.utils.data import DataLoader
+
+    from lit_dtrain.callbacks import AdaptiveGradClip, PreemptionCheckpoint, WSDScheduler
+
+    class Sigterm(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if (trainer.global_step, trainer.global_rank) == (3, 1):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g)} for _ in range(32)]
+
+    def fit(callbacks: list, ckpt_path: str | None = None) -> dict:
+        wsd, clip = WSDScheduler(total_steps=12, warmup_steps=2, decay_steps=4), AdaptiveGradClip(warmup_steps=2)
+        module = Regression()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12,
+                            callbacks=[*callbacks, wsd, clip], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+        stopped = None
+        try:
+            trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+        except SystemExit as e:  # Lightning's SIGTERMException
+            stopped = type(e).__name__
+        return {"stopped": stopped, "step": trainer.global_step, "params": _flat(module.state_dict()),
+                "states": _flat({"wsd": wsd.state_dict(), "clip": clip.state_dict()})}
+
+    path = os.path.join(root, "preempt", "last.ckpt")
+    results = {"signalled": fit([Sigterm(), PreemptionCheckpoint(dirpath=os.path.dirname(path))]),
+               "resumed": fit([PreemptionCheckpoint(dirpath=os.path.dirname(path))], path), "straight": fit([])}
+    torch.save(results, os.path.join(root, f"preempt{rank}.pt"))
+    leave_rank()
+
+
+def test_sigterm_to_one_rank_of_a_users_project_saves_and_resumes_exactly(tmp_path: Path) -> None:
+    mp.spawn(_preemption_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"preempt{r}.pt", weights_only=False) for r in (0, 1))
+    for r in (r0, r1):  # both ranks stopped at the end of the signalled step, after the save
+        assert (r["signalled"]["stopped"], r["signalled"]["step"]) == ("SIGTERMException", 4)
+        assert r["resumed"]["stopped"] is None and r["resumed"]["step"] == 12
+        assert r["resumed"]["params"] == r["straight"]["params"] == r0["straight"]["params"]
+        assert r["resumed"]["states"] == r["straight"]["states"]
+    assert (tmp_path / "preempt" / "last.ckpt").is_file()
+
+
+def test_under_ddp_spawn_the_launching_process_keeps_the_callbacks_state_from_before_fit(tmp_path: Path) -> None:
+    """What docs/callbacks_in_your_project.md says of ``ddp_spawn``: the ranks train in child processes and Lightning
+    hands back only the weights, so the callback objects here keep their pre-fit state; the run's files hold it."""
+    from torch.utils.data import DataLoader
+
+    from lit_dtrain.callbacks import LossSpikeMonitor, WSDScheduler
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g), "index": i} for i in range(32)]
+    monitor, wsd = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2), WSDScheduler(total_steps=6, decay_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, callbacks=[monitor, wsd],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Regression(spike_at=(4, 1)), train_dataloaders=DataLoader(data, batch_size=4))
+    assert (monitor.events, monitor.num_spikes, wsd.last_step, trainer.global_step) == ([], 0, -1, 0)
+    records = (tmp_path / "spikes.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [4]  # written by rank 0's child
