@@ -8,6 +8,7 @@ same action on both, and a resume from the user's checkpoint continues every cal
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from pathlib import Path
@@ -161,6 +162,11 @@ def test_user_project_callbacks_under_ddp(tmp_path: Path) -> None:
         for k, v in resumed["params"][step].items():
             assert torch.equal(v, straight["params"][step][k]), (step, k)
     assert _flat(resumed["states"]) == _flat(straight["states"])
+    # the loggers' rows, written by rank 0: one LR row per optimizer step, the spike and throughput metrics beside it
+    rows = list(csv.DictReader((tmp_path / "straight" / "version_0" / "metrics.csv").open()))
+    steps_with = {k: sorted({int(r["step"]) for r in rows if r[k]}) for k in ("lr-AdamW", "spike/count", "train/samples")}
+    assert steps_with == {k: list(range(14)) for k in steps_with}
+    assert sum(1 for r in rows if r["lr-AdamW"]) == 14
     both = r0["both"]
     assert [(s, a) for s, a, _ in both["events"]] == [(5, ["log", "rollback"])]
     for k, v in both["params"][6].items():  # rolled back to the snapshot of step 4, on both ranks
