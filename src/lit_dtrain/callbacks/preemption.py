@@ -124,7 +124,9 @@ class PreemptionCheckpoint(L.Callback):
             return
         if trainer.world_size > 1:
             signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
-        self.signalled = signalled
+        # a signal whose handler ran during the all-reduce (it waits for the slowest rank) is kept for the next step's
+        # agreement; assigning the agreed value dropped it, and that run trained on to its end without a checkpoint
+        self.signalled = signalled or self.signalled
         if not signalled or self.saved_step == trainer.global_step:
             return
         if trainer.world_size > 1:  # and on the signal: a rank that got none exits with the others' 130, not 143
