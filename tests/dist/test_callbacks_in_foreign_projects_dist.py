@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import lightning as L
@@ -164,7 +165,8 @@ def test_user_project_callbacks_under_ddp(tmp_path: Path) -> None:
     assert _flat(resumed["states"]) == _flat(straight["states"])
     # the loggers' rows, written by rank 0: one LR row per optimizer step, the spike and throughput metrics beside it
     rows = list(csv.DictReader((tmp_path / "straight" / "version_0" / "metrics.csv").open()))
-    steps_with = {k: sorted({int(r["step"]) for r in rows if r[k]}) for k in ("lr-AdamW", "spike/count", "train/samples")}
+    keys = ("lr-AdamW", "spike/count", "train/samples")
+    steps_with = {k: sorted({int(r["step"]) for r in rows if r[k]}) for k in keys}
     assert steps_with == {k: list(range(14)) for k in steps_with}
     assert sum(1 for r in rows if r["lr-AdamW"]) == 14
     both = r0["both"]
@@ -409,3 +411,130 @@ def test_under_ddp_spawn_the_launching_process_keeps_the_callbacks_state_from_be
     assert (monitor.events, monitor.num_spikes, wsd.last_step, trainer.global_step) == ([], 0, -1, 0)
     records = (tmp_path / "spikes.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [4]  # written by rank 0's child
+
+
+USER_SCRIPT = '''
+import os, sys, time
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
+from lit_dtrain.callbacks import PreemptionCheckpoint
+from tests.dist.test_callbacks_in_foreign_projects_dist import Regression
+
+class Slow(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.1)
+        if trainer.global_step == 3:
+            print(f"READY {trainer.global_rank}", flush=True)
+
+if __name__ == "__main__":
+    root, catch = sys.argv[1], sys.argv[2] == "catch"
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g)} for _ in range(64)]
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=300, logger=False,
+                        callbacks=[Slow(), PreemptionCheckpoint(dirpath=root)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    try:
+        trainer.fit(Regression(), train_dataloaders=DataLoader(data, batch_size=4))
+    except SIGTERMException:
+        print(f"STOPPED {trainer.global_rank} {trainer.global_step}", flush=True)
+        if catch:
+            sys.exit(143)
+        raise
+'''
+
+
+@pytest.mark.parametrize("catch", [False, True])
+def test_sigterm_to_the_script_lightning_launched_from_stops_both_ranks(tmp_path: Path, catch: bool) -> None:
+    """A user's ``python script.py`` with ``Trainer(strategy="ddp", devices=2)``: Lightning starts rank 1 from rank 0.
+    SIGTERM to that process: both ranks save ``last.ckpt`` and stop; the script exits with 0 (Lightning's
+    ``SIGTERMException`` has no code), or with 143 where it catches it, as docs/callbacks_in_your_project.md says."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import PYTHON, subprocess_env
+
+    script = tmp_path / "user_train.py"
+    script.write_text(USER_SCRIPT)
+    env = subprocess_env(tmp_path)
+    env.update(MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([PYTHON, str(script), str(tmp_path), "catch" if catch else "raise"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "READY 0" in line:  # (rank 1's line may share it)
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, _ = proc.communicate(timeout=120)
+        lines.append(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines)
+    stopped = sorted(re.findall(r"STOPPED (\d) (\d+)", text))  # (the ranks share stdout: lines may interleave)
+    assert [rank for rank, _ in stopped] == ["0", "1"], text[-3000:]
+    assert stopped[0][1] == stopped[1][1] and 3 <= int(stopped[0][1]) < 300  # the same step, long before the end
+    assert proc.returncode == (143 if catch else 0), text[-3000:]
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == int(stopped[0][1])
+
+
+def _signal_in_agreement_worker(rank: int, port: int, root: str) -> None:
+    """SIGTERM to rank 0 while its ``PreemptionCheckpoint`` waits in the ranks' agreement of step 3."""
+    import signal
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from torch.utils.data import DataLoader
+
+    from lit_dtrain.callbacks import PreemptionCheckpoint
+
+    class SignalDuringAgreement(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if trainer.global_rank != 0:
+                return
+            agree = trainer.strategy.reduce_boolean_decision
+
+            def agree_and_signal(decision, all=True):
+                if trainer.global_step == 3:  # the signal comes while this rank waits for the others
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return agree(decision, all=all)
+
+            trainer.strategy.reduce_boolean_decision = agree_and_signal
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g)} for _ in range(32)]
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12, logger=False,
+                        callbacks=[SignalDuringAgreement(), PreemptionCheckpoint(dirpath=root)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=root)
+    stopped = None
+    try:
+        trainer.fit(Regression(), train_dataloaders=DataLoader(data, batch_size=4))
+    except SystemExit as e:  # Lightning's SIGTERMException
+        stopped = type(e).__name__
+    torch.save({"stopped": stopped, "step": trainer.global_step}, os.path.join(root, f"agreement{rank}.pt"))
+    leave_rank()
+
+
+def test_a_sigterm_during_the_ranks_agreement_is_kept_for_the_next_step(tmp_path: Path) -> None:
+    """The handler of a SIGTERM that came while ``PreemptionCheckpoint`` waited in its all-reduce runs when that
+    returns, after the rank had read its flag: the flag was then overwritten with the agreed "no", and the run trained
+    on to ``max_steps`` without a checkpoint (2 of 3 runs of a user's script signalled at a step's end, by hand). Now
+    the next step's agreement carries it: both ranks save at step 4 and stop."""
+    mp.spawn(_signal_in_agreement_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"agreement{rank}.pt", weights_only=False)
+        assert result == {"stopped": "SIGTERMException", "step": 4}, rank
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 4
