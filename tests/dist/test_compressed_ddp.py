@@ -74,7 +74,8 @@ def _raw_worker(rank: int, port: int, out_path: str, variants: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     handed: list[int] = []  # bytes of every tensor our code hands to a collective
-    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch < 2.13
+    # torch < 2.13 has no all_gather_single
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     real_all_reduce, real_all_gather = dist.all_reduce, getattr(dist, gather_name)
 
     def recording_all_reduce(tensor, *args, **kwargs):
@@ -465,7 +466,6 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
 def _plain_resume_worker(rank: int, port: int, root: str) -> None:
     """Write a compressed checkpoint at step 4, resume it with plain DDP (``make_ddp``, as ``strategy=ddp`` does)
     and with the same compressed strategy; record every rank's warnings about the resume."""
-    import os
     import warnings
     from functools import partial
 
@@ -525,7 +525,8 @@ def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_pat
 
 
 def as_launched_rank(rank: int, port: int) -> None:
-    """Make this process rank ``rank`` of ``WORLD`` as a launcher would (Lightning then joins that group), one thread."""
+    """Make this process rank ``rank`` of ``WORLD`` as a launcher would (Lightning then joins that group), one
+    thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)

@@ -7,10 +7,10 @@ import os
 import lightning as L
 import pytest
 import torch
-
-from tests.conftest import free_port, leave_rank
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
+
+from tests.conftest import free_port, leave_rank
 
 pytestmark = pytest.mark.dist
 

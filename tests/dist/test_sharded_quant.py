@@ -173,7 +173,8 @@ def test_bucket_layout_does_not_change_values_or_residuals(ranks):
 
 def test_error_feedback_removes_the_bias_of_a_repeated_gradient(ranks):
     """int4, same gradients for 40 steps: without error feedback every step errs the same way; with the worker and
-    server residuals the errors cancel, and the average is >10x closer to the exact mean (measured: 0.067 against 2.36)."""
+    server residuals the errors cancel, and the average is >10x closer to the exact mean (measured: 0.067 against
+    2.36)."""
     mean = ranks[0]["local"].mean(0)
     with_ef = (ranks[0]["avg_ef"] - mean).abs().max()
     without = (ranks[0]["avg_no_ef"] - mean).abs().max()
