@@ -118,6 +118,15 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus, accumulate
     assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
 
 
+def resume_ends_like_a_straight_run(tmp_path, corpus, run_name: str, ddp: list[str]) -> None:
+    """``resume=auto`` of the stopped run ``run_name`` exits 0 and ends with bitwise the weights of a straight run."""
+    resumed = train_proc(tmp_path, corpus, f"run_name={run_name}", "resume=auto", *ddp, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, run_name))
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus):
@@ -130,11 +139,7 @@ def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus
     assert term.returncode == 143, (term.stdout + term.stderr)[-3000:]
     ckpt = torch.load(tmp_path / "outputs/runs/term/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6
-    resumed = train_proc(tmp_path, corpus, "run_name=term", "resume=auto", *ddp, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
+    resume_ends_like_a_straight_run(tmp_path, corpus, "term", ddp)
 
 
 @pytest.mark.slow
@@ -160,11 +165,7 @@ def test_ddp_ctrl_c_to_the_process_group_saves_the_step_and_resumes_exactly(tmp_
     assert "SIGINT received: saved" in out and "Traceback" not in out, out[-3000:]
     assert not (tmp_path / "outputs/runs/int/summary.json").exists()
     assert torch.load(tmp_path / "outputs/runs/int/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
-    resumed = train_proc(tmp_path, corpus, "run_name=int", "resume=auto", *ddp, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "int"))
+    resume_ends_like_a_straight_run(tmp_path, corpus, "int", ddp)
 
 
 @pytest.mark.slow
