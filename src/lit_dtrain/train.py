@@ -73,7 +73,7 @@ from lit_dtrain.sigterm_exit import (
 from lit_dtrain.slurm import check_slurm_launch, slurm_plugins
 from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
-from lit_dtrain.utils.atomic import write_atomically
+from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_default_group,
@@ -298,6 +298,9 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
         for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):
             log.warning("removed %s, left by a process killed while writing a checkpoint", tmp)
+    if rank_zero_only.rank == 0:  # metrics.csv, summary.json ... (the run dir and its subdirs): their temp files too
+        for tmp in remove_killed_writes_temp_files(cfg.paths.output_dir):
+            log.warning("removed %s, left by a process killed while writing it", tmp)
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)

@@ -166,3 +166,58 @@ def test_a_run_that_fails_writing_its_resolved_config_keeps_the_previous_one(tin
         train(cfg)
     assert target.read_text() == "previous: run\n"
     assert not list(target.parent.glob(".config_resolved.yaml.tmp-*"))
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_temp_files_of_killed_writes_are_removed_from_the_run_dir_and_its_subdirs(tmp_path):
+    """A kill during a metrics.csv, summary.json or plot write left its temp file in the run dir for good (only the
+    checkpoint dir was swept). Removed now when its writer is dead (or its pid is ours, a reused one); a live
+    writer's file, other hidden files and deeper dirs stay."""
+    from lit_dtrain.utils.atomic import remove_killed_writes_temp_files
+
+    dead, live = _dead_pid(), os.getppid()
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "tb" / "deep").mkdir(parents=True)
+    stale = [
+        tmp_path / f".summary.json.tmp-{dead}",
+        tmp_path / "csv" / f".metrics.csv.tmp-{dead}",
+        tmp_path / f".loss.png.tmp-{dead}.png",  # plots keep their suffix
+        temp_path(tmp_path / "config_resolved.yaml"),  # this process's pid: no write of ours is in flight
+        tmp_path / ".spikes.jsonl.tmp-99999999999999999999",  # no process can have it
+    ]
+    kept = [
+        tmp_path / f".metrics.csv.tmp-{live}",  # its writer runs
+        tmp_path / "summary.json",
+        tmp_path / ".hidden",
+        tmp_path / f".notes.tmp-{dead}x",
+        tmp_path / "tb" / "deep" / f".x.csv.tmp-{dead}",  # two levels down: not the run's files
+    ]
+    for f in stale + kept:
+        f.write_text("half")
+    (tmp_path / f".dir.tmp-{dead}").mkdir()  # not a file: left alone
+    assert sorted(remove_killed_writes_temp_files(tmp_path)) == sorted(stale)
+    assert all(f.exists() for f in kept) and not any(f.exists() for f in stale)
+    assert remove_killed_writes_temp_files(tmp_path / "missing") == []
+
+
+def test_a_run_started_in_a_run_dir_removes_the_temp_files_a_killed_run_left(tiny_cfg, caplog):
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.max_steps=1", "sample.max_new_tokens=0")
+    out = Path(cfg.paths.output_dir)
+    (out / "csv").mkdir(parents=True)
+    left = [out / f".summary.json.tmp-{_dead_pid()}", out / "csv" / f".metrics.csv.tmp-{_dead_pid()}"]
+    for f in left:
+        f.write_text("half")
+    train(cfg)
+    assert not any(f.exists() for f in left)
+    assert sum("left by a process killed while writing it" in r.getMessage() for r in caplog.records) == 2

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.tokenizer import ByteTokenizer
+from lit_dtrain.utils.atomic import pid_alive
 
 # the logger of lit_dtrain.data.corpus, where this code was: log records keep their name (and logging configs theirs)
 log = logging.getLogger("lit_dtrain.data.corpus")
@@ -205,16 +206,6 @@ def _temp_tag() -> str:
     return f"build-{_host()}-{os.getpid()}-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
-
-
 def _newest_mtime(path: Path) -> float:
     times = [path.lstat().st_mtime]
     for child in path.iterdir():
@@ -246,7 +237,7 @@ def _remove_stale_temp_dirs(cache_dir: Path) -> None:
         owner = _OWNER.fullmatch(match["suffix"])
         owner_pid = int(owner["pid"]) if owner is not None and owner["host"] == host else None
         try:
-            dead = owner_pid is not None and owner_pid != os.getpid() and not _pid_alive(owner_pid)
+            dead = owner_pid is not None and owner_pid != os.getpid() and not pid_alive(owner_pid)
             stale = now - _newest_mtime(path) > (STALE_DEAD_OWNER_SECONDS if dead else STALE_TEMP_SECONDS)
         except OSError:  # removed meanwhile by its builder or another sweeper
             continue

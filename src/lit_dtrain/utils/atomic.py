@@ -5,12 +5,14 @@ write_csv_atomically`` (``metrics.csv``) and ``lit_dtrain.utils.plots.write_atom
 tables). A kill, a full disk or an I/O error at any point leaves the previous file at the path whole: the new bytes
 go to ``.<name>.tmp-<pid>`` in the same directory (a rename is atomic only within one filesystem), are fsynced,
 ``os.replace``-d over the path, and the directory is fsynced so the rename itself survives a power loss. A failure
-removes the temp file; only a kill (SIGKILL, power loss) can leave one behind, under a name that says whose it was.
+removes the temp file; only a kill (SIGKILL, power loss) can leave one behind, under a name that says whose it was
+(``train()`` removes those of dead writers from its run dir at the next start: :func:`remove_killed_writes_temp_files`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +43,50 @@ def temp_path(path: str | os.PathLike, keep_suffix: bool = False) -> Path:
     from it); without, a glob for ``*<suffix>`` (resume's ``*.ckpt`` scan) never sees a half-written file."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix if keep_suffix else ''}")
+
+
+_TEMP_NAME = re.compile(r"\..+\.tmp-(?P<pid>\d+)(\.[^.]*)?")  # temp_path's names, with keep_suffix or without
+
+
+def remove_killed_writes_temp_files(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temp files that writes killed midway (SIGKILL, OOM, power loss) left in ``run_dir`` and in its
+    direct subdirectories (``csv/``, ``checkpoints/`` ...): :func:`temp_path`'s ``.<name>.tmp-<pid>[<suffix>]``
+    whose pid is no live process, or is this process's (a previous process's pid reused, as in a container that
+    restarts with the same pids: call this only where this process writes nothing there yet). A live writer's file
+    stays. Returns the removed paths (none when ``run_dir`` does not exist)."""
+    run_dir = Path(run_dir)
+    try:
+        subdirs = sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:  # missing or unreadable: nothing of ours to remove
+        return []
+    removed = []
+    for directory in (run_dir, *subdirs):
+        try:
+            entries = sorted(directory.iterdir())
+        except OSError:
+            continue
+        for tmp in entries:
+            match = _TEMP_NAME.fullmatch(tmp.name)
+            if match is None or tmp.is_symlink() or not tmp.is_file():
+                continue
+            pid = int(match["pid"])
+            if pid == os.getpid() or not pid_alive(pid):
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OverflowError:  # a pid no process can have
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 def os_error(e: BaseException | None) -> OSError | None:
