@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,11 +197,13 @@ def test_token_cache_reused_and_rebuilt_on_change(corpus, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncate_even", "truncate_odd", "empty", "bad_meta", "missing_val", "missing_meta"]
+    "damage",
+    ["truncate_even", "truncate_odd", "empty", "bad_meta", "missing_val", "missing_meta", "zeroed", "val_byte"],
 )
-def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
+def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage, caplog):
     """A cache file truncated or damaged after the build was read as it was (training on a fraction of the
-    corpus without a word) or failed with a raw numpy/json error; it is now detected and rebuilt."""
+    corpus without a word) or failed with a raw numpy/json error; it is now detected and rebuilt. Damage that keeps
+    the sizes (a zeroed block, one changed byte) was trained on too: the CRC-32s in meta.json catch it."""
     src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
     good = build_token_cache(src, tmp_path / "c", 33, progress=False)
     expected = np.asarray(good.train).copy(), np.asarray(good.val).copy()
@@ -218,12 +221,79 @@ def test_damaged_token_cache_is_rebuilt_not_read(corpus, tmp_path, damage):
             f.write('{"sou')
     elif damage == "missing_meta":  # was never rebuilt: "cannot write the token cache ...: Directory not empty"
         os.remove(meta)
+    elif damage == "zeroed":  # a block of the file zeroed in place, its size kept
+        with open(train_bin, "r+b") as f:
+            f.seek(64)
+            f.write(bytes(256))
+    elif damage == "val_byte":
+        with open(os.path.join(out_dir, "val.bin"), "r+b") as f:
+            f.seek(3)
+            byte = f.read(1)[0]
+            f.seek(3)
+            f.write(bytes([byte ^ 0x20]))
     else:
         os.remove(os.path.join(out_dir, "val.bin"))
-    again = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        again = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    named = {"zeroed": "train.bin has CRC-32", "val_byte": "val.bin has CRC-32"}.get(damage, "is damaged")
+    assert any(named in r.getMessage() and "rebuilding it" in r.getMessage() for r in caplog.records)
     assert np.array_equal(np.asarray(again.train), expected[0])
     assert np.array_equal(np.asarray(again.val), expected[1])
     assert [p.name for p in (tmp_path / "c").iterdir()] == [os.path.basename(out_dir)]
+
+
+def test_a_token_cache_built_before_crc32s_gets_them_at_its_first_load_and_is_not_rebuilt(corpus, tmp_path, caplog):
+    """A new cache format (a new key) would have rebuilt every cache and made every checkpoint's sampler state
+    (keyed by the caches' keys) refuse to resume. A cache whose meta.json has no CRC-32s keeps its dir: they are
+    recorded at its first load, and damage after that is caught."""
+    import json
+
+    src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    built = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    out_dir, expected = Path(built.train.filename).parent, np.asarray(built.train).copy()
+    del built
+    meta_file = out_dir / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    crcs = meta.pop("crc32")
+    meta_file.write_text(json.dumps(meta))  # as a cache built before
+    mtime = (out_dir / "train.bin").stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        again = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert Path(again.train.filename).parent == out_dir and (out_dir / "train.bin").stat().st_mtime_ns == mtime
+    assert json.loads(meta_file.read_text())["crc32"] == crcs and again.meta["crc32"] == crcs
+    assert "recorded its files' CRC-32s" in caplog.text
+    del again
+    with open(out_dir / "train.bin", "r+b") as f:
+        f.write(bytes(8))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        rebuilt = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert "train.bin has CRC-32" in caplog.text and np.array_equal(np.asarray(rebuilt.train), expected)
+
+
+def test_a_token_cache_built_before_crc32s_in_a_read_only_cache_dir_is_still_read(corpus, tmp_path, monkeypatch,
+                                                                                   caplog):
+    import errno
+    import json
+
+    from lit_dtrain.data import cache_integrity
+
+    src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
+    built = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    meta_file, expected = Path(built.train.filename).parent / "meta.json", np.asarray(built.train).copy()
+    del built
+    meta = json.loads(meta_file.read_text())
+    meta.pop("crc32")
+    meta_file.write_text(json.dumps(meta))
+
+    def read_only(path, write):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(cache_integrity, "write_atomically", read_only)
+    with caplog.at_level("INFO", logger="lit_dtrain.data.corpus"):
+        again = build_token_cache(src, tmp_path / "c", 33, progress=False)
+    assert np.array_equal(np.asarray(again.train), expected) and "crc32" not in json.loads(meta_file.read_text())
+    assert "cannot be updated (Read-only file system): checked by sizes only" in caplog.text
 
 
 def test_a_damaged_token_cache_that_cannot_be_moved_aside_is_an_error_not_read(corpus, tmp_path, monkeypatch, caplog):

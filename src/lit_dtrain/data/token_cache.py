@@ -2,7 +2,8 @@
 
 Tokenization runs once: the token streams are written under ``cache_dir/<key>/`` where ``key`` hashes
 the tokenizer, the split settings and every document's bytes. A changed corpus gets a new key (and is
-rebuilt); an unchanged one is reused. Writes are atomic (temporary directory + rename), so an
+rebuilt); an unchanged one is reused, once its files' sizes and CRC-32s match those in its ``meta.json``
+(a damaged cache is rebuilt). Writes are atomic (temporary directory + rename), so an
 interrupted build never leaves a half-written cache behind; the temp dir of a killed build is removed by a
 later build (see :func:`_remove_stale_temp_dirs`).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.tokenizer import ByteTokenizer
@@ -150,10 +152,10 @@ def build_token_cache(
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
     _remove_stale_temp_dirs(out_dir.parent)
     # a cache dir without meta.json is damaged too: a build renames its temp dir here with meta.json inside
-    if os.path.lexists(out_dir) and (problem := _cache_problem(out_dir)) is not None:
+    if os.path.lexists(out_dir) and (problem := cache_problem(out_dir)) is not None:
         # truncated or damaged after it was built: never train on it
         _discard(out_dir)
-        if os.path.lexists(out_dir) and _cache_problem(out_dir) is not None:  # not moved aside
+        if os.path.lexists(out_dir) and cache_problem(out_dir) is not None:  # not moved aside
             raise CorpusError(
                 f"the token cache {str(out_dir)!r} of data source {source.name!r} is damaged ({problem}) and cannot be "
                 f"moved aside to rebuild it (is {str(out_dir.parent)!r} read-only?): delete {str(out_dir)!r}, or point "
@@ -162,7 +164,7 @@ def build_token_cache(
         log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
     if not (out_dir / "meta.json").exists():
         _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
-    meta = json.loads((out_dir / "meta.json").read_text())
+    meta = with_crc32s(out_dir, json.loads((out_dir / "meta.json").read_text()))
     train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
     if meta.get("split") == "by_tokens_tail":
@@ -171,25 +173,6 @@ def build_token_cache(
                     "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
                     source.name, val_fraction, min_tokens, len(val))
     return TokenSplits(source.name, train, val, meta)
-
-
-def _cache_problem(out_dir: Path) -> str | None:
-    """What is wrong with a built cache dir (unreadable meta.json, a .bin file whose size does not match the
-    token count recorded in meta.json), or None when it is intact."""
-    try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-        expected = {"train.bin": int(meta["train_tokens"]), "val.bin": int(meta["val_tokens"])}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"meta.json unreadable: {type(e).__name__}: {e}"
-    itemsize = np.dtype(np.uint16).itemsize
-    for name, tokens in expected.items():
-        try:
-            size = (out_dir / name).stat().st_size
-        except OSError as e:
-            return f"{name}: {e.strerror or e}"
-        if size != tokens * itemsize:
-            return f"{name} holds {size} bytes, meta.json records {tokens} tokens ({tokens * itemsize} bytes)"
-    return None
 
 
 _TEMP_DIR = re.compile(r"\.\w[\w.+-]*-[0-9a-f]{24}\.(?P<suffix>[^.]+)")  # .<source name>-<key>.<suffix>
@@ -355,6 +338,7 @@ def _write_cache_files(out_dir, fill, tokenizer, source) -> dict:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would lock other users out of a shared cache
         meta = {"source": source.name, "tokenizer": tokenizer.name, **fill(tmp)}
+        meta["crc32"] = crc32s(tmp)  # checked at every load
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         for f in tmp.iterdir():
             with open(f, "rb+") as fh:
