@@ -1292,3 +1292,27 @@ def test_files_that_are_not_utf8_are_named(tmp_path, caplog):
     assert "1 file(s) are not UTF-8 text" in caplog.text and "b_latin1.txt" in caplog.text
     assert "byte 0xe9 at offset 1" in caplog.text and "iconv -f LATIN1 -t UTF-8" in caplog.text
     assert "a_utf8.txt" not in caplog.text and "c_cut.txt" not in caplog.text
+
+
+def test_a_utf8_byte_order_mark_at_a_files_start_is_not_trained_on(tmp_path, monkeypatch, caplog):
+    """A UTF-8 BOM (EF BB BF, written by Windows editors) was tokenized as 3 bytes at each such document's start,
+    so the model learned to emit an invisible U+FEFF after EOS. It is left out as open(encoding='utf-8-sig') does;
+    a U+FEFF elsewhere, and a BOM at a later chunk's start, stay byte for byte."""
+    import codecs
+
+    import lit_dtrain.data.reading as reading_mod
+
+    monkeypatch.setattr(reading_mod, "READ_CHUNK_BYTES", 64)  # several chunks per file
+    bom = codecs.BOM_UTF8
+    text = b"a" * 61 + bom + "caf\u00e9 \ufeff end\n".encode() * 10  # the second chunk starts with a BOM's bytes
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a_windows.txt").write_bytes(bom + text)
+    (tmp_path / "c" / "b_unix.txt").write_bytes(text)
+    (tmp_path / "c" / "c_only_bom.txt").write_bytes(bom)  # no text: an empty file
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        splits = cache_of_dir(tmp_path / "c")
+    doc = ByteTokenizer().encode(text, add_eos=True)
+    assert np.array_equal(np.concatenate([splits.train, splits.val]), np.concatenate([doc, doc]))
+    assert splits.meta["documents"] == 2  # the BOM-only file counts as empty
+    assert "skipped 1 empty file(s)" in caplog.text
+    assert "have the same bytes as another file" in caplog.text  # the same document, held out together

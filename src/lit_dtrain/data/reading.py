@@ -1,5 +1,6 @@
-"""Reading corpus files: their bytes in chunks, their content hash, and what their first bytes say about their
-encoding (UTF-16 or UTF-32 text, text that is not UTF-8), for the token cache's warnings."""
+"""Reading corpus files: their bytes in chunks (a UTF-8 byte-order mark at the start left out), their content
+hash, and what their first bytes say about their encoding (UTF-16 or UTF-32 text, text that is not UTF-8), for the
+token cache's warnings."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ READ_CHUNK_BYTES = 1 << 26  # corpus files are read 64 MB at a time: a huge file
 
 
 def _chunks(path: Path):
-    """The bytes of ``path``, READ_CHUNK_BYTES at a time; :class:`CorpusError` naming a file that cannot be read."""
+    """The bytes of ``path``, READ_CHUNK_BYTES at a time, without a UTF-8 byte-order mark at its start;
+    :class:`CorpusError` naming a file that cannot be read.
+
+    A BOM (EF BB BF, which Windows editors write) is a signature, not text: read as it is, every such document
+    began with those 3 tokens after EOS, so the model learned to emit them (an invisible U+FEFF) at each document
+    start. It goes as ``open(encoding='utf-8-sig')`` drops it; every other byte stays as it is, including a
+    U+FEFF inside the text and UTF-16/UTF-32 BOMs (those files are named in a warning)."""
     try:
         with open(path, "rb") as f:
             size = min(READ_CHUNK_BYTES, os.fstat(f.fileno()).st_size + 1)  # read(n) allocates n bytes up front
-            while chunk := f.read(size):
+            chunk = f.read(max(size, len(codecs.BOM_UTF8)))
+            if chunk.startswith(codecs.BOM_UTF8):
+                chunk = chunk[len(codecs.BOM_UTF8) :]
+            while chunk:
                 yield chunk
+                chunk = f.read(size)
     except OSError as e:  # permission denied, is a directory, I/O error ...
         raise CorpusError(f"cannot read corpus file {str(path)!r}: {e.strerror or e}") from e
 
