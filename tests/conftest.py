@@ -60,6 +60,19 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _event_file_numbers_from_zero(monkeypatch):
+    """TensorBoard event files are named ``events.out.tfevents.<second>.<host>.<pid>.<writer number>``, the number
+    counting every writer the process opened, and TensorBoard reads a directory's files in the names' string order.
+    Tests train several tiny runs in one process within a second, so once that number passed 9 a run's ``.10``
+    file was read before its ``.9``: the accumulator's purge and last-value logic then saw the run's files out of
+    order (test_loggers' hparams test failed in 4 of 5 runs after test_resume_choice.py). A real run's files are
+    seconds apart, and a resume is a new process; each test now counts its writers from 0."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+
+
 # exported into the test process by L.seed_everything and by Lightning's DDP setup (a one-device DDP or FSDP run)
 _LIGHTNING_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
