@@ -57,3 +57,54 @@ def test_check_grad_false_with_rollback_restores_finite_weights(tmp_path: Path) 
     assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(5, 4)]
     assert all(bool(p.isfinite().all()) for p in module.parameters())
 
+
+class NoneAt(L.Callback):
+    """``training_step`` returns None (Lightning's way to skip a batch) at the given batch indices; records the
+    sample indices of those micro-batches."""
+
+    def __init__(self, batches: set[int]) -> None:
+        self.batches, self.skipped = batches, []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        original = pl_module.training_step
+
+        def training_step(batch, batch_idx, *args, **kwargs):
+            if batch_idx in self.batches:
+                self.skipped.extend(int(i) for i in batch["index"])
+                return None
+            return original(batch, batch_idx, *args, **kwargs)
+
+        pl_module.training_step = training_step
+
+
+class PoisonAt(L.Callback):
+    """NaN logits in every micro-batch of the given optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.trained = step, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._handle = None
+        if trainer.global_step == self.step:
+            self.trained.append([int(i) for i in batch["index"]])
+            self._handle = pl_module.model.register_forward_hook(lambda m, i, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+def test_a_micro_batch_that_returns_none_is_not_excluded_with_its_steps_spike(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2, step 3 = batches 6 and 7; batch 6 returns None, batch 7 is a NaN spike: only batch
+    7's samples are excluded (batch 6's were too, though it was never trained on)."""
+    none, poison = NoneAt({6}), PoisonAt(3)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[none, poison, monitor], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), limit_val_batches=0, accumulate_grad_batches=2)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert len(none.skipped) == 4 and len(poison.trained) == 2
+    (event,) = monitor.events
+    assert event["step"] == 3 and event["index"] == poison.trained[1]
+    assert sorted(monitor.excluded) == sorted(poison.trained[1])
+    assert not set(none.skipped) & set(monitor.excluded)

@@ -232,7 +232,8 @@ class LossSpikeMonitor(L.Callback):
     def _reset_step(self) -> None:
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0  # backward passes of this optimizer step
-        self._indices: list[torch.Tensor] = []
+        self._indices: list[torch.Tensor] = []  # the sample indices of this step's trained micro-batches
+        self._batch_index: torch.Tensor | None = None  # the current micro-batch's, until its backward
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
         self._level_shifts: list[tuple] = []  # (event, message) of this step's accepted level shifts (loss, grad norm)
@@ -302,16 +303,17 @@ class LossSpikeMonitor(L.Callback):
     # ---- per micro-batch ------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        index = batch_sample_indices(batch, self.actions)
-        if index is None:
-            return
-        self._indices.append(index)
-        if self._excluded_dev is not None:
-            hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
-            self._hit_excluded = hit if self._hit_excluded is None else self._hit_excluded | hit
+        # kept at its backward: a micro-batch whose training_step returns None is not trained on, nor excluded
+        self._batch_index = batch_sample_indices(batch, self.actions)
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        index, self._batch_index = self._batch_index, None
+        if index is not None:
+            self._indices.append(index)
+            if self._excluded_dev is not None:
+                hit = torch.isin(index.to(self._excluded_dev.device), self._excluded_dev).any()
+                self._hit_excluded = hit if self._hit_excluded is None else self._hit_excluded | hit
         value = loss.detach().float()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # 16-mixed hands this hook the scaled loss
