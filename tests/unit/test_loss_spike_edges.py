@@ -7,6 +7,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from lit_dtrain.callbacks import LossSpikeMonitor
 from lit_dtrain.module import NonFiniteError
@@ -108,3 +110,40 @@ def test_a_micro_batch_that_returns_none_is_not_excluded_with_its_steps_spike(tm
     assert event["step"] == 3 and event["index"] == poison.trained[1]
     assert sorted(monitor.excluded) == sorted(poison.trained[1])
     assert not set(none.skipped) & set(monitor.excluded)
+
+
+class ShiftedIds(torch.utils.data.Dataset):
+    """A user's dataset whose ``index`` is a global id (``1000 + i``: a shard of a larger corpus), not ``0..n-1``."""
+
+    def __init__(self) -> None:
+        from tests.unit.test_callbacks_in_foreign_projects import IndexedDataset
+
+        self.inner = IndexedDataset()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.inner[i], "index": 1000 + i}
+
+
+@pytest.mark.parametrize("batch_size", [64, 16])
+def test_a_plain_dataloader_whose_ids_are_not_0_to_n_minus_1_still_stops_when_every_step_is_skipped(
+    tmp_path: Path, batch_size: int
+) -> None:
+    """Without a sampler, a later step whose batch holds an excluded index is skipped. The check that the exclusions
+    leave something to train on compared them with ``0..len(dataset)-1``: with ids 1000..1063 a spike that excluded
+    them all (full batch), or spikes that excluded a sample of every batch, left every later step skipped, and the
+    run ended normally having trained nothing more. Now an epoch's worth of steps in a row skipped for excluded
+    samples stops the run, naming the cause."""
+    from tests.unit.test_callbacks_in_foreign_projects import SpikeAtStep
+
+    data = DataLoader(ShiftedIds(), batch_size=batch_size, shuffle=True)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    with pytest.raises(RuntimeError, match=r"the last \d+ steps \(an epoch of the train DataLoader\) were all skipped"):
+        trainer.fit(SpikeAtStep(), data)
+    steps_per_epoch = 64 // batch_size
+    assert trainer.global_step < 40
+    assert [e["reasons"] for e in monitor.events][-steps_per_epoch:] == [["excluded_sample"]] * steps_per_epoch

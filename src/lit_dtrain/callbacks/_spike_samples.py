@@ -9,6 +9,7 @@ and refusing an exclusion that leaves nothing to train on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -93,3 +94,29 @@ def check_not_all_excluded(known: Collection[int], n: int | None) -> None:
             "later step would be skipped; lower the thresholds (z_threshold, rel_threshold), or use actions "
             "without 'skip'/'rollback'"
         )
+
+
+class ExcludedOnlyRun:
+    """Stops a run whose steps are all skipped for holding an excluded sample (no sampler with ``exclude()``).
+
+    :func:`check_not_all_excluded` catches an exclusion of every index ``0..n-1`` at once, but a dataset's ``index``
+    may be any integer id (a shard's global ids), and exclusions that hit a sample of nearly every batch skip nearly
+    every step too. An epoch's worth of optimizer steps in a row skipped for excluded samples means the run trains
+    nothing more: it raises instead of ending as if it had trained (an unsized loader has no epoch: not checked)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def update(self, trainer, only_excluded: bool, num_excluded: int) -> None:
+        self.steps = self.steps + 1 if only_excluded else 0
+        batches = getattr(trainer, "num_training_batches", math.inf)
+        if not self.steps or not math.isfinite(batches) or batches <= 0:
+            return
+        per_epoch = math.ceil(batches / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
+        if self.steps >= per_epoch:
+            raise RuntimeError(
+                f"LossSpikeMonitor: the last {self.steps} steps (an epoch of the train DataLoader) were all skipped "
+                f"because each batch held an excluded sample index ({num_excluded} excluded), so the run would train "
+                f"nothing more; lower the thresholds (z_threshold, rel_threshold), give the datamodule a sampler with "
+                f"exclude(), or use actions without 'skip'/'rollback'"
+            )

@@ -21,13 +21,11 @@ With ``skip`` or ``rollback`` the sample ``index`` values of the spiking batch (
 exclusion set is checkpointed with the datamodule), so they are never trained on again, also after a
 resume. Without such a sampler, any later step whose batch holds an excluded index is skipped instead.
 
-The LR schedule follows the step count through skips and rollbacks (``global_step`` advances, and a
-rollback restores weights and optimizer moments but not the schedule). So a run ends on the schedule's last
-LR however many steps were dropped, a WSD decay is never cut short, and a ``WSDScheduler`` callback and the
-equivalent LR scheduler give the same LRs. The dropped steps are not made up for: the run applies that
-many fewer updates.
+The LR schedule follows the step count through skips and rollbacks (a rollback restores weights and optimizer
+moments, not the schedule): a run ends on the schedule's last LR however many steps were dropped (see
+docs/loss_spikes.md); the dropped steps are not made up for.
 
-Hook order per optimizer step: ``on_train_batch_start`` (indices) -> ``on_before_backward`` (loss, per
+Hook order per optimizer step: ``on_train_batch_start`` -> ``on_before_backward`` (loss and indices, per
 micro-batch) -> ``on_before_optimizer_step`` (one all-reduce of [loss, grad norm, flags], decision,
 grads dropped) -> optimizer and scheduler step -> ``on_train_batch_end`` (restore, exclude, record).
 Under DDP the decision uses all-reduced values, so every rank takes the same action. Every event is
@@ -58,6 +56,7 @@ from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks._spike_samples import (
     DROP_ACTIONS,
+    ExcludedOnlyRun,
     batch_sample_indices,
     check_not_all_excluded,
     exclusion_sampler,
@@ -200,6 +199,7 @@ class LossSpikeMonitor(L.Callback):
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
         self._num_train_samples: int | None = None  # len() of a plain train DataLoader's dataset, when sized
+        self._excluded_only = ExcludedOnlyRun()  # steps in a row skipped for an excluded sample (no sampler)
         self._device = torch.device("cpu")
         self._stepped = False
         self._z_ready = False
@@ -233,7 +233,7 @@ class LossSpikeMonitor(L.Callback):
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0  # backward passes of this optimizer step
         self._indices: list[torch.Tensor] = []  # the sample indices of this step's trained micro-batches
-        self._batch_index: torch.Tensor | None = None  # the current micro-batch's, until its backward
+        self._batch_index: torch.Tensor | None = None  # kept at its backward (a training_step returning None: not)
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
         self._level_shifts: list[tuple] = []  # (event, message) of this step's accepted level shifts (loss, grad norm)
@@ -303,7 +303,6 @@ class LossSpikeMonitor(L.Callback):
     # ---- per micro-batch ------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        # kept at its backward: a micro-batch whose training_step returns None is not trained on, nor excluded
         self._batch_index = batch_sample_indices(batch, self.actions)
 
     @override
@@ -403,6 +402,7 @@ class LossSpikeMonitor(L.Callback):
                 self.snapshots.add(trainer)
         else:
             self._finish_event(trainer, pl_module, pending)
+        self._excluded_only.update(trainer, pending is not None and not pending["counted"], len(self.excluded))
         scalars = {}
         if pending is not None or self._z_ready:  # in the warmup z is unused and meaningless
             # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot); the
