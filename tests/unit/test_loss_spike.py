@@ -154,6 +154,23 @@ def test_a_spike_inside_the_warmup_does_not_blind_the_detector(seed: int) -> Non
     assert (plain.mean, plain.var) == (again.loss_stat.mean, again.loss_stat.var)
 
 
+@pytest.mark.parametrize("warmup", [2, 3, 5])
+def test_a_spike_inside_a_warmup_shorter_than_6_steps_does_not_blind_the_detector(warmup: int) -> None:
+    """The despiking takes the noise scale from the warmup's own values, and fewer than 6 cannot tell one spike from
+    noise: with warmup_steps 2-5 and a 10x loss at step 1, a 3x loss at step 200 went undetected. The first 6 values
+    are now despiked again once there are 6 of them."""
+    for seed in range(3):
+        losses = synthetic_losses(400, seed)
+        polluted = list(losses)
+        polluted[1] = 10 * losses[1]
+        detector = SpikeDetector(warmup_steps=warmup)
+        for t in range(200):
+            detector.decide(polluted[t])
+            if t == 3:  # the kept values round-trip through the state
+                detector.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+        assert detector.decide(3 * losses[200], update=False).is_spike, seed
+
+
 def test_robust_stat_ema_tracks_mean_and_std() -> None:
     rng = random.Random(0)
     stat = RobustStat("ema", decay=0.99, warmup=10, clip_z=None, min_rel_scale=0.0)

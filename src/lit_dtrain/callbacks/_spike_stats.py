@@ -139,10 +139,13 @@ class RobustStat:
             self.values.append(float(x))
             return
         self._ema_update(float(x), self.count)
-        if self.count <= self.warmup:
+        # the first max(warmup, DESPIKE_MIN) values since the start (none after a reseed), despiked at the warmup's
+        # end and, for a shorter warmup, again at DESPIKE_MIN values, the fewest that tell one spike from noise
+        span = max(self.warmup, DESPIKE_MIN)
+        if self.count <= span and len(self.warm) == self.count - 1:
             self.warm.append(float(x))
-            if self.count == self.warmup:
-                self._end_warmup()
+            if self.count in (self.warmup, span):
+                self._end_warmup(final=self.count == span)
 
     def _ema_update(self, x: float, count: int) -> None:
         if count == 1:
@@ -155,9 +158,12 @@ class RobustStat:
         self.mean += alpha * error
         self.var += alpha_scale * (error * error - self.var)
 
-    def _end_warmup(self) -> None:
-        """Recompute the EMA from the despiked warmup values (see ``clip_z``); a no-op when none is a spike."""
-        warm, self.warm = self.warm, []
+    def _end_warmup(self, final: bool = True) -> None:
+        """Recompute the EMA from the despiked warmup values (see ``clip_z``); a no-op when none is a spike. Not
+        ``final`` (a warmup shorter than :data:`DESPIKE_MIN`): the values are kept for the despiking at that many."""
+        warm = self.warm
+        if final:
+            self.warm = []
         if self.clip_z is None:
             return
         cleaned = despike(warm, self.clip_z)
@@ -184,6 +190,11 @@ class RobustStat:
         self.count, self.mean, self.var = int(state["count"]), float(state["mean"]), float(state["var"])
         self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
         self.warm = [float(v) for v in state.get("warm", [])]  # absent in checkpoints before it existed
+
+
+# the fewest values whose despiking finds one spike among them: a spike makes two large one-step differences, and
+# the noise scale (the median of the differences) stays that of the noise only while most of them are small
+DESPIKE_MIN = 6
 
 
 def despike(values: list[float], z: float, half_width: int = 5) -> list[float]:
