@@ -35,15 +35,19 @@ def unchecked_module():
 
 
 @pytest.mark.parametrize("nan_step", [4, 9])
-def test_check_grad_false_never_ends_a_run_with_nan_weights(tmp_path: Path, nan_step: int) -> None:
-    """check_grad=false does not look at the gradients, so a NaN gradient under a finite loss is applied. Before, every
-    later (NaN) loss was skipped, the samples of those healthy batches were excluded, and a run that ended within
-    max_nonfinite steps of the update (here 10 steps) ended normally with NaN weights. Now it stops at the first NaN
-    loss (step 4: loss at 5), or after the last step (step 9), before a checkpoint could save the weights."""
-    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, check_grad=False)
+@pytest.mark.parametrize(("check_grad", "actions"), [(False, ["log", "skip"]), (True, ["log", "lr_cooldown"])])
+def test_an_applied_nan_gradient_never_ends_a_run_with_nan_weights(tmp_path: Path, nan_step: int, check_grad: bool,
+                                                                   actions: list[str]) -> None:
+    """check_grad=false does not look at the gradients, and actions without skip/rollback drop nothing, so a NaN
+    gradient (under a finite loss) is applied. Before, every later (NaN) loss was skipped (its healthy batch's samples
+    excluded) or cooled down, and a run that ended within max_nonfinite steps of the update (here 10) ended normally
+    with NaN weights. Now it stops at the first NaN loss (update at step 4: loss at 5), or after the last step (9),
+    before a checkpoint could save the weights."""
+    monitor = LossSpikeMonitor(actions=actions, warmup_steps=3, check_grad=check_grad)
     trainer = make_trainer(tmp_path, [NanGradAt(nan_step), monitor], max_steps=10)
     module = unchecked_module()
-    with pytest.raises(NonFiniteError, match=r"weights are non-finite .* check_grad=false"):
+    why = "check_grad=false does not look for" if not check_grad else r"actions \['log', 'lr_cooldown'\] do not drop"
+    with pytest.raises(NonFiniteError, match=rf"weights are non-finite .* (applied, which {why})"):
         trainer.fit(module, datamodule=make_data(tmp_path))
     assert trainer.global_step == min(nan_step + 1, 10)
     assert monitor.excluded == []  # no healthy batch was blamed

@@ -107,22 +107,29 @@ def weights_finite(trainer, module) -> bool:
     return not bool(bad.item())
 
 
-def refuse_poisoned_weights(trainer, module, step: int, when: str) -> None:
-    """Raise :class:`~lit_dtrain.module.NonFiniteError` when the weights are no longer finite.
+def refuse_poisoned_weights(trainer, module, step: int, when: str, monitor) -> None:
+    """Raise :class:`~lit_dtrain.module.NonFiniteError` when the weights are no longer finite (``monitor``: the
+    ``LossSpikeMonitor``, for its ``check_grad`` and ``actions``).
 
-    Without ``check_grad`` the monitor does not look at the gradients, so an update with a NaN/inf gradient under a
-    finite loss (an overflow in backward) is applied, and with ``module.check_finite`` off nothing stops it: every
-    later loss is NaN, which ``skip`` drops step after step, excluding the samples of healthy batches, and a run that
-    ends within ``max_nonfinite`` steps ended with exit 0 and NaN weights. Checked only at a non-finite loss and after
-    the last step, so ``check_grad=false`` still costs no pass over the gradients per step."""
+    An update with a NaN/inf gradient is applied where the monitor does not drop it: without ``check_grad`` it does
+    not look at the gradients (a NaN gradient under a finite loss: an overflow in backward), and actions without
+    ``skip``/``rollback`` drop nothing. With ``module.check_finite`` off nothing else stops it: every later loss is
+    NaN, which ``skip`` dropped step after step, excluding the samples of healthy batches, and a run that ended within
+    ``max_nonfinite`` steps of the update exited 0 with NaN weights. Checked only at a non-finite loss and after the
+    last step, so it costs no pass over the weights or gradients per step."""
     from lit_dtrain.module import NonFiniteError
 
     if has_grad_scaler(trainer) or weights_finite(trainer, module):  # (16-mixed: the GradScaler skips such updates)
         return
-    rollback = "" if "last" in when else ", or add 'rollback' to actions"
+    actions = monitor.actions
+    if not monitor.check_grad:
+        why, fix = "check_grad=false does not look for", "set check_grad=true (non-finite gradients are then dropped)"
+    else:
+        why, fix = f"actions {actions} do not drop", "add 'skip' to actions, or keep module.check_finite on"
+    if "last" not in when and "rollback" not in actions:
+        fix += ", or add 'rollback' to actions (it restores a snapshot from before the update)"
     raise NonFiniteError(
         f"LossSpikeMonitor: the weights are non-finite (NaN/inf) {when} (step {step}): an update with non-finite "
-        f"gradients was applied, which check_grad=false does not look for and skipping steps cannot undo. Set "
-        f"check_grad=true (non-finite gradients are then dropped before the update){rollback}; resume from a "
-        f"checkpoint written before the update"
+        f"gradients was applied, which {why} and skipping steps cannot undo; {fix}. Resume from a checkpoint written "
+        f"before the update"
     )

@@ -336,8 +336,8 @@ class LossSpikeMonitor(L.Callback):
         self._z_ready = self.detector.loss_stat.ready  # before decide() adds this step's value
         decision = self.detector.decide(loss, grad_norm)
         self.last_decision = decision
-        if not self.check_grad and NONFINITE_LOSS in decision.reasons and "rollback" not in self.actions:
-            step_ops.refuse_poisoned_weights(trainer, pl_module, step, "at a NaN/inf loss")  # (rollback restores them)
+        if NONFINITE_LOSS in decision.reasons and "rollback" not in self.actions:  # (rollback restores them)
+            step_ops.refuse_poisoned_weights(trainer, pl_module, step, "at a NaN/inf loss", self)
         if NONFINITE_LOSS in decision.reasons or NONFINITE_GRAD in decision.reasons:
             self.nonfinite_run.append(step)
         else:
@@ -416,8 +416,8 @@ class LossSpikeMonitor(L.Callback):
         if pending is not None or on_log_cadence(every, step, trainer):  # Lightning's cadence, and every event
             log_step_metrics(trainer, pl_module, scalars, step)
         self._reset_step()
-        if not self.check_grad and step_ops.is_last_step(trainer):  # (before ModelCheckpoint saves them)
-            step_ops.refuse_poisoned_weights(trainer, pl_module, trainer.global_step - 1, "after the last step")
+        if step_ops.is_last_step(trainer):  # (before ModelCheckpoint saves them)
+            step_ops.refuse_poisoned_weights(trainer, pl_module, step, "after the last step", self)
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
             steps = self.nonfinite_run
             raise NonFiniteError(
