@@ -151,3 +151,20 @@ def test_a_plain_dataloader_whose_ids_are_not_0_to_n_minus_1_still_stops_when_ev
     steps_per_epoch = 64 // batch_size
     assert trainer.global_step < 40
     assert [e["reasons"] for e in monitor.events][-steps_per_epoch:] == [["excluded_sample"]] * steps_per_epoch
+
+
+def test_the_weights_check_does_not_call_large_finite_fp16_weights_non_finite() -> None:
+    """Under 16-true the norm of finite fp16 weights overflows (1e6 values of 100: inf), so a check by norm would have
+    stopped a healthy run; the check is isfinite itself."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.callbacks._spike_step import weights_finite
+
+    trainer = SimpleNamespace(world_size=1)
+    module = torch.nn.Linear(1000, 1000).half()
+    with torch.no_grad():
+        module.weight.fill_(100.0)
+    assert weights_finite(trainer, module)
+    with torch.no_grad():
+        module.bias[3] = float("nan")
+    assert not weights_finite(trainer, module)

@@ -100,8 +100,12 @@ def is_last_step(trainer) -> bool:
 def weights_finite(trainer, module) -> bool:
     """Whether every parameter of ``module`` is finite on every rank (one all-reduce under DDP: under a local-update
     rule the ranks' weights differ, and they must all take the same way)."""
-    norms = torch._foreach_norm([p.detach() for p in module.parameters()])
-    bad = torch.stack(norms).isfinite().logical_not().any().float()
+    # isfinite, not a norm: a norm of finite fp16 weights (16-true) can overflow to inf; each rank's shard under FSDP
+    params = [p.detach() for p in module.parameters() if p.numel()]
+    device = params[0].device if params else torch.device("cpu")
+    bad = torch.zeros((), device=device)
+    for p in params:
+        bad = bad + (~p.isfinite().all()).float().to(device)
     if trainer.world_size > 1:
         bad = trainer.strategy.reduce(bad, reduce_op="sum")
     return not bool(bad.item())
