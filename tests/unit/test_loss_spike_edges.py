@@ -3,6 +3,7 @@ None under gradient accumulation, a plain DataLoader whose indices are not ``0..
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -168,3 +169,39 @@ def test_the_weights_check_does_not_call_large_finite_fp16_weights_non_finite() 
     with torch.no_grad():
         module.bias[3] = float("nan")
     assert not weights_finite(trainer, module)
+
+
+class NegativeLoss(L.LightningModule):
+    """A user's objective that is negative (a Gaussian NLL-like MSE - 5), with a 100x MSE at step 12."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.toys import TinyRegression
+
+        self.inner = TinyRegression()
+
+    def training_step(self, batch, batch_idx):
+        mse = self.inner.loss(batch)
+        return mse * (100.0 if self.global_step == 12 else 1.0) - 5.0
+
+    def configure_optimizers(self):
+        return self.inner.configure_optimizers()
+
+    def train_dataloader(self):
+        return self.inner.train_dataloader()
+
+
+def test_a_spike_of_a_negative_loss_is_detected(tmp_path: Path) -> None:
+    """The relative rise was ``loss / location - 1``, and 0 for a location <= 0: with rel_threshold set (the default)
+    no spike of a negative loss could be found, and a 300x rise (-1.9 -> 623) was trained on. It is now
+    ``(loss - location) / |location|``."""
+    from lit_dtrain.callbacks._spike_stats import relative_rise
+
+    assert relative_rise(3.0, 2.0) == 0.5 and relative_rise(-1.0, -2.0) == 0.5 and relative_rise(-3.0, -2.0) == -0.5
+    assert relative_rise(1.0, 0.0) == math.inf and relative_rise(0.0, 0.0) == 0.0
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=5, path=str(tmp_path / "spikes.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    trainer.fit(NegativeLoss())
+    assert [(e["step"], e["reasons"]) for e in monitor.events] == [(12, ["loss"])]
+    assert monitor.detector.loss_stat.location() < 0

@@ -215,6 +215,17 @@ def despike(values: list[float], z: float, half_width: int = 5) -> list[float]:
     return out
 
 
+def relative_rise(x: float, location: float) -> float:
+    """``(x - location) / |location|``: ``x / location - 1`` for a positive location, and for a negative one (a loss
+    that can be negative: a Gaussian NLL, an ELBO) still positive when ``x`` rose (it was 0 for every location <= 0, so
+    with ``rel_threshold`` set no loss spike could be found: a 300x rise at location -1.9 was trained on)."""
+    if not math.isfinite(x):
+        return math.inf
+    if location != 0:
+        return (x - location) / abs(location)
+    return math.copysign(math.inf, x) if x != 0 else 0.0
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     n = len(s)
@@ -246,7 +257,7 @@ class SpikeDetector:
 
     - the loss or the grad norm is non-finite (always, even during warmup);
     - the loss statistics are ready and the loss exceeds the thresholds that are set: ``z_threshold``
-      (z-score against the running location/scale) and ``rel_threshold`` (``loss / location - 1``); when both
+      (z-score against the running location/scale) and ``rel_threshold`` (``(loss - location) / |location|``); when both
       are set both must hold, so a statistically unusual but tiny rise is not a spike;
     - ``grad_z_threshold`` is set, the grad-norm statistics are ready and the grad norm's z-score exceeds it.
 
@@ -294,7 +305,7 @@ class SpikeDetector:
         loss = float(loss)
         loss_z = self.loss_stat.zscore(loss)
         loc = self.loss_stat.location()
-        loss_rel = math.inf if not math.isfinite(loss) else (loss / loc - 1.0 if loc > 0 else 0.0)
+        loss_rel = relative_rise(loss, loc)
         d = SpikeDecision(loss=loss, loss_z=loss_z, loss_rel=loss_rel, grad_norm=grad_norm)
         if not math.isfinite(loss):
             d.reasons.append(NONFINITE_LOSS)

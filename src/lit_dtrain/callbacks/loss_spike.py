@@ -89,7 +89,7 @@ class LossSpikeMonitor(L.Callback):
     Args:
         actions: subset of ``log, skip, rollback, lr_cooldown, raise`` taken on every spike.
         z_threshold: z-score of the loss above which it may be a spike (None: not used).
-        rel_threshold: relative rise ``loss / location - 1`` above which it may be a spike (None: not used);
+        rel_threshold: relative rise ``(loss - location) / |location|`` above which it may be a spike (None: not used);
             when both thresholds are set, both must be exceeded.
         grad_z_threshold: z-score of the global grad norm that also counts as a spike (None: off).
         method: ``"ema"`` (EMA location, EMA of squared one-step errors) or ``"median"`` (median, MAD of
