@@ -132,26 +132,55 @@ class ShiftedIds(torch.utils.data.Dataset):
         return {**self.inner[i], "index": 1000 + i}
 
 
-@pytest.mark.parametrize("batch_size", [64, 16])
+class SpikesAt(L.LightningModule):
+    """The foreign project's dict-batch module with a 100x loss at the given steps."""
+
+    def __init__(self, steps: set[int]) -> None:
+        super().__init__()
+        from tests.unit.test_callbacks_in_foreign_projects import DictBatchModule
+
+        self.inner, self.steps = DictBatchModule(), steps
+
+    def training_step(self, batch, batch_idx):
+        return self.inner.training_step(batch, batch_idx) * (100.0 if self.global_step in self.steps else 1.0)
+
+    def configure_optimizers(self):
+        return self.inner.configure_optimizers()
+
+
+@pytest.mark.parametrize(("batch_size", "spikes"), [(64, {6}), (16, {6, 7, 8, 9})])
 def test_a_plain_dataloader_whose_ids_are_not_0_to_n_minus_1_still_stops_when_every_step_is_skipped(
-    tmp_path: Path, batch_size: int
+    tmp_path: Path, batch_size: int, spikes: set[int]
 ) -> None:
     """Without a sampler, a later step whose batch holds an excluded index is skipped. The check that the exclusions
-    leave something to train on compared them with ``0..len(dataset)-1``: with ids 1000..1063 a spike that excluded
-    them all (full batch), or spikes that excluded a sample of every batch, left every later step skipped, and the
-    run ended normally having trained nothing more. Now an epoch's worth of steps in a row skipped for excluded
-    samples stops the run, naming the cause."""
-    from tests.unit.test_callbacks_in_foreign_projects import SpikeAtStep
-
-    data = DataLoader(ShiftedIds(), batch_size=batch_size, shuffle=True)
+    leave something to train on compared them with ``0..len(dataset)-1``: with ids 1000..1063, spikes that excluded
+    them all (one full batch, or the 4 batches of an epoch) left every later step skipped, and the run ended normally
+    having trained nothing more. Now it stops after an epoch's worth of such steps."""
+    data = DataLoader(ShiftedIds(), batch_size=batch_size, shuffle=False)
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
     trainer = L.Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
-    with pytest.raises(RuntimeError, match=r"the last \d+ steps \(an epoch of the train DataLoader\) were all skipped"):
-        trainer.fit(SpikeAtStep(), data)
+    with pytest.raises(RuntimeError, match=r"the last \d+ steps \(an epoch of the train DataLoader\) were all skipped"
+                                           r".* 64 sample ids are excluded and the dataset has 64"):
+        trainer.fit(SpikesAt(spikes), data)
     steps_per_epoch = 64 // batch_size
-    assert trainer.global_step < 40
+    assert sorted(monitor.excluded) == list(range(1000, 1064))
+    assert trainer.global_step == max(spikes) + 1 + steps_per_epoch
     assert [e["reasons"] for e in monitor.events][-steps_per_epoch:] == [["excluded_sample"]] * steps_per_epoch
+
+
+def test_exclusions_that_leave_samples_to_train_on_never_stop_a_plain_dataloader_run(tmp_path: Path) -> None:
+    """16 of 64 ids excluded (one spike, batch 16, shuffled): most later steps hold one of them and are skipped, but
+    some train, so the run goes on to max_steps (an epoch of skipped steps in a row is no error here)."""
+    data = DataLoader(ShiftedIds(), batch_size=16, shuffle=True)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, rel_threshold=10.0,  # only the 100x loss
+                               path=str(tmp_path / "spikes.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    trainer.fit(SpikesAt({6}), data)
+    assert trainer.global_step == 40 and len(monitor.excluded) == 16
+    skipped = [e for e in monitor.events if e["reasons"] == ["excluded_sample"]]
+    assert len(skipped) >= 4  # (the run had an epoch's worth of them)
 
 
 def test_the_weights_check_does_not_call_large_finite_fp16_weights_non_finite() -> None:

@@ -100,23 +100,26 @@ class ExcludedOnlyRun:
     """Stops a run whose steps are all skipped for holding an excluded sample (no sampler with ``exclude()``).
 
     :func:`check_not_all_excluded` catches an exclusion of every index ``0..n-1`` at once, but a dataset's ``index``
-    may be any integer id (a shard's global ids), and exclusions that hit a sample of nearly every batch skip nearly
-    every step too. An epoch's worth of optimizer steps in a row skipped for excluded samples means the run trains
-    nothing more: it raises instead of ending as if it had trained (an unsized loader has no epoch: not checked)."""
+    may be any integer id (a shard's global ids). Every excluded id came from a batch, so once there are as many as
+    the dataset has samples, all are excluded; an epoch's worth of optimizer steps in a row then skipped confirms that
+    the run trains nothing more, and it raises instead of ending as if it had trained. (Exclusions that hit many but
+    not all samples only skip the steps that hold one: not an error. An unsized dataset is not checked.)"""
 
     def __init__(self) -> None:
         self.steps = 0
 
-    def update(self, trainer, only_excluded: bool, num_excluded: int) -> None:
+    def update(self, trainer, pending: dict | None, num_excluded: int, num_samples: int | None) -> None:
+        """After each optimizer step; ``pending``: the monitor's event of this step (None: no event)."""
+        only_excluded = pending is not None and not pending["counted"]  # skipped only for an excluded sample
         self.steps = self.steps + 1 if only_excluded else 0
         batches = getattr(trainer, "num_training_batches", math.inf)
-        if not self.steps or not math.isfinite(batches) or batches <= 0:
+        if not self.steps or not num_samples or num_excluded < num_samples or not math.isfinite(batches):
             return
         per_epoch = math.ceil(batches / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
         if self.steps >= per_epoch:
             raise RuntimeError(
                 f"LossSpikeMonitor: the last {self.steps} steps (an epoch of the train DataLoader) were all skipped "
-                f"because each batch held an excluded sample index ({num_excluded} excluded), so the run would train "
-                f"nothing more; lower the thresholds (z_threshold, rel_threshold), give the datamodule a sampler with "
-                f"exclude(), or use actions without 'skip'/'rollback'"
+                f"because each batch held an excluded sample index: {num_excluded} sample ids are excluded and the "
+                f"dataset has {num_samples}, so the run would train nothing more; lower the thresholds (z_threshold, "
+                f"rel_threshold), or use actions without 'skip'/'rollback'"
             )

@@ -402,7 +402,7 @@ class LossSpikeMonitor(L.Callback):
                 self.snapshots.add(trainer)
         else:
             self._finish_event(trainer, pl_module, pending)
-        self._excluded_only.update(trainer, pending is not None and not pending["counted"], len(self.excluded))
+        self._excluded_only.update(trainer, pending, len(self.excluded), self._num_train_samples)
         scalars = {}
         if pending is not None or self._z_ready:  # in the warmup z is unused and meaningless
             # (step 1: no statistics yet, z ~ loss / min_scale hit the 1e6 cap and flattened every TB plot); the
