@@ -117,10 +117,37 @@ def test_bad_config_errors():
     ("init_std", -0.02, "LlamaConfig.init_std must be > 0, got -0.02"),  # 'normal expects std >= 0.0' in torch
     ("init_std", 0.0, "LlamaConfig.init_std must be > 0, got 0.0"),  # all-zero weights and gradients: never learns
     ("norm_eps", -1.0, "LlamaConfig.norm_eps must be >= 0, got -1.0"),
+    ("dropout", 1.0, r"LlamaConfig.dropout must be in \[0, 1\), got 1.0"),
+    ("dropout", -0.1, r"LlamaConfig.dropout must be in \[0, 1\), got -0.1"),
 ])
 def test_bad_model_scalars_are_named(key, value, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**{key: value})
+
+
+def test_dropout_zero_is_the_model_without_dropout_and_eval_turns_it_off():
+    """``dropout=0`` (the default) dispatches no dropout op and draws no random number, so the default run's numerics
+    and RNG stream are those of the model before dropout existed; a model with dropout differs only in training."""
+    x = torch.randint(0, 257, (2, 17))
+    plain, dropped = tiny(), tiny(dropout=0.3)
+    state = torch.get_rng_state()
+    ref = plain.train()(x)
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn
+    assert "dropout" in [f.name for f in __import__("dataclasses").fields(LlamaConfig)]
+    assert build_llama(**{k: v for k, v in vars(plain.config).items() if k != "dropout"}).config.dropout == 0.0
+    with torch.no_grad():
+        assert torch.equal(dropped.eval()(x), plain.eval()(x))  # eval: no dropout at all
+        torch.manual_seed(1)
+        a = dropped.train()(x)
+        torch.manual_seed(1)
+        b = dropped(x)
+    assert torch.equal(a, b) and not torch.allclose(a, ref.detach())  # seeded masks, and they do drop something
+    # generate runs in eval mode (a model left in train mode sampled through dropout masks) and restores the mode
+    g = dict(max_new_tokens=8, temperature=1.0)
+    out = dropped.train().generate(x[:, :3], generator=torch.Generator().manual_seed(0), **g)
+    assert dropped.training
+    assert torch.equal(out, dropped.eval().generate(x[:, :3], generator=torch.Generator().manual_seed(0), **g))
+    assert not dropped.training
 
 
 def test_generate_is_deterministic_with_generator():

@@ -33,6 +33,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     depth_scaled_init: bool = True  # output projections get std / sqrt(2 * n_layer)
+    dropout: float = 0.0  # training only: attention probabilities, residual branches, embeddings (nanoGPT's places)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model"):
@@ -44,6 +45,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
         if not self.init_std > 0:  # 0: every weight and every gradient is zero, so nothing can ever learn
             raise ValueError(f"LlamaConfig.init_std must be > 0, got {self.init_std}")
+        if not 0.0 <= self.dropout < 1.0:  # 1 zeroes every activation; NaN passed every comparison downstream
+            raise ValueError(f"LlamaConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps >= 0:
             raise ValueError(f"LlamaConfig.norm_eps must be >= 0, got {self.norm_eps}")
         if self.d_model % self.n_head:
@@ -121,11 +124,19 @@ def expand_kv_heads(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype == torch.float32
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout`` in training with ``p > 0``; otherwise ``x`` itself, dispatching no op and drawing no random number
+    (so ``dropout=0`` runs exactly the ops, and draws exactly the random numbers, of a model without dropout)."""
+    return F.dropout(x, p, training=True) if training and p > 0 else x
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``; in training, ``cfg.dropout``
+    drops attention probabilities (SDPA's ``dropout_p``) and the output projection's output."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.dropout = cfg.dropout
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.d_model // cfg.n_head
         self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
@@ -145,22 +156,24 @@ class Attention(nn.Module):
         if gqa and expand_kv_heads(q):
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             gqa = False
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, C)
-        return self.wo(y)
+        return dropout(self.wo(y), self.dropout, self.training)
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x), its output dropped out with ``cfg.dropout`` in training."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.dropout = cfg.dropout
         self.w1 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
         self.w3 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
         self.w2 = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -235,7 +248,7 @@ class Llama(nn.Module):
         B, T = input_ids.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model block_size {self.config.block_size}")
-        x = self.tok_embeddings(input_ids)  # (B, T, C)
+        x = dropout(self.tok_embeddings(input_ids), self.config.dropout, self.training)  # (B, T, C)
         # cos + i sin, (1, 1, T, hs/2): built per forward from real buffers (buffers stay real so that
         # DDP/FSDP can broadcast and cast them like any other).
         dtype = compute_dtype(self.rope_cos.dtype)
@@ -249,7 +262,8 @@ class Llama(nn.Module):
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens.
+        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens. Runs in eval mode
+        (no dropout) and gives the module its mode back.
 
         ``temperature=0`` is greedy; ``top_k`` None or 0 samples among all tokens."""
         if max_new_tokens < 0:
@@ -267,6 +281,15 @@ class Llama(nn.Module):
         if lo < 0 or hi >= vocab:
             raise ValueError(f"generate: token ids must be in [0, {vocab}), got {hi if hi >= vocab else lo}")
         top_k = top_k or None
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()  # dropout off: a model left in train mode sampled through random dropout masks
+        try:
+            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator) -> torch.Tensor:
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.block_size :]
             logits = self(ctx)[:, -1, :].float()
