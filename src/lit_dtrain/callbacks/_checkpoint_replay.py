@@ -1,0 +1,156 @@
+"""What eager recomputation of a checkpointed block must replay besides its ops: the random number generators'
+states after saved random ops, and the block's buffers. (Under ``torch.compile`` the compiled graph handles both:
+it saves random ops' outputs and functionalizes buffer updates.)"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+
+class _RandomOpsSaved:
+    """The policy of one eager checkpointed call: ``policy``'s decisions, and after each saved random op the state of
+    the random number generators it drew from, for :class:`_ReplayRngStates`.
+
+    Recomputation replays a block's random ops from checkpoint's restored RNG state, but an op whose output is saved
+    is not run again, so it draws nothing there, and every random op after it got other numbers than in forward. On
+    a GPU, SDPA with ``dropout_p > 0`` is such an op (the flash/efficient/cuDNN kernels draw their mask and are saved
+    by default), and the residual dropout after it then recomputed another mask than forward had applied: gradients
+    silently wrong. torch 2.13 asks the policy after the op ran (``ctx.op_output``), earlier versions before it;
+    there the state after the op is read when the next op is asked about.
+    """
+
+    def __init__(self, policy: Callable) -> None:
+        self.policy = policy
+        self.after: list[tuple[object, list[tuple[torch.Generator, torch.Tensor]]]] = []  # (op, [(generator, state)])
+        self.pending: tuple[object, list[torch.Generator]] | None = None  # a saved random op that has not run yet
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if ctx.is_recompute:  # (torch < 2.13 asks in recomputation too)
+            return self.policy(ctx, func, *args, **kwargs)
+        if self.pending is not None:
+            self._record(*self.pending)
+            self.pending = None
+        decision = self.policy(ctx, func, *args, **kwargs)
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and \
+                torch.Tag.nondeterministic_seeded in func.tags:
+            gens = _generators(tree_leaves((args, kwargs)))
+            if hasattr(ctx, "op_output"):
+                self._record(func, gens)
+            else:
+                self.pending = (func, gens)
+        return decision
+
+    def _record(self, func, gens: list[torch.Generator]) -> None:
+        self.after.append((func, [(gen, gen.get_state()) for gen in gens]))
+
+
+class _ReplayRngStates(TorchDispatchMode):
+    """Recompute mode above selective checkpointing's: after each saved random op (handed back from the cache,
+    not run) the generators get the states that :class:`_RandomOpsSaved` read after it in forward."""
+
+    def __init__(self, saved: _RandomOpsSaved) -> None:
+        super().__init__()
+        self.saved = saved
+        self.index = 0
+
+    def __enter__(self):
+        self.index = 0  # a second recomputation (retain_graph) replays from the start
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        after = self.saved.after
+        if self.index < len(after) and func is after[self.index][0]:
+            for gen, state in after[self.index][1]:
+                gen.set_state(state)
+            self.index += 1
+        return out
+
+
+def _generators(leaves: list) -> list[torch.Generator]:
+    """The default generators of the devices of the tensors in ``leaves``, and the CPU's."""
+    gens = {"cpu": torch.random.default_generator}
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") and str(t.device) not in gens:
+            mod = torch.get_device_module(t.device.type)
+            gens[str(t.device)] = mod.default_generators[mod.current_device() if t.device.index is None
+                                                         else t.device.index]
+    return list(gens.values())
+
+
+def eager_context_fn(context_fn: Callable) -> Callable:
+    """``context_fn`` (of :func:`selective_context_fn`) for an eager checkpointed call: recomputation also restores
+    the RNG states after the saved random ops (:class:`_RandomOpsSaved`). The recompute mode is pushed only where
+    forward saved a random op, so the common case pays no second Python mode. (Under ``torch.compile`` the plain
+    ``context_fn`` is passed: the partitioner decides what is recomputed, and it saves random ops' outputs.)"""
+
+    def contexts():
+        saved = _RandomOpsSaved(context_fn.args[0])
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(saved)
+        return forward_ctx, _replaying(saved, recompute_ctx)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _replaying(saved: _RandomOpsSaved, recompute_ctx):
+    with recompute_ctx:
+        if not saved.after:
+            yield
+            return
+        with _ReplayRngStates(saved):
+            yield
+
+
+class _ReplayBuffers:
+    """Recompute context of one checkpointed call: the block's buffers hold, during recomputation, the values they had
+    when its forward started, and afterwards get back the values they had before it.
+
+    Recomputation ran on the buffers as forward had left them: an in-place update in the forward (BatchNorm's running
+    statistics, a counter) counted twice, and a block that reads a buffer it updates (``n += 1; y = x * (n + 0)``)
+    recomputed with the new value: its gradients were silently off (7.6 max abs in that example). All buffers are
+    copied, because aten's batch norm updates the running statistics without bumping their version counters, so which
+    buffers changed cannot be told without comparing values. The copies of the forward's start are kept until the
+    backward (BatchNorm's statistics are a few vectors; a large buffer costs its size per checkpointed call).
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.at_forward = [b.detach().clone() for b in buffers]
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            self.saved = [b.detach().clone() for b in self.buffers]
+            for b, value in zip(self.buffers, self.at_forward):
+                b.copy_(value)
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for b, value in zip(self.buffers, self.saved):
+                b.copy_(value)
+        self.saved = []
+
+
+def with_buffers_replayed(buffers: list[torch.Tensor], context_fn: Callable) -> Callable:
+    """``context_fn`` whose recompute context also replays ``buffers`` (:class:`_ReplayBuffers`, outside the
+    selective-checkpointing mode, so that its copies are not cached or recomputed ops)."""
+
+    def contexts():
+        replay = _ReplayBuffers(buffers)  # called by checkpoint as its forward starts
+        forward_ctx, recompute_ctx = context_fn()
+        return forward_ctx, _entered_together(replay, recompute_ctx)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _entered_together(outer, inner):
+    with outer, inner:
+        yield
