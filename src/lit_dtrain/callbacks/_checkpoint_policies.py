@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -179,6 +180,25 @@ class CheckpointedForward:
         self.context_fn = context_fn
         self.calls = 0
         self.ran = False
+
+    def __getstate__(self) -> dict:
+        """A patched block pickles whole (``torch.save(model)``): the save list goes as op names (torch's op objects
+        are not picklable), and the block's forward as its function, bound again on load (pickle rebuilt a bound
+        method as ``getattr(block, "forward")``: this wrapper itself)."""
+        state = dict(self.__dict__)
+        inner, block = state.pop("inner"), state.pop("buffers").__self__
+        bound = isinstance(inner, types.MethodType) and inner.__self__ is block
+        state.update(block=block, inner=inner.__func__ if bound else inner, bound=bound,
+                     context_fn=sorted(str(op) for op in self.context_fn.args[0].ops))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        block, inner, bound = state.pop("block"), state.pop("inner"), state.pop("bound")
+        self.__dict__.update(state)
+        self.inner = types.MethodType(inner, block) if bound else inner
+        self.buffers = block.buffers
+        self.context_fn = selective_context_fn(state["context_fn"])
 
     def __call__(self, *args, **kwargs):
         if self.mode == "none" or not torch.is_grad_enabled():
