@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -64,14 +64,26 @@ def _sum_outputs(out) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)
 
 
+HALF_TRUE = ("bf16-true", "16-true")
+
+
+def _true_dtype(plugin) -> torch.dtype | None:
+    """The half dtype the model trains in under ``bf16-true``/``16-true``, with or without FSDP (FSDP's plugin converts
+    the module too: its probe ran in fp32, with fp32's ratios between modes); None for other precisions. (``64-true``
+    is left to fp32: everything doubles there, and the ratios between modes measured the same to 4 digits.)"""
+    if isinstance(plugin, HalfPrecision) or (isinstance(plugin, FSDPPrecision) and plugin.precision in HALF_TRUE):
+        return plugin._desired_input_dtype
+    return None
+
+
 def _probe_autocast(trainer: Trainer, device: torch.device) -> contextlib.AbstractContextManager:
     """The autocast of the trainer's mixed precision on the probe's device (its forward keeps bf16/fp16 matmul
-    outputs next to fp32 ones, which changes the ratios between modes); bf16-true/16-true's default dtype;
-    no-op for other precisions."""
+    outputs next to fp32 ones, which changes the ratios between modes; FSDP's plugin autocasts on CUDA only, and the
+    probe runs before the strategy moves the model); bf16-true/16-true's default dtype; no-op for other precisions."""
     plugin = getattr(trainer, "precision_plugin", None)
-    if isinstance(plugin, HalfPrecision):
+    if _true_dtype(plugin) is not None:
         return plugin.forward_context()
-    if not isinstance(plugin, MixedPrecision):
+    if not isinstance(plugin, (MixedPrecision, FSDPPrecision)) or plugin.precision not in ("bf16-mixed", "16-mixed"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)  # Lightning's own autocast arguments
@@ -83,15 +95,15 @@ def _in_training_dtype(trainer: Trainer, module: nn.Module):
     the probe runs. A probe in fp32 does not give bf16's ratios between modes (the loss's fp32 logits do not halve):
     a plan measured at 0.291 of ``none`` kept 0.313 in bf16-true training, over a 0.3 budget. So the probe runs on
     the model cast to the training dtype, and every parameter and buffer then gets its own fp32 tensor back."""
-    plugin = getattr(trainer, "precision_plugin", None)
-    if not isinstance(plugin, HalfPrecision):
+    dtype = _true_dtype(getattr(trainer, "precision_plugin", None))
+    if dtype is None:
         yield
         return
     kept = [(t, t.data, t.grad) for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     try:
         for t, data, _ in kept:
             t.grad = None  # a grad of the old dtype cannot sit on a tensor of the new one
-            t.data = data.to(plugin._desired_input_dtype)
+            t.data = data.to(dtype)
         yield
     finally:
         for t, data, grad in kept:
@@ -251,7 +263,7 @@ class SelectiveCheckpointing(Callback):
         device = next(pl_module.parameters()).device
         example = getattr(pl_module, "example_input_array", None)
         plugin = getattr(trainer, "precision_plugin", None)
-        if example is not None and isinstance(plugin, HalfPrecision):
+        if example is not None and _true_dtype(plugin) is not None:
             example = plugin.convert_input(example)  # the model is in bf16/fp16 (_in_training_dtype), as in training
         if example is not None:
 
