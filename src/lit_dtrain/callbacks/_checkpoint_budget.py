@@ -144,6 +144,7 @@ def budget_plan_from_probe(
                 BlockProfile(
                     retained={m: float(measured[m].retained[i]) for m in ("none", "selective", "full")},
                     recompute={"none": 0.0, "selective": t_sel[i], "full": t_full[i]},
+                    calls=max(1, measured["none"].calls[i]),
                 )
                 for i in range(len(blocks))
             ]

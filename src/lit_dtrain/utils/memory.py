@@ -33,13 +33,15 @@ class ActivationMemory:
 
     ``peak_act``: ``ACT`` of MemTracker's peak snapshot (the moment the total tracked memory peaked);
     ``max_act``: the largest ``ACT`` at any moment; ``peak_total``: all tracked categories at the peak;
-    ``retained``: per requested module, ``ACT`` after its forward minus ``ACT`` before it.
+    ``retained``: per requested module, ``ACT`` after its forward minus ``ACT`` before it, summed over its calls;
+    ``calls``: per requested module, how many times its forward ran.
     """
 
     peak_act: int
     max_act: int
     peak_total: int
     retained: list[int] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)
 
 
 def _act(snapshot: dict) -> int:
@@ -75,18 +77,20 @@ def measure_activation_memory(
     with tracker:
         step_fn()
     peak = tracker.get_tracker_snapshot("peak")
-    retained = []
+    retained, calls = [], []
     for module in modules:
         stats = tracker.memory_tracking.get(module)
         if stats is None:
             raise ValueError(f"module {type(module).__name__} did not run in step_fn; cannot report its activations")
         pre, post = stats.snapshots.get(_ModState.PRE_FW, []), stats.snapshots.get(_ModState.POST_FW, [])
         retained.append(sum(_act(after) - _act(before) for before, after in zip(pre, post)))
+        calls.append(len(post))
     return ActivationMemory(
         peak_act=_act(peak),
         max_act=int(tracker.max_act),
         peak_total=int(sum(s.get("Total", 0) for s in peak.values())),
         retained=retained,
+        calls=calls,
     )
 
 
