@@ -228,13 +228,16 @@ def test_the_wsd_callback_takes_every_setting_an_experiment_leaves_in_scheduler(
 
 @pytest.mark.slow
 def test_branch_one_command_via_train_py(tmp_path, corpus):
-    """The documented CLI: a stable run keeping its checkpoints, then one command for a decay branch."""
-    common = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0"]
+    """The documented CLI: a stable run keeping its checkpoints, then one command for a decay branch. A key the branch
+    sets, given on the command line with another value, is refused: ``trainer.max_steps=20`` (or a decay length of
+    the schedule's own) was replaced without a word, and the branch stopped at S + N."""
+    common = [o for o in TINY if not o.startswith("trainer.max_steps=")]
+    common += ["data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0"]
 
-    def cli(*args):
+    def cli(*args, rc=0):
         proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *common, *args], cwd=tmp_path,
                               env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.returncode == rc, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc
 
     cli("run_name=stable", "trainer.max_steps=6", "scheduler.total_steps=100",
@@ -245,6 +248,15 @@ def test_branch_one_command_via_train_py(tmp_path, corpus):
     out = torch.load(tmp_path / "outputs/runs/decay_at_3/checkpoints/last.ckpt", weights_only=True)
     assert out["global_step"] == 5
     assert out["optimizer_states"][0]["param_groups"][0]["lr"] == 0.0  # the decay reached min_lr_factor 0
+    branch = ("run_name=other", f"decay_branch.ckpt={at3}", "decay_branch.steps=2")
+    for given, sets in [("trainer.max_steps=20", "trainer.max_steps=5"),
+                        ("scheduler.decay_steps=4", "scheduler.decay_steps=2"),
+                        ("scheduler.decay_fraction=0.5", "scheduler.decay_fraction=null")]:
+        proc = cli(*branch, given, rc=1)
+        assert f"error: decay_branch sets {sets} " in proc.stderr + proc.stdout
+        assert f"but {given} is given" in proc.stderr + proc.stdout
+    cli(*branch, "trainer.max_steps=5", "scheduler.decay_steps=2", "scheduler.decay_fraction=null")  # the same values
+    assert (tmp_path / "outputs/runs/other/checkpoints/last.ckpt").is_file()
 
 
 def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path):

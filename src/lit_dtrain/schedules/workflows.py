@@ -219,6 +219,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         )
     start = checkpoint_global_step(src)  # a corrupt or foreign file is a CheckpointError naming it
     total = start + steps
+    _refuse_given_branch_keys(nodes, start, steps)
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
     fit_default_warmup(cfg, src, start)  # a long decay's default warmup past a stable S: any warmup <= S is the same
@@ -253,6 +254,36 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     _warn_if_the_lr_jumps_up(src, start, nodes[0][1], **_BRANCH_JUMP)
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
+
+
+def _given_overrides() -> dict[str, object]:
+    """``{key: value}`` of the command line's overrides (Hydra's task overrides; deletions left out), ``{}`` when
+    Hydra did not start this process (``train(cfg)`` called with a composed config)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return {}
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return {o.key_or_group: o.value() for o in overrides if not o.is_delete()}
+
+
+def _refuse_given_branch_keys(nodes: list[tuple[str, DictConfig]], start: int, steps: int) -> None:
+    """``ConfigError`` for a key the branch sets (``trainer.max_steps = S + N``; the schedule's ``total_steps``,
+    ``decay_steps = N``, ``decay_fraction = null``) given on the command line with another value: it was replaced
+    without a word (``trainer.max_steps=20 decay_branch.steps=4`` from step 6 stopped at step 10)."""
+    given = _given_overrides()
+    sets = {"trainer.max_steps": (start + steps, f"the checkpoint's step {start} + decay_branch.steps={steps}")}
+    for key in dict.fromkeys([k for k, _ in nodes] + ["scheduler"]):  # the callback reads scheduler.<key> too
+        sets[f"{key}.total_steps"] = (start + steps, f"the checkpoint's step {start} + decay_branch.steps={steps}")
+        sets[f"{key}.decay_steps"] = (steps, "decay_branch.steps")
+        sets[f"{key}.decay_fraction"] = (None, "the branch decays over decay_branch.steps")
+    for key, (value, why) in sets.items():
+        if key in given and given[key] != value:
+            raise ConfigError(
+                f"decay_branch sets {key}={'null' if value is None else value} ({why}), but {key}={given[key]} is "
+                f"given; drop {key} (decay_branch.steps is the decay's length)"
+            )
 
 
 def check_init_from(cfg: DictConfig) -> None:
