@@ -243,7 +243,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         check_known_keys(cfg)  # first: the decay branch below reads its keys
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
-        check_init_from(cfg)
+        init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
     except RequiredValueError as e:  # a key an experiment needs from the command line (${lit.required:...})
         raise ConfigError(str(e).splitlines()[0]) from None
     ckpt_path = resolve_ckpt_path(cfg)
@@ -268,7 +268,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         # job, which then trained eagerly with only a log warning. Each job compiles from an empty cache.
         torch.compiler.reset()
     model = instantiate(cfg.model)
-    if cfg.get("init_from"):  # continual pre-training: weights only
+    if init_weights:  # continual pre-training: weights only
         load_model_weights(model, cfg.init_from)
     module = LitLLM(
         model,

@@ -415,3 +415,22 @@ def test_extending_a_decayed_checkpoint_warns_that_the_lr_jumps_up(tiny_cfg, cap
     [message] = extend(6)  # decayed: 1-sqrt over steps 5..5 (round(0.2 * 6) = 1), LR 0 for step 6
     assert "checkpoint" in message and "its LR for step 6 is [0, 0] (peak [0.003, 0.003])" in message
     assert "below this run's LR for that step [0.003, 0.003]" in message and "init_from" in message
+
+
+def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp_path):
+    """A continual-pre-training run restarted with ``resume=auto`` continues its own checkpoints, so the
+    ``init_from`` file is not read again: deleted (a scratch dir cleaned before a requeue), the restart failed with
+    ``init_from=... does not exist``. A first start still needs it."""
+    train(tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0", run="base"))
+    init = tmp_path / "init.ckpt"
+    (tmp_path / "base" / "checkpoints" / "last.ckpt").rename(init)
+    args = (f"init_from={init}", "resume=auto", "scheduler.total_steps=6")
+    _, first, _ = run(tiny_cfg(*args, "trainer.max_steps=3", run="cpt"))
+    own = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    saved = {k[len("model."):]: v for k, v in torch.load(own, weights_only=True)["state_dict"].items()}
+    init.unlink()
+    _, resumed, probe = run(tiny_cfg(*args, "trainer.max_steps=6", run="cpt"))
+    assert probe.start_step == 3 and resumed["trainer"].global_step == 6
+    assert same(probe.start_weights, saved)  # continued from its own checkpoint
+    with pytest.raises(ConfigError, match=r"init_from='.*init.ckpt' does not exist"):
+        train(tiny_cfg(*args, run="fresh"))  # nothing to resume: the file is needed

@@ -286,18 +286,24 @@ def _refuse_given_branch_keys(nodes: list[tuple[str, DictConfig]], start: int, s
             )
 
 
-def check_init_from(cfg: DictConfig) -> None:
-    """Reject ``init_from`` combined with ``ckpt_path`` (a full resume) or a missing file."""
+def check_init_from(cfg: DictConfig) -> bool:
+    """Reject ``init_from`` combined with ``ckpt_path`` (a full resume) or a missing file; returns whether the weights
+    are to be loaded. Not when ``resume=auto`` finds this run's own checkpoints: the run continues from them, and the
+    ``init_from`` file, no longer read, may be gone (a requeued job whose source checkpoint was cleaned up failed)."""
     path = cfg.get("init_from")
     if not path:
-        return
-    target = Path(str(path)).expanduser()
-    if not target.is_file():
-        raise ConfigError(f"init_from={str(path)!r} {not_a_file_reason(target)}")
+        return False
     if cfg.get("ckpt_path"):
         raise ConfigError(
             "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
         )
+    if cfg.get("resume") == "auto" and checkpoint_files(Path(str(cfg.paths.checkpoint_dir))):
+        log.info("init_from: not read, resume=auto continues this run's own checkpoints")
+        return False
+    target = Path(str(path)).expanduser()
+    if not target.is_file():
+        raise ConfigError(f"init_from={str(path)!r} {not_a_file_reason(target)}")
+    return True
 
 
 def checkpoint_weights(ckpt, path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
