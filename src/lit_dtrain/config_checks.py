@@ -25,6 +25,7 @@ from lit_dtrain.config_lightning import (
     check_lightning_choices,
 )
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.schedules.lr import schedule_factor
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,16 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     scheduler = scheduler_config(cfg)
     total = scheduler.get("total_steps") if scheduler else None
     max_steps = cfg.trainer.get("max_steps")
-    if not (isinstance(total, int) and isinstance(max_steps, int)) or total >= max_steps:
+    if not (isinstance(total, int) and isinstance(max_steps, int)) or total == max_steps:
+        return
+    if total > max_steps:  # on purpose (a stable run to branch from, one job of a longer run), but say where it ends
+        factor = schedule_factor(scheduler, max_steps - 1) if max_steps > 0 else None
+        if factor is not None and rank_zero_only.rank == 0:
+            log.info(
+                "scheduler.total_steps=%d is above trainer.max_steps=%d: this run stops at step %d with the LR at "
+                "%.4g of the peak, before its schedule ends (at step %d)",
+                total, max_steps, max_steps - 1, factor, total - 1,
+            )
         return
     past = max_steps - max(total, start_step)  # steps of this run past the horizon
     if past <= 0 or rank_zero_only.rank != 0:

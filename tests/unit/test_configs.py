@@ -755,6 +755,11 @@ def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
     assert warnings_for("scheduler=cosine") == []  # total_steps: ${trainer.max_steps}
     assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == []  # a longer horizon, on purpose
     assert warnings_for("scheduler=constant") == []
+    caplog.set_level(logging.INFO, logger="lit_dtrain.config_checks")  # a longer horizon says where the run stops
+    assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == [
+        "scheduler.total_steps=100 is above trainer.max_steps=6: this run stops at step 5 with the LR at 0.9943 of "
+        "the peak, before its schedule ends (at step 99)"
+    ]
 
 
 def test_torchrun_restarts_that_cannot_continue_the_run_are_warned_about(tiny_cfg, caplog):

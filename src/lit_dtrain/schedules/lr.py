@@ -255,3 +255,21 @@ def cosine_scheduler(optimizer: Optimizer, *, total_steps: int, warmup_steps: in
 def constant_scheduler(optimizer: Optimizer, *, warmup_steps: int = 0):
     """``LambdaLR`` over :func:`constant_lr_factor`."""
     return lambda_scheduler(optimizer, constant_lr_factor, warmup_steps=warmup_steps)
+
+
+_FACTORS = {
+    "wsd_scheduler": wsd_lr_factor,
+    "cosine_scheduler": cosine_lr_factor,
+    "constant_scheduler": constant_lr_factor,
+}
+
+
+def schedule_factor(node, step: int) -> float | None:
+    """The factor that a ``conf/scheduler`` node (``_target_`` one of the adapters above, with its arguments) gives
+    optimizer step ``step``; ``None`` for another target or arguments that do not validate."""
+    fn = _FACTORS.get(str(node.get("_target_", "")).rsplit(".", 1)[-1])
+    kwargs = {k: v for k, v in node.items() if not str(k).startswith("_")}
+    try:
+        return fn(step, **kwargs) if fn is not None else None
+    except (TypeError, ValueError):
+        return None
