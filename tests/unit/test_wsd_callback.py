@@ -276,17 +276,27 @@ def test_callback_state_roundtrip_and_missing_key():
         other.load_state_dict({"last_step": 3})
 
 
-def test_both_decay_arguments_name_the_callbacks_keys_not_the_schedulers():
-    """``callbacks.wsd.decay_steps=50`` with the callback's default ``decay_fraction: 0.2`` told the user to set
-    ``scheduler.decay_fraction=null``, a key of the scheduler form (which '~scheduler' removed). The callback's error
-    names its own keys; the scheduler's keeps naming the scheduler's."""
+def test_both_decay_arguments_name_the_arguments_and_the_config_check_names_the_keys(tmp_path):
+    """``WSDScheduler(decay_steps=50, decay_fraction=0.2)`` in another Lightning project told its user to fix
+    ``conf/callbacks/wsd.yaml`` (``callbacks.wsd.decay_fraction=null``), a file of lit_dtrain's, and with neither
+    argument it advised setting ``decay_fraction=null``. The schedule's errors name its arguments; lit_dtrain's config
+    check names the keys of the form in use (the scheduler's, or the callback's after '~scheduler')."""
+    from lit_dtrain.config_checks import check_config
+    from lit_dtrain.errors import ConfigError
     from lit_dtrain.schedules import check_wsd_args
+    from tests.conftest import compose_cfg
 
-    with pytest.raises(ValueError, match=r"WSDScheduler: give exactly one") as info:
-        WSDScheduler(total_steps=100, decay_steps=50, decay_fraction=0.2)
-    assert "callbacks.wsd.decay_fraction=null" in str(info.value) and "scheduler." not in str(info.value)
-    with pytest.raises(ValueError, match=r"set scheduler.decay_fraction=null"):
-        check_wsd_args(total_steps=100, decay_steps=50, decay_fraction=0.2)
+    for kw in (dict(decay_steps=50, decay_fraction=0.2), {}):
+        with pytest.raises(ValueError, match=r"^WSDScheduler: give exactly one of decay_steps and decay_fraction, "
+                                             r"got decay_steps=\w+, decay_fraction=[\w.]+$"):
+            WSDScheduler(total_steps=100, **kw)
+        with pytest.raises(ValueError, match=r"^give exactly one of decay_steps and decay_fraction, got [^(]*$"):
+            check_wsd_args(total_steps=100, **kw)
+    for form, key in [([], "scheduler"), (["~scheduler", "callbacks=[default,wsd]"], "callbacks.wsd")]:
+        cfg = compose_cfg([*form, f"{key}.decay_steps=3"], tmp_path / key, tiny=False)
+        with pytest.raises(ConfigError, match=rf"^{key}.decay_steps=3 and {key}.decay_fraction=0.2 are both set .*"
+                                              rf"{key}.decay_steps=3 {key}.decay_fraction=null$"):
+            check_config(cfg)
 
 
 def test_callback_and_scheduler_resolve_an_exact_half_decay_fraction_alike():

@@ -78,9 +78,6 @@ class WSDScheduler(StepHooksCallback):
                 decay_type=decay_type,
                 min_lr_factor=min_lr_factor,
                 decay_fraction=decay_fraction,
-                # conf/callbacks/wsd.yaml sets decay_fraction 0.2: the scheduler's keys are not this form's
-                hint="with conf/callbacks/wsd.yaml, set callbacks.wsd.decay_fraction=null when you set "
-                "callbacks.wsd.decay_steps",
             )
         except ValueError as e:
             raise ValueError(f"WSDScheduler: {e}") from None

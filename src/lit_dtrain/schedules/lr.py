@@ -39,19 +39,10 @@ def _warmup_factor(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps
 
 
-SCHEDULER_DECAY_HINT = (
-    "with conf/scheduler/wsd.yaml, set scheduler.decay_fraction=null when you set scheduler.decay_steps"
-)
-
-
-def resolve_decay_steps(
-    total_steps: int,
-    decay_steps: int | None = None,
-    decay_fraction: float | None = None,
-    hint: str = SCHEDULER_DECAY_HINT,
-) -> int:
-    """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given (``hint``: how
-    to give one with the caller's config keys).
+def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_fraction: float | None = None) -> int:
+    """``decay_steps``, or ``round(decay_fraction * total_steps)``; exactly one of them must be given (the error names
+    the arguments; lit_dtrain's config check names its config keys, :func:`~lit_dtrain.schedules.workflows.
+    check_one_decay_length`, so that another project's user is not told about lit_dtrain's yaml files).
 
     ``round`` is Python's (round half to even), as the WSD definition states, of the exact product of
     ``decay_fraction`` as written (its shortest decimal form) and ``total_steps``: in floats ``0.35 * 90`` is
@@ -61,7 +52,7 @@ def resolve_decay_steps(
     if (decay_steps is None) == (decay_fraction is None):
         raise ValueError(
             f"give exactly one of decay_steps and decay_fraction, got decay_steps={decay_steps!r}, "
-            f"decay_fraction={decay_fraction!r} ({hint})"
+            f"decay_fraction={decay_fraction!r}"
         )
     if decay_fraction is not None:
         if isinstance(decay_fraction, bool) or not isinstance(decay_fraction, numbers.Real):
@@ -84,10 +75,9 @@ def check_wsd_args(
     decay_type: str = "1-sqrt",
     min_lr_factor: float = 0.0,
     decay_fraction: float | None = None,
-    hint: str = SCHEDULER_DECAY_HINT,
 ) -> int:
     """Validate WSD arguments (``ValueError`` naming the argument); returns the resolved ``decay_steps``."""
-    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction, hint)
+    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
     warmup_steps = _check_int("warmup_steps", warmup_steps)
     m = _check_min_factor(min_lr_factor)
     if decay_type not in DECAY_TYPES:

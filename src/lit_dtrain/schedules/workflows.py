@@ -52,6 +52,20 @@ def _wsd_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     return nodes
 
 
+def check_one_decay_length(cfg: DictConfig) -> None:
+    """``ConfigError`` naming the config keys when a WSD node sets both ``decay_steps`` and ``decay_fraction``:
+    conf/scheduler/wsd.yaml and conf/callbacks/wsd.yaml default ``decay_fraction`` to 0.2, so a ``decay_steps`` given
+    alone needs ``decay_fraction=null``. (The schedule's own error names only its arguments: in another Lightning
+    project, ``WSDScheduler(decay_steps=..., decay_fraction=...)`` has no yaml file to fix.)"""
+    for key, node in _wsd_nodes(cfg):
+        steps, fraction = node.get("decay_steps"), node.get("decay_fraction")
+        if steps is not None and fraction is not None:
+            raise ConfigError(
+                f"{key}.decay_steps={steps} and {key}.decay_fraction={fraction} are both set (its config's "
+                f"decay_fraction defaults to 0.2): give one, e.g. {key}.decay_steps={steps} {key}.decay_fraction=null"
+            )
+
+
 def _is_default_warmup(node: DictConfig, total: int) -> bool:
     """Whether ``node.warmup_steps`` is the configs' derived default ``${lit.warmup:${trainer.max_steps}}`` (not a
     number the user gave), evaluated at the branch's ``max_steps = total``."""
