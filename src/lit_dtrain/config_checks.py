@@ -119,7 +119,7 @@ def check_config(cfg: DictConfig) -> None:
         instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer: {e}") from e
-    from lit_dtrain.schedules.workflows import check_one_decay_length
+    from lit_dtrain.schedules.workflows import check_one_decay_length, unknown_argument_error
 
     check_one_decay_length(cfg)  # names the config keys, where the schedule's error names its arguments
     if scheduler:  # build the schedule on a dummy optimizer so bad arguments fail now
@@ -128,6 +128,8 @@ def check_config(cfg: DictConfig) -> None:
             instantiate(scheduler)(dummy)
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
+        except TypeError as e:  # experiment=cpt_replay scheduler=cosine: the experiment's decay_fraction (a traceback)
+            raise ConfigError(unknown_argument_error("scheduler", scheduler, e)) from None
     check_validation_limit(cfg)
     check_sample(cfg)
     # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)

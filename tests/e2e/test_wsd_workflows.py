@@ -434,3 +434,18 @@ def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp
     assert same(probe.start_weights, saved)  # continued from its own checkpoint
     with pytest.raises(ConfigError, match=r"init_from='.*init.ckpt' does not exist"):
         train(tiny_cfg(*args, run="fresh"))  # nothing to resume: the file is needed
+
+
+def test_cpt_replay_with_another_schedule_names_the_experiments_leftover_key(tmp_path):
+    """``experiment=cpt_replay scheduler=cosine`` (the cosine re-warm of docs/wsd.md) kept the experiment's
+    ``scheduler.decay_fraction``, an argument of WSD only: a ``TypeError`` traceback. Now one line naming the key and
+    the override that drops it, which then composes and checks."""
+    from lit_dtrain.config_checks import check_config
+
+    common = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "scheduler=cosine"]
+    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 is not an argument of cosine_scheduler .*"
+                                          r"drop it with '~scheduler.decay_fraction'$"):
+        check_config(compose_cfg(common, tmp_path / "a", tiny=False))
+    fixed = compose_cfg([*common, "~scheduler.decay_fraction"], tmp_path / "b", tiny=False)
+    check_config(fixed)
+    assert (fixed.scheduler.warmup_steps, fixed.scheduler.total_steps) == (50, 500)

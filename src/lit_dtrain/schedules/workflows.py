@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -64,6 +65,20 @@ def check_one_decay_length(cfg: DictConfig) -> None:
                 f"{key}.decay_steps={steps} and {key}.decay_fraction={fraction} are both set (its config's "
                 f"decay_fraction defaults to 0.2): give one, e.g. {key}.decay_steps={steps} {key}.decay_fraction=null"
             )
+
+
+def unknown_argument_error(key: str, node: DictConfig, error: TypeError) -> str:
+    """The one-line message for a schedule node holding a key its ``_target_`` takes no argument for (``experiment=
+    cpt_replay scheduler=cosine``: the experiment's ``scheduler.decay_fraction``, an argument of WSD only)."""
+    name = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    if found is None:
+        return f"{key}: {error}"
+    arg = found.group(1)
+    return (
+        f"{key}.{arg}={node.get(arg)} is not an argument of {name} (an experiment's setting for another schedule?); "
+        f"drop it with '~{key}.{arg}'"
+    )
 
 
 def _is_default_warmup(node: DictConfig, total: int) -> bool:
