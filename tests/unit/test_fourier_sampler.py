@@ -89,6 +89,15 @@ def test_mixing_schedule_endpoints():
     assert S.mix_schedule(0, initial=0.9, final=0.1, decay_steps=10) == pytest.approx(0.9)
 
 
+def test_a_custom_stage_starts_at_the_exact_product_of_its_start_and_the_step_unit():
+    """A ``stage_table`` start of 0.07 units of 100 steps begins at step 7: the float product 0.07 * 100 =
+    7.000000000000001 moved the stage, and its LR multiplier, to step 8."""
+    table = S.parse_stages([["a", 0, 4, 0.3, 1.0], ["b", 0.07, 4, 0.3, 0.5]])
+    assert [S.stage_at(step, 100, table).name for step in (6, 7, 8)] == ["a", "b", "b"]
+    sampler = FourierSampler(step_unit=100, stage_table=[["a", 0, 4, 0.3, 1.0], ["b", 0.07, 4, 0.3, 0.5]])
+    assert (sampler.lr_multiplier(6), sampler.lr_multiplier(7)) == (1.0, 0.5)
+
+
 def test_stage_schedule_and_switches():
     for step, name in [(0, "warmup"), (4999, "warmup"), (5000, "ramp"), (19999, "ramp"), (20000, "stable")]:
         assert S.stage_at(step, 1000).name == name

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from fractions import Fraction
 from functools import partial
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from lit_dtrain.optim import set_lr
+from lit_dtrain.utils.args import as_written
 from lit_dtrain.utils.args import check_int as _check_int
 
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
@@ -59,11 +59,7 @@ def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_
             raise ValueError(f"decay_fraction must be a number in [0, 1], got {decay_fraction!r}")
         if not 0.0 <= decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction must be in [0, 1], got {decay_fraction}")
-        try:  # str: the shortest decimal that reads back as this float, i.e. the number as written in a config
-            exact = Fraction(str(decay_fraction))
-        except ValueError:
-            exact = Fraction(decay_fraction)
-        return round(exact * total_steps)
+        return round(as_written(decay_fraction) * total_steps)
     return _check_int("decay_steps", decay_steps)
 
 

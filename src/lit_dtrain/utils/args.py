@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import NoReturn
 
@@ -25,6 +26,16 @@ def check_int(name: str, value, minimum: int | None = 0) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def as_written(value: numbers.Real) -> Fraction:
+    """The exact value of ``value`` as written in a config: its shortest decimal form (``0.07``, not the float
+    ``0.07000000000000000666``), so that ``as_written(0.07) * 100`` is 7 where the float product is
+    7.000000000000001."""
+    try:
+        return Fraction(str(value))
+    except ValueError:  # not a decimal literal (a numpy scalar's repr): its exact binary value
+        return Fraction(value)
 
 
 def positive_int(text: str) -> int:

@@ -29,6 +29,8 @@ from numbers import Real
 
 import torch
 
+from lit_dtrain.utils.args import as_written
+
 VARIANTS = ("moment_ratio", "magnitude")
 
 
@@ -246,12 +248,14 @@ def _plain(row):
 
 
 def stage_at(step: int, step_unit: float, stages: tuple[Stage, ...] = DEFAULT_STAGES) -> Stage:
-    """The stage active at ``step``: the last one with ``start * step_unit <= step``."""
+    """The stage active at ``step``: the last one with ``start * step_unit <= step``, in the exact product of the
+    numbers as written (a start of 0.07 units of 100 steps begins at step 7; the float product 7.000000000000001 put
+    it at step 8)."""
     if step_unit <= 0:
         raise ValueError(f"step_unit must be positive, got {step_unit}")
     current = stages[0]
     for stage in stages:
-        if stage.start * step_unit <= step:
+        if as_written(stage.start) * as_written(step_unit) <= step:
             current = stage
     return current
 
