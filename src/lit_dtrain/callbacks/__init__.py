@@ -18,6 +18,7 @@ _EXPORTS = {
     "token_throughput_monitor": "lit_dtrain.callbacks.throughput",
     "PreemptionCheckpoint": "lit_dtrain.callbacks.preemption",
     "OncePerStepLRMonitor": "lit_dtrain.callbacks.lr_monitor",
+    "ModelCheckpoint": "lit_dtrain.callbacks.model_checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)
