@@ -4,6 +4,8 @@
   (``last.ckpt`` among equals); a fresh start in a run dir that holds checkpoints is refused, and so is
   ``resume=auto`` where nothing can be resumed (a default ``run_name``, a multirun's new sweep dir:
   :func:`new_sweep_dir_error`, which ``lit_dtrain.sweeps.ResumeSweepCheck`` raises too);
+- :func:`newest_step_checkpoint`: that newest readable checkpoint (``lit_dtrain.sigterm_exit`` names it when
+  Ctrl-C stops a run where nothing saves);
 - :func:`check_start_step` and :func:`check_optimizer_state`: a checkpoint past ``trainer.max_steps``, or one whose
   optimizer state the configured optimizer cannot read.
 
@@ -86,7 +88,7 @@ def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
     )
 
 
-def _newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
+def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
     """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
     None. Reads each file's ``global_step`` only (mmap: milliseconds for any size)."""
     steps = {}
@@ -110,7 +112,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         # ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a
         # validation behind. Resuming from it redid those steps and saved the step file again as '<name>-v1.ckpt',
         # leaving the first one behind for good (the resumed ModelCheckpoint state did not know it).
-        newest = _newest_step_checkpoint(ckpt_dir)
+        newest = newest_step_checkpoint(ckpt_dir)
         if newest is not None and newest.name != "last.ckpt":
             log.warning("resume=auto: %s is newer than %s, resuming from it", newest, ckpt_dir / "last.ckpt")
             return str(newest)
@@ -119,7 +121,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if earlier and cfg.get("resume") == "auto":
         # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
         # (ModelCheckpoint writes the step file first). Continue from the newest intact one.
-        newest = _newest_step_checkpoint(ckpt_dir)
+        newest = newest_step_checkpoint(ckpt_dir)
         if newest is not None:
             log.warning("resume=auto: no %s, resuming from the newest checkpoint %s", ckpt_dir / "last.ckpt", newest)
             return str(newest)

@@ -20,7 +20,7 @@ import lightning as L
 
 from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
 from lit_dtrain.checkpoint import checkpoint_global_step
-from lit_dtrain.resume import _newest_step_checkpoint
+from lit_dtrain.resume import newest_step_checkpoint
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -119,7 +119,7 @@ def interrupted_by_ctrl_c(checkpoint_dir: str) -> int:
     It ended with a traceback from ``train()``, or with Lightning's "Detected KeyboardInterrupt" and exit status 1,
     without saying what was kept. One line says which checkpoint ``resume=auto`` continues from."""
     ckpt_dir = Path(checkpoint_dir)
-    newest = _newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    newest = newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if newest is None:
         kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"
     else:
