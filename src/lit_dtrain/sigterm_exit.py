@@ -29,6 +29,20 @@ PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a 
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130: Ctrl-C
 
 
+TRAIN_RESUME_HINT = (
+    "resume=auto (same run_name; a multirun job: the same -m arguments with hydra.sweep.dir=<its sweep dir>) or "
+    "ckpt_path=<that file>"
+)
+
+
+def hint_train_resume(callbacks: list[L.Callback]) -> None:
+    """Give each ``PreemptionCheckpoint`` that has no ``resume_hint`` of its own ``train()``'s way to resume,
+    ``resume=auto`` (its default names ``trainer.fit(..., ckpt_path=...)``, a project of one's own)."""
+    for c in callbacks:
+        if isinstance(c, PreemptionCheckpoint) and c.resume_hint is None:
+            c.resume_hint = TRAIN_RESUME_HINT
+
+
 def stop_signal(trainer: L.Trainer) -> signal.Signals:
     """The signal that stopped the fit: the one ``PreemptionCheckpoint`` got (SIGINT for Ctrl-C, SIGHUP for a
     closed terminal), else SIGTERM (Lightning's flag, or another rank's signal)."""

@@ -64,6 +64,7 @@ from lit_dtrain.schedules.workflows import (
 from lit_dtrain.sigterm_exit import (
     HoldSigtermInValidate,
     SigtermRecorder,
+    hint_train_resume,
     interrupted_by_ctrl_c,
     keyboard_interrupt_kept,
     sigterm_after_the_last_step,
@@ -278,6 +279,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     callbacks = build_callbacks(cfg)
+    hint_train_resume(callbacks)  # PreemptionCheckpoint's line names resume=auto, not trainer.fit(ckpt_path=...)
     if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.get("logger"):  # logger=none / ~logger: the LR monitor has nowhere to log (Lightning would refuse)

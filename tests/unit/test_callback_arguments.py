@@ -56,6 +56,7 @@ CASES = [
     (PreemptionCheckpoint, {"dirpath": None}, "dirpath", r"a directory path \(where SIGTERM saves\), got None"),
     (PreemptionCheckpoint, {"dirpath": ""}, "dirpath", r"a directory path \(where SIGTERM saves\), got ''"),
     (PreemptionCheckpoint, {"dirpath": "c", "filename": None}, "filename", "a file name such as 'last.ckpt', got None"),
+    (PreemptionCheckpoint, {"dirpath": "c", "resume_hint": 3}, "resume_hint", "a string, got 3"),
     # Lightning's Throughput asserted window_size > 1 inside fit: a bare AssertionError
     (token_throughput_monitor, {"window_size": 1}, "window_size", r"an integer >= 2 \(steps averaged\), got 1"),
     (token_throughput_monitor, {"window_size": "abc"}, "window_size", r"an integer >= 2 \(steps averaged\), got 'abc'"),

@@ -245,10 +245,11 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
     assert stopped_by_sigterm(trainer) == 130
 
 
-def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Path) -> None:
+def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Path, caplog) -> None:
     """PreemptionCheckpoint in a plain Lightning project: Ctrl-C saves last.ckpt at the end of the step, and the fit
     ends with a SystemExit of status 130 (Lightning's SIGTERMException alone exits with 0, as if the run had
-    finished; before this callback handled SIGINT, Lightning's KeyboardInterrupt path exited with 1, nothing saved)."""
+    finished; before this callback handled SIGINT, Lightning's KeyboardInterrupt path exited with 1, nothing saved).
+    Its line says to resume with trainer.fit's ckpt_path (it named train()'s resume=auto, no setting here)."""
 
     class CtrlCAt(SigtermAt):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -261,3 +262,7 @@ def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Pat
         fit(tmp_path, [CtrlCAt(3), PreemptionCheckpoint(dirpath=str(tmp_path))])
     assert stop.value.code == 130 and signal.getsignal(signal.SIGINT) is before
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
+    last = str(tmp_path / "last.ckpt")
+    resume = f"Resume with trainer.fit(..., ckpt_path={last!r})."
+    assert f"SIGINT received: saved {last} at step 4; exiting cleanly. {resume}" in caplog.text
+    assert "resume=auto" not in caplog.text

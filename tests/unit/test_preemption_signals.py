@@ -46,7 +46,8 @@ def test_ctrl_c_or_a_closed_terminal_mid_training_saves_the_step_and_exits_128_p
     out = Path(cfg.paths.output_dir)
     assert not (out / "summary.json").exists()
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
-    assert f"{sig} received: saved {out / 'checkpoints' / 'last.ckpt'} at step 3" in caplog.text
+    saved = f"{sig} received: saved {out / 'checkpoints' / 'last.ckpt'} at step 3; exiting cleanly"
+    assert f"{saved}. Resume with resume=auto (same run_name" in caplog.text
     metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", "resume=auto"))
     assert metrics["steps"] == 6
 

@@ -54,16 +54,19 @@ STOP_SIGNALS = tuple(
 
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM (SIGINT, SIGHUP), save ``<dirpath>/<filename>`` (default ``last.ckpt``) at the end of the current
-    optimizer step."""
+    optimizer step. Its log line says how to resume: ``resume_hint`` (``train()`` gives the ones built from its
+    config its own, ``resume=auto``), by default ``trainer.fit(..., ckpt_path=<the file>)``."""
 
-    def __init__(self, dirpath: str, filename: str = "last.ckpt") -> None:
+    def __init__(self, dirpath: str, filename: str = "last.ckpt", resume_hint: str | None = None) -> None:
         # checked now: a bad one failed only when SIGTERM came, in os.path.join, and saved nothing
         def is_path(value) -> bool:
             return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
 
         check_arg("PreemptionCheckpoint", "dirpath", dirpath, is_path, "a directory path (where SIGTERM saves)")
         check_arg("PreemptionCheckpoint", "filename", filename, is_path, "a file name such as 'last.ckpt'")
-        self.dirpath, self.filename = dirpath, filename
+        if resume_hint is not None:
+            check_arg("PreemptionCheckpoint", "resume_hint", resume_hint, lambda v: isinstance(v, str), "a string")
+        self.dirpath, self.filename, self.resume_hint = dirpath, filename, resume_hint
         self.saved_step: int | None = None
         self.signalled = False  # this process (or, after the agreement, any rank) got a stop signal
         self.signum: int | None = None  # the first stop signal this process got (None: none, or another rank's)
@@ -137,8 +140,8 @@ class PreemptionCheckpoint(L.Callback):
         self.saved_step = trainer.global_step
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
+        # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
+        hint = self.resume_hint if self.resume_hint is not None else f"trainer.fit(..., ckpt_path={path!r})"
         rank_zero_info(
-            f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. "
-            "Resume with resume=auto (same run_name; a multirun job: the same -m arguments with "
-            "hydra.sweep.dir=<its sweep dir>) or ckpt_path=<that file>."
+            f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. Resume with {hint}."
         )
