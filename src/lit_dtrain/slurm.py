@@ -12,8 +12,9 @@ Under ``srun`` every task runs ``train.py`` itself, and Lightning's ``SLURMEnvir
   tasks made each task launch its own DDP ranks: 4 processes, two runs racing in one run dir. Lightning's own errors
   for tasks per node or nodes that differ from ``trainer.devices``/``trainer.num_nodes`` came with a traceback, a
   missing ``SLURM_PROCID`` as ``KeyError('SLURM_PROCID')`` in Hydra's form.
-- :func:`slurm_plugins` gives the Trainer Lightning's ``SLURMEnvironment`` without its auto-requeue, and makes
-  the requeue signal (``SIGUSR1``, ``sbatch --signal=USR1@90``) requeue the job without a checkpoint of its own.
+- :func:`slurm_plugins` gives the Trainer Lightning's ``SLURMEnvironment`` without its auto-requeue, and
+  :func:`catch_requeue_signal` (from the start of ``train()``) makes the requeue signal (``SIGUSR1``,
+  ``sbatch --signal=USR1@90``) requeue the job without a checkpoint of its own.
   Lightning's auto-requeue saved ``hpc_ckpt_<n>.ckpt`` in the run dir from inside the signal handler (a collective
   save there, as its SIGTERM handler's broadcast was), and then loaded it in place of what ``train()`` asked for:
   the final validation, called without a checkpoint, validated the weights of the moment of the signal (a 300-step
@@ -156,14 +157,33 @@ def _on_requeue_signal(signum, frame) -> None:
     requeue_job()
 
 
-def slurm_plugins() -> list:
-    """Under srun (as Lightning detects it): ``[SLURMEnvironment(auto_requeue=False)]``, with the requeue signal
-    (``SIGUSR1``) handled by :func:`requeue_job`; else ``[]``, also for torchrun's workers inside an srun step,
-    whose environment Lightning prefers to Slurm's (a ``SLURMEnvironment`` given there took the step's one task for
-    the world of every worker). For ``Trainer(plugins=...)``."""
+def _slurm_environment() -> SLURMEnvironment | None:
+    """Under srun (as Lightning detects it), ``SLURMEnvironment(auto_requeue=False)``; else None, also for torchrun's
+    workers inside an srun step, whose environment Lightning prefers to Slurm's."""
     if not SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
+        return None
+    return SLURMEnvironment(auto_requeue=False)
+
+
+def catch_requeue_signal() -> None:
+    """Under srun, have Slurm's requeue signal (``SIGUSR1``) run :func:`requeue_job` from now on; ``train()`` calls
+    it first. Registered only with the Trainer (:func:`slurm_plugins`) it came too late for a signal during the
+    config checks, the model's build or a checkpoint's checks: Python's default action for ``SIGUSR1`` ended the
+    process (exit status 138) and the job was not requeued. Before training nothing is lost: Slurm's SIGTERM after
+    the requeue stops the process, and the requeued job starts again."""
+    environment = _slurm_environment()
+    if environment is not None and environment.requeue_signal is not None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(environment.requeue_signal, _on_requeue_signal)
+
+
+def slurm_plugins() -> list:
+    """Under srun: ``[SLURMEnvironment(auto_requeue=False)]``, with the requeue signal (``SIGUSR1``) handled by
+    :func:`requeue_job` (:func:`catch_requeue_signal`); else ``[]``, also for torchrun's workers inside an srun step
+    (a ``SLURMEnvironment`` given there took the step's one task for the world of every worker). For
+    ``Trainer(plugins=...)``."""
+    environment = _slurm_environment()
+    if environment is None:
         return []
-    environment = SLURMEnvironment(auto_requeue=False)
-    if environment.requeue_signal is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(environment.requeue_signal, _on_requeue_signal)
+    catch_requeue_signal()
     return [environment]

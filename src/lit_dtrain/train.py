@@ -71,7 +71,7 @@ from lit_dtrain.sigterm_exit import (
     sigterm_handler_kept,
     stopped_by_sigterm,
 )
-from lit_dtrain.slurm import check_slurm_launch, slurm_plugins
+from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
 from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
@@ -236,6 +236,7 @@ _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _train(cfg: DictConfig) -> tuple[dict, dict]:
+    catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir

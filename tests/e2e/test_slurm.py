@@ -163,3 +163,34 @@ def test_torchrun_inside_an_srun_step_trains_one_run_of_its_workers(tmp_path, co
     assert proc.returncode == 0, out[-3000:]
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in out and "GLOBAL_RANK: 1, MEMBER: 2/2" in out, out[-3000:]
     assert json.loads((tmp_path / "outputs" / "runs" / "inside" / "summary.json").read_text())["steps"] == 2
+
+
+EARLY_SIGUSR1 = """
+import os, runpy, signal, sys
+import lit_dtrain.train as train_module
+checks = train_module.check_slurm_launch
+def signalled_checks(cfg):  # Slurm's requeue signal during the config checks, before the Trainer exists
+    os.kill(os.getpid(), signal.SIGUSR1)
+    return checks(cfg)
+train_module.check_slurm_launch = signalled_checks
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_the_requeue_signal_before_the_trainer_exists_requeues_the_job(tmp_path, corpus):
+    """`sbatch --signal=USR1@<s>` during the config checks (or the model's build, a checkpoint's checks): the handler
+    was registered only with the Trainer, and Python's default action for SIGUSR1 ended the task (-10, exit status
+    138) without a requeue. Now rank 0 runs `scontrol requeue <job>` at once, and Slurm's SIGTERM stops it: nothing
+    was trained, the requeued job starts again."""
+    fake_scontrol(tmp_path)
+    job = job_id_with_a_free_port()
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.devices=1", "run_name=early"]
+    proc = subprocess.Popen([PYTHON, "-c", EARLY_SIGUSR1, str(ROOT / "train.py"), *args], cwd=tmp_path,
+                            env=srun_env(tmp_path, job, 0, ntasks=1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    (tmp_path / "pids").write_text(str(proc.pid))
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == -signal.SIGTERM, out[-3000:]  # Slurm's stop after the requeue, not SIGUSR1's -10
+    assert (tmp_path / "scontrol.calls").read_text() == f"requeue {job}\n"
+    assert not list((tmp_path / "outputs").glob("runs/early/checkpoints/*.ckpt"))
