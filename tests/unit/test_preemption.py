@@ -266,3 +266,23 @@ def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Pat
     resume = f"Resume with trainer.fit(..., ckpt_path={last!r})."
     assert f"SIGINT received: saved {last} at step 4; exiting cleanly. {resume}" in caplog.text
     assert "resume=auto" not in caplog.text
+
+
+def test_a_signal_ignored_when_training_starts_stays_ignored(tmp_path: Path) -> None:
+    """`nohup python train.py`: SIGHUP is ignored, so that a logout does not stop the run. PreemptionCheckpoint
+    handled it all the same, and the logout stopped the run at the next step (last.ckpt, exit status 129)."""
+
+    class HangupAt(SigtermAt):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == self.step and not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGHUP)
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        callback = PreemptionCheckpoint(dirpath=str(tmp_path))
+        fit(tmp_path, [HangupAt(3), callback])  # no SystemExit: trains on to max_steps
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert callback.saved_step is None and callback.signum is None and not (tmp_path / "last.ckpt").exists()

@@ -29,7 +29,8 @@ Lightning exit, so ``resume=auto`` continues exactly from there.
   second Ctrl-C while the save is pending raises ``KeyboardInterrupt`` at once, Lightning's hard stop. SIGINT is not
   forwarded to the child ranks: a terminal sends it to the whole process group, and a forwarded copy would be that
   rank's "second Ctrl-C"; a rank that did not get it stops anyway, as the ranks agree on "any rank signalled".
-  SIGQUIT keeps its default (a core dump at once), the conventional hard stop.
+  SIGQUIT keeps its default (a core dump at once), the conventional hard stop. A signal that is ignored when
+  training starts stays ignored: SIGHUP under ``nohup``, SIGINT in a background job of a non-interactive shell.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class PreemptionCheckpoint(L.Callback):
         # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
         self.signalled, self.saved_step, self.signum = False, None, None
         if threading.current_thread() is threading.main_thread():
-            self._previous_handlers = {s: signal.signal(s, self._on_sigterm) for s in STOP_SIGNALS}
+            # an ignored signal stays ignored: `nohup python train.py` asked a logout's SIGHUP not to stop the run
+            # (it stopped it, with 129), a background job of a non-interactive shell ignores the terminal's SIGINT
+            self._previous_handlers = {
+                s: signal.signal(s, self._on_sigterm) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN
+            }
 
     def _restore_handler(self) -> None:
         if threading.current_thread() is threading.main_thread():
