@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
 from lit_dtrain.checkpoint import checkpoint_global_step
@@ -88,7 +89,21 @@ def sigterm_after_the_last_step(trainer: L.Trainer) -> bool:
         isinstance(c, (PreemptionCheckpoint, HoldSigtermInValidate, SigtermRecorder)) and c.signalled
         for c in trainer.callbacks
     )
-    return bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
+    stop = bool(trainer.strategy.reduce_boolean_decision(pending, all=False))
+    if stop and trainer.world_size > 1:
+        _agree_on_the_signal(trainer, stop_signal(trainer) if pending else 0)
+    return stop
+
+
+def _agree_on_the_signal(trainer: L.Trainer, signum: int) -> None:
+    """Give every rank's ``PreemptionCheckpoint`` the highest signal of the ranks that got one (``signum``: this
+    rank's, 0 for none), as the callback's own agreement in training does: after Ctrl-C to one rank in fit's last
+    validation that rank exited with 130 and the others, which got no signal, with 143 (SIGTERM's)."""
+    mine = torch.tensor(int(signum), device=trainer.strategy.root_device)
+    agreed = int(trainer.strategy.all_gather(mine).max())
+    for c in trainer.callbacks:
+        if isinstance(c, PreemptionCheckpoint):
+            c.signum = agreed
 
 
 class HoldSigtermInValidate(L.Callback):
