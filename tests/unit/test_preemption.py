@@ -102,7 +102,7 @@ def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path)
                                  all_gather=lambda t: t.unsqueeze(0)),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
             _should_accumulate=lambda: (batch["idx"] + 1) % accumulate != 0)),
-        _signal_connector=SimpleNamespace(received_sigterm=False),
+        _signal_connector=SimpleNamespace(received_sigterm=False), checkpoint_callbacks=[],
         save_checkpoint=lambda path, weights_only=False: saved.append((path, trainer.global_step)),
     )
     callback = PreemptionCheckpoint(dirpath=str(tmp_path))
@@ -157,6 +157,24 @@ def test_train_stopped_by_sigterm_exits_with_status_143_not_0(tiny_cfg, preempti
     else:
         assert not saved.exists()
         assert "stopped by SIGTERM at step" in caplog.text and "without a checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["before_the_first_validation", "in_a_step_that_ends_with_one"])
+def test_a_resume_after_a_stop_keeps_one_last_checkpoint(tiny_cfg, step):
+    """ModelCheckpoint versions a last.ckpt it did not write itself: after a SIGTERM before the first validation,
+    the resumed run wrote last-v1.ckpt at every validation, a full copy beside last.ckpt; after one in a step that
+    ends with a (one-batch) validation, last-v1.ckpt came at once and the resume left last-v2.ckpt and the first
+    step file too. PreemptionCheckpoint's last.ckpt is now ModelCheckpoint's last."""
+    from lit_dtrain.train import train
+
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={step}",
+             "+callbacks.fault.signal=SIGTERM"]
+    cfg = tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", *fault)
+    with pytest.raises(SystemExit):
+        train(cfg)
+    metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "resume=auto"))
+    names = sorted(p.name for p in (Path(cfg.paths.checkpoint_dir)).iterdir())
+    assert metrics["steps"] == 6 and names == ["last.ckpt", f"step000006-val{metrics['val_loss']:.4f}.ckpt"], names
 
 
 def test_a_sigterm_between_fit_and_the_final_validation_exits_with_143_and_the_handler_comes_back(tiny_cfg, caplog):
@@ -236,7 +254,7 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
         strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, all_gather=all_gather),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
         _signal_connector=SimpleNamespace(received_sigterm=False),
-        save_checkpoint=lambda path, weights_only=False: None,
+        save_checkpoint=lambda path, weights_only=False: None, checkpoint_callbacks=[],
     )
     callback = PreemptionCheckpoint(dirpath=str(tmp_path))
     callback.on_train_batch_end(trainer, None, None, None, 2)

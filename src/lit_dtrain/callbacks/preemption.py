@@ -41,6 +41,7 @@ import threading
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -141,6 +142,7 @@ class PreemptionCheckpoint(L.Callback):
             mine = torch.tensor(self.signum or 0, device=getattr(pl_module, "device", "cpu"))
             self.signum = int(trainer.strategy.all_gather(mine).max()) or None
         path = os.path.join(self.dirpath, self.filename)
+        _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
@@ -150,3 +152,16 @@ class PreemptionCheckpoint(L.Callback):
         rank_zero_info(
             f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. Resume with {hint}."
         )
+
+
+def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
+    """Make ``path`` the ``last_model_path`` of each ``ModelCheckpoint(save_last=True)`` whose last checkpoint is that
+    file. ModelCheckpoint overwrites only a last checkpoint it wrote itself and versions any other: after a stop
+    before the first validation (or in a step that ends with one), it wrote ``last-v1.ckpt`` at every later
+    validation of the resumed run (``last-v2.ckpt`` after another stop), a full copy each time, beside this
+    callback's ``last.ckpt``, and left the step file of a validation the resumed run did again behind."""
+    for c in trainer.checkpoint_callbacks:
+        if not isinstance(c, ModelCheckpoint) or c.save_last is not True or not c.dirpath:
+            continue
+        if os.path.abspath(os.path.join(c.dirpath, c.CHECKPOINT_NAME_LAST + c.FILE_EXTENSION)) == os.path.abspath(path):
+            c.last_model_path = path
