@@ -102,7 +102,7 @@ def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path)
                                  all_gather=lambda t: t.unsqueeze(0)),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
             _should_accumulate=lambda: (batch["idx"] + 1) % accumulate != 0)),
-        _signal_connector=SimpleNamespace(received_sigterm=False), checkpoint_callbacks=[],
+        _signal_connector=SimpleNamespace(received_sigterm=False), checkpoint_callbacks=[], max_steps=-1,
         save_checkpoint=lambda path, weights_only=False: saved.append((path, trainer.global_step)),
     )
     callback = PreemptionCheckpoint(dirpath=str(tmp_path))
@@ -175,6 +175,27 @@ def test_a_resume_after_a_stop_keeps_one_last_checkpoint(tiny_cfg, step):
     metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "resume=auto"))
     names = sorted(p.name for p in (Path(cfg.paths.checkpoint_dir)).iterdir())
     assert metrics["steps"] == 6 and names == ["last.ckpt", f"step000006-val{metrics['val_loss']:.4f}.ckpt"], names
+
+
+def test_a_sigterm_in_the_last_step_lets_fits_last_validation_save_its_step_file(tiny_cfg):
+    """A SIGTERM during the last training step: Lightning's flag cut fit's last validation after its first batch and
+    the resumed run, already at max_steps, validated none, so ModelCheckpoint never saved step 6's file: the run dir
+    kept step 3's (val 5.1267) as the best, where a straight run keeps step 6's (val 4.8636). The validation now runs
+    in full before the fit stops with 143; the run dir holds what a straight run's does."""
+    from lit_dtrain.train import train
+
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5",
+             "+callbacks.fault.signal=SIGTERM"]
+    run = ["trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_val_windows=16", "data.val_batch_size=4"]
+    cfg = tiny_cfg(*run, *fault)
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 143 and not (Path(cfg.paths.output_dir) / "summary.json").exists()
+    metrics, _ = train(tiny_cfg(*run, "resume=auto"))
+    straight, _ = train(tiny_cfg(*run, run="straight"))
+    names = sorted(p.name for p in (Path(cfg.paths.checkpoint_dir)).iterdir())
+    assert names == ["last.ckpt", f"step000006-val{straight['val_loss']:.4f}.ckpt"], names
+    assert metrics["val_loss"] == straight["val_loss"]
 
 
 def test_a_sigterm_between_fit_and_the_final_validation_exits_with_143_and_the_handler_comes_back(tiny_cfg, caplog):
@@ -254,7 +275,7 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
         strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, all_gather=all_gather),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
         _signal_connector=SimpleNamespace(received_sigterm=False),
-        save_checkpoint=lambda path, weights_only=False: None, checkpoint_callbacks=[],
+        save_checkpoint=lambda path, weights_only=False: None, checkpoint_callbacks=[], max_steps=-1,
     )
     callback = PreemptionCheckpoint(dirpath=str(tmp_path))
     callback.on_train_batch_end(trainer, None, None, None, 2)

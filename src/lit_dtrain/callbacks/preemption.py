@@ -4,7 +4,8 @@
 Lightning catches SIGTERM (its signal connector sets ``trainer.received_sigterm``; after the current batch it
 raises ``SIGTERMException``, a clean ``SystemExit``) but saves nothing outside SLURM's auto-requeue. This
 callback writes ``last.ckpt`` at the end of the optimizer step during which the signal came, then lets
-Lightning exit, so ``resume=auto`` continues exactly from there.
+Lightning exit, so ``resume=auto`` continues exactly from there (at the last step, after fit's last validation:
+``ModelCheckpoint`` saves that step's file). The file is ``ModelCheckpoint(save_last=True)``'s own last checkpoint.
 
 - **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
   so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
@@ -74,6 +75,7 @@ class PreemptionCheckpoint(L.Callback):
         self.signum: int | None = None  # the first stop signal this process got (None: none, or another rank's)
         self._previous_handlers: dict = {}
         self._trainer: L.Trainer | None = None
+        self._stop_at_train_end = False
 
     def _on_sigterm(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -96,7 +98,7 @@ class PreemptionCheckpoint(L.Callback):
         self._trainer = trainer
         # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
         # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
-        self.signalled, self.saved_step, self.signum = False, None, None
+        self.signalled, self.saved_step, self.signum, self._stop_at_train_end = False, None, None, False
         if threading.current_thread() is threading.main_thread():
             # an ignored signal stays ignored: `nohup python train.py` asked a logout's SIGHUP not to stop the run
             # (it stopped it, with 129), a background job of a non-interactive shell ignores the terminal's SIGINT
@@ -114,6 +116,9 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         self._restore_handler()
+        if self._stop_at_train_end:  # saved at the last step (every rank alike): stop as at any other step
+            self._stop_at_train_end = False
+            raise SIGTERMException
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
@@ -145,7 +150,13 @@ class PreemptionCheckpoint(L.Callback):
         _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
-        trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
+        if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+            # the last step: Lightning's flag would cut fit's last validation after its first batch, and the
+            # resumed run (at max_steps) does none, so ModelCheckpoint never saved that step's file and its "best"
+            # stayed an earlier, worse one. The validation runs in full; on_train_end stops the fit.
+            self._stop_at_train_end = True
+        else:
+            trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
         # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
         hint = self.resume_hint if self.resume_hint is not None else f"trainer.fit(..., ckpt_path={path!r})"
