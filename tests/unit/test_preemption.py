@@ -177,16 +177,21 @@ def test_a_resume_after_a_stop_keeps_one_last_checkpoint(tiny_cfg, step):
     assert metrics["steps"] == 6 and names == ["last.ckpt", f"step000006-val{metrics['val_loss']:.4f}.ckpt"], names
 
 
-def test_a_sigterm_in_the_last_step_lets_fits_last_validation_save_its_step_file(tiny_cfg):
-    """A SIGTERM during the last training step: Lightning's flag cut fit's last validation after its first batch and
-    the resumed run, already at max_steps, validated none, so ModelCheckpoint never saved step 6's file: the run dir
-    kept step 3's (val 5.1267) as the best, where a straight run keeps step 6's (val 4.8636). The validation now runs
-    in full before the fit stops with 143; the run dir holds what a straight run's does."""
+@pytest.mark.parametrize("step", [2, 5], ids=["a_middle_step", "the_last_step"])
+def test_a_sigterm_in_a_step_that_ends_with_a_validation_lets_it_run_in_full(tiny_cfg, step):
+    """A SIGTERM during a step that ends with a validation (of several batches): Lightning's flag cut the validation
+    after its first batch, and the resumed run took the step as validated: no val/loss at that step (metrics.csv) and
+    no ModelCheckpoint file of it, so after one in the last step the run dir kept step 3's file (val 5.1267) as the
+    best, where a straight run keeps step 6's (val 4.8636). The validation now runs in full before the fit stops with
+    143; the run dir holds what a straight run's does."""
+    import csv
+
     from lit_dtrain.train import train
 
-    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5",
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={step}",
              "+callbacks.fault.signal=SIGTERM"]
-    run = ["trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_val_windows=16", "data.val_batch_size=4"]
+    run = ["trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_val_windows=16", "data.val_batch_size=4",
+           "logger=csv"]
     cfg = tiny_cfg(*run, *fault)
     with pytest.raises(SystemExit) as stop:
         train(cfg)
@@ -196,6 +201,14 @@ def test_a_sigterm_in_the_last_step_lets_fits_last_validation_save_its_step_file
     names = sorted(p.name for p in (Path(cfg.paths.checkpoint_dir)).iterdir())
     assert names == ["last.ckpt", f"step000006-val{straight['val_loss']:.4f}.ckpt"], names
     assert metrics["val_loss"] == straight["val_loss"]
+
+    def val_points(run_dir: Path) -> list:
+        rows = csv.DictReader(next(run_dir.rglob("metrics.csv")).open())
+        return [(r["step"], r["val/loss"]) for r in rows if r.get("val/loss")]
+
+    points = val_points(Path(cfg.paths.output_dir))
+    if step == 2:  # (at the last step, the final validation of the resume at max_steps logs at step 5, not 6)
+        assert points == val_points(Path(cfg.paths.output_dir).parent / "straight")
 
 
 def test_a_sigterm_between_fit_and_the_final_validation_exits_with_143_and_the_handler_comes_back(tiny_cfg, caplog):

@@ -4,8 +4,9 @@
 Lightning catches SIGTERM (its signal connector sets ``trainer.received_sigterm``; after the current batch it
 raises ``SIGTERMException``, a clean ``SystemExit``) but saves nothing outside SLURM's auto-requeue. This
 callback writes ``last.ckpt`` at the end of the optimizer step during which the signal came, then lets
-Lightning exit, so ``resume=auto`` continues exactly from there (at the last step, after fit's last validation:
-``ModelCheckpoint`` saves that step's file). The file is ``ModelCheckpoint(save_last=True)``'s own last checkpoint.
+Lightning exit, so ``resume=auto`` continues exactly from there (after a validation that ends that step, which
+runs in full: ``ModelCheckpoint`` saves that step's file). The file is ``ModelCheckpoint(save_last=True)``'s own
+last checkpoint.
 
 - **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
   so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
@@ -75,7 +76,7 @@ class PreemptionCheckpoint(L.Callback):
         self.signum: int | None = None  # the first stop signal this process got (None: none, or another rank's)
         self._previous_handlers: dict = {}
         self._trainer: L.Trainer | None = None
-        self._stop_at_train_end = False
+        self._holding = False  # Lightning's flag, held back during the validation that ends the saved step
 
     def _on_sigterm(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -98,7 +99,7 @@ class PreemptionCheckpoint(L.Callback):
         self._trainer = trainer
         # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
         # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
-        self.signalled, self.saved_step, self.signum, self._stop_at_train_end = False, None, None, False
+        self.signalled, self.saved_step, self.signum, self._holding = False, None, None, False
         if threading.current_thread() is threading.main_thread():
             # an ignored signal stays ignored: `nohup python train.py` asked a logout's SIGHUP not to stop the run
             # (it stopped it, with 129), a background job of a non-interactive shell ignores the terminal's SIGINT
@@ -116,9 +117,21 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         self._restore_handler()
-        if self._stop_at_train_end:  # saved at the last step (every rank alike): stop as at any other step
-            self._stop_at_train_end = False
-            raise SIGTERMException
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module) -> None:
+        # The validation that ends the step just saved runs in full, and the fit stops after it (Lightning reads its
+        # flag there). The flag cut it after its first batch, and the resumed run did not do it again (Lightning
+        # takes the step as validated): no val/loss at that step, and no ModelCheckpoint file of it, a best missed.
+        if trainer.state.fn == "fit" and self.saved_step == trainer.global_step and trainer.received_sigterm:
+            self._holding = True
+            trainer._signal_connector.received_sigterm = False
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self._holding:
+            self._holding = False
+            trainer._signal_connector.received_sigterm = True
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
@@ -150,13 +163,7 @@ class PreemptionCheckpoint(L.Callback):
         _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
-        if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
-            # the last step: Lightning's flag would cut fit's last validation after its first batch, and the
-            # resumed run (at max_steps) does none, so ModelCheckpoint never saved that step's file and its "best"
-            # stayed an earlier, worse one. The validation runs in full; on_train_end stops the fit.
-            self._stop_at_train_end = True
-        else:
-            trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
+        trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
         # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
         hint = self.resume_hint if self.resume_hint is not None else f"trainer.fit(..., ckpt_path={path!r})"
