@@ -45,6 +45,16 @@ class LogStepSync(L.Callback):
         if self._checked:
             return
         self._checked = True
+        self._sync(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # train()'s final validation: a resume at max_steps trains no batch, and from a checkpoint saved inside the
+        # last step (a stop signal's, ModelCheckpoint's) it logged at step N - 1, a second point beside fit's
+        if trainer.state.fn == "validate":
+            self._sync(trainer)
+
+    @staticmethod
+    def _sync(trainer: L.Trainer) -> None:
         loop = trainer.fit_loop.epoch_loop
         if getattr(loop, "_batches_that_stepped", trainer.global_step) != trainer.global_step:
             log.debug("logging step %d -> global_step %d", loop._batches_that_stepped, trainer.global_step)
