@@ -175,6 +175,20 @@ def test_generate_top_k_zero_means_all_tokens_and_bad_arguments_are_named():
         m.generate(prompt, -1)
 
 
+def test_generate_with_a_tiny_temperature_is_greedy_not_nan():
+    """Logits divided by a temperature near fp32's smallest normal overflowed to inf (softmax of inf - inf: NaN), and
+    one below fp32's range divided by 0: torch.multinomial's 'probability tensor contains inf, nan' RuntimeError."""
+    m = tiny().eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(200.0)  # logits of a trained model span tens of nats
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = m.generate(prompt, 6, temperature=0)
+    for t in (1e-37, 1e-45, 5e-324):
+        assert torch.equal(m.generate(prompt, 6, temperature=t, generator=torch.Generator().manual_seed(0)), greedy)
+    a = m.generate(prompt, 6, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, m.generate(prompt, 6, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(3)))
+
+
 def test_generate_names_a_prompt_it_cannot_continue():
     """An empty prompt was an IndexError ('index -1 is out of bounds'), a 1-D one 'too many indices', a float one a
     RuntimeError from the embedding, and a token id >= vocab_size 'index out of range in self'."""

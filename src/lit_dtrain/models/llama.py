@@ -265,7 +265,8 @@ class Llama(nn.Module):
         """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens. Runs in eval mode
         (no dropout) and gives the module its mode back.
 
-        ``temperature=0`` is greedy; ``top_k`` None or 0 samples among all tokens."""
+        ``temperature=0`` (or one below fp32's smallest normal, 1.2e-38) is greedy; ``top_k`` None or 0 samples among
+        all tokens."""
         if max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
         if not temperature >= 0:
@@ -293,10 +294,10 @@ class Llama(nn.Module):
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.block_size :]
             logits = self(ctx)[:, -1, :].float()
-            if temperature <= 0:
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or below fp32's range: the greedy limit
                 nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
+            else:  # the max at 0 first: a tiny temperature gives -inf, not inf (softmax of inf - inf was NaN)
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
