@@ -24,24 +24,40 @@ def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int,
     return series
 
 
-def summarize(series: list[tuple[int, float]], maximize: bool = False) -> dict:
-    """Final and best (lowest, or highest with ``maximize``) value of one run's series, with their (TensorBoard)
-    steps; the final validation counts once (:func:`one_point_per_validation`), so that one value never gets a
-    best step one before its final step."""
+# tags whose values have no better direction: LearningRateMonitor's lr-<optimizer>/<group> (and its momentum and
+# weight decay), the LR multipliers of a cool-down and of the Fourier stages, the epoch; "best" would mean "lowest"
+UNRANKED_PREFIXES = ("lr-",)
+UNRANKED = ("epoch", "spike/lr_multiplier", "fourier/lr_mult")
+
+
+def direction(metric: str, maximize: list[str] = ()) -> bool | None:
+    """``True`` (better higher: a ``--maximize`` metric), ``False`` (better lower: losses, bytes, times) or ``None``
+    (no direction: an LR, a multiplier, the epoch, unless ``--maximize`` names it)."""
+    if metric in maximize:
+        return True
+    return None if metric.startswith(UNRANKED_PREFIXES) or metric in UNRANKED else False
+
+
+def summarize(series: list[tuple[int, float]], maximize: bool | None = False) -> dict:
+    """Final and best (lowest, or highest with ``maximize``; none with ``maximize=None``, a metric without a
+    direction) value of one run's series, with their (TensorBoard) steps; the final validation counts once
+    (:func:`one_point_per_validation`), so that one value never gets a best step one before its final step."""
     series = one_point_per_validation(series)
     if not series:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
     final_step, final = series[-1]
     finite = [(s, v) for s, v in series if math.isfinite(v)]
-    if not finite:  # diverged from the first point: its steps are still known
+    if not finite or maximize is None:  # diverged from the first point (its steps are still known), or unranked
         return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
     best_step, best = (max if maximize else min)(finite, key=lambda sv: sv[1])
     return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
 
 
-def best_row(rows: list[dict], maximize: bool = False) -> dict | None:
+def best_row(rows: list[dict], maximize: bool | None = False) -> dict | None:
     """The run with the lowest (``maximize``: highest) finite final value, among the finished ones when any run is
-    marked unfinished."""
+    marked unfinished; ``None`` for a metric without a direction (``maximize=None``)."""
+    if maximize is None:
+        return None
     finite = [r for r in rows if math.isfinite(r["final"])]
     done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
     return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
@@ -51,12 +67,13 @@ def markdown_table(
     rows: list[dict],
     metric: str,
     skipped: list[dict] = (),
-    maximize: bool = False,
+    maximize: bool | None = False,
     errors_in: str | None = None,
     given: list[str] = (),
 ) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
-    highest with ``maximize``), and the final's gap to the best run's; and one row per sweep job that logged
+    highest with ``maximize``; ``-`` with ``maximize=None``, a metric without a direction), and the final's gap to
+    the best run's; and one row per sweep job that logged
     nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
     it). Rows are in the order of the run and sweep dirs ``given`` (:func:`table_order`)."""
 
@@ -65,9 +82,9 @@ def markdown_table(
 
     best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
-    best_name = f"best (highest) {metric}" if maximize else f"best {metric}"
+    best_name = {True: f"best (highest) {metric} (step)", False: f"best {metric} (step)", None: "best (not ranked)"}
     header = [
-        f"| run | final step | final {metric} | {best_name} (step) | vs best final |",
+        f"| run | final step | final {metric} | {best_name[maximize]} | vs best final |",
         "|---|---:|---:|---:|---:|",
     ]
     lines = []

@@ -43,6 +43,7 @@ import_beside(__file__)  # this script's modules beside it, scripts/_compare_run
 from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of runs
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     best_row,
+    direction,
     markdown_table,
     metric_rows,
     one_point_per_validation,
@@ -160,7 +161,8 @@ def compare(
     maximize: list[str] = (),
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
-    better higher (train/device/items_per_sec); the others lower."""
+    better higher (train/device/items_per_sec); an LR, LR multiplier or the epoch has no best (:func:`direction`);
+    the others are better lower."""
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
@@ -169,6 +171,7 @@ def compare(
         table = str(output_path(table, "--table")) if table else table
     except OutputPathError as e:
         raise CompareError(str(e)) from e
+    ranks = {m: direction(m, maximize) for m in metrics}
     skipped: list[str] = []
     run_dirs = expand_runs(runs, skipped, _warn)
     if labels and len(labels) != len(run_dirs):
@@ -206,7 +209,7 @@ def compare(
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
-            m: {**summarize(scalars.get(m, []), m in maximize), **({"missing": True} if m not in scalars else {})}
+            m: {**summarize(scalars.get(m, []), ranks[m]), **({"missing": True} if m not in scalars else {})}
             for m in metrics
         }
         rows.append(
@@ -221,7 +224,7 @@ def compare(
         )
     table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
     tables = [  # a failed job's error in the first table only
-        markdown_table(metric_rows(rows, m), m, table_jobs, m in maximize, metrics[0] if i else None, runs)
+        markdown_table(metric_rows(rows, m), m, table_jobs, ranks[m], metrics[0] if i else None, runs)
         for i, m in enumerate(metrics)
     ]
     text = "\n".join(tables)  # a blank line between
@@ -230,7 +233,7 @@ def compare(
     if out:
         plot(curves, metrics, Path(out), title=title, logy=logy)
     best_by_metric = {
-        m: best["label"] if (best := best_row(metric_rows(rows, m), m in maximize)) else None for m in metrics
+        m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
     }
     return {
         "metric": metrics[0],
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="METRIC",
         help="a --metric that is better higher (train/device/items_per_sec, comm/compression_ratio): its best value "
-        "and best run are the highest (repeatable). The others are better lower",
+        "and best run are the highest (repeatable). The others are better lower, but for the lr-* tags, the LR "
+        "multipliers and the epoch: those have no best (a '-') unless --maximize names them",
     )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")

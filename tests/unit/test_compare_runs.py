@@ -433,7 +433,8 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
     tabulated val/loss only: the bytes each preset sends, the point of that sweep, were in the PNG alone, and the
     JSON line had no value of the second metric. Each --metric has a table now (final and best per run, gap to the
     best run by that metric) and a value per run in the JSON; its keys for the first metric are as before. Values
-    under 0.01 keep 4 significant digits (an LR of 3e-05 read 0.0000)."""
+    under 0.01 keep 4 significant digits (an LR of 3e-05 read 0.0000). An LR has no better direction: its table
+    ranked it lower-is-better (run b 'best', run a '+3233.33%'); it has no best now."""
     runs = {
         "a": ({10: 3.0, 20: 2.5}, {10: 4000.0, 20: 4000.0}, 1e-3),
         "b": ({10: 3.1, 20: 2.6}, {10: 1000.0, 20: 1016.0}, 3e-5),
@@ -460,17 +461,19 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
         "| a | 20 | 4000.0000 | 4000.0000 (10) | +293.70% |\n"
         "| b | 20 | 1016.0000 | 1000.0000 (10) | +0.00% |\n"
         "\n"
-        "| run | final step | final lr-AdamW/decay | best lr-AdamW/decay (step) | vs best final |\n"
+        "| run | final step | final lr-AdamW/decay | best (not ranked) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
-        "| a | 20 | 0.001 | 0.001 (10) | +3233.33% |\n"
-        "| b | 20 | 3e-05 | 3e-05 (10) | +0.00% |\n"
+        "| a | 20 | 0.001 | - | - |\n"
+        "| b | 20 | 3e-05 | - | - |\n"
     )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (result["metric"], result["best"]) == ("val/loss", "a")  # the first metric's keys, as before
     rows = {r["label"]: r for r in result["runs"]}
     assert (rows["a"]["final"], rows["a"]["best_step"]) == (pytest.approx(2.5), 20)
     assert result["metrics"] == metrics
-    assert result["best_by_metric"] == {"val/loss": "a", "comm/bytes_per_step_avg": "b", "lr-AdamW/decay": "b"}
+    assert result["best_by_metric"] == {"val/loss": "a", "comm/bytes_per_step_avg": "b", "lr-AdamW/decay": None}
+    lr_a = rows["a"]["by_metric"]["lr-AdamW/decay"]
+    assert (lr_a["final"], lr_a["best"], lr_a["best_step"]) == (pytest.approx(1e-3), None, None)
     bytes_b = rows["b"]["by_metric"]["comm/bytes_per_step_avg"]
     assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": pytest.approx(1000.0), "best_step": 10}
 
@@ -497,6 +500,8 @@ def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path
     assert f"| run | final step | final {metric} | best (highest) {metric} (step) | vs best final |" in out
     assert "| full | 20 | 810.0000 | 810.0000 (20) | -20.00% |" in out
     assert "| none | 20 | 1012.5000 | 1012.5000 (20) | +0.00% |" in out
+    tags = ("lr-AdamW/decay", "lr-AdamW/no_decay", "epoch", "val/loss")
+    assert [compare_runs.direction(m, ["lr-AdamW/decay"]) for m in tags] == [True, None, None, False]  # --maximize wins
     wrong = r"--maximize 'val/loss' is not one of the --metric values \['train/device/items_per_sec'\]"
     with pytest.raises(compare_runs.CompareError, match=wrong):
         compare_runs.compare(args[:2], [metric], maximize=["val/loss"])
