@@ -59,7 +59,7 @@ from lit_dtrain.schedules.workflows import (
     check_init_from,
     fit_default_warmup,
     load_model_weights,
-    warn_if_the_resume_jumps_up,
+    warn_if_the_resume_moves_the_lr,
 )
 from lit_dtrain.sigterm_exit import (
     HoldSigtermInValidate,
@@ -253,7 +253,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
         fit_default_warmup(cfg, ckpt_path, start_step)
         if branch_step is None:  # (a branch warns itself, naming decay_branch.ckpt)
-            warn_if_the_resume_jumps_up(cfg, ckpt_path, start_step)
+            warn_if_the_resume_moves_the_lr(cfg, ckpt_path, start_step)
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes

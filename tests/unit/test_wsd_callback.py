@@ -310,3 +310,39 @@ def test_callback_and_scheduler_resolve_an_exact_half_decay_fraction_alike():
     fit(Toy(), [rec_cb, WSDScheduler(**kw)], max_steps=90)
     assert rec_cb.at_step == rec_sched.at_step == expected(range(90), **exact)
     assert [lrs for _, lrs in rec_sched.at_step[57:59]] == [list(BASE), [b * wsd_lr_factor(58, **exact) for b in BASE]]
+
+
+@pytest.mark.parametrize("form", ["scheduler", "callback"])
+def test_a_resume_whose_grown_default_warmup_lowers_the_lr_warns_with_both_lrs(tmp_path, form, caplog):
+    """`trainer.max_steps=100` stopped at step 7 (default warmup 10: LR 0.8 of the peak for step 7), resumed with
+    `resume=auto trainer.max_steps=500`: the default warmup became 50 and step 7 ran at 0.16 of the peak, 5x lower,
+    without a word (only an LR jumping up warned). It warns now, naming both LRs and the key; a resume with the
+    checkpoint's own schedule (inside its warmup, or its decay) does not."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.schedules.workflows import warn_if_the_resume_moves_the_lr
+
+    kw = dict(total_steps=20, warmup_steps=4, decay_steps=4)
+    paths = {}
+    for steps in (2, 18):  # inside the warmup (LR 3/4 of the peak for step 2), inside the decay
+        module, callbacks = (Toy(), [WSDScheduler(**kw)]) if form == "callback" else (Toy(schedule=kw), [])
+        trainer = fit(module, callbacks, max_steps=steps, root=tmp_path)
+        paths[steps] = tmp_path / f"{steps}.ckpt"
+        trainer.save_checkpoint(paths[steps])
+
+    def warnings(steps: int, schedule: dict) -> list[str]:
+        node = {"_target_": "lit_dtrain.schedules.wsd_scheduler", **schedule}
+        cfg = OmegaConf.create({"trainer": {"max_steps": schedule["total_steps"]}, "scheduler": node})
+        if form == "callback":
+            node["_target_"] = "lit_dtrain.callbacks.WSDScheduler"
+            cfg = OmegaConf.create({"trainer": cfg.trainer, "callbacks": {"wsd": node}})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.schedules.workflows"):
+            warn_if_the_resume_moves_the_lr(cfg, paths[steps], steps)
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    assert warnings(2, kw) == warnings(18, kw) == []
+    [message] = warnings(2, dict(total_steps=100, warmup_steps=10, decay_steps=20))
+    key = "scheduler" if form == "scheduler" else "callbacks.wsd"
+    assert f"its LR for step 2 is [0.075, 0.0375] (peak [0.1, 0.05]), above this run's LR for that step " \
+           f"[0.03, 0.015]: {key}.warmup_steps=10 lies past the checkpoint's step" in message

@@ -32,7 +32,13 @@ from lit_dtrain.checkpoint import (
 )
 from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.schedules.lr import resolve_decay_steps, wsd_lr_factor
+from lit_dtrain.schedules._resume_lr import (
+    BRANCH_JUMP,
+    RESUME_JUMP,
+    below,
+    checkpoint_lr_and_peak,
+    warn_if_the_lr_moves,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +94,11 @@ def _is_default_warmup(node: DictConfig, total: int) -> bool:
     return isinstance(raw, str) and "lit.warmup:" in raw and int(node.warmup_steps) == default_warmup(total)
 
 
-def _below(lr_and_peak: tuple[list[float], list[float]], factor: float) -> bool:
-    """Whether any param group's LR is below ``peak * factor`` (beyond float rounding)."""
-    return any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(*lr_and_peak))
-
-
 def _at_peak(path: Path) -> bool:
     """Whether the checkpoint's LR for its next step is its peak LR in every param group (past its warmup, not in a
     decay); ``False`` when it does not record both."""
     lr_and_peak = checkpoint_lr_and_peak(path)
-    return lr_and_peak is not None and not _below(lr_and_peak, 1.0)
+    return lr_and_peak is not None and not below(lr_and_peak, 1.0)
 
 
 def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = None) -> None:
@@ -124,88 +125,13 @@ def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = No
                 node.warmup_steps = start
 
 
-def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] | None:
-    """``(LRs, peak LRs)`` of the first optimizer's param groups in a Lightning checkpoint: the LRs its optimizer
-    state holds and the peaks its WSD state holds (``LambdaLR``'s ``base_lrs``, else the ``WSDScheduler``
-    callback's). ``None`` when either is missing (no optimizer state, no schedule state)."""
-    ckpt = safe_torch_load(Path(path), mmap=True)
-    try:
-        lrs = [float(g["lr"]) for g in ckpt["optimizer_states"][0]["param_groups"]]
-    except (KeyError, IndexError, TypeError):
-        return None
-    peaks = None
-    for state in ckpt.get("lr_schedulers") or []:
-        if isinstance(state, dict) and "base_lrs" in state:
-            peaks = state["base_lrs"]
-            break
-    for key, state in (ckpt.get("callbacks") or {}).items():
-        if peaks is None and str(key).startswith("WSDScheduler") and isinstance(state, dict) and state.get("base_lrs"):
-            peaks = state["base_lrs"][0]
-    if peaks is None or len(peaks) != len(lrs):
-        return None
-    return lrs, [float(x) for x in peaks]
-
-
-# the wording of _warn_if_the_lr_jumps_up for a decay branch and for any other resume
-_BRANCH_JUMP = {
-    "label": "decay_branch.ckpt",
-    "what": "the branch's first LR",
-    "why": "the branch decays from the peak",
-    "advice": "Branch from a stable-phase checkpoint",
-}
-_RESUME_JUMP = {
-    "label": "checkpoint",
-    "what": "this run's LR for that step",
-    "why": "this run's schedule is not the checkpoint's (a larger trainer.max_steps moves the decay later)",
-    "advice": "Extend a stable-phase checkpoint",
-}
-
-
-def _warn_if_the_lr_jumps_up(ckpt: Path, start: int, node, *, label: str, what: str, why: str, advice: str) -> None:
-    """Warn when the checkpoint's LR for its next step ``start`` is below the LR that ``node``'s WSD schedule gives
-    that step: the checkpoint was decaying (a finished run's last.ckpt, a branch of a branch), or inside a warmup
-    longer than the new schedule's (the checkpoint does not record its run's warmup), and the new schedule raises
-    the LR without a re-warmup."""
-    lr_and_peak = checkpoint_lr_and_peak(ckpt)
-    if lr_and_peak is None:
-        return
-    total = int(node.total_steps)
-    factor = wsd_lr_factor(
-        start,
-        total_steps=total,
-        warmup_steps=int(node.get("warmup_steps") or 0),
-        decay_steps=resolve_decay_steps(total, node.get("decay_steps"), node.get("decay_fraction")),
-        decay_type=str(node.get("decay_type", "1-sqrt")),
-        min_lr_factor=float(node.get("min_lr_factor", 0.0)),
-    )
-    lrs, peaks = lr_and_peak
-    if _below(lr_and_peak, factor):
-        log.warning(
-            "%s %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), below %s %s: "
-            "%s, so the LR jumps up without a re-warmup. %s, or continue a decayed model with init_from=... and a "
-            "re-warmup (continual pre-training, docs/wsd.md)",
-            label,
-            ckpt,
-            start,
-            _fmt(lrs),
-            _fmt(peaks),
-            what,
-            _fmt([peak * factor for peak in peaks]),
-            why,
-            advice,
-        )
-
-
-def warn_if_the_resume_jumps_up(cfg: DictConfig, ckpt: str | Path, start: int) -> None:
+def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: int) -> None:
     """A resume (``ckpt_path``, ``resume=auto``; not a decay branch, which warns itself) whose WSD schedule gives step
-    ``start`` a higher LR than the checkpoint's: extending a decayed run re-enters the stable phase at the peak."""
+    ``start`` another LR than the checkpoint's: extending a decayed run re-enters the stable phase at the peak (up);
+    a larger ``trainer.max_steps`` grows the default warmup past a checkpoint inside its warmup (down)."""
     nodes = _wsd_nodes(cfg)
     if nodes:
-        _warn_if_the_lr_jumps_up(Path(str(ckpt)), start, nodes[0][1], **_RESUME_JUMP)
-
-
-def _fmt(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+        warn_if_the_lr_moves(Path(str(ckpt)), start, *nodes[0], **RESUME_JUMP, drops=True)
 
 
 def apply_decay_branch(cfg: DictConfig) -> int | None:
@@ -280,7 +206,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
-    _warn_if_the_lr_jumps_up(src, start, nodes[0][1], **_BRANCH_JUMP)
+    warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP)
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
 
