@@ -110,3 +110,45 @@ def test_the_default_config_uses_the_once_per_step_lr_monitor():
     config = OmegaConf.load(Path(__file__).parents[2] / "conf" / "callbacks" / "default.yaml").lr_monitor
     monitor = instantiate(config)
     assert isinstance(monitor, OncePerStepLRMonitor) and monitor.logging_interval == "step"
+
+
+class HalveOddSteps(L.Callback):
+    """Scales the LR of odd steps' updates by 0.5, as LossSpikeMonitor's lr_cooldown does (put back after the
+    update), and records the LR each update used."""
+
+    scales_lr = True
+
+    def __init__(self) -> None:
+        self.used: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lit_dtrain.callbacks._lr_scaling import scale_lrs_for_step
+
+        scale_lrs_for_step(optimizer, 0.5 if trainer.global_step % 2 else 1.0)
+        self.used[trainer.global_step] = round(optimizer.param_groups[0]["lr"], 6)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_lr_an_update_used_is_logged_beside_the_schedules_when_a_callback_scales_it(tmp_path, accumulate):
+    """A cool-down (or a Fourier stage) scales the LR of an update inside optimizer.step and puts it back: lr-SGD
+    showed only the schedule's LR (0.2 at step 1) where the update used 0.1, and nothing in TensorBoard showed the
+    LR actually applied. lr-SGD-effective now logs it at the same steps; a run without such a callback has no
+    such tag."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_dtrain.callbacks import OncePerStepLRMonitor
+
+    for scaler in (HalveOddSteps(), None):
+        root = tmp_path / str(scaler is None)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=accumulate,
+                            log_every_n_steps=2, callbacks=[OncePerStepLRMonitor(), *([scaler] if scaler else [])],
+                            enable_checkpointing=False, logger=TensorBoardLogger(str(root), name="tb", version=0),
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LinearLR())
+        tags = _tensorboard_scalars(root / "tb")
+        assert tags["lr-SGD"] == [(1, 0.2), (3, 0.4), (5, 0.6)]  # the schedule's, as before
+        if scaler is None:
+            assert "lr-SGD-effective" not in tags
+            continue
+        assert tags["lr-SGD-effective"] == [(1, 0.1), (3, 0.2), (5, 0.3)]
+        assert [(step, scaler.used[step]) for step, _ in tags["lr-SGD-effective"]] == tags["lr-SGD-effective"]

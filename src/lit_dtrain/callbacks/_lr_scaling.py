@@ -9,7 +9,9 @@ depended on the precision (under ``32-true`` Lightning runs the closure, hence `
 and, without an LR scheduler to recompute it, every later step compounded it.
 
 Here every scaling of one step multiplies the current LRs, and one post-hook per optimizer puts back the LRs from
-before the first scaling of that step, whatever the order of the scalings and of the callbacks.
+before the first scaling of that step, whatever the order of the scalings and of the callbacks. Before it does, it
+keeps the LRs the update used (:func:`pop_applied_lrs`), which ``OncePerStepLRMonitor`` logs as ``<lr tag>-effective``
+beside the schedule's LR when a callback scales it (``scales_lr``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,29 @@ def _value(lr):
 def _state(optimizer: torch.optim.Optimizer) -> dict:
     state = optimizer.__dict__.get(_ATTR)
     if state is None:
-        state = {"base": None}
+        state = {"base": None, "applied": None}
         setattr(optimizer, _ATTR, state)
-        # registered once and never removed while torch iterates over the post-hooks; a no-op on unscaled steps
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: restore_lrs(opt))
+        # registered once and never removed while torch iterates over the post-hooks; only records on unscaled steps
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: _after_step(opt, state))
     return state
+
+
+def _after_step(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    state["applied"] = [float(group["lr"]) for group in optimizer.param_groups]
+    restore_lrs(optimizer)
+
+
+def track_applied_lrs(optimizer: torch.optim.Optimizer) -> None:
+    """From now on, record the LRs of every update of ``optimizer`` (scaled or not) for :func:`pop_applied_lrs`."""
+    _state(optimizer)
+
+
+def pop_applied_lrs(optimizer: torch.optim.Optimizer) -> list[float] | None:
+    """Each param group's LR of ``optimizer``'s latest update since the last call (scalings included), or ``None``
+    when it took none (not tracked, a micro-batch that accumulates, a step the GradScaler skipped)."""
+    state = optimizer.__dict__.get(_ATTR)
+    applied, state["applied"] = (state["applied"], None) if state else (None, None)
+    return applied
 
 
 def scale_lrs_for_step(optimizer: torch.optim.Optimizer, factor: float) -> None:

@@ -66,6 +66,10 @@ class FourierSamplerCallback(L.Callback):
         self._energy_owed: int | None = None  # lag=1: the logged step whose top_band_energy is still on the device
         self._reset_step()
 
+    @property
+    def scales_lr(self) -> bool:  # OncePerStepLRMonitor then logs the LR the update used
+        return self.apply_lr_multiplier
+
     def _reset_step(self) -> None:
         self._micro_outputs: list[tuple] = []  # (token_loss, index) of this step's micro-batches so far
         self._optimizer_ran = False  # an optimizer.step of this step ran (its post-hook)

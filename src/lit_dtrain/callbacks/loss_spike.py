@@ -364,6 +364,10 @@ class LossSpikeMonitor(L.Callback):
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
                          "drop": drop_step, "counted": not only_excluded}
 
+    @property
+    def scales_lr(self) -> bool:  # OncePerStepLRMonitor then logs the LR the update used
+        return "lr_cooldown" in self.actions
+
     def lr_multiplier(self, step: int) -> float:
         """The ``lr_cooldown`` LR multiplier at ``step`` (1.0 outside a cool-down)."""
         factor, hold, ramp = self.cooldown

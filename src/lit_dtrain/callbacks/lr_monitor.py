@@ -8,6 +8,11 @@ and skips the rest. Lightning also logs an optimizer without an LR scheduler (th
 epoch start, at the step whose first batch logs it again: a ``max_epochs`` run got two rows at each epoch's first step.
 There only the epoch-interval schedulers are logged. Checked lightning 2.6: no option of ``LearningRateMonitor`` does
 this.
+
+``lr-<optimizer>/<group>`` is the schedule's LR. When a callback scales the LR of an update and puts it back right
+after (``LossSpikeMonitor``'s ``lr_cooldown``, the FourierSampler's stage multiplier: a callback with a true
+``scales_lr``), the update used another LR, which the schedule's tag never showed: ``lr-<optimizer>/<group>-effective``
+is that LR, at the same steps (a step without an update, one the GradScaler skipped, has no point).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from typing_extensions import override
 
+from lit_dtrain.callbacks._lr_scaling import pop_applied_lrs, track_applied_lrs
+
 
 class OncePerStepLRMonitor(LearningRateMonitor):
     """``LearningRateMonitor`` (same arguments, names, ``logging_interval`` and momentum/weight decay logging) that
@@ -29,11 +36,24 @@ class OncePerStepLRMonitor(LearningRateMonitor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._seen_step: int | None = None  # the logging step of the last micro-batch seen
+        self._effective = False  # a callback scales the LR of an update: log the LR it used too
+        self._due: int | None = None  # the step whose schedule LR was logged and whose update's LR is owed
+        self._names: dict[int, tuple] = {}  # id(optimizer) -> (optimizer, its groups' lr tags)
 
     @override
     def on_train_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._seen_step = None  # a new fit (or a resume) starts counting afresh
+        self._seen_step = self._due = None  # a new fit (or a resume) starts counting afresh
+        self._names = {}
+        self._effective = any(getattr(cb, "scales_lr", False) for cb in trainer.callbacks)
+        if self._effective:
+            for optimizer in trainer.optimizers:
+                track_applied_lrs(optimizer)
         super().on_train_start(trainer, *args, **kwargs)
+
+    @override
+    def _get_optimizer_stats(self, optimizer, names):  # the tags of each optimizer's groups, for the effective LRs
+        self._names[id(optimizer)] = (optimizer, names)
+        return super()._get_optimizer_stats(optimizer, names)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -44,6 +64,23 @@ class OncePerStepLRMonitor(LearningRateMonitor):
             return
         self._seen_step = step
         super().on_train_batch_start(trainer, *args, **kwargs)
+        if self._effective and self.logging_interval != "epoch" and trainer._logger_connector.should_update_logs:
+            self._due = step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if not self._effective:
+            return
+        applied = {id(opt): pop_applied_lrs(opt) for opt in trainer.optimizers}  # (also drops those not logged)
+        if self._due is None or not any(applied.values()):
+            return  # not a logged step, or a micro-batch that accumulates
+        stats = {}
+        for key, lrs in applied.items():
+            if lrs is not None and key in self._names:
+                stats.update({f"{name}-effective": lr for name, lr in zip(self._names[key][1], lrs)})
+        for logger in trainer.loggers:
+            logger.log_metrics(stats, step=self._due)
+        self._due = None
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
