@@ -24,16 +24,20 @@ def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int,
     return series
 
 
-# tags whose values have no better direction: LearningRateMonitor's lr-<optimizer>/<group> (and its momentum and
-# weight decay), the LR multipliers of a cool-down and of the Fourier stages, the epoch; "best" would mean "lowest"
+# tags whose values have no better direction: LearningRateMonitor's lr-<optimizer>/<group> (and its momentum, weight
+# decay and -effective), the LR multipliers of a cool-down and of the Fourier stages, the Fourier stage's bands and
+# mix, progress counters (ThroughputMonitor's batches, samples, lengths), the epoch; "best" would mean "lowest"
 UNRANKED_PREFIXES = ("lr-",)
-UNRANKED = ("epoch", "spike/lr_multiplier", "fourier/lr_mult")
+UNRANKED = ("epoch", "spike/lr_multiplier", "fourier/lr_mult", "fourier/bands", "fourier/mix", "train/batches",
+            "train/samples", "train/lengths", "validate/batches", "validate/samples", "validate/lengths")
+# throughput (ThroughputMonitor's <stage>/device/items_per_sec, ..._per_sec and mfu): better higher
+HIGHER_SUFFIXES = ("_per_sec", "/mfu")
 
 
 def direction(metric: str, maximize: list[str] = ()) -> bool | None:
-    """``True`` (better higher: a ``--maximize`` metric), ``False`` (better lower: losses, bytes, times) or ``None``
-    (no direction: an LR, a multiplier, the epoch, unless ``--maximize`` names it)."""
-    if metric in maximize:
+    """``True`` (better higher: a ``--maximize`` metric, a throughput), ``False`` (better lower: losses, bytes, times)
+    or ``None`` (no direction: an LR, a multiplier, a counter, the epoch, unless ``--maximize`` names it)."""
+    if metric in maximize or metric.endswith(HIGHER_SUFFIXES):
         return True
     return None if metric.startswith(UNRANKED_PREFIXES) or metric in UNRANKED else False
 

@@ -161,8 +161,8 @@ def compare(
     maximize: list[str] = (),
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
-    better higher (train/device/items_per_sec); an LR, LR multiplier or the epoch has no best (:func:`direction`);
-    the others are better lower."""
+    better higher, as is a throughput (train/device/items_per_sec); an LR, LR multiplier, counter or the epoch has no
+    best (:func:`direction`); the others are better lower."""
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
@@ -266,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="METRIC",
-        help="a --metric that is better higher (train/device/items_per_sec, comm/compression_ratio): its best value "
-        "and best run are the highest (repeatable). The others are better lower, but for the lr-* tags, the LR "
-        "multipliers and the epoch: those have no best (a '-') unless --maximize names them",
+        help="a --metric that is better higher (comm/compression_ratio): its best value and best run are the "
+        "highest (repeatable; a *_per_sec or */mfu throughput is so without it). The others are better lower, but "
+        "for the lr-* tags, the LR multipliers, progress counters and the epoch: those have no best (a '-') unless "
+        "--maximize names them",
     )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")

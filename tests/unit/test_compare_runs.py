@@ -500,8 +500,11 @@ def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path
     assert f"| run | final step | final {metric} | best (highest) {metric} (step) | vs best final |" in out
     assert "| full | 20 | 810.0000 | 810.0000 (20) | -20.00% |" in out
     assert "| none | 20 | 1012.5000 | 1012.5000 (20) | +0.00% |" in out
-    tags = ("lr-AdamW/decay", "lr-AdamW/no_decay", "epoch", "val/loss")
-    assert [compare_runs.direction(m, ["lr-AdamW/decay"]) for m in tags] == [True, None, None, False]  # --maximize wins
+    tags = ("lr-AdamW/decay", "lr-AdamW/no_decay", "epoch", "val/loss", "train/samples", "train/device/mfu")
+    # --maximize wins; a throughput is better higher without it (the slowest run was 'best')
+    assert [compare_runs.direction(m, ["lr-AdamW/decay"]) for m in tags] == [True, None, None, False, None, True]
+    assert compare_runs.main(args) == 0  # no --maximize: items_per_sec is ranked by its highest all the same
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["best"] == "none"
     wrong = r"--maximize 'val/loss' is not one of the --metric values \['train/device/items_per_sec'\]"
     with pytest.raises(compare_runs.CompareError, match=wrong):
         compare_runs.compare(args[:2], [metric], maximize=["val/loss"])
