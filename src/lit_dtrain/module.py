@@ -295,10 +295,12 @@ class LitLLM(L.LightningModule):
             return
         bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
         loss = self.trainer.callback_metrics.get("train/loss")
+        from lit_dtrain.callbacks._spike_step import nonfinite_grad_fix  # (that package imports this module)
+
         raise NonFiniteError(
             f"non-finite gradients at step {self.trainer.global_step} (train/loss={loss}); first bad parameter(s): "
-            f"{bad[:3]}. Stopped before the optimizer step, so the weights are still finite. Enable "
-            "'callbacks=[default,loss_spike]' to skip or roll back such steps, or lower the LR; "
+            f"{bad[:3]}. Stopped before the optimizer step, so the weights are still finite. To go on, "
+            f"{nonfinite_grad_fix(getattr(self.trainer, 'callbacks', []))}, or lower the LR; "
             "resume from the last checkpoint with resume=auto."
         )
 

@@ -65,6 +65,23 @@ def test_check_grad_false_with_rollback_restores_finite_weights(tmp_path: Path) 
     assert all(bool(p.isfinite().all()) for p in module.parameters())
 
 
+
+@pytest.mark.parametrize(("monitor_args", "fix"), [
+    (None, r"To go on, enable 'callbacks=\[default,loss_spike\]'"),
+    ({"actions": ["log"]}, r"let them through: add 'skip' or 'rollback' to its actions \(\['log'\] drop no step\)"),
+    ({"actions": ["log", "skip"], "check_grad": False}, r"let them through: set its check_grad=true"),
+    ({"actions": ["log", "lr_cooldown"], "check_grad": False}, r"check_grad=true .* and add 'skip' or 'rollback'"),
+])
+def test_the_non_finite_gradient_stop_names_the_monitor_setting_that_let_them_through(tmp_path: Path, monitor_args,
+                                                                                      fix: str) -> None:
+    """LitLLM's stop at a NaN gradient (finite loss) told the user to enable 'callbacks=[default,loss_spike]' also
+    where the monitor was on, with check_grad=false or actions that drop no step: now it names that setting."""
+    monitor = [] if monitor_args is None else [LossSpikeMonitor(warmup_steps=3, **monitor_args)]
+    trainer = make_trainer(tmp_path, [NanGradAt(4), *monitor], max_steps=6)
+    with pytest.raises(NonFiniteError, match=rf"non-finite gradients at step 4 .*{fix}"):
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+
+
 class NoneAt(L.Callback):
     """``training_step`` returns None (Lightning's way to skip a batch) at the given batch indices; records the
     sample indices of those micro-batches."""

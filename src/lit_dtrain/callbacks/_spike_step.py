@@ -2,7 +2,8 @@
 
 - :func:`step_measurements`: the step's loss, global grad norm and excluded-sample hits, with one all-reduce;
 - :func:`drop_grads`: make the coming optimizer step a no-op (also under the ``16-mixed`` GradScaler);
-- :func:`scaler_skips_step`: whether the GradScaler has already decided to skip the step.
+- :func:`scaler_skips_step`: whether the GradScaler has already decided to skip the step;
+- :func:`nonfinite_grad_fix`: what ``LitLLM``'s stop at non-finite gradients tells the user to change.
 """
 
 from __future__ import annotations
@@ -137,3 +138,20 @@ def refuse_poisoned_weights(trainer, module, step: int, when: str, monitor) -> N
         f"gradients was applied, which {why} and skipping steps cannot undo; {fix}. Resume from a checkpoint written "
         f"before the update"
     )
+
+
+def nonfinite_grad_fix(callbacks) -> str:
+    """The change that lets a run go on past a step with non-finite gradients, for ``LitLLM``'s
+    :class:`~lit_dtrain.module.NonFiniteError`: enable the ``LossSpikeMonitor``, or, where one of ``callbacks`` is
+    configured but let the gradients through, the setting of it that did (``check_grad``, ``actions``)."""
+    from lit_dtrain.callbacks.loss_spike import LossSpikeMonitor
+
+    monitor = next((cb for cb in callbacks if isinstance(cb, LossSpikeMonitor)), None)
+    if monitor is None:
+        return "enable 'callbacks=[default,loss_spike]' to skip or roll back such steps"
+    fixes = [] if monitor.check_grad else ["set its check_grad=true (false does not look at the gradients)"]
+    if not {"skip", "rollback"} & set(monitor.actions):
+        fixes.append(f"add 'skip' or 'rollback' to its actions ({list(monitor.actions)} drop no step)")
+    if not fixes:  # (it drops every step with non-finite gradients before this stop looks)
+        return "check why the LossSpikeMonitor did not drop the step"
+    return f"the LossSpikeMonitor is on but let them through: {' and '.join(fixes)}"
