@@ -88,43 +88,80 @@ def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
     )
 
 
-def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
-    None. Reads each file's ``global_step`` only (mmap: milliseconds for any size)."""
-    steps = {}
+def _checkpoint_steps(ckpt_dir: Path) -> tuple[dict[Path, int], dict[Path, CheckpointError]]:
+    """The ``global_step`` of each readable ``*.ckpt`` of ``ckpt_dir``, and why each other one cannot be read. Reads
+    each file's ``global_step`` only (mmap: milliseconds for any size)."""
+    steps, unreadable = {}, {}
     for p in sorted(ckpt_dir.glob("*.ckpt")):
         try:
             steps[p] = checkpoint_global_step(p)
         except CheckpointError as e:
-            log.warning("resume=auto: skipping %s", e)
-    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt")) if steps else None
+            unreadable[p] = e
+    return steps, unreadable
+
+
+def _without_advice(error: CheckpointError) -> str:
+    """A load error's reason without its closing advice ("It is left as it is; use a complete copy ...")."""
+    return str(error).split(". It is left as it is")[0]
+
+
+def _newest(steps: dict[Path, int]) -> Path:
+    return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt"))
+
+
+def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
+    None; logs why each unreadable one is skipped."""
+    steps, unreadable = _checkpoint_steps(ckpt_dir)
+    for e in unreadable.values():
+        log.warning("resume=auto: skipped as unreadable: %s", e)
+    return _newest(steps) if steps else None
+
+
+def _resume_auto_choice(ckpt_dir: Path) -> str:
+    """The checkpoint ``resume=auto`` continues from in ``ckpt_dir``, which holds ``*.ckpt`` files: the newest
+    readable one (``last.ckpt`` among equals), with a warning naming each file passed over and why.
+
+    ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a validation
+    behind (or no last.ckpt at all, killed while writing the first). Resuming from it redid those steps and saved
+    the step file again as '<name>-v1.ckpt', leaving the first one behind for good (the resumed ModelCheckpoint
+    state did not know it)."""
+    steps, unreadable = _checkpoint_steps(ckpt_dir)
+    if not steps:
+        reasons = "; ".join(_without_advice(e) for e in unreadable.values())
+        raise ConfigError(
+            f"resume=auto: no checkpoint in {str(ckpt_dir)!r} can be resumed ({reasons}); replace or remove "
+            f"{'it' if len(unreadable) == 1 else 'them'}, give ckpt_path=PATH, or choose another run_name"
+        )
+    last = ckpt_dir / "last.ckpt"
+    for p, e in unreadable.items():
+        if p != last:
+            log.warning("resume=auto: skipped as unreadable: %s", e)
+    newest = _newest(steps)
+    if newest == last:
+        return str(newest)
+    if last in unreadable:
+        why = f"{last.name} is unreadable, skipped: {_without_advice(unreadable[last])}"
+    elif last in steps:
+        why = f"it is newer than {last.name} (step {steps[last]})"
+    else:
+        why = f"there is no {last.name}"
+    log.warning("resume=auto: resuming from %s (step %d), the newest readable checkpoint: %s", newest, steps[newest],
+                why)
+    return str(newest)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """The checkpoint to resume from: ``ckpt_path``, or ``last.ckpt`` of this run dir when ``resume=auto``."""
+    """The checkpoint to resume from: ``ckpt_path``, or the newest of this run dir when ``resume=auto``."""
     if cfg.get("ckpt_path"):
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.is_file():
             raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
         return str(path)
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
-    if cfg.get("resume") == "auto" and (ckpt_dir / "last.ckpt").is_file():
-        # ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a
-        # validation behind. Resuming from it redid those steps and saved the step file again as '<name>-v1.ckpt',
-        # leaving the first one behind for good (the resumed ModelCheckpoint state did not know it).
-        newest = newest_step_checkpoint(ckpt_dir)
-        if newest is not None and newest.name != "last.ckpt":
-            log.warning("resume=auto: %s is newer than %s, resuming from it", newest, ckpt_dir / "last.ckpt")
-            return str(newest)
-        return str(ckpt_dir / "last.ckpt")
     earlier = checkpoint_files(ckpt_dir)
     if earlier and cfg.get("resume") == "auto":
-        # no last.ckpt beside other checkpoints: the run was killed while writing its first last.ckpt
-        # (ModelCheckpoint writes the step file first). Continue from the newest intact one.
-        newest = newest_step_checkpoint(ckpt_dir)
-        if newest is not None:
-            log.warning("resume=auto: no %s, resuming from the newest checkpoint %s", ckpt_dir / "last.ckpt", newest)
-            return str(newest)
+        return _resume_auto_choice(ckpt_dir)
     if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
         raise ConfigError(
             f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"

@@ -8,9 +8,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.train import resolve_ckpt_path, train
 
 
@@ -57,3 +59,34 @@ def test_a_kill_between_the_step_file_and_last_ckpt_loses_no_steps_and_leaves_no
     after = sorted(p.name for p in run.glob("*.ckpt"))
     assert not [name for name in after if "-v1" in name], after
     assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 6
+
+
+def test_an_unreadable_last_ckpt_is_named_as_unreadable_not_as_older(tmp_path, caplog):
+    """A truncated last.ckpt beside a readable step file: the log said the step file 'is newer than' last.ckpt; now it
+    names last.ckpt and why it was skipped."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    _save(d / "step000004-val3.5000.ckpt", 4)
+    _save(d / "last.ckpt", 4)
+    data = (d / "last.ckpt").read_bytes()
+    (d / "last.ckpt").write_bytes(data[: len(data) // 2])  # a copy cut short
+    with caplog.at_level("WARNING", logger="lit_dtrain.train"):
+        assert resolve_ckpt_path(_cfg(d)) == str(d / "step000004-val3.5000.ckpt")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "newer" not in line
+    assert line.startswith(f"resume=auto: resuming from {d / 'step000004-val3.5000.ckpt'} (step 4), the newest "
+                           f"readable checkpoint: last.ckpt is unreadable, skipped: checkpoint '{d / 'last.ckpt'}' "
+                           f"is truncated: its {len(data) // 2} bytes"), line
+
+
+def test_resume_auto_where_no_checkpoint_can_be_read_says_so(tmp_path):
+    """Only unreadable checkpoints: a lone truncated last.ckpt was logged as skipped, then resumed from anyway; a lone
+    truncated step file was refused as 'checkpoints of an earlier run; continue it with resume=auto', which was
+    given. Now both are refused naming the file and why."""
+    for name in ["last.ckpt", "step000004-val3.5000.ckpt"]:
+        d = tmp_path / name / "checkpoints"
+        d.mkdir(parents=True)
+        (d / name).write_bytes(b"PK\x03\x04 cut short")
+        expected = rf"^resume=auto: no checkpoint in '{d}' can be resumed \(checkpoint '{d / name}' is truncated: "
+        with pytest.raises(ConfigError, match=expected + r".*\); replace or remove it, give ckpt_path"):
+            resolve_ckpt_path(_cfg(d))
