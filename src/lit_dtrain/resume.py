@@ -205,13 +205,20 @@ _OPTIMIZER_KINDS = {  # configured target -> the per-parameter state it reads on
 
 
 def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
-    """Refuse resuming a checkpoint whose optimizer state was written by the other AdamW (torch <-> bitsandbytes):
+    """Refuse resuming a checkpoint without optimizer state (weights only), or one whose optimizer state was written by
+    the other AdamW (torch <-> bitsandbytes):
     Lightning restores it without complaint and the first step fails inside the optimizer (``KeyError: 'state1'``
     in bitsandbytes, ``KeyError: 'exp_avg'`` in torch)."""
+    ckpt = safe_torch_load(ckpt_path, mmap=True)
+    if "optimizer_states" not in ckpt:  # Lightning's KeyError 'Trying to restore optimizer state ...', a traceback
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} holds no optimizer state (a weights-only save: ModelCheckpoint's "
+            f"save_weights_only), so it cannot be resumed; start a new run_name from its weights with "
+            f"init_from={ckpt_path}"
+        )
     configured = _OPTIMIZER_KINDS.get(str(cfg.optimizer.get("_target_")))
     if configured is None:
         return
-    ckpt = safe_torch_load(ckpt_path, mmap=True)
     saved = None
     for opt_state in ckpt.get("optimizer_states") or []:
         for param_state in (opt_state.get("state") or {}).values() if isinstance(opt_state, dict) else []:

@@ -90,3 +90,19 @@ def test_resume_auto_where_no_checkpoint_can_be_read_says_so(tmp_path):
         expected = rf"^resume=auto: no checkpoint in '{d}' can be resumed \(checkpoint '{d / name}' is truncated: "
         with pytest.raises(ConfigError, match=expected + r".*\); replace or remove it, give ckpt_path"):
             resolve_ckpt_path(_cfg(d))
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused_in_one_line(tmp_path):
+    """A weights-only save (ModelCheckpoint's save_weights_only) given as ckpt_path: Lightning restored it and failed
+    with a traceback, "KeyError: 'Trying to restore optimizer state but checkpoint contains only the model ...'"."""
+    from lit_dtrain.train import check_optimizer_state
+
+    path = tmp_path / "weights.ckpt"
+    torch.save({"global_step": 3, "state_dict": {}, "loops": {}}, path)
+    cfg = OmegaConf.create({"optimizer": {"_target_": "lit_dtrain.optim.adamw"}})
+    with pytest.raises(ConfigError, match=rf"^checkpoint '{path}' holds no optimizer state \(a weights-only save.*"
+                                          rf"cannot be resumed; start a new run_name from its weights with "
+                                          rf"init_from={path}$"):
+        check_optimizer_state(cfg, str(path))
+    torch.save({"global_step": 3, "state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}, path)
+    check_optimizer_state(cfg, str(path))
