@@ -106,3 +106,13 @@ def test_a_checkpoint_without_optimizer_state_is_refused_in_one_line(tmp_path):
         check_optimizer_state(cfg, str(path))
     torch.save({"global_step": 3, "state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}, path)
     check_optimizer_state(cfg, str(path))
+
+
+def test_init_from_with_ckpt_path_names_both():
+    """init_from=A ckpt_path=B said only 'set either init_from (...) or ckpt_path (...)', naming neither value."""
+    from lit_dtrain.schedules.workflows import check_init_from
+
+    cfg = OmegaConf.create({"init_from": "a.ckpt", "ckpt_path": "b.ckpt"})
+    with pytest.raises(ConfigError, match=r"^init_from='a\.ckpt' and ckpt_path='b\.ckpt' are both set: set either "
+                                          r"init_from \(weights only"):
+        check_init_from(cfg)

@@ -250,7 +250,8 @@ def check_init_from(cfg: DictConfig) -> bool:
         return False
     if cfg.get("ckpt_path"):
         raise ConfigError(
-            "set either init_from (weights only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
+            f"init_from={str(path)!r} and ckpt_path={str(cfg.ckpt_path)!r} are both set: set either init_from (weights "
+            "only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
         )
     if cfg.get("resume") == "auto" and checkpoint_files(Path(str(cfg.paths.checkpoint_dir))):
         log.info("init_from: not read, resume=auto continues this run's own checkpoints")
