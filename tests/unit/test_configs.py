@@ -495,7 +495,7 @@ def test_resume_auto_in_a_new_multirun_dir_is_refused(tmp_path, corpus):
     old = tmp_path / "multiruns" / "2020-01-02_03-04-05.678901"  # an earlier sweep, pinned with hydra.sweep.dir
     assert resolve_ckpt_path(job_cfg(old, 1)) is None  # that job had not started: a fresh start of it
     (old / "1" / "checkpoints").mkdir(parents=True)
-    (old / "1" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    torch.save({"global_step": 2, "state_dict": {}}, old / "1" / "checkpoints" / "last.ckpt")  # a readable one
     assert resolve_ckpt_path(job_cfg(old, 1)) == str(old / "1" / "checkpoints" / "last.ckpt")
 
 
@@ -662,7 +662,7 @@ def test_resume_auto_in_a_launchers_new_default_sweep_dir_is_refused(monkeypatch
         with pytest.raises(ConfigError, match=rf"resume=auto in a multirun needs hydra\.sweep\.dir=.*'{sweep}'"):
             resolve_ckpt_path(job_cfg(num))
     (sweep / "0" / "checkpoints").mkdir(parents=True)
-    (sweep / "0" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    torch.save({"global_step": 2, "state_dict": {}}, sweep / "0" / "checkpoints" / "last.ckpt")  # a readable one
     assert resolve_ckpt_path(job_cfg(0)) == str(sweep / "0" / "checkpoints" / "last.ckpt")
     assert resolve_ckpt_path(job_cfg(1)) is None  # not started before: a fresh start of it
     # given with hydra.sweep.dir, a dir of that name is the user's, checkpoints or not
