@@ -157,6 +157,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(str(cfg.ckpt_path)).expanduser()
         if not path.is_file():
             raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
+        check_foreign_ckpt_path(path, Path(cfg.paths.checkpoint_dir))
         return str(path)
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
     earlier = checkpoint_files(ckpt_dir)
@@ -185,6 +186,20 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             raise new_sweep_dir_error(sweep_dir)
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
+
+
+def check_foreign_ckpt_path(path: Path, ckpt_dir: Path) -> None:
+    """Refuse a ``ckpt_path`` from outside a run dir that already holds checkpoints: the resumed run would overwrite
+    that run's ``last.ckpt`` with another lineage's steps (and version its own as ``last-v1.ckpt``). One of the run's
+    own checkpoints (a roll-back) is fine."""
+    earlier = checkpoint_files(ckpt_dir)
+    if earlier and path.resolve().parent != ckpt_dir.resolve():
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} is not a checkpoint of run dir {str(ckpt_dir.parent)!r}, which already holds "
+            f"checkpoints of its own ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}): resuming it "
+            "there would overwrite that run's last.ckpt; choose another run_name, continue that run with "
+            "resume=auto, or give one of its own checkpoints"
+        )
 
 
 def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) -> None:

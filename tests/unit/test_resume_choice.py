@@ -116,3 +116,25 @@ def test_init_from_with_ckpt_path_names_both():
     with pytest.raises(ConfigError, match=r"^init_from='a\.ckpt' and ckpt_path='b\.ckpt' are both set: set either "
                                           r"init_from \(weights only"):
         check_init_from(cfg)
+
+
+def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
+    """ckpt_path=<another run's checkpoint> run_name=<a run with checkpoints of its own> overwrote that run's last.ckpt
+    with the other lineage's steps (and left a last-v1.ckpt copy); one of the run's own checkpoints (a roll-back)
+    and a run dir without checkpoints still resume."""
+    d = tmp_path / "run" / "checkpoints"
+    d.mkdir(parents=True)
+    _save(d / "last.ckpt", 7)
+    _save(d / "step000006-val3.0000.ckpt", 6)
+    other = tmp_path / "other.ckpt"
+    _save(other, 8)
+    cfg = _cfg(d)
+    cfg.ckpt_path, cfg.resume = str(other), None
+    with pytest.raises(ConfigError, match=r"is not a checkpoint of run dir .*run'.*last.ckpt.*overwrite"):
+        resolve_ckpt_path(cfg)
+    assert torch.load(d / "last.ckpt")["global_step"] == 7  # untouched
+    cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")  # rolling the run back to its own step file
+    assert resolve_ckpt_path(cfg) == str(d / "step000006-val3.0000.ckpt")
+    fresh = _cfg(tmp_path / "fresh" / "checkpoints")
+    fresh.ckpt_path, fresh.resume = str(other), None
+    assert resolve_ckpt_path(fresh) == str(other)
