@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import signal
 import socket
 import string
 import sys
@@ -58,6 +59,20 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _interrupts_as_in_a_terminal():
+    """Each test starts with SIGINT and SIGHUP as a Python started in a terminal has them, in this process and in
+    the ``train.py`` processes it starts (a Python handler becomes the default at exec; an ignored signal stays
+    ignored). Lightning sets SIGINT to ``SIG_IGN`` when a KeyboardInterrupt ends a fit and never puts it back
+    (``lightning/pytorch/trainer/call.py``), a pytest started in the background by a non-interactive shell inherits
+    SIGINT ignored, and under ``nohup`` SIGHUP; PreemptionCheckpoint now leaves an ignored signal ignored, as Ctrl-C
+    does nothing there. Two Ctrl-C tests that pass alone failed in a full CI run (no interrupt seen, exit 0)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGINT, previous[0])
+    signal.signal(signal.SIGHUP, previous[1])
 
 
 @pytest.fixture(autouse=True)

@@ -14,17 +14,6 @@ import torch
 from lit_dtrain.train import train
 
 
-@pytest.fixture(autouse=True)
-def ctrl_c_raises_keyboard_interrupt():
-    """SIGINT as a Python started in a terminal has it (``KeyboardInterrupt``): a Python started in the background
-    by a non-interactive shell (``cmd &``, as a CI script may) inherits SIGINT ignored, and there Ctrl-C does nothing
-    anyway (PreemptionCheckpoint leaves an ignored signal ignored). SIGHUP as a Python not under ``nohup`` has it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    yield
-    signal.signal(signal.SIGINT, previous[0])
-    signal.signal(signal.SIGHUP, previous[1])
-
-
 def kill_at(step: int, sig: str, key: str = "fault") -> list[str]:
     return [f"+callbacks.{key}._target_=tests.faults.KillAtStep", f"+callbacks.{key}.step={step}",
             f"+callbacks.{key}.signal={sig}"]
