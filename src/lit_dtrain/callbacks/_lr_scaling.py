@@ -38,7 +38,8 @@ def _state(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    state["applied"] = [float(group["lr"]) for group in optimizer.param_groups]
+    # kept as they are (a tensor LR cloned, not read): only a logged step reads them, so no host sync per step
+    state["applied"] = [_value(group["lr"]) for group in optimizer.param_groups]
     restore_lrs(optimizer)
 
 
@@ -47,7 +48,7 @@ def track_applied_lrs(optimizer: torch.optim.Optimizer) -> None:
     _state(optimizer)
 
 
-def pop_applied_lrs(optimizer: torch.optim.Optimizer) -> list[float] | None:
+def pop_applied_lrs(optimizer: torch.optim.Optimizer) -> list | None:
     """Each param group's LR of ``optimizer``'s latest update since the last call (scalings included), or ``None``
     when it took none (not tracked, a micro-batch that accumulates, a step the GradScaler skipped)."""
     state = optimizer.__dict__.get(_ATTR)

@@ -77,7 +77,7 @@ class OncePerStepLRMonitor(LearningRateMonitor):
         stats = {}
         for key, lrs in applied.items():
             if lrs is not None and key in self._names:
-                stats.update({f"{name}-effective": lr for name, lr in zip(self._names[key][1], lrs)})
+                stats.update({f"{name}-effective": float(lr) for name, lr in zip(self._names[key][1], lrs)})
         for logger in trainer.loggers:
             logger.log_metrics(stats, step=self._due)
         self._due = None
