@@ -123,7 +123,7 @@ def axis_violations(tags: dict[str, list[tuple[int, float]]], log_every: int, la
                 problems.append(f"{tag}: steps {steps}, not those of val/loss {val_steps}")
             continue
         expected = [k for k in cadence if steps and k >= steps[0]]
-        if tag.startswith(OF_THE_UPDATE):
+        if tag.startswith(OF_THE_UPDATE) or tag.endswith("-effective"):  # (lr-*-effective: the LR the update used)
             expected = [k for k in expected if k not in dropped]
         if not steps or steps != expected:
             problems.append(f"{tag}: steps {steps}, not the cadence steps {expected} from its first row on")

@@ -152,3 +152,53 @@ def test_the_lr_an_update_used_is_logged_beside_the_schedules_when_a_callback_sc
             continue
         assert tags["lr-SGD-effective"] == [(1, 0.1), (3, 0.2), (5, 0.3)]
         assert [(step, scaler.used[step]) for step, _ in tags["lr-SGD-effective"]] == tags["lr-SGD-effective"]
+
+
+class DropGradsAt(L.Callback):
+    """Drops every gradient of the given steps before their update, as LossSpikeMonitor's ``skip`` does: the
+    ``optimizer.step`` runs and moves nothing."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = set(steps)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in self.steps:
+            from lit_dtrain.callbacks._spike_step import drop_grads
+
+            drop_grads(trainer, optimizer)
+
+
+def test_a_step_whose_gradients_were_dropped_has_no_effective_lr(tmp_path):
+    """A step that LossSpikeMonitor's ``skip`` dropped ran ``optimizer.step`` without gradients, so no LR was applied;
+    it still got an ``lr-SGD-effective`` point (0.1 at step 1). Now a dropped step has no point, as it has no
+    ``train/grad_norm``; and the update of the next step, not a logged one (log_every_n_steps=2), is not written under
+    the dropped step's number (step 2's 0.3 at step 1, as after a step the GradScaler skipped)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_dtrain.callbacks import OncePerStepLRMonitor
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, log_every_n_steps=2,
+                        callbacks=[OncePerStepLRMonitor(), HalveOddSteps(), DropGradsAt(1)],
+                        enable_checkpointing=False, logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LinearLR())
+    tags = _tensorboard_scalars(tmp_path / "tb")
+    assert tags["lr-SGD"] == [(1, 0.2), (3, 0.4), (5, 0.6)]  # the schedule's LR of each logged step
+    assert tags["lr-SGD-effective"] == [(3, 0.2), (5, 0.3)]
+
+
+def test_an_update_the_gradscaler_skipped_inside_a_fused_optimizer_applied_no_lr():
+    """A fused optimizer under the GradScaler is called with ``found_inf`` and skips the update itself; its post-hook
+    runs all the same. Such a step applied no LR; one with ``found_inf`` 0 applied its LR."""
+    from lit_dtrain.callbacks._lr_scaling import pop_applied_lrs, track_applied_lrs
+
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([param], lr=0.5, fused=True)
+    track_applied_lrs(optimizer)
+    for found, expected in ((1.0, None), (0.0, [0.5])):
+        param.grad = torch.ones(2)
+        # as torch.amp.GradScaler.step sets them for the call
+        optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(found)
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        assert pop_applied_lrs(optimizer) == expected

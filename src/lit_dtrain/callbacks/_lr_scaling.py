@@ -30,7 +30,7 @@ def _value(lr):
 def _state(optimizer: torch.optim.Optimizer) -> dict:
     state = optimizer.__dict__.get(_ATTR)
     if state is None:
-        state = {"base": None, "applied": None}
+        state = {"base": None, "applied": None, "found_inf": None}
         setattr(optimizer, _ATTR, state)
         # registered once and never removed while torch iterates over the post-hooks; only records on unscaled steps
         optimizer.register_step_post_hook(lambda opt, args, kwargs: _after_step(opt, state))
@@ -38,8 +38,15 @@ def _state(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    # kept as they are (a tensor LR cloned, not read): only a logged step reads them, so no host sync per step
-    state["applied"] = [_value(group["lr"]) for group in optimizer.param_groups]
+    # kept as they are (a tensor LR cloned, not read): only a logged step reads them, so no host sync per step. A step
+    # without any gradient (LossSpikeMonitor's skip or rollback dropped them) moved nothing: it applied no LR. Nor did
+    # one the GradScaler skipped inside a fused optimizer (found_inf, set for the call), read at a logged step only
+    if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        found_inf = getattr(optimizer, "found_inf", None)
+        state["applied"] = [_value(group["lr"]) for group in optimizer.param_groups]
+        state["found_inf"] = found_inf.clone() if isinstance(found_inf, torch.Tensor) else None
+    else:
+        state["applied"] = None
     restore_lrs(optimizer)
 
 
@@ -50,9 +57,15 @@ def track_applied_lrs(optimizer: torch.optim.Optimizer) -> None:
 
 def pop_applied_lrs(optimizer: torch.optim.Optimizer) -> list | None:
     """Each param group's LR of ``optimizer``'s latest update since the last call (scalings included), or ``None``
-    when it took none (not tracked, a micro-batch that accumulates, a step the GradScaler skipped)."""
+    when it took none (not tracked, a micro-batch that accumulates, a step the GradScaler skipped, a step whose
+    gradients were dropped)."""
     state = optimizer.__dict__.get(_ATTR)
-    applied, state["applied"] = (state["applied"], None) if state else (None, None)
+    if state is None:
+        return None
+    applied, found_inf = state["applied"], state.get("found_inf")
+    state["applied"] = state["found_inf"] = None
+    if applied is not None and found_inf is not None and bool(found_inf.any()):
+        return None
     return applied
 
 

@@ -12,7 +12,8 @@ this.
 ``lr-<optimizer>/<group>`` is the schedule's LR. When a callback scales the LR of an update and puts it back right
 after (``LossSpikeMonitor``'s ``lr_cooldown``, the FourierSampler's stage multiplier: a callback with a true
 ``scales_lr``), the update used another LR, which the schedule's tag never showed: ``lr-<optimizer>/<group>-effective``
-is that LR, at the same steps (a step without an update, one the GradScaler skipped, has no point).
+is that LR, at the same steps (a step without an update has no point: one the GradScaler skipped, one whose
+gradients ``LossSpikeMonitor``'s ``skip`` or ``rollback`` dropped, since its ``optimizer.step`` moved nothing).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class OncePerStepLRMonitor(LearningRateMonitor):
             return
         self._seen_step = step
         super().on_train_batch_start(trainer, *args, **kwargs)
-        if self._effective and self.logging_interval != "epoch" and trainer._logger_connector.should_update_logs:
-            self._due = step
+        # (None on a step that is not logged: a logged step whose update never came, a dropped or GradScaler-skipped
+        # one, must not lend its number to a later step's LR)
+        logged = self._effective and self.logging_interval != "epoch" and trainer._logger_connector.should_update_logs
+        self._due = step if logged else None
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
