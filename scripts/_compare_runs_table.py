@@ -4,6 +4,7 @@ table of them, its rows in the order of the run and sweep dirs given."""
 from __future__ import annotations
 
 import math
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from lit_dtrain.run_dirs import NO_LOGGER, finished_without_metrics, table_cell
@@ -24,22 +25,62 @@ def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int,
     return series
 
 
-# tags whose values have no better direction: LearningRateMonitor's lr-<optimizer>/<group> (and its momentum, weight
-# decay and -effective), the LR multipliers of a cool-down and of the Fourier stages, the Fourier stage's bands and
-# mix, progress counters (ThroughputMonitor's batches, samples, lengths), the epoch; "best" would mean "lowest"
-UNRANKED_PREFIXES = ("lr-",)
-UNRANKED = ("epoch", "spike/lr_multiplier", "fourier/lr_mult", "fourier/bands", "fourier/mix", "train/batches",
-            "train/samples", "train/lengths", "validate/batches", "validate/samples", "validate/lengths")
-# throughput (ThroughputMonitor's <stage>/device/items_per_sec, ..._per_sec and mfu): better higher
-HIGHER_SUFFIXES = ("_per_sec", "/mfu")
+# The better direction of every scalar tag a lit_dtrain run logs: True (higher), False (lower) or None (no better
+# value: a setting, a diagnostic, a count of progress; its table shows no best and best_by_metric is null). fnmatch
+# patterns, the first match wins. tests/e2e/test_scalar_axes.py checks every tag of a run with every callback against
+# it (tests/unit/test_compare_runs_directions.py the comm/* tags, which need DDP), so a new tag cannot go unlisted.
+# A tag no pattern matches (one's own metric) is ranked lower-is-better, as a loss.
+TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
+    ("lr-*", None),  # LearningRateMonitor's lr-<optimizer>/<group> and its -effective, -momentum, -weight_decay
+    ("epoch", None),
+    ("train/loss", False),
+    ("val/loss", False),
+    ("val/ppl", False),
+    ("val/*/loss", False),  # each source of a mixture
+    ("*_per_sec", True),  # ThroughputMonitor's rates (per device and, with several ranks, global)
+    ("*/mfu", True),
+    ("train/time", None),  # time since the fit started: grows with the steps, no run is better for a higher or lower
+    ("validate/time", False),  # that validation's wall time
+    ("train/batches", None),  # progress counters
+    ("train/samples", None),
+    ("train/lengths", None),
+    ("validate/batches", None),
+    ("validate/samples", None),
+    ("validate/lengths", None),
+    ("train/grad_norm", None),  # diagnostics of the step: neither value is better
+    ("grad_clip/*", None),  # AdaptiveGradClip: the norm, whether it clipped, the threshold, the clips so far
+    ("optim/*", None),  # OptimizerDiagnostics: update/param RMS, grad RMS, the share of eps-dominated updates
+    ("spike/count", False),  # LossSpikeMonitor: the spikes so far
+    ("spike/loss_z", None),
+    ("spike/lr_multiplier", None),
+    ("fourier/lr_mult", None),  # FourierSampler: its stage settings and its sampling distribution
+    ("fourier/bands", None),
+    ("fourier/mix", None),
+    ("fourier/prob_entropy", None),
+    ("fourier/top_band_energy", None),
+    ("fourier/comm_bytes_per_step", False),
+    ("fourier/nonfinite_skipped", False),  # non-finite losses it left out so far
+    ("comm/compression_ratio", True),  # compressed DDP: dense bytes / bytes sent
+    ("comm/bytes_per_step", False),
+    ("comm/bytes_per_step_avg", False),
+    ("comm/time_ms", False),
+    ("comm/hook_calls", None),  # buckets seen by the hook so far
+)
+
+
+def listed_direction(metric: str) -> tuple[bool, bool | None]:
+    """``(whether TAG_DIRECTIONS lists the tag, its direction)``; an unlisted tag is ranked lower-is-better."""
+    for pattern, better in TAG_DIRECTIONS:
+        if fnmatchcase(metric, pattern):
+            return True, better
+    return False, False
 
 
 def direction(metric: str, maximize: list[str] = ()) -> bool | None:
-    """``True`` (better higher: a ``--maximize`` metric, a throughput), ``False`` (better lower: losses, bytes, times)
-    or ``None`` (no direction: an LR, a multiplier, a counter, the epoch, unless ``--maximize`` names it)."""
-    if metric in maximize or metric.endswith(HIGHER_SUFFIXES):
-        return True
-    return None if metric.startswith(UNRANKED_PREFIXES) or metric in UNRANKED else False
+    """``True`` (better higher: a ``--maximize`` metric, a throughput, the compression ratio), ``False`` (better lower:
+    losses, bytes, a step's or a validation's time, spikes) or ``None`` (no direction: an LR, a multiplier, a
+    diagnostic, a counter, the epoch, unless ``--maximize`` names it); :data:`TAG_DIRECTIONS`."""
+    return True if metric in maximize else listed_direction(metric)[1]
 
 
 def summarize(series: list[tuple[int, float]], maximize: bool | None = False) -> dict:

@@ -44,6 +44,7 @@ from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of 
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     best_row,
     direction,
+    listed_direction,  # noqa: F401 - compare_runs.listed_direction: whether TAG_DIRECTIONS lists a tag
     markdown_table,
     metric_rows,
     one_point_per_validation,
@@ -161,8 +162,9 @@ def compare(
     maximize: list[str] = (),
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
-    better higher, as is a throughput (train/device/items_per_sec); an LR, LR multiplier, counter or the epoch has no
-    best (:func:`direction`); the others are better lower."""
+    better higher; every other tag lit_dtrain logs has its direction in ``TAG_DIRECTIONS`` (:func:`direction`: a
+    throughput or the compression ratio higher, losses, bytes and times lower, an LR, multiplier, diagnostic or
+    counter none); a tag it does not list is better lower."""
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
@@ -266,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="METRIC",
-        help="a --metric that is better higher (comm/compression_ratio): its best value and best run are the "
-        "highest (repeatable; a *_per_sec or */mfu throughput is so without it). The others are better lower, but "
-        "for the lr-* tags, the LR multipliers, progress counters and the epoch: those have no best (a '-') unless "
-        "--maximize names them",
+        help="a --metric that is better higher (one of your own): its best value and best run are the highest "
+        "(repeatable). Without it, lit_dtrain's tags go their own way: a *_per_sec or */mfu throughput and "
+        "comm/compression_ratio higher; the lr-* tags, LR multipliers, diagnostics (train/grad_norm, grad_clip/*, "
+        "optim/*, spike/loss_z, fourier/prob_entropy, ...), progress counters, train/time and the epoch have no best "
+        "(a '-'); losses, bytes, times and the others lower",
     )
     parser.add_argument("--labels", default=None, help="comma-separated run labels (default: differing overrides)")
     parser.add_argument("--out", default="compare_runs.png", help="PNG to write (default: compare_runs.png)")

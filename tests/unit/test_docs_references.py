@@ -28,6 +28,7 @@ COMPOSED = {
     "grad_clip/clip_events": ("src/lit_dtrain/callbacks/adaptive_grad_clip.py", ['"grad_clip/"', "clip_events"]),
     # Lightning's ThroughputMonitor, which lit_dtrain's token_throughput_monitor configures (items are tokens)
     "train/device/items_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "items"]),
+    "train/time": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "time"]),  # its <stage>/time
     # Lightning's LearningRateMonitor: lr-<optimizer class>/<param group name>, LitLLM's groups "decay"/"no_decay"
     "lr-AdamW/decay": ("src/lit_dtrain/module.py", ['"name": "decay"']),
     "lr-AdamW/no_decay": ("src/lit_dtrain/module.py", ['"name": "no_decay"']),
