@@ -342,7 +342,11 @@ def test_a_resume_whose_grown_default_warmup_lowers_the_lr_warns_with_both_lrs(t
         return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
     assert warnings(2, kw) == warnings(18, kw) == []
-    [message] = warnings(2, dict(total_steps=100, warmup_steps=10, decay_steps=20))
+    from lit_dtrain.config_resolvers import register
+
+    register()  # the configs' derived default warmup, min(100, max(1, max_steps // 10)) = 10 for 100 steps
+    [message] = warnings(2, dict(total_steps=100, warmup_steps="${lit.warmup:${trainer.max_steps}}", decay_steps=20))
     key = "scheduler" if form == "scheduler" else "callbacks.wsd"
-    assert f"its LR for step 2 is [0.075, 0.0375] (peak [0.1, 0.05]), above this run's LR for that step " \
-           f"[0.03, 0.015]: {key}.warmup_steps=10 lies past the checkpoint's step" in message
+    assert f"its LR for step 2 is [0.075, 0.0375] (peak [0.1, 0.05]), this run's is [0.03, 0.015]: " \
+           f"{key}.warmup_steps=10 (the default min(100, max(1, max_steps // 10)), which follows trainer.max_steps) " \
+           "lies past the step, so the resumed steps warm up again from a lower LR" in message

@@ -1,7 +1,11 @@
 """The LR a resume (``ckpt_path``, ``resume=auto``, a decay branch) gives the checkpoint's next step against the LR the
-checkpoint holds for it: a WSD schedule that is not the checkpoint's run's can raise it (extending a decayed run, a
-decay branch from the peak) or lower it (a larger ``trainer.max_steps`` whose default warmup grows past a checkpoint
-still inside its warmup), both without a word from the optimizer; these warn with both LRs."""
+checkpoint holds for it, which is the LR its run would have trained that step with. A schedule that is not the
+checkpoint's run's moves it without a word from the optimizer: up (extending a decayed run, a decay branch from the
+peak, a smaller ``trainer.max_steps`` whose default warmup shrinks below a checkpoint inside its warmup, a longer
+cosine) or down (a larger ``trainer.max_steps`` whose default warmup grows past such a checkpoint, a decay moved to
+before its step). Each warns with both LRs and the cause, except a warmup the user gave that lies past the step: the
+documented deliberate re-warm, only logged.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,17 @@ import logging
 from pathlib import Path
 
 from lit_dtrain.checkpoint import safe_torch_load
-from lit_dtrain.schedules.lr import resolve_decay_steps, wsd_lr_factor
+from lit_dtrain.schedules.lr import resolve_decay_steps, schedule_factor, wsd_lr_factor
 
 log = logging.getLogger("lit_dtrain.schedules.workflows")  # the workflows' logger: one name to filter
 
-# the wording of warn_if_the_lr_moves for a decay branch and for any other resume
+# the wording of warn_if_the_lr_moves for a decay branch
 BRANCH_JUMP = {
     "label": "decay_branch.ckpt",
     "what": "the branch's first LR",
     "why": "the branch decays from the peak",
     "advice": "Branch from a stable-phase checkpoint",
 }
-RESUME_JUMP = {
-    "label": "checkpoint",
-    "what": "this run's LR for that step",
-    "why": "this run's schedule is not the checkpoint's (a larger trainer.max_steps moves the decay later)",
-    "advice": "Extend a stable-phase checkpoint",
-}
-
-
 def below(lr_and_peak: tuple[list[float], list[float]], factor: float) -> bool:
     """Whether any param group's LR is below ``peak * factor`` (beyond float rounding)."""
     return any(lr < peak * factor * (1 - 1e-6) for lr, peak in zip(*lr_and_peak))
@@ -59,48 +55,98 @@ def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] 
     return lrs, [float(x) for x in peaks]
 
 
-def warn_if_the_lr_moves(ckpt: Path, start: int, key: str, node, *, label: str, what: str, why: str, advice: str,
-                         drops: bool = False) -> None:
+def warn_if_the_lr_moves(ckpt: Path, start: int, key: str, node, *, label: str, what: str, why: str,
+                         advice: str) -> None:
     """Warn when the checkpoint's LR for its next step ``start`` is below the LR that ``node``'s WSD schedule (config
     key ``key``) gives that step: the checkpoint was decaying (a finished run's last.ckpt, a branch of a branch), or
     inside a warmup longer than the new schedule's (the checkpoint does not record its run's warmup), and the new
-    schedule raises the LR without a re-warmup. With ``drops`` (a resume, not a branch, whose decay lowers the LR by
-    design), also when it is above: the new schedule lowers it (a default warmup grown past the step, an earlier
-    decay)."""
+    schedule raises the LR without a re-warmup. (A decay branch lowers the LR by design.)"""
     lr_and_peak = checkpoint_lr_and_peak(ckpt)
     if lr_and_peak is None:
         return
-    total = int(node.total_steps)
-    warmup = int(node.get("warmup_steps") or 0)
-    factor = wsd_lr_factor(
-        start,
-        total_steps=total,
-        warmup_steps=warmup,
-        decay_steps=resolve_decay_steps(total, node.get("decay_steps"), node.get("decay_fraction")),
-        decay_type=str(node.get("decay_type", "1-sqrt")),
-        min_lr_factor=float(node.get("min_lr_factor", 0.0)),
-    )
-    lrs, peaks = lr_and_peak
-    new = _fmt([peak * factor for peak in peaks])
-    if below(lr_and_peak, factor):
+    factor = _factor(node, start)
+    if factor is not None and below(lr_and_peak, factor):
+        lrs, peaks = lr_and_peak
         log.warning(
             "%s %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), below %s %s: "
             "%s, so the LR jumps up without a re-warmup. %s, or continue a decayed model with init_from=... and a "
             "re-warmup (continual pre-training, docs/wsd.md)",
-            label, ckpt, start, _fmt(lrs), _fmt(peaks), what, new, why, advice,
+            label, ckpt, start, _fmt(lrs), _fmt(peaks), what, _fmt([peak * factor for peak in peaks]), why, advice,
         )
-    elif drops and _above(lr_and_peak, factor):
-        cause = (
-            f"{key}.warmup_steps={warmup} lies past the checkpoint's step (the default min(100, max(1, max_steps // "
-            "10)) grows with trainer.max_steps), so the resumed steps warm up again from a lower LR; pass "
-            f"{key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
-            if start < warmup
-            else f"this run's {key} (total_steps={total}, trainer.max_steps) decays earlier than the checkpoint's"
-        )
-        log.warning(
-            "%s %s: its LR for step %d is %s (peak %s), above %s %s: %s",
-            label, ckpt, start, _fmt(lrs), _fmt(peaks), what, new, cause,
-        )
+
+
+def _wsd_args(node) -> dict:
+    keys = ("total_steps", "warmup_steps", "decay_steps", "decay_fraction", "decay_type", "min_lr_factor")
+    return {k: node.get(k) for k in keys if node.get(k) is not None or k in ("decay_steps", "decay_fraction")}
+
+
+def _factor(node, step: int) -> float | None:
+    """The factor that a schedule node (``scheduler``: wsd, cosine, constant; the ``WSDScheduler`` callback) gives
+    ``step``; ``None`` for another target or arguments that do not validate (the config check reports those)."""
+    if str(node.get("_target_", "")).endswith("WSDScheduler"):
+        try:
+            return wsd_lr_factor(step, **_wsd_args(node))
+        except (TypeError, ValueError):
+            return None
+    return schedule_factor(node, step)
+
+
+def _decay_start(node) -> int | None:
+    """The first step of the node's decay (the cosine's is the end of its warmup); ``None`` for a constant LR."""
+    target = str(node.get("_target_", ""))
+    if target.endswith("cosine_scheduler"):
+        return int(node.get("warmup_steps") or 0)
+    if target.endswith(("wsd_scheduler", "WSDScheduler")):
+        total = int(node.total_steps)
+        return total - resolve_decay_steps(total, node.get("decay_steps"), node.get("decay_fraction"))
+    return None
+
+
+def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, default_warmup: bool) -> None:
+    """A resume (not a decay branch) whose schedule (config node ``key``) gives the checkpoint's next step ``start``
+    another LR than the checkpoint holds for it warns, with both LRs and why. Not for a drop into a warmup the user
+    gave (``default_warmup`` false: the documented re-warm, logged at info level), nor for a decay that starts at
+    ``start`` from a checkpoint at its peak (the continuous path, as a decay branch takes it)."""
+    lr_and_peak = checkpoint_lr_and_peak(ckpt)
+    factor = _factor(node, start)
+    if lr_and_peak is None or factor is None:
+        return
+    up, down = below(lr_and_peak, factor), _above(lr_and_peak, factor)
+    if not (up or down):
+        return
+    lrs, peaks = lr_and_peak
+    warmup = int(node.get("warmup_steps") or 0)
+    decay_start = _decay_start(node)
+    at_peak = not below(lr_and_peak, 1.0)
+    head = f"checkpoint {ckpt}: its LR for step {start} is {_fmt(lrs)} (peak {_fmt(peaks)}), this run's is " \
+           f"{_fmt([peak * factor for peak in peaks])}"
+    grows = "the default min(100, max(1, max_steps // 10)), which follows trainer.max_steps"
+    if down and start < warmup and not default_warmup:
+        log.info("%s: step %d lies in %s.warmup_steps=%d as given, so the resumed steps warm up again", head, start,
+                 key, warmup)
+        return
+    if down and at_peak and start == decay_start:
+        return  # this run's decay starts at the checkpoint's step: it decays from the peak, as a decay branch does
+    if start < warmup:
+        cause = (f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} lies past the step, so the "
+                 "resumed steps warm up again from a lower LR" if down else
+                 f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} is shorter than the "
+                 "checkpoint's run's warmup, so the LR jumps up")
+        fix = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
+    elif up:
+        later = f" and before or early in its decay (total_steps={node.get('total_steps')})" if decay_start else ""
+        cause = (f"the checkpoint is below its peak, in its run's warmup or decay, and the step lies past this run's "
+                 f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''}{later}, so the LR jumps up "
+                 "without a re-warmup")
+        fix = (f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup; extend a stable-phase "
+               "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
+               "docs/wsd.md)")
+    else:
+        where = f"its decay starts at step {decay_start}" if decay_start is not None else "it lowers the LR there"
+        cause = (f"this run's {key} (total_steps={node.get('total_steps')}, from trainer.max_steps) is not the "
+                 f"checkpoint's run's: {where}, so the LR drops at the resume")
+        fix = "to decay over the steps left from here, branch with decay_branch.ckpt=... decay_branch.steps=N"
+    log.warning("%s: %s; %s", head, cause, fix)
 
 
 def _fmt(values: list[float]) -> str:

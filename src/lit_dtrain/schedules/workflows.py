@@ -34,15 +34,18 @@ from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.schedules._resume_lr import (
     BRANCH_JUMP,
-    RESUME_JUMP,
     below,
     checkpoint_lr_and_peak,
+    warn_if_a_resume_moves_the_lr,
     warn_if_the_lr_moves,
 )
 
 log = logging.getLogger(__name__)
 
 WSD_TARGETS = ("lit_dtrain.schedules.wsd_scheduler", "lit_dtrain.schedules.lr.wsd_scheduler")
+SCHEDULE_TARGETS = tuple(  # the other schedules a resume can move the LR of
+    f"lit_dtrain.schedules{module}.{name}_scheduler" for module in ("", ".lr") for name in ("cosine", "constant")
+)
 WSD_CALLBACK_TARGETS = ("lit_dtrain.callbacks.WSDScheduler", "lit_dtrain.callbacks.wsd.WSDScheduler")
 
 
@@ -126,12 +129,20 @@ def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = No
 
 
 def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: int) -> None:
-    """A resume (``ckpt_path``, ``resume=auto``; not a decay branch, which warns itself) whose WSD schedule gives step
-    ``start`` another LR than the checkpoint's: extending a decayed run re-enters the stable phase at the peak (up);
-    a larger ``trainer.max_steps`` grows the default warmup past a checkpoint inside its warmup (down)."""
+    """A resume (``ckpt_path``, ``resume=auto``; not a decay branch, which warns itself) whose schedule (WSD, cosine or
+    constant, the scheduler or the callback) gives step ``start`` another LR than the checkpoint's: extending a
+    decayed run re-enters the stable phase at the peak (up); a larger ``trainer.max_steps`` grows the default warmup
+    past a checkpoint inside its warmup (down), a smaller one shrinks it (up) or moves the decay before the step
+    (down). A warmup the user gave past the step (a deliberate re-warm) is only logged
+    (:func:`~lit_dtrain.schedules._resume_lr.warn_if_a_resume_moves_the_lr`)."""
     nodes = _wsd_nodes(cfg)
+    sched = cfg.get("scheduler")
+    if not nodes and sched is not None and str(sched.get("_target_", "")) in SCHEDULE_TARGETS:
+        nodes = [("scheduler", sched)]
     if nodes:
-        warn_if_the_lr_moves(Path(str(ckpt)), start, *nodes[0], **RESUME_JUMP, drops=True)
+        key, node = nodes[0]
+        default = _is_default_warmup(node, int(cfg.trainer.max_steps))
+        warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default)
 
 
 def apply_decay_branch(cfg: DictConfig) -> int | None:

@@ -1,0 +1,103 @@
+"""The warning of a resume whose schedule moves the LR of the checkpoint's next step (schedules/_resume_lr.py).
+
+It fires exactly when the resumed LR differs from the one the checkpoint holds for that step (the LR its run would
+have trained it with), names the right cause, and stays quiet for the documented deliberate re-warm (a warmup the
+user gave past the step) and for a decay that starts at the checkpoint's step. Before: a typed re-warm was told its
+warmup was the default that grows with max_steps and to pass the warmup it had passed; a smaller max_steps whose
+default warmup shrank below a checkpoint in its warmup was blamed on 'a larger trainer.max_steps'; a cosine or
+constant schedule was never checked (a cosine resumed with a larger max_steps raised the LR without a word).
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from lit_dtrain.config_resolvers import register
+from lit_dtrain.schedules.workflows import fit_default_warmup, warn_if_the_resume_moves_the_lr
+from tests.unit.test_wsd_callback import Toy, fit
+
+DEFAULT = "${lit.warmup:${trainer.max_steps}}"  # the configs' warmup: min(100, max(1, max_steps // 10))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A Toy (SGD, peaks 0.1 and 0.05) run with WSD over 100 steps (warmup 10, decay 20) saved at step 3 (inside
+    its warmup: 0.4 of the peak) and step 30 (stable: the peak)."""
+    root = tmp_path_factory.mktemp("resume_lr")
+    paths = {}
+    for step in (3, 30):
+        trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=step,
+                      root=root)
+        paths[step] = root / f"{step}.ckpt"
+        trainer.save_checkpoint(paths[step])
+    return paths
+
+
+def messages(caplog, path, step: int, max_steps: int, target: str = "wsd", **schedule) -> list[tuple[str, str]]:
+    register()
+    node = {"_target_": f"lit_dtrain.schedules.{target}_scheduler", "_partial_": True, **schedule}
+    if target != "constant":
+        node.setdefault("total_steps", "${trainer.max_steps}")
+    if target == "wsd":
+        node.setdefault("decay_fraction", 0.2)
+    cfg = OmegaConf.create({"trainer": {"max_steps": max_steps}, "scheduler": node})
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lit_dtrain.schedules.workflows"):
+        fit_default_warmup(cfg, path, step)  # as train() does first (logged: a grown default fitted to the step)
+        caplog.clear()
+        warn_if_the_resume_moves_the_lr(cfg, path, step)
+    return [(r.levelname, r.getMessage()) for r in caplog.records]
+
+
+def test_the_same_schedule_and_an_unchanged_lr_are_quiet(checkpoints, caplog):
+    assert messages(caplog, checkpoints[3], 3, 100, warmup_steps=DEFAULT) == []
+    assert messages(caplog, checkpoints[30], 30, 100, warmup_steps=DEFAULT) == []
+    assert messages(caplog, checkpoints[30], 30, 50, warmup_steps=DEFAULT) == []  # shrunk, still stable at 30
+    assert messages(caplog, checkpoints[30], 30, 500, warmup_steps=DEFAULT) == []  # fitted to 30 in train()
+
+
+def test_a_warmup_the_user_gave_past_the_step_is_a_re_warm_logged_not_warned(checkpoints, caplog):
+    [(level, message)] = messages(caplog, checkpoints[30], 30, 500, warmup_steps=60)
+    assert level == "INFO"
+    assert "step 30 lies in scheduler.warmup_steps=60 as given, so the resumed steps warm up again" in message
+
+
+def test_a_grown_default_warmup_warns_that_it_follows_max_steps(checkpoints, caplog):
+    [(level, message)] = messages(caplog, checkpoints[3], 3, 500, warmup_steps=DEFAULT)
+    assert level == "WARNING"
+    assert "its LR for step 3 is [0.04, 0.02] (peak [0.1, 0.05]), this run's is [0.008, 0.004]: " \
+           "scheduler.warmup_steps=50 (the default min(100, max(1, max_steps // 10)), which follows " \
+           "trainer.max_steps) lies past the step, so the resumed steps warm up again from a lower LR" in message
+
+
+def test_a_shrunk_default_warmup_is_not_blamed_on_a_larger_max_steps(checkpoints, caplog):
+    [(level, message)] = messages(caplog, checkpoints[3], 3, 50, warmup_steps=DEFAULT)
+    assert level == "WARNING"
+    assert "this run's is [0.08, 0.04]: scheduler.warmup_steps=5 (the default" in message
+    assert "is shorter than the checkpoint's run's warmup, so the LR jumps up" in message
+    assert "larger trainer.max_steps" not in message
+    # max_steps 5: the default warmup is 1 and step 3 lies in the stable phase, at the peak
+    [(level, message)] = messages(caplog, checkpoints[3], 3, 5, warmup_steps=DEFAULT)
+    assert level == "WARNING" and "this run's is [0.1, 0.05]: the checkpoint is below its peak" in message
+    assert "the step lies past this run's scheduler.warmup_steps=1 (the default" in message
+    assert "larger trainer.max_steps" not in message
+
+
+def test_a_decay_moved_before_the_step_warns_and_one_starting_at_it_does_not(checkpoints, caplog):
+    # max_steps 32: decay_fraction 0.2 -> 6 steps from step 26, so step 30 runs at 0.18 of the peak
+    [(level, message)] = messages(caplog, checkpoints[30], 30, 32, warmup_steps=DEFAULT)
+    assert level == "WARNING"
+    assert "this run's scheduler (total_steps=32, from trainer.max_steps) is not the checkpoint's run's: its decay " \
+           "starts at step 26, so the LR drops at the resume" in message
+    # a decay of 10 steps from step 30 (the way a decay branch decays): its first LR is the continuous path
+    assert messages(caplog, checkpoints[30], 30, 40, warmup_steps=DEFAULT, decay_fraction=None, decay_steps=10) == []
+
+
+def test_a_cosine_or_constant_schedule_that_moves_the_lr_warns_too(checkpoints, caplog):
+    # the checkpoint (WSD at its peak) resumed as a cosine over 300 steps: 0.97 of the peak at step 30
+    [(level, message)] = messages(caplog, checkpoints[30], 30, 300, "cosine", warmup_steps=10, min_lr_factor=0.1)
+    assert level == "WARNING" and "its decay starts at step 10, so the LR drops at the resume" in message
+    # inside its warmup, resumed on a constant LR without warmup: up to the peak
+    [(level, message)] = messages(caplog, checkpoints[3], 3, 100, "constant", warmup_steps=0)
+    assert level == "WARNING" and "this run's is [0.1, 0.05]" in message and "jumps up" in message
