@@ -7,12 +7,12 @@ same pure function :func:`lit_dtrain.schedules.wsd_lr_factor` that ``conf/schedu
 
 The base (peak) LRs are the configured ones: they are read from the freshly built optimizers in
 ``on_fit_start``, which Lightning calls after ``configure_optimizers`` and before it restores a
-checkpoint's optimizer state, and kept in the callback's state. A resume of a checkpoint that holds this
-callback's state continues with the saved peaks (as ``LambdaLR`` restores its ``base_lrs``); one without
-it (written with the ``LambdaLR`` scheduler instead) uses the configured peaks, never the restored
-optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's arguments come from
-the constructor, so resuming with a larger ``total_steps`` extends the run and a new ``decay_steps``
-starts a decay branch.
+checkpoint's optimizer state, and kept in the callback's state. A resume uses the configured peaks too,
+whether the checkpoint holds this callback's state (its saved peaks are replaced, logged when they differ:
+a resume with a lowered LR kept the old peak) or not (written with the ``LambdaLR`` scheduler instead),
+never the restored optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's
+arguments come from the constructor, so resuming with a larger ``total_steps`` extends the run and a new
+``decay_steps`` starts a decay branch.
 
 Under manual optimization Lightning's ``global_step`` counts every ``optimizer.step``, two a batch with two
 optimizers, so it is no optimizer's step count: there each optimizer's ``k``-th update uses the schedule's LR for
@@ -162,8 +162,18 @@ class WSDScheduler(StepHooksCallback):
         # The optimizers are built, but a checkpoint's optimizer state is not restored yet (Lightning's _run:
         # strategy.setup, on_fit_start, then restore_training_state): their LRs are the configured peaks. Reading
         # them later would take a resumed scheduler-form checkpoint's scaled LR (0 after a full decay) as the peak.
-        if self.base_lrs is None and trainer.optimizers:
-            self.base_lrs = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
+        # They win over the peaks this callback's restored state holds (Lightning restores callbacks before
+        # setup): a resume with another configured LR (lowered after an instability) kept the old peak silently.
+        if not trainer.optimizers:
+            return
+        configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
+        if self.base_lrs is not None and self.base_lrs != configured:
+            if [len(b) for b in self.base_lrs] == [len(b) for b in configured]:
+                log.info("WSDScheduler: the configured peak LRs %s replace the checkpoint's %s", configured,
+                         self.base_lrs)
+            else:  # another set of param groups: _apply names the mismatch
+                return
+        self.base_lrs = configured
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -249,7 +259,10 @@ class WSDScheduler(StepHooksCallback):
         if "base_lrs" not in state_dict:
             raise KeyError(f"WSDScheduler state has no 'base_lrs'; got keys {sorted(state_dict)}")
         base = state_dict["base_lrs"]
-        self.base_lrs = [[float(x) for x in b] for b in base] if base is not None else None
+        saved = [[float(x) for x in b] for b in base] if base is not None else None
+        if self.base_lrs is None or saved is None or [len(b) for b in saved] != [len(b) for b in self.base_lrs]:
+            self.base_lrs = saved
+        # else: on_fit_start read the configured peaks already (a strategy that restores after setup), and they win
         self.last_step = int(state_dict.get("last_step", -1))
         updates = state_dict.get("optimizer_updates")  # absent before it existed, None under automatic optimization
         self.updates = [int(u) for u in updates] if updates is not None else None

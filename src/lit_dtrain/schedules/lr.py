@@ -172,18 +172,26 @@ def constant_lr_factor(step: int, *, warmup_steps: int = 0) -> float:
 
 
 class StepLambdaLR(LambdaLR):
-    """``LambdaLR`` that re-applies its factor when a checkpoint is loaded.
+    """``LambdaLR`` that re-applies its factor, with the configured peak LRs, when a checkpoint is loaded.
 
     Plain ``LambdaLR.load_state_dict`` restores ``last_epoch`` but leaves each group's LR at the value
     the *old* schedule set before saving, so the first step after a resume with a changed schedule (a
     WSD decay branch, an extended ``total_steps``) would run at the old LR. Lightning restores the
     optimizer before the scheduler, so setting the LR here makes the first resumed step use the new
     schedule's ``factor(last_epoch)``. The state stays a plain dict (``functools.partial`` lambdas are
-    saved as their empty ``__dict__``), so the schedule's arguments always come from the config.
+    saved as their empty ``__dict__``), so the schedule's arguments always come from the config, and so do
+    the peaks: ``LambdaLR`` restores the checkpoint's ``base_lrs``, which silently kept a resume with another
+    ``optimizer.lr`` (lowered after an instability) at the old peak; the ones this scheduler was built with,
+    the optimizer's configured LRs, are kept.
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
+        configured = list(self.base_lrs)  # the optimizer's LRs when this scheduler was built: the config's peaks
         super().load_state_dict(state_dict)
+        if len(configured) == len(self.base_lrs):
+            self.base_lrs = configured
+            for group, lr in zip(self.optimizer.param_groups, configured):
+                group["initial_lr"] = lr  # (restored from the checkpoint's optimizer state with the old peak)
         self.set_step(self.last_epoch)
 
     def set_step(self, step: int) -> None:

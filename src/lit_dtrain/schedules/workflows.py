@@ -143,6 +143,17 @@ def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: in
         key, node = nodes[0]
         default = _is_default_warmup(node, int(cfg.trainer.max_steps))
         warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default)
+    log_a_changed_peak(cfg, ckpt)
+
+
+def log_a_changed_peak(cfg: DictConfig, ckpt: str | Path) -> None:
+    """Log a resume whose ``optimizer.lr`` is not the checkpoint's peak: the configured one is used (StepLambdaLR and
+    WSDScheduler keep it over the checkpoint's)."""
+    lr = (cfg.get("optimizer") or {}).get("lr")
+    lr_and_peak = checkpoint_lr_and_peak(Path(str(ckpt))) if isinstance(lr, (int, float)) else None
+    if lr_and_peak is not None and any(abs(peak - lr) > 1e-6 * abs(lr) for peak in lr_and_peak[1]):
+        log.info("resuming %s with optimizer.lr=%g as the peak LR, where the checkpoint's run had %s", ckpt, lr,
+                 ", ".join(f"{peak:g}" for peak in lr_and_peak[1]))
 
 
 def apply_decay_branch(cfg: DictConfig) -> int | None:
@@ -218,6 +229,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             cfg.ckpt_path = str(src)
             cfg.resume = None
     warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP)
+    log_a_changed_peak(cfg, src)
     log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
     return start
 
