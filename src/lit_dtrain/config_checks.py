@@ -132,6 +132,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(unknown_argument_error("scheduler", scheduler, e)) from None
     check_validation_limit(cfg)
     check_sample(cfg)
+    check_group_nodes(cfg)
     # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)
     check_utf8_text("run_name", str(cfg.get("run_name", "")))
     check_monitors(cfg)
@@ -141,6 +142,17 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
     if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
         raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
+
+
+def check_group_nodes(cfg: DictConfig) -> None:
+    """A nested config group set with a dot: ``data.sampler=fourier`` (or ``-m data.sampler=random,fourier``) sets
+    the key to the string 'fourier', where ``data/sampler=fourier`` picks conf/data/sampler/fourier.yaml; the
+    datamodule then failed with "AttributeError: 'str' object has no attribute 'min_block_size'"."""
+    value = OmegaConf.select(cfg, "data.sampler", default=None)
+    if isinstance(value, str):
+        raise ConfigError(f"data.sampler={value!r} sets the key to a string, not a sampler config: pick a sampler with "
+                          f"the config group data/sampler={value} (a '/', as in conf/data/sampler/; a sweep: "
+                          "data/sampler=random,fourier)")
 
 
 def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> None:

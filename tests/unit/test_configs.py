@@ -231,6 +231,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ),
         ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches must be null \(all\), .* got 1.5"),
         ("trainer.limit_val_batches=abc", r"trainer.limit_val_batches must be null \(all\), .* got 'abc'"),
+        # a nested config group set with a dot: the datamodule's AttributeError ('str' object has no attribute
+        # 'min_block_size'), in Hydra's wrapper naming only 'full_key: data'
+        ("data.sampler=fourier", r"data.sampler='fourier' sets the key to a string, not a sampler config: pick a "
+                                 r"sampler with the config group data/sampler=fourier"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
