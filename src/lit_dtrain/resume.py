@@ -31,6 +31,7 @@ from lit_dtrain.checkpoint import (
 )
 from lit_dtrain.config_resolvers import launch_run_name
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.sweeps import another_run_dir
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -131,7 +132,7 @@ def _resume_auto_choice(ckpt_dir: Path) -> str:
         reasons = "; ".join(_without_advice(e) for e in unreadable.values())
         raise ConfigError(
             f"resume=auto: no checkpoint in {str(ckpt_dir)!r} can be resumed ({reasons}); replace or remove "
-            f"{'it' if len(unreadable) == 1 else 'them'}, give ckpt_path=PATH, or choose another run_name"
+            f"{'it' if len(unreadable) == 1 else 'them'}, give ckpt_path=PATH, or {another_run_dir()}"
         )
     last = ckpt_dir / "last.ckpt"
     for p, e in unreadable.items():
@@ -166,8 +167,8 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
         raise ConfigError(
             f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
-            f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or choose "
-            "another run_name"
+            f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or "
+            f"{another_run_dir()}"
         )
     if cfg.get("resume") == "auto":
         run_name = str(cfg.get("run_name"))
@@ -197,7 +198,7 @@ def check_foreign_ckpt_path(path: Path, ckpt_dir: Path) -> None:
         raise ConfigError(
             f"ckpt_path={str(path)!r} is not a checkpoint of run dir {str(ckpt_dir.parent)!r}, which already holds "
             f"checkpoints of its own ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}): resuming it "
-            "there would overwrite that run's last.ckpt; choose another run_name, continue that run with "
+            f"there would overwrite that run's last.ckpt; {another_run_dir()}, continue that run with "
             "resume=auto, or give one of its own checkpoints"
         )
 

@@ -39,15 +39,30 @@ def sweep_checks(cfg: DictConfig) -> None:
     check_resumed_job(cfg)
 
 
+def in_multirun() -> bool:
+    """Whether this is a job of a Hydra multirun (False outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def another_run_dir() -> str:
+    """The advice to train in another run dir: ``choose another run_name``; in a multirun, whose job N trains in
+    ``<sweep dir>/N`` whatever ``run_name`` says, ``choose another hydra.sweep.dir``."""
+    if in_multirun():
+        return "choose another hydra.sweep.dir (job N of a multirun trains in <sweep dir>/N; run_name is not used)"
+    return "choose another run_name"
+
+
 def pin_sweep_dir() -> None:
     """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
     sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
     ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
     later-timestamped multirun folder. A no-op outside a Hydra multirun."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if in_multirun():
         os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
 
 
@@ -62,12 +77,11 @@ def logs_a_failed_job(train_fn):
     @functools.wraps(train_fn)
     def wrapper(cfg: DictConfig):
         from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
 
         try:
             return train_fn(cfg)
         except Exception as e:
-            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            if in_multirun():
                 error = user_error(e)  # a bad input: its own type and message, no traceback
                 shown = error or e
                 job_log.error("job %s failed: %s: %s", HydraConfig.get().job.num, type(shown).__name__, shown,
@@ -117,16 +131,13 @@ def reports_user_errors(task_fn):
 
     @functools.wraps(task_fn)
     def wrapper(cfg: DictConfig):
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         try:
             return task_fn(cfg)
         except Exception as e:
             error = user_error(e)
             if error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch, read as it does
                 raise
-            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            if in_multirun():
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
             _exit_with(error)  # past Hydra's run_job, which catches Exception only
 

@@ -80,6 +80,28 @@ def test_train_called_from_another_hydra_entry_refuses_a_job_dir_trained_with_ot
     assert OmegaConf.load(job0 / "config_resolved.yaml").optimizer.lr == 0.001
 
 
+def test_a_sweep_rerun_into_its_dir_without_resume_names_the_sweep_dir_not_run_name(tmp_path, corpus):
+    """'-m optimizer.lr=1e-3,3e-3 hydra.sweep.dir=<a finished sweep>' without resume=auto is refused in each job, and
+    the refusal advised 'or choose another run_name': a multirun's job N trains in <sweep dir>/N whatever run_name
+    says, so the re-run with another run_name was refused the same. It names hydra.sweep.dir in a multirun now; a
+    single run's refusal still names run_name."""
+    from lit_dtrain.resume import resolve_ckpt_path
+
+    job0 = tmp_path / "sweep" / "0"
+    (job0 / "checkpoints").mkdir(parents=True)
+    (job0 / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a finished job's checkpoint (not read here)
+    sweep, job = ["optimizer.lr=1e-3,3e-3", "run_name=other"], ["optimizer.lr=0.001", "run_name=other"]
+    with multirun_job(job0, sweep, job, corpus) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            resolve_ckpt_path(cfg)
+    assert str(refused.value).endswith(
+        "continue it with resume=auto or ckpt_path=PATH, or choose another hydra.sweep.dir (job N of a multirun "
+        "trains in <sweep dir>/N; run_name is not used)"), str(refused.value)
+    with multirun_job(job0, [], job, corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(ConfigError, match=r"ckpt_path=PATH, or choose another run_name$"):
+            resolve_ckpt_path(cfg)
+
+
 def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_names_the_callback(tmp_path, corpus):
     """'-m ~scheduler callbacks=[default,wsd],[default,wsd,loss_spike]', resumed with resume=auto and a longer
     trainer.max_steps (the extension the check lets through for scheduler=wsd,cosine) was refused for every job:

@@ -39,6 +39,7 @@ from lit_dtrain.schedules._resume_lr import (
     warn_if_a_resume_moves_the_lr,
     warn_if_the_lr_moves,
 )
+from lit_dtrain.sweeps import another_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         elif own:  # re-resuming the source here would write last-v1.ckpt beside the first start's last.ckpt
             raise ConfigError(
                 f"this branch's run dir {str(own_dir.parent)!r} already holds checkpoints ({', '.join(own[:3])}"
-                f"{', ...' if len(own) > 3 else ''}); continue the branch with resume=auto, or choose another run_name"
+                f"{', ...' if len(own) > 3 else ''}); continue the branch with resume=auto, or {another_run_dir()}"
             )
         else:
             cfg.ckpt_path = str(src)
