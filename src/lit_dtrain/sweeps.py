@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def sweep_checks(cfg: DictConfig) -> None:
-    """Warn when this config sweeps only with ``-m`` and runs without it; refuse a multirun's ``resume=auto`` into a
-    job dir trained with other swept values (:func:`check_resumed_job`). A no-op outside Hydra."""
+    """Warn when this config sweeps only with ``-m`` and runs without it, and when a multirun is given a ``run_name``
+    (which names a single run's dir only); refuse a multirun's ``resume=auto`` into a job dir trained with other
+    swept values (:func:`check_resumed_job`). A no-op outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -35,6 +36,15 @@ def sweep_checks(cfg: DictConfig) -> None:
         log.warning(
             "this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one run",
             " ".join(f"{k}={v}" for k, v in grid.items()),
+        )
+    named = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] == "run_name"]
+    if named and hc.mode == RunMode.MULTIRUN and hc.job.num == 0:  # once a sweep
+        # `-m run_name=lr_sweep optimizer.lr=...`: the jobs went to multiruns/<time>/N, and outputs/runs/lr_sweep,
+        # where the user then looked for them, did not exist
+        log.warning(
+            "%s does not name a multirun's dirs: job N trains in %s/N; name a sweep with "
+            "'hydra.sweep.dir=${paths.log_dir}/multiruns/<name>'",
+            named[0], Path(hc.runtime.output_dir).parent,
         )
     check_resumed_job(cfg)
 

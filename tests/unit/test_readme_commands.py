@@ -33,11 +33,13 @@ def train_commands() -> list[tuple[str, list[str]]]:
 
 
 def sweep_values(override: str) -> list[str]:
-    """``key=a,b`` -> [``key=a``, ``key=b``] (commas inside brackets are list syntax, not a sweep)."""
+    """``key=a,b`` -> [``key=a``, ``key=b``]; ``key=[a],[a,b]`` -> [``key=[a]``, ``key=[a,b]``] (commas inside
+    brackets are list syntax, not a sweep)."""
     key, sep, value = override.partition("=")
-    if not sep or value.startswith("[") or "," not in value:
+    values = re.split(r",(?![^\[]*\])", value)  # the commas outside brackets
+    if not sep or len(values) == 1:
         return [override]
-    return [f"{key}={v}" for v in value.split(",")]
+    return [f"{key}={v}" for v in values]
 
 
 COMMANDS = train_commands()

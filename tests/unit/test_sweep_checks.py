@@ -102,6 +102,25 @@ def test_a_sweep_rerun_into_its_dir_without_resume_names_the_sweep_dir_not_run_n
             resolve_ckpt_path(cfg)
 
 
+def test_a_multirun_given_a_run_name_says_where_its_jobs_train(tmp_path, corpus, caplog):
+    """`python train.py -m run_name=lr_sweep optimizer.lr=1e-3,3e-3` trained its jobs in multiruns/<time>/N without
+    a word, and outputs/runs/lr_sweep, where the user looked for them, did not exist. Job 0 warns now."""
+    from lit_dtrain.sweeps import sweep_checks
+
+    sweep, job = ["run_name=lr_sweep", "optimizer.lr=1e-3,3e-3"], ["run_name=lr_sweep", "optimizer.lr=0.001"]
+    with multirun_job(tmp_path / "sweep" / "0", sweep, job, corpus) as cfg:
+        sweep_checks(cfg)
+    assert caplog.messages == [
+        f"run_name=lr_sweep does not name a multirun's dirs: job N trains in {tmp_path / 'sweep'}/N; name a sweep "
+        "with 'hydra.sweep.dir=${paths.log_dir}/multiruns/<name>'"]
+    caplog.clear()
+    with multirun_job(tmp_path / "sweep" / "1", sweep, ["run_name=lr_sweep", "optimizer.lr=0.003"], corpus) as cfg:
+        sweep_checks(cfg)  # once a sweep
+    with multirun_job(tmp_path / "runs" / "lr_sweep", [], job, corpus, mode=RunMode.RUN) as cfg:
+        sweep_checks(cfg)  # a single run: run_name names its dir
+    assert caplog.messages == []
+
+
 def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_names_the_callback(tmp_path, corpus):
     """'-m ~scheduler callbacks=[default,wsd],[default,wsd,loss_spike]', resumed with resume=auto and a longer
     trainer.max_steps (the extension the check lets through for scheduler=wsd,cosine) was refused for every job:
