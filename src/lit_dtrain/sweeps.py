@@ -222,7 +222,7 @@ def check_resumed_job(cfg: DictConfig) -> None:
         for o in OverridesParser.create().parse_overrides(task)
         if o.is_sweep_override()
     }  # data/sampler=random,fourier: the node data.sampler
-    swept |= set(hc.sweeper.get("params") or {})
+    swept |= {str(key).replace("/", ".") for key in hc.sweeper.get("params") or {}}  # an experiment's grid
     old = OmegaConf.load(old_file)
     for key in sorted(swept):
         diffs = _differences(

@@ -147,6 +147,26 @@ def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_n
     )
 
 
+def test_an_experiment_grid_over_a_nested_group_is_checked_on_resume(tmp_path, corpus):
+    """An experiment file whose hydra.sweeper.params sweeps a nested config group (`data/sampler: random,fourier`),
+    re-run with resume=auto and the values in another order: the key was looked up as 'data/sampler', which no
+    config has, so job 0 resumed the random-sampler run with the FourierSampler, silently. It is the node
+    data.sampler, as for the same sweep on the command line."""
+    job0 = tmp_path / "sweep" / "0"
+    with multirun_job(job0, [], ["data/sampler=random"], corpus) as cfg:
+        job0.mkdir(parents=True)
+        (job0 / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as train(cfg) writes it
+    with multirun_job(job0, ["resume=auto"], ["data/sampler=fourier", "resume=auto"], corpus) as cfg:
+        hydra = HydraConfig.get()
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):
+            hydra.sweeper.params = {"data/sampler": "fourier,random"}  # the experiment's grid, reordered
+        with pytest.raises(ConfigError, match=rf"resume=auto: {job0} was trained with data.sampler="
+                                              r"lit_dtrain.data.samplers.RandomSampler, this job sets "
+                                              r"data.sampler=lit_dtrain.data.samplers.FourierSampler: "):
+            check_resumed_job(cfg)
+
+
 def test_train_called_from_another_hydra_entry_warns_that_an_experiment_grid_needs_dash_m(tmp_path, corpus, caplog):
     """`python my_train.py experiment=wsd_vs_cosine` (a Hydra app of one's own calling train(cfg), without -m)
     trained one run at the default LR for the budget of each of 6 jobs, silently: the warning that Hydra ignores
