@@ -22,7 +22,7 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
         return _dir_names(runs)
     overrides = _one_spelling_per_number(overrides)
     common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
-    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith("run_name=")] for ov in overrides]
+    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
     labels = [" ".join(d) for d in differing]
     if max(map(len, labels)) > 60:
         keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
@@ -38,6 +38,11 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
             else:  # labelled by its dir name already
                 labels[i] = name
     return labels
+
+
+# where a run trains, and that it continued its own run dir: not what it trained ('resume=auto' labelled a resumed
+# sweep's jobs against a run that was never interrupted, which trained the same)
+_NOT_TRAINING = ("run_name=", "resume=")
 
 
 def _dir_names(runs: list[Path]) -> list[str]:

@@ -817,6 +817,21 @@ def test_two_runs_with_the_same_overrides_leave_the_other_labels_alone(tmp_path)
         "optimizer.lr=0.001 (m1/sweep/0)", "optimizer.lr=0.001 (m2/sweep/0)", "optimizer.lr=0.003"]
 
 
+def test_a_resumed_sweep_beside_an_uninterrupted_run_is_not_labelled_resume_auto(tmp_path):
+    """A sweep killed in job 1 and continued with '-m ... resume=auto hydra.sweep.dir=<it>' beside the same LR run
+    on its own (bitwise the same curve): every job was labelled 'optimizer.lr=0.003 resume=auto' against
+    'optimizer.lr=0.003', as if resuming were a setting that changed the training. resume=, like run_name=, labels
+    no run now."""
+    sweep = tmp_path / "sweep"
+    for job, lr in enumerate(["0.001", "0.003"]):
+        write_run(sweep / str(job), {5: 3.0 - job * 0.1}, overrides=[f"optimizer.lr={lr}", "resume=auto"])
+    alone = write_run(tmp_path / "runs" / "alone", {5: 2.9}, overrides=["optimizer.lr=0.003", "run_name=alone"])
+    other = write_run(tmp_path / "runs" / "other", {5: 2.9}, overrides=["optimizer.lr=0.003", "seed=2"])
+    result = compare_runs.compare([str(sweep), str(alone), str(other)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["label"] for r in result["runs"]] == [
+        "optimizer.lr=0.001", "optimizer.lr=0.003 (job 1)", "optimizer.lr=0.003 (alone)", "optimizer.lr=0.003 seed=2"]
+
+
 def test_a_number_written_two_ways_is_labelled_one_way(tmp_path):
     """A baseline run typed as 'optimizer.lr=3e-3' beside a sweep whose jobs Hydra's sweeper wrote as
     'optimizer.lr=0.001' and 'optimizer.lr=0.003': the table and legend showed 'optimizer.lr=3e-3' and
