@@ -76,6 +76,33 @@ def pin_sweep_dir() -> None:
         os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
 
 
+_sweep_world: dict[str, tuple[int, int]] = {}  # sweep dir -> (job, processes) of its first job with a Trainer
+
+
+def check_sweep_world_size(world_size: int, trainer_cfg: DictConfig) -> None:
+    """Refuse a multirun job whose number of processes (``trainer.world_size``) differs from an earlier job's of the
+    same sweep in this process, before its fit starts any. Lightning starts the other ranks once, in the first job
+    of several processes, each re-running the whole ``-m`` sweep: ``trainer.devices=2,1`` failed job 1 with
+    'IndexError: list index out of range' on rank 1 and a closed gloo connection on rank 0 (the 2-rank group of
+    job 0 is kept for the later jobs), and ``trainer.devices=1,2`` trained only because rank 1's run of job 0 was
+    refused (that dir already held checkpoints). A no-op outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not in_multirun():
+        return
+    hc = HydraConfig.get()
+    sweep = str(Path(hc.runtime.output_dir).parent)
+    first_job, first_world = _sweep_world.setdefault(sweep, (hc.job.num, world_size))
+    if world_size != first_world:
+        raise ConfigError(
+            f"job {hc.job.num} runs on {world_size} process(es) (trainer.devices={trainer_cfg.get('devices')}, "
+            f"trainer.num_nodes={trainer_cfg.get('num_nodes', 1)}) and job {first_job} of this multirun on "
+            f"{first_world}: Lightning starts a sweep's other ranks once, each re-running the whole -m sweep, so every "
+            "job of one multirun must run on the same number of processes; sweep each device count in its own -m run, "
+            "and compare the sweeps with scripts/compare_runs.py SWEEP_DIR1 SWEEP_DIR2"
+        )
+
+
 def logs_a_failed_job(train_fn):
     """Wrap ``train_fn(cfg)`` so that in a Hydra multirun a job that raises logs ``job N failed: Type: message``
     with its traceback (to ``train_fn``'s module logger; Hydra's job logging writes it to the job's

@@ -72,7 +72,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.sweeps import logs_a_failed_job, pin_sweep_dir, sweep_checks
+from lit_dtrain.sweeps import check_sweep_world_size, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
@@ -318,6 +318,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         plugins=[AtomicCheckpointIO(), *slurm_plugins()],
         **extra,
     )
+    check_sweep_world_size(trainer.world_size, cfg.trainer)  # before fit starts the other ranks
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)

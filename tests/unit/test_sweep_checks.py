@@ -167,6 +167,38 @@ def test_an_experiment_grid_over_a_nested_group_is_checked_on_resume(tmp_path, c
             check_resumed_job(cfg)
 
 
+def test_a_multirun_whose_jobs_run_on_different_numbers_of_processes_is_refused_before_fit(tmp_path, corpus,
+                                                                                            monkeypatch):
+    """'-m trainer=ddp_cpu trainer.devices=2,1': Lightning starts rank 1 once, in job 0, re-running the whole -m
+    sweep; in job 1 rank 1 failed with 'IndexError: list index out of range' and rank 0 with a closed gloo
+    connection. ('devices=1,2' trained only because rank 1's run of job 0 was refused: its dir held checkpoints.) A
+    job on another number of processes than an earlier job of its sweep is refused now, before fit starts a rank."""
+    import lit_dtrain.train as train_module
+
+    class Fit(Exception):
+        pass
+
+    def fit(*args):
+        raise Fit  # no training here: which job reaches fit is what is tested
+
+    monkeypatch.setattr(train_module, "_fit", fit)
+    ddp = ["trainer=ddp_cpu", "trainer.accelerator=cpu", "strategy=ddp"]
+    sweep = ["trainer.devices=1,2", *ddp]
+    with multirun_job(tmp_path / "sweep" / "0", sweep, ["trainer.devices=1", *ddp], corpus) as cfg:
+        with pytest.raises(Fit):
+            train(cfg)
+    with multirun_job(tmp_path / "sweep" / "1", sweep, ["trainer.devices=2", *ddp], corpus) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            train(cfg)
+    assert str(refused.value).startswith(
+        "job 1 runs on 2 process(es) (trainer.devices=2, trainer.num_nodes=1) and job 0 of this multirun on 1: "
+        "Lightning starts a sweep's other ranks once, each re-running the whole -m sweep"), str(refused.value)
+    with multirun_job(tmp_path / "other" / "0", ["trainer.devices=2", *ddp], ["trainer.devices=2", *ddp],
+                      corpus) as cfg:
+        with pytest.raises(Fit):  # another sweep: its own first job
+            train(cfg)
+
+
 def test_train_called_from_another_hydra_entry_warns_that_an_experiment_grid_needs_dash_m(tmp_path, corpus, caplog):
     """`python my_train.py experiment=wsd_vs_cosine` (a Hydra app of one's own calling train(cfg), without -m)
     trained one run at the default LR for the budget of each of 6 jobs, silently: the warning that Hydra ignores
