@@ -203,6 +203,11 @@ class ResumeSweepCheck(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if not sweep_dir.exists() and _created_by_this_start(sweep_dir, list(config.hydra.overrides.hydra)):
             _exit_with(new_sweep_dir_error(sweep_dir))
+        if not sweep_dir.exists():  # a requeue-ready script's first start, or a mistyped dir: say so, once
+            # (on stderr: Hydra sets up logging for the jobs only)
+            print(f"warning: resume=auto: the sweep dir {sweep_dir} does not exist, so every job starts fresh (a sweep "
+                  "resumes from its dir, e.g. 'hydra.sweep.dir=${paths.log_dir}/multiruns/<time>')", file=sys.stderr,
+                  flush=True)
 
 
 class OutputDirCheck(Callback):

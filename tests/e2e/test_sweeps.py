@@ -94,7 +94,7 @@ def test_resume_auto_without_a_sweep_dir_is_refused_before_hydra_writes_one(tmp_
     dir), but each job refused it only after Hydra had created the new sweep dir, its multirun.yaml and a dir per
     job with .hydra/ and train.log: every refused start left a sweep of nothing in outputs/multiruns, which
     compare_runs then listed. The start is refused now before Hydra writes anything, in one line; with
-    hydra.sweep.dir it runs (a dir that does not exist yet: each job starts fresh)."""
+    hydra.sweep.dir it runs (a dir that does not exist yet: each job starts fresh, and a warning says so once)."""
     args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "sample.max_new_tokens=0",
             "optimizer.lr=1e-3,3e-3", "resume=auto"]
     env = subprocess_env(tmp_path)
@@ -111,3 +111,6 @@ def test_resume_auto_without_a_sweep_dir_is_refused_before_hydra_writes_one(tmp_
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [json.loads((sweep_dir / j / "summary.json").read_text())["steps"] for j in "01"] == [6, 6]
+    # a mistyped hydra.sweep.dir retrained every job from scratch with only an INFO line per job: it is said once
+    out = proc.stdout + proc.stderr
+    assert out.count(f"resume=auto: the sweep dir {sweep_dir} does not exist, so every job starts fresh") == 1, out
