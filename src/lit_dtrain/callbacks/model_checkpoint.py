@@ -6,7 +6,10 @@ this step"). With ``monitor=val/loss`` and ``save_top_k=1`` that is a validation
 loss stalls, rises or is noisy, ``last.ckpt`` stays at the best step: a run killed later (SIGKILL, the OOM killer, a
 node failure, an exception) resumed with ``resume=auto`` from there and trained every step since again. Here
 ``last.ckpt`` is written at every validation the callback saves at (and at every train-epoch-end save point), whether
-or not the top-k checkpoint changed.
+or not the top-k checkpoint changed. A validation is a save point as in Lightning: in an epoch that ``every_n_epochs``
+selects (1 when no trigger is given). With ``every_n_train_steps`` or ``train_time_interval`` alone (``every_n_epochs``
+then 0) or ``every_n_epochs=2``, a validation outside that schedule writes nothing (it wrote ``last.ckpt`` at every
+validation: with ``every_n_train_steps=1000`` and a validation every 100 steps, ten times the checkpoint I/O asked for).
 """
 
 from __future__ import annotations
@@ -36,5 +39,6 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def _save_last_if_behind(self, trainer: L.Trainer) -> None:
         # _should_skip_saving_checkpoint is also true when this step was saved already (top-k or last): then
         # Lightning wrote last.ckpt itself
-        if self.save_last is True and not self._should_skip_saving_checkpoint(trainer):
+        save_point = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
+        if self.save_last is True and save_point and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

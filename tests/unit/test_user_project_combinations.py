@@ -1,0 +1,84 @@
+"""lit_dtrain's callbacks in a Lightning project of one's own, in the combinations a user sets up beside them: the
+save schedule of ``ModelCheckpoint``, ... Each test checks the result (which files were written at which step), not
+only that the run finished. (The basic contract is in ``test_callbacks_in_foreign_projects.py``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_dtrain.callbacks import ModelCheckpoint
+
+
+def data(n: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class SaveSteps(L.Callback):
+    """The global step of every checkpoint written."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def _save_steps(tmp_path: Path, cls, **kwargs) -> list[int]:
+    saves = SaveSteps()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=4, limit_train_batches=4, val_check_interval=0.5, num_sanity_val_steps=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[cls(dirpath=tmp_path / cls.__module__.split(".")[0], save_last=True, **kwargs), saves],
+    )
+    trainer.fit(Regression(), data(), data())
+    return saves.steps
+
+
+@pytest.mark.parametrize("trigger", [{"every_n_epochs": 2}, {"every_n_train_steps": 5}, {}])
+def test_model_checkpoint_writes_last_ckpt_on_the_users_save_schedule(tmp_path: Path, trigger: dict) -> None:
+    """A validation is a save point only in an epoch that ``every_n_epochs`` selects (every epoch without a trigger;
+    none with ``every_n_train_steps`` alone), as in Lightning; there ``last.ckpt`` is written also when the top-k did
+    not change. It was written at every validation: ``every_n_train_steps=5`` with two validations per 4-step epoch
+    gave 13 writes (steps 2, 4, 5, 5, 6, 8, 10, 10, ...) where Lightning writes 6."""
+    ours = _save_steps(tmp_path, ModelCheckpoint, **trigger)
+    if trigger:  # no monitor: every save point saves top-k and last, so Lightning's own schedule is the reference
+        assert ours == _save_steps(tmp_path, LightningModelCheckpoint, **trigger)
+    want = {"every_n_epochs": [6, 6, 8, 8, 14, 14, 16, 16], "every_n_train_steps": [5, 5, 10, 10, 15, 15]}
+    assert ours == want.get(next(iter(trigger), None), [s for s in (2, 4, 6, 8, 10, 12, 14, 16) for _ in (0, 1)])
+
+
+def test_model_checkpoint_with_a_monitor_writes_last_ckpt_at_every_validation(tmp_path: Path) -> None:
+    """``monitor`` with ``save_top_k=1``: Lightning writes ``last.ckpt`` only when the best changes; lit_dtrain's at
+    every validation of the schedule (every epoch here), the best or not."""
+    ours = _save_steps(tmp_path, ModelCheckpoint, monitor="val_loss", mode="max", save_top_k=1)
+    assert ours == [2, 2, 4, 6, 8, 10, 12, 14, 16]  # (mode=max: the first validation stays the best)
+    ours = _save_steps(tmp_path / "b", ModelCheckpoint, monitor="val_loss", mode="max", every_n_epochs=2)
+    assert ours == [6, 6, 8, 14, 16]  # the first one of the schedule is also the best
