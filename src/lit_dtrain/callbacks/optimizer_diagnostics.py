@@ -9,7 +9,9 @@ logging cadence, so the rows line up with ``train/loss`` when ``every_n_steps`` 
 
 - ``optim/<group>/eps_dominated_frac``: fraction of elements with ``sqrt(v_hat) < eps`` (Adam-family
   optimizers holding ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; others log nothing for it and warn once);
-- ``optim/<group>/update_to_param_rms``: RMS of this step's parameter change over the parameters' RMS;
+- ``optim/<group>/update_to_param_rms``: RMS of this step's parameter change over the parameters' RMS, both over the
+  parameters the step updated (those with a grad: a frozen or unused parameter in the group is left out, as from
+  ``grad_rms``);
 - ``optim/<group>/grad_rms``: RMS of the gradient as backward left it (``on_after_backward``: before any callback's
   clipping, such as ``AdaptiveGradClip``'s, whatever the callback order, and before Lightning's; unscaled under
   ``16-mixed``, also for optimizers that unscale inside ``step`` such as fused Adam).
@@ -137,7 +139,9 @@ class OptimizerDiagnostics(Callback):
             return
         # (under 32-true Lightning runs the forward/backward closure inside optimizer.step, after this hook)
         self._step = logging_step(trainer)  # this step (Lightning counts it as completed after step() returns)
-        self._before = [[p.detach().clone() for p in group["params"]] for group in optimizer.param_groups]
+        # only what can be updated: a frozen backbone in the group (AdamW(self.parameters())) is not copied
+        self._before = [[(p, p.detach().clone()) for p in group["params"] if p.requires_grad]
+                        for group in optimizer.param_groups]
 
     def _post_step(self, optimizer, args, kwargs, index: int) -> None:
         before, self._before = self._before, None
@@ -158,11 +162,12 @@ class OptimizerDiagnostics(Callback):
         metrics = self._pending
         for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
             name = f"{prefix}/{self._group_name(group, i)}"
-            params = list(group["params"])
-            numel = max(sum(p.numel() for p in params), 1)
-            deltas = [p.detach() - o for p, o in zip(params, old)]
-            update_rms = (_sumsq(deltas) / numel) ** 0.5
-            param_rms = (_sumsq(old) / numel) ** 0.5
+            # the parameters this update changed (with a grad): a frozen or unused one, which the optimizer skips, in
+            # the same group diluted the ratio (a frozen backbone in AdamW(self.parameters()): 3.4x smaller)
+            old = [(p, o) for p, o in old if p.grad is not None]
+            numel = max(sum(p.numel() for p, _ in old), 1)
+            update_rms = (_sumsq([p.detach() - o for p, o in old]) / numel) ** 0.5
+            param_rms = (_sumsq([o for _, o in old]) / numel) ** 0.5
             metrics[f"{name}/update_to_param_rms"] = update_rms / max(param_rms, 1e-30)
             metrics[f"{name}/grad_rms"] = grad_rms[i]
             frac = self._eps_fraction(optimizer, group)
