@@ -1,7 +1,8 @@
 """lit_dtrain's callbacks in a Lightning project of one's own, in the combinations a user sets up beside them: the
-save schedule of ``ModelCheckpoint``, a frozen backbone in the optimizer of ``OptimizerDiagnostics``. Each test checks
-the result (which files were written at which step, the logged value), not only that the run finished. (The basic
-contract is in ``test_callbacks_in_foreign_projects.py``.)"""
+save schedule of ``ModelCheckpoint``, a frozen backbone in the optimizer of ``OptimizerDiagnostics``, two optimizers
+under manual optimization beside the ``FourierSampler``. Each test checks the result (which files were written at
+which step, the logged value, the LR each update used), not only that the run finished. (The basic contract is in
+``test_callbacks_in_foreign_projects.py``.)"""
 
 from __future__ import annotations
 
@@ -121,3 +122,55 @@ def test_optimizer_diagnostics_measures_the_parameters_the_update_changed(tmp_pa
     delta = torch.cat([(p.detach() - before[n]).flatten() for n, p in module.net.named_parameters()])
     old = torch.cat([before[n].flatten() for n, _ in module.net.named_parameters()])
     assert diag.last["optim/0/update_to_param_rms"] == pytest.approx((delta.norm() / old.norm()).item(), rel=1e-5)
+
+
+class TwoOptimizerLM(L.LightningModule):
+    """A user's LM with two optimizers stepped by hand each batch (as Muon + AdamW setups are), returning the keys the
+    FourierSampler reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        token_loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        token_loss = token_loss.view_as(batch["labels"])
+        for opt in self.optimizers():
+            opt.zero_grad()
+        self.manual_backward(token_loss.mean())
+        for opt in self.optimizers():
+            opt.step()
+        return {"loss": token_loss.mean(), "token_loss": token_loss.detach(), "index": batch["index"]}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.embed.parameters(), 0.1), torch.optim.SGD(self.head.parameters(), 0.1)
+
+
+def test_fourier_sampler_stages_follow_the_batches_of_two_optimizers_under_manual_optimization(tmp_path: Path):
+    """Lightning's ``global_step`` counts both optimizers' steps, two a batch: the sampler's stages (LR multiplier,
+    mix, bands) came twice as fast, and at batch 2 the first optimizer's update took the warmup's x0.1 and the second's
+    the ramp's x0.5. Each batch's updates now take the stage of that batch, and the sampler is fed under it."""
+    from lit_dtrain.callbacks import FourierSamplerCallback
+    from tests.unit.test_callbacks_in_foreign_projects import lm_data
+
+    used = []
+
+    class LRs(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # (after the callback's pre-hook, which scales the LR)
+            for k, opt in enumerate(trainer.optimizers):
+                opt.register_step_pre_hook(lambda o, args, kwargs, k=k: used.append(
+                    (trainer.fit_loop.epoch_loop.batch_idx, k, o.param_groups[0]["lr"] / 0.1)))
+
+    data = lm_data(tmp_path)  # FourierSampler(step_unit=1): x0.1 for steps 0-4, then x0.5 (the brief's stages)
+    trainer = L.Trainer(accelerator="cpu", max_steps=24, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[FourierSamplerCallback(), LRs()], default_root_dir=str(tmp_path))
+    trainer.fit(TwoOptimizerLM(), datamodule=data)
+    sampler = data.sampler
+    assert [b for b, _, _ in used] == [b for b in range(12) for _ in (0, 1)]
+    assert [pytest.approx(m) for _, _, m in used] == [sampler.lr_multiplier(b) for b, _, _ in used]
+    assert [m for b, _, m in used if b in (2, 9)] == pytest.approx([0.1, 0.1, 0.5, 0.5])  # (0.1, 0.5 and 1.0, 1.0)
+    assert (sampler.updates, sampler.last_step) == (12, 11)  # (12, 22)

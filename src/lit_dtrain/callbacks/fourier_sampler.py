@@ -19,7 +19,8 @@ loggers (TensorBoard by default), after the steps ``k`` with ``(k + 1) % log_eve
 cadence, so the rows line up with ``train/loss``). With the sampler's ``lag=1``, ``fourier/top_band_energy`` of step
 ``k`` is a value the GPU computes: it is written under step ``k`` once it has reached the host with step ``k``'s
 update, at the end of step ``k + 1`` (the last step's at the end of training), so that logging never waits for
-the GPU either.
+the GPU either. Under manual optimization the step of the sampler's schedules is ``global_step`` over the number of
+optimizers (:func:`sampler_step`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
 from lit_dtrain.data.samplers.fourier import FourierSampler
+
+
+def sampler_step(trainer: L.Trainer) -> int:
+    """The optimizer step of the sampler's schedules (stages, mix, bands): ``global_step``; under manual optimization,
+    where Lightning counts every ``optimizer.step`` (two a batch with two optimizers), ``global_step`` over the number
+    of optimizers, each optimizer's own count of updates when they all step together (with two, the stages came twice
+    as fast and, within one batch, the second optimizer's update could get the next stage's LR multiplier)."""
+    module = getattr(trainer, "lightning_module", None)
+    if module is None or module.automatic_optimization:
+        return trainer.global_step
+    return trainer.global_step // max(len(trainer.optimizers), 1)
 
 
 class FourierSamplerCallback(L.Callback):
@@ -61,6 +73,7 @@ class FourierSamplerCallback(L.Callback):
         self._hooks: list = []
         self._comm_bytes = 0
         self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
+        self._global_at_start = 0  # trainer.global_step then: unchanged at batch end, no optimizer stepped
         self._warned_nonfinite = False
         self._nonfinite_at_start = 0
         self._energy_owed: int | None = None  # lag=1: the logged step whose top_band_energy is still on the device
@@ -116,7 +129,7 @@ class FourierSamplerCallback(L.Callback):
             def pre(opt, args, kwargs):
                 # undone right after the update by _lr_scaling's post-hook, which composes with LossSpikeMonitor's
                 # lr_cooldown in any callback order
-                scale_lrs_for_step(opt, sampler.lr_multiplier(trainer.global_step))
+                scale_lrs_for_step(opt, sampler.lr_multiplier(sampler_step(trainer)))
 
             self._hooks.append(optimizer.register_step_pre_hook(pre))
 
@@ -164,7 +177,7 @@ class FourierSamplerCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         # the optimizer step this micro-batch belongs to: at batch end, global_step has already advanced
         # after the last micro-batch of a step but not after the others
-        self._batch_step = trainer.global_step
+        self._batch_step, self._global_at_start = sampler_step(trainer), trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
@@ -174,7 +187,7 @@ class FourierSamplerCallback(L.Callback):
         # else: training_step returned None, Lightning's way to skip a batch (it hands on {}): nothing to learn from
         sampler = self.sampler_of(trainer)
         step = self._batch_step
-        if trainer.global_step == step:
+        if trainer.global_step == self._global_at_start:
             # mid-accumulation (no optimizer step in this batch; told by the step count rather than batch_idx, which
             # misses the short accumulation window Lightning steps at the end of an epoch): whether the step is
             # applied is known after its optimizer step
