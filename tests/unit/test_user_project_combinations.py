@@ -1,8 +1,8 @@
 """lit_dtrain's callbacks in a Lightning project of one's own, in the combinations a user sets up beside them: the
 save schedule of ``ModelCheckpoint``, a frozen backbone in the optimizer of ``OptimizerDiagnostics``, two optimizers
-under manual optimization beside the ``FourierSampler``. Each test checks the result (which files were written at
-which step, the logged value, the LR each update used), not only that the run finished. (The basic contract is in
-``test_callbacks_in_foreign_projects.py``.)"""
+under manual optimization beside the ``FourierSampler``, per-token losses of the wrong shape. Each test checks the
+result (which files were written at which step, the logged value, the LR each update used, the error's words), not
+only that the run finished. (The basic contract is in ``test_callbacks_in_foreign_projects.py``.)"""
 
 from __future__ import annotations
 
@@ -174,3 +174,56 @@ def test_fourier_sampler_stages_follow_the_batches_of_two_optimizers_under_manua
     assert [pytest.approx(m) for _, _, m in used] == [sampler.lr_multiplier(b) for b, _, _ in used]
     assert [m for b, _, m in used if b in (2, 9)] == pytest.approx([0.1, 0.1, 0.5, 0.5])  # (0.1, 0.5 and 1.0, 1.0)
     assert (sampler.updates, sampler.last_step) == (12, 11)  # (12, 22)
+
+
+class ReshapedOutputs(TwoOptimizerLM):
+    """``training_step`` outputs as user code gets them wrong: ``change`` rewrites ``token_loss`` or ``index``."""
+
+    def __init__(self, change) -> None:
+        super().__init__()
+        self.automatic_optimization, self.change = True, change
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        token_loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        out = {"loss": token_loss.mean(), "token_loss": token_loss.view_as(batch["labels"]), "index": batch["index"]}
+        return {**out, **self.change(out)}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+
+RESHAPED = {  # what the user returned -> what the error says (None: accepted)
+    "flattened": (lambda o: {"token_loss": o["token_loss"].flatten()}, r"'token_loss' is a torch.float32 tensor of "
+                  r"shape \(64,\), not the per-token loss \[B, T\].*\.view_as\(labels\)"),
+    "per_sample": (lambda o: {"token_loss": o["token_loss"].mean(1)}, r"'token_loss' is a .* of shape \(4,\)"),
+    "transposed": (lambda o: {"token_loss": o["token_loss"].t()},
+                   r"'index' holds 4 sample indices for the 16 rows of 'token_loss' \(16, 4\)"),
+    "2d_index": (lambda o: {"index": o["index"][:, None]}, r"'index' is a torch.int64 tensor of shape \(4, 1\)"),
+    "float_index": (lambda o: {"index": o["index"].float()}, r"'index' is a torch.float32 tensor"),
+    "list_index": (lambda o: {"index": o["index"].tolist()}, None),
+}
+
+
+@pytest.mark.parametrize("name", list(RESHAPED))
+def test_fourier_sampler_callback_names_a_token_loss_or_index_of_the_wrong_shape(tmp_path: Path, name: str) -> None:
+    """A flattened ``[B*T]`` or a per-sample ``[B]`` token loss, a 2-D or float ``index``: a ``StepOutputError`` that
+    names the callback, the key, the shape and the fix, at the end of the first step. They raised the sampler's
+    ``ValueError: need token_loss [B, T] and index [B], got (64,) and (4,)``, and a list ``index`` an
+    ``AttributeError: 'list' object has no attribute 'shape'``; a list of integers is now taken as the tensor."""
+    from lit_dtrain.callbacks import FourierSamplerCallback
+    from lit_dtrain.callbacks._contract import StepOutputError
+    from tests.unit.test_callbacks_in_foreign_projects import lm_data
+
+    change, error = RESHAPED[name]
+    data = lm_data(tmp_path)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[FourierSamplerCallback()], default_root_dir=str(tmp_path))
+    if error is None:
+        trainer.fit(ReshapedOutputs(change), datamodule=data)
+        assert data.sampler.updates == 3
+        return
+    with pytest.raises(StepOutputError, match=r"^FourierSamplerCallback: in what training_step returned, " + error):
+        trainer.fit(ReshapedOutputs(change), datamodule=data)
+    assert trainer.global_step == 1 and data.sampler.updates == 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 OUTPUT_KEYS = {
     "loss": "the scalar loss",
     "token_loss": "the per-token loss [B, T], detached (e.g. cross_entropy(..., reduction='none'))",
@@ -60,3 +62,36 @@ def require_outputs(callback, outputs, keys: Iterable[str]) -> None:
             f"{type(callback).__name__} needs training_step to return {missing}; got keys {sorted(outputs)}; "
             f"{_how(missing)}"
         )
+
+
+def _shape(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def require_token_losses(callback, outputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``outputs["token_loss"]`` ``[B, T]`` and ``outputs["index"]`` ``[B]`` (integers; a list is taken as a tensor),
+    checked: a flattened ``[B*T]`` loss, a per-sample ``[B]`` one or a list index failed inside the sampler, with a
+    message that named neither the callback nor the key (``'list' object has no attribute 'shape'``)."""
+    token_loss, index = outputs["token_loss"], outputs["index"]
+    if not isinstance(index, torch.Tensor):
+        try:
+            index = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    rows = token_loss.shape[0] if isinstance(token_loss, torch.Tensor) and token_loss.dim() == 2 else None
+    wrong = []
+    if rows is None:
+        wrong.append(f"'token_loss' is a {_shape(token_loss)}, not {OUTPUT_KEYS['token_loss']}: keep the tokens' "
+                     f"shape, e.g. cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction='none')"
+                     f".view_as(labels)")
+    is_int = isinstance(index, torch.Tensor) and not index.is_floating_point() and not index.is_complex()
+    if not is_int or index.dim() != 1:
+        wrong.append(f"'index' is a {_shape(index)}, not {OUTPUT_KEYS['index']}")
+    elif rows is not None and index.shape[0] != rows:
+        wrong.append(f"'index' holds {index.shape[0]} sample indices for the {rows} rows of 'token_loss' "
+                     f"{tuple(token_loss.shape)}, which must be [B, T] (one row per sample)")
+    if wrong:
+        raise StepOutputError(f"{type(callback).__name__}: in what training_step returned, {'; '.join(wrong)}")
+    return token_loss, index

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
-from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs
+from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs, require_token_losses
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
@@ -183,7 +183,8 @@ class FourierSamplerCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
         if outputs is not None and not (isinstance(outputs, Mapping) and not outputs):
             require_outputs(self, outputs, self.required_step_outputs)
-            self._micro_outputs.append((outputs["token_loss"].detach(), outputs["index"]))
+            token_loss, index = require_token_losses(self, outputs)
+            self._micro_outputs.append((token_loss.detach(), index))
         # else: training_step returned None, Lightning's way to skip a batch (it hands on {}): nothing to learn from
         sampler = self.sampler_of(trainer)
         step = self._batch_step
