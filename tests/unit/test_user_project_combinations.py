@@ -1,8 +1,9 @@
 """lit_dtrain's callbacks in a Lightning project of one's own, in the combinations a user sets up beside them: the
 save schedule of ``ModelCheckpoint``, a frozen backbone in the optimizer of ``OptimizerDiagnostics``, two optimizers
-under manual optimization beside the ``FourierSampler``, per-token losses of the wrong shape. Each test checks the
-result (which files were written at which step, the logged value, the LR each update used, the error's words), not
-only that the run finished. (The basic contract is in ``test_callbacks_in_foreign_projects.py``.)"""
+under manual optimization beside the ``FourierSampler``, per-token losses of the wrong shape, a rollback under
+``OneCycleLR``. Each test checks the result (which files were written at which step, the logged value, the LR each
+update used, the error's words), not only that the run finished. (The basic contract is in
+``test_callbacks_in_foreign_projects.py``.)"""
 
 from __future__ import annotations
 
@@ -227,3 +228,63 @@ def test_fourier_sampler_callback_names_a_token_loss_or_index_of_the_wrong_shape
     with pytest.raises(StepOutputError, match=r"^FourierSamplerCallback: in what training_step returned, " + error):
         trainer.fit(ReshapedOutputs(change), datamodule=data)
     assert trainer.global_step == 1 and data.sampler.updates == 0
+
+
+class CycledMomentum(L.LightningModule):
+    """AdamW under ``OneCycleLR``, which cycles beta1 with the LR; dict batches with ``index``; the loss of
+    ``spike_at`` x1000."""
+
+    def __init__(self, spike_at: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.spike_at = nn.Linear(4, 1), spike_at
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch["x"]), batch["y"])
+        return loss * 1000 if self.global_step == self.spike_at else loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=16, base_momentum=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+class IndexedPairs(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "index": i}
+
+
+def _hparams_used(tmp_path: Path, spike_at: int | None) -> tuple[list, list]:
+    from lit_dtrain.callbacks import LossSpikeMonitor
+
+    used = []
+
+    class Used(L.Callback):  # each update's LR and beta1 (a pre-hook: no callback here scales them)
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_pre_hook(
+                lambda o, args, kwargs: used.append((o.param_groups[0]["lr"], o.param_groups[0]["betas"][0])))
+
+    monitor = LossSpikeMonitor(actions=["rollback"], warmup_steps=3, z_threshold=None, rel_threshold=5.0,
+                               snapshot_every=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[Used(), monitor])
+    trainer.fit(CycledMomentum(spike_at), DataLoader(IndexedPairs(), batch_size=4))
+    return used, [(e["step"], e["rolled_back_to"]) for e in monitor.events]
+
+
+def test_a_rollback_keeps_the_momentum_a_one_cycle_schedule_set(tmp_path: Path) -> None:
+    """A rollback restores the weights and optimizer moments of an older step, not its schedule: each update uses
+    the LR and the beta1 that ``OneCycleLR`` set for its step, as in a run without the spike. The step after the
+    rollback took the snapshot's beta1 (0.041 off the schedule's), the LR already the schedule's."""
+    straight, events = _hparams_used(tmp_path / "a", None)
+    assert events == []
+    rolled, events = _hparams_used(tmp_path / "b", 9)
+    assert events == [(9, 8)]
+    assert [x for pair in rolled for x in pair] == pytest.approx([x for pair in straight for x in pair])

@@ -3,7 +3,9 @@
 Used by ``LossSpikeMonitor``'s ``rollback`` action. A snapshot is a deep copy with every tensor cloned to
 CPU, so restoring it with the modules' own ``load_state_dict`` is bit-exact and keeps the parameter objects
 the optimizer refers to. LR schedulers are not part of it: the schedule follows the step count, so after a
-restore every param group keeps the LR it holds *now* (its scheduler's, or a schedule callback's). A
+restore every param group keeps the scheduled hyperparameters it holds *now* (:data:`SCHEDULED`: the LR, and the
+momentum/betas that ``OneCycleLR``/``CyclicLR`` cycle with it; the optimizer's other group entries, such as
+Prodigy's learned ``d``, come from the snapshot). A
 strategy that keeps state of its own between steps (``CompressedDDPStrategy``: error-feedback residuals,
 PowerSGD's warm start, DiLoCo's outer parameters) is snapshotted through ``comm_local_state_dict`` /
 ``load_comm_local_state_dict``, no collective involved. Snapshots are not checkpointed: after a resume the
@@ -43,15 +45,21 @@ def load_scaler_state(trainer, state: dict | None) -> None:
         scaler.load_state_dict(state)
 
 
-def current_lrs(trainer) -> list[list[float]]:
-    """Every param group's LR as the schedule set it now (an LR scheduler or a callback such as WSDScheduler)."""
-    return [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
+"""The param-group entries a schedule sets by the step count (torch's LR schedulers: the LR; ``OneCycleLR`` and
+``CyclicLR`` with ``cycle_momentum``: ``momentum`` or ``betas``; a weight-decay schedule of one's own)."""
 
 
-def set_lrs(trainer, lrs: list[list[float]]) -> None:
-    for opt, opt_lrs in zip(trainer.optimizers, lrs):
-        for group, lr in zip(opt.param_groups, opt_lrs):
-            group["lr"] = lr
+def current_hparams(trainer) -> list[list[dict]]:
+    """Every param group's :data:`SCHEDULED` entries as the schedule set them now (an LR scheduler or a callback such
+    as WSDScheduler)."""
+    return [[{k: g[k] for k in SCHEDULED if k in g} for g in opt.param_groups] for opt in trainer.optimizers]
+
+
+def set_hparams(trainer, hparams: list[list[dict]]) -> None:
+    for opt, opt_hparams in zip(trainer.optimizers, hparams):
+        for group, values in zip(opt.param_groups, opt_hparams):
+            group.update(values)
 
 
 def capture(trainer) -> dict:
@@ -67,16 +75,18 @@ def capture(trainer) -> dict:
 
 
 def restore(trainer, snapshot: dict) -> None:
-    """Load ``snapshot`` back; the LRs stay those of the current step's schedule.
+    """Load ``snapshot`` back; the LRs (and the other :data:`SCHEDULED` entries) stay those of the current step's
+    schedule.
 
     The optimizer state holds the snapshot's LRs; the ones set now are put back, whoever set them (an LR
     scheduler, or a callback that had already set the next step's LR, which ``LearningRateMonitor`` logs at
-    the next batch start before that callback sets it again)."""
-    lrs = current_lrs(trainer)
+    the next batch start before that callback sets it again). So are the momentum/betas: ``OneCycleLR``'s step
+    after a rollback took the snapshot's beta1 (0.846 for the schedule's 0.888)."""
+    hparams = current_hparams(trainer)
     trainer.lightning_module.load_state_dict(snapshot["model"], strict=True)
     for opt, state in zip(trainer.optimizers, snapshot["optimizers"]):
         opt.load_state_dict(copy.deepcopy(state))
-    set_lrs(trainer, lrs)
+    set_hparams(trainer, hparams)
     load_scaler_state(trainer, snapshot["scaler"])
     if snapshot["strategy"] is not None:
         trainer.strategy.load_comm_local_state_dict(to_cpu(snapshot["strategy"]))
