@@ -15,9 +15,9 @@ from lit_dtrain.data.corpus import CorpusError
 READ_CHUNK_BYTES = 1 << 26  # corpus files are read 64 MB at a time: a huge file never is in memory whole
 
 
-def _chunks(path: Path):
-    """The bytes of ``path``, READ_CHUNK_BYTES at a time, without a UTF-8 byte-order mark at its start;
-    :class:`CorpusError` naming a file that cannot be read.
+def _chunks(path: Path, left_out: list[int] | None = None):
+    """The bytes of ``path``, READ_CHUNK_BYTES at a time, without a UTF-8 byte-order mark at its start (its length
+    is appended to ``left_out`` when one was dropped); :class:`CorpusError` naming a file that cannot be read.
 
     A BOM (EF BB BF, which Windows editors write) is a signature, not text: read as it is, every such document
     began with those 3 tokens after EOS, so the model learned to emit them (an invisible U+FEFF) at each document
@@ -29,6 +29,8 @@ def _chunks(path: Path):
             chunk = f.read(max(size, len(codecs.BOM_UTF8)))
             if chunk.startswith(codecs.BOM_UTF8):
                 chunk = chunk[len(codecs.BOM_UTF8) :]
+                if left_out is not None:
+                    left_out.append(len(codecs.BOM_UTF8))
             while chunk:
                 yield chunk
                 chunk = f.read(size)
@@ -36,15 +38,16 @@ def _chunks(path: Path):
         raise CorpusError(f"cannot read corpus file {str(path)!r}: {e.strerror or e}") from e
 
 
-def _hash_file(path: Path) -> tuple[bytes, int, bytes]:
-    """``(sha256 digest, size, first 8192 bytes)`` of ``path``, read in chunks."""
-    digest, size, head = hashlib.sha256(), 0, b""
-    for chunk in _chunks(path):
+def _hash_file(path: Path) -> tuple[bytes, int, bytes, int]:
+    """``(sha256 digest, size, first 8192 bytes, start)`` of ``path``'s text, read in chunks: ``start`` is the
+    offset in the file where the text (and ``head``) starts, 3 after a UTF-8 byte-order mark, else 0."""
+    digest, size, head, left_out = hashlib.sha256(), 0, b"", []
+    for chunk in _chunks(path, left_out):
         digest.update(chunk)
         size += len(chunk)
         if len(head) < 8192:
             head = (head + chunk[:8192])[:8192]
-    return digest.digest(), size, head
+    return digest.digest(), size, head, sum(left_out)
 
 
 _BOMS = (  # UTF-32 first: its little-endian BOM starts with UTF-16's

@@ -86,7 +86,7 @@ def build_token_cache(
     first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
     copies: list[tuple[Path, Path]] = []
     for path in bar:
-        digest, size, head = _hash_file(path)
+        digest, size, head, start = _hash_file(path)
         if not size:
             empty += 1
             continue
@@ -96,7 +96,7 @@ def build_token_cache(
         elif b"\0" in head:
             binary.append(path)
         elif (bad := _not_utf8_at(head)) is not None:
-            not_utf8.append((path, bad, head[bad]))
+            not_utf8.append((path, start + bad, head[bad]))  # an offset in the file, as `cmp`/`xxd` count
         if first_with.setdefault(digest, path) is not path:
             copies.append((path, first_with[digest]))
         key_hash.update(digest)
