@@ -4,7 +4,8 @@ Tokenization runs once: the token streams are written under ``cache_dir/<key>/``
 the tokenizer, the split settings and every document's bytes. A changed corpus gets a new key (and is
 rebuilt); an unchanged one is reused, once its files' sizes and CRC-32s match those in its ``meta.json``
 (a damaged cache is rebuilt). Writes are atomic (temporary directory + rename), so an
-interrupted build never leaves a half-written cache behind; the temp dir of a killed build is removed by a
+interrupted build never leaves a half-written cache behind; a build stopped by SIGTERM or SIGHUP removes its temp
+dir (:mod:`~lit_dtrain.data.build_signals`), and the temp dir of a killed build is removed by a
 later build (see :func:`_remove_stale_temp_dirs`).
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
@@ -244,7 +246,8 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
         return _tokenize_into(tmp, docs, tokenizer, val_fraction, min_tokens, source, progress)
 
     try:
-        meta = _write_cache_files(out_dir, fill, tokenizer, source)
+        with unwound_by_stop_signals():  # SIGTERM/SIGHUP: the temp dir is removed before the process ends
+            meta = _write_cache_files(out_dir, fill, tokenizer, source)
     except OSError as e:  # disk full, read-only or missing cache dir ...
         reason = e.strerror or str(e)
         if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
