@@ -1094,9 +1094,9 @@ def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, m
     reads = {}
     real_chunks = reading_mod._chunks
 
-    def chunks(path):
+    def chunks(path, *args):
         reads[path] = reads.get(path, 0) + 1
-        yield from real_chunks(path)
+        yield from real_chunks(path, *args)
         if path.name == "doc_001.txt" and reads[path] == 2:
             yield b"appended meanwhile"
 
