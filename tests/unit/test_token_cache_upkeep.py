@@ -90,3 +90,142 @@ def test_an_ignored_sighup_during_a_cache_build_stays_ignored(tmp_path):
     assert proc.returncode == 0, err
     assert "built" in out
     assert [p.name.startswith("x-") for p in (tmp_path / "cache").iterdir()] == [True]
+
+
+def _caches(cache_dir, name="x"):
+    return sorted(p.name for p in cache_dir.iterdir() if p.name.startswith(f"{name}-"))
+
+
+def _edit(corpus, i):
+    (corpus / "edited.txt").write_text(f"edit number {i}\n" * 40)
+
+
+def test_old_caches_of_an_edited_corpus_are_pruned_to_the_most_recently_used(tmp_path, caplog):
+    """Each edit of a corpus left a new cache beside the old ones (about twice the corpus' size each) and nothing
+    removed them. With keep=2 the cache dir holds the 2 most recently used caches of a source name; the removal is
+    logged with the bytes freed; another source name's caches are not counted against it."""
+    import gc
+    import os
+    import time
+
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    cache = tmp_path / "cache"
+    other = build_token_cache(files_source(corpus, "other"), cache, min_tokens=9, progress=False, keep=1)
+    keys = []
+    for i in range(4):
+        _edit(corpus, i)
+        with caplog.at_level("INFO"):
+            splits = build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=2)
+        keys.append(os.path.basename(os.path.dirname(splits.train.filename)))
+        del splits
+        gc.collect()  # released: no longer in use
+        time.sleep(0.02)  # distinct mtimes
+    assert _caches(cache) == sorted(keys[-2:])
+    assert len(set(keys)) == 4
+    assert _caches(cache, "other") == [os.path.basename(os.path.dirname(other.train.filename))]
+    assert "token caches of data source 'x': removed 1 not among the 2 most recently used" in caplog.text
+    assert keys[0] in caplog.text and " MB, last used " in caplog.text
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # nothing left aside
+
+    # a reuse counts as a use: the older of the two is reused, then a new edit removes the other one
+    _edit(corpus, 2)
+    build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=2)
+    gc.collect()
+    time.sleep(0.02)
+    _edit(corpus, 9)
+    newest = build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=2)
+    assert _caches(cache) == sorted([keys[2], os.path.basename(os.path.dirname(newest.train.filename))])
+
+
+def test_a_cache_in_use_by_a_live_process_is_never_pruned(tmp_path, caplog):
+    """A run that trains on a cache holds it (a shared lock on its dir, while its TokenSplits lives): another
+    process's pruning leaves it and says so. Once that process is gone, it is pruned."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    cache = tmp_path / "cache"
+    _edit(corpus, 0)
+    script = (
+        "import sys\nfrom lit_dtrain.data import CorpusSource, build_token_cache\n"
+        f"s = build_token_cache(CorpusSource(name='x', kind='files', paths=[{str(corpus)!r}]), {str(cache)!r}, "
+        "min_tokens=9, progress=False)\nprint('held', flush=True)\nsys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    holder = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        held = _caches(cache)
+        _edit(corpus, 1)
+        with caplog.at_level("INFO"):
+            build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=1)
+        assert held[0] in _caches(cache) and len(_caches(cache)) == 2
+        assert f"kept 1 in use by another process beyond data.cache_keep=1: {held[0]}" in caplog.text
+    finally:
+        holder.communicate("", timeout=60)
+    build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=1)
+    assert held[0] not in _caches(cache) and len(_caches(cache)) == 1
+
+
+def test_a_cache_pruned_between_its_check_and_its_hold_is_built_again(tmp_path, monkeypatch):
+    """If another process prunes the cache after this one found it intact and before it holds it, the load does
+    not memory-map a removed cache: it builds it again."""
+    from lit_dtrain.data import cache_pruning, token_cache
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    cache = tmp_path / "cache"
+    first = build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False)
+    expected = first.train.tolist()
+    del first
+    real_hold, calls = cache_pruning.hold_cache, []
+
+    def hold_after_a_prune(out_dir):
+        calls.append(out_dir)
+        if len(calls) == 1:
+            token_cache._discard(out_dir)  # what a pruner does, between the check and the hold
+        return real_hold(out_dir)
+
+    monkeypatch.setattr(token_cache, "hold_cache", hold_after_a_prune)
+    again = build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False)
+    assert len(calls) == 2 and again.train.tolist() == expected
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, "2"])
+def test_cache_keep_must_be_a_positive_whole_number(tmp_path, keep):
+    from lit_dtrain.data import LMDataModule
+
+    with pytest.raises((ValueError, TypeError), match="data.cache_keep"):
+        LMDataModule(cache_dir=str(tmp_path), cache_keep=keep)
+
+
+def test_token_splits_copy_and_pickle_without_their_hold(tmp_path):
+    """A copy of a loaded cache (pickled to a spawned process, deepcopied) holds no lock of its own: releasing it
+    leaves the original's hold, so the cache stays protected while the original lives."""
+    import copy
+    import fcntl
+    import os
+    import pickle
+
+    from tests.conftest import make_corpus
+
+    splits = build_token_cache(files_source(make_corpus(tmp_path / "c", n_files=3)), tmp_path / "cache", min_tokens=9,
+                               progress=False)
+    for twin in (copy.deepcopy(splits), pickle.loads(pickle.dumps(splits))):
+        assert twin.hold is not None and twin.train.tolist() == splits.train.tolist()
+        twin.hold.release()
+        del twin
+    fd = os.open(os.path.dirname(splits.train.filename), os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):  # still held
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        splits.hold.release()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the original
+    finally:
+        os.close(fd)

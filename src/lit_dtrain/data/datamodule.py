@@ -81,6 +81,8 @@ class LMDataModule(L.LightningDataModule):
         val_fraction: share of documents held out for validation (deterministic, by content hash).
         max_val_windows: cap on validation windows per source (evenly spaced over the val stream).
         cache_dir: where token caches live.
+        cache_keep: token caches kept per source name in ``cache_dir``, the most recently used (one in use by a live
+            process is never removed); None keeps every one.
         sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.
     """
 
@@ -97,6 +99,7 @@ class LMDataModule(L.LightningDataModule):
         sampler: IndexSampler | None = None,
         tokenizer: ByteTokenizer | None = None,
         progress: bool = True,
+        cache_keep: int | None = 4,
     ) -> None:
         super().__init__()
         if sources is None:
@@ -133,6 +136,7 @@ class LMDataModule(L.LightningDataModule):
                 "paths.cache_dir: LIT_DTRAIN_CACHE, or ~/.cache/lit_dtrain)"
             )
         self.cache_dir, self.progress = cache_dir, progress
+        self.cache_keep = None if cache_keep is None else check_int("data.cache_keep", cache_keep, minimum=1)
         self.tokenizer = tokenizer or ByteTokenizer()
         self.sampler = sampler if sampler is not None else RandomSampler()
         minimum = self.sampler.min_block_size  # here, before any corpus is read: not at the first sampler update
@@ -153,7 +157,8 @@ class LMDataModule(L.LightningDataModule):
         if self.splits:
             return
         self.splits = [
-            build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress)
+            build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress,
+                              keep=self.cache_keep)
             for s in self.sources
         ]
 

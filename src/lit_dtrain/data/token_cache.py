@@ -20,7 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
+from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.tokenizer import ByteTokenizer
@@ -54,6 +55,7 @@ class TokenSplits:
     train: np.ndarray
     val: np.ndarray
     meta: dict
+    hold: CacheHold | None = field(default=None, repr=False, compare=False)  # the cache is in use while this lives
 
 
 def _is_val_doc(content_digest: bytes, val_fraction: float) -> bool:
@@ -67,12 +69,15 @@ def build_token_cache(
     val_fraction: float = 0.01,
     tokenizer: ByteTokenizer | None = None,
     progress: bool = True,
+    keep: int | None = None,
 ) -> TokenSplits:
     """Tokenize ``source`` into ``cache_dir`` (or reuse a cache with the same content key).
 
     ``min_tokens`` is one training window (``block_size + 1``): each split must hold at least that.
     Documents go to val when a hash of their bytes falls under ``val_fraction``; if that leaves val (or
     train) too short, the tail of the token stream is used for val instead, so tiny corpora still work.
+    ``keep``: the caches of this source's name kept in ``cache_dir`` (the most recently used; those another
+    process holds too), None for all (see :mod:`~lit_dtrain.data.cache_pruning`).
     """
     tokenizer = tokenizer or ByteTokenizer()
     if not 0.0 < val_fraction < 1.0:
@@ -153,19 +158,26 @@ def build_token_cache(
     key = key_hash.hexdigest()[:24]
     out_dir = Path(cache_dir).expanduser() / f"{source.name}-{key}"
     _remove_stale_temp_dirs(out_dir.parent)
-    # a cache dir without meta.json is damaged too: a build renames its temp dir here with meta.json inside
-    if os.path.lexists(out_dir) and (problem := cache_problem(out_dir)) is not None:
-        # truncated or damaged after it was built: never train on it
-        _discard(out_dir)
-        if os.path.lexists(out_dir) and cache_problem(out_dir) is not None:  # not moved aside
-            raise CorpusError(
-                f"the token cache {str(out_dir)!r} of data source {source.name!r} is damaged ({problem}) and cannot be "
-                f"moved aside to rebuild it (is {str(out_dir.parent)!r} read-only?): delete {str(out_dir)!r}, or point "
-                "LIT_DTRAIN_CACHE (paths.cache_dir) at a writable directory"
-            )
-        log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
-    if not (out_dir / "meta.json").exists():
-        _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
+    for _ in range(3):  # again when another process prunes the cache between its check and the hold
+        # a cache dir without meta.json is damaged too: a build renames its temp dir here with meta.json inside
+        if os.path.lexists(out_dir) and (problem := cache_problem(out_dir)) is not None:
+            # truncated or damaged after it was built: never train on it
+            _discard(out_dir)
+            if os.path.lexists(out_dir) and cache_problem(out_dir) is not None:  # not moved aside
+                raise CorpusError(
+                    f"the token cache {str(out_dir)!r} of data source {source.name!r} is damaged ({problem}) and "
+                    f"cannot be moved aside to rebuild it (is {str(out_dir.parent)!r} read-only?): delete "
+                    f"{str(out_dir)!r}, or point LIT_DTRAIN_CACHE (paths.cache_dir) at a writable directory"
+                )
+            log.warning("token cache %s is damaged (%s); rebuilding it", out_dir, problem)
+        if not (out_dir / "meta.json").exists():
+            _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, progress)
+        if (hold := hold_cache(out_dir)) is not None:  # in use: never pruned while this process holds it
+            break
+    else:
+        raise CorpusError(f"the token cache {str(out_dir)!r} of data source {source.name!r} was removed by another "
+                          "process each of the 3 times this one built it: is another run pruning its cache dir with "
+                          "data.cache_keep that low?")
     meta = with_crc32s(out_dir, json.loads((out_dir / "meta.json").read_text()))
     train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
@@ -174,7 +186,9 @@ def build_token_cache(
                     "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
                     "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
                     source.name, val_fraction, min_tokens, len(val))
-    return TokenSplits(source.name, train, val, meta)
+    if keep is not None:
+        prune_caches(out_dir, source.name, keep, _discard)
+    return TokenSplits(source.name, train, val, meta, hold)
 
 
 _TEMP_DIR = re.compile(r"\.\w[\w.+-]*-[0-9a-f]{24}\.(?P<suffix>[^.]+)")  # .<source name>-<key>.<suffix>

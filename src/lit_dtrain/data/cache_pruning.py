@@ -1,0 +1,123 @@
+"""How many token caches a cache dir keeps: each load marks its cache as used (its dir's mtime) and holds a shared
+lock on it while it is in use; then the caches of the same source name beyond the ``keep`` most recently used are
+removed, except those that another process holds (a run training on it, a build that just finished).
+
+Each edit of a corpus gives it a new cache (about twice the corpus' size, the key hashes every byte), and nothing
+removed the old ones: ten edits of a 5 GB corpus left 100 GB under the cache dir. Caches are counted per source
+name, so the caches of other corpora (a mixture's other sources, another project's) never push each other out; a
+sweep over ``data.block_size`` or ``data.val_fraction`` makes one cache per value, which ``keep`` should cover.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("lit_dtrain.data.corpus")  # the token cache's logger
+
+_CACHE_DIR = re.compile(r"(?P<name>\w[\w.+-]*)-[0-9a-f]{24}")  # <source name>-<key>: a built cache's dir
+
+
+class CacheHold:
+    """A shared ``flock`` on a cache dir, held while this object lives (a :class:`TokenSplits` keeps it): a pruner
+    in another process takes an exclusive one first, so it never removes a cache in use. On a file system without
+    locks the hold is empty (and a pruner, unable to lock either, removes nothing)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._finalizer = weakref.finalize(self, os.close, fd) if fd is not None else None
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __reduce__(self):  # a copy (pickled to a spawned process, deepcopied) holds nothing: the lock is this one's
+        return CacheHold, (None,)
+
+
+def hold_cache(out_dir: Path) -> CacheHold | None:
+    """Hold the built cache in ``out_dir`` and mark it used now; None when it is gone (another process pruned or
+    discarded it between its check and this lock: the caller builds it again)."""
+    try:
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    hold = CacheHold(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a pruner moves it aside
+    except OSError:  # no locks here (some network file systems): nothing to protect it with
+        pass
+    try:
+        here, held = os.stat(out_dir), os.fstat(fd)
+        same = (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino) and (out_dir / "meta.json").exists()
+    except OSError:
+        same = False
+    if not same:  # moved aside while this process waited for the lock
+        hold.release()
+        return None
+    try:
+        os.utime(out_dir)  # the last use, which pruning orders by
+    except OSError:  # a shared cache dir of another user: its order stays that of its last writer
+        pass
+    return hold
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for child in path.iterdir():
+        try:
+            total += child.lstat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def prune_caches(out_dir: Path, name: str, keep: int, discard: Callable[[Path], None]) -> None:
+    """Remove the caches of source ``name`` beside ``out_dir`` (the one this process just loaded, always kept) that
+    are not among the ``keep`` most recently used and that no live process holds; ``discard`` moves one aside
+    atomically and deletes it. Logs what was removed, and what was left because it is in use."""
+    others = []
+    try:
+        for path in out_dir.parent.iterdir():
+            match = _CACHE_DIR.fullmatch(path.name)
+            if match and match["name"] == name and path.name != out_dir.name and not path.is_symlink():
+                try:
+                    others.append((path.stat().st_mtime, path))
+                except OSError:
+                    continue
+    except OSError:
+        return
+    others.sort(reverse=True)
+    removed, freed, in_use = [], 0, []
+    for mtime, path in others[max(keep - 1, 0) :]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # removed meanwhile, or not a directory
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held by a live process (or locks do not work here: then it cannot be told, so kept)
+                in_use.append(path.name)
+                continue
+            size = _size(path)
+            discard(path)
+            if not os.path.lexists(path):
+                used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
+                removed.append(f"{path.name} ({size / 1e6:.1f} MB, last used {used})")
+                freed += size
+        finally:
+            os.close(fd)
+    if removed:
+        log.info(
+            "token caches of data source %r: removed %d not among the %d most recently used (data.cache_keep), "
+            "freeing %.1f MB: %s", name, len(removed), keep, freed / 1e6, ", ".join(removed),
+        )
+    if in_use:
+        log.info("token caches of data source %r: kept %d in use by another process beyond data.cache_keep=%d: %s",
+                 name, len(in_use), keep, ", ".join(in_use))
