@@ -229,3 +229,34 @@ def test_token_splits_copy_and_pickle_without_their_hold(tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the original
     finally:
         os.close(fd)
+
+
+def test_caches_that_cannot_be_locked_are_kept_and_said_so(tmp_path, monkeypatch, caplog):
+    """Where the file system has no locks (NFS refuses an exclusive flock on a read-only fd: EBADF), whether a cache
+    is in use cannot be told: it is kept, and the log says why (not 'in use by another process')."""
+    import errno
+    import fcntl
+    import gc
+
+    from lit_dtrain.data import cache_pruning
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    _edit(corpus, 0)
+    build_token_cache(files_source(corpus), tmp_path / "cache", min_tokens=9, progress=False)
+    gc.collect()
+
+    real_flock = fcntl.flock
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(cache_pruning.fcntl, "flock", flock)
+    _edit(corpus, 1)
+    with caplog.at_level("INFO"):
+        build_token_cache(files_source(corpus), tmp_path / "cache", min_tokens=9, progress=False, keep=1)
+    assert len(_caches(tmp_path / "cache")) == 2
+    assert "kept 1 beyond data.cache_keep=1, which cannot be locked here" in caplog.text
+    assert "Bad file descriptor" in caplog.text and "in use by another process" not in caplog.text

@@ -93,7 +93,7 @@ def prune_caches(out_dir: Path, name: str, keep: int, discard: Callable[[Path], 
     except OSError:
         return
     others.sort(reverse=True)
-    removed, freed, in_use = [], 0, []
+    removed, freed, in_use, unlockable = [], 0, [], []
     for mtime, path in others[max(keep - 1, 0) :]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -102,8 +102,11 @@ def prune_caches(out_dir: Path, name: str, keep: int, discard: Callable[[Path], 
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # held by a live process (or locks do not work here: then it cannot be told, so kept)
+            except BlockingIOError:  # held by a live process
                 in_use.append(path.name)
+                continue
+            except OSError as e:  # no locks on this file system (NFS: EBADF): whether it is in use cannot be told
+                unlockable.append(f"{path.name} ({e.strerror or e})")
                 continue
             size = _size(path)
             discard(path)
@@ -121,3 +124,6 @@ def prune_caches(out_dir: Path, name: str, keep: int, discard: Callable[[Path], 
     if in_use:
         log.info("token caches of data source %r: kept %d in use by another process beyond data.cache_keep=%d: %s",
                  name, len(in_use), keep, ", ".join(in_use))
+    if unlockable:
+        log.info("token caches of data source %r: kept %d beyond data.cache_keep=%d, which cannot be locked here to "
+                 "tell whether a process uses them: %s", name, len(unlockable), keep, ", ".join(unlockable))
