@@ -274,3 +274,23 @@ def _file_identity(path: Path) -> object:
     except OSError:  # gone meanwhile: reading it names it
         return os.path.realpath(path)
     return (st.st_dev, st.st_ino) if st.st_nlink > 1 else os.path.realpath(path)
+
+
+def leave_out_cache_files(source: CorpusSource, files: list[Path], cache_dir: str | os.PathLike) -> list[Path]:
+    """``files`` without those under the token cache dir ``cache_dir``: a cache dir inside a corpus directory
+    (``paths=[.]`` with ``LIT_DTRAIN_CACHE=./cache``) made each run train on the token files of the run before it (as
+    'UTF-16LE text': a uint16 token stream), a new cache every run, the corpus three times larger each time."""
+    cache = os.path.realpath(os.path.expanduser(os.fspath(cache_dir)))
+    kept, inside = [], []
+    for f in files:
+        (inside if os.path.commonpath([cache, os.path.realpath(f)]) == cache else kept).append(f)
+    if inside:
+        left_out = inside[0]
+        if not kept:
+            raise CorpusError(
+                f"data source {source.name!r}: its {len(files)} file(s) are all under the token cache dir {cache!r} "
+                f"(e.g. {str(left_out)!r}), which holds token caches, not corpus text"
+            )
+        log.warning("data source %r: left out %d file(s) under the token cache dir %s (token caches, not corpus text), "
+                    "e.g. %s", source.name, len(inside), cache, left_out)
+    return kept

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_cache_files, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.tokenizer import ByteTokenizer
 from lit_dtrain.utils.atomic import pid_alive
@@ -83,6 +83,8 @@ def build_token_cache(
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     files = resolve_files(source)
+    if source.kind == "files":
+        files = leave_out_cache_files(source, files, cache_dir)
     key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}|{val_fraction}|{min_tokens}".encode())
     docs: list[tuple[Path, bytes]] = []  # (file, sha256 of its bytes): the bytes are read again to tokenize
     empty = 0
