@@ -275,7 +275,8 @@ def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
             splits = build_token_cache(files_source(corpus), corpus / "cache", min_tokens=9, progress=False)
         sizes.append((splits.meta["documents"], len(splits.train) + len(splits.val), splits.train.filename))
     assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] == 3
-    assert "left out 3 file(s) under the token cache dir" in caplog.text and "UTF-16" not in caplog.text
+    assert "left out 3 file(s) under " in caplog.text and "(token caches, not corpus text)" in caplog.text
+    assert "UTF-16" not in caplog.text
 
 
 def test_a_corpus_that_is_only_the_cache_dir_is_refused(tmp_path):
@@ -284,5 +285,30 @@ def test_a_corpus_that_is_only_the_cache_dir_is_refused(tmp_path):
 
     corpus = make_corpus(tmp_path / "corpus", n_files=3)
     build_token_cache(files_source(corpus), tmp_path / "cache", min_tokens=9, progress=False)
-    with pytest.raises(CorpusError, match=r"data source 'x': its 3 file\(s\) are all under the token cache dir"):
+    match = r"data source 'x': its 3 file\(s\) are all under '.*cache' .*which holds token caches"
+    with pytest.raises(CorpusError, match=match):
         build_token_cache(files_source(tmp_path / "cache"), tmp_path / "cache", min_tokens=9, progress=False)
+
+
+def test_the_run_outputs_inside_a_corpus_dir_are_not_read_as_corpus(tmp_path, caplog):
+    """paths=[.] from a project dir that holds outputs/: the previous runs' checkpoints and logs were corpus text,
+    and the run's own train.log, written while the corpus was read, failed the build with 'changed while the token
+    cache ... was built; run again', which no rerun fixes. data.exclude_dirs (the configs: the run outputs' root)
+    leaves them out; the configs pass paths.log_dir."""
+    from lit_dtrain.data import LMDataModule
+    from tests.conftest import compose_cfg, make_corpus
+
+    corpus = make_corpus(tmp_path / "proj", n_files=3)
+    run = corpus / "outputs" / "runs" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"PK\0\0" * 1000)
+    (run / "train.log").write_text("[INFO] step 1 loss 5.5\n" * 100)
+    with caplog.at_level("WARNING"):
+        dm = LMDataModule(sources=[files_source(corpus)], block_size=8, cache_dir=str(tmp_path / "cache"),
+                          progress=False, exclude_dirs=str(corpus / "outputs"))
+        dm.prepare_data()
+    assert dm.splits[0].meta["documents"] == 3
+    assert "left out 2 file(s) under" in caplog.text and "run outputs (data.exclude_dirs)" in caplog.text
+    assert "look binary" not in caplog.text
+    cfg = compose_cfg([], tmp_path / "run", corpus)
+    assert list(cfg.data.exclude_dirs) == [cfg.paths.log_dir] and cfg.paths.log_dir

@@ -276,21 +276,27 @@ def _file_identity(path: Path) -> object:
     return (st.st_dev, st.st_ino) if st.st_nlink > 1 else os.path.realpath(path)
 
 
-def leave_out_cache_files(source: CorpusSource, files: list[Path], cache_dir: str | os.PathLike) -> list[Path]:
-    """``files`` without those under the token cache dir ``cache_dir``: a cache dir inside a corpus directory
-    (``paths=[.]`` with ``LIT_DTRAIN_CACHE=./cache``) made each run train on the token files of the run before it (as
-    'UTF-16LE text': a uint16 token stream), a new cache every run, the corpus three times larger each time."""
-    cache = os.path.realpath(os.path.expanduser(os.fspath(cache_dir)))
-    kept, inside = [], []
-    for f in files:
-        (inside if os.path.commonpath([cache, os.path.realpath(f)]) == cache else kept).append(f)
-    if inside:
-        left_out = inside[0]
+def leave_out_dirs(source: CorpusSource, files: list[Path], dirs: dict[str, str]) -> list[Path]:
+    """``files`` without those under the directories ``dirs`` (``{directory: what it holds}``, e.g. the token cache dir:
+    'token caches'), each left out with a warning; :class:`CorpusError` when nothing else is left.
+
+    A token cache dir inside a corpus directory (``paths=[~/work]``, ``LIT_DTRAIN_CACHE=~/work/cache``) made each
+    run train on the token files of the run before it (as 'UTF-16LE text': a uint16 token stream), a new cache every
+    run of a corpus three times larger; a run output dir inside it (``paths=[.]`` from the project dir) put the
+    previous runs' checkpoints and logs in the corpus, and the run's own ``train.log``, written while the corpus was
+    read, failed the build with 'changed while the token cache ... was built; run again', which no rerun fixes."""
+    kept, real = list(files), {f: os.path.realpath(f) for f in files}
+    for directory, what in dirs.items():
+        top = os.path.realpath(os.path.expanduser(os.fspath(directory)))
+        inside = [f for f in kept if os.path.commonpath([top, real[f]]) == top]
+        if not inside:
+            continue
+        kept = [f for f in kept if os.path.commonpath([top, real[f]]) != top]
         if not kept:
             raise CorpusError(
-                f"data source {source.name!r}: its {len(files)} file(s) are all under the token cache dir {cache!r} "
-                f"(e.g. {str(left_out)!r}), which holds token caches, not corpus text"
+                f"data source {source.name!r}: its {len(files)} file(s) are all under {top!r} (e.g. "
+                f"{str(inside[0])!r}), which holds {what}, not corpus text"
             )
-        log.warning("data source %r: left out %d file(s) under the token cache dir %s (token caches, not corpus text), "
-                    "e.g. %s", source.name, len(inside), cache, left_out)
+        log.warning("data source %r: left out %d file(s) under %s (%s, not corpus text), e.g. %s", source.name,
+                    len(inside), top, what, inside[0])
     return kept

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import socket
 import warnings
 from collections.abc import Iterable, Mapping
@@ -83,6 +84,8 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: where token caches live.
         cache_keep: token caches kept per source name in ``cache_dir``, the most recently used (one in use by a live
             process is never removed); None keeps every one.
+        exclude_dirs: directories whose files are never corpus text (the configs give the run outputs' root); the
+            files under ``cache_dir`` never are either.
         sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.
     """
 
@@ -100,6 +103,7 @@ class LMDataModule(L.LightningDataModule):
         tokenizer: ByteTokenizer | None = None,
         progress: bool = True,
         cache_keep: int | None = 4,
+        exclude_dirs: Iterable[str] | None = None,
     ) -> None:
         super().__init__()
         if sources is None:
@@ -137,6 +141,9 @@ class LMDataModule(L.LightningDataModule):
             )
         self.cache_dir, self.progress = cache_dir, progress
         self.cache_keep = None if cache_keep is None else check_int("data.cache_keep", cache_keep, minimum=1)
+        if isinstance(exclude_dirs, (str, os.PathLike)):  # one dir, not its characters
+            exclude_dirs = [exclude_dirs]
+        self.exclude_dirs = [os.fspath(d) for d in exclude_dirs or ()]
         self.tokenizer = tokenizer or ByteTokenizer()
         self.sampler = sampler if sampler is not None else RandomSampler()
         minimum = self.sampler.min_block_size  # here, before any corpus is read: not at the first sampler update
@@ -158,7 +165,7 @@ class LMDataModule(L.LightningDataModule):
             return
         self.splits = [
             build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress,
-                              keep=self.cache_keep)
+                              keep=self.cache_keep, exclude_dirs=self.exclude_dirs)
             for s in self.sources
         ]
 
@@ -167,7 +174,8 @@ class LMDataModule(L.LightningDataModule):
             return
         if not self.splits:  # prepare_data ran in another process (DDP rank > 0) or not at all
             self.splits = [
-                build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, False)
+                build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, False,
+                                  exclude_dirs=self.exclude_dirs)
                 for s in self.sources
             ]
         self._check_every_rank_read_the_same_data()

@@ -20,6 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_cache_files, resolve_files
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_dirs, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.tokenizer import ByteTokenizer
 from lit_dtrain.utils.atomic import pid_alive
@@ -70,6 +71,7 @@ def build_token_cache(
     tokenizer: ByteTokenizer | None = None,
     progress: bool = True,
     keep: int | None = None,
+    exclude_dirs: Sequence[str | os.PathLike] = (),
 ) -> TokenSplits:
     """Tokenize ``source`` into ``cache_dir`` (or reuse a cache with the same content key).
 
@@ -77,14 +79,16 @@ def build_token_cache(
     Documents go to val when a hash of their bytes falls under ``val_fraction``; if that leaves val (or
     train) too short, the tail of the token stream is used for val instead, so tiny corpora still work.
     ``keep``: the caches of this source's name kept in ``cache_dir`` (the most recently used; those another
-    process holds too), None for all (see :mod:`~lit_dtrain.data.cache_pruning`).
+    process holds too), None for all (see :mod:`~lit_dtrain.data.cache_pruning`). Files under ``cache_dir`` or
+    ``exclude_dirs`` (the run outputs) are never read as corpus text.
     """
     tokenizer = tokenizer or ByteTokenizer()
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     files = resolve_files(source)
     if source.kind == "files":
-        files = leave_out_cache_files(source, files, cache_dir)
+        never = {cache_dir: "token caches", **{d: "run outputs (data.exclude_dirs)" for d in exclude_dirs}}
+        files = leave_out_dirs(source, files, never)
     key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}|{val_fraction}|{min_tokens}".encode())
     docs: list[tuple[Path, bytes]] = []  # (file, sha256 of its bytes): the bytes are read again to tokenize
     empty = 0
