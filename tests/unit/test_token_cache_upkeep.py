@@ -312,3 +312,27 @@ def test_the_run_outputs_inside_a_corpus_dir_are_not_read_as_corpus(tmp_path, ca
     assert "look binary" not in caplog.text
     cfg = compose_cfg([], tmp_path / "run", corpus)
     assert list(cfg.data.exclude_dirs) == [cfg.paths.log_dir] and cfg.paths.log_dir
+
+
+def test_a_corpus_of_fewer_windows_than_a_batch_is_warned_about(tmp_path):
+    """40 bytes with block_size 16 and batch 4: one training window, so every batch was that window 4 times, and the
+    loss fell to 0 by memorizing it, without a word. A warning says so; a corpus of a batch or more says nothing."""
+    import warnings
+
+    from lit_dtrain.data import LMDataModule
+
+    (tmp_path / "tiny.txt").write_text("x" * 40)
+    (tmp_path / "big.txt").write_text("y" * 400)
+    for name, expected in (("tiny.txt", 1), ("big.txt", None)):
+        dm = LMDataModule(sources=[files_source(tmp_path / name, name.split(".")[0])], block_size=16, batch_size=4,
+                          cache_dir=str(tmp_path / "cache"), progress=False)
+        dm.prepare_data()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dm.setup()
+        said = [str(w.message) for w in caught if "fewer than one global batch" in str(w.message)]
+        if expected is None:
+            assert not said and len(dm.train_windows) >= 4
+        else:
+            assert len(dm.train_windows) == expected and len(said) == 1
+            assert "holds 1 window(s) of block_size+1 = 17 tokens, fewer than one global batch of 4" in said[0]

@@ -180,6 +180,13 @@ class LMDataModule(L.LightningDataModule):
             ]
         self._check_every_rank_read_the_same_data()
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
+        global_batch = self.batch_size * self._world()[1]
+        if len(self.train_windows) < global_batch:  # a tiny corpus: the loss falls to 0 by memorizing it
+            warnings.warn(
+                f"the training data holds {len(self.train_windows)} window(s) of block_size+1 = {self.block_size + 1} "
+                f"tokens, fewer than one global batch of {global_batch}: every batch repeats windows (the model can "
+                "only memorize them); use more text or a smaller data.block_size / data.batch_size",
+                UserWarning, stacklevel=2)
         weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
         if not weights.sum() > 0:
             names = [s.name for s in self.sources]
