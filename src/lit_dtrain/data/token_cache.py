@@ -6,7 +6,8 @@ rebuilt); an unchanged one is reused, once its files' sizes and CRC-32s match th
 (a damaged cache is rebuilt). Writes are atomic (temporary directory + rename), so an
 interrupted build never leaves a half-written cache behind; a build stopped by SIGTERM or SIGHUP removes its temp
 dir (:mod:`~lit_dtrain.data.build_signals`), and the temp dir of a killed build is removed by a
-later build (see :func:`_remove_stale_temp_dirs`).
+later build (see :func:`_remove_stale_temp_dirs`). A loaded cache is held (a shared lock) while it is in use, and a
+source name's caches beyond its ``keep`` most recently used are removed (:mod:`~lit_dtrain.data.cache_pruning`).
 """
 
 from __future__ import annotations
