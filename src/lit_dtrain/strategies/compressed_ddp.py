@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.compressors import Compressor
+from lit_dtrain.strategies.fit_end import is_last_optimizer_step
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.utils.distributed import (
@@ -60,8 +61,8 @@ class CompressedDDPStrategy(DDPStrategy):
             parameters synchronize every ``sync_period`` steps. Exclusive with ``compressor``.
         collective_timeout_s: timeout of every collective (a dead rank fails the others after it).
         log_comm_metrics: log ``comm/bytes_per_step``, ``comm/compression_ratio``, ``comm/time_ms``, ...
-        sync_on_last_step: local updates synchronize at ``trainer.max_steps`` so the final model and
-            its checkpoint are the synchronized model.
+        sync_on_last_step: local updates synchronize at the fit's last step (``max_steps`` or ``max_epochs``) so
+            the final model and its checkpoints are the synchronized model.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``find_unused_parameters``, ...).
     """
 
@@ -172,7 +173,7 @@ class CompressedDDPStrategy(DDPStrategy):
             if unused:
                 self.compressor.keep_residuals(unused)
         trainer = module.trainer if module is not None and module._trainer is not None else None
-        last = bool(trainer is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps)
+        last = is_last_optimizer_step(trainer)  # by max_steps or max_epochs, so the step's checkpoints hold the sync
         metrics = self.session.after_optimizer_step(named, force_sync=self.sync_on_last_step and last)
         if self.log_comm_metrics and trainer is not None and module._current_fx_name is not None:
             for key, value in metrics.items():
