@@ -945,6 +945,28 @@ def test_diloco_outer_momentum_accumulates_across_syncs(nesterov):
         assert torch.allclose(torch.cat([p.view(-1) for _, p in params]), expected, atol=1e-5), sync
 
 
+@pytest.mark.parametrize("rule", ["local_sgd", "diloco"])
+def test_a_sync_keeps_fp64_parameters_in_fp64(rule):
+    """Under 64-true every sync computed the mean (and DiLoCo its outer parameters) in fp32: every weight was rounded
+    to fp32 at each sync (1.2e-7 off for N(0, 1) values; a 2-rank 64-true run's weights were fp32-representable after
+    every sync). The other rank sits 2**-40 higher (DiLoCo: its pseudo-gradient outer - local is 2**-40): the mean
+    moves every value by 2**-41, exact in fp64, lost in fp32."""
+    torch.manual_seed(0)
+    params = [("w", torch.randn(6, 5, dtype=torch.float64)), ("b", torch.randn(5, dtype=torch.float64))]
+    start = torch.cat([p.view(-1) for _, p in params]).clone()
+    comm = TwoRankComm(lambda t: t + 2.0**-40)
+    # DiLoCo with outer lr 1 and no momentum moves the outer parameters to the mean of the ranks' parameters
+    built = (LocalSGD(sync_period=1) if rule == "local_sgd"
+             else DiLoCo(sync_period=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False))
+    built.maybe_initialize(params)
+    assert built.after_optimizer_step(params, comm) is True
+    after = torch.cat([p.view(-1) for _, p in params])
+    assert after.dtype == torch.float64
+    assert torch.equal(after, start + 2.0**-41 if rule == "local_sgd" else start - 2.0**-41)
+    if rule == "diloco":
+        assert built.outer_params.dtype == built.state_dict()["outer_params"]["w"].dtype == torch.float64
+
+
 def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():
     """LossSpikeMonitor's rollback snapshot is taken at ``on_train_start``, before DiLoCo's first step, when it has
     no outer parameters yet. Restoring it (a NaN step before the next snapshot) must start the outer loop afresh

@@ -29,8 +29,10 @@ NamedParams = Sequence[tuple[str, Tensor]]
 
 @torch.no_grad()
 def flatten_params(named_params: NamedParams) -> tuple[Tensor, list[Segment]]:
-    """A fresh flat fp32 copy of the parameters and their segments."""
-    flat = torch.cat([p.detach().float().reshape(-1) for _, p in named_params])
+    """A fresh flat copy of the parameters and their segments: fp32, or fp64 when a parameter is fp64 (``64-true``;
+    in fp32 every sync rounded the fp64 weights to fp32, and DiLoCo kept fp32 outer parameters)."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for _, p in named_params) else torch.float32
+    flat = torch.cat([p.detach().to(dtype).reshape(-1) for _, p in named_params])
     return flat, segments_from_shapes([(n, tuple(p.shape)) for n, p in named_params])
 
 
@@ -200,8 +202,8 @@ class DiLoCo(LocalUpdate):
         from lit_dtrain.strategies.registry import build_compressor  # that module imports this one
 
         self.compressor = build_compressor(compressor)
-        self.outer_params: Tensor | None = None  # flat fp32
-        self.momentum: Tensor | None = None  # flat fp32
+        self.outer_params: Tensor | None = None  # flat fp32 (fp64 for a model with fp64 parameters)
+        self.momentum: Tensor | None = None  # as outer_params
         self._pending: dict | None = None  # loaded per-name state, laid out at the first step
         self._segments: list[Segment] = []
 
