@@ -967,6 +967,24 @@ def test_a_sync_keeps_fp64_parameters_in_fp64(rule):
         assert built.outer_params.dtype == built.state_dict()["outer_params"]["w"].dtype == torch.float64
 
 
+def test_a_validation_between_local_update_syncs_is_named():
+    """Between syncs each rank validates its own parameters: val/loss is a mean over different models, and a
+    checkpoint written after the validation holds rank 0's. Said once per strategy; nothing right after a sync."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.strategies.fit_end import warn_validation_between_syncs
+
+    rule = LocalSGD(sync_period=4)
+    trainer = SimpleNamespace(global_step=6, sanity_checking=False)
+    strategy = SimpleNamespace(local_update=rule, lightning_module=SimpleNamespace(trainer=trainer, _trainer=trainer))
+    rule.steps_since_sync = 0
+    assert warn_validation_between_syncs(strategy) is None
+    rule.steps_since_sync = 2
+    with pytest.warns(UserWarning, match="validating at step 6, 2 step"):
+        assert "val_check_interval a multiple of sync_period=4" in warn_validation_between_syncs(strategy)
+    assert warn_validation_between_syncs(strategy) is None  # once
+
+
 def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():
     """LossSpikeMonitor's rollback snapshot is taken at ``on_train_start``, before DiLoCo's first step, when it has
     no outer parameters yet. Restoring it (a NaN step before the next snapshot) must start the outer loop afresh

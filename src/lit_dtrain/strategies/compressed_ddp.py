@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.compressors import Compressor
-from lit_dtrain.strategies.fit_end import is_last_optimizer_step
+from lit_dtrain.strategies.fit_end import is_last_optimizer_step, warn_validation_between_syncs
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.utils.distributed import (
@@ -179,6 +179,11 @@ class CompressedDDPStrategy(DDPStrategy):
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
+
+    @override
+    def on_validation_start(self) -> None:
+        warn_validation_between_syncs(self)  # under local updates the ranks' parameters may differ now
+        super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:

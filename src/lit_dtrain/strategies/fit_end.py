@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 
 def _reached(count: int, limit: Any) -> bool:
     return isinstance(limit, int) and limit >= 0 and count >= limit
@@ -34,3 +36,30 @@ def is_last_optimizer_step(trainer: Any) -> bool:
     # what Lightning's epoch loop reads to end the epoch (its _num_ready_batches_reached)
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return bool(progress.is_last_batch or progress.current.ready == trainer.num_training_batches)
+
+
+def validation_between_syncs_message(local_update: Any, trainer: Any) -> str | None:
+    """The warning for a validation inside a fit that starts while the ranks' parameters differ (a local-update rule
+    between syncs), or None. Such a validation evaluates each rank's own parameters on that rank's share of the
+    validation data, so ``val/loss`` is the mean over ranks of losses of different models (none of them the model of
+    the last sync, DiLoCo's outer parameters, nor their average), and a checkpoint written there (``ModelCheckpoint``
+    after the validation) holds rank 0's parameters beside that figure."""
+    if local_update is None or trainer is None or local_update.steps_since_sync == 0 or trainer.sanity_checking:
+        return None
+    return (f"CompressedDDPStrategy: validating at step {trainer.global_step}, {local_update.steps_since_sync} "
+            f"step(s) after the last {local_update.name} sync: each rank evaluates its own parameters, so val metrics "
+            f"are the mean over ranks of different models, and a checkpoint written now holds rank 0's. Validate "
+            f"right after a sync (val_check_interval a multiple of sync_period={local_update.period}) to evaluate the "
+            f"synchronized model")
+
+
+def warn_validation_between_syncs(strategy: Any) -> str | None:
+    """Warn (rank 0, once per strategy) with :func:`validation_between_syncs_message`; returns the message."""
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None and module._trainer is not None else None
+    message = validation_between_syncs_message(strategy.local_update, trainer)
+    if message is None or getattr(strategy, "_warned_validation_between_syncs", False):
+        return None
+    strategy._warned_validation_between_syncs = True
+    rank_zero_warn(message)
+    return message
