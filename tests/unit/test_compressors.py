@@ -926,6 +926,16 @@ def test_diloco_outer_nesterov_step_matches_the_formula():
     assert (restored.num_syncs, restored.step) == (1, 2)
 
 
+def test_diloco_names_parameters_unfrozen_after_its_outer_loop_started():
+    """A layer unfrozen mid-run joins CommSession.named_params: the flat parameters no longer match the outer ones
+    (a bare tensor size-mismatch RuntimeError before)."""
+    params = make_params()
+    rule = DiLoCo(sync_period=1)
+    rule.maybe_initialize(params[:-1])  # the last tensor frozen at the first step
+    with pytest.raises(RuntimeError, match=r"DiLoCo: the trainable parameters changed .*new: \['" + params[-1][0]):
+        rule.after_optimizer_step(params, TwoRankComm(lambda t: t.clone()))
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_diloco_outer_momentum_accumulates_across_syncs(nesterov):
     """The first sync has zero momentum, so only later syncs show the momentum recursion m = mu * m + delta."""

@@ -228,6 +228,13 @@ class DiLoCo(LocalUpdate):
     def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
         self.maybe_initialize(named_params)
         flat, segments = flatten_params(named_params)
+        if [(s.name, s.shape) for s in segments] != [(s.name, s.shape) for s in self._segments]:
+            before, now = {s.name for s in self._segments}, {s.name for s in segments}
+            raise RuntimeError(
+                f"DiLoCo: the trainable parameters changed since its outer loop started ({len(before)} -> {len(now)}"
+                f" tensors; new: {sorted(now - before)[:5]}, gone: {sorted(before - now)[:5]}): it keeps outer "
+                "parameters for the ones trainable at the first step, so freeze or unfreeze layers only in a new fit"
+            )
         pseudo_grad = self.outer_params - flat
         if self.compressor is not None:
             pseudo_grad = self.compressor.reduce(pseudo_grad, segments, comm, self.num_syncs).wait()
