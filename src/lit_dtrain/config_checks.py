@@ -140,8 +140,6 @@ def check_config(cfg: DictConfig) -> None:
     check_target_arguments(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
-    if cfg.get("resume") == "auto" and cfg.get("ckpt_path"):
-        raise ConfigError("set either resume=auto or ckpt_path=PATH, not both")
 
 
 def check_group_nodes(cfg: DictConfig) -> None:

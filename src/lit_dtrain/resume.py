@@ -1,7 +1,8 @@
 """Which checkpoint a start of ``train(cfg)`` continues from, and the checks of it before any compute.
 
-- :func:`resolve_ckpt_path`: ``ckpt_path``, or with ``resume=auto`` the newest readable checkpoint of the run dir
-  (``last.ckpt`` among equals); a fresh start in a run dir that holds checkpoints is refused, and so is
+- :func:`resolve_ckpt_path`: with ``resume=auto`` the newest readable checkpoint of the run dir (``last.ckpt`` among
+  equals) once it holds one, else ``ckpt_path`` (so one command starts a run from another run's checkpoint and
+  continues it when requeued); a fresh start in a run dir that holds checkpoints is refused, and so is
   ``resume=auto`` where nothing can be resumed (a default ``run_name``, a multirun's new sweep dir:
   :func:`new_sweep_dir_error`, which ``lit_dtrain.sweeps.ResumeSweepCheck`` raises too);
 - :func:`newest_step_checkpoint`: that newest readable checkpoint (``lit_dtrain.sigterm_exit`` names it when
@@ -153,40 +154,74 @@ def _resume_auto_choice(ckpt_dir: Path) -> str:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """The checkpoint to resume from: ``ckpt_path``, or the newest of this run dir when ``resume=auto``."""
-    if cfg.get("ckpt_path"):
-        path = Path(str(cfg.ckpt_path)).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} {not_a_file_reason(path)}")
-        check_foreign_ckpt_path(path, Path(cfg.paths.checkpoint_dir))
-        return str(path)
+    """The checkpoint to resume from: with ``resume=auto`` the newest of this run dir once it holds checkpoints,
+    else ``ckpt_path`` (with ``resume=auto`` too: where a requeued job's first start begins), else none (a fresh
+    start, refused in a run dir that holds checkpoints)."""
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
     earlier = checkpoint_files(ckpt_dir)
+    given = cfg.get("ckpt_path")
     if earlier and cfg.get("resume") == "auto":
-        return _resume_auto_choice(ckpt_dir)
-    if earlier:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick the old one
+        chosen = _resume_auto_choice(ckpt_dir)
+        if given:
+            _check_not_a_roll_back(Path(str(given)).expanduser(), Path(chosen))
+            log.info("ckpt_path=%s: not read, resume=auto continues this run's own checkpoint %s", given, chosen)
+        return chosen
+    if earlier and not given:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick
+        # the old one
         raise ConfigError(
             f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
             f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or "
             f"{another_run_dir()}"
         )
     if cfg.get("resume") == "auto":
-        run_name = str(cfg.get("run_name"))
-        requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
-        if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
-            # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
-            raise ConfigError(
-                f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
-                f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
-                "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
-            )
-        sweep_dir = Path(str(cfg.paths.output_dir)).parent
-        if _created_by_this_start(sweep_dir):
-            # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
-            # id): nothing to resume. (conf/hydra's ResumeSweepCheck refuses it before Hydra creates that dir.)
-            raise new_sweep_dir_error(sweep_dir)
+        _check_resume_auto_can_resume(cfg)
+    if given:
+        path = Path(str(given)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"ckpt_path={str(given)!r} {not_a_file_reason(path)}")
+        check_foreign_ckpt_path(path, ckpt_dir)
+        return str(path)
+    if cfg.get("resume") == "auto":
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
+
+
+def _check_resume_auto_can_resume(cfg: DictConfig) -> None:
+    """Refuse ``resume=auto`` where a later start could never find this start's checkpoints: a single run under the
+    default ``run_name`` (a new one each start), or a multirun job in the sweep dir this start just created."""
+    run_name = str(cfg.get("run_name"))
+    requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
+    if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
+        # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
+        raise ConfigError(
+            f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
+            f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
+            "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
+        )
+    sweep_dir = Path(str(cfg.paths.output_dir)).parent
+    if _created_by_this_start(sweep_dir):
+        # a multirun job in the sweep dir this start just created (conf/hydra: ${now:...%S.%f} or the launch's
+        # id): nothing to resume. (conf/hydra's ResumeSweepCheck refuses it before Hydra creates that dir.)
+        raise new_sweep_dir_error(sweep_dir)
+
+
+def _check_not_a_roll_back(given: Path, chosen: Path) -> None:
+    """With ``resume=auto``, refuse a ``ckpt_path`` that is one of the run's own checkpoints older than the newest,
+    which ``resume=auto`` continues: the roll-back it asks for would not happen (and, kept in a requeued job's
+    command, would happen at every requeue without resume=auto)."""
+    if given.resolve().parent != chosen.resolve().parent or not given.is_file():
+        return  # another run's (a requeued job's starting point) or gone: not read
+    try:
+        step = checkpoint_global_step(given)
+    except CheckpointError:
+        return
+    newest = checkpoint_global_step(chosen)
+    if step < newest:
+        raise ConfigError(
+            f"ckpt_path={str(given)!r} is one of this run's own checkpoints (step {step}), and resume=auto continues "
+            f"its newest, {str(chosen)!r} (step {newest}): drop resume=auto to roll the run back to step {step}, or "
+            "drop ckpt_path to continue"
+        )
 
 
 def check_foreign_ckpt_path(path: Path, ckpt_dir: Path) -> None:

@@ -138,3 +138,60 @@ def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(t
     fresh = _cfg(tmp_path / "fresh" / "checkpoints")
     fresh.ckpt_path, fresh.resume = str(other), None
     assert resolve_ckpt_path(fresh) == str(other)
+
+
+def test_a_requeued_command_with_ckpt_path_and_resume_auto_continues_the_runs_own_checkpoints(tiny_cfg, tmp_path):
+    """A requeue-ready command that starts a run from another run's checkpoint (extend a run into a new run dir) and
+    keeps resume=auto for its requeues: 'set either resume=auto or ckpt_path=PATH, not both' refused it at its first
+    start. Now the first start resumes ckpt_path, and a restart with the same command continues the run's own newest
+    checkpoint (ckpt_path no longer read, even when it is gone); the result equals one uninterrupted extension."""
+    from lit_dtrain.train import train
+
+    common = ("trainer.val_check_interval=2", "sample.max_new_tokens=0")
+    train(tiny_cfg(*common, "trainer.max_steps=4", run="src"))
+    source = tmp_path / "src.ckpt"  # outside any run dir, as a pretrained checkpoint
+    shutil.copy(tmp_path / "src" / "checkpoints" / "last.ckpt", source)
+    command = (*common, "trainer.max_steps=10", f"ckpt_path={source}", "resume=auto")
+    fault = ("+callbacks.fault._target_=tests.faults.RaiseOnceAt", "+callbacks.fault.hook=on_after_backward",
+             "+callbacks.fault.step=7")
+    with pytest.raises(RuntimeError, match="interrupted at step 7"):  # killed after the validation at step 6
+        train(tiny_cfg(*command, *fault, run="ext"))
+    run = tmp_path / "ext" / "checkpoints"
+    assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 6
+    source.rename(tmp_path / "cleaned_up.ckpt")  # a requeue reads the run's own checkpoints only
+    metrics, _ = train(tiny_cfg(*command, run="ext"))
+    assert metrics["steps"] == 10
+    shutil.move(tmp_path / "cleaned_up.ckpt", source)
+    train(tiny_cfg(*common, "trainer.max_steps=10", f"ckpt_path={source}", run="straight"))
+    resumed = torch.load(run / "last.ckpt", weights_only=True)["state_dict"]
+    straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_resume_auto_with_ckpt_path_chooses_by_what_the_run_dir_holds(tmp_path):
+    """resume=auto with ckpt_path: ckpt_path while the run dir holds no checkpoint (the first start), the run's newest
+    afterwards; one of the run's own older checkpoints (a roll-back resume=auto would not do) is refused naming both;
+    the default run_name (a new run dir at every start) is refused as for resume=auto alone."""
+    d = tmp_path / "run" / "checkpoints"
+    source = tmp_path / "pretrained.ckpt"
+    _save(source, 5)
+    cfg = _cfg(d)
+    cfg.ckpt_path = str(source)
+    assert resolve_ckpt_path(cfg) == str(source)
+    d.mkdir(parents=True)
+    _save(d / "step000006-val3.0000.ckpt", 6)
+    _save(d / "last.ckpt", 8)
+    assert resolve_ckpt_path(cfg) == str(d / "last.ckpt")
+    cfg.ckpt_path = str(d / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(d / "last.ckpt")
+    cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")
+    with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' is one of this run's own "
+                                          r"checkpoints \(step 6\), and resume=auto continues its newest, "
+                                          r"'.*last.ckpt' \(step 8\): drop resume=auto to roll the run back"):
+        resolve_ckpt_path(cfg)
+    default = OmegaConf.create({"ckpt_path": str(source), "resume": "auto", "run_name": "${now:%H-%M-%S}",
+                                "paths": {"checkpoint_dir": str(tmp_path / "t" / "checkpoints"),
+                                          "output_dir": "${run_name}"}})
+    with pytest.raises(ConfigError, match=r"^resume=auto needs run_name="):
+        resolve_ckpt_path(default)
