@@ -149,3 +149,15 @@ class RaiseOnceAt(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._maybe_raise("on_before_optimizer_step", trainer)
+
+
+class PoisonGradAtStep(L.Callback):
+    """Fill the gradient of the module's first parameter with ``value`` (NaN or Inf) in the step after ``step``
+    completed steps, after its backward: a non-finite gradient under a finite loss (an overflow in backward)."""
+
+    def __init__(self, step: int, value: float = float("nan")) -> None:
+        self.step, self.value = int(step), float(value)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(self.value)

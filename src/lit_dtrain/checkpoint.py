@@ -9,6 +9,8 @@ checkpoint cannot execute code. Errors name the file.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import zipfile
 from pathlib import Path
@@ -19,6 +21,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_dtrain.utils.atomic import os_error as _os_error  # sweeps.user_error imports it from here
 from lit_dtrain.utils.atomic import temp_path, what_is_left, write_atomically
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -281,12 +285,47 @@ def state_dict_mismatch(weights: dict, expected: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def nonfinite_tensors(state_dict: dict, keys) -> list[str]:
+    """The keys among ``keys`` whose tensor in ``state_dict`` holds a NaN or inf (one host sync per device)."""
+    tensors = {k: t for k in keys if torch.is_tensor(t := state_dict.get(k)) and t.is_floating_point()}
+    by_device: dict = {}
+    for k, t in tensors.items():
+        by_device.setdefault(t.device, []).append(k)
+    bad = set()
+    for names in by_device.values():
+        finite = torch.stack([tensors[k].isfinite().all() for k in names]).tolist()
+        bad.update(k for k, ok in zip(names, finite) if not ok)
+    return [k for k in tensors if k in bad]
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`."""
+    """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`.
+
+    ``parameter_names``: the module's parameters (its ``named_parameters()``, the keys of its ``state_dict``). A
+    checkpoint in which one of them is not finite (NaN/inf: a non-finite update was applied, with
+    ``module.check_finite=false``) is not written, with a warning: written, it replaced the last finite
+    ``last.ckpt`` (ModelCheckpoint writes it at every validation), and ``resume=auto`` continued the NaN weights.
+    Buffers are not checked (a mask may hold -inf)."""
+
+    def __init__(self, parameter_names=()) -> None:
+        super().__init__()
+        self.parameter_names = list(parameter_names)
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO does not take storage_options, got {storage_options}")
+        state = checkpoint.get("state_dict")
+        bad = nonfinite_tensors(state, self.parameter_names) if isinstance(state, dict) else []
+        if bad:
+            kept = what_is_left(path)
+            if os.path.lexists(path):
+                with contextlib.suppress(CheckpointError):
+                    kept += f" (step {checkpoint_global_step(path)})"
+            log.warning(
+                "checkpoint %r not written: the weights at step %s are not finite (NaN/inf in %d parameter(s), the "
+                "first %r), a resume would continue NaN weights; %s", str(path), checkpoint.get("global_step"),
+                len(bad), bad[0], kept)
+            return
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:

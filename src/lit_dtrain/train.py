@@ -315,7 +315,7 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         extra["inference_mode"] = False
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg),
-        plugins=[AtomicCheckpointIO(), *slurm_plugins()],
+        plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
         **extra,
     )
     check_sweep_world_size(trainer.world_size, cfg.trainer)  # before fit starts the other ranks

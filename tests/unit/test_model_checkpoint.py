@@ -40,3 +40,42 @@ def test_it_is_lightnings_model_checkpoint_in_a_project_of_ones_own():
 
     assert issubclass(ModelCheckpoint, LightningModelCheckpoint)
     assert ModelCheckpoint(save_last=True).state_key == LightningModelCheckpoint(save_last=True).state_key
+
+
+def test_a_checkpoint_of_non_finite_weights_does_not_replace_last_ckpt(tiny_cfg, caplog):
+    """module.check_finite=false and a LossSpikeMonitor with check_grad=false: a NaN gradient under a finite loss at
+    step 3 (of 0..5) was applied, the validation at step 4 wrote last.ckpt with the NaN weights, and the monitor
+    stopped the run at step 4's NaN loss, telling the user to resume from a checkpoint written before the update;
+    resume=auto resumed the NaN last.ckpt (and stopped again). Now that save is skipped with a warning, last.ckpt
+    keeps step 2, and resume=auto trains on from there to finite weights."""
+    from lit_dtrain.module import NonFiniteError
+    from lit_dtrain.train import train
+
+    common = ("trainer.max_steps=6", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
+              "module.check_finite=false", "callbacks=[default,loss_spike]", "callbacks.loss_spike.check_grad=false",
+              "callbacks.loss_spike.warmup_steps=2")
+    cfg = tiny_cfg(*common, "+callbacks.fault._target_=tests.faults.PoisonGradAtStep", "+callbacks.fault.step=3")
+    with caplog.at_level("WARNING", logger="lit_dtrain.checkpoint"), pytest.raises(NonFiniteError):
+        train(cfg)
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    (line,) = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert line.startswith(f"checkpoint '{last}' not written: the weights at step 4 are not finite (NaN/inf in ")
+    assert line.endswith("the previous file at that path is intact (step 2)"), line
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 2
+    assert all(t.isfinite().all() for t in saved["state_dict"].values())
+    metrics, objects = train(tiny_cfg(*common, "resume=auto"))
+    assert metrics["steps"] == 6 and all(p.isfinite().all() for p in objects["model"].parameters())
+
+
+def test_the_non_finite_check_reads_parameters_only(tmp_path):
+    """A buffer may hold -inf (an attention mask): only the parameters named to AtomicCheckpointIO are checked."""
+    from lit_dtrain.checkpoint import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    state = {"w": torch.ones(2), "mask": torch.tensor([0.0, float("-inf")]), "steps": torch.tensor([3])}
+    AtomicCheckpointIO(["w"]).save_checkpoint({"global_step": 1, "state_dict": state}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    state["w"] = torch.tensor([1.0, float("inf")])
+    AtomicCheckpointIO(["w"]).save_checkpoint({"global_step": 2, "state_dict": state}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
