@@ -54,20 +54,6 @@ def temp_file_name(path: Path) -> Path:
     return temp_path(path)
 
 
-def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
-    """Delete the ``.<name>.tmp-<pid>`` files that a process killed mid-write left in ``directory``.
-
-    Each is as large as a checkpoint, and repeated preemptions would otherwise fill the disk. Call it only
-    where no other process can be writing into ``directory`` (train() does, on rank 0, before fitting a run
-    that owns the directory). Returns the removed paths."""
-    removed = []
-    for tmp in sorted(Path(directory).glob(".*.ckpt.tmp-*")):
-        if tmp.is_file():
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-    return removed
-
-
 def not_a_file_reason(path: Path) -> str:
     """Why ``path``, which is not a file, cannot be a checkpoint: for messages ``f"{key}={path!r} {reason}"``."""
     if path.is_dir():

@@ -32,7 +32,6 @@ from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
     checkpoint_global_step,
-    remove_stale_temp_files,
     safe_torch_load,
     state_dict_mismatch,
 )
@@ -119,6 +118,14 @@ def _state_dict_mismatch(ckpt_path, module) -> str | None:
         return state_dict_mismatch(safe_torch_load(ckpt_path, mmap=True)["state_dict"], module.state_dict())
     except Exception:  # only a better message for an error being raised already
         return None
+
+
+def _remove_killed_writes_temp_files(cfg: DictConfig) -> list[Path]:
+    """The temp files of writes killed midway (checkpoints, ``metrics.csv``, ``summary.json`` ...) in the run dir, its
+    subdirs and ``paths.checkpoint_dir`` (also a symbolic link, or elsewhere), removed where their writer's pid is
+    dead (:func:`remove_killed_writes_temp_files`): a live process's is its write in progress."""
+    return [*remove_killed_writes_temp_files(cfg.paths.output_dir),
+            *remove_killed_writes_temp_files(cfg.paths.checkpoint_dir)]  # (swept already: none left to remove)
 
 
 def val_check_in_batches(cfg: DictConfig) -> dict:
@@ -298,11 +305,8 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
         callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
-    if rank_zero_only.rank == 0 and Path(cfg.paths.checkpoint_dir).is_dir():  # before fit: nothing writes there yet
-        for tmp in remove_stale_temp_files(cfg.paths.checkpoint_dir):
-            log.warning("removed %s, left by a process killed while writing a checkpoint", tmp)
-    if rank_zero_only.rank == 0:  # metrics.csv, summary.json ... (the run dir and its subdirs): their temp files too
-        for tmp in remove_killed_writes_temp_files(cfg.paths.output_dir):
+    if rank_zero_only.rank == 0:  # before fit: this process writes nothing there yet
+        for tmp in _remove_killed_writes_temp_files(cfg):
             log.warning("removed %s, left by a process killed while writing it", tmp)
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
         check_start_step(cfg, start_step, ckpt_path)

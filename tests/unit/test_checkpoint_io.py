@@ -229,18 +229,27 @@ def test_load_refuses_code_and_names_bad_files(tmp_path):
         safe_torch_load(tmp_path / "missing.ckpt")
 
 
-def test_remove_stale_temp_files_removes_only_the_temp_files_of_killed_writes(tmp_path):
-    from lit_dtrain.checkpoint import remove_stale_temp_files, temp_file_name
+def test_a_start_removes_only_the_checkpoint_temp_files_of_dead_writers(tiny_cfg, tmp_path):
+    """A start removed every '.<name>.ckpt.tmp-<pid>' of the checkpoint dir, also that of a live process writing a
+    checkpoint there, logging it as 'left by a process killed while writing a checkpoint' (the sweep of the run dir's
+    other temp files checked the pid). One sweep now, for a checkpoint dir that is a symbolic link too."""
+    import subprocess
 
-    keep = ["last.ckpt", "epoch=1.ckpt", ".hidden", "notes.ckpt.tmp-1", ".last.ckpt", ".last.pt.tmp-7"]
-    for name in keep:
-        (tmp_path / name).write_bytes(b"x")
-    (tmp_path / ".dir.ckpt.tmp-3").mkdir()  # not a file: left alone
-    stale = [temp_file_name(tmp_path / "last.ckpt"), tmp_path / ".epoch=1.ckpt.tmp-123"]
-    for path in stale:
-        path.write_bytes(b"half a checkpoint")
-    assert sorted(remove_stale_temp_files(tmp_path)) == sorted(stale)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + [".dir.ckpt.tmp-3"])
+    from lit_dtrain.train import train
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is dead
+    cfg = tiny_cfg("trainer.max_steps=1", "sample.max_new_tokens=0")
+    elsewhere = tmp_path / "big_disk" / "checkpoints"
+    elsewhere.mkdir(parents=True)
+    Path(cfg.paths.output_dir).mkdir(parents=True)
+    Path(cfg.paths.checkpoint_dir).symlink_to(elsewhere)
+    live, dead = elsewhere / f".last.ckpt.tmp-{os.getppid()}", elsewhere / f".epoch=1.ckpt.tmp-{child.pid}"
+    for f in (live, dead, elsewhere / "notes.ckpt.tmp-1"):
+        f.write_bytes(b"half a checkpoint")
+    train(cfg)
+    assert live.exists() and not dead.exists() and (elsewhere / "notes.ckpt.tmp-1").exists()
+    assert (elsewhere / "last.ckpt").is_file()
 
 
 def test_save_does_not_hold_a_second_copy_of_the_checkpoint_in_memory(tmp_path):
