@@ -271,6 +271,36 @@ def state_dict_mismatch(weights: dict, expected: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def misfit_advice(ckpt: Any, model: Any) -> str:
+    """What to change where a checkpoint's weights do not fit ``model`` (:func:`state_dict_mismatch`): the ``model.*``
+    shape of the run that wrote it, or, where its ``model_config`` already equals ``model.config`` in every key that
+    shapes the weights, the code: then another version of the model code (or another model class) wrote it, and no
+    ``model.*`` override can make it fit."""
+    from lit_dtrain.module import WEIGHT_CONFIG_KEYS  # (lit_dtrain.module imports this module)
+
+    saved = ckpt.get("model_config") if isinstance(ckpt, dict) else None
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    if isinstance(saved, dict) and config is not None and all(
+        k in saved and saved[k] == getattr(config, k, None) for k in WEIGHT_CONFIG_KEYS
+    ):
+        return "its model_config is this shape, so another version of the model code wrote it: load it with that code"
+    return "set model.* to the shape of the run that wrote it"
+
+
+def misfit_message(path: str | os.PathLike, module: Any, error: Exception) -> str:
+    """The one-line message for Lightning's ``Error(s) in loading state_dict`` (``error``: torch's list of every tensor,
+    a line each) on resuming checkpoint ``path`` into ``module`` (a ``LitLLM``): :func:`misfit_advice` and
+    :func:`state_dict_mismatch`, or torch's last line where the file cannot be read again."""
+    try:
+        ckpt = safe_torch_load(path, mmap=True)
+        advice = misfit_advice(ckpt, module.model)
+        mismatch = state_dict_mismatch(ckpt["state_dict"], module.state_dict())
+    except Exception:  # only a better message for an error being raised already
+        advice, mismatch = misfit_advice(None, module.model), None
+    return (f"checkpoint {str(path)!r} does not fit the configured model ({advice}): "
+            f"{mismatch or str(error).splitlines()[-1].strip()}")
+
+
 def nonfinite_tensors(state_dict: dict, keys) -> list[str]:
     """The keys among ``keys`` whose tensor in ``state_dict`` holds a NaN or inf (one host sync per device)."""
     tensors = {k: t for k in keys if torch.is_tensor(t := state_dict.get(k)) and t.is_floating_point()}

@@ -32,8 +32,7 @@ from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
     checkpoint_global_step,
-    safe_torch_load,
-    state_dict_mismatch,
+    misfit_message,
 )
 from lit_dtrain.config_checks import (
     check_config,
@@ -95,10 +94,7 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except RuntimeError as e:
         if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
-            raise CheckpointError(
-                f"checkpoint {ckpt_path!r} does not fit the configured model (set model.* to the shape of the run "
-                f"that wrote it): {_state_dict_mismatch(ckpt_path, module) or str(e).splitlines()[-1].strip()}"
-            ) from e
+            raise CheckpointError(misfit_message(ckpt_path, module, e)) from e
         if trainer.world_size > 1 and (is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
             launcher = getattr(trainer.strategy, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank
@@ -109,15 +105,6 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
                 "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
             ) from e
         raise
-
-
-def _state_dict_mismatch(ckpt_path, module) -> str | None:
-    """:func:`state_dict_mismatch` of the checkpoint's weights and ``module``'s, in one line (torch's error lists
-    every tensor on a line of its own); None when it cannot be told (then torch's last line is reported)."""
-    try:
-        return state_dict_mismatch(safe_torch_load(ckpt_path, mmap=True)["state_dict"], module.state_dict())
-    except Exception:  # only a better message for an error being raised already
-        return None
 
 
 def _remove_killed_writes_temp_files(cfg: DictConfig) -> list[Path]:

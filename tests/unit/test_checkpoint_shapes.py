@@ -90,3 +90,27 @@ def test_resume_from_a_checkpoint_of_another_width_without_model_config_is_one_l
     message = _one_line(str(info.value))
     assert message.startswith(f"checkpoint {str(path)!r} does not fit the configured model"), message
     assert "'model.tok_embeddings.weight' is [257, 64] in the checkpoint, [257, " in message, message
+    assert "(set model.* to the shape of the run that wrote it)" in message, message
+
+
+def test_a_checkpoint_of_this_shape_with_other_tensor_names_does_not_advise_model_overrides(tiny_cfg, tmp_path):
+    """A checkpoint whose model_config is the configured shape but whose tensor names are another model code's (a
+    tensor renamed): the error told the user to 'set model.* to the shape of the run that wrote it', which it
+    already was; now it says other model code wrote it (resume and init_from alike)."""
+    from lit_dtrain.train import train
+
+    common = ("sample.max_new_tokens=0", "trainer.val_check_interval=2")
+    _, objs = train(tiny_cfg(*common, "trainer.max_steps=2", run="src"))
+    ckpt = torch.load(Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt", weights_only=True)
+    weights = ckpt["state_dict"]
+    weights["model.blocks.0.attention_norm.weight"] = weights.pop("model.blocks.0.attn_norm.weight")
+    path = tmp_path / "renamed.ckpt"
+    torch.save(ckpt, path)
+    code = r"\(its model_config is this shape, so another version of the model code wrote it: load it with that code\)"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint '.*renamed\.ckpt' does not fit the configured model "
+                                              rf"{code}.*: 1 of the model's tensors are not in the checkpoint, the "
+                                              r"first 'model\.blocks\.0\.attn_norm\.weight'") as info:
+        train(tiny_cfg(*common, "trainer.max_steps=4", f"ckpt_path={path}", run="resumed"))
+    assert "set model.*" not in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=rf"^init_from='.*renamed\.ckpt' does not fit the configured model {code}"):
+        load_model_weights(objs["model"], path)

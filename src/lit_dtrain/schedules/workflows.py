@@ -26,6 +26,7 @@ from lit_dtrain.checkpoint import (
     CheckpointError,
     checkpoint_files,
     checkpoint_global_step,
+    misfit_advice,
     not_a_file_reason,
     safe_torch_load,
     state_dict_mismatch,
@@ -340,8 +341,7 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
     mismatch = state_dict_mismatch(weights, target.state_dict())
     if mismatch:
         raise ConfigError(
-            f"init_from={str(path)!r} does not fit the configured model (set model.* to the checkpoint's shape): "
-            f"{mismatch}"
+            f"init_from={str(path)!r} does not fit the configured model ({misfit_advice(ckpt, target)}): {mismatch}"
         )
     target.load_state_dict(weights, strict=True)
     log.info("init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)", len(weights), path)
