@@ -79,3 +79,18 @@ def test_the_non_finite_check_reads_parameters_only(tmp_path):
     state["w"] = torch.tensor([1.0, float("inf")])
     AtomicCheckpointIO(["w"]).save_checkpoint({"global_step": 2, "state_dict": state}, path)
     assert torch.load(path, weights_only=True)["global_step"] == 1
+
+
+def test_a_moved_run_dir_resumes_its_checkpoint_files(tiny_cfg, tmp_path):
+    """mv <run a> <run b>, then run_name=b resume=auto: Lightning restores ModelCheckpoint's state only where the
+    saved dirpath is this one, so the resumed run wrote last-v1.ckpt beside last.ckpt and kept the old best step file
+    beside the new one (save_top_k=1). Now the saved paths are read in the new dir."""
+    from lit_dtrain.train import train
+
+    common = ("trainer.val_check_interval=2", "sample.max_new_tokens=0")
+    train(tiny_cfg(*common, "trainer.max_steps=2", run="a"))  # (val/loss 5.29 at step 2, 5.13 at step 4: a new best)
+    (tmp_path / "a").rename(tmp_path / "b")
+    train(tiny_cfg(*common, "trainer.max_steps=4", "resume=auto", run="b"))
+    files = sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("*.ckpt"))
+    assert len(files) == 2 and files[0] == "last.ckpt" and files[1].startswith("step000004"), files
+    assert _step(tmp_path / "b" / "checkpoints" / "last.ckpt") == 4

@@ -10,13 +10,24 @@ or not the top-k checkpoint changed. A validation is a save point as in Lightnin
 selects (1 when no trigger is given). With ``every_n_train_steps`` or ``train_time_interval`` alone (``every_n_epochs``
 then 0) or ``every_n_epochs=2``, a validation outside that schedule writes nothing (it wrote ``last.ckpt`` at every
 validation: with ``every_n_train_steps=1000`` and a validation every 100 steps, ten times the checkpoint I/O asked for).
+
+A run dir that was moved or renamed (``mv outputs/runs/a outputs/runs/b``, then ``run_name=b resume=auto``) resumes
+its checkpoint state too: Lightning restores it only where the saved ``dirpath`` is this one, so the resumed run
+wrote ``last-v1.ckpt`` beside ``last.ckpt`` and never removed the old top-k files (two step files with
+``save_top_k=1``). Where the saved file names are found in this ``dirpath``, the saved paths are read in it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from typing_extensions import override
+
+log = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
@@ -42,3 +53,28 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         save_point = self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
         if self.save_last is True and save_point and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(moved_dirpath_state(state_dict, self.dirpath))
+
+
+def moved_dirpath_state(state: dict[str, Any], dirpath: str | None) -> dict[str, Any]:
+    """``ModelCheckpoint``'s saved ``state`` with its paths read in ``dirpath`` where it was saved in another
+    directory whose files are here now (the run dir was moved or copied); else ``state`` as it is."""
+    old = state.get("dirpath")
+    if not old or not dirpath or os.path.abspath(old) == os.path.abspath(dirpath):
+        return state
+
+    def here(path):
+        return os.path.join(dirpath, os.path.basename(path)) if path and os.path.dirname(path) == old else path
+
+    named = [state.get("last_model_path"), *(state.get("best_k_models") or {})]
+    if not any(p and here(p) != p and os.path.isfile(here(p)) for p in named):
+        return state  # another run's checkpoint (a start from it in a new run dir): Lightning restores no paths
+    log.info("ModelCheckpoint: the checkpoint was saved in %s; its files are read in %s (the run dir moved)", old,
+             dirpath)
+    paths = ("best_model_path", "kth_best_model_path", "last_model_path")
+    return {**state, "dirpath": dirpath, **{k: here(state.get(k)) for k in paths if k in state},
+            "best_k_models": {here(p): v for p, v in (state.get("best_k_models") or {}).items()}}
+
