@@ -178,7 +178,10 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if given:
         path = Path(str(given)).expanduser()
         if not path.is_file():
-            raise ConfigError(f"ckpt_path={str(given)!r} {not_a_file_reason(path)}")
+            keyword = str(given) in ("last", "best", "hpc", "registry") and not path.exists()
+            raise ConfigError(f"ckpt_path={str(given)!r} {not_a_file_reason(path)}" + (
+                f" (Lightning's ckpt_path={str(given)!r} is not read here: resume=auto continues the newest checkpoint "
+                "of run_name's run dir; or give the file)" if keyword else ""))
         check_foreign_ckpt_path(path, ckpt_dir)
         return str(path)
     if cfg.get("resume") == "auto":

@@ -195,3 +195,16 @@ def test_resume_auto_with_ckpt_path_chooses_by_what_the_run_dir_holds(tmp_path):
                                           "output_dir": "${run_name}"}})
     with pytest.raises(ConfigError, match=r"^resume=auto needs run_name="):
         resolve_ckpt_path(default)
+
+
+def test_lightnings_ckpt_path_keywords_point_to_resume_auto(tmp_path, monkeypatch):
+    """ckpt_path=last (Lightning's keyword for the newest checkpoint) said only "ckpt_path='last' does not exist"."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path / "run" / "checkpoints")
+    cfg.ckpt_path, cfg.resume = "last", None
+    with pytest.raises(ConfigError, match=r"^ckpt_path='last' does not exist \(Lightning's ckpt_path='last' is not "
+                                          r"read here: resume=auto continues the newest checkpoint of run_name's"):
+        resolve_ckpt_path(cfg)
+    cfg.ckpt_path = "missing.ckpt"
+    with pytest.raises(ConfigError, match=r"^ckpt_path='missing.ckpt' does not exist$"):
+        resolve_ckpt_path(cfg)
