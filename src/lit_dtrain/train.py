@@ -52,6 +52,7 @@ from lit_dtrain.resume import (
     check_start_step,
     resolve_ckpt_path,
 )
+from lit_dtrain.run_lock import hold_run_dir, release_run_dir
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
     check_init_from,
@@ -213,8 +214,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     had_group = dist.is_available() and dist.is_initialized()
     launch_env = {key: os.environ.get(key) for key in _DDP_LAUNCH_ENV}
     try:
-        with sigterm_handler_kept():
-            return _train(cfg)
+        with sigterm_handler_kept(), contextlib.ExitStack() as held:  # held: the run dir's lock, released at the end
+            return _train(cfg, held)
     except KeyboardInterrupt:  # Ctrl-C where nothing saves (in training, PreemptionCheckpoint saves and exits 130)
         raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir)) from None
     finally:
@@ -229,7 +230,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _train(cfg: DictConfig) -> tuple[dict, dict]:
+def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
     quiet_lightning_noise()
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
@@ -292,7 +293,8 @@ def _train(cfg: DictConfig) -> tuple[dict, dict]:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
         callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
-    if rank_zero_only.rank == 0:  # before fit: this process writes nothing there yet
+    if rank_zero_only.rank == 0:  # before fit: this process writes nothing there yet, and no other one may train there
+        held.callback(release_run_dir, hold_run_dir(cfg.paths.output_dir))
         for tmp in _remove_killed_writes_temp_files(cfg):
             log.warning("removed %s, left by a process killed while writing it", tmp)
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
