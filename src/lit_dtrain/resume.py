@@ -183,6 +183,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
                 f" (Lightning's ckpt_path={str(given)!r} is not read here: resume=auto continues the newest checkpoint "
                 "of run_name's run dir; or give the file)" if keyword else ""))
         check_foreign_ckpt_path(path, ckpt_dir)
+        _check_roll_back(path, ckpt_dir)
         return str(path)
     if cfg.get("resume") == "auto":
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
@@ -224,6 +225,29 @@ def _check_not_a_roll_back(given: Path, chosen: Path) -> None:
             f"ckpt_path={str(given)!r} is one of this run's own checkpoints (step {step}), and resume=auto continues "
             f"its newest, {str(chosen)!r} (step {newest}): drop resume=auto to roll the run back to step {step}, or "
             "drop ckpt_path to continue"
+        )
+
+
+def _check_roll_back(path: Path, ckpt_dir: Path) -> None:
+    """Refuse rolling a run back to one of its own checkpoints while its run dir holds newer ones: the rolled-back run
+    overwrites ``last.ckpt`` only at its first validation, and its step files get other names, so after an interruption
+    ``resume=auto`` (the newest step) continued the abandoned steps, without a word (a roll-back from step 12 to 4
+    killed at step 6 resumed, and ended with, the abandoned step 12)."""
+    if path.resolve().parent != ckpt_dir.resolve():
+        return
+    try:
+        step = checkpoint_global_step(path)
+    except CheckpointError:
+        return  # the load names it
+    steps, _ = _checkpoint_steps(ckpt_dir)
+    newer = sorted((p for p in steps if steps[p] > step), key=lambda p: -steps[p])
+    if newer:
+        shown = ", ".join(f"{p.name} at step {steps[p]}" for p in newer[:3])
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} rolls run dir {str(ckpt_dir.parent)!r} back to step {step}, but it holds newer "
+            f"checkpoints ({shown}{', ...' if len(newer) > 3 else ''}), which resume=auto would continue after an "
+            f"interruption instead of the roll-back; move them into a subdirectory of {str(ckpt_dir)!r} (resume=auto "
+            "reads its top level only), or start a new run_name from that checkpoint"
         )
 
 

@@ -120,8 +120,10 @@ def test_init_from_with_ckpt_path_names_both():
 
 def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     """ckpt_path=<another run's checkpoint> run_name=<a run with checkpoints of its own> overwrote that run's last.ckpt
-    with the other lineage's steps (and left a last-v1.ckpt copy); one of the run's own checkpoints (a roll-back)
-    and a run dir without checkpoints still resume."""
+    with the other lineage's steps (and left a last-v1.ckpt copy); a run dir without checkpoints still resumes it.
+    A roll-back to one of the run's own checkpoints is refused while newer ones are in the run dir (resume=auto
+    continued those after an interruption: test_an_interrupted_roll_back_never_resumes_the_abandoned_steps), and
+    resumes once they are moved aside."""
     d = tmp_path / "run" / "checkpoints"
     d.mkdir(parents=True)
     _save(d / "last.ckpt", 7)
@@ -134,7 +136,14 @@ def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(t
         resolve_ckpt_path(cfg)
     assert torch.load(d / "last.ckpt")["global_step"] == 7  # untouched
     cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")  # rolling the run back to its own step file
+    with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' rolls run dir '.*run' back to "
+                                          r"step 6, but it holds newer checkpoints \(last.ckpt at step 7\), which "
+                                          r"resume=auto would continue after an interruption instead of the roll-back"):
+        resolve_ckpt_path(cfg)
+    (d / "abandoned").mkdir()
+    (d / "last.ckpt").rename(d / "abandoned" / "last.ckpt")
     assert resolve_ckpt_path(cfg) == str(d / "step000006-val3.0000.ckpt")
+    (d / "abandoned" / "last.ckpt").rename(d / "last.ckpt")
     fresh = _cfg(tmp_path / "fresh" / "checkpoints")
     fresh.ckpt_path, fresh.resume = str(other), None
     assert resolve_ckpt_path(fresh) == str(other)
@@ -208,3 +217,31 @@ def test_lightnings_ckpt_path_keywords_point_to_resume_auto(tmp_path, monkeypatc
     cfg.ckpt_path = "missing.ckpt"
     with pytest.raises(ConfigError, match=r"^ckpt_path='missing.ckpt' does not exist$"):
         resolve_ckpt_path(cfg)
+
+
+def test_an_interrupted_roll_back_never_resumes_the_abandoned_steps(tiny_cfg, tmp_path):
+    """save_top_k=-1, a run to step 6, rolled back to its step-2 file with another LR and killed at step 3 (before its
+    first validation): resume=auto resumed last.ckpt, the abandoned step 6, and only validated it (exit 0, the old
+    lineage's val_loss). The roll-back is refused while the newer files are there; moved aside, it trains."""
+    from lit_dtrain.train import train
+
+    common = ("trainer.val_check_interval=2", "sample.max_new_tokens=0", "callbacks.model_checkpoint.save_top_k=-1",
+              "trainer.max_steps=6")
+    train(tiny_cfg(*common, run="r"))
+    d = tmp_path / "r" / "checkpoints"
+    (step2,) = d.glob("step000002-*.ckpt")
+    with pytest.raises(ConfigError, match=r"rolls run dir .* back to step 2, but it holds newer checkpoints "
+                                          r"\(last.ckpt at step 6, step000006-.* at step 6, step000004-.* at step 4\)"):
+        train(tiny_cfg(*common, "optimizer.lr=1e-3", f"ckpt_path={step2}", run="r"))
+    (d / "abandoned").mkdir()
+    for p in d.glob("*.ckpt"):
+        if p != step2:
+            p.rename(d / "abandoned" / p.name)
+    fault = ("+callbacks.fault._target_=tests.faults.RaiseOnceAt", "+callbacks.fault.hook=on_after_backward",
+             "+callbacks.fault.step=3")
+    with pytest.raises(RuntimeError, match="interrupted at step 3"):
+        train(tiny_cfg(*common, "optimizer.lr=1e-3", f"ckpt_path={step2}", *fault, run="r"))
+    cfg = tiny_cfg(*common, "optimizer.lr=1e-3", "resume=auto", run="r")
+    assert resolve_ckpt_path(cfg) == str(step2)
+    metrics, _ = train(cfg)
+    assert metrics["steps"] == 6 and metrics["tokens_per_sec"] is not None  # trained steps 2-5 again
