@@ -315,3 +315,23 @@ def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
             f"checkpoint {ckpt_path!r} holds {saved[1]} optimizer state, but optimizer={name} is configured; resume "
             f"with the optimizer it was trained with, or switch with init_from={ckpt_path} (weights only)"
         )
+
+
+def warn_if_accumulation_splits(cfg: DictConfig, ckpt_path: str) -> None:
+    """Warn when the checkpoint's micro-batch count is no multiple of ``trainer.accumulate_grad_batches`` (changed since
+    it was written): Lightning steps when its count reaches one, so the first optimizer step of the resumed run
+    accumulates fewer micro-batches, its loss still divided by the full count (7 steps with 1, resumed with 2: the
+    next step was one micro-batch at half the gradient), without a word."""
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    ckpt = safe_torch_load(ckpt_path, mmap=True)
+    try:
+        done = int(ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if accumulate > 1 and done % accumulate:
+        short = accumulate - done % accumulate
+        log.warning(
+            "checkpoint %s is at micro-batch %d, no multiple of trainer.accumulate_grad_batches=%d (changed since it "
+            "was written): the first optimizer step after the resume accumulates %d micro-batch(es), not %d, and its "
+            "gradient is %d/%d of a full step's", ckpt_path, done, accumulate, short, accumulate, short, accumulate)
+

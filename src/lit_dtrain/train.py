@@ -51,6 +51,7 @@ from lit_dtrain.resume import (
     check_optimizer_state,
     check_start_step,
     resolve_ckpt_path,
+    warn_if_accumulation_splits,
 )
 from lit_dtrain.run_lock import hold_run_dir, release_run_dir
 from lit_dtrain.schedules.workflows import (
@@ -300,6 +301,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)
+        warn_if_accumulation_splits(cfg, ckpt_path)
     logger = build_logger(cfg, start_step)
     extra = val_check_in_batches(cfg)
     if cfg.module.get("compile") and "inference_mode" not in cfg.trainer:

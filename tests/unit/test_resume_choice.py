@@ -245,3 +245,24 @@ def test_an_interrupted_roll_back_never_resumes_the_abandoned_steps(tiny_cfg, tm
     assert resolve_ckpt_path(cfg) == str(step2)
     metrics, _ = train(cfg)
     assert metrics["steps"] == 6 and metrics["tokens_per_sec"] is not None  # trained steps 2-5 again
+
+
+def test_a_resume_whose_accumulation_splits_a_step_says_so(tmp_path, caplog):
+    """7 steps with accumulate_grad_batches=1, resumed with 2: Lightning steps when its micro-batch count reaches a
+    multiple of 2, so the first step after the resume was 1 micro-batch with its loss halved, without a word."""
+    from lit_dtrain.resume import warn_if_accumulation_splits
+
+    path = tmp_path / "last.ckpt"
+    progress = {"current": {"ready": 7, "completed": 7, "started": 7, "processed": 7}}
+    torch.save({"global_step": 7, "state_dict": {}, "loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}},
+               path)
+    for accumulate, warned in [(1, False), (7, False), (2, True), (3, True)]:
+        caplog.clear()
+        cfg = OmegaConf.create({"trainer": {"accumulate_grad_batches": accumulate}})
+        with caplog.at_level("WARNING", logger="lit_dtrain.train"):
+            warn_if_accumulation_splits(cfg, str(path))
+        assert bool(caplog.records) == warned, accumulate
+    assert caplog.records[0].getMessage().endswith(
+        "is at micro-batch 7, no multiple of trainer.accumulate_grad_batches=3 (changed since it was written): the "
+        "first optimizer step after the resume accumulates 2 micro-batch(es), not 3, and its gradient is 2/3 of a "
+        "full step's")
