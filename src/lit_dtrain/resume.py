@@ -163,7 +163,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if earlier and cfg.get("resume") == "auto":
         chosen = _resume_auto_choice(ckpt_dir)
         if given:
-            _check_not_a_roll_back(Path(str(given)).expanduser(), Path(chosen))
+            _check_roll_back(Path(str(given)).expanduser(), ckpt_dir)
             log.info("ckpt_path=%s: not read, resume=auto continues this run's own checkpoint %s", given, chosen)
         return chosen
     if earlier and not given:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick
@@ -209,31 +209,14 @@ def _check_resume_auto_can_resume(cfg: DictConfig) -> None:
         raise new_sweep_dir_error(sweep_dir)
 
 
-def _check_not_a_roll_back(given: Path, chosen: Path) -> None:
-    """With ``resume=auto``, refuse a ``ckpt_path`` that is one of the run's own checkpoints older than the newest,
-    which ``resume=auto`` continues: the roll-back it asks for would not happen (and, kept in a requeued job's
-    command, would happen at every requeue without resume=auto)."""
-    if given.resolve().parent != chosen.resolve().parent or not given.is_file():
-        return  # another run's (a requeued job's starting point) or gone: not read
-    try:
-        step = checkpoint_global_step(given)
-    except CheckpointError:
-        return
-    newest = checkpoint_global_step(chosen)
-    if step < newest:
-        raise ConfigError(
-            f"ckpt_path={str(given)!r} is one of this run's own checkpoints (step {step}), and resume=auto continues "
-            f"its newest, {str(chosen)!r} (step {newest}): drop resume=auto to roll the run back to step {step}, or "
-            "drop ckpt_path to continue"
-        )
-
-
 def _check_roll_back(path: Path, ckpt_dir: Path) -> None:
     """Refuse rolling a run back to one of its own checkpoints while its run dir holds newer ones: the rolled-back run
     overwrites ``last.ckpt`` only at its first validation, and its step files get other names, so after an interruption
     ``resume=auto`` (the newest step) continued the abandoned steps, without a word (a roll-back from step 12 to 4
-    killed at step 6 resumed, and ended with, the abandoned step 12)."""
-    if path.resolve().parent != ckpt_dir.resolve():
+    killed at step 6 resumed, and ended with, the abandoned step 12). With ``resume=auto`` given too, the roll-back
+    would not happen at all. Another run's checkpoint (a requeue-ready command's starting point), or a file that is
+    gone (not read by ``resume=auto``), is not one."""
+    if not path.is_file() or path.resolve().parent != ckpt_dir.resolve():
         return
     try:
         step = checkpoint_global_step(path)
@@ -245,9 +228,9 @@ def _check_roll_back(path: Path, ckpt_dir: Path) -> None:
         shown = ", ".join(f"{p.name} at step {steps[p]}" for p in newer[:3])
         raise ConfigError(
             f"ckpt_path={str(path)!r} rolls run dir {str(ckpt_dir.parent)!r} back to step {step}, but it holds newer "
-            f"checkpoints ({shown}{', ...' if len(newer) > 3 else ''}), which resume=auto would continue after an "
-            f"interruption instead of the roll-back; move them into a subdirectory of {str(ckpt_dir)!r} (resume=auto "
-            "reads its top level only), or start a new run_name from that checkpoint"
+            f"checkpoints ({shown}{', ...' if len(newer) > 3 else ''}), which resume=auto would continue (after an "
+            f"interruption too) instead of the roll-back; move them into a subdirectory of {str(ckpt_dir)!r} "
+            "(resume=auto reads its top level only), or start a new run_name from that checkpoint"
         )
 
 

@@ -138,7 +138,7 @@ def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(t
     cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")  # rolling the run back to its own step file
     with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' rolls run dir '.*run' back to "
                                           r"step 6, but it holds newer checkpoints \(last.ckpt at step 7\), which "
-                                          r"resume=auto would continue after an interruption instead of the roll-back"):
+                                          r"resume=auto would continue \(after an interruption too\) instead of the"):
         resolve_ckpt_path(cfg)
     (d / "abandoned").mkdir()
     (d / "last.ckpt").rename(d / "abandoned" / "last.ckpt")
@@ -180,8 +180,8 @@ def test_a_requeued_command_with_ckpt_path_and_resume_auto_continues_the_runs_ow
 
 def test_resume_auto_with_ckpt_path_chooses_by_what_the_run_dir_holds(tmp_path):
     """resume=auto with ckpt_path: ckpt_path while the run dir holds no checkpoint (the first start), the run's newest
-    afterwards; one of the run's own older checkpoints (a roll-back resume=auto would not do) is refused naming both;
-    the default run_name (a new run dir at every start) is refused as for resume=auto alone."""
+    afterwards; one of the run's own older checkpoints (a roll-back resume=auto would not do) is refused while newer
+    ones are there; the default run_name (a new run dir at every start) is refused as for resume=auto alone."""
     d = tmp_path / "run" / "checkpoints"
     source = tmp_path / "pretrained.ckpt"
     _save(source, 5)
@@ -195,10 +195,16 @@ def test_resume_auto_with_ckpt_path_chooses_by_what_the_run_dir_holds(tmp_path):
     cfg.ckpt_path = str(d / "last.ckpt")
     assert resolve_ckpt_path(cfg) == str(d / "last.ckpt")
     cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")
-    with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' is one of this run's own "
-                                          r"checkpoints \(step 6\), and resume=auto continues its newest, "
-                                          r"'.*last.ckpt' \(step 8\): drop resume=auto to roll the run back"):
+    with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' rolls run dir '.*run' back to "
+                                          r"step 6, but it holds newer checkpoints \(last.ckpt at step 8\), which "
+                                          r"resume=auto would continue \(after an interruption too\) instead"):
         resolve_ckpt_path(cfg)
+    (d / "abandoned").mkdir()
+    (d / "last.ckpt").rename(d / "abandoned" / "last.ckpt")  # moved aside: the roll-back is what resume=auto takes
+    assert resolve_ckpt_path(cfg) == str(d / "step000006-val3.0000.ckpt")
+    from hydra.core.utils import setup_globals
+
+    setup_globals()  # Hydra's ${now:...} resolver, as in train.py
     default = OmegaConf.create({"ckpt_path": str(source), "resume": "auto", "run_name": "${now:%H-%M-%S}",
                                 "paths": {"checkpoint_dir": str(tmp_path / "t" / "checkpoints"),
                                           "output_dir": "${run_name}"}})
