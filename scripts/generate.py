@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import torch
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import ByteTokenizer
+from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.workflows import model_from_checkpoint
 from lit_dtrain.utils.args import ScriptArgumentParser, fail
 
@@ -45,13 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = ap.parse_args(argv)
-    checks = (("--temperature", args.temperature, "(0: greedy)"), ("--top-k", args.top_k, "(0: all tokens)"),
-              ("--max-new-tokens", args.max_new_tokens, ""))
-    for flag, value, rule in checks:
-        if not value >= 0:  # before loading: a negative temperature used to mean greedy silently
-            ap.error(f"{flag} must be >= 0{' ' + rule if rule else ''}, got {value}")
-    if not math.isfinite(args.temperature):  # inf divided the logits to 0 (and -inf top-k masks to nan)
-        ap.error(f"--temperature must be finite, got {args.temperature}")
+    flags = {"temperature": "--temperature", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens"}
+    try:  # before loading; the check of sample.* and Llama.generate (a negative temperature used to mean greedy)
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, flags)
+    except ValueError as e:
+        ap.error(str(e))
 
     model, ckpt = load_model(args.checkpoint)
     tok = ByteTokenizer()

@@ -25,6 +25,7 @@ from lit_dtrain.config_lightning import (
     check_lightning_choices,
 )
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
 
 log = logging.getLogger(__name__)
@@ -317,19 +318,12 @@ def check_sample(cfg: DictConfig) -> None:
     """``sample.*`` is used only after training: a bad value must fail now, not after the last step (it used to
     raise from inside ``generate`` before ``summary.json`` was written)."""
     node = cfg.get("sample") or {}
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     n = node.get("max_new_tokens", 0)
-    if n is not None and not (is_int(n) and n >= 0):
-        raise ConfigError(f"sample.max_new_tokens must be an integer >= 0 (0: no sample), got {n!r}")
-    t = node.get("temperature", 0.8)
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0):
-        raise ConfigError(f"sample.temperature must be a number >= 0 (0: greedy), got {t!r}")
-    k = node.get("top_k", None)
-    if k is not None and not (is_int(k) and k >= 0):
-        raise ConfigError(f"sample.top_k must be null or an integer >= 0 (0: all tokens), got {k!r}")
+    names = {key: f"sample.{key}" for key in ("max_new_tokens", "temperature", "top_k")}
+    try:  # generate's own check: sample.temperature=inf passed here and was refused by scripts/generate.py
+        check_sampling(0 if n is None else n, node.get("temperature", 0.8), node.get("top_k", None), names)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     prompt = node.get("prompt", "def ")
     if prompt is None or isinstance(prompt, bool) or not isinstance(prompt, (str, int, float)):
         raise ConfigError(f"sample.prompt must be text (a string; '' starts at a document start), got {prompt!r}")

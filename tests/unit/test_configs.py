@@ -210,12 +210,15 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.devices=[]", r"trainer.devices=\[\] must be a number of devices >= 1"),
         ("trainer.devices=-2", r"trainer.devices=-2 must be a number of devices >= 1"),
         # the end-of-run sample used to crash after training (before summary.json was written)
-        ("sample.top_k=-3", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got -3"),
-        ("sample.top_k=abc", r"sample.top_k must be null or an integer >= 0 \(0: all tokens\), got 'abc'"),
-        ("sample.temperature=abc", r"sample.temperature must be a number >= 0 \(0: greedy\), got 'abc'"),
-        ("sample.temperature=-1", r"sample.temperature must be a number >= 0 \(0: greedy\), got -1"),
-        ("sample.max_new_tokens=1.5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got 1.5"),
-        ("sample.max_new_tokens=-5", r"sample.max_new_tokens must be an integer >= 0 \(0: no sample\), got -5"),
+        ("sample.top_k=-3", r"sample.top_k must be an integer >= 0 \(0: all tokens\), got -3"),
+        ("sample.top_k=abc", r"sample.top_k must be an integer >= 0 \(0: all tokens\), got 'abc'"),
+        ("sample.temperature=abc", r"sample.temperature must be a finite number >= 0 \(0: greedy\), got 'abc'"),
+        ("sample.temperature=-1", r"sample.temperature must be a finite number >= 0 \(0: greedy\), got -1"),
+        # passed, while generate.py --temperature inf was refused: every logit / inf is 0, a uniform draw ignoring top_k
+        ("sample.temperature=inf", r"sample.temperature must be a finite number >= 0 \(0: greedy\), got inf"),
+        ("sample.temperature=nan", r"sample.temperature must be a finite number >= 0 \(0: greedy\), got nan"),
+        ("sample.max_new_tokens=1.5", r"sample.max_new_tokens must be an integer >= 0, got 1.5"),
+        ("sample.max_new_tokens=-5", r"sample.max_new_tokens must be an integer >= 0, got -5"),
         # Lightning switches validation off: no checkpoint before the end, and a NaN val_loss (summary.json: null)
         (
             "trainer.limit_val_batches=0",

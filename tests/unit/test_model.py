@@ -167,11 +167,11 @@ def test_generate_top_k_zero_means_all_tokens_and_bad_arguments_are_named():
     a = m.generate(prompt, 5, top_k=0, generator=torch.Generator().manual_seed(0))
     b = m.generate(prompt, 5, top_k=None, generator=torch.Generator().manual_seed(0))
     assert a.shape == (1, 8) and torch.equal(a, b)
-    with pytest.raises(ValueError, match=r"top_k must be None or >= 0 \(0: all tokens\), got -3"):
+    with pytest.raises(ValueError, match=r"generate: top_k must be an integer >= 0 \(0: all tokens\), got -3"):
         m.generate(prompt, 5, top_k=-3)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         m.generate(prompt, 5, temperature=-1.0)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         m.generate(prompt, -1)
 
 
@@ -187,6 +187,27 @@ def test_generate_with_a_tiny_temperature_is_greedy_not_nan():
         assert torch.equal(m.generate(prompt, 6, temperature=t, generator=torch.Generator().manual_seed(0)), greedy)
     a = m.generate(prompt, 6, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, m.generate(prompt, 6, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(3)))
+
+
+
+def test_generate_top_k_holds_at_a_huge_temperature_and_inf_is_refused():
+    """top-k ranked the logits after dividing them by the temperature: at 1e300 they all underflowed to 0, tied with
+    the k-th, so every token was kept and top_k=1 drew uniformly from all 257 tokens. inf did the same (it passed
+    sample.temperature's check while generate.py refused it); it is refused now, by the check they share."""
+    m = tiny().eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = m.generate(prompt, 8, temperature=0)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        assert torch.equal(m.generate(prompt, 8, temperature=1e300, top_k=1, generator=g), greedy)
+    logits = m(prompt)[0, -1]
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    drawn = {int(m.generate(prompt, 1, temperature=1e300, top_k=3, generator=torch.Generator().manual_seed(s))[0, -1])
+             for s in range(30)}
+    assert drawn == top3  # uniform among the 3 best at this temperature: all three drawn in 30 tries, no other
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"generate: temperature must be a finite number >= 0 \(0: greedy\)"):
+            m.generate(prompt, 2, temperature=bad)
 
 
 def test_generate_names_a_prompt_it_cannot_continue():

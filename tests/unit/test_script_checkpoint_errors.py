@@ -56,10 +56,10 @@ def _tiny_checkpoint(path: Path, block_size: int = 32) -> Path:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
-        (["--top-k", "-2"], "--top-k must be >= 0 (0: all tokens), got -2"),
-        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
-        (["--temperature", "inf"], "--temperature must be finite, got inf"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), got -1.0"),
+        (["--top-k", "-2"], "--top-k must be an integer >= 0 (0: all tokens), got -2"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be an integer >= 0, got -3"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0: greedy), got inf"),
     ],
 )
 def test_generate_rejects_bad_sampling_flags_before_loading(tmp_path, capsys, flags, message):

@@ -9,6 +9,8 @@ lit_dtrain's model-rewriting callbacks (activation checkpointing, ...) rely on.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -71,6 +73,31 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype that RMSNorm, RoPE and the loss compute in: fp32 for bf16/fp16 activations, float64 kept as it is
     (``precision=64-true``: an fp32 detour there made its logits, RoPE tables and loss fp32-accurate, silently)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+SAMPLING_RULES = {"max_new_tokens": "an integer >= 0", "temperature": "a finite number >= 0 (0: greedy)",
+                  "top_k": "an integer >= 0 (0: all tokens)"}
+
+
+def check_sampling(
+    max_new_tokens, temperature, top_k, names: Mapping[str, str] | None = None, prefix: str = ""
+) -> None:
+    """``ValueError`` naming the first bad sampling argument, as ``names`` calls it (``sample.temperature``,
+    ``--temperature``): the one check of :meth:`Llama.generate`, ``scripts/generate.py`` and the config's ``sample.*``.
+    A temperature of inf (or nan) is refused: the logits divided by it are all 0, a uniform draw over every token
+    whatever ``top_k`` says; ``sample.temperature=inf`` passed the config check while ``generate.py`` refused it."""
+    def is_int(v) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    good = {"max_new_tokens": is_int(max_new_tokens) and max_new_tokens >= 0,
+            "temperature": isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature >= 0,
+            "top_k": top_k is None or (is_int(top_k) and top_k >= 0)}
+    values = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}
+    for key, ok in good.items():
+        if not ok:
+            name = (names or {}).get(key, key)
+            raise ValueError(f"{prefix}{name} must be {SAMPLING_RULES[key]}, got {values[key]!r}")
 
 
 class RMSNorm(nn.Module):
@@ -267,12 +294,7 @@ class Llama(nn.Module):
 
         ``temperature=0`` (or one below fp32's smallest normal, 1.2e-38) is greedy; ``top_k`` None or 0 samples among
         all tokens."""
-        if max_new_tokens < 0:
-            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not temperature >= 0:
-            raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature}")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"generate: top_k must be None or >= 0 (0: all tokens), got {top_k}")
+        check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
         shape = tuple(input_ids.shape)
         if input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError(f"generate: input_ids must be (batch, tokens) with at least one token, got shape {shape}")
@@ -296,11 +318,15 @@ class Llama(nn.Module):
             logits = self(ctx)[:, -1, :].float()
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or below fp32's range: the greedy limit
                 nxt = logits.argmax(-1, keepdim=True)
-            else:  # the max at 0 first: a tiny temperature gives -inf, not inf (softmax of inf - inf was NaN)
-                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-                if top_k is not None:
+            else:
+                if top_k is not None:  # on the logits themselves: divided by a huge temperature they underflow to 0,
+                    # all tied with the k-th, and every token was kept. Tokens tied with the k-th stay (HF, nanoGPT)
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
+                # the max at 0 first: a tiny temperature gives -inf, not inf (softmax of inf - inf was NaN); one past
+                # fp32's range is its max (in fp32 it was inf, and the masked -inf / inf NaN)
+                t = min(temperature, torch.finfo(logits.dtype).max)
+                logits = (logits - logits.amax(-1, keepdim=True)) / t
                 nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             input_ids = torch.cat([input_ids, nxt], dim=1)
         return input_ids
