@@ -3,7 +3,8 @@
     python scripts/generate.py outputs/runs/<run>/checkpoints/last.ckpt --prompt "def " --max-new-tokens 200
 
 The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
-``model_config`` entry that ``LitLLM`` stores in every checkpoint. The last line is JSON: ``{"error": ...}`` on bad
+``model_config`` entry that ``LitLLM`` stores in every checkpoint; the weights (bf16 ones too) are sampled in fp32, on
+``--device`` (default: cuda where available, else cpu). The last line is JSON: ``{"error": ...}`` on bad
 input (exit status 2).
 """
 
@@ -36,6 +37,27 @@ def load_model(path: str):
     return model, ckpt
 
 
+def sampling_device(name: str | None) -> torch.device:
+    """The device of ``--device``: by default CUDA's current device where CUDA is available, else the CPU. A name
+    torch does not know, or a CUDA device this machine lacks, is one line naming the flag."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        fail(f"--device {name!r} is not a device name (cpu, cuda, cuda:1, ...): {e}")
+    if device.type == "cuda":  # cuda alone means the current device: the generator must be on the model's device
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            fail(f"--device {name}: CUDA is not available here (torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            fail(f"--device {name}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    elif device.type != "cpu":
+        fail(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
@@ -43,22 +65,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed draws other text on another "
+                    "device type)")
+    ap.add_argument("--device", default=None, help="where to sample: cpu, cuda, cuda:1, ... (default: cuda if "
+                    "available, else cpu)")
     args = ap.parse_args(argv)
     flags = {"temperature": "--temperature", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens"}
     try:  # before loading; the check of sample.* and Llama.generate (a negative temperature used to mean greedy)
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, flags)
     except ValueError as e:
         ap.error(str(e))
+    device = sampling_device(args.device)
 
     model, ckpt = load_model(args.checkpoint)
+    model.to(device)
     tok = ByteTokenizer()
     # the bytes given on the command line: argv bytes that are not UTF-8 arrive as surrogates, which str.encode refuses
     prompt = os.fsencode(args.prompt)
-    ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None]  # "" starts a new document
-    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None].to(device)  # "" starts a new document
+    g = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, generator=g)
-    text = tok.decode(out[0])
+    text = tok.decode(out[0].cpu())
     print(text)
     print(json.dumps({"text": text, "new_tokens": out.size(1) - ids.size(1), "global_step": ckpt.get("global_step")}))
 

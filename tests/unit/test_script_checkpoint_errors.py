@@ -294,3 +294,42 @@ def test_spectrum_reports_the_png_it_wrote_for_an_out_without_suffix(tmp_path, c
     out = _spectrum_json(capsys)
     assert out["out"] == str(tmp_path / "spec.png") and (tmp_path / "spec.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("spec", ".spec"))) == ["spec.png"]
+
+
+def test_generate_device_defaults_to_cuda_where_available_and_cpu_samples(tmp_path, capsys, monkeypatch):
+    """generate.py sampled on the CPU only; --device picks the device, by default CUDA where torch finds it."""
+    import torch
+
+    mod = _script("generate")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mod.sampling_device(None) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert mod.sampling_device(None) == torch.device("cuda", 1)  # the generator goes where the model goes
+    assert mod.sampling_device("cuda:0") == torch.device("cuda", 0)
+    with script_error(capsys, r"--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0..cuda:1"):
+        mod.sampling_device("cuda:2")
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt")
+    args = [str(ckpt), "--device", "cpu", "--max-new-tokens", "5", "--prompt", "ab", "--seed", "4"]
+    mod.main(args)
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    mod.main(args)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == first and first["new_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("cuda", r"--device cuda: CUDA is not available here .*use --device cpu"),
+        ("cuda:1", r"--device cuda:1: CUDA is not available here"),
+        ("gpu", r"--device 'gpu' is not a device name \(cpu, cuda, cuda:1, ...\)"),
+        ("meta", r"--device meta: only cpu and cuda are supported"),
+    ],
+)
+def test_generate_names_a_device_it_cannot_sample_on(tmp_path, capsys, monkeypatch, device, message):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with script_error(capsys, message):
+        _script("generate").main([str(tmp_path / "never_read.ckpt"), "--device", device])
