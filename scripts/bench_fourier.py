@@ -141,6 +141,9 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     summary without a table (every table is against uniform's runs)."""
     if "uniform" not in args.variants:
         ap.error("--variants must include uniform: every figure is against uniform's runs")
+    if min(args.block_sizes) < 2:  # was a ValueError traceback from the samplers' setup, after the corpus was built
+        ap.error(f"--block-sizes {min(args.block_sizes)}: the Fourier samplers need blocks of >= 2 tokens (the rfft "
+                 "of T token losses has T // 2 bins besides the mean)")
     if max(args.block_sizes) > 256 and "uniform" not in args.long_variants:
         ap.error("--long-variants must include uniform when a block size is above 256 (the reference there)")
     try:

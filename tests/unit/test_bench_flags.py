@@ -33,6 +33,7 @@ from tests.conftest import ROOT, load_script
     ("bench_wsd.py", ["--fractions", "0.001"], "--fractions 0.001: a decay of round(0.001 * 80) = 0 steps"),
     ("bench_fourier.py", ["--variants", "brief_stages"], "--variants must include uniform"),
     ("bench_fourier.py", ["--eval-every", "0"], "argument --eval-every: must be >= 1, got 0"),
+    ("bench_fourier.py", ["--block-sizes", "256", "1"], "--block-sizes 1: the Fourier samplers need blocks of >= 2"),
     ("bench_fourier.py", ["--merge", "missing.json"], "--merge 'missing.json': cannot read it"),
     ("bench_codecs.py", ["--codecs", "int8,int8"], "argument --codecs: ['int8'] listed twice in 'int8,int8'"),
     ("bench_comm.py", ["--rates", "1gbt"], "argument --rates: '1gbt': expected a positive tc rate"),
