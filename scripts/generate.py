@@ -20,7 +20,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import ByteTokenizer
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.workflows import model_from_checkpoint
-from lit_dtrain.utils.args import ScriptArgumentParser, fail
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int
 
 
 def load_model(path: str):
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed draws other text on another "
                     "device type)")
+    ap.add_argument("--num-samples", type=positive_int, default=1, help="continuations of the prompt (one batch)")
     ap.add_argument("--device", default=None, help="where to sample: cpu, cuda, cuda:1, ... (default: cuda if "
                     "available, else cpu)")
     args = ap.parse_args(argv)
@@ -84,11 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     prompt = os.fsencode(args.prompt)
     ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None].to(device)  # "" starts a new document
     g = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, generator=g)
-    text = tok.decode(out[0].cpu())
-    print(text)
-    print(json.dumps({"text": text, "new_tokens": out.size(1) - ids.size(1), "global_step": ckpt.get("global_step")}))
-
+    out = model.generate(ids.expand(args.num_samples, -1), args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k or None, generator=g)
+    texts = [tok.decode(row) for row in out.cpu()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i + 1} of {len(texts)} ---\n{text}" if len(texts) > 1 else text)
+    print(json.dumps({"text": texts[0], "texts": texts, "new_tokens": out.size(1) - ids.size(1),
+                      "global_step": ckpt.get("global_step")}))
 
 if __name__ == "__main__":
     main()

@@ -333,3 +333,22 @@ def test_generate_names_a_device_it_cannot_sample_on(tmp_path, capsys, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with script_error(capsys, message):
         _script("generate").main([str(tmp_path / "never_read.ckpt"), "--device", device])
+
+
+def test_generate_num_samples_draws_that_many_continuations(tmp_path, capsys):
+    """--num-samples did not exist: several continuations of one prompt took one run (and one model load) each."""
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt")
+    mod = _script("generate")
+
+    def run(*flags):
+        mod.main([str(ckpt), "--prompt", "ab", "--max-new-tokens", "6", "--device", "cpu", *flags])
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    greedy = run("--temperature", "0")
+    many = run("--temperature", "0", "--num-samples", "3")
+    assert many["texts"] == [greedy["text"]] * 3 and many["text"] == greedy["text"] and many["new_tokens"] == 6
+    drawn = run("--temperature", "1", "--top-k", "0", "--num-samples", "4", "--seed", "7")
+    assert len(drawn["texts"]) == 4 and len(set(drawn["texts"])) > 1 and all(t[:2] == "ab" for t in drawn["texts"])
+    assert run("--temperature", "1", "--top-k", "0", "--num-samples", "4", "--seed", "7") == drawn
+    with script_error(capsys, r"argument --num-samples: must be >= 1, got 0"):
+        run("--num-samples", "0")
