@@ -24,17 +24,13 @@ from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int
 
 
 def load_model(path: str):
-    """``(model, checkpoint)`` of a lit_dtrain checkpoint; one line naming the file when it is unusable."""
-    try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
-        model, ckpt = model_from_checkpoint(path)
+    """``(model, checkpoint)`` of a lit_dtrain checkpoint; one line naming the file when it is unusable (missing,
+    truncated, foreign, weightless, or with non-finite weights: NaN logits, which multinomial refuses and greedy
+    decoded as token 0 every time)."""
+    try:
+        return model_from_checkpoint(path)
     except CheckpointError as e:
         fail(str(e))
-    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:  # a diverged run's checkpoint: NaN logits (multinomial raises; greedy picks token 0 every time)
-        fail(f"checkpoint {path!r} (step {ckpt.get('global_step')}) has non-finite weights ({bad[0]}"
-             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged; sample from an earlier "
-             "checkpoint of it")
-    return model, ckpt
 
 
 def sampling_device(name: str | None) -> torch.device:

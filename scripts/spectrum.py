@@ -47,7 +47,7 @@ DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
 def load_model(path: str, with_checkpoint: bool = False):
     """The model of a lit_dtrain checkpoint (its shape comes from the checkpoint's ``model_config``), and with
     ``with_checkpoint`` the checkpoint dict too."""
-    try:  # a missing, truncated, foreign or weightless file: one line naming it, not a traceback
+    try:  # a missing, truncated, foreign or weightless file, or NaN weights: one line naming it, not a traceback
         model, ckpt = model_from_checkpoint(path)
     except CheckpointError as e:
         fail(str(e))

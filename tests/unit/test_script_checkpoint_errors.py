@@ -236,6 +236,21 @@ def test_generate_names_a_checkpoint_with_non_finite_weights(tmp_path, capsys, t
         _script("generate").main([str(ckpt), "--temperature", temperature, "--max-new-tokens", "5"])
 
 
+def test_spectrum_names_a_checkpoint_with_non_finite_weights(tmp_path, capsys):
+    """spectrum.py measured a diverged checkpoint: 'mean loss nan, ... band shares [nan, nan, nan, nan], 90% of the
+    energy below bin 1', a plot of nothing and a JSON line with NaN, exit 0. It is refused as generate.py refuses it
+    (the check is in model_from_checkpoint, which both load through)."""
+    import torch
+
+    ckpt = _tiny_checkpoint(tmp_path / "last.ckpt")
+    data = torch.load(ckpt, weights_only=True)
+    data["state_dict"]["model.norm.weight"][3] = float("inf")
+    torch.save(data, ckpt)
+    with script_error(capsys, rf"checkpoint '{ckpt}' \(step 3\) has non-finite weights \(norm.weight\): the run "
+                              "diverged; use an earlier checkpoint of it"):
+        _script("spectrum").load_model(str(ckpt))
+
+
 def test_generate_takes_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):
     """`generate.py CKPT --prompt $'\\xff\\xfeab'`: Python hands such argv bytes over as surrogates, and the prompt
     died in str.encode with 'UnicodeEncodeError: ... surrogates not allowed'. The model reads bytes; the prompt is

@@ -304,7 +304,7 @@ def checkpoint_weights(ckpt, path: str | Path, prefix: str = "model.") -> dict[s
 
 def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """``(model in eval mode, checkpoint dict)``: the model built from the checkpoint's ``model_config`` with all of
-    its weights loaded strictly (a checkpoint without them must not give a random init).
+    its weights loaded strictly (a checkpoint without them must not give a random init), all finite.
     :class:`~lit_dtrain.checkpoint.CheckpointError` naming the file for a missing, damaged or foreign one."""
     from lit_dtrain.models import build_llama
 
@@ -320,6 +320,11 @@ def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     if mismatch:
         raise CheckpointError(f"{str(path)!r}: the weights do not match its model_config: {mismatch}")
     model.load_state_dict(weights)
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:  # a diverged run's: generate.py drew from NaN logits; spectrum.py plotted NaN losses and exited 0
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} (step {ckpt.get('global_step')}) has non-finite weights "
+                              f"({bad[0]}{more}): the run diverged; use an earlier checkpoint of it")
     return model.eval(), ckpt
 
 
