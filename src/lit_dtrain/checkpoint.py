@@ -314,6 +314,18 @@ def nonfinite_tensors(state_dict: dict, keys) -> list[str]:
     return [k for k in tensors if k in bad]
 
 
+def first_nonfinite_weight(path: str | os.PathLike) -> str | None:
+    """The first tensor of checkpoint ``path``'s ``state_dict`` that holds a NaN or inf, or None. train()'s models
+    keep no buffer in it (the rope tables are not persistent), so it holds the parameters only. Memory-mapped, read
+    tensor by tensor up to the first bad one: the weights once, never the optimizer state (model=nano: ~60 ms more
+    than reading global_step alone, on 2 busy CPU cores)."""
+    state = safe_torch_load(path, mmap=True).get("state_dict")
+    for key, t in state.items() if isinstance(state, dict) else ():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(t.isfinite().all()):
+            return str(key)
+    return None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO`` plugin using :func:`atomic_torch_save` and :func:`safe_torch_load`.
 

@@ -1,8 +1,8 @@
 """Which checkpoint a start of ``train(cfg)`` continues from, and the checks of it before any compute.
 
-- :func:`resolve_ckpt_path`: with ``resume=auto`` the newest readable checkpoint of the run dir (``last.ckpt`` among
-  equals) once it holds one, else ``ckpt_path`` (so one command starts a run from another run's checkpoint and
-  continues it when requeued); a fresh start in a run dir that holds checkpoints is refused, and so is
+- :func:`resolve_ckpt_path`: with ``resume=auto`` the newest readable checkpoint of the run dir with finite weights
+  (``last.ckpt`` among equals) once it holds one, else ``ckpt_path`` (so one command starts a run from another run's
+  checkpoint and continues it when requeued); a fresh start in a run dir that holds checkpoints is refused, and so is
   ``resume=auto`` where nothing can be resumed (a default ``run_name``, a multirun's new sweep dir:
   :func:`new_sweep_dir_error`, which ``lit_dtrain.sweeps.ResumeSweepCheck`` raises too);
 - :func:`newest_step_checkpoint`: that newest readable checkpoint (``lit_dtrain.sigterm_exit`` names it when
@@ -27,6 +27,7 @@ from lit_dtrain.checkpoint import (
     CheckpointError,
     checkpoint_files,
     checkpoint_global_step,
+    first_nonfinite_weight,
     not_a_file_reason,
     safe_torch_load,
 )
@@ -111,39 +112,61 @@ def _newest(steps: dict[Path, int]) -> Path:
     return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt"))
 
 
+def _newest_finite(steps: dict[Path, int]) -> tuple[Path | None, dict[Path, str]]:
+    """The newest of ``steps`` (:func:`_newest`) whose weights are finite, and the newer ones passed over, each with
+    the first non-finite tensor (written before ``AtomicCheckpointIO`` refused such saves, or by another tool). Reads
+    the weights of the newest file only, and of each one passed over (mmap; stops at the first bad tensor)."""
+    remaining, bad = dict(steps), {}
+    while remaining:
+        newest = _newest(remaining)
+        key = first_nonfinite_weight(newest)
+        if key is None:
+            return newest, bad
+        bad[newest] = key
+        log.warning("resume=auto: skipped %s (step %d): its weights are not finite (NaN/inf in %r), and a resume "
+                    "would stop again at its first step", newest, remaining.pop(newest), key)
+    return None, bad
+
+
 def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The readable ``*.ckpt`` of ``ckpt_dir`` with the highest ``global_step`` (``last.ckpt`` among equals), or
-    None; logs why each unreadable one is skipped."""
+    """The readable ``*.ckpt`` of ``ckpt_dir`` with finite weights and the highest ``global_step`` (``last.ckpt``
+    among equals), or None; logs why each unreadable or non-finite one is skipped."""
     steps, unreadable = _checkpoint_steps(ckpt_dir)
     for e in unreadable.values():
         log.warning("resume=auto: skipped as unreadable: %s", e)
-    return _newest(steps) if steps else None
+    return _newest_finite(steps)[0]
 
 
 def _resume_auto_choice(ckpt_dir: Path) -> str:
     """The checkpoint ``resume=auto`` continues from in ``ckpt_dir``, which holds ``*.ckpt`` files: the newest
-    readable one (``last.ckpt`` among equals), with a warning naming each file passed over and why.
+    readable one with finite weights (``last.ckpt`` among equals), with a warning naming each file passed over and
+    why. (A checkpoint of NaN weights, written before ``AtomicCheckpointIO`` refused those or by another tool, was
+    resumed, and the run stopped again at its first step.)
 
     ModelCheckpoint writes a new best step file before last.ckpt: a kill in between leaves last.ckpt a validation
     behind (or no last.ckpt at all, killed while writing the first). Resuming from it redid those steps and saved
     the step file again as '<name>-v1.ckpt', leaving the first one behind for good (the resumed ModelCheckpoint
     state did not know it)."""
     steps, unreadable = _checkpoint_steps(ckpt_dir)
-    if not steps:
-        reasons = "; ".join(_without_advice(e) for e in unreadable.values())
-        raise ConfigError(
-            f"resume=auto: no checkpoint in {str(ckpt_dir)!r} can be resumed ({reasons}); replace or remove "
-            f"{'it' if len(unreadable) == 1 else 'them'}, give ckpt_path=PATH, or {another_run_dir()}"
-        )
     last = ckpt_dir / "last.ckpt"
     for p, e in unreadable.items():
         if p != last:
             log.warning("resume=auto: skipped as unreadable: %s", e)
-    newest = _newest(steps)
+    newest, nonfinite = _newest_finite(steps)
+    if newest is None:
+        reasons = "; ".join([_without_advice(e) for e in unreadable.values()] + [
+            f"checkpoint {str(p)!r} has non-finite weights (NaN/inf in {k!r})" for p, k in nonfinite.items()])
+        raise ConfigError(
+            f"resume=auto: no checkpoint in {str(ckpt_dir)!r} can be resumed ({reasons}); replace or remove "
+            f"{'it' if len(unreadable) + len(nonfinite) == 1 else 'them'}, give ckpt_path=PATH, or "
+            f"{another_run_dir()}"
+        )
     if newest == last:
         return str(newest)
     if last in unreadable:
         why = f"{last.name} is unreadable, skipped: {_without_advice(unreadable[last])}"
+    elif last in nonfinite:
+        why = f"{last.name} (step {steps[last]}) has non-finite weights (NaN/inf in {nonfinite[last]!r}), skipped"
     elif last in steps:
         why = f"it is newer than {last.name} (step {steps[last]})"
     else:
@@ -184,6 +207,10 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
                 "of run_name's run dir; or give the file)" if keyword else ""))
         check_foreign_ckpt_path(path, ckpt_dir)
         _check_roll_back(path, ckpt_dir)
+        if (key := first_nonfinite_weight(path)) is not None:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has non-finite weights (NaN/inf in {key!r}, the first such tensor): a "
+                "diverged run saved it, and resuming it would stop at its first step; give an earlier checkpoint")
         return str(path)
     if cfg.get("resume") == "auto":
         log.info("resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
