@@ -40,11 +40,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -161,15 +162,46 @@ class PreemptionCheckpoint(L.Callback):
             self.signum = int(trainer.strategy.all_gather(mine).max()) or None
         path = os.path.join(self.dirpath, self.filename)
         _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
+        before = _file_identity(path)
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
         # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
+        if rank_zero_only.rank == 0 and _file_identity(path) == before:  # AtomicCheckpointIO skipped the save
+            resumes = _what_resumes(self.dirpath, self.resume_hint)
+            rank_zero_info(f"{name} received: no checkpoint saved at step {trainer.global_step} (its weights are not "
+                           f"finite: see the warning above); exiting cleanly. {resumes}")
+            return
         hint = self.resume_hint if self.resume_hint is not None else f"trainer.fit(..., ckpt_path={path!r})"
         rank_zero_info(
             f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. Resume with {hint}."
         )
+
+
+def _file_identity(path: str) -> tuple | None:
+    """What changes when a file is written at ``path`` (an atomic write renames a new inode over it); None: none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _what_resumes(dirpath: str, resume_hint: str | None) -> str:
+    """Which checkpoint of ``dirpath`` a resume continues where the stop saved none: the newest with finite weights
+    (``resume=auto``'s choice; ``resume_hint``: train()'s, None in a project of one's own)."""
+    from lit_dtrain.checkpoint import checkpoint_global_step
+    from lit_dtrain.resume import newest_step_checkpoint  # (it imports the config machinery: only when needed)
+
+    newest = newest_step_checkpoint(Path(dirpath)) if os.path.isdir(dirpath) else None
+    if newest is None:
+        return f"{dirpath} holds no resumable checkpoint: a resume has nothing to continue"
+    step = checkpoint_global_step(newest)
+    newest_is = f"The newest finite checkpoint is {newest} (step {step})"
+    if resume_hint is None:
+        return f"{newest_is}: resume with trainer.fit(..., ckpt_path={str(newest)!r})"
+    return f"{newest_is}, which resume=auto continues: resume with {resume_hint}"
 
 
 def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
