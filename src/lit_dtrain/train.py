@@ -44,6 +44,7 @@ from lit_dtrain.config_checks import (
     warn_if_the_schedule_ends_early,
 )
 from lit_dtrain.config_resolvers import RequiredValueError
+from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
@@ -289,7 +290,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     clock = TrainClock()
     # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
-    callbacks = [LogStepSync(), *callbacks, clock, HoldSigtermInValidate(), SigtermRecorder()]
+    watch = NonFiniteLossWatch()  # the first NaN/inf loss, for summary.json's "diverged"
+    callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder()]
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
@@ -366,6 +368,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
     }
     metrics.update({k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous})
+    report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     sample = _generate_sample(module, datamodule, cfg)
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer)
@@ -387,4 +390,5 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
         f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
         f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
+        + (" DIVERGED" if metrics.get("diverged") else "")
     )

@@ -1,0 +1,79 @@
+"""Whether a finished ``train(cfg)`` diverged, for its summary: with ``module.check_finite=false`` (and no spike monitor
+to stop it) a run whose loss went NaN trains on to ``max_steps`` as asked, but it exited 0 with ``val_loss`` null in
+``summary.json`` and a summary line and ``checkpoint`` naming a ``last.ckpt`` that ``AtomicCheckpointIO`` never wrote
+(the weights were NaN), as if it had finished well.
+
+:class:`NonFiniteLossWatch` notes the first step whose training loss is not finite (on the device: no host sync per
+step); :func:`report_divergence` adds ``diverged`` and ``first_nonfinite_step`` to the metrics, points
+``checkpoint`` at the file that holds the newest finite state (null: none), and warns at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lit_dtrain.checkpoint import nonfinite_tensors
+
+log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger
+
+
+class NonFiniteLossWatch(L.Callback):
+    """The first optimizer step (completed steps before it) whose training loss was NaN/inf, or None."""
+
+    def __init__(self) -> None:
+        self._first: torch.Tensor | None = None  # -1: none yet; on the loss's device
+        self._step = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not torch.is_tensor(loss):  # a skipped step (training_step returned None)
+            return
+        if self._first is None:
+            self._first = torch.full((), -1, dtype=torch.long, device=loss.device)
+        bad = (self._first < 0) & ~torch.isfinite(loss.detach()).all()
+        self._first = torch.where(bad, torch.tensor(self._step, device=loss.device), self._first)
+
+    @property
+    def first_step(self) -> int | None:
+        first = -1 if self._first is None else int(self._first)
+        return None if first < 0 else first
+
+
+def report_divergence(metrics: dict, module: L.LightningModule, watch: NonFiniteLossWatch | None,
+                      ckpt_dir: str | Path) -> None:
+    """Add ``diverged`` (the final weights or the validation loss are not finite) and ``first_nonfinite_step`` (the
+    first step whose training loss was not finite, also in a run a spike monitor kept finite) to ``metrics``; where
+    the final weights are not finite (their ``last.ckpt`` was not written), set ``checkpoint`` to the newest finite
+    checkpoint of ``ckpt_dir`` (None: none), and log a warning that the run diverged."""
+    from lit_dtrain.checkpoint import checkpoint_global_step
+    from lit_dtrain.resume import newest_step_checkpoint
+
+    names = [name for name, _ in module.named_parameters()]
+    bad_weights = nonfinite_tensors(dict(module.named_parameters()), names)
+    first = watch.first_step if watch is not None else None
+    val_loss = metrics.get("val_loss")
+    diverged = bool(bad_weights) or not (isinstance(val_loss, float) and math.isfinite(val_loss))
+    metrics["diverged"] = diverged
+    metrics["first_nonfinite_step"] = first
+    if not diverged:
+        return
+    kept = "the final checkpoint is"
+    if bad_weights:
+        newest = newest_step_checkpoint(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
+        metrics["checkpoint"] = str(newest) if newest is not None else None
+        kept = (f"no checkpoint holds them; the newest finite one is {newest} (step {checkpoint_global_step(newest)})"
+                if newest is not None else "no checkpoint holds them, and there is no finite checkpoint")
+        kept = f"the final weights are not finite (NaN/inf in {len(bad_weights)} parameter(s), the first " \
+               f"{bad_weights[0]!r}): {kept}"
+    else:
+        kept = f"the final weights are finite, but val_loss is {val_loss}: {kept} {metrics.get('checkpoint')}"
+    at = f" from step {first} on (its training loss was the first NaN/inf)" if first is not None else ""
+    log.warning("the run DIVERGED%s: %s; summary.json says \"diverged\": true", at, kept)

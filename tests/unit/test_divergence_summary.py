@@ -1,0 +1,40 @@
+"""module.check_finite=false without a spike monitor: a run whose loss goes NaN trains on to max_steps, as asked, but
+its end says it diverged. It exited with val_loss null in summary.json, nothing else, and 'checkpoint' named a
+last.ckpt that AtomicCheckpointIO never wrote with the NaN weights (the one on disk held step 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def test_a_run_that_went_nan_says_it_diverged_from_which_step_and_which_checkpoint_is_finite(tiny_cfg, caplog):
+    from lit_dtrain.train import train
+
+    common = ("trainer.val_check_interval=2", "sample.max_new_tokens=0", "module.check_finite=false")
+    cfg = tiny_cfg(*common, "trainer.max_steps=6", "+callbacks.fault._target_=tests.faults.PoisonLossAtStep",
+                   "+callbacks.fault.step=3")
+    with caplog.at_level("WARNING", logger="lit_dtrain.train"):
+        metrics, _ = train(cfg)
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 2  # the saves at steps 4 and 6 were skipped
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    for result in (metrics, summary):
+        assert result["diverged"] is True and result["first_nonfinite_step"] == 3
+        assert result["checkpoint"] == str(last) and result["steps"] == 6
+    assert summary["val_loss"] is None
+    (line,) = [r.getMessage() for r in caplog.records if "DIVERGED" in r.getMessage()]
+    assert line.startswith("the run DIVERGED from step 3 on (its training loss was the first NaN/inf): the final "
+                           "weights are not finite (NaN/inf in "), line
+    assert line.endswith(f"the newest finite one is {last} (step 2); summary.json says \"diverged\": true"), line
+
+
+def test_a_healthy_run_says_it_did_not_diverge(tiny_cfg):
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0")
+    metrics, _ = train(cfg)
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    assert summary["diverged"] is False and summary["first_nonfinite_step"] is None and metrics["diverged"] is False
