@@ -348,13 +348,15 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
     previous: dict = {}
+    per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size
+    per_step *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
     if steps == start_step > 0:
         log.info("the checkpoint is already at step %d = trainer.max_steps: nothing to train, only validated", steps)
         with contextlib.suppress(OSError, ValueError):  # keep the training figures of the run that got there
             previous = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
-    world = trainer.world_size
-    tokens = (steps - start_step) * datamodule.batch_size * world * datamodule.block_size
-    tokens *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
+        if not isinstance(previous, dict) or previous.get("steps") != steps:  # none (a stop after the last step)
+            previous = clock.carried_figures(steps, per_step)
+    tokens = (steps - start_step) * per_step
     val_loss = val_metrics.get("val/loss", float("nan"))
     metrics = {
         "val_loss": val_loss,

@@ -19,13 +19,43 @@ log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in
 class TrainClock(L.Callback):
     """When training proper starts (``on_train_start``): after the DDP launch, the process-group rendezvous,
     data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
-    with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it)."""
+    with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it).
+
+    Its state in a checkpoint (``train_loss``, ``train_seconds``, ``start_step`` of the fit that wrote it) gives the
+    summary of a resume that only validates (stopped by SIGTERM after the last step) the training figures of the run
+    that got there, which wrote no ``summary.json``: ``train_loss`` and ``tokens_per_sec`` were null
+    (:meth:`carried_figures`)."""
 
     def __init__(self) -> None:
         self.start: float | None = None
+        self.carried: dict = {}  # the restored checkpoint's state
+        self._trainer: L.Trainer | None = None
+        self._start_step = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = time.perf_counter()
+        self._trainer, self._start_step = trainer, trainer.global_step
+
+    def state_dict(self) -> dict:
+        trainer = self._trainer
+        if trainer is None or self.start is None or trainer.global_step == self._start_step:
+            return dict(self.carried)  # this fit trained no step: the figures of the one that did
+        loss = trainer.callback_metrics.get("train/loss")
+        return {"train_loss": None if loss is None else float(loss), "start_step": self._start_step,
+                "train_seconds": time.perf_counter() - self.start}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.carried = dict(state_dict)
+
+    def carried_figures(self, steps: int, tokens_per_step: int) -> dict:
+        """``train_loss`` and ``tokens_per_sec`` of the fit that wrote the restored checkpoint (at ``steps``)."""
+        state, figures = self.carried, {}
+        if isinstance(state.get("train_loss"), float):
+            figures["train_loss"] = state["train_loss"]
+        seconds, start = state.get("train_seconds"), state.get("start_step")
+        if isinstance(seconds, float) and seconds > 0 and isinstance(start, int) and steps > start:
+            figures["tokens_per_sec"] = (steps - start) * tokens_per_step / seconds
+        return figures
 
 
 class LogStepSync(L.Callback):
