@@ -61,3 +61,19 @@ def test_an_explicit_ckpt_path_of_nan_weights_is_one_line_naming_the_first_bad_t
         assert str(e.value).startswith(f"checkpoint '{other}' has non-finite weights (NaN/inf in 'model.b.weight'")
     _save(other, 6)
     assert resolve_ckpt_path(_cfg(d, ckpt_path=str(other), resume=None)) == str(other)
+
+
+def test_init_from_a_checkpoint_of_nan_weights_is_refused_naming_the_first_bad_tensor(tmp_path):
+    """init_from loaded NaN weights without a word: the run stopped at its first step (or trained NaN on)."""
+    from lit_dtrain.models import build_llama
+    from lit_dtrain.schedules.workflows import load_model_weights
+
+    model = build_llama(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    state["model.norm.weight"][0] = float("inf")
+    torch.save({"global_step": 3, "state_dict": state}, tmp_path / "nan.ckpt")
+    with pytest.raises(ConfigError) as e:
+        load_model_weights(model, tmp_path / "nan.ckpt")
+    path = str(tmp_path / "nan.ckpt")
+    assert str(e.value) == (f"init_from={path!r} has non-finite weights (NaN/inf in 'norm.weight', the first such "
+                            "tensor): a diverged run saved it; give an earlier checkpoint")

@@ -343,6 +343,10 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
         check_model_config(ckpt, getattr(target, "config", None), path)
     except CheckpointError as e:
         raise ConfigError(f"init_from: {e}") from e
+    bad = next((k for k, t in weights.items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if bad is not None:  # the run started from NaN weights: it stopped at its first step, or trained NaN on
+        raise ConfigError(f"init_from={str(path)!r} has non-finite weights (NaN/inf in {bad!r}, the first such "
+                          "tensor): a diverged run saved it; give an earlier checkpoint")
     mismatch = state_dict_mismatch(weights, target.state_dict())
     if mismatch:
         raise ConfigError(
