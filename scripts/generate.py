@@ -4,7 +4,9 @@
 
 The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
 ``model_config`` entry that ``LitLLM`` stores in every checkpoint; the weights (bf16 ones too) are sampled in fp32, on
-``--device`` (default: cuda where available, else cpu). The last line is JSON: ``{"error": ...}`` on bad
+``--device`` (default: cuda where available, else cpu). The end-of-run sample of ``train.py`` is drawn the same
+way (fp32, seed ``seed``): ``--seed <the run's seed>`` with its ``sample.*`` values prints the same text on the same
+device type. An empty prompt starts from EOS, which is not printed. The last line is JSON: ``{"error": ...}`` on bad
 input (exit status 2).
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data import ByteTokenizer
+from lit_dtrain.end_sample import generated_text
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.workflows import model_from_checkpoint
 from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(ids.expand(args.num_samples, -1), args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k or None, generator=g)
-    texts = [tok.decode(row) for row in out.cpu()]
+    texts = [generated_text(tok, row, prompt) for row in out]  # without the EOS that stands in for ''
     for i, text in enumerate(texts):
         print(f"--- sample {i + 1} of {len(texts)} ---\n{text}" if len(texts) > 1 else text)
     print(json.dumps({"text": texts[0], "texts": texts, "new_tokens": out.size(1) - ids.size(1),

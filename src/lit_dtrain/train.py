@@ -45,6 +45,7 @@ from lit_dtrain.config_checks import (
 )
 from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
+from lit_dtrain.end_sample import generate_sample, sample_skip_reason
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
@@ -169,24 +170,15 @@ def build_strategy(cfg: DictConfig):
     return node.get("name", "auto")
 
 
-def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig) -> str:
-    gen_cfg = cfg.get("sample") or {}
-    n_tokens = int(gen_cfg.get("max_new_tokens") or 0)
-    if n_tokens <= 0 or not hasattr(module.model, "generate"):
+def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str) -> str:
+    """The end-of-run sample on rank 0; "" on the other ranks, and under a strategy that shards the weights."""
+    reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
+    if reason is not None:
+        if reason and trainer.is_global_zero:
+            log.info(reason)
         return ""
     model = getattr(module.model, "_orig_mod", module.model)
-    if not all(torch.isfinite(p).all() for p in model.parameters()):  # torch.multinomial would raise on NaN
-        log.warning("no text sample: the model's weights are not finite (the run diverged; val_loss is NaN)")
-        return ""
-    prompt = datamodule.tokenizer.prompt_ids(str(gen_cfg.get("prompt", "def ")))
-    ids = torch.as_tensor(prompt.astype("int64"))[None].to(module.device)
-    g = torch.Generator(device=module.device.type).manual_seed(int(cfg.seed))
-    was_training = model.training
-    model.eval()
-    out = model.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
-                         top_k=gen_cfg.get("top_k", 40), generator=g)
-    model.train(was_training)
-    return datamodule.tokenizer.decode(out[0].cpu())
+    return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
 
 
 def save_trained_overrides(out_dir: Path) -> None:
@@ -371,7 +363,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     }
     metrics.update({k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous})
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
-    sample = _generate_sample(module, datamodule, cfg)
+    sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}
