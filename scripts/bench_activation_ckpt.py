@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="step time for the ratios: cpu = this process's CPU time (robust to other processes\n"
                         "on a shared machine, with --threads 1); wall = elapsed time. Both are printed.")
     p.add_argument("--plot", default="outputs/bench_actckpt/actckpt_memory_vs_time.png",
-                   help="PNG path ('' to skip; the docs' figure: --plot docs/img/actckpt_memory_vs_time.png)")
+                   help="PNG path (relative: under the current directory; '' to skip; the docs' figure: "
+                        "--plot docs/img/actckpt_memory_vs_time.png)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: model and batch on the GPU; wall-clock step time; CUDA peak memory instead of RSS")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",

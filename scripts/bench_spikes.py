@@ -262,7 +262,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (1 is fastest on a shared 2-core box)")
-    p.add_argument("--out-dir", default="outputs/bench_spikes")
+    p.add_argument("--out-dir", default="outputs/bench_spikes",
+                   help="run dirs and results.json (relative paths: under the current directory; the path is printed)")
     p.add_argument("--plot", default=None,
                    help="figure path (default OUT_DIR/spikes_loss.png; '' to skip); the docs' figure is written only "
                         "when asked: --plot docs/img/spikes_loss.png")
@@ -271,9 +272,14 @@ def main() -> None:
         schedule = parse_schedule(args.inject, args.steps)
     except ValueError as e:
         p.error(str(e))
+    if args.block_size < 2:  # trained a bigram model (one token of context, no attention across tokens) and exited 0
+        p.error(f"--block-size {args.block_size}: the model needs blocks of >= 2 tokens to attend across tokens")
+    if args.warmup_steps < 2:  # was the monitor's ValueError traceback from Hydra's instantiate, at the first run
+        p.error(f"--warmup-steps {args.warmup_steps}: LossSpikeMonitor needs >= 2 steps of statistics warmup")
     if args.warmup_steps >= args.steps:  # the clean run's max loss z-score was max() of no steps, after the runs
         p.error(f"--warmup-steps ({args.warmup_steps}) must be below --steps ({args.steps})")
     torch.set_num_threads(args.threads)
+    print(f"writing runs and results.json to {Path(args.out_dir).resolve()}", file=sys.stderr)
     no_nan = {s: k for s, k in schedule.items() if k != "nan_loss"}
     plans = {
         "clean": ({}, {"actions": "[log,rollback]"}, "record"),

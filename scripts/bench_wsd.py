@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads (1 is fastest on a contended 2-core box)")
     p.add_argument("--seed", type=int, default=1337, help="seed of every run")
     p.add_argument("--out-dir", default="outputs/bench_wsd",
-                   help="run dirs (wiped first: an empty dir, or one this script made)")
+                   help="run dirs (wiped first: an empty dir, or one this script made; relative: under the current "
+                        "directory)")
     p.add_argument("--img-dir", default=None,
                    help="where wsd_*.png go (default: --out-dir; the docs' figures: --img-dir docs/img)")
     p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"),

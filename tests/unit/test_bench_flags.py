@@ -27,6 +27,8 @@ from tests.conftest import ROOT, load_script
     ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
     ("bench_spikes.py", ["--inject", "nan_loss:2000"],
      "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
+    ("bench_spikes.py", ["--block-size", "1"], "--block-size 1: the model needs blocks of >= 2 tokens"),
+    ("bench_spikes.py", ["--warmup-steps", "1"], "--warmup-steps 1: LossSpikeMonitor needs >= 2 steps"),
     ("bench_spikes.py", ["--inject", "nan:5"], "argument --inject: 'nan:5': expected kind:step with kind in"),
     ("bench_wsd.py", ["--lrs", "1e-3,,2e-3"], "argument --lrs: expected a comma list without empty entries"),
     ("bench_wsd.py", ["--lrs", "1e-3,0"], "argument --lrs: '0': must be a finite number > 0, got 0"),
