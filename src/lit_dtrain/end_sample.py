@@ -8,8 +8,9 @@
   no sample is drawn; one info line names ``scripts/generate.py`` on the run's ``last.ckpt`` instead.
 - It is drawn in fp32, as ``scripts/generate.py`` samples a checkpoint: a ``bf16-true``/``16-true`` model is cast
   to fp32 for the sample and back (exact: both are subsets of fp32), a ``64-true`` one sampled from an fp32 copy.
+  (Under FSDP on one rank it is drawn in the run's dtype: its flat parameters are not cast.)
   So the sample is ``generate.py <last.ckpt> --prompt <sample.prompt> --seed <seed>`` (same device type, same
-  ``max_new_tokens``/``temperature``/``top_k``); in the run's precision it drew other text from the same weights.
+  ``max_new_tokens``/``temperature``/``top_k``); in the run's precision it could draw other text from the same weights.
 - An empty prompt starts from EOS (a document start), which decodes as a newline; that token is not the user's,
   so it is not printed (as in ``generate.py``).
 """
@@ -22,6 +23,7 @@ import logging
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ def generate_sample(model: torch.nn.Module, tokenizer, gen_cfg, seed: int, devic
     prompt = str(gen_cfg.get("prompt", "def "))
     ids = torch.as_tensor(tokenizer.prompt_ids(prompt).astype("int64"))[None].to(device)
     g = torch.Generator(device=device.type).manual_seed(int(seed))
-    with in_fp32(model) as m:
+    # FSDP units (one rank; with more there is no sample) hold flat parameters whose views a cast would cut off
+    fsdp = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    with contextlib.nullcontext(model) if fsdp else in_fp32(model) as m:
         out = m.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
                          top_k=gen_cfg.get("top_k", 40), generator=g)
     return generated_text(tokenizer, out[0], prompt)

@@ -117,3 +117,19 @@ def test_the_end_of_run_sample_is_what_generate_py_prints_for_the_checkpoint(tin
     printed = json.loads(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])["text"]
     assert sample == printed
     assert not sample.startswith("\n")
+
+
+def test_fsdp_units_are_not_cast(monkeypatch):
+    """A cast of an FSDP unit's parameters (views of its flat parameter) would cut them off from it: under FSDP on
+    one rank the sample is drawn in the run's dtype."""
+    import lit_dtrain.end_sample as end_sample
+    from lit_dtrain.models.llama import Block
+
+    model = tiny_llama(torch.bfloat16)
+    seen = []
+    real = type(model).generate
+    monkeypatch.setattr(type(model), "generate", lambda self, *a, **k: seen.append(self.lm_head.weight.dtype)
+                        or real(self, *a, **k))
+    monkeypatch.setattr(end_sample, "FullyShardedDataParallel", Block)  # the blocks stand in for FSDP units
+    generate_sample(model, ByteTokenizer(), {"max_new_tokens": 2}, 0, torch.device("cpu"))
+    assert seen == [torch.bfloat16]
