@@ -31,15 +31,14 @@ grads dropped) -> optimizer and scheduler step -> ``on_train_batch_end`` (restor
 Under DDP the decision uses all-reduced values, so every rank takes the same action. Every event is
 appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by rank 0 when its step completes.
 
-This file is the Lightning adapter; the parts it calls are ``_spike_stats.py`` (statistics, decision),
-``_spike_step.py`` (measuring and dropping the step), ``_spike_samples.py`` (sample indices, exclusion),
-``_spike_records.py`` (spikes.jsonl) and ``_snapshots.py`` (rollback).
+This file is the Lightning adapter; the parts it calls are ``_spike_args.py`` (argument checks),
+``_spike_stats.py`` (statistics, decision), ``_spike_step.py`` (measuring and dropping the step),
+``_spike_events.py`` (a spike's event: started, finished, recorded), ``_spike_samples.py`` (sample indices,
+exclusion), ``_spike_records.py`` (spikes.jsonl) and ``_snapshots.py`` (rollback).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections import deque
 from collections.abc import Sequence
 
@@ -51,14 +50,14 @@ from typing_extensions import override
 from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks import _spike_records as records
 from lit_dtrain.callbacks import _spike_step as step_ops
-from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
+from lit_dtrain.callbacks._spike_args import ACTIONS, check_args, check_fit
+from lit_dtrain.callbacks._spike_events import EXCLUDED_SAMPLE, SpikeEvents
 from lit_dtrain.callbacks._spike_samples import (
     DROP_ACTIONS,
     ExcludedOnlyRun,
     batch_sample_indices,
-    check_not_all_excluded,
     exclusion_sampler,
     gather_indices,
 )
@@ -70,20 +69,16 @@ from lit_dtrain.callbacks._spike_stats import (
     cooldown_factor,
 )
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key
-from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 from lit_dtrain.module import NonFiniteError
 
-log = logging.getLogger(__name__)
-
-ACTIONS = ("log", "skip", "rollback", "lr_cooldown", "raise")
-EXCLUDED_SAMPLE = "excluded_sample"
+__all__ = ["ACTIONS", "LossSpikeError", "LossSpikeMonitor"]
 
 
 class LossSpikeError(RuntimeError):
     """Raised by the ``raise`` action when too many spikes fall within the window."""
 
 
-class LossSpikeMonitor(L.Callback):
+class LossSpikeMonitor(SpikeEvents, L.Callback):
     """Detects loss spikes and logs / skips / rolls back / cools down / raises (see the module docstring).
 
     Args:
@@ -140,34 +135,13 @@ class LossSpikeMonitor(L.Callback):
         path: str | None = None,
     ) -> None:
         super().__init__()
-        self.actions = [str(a) for a in ([actions] if isinstance(actions, str) else actions)]
-        unknown = [a for a in self.actions if a not in ACTIONS]
-        if unknown or not self.actions:
-            raise ValueError(f"LossSpikeMonitor: actions must be a non-empty subset of {ACTIONS}, got {self.actions}")
-        if grad_z_threshold is not None and not check_grad:
-            raise ValueError("LossSpikeMonitor: grad_z_threshold needs check_grad=True")
-        ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps,
-                "raise_after": raise_after, "raise_window": raise_window}
-        for name, value in ints.items():
-            check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 1, ">= 1")
-        for name, value in (("rollback_min_age", rollback_min_age), ("exclude_previous_steps", exclude_previous_steps),
-                            ("cooldown_ramp_steps", cooldown_ramp_steps)):
-            check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 0, ">= 0")
-        if "rollback" in self.actions and int(rollback_min_age) >= int(snapshot_every) * int(snapshot_keep):
-            # the oldest of snapshot_keep snapshots, one every snapshot_every steps, is at most keep * every - 1
-            # steps old (older only where spikes dropped the snapshots after it)
-            raise ValueError(
-                f"LossSpikeMonitor: rollback_min_age ({rollback_min_age}) must be < snapshot_every * snapshot_keep "
-                f"({snapshot_every} * {snapshot_keep}): the kept snapshots are younger than that, so a rollback would "
-                f"restore a newer one than asked; lower rollback_min_age, or raise snapshot_keep or snapshot_every"
-            )
-        # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
-        check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
-        check_arg(
-            "LossSpikeMonitor", "max_nonfinite", max_nonfinite, lambda v: v is None or int(v) >= 1, ">= 1 or None"
-        )
+        self.actions = check_args(
+            actions, grad_z_threshold=grad_z_threshold, check_grad=check_grad, snapshot_every=snapshot_every,
+            snapshot_keep=snapshot_keep, rollback_min_age=rollback_min_age,
+            exclude_previous_steps=exclude_previous_steps, cooldown_factor=cooldown_factor,
+            cooldown_steps=cooldown_steps, cooldown_ramp_steps=cooldown_ramp_steps, raise_after=raise_after,
+            raise_window=raise_window, warmup_steps=warmup_steps, max_nonfinite=max_nonfinite)
         self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)
-        check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         self._detector_args = dict(z_threshold=z_threshold, rel_threshold=rel_threshold,
                                    grad_z_threshold=grad_z_threshold, method=method, decay=decay,
                                    scale_decay=scale_decay, window=window, warmup_steps=warmup_steps,
@@ -241,16 +215,7 @@ class LossSpikeMonitor(L.Callback):
     # ---- setup --------------------------------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                f"LossSpikeMonitor needs automatic optimization, but {type(pl_module).__name__} sets "
-                f"automatic_optimization = False: it decides in on_before_optimizer_step once per step and drops or "
-                f"restores that one optimizer's step, which manual optimization (several optimizer.step calls per "
-                f"batch) does not give. Remove the callback, or use automatic optimization with one optimizer"
-            )
-        if "rollback" in self.actions and is_sharded(trainer.strategy):
-            raise NotImplementedError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not "
-                                      f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
+        check_fit(trainer, pl_module, self.actions)
         self._sampler, self._num_train_samples = exclusion_sampler(trainer)
         if self.excluded and self._sampler is not None:
             self._sampler.exclude(self.excluded)
@@ -270,16 +235,6 @@ class LossSpikeMonitor(L.Callback):
         if trainer.is_global_zero and self.path is None:  # (a chosen path may be shared)
             self._supersede_replayed_events(trainer)
 
-    def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
-        """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
-        them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
-        Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
-        path = self._events_path(trainer)
-        moved = records.supersede_replayed(path, trainer.global_step)
-        if moved is not None:
-            log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {moved[0]} record(s) of the replayed "
-                     f"steps moved from {path} to {moved[1]}")
-
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.snapshots.clear()
@@ -295,10 +250,6 @@ class LossSpikeMonitor(L.Callback):
             self.detector.load_state_dict(undo[1])
             self.nonfinite_run, self.cooldown_start = undo[2], undo[3]
         self._reset_inflight()
-
-    def _set_excluded_device(self, device: torch.device) -> None:
-        if self._sampler is None and self.excluded:
-            self._excluded_dev = torch.as_tensor(sorted(set(self.excluded)), dtype=torch.long, device=device)
 
     # ---- per micro-batch ------------------------------------------------------------------------------------
     @override
@@ -350,19 +301,6 @@ class LossSpikeMonitor(L.Callback):
             self._start_event(trainer, optimizer, step, decision)
         self._apply_cooldown(trainer, optimizer, step)
         self._stepped = True
-
-    def _start_event(self, trainer, optimizer, step: int, decision) -> None:
-        only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
-        actions = ["skip"] if only_excluded else list(self.actions)
-        indices = gather_indices(trainer, self._indices)
-        drop_step = "skip" in actions or "rollback" in actions
-        if drop_step:
-            self._saved_scaler = snapshots.scaler_state(trainer)
-            step_ops.drop_grads(trainer, optimizer)
-        if "lr_cooldown" in actions:
-            self.cooldown_start = step + 1 if drop_step else step
-        self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
-                         "drop": drop_step, "counted": not only_excluded}
 
     @property
     def scales_lr(self) -> bool:  # OncePerStepLRMonitor then logs the LR the update used
@@ -436,73 +374,6 @@ class LossSpikeMonitor(L.Callback):
                     f"(steps {self.window.steps}, raise_after={self.window.max_spikes}); see "
                     f"{self._events_path(trainer)}"
                 )
-
-    def _finish_event(self, trainer, pl_module, pending: dict) -> None:
-        step, actions = pending["step"], pending["actions"]
-        rolled_back_to = None
-        if "rollback" in actions:
-            rolled_back_to = self._rollback(trainer, step)
-        elif pending["drop"]:  # skip: Lightning stepped the GradScaler after the empty step
-            snapshots.load_scaler_state(trainer, self._saved_scaler)
-            undo = getattr(trainer.strategy, "undo_comm_step", None)
-            if undo is not None:
-                undo()
-        if pending["counted"]:
-            self.num_spikes += 1
-        d = pending["decision"]
-        event = records.spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
-        self._record(trainer, event, records.spike_message(step, d, actions) if "log" in actions else None)
-        # after the record: an exclusion that leaves nothing to train on raises, and the event is still in the file
-        to_exclude = list(pending["indices"])
-        if pending["drop"] and pending["counted"]:
-            if self.exclude_previous_steps:
-                for previous in self.recent_indices:
-                    to_exclude.extend(previous)
-            try:
-                self.exclude(sorted(set(to_exclude)))
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"LossSpikeMonitor: excluding the samples of the spike at step {step} failed ({self.num_spikes} "
-                    f"spikes, {len(self.excluded)} samples excluded in all): {e}. See {self._events_path(trainer)}"
-                ) from e
-
-    def _record(self, trainer, event: dict, message: str | None) -> None:
-        """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
-        self.events.append(event)
-        if not trainer.is_global_zero:
-            return
-        records.append_record(self._events_path(trainer), event)
-        if message:
-            log.warning(message)
-            for lg in trainer.loggers:
-                if hasattr(getattr(lg, "experiment", None), "add_text"):
-                    lg.experiment.add_text("spike/events", message, global_step=event["step"])
-
-    def exclude(self, indices: list[int]) -> None:
-        """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them)."""
-        known = set(self.excluded)
-        for i in indices:
-            if i not in known:
-                known.add(i)
-                self.excluded.append(int(i))
-        if self._sampler is not None:
-            self._sampler.exclude(indices)
-            return
-        self._set_excluded_device(self._device)
-        check_not_all_excluded(known, self._num_train_samples)
-
-    def _events_path(self, trainer) -> str:
-        return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
-
-    # ---- rollback -----------------------------------------------------------------------------------------------
-    def _rollback(self, trainer, step: int) -> int:
-        """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step."""
-        snap, old_enough = self.snapshots.pick(step, self.rollback_min_age)
-        if not old_enough:
-            rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
-                           f"restoring the oldest one (step {snap['step']})")
-        snapshots.restore(trainer, snap)
-        return int(snap["step"])
 
     # ---- state ----------------------------------------------------------------------------------------------------
     @override

@@ -1,0 +1,122 @@
+"""What :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor` does with a spike it has decided on: the event is
+started before the optimizer step (the step's grads dropped), finished after it (the GradScaler and the strategy's comm
+state restored, or a snapshot rolled back to; the spike's samples excluded) and recorded in ``spikes.jsonl``.
+
+:class:`SpikeEvents` holds these methods of the monitor; the monitor's ``__init__`` sets the state they use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_dtrain.callbacks import _snapshots as snapshots
+from lit_dtrain.callbacks import _spike_records as records
+from lit_dtrain.callbacks import _spike_step as step_ops
+from lit_dtrain.callbacks._spike_samples import check_not_all_excluded, gather_indices
+
+log = logging.getLogger("lit_dtrain.callbacks.loss_spike")
+
+EXCLUDED_SAMPLE = "excluded_sample"
+
+
+class SpikeEvents:
+    """The spike events of :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor` (see the module docstring)."""
+
+    def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
+        """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
+        them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
+        Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
+        path = self._events_path(trainer)
+        moved = records.supersede_replayed(path, trainer.global_step)
+        if moved is not None:
+            log.info(f"LossSpikeMonitor: started at step {trainer.global_step}; {moved[0]} record(s) of the replayed "
+                     f"steps moved from {path} to {moved[1]}")
+
+    def _set_excluded_device(self, device: torch.device) -> None:
+        if self._sampler is None and self.excluded:
+            self._excluded_dev = torch.as_tensor(sorted(set(self.excluded)), dtype=torch.long, device=device)
+
+    def _start_event(self, trainer, optimizer, step: int, decision) -> None:
+        only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
+        actions = ["skip"] if only_excluded else list(self.actions)
+        indices = gather_indices(trainer, self._indices)
+        drop_step = "skip" in actions or "rollback" in actions
+        if drop_step:
+            self._saved_scaler = snapshots.scaler_state(trainer)
+            step_ops.drop_grads(trainer, optimizer)
+        if "lr_cooldown" in actions:
+            self.cooldown_start = step + 1 if drop_step else step
+        self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,
+                         "drop": drop_step, "counted": not only_excluded}
+
+    def _finish_event(self, trainer, pl_module, pending: dict) -> None:
+        step, actions = pending["step"], pending["actions"]
+        rolled_back_to = None
+        if "rollback" in actions:
+            rolled_back_to = self._rollback(trainer, step)
+        elif pending["drop"]:  # skip: Lightning stepped the GradScaler after the empty step
+            snapshots.load_scaler_state(trainer, self._saved_scaler)
+            undo = getattr(trainer.strategy, "undo_comm_step", None)
+            if undo is not None:
+                undo()
+        if pending["counted"]:
+            self.num_spikes += 1
+        d = pending["decision"]
+        event = records.spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
+        self._record(trainer, event, records.spike_message(step, d, actions) if "log" in actions else None)
+        # after the record: an exclusion that leaves nothing to train on raises, and the event is still in the file
+        to_exclude = list(pending["indices"])
+        if pending["drop"] and pending["counted"]:
+            if self.exclude_previous_steps:
+                for previous in self.recent_indices:
+                    to_exclude.extend(previous)
+            try:
+                self.exclude(sorted(set(to_exclude)))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"LossSpikeMonitor: excluding the samples of the spike at step {step} failed ({self.num_spikes} "
+                    f"spikes, {len(self.excluded)} samples excluded in all): {e}. See {self._events_path(trainer)}"
+                ) from e
+
+    def _record(self, trainer, event: dict, message: str | None) -> None:
+        """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
+        self.events.append(event)
+        if not trainer.is_global_zero:
+            return
+        records.append_record(self._events_path(trainer), event)
+        if message:
+            log.warning(message)
+            for lg in trainer.loggers:
+                if hasattr(getattr(lg, "experiment", None), "add_text"):
+                    lg.experiment.add_text("spike/events", message, global_step=event["step"])
+
+    def exclude(self, indices: list[int]) -> None:
+        """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them)."""
+        known = set(self.excluded)
+        for i in indices:
+            if i not in known:
+                known.add(i)
+                self.excluded.append(int(i))
+        if self._sampler is not None:
+            self._sampler.exclude(indices)
+            return
+        self._set_excluded_device(self._device)
+        check_not_all_excluded(known, self._num_train_samples)
+
+    def _events_path(self, trainer) -> str:
+        return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
+
+    # ---- rollback -----------------------------------------------------------------------------------------------
+    def _rollback(self, trainer, step: int) -> int:
+        """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step."""
+        snap, old_enough = self.snapshots.pick(step, self.rollback_min_age)
+        if not old_enough:
+            rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
+                           f"restoring the oldest one (step {snap['step']})")
+        snapshots.restore(trainer, snap)
+        return int(snap["step"])
