@@ -30,8 +30,8 @@ COMPOSED = {
     "train/device/items_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "items"]),
     "train/time": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "time"]),  # its <stage>/time
     # Lightning's LearningRateMonitor: lr-<optimizer class>/<param group name>, LitLLM's groups "decay"/"no_decay"
-    "lr-AdamW/decay": ("src/lit_dtrain/module.py", ['"name": "decay"']),
-    "lr-AdamW/no_decay": ("src/lit_dtrain/module.py", ['"name": "no_decay"']),
+    "lr-AdamW/decay": ("src/lit_dtrain/module_params.py", ['"name": "decay"']),
+    "lr-AdamW/no_decay": ("src/lit_dtrain/module_params.py", ['"name": "no_decay"']),
 }
 # Names quoted as the wrong input of an error example (docs/reliability.md row 6k: `monitor=val/los`).
 WRONG_ON_PURPOSE = {"val/los"}

@@ -1,0 +1,93 @@
+"""The parameters of the model that :class:`~lit_dtrain.module.LitLLM` trains: their shapes, recorded before a
+sharding strategy wraps the model; their AdamW weight-decay groups; the optimizer built from those groups; and the
+training FLOPs their sizes imply."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lit_dtrain.optim import adamw
+
+_SHAPE_ATTR = "_lit_dtrain_shape"
+
+
+def remember_parameter_shapes(model: nn.Module) -> None:
+    """Tag each parameter with its shape, for :func:`param_groups` and :func:`estimate_train_flops`. Call it before a
+    sharding strategy wraps the model: Lightning's FSDPStrategy (``use_orig_params=True``) keeps the parameter objects
+    but leaves each as a 1-D view of this rank's shard on 2 or more ranks, and by then ``p.dim()`` and ``p.numel()``
+    no longer tell a matrix from a norm weight, nor the model's size."""
+    for p in model.parameters():
+        setattr(p, _SHAPE_ATTR, tuple(p.shape))
+
+
+def _shape(p: torch.Tensor) -> tuple[int, ...]:
+    return getattr(p, _SHAPE_ATTR, tuple(p.shape))
+
+
+def param_groups(model: nn.Module, weight_decay: float | None = None) -> list[dict]:
+    """Two AdamW groups: matrices decay; norms, biases and embeddings (and tied heads) do not. A parameter's
+    dimensions are those :func:`remember_parameter_shapes` recorded, if it was called (``LitLLM`` does)."""
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            no_decay_ids.add(id(module.weight))
+    decay, no_decay = [], []
+    for _name, p in model.named_parameters():  # named_parameters de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        (no_decay if len(_shape(p)) < 2 or id(p) in no_decay_ids else decay).append(p)
+    decay_group = {"params": decay, "name": "decay"}
+    if weight_decay is not None:
+        decay_group["weight_decay"] = weight_decay
+    return [decay_group, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: float | None, precision: str) -> Optimizer:
+    """``factory(param_groups(model))``, the optimizer ``LitLLM`` trains with under these Trainer settings.
+
+    A fused optimizer unscales its grads inside ``step()``, so Lightning refuses to clip them under a mixed
+    precision (``MixedPrecision.clip_gradients``, bf16 included). When ``fused`` was left automatic
+    (:func:`lit_dtrain.optim.adamw` with ``fused=None``) the foreach AdamW is built instead; an explicit
+    ``fused=True`` is refused. ``scripts/bench_step.py``'s plain loop builds its optimizer here too.
+    """
+    optimizer = factory(param_groups(model))
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and gradient_clip_val and "mixed" in str(precision):
+        ours = getattr(factory, "func", None) is adamw
+        if ours and factory.keywords.get("fused") is None:
+            optimizer = factory(param_groups(model), fused=False)  # fused was automatic: use foreach
+        elif ours:
+            raise ValueError(
+                f"optimizer.fused=true cannot be combined with trainer.gradient_clip_val={gradient_clip_val} under "
+                f"precision={precision}: a fused optimizer unscales its grads inside step(), so they cannot be "
+                "clipped. Set optimizer.fused=null (or false), or trainer.gradient_clip_val=null")
+        else:  # another factory: its own settings made a fused optimizer ('optimizer.fused' may not exist)
+            raise ValueError(
+                f"the optimizer built by optimizer._target_ ({type(optimizer).__name__}) unscales its grads inside "
+                f"step() (a fused implementation), which cannot be combined with trainer.gradient_clip_val="
+                f"{gradient_clip_val} under precision={precision}: they cannot be clipped. Build a non-fused one, or "
+                "set trainer.gradient_clip_val=null")
+    return optimizer
+
+
+def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:
+    """Forward+backward FLOPs of one batch: 6 * params * tokens plus causal attention scores.
+
+    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head. Parameter sizes
+    are the full ones (:func:`remember_parameter_shapes`), not a shard's: every rank computes the whole model. The
+    forward pass alone (a validation batch) is a third of it: 2 FLOPs per parameter and token, backward 4.
+    """
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    n_params = sum(math.prod(_shape(p)) for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and not getattr(config, "tie_embeddings", False):
+            n_params -= math.prod(_shape(module.weight))
+    tokens = batch_size * seq_len
+    flops = 6.0 * n_params * tokens
+    if config is not None and hasattr(config, "n_layer"):
+        flops += 6.0 * config.n_layer * config.d_model * seq_len * tokens  # QK^T and AV, fwd+bwd, causal half
+    return flops
