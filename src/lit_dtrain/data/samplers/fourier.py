@@ -12,10 +12,11 @@ the next step runs, and applied at the next step's ``observe``), so a GPU is not
 the table and draws the next batch.
 
 The table lives on CPU and is updated under ``no_grad``. Memory is O(N): see :meth:`bytes_per_sample`.
-This module scores a batch (:meth:`FourierSampler.observe`) and holds the table and its state; the update travels
+This module scores a batch (:meth:`FourierSampler.observe`) and holds the table; the update travels
 to every rank's table through :mod:`.fourier_sync` (whose ``UpdateQueue`` applies it when ``lag`` says), and the
-table becomes draws through :mod:`.fourier_cdf` (the two-level CDF). :mod:`.spectral` is the pure core: bands,
-scores, the stage schedule and the importance transforms.
+table becomes draws through :mod:`.fourier_cdf` (the two-level CDF); the table's memory and checkpointed state are in
+:mod:`.fourier_state`. :mod:`.spectral` is the pure core: bands, scores, the stage schedule and the importance
+transforms.
 ``lit_dtrain.callbacks.FourierSamplerCallback`` feeds it (without the callback the sampler never learns
 anything, so it refuses to draw past step 1 without updates unless ``require_updates=False``).
 
@@ -25,13 +26,13 @@ Not to be confused with the published "FourierSampler" that orders token unmaski
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, step_generator
 from lit_dtrain.data.samplers.fourier_cdf import TwoLevelCDF
+from lit_dtrain.data.samplers.fourier_state import TableState
 from lit_dtrain.data.samplers.fourier_sync import (
     UpdateQueue,
     _pack,
@@ -40,13 +41,12 @@ from lit_dtrain.data.samplers.fourier_sync import (
     gather_update,
     world_and_rank,
 )
-from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import check_int
 
 SCORES = ("mixed", "time", "frequency")
 
 
-class FourierSampler(UpdateQueue, TwoLevelCDF, IndexSampler):
+class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
     """Spectral importance sampler (defaults are the research brief's).
 
     Args:
@@ -366,89 +366,3 @@ class FourierSampler(UpdateQueue, TwoLevelCDF, IndexSampler):
     def exclude(self, indices) -> None:
         super().exclude(indices)
         self._touch(target=True)
-
-    # ---- state -------------------------------------------------------------------------------------------
-    def bytes_per_sample(self) -> dict:
-        """Bytes of CPU memory per training sample: the checkpointed table (m1, m2 fp32, visits int32, band
-        profile fp16 x bands, excluded bool) and the derived caches (the float64 importance, which is also the
-        sampling weight with one source; the mixture prior itself, and the weights, target and target CDF under a
-        mixture prior or exclusions;
-        the unseen mask for ``magnitude``; a few float64 values per block of ``BLOCK``), from the tensors
-        actually held (after setup and the first update)."""
-        n = max(self.num_samples, 1)
-        table = [self.m1, self.m2, self.visits, self.profile, self.excluded]
-        cache = [self._elem, self._unseen, self.base_weights]  # base_weights: the mixture prior (None: uniform)
-        cache += [v for v in self._cache.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
-
-        def size(ts) -> float:  # each storage once (the weights may be the importance itself)
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t is not None}
-            return sum(storages.values()) / n
-
-        return {"table": size(table), "cache": size(cache), "total": size(table) + size(cache)}
-
-    def state_dict(self) -> dict:
-        self.flush()
-        state = super().state_dict()
-        state.update(
-            m1=self.m1.clone(), m2=self.m2.clone(), visits=self.visits.clone(), profile=self.profile.clone(),
-            updates=int(self.updates), last_step=int(self.last_step), seq_len=int(self.seq_len),
-            nonfinite_skipped=int(self.nonfinite_skipped),
-            max_freq=int(self.max_freq or 0), num_bands=int(self.num_bands or 0), fine_bands=int(self.fine_bands),
-            # lag=1: the updates not applied yet (gathered, so the same on every rank), applied after the resume
-            pending_steps=[u.step for u in self._pending],
-            pending_records=[u.records().clone() for u in self._pending],
-        )
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        table_keys = ("m1", "m2", "visits", "profile")
-        if not any(key in state for key in table_keys):  # a RandomSampler's state: only the exclusions
-            warnings.warn(
-                f"the checkpoint's sampler state was written by RandomSampler (no table; {self.num_excluded} excluded "
-                "samples, kept): this FourierSampler's table starts empty and learns from the resumed step on",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._pending, self._landed = [], None
-            self._empty_table()
-            self.updates = self.last_step = self.nonfinite_skipped = 0
-            self._touch(target=True, raw=True)
-            return
-        pending = list(zip(state.get("pending_steps", []), state.get("pending_records", [])))
-        if pending or bool(torch.as_tensor(state.get("visits", [])).any()):
-            self.check_dataset(state, "table")
-        for key in table_keys:
-            if key not in state:
-                raise KeyError(f"FourierSampler state lacks {key!r} (was it saved by another sampler?)")
-            if state[key].shape[0] != self.num_samples:
-                raise ConfigError(
-                    f"FourierSampler state {key!r} covers {state[key].shape[0]} samples but the dataset has "
-                    f"{self.num_samples}: the checkpoint belongs to another corpus or block_size"
-                )
-        self._pending, self._landed = [], None
-        self.m1 = state["m1"].float().clone()
-        self.m2 = state["m2"].float().clone()
-        self.visits = state["visits"].int().clone()
-        self.updates, self.last_step = int(state["updates"]), int(state["last_step"])
-        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))  # absent in checkpoints before it existed
-        self.seq_len, self.fine_bands = 0, 0
-        if int(state["seq_len"]):
-            for name, configured in self._configured_bands.items():  # the profile was computed with the saved edges
-                if configured is not None and int(configured) != int(state[name]):
-                    raise ConfigError(
-                        f"FourierSampler {name}={configured} is configured, but the checkpoint's table was built with "
-                        f"{name}={int(state[name])} (its band profile is of those edges): resume with "
-                        f"data.sampler.{name}={int(state[name])} (or null), or start the table over in a new run"
-                    )
-            self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
-            self._bind_length(int(state["seq_len"]))
-            if state["profile"].shape[1] != self.fine_bands:
-                raise ConfigError(
-                    f"FourierSampler state 'profile' has {state['profile'].shape[1]} bands, this configuration "
-                    f"uses {self.fine_bands} (stages/stage_table/num_bands changed since the checkpoint)"
-                )
-            self.profile = state["profile"].half().clone()
-        self._touch(target=True, raw=True)
-        for step, records in pending:
-            self._restore_pending(int(step), torch.as_tensor(records))
