@@ -9,7 +9,8 @@ and written under ``checkpoint["lit_dtrain_comm"]`` together with the replicated
 (counters, period, DiLoCo outer parameters and momentum); :meth:`load_checkpoint` (run on every rank
 before DDP wrapping) hands each rank its own part back. The strategy, not a companion callback,
 owns this because only the strategy sees every rank at save time and exists before the model is
-wrapped; it also logs ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``.
+wrapped; it also logs ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``. What a resume under
+another strategy drops of that state, and the warning that says so, is in :mod:`.comm_checkpoint`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_dtrain.strategies.comm import CommSession, Communicator
+from lit_dtrain.strategies.comm_checkpoint import (
+    CHECKPOINT_KEY,
+    dropped_comm_state_message,
+    ranks_phrase,
+    warn_if_comm_state_dropped,
+    written_preset,
+)
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import is_last_optimizer_step, warn_validation_between_syncs
 from lit_dtrain.strategies.local_updates import LocalUpdate
@@ -38,8 +46,12 @@ from lit_dtrain.utils.distributed import (
     record_rank_failure,
 )
 
-CHECKPOINT_KEY = "lit_dtrain_comm"
 _STATE_VERSION = 1
+
+__all__ = [
+    "CHECKPOINT_KEY", "CompressedDDPStrategy", "collective_timeout", "dropped_comm_state_message",
+    "register_strategies", "warn_if_comm_state_dropped", "written_preset",
+]
 
 
 def collective_timeout(seconds: Any) -> timedelta:
@@ -340,80 +352,10 @@ class CompressedDDPStrategy(DDPStrategy):
                 world = state.get("world_size") if isinstance(state, Mapping) else None
                 raise ValueError(
                     f"{checkpoint_path}: {e}. Resume it with the preset that wrote it (strategy=ddp_compressed/"
-                    f"{written_preset(state)} on {_ranks(world)}), or with strategy=ddp, which drops this state with a "
-                    "warning that lists what is lost"
+                    f"{written_preset(state)} on {ranks_phrase(world)}), or with strategy=ddp, which drops this state "
+                    "with a warning that lists what is lost"
                 ) from e
         return checkpoint
-
-
-def _ranks(n) -> str:
-    return f"{n} rank{'s' if n != 1 else ''}"
-
-
-def written_preset(state: Mapping) -> str:
-    """The ``conf/strategy/ddp_compressed/<name>`` preset (named as its codec or rule) that wrote ``state``."""
-    if not isinstance(state, Mapping):
-        return "?"
-    if state.get("local_update") is not None:
-        return str(state["local_update"].get("name", "?"))
-    per_rank = list(state.get("per_rank") or [{}])
-    compressor = (per_rank[0] or {}).get("compressor")
-    return "none" if compressor is None else str(compressor.get("name", "?"))
-
-
-def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
-    """What resuming ``checkpoint`` under ``strategy`` drops of a :class:`CompressedDDPStrategy` run, or None.
-
-    The compressed strategy writes its state under ``checkpoint["lit_dtrain_comm"]`` and alone reads it back;
-    Lightning's own strategies (``strategy=ddp``, ``auto``, ``fsdp``) ignore the entry without a word. A switch of
-    strategy on a resume can be deliberate (a WSD decay branch under plain DDP), so this is a warning, whereas the
-    compressed strategy refuses a checkpoint of another world size or preset with an error: it would have to apply
-    state it cannot use, while another strategy only leaves it behind. The message names the state, what is lost
-    with it and the preset (``conf/strategy/ddp_compressed/<name>.yaml``, named as its codec) that keeps it.
-    """
-    state = checkpoint.get(CHECKPOINT_KEY)
-    if not isinstance(state, Mapping) or isinstance(strategy, CompressedDDPStrategy):
-        return None
-    per_rank = list(state.get("per_rank") or [{}])
-    world = state.get("world_size", len(per_rank))
-    ranks = _ranks(world)
-    rank0 = per_rank[0] or {}
-    local = state.get("local_update")
-    preset = written_preset(state)
-    if local is not None:
-        held = [f"{preset} counters and period"]
-        if local.get("outer_params"):
-            held.append("DiLoCo's outer parameters and momentum")
-        if (rank0.get("local_update") or {}).get("residuals"):
-            held.append("its pseudo-gradient compressor's error-feedback residuals")
-        if "params" in rank0:
-            held.append("every rank's own parameters and optimizer state")
-        since = int(local.get("steps_since_sync", 0))
-        lost = ("every rank resumes from rank 0's parameters and optimizer state, "
-                + (f"which are not the synchronized model ({since} step{'s' if since != 1 else ''} since the last sync)"
-                   if since else "written right after a sync"))
-    else:
-        compressor = rank0.get("compressor") or {}
-        held, lost = [], "only the comm/* counters restart"
-        if compressor.get("residuals"):
-            held.append(f"error-feedback residuals of {ranks}")
-            lost = "the gradient that compression held back in the residuals is never applied"
-        if compressor.get("q_memory"):
-            held.append("PowerSGD Q matrices (its warm start)")
-        held.append("comm counters")
-    return (f"{CHECKPOINT_KEY}: {path or 'the checkpoint'} was written under CompressedDDPStrategy "
-            f"(strategy=ddp_compressed/{preset}, {ranks}) and holds its {', '.join(held)}; this run's "
-            f"{type(strategy).__name__} does not read that state, so it is dropped: {lost}. Expected when switching "
-            f"strategy on purpose (e.g. a decay branch under plain DDP); to keep it, resume with "
-            f"strategy=ddp_compressed/{preset} on the same {ranks}")
-
-
-def warn_if_comm_state_dropped(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
-    """Warn on rank 0 with :func:`dropped_comm_state_message` when there is something to say; returns it."""
-    message = dropped_comm_state_message(checkpoint, strategy, path)
-    if message is not None:
-        rank_zero_warn(message)
-    return message
 
 
 def register_strategies() -> None:
