@@ -421,6 +421,56 @@ def test_a_fit_that_ends_by_epochs_checkpoints_the_synchronized_model(tmp_path, 
     assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, end[0]["params"], "last.ckpt")
 
 
+class ValidatingModule(TinyModule):
+    """TinyModule with a validation on a fixed per-rank batch; dumps the parameters at each validation."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = regression_batch(10_000, self.global_rank)
+        self.log("val/loss", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
+
+    def on_validation_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._dump(f"val{self.trainer.global_step}")
+            if self.global_rank == 0:
+                loss = self.trainer.callback_metrics["val/loss"]
+                torch.save(loss, Path(self.dump_dir) / f"loss{self.trainer.global_step}.pt")
+
+
+@pytest.mark.parametrize("local_update, accumulate, syncs", [
+    ({"name": "local_sgd", "sync_period": 4}, 1, (3, 1)),  # syncs after steps 4, 5 (early: val), 9 (its period)
+    # validations after batches 5, 10, 15 (steps 2, 5, 7); syncs at them and at step 9 (the last), all early
+    ({"name": "diloco", "sync_period": 4, "outer_lr": 0.5, "outer_momentum": 0.5}, 2, (4, 4)),
+])
+def test_a_validation_between_syncs_sees_the_synchronized_model(tmp_path, local_update, accumulate, syncs):
+    """val_check_interval=5 batches, sync_period=4, 9 steps. The validation came 1 step after the sync of step 4: each
+    rank validated its own parameters (val/loss a mean over different models) and the checkpoint written after it
+    held rank 0's. Now the step before it synchronizes early (with accumulate_grad_batches=2 the validation follows
+    batch 5, a batch without a step: the strategy's on_validation_start synchronizes)."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=9, val_check_interval=5, limit_val_batches=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+        strategy=CompressedDDPStrategy(start_method="spawn", local_update=local_update),
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1)],
+    )
+    trainer.fit(ValidatingModule(str(tmp_path), "val"))
+    val_step = 5 // accumulate  # the optimizer steps taken when the validation runs
+    at_val = dumps(tmp_path, "val", f"val{val_step}")
+    assert_same(at_val[0]["params"], at_val[1]["params"], "ranks at the validation")
+    net = make_net()
+    net.load_state_dict(at_val[0]["params"])
+    with torch.no_grad():
+        expected = sum(F.mse_loss(net(x), y) for x, y in (regression_batch(10_000, r) for r in range(WORLD))) / WORLD
+    torch.testing.assert_close(torch.load(tmp_path / f"loss{val_step}.pt"), expected)
+    saved = torch.load(tmp_path / "ckpt" / f"step={val_step}.ckpt", weights_only=True)["state_dict"]
+    assert_same({k.removeprefix("net."): v for k, v in saved.items()}, at_val[0]["params"], "checkpoint after it")
+    end = dumps(tmp_path, "val", "end")
+    assert (end[0]["local_update"]["num_syncs"], end[0]["local_update"]["num_early_syncs"]) == syncs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets",
                                   "powersgd_3_ranks"])

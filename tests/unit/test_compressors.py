@@ -903,6 +903,23 @@ def test_adaptive_local_sgd_grows_while_divergence_is_low_and_shrinks_when_it_ri
     assert rule.last_divergence > 1e-3 and shrunk[-1] == 2 and shrunk == sorted(shrunk, reverse=True)
 
 
+def test_an_early_sync_of_adaptive_local_sgd_leaves_its_period_alone():
+    """A sync forced before the period is over (before a validation, at the last step) measures the drift of fewer
+    steps: it grew the period (divergence 0 here) at every validation of a run validating more often than it syncs."""
+    params = make_params()
+    comm = TwoRankComm(lambda t: t.clone())  # identical replicas: divergence 0
+    rule = LocalSGD(sync_period=4, adaptive=True, min_period=2, max_period=16)
+    rule.after_optimizer_step(params, comm)
+    assert rule.after_optimizer_step(params, comm, force_sync=True)
+    assert (rule.period, rule.num_syncs, rule.num_early_syncs, rule.steps_since_sync) == (4, 1, 1, 0)
+    assert comm.take_step_record()["bytes"] == 4 * 29  # the average only, no divergence all-reduce
+    synced = [rule.after_optimizer_step(params, comm) for _ in range(4)]  # the period restarts at the early sync
+    assert synced == [False, False, False, True] and (rule.period, rule.num_early_syncs) == (8, 1)
+    restored = LocalSGD(sync_period=4, adaptive=True, min_period=2, max_period=16)
+    restored.load_state_dict(rule.state_dict())
+    assert (restored.num_syncs, restored.num_early_syncs) == (2, 1)
+
+
 def test_diloco_outer_nesterov_step_matches_the_formula():
     params = make_params()
     start = torch.cat([p.view(-1) for _, p in params]).clone()
@@ -978,8 +995,9 @@ def test_a_sync_keeps_fp64_parameters_in_fp64(rule):
 
 
 def test_a_validation_between_local_update_syncs_is_named():
-    """Between syncs each rank validates its own parameters: val/loss is a mean over different models, and a
-    checkpoint written after the validation holds rank 0's. Said once per strategy; nothing right after a sync."""
+    """With sync_before_validation=false each rank validates its own parameters between syncs: val/loss is a mean over
+    different models, and a checkpoint written after the validation holds rank 0's. Said once per strategy; nothing
+    right after a sync."""
     from types import SimpleNamespace
 
     from lit_dtrain.strategies.fit_end import warn_validation_between_syncs
@@ -991,8 +1009,24 @@ def test_a_validation_between_local_update_syncs_is_named():
     assert warn_validation_between_syncs(strategy) is None
     rule.steps_since_sync = 2
     with pytest.warns(UserWarning, match="validating at step 6, 2 step"):
-        assert "val_check_interval a multiple of sync_period=4" in warn_validation_between_syncs(strategy)
+        assert "strategy.sync_before_validation=true" in warn_validation_between_syncs(strategy)
     assert warn_validation_between_syncs(strategy) is None  # once
+
+
+def test_a_validation_by_time_is_not_guessed_in_the_step():
+    """val_check_interval as a duration: each rank reads its own clock, so a guess in the step could put one rank in a
+    sync's all-reduce and not the other; that validation synchronizes at its start instead. By batches: asked of
+    Lightning's epoch loop."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.strategies.fit_end import validates_after_this_step
+
+    epoch_loop = SimpleNamespace(_skip_next_val=False, _should_check_val_fx=lambda fetcher: True)
+    trainer = SimpleNamespace(training=True, sanity_checking=False, _val_check_time_interval=None,
+                              fit_loop=SimpleNamespace(epoch_loop=epoch_loop, _data_fetcher=object()))
+    assert validates_after_this_step(trainer)
+    trainer._val_check_time_interval = 60.0
+    assert not validates_after_this_step(trainer)
 
 
 def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():

@@ -273,7 +273,8 @@ class CommSession:
         return self.metrics()
 
     def final_sync(self, named_params: Iterable[tuple[str, Tensor]]) -> bool:
-        """Synchronize a local-update run that stopped between syncs (not an optimizer step). Returns synced."""
+        """Synchronize a local-update run outside an optimizer step (it stopped between syncs, or a validation
+        follows a batch without a step); the bytes count in the totals. Returns synced."""
         if self.local_update is None:
             return False
         synced = self.local_update.sync_now(list(named_params), self.comm)
@@ -294,6 +295,9 @@ class CommSession:
         if self.total_bytes:  # before a local-update run's first sync nothing was sent: no ratio yet (not inf,
             # which flattened TensorBoard's axis for the whole run)
             metrics["comm/compression_ratio"] = self.total_dense_bytes / self.total_bytes
+        if self.local_update is not None:  # syncs so far, and those forced before their period was over
+            metrics["comm/syncs"] = float(self.local_update.num_syncs)
+            metrics["comm/early_syncs"] = float(self.local_update.num_early_syncs)
         return metrics
 
     # --- reducing a bucket ----------------------------------------------------------------------

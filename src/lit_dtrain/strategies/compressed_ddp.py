@@ -36,7 +36,7 @@ from lit_dtrain.strategies.comm_checkpoint import (
     written_preset,
 )
 from lit_dtrain.strategies.compressors import Compressor
-from lit_dtrain.strategies.fit_end import is_last_optimizer_step, warn_validation_between_syncs
+from lit_dtrain.strategies.fit_end import force_sync_this_step, sync_or_warn_before_validation
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.utils.distributed import (
@@ -75,6 +75,8 @@ class CompressedDDPStrategy(DDPStrategy):
         log_comm_metrics: log ``comm/bytes_per_step``, ``comm/compression_ratio``, ``comm/time_ms``, ...
         sync_on_last_step: local updates synchronize at the fit's last step (``max_steps`` or ``max_epochs``) so
             the final model and its checkpoints are the synchronized model.
+        sync_before_validation: local updates synchronize before a validation inside the fit, so it evaluates (and
+            its checkpoint holds) the synchronized model; off: each rank validates its own parameters (warned).
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``find_unused_parameters``, ...).
     """
 
@@ -87,6 +89,7 @@ class CompressedDDPStrategy(DDPStrategy):
         collective_timeout_s: float = 1800.0,
         log_comm_metrics: bool = True,
         sync_on_last_step: bool = True,
+        sync_before_validation: bool = True,
         **kwargs: Any,
     ) -> None:
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
@@ -98,7 +101,7 @@ class CompressedDDPStrategy(DDPStrategy):
         super().__init__(timeout=collective_timeout(collective_timeout_s), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
-        self.sync_on_last_step = bool(sync_on_last_step)
+        self.sync_on_last_step, self.sync_before_validation = bool(sync_on_last_step), bool(sync_before_validation)
         self._rank_restore: dict | None = None  # this rank's params/optimizer state from a local-update checkpoint
 
     @property
@@ -185,8 +188,8 @@ class CompressedDDPStrategy(DDPStrategy):
             if unused:
                 self.compressor.keep_residuals(unused)
         trainer = module.trainer if module is not None and module._trainer is not None else None
-        last = is_last_optimizer_step(trainer)  # by max_steps or max_epochs, so the step's checkpoints hold the sync
-        metrics = self.session.after_optimizer_step(named, force_sync=self.sync_on_last_step and last)
+        # the fit's last step, or one a validation follows: the step's callbacks and checkpoints see the sync
+        metrics = self.session.after_optimizer_step(named, force_sync=force_sync_this_step(self, trainer))
         if self.log_comm_metrics and trainer is not None and module._current_fx_name is not None:
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
@@ -194,7 +197,8 @@ class CompressedDDPStrategy(DDPStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        warn_validation_between_syncs(self)  # under local updates the ranks' parameters may differ now
+        with naming_peer_failures():  # under local updates the ranks' parameters may differ now
+            sync_or_warn_before_validation(self)
         super().on_validation_start()
 
     @override

@@ -11,6 +11,13 @@ checked, so a project of one's own that trains by epochs (Lightning's default ``
 ``last.ckpt`` holding rank 0's unsynchronized parameters (DiLoCo: without its last outer step). A stop that
 is decided after the step (``EarlyStopping``, ``max_time``, ``trainer.should_stop``) cannot be known ahead; there
 only ``on_train_end`` synchronizes.
+
+A validation inside the fit sees the synchronized model the same way (``sync_before_validation``): the optimizer step
+after which Lightning's epoch loop will validate (its own ``_should_check_val_fx``, asked during the step: the batch
+counters it reads are already this batch's) synchronizes early, before that step's callbacks and checkpoints; a
+validation that comes after a batch without an optimizer step (mid gradient accumulation) or by time synchronizes
+in the strategy's ``on_validation_start``. Without it each rank validated its own parameters: ``val/loss`` was a
+mean over different models and the checkpoint written after it held rank 0's.
 """
 
 from __future__ import annotations
@@ -38,6 +45,43 @@ def is_last_optimizer_step(trainer: Any) -> bool:
     return bool(progress.is_last_batch or progress.current.ready == trainer.num_training_batches)
 
 
+def validates_after_this_step(trainer: Any) -> bool:
+    """Whether Lightning's epoch loop validates after the training batch whose optimizer step is in progress (by
+    ``val_check_interval`` in batches, ``check_val_every_n_epoch``, an epoch's last batch or an early stop already
+    requested). False outside a fit's training loop, and for a ``val_check_interval`` in time: each rank reads its
+    own clock, so a guess here could differ across ranks (one rank in a sync's all-reduce, the other not); such a
+    validation synchronizes at its start."""
+    if trainer is None or not trainer.training or trainer.sanity_checking:
+        return False
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and not epoch_loop._skip_next_val and bool(epoch_loop._should_check_val_fx(fetcher))
+
+
+def force_sync_this_step(strategy: Any, trainer: Any) -> bool:
+    """Whether the optimizer step in progress synchronizes early: it is the fit's last (``sync_on_last_step``) or a
+    validation follows it (``sync_before_validation``)."""
+    if strategy.local_update is None:
+        return False
+    return bool((strategy.sync_on_last_step and is_last_optimizer_step(trainer))
+                or (strategy.sync_before_validation and validates_after_this_step(trainer)))
+
+
+def sync_or_warn_before_validation(strategy: Any) -> None:
+    """At a validation's start with the ranks between syncs: synchronize (``sync_before_validation``; the bytes are
+    accounted as the fit end's sync) or warn once (:func:`warn_validation_between_syncs`)."""
+    lu, module = strategy.local_update, strategy.lightning_module
+    trainer = module.trainer if module is not None and module._trainer is not None else None
+    if validation_between_syncs_message(lu, trainer) is None or strategy.session.comm is None:
+        return
+    if strategy.sync_before_validation:
+        strategy.session.final_sync(strategy.session.named_params(module))
+    else:
+        warn_validation_between_syncs(strategy)
+
+
 def validation_between_syncs_message(local_update: Any, trainer: Any) -> str | None:
     """The warning for a validation inside a fit that starts while the ranks' parameters differ (a local-update rule
     between syncs), or None. Such a validation evaluates each rank's own parameters on that rank's share of the
@@ -48,9 +92,8 @@ def validation_between_syncs_message(local_update: Any, trainer: Any) -> str | N
         return None
     return (f"CompressedDDPStrategy: validating at step {trainer.global_step}, {local_update.steps_since_sync} "
             f"step(s) after the last {local_update.name} sync: each rank evaluates its own parameters, so val metrics "
-            f"are the mean over ranks of different models, and a checkpoint written now holds rank 0's. Validate "
-            f"right after a sync (val_check_interval a multiple of sync_period={local_update.period}) to evaluate the "
-            f"synchronized model")
+            f"are the mean over ranks of different models, and a checkpoint written now holds rank 0's. Set "
+            f"strategy.sync_before_validation=true (the default) to evaluate the synchronized model")
 
 
 def warn_validation_between_syncs(strategy: Any) -> str | None:

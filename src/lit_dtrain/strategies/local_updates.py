@@ -58,41 +58,45 @@ class LocalUpdate:
         self.step = 0
         self.steps_since_sync = 0
         self.num_syncs = 0
+        self.num_early_syncs = 0  # syncs forced before the period was over (the last step, before a validation)
 
     def maybe_initialize(self, named_params: NamedParams) -> None:
         """Called before every optimizer step with the (still synchronized at step 0) parameters."""
 
-    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
-        """Make all ranks' parameters equal."""
+    def synchronize(self, named_params: NamedParams, comm: Communicator, scheduled: bool = True) -> None:
+        """Make all ranks' parameters equal. ``scheduled``: the period is over (False: a sync forced early)."""
         raise NotImplementedError
 
     def after_optimizer_step(self, named_params: NamedParams, comm: Communicator, force_sync: bool = False) -> bool:
         """Count the step; synchronize when the period is over (or ``force_sync`` and unsynced). Returns synced."""
         self.step += 1
         self.steps_since_sync += 1
-        if self.steps_since_sync >= self.period or force_sync:
-            return self.sync_now(named_params, comm)
-        return False
+        if self.steps_since_sync >= self.period:
+            return self.sync_now(named_params, comm, scheduled=True)
+        return self.sync_now(named_params, comm) if force_sync else False
 
-    def sync_now(self, named_params: NamedParams, comm: Communicator) -> bool:
-        """Synchronize now unless nothing happened since the last sync. Returns whether it synchronized."""
+    def sync_now(self, named_params: NamedParams, comm: Communicator, scheduled: bool = False) -> bool:
+        """Synchronize now unless nothing happened since the last sync; the next period starts here. A sync that is
+        not ``scheduled`` counts in ``num_early_syncs``. Returns whether it synchronized."""
         if self.steps_since_sync == 0:
             return False
-        self.synchronize(named_params, comm)
+        self.synchronize(named_params, comm, scheduled)
         self.steps_since_sync = 0
         self.num_syncs += 1
+        self.num_early_syncs += not scheduled
         return True
 
     def state_dict(self) -> dict:
         """Replicated state (identical on every rank): counters and the current period."""
         return {"name": self.name, "step": self.step, "steps_since_sync": self.steps_since_sync,
-                "num_syncs": self.num_syncs, "period": self.period}
+                "num_syncs": self.num_syncs, "num_early_syncs": self.num_early_syncs, "period": self.period}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"local-update state is for {state.get('name')!r}, this rule is {self.name!r}")
         self.step, self.steps_since_sync = int(state["step"]), int(state["steps_since_sync"])
         self.num_syncs, self.period = int(state["num_syncs"]), self._restored_period(int(state["period"]))
+        self.num_early_syncs = int(state.get("num_early_syncs", 0))  # absent from checkpoints of before its count
 
     def _restored_period(self, saved: int) -> int:
         """The period after a resume: a fixed period is configuration, so this run's ``sync_period`` wins."""
@@ -117,7 +121,9 @@ class LocalSGD(LocalUpdate):
     Divergence at a sync is ``mean_r ||theta_r - theta_mean||^2 / ||theta_mean||^2`` (one extra
     4-byte all-reduce). With ``adaptive=True`` the period is multiplied by ``growth_factor`` (up to
     ``max_period``) when the divergence is at or under ``divergence_threshold`` and divided by it
-    (down to ``min_period``) when above, so it settles where one period's drift meets the threshold.
+    (down to ``min_period``) when above, so it settles where one period's drift meets the threshold. A sync forced
+    before the period is over (before a validation, at the last step) averages without measuring: its drift is that
+    of fewer steps, and it grew the period after every early sync of a run that validates more often than it syncs.
     """
 
     name = "local_sgd"
@@ -148,11 +154,12 @@ class LocalSGD(LocalUpdate):
             self.name = "local_sgd_adaptive"
 
     @torch.no_grad()
-    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
+    def synchronize(self, named_params: NamedParams, comm: Communicator, scheduled: bool = True) -> None:
         flat, _ = flatten_params(named_params)
-        local = flat.clone() if self.adaptive else None
+        adapt = self.adaptive and scheduled
+        local = flat.clone() if adapt else None
         mean = comm.all_reduce_sum(flat).div_(comm.world_size)
-        if self.adaptive:
+        if adapt:
             sq = (local - mean).pow(2).sum().reshape(1)
             total = comm.all_reduce_sum(sq)
             self.last_divergence = float(total / comm.world_size / mean.pow(2).sum().clamp_min(1e-30))
@@ -225,7 +232,7 @@ class DiLoCo(LocalUpdate):
         self._pending = None
 
     @torch.no_grad()
-    def synchronize(self, named_params: NamedParams, comm: Communicator) -> None:
+    def synchronize(self, named_params: NamedParams, comm: Communicator, scheduled: bool = True) -> None:
         self.maybe_initialize(named_params)
         flat, segments = flatten_params(named_params)
         if [(s.name, s.shape) for s in segments] != [(s.name, s.shape) for s in self._segments]:
