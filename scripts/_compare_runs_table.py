@@ -68,6 +68,16 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
 )
 
 
+# Tags that count or average since the run started: their first point (0 at step 1: no spike yet, nothing sent yet by
+# local SGD) is no run's best, and a run is ranked by its final value alone; their table has no best value.
+CUMULATIVE_TAGS: tuple[str, ...] = ("spike/count", "fourier/nonfinite_skipped", "comm/bytes_per_step_avg")
+
+
+def final_only(metric: str) -> bool:
+    """Whether ``metric`` is cumulative (:data:`CUMULATIVE_TAGS`): ranked by its final value, with no best value."""
+    return any(fnmatchcase(metric, pattern) for pattern in CUMULATIVE_TAGS)
+
+
 def listed_direction(metric: str) -> tuple[bool, bool | None]:
     """``(whether TAG_DIRECTIONS lists the tag, its direction)``; an unlisted tag is ranked lower-is-better."""
     for pattern, better in TAG_DIRECTIONS:
@@ -83,19 +93,26 @@ def direction(metric: str, maximize: list[str] = ()) -> bool | None:
     return True if metric in maximize else listed_direction(metric)[1]
 
 
-def summarize(series: list[tuple[int, float]], maximize: bool | None = False) -> dict:
+def summarize(series: list[tuple[int, float]], maximize: bool | None = False, cumulative: bool = False) -> dict:
     """Final and best (lowest, or highest with ``maximize``; none with ``maximize=None``, a metric without a
-    direction) value of one run's series, with their (TensorBoard) steps; the final validation counts once
+    direction, or ``cumulative``, one ranked by its final value alone) value of one run's series, with their
+    (TensorBoard) steps; the final validation counts once
     (:func:`one_point_per_validation`), so that one value never gets a best step one before its final step."""
     series = one_point_per_validation(series)
     if not series:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
     final_step, final = series[-1]
     finite = [(s, v) for s, v in series if math.isfinite(v)]
-    if not finite or maximize is None:  # diverged from the first point (its steps are still known), or unranked
+    if not finite or maximize is None or cumulative:  # diverged from the first point, unranked, or final only
         return {"final_step": final_step, "final": final, "best": float("nan"), "best_step": None}
     best_step, best = (max if maximize else min)(finite, key=lambda sv: sv[1])
     return {"final_step": final_step, "final": final, "best": best, "best_step": best_step}
+
+
+def comparable(row: dict) -> bool:
+    """Whether a run's final value can be set beside other runs': a finished run's (or one whose end is not known);
+    a failed or unfinished run stopped at another step."""
+    return row.get("finished") is not False and not row.get("error")
 
 
 def best_row(rows: list[dict], maximize: bool | None = False) -> dict | None:
@@ -104,7 +121,7 @@ def best_row(rows: list[dict], maximize: bool | None = False) -> dict | None:
     if maximize is None:
         return None
     finite = [r for r in rows if math.isfinite(r["final"])]
-    done = [r for r in finite if r.get("finished") is not False and not r.get("error")]
+    done = [r for r in finite if comparable(r)]
     return (max if maximize else min)(done or finite, key=lambda r: r["final"]) if finite else None
 
 
@@ -117,8 +134,9 @@ def markdown_table(
     given: list[str] = (),
 ) -> str:
     """One row per run: label, final step (marked when the run did not finish), final and best ``metric`` (the
-    highest with ``maximize``; ``-`` with ``maximize=None``, a metric without a direction), and the final's gap to
-    the best run's; and one row per sweep job that logged
+    highest with ``maximize``; ``-`` with ``maximize=None``, a metric without a direction, and for a cumulative one,
+    :func:`final_only`), and the final's gap to the best run's (``-`` for a failed or unfinished run, stopped at
+    another step, unless the best run is one too: no run finished); and one row per sweep job that logged
     nothing, with its error if any (``errors_in``: the metric whose table shows the errors, where this one is not
     it). Rows are in the order of the run and sweep dirs ``given`` (:func:`table_order`)."""
 
@@ -128,8 +146,9 @@ def markdown_table(
     best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
     best_name = {True: f"best (highest) {metric} (step)", False: f"best {metric} (step)", None: "best (not ranked)"}
+    best_header = "best (cumulative: ranked by final)" if final_only(metric) and maximize is not None else None
     header = [
-        f"| run | final step | final {metric} | {best_name[maximize]} | vs best final |",
+        f"| run | final step | final {metric} | {best_header or best_name[maximize]} | vs best final |",
         "|---|---:|---:|---:|---:|",
     ]
     lines = []
@@ -144,14 +163,16 @@ def markdown_table(
             )
             lines.append(f"| {r['label']} | {status} | - | - | - |")
             continue
-        comparable = math.isfinite(r["final"]) and math.isfinite(ref) and ref
+        # a failed or unfinished run's final is at another step than the finished runs': no gap beside theirs
+        same_end = comparable(r) or (best is not None and not comparable(best))
+        gap_known = same_end and math.isfinite(r["final"]) and math.isfinite(ref) and ref
         # relative to |best|: a worse run is + (lower is better) or - (--maximize) also where the best is negative
-        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if comparable else "-"
-        best = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
+        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if gap_known else "-"
+        best_cell = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
-        lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best} | {gap} |")
+        lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best_cell} | {gap} |")
     for job in skipped:
         status = (
             failed(job["error"])

@@ -45,6 +45,7 @@ from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of 
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     best_row,
     direction,
+    final_only,
     listed_direction,  # noqa: F401 - compare_runs.listed_direction: whether TAG_DIRECTIONS lists a tag
     markdown_table,
     metric_rows,
@@ -212,7 +213,10 @@ def compare(
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
-            m: {**summarize(scalars.get(m, []), ranks[m]), **({"missing": True} if m not in scalars else {})}
+            m: {
+                **summarize(scalars.get(m, []), ranks[m], final_only(m)),
+                **({"missing": True} if m not in scalars else {}),
+            }
             for m in metrics
         }
         rows.append(

@@ -193,8 +193,31 @@ def test_unfinished_runs_are_marked_in_the_table(tmp_path):
     assert result["best"] == "done"  # killed has the lowest value, at step 19 of 60
     md = result["markdown"]
     assert "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |" in md  # the gap is to the best (finished) run
-    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | -5.00% |" in md
-    assert "| resumed | 29 (unfinished) | 3.2500 |" in md
+    # no gap beside the finished runs': '-5.00%' read as 5% better than the best run, at step 19 of 60
+    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | - |" in md
+    assert "| resumed | 29 (unfinished) | 3.2500 | 3.2500 (29) | - |" in md
+    # with no finished run, the unfinished ones are compared with each other
+    alone = compare_runs.compare([str(killed), str(resumed)], ["val/loss"], out=str(tmp_path / "u.png"))["markdown"]
+    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | +0.00% |" in alone
+
+
+def test_a_failed_run_has_no_gap_to_the_finished_runs(tmp_path):
+    """A sweep job that logged val/loss, then failed (NaN, an OOM) was tabulated '| lr=1e-2 | 10 (failed) | 2.5700 |
+    2.5700 (10) | -19.86% |': a final at step 10 set beside finished runs' finals at step 40, as if 20% better. Its
+    gap is '-' now; it is not the best run either."""
+    done = write_run(tmp_path / "done", {10: 3.6, 40: 3.2})
+    (done / "config_resolved.yaml").write_text("trainer: {max_steps: 40}\n")
+    (done / "summary.json").write_text(json.dumps({"val_loss": 3.2, "steps": 40}))
+    failed = write_run(tmp_path / "failed", {10: 2.5648})
+    (failed / "config_resolved.yaml").write_text("trainer: {max_steps: 40}\n")
+    (failed / "train.log").write_text("[2026-12-05 09:00:00,000][lit_dtrain.train][ERROR] - job 1 failed: "
+                                      "NonFiniteError: loss is nan at step 11\n")
+    result = compare_runs.compare([str(done), str(failed)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["best"] == "done"
+    assert result["markdown"].splitlines()[2:] == [
+        "| done | 40 | 3.2000 | 3.2000 (40) | +0.00% |",
+        "| failed | 10 (failed) | 2.5648 | 2.5648 (10) | - |",
+    ]
 
 
 def test_failed_sweep_jobs_have_a_row_in_the_table(tmp_path):
@@ -268,7 +291,7 @@ def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path, ca
     assert md[2] == "| optimizer.lr=3e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
     assert md[3] == ("| optimizer.lr=10000.0 | failed: NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)"
                      " | - | - | - |")
-    assert md[4] == "| optimizer.lr=1e-1 | 10 (failed) | 3.4000 | 3.4000 (10) | +13.33% |"
+    assert md[4] == "| optimizer.lr=1e-1 | 10 (failed) | 3.4000 | 3.4000 (10) | - |"  # no gap to a finished run
     # stderr said "did not finish ...: its row is marked '(unfinished)'" of this run, whose row says '(failed)'
     err = capsys.readouterr().err
     assert f"run {str(mid)!r} failed: LossSpikeError: spike at 11\n" in err and "unfinished" not in err
@@ -456,10 +479,10 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
         "| a | 20 | 2.5000 | 2.5000 (20) | +0.00% |\n"
         "| b | 20 | 2.6000 | 2.6000 (20) | +4.00% |\n"
         "\n"
-        "| run | final step | final comm/bytes_per_step_avg | best comm/bytes_per_step_avg (step) | vs best final |\n"
+        "| run | final step | final comm/bytes_per_step_avg | best (cumulative: ranked by final) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
-        "| a | 20 | 4000.0000 | 4000.0000 (10) | +293.70% |\n"
-        "| b | 20 | 1016.0000 | 1000.0000 (10) | +0.00% |\n"
+        "| a | 20 | 4000.0000 | - | +293.70% |\n"
+        "| b | 20 | 1016.0000 | - | +0.00% |\n"
         "\n"
         "| run | final step | final lr-AdamW/decay | best (not ranked) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
@@ -475,7 +498,7 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
     lr_a = rows["a"]["by_metric"]["lr-AdamW/decay"]
     assert (lr_a["final"], lr_a["best"], lr_a["best_step"]) == (pytest.approx(1e-3), None, None)
     bytes_b = rows["b"]["by_metric"]["comm/bytes_per_step_avg"]
-    assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": pytest.approx(1000.0), "best_step": 10}
+    assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": None, "best_step": None}  # cumulative
 
 
 def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path, capsys):
@@ -572,7 +595,7 @@ def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
         result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
         assert result["markdown"].splitlines()[2:] == [
             "| scheduler=wsd optimizer.lr=0.001 | 5 | 3.0000 | 3.0000 (5) | +0.00% |",
-            "| scheduler=wsd optimizer.lr=0.003 | 2 (unfinished) | 3.2000 | 3.2000 (2) | +6.67% |",
+            "| scheduler=wsd optimizer.lr=0.003 | 2 (unfinished) | 3.2000 | 3.2000 (2) | - |",
             "| scheduler=cosine optimizer.lr=0.001 | not started | - | - | - |",
             "| scheduler=cosine optimizer.lr=0.003 | not started | - | - | - |",
         ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from tests.conftest import load_script
@@ -57,3 +58,29 @@ def test_an_unranked_tag_has_no_best_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1])["best"] is None
     assert "| b | 5 | 2.0000 | - | - |" in out
+
+
+def test_a_cumulative_tag_is_ranked_by_its_final_value_and_has_no_best(tmp_path):
+    """``--metric spike/count`` (and ``fourier/nonfinite_skipped``, ``comm/bytes_per_step_avg``): a count or
+    running average since the start is 0 at step 1 in every run, so each row's best was '0.0000 (1)', the first
+    point, not a value any run reached at its end. Such a tag is ranked by its final value alone now: the best run
+    and the gaps are by the final, the best column says so and holds no value."""
+    for name, counts in (("a", {1: 0.0, 10: 1.0, 20: 2.0}), ("b", {1: 0.0, 10: 1.0, 20: 1.0})):
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step, value in counts.items():
+            w.add_scalar("spike/count", value, step)
+            w.add_scalar("comm/bytes_per_step_avg", value * 1000, step)
+        w.close()
+    runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    result = compare_runs.compare(runs, ["spike/count", "comm/bytes_per_step_avg"], out=str(tmp_path / "c.png"))
+    assert result["best_by_metric"] == {"spike/count": "b", "comm/bytes_per_step_avg": "b"}
+    nan = pytest.approx(float("nan"), nan_ok=True)
+    assert [(r["best"], r["best_step"]) for r in result["runs"]] == [(nan, None)] * 2
+    assert result["markdown"].splitlines()[:4] == [
+        "| run | final step | final spike/count | best (cumulative: ranked by final) | vs best final |",
+        "|---|---:|---:|---:|---:|",
+        "| a | 20 | 2.0000 | - | +100.00% |",
+        "| b | 20 | 1.0000 | - | +0.00% |",
+    ]
+    assert "| a | 20 | 2000.0000 | - | +100.00% |" in result["markdown"]
+    assert compare_runs.final_only("fourier/nonfinite_skipped") and not compare_runs.final_only("val/loss")
