@@ -83,6 +83,27 @@ def test_decay_fraction_rounds_like_python():
     assert a == b
 
 
+def test_a_decay_fraction_that_rounds_to_no_decay_steps_warns_once(caplog):
+    """``trainer.max_steps=2`` with the default ``decay_fraction=0.2`` (round(0.4) = 0), or ``decay_fraction=0.01``
+    of 40 steps: the schedule had no decay, its last step ran at the peak LR, not ``min_lr_factor``, and nothing said
+    so. The WSD constructors warn now, naming both values and the rounding; a run that short (a smoke test) is not
+    refused, and ``decay_fraction=0`` (no decay, as asked) does not warn."""
+    from lit_dtrain.callbacks import WSDScheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="lit_dtrain.schedules.lr"):
+        sched = wsd_scheduler(opt, total_steps=2, decay_fraction=0.2, min_lr_factor=0.1)
+        factors = [sched.lr_lambdas[0](s) for s in range(2)]
+        WSDScheduler(total_steps=40, decay_fraction=0.01)
+        wsd_scheduler(opt, total_steps=40, decay_fraction=0.0)
+        wsd_scheduler(opt, total_steps=5, decay_fraction=0.2)  # 1 decay step
+    assert factors == [1.0, 1.0]  # what the warning is about: no step at min_lr_factor
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == [
+        " decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps (round(0.4) = 0)",
+        " decay_fraction=0.01 of total_steps=40 rounds to 0 decay steps (round(0.4) = 0)",
+    ]
+
+
 def test_cosine_exact_values():
     # total 10, warmup 2, m 0.1: the cosine decays over steps 2..9, p = (step - 1) / 8
     f = [cosine_lr_factor(s, total_steps=10, warmup_steps=2, min_lr_factor=0.1) for s in range(12)]

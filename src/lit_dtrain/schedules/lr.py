@@ -13,6 +13,7 @@ run can branch into decays at any step, or be extended.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from functools import partial
@@ -25,6 +26,8 @@ from lit_dtrain.utils.args import as_written
 from lit_dtrain.utils.args import check_int as _check_int
 
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
+
+log = logging.getLogger(__name__)
 
 
 def _check_min_factor(min_lr_factor: float) -> float:
@@ -72,8 +75,17 @@ def check_wsd_args(
     min_lr_factor: float = 0.0,
     decay_fraction: float | None = None,
 ) -> int:
-    """Validate WSD arguments (``ValueError`` naming the argument); returns the resolved ``decay_steps``."""
-    decay_steps = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
+    """Validate WSD arguments (``ValueError`` naming the argument); returns the resolved ``decay_steps``. A
+    ``decay_fraction`` above 0 that rounds to 0 decay steps is a warning (the WSD constructors call this once):
+    the schedule has no decay, its last step runs at the peak LR, not ``min_lr_factor``."""
+    resolved = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
+    if decay_fraction and not resolved:
+        log.warning(
+            "WSD: decay_fraction=%s of total_steps=%s rounds to 0 decay steps (round(%s) = 0): no decay, the LR stays "
+            "at its peak to the last step and never reaches min_lr_factor; give decay_steps (at least 1) for one",
+            decay_fraction, total_steps, float(as_written(decay_fraction) * int(total_steps)),
+        )
+    decay_steps = resolved
     warmup_steps = _check_int("warmup_steps", warmup_steps)
     m = _check_min_factor(min_lr_factor)
     if decay_type not in DECAY_TYPES:
@@ -113,13 +125,12 @@ def wsd_lr_factor(
     Raises ``ValueError`` naming the argument for negative values, ``min_lr_factor`` outside [0, 1],
     ``warmup_steps + decay_steps > total_steps``, an unknown ``decay_type``.
     """
-    decay_steps = check_wsd_args(
+    decay_steps = check_wsd_args(  # its decay_fraction resolved here: called each step, it would warn each step
         total_steps=total_steps,
         warmup_steps=warmup_steps,
-        decay_steps=decay_steps,
+        decay_steps=resolve_decay_steps(total_steps, decay_steps, decay_fraction),
         decay_type=decay_type,
         min_lr_factor=min_lr_factor,
-        decay_fraction=decay_fraction,
     )
     step = _check_int("step", step)
     total_steps, warmup_steps = int(total_steps), int(warmup_steps)  # checked above: 1000.0 is 1000
