@@ -37,6 +37,7 @@ from lit_dtrain.run_dirs import (
     table_cell,  # noqa: F401 - compare_runs.table_cell: the markdown table's cells (_compare_runs_table)
 )
 from lit_dtrain.utils.args import ScriptArgumentParser, report_error
+from lit_dtrain.utils.atomic import AtomicWriteError
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 from lit_dtrain.utils.scripts import import_beside
 
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             args.logy,
             args.maximize,
         )
-    except CompareError as e:
+    except (CompareError, AtomicWriteError) as e:  # AtomicWriteError: the PNG or table failed to write (a full disk)
         report_error(str(e), "compare_runs")
         return 2
     print(result.pop("markdown"), end="")

@@ -1037,3 +1037,19 @@ def test_an_event_file_that_cannot_be_read_to_its_end_is_named_with_what_was_rea
             f"using its first 6 events, up to step 30 ({last_record_at} of its {size} bytes)\n") in err
     assert result["runs"][0]["by_metric"]["val/loss"]["final_step"] == 30  # read before the damaged record
     assert result["runs"][0]["by_metric"]["lr-AdamW/decay"]["final_step"] == 20  # its step-30 point is lost
+
+
+def test_a_failed_write_of_the_table_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """``--table /proc/t.md`` as root (the directory passes the writable check), or a full disk: the write's
+    AtomicWriteError was a traceback with exit status 1. It is one JSON error line naming the file now, status 2."""
+    from lit_dtrain.utils.atomic import AtomicWriteError
+
+    a = write_run(tmp_path / "a", {5: 3.0})
+
+    def full_disk(path, write):
+        raise AtomicWriteError(Path(path), OSError(28, "No space left on device"))
+
+    monkeypatch.setattr(compare_runs, "write_atomically", full_disk)
+    assert compare_runs.main([str(a), "--out", str(tmp_path / "c.png"), "--table", str(tmp_path / "t.md")]) == 2
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert "t.md" in error and "No space left on device" in error
