@@ -120,13 +120,15 @@ def check_config(cfg: DictConfig) -> None:
         instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer: {e}") from e
+    from lit_dtrain.schedules.lr import no_schedule_warnings
     from lit_dtrain.schedules.workflows import check_one_decay_length, unknown_argument_error
 
     check_one_decay_length(cfg)  # names the config keys, where the schedule's error names its arguments
     if scheduler:  # build the schedule on a dummy optimizer so bad arguments fail now
         dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         try:
-            instantiate(scheduler)(dummy)
+            with no_schedule_warnings():  # the run's own build warns
+                instantiate(scheduler)(dummy)
         except ValueError as e:
             raise ConfigError(f"scheduler: {e}") from e
         except TypeError as e:  # experiment=cpt_replay scheduler=cosine: the experiment's decay_fraction (a traceback)

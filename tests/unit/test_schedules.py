@@ -296,3 +296,20 @@ def test_property_factor_within_bounds_and_monotone(total, warmup_share, decay_s
     assert wsd_lr_factor(total, **kw) == m
     c = cosine_lr_factor(step, total_steps=total, warmup_steps=warmup, min_lr_factor=m)
     assert (m <= c <= 1.0) if step >= warmup else c == (step + 1) / warmup
+
+
+def test_the_config_check_leaves_the_no_decay_warning_to_the_runs_own_schedule(tmp_path, caplog):
+    """``train.py trainer.max_steps=2``: train.log held the warning twice, once from the config check's build of
+    the schedule on a dummy optimizer and once from the run's own; it is the run's only."""
+    from hydra.utils import instantiate
+
+    from lit_dtrain.config_checks import check_config
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["trainer.max_steps=2"], tmp_path)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="lit_dtrain.schedules.lr"):
+        check_config(cfg)
+        instantiate(cfg.scheduler)(opt)
+    expected = "WSD: decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps"
+    assert [r.getMessage()[: len(expected)] for r in caplog.records] == [expected]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from contextlib import contextmanager
 from functools import partial
 
 from torch.optim import Optimizer
@@ -28,6 +29,17 @@ from lit_dtrain.utils.args import check_int as _check_int
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def no_schedule_warnings():
+    """Build a schedule without its warnings: the config check's build on a dummy optimizer, before the run's own
+    build warns (a decay_fraction that rounds to no decay was logged twice)."""
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
 
 
 def _check_min_factor(min_lr_factor: float) -> float:
