@@ -319,7 +319,8 @@ def first_nonfinite_weight(path: str | os.PathLike) -> str | None:
     keep no buffer in it (the rope tables are not persistent), so it holds the parameters only. Memory-mapped, read
     tensor by tensor up to the first bad one: the weights once, never the optimizer state (model=nano: ~60 ms more
     than reading global_step alone, on 2 busy CPU cores)."""
-    state = safe_torch_load(path, mmap=True).get("state_dict")
+    ckpt = safe_torch_load(path, mmap=True)
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None  # not a checkpoint: the load names it
     for key, t in state.items() if isinstance(state, dict) else ():
         if torch.is_tensor(t) and t.is_floating_point() and not bool(t.isfinite().all()):
             return str(key)
