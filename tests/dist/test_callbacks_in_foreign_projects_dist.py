@@ -396,20 +396,33 @@ def test_sigterm_to_one_rank_of_a_users_project_saves_and_resumes_exactly(tmp_pa
 
 def test_under_ddp_spawn_the_launching_process_keeps_the_callbacks_state_from_before_fit(tmp_path: Path) -> None:
     """What docs/callbacks_in_your_project.md says of ``ddp_spawn``: the ranks train in child processes and Lightning
-    hands back only the weights, so the callback objects here keep their pre-fit state; the run's files hold it."""
+    hands back only the weights, so the callback objects here keep their pre-fit state; the run's files hold it.
+
+    A child that aborts at its exit after the fit (SIGABRT, "terminate called without an active exception" from
+    torch's gloo teardown: 2 of 4 full CI runs, never alone or in its file here) is tried again, twice at most, with
+    fresh objects; every assertion holds for the attempt that completes."""
+    from torch.multiprocessing import ProcessExitedException
     from torch.utils.data import DataLoader
 
     from lit_dtrain.callbacks import LossSpikeMonitor, WSDScheduler
 
-    g = torch.Generator().manual_seed(0)
-    data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g), "index": i} for i in range(32)]
-    monitor, wsd = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2), WSDScheduler(total_steps=6, decay_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, callbacks=[monitor, wsd],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(Regression(spike_at=(4, 1)), train_dataloaders=DataLoader(data, batch_size=4))
+    for attempt in range(3):
+        root = tmp_path / f"attempt{attempt}"
+        g = torch.Generator().manual_seed(0)
+        data = [{"x": torch.randn(4, generator=g), "y": torch.randn(1, generator=g), "index": i} for i in range(32)]
+        monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2)
+        wsd = WSDScheduler(total_steps=6, decay_steps=2)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, callbacks=[monitor, wsd],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(root))
+        try:
+            trainer.fit(Regression(spike_at=(4, 1)), train_dataloaders=DataLoader(data, batch_size=4))
+            break
+        except ProcessExitedException as e:
+            if e.signal_name != "SIGABRT" or attempt == 2:
+                raise
     assert (monitor.events, monitor.num_spikes, wsd.last_step, trainer.global_step) == ([], 0, -1, 0)
-    records = (tmp_path / "spikes.jsonl").read_text().splitlines()
+    records = (root / "spikes.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [4]  # written by rank 0's child
 
 
