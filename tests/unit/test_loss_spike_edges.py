@@ -251,3 +251,19 @@ def test_a_spike_of_a_negative_loss_is_detected(tmp_path: Path) -> None:
     trainer.fit(NegativeLoss())
     assert [(e["step"], e["reasons"]) for e in monitor.events] == [(12, ["loss"])]
     assert monitor.detector.loss_stat.location() < 0
+
+
+def test_a_lasting_shift_under_max_consecutive_null_is_told_without_the_log_action(tmp_path: Path, caplog) -> None:
+    """max_consecutive=None never accepts a new level: a loss 30x from step 8 on makes every later step a spike, and
+    ``skip`` drops them all. Without ``log`` nothing said so (the run ended with exit 0, 17 of its 25 steps dropped);
+    now a warning comes once the run of spikes reaches 10 steps (and 100, 1000 ...)."""
+    from tests.unit.test_loss_spike import Inject
+
+    monitor = LossSpikeMonitor(actions=["skip"], warmup_steps=5, max_consecutive=None,
+                               path=str(tmp_path / "spikes.jsonl"))
+    trainer = make_trainer(tmp_path, [Inject({s: "x" for s in range(8, 25)}), monitor], max_steps=25)
+    with caplog.at_level("WARNING", logger="lit_dtrain.callbacks.loss_spike"):
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert len(monitor.events) == 17 and [e["step"] for e in monitor.events] == list(range(8, 25))
+    warned = [r.getMessage() for r in caplog.records if "max_consecutive=null" in r.getMessage()]
+    assert warned == [warned[0]] and "the last 10 steps (to step 17) were all spikes" in warned[0]

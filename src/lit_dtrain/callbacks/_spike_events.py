@@ -66,6 +66,8 @@ class SpikeEvents:
                 undo()
         if pending["counted"]:
             self.num_spikes += 1
+            if trainer.is_global_zero and (lasting := records.lasting_run_message(step, self.detector, actions)):
+                log.warning(lasting)
         d = pending["decision"]
         event = records.spike_record(step, d, actions, pending["indices"], rolled_back_to, self.lr_multiplier(step + 1))
         self._record(trainer, event, records.spike_message(step, d, actions) if "log" in actions else None)

@@ -57,6 +57,24 @@ def level_shift_records(step: int, decision, grad_norm: float | None, max_consec
     return shifts
 
 
+LASTING_RUN_WARN_AT = 10  # the default max_consecutive: a run of spikes this long (and 10x, 100x ...) is told
+
+
+def lasting_run_message(step: int, detector, actions: list[str]) -> str | None:
+    """A warning when, with ``max_consecutive=None`` (a new level is never accepted), the current run of consecutive
+    loss (or grad-norm) spikes has reached 10, 100, 1000 ... steps; else None. Without it, a loss that moved for good
+    made ``skip`` drop every later step (or ``lr_cooldown`` hold the LR down) with no console line when ``log`` was
+    not an action, and the run ended with exit 0 having trained on none of them."""
+    if detector.max_consecutive is not None:
+        return None
+    n = max(len(detector.consecutive), len(detector.grad_consecutive))
+    if n < LASTING_RUN_WARN_AT or str(n).rstrip("0") != "1":
+        return None
+    return (f"LossSpikeMonitor: the last {n} steps (to step {step}) were all spikes (actions {actions}), and "
+            "max_consecutive=null never accepts a new loss or grad-norm level: if the level moved for good, every "
+            "later step is treated as a spike too; set callbacks.loss_spike.max_consecutive (e.g. 10) to accept it")
+
+
 def append_record(path: str, event: dict) -> None:
     """Append ``event`` as one JSON line to ``path`` (its directory is created)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
