@@ -267,3 +267,39 @@ def test_a_lasting_shift_under_max_consecutive_null_is_told_without_the_log_acti
     assert len(monitor.events) == 17 and [e["step"] for e in monitor.events] == list(range(8, 25))
     warned = [r.getMessage() for r in caplog.records if "max_consecutive=null" in r.getMessage()]
     assert warned == [warned[0]] and "the last 10 steps (to step 17) were all spikes" in warned[0]
+
+
+class OtherRankStops:
+    """A stand-in Trainer of rank 1 of 2 under DDP, whose other rank has a reason to stop: the sum-reduce of the
+    ranks' stop flags gives this rank's flag + 1."""
+
+    world_size, num_training_batches, accumulate_grad_batches = 2, 6, 1
+
+    def __init__(self) -> None:
+        self.strategy = self
+        self.root_device = torch.device("cpu")
+        self.reduced = []
+
+    def reduce(self, tensor, reduce_op):
+        self.reduced.append(reduce_op)
+        return tensor + 1
+
+
+def test_every_rank_stops_together_when_another_ranks_shard_is_all_excluded() -> None:
+    """A user's own per-rank shards (plain DataLoader, use_distributed_sampler=False) differ in size: the exclusions
+    can cover rank 0's 8 samples but not this rank's 24. Before, only rank 0 raised and this rank failed in its next
+    collective (2 gloo ranks: "Connection closed by peer"; NCCL: a wait for its timeout). Now both checks reduce a stop
+    flag, and this rank raises too, naming the other rank."""
+    from lit_dtrain.callbacks._spike_samples import ExcludedOnlyRun
+
+    monitor = LossSpikeMonitor(actions=["log", "skip"])
+    monitor._sampler, monitor._num_train_samples, monitor._device = None, 24, torch.device("cpu")
+    trainer = OtherRankStops()
+    with pytest.raises(RuntimeError, match=r"excluded on 1 other rank\(s\) of 2"):
+        monitor.exclude(list(range(8)), trainer)  # this rank's own 24 are not all excluded
+    run = ExcludedOnlyRun()
+    with pytest.raises(RuntimeError, match=r"on 1 other rank\(s\) of 2, an epoch .* all skipped"):
+        run.update(trainer, {"counted": False}, 16, 24)  # 16 of this rank's 24: its own check passes
+    assert trainer.reduced == ["sum", "sum"]
+    run.update(trainer, None, 16, 24)  # a step that trained: no check, no collective
+    assert run.steps == 0 and len(trainer.reduced) == 2

@@ -78,7 +78,7 @@ class SpikeEvents:
                 for previous in self.recent_indices:
                     to_exclude.extend(previous)
             try:
-                self.exclude(sorted(set(to_exclude)))
+                self.exclude(sorted(set(to_exclude)), trainer)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"LossSpikeMonitor: excluding the samples of the spike at step {step} failed ({self.num_spikes} "
@@ -97,8 +97,9 @@ class SpikeEvents:
                 if hasattr(getattr(lg, "experiment", None), "add_text"):
                     lg.experiment.add_text("spike/events", message, global_step=event["step"])
 
-    def exclude(self, indices: list[int]) -> None:
-        """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them)."""
+    def exclude(self, indices: list[int], trainer=None) -> None:
+        """Never train on these sample indices again (sampler exclusion, or skipping steps that hold them). With the
+        ``trainer``, an exclusion that covers some rank's whole dataset raises on every rank (called in lockstep)."""
         known = set(self.excluded)
         for i in indices:
             if i not in known:
@@ -108,7 +109,7 @@ class SpikeEvents:
             self._sampler.exclude(indices)
             return
         self._set_excluded_device(self._device)
-        check_not_all_excluded(known, self._num_train_samples)
+        check_not_all_excluded(trainer, known, self._num_train_samples)
 
     def _events_path(self, trainer) -> str:
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")

@@ -84,16 +84,35 @@ def exclusion_sampler(trainer):
     return sampler, num_train_samples
 
 
-def check_not_all_excluded(known: Collection[int], n: int | None) -> None:
-    """Refuse an exclusion set ``known`` that holds every index of a train dataset of ``n`` samples."""
+def raise_together(trainer, mine: str | None, theirs: str) -> None:
+    """Raise ``RuntimeError(mine)`` on every rank when any rank has a reason ``mine`` to stop (else nothing).
+
+    Called in lockstep (the monitor's decisions are the same on every rank), with each rank's own check: a user's own
+    per-rank shards (a plain DataLoader, ``use_distributed_sampler=False``) differ in size, so one rank's exclusions
+    can cover its shard while another's do not. Before, that rank raised alone and the others failed in their next
+    collective (gloo: "Connection closed by peer") or waited for NCCL's timeout. A rank without a reason of its own
+    raises ``theirs``."""
+    stopping = int(mine is not None)
+    if getattr(trainer, "world_size", 1) > 1:
+        flag = torch.tensor(float(stopping), device=trainer.strategy.root_device)
+        stopping = int(trainer.strategy.reduce(flag, reduce_op="sum").item())
+    if stopping:
+        raise RuntimeError(mine or theirs.format(ranks=stopping, world=trainer.world_size))
+
+
+def check_not_all_excluded(trainer, known: Collection[int], n: int | None) -> None:
+    """Refuse an exclusion set ``known`` that holds every index of a train dataset of ``n`` samples (on any rank)."""
+    mine = None
     if n and len(known) >= n and all(i in known for i in range(n)):
         # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
         # would end as if it had trained; a sampler with exclude() refuses this too
-        raise RuntimeError(
-            f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so every "
-            "later step would be skipped; lower the thresholds (z_threshold, rel_threshold), or use actions "
-            "without 'skip'/'rollback'"
-        )
+        mine = (f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so "
+                f"every later step would be skipped; {_WAY_OUT}")
+    raise_together(trainer, mine, "every sample of the train DataLoader's dataset has been excluded on {ranks} other "
+                   "rank(s) of {world} (their error names it), so every later step would be skipped; " + _WAY_OUT)
+
+
+_WAY_OUT = "lower the thresholds (z_threshold, rel_threshold), or use actions without 'skip'/'rollback'"
 
 
 class ExcludedOnlyRun:
@@ -103,7 +122,8 @@ class ExcludedOnlyRun:
     may be any integer id (a shard's global ids). Every excluded id came from a batch, so once there are as many as
     the dataset has samples, all are excluded; an epoch's worth of optimizer steps in a row then skipped confirms that
     the run trains nothing more, and it raises instead of ending as if it had trained. (Exclusions that hit many but
-    not all samples only skip the steps that hold one: not an error. An unsized dataset is not checked.)"""
+    not all samples only skip the steps that hold one: not an error. An unsized dataset is not checked.) Under DDP
+    each rank checks its own dataset and epoch, and all ranks raise together (:func:`raise_together`)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -112,14 +132,17 @@ class ExcludedOnlyRun:
         """After each optimizer step; ``pending``: the monitor's event of this step (None: no event)."""
         only_excluded = pending is not None and not pending["counted"]  # skipped only for an excluded sample
         self.steps = self.steps + 1 if only_excluded else 0
-        batches = getattr(trainer, "num_training_batches", math.inf)
-        if not self.steps or not num_samples or num_excluded < num_samples or not math.isfinite(batches):
+        if not self.steps:  # (the same on every rank: the decisions are)
             return
-        per_epoch = math.ceil(batches / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
-        if self.steps >= per_epoch:
-            raise RuntimeError(
-                f"LossSpikeMonitor: the last {self.steps} steps (an epoch of the train DataLoader) were all skipped "
-                f"because each batch held an excluded sample index: {num_excluded} sample ids are excluded and the "
-                f"dataset has {num_samples}, so the run would train nothing more; lower the thresholds (z_threshold, "
-                f"rel_threshold), or use actions without 'skip'/'rollback'"
-            )
+        batches = getattr(trainer, "num_training_batches", math.inf)
+        mine = None
+        if num_samples and num_excluded >= num_samples and math.isfinite(batches):
+            per_epoch = math.ceil(batches / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
+            if self.steps >= per_epoch:
+                mine = (f"LossSpikeMonitor: the last {self.steps} steps (an epoch of the train DataLoader) were all "
+                        f"skipped because each batch held an excluded sample index: {num_excluded} sample ids are "
+                        f"excluded and the dataset has {num_samples}, so the run would train nothing more; {_WAY_OUT}")
+        raise_together(trainer, mine, "LossSpikeMonitor: on {ranks} other rank(s) of {world}, an epoch of the train "
+                       "DataLoader in a row was all skipped for excluded sample indices and every sample id of its "
+                       "dataset is excluded (their error names them), so the run would train nothing more; "
+                       + _WAY_OUT)
