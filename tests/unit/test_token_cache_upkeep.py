@@ -103,7 +103,9 @@ def _edit(corpus, i):
 def test_old_caches_of_an_edited_corpus_are_pruned_to_the_most_recently_used(tmp_path, caplog):
     """Each edit of a corpus left a new cache beside the old ones (about twice the corpus' size each) and nothing
     removed them. With keep=2 the cache dir holds the 2 most recently used caches of a source name; the removal is
-    logged with the bytes freed; another source name's caches are not counted against it."""
+    logged with the bytes freed; another source name's caches are not counted against it, nor those of another corpus
+    with the same name (data=textfiles names every corpus 'text': another project's cache was removed, and rebuilt at
+    its next run)."""
     import gc
     import os
     import time
@@ -113,6 +115,11 @@ def test_old_caches_of_an_edited_corpus_are_pruned_to_the_most_recently_used(tmp
     corpus = make_corpus(tmp_path / "corpus", n_files=3)
     cache = tmp_path / "cache"
     other = build_token_cache(files_source(corpus, "other"), cache, min_tokens=9, progress=False, keep=1)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.txt").write_text("another project's corpus\n" * 40)
+    elsewhere = build_token_cache(files_source(tmp_path / "elsewhere"), cache, min_tokens=9, progress=False, keep=2)
+    elsewhere = os.path.basename(os.path.dirname(elsewhere.train.filename))
+    gc.collect()
     keys = []
     for i in range(4):
         _edit(corpus, i)
@@ -122,7 +129,7 @@ def test_old_caches_of_an_edited_corpus_are_pruned_to_the_most_recently_used(tmp
         del splits
         gc.collect()  # released: no longer in use
         time.sleep(0.02)  # distinct mtimes
-    assert _caches(cache) == sorted(keys[-2:])
+    assert _caches(cache) == sorted([*keys[-2:], elsewhere])
     assert len(set(keys)) == 4
     assert _caches(cache, "other") == [os.path.basename(os.path.dirname(other.train.filename))]
     assert "token caches of data source 'x': removed 1 not among the 2 most recently used" in caplog.text
@@ -136,7 +143,7 @@ def test_old_caches_of_an_edited_corpus_are_pruned_to_the_most_recently_used(tmp
     time.sleep(0.02)
     _edit(corpus, 9)
     newest = build_token_cache(files_source(corpus), cache, min_tokens=9, progress=False, keep=2)
-    assert _caches(cache) == sorted([keys[2], os.path.basename(os.path.dirname(newest.train.filename))])
+    assert _caches(cache) == sorted([keys[2], os.path.basename(os.path.dirname(newest.train.filename)), elsewhere])
 
 
 def test_a_cache_in_use_by_a_live_process_is_never_pruned(tmp_path, caplog):

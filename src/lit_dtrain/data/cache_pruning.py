@@ -4,13 +4,17 @@ removed, except those that another process holds (a run training on it, a build 
 
 Each edit of a corpus gives it a new cache (about twice the corpus' size, the key hashes every byte), and nothing
 removed the old ones: ten edits of a 5 GB corpus left 100 GB under the cache dir. Caches are counted per source
-name, so the caches of other corpora (a mixture's other sources, another project's) never push each other out; a
-sweep over ``data.block_size`` or ``data.val_fraction`` makes one cache per value, which ``keep`` should cover.
+name and corpus (its ``paths`` and ``pattern``, recorded as ``corpus`` in ``meta.json``), so the caches of other
+corpora (a mixture's other sources, another project's, also one with the same source name: ``data=textfiles`` names
+every corpus ``text``) never push each other out; a cache built before the corpus was recorded counts as the same
+corpus. A sweep over ``data.block_size`` or ``data.val_fraction`` makes one cache per value, which ``keep`` should
+cover. A corpus given other ``paths`` (moved) counts as another: its old caches stay until removed by hand.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -77,15 +81,28 @@ def _size(path: Path) -> int:
     return total
 
 
-def prune_caches(out_dir: Path, name: str, keep: int, discard: Callable[[Path], None]) -> None:
-    """Remove the caches of source ``name`` beside ``out_dir`` (the one this process just loaded, always kept) that
-    are not among the ``keep`` most recently used and that no live process holds; ``discard`` moves one aside
-    atomically and deletes it. Logs what was removed, and what was left because it is in use."""
+def _corpus_of(path: Path) -> str | None:
+    """The ``corpus`` recorded in the ``meta.json`` of the cache in ``path`` (None: none recorded, or unreadable)."""
+    try:
+        corpus = json.loads((path / "meta.json").read_text()).get("corpus")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return corpus if isinstance(corpus, str) else None
+
+
+def prune_caches(
+    out_dir: Path, name: str, keep: int, discard: Callable[[Path], None], corpus: str | None = None
+) -> None:
+    """Remove the caches of source ``name`` and ``corpus`` beside ``out_dir`` (the one this process just loaded, always
+    kept) that are not among the ``keep`` most recently used and that no live process holds; ``discard`` moves one
+    aside atomically and deletes it. A cache that records another corpus is not counted (one that records none is).
+    Logs what was removed, and what was left because it is in use."""
     others = []
     try:
         for path in out_dir.parent.iterdir():
             match = _CACHE_DIR.fullmatch(path.name)
-            if match and match["name"] == name and path.name != out_dir.name and not path.is_symlink():
+            if (match and match["name"] == name and path.name != out_dir.name and not path.is_symlink()
+                    and _corpus_of(path) in (None, corpus)):
                 try:
                     others.append((path.stat().st_mtime, path))
                 except OSError:

@@ -82,8 +82,8 @@ class LMDataModule(L.LightningDataModule):
         val_fraction: share of documents held out for validation (deterministic, by content hash).
         max_val_windows: cap on validation windows per source (evenly spaced over the val stream).
         cache_dir: where token caches live.
-        cache_keep: token caches kept per source name in ``cache_dir``, the most recently used (one in use by a live
-            process is never removed); None keeps every one.
+        cache_keep: token caches kept per source name and corpus in ``cache_dir``, the most recently used (one in use
+            by a live process is never removed); None keeps every one.
         exclude_dirs: directories whose files are never corpus text (the configs give the run outputs' root); the
             files under ``cache_dir`` never are either.
         sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.

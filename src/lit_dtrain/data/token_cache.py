@@ -60,6 +60,13 @@ class TokenSplits:
     hold: CacheHold | None = field(default=None, repr=False, compare=False)  # the cache is in use while this lives
 
 
+def corpus_id(source: CorpusSource) -> str:
+    """Which corpus ``source`` is, apart from its content: a hash of its kind, absolute ``paths`` and ``pattern``
+    (the ``corpus`` of its caches' ``meta.json``). Edits keep it; caches are pruned per source name and corpus."""
+    spec = [source.kind, source.pattern, *sorted(os.path.abspath(os.path.expanduser(p)) for p in source.paths)]
+    return hashlib.sha256("\0".join(spec).encode()).hexdigest()[:16]
+
+
 def _is_val_doc(content_digest: bytes, val_fraction: float) -> bool:
     return int.from_bytes(content_digest[:8], "little") % 1_000_000 < val_fraction * 1_000_000
 
@@ -194,7 +201,7 @@ def build_token_cache(
                     "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
                     source.name, val_fraction, min_tokens, len(val))
     if keep is not None:
-        prune_caches(out_dir, source.name, keep, _discard)
+        prune_caches(out_dir, source.name, keep, _discard, corpus_id(source))
     return TokenSplits(source.name, train, val, meta, hold)
 
 
@@ -361,7 +368,7 @@ def _write_cache_files(out_dir, fill, tokenizer, source) -> dict:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would lock other users out of a shared cache
-        meta = {"source": source.name, "tokenizer": tokenizer.name, **fill(tmp)}
+        meta = {"source": source.name, "corpus": corpus_id(source), "tokenizer": tokenizer.name, **fill(tmp)}
         meta["crc32"] = crc32s(tmp)  # checked at every load
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         for f in tmp.iterdir():
