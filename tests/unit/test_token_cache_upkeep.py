@@ -343,3 +343,18 @@ def test_a_corpus_of_fewer_windows_than_a_batch_is_warned_about(tmp_path):
         else:
             assert len(dm.train_windows) == expected and len(said) == 1
             assert "holds 1 window(s) of block_size+1 = 17 tokens, fewer than one global batch of 4" in said[0]
+
+
+def test_the_corpus_of_a_cache_tells_pythons_stdlibs_and_paths_apart(monkeypatch):
+    """Caches are pruned per source name and corpus: two Pythons' stdlibs (venvs of 3.11 and 3.12 sharing the cache
+    dir, both sources named 'stdlib') are two corpora, as are two dirs of one name; an edit keeps the corpus."""
+    import sysconfig
+
+    from lit_dtrain.data.token_cache import corpus_id
+
+    here = corpus_id(CorpusSource())
+    assert corpus_id(files_source("/data/a")) != corpus_id(files_source("/data/b"))
+    assert corpus_id(files_source("/data/a")) == corpus_id(files_source("/data/./a"))
+    paths = {**sysconfig.get_paths(), "stdlib": "/opt/other-python/lib/python3.99"}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: paths)
+    assert corpus_id(CorpusSource()) != here

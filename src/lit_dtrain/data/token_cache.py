@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
@@ -61,9 +62,11 @@ class TokenSplits:
 
 
 def corpus_id(source: CorpusSource) -> str:
-    """Which corpus ``source`` is, apart from its content: a hash of its kind, absolute ``paths`` and ``pattern``
-    (the ``corpus`` of its caches' ``meta.json``). Edits keep it; caches are pruned per source name and corpus."""
-    spec = [source.kind, source.pattern, *sorted(os.path.abspath(os.path.expanduser(p)) for p in source.paths)]
+    """Which corpus ``source`` is, apart from its content: a hash of its kind, absolute ``paths`` and ``pattern`` (the
+    stdlib's: the running Python's stdlib dir), the ``corpus`` of its caches' ``meta.json``. Edits keep it; caches
+    are pruned per source name and corpus."""
+    paths = [sysconfig.get_paths()["stdlib"]] if source.kind == "stdlib" else source.paths
+    spec = [source.kind, source.pattern, *sorted(os.path.abspath(os.path.expanduser(p)) for p in paths)]
     return hashlib.sha256("\0".join(spec).encode()).hexdigest()[:16]
 
 
