@@ -15,6 +15,11 @@ A run dir that was moved or renamed (``mv outputs/runs/a outputs/runs/b``, then 
 its checkpoint state too: Lightning restores it only where the saved ``dirpath`` is this one, so the resumed run
 wrote ``last-v1.ckpt`` beside ``last.ckpt`` and never removed the old top-k files (two step files with
 ``save_top_k=1``). Where the saved file names are found in this ``dirpath``, the saved paths are read in it.
+
+Under gradient accumulation a save at a train batch's end (``train_time_interval``) waits for the end of the optimizer
+step: Lightning's saved at the first micro-batch past the interval, mid-step, without the gradients accumulated so far,
+so a resume from that file ran its next step on the step's remaining micro-batches only (3 of 4, its loss still
+divided by 4) and ended off a straight run (``every_n_train_steps`` saves at a step's end already).
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     """``lightning.pytorch.callbacks.ModelCheckpoint`` (same arguments, files and checkpoint state) that writes
     ``last.ckpt`` at every validation it saves at when ``save_last=True``, not only when the top-k checkpoint
     changed. A drop-in replacement in a Lightning project of one's own."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-step: its accumulated grads are in no checkpoint
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
