@@ -334,11 +334,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     checkpoint in which one of them is not finite (NaN/inf: a non-finite update was applied, with
     ``module.check_finite=false``) is not written, with a warning: written, it replaced the last finite
     ``last.ckpt`` (ModelCheckpoint writes it at every validation), and ``resume=auto`` continued the NaN weights.
-    Buffers are not checked (a mask may hold -inf)."""
+    Buffers are not checked (a mask may hold -inf). A skip is warned once per file and step: ``train()``'s final save
+    of ``last.ckpt`` follows the last validation's at the same step, and said the same line twice."""
 
     def __init__(self, parameter_names=()) -> None:
         super().__init__()
         self.parameter_names = list(parameter_names)
+        self._skips_warned: set[tuple[str, object]] = set()
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None:
@@ -346,6 +348,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         state = checkpoint.get("state_dict")
         bad = nonfinite_tensors(state, self.parameter_names) if isinstance(state, dict) else []
         if bad:
+            if (str(path), checkpoint.get("global_step")) in self._skips_warned:
+                return
+            self._skips_warned.add((str(path), checkpoint.get("global_step")))
             kept = what_is_left(path)
             if os.path.lexists(path):
                 with contextlib.suppress(CheckpointError):

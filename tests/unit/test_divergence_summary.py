@@ -29,6 +29,9 @@ def test_a_run_that_went_nan_says_it_diverged_from_which_step_and_which_checkpoi
     assert line.startswith("the run DIVERGED from step 3 on (its training loss was the first NaN/inf): the final "
                            "weights are not finite (NaN/inf in "), line
     assert line.endswith(f"the newest finite one is {last} (step 2); summary.json says \"diverged\": true"), line
+    # each skipped save of last.ckpt is warned once: the final save at step 6 repeated the validation's line
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"checkpoint '{last}' not written")]
+    assert [m.split("the weights at step ")[1].split()[0] for m in skipped] == ["4", "6"], skipped
 
 
 def test_a_healthy_run_says_it_did_not_diverge(tiny_cfg):
