@@ -123,3 +123,28 @@ def test_a_timed_save_under_gradient_accumulation_waits_for_the_end_of_the_optim
     assert saved, "no timed save"
     batches = {n: c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"] for n, c in saved.items()}
     assert all(batches[n] == 4 * c["global_step"] for n, c in saved.items()), batches
+
+
+def test_an_every_n_train_steps_save_at_a_validation_step_holds_that_validations_loss(tmp_path):
+    """every_n_train_steps=2 with a validation every 2 steps: Lightning saved at the train batch's end, before the
+    validation (but at an epoch's last batch), so step 6's file was named and ranked by step 4's val_loss, and a resume
+    from it skipped the step-6 validation (a kill during it: never run). Each file is written at its validation's end
+    now, with its loss."""
+    import lightning as L
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit.test_user_project_combinations import Regression, data
+
+    logged = {}
+
+    class ValLosses(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            logged[trainer.global_step] = round(float(trainer.callback_metrics["val_loss"]), 4)
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{step}-{val_loss:.4f}", monitor="val_loss", save_top_k=-1,
+                           every_n_train_steps=2, auto_insert_metric_name=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, limit_train_batches=4, val_check_interval=0.5,
+                        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ckpt, ValLosses()])
+    trainer.fit(Regression(), data(), data())
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"{s}-{logged[s]:.4f}.ckpt" for s in (2, 4, 6, 8)]

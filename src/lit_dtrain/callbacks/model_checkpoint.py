@@ -20,6 +20,12 @@ Under gradient accumulation a save at a train batch's end (``train_time_interval
 step: Lightning's saved at the first micro-batch past the interval, mid-step, without the gradients accumulated so far,
 so a resume from that file ran its next step on the step's remaining micro-batches only (3 of 4, its loss still
 divided by 4) and ended off a straight run (``every_n_train_steps`` saves at a step's end already).
+
+An ``every_n_train_steps`` save at a step that ends with a validation is made at that validation's end (as Lightning
+does for an epoch's last batch), with its ``val/loss``: Lightning's, at the batch's end, named and ranked the file by
+the previous validation's loss, and a resume from it skipped that validation (Lightning takes a checkpoint saved at a
+train batch's end as past it), so after a kill during it a resumed run never ran it, and the run's last top-k file was
+not written (``resume=auto`` had no ``val/loss`` at the next save point, and the fit ended before a validation).
 """
 
 from __future__ import annotations
@@ -43,7 +49,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-step: its accumulated grads are in no checkpoint
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_accumulate():  # mid-step: its accumulated grads are in no checkpoint
+            return
+        if (self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+                and not self._should_skip_saving_checkpoint(trainer)
+                and not self._should_save_on_train_epoch_end(trainer)
+                and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)):
+            self._defer_save_until_validation = True  # Lightning's own deferral: saved at that validation's end
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
