@@ -55,7 +55,7 @@ from lit_dtrain.resume import (
     resolve_ckpt_path,
     warn_if_accumulation_splits,
 )
-from lit_dtrain.run_lock import hold_run_dir, release_run_dir
+from lit_dtrain.run_lock import hold_checkpoint_dir, hold_run_dir, release_run_dir
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
     check_init_from,
@@ -290,6 +290,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         callbacks.append(ConfigHparams(flat_hparams(OmegaConf.to_container(cfg, resolve=True))))
     if rank_zero_only.rank == 0:  # before fit: this process writes nothing there yet, and no other one may train there
         held.callback(release_run_dir, hold_run_dir(cfg.paths.output_dir))
+        held.callback(release_run_dir, hold_checkpoint_dir(cfg.paths.checkpoint_dir, cfg.paths.output_dir))
         for tmp in _remove_killed_writes_temp_files(cfg):
             log.warning("removed %s, left by a process killed while writing it", tmp)
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)

@@ -75,3 +75,28 @@ def test_a_lock_held_on_another_host_is_waited_for_before_the_refusal(tmp_path):
         holder.kill()
         holder.wait()
     release_run_dir(hold_run_dir(tmp_path, wait_s=1.0))
+
+
+def test_a_checkpoint_dir_outside_the_run_dir_is_locked_too(tiny_cfg, tmp_path):
+    """Two runs of different run_names given one paths.checkpoint_dir (a scratch disk) trained into it side by side:
+    both exited 0 naming its last.ckpt, which held one of them (the other's was last-v1.ckpt). A checkpoint dir
+    outside the run dir, also through a symbolic link, is locked beside it (nothing is written inside it)."""
+    from lit_dtrain.run_lock import hold_checkpoint_dir
+    from lit_dtrain.train import train
+
+    shared = tmp_path / "scratch" / "ckpt"
+    held = hold_checkpoint_dir(shared, tmp_path / "a")
+    assert held is not None
+    cfg = tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0", f"paths.checkpoint_dir={shared}", run="b")
+    with pytest.raises(ConfigError, match=rf"^checkpoint dir '{shared}' is in use: process {os.getpid()} on .* "
+                                          "wait for it to end, or give this run its own paths.checkpoint_dir$"):
+        train(cfg)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "checkpoints").symlink_to(shared, target_is_directory=True)
+    with pytest.raises(ConfigError, match="is in use"):
+        hold_checkpoint_dir(tmp_path / "c" / "checkpoints", tmp_path / "c")
+    assert hold_checkpoint_dir(tmp_path / "d" / "checkpoints", tmp_path / "d") is None  # the run dir's lock covers it
+    release_run_dir(held)
+    metrics, _ = train(cfg)
+    assert metrics["steps"] == 2 and sorted(p.name for p in shared.iterdir()) == ["last.ckpt"]
+    release_run_dir(hold_checkpoint_dir(shared, tmp_path / "a"))  # train() released it
