@@ -191,10 +191,12 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         return chosen
     if earlier and not given:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick
         # the old one
-        raise ConfigError(
-            f"run dir {str(ckpt_dir.parent)!r} already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+        own = ckpt_dir.resolve() == (Path(str(cfg.paths.output_dir)) / "checkpoints").resolve()
+        raise ConfigError(  # a paths.checkpoint_dir of its own: another run_name would meet the same files
+            (f"run dir {str(ckpt_dir.parent)!r}" if own else f"paths.checkpoint_dir {str(ckpt_dir)!r}")
+            + f" already holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
             f"{', ...' if len(earlier) > 3 else ''}); continue it with resume=auto or ckpt_path=PATH, or "
-            f"{another_run_dir()}"
+            + (another_run_dir() if own else "give this run another paths.checkpoint_dir")
         )
     if cfg.get("resume") == "auto":
         _check_resume_auto_can_resume(cfg)

@@ -272,3 +272,22 @@ def test_a_resume_whose_accumulation_splits_a_step_says_so(tmp_path, caplog):
         "is at micro-batch 7, no multiple of trainer.accumulate_grad_batches=3 (changed since it was written): the "
         "first optimizer step after the resume accumulates 2 micro-batch(es), not 3, and its gradient is 2/3 of a "
         "full step's")
+
+
+def test_a_fresh_start_into_a_checkpoint_dir_of_its_own_that_holds_checkpoints_names_that_dir(tmp_path):
+    """paths.checkpoint_dir outside the run dir (a scratch disk shared by runs): the refusal named its parent as the
+    'run dir' and advised another run_name, which meets the same files again."""
+    scratch = tmp_path / "scratch" / "ckpt"
+    scratch.mkdir(parents=True)
+    _save(scratch / "last.ckpt", 2)
+    cfg = OmegaConf.create({"ckpt_path": None, "resume": None, "run_name": "b",
+                            "paths": {"checkpoint_dir": str(scratch), "output_dir": str(tmp_path / "runs" / "b")}})
+    with pytest.raises(ConfigError, match=rf"^paths.checkpoint_dir '{scratch}' already holds checkpoints of an earlier "
+                                          r"run \(last.ckpt\); continue it with resume=auto or ckpt_path=PATH, or give "
+                                          "this run another paths.checkpoint_dir$"):
+        resolve_ckpt_path(cfg)
+    own = tmp_path / "runs" / "a" / "checkpoints"  # the default layout: the run dir is named, as before
+    own.mkdir(parents=True)
+    _save(own / "last.ckpt", 2)
+    with pytest.raises(ConfigError, match=rf"^run dir '{own.parent}' already holds .* or choose another run_name$"):
+        resolve_ckpt_path(OmegaConf.merge(_cfg(own), {"resume": None}))
