@@ -148,3 +148,27 @@ def test_an_every_n_train_steps_save_at_a_validation_step_holds_that_validations
                         callbacks=[ckpt, ValLosses()])
     trainer.fit(Regression(), data(), data())
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"{s}-{logged[s]:.4f}.ckpt" for s in (2, 4, 6, 8)]
+
+
+def test_a_resume_with_a_lower_save_top_k_keeps_that_many_files(tmp_path):
+    """Lightning prunes the top-k only where it holds exactly save_top_k files: a run resumed with save_top_k=1 from
+    one with -1 kept all its step files and every later one (5 step files after 15 steps of a tiny train.py run)."""
+    import lightning as L
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit.test_user_project_combinations import Regression, data
+
+    def fit(top_k: int, max_steps: int, ckpt_path=None) -> ModelCheckpoint:
+        ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{step}", monitor="val_loss", save_top_k=top_k,
+                               save_last=True)
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, limit_train_batches=4, val_check_interval=0.5,
+                            num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[ckpt])
+        trainer.fit(Regression(), data(), data(), ckpt_path=ckpt_path)
+        return ckpt
+
+    fit(-1, 6)
+    assert sorted(p.name for p in tmp_path.glob("step=*.ckpt")) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    ckpt = fit(1, 10, ckpt_path=tmp_path / "last.ckpt")
+    assert [p.name for p in tmp_path.glob("step=*.ckpt")] == [Path(ckpt.best_model_path).name]
+    assert list(ckpt.best_k_models) == [ckpt.best_model_path]

@@ -82,6 +82,15 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(moved_dirpath_state(state_dict, self.dirpath))
+        self._over_top_k = keep_top_k(self)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        for path in getattr(self, "_over_top_k", ()):  # in this dirpath, not the file resumed from: Lightning's rule
+            if self._should_remove_checkpoint(trainer, path, ""):
+                trainer.strategy.remove_checkpoint(path)
+        self._over_top_k = []
 
 
 def moved_dirpath_state(state: dict[str, Any], dirpath: str | None) -> dict[str, Any]:
@@ -103,3 +112,21 @@ def moved_dirpath_state(state: dict[str, Any], dirpath: str | None) -> dict[str,
     return {**state, "dirpath": dirpath, **{k: here(state.get(k)) for k in paths if k in state},
             "best_k_models": {here(p): v for p, v in (state.get("best_k_models") or {}).items()}}
 
+
+
+def keep_top_k(callback: _LightningModelCheckpoint) -> list[str]:
+    """Cut a restored top-k (``best_k_models``) to the callback's ``save_top_k`` (at least 1) where it holds more (a
+    resume with a lower ``save_top_k``), keeping the best by ``mode``; the paths left out, whose files are to be
+    removed. Lightning prunes only where the top-k holds exactly ``save_top_k`` files: resumed with ``save_top_k=1``
+    from a run with -1, it kept every step file of the run and every later one (5 files after 15 steps)."""
+    k, scores = callback.save_top_k, callback.best_k_models
+    if k < 1 or len(scores) <= k:
+        return []
+    ranked = sorted(scores, key=lambda p: float(scores[p]), reverse=callback.mode == "max")
+    keep, drop = ranked[:k], ranked[k:]
+    callback.best_k_models = {p: scores[p] for p in keep}
+    callback.best_model_path, callback.best_model_score = keep[0], scores[keep[0]]
+    callback.kth_best_model_path, callback.kth_value = keep[-1], scores[keep[-1]]
+    log.warning("ModelCheckpoint: save_top_k=%d, and the checkpoint's top-k holds %d files: removing %s", k,
+                len(scores), ", ".join(os.path.basename(p) for p in drop))
+    return drop
