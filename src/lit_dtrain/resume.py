@@ -259,7 +259,8 @@ def _check_roll_back(path: Path, ckpt_dir: Path) -> None:
             f"ckpt_path={str(path)!r} rolls run dir {str(ckpt_dir.parent)!r} back to step {step}, but it holds newer "
             f"checkpoints ({shown}{', ...' if len(newer) > 3 else ''}), which resume=auto would continue (after an "
             f"interruption too) instead of the roll-back; move them into a subdirectory of {str(ckpt_dir)!r} "
-            "(resume=auto reads its top level only), or start a new run_name from that checkpoint"
+            f"(resume=auto reads its top level only), or branch a new run off it in one command, which leaves this "
+            f"one as it is: run_name=<new name> ckpt_path={path} (add resume=auto to continue it when requeued)"
         )
 
 

@@ -138,7 +138,10 @@ def test_a_ckpt_path_from_elsewhere_into_a_run_dir_with_checkpoints_is_refused(t
     cfg.ckpt_path = str(d / "step000006-val3.0000.ckpt")  # rolling the run back to its own step file
     with pytest.raises(ConfigError, match=r"^ckpt_path='.*step000006-val3.0000.ckpt' rolls run dir '.*run' back to "
                                           r"step 6, but it holds newer checkpoints \(last.ckpt at step 7\), which "
-                                          r"resume=auto would continue \(after an interruption too\) instead of the"):
+                                          r"resume=auto would continue \(after an interruption too\) instead of the"
+                                          r".* or branch a new run off it in one command, which leaves this one as it "
+                                          r"is: run_name=<new name> ckpt_path=.*step000006-val3.0000.ckpt \(add "
+                                          r"resume=auto to continue it when requeued\)$"):
         resolve_ckpt_path(cfg)
     (d / "abandoned").mkdir()
     (d / "last.ckpt").rename(d / "abandoned" / "last.ckpt")
