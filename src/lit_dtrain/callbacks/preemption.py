@@ -11,6 +11,11 @@ last checkpoint.
 - **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
   so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
   ``accumulate_grad_batches - 1`` micro-batches later).
+- **Manual optimization.** A module that accumulates by hand (``manual_backward`` every batch, ``opt.step()`` every
+  ``k``-th) holds gradients of no update yet between its steps, and Lightning knows nothing of its windows: a save
+  there lost them (the resumed run's next update had only the batches after the resume; its weights then differed
+  from a straight run's). After a ``manual_backward`` that no ``optimizer.step`` has followed yet, the save waits for
+  the batch whose step takes them (on every rank, agreed as the signal is).
 - **Last of the callbacks.** Other callbacks finish the step in their ``on_train_batch_end`` (``LossSpikeMonitor``
   undoes a dropped step in the compressor's residual, excludes its samples, rolls back; ``FourierSamplerCallback``
   feeds the step's losses to the sampler), so the save must come after them. Lightning calls callbacks in list
@@ -78,6 +83,8 @@ class PreemptionCheckpoint(L.Callback):
         self._previous_handlers: dict = {}
         self._trainer: L.Trainer | None = None
         self._holding = False  # Lightning's flag, held back during the validation that ends the saved step
+        self._manual = False  # the module optimizes by hand (read at train start)
+        self._unstepped = False  # manual optimization: a backward ran since the last optimizer step (grads in flight)
 
     def _on_sigterm(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -101,6 +108,7 @@ class PreemptionCheckpoint(L.Callback):
         # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
         # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
         self.signalled, self.saved_step, self.signum, self._holding = False, None, None, False
+        self._manual, self._unstepped = not pl_module.automatic_optimization, False
         if threading.current_thread() is threading.main_thread():
             # an ignored signal stays ignored: `nohup python train.py` asked a logout's SIGHUP not to stop the run
             # (it stopped it, with 129), a background job of a non-interactive shell ignores the terminal's SIGINT
@@ -143,12 +151,24 @@ class PreemptionCheckpoint(L.Callback):
             exception.code = 128 + self.signum
 
     @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module) -> None:
+        self._unstepped = True  # (under automatic optimization Lightning's own accumulation count is read instead)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
+        self._unstepped = False
+
+    def _wait(self, trainer: L.Trainer) -> None:
+        """Keep the signal for a later batch end: Lightning's flag would stop the loop after this batch."""
+        self.signalled = True
+        trainer._signal_connector.received_sigterm = False
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         signalled = self.signalled or trainer.received_sigterm  # Lightning's flag: a signal before on_train_start
         if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the optimizer step first
             if signalled:  # kept for the step's last micro-batch, where the ranks agree (one all-reduce per step)
-                self.signalled = True
-                trainer._signal_connector.received_sigterm = False
+                self._wait(trainer)
             return
         if trainer.world_size > 1:
             signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
@@ -157,6 +177,13 @@ class PreemptionCheckpoint(L.Callback):
         self.signalled = signalled or self.signalled
         if not signalled or self.saved_step == trainer.global_step:
             return
+        if self._manual:  # accumulating by hand: save after the step that takes the grads
+            unstepped = self._unstepped
+            if trainer.world_size > 1:  # (every rank is here: the signal was agreed)
+                unstepped = trainer.strategy.reduce_boolean_decision(unstepped, all=False)
+            if unstepped:
+                self._wait(trainer)
+                return
         if trainer.world_size > 1:  # and on the signal: a rank that got none exits with the others' 130, not 143
             mine = torch.tensor(self.signum or 0, device=getattr(pl_module, "device", "cpu"))
             self.signum = int(trainer.strategy.all_gather(mine).max()) or None
