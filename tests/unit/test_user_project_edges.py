@@ -4,16 +4,19 @@ checks the result (the resumed weights, the warning's words), not only that the 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_dtrain.callbacks import PreemptionCheckpoint
-from tests.unit.test_callbacks_in_foreign_projects import UserModule, regression_data
+from lit_dtrain.callbacks import PreemptionCheckpoint, WSDScheduler
+from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
 
 
 class SigtermAtBatch(L.Callback):
@@ -52,3 +55,44 @@ def test_a_sigterm_between_manual_accumulation_steps_saves_after_the_step_that_t
     assert trainer.global_step == 4 and resumed.steps_run == 8  # the second epoch only
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("total_steps", "decay_steps", "expected"),
+    [
+        (16, 3, "info"),  # decay at steps 13..15: the 8-step fit ends in the stable phase
+        (10, 6, "warning"),  # decay at steps 4..9: cut after step 7
+        (8, 3, None),  # the horizon is the fit's
+    ],
+    ids=["ends_before_the_decay", "ends_inside_the_decay", "matches"],
+)
+def test_wsd_says_when_the_trainer_stops_before_its_decay_ends(tmp_path: Path, caplog, total_steps, decay_steps,
+                                                                expected) -> None:
+    """``Trainer(max_steps=8)`` with ``total_steps`` beyond it: the fit never reached min_lr_factor, without a word (a
+    ``max_steps`` set too low by mistake gave an undecayed model silently). A fit that ends before the decay is a WSD
+    stable run too (branch decays from it later): one info line says it ends at the peak LR; one that ends inside the
+    decay is warned about, with the factor its last step ran at."""
+    wsd = WSDScheduler(total_steps=total_steps, warmup_steps=2, decay_steps=decay_steps)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, [wsd], max_steps=8)
+    said = [str(w.message) for w in caught if "WSDScheduler: the trainer stops" in str(w.message)]
+    infos = [r.getMessage() for r in caplog.records if "WSDScheduler: the trainer stops" in r.getMessage()]
+    last_lr = trainer.optimizers[0].param_groups[0]["lr"]  # the LR set for step 8, the next one; step 7's was:
+    factor = wsd.lr_factor(7)
+    if expected == "info":
+        assert factor == 1.0 and said == []
+        assert infos == [
+            "WSDScheduler: the trainer stops after 8 optimizer steps, before the decay starts at step 13 "
+            "(total_steps=16, decay_steps=3): this fit ends at the peak LR, in the stable phase (a stable run to "
+            "branch a decay from later). For the decay in this fit, set total_steps=8"
+        ]
+    elif expected == "warning":
+        assert 0.0 < factor < 1.0 and infos == [] and last_lr > 0.0
+        assert said == [
+            f"WSDScheduler: the trainer stops after 8 optimizer steps, inside the decay (steps 4..9, total_steps=10): "
+            f"its last step runs at {factor:.4g} of the peak LR, not min_lr_factor=0.0. Set total_steps=8 (or let "
+            f"the trainer run to max_steps=10)"
+        ]
+    else:
+        assert factor == 0.0 and said == [] and infos == []

@@ -28,7 +28,7 @@ from functools import partial
 
 import lightning as L
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
@@ -205,27 +205,52 @@ class WSDScheduler(StepHooksCallback):
         else:
             self.updates = None
             self._apply(trainer, step)
-            self._warn_past_horizon(trainer, step)
+            self._check_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
             log.warning(msg, step, self.total_steps)
 
-    def _warn_past_horizon(self, trainer: L.Trainer, step: int) -> None:
+    def _check_horizon(self, trainer: L.Trainer, step: int) -> None:
         """Warn when the trainer will take more steps than ``total_steps`` (a ``max_epochs`` run, or ``max_steps``
         larger than the horizon): every step past it runs at ``min_lr_factor`` (LR 0 by default), training nothing
-        while it costs compute. (Under manual optimization the trainer's step count is not an optimizer's.)"""
+        while it costs compute. Fewer steps: see ``_note_short_fit``. (Under manual optimization the trainer's step
+        count is not an optimizer's.)"""
         if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             return  # Lightning's estimate counts every epoch at the first epoch's accumulate_grad_batches
         planned = trainer.estimated_stepping_batches  # min(max_steps, max_epochs x steps); inf or -1: no end known
-        if not math.isfinite(planned) or planned <= self.total_steps or step >= self.total_steps:
-            return  # (a resume past the horizon gets the warning below)
+        if not math.isfinite(planned) or planned < 0:
+            return
         planned = int(planned)
+        if step < planned < self.total_steps and self.decay_steps > 0:
+            self._note_short_fit(planned)
+        if planned <= self.total_steps or step >= self.total_steps:
+            return  # (a resume past the horizon gets the warning below)
         rank_zero_warn(
             f"WSDScheduler: the trainer will take {planned} optimizer steps (trainer.estimated_stepping_batches, "
             f"from max_steps/max_epochs), but total_steps={self.total_steps}: the decay ends at step "
             f"{self.total_steps - 1} and the last {planned - self.total_steps} steps run at "
             f"min_lr_factor={self.min_lr_factor} of the peak LR. Set total_steps={planned} (or stop the trainer at "
             f"max_steps={self.total_steps})"
+        )
+
+    def _note_short_fit(self, planned: int) -> None:
+        """The trainer stops before the schedule's end: before its decay (a WSD stable run, to branch decays from
+        later, or a ``max_steps`` set too low: either way this fit ends at the peak LR, said once), or inside it (its
+        last step above ``min_lr_factor``, a decay cut short: warned)."""
+        decay_start = self.total_steps - self.decay_steps
+        if planned <= decay_start:
+            rank_zero_info(
+                f"WSDScheduler: the trainer stops after {planned} optimizer steps, before the decay starts at step "
+                f"{decay_start} (total_steps={self.total_steps}, decay_steps={self.decay_steps}): this fit ends at the "
+                f"peak LR, in the stable phase (a stable run to branch a decay from later). For the decay in this fit, "
+                f"set total_steps={planned}"
+            )
+            return
+        rank_zero_warn(
+            f"WSDScheduler: the trainer stops after {planned} optimizer steps, inside the decay (steps {decay_start}.."
+            f"{self.total_steps - 1}, total_steps={self.total_steps}): its last step runs at "
+            f"{self.lr_factor(planned - 1):.4g} of the peak LR, not min_lr_factor={self.min_lr_factor}. Set "
+            f"total_steps={planned} (or let the trainer run to max_steps={self.total_steps})"
         )
 
     @override
