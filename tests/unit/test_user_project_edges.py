@@ -13,10 +13,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_dtrain.callbacks import PreemptionCheckpoint, WSDScheduler
+from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint, WSDScheduler
 from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
+from tests.unit.test_preemption import Own
 
 
 class SigtermAtBatch(L.Callback):
@@ -96,3 +98,39 @@ def test_wsd_says_when_the_trainer_stops_before_its_decay_ends(tmp_path: Path, c
         ]
     else:
         assert factor == 0.0 and said == [] and infos == []
+
+
+class SpikeAt10(Own):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1000.0 if self.trainer.global_step == 10 else loss
+
+
+class AverageAfterEachStep(L.Callback):
+    """The EMA's parameters at each batch end, by ``global_step``."""
+
+    def __init__(self, ema: EMAWeightAveraging) -> None:
+        self.ema, self.seen = ema, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen[trainer.global_step] = [p.detach().clone() for p in self.ema._average_model.module.parameters()]
+
+
+@pytest.mark.parametrize("ema_first", [True, False], ids=["ema_first", "monitor_first"])
+def test_a_rollback_restores_the_ema_of_a_weight_averaging_callback_too(tmp_path: Path, ema_first: bool) -> None:
+    """Lightning's ``EMAWeightAveraging`` beside a rolling-back ``LossSpikeMonitor``: the spike at step 10 rolls the
+    weights back to the snapshot after step 8, and the EMA goes back with them, to its value after step 8 in either
+    callback order. It kept the discarded steps (the spike's weights among them): 0.115 (EMA first) and 0.062 (monitor
+    first) off, with decay 0.5, in the EMA model that is evaluated and saved."""
+    ema = EMAWeightAveraging(decay=0.5)
+    monitor = LossSpikeMonitor(actions=["rollback"], warmup_steps=4, snapshot_every=2, snapshot_keep=2,
+                               path=str(tmp_path / "spikes.jsonl"))
+    seen = AverageAfterEachStep(ema)
+    trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[ema, monitor, seen] if ema_first else [monitor, ema, seen])
+    trainer.fit(SpikeAt10())
+    assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(10, 8)]
+    assert not all(torch.equal(p, q) for p, q in zip(seen.seen[8], seen.seen[10]))  # the EMA moved in steps 9, 10
+    for p, q in zip(seen.seen[8], seen.seen[11]):
+        assert torch.equal(p, q)

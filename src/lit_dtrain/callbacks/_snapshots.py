@@ -8,7 +8,10 @@ momentum/betas that ``OneCycleLR``/``CyclicLR`` cycle with it; the optimizer's o
 Prodigy's learned ``d``, come from the snapshot). A
 strategy that keeps state of its own between steps (``CompressedDDPStrategy``: error-feedback residuals,
 PowerSGD's warm start, DiLoCo's outer parameters) is snapshotted through ``comm_local_state_dict`` /
-``load_comm_local_state_dict``, no collective involved. Snapshots are not checkpointed: after a resume the
+``load_comm_local_state_dict``, no collective involved. So is the average of a weight-averaging callback
+(Lightning's ``WeightAveraging``, ``EMAWeightAveraging``): a rollback that kept it left the discarded steps' weights,
+the spike's among them, in the EMA model a user evaluates and saves (one more copy of the weights per snapshot).
+Snapshots are not checkpointed: after a resume the
 ring starts again from the resumed state. Full (unsharded) state dicts only; sharded strategies are rejected
 by the caller.
 """
@@ -20,6 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 
 import torch
+from lightning.pytorch.callbacks import WeightAveraging
 
 
 def to_cpu(obj):
@@ -62,6 +66,11 @@ def set_hparams(trainer, hparams: list[list[dict]]) -> None:
             group.update(values)
 
 
+def averagers(trainer) -> list[WeightAveraging]:
+    """The trainer's weight-averaging callbacks whose average exists (built at fit setup)."""
+    return [c for c in trainer.callbacks if isinstance(c, WeightAveraging) and c._average_model is not None]
+
+
 def capture(trainer) -> dict:
     """Snapshot of the whole training state after ``trainer.global_step`` steps."""
     comm_state = getattr(trainer.strategy, "comm_local_state_dict", None)
@@ -71,6 +80,7 @@ def capture(trainer) -> dict:
         "optimizers": [to_cpu(opt.state_dict()) for opt in trainer.optimizers],
         "scaler": scaler_state(trainer),
         "strategy": to_cpu(comm_state()) if comm_state is not None else None,
+        "averages": [to_cpu(c._average_model.state_dict()) for c in averagers(trainer)],
     }
 
 
@@ -90,6 +100,8 @@ def restore(trainer, snapshot: dict) -> None:
     load_scaler_state(trainer, snapshot["scaler"])
     if snapshot["strategy"] is not None:
         trainer.strategy.load_comm_local_state_dict(to_cpu(snapshot["strategy"]))
+    for callback, state in zip(averagers(trainer), snapshot["averages"]):
+        callback._average_model.load_state_dict(state)  # (copied into its tensors, on their device)
 
 
 class SnapshotRing:
