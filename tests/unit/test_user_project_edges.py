@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint, WSDScheduler
@@ -134,3 +134,29 @@ def test_a_rollback_restores_the_ema_of_a_weight_averaging_callback_too(tmp_path
     assert not all(torch.equal(p, q) for p, q in zip(seen.seen[8], seen.seen[10]))  # the EMA moved in steps 9, 10
     for p, q in zip(seen.seen[8], seen.seen[11]):
         assert torch.equal(p, q)
+
+
+class WithBackbone(UserModule):
+    """``BackboneFinetuning``'s contract: a ``backbone`` attribute, an optimizer over the trainable parameters."""
+
+    @property
+    def backbone(self):
+        return self.net[0]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], 1e-2)
+
+
+def test_wsd_refuses_a_finetuning_callback_that_adds_param_groups_at_fit_start(tmp_path: Path) -> None:
+    """``BackboneFinetuning`` adds the backbone's param group at its unfreeze epoch and sets that group's LR itself.
+    The fit failed there, at step 8 after the frozen epoch had trained ("a param group added during training has no
+    peak LR"); it is refused before the first step now, naming the callback."""
+    module = WithBackbone()
+    with pytest.raises(RuntimeError) as caught:
+        fit(tmp_path, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), WSDScheduler(total_steps=16, decay_steps=4)],
+            module, max_steps=16)
+    assert str(caught.value).startswith(
+        "WSDScheduler sets the LR of the param groups it finds at fit start, but ['BackboneFinetuning'] adds param "
+        "groups during training"
+    )
+    assert module.steps_run == 0

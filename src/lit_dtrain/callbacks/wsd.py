@@ -27,7 +27,7 @@ import math
 from functools import partial
 
 import lightning as L
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -184,6 +184,13 @@ class WSDScheduler(StepHooksCallback):
             raise RuntimeError(
                 f"WSDScheduler sets the LR itself, but the LightningModule also configures LR scheduler(s) {names}; "
                 f"use one of them (with lit_dtrain's trainer: '~scheduler' 'callbacks=[default,wsd]')"
+            )
+        finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+        if finetuning:  # (it failed when the first group was added, after the frozen epochs had trained)
+            raise RuntimeError(
+                f"WSDScheduler sets the LR of the param groups it finds at fit start, but {finetuning} adds param "
+                "groups during training (at an unfreeze) and sets their LR itself; use one of them (under WSD: give "
+                "the frozen part its own param group in configure_optimizers and set its requires_grad yourself)"
             )
         if self.base_lrs is None:
             raise RuntimeError(
