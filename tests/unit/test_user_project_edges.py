@@ -102,7 +102,7 @@ def test_wsd_says_when_the_trainer_stops_before_its_decay_ends(tmp_path: Path, c
 
 class SpikeAt10(Own):
     def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
+        loss = (self.net(batch["x"]) - batch["y"]).square().mean()  # (Own's spike at step 15 left out)
         return loss * 1000.0 if self.trainer.global_step == 10 else loss
 
 
@@ -160,3 +160,53 @@ def test_wsd_refuses_a_finetuning_callback_that_adds_param_groups_at_fit_start(t
         "groups during training"
     )
     assert module.steps_run == 0
+
+
+class UnfrozenAtEpoch1(Own):
+    """16 batches an epoch; ``BackboneFinetuning`` adds the first layer's param group at epoch 1 (step 16); the loss
+    spikes at step 17."""
+
+    @property
+    def backbone(self):
+        return self.net[0]
+
+    def training_step(self, batch, batch_idx):
+        loss = (self.net(batch["x"]) - batch["y"]).square().mean()  # (Own's spike at step 15 left out)
+        return loss * 1000.0 if self.trainer.global_step == 17 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class WeightsAfterEachStep(L.Callback):
+    def __init__(self) -> None:
+        self.seen = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+def test_a_rollback_past_a_finetuning_unfreeze_drops_the_step_and_says_why(tmp_path: Path) -> None:
+    """The snapshots (after steps 12 and 16, taken at batch end) hold one param group; the unfreeze at step 16 added
+    a second. The rollback at step 17 failed in torch's ``load_state_dict`` ("loaded state dict has a different number
+    of parameter groups", a ValueError mid-training). Now the step is dropped as a skip (the weights stay those after
+    step 17's predecessor), with a warning, and ``rolled_back_to`` is None."""
+    monitor = LossSpikeMonitor(actions=["log", "rollback"], warmup_steps=4, snapshot_every=4, snapshot_keep=2,
+                               path=str(tmp_path / "spikes.jsonl"))
+    weights = WeightsAfterEachStep()
+    trainer = L.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), monitor, weights])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(UnfrozenAtEpoch1())
+    assert [len(o.param_groups) for o in trainer.optimizers] == [2]
+    assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(17, None)]
+    assert [str(w.message) for w in caught if "no snapshot to roll back to" in str(w.message)] == [
+        "LossSpikeMonitor: no snapshot to roll back to at step 17: the optimizers' param groups changed since the "
+        "last one (a BaseFinetuning unfreeze adds one); the spike's step is dropped as with 'skip', the weights stay; "
+        "snapshots start again from the next one"
+    ]
+    for p, q in zip(weights.seen[17], weights.seen[18]):  # the spike's step (global_step 17 -> 18) changed nothing
+        assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(weights.seen[18], weights.seen[19]))  # the next one trains

@@ -71,11 +71,18 @@ def averagers(trainer) -> list[WeightAveraging]:
     return [c for c in trainer.callbacks if isinstance(c, WeightAveraging) and c._average_model is not None]
 
 
+def layout(trainer) -> list[list[int]]:
+    """Each optimizer's parameter count per param group: a snapshot restores only into the same layout (a
+    ``BaseFinetuning`` unfreeze adds a group; torch's ``load_state_dict`` then fails)."""
+    return [[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers]
+
+
 def capture(trainer) -> dict:
     """Snapshot of the whole training state after ``trainer.global_step`` steps."""
     comm_state = getattr(trainer.strategy, "comm_local_state_dict", None)
     return {
         "step": trainer.global_step,
+        "layout": layout(trainer),
         "model": to_cpu(trainer.lightning_module.state_dict()),
         "optimizers": [to_cpu(opt.state_dict()) for opt in trainer.optimizers],
         "scaler": scaler_state(trainer),
@@ -119,10 +126,16 @@ class SnapshotRing:
     def __len__(self) -> int:
         return len(self.snapshots)
 
-    def pick(self, step: int, min_age: int) -> tuple[dict, bool]:
-        """(snapshot, old_enough); drops the newer snapshots, which may hold the update that caused the spike."""
-        eligible = [s for s in self.snapshots if step - s["step"] >= min_age]
-        snap = eligible[-1] if eligible else self.snapshots[0]
+    def pick(self, step: int, min_age: int, current_layout: list[list[int]]) -> tuple[dict | None, bool]:
+        """(snapshot, old_enough); drops the newer snapshots, which may hold the update that caused the spike, and
+        those of another param-group layout (None: no snapshot fits the optimizers now)."""
+        fits = [s for s in self.snapshots if s["layout"] == current_layout]
+        if len(fits) < len(self.snapshots):
+            self.snapshots = deque(fits, maxlen=self.snapshots.maxlen)
+        if not fits:
+            return None, False
+        eligible = [s for s in fits if step - s["step"] >= min_age]
+        snap = eligible[-1] if eligible else fits[0]
         while self.snapshots and self.snapshots[-1] is not snap:
             self.snapshots.pop()
         return snap, bool(eligible)

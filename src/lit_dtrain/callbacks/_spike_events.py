@@ -59,7 +59,7 @@ class SpikeEvents:
         rolled_back_to = None
         if "rollback" in actions:
             rolled_back_to = self._rollback(trainer, step)
-        elif pending["drop"]:  # skip: Lightning stepped the GradScaler after the empty step
+        if rolled_back_to is None and pending["drop"]:  # skip (or no snapshot): Lightning stepped the GradScaler
             snapshots.load_scaler_state(trainer, self._saved_scaler)
             undo = getattr(trainer.strategy, "undo_comm_step", None)
             if undo is not None:
@@ -115,9 +115,15 @@ class SpikeEvents:
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
 
     # ---- rollback -----------------------------------------------------------------------------------------------
-    def _rollback(self, trainer, step: int) -> int:
-        """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step."""
-        snap, old_enough = self.snapshots.pick(step, self.rollback_min_age)
+    def _rollback(self, trainer, step: int) -> int | None:
+        """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step (None: no snapshot
+        fits the optimizers' param groups now, the step is only dropped)."""
+        snap, old_enough = self.snapshots.pick(step, self.rollback_min_age, snapshots.layout(trainer))
+        if snap is None:  # (a rollback into it failed in torch: "a different number of parameter groups")
+            rank_zero_warn(f"LossSpikeMonitor: no snapshot to roll back to at step {step}: the optimizers' param "
+                           "groups changed since the last one (a BaseFinetuning unfreeze adds one); the spike's step "
+                           "is dropped as with 'skip', the weights stay; snapshots start again from the next one")
+            return None
         if not old_enough:
             rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
                            f"restoring the oldest one (step {snap['step']})")
