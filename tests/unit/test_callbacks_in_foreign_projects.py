@@ -563,6 +563,6 @@ def test_loss_spike_skip_with_a_plain_dataloader_refuses_to_exclude_every_sample
     trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
     with pytest.raises(RuntimeError, match=r"spike at step 6 failed .*every sample of the train DataLoader's dataset "
-                                           r"\(64, indices 0..63\) has been excluded"):
+                                           r"that its epochs draw \(64, indices 0..63\) has been excluded"):
         trainer.fit(module, data)
     assert [e["step"] for e in monitor.events] == [6] and sorted(monitor.events[0]["index"]) == list(range(64))

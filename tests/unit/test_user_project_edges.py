@@ -210,3 +210,24 @@ def test_a_rollback_past_a_finetuning_unfreeze_drops_the_step_and_says_why(tmp_p
     for p, q in zip(weights.seen[17], weights.seen[18]):  # the spike's step (global_step 17 -> 18) changed nothing
         assert torch.equal(p, q)
     assert not all(torch.equal(p, q) for p, q in zip(weights.seen[18], weights.seen[19]))  # the next one trains
+
+
+class SpikesAt6And7(Own):
+    def training_step(self, batch, batch_idx):
+        loss = (self.net(batch["x"]) - batch["y"]).square().mean()
+        return loss * 1000.0 if self.trainer.global_step in (6, 7) else loss
+
+
+def test_limit_train_batches_bounds_the_samples_an_exclusion_can_use_up(tmp_path: Path) -> None:
+    """``limit_train_batches=2`` of a sequential DataLoader of 64 samples (batches of 4): every epoch draws samples
+    0..7. The spikes at steps 6 and 7 exclude all 8, so every later step would be skipped: that is refused at the
+    exclusion. Before, the count compared was the dataset's 64: 22 of 30 steps trained nothing and the run exited 0."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, path=str(tmp_path / "spikes.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=30, limit_train_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[monitor])
+    with pytest.raises(RuntimeError) as caught:
+        trainer.fit(SpikesAt6And7())
+    assert trainer.global_step == 8 and sorted(monitor.excluded) == list(range(8))
+    assert "spike at step 7 failed (2 spikes, 8 samples excluded in all): every sample of the train DataLoader's " \
+           "dataset that its epochs draw (8, indices 0..7) has been excluded" in str(caught.value)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+from torch.utils.data import SequentialSampler
 
 DROP_ACTIONS = {"skip", "rollback"}  # the actions that exclude the spike's samples, so need the batch's indices
 
@@ -78,9 +79,15 @@ def exclusion_sampler(trainer):
     num_train_samples = None
     if sampler is None:
         try:
-            num_train_samples = len(trainer.train_dataloader.dataset)
+            loader = trainer.train_dataloader
+            num_train_samples = len(loader.dataset)
         except (AttributeError, TypeError, NotImplementedError):
             pass  # an iterable dataset, or several train loaders: no size to compare the exclusions with
+        else:  # a sequential loader cut by limit_train_batches draws only its first batches, every epoch: all 8
+            # samples of limit_train_batches=2 excluded (of 64) skipped every later step, and the run exited 0
+            batches, size = getattr(trainer, "num_training_batches", math.inf), getattr(loader, "batch_size", None)
+            if type(getattr(loader, "sampler", None)) is SequentialSampler and size and math.isfinite(batches):
+                num_train_samples = min(num_train_samples, int(batches) * size)
     return sampler, num_train_samples
 
 
@@ -106,8 +113,8 @@ def check_not_all_excluded(trainer, known: Collection[int], n: int | None) -> No
     if n and len(known) >= n and all(i in known for i in range(n)):
         # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
         # would end as if it had trained; a sampler with exclude() refuses this too
-        mine = (f"every sample of the train DataLoader's dataset ({n}, indices 0..{n - 1}) has been excluded, so "
-                f"every later step would be skipped; {_WAY_OUT}")
+        mine = (f"every sample of the train DataLoader's dataset that its epochs draw ({n}, indices 0..{n - 1}) has "
+                f"been excluded, so every later step would be skipped; {_WAY_OUT}")
     raise_together(trainer, mine, "every sample of the train DataLoader's dataset has been excluded on {ranks} other "
                    "rank(s) of {world} (their error names it), so every later step would be skipped; " + _WAY_OUT)
 
