@@ -59,6 +59,35 @@ def test_a_sigterm_between_manual_accumulation_steps_saves_after_the_step_that_t
         assert torch.equal(p, q)
 
 
+class StepsBeforeBackward(UserModule):
+    """Manual optimization that steps the previous batch's grads first, then runs this batch's backward: every batch
+    ends with grads no step has taken yet."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        self.steps_run += 1
+        opt = self.optimizers()
+        if self.steps_run > 1:
+            opt.step()
+            opt.zero_grad()
+        x, y = batch
+        self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_a_sigterm_under_manual_optimization_that_steps_before_its_backward_still_saves(tmp_path: Path) -> None:
+    """Each batch ends with a backward after its step. The save is at the end of the signal's batch, which stepped:
+    waiting for a batch end without grads in flight would never save."""
+    stop = PreemptionCheckpoint(dirpath=str(tmp_path / "ck"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[SigtermAtBatch(5), stop])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(StepsBeforeBackward(), regression_data())
+    assert stop.saved_step == trainer.global_step == 5 and (tmp_path / "ck" / "last.ckpt").is_file()
+
+
 @pytest.mark.parametrize(
     ("total_steps", "decay_steps", "expected"),
     [

@@ -14,8 +14,8 @@ last checkpoint.
 - **Manual optimization.** A module that accumulates by hand (``manual_backward`` every batch, ``opt.step()`` every
   ``k``-th) holds gradients of no update yet between its steps, and Lightning knows nothing of its windows: a save
   there lost them (the resumed run's next update had only the batches after the resume; its weights then differed
-  from a straight run's). After a ``manual_backward`` that no ``optimizer.step`` has followed yet, the save waits for
-  the batch whose step takes them (on every rank, agreed as the signal is).
+  from a straight run's). After a ``manual_backward`` that no ``optimizer.step`` has followed yet, in a batch without
+  a step, the save waits for the batch whose step takes them (on every rank, agreed as the signal is).
 - **Last of the callbacks.** Other callbacks finish the step in their ``on_train_batch_end`` (``LossSpikeMonitor``
   undoes a dropped step in the compressor's residual, excludes its samples, rolls back; ``FourierSamplerCallback``
   feeds the step's losses to the sampler), so the save must come after them. Lightning calls callbacks in list
@@ -85,6 +85,7 @@ class PreemptionCheckpoint(L.Callback):
         self._holding = False  # Lightning's flag, held back during the validation that ends the saved step
         self._manual = False  # the module optimizes by hand (read at train start)
         self._unstepped = False  # manual optimization: a backward ran since the last optimizer step (grads in flight)
+        self._stepped = False  # manual optimization: an optimizer step ran in this batch
 
     def _on_sigterm(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -151,12 +152,16 @@ class PreemptionCheckpoint(L.Callback):
             exception.code = 128 + self.signum
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        self._stepped = False
+
+    @override
     def on_after_backward(self, trainer: L.Trainer, pl_module) -> None:
         self._unstepped = True  # (under automatic optimization Lightning's own accumulation count is read instead)
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module, optimizer) -> None:
-        self._unstepped = False
+        self._unstepped, self._stepped = False, True
 
     def _wait(self, trainer: L.Trainer) -> None:
         """Keep the signal for a later batch end: Lightning's flag would stop the loop after this batch."""
@@ -178,7 +183,9 @@ class PreemptionCheckpoint(L.Callback):
         if not signalled or self.saved_step == trainer.global_step:
             return
         if self._manual:  # accumulating by hand: save after the step that takes the grads
-            unstepped = self._unstepped
+            # (a batch that stepped is an update's end, also where the backward comes after the step: a module that
+            # steps the previous batches' grads first would otherwise never reach a save)
+            unstepped = self._unstepped and not self._stepped
             if trainer.world_size > 1:  # (every rank is here: the signal was agreed)
                 unstepped = trainer.strategy.reduce_boolean_decision(unstepped, all=False)
             if unstepped:
