@@ -260,3 +260,22 @@ def test_limit_train_batches_bounds_the_samples_an_exclusion_can_use_up(tmp_path
     assert trainer.global_step == 8 and sorted(monitor.excluded) == list(range(8))
     assert "spike at step 7 failed (2 spikes, 8 samples excluded in all): every sample of the train DataLoader's " \
            "dataset that its epochs draw (8, indices 0..7) has been excluded" in str(caught.value)
+
+
+@pytest.mark.parametrize(("total_steps", "said"), [(8, True), (4, False)], ids=["max_steps", "max_steps_over_2"])
+def test_wsd_under_manual_optimization_says_at_train_end_when_the_updates_fell_short(tmp_path: Path, caplog,
+                                                                                       total_steps, said) -> None:
+    """Two optimizers stepping every batch, ``max_steps=8`` (``global_step`` counts both: 4 updates each). With
+    ``total_steps=8`` the schedule's decay (steps 5..7) never came, without a word; an info line at train end now
+    says so and names the fix. ``total_steps=max_steps / 2``, as documented, says nothing."""
+    wsd = WSDScheduler(total_steps=total_steps, warmup_steps=1, decay_steps=3 if total_steps == 8 else 2)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, [wsd], UserModule(manual=True, two=True), max_steps=8)
+    assert wsd.updates == [4, 4]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WSDScheduler: the fit ended")]
+    assert lines == ([
+        "WSDScheduler: the fit ended after 4 updates of its optimizer(s) (manual optimization), before the decay "
+        "starts at step 5 (total_steps=8, decay_steps=3): this fit ends at the peak LR, in the stable phase (a stable "
+        "run to branch a decay from later). For the decay in this fit, set total_steps=4 (with k optimizers that step "
+        "every batch, max_steps / k)"
+    ] if said else [])

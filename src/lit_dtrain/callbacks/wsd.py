@@ -240,25 +240,38 @@ class WSDScheduler(StepHooksCallback):
             f"max_steps={self.total_steps})"
         )
 
-    def _note_short_fit(self, planned: int) -> None:
+    def _note_short_fit(self, planned: int, manual: bool = False) -> None:
         """The trainer stops before the schedule's end: before its decay (a WSD stable run, to branch decays from
         later, or a ``max_steps`` set too low: either way this fit ends at the peak LR, said once), or inside it (its
-        last step above ``min_lr_factor``, a decay cut short: warned)."""
+        last step above ``min_lr_factor``, a decay cut short: warned). ``manual``: said at train end, when the updates
+        are counted (``planned``: those of the optimizer that took most)."""
         decay_start = self.total_steps - self.decay_steps
+        if manual:
+            stops, runs = f"the fit ended after {planned} updates of its optimizer(s) (manual optimization)", "ran"
+            fix = f"total_steps={planned} (with k optimizers that step every batch, max_steps / k)"
+            or_else = ""
+        else:
+            stops, runs = f"the trainer stops after {planned} optimizer steps", "runs"
+            fix, or_else = f"total_steps={planned}", f" (or let the trainer run to max_steps={self.total_steps})"
         if planned <= decay_start:
             rank_zero_info(
-                f"WSDScheduler: the trainer stops after {planned} optimizer steps, before the decay starts at step "
-                f"{decay_start} (total_steps={self.total_steps}, decay_steps={self.decay_steps}): this fit ends at the "
-                f"peak LR, in the stable phase (a stable run to branch a decay from later). For the decay in this fit, "
-                f"set total_steps={planned}"
+                f"WSDScheduler: {stops}, before the decay starts at step {decay_start} (total_steps="
+                f"{self.total_steps}, decay_steps={self.decay_steps}): this fit ends at the peak LR, in the stable "
+                f"phase (a stable run to branch a decay from later). For the decay in this fit, set {fix}"
             )
             return
         rank_zero_warn(
-            f"WSDScheduler: the trainer stops after {planned} optimizer steps, inside the decay (steps {decay_start}.."
-            f"{self.total_steps - 1}, total_steps={self.total_steps}): its last step runs at "
-            f"{self.lr_factor(planned - 1):.4g} of the peak LR, not min_lr_factor={self.min_lr_factor}. Set "
-            f"total_steps={planned} (or let the trainer run to max_steps={self.total_steps})"
+            f"WSDScheduler: {stops}, inside the decay (steps {decay_start}..{self.total_steps - 1}, total_steps="
+            f"{self.total_steps}): its last step {runs} at {self.lr_factor(planned - 1):.4g} of the peak LR, not "
+            f"min_lr_factor={self.min_lr_factor}. Set {fix}{or_else}"
         )
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # manual optimization: the optimizers' updates are known only now (with two optimizers and total_steps set
+        # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
+        if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
+            self._note_short_fit(max(self.updates), manual=True)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
