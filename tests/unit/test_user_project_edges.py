@@ -1,6 +1,8 @@
 """lit_dtrain's callbacks at the edges of a user's own Lightning project: a ``PreemptionCheckpoint`` stop while the
-module accumulates gradients by hand, a ``WSDScheduler`` whose decay lies past the trainer's last step. Each test
-checks the result (the resumed weights, the warning's words), not only that the run finished."""
+module optimizes by hand (accumulating, or stepping before its backward), a ``WSDScheduler`` whose decay lies past the
+fit's last step (automatic and manual optimization) or beside Lightning's ``BackboneFinetuning``, a ``LossSpikeMonitor``
+rollback beside ``EMAWeightAveraging`` or across a finetuning unfreeze, exclusions under ``limit_train_batches``. Each
+test checks the result (the resumed weights, the EMA, the warning's words), not only that the run finished."""
 
 from __future__ import annotations
 
