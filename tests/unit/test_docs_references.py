@@ -29,6 +29,9 @@ COMPOSED = {
     # Lightning's ThroughputMonitor, which lit_dtrain's token_throughput_monitor configures (items are tokens)
     "train/device/items_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "items"]),
     "train/time": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "time"]),  # its <stage>/time
+    "train/batches": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "batches"]),
+    "train/samples": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "samples"]),
+    "train/lengths": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "lengths"]),
     # Lightning's LearningRateMonitor: lr-<optimizer class>/<param group name>, LitLLM's groups "decay"/"no_decay"
     "lr-AdamW/decay": ("src/lit_dtrain/module_params.py", ['"name": "decay"']),
     "lr-AdamW/no_decay": ("src/lit_dtrain/module_params.py", ['"name": "no_decay"']),
