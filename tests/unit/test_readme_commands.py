@@ -105,3 +105,24 @@ def test_the_readme_shows_how_to_shrink_every_sweep_experiment(tmp_path):
                 cfg = compose_cfg(job, tmp_path / conf.stem / str(i), None, tiny=False)
                 check_config(cfg)
                 assert cfg.trainer.max_steps < experiment.trainer.max_steps, where
+
+
+def test_train_py_help_shows_commands_that_compose(tmp_path):
+    """``python train.py --help`` began with Hydra's bare "train is powered by Hydra." and no word of how to run,
+    sweep or resume. Its header (``hydra.help.header``) shows commands now; each composes (Hydra's own flags such
+    as ``--cfg job`` left out), as the docs' commands do."""
+    import yaml
+
+    from tests.conftest import CONF_DIR
+
+    header = yaml.safe_load(Path(CONF_DIR, "hydra", "default.yaml").read_text())["help"]["header"]
+    commands = [shlex.split(line.split("#")[0])[2:] for line in header.splitlines()
+                if line.strip().startswith("python train.py")]
+    assert len(commands) >= 5 and ["-m", "optimizer.lr=1e-3,3e-3"] in commands
+    for i, args in enumerate(commands):
+        overrides = [a for a in args if not a.startswith("-") and a != "job"]
+        variants = [[]]
+        for override in overrides:
+            variants = [v + [choice] for v in variants for choice in sweep_values(override)]
+        for j, variant in enumerate(variants):
+            assert compose_cfg(variant, tmp_path / f"{i}_{j}", None, tiny=False).trainer.max_steps > 0, args
