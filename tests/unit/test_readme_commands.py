@@ -26,6 +26,10 @@ def train_commands() -> list[tuple[str, list[str]]]:
         for lineno, line in enumerate(text.splitlines(), 1):
             for match in re.finditer(r"(?:^|&&\s*|`)python train\.py([^`#&\n]*)", line):
                 args = shlex.split(match.group(1))
+                for flag in ("--help", "--cfg"):  # Hydra's flags: --cfg job prints the config of the overrides
+                    if flag in args:
+                        i = args.index(flag)
+                        del args[i:i + (2 if flag == "--cfg" else 1)]
                 if match.group(0).startswith("`") and not args:
                     continue
                 out.append((f"{doc.name}:{lineno}", args))
