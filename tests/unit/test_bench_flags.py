@@ -88,3 +88,24 @@ def test_an_error_names_the_script_also_where_a_test_loads_it(capsys):
     with pytest.raises(SystemExit):
         generate.main(["missing.ckpt"])
     assert capsys.readouterr().err.startswith("generate.py: error: checkpoint 'missing.ckpt'")
+
+
+def test_help_shows_each_options_default():
+    """``--help`` printed ``--steps STEPS  steps per round`` with no number: the reader had to find each default in
+    the source. An option with a default value now ends its help with it; one without a default (None, False, ''
+    or []), or whose help already says its default, is left as written."""
+    from lit_dtrain.utils.args import ScriptArgumentParser
+
+    p = ScriptArgumentParser(prog="s.py")
+    p.add_argument("--steps", type=int, default=40, help="steps per round")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--frac", type=float, default=0.5, help="a share, in %% of the rest")
+    p.add_argument("--out", default="a.png", help="PNG (default: a.png)")
+    for name, default in [("--warmup", None), ("--title", ""), ("--maximize", []), ("--logy", False)]:
+        p.add_argument(name, default=default, help=f"{name} help")
+    text = " ".join(p.format_help().split())
+    assert "steps per round (default: 40)" in text and "--seed SEED default: 1337" in text
+    assert "text to continue (default: 'def ')" in text and "in % of the rest (default: 0.5)" in text
+    assert text.count("default") == 5  # --out's own, none for the options without a value
+    assert " ".join(p.format_help().split()) == text  # a second --help adds nothing

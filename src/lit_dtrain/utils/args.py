@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import os
+import re
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -148,6 +149,20 @@ class ScriptArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, prog: str | None = None, *args, **kwargs) -> None:
         super().__init__(prog or _script_name(), *args, **kwargs)
+
+    def format_help(self) -> str:
+        """The help, with ``(default: X)`` after every option whose default is a value (not None or False) and
+        whose help does not already say what its default is: ``--steps STEPS  steps per round`` left the reader
+        to find the number in the source."""
+        for action in self._actions:
+            help_text, default = action.help or "", action.default
+            if (not action.option_strings or default is None or default is False or default == argparse.SUPPRESS
+                    or (isinstance(default, (str, list, tuple)) and not default)  # '' or []: nothing
+                    or re.search(r"\(default\b|\bdefault:", help_text, re.IGNORECASE)):
+                continue
+            shown = (repr(default) if isinstance(default, str) else str(default)).replace("%", "%%")
+            action.help = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
