@@ -48,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lit_dtrain.config_resolvers import default_cache_dir
 from lit_dtrain.utils.args import (
     ScriptArgumentParser,
     comma_list,
@@ -115,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/bench_comm",
                    help="directory for the PNG plots (relative: under the current directory; the docs' figures: "
                         "--out docs/img)")
-    p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"))
+    p.add_argument("--cache-dir", default=default_cache_dir())
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit (smoke test only)")
     p.add_argument("--save-results", help="also write the raw per-step results (JSON) here")
     p.add_argument("--replot", help="skip the run: report and plot a --save-results file")

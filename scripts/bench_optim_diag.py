@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from lit_dtrain.callbacks import AdaptiveGradClip, LossSpikeMonitor, OptimizerDiagnostics  # noqa: E402
+from lit_dtrain.config_resolvers import default_cache_dir  # noqa: E402
 from lit_dtrain.data import LMDataModule  # noqa: E402
 from lit_dtrain.module import LitLLM  # noqa: E402
 from lit_dtrain.optim import adamw  # noqa: E402
@@ -68,7 +68,7 @@ def run(args, callback: L.Callback | None) -> tuple[float, float]:
     model = instantiate(model_cfg)
     lit = LitLLM(model, optimizer=partial(adamw, lr=3e-3))
     dm = LMDataModule(block_size=args.block_size, batch_size=args.batch_size, progress=False,
-                      cache_dir=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"))
+                      cache_dir=default_cache_dir())
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         gradient_clip_val=1.0, callbacks=[callback] if callback else [])

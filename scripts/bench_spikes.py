@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from lit_dtrain.callbacks import LossSpikeMonitor  # noqa: E402
+from lit_dtrain.config_resolvers import default_cache_dir  # noqa: E402
 from lit_dtrain.train import train  # noqa: E402
 from lit_dtrain.utils.args import (  # noqa: E402
     ScriptArgumentParser,
@@ -125,7 +125,7 @@ def compose_cfg(args, run: str, extra: list[str]):
         cfg = compose(config_name="train", overrides=overrides)
     with open_dict(cfg):
         cfg.paths.output_dir = str(Path(args.out_dir) / run)
-        cfg.paths.cache_dir = os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain")
+        cfg.paths.cache_dir = default_cache_dir()
     return cfg
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -40,6 +39,7 @@ CONF_DIR = str(ROOT / "conf")
 
 import lightning as L  # noqa: E402
 
+from lit_dtrain.config_resolvers import default_cache_dir  # noqa: E402
 from lit_dtrain.utils.args import (  # noqa: E402
     ScriptArgumentParser,
     comma_list,
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "directory)")
     p.add_argument("--img-dir", default=None,
                    help="where wsd_*.png go (default: --out-dir; the docs' figures: --img-dir docs/img)")
-    p.add_argument("--cache-dir", default=os.environ.get("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain"),
+    p.add_argument("--cache-dir", default=default_cache_dir(),
                    help="token cache")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every code path")
     args = p.parse_args(argv)

@@ -41,6 +41,12 @@ def env_dir(var: str, default: str) -> str:
     return value if value.strip() else default
 
 
+def default_cache_dir() -> str:
+    """The token caches' directory of ``paths.cache_dir`` for code outside Hydra (the scripts): ``$LIT_DTRAIN_CACHE``,
+    or ``~/.cache/lit_dtrain`` when it is unset, empty or blank."""
+    return env_dir("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain")
+
+
 def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int:
     """min(cap, max(1, int(fraction * max_steps)))."""
     return min(int(cap), max(1, int(float(fraction) * int(max_steps))))

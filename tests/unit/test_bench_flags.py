@@ -109,3 +109,20 @@ def test_help_shows_each_options_default():
     assert "text to continue (default: 'def ')" in text and "in % of the rest (default: 0.5)" in text
     assert text.count("default") == 5  # --out's own, none for the options without a value
     assert " ".join(p.format_help().split()) == text  # a second --help adds nothing
+
+
+def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(monkeypatch):
+    """``LIT_DTRAIN_CACHE`` set but empty means ``~/.cache/lit_dtrain`` for ``train.py`` (README), but the bench
+    scripts read it with ``os.environ.get``: ``LIT_DTRAIN_CACHE= python scripts/bench_wsd.py`` took '' and stopped at
+    ``data.cache_dir is empty``. They take ``paths.cache_dir``'s rule now."""
+    from lit_dtrain.config_resolvers import default_cache_dir
+
+    bench_comm = load_script("bench_comm")
+    for value in ("", "  "):
+        monkeypatch.setenv("LIT_DTRAIN_CACHE", value)
+        assert default_cache_dir() == "~/.cache/lit_dtrain"
+        assert bench_comm.parse_args([]).cache_dir == "~/.cache/lit_dtrain"
+    monkeypatch.setenv("LIT_DTRAIN_CACHE", "/data/tok")
+    assert bench_comm.parse_args([]).cache_dir == "/data/tok"
+    for script in ("bench_wsd.py", "bench_spikes.py", "bench_optim_diag.py"):  # the same call, heavier to load
+        assert "default_cache_dir()" in (ROOT / "scripts" / script).read_text(), script
