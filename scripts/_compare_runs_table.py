@@ -73,6 +73,19 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
 CUMULATIVE_TAGS: tuple[str, ...] = ("spike/count", "fourier/nonfinite_skipped", "comm/bytes_per_step_avg")
 
 
+# Tags of the last step's collectives: 0 on a step that sent nothing, which under local updates (sync every H steps) is
+# most steps; such a point measures no sync, so a run's final and best are its logged syncs' (a local-SGD run whose
+# last logged step did not sync was the best run, at 0 bytes and 0 ms). comm/bytes_per_step_avg ranks the savings.
+PER_SYNC_TAGS: tuple[str, ...] = ("comm/bytes_per_step", "comm/time_ms")
+
+
+def measured(metric: str, series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``series`` without the points of steps that sent nothing, for a per-sync tag (:data:`PER_SYNC_TAGS`)."""
+    if metric not in PER_SYNC_TAGS:
+        return series
+    return [(step, value) for step, value in series if value != 0]
+
+
 def final_only(metric: str) -> bool:
     """Whether ``metric`` is cumulative (:data:`CUMULATIVE_TAGS`): ranked by its final value, with no best value."""
     return any(fnmatchcase(metric, pattern) for pattern in CUMULATIVE_TAGS)
@@ -162,6 +175,9 @@ def markdown_table(
                 else "-"
             )
             lines.append(f"| {r['label']} | {status} | - | - | - |")
+            continue
+        if r["final_step"] is None:  # logged, but only steps that sent nothing (:func:`measured`)
+            lines.append(f"| {r['label']} | no sync logged | - | - | - |")
             continue
         # a failed or unfinished run's final is at another step than the finished runs': no gap beside theirs
         same_end = comparable(r) or (best is not None and not comparable(best))

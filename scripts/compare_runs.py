@@ -49,6 +49,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     final_only,
     listed_direction,  # noqa: F401 - compare_runs.listed_direction: whether TAG_DIRECTIONS lists a tag
     markdown_table,
+    measured,
     metric_rows,
     one_point_per_validation,
     summarize,
@@ -215,7 +216,7 @@ def compare(
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
             m: {
-                **summarize(scalars.get(m, []), ranks[m], final_only(m)),
+                **summarize(measured(m, scalars.get(m, [])), ranks[m], final_only(m)),
                 **({"missing": True} if m not in scalars else {}),
             }
             for m in metrics

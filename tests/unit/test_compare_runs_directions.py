@@ -84,3 +84,25 @@ def test_a_cumulative_tag_is_ranked_by_its_final_value_and_has_no_best(tmp_path)
     ]
     assert "| a | 20 | 2000.0000 | - | +100.00% |" in result["markdown"]
     assert compare_runs.final_only("fourier/nonfinite_skipped") and not compare_runs.final_only("val/loss")
+
+
+def test_a_step_without_a_sync_is_no_per_step_comm_value(tmp_path):
+    """Under local updates ``comm/bytes_per_step`` and ``comm/time_ms`` are 0 on every step that does not sync: a
+    local-SGD run whose last logged step did not sync had the final 0 and was the best run (and every run's best was
+    0 at such a step). Those points measure no sync: the final and best are the logged syncs'; a run that logged no
+    sync has no value."""
+    runs = {"ddp": {2: 800.0, 4: 900.0, 6: 800.0}, "local": {2: 0.0, 4: 1000.0, 6: 0.0}, "never": {2: 0.0, 4: 0.0}}
+    for name, points in runs.items():
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step, value in points.items():
+            w.add_scalar("comm/bytes_per_step", value, step)
+            w.add_scalar("comm/time_ms", value / 100, step)
+        w.close()
+    result = compare_runs.compare([str(tmp_path / n) for n in runs], ["comm/bytes_per_step", "comm/time_ms"],
+                                  out=str(tmp_path / "c.png"))
+    assert result["best_by_metric"] == {"comm/bytes_per_step": "ddp", "comm/time_ms": "ddp"}
+    rows = {r["label"]: r for r in result["runs"]}
+    assert (rows["local"]["final"], rows["local"]["final_step"], rows["local"]["best"]) == (1000.0, 4, 1000.0)
+    assert (rows["ddp"]["best"], rows["ddp"]["best_step"]) == (800.0, 2)
+    assert "| local | 4 | 1000.0000 | 1000.0000 (4) | +25.00% |" in result["markdown"]
+    assert "| never | no sync logged | - | - | - |" in result["markdown"]
