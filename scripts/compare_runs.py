@@ -55,6 +55,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     summarize,
     table_order,  # noqa: F401 - compare_runs.table_order, as before the split
 )
+from _compare_runs_tokens import tokens_per_step  # noqa: E402 - --x tokens
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -112,13 +113,27 @@ def check_event_files(run_dirs: list[Path], all_scalars: list[dict]) -> None:
         _warn(f"run {str(run)!r}: skipping event file(s) {names}: no TensorBoard events (unreadable or empty)")
 
 
+def _once(dirs: list[Path], what: str) -> list[Path]:
+    """``dirs`` with a dir reached again (given twice, or as a sweep and as one of its jobs) left out, with a warning:
+    it was compared with itself, two rows and two curves of the same values, as if a rerun had reproduced it."""
+    seen: dict[Path, Path] = {}
+    for d in dirs:
+        key = d.resolve()
+        if key in seen:
+            _warn(f"{what} dir {str(d)!r} is given more than once (as {str(seen[key])!r}); comparing it once")
+        else:
+            seen[key] = d
+    return list(seen.values())
+
+
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
-         logy: bool = False) -> None:
+         logy: bool = False, tokens: dict[str, float] | None = None) -> None:
     """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``. A run's final
-    validation is drawn once, at the steps trained (:func:`one_point_per_validation`)."""
+    validation is drawn once, at the steps trained (:func:`one_point_per_validation`). ``tokens``: each run's tokens
+    per optimizer step, to draw it against tokens trained (``--x tokens``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,10 +145,12 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
             series = one_point_per_validation(tags.get(metric) or [])
             if series:
                 steps, values = zip(*series)
+                if tokens:
+                    steps = [s * tokens[label] for s in steps]
                 # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
                 ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
                         color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
-        ax.set_xlabel("step")
+        ax.set_xlabel("tokens (step x the run's tokens per step)" if tokens else "step")
         ax.set_ylabel(metric)
         if logy:
             ax.set_yscale("log")
@@ -164,6 +181,7 @@ def compare(
     title: str = "",
     logy: bool = False,
     maximize: list[str] = (),
+    x: str = "step",
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
     better higher; every other tag lit_dtrain logs has its direction in ``TAG_DIRECTIONS`` (:func:`direction`: a
@@ -179,7 +197,8 @@ def compare(
         raise CompareError(str(e)) from e
     ranks = {m: direction(m, maximize) for m in metrics}
     skipped: list[str] = []
-    run_dirs = expand_runs(runs, skipped, _warn)
+    run_dirs = _once(expand_runs(runs, skipped, _warn), "run")
+    skipped[:] = map(str, _once([Path(j) for j in skipped], "job"))
     if labels and len(labels) != len(run_dirs):
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
@@ -196,6 +215,7 @@ def compare(
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
     check_event_files(run_dirs, all_scalars)
+    per_step = [tokens_per_step(str(r), s) for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None
     for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
         if not any(metric in scalars for scalars in all_scalars):
             tags = sorted(set().union(*all_scalars))
@@ -229,6 +249,7 @@ def compare(
                 **({"error": error} if error else {}),
                 **by_metric[metrics[0]],
                 "by_metric": by_metric,
+                **({"tokens_per_step": per_step[len(rows)]} if per_step else {}),
             }
         )
     table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
@@ -240,7 +261,8 @@ def compare(
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        plot(curves, metrics, Path(out), title=title, logy=logy)
+        tokens = dict(zip(labels, per_step)) if per_step else None
+        plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
     }
@@ -256,6 +278,7 @@ def compare(
         "metrics": metrics,
         "best_by_metric": best_by_metric,
         "maximize": list(maximize),
+        "x": x,
         "markdown": text,
     }
 
@@ -286,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", default=None, help="also write the markdown table to this file")
     parser.add_argument("--title", default="", help="figure title")
     parser.add_argument("--logy", action="store_true", help="log-scale y axis")
+    parser.add_argument(
+        "--x",
+        choices=("step", "tokens"),
+        default="step",
+        help="the PNG's x axis: the optimizer step (default), or the tokens trained (step x the run's tokens per "
+        "step, from its train/lengths and its number of ranks): runs of other batch sizes, ranks or accumulation "
+        "compared at equal data. The table's steps stay steps; the JSON gives each run's tokens_per_step",
+    )
     args = parser.parse_args(argv)
     try:
         result = compare(
@@ -297,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             args.title,
             args.logy,
             args.maximize,
+            args.x,
         )
     except (CompareError, AtomicWriteError) as e:  # AtomicWriteError: the PNG or table failed to write (a full disk)
         report_error(str(e), "compare_runs")

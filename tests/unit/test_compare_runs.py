@@ -1053,3 +1053,51 @@ def test_a_failed_write_of_the_table_is_one_error_line(tmp_path, capsys, monkeyp
     assert compare_runs.main([str(a), "--out", str(tmp_path / "c.png"), "--table", str(tmp_path / "t.md")]) == 2
     error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
     assert "t.md" in error and "No space left on device" in error
+
+
+def test_a_run_given_twice_is_compared_once(tmp_path, capsys):
+    """``compare_runs.py SWEEP SWEEP/1`` (or a run dir twice) compared job 1 with itself: two rows and two curves of
+    the same values, labelled '//tmp/.../1' and '//tmp/.../1 (2)', as if a rerun had reproduced it."""
+    sweep = tmp_path / "sweep"
+    for i, lr in enumerate(["1e-3", "3e-3"]):
+        write_run(sweep / str(i), {5: 3.0 - i * 0.1}, overrides=[f"optimizer.lr={lr}"])
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that logged nothing, reached twice too
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=1e-2\n")
+    result = compare_runs.compare([str(sweep), str(sweep / "1"), str(sweep / "0" / "."), str(sweep / "2")],
+                                  ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r["dir"] for r in result["runs"]] == [str(sweep / "0"), str(sweep / "1")]
+    assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
+    assert result["skipped"] == [str(sweep / "2")] and len(result["markdown"].splitlines()) == 5
+    assert "given more than once" in capsys.readouterr().err
+
+
+def test_runs_of_other_batch_sizes_are_drawn_against_tokens(tmp_path, monkeypatch, capsys):
+    """A sweep over the batch size compared loss at equal steps, the larger batch having seen twice the data.
+    ``--x tokens`` draws each run against step x its tokens per step: train/lengths' rate (its count restarting at
+    a resume does not change it) times the ranks, the ratio of the global to the device train/items_per_sec."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        (fig.axes[0].get_xlabel(), {line.get_label(): list(line.get_data()[0]) for line in fig.axes[0].lines})))
+    runs = {"b2": (64, 1, None), "b4": (128, 1, 5), "b2x2": (64, 2, None)}  # per-rank tokens, ranks, resumed at
+    for name, (per_rank, ranks, resumed) in runs.items():
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step in range(8):
+            w.add_scalar("val/loss", 3.0 - step * 0.1, step)
+            done = step + 1 - (resumed if resumed and step >= resumed else 0)
+            w.add_scalar("train/lengths", per_rank * done, step)
+            w.add_scalar("train/device/items_per_sec", 100.0, step)
+            if ranks > 1:
+                w.add_scalar("train/items_per_sec", 100.0 * ranks, step)
+        w.close()
+    args = [str(tmp_path / n) for n in runs] + ["--out", str(tmp_path / "c.png"), "--x", "tokens"]
+    assert compare_runs.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["tokens_per_step"] for r in result["runs"]] == [64, 128, 128]
+    assert seen[0][0].startswith("tokens") and [xs[-1] for xs in seen[0][1].values()] == [448, 896, 896]
+    w = SummaryWriter(str(tmp_path / "quiet" / "tb"))  # throughput callback off: no train/lengths
+    w.add_scalar("val/loss", 3.0, 1)
+    w.close()
+    with pytest.raises(compare_runs.CompareError, match=r"--x tokens: run '.*quiet' has no 'train/lengths'"):
+        compare_runs.compare([str(tmp_path / "b2"), str(tmp_path / "quiet")], ["val/loss"], x="tokens")

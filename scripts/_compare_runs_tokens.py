@@ -1,0 +1,37 @@
+"""compare_runs.py's tokens axis (``--x tokens``): a sweep over the batch size (or the number of ranks, or the
+gradient accumulation) compared at equal optimizer steps compares runs that have seen different amounts of data; at
+equal tokens it does not. A run's tokens per optimizer step come from what it logged: ``train/lengths``, the tokens
+this rank trained on so far (``ThroughputMonitor``, every micro-batch counted), times the number of ranks, the
+ratio of the global ``train/items_per_sec`` to this rank's ``train/device/items_per_sec`` (logged with several ranks
+only; one rank without it)."""
+
+from __future__ import annotations
+
+import statistics
+
+from lit_dtrain.run_dirs import RunDirError
+
+LENGTHS = "train/lengths"
+
+
+def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> float:
+    """The tokens of one optimizer step of a run, all ranks together. ``train/lengths`` after step ``s`` (0-based)
+    holds ``s + 1`` steps' tokens; a resume may restart its count, so the increments between its points give the
+    rate (their median), the first point where it has one point. An error naming the run when it did not log
+    ``train/lengths`` (the throughput callback off)."""
+    lengths = [(s, v) for s, v in scalars.get(LENGTHS, []) if v > 0]
+    if not lengths:
+        raise RunDirError(
+            f"--x tokens: run {run!r} has no {LENGTHS!r} (logged by the throughput callback, "
+            "callbacks.throughput), so its tokens per step are not known; compare it by step (--x step)"
+        )
+    rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
+    per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
+    return per_rank * _ranks(scalars)
+
+
+def _ranks(scalars: dict[str, list[tuple[int, float]]]) -> int:
+    device = dict(scalars.get("train/device/items_per_sec", []))
+    ratios = [v / device[s] for s, v in scalars.get("train/items_per_sec", []) if device.get(s)]
+    return max(1, round(statistics.median(ratios))) if ratios else 1
+
