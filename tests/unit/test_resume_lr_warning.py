@@ -101,3 +101,18 @@ def test_a_cosine_or_constant_schedule_that_moves_the_lr_warns_too(checkpoints, 
     # inside its warmup, resumed on a constant LR without warmup: up to the peak
     [(level, message)] = messages(caplog, checkpoints[3], 3, 100, "constant", warmup_steps=0)
     assert level == "WARNING" and "this run's is [0.1, 0.05]" in message and "jumps up" in message
+
+
+def test_a_grown_default_warmup_of_a_constant_schedule_is_fitted_to_a_checkpoint_at_its_peak(checkpoints, caplog):
+    """``scheduler=constant`` resumed at step 30 (at its peak) with ``trainer.max_steps=500``: the default warmup grew
+    to 50 and put step 30 back in a warmup, 31/50 of the peak, with a warning; WSD's was fitted to the step. It is
+    fitted for a constant schedule too now (quiet: the LR stays at the peak); a warmup the user gave is not."""
+    assert messages(caplog, checkpoints[30], 30, 500, "constant", warmup_steps=DEFAULT) == []
+    register()
+    cfg = OmegaConf.create({"trainer": {"max_steps": 500}, "scheduler": {
+        "_target_": "lit_dtrain.schedules.constant_scheduler", "_partial_": True, "warmup_steps": DEFAULT}})
+    fit_default_warmup(cfg, checkpoints[30], 30)
+    assert cfg.scheduler.warmup_steps == 30
+    cfg.scheduler.warmup_steps = 50  # given: a deliberate re-warm, kept
+    fit_default_warmup(cfg, checkpoints[30], 30)
+    assert cfg.scheduler.warmup_steps == 50

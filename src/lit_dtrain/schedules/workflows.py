@@ -64,6 +64,15 @@ def _wsd_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     return nodes
 
 
+def _resumed_schedule_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """The WSD nodes (:func:`_wsd_nodes`), else a cosine or constant ``scheduler``: the schedules a resume moves."""
+    nodes = _wsd_nodes(cfg)
+    sched = cfg.get("scheduler")
+    if not nodes and sched is not None and str(sched.get("_target_", "")) in SCHEDULE_TARGETS:
+        nodes = [("scheduler", sched)]
+    return nodes
+
+
 def check_one_decay_length(cfg: DictConfig) -> None:
     """``ConfigError`` naming the config keys when a WSD node sets both ``decay_steps`` and ``decay_fraction``:
     conf/scheduler/wsd.yaml and conf/callbacks/wsd.yaml default ``decay_fraction`` to 0.2, so a ``decay_steps`` given
@@ -107,13 +116,15 @@ def _at_peak(path: Path) -> bool:
 
 
 def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = None) -> None:
-    """Resuming a checkpoint at step ``start`` that is at its peak LR (past its run's warmup): a WSD ``warmup_steps``
-    that is the derived default ``min(100, max(1, max_steps // 10))`` of a larger ``trainer.max_steps`` (an extension,
-    a long decay branch) and lies past ``start`` would put the resumed steps back into a warmup; it becomes ``start``
-    (no resumed step lies in it, so the schedule goes on at the peak). A number the user gave is left alone."""
+    """Resuming a checkpoint at step ``start`` that is at its peak LR (past its warmup): a ``warmup_steps`` (WSD's,
+    a constant or cosine schedule's) that is the derived default ``min(100, max(1, max_steps // 10))`` of a larger
+    ``trainer.max_steps`` (an extension, a long decay branch) and lies past ``start`` would put the resumed steps back
+    into a warmup; it becomes ``start`` (no resumed step lies in it, so the schedule goes on at the peak). A number the
+    user gave is left alone. A cosine checkpoint past its warmup is below its peak, so its warmup is not fitted: any
+    longer cosine moves its LR, which the resume warns about."""
     ckpt = Path(str(ckpt))
     start = checkpoint_global_step(ckpt) if start is None else start
-    for key, node in _wsd_nodes(cfg):
+    for key, node in _resumed_schedule_nodes(cfg):
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup and _is_default_warmup(node, int(cfg.trainer.max_steps)) and _at_peak(ckpt):
             log.info(
@@ -137,10 +148,7 @@ def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: in
     past a checkpoint inside its warmup (down), a smaller one shrinks it (up) or moves the decay before the step
     (down). A warmup the user gave past the step (a deliberate re-warm) is only logged
     (:func:`~lit_dtrain.schedules._resume_lr.warn_if_a_resume_moves_the_lr`)."""
-    nodes = _wsd_nodes(cfg)
-    sched = cfg.get("scheduler")
-    if not nodes and sched is not None and str(sched.get("_target_", "")) in SCHEDULE_TARGETS:
-        nodes = [("scheduler", sched)]
+    nodes = _resumed_schedule_nodes(cfg)
     if nodes:
         key, node = nodes[0]
         default = _is_default_warmup(node, int(cfg.trainer.max_steps))
