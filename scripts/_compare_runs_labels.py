@@ -23,6 +23,7 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
     overrides = _one_spelling_per_number(overrides)
     common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
     differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
+    differing = _with_defaults(runs, differing)
     labels = [" ".join(d) for d in differing]
     if max(map(len, labels)) > 60:
         keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
@@ -43,6 +44,59 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
 # where a run trains, and that it continued its own run dir: not what it trained ('resume=auto' labelled a resumed
 # sweep's jobs against a run that was never interrupted, which trained the same)
 _NOT_TRAINING = ("run_name=", "resume=")
+
+
+def _with_defaults(runs: list[Path], differing: list[list[str]]) -> list[list[str]]:
+    """``differing`` checked against what each run trained with (its ``config_resolved.yaml``, its config groups'
+    choices in ``.hydra/hydra.yaml``): a key every run trained with the same value of is left out (``scheduler=wsd``
+    typed for one run, the default for the other, labelled the first as if its schedule differed), and a run that
+    left a differing key at its default gets that value (``optimizer.lr=0.003`` beside ``optimizer.lr=0.01``, where
+    it had only its dir name). A run whose config is not known (no dir yet, no ``config_resolved.yaml``) keeps the
+    typed overrides alone."""
+    configs = [_trained_with(r) for r in runs]
+    keys = list(dict.fromkeys(o.partition("=")[0] for d in differing for o in d if "=" in o))
+    values = {k: [_value(c, ov, k) for c, ov in zip(configs, differing)] for k in keys}
+    out = []
+    for i, ov in enumerate(differing):
+        same = {k for k, vs in values.items() if _UNKNOWN not in vs and len({_as_value(f"{k}={v}") for v in vs}) == 1}
+        kept = [o for o in ov if o.partition("=")[0] not in same]
+        have = {o.partition("=")[0] for o in ov}
+        kept += [f"{k}={vs[i]}" for k, vs in values.items() if k not in same | have and vs[i] is not _UNKNOWN]
+        out.append(kept)
+    return out
+
+
+_UNKNOWN = object()  # a run's value of a key that its config does not tell
+
+
+def _trained_with(run: Path):
+    """``(config_resolved.yaml, the config groups' choices)`` of a run dir, ``None`` without them."""
+    from omegaconf import OmegaConf
+
+    try:
+        choices = OmegaConf.load(run / ".hydra" / "hydra.yaml").hydra.runtime.choices
+        return OmegaConf.load(run / "config_resolved.yaml"), choices
+    except Exception:  # noqa: BLE001 - any unreadable or missing file: only the typed overrides label it
+        return None
+
+
+def _value(config, typed: list[str], key: str):
+    """The value of ``key`` that a run trained with, as a label writes it: typed, else its config group's choice or
+    its config's scalar; :data:`_UNKNOWN` where neither tells (an appended ``+key``, a dict, no config)."""
+    for o in typed:
+        if o.partition("=")[0] == key:
+            return o.partition("=")[2]
+    if config is None or key.startswith(("+", "~")):
+        return _UNKNOWN
+    from omegaconf import OmegaConf
+
+    cfg, choices = config
+    if key in choices:
+        return choices[key]
+    value = OmegaConf.select(cfg, key, default=_UNKNOWN)
+    if value is _UNKNOWN or OmegaConf.is_config(value):
+        return _UNKNOWN
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _dir_names(runs: list[Path]) -> list[str]:

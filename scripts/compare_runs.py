@@ -10,7 +10,9 @@ scalar) against step, and a markdown table of final and best values per metric.
 A RUN is a run dir (event files anywhere below it, e.g. ``tb/``, or a ``metrics.csv``, e.g. ``csv/``) or a sweep
 dir whose job subdirs are runs. Labels come from ``--labels``, else from the Hydra overrides that differ between runs
 (but ``run_name`` and ``resume``, which do not change what a run trains; ``overrides.yaml``, written by ``train.py``
-when it trains; ``.hydra/overrides.yaml`` for older runs), else from the dir names. Table rows follow the RUNs in
+when it trains; ``.hydra/overrides.yaml`` for older runs), checked against what each run trained with (its
+``config_resolved.yaml``: a default typed for one run is no difference, and a run that kept the default of a key
+another run changed is labelled with that default), else from the dir names. Table rows follow the RUNs in
 the order given; below one RUN, the run dirs by path, a sweep's jobs by job number; a job that failed, did not
 finish or never started keeps its place among them and its row says so.
 The last line printed is one JSON object: ``runs`` (each with the first metric's values and ``by_metric``,

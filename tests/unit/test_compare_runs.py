@@ -1101,3 +1101,23 @@ def test_runs_of_other_batch_sizes_are_drawn_against_tokens(tmp_path, monkeypatc
     w.close()
     with pytest.raises(compare_runs.CompareError, match=r"--x tokens: run '.*quiet' has no 'train/lengths'"):
         compare_runs.compare([str(tmp_path / "b2"), str(tmp_path / "quiet")], ["val/loss"], x="tokens")
+
+
+def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path):
+    """A baseline run with the default LR beside one with ``optimizer.lr=1e-2`` was labelled by its dir name, and a
+    run that typed ``scheduler=wsd`` (the default) beside one that did not was labelled 'scheduler=wsd', as if its
+    schedule differed. Labels are checked against each run's config_resolved.yaml and config-group choices now."""
+    runs = {
+        "a": (["scheduler=wsd", "trainer.max_steps=12"], "wsd", 0.003),
+        "b": (["optimizer.lr=1e-2", "trainer.max_steps=12"], "wsd", 0.01),
+        "c": (["scheduler=cosine", "trainer.max_steps=12"], "cosine", 0.003),
+    }
+    for name, (overrides, scheduler, lr) in runs.items():
+        run = write_run(tmp_path / name, {12: 3.0}, overrides=overrides)
+        (run / "config_resolved.yaml").write_text(f"optimizer:\n  lr: {lr}\ntrainer:\n  max_steps: 12\n")
+        (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      scheduler: {scheduler}\n")
+    labels = [r["label"] for r in compare_runs.compare([str(tmp_path / n) for n in runs], ["val/loss"])["runs"]]
+    assert labels == ["scheduler=wsd optimizer.lr=0.003", "optimizer.lr=1e-2 scheduler=wsd",
+                      "scheduler=cosine optimizer.lr=0.003"]
+    two = [r["label"] for r in compare_runs.compare([str(tmp_path / "a"), str(tmp_path / "b")], ["val/loss"])["runs"]]
+    assert two == ["optimizer.lr=0.003", "optimizer.lr=1e-2"]
