@@ -1,13 +1,15 @@
 """compare_runs.py's tokens axis (``--x tokens``): a sweep over the batch size (or the number of ranks, or the
 gradient accumulation) compared at equal optimizer steps compares runs that have seen different amounts of data; at
 equal tokens it does not. A run's tokens per optimizer step come from what it logged: ``train/lengths``, the tokens
-this rank trained on so far (``ThroughputMonitor``, every micro-batch counted), times the number of ranks, the
+this rank trained on so far (``ThroughputMonitor``, every micro-batch counted), times the number of ranks: the
 ratio of the global ``train/items_per_sec`` to this rank's ``train/device/items_per_sec`` (logged with several ranks
-only; one rank without it)."""
+once ``callbacks.throughput.window_size`` steps were timed), else ``trainer.devices * trainer.num_nodes`` of its
+``config_resolved.yaml``, else one."""
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from lit_dtrain.run_dirs import RunDirError
 
@@ -27,11 +29,21 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
         )
     rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
     per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
-    return per_rank * _ranks(scalars)
+    return per_rank * _ranks(run, scalars)
 
 
-def _ranks(scalars: dict[str, list[tuple[int, float]]]) -> int:
+def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:
     device = dict(scalars.get("train/device/items_per_sec", []))
     ratios = [v / device[s] for s, v in scalars.get("train/items_per_sec", []) if device.get(s)]
-    return max(1, round(statistics.median(ratios))) if ratios else 1
+    if ratios:
+        return max(1, round(statistics.median(ratios)))
+    from omegaconf import OmegaConf
+
+    try:  # a run shorter than the throughput window logged no rates
+        trainer = OmegaConf.load(Path(run) / "config_resolved.yaml").trainer
+        devices, nodes = trainer.devices, trainer.get("num_nodes", 1)
+    except Exception:  # noqa: BLE001 - no (readable) config: one rank
+        return 1
+    ints = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (devices, nodes))
+    return devices * nodes if ints else 1
 

@@ -1080,22 +1080,25 @@ def test_runs_of_other_batch_sizes_are_drawn_against_tokens(tmp_path, monkeypatc
     seen = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
         (fig.axes[0].get_xlabel(), {line.get_label(): list(line.get_data()[0]) for line in fig.axes[0].lines})))
-    runs = {"b2": (64, 1, None), "b4": (128, 1, 5), "b2x2": (64, 2, None)}  # per-rank tokens, ranks, resumed at
+    # per-rank tokens, ranks, resumed at; 'short' ran on 3 ranks too briefly to log the rates (its config says so)
+    runs = {"b2": (64, 1, None), "b4": (128, 1, 5), "b2x2": (64, 2, None), "short": (64, 3, None)}
     for name, (per_rank, ranks, resumed) in runs.items():
         w = SummaryWriter(str(tmp_path / name / "tb"))
         for step in range(8):
             w.add_scalar("val/loss", 3.0 - step * 0.1, step)
             done = step + 1 - (resumed if resumed and step >= resumed else 0)
             w.add_scalar("train/lengths", per_rank * done, step)
-            w.add_scalar("train/device/items_per_sec", 100.0, step)
-            if ranks > 1:
+            if name != "short":
+                w.add_scalar("train/device/items_per_sec", 100.0, step)
+            if ranks > 1 and name != "short":
                 w.add_scalar("train/items_per_sec", 100.0 * ranks, step)
         w.close()
+    (tmp_path / "short" / "config_resolved.yaml").write_text("trainer:\n  devices: 3\n  num_nodes: 1\n")
     args = [str(tmp_path / n) for n in runs] + ["--out", str(tmp_path / "c.png"), "--x", "tokens"]
     assert compare_runs.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["tokens_per_step"] for r in result["runs"]] == [64, 128, 128]
-    assert seen[0][0].startswith("tokens") and [xs[-1] for xs in seen[0][1].values()] == [448, 896, 896]
+    assert [r["tokens_per_step"] for r in result["runs"]] == [64, 128, 128, 192]
+    assert seen[0][0].startswith("tokens") and [xs[-1] for xs in seen[0][1].values()] == [448, 896, 896, 1344]
     w = SummaryWriter(str(tmp_path / "quiet" / "tb"))  # throughput callback off: no train/lengths
     w.add_scalar("val/loss", 3.0, 1)
     w.close()
