@@ -15,8 +15,8 @@ when it trains; ``.hydra/overrides.yaml`` for older runs), checked against what 
 another run changed is labelled with that default), else from the dir names. Table rows follow the RUNs in
 the order given; below one RUN, the run dirs by path, a sweep's jobs by job number; a job that failed, did not
 finish or never started keeps its place among them and its row says so.
-The last line printed is one JSON object: ``runs`` (each with the first metric's values and ``by_metric``,
-every metric's), ``best`` (by the first metric) and ``best_by_metric``.
+The last line printed is one JSON object: ``runs`` (in the table's order, each with the first metric's values and
+``by_metric``, every metric's), ``best`` (by the first metric) and ``best_by_metric``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     metric_rows,
     one_point_per_validation,
     summarize,
-    table_order,  # noqa: F401 - compare_runs.table_order, as before the split
+    table_order,
 )
 from _compare_runs_tokens import tokens_per_step  # noqa: E402 - --x tokens
 
@@ -254,6 +254,7 @@ def compare(
                 **({"tokens_per_step": per_step[len(rows)]} if per_step else {}),
             }
         )
+    rows = [rows[i] for i in table_order([r["dir"] for r in rows], runs)]  # the JSON's runs in the table's order
     table_jobs = skipped_jobs + [{**job, "not_started": True} for job in not_started]
     tables = [  # a failed job's error in the first table only
         markdown_table(metric_rows(rows, m), m, table_jobs, ranks[m], metrics[0] if i else None, runs)

@@ -1124,3 +1124,16 @@ def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path
                       "scheduler=cosine optimizer.lr=0.003"]
     two = [r["label"] for r in compare_runs.compare([str(tmp_path / "a"), str(tmp_path / "b")], ["val/loss"])["runs"]]
     assert two == ["optimizer.lr=0.003", "optimizer.lr=1e-2"]
+
+
+def test_the_jsons_runs_are_in_the_tables_order(tmp_path):
+    """``compare_runs.py SWEEP/1 SWEEP/0``: the table lists job 0 then job 1 (a sweep's jobs in job order), but the
+    JSON's runs kept the order they were found in, 1 then 0, so a script reading runs[0] read another run than the
+    table's first row."""
+    sweep = tmp_path / "sweep"
+    for i, lr in enumerate(["1e-3", "3e-3"]):
+        write_run(sweep / str(i), {5: 3.0 - i * 0.1}, overrides=[f"optimizer.lr={lr}"])
+    result = compare_runs.compare([str(sweep / "1"), str(sweep / "0")], ["val/loss"])
+    assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
+    assert [line.split(" | ")[0] for line in result["markdown"].splitlines()[2:]] == [
+        "| optimizer.lr=1e-3", "| optimizer.lr=3e-3"]
