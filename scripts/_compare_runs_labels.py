@@ -91,8 +91,9 @@ def _value(config, typed: list[str], key: str):
     from omegaconf import OmegaConf
 
     cfg, choices = config
-    if key in choices:
-        return choices[key]
+    if key in choices:  # a multi-select group ('callbacks=[default,loss_spike]') as typed
+        choice = choices[key]
+        return f"[{','.join(map(str, choice))}]" if OmegaConf.is_list(choice) else choice
     value = OmegaConf.select(cfg, key, default=_UNKNOWN)
     if value is _UNKNOWN or OmegaConf.is_config(value):
         return _UNKNOWN

@@ -1137,3 +1137,15 @@ def test_the_jsons_runs_are_in_the_tables_order(tmp_path):
     assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
     assert [line.split(" | ")[0] for line in result["markdown"].splitlines()[2:]] == [
         "| optimizer.lr=1e-3", "| optimizer.lr=3e-3"]
+
+
+def test_a_multi_select_groups_choice_labels_a_run_as_typed(tmp_path):
+    """A run whose callbacks list came from its config beside one that typed 'callbacks=[default]': its choice (a
+    list in .hydra/hydra.yaml) is written as it would be typed, not as Python's list repr."""
+    runs = {"d": ([], "[default, loss_spike]"), "e": (["callbacks=[default]"], "[default]")}
+    for name, (typed, choice) in runs.items():
+        run = write_run(tmp_path / name, {12: 3.0}, overrides=["trainer.max_steps=12", *typed])
+        (run / "config_resolved.yaml").write_text("trainer:\n  max_steps: 12\n")
+        (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      callbacks: {choice}\n")
+    two = [r["label"] for r in compare_runs.compare([str(tmp_path / "d"), str(tmp_path / "e")], ["val/loss"])["runs"]]
+    assert two == ["callbacks=[default,loss_spike]", "callbacks=[default]"]
