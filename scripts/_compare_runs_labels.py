@@ -23,7 +23,7 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
     overrides = _one_spelling_per_number(overrides)
     common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
     differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
-    differing = _with_defaults(runs, differing)
+    differing = _one_spelling_per_number(_with_defaults(runs, differing))  # a default beside a typed 3e-3: 0.003
     labels = [" ".join(d) for d in differing]
     if max(map(len, labels)) > 60:
         keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}

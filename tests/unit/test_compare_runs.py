@@ -1124,6 +1124,10 @@ def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path
                       "scheduler=cosine optimizer.lr=0.003"]
     two = [r["label"] for r in compare_runs.compare([str(tmp_path / "a"), str(tmp_path / "b")], ["val/loss"])["runs"]]
     assert two == ["optimizer.lr=0.003", "optimizer.lr=1e-2"]
+    (tmp_path / "b" / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=3e-3\n- trainer.max_steps=12\n")
+    (tmp_path / "b" / "config_resolved.yaml").write_text("optimizer:\n  lr: 0.003\ntrainer:\n  max_steps: 12\n")
+    three = [r["label"] for r in compare_runs.compare([str(tmp_path / n) for n in "bac"], ["val/loss"])["runs"]]
+    assert three == ["scheduler=wsd (b)", "scheduler=wsd (a)", "scheduler=cosine"]  # 3e-3 typed is the default 0.003
 
 
 def test_the_jsons_runs_are_in_the_tables_order(tmp_path):
