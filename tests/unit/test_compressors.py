@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -1257,3 +1258,51 @@ def test_all_gather_uses_all_gather_into_tensor_where_torch_has_no_all_gather_si
     out, t = torch.empty(4), torch.ones(2)
     assert comm._all_gather_single(out, t, group="g", async_op=True) == "work"
     assert len(calls) == 1 and calls[0][0] is out and calls[0][1] is t and calls[0][2:] == ("g", True)
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd", "int8_rs"])
+def test_a_resume_into_a_model_without_the_states_parameters_is_an_error_naming_the_file(tmp_path, codec):
+    """A model that loads a checkpoint with ``strict_loading=False`` and another layout (a renamed layer) got the
+    codec state of parameters it does not have: it was kept, never applied, and saved again in every checkpoint
+    (residual keys 'lin.weight', 'lin.bias' next to the new model's own). A residual of another size (a direct
+    ``load_state_dict``) failed at the first step as torch's bare 'expanded size ... must match'."""
+    import lightning as L
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self, layer: str) -> None:
+            super().__init__()
+            self.layer, self.strict_loading = layer, False
+            torch.manual_seed(0)
+            setattr(self, layer, torch.nn.Linear(8, 8))
+
+        def training_step(self, batch, _):
+            return getattr(self, self.layer)(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+
+    def trainer(steps: int) -> L.Trainer:
+        spec = {"name": codec, "error_feedback": True} if codec != "powersgd" else {"name": codec, "start_step": 0}
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         strategy=CompressedDDPStrategy(compressor=spec))
+
+    path = str(tmp_path / "lin.ckpt")
+    first = trainer(2)
+    first.fit(Net("lin"))
+    first.save_checkpoint(path)
+    assert {"lin.weight", "lin.bias"} <= set(first.strategy.compressor.residuals)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: {codec} compressor state holds the .* of 'lin\."):
+        trainer(4).fit(Net("other"), ckpt_path=path)
+    trainer(4).fit(Net("lin"), ckpt_path=path)  # the model that wrote it resumes
+
+    c = build_compressor({"name": codec, "error_feedback": True})
+    c.load_state_dict(first.strategy.compressor.state_dict())
+    with pytest.raises(ValueError, match=r"'lin.weight' with 64 values; this model's has 32"):
+        c.check_fits({"lin.weight": 32, "lin.bias": 8})

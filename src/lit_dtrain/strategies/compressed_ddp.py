@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
@@ -134,6 +135,7 @@ class CompressedDDPStrategy(DDPStrategy):
         # Lightning only registers hooks on CUDA; ours runs on every device and backend.
         assert isinstance(self.model, DistributedDataParallel)
         self.session.attach(self.model, Communicator(group=None))
+        self._check_restored_state_fits()
         if self._keeps_unused_residuals or self._loss_scaler() is not None:
             # each step's pre-step residuals (and codec state), for keep_residuals and for a step the GradScaler skips
             self.compressor.track_undo(True)
@@ -145,6 +147,19 @@ class CompressedDDPStrategy(DDPStrategy):
         what = self.local_update if self.local_update is not None else self.compressor
         rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
                        f"({dist.get_backend()}): {what!r}")
+
+    def _check_restored_state_fits(self) -> None:
+        """A ConfigError naming the checkpoint when a restored codec state holds parameters this model lacks (or
+        residuals of another size): a model that loaded with another layout (``strict=False``, a renamed layer)."""
+        numels = {name: p.numel() for name, p in self.lightning_module.named_parameters()}
+        for codec in (self.compressor, getattr(self.local_update, "compressor", None)):
+            try:
+                if codec is not None:
+                    codec.check_fits(numels)
+            except ValueError as e:
+                where = getattr(self.lightning_module._trainer, "ckpt_path", None) or "the restored state"
+                raise ConfigError(f"{where}: {e}; resume it with the model that wrote it, or with strategy=ddp, "
+                                  "which drops this state") from e
 
     def _tell_grad_scale(self) -> float | None:
         """Under 16-mixed tell the codec the scaler's scale (returned), else None. The buckets hold scale * grad, so

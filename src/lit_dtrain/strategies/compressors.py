@@ -27,7 +27,7 @@ here), ``powersgd.py``, ``sparsify.py`` and ``sharded_quant.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -354,6 +354,23 @@ class Compressor:
         self._flat_residuals = {}
         if self._undo is not None:
             self._undo, self._undo_copies = {}, {}
+
+    def _named_state(self) -> Iterator[tuple[str, str, Tensor]]:
+        """``(kind, parameter name, tensor)`` of every per-parameter state (override to add a codec's own)."""
+        for name, residual in self.residuals.items():
+            yield "error-feedback residual", name, residual
+
+    def check_fits(self, numels: Mapping[str, int]) -> None:
+        """A ValueError unless the state holds only parameters of ``numels`` (name -> number of values), each
+        residual with as many values. A state from another model (a renamed layer, ``strict=False``) was kept and
+        re-saved but never applied, or failed at the first step as a bare size mismatch."""
+        for kind, name, tensor in self._named_state():
+            if name not in numels:
+                raise ValueError(f"{self.name} compressor state holds the {kind} of {name!r}, a parameter this model "
+                                 "does not have (a state written for another model?)")
+            if kind == "error-feedback residual" and tensor.numel() != numels[name]:
+                raise ValueError(f"{self.name} compressor state holds the {kind} of {name!r} with {tensor.numel()} "
+                                 f"values; this model's has {numels[name]} (a state written for another model?)")
 
     def extra_repr(self) -> str:
         return f"error_feedback={self.error_feedback}, start_step={self.start_step}"

@@ -198,6 +198,11 @@ class PowerSGD(Compressor):
         super().load_state_dict(state)
         self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}
 
+    def _named_state(self):
+        yield from super()._named_state()
+        for name, q in self.q_memory.items():
+            yield "PowerSGD warm-start Q", name, q
+
     def extra_repr(self) -> str:
         return (f"matrix_approximation_rank={self.matrix_approximation_rank}, min_compression_rate="
                 f"{self.min_compression_rate}, warm_start={self.warm_start}, " + super().extra_repr())

@@ -244,6 +244,11 @@ class ShardedBlockQuantizer(BlockQuantizer):
         yield from super()._residual_tensors()
         yield from self.server_residuals.values()
 
+    def _named_state(self):
+        yield from super()._named_state()
+        for name, e in self.server_residuals.items():
+            yield "server residual", name, e
+
     def keep_residuals(self, names: Sequence[str]) -> None:
         """:meth:`Compressor.keep_residuals`, and the server residuals of those parameters too (their shard's mean
         was all residual, which DDP discarded with the unused gradient)."""
