@@ -1016,7 +1016,7 @@ def test_a_validation_between_local_update_syncs_is_named():
 
 def test_a_validation_by_time_is_not_guessed_in_the_step():
     """val_check_interval as a duration: each rank reads its own clock, so a guess in the step could put one rank in a
-    sync's all-reduce and not the other; that validation synchronizes at its start instead. By batches: asked of
+    sync's all-reduce and not the other (a fit under local updates refuses it: the next test). By batches: asked of
     Lightning's epoch loop."""
     from types import SimpleNamespace
 
@@ -1028,6 +1028,46 @@ def test_a_validation_by_time_is_not_guessed_in_the_step():
     assert validates_after_this_step(trainer)
     trainer._val_check_time_interval = 60.0
     assert not validates_after_this_step(trainer)
+
+
+@pytest.mark.parametrize("local_update", [None, "local_sgd", "diloco"])
+def test_a_fit_under_local_updates_refuses_a_validation_by_time(local_update):
+    """Lightning validates by time when each rank's own clock says so. Under a local-update rule the ranks train apart
+    between syncs, so they validated after different steps: a 2-rank local SGD run (one rank 50 ms per batch slower,
+    ``val_check_interval={"seconds": 0.5}``) paired one rank's validation sync with the other's periodic sync and hung
+    until collective_timeout_s. A per-step codec keeps the ranks in step, as plain DDP does: allowed."""
+    import lightning as L
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def training_step(self, batch, _):
+            return self.lin(batch[0]).square().mean()
+
+        def validation_step(self, batch, _):
+            self.log("val/loss", self.lin(batch[0]).square().mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    strategy = CompressedDDPStrategy(compressor="fp16" if local_update is None else None, local_update=local_update)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        val_check_interval={"seconds": 30}, strategy=strategy)
+    if local_update is None:
+        trainer.fit(Net(), data, data)
+        assert trainer.global_step == 2
+        return
+    with pytest.raises(ConfigError, match=rf"^val_check_interval is a duration \(30 s\).* under {local_update} .*"
+                                          "set val_check_interval in batches$"):
+        trainer.fit(Net(), data, data)
+    assert trainer.global_step == 0
 
 
 def test_diloco_state_from_before_its_first_step_restores_a_fresh_start():

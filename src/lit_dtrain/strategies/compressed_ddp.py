@@ -37,7 +37,11 @@ from lit_dtrain.strategies.comm_checkpoint import (
     written_preset,
 )
 from lit_dtrain.strategies.compressors import Compressor
-from lit_dtrain.strategies.fit_end import force_sync_this_step, sync_or_warn_before_validation
+from lit_dtrain.strategies.fit_end import (
+    force_sync_this_step,
+    refuse_validation_by_time,
+    sync_or_warn_before_validation,
+)
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.utils.distributed import (
@@ -129,6 +133,11 @@ class CompressedDDPStrategy(DDPStrategy):
         super().setup_environment()  # the process group exists from here on
         destroy_process_group_at_exit()
         begin_fit_records()  # a peer's failure recorded in an earlier fit in this group is not this fit's
+
+    @override
+    def setup(self, trainer) -> None:
+        refuse_validation_by_time(self, trainer)  # on every rank, before any collective
+        super().setup(trainer)
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -15,9 +15,10 @@ only ``on_train_end`` synchronizes.
 A validation inside the fit sees the synchronized model the same way (``sync_before_validation``): the optimizer step
 after which Lightning's epoch loop will validate (its own ``_should_check_val_fx``, asked during the step: the batch
 counters it reads are already this batch's) synchronizes early, before that step's callbacks and checkpoints; a
-validation that comes after a batch without an optimizer step (mid gradient accumulation) or by time synchronizes
-in the strategy's ``on_validation_start``. Without it each rank validated its own parameters: ``val/loss`` was a
-mean over different models and the checkpoint written after it held rank 0's.
+validation that comes after a batch without an optimizer step (mid gradient accumulation) synchronizes in the
+strategy's ``on_validation_start``. A validation by time (``val_check_interval`` as a duration) is refused: each rank
+reads its own clock, and between syncs the ranks are apart. Without it each rank validated its own parameters:
+``val/loss`` was a mean over different models and the checkpoint written after it held rank 0's.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def validates_after_this_step(trainer: Any) -> bool:
     """Whether Lightning's epoch loop validates after the training batch whose optimizer step is in progress (by
     ``val_check_interval`` in batches, ``check_val_every_n_epoch``, an epoch's last batch or an early stop already
     requested). False outside a fit's training loop, and for a ``val_check_interval`` in time: each rank reads its
-    own clock, so a guess here could differ across ranks (one rank in a sync's all-reduce, the other not); such a
-    validation synchronizes at its start."""
+    own clock, so a guess here could differ across ranks (one rank in a sync's all-reduce, the other not); a fit under
+    a local-update rule refuses it (:func:`refuse_validation_by_time`)."""
     if trainer is None or not trainer.training or trainer.sanity_checking:
         return False
     if getattr(trainer, "_val_check_time_interval", None) is not None:
@@ -58,6 +59,22 @@ def validates_after_this_step(trainer: Any) -> bool:
     epoch_loop = trainer.fit_loop.epoch_loop
     fetcher = trainer.fit_loop._data_fetcher
     return fetcher is not None and not epoch_loop._skip_next_val and bool(epoch_loop._should_check_val_fx(fetcher))
+
+
+def refuse_validation_by_time(strategy: Any, trainer: Any) -> None:
+    """A ConfigError for a fit under a local-update rule whose ``val_check_interval`` is a duration. Lightning lets each
+    rank decide from its own clock; without a per-step collective the ranks run up to a period apart, so they validate
+    after different steps and the validation's sync and metric reductions pair with another rank's periodic sync: a
+    2-rank local SGD run (one rank 50 ms per batch slower, 0.5 s interval) hung until ``collective_timeout_s``."""
+    seconds = getattr(trainer, "_val_check_time_interval", None)
+    if strategy.local_update is None or seconds is None or getattr(trainer.state, "fn", None) != "fit":
+        return
+    from lit_dtrain.errors import ConfigError
+
+    raise ConfigError(f"val_check_interval is a duration ({seconds:g} s), which each rank measures on its own clock: "
+                      f"under {strategy.local_update.name} the ranks train apart between syncs, so they would validate "
+                      "after different steps and their collectives would not match (a hang until "
+                      "collective_timeout_s); set val_check_interval in batches")
 
 
 def force_sync_this_step(strategy: Any, trainer: Any) -> bool:
