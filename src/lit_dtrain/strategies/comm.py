@@ -219,7 +219,7 @@ class CommSession:
         self.step = 0  # optimizer steps completed
         self.hook_calls = 0  # buckets seen by the hook (any mode)
         self.total_bytes = 0  # bytes handed to collectives, all steps
-        self.total_dense_bytes = 0  # bytes plain fp32 DDP would have all-reduced, all steps
+        self.total_dense_bytes = 0  # bytes plain DDP would have all-reduced (gradients' dtype), all steps
         self.total_time_ms = 0.0
         self._dense_this_step = 0
         self.last_step: dict = {}
