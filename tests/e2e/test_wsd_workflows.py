@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,16 @@ def same(a: dict, b: dict) -> bool:
 
 def cfg_keys(cfg) -> list[str]:
     return list(cfg.keys())
+
+
+@pytest.fixture(scope="module")
+def two_step_ckpt(tmp_path_factory) -> Path:
+    """last.ckpt of a tiny 2-step run (warmup 1, horizon 2), trained once for the tests that only read or copy it:
+    ``tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0")``."""
+    root = tmp_path_factory.mktemp("two_step")
+    cfg = compose_cfg(["trainer.max_steps=2", "sample.max_new_tokens=0"], root / "src", make_corpus(root / "corpus"))
+    train(cfg)
+    return root / "src" / "checkpoints" / "last.ckpt"
 
 
 def tree_digest(root: Path) -> dict[str, tuple[str, int]]:
@@ -151,11 +162,11 @@ def test_callback_mode_matches_the_scheduler_in_litllm(tiny_cfg, tmp_path, corpu
          r"init_from: checkpoint .* it holds a model with n_head=2, n_kv_head=1, this model has n_head=4, n_kv_head=2"),
     ],
 )
-def test_workflow_config_errors_name_the_key(tiny_cfg, tmp_path, overrides, match):
-    src = tmp_path / "src"
-    if not (src / "checkpoints" / "last.ckpt").exists():
-        train(tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0", run="src"))
-    ckpt = str(src / "checkpoints" / "last.ckpt")
+def test_workflow_config_errors_name_the_key(tiny_cfg, tmp_path, two_step_ckpt, overrides, match):
+    ckpt = tmp_path / "src" / "checkpoints" / "last.ckpt"  # in the run dir of run_name 'src' of this test
+    ckpt.parent.mkdir(parents=True)
+    shutil.copyfile(two_step_ckpt, ckpt)
+    ckpt = str(ckpt)
     run_name = next((o.split("=")[1] for o in overrides if o.startswith("RUN=")), "bad")
     overrides = [o.replace("CKPT", ckpt) for o in overrides if not o.startswith("RUN=")]
     with pytest.raises(ConfigError, match=match):
@@ -259,11 +270,10 @@ def test_branch_one_command_via_train_py(tmp_path, corpus):
     assert (tmp_path / "outputs/runs/other/checkpoints/last.ckpt").is_file()
 
 
-def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path):
+def test_interrupted_branch_resumes_itself_with_resume_auto(tiny_cfg, tmp_path, two_step_ckpt):
     from lit_dtrain.schedules.workflows import apply_decay_branch
 
-    _, src, _ = run(tiny_cfg("trainer.max_steps=2", run="src2"))
-    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    ckpt = two_step_ckpt
     args = (f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", "resume=auto")
     cfg = tiny_cfg(*args, run="br")
     assert apply_decay_branch(cfg) == 2 and cfg.ckpt_path == str(ckpt) and cfg.resume is None  # first start
@@ -377,10 +387,8 @@ def test_branch_from_a_stable_checkpoint_is_not_refused_for_a_default_warmup_gro
     assert probe.lrs[2] == pytest.approx(PEAK * (1 - (1 / 28) ** 0.5), rel=1e-12) and probe.lrs[29] == 0.0
 
 
-def test_branch_inside_an_explicit_warmup_names_the_key(tiny_cfg):
-    _, src, _ = run(tiny_cfg("trainer.max_steps=2", run="src"))
-    ckpt = Path(src["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
-    cfg = tiny_cfg(f"decay_branch.ckpt={ckpt}", "decay_branch.steps=3", "scheduler.warmup_steps=5", run="b")
+def test_branch_inside_an_explicit_warmup_names_the_key(tiny_cfg, two_step_ckpt):
+    cfg = tiny_cfg(f"decay_branch.ckpt={two_step_ckpt}", "decay_branch.steps=3", "scheduler.warmup_steps=5", run="b")
     with pytest.raises(ConfigError, match=r"inside the warmup \(scheduler\.warmup_steps=5\)"):
         train(cfg)
 
@@ -417,13 +425,12 @@ def test_extending_a_decayed_checkpoint_warns_that_the_lr_jumps_up(tiny_cfg, cap
     assert "this run's is [0.003, 0.003]" in message and "jumps up" in message and "init_from" in message
 
 
-def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp_path):
+def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp_path, two_step_ckpt):
     """A continual-pre-training run restarted with ``resume=auto`` continues its own checkpoints, so the
     ``init_from`` file is not read again: deleted (a scratch dir cleaned before a requeue), the restart failed with
     ``init_from=... does not exist``. A first start still needs it."""
-    train(tiny_cfg("trainer.max_steps=2", "sample.max_new_tokens=0", run="base"))
     init = tmp_path / "init.ckpt"
-    (tmp_path / "base" / "checkpoints" / "last.ckpt").rename(init)
+    shutil.copyfile(two_step_ckpt, init)
     args = (f"init_from={init}", "resume=auto", "scheduler.total_steps=6")
     _, first, _ = run(tiny_cfg(*args, "trainer.max_steps=3", run="cpt"))
     own = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
