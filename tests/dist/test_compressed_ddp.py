@@ -5,13 +5,17 @@ the hook ran (counters), reduced gradients vs the exact mean (per-codec bounds),
 bit-identical, bytes accounted == bytes handed to torch.distributed (recorded by wrapping it) ==
 the codec's formula, and convergence on a tiny regression problem. The Lightning tests run
 ``Trainer(devices=2, accelerator="cpu", strategy=CompressedDDPStrategy(...))`` for hook
-registration on CPU, logged metrics, and exact resume.
+registration on CPU, logged metrics, and exact resume. Most of their fits run in sequence in one
+pair of launched rank processes (module fixtures ``fits`` and ``resume_fits``, each fit in its own
+directory): a Lightning spawn per fit cost two fresh Pythons for a fit of a few steps.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -350,12 +354,15 @@ class TinyModule(L.LightningModule):
         self._dump("end")
 
 
-def fit(tmp: Path, tag: str, max_steps: int, ckpt_path: str | None = None, world: int = WORLD,
+def fit(tmp: Path, tag: str, max_steps: int, ckpt_path: str | None = None, world: int = WORLD, spawn: bool = True,
         **strategy_kwargs) -> L.Trainer:
+    """Fit TinyModule on ``world`` ranks: started by Lightning's spawn launcher (``spawn``), or in ranks launched
+    already (:func:`as_launched_rank`; Lightning's spawn launcher would start ``world`` more processes in each)."""
+    launch = {"start_method": "spawn"} if spawn else {}
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=1,
-        strategy=CompressedDDPStrategy(start_method="spawn", **strategy_kwargs),
+        strategy=CompressedDDPStrategy(**launch, **strategy_kwargs),
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, filename="{step}", every_n_train_steps=4,
                                                        save_top_k=-1)],
     )
@@ -401,22 +408,28 @@ def test_strategy_registry_and_config_errors():
         CompressedDDPStrategy(ddp_comm_hook=lambda s, b: None)
 
 
-@pytest.mark.parametrize("local_update", [{"name": "diloco", "sync_period": 4},
-                                          {"name": "local_sgd", "sync_period": 4}])
-def test_a_fit_that_ends_by_epochs_checkpoints_the_synchronized_model(tmp_path, local_update):
+EPOCH_UPDATES = {"diloco": {"name": "diloco", "sync_period": 4}, "local_sgd": {"name": "local_sgd", "sync_period": 4}}
+
+
+def _fit_by_epochs(tmp: Path, key: str) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_epochs=2, limit_train_batches=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key]),
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True)],
+    )
+    trainer.fit(TinyModule(str(tmp), "epochs"))
+
+
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_a_fit_that_ends_by_epochs_checkpoints_the_synchronized_model(fits, key):
     """max_epochs=2 of 3 batches: 6 steps, syncs at 4 and at the last step, before that step's checkpoint. Only
     max_steps was checked: a fit by epochs synced in on_train_end, after ModelCheckpoint wrote last.ckpt (rank 0's
     unsynchronized parameters; DiLoCo without its last outer step: 0.22 off in a 2-rank project of 14 steps)."""
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, max_epochs=2, limit_train_batches=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, strategy=CompressedDDPStrategy(start_method="spawn", local_update=local_update),
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
-    )
-    trainer.fit(TinyModule(str(tmp_path), "epochs"))
-    end = dumps(tmp_path, "epochs", "end")  # the module's on_train_end runs before the strategy's fallback sync
+    tmp = fitted(fits, _fit_by_epochs, key)
+    end = dumps(tmp, "epochs", "end")  # the module's on_train_end runs before the strategy's fallback sync
     assert_same(end[0]["params"], end[1]["params"], "ranks at the end")
     assert end[0]["local_update"]["num_syncs"] == 2 and end[0]["local_update"]["steps_since_sync"] == 0
-    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    last = torch.load(tmp / "ckpt" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 6
     assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, end[0]["params"], "last.ckpt")
 
@@ -439,70 +452,93 @@ class ValidatingModule(TinyModule):
                 torch.save(loss, Path(self.dump_dir) / f"loss{self.trainer.global_step}.pt")
 
 
-@pytest.mark.parametrize("local_update, accumulate, syncs", [
-    ({"name": "local_sgd", "sync_period": 4}, 1, (3, 1)),  # syncs after steps 4, 5 (early: val), 9 (its period)
-    # validations after batches 5, 10, 15 (steps 2, 5, 7); syncs at them and at step 9 (the last), all early
-    ({"name": "diloco", "sync_period": 4, "outer_lr": 0.5, "outer_momentum": 0.5}, 2, (4, 4)),
+VALIDATION_RUNS = {  # key -> (local update, accumulate_grad_batches)
+    "local_sgd": ({"name": "local_sgd", "sync_period": 4}, 1),
+    "diloco": ({"name": "diloco", "sync_period": 4, "outer_lr": 0.5, "outer_momentum": 0.5}, 2),
+}
+
+
+def _fit_validating(tmp: Path, key: str) -> None:
+    local_update, accumulate = VALIDATION_RUNS[key]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=9, val_check_interval=5, limit_val_batches=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate, strategy=CompressedDDPStrategy(local_update=local_update),
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", filename="{step}", save_top_k=-1)],
+    )
+    trainer.fit(ValidatingModule(str(tmp), "val"))
+
+
+@pytest.mark.parametrize("key, syncs", [
+    ("local_sgd", (3, 1)),  # syncs after steps 4, 5 (early: val), 9 (its period)
+    # accumulate_grad_batches=2: validations after batches 5, 10, 15 (steps 2, 5, 7); syncs at them and at step 9
+    # (the last), all early
+    ("diloco", (4, 4)),
 ])
-def test_a_validation_between_syncs_sees_the_synchronized_model(tmp_path, local_update, accumulate, syncs):
+def test_a_validation_between_syncs_sees_the_synchronized_model(fits, key, syncs):
     """val_check_interval=5 batches, sync_period=4, 9 steps. The validation came 1 step after the sync of step 4: each
     rank validated its own parameters (val/loss a mean over different models) and the checkpoint written after it
     held rank 0's. Now the step before it synchronizes early (with accumulate_grad_batches=2 the validation follows
     batch 5, a batch without a step: the strategy's on_validation_start synchronizes)."""
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=9, val_check_interval=5, limit_val_batches=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate,
-        strategy=CompressedDDPStrategy(start_method="spawn", local_update=local_update),
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1)],
-    )
-    trainer.fit(ValidatingModule(str(tmp_path), "val"))
-    val_step = 5 // accumulate  # the optimizer steps taken when the validation runs
-    at_val = dumps(tmp_path, "val", f"val{val_step}")
+    tmp = fitted(fits, _fit_validating, key)
+    val_step = 5 // VALIDATION_RUNS[key][1]  # the optimizer steps taken when the validation runs
+    at_val = dumps(tmp, "val", f"val{val_step}")
     assert_same(at_val[0]["params"], at_val[1]["params"], "ranks at the validation")
     net = make_net()
     net.load_state_dict(at_val[0]["params"])
     with torch.no_grad():
         expected = sum(F.mse_loss(net(x), y) for x, y in (regression_batch(10_000, r) for r in range(WORLD))) / WORLD
-    torch.testing.assert_close(torch.load(tmp_path / f"loss{val_step}.pt"), expected)
-    saved = torch.load(tmp_path / "ckpt" / f"step={val_step}.ckpt", weights_only=True)["state_dict"]
+    torch.testing.assert_close(torch.load(tmp / f"loss{val_step}.pt"), expected)
+    saved = torch.load(tmp / "ckpt" / f"step={val_step}.ckpt", weights_only=True)["state_dict"]
     assert_same({k.removeprefix("net."): v for k, v in saved.items()}, at_val[0]["params"], "checkpoint after it")
-    end = dumps(tmp_path, "val", "end")
+    end = dumps(tmp, "val", "end")
     assert (end[0]["local_update"]["num_syncs"], end[0]["local_update"]["num_early_syncs"]) == syncs
+
+
+RESUME_RUNS = {
+    "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
+    # on 3 ranks gloo's all-reduce sums in an order that depends on a value's place in the bucket; the first step
+    # after a start runs on DDP's initial bucket, so it must be reduced as the saved buckets were (2 of 4 KB)
+    "powersgd_3_ranks": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2},
+                         "bucket_cap_mb": 0.004},
+    # several DDP buckets (4 KB: TinyModule's 10.6 KB of gradients make 2 after DDP's rebuild): the first step
+    # after a start runs on DDP's initial single bucket, where top-k used to select across the bucket boundary
+    "topk_buckets": {"compressor": {"name": "topk", "ratio": 0.05}, "bucket_cap_mb": 0.004},
+    "int8": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64}},
+    # reduce-scatter int8: each rank's share of the mean and its error ("server residual") must come back too;
+    # stochastic rounding: the second rounding's noise too (drawn by the share's owner)
+    "int8_rs": {"compressor": {"name": "int8_rs", "error_feedback": True, "block_size": 64,
+                               "stochastic_rounding": True}},
+    # stochastic rounding: its noise must not depend on the bucket layout, which differs after a start
+    "int8_sr": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64,
+                               "stochastic_rounding": True}},
+    "diloco": {"local_update": {"name": "diloco", "sync_period": 2,
+                                "compressor": {"name": "int4", "error_feedback": True}}},
+    "local_sgd": {"local_update": {"name": "local_sgd", "sync_period": 3}},  # step 4: mid-period
+}
+
+
+def _fit_straight_and_resumed(tmp: Path, name: str, world: int = WORLD, spawn: bool = False) -> None:
+    """8 steps straight, checkpointing every 4; then 8 steps resumed from the straight run's step-4 checkpoint (in
+    launched ranks, or each fit through Lightning's spawn launcher)."""
+    fit(tmp, "straight", max_steps=8, world=world, spawn=spawn, **RESUME_RUNS[name])
+    fit(tmp, "resumed", max_steps=8, ckpt_path=str(tmp / "straight" / "step=4.ckpt"), world=world, spawn=spawn,
+        **RESUME_RUNS[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets",
                                   "powersgd_3_ranks"])
-def test_resume_restores_comm_state_exactly(tmp_path, name):
+def test_resume_restores_comm_state_exactly(request, tmp_path, name):
     world = 3 if name.endswith("_3_ranks") else WORLD
-    kwargs = {
-        "powersgd": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2}},
-        # on 3 ranks gloo's all-reduce sums in an order that depends on a value's place in the bucket; the first step
-        # after a start runs on DDP's initial bucket, so it must be reduced as the saved buckets were (2 of 4 KB)
-        "powersgd_3_ranks": {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2},
-                             "bucket_cap_mb": 0.004},
-        # several DDP buckets (4 KB: TinyModule's 10.6 KB of gradients make 2 after DDP's rebuild): the first step
-        # after a start runs on DDP's initial single bucket, where top-k used to select across the bucket boundary
-        "topk_buckets": {"compressor": {"name": "topk", "ratio": 0.05}, "bucket_cap_mb": 0.004},
-        "int8": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64}},
-        # reduce-scatter int8: each rank's share of the mean and its error ("server residual") must come back too;
-        # stochastic rounding: the second rounding's noise too (drawn by the share's owner)
-        "int8_rs": {"compressor": {"name": "int8_rs", "error_feedback": True, "block_size": 64,
-                                   "stochastic_rounding": True}},
-        # stochastic rounding: its noise must not depend on the bucket layout, which differs after a start
-        "int8_sr": {"compressor": {"name": "int8", "error_feedback": True, "block_size": 64,
-                                   "stochastic_rounding": True}},
-        "diloco": {"local_update": {"name": "diloco", "sync_period": 2,
-                                    "compressor": {"name": "int4", "error_feedback": True}}},
-        "local_sgd": {"local_update": {"name": "local_sgd", "sync_period": 3}},  # step 4: mid-period
-    }[name]
-    fit(tmp_path, "straight", max_steps=8, world=world, **kwargs)
-    ckpt = tmp_path / "straight" / "step=4.ckpt"
-    saved = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]
-    at4 = dumps(tmp_path, "straight", "step4", world)
-    fit(tmp_path, "resumed", max_steps=8, ckpt_path=str(ckpt), world=world, **kwargs)
-    start = dumps(tmp_path, "resumed", "start", world)
+    if world == WORLD:  # the 2-rank runs are fitted together, in one process group
+        tmp = fitted(request.getfixturevalue("resume_fits"), _fit_straight_and_resumed, name)
+    else:  # Lightning's spawn launcher, 3 processes
+        _fit_straight_and_resumed(tmp_path, name, world, spawn=True)
+        tmp = tmp_path
+    saved = torch.load(tmp / "straight" / "step=4.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    at4 = dumps(tmp, "straight", "step4", world)
+    start = dumps(tmp, "resumed", "start", world)
     for r in range(world):
         # the checkpoint holds every rank's state as it was at step 4, and each rank got its own back
         assert_same(saved["per_rank"][r]["compressor"], at4[r]["compressor"], f"rank{r} saved")
@@ -510,7 +546,7 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
         assert_same(start[r]["counters"], at4[r]["counters"], f"rank{r} counters")
         assert_same(start[r]["local_update"], at4[r]["local_update"], f"rank{r} local update")
         assert_same(start[r]["local_update_rank"], at4[r]["local_update_rank"], f"rank{r} local residual")
-    end_straight, end_resumed = dumps(tmp_path, "straight", "end", world), dumps(tmp_path, "resumed", "end", world)
+    end_straight, end_resumed = dumps(tmp, "straight", "end", world), dumps(tmp, "resumed", "end", world)
     for r in range(world):
         # every rank resumes from its own parameters and optimizer state, not rank 0's: the resumed run
         # reproduces the straight one bit for bit (before, local updates restarted all ranks from rank 0's)
@@ -533,18 +569,18 @@ def test_resume_restores_comm_state_exactly(tmp_path, name):
             assert len(saved["per_rank"][0]["counters"]["bucket_layout"]) == 2
 
 
-def _plain_resume_worker(rank: int, port: int, root: str) -> None:
+def _fit_plain_resumes(root: Path, key: str) -> None:
     """Write a compressed checkpoint at step 4, resume it with plain DDP (``make_ddp``, as ``strategy=ddp`` does)
     and with the same compressed strategy; record every rank's warnings about the resume."""
     import warnings
     from functools import partial
 
-    as_launched_rank(rank, port)
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
     from lit_dtrain.optim import adamw
     from lit_dtrain.strategies import make_ddp
 
+    rank = int(os.environ["RANK"])  # as_launched_rank's
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 257, (64, 17), generator=g)
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
@@ -572,16 +608,15 @@ def _plain_resume_worker(rank: int, port: int, root: str) -> None:
             "same": fit(CompressedDDPStrategy(log_comm_metrics=False, **kwargs), 6, f"{name}_same", ckpt),
         }
     torch.save(results, Path(root) / f"plain_resume_rank{rank}.pt")
-    leave_rank()
 
 
 @pytest.mark.slow
-def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(tmp_path):
+def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(resume_fits):
     """``strategy=ddp`` on a checkpoint of ``strategy=ddp_compressed/...`` is legitimate (a decay branch), but it
     drops the error-feedback residuals (PowerSGD) or every rank's own parameters and optimizer state (local SGD,
     here mid-period): rank 0 warns once, naming the preset and the state, and a same-preset resume does not."""
-    mp.spawn(_plain_resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    r0, r1 = (torch.load(tmp_path / f"plain_resume_rank{r}.pt", weights_only=False) for r in range(WORLD))
+    tmp = fitted(resume_fits, _fit_plain_resumes, "powersgd_and_local_sgd")
+    r0, r1 = (torch.load(tmp / f"plain_resume_rank{r}.pt", weights_only=False) for r in range(WORLD))
     for name in ("powersgd", "local_sgd"):
         assert r1[name]["plain"] == [], name  # rank-zero only
         assert r0[name]["same"] == r1[name]["same"] == [], name  # the compressed strategy restores it all
@@ -602,19 +637,77 @@ def as_launched_rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def run_rank_processes(target, *args) -> None:
+def run_rank_processes(target, *args, timeout: float = 240) -> None:
     """Run ``target(rank, port, *args)`` in one spawned process per rank, without ``mp.spawn``'s join (which kills
-    the other ranks as soon as one fails); a process still alive after 240 s is killed."""
+    the other ranks as soon as one fails); a process still alive after ``timeout`` seconds is killed."""
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(WORLD)]
+    deadline = time.monotonic() + timeout
     for p in procs:
         p.start()
     for p in procs:
-        p.join(240)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
+
+
+def _one_group_worker(rank: int, port: int, root: str, jobs: list[tuple]) -> None:
+    """Each ``(fit, key)`` of ``jobs`` as ``fit(root / f"{fit name}_{key}", key)``, in sequence in one process group
+    (the group outlives a fit), each recorded as done or as the error it raised."""
+    as_launched_rank(rank, port)
+    outcomes: dict[str, str | None] = {}
+    for job, key in jobs:
+        tmp = Path(root) / f"{job.__name__}_{key}"
+        tmp.mkdir(exist_ok=True)
+        try:
+            job(tmp, key)
+            outcomes[tmp.name] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the test that reads this fit
+            outcomes[tmp.name] = f"{type(e).__name__}: {e}"
+        torch.save(outcomes, Path(root) / f"outcomes_rank{rank}.pt")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def fit_in_one_group(root: Path, jobs: list[tuple]) -> Path:
+    """Every 2-rank fit of ``jobs`` in one pair of launched processes: a Lightning spawn per fit started two Pythons
+    (imports, gloo set-up) for a fit of a few steps, most of each test's time."""
+    run_rank_processes(_one_group_worker, str(root), jobs, timeout=900)
+    return root
+
+
+def fitted(root: Path, job, key: str) -> Path:
+    """The directory of ``job``'s fit for ``key`` in :func:`fit_in_one_group`'s ``root``, the fit done on each rank."""
+    name = f"{job.__name__}_{key}"
+    for rank in range(WORLD):
+        path = root / f"outcomes_rank{rank}.pt"
+        outcomes = torch.load(path, weights_only=False) if path.exists() else {}
+        assert name in outcomes, f"rank {rank} never finished {name} (an earlier fit hung or killed it)"
+        assert outcomes[name] is None, f"rank {rank}: {name} failed: {outcomes[name]}"
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> Path:
+    """The fits of the tests not marked slow (each reads its own directory)."""
+    jobs = [(_fit_by_epochs, key) for key in sorted(EPOCH_UPDATES)]
+    jobs += [(_fit_validating, key) for key in VALIDATION_RUNS]
+    jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
+    jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]
+    jobs += [(_fit_overflow, key) for key in OVERFLOW_CODECS]
+    return fit_in_one_group(tmp_path_factory.mktemp("fits"), jobs)
+
+
+@pytest.fixture(scope="module")
+def resume_fits(tmp_path_factory) -> Path:
+    """The straight and resumed fits of every 2-rank variant of test_resume_restores_comm_state_exactly, and the
+    plain-DDP resumes of test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops."""
+    jobs = [(_fit_straight_and_resumed, name) for name in RESUME_RUNS if not name.endswith("_3_ranks")]
+    jobs.append((_fit_plain_resumes, "powersgd_and_local_sgd"))  # test_plain_ddp_resume_of_a_compressed_checkpoint_...
+    return fit_in_one_group(tmp_path_factory.mktemp("resume"), jobs)
 
 
 def _nan_one_rank_worker(rank: int, port: int, root: str, local_update: dict, monitor: bool) -> None:
@@ -686,10 +779,7 @@ class _ScaleRecord(L.Callback):
             torch.save(self.seen, Path(pl_module.dump_dir) / "scales.pt")
 
 
-def test_strategy_tells_the_codec_the_gradscaler_scale(tmp_path):
-    """16-mixed (here a CPU GradScaler): before each step the strategy passes the scaler's scale to the codec, so its
-    error-feedback residual follows the scaler's changes (test_error_feedback_follows_a_gradscaler_change_of_scale).
-    Before, the codec was never told: a residual made under 1024 was added at twice its value under 512."""
+def _fit_scale_record(tmp: Path, key: str) -> None:
     from lightning.pytorch.plugins import MixedPrecision
 
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
@@ -697,13 +787,20 @@ def test_strategy_tells_the_codec_the_gradscaler_scale(tmp_path):
         accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[_ScaleRecord()],
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        strategy=CompressedDDPStrategy(start_method="spawn", compressor="topk", log_comm_metrics=False),
+        strategy=CompressedDDPStrategy(compressor=key, log_comm_metrics=False),
     )
-    trainer.fit(TinyModule(str(tmp_path), "scale"))
-    seen = torch.load(tmp_path / "scales.pt", weights_only=True)
+    trainer.fit(TinyModule(str(tmp), "scale"))
+
+
+def test_strategy_tells_the_codec_the_gradscaler_scale(fits):
+    """16-mixed (here a CPU GradScaler): before each step the strategy passes the scaler's scale to the codec, so its
+    error-feedback residual follows the scaler's changes (test_error_feedback_follows_a_gradscaler_change_of_scale).
+    Before, the codec was never told: a residual made under 1024 was added at twice its value under 512."""
+    tmp = fitted(fits, _fit_scale_record, "topk")
+    seen = torch.load(tmp / "scales.pt", weights_only=True)
     assert [s for s, _ in seen] == [1024.0] * 3 + [512.0] * 3  # no overflow here: only the forced halving
     assert all(told == s for s, told in seen), seen
-    residual = torch.load(tmp_path / "scale_end_rank0.pt", weights_only=True)["compressor"]
+    residual = torch.load(tmp / "scale_end_rank0.pt", weights_only=True)["compressor"]
     assert residual["grad_scale"] == 512.0 and residual["residuals"]
 
 
@@ -826,23 +923,32 @@ class _BranchModule(TinyModule):
         torch.save(self.seen, Path(self.dump_dir) / f"branch_rank{self.global_rank}.pt")
 
 
-@pytest.mark.parametrize(
-    "compressor", ["sign", "topk", pytest.param({"name": "powersgd", "matrix_approximation_rank": 1}, id="powersgd"),
-                   pytest.param({"name": "int8_rs", "error_feedback": True, "block_size": 64}, id="int8_rs")]
-)
-def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(tmp_path, compressor):
-    """find_unused_parameters=True, error-feedback codec: at a step where no rank used ``branch``, DDP leaves its grad
-    None and discards what the hook sent for it, so its residual must stay as it was (to be sent at its next use).
-    Before, the hook sent part of it and kept the rest, and the sent part was lost: the residual drained."""
+UNUSED_CODECS = {
+    "sign": "sign",
+    "topk": "topk",
+    "powersgd": {"name": "powersgd", "matrix_approximation_rank": 1},
+    "int8_rs": {"name": "int8_rs", "error_feedback": True, "block_size": 64},
+}
+
+
+def _fit_with_a_branch(tmp: Path, key: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
-        strategy=CompressedDDPStrategy(start_method="spawn", compressor=compressor, find_unused_parameters=True,
+        strategy=CompressedDDPStrategy(compressor=UNUSED_CODECS[key], find_unused_parameters=True,
                                        log_comm_metrics=False),
     )
-    trainer.fit(_BranchModule(str(tmp_path), "branch"))
+    trainer.fit(_BranchModule(str(tmp), "branch"))
+
+
+@pytest.mark.parametrize("key", list(UNUSED_CODECS))
+def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(fits, key):
+    """find_unused_parameters=True, error-feedback codec: at a step where no rank used ``branch``, DDP leaves its grad
+    None and discards what the hook sent for it, so its residual must stay as it was (to be sent at its next use).
+    Before, the hook sent part of it and kept the rest, and the sent part was lost: the residual drained."""
+    tmp = fitted(fits, _fit_with_a_branch, key)
     for rank in range(WORLD):
-        seen = torch.load(tmp_path / f"branch_rank{rank}.pt", weights_only=True)
+        seen = torch.load(tmp / f"branch_rank{rank}.pt", weights_only=True)
         assert [(step, unused) for step, unused, _ in seen] == [(s, s % 3 != 0) for s in range(6)], seen
         for (step, unused, residual), (_, _, before) in zip(seen[1:], seen):
             assert before.abs().sum() > 0, (rank, step)  # the codec left something in it at the step before
@@ -907,13 +1013,11 @@ class _OverflowModule(TinyModule):
         torch.save(self.seen, Path(self.dump_dir) / f"{self.tag}_rank{self.global_rank}.pt")
 
 
-def _overflow_worker(rank: int, port: int, root: str) -> None:
-    """One 16-mixed fit (CPU GradScaler, several DDP buckets) per codec of ``OVERFLOW_CODECS``, in one process group."""
-    as_launched_rank(rank, port)
-    for tag, spec in OVERFLOW_CODECS.items():
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
-        _fit_16_mixed(_OverflowModule(root, tag), root, spec, scaler, OVERFLOW_STEP + 2, bucket_cap_mb=0.004)
-    os._exit(0)
+def _fit_overflow(tmp: Path, tag: str) -> None:
+    """A 16-mixed fit (CPU GradScaler, several DDP buckets) through the codec ``OVERFLOW_CODECS[tag]``."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    _fit_16_mixed(_OverflowModule(str(tmp), tag), str(tmp), OVERFLOW_CODECS[tag], scaler, OVERFLOW_STEP + 2,
+                  bucket_cap_mb=0.004)
 
 
 def _fit_16_mixed(module, root: str, spec, scaler, max_steps: int, **strategy_kwargs) -> None:
@@ -967,62 +1071,58 @@ class _ManualOverflowModule(_OverflowModule):
         torch.save(self.told, Path(self.dump_dir) / f"told_rank{self.global_rank}.pt")
 
 
-def _manual_worker(rank: int, port: int, root: str) -> None:
+def _fit_manual(tmp: Path, tag: str) -> None:
     """The overflow fit of top-k (several buckets) under manual optimization."""
-    as_launched_rank(rank, port)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
-    module = _ManualOverflowModule(root, "manual")
-    _fit_16_mixed(module, root, OVERFLOW_CODECS["topk"], scaler, OVERFLOW_STEP + 2, bucket_cap_mb=0.004)
-    os._exit(0)
+    module = _ManualOverflowModule(str(tmp), "manual")
+    _fit_16_mixed(module, str(tmp), OVERFLOW_CODECS[tag], scaler, OVERFLOW_STEP + 2, bucket_cap_mb=0.004)
 
 
-def test_manual_optimization_tells_the_codec_the_scale_before_its_backward(tmp_path):
+def test_manual_optimization_tells_the_codec_the_scale_before_its_backward(fits):
     """Under manual optimization the comm hook runs in ``manual_backward``, before the strategy's ``optimizer_step``,
     which was where the codec was told the scale: after the skipped step (scale 1024 -> 512) the hook added the
     residual, made under 1024, to a bucket under 512 (at twice its value), and the late rescale then halved the new
     residual. Every reduce must run under the scale its bucket holds, as under automatic optimization."""
-    run_rank_processes(_manual_worker, str(tmp_path))
+    tmp = fitted(fits, _fit_manual, "topk")
     for rank in range(WORLD):
-        told = torch.load(tmp_path / f"told_rank{rank}.pt", weights_only=True)
+        told = torch.load(tmp / f"told_rank{rank}.pt", weights_only=True)
         assert {scale for _, _, scale in told} == {1024.0, 512.0}, told  # the skip at step 2 halved it
         assert all(codec == scale for _, codec, scale in told), (rank, told)
 
 
-def _init_scale_worker(rank: int, port: int, root: str) -> None:
+def _fit_init_scale(tmp: Path, tag: str) -> None:
     """One 16-mixed top-k fit of 2 steps, without overflow, under a GradScaler whose ``init_scale`` (1000.1) fp32
     does not hold: the scaler keeps it as fp32 1000.0999755859375 from the first step on."""
-    as_launched_rank(rank, port)
     scaler = torch.amp.GradScaler("cpu", init_scale=1000.1)
     # (the module's overflow is at step 2: never reached)
-    _fit_16_mixed(_OverflowModule(root, "init_scale"), root, OVERFLOW_CODECS["topk"], scaler, 2)
-    os._exit(0)
+    _fit_16_mixed(_OverflowModule(str(tmp), "init_scale"), str(tmp), OVERFLOW_CODECS[tag], scaler, 2)
 
 
-def test_a_first_step_under_an_init_scale_fp32_cannot_hold_is_not_taken_for_a_skip(tmp_path):
+def test_a_first_step_under_an_init_scale_fp32_cannot_hold_is_not_taken_for_a_skip(fits):
     """The skip is told by the scale going down in the step. Before the first step the GradScaler reports its
     ``init_scale`` as the Python float given, after it the fp32 it holds: for 1000.1 that is lower, and the strategy
     took the taken first step for a skipped one and undid it in the codec (its residuals back to zero)."""
-    run_rank_processes(_init_scale_worker, str(tmp_path))
+    tmp = fitted(fits, _fit_init_scale, "topk")
     for rank in range(WORLD):
-        first = torch.load(tmp_path / f"init_scale_rank{rank}.pt", weights_only=True)[0]
+        first = torch.load(tmp / f"init_scale_rank{rank}.pt", weights_only=True)[0]
         assert first["scale"] == torch.tensor(1000.1, dtype=torch.float32).item() < 1000.1  # taken, not halved
         assert any(r.abs().sum() > 0 for r in first["state"]["residuals"].values()), rank  # the step's residual
 
 
-def test_a_step_skipped_for_one_ranks_overflow_leaves_every_ranks_residuals_as_they_were(tmp_path):
+@pytest.mark.parametrize("tag", list(OVERFLOW_CODECS))
+def test_a_step_skipped_for_one_ranks_overflow_leaves_every_ranks_residuals_as_they_were(fits, tag):
     """16-mixed, several DDP buckets: at one step rank 1's gradient holds an inf and rank 0's is finite. Every rank
     must see the overflow (the GradScaler halves its scale and skips the step on both: parameters unchanged and
     equal), and since the step's gradient is discarded, as in plain DDP, every rank's error-feedback state (worker
     residuals, PowerSGD's Qs, int8_rs's server residuals) must be exactly what it was before the step."""
-    run_rank_processes(_overflow_worker, str(tmp_path))
-    for tag in OVERFLOW_CODECS:
-        ranks = [torch.load(tmp_path / f"{tag}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
-        for rank, seen in enumerate(ranks):
-            before, after = seen[OVERFLOW_STEP - 1], seen[OVERFLOW_STEP]
-            where = f"{tag} rank {rank}"
-            assert (before["scale"], after["scale"]) == (1024.0, 512.0), where  # the scaler skipped the step
-            assert_same(after["params"], before["params"], f"{where} params")  # no rank stepped alone
-            assert_same(after["params"], ranks[0][OVERFLOW_STEP]["params"], f"{where} params across ranks")
-            assert any(r.abs().sum() > 0 for r in before["state"]["residuals"].values()), where
-            assert_same(after["state"], before["state"], f"{where} state")
-            assert not torch.equal(seen[-1]["params"]["net.0.weight"], after["params"]["net.0.weight"]), where
+    tmp = fitted(fits, _fit_overflow, tag)
+    ranks = [torch.load(tmp / f"{tag}_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for rank, seen in enumerate(ranks):
+        before, after = seen[OVERFLOW_STEP - 1], seen[OVERFLOW_STEP]
+        where = f"{tag} rank {rank}"
+        assert (before["scale"], after["scale"]) == (1024.0, 512.0), where  # the scaler skipped the step
+        assert_same(after["params"], before["params"], f"{where} params")  # no rank stepped alone
+        assert_same(after["params"], ranks[0][OVERFLOW_STEP]["params"], f"{where} params across ranks")
+        assert any(r.abs().sum() > 0 for r in before["state"]["residuals"].values()), where
+        assert_same(after["state"], before["state"], f"{where} state")
+        assert not torch.equal(seen[-1]["params"]["net.0.weight"], after["params"]["net.0.weight"]), where
