@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import lightning as L
 import pytest
@@ -26,11 +27,11 @@ def _batches(n: int) -> DataLoader:
     return DataLoader(data, batch_size=2)  # Lightning adds a DistributedSampler: each rank its own shard
 
 
-def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, strategy_names: list[str]) -> None:
+    """The fits of every strategy of ``strategy_names`` in one process group (one spawn, not one per strategy)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
-    from lit_dtrain.callbacks import SelectiveCheckpointing
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
 
@@ -39,12 +40,22 @@ def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
         model = Llama(LlamaConfig(block_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64))
         return LitLLM(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
 
-    def strategy():
+    def strategy(strategy_name: str):
         if strategy_name == "ddp":
             return "ddp"
         from lit_dtrain.strategies.compressed_ddp import CompressedDDPStrategy
 
         return CompressedDDPStrategy(compressor="bf16", log_comm_metrics=False)
+
+    for strategy_name in strategy_names:
+        results = _fits(module, partial(strategy, strategy_name))
+        torch.save(results, os.path.join(out_dir, f"{strategy_name}_rank{rank}.pt"))
+    leave_rank()
+
+
+def _fits(module, strategy) -> dict:
+    """Plain, selective and budget fits of ``module()``, each through a new ``strategy()``."""
+    from lit_dtrain.callbacks import SelectiveCheckpointing
 
     results = {}
     runs = (
@@ -64,15 +75,23 @@ def _worker(rank: int, port: int, out_dir: str, strategy_name: str) -> None:
         if callbacks:
             results[f"{name}_calls"] = [w.calls for w in callbacks[0].wrappers]
             results[f"{name}_plan"] = callbacks[0].plan
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave_rank()
+    return results
 
 
-@pytest.mark.slow  # ~20-25 s each on 2 shared cores: 2 processes x 3 short fits
-@pytest.mark.parametrize("strategy_name", ["ddp", "ddp_compressed_bf16"])
-def test_ddp_selective_ranks_identical_and_match_plain(tmp_path, strategy_name):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), strategy_name), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+STRATEGIES = ["ddp", "ddp_compressed_bf16"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("selective")
+    mp.spawn(_worker, args=(free_port(), str(out), STRATEGIES), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.slow  # ~25 s for both on 2 shared cores: 2 processes x 6 short fits
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_ddp_selective_ranks_identical_and_match_plain(fitted, strategy_name):
+    r0, r1 = (torch.load(fitted / f"{strategy_name}_rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["selective_plan"] == r1["selective_plan"] == ["selective"] * 3
     assert all(c == STEPS for c in r0["selective_calls"] + r1["selective_calls"])  # every block, every step
     # budget: each rank probes, rank 0's plan is broadcast, so both run the same mix
