@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_dtrain.train import train
-from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, load_script, subprocess_env
 
 
 def run_train(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -162,28 +162,24 @@ def test_ddp_cpu_two_processes(tmp_path, corpus):
     assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 1
 
 
-def test_generate_script_samples_from_checkpoint(tiny_cfg, tmp_path):
+def test_generate_script_samples_from_checkpoint(tiny_cfg, tmp_path, capsys):
     _, objs = train(tiny_cfg("sample.max_new_tokens=0", run="gen"))
     ckpt = Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
-    out = subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "ab", "--max-new-tokens", "10",
-         "--seed", "1", "--top-k", "5"], capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
-    )
+    args = [str(ckpt), "--prompt", "ab", "--max-new-tokens", "10", "--seed", "1", "--top-k", "5"]
+    out = subprocess.run([PYTHON, str(ROOT / "scripts" / "generate.py"), *args], capture_output=True, text=True,
+                         env=subprocess_env(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr
-    out2 = subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "ab", "--max-new-tokens", "10",
-         "--seed", "1", "--top-k", "5"], capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
-    )
     text = out.stdout.strip().splitlines()[-1]
     payload = json.loads(text)
     assert payload["text"].startswith("ab") and payload["new_tokens"] == 10
-    assert out2.stdout == out.stdout  # seeded: reproducible
-    empty = subprocess.run(  # an empty prompt starts a new document (from EOS) instead of crashing
-        [PYTHON, str(ROOT / "scripts" / "generate.py"), str(ckpt), "--prompt", "", "--max-new-tokens", "7"],
-        capture_output=True, text=True, env=subprocess_env(tmp_path), timeout=120,
-    )
-    assert empty.returncode == 0, empty.stderr
-    assert json.loads(empty.stdout.strip().splitlines()[-1])["new_tokens"] == 7
+    # the same command again, in this process (whose global RNG has drawn plenty since it started): one fresh
+    # Python per command cost ~5 s of imports each
+    generate = load_script("generate")
+    capsys.readouterr()
+    generate.main(args)
+    assert capsys.readouterr().out == out.stdout  # seeded: reproducible
+    generate.main([str(ckpt), "--prompt", "", "--max-new-tokens", "7"])  # an empty prompt starts a new document
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_tokens"] == 7  # (from EOS), no crash
 
 
 def test_tokens_per_sec_excludes_startup(tiny_cfg, monkeypatch):
