@@ -30,9 +30,29 @@ def _data(root: str):
 
 
 def _worker(rank: int, port: int, root: str) -> None:
+    """The fits of every test below, in one process group: a spawn per test started two fresh Pythons (imports,
+    gloo set-up) for fits of a few seconds. A failure in any of them fails mp.spawn, naming it. The local-update
+    fits come first: the first fit's strategy creates the process group, whose timeout (their 30 s, not the 30 min
+    default) every later collective keeps."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
+    _local_update_fits(rank, root)
+    _spike_fits(rank, root)
+    _comm_fits(rank, root)
+    leave_rank()
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("spikes")
+    make_corpus(root / "corpus", n_files=6, size=2000)
+    _data(str(root)).prepare_data()  # build the token cache once, before the ranks start
+    mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
+    return root
+
+
+def _spike_fits(rank: int, root: str) -> None:
     from lit_dtrain.callbacks import AdaptiveGradClip, LossSpikeMonitor
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
@@ -103,14 +123,10 @@ def _worker(rank: int, port: int, root: str) -> None:
                         LossSpikeMonitor(actions=["log", "rollback"], warmup_steps=3, snapshot_every=3)),
     }
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
-    leave_rank()
 
 
-def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
-    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
-    _data(str(tmp_path)).prepare_data()  # build the token cache once, before the ranks start
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+def test_spike_on_one_rank_same_action_on_both(fitted: Path) -> None:
+    r0, r1 = (torch.load(fitted / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
     skip0, skip1 = r0["skip"], r1["skip"]
     assert skip0["global_step"] == skip1["global_step"] == 12  # the run completed on both ranks
@@ -146,11 +162,8 @@ def test_spike_on_one_rank_same_action_on_both(tmp_path: Path) -> None:
         assert torch.equal(v, rb0["params"][6][k]) and torch.equal(v, rb1["params"][9][k]), k
 
 
-def _comm_worker(rank: int, port: int, root: str) -> None:
+def _comm_fits(rank: int, root: str) -> None:
     """Skip under error-feedback compressors and rollback under DiLoCo, on the compressed-DDP strategy."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     from lit_dtrain.callbacks import LossSpikeMonitor
     from lit_dtrain.callbacks._snapshots import to_cpu
     from lit_dtrain.models import Llama, LlamaConfig
@@ -200,7 +213,6 @@ def _comm_worker(rank: int, port: int, root: str) -> None:
         "diloco": fit("rollback", local_update={"name": "diloco", "sync_period": 3}),
     }
     torch.save(results, os.path.join(root, f"comm_rank{rank}.pt"))
-    leave_rank()
 
 
 def _assert_state_equal(a, b, where: str) -> None:
@@ -214,14 +226,11 @@ def _assert_state_equal(a, b, where: str) -> None:
         assert a == b, where
 
 
-def test_skip_and_rollback_also_undo_the_strategys_comm_state(tmp_path: Path) -> None:
+def test_skip_and_rollback_also_undo_the_strategys_comm_state(fitted: Path) -> None:
     """The spike's gradient must not survive in an error-feedback residual (it would be applied at the next
     step), nor DiLoCo's outer state in a rollback: both ranks end the dropped step with the state before it."""
-    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
-    _data(str(tmp_path)).prepare_data()
-    mp.spawn(_comm_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
-        r = torch.load(tmp_path / f"comm_rank{rank}.pt", weights_only=False)
+        r = torch.load(fitted / f"comm_rank{rank}.pt", weights_only=False)
         for name in ("topk", "powersgd"):
             after = r[name]["after"]
             assert r[name]["events"] == [(6, None)], name
@@ -238,12 +247,9 @@ def test_skip_and_rollback_also_undo_the_strategys_comm_state(tmp_path: Path) ->
         assert diloco["after"][6]["local_update"]["num_syncs"] == 2
 
 
-def _local_update_worker(rank: int, port: int, root: str) -> None:
+def _local_update_fits(rank: int, root: str) -> None:
     """A NaN loss on rank 1 only under local updates, where gradients are not all-reduced (so only rank 1's
     grads are NaN): local SGD with ``skip`` mid-period, DiLoCo with ``rollback`` on a sync step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     from lit_dtrain.callbacks import LossSpikeMonitor
     from lit_dtrain.models import Llama, LlamaConfig
     from lit_dtrain.module import LitLLM
@@ -287,17 +293,13 @@ def _local_update_worker(rank: int, port: int, root: str) -> None:
         "diloco": fit("rollback", 5, {"name": "diloco", "sync_period": 3, "outer_lr": 0.5, "outer_momentum": 0.5}),
     }
     torch.save(results, os.path.join(root, f"local_rank{rank}.pt"))
-    leave_rank()
 
 
-def test_nan_on_one_rank_under_local_updates_same_decision_on_both(tmp_path: Path) -> None:
+def test_nan_on_one_rank_under_local_updates_same_decision_on_both(fitted: Path) -> None:
     """Under local SGD / DiLoCo only rank 1's gradients are NaN, yet the monitor's all-reduced loss makes both
     ranks drop the step: neither waits for the other (a one-sided decision would leave a rank blocked in the next
     collective until the 30 s timeout), both end after the same steps and syncs with identical parameters."""
-    make_corpus(tmp_path / "corpus", n_files=6, size=2000)
-    _data(str(tmp_path)).prepare_data()
-    mp.spawn(_local_update_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"local_rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = (torch.load(fitted / f"local_rank{r}.pt", weights_only=False) for r in (0, 1))
     for name, nan_step, action, rolled_back_to in (("local_sgd", 4, "skip", None), ("diloco", 5, "rollback", 4)):
         a, b = r0[name], r1[name]
         assert a["global_step"] == b["global_step"] == 9, name  # both ranks trained to the end
