@@ -54,9 +54,33 @@ def _val(metrics: dict) -> dict:
 
 
 def _worker(rank: int, port: int, root: str) -> None:
+    """The ranks of both tests below, in one process group (a spawn per test started two fresh Pythons)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
+    _validate_and_fit(rank, os.path.join(root, "same"))
+    _fit_on_own_corpus(rank, os.path.join(root, "own"))
+    leave_rank()
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("val_exact")
+    make_corpus(root / "same" / "a")
+    make_corpus(root / "same" / "b", n_files=1, size=1200)  # its val split is one window
+    dm = _data(str(root / "same"))
+    dm.prepare_data()  # build the token caches once, before the ranks start
+    dm.setup()
+    make_corpus(root / "own" / "a")
+    make_corpus(root / "own" / "b0", n_files=4)
+    make_corpus(root / "own" / "b1", n_files=4)
+    other = root / "own" / "b1" / "doc_003.txt"
+    other.write_text(other.read_text()[::-1])  # rank 1's copy of corpus b differs (same size)
+    mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
+    return root
+
+
+def _validate_and_fit(rank: int, root: str) -> None:
     lit = _module()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -69,18 +93,15 @@ def _worker(rank: int, port: int, root: str) -> None:
                 "warnings": [str(w.message) for w in caught if "DistributedSampler" in str(w.message)],
                 "weights": {k: v.detach().clone() for k, v in lit.state_dict().items()}},
                os.path.join(root, f"rank{rank}.pt"))
-    leave_rank()
 
 
-def test_ddp_val_loss_is_the_single_process_val_loss(tmp_path: Path) -> None:
-    make_corpus(tmp_path / "a")
-    make_corpus(tmp_path / "b", n_files=1, size=1200)  # its val split is one window
+def test_ddp_val_loss_is_the_single_process_val_loss(fitted: Path) -> None:
+    tmp_path = fitted / "same"
     dm = _data(str(tmp_path))
-    dm.prepare_data()  # build the token caches once, before the ranks start
+    dm.prepare_data()
     dm.setup()
     assert [len(loader.dataset) for loader in dm.val_dataloader()] == [VAL_WINDOWS, 1]
 
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
 
     lit = _module()
@@ -95,14 +116,11 @@ def test_ddp_val_loss_is_the_single_process_val_loss(tmp_path: Path) -> None:
     assert r0["warnings"] == []  # Lightning's "Using DistributedSampler ... during trainer.validate()" is gone
 
 
-def _worker_on_own_corpus(rank: int, port: int, root: str) -> None:
+def _fit_on_own_corpus(rank: int, root: str) -> None:
     """Rank r reads corpus ``b`` from ``<root>/b<r>``: another node's copy, which differs."""
     from lit_dtrain.data import LMDataModule
     from lit_dtrain.data.corpus import CorpusError, CorpusSource
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     sources = [CorpusSource(name="a", kind="files", paths=[os.path.join(root, "a")]),
                CorpusSource(name="b", kind="files", paths=[os.path.join(root, f"b{rank}")])]
     data = LMDataModule(sources=sources, block_size=32, batch_size=4, cache_dir=os.path.join(root, f"cache{rank}"),
@@ -114,20 +132,14 @@ def _worker_on_own_corpus(rank: int, port: int, root: str) -> None:
     except CorpusError as e:
         outcome = str(e)
     torch.save({"outcome": outcome, "step": trainer.global_step}, os.path.join(root, f"own{rank}.pt"))
-    leave_rank()
 
 
-def test_ranks_that_read_different_corpora_are_refused_before_training(tmp_path: Path) -> None:
+def test_ranks_that_read_different_corpora_are_refused_before_training(fitted: Path) -> None:
     """Each rank reads the corpus itself: another node's copy of a file (or another Python's standard library, the
     default corpus) gave the ranks other windows under the same indices, and the run trained on the mix silently.
     Every rank now stops in setup with a CorpusError naming the source and the ranks."""
-    make_corpus(tmp_path / "a")
-    make_corpus(tmp_path / "b0", n_files=4)
-    make_corpus(tmp_path / "b1", n_files=4)
-    (tmp_path / "b1" / "doc_003.txt").write_text((tmp_path / "b1" / "doc_003.txt").read_text()[::-1])  # same size
-    mp.spawn(_worker_on_own_corpus, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        result = torch.load(tmp_path / f"own{rank}.pt", weights_only=True)
+    for rank in (0, 1):  # corpus b of rank 1 holds one file reversed (fixture fitted)
+        result = torch.load(fitted / "own" / f"own{rank}.pt", weights_only=True)
         assert result["step"] == 0, result
         assert result["outcome"].startswith("the ranks read different data: rank 1 (host "), result
         assert "have other token caches of data source 'b'" in result["outcome"]
