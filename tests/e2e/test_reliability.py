@@ -18,7 +18,7 @@ import torch
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.module import NonFiniteError
 from lit_dtrain.train import train
-from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, make_corpus, subprocess_env
 
 MAX_STEPS = 12
 RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
@@ -29,6 +29,27 @@ def train_proc(tmp_path: Path, corpus: Path, *args: str, timeout: int = 300) -> 
     cmd = [PYTHON, str(ROOT / "train.py"), *RUN, "data=textfiles", f"data.sources.0.paths=[{corpus}]", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """``straight_run(*args)`` -> ``(root, run_name)`` of an uninterrupted ``train_proc`` run with ``args`` (its
+    ``outputs/runs/<run_name>`` under ``root``), trained once per set of ``args`` in this module: the reference run that
+    the stopped-and-resumed runs of several tests must end at bitwise (the corpus is the same generated text)."""
+    root = tmp_path_factory.mktemp("straight")
+    corpus = make_corpus(root / "corpus")
+    done: dict[frozenset, str] = {}
+
+    def straight(*args: str) -> tuple[Path, str]:
+        key = frozenset(args)
+        if key not in done:
+            run = f"straight{len(done)}"
+            proc = train_proc(root, corpus, f"run_name={run}", *args)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            done[key] = run
+        return root, done[key]
+
+    return straight
 
 
 def final_state(tmp_path: Path, run: str) -> dict:
@@ -73,14 +94,13 @@ def csv_scalars(tmp_path: Path, run: str, tag: str = "train/loss") -> list[tuple
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], STATEFUL, ["logger=csv"]], ids=["default", "all_stateful", "csv_logger"])
-def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, extra):
+def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, straight_run, extra):
     if extra is STATEFUL and not STATEFUL:
         pytest.skip("no stateful techniques registered")
     # A 'random' step, fixed for reproducibility, and odd: checkpoints come every 2 steps, so the killed run
     # has logged a step past its last checkpoint that the resumed run must replace, not duplicate.
     kill_step = random.Random(1234).randint(3, MAX_STEPS - 3) | 1
-    ok = train_proc(tmp_path, corpus, "run_name=straight", *extra)
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    straight_root, straight_name = straight_run(*extra)
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={kill_step}"]
     killed = train_proc(tmp_path, corpus, "run_name=killed", *extra, *fault)
     assert killed.returncode == -signal.SIGKILL
@@ -88,19 +108,19 @@ def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, extra):
     assert ckpt["global_step"] < MAX_STEPS  # it really died mid-run
     resumed = train_proc(tmp_path, corpus, "run_name=killed", "resume=auto", *extra)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "killed"))
+    assert_same_weights(final_state(straight_root, straight_name), final_state(tmp_path, "killed"))
     # The logged curve: the resumed run drops what the killed run logged past its checkpoint (TensorBoard's
     # purge_step; rows of the CSV file), so it is the straight run's, one point per step, not two curves.
     scalars = csv_scalars if "logger=csv" in extra else tb_scalars
-    straight, killed_log = scalars(tmp_path, "straight"), scalars(tmp_path, "killed")
+    straight, killed_log = scalars(straight_root, straight_name), scalars(tmp_path, "killed")
     assert [s for s, _ in straight] == list(range(MAX_STEPS)), straight
     assert killed_log == straight
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus, accumulate):
-    acc = [f"trainer.accumulate_grad_batches={accumulate}"]
+def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus, straight_run, accumulate):
+    acc = [f"trainer.accumulate_grad_batches={accumulate}"] if accumulate > 1 else []  # 1: the default
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5",
              "+callbacks.fault.signal=SIGTERM"]  # at the first micro-batch of step 5
     term = train_proc(tmp_path, corpus, "run_name=term", *acc, *fault)
@@ -113,23 +133,19 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path, corpus, accumulate
     assert ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 6 * accumulate
     resumed = train_proc(tmp_path, corpus, "run_name=term", "resume=auto", *acc)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    straight = train_proc(tmp_path, corpus, "run_name=straight", *acc)
-    assert straight.returncode == 0
-    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, "term"))
+    assert_same_weights(final_state(*straight_run(*acc)), final_state(tmp_path, "term"))
 
 
-def resume_ends_like_a_straight_run(tmp_path, corpus, run_name: str, ddp: list[str]) -> None:
+def resume_ends_like_a_straight_run(tmp_path, corpus, straight_run, run_name: str, ddp: list[str]) -> None:
     """``resume=auto`` of the stopped run ``run_name`` exits 0 and ends with bitwise the weights of a straight run."""
     resumed = train_proc(tmp_path, corpus, f"run_name={run_name}", "resume=auto", *ddp, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = train_proc(tmp_path, corpus, "run_name=straight", *ddp, timeout=240)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert_same_weights(final_state(tmp_path, "straight"), final_state(tmp_path, run_name))
+    assert_same_weights(final_state(*straight_run(*ddp)), final_state(tmp_path, run_name))
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus):
+def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus, straight_run):
     """SIGTERM to rank 0 only (Lightning forwards it to rank 1 at its own moment): the ranks agree on the step,
     save together and exit with status 143. This used to hang in save_checkpoint's barrier in 3 of 5 runs."""
     ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp"]
@@ -139,12 +155,12 @@ def test_ddp_sigterm_to_one_rank_saves_once_and_resumes_exactly(tmp_path, corpus
     assert term.returncode == 143, (term.stdout + term.stderr)[-3000:]
     ckpt = torch.load(tmp_path / "outputs/runs/term/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6
-    resume_ends_like_a_straight_run(tmp_path, corpus, "term", ddp)
+    resume_ends_like_a_straight_run(tmp_path, corpus, straight_run, "term", ddp)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ddp_ctrl_c_to_the_process_group_saves_the_step_and_resumes_exactly(tmp_path, corpus):
+def test_ddp_ctrl_c_to_the_process_group_saves_the_step_and_resumes_exactly(tmp_path, corpus, straight_run):
     """Ctrl-C in a terminal: SIGINT to the whole process group (both ranks of Lightning's launcher), started here in a
     session of its own. It went to Lightning's KeyboardInterrupt path: a traceback, exit status 1, rank 1 killed,
     and last.ckpt left at the last validation (the steps since then lost without a word). Now both ranks save
@@ -165,7 +181,7 @@ def test_ddp_ctrl_c_to_the_process_group_saves_the_step_and_resumes_exactly(tmp_
     assert "SIGINT received: saved" in out and "Traceback" not in out, out[-3000:]
     assert not (tmp_path / "outputs/runs/int/summary.json").exists()
     assert torch.load(tmp_path / "outputs/runs/int/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
-    resume_ends_like_a_straight_run(tmp_path, corpus, "int", ddp)
+    resume_ends_like_a_straight_run(tmp_path, corpus, straight_run, "int", ddp)
 
 
 @pytest.mark.slow
