@@ -112,9 +112,9 @@ def test_help_shows_each_options_default():
 
 
 def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(monkeypatch):
-    """``LIT_DTRAIN_CACHE`` set but empty means ``~/.cache/lit_dtrain`` for ``train.py`` (README), but the bench
-    scripts read it with ``os.environ.get``: ``LIT_DTRAIN_CACHE= python scripts/bench_wsd.py`` took '' and stopped at
-    ``data.cache_dir is empty``. They take ``paths.cache_dir``'s rule now."""
+    """``LIT_DTRAIN_CACHE`` set but empty means ``~/.cache/lit_dtrain`` for ``train.py`` (docs/running.md), but the
+    bench scripts read it with ``os.environ.get``: ``LIT_DTRAIN_CACHE= python scripts/bench_wsd.py`` took '' and
+    stopped at ``data.cache_dir is empty``. They take ``paths.cache_dir``'s rule now."""
     from lit_dtrain.config_resolvers import default_cache_dir
 
     bench_comm = load_script("bench_comm")
