@@ -1,5 +1,5 @@
-"""``train.py`` under Slurm's ``srun`` (README: "Launch with torchrun or SLURM"), simulated: the test starts the 2
-tasks itself, each with the environment srun gives a task of ``srun --ntasks-per-node=2`` on one node
+"""``train.py`` under Slurm's ``srun`` (docs/running.md: "Launch with torchrun or SLURM"), simulated: the test
+starts the 2 tasks itself, each with the environment srun gives a task of ``srun --ntasks-per-node=2`` on one node
 (``SLURM_NODELIST=127.0.0.1``; Lightning's ``SLURMEnvironment`` takes ``MASTER_PORT`` from the job id's last 4
 digits + 15000, so the job id is drawn for a free port). Lightning reads the world size and ranks from that
 environment instead of launching rank 1; ``scontrol`` is a stand-in on ``PATH`` that acts as Slurm does on a

@@ -1,4 +1,4 @@
-"""``train.py`` under torchrun (README: "Launch with torchrun or SLURM"): every rank runs Hydra and ``train()``
+"""``train.py`` under torchrun (docs/running.md: "Launch with torchrun or SLURM"): every rank runs Hydra and ``train()``
 itself and Lightning reads the ranks from torchrun's environment instead of launching rank 1."""
 
 from __future__ import annotations
