@@ -285,14 +285,14 @@ def job_log(job: Path) -> Path:
 
 
 def job_error(job: Path) -> str | None:
-    """The error a failed sweep job logged to its Hydra job log (:func:`job_log`; ``train(cfg)`` logs
-    ``job N failed: Type: message``): the last one, since Hydra appends to the log of a job re-run into its dir
-    (``resume=auto``)."""
+    """The error a failed sweep job or single run logged to its Hydra job log (:func:`job_log`; ``train(cfg)``
+    logs ``job N failed: Type: message``, or ``run failed: ...``): the last one, since Hydra appends to the log of a
+    run re-run into its dir (``resume=auto``)."""
     try:
         text = job_log(job).read_text(errors="replace")
     except OSError:
         return None
-    errors = re.findall(r"job \d+ failed: (.*)", text)
+    errors = re.findall(r"\b(?:job \d+|run) failed: (.*)", text)
     return errors[-1].strip() if errors else None
 
 

@@ -104,28 +104,57 @@ def check_sweep_world_size(world_size: int, trainer_cfg: DictConfig) -> None:
 
 
 def logs_a_failed_job(train_fn):
-    """Wrap ``train_fn(cfg)`` so that in a Hydra multirun a job that raises logs ``job N failed: Type: message``
-    with its traceback (to ``train_fn``'s module logger; Hydra's job logging writes it to the job's
-    ``<job name>.log``) before the error goes on to Hydra. Hydra runs the next job and reports only the first
-    failed job's error, after the whole sweep; ``scripts/compare_runs.py`` shows each failed job's error from this
-    line. Outside a multirun the error ends the run itself, and nothing is logged."""
+    """Wrap ``train_fn(cfg)`` so that under Hydra a run that raises logs why, to ``train_fn``'s module logger, before
+    the error goes on to Hydra: ``job N failed: Type: message`` in a multirun, ``run failed: Type: message`` in a
+    single run, a bad input (:func:`user_error`) in that line alone, any other error with its traceback. Hydra's job
+    logging writes it to the run's ``<job name>.log``, where ``scripts/compare_runs.py`` reads each failed run's
+    error (:func:`lit_dtrain.run_dirs.job_error`). A multirun logs it on the console too (Hydra runs the next job and
+    reports only the first failed job's error, after the whole sweep); a single run to its log files only, since
+    the error itself ends the run on the console, and not where a start was refused in the dir of an earlier (or
+    running) run, whose ``config_resolved.yaml`` it did not replace: that run did not fail. Without Hydra nothing
+    is logged."""
     job_log = logging.getLogger(train_fn.__module__)
 
     @functools.wraps(train_fn)
     def wrapper(cfg: DictConfig):
         from hydra.core.hydra_config import HydraConfig
 
+        earlier_run = _config_file_id(cfg)
         try:
             return train_fn(cfg)
         except Exception as e:
+            error = user_error(e)  # a bad input: its own type and message, no traceback
+            shown = error or e
             if in_multirun():
-                error = user_error(e)  # a bad input: its own type and message, no traceback
-                shown = error or e
                 job_log.error("job %s failed: %s: %s", HydraConfig.get().job.num, type(shown).__name__, shown,
                               exc_info=error is None)
+            elif HydraConfig.initialized() and (earlier_run is None or _config_file_id(cfg) != earlier_run):
+                # (a start refused in the dir of an earlier or running run, which did not fail: not logged)
+                _log_to_files(job_log, f"run failed: {type(shown).__name__}: {shown}", traceback=error is None)
             raise
 
     return wrapper
+
+
+def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
+    """The identity (inode, mtime) of the run dir's ``config_resolved.yaml``, which ``train(cfg)`` writes (by a
+    rename: a new inode) when a start passed its checks and trains; None without one."""
+    try:
+        out_dir = OmegaConf.select(cfg, "paths.output_dir", throw_on_resolution_failure=False)
+        stat = (Path(str(out_dir)) / "config_resolved.yaml").stat()
+    except (OSError, ValueError, TypeError):
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _log_to_files(logger: logging.Logger, message: str, traceback: bool) -> None:
+    """Log ``message`` at ERROR (with the exception being handled, ``traceback``) to the root logger's file handlers
+    only (Hydra's job log), not to its console."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None,
+                               sys.exc_info() if traceback else None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def user_error(e: BaseException) -> BaseException | None:
@@ -154,14 +183,24 @@ def user_error(e: BaseException) -> BaseException | None:
     return None
 
 
+def stopped_on_purpose(e: BaseException) -> BaseException | None:
+    """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError``
+    (it names the step and the tensors). Reported in one line as a bad input is (:func:`reports_user_errors`); its
+    traceback stays in the run's log (:func:`logs_a_failed_job`)."""
+    from lit_dtrain.module import NonFiniteError
+
+    return e if isinstance(e, NonFiniteError) else None
+
+
 class UserInputError(CompactHydraException):
     """A bad input, which Hydra reports as its message alone (no traceback) at the end of a multirun."""
 
 
 def reports_user_errors(task_fn):
-    """Wrap a Hydra task function so that a bad input (:func:`user_error`) is reported in one line,
-    ``error: <message>`` on stderr, with exit status 1 as before. Hydra printed it under its shortened traceback
-    (about a dozen lines of lit_dtrain frames, the message last). A single run exits there. In a multirun the job
+    """Wrap a Hydra task function so that a bad input (:func:`user_error`) or a check that stopped the run
+    (:func:`stopped_on_purpose`) is reported in one line, ``error: <message>`` on stderr, with exit status 1 as
+    before. Hydra printed it under its shortened traceback (about a dozen lines of lit_dtrain frames, the message
+    last; a ``NonFiniteError`` under some 78 lines of Lightning's). A single run exits there. In a multirun the job
     fails as before (its ``job N failed: ...`` line, :func:`logs_a_failed_job`), the next jobs run, and Hydra's
     report of the first failed job after the sweep is that line. Other exceptions keep their traceback, and
     ``HYDRA_FULL_ERROR=1`` shows it for every error."""
@@ -171,7 +210,7 @@ def reports_user_errors(task_fn):
         try:
             return task_fn(cfg)
         except Exception as e:
-            error = user_error(e)
+            error = user_error(e) or stopped_on_purpose(e)
             if error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch, read as it does
                 raise
             if in_multirun():

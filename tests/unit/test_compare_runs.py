@@ -220,6 +220,32 @@ def test_a_failed_run_has_no_gap_to_the_finished_runs(tmp_path):
     ]
 
 
+
+def test_a_single_run_that_failed_shows_its_error(tmp_path, capsys):
+    """Only sweep jobs logged 'job N failed: ...': a single run (`python train.py optimizer.lr=1e6 ...`) stopped by a
+    NonFiniteError at step 1 was listed as '(unfinished)', as if killed or still running. train(cfg) logs
+    'run failed: Type: message' to a single run's train.log now, and its row shows the error as a sweep job's does;
+    the latest error where a resumed run failed again, none where a resume then finished."""
+    done = write_run(tmp_path / "done", {10: 3.6, 20: 3.2})
+    (done / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (done / "summary.json").write_text(json.dumps({"val_loss": 3.2, "steps": 20}))
+    failed = write_run(tmp_path / "failed", {10: 3.4})
+    (failed / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (failed / "train.log").write_text(
+        "[x][lit_dtrain.train][ERROR] - run failed: CollectiveError: rank 1: a collective failed\n"
+        "[y][lit_dtrain.train][ERROR] - run failed: NonFiniteError: non-finite gradients at step 12\n"
+        "Traceback (most recent call last):\n  File \"x.py\", line 1\nNonFiniteError: non-finite gradients\n")
+    result = compare_runs.compare([str(done), str(failed)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[2:] == [
+        "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |",
+        "| failed | 10 (failed) | 3.4000 | 3.4000 (10) | - |",
+    ]
+    assert [r.get("error") for r in result["runs"]] == [None, "NonFiniteError: non-finite gradients at step 12"]
+    assert "run '" + str(failed) + "' failed: NonFiniteError" in capsys.readouterr().err
+    (failed / "summary.json").write_text(json.dumps({"val_loss": 3.1, "steps": 20}))  # resumed to its end
+    result = compare_runs.compare([str(done), str(failed)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert [r.get("error") for r in result["runs"]] == [None, None]
+
 def test_failed_sweep_jobs_have_a_row_in_the_table(tmp_path):
     """`python train.py -m optimizer.lr=1e-3,-5,3e-3`: the failed job was only named on stderr and in the JSON's
     'skipped'; the markdown table (what goes into a report) listed 2 runs of a 3-job sweep as if that was all.

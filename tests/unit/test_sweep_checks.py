@@ -231,9 +231,10 @@ def test_train_called_from_another_hydra_entry_logs_a_failed_jobs_error(tmp_path
     """A failed sweep job's 'job N failed: Type: message' line, which Hydra's job logging writes to the job's log
     file and scripts/compare_runs.py shows as the job's error, was logged by the root train.py's wrapper only: a
     job of a Hydra app of one's own calling train(cfg) that failed left nothing in its log, and compare_runs
-    listed it as 'no metrics logged'. train(cfg) logs it now, once; outside a multirun nothing (the error ends the
-    run). A bad input (a ConfigError, a CorpusError that Hydra's instantiate wrapped) is logged in one line with
-    its own type, any other error with its traceback."""
+    listed it as 'no metrics logged'. train(cfg) logs it now, once; outside a multirun not to the console (the error
+    ends the run; its log files get it: test_a_run_stopped_by_non_finite_values_is_one_line_...). A bad input (a
+    ConfigError, a CorpusError that Hydra's instantiate wrapped) is logged in one line with its own type, any other
+    error with its traceback."""
     job1 = tmp_path / "sweep" / "1"
     with multirun_job(job1, ["optimizer.lr=1e-3,-1"], ["optimizer.lr=-1"], corpus) as cfg:
         with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
@@ -299,6 +300,63 @@ def test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceba
             failing(bad)(cfg)
         assert raised.value.__cause__ is bad and capsys.readouterr().err == ""
 
+
+
+def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_traceback(tmp_path, corpus, capsys,
+                                                                                        monkeypatch):
+    """`python train.py optimizer.lr=1e6 ...` stopped at step 1 with a NonFiniteError, which names the step and the
+    tensors, under Hydra's 78-line traceback, and its train.log said nothing of it (only a sweep job logged its
+    error there), so scripts/compare_runs.py listed the run as unfinished. It is one line on stderr now,
+    'error: <message>', exit status 1 (a multirun job: Hydra's one-line report), and a single run's log files get
+    'run failed: NonFiniteError: <message>' with the traceback; a bad input's line there has no traceback, and the
+    console gets neither (the error line says it). A start refused in an earlier run's dir logs no failure there."""
+    from lit_dtrain.module import NonFiniteError
+    from lit_dtrain.sweeps import logs_a_failed_job
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    stop = NonFiniteError("non-finite gradients at step 1 (train/loss=5.5); first bad parameter(s): ['w']")
+
+    def failing(error):
+        @logs_a_failed_job
+        def task(cfg):
+            raise error
+        return reports_user_errors(task)
+
+    log_file = tmp_path / "train.log"
+    handler = logging.FileHandler(log_file)
+    console = logging.StreamHandler()  # a StreamHandler that is no FileHandler: Hydra's console
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.addHandler(console)
+    try:
+        with multirun_job(tmp_path / "runs" / "one", [], [], corpus, mode=RunMode.RUN) as cfg:
+            with pytest.raises(SystemExit) as exit_:
+                failing(stop)(cfg)
+            assert exit_.value.code == 1
+            assert capsys.readouterr().err == f"error: {stop}\n"  # the console handler wrote nothing either
+            with pytest.raises(SystemExit):
+                failing(ConfigError("optimizer.lr must be > 0, got -1"))(cfg)
+            assert capsys.readouterr().err == "error: optimizer.lr must be > 0, got -1\n"
+            # a start refused in the dir of an earlier run (or of one still training there): that run did not fail
+            (tmp_path / "runs" / "one").mkdir()
+            (tmp_path / "runs" / "one" / "config_resolved.yaml").write_text("seed: 1\n")
+            with pytest.raises(SystemExit):
+                failing(ConfigError("run dir is in use"))(cfg)
+            capsys.readouterr()
+        with multirun_job(tmp_path / "sweep" / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
+            with pytest.raises(UserInputError, match=r"^error: non-finite gradients at step 1") as raised:
+                failing(stop)(cfg)
+            assert raised.value.__cause__ is stop
+    finally:
+        root.removeHandler(handler)
+        root.removeHandler(console)
+        handler.close()
+    lines = log_file.read_text().splitlines()
+    assert lines[0] == f"run failed: NonFiniteError: {stop}" and lines[1] == "Traceback (most recent call last):"
+    assert f"lit_dtrain.module.NonFiniteError: {stop}" in lines
+    after = lines[lines.index(f"lit_dtrain.module.NonFiniteError: {stop}") + 1:]
+    assert after[0] == "run failed: ConfigError: optimizer.lr must be > 0, got -1"  # no traceback: the line says it
+    assert after[1] == f"job 0 failed: NonFiniteError: {stop}" and after[2] == "Traceback (most recent call last):"
 
 def test_which_errors_are_a_bad_input():
     """ConfigError, CorpusError (also inside Hydra's InstantiationException) and CheckpointError are; a checkpoint
