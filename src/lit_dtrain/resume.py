@@ -181,6 +181,9 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     else ``ckpt_path`` (with ``resume=auto`` too: where a requeued job's first start begins), else none (a fresh
     start, refused in a run dir that holds checkpoints)."""
     ckpt_dir = Path(cfg.paths.checkpoint_dir)
+    if (ckpt_dir / "last.ckpt").is_dir() and not (ckpt_dir / "last.ckpt").is_symlink():  # no rename replaces it
+        raise ConfigError(f"{str(ckpt_dir / 'last.ckpt')!r} is a directory: every run saves its last checkpoint at "
+                          "that path, so this one would train and fail at its first save; remove or rename it")
     earlier = checkpoint_files(ckpt_dir)
     given = cfg.get("ckpt_path")
     if earlier and cfg.get("resume") == "auto":

@@ -56,6 +56,17 @@ def test_a_write_failing_midway_keeps_the_old_file_and_leaves_no_temp_file(tmp_p
         assert info.value.filename == str(path)
 
 
+
+def test_a_directory_in_the_way_is_named_not_called_an_intact_file(tmp_path):
+    """A directory at the path (a `last.ckpt/` made by hand or by a copy gone wrong) fails the rename with 'Is a
+    directory'; the message went on 'the previous file at that path is intact', of a file that was never there."""
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    with pytest.raises(AtomicWriteError, match=r"Is a directory; a directory is in the way at that path: remove or "
+                                               r"rename it$"):
+        write_atomically(path, lambda tmp: Path(tmp).write_bytes(b"new"))
+    assert path.is_dir() and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
 def test_a_failed_write_of_a_new_file_says_no_file_was_created(tmp_path, monkeypatch):
     """A checkpoint's next step file (or any path with no file yet) that a full disk stops says that nothing was
     created there; it said "the previous file at that path (if any) is intact", of a file that never was."""

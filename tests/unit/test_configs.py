@@ -456,6 +456,23 @@ def test_a_checkpoint_key_naming_a_directory_says_so(tiny_cfg, tmp_path):
         apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={d}", "decay_branch.steps=2"))
 
 
+
+def test_a_directory_named_last_ckpt_in_the_run_dir_is_refused_before_training(tiny_cfg):
+    """A directory `checkpoints/last.ckpt` beside a step checkpoint: resume=auto passed it over as unreadable, resumed
+    the step file, trained, and failed at its first save ('could not write checkpoint .../last.ckpt: Is a directory;
+    the previous file at that path is intact'); a fresh start was told to resume=auto. Both are refused before any
+    training now, naming the directory."""
+    from lit_dtrain.train import resolve_ckpt_path
+
+    for overrides in (["resume=auto", "run_name=exp1"], []):
+        cfg = tiny_cfg(*overrides)
+        last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+        last.mkdir(parents=True, exist_ok=True)
+        torch.save({"global_step": 2}, last.parent / "step000002.ckpt")
+        with pytest.raises(ConfigError, match=rf"^'{last}' is a directory: every run saves its last checkpoint at "
+                                              "that path, so this one would train and fail at its first save"):
+            resolve_ckpt_path(cfg)
+
 @pytest.mark.parametrize("saved, configured", [("torch", "adamw8bit"), ("bnb", "adamw")])
 def test_resuming_with_the_other_adamw_is_refused_before_fit(saved, configured, tiny_cfg, tmp_path):
     """ckpt_path=<an AdamW run> optimizer=adamw8bit restored the checkpoint and died at the first step with

@@ -34,6 +34,8 @@ def what_is_left(path: str | os.PathLike) -> str:
     """What a failed :func:`write_atomically` left at ``path``, for its error message: the previous file, whole, or
     nothing (a new file, such as a checkpoint's next step file, that was never there). Called after the failure, when
     ``path`` is as it was before the write."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        return "a directory is in the way at that path: remove or rename it"
     return "the previous file at that path is intact" if os.path.lexists(path) else "no file was created at that path"
 
 
