@@ -185,11 +185,13 @@ def user_error(e: BaseException) -> BaseException | None:
 
 def stopped_on_purpose(e: BaseException) -> BaseException | None:
     """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError``
-    (it names the step and the tensors). Reported in one line as a bad input is (:func:`reports_user_errors`); its
+    (it names the step and the tensors), the ``LossSpikeMonitor``'s ``raise`` action (``LossSpikeError``: the spikes'
+    steps and their events file). Reported in one line as a bad input is (:func:`reports_user_errors`); its
     traceback stays in the run's log (:func:`logs_a_failed_job`)."""
+    from lit_dtrain.callbacks.loss_spike import LossSpikeError
     from lit_dtrain.module import NonFiniteError
 
-    return e if isinstance(e, NonFiniteError) else None
+    return e if isinstance(e, (NonFiniteError, LossSpikeError)) else None
 
 
 class UserInputError(CompactHydraException):

@@ -334,6 +334,11 @@ def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_tr
                 failing(stop)(cfg)
             assert exit_.value.code == 1
             assert capsys.readouterr().err == f"error: {stop}\n"  # the console handler wrote nothing either
+            from lit_dtrain.callbacks.loss_spike import LossSpikeError  # the monitor's `raise` action: a stop asked for
+
+            with pytest.raises(SystemExit):
+                failing(LossSpikeError("LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])"))(cfg)
+            assert capsys.readouterr().err == "error: LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])\n"
             with pytest.raises(SystemExit):
                 failing(ConfigError("optimizer.lr must be > 0, got -1"))(cfg)
             assert capsys.readouterr().err == "error: optimizer.lr must be > 0, got -1\n"
@@ -355,6 +360,9 @@ def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_tr
     assert lines[0] == f"run failed: NonFiniteError: {stop}" and lines[1] == "Traceback (most recent call last):"
     assert f"lit_dtrain.module.NonFiniteError: {stop}" in lines
     after = lines[lines.index(f"lit_dtrain.module.NonFiniteError: {stop}") + 1:]
+    assert after[0] == "run failed: LossSpikeError: LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])"
+    after = after[after.index("lit_dtrain.callbacks.loss_spike.LossSpikeError: LossSpikeMonitor: 2 loss spikes within "
+                              "10 steps (steps [3, 5])") + 1:]
     assert after[0] == "run failed: ConfigError: optimizer.lr must be > 0, got -1"  # no traceback: the line says it
     assert after[1] == f"job 0 failed: NonFiniteError: {stop}" and after[2] == "Traceback (most recent call last):"
 
