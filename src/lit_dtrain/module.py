@@ -276,7 +276,7 @@ class LitLLM(L.LightningModule):
             f"non-finite gradients at step {self.trainer.global_step} (train/loss={loss}); first bad parameter(s): "
             f"{bad[:3]}. Stopped before the optimizer step, so the weights are still finite. To go on, "
             f"{nonfinite_grad_fix(getattr(self.trainer, 'callbacks', []))}, or lower the LR; "
-            "resume from the last checkpoint with resume=auto."
+            "then resume from the run's last checkpoint, if one was written (run_name=<its name> resume=auto)."
         )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
