@@ -434,6 +434,34 @@ def test_a_fit_that_ends_by_epochs_checkpoints_the_synchronized_model(fits, key)
     assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, end[0]["params"], "last.ckpt")
 
 
+class UnevenModule(TinyModule):
+    """TinyModule whose DataLoader (one's own: ``use_distributed_sampler=False``) holds 3 batches on rank 0, 4 on 1."""
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(3 + self.global_rank, 1)), batch_size=1)
+
+
+def _fit_uneven(tmp: Path, key: str) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, enable_checkpointing=False,
+        strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key], collective_timeout_s=20),
+    )
+    trainer.fit(UnevenModule(str(tmp), "uneven"))
+
+
+def test_ranks_whose_epochs_differ_in_length_fail_at_once_naming_them(fits):
+    """3 batches on rank 0, 4 on rank 1, max_epochs=1, local SGD period 4: rank 0's sync at its last step (3) met
+    rank 1's next per-batch SIGTERM broadcast (Lightning's) and both hung until collective_timeout_s. Both ranks now
+    raise a ConfigError at the epoch's first batch, before any step."""
+    name = f"{_fit_uneven.__name__}_local_sgd"
+    for rank in range(WORLD):
+        outcome = torch.load(fits / f"outcomes_rank{rank}.pt", weights_only=False)[name]
+        assert outcome.startswith("ConfigError: the ranks' training epochs differ in length (rank 0: 3 batches, its "
+                                  "epoch ends after step 3; rank 1: 4 batches, its epoch ends after step 4)"), outcome
+    assert not list((fits / name).glob("uneven_end_*"))  # no rank finished its fit
+
+
 class ValidatingModule(TinyModule):
     """TinyModule with a validation on a fixed per-rank batch; dumps the parameters at each validation."""
 
@@ -698,6 +726,7 @@ def fits(tmp_path_factory) -> Path:
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]
     jobs += [(_fit_overflow, key) for key in OVERFLOW_CODECS]
+    jobs.append((_fit_uneven, "local_sgd"))  # last: without the epoch-length check it fails only at the timeout
     return fit_in_one_group(tmp_path_factory.mktemp("fits"), jobs)
 
 

@@ -38,6 +38,7 @@ from lit_dtrain.strategies.comm_checkpoint import (
 )
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import (
+    check_epoch_lengths,
     force_sync_this_step,
     refuse_validation_by_time,
     sync_or_warn_before_validation,
@@ -220,6 +221,11 @@ class CompressedDDPStrategy(DDPStrategy):
         return output
 
     @override
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        check_epoch_lengths(self, self.lightning_module.trainer, batch_idx)  # once an epoch, on every rank
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def on_validation_start(self) -> None:
         with naming_peer_failures():  # under local updates the ranks' parameters may differ now
             sync_or_warn_before_validation(self)
@@ -269,11 +275,9 @@ class CompressedDDPStrategy(DDPStrategy):
     def comm_local_state_dict(self) -> dict:
         """This rank's compressor and local-update state, with no collective (for in-memory snapshots)."""
         lu = self.local_update
-        return {
-            "compressor": self.compressor.state_dict() if self.compressor is not None else None,
-            "local_update": lu.state_dict() if lu is not None else None,
-            "local_update_rank": lu.rank_local_state_dict() if lu is not None else None,
-        }
+        return {"compressor": self.compressor.state_dict() if self.compressor is not None else None,
+                "local_update": lu.state_dict() if lu is not None else None,
+                "local_update_rank": lu.rank_local_state_dict() if lu is not None else None}
 
     def load_comm_local_state_dict(self, state: dict) -> None:
         """Restore :meth:`comm_local_state_dict` output (residuals, PowerSGD's Qs, DiLoCo's outer state)."""
@@ -316,17 +320,11 @@ class CompressedDDPStrategy(DDPStrategy):
                                                              lambda t: t.detach().cpu().clone())
                                          for opt in self.optimizers]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        gathered: list = [None] * world if world > 1 else [local]
         if world > 1:
-            gathered: list = [None] * world
             dist.all_gather_object(gathered, local)
-        else:
-            gathered = [local]
-        return {
-            "version": _STATE_VERSION,
-            "world_size": world,
-            "local_update": own["local_update"],
-            "per_rank": gathered,
-        }
+        return {"version": _STATE_VERSION, "world_size": world, "local_update": own["local_update"],
+                "per_rank": gathered}
 
     def load_comm_state_dict(self, state: dict) -> None:
         """Restore :meth:`comm_state_dict` output; each rank takes its own entry of ``per_rank``."""

@@ -19,10 +19,15 @@ validation that comes after a batch without an optimizer step (mid gradient accu
 strategy's ``on_validation_start``. A validation by time (``val_check_interval`` as a duration) is refused: each rank
 reads its own clock, and between syncs the ranks are apart. Without it each rank validated its own parameters:
 ``val/loss`` was a mean over different models and the checkpoint written after it held rank 0's.
+
+Every rank must run as many training batches per epoch (:func:`check_epoch_lengths`): the rank whose epoch ends
+first stops stepping while the others go on, so their next collectives (Lightning's per-batch SIGTERM broadcast, a
+gradient all-reduce, a local-update sync) have no partner.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -123,3 +128,47 @@ def warn_validation_between_syncs(strategy: Any) -> str | None:
     strategy._warned_validation_between_syncs = True
     rank_zero_warn(message)
     return message
+
+
+def uneven_epochs_message(lengths: list[float], batch_idx: int, global_step: int, max_steps: int,
+                          accumulate: int) -> str | None:
+    """The error for ranks whose epochs hold different numbers of training batches (``lengths``, per rank; ``inf``
+    for a loader without a length), or None when they are equal or the fit stops by ``max_steps`` at or before the
+    shortest epoch's last batch (then every rank runs the same batches). ``batch_idx``: the epoch's batches already
+    run (a multiple of ``accumulate``: the epoch's first batch, or where a resume starts)."""
+    if len(set(lengths)) <= 1:
+        return None
+    # Lightning steps every `accumulate` batches and at the epoch's last batch; every batch broadcasts (SIGTERM)
+    if 0 < max_steps and (max_steps - global_step + batch_idx // accumulate) * accumulate <= min(lengths):
+        return None
+    ends = {n: global_step + math.ceil(n / accumulate) - batch_idx // accumulate for n in lengths if math.isfinite(n)}
+    parts = []
+    for n in sorted(set(lengths)):
+        ranks = [r for r, m in enumerate(lengths) if m == n]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:8]))}" + (
+            ", ..." if len(ranks) > 8 else "")
+        parts.append(f"{who}: {n:.0f} batches, its epoch ends after step {ends[n]}" if math.isfinite(n)
+                     else f"{who}: a loader without a length")
+    return (f"the ranks' training epochs differ in length ({'; '.join(parts)}): the rank whose epoch ends first would "
+            "leave the others in a collective until collective_timeout_s; every rank must run the same number of "
+            "training batches per epoch (a DataLoader of one's own under use_distributed_sampler=False: shard it "
+            "evenly, drop or pad the remainder, or set limit_train_batches)")
+
+
+def check_epoch_lengths(strategy: Any, trainer: Any, batch_idx: int) -> None:
+    """A ConfigError (on every rank at once) at an epoch's first training batch when the ranks' epochs differ in
+    length (:func:`uneven_epochs_message`). One all-gather of ``world_size`` numbers per epoch."""
+    key = (id(trainer.fit_loop), trainer.current_epoch)
+    if trainer.world_size < 2 or getattr(strategy, "_epoch_lengths_checked", None) == key:
+        return
+    strategy._epoch_lengths_checked = key
+    import torch
+
+    mine = torch.tensor([float(trainer.num_training_batches)], dtype=torch.float64, device=strategy.root_device)
+    lengths = strategy.all_gather(mine).reshape(-1).tolist()
+    message = uneven_epochs_message(lengths, batch_idx, trainer.global_step, trainer.max_steps,
+                                    trainer.accumulate_grad_batches)
+    if message is not None:
+        from lit_dtrain.errors import ConfigError
+
+        raise ConfigError(message)

@@ -1,0 +1,94 @@
+"""Ranks whose training epochs differ in length fail at the epoch's first batch, not at the collective timeout.
+
+A DataLoader of one's own under ``use_distributed_sampler=False`` with 10 batches on rank 0 and 12 on rank 1
+(``max_epochs=1``, local SGD period 4) hung until ``collective_timeout_s`` (rank 0 at step 9, rank 1 at step 11):
+rank 0's last-step sync met rank 1's per-batch SIGTERM broadcast of Lightning. Under a per-step codec (``int8``) rank 0
+exited 0 after 10 steps and rank 1 hung. The 2-rank fit is in ``tests/dist/test_compressed_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.strategies.fit_end import check_epoch_lengths, uneven_epochs_message
+
+
+def test_uneven_epochs_name_each_ranks_batches_and_last_step():
+    message = uneven_epochs_message([10, 12], batch_idx=0, global_step=0, max_steps=-1, accumulate=1)
+    assert "(rank 0: 10 batches, its epoch ends after step 10; rank 1: 12 batches, its epoch ends after step 12)" in (
+        message)
+    assert "use_distributed_sampler=False" in message
+    # the second epoch of a fit by epochs, 4 batches per step (the last step takes the epoch's 2 remaining batches)
+    message = uneven_epochs_message([10, 12, 10], batch_idx=0, global_step=3, max_steps=-1, accumulate=4)
+    assert "(ranks 0, 2: 10 batches, its epoch ends after step 6; rank 1: 12 batches, its epoch ends after step 6)" in (
+        message)
+    # resumed mid-epoch: 4 of the epoch's batches were run before (1 step), the step counter says 5
+    message = uneven_epochs_message([10, 12], batch_idx=4, global_step=5, max_steps=-1, accumulate=4)
+    assert "ends after step 7; rank 1: 12 batches, its epoch ends after step 7)" in message
+    message = uneven_epochs_message([math.inf, 12], batch_idx=0, global_step=0, max_steps=-1, accumulate=1)
+    assert "(rank 1: 12 batches, its epoch ends after step 12; rank 0: a loader without a length)" in message
+
+
+@pytest.mark.parametrize("lengths, max_steps, error", [
+    ([10, 10], -1, False),
+    ([math.inf, math.inf], -1, False),  # no length: nothing is known ahead
+    ([10, 12], 8, False),  # max_steps stops the fit before either epoch ends: nothing goes wrong
+    ([10, 12], 10, False),  # the shorter epoch's last step is the fit's last on every rank too
+    ([10, 12], 11, True),
+    ([10, 12], -1, True),
+    ([10, math.inf], 10, False),
+    ([10, math.inf], 11, True),
+])
+def test_uneven_epochs_matter_only_when_a_rank_would_reach_its_epochs_end(lengths, max_steps, error):
+    message = uneven_epochs_message(lengths, batch_idx=0, global_step=0, max_steps=max_steps, accumulate=1)
+    assert (message is not None) == error
+
+
+def test_under_accumulation_the_batches_count_not_the_steps():
+    """10 and 12 batches, 4 a step: 3 steps on each rank, but rank 1 runs 2 batches more (each batch broadcasts
+    Lightning's SIGTERM flag): only a max_steps met at a full step within the shorter epoch is safe."""
+    assert uneven_epochs_message([10, 12], batch_idx=0, global_step=0, max_steps=2, accumulate=4) is None  # batch 8
+    assert uneven_epochs_message([10, 12], batch_idx=0, global_step=0, max_steps=3, accumulate=4) is not None
+    assert uneven_epochs_message([12, 14], batch_idx=4, global_step=7, max_steps=9, accumulate=4) is None  # batch 12
+    assert uneven_epochs_message([12, 14], batch_idx=4, global_step=7, max_steps=10, accumulate=4) is not None
+
+
+class _Strategy:
+    """All-gathers the lengths of the other ranks (as given) beside this rank's."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, others: list[float]) -> None:
+        self.others, self.gathers = others, 0
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        return torch.stack([tensor, *(torch.tensor([n], dtype=tensor.dtype) for n in self.others)])
+
+
+def _trainer(num_training_batches: float, epoch: int = 0, world_size: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(fit_loop=object(), current_epoch=epoch, world_size=world_size, global_step=0, max_steps=-1,
+                           num_training_batches=num_training_batches, accumulate_grad_batches=1)
+
+
+def test_the_check_gathers_once_an_epoch_and_raises_a_config_error():
+    strategy = _Strategy([12])
+    with pytest.raises(ConfigError, match=r"rank 0: 10 batches, .* rank 1: 12 batches, its epoch ends after step 12"):
+        check_epoch_lengths(strategy, _trainer(10), batch_idx=0)
+    strategy, trainer = _Strategy([10]), _trainer(10)
+    for batch_idx in range(3):
+        check_epoch_lengths(strategy, trainer, batch_idx)
+    assert strategy.gathers == 1
+    trainer.current_epoch = 1  # a loader reloaded each epoch may change length: asked again
+    strategy.others = [9]
+    with pytest.raises(ConfigError, match="rank 1: 9 batches"):
+        check_epoch_lengths(strategy, trainer, batch_idx=0)
+    assert strategy.gathers == 2
+    single = _Strategy([])
+    check_epoch_lengths(single, _trainer(10, world_size=1), batch_idx=0)
+    assert single.gathers == 0  # one rank: no collective
