@@ -188,6 +188,9 @@ def markdown_table(
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
+        elif r.get("diverged"):  # finished, its final NaN (module.check_finite=false): summary.json says since when
+            since = r.get("first_nonfinite_step")
+            step = f"{step} (diverged{f' from step {since}' if since is not None else ''})"
         lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best_cell} | {gap} |")
     for job in skipped:
         status = (

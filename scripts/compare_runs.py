@@ -31,6 +31,7 @@ from pathlib import Path
 from lit_dtrain.run_dirs import (
     EVENT_GLOB,
     RunDirError,
+    divergence,
     expand_runs,
     finished,
     job_error,
@@ -249,6 +250,7 @@ def compare(
                 "dir": str(run),
                 "finished": done,
                 **({"error": error} if error else {}),
+                **(divergence(run) or {}),
                 **by_metric[metrics[0]],
                 "by_metric": by_metric,
                 **({"tokens_per_step": per_step[len(rows)]} if per_step else {}),

@@ -24,6 +24,8 @@ Warn = Callable[[str], None]  # where a skipped dir or an unreadable multirun.ya
 
 EVENT_GLOB = "events.out.tfevents.*"
 CSV_NAME = "metrics.csv"  # Lightning's CSVLogger (logger=csv: ResumableCSVLogger) writes <run>/csv/metrics.csv
+# the line each start of train(cfg) that passed its checks logs to its job log (lit_dtrain.sweeps.log_training_start)
+TRAINING_STARTS = "training starts: config_resolved.yaml written"
 
 
 class RunDirError(ValueError):
@@ -271,6 +273,19 @@ def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | N
     return isinstance(steps, int) and last <= steps
 
 
+def divergence(run: Path) -> dict | None:
+    """``{"diverged": True, "first_nonfinite_step": N or None}`` for a finished ``train.py`` run whose
+    ``summary.json`` says it diverged (its final values are NaN: ``module.check_finite=false``), else None."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("diverged") is not True:
+        return None
+    step = summary.get("first_nonfinite_step")
+    return {"diverged": True, "first_nonfinite_step": step if isinstance(step, int) else None}
+
+
 def job_log(job: Path) -> Path:
     """The log file Hydra's job logging writes in a job dir: ``<hydra.job.name>.log``, the app's script name
     (``train.log`` for the root ``train.py``, ``my_train.log`` for an app of one's own calling ``train(cfg)``), as
@@ -287,11 +302,13 @@ def job_log(job: Path) -> Path:
 def job_error(job: Path) -> str | None:
     """The error a failed sweep job or single run logged to its Hydra job log (:func:`job_log`; ``train(cfg)``
     logs ``job N failed: Type: message``, or ``run failed: ...``): the last one, since Hydra appends to the log of a
-    run re-run into its dir (``resume=auto``)."""
+    run re-run into its dir (``resume=auto``), and only one logged after the latest :data:`TRAINING_STARTS` line: a
+    later start that trained and was then killed logged none, and its run is unfinished, not failed."""
     try:
         text = job_log(job).read_text(errors="replace")
     except OSError:
         return None
+    text = text[max(text.rfind(TRAINING_STARTS), 0):]
     errors = re.findall(r"\b(?:job \d+|run) failed: (.*)", text)
     return errors[-1].strip() if errors else None
 

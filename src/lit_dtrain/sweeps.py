@@ -147,14 +147,22 @@ def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _log_to_files(logger: logging.Logger, message: str, traceback: bool) -> None:
-    """Log ``message`` at ERROR (with the exception being handled, ``traceback``) to the root logger's file handlers
-    only (Hydra's job log), not to its console."""
-    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None,
-                               sys.exc_info() if traceback else None)
+def _log_to_files(logger: logging.Logger, message: str, traceback: bool, level: int = logging.ERROR) -> None:
+    """Log ``message`` at ``level`` (with the exception being handled, ``traceback``) to the root logger's file
+    handlers only (Hydra's job log), not to its console."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, sys.exc_info() if traceback else None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
             handler.handle(record)
+
+
+def log_training_start(logger: logging.Logger) -> None:
+    """Log :data:`lit_dtrain.run_dirs.TRAINING_STARTS` to Hydra's job log (files only), for a start that passed its
+    checks and trains: :func:`lit_dtrain.run_dirs.job_error` reads only the errors logged after the latest one, so a
+    run whose later start was killed (which logs no error) is not shown as failed with an earlier start's error."""
+    from lit_dtrain.run_dirs import TRAINING_STARTS
+
+    _log_to_files(logger, TRAINING_STARTS, traceback=False, level=logging.INFO)
 
 
 def user_error(e: BaseException) -> BaseException | None:

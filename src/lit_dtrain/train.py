@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.sweeps import check_sweep_world_size, logs_a_failed_job, pin_sweep_dir, sweep_checks
+from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
@@ -181,17 +181,19 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Tra
     return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
 
 
-def save_trained_overrides(out_dir: Path) -> None:
-    """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` (a no-op outside Hydra). Hydra writes
-    ``.hydra/overrides.yaml`` at every start, before the job runs: a start that a check refused in a run dir
-    (a sweep re-run with ``resume=auto`` and its values in another order, a bad value) overwrote the record of the
-    run trained there, and ``scripts/compare_runs.py`` labelled that run with the refused values. This file is
-    written only by a start that passed the checks and trains, beside ``config_resolved.yaml``."""
+def record_training_start(out_dir: Path) -> None:
+    """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` and log that it trains to its job log
+    (:func:`log_training_start`; a no-op outside Hydra). Hydra writes ``.hydra/overrides.yaml`` at every start,
+    before the job runs: a start that a check refused in a run dir (a sweep re-run with ``resume=auto`` and its
+    values in another order, a bad value) overwrote the record of the run trained there, and
+    ``scripts/compare_runs.py`` labelled that run with the refused values. This file is written only by a start
+    that passed the checks and trains, beside ``config_resolved.yaml``."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         overrides = HydraConfig.get().overrides.task
         write_atomically(out_dir / "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
+        log_training_start(log)
 
 
 @logs_a_failed_job  # a sweep job's error, in its log: any Hydra app calling train(cfg) gets it
@@ -315,7 +317,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         # whole or not at all, as the checkpoints: a resume's sweep check and compare_runs.py read both files
         text = OmegaConf.to_yaml(cfg, resolve=True)
         write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
-        save_trained_overrides(out_dir)
+        record_training_start(out_dir)
 
     t0 = time.perf_counter()
     try:

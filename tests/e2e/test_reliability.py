@@ -17,6 +17,7 @@ import torch
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.module import NonFiniteError
+from lit_dtrain.run_dirs import TRAINING_STARTS
 from lit_dtrain.train import train
 from tests.conftest import PYTHON, ROOT, TINY, make_corpus, subprocess_env
 
@@ -347,6 +348,7 @@ def test_a_non_finite_stop_is_one_line_and_its_traceback_is_in_the_runs_log(tmp_
     assert proc.stderr.splitlines()[-1].startswith("error: non-finite gradients at step 1 "), proc.stderr[-3000:]
     log = (tmp_path / "outputs" / "runs" / "nf" / "train.log").read_text()
     assert "[ERROR] - run failed: NonFiniteError: non-finite gradients at step 1 " in log
+    assert log.index(f"[INFO] - {TRAINING_STARTS}\n") < log.index("run failed")  # only errors after it count
     assert "Traceback (most recent call last)" in log
     assert "lit_dtrain.module.NonFiniteError: non-finite gradients at step 1" in log
 

@@ -125,6 +125,28 @@ def test_json_line_is_strict_json_with_a_diverged_run(tmp_path, capsys):
     assert rows["b"]["final"] is None and rows["a"]["final"] == pytest.approx(2.5) and result["best"] == "a"
 
 
+def test_a_diverged_run_says_so_beside_its_nan(tmp_path):
+    """`module.check_finite=false optimizer.lr=1e30`: the run trains on to max_steps with NaN weights and its
+    summary.json says `"diverged": true, "first_nonfinite_step": 2`; its row was '| ... | 6 | nan | - | - |', like a
+    finished run whose metric just happened to be NaN. It says '6 (diverged from step 2)' now."""
+    done = write_run(tmp_path / "done", {3: 3.6, 6: 3.2})
+    (done / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+    (done / "summary.json").write_text(json.dumps({"val_loss": 3.2, "steps": 6, "diverged": False}))
+    div = write_run(tmp_path / "div", {3: float("nan"), 6: float("nan")})
+    (div / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+    (div / "summary.json").write_text(json.dumps({"val_loss": None, "steps": 6, "diverged": True,
+                                                  "first_nonfinite_step": 2}))
+    result = compare_runs.compare([str(done), str(div)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[2:] == [
+        "| done | 6 | 3.2000 | 3.2000 (6) | +0.00% |",
+        "| div | 6 (diverged from step 2) | nan | - | - |",
+    ]
+    assert [(r.get("diverged"), r.get("first_nonfinite_step")) for r in result["runs"]] == [(None, None), (True, 2)]
+    (div / "summary.json").write_text(json.dumps({"steps": 6, "diverged": True}))  # NaN weights, no step known
+    assert "| div | 6 (diverged) | nan | - | - |" in compare_runs.compare(
+        [str(div)], ["val/loss"], out=str(tmp_path / "d.png"))["markdown"]
+
+
 def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_trained(tmp_path):
     """train(cfg) with trainer.max_steps=6, val_check_interval=3 logs val/loss at 2 and 5 (Lightning: the last step's
     0-based index) and its final validate, of the same weights, at 6. The report gave best step 5 and final step 6
@@ -752,6 +774,50 @@ def test_a_job_that_failed_again_shows_its_latest_error(tmp_path):
     assert job_error(failed) == "LossSpikeError: spike at 11"
     result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert [r.get("error") for r in result["runs"]] == [None, "LossSpikeError: spike at 11"]
+
+
+def test_a_failed_run_whose_later_start_was_killed_is_unfinished_not_failed(tmp_path, capsys):
+    """`python train.py optimizer.lr=1e30 run_name=a` failed at step 1 (NonFiniteError); `run_name=a resume=auto` with a
+    sane LR then trained to step 1235 and was killed: its row said '1235 (failed)' with the first start's error, as
+    the killed start logged nothing. Every start that passes its checks now logs TRAINING_STARTS to train.log, and
+    only an error logged after the latest one counts."""
+    from lit_dtrain.run_dirs import TRAINING_STARTS, job_error
+
+    run = write_run(tmp_path / "a", {1229: 1.5072, 1235: 1.5232})
+    (run / "config_resolved.yaml").write_text("trainer: {max_steps: 2000}\n")
+    failed = (f"[x][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n"
+              "[y][lit_dtrain.train][ERROR] - run failed: NonFiniteError: non-finite gradients at step 1\n")
+    (run / "train.log").write_text(failed + f"[z][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n")
+    assert job_error(run) is None
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[2] == "| a | 1235 (unfinished) | 1.5232 | 1.5072 (1229) | +0.00% |"
+    assert "did not finish" in capsys.readouterr().err
+    # that start failed too: its own error; a log of before the marker line: its last error, as before
+    (run / "train.log").write_text(failed * 2)
+    assert job_error(run) == "NonFiniteError: non-finite gradients at step 1"
+    (run / "train.log").write_text(failed.split("\n", 1)[1])
+    assert job_error(run) == "NonFiniteError: non-finite gradients at step 1"
+
+
+def test_a_start_that_trains_logs_its_marker_to_the_job_log_only(tmp_path):
+    """The marker goes to the root logger's file handlers (Hydra's job log), not to the console."""
+    import io
+
+    from lit_dtrain.run_dirs import TRAINING_STARTS
+    from lit_dtrain.sweeps import log_training_start
+
+    root, console = logging.getLogger(), io.StringIO()
+    handlers = [logging.FileHandler(tmp_path / "train.log"), logging.StreamHandler(console)]
+    for h in handlers:
+        h.setLevel(logging.INFO)
+        root.addHandler(h)
+    try:
+        log_training_start(logging.getLogger("lit_dtrain.train"))
+    finally:
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+    assert (tmp_path / "train.log").read_text() == f"{TRAINING_STARTS}\n" and console.getvalue() == ""
 
 
 def test_a_run_stopped_before_logging_the_metric_says_it_did_not_finish(tmp_path, capsys):
