@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.strategies import fit_end
 from lit_dtrain.strategies.fit_end import check_epoch_lengths, uneven_epochs_message
 
 
@@ -59,16 +60,18 @@ def test_under_accumulation_the_batches_count_not_the_steps():
 
 
 class _Strategy:
-    """All-gathers the lengths of the other ranks (as given) beside this rank's."""
+    """Stands for every rank: the all-gather returns this rank's length beside the others' (as given)."""
 
     root_device = torch.device("cpu")
 
-    def __init__(self, others: list[float]) -> None:
+    def __init__(self, others: list[float], monkeypatch) -> None:
         self.others, self.gathers = others, 0
+        monkeypatch.setattr(fit_end, "_all_gather_number", self.gather)
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather(self, value: float, world_size: int, device) -> list[float]:
         self.gathers += 1
-        return torch.stack([tensor, *(torch.tensor([n], dtype=tensor.dtype) for n in self.others)])
+        assert world_size == 1 + len(self.others) and device == self.root_device
+        return [value, *self.others]
 
 
 def _trainer(num_training_batches: float, epoch: int = 0, world_size: int = 2) -> SimpleNamespace:
@@ -76,11 +79,11 @@ def _trainer(num_training_batches: float, epoch: int = 0, world_size: int = 2) -
                            num_training_batches=num_training_batches, accumulate_grad_batches=1)
 
 
-def test_the_check_gathers_once_an_epoch_and_raises_a_config_error():
-    strategy = _Strategy([12])
+def test_the_check_gathers_once_an_epoch_and_raises_a_config_error(monkeypatch):
+    strategy = _Strategy([12], monkeypatch)
     with pytest.raises(ConfigError, match=r"rank 0: 10 batches, .* rank 1: 12 batches, its epoch ends after step 12"):
         check_epoch_lengths(strategy, _trainer(10), batch_idx=0)
-    strategy, trainer = _Strategy([10]), _trainer(10)
+    strategy, trainer = _Strategy([10], monkeypatch), _trainer(10)
     for batch_idx in range(3):
         check_epoch_lengths(strategy, trainer, batch_idx)
     assert strategy.gathers == 1
@@ -89,6 +92,6 @@ def test_the_check_gathers_once_an_epoch_and_raises_a_config_error():
     with pytest.raises(ConfigError, match="rank 1: 9 batches"):
         check_epoch_lengths(strategy, trainer, batch_idx=0)
     assert strategy.gathers == 2
-    single = _Strategy([])
+    single = _Strategy([], monkeypatch)
     check_epoch_lengths(single, _trainer(10, world_size=1), batch_idx=0)
     assert single.gathers == 0  # one rank: no collective

@@ -162,13 +162,25 @@ def check_epoch_lengths(strategy: Any, trainer: Any, batch_idx: int) -> None:
     if trainer.world_size < 2 or getattr(strategy, "_epoch_lengths_checked", None) == key:
         return
     strategy._epoch_lengths_checked = key
-    import torch
-
-    mine = torch.tensor([float(trainer.num_training_batches)], dtype=torch.float64, device=strategy.root_device)
-    lengths = strategy.all_gather(mine).reshape(-1).tolist()
+    lengths = _all_gather_number(float(trainer.num_training_batches), trainer.world_size, strategy.root_device)
     message = uneven_epochs_message(lengths, batch_idx, trainer.global_step, trainer.max_steps,
                                     trainer.accumulate_grad_batches)
     if message is not None:
         from lit_dtrain.errors import ConfigError
 
         raise ConfigError(message)
+
+
+def _all_gather_number(value: float, world_size: int, device: Any) -> list[float]:
+    """Every rank's ``value``, in rank order (torch's all_gather: Lightning's warns that the one it calls is
+    deprecated, a line a project of one's own would see at its first batch)."""
+    import torch
+    import torch.distributed as dist
+
+    from lit_dtrain.utils.distributed import naming_peer_failures
+
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    with naming_peer_failures():
+        dist.all_gather(gathered, mine)
+    return torch.cat(gathered).tolist()
