@@ -1032,10 +1032,10 @@ def test_a_validation_by_time_is_not_guessed_in_the_step():
 
 @pytest.mark.parametrize("local_update", [None, "local_sgd", "diloco"])
 def test_a_fit_under_local_updates_refuses_a_validation_by_time(local_update):
-    """Lightning validates by time when each rank's own clock says so. Under a local-update rule the ranks train apart
-    between syncs, so they validated after different steps: a 2-rank local SGD run (one rank 50 ms per batch slower,
-    ``val_check_interval={"seconds": 0.5}``) paired one rank's validation sync with the other's periodic sync and hung
-    until collective_timeout_s. A per-step codec keeps the ranks in step, as plain DDP does: allowed."""
+    """Lightning validates by time when each rank's own clock says so. Under a local-update rule the sync before a
+    validation then comes after different steps on the ranks: a 2-rank local SGD run (one rank 50 ms per batch slower,
+    ``val_check_interval={"seconds": 0.5}``) paired one rank's validation sync with another collective of the other
+    rank and hung until collective_timeout_s. A per-step codec has no such sync, as plain DDP: allowed."""
     import lightning as L
 
     from lit_dtrain.errors import ConfigError

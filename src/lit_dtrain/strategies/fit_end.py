@@ -17,7 +17,7 @@ after which Lightning's epoch loop will validate (its own ``_should_check_val_fx
 counters it reads are already this batch's) synchronizes early, before that step's callbacks and checkpoints; a
 validation that comes after a batch without an optimizer step (mid gradient accumulation) synchronizes in the
 strategy's ``on_validation_start``. A validation by time (``val_check_interval`` as a duration) is refused: each rank
-reads its own clock, and between syncs the ranks are apart. Without it each rank validated its own parameters:
+reads its own clock, so the ranks would sync after different steps. Without it each rank validated its own parameters:
 ``val/loss`` was a mean over different models and the checkpoint written after it held rank 0's.
 
 Every rank must run as many training batches per epoch (:func:`check_epoch_lengths`): the rank whose epoch ends
@@ -68,17 +68,18 @@ def validates_after_this_step(trainer: Any) -> bool:
 
 def refuse_validation_by_time(strategy: Any, trainer: Any) -> None:
     """A ConfigError for a fit under a local-update rule whose ``val_check_interval`` is a duration. Lightning lets each
-    rank decide from its own clock; without a per-step collective the ranks run up to a period apart, so they validate
-    after different steps and the validation's sync and metric reductions pair with another rank's periodic sync: a
-    2-rank local SGD run (one rank 50 ms per batch slower, 0.5 s interval) hung until ``collective_timeout_s``."""
+    rank decide from its own clock, so the ranks decide after different steps to sync and validate, and one rank's
+    validation sync pairs with another collective of the other rank (Lightning's per-batch broadcast or a periodic
+    sync): a 2-rank local SGD run (one rank 50 ms per batch slower, 0.5 s interval) hung until
+    ``collective_timeout_s``."""
     seconds = getattr(trainer, "_val_check_time_interval", None)
     if strategy.local_update is None or seconds is None or getattr(trainer.state, "fn", None) != "fit":
         return
     from lit_dtrain.errors import ConfigError
 
     raise ConfigError(f"val_check_interval is a duration ({seconds:g} s), which each rank measures on its own clock: "
-                      f"under {strategy.local_update.name} the ranks train apart between syncs, so they would validate "
-                      "after different steps and their collectives would not match (a hang until "
+                      f"under {strategy.local_update.name} the ranks would decide after different steps to sync and "
+                      "validate, and their collectives would not match (a hang until "
                       "collective_timeout_s); set val_check_interval in batches")
 
 
