@@ -25,6 +25,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
+from lit_dtrain.step_rng import forward_rng, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class LitLLM(L.LightningModule):
         self.flops_per_batch: float | None = None  # of the current batch, read by ThroughputMonitor (FLOP/s, MFU)
         self._flops_by_shape: dict[tuple, float] = {}
         self._ids_checked = False  # the current loop's first batch was checked (see _check_token_ids)
+        self._run_seed = 0  # set at train start (see _forward_rng_of_step)
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -184,6 +186,7 @@ class LitLLM(L.LightningModule):
         # the WSDScheduler callback, or with '~scheduler') leaves the new scheduler at step 0 while global_step
         # continues from the checkpoint: it would re-warm and put the decay S steps too late. Align it.
         self._loss_step = None  # a new fit (perhaps restored to an earlier step) sums no stale micro-batch loss
+        self._run_seed = torch.initial_seed()  # train.py's seed_everything(seed): the forward's draws derive from it
         step = self.trainer.global_step
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
@@ -211,7 +214,7 @@ class LitLLM(L.LightningModule):
 
     # ---- steps ------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        token_loss = self._token_loss(batch)  # (B, T) fp32 (float64 under 64-true)
+        token_loss = self._forward_rng_of_step(batch)  # (B, T) fp32 (float64 under 64-true)
         if "loss_weight" in batch:  # importance weights from a sampler (unbiased estimate)
             loss = (token_loss.mean(dim=1) * batch["loss_weight"].to(token_loss)).mean()
         else:
@@ -219,6 +222,16 @@ class LitLLM(L.LightningModule):
         step_loss = self._step_mean_loss(loss.detach())
         self.log("train/loss", step_loss, on_step=True, prog_bar=True, batch_size=token_loss.size(0))
         return {"loss": loss, "token_loss": token_loss.detach(), "index": batch.get("index")}
+
+    def _forward_rng_of_step(self, batch: dict) -> torch.Tensor:
+        """The token loss, its forward's random draws (dropout) seeded from the step (lit_dtrain.step_rng)."""
+        if self._trainer is None:
+            return self._token_loss(batch)
+        step = self._trainer.global_step
+        micro = self._loss_count if step == self._loss_step else 0  # this step's micro-batches so far
+        seed = step_seed(self._run_seed, step, micro, self.global_rank)
+        with forward_rng(seed, self.device):
+            return self._token_loss(batch)
 
     def _step_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss of this optimizer step's micro-batches so far. With ``accumulate_grad_batches=A`` Lightning
