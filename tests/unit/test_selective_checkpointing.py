@@ -281,6 +281,15 @@ def test_budget_callback_probes_and_restores_state_plan():
     assert [w.mode for w in other.wrappers] == cb.plan
 
 
+def test_budget_probe_longer_than_the_model_names_probe_seq_len():
+    """probe_seq_len above the model's block_size failed in the probe's forward with the model's ValueError, under
+    Hydra's traceback, naming no setting."""
+    cb = SelectiveCheckpointing(policy="budget", probe_seq_len=1000)
+    with pytest.raises(ConfigError, match=r"probe_seq_len=1000 exceeds the model's block_size 64; use probe_seq_len "
+                                          r"<= 64"):
+        cb._probe_forward(L.Trainer(accelerator="cpu", logger=False), lit_llm())
+
+
 def test_budget_resume_says_which_plan_it_uses():
     """A resumed budget run probes again in setup and logs that plan, then load_state_dict puts the checkpoint's plan
     back: when the two differ (another memory_budget, noisy timings) the run must say that the probe's plan is not

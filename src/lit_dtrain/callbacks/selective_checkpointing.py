@@ -287,6 +287,9 @@ class SelectiveCheckpointing(Callback):
             )
         seq = self.probe_seq_len or getattr(getattr(trainer, "datamodule", None), "block_size", None)
         seq = int(seq or config.block_size)
+        if seq > config.block_size:  # the probe's forward failed inside the model, naming no setting
+            raise ConfigError(f"SelectiveCheckpointing probe_seq_len={seq} exceeds the model's block_size "
+                              f"{config.block_size}; use probe_seq_len <= {config.block_size} (null: data.block_size)")
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, config.vocab_size, (self.probe_batch_size, seq + 1), generator=gen).to(device)
 
