@@ -88,6 +88,11 @@ def test_an_error_names_the_script_also_where_a_test_loads_it(capsys):
     with pytest.raises(SystemExit):
         generate.main(["missing.ckpt"])
     assert capsys.readouterr().err.startswith("generate.py: error: checkpoint 'missing.ckpt'")
+    # a --seed outside train.py's [0, 2**32 - 1]: a traceback ('Overflow when unpacking long long') past 2**64
+    for seed, message in (("-1", "must be >= 0, got -1"), (str(2**70), f"must be <= {2**32 - 1}")):
+        with pytest.raises(SystemExit):
+            generate.main(["missing.ckpt", "--seed", seed])
+        assert f"generate.py: error: argument --seed: {message}" in capsys.readouterr().err
 
 
 def test_help_shows_each_options_default():
