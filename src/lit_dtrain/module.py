@@ -25,7 +25,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
-from lit_dtrain.step_rng import forward_rng, step_seed
+from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class LitLLM(L.LightningModule):
         self.flops_per_batch: float | None = None  # of the current batch, read by ThroughputMonitor (FLOP/s, MFU)
         self._flops_by_shape: dict[tuple, float] = {}
         self._ids_checked = False  # the current loop's first batch was checked (see _check_token_ids)
-        self._run_seed = 0  # set at train start (see _forward_rng_of_step)
+        self._run_seed, self._draws_random = 0, False  # set at train start (see _forward_rng_of_step)
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -187,6 +187,7 @@ class LitLLM(L.LightningModule):
         # continues from the checkpoint: it would re-warm and put the decay S steps too late. Align it.
         self._loss_step = None  # a new fit (perhaps restored to an earlier step) sums no stale micro-batch loss
         self._run_seed = torch.initial_seed()  # train.py's seed_everything(seed): the forward's draws derive from it
+        self._draws_random = draws_random(self.model)  # without dropout the forward runs on the generators unforked
         step = self.trainer.global_step
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
@@ -225,7 +226,7 @@ class LitLLM(L.LightningModule):
 
     def _forward_rng_of_step(self, batch: dict) -> torch.Tensor:
         """The token loss, its forward's random draws (dropout) seeded from the step (lit_dtrain.step_rng)."""
-        if self._trainer is None:
+        if self._trainer is None or not self._draws_random:
             return self._token_loss(batch)
         step = self._trainer.global_step
         micro = self._loss_count if step == self._loss_step else 0  # this step's micro-batches so far

@@ -17,6 +17,14 @@ import hashlib
 import torch
 
 
+def draws_random(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s training forward draws random numbers: a ``config.dropout`` above 0 (lit_dtrain's Llama)
+    or an ``nn.Dropout`` with ``p > 0``. A model that draws none runs unforked (no generator state is read or set)."""
+    if float(getattr(getattr(model, "config", None), "dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
 def step_seed(base_seed: int, step: int, micro_batch: int, rank: int) -> int:
     """A 63-bit seed for one micro-batch's forward; distinct across steps, micro-batches and ranks."""
     key = f"{base_seed}:{step}:{micro_batch}:{rank}".encode()

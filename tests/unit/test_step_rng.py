@@ -28,3 +28,14 @@ def test_the_generator_outside_is_untouched():
     torch.manual_seed(0)
     _mask(123)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_only_a_model_that_draws_random_numbers_runs_on_forked_generators():
+    from lit_dtrain.models.llama import Llama, LlamaConfig
+    from lit_dtrain.step_rng import draws_random
+
+    small = dict(vocab_size=16, d_model=16, n_layer=1, n_head=2, block_size=8)
+    assert not draws_random(Llama(LlamaConfig(**small)))  # the default dropout 0: unforked, no generator touched
+    assert draws_random(Llama(LlamaConfig(**small, dropout=0.1)))
+    assert not draws_random(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+    assert draws_random(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout2d(0.2)))
