@@ -924,6 +924,34 @@ def test_lag_one_logs_the_top_band_energy_of_each_logged_step_once_it_has_landed
     assert written[1] == written[0]
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_logged_top_band_energy_is_the_mean_over_the_steps_micro_batches(lag):
+    """Under gradient accumulation fourier/top_band_energy was the last micro-batch's value alone (lag 0: the stats of
+    the last observe(); lag 1: the last update applied), 1/k of the step's windows. It is the mean over all of them,
+    under both lags: here 2 micro-batches a step, whose top band energies differ by a factor of ~100."""
+    obs = _observations(6, batch=4, T=32)
+    cb, s = FourierSamplerCallback(), make(stages=False, lag=lag)
+    trainer = _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 2, 1
+    trainer.loggers = [_ListLogger()]
+    module = _Recorder(trainer)
+    expected = []
+    for step in range(3):
+        micro = [(obs[2 * step][0] * 10.0, obs[2 * step][1]), obs[2 * step + 1]]
+        reference = make(stages=False)
+        expected.append(sum(reference.observe(loss, idx, step)["top_band_energy"] for loss, idx in micro) / 2)
+        trainer.global_step = step
+        for k, (loss, idx) in enumerate(micro):
+            cb.on_train_batch_start(trainer, module, None, 2 * step + k)
+            trainer.global_step = step + k  # advanced before the batch end of the step's last micro-batch only
+            cb.on_train_batch_end(trainer, module, {"token_loss": loss, "index": idx}, None, 2 * step + k)
+    cb.on_train_end(trainer, module)
+    written = [(step, v) for step, name, v in trainer.loggers[0].rows if name == "fourier/top_band_energy"]
+    assert [step for step, _ in written] == [0, 1, 2]
+    for (_, value), mean in zip(written, expected):
+        assert value == pytest.approx(mean, rel=1e-6)
+
+
 def test_lag_one_logging_never_reads_the_token_loss_on_the_host():
     """As observe() (see the meta test above), the callback's logging under lag=1 must not read the step's token loss:
     a logged step with meta token losses (no data: any read fails) writes its row; float() of the energy failed."""

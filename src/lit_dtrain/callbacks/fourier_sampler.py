@@ -13,14 +13,15 @@ end: an fp16 overflow keeps its grads and is still learned from; its non-finite 
 applies the stage's LR multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR
 is restored right after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs
 ``fourier/mix``, ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
-``fourier/top_band_energy``, ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and ``fourier/nonfinite_skipped``
-(samples whose token loss was NaN/inf, which the sampler leaves out of its table; the first one also warns) to the
-loggers (TensorBoard by default), after the steps ``k`` with ``(k + 1) % log_every_n_steps == 0`` (Lightning's own
-cadence, so the rows line up with ``train/loss``). With the sampler's ``lag=1``, ``fourier/top_band_energy`` of step
-``k`` is a value the GPU computes: it is written under step ``k`` once it has reached the host with step ``k``'s
-update, at the end of step ``k + 1`` (the last step's at the end of training), so that logging never waits for
-the GPU either. Under manual optimization the step of the sampler's schedules is ``global_step`` over the number of
-optimizers (:func:`sampler_step`).
+``fourier/top_band_energy`` (this rank's mean energy, in nats², of the top active band of a window's token-loss
+spectrum, over the step's micro-batches), ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and
+``fourier/nonfinite_skipped`` (samples whose token loss was NaN/inf, which the sampler leaves out of its table; the
+first one also warns) to the loggers (TensorBoard by default), after the steps ``k`` with ``(k + 1) %
+log_every_n_steps == 0`` (Lightning's own cadence, so the rows line up with ``train/loss``). With the sampler's
+``lag=1``, ``fourier/top_band_energy`` of step ``k`` is a value the GPU computes: it is written under step ``k`` once
+it has reached the host with step ``k``'s update, at the end of step ``k + 1`` (the last step's at the end of
+training), so that logging never waits for the GPU either. Under manual optimization the step of the sampler's
+schedules is ``global_step`` over the number of optimizers (:func:`sampler_step`).
 """
 
 from __future__ import annotations
@@ -204,9 +205,11 @@ class FourierSamplerCallback(L.Callback):
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
         # entropy would be that of the *next* draw, not of the distribution this step's batches were drawn from
         prob_entropy = sampler.entropy() if log_now else None
+        energies = []  # each micro-batch's (lag 0: floats; lag 1: on the device, averaged once landed)
         for token_loss, index in micro_outputs:
             stats = sampler.observe(token_loss, index, step=step)
             self._comm_bytes += stats["comm_bytes"]
+            energies.append(stats["top_band_energy"])
         self._after_apply(trainer, pl_module, sampler)
         if log_now:
             metrics = {
@@ -220,8 +223,8 @@ class FourierSamplerCallback(L.Callback):
             }
             if sampler.lag:  # a tensor on the GPU: written once it has reached the host (see _after_apply)
                 self._energy_owed = step
-            else:  # observe() has read it already
-                metrics["fourier/top_band_energy"] = float(stats["top_band_energy"])
+            else:  # observe() has read them already; the step's mean (it was the last micro-batch's alone)
+                metrics["fourier/top_band_energy"] = sum(energies) / len(energies)
             log_step_metrics(trainer, pl_module, metrics, step)
         self._comm_bytes = 0
 

@@ -137,22 +137,25 @@ class UpdateQueue:
             index, score, profile = _unpack(update.records(), self.fine_bands)
             self._apply(index, score, profile, update.step)
             if update.stats is not None:  # on the host now (records() waited for the copy)
-                self._landed = {"step": update.step, "top_band_energy": float(update.stats)}
+                self._landed = _add_stat(self._landed if self._landed and self._landed["step"] == update.step
+                                         else {"step": update.step, "sum": 0.0, "count": 0}, update.stats)
 
     def landed_stats(self, step: int, wait: bool = False) -> dict | None:
-        """``lag=1``: this rank's ``top_band_energy`` of the last micro-batch observed at ``step``, read on the host,
+        """``lag=1``: this rank's ``top_band_energy`` of ``step`` (the mean over the micro-batches it observed at that
+        step, as the callback logs it under ``lag=0``), read on the host,
         as ``{"step", "top_band_energy"}``, once that step's update has been applied (at the next step's
         :meth:`observe` or :meth:`step_not_observed`), so reading it never waits for the device. With ``wait``, a
         step whose update is still pending is read from it (this waits for its copy: for the end of training).
         None when the value is not known (lag 0, another step, or an update restored from a checkpoint)."""
-        if self._landed is not None and self._landed["step"] == step:
-            return dict(self._landed)
-        if wait:
-            for update in reversed(self._pending):
+        landed = self._landed if self._landed is not None and self._landed["step"] == step else None
+        if wait:  # (a step's micro-batches are applied together, so they are all landed or all pending)
+            for update in self._pending:
                 if update.step == step and update.stats is not None:
                     update.records()  # waits for the copy of the records and of the stats
-                    return {"step": step, "top_band_energy": float(update.stats)}
-        return None
+                    landed = _add_stat(landed or {"step": step, "sum": 0.0, "count": 0}, update.stats)
+        if landed is None:
+            return None
+        return {"step": step, "top_band_energy": landed["sum"] / landed["count"]}
 
     def _restore_pending(self, step: int, records: torch.Tensor) -> None:
         """Take back an update saved before it was applied (``lag=1``); under ``lag=0`` it is applied at once."""
@@ -170,6 +173,11 @@ class UpdateQueue:
             )
         self._pending.append(_Update(step, parts=[records.clone()]))
         self.flush()  # lag=0 applies it now; lag=1 at the next observe, as the run that saved it would have
+
+
+def _add_stat(landed: dict, stats: torch.Tensor) -> dict:
+    """``landed`` (``{"step", "sum", "count"}``) with one more micro-batch's ``top_band_energy`` (on the host)."""
+    return {"step": landed["step"], "sum": landed["sum"] + float(stats), "count": landed["count"] + 1}
 
 
 def _pack(index: torch.Tensor, score: torch.Tensor, profile: torch.Tensor) -> torch.Tensor:
