@@ -1520,6 +1520,28 @@ def test_a_band_config_changed_on_resume_is_refused_not_silently_replaced(change
     assert (auto.max_freq, auto.num_bands) == (256, 4)
 
 
+def test_stages_turned_off_on_resume_keep_the_finer_profile_and_score_with_its_merged_bands():
+    """A table saved with stages on holds an 8-band profile; resuming it with data.sampler.stages=false (4 bands) was
+    refused ("'profile' has 8 bands, this configuration uses 4"), and no setting let it through (num_bands=8 differs
+    from the saved num_bands=4). The finer profile merges exactly into 4 bands: the resumed table is kept, draws as
+    before, and scores new batches as a sampler whose table was built with stages off from the same profiles."""
+    s = make(max_freq=256, num_bands=4, step_unit=1000, variant="magnitude")  # stages on: warmup, 4 of 8 bands
+    feed(s, 3)
+    state = s.state_dict()
+    assert state["profile"].shape[1] == 8
+    off = make(stages=False, variant="magnitude")
+    off.load_state_dict(state)
+    assert torch.equal(off.probabilities(3), s.probabilities(3))
+    assert off.fine_bands == 8 and off.bands_at(3) == 4
+    loss, idx = torch.rand(8, 64, generator=torch.Generator().manual_seed(9)), torch.arange(8)
+    merged = S.merge_bands(S.band_energies(loss, 256, 8), 4)
+    assert torch.allclose(merged, S.band_energies(loss, 256, 4), rtol=1e-5, atol=1e-7)  # why keeping it is exact
+    stats = off.observe(loss, idx, 4)
+    assert stats["bands"] == 4 and off.profile.shape[1] == 8 and bool(off.visits[idx].gt(0).all())
+    with pytest.raises(ValueError, match="'profile' has 8 bands, this configuration needs 10"):
+        make(step_unit=1000, stage_table=[["a", 0, 4, 0.3, 1.0], ["b", 5, 10, 0.5, 1.0]]).load_state_dict(state)
+
+
 @pytest.mark.parametrize("kw", [{"mix_initial": 1.5}, {"mix_final": -0.2}, {"eps": 0.0}, {"eps": -1e-8}])
 def test_mix_weights_outside_0_1_and_a_non_positive_eps_are_rejected(kw):
     """The stage table's mix must lie in [0, 1], the cosine schedule's mix_initial/mix_final were not checked

@@ -92,11 +92,16 @@ class TableState:
                     )
             self.max_freq, self.num_bands = int(state["max_freq"]), int(state["num_bands"])
             self._bind_length(int(state["seq_len"]))
-            if state["profile"].shape[1] != self.fine_bands:
+            saved_fine = int(state["profile"].shape[1])
+            if saved_fine < self.fine_bands:  # a coarser profile cannot be split into the finer bands needed
                 raise ConfigError(
-                    f"FourierSampler state 'profile' has {state['profile'].shape[1]} bands, this configuration "
-                    f"uses {self.fine_bands} (stages/stage_table/num_bands changed since the checkpoint)"
+                    f"FourierSampler state 'profile' has {saved_fine} bands, this configuration needs "
+                    f"{self.fine_bands} (stages/stage_table/num_bands changed since the checkpoint): resume with the "
+                    "checkpoint's stage settings, or start the table over in a new run"
                 )
+            # a finer profile (stages turned off, a stage table with fewer bands) merges exactly into the bands used
+            # now (merge_bands, same max_freq): it is kept, and new updates fill it at its resolution (it was refused)
+            self.fine_bands = saved_fine
             self.profile = state["profile"].half().clone()
         self._touch(target=True, raw=True)
         for step, records in pending:
