@@ -22,6 +22,7 @@ import torch
 from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
 from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
+from lit_dtrain.utils.distributed import all_gather_stacked
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -100,7 +101,7 @@ def _agree_on_the_signal(trainer: L.Trainer, signum: int) -> None:
     rank's, 0 for none), as the callback's own agreement in training does: after Ctrl-C to one rank in fit's last
     validation that rank exited with 130 and the others, which got no signal, with 143 (SIGTERM's)."""
     mine = torch.tensor(int(signum), device=trainer.strategy.root_device)
-    agreed = int(trainer.strategy.all_gather(mine).max())
+    agreed = int(all_gather_stacked(mine).max())
     for c in trainer.callbacks:
         if isinstance(c, PreemptionCheckpoint):
             c.signum = agreed

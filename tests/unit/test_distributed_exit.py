@@ -73,3 +73,23 @@ def test_a_one_process_group_the_run_started_is_destroyed_when_train_returns(tin
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_all_gather_stacked_stacks_by_rank_without_torchs_deprecation_warning(tmp_path):
+    """Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which torch 2.13
+    deprecates with a FutureWarning on the console (a spike exclusion or a stop signal under DDP printed it)."""
+    import warnings
+
+    import torch
+
+    from lit_dtrain.utils.distributed import all_gather_stacked
+
+    assert torch.equal(all_gather_stacked(torch.tensor([3, 4])), torch.tensor([[3, 4]]))  # no group: one rank
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any warning fails the test
+            gathered = all_gather_stacked(torch.tensor([7.5]))
+        assert gathered.shape == (1, 1) and gathered.item() == 7.5
+    finally:
+        dist.destroy_process_group()

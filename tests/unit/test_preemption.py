@@ -98,8 +98,7 @@ def test_ranks_agree_once_per_optimizer_step_and_save_at_its_end(tmp_path: Path)
     batch = {"idx": 0}
     trainer = SimpleNamespace(
         world_size=2, received_sigterm=False, global_step=0,
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: decisions.append(d) or d,
-                                 all_gather=lambda t: t.unsqueeze(0)),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: decisions.append(d) or d),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
             _should_accumulate=lambda: (batch["idx"] + 1) % accumulate != 0)),
         _signal_connector=SimpleNamespace(received_sigterm=False), checkpoint_callbacks=[], max_steps=-1,
@@ -268,7 +267,7 @@ def test_a_sigterm_during_the_last_validation_also_exits_with_status_143(tiny_cf
     assert metrics["steps"] == 6 and json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
-def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tmp_path: Path) -> None:
+def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tmp_path: Path, monkeypatch) -> None:
     """Ctrl-C to rank 0 alone (``kill -INT <pid>``; SIGINT is not forwarded): rank 1 stopped with it at the agreed
     step but logged 'exiting with status 143 (stopped by SIGTERM ...)'. The ranks now agree on the signal (all_gather,
     once, when they stop), so rank 1 exits with 130 too."""
@@ -282,9 +281,10 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
         gathered.append(int(t))
         return torch.tensor([int(signal.SIGINT), int(t)])
 
+    monkeypatch.setattr("lit_dtrain.callbacks.preemption.all_gather_stacked", all_gather)
     trainer = SimpleNamespace(
         world_size=2, received_sigterm=False, global_step=3,
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, all_gather=all_gather),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
         _signal_connector=SimpleNamespace(received_sigterm=False),
         save_checkpoint=lambda path, weights_only=False: None, checkpoint_callbacks=[], max_steps=-1,
@@ -297,7 +297,9 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
 
 
 
-def test_after_the_last_step_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tmp_path):
+def test_after_the_last_step_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(
+    tmp_path, monkeypatch
+):
     """Ctrl-C to rank 1 alone in fit's last validation (the signal is only recorded there): the ranks agreed to stop
     after fit, and rank 1 exited with 130, rank 0, which got no signal, with 143 ('stopped by SIGTERM'). They now
     agree on the signal there too."""
@@ -311,10 +313,10 @@ def test_after_the_last_step_a_rank_that_got_no_signal_stops_with_the_signal_of_
         gathered.append(int(t))
         return torch.tensor([int(t), int(signal.SIGINT)])
 
+    monkeypatch.setattr("lit_dtrain.sigterm_exit.all_gather_stacked", all_gather)
     trainer = SimpleNamespace(
         world_size=2, received_sigterm=False, global_step=6, callbacks=[PreemptionCheckpoint(dirpath=str(tmp_path))],
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, all_gather=all_gather,
-                                 root_device=torch.device("cpu")),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, root_device=torch.device("cpu")),
     )
     assert sigterm_after_the_last_step(trainer) and gathered == [0]
     assert stopped_by_sigterm(trainer, saved_last=True) == 130

@@ -15,6 +15,8 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch.utils.data import SequentialSampler
 
+from lit_dtrain.utils.distributed import all_gather_stacked
+
 DROP_ACTIONS = {"skip", "rollback"}  # the actions that exclude the spike's samples, so need the batch's indices
 
 
@@ -64,10 +66,10 @@ def gather_indices(trainer, indices: list[torch.Tensor]) -> list[int]:
     local = torch.cat(indices).reshape(-1)
     if trainer.world_size == 1:
         return [int(i) for i in local.tolist()]
-    sizes = trainer.strategy.all_gather(torch.tensor([local.numel()], device=local.device)).reshape(-1).tolist()
+    sizes = all_gather_stacked(torch.tensor([local.numel()], device=local.device)).reshape(-1).tolist()
     padded = local.new_zeros(max(sizes))
     padded[: local.numel()] = local
-    gathered = trainer.strategy.all_gather(padded).reshape(len(sizes), -1)
+    gathered = all_gather_stacked(padded).reshape(len(sizes), -1)
     return [int(i) for rank, n in enumerate(sizes) for i in gathered[rank, : int(n)].tolist()]
 
 

@@ -55,6 +55,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.utils.distributed import all_gather_stacked
 
 # the signals that stop a run at the end of the current optimizer step, with last.ckpt saved
 STOP_SIGNALS = tuple(
@@ -193,7 +194,7 @@ class PreemptionCheckpoint(L.Callback):
                 return
         if trainer.world_size > 1:  # and on the signal: a rank that got none exits with the others' 130, not 143
             mine = torch.tensor(self.signum or 0, device=getattr(pl_module, "device", "cpu"))
-            self.signum = int(trainer.strategy.all_gather(mine).max()) or None
+            self.signum = int(all_gather_stacked(mine).max()) or None
         path = os.path.join(self.dirpath, self.filename)
         _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
         before = _file_identity(path)

@@ -173,15 +173,10 @@ def check_epoch_lengths(strategy: Any, trainer: Any, batch_idx: int) -> None:
 
 
 def _all_gather_number(value: float, world_size: int, device: Any) -> list[float]:
-    """Every rank's ``value``, in rank order (torch's all_gather: Lightning's warns that the one it calls is
-    deprecated, a line a project of one's own would see at its first batch)."""
+    """Every rank's ``value``, in rank order (``world_size`` values)."""
     import torch
-    import torch.distributed as dist
 
-    from lit_dtrain.utils.distributed import naming_peer_failures
+    from lit_dtrain.utils.distributed import all_gather_stacked, naming_peer_failures
 
-    mine = torch.tensor([value], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
     with naming_peer_failures():
-        dist.all_gather(gathered, mine)
-    return torch.cat(gathered).tolist()
+        return all_gather_stacked(torch.tensor([value], dtype=torch.float64, device=device)).reshape(-1).tolist()

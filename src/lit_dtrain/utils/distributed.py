@@ -169,3 +169,19 @@ def naming_peer_failures():
         if distributed and is_collective_failure(exc):
             raise explain_collective_failure(exc) from exc
         raise
+
+
+def all_gather_stacked(tensor):
+    """Every rank's ``tensor`` (same shape on every rank), stacked in rank order: ``(world_size, *tensor.shape)``
+    (``(1, ...)`` without a process group). What Lightning's ``strategy.all_gather`` returns, through
+    ``torch.distributed.all_gather``: Lightning's goes through ``torch.distributed.nn.functional.all_gather``, which
+    torch 2.13 deprecates with a ``FutureWarning`` printed on the run's console the first time (a spike exclusion or
+    a stop signal under DDP). No autograd: these gathers carry decisions, not activations."""
+    import torch
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return torch.stack(gathered)
