@@ -9,8 +9,9 @@ Prodigy's learned ``d``, come from the snapshot). A
 strategy that keeps state of its own between steps (``CompressedDDPStrategy``: error-feedback residuals,
 PowerSGD's warm start, DiLoCo's outer parameters) is snapshotted through ``comm_local_state_dict`` /
 ``load_comm_local_state_dict``, no collective involved. So is the average of a weight-averaging callback
-(Lightning's ``WeightAveraging``, ``EMAWeightAveraging``): a rollback that kept it left the discarded steps' weights,
-the spike's among them, in the EMA model a user evaluates and saves (one more copy of the weights per snapshot).
+(Lightning's ``WeightAveraging``, ``EMAWeightAveraging``, and ``StochasticWeightAveraging`` with its count of averaged
+models): a rollback that kept it left the discarded steps' weights, the spike's among them, in the average a user
+evaluates and saves (one more copy of the weights per snapshot).
 Snapshots are not checkpointed: after a resume the
 ring starts again from the resumed state. Full (unsharded) state dicts only; sharded strategies are rejected
 by the caller.
@@ -23,7 +24,7 @@ from collections import deque
 from collections.abc import Mapping
 
 import torch
-from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
 
 def to_cpu(obj):
@@ -55,20 +56,41 @@ SCHEDULED = ("lr", "momentum", "betas", "weight_decay")
 
 
 def current_hparams(trainer) -> list[list[dict]]:
-    """Every param group's :data:`SCHEDULED` entries as the schedule set them now (an LR scheduler or a callback such
-    as WSDScheduler)."""
-    return [[{k: g[k] for k in SCHEDULED if k in g} for g in opt.param_groups] for opt in trainer.optimizers]
+    """Every param group's entries but its params, as they are now (the LR an LR scheduler or a callback such as
+    WSDScheduler set, and the entries a scheduler created since the snapshot added)."""
+    return [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in trainer.optimizers]
 
 
 def set_hparams(trainer, hparams: list[list[dict]]) -> None:
+    """Put back the :data:`SCHEDULED` entries of ``hparams``, and those the snapshot's groups lack: SWA's ``SWALR``,
+    created at its first epoch after the snapshot, adds ``swa_lr`` to each group, and its next step failed with
+    ``KeyError: 'swa_lr'`` once a restore had dropped it."""
     for opt, opt_hparams in zip(trainer.optimizers, hparams):
         for group, values in zip(opt.param_groups, opt_hparams):
-            group.update(values)
+            group.update({k: v for k, v in values.items() if k in SCHEDULED or k not in group})
 
 
-def averagers(trainer) -> list[WeightAveraging]:
+AVERAGING = (WeightAveraging, StochasticWeightAveraging)
+"""Lightning's weight-averaging callbacks (``EMAWeightAveraging`` is a ``WeightAveraging``)."""
+
+
+def averagers(trainer) -> list:
     """The trainer's weight-averaging callbacks whose average exists (built at fit setup)."""
-    return [c for c in trainer.callbacks if isinstance(c, WeightAveraging) and c._average_model is not None]
+    return [c for c in trainer.callbacks if isinstance(c, AVERAGING) and c._average_model is not None]
+
+
+def average_state(callback) -> dict:
+    """The average's weights, and ``StochasticWeightAveraging``'s count of averaged models (its ``AveragedModel``
+    keeps that count in its own state dict; SWA's is an attribute, None before its first epoch)."""
+    count = getattr(callback, "n_averaged", None) if isinstance(callback, StochasticWeightAveraging) else None
+    return {"model": to_cpu(callback._average_model.state_dict()), "n_averaged": None if count is None else int(count)}
+
+
+def load_average_state(callback, state: dict) -> None:
+    callback._average_model.load_state_dict(state["model"])  # (copied into its tensors, on their device)
+    count = getattr(callback, "n_averaged", None) if isinstance(callback, StochasticWeightAveraging) else None
+    if count is not None:  # 0 if SWA started after the snapshot: its next update starts the average afresh
+        count.fill_(state["n_averaged"] or 0)
 
 
 def layout(trainer) -> list[list[int]]:
@@ -87,7 +109,7 @@ def capture(trainer) -> dict:
         "optimizers": [to_cpu(opt.state_dict()) for opt in trainer.optimizers],
         "scaler": scaler_state(trainer),
         "strategy": to_cpu(comm_state()) if comm_state is not None else None,
-        "averages": [to_cpu(c._average_model.state_dict()) for c in averagers(trainer)],
+        "averages": [average_state(c) for c in averagers(trainer)],
     }
 
 
@@ -108,7 +130,7 @@ def restore(trainer, snapshot: dict) -> None:
     if snapshot["strategy"] is not None:
         trainer.strategy.load_comm_local_state_dict(to_cpu(snapshot["strategy"]))
     for callback, state in zip(averagers(trainer), snapshot["averages"]):
-        callback._average_model.load_state_dict(state)  # (copied into its tensors, on their device)
+        load_average_state(callback, state)
 
 
 class SnapshotRing:
