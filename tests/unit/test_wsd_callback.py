@@ -241,7 +241,7 @@ def test_callback_refuses_a_module_that_has_its_own_scheduler():
         (dict(total_steps=10, warmup_steps=-1, decay_steps=1), "warmup_steps"),
         (dict(total_steps=10, decay_steps=2, min_lr_factor=2.0), "min_lr_factor"),
         (dict(total_steps=10, decay_steps=2, decay_type="step"), "decay_type"),
-        (dict(total_steps=10), "exactly one of decay_steps and decay_fraction"),
+        (dict(total_steps=10), "^WSDScheduler: give the decay's length, decay_steps=<steps> or decay_fraction="),
     ],
 )
 def test_callback_invalid_arguments_raise(kwargs, match):
@@ -288,7 +288,8 @@ def test_both_decay_arguments_name_the_arguments_and_the_config_check_names_the_
 
     for kw in (dict(decay_steps=50, decay_fraction=0.2), {}):
         with pytest.raises(ValueError, match=r"^WSDScheduler: give exactly one of decay_steps and decay_fraction, "
-                                             r"got decay_steps=\w+, decay_fraction=[\w.]+$"):
+                                             r"got decay_steps=\w+, decay_fraction=[\w.]+$" if kw else
+                           r"^WSDScheduler: give the decay's length, .* there is no default$"):
             WSDScheduler(total_steps=100, **kw)
         with pytest.raises(ValueError, match=r"^give exactly one of decay_steps and decay_fraction, got [^(]*$"):
             check_wsd_args(total_steps=100, **kw)

@@ -47,7 +47,7 @@ class WSDScheduler(StepHooksCallback):
             ``max_epochs`` that is ``trainer.estimated_stepping_batches``; a trainer that will take more steps is
             warned about at train start (its last steps would run at ``min_lr_factor``).
         warmup_steps: linear warmup steps, factor ``(step + 1) / warmup_steps``.
-        decay_steps: decay length in steps (or give ``decay_fraction``).
+        decay_steps: decay length in steps (or give ``decay_fraction``; one of the two is required).
         decay_fraction: decay over ``round(decay_fraction * total_steps)`` steps.
         decay_type: ``linear`` | ``cosine`` | ``1-sqrt`` | ``exponential``.
         min_lr_factor: final LR as a fraction of the peak.
@@ -70,6 +70,11 @@ class WSDScheduler(StepHooksCallback):
         decay_type: str = "1-sqrt",
         min_lr_factor: float = 0.0,
     ) -> None:
+        if decay_steps is None and decay_fraction is None:  # (HF's get_wsd_schedule has no default either)
+            raise ValueError(
+                "WSDScheduler: give the decay's length, decay_steps=<steps> or decay_fraction=<share of total_steps> "
+                "(lit_dtrain's own runs use decay_fraction=0.2, the last 20% of the steps); there is no default"
+            )
         try:
             self.decay_steps = check_wsd_args(
                 total_steps=total_steps,
