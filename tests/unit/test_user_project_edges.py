@@ -1,9 +1,9 @@
 """lit_dtrain's callbacks at the edges of a user's own Lightning project: a ``PreemptionCheckpoint`` stop while the
 module optimizes by hand (accumulating, or stepping before its backward), a ``WSDScheduler`` whose decay lies past the
-fit's last step (automatic and manual optimization) or beside Lightning's ``BackboneFinetuning``, a ``LossSpikeMonitor``
-rollback beside ``EMAWeightAveraging`` or ``StochasticWeightAveraging`` or across a finetuning unfreeze, exclusions
-under ``limit_train_batches``. Each test checks the result (the resumed weights, the EMA, the warning's words), not
-only that the run finished."""
+fit's last step (automatic and manual optimization) or beside Lightning's ``BackboneFinetuning`` or SWA, a
+``LossSpikeMonitor`` rollback beside ``EMAWeightAveraging`` or ``StochasticWeightAveraging`` or across a finetuning
+unfreeze, exclusions under ``limit_train_batches``. Each test checks the result (the resumed weights, the EMA, the
+warning's words), not only that the run finished."""
 
 from __future__ import annotations
 
@@ -203,6 +203,37 @@ def test_a_rollback_restores_the_average_of_stochastic_weight_averaging(tmp_path
     assert not all(torch.equal(p, q) for p, q in zip(at_snapshot, at_spike))  # the epoch-1 update moved it
     for p, q in zip(at_snapshot, after):
         assert torch.equal(p, q)
+
+
+class LrAtEachStep(L.Callback):
+    def __init__(self) -> None:
+        self.lrs = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_wsd_says_that_stochastic_weight_averaging_lrs_do_not_apply(tmp_path: Path) -> None:
+    """``StochasticWeightAveraging(swa_lrs=0.01)`` beside ``WSDScheduler``: SWA's SWALR sets the LR at its epochs' ends,
+    WSD at every step, so every step runs at WSD's LR (0.05, the peak, through epoch 1) and swa_lrs never apply. That
+    went without a word (Lightning's SWA takes over a module's own scheduler, so a user expects its LR); one warning
+    now says which LR the run uses."""
+    lrs = LrAtEachStep()
+    wsd = WSDScheduler(total_steps=32, decay_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            callbacks=[wsd, StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1), lrs])
+        trainer.fit(Own())
+    said = [str(w.message) for w in caught if "StochasticWeightAveraging's swa_lrs" in str(w.message)]
+    assert said == [
+        "WSDScheduler sets the LR at every step, so StochasticWeightAveraging's swa_lrs (its SWALR schedule) do not "
+        "apply: the LR stays WSD's and SWA only averages the weights (at each epoch start from swa_epoch_start). For "
+        "SWA's LR, leave WSDScheduler out"
+    ]
+    assert sorted(lrs.lrs) == list(range(32))
+    assert all(lr == pytest.approx(0.05 * wsd.lr_factor(step)) for step, lr in lrs.lrs.items())
 
 
 class WithBackbone(UserModule):

@@ -27,7 +27,7 @@ import math
 from functools import partial
 
 import lightning as L
-from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -196,6 +196,12 @@ class WSDScheduler(StepHooksCallback):
                 f"WSDScheduler sets the LR of the param groups it finds at fit start, but {finetuning} adds param "
                 "groups during training (at an unfreeze) and sets their LR itself; use one of them (under WSD: give "
                 "the frozen part its own param group in configure_optimizers and set its requires_grad yourself)"
+            )
+        if any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
+            rank_zero_warn(  # (its SWALR took over a module's own scheduler; this callback sets the LR at every step)
+                "WSDScheduler sets the LR at every step, so StochasticWeightAveraging's swa_lrs (its SWALR schedule) "
+                "do not apply: the LR stays WSD's and SWA only averages the weights (at each epoch start from "
+                "swa_epoch_start). For SWA's LR, leave WSDScheduler out"
             )
         if self.base_lrs is None:
             raise RuntimeError(
