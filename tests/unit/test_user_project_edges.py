@@ -1,9 +1,9 @@
 """lit_dtrain's callbacks at the edges of a user's own Lightning project: a ``PreemptionCheckpoint`` stop while the
 module optimizes by hand (accumulating, or stepping before its backward), a ``WSDScheduler`` whose decay lies past the
-fit's last step (automatic and manual optimization) or beside Lightning's ``BackboneFinetuning`` or SWA, a
-``LossSpikeMonitor`` rollback beside ``EMAWeightAveraging`` or ``StochasticWeightAveraging`` or across a finetuning
-unfreeze, exclusions under ``limit_train_batches``. Each test checks the result (the resumed weights, the EMA, the
-warning's words), not only that the run finished."""
+fit's last step (automatic and manual optimization, or an early stop) or beside Lightning's ``BackboneFinetuning`` or
+SWA, a ``LossSpikeMonitor`` rollback beside ``EMAWeightAveraging`` or ``StochasticWeightAveraging`` or across a
+finetuning unfreeze, exclusions under ``limit_train_batches``. Each test checks the result (the resumed weights, the
+EMA, the warning's words), not only that the run finished."""
 
 from __future__ import annotations
 
@@ -130,6 +130,40 @@ def test_wsd_says_when_the_trainer_stops_before_its_decay_ends(tmp_path: Path, c
         ]
     else:
         assert factor == 0.0 and said == [] and infos == []
+
+
+class StopAt(L.Callback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True  # (what EarlyStopping and max_time do)
+
+
+@pytest.mark.parametrize("stop", [6, 14, None], ids=["stable_phase", "inside_the_decay", "no_stop"])
+def test_wsd_says_when_the_fit_stops_early_before_its_decay_ends(tmp_path: Path, stop: int | None) -> None:
+    """``EarlyStopping`` (here ``trainer.should_stop``) ends a 16-step fit whose decay is steps 12..15: the weights are
+    those of the stable phase (or of a decay cut short), and the check at train start had seen 16 planned steps, so
+    nothing said so. One warning at train end now says where it stopped and how to decay."""
+    wsd = WSDScheduler(total_steps=16, decay_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            callbacks=[wsd, StopAt(stop)])
+        trainer.fit(Own())
+    said = [str(w.message) for w in caught if "WSDScheduler: the fit stopped" in str(w.message)]
+    if stop is None:
+        assert trainer.global_step == 16 and said == []
+        return
+    assert trainer.global_step == stop
+    assert said == [
+        f"WSDScheduler: the fit stopped after {stop} optimizer steps of the 16 it planned (EarlyStopping, max_time or "
+        f"trainer.should_stop), before the decay ends (steps 12..15): its last step ran at "
+        f"{wsd.lr_factor(stop - 1):.4g}x the peak LR and its weights are not decayed. To decay them, resume from its "
+        f"last checkpoint with WSDScheduler(total_steps={stop} + D, decay_steps=D)"
+    ]
 
 
 class SpikeAt10(Own):

@@ -283,6 +283,28 @@ class WSDScheduler(StepHooksCallback):
         # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
             self._note_short_fit(max(self.updates), manual=True)
+        elif not self.updates and self.decay_steps > 0:
+            self._note_early_stop(trainer)
+
+    def _note_early_stop(self, trainer: L.Trainer) -> None:
+        """A fit that stopped before the steps it planned (``EarlyStopping``, ``max_time``, ``trainer.should_stop``, an
+        unsized DataLoader that ran out) and before the decay's end: its weights are not the decayed ones, and nothing
+        said so (the check at train start saw the planned steps). A signal's stop raises and never gets here."""
+        step, planned = trainer.global_step, trainer.estimated_stepping_batches
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            return  # (its estimate is not the fit's length)
+        known = math.isfinite(planned) and planned >= 0  # (inf: an unsized DataLoader, the data decides)
+        if step == 0 or step >= self.total_steps or (known and int(planned) <= step):
+            return
+        decay_start = self.total_steps - self.decay_steps
+        why = "EarlyStopping, max_time or trainer.should_stop"
+        of = f"of the {int(planned)} it planned ({why})" if known else f"(a DataLoader without a length ran out, {why})"
+        rank_zero_warn(
+            f"WSDScheduler: the fit stopped after {step} optimizer steps {of}, before the decay ends (steps "
+            f"{decay_start}..{self.total_steps - 1}): its last step ran at {self.lr_factor(step - 1):.4g}x the peak "
+            f"LR and its weights are not decayed. To decay them, resume from its last checkpoint with "
+            f"WSDScheduler(total_steps={step} + D, decay_steps=D)"
+        )
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
