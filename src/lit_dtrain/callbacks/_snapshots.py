@@ -80,17 +80,21 @@ def averagers(trainer) -> list:
 
 
 def average_state(callback) -> dict:
-    """The average's weights, and ``StochasticWeightAveraging``'s count of averaged models (its ``AveragedModel``
-    keeps that count in its own state dict; SWA's is an attribute, None before its first epoch)."""
-    count = getattr(callback, "n_averaged", None) if isinstance(callback, StochasticWeightAveraging) else None
-    return {"model": to_cpu(callback._average_model.state_dict()), "n_averaged": None if count is None else int(count)}
+    """The average's weights, and ``StochasticWeightAveraging``'s count of averaged models (``WeightAveraging``'s
+    ``AveragedModel`` keeps it in its own state dict). SWA's ``n_averaged`` is None until its first epoch start in
+    this fit, which begins the count at ``_init_n_averaged``: 0, or the resumed checkpoint's count (a snapshot at a
+    resume's train start is taken before; a rollback to it set the count to 0, and SWA's next update threw the
+    resumed average away)."""
+    if not isinstance(callback, StochasticWeightAveraging):
+        return {"model": to_cpu(callback._average_model.state_dict())}
+    count = callback._init_n_averaged if callback.n_averaged is None else int(callback.n_averaged)
+    return {"model": to_cpu(callback._average_model.state_dict()), "n_averaged": int(count)}
 
 
 def load_average_state(callback, state: dict) -> None:
     callback._average_model.load_state_dict(state["model"])  # (copied into its tensors, on their device)
-    count = getattr(callback, "n_averaged", None) if isinstance(callback, StochasticWeightAveraging) else None
-    if count is not None:  # 0 if SWA started after the snapshot: its next update starts the average afresh
-        count.fill_(state["n_averaged"] or 0)
+    if isinstance(callback, StochasticWeightAveraging) and callback.n_averaged is not None:
+        callback.n_averaged.fill_(state["n_averaged"])  # (SWA started after the snapshot: 0, its next update restarts)
 
 
 def layout(trainer) -> list[list[int]]:
