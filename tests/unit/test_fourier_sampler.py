@@ -1630,3 +1630,27 @@ def test_the_weighted_loss_of_drawn_batches_estimates_the_target_mean():
         est = torch.tensor(est, dtype=torch.float64)
         z = abs(float(est.mean()) - ref) / (float(est.std()) / math.sqrt(len(est)))
         assert (z < 4) == unbiased, z
+
+
+def test_lag_one_writes_the_owed_top_band_energy_when_a_stop_signal_ends_the_fit():
+    """With lag=1 a logged step's fourier/top_band_energy is written at the next step's end. A SIGTERM stop saves at
+    step k's end and ends the fit (Lightning's SIGTERMException, through on_exception), which dropped step k's value:
+    the resumed run restores its update, not the value, so step k had no point in either run (a real 2-rank run
+    killed at step 9: points 0..7, 10..13). It is written at the stop, as at train end; another error writes none."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    obs = _observations(4, batch=4, T=32)
+    losses, index = [loss for loss, _ in obs], [i for _, i in obs]
+    written = {}
+    for name, exc in (("end", None), ("sigterm", SIGTERMException()), ("error", RuntimeError("boom"))):
+        cb = FourierSamplerCallback()
+        trainer, module = _drive_fixed(cb, make(stages=False, lag=1), losses, index)
+        trainer.optimizers = []
+        if exc is None:
+            cb.on_train_end(trainer, module)
+        else:
+            cb.on_exception(trainer, module, exc)
+        written[name] = [(step, v) for step, name_, v in trainer.loggers[0].rows if name_ == "fourier/top_band_energy"]
+    assert [step for step, _ in written["end"]] == [0, 1, 2, 3]
+    assert written["sigterm"] == written["end"]
+    assert written["error"] == written["end"][:3]

@@ -20,8 +20,9 @@ first one also warns) to the loggers (TensorBoard by default), after the steps `
 log_every_n_steps == 0`` (Lightning's own cadence, so the rows line up with ``train/loss``). With the sampler's
 ``lag=1``, ``fourier/top_band_energy`` of step ``k`` is a value the GPU computes: it is written under step ``k`` once
 it has reached the host with step ``k``'s update, at the end of step ``k + 1`` (the last step's at the end of
-training), so that logging never waits for the GPU either. Under manual optimization the step of the sampler's
-schedules is ``global_step`` over the number of optimizers (:func:`sampler_step`).
+training, or when a stop signal ends the fit), so that logging never waits for the GPU either. Under manual
+optimization the step of the sampler's schedules is ``global_step`` over the number of optimizers
+(:func:`sampler_step`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
@@ -152,11 +154,16 @@ class FourierSamplerCallback(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
-        if self._energy_owed is not None:  # lag=1: the last logged step's value, still in its pending update
-            landed = self.sampler_of(trainer).landed_stats(self._energy_owed, wait=True)  # the run is over: may wait
+        self._write_owed_energy(trainer)
+
+    def _write_owed_energy(self, trainer: L.Trainer) -> None:
+        """lag=1: write the last logged step's top_band_energy, still in its pending update (the fit is over: this
+        may wait for the device)."""
+        if self._energy_owed is not None:
+            landed = self.sampler_of(trainer).landed_stats(self._energy_owed, wait=True)
             self._energy_owed = None
             if landed is not None and getattr(trainer, "is_global_zero", True):
-                # to the loggers directly: Lightning refuses self.log in on_train_end
+                # to the loggers directly: Lightning refuses self.log in on_train_end and on_exception
                 for logger in getattr(trainer, "loggers", ()):
                     logger.log_metrics({"fourier/top_band_energy": landed["top_band_energy"]}, step=landed["step"])
                     logger.save()
@@ -165,6 +172,10 @@ class FourierSamplerCallback(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()  # (a later fit must not find this fit's hooks on a reused optimizer)
         self._reset_step()  # an unfinished step's micro-batches: a continued fit redoes the step
+        if isinstance(exception, SIGTERMException):
+            # a stop signal ends the fit after a saved step, which a resume does not redo: its owed value is written
+            # now (the resumed run restores the update, not the value; the point was missing from the curve)
+            self._write_owed_energy(trainer)
         self._energy_owed = None
         for optimizer in trainer.optimizers:
             restore_lrs(optimizer)  # a raise inside optimizer.step would leave the stage-scaled LR
