@@ -157,3 +157,29 @@ def test_one_validation_row_per_validation_at_the_step_of_its_val_loss(tmp_path:
         for tag in ("validate/batches", "validate/device/items_per_sec"):
             steps.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
     assert steps == {"validate/batches": val_steps, "validate/device/items_per_sec": val_steps}
+
+
+def test_the_running_totals_go_on_from_the_checkpoint_after_a_resume(tmp_path: Path) -> None:
+    """train/time, train/batches, train/samples and train/lengths are running totals, but Lightning's monitor counts
+    from the fit's start: a resumed run's curves fell back to 0 (a 2-rank run resumed at step 10: train/lengths 1408
+    in the straight run, 128 in the resumed one). They go on from the checkpoint's totals now."""
+    import csv
+
+    def rows(version: int) -> list[dict]:
+        return [r for r in csv.DictReader(open(tmp_path / "csv" / f"version_{version}" / "metrics.csv"))
+                if r.get("train/samples")]
+
+    ckpt = tmp_path / "two.ckpt"
+    for version, steps in ((0, 2), (1, 4)):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,
+                            callbacks=[token_throughput_monitor(window_size=2)],
+                            logger=CSVLogger(str(tmp_path), name="csv", version=version),
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tokens(), ckpt_path=ckpt if version else None)
+        if not version:
+            trainer.save_checkpoint(ckpt)
+    first, resumed = rows(0), rows(1)
+    assert [float(r["train/batches"]) for r in resumed] == [3.0, 4.0]  # were 1, 2
+    assert [float(r["train/samples"]) for r in resumed] == [12.0, 16.0]
+    assert [float(r["train/lengths"]) for r in resumed] == [72.0, 96.0]
+    assert float(resumed[0]["train/time"]) > float(first[-1]["train/time"])

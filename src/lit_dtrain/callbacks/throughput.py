@@ -89,6 +89,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         super().__init__(*args, **kwargs)
         self.peak_flops = peak_flops
         self._validation_flops: float | None = 0.0  # this validation's FLOPs so far (None: a batch had none)
+        self._resumed: dict = {}  # the training totals of the checkpoint a fit resumes from
 
     def _start(self, trainer) -> None:
         if trainer.state.stage == RunningStage.VALIDATING:
@@ -97,6 +98,25 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             self._samples.pop(RunningStage.VALIDATING, None)
             self._validation_flops = 0.0
         super()._start(trainer)
+        stage, resumed = RunningStage.TRAINING, self._resumed
+        if trainer.state.stage == stage and resumed:
+            # the running totals go on from the checkpoint's (Lightning counts from the fit's start: after a resume
+            # train/time, train/batches, train/samples and train/lengths fell back to 0 mid-curve)
+            self._resumed = {}
+            self._batches[stage], self._samples[stage] = int(resumed["batches"]), int(resumed["samples"])
+            self._lengths[stage] = int(resumed["lengths"])
+            self._t0s[stage] -= float(resumed["time"])
+
+    def state_dict(self) -> dict:
+        stage = RunningStage.TRAINING
+        if stage not in self._batches:  # (not rank 0, or no training batch counted yet)
+            return dict(self._resumed)
+        times = self._throughputs[stage]._time
+        return {"time": float(times[-1]) if times else 0.0, "batches": self._batches[stage],
+                "samples": self._samples[stage], "lengths": self._lengths.get(stage, 0)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resumed = dict(state_dict)
 
     @override
     @rank_zero_only
