@@ -68,6 +68,15 @@ def tb_scalars(tmp_path: Path, run: str, tag: str = "train/loss") -> list[tuple[
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+def tb_tags(tmp_path: Path, run: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of the run as TensorBoard shows it: ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "outputs" / "runs" / run / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a["state_dict"].keys() == b["state_dict"].keys()
     for k in a["state_dict"]:
@@ -84,6 +93,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 STATEFUL: list[str] = [
     "callbacks=[default,loss_spike,adaptive_grad_clip,optimizer_diagnostics,fourier_sampler,selective_ckpt]",
     "data/sampler=fourier",
+    "data.sampler.lag=1",
 ]
 
 
@@ -116,6 +126,15 @@ def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, straight_ru
     straight, killed_log = scalars(straight_root, straight_name), scalars(tmp_path, "killed")
     assert [s for s, _ in straight] == list(range(MAX_STEPS)), straight
     assert killed_log == straight
+    if extra is STATEFUL:  # every technique's curves, and the running totals (they fell back to 0 at the resume)
+        straight_tags, killed_tags = tb_tags(straight_root, straight_name), tb_tags(tmp_path, "killed")
+        assert straight_tags.keys() == killed_tags.keys()
+        for tag, points in straight_tags.items():
+            if tag.endswith("_per_sec") or tag.endswith("/time") or tag.endswith("/time_ms"):
+                points, killed_points = [s for s, _ in points], [s for s, _ in killed_tags[tag]]
+            else:
+                killed_points = killed_tags[tag]
+            assert killed_points == points, tag
 
 
 @pytest.mark.slow
