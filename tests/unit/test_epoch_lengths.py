@@ -95,3 +95,17 @@ def test_the_check_gathers_once_an_epoch_and_raises_a_config_error(monkeypatch):
     single = _Strategy([], monkeypatch)
     check_epoch_lengths(single, _trainer(10, world_size=1), batch_idx=0)
     assert single.gathers == 0  # one rank: no collective
+
+
+def test_plain_ddp_and_fsdp_run_the_same_check_at_each_batch(monkeypatch):
+    """strategy=ddp (make_ddp) and strategy=fsdp (make_fsdp) check as CompressedDDPStrategy does: Lightning's own
+    DDPStrategy let rank 0 of 10 and 12 batches exit 0 after 10 steps while rank 1 failed in its 11th all-reduce."""
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+
+    calls = []
+    monkeypatch.setattr(fit_end, "check_epoch_lengths", lambda s, trainer, i: calls.append((s, trainer, i)))
+    trainer = _trainer(10)
+    for strategy in (make_ddp(), make_fsdp(), CompressedDDPStrategy()):
+        strategy._lightning_module = SimpleNamespace(trainer=trainer)
+        strategy.on_train_batch_start(None, 3)
+        assert calls.pop() == (strategy, trainer, 3), type(strategy).__name__

@@ -5,8 +5,11 @@
   :class:`BlockQuantizer` (int8/int4), :class:`ShardedBlockQuantizer`
   (int8/int4 through a quantized reduce-scatter), :class:`PowerSGD`, :class:`TopK`, :class:`ScaledSign`.
 - Local updates: :class:`LocalSGD` (fixed or adaptive period), :class:`DiLoCo`.
-- :func:`make_ddp`: plain Lightning ``DDPStrategy`` with a timeout in seconds (``conf/strategy/ddp.yaml``).
-- :func:`make_fsdp`: Lightning ``FSDPStrategy`` wrapping the named module classes (``conf/strategy/fsdp.yaml``).
+- :func:`make_ddp`: Lightning's ``DDPStrategy`` with a timeout in seconds (``conf/strategy/ddp.yaml``).
+- :func:`make_fsdp`: Lightning's ``FSDPStrategy`` wrapping the named module classes (``conf/strategy/fsdp.yaml``).
+
+Both, like ``CompressedDDPStrategy``, refuse ranks whose training epochs differ in length at the epoch's first batch
+(:class:`~lit_dtrain.strategies.fit_end.EpochLengthCheck`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from lit_dtrain.strategies.compressed_ddp import (
     warn_if_comm_state_dropped,
 )
 from lit_dtrain.strategies.compressors import Compressor, Segment
+from lit_dtrain.strategies.fit_end import EpochLengthCheck
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
 from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoCompression
@@ -35,11 +39,19 @@ from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 
 
+class EvenEpochsDDPStrategy(EpochLengthCheck, DDPStrategy):
+    """Lightning's ``DDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`)."""
+
+
+class EvenEpochsFSDPStrategy(EpochLengthCheck, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`)."""
+
+
 def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
     """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta)."""
     if "timeout" in kwargs:
         raise ValueError("make_ddp: pass collective_timeout_s (seconds) instead of timeout")
-    return DDPStrategy(timeout=collective_timeout(collective_timeout_s), **kwargs)
+    return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s), **kwargs)
 
 
 def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",), collective_timeout_s: float = 1800,
@@ -52,14 +64,15 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
     if not wrap_modules:
         raise ValueError("make_fsdp: wrap_modules must name at least one module class, e.g. lit_dtrain.models.Block")
     classes = {m if isinstance(m, type) else get_class(str(m)) for m in wrap_modules}
-    return FSDPStrategy(auto_wrap_policy=classes, timeout=collective_timeout(collective_timeout_s), **kwargs)
+    return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=collective_timeout(collective_timeout_s), **kwargs)
 
 
 register_strategies()
 
 __all__ = [
     "CHECKPOINT_KEY", "COMPRESSORS", "LOCAL_UPDATES", "BlockQuantizer", "CommSession", "Communicator",
-    "CompressedDDPStrategy", "Compressor", "DiLoCo", "HalfPrecision", "LocalSGD", "LocalUpdate",
+    "CompressedDDPStrategy", "Compressor", "DiLoCo", "EpochLengthCheck", "EvenEpochsDDPStrategy",
+    "EvenEpochsFSDPStrategy", "HalfPrecision", "LocalSGD", "LocalUpdate",
     "LoopbackCommunicator", "NoCompression", "PowerSGD", "ScaledSign", "Segment", "ShardedBlockQuantizer", "TopK",
     "build_compressor", "build_local_update", "compressed_comm_hook", "dropped_comm_state_message", "make_ddp",
     "make_fsdp",

@@ -38,7 +38,7 @@ from lit_dtrain.strategies.comm_checkpoint import (
 )
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import (
-    check_epoch_lengths,
+    EpochLengthCheck,
     force_sync_this_step,
     refuse_validation_by_time,
     sync_or_warn_before_validation,
@@ -69,7 +69,7 @@ def collective_timeout(seconds: Any) -> timedelta:
     return timedelta(seconds=float(seconds))
 
 
-class CompressedDDPStrategy(DDPStrategy):
+class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
 
     Args:
@@ -219,11 +219,6 @@ class CompressedDDPStrategy(DDPStrategy):
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
-
-    @override
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        check_epoch_lengths(self, self.lightning_module.trainer, batch_idx)  # once an epoch, on every rank
-        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_validation_start(self) -> None:

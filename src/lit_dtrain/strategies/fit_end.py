@@ -20,9 +20,10 @@ strategy's ``on_validation_start``. A validation by time (``val_check_interval``
 reads its own clock, so the ranks would sync after different steps. Without it each rank validated its own parameters:
 ``val/loss`` was a mean over different models and the checkpoint written after it held rank 0's.
 
-Every rank must run as many training batches per epoch (:func:`check_epoch_lengths`): the rank whose epoch ends
-first stops stepping while the others go on, so their next collectives (Lightning's per-batch SIGTERM broadcast, a
-gradient all-reduce, a local-update sync) have no partner.
+Every rank must run as many training batches per epoch (:func:`check_epoch_lengths`, run by every strategy that
+mixes in :class:`EpochLengthCheck`: ``CompressedDDPStrategy`` and the plain DDP / FSDP of ``strategy=ddp`` /
+``strategy=fsdp``): the rank whose epoch ends first stops stepping while the others go on, so their next collectives
+(Lightning's per-batch SIGTERM broadcast, a gradient all-reduce, a local-update sync) have no partner.
 """
 
 from __future__ import annotations
@@ -170,6 +171,17 @@ def check_epoch_lengths(strategy: Any, trainer: Any, batch_idx: int) -> None:
         from lit_dtrain.errors import ConfigError
 
         raise ConfigError(message)
+
+
+class EpochLengthCheck:
+    """Mixin for a Lightning strategy of several processes (put it before the strategy class): every rank raises
+    :func:`check_epoch_lengths`'s ConfigError at an epoch's first training batch when the ranks' epochs differ in
+    length. Under Lightning's plain ``DDPStrategy`` 10 batches on rank 0 and 12 on rank 1 ended with rank 0 exiting 0
+    after 10 steps and rank 1 failing in its 11th step's gradient all-reduce (gloo's 'Connection closed by peer')."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        check_epoch_lengths(self, self.lightning_module.trainer, batch_idx)  # once an epoch, on every rank
+        super().on_train_batch_start(batch, batch_idx)
 
 
 def _all_gather_number(value: float, world_size: int, device: Any) -> list[float]:
