@@ -434,6 +434,51 @@ def test_a_fit_that_ends_by_epochs_checkpoints_the_synchronized_model(fits, key)
     assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, end[0]["params"], "last.ckpt")
 
 
+class _StopAfterStep(L.Callback):
+    """Ask the fit to stop after optimizer step ``step`` (as ``EarlyStopping`` or ``max_time`` do, after the step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def _fit_stopped_after_a_step(tmp: Path, key: str) -> None:
+    import warnings
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=12, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key]),
+        callbacks=[_StopAfterStep(6), L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True)],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModule(str(tmp), "stopped"))
+    said = [str(w.message) for w in caught if "the fit stopped at step" in str(w.message)]
+    torch.save(said, tmp / f"warnings_rank{trainer.global_rank}.pt")
+
+
+def test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so(fits):
+    """A stop decided after step 6 (period 4), no validation: ModelCheckpoint writes last.ckpt at the epoch's end,
+    before the strategy's final sync in on_train_end. Its state_dict is rank 0's own parameters (every rank's are in
+    lit_dtrain_comm, so a resume continues exactly: test_resume_restores_comm_state_exactly's local_sgd case), not the
+    model the module holds after the fit; that went unsaid. Rank 0 now warns, naming the step and the steps since
+    the sync."""
+    tmp = fitted(fits, _fit_stopped_after_a_step, "local_sgd")
+    last = torch.load(tmp / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 6 and last[CHECKPOINT_KEY]["local_update"]["steps_since_sync"] == 2
+    own = [rank["params"] for rank in last[CHECKPOINT_KEY]["per_rank"]]
+    assert_same(last["state_dict"], own[0], "last.ckpt's state_dict")
+    assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])  # between syncs: the ranks differ
+    (message,) = torch.load(tmp / "warnings_rank0.pt")
+    assert message.startswith("CompressedDDPStrategy: the fit stopped at step 6, 2 step(s) after the last local_sgd "
+                              "sync, and a checkpoint was written at that step"), message
+    assert "holds rank 0's own parameters" in message and "trainer.save_checkpoint" in message
+    assert torch.load(tmp / "warnings_rank1.pt") == []
+
+
 class UnevenModule(TinyModule):
     """TinyModule whose DataLoader (one's own: ``use_distributed_sampler=False``) holds 3 batches on rank 0, 4 on 1."""
 
@@ -730,7 +775,7 @@ def fitted(root: Path, job, key: str) -> Path:
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> Path:
     """The fits of the tests not marked slow (each reads its own directory)."""
-    jobs = [(_fit_by_epochs, key) for key in sorted(EPOCH_UPDATES)]
+    jobs = [(_fit_by_epochs, key) for key in sorted(EPOCH_UPDATES)] + [(_fit_stopped_after_a_step, "local_sgd")]
     jobs += [(_fit_validating, key) for key in VALIDATION_RUNS]
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]

@@ -40,8 +40,10 @@ from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import (
     EpochLengthCheck,
     force_sync_this_step,
+    note_checkpoint,
     refuse_validation_by_time,
     sync_or_warn_before_validation,
+    warn_checkpoint_before_final_sync,
 )
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
@@ -230,6 +232,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     def on_train_end(self) -> None:
         # a run stopped by epochs or early stopping may end between syncs: synchronize once more
         if self.local_update is not None and self.session.comm is not None:
+            warn_checkpoint_before_final_sync(self)
             with naming_peer_failures():
                 self.session.final_sync(CommSession.named_params(self.lightning_module))
         super().on_train_end()
@@ -357,6 +360,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.comm_state_dict()  # collective: runs on every rank
+        note_checkpoint(self, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

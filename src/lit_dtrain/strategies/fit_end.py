@@ -10,7 +10,9 @@ The last step is known ahead when the fit ends by ``max_steps`` or by ``max_epoc
 checked, so a project of one's own that trains by epochs (Lightning's default ``max_steps=-1``) wrote a
 ``last.ckpt`` holding rank 0's unsynchronized parameters (DiLoCo: without its last outer step). A stop that
 is decided after the step (``EarlyStopping``, ``max_time``, ``trainer.should_stop``) cannot be known ahead; there
-only ``on_train_end`` synchronizes.
+only ``on_train_end`` synchronizes. Lightning validates after such a stop when the fit has validation data, and that
+validation synchronizes first (below); without one, a checkpoint written at the stop's step (``ModelCheckpoint`` at
+the epoch's end) holds rank 0's parameters, which :func:`warn_checkpoint_before_final_sync` says.
 
 A validation inside the fit sees the synchronized model the same way (``sync_before_validation``): the optimizer step
 after which Lightning's epoch loop will validate (its own ``_should_check_val_fx``, asked during the step: the batch
@@ -171,6 +173,35 @@ def check_epoch_lengths(strategy: Any, trainer: Any, batch_idx: int) -> None:
         from lit_dtrain.errors import ConfigError
 
         raise ConfigError(message)
+
+
+def note_checkpoint(strategy: Any, checkpoint: dict) -> None:
+    """Remember the step of a checkpoint written between syncs (for :func:`warn_checkpoint_before_final_sync`)."""
+    lu = strategy.local_update
+    strategy._unsynced_checkpoint_step = (checkpoint.get("global_step") if lu is not None and lu.steps_since_sync
+                                          else None)
+
+
+def warn_checkpoint_before_final_sync(strategy: Any) -> str | None:
+    """At a fit's end between syncs (a stop decided after its step with no validation after it): warn on rank 0 when
+    a checkpoint was written at this very step, before the final sync about to run; returns the message.
+
+    That file's ``state_dict`` is rank 0's own parameters (a 2-rank local SGD project stopped by a callback 2 steps
+    after a sync: 0.011 off the synchronized mean, weights of mean size 0.22), not the model the module holds after
+    the fit; a resume from it is right (every rank gets its own parameters back and it continued bit for bit as a
+    run that never stopped), but loading its weights to evaluate or sample was not the final model, silently."""
+    lu, module = strategy.local_update, strategy.lightning_module
+    trainer = module.trainer if module is not None and module._trainer is not None else None
+    step = getattr(strategy, "_unsynced_checkpoint_step", None)
+    if lu is None or trainer is None or not lu.steps_since_sync or step != trainer.global_step:
+        return None
+    message = (f"CompressedDDPStrategy: the fit stopped at step {step}, {lu.steps_since_sync} step(s) after the last "
+               f"{lu.name} sync, and a checkpoint was written at that step before the final sync that runs now: its "
+               "state_dict holds rank 0's own parameters, not the synchronized model the module holds after the fit "
+               "(a resume from it continues exactly, every rank from its own parameters); call "
+               "trainer.save_checkpoint(...) after fit for a file of the synchronized model")
+    rank_zero_warn(message)
+    return message
 
 
 class EpochLengthCheck:

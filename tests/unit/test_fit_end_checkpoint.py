@@ -1,0 +1,38 @@
+"""The warning for a checkpoint written at a stop between local-update syncs (``warn_checkpoint_before_final_sync``).
+
+The 2-rank fit: ``tests/dist/test_compressed_ddp.py``,
+``test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lit_dtrain.strategies import LocalSGD
+from lit_dtrain.strategies.fit_end import note_checkpoint, warn_checkpoint_before_final_sync
+
+
+def _strategy(steps_since_sync: int, global_step: int) -> SimpleNamespace:
+    lu = LocalSGD(sync_period=4)
+    lu.steps_since_sync = steps_since_sync
+    trainer = SimpleNamespace(global_step=global_step)
+    return SimpleNamespace(local_update=lu, lightning_module=SimpleNamespace(trainer=trainer, _trainer=trainer))
+
+
+def test_only_a_checkpoint_of_this_step_written_between_syncs_is_warned_about():
+    strategy = _strategy(2, 6)
+    assert warn_checkpoint_before_final_sync(strategy) is None  # no checkpoint written
+    note_checkpoint(strategy, {"global_step": 6})
+    with pytest.warns(UserWarning, match=r"stopped at step 6, 2 step\(s\) after the last local_sgd sync"):
+        assert warn_checkpoint_before_final_sync(strategy) is not None
+    strategy.lightning_module.trainer.global_step = 7  # a checkpoint of an earlier step: not the stop's
+    assert warn_checkpoint_before_final_sync(strategy) is None
+    synced = _strategy(0, 8)  # written right after a sync (the last step's, a validation's): the synchronized model
+    note_checkpoint(synced, {"global_step": 8})
+    synced.local_update.steps_since_sync = 0
+    assert warn_checkpoint_before_final_sync(synced) is None
+    compressed = SimpleNamespace(local_update=None, lightning_module=None)  # a per-step codec: nothing to sync
+    note_checkpoint(compressed, {"global_step": 3})
+    assert warn_checkpoint_before_final_sync(compressed) is None
