@@ -287,9 +287,14 @@ class LMDataModule(L.LightningDataModule):
         split by torch's ``DistributedSampler`` (rank ``r`` takes items ``r, r + world, ...``), which needs
         no padding of its own then; Lightning keeps a ``DistributedSampler`` it is given, and does not warn.
         ``LitLLM`` weighs each window's tokens by its ``loss_weight``, so its val loss is the single-process
-        one.
+        one. Also under ``trainer.limit_val_batches`` given as a number of batches ``k``: Lightning caps each
+        rank's loader, so 2 ranks validated the first ``2k`` batches' windows and 1 process the first ``k`` (the same
+        weights: val loss 3.1999 on 2 ranks, 3.3406 on 1, with ``k=1``); the set is cut to the first ``k`` batches'
+        windows here, and the ranks share those (each rank runs ``k`` or fewer batches, so Lightning's cap cuts
+        nothing more). A fraction is still Lightning's, of each rank's loader.
         """
         rank, world = self._world()
+        limit = getattr(self.trainer, "limit_val_batches", None) if self.trainer is not None else None
         loaders = []
         for split in self.splits:
             windows = WindowSet([split.val], self.block_size)
@@ -297,6 +302,8 @@ class LMDataModule(L.LightningDataModule):
             if n == 0:
                 raise CorpusError(f"data source {split.name!r}: validation split has no full window")
             idx = np.unique(np.linspace(0, n - 1, min(n, self.max_val_windows)).round().astype(np.int64))
+            if world > 1 and isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                idx = idx[: limit * self.val_batch_size]  # the windows one process validates (see above)
             dataset = _ValWindows(windows, idx, padding=-len(idx) % world)
             sampler = None
             if world > 1:
