@@ -23,6 +23,7 @@ from torchmetrics import MeanMetric
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.models.llama import compute_dtype
+from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
 from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
@@ -129,6 +130,7 @@ class LitLLM(L.LightningModule):
         self._flops_by_shape: dict[tuple, float] = {}
         self._ids_checked = False  # the current loop's first batch was checked (see _check_token_ids)
         self._run_seed, self._draws_random = 0, False  # set at train start (see _forward_rng_of_step)
+        self._grad_norm = StepGradNorm()  # the step's total grad norm, computed once (module_grads)
 
     # ---- model ------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -276,11 +278,14 @@ class LitLLM(L.LightningModule):
             return
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             return  # fp16 loss scaling: an overflowing step is the GradScaler's to skip, not an error
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = step_grads(optimizer_params(optimizer))
         if not grads:  # a callback dropped this step's gradients (e.g. a loss-spike skip)
             return
-        norms = torch.stack(torch._foreach_norm(grads))
-        if bool(norms.isfinite().all()):
+        # the total norm (kept for train/grad_norm and the clip) is finite only if every gradient is; a non-finite one
+        # with finite per-tensor norms (their squares overflowed in the sum) is no NaN/Inf gradient: not stopped
+        if bool(self._grad_norm.total(grads).isfinite()):
+            return
+        if bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
             return
         bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
         loss = self.trainer.callback_metrics.get("train/loss")
@@ -371,12 +376,17 @@ class LitLLM(L.LightningModule):
                 if log_now and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
                     log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
                 return
-        elif log_now:
-            # a spike monitor that dropped this step left no gradients: no row
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            # one total norm for the non-finite check, the logged norm and the clip (module_grads): Lightning's own
+            # clip would compute it once more; a spike monitor that dropped this step left no gradients (no row)
+            params = optimizer_params(optimizer)
+            grads = step_grads(params)
+            if log_now and grads:
+                norm = self._grad_norm.total(grads)
                 log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
+            if grads and clips_by_norm_like_lightning(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
+                torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm.total(grads))
+                return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
