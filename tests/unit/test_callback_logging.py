@@ -38,6 +38,25 @@ def test_rows_are_written_at_the_given_step_and_reach_the_csv_file(tmp_path):
     assert module.logged == {"a/x": 1.5, "a/y": 2.0}
 
 
+class Reads:
+    """A 0-dim value that counts its host reads (``float``): on a GPU each is a device sync and a copy."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.reads = value, 0
+
+    def __float__(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_each_value_is_read_from_the_device_once(tmp_path):
+    """It was read twice (for callback_metrics, then for the loggers), two syncs per metric on a GPU."""
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    value, module = Reads(0.25), Module()
+    log_step_metrics(SimpleNamespace(is_global_zero=True, loggers=[logger, logger]), module, {"a/x": value}, 4)
+    assert value.reads == 1 and module.logged == {"a/x": 0.25}
+
+
 def test_other_ranks_write_nothing(tmp_path):
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
     log_step_metrics(SimpleNamespace(is_global_zero=False, loggers=[logger]), Module(), {"a/x": 1.0}, 3)

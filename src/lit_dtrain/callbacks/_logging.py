@@ -47,9 +47,10 @@ def log_step_metrics(trainer: L.Trainer, pl_module: L.LightningModule, metrics: 
     0; and into ``trainer.callback_metrics``. Values must already be the same on every rank."""
     if not metrics:
         return
-    for name, value in metrics.items():
-        pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
+    values = {name: float(value) for name, value in metrics.items()}  # one host read each (a GPU tensor: a sync)
+    for name, value in values.items():
+        pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
     if getattr(trainer, "is_global_zero", True):  # (a stand-in trainer in a unit test may have neither)
         for logger in getattr(trainer, "loggers", ()):
-            logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=int(step))
+            logger.log_metrics(dict(values), step=int(step))
             logger.save()  # as Lightning's own logger connector does after every write (CSV rows reach the file)
