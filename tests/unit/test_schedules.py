@@ -225,6 +225,22 @@ def test_scheduler_lr_is_base_times_factor_at_every_step(decay_type):
     assert _lrs(constant_scheduler(opt, warmup_steps=2), opt, 3) == [1.0, 2.0, 2.0]
 
 
+def test_schedulers_check_their_arguments_once_not_at_every_step(monkeypatch):
+    """The WSD and cosine schedulers re-checked every argument at every step, for every param group (~40 us each,
+    the default run's largest lit_dtrain cost outside the model and the gradient norm); the factors are the same."""
+    import lit_dtrain.schedules.lr as lr
+
+    checks = []
+    real = lr.check_wsd_args
+    monkeypatch.setattr(lr, "check_wsd_args", lambda **kw: checks.append(1) or real(**kw))
+    for build in (lambda o: wsd_scheduler(o, **ARGS), lambda o: cosine_scheduler(o, total_steps=10, warmup_steps=2)):
+        opt = _opt(2.0)
+        sched = build(opt)
+        built = len(checks)
+        _lrs(sched, opt, 12)
+        assert len(checks) == built
+
+
 def _resume(sched_kwargs: dict, old_opt, old_sched):
     """A fresh optimizer + scheduler that load the old ones' state, in Lightning's order (optimizer first)."""
     opt = _opt(2.0)

@@ -144,8 +144,14 @@ def wsd_lr_factor(
         decay_type=decay_type,
         min_lr_factor=min_lr_factor,
     )
-    step = _check_int("step", step)
-    total_steps, warmup_steps = int(total_steps), int(warmup_steps)  # checked above: 1000.0 is 1000
+    return _checked_wsd_factor(_check_int("step", step), total_steps=int(total_steps), warmup_steps=int(warmup_steps),
+                               decay_steps=decay_steps, decay_type=decay_type, min_lr_factor=min_lr_factor)
+
+
+def _checked_wsd_factor(step: int, *, total_steps: int, warmup_steps: int, decay_steps: int, decay_type: str,
+                        min_lr_factor: float) -> float:
+    """:func:`wsd_lr_factor` of arguments that it has checked (``decay_steps`` resolved): the schedulers built below
+    check them once, not at every step (~40 us per call and param group)."""
     m = float(min_lr_factor)
     if step < warmup_steps:
         return _warmup_factor(step, warmup_steps)
@@ -253,7 +259,7 @@ def wsd_scheduler(
     )
     return lambda_scheduler(
         optimizer,
-        wsd_lr_factor,
+        _checked_wsd_factor,
         total_steps=int(total_steps),  # checked above: 1000.0 is 1000
         warmup_steps=int(warmup_steps),
         decay_steps=decay_steps,
@@ -264,9 +270,10 @@ def wsd_scheduler(
 
 def cosine_scheduler(optimizer: Optimizer, *, total_steps: int, warmup_steps: int = 0, min_lr_factor: float = 0.1):
     """``LambdaLR`` over :func:`cosine_lr_factor`."""
-    return lambda_scheduler(
-        optimizer, cosine_lr_factor, total_steps=total_steps, warmup_steps=warmup_steps, min_lr_factor=min_lr_factor
-    )
+    cosine_lr_factor(0, total_steps=total_steps, warmup_steps=warmup_steps, min_lr_factor=min_lr_factor)  # checks
+    total_steps, warmup_steps = int(total_steps), int(warmup_steps)
+    return lambda_scheduler(optimizer, _checked_wsd_factor, total_steps=total_steps, warmup_steps=warmup_steps,
+                            decay_steps=total_steps - warmup_steps, decay_type="cosine", min_lr_factor=min_lr_factor)
 
 
 def constant_scheduler(optimizer: Optimizer, *, warmup_steps: int = 0):
