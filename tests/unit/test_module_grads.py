@@ -3,13 +3,15 @@ the clipped gradients bitwise those of Lightning's own clip (lit_dtrain.module_g
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 
-from lit_dtrain.module import LitLLM
+from lit_dtrain.module import LitLLM, NonFiniteError
 from lit_dtrain.module_grads import StepGradNorm
 from tests.unit.test_module import fit, tiny_lit
 
@@ -67,3 +69,22 @@ def test_the_kept_norm_is_recomputed_when_a_gradient_changes_or_is_replaced() ->
     kept = norms.total([a, b])
     assert norms.total([a, c]) is not kept and float(norms.total([a, c])) == 4.0  # another tensor, equal values
     assert float(norms.total([a])) == pytest.approx(12**0.5)
+
+
+@pytest.mark.parametrize("values, stops", [((1.5e19, 1.5e19), False), ((1.0, math.nan), True), ((math.inf, 1.0), True)])
+def test_the_check_stops_on_nan_or_inf_gradients_only_not_on_a_total_norm_that_overflows(values, stops) -> None:
+    """The check reads the total norm first; two finite gradients whose squares overflow only in its sum (inf) are no
+    NaN/Inf gradient, as for the per-tensor test it replaced: the step goes on (Lightning's clip then scales them)."""
+    module = tiny_lit()
+    params = list(module.parameters())[:2]
+    for p, v in zip(params, values):
+        p.grad = torch.zeros_like(p)
+        p.grad.view(-1)[0] = v
+    module._trainer = SimpleNamespace(precision_plugin=SimpleNamespace(), callback_metrics={}, global_step=3)
+    optimizer = SimpleNamespace(param_groups=[{"params": params}])
+    assert not torch.isfinite(module._grad_norm.total([p.grad for p in params]))
+    if stops:
+        with pytest.raises(NonFiniteError, match="non-finite gradients at step 3"):
+            module.on_before_optimizer_step(optimizer)
+    else:
+        module.on_before_optimizer_step(optimizer)
