@@ -55,17 +55,23 @@ CONFIG_KEYS = {
 }
 
 
+# A group's option without _target_ is read by name: strategy=auto's `name` (a Lightning strategy name), and
+# logger=none holds nothing. `+strategy.nme=ddp` (or `strategy: {nme: ddp}` in an experiment file) trained with
+# 'auto' and exited 0.
+_PLAIN_GROUP_KEYS = {"strategy": ("name",), "logger": ()}
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
-    conf/train.yaml (see ``CONFIG_KEYS``), unless an interpolation reads it: a typo in a config file must not fall
-    back silently to the default."""
+    conf/train.yaml (see ``CONFIG_KEYS``), or in a strategy or logger without ``_target_``, unless an interpolation
+    reads it: a typo in a config file must not fall back silently to the default."""
     import difflib
 
     # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
     text = OmegaConf.to_yaml(cfg, resolve=False)
-    for section, known in CONFIG_KEYS.items():
+    for section, known in {**CONFIG_KEYS, **_PLAIN_GROUP_KEYS}.items():
         node = cfg if not section else cfg.get(section)
-        if not isinstance(node, DictConfig):
+        if not isinstance(node, DictConfig) or section in _PLAIN_GROUP_KEYS and "_target_" in node:
             continue
         for key in map(str, node.keys()):
             full = f"{section}.{key}" if section else key
@@ -74,8 +80,9 @@ def check_known_keys(cfg: DictConfig) -> None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {(f'{section}.' if section else '') + close[0]!r}?" if close else ""
             where = f"{section} holds only" if section else "the top level holds only"
+            holds = f"{where} {', '.join(sorted(known))}" if known else f"{section} without _target_ holds no keys"
             raise ConfigError(f"unknown config key {full!r} (set in a config file, or added with '+'): lit_dtrain "
-                              f"does not read it, so it would be ignored{hint} ({where} {', '.join(sorted(known))})")
+                              f"does not read it, so it would be ignored{hint} ({holds})")
 
 
 def check_types(cfg: DictConfig) -> None:

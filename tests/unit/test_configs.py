@@ -901,6 +901,10 @@ def test_config_keys_are_those_of_conf_train_yaml():
         ("sample:\n  promt: 'class '", r"unknown config key 'sample.promt' .*did you mean 'sample.prompt'\?"),
         ("decay_branch:\n  step: 500", r"unknown config key 'decay_branch.step' .*did you mean 'decay_branch.steps'"),
         ("module:\n  compiled: true", r"unknown config key 'module.compiled' .*did you mean 'module.compile'\?"),
+        # strategy=auto is read by its name alone: `nme: ddp` trained with 'auto' and exited 0
+        ("strategy:\n  nme: ddp", r"unknown config key 'strategy.nme' .*did you mean 'strategy.name'\?"),
+        ("defaults:\n  - override /logger: none\nlogger:\n  name: tb2",
+         r"unknown config key 'logger.name' .*\(logger without _target_ holds no keys\)"),
     ],
 )
 def test_an_unknown_key_in_an_experiment_file_is_refused(experiment, match, tmp_path):
