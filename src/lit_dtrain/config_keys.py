@@ -3,7 +3,8 @@
 - :func:`check_known_keys`: a key lit_dtrain does not read, at the root or in a plain section of conf/train.yaml
   (``CONFIG_KEYS``);
 - :func:`check_types`: numbers that must be numbers (and finite), flags that must be booleans;
-- :func:`check_target_arguments`: the flags and numbers of every ``_target_`` node, by its class's annotations.
+- :func:`check_target_arguments`: the flags and numbers of every ``_target_`` node, by its class's annotations, and
+  a key its class takes no argument for (:func:`check_target_keys`).
 
 ``lit_dtrain.config_checks.check_config`` runs them; they are importable from there too.
 """
@@ -135,6 +136,62 @@ def _flag_or_number(annotation) -> tuple[str, set] | None:
     return None
 
 
+# Where a **kwargs goes that is not to the parent class's __init__: a strategy's, to the module wrapper it builds in
+# setup (Lightning's DDPStrategy and FSDPStrategy); lit_dtrain's factories', to the class they build.
+_KWARGS_GO_TO = {
+    "lightning.pytorch.strategies.ddp.DDPStrategy": "torch.nn.parallel.DistributedDataParallel",
+    "lightning.pytorch.strategies.fsdp.FSDPStrategy": "torch.distributed.fsdp.FullyShardedDataParallel",
+    "lit_dtrain.strategies.make_ddp": "lightning.pytorch.strategies.DDPStrategy",
+    "lit_dtrain.strategies.make_fsdp": "lightning.pytorch.strategies.FSDPStrategy",
+    "lit_dtrain.models.build_llama": "lit_dtrain.models.llama.LlamaConfig",
+}
+
+
+def _accepted_arguments(target) -> set[str] | None:
+    """The keyword arguments that ``target`` (a class or a function) takes, following a ``**kwargs`` to the parent
+    class's ``__init__`` or to where ``_KWARGS_GO_TO`` says it goes; None where a ``**kwargs`` goes elsewhere."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    accepted: set[str] = set()
+    while target is not None:
+        owner = next((c for c in target.__mro__ if "__init__" in vars(c)), object) if isinstance(target, type) else None
+        fn = owner.__init__ if owner is not None else target
+        params = inspect.signature(fn).parameters.values()
+        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return accepted
+        source = owner if owner is not None else target
+        name = _KWARGS_GO_TO.get(f"{source.__module__}.{source.__qualname__}")
+        if name is not None:
+            target = get_object(name)
+        elif owner is not None and owner is not object:
+            target = next((c for c in owner.__mro__[1:] if "__init__" in vars(c) and c is not object), None)
+        else:
+            target = None
+    return None
+
+
+def check_target_keys(node: DictConfig, path: str, target) -> None:
+    """:class:`ConfigError` naming a key of a ``_target_`` node that its target takes no argument for. Hydra
+    refuses an unknown key only on the command line: one added with '+' or in a config file failed at
+    instantiation in Hydra's wrapper, and a strategy's (``+strategy.compresion=int8``) only in fit, after the token
+    cache was built, as DistributedDataParallel's TypeError naming neither ``strategy`` nor the key."""
+    import difflib
+
+    accepted = _accepted_arguments(target)
+    if accepted is None:  # a **kwargs that goes somewhere this cannot follow: the target names it itself
+        return
+    for key in map(str, node.keys()):
+        if key.startswith("_") or key in accepted:
+            continue
+        full = f"{path}.{key}" if path else key
+        close = difflib.get_close_matches(key, sorted(accepted), n=1)
+        hint = f"; did you mean {(f'{path}.' if path else '') + close[0]!r}?" if close else ""
+        raise ConfigError(f"{full} is not an argument of {node._target_}{hint}")
+
+
 def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
     """Flags and numbers of every ``_target_`` node (data, callbacks, sampler, strategy and codecs, Trainer): a value
     whose parameter is annotated ``bool`` must be a boolean, one annotated ``int`` an integer, one annotated as a
@@ -160,9 +217,14 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
     if "_target_" in node:
         try:
             target = get_object(node._target_)
-            hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
-        except Exception:  # an unimportable target or unresolvable hints: instantiate names it, or nothing to check
-            hints = {}
+        except Exception:  # an unimportable target: instantiate names it
+            target = None
+        if target is not None:
+            check_target_keys(node, path, target)
+            try:
+                hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
+            except Exception:  # unresolvable hints: nothing to check
+                hints = {}
     for key in node.keys():
         key = str(key)
         if key.startswith("_") or OmegaConf.is_missing(node, key):

@@ -238,6 +238,19 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         # 'min_block_size'), in Hydra's wrapper naming only 'full_key: data'
         ("data.sampler=fourier", r"data.sampler='fourier' sets the key to a string, not a sampler config: pick a "
                                  r"sampler with the config group data/sampler=fourier"),
+        # a key added with '+' that the target takes no argument for: a strategy's failed only in fit, after the
+        # token cache was built, as DistributedDataParallel's TypeError naming neither strategy nor the key
+        ("strategy=ddp_compressed +strategy.compresion=int8",
+         r"^strategy.compresion is not an argument of lit_dtrain.strategies.CompressedDDPStrategy; did you mean "
+         r"'strategy.compressor'\?$"),
+        ("strategy=ddp +strategy.find_unused_paramters=true",  # make_ddp's **kwargs, followed to DDP's arguments
+         r"^strategy.find_unused_paramters is not an argument of .*make_ddp; did you mean "
+         r"'strategy.find_unused_parameters'\?$"),
+        ("data/sampler=fourier +data.sampler.lagg=1", r"^data.sampler.lagg is not an argument of .*FourierSampler; "
+                                                      r"did you mean 'data.sampler.lag'\?$"),
+        ("+callbacks.model_checkpoint.save_topk=2",
+         r"^callbacks.model_checkpoint.save_topk is not an argument of .*ModelCheckpoint; did you mean "
+         r"'callbacks.model_checkpoint.save_top_k'"),
     ],
 )
 def test_bad_values_fail_before_compute(override, match, tiny_cfg):
@@ -269,7 +282,9 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "trainer.precision=16-true optimizer.eps=1e-4",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
-                     "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2"):
+                     "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2",
+                     "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
+                     "+strategy.static_graph=true strategy.compressor.block_size=64"):
         check_config(tiny_cfg(*override.split(" ")))
 
 

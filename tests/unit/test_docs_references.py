@@ -187,7 +187,7 @@ NOT_CONFIG_KEYS = {
     "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
 }
-WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr"}  # docs/reliability.md row 6a: the unknown key Hydra refuses
+WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion"}  # 6a: refused
 
 
 def documented_config_keys(roots: set[str]) -> dict[str, list[str]]:
