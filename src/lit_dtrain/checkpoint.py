@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_dtrain.utils.atomic import os_error as _os_error  # sweeps.user_error imports it from here
-from lit_dtrain.utils.atomic import temp_path, what_is_left, write_atomically
+from lit_dtrain.utils.atomic import what_is_left, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         reason = _os_error(e)
         what = (reason.strerror or str(reason)) if reason is not None else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"could not write checkpoint {str(path)!r}: {what}; {what_is_left(path)}") from e
-
-
-def temp_file_name(path: Path) -> Path:
-    """The temp file :func:`atomic_torch_save` writes before renaming it over ``path``."""
-    return temp_path(path)
 
 
 def not_a_file_reason(path: Path) -> str:
