@@ -190,10 +190,6 @@ def recall(detected_steps: list[int] | None, schedule: dict[int, str], slack: in
     return {f"{kind}@{s}": any(s <= d <= s + slack for d in steps) for s, kind in sorted(schedule.items())}
 
 
-def false_positives(detected_steps: list[int] | None, schedule: dict[int, str], slack: int = 2) -> int:
-    return sum(1 for d in detected_steps or [] if not any(s <= d <= s + slack for s in schedule))
-
-
 def injection(text: str) -> tuple[int, str]:
     """An ``argparse`` type for one ``--inject`` entry ``kind:step``: ``(step, kind)``."""
     kind, sep, step = text.partition(":")
