@@ -1207,6 +1207,11 @@ def test_paths_given_to_a_stdlib_source_are_refused_not_ignored(tmp_path, corpus
     with pytest.raises(CorpusError, match=r"data.sources.0 \(data source 'stdlib'\): kind='stdlib' .*kind='files'"):
         LMDataModule(sources=[{"name": "stdlib", "kind": "stdlib", "paths": [str(corpus)]}], cache_dir=str(tmp_path))
     assert CorpusSource(name="s", kind="stdlib", paths=[]).paths == []  # an empty list is no paths
+    # likewise a pattern (+data.sources.0.pattern='*.txt' with data=stdlib): it filters the files of directories only
+    with pytest.raises(CorpusError, match=r"data.sources.0 \(data source 'stdlib'\): kind='stdlib' reads every \.py "
+                                          r"file .* takes no pattern, got pattern='\*\.txt'"):
+        LMDataModule(sources=[{"name": "stdlib", "kind": "stdlib", "pattern": "*.txt"}], cache_dir=str(tmp_path))
+    assert CorpusSource(name="s", kind="stdlib", pattern="*").pattern == "*"  # the default is no pattern
 
 
 def test_unigram_entropy_counts_tokens_in_chunks(tmp_path, monkeypatch):

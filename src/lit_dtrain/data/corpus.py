@@ -74,6 +74,11 @@ class CorpusSource:
                 f"data source {self.name!r}: kind='stdlib' reads the running Python's standard library and takes no "
                 f"paths, got paths={list(self.paths)!r}; to read them set kind='files' (data=textfiles)"
             )
+        if self.kind == "stdlib" and self.pattern != "*":  # +data.sources.0.pattern=...: read every .py file, silently
+            raise CorpusError(
+                f"data source {self.name!r}: kind='stdlib' reads every .py file of the standard library and takes no "
+                f"pattern, got pattern={self.pattern!r}; to pick files set kind='files' and paths (data=textfiles)"
+            )
         if self.kind == "files" and not self.paths:
             raise CorpusError(
                 f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list of files, directories or "
