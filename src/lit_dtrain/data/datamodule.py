@@ -77,7 +77,7 @@ class LMDataModule(L.LightningDataModule):
     Args:
         sources: list of :class:`CorpusSource` (or dicts of its fields); weights set the mixture.
         block_size: tokens per training sample (the window holds ``block_size + 1``).
-        batch_size: per-rank micro-batch size; the global batch is ``batch_size * world_size``.
+        batch_size: per-rank micro-batch size; global batch ``batch_size * world_size * accumulate_grad_batches``.
         seed: sampling seed (batches are a pure function of seed, step and sampler state).
         val_fraction: share of documents held out for validation (deterministic, by content hash).
         max_val_windows: cap on validation windows per source (evenly spaced over the val stream).
