@@ -158,7 +158,10 @@ def _accepted_arguments(target) -> set[str] | None:
     while target is not None:
         owner = next((c for c in target.__mro__ if "__init__" in vars(c)), object) if isinstance(target, type) else None
         fn = owner.__init__ if owner is not None else target
-        params = inspect.signature(fn).parameters.values()
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: its call names a bad key itself
+            return None
         accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             return accepted

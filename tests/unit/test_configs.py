@@ -276,6 +276,18 @@ def test_every_shipped_choice_passes_the_argument_check(group, tiny_cfg):
     check_target_arguments(tiny_cfg("trainer.deterministic=warn", "optimizer.fused=null", "optimizer.fused=true"))
 
 
+def test_a_target_without_a_signature_is_left_to_its_call():
+    """check_target_keys follows a target's signature; a builtin without one (getattr) is not an error of the check."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.config_checks import check_target_arguments
+
+    check_target_arguments(OmegaConf.create({"x": {"_target_": "builtins.getattr", "_args_": [1, "real"]}}))
+    with pytest.raises(ConfigError, match=r"^x.lagg is not an argument of .*FourierSampler; did you mean 'x.lag'\?"):
+        check_target_arguments(OmegaConf.create({"x": {"_target_": "lit_dtrain.data.samplers.FourierSampler",
+                                                       "lagg": 1}}))
+
+
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
     for override in ("trainer.precision=16-mixed trainer.accelerator=gpu", "trainer.precision=bf16-mixed",
                      "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
