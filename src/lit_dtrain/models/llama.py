@@ -261,13 +261,6 @@ class Llama(nn.Module):
             std = out_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else cfg.init_std
             nn.init.normal_(p, mean=0.0, std=std)
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (tied weights counted once)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:  # a 1-D sequence failed with "not enough values to unpack"
             raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}; "
