@@ -139,10 +139,29 @@ def check_config(cfg: DictConfig) -> None:
     # names the run dir and TensorBoard's event file, which TensorBoard encodes as UTF-8 (in Lightning's setup)
     check_utf8_text("run_name", str(cfg.get("run_name", "")))
     check_monitors(cfg)
+    check_checkpoint_dirs(cfg)
     check_lightning_choices(cfg)
     check_target_arguments(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
+
+
+def check_checkpoint_dirs(cfg: DictConfig) -> None:
+    """``callbacks.model_checkpoint.dirpath`` or ``callbacks.preemption.dirpath`` away from ``paths.checkpoint_dir``:
+    the end of the run saves ``last.ckpt`` and ``resume=auto`` looks for checkpoints in ``paths.checkpoint_dir`` alone.
+    A run killed at step 9 with its step-6 checkpoint in the callback's dir resumed from nothing: it trained from
+    step 0 again, exited 0, and overwrote that dir's ``last.ckpt``. A checkpoint callback of another name may save
+    elsewhere (extra copies)."""
+    own = os.path.abspath(os.path.expanduser(str(cfg.paths.checkpoint_dir)))
+    for key in ("model_checkpoint", "preemption"):
+        node = (cfg.get("callbacks") or {}).get(key)
+        dirpath = node.get("dirpath") if isinstance(node, DictConfig) else None
+        if dirpath is not None and os.path.abspath(os.path.expanduser(str(dirpath))) != own:
+            raise ConfigError(
+                f"callbacks.{key}.dirpath={str(dirpath)!r} is not paths.checkpoint_dir={own!r}, where the run saves "
+                f"its final last.ckpt and resume=auto looks for checkpoints: set paths.checkpoint_dir={str(dirpath)!r} "
+                "instead (the checkpoint callbacks follow it)"
+            )
 
 
 def check_group_nodes(cfg: DictConfig) -> None:

@@ -248,6 +248,12 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"'strategy.find_unused_parameters'\?$"),
         ("data/sampler=fourier +data.sampler.lagg=1", r"^data.sampler.lagg is not an argument of .*FourierSampler; "
                                                       r"did you mean 'data.sampler.lag'\?$"),
+        # the callback saved there, the end of the run and resume=auto used paths.checkpoint_dir: a run killed after
+        # its step-6 checkpoint resumed from nothing (trained from step 0 again, exit 0)
+        ("callbacks.model_checkpoint.dirpath=/elsewhere/ck",
+         r"^callbacks.model_checkpoint.dirpath='/elsewhere/ck' is not paths.checkpoint_dir=.* set "
+         r"paths.checkpoint_dir='/elsewhere/ck' instead"),
+        ("callbacks.preemption.dirpath=/elsewhere/ck", r"^callbacks.preemption.dirpath='/elsewhere/ck' is not "),
         ("+callbacks.model_checkpoint.save_topk=2",
          r"^callbacks.model_checkpoint.save_topk is not an argument of .*ModelCheckpoint; did you mean "
          r"'callbacks.model_checkpoint.save_top_k'"),
@@ -295,6 +301,7 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2",
+                     "paths.checkpoint_dir=/elsewhere/ck/ callbacks.preemption.dirpath=/elsewhere/ck",
                      "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
                      "+strategy.static_graph=true strategy.compressor.block_size=64"):
         check_config(tiny_cfg(*override.split(" ")))
