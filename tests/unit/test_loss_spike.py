@@ -682,13 +682,15 @@ def test_without_a_sampler_steps_holding_excluded_samples_are_skipped(tmp_path: 
 
 
 def test_train_cfg_split_run_with_skips_reproduces_the_straight_run(tiny_cfg) -> None:
-    """Through Hydra and train(cfg): spikes.jsonl in the run dir, and a resume with skips is bit-exact."""
+    """Through Hydra and train(cfg): spikes.jsonl in the run dir, and a resume with skips is bit-exact, also with
+    dropout (masks seeded by the step, lit_dtrain.step_rng) and the split right after a skipped step (5) with a
+    skip at the resumed run's first step (6)."""
     from lit_dtrain.train import train
 
     n = 6
     common = ["callbacks=[default,loss_spike]", "sample.max_new_tokens=0", "trainer.val_check_interval=3",
-              f"scheduler.total_steps={2 * n}", "callbacks.loss_spike.warmup_steps=2",
-              "+callbacks.inject._target_=tests.unit.test_loss_spike.InjectAt", "+callbacks.inject.finite=[3,8]",
+              f"scheduler.total_steps={2 * n}", "callbacks.loss_spike.warmup_steps=2", "model.dropout=0.1",
+              "+callbacks.inject._target_=tests.unit.test_loss_spike.InjectAt", "+callbacks.inject.finite=[3,5,6,8]",
               "+callbacks.inject.nan=[10]"]
     _, straight = train(tiny_cfg(*common, f"trainer.max_steps={2 * n}", run="straight"))
     train(tiny_cfg(*common, f"trainer.max_steps={n}", run="split"))
@@ -698,7 +700,7 @@ def test_train_cfg_split_run_with_skips_reproduces_the_straight_run(tiny_cfg) ->
         return next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))
 
     a, b = monitor(straight), monitor(resumed)
-    assert [e["step"] for e in a.events] == [3, 8, 10]  # skips before and after the split
+    assert [e["step"] for e in a.events] == [3, 5, 6, 8, 10]  # skips before, at and after the split
     assert b.excluded == a.excluded and b.num_spikes == a.num_spikes
     run_dir = Path(resumed["trainer"].default_root_dir)
     steps = [json.loads(x)["step"] for x in (run_dir / "spikes.jsonl").read_text().splitlines()]
