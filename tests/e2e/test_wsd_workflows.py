@@ -458,3 +458,12 @@ def test_cpt_replay_with_another_schedule_names_the_experiments_leftover_key(tmp
     check_config(fixed)
     # both re-warms decay to 0, as in the benchmark of docs/wsd.md (cosine's own default, 0.1, ended it at a tenth)
     assert (fixed.scheduler.warmup_steps, fixed.scheduler.total_steps, fixed.scheduler.min_lr_factor) == (50, 500, 0)
+    # a constant re-warm takes neither of the experiment's decay settings: one line names both (it named only the
+    # first, and the command line fixed by it failed again on the second)
+    constant = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "scheduler=constant"]
+    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 and scheduler.min_lr_factor=0.0 are not "
+                                          r"arguments of constant_scheduler .*drop them with "
+                                          r"'~scheduler.decay_fraction' '~scheduler.min_lr_factor'$"):
+        check_config(compose_cfg(constant, tmp_path / "c", tiny=False))
+    check_config(compose_cfg([*constant, "~scheduler.decay_fraction", "~scheduler.min_lr_factor"], tmp_path / "d",
+                             tiny=False))

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from pathlib import Path
@@ -88,17 +89,33 @@ def check_one_decay_length(cfg: DictConfig) -> None:
 
 
 def unknown_argument_error(key: str, node: DictConfig, error: TypeError) -> str:
-    """The one-line message for a schedule node holding a key its ``_target_`` takes no argument for (``experiment=
-    cpt_replay scheduler=cosine``: the experiment's ``scheduler.decay_fraction``, an argument of WSD only)."""
+    """The one-line message for a schedule node holding keys its ``_target_`` takes no argument for (``experiment=
+    cpt_replay scheduler=cosine``: the experiment's ``scheduler.decay_fraction``, an argument of WSD only). It names
+    every such key (``scheduler=constant``: ``decay_fraction`` and ``min_lr_factor``), not only the first that the
+    ``TypeError`` names, so that one command line fixes them all."""
     name = str(node.get("_target_", "")).rsplit(".", 1)[-1]
     found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
     if found is None:
         return f"{key}: {error}"
-    arg = found.group(1)
-    return (
-        f"{key}.{arg}={node.get(arg)} is not an argument of {name} (an experiment's setting for another schedule?); "
-        f"drop it with '~{key}.{arg}'"
-    )
+    unknown = _keys_not_taken(node) or [found.group(1)]
+    settings = " and ".join(f"{key}.{arg}={node.get(arg)}" for arg in unknown)
+    verb, pronoun = ("is not an argument", "it") if len(unknown) == 1 else ("are not arguments", "them")
+    drops = " ".join(f"'~{key}.{arg}'" for arg in unknown)
+    return f"{settings} {verb} of {name} (an experiment's setting for another schedule?); drop {pronoun} with {drops}"
+
+
+def _keys_not_taken(node: DictConfig) -> list[str]:
+    """The keys of ``node`` that its ``_target_``'s signature has no parameter for ([] when it cannot tell: no
+    signature, or ``**kwargs``)."""
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(str(node.get("_target_")))).parameters
+    except (ImportError, ValueError, TypeError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [k for k in node.keys() if not str(k).startswith("_") and k not in params]
 
 
 def _is_default_warmup(node: DictConfig, total: int) -> bool:
