@@ -7,7 +7,7 @@ The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape
 ``--device`` (default: cuda where available, else cpu). The end-of-run sample of ``train.py`` is drawn the same
 way (fp32, seed ``seed``): ``--seed <the run's seed>`` with its ``sample.*`` values prints the same text on the same
 device type. An empty prompt starts from EOS, which is not printed. The last line is JSON: ``{"error": ...}`` on bad
-input (exit status 2).
+input (exit status 2). Piped into a reader that stops early (``| head -n 2``), it ends as ``cat`` does (status 141).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lit_dtrain.data import ByteTokenizer
 from lit_dtrain.end_sample import generated_text
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.workflows import model_from_checkpoint
-from lit_dtrain.utils.args import ScriptArgumentParser, fail, nonnegative_int, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, nonnegative_int, positive_int, quiet_when_the_reader_goes
 
 
 def load_model(path: str):
@@ -57,6 +57,7 @@ def sampling_device(name: str | None) -> torch.device:
     return device
 
 
+@quiet_when_the_reader_goes  # `generate.py ... | head`: ends as cat does
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")

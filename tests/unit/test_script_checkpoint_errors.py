@@ -367,3 +367,40 @@ def test_generate_num_samples_draws_that_many_continuations(tmp_path, capsys):
     assert run("--temperature", "1", "--top-k", "0", "--num-samples", "4", "--seed", "7") == drawn
     with script_error(capsys, r"argument --num-samples: must be >= 1, got 0"):
         run("--num-samples", "0")
+
+
+def test_generate_piped_into_head_ends_quietly_as_cat_does(tmp_path):
+    """`generate.py CKPT ... | head -n 2`: the write after head had gone ended in BrokenPipeError's traceback, status
+    1. Now the script ends as cat does, killed by SIGPIPE (status 141 in a shell), with nothing on stderr. Run in a
+    forked child whose stdout is a pipe with no reader (Python ignores SIGPIPE there, as in the script)."""
+    import os
+    import signal
+    import sys
+
+    ckpt = _tiny_checkpoint(tmp_path / "tiny.ckpt")
+    mod = _script("generate")
+    stderr = tmp_path / "stderr"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # head has gone
+    pid = os.fork()
+    if pid == 0:  # the child: a failure here must not return into pytest
+        code = 3
+        try:
+            os.dup2(write_end, 1)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            mod.main([str(ckpt), "--prompt", "ab", "--max-new-tokens", "2", "--device", "cpu"])
+            sys.stdout.flush()  # as the interpreter's exit does
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGPIPE, (status, stderr.read_text())
+    assert stderr.read_text() == ""

@@ -4,11 +4,13 @@ names the argument; a script's bad input ends with a ``{"error": ...}`` JSON lin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import numbers
 import os
 import re
+import signal
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -133,6 +135,27 @@ def report_error(message: str, prog: str | None = None) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.stderr.flush()
     print(json.dumps({"error": message}), flush=True)
+
+
+def quiet_when_the_reader_goes(main):
+    """Wrap a script's ``main`` so that a reader of its stdout that stops early (``generate.py ... | head -n 2``)
+    ends it as ``cat`` ends: without a word, killed by SIGPIPE (status 141 in a shell). Python ignores SIGPIPE, so a
+    write to the closed pipe raised ``BrokenPipeError`` and the script ended in its traceback, status 1 (and the
+    flush at exit printed another 'Exception ignored' one). The Python docs' recipe (signal module, 'Note on
+    SIGPIPE'), ending by the signal as ``cat`` does rather than with status 1."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            result = main(*args, **kwargs)
+            sys.stdout.flush()  # a pipe's last lines are written here
+            return result
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit writes nowhere
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGPIPE)
+
+    return wrapper
 
 
 def fail(message: str, prog: str | None = None, code: int = 2) -> NoReturn:
