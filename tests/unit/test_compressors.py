@@ -1030,15 +1030,6 @@ def test_a_validation_by_time_is_not_guessed_in_the_step():
     assert not validates_after_this_step(trainer)
 
 
-@pytest.fixture
-def no_group_left():
-    """A 1-device fit under CompressedDDPStrategy starts a one-process gloo group that Lightning leaves initialized;
-    a later test's train() then found a group and kept it (test_distributed_exit failed after these tests)."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 @pytest.mark.parametrize("local_update", [None, "local_sgd", "diloco"])
 def test_a_fit_under_local_updates_refuses_a_validation_by_time(local_update, no_group_left):
     """Lightning validates by time when each rank's own clock says so. Under a local-update rule the sync before a

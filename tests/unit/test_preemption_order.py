@@ -38,7 +38,7 @@ class _SigtermAt(L.Callback):
             self.spike_indices = sorted(batch["index"].tolist())
 
 
-def test_a_sigterm_during_a_dropped_spike_saves_the_finished_step(tmp_path, monkeypatch):
+def test_a_sigterm_during_a_dropped_spike_saves_the_finished_step(tmp_path, monkeypatch, no_group_left):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     preemption = PreemptionCheckpoint(str(tmp_path))
