@@ -110,9 +110,9 @@ def logs_a_failed_job(train_fn):
     logging writes it to the run's ``<job name>.log``, where ``scripts/compare_runs.py`` reads each failed run's
     error (:func:`lit_dtrain.run_dirs.job_error`). A multirun logs it on the console too (Hydra runs the next job and
     reports only the first failed job's error, after the whole sweep); a single run to its log files only, since
-    the error itself ends the run on the console, and not where a start was refused in the dir of an earlier (or
-    running) run, whose ``config_resolved.yaml`` it did not replace: that run did not fail. Without Hydra nothing
-    is logged."""
+    the error itself ends the run on the console. A start refused in the dir of an earlier (or running) run, whose
+    ``config_resolved.yaml`` it did not replace (a re-run sweep's ``resume=auto`` with reordered values), logs it
+    on the console only, not in that run's log: that run did not fail. Without Hydra nothing is logged."""
     job_log = logging.getLogger(train_fn.__module__)
 
     @functools.wraps(train_fn)
@@ -125,12 +125,14 @@ def logs_a_failed_job(train_fn):
         except Exception as e:
             error = user_error(e)  # a bad input: its own type and message, no traceback
             shown = error or e
+            # a start refused in the dir of an earlier or running run, which did not fail: not in its log files
+            # (compare_runs showed an unfinished job of a re-run sweep as failed with the refusal of the re-run)
+            files = earlier_run is None or _config_file_id(cfg) != earlier_run
             if in_multirun():
-                job_log.error("job %s failed: %s: %s", HydraConfig.get().job.num, type(shown).__name__, shown,
-                              exc_info=error is None)
-            elif HydraConfig.initialized() and (earlier_run is None or _config_file_id(cfg) != earlier_run):
-                # (a start refused in the dir of an earlier or running run, which did not fail: not logged)
-                _log_to_files(job_log, f"run failed: {type(shown).__name__}: {shown}", traceback=error is None)
+                _log_to_handlers(job_log, f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}",
+                                 traceback=error is None, files=files, console=True)
+            elif HydraConfig.initialized() and files:
+                _log_to_handlers(job_log, f"run failed: {type(shown).__name__}: {shown}", traceback=error is None)
             raise
 
     return wrapper
@@ -147,12 +149,14 @@ def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _log_to_files(logger: logging.Logger, message: str, traceback: bool, level: int = logging.ERROR) -> None:
+def _log_to_handlers(logger: logging.Logger, message: str, traceback: bool, level: int = logging.ERROR,
+                     files: bool = True, console: bool = False) -> None:
     """Log ``message`` at ``level`` (with the exception being handled, ``traceback``) to the root logger's file
-    handlers only (Hydra's job log), not to its console."""
+    handlers (Hydra's job log) where ``files``, and to its other handlers (the console) where ``console``."""
     record = logger.makeRecord(logger.name, level, __file__, 0, message, None, sys.exc_info() if traceback else None)
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+        to_file = isinstance(handler, logging.FileHandler)
+        if (files if to_file else console) and record.levelno >= handler.level:
             handler.handle(record)
 
 
@@ -162,7 +166,7 @@ def log_training_start(logger: logging.Logger) -> None:
     run whose later start was killed (which logs no error) is not shown as failed with an earlier start's error."""
     from lit_dtrain.run_dirs import TRAINING_STARTS
 
-    _log_to_files(logger, TRAINING_STARTS, traceback=False, level=logging.INFO)
+    _log_to_handlers(logger, TRAINING_STARTS, traceback=False, level=logging.INFO)
 
 
 def user_error(e: BaseException) -> BaseException | None:

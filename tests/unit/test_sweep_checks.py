@@ -310,7 +310,8 @@ def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_tr
     error there), so scripts/compare_runs.py listed the run as unfinished. It is one line on stderr now,
     'error: <message>', exit status 1 (a multirun job: Hydra's one-line report), and a single run's log files get
     'run failed: NonFiniteError: <message>' with the traceback; a bad input's line there has no traceback, and the
-    console gets neither (the error line says it). A start refused in an earlier run's dir logs no failure there."""
+    console gets neither (the error line says it). A start refused in an earlier run's dir logs no failure there
+    (a multirun job's line goes to the console only)."""
     from lit_dtrain.module import NonFiniteError
     from lit_dtrain.sweeps import logs_a_failed_job
 
@@ -353,6 +354,15 @@ def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_tr
             with pytest.raises(UserInputError, match=r"^error: non-finite gradients at step 1") as raised:
                 failing(stop)(cfg)
             assert raised.value.__cause__ is stop
+            capsys.readouterr()
+            # a re-run sweep's job refused in the dir of its earlier (killed) run: on the console, not in that log,
+            # where compare_runs read it as the earlier run's error
+            (tmp_path / "sweep" / "0").mkdir()
+            (tmp_path / "sweep" / "0" / "config_resolved.yaml").write_text("seed: 2\n")
+            refused = "resume=auto: sweep/0 was trained with seed=2, this job sets seed=1"
+            with pytest.raises(UserInputError, match=f"^error: {refused}"):
+                failing(ConfigError(refused))(cfg)
+            assert capsys.readouterr().err == f"job 0 failed: ConfigError: {refused}\n"
     finally:
         root.removeHandler(handler)
         root.removeHandler(console)
@@ -366,6 +376,7 @@ def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_tr
                               "10 steps (steps [3, 5])") + 1:]
     assert after[0] == "run failed: ConfigError: optimizer.lr must be > 0, got -1"  # no traceback: the line says it
     assert after[1] == f"job 0 failed: NonFiniteError: {stop}" and after[2] == "Traceback (most recent call last):"
+    assert not [line for line in after if "resume=auto" in line]
 
 def test_which_errors_are_a_bad_input():
     """ConfigError, CorpusError (also inside Hydra's InstantiationException) and CheckpointError are; a checkpoint
