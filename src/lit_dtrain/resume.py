@@ -334,20 +334,35 @@ def check_optimizer_state(cfg: DictConfig, ckpt_path: str) -> None:
 
 
 def warn_if_accumulation_splits(cfg: DictConfig, ckpt_path: str) -> None:
-    """Warn when the checkpoint's micro-batch count is no multiple of ``trainer.accumulate_grad_batches`` (changed since
-    it was written): Lightning steps when its count reaches one, so the first optimizer step of the resumed run
-    accumulates fewer micro-batches, its loss still divided by the full count (7 steps with 1, resumed with 2: the
-    next step was one micro-batch at half the gradient), without a word."""
+    """Warn when the checkpoint's micro-batch count in its epoch is no multiple of
+    ``trainer.accumulate_grad_batches``: Lightning steps when its count reaches one, so the first optimizer step of
+    the resumed run accumulates fewer micro-batches, its loss still divided by the full count (7 steps with 1,
+    resumed with 2: the next step was one micro-batch at half the gradient), without a word. The warning says why,
+    from the epoch's optimizer steps in the file: the setting changed since the write, or the file was saved
+    mid-step (an earlier lit_dtrain's ``train_time_interval`` save; it said 'changed' for those too), or either.
+    A file saved at an epoch's last batch, where Lightning steps whatever the count, is not warned about: the next
+    epoch counts from 0 (it was, e.g. micro-batch 16 of a 16-batch epoch with 3)."""
     accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     ckpt = safe_torch_load(ckpt_path, mmap=True)
     try:
-        done = int(ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"])
+        loop = ckpt["loops"]["fit_loop"]
+        progress = loop["epoch_loop.batch_progress"]
+        done = int(progress["current"]["ready"])
+        steps = int(loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"]
+                    ["completed"])  # this epoch's optimizer steps
     except (KeyError, TypeError, ValueError):
         return
-    if accumulate > 1 and done % accumulate:
-        short = accumulate - done % accumulate
-        log.warning(
-            "checkpoint %s is at micro-batch %d, no multiple of trainer.accumulate_grad_batches=%d (changed since it "
-            "was written): the first optimizer step after the resume accumulates %d micro-batch(es), not %d, and its "
-            "gradient is %d/%d of a full step's", ckpt_path, done, accumulate, short, accumulate, short, accumulate)
-
+    if accumulate <= 1 or not done % accumulate or progress.get("is_last_batch"):
+        return
+    short = accumulate - done % accumulate
+    reasons = []
+    if done // accumulate == steps:  # this setting's steps, then part of the next
+        reasons.append(f"saved mid-step, after {done % accumulate} of a step's {accumulate} micro-batches, as an "
+                       "earlier lit_dtrain's train_time_interval save did")
+    if steps and done % steps == 0:  # whole steps of another setting
+        reasons.append(f"written with accumulate_grad_batches={done // steps}")
+    reason = ", or ".join(reasons) or "changed since it was written, or saved mid-step"
+    log.warning(
+        "checkpoint %s is at micro-batch %d of its epoch, no multiple of trainer.accumulate_grad_batches=%d (%s): the "
+        "first optimizer step after the resume accumulates %d micro-batch(es), not %d, and its gradient is %d/%d of "
+        "a full step's", ckpt_path, done, accumulate, reason, short, accumulate, short, accumulate)

@@ -256,25 +256,49 @@ def test_an_interrupted_roll_back_never_resumes_the_abandoned_steps(tiny_cfg, tm
     assert metrics["steps"] == 6 and metrics["tokens_per_sec"] is not None  # trained steps 2-5 again
 
 
+def _loop_state(path, ready: int, steps: int, last_batch: bool = False):
+    """A checkpoint whose fit loop is at micro-batch ``ready`` of its epoch after ``steps`` optimizer steps in it,
+    as Lightning writes it (``is_last_batch``: saved at the epoch's last batch)."""
+    progress = {"current": {"ready": ready, "completed": ready, "started": ready, "processed": ready},
+                "is_last_batch": last_batch}
+    optim = {"optimizer": {"step": {"current": {"ready": steps, "completed": steps}}}}
+    torch.save({"global_step": steps, "state_dict": {}, "loops": {"fit_loop": {
+        "epoch_loop.batch_progress": progress, "epoch_loop.automatic_optimization.optim_progress": optim}}}, path)
+    return str(path)
+
+
 def test_a_resume_whose_accumulation_splits_a_step_says_so(tmp_path, caplog):
     """7 steps with accumulate_grad_batches=1, resumed with 2: Lightning steps when its micro-batch count reaches a
-    multiple of 2, so the first step after the resume was 1 micro-batch with its loss halved, without a word."""
+    multiple of 2, so the first step after the resume was 1 micro-batch with its loss halved, without a word. The
+    warning says why from the epoch's steps in the file: a mid-step file of an earlier lit_dtrain's timed save
+    (micro-batch 17 at step 4, 4 per step) was said to have 'changed since it was written'; a file saved at an
+    epoch's last batch (16 batches with 3, where Lightning steps anyway and the next epoch counts from 0) was
+    warned about at all."""
     from lit_dtrain.resume import warn_if_accumulation_splits
 
-    path = tmp_path / "last.ckpt"
-    progress = {"current": {"ready": 7, "completed": 7, "started": 7, "processed": 7}}
-    torch.save({"global_step": 7, "state_dict": {}, "loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}},
-               path)
-    for accumulate, warned in [(1, False), (7, False), (2, True), (3, True)]:
+    def warning(path, accumulate):
         caplog.clear()
         cfg = OmegaConf.create({"trainer": {"accumulate_grad_batches": accumulate}})
         with caplog.at_level("WARNING", logger="lit_dtrain.train"):
-            warn_if_accumulation_splits(cfg, str(path))
-        assert bool(caplog.records) == warned, accumulate
-    assert caplog.records[0].getMessage().endswith(
-        "is at micro-batch 7, no multiple of trainer.accumulate_grad_batches=3 (changed since it was written): the "
-        "first optimizer step after the resume accumulates 2 micro-batch(es), not 3, and its gradient is 2/3 of a "
-        "full step's")
+            warn_if_accumulation_splits(cfg, path)
+        return caplog.records[0].getMessage() if caplog.records else None
+
+    seven = _loop_state(tmp_path / "seven.ckpt", 7, 7)
+    assert [warning(seven, k) is None for k in (1, 7, 2, 3)] == [True, True, False, False]
+    assert warning(seven, 3).endswith(
+        "is at micro-batch 7 of its epoch, no multiple of trainer.accumulate_grad_batches=3 (written with "
+        "accumulate_grad_batches=1): the first optimizer step after the resume accumulates 2 micro-batch(es), not 3, "
+        "and its gradient is 2/3 of a full step's")
+    mid_step = _loop_state(tmp_path / "timed.ckpt", 17, 4)
+    assert warning(mid_step, 4).endswith(
+        "is at micro-batch 17 of its epoch, no multiple of trainer.accumulate_grad_batches=4 (saved mid-step, after "
+        "1 of a step's 4 micro-batches, as an earlier lit_dtrain's train_time_interval save did): the first optimizer "
+        "step after the resume accumulates 3 micro-batch(es), not 4, and its gradient is 3/4 of a full step's")
+    # 1 step in 5 micro-batches: 3 per step and 2 of the next, or 5 per step; the file cannot tell
+    both = warning(_loop_state(tmp_path / "one.ckpt", 5, 1), 3)
+    assert "(saved mid-step, after 2 of a step's 3 micro-batches, as an earlier lit_dtrain's train_time_interval " \
+           "save did, or written with accumulate_grad_batches=5)" in both
+    assert warning(_loop_state(tmp_path / "end.ckpt", 16, 6, last_batch=True), 3) is None
 
 
 def test_a_fresh_start_into_a_checkpoint_dir_of_its_own_that_holds_checkpoints_names_that_dir(tmp_path):
