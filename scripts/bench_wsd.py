@@ -15,7 +15,7 @@
    mixture, conf/experiment/cpt_replay.yaml). Reports val loss on B and forgetting on A (val loss increase).
 
     python scripts/bench_wsd.py                 # the documented run (docs/wsd.md), ~20 min on 2 busy cores
-    python scripts/bench_wsd.py --quick         # a smoke run of every code path (~2 min)
+    python scripts/bench_wsd.py --quick         # a smoke run of every code path (1-3 min)
 
 Runs go under ``--out-dir``; plots to ``--img-dir`` (default ``--out-dir``;
 ``docs/img`` for the docs). The last line is one JSON object.
