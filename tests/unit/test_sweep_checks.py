@@ -121,6 +121,25 @@ def test_a_multirun_given_a_run_name_says_where_its_jobs_train(tmp_path, corpus,
     assert caplog.messages == []
 
 
+def test_a_multirun_whose_grid_repeats_a_point_says_so(tmp_path, corpus, caplog):
+    """`-m optimizer.lr=1e-3,1e-3` (a typo for 3e-3) trained the same run twice without a word, and compare_runs
+    labelled the two rows '0' and '1' (no value differs). Job 0 warns now; 1e-3 and 0.001 are one value."""
+    from lit_dtrain.sweeps import sweep_checks
+
+    sweep = ["seed=range(1,3)", "optimizer.lr=1e-3,0.001,3e-3"]
+    with multirun_job(tmp_path / "sweep" / "0", sweep, ["seed=1", "optimizer.lr=0.001"], corpus) as cfg:
+        sweep_checks(cfg)
+    assert caplog.messages == ["optimizer.lr lists 0.001 more than once: this multirun trains the same configuration "
+                               "in several jobs (3 values, 2 distinct)"]
+    caplog.clear()
+    with multirun_job(tmp_path / "sweep" / "1", sweep, ["seed=1", "optimizer.lr=0.001"], corpus) as cfg:
+        sweep_checks(cfg)  # once a sweep
+    sweep = ["seed=range(1,3)", "optimizer.lr=1e-3,3e-3", "data/sampler=random,fourier"]
+    with multirun_job(tmp_path / "other" / "0", sweep, ["seed=1", "optimizer.lr=0.001"], corpus) as cfg:
+        sweep_checks(cfg)
+    assert caplog.messages == []
+
+
 def test_a_callbacks_sweep_resumes_with_a_longer_max_steps_and_a_reordered_one_names_the_callback(tmp_path, corpus):
     """'-m ~scheduler callbacks=[default,wsd],[default,wsd,loss_spike]', resumed with resume=auto and a longer
     trainer.max_steps (the extension the check lets through for scheduler=wsd,cosine) was refused for every job:
