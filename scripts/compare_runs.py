@@ -39,7 +39,7 @@ from lit_dtrain.run_dirs import (
     read_scalars,
     table_cell,  # noqa: F401 - compare_runs.table_cell: the markdown table's cells (_compare_runs_table)
 )
-from lit_dtrain.utils.args import ScriptArgumentParser, report_error
+from lit_dtrain.utils.args import ScriptArgumentParser, quiet_when_the_reader_goes, report_error
 from lit_dtrain.utils.atomic import AtomicWriteError
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 from lit_dtrain.utils.scripts import import_beside
@@ -288,6 +288,7 @@ def compare(
     }
 
 
+@quiet_when_the_reader_goes  # `... | head`: ends as cat does
 def main(argv: list[str] | None = None) -> int:
     parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run dirs, or sweep dirs whose job subdirs are runs")

@@ -38,7 +38,7 @@ from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.module import token_loss
 from lit_dtrain.schedules.workflows import model_from_checkpoint
-from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int, quiet_when_the_reader_goes
 from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomically
 
 DEFAULT_VAL_FRACTION = 0.02  # conf/data/stdlib.yaml's data.val_fraction
@@ -146,6 +146,7 @@ def mean_spectrum(model, windows: torch.Tensor, batch: int) -> tuple[np.ndarray,
     return (torch.stack(powers).sum(0) / len(windows)).numpy(), float(torch.cat(losses).mean())
 
 
+@quiet_when_the_reader_goes  # `... | head`: ends as cat does
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="lit_dtrain checkpoints (last.ckpt ...), overlaid")

@@ -404,3 +404,13 @@ def test_generate_piped_into_head_ends_quietly_as_cat_does(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGPIPE, (status, stderr.read_text())
     assert stderr.read_text() == ""
+
+
+@pytest.mark.parametrize("name", ["generate", "compare_runs", "spectrum"])
+def test_every_script_whose_output_is_piped_ends_quietly_when_the_reader_goes(name):
+    """`compare_runs.py RUNS | head -n 1` ended in BrokenPipeError's traceback, status 1, as generate.py did: the
+    scripts that print tables or text run inside the same wrapper (the generate test above shows what it does)."""
+    from lit_dtrain.utils.args import quiet_when_the_reader_goes
+
+    main = _script(name).main
+    assert main.__code__ is quiet_when_the_reader_goes(lambda: None).__code__, f"{name}.main is not wrapped"
