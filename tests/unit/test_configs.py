@@ -990,3 +990,27 @@ def test_train_refuses_an_unknown_key_before_the_decay_branch_reads_its_keys(tin
         cfg.decay_branch.step = 5  # what `decay_branch: {step: 5}` in a config file makes
     with pytest.raises(ConfigError, match=r"unknown config key 'decay_branch.step'"):
         train(cfg)
+
+
+def test_a_callbacks_choice_without_the_defaults_is_warned_about(tmp_path, caplog):
+    """``python train.py callbacks=loss_spike`` (for ``'callbacks=[default,loss_spike]'``) wrote no checkpoint
+    before its end (none at a validation, none on SIGTERM) and no LR or throughput curves, not saying so."""
+    import logging
+
+    from lit_dtrain.config_checks import warn_if_the_default_callbacks_are_dropped
+
+    def warnings_for(*overrides):  # not TINY's overrides: they switch off callbacks.progress_bar
+        caplog.clear()
+        warn_if_the_default_callbacks_are_dropped(compose_cfg(list(overrides), tmp_path / "run", tiny=False))
+        return [r.getMessage() for r in caplog.records]
+
+    caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
+    assert warnings_for("callbacks=loss_spike") == [
+        "callbacks=[loss_spike] replaces the default callbacks (model_checkpoint, preemption, lr_monitor, "
+        "throughput): no checkpoint before the run's end, none on SIGTERM; to add to them: "
+        "'callbacks=[default,loss_spike]'"
+    ]
+    assert len(warnings_for("callbacks=[loss_spike,adaptive_grad_clip]")) == 1
+    assert warnings_for("callbacks=[default,loss_spike]") == []
+    assert warnings_for("callbacks=none") == []  # nothing at all: meant
+    assert warnings_for("callbacks.model_checkpoint=null") == []  # one default switched off: meant
