@@ -116,3 +116,13 @@ def test_a_grown_default_warmup_of_a_constant_schedule_is_fitted_to_a_checkpoint
     cfg.scheduler.warmup_steps = 50  # given: a deliberate re-warm, kept
     fit_default_warmup(cfg, checkpoints[30], 30)
     assert cfg.scheduler.warmup_steps == 50
+
+
+def test_only_rank_0_warns(checkpoints, caplog, monkeypatch):
+    """Under torchrun every rank resumes the same checkpoint: each printed the same warning (2 lines on 2 ranks)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert messages(caplog, checkpoints[3], 3, 500, warmup_steps=DEFAULT) == []
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    assert [level for level, _ in messages(caplog, checkpoints[3], 3, 500, warmup_steps=DEFAULT)] == ["WARNING"]

@@ -164,7 +164,12 @@ def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: in
     decayed run re-enters the stable phase at the peak (up); a larger ``trainer.max_steps`` grows the default warmup
     past a checkpoint inside its warmup (down), a smaller one shrinks it (up) or moves the decay before the step
     (down). A warmup the user gave past the step (a deliberate re-warm) is only logged
-    (:func:`~lit_dtrain.schedules._resume_lr.warn_if_a_resume_moves_the_lr`)."""
+    (:func:`~lit_dtrain.schedules._resume_lr.warn_if_a_resume_moves_the_lr`). Rank 0 alone: under torchrun or srun
+    every rank resumes the same checkpoint, and each printed the same warning."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
     nodes = _resumed_schedule_nodes(cfg)
     if nodes:
         key, node = nodes[0]
