@@ -75,6 +75,13 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             f"trainer.precision={precision!r} is not one of Lightning's precisions: {', '.join(map(repr, precisions))}"
         )
     check_precision(cfg)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if (accelerator == "cuda" or accelerator == "gpu" and not torch.backends.mps.is_available()) \
+            and not torch.cuda.is_available():  # Lightning: 'No supported gpu backend found!', in Hydra's wrapper
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} (trainer=gpu), but torch {torch.__version__} finds no CUDA GPU: on "
+            "this machine use trainer=cpu (or trainer=ddp_cpu); for a GPU, install torch's CUDA build (README.md)"
+        )
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

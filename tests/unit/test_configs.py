@@ -206,6 +206,11 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"trainer.gradient_clip_algorithm='nrm' must be one of 'value', 'norm'"),
         ("callbacks.model_checkpoint.mode=minimum",
          r"callbacks.model_checkpoint.mode='minimum' must be 'min' or 'max' \(whether a lower or a higher val/loss"),
+        *([] if torch.cuda.is_available() else [  # Lightning's 'No supported gpu backend found!' in Hydra's wrapper
+            ("trainer.accelerator=gpu",
+             r"trainer.accelerator=gpu \(trainer=gpu\), but torch .* finds no CUDA GPU: on this machine use "
+             r"trainer=cpu \(or trainer=ddp_cpu\)"),
+            ("trainer.accelerator=cuda", r"trainer.accelerator=cuda \(trainer=gpu\), but torch")]),
         ("trainer.devices=0", r"trainer.devices=0 must be a number of devices >= 1, -1 \(all\), 'auto' or a list of"),
         ("trainer.devices=[]", r"trainer.devices=\[\] must be a number of devices >= 1"),
         ("trainer.devices=-2", r"trainer.devices=-2 must be a number of devices >= 1"),
@@ -295,7 +300,8 @@ def test_a_target_without_a_signature_is_left_to_its_call():
 
 
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
-    for override in ("trainer.precision=16-mixed trainer.accelerator=gpu", "trainer.precision=bf16-mixed",
+    gpu = ("trainer.precision=16-mixed trainer.accelerator=gpu",) if torch.cuda.is_available() else ()
+    for override in (*gpu, "trainer.precision=bf16-mixed",
                      "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
                      "trainer.precision=16-true optimizer.eps=1e-4",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
