@@ -24,6 +24,7 @@ from lit_dtrain.config_keys import (
 from lit_dtrain.config_lightning import (
     check_lightning_choices,
 )
+from lit_dtrain.config_warnings import warn_if_the_default_callbacks_are_dropped, warn_if_the_stages_outlast_the_run
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
@@ -141,6 +142,7 @@ def check_config(cfg: DictConfig) -> None:
     check_monitors(cfg)
     check_checkpoint_dirs(cfg)
     warn_if_the_default_callbacks_are_dropped(cfg)
+    warn_if_the_stages_outlast_the_run(cfg)
     check_lightning_choices(cfg)
     check_target_arguments(cfg)
     if cfg.get("resume") not in (None, "auto"):
@@ -174,19 +176,6 @@ def check_group_nodes(cfg: DictConfig) -> None:
         raise ConfigError(f"data.sampler={value!r} sets the key to a string, not a sampler config: pick a sampler with "
                           f"the config group data/sampler={value} (a '/', as in conf/data/sampler/; a sweep: "
                           "data/sampler=random,fourier)")
-
-
-def warn_if_the_default_callbacks_are_dropped(cfg: DictConfig) -> None:
-    """``callbacks=loss_spike`` (meant as ``'callbacks=[default,loss_spike]'``) selects that callback *instead of* the
-    default group: the run wrote no checkpoint before its end (none at a validation, none on SIGTERM), and no LR or
-    throughput curves, without a word. ``callbacks=none`` (nothing at all) and ``callbacks.model_checkpoint=null`` are
-    meant: no warning."""
-    callbacks = cfg.get("callbacks") or {}
-    if callbacks and "model_checkpoint" not in callbacks and rank_zero_only.rank == 0:
-        names = ",".join(callbacks)
-        log.warning("callbacks=[%s] replaces the default callbacks (model_checkpoint, preemption, lr_monitor, "
-                    "throughput): no checkpoint before the run's end, none on SIGTERM; to add to them: "
-                    "'callbacks=[default,%s]'", names, names)
 
 
 def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> None:

@@ -998,19 +998,27 @@ def test_train_refuses_an_unknown_key_before_the_decay_branch_reads_its_keys(tin
         train(cfg)
 
 
+def start_warnings(check, tmp_path, caplog):
+    """``warnings_for(*overrides)``: the warnings ``check`` logs for the composed config (not TINY's overrides: they
+    switch off callbacks.progress_bar)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
+
+    def warnings_for(*overrides):
+        caplog.clear()
+        check(compose_cfg(list(overrides), tmp_path / "run", tiny=False))
+        return [r.getMessage() for r in caplog.records]
+
+    return warnings_for
+
+
 def test_a_callbacks_choice_without_the_defaults_is_warned_about(tmp_path, caplog):
     """``python train.py callbacks=loss_spike`` (for ``'callbacks=[default,loss_spike]'``) wrote no checkpoint
     before its end (none at a validation, none on SIGTERM) and no LR or throughput curves, not saying so."""
-    import logging
+    from lit_dtrain.config_warnings import warn_if_the_default_callbacks_are_dropped
 
-    from lit_dtrain.config_checks import warn_if_the_default_callbacks_are_dropped
-
-    def warnings_for(*overrides):  # not TINY's overrides: they switch off callbacks.progress_bar
-        caplog.clear()
-        warn_if_the_default_callbacks_are_dropped(compose_cfg(list(overrides), tmp_path / "run", tiny=False))
-        return [r.getMessage() for r in caplog.records]
-
-    caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
+    warnings_for = start_warnings(warn_if_the_default_callbacks_are_dropped, tmp_path, caplog)
     assert warnings_for("callbacks=loss_spike") == [
         "callbacks=[loss_spike] replaces the default callbacks (model_checkpoint, preemption, lr_monitor, "
         "throughput): no checkpoint before the run's end, none on SIGTERM; to add to them: "
@@ -1020,3 +1028,23 @@ def test_a_callbacks_choice_without_the_defaults_is_warned_about(tmp_path, caplo
     assert warnings_for("callbacks=[default,loss_spike]") == []
     assert warnings_for("callbacks=none") == []  # nothing at all: meant
     assert warnings_for("callbacks.model_checkpoint=null") == []  # one default switched off: meant
+
+
+def test_a_fourier_stage_schedule_longer_than_the_run_is_warned_about(tmp_path, caplog):
+    """``python train.py data/sampler=fourier`` (1000 steps; the brief's stages: LR x0.1 to step 5000, x0.5 to
+    20000) trained every step at 0.1 of optimizer.lr without a word."""
+    from lit_dtrain.config_warnings import warn_if_the_stages_outlast_the_run
+
+    warnings_for = start_warnings(warn_if_the_stages_outlast_the_run, tmp_path, caplog)
+    assert warnings_for("data/sampler=fourier") == [
+        "data/sampler=fourier: trainer.max_steps=1000 ends in the sampler's stage 'warmup' (LR x0.1 of optimizer.lr, "
+        "x0.1 from step 0): its last stage (x1) starts at step 20000 = 20 x data.sampler.step_unit=1000. Scale the "
+        "stages to the run with data.sampler.step_unit=<max_steps / 50>, or set data.sampler.stage_lr=false"
+    ]
+    assert "stage 'ramp' (LR x0.5" in warnings_for("data/sampler=fourier", "trainer.max_steps=6000")[0]
+    assert warnings_for("data/sampler=fourier", "data.sampler.step_unit=20") == []  # stable from step 400
+    assert warnings_for("data/sampler=fourier", "trainer.max_steps=20001") == []  # its last step is in the stable
+    assert len(warnings_for("data/sampler=fourier", "trainer.max_steps=20000")) == 1  # step 19999: still the ramp
+    assert warnings_for("data/sampler=fourier", "data.sampler.stage_lr=false") == []
+    assert warnings_for("data/sampler=fourier", "data.sampler.stages=false") == []
+    assert warnings_for() == []  # the random sampler
