@@ -36,3 +36,30 @@ def test_only_a_checkpoint_of_this_step_written_between_syncs_is_warned_about():
     compressed = SimpleNamespace(local_update=None, lightning_module=None)  # a per-step codec: nothing to sync
     note_checkpoint(compressed, {"global_step": 3})
     assert warn_checkpoint_before_final_sync(compressed) is None
+
+
+@pytest.mark.parametrize(("adaptive", "interval", "sync_first", "warns"), [
+    (True, 3, True, True),      # every sync early: the period never adapts
+    (True, 4, True, False),     # the period can end before a validation
+    (True, 0.5, True, False),   # a fraction of the epoch: not a step count to compare
+    (True, 3, False, False),    # validations between syncs do not sync: the period adapts
+    (False, 3, True, False),    # a fixed period has nothing to adapt
+])
+def test_adaptive_local_sgd_says_when_validations_keep_its_period_from_adapting(adaptive, interval, sync_first, warns):
+    """Adaptive local SGD with validations more often than its period (sync_before_validation): every sync was early,
+    an early sync does not adapt, and the period stayed at sync_period without a word (a 2-rank run, period 4,
+    validation every 3 steps: 6 syncs in 18 steps, the period 4 throughout)."""
+    import warnings
+
+    from lit_dtrain.strategies.fit_end import warn_if_the_period_cannot_adapt
+
+    strategy = SimpleNamespace(local_update=LocalSGD(sync_period=4, adaptive=adaptive, min_period=2),
+                               sync_before_validation=sync_first)
+    trainer = SimpleNamespace(val_check_interval=interval, state=SimpleNamespace(fn="fit"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_if_the_period_cannot_adapt(strategy, trainer)
+    messages = [str(w.message) for w in seen]
+    assert bool(messages) is warns, messages
+    if warns:
+        assert "a validation every 3 steps comes before its period of 4" in messages[0]

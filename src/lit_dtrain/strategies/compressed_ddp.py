@@ -44,6 +44,7 @@ from lit_dtrain.strategies.fit_end import (
     refuse_validation_by_time,
     sync_or_warn_before_validation,
     warn_checkpoint_before_final_sync,
+    warn_if_the_period_cannot_adapt,
 )
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
@@ -140,6 +141,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         refuse_validation_by_time(self, trainer)  # on every rank, before any collective
+        warn_if_the_period_cannot_adapt(self, trainer)
         super().setup(trainer)
 
     @override

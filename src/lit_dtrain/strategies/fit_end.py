@@ -86,6 +86,22 @@ def refuse_validation_by_time(strategy: Any, trainer: Any) -> None:
                       "collective_timeout_s); set val_check_interval in batches")
 
 
+def warn_if_the_period_cannot_adapt(strategy: Any, trainer: Any) -> None:
+    """Rank 0's warning for adaptive local SGD whose validations (``val_check_interval`` in batches) come before its
+    first period ends, with ``sync_before_validation``: every sync is then forced early, and an early sync does not
+    adapt (its drift is that of fewer steps), so the period never changes and ``adaptive=True`` does nothing (a 2-rank
+    run, period 4, validation every 3 steps: 6 syncs in 18 steps, all early, the period 4 throughout)."""
+    rule, interval = strategy.local_update, getattr(trainer, "val_check_interval", None)
+    if not (getattr(rule, "adaptive", False) and strategy.sync_before_validation and isinstance(interval, int)):
+        return
+    if getattr(trainer.state, "fn", None) != "fit" or interval >= rule.sync_period or interval <= 0:
+        return
+    rank_zero_warn(f"{rule.name}: a validation every {interval} steps comes before its period of {rule.sync_period} "
+                   "ends, and each one syncs first (sync_before_validation): every sync is early, and an early sync "
+                   "does not adapt the period, so it stays at sync_period. Validate less often than the period "
+                   "(trainer.val_check_interval) or use the fixed local_sgd")
+
+
 def force_sync_this_step(strategy: Any, trainer: Any) -> bool:
     """Whether the optimizer step in progress synchronizes early: it is the fit's last (``sync_on_last_step``) or a
     validation follows it (``sync_before_validation``)."""
