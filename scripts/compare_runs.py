@@ -58,7 +58,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     summarize,
     table_order,
 )
-from _compare_runs_tokens import tokens_per_step  # noqa: E402 - --x tokens
+from _compare_runs_tokens import tokens_per_step, tokens_trained  # noqa: E402 - --x tokens
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -133,10 +133,11 @@ LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
-         logy: bool = False, tokens: dict[str, float] | None = None) -> None:
+         logy: bool = False, tokens: dict[str, tuple[float, int | None]] | None = None) -> None:
     """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``. A run's final
     validation is drawn once, at the steps trained (:func:`one_point_per_validation`). ``tokens``: each run's tokens
-    per optimizer step, to draw it against tokens trained (``--x tokens``)."""
+    per optimizer step and, where it finished, the steps it trained, to draw it against the tokens trained when each
+    point was measured (``--x tokens``, :func:`tokens_trained`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,11 +150,11 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
             if series:
                 steps, values = zip(*series)
                 if tokens:
-                    steps = [s * tokens[label] for s in steps]
+                    steps = tokens_trained(steps, *tokens[label])
                 # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
                 ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
                         color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
-        ax.set_xlabel("tokens (step x the run's tokens per step)" if tokens else "step")
+        ax.set_xlabel("tokens trained" if tokens else "step")
         ax.set_ylabel(metric)
         if logy:
             ax.set_yscale("log")
@@ -228,9 +229,11 @@ def compare(
             if metric not in scalars:
                 print(f"compare_runs: run {str(run)!r} has no scalar {metric!r} (it stopped before logging it?); "
                       f"it has {sorted(scalars)}", file=sys.stderr)
+    ends = []  # the steps each run trained, where it finished: its final validate's step (--x tokens)
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
         curves[label] = {m: scalars.get(m, []) for m in metrics}
         done = finished(run, scalars)
+        ends.append(max((s[-1][0] for s in scalars.values() if s), default=None) if done is True else None)
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
         if done is False and error:  # its train.log says why; its row says 'failed'
             print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
@@ -266,7 +269,7 @@ def compare(
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        tokens = dict(zip(labels, per_step)) if per_step else None
+        tokens = dict(zip(labels, zip(per_step, ends))) if per_step else None
         plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
@@ -319,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         "--x",
         choices=("step", "tokens"),
         default="step",
-        help="the PNG's x axis: the optimizer step (default), or the tokens trained (step x the run's tokens per "
-        "step, from its train/lengths and its number of ranks): runs of other batch sizes, ranks or accumulation "
-        "compared at equal data. The table's steps stay steps; the JSON gives each run's tokens_per_step",
+        help="the PNG's x axis: the optimizer step (default), or the tokens trained when each point was measured "
+        "(the steps trained x the run's tokens per step, from its train/lengths and its number of ranks): runs of "
+        "other batch sizes, ranks or accumulation compared at equal data. The table keeps the logged steps; the JSON "
+        "gives each run's tokens_per_step",
     )
     args = parser.parse_args(argv)
     try:

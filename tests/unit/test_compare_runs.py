@@ -1165,8 +1165,9 @@ def test_a_run_given_twice_is_compared_once(tmp_path, capsys):
 
 def test_runs_of_other_batch_sizes_are_drawn_against_tokens(tmp_path, monkeypatch, capsys):
     """A sweep over the batch size compared loss at equal steps, the larger batch having seen twice the data.
-    ``--x tokens`` draws each run against step x its tokens per step: train/lengths' rate (its count restarting at
-    a resume does not change it) times the ranks, the ratio of the global to the device train/items_per_sec."""
+    ``--x tokens`` draws each run against the steps trained x its tokens per step: train/lengths' rate (its count
+    restarting at a resume from an older checkpoint does not change it) times the ranks, the ratio of the global to
+    the device train/items_per_sec. A point logged during fit at step s (0-based) is drawn after s + 1 steps."""
     from matplotlib.figure import Figure
 
     seen = []
@@ -1190,12 +1191,43 @@ def test_runs_of_other_batch_sizes_are_drawn_against_tokens(tmp_path, monkeypatc
     assert compare_runs.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["tokens_per_step"] for r in result["runs"]] == [64, 128, 128, 192]
-    assert seen[0][0].startswith("tokens") and [xs[-1] for xs in seen[0][1].values()] == [448, 896, 896, 1344]
+    assert seen[0][0].startswith("tokens") and [xs[-1] for xs in seen[0][1].values()] == [512, 1024, 1024, 1536]
     w = SummaryWriter(str(tmp_path / "quiet" / "tb"))  # throughput callback off: no train/lengths
     w.add_scalar("val/loss", 3.0, 1)
     w.close()
     with pytest.raises(compare_runs.CompareError, match=r"--x tokens: run '.*quiet' has no 'train/lengths'"):
         compare_runs.compare([str(tmp_path / "b2"), str(tmp_path / "quiet")], ["val/loss"], x="tokens")
+
+
+def test_validations_are_drawn_at_the_tokens_trained_when_they_measured(tmp_path, monkeypatch):
+    """Real runs (model=nano, block_size=64): batch 2 for 8 steps, validating every 4, and batch 4 for 4 steps, every
+    2, logged val/loss at 3, 7, 8 and 1, 3, 4 (Lightning's 0-based step during fit, train(cfg)'s final validate at
+    the steps trained). ``--x tokens`` drew their validations after 512 tokens at 384 and 256: one batch early, the
+    larger batch further back, at equal data. Both are at 512 now, and the final validations at 1024 (8 x 128 and
+    4 x 256, not one step later); train/lengths, the tokens trained, lies on x = y."""
+    from matplotlib.figure import Figure
+
+    seen = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        [{line.get_label(): list(zip(*line.get_data())) for line in ax.lines} for ax in fig.axes]))
+    logged = {"b2": (128, 8, [3, 7, 8], [4.0544, 3.6254, 3.6254]), "b4": (256, 4, [1, 3, 4], [4.5342, 4.2693, 4.2693]),
+              "b4_6": (256, 6, [3, 6], [4.2693, 4.0]),  # 6 steps, validating every 4: the final validate is new
+              "killed": (128, 8, [3, 7], [4.0544, 3.6254])}  # before its final validate: no summary.json
+    for name, (per_step, steps, val_steps, values) in logged.items():
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step, value in zip(val_steps, values):
+            w.add_scalar("val/loss", value, step)
+        for step in range(steps):
+            w.add_scalar("train/lengths", per_step * (step + 1), step)
+        w.close()
+        (tmp_path / name / "config_resolved.yaml").write_text("trainer:\n  devices: 1\n")
+        if name != "killed":
+            (tmp_path / name / "summary.json").write_text(json.dumps({"steps": steps}))
+    runs = [str(tmp_path / name) for name in logged]
+    compare_runs.compare(runs, ["val/loss", "train/lengths"], out=str(tmp_path / "c.png"), x="tokens")
+    val, lengths = ({label: [float(x) for x, _ in points] for label, points in panel.items()} for panel in seen[0])
+    assert val == {"b2": [512, 1024], "b4": [512, 1024], "b4_6": [1024, 1536], "killed": [512, 1024]}
+    assert all(x == y for points in seen[0][1].values() for x, y in points) and lengths["b2"][-1] == 1024
 
 
 def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path):
