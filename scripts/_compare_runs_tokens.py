@@ -25,12 +25,13 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     holds ``s + 1`` steps' tokens. A resume goes on from its checkpoint's count, but one from a checkpoint written
     before the running totals were checkpointed restarts it at 0, so the increments between its points give the
     rate (their median), the first point where it has one point. An error naming the run when it did not log
-    ``train/lengths`` (the throughput callback off)."""
+    ``train/lengths`` (the throughput callback off, or fewer steps than ``trainer.log_every_n_steps``)."""
     lengths = [(s, v) for s, v in scalars.get(LENGTHS, []) if v > 0]
     if not lengths:
         raise RunDirError(
-            f"--x tokens: run {run!r} has no {LENGTHS!r} (logged by the throughput callback, "
-            "callbacks.throughput), so its tokens per step are not known; compare it by step (--x step)"
+            f"--x tokens: run {run!r} has no {LENGTHS!r} (logged every trainer.log_every_n_steps steps by the "
+            "throughput callback, callbacks.throughput: it was off, or the run stopped before its first logged step), "
+            "so its tokens per step are not known; compare it by step (--x step)"
         )
     rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
     per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
