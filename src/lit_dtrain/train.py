@@ -74,6 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
+from lit_dtrain.strategies.by_name import even_epochs_by_name
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
@@ -305,11 +306,12 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         # the final validate under inference_mode is another dispatch key set than the in-fit validation's no_grad:
         # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's
         extra["inference_mode"] = False
-    trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg),
-        plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
-        **extra,
-    )
+    with even_epochs_by_name():  # strategy=auto on several processes: Lightning's "ddp" as EvenEpochsDDPStrategy
+        trainer: L.Trainer = instantiate(
+            cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg),
+            plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
+            **extra,
+        )
     check_sweep_world_size(trainer.world_size, cfg.trainer)  # before fit starts the other ranks
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:

@@ -109,3 +109,51 @@ def test_plain_ddp_and_fsdp_run_the_same_check_at_each_batch(monkeypatch):
         strategy._lightning_module = SimpleNamespace(trainer=trainer)
         strategy.on_train_batch_start(None, 3)
         assert calls.pop() == (strategy, trainer, 3), type(strategy).__name__
+
+
+def test_a_strategy_given_by_name_is_built_as_lit_dtrains_class_and_only_while_asked():
+    """strategy=auto on several processes: Lightning chooses "ddp" and built its own DDPStrategy from its registry,
+    without the check above (nor any other name of its plain DDP / FSDP). Under even_epochs_by_name each such name
+    builds lit_dtrain's class with the name's arguments; the registry is Lightning's again after it, even after an
+    error."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy
+    from lit_dtrain.strategies.by_name import even_epochs_by_name
+
+    def built(strategy):
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False).strategy
+
+    with even_epochs_by_name():
+        auto = built("auto")
+        assert type(auto) is EvenEpochsDDPStrategy and auto._start_method == "popen"
+        spawn = built("ddp_spawn_find_unused_parameters_true")
+        assert type(spawn) is EvenEpochsDDPStrategy and spawn._start_method == "spawn"
+        assert spawn._ddp_kwargs == {"find_unused_parameters": True}
+        assert StrategyRegistry["fsdp_cpu_offload"]["strategy"] is EvenEpochsFSDPStrategy
+        assert StrategyRegistry["fsdp_cpu_offload"]["init_params"] == {"cpu_offload": True}
+        with pytest.raises(RuntimeError, match="inside"), even_epochs_by_name():
+            raise RuntimeError("inside")
+    assert type(built("auto")) is DDPStrategy  # Lightning's registry unchanged for others
+
+
+def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_processes(tiny_cfg, monkeypatch):
+    """`python train.py trainer=ddp_cpu` (strategy=auto, the README's DDP command) trained under Lightning's own
+    DDPStrategy: a 2-rank run's rank 0 had no epoch-length check. It gets strategy=ddp's class now; a 4-step 2-rank
+    run of each gave bitwise the same last.ckpt (weights and Adam state)."""
+    import lit_dtrain.train as train_module
+    from lit_dtrain.strategies import EvenEpochsDDPStrategy
+
+    class Fit(Exception):
+        pass
+
+    def fit(trainer, *args):
+        raise Fit(trainer.strategy)  # no processes started: which strategy the trainer holds is what is tested
+
+    monkeypatch.setattr(train_module, "_fit", fit)
+    with pytest.raises(Fit) as reached:
+        train_module.train(tiny_cfg("trainer=ddp_cpu", "sample.max_new_tokens=0"))
+    strategy = reached.value.args[0]
+    assert type(strategy) is EvenEpochsDDPStrategy and strategy.world_size == 2

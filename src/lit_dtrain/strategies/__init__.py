@@ -9,7 +9,8 @@
 - :func:`make_fsdp`: Lightning's ``FSDPStrategy`` wrapping the named module classes (``conf/strategy/fsdp.yaml``).
 
 Both, like ``CompressedDDPStrategy``, refuse ranks whose training epochs differ in length at the epoch's first batch
-(:class:`~lit_dtrain.strategies.fit_end.EpochLengthCheck`).
+(:class:`~lit_dtrain.strategies.fit_end.EpochLengthCheck`), and so does a strategy given by name (``strategy=auto`` on
+several processes): :func:`~lit_dtrain.strategies.by_name.even_epochs_by_name`.
 """
 
 from __future__ import annotations
