@@ -56,10 +56,10 @@ CONFIG_KEYS = {
 }
 
 
-# A group's option without _target_ is read by name: strategy=auto's `name` (a Lightning strategy name), and
-# logger=none holds nothing. `+strategy.nme=ddp` (or `strategy: {nme: ddp}` in an experiment file) trained with
-# 'auto' and exited 0.
-_PLAIN_GROUP_KEYS = {"strategy": ("name",), "logger": ()}
+# A group's option without _target_ is read by name: strategy=auto's `name` (a Lightning strategy name) and
+# `collective_timeout_s`, and logger=none holds nothing. `+strategy.nme=ddp` (or `strategy: {nme: ddp}` in an
+# experiment file) trained with 'auto' and exited 0.
+_PLAIN_GROUP_KEYS = {"strategy": ("name", "collective_timeout_s"), "logger": ()}
 
 
 def check_known_keys(cfg: DictConfig) -> None:

@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.strategies.by_name import even_epochs_by_name
+from lit_dtrain.strategies.by_name import trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
@@ -160,15 +160,6 @@ def build_logger(cfg: DictConfig, start_step: int):
             log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
                         "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
     return instantiate(node, **extra)
-
-
-def build_strategy(cfg: DictConfig):
-    node = cfg.get("strategy")
-    if node is None:
-        return "auto"
-    if "_target_" in node:
-        return instantiate(node)
-    return node.get("name", "auto")
 
 
 def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str) -> str:
@@ -306,9 +297,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         # the final validate under inference_mode is another dispatch key set than the in-fit validation's no_grad:
         # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's
         extra["inference_mode"] = False
-    with even_epochs_by_name():  # strategy=auto on several processes: Lightning's "ddp" as EvenEpochsDDPStrategy
+    with trainer_strategy(cfg) as strategy:  # strategy=auto on several processes: Lightning's "ddp", as strategy=ddp's
         trainer: L.Trainer = instantiate(
-            cfg.trainer, callbacks=callbacks, logger=logger, strategy=build_strategy(cfg),
+            cfg.trainer, callbacks=callbacks, logger=logger, strategy=strategy,
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
             **extra,
         )

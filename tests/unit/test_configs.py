@@ -12,7 +12,8 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 
 from lit_dtrain.config_checks import check_config
-from lit_dtrain.train import ConfigError, build_callbacks, build_strategy
+from lit_dtrain.strategies.by_name import build_strategy
+from lit_dtrain.train import ConfigError, build_callbacks
 from tests.conftest import CONF_DIR, compose_cfg
 
 

@@ -9,6 +9,7 @@ exited 0 after 10 steps and rank 1 hung. The 2-rank fit is in ``tests/dist/test_
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -126,14 +127,16 @@ def test_a_strategy_given_by_name_is_built_as_lit_dtrains_class_and_only_while_a
         return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False).strategy
 
-    with even_epochs_by_name():
+    with even_epochs_by_name(60):
         auto = built("auto")
         assert type(auto) is EvenEpochsDDPStrategy and auto._start_method == "popen"
+        assert auto._timeout.total_seconds() == 60
         spawn = built("ddp_spawn_find_unused_parameters_true")
         assert type(spawn) is EvenEpochsDDPStrategy and spawn._start_method == "spawn"
         assert spawn._ddp_kwargs == {"find_unused_parameters": True}
         assert StrategyRegistry["fsdp_cpu_offload"]["strategy"] is EvenEpochsFSDPStrategy
-        assert StrategyRegistry["fsdp_cpu_offload"]["init_params"] == {"cpu_offload": True}
+        offload = StrategyRegistry["fsdp_cpu_offload"]["init_params"]
+        assert offload == {"cpu_offload": True, "timeout": timedelta(seconds=60)}
         with pytest.raises(RuntimeError, match="inside"), even_epochs_by_name():
             raise RuntimeError("inside")
     assert type(built("auto")) is DDPStrategy  # Lightning's registry unchanged for others
@@ -142,7 +145,8 @@ def test_a_strategy_given_by_name_is_built_as_lit_dtrains_class_and_only_while_a
 def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_processes(tiny_cfg, monkeypatch):
     """`python train.py trainer=ddp_cpu` (strategy=auto, the README's DDP command) trained under Lightning's own
     DDPStrategy: a 2-rank run's rank 0 had no epoch-length check. It gets strategy=ddp's class now; a 4-step 2-rank
-    run of each gave bitwise the same last.ckpt (weights and Adam state)."""
+    run of each gave bitwise the same last.ckpt (weights and Adam state). strategy.collective_timeout_s, which a
+    CollectiveError names, was Hydra's 'Could not override' under strategy=auto; it sets the timeout now."""
     import lit_dtrain.train as train_module
     from lit_dtrain.strategies import EvenEpochsDDPStrategy
 
@@ -154,6 +158,9 @@ def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_proce
 
     monkeypatch.setattr(train_module, "_fit", fit)
     with pytest.raises(Fit) as reached:
-        train_module.train(tiny_cfg("trainer=ddp_cpu", "sample.max_new_tokens=0"))
+        train_module.train(tiny_cfg("trainer=ddp_cpu", "strategy.collective_timeout_s=90", "sample.max_new_tokens=0"))
     strategy = reached.value.args[0]
     assert type(strategy) is EvenEpochsDDPStrategy and strategy.world_size == 2
+    assert strategy._timeout.total_seconds() == 90
+    with pytest.raises(ConfigError, match=r"^strategy.collective_timeout_s must be a number of seconds > 0, got 0$"):
+        train_module.train(tiny_cfg("trainer=ddp_cpu", "strategy.collective_timeout_s=0", run="zero"))

@@ -8,27 +8,61 @@ registry name of Lightning's plain ``DDPStrategy`` or ``FSDPStrategy`` builds
 :class:`~lit_dtrain.strategies.EvenEpochsDDPStrategy` or :class:`~lit_dtrain.strategies.EvenEpochsFSDPStrategy`
 with that name's arguments (start method, ``find_unused_parameters``, CPU offload); Lightning's choice itself (which
 name, its fallbacks) and every other name are unchanged, and so is the registry once it ends.
+
+Such a strategy's collective timeout is ``strategy.collective_timeout_s`` as under ``strategy=ddp`` (in
+``conf/strategy/auto.yaml``; 1800 s, Lightning's default too): the key was not in ``strategy=auto``, so
+``strategy.collective_timeout_s=60``, which a ``CollectiveError`` names, was Hydra's 'Could not override'.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy, StrategyRegistry
+from omegaconf import DictConfig
+
+
+def build_strategy(cfg: DictConfig) -> Strategy | str:
+    """The Trainer's ``strategy`` argument for ``cfg.strategy``: a ``_target_`` node's instance, or a Lightning name
+    (``strategy=auto``'s ``name``), which Lightning builds: inside :func:`trainer_strategy` as lit_dtrain's class."""
+    node = cfg.get("strategy")
+    if node is None:
+        return "auto"
+    if "_target_" in node:
+        return instantiate(node)
+    return node.get("name", "auto")
 
 
 @contextlib.contextmanager
-def even_epochs_by_name() -> Iterator[None]:
-    """Within: Lightning builds lit_dtrain's DDP / FSDP classes for the names of its plain ones (around a Trainer's
-    construction, where Lightning resolves a strategy name)."""
-    from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy
+def trainer_strategy(cfg: DictConfig) -> Iterator[Strategy | str]:
+    """:func:`build_strategy`'s argument, to build the Trainer within: a name's DDP / FSDP is lit_dtrain's class with
+    ``strategy.collective_timeout_s`` (:func:`even_epochs_by_name`)."""
+    node = cfg.get("strategy")
+    timeout_s = node.get("collective_timeout_s", 1800) if node is not None and "_target_" not in node else 1800
+    with even_epochs_by_name(timeout_s):
+        yield build_strategy(cfg)
 
+
+@contextlib.contextmanager
+def even_epochs_by_name(collective_timeout_s: Any = 1800) -> Iterator[None]:
+    """Within: Lightning builds lit_dtrain's DDP / FSDP classes, with this collective timeout (seconds), for the names
+    of its plain ones (around a Trainer's construction, where Lightning resolves a strategy name)."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy, collective_timeout
+
+    try:
+        timeout = collective_timeout(collective_timeout_s)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ours = {DDPStrategy: EvenEpochsDDPStrategy, FSDPStrategy: EvenEpochsFSDPStrategy}
     saved = {name: entry for name, entry in StrategyRegistry.items() if entry["strategy"] in ours}
     try:
         for name, entry in saved.items():
-            StrategyRegistry[name] = {**entry, "strategy": ours[entry["strategy"]]}
+            init_params = {**entry["init_params"], "timeout": timeout}
+            StrategyRegistry[name] = {**entry, "strategy": ours[entry["strategy"]], "init_params": init_params}
         yield
     finally:
         StrategyRegistry.update(saved)
