@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.strategies.by_name import trainer_strategy
+from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
@@ -303,6 +303,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
             **extra,
         )
+    refuse_spawned_ranks(trainer)  # ddp_spawn / ddp_fork: fit's state would stay in the ranks it spawned
     check_sweep_world_size(trainer.world_size, cfg.trainer)  # before fit starts the other ranks
     out_dir = Path(cfg.paths.output_dir)
     if trainer.is_global_zero:

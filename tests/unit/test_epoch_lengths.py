@@ -146,7 +146,9 @@ def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_proce
     """`python train.py trainer=ddp_cpu` (strategy=auto, the README's DDP command) trained under Lightning's own
     DDPStrategy: a 2-rank run's rank 0 had no epoch-length check. It gets strategy=ddp's class now; a 4-step 2-rank
     run of each gave bitwise the same last.ckpt (weights and Adam state). strategy.collective_timeout_s, which a
-    CollectiveError names, was Hydra's 'Could not override' under strategy=auto; it sets the timeout now."""
+    CollectiveError names, was Hydra's 'Could not override' under strategy=auto; it sets the timeout now.
+    strategy.name=ddp_spawn ran fit in spawned ranks and exited 0 with summary.json's steps 0 and a last.ckpt at step 0
+    without optimizer state (the trained weights only): it is refused before fit now."""
     import lit_dtrain.train as train_module
     from lit_dtrain.strategies import EvenEpochsDDPStrategy
 
@@ -164,3 +166,6 @@ def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_proce
     assert strategy._timeout.total_seconds() == 90
     with pytest.raises(ConfigError, match=r"^strategy.collective_timeout_s must be a number of seconds > 0, got 0$"):
         train_module.train(tiny_cfg("trainer=ddp_cpu", "strategy.collective_timeout_s=0", run="zero"))
+    with pytest.raises(ConfigError, match=r"^EvenEpochsDDPStrategy with start_method='spawn' runs fit in new processes "
+                                          r"that return to this one without the step count"):
+        train_module.train(tiny_cfg("trainer=ddp_cpu", "strategy.name=ddp_spawn", run="spawn"))

@@ -46,6 +46,27 @@ def trainer_strategy(cfg: DictConfig) -> Iterator[Strategy | str]:
         yield build_strategy(cfg)
 
 
+def refuse_spawned_ranks(trainer: Any) -> None:
+    """A ConfigError for a Trainer whose strategy runs ``fit`` in new processes that return to this one (Lightning's
+    ``_MultiProcessingLauncher``: ``strategy.name=ddp_spawn``, ``ddp_fork``, ``ddp_notebook``, ``start_method=spawn``,
+    and ``strategy=auto`` on several devices in a notebook). This process then holds the trained weights but not the
+    fit's step count, optimizer state nor data state: a 2-rank ``strategy.name=ddp_spawn`` run of 4 steps exited 0
+    with ``summary.json`` saying ``steps: 0``, ``tokens_per_sec: null``, and a ``last.ckpt`` at step 0 without
+    optimizer state, from which ``resume=auto`` would train every step again."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if not isinstance(launcher, _MultiProcessingLauncher):
+        return
+    from lit_dtrain.errors import ConfigError
+
+    raise ConfigError(
+        f"{type(trainer.strategy).__name__} with start_method={getattr(launcher, '_start_method', '?')!r} runs fit in "
+        "new processes that return to this one without the step count, optimizer state and training figures "
+        "(summary.json and last.ckpt would say step 0): use strategy=auto or strategy=ddp, whose ranks re-run the "
+        "script (start_method='popen'); from a notebook, run train.py as a script")
+
+
 @contextlib.contextmanager
 def even_epochs_by_name(collective_timeout_s: Any = 1800) -> Iterator[None]:
     """Within: Lightning builds lit_dtrain's DDP / FSDP classes, with this collective timeout (seconds), for the names
