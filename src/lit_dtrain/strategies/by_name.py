@@ -38,8 +38,8 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
 
 @contextlib.contextmanager
 def trainer_strategy(cfg: DictConfig) -> Iterator[Strategy | str]:
-    """:func:`build_strategy`'s argument, to build the Trainer within: a name's DDP / FSDP is lit_dtrain's class with
-    ``strategy.collective_timeout_s`` (:func:`even_epochs_by_name`)."""
+    """Yields :func:`build_strategy`'s value; build the Trainer within: the DDP / FSDP Lightning builds for a name is
+    lit_dtrain's class with ``strategy.collective_timeout_s`` (:func:`even_epochs_by_name`)."""
     node = cfg.get("strategy")
     timeout_s = node.get("collective_timeout_s", 1800) if node is not None and "_target_" not in node else 1800
     with even_epochs_by_name(timeout_s):
