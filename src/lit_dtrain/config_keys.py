@@ -147,7 +147,7 @@ _KWARGS_GO_TO = {
 }
 
 
-def _accepted_arguments(target) -> set[str] | None:
+def accepted_arguments(target) -> set[str] | None:
     """The keyword arguments that ``target`` (a class or a function) takes, following a ``**kwargs`` to the parent
     class's ``__init__`` or to where ``_KWARGS_GO_TO`` says it goes; None where a ``**kwargs`` goes elsewhere."""
     import inspect
@@ -183,7 +183,7 @@ def check_target_keys(node: DictConfig, path: str, target) -> None:
     cache was built, as DistributedDataParallel's TypeError naming neither ``strategy`` nor the key."""
     import difflib
 
-    accepted = _accepted_arguments(target)
+    accepted = accepted_arguments(target)
     if accepted is None:  # a **kwargs that goes somewhere this cannot follow: the target names it itself
         return
     for key in map(str, node.keys()):

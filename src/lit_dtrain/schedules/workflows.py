@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from pathlib import Path
@@ -105,17 +104,19 @@ def unknown_argument_error(key: str, node: DictConfig, error: TypeError) -> str:
 
 
 def _keys_not_taken(node: DictConfig) -> list[str]:
-    """The keys of ``node`` that its ``_target_``'s signature has no parameter for ([] when it cannot tell: no
-    signature, or ``**kwargs``)."""
+    """The keys of ``node`` that its ``_target_`` takes no argument for ([] when it cannot tell: no signature, or a
+    ``**kwargs`` it cannot follow; :func:`lit_dtrain.config_keys.accepted_arguments`)."""
     from hydra.utils import get_object
 
+    from lit_dtrain.config_keys import accepted_arguments
+
     try:
-        params = inspect.signature(get_object(str(node.get("_target_")))).parameters
+        accepted = accepted_arguments(get_object(str(node.get("_target_"))))
     except (ImportError, ValueError, TypeError):
         return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if accepted is None:
         return []
-    return [k for k in node.keys() if not str(k).startswith("_") and k not in params]
+    return [k for k in node.keys() if not str(k).startswith("_") and k not in accepted]
 
 
 def _is_default_warmup(node: DictConfig, total: int) -> bool:
