@@ -12,7 +12,9 @@ whether the checkpoint holds this callback's state (its saved peaks are replaced
 a resume with a lowered LR kept the old peak) or not (written with the ``LambdaLR`` scheduler instead),
 never the restored optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's
 arguments come from the constructor, so resuming with a larger ``total_steps`` extends the run and a new
-``decay_steps`` starts a decay branch.
+``decay_steps`` starts a decay branch. ``total_steps=None`` takes the trainer's planned steps at each fit start
+(``trainer.estimated_stepping_batches``): a resume with a larger ``max_epochs`` extends the run, the same trainer
+takes the same horizon (recorded in the callback's state).
 
 Under manual optimization Lightning's ``global_step`` counts every ``optimizer.step``, two a batch with two
 optimizers, so it is no optimizer's step count: there each optimizer's ``k``-th update uses the schedule's LR for
@@ -33,6 +35,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
+from lit_dtrain.callbacks._wsd_horizon import FROM_TRAINER, planned_steps
 from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 
@@ -43,9 +46,11 @@ class WSDScheduler(StepHooksCallback):
     """Warmup-stable-decay LR for every optimizer of the trainer (no ``LRScheduler`` needed).
 
     Args:
-        total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``. With
-            ``max_epochs`` that is ``trainer.estimated_stepping_batches``; a trainer that will take more steps is
-            warned about at train start (its last steps would run at ``min_lr_factor``).
+        total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``. ``None`` (the
+            default): the trainer's planned steps, ``trainer.estimated_stepping_batches`` at each fit start (from
+            ``max_steps``/``max_epochs``; a ``ConfigError`` where it is unknown). A trainer that will take more steps
+            than a given ``total_steps`` is warned about at train start (its last steps would run at
+            ``min_lr_factor``).
         warmup_steps: linear warmup steps, factor ``(step + 1) / warmup_steps``.
         decay_steps: decay length in steps (or give ``decay_fraction``; one of the two is required).
         decay_fraction: decay over ``round(decay_fraction * total_steps)`` steps.
@@ -63,7 +68,7 @@ class WSDScheduler(StepHooksCallback):
 
     def __init__(
         self,
-        total_steps: int,
+        total_steps: int | None = None,
         warmup_steps: int = 0,
         decay_steps: int | None = None,
         decay_fraction: float | None = None,
@@ -75,27 +80,33 @@ class WSDScheduler(StepHooksCallback):
                 "WSDScheduler: give the decay's length, decay_steps=<steps> or decay_fraction=<share of total_steps> "
                 "(lit_dtrain's own runs use decay_fraction=0.2, the last 20% of the steps); there is no default"
             )
-        try:
-            self.decay_steps = check_wsd_args(
-                total_steps=total_steps,
-                warmup_steps=warmup_steps,
-                decay_steps=decay_steps,
-                decay_type=decay_type,
-                min_lr_factor=min_lr_factor,
-                decay_fraction=decay_fraction,
-            )
-        except ValueError as e:
-            raise ValueError(f"WSDScheduler: {e}") from None
-        self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
-        self.decay_type, self.min_lr_factor = str(decay_type), float(min_lr_factor)
+        self._arguments = {"total_steps": total_steps, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
+                           "decay_type": decay_type, "min_lr_factor": min_lr_factor, "decay_fraction": decay_fraction}
+        self.total_steps: int | None = None  # None until fit start when the horizon is the trainer's
+        self.decay_steps: int | None = None
+        self._set_horizon(total_steps if total_steps is not None else 2**62)  # (without one: checks the rest)
+        if total_steps is None:
+            self.total_steps = self.decay_steps = None
+        self.warmup_steps, self.decay_type = int(warmup_steps), str(decay_type)
+        self.min_lr_factor = float(min_lr_factor)
+        self._saved_schedule: dict = {}  # a checkpoint's schedule, compared with this fit's once its horizon is known
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
         self.updates: list[int] | None = None  # manual optimization: each optimizer's step calls so far (its step)
         self._index: dict[int, int] = {}  # manual optimization: id(optimizer) -> its position in trainer.optimizers
         self._remove_hooks()
 
+    def _set_horizon(self, total_steps: int, why: str = "") -> None:
+        try:
+            self.decay_steps = check_wsd_args(**{**self._arguments, "total_steps": total_steps})
+        except ValueError as e:
+            raise ValueError(f"WSDScheduler: {e}{why}") from None
+        self.total_steps = int(total_steps)
+
     def lr_factor(self, step: int) -> float:
         """The schedule's factor for optimizer step ``step``."""
+        if self.total_steps is None:
+            raise RuntimeError(f"{FROM_TRAINER} at fit start; no fit has started")
         return wsd_lr_factor(
             step,
             total_steps=self.total_steps,
@@ -161,6 +172,8 @@ class WSDScheduler(StepHooksCallback):
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
             self.base_lrs, self.last_step, self.updates = None, -1, None
+            if self._arguments["total_steps"] is None:  # (another fit's horizon is not this one's)
+                self.total_steps = self.decay_steps = None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -169,6 +182,10 @@ class WSDScheduler(StepHooksCallback):
         # them later would take a resumed scheduler-form checkpoint's scaled LR (0 after a full decay) as the peak.
         # They win over the peaks this callback's restored state holds (Lightning restores callbacks before
         # setup): a resume with another configured LR (lowered after an instability) kept the old peak silently.
+        if self._arguments["total_steps"] is None:
+            planned = planned_steps(trainer, pl_module)
+            self._set_horizon(planned, " (total_steps=None: trainer.estimated_stepping_batches)")
+            self._log_schedule_change()
         if not trainer.optimizers:
             return
         configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
@@ -325,7 +342,8 @@ class WSDScheduler(StepHooksCallback):
             "base_lrs": [list(b) for b in self.base_lrs] if self.base_lrs is not None else None,
             "last_step": self.last_step,
             "optimizer_updates": list(self.updates) if self.updates is not None else None,  # manual optimization
-            "total_steps": self.total_steps,  # for information: the constructor's arguments always win
+            "total_steps": self.total_steps,  # for information (the one taken from the trainer too): the constructor's
+            # arguments always win, and total_steps=None takes the resumed trainer's
             "warmup_steps": self.warmup_steps,
             "decay_steps": self.decay_steps,
             "decay_type": self.decay_type,
@@ -344,10 +362,12 @@ class WSDScheduler(StepHooksCallback):
         self.last_step = int(state_dict.get("last_step", -1))
         updates = state_dict.get("optimizer_updates")  # absent before it existed, None under automatic optimization
         self.updates = [int(u) for u in updates] if updates is not None else None
-        changed = {
-            k: (state_dict[k], getattr(self, k))
-            for k in ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
-            if k in state_dict and state_dict[k] != getattr(self, k)
-        }
+        self._saved_schedule = {k: state_dict[k] for k in self._arguments if k in state_dict}
+        if self.total_steps is not None:  # (else: at fit start, once the trainer's horizon is taken)
+            self._log_schedule_change()
+
+    def _log_schedule_change(self) -> None:
+        changed = {k: (v, getattr(self, k)) for k, v in self._saved_schedule.items() if v != getattr(self, k)}
+        self._saved_schedule = {}
         if changed:
             log.info("WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)

@@ -1,0 +1,96 @@
+"""``WSDScheduler(total_steps=None)`` in a user's own Lightning project: the horizon is the trainer's planned optimizer
+steps (``trainer.estimated_stepping_batches``), taken at each fit start. Before, ``total_steps`` was required, and a
+``Trainer(max_epochs=3)`` user computed ``epochs x ceil(batches / accumulate)`` by hand (``limit_train_batches``,
+the ``DistributedSampler``'s share and the last partial accumulation included)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_dtrain.callbacks import WSDScheduler
+from lit_dtrain.errors import ConfigError
+from tests.unit.test_callbacks_in_foreign_projects import UpdateLRs, UserModule, _equal, fit, regression_data
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "steps"),
+    [
+        ({"max_epochs": 3}, 24),  # 8 batches an epoch
+        ({"max_epochs": 3, "limit_train_batches": 5}, 15),
+        ({"max_epochs": 3, "accumulate_grad_batches": 3}, 9),  # ceil(8 / 3) = 3 steps an epoch, the last of 2 batches
+        ({"max_epochs": 3, "max_steps": 10}, 10),
+    ],
+    ids=["epochs", "limit_train_batches", "accumulate3", "max_steps_first"],
+)
+def test_wsd_without_total_steps_decays_over_the_steps_the_trainer_takes(tmp_path: Path, trainer_kwargs, steps):
+    """Every step uses the schedule of a horizon equal to the steps the fit takes: the decay (a quarter of them) ends
+    on the last step, at min_lr_factor."""
+    wsd, record = WSDScheduler(warmup_steps=2, decay_fraction=0.25, decay_type="linear"), UpdateLRs()
+    trainer = fit(tmp_path, [wsd, record], **{"max_steps": -1, **trainer_kwargs})
+    assert trainer.global_step == wsd.total_steps == steps and wsd.decay_steps == round(steps / 4)
+    assert record.used[0] == [1e-2 * wsd.lr_factor(k) for k in range(steps)]
+    assert record.used[0][-1] == 0.0 and record.used[0][-wsd.decay_steps - 1] == 1e-2
+    fit(tmp_path, [wsd], max_steps=-1, max_epochs=1)  # the same callback in another fit: that fit's horizon
+    assert wsd.total_steps == 8
+
+
+def test_wsd_without_total_steps_resumes_bitwise_and_a_longer_trainer_extends_it(tmp_path: Path, caplog):
+    """The horizon taken is in the callback's state. A resume with the same trainer takes the same one (weights and
+    state bitwise those of the straight run); a resume with a larger ``max_epochs`` extends the schedule, as a larger
+    ``total_steps`` does: the stable phase goes on and the decay moves to the new end (logged)."""
+    straight_cb, straight = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UserModule(groups=True)
+    fit(tmp_path / "a", [straight_cb], straight, max_steps=-1, max_epochs=3, save_every=8)
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8.ckpt")
+    assert torch.load(ckpt, weights_only=True)["callbacks"][straight_cb.state_key]["total_steps"] == 24
+    resumed_cb, resumed = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UserModule(groups=True)
+    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=-1, max_epochs=3, ckpt_path=str(ckpt))
+    assert _equal(resumed_cb.state_dict(), straight_cb.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(straight.state_dict().values(), resumed.state_dict().values()))
+
+    extended, record = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UpdateLRs()
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"):
+        trainer = fit(tmp_path / "c", [extended, record], UserModule(groups=True), max_steps=-1, max_epochs=4,
+                      ckpt_path=str(ckpt))
+    assert trainer.global_step == extended.total_steps == 32 and extended.decay_steps == 8
+    assert record.used[0] == [1e-2 * extended.lr_factor(k) for k in range(8, 32)]
+    assert record.used[0][15] == 1e-2 and record.used[0][-1] == 0.0  # step 23, straight's last (LR 0), at the peak
+    assert "resuming with a changed schedule (saved, now): {'total_steps': (24, 32), 'decay_steps': (6, 8)}" in (
+        caplog.text)
+
+
+class Unsized(IterableDataset):
+    def __iter__(self):
+        yield from regression_data().dataset
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "module", "data", "match"),
+    [
+        ({"max_epochs": -1}, UserModule, regression_data, r"which is inf here \(max_steps=-1, max_epochs=-1\)"),
+        ({"max_epochs": 2}, UserModule, lambda: DataLoader(Unsized(), batch_size=8),
+         r"which is -1 here \(max_steps=-1, max_epochs=2 and the train DataLoader has no length\)"),
+        ({"max_epochs": 2}, lambda: UserModule(manual=True), regression_data, r"under manual optimization counts"),
+        ({"max_epochs": 2, "callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})]}, UserModule, regression_data,
+         "beside a GradientAccumulationScheduler"),
+    ],
+    ids=["no_end", "unsized_loader", "manual_optimization", "accumulation_scheduler"],
+)
+def test_wsd_without_total_steps_refuses_a_trainer_whose_steps_are_unknown(tmp_path: Path, trainer_kwargs, module,
+                                                                           data, match):
+    """A one-line ConfigError at fit start, before a step trains, naming total_steps."""
+    import lightning as L
+
+    user = module()
+    callbacks = [WSDScheduler(decay_steps=2), *trainer_kwargs.pop("callbacks", [])]
+    trainer = L.Trainer(accelerator="cpu", max_steps=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **trainer_kwargs)
+    with pytest.raises(ConfigError, match=rf"^WSDScheduler\(total_steps=None\) takes its horizon .*{match}.*"
+                                          r"give total_steps=<"):
+        trainer.fit(user, data())
+    assert user.steps_run == 0
