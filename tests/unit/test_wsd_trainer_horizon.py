@@ -6,6 +6,7 @@ the ``DistributedSampler``'s share and the last partial accumulation included)."
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -54,14 +55,45 @@ def test_wsd_without_total_steps_resumes_bitwise_and_a_longer_trainer_extends_it
     assert all(torch.equal(p, q) for p, q in zip(straight.state_dict().values(), resumed.state_dict().values()))
 
     extended, record = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UpdateLRs()
-    with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"):
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
         trainer = fit(tmp_path / "c", [extended, record], UserModule(groups=True), max_steps=-1, max_epochs=4,
                       ckpt_path=str(ckpt))
+    assert [str(m.message) for m in w if "WSDScheduler(total_steps=None)" in str(m.message)] == []  # same LR
     assert trainer.global_step == extended.total_steps == 32 and extended.decay_steps == 8
     assert record.used[0] == [1e-2 * extended.lr_factor(k) for k in range(8, 32)]
     assert record.used[0][15] == 1e-2 and record.used[0][-1] == 0.0  # step 23, straight's last (LR 0), at the peak
     assert "resuming with a changed schedule (saved, now): {'total_steps': (24, 32), 'decay_steps': (6, 8)}" in (
         caplog.text)
+
+
+@pytest.mark.parametrize(("epochs", "limit", "moved"), [(4, None, "jumps up"), (3, None, None), (3, 6, "drops")],
+                         ids=["decayed_extended", "same_trainer", "horizon_shrank"])
+def test_wsd_without_total_steps_warns_when_a_resumes_horizon_moves_the_lr(tmp_path: Path, epochs, limit, moved):
+    """The trainer's count can change under a resume without the user touching the schedule (limit_train_batches,
+    more processes, another dataset length), or with it (a finished run's max_epochs raised): when the checkpoint's
+    next step then gets another LR than its run would have used, a warning names both LRs and the horizon to pass;
+    the same trainer is quiet. (An info log line only, which a user's project does not show, said nothing.)"""
+    first = WSDScheduler(warmup_steps=2, decay_fraction=0.5)
+    fit(tmp_path / "a", [first], max_steps=-1, max_epochs=3, save_every=4)  # horizon 24, decay over steps 12..23
+    step = 24 if moved == "jumps up" else 12  # decayed (LR 0), or inside the decay
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob(f"*step={step}.ckpt")
+    resumed = WSDScheduler(warmup_steps=2, decay_fraction=0.5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fit(tmp_path / "b", [resumed], max_steps=-1, max_epochs=epochs, limit_train_batches=limit, ckpt_path=str(ckpt))
+    said = [str(m.message) for m in w if "WSDScheduler(total_steps=None)" in str(m.message)]
+    if moved is None:
+        assert said == []
+        return
+    before, now = first.lr_factor(step), resumed.lr_factor(step)
+    assert said == [
+        f"WSDScheduler(total_steps=None) takes its horizon from trainer.estimated_stepping_batches: this fit plans "
+        f"{resumed.total_steps} optimizer steps, the checkpoint's run planned 24 (max_steps/max_epochs, "
+        f"limit_train_batches, the number of processes or the data's length changed), so its next step {step} runs at "
+        f"{now:.4g} of the peak LR, not the {before:.4g} its run would have used (the LR {moved}). To keep the "
+        f"checkpoint's schedule, pass total_steps=24"
+    ]
 
 
 class Unsized(IterableDataset):

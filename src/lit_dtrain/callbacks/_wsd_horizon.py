@@ -10,11 +10,14 @@ takes the same value (the callback's state records it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import lightning as L
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.schedules.lr import wsd_lr_factor
 
 FROM_TRAINER = "WSDScheduler(total_steps=None) takes its horizon from trainer.estimated_stepping_batches"
 
@@ -40,4 +43,24 @@ def planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
     raise ConfigError(
         f"{FROM_TRAINER}, which is {planned} here (max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}"
         f"{why}): the trainer knows no end of training; {give}, or set the Trainer's max_steps"
+    )
+
+
+def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, factor: Callable[[int], float]) -> None:
+    """A resume whose trainer plans another number of steps than the checkpoint's run (``saved``: its schedule) and so
+    gives the checkpoint's next ``step`` another LR than its run would have (``factor``: this fit's schedule) warns
+    with both. An extension in the stable phase gives the same LR and stays quiet; a decayed checkpoint extended jumps
+    up, and a horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it."""
+    keys = ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
+    if step < 0 or saved.get("total_steps") in (None, horizon) or any(k not in saved for k in keys):
+        return
+    before, now = wsd_lr_factor(step, **{k: saved[k] for k in keys}), factor(step)
+    if math.isclose(before, now, rel_tol=1e-9, abs_tol=1e-12):
+        return
+    rank_zero_warn(
+        f"{FROM_TRAINER}: this fit plans {horizon} optimizer steps, the checkpoint's run planned "
+        f"{saved['total_steps']} (max_steps/max_epochs, limit_train_batches, the number of processes or the data's "
+        f"length changed), so its next step {step} runs at {now:.4g} of the peak LR, not the {before:.4g} its run "
+        f"would have used (the LR {'jumps up' if now > before else 'drops'}). To keep the checkpoint's schedule, "
+        f"pass total_steps={saved['total_steps']}"
     )

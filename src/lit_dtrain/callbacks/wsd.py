@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
-from lit_dtrain.callbacks._wsd_horizon import FROM_TRAINER, planned_steps
+from lit_dtrain.callbacks._wsd_horizon import FROM_TRAINER, planned_steps, warn_if_the_horizon_moves_the_lr
 from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 
@@ -368,6 +368,8 @@ class WSDScheduler(StepHooksCallback):
 
     def _log_schedule_change(self) -> None:
         changed = {k: (v, getattr(self, k)) for k, v in self._saved_schedule.items() if v != getattr(self, k)}
+        if self._arguments["total_steps"] is None:  # (a horizon given is the user's change, a trainer's may not be)
+            warn_if_the_horizon_moves_the_lr(self._saved_schedule, self.last_step, self.total_steps, self.lr_factor)
         self._saved_schedule = {}
         if changed:
             log.info("WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)
