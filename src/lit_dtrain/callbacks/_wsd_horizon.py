@@ -52,7 +52,7 @@ def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, facto
     with both. An extension in the stable phase gives the same LR and stays quiet; a decayed checkpoint extended jumps
     up, and a horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it."""
     keys = ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
-    if step < 0 or saved.get("total_steps") in (None, horizon) or any(k not in saved for k in keys):
+    if saved.get("total_steps") in (None, horizon) or any(k not in saved for k in keys):
         return
     before, now = wsd_lr_factor(step, **{k: saved[k] for k in keys}), factor(step)
     if math.isclose(before, now, rel_tol=1e-9, abs_tol=1e-12):

@@ -90,6 +90,7 @@ class WSDScheduler(StepHooksCallback):
         self.warmup_steps, self.decay_type = int(warmup_steps), str(decay_type)
         self.min_lr_factor = float(min_lr_factor)
         self._saved_schedule: dict = {}  # a checkpoint's schedule, compared with this fit's once its horizon is known
+        self._resumed_schedule: dict = {}  # with total_steps=None: the LR it gives the restored step is compared too
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
         self.updates: list[int] | None = None  # manual optimization: each optimizer's step calls so far (its step)
@@ -171,7 +172,7 @@ class WSDScheduler(StepHooksCallback):
         # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_fit_start, even
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
-            self.base_lrs, self.last_step, self.updates = None, -1, None
+            self.base_lrs, self.last_step, self.updates, self._resumed_schedule = None, -1, None, {}
             if self._arguments["total_steps"] is None:  # (another fit's horizon is not this one's)
                 self.total_steps = self.decay_steps = None
 
@@ -226,6 +227,8 @@ class WSDScheduler(StepHooksCallback):
                 "checkpoint restored this callback's state (the restored optimizer's LR is not the peak)"
             )
         step = trainer.global_step
+        resumed, self._resumed_schedule = self._resumed_schedule, {}
+        warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor)
         self._remove_hooks()
         if not pl_module.automatic_optimization:
             optimizers = trainer.optimizers
@@ -369,7 +372,7 @@ class WSDScheduler(StepHooksCallback):
     def _log_schedule_change(self) -> None:
         changed = {k: (v, getattr(self, k)) for k, v in self._saved_schedule.items() if v != getattr(self, k)}
         if self._arguments["total_steps"] is None:  # (a horizon given is the user's change, a trainer's may not be)
-            warn_if_the_horizon_moves_the_lr(self._saved_schedule, self.last_step, self.total_steps, self.lr_factor)
+            self._resumed_schedule = self._saved_schedule  # checked at train start, at the restored step
         self._saved_schedule = {}
         if changed:
             log.info("WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)
