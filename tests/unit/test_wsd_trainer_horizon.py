@@ -1,5 +1,5 @@
 """``WSDScheduler(total_steps=None)`` in a user's own Lightning project: the horizon is the trainer's planned optimizer
-steps (``trainer.estimated_stepping_batches``), taken at each fit start. Before, ``total_steps`` was required, and a
+steps (``trainer.estimated_stepping_batches``), taken at each train start. Before, ``total_steps`` was required, and a
 ``Trainer(max_epochs=3)`` user computed ``epochs x ceil(batches / accumulate)`` by hand (``limit_train_batches``,
 the ``DistributedSampler``'s share and the last partial accumulation included)."""
 
@@ -9,6 +9,7 @@ import logging
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -41,16 +42,38 @@ def test_wsd_without_total_steps_decays_over_the_steps_the_trainer_takes(tmp_pat
     assert wsd.total_steps == 8
 
 
+class StatefulLoader(DataLoader):
+    """The user's DataLoader with a checkpointed state (a torchdata ``StatefulDataLoader`` has one)."""
+
+    loaded = None
+
+    def state_dict(self) -> dict:
+        return {"position": "saved"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = state_dict
+
+
+class StatefulData(L.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        self.loader = StatefulLoader(regression_data().dataset, batch_size=8)
+        return self.loader
+
+
 def test_wsd_without_total_steps_resumes_bitwise_and_a_longer_trainer_extends_it(tmp_path: Path, caplog):
     """The horizon taken is in the callback's state. A resume with the same trainer takes the same one (weights and
-    state bitwise those of the straight run); a resume with a larger ``max_epochs`` extends the schedule, as a larger
-    ``total_steps`` does: the stable phase goes on and the decay moves to the new end (logged)."""
+    state bitwise those of the straight run) and restores a stateful DataLoader's state: the horizon taken at fit
+    start set the loader up before Lightning's restore, which then never loaded its state (Lightning #20550), so the
+    data restarted where its DataLoader starts. A resume with a larger ``max_epochs`` extends the schedule, as a
+    larger ``total_steps`` does: the stable phase goes on and the decay moves to the new end (logged)."""
     straight_cb, straight = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UserModule(groups=True)
-    fit(tmp_path / "a", [straight_cb], straight, max_steps=-1, max_epochs=3, save_every=8)
-    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8.ckpt")
+    fit(tmp_path / "a", [straight_cb], straight, max_steps=-1, max_epochs=3, save_every=8, datamodule=StatefulData())
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8.ckpt")  # an epoch's end, in the stable phase
     assert torch.load(ckpt, weights_only=True)["callbacks"][straight_cb.state_key]["total_steps"] == 24
     resumed_cb, resumed = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UserModule(groups=True)
-    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=-1, max_epochs=3, ckpt_path=str(ckpt))
+    data = StatefulData()
+    fit(tmp_path / "b", [resumed_cb], resumed, max_steps=-1, max_epochs=3, ckpt_path=str(ckpt), datamodule=data)
+    assert data.loader.loaded == {"position": "saved"}
     assert _equal(resumed_cb.state_dict(), straight_cb.state_dict())
     assert all(torch.equal(p, q) for p, q in zip(straight.state_dict().values(), resumed.state_dict().values()))
 
@@ -58,7 +81,7 @@ def test_wsd_without_total_steps_resumes_bitwise_and_a_longer_trainer_extends_it
     with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         trainer = fit(tmp_path / "c", [extended, record], UserModule(groups=True), max_steps=-1, max_epochs=4,
-                      ckpt_path=str(ckpt))
+                      ckpt_path=str(ckpt), datamodule=StatefulData())
     assert [str(m.message) for m in w if "WSDScheduler(total_steps=None)" in str(m.message)] == []  # same LR
     assert trainer.global_step == extended.total_steps == 32 and extended.decay_steps == 8
     assert record.used[0] == [1e-2 * extended.lr_factor(k) for k in range(8, 32)]
@@ -115,9 +138,7 @@ class Unsized(IterableDataset):
 )
 def test_wsd_without_total_steps_refuses_a_trainer_whose_steps_are_unknown(tmp_path: Path, trainer_kwargs, module,
                                                                            data, match):
-    """A one-line ConfigError at fit start, before a step trains, naming total_steps."""
-    import lightning as L
-
+    """A one-line ConfigError at train start, before a step trains, naming total_steps."""
     user = module()
     callbacks = [WSDScheduler(decay_steps=2), *trainer_kwargs.pop("callbacks", [])]
     trainer = L.Trainer(accelerator="cpu", max_steps=-1, logger=False, enable_checkpointing=False,

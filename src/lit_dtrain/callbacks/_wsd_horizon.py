@@ -2,7 +2,7 @@
 
 Lightning's ``trainer.estimated_stepping_batches`` is ``min(max_steps, max_epochs x ceil(batches / accumulate))``, with
 ``limit_train_batches`` and the ``DistributedSampler``'s share of each rank counted: the number of optimizer steps the
-fit will take, which a ``max_epochs`` user otherwise computed by hand. It is taken at each fit start, so a resume with
+fit will take, which a ``max_epochs`` user otherwise computed by hand. It is taken at each train start, so a resume with
 a larger ``max_epochs``/``max_steps`` extends the schedule (as a larger ``total_steps`` does), and an identical resume
 takes the same value (the callback's state records it).
 """

@@ -12,7 +12,7 @@ whether the checkpoint holds this callback's state (its saved peaks are replaced
 a resume with a lowered LR kept the old peak) or not (written with the ``LambdaLR`` scheduler instead),
 never the restored optimizer's LR, which is already scaled (0 at the end of a decay to 0). The schedule's
 arguments come from the constructor, so resuming with a larger ``total_steps`` extends the run and a new
-``decay_steps`` starts a decay branch. ``total_steps=None`` takes the trainer's planned steps at each fit start
+``decay_steps`` starts a decay branch. ``total_steps=None`` takes the trainer's planned steps at each train start
 (``trainer.estimated_stepping_batches``): a resume with a larger ``max_epochs`` extends the run, the same trainer
 takes the same horizon (recorded in the callback's state).
 
@@ -47,7 +47,7 @@ class WSDScheduler(StepHooksCallback):
 
     Args:
         total_steps: schedule horizon in optimizer steps; the decay ends on step ``total_steps - 1``. ``None`` (the
-            default): the trainer's planned steps, ``trainer.estimated_stepping_batches`` at each fit start (from
+            default): the trainer's planned steps, ``trainer.estimated_stepping_batches`` at each train start (from
             ``max_steps``/``max_epochs``; a ``ConfigError`` where it is unknown). A trainer that will take more steps
             than a given ``total_steps`` is warned about at train start (its last steps would run at
             ``min_lr_factor``).
@@ -82,7 +82,7 @@ class WSDScheduler(StepHooksCallback):
             )
         self._arguments = {"total_steps": total_steps, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
                            "decay_type": decay_type, "min_lr_factor": min_lr_factor, "decay_fraction": decay_fraction}
-        self.total_steps: int | None = None  # None until fit start when the horizon is the trainer's
+        self.total_steps: int | None = None  # None until train start when the horizon is the trainer's
         self.decay_steps: int | None = None
         self._set_horizon(total_steps if total_steps is not None else 2**62)  # (without one: checks the rest)
         if total_steps is None:
@@ -107,7 +107,7 @@ class WSDScheduler(StepHooksCallback):
     def lr_factor(self, step: int) -> float:
         """The schedule's factor for optimizer step ``step``."""
         if self.total_steps is None:
-            raise RuntimeError(f"{FROM_TRAINER} at fit start; no fit has started")
+            raise RuntimeError(f"{FROM_TRAINER} at train start; no fit has started")
         return wsd_lr_factor(
             step,
             total_steps=self.total_steps,
@@ -183,10 +183,6 @@ class WSDScheduler(StepHooksCallback):
         # them later would take a resumed scheduler-form checkpoint's scaled LR (0 after a full decay) as the peak.
         # They win over the peaks this callback's restored state holds (Lightning restores callbacks before
         # setup): a resume with another configured LR (lowered after an instability) kept the old peak silently.
-        if self._arguments["total_steps"] is None:
-            planned = planned_steps(trainer, pl_module)
-            self._set_horizon(planned, " (total_steps=None: trainer.estimated_stepping_batches)")
-            self._log_schedule_change()
         if not trainer.optimizers:
             return
         configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
@@ -200,6 +196,13 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._arguments["total_steps"] is None:
+            # Not earlier: trainer.estimated_stepping_batches sets up the train DataLoader when the fit loop has not
+            # yet, and one set up before the checkpoint's restore never loads its saved state (Lightning #20550): a
+            # stateful DataLoader resumed from its first batch
+            planned = planned_steps(trainer, pl_module)
+            self._set_horizon(planned, " (total_steps=None: trainer.estimated_stepping_batches)")
+            self._log_schedule_change()
         if not trainer.optimizers:
             raise RuntimeError("WSDScheduler needs an optimizer; configure_optimizers returned none")
         if trainer.lr_scheduler_configs:
@@ -366,7 +369,7 @@ class WSDScheduler(StepHooksCallback):
         updates = state_dict.get("optimizer_updates")  # absent before it existed, None under automatic optimization
         self.updates = [int(u) for u in updates] if updates is not None else None
         self._saved_schedule = {k: state_dict[k] for k in self._arguments if k in state_dict}
-        if self.total_steps is not None:  # (else: at fit start, once the trainer's horizon is taken)
+        if self.total_steps is not None:  # (else: at train start, once the trainer's horizon is taken)
             self._log_schedule_change()
 
     def _log_schedule_change(self) -> None:
