@@ -147,3 +147,24 @@ def test_wsd_without_total_steps_refuses_a_trainer_whose_steps_are_unknown(tmp_p
                                           r"give total_steps=<"):
         trainer.fit(user, data())
     assert user.steps_run == 0
+
+
+def test_wsd_warns_when_a_step_past_its_horizon_starts_that_the_estimate_did_not_plan(tmp_path: Path):
+    """Lightning's estimate counts every epoch at the current epoch length, also those trained before a resume that
+    changed it: a 3-epoch run of 8-step epochs resumed after its first epoch with 4-step epochs (another
+    limit_train_batches; more processes do the same) takes the horizon 3 x 4 = 12, but the fit runs to step 16. Its
+    steps 12..15 ran at LR 0 without a word; a warning now says so when step 12 starts."""
+    fit(tmp_path / "a", [WSDScheduler(warmup_steps=2, decay_fraction=0.25)], max_steps=-1, max_epochs=3, save_every=8)
+    (ckpt,) = (tmp_path / "a" / "ckpt").glob("*step=8.ckpt")
+    wsd, record = WSDScheduler(warmup_steps=2, decay_fraction=0.25), UpdateLRs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path / "b", [wsd, record], max_steps=-1, max_epochs=3, limit_train_batches=4,
+                      ckpt_path=str(ckpt))
+    assert wsd.total_steps == 12 and trainer.global_step == 16 and record.used[0][4:] == [0.0] * 4  # steps 12..15
+    assert [str(w.message) for w in caught if "past total_steps" in str(w.message)] == [
+        "WSDScheduler: the fit goes on past total_steps=12 (step 12; at train start trainer.estimated_stepping_batches "
+        "was 12, which counts every epoch at the current epoch length, also those trained before a resume that changed "
+        "it): its remaining steps run at min_lr_factor=0.0 of the peak LR. Pass total_steps=<the fit's last step + 1>, "
+        "or stop the trainer at max_steps=12"
+    ]

@@ -64,3 +64,17 @@ def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, facto
         f"would have used (the LR {'jumps up' if now > before else 'drops'}). To keep the checkpoint's schedule, "
         f"pass total_steps={saved['total_steps']}"
     )
+
+
+def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, planned: float) -> None:
+    """The fit trains step ``step``, at or past ``total_steps``, though the check at train start saw no such step
+    (``planned``, Lightning's estimate then): every step from here runs at ``min_lr_factor``. Lightning's estimate
+    counts every epoch at the current epoch length, also those trained before a resume that changed it (another
+    ``limit_train_batches``, more processes), and the accumulation of a ``GradientAccumulationScheduler``'s first
+    epoch; a DataLoader without a length has none."""
+    rank_zero_warn(
+        f"WSDScheduler: the fit goes on past total_steps={total_steps} (step {step}; at train start "
+        f"trainer.estimated_stepping_batches was {planned}, which counts every epoch at the current epoch length, also "
+        f"those trained before a resume that changed it): its remaining steps run at min_lr_factor={min_lr_factor} of "
+        f"the peak LR. Pass total_steps=<the fit's last step + 1>, or stop the trainer at max_steps={total_steps}"
+    )

@@ -35,7 +35,12 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
-from lit_dtrain.callbacks._wsd_horizon import FROM_TRAINER, planned_steps, warn_if_the_horizon_moves_the_lr
+from lit_dtrain.callbacks._wsd_horizon import (
+    FROM_TRAINER,
+    planned_steps,
+    warn_if_the_horizon_moves_the_lr,
+    warn_past_the_horizon,
+)
 from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 
@@ -91,6 +96,7 @@ class WSDScheduler(StepHooksCallback):
         self.min_lr_factor = float(min_lr_factor)
         self._saved_schedule: dict = {}  # a checkpoint's schedule, compared with this fit's once its horizon is known
         self._resumed_schedule: dict = {}  # with total_steps=None: the LR it gives the restored step is compared too
+        self._past_due = False  # a step past the horizon is still to be warned about (automatic optimization)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
         self.updates: list[int] | None = None  # manual optimization: each optimizer's step calls so far (its step)
@@ -246,6 +252,7 @@ class WSDScheduler(StepHooksCallback):
         else:
             self.updates = None
             self._apply(trainer, step)
+            self._past_due = step < self.total_steps  # (warned once, when a step past the horizon starts)
             self._check_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
@@ -266,6 +273,7 @@ class WSDScheduler(StepHooksCallback):
             self._note_short_fit(planned)
         if planned <= self.total_steps or step >= self.total_steps:
             return  # (a resume past the horizon gets the warning below)
+        self._past_due = False
         rank_zero_warn(
             f"WSDScheduler: the trainer will take {planned} optimizer steps (trainer.estimated_stepping_batches, "
             f"from max_steps/max_epochs), but total_steps={self.total_steps}: the decay ends at step "
@@ -333,6 +341,10 @@ class WSDScheduler(StepHooksCallback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not self._hooks:  # (manual optimization: set after each update)
             self._apply(trainer, trainer.global_step)
+            if self._past_due and trainer.global_step >= self.total_steps:  # the estimate at train start was wrong
+                self._past_due = False
+                warn_past_the_horizon(trainer.global_step, self.total_steps, self.min_lr_factor,
+                                      trainer.estimated_stepping_batches)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
