@@ -36,9 +36,16 @@ def check_precision(cfg: DictConfig) -> None:
     ``transformer-engine`` without its package: a ``ModuleNotFoundError`` from inside the Trainer's construction.
     ``16-true`` with an Adam ``eps`` below fp16's smallest normal number: the second moments are fp16 too, a squared
     gradient below 6e-8 is 0 there (87 % of them at the first step of the nano model), and the update of such an
-    entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3."""
+    entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3.
+    ``64-true`` with ``optimizer=adamw8bit``: :data:`lit_dtrain.optim.ADAMW8BIT_FP64`."""
+    from lit_dtrain.optim import ADAMW8BIT_FP64
+
     precision = str(cfg.trainer.get("precision"))
-    eps = (cfg.get("optimizer") or {}).get("eps")
+    optimizer = cfg.get("optimizer") or {}
+    eps = optimizer.get("eps")
+    if precision in ("64", "64-true") and optimizer.get("_target_") == "lit_dtrain.optim.adamw8bit":
+        raise ConfigError(f"trainer.precision={precision} cannot be combined with optimizer=adamw8bit: "
+                          f"{ADAMW8BIT_FP64}")
     if precision == "16-true" and isinstance(eps, (int, float)) and eps < FP16_TINY:
         raise ConfigError(
             f"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps={eps} "

@@ -200,6 +200,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.precision=16-true",
          r"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps=1e-08 is below"),
         ("trainer.precision=16-true optimizer=adamw8bit", r"trainer.precision=16-true .* optimizer.eps=1e-08"),
+        # bitsandbytes updates in fp32: every weight of a 64-true run was an fp32 value after each step, silently
+        ("trainer.precision=64-true optimizer=adamw8bit",
+         r"trainer.precision=64-true cannot be combined with optimizer=adamw8bit: bitsandbytes computes the update in "
+         r"fp32 .* train in float64 with optimizer=adamw"),
         # a ModuleNotFoundError from inside the Trainer's construction
         ("trainer.precision=transformer-engine",
          r"trainer.precision=transformer-engine needs NVIDIA's transformer_engine package, which is not installed"),

@@ -309,6 +309,18 @@ def test_adamw8bit_runs_on_cpu_and_resumes_its_quantized_state_bitwise(tiny_cfg)
     assert [(g["name"], g["weight_decay"]) for g in groups] == [("decay", 0.1), ("no_decay", 0.0)]
 
 
+def test_adamw8bit_refuses_float64_parameters() -> None:
+    """bitsandbytes' 8-bit AdamW computes in fp32 and writes fp32-rounded values back: a 64-true run's weights were
+    exactly fp32 values after every step (all 21 tensors of the tiny model), silently. The factory now refuses float64
+    parameters (config_lightning refuses trainer.precision=64-true optimizer=adamw8bit before compute)."""
+    from lit_dtrain.optim import adamw8bit
+
+    params = [torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(64))]
+    with pytest.raises(ValueError, match=r"optimizer=adamw8bit cannot train float64 parameters: .* optimizer=adamw"):
+        adamw8bit([{"params": params}])
+    assert type(adamw8bit([{"params": params[1:]}])).__name__ == "AdamW8bit"
+
+
 def test_val_loss_is_nan_when_any_window_is_nan() -> None:
     """torchmetrics' MeanMetric drops NaN values by default (with a warning): a model whose logits overflowed on some
     validation windows reported the mean of the others, a healthy-looking val/loss that ModelCheckpoint could keep as

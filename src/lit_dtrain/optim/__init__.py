@@ -30,9 +30,15 @@ def adamw(
     _check_lr(lr)
     params = list(params)
     if fused is None:  # fused kernels exist for CUDA and (since torch 2.4) CPU float tensors
-        fused = all(_fusable(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
+        fused = all(_fusable(p) for p in _tensors(params))
     kwargs = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
+
+
+# bitsandbytes' 8-bit AdamW casts a parameter to fp32 for its update: a trainer.precision=64-true run with it trained
+# weights that were exactly fp32 values after every step (21 of 21 tensors of the tiny model), silently
+ADAMW8BIT_FP64 = ("bitsandbytes computes the update in fp32 and writes fp32-rounded values back, so the weights are "
+                  "fp32 after every step; train in float64 with optimizer=adamw")
 
 
 def adamw8bit(
@@ -42,13 +48,17 @@ def adamw8bit(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
 ):
-    """bitsandbytes' 8-bit AdamW (block-wise quantized optimizer state)."""
+    """bitsandbytes' 8-bit AdamW (block-wise quantized optimizer state). Refuses float64 parameters
+    (:data:`ADAMW8BIT_FP64`)."""
     _check_lr(lr)
+    params = list(params)
+    if any(p.dtype == torch.float64 for p in _tensors(params)):
+        raise ValueError(f"optimizer=adamw8bit cannot train float64 parameters: {ADAMW8BIT_FP64}")
     try:
         import bitsandbytes as bnb
     except ImportError as e:  # pragma: no cover - bitsandbytes is a declared dependency
         raise ImportError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
-    return bnb.optim.AdamW8bit(list(params), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    return bnb.optim.AdamW8bit(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
 
 def _check_lr(lr: float) -> None:
@@ -56,8 +66,13 @@ def _check_lr(lr: float) -> None:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
 
 
+def _tensors(params: list) -> list[torch.Tensor]:
+    """The parameters of an optimizer's ``params`` argument: tensors, or param groups (dicts) of them."""
+    return [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+
+
 def _fusable(p: torch.Tensor) -> bool:
     return p.is_floating_point() and p.device.type in ("cpu", "cuda")
 
 
-__all__ = ["adamw", "adamw8bit"]
+__all__ = ["ADAMW8BIT_FP64", "adamw", "adamw8bit"]
