@@ -352,12 +352,12 @@ class LitLLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Log ``train/grad_norm`` (the total gradient norm before clipping, after a GradScaler's unscale) at the
-        steps Lightning writes ``train/loss``, then clip. Under FSDP clip by norm through the root FSDP module, whose
-        ``clip_grad_norm_`` sums the squared norms of every rank's shards and returns the total (Lightning's FSDP
-        precision plugin refuses ``gradient_clip_algorithm='norm'``, so ``strategy=fsdp`` with the default
-        ``trainer.gradient_clip_val=1.0`` stopped at the first step); there the norm is logged only when it
-        clips by norm, as the shards' norms need that reduction.
+        """Log ``train/grad_norm`` (the total norm before this clip, after a GradScaler's unscale and a callback's own
+        clip, e.g. AdaptiveGradClip's) at the steps Lightning writes ``train/loss``, then clip. Under FSDP clip by
+        norm through the root FSDP module, whose ``clip_grad_norm_`` sums the squared norms of every rank's shards and
+        returns the total (Lightning's FSDP precision plugin refuses ``gradient_clip_algorithm='norm'``, so
+        ``strategy=fsdp`` with the default ``trainer.gradient_clip_val=1.0`` stopped at the first step); there the
+        norm is logged only when it clips by norm, as the shards' norms need that reduction.
 
         The norm goes to the loggers at once, under this step (``log_step_metrics``). Through ``self.log`` a step
         whose grads a spike monitor dropped (no norm, so no row) had the previous logged step's norm written under
