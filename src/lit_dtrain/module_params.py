@@ -4,15 +4,18 @@ training FLOPs their sizes imply."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.optim import Optimizer
 
 from lit_dtrain.optim import adamw
 
+log = logging.getLogger(__name__)
 _SHAPE_ATTR = "_lit_dtrain_shape"
 
 
@@ -71,7 +74,23 @@ def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: floa
                 f"step() (a fused implementation), which cannot be combined with trainer.gradient_clip_val="
                 f"{gradient_clip_val} under precision={precision}: they cannot be clipped. Build a non-fused one, or "
                 "set trainer.gradient_clip_val=null")
+    if rank_zero_only.rank == 0:
+        log.info("%s", describe_param_groups(optimizer, model))
     return optimizer
+
+
+def describe_param_groups(optimizer: Optimizer, model: nn.Module) -> str:
+    """One line: per param group its name, tensors, parameters (full sizes, :func:`remember_parameter_shapes`) and
+    weight decay; the optimizer logs it when built, so that what an ``optimizer.weight_decay`` applies to is seen."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        kinds = sorted({".".join(names.get(id(p), "?").split(".")[-2:]) for p in params})  # attn_norm.weight, ...
+        shown = ", ".join(kinds[:8]) + (", ..." if len(kinds) > 8 else "")
+        groups.append(f"{group.get('name', i)}: {len(params)} tensors, {sum(math.prod(_shape(p)) for p in params):,} "
+                      f"parameters, weight_decay {group.get('weight_decay')} ({shown})")
+    return f"optimizer {type(optimizer).__name__}, param groups: " + "; ".join(groups)
 
 
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -269,6 +270,19 @@ def test_weight_decay_groups_and_flops_do_not_change_when_a_sharding_strategy_fl
     got = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in param_groups(lit.model)}
     assert got == want
     assert estimate_train_flops(lit.model, 2, 16) == want_flops
+
+
+def test_the_optimizer_logs_its_weight_decay_groups(caplog) -> None:
+    """Which parameters an ``optimizer.weight_decay`` applies to was nowhere in a run's log. Building the optimizer now
+    logs each group's tensors, parameters (the tied embedding and head once) and weight decay."""
+    model = build_llama(vocab_size=257, block_size=16, n_layer=2, n_head=2, n_kv_head=2, d_model=16)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.module_params"):
+        build_optimizer(functools.partial(adamw, lr=1e-3, weight_decay=0.05), model, 1.0, "32-true")
+    assert caplog.messages == [
+        "optimizer AdamW, param groups: decay: 14 tensors, 8,192 parameters, weight_decay 0.05 (w1.weight, w2.weight, "
+        "w3.weight, wk.weight, wo.weight, wq.weight, wv.weight); no_decay: 6 tensors, 4,192 parameters, weight_decay "
+        "0.0 (attn_norm.weight, mlp_norm.weight, norm.weight, tok_embeddings.weight)"]
+    assert 8192 + 4192 == sum(p.numel() for p in model.parameters())
 
 
 def _assert_nested_equal(a, b, path: str = "") -> int:
