@@ -190,6 +190,10 @@ class LitLLM(L.LightningModule):
         self._loss_step = None  # a new fit (perhaps restored to an earlier step) sums no stale micro-batch loss
         self._run_seed = torch.initial_seed()  # train.py's seed_everything(seed): the forward's draws derive from it
         self._draws_random = draws_random(self.model)  # without dropout the forward runs on the generators unforked
+        from lit_dtrain.module_params import restore_configured_settings as restore  # (one import line: 400 lines)
+
+        for optimizer in self.trainer.optimizers:  # after Lightning restored a checkpoint's optimizer state
+            restore(optimizer)
         step = self.trainer.global_step
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler

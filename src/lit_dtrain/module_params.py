@@ -76,7 +76,38 @@ def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: floa
                 "set trainer.gradient_clip_val=null")
     if rank_zero_only.rank == 0:
         log.info("%s", describe_param_groups(optimizer, model))
+    setattr(optimizer, _CONFIGURED_ATTR, [{k: g[k] for k in CONFIGURED_KEYS if k in g} for g in optimizer.param_groups])
     return optimizer
+
+
+# param-group settings that come from the config (and build_optimizer's fused/foreach choice), not from a schedule
+CONFIGURED_KEYS = ("weight_decay", "betas", "eps", "fused", "foreach")
+_CONFIGURED_ATTR = "_lit_dtrain_configured"
+
+
+def restore_configured_settings(optimizer: Optimizer) -> None:
+    """Give each param group of an optimizer :func:`build_optimizer` made the :data:`CONFIGURED_KEYS` values it was
+    built with, after a resume restored the checkpoint's: ``optimizer.load_state_dict`` keeps every group setting
+    but the parameters, so ``ckpt_path=... optimizer.weight_decay=0.01`` (or other ``betas``, ``eps``) trained on with
+    the checkpoint's 0.1 without a word, and a 32-true checkpoint's fused AdamW stayed fused under a mixed precision
+    with clipping. The LR is the schedule's (``StepLambdaLR`` keeps the configured peaks). A value the checkpoint had
+    otherwise is logged."""
+    configured = getattr(optimizer, _CONFIGURED_ATTR, None)
+    if configured is None or len(configured) != len(optimizer.param_groups):
+        return
+    changed = []
+    for i, (group, settings) in enumerate(zip(optimizer.param_groups, configured)):
+        for key, value in settings.items():
+            if key in group and _as_tuple(group[key]) != _as_tuple(value) and key in ("weight_decay", "betas", "eps"):
+                changed.append(f"{key}={_as_tuple(value)} in group {group.get('name', i)!r} (the checkpoint's: "
+                               f"{_as_tuple(group[key])})")
+            group[key] = value
+    if changed and rank_zero_only.rank == 0:
+        log.info("resuming with the configured optimizer settings: %s", "; ".join(changed))
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def describe_param_groups(optimizer: Optimizer, model: nn.Module) -> str:

@@ -285,6 +285,27 @@ def test_the_optimizer_logs_its_weight_decay_groups(caplog) -> None:
     assert 8192 + 4192 == sum(p.numel() for p in model.parameters())
 
 
+def test_a_resume_trains_with_the_configured_weight_decay_betas_eps_and_fused_choice(tmp_path: Path, caplog) -> None:
+    """``optimizer.load_state_dict`` keeps every param-group setting of the checkpoint but its parameters: a resume
+    with ``optimizer.weight_decay=0.01 optimizer.betas=[0.8,0.9] optimizer.eps=1e-6`` trained on with the
+    checkpoint's 0.1, (0.9, 0.95) and 1e-8, silently, and a 32-true checkpoint's fused AdamW stayed fused under
+    bf16-mixed with clipping (built foreach there). The configured values now hold, and the changes are logged."""
+    kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, default_root_dir=str(tmp_path), gradient_clip_val=1.0)
+    data = DataLoader(window_loader(4), batch_size=None)
+    L.Trainer(max_steps=2, **kw).fit(tiny_lit(), train_dataloaders=data)
+    ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    resumed = tiny_lit()
+    resumed.optimizer_factory = functools.partial(adamw, lr=1e-2, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6)
+    trainer = L.Trainer(max_steps=3, precision="bf16-mixed", **kw)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.module_params"):
+        trainer.fit(resumed, train_dataloaders=data, ckpt_path=str(ckpt))
+    groups = trainer.optimizers[0].param_groups
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"], g["fused"], g["foreach"]) for g in groups] == [
+        (0.01, (0.8, 0.9), 1e-6, None, True), (0.0, (0.8, 0.9), 1e-6, None, True)]
+    assert "weight_decay=0.01 in group 'decay' (the checkpoint's: 0.1)" in caplog.text
+
+
 def _assert_nested_equal(a, b, path: str = "") -> int:
     """Assert ``a == b`` (tensors bitwise) through dicts and lists; returns how many uint8 tensors were compared."""
     if torch.is_tensor(a):
