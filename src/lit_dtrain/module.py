@@ -19,11 +19,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
+from lit_dtrain.module_metrics import ValLossMean
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
 from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
@@ -118,11 +118,9 @@ class LitLLM(L.LightningModule):
         self.compile = compile
         self.check_finite = check_finite
         self.val_names = list(val_names or ["val"])
-        # A NaN token loss makes val/loss NaN: the default nan_strategy drops NaNs (with a warning), and a model whose
-        # logits overflowed on some windows reported the mean of the others as a healthy val/loss. A float strategy
-        # puts that float (NaN) in their place; "disable" cannot be used, it replaces every weight by 1 (loss_weight).
-        self.val_loss = MeanMetric(nan_strategy=math.nan)
-        self.val_loss_by_source = nn.ModuleList(MeanMetric(nan_strategy=math.nan) for _ in self.val_names)
+        # token-weighted means in fp32 under any precision, NaN when a token's loss is NaN (module_metrics)
+        self.val_loss = ValLossMean()
+        self.val_loss_by_source = nn.ModuleList(ValLossMean() for _ in self.val_names)
         self._compiled = False
         self._loss_step: int | None = None  # train/loss: the optimizer step whose micro-batch losses are summed
         self._loss_sum, self._loss_count = torch.zeros(()), 0

@@ -356,6 +356,20 @@ def test_adamw8bit_refuses_float64_parameters() -> None:
     assert type(adamw8bit([{"params": params[1:]}])).__name__ == "AdamW8bit"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_val_loss_sums_stay_fp32_or_wider_when_the_precision_casts_the_module(dtype) -> None:
+    """bf16-true (and 16-true) convert the module with ``.to(dtype)``, which cast the val-loss metric's states: the
+    sums were accumulated in bf16 and val/loss was a bf16 number (5.4688 for a mean of 5.4805 in a real fit). They
+    stay fp32 now (fp64 under 64-true)."""
+    lit = tiny_lit(val_names=["a", "b"]).to(dtype)
+    token_loss = torch.linspace(1.0, 1.8, 4096).view(16, 256).to(dtype)
+    for metric in (lit.val_loss, lit.val_loss_by_source[1]):
+        assert metric.mean_value.dtype == metric.weight.dtype == (torch.float64 if dtype == torch.float64 else
+                                                                  torch.float32)
+        metric.update(token_loss, torch.ones_like(token_loss))
+        assert float(metric.compute()) == pytest.approx(float(token_loss.double().mean()), rel=1e-6)
+
+
 def test_val_loss_is_nan_when_any_window_is_nan() -> None:
     """torchmetrics' MeanMetric drops NaN values by default (with a warning): a model whose logits overflowed on some
     validation windows reported the mean of the others, a healthy-looking val/loss that ModelCheckpoint could keep as
