@@ -119,7 +119,7 @@ def check_config(cfg: DictConfig) -> None:
                               f"'callbacks=[default,{key}]' for the callback form")
     try:  # the optimizer is built in configure_optimizers, inside fit: build it on a dummy parameter now
         instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ImportError) as e:  # (ImportError: optimizer=adamw8bit without bitsandbytes)
         raise ConfigError(f"optimizer: {e}") from e
     from lit_dtrain.schedules.lr import no_schedule_warnings
     from lit_dtrain.schedules.workflows import check_one_decay_length, unknown_argument_error

@@ -518,6 +518,18 @@ def test_a_directory_named_last_ckpt_in_the_run_dir_is_refused_before_training(t
                                               "that path, so this one would train and fail at its first save"):
             resolve_ckpt_path(cfg)
 
+def test_adamw8bit_where_bitsandbytes_does_not_import_is_one_config_error(tiny_cfg, monkeypatch):
+    """optimizer=adamw8bit without a working bitsandbytes was an ImportError with Hydra's traceback, from check_config's
+    build of the optimizer on a dummy parameter; now one ConfigError line that names the cause and the way out."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # 'import bitsandbytes' raises ModuleNotFoundError
+    with pytest.raises(ConfigError, match=r"^optimizer: optimizer=adamw8bit needs bitsandbytes, which does not import "
+                                          r"here \(ModuleNotFoundError: .*\): pip install bitsandbytes, or use "
+                                          r"optimizer=adamw$"):
+        check_config(tiny_cfg("optimizer=adamw8bit"))
+
+
 @pytest.mark.parametrize("saved, configured", [("torch", "adamw8bit"), ("bnb", "adamw")])
 def test_resuming_with_the_other_adamw_is_refused_before_fit(saved, configured, tiny_cfg, tmp_path):
     """ckpt_path=<an AdamW run> optimizer=adamw8bit restored the checkpoint and died at the first step with

@@ -56,8 +56,9 @@ def adamw8bit(
         raise ValueError(f"optimizer=adamw8bit cannot train float64 parameters: {ADAMW8BIT_FP64}")
     try:
         import bitsandbytes as bnb
-    except ImportError as e:  # pragma: no cover - bitsandbytes is a declared dependency
-        raise ImportError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from e
+    except Exception as e:  # not installed, or its native library does not load on this machine
+        raise ImportError(f"optimizer=adamw8bit needs bitsandbytes, which does not import here "
+                          f"({type(e).__name__}: {e}): pip install bitsandbytes, or use optimizer=adamw") from e
     return bnb.optim.AdamW8bit(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
 
