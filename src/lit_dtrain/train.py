@@ -76,7 +76,7 @@ from lit_dtrain.sigterm_exit import (
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
-from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck
+from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck, figures_of_the_fit_that_trained
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
@@ -313,7 +313,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
         record_training_start(out_dir)
 
-    t0 = time.perf_counter()
+    t0 = clock.fit_started()
     try:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
@@ -336,15 +336,10 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
-    previous: dict = {}
     per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size
     per_step *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
-    if steps == start_step > 0:
-        log.info("the checkpoint is already at step %d = trainer.max_steps: nothing to train, only validated", steps)
-        with contextlib.suppress(OSError, ValueError):  # keep the training figures of the run that got there
-            previous = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
-        if not isinstance(previous, dict) or previous.get("steps") != steps:  # none (a stop after the last step)
-            previous = clock.carried_figures(steps, per_step)
+    # a start that only validated: the figures of the fit that trained the steps
+    previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step) if steps == start_step > 0 else {}
     tokens = (steps - start_step) * per_step
     val_loss = val_metrics.get("val/loss", float("nan"))
     metrics = {
@@ -356,9 +351,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "checkpoint": last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),
         "train_loss": train_loss,
-        **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k != "val/loss"},
+        **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k not in ("val/loss", "val/ppl")},
     }
-    metrics.update({k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous})
+    metrics.update(previous)
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
     if trainer.is_global_zero:

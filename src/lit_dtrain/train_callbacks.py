@@ -5,9 +5,12 @@ for ``tokens_per_sec``), :class:`LogStepSync` (the step loggers see, after a res
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import time
+from pathlib import Path
 
 import lightning as L
 
@@ -21,13 +24,17 @@ class TrainClock(L.Callback):
     data setup and a checkpoint restore. ``tokens_per_sec`` is measured from here, so it does not charge a run
     with other processes' start-up (in a multirun with DDP only job 0 launches rank 1 and waits for it).
 
-    Its state in a checkpoint (``train_loss``, ``train_seconds``, ``start_step`` of the fit that wrote it) gives the
-    summary of a resume that only validates (stopped by SIGTERM after the last step) the training figures of the run
-    that got there, which wrote no ``summary.json``: ``train_loss`` and ``tokens_per_sec`` were null
+    :meth:`fit_started` marks when ``trainer.fit`` is called, for ``wall_seconds``.
+
+    Its state in a checkpoint (``train_loss``, ``train_seconds``, ``wall_seconds``, ``start_step`` of the fit that
+    wrote it) gives the summary of a resume that only validates (stopped by SIGTERM after the last step) the training
+    figures of the run that got there, which wrote no ``summary.json``: ``train_loss`` and ``tokens_per_sec`` were
+    null, then the killed fit's ``tokens_per_sec`` stood beside the validating start's own ``wall_seconds``
     (:meth:`carried_figures`)."""
 
     def __init__(self) -> None:
         self.start: float | None = None
+        self.fit_start: float | None = None
         self.carried: dict = {}  # the restored checkpoint's state
         self._trainer: L.Trainer | None = None
         self._start_step = 0
@@ -36,26 +43,52 @@ class TrainClock(L.Callback):
         self.start = time.perf_counter()
         self._trainer, self._start_step = trainer, trainer.global_step
 
+    def fit_started(self) -> float:
+        """Mark (and return) the time ``trainer.fit`` is called: ``wall_seconds`` counts from here."""
+        self.fit_start = time.perf_counter()
+        return self.fit_start
+
     def state_dict(self) -> dict:
         trainer = self._trainer
         if trainer is None or self.start is None or trainer.global_step == self._start_step:
             return dict(self.carried)  # this fit trained no step: the figures of the one that did
         loss = trainer.callback_metrics.get("train/loss")
+        now = time.perf_counter()
         return {"train_loss": None if loss is None else float(loss), "start_step": self._start_step,
-                "train_seconds": time.perf_counter() - self.start}
+                "train_seconds": now - self.start, "wall_seconds": now - (self.fit_start or self.start)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.carried = dict(state_dict)
 
     def carried_figures(self, steps: int, tokens_per_step: int) -> dict:
-        """``train_loss`` and ``tokens_per_sec`` of the fit that wrote the restored checkpoint (at ``steps``)."""
+        """``train_loss``, ``tokens_per_sec`` and ``wall_seconds`` of the fit that wrote the restored checkpoint (at
+        ``steps``). The two times together or neither (a checkpoint written before ``wall_seconds`` was kept): one
+        run's tokens/s beside another start's wall time do not describe one fit."""
         state, figures = self.carried, {}
         if isinstance(state.get("train_loss"), float):
             figures["train_loss"] = state["train_loss"]
-        seconds, start = state.get("train_seconds"), state.get("start_step")
-        if isinstance(seconds, float) and seconds > 0 and isinstance(start, int) and steps > start:
+        seconds, wall, start = state.get("train_seconds"), state.get("wall_seconds"), state.get("start_step")
+        if (isinstance(seconds, float) and seconds > 0 and isinstance(wall, float) and isinstance(start, int)
+                and steps > start):
             figures["tokens_per_sec"] = (steps - start) * tokens_per_step / seconds
+            figures["wall_seconds"] = wall
         return figures
+
+
+def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: TrainClock, tokens_per_step: int) -> dict:
+    """``summary.json``'s training figures (``train_loss``, ``tokens_per_sec``, ``wall_seconds``) for a start that
+    resumed a checkpoint at ``trainer.max_steps`` and only validated: those of the fit that trained the steps, from
+    the run's ``summary.json`` where it got that far, else from the checkpoint (:meth:`TrainClock.carried_figures`;
+    a stop after the last step wrote no ``summary.json``). Says so once, on rank 0: every rank validates."""
+    steps = trainer.global_step
+    if trainer.is_global_zero:
+        log.info("the checkpoint is already at step %d = trainer.max_steps: nothing to train, only validated", steps)
+    previous = None
+    with contextlib.suppress(OSError, ValueError):
+        previous = json.loads((out_dir / "summary.json").read_text())
+    if isinstance(previous, dict) and previous.get("steps") == steps:
+        return {k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous}
+    return clock.carried_figures(steps, tokens_per_step)  # a summary.json of another end is not this run's
 
 
 class LogStepSync(L.Callback):

@@ -1,6 +1,8 @@
 """A run stopped by SIGTERM after its last step writes no summary.json; the resume=auto that follows only validates
 last.ckpt. Its summary.json had train_loss and tokens_per_sec null: the checkpoint now carries them (TrainClock's
-state) from the fit that trained the steps."""
+state) from the fit that trained the steps. Then its tokens_per_sec was the killed fit's and its wall_seconds the
+validating start's own (0.25 s beside 768 tokens at 1682 tokens/s, 0.46 s of training): both are the killed
+fit's now."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def test_a_resume_after_a_sigterm_past_the_last_step_keeps_the_training_figures(tiny_cfg):
@@ -29,3 +32,34 @@ def test_a_resume_after_a_sigterm_past_the_last_step_keeps_the_training_figures(
     assert summary["steps"] == 4
     assert math.isfinite(summary["train_loss"]) and 0 < summary["train_loss"] < 10, summary
     assert summary["tokens_per_sec"] is not None and summary["tokens_per_sec"] > 0, summary
+
+    clock = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)["callbacks"]["TrainClock"]
+    assert summary["wall_seconds"] == pytest.approx(clock["wall_seconds"]), (summary, clock)  # the killed fit's
+    train_seconds = 4 * cfg.data.batch_size * cfg.model.block_size / summary["tokens_per_sec"]
+    assert 0 < train_seconds <= summary["wall_seconds"], summary  # its training within its fit
+    assert summary.keys() >= {"val_loss", "val_ppl"} and "val/ppl" not in summary  # the perplexity once
+
+
+def test_a_resume_that_only_validates_reports_one_fits_figures_and_says_so_once(tmp_path, caplog):
+    """A 2-rank resume of a finished run printed 'the checkpoint is already at step 6 = trainer.max_steps: nothing to
+    train, only validated' once per rank. The figures are the finished run's summary.json's, else the checkpoint's:
+    its tokens/s and its wall time together, or neither (a checkpoint that kept no wall time)."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.train_callbacks import TrainClock, figures_of_the_fit_that_trained
+
+    figures = {"tokens_per_sec": 100.0, "wall_seconds": 9.0, "train_loss": 2.0}
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "val_loss": 3.0, **figures}))
+    for zero, lines in ((False, 0), (True, 1)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lit_dtrain.train"):
+            trainer = SimpleNamespace(global_step=4, is_global_zero=zero)
+            assert figures_of_the_fit_that_trained(trainer, tmp_path, TrainClock(), 128) == figures
+        assert len(caplog.records) == lines, caplog.records
+    trainer = SimpleNamespace(global_step=6, is_global_zero=True)  # that summary.json is of step 4: not this end's
+    clock = TrainClock()
+    clock.load_state_dict({"train_loss": 2.5, "start_step": 2, "train_seconds": 0.5})  # an older checkpoint's state
+    assert figures_of_the_fit_that_trained(trainer, tmp_path, clock, 128) == {"train_loss": 2.5}
+    clock.load_state_dict({"train_loss": 2.5, "start_step": 2, "train_seconds": 0.5, "wall_seconds": 0.8})
+    assert figures_of_the_fit_that_trained(trainer, tmp_path, clock, 128) == {
+        "train_loss": 2.5, "tokens_per_sec": 4 * 128 / 0.5, "wall_seconds": 0.8}
