@@ -318,3 +318,26 @@ def test_a_fresh_start_into_a_checkpoint_dir_of_its_own_that_holds_checkpoints_n
     _save(own / "last.ckpt", 2)
     with pytest.raises(ConfigError, match=rf"^run dir '{own.parent}' already holds .* or choose another run_name$"):
         resolve_ckpt_path(OmegaConf.merge(_cfg(own), {"resume": None}))
+
+
+def test_the_resume_choice_is_logged_by_rank_0_alone(tmp_path, caplog, monkeypatch):
+    """Every rank of a DDP run resolves the same checkpoint: a 2-rank trainer=ddp_cpu resume printed 'resume=auto:
+    resuming from ... step000004-val5.0907.ckpt (step 4), the newest readable checkpoint: there is no last.ckpt' and
+    'resume=auto: no .../last.ckpt yet, starting fresh' twice, once per rank. Rank 1 still resolves the same file."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    _save(d / "step000004-val3.5000.ckpt", 4)  # killed before last.ckpt
+    (d / "step000006-val3.0000.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    empty = tmp_path / "fresh" / "checkpoints"
+    for rank, lines in ((1, 0), (0, 3)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lit_dtrain.train"):
+            assert resolve_ckpt_path(_cfg(d)) == str(d / "step000004-val3.5000.ckpt")
+            assert resolve_ckpt_path(_cfg(empty)) is None
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == lines, messages
+    assert "skipped as unreadable" in messages[0] and "there is no last.ckpt" in messages[1], messages
+    assert "starting fresh" in messages[2], messages
