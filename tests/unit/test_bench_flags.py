@@ -99,7 +99,7 @@ def test_help_shows_each_options_default():
     """``--help`` printed ``--steps STEPS  steps per round`` with no number: the reader had to find each default in
     the source. An option with a default value now ends its help with it; one without a default (None, False, ''
     or []), or whose help already says its default, is left as written."""
-    from lit_dtrain.utils.args import ScriptArgumentParser
+    from lit_dtrain.utils.args import ScriptArgumentParser, comma_list
 
     p = ScriptArgumentParser(prog="s.py")
     p.add_argument("--steps", type=int, default=40, help="steps per round")
@@ -114,6 +114,13 @@ def test_help_shows_each_options_default():
     assert "text to continue (default: 'def ')" in text and "in % of the rest (default: 0.5)" in text
     assert text.count("default") == 5  # --out's own, none for the options without a value
     assert " ".join(p.format_help().split()) == text  # a second --help adds nothing
+    # a list default as typed: bench_fourier.py's --help read 'default: ['stdlib', 'mixture']'
+    p.add_argument("--corpora", nargs="+", default=["stdlib", "mixture"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds")
+    p.add_argument("--variants", type=comma_list(), default=["a", "b"], help="variants")
+    text = " ".join(p.format_help().split())
+    assert "default: stdlib mixture" in text and "seeds (default: 0 1 2)" in text, text
+    assert "variants (default: a,b)" in text and "['" not in text and "[0" not in text, text
 
 
 def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(monkeypatch):

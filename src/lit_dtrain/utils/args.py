@@ -164,6 +164,16 @@ def fail(message: str, prog: str | None = None, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def _typed(action: argparse.Action, default) -> str:
+    """``default`` as one would type it on the command line (:meth:`ScriptArgumentParser.format_help`)."""
+    if isinstance(default, str):
+        return repr(default)
+    if isinstance(default, (list, tuple)):
+        several = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+        return (" " if several else ",").join(map(str, default))
+    return str(default)
+
+
 class ScriptArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors (a bad flag, a failed type, ``parser.error(...)``) end like
     :func:`fail`: the usage and ``prog: error: message`` on stderr, ``{"error": message}`` last on stdout, exit 2.
@@ -176,14 +186,15 @@ class ScriptArgumentParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         """The help, with ``(default: X)`` after every option whose default is a value (not None or False) and
         whose help does not already say what its default is: ``--steps STEPS  steps per round`` left the reader
-        to find the number in the source."""
+        to find the number in the source. A list default reads as it is typed (``stdlib mixture`` after an option
+        of several values, ``a,b`` after a comma list), not as a Python list (``['stdlib', 'mixture']``)."""
         for action in self._actions:
             help_text, default = action.help or "", action.default
             if (not action.option_strings or default is None or default is False or default == argparse.SUPPRESS
                     or (isinstance(default, (str, list, tuple)) and not default)  # '' or []: nothing
                     or re.search(r"\(default\b|\bdefault:", help_text, re.IGNORECASE)):
                 continue
-            shown = (repr(default) if isinstance(default, str) else str(default)).replace("%", "%%")
+            shown = _typed(action, default).replace("%", "%%")
             action.help = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
         return super().format_help()
 
