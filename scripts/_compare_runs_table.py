@@ -10,6 +10,20 @@ from pathlib import Path
 from lit_dtrain.run_dirs import NO_LOGGER, finished_without_metrics, table_cell
 
 
+def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None = None) -> list[tuple[int, float]]:
+    """``series`` with each point at the optimizer steps trained when it was measured, the count checkpoint names
+    (``step000010-...ckpt`` after 10 steps) and ``summary.json``'s ``steps`` use. Lightning logs during fit at the
+    step's 0-based index ``s``: a validation there measured the weights after ``s + 1`` steps, a ``train/loss`` there
+    is the ``s + 1``-th step's. ``train(cfg)``'s final validate is logged at the steps trained already: the last
+    point where it is ``steps_trained`` (a finished run's) or the second of a final pair
+    (:func:`one_point_per_validation`). A table that gave the logged steps named a validation after 10 steps 'step 9',
+    beside 'step 10' for the same run's final validate and a checkpoint 'step000010'."""
+    merged = one_point_per_validation(series)
+    final = len(merged) < len(series)  # the last point is the final validate's
+    return [(s if s == steps_trained or (final and i == len(merged) - 1) else s + 1, v)
+            for i, (s, v) in enumerate(merged)]
+
+
 def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """``series`` with its final validation once, at the steps trained.
 
@@ -109,9 +123,7 @@ def direction(metric: str, maximize: list[str] = ()) -> bool | None:
 def summarize(series: list[tuple[int, float]], maximize: bool | None = False, cumulative: bool = False) -> dict:
     """Final and best (lowest, or highest with ``maximize``; none with ``maximize=None``, a metric without a
     direction, or ``cumulative``, one ranked by its final value alone) value of one run's series, with their
-    (TensorBoard) steps; the final validation counts once
-    (:func:`one_point_per_validation`), so that one value never gets a best step one before its final step."""
-    series = one_point_per_validation(series)
+    steps (of ``series``: the steps trained, :func:`at_steps_trained`)."""
     if not series:
         return {"final_step": None, "final": float("nan"), "best": float("nan"), "best_step": None}
     final_step, final = series[-1]
@@ -158,10 +170,11 @@ def markdown_table(
 
     best = best_row(rows, maximize)
     ref = best["final"] if best else float("nan")
-    best_name = {True: f"best (highest) {metric} (step)", False: f"best {metric} (step)", None: "best (not ranked)"}
+    best_name = {True: f"best (highest) {metric} (steps trained)", False: f"best {metric} (steps trained)",
+                 None: "best (not ranked)"}
     best_header = "best (cumulative: ranked by final)" if final_only(metric) and maximize is not None else None
     header = [
-        f"| run | final step | final {metric} | {best_header or best_name[maximize]} | vs best final |",
+        f"| run | steps trained | final {metric} | {best_header or best_name[maximize]} | vs best final |",
         "|---|---:|---:|---:|---:|",
     ]
     lines = []

@@ -6,9 +6,10 @@ ratio of the global ``train/items_per_sec`` to this rank's ``train/device/items_
 once ``callbacks.throughput.window_size`` steps were timed), else ``trainer.devices * trainer.num_nodes`` of its
 ``config_resolved.yaml``, else one.
 
-A point is drawn at the tokens trained when it was measured (:func:`tokens_trained`): Lightning logs during fit at
-the optimizer step's 0-based index, so a validation logged at ``s`` measured the weights after ``s + 1`` steps;
-drawn at ``s`` x tokens per step, it sat one batch early, a larger batch's run further back than a smaller one's."""
+A point is drawn at the tokens trained when it was measured: the steps trained then
+(``_compare_runs_table.at_steps_trained``: Lightning logs during fit at the optimizer step's 0-based index, so a
+validation logged at ``s`` measured the weights after ``s + 1`` steps; drawn at ``s`` x tokens per step, it sat one
+batch early, a larger batch's run further back than a smaller one's) x tokens per step."""
 
 from __future__ import annotations
 
@@ -36,14 +37,6 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
     per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
     return per_rank * _ranks(run, scalars)
-
-
-def tokens_trained(steps: list[int], per_step: float, steps_trained: int | None = None) -> list[float]:
-    """The tokens trained when each point at (logged) ``steps`` was measured: Lightning logs during fit at the step's
-    0-based index ``s``, after ``s + 1`` steps (``train/lengths`` there holds ``s + 1`` steps' tokens, a validation
-    there measured the weights after them), ``train(cfg)``'s final validate at ``steps_trained``, the steps a
-    finished run trained (a fit logs nothing at that step; None for a run that did not finish)."""
-    return [(s if s == steps_trained else s + 1) * per_step for s in steps]
 
 
 def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:

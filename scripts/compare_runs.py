@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Compare runs from their TensorBoard event files (or ``logger=csv``'s metrics.csv): a PNG of val loss (or any
-scalar) against step, and a markdown table of final and best values per metric.
+scalar) against the steps trained, and a markdown table of final and best values per metric, at the steps trained
+when each was measured (as checkpoint names count them; Lightning logs during fit at the 0-based step, one lower).
 
     python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
     python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
@@ -37,6 +38,7 @@ from lit_dtrain.run_dirs import (
     job_error,
     jobs_not_started,
     read_scalars,
+    summary_steps,
     table_cell,  # noqa: F401 - compare_runs.table_cell: the markdown table's cells (_compare_runs_table)
 )
 from lit_dtrain.utils.args import ScriptArgumentParser, quiet_when_the_reader_goes, report_error
@@ -47,6 +49,7 @@ from lit_dtrain.utils.scripts import import_beside
 import_beside(__file__)  # this script's modules beside it, scripts/_compare_runs_*.py, also where a test loads it
 from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of runs
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
+    at_steps_trained,
     best_row,
     direction,
     final_only,
@@ -54,11 +57,10 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     markdown_table,
     measured,
     metric_rows,
-    one_point_per_validation,
     summarize,
     table_order,
 )
-from _compare_runs_tokens import tokens_per_step, tokens_trained  # noqa: E402 - --x tokens
+from _compare_runs_tokens import tokens_per_step  # noqa: E402 - --x tokens
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -133,11 +135,10 @@ LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
-         logy: bool = False, tokens: dict[str, tuple[float, int | None]] | None = None) -> None:
-    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``. A run's final
-    validation is drawn once, at the steps trained (:func:`one_point_per_validation`). ``tokens``: each run's tokens
-    per optimizer step and, where it finished, the steps it trained, to draw it against the tokens trained when each
-    point was measured (``--x tokens``, :func:`tokens_trained`)."""
+         logy: bool = False, tokens: dict[str, float] | None = None) -> None:
+    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``, each point at the
+    steps trained when it was measured (:func:`at_steps_trained`). ``tokens``: each run's tokens per optimizer step,
+    to draw it against the tokens trained then (``--x tokens``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,15 +147,15 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for i, (label, tags) in enumerate(curves.items()):
-            series = one_point_per_validation(tags.get(metric) or [])
+            series = tags.get(metric) or []
             if series:
                 steps, values = zip(*series)
                 if tokens:
-                    steps = tokens_trained(steps, *tokens[label])
+                    steps = [step * tokens[label] for step in steps]
                 # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
                 ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
                         color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
-        ax.set_xlabel("tokens trained" if tokens else "step")
+        ax.set_xlabel("tokens trained" if tokens else "steps trained")
         ax.set_ylabel(metric)
         if logy:
             ax.set_yscale("log")
@@ -229,11 +230,10 @@ def compare(
             if metric not in scalars:
                 print(f"compare_runs: run {str(run)!r} has no scalar {metric!r} (it stopped before logging it?); "
                       f"it has {sorted(scalars)}", file=sys.stderr)
-    ends = []  # the steps each run trained, where it finished: its final validate's step (--x tokens)
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
-        curves[label] = {m: scalars.get(m, []) for m in metrics}
         done = finished(run, scalars)
-        ends.append(max((s[-1][0] for s in scalars.values() if s), default=None) if done is True else None)
+        end = summary_steps(run) if done is True else None  # its final validate's step
+        curves[label] = {m: at_steps_trained(scalars.get(m, []), end) for m in metrics}
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
         if done is False and error:  # its train.log says why; its row says 'failed'
             print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
@@ -242,7 +242,7 @@ def compare(
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
             m: {
-                **summarize(measured(m, scalars.get(m, [])), ranks[m], final_only(m)),
+                **summarize(at_steps_trained(measured(m, scalars.get(m, [])), end), ranks[m], final_only(m)),
                 **({"missing": True} if m not in scalars else {}),
             }
             for m in metrics
@@ -269,7 +269,7 @@ def compare(
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        tokens = dict(zip(labels, zip(per_step, ends))) if per_step else None
+        tokens = dict(zip(labels, per_step)) if per_step else None
         plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
@@ -324,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         default="step",
         help="the PNG's x axis: the optimizer step (default), or the tokens trained when each point was measured "
         "(the steps trained x the run's tokens per step, from its train/lengths and its number of ranks): runs of "
-        "other batch sizes, ranks or accumulation compared at equal data. The table keeps the logged steps; the JSON "
-        "gives each run's tokens_per_step",
+        "other batch sizes, ranks or accumulation compared at equal data. Steps are the steps trained when a value was "
+        "measured, as in checkpoint names (TensorBoard's axis, Lightning's 0-based step, is one lower during fit); "
+        "the JSON gives each run's tokens_per_step",
     )
     args = parser.parse_args(argv)
     try:

@@ -265,12 +265,19 @@ def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | N
     run logged past those steps (resumed, then stopped). None for other dirs: nothing tells."""
     if not (run / "config_resolved.yaml").is_file():
         return None
+    steps = summary_steps(run)
+    last = max((series[-1][0] for series in scalars.values() if series), default=0)
+    return steps is not None and last <= steps
+
+
+def summary_steps(run: Path) -> int | None:
+    """The optimizer steps a run trained by its ``summary.json`` (``train(cfg)`` writes it last), or None without
+    a readable one."""
     try:
         steps = json.loads((run / "summary.json").read_text())["steps"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    last = max((series[-1][0] for series in scalars.values() if series), default=0)
-    return isinstance(steps, int) and last <= steps
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def divergence(run: Path) -> dict | None:

@@ -40,11 +40,11 @@ def test_runs_table_png_and_json(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["label"]: r for r in result["runs"]}
     assert rows["a"]["final"] == pytest.approx(2.6) and rows["a"]["best"] == pytest.approx(2.5)
-    assert rows["a"]["best_step"] == 20 and rows["a"]["final_step"] == 30
+    assert rows["a"]["best_step"] == 21 and rows["a"]["final_step"] == 31
     assert rows["b"]["final"] == pytest.approx(2.3) and result["best"] == "b"
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     md = table.read_text()
-    assert "| a | 30 | 2.6000 | 2.5000 (20) | +13.04% |" in md and "| b | 30 | 2.3000 | 2.3000 (30) | +0.00% |" in md
+    assert "| a | 31 | 2.6000 | 2.5000 (21) | +13.04% |" in md and "| b | 31 | 2.3000 | 2.3000 (31) | +0.00% |" in md
     # the README's `--out lr_sweep` form: no suffix, so the PNG is lr_sweep.png, and that is what is reported
     assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "sweep")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -157,7 +157,7 @@ def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_t
     rows = {r["label"]: r for r in result["runs"]}
     assert (rows["a"]["best_step"], rows["a"]["final_step"]) == (6, 6)
     assert rows["a"]["best"] == rows["a"]["final"] == pytest.approx(4.864140510559082)
-    assert (rows["b"]["best_step"], rows["b"]["best"], rows["b"]["final_step"]) == (5, pytest.approx(4.7), 6)
+    assert (rows["b"]["best_step"], rows["b"]["best"], rows["b"]["final_step"]) == (6, pytest.approx(4.7), 7)
     assert "| a | 6 | 4.8641 | 4.8641 (6) | +1.34% |" in result["markdown"]
 
 
@@ -216,11 +216,11 @@ def test_unfinished_runs_are_marked_in_the_table(tmp_path):
     md = result["markdown"]
     assert "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |" in md  # the gap is to the best (finished) run
     # no gap beside the finished runs': '-5.00%' read as 5% better than the best run, at step 19 of 60
-    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | - |" in md
-    assert "| resumed | 29 (unfinished) | 3.2500 | 3.2500 (29) | - |" in md
+    assert "| killed | 20 (unfinished) | 3.0400 | 3.0400 (20) | - |" in md
+    assert "| resumed | 30 (unfinished) | 3.2500 | 3.2500 (30) | - |" in md
     # with no finished run, the unfinished ones are compared with each other
     alone = compare_runs.compare([str(killed), str(resumed)], ["val/loss"], out=str(tmp_path / "u.png"))["markdown"]
-    assert "| killed | 19 (unfinished) | 3.0400 | 3.0400 (19) | +0.00% |" in alone
+    assert "| killed | 20 (unfinished) | 3.0400 | 3.0400 (20) | +0.00% |" in alone
 
 
 def test_a_failed_run_has_no_gap_to_the_finished_runs(tmp_path):
@@ -238,7 +238,7 @@ def test_a_failed_run_has_no_gap_to_the_finished_runs(tmp_path):
     assert result["best"] == "done"
     assert result["markdown"].splitlines()[2:] == [
         "| done | 40 | 3.2000 | 3.2000 (40) | +0.00% |",
-        "| failed | 10 (failed) | 2.5648 | 2.5648 (10) | - |",
+        "| failed | 11 (failed) | 2.5648 | 2.5648 (11) | - |",
     ]
 
 
@@ -260,7 +260,7 @@ def test_a_single_run_that_failed_shows_its_error(tmp_path, capsys):
     result = compare_runs.compare([str(done), str(failed)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert result["markdown"].splitlines()[2:] == [
         "| done | 20 | 3.2000 | 3.2000 (20) | +0.00% |",
-        "| failed | 10 (failed) | 3.4000 | 3.4000 (10) | - |",
+        "| failed | 11 (failed) | 3.4000 | 3.4000 (11) | - |",
     ]
     assert [r.get("error") for r in result["runs"]] == [None, "NonFiniteError: non-finite gradients at step 12"]
     assert "run '" + str(failed) + "' failed: NonFiniteError" in capsys.readouterr().err
@@ -286,7 +286,7 @@ def test_failed_sweep_jobs_have_a_row_in_the_table(tmp_path):
     assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3"]
     assert result["skipped"] == [str(sweep / "1"), str(sweep / "2")]
     md = result["markdown"].splitlines()
-    assert md[2] == "| optimizer.lr=1e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
+    assert md[2] == "| optimizer.lr=1e-3 | 6 | 3.0000 | 3.0000 (6) | +0.00% |"
     assert md[3] == "| optimizer.lr=-5 | failed: ConfigError: optimizer.lr must be > 0, got -5 | - | - | - |"
     assert md[4] == "| optimizer.lr=1e-2 | no metrics logged (not started, or stopped before logging) | - | - | - |"
 
@@ -336,10 +336,10 @@ def test_a_job_that_failed_after_it_started_logging_shows_its_error(tmp_path, ca
     (mid / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 2 failed: LossSpikeError: spike at 11\n")
     result = compare_runs.compare([str(tmp_path / "s")], ["val/loss"], out=str(tmp_path / "c.png"))
     md = result["markdown"].splitlines()
-    assert md[2] == "| optimizer.lr=3e-3 | 5 | 3.0000 | 3.0000 (5) | +0.00% |"
+    assert md[2] == "| optimizer.lr=3e-3 | 6 | 3.0000 | 3.0000 (6) | +0.00% |"
     assert md[3] == ("| optimizer.lr=10000.0 | failed: NonFiniteError: non-finite gradients at step 1 (train/loss=5.5)"
                      " | - | - | - |")
-    assert md[4] == "| optimizer.lr=1e-1 | 10 (failed) | 3.4000 | 3.4000 (10) | - |"  # no gap to a finished run
+    assert md[4] == "| optimizer.lr=1e-1 | 11 (failed) | 3.4000 | 3.4000 (11) | - |"  # no gap to a finished run
     # stderr said "did not finish ...: its row is marked '(unfinished)'" of this run, whose row says '(failed)'
     err = capsys.readouterr().err
     assert f"run {str(mid)!r} failed: LossSpikeError: spike at 11\n" in err and "unfinished" not in err
@@ -360,10 +360,10 @@ def test_a_run_whose_values_are_all_nan_keeps_its_steps(tmp_path):
     c = write_run(tmp_path / "c", {4: 3.5, 20: float("nan")})  # diverged after a finite check
     result = compare_runs.compare([str(a), str(b), str(c)], ["val/loss"], out=str(tmp_path / "c.png"))
     rows = {r["label"]: r for r in result["runs"]}
-    assert (rows["b"]["final_step"], rows["b"]["best_step"]) == (20, None)
+    assert (rows["b"]["final_step"], rows["b"]["best_step"]) == (21, None)
     md = result["markdown"].splitlines()
-    assert md[3] == "| b | 20 | nan | - | - |"
-    assert md[4] == "| c | 20 | nan | 3.5000 (4) | - |"
+    assert md[3] == "| b | 21 | nan | - | - |"
+    assert md[4] == "| c | 21 | nan | 3.5000 (5) | - |"
     assert result["best"] == "a"
 
 
@@ -381,9 +381,9 @@ def test_a_dir_of_several_sweeps_is_not_one_run(tmp_path):
         result = compare_runs.compare([str(arg)], ["val/loss"], out=str(tmp_path / "c.png"))
         finals = {r["label"]: (r["final_step"], r["final"]) for r in result["runs"]}
         assert len(finals) == n, finals
-        assert finals["optimizer.lr=1e-3"] == (30, pytest.approx(2.5))
-        assert finals["optimizer.lr=3e-3"] == (30, pytest.approx(2.4)) and result["best"] == "optimizer.lr=3e-3"
-        assert finals["optimizer.lr=1e-2"] == (30, pytest.approx(2.7))
+        assert finals["optimizer.lr=1e-3"] == (31, pytest.approx(2.5))
+        assert finals["optimizer.lr=3e-3"] == (31, pytest.approx(2.4)) and result["best"] == "optimizer.lr=3e-3"
+        assert finals["optimizer.lr=1e-2"] == (31, pytest.approx(2.7))
     # a run with its event files in a subdir of its own (tb/) is still one run
     assert [r["final"] for r in compare_runs.compare([str(root / "runs" / "exp1")], ["val/loss"])["runs"]] == [
         pytest.approx(2.6)]
@@ -522,31 +522,31 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
     args = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c.png"), "--table", str(table)]
     assert compare_runs.main(args + [arg for m in metrics for arg in ("--metric", m)]) == 0
     assert table.read_text() == (
-        "| run | final step | final val/loss | best val/loss (step) | vs best final |\n"
+        "| run | steps trained | final val/loss | best val/loss (steps trained) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
-        "| a | 20 | 2.5000 | 2.5000 (20) | +0.00% |\n"
-        "| b | 20 | 2.6000 | 2.6000 (20) | +4.00% |\n"
+        "| a | 21 | 2.5000 | 2.5000 (21) | +0.00% |\n"
+        "| b | 21 | 2.6000 | 2.6000 (21) | +4.00% |\n"
         "\n"
-        "| run | final step | final comm/bytes_per_step_avg | best (cumulative: ranked by final) | vs best final |\n"
+        "| run | steps trained | final comm/bytes_per_step_avg | best (cumulative: ranked by final) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
-        "| a | 20 | 4000.0000 | - | +293.70% |\n"
-        "| b | 20 | 1016.0000 | - | +0.00% |\n"
+        "| a | 21 | 4000.0000 | - | +293.70% |\n"
+        "| b | 21 | 1016.0000 | - | +0.00% |\n"
         "\n"
-        "| run | final step | final lr-AdamW/decay | best (not ranked) | vs best final |\n"
+        "| run | steps trained | final lr-AdamW/decay | best (not ranked) | vs best final |\n"
         "|---|---:|---:|---:|---:|\n"
-        "| a | 20 | 0.001 | - | - |\n"
-        "| b | 20 | 3e-05 | - | - |\n"
+        "| a | 21 | 0.001 | - | - |\n"
+        "| b | 21 | 3e-05 | - | - |\n"
     )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (result["metric"], result["best"]) == ("val/loss", "a")  # the first metric's keys, as before
     rows = {r["label"]: r for r in result["runs"]}
-    assert (rows["a"]["final"], rows["a"]["best_step"]) == (pytest.approx(2.5), 20)
+    assert (rows["a"]["final"], rows["a"]["best_step"]) == (pytest.approx(2.5), 21)
     assert result["metrics"] == metrics
     assert result["best_by_metric"] == {"val/loss": "a", "comm/bytes_per_step_avg": "b", "lr-AdamW/decay": None}
     lr_a = rows["a"]["by_metric"]["lr-AdamW/decay"]
     assert (lr_a["final"], lr_a["best"], lr_a["best_step"]) == (pytest.approx(1e-3), None, None)
     bytes_b = rows["b"]["by_metric"]["comm/bytes_per_step_avg"]
-    assert bytes_b == {"final_step": 20, "final": pytest.approx(1016.0), "best": None, "best_step": None}  # cumulative
+    assert bytes_b == {"final_step": 21, "final": pytest.approx(1016.0), "best": None, "best_step": None}  # cumulative
 
 
 def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path, capsys):
@@ -567,10 +567,10 @@ def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path
     assert result["best"] == "none" and result["best_by_metric"] == {metric: "none"}
     assert result["maximize"] == [metric]
     best = [(r["label"], r["best"], r["best_step"]) for r in result["runs"]]
-    assert best == [("full", 810.0, 20), ("none", 1012.5, 20)]
-    assert f"| run | final step | final {metric} | best (highest) {metric} (step) | vs best final |" in out
-    assert "| full | 20 | 810.0000 | 810.0000 (20) | -20.00% |" in out
-    assert "| none | 20 | 1012.5000 | 1012.5000 (20) | +0.00% |" in out
+    assert best == [("full", 810.0, 21), ("none", 1012.5, 21)]
+    assert f"| run | steps trained | final {metric} | best (highest) {metric} (steps trained) | vs best final |" in out
+    assert "| full | 21 | 810.0000 | 810.0000 (21) | -20.00% |" in out
+    assert "| none | 21 | 1012.5000 | 1012.5000 (21) | +0.00% |" in out
     tags = ("lr-AdamW/decay", "lr-AdamW/no_decay", "epoch", "val/loss", "train/samples", "train/device/mfu")
     # --maximize wins; a throughput is better higher without it (the slowest run was 'best')
     assert [compare_runs.direction(m, ["lr-AdamW/decay"]) for m in tags] == [True, None, None, False, None, True]
@@ -643,7 +643,7 @@ def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
         result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
         assert result["markdown"].splitlines()[2:] == [
             "| scheduler=wsd optimizer.lr=0.001 | 5 | 3.0000 | 3.0000 (5) | +0.00% |",
-            "| scheduler=wsd optimizer.lr=0.003 | 2 (unfinished) | 3.2000 | 3.2000 (2) | - |",
+            "| scheduler=wsd optimizer.lr=0.003 | 3 (unfinished) | 3.2000 | 3.2000 (3) | - |",
             "| scheduler=cosine optimizer.lr=0.001 | not started | - | - | - |",
             "| scheduler=cosine optimizer.lr=0.003 | not started | - | - | - |",
         ]
@@ -747,8 +747,8 @@ def test_a_sweep_whose_job_dirs_are_not_numbered_has_no_not_started_rows(tmp_pat
         result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
         assert result["not_started"] == []
         assert result["markdown"].splitlines()[2:] == [
-            "| seed=1 | 5 | 3.0000 | 3.0000 (5) | +0.00% |",
-            "| seed=2 | 5 | 3.2000 | 3.2000 (5) | +6.67% |",
+            "| seed=1 | 6 | 3.0000 | 3.0000 (6) | +0.00% |",
+            "| seed=2 | 6 | 3.2000 | 3.2000 (6) | +6.67% |",
         ]
     for subdir in ("${hydra:job.num}", "${hydra.job.num}"):  # numbered job dirs (conf/hydra's, Hydra's own default)
         multirun(subdir)
@@ -790,7 +790,7 @@ def test_a_failed_run_whose_later_start_was_killed_is_unfinished_not_failed(tmp_
     (run / "train.log").write_text(failed + f"[z][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n")
     assert job_error(run) is None
     result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))
-    assert result["markdown"].splitlines()[2] == "| a | 1235 (unfinished) | 1.5232 | 1.5072 (1229) | +0.00% |"
+    assert result["markdown"].splitlines()[2] == "| a | 1236 (unfinished) | 1.5232 | 1.5072 (1230) | +0.00% |"
     assert "did not finish" in capsys.readouterr().err
     # that start failed too: its own error; a log of before the marker line: its last error, as before
     (run / "train.log").write_text(failed * 2)
@@ -839,7 +839,7 @@ def test_a_run_stopped_before_logging_the_metric_says_it_did_not_finish(tmp_path
         "| optimizer.lr=1e-3 | 20 | 3.2000 | 3.2000 (20) | +0.00% |",
         "| optimizer.lr=3e-3 | unfinished (no val/loss logged) | - | - | - |",
     ]
-    assert second.splitlines()[3] == "| optimizer.lr=3e-3 | 4 (unfinished) | 4.0000 | 4.0000 (4) | +0.00% |"
+    assert second.splitlines()[3] == "| optimizer.lr=3e-3 | 5 (unfinished) | 4.0000 | 4.0000 (5) | +0.00% |"
     assert "its row is marked '(unfinished)'" in capsys.readouterr().err
 
 
@@ -906,7 +906,7 @@ def test_a_finished_run_without_a_logger_is_not_called_failed_or_not_started(tmp
         f"| optimizer.lr=0.001 logger=none | {no_logger} | - | - | - |",
         f"| optimizer.lr=0.003 logger=none | {no_logger} | - | - | - |",
         "| optimizer.lr=0.01 logger=none | no metrics logged (not started, or stopped before logging) | - | - | - |",
-        "| optimizer.lr=0.003 | 20 | 2.9000 | 2.9000 (20) | +0.00% |",
+        "| optimizer.lr=0.003 | 21 | 2.9000 | 2.9000 (21) | +0.00% |",
     ]
     from lit_dtrain.run_dirs import expand_runs
 
@@ -975,6 +975,30 @@ def test_a_number_written_two_ways_is_labelled_one_way(tmp_path):
                                                   "optimizer.lr=0.0002"]
 
 
+def test_steps_are_the_steps_trained_as_in_checkpoint_names(tmp_path):
+    """A real run (max_steps=6, val_check_interval=3, log_every_n_steps=1) logged val/loss at 2 and 5 (Lightning's
+    0-based step during fit) and its final validate at 6, and train/loss at 0-5; its checkpoints are named
+    step000003 and step000006. The table gave 'best val/loss 4.0 (2)', for the weights of step000003.ckpt, and its
+    train/loss table 'final step 5' beside val/loss's 6 for the same run's last step. Both tables count the steps
+    trained now: the best val after 3 steps is (3), the last step 6 in both, also where the final validate logged
+    nothing (from summary.json's steps)."""
+    run = write_run(tmp_path / "run", {2: 4.0, 5: 4.8, 6: 4.8})
+    w = SummaryWriter(str(run / "tb"), filename_suffix=".train")
+    for step in range(6):
+        w.add_scalar("train/loss", 5.0 - step / 10, step)
+    w.close()
+    (run / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 6}))
+    no_final = write_run(tmp_path / "no_final", {2: 4.0, 5: 4.8})  # (trainer.limit_val_batches=0 at the end)
+    (no_final / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+    (no_final / "summary.json").write_text(json.dumps({"steps": 6}))
+    result = compare_runs.compare([str(run), str(no_final)], ["val/loss", "train/loss"], out=str(tmp_path / "c.png"))
+    val, train = result["markdown"].split("\n\n")
+    assert "| run | 6 | 4.8000 | 4.0000 (3) | +0.00% |" in val and "| no_final | 6 | 4.8000 | 4.0000 (3) |" in val
+    assert "| run | 6 | 4.5000 | 4.5000 (6) | +0.00% |" in train
+    assert val.startswith("| run | steps trained | final val/loss | best val/loss (steps trained) |")
+
+
 def test_the_final_validation_is_drawn_once_at_the_steps_trained(tmp_path, monkeypatch):
     """trainer.max_steps=6, val_check_interval=3: Lightning logs the check after step 6 at 5 (the last step's 0-based
     index) and train(cfg)'s final validate logs the same value at 6. The table counted it once, at 6, but the plot
@@ -989,7 +1013,7 @@ def test_the_final_validation_is_drawn_once_at_the_steps_trained(tmp_path, monke
     a = write_run(tmp_path / "a", {2: 5.1259684562683105, 5: 4.864140510559082, 6: 4.864140510559082})
     b = write_run(tmp_path / "b", {2: 5.0, 5: 4.7, 6: 4.8})
     compare_runs.compare([str(a), str(b)], ["val/loss"], out=str(tmp_path / "c.png"))
-    assert seen == [{"a": [(2, 5.126), (6, 4.8641)], "b": [(2, 5.0), (5, 4.7), (6, 4.8)]}]
+    assert seen == [{"a": [(3, 5.126), (6, 4.8641)], "b": [(3, 5.0), (6, 4.7), (7, 4.8)]}]
 
 
 def test_rows_follow_the_arguments_whatever_became_of_the_runs(tmp_path):
@@ -1012,13 +1036,13 @@ def test_rows_follow_the_arguments_whatever_became_of_the_runs(tmp_path):
     result = compare_runs.compare([str(a), str(failed), str(seeds), str(z)], ["val/loss"], out=str(tmp_path / "c.png"))
     rows = [line.split(" | ")[:2] for line in result["markdown"].splitlines()[2:]]
     assert rows == [
-        ["| optimizer.lr=0.1", "5"],
+        ["| optimizer.lr=0.1", "6"],
         ["| optimizer.lr=-0", "failed: ConfigError: lr"],
         ["| optimizer.lr=-1", "failed: ConfigError: lr"],
-        ["| seed=1", "5"],
+        ["| seed=1", "6"],
         ["| seed=2", "no metrics logged (not started, or stopped before logging)"],
-        ["| seed=3", "5"],
-        ["| optimizer.lr=0.2", "5"],
+        ["| seed=3", "6"],
+        ["| optimizer.lr=0.2", "6"],
     ]
 
 
@@ -1029,11 +1053,11 @@ def test_the_gap_to_a_negative_best_has_the_sign_of_a_positive_one(tmp_path):
     good = write_run(tmp_path / "good", {5: -2.0})
     bad = write_run(tmp_path / "bad", {5: -1.0})
     md = compare_runs.compare([str(good), str(bad)], ["val/loss"], out=str(tmp_path / "c.png"))["markdown"]
-    assert md.splitlines()[2:] == ["| good | 5 | -2.0000 | -2.0000 (5) | +0.00% |",
-                                   "| bad | 5 | -1.0000 | -1.0000 (5) | +50.00% |"]
+    assert md.splitlines()[2:] == ["| good | 6 | -2.0000 | -2.0000 (6) | +0.00% |",
+                                   "| bad | 6 | -1.0000 | -1.0000 (6) | +50.00% |"]
     md = compare_runs.compare([str(good), str(bad)], ["val/loss"], maximize=["val/loss"])["markdown"]
-    assert md.splitlines()[2:] == ["| good | 5 | -2.0000 | -2.0000 (5) | -100.00% |",
-                                   "| bad | 5 | -1.0000 | -1.0000 (5) | +0.00% |"]
+    assert md.splitlines()[2:] == ["| good | 6 | -2.0000 | -2.0000 (6) | -100.00% |",
+                                   "| bad | 6 | -1.0000 | -1.0000 (6) | +0.00% |"]
 
 
 @pytest.mark.parametrize(
@@ -1076,7 +1100,7 @@ def test_outputs_replace_an_existing_file_whole(tmp_path, capsys, monkeypatch):
     assert out.read_bytes() == b"earlier plot" and sorted(p.name for p in tmp_path.iterdir()) == ["a", "c.md", "c.png"]
     monkeypatch.undo()
     assert compare_runs.main([str(run), "--out", str(out), "--table", str(table)]) == 0
-    assert out.read_bytes()[:4] == b"\x89PNG" and "| a | 10 | 3.0000 |" in table.read_text()
+    assert out.read_bytes()[:4] == b"\x89PNG" and "| a | 11 | 3.0000 |" in table.read_text()
 
 
 @pytest.mark.parametrize("content", [b"garbage, not a TensorBoard event file\n", b""])
@@ -1127,8 +1151,8 @@ def test_an_event_file_that_cannot_be_read_to_its_end_is_named_with_what_was_rea
     size = event_file.stat().st_size
     assert (f"compare_runs: run {str(run)!r}: event file {str(event_file)!r} cannot be read to its end ({reason}); "
             f"using its first 6 events, up to step 30 ({last_record_at} of its {size} bytes)\n") in err
-    assert result["runs"][0]["by_metric"]["val/loss"]["final_step"] == 30  # read before the damaged record
-    assert result["runs"][0]["by_metric"]["lr-AdamW/decay"]["final_step"] == 20  # its step-30 point is lost
+    assert result["runs"][0]["by_metric"]["val/loss"]["final_step"] == 31  # read before the damaged record
+    assert result["runs"][0]["by_metric"]["lr-AdamW/decay"]["final_step"] == 21  # its step-30 point is lost
 
 
 def test_a_failed_write_of_the_table_is_one_error_line(tmp_path, capsys, monkeypatch):

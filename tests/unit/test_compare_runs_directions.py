@@ -57,7 +57,7 @@ def test_an_unranked_tag_has_no_best_run(tmp_path, capsys):
     assert compare_runs.main(args) == 0
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1])["best"] is None
-    assert "| b | 5 | 2.0000 | - | - |" in out
+    assert "| b | 6 | 2.0000 | - | - |" in out
 
 
 def test_a_cumulative_tag_is_ranked_by_its_final_value_and_has_no_best(tmp_path):
@@ -77,12 +77,12 @@ def test_a_cumulative_tag_is_ranked_by_its_final_value_and_has_no_best(tmp_path)
     nan = pytest.approx(float("nan"), nan_ok=True)
     assert [(r["best"], r["best_step"]) for r in result["runs"]] == [(nan, None)] * 2
     assert result["markdown"].splitlines()[:4] == [
-        "| run | final step | final spike/count | best (cumulative: ranked by final) | vs best final |",
+        "| run | steps trained | final spike/count | best (cumulative: ranked by final) | vs best final |",
         "|---|---:|---:|---:|---:|",
-        "| a | 20 | 2.0000 | - | +100.00% |",
-        "| b | 20 | 1.0000 | - | +0.00% |",
+        "| a | 21 | 2.0000 | - | +100.00% |",
+        "| b | 21 | 1.0000 | - | +0.00% |",
     ]
-    assert "| a | 20 | 2000.0000 | - | +100.00% |" in result["markdown"]
+    assert "| a | 21 | 2000.0000 | - | +100.00% |" in result["markdown"]
     assert compare_runs.final_only("fourier/nonfinite_skipped") and not compare_runs.final_only("val/loss")
 
 
@@ -102,7 +102,7 @@ def test_a_step_without_a_sync_is_no_per_step_comm_value(tmp_path):
                                   out=str(tmp_path / "c.png"))
     assert result["best_by_metric"] == {"comm/bytes_per_step": "ddp", "comm/time_ms": "ddp"}
     rows = {r["label"]: r for r in result["runs"]}
-    assert (rows["local"]["final"], rows["local"]["final_step"], rows["local"]["best"]) == (1000.0, 4, 1000.0)
-    assert (rows["ddp"]["best"], rows["ddp"]["best_step"]) == (800.0, 2)
-    assert "| local | 4 | 1000.0000 | 1000.0000 (4) | +25.00% |" in result["markdown"]
+    assert (rows["local"]["final"], rows["local"]["final_step"], rows["local"]["best"]) == (1000.0, 5, 1000.0)
+    assert (rows["ddp"]["best"], rows["ddp"]["best_step"]) == (800.0, 3)
+    assert "| local | 5 | 1000.0000 | 1000.0000 (5) | +25.00% |" in result["markdown"]
     assert "| never | no sync logged | - | - | - |" in result["markdown"]
