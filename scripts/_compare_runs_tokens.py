@@ -25,9 +25,13 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     """The tokens of one optimizer step of a run, all ranks together. ``train/lengths`` after step ``s`` (0-based)
     holds ``s + 1`` steps' tokens. A resume goes on from its checkpoint's count, but one from a checkpoint written
     before the running totals were checkpointed restarts it at 0, so the increments between its points give the
-    rate (their median), the first point where it has one point. An error naming the run when it did not log
-    ``train/lengths`` (the throughput callback off, or fewer steps than ``trainer.log_every_n_steps``)."""
+    rate (their median), the first point where it has one point. A run that did not log ``train/lengths`` (the
+    throughput callback off, or fewer steps than ``trainer.log_every_n_steps``: a sweep job that failed before its
+    first logged step, after a validation, stopped the whole ``--x tokens`` comparison) is read from its
+    ``config_resolved.yaml`` (:func:`_configured_tokens_per_step`); an error naming the run without either."""
     lengths = [(s, v) for s, v in scalars.get(LENGTHS, []) if v > 0]
+    if not lengths and (configured := _configured_tokens_per_step(run, scalars)) is not None:
+        return configured
     if not lengths:
         raise RunDirError(
             f"--x tokens: run {run!r} has no {LENGTHS!r} (logged every trainer.log_every_n_steps steps by the "
@@ -37,6 +41,21 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
     per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
     return per_rank * _ranks(run, scalars)
+
+
+def _configured_tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> float | None:
+    """``data.batch_size`` x ``data.block_size`` x ``trainer.accumulate_grad_batches`` x the ranks, from the run's
+    ``config_resolved.yaml`` (what ``train(cfg)`` trains a step on), or None where it is not there."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(Path(run) / "config_resolved.yaml")
+        sizes = (cfg.data.batch_size, cfg.data.block_size, cfg.trainer.get("accumulate_grad_batches") or 1)
+    except Exception:  # noqa: BLE001 - no (readable) config, or not a train.py one
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        return None
+    return float(sizes[0] * sizes[1] * sizes[2] * _ranks(run, scalars))
 
 
 def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:

@@ -1256,6 +1256,20 @@ def test_validations_are_drawn_at_the_tokens_trained_when_they_measured(tmp_path
     assert all(x == y for points in seen[0][1].values() for x, y in points) and lengths["b2"][-1] == 1024
 
 
+def test_a_run_that_logged_no_train_lengths_is_drawn_by_its_config(tmp_path):
+    """A real sweep job (max_steps=6, val_check_interval=3, the default log_every_n_steps=10) that failed at step 5
+    (NonFiniteError) logged val/loss at step 2 but no train/lengths: '--x tokens' over its sweep stopped with 'run
+    ... has no train/lengths'. Its tokens per step come from its config_resolved.yaml now (batch 4 x block 32)."""
+    run = write_run(tmp_path / "nan", {2: 5.126})
+    (run / "config_resolved.yaml").write_text(
+        "data: {batch_size: 4, block_size: 32}\ntrainer: {accumulate_grad_batches: 2, devices: 2, num_nodes: 1}\n")
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+    assert result["runs"][0]["tokens_per_step"] == 4 * 32 * 2 * 2
+    (run / "config_resolved.yaml").write_text("trainer: {devices: 1}\n")  # not train.py's: no batch size
+    with pytest.raises(compare_runs.CompareError, match="has no 'train/lengths'"):
+        compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+
+
 def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path):
     """A baseline run with the default LR beside one with ``optimizer.lr=1e-2`` was labelled by its dir name, and a
     run that typed ``scheduler=wsd`` (the default) beside one that did not was labelled 'scheduler=wsd', as if its
