@@ -17,6 +17,7 @@ def test_lightning_adverts_and_unactionable_warnings_are_silenced(caplog):
         warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, stacklevel=1)
         warnings.warn("It is recommended to use `self.log('val/ppl', ..., sync_dist=True)` ...", stacklevel=1)
         warnings.warn("It is recommended to use `self.log('train/x', ..., sync_dist=True)` ...", stacklevel=1)
+        warnings.warn("Checkpoint directory /o/runs/r/checkpoints exists and is not empty.", stacklevel=1)  # resume
     assert "Tip" not in caplog.text and "GPU available" in caplog.text
     assert [str(w.message)[:45] for w in caught] == ["It is recommended to use `self.log('train/x',"]
     assert len(logging.getLogger("lightning.pytorch.utilities.rank_zero").filters) == 1

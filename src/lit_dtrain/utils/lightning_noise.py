@@ -19,7 +19,9 @@ def quiet_lightning_noise() -> None:
     - Lightning's litlogger / litmodels adverts;
     - torch's FutureWarning about ``LeafSpec``, raised inside Lightning's own ``_pytree`` helper;
     - Lightning's "use sync_dist=True" hint for ``val/*``: LitLLM logs values of torchmetrics metrics, whose
-      ``compute()`` has already reduced them over the ranks.
+      ``compute()`` has already reduced them over the ranks;
+    - ModelCheckpoint's "Checkpoint directory ... exists and is not empty", printed by every resume: ``train(cfg)``
+      refuses a fresh run in a dir that holds checkpoints, so the ones there are the run's own.
     """
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
@@ -28,3 +30,4 @@ def quiet_lightning_noise() -> None:
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty\.")
