@@ -144,7 +144,7 @@ def test_dropout_zero_is_the_model_without_dropout_and_eval_turns_it_off():
     assert torch.equal(a, b) and not torch.allclose(a, ref.detach())  # seeded masks, and they do drop something
     # generate runs in eval mode (a model left in train mode sampled through dropout masks) and restores the mode
     seen = []
-    dropped.blocks[0].attn.register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    dropped.blocks[0].attn.wq.register_forward_pre_hook(lambda m, args: seen.append(m.training))  # k/v cache too
     dropped.train().generate(x[:, :3], 2)
     assert seen == [False, False] and dropped.training and dropped.blocks[0].attn.training
     dropped.eval().generate(x[:, :3], 1)

@@ -280,13 +280,15 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, use_cache: bool = True,
     ) -> torch.Tensor:
         """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens. Runs in eval mode
         (no dropout) and gives the module its mode back.
 
         ``temperature=0`` (or one below fp32's smallest normal, 1.2e-38) is greedy; ``top_k`` None or 0 samples among
-        all tokens."""
+        all tokens. Each token is drawn from the last ``block_size`` tokens. ``use_cache`` keeps the keys and values
+        of earlier positions (:mod:`lit_dtrain.models.kv_cache`): the same tokens, the logits equal to fp32
+        rounding; ``False`` runs the whole context through :meth:`forward` for every token."""
         check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
         shape = tuple(input_ids.shape)
         if input_ids.dim() != 2 or input_ids.numel() == 0:
@@ -300,15 +302,22 @@ class Llama(nn.Module):
         modes = [(m, m.training) for m in self.modules()]
         self.eval()  # dropout off: a model left in train mode sampled through random dropout masks
         try:
-            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator)
+            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
         finally:
             for m, training in modes:
                 m.training = training
 
-    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator) -> torch.Tensor:
+    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache) -> torch.Tensor:
+        from lit_dtrain.models.kv_cache import DecodeState, cacheable
+
+        state = None
+        if use_cache and cacheable(self):
+            state = DecodeState(self, input_ids.size(0), input_ids.size(1) + max_new_tokens)
         for _ in range(max_new_tokens):
-            ctx = input_ids[:, -self.config.block_size :]
-            logits = self(ctx)[:, -1, :].float()
+            if state is not None:
+                logits = state.logits(input_ids).float()
+            else:
+                logits = self(input_ids[:, -self.config.block_size :])[:, -1, :].float()
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or below fp32's range: the greedy limit
                 nxt = logits.argmax(-1, keepdim=True)
             else:
