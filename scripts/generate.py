@@ -1,13 +1,18 @@
 """Sample text from a lit_dtrain checkpoint: temperature and top-k sampling.
 
     python scripts/generate.py outputs/runs/<run>/checkpoints/last.ckpt --prompt "def " --max-new-tokens 200
+    python scripts/generate.py last.ckpt --prompt-file prompt.py      # the file's bytes, as they are
+    git show HEAD:train.py | python scripts/generate.py last.ckpt --prompt-file -     # stdin
 
 The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
 ``model_config`` entry that ``LitLLM`` stores in every checkpoint; the weights (bf16 ones too) are sampled in fp32, on
 ``--device`` (default: cuda where available, else cpu). The end-of-run sample of ``train.py`` is drawn the same
 way (fp32, seed ``seed``): ``--seed <the run's seed>`` with its ``sample.*`` values prints the same text on the same
-device type. An empty prompt starts from EOS, which is not printed. The last line is JSON: ``{"error": ...}`` on bad
-input (exit status 2). Piped into a reader that stops early (``| head -n 2``), it ends as ``cat`` does (status 141).
+device type. An empty prompt starts from EOS, which is not printed. ``--prompt-file`` reads the prompt's bytes from a
+file (``-``: stdin) as they are, a final newline included (the model reads bytes, as it reads ``--prompt``'s); an empty
+or unreadable file is refused. The model sees the last ``block_size`` tokens of a longer prompt. The last line is
+JSON: ``{"error": ...}`` on bad input (exit status 2). Piped into a reader that stops early (``| head -n 2``), it
+ends as ``cat`` does (status 141).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -34,6 +40,23 @@ def load_model(path: str):
         return model_from_checkpoint(path)
     except CheckpointError as e:
         fail(str(e))
+
+
+def read_prompt(path: str) -> bytes:
+    """The bytes of ``--prompt-file path`` (``-``: stdin); one line naming the file when it cannot be read or is
+    empty (an empty prompt is ``--prompt ''``: an empty file is more likely one that was never written)."""
+    name = "stdin" if path == "-" else repr(path)
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        fail(f"--prompt-file {name}: cannot read it: {e.strerror or e}")
+    if not data:
+        fail(f"--prompt-file {name} is empty; to start a new document use --prompt ''")
+    return data
 
 
 def sampling_device(name: str | None) -> torch.device:
@@ -61,7 +84,9 @@ def sampling_device(name: str | None) -> torch.device:
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="path to a .ckpt written by train.py")
-    ap.add_argument("--prompt", default="def ", help="text to continue ('' starts a new document)")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default="def ", help="text to continue ('' starts a new document)")
+    source.add_argument("--prompt-file", metavar="PATH", help="continue the bytes of this file ('-': stdin)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
@@ -79,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(str(e))
     device = sampling_device(args.device)
+    # the bytes given on the command line: argv bytes that are not UTF-8 arrive as surrogates, which str.encode refuses
+    prompt = read_prompt(args.prompt_file) if args.prompt_file is not None else os.fsencode(args.prompt)
 
     model, ckpt = load_model(args.checkpoint)
     model.to(device)
     tok = ByteTokenizer()
-    # the bytes given on the command line: argv bytes that are not UTF-8 arrive as surrogates, which str.encode refuses
-    prompt = os.fsencode(args.prompt)
     ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None].to(device)  # "" starts a new document
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(ids.expand(args.num_samples, -1), args.max_new_tokens, temperature=args.temperature,
