@@ -6,6 +6,7 @@ import torch
 
 from lit_dtrain.models import build_llama
 from lit_dtrain.models.kv_cache import DecodeState
+from lit_dtrain.models.llama import Attention
 
 
 def tiny(**kw):
@@ -60,6 +61,7 @@ def test_cached_logits_are_the_forward_logits_of_the_last_position():
             assert state.pos == t
         for t in (17, 24):  # slid: a forward of the last 16 tokens, bitwise
             assert torch.equal(state.logits(ids[:, :t]), m(ids[:, t - 16:t])[:, -1])
+        assert state.keys == [] and state.values == []  # the cache is let go once the window slides
         fresh = DecodeState(m, 2, 24)
         fresh.logits(ids[:, :5])
         with pytest.raises(ValueError, match="3 tokens given, 5 already cached"):
@@ -98,6 +100,24 @@ def test_a_model_with_wrapped_blocks_is_sampled_without_the_cache():
     calls = []
     m.register_forward_hook(lambda *a: calls.append(1))
     assert torch.equal(m.generate(PROMPTS, 6, temperature=0), want) and len(calls) == 6
+
+
+def test_a_subclass_of_attention_is_sampled_through_its_own_forward():
+    """The cache re-implements Attention.forward: a subclass's forward (here one that scales its output) would be
+    skipped, and the text drawn from another model than the one trained."""
+
+    class Scaled(Attention):
+        def forward(self, x, rope):
+            return 3.0 * super().forward(x, rope)
+
+    m = tiny()
+    for block in m.blocks:
+        scaled = Scaled(m.config)
+        scaled.load_state_dict(block.attn.state_dict())
+        block.attn = scaled
+    want = m.generate(PROMPTS, 20, temperature=0, use_cache=False)
+    assert torch.equal(m.generate(PROMPTS, 20, temperature=0), want)
+    assert not torch.equal(tiny().generate(PROMPTS, 20, temperature=0), want)  # the scale changes the text
 
 
 def test_training_mode_is_restored_and_bf16_weights_sample_with_the_cache():

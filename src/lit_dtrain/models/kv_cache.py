@@ -11,9 +11,9 @@ every position moves and every layer's keys and values change (the hidden states
 longer see the one that fell out), so no cache can be reused: each such step is a full forward of the window, as it
 was without the cache. The cache speeds up the tokens until the sequence fills ``block_size``.
 
-A model whose blocks are not plain :class:`Block` s (FSDP units, wrappers that replace the module) is sampled without
-the cache: :func:`cacheable`. (A :class:`Block` whose ``forward`` an activation-checkpointing callback patched is
-plain: checkpointing changes nothing without grad.)
+A model whose blocks are not plain :class:`Block` s (FSDP units, wrappers that replace the module, subclasses) is
+sampled without the cache: :func:`cacheable`. (A :class:`Block` whose ``forward`` an activation-checkpointing
+callback patched is plain: checkpointing changes nothing without grad.)
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lit_dtrain.models.llama import Attention, Block, apply_rope, compute_dtype, expand_kv_heads
+from lit_dtrain.models.llama import Attention, Block, Llama, apply_rope, compute_dtype, expand_kv_heads
 
 
 def cacheable(model) -> bool:
-    """Whether :class:`DecodeState` can run ``model`` (a ``Llama``): every block a plain :class:`Block`."""
-    return all(isinstance(b, Block) and isinstance(b.attn, Attention) for b in model.blocks)
+    """Whether :class:`DecodeState` computes what ``model`` (a ``Llama``) computes: it re-implements ``Llama.forward``,
+    ``Block.forward`` and ``Attention.forward``, so none may be a subclass's (a user's Attention with a QK norm would
+    be sampled without it) or a wrapper (an FSDP unit)."""
+    return type(model).forward is Llama.forward and all(
+        type(b) is Block and type(b.attn) is Attention for b in model.blocks)
 
 
 class DecodeState:
@@ -46,7 +49,7 @@ class DecodeState:
         """(B, vocab) logits of the token after ``ids`` (B, T): ``ids[:, :pos]`` must be the tokens cached so far."""
         T = ids.size(1)
         if T > self.model.config.block_size:  # the window slides: nothing cached holds (module docstring)
-            self.pos = 0
+            self.pos, self.keys, self.values = 0, [], []  # nor will: the sequence only grows
             return self.model(ids[:, -self.model.config.block_size:])[:, -1]
         if T <= self.pos:
             raise ValueError(f"DecodeState: {T} tokens given, {self.pos} already cached")
