@@ -1,0 +1,25 @@
+"""scripts/bench_generate.py times the cached and uncached generation of one model and checks they agree."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.conftest import load_script
+
+
+def test_bench_generate_reports_both_paths_and_their_agreement(capsys):
+    threads = torch.get_num_threads()
+    try:  # 20 tokens in a block of 16: the cached steps and the sliding window both run
+        load_script("bench_generate").main(["--shapes", "nano", "--new-tokens", "3", "20", "--rounds", "1",
+                                            "--block-size", "16", "--prompt-len", "4", "--batch", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = [(r["shape"], r["block_size"], r["new_tokens"]) for r in result["rows"]]
+    assert rows == [("nano", 16, 3), ("nano", 16, 20)]
+    for row in result["rows"]:
+        assert row["same_tokens"] is True and row["cached_tokens_per_s"] > 0 and row["uncached_tokens_per_s"] > 0
+        assert row["speedup"] == round(row["cached_tokens_per_s"] / row["uncached_tokens_per_s"], 2)
+    assert result["batch"] == 2 and result["prompt_len"] == 4 and result["device"] == "cpu"
