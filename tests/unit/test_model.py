@@ -225,6 +225,10 @@ def test_generate_names_a_prompt_it_cannot_continue():
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 257\), got 300"):
         m.generate(torch.tensor([[1, 300]]), 2)
     assert m.generate(torch.tensor([[1, 2]]), 3, temperature=0).shape == (1, 5)  # a good prompt still works
+    want = m.generate(torch.tensor([[100, 101, 32]]), 3, temperature=0)
+    for dtype in (torch.uint8, torch.int16, torch.int32):  # uint8: the bytes of torch.frombuffer(b"de ", ...)
+        got = m.generate(torch.tensor([[100, 101, 32]], dtype=dtype), 3, temperature=0)
+        assert torch.equal(got, want) and got.dtype == torch.int64, dtype  # was embedding's 'Expected ... Long, Int'
 
 
 def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():

@@ -299,6 +299,7 @@ class Llama(nn.Module):
         if lo < 0 or hi >= vocab:
             raise ValueError(f"generate: token ids must be in [0, {vocab}), got {hi if hi >= vocab else lo}")
         top_k = top_k or None
+        input_ids = input_ids.long()  # uint8 (bytes: torch.frombuffer) and int16 ids were the embedding's RuntimeError
         modes = [(m, m.training) for m in self.modules()]
         self.eval()  # dropout off: a model left in train mode sampled through random dropout masks
         try:
