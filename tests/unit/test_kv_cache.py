@@ -54,7 +54,7 @@ def test_cached_logits_are_the_forward_logits_of_the_last_position():
     m = tiny(n_kv_head=1)
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        state = DecodeState(m, 2, 24)
+        state = DecodeState(m, 24)
         for t in [4, *range(5, 12), 15, 16]:  # 12..15 is a chunk of 4 new tokens after 11 cached ones
             got, want = state.logits(ids[:, :t]), m(ids[:, :t])[:, -1]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)  # |logits| up to ~10: fp32 rounding
@@ -62,7 +62,7 @@ def test_cached_logits_are_the_forward_logits_of_the_last_position():
         for t in (17, 24):  # slid: a forward of the last 16 tokens, bitwise
             assert torch.equal(state.logits(ids[:, :t]), m(ids[:, t - 16:t])[:, -1])
         assert state.keys == [] and state.values == []  # the cache is let go once the window slides
-        fresh = DecodeState(m, 2, 24)
+        fresh = DecodeState(m, 24)
         fresh.logits(ids[:, :5])
         with pytest.raises(ValueError, match="3 tokens given, 5 already cached"):
             fresh.logits(ids[:, :3])

@@ -37,10 +37,9 @@ class DecodeState:
     only the positions it has not seen. Holds (B, n_kv_head, S, head_dim) keys and values per layer, S the longest
     sequence that fits in the block (``min(block_size, prompt + max_new_tokens)``)."""
 
-    def __init__(self, model, batch: int, max_len: int) -> None:
+    def __init__(self, model, max_len: int) -> None:
         self.model = model
         self.size = min(model.config.block_size, max_len)
-        self.batch = batch
         self.keys: list[torch.Tensor] = []  # allocated at the first prefill, in the dtype and device of the keys
         self.values: list[torch.Tensor] = []
         self.pos = 0  # positions 0 .. pos - 1 are cached

@@ -313,7 +313,7 @@ class Llama(nn.Module):
 
         state = None
         if use_cache and cacheable(self):
-            state = DecodeState(self, input_ids.size(0), input_ids.size(1) + max_new_tokens)
+            state = DecodeState(self, input_ids.size(1) + max_new_tokens)
         for _ in range(max_new_tokens):
             if state is not None:
                 logits = state.logits(input_ids).float()
