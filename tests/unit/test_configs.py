@@ -256,6 +256,20 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("strategy=ddp +strategy.find_unused_paramters=true",  # make_ddp's **kwargs, followed to DDP's arguments
          r"^strategy.find_unused_paramters is not an argument of .*make_ddp; did you mean "
          r"'strategy.find_unused_parameters'\?$"),
+        # a codec or local-update rule given as a mapping (or a name): the codec class's TypeError in Hydra's wrapper
+        ("strategy=ddp_compressed/topk ~strategy.compressor +strategy.compressor={name:topk,ratoi:0.01}",
+         r"^strategy.compressor.ratoi is not an argument of the compressor 'topk' \(TopK\); did you mean "
+         r"'strategy.compressor.ratio'\?$"),
+        ("strategy=ddp_compressed/topk strategy.compressor=topkk",
+         r"^strategy.compressor: unknown compressor 'topkk'; expected one of \[.*\]; did you mean 'topk'\?$"),
+        ("strategy=ddp_compressed/int8 ~strategy.compressor +strategy.compressor={name:int8,bits:4}",
+         r"^strategy.compressor.bits: the compressor 'int8' sets bits=8 itself$"),
+        ("strategy=ddp_compressed/diloco +strategy.local_update.compressor={name:int8,block_sise:64}",
+         r"^strategy.local_update.compressor.block_sise is not an argument .*'strategy.local_update.compressor"
+         r".block_size'\?$"),
+        ("strategy=ddp_compressed/local_sgd ~strategy.local_update +strategy.local_update={name:diloco,sync_perod:4}",
+         r"^strategy.local_update.sync_perod is not an argument of the local-update rule 'diloco' \(DiLoCo\); "
+         r"did you mean 'strategy.local_update.sync_period'\?$"),
         ("data/sampler=fourier +data.sampler.lagg=1", r"^data.sampler.lagg is not an argument of .*FourierSampler; "
                                                       r"did you mean 'data.sampler.lag'\?$"),
         # the callback saved there, the end of the run and resume=auto used paths.checkpoint_dir: a run killed after

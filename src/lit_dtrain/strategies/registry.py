@@ -8,9 +8,14 @@ compressor, and by the benchmark scripts.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from omegaconf import DictConfig
+
+from lit_dtrain.config_keys import accepted_arguments
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
 from lit_dtrain.strategies.powersgd import PowerSGD
@@ -18,45 +23,101 @@ from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoComp
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 
+
+class Preset:
+    """A registry name for ``cls`` with ``fixed`` arguments (``int8``: ``bits=8``, not to be given again) and
+    ``defaults`` (``int4``: error feedback on, as its preset and docs)."""
+
+    def __init__(self, cls: type, fixed: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> None:
+        self.cls, self.fixed, self.defaults = cls, dict(fixed), dict(defaults or {})
+
+    def __call__(self, **kwargs: Any):
+        return self.cls(**{**self.defaults, **kwargs, **self.fixed})
+
+
 COMPRESSORS: dict[str, Callable[..., Compressor]] = {
     "none": NoCompression,
-    "fp16": lambda **kw: HalfPrecision(dtype="fp16", **kw),
-    "bf16": lambda **kw: HalfPrecision(dtype="bf16", **kw),
-    "int8": lambda **kw: BlockQuantizer(bits=8, **kw),
-    "int4": lambda **kw: BlockQuantizer(bits=4, **{"error_feedback": True, **kw}),  # as its preset and docs
-    "int8_rs": lambda **kw: ShardedBlockQuantizer(bits=8, **kw),
-    "int4_rs": lambda **kw: ShardedBlockQuantizer(bits=4, **{"error_feedback": True, **kw}),
+    "fp16": Preset(HalfPrecision, {"dtype": "fp16"}),
+    "bf16": Preset(HalfPrecision, {"dtype": "bf16"}),
+    "int8": Preset(BlockQuantizer, {"bits": 8}),
+    "int4": Preset(BlockQuantizer, {"bits": 4}, {"error_feedback": True}),
+    "int8_rs": Preset(ShardedBlockQuantizer, {"bits": 8}),
+    "int4_rs": Preset(ShardedBlockQuantizer, {"bits": 4}, {"error_feedback": True}),
     "powersgd": PowerSGD,
     "topk": TopK,
     "sign": ScaledSign,
 }
 LOCAL_UPDATES: dict[str, Callable[..., LocalUpdate]] = {
     "local_sgd": LocalSGD,
-    "local_sgd_adaptive": lambda **kw: LocalSGD(adaptive=True, **kw),
+    "local_sgd_adaptive": Preset(LocalSGD, {"adaptive": True}),
     "diloco": DiLoCo,
 }
 
 
-def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str):
+def _did_you_mean(word: str, choices, prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
+
+
+def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str, path: str):
     if spec is None or isinstance(spec, base):
         return spec
     if isinstance(spec, str):
         spec = {"name": spec}
     if not isinstance(spec, Mapping) or "name" not in spec:
-        raise ValueError(f"{what} must be a {base.__name__}, a name in {sorted(registry)} or a mapping with 'name', "
+        raise ValueError(f"{path} must be a {base.__name__}, a name in {sorted(registry)} or a mapping with 'name', "
                          f"got {spec!r}")
-    kwargs = dict(spec)
+    kwargs = {str(k): v for k, v in spec.items()}
     name = kwargs.pop("name")
     if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)}")
-    return registry[name](**kwargs)
+        raise ValueError(f"{path}: unknown {what} {name!r}; expected one of {sorted(registry)}"
+                         f"{_did_you_mean(str(name), registry)}")
+    factory = registry[name]
+    cls = factory.cls if isinstance(factory, Preset) else factory
+    accepted = accepted_arguments(cls)
+    if accepted is not None:  # a key the class takes no argument for: its TypeError named neither the key's place
+        # nor the right key (and under train.py it came out of Hydra's instantiate wrapper)
+        fixed = factory.fixed if isinstance(factory, Preset) else {}
+        for key in kwargs:
+            if key in fixed:
+                raise ValueError(f"{path}.{key}: the {what} {name!r} sets {key}={fixed[key]!r} itself")
+            if key not in accepted:
+                raise ValueError(f"{path}.{key} is not an argument of the {what} {name!r} ({cls.__name__})"
+                                 f"{_did_you_mean(key, accepted, f'{path}.')}")
+    return factory(**kwargs)
 
 
-def build_compressor(spec: Compressor | str | Mapping | None) -> Compressor | None:
-    """A compressor from an instance, a name (``"powersgd"``) or ``{"name": ..., **kwargs}``."""
-    return _build(spec, COMPRESSORS, Compressor, "compressor")
+def build_compressor(spec: Compressor | str | Mapping | None, path: str = "compressor") -> Compressor | None:
+    """A compressor from an instance, a name (``"powersgd"``) or ``{"name": ..., **kwargs}``; a ValueError names
+    ``path`` (the key the spec was given as) and a close match of an unknown name or argument."""
+    return _build(spec, COMPRESSORS, Compressor, "compressor", path)
 
 
-def build_local_update(spec: LocalUpdate | str | Mapping | None) -> LocalUpdate | None:
-    """A local-update rule from an instance, a name (``"diloco"``) or ``{"name": ..., **kwargs}``."""
-    return _build(spec, LOCAL_UPDATES, LocalUpdate, "local_update")
+def build_local_update(spec: LocalUpdate | str | Mapping | None, path: str = "local_update") -> LocalUpdate | None:
+    """A local-update rule from an instance, a name (``"diloco"``) or ``{"name": ..., **kwargs}`` (errors as
+    :func:`build_compressor`'s)."""
+    return _build(spec, LOCAL_UPDATES, LocalUpdate, "local-update rule", path)
+
+
+def check_strategy_specs(cfg: DictConfig) -> None:
+    """A :class:`ConfigError` naming the key for a codec or local-update rule given by name or mapping in
+    ``cfg.strategy`` (``strategy.compressor: {name: topk, ratoi: 0.01}``) that cannot be built: before, a TypeError
+    of the codec's class inside Hydra's instantiate wrapper (``full_key: strategy``). ``_target_`` nodes are
+    :func:`~lit_dtrain.config_keys.check_target_arguments`'; a mapping inside one (DiLoCo's ``compressor``) is here."""
+    from omegaconf import OmegaConf
+
+    node = cfg.get("strategy")
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    local = node.get("local_update")
+    checks = [("strategy.compressor", node.get("compressor"), build_compressor),
+              ("strategy.local_update", local, build_local_update)]
+    if isinstance(local, DictConfig):
+        checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor))
+    for path, spec, build in checks:
+        if isinstance(spec, DictConfig) and "_target_" in spec or spec is None:
+            continue
+        try:
+            build(OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else spec, path)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
