@@ -1336,7 +1336,10 @@ def test_a_resume_into_a_model_without_the_states_parameters_is_an_error_naming_
 
     path = str(tmp_path / "lin.ckpt")
     first = trainer(2)
-    first.fit(Net("lin"))
+    # one process: nothing is sent, yet the codec rounds every step's gradient (before: without a word)
+    with pytest.warns(UserWarning, match=rf"^CompressedDDPStrategy on 1 process: the '{codec}' codec sends nothing, "
+                                         r"yet every step trains on its decoded \(lossy\) gradient; .* strategy=auto"):
+        first.fit(Net("lin"))
     first.save_checkpoint(path)
     assert {"lin.weight", "lin.bias"} <= set(first.strategy.compressor.residuals)
     with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: {codec} compressor state holds the .* of 'lin\."):
@@ -1366,3 +1369,23 @@ def test_a_codec_spec_names_a_misspelt_key_and_the_right_one():
                                                                             ).error_feedback
     assert build_compressor({"name": "int8_rs", "block_size": 64}).block_size == 64
     assert build_local_update({"name": "local_sgd_adaptive", "sync_period": 4}).adaptive
+
+
+def test_sync_flags_given_under_a_per_step_codec_are_named():
+    """sync_on_last_step / sync_before_validation act only under a local-update rule; given under a per-step codec
+    (false included) they did nothing, without a word. Not given, or under local updates: no warning, default true."""
+    import warnings
+
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    with pytest.warns(UserWarning, match=r"^CompressedDDPStrategy: sync_before_validation acts only under a "
+                                         r"local-update rule .* the compressor 'int8' .* does nothing: remove it$"):
+        assert not CompressedDDPStrategy(compressor="int8", sync_before_validation=False).sync_before_validation
+    with pytest.warns(UserWarning, match=r"sync_on_last_step and sync_before_validation act only"):
+        CompressedDDPStrategy(compressor="topk", sync_on_last_step=True, sync_before_validation=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = CompressedDDPStrategy(compressor="int8")
+        local = CompressedDDPStrategy(local_update="local_sgd", sync_on_last_step=False)
+    assert plain.sync_on_last_step and plain.sync_before_validation
+    assert not local.sync_on_last_step and local.sync_before_validation

@@ -44,10 +44,10 @@ from lit_dtrain.strategies.fit_end import (
     refuse_validation_by_time,
     sync_or_warn_before_validation,
     warn_checkpoint_before_final_sync,
-    warn_if_the_period_cannot_adapt,
 )
 from lit_dtrain.strategies.local_updates import LocalUpdate
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
+from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
 from lit_dtrain.utils.distributed import (
     begin_fit_records,
     destroy_process_group_at_exit,
@@ -82,10 +82,10 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             parameters synchronize every ``sync_period`` steps. Exclusive with ``compressor``.
         collective_timeout_s: timeout of every collective (a dead rank fails the others after it).
         log_comm_metrics: log ``comm/bytes_per_step``, ``comm/compression_ratio``, ``comm/time_ms``, ...
-        sync_on_last_step: local updates synchronize at the fit's last step (``max_steps`` or ``max_epochs``) so
-            the final model and its checkpoints are the synchronized model.
-        sync_before_validation: local updates synchronize before a validation inside the fit, so it evaluates (and
-            its checkpoint holds) the synchronized model; off: each rank validates its own parameters (warned).
+        sync_on_last_step: (local updates; default true) synchronize at the fit's last step (``max_steps`` or
+            ``max_epochs``) so the final model and its checkpoints are the synchronized model.
+        sync_before_validation: (local updates; default true) synchronize before a validation inside the fit; off:
+            each rank validates its own parameters (warned). Either one given under a per-step codec is warned.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``find_unused_parameters``, ...).
     """
 
@@ -97,8 +97,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         local_update: LocalUpdate | str | Mapping | None = None,
         collective_timeout_s: float = 1800.0,
         log_comm_metrics: bool = True,
-        sync_on_last_step: bool = True,
-        sync_before_validation: bool = True,
+        sync_on_last_step: bool | None = None,
+        sync_before_validation: bool | None = None,
         **kwargs: Any,
     ) -> None:
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
@@ -110,7 +110,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         super().__init__(timeout=collective_timeout(collective_timeout_s), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
-        self.sync_on_last_step, self.sync_before_validation = bool(sync_on_last_step), bool(sync_before_validation)
+        flags = sync_flags(self, sync_on_last_step, sync_before_validation)  # None: true; warned when they do nothing
+        self.sync_on_last_step, self.sync_before_validation = flags
         self._rank_restore: dict | None = None  # this rank's params/optimizer state from a local-update checkpoint
 
     @property
@@ -141,7 +142,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         refuse_validation_by_time(self, trainer)  # on every rank, before any collective
-        warn_if_the_period_cannot_adapt(self, trainer)
+        warn_about_settings_without_effect(self, trainer)
         super().setup(trainer)
 
     @override
