@@ -1389,3 +1389,25 @@ def test_sync_flags_given_under_a_per_step_codec_are_named():
         local = CompressedDDPStrategy(local_update="local_sgd", sync_on_last_step=False)
     assert plain.sync_on_last_step and plain.sync_before_validation
     assert not local.sync_on_last_step and local.sync_before_validation
+
+
+def test_a_rollback_keeps_the_sync_counts_that_a_checkpoint_restores():
+    """comm/syncs and comm/early_syncs count the syncs made, as comm/bytes_per_step's totals count their bytes: a
+    loss-spike rollback to an older snapshot put them back (2 -> 1 in a 2-rank local SGD run) while the bytes stayed.
+    The schedule (steps, steps since the sync) is the snapshot's; a checkpoint's load restores the counts too."""
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(local_update=LocalSGD(sync_period=2))
+    rule, params, comm = strategy.local_update, make_params(), LoopbackCommunicator()
+    rule.after_optimizer_step(params, comm)
+    snapshot = strategy.comm_local_state_dict()  # after 1 step, no sync yet
+    for _ in range(4):
+        rule.after_optimizer_step(params, comm)
+    rule.sync_now(params, comm)  # an early sync (a validation)
+    assert (rule.num_syncs, rule.num_early_syncs, rule.step, rule.steps_since_sync) == (3, 1, 5, 0)
+    strategy.load_comm_local_state_dict(snapshot)
+    assert (rule.num_syncs, rule.num_early_syncs) == (3, 1)
+    assert (rule.step, rule.steps_since_sync) == (1, 1)
+    assert rule.after_optimizer_step(params, comm) and rule.num_syncs == 4  # the snapshot's schedule: sync at 2
+    strategy.load_comm_local_state_dict(snapshot, counts=True)
+    assert (rule.num_syncs, rule.num_early_syncs, rule.step) == (0, 0, 1)

@@ -1,16 +1,15 @@
 """``CompressedDDPStrategy``: Lightning DDP whose gradient all-reduce goes through a compressor or a local-update rule.
 
-Why a subclass: Lightning's ``DDPStrategy._register_ddp_hooks`` registers communication hooks only
-when ``root_device.type == "cuda"``, so on CPU/gloo a ``ddp_comm_hook`` is silently skipped. We
-register ours on every device. Why the checkpoint overrides: torch's PowerSGD/post-local-SGD state
-is lost on resume (pytorch#75666, #74556). Here every rank's compressor state (error-feedback
-residuals, PowerSGD Q matrices, call counters) is gathered to rank 0 in :meth:`save_checkpoint`
-and written under ``checkpoint["lit_dtrain_comm"]`` together with the replicated local-update state
-(counters, period, DiLoCo outer parameters and momentum); :meth:`load_checkpoint` (run on every rank
-before DDP wrapping) hands each rank its own part back. The strategy, not a companion callback,
-owns this because only the strategy sees every rank at save time and exists before the model is
-wrapped; it also logs ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``. What a resume under
-another strategy drops of that state, and the warning that says so, is in :mod:`.comm_checkpoint`.
+Why a subclass: Lightning's ``DDPStrategy._register_ddp_hooks`` registers communication hooks only when
+``root_device.type == "cuda"``, so on CPU/gloo a ``ddp_comm_hook`` is silently skipped. We register ours on every
+device. Why the checkpoint overrides: torch's PowerSGD/post-local-SGD state is lost on resume (pytorch#75666,
+#74556). Here every rank's compressor state (error-feedback residuals, PowerSGD Q matrices, call counters) is
+gathered to rank 0 in :meth:`save_checkpoint` and written under ``checkpoint["lit_dtrain_comm"]`` with the
+replicated local-update state (counters, period, DiLoCo outer parameters and momentum); :meth:`load_checkpoint` (run
+on every rank before DDP wrapping) hands each rank its own part back. The strategy, not a companion callback, owns
+this because only the strategy sees every rank at save time and exists before the model is wrapped; it also logs
+``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``. What a resume under another strategy
+drops of that state, and the warning that says so, is in :mod:`.comm_checkpoint`.
 """
 
 from __future__ import annotations
@@ -280,12 +279,13 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                 "local_update": lu.state_dict() if lu is not None else None,
                 "local_update_rank": lu.rank_local_state_dict() if lu is not None else None}
 
-    def load_comm_local_state_dict(self, state: dict) -> None:
-        """Restore :meth:`comm_local_state_dict` output (residuals, PowerSGD's Qs, DiLoCo's outer state)."""
+    def load_comm_local_state_dict(self, state: dict, counts: bool = False) -> None:
+        """Restore :meth:`comm_local_state_dict` output (residuals, PowerSGD's Qs, DiLoCo's outer state); the sync
+        counts only with ``counts`` (a checkpoint's): a rollback does not un-make the syncs (and bytes) it discards."""
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
         if self.local_update is not None:
-            self.local_update.load_state_dict(state["local_update"])
+            (self.local_update.load_state_dict if counts else self.local_update.load_snapshot)(state["local_update"])
             self.local_update.load_rank_local_state_dict(state["local_update_rank"])
 
     def track_comm_undo(self) -> None:
@@ -344,7 +344,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         if (state["local_update"] is None) != (lu is None):
             raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
         self.load_comm_local_state_dict({"compressor": mine["compressor"], "local_update": state["local_update"],
-                                         "local_update_rank": mine["local_update"]})
+                                         "local_update_rank": mine["local_update"]}, counts=True)
         if lu is not None:
             if "params" in mine:  # applied after DDP's wrap (which broadcasts rank 0's) and to the optimizer
                 self._rank_restore = {"params": mine["params"], "optimizer_states": mine["optimizer_states"]}

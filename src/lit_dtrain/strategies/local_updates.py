@@ -98,6 +98,14 @@ class LocalUpdate:
         self.num_syncs, self.period = int(state["num_syncs"]), self._restored_period(int(state["period"]))
         self.num_early_syncs = int(state.get("num_early_syncs", 0))  # absent from checkpoints of before its count
 
+    def load_snapshot(self, state: dict) -> None:
+        """:meth:`load_state_dict` of an in-memory snapshot (a loss-spike rollback), but the sync counts stay: the
+        syncs since the snapshot were made, and their bytes are in the ``comm/*`` totals (``comm/syncs`` went down
+        while ``comm/bytes_per_step_avg`` kept their bytes). The schedule (steps, period) is the snapshot's."""
+        counts = self.num_syncs, self.num_early_syncs
+        self.load_state_dict(state)
+        self.num_syncs, self.num_early_syncs = counts
+
     def _restored_period(self, saved: int) -> int:
         """The period after a resume: a fixed period is configuration, so this run's ``sync_period`` wins."""
         return self.sync_period
