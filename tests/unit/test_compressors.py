@@ -1212,12 +1212,14 @@ def test_another_strategy_resuming_compressed_state_is_told_what_it_drops():
 @pytest.mark.parametrize("written, resumed", [("powersgd", "int8"), (None, "int8"), ("int8", None)])
 def test_a_resume_under_another_preset_names_the_file_and_the_ways_out(tmp_path, written, resumed):
     """``ddp_compressed/int8`` resuming a PowerSGD checkpoint is refused (its state cannot be applied); the error
-    named neither the file nor the preset that wrote it nor ``strategy=ddp``, which resumes without that state."""
+    named neither the file nor the preset that wrote it nor ``strategy=ddp``, which resumes without that state. A
+    ConfigError: train.py prints it as one line (a ValueError came with a traceback)."""
+    from lit_dtrain.errors import ConfigError
     from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy
 
     path = tmp_path / "last.ckpt"
     torch.save({CHECKPOINT_KEY: CompressedDDPStrategy(compressor=written).comm_state_dict()}, path)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         CompressedDDPStrategy(compressor=resumed).load_checkpoint(path)
     message = str(err.value)
     for part in (str(path), f"strategy=ddp_compressed/{written or 'none'} on 1 rank)", "or with strategy=ddp,"):

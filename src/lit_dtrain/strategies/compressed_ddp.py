@@ -376,9 +376,9 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         else:
             try:
                 self.load_comm_state_dict(state)
-            except ValueError as e:  # another world size or preset: say which file, and the two ways out
+            except ValueError as e:  # another world size or preset: say which file, and the two ways out (one line)
                 world = state.get("world_size") if isinstance(state, Mapping) else None
-                raise ValueError(
+                raise ConfigError(
                     f"{checkpoint_path}: {e}. Resume it with the preset that wrote it (strategy=ddp_compressed/"
                     f"{written_preset(state)} on {ranks_phrase(world)}), or with strategy=ddp, which drops this state "
                     "with a warning that lists what is lost"
