@@ -1340,7 +1340,7 @@ def test_a_resume_into_a_model_without_the_states_parameters_is_an_error_naming_
     first = trainer(2)
     # one process: nothing is sent, yet the codec rounds every step's gradient (before: without a word)
     with pytest.warns(UserWarning, match=rf"^CompressedDDPStrategy on 1 process: the '{codec}' codec sends nothing, "
-                                         r"yet every step trains on its decoded \(lossy\) gradient; .* strategy=auto"):
+                                         r"yet training uses its decoded \(lossy\) gradient; .* strategy=auto"):
         first.fit(Net("lin"))
     first.save_checkpoint(path)
     assert {"lin.weight", "lin.bias"} <= set(first.strategy.compressor.residuals)
@@ -1391,6 +1391,17 @@ def test_sync_flags_given_under_a_per_step_codec_are_named():
         local = CompressedDDPStrategy(local_update="local_sgd", sync_on_last_step=False)
     assert plain.sync_on_last_step and plain.sync_before_validation
     assert not local.sync_on_last_step and local.sync_before_validation
+    # on one process (world size 1 until a fit's setup says otherwise): DiLoCo's pseudo-gradient codec is named too
+    from lit_dtrain.strategies.without_effect import warn_about_settings_without_effect
+
+    with pytest.warns(UserWarning, match=r"the 'int8' codec sends nothing, yet training uses its decoded \(lossy\) "
+                                         r"diloco pseudo-gradient"):
+        warn_about_settings_without_effect(CompressedDDPStrategy(local_update={"name": "diloco", "compressor": "int8"}),
+                                           None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for quiet in (CompressedDDPStrategy(compressor="none"), CompressedDDPStrategy(local_update="diloco")):
+            warn_about_settings_without_effect(quiet, None)
 
 
 def test_a_rollback_keeps_the_sync_counts_that_a_checkpoint_restores():

@@ -6,10 +6,11 @@ and the warnings that say so (rank 0, once per strategy).
   changed nothing, without a word.
 - ``adaptive`` local SGD whose validations come before its first period ends never adapts
   (:func:`~lit_dtrain.strategies.fit_end.warn_if_the_period_cannot_adapt`).
-- A lossy codec on one process (``trainer=cpu strategy=ddp_compressed/int8``) sends nothing, yet every step still
-  trains on the decoded gradient (int8's rounding, top-k's dropped entries, error feedback): the loss of a lossy codec
-  with no bytes saved. It stays what was asked for (a study of a codec's effect on the loss on one device is a use, and
-  the checkpoint's codec state is then that of the run it resumes), and rank 0 says how to train without it.
+- A lossy codec on one process (``trainer=cpu strategy=ddp_compressed/int8``, or DiLoCo's pseudo-gradient codec) sends
+  nothing, yet every step still trains on the decoded gradient (int8's rounding, top-k's dropped entries, error
+  feedback): the loss of a lossy codec with no bytes saved. It stays what was asked for (a study of a codec's effect
+  on the loss on one device is a use, and the checkpoint's codec state is then that of the run it resumes), and rank 0
+  says how to train without it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def sync_flags(strategy: Any, sync_on_last_step: bool | None, sync_before_valida
 def warn_about_settings_without_effect(strategy: Any, trainer: Any) -> None:
     """Rank 0's warnings of the strategy's ``setup`` (the world size is known from there on)."""
     warn_if_the_period_cannot_adapt(strategy, trainer)
-    codec = strategy.compressor
+    codec = strategy.compressor if strategy.local_update is None else getattr(strategy.local_update, "compressor", None)
     if strategy.world_size != 1 or codec is None or isinstance(codec, NoCompression):
         return
-    rank_zero_warn(f"CompressedDDPStrategy on 1 process: the {codec.name!r} codec sends nothing, yet every step "
-                   "trains on its decoded (lossy) gradient; comm/* count what a collective of 1 was handed, no bytes "
-                   "are saved. To train without it use strategy=auto (or strategy=ddp_compressed/none); keep it only "
-                   "to study the codec's effect on the loss")
+    what = "gradient" if strategy.local_update is None else f"{strategy.local_update.name} pseudo-gradient"
+    rank_zero_warn(f"CompressedDDPStrategy on 1 process: the {codec.name!r} codec sends nothing, yet training uses "
+                   f"its decoded (lossy) {what}; comm/* count what a collective of 1 was handed, no bytes are saved. "
+                   "To train without it use strategy=auto (or strategy=ddp_compressed/none); keep it only to study the "
+                   "codec's effect on the loss")
