@@ -1402,6 +1402,20 @@ def test_sync_flags_given_under_a_per_step_codec_are_named():
         warnings.simplefilter("error")
         for quiet in (CompressedDDPStrategy(compressor="none"), CompressedDDPStrategy(local_update="diloco")):
             warn_about_settings_without_effect(quiet, None)
+    # 16-bit gradients (bf16-true) through a 16-bit codec: no byte saved (a 2-rank run logged compression_ratio 1)
+    from unittest import mock
+
+    from lightning.pytorch.plugins import HalfPrecision as HalfPrecisionPlugin
+    from lightning.pytorch.plugins import Precision
+
+    fp16 = CompressedDDPStrategy(compressor="fp16", precision_plugin=HalfPrecisionPlugin("bf16-true"))
+    with pytest.warns(UserWarning, match=r"^CompressedDDPStrategy: under trainer.precision=bf16-true the gradients are "
+                                         r"bf16 already: the 'fp16' codec sends as many bytes .* fp16's range; use "):
+        warn_about_settings_without_effect(fp16, None)
+    with warnings.catch_warnings(), mock.patch.object(CompressedDDPStrategy, "world_size", 2):
+        warnings.simplefilter("error")
+        fp16.precision_plugin = Precision()  # 32-true: fp32 gradients, 2x fewer bytes; 2 processes
+        warn_about_settings_without_effect(fp16, None)
 
 
 def test_a_rollback_keeps_the_sync_counts_that_a_checkpoint_restores():

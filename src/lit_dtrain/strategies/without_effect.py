@@ -11,6 +11,8 @@ and the warnings that say so (rank 0, once per strategy).
   feedback): the loss of a lossy codec with no bytes saved. It stays what was asked for (a study of a codec's effect
   on the loss on one device is a use, and the checkpoint's codec state is then that of the run it resumes), and rank 0
   says how to train without it.
+- The ``fp16`` / ``bf16`` codec under ``trainer.precision=bf16-true`` / ``16-true`` sends as many bytes as the
+  16-bit gradients themselves (``comm/compression_ratio`` 1; ``fp16`` on bf16 gradients narrows their range too).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_dtrain.strategies.fit_end import warn_if_the_period_cannot_adapt
-from lit_dtrain.strategies.quantize import NoCompression
+from lit_dtrain.strategies.quantize import HalfPrecision, NoCompression
 
 
 def sync_flags(strategy: Any, sync_on_last_step: bool | None, sync_before_validation: bool | None) -> tuple[bool, bool]:
@@ -40,10 +42,18 @@ def warn_about_settings_without_effect(strategy: Any, trainer: Any) -> None:
     """Rank 0's warnings of the strategy's ``setup`` (the world size is known from there on)."""
     warn_if_the_period_cannot_adapt(strategy, trainer)
     codec = strategy.compressor if strategy.local_update is None else getattr(strategy.local_update, "compressor", None)
-    if strategy.world_size != 1 or codec is None or isinstance(codec, NoCompression):
+    if codec is None or isinstance(codec, NoCompression):
         return
-    what = "gradient" if strategy.local_update is None else f"{strategy.local_update.name} pseudo-gradient"
-    rank_zero_warn(f"CompressedDDPStrategy on 1 process: the {codec.name!r} codec sends nothing, yet training uses "
-                   f"its decoded (lossy) {what}; comm/* count what a collective of 1 was handed, no bytes are saved. "
-                   "To train without it use strategy=auto (or strategy=ddp_compressed/none); keep it only to study the "
-                   "codec's effect on the loss")
+    if strategy.world_size == 1:
+        what = "gradient" if strategy.local_update is None else f"{strategy.local_update.name} pseudo-gradient"
+        rank_zero_warn(f"CompressedDDPStrategy on 1 process: the {codec.name!r} codec sends nothing, yet training uses "
+                       f"its decoded (lossy) {what}; comm/* count what a collective of 1 was handed, no bytes are "
+                       "saved. To train without it use strategy=auto (or strategy=ddp_compressed/none); keep it only "
+                       "to study the codec's effect on the loss")
+    precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
+    grads = {"bf16-true": "bf16", "16-true": "fp16"}.get(precision)
+    if isinstance(codec, HalfPrecision) and strategy.local_update is None and grads is not None:
+        effect = "and leaves them as they are" if grads == codec.name else f"and rounds them to {codec.name}'s range"
+        rank_zero_warn(f"CompressedDDPStrategy: under trainer.precision={precision} the gradients are {grads} already: "
+                       f"the {codec.name!r} codec sends as many bytes (comm/compression_ratio 1) {effect}; use "
+                       "strategy=ddp_compressed/none, or int8 for 2x fewer bytes")
