@@ -144,10 +144,10 @@ def check_config(cfg: DictConfig) -> None:
     warn_if_the_default_callbacks_are_dropped(cfg)
     warn_if_the_stages_outlast_the_run(cfg)
     check_lightning_choices(cfg)
-    check_target_arguments(cfg)
     from lit_dtrain.strategies.registry import check_strategy_specs
 
-    check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the check above)
+    check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the next check)
+    check_target_arguments(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
 

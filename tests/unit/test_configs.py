@@ -260,6 +260,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("strategy=ddp_compressed/topk ~strategy.compressor +strategy.compressor={name:topk,ratoi:0.01}",
          r"^strategy.compressor.ratoi is not an argument of the compressor 'topk' \(TopK\); did you mean "
          r"'strategy.compressor.ratio'\?$"),
+        ("strategy=ddp_compressed/int8 +strategy.compressor={name:topk,ratio:0.01}",  # merged into int8's node
+         r"^strategy.compressor holds the preset's _target_ \(lit_dtrain.strategies.BlockQuantizer\) and a name "
+         r"\('topk'\): .* '~strategy.compressor' '\+strategy.compressor=\{name: topk, ...\}', or "
+         r"strategy.compressor=topk$"),
         ("strategy=ddp_compressed/topk strategy.compressor=topkk",
          r"^strategy.compressor: unknown compressor 'topkk'; expected one of \[.*\]; did you mean 'topk'\?$"),
         ("strategy=ddp_compressed/int8 ~strategy.compressor +strategy.compressor={name:int8,bits:4}",

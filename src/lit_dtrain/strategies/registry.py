@@ -115,6 +115,10 @@ def check_strategy_specs(cfg: DictConfig) -> None:
     if isinstance(local, DictConfig):
         checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor))
     for path, spec, build in checks:
+        if isinstance(spec, DictConfig) and "_target_" in spec and "name" in spec:
+            raise ConfigError(f"{path} holds the preset's _target_ ({spec._target_}) and a name ({spec.name!r}): a "
+                              f"mapping added with '+' merged into the preset's node; replace the node: "
+                              f"'~{path}' '+{path}={{name: {spec.name}, ...}}', or {path}={spec.name}")
         if isinstance(spec, DictConfig) and "_target_" in spec or spec is None:
             continue
         try:
