@@ -264,6 +264,8 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"^strategy.compressor holds the preset's _target_ \(lit_dtrain.strategies.BlockQuantizer\) and a name "
          r"\('topk'\): .* '~strategy.compressor' '\+strategy.compressor=\{name: topk, ...\}', or "
          r"strategy.compressor=topk$"),
+        ("strategy=ddp_compressed/topk ~strategy.compressor +strategy.compressor={name:topk,error_feedback:no}",
+         r"^strategy.compressor.error_feedback must be true or false, got 'no' \(str\)$"),  # trained with it on
         ("strategy=ddp_compressed/topk strategy.compressor=topkk",
          r"^strategy.compressor: unknown compressor 'topkk'; expected one of \[.*\]; did you mean 'topk'\?$"),
         ("strategy=ddp_compressed/int8 ~strategy.compressor +strategy.compressor={name:int8,bits:4}",

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lit_dtrain.config_keys import accepted_arguments
+from lit_dtrain.config_keys import accepted_arguments, check_target_arguments
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
@@ -110,17 +110,25 @@ def check_strategy_specs(cfg: DictConfig) -> None:
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
     local = node.get("local_update")
-    checks = [("strategy.compressor", node.get("compressor"), build_compressor),
-              ("strategy.local_update", local, build_local_update)]
+    checks = [("strategy.compressor", node.get("compressor"), build_compressor, COMPRESSORS),
+              ("strategy.local_update", local, build_local_update, LOCAL_UPDATES)]
     if isinstance(local, DictConfig):
-        checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor))
-    for path, spec, build in checks:
+        checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor, COMPRESSORS))
+    for path, spec, build, registry in checks:
         if isinstance(spec, DictConfig) and "_target_" in spec and "name" in spec:
             raise ConfigError(f"{path} holds the preset's _target_ ({spec._target_}) and a name ({spec.name!r}): a "
                               f"mapping added with '+' merged into the preset's node; replace the node: "
                               f"'~{path}' '+{path}={{name: {spec.name}, ...}}', or {path}={spec.name}")
         if isinstance(spec, DictConfig) and "_target_" in spec or spec is None:
             continue
+        if isinstance(spec, DictConfig) and spec.get("name") in registry:  # flags and numbers by the class's
+            # annotations, as for a _target_ node: {name: topk, error_feedback: "no"} trained with error feedback on
+            factory = registry[spec.name]
+            cls = factory.cls if isinstance(factory, Preset) else factory
+            accepted = (accepted_arguments(cls) or set()) - set(getattr(factory, "fixed", {}))
+            typed = {"_target_": f"{cls.__module__}.{cls.__qualname__}",
+                     **{k: v for k, v in spec.items() if k in accepted and not isinstance(v, (DictConfig, dict))}}
+            check_target_arguments(cfg, OmegaConf.create(typed), path)
         try:
             build(OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else spec, path)
         except (ValueError, TypeError) as e:
