@@ -54,6 +54,11 @@ LOCAL_UPDATES: dict[str, Callable[..., LocalUpdate]] = {
 }
 
 
+def _class_and_fixed(factory: Callable) -> tuple[type, dict[str, Any]]:
+    """The class a registry entry builds, and the arguments its name fixes."""
+    return (factory.cls, factory.fixed) if isinstance(factory, Preset) else (factory, {})
+
+
 def _did_you_mean(word: str, choices, prefix: str = "") -> str:
     close = difflib.get_close_matches(word, sorted(choices), n=1)
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
@@ -73,11 +78,10 @@ def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str, p
         raise ValueError(f"{path}: unknown {what} {name!r}; expected one of {sorted(registry)}"
                          f"{_did_you_mean(str(name), registry)}")
     factory = registry[name]
-    cls = factory.cls if isinstance(factory, Preset) else factory
+    cls, fixed = _class_and_fixed(factory)
     accepted = accepted_arguments(cls)
     if accepted is not None:  # a key the class takes no argument for: its TypeError named neither the key's place
         # nor the right key (and under train.py it came out of Hydra's instantiate wrapper)
-        fixed = factory.fixed if isinstance(factory, Preset) else {}
         for key in kwargs:
             if key in fixed:
                 raise ValueError(f"{path}.{key}: the {what} {name!r} sets {key}={fixed[key]!r} itself")
@@ -123,9 +127,8 @@ def check_strategy_specs(cfg: DictConfig) -> None:
             continue
         if isinstance(spec, DictConfig) and spec.get("name") in registry:  # flags and numbers by the class's
             # annotations, as for a _target_ node: {name: topk, error_feedback: "no"} trained with error feedback on
-            factory = registry[spec.name]
-            cls = factory.cls if isinstance(factory, Preset) else factory
-            accepted = (accepted_arguments(cls) or set()) - set(getattr(factory, "fixed", {}))
+            cls, fixed = _class_and_fixed(registry[spec.name])
+            accepted = (accepted_arguments(cls) or set()) - set(fixed)
             typed = {"_target_": f"{cls.__module__}.{cls.__qualname__}",
                      **{k: v for k, v in spec.items() if k in accepted and not isinstance(v, (DictConfig, dict))}}
             check_target_arguments(cfg, OmegaConf.create(typed), path)
