@@ -358,3 +358,29 @@ def test_the_corpus_of_a_cache_tells_pythons_stdlibs_and_paths_apart(monkeypatch
     paths = {**sysconfig.get_paths(), "stdlib": "/opt/other-python/lib/python3.99"}
     monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: paths)
     assert corpus_id(CorpusSource()) != here
+
+
+def test_a_by_document_split_that_holds_out_most_of_the_text_is_warned_about_at_every_load(tmp_path, caplog):
+    """val_fraction=0.02 holds out whole documents: a large file whose hash falls in val took most of the corpus'
+    tokens out of training (78%), and the split was only in the cache's INFO line at its build (the run trained on 22%
+    of the text without a word). A warning names the share and the file, at every load of the cache."""
+    for i in range(20):
+        (tmp_path / "c" / f"note{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "c" / f"note{i:02d}.txt").write_text(f"note {i}\n" * 100)
+    book = tmp_path / "c" / "book.txt"
+    book.write_text("book 19\n" + "lorem ipsum dolor sit amet\n" * 2000)  # its content hash puts it in val at 0.02
+    for _ in range(2):  # the build, then a reuse of the cache
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            splits = build_token_cache(files_source(tmp_path / "c"), tmp_path / "cache", 33, 0.02, progress=False)
+        assert splits.meta["split"] == "by_document" and len(splits.val) == book.stat().st_size + 1
+        [message] = [r.getMessage() for r in caplog.records]
+        share = len(splits.val) / (len(splits.val) + len(splits.train))
+        assert share > 0.75 and f"the 1 held out are {100 * share:.1f}% of its tokens" in message
+        assert f"the largest held out is {book} ({book.stat().st_size} bytes)" in message
+    caplog.clear()
+    book.write_text("book 0\n" + "lorem ipsum dolor sit amet\n" * 2000)  # the same size, in train
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        splits = build_token_cache(files_source(tmp_path / "c"), tmp_path / "cache", 33, 0.02, progress=False)
+    assert splits.meta["split"] == "by_tokens_tail"  # no note is held out: too few documents, its own warning
+    assert "holds out whole documents" not in caplog.text

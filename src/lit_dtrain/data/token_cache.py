@@ -34,6 +34,7 @@ from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_dirs, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
+from lit_dtrain.data.split_report import warn_about_split
 from lit_dtrain.data.tokenizer import ByteTokenizer
 from lit_dtrain.utils.atomic import pid_alive
 
@@ -102,6 +103,7 @@ def build_token_cache(
         files = leave_out_dirs(source, files, never)
     key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}|{val_fraction}|{min_tokens}".encode())
     docs: list[tuple[Path, bytes]] = []  # (file, sha256 of its bytes): the bytes are read again to tokenize
+    sizes: dict[Path, int] = {}
     empty = 0
     bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
     binary: list[Path] = []
@@ -125,6 +127,7 @@ def build_token_cache(
             copies.append((path, first_with[digest]))
         key_hash.update(digest)
         docs.append((path, digest))
+        sizes[path] = size
     if not docs:
         raise CorpusError(
             f"data source {source.name!r} is empty: {len(files)} file(s), all empty (e.g. {str(files[0])!r})"
@@ -198,11 +201,8 @@ def build_token_cache(
     meta = with_crc32s(out_dir, json.loads((out_dir / "meta.json").read_text()))
     train = np.memmap(out_dir / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(out_dir / "val.bin", dtype=np.uint16, mode="r")
-    if meta.get("split") == "by_tokens_tail":
-        log.warning("data source %r: too few documents for a by-document val split (val_fraction=%s, windows of %d "
-                    "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
-                    "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
-                    source.name, val_fraction, min_tokens, len(val))
+    held_out = [(path, sizes[path]) for path, digest in docs if _is_val_doc(digest, val_fraction)]
+    warn_about_split(source.name, meta, val_fraction, min_tokens, held_out)
     if keep is not None:
         prune_caches(out_dir, source.name, keep, _discard, corpus_id(source))
     return TokenSplits(source.name, train, val, meta, hold)
