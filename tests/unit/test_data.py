@@ -463,6 +463,19 @@ def test_errors_name_the_problem(tmp_path):
             CorpusSource(name="x", kind="files", paths=[str(tmp_path)], pattern=pattern)
 
 
+def test_a_missing_path_of_a_later_source_is_named_before_any_source_is_hashed(corpus, tmp_path, monkeypatch):
+    """data=mixture with a missing path in its second source: the first source (the stdlib's 1790 files) was hashed,
+    and on a first run tokenized, before the missing path was named. Every source's files are listed first now."""
+    import lit_dtrain.data.token_cache as token_cache
+
+    hashed = []
+    monkeypatch.setattr(token_cache, "_hash_file", lambda path: hashed.append(path) or (b"", 0, b"", 0))
+    sources = [CorpusSource(name="a", kind="files", paths=[str(corpus)]),
+               CorpusSource(name="b", kind="files", paths=[str(tmp_path / "nope")])]
+    with pytest.raises(CorpusError, match=r"data source 'b': path .*nope' does not exist"):
+        dm_for(None, tmp_path, sources=sources)
+    assert hashed == []
+
 def test_directory_sources_leave_out_hidden_paths_and_warn_about_binary_files(tmp_path, caplog):
     from lit_dtrain.data.corpus import CorpusSource, resolve_files
     from lit_dtrain.data.token_cache import build_token_cache

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.token_cache import TokenSplits, build_token_cache
 from lit_dtrain.data.tokenizer import ByteTokenizer
@@ -161,23 +161,24 @@ class LMDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Build the token caches once (rank 0 / local rank 0). Lightning calls it again at every entry point
         (``fit``, then ``validate``): the corpus is hashed once per process."""
-        if self.splits:
-            return
-        self.splits = [
-            build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, self.progress,
-                              keep=self.cache_keep, exclude_dirs=self.exclude_dirs)
-            for s in self.sources
+        if not self.splits:
+            self.splits = self._build_token_caches(self.progress, self.cache_keep)
+
+    def _build_token_caches(self, progress: bool, keep: int | None) -> list[TokenSplits]:
+        """Every source's token cache, once every source's paths are found: a missing path of a mixture's second
+        source was named only after the first was hashed (the stdlib's 1790 files, seconds)."""
+        files = [resolve_files(s) for s in self.sources]
+        return [
+            build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, progress,
+                              keep=keep, exclude_dirs=self.exclude_dirs, files=f)
+            for s, f in zip(self.sources, files)
         ]
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is not None:
             return
         if not self.splits:  # prepare_data ran in another process (DDP rank > 0) or not at all
-            self.splits = [
-                build_token_cache(s, self.cache_dir, self.block_size + 1, self.val_fraction, self.tokenizer, False,
-                                  exclude_dirs=self.exclude_dirs)
-                for s in self.sources
-            ]
+            self.splits = self._build_token_caches(False, None)
         self._check_every_rank_read_the_same_data()
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         global_batch = self.batch_size * self._world()[1]

@@ -84,6 +84,7 @@ def build_token_cache(
     progress: bool = True,
     keep: int | None = None,
     exclude_dirs: Sequence[str | os.PathLike] = (),
+    files: list[Path] | None = None,
 ) -> TokenSplits:
     """Tokenize ``source`` into ``cache_dir`` (or reuse a cache with the same content key).
 
@@ -92,12 +93,13 @@ def build_token_cache(
     train) too short, the tail of the token stream is used for val instead, so tiny corpora still work.
     ``keep``: the caches of this source's name kept in ``cache_dir`` (the most recently used; those another
     process holds too), None for all (see :mod:`~lit_dtrain.data.cache_pruning`). Files under ``cache_dir`` or
-    ``exclude_dirs`` (the run outputs) are never read as corpus text.
+    ``exclude_dirs`` (the run outputs) are never read as corpus text. ``files``: ``resolve_files(source)``, when
+    the caller has listed them already.
     """
     tokenizer = tokenizer or ByteTokenizer()
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
-    files = resolve_files(source)
+    files = resolve_files(source) if files is None else files
     if source.kind == "files":
         never = {cache_dir: "token caches", **{d: "run outputs (data.exclude_dirs)" for d in exclude_dirs}}
         files = leave_out_dirs(source, files, never)
