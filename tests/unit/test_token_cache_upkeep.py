@@ -384,3 +384,25 @@ def test_a_by_document_split_that_holds_out_most_of_the_text_is_warned_about_at_
         splits = build_token_cache(files_source(tmp_path / "c"), tmp_path / "cache", 33, 0.02, progress=False)
     assert splits.meta["split"] == "by_tokens_tail"  # no note is held out: too few documents, its own warning
     assert "holds out whole documents" not in caplog.text
+
+
+def test_a_file_name_that_is_not_utf8_is_logged_not_lost(tmp_path):
+    """A binary file named in Latin-1 (b'bin\\xe9.dat'): its warning was lost to a UTF-8 log stream ('--- Logging
+    error ---', UnicodeEncodeError: surrogates not allowed, and a traceback); the name's byte is written as \\xe9."""
+    import io
+    import logging
+    import os
+
+    for i in range(3):
+        (tmp_path / f"t{i}.txt").write_text(f"text {i}\n" * 40)
+    with open(os.path.join(os.fsencode(tmp_path), b"bin\xe9.dat"), "wb") as f:
+        f.write(b"\0\1\2" * 40)
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    handler, logger = logging.StreamHandler(stream), logging.getLogger("lit_dtrain.data.corpus")
+    handler.handleError = lambda record: (_ for _ in ()).throw(AssertionError(f"not written: {record.msg[:40]}"))
+    logger.addHandler(handler)
+    try:
+        build_token_cache(files_source(tmp_path), tmp_path / "cache", 33, progress=False)
+    finally:
+        logger.removeHandler(handler)
+    assert f"look binary (NUL bytes), e.g. {tmp_path}/bin\\xe9.dat;" in stream.buffer.getvalue().decode()

@@ -18,7 +18,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # also the token cache's: its modules log under this name
+
+
+def _printable(arg):
+    """``arg`` as a log record argument that any handler can write: a file name that is not UTF-8 (``caf\\xe9.txt``,
+    a Latin-1 name) decodes to lone surrogates, which a UTF-8 stream refuses (``--- Logging error ---``, a traceback,
+    and the warning lost); those bytes are written as ``\\xe9``."""
+    text = os.fspath(arg) if isinstance(arg, os.PathLike) else arg
+    if not isinstance(text, str):
+        return arg
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:  # the bytes of the name, as `ls -b` shows them
+            return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate that stands for no byte
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return arg
+
+
+def _printable_args(record: logging.LogRecord) -> bool:
+    if isinstance(record.args, tuple):
+        record.args = tuple(_printable(arg) for arg in record.args)
+    return True
+
+
+log.addFilter(_printable_args)
 
 
 class CorpusError(ValueError):
