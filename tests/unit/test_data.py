@@ -455,6 +455,18 @@ def test_errors_name_the_problem(tmp_path):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(short)])])
     with pytest.raises(CorpusError, match="kind"):
         CorpusSource(name="x", kind="web")
+    # shell braces are literal characters to Python's glob: the message said only that nothing matched
+    (tmp_path / "notes").mkdir()
+    for name in ("a.md", "b.txt"):
+        (tmp_path / "notes" / name).write_text("text " * 20)
+    listed = re.escape(repr([f"{tmp_path}/notes/**/*.md", f"{tmp_path}/notes/**/*.txt"]))
+    message = rf"no files matching '\*\.\{{md,txt}}' \(a glob has no .*in paths: {listed}\)"
+    with pytest.raises(CorpusError, match=message):
+        dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(tmp_path / "notes")],
+                                                     pattern="*.{md,txt}")])
+    listed = re.escape(repr([f"{tmp_path}/notes/*.md", f"{tmp_path}/notes/*.txt"]))
+    with pytest.raises(CorpusError, match=rf"matched no files \(a glob has no .*in paths: {listed}\)"):
+        dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[f"{tmp_path}/notes/*.{{md,txt}}"])])
     # a list or a number failed inside fit, in the directory walk ('list' object has no attribute 'startswith'),
     # '' as pathlib's "Unacceptable pattern: ''"
     for pattern in (["*.txt", "*.md"], 123, ""):

@@ -168,6 +168,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 if "[" in str(raw):  # "run[1]/*.txt": '[1]' is a character class in a glob
                     hint = (f" ('[' starts a character class in a glob; for a '[' in a file or directory name write "
                             f"'[[]': {str(raw).replace('[', '[[]')!r})")
+                hint += _brace_hint(str(raw))
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files{hint}")
             if dirs:
                 globbed_dirs.append((raw, dirs, every_file))
@@ -187,6 +188,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                     hidden = (f" except {len(found)} hidden one(s) (dot files or in dot dirs, e.g. "
                               f"{str(found[0])!r}), which a directory source leaves out; to read them list them as "
                               "files or a glob such as 'dir/.*'")
+                hidden += _brace_hint(f"{str(raw).rstrip('/')}/**/{source.pattern}")
                 raise CorpusError(
                     f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}{hidden}"
                 )
@@ -216,6 +218,16 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 every_file,
             )
     return _one_path_per_file(source, out)
+
+
+def _brace_hint(pattern: str) -> str:
+    """A hint for a glob with shell braces (``*.{md,txt}``), which Python's glob takes as the characters ``{md,txt}``
+    (so it matched nothing): the globs to list in ``paths`` instead; '' for a glob without them."""
+    braces = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
+    if braces is None:
+        return ""
+    globs = [pattern[: braces.start()] + alt + pattern[braces.end() :] for alt in braces[1].split(",")]
+    return f" (a glob has no {{a,b}} alternatives, as a shell's braces are; list one glob for each in paths: {globs!r})"
 
 
 def _special_file_kind(path: str) -> str | None:
