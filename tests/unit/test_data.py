@@ -451,7 +451,9 @@ def test_errors_name_the_problem(tmp_path):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(empty)])])
     short = tmp_path / "short.txt"
     short.write_text("abc")
-    with pytest.raises(CorpusError, match="too short.*block_size"):
+    # the file is named, and the tokens needed in all (a window for train and one for val)
+    message = rf"too short: 4 tokens in 1 file\(s\) \({re.escape(repr(str(short)))}\), .*= 33 tokens, 66 in all"
+    with pytest.raises(CorpusError, match=message):
         dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(short)])])
     with pytest.raises(CorpusError, match="kind"):
         CorpusSource(name="x", kind="web")

@@ -333,8 +333,9 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
         )
     if n_train < min_tokens:
         raise CorpusError(
-            f"data source {source.name!r} is too short: {n_train + n_val} tokens in {len(docs)} file(s), "
-            f"but train and val each need at least one window of block_size+1 = {min_tokens} tokens"
+            f"data source {source.name!r} is too short: {n_train + n_val} tokens in {len(docs)} file(s) ("
+            f"{'e.g. ' if len(docs) > 1 else ''}{str(docs[0][0])!r}), but train and val each need at least one window "
+            f"of block_size+1 = {min_tokens} tokens, {2 * min_tokens} in all: add text or lower data.block_size"
         )
     return {"documents": len(docs), "split": split, "train_tokens": n_train, "val_tokens": n_val}
 
