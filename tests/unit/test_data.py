@@ -364,16 +364,22 @@ def test_a_damaged_token_cache_that_cannot_be_moved_aside_is_an_error_not_read(c
 
 
 def test_full_disk_while_writing_the_token_cache_is_named(corpus, tmp_path):
-    """A cache dir on a full disk failed with numpy's bare "OSError: N requested and M written"."""
+    """A cache dir on a full disk failed with numpy's bare "OSError: N requested and M written"; a read-only one
+    is told to be made writable, not to free space."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)]).returncode != 0:
         pytest.fail("cannot mount a tmpfs (the disk-full test needs root, which CI has)")
     try:
         src = CorpusSource(name="t", kind="files", paths=[str(corpus)])
-        with pytest.raises(CorpusError, match=r"cannot write the token cache of data source 't' under .*tmpfs"):
+        with pytest.raises(CorpusError, match=r"cannot write the token cache of data source 't' under .*tmpfs.*: "
+                                              r".*free space there or point LIT_DTRAIN_CACHE"):
             build_token_cache(src, mnt, 33, progress=False)
         assert list(mnt.iterdir()) == []  # no half-written cache or temp dir left
+        # a read-only cache dir: the message told to free space there
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)]).returncode == 0
+        with pytest.raises(CorpusError, match=r"tmpfs': Read-only file system; make it writable or point LIT_DTRAIN"):
+            build_token_cache(src, mnt, 33, progress=False)
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
 

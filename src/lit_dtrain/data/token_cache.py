@@ -12,6 +12,7 @@ source name's caches beyond its ``keep`` most recently used are removed (:mod:`~
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -285,9 +286,10 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
         reason = e.strerror or str(e)
         if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
             reason += " (is the disk full?)"
+        fix = "make it writable" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "free space there"
         raise CorpusError(
             f"cannot write the token cache of data source {source.name!r} under {str(out_dir.parent)!r}: {reason}; "
-            "free space there or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"
+            f"{fix} or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"
         ) from e
     log.info("token cache %s: %s", out_dir, meta)
 
