@@ -1183,6 +1183,25 @@ def test_a_symlinked_directory_inside_a_corpus_directory_is_read(tmp_path):
     assert [str(p.relative_to(corpus)) for p in txt] == ["doc_001.txt", "shared/doc_001.txt"]
 
 
+def test_a_directory_source_does_not_list_dot_dirs_and_reads_a_link_into_one(tmp_path, monkeypatch):
+    """paths=[.] from a project dir: every start listed its .venv and .git (60k files, 0.8-1.7 s here) only to
+    leave their files out. Dot dirs are not entered now. A visible link into one (docs -> .internal/docs) was left
+    out too: the dot dir, entered first under its hidden name, made the link's real dir count as entered; and a dot
+    link to a visible dir (.prev -> src) left out that whole dir the same way."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    project = make_corpus(tmp_path / "project", n_files=1, size=300)
+    for rel in (".venv/lib/site/x.py", ".git/objects/ab", ".internal/docs/a.txt", "src/.cache/c.txt", "src/b.txt"):
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text("text\n" * 20)
+    (project / "docs").symlink_to(".internal/docs", target_is_directory=True)
+    (project / ".prev").symlink_to("src", target_is_directory=True)  # left out all of src/ too, entered first
+    listed, iterdir = [], Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: listed.append(self) or iterdir(self))
+    files = resolve_files(CorpusSource(name="t", kind="files", paths=[str(project)]))
+    assert [p.relative_to(project).as_posix() for p in files] == ["doc_000.txt", "docs/a.txt", "src/b.txt"]
+    assert sorted(p.relative_to(project).as_posix() for p in listed) == [".", "docs", "src"]
+
 def test_a_bad_source_entry_names_its_key(tmp_path):
     """data=mixture without paths said "data source 'text': kind='files' needs a non-empty 'paths' list" (which of
     data.sources?), and a misspelled key (+data.sources.0.path=...) was a TypeError from the dataclass."""
