@@ -162,8 +162,8 @@ def test_resuming_with_another_data_seed_warns(corpus, tmp_path):
 
 
 def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, recwarn):
-    """A resume after a corpus file was edited (or block_size or val_fraction changed) continued on other windows
-    without a word, unlike one with another data seed; a resume on the same data stays silent."""
+    """A resume after a corpus file was edited (or block_size, val_fraction or max_val_windows changed) continued on
+    other windows without a word, unlike one with another data seed; a resume on the same data stays silent."""
     dm = dm_for(corpus, tmp_path)
     dm.on_before_batch_transfer(0, 0)
     same = dm_for(corpus, tmp_path)
@@ -177,6 +177,18 @@ def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, recwarn):
     assert edited.micro_step == 1  # the position is restored all the same
     with pytest.warns(UserWarning, match=r"data.block_size or data.val_fraction changed"):
         dm_for(corpus, tmp_path, val_fraction=0.3).load_state_dict(dm.state_dict())
+    # another data.max_val_windows: the same data, other validation windows (the best checkpoint's score is not
+    # comparable); it resumed without a word
+    state = edited.state_dict()
+    with pytest.warns(UserWarning) as caught:
+        dm_for(corpus, tmp_path, max_val_windows=8).load_state_dict(state)
+    [message] = [str(w.message) for w in caught]
+    assert message.startswith("the checkpoint validated on up to 256 windows per source, and this run's "
+                              "data.max_val_windows is 8: from here on val/loss is measured on other windows")
+    recwarn.clear()
+    state.pop("max_val_windows")  # a checkpoint from before it was recorded
+    dm_for(corpus, tmp_path, max_val_windows=8).load_state_dict(state)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
 
 
 def test_exclusions_are_never_drawn_and_persist(corpus, tmp_path):

@@ -332,12 +332,13 @@ class LMDataModule(L.LightningDataModule):
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         # val_fraction: not restored (the config decides), recorded so that tools (scripts/spectrum.py) can hold out
-        # the documents this run held out
+        # the documents this run held out; max_val_windows: to warn when a resume validates on other windows
         return {
             "micro_step": self.micro_step,
             "seed": self.seed,
             "sampler": self.sampler.state_dict(),
             "val_fraction": self.val_fraction,
+            "max_val_windows": self.max_val_windows,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -354,6 +355,13 @@ class LMDataModule(L.LightningDataModule):
                 f"{self.seed}: from here on the batches are not those the interrupted run would have drawn (set "
                 f"data.seed={int(saved_seed)}, or seed={int(saved_seed)}, to continue it exactly)",
                 UserWarning, stacklevel=2)
+        saved_windows = state.get("max_val_windows")
+        if saved_windows is not None and int(saved_windows) != self.max_val_windows:
+            warnings.warn(
+                f"the checkpoint validated on up to {int(saved_windows)} windows per source, and this run's "
+                f"data.max_val_windows is {self.max_val_windows}: from here on val/loss is measured on other windows, "
+                "so it is not comparable with the values logged before, nor with the best checkpoint's score that "
+                "ModelCheckpoint ranks new ones against", UserWarning, stacklevel=2)
         self.micro_step = int(state["micro_step"])
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
