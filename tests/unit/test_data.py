@@ -1214,6 +1214,30 @@ def test_a_directory_source_does_not_list_dot_dirs_and_reads_a_link_into_one(tmp
     assert [p.relative_to(project).as_posix() for p in files] == ["doc_000.txt", "docs/a.txt", "src/b.txt"]
     assert sorted(p.relative_to(project).as_posix() for p in listed) == [".", "docs", "src"]
 
+def test_a_recursive_glob_enters_each_directory_once_through_links_back_up_the_tree(tmp_path, monkeypatch):
+    """paths=['corpus/**/*.txt'] over a dir with links back up the tree: glob follows them without end, listing
+    each dir 41 times for one link (up to the OS's symlink limit) and 2^40 times for two (a = ., b = .), a run that
+    hung without a word. A ** walks each real dir once now, as a directory source does; dot dirs left out, as
+    glob leaves them out."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=2, size=300)
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "c.txt").write_text("text " * 20)
+    (corpus / ".git").mkdir()
+    (corpus / ".git" / "d.txt").write_text("text " * 20)
+    (corpus / "up").symlink_to(".", target_is_directory=True)
+    listed, scandir, listdir = [], os.scandir, os.listdir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(os.path.realpath(path)) or scandir(path))
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(os.path.realpath(path)) or listdir(path))
+    for pattern, expected in (("**/*.txt", ["doc_000.txt", "doc_001.txt", "sub/c.txt"]), ("**", ["doc_000.txt",
+                              "doc_001.txt", "sub/c.txt"]), ("*/**/*.txt", ["sub/c.txt", "up/doc_000.txt",
+                                                                           "up/doc_001.txt"])):  # up/ is a dir too
+        listed.clear()
+        files = resolve_files(CorpusSource(name="t", kind="files", paths=[f"{corpus}/{pattern}"]))
+        assert [p.relative_to(corpus).as_posix() for p in files] == expected, pattern
+        assert 0 < max(listed.count(d) for d in set(listed)) <= 4, pattern  # to walk and to match, from each base
+
 def test_a_bad_source_entry_names_its_key(tmp_path):
     """data=mixture without paths said "data source 'text': kind='files' needs a non-empty 'paths' list" (which of
     data.sources?), and a misspelled key (+data.sources.0.path=...) was a TypeError from the dataclass."""

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lit_dtrain.data.walking import _files_below, walk_glob
+
 log = logging.getLogger(__name__)  # also the token cache's: its modules log under this name
 
 
@@ -151,7 +153,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
         path = os.path.expanduser(str(raw))
         # a path that exists is that file or directory, even when its name holds '[', '*' or '?' ("notes [v2].txt")
         if glob.has_magic(path) and not os.path.lexists(path):
-            hits = [Path(m) for m in glob.glob(path, recursive=True)]
+            hits = [Path(m) for m in walk_glob(path)]
             matches = [p for p in hits if p.is_file()]
             _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
             # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
@@ -257,39 +259,6 @@ def _warn_dangling(source: CorpusSource, raw, links: list[Path]) -> None:
     if links:
         log.warning("data source %r: left out %d symlink(s) under %s whose target does not exist, e.g. %s -> %s",
                     source.name, len(links), raw, links[0], os.readlink(links[0]))
-
-
-def _files_below(root: Path, pattern: str, dangling: list[Path] | None = None,
-                 dot_dirs: list[Path] | None = None) -> list[Path]:
-    """The files matching ``pattern`` in ``root`` and every directory below it, as ``root.rglob(pattern)`` finds
-    them, except that symlinked directories are entered too (rglob leaves them out, so a corpus dir assembled
-    from links lost their files without a word). Each real directory is entered once: a link back up the tree
-    is no loop. Matching symlinks whose target is missing are appended to ``dangling``. With ``dot_dirs``, the
-    directories below ``root`` whose name starts with '.' are not entered but appended to it: a directory source
-    leaves their files out, and listing a project's ``.venv`` and ``.git`` (60k files) took 1-2 s of every start."""
-    while pattern.startswith("**/"):  # rglob(p) is glob("**/" + p): per directory, the rest of it
-        pattern = pattern[3:]
-    files, entered, stack = [], set(), [root]
-    while stack:
-        directory = stack.pop()
-        real = os.path.realpath(directory)
-        if real in entered:
-            continue
-        entered.add(real)
-        for p in directory.glob(pattern):
-            if p.is_file():
-                files.append(p)
-            elif dangling is not None and p.is_symlink() and not p.exists():
-                dangling.append(p)
-        try:
-            below = sorted((p for p in directory.iterdir() if p.is_dir()), reverse=True)
-            if dot_dirs is not None:
-                dot_dirs.extend(p for p in below if p.name.startswith("."))
-                below = [p for p in below if not p.name.startswith(".")]
-            stack.extend(below)
-        except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read)
-            log.warning("cannot list %s (%s): its files are left out", directory, e.strerror or e)
-    return files
 
 
 def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
