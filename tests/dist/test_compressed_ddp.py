@@ -711,6 +711,97 @@ def test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops(resume_
     assert "1 step since the last sync" in local_sgd and "rank 0's parameters" in local_sgd, local_sgd
 
 
+ELASTIC = ("int8", "powersgd", "local_sgd", "diloco")  # codecs of RESUME_RUNS resumed on another number of ranks
+
+
+def _expected_elastic(saved: dict, name: str) -> dict:
+    """What every rank of a resume on another world size takes of ``saved`` (the checkpoint's comm state): rank 0's
+    codec state with the mean of the ranks' residuals; for local updates the mean of their parameters."""
+    ranks = saved["per_rank"]
+
+    def mean(get):
+        held = [get(r) for r in ranks]
+        return {n: sum((h[n] for h in held[1:]), held[0][n].clone()).div(len(held)) for n in held[0]}
+
+    out = {"counters": ranks[0]["counters"]}
+    for key in ("compressor", "local_update"):
+        if ranks[0][key] is not None:
+            out[key] = {**ranks[0][key], "residuals": mean(lambda r, key=key: r[key]["residuals"])}
+    if name in ("local_sgd", "diloco"):
+        out["params"] = mean(lambda r: r["params"])
+    return out
+
+
+def _fit_elastic_up(tmp: Path, name: str) -> None:
+    """Resume on 2 ranks the straight fit's step-4 checkpoint cut to rank 0's entry, as one process writes it."""
+    import warnings
+
+    rank = int(os.environ["RANK"])
+    ckpt = torch.load(tmp.parent / f"_fit_straight_and_resumed_{name}" / "straight" / "step=4.ckpt", weights_only=True)
+    ckpt[CHECKPOINT_KEY] = {**ckpt[CHECKPOINT_KEY], "world_size": 1, "per_rank": ckpt[CHECKPOINT_KEY]["per_rank"][:1]}
+    path = tmp / f"one_rank{rank}.ckpt"
+    torch.save(ckpt, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp, "up", max_steps=6, ckpt_path=str(path), spawn=False, **RESUME_RUNS[name])
+    said = [str(w.message) for w in caught if "written on" in str(w.message)]
+    torch.save({"one_rank": ckpt[CHECKPOINT_KEY], "loss": float(trainer.callback_metrics["train/loss"]),
+                "step": trainer.global_step, "warnings": said}, tmp / f"up_rank{rank}.pt")
+
+
+def _assert_kept(start: dict, expected: dict, where: str) -> None:
+    assert_same(start["counters"], expected["counters"], f"{where} counters")
+    for key, dumped in (("compressor", "compressor"), ("local_update", "local_update_rank")):
+        if key in expected:
+            assert_same(start[dumped], expected[key], f"{where} {key}")
+    if "params" in expected:
+        assert_same({f"net.{k}": v for k, v in start["params"].items()}, expected["params"], f"{where} params")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ELASTIC)
+@pytest.mark.usefixtures("no_group_left")
+def test_a_resume_on_another_number_of_ranks_keeps_what_it_can_and_says_what_it_drops(resume_fits, tmp_path, name):
+    """2 -> 1 (a 1-process fit here) and 1 -> 2 (the 2-rank group): before, 'the checkpoint holds compressor state
+    of 2 ranks but this run has 1' refused both. The replicated state is kept exactly, every rank takes the mean of
+    the saved residuals (and, under local updates, parameters), rank 0 warns once, and training goes on."""
+    import warnings
+
+    tmp = fitted(resume_fits, _fit_straight_and_resumed, name)
+    saved = torch.load(tmp / "straight" / "step=4.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, "down", max_steps=6, ckpt_path=str(tmp / "straight" / "step=4.ckpt"), world=1,
+                      spawn=False, **RESUME_RUNS[name])
+    (message,) = [str(w.message) for w in caught if "written on" in str(w.message)]
+    assert message.startswith("lit_dtrain_comm: the checkpoint was written on 2 ranks and this run has 1"), message
+    (start,) = dumps(tmp_path, "down", "start", world=1)
+    _assert_kept(start, _expected_elastic(saved, name), "2 -> 1")
+    at4 = dumps(tmp, "straight", "step4")
+    assert_same(start["local_update"], at4[0]["local_update"], "2 -> 1 local update")
+    assert trainer.global_step == 6 and math.isfinite(trainer.callback_metrics["train/loss"])
+    if name in ("int8", "powersgd"):
+        assert "compressor error-feedback residuals of 2 ranks are replaced on every rank by their mean" in message
+    if name == "local_sgd":  # mid-period: the ranks' parameters differ, each starts from their mean
+        assert "mean of the 2 ranks' parameters, which differ 1 step after the last sync" in message, message
+        assert "every rank takes rank 0's optimizer state (rank 1's is dropped)" in message, message
+    if name == "diloco":  # step 4 is a sync (period 2): the parameters are equal and kept exactly
+        assert "parameters" not in message.split("optimizer")[0] and "pseudo-gradient compressor" in message
+        assert_same(start["params"], at4[0]["params"], "2 -> 1 synchronized params")
+
+    up = fitted(resume_fits, _fit_elastic_up, name)
+    records = [torch.load(up / f"up_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    expected = _expected_elastic(records[0]["one_rank"], name)
+    for r, (record, begin) in enumerate(zip(records, dumps(up, "up", "start"), strict=True)):
+        _assert_kept(begin, expected, f"1 -> 2 rank{r}")
+        assert_same(begin["local_update"], at4[0]["local_update"], f"1 -> 2 rank{r} local update")
+        assert record["step"] == 6 and math.isfinite(record["loss"]), record
+    assert len(records[0]["warnings"]) == 1 and records[1]["warnings"] == []  # rank 0, once
+    assert "written on 1 rank and this run has 2" in records[0]["warnings"][0]
+    if name in ("int8", "powersgd"):
+        assert "compressor error-feedback residual of 1 rank goes to every rank" in records[0]["warnings"][0]
+
+
 def as_launched_rank(rank: int, port: int) -> None:
     """Make this process rank ``rank`` of ``WORLD`` as a launcher would (Lightning then joins that group), one
     thread."""
@@ -791,6 +882,7 @@ def resume_fits(tmp_path_factory) -> Path:
     plain-DDP resumes of test_plain_ddp_resume_of_a_compressed_checkpoint_warns_what_it_drops."""
     jobs = [(_fit_straight_and_resumed, name) for name in RESUME_RUNS if not name.endswith("_3_ranks")]
     jobs.append((_fit_plain_resumes, "powersgd_and_local_sgd"))  # test_plain_ddp_resume_of_a_compressed_checkpoint_...
+    jobs += [(_fit_elastic_up, name) for name in ELASTIC]  # after the straight fits whose checkpoints they cut
     return fit_in_one_group(tmp_path_factory.mktemp("resume"), jobs)
 
 

@@ -1,12 +1,14 @@
 """What a resume can keep of a :class:`~lit_dtrain.strategies.compressed_ddp.CompressedDDPStrategy` checkpoint's
-comm state (written under ``checkpoint["lit_dtrain_comm"]``): the preset that wrote it, and the message that a
-resume under another strategy, which does not read that state, warns with (what is dropped and what is lost)."""
+comm state (written under ``checkpoint["lit_dtrain_comm"]``): the preset that wrote it, the message that a
+resume under another strategy, which does not read that state, warns with (what is dropped and what is lost), and
+the entry each rank takes on a resume on another number of ranks (:func:`rank_entry`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 CHECKPOINT_KEY = "lit_dtrain_comm"
@@ -32,8 +34,8 @@ def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = N
     The compressed strategy writes its state under ``checkpoint["lit_dtrain_comm"]`` and alone reads it back;
     Lightning's own strategies (``strategy=ddp``, ``auto``, ``fsdp``) ignore the entry without a word. A switch of
     strategy on a resume can be deliberate (a WSD decay branch under plain DDP), so this is a warning, whereas the
-    compressed strategy refuses a checkpoint of another world size or preset with an error: it would have to apply
-    state it cannot use, while another strategy only leaves it behind. The message names the state, what is lost
+    compressed strategy refuses a checkpoint of another preset with an error: it would have to apply state it
+    cannot use, while another strategy only leaves it behind. The message names the state, what is lost
     with it and the preset (``conf/strategy/ddp_compressed/<name>.yaml``, named as its codec) that keeps it.
     """
     from lit_dtrain.strategies.compressed_ddp import CompressedDDPStrategy  # (it imports this module)
@@ -81,3 +83,117 @@ def warn_if_comm_state_dropped(checkpoint: Mapping, strategy: Any, path: Any = N
     if message is not None:
         rank_zero_warn(message)
     return message
+
+
+# --- a resume on another number of ranks --------------------------------------------------------------
+_PER_RANK_CODEC_KEYS = ("residuals", "server_residuals")  # error feedback: what each rank has not sent yet
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _mean(tensors: Mapping[str, list], world: int) -> dict[str, torch.Tensor]:
+    """Per name, the sum over the ranks (in rank order, in fp32, a rank without the name adding zero) over ``world``."""
+    out = {}
+    for name, held in tensors.items():
+        total = held[0].float().clone()
+        for t in held[1:]:
+            total.add_(t.float())
+        out[name] = total.div_(world).to(held[0].dtype)
+    return out
+
+
+def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return float(sum(t.float().pow(2).sum() for t in tensors.values()) ** 0.5) if tensors else 0.0
+
+
+def _shared_codec_state(states: list, what: str, notes: list[str]) -> dict | None:
+    """One codec state for every rank of a resume on another number of ranks: rank 0's replicated state (counters,
+    PowerSGD's Qs, top-k's buckets, the loss scale), and as error-feedback residual the mean of the saved ranks'.
+    The mean residual is the gradient the codec still owes the model (sum_r e_r / W is what the uninterrupted
+    run would have added), so giving it to every rank keeps it whole; each rank's deviation from it, which sums to
+    zero over the ranks, is dropped. ``int8_rs``'s server residuals (shares laid out for W ranks) are dropped. A
+    ValueError when the state other than residuals differs between ranks: per-rank state nothing here can split."""
+    if states[0] is None:
+        return None
+    world = len(states)
+    shared = {k: v for k, v in states[0].items() if k not in _PER_RANK_CODEC_KEYS}
+    for r, state in enumerate(states[1:], 1):
+        other = {k: v for k, v in (state or {}).items() if k not in _PER_RANK_CODEC_KEYS}
+        differ = sorted(k for k in shared.keys() | other.keys() if not _same(shared.get(k), other.get(k)))
+        if differ:
+            raise ValueError(f"{CHECKPOINT_KEY}: the {what} state {differ} differs between rank 0 and rank {r}: per-"
+                             "rank state that cannot be spread over another number of ranks; resume on the "
+                             f"{ranks_phrase(world)} that wrote it")
+    held: dict[str, list] = {}
+    for state in states:
+        for name, t in (state.get("residuals") or {}).items():
+            held.setdefault(name, []).append(t)
+    if "residuals" in states[0]:
+        shared["residuals"] = _mean(held, world)
+    if held and world == 1:
+        notes.append(f"the {what} error-feedback residual of 1 rank goes to every rank (norm "
+                     f"{_norm(shared['residuals']):.3g}: the gradient still owed, kept whole)")
+    elif held:
+        deviation = _norm({f"{r}.{n}": t - shared["residuals"][n] for r, s in enumerate(states)
+                           for n, t in (s.get("residuals") or {}).items()})
+        notes.append(f"the {what} error-feedback residuals of {ranks_phrase(world)} are replaced on every rank by "
+                     f"their mean (norm {_norm(shared['residuals']):.3g}: the gradient still owed, kept whole), "
+                     f"dropping each rank's deviation from it (norm {deviation:.3g}, zero in sum)")
+    if "server_residuals" in states[0]:
+        shared["server_residuals"] = {}
+        dropped = _norm({f"{r}.{n}": t for r, s in enumerate(states) for n, t in s["server_residuals"].items()})
+        if dropped:
+            notes.append(f"the {what} server residuals (shares laid out for {ranks_phrase(world)}, norm "
+                         f"{dropped:.3g}) are dropped")
+    return shared
+
+
+def elastic_rank_entry(state: Mapping, world: int) -> tuple[dict, list[str]]:
+    """The ``per_rank`` entry every rank of a ``world``-rank run takes from ``state``, written on another number of
+    ranks, and what that changed, for the warning. Kept exactly: the replicated state (codec and local-update
+    counters, PowerSGD's Qs, DiLoCo's outer parameters and momentum) and rank 0's ``comm/*`` counters. Under local
+    updates every rank starts from the mean of the saved ranks' parameters (their own parameters when they are
+    equal, right after a sync; mid-period, the point a sync now would move them to) and rank 0's optimizer state."""
+    per_rank = list(state["per_rank"])
+    if len(per_rank) != state["world_size"]:
+        raise ValueError(f"{CHECKPOINT_KEY}: the checkpoint says {ranks_phrase(state['world_size'])} but holds the "
+                         f"state of {len(per_rank)} (a damaged file?)")
+    notes: list[str] = []
+    entry = {"counters": per_rank[0]["counters"],
+             "compressor": _shared_codec_state([p["compressor"] for p in per_rank], "compressor", notes),
+             "local_update": _shared_codec_state([p["local_update"] for p in per_rank], "pseudo-gradient compressor",
+                                                 notes)}
+    if "params" in per_rank[0]:
+        params = {name: [p["params"][name] for p in per_rank] for name in per_rank[0]["params"]}
+        entry["params"] = _mean(params, len(per_rank))
+        if not all(_same(held[0], t) for held in params.values() for t in held[1:]):
+            since = int((state.get("local_update") or {}).get("steps_since_sync", 0))
+            notes.append(f"every rank starts from the mean of the {ranks_phrase(len(per_rank))}' parameters, which "
+                         f"differ {since} step{'s' if since != 1 else ''} after the last sync (the point a sync now "
+                         "would move them to)")
+        entry["optimizer_states"] = per_rank[0]["optimizer_states"]
+        if len(per_rank) > 1:
+            others = "rank 1's is" if len(per_rank) == 2 else f"those of ranks 1-{len(per_rank) - 1} are"
+            notes.append(f"every rank takes rank 0's optimizer state ({others} dropped)")
+    return entry, notes
+
+
+def rank_entry(state: Mapping, rank: int, world: int) -> tuple[dict, str | None]:
+    """This rank's ``per_rank`` entry of ``state``: its own on the world size that wrote it, else
+    :func:`elastic_rank_entry`'s, with the warning (for rank 0, once the entry is applied) that names what the other
+    world size changed."""
+    if state["world_size"] == world:
+        return state["per_rank"][rank], None
+    entry, notes = elastic_rank_entry(state, world)
+    return entry, (f"{CHECKPOINT_KEY}: the checkpoint was written on {ranks_phrase(state['world_size'])} and this run "
+                   f"has {world}: the replicated codec and local-update state and rank 0's comm counters are kept; "
+                   + ("; ".join(notes) if notes else "nothing else was held")
+                   + ". A resume on the same number of ranks keeps everything")

@@ -9,7 +9,8 @@ replicated local-update state (counters, period, DiLoCo outer parameters and mom
 on every rank before DDP wrapping) hands each rank its own part back. The strategy, not a companion callback, owns
 this because only the strategy sees every rank at save time and exists before the model is wrapped; it also logs
 ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``. What a resume under another strategy
-drops of that state, and the warning that says so, is in :mod:`.comm_checkpoint`.
+drops of that state, what one on another number of ranks keeps, and the warnings that say so are in
+:mod:`.comm_checkpoint`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
     dropped_comm_state_message,
-    ranks_phrase,
+    rank_entry,
     warn_if_comm_state_dropped,
     written_preset,
 )
@@ -333,10 +334,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             raise ValueError(f"{CHECKPOINT_KEY}: unsupported version {state.get('version')!r}")
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
-        if state["world_size"] != world:
-            raise ValueError(f"{CHECKPOINT_KEY}: the checkpoint holds compressor state of {state['world_size']} "
-                             f"ranks but this run has {world}; resume with the same number of processes")
-        mine = state["per_rank"][rank]
+        mine, elastic = rank_entry(state, rank, world)  # another world size: what it can keep, and the warning
         if (mine["compressor"] is None) != (self.compressor is None):
             raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
                              f"not match this strategy's compressor {self.compressor!r}")
@@ -352,6 +350,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                 rank_zero_warn(f"{CHECKPOINT_KEY}: this checkpoint predates per-rank parameters; every rank "
                                "resumes from rank 0's parameters and optimizer state")
         self.session.load_counters_state_dict(mine["counters"])
+        if elastic is not None:  # said once applied: not before an error about another preset
+            rank_zero_warn(elastic)
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -376,11 +376,10 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         else:
             try:
                 self.load_comm_state_dict(state)
-            except ValueError as e:  # another world size or preset: say which file, and the two ways out (one line)
-                world = state.get("world_size") if isinstance(state, Mapping) else None
+            except ValueError as e:  # another preset, or state no world size splits: say which file and the ways out
                 raise ConfigError(
                     f"{checkpoint_path}: {e}. Resume it with the preset that wrote it (strategy=ddp_compressed/"
-                    f"{written_preset(state)} on {ranks_phrase(world)}), or with strategy=ddp, which drops this state "
+                    f"{written_preset(state)}), or with strategy=ddp, which drops this state "
                     "with a warning that lists what is lost"
                 ) from e
         return checkpoint
