@@ -10,18 +10,25 @@ from pathlib import Path
 from lit_dtrain.run_dirs import NO_LOGGER, finished_without_metrics, table_cell
 
 
-def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None = None) -> list[tuple[int, float]]:
+def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None = None,
+                     train_run: bool = False) -> list[tuple[int, float]]:
     """``series`` with each point at the optimizer steps trained when it was measured, the count checkpoint names
     (``step000010-...ckpt`` after 10 steps) and ``summary.json``'s ``steps`` use. Lightning logs during fit at the
     step's 0-based index ``s``: a validation there measured the weights after ``s + 1`` steps, a ``train/loss`` there
     is the ``s + 1``-th step's. ``train(cfg)``'s final validate is logged at the steps trained already: the last
-    point where it is ``steps_trained`` (a finished run's) or the second of a final pair
-    (:func:`one_point_per_validation`). A table that gave the logged steps named a validation after 10 steps 'step 9',
-    beside 'step 10' for the same run's final validate and a checkpoint 'step000010'."""
-    merged = one_point_per_validation(series)
-    final = len(merged) < len(series)  # the last point is the final validate's
-    return [(s if s == steps_trained or (final and i == len(merged) - 1) else s + 1, v)
-            for i, (s, v) in enumerate(merged)]
+    point where it is ``steps_trained`` (a finished run's, merged with an equal value one step before it,
+    :func:`one_point_per_validation`). A ``train_run`` (a ``train.py`` run dir) without ``steps_trained`` has not
+    finished: no final validate. Only where nothing tells (another dir) is a final equal pair taken for one. A table
+    that gave the logged steps named a validation after 10 steps 'step 9', beside 'step 10' for the same run's final
+    validate and a checkpoint 'step000010'; a constant tag logged every step (an LR of scheduler=constant) is no
+    final validate either (its last point read one step below the run's others)."""
+    if steps_trained is None and not train_run:
+        merged = one_point_per_validation(series)
+        final = len(merged) < len(series)  # the last point is the final validate's
+    else:
+        final = bool(series) and series[-1][0] == steps_trained
+        merged = one_point_per_validation(series) if final else series
+    return [(s if final and i == len(merged) - 1 else s + 1, v) for i, (s, v) in enumerate(merged)]
 
 
 def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -233,7 +233,12 @@ def compare(
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
         done = finished(run, scalars)
         end = summary_steps(run) if done is True else None  # its final validate's step
-        curves[label] = {m: at_steps_trained(scalars.get(m, []), end) for m in metrics}
+        train_run = done is not None  # a train.py run dir: its final validate is at `end` or has not run
+
+        def trained(series, end=end, train_run=train_run):
+            return at_steps_trained(series, end, train_run)
+
+        curves[label] = {m: trained(scalars.get(m, [])) for m in metrics}
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
         if done is False and error:  # its train.log says why; its row says 'failed'
             print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
@@ -242,7 +247,7 @@ def compare(
                   "that reports): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
             m: {
-                **summarize(at_steps_trained(measured(m, scalars.get(m, [])), end), ranks[m], final_only(m)),
+                **summarize(trained(measured(m, scalars.get(m, []))), ranks[m], final_only(m)),
                 **({"missing": True} if m not in scalars else {}),
             }
             for m in metrics

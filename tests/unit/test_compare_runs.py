@@ -161,6 +161,31 @@ def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_t
     assert "| a | 6 | 4.8641 | 4.8641 (6) | +1.34% |" in result["markdown"]
 
 
+def test_a_constant_tag_logged_every_step_is_no_final_validate(tmp_path):
+    """train.py scheduler=constant trainer.log_every_n_steps=1 max_steps=6 logs lr-AdamW/* 0.003 at 0..5: its
+    last two points, equal and one step apart, were taken for the final validate's pair, so the table gave the LR's
+    final at 'steps trained 5' beside 6 for the run's other tags, and the PNG left out the 5th step's point. A
+    train.py run's final validate is the point at its summary.json's steps (none in an unfinished run)."""
+    def run(name, summary):
+        r = write_run(tmp_path / name, {2: 4.29, 5: 3.81, 6: 3.81})  # val/loss: the final validate repeats step 5's
+        w = SummaryWriter(str(r / "tb"), filename_suffix=".lr")
+        for step in range(6):
+            w.add_scalar("lr-AdamW/no_decay", 3e-3, step)
+        w.close()
+        (r / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+        if summary:
+            (r / "summary.json").write_text(json.dumps({"val_loss": 3.81, "steps": 6}))
+        return str(r)
+
+    result = compare_runs.compare([run("done", True), run("killed", False)], ["val/loss", "lr-AdamW/no_decay"],
+                                  out=str(tmp_path / "c.png"))
+    rows = {r["label"]: r["by_metric"] for r in result["runs"]}
+    assert rows["done"]["lr-AdamW/no_decay"]["final_step"] == 6 and rows["done"]["val/loss"]["final_step"] == 6
+    assert rows["done"]["val/loss"]["best_step"] == 6  # the final pair is still one point
+    assert rows["killed"]["lr-AdamW/no_decay"]["final_step"] == 6  # steps 0..5 logged: 6 trained
+    assert rows["killed"]["val/loss"]["final_step"] == 7  # logged at 6 during fit: no final validate ran
+
+
 def write_csv_run(run: Path, values: dict[int, float]) -> Path:
     """A `logger=csv` run: Lightning's metrics.csv in <run>/csv/, written by the project's CSV logger."""
     from lit_dtrain.loggers import ResumableCSVLogger
