@@ -25,15 +25,17 @@ def plots(bench: Bench, e1: dict, e2: dict, e3: dict) -> list[str]:
         (f"branch 20% decay, L={Lk}", d) for Lk, d in zip(e2["lengths"], e2["dirs"]["branches_f0.2"])
     ] + [(f"cosine L={Lk}", d) for Lk, d in zip(e2["lengths"], e2["dirs"]["cosine"])]:
         s = compare_runs.read_scalars(Path(d))
-        curves[label] = {"val/loss": s.get("val/loss", []), "lr-AdamW/decay": s.get("lr-AdamW/decay", [])}
+        at = compare_runs.steps_trained_of(Path(d), s)  # as compare() draws them: the steps trained
+        curves[label] = {"val/loss": at(s.get("val/loss", [])), "lr-AdamW/decay": at(s.get("lr-AdamW/decay", []))}
     p = img / "wsd_branches.png"
     compare_runs.plot(curves, ["val/loss", "lr-AdamW/decay"], p, title="One stable run, three decay branches")
     out.append(str(p))
     curves = {}
     for name, d in e3["dirs"].items():
         s = compare_runs.read_scalars(Path(d))
-        curves[name] = {"val loss on B (licenses)": s.get("val/licenses/loss") or s.get("val/loss", []),
-                        "lr-AdamW/decay": s.get("lr-AdamW/decay", [])}
+        at = compare_runs.steps_trained_of(Path(d), s)
+        curves[name] = {"val loss on B (licenses)": at(s.get("val/licenses/loss") or s.get("val/loss", [])),
+                        "lr-AdamW/decay": at(s.get("lr-AdamW/decay", []))}
     p = img / "wsd_cpt.png"
     compare_runs.plot(curves, ["val loss on B (licenses)", "lr-AdamW/decay"], p,
                       title="Continual pre-training on B from a model trained on A")

@@ -177,6 +177,18 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
     plt.close(fig)
 
 
+def steps_trained_of(run: Path, scalars: dict[str, list[tuple[int, float]]]):
+    """A function that puts a series of ``run``'s (logged steps) at the steps trained when each point was measured
+    (:func:`at_steps_trained`), its final validate where ``train(cfg)`` ran one: the x of the PNG and the tables."""
+    done = finished(run, scalars)
+    end = summary_steps(run) if done is True else None  # its final validate's step
+
+    def trained(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        return at_steps_trained(series, end, train_run=done is not None)
+
+    return trained
+
+
 def compare(
     runs: list[str],
     metrics: list[str],
@@ -232,12 +244,7 @@ def compare(
                       f"it has {sorted(scalars)}", file=sys.stderr)
     for label, run, scalars in zip(labels, run_dirs, all_scalars):
         done = finished(run, scalars)
-        end = summary_steps(run) if done is True else None  # its final validate's step
-        train_run = done is not None  # a train.py run dir: its final validate is at `end` or has not run
-
-        def trained(series, end=end, train_run=train_run):
-            return at_steps_trained(series, end, train_run)
-
+        trained = steps_trained_of(run, scalars)
         curves[label] = {m: trained(scalars.get(m, [])) for m in metrics}
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
         if done is False and error:  # its train.log says why; its row says 'failed'

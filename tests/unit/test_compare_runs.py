@@ -186,6 +186,31 @@ def test_a_constant_tag_logged_every_step_is_no_final_validate(tmp_path):
     assert rows["killed"]["val/loss"]["final_step"] == 7  # logged at 6 during fit: no final validate ran
 
 
+def test_bench_wsd_plots_its_branches_at_the_steps_trained(tmp_path, monkeypatch):
+    """bench_wsd.py draws docs/img/wsd_branches.png and wsd_cpt.png with compare_runs.plot from the runs' scalars,
+    which compare() now puts at the steps trained (plot() no longer merges the final validate's pair): those two
+    PNGs drew the logged 0-based steps under the axis label 'steps trained', and each run's final val/loss twice,
+    one step apart, while wsd_vs_cosine.png beside them was at the steps trained."""
+    from types import SimpleNamespace
+
+    import _bench_wsd_report as report  # scripts/ is on sys.path: compare_runs loaded beside it
+
+    run = write_run(tmp_path / "run", {2: 4.29, 5: 3.81, 6: 3.81})  # train(cfg): max_steps=6, val every 3
+    (run / "config_resolved.yaml").write_text("trainer: {max_steps: 6}\n")
+    (run / "summary.json").write_text(json.dumps({"val_loss": 3.81, "steps": 6}))
+    drawn = []
+    monkeypatch.setattr(report.compare_runs, "compare", lambda *a, **k: None)
+    monkeypatch.setattr(report.compare_runs, "plot", lambda curves, *a, **k: drawn.append(curves))
+    bench = SimpleNamespace(args=SimpleNamespace(img_dir=str(tmp_path), out_dir=str(tmp_path)))
+    e1 = {"dirs": {"wsd": str(run), "cosine": str(run)}, "best_lr": {"wsd": 1e-3, "cosine": 1e-3}}
+    e2 = {"dirs": {"stable": str(run), "branches_f0.2": [str(run)], "cosine": [str(run)]}, "lengths": [6]}
+    report.plots(bench, e1, e2, {"dirs": {"cpt": str(run)}})
+    branches, cpt = drawn
+    assert [s for s, _ in branches["stable (no decay)"]["val/loss"]] == [3, 6]
+    assert [s for s, _ in branches["stable (no decay)"]["lr-AdamW/decay"]] == [3, 6]
+    assert [s for s, _ in cpt["cpt"]["val loss on B (licenses)"]] == [3, 6]
+
+
 def write_csv_run(run: Path, values: dict[int, float]) -> Path:
     """A `logger=csv` run: Lightning's metrics.csv in <run>/csv/, written by the project's CSV logger."""
     from lit_dtrain.loggers import ResumableCSVLogger
