@@ -186,6 +186,17 @@ def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, recwarn):
     assert message.startswith("the checkpoint validated on up to 256 windows per source, and this run's "
                               "data.max_val_windows is 8: from here on val/loss is measured on other windows")
     recwarn.clear()
+    # two caps above a source's val windows validate on all of them, the same windows: no warning (a corpus whose val
+    # held 18 windows resumed with 128 after 64 was told that val/loss is measured on other windows)
+    few = dm_for(corpus, tmp_path, max_val_windows=10_000)
+    n = len(few.val_dataloader()[0].dataset)
+    assert 8 < n < 10_000
+    dm_for(corpus, tmp_path, max_val_windows=n).load_state_dict(few.state_dict())
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    with pytest.warns(UserWarning, match=f"validated on up to 10000 windows per source, and this run's "
+                                         f"data.max_val_windows is {n - 1}: "):
+        dm_for(corpus, tmp_path, max_val_windows=n - 1).load_state_dict(few.state_dict())
+    recwarn.clear()
     state.pop("max_val_windows")  # a checkpoint from before it was recorded
     dm_for(corpus, tmp_path, max_val_windows=8).load_state_dict(state)
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

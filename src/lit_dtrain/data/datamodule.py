@@ -341,6 +341,10 @@ class LMDataModule(L.LightningDataModule):
             "max_val_windows": self.max_val_windows,
         }
 
+    def _val_counts(self, cap: int) -> list[int]:
+        """The windows each source validates on under ``max_val_windows=cap`` (:meth:`val_dataloader`)."""
+        return [min(len(WindowSet([split.val], self.block_size)), cap) for split in self.splits]
+
     def load_state_dict(self, state: dict) -> None:
         if self.train_windows is None:  # setup() has not run yet: apply once the sampler is bound
             self._pending_state = state
@@ -355,8 +359,8 @@ class LMDataModule(L.LightningDataModule):
                 f"{self.seed}: from here on the batches are not those the interrupted run would have drawn (set "
                 f"data.seed={int(saved_seed)}, or seed={int(saved_seed)}, to continue it exactly)",
                 UserWarning, stacklevel=2)
-        saved_windows = state.get("max_val_windows")
-        if saved_windows is not None and int(saved_windows) != self.max_val_windows:
+        saved_windows = state.get("max_val_windows")  # other windows only where a source has more than the smaller
+        if saved_windows is not None and self._val_counts(int(saved_windows)) != self._val_counts(self.max_val_windows):
             warnings.warn(
                 f"the checkpoint validated on up to {int(saved_windows)} windows per source, and this run's "
                 f"data.max_val_windows is {self.max_val_windows}: from here on val/loss is measured on other windows, "
