@@ -247,8 +247,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
 
     datamodule = instantiate(cfg.data, _convert_="all")
     if (cfg.get("module") or {}).get("compile"):
-        # Dynamo caches compiled graphs per code object (Llama.forward), not per model, and a job leaves three there
-        # (training, validation, the sample; four while the final validate ran under inference_mode). The jobs of a
+        # Dynamo caches compiled graphs per code object (Llama.forward), not per model, and a job leaves two there
+        # (training, validation; the sample runs the k/v cache eagerly). The jobs of a
         # multirun share the process: one that swept a model shape hit dynamo's recompile_limit (8) at its third
         # job, which then trained eagerly with only a log warning. Each job compiles from an empty cache.
         torch.compiler.reset()
