@@ -21,7 +21,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.checkpoint import (
@@ -35,17 +34,9 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.config_resolvers import launch_run_name
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.sweeps import another_run_dir
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
-
-
-def _log_once(level: int, msg: str, *args) -> None:
-    """Log a fact of the run (the checkpoint chosen, one skipped, a fresh start) on rank 0 alone: every rank of a
-    DDP run (re-launched by Lightning, or under torchrun or srun) resolves the same checkpoint, and each printed the
-    same line."""
-    if rank_zero_only.rank == 0:
-        log.log(level, msg, *args)
-
 
 _DEFAULT_RUN_NAME = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}"  # conf/train.yaml: ${now:%Y-%m-%d}_${now:%H-%M-%S}
 
@@ -133,8 +124,10 @@ def _newest_finite(steps: dict[Path, int]) -> tuple[Path | None, dict[Path, str]
             return newest, bad
         bad[newest] = key
         step = remaining.pop(newest)
-        _log_once(logging.WARNING, "resume=auto: skipped %s (step %d): its weights are not finite (NaN/inf in %r), and "
-                  "a resume would stop again at its first step", newest, step, key)
+        log_once(
+            log, logging.WARNING,
+            "resume=auto: skipped %s (step %d): its weights are not finite (NaN/inf in %r), and "
+            "a resume would stop again at its first step", newest, step, key)
     return None, bad
 
 
@@ -143,7 +136,7 @@ def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
     among equals), or None; logs why each unreadable or non-finite one is skipped."""
     steps, unreadable = _checkpoint_steps(ckpt_dir)
     for e in unreadable.values():
-        _log_once(logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
+        log_once(log, logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
     return _newest_finite(steps)[0]
 
 
@@ -161,7 +154,7 @@ def _resume_auto_choice(ckpt_dir: Path) -> str:
     last = ckpt_dir / "last.ckpt"
     for p, e in unreadable.items():
         if p != last:
-            _log_once(logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
+            log_once(log, logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
     newest, nonfinite = _newest_finite(steps)
     if newest is None:
         reasons = "; ".join([_without_advice(e) for e in unreadable.values()] + [
@@ -181,8 +174,10 @@ def _resume_auto_choice(ckpt_dir: Path) -> str:
         why = f"it is newer than {last.name} (step {steps[last]})"
     else:
         why = f"there is no {last.name}"
-    _log_once(logging.WARNING, "resume=auto: resuming from %s (step %d), the newest readable checkpoint: %s", newest,
-              steps[newest], why)
+    log_once(
+        log, logging.WARNING,
+        "resume=auto: resuming from %s (step %d), the newest readable checkpoint: %s", newest,
+        steps[newest], why)
     return str(newest)
 
 
@@ -200,8 +195,10 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         chosen = _resume_auto_choice(ckpt_dir)
         if given:
             _check_roll_back(Path(str(given)).expanduser(), ckpt_dir)
-            _log_once(logging.INFO, "ckpt_path=%s: not read, resume=auto continues this run's own checkpoint %s", given,
-                      chosen)
+            log_once(
+                log, logging.INFO,
+                "ckpt_path=%s: not read, resume=auto continues this run's own checkpoint %s", given,
+                chosen)
         return chosen
     if earlier and not given:  # a fresh run here would write last-v1.ckpt beside them, and a later resume=auto pick
         # the old one
@@ -229,7 +226,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
                 "diverged run saved it, and resuming it would stop at its first step; give an earlier checkpoint")
         return str(path)
     if cfg.get("resume") == "auto":
-        _log_once(logging.INFO, "resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
+        log_once(log, logging.INFO, "resume=auto: no %s yet, starting fresh", ckpt_dir / "last.ckpt")
     return None
 
 
@@ -373,7 +370,8 @@ def warn_if_accumulation_splits(cfg: DictConfig, ckpt_path: str) -> None:
     if steps and done % steps == 0:  # whole steps of another setting
         reasons.append(f"written with accumulate_grad_batches={done // steps}")
     reason = ", or ".join(reasons) or "changed since it was written, or saved mid-step"
-    _log_once(logging.WARNING,
+    log_once(
+        log, logging.WARNING,
         "checkpoint %s is at micro-batch %d of its epoch, no multiple of trainer.accumulate_grad_batches=%d (%s): the "
         "first optimizer step after the resume accumulates %d micro-batch(es), not %d, and its gradient is %d/%d of "
         "a full step's", ckpt_path, done, accumulate, reason, short, accumulate, short, accumulate)

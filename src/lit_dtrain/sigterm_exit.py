@@ -23,6 +23,7 @@ from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
 from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
 from lit_dtrain.utils.distributed import all_gather_stacked
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -61,22 +62,24 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved (``saved_last``: train()
     saved the final ``last.ckpt``)."""
     name = stop_signal(trainer).name
-    if saved_last:
-        log.warning(
+    if saved_last:  # facts of the run, the same on every rank (they agree on the signal): rank 0 says them
+        log_once(
+            log, logging.WARNING,
             "stopped by %s after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
             "writes summary.json",
             name,
             trainer.global_step,
         )
     elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
-        log.warning(
+        log_once(
+            log, logging.WARNING,
             "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
             "resume=auto continues from the last validation's checkpoint, if any",
             name,
             trainer.global_step,
         )
     status = 128 + stop_signal(trainer)
-    log.info("exiting with status %d (stopped by %s, not finished)", status, name)
+    log.info("exiting with status %d (stopped by %s, not finished)", status, name)  # each process's own exit
     return status
 
 

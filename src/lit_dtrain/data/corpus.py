@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lit_dtrain.data.walking import _files_below, walk_glob
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)  # also the token cache's: its modules log under this name
 
@@ -183,8 +184,10 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             matches = [p for p in found if not _hidden_below(p, path)]
             _warn_dangling(source, raw, [p for p in dangling if not _hidden_below(p, path)])
             if len(matches) < len(found) or dot_dirs:
-                log.info("data source %r: left out %d hidden file(s) and %d hidden dir(s) under %s (dot files and "
-                         "dot dirs)", source.name, len(found) - len(matches), len(dot_dirs), raw)
+                log_once(
+                    log, logging.INFO,
+                    "data source %r: left out %d hidden file(s) and %d hidden dir(s) under %s (dot files and "
+                    "dot dirs)", source.name, len(found) - len(matches), len(dot_dirs), raw)
             if not matches:
                 found += [f for d in dot_dirs for f in _files_below(d, source.pattern)]  # for the message
                 hidden = ""
@@ -212,7 +215,8 @@ def resolve_files(source: CorpusSource) -> list[Path]:
     for raw, dirs, every_file in globbed_dirs:
         left_out = [d for d in dirs if d not in covered]  # another path may have taken their files
         if left_out:
-            log.warning(
+            log_once(
+                log, logging.WARNING,
                 "data source %r: glob %r also matched %d directories (e.g. %s), left out with the files below them: "
                 "a glob takes files only; add %r to paths for every file below them",
                 source.name,
@@ -257,8 +261,10 @@ def _warn_dangling(source: CorpusSource, raw, links: list[Path]) -> None:
     """Warn about symlinks that ``raw`` matched whose target is missing (an unmounted disk, a moved corpus): no
     file to read, but their text is missing from the corpus."""
     if links:
-        log.warning("data source %r: left out %d symlink(s) under %s whose target does not exist, e.g. %s -> %s",
-                    source.name, len(links), raw, links[0], os.readlink(links[0]))
+        log_once(
+            log, logging.WARNING,
+            "data source %r: left out %d symlink(s) under %s whose target does not exist, e.g. %s -> %s",
+            source.name, len(links), raw, links[0], os.readlink(links[0]))
 
 
 def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
@@ -276,7 +282,8 @@ def _one_path_per_file(source: CorpusSource, paths: list[Path]) -> list[Path]:
     if len(spellings) > len(chosen):
         kept = set(chosen.values())
         example = next(p for p in sorted(spellings) if p not in kept)
-        log.info(
+        log_once(
+            log, logging.INFO,
             "data source %r: left out %d path(s) that reach a file already in the corpus (reached more than once: "
             "another spelling, a symlink or a hard link), e.g. %s is %s",
             source.name,
@@ -318,6 +325,8 @@ def leave_out_dirs(source: CorpusSource, files: list[Path], dirs: dict[str, str]
                 f"data source {source.name!r}: its {len(files)} file(s) are all under {top!r} (e.g. "
                 f"{str(inside[0])!r}), which holds {what}, not corpus text"
             )
-        log.warning("data source %r: left out %d file(s) under %s (%s, not corpus text), e.g. %s", source.name,
-                    len(inside), top, what, inside[0])
+        log_once(
+            log, logging.WARNING,
+            "data source %r: left out %d file(s) under %s (%s, not corpus text), e.g. %s", source.name,
+            len(inside), top, what, inside[0])
     return kept

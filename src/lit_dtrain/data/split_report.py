@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from lit_dtrain.utils.rank_zero import log_once
+
 log = logging.getLogger("lit_dtrain.data.corpus")  # the token cache's logger
 
 
@@ -24,16 +26,19 @@ def warn_about_split(name: str, meta: dict, val_fraction: float, min_tokens: int
     them in val."""
     n_train, n_val = int(meta["train_tokens"]), int(meta["val_tokens"])
     if meta.get("split") == "by_tokens_tail":
-        log.warning("data source %r: too few documents for a by-document val split (val_fraction=%s, windows of %d "
-                    "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
-                    "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
-                    name, val_fraction, min_tokens, n_val)
+        log_once(
+            log, logging.WARNING,
+            "data source %r: too few documents for a by-document val split (val_fraction=%s, windows of %d "
+            "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
+            "is trained on (more or larger files, or a larger data.val_fraction, give a clean split)",
+            name, val_fraction, min_tokens, n_val)
         return
     share = n_val / max(n_train + n_val, 1)
     if share <= held_out_share_limit(val_fraction) or not held_out:
         return
     largest, size = max(held_out, key=lambda item: item[1])
-    log.warning(
+    log_once(
+        log, logging.WARNING,
         "data source %r: data.val_fraction=%s holds out whole documents (chosen by a hash of their bytes), and the %d "
         "held out are %.1f%% of its tokens (%d of %d): training keeps %.1f%%; the largest held out is %s (%d bytes). "
         "Split large files into smaller ones for a split closer to data.val_fraction",

@@ -38,6 +38,7 @@ from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_enco
 from lit_dtrain.data.split_report import warn_about_split
 from lit_dtrain.data.tokenizer import ByteTokenizer
 from lit_dtrain.utils.atomic import pid_alive
+from lit_dtrain.utils.rank_zero import log_once
 
 # the logger of lit_dtrain.data.corpus, where this code was: log records keep their name (and logging configs theirs)
 log = logging.getLogger("lit_dtrain.data.corpus")
@@ -150,11 +151,14 @@ def build_token_cache(
             str(copies[0][1]),
         )
     if binary:
-        log.warning("data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
-                    "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
-                    str(binary[0]))
+        log_once(
+            log, logging.WARNING,
+            "data source %r: %d file(s) look binary (NUL bytes), e.g. %s; the byte tokenizer trains on "
+            "them as they are (data.sources.N.pattern narrows a directory)", source.name, len(binary),
+            str(binary[0]))
     for encoding, paths in wide.items():  # the tokenizer's contract: a file's bytes, as they are
-        log.warning(
+        log_once(
+            log, logging.WARNING,
             "data source %r: %d file(s) are %s text, e.g. %s; the byte tokenizer trains on their %s bytes as they are "
             "(a NUL byte beside each ASCII character), not on UTF-8 text: convert them first, e.g. "
             "iconv -f %s -t UTF-8 FILE > FILE.utf8",
@@ -167,8 +171,8 @@ def build_token_cache(
         )
     if not_utf8:  # Latin-1, cp1252 ...: the model would learn two encodings of each accented letter
         path, offset, byte = not_utf8[0]
-        log.log(
-            logging.INFO if source.kind == "stdlib" else logging.WARNING,
+        log_once(
+            log, logging.INFO if source.kind == "stdlib" else logging.WARNING,
             "data source %r: %d file(s) are not UTF-8 text in their first 8 KiB, e.g. %s (byte 0x%02x at offset %d); "
             "the byte tokenizer trains on their bytes as they are: if they are Latin-1 or cp1252 text, convert them "
             "first, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8",

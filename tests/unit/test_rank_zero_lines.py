@@ -1,0 +1,79 @@
+"""Facts of the run are printed by rank 0 alone: every rank of a DDP run reads the same corpus and stops at the same
+step, and each printed the same warning (a 2-rank trainer=ddp_cpu run printed 'too few documents for a by-document
+val split' and 'data.val_fraction=0.3 holds out whole documents ... 86.1% of its tokens' twice, and 'stopped by SIGTERM
+after the last step (N), whose last.ckpt is saved' twice). Each rank still makes the checks and returns the same."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_dtrain.data.corpus import CorpusError, CorpusSource
+from lit_dtrain.data.split_report import warn_about_split
+from lit_dtrain.data.token_cache import build_token_cache
+from lit_dtrain.sigterm_exit import stopped_by_sigterm
+
+
+def _lines(caplog, logger: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+def test_a_corpus_s_warnings_are_printed_by_rank_0_alone_and_every_rank_still_reads_it(tmp_path, caplog,
+                                                                                       monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):  # too few documents for a by-document split of 33-token windows
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 200)
+    (corpus / "blob.bin").write_bytes(b"\x00\x01" * 300)  # looks binary
+    (corpus / "gone.txt").symlink_to(tmp_path / "missing.txt")  # a dangling symlink
+    (corpus / ".hidden.txt").write_text("left out")
+    src = CorpusSource(name="few", kind="files", paths=[str(corpus)])
+    metas = {}
+    for rank in (1, 0):  # rank 1 builds the cache here, rank 0 loads it: a reused cache warns too
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lit_dtrain.data.corpus"):
+            metas[rank] = build_token_cache(src, tmp_path / "cache", 33, progress=False).meta
+        lines = [m for m in _lines(caplog, "lit_dtrain.data.corpus") if m.startswith("data source")]
+        if rank == 1:
+            assert lines == []
+    assert metas[0] == metas[1] and metas[0]["split"] == "by_tokens_tail"
+    assert len(lines) == 4, lines
+    assert "too few documents for a by-document val split" in "\n".join(lines)
+    assert "1 file(s) look binary" in "\n".join(lines) and "1 symlink(s)" in "\n".join(lines)
+    assert "left out 1 hidden file(s)" in "\n".join(lines)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # rank 1 still checks: a bad path fails there too
+    with pytest.raises(CorpusError, match="does not exist"):
+        build_token_cache(CorpusSource(name="x", kind="files", paths=[str(tmp_path / "nope")]), tmp_path / "cache",
+                          33, progress=False)
+
+
+def test_a_split_that_holds_out_far_more_is_warned_about_by_rank_0_alone(caplog, monkeypatch, tmp_path):
+    meta = {"split": "by_document", "train_tokens": 139, "val_tokens": 861}
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.corpus"):
+            warn_about_split("text", meta, 0.3, 33, [(tmp_path / "big.txt", 800)])
+        assert len(_lines(caplog, "lit_dtrain.data.corpus")) == count
+    assert "held out are 86.1% of its tokens" in caplog.text
+
+
+@pytest.mark.parametrize("saved_last", [True, False])
+def test_a_stop_by_sigterm_is_told_by_rank_0_alone_and_every_rank_exits_143(caplog, monkeypatch, saved_last):
+    """The checkpoint saved (or none) is the run's: rank 0 says it. 'exiting with status 143' is each process's own
+    exit (under torchrun or srun each rank's line tells that it ended by itself, not killed by the launcher)."""
+    trainer = SimpleNamespace(callbacks=[], global_step=6)
+    for rank, count in ((1, 1), (0, 2)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+            assert stopped_by_sigterm(trainer, saved_last=saved_last) == 128 + signal.SIGTERM
+        assert len(_lines(caplog, "lit_dtrain.train")) == count
+    said = "after the last step (6), whose last.ckpt is saved" if saved_last else "at step 6 without a checkpoint"
+    assert f"stopped by SIGTERM {said}" in caplog.text
+    assert "exiting with status 143 (stopped by SIGTERM, not finished)" in caplog.text
