@@ -150,56 +150,62 @@ def test_data_position_advances_and_restores(corpus, tmp_path):
     assert not torch.equal(first[0], first[1])
 
 
-def test_resuming_with_another_data_seed_warns(corpus, tmp_path):
+def test_resuming_with_another_data_seed_warns(corpus, tmp_path, caplog, monkeypatch):
     """The checkpoint records the data seed, and a resume with another ``data.seed`` switched the data stream
-    silently (the resumed run is no longer the interrupted one's continuation)."""
+    silently (the resumed run is no longer the interrupted one's continuation). Rank 0 alone says it, in train.log (a
+    warnings.warn was printed by each rank of a 2-rank run, and not in train.log); every rank restores the state."""
+    from lightning.pytorch.utilities import rank_zero_only
+
     dm = dm_for(corpus, tmp_path, seed=1)
     dm.on_before_batch_transfer(0, 0)
-    other = dm_for(corpus, tmp_path, seed=2)
-    with pytest.warns(UserWarning, match=r"data seed 1.*this run's data.seed is 2"):
-        other.load_state_dict(dm.state_dict())
-    assert other.micro_step == 1  # the position is restored all the same
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        other = dm_for(corpus, tmp_path, seed=2)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            other.load_state_dict(dm.state_dict())
+        said = [r.getMessage() for r in caplog.records if "data seed" in r.getMessage()]
+        assert len(said) == count and other.micro_step == 1  # the position is restored all the same
+    assert "data seed 1, and this run's data.seed is 2" in said[0] and "set data.seed=1, or seed=1" in said[0]
 
 
-def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, recwarn):
+def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, caplog):
     """A resume after a corpus file was edited (or block_size, val_fraction or max_val_windows changed) continued on
     other windows without a word, unlike one with another data seed; a resume on the same data stays silent."""
+    def warned(dm, state) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            dm.load_state_dict(state)
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("the checkpoint")]
+
     dm = dm_for(corpus, tmp_path)
     dm.on_before_batch_transfer(0, 0)
-    same = dm_for(corpus, tmp_path)
-    same.load_state_dict(dm.state_dict())
-    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    assert warned(dm_for(corpus, tmp_path), dm.state_dict()) == []
     with open(corpus / "doc_003.txt", "a") as f:
         f.write("one more line\n")
     edited = dm_for(corpus, tmp_path)
-    with pytest.warns(UserWarning, match=r"trained on dataset \w+, and this run's is \w+: the corpus .*changed since"):
-        edited.load_state_dict(dm.state_dict())
+    [message] = warned(edited, dm.state_dict())
+    assert re.search(r"trained on dataset \w+, and this run's is \w+: the corpus .*changed since", message), message
     assert edited.micro_step == 1  # the position is restored all the same
-    with pytest.warns(UserWarning, match=r"data.block_size or data.val_fraction changed"):
-        dm_for(corpus, tmp_path, val_fraction=0.3).load_state_dict(dm.state_dict())
+    [message] = warned(dm_for(corpus, tmp_path, val_fraction=0.3), dm.state_dict())
+    assert "data.block_size or data.val_fraction changed" in message
     # another data.max_val_windows: the same data, other validation windows (the best checkpoint's score is not
     # comparable); it resumed without a word
     state = edited.state_dict()
-    with pytest.warns(UserWarning) as caught:
-        dm_for(corpus, tmp_path, max_val_windows=8).load_state_dict(state)
-    [message] = [str(w.message) for w in caught]
+    [message] = warned(dm_for(corpus, tmp_path, max_val_windows=8), state)
     assert message.startswith("the checkpoint validated on up to 256 windows per source, and this run's "
                               "data.max_val_windows is 8: from here on val/loss is measured on other windows")
-    recwarn.clear()
     # two caps above a source's val windows validate on all of them, the same windows: no warning (a corpus whose val
     # held 18 windows resumed with 128 after 64 was told that val/loss is measured on other windows)
     few = dm_for(corpus, tmp_path, max_val_windows=10_000)
     n = len(few.val_dataloader()[0].dataset)
     assert 8 < n < 10_000
-    dm_for(corpus, tmp_path, max_val_windows=n).load_state_dict(few.state_dict())
-    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
-    with pytest.warns(UserWarning, match=f"validated on up to 10000 windows per source, and this run's "
-                                         f"data.max_val_windows is {n - 1}: "):
-        dm_for(corpus, tmp_path, max_val_windows=n - 1).load_state_dict(few.state_dict())
-    recwarn.clear()
+    assert warned(dm_for(corpus, tmp_path, max_val_windows=n), few.state_dict()) == []
+    [message] = warned(dm_for(corpus, tmp_path, max_val_windows=n - 1), few.state_dict())
+    assert message.startswith(f"the checkpoint validated on up to 10000 windows per source, and this run's "
+                              f"data.max_val_windows is {n - 1}: ")
     state.pop("max_val_windows")  # a checkpoint from before it was recorded
-    dm_for(corpus, tmp_path, max_val_windows=8).load_state_dict(state)
-    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    assert warned(dm_for(corpus, tmp_path, max_val_windows=8), state) == []
 
 
 def test_exclusions_are_never_drawn_and_persist(corpus, tmp_path):

@@ -77,3 +77,31 @@ def test_a_stop_by_sigterm_is_told_by_rank_0_alone_and_every_rank_exits_143(capl
     said = "after the last step (6), whose last.ckpt is saved" if saved_last else "at step 6 without a checkpoint"
     assert f"stopped by SIGTERM {said}" in caplog.text
     assert "exiting with status 143 (stopped by SIGTERM, not finished)" in caplog.text
+
+
+def test_a_corpus_of_fewer_windows_than_a_batch_and_a_wsd_without_decay_are_told_by_rank_0_alone(
+    tmp_path, caplog, monkeypatch
+):
+    """A 2-rank run on 12 training windows (global batch 16) printed 'the training data holds 12 window(s) ...' twice,
+    each under Lightning's 'call.py:199:' (a warnings.warn, not in train.log), and 'WSD: decay_fraction=0.2 of
+    total_steps=2 rounds to 0 decay steps' twice. Every rank still binds its windows and builds the schedule."""
+    import torch
+
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.schedules.lr import wsd_scheduler
+
+    (tmp_path / "tiny.txt").write_text("x" * 40)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for rank, count in ((1, 0), (0, 2)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        dm = LMDataModule(sources=[CorpusSource(name="tiny", kind="files", paths=[str(tmp_path / "tiny.txt")])],
+                          block_size=16, batch_size=4, cache_dir=str(tmp_path / "cache"), progress=False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            dm.prepare_data()
+            dm.setup()
+            sched = wsd_scheduler(opt, total_steps=2, decay_fraction=0.2)
+        said = [r.getMessage() for r in caplog.records
+                if "fewer than one global batch" in r.getMessage() or "rounds to 0 decay" in r.getMessage()]
+        assert len(said) == count and len(dm.train_windows) == 1 and sched.lr_lambdas[0](1) == 1.0
+    assert "holds 1 window(s) of block_size+1 = 17 tokens, fewer than one global batch of 4" in said[0]

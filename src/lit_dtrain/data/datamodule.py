@@ -15,10 +15,10 @@ runs the same number of them; the few padding windows that even out the shares c
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import os
 import socket
-import warnings
 from collections.abc import Iterable, Mapping
 
 import lightning as L
@@ -40,6 +40,9 @@ from lit_dtrain.data.windows import (
     window_batch,
 )
 from lit_dtrain.utils.args import check_int
+from lit_dtrain.utils.rank_zero import log_once
+
+log = logging.getLogger("lit_dtrain.data.corpus")  # the data's logger (token caches, splits, a resume's data)
 
 
 class _StepTickets(IterableDataset):
@@ -183,11 +186,11 @@ class LMDataModule(L.LightningDataModule):
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         global_batch = self.batch_size * self._world()[1]
         if len(self.train_windows) < global_batch:  # a tiny corpus: the loss falls to 0 by memorizing it
-            warnings.warn(
-                f"the training data holds {len(self.train_windows)} window(s) of block_size+1 = {self.block_size + 1} "
-                f"tokens, fewer than one global batch of {global_batch}: every batch repeats windows (the model can "
-                "only memorize them); use more text or a smaller data.block_size / data.batch_size",
-                UserWarning, stacklevel=2)
+            log_once(  # in train.log, once (a warnings.warn was printed by each rank, and named Lightning's call.py)
+                log, logging.WARNING,
+                "the training data holds %d window(s) of block_size+1 = %d tokens, fewer than one global batch of %d: "
+                "every batch repeats windows (the model can only memorize them); use more text or a smaller "
+                "data.block_size / data.batch_size", len(self.train_windows), self.block_size + 1, global_batch)
         weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
         if not weights.sum() > 0:
             names = [s.name for s in self.sources]
@@ -354,24 +357,25 @@ class LMDataModule(L.LightningDataModule):
     def _apply_state(self, state: dict) -> None:
         saved_seed = state.get("seed")
         if saved_seed is not None and int(saved_seed) != self.seed:
-            warnings.warn(
-                f"the checkpoint was trained with data seed {int(saved_seed)}, and this run's data.seed is "
-                f"{self.seed}: from here on the batches are not those the interrupted run would have drawn (set "
-                f"data.seed={int(saved_seed)}, or seed={int(saved_seed)}, to continue it exactly)",
-                UserWarning, stacklevel=2)
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint was trained with data seed %d, and this run's data.seed is %d: from here on the "
+                "batches are not those the interrupted run would have drawn (set data.seed=%d, or seed=%d, to "
+                "continue it exactly)", int(saved_seed), self.seed, int(saved_seed), int(saved_seed))
         saved_windows = state.get("max_val_windows")  # other windows only where a source has more than the smaller
         if saved_windows is not None and self._val_counts(int(saved_windows)) != self._val_counts(self.max_val_windows):
-            warnings.warn(
-                f"the checkpoint validated on up to {int(saved_windows)} windows per source, and this run's "
-                f"data.max_val_windows is {self.max_val_windows}: from here on val/loss is measured on other windows, "
-                "so it is not comparable with the values logged before, nor with the best checkpoint's score that "
-                "ModelCheckpoint ranks new ones against", UserWarning, stacklevel=2)
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint validated on up to %d windows per source, and this run's data.max_val_windows is %s: "
+                "from here on val/loss is measured on other windows, so it is not comparable with the values logged "
+                "before, nor with the best checkpoint's score that ModelCheckpoint ranks new ones against",
+                int(saved_windows), self.max_val_windows)
         self.micro_step = int(state["micro_step"])
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
         if saved_key is not None and key is not None and saved_key != key:
-            warnings.warn(
-                f"the checkpoint was trained on dataset {saved_key}, and this run's is {key}: the corpus (its files or "
-                "their contents), data.block_size or data.val_fraction changed since, so from here on the batches are "
-                "not those the interrupted run would have drawn, and val/loss is measured on other windows",
-                UserWarning, stacklevel=2)
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint was trained on dataset %s, and this run's is %s: the corpus (its files or their "
+                "contents), data.block_size or data.val_fraction changed since, so from here on the batches are not "
+                "those the interrupted run would have drawn, and val/loss is measured on other windows", saved_key, key)

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lit_dtrain.optim import set_lr
 from lit_dtrain.utils.args import as_written
 from lit_dtrain.utils.args import check_int as _check_int
+from lit_dtrain.utils.rank_zero import log_once
 
 DECAY_TYPES = ("linear", "cosine", "1-sqrt", "exponential")
 
@@ -91,8 +92,9 @@ def check_wsd_args(
     ``decay_fraction`` above 0 that rounds to 0 decay steps is a warning (the WSD constructors call this once):
     the schedule has no decay, its last step runs at the peak LR, not ``min_lr_factor``."""
     resolved = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
-    if decay_fraction and not resolved:
-        log.warning(
+    if decay_fraction and not resolved:  # every rank builds the schedule: rank 0 says it
+        log_once(
+            log, logging.WARNING,
             "WSD: decay_fraction=%s of total_steps=%s rounds to 0 decay steps (round(%s) = 0): no decay, the LR stays "
             "at its peak to the last step and never reaches min_lr_factor; give decay_steps (at least 1) for one",
             decay_fraction, total_steps, float(as_written(decay_fraction) * int(total_steps)),

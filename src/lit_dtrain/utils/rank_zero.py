@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from lightning.pytorch.utilities import rank_zero_only
-
 
 def log_once(logger: logging.Logger, level: int, msg: str, *args) -> None:
     """``logger.log(level, msg, *args)`` on rank 0 only (``rank_zero_only.rank``, which Lightning sets from the
-    launcher's rank variables before any rank runs the script)."""
+    launcher's rank variables when it is imported). Imported here, not at the top: the pure schedule functions
+    (``lit_dtrain.schedules.lr``) use it and stay importable without Lightning's import time."""
+    from lightning.pytorch.utilities import rank_zero_only
+
     if rank_zero_only.rank == 0:
         logger.log(level, msg, *args)
