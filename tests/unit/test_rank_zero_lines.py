@@ -105,3 +105,21 @@ def test_a_corpus_of_fewer_windows_than_a_batch_and_a_wsd_without_decay_are_told
                 if "fewer than one global batch" in r.getMessage() or "rounds to 0 decay" in r.getMessage()]
         assert len(said) == count and len(dm.train_windows) == 1 and sched.lr_lambdas[0](1) == 1.0
     assert "holds 1 window(s) of block_size+1 = 17 tokens, fewer than one global batch of 4" in said[0]
+
+
+def test_a_moved_run_dir_is_told_by_rank_0_alone_and_every_rank_reads_its_files_there(tmp_path, caplog, monkeypatch):
+    """A 2-rank resume=auto of a copied run dir printed 'ModelCheckpoint: the checkpoint was saved in
+    .../r6/checkpoints; its files are read in .../r6b/checkpoints (the run dir moved)' twice."""
+    from lit_dtrain.callbacks.model_checkpoint import moved_dirpath_state
+
+    old, new = tmp_path / "a", tmp_path / "b"
+    new.mkdir()
+    (new / "last.ckpt").write_bytes(b"x")
+    state = {"dirpath": str(old), "last_model_path": str(old / "last.ckpt"), "best_k_models": {}}
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.model_checkpoint"):
+            moved = moved_dirpath_state(state, str(new))
+        assert moved["last_model_path"] == str(new / "last.ckpt") and len(caplog.records) == count
+    assert "(the run dir moved)" in caplog.text

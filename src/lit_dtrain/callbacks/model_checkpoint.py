@@ -38,6 +38,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from typing_extensions import override
 
+from lit_dtrain.utils.rank_zero import log_once
+
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +108,8 @@ def moved_dirpath_state(state: dict[str, Any], dirpath: str | None) -> dict[str,
     named = [state.get("last_model_path"), *(state.get("best_k_models") or {})]
     if not any(p and here(p) != p and os.path.isfile(here(p)) for p in named):
         return state  # another run's checkpoint (a start from it in a new run dir): Lightning restores no paths
-    log.info("ModelCheckpoint: the checkpoint was saved in %s; its files are read in %s (the run dir moved)", old,
+    log_once(log, logging.INFO,  # every rank reads the moved paths: rank 0 says it
+             "ModelCheckpoint: the checkpoint was saved in %s; its files are read in %s (the run dir moved)", old,
              dirpath)
     paths = ("best_model_path", "kth_best_model_path", "last_model_path")
     return {**state, "dirpath": dirpath, **{k: here(state.get(k)) for k in paths if k in state},
