@@ -76,7 +76,13 @@ from lit_dtrain.sigterm_exit import (
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
-from lit_dtrain.train_callbacks import LogStepSync, TrainClock, ValLimitCheck, figures_of_the_fit_that_trained
+from lit_dtrain.train_callbacks import (
+    LogStepSync,
+    TrainClock,
+    ValLimitCheck,
+    add_required_callbacks,
+    figures_of_the_fit_that_trained,
+)
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
@@ -268,10 +274,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.get("logger"):  # logger=none / ~logger: the LR monitor has nowhere to log (Lightning would refuse)
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    for cb in getattr(datamodule.sampler, "required_callbacks", lambda: [])():  # a sampler is inert without them
-        if not any(isinstance(c, type(cb)) for c in callbacks):
-            log.info("adding %s (required by %s)", type(cb).__name__, type(datamodule.sampler).__name__)
-            callbacks.append(cb)
+    add_required_callbacks(callbacks, datamodule.sampler)
     check_step_outputs(callbacks, module)  # before any compute
     clock = TrainClock()
     # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -155,3 +156,12 @@ def _fraction_for_one_batch(batches: int) -> str:
     while int(batches * float(text := f"{units / 10**decimals:.{decimals}f}")) < 1:
         units += 1
     return text.rstrip("0").rstrip(".") if "." in text else text  # 0.5 of 2, not 0.500
+
+
+def add_required_callbacks(callbacks: list[L.Callback], sampler) -> None:
+    """Append the callbacks ``sampler`` needs (``required_callbacks()``; a sampler is inert without them) that
+    ``callbacks`` lacks. Every rank adds them; rank 0 says so."""
+    for cb in getattr(sampler, "required_callbacks", lambda: [])():
+        if not any(isinstance(c, type(cb)) for c in callbacks):
+            log_once(log, logging.INFO, "adding %s (required by %s)", type(cb).__name__, type(sampler).__name__)
+            callbacks.append(cb)

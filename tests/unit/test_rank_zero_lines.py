@@ -123,3 +123,57 @@ def test_a_moved_run_dir_is_told_by_rank_0_alone_and_every_rank_reads_its_files_
             moved = moved_dirpath_state(state, str(new))
         assert moved["last_model_path"] == str(new / "last.ckpt") and len(caplog.records) == count
     assert "(the run dir moved)" in caplog.text
+
+
+def test_a_decay_branch_and_init_from_are_told_by_rank_0_alone(tiny_cfg, tmp_path, caplog, monkeypatch):
+    """A 2-rank decay branch printed 'decay_branch.ckpt ... is below its peak LR', 'resuming ... with optimizer.lr=0.001
+    as the peak LR' and 'decay_branch: from step 55 of ..., decaying over 3 steps to step 58' twice; init_from
+    'init_from: loaded 48 weight tensors from ...' twice. Every rank still sets the branch's keys and loads the
+    weights."""
+    import torch
+
+    from lit_dtrain.models import build_llama
+    from lit_dtrain.schedules.workflows import apply_decay_branch, load_model_weights
+
+    src = tmp_path / "decayed.ckpt"  # a finished WSD run's step 55: its LR decayed to 0
+    torch.save({"global_step": 55, "optimizer_states": [{"param_groups": [{"lr": 0.0}]}],
+                "lr_schedulers": [{"base_lrs": [0.003]}], "state_dict": {}}, src)
+    model = build_llama(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+    torch.save({"global_step": 3, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
+               tmp_path / "weights.ckpt")
+    for rank, count in ((1, 0), (0, 4)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=3", "optimizer.lr=0.001", run="branch")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lit_dtrain.schedules.workflows"):
+            assert apply_decay_branch(cfg) == 55
+            assert len(load_model_weights(model, tmp_path / "weights.ckpt")) == len(model.state_dict())
+        said = _lines(caplog, "lit_dtrain.schedules.workflows")
+        assert len(said) == count, said
+        assert cfg.trainer.max_steps == 58 and cfg.ckpt_path == str(src)
+    assert "is below its peak LR" in said[0] and "with optimizer.lr=0.001 as the peak LR" in said[1]
+    assert "decaying over 3 steps to step 58" in said[2] and "init_from: loaded" in said[3]
+
+
+def test_a_sampler_s_required_callback_is_added_on_every_rank_and_told_by_rank_0(caplog, monkeypatch):
+    """data/sampler=fourier on 2 ranks printed 'adding FourierSamplerCallback (required by FourierSampler)' twice."""
+    import lightning as L
+
+    from lit_dtrain.train_callbacks import add_required_callbacks
+
+    class Needed(L.Callback):
+        pass
+
+    class Sampler:
+        def required_callbacks(self):
+            return [Needed()]
+
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        callbacks = []
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+            add_required_callbacks(callbacks, Sampler())
+            add_required_callbacks(callbacks, Sampler())  # there already: not again
+        assert [type(c) for c in callbacks] == [Needed] and len(caplog.records) == count
+    assert caplog.records[0].getMessage() == "adding Needed (required by Sampler)"

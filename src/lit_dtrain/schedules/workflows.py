@@ -41,6 +41,7 @@ from lit_dtrain.schedules._resume_lr import (
     warn_if_the_lr_moves,
 )
 from lit_dtrain.sweeps import another_run_dir
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,8 @@ def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = No
     for key, node in _resumed_schedule_nodes(cfg):
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup and _is_default_warmup(node, int(cfg.trainer.max_steps)) and _at_peak(ckpt):
-            log.info(
+            log_once(
+                log, logging.INFO,
                 "%s.warmup_steps defaults to %d for trainer.max_steps=%d, past the checkpoint's step %d, which is at "
                 "its peak LR: using warmup_steps=%d (pass %s.warmup_steps=W to choose another)",
                 key,
@@ -252,7 +254,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     own = checkpoint_files(own_dir)
     with open_dict(cfg):
         if cfg.get("resume") == "auto" and own:  # resolve_ckpt_path picks last.ckpt (or the newest if it is missing)
-            log.info("decay_branch: resuming this branch's own checkpoints in %s", own_dir)
+            log_once(log, logging.INFO, "decay_branch: resuming this branch's own checkpoints in %s", own_dir)
         elif own:  # re-resuming the source here would write last-v1.ckpt beside the first start's last.ckpt
             raise ConfigError(
                 f"this branch's run dir {str(own_dir.parent)!r} already holds checkpoints ({', '.join(own[:3])}"
@@ -261,9 +263,13 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         else:
             cfg.ckpt_path = str(src)
             cfg.resume = None
-    warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP)
-    log_a_changed_peak(cfg, src)
-    log.info("decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src, steps, total)
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank == 0:  # what the checkpoint's LRs say, read once: every rank branches from the same one
+        warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP)
+        log_a_changed_peak(cfg, src)
+    log_once(log, logging.INFO, "decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src,
+             steps, total)
     return start
 
 
@@ -310,7 +316,7 @@ def check_init_from(cfg: DictConfig) -> bool:
             "only: fresh optimizer, schedule and step) or ckpt_path (a full resume)"
         )
     if cfg.get("resume") == "auto" and checkpoint_files(Path(str(cfg.paths.checkpoint_dir))):
-        log.info("init_from: not read, resume=auto continues this run's own checkpoints")
+        log_once(log, logging.INFO, "init_from: not read, resume=auto continues this run's own checkpoints")
         return False
     target = Path(str(path)).expanduser()
     if not target.is_file():
@@ -384,5 +390,6 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
             f"init_from={str(path)!r} does not fit the configured model ({misfit_advice(ckpt, target)}): {mismatch}"
         )
     target.load_state_dict(weights, strict=True)
-    log.info("init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)", len(weights), path)
+    log_once(log, logging.INFO, "init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)",
+             len(weights), path)
     return sorted(weights)
