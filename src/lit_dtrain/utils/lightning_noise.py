@@ -22,6 +22,9 @@ def quiet_lightning_noise() -> None:
       ``compute()`` has already reduced them over the ranks;
     - ModelCheckpoint's "Checkpoint directory ... exists and is not empty", printed by every resume: ``train(cfg)``
       refuses a fresh run in a dir that holds checkpoints, so the ones there are the run's own.
+    - ModelCheckpoint's "The dirpath has changed from <the checkpoint's run> to <this run>, therefore
+      `best_model_score` ... won't be reloaded", printed by each rank of a decay branch or a ``ckpt_path`` of another
+      run: a new run dir is what they ask for (a moved run dir keeps its state: ``moved_dirpath_state``).
     """
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
@@ -31,3 +34,4 @@ def quiet_lightning_noise() -> None:
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty\.")
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from .* won't be reloaded")
