@@ -177,3 +177,20 @@ def test_a_sampler_s_required_callback_is_added_on_every_rank_and_told_by_rank_0
             add_required_callbacks(callbacks, Sampler())  # there already: not again
         assert [type(c) for c in callbacks] == [Needed] and len(caplog.records) == count
     assert caplog.records[0].getMessage() == "adding Needed (required by Sampler)"
+
+
+def test_a_cut_top_k_is_told_by_rank_0_alone_and_every_rank_cuts_it(caplog, monkeypatch):
+    """A resume with a lower save_top_k: each rank cut the restored top-k and printed 'ModelCheckpoint: save_top_k=1,
+    and the checkpoint's top-k holds 3 files: removing ...'."""
+    from lit_dtrain.callbacks.model_checkpoint import keep_top_k
+
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        callback = SimpleNamespace(save_top_k=1, mode="min", best_k_models={"/c/a.ckpt": 3.0, "/c/b.ckpt": 2.0,
+                                                                             "/c/c.ckpt": 4.0})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.callbacks.model_checkpoint"):
+            assert keep_top_k(callback) == ["/c/a.ckpt", "/c/c.ckpt"]
+        assert callback.best_model_path == "/c/b.ckpt" and len(caplog.records) == count
+    said = "ModelCheckpoint: save_top_k=1, and the checkpoint's top-k holds 3 files: removing a.ckpt, c.ckpt"
+    assert caplog.records[0].getMessage() == said

@@ -130,6 +130,7 @@ def keep_top_k(callback: _LightningModelCheckpoint) -> list[str]:
     callback.best_k_models = {p: scores[p] for p in keep}
     callback.best_model_path, callback.best_model_score = keep[0], scores[keep[0]]
     callback.kth_best_model_path, callback.kth_value = keep[-1], scores[keep[-1]]
-    log.warning("ModelCheckpoint: save_top_k=%d, and the checkpoint's top-k holds %d files: removing %s", k,
-                len(scores), ", ".join(os.path.basename(p) for p in drop))
+    log_once(log, logging.WARNING,  # every rank restores and cuts the same top-k: rank 0 says it
+             "ModelCheckpoint: save_top_k=%d, and the checkpoint's top-k holds %d files: removing %s", k, len(scores),
+             ", ".join(os.path.basename(p) for p in drop))
     return drop
