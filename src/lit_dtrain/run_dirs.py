@@ -208,7 +208,13 @@ def hydra_overrides(run: Path) -> list[str] | None:
     f = next((f for f in (run / "overrides.yaml", run / ".hydra" / "overrides.yaml") if f.is_file()), None)
     if f is None:
         return None
-    return [line[2:].strip() for line in f.read_text().splitlines() if line.startswith("- ")]
+    import yaml
+
+    try:  # YAML, not its lines: an override YAML quotes ('+a={k: v}') or folds over lines keeps its text
+        items = yaml.safe_load(f.read_text())
+    except yaml.YAMLError:
+        return None
+    return [str(o) for o in items] if isinstance(items, list) else None
 
 
 _JOB_NUM = ("${hydra.job.num}", "${hydra:job.num}")  # Hydra's default hydra.sweep.subdir, and conf/hydra's
