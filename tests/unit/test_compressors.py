@@ -1373,6 +1373,25 @@ def test_a_codec_spec_names_a_misspelt_key_and_the_right_one():
     assert build_local_update({"name": "local_sgd_adaptive", "sync_period": 4}).adaptive
 
 
+@pytest.mark.parametrize("preset", ["local_sgd", "local_sgd_adaptive", "diloco"])
+def test_a_local_update_preset_turned_per_step_names_only_the_sync_flags_the_user_gave(preset, tiny_cfg):
+    """The local-update presets set both sync flags to true, so strategy.local_update=null with a per-step codec over
+    them was told 'sync_on_last_step and sync_before_validation ... do nothing: remove it' of keys never typed."""
+    import warnings
+
+    from lit_dtrain.strategies.by_name import build_strategy
+
+    per_step = [f"strategy=ddp_compressed/{preset}", "strategy.local_update=null", "strategy.compressor=int8"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy = build_strategy(tiny_cfg(*per_step))
+        local = build_strategy(tiny_cfg(f"strategy=ddp_compressed/{preset}"))
+    assert strategy.sync_on_last_step and strategy.sync_before_validation
+    assert local.sync_on_last_step and local.sync_before_validation
+    with pytest.warns(UserWarning, match=r"^CompressedDDPStrategy: sync_on_last_step acts only"):
+        build_strategy(tiny_cfg(*per_step, "strategy.sync_on_last_step=false"))
+
+
 def test_sync_flags_given_under_a_per_step_codec_are_named():
     """sync_on_last_step / sync_before_validation act only under a local-update rule; given under a per-step codec
     (false included) they did nothing, without a word. Not given, or under local updates: no warning, default true."""
