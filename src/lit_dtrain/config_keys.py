@@ -203,8 +203,6 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
     silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
     integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
     ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
-    from typing import get_type_hints
-
     from hydra.utils import get_object
 
     node = cfg if node is None else node
@@ -224,10 +222,7 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             target = None
         if target is not None:
             check_target_keys(node, path, target)
-            try:
-                hints = get_type_hints(target.__init__ if isinstance(target, type) else target)
-            except Exception:  # unresolvable hints: nothing to check
-                hints = {}
+            hints = _argument_hints(target)
     for key in node.keys():
         key = str(key)
         if key.startswith("_") or OmegaConf.is_missing(node, key):
@@ -236,17 +231,39 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
         if isinstance(child, (DictConfig, ListConfig)):
             check_target_arguments(cfg, child, full)
             continue
-        expected = _flag_or_number(hints.get(key))
-        if expected is None:
-            continue
-        kind, allowed = expected
-        value = node[key]
-        if value is None and None in allowed or isinstance(value, str) and value in allowed:
-            continue
-        others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
-        if kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
-        number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
-        if kind != "bool" and not number:
-            what = "an integer" if kind == "int" else "a number"
-            raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")
+        if _flag_or_number(hints.get(key)) is not None:  # read only then: an interpolation may refuse to resolve
+            _check_value(full, hints.get(key), node[key])
+
+
+def check_argument_types(target, arguments, path: str) -> None:
+    """:func:`check_target_arguments`' check of flags and numbers for the keyword arguments ``arguments`` (a mapping)
+    of the class or function ``target``, named ``path.<key>``: a codec given in Python as ``{"name": "topk",
+    "error_feedback": "no"}`` is checked as the same mapping in a config."""
+    hints = _argument_hints(target)
+    for key, value in arguments.items():
+        _check_value(f"{path}.{key}", hints.get(key), value)
+
+
+def _argument_hints(target) -> dict:
+    from typing import get_type_hints
+
+    try:
+        return get_type_hints(target.__init__ if isinstance(target, type) else target)
+    except Exception:  # unresolvable hints: nothing to check
+        return {}
+
+
+def _check_value(full: str, annotation, value) -> None:
+    expected = _flag_or_number(annotation)
+    if expected is None:
+        return
+    kind, allowed = expected
+    if value is None and None in allowed or isinstance(value, str) and value in allowed:
+        return
+    others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
+    if kind == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
+    number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
+    if kind != "bool" and not number:
+        what = "an integer" if kind == "int" else "a number"
+        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")

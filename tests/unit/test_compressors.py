@@ -815,6 +815,21 @@ def test_builders_reject_unknown_names_and_keys():
     assert isinstance(d, DiLoCo) and isinstance(d.compressor, BlockQuantizer)
 
 
+
+def test_a_mapping_given_in_python_has_its_flags_and_numbers_type_checked():
+    """Only a config's mapping was type-checked: CompressedDDPStrategy(compressor={"name": "topk", "error_feedback":
+    "no"}) trained with error feedback on (bool('no') is true). One check serves both forms now."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    with pytest.raises(ConfigError, match=r"^compressor.error_feedback must be true or false, got 'no' \(str\)$"):
+        CompressedDDPStrategy(compressor={"name": "topk", "error_feedback": "no"})
+    with pytest.raises(ConfigError, match=r"^compressor.ratio must be a number, got '0.1' \(str\)$"):
+        build_compressor({"name": "topk", "ratio": "0.1"})
+    with pytest.raises(ConfigError, match=r"^local_update.nesterov must be true or false, got 1 \(int\)$"):
+        build_local_update({"name": "diloco", "nesterov": 1})
+    assert not build_compressor({"name": "topk", "error_feedback": False, "ratio": 1}).error_feedback
+
 # --- local updates --------------------------------------------------------------------------------------
 class TwoRankComm(LoopbackCommunicator):
     """Pretends to be rank 0 of 2: the other rank's contribution to each all-reduce comes from ``other``."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lit_dtrain.config_keys import accepted_arguments, check_target_arguments
+from lit_dtrain.config_keys import accepted_arguments, check_argument_types
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.local_updates import DiLoCo, LocalSGD, LocalUpdate
@@ -88,6 +88,8 @@ def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str, p
             if key not in accepted:
                 raise ValueError(f"{path}.{key} is not an argument of the {what} {name!r} ({cls.__name__})"
                                  f"{_did_you_mean(key, accepted, f'{path}.')}")
+    # flags and numbers by the class's annotations, in Python as from a config: {"error_feedback": "no"} was true
+    check_argument_types(cls, {k: v for k, v in kwargs.items() if not isinstance(v, Mapping)}, path)
     return factory(**kwargs)
 
 
@@ -114,25 +116,18 @@ def check_strategy_specs(cfg: DictConfig) -> None:
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
     local = node.get("local_update")
-    checks = [("strategy.compressor", node.get("compressor"), build_compressor, COMPRESSORS),
-              ("strategy.local_update", local, build_local_update, LOCAL_UPDATES)]
+    checks = [("strategy.compressor", node.get("compressor"), build_compressor),
+              ("strategy.local_update", local, build_local_update)]
     if isinstance(local, DictConfig):
-        checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor, COMPRESSORS))
-    for path, spec, build, registry in checks:
+        checks.insert(1, ("strategy.local_update.compressor", local.get("compressor"), build_compressor))
+    for path, spec, build in checks:
         if isinstance(spec, DictConfig) and "_target_" in spec and "name" in spec:
             raise ConfigError(f"{path} holds the preset's _target_ ({spec._target_}) and a name ({spec.name!r}): a "
                               f"mapping added with '+' merged into the preset's node; replace the node: "
                               f"'~{path}' '+{path}={{name: {spec.name}, ...}}', or {path}={spec.name}")
         if isinstance(spec, DictConfig) and "_target_" in spec or spec is None:
             continue
-        if isinstance(spec, DictConfig) and spec.get("name") in registry:  # flags and numbers by the class's
-            # annotations, as for a _target_ node: {name: topk, error_feedback: "no"} trained with error feedback on
-            cls, fixed = _class_and_fixed(registry[spec.name])
-            accepted = (accepted_arguments(cls) or set()) - set(fixed)
-            typed = {"_target_": f"{cls.__module__}.{cls.__qualname__}",
-                     **{k: v for k, v in spec.items() if k in accepted and not isinstance(v, (DictConfig, dict))}}
-            check_target_arguments(cfg, OmegaConf.create(typed), path)
-        try:
+        try:  # build checks the mapping's flags and numbers as check_target_arguments a _target_ node's
             build(OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else spec, path)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
