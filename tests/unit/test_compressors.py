@@ -1407,6 +1407,19 @@ def test_a_local_update_preset_turned_per_step_names_only_the_sync_flags_the_use
         build_strategy(tiny_cfg(*per_step, "strategy.sync_on_last_step=false"))
 
 
+def test_a_codec_with_a_local_update_is_refused_in_the_words_of_a_config(tiny_cfg):
+    """strategy=ddp_compressed/local_sgd strategy.compressor=int8 was told to 'set compressor=None', the Python form."""
+    from hydra.errors import InstantiationException
+
+    from lit_dtrain.strategies.by_name import build_strategy
+
+    with pytest.raises(InstantiationException) as caught:
+        build_strategy(tiny_cfg("strategy=ddp_compressed/local_sgd", "strategy.compressor=int8"))
+    assert str(caught.value.__cause__).endswith(
+        "gradient compressor would never run: set strategy.compressor=null (compressor=None in Python); a codec for "
+        "DiLoCo's pseudo-gradient goes in strategy.local_update.compressor")
+
+
 def test_sync_flags_given_under_a_per_step_codec_are_named():
     """sync_on_last_step / sync_before_validation act only under a local-update rule; given under a per-step codec
     (false included) they did nothing, without a word. Not given, or under local updates: no warning, default true."""

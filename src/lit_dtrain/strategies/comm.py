@@ -210,7 +210,8 @@ class CommSession:
         if compressor is not None and local_update is not None:
             raise ValueError(
                 "a local-update rule skips the per-step gradient all-reduce, so a gradient compressor would never "
-                "run; set compressor=None (DiLoCo takes its own compressor for the pseudo-gradient)"
+                "run: set strategy.compressor=null (compressor=None in Python); a codec for DiLoCo's pseudo-gradient "
+                "goes in strategy.local_update.compressor"
             )
         self.compressor = compressor if compressor is not None or local_update is not None else NoCompression()
         self.local_update = local_update
