@@ -13,6 +13,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 CHECKPOINT_KEY = "lit_dtrain_comm"
 
+
+class UnsplittableStateError(ValueError):
+    """Per-rank state of a checkpoint that a resume on another number of ranks cannot spread over its ranks."""
+
+
+def refused_resume_message(path: Any, state: Mapping, error: ValueError) -> str:
+    """The ConfigError of a checkpoint whose comm state this strategy cannot load: the file, why, and the ways out
+    (the preset that wrote it, unless that is the one in use and the world size is what differs; strategy=ddp)."""
+    preset = "" if isinstance(error, UnsplittableStateError) else (
+        f". Resume it with the preset that wrote it (strategy=ddp_compressed/{written_preset(state)})")
+    return (f"{path}: {error}{preset}, or with strategy=ddp, which drops this state with a warning that lists what "
+            "is lost")
+
 def ranks_phrase(n) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
@@ -129,9 +142,10 @@ def _shared_codec_state(states: list, what: str, notes: list[str]) -> dict | Non
         other = {k: v for k, v in (state or {}).items() if k not in _PER_RANK_CODEC_KEYS}
         differ = sorted(k for k in shared.keys() | other.keys() if not _same(shared.get(k), other.get(k)))
         if differ:
-            raise ValueError(f"{CHECKPOINT_KEY}: the {what} state {differ} differs between rank 0 and rank {r}: per-"
-                             "rank state that cannot be spread over another number of ranks; resume on the "
-                             f"{ranks_phrase(world)} that wrote it")
+            raise UnsplittableStateError(
+                f"{CHECKPOINT_KEY}: the {what} state {differ} differs between rank 0 and rank {r}: per-rank state "
+                f"that cannot be spread over another number of ranks; resume on the {ranks_phrase(world)} that "
+                "wrote it")
     held: dict[str, list] = {}
     for state in states:
         for name, t in (state.get("residuals") or {}).items():

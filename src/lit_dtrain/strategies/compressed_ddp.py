@@ -33,8 +33,8 @@ from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
     dropped_comm_state_message,
     rank_entry,
+    refused_resume_message,
     warn_if_comm_state_dropped,
-    written_preset,
 )
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import (
@@ -59,7 +59,7 @@ _STATE_VERSION = 1
 
 __all__ = [
     "CHECKPOINT_KEY", "CompressedDDPStrategy", "collective_timeout", "dropped_comm_state_message",
-    "register_strategies", "warn_if_comm_state_dropped", "written_preset",
+    "register_strategies", "warn_if_comm_state_dropped",
 ]
 
 
@@ -377,11 +377,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             try:
                 self.load_comm_state_dict(state)
             except ValueError as e:  # another preset, or state no world size splits: say which file and the ways out
-                raise ConfigError(
-                    f"{checkpoint_path}: {e}. Resume it with the preset that wrote it (strategy=ddp_compressed/"
-                    f"{written_preset(state)}), or with strategy=ddp, which drops this state "
-                    "with a warning that lists what is lost"
-                ) from e
+                raise ConfigError(refused_resume_message(checkpoint_path, state, e)) from e
         return checkpoint
 
 
