@@ -128,3 +128,9 @@ def test_training_mode_is_restored_and_bf16_weights_sample_with_the_cache():
     b16 = tiny().to(torch.bfloat16)
     out = b16.generate(PROMPTS, 6, temperature=0)
     assert out.shape == (2, 11) and out.dtype == torch.long
+
+
+def test_use_cache_that_is_not_a_bool_is_refused():
+    """use_cache='false' (a string, truthy) sampled with the cache without a word."""
+    with pytest.raises(ValueError, match=r"^generate: use_cache must be True or False, got 'false' \(str\)$"):
+        tiny().generate(PROMPTS, 2, temperature=0, use_cache="false")

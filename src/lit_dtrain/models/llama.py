@@ -290,6 +290,9 @@ class Llama(nn.Module):
         of earlier positions (:mod:`lit_dtrain.models.kv_cache`): the same tokens, the logits equal to fp32
         rounding; ``False`` runs the whole context through :meth:`forward` for every token."""
         check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
+        if not isinstance(use_cache, bool):  # 'false' is truthy: it sampled with the cache
+            raise ValueError(f"generate: use_cache must be True or False, got {use_cache!r} "
+                             f"({type(use_cache).__name__})")
         shape = tuple(input_ids.shape)
         if input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError(f"generate: input_ids must be (batch, tokens) with at least one token, got shape {shape}")
