@@ -169,6 +169,31 @@ def test_resuming_with_another_data_seed_warns(corpus, tmp_path, caplog, monkeyp
     assert "data seed 1, and this run's data.seed is 2" in said[0] and "set data.seed=1, or seed=1" in said[0]
 
 
+def test_resuming_on_another_global_batch_warns(corpus, tmp_path, caplog, monkeypatch):
+    """A resume on another number of ranks (compressed DDP resumes on any since 3d529cb; plain DDP always did) or with
+    another data.batch_size trained on other global batches at the same LR without a word: the checkpoint records its
+    global batch, and a resume whose batch differs says so and which data.batch_size keeps it."""
+    def said(dm, state) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            dm.load_state_dict(state)
+        return [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
+
+    state = dm_for(corpus, tmp_path, batch_size=8).state_dict()
+    assert state["global_batch"] == 8
+    assert said(dm_for(corpus, tmp_path, batch_size=8), state) == []
+    [message] = said(dm_for(corpus, tmp_path, batch_size=4), state)
+    assert "global batches of 8 windows" in message and "are 4 (data.batch_size=4 on 1 rank(s))" in message
+    assert "(data.batch_size=8 keeps its batch)" in message
+    two_ranks = dm_for(corpus, tmp_path, batch_size=4)
+    monkeypatch.setattr(two_ranks, "_world", lambda: (0, 2))
+    assert said(two_ranks, state) == []  # 4 on each of 2 ranks: the same global batch of 8
+    three_ranks = dm_for(corpus, tmp_path, batch_size=4)
+    monkeypatch.setattr(three_ranks, "_world", lambda: (0, 3))
+    [message] = said(three_ranks, state)
+    assert "are 12 (data.batch_size=4 on 3 rank(s))" in message and "keeps" not in message  # 8 / 3: no whole size
+
+
 def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, caplog):
     """A resume after a corpus file was edited (or block_size, val_fraction or max_val_windows changed) continued on
     other windows without a word, unlike one with another data seed; a resume on the same data stays silent."""

@@ -342,6 +342,7 @@ class LMDataModule(L.LightningDataModule):
             "sampler": self.sampler.state_dict(),
             "val_fraction": self.val_fraction,
             "max_val_windows": self.max_val_windows,
+            "global_batch": self.batch_size * self._world()[1],  # to warn when a resume trains on other batches
         }
 
     def _val_counts(self, cap: int) -> list[int]:
@@ -370,6 +371,16 @@ class LMDataModule(L.LightningDataModule):
                 "from here on val/loss is measured on other windows, so it is not comparable with the values logged "
                 "before, nor with the best checkpoint's score that ModelCheckpoint ranks new ones against",
                 int(saved_windows), self.max_val_windows)
+        saved_batch, ranks = state.get("global_batch"), self._world()[1]
+        if saved_batch is not None and int(saved_batch) != self.batch_size * ranks:  # e.g. a resume on other ranks
+            keep = int(saved_batch) // ranks if int(saved_batch) % ranks == 0 else None
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint trained on global batches of %d windows (data.batch_size x ranks), and this run's are "
+                "%d (data.batch_size=%d on %d rank(s)): from here on each step trains on another batch size at the "
+                "same learning rate, so the run is not the interrupted one's continuation%s", int(saved_batch),
+                self.batch_size * ranks, self.batch_size, ranks,
+                f" (data.batch_size={keep} keeps its batch)" if keep else "")
         self.micro_step = int(state["micro_step"])
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
