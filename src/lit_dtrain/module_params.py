@@ -9,11 +9,11 @@ import math
 from collections.abc import Callable
 
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.optim import Optimizer
 
 from lit_dtrain.optim import adamw
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
 _SHAPE_ATTR = "_lit_dtrain_shape"
@@ -74,8 +74,7 @@ def build_optimizer(factory: Callable, model: nn.Module, gradient_clip_val: floa
                 f"step() (a fused implementation), which cannot be combined with trainer.gradient_clip_val="
                 f"{gradient_clip_val} under precision={precision}: they cannot be clipped. Build a non-fused one, or "
                 "set trainer.gradient_clip_val=null")
-    if rank_zero_only.rank == 0:
-        log.info("%s", describe_param_groups(optimizer, model))
+    log_once(log, logging.INFO, "%s", describe_param_groups(optimizer, model))
     setattr(optimizer, _CONFIGURED_ATTR, [{k: g[k] for k in CONFIGURED_KEYS if k in g} for g in optimizer.param_groups])
     return optimizer
 
@@ -102,8 +101,8 @@ def restore_configured_settings(optimizer: Optimizer) -> None:
                 changed.append(f"{key}={_as_tuple(value)} in group {group.get('name', i)!r} (the checkpoint's: "
                                f"{_as_tuple(group[key])})")
             group[key] = value
-    if changed and rank_zero_only.rank == 0:
-        log.info("resuming with the configured optimizer settings: %s", "; ".join(changed))
+    if changed:
+        log_once(log, logging.INFO, "resuming with the configured optimizer settings: %s", "; ".join(changed))
 
 
 def _as_tuple(value):
