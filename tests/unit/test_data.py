@@ -180,10 +180,11 @@ def test_resuming_on_another_global_batch_warns(corpus, tmp_path, caplog, monkey
         return [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
 
     state = dm_for(corpus, tmp_path, batch_size=8).state_dict()
-    assert state["global_batch"] == 8
+    assert state["global_batch"] == 8 and state["accumulate_grad_batches"] == 1
     assert said(dm_for(corpus, tmp_path, batch_size=8), state) == []
     [message] = said(dm_for(corpus, tmp_path, batch_size=4), state)
-    assert "global batches of 8 windows" in message and "are 4 (data.batch_size=4 on 1 rank(s))" in message
+    assert "global batches of 8 windows" in message
+    assert "are 4 (data.batch_size=4 on 1 rank(s), accumulate_grad_batches=1)" in message
     assert "(data.batch_size=8 keeps its batch)" in message
     two_ranks = dm_for(corpus, tmp_path, batch_size=4)
     monkeypatch.setattr(two_ranks, "_world", lambda: (0, 2))
@@ -191,7 +192,34 @@ def test_resuming_on_another_global_batch_warns(corpus, tmp_path, caplog, monkey
     three_ranks = dm_for(corpus, tmp_path, batch_size=4)
     monkeypatch.setattr(three_ranks, "_world", lambda: (0, 3))
     [message] = said(three_ranks, state)
-    assert "are 12 (data.batch_size=4 on 3 rank(s))" in message and "keeps" not in message  # 8 / 3: no whole size
+    assert "are 12 (data.batch_size=4 on 3 rank(s)" in message and "keeps" not in message  # 8 / 3: no whole size
+
+
+def test_a_resume_that_keeps_its_global_batch_by_accumulation_stays_quiet(corpus, tmp_path, caplog, monkeypatch):
+    """The step's batch is data.batch_size x ranks x trainer.accumulate_grad_batches: a checkpoint of batches of 8
+    resumed with data.batch_size=4 trainer.accumulate_grad_batches=2 (the usual answer to an OOM) trains on the same 8
+    windows a step, yet was told 'this run's are 4 ... data.batch_size=8 keeps its batch'; and batches of 8 resumed
+    with accumulate_grad_batches=2 train on 16 a step without a word."""
+    def said(dm, state, accumulation) -> list[str]:
+        monkeypatch.setattr(dm, "_accumulation", lambda: accumulation, raising=False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            dm.load_state_dict(state)
+        return [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
+
+    state = dm_for(corpus, tmp_path, batch_size=8).state_dict()
+    assert said(dm_for(corpus, tmp_path, batch_size=4), state, 2) == []
+    [message] = said(dm_for(corpus, tmp_path, batch_size=8), state, 2)
+    assert "global batches of 8 windows" in message and "this run's are 16" in message
+    assert "accumulate_grad_batches=2" in message and "(data.batch_size=4 keeps its batch)" in message
+    accumulated = dm_for(corpus, tmp_path, batch_size=4)
+    monkeypatch.setattr(accumulated, "_accumulation", lambda: 2, raising=False)
+    state = accumulated.state_dict()  # 4 x 2 = 8 a step
+    assert said(dm_for(corpus, tmp_path, batch_size=8), state, 1) == []
+    [message] = said(dm_for(corpus, tmp_path, batch_size=4), state, 1)
+    assert "global batches of 8 windows" in message and "this run's are 4" in message
+    old = {k: v for k, v in state.items() if k != "accumulate_grad_batches"}  # a checkpoint from before: this run's
+    assert said(dm_for(corpus, tmp_path, batch_size=4), old, 2) == []
 
 
 def test_resuming_on_an_edited_corpus_warns(corpus, tmp_path, caplog):

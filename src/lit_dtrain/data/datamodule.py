@@ -247,6 +247,10 @@ class LMDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
+    def _accumulation(self) -> int:
+        """The trainer's micro-batches per optimizer step (1 without a trainer)."""
+        return int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1) if self.trainer is not None else 1
+
     # ---- training batches -----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_StepTickets(), batch_size=None)
@@ -342,7 +346,8 @@ class LMDataModule(L.LightningDataModule):
             "sampler": self.sampler.state_dict(),
             "val_fraction": self.val_fraction,
             "max_val_windows": self.max_val_windows,
-            "global_batch": self.batch_size * self._world()[1],  # to warn when a resume trains on other batches
+            "global_batch": self.batch_size * self._world()[1],  # windows per micro-step; with the accumulation:
+            "accumulate_grad_batches": self._accumulation(),  # to warn when a resume trains on other batches
         }
 
     def _val_counts(self, cap: int) -> list[int]:
@@ -354,6 +359,26 @@ class LMDataModule(L.LightningDataModule):
             self._pending_state = state
         else:
             self._apply_state(state)
+
+    def _warn_if_the_global_batch_changed(self, state: dict) -> None:
+        """A step's batch is ``data.batch_size x ranks x accumulate_grad_batches`` windows: another one warns, another
+        split of it (4 x 2 after 8 x 1, an OOM's answer) does not. A checkpoint without one had this run's."""
+        saved_windows = state.get("global_batch")  # data.batch_size x ranks of the checkpoint's run
+        if saved_windows is None:
+            return
+        ranks, accumulation = self._world()[1], self._accumulation()
+        saved = int(saved_windows) * int(state.get("accumulate_grad_batches", accumulation))
+        now = self.batch_size * ranks * accumulation
+        if saved == now:
+            return
+        per_rank, rest = divmod(saved, ranks * accumulation)
+        log_once(
+            log, logging.WARNING,
+            "the checkpoint trained on global batches of %d windows (data.batch_size x ranks x "
+            "trainer.accumulate_grad_batches), and this run's are %d (data.batch_size=%d on %d rank(s), "
+            "accumulate_grad_batches=%d): from here on each step trains on another batch size at the same learning "
+            "rate, so the run is not the interrupted one's continuation%s", saved, now, self.batch_size, ranks,
+            accumulation, f" (data.batch_size={per_rank} keeps its batch)" if per_rank and not rest else "")
 
     def _apply_state(self, state: dict) -> None:
         saved_seed = state.get("seed")
@@ -371,16 +396,7 @@ class LMDataModule(L.LightningDataModule):
                 "from here on val/loss is measured on other windows, so it is not comparable with the values logged "
                 "before, nor with the best checkpoint's score that ModelCheckpoint ranks new ones against",
                 int(saved_windows), self.max_val_windows)
-        saved_batch, ranks = state.get("global_batch"), self._world()[1]
-        if saved_batch is not None and int(saved_batch) != self.batch_size * ranks:  # e.g. a resume on other ranks
-            keep = int(saved_batch) // ranks if int(saved_batch) % ranks == 0 else None
-            log_once(
-                log, logging.WARNING,
-                "the checkpoint trained on global batches of %d windows (data.batch_size x ranks), and this run's are "
-                "%d (data.batch_size=%d on %d rank(s)): from here on each step trains on another batch size at the "
-                "same learning rate, so the run is not the interrupted one's continuation%s", int(saved_batch),
-                self.batch_size * ranks, self.batch_size, ranks,
-                f" (data.batch_size={keep} keeps its batch)" if keep else "")
+        self._warn_if_the_global_batch_changed(state)
         self.micro_step = int(state["micro_step"])
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
