@@ -76,6 +76,18 @@ def test_fsdp_config_builds_a_module_wrap_policy_of_the_named_blocks(tmp_path, c
         build_strategy(compose_cfg(["strategy=fsdp", "strategy.wrap_modules=[]"], tmp_path / "none", corpus))
 
 
+def test_fsdp_on_a_cpu_is_refused_when_the_trainer_is_built(tmp_path, corpus):
+    """Lightning refuses FSDP on a CPU only for its own class; make_fsdp's subclass got past that and failed in fit,
+    after the ranks had started, with torch's traceback 'RuntimeError: FSDP needs a non-CPU accelerator device'."""
+    from lit_dtrain.strategies import make_fsdp
+
+    refusal = r"FSDP \(make_fsdp, strategy=fsdp\) shards the model over GPUs, but this Trainer runs on the CPU: on a "
+    with pytest.raises(ConfigError, match=refusal):
+        L.Trainer(accelerator="cpu", strategy=make_fsdp(wrap_modules=[torch.nn.Linear]), logger=False)
+    with pytest.raises(ConfigError, match=refusal):  # strategy=fsdp: train.py prints it as one line, 'error: ...'
+        L.Trainer(accelerator="cpu", strategy=build_strategy(compose_cfg(["strategy=fsdp"], tmp_path, corpus)))
+
+
 @pytest.mark.parametrize("data", ["stdlib", "textfiles", "mixture"])
 def test_data_options_instantiate(data, tmp_path, corpus):
     overrides = [f"data={data}"]

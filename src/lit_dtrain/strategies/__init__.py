@@ -45,7 +45,29 @@ class EvenEpochsDDPStrategy(EpochLengthCheck, DDPStrategy):
 
 
 class EvenEpochsFSDPStrategy(EpochLengthCheck, FSDPStrategy):
-    """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`)."""
+    """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), and a
+    CPU accelerator when the Trainer is built.
+
+    Lightning refuses FSDP without a GPU only for its own class (``type(strategy) is FSDPStrategy``), so this subclass
+    got past the check on a CPU and failed in ``fit``, after the ranks had started, with torch's traceback
+    (``RuntimeError: FSDP needs a non-CPU accelerator device``).
+    """
+
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:  # set by the Trainer's accelerator connector, at construction
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        if isinstance(accelerator, CPUAccelerator):
+            from lit_dtrain.errors import ConfigError
+
+            raise ConfigError(
+                "FSDP (make_fsdp, strategy=fsdp) shards the model over GPUs, but this Trainer runs on the CPU: on a "
+                "CPU use DDP (strategy=ddp; Trainer(strategy=make_ddp()) in Python), or run on GPUs")
+        self._accelerator = accelerator
 
 
 def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
