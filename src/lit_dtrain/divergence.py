@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from lit_dtrain.checkpoint import nonfinite_tensors
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger
 
@@ -52,7 +53,7 @@ def report_divergence(metrics: dict, module: L.LightningModule, watch: NonFinite
     """Add ``diverged`` (the final weights or the validation loss are not finite) and ``first_nonfinite_step`` (the
     first step whose training loss was not finite, also in a run a spike monitor kept finite) to ``metrics``; where
     the final weights are not finite (their ``last.ckpt`` was not written), set ``checkpoint`` to the newest finite
-    checkpoint of ``ckpt_dir`` (None: none), and log a warning that the run diverged."""
+    checkpoint of ``ckpt_dir`` (None: none), and log a warning that the run diverged (rank 0)."""
     from lit_dtrain.checkpoint import checkpoint_global_step
     from lit_dtrain.resume import newest_step_checkpoint
 
@@ -76,4 +77,5 @@ def report_divergence(metrics: dict, module: L.LightningModule, watch: NonFinite
     else:
         kept = f"the final weights are finite, but val_loss is {val_loss}: {kept} {metrics.get('checkpoint')}"
     at = f" from step {first} on (its training loss was the first NaN/inf)" if first is not None else ""
-    log.warning("the run DIVERGED%s: %s; summary.json says \"diverged\": true", at, kept)
+    # a fact of the run: every rank reaches it (the weights are the same), rank 0 says it
+    log_once(log, logging.WARNING, "the run DIVERGED%s: %s; summary.json says \"diverged\": true", at, kept)

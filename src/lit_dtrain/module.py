@@ -27,6 +27,7 @@ from lit_dtrain.module_metrics import ValLossMean
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
 from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,9 @@ class LitLLM(L.LightningModule):
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
             if isinstance(scheduler, StepLambdaLR) and scheduler.last_epoch != step:
-                log.warning("LR scheduler at step %d but the run is at global_step %d (the checkpoint holds no "
-                            "scheduler state): moving the schedule to step %d", scheduler.last_epoch, step, step)
+                log_once(log, logging.WARNING, "LR scheduler at step %d but the run is at global_step %d (the "
+                         "checkpoint holds no scheduler state): moving the schedule to step %d", scheduler.last_epoch,
+                         step, step)
                 scheduler.set_step(step)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:

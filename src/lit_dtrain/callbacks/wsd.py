@@ -43,6 +43,7 @@ from lit_dtrain.callbacks._wsd_horizon import (
 )
 from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +195,8 @@ class WSDScheduler(StepHooksCallback):
         configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
         if self.base_lrs is not None and self.base_lrs != configured:
             if [len(b) for b in self.base_lrs] == [len(b) for b in configured]:
-                log.info("WSDScheduler: the configured peak LRs %s replace the checkpoint's %s", configured,
-                         self.base_lrs)
+                log_once(log, logging.INFO, "WSDScheduler: the configured peak LRs %s replace the checkpoint's %s",
+                         configured, self.base_lrs)
             else:  # another set of param groups: _apply names the mismatch
                 return
         self.base_lrs = configured
@@ -256,7 +257,7 @@ class WSDScheduler(StepHooksCallback):
             self._check_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
-            log.warning(msg, step, self.total_steps)
+            log_once(log, logging.WARNING, msg, step, self.total_steps)
 
     def _check_horizon(self, trainer: L.Trainer, step: int) -> None:
         """Warn when the trainer will take more steps than ``total_steps`` (a ``max_epochs`` run, or ``max_steps``
@@ -390,4 +391,4 @@ class WSDScheduler(StepHooksCallback):
             self._resumed_schedule = self._saved_schedule  # checked at train start, at the restored step
         self._saved_schedule = {}
         if changed:
-            log.info("WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)
+            log_once(log, logging.INFO, "WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)

@@ -1,0 +1,63 @@
+"""A run's end and a resume's schedule are facts of the run: every rank reaches them, and each printed its line (a
+2-rank trainer=ddp_cpu run that diverged printed 'the run DIVERGED from step 2 on ...' twice, on the console and in
+each rank's log). They are logged by rank 0 alone now (``utils.rank_zero.log_once``); every rank still does the work."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_dtrain.callbacks import WSDScheduler
+from lit_dtrain.divergence import report_divergence
+from lit_dtrain.module import LitLLM
+from lit_dtrain.schedules.lr import StepLambdaLR
+
+
+def _lines(caplog, logger: str, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger and text in r.getMessage()]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_diverged_run_is_told_by_rank_0_alone_and_every_rank_records_it(tmp_path, caplog, monkeypatch, rank):
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    module = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        module.weight[0, 0] = float("nan")
+    metrics = {"val_loss": float("nan"), "checkpoint": str(tmp_path / "last.ckpt")}
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        report_divergence(metrics, module, None, tmp_path)
+    assert metrics["diverged"] is True and metrics["checkpoint"] is None  # every rank: no finite checkpoint
+    assert len(_lines(caplog, "lit_dtrain.train", "the run DIVERGED")) == (1 if rank == 0 else 0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_wsd_callback_s_resume_lines_are_rank_0_s(caplog, monkeypatch, rank):
+    """A changed schedule (loaded state) and changed peaks (fit start): each rank takes them, rank 0 says so."""
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    cb = WSDScheduler(total_steps=32, warmup_steps=2, decay_steps=8)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"):
+        cb.load_state_dict({**cb.state_dict(), "base_lrs": [[1.0]], "total_steps": 24, "decay_steps": 6})
+        cb.on_fit_start(SimpleNamespace(optimizers=[optimizer]), None)
+    assert cb.base_lrs == [[0.5]] and cb.total_steps == 32
+    lines = _lines(caplog, "lit_dtrain.callbacks.wsd", "WSDScheduler")
+    assert len(lines) == (2 if rank == 0 else 0), lines
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_scheduler_moved_to_the_resumed_step_is_told_by_rank_0_alone(caplog, monkeypatch, rank):
+    """A checkpoint without scheduler state (written with the WSDScheduler callback): every rank moves its schedule
+    to the restored step, rank 0 says so."""
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = StepLambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    trainer = SimpleNamespace(optimizers=[], global_step=4, lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    module = SimpleNamespace(trainer=trainer, model=torch.nn.Linear(2, 2))
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.module"):
+        LitLLM.on_train_start(module)
+    assert scheduler.last_epoch == 4 and optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    assert len(_lines(caplog, "lit_dtrain.module", "LR scheduler at step 0")) == (1 if rank == 0 else 0)
