@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -10,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import open_dict
 
 from lit_dtrain.callbacks import FourierSamplerCallback, LossSpikeMonitor
@@ -551,7 +554,11 @@ def test_state_dict_is_plain_and_checked(tmp_path):
         make().load_state_dict(partial)
 
 
-def test_a_fourier_sampler_resuming_a_random_sampler_state_starts_its_table_over(tiny_cfg):
+def _sampler_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lit_dtrain.data.samplers"]
+
+
+def test_a_fourier_sampler_resuming_a_random_sampler_state_starts_its_table_over(tiny_cfg, caplog):
     """RandomSampler's warning on resuming a FourierSampler state says that "a later resume with
     data/sampler=fourier starts it over", but FourierSampler refused a RandomSampler's state with a KeyError ('m1'):
     a run could not switch to data/sampler=fourier on resume. It now keeps the exclusions, warns, and learns a fresh
@@ -560,21 +567,26 @@ def test_a_fourier_sampler_resuming_a_random_sampler_state_starts_its_table_over
     random.setup(50, seed=0)
     random.exclude([3, 9])
     s = make(step_unit=1)
-    with pytest.warns(UserWarning, match=r"written by RandomSampler.*2 excluded samples.*table starts empty"):
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.samplers"):  # in train.log, by rank 0
         s.load_state_dict(random.state_dict())
+    (line,) = _sampler_lines(caplog)
+    assert re.search(r"written by RandomSampler.*2 excluded samples.*table starts empty", line), line
     assert s.excluded.nonzero().flatten().tolist() == [3, 9] and s.updates == 0 and int(s.visits.sum()) == 0
     assert float(s.probabilities(0)[[3, 9]].sum()) == 0.0
     common = ["scheduler=constant", "sample.max_new_tokens=0", "trainer.val_check_interval=3"]
     _, first = train(tiny_cfg(*common, "trainer.max_steps=3", run="switch"))
     ckpt = Path(first["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
-    with pytest.warns(UserWarning, match="written by RandomSampler"):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.samplers"):
         _, resumed = train(
             tiny_cfg(*common, "data/sampler=fourier", "trainer.max_steps=6", f"ckpt_path={ckpt}", run="switch")
         )
+    assert ["written by RandomSampler" in line for line in _sampler_lines(caplog)] == [True]
     assert resumed["trainer"].global_step == 6 and resumed["datamodule"].sampler.updates == 3
 
 
-def test_a_random_sampler_resuming_a_fourier_state_says_what_it_drops():
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_random_sampler_resuming_a_fourier_state_says_what_it_drops(caplog, monkeypatch, rank):
     """``data/sampler=random`` resuming a ``data/sampler=fourier`` checkpoint keeps the exclusions and dropped the
     spectral table silently (switching strategies warns in the same situation)."""
     s = make(step_unit=1)
@@ -583,9 +595,14 @@ def test_a_random_sampler_resuming_a_fourier_state_says_what_it_drops():
     random = RandomSampler()
     random.setup(50, seed=0)
     seen = int((s.visits > 0).sum())
-    with pytest.warns(UserWarning, match=rf"written by FourierSampler.*{seen} samples seen.*RandomSampler.*dropped"):
+    monkeypatch.setattr(rank_zero_only, "rank", rank)  # every rank resumes it; rank 0 says so (in train.log)
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.samplers"):
         random.load_state_dict(s.state_dict())
     assert random.excluded.nonzero().flatten().tolist() == [7]
+    lines = _sampler_lines(caplog)
+    assert len(lines) == (1 if rank == 0 else 0), lines
+    if rank == 0:
+        assert re.search(rf"written by FourierSampler.*{seen} samples seen.*RandomSampler.*dropped", lines[0])
 
 
 def test_memory_is_linear_in_samples():

@@ -6,11 +6,14 @@ and takes its own contiguous shard, so DDP needs no coordination and a resume re
 
 from __future__ import annotations
 
-import warnings
+import logging
 
 import torch
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.rank_zero import log_once
+
+log = logging.getLogger("lit_dtrain.data.samplers")  # a sampler's lines: facts of the run, rank 0's, in train.log
 
 _MIX_A = 6364136223846793005
 _MIX_B = 1442695040888963407
@@ -154,12 +157,11 @@ class IndexSampler:
                 continue
             self._exhausted.add(source)
             if share < 1.0:  # a lone source excluded in full is the "nothing is left" error, not a warning
-                warnings.warn(
-                    f"data source {self.source_names[source]!r}: every training window of it is excluded (the loss-"
-                    f"spike monitor skipped them): its share {share:.4g} of the mixture goes to the other sources "
-                    "in proportion to their weights",
-                    UserWarning,
-                    stacklevel=3,
+                log_once(  # every rank excludes the same windows: a fact of the run, in train.log
+                    log, logging.WARNING,
+                    "data source %r: every training window of it is excluded (the loss-spike monitor skipped them): "
+                    "its share %.4g of the mixture goes to the other sources in proportion to their weights",
+                    self.source_names[source], share,
                 )
 
     def target_distribution(self) -> torch.Tensor:
@@ -244,9 +246,9 @@ class RandomSampler(IndexSampler):
         super().load_state_dict(state)
         if "m1" in state and "visits" in state:  # a FourierSampler's state: this sampler keeps only the exclusions
             seen = int((torch.as_tensor(state["visits"]) > 0).sum())
-            warnings.warn(
-                f"the checkpoint's sampler state was written by FourierSampler (its table: {seen} samples seen); "
-                "this run's RandomSampler keeps the excluded samples, and the table is dropped: a later resume "
-                "with data/sampler=fourier starts it over",
-                UserWarning, stacklevel=2,
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint's sampler state was written by FourierSampler (its table: %d samples seen); this "
+                "run's RandomSampler keeps the excluded samples, and the table is dropped: a later resume with "
+                "data/sampler=fourier starts it over", seen,
             )

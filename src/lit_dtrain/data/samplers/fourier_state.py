@@ -7,11 +7,14 @@ bytes per sample, ``state_dict`` (the table, its band layout and, with ``lag=1``
 
 from __future__ import annotations
 
-import warnings
+import logging
 
 import torch
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.rank_zero import log_once
+
+log = logging.getLogger("lit_dtrain.data.samplers")  # a sampler's lines: facts of the run, rank 0's, in train.log
 
 
 class TableState:
@@ -53,11 +56,10 @@ class TableState:
         super().load_state_dict(state)
         table_keys = ("m1", "m2", "visits", "profile")
         if not any(key in state for key in table_keys):  # a RandomSampler's state: only the exclusions
-            warnings.warn(
-                f"the checkpoint's sampler state was written by RandomSampler (no table; {self.num_excluded} excluded "
-                "samples, kept): this FourierSampler's table starts empty and learns from the resumed step on",
-                UserWarning,
-                stacklevel=2,
+            log_once(
+                log, logging.WARNING,
+                "the checkpoint's sampler state was written by RandomSampler (no table; %d excluded samples, kept): "
+                "this FourierSampler's table starts empty and learns from the resumed step on", self.num_excluded,
             )
             self._pending, self._landed = [], None
             self._empty_table()
