@@ -74,6 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
+from lit_dtrain.stop_reason import KeepEarlyStop, stop_reason
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import (
@@ -280,7 +281,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
     watch = NonFiniteLossWatch()  # the first NaN/inf loss, for summary.json's "diverged"
-    callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder()]
+    callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder(), KeepEarlyStop()]
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view
@@ -329,6 +330,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
 
+    stopped = stop_reason(trainer)  # before validate(), which is not the fit (Lightning's Timer times each stage)
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     try:
         with keyboard_interrupt_kept(trainer):
@@ -342,7 +344,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size
     per_step *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
     # a start that only validated: the figures of the fit that trained the steps
-    previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step) if steps == start_step > 0 else {}
+    previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step, stopped) if steps == start_step > 0 \
+        else {}
     tokens = (steps - start_step) * per_step
     val_loss = val_metrics.get("val/loss", float("nan"))
     metrics = {
@@ -354,6 +357,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "checkpoint": last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),
         "train_loss": train_loss,
+        "stopped": stopped,  # max_steps, max_epochs, early_stopping, max_time, should_stop
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k not in ("val/loss", "val/ppl")},
     }
     metrics.update(previous)
@@ -379,5 +383,6 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
         f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
         f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
+        + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
         + (" DIVERGED" if metrics.get("diverged") else "")
     )

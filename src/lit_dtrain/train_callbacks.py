@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.stop_reason import nothing_trained
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
@@ -76,14 +77,17 @@ class TrainClock(L.Callback):
         return figures
 
 
-def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: TrainClock, tokens_per_step: int) -> dict:
+def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: TrainClock, tokens_per_step: int,
+                                    reason: str = "max_steps") -> dict:
     """``summary.json``'s training figures (``train_loss``, ``tokens_per_sec``, ``wall_seconds``) for a start that
-    resumed a checkpoint at ``trainer.max_steps`` and only validated: those of the fit that trained the steps, from
-    the run's ``summary.json`` where it got that far, else from the checkpoint (:meth:`TrainClock.carried_figures`;
-    a stop after the last step wrote no ``summary.json``). Says so once, on rank 0: every rank validates."""
+    resumed a finished checkpoint (``reason``: at ``trainer.max_steps``, stopped by ``EarlyStopping`` or
+    ``max_time``) and only validated: those of the fit that trained the steps, from the run's ``summary.json`` where
+    it got that far, else from the checkpoint (:meth:`TrainClock.carried_figures`; a stop after the last step wrote no
+    ``summary.json``). Says why, once, on rank 0: every rank validates (a max_time stop said 'already at step 2 =
+    trainer.max_steps' of a run with max_steps=200)."""
     steps = trainer.global_step
     if trainer.is_global_zero:
-        log.info("the checkpoint is already at step %d = trainer.max_steps: nothing to train, only validated", steps)
+        log.info(nothing_trained(reason, steps))
     previous = None
     with contextlib.suppress(OSError, ValueError):
         previous = json.loads((out_dir / "summary.json").read_text())

@@ -1,0 +1,63 @@
+"""Why ``train(cfg)``'s fit ended, for ``summary.json``'s ``stopped`` and the summary line: ``max_steps``,
+``max_epochs``, ``early_stopping`` (an ``EarlyStopping`` callback), ``max_time`` (``trainer.max_time``) or
+``should_stop`` (another callback, or the module, set ``trainer.should_stop``). A run stopped by a signal or by an error
+writes no ``summary.json``; one that diverged says so in ``diverged``. Before, a run that ``EarlyStopping`` stopped at
+step 4 of 20 wrote the same ``summary.json`` as a finished one, less ``steps``.
+
+A checkpoint whose ``EarlyStopping`` stopped its run is finished, as one at ``trainer.max_steps`` is:
+:class:`KeepEarlyStop` makes its resume (``resume=auto``, a continued sweep, ``ckpt_path=``) train no step and only
+validate, as Lightning's ``Timer`` already does for ``max_time`` (it counts the time of earlier starts). Before, such a
+resume trained on to the next validation and stopped again there (2 more steps), or went on where that validation
+happened to improve, so re-running a sweep to finish its killed jobs changed its early-stopped ones too."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+
+def _early_stopped(callback: EarlyStopping) -> bool:
+    """Whether ``callback`` stopped its fit (its ``stopping_reason``, in its checkpointed state: ``stopped_epoch`` is
+    0 for a stop in the first epoch, which a ``max_steps`` run on lit_dtrain's endless sampler never leaves)."""
+    return int(getattr(callback.stopping_reason, "value", callback.stopping_reason)) != 0  # 0: NOT_STOPPED
+
+
+def stop_reason(trainer: L.Trainer) -> str:
+    """Why ``trainer``'s fit ended (called after it): see the module docstring. ``max_steps`` wins where the last step
+    was reached whatever else asked to stop there too."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return "max_steps"
+    if any(_early_stopped(c) for c in trainer.early_stopping_callbacks):
+        return "early_stopping"
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    left = timer.time_remaining() if timer is not None else None
+    if left is not None and left <= 0:
+        return "max_time"
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
+        return "max_epochs"
+    return "should_stop"
+
+
+def nothing_trained(reason: str, steps: int) -> str:
+    """The line of a resume that trained no step (its checkpoint at ``steps``) because its run had ended for
+    ``reason``, with how to train on."""
+    if reason == "early_stopping":
+        return (f"the checkpoint at step {steps} is of a run that EarlyStopping stopped (summary.json: \"stopped\": "
+                "\"early_stopping\"): it is finished, nothing to train, only validated. To train on from it, leave "
+                "EarlyStopping out (or give it another monitor or mode)")
+    if reason == "max_time":
+        return (f"the checkpoint at step {steps} is of a run that used up trainer.max_time (Lightning's Timer counts "
+                "the time of earlier starts too): nothing to train, only validated. Raise trainer.max_time to train on")
+    if reason == "max_steps":
+        return f"the checkpoint is already at step {steps} = trainer.max_steps: nothing to train, only validated"
+    return f"the fit trained no step from the checkpoint at step {steps} (stopped: {reason}): only validated"
+
+
+class KeepEarlyStop(L.Callback):
+    """A resume of a checkpoint whose ``EarlyStopping`` stopped its run trains no step (see the module docstring):
+    ``trainer.should_stop`` at train start, once the checkpoint's callback states are restored. Every rank restores
+    the same states, so every rank stops."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0 and any(_early_stopped(c) for c in trainer.early_stopping_callbacks):
+            trainer.should_stop = True

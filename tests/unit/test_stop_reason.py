@@ -1,0 +1,74 @@
+"""summary.json says why the run stopped. A run that EarlyStopping stopped at step 4 of 20 wrote the summary of a
+finished one (less its steps), and its resume=auto trained on to the next validation and stopped again (steps 6); a
+max_time stop's resume, which Lightning's Timer stops at once, said 'already at step 2 = trainer.max_steps' of a run
+with max_steps=200. An early-stopped run is finished: its resume only validates, and says why."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
+
+from lit_dtrain.stop_reason import stop_reason
+
+EARLY_STOPPING = (
+    "+callbacks.early_stopping._target_=lightning.pytorch.callbacks.EarlyStopping",
+    "+callbacks.early_stopping.monitor=val/loss",
+    "+callbacks.early_stopping.patience=1",
+    "+callbacks.early_stopping.min_delta=10",  # no validation improves by 10: the second one stops the run
+)
+
+
+def _summary(cfg) -> dict:
+    return json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+
+
+def test_an_early_stopped_run_says_so_and_its_resume_only_validates(tiny_cfg, caplog, capsys):
+    from lit_dtrain.train import train
+
+    common = ("trainer.max_steps=20", "trainer.val_check_interval=2", "sample.max_new_tokens=0", *EARLY_STOPPING)
+    metrics, _ = train(tiny_cfg(*common))
+    cfg = tiny_cfg(*common)
+    assert metrics["steps"] == 4 and _summary(cfg)["stopped"] == "early_stopping"
+    assert capsys.readouterr().out.rstrip().endswith("stopped=early_stopping")
+    weights = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)["state_dict"]
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        metrics, objects = train(tiny_cfg(*common, "resume=auto"))
+    summary = _summary(cfg)
+    assert metrics["steps"] == summary["steps"] == 4 and summary["stopped"] == "early_stopping"
+    after = objects["module"].state_dict()
+    assert all(torch.equal(after[k], v) for k, v in weights.items())  # no step trained
+    assert "the checkpoint at step 4 is of a run that EarlyStopping stopped" in caplog.text
+    # leaving EarlyStopping out trains on, to max_steps
+    metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
+                                "resume=auto"))
+    assert metrics["steps"] == 6 and _summary(cfg)["stopped"] == "max_steps"
+
+
+def _trainer(**kw) -> SimpleNamespace:
+    base = {"max_steps": 20, "global_step": 4, "early_stopping_callbacks": [], "callbacks": [], "max_epochs": -1,
+            "current_epoch": 0}
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    ({"global_step": 20}, "max_steps"),
+    ({"max_steps": -1, "max_epochs": 2, "current_epoch": 2}, "max_epochs"),
+    ({}, "should_stop"),
+])
+def test_stop_reasons(kw, reason):
+    assert stop_reason(_trainer(**kw)) == reason
+
+
+def test_an_early_stopping_that_stopped_is_the_reason_and_max_steps_wins():
+    stopper = EarlyStopping(monitor="val/loss")
+    assert stop_reason(_trainer(early_stopping_callbacks=[stopper])) == "should_stop"  # it did not stop the run
+    stopper.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED  # (stopped_epoch stays 0 in epoch 0)
+    assert stop_reason(_trainer(early_stopping_callbacks=[stopper])) == "early_stopping"
+    assert stop_reason(_trainer(early_stopping_callbacks=[stopper], global_step=20)) == "max_steps"
