@@ -61,3 +61,26 @@ def test_a_scheduler_moved_to_the_resumed_step_is_told_by_rank_0_alone(caplog, m
         LitLLM.on_train_start(module)
     assert scheduler.last_epoch == 4 and optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
     assert len(_lines(caplog, "lit_dtrain.module", "LR scheduler at step 0")) == (1 if rank == 0 else 0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_corpus_s_empty_files_and_copies_are_told_by_rank_0_alone(tmp_path, caplog, monkeypatch, rank):
+    """'skipped 28 empty file(s)' and '19 file(s) have the same bytes as another file' of the default corpus were
+    printed by each rank of a 2-rank run (the corpus's other warnings were rank 0's already)."""
+    from lit_dtrain.data.corpus import CorpusSource
+    from lit_dtrain.data.token_cache import build_token_cache
+
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 100)
+    (corpus / "copy.txt").write_text("document 0 " * 100)
+    (corpus / "empty.txt").write_text("")
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.data.corpus"):
+        meta = build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "cache", 33,
+                                 progress=False).meta
+    assert meta["train_tokens"] > 0  # every rank reads it
+    lines = _lines(caplog, "lit_dtrain.data.corpus", "empty file") + _lines(caplog, "lit_dtrain.data.corpus",
+                                                                             "have the same bytes")
+    assert len(lines) == (2 if rank == 0 else 0), lines

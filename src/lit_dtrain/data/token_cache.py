@@ -139,10 +139,10 @@ def build_token_cache(
     if empty:
         # the stdlib always holds empty files (__init__.py ...): expected, so not a warning on every run
         level = logging.INFO if source.kind == "stdlib" else logging.WARNING
-        log.log(level, "data source %r: skipped %d empty file(s)", source.name, empty)
+        log_once(log, level, "data source %r: skipped %d empty file(s)", source.name, empty)
     if copies:  # kept: copies are the user's data; the by-content split holds them out together
-        log.log(
-            logging.INFO if source.kind == "stdlib" else logging.WARNING,
+        log_once(
+            log, logging.INFO if source.kind == "stdlib" else logging.WARNING,
             "data source %r: %d file(s) have the same bytes as another file of the corpus, e.g. %s and %s; each "
             "copy is a document of its own (trained on as many times as it appears, held out together)",
             source.name,
