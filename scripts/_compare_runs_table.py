@@ -65,6 +65,7 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
     ("train/batches", None),  # progress counters
     ("train/samples", None),
     ("train/lengths", None),
+    ("train/tokens", None),
     ("validate/batches", None),
     ("validate/samples", None),
     ("validate/lengths", None),

@@ -159,6 +159,14 @@ def test_one_validation_row_per_validation_at_the_step_of_its_val_loss(tmp_path:
     assert steps == {"validate/batches": val_steps, "validate/device/items_per_sec": val_steps}
 
 
+def csv_trainer(tmp_path: Path, version: int, steps: int) -> L.Trainer:
+    """A Trainer logging every step to ``csv/version_<version>`` with the throughput monitor alone."""
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,
+                     callbacks=[token_throughput_monitor(window_size=2)],
+                     logger=CSVLogger(str(tmp_path), name="csv", version=version),
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
 def test_the_running_totals_go_on_from_the_checkpoint_after_a_resume(tmp_path: Path) -> None:
     """train/time, train/batches, train/samples and train/lengths are running totals, but Lightning's monitor counts
     from the fit's start: a resumed run's curves fell back to 0 (a 2-rank run resumed at step 10: train/lengths 1408
@@ -171,10 +179,7 @@ def test_the_running_totals_go_on_from_the_checkpoint_after_a_resume(tmp_path: P
 
     ckpt = tmp_path / "two.ckpt"
     for version, steps in ((0, 2), (1, 4)):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,
-                            callbacks=[token_throughput_monitor(window_size=2)],
-                            logger=CSVLogger(str(tmp_path), name="csv", version=version),
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = csv_trainer(tmp_path, version, steps)
         trainer.fit(Tokens(), ckpt_path=ckpt if version else None)
         if not version:
             trainer.save_checkpoint(ckpt)
@@ -183,3 +188,39 @@ def test_the_running_totals_go_on_from_the_checkpoint_after_a_resume(tmp_path: P
     assert [float(r["train/samples"]) for r in resumed] == [12.0, 16.0]
     assert [float(r["train/lengths"]) for r in resumed] == [72.0, 96.0]
     assert float(resumed[0]["train/time"]) > float(first[-1]["train/time"])
+
+
+def test_train_tokens_counts_all_ranks_and_goes_on_across_a_resume_on_other_ranks(tmp_path: Path) -> None:
+    """train/lengths is rank 0's count: a real 2-rank run (batch 4 x 64 tokens a rank) resumed on 1 rank after 4 steps
+    went on from rank 0's 1024 of the 2048 tokens trained, so no count gave the tokens trained (train/lengths x 2 read
+    6144 at the end of a 2 -> 1 -> 2 run of 5120 tokens). train/tokens counts all ranks, each start's tokens times
+    its ranks, from the checkpoint's count; a checkpoint that lacks it (written before it existed) logs none."""
+    import csv
+
+    import torch
+
+    def tokens(version: int) -> list[str]:
+        rows = csv.DictReader(open(tmp_path / "csv" / f"version_{version}" / "metrics.csv"))
+        return [r.get("train/tokens") for r in rows if r.get("train/samples")]
+
+    ckpt = tmp_path / "two.ckpt"
+    for version, steps, counted in ((0, 2, None), (1, 4, 2 * 48), (2, 4, "old")):
+        path = ckpt
+        if counted is not None:  # the first 2 steps' count as 2 ranks wrote it (48 tokens each), or none
+            state = torch.load(ckpt, weights_only=False)
+            monitor = next(k for k in state["callbacks"] if "Throughput" in k)
+            assert state["callbacks"][monitor]["tokens"] == 48  # 1 rank: rank 0's lengths
+            if counted == "old":
+                del state["callbacks"][monitor]["tokens"]
+            else:
+                state["callbacks"][monitor]["tokens"] = counted
+            torch.save(state, path := tmp_path / f"resume{version}.ckpt")
+        trainer = csv_trainer(tmp_path, version, steps)
+        trainer.fit(Tokens(), ckpt_path=path if version else None)
+        if not version:
+            trainer.save_checkpoint(ckpt)
+    assert [float(t) for t in tokens(0)] == [24.0, 48.0]
+    assert [float(t) for t in tokens(1)] == [120.0, 144.0]  # 96 + 24 a step on this 1 rank
+    assert tokens(2) == [None, None] or tokens(2) == ["", ""]  # not known: not logged (no column, or empty)
+    assert trainer.checkpoint_callback is None and "tokens" not in next(
+        v for k, v in trainer._checkpoint_connector.dump_checkpoint()["callbacks"].items() if "Throughput" in k)

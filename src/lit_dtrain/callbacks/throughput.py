@@ -5,6 +5,10 @@ it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank
 ``train/device/samples_per_sec`` its sequences/s). With several ranks Lightning also logs the global
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
+``train/lengths`` counts this rank's tokens (rank 0's: with several ranks, a share of the step's), and ``train/tokens``
+all ranks' together, each step's tokens times that start's number of ranks: both are running totals that a resume
+goes on from, but only ``train/tokens`` stays the tokens trained across a resume on another number of ranks (2 ranks
+resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens`` draws runs against it).
 
 Validation gets one row per validation, under the step where Lightning writes that validation's ``val/loss`` (on
 the training axis: the optimizer step just taken, 0-based; ``trainer.validate`` after ``fit``: ``global_step``).
@@ -33,6 +37,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
+
+TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
 
 # NVIDIA's dense peak FLOP/s (datasheets; the sparse figures are twice these) of GPUs Lightning does not recognise by
 # the names torch reports. The H200 SXM has the H100 SXM's tensor cores (Lightning: 989.4e12 bf16 for the H100 SXM).
@@ -90,6 +96,10 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         self.peak_flops = peak_flops
         self._validation_flops: float | None = 0.0  # this validation's FLOPs so far (None: a batch had none)
         self._resumed: dict = {}  # the training totals of the checkpoint a fit resumes from
+        # all ranks' training tokens at this fit's start (None: resumed from a count that lacks them), this rank's
+        # count then, and the ranks: train/tokens is computed when logged or checkpointed, nothing added per batch
+        self._tokens_at_start: int | None = 0
+        self._lengths_at_start, self._ranks = 0, 1
 
     def _start(self, trainer) -> None:
         if trainer.state.stage == RunningStage.VALIDATING:
@@ -99,6 +109,12 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             self._validation_flops = 0.0
         super()._start(trainer)
         stage, resumed = RunningStage.TRAINING, self._resumed
+        if trainer.state.stage == stage:
+            # a checkpoint written before train/tokens existed (or without this callback's state) does not tell
+            # the tokens trained: none logged rather than a count from 0 mid-run
+            tokens = resumed.get("tokens", None if trainer.global_step else 0)
+            self._tokens_at_start = None if tokens is None else int(tokens)
+            self._lengths_at_start, self._ranks = int(resumed.get("lengths", 0)), trainer.world_size
         if trainer.state.stage == stage and resumed:
             # the running totals go on from the checkpoint's (Lightning counts from the fit's start: after a resume
             # train/time, train/batches, train/samples and train/lengths fell back to 0 mid-curve)
@@ -107,16 +123,37 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             self._lengths[stage] = int(resumed["lengths"])
             self._t0s[stage] -= float(resumed["time"])
 
+    def _tokens(self) -> int | None:
+        """All ranks' training tokens so far: this fit's start's, and this rank's since, times the ranks (every rank
+        trains a batch of one shape: the datamodule splits one global batch evenly)."""
+        if self._tokens_at_start is None:
+            return None
+        lengths = self._lengths.get(RunningStage.TRAINING, self._lengths_at_start)
+        return self._tokens_at_start + (lengths - self._lengths_at_start) * self._ranks
+
     def state_dict(self) -> dict:
         stage = RunningStage.TRAINING
         if stage not in self._batches:  # (not rank 0, or no training batch counted yet)
             return dict(self._resumed)
         times = self._throughputs[stage]._time
-        return {"time": float(times[-1]) if times else 0.0, "batches": self._batches[stage],
-                "samples": self._samples[stage], "lengths": self._lengths.get(stage, 0)}
+        state = {"time": float(times[-1]) if times else 0.0, "batches": self._batches[stage],
+                 "samples": self._samples[stage], "lengths": self._lengths.get(stage, 0)}
+        tokens = self._tokens()
+        return state if tokens is None else {**state, "tokens": tokens}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resumed = dict(state_dict)
+
+    def _compute(self, trainer, iter_num: int | None = None) -> None:
+        # Lightning's, with train/tokens in the same row
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stage = trainer.state.stage
+        throughput = self._throughputs[stage]
+        metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
+        if stage == RunningStage.TRAINING and (tokens := self._tokens()) is not None:
+            metrics[TOKENS] = float(tokens)
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)
 
     @override
     @rank_zero_only
