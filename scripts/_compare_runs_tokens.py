@@ -1,6 +1,12 @@
 """compare_runs.py's tokens axis (``--x tokens``): a sweep over the batch size (or the number of ranks, or the
 gradient accumulation) compared at equal optimizer steps compares runs that have seen different amounts of data; at
-equal tokens it does not. A run's tokens per optimizer step come from what it logged: ``train/lengths``, the tokens
+equal tokens it does not. A run that logged ``train/tokens`` (the throughput callback's count of the tokens trained,
+all ranks together, which a resume goes on from) is drawn against it, step by step (:func:`tokens_trained`): a run
+resumed on another number of ranks or with another ``data.batch_size`` changes its tokens per step mid-run, and
+one rate drew it off (+20 % at the end of a 2 -> 1 -> 2 rank run, -14 % for batches of 8, 4, then 16).
+
+A run without it (written before ``train/tokens`` existed) gets one rate, today's rule, and a note under the tables
+(:data:`ONE_RATE_NOTE`). Its tokens per optimizer step come from what it logged: ``train/lengths``, the tokens
 this rank trained on so far (``ThroughputMonitor``, every micro-batch counted), times the number of ranks: the
 ratio of the global ``train/items_per_sec`` to this rank's ``train/device/items_per_sec`` (logged with several ranks
 once ``callbacks.throughput.window_size`` steps were timed), else ``trainer.devices * trainer.num_nodes`` of its
@@ -13,12 +19,39 @@ batch early, a larger batch's run further back than a smaller one's) x tokens pe
 
 from __future__ import annotations
 
+import bisect
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from lit_dtrain.run_dirs import RunDirError
 
 LENGTHS = "train/lengths"
+TOKENS = "train/tokens"  # lit_dtrain.callbacks.throughput.TOKENS
+ONE_RATE_NOTE = (f"--x tokens: run(s) {{runs}} logged no {TOKENS!r} (written before the throughput callback logged "
+                 "it): drawn at one tokens-per-step rate (the median of train/lengths' x the ranks, else its config), "
+                 "which is off where a resume changed the number of ranks or data.batch_size")
+
+
+def tokens_trained(run: str, scalars: dict[str, list[tuple[int, float]]]) -> tuple[Callable[[float], float], dict]:
+    """A function from the steps trained to the tokens trained then, all ranks together, and what the JSON says of
+    it: ``tokens_per_step`` (the mean over the steps ``train/tokens`` covers; else the one rate) and ``tokens_from``
+    (``train/tokens``, or ``rate``). ``train/tokens`` logged during fit at step ``s`` (0-based) counts ``s + 1``
+    steps; between its points the tokens go linearly (the steps of one logging interval train alike, but a resume's
+    first), past its last point at its last interval's rate (a final validate after the last logged step)."""
+    points = [(s + 1, v) for s, v in scalars.get(TOKENS, [])]
+    if not points:
+        rate = tokens_per_step(run, scalars)
+        return (lambda steps: steps * rate), {"tokens_per_step": rate, "tokens_from": "rate"}
+    points = [(0, 0.0), *points]
+    steps, tokens = zip(*points)
+
+    def at(step: float) -> float:
+        i = min(max(bisect.bisect_left(steps, step), 1), len(steps) - 1)  # the interval [i - 1, i] holding step
+        (s0, t0), (s1, t1) = points[i - 1], points[i]
+        return t0 + (step - s0) * (t1 - t0) / (s1 - s0) if s1 > s0 else t1
+
+    return at, {"tokens_per_step": tokens[-1] / steps[-1], "tokens_from": TOKENS}
 
 
 def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> float:

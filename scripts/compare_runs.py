@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # reading run and sweep dirs (what train(cfg) writes there) is lit_dtrain.run_dirs; this script compares them
@@ -60,7 +61,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     summarize,
     table_order,
 )
-from _compare_runs_tokens import tokens_per_step  # noqa: E402 - --x tokens
+from _compare_runs_tokens import ONE_RATE_NOTE, tokens_trained  # noqa: E402 - --x tokens
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -135,10 +136,10 @@ LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 
 
 def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
-         logy: bool = False, tokens: dict[str, float] | None = None) -> None:
+         logy: bool = False, tokens: dict[str, Callable[[float], float]] | None = None) -> None:
     """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``, each point at the
-    steps trained when it was measured (:func:`at_steps_trained`). ``tokens``: each run's tokens per optimizer step,
-    to draw it against the tokens trained then (``--x tokens``)."""
+    steps trained when it was measured (:func:`at_steps_trained`). ``tokens``: each run's tokens trained after a
+    number of steps (:func:`tokens_trained`), to draw it against the tokens trained then (``--x tokens``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +152,7 @@ def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[st
             if series:
                 steps, values = zip(*series)
                 if tokens:
-                    steps = [step * tokens[label] for step in steps]
+                    steps = [tokens[label](step) for step in steps]
                 # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
                 ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
                         color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
@@ -232,7 +233,7 @@ def compare(
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
     check_event_files(run_dirs, all_scalars)
-    per_step = [tokens_per_step(str(r), s) for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None
+    per_step = [tokens_trained(str(r), s) for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None
     for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
         if not any(metric in scalars for scalars in all_scalars):
             tags = sorted(set().union(*all_scalars))
@@ -268,7 +269,7 @@ def compare(
                 **(divergence(run) or {}),
                 **by_metric[metrics[0]],
                 "by_metric": by_metric,
-                **({"tokens_per_step": per_step[len(rows)]} if per_step else {}),
+                **(per_step[len(rows)][1] if per_step else {}),
             }
         )
     rows = [rows[i] for i in table_order([r["dir"] for r in rows], runs)]  # the JSON's runs in the table's order
@@ -278,10 +279,12 @@ def compare(
         for i, m in enumerate(metrics)
     ]
     text = "\n".join(tables)  # a blank line between
+    if one_rate := [r["label"] for r in rows if r.get("tokens_from") == "rate"]:
+        text += "\n" + ONE_RATE_NOTE.format(runs=", ".join(map(repr, one_rate))) + "\n"
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        tokens = dict(zip(labels, per_step)) if per_step else None
+        tokens = {label: at for label, (at, _) in zip(labels, per_step)} if per_step else None
         plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
@@ -335,10 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("step", "tokens"),
         default="step",
         help="the PNG's x axis: the optimizer step (default), or the tokens trained when each point was measured "
-        "(the steps trained x the run's tokens per step, from its train/lengths and its number of ranks): runs of "
-        "other batch sizes, ranks or accumulation compared at equal data. Steps are the steps trained when a value was "
-        "measured, as in checkpoint names (TensorBoard's axis, Lightning's 0-based step, is one lower during fit); "
-        "the JSON gives each run's tokens_per_step",
+        "(the run's logged train/tokens, step by step, also across a resume on other ranks or batch sizes; a run "
+        "without it: the steps trained x its tokens per step, from its train/lengths and its number of ranks, with a "
+        "note): runs of other batch sizes, ranks or accumulation compared at equal data. Steps are the steps "
+        "trained when a value was measured, as in checkpoint names (TensorBoard's axis, Lightning's 0-based step, "
+        "is one lower during fit); the JSON gives each run's tokens_per_step and tokens_from",
     )
     args = parser.parse_args(argv)
     try:
