@@ -830,6 +830,22 @@ def test_a_mapping_given_in_python_has_its_flags_and_numbers_type_checked():
         build_local_update({"name": "diloco", "nesterov": 1})
     assert not build_compressor({"name": "topk", "error_feedback": False, "ratio": 1}).error_feedback
 
+
+def test_diloco_s_codec_given_in_python_is_named_by_its_place():
+    """CompressedDDPStrategy(local_update={"name": "diloco", "compressor": {...}}) named a bad key of DiLoCo's codec
+    'compressor.error_feedback', the key of the strategy's own codec, which the user had not set."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    bad = {"name": "topk", "error_feedback": "no"}
+    with pytest.raises(ConfigError, match=r"^local_update.compressor.error_feedback must be true or false, got 'no'"):
+        CompressedDDPStrategy(local_update={"name": "diloco", "compressor": bad})
+    with pytest.raises(ValueError, match=r"^local_update.compressor.ratoi is not an argument .*'local_update.compres"):
+        build_local_update({"name": "diloco", "compressor": {"name": "topk", "ratoi": 0.1}})
+    with pytest.raises(ConfigError, match=r"^compressor.error_feedback must be"):  # DiLoCo itself: its own argument
+        DiLoCo(compressor=bad)
+    assert isinstance(build_local_update({"name": "diloco", "compressor": "int8"}).compressor, BlockQuantizer)
+
 # --- local updates --------------------------------------------------------------------------------------
 class TwoRankComm(LoopbackCommunicator):
     """Pretends to be rank 0 of 2: the other rank's contribution to each all-reduce comes from ``other``."""
