@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from lit_dtrain.strategies import (
     COMPRESSORS,
+    LOCAL_UPDATES,
     BlockQuantizer,
     CommSession,
     DiLoCo,
@@ -1255,6 +1256,31 @@ def test_a_resume_under_another_preset_names_the_file_and_the_ways_out(tmp_path,
     message = str(err.value)
     for part in (str(path), f"strategy=ddp_compressed/{written or 'none'})", "or with strategy=ddp,"):
         assert part in message, (part, message)
+
+
+def test_the_preset_a_refused_resume_names_exists_for_every_codec_and_rule(tmp_path):
+    """An int4_rs checkpoint resumed under ddp_compressed/int8 said 'Resume it with the preset that wrote it
+    (strategy=ddp_compressed/int4_rs)', a preset that does not exist (Hydra: 'Could not find'): every codec and
+    local-update name is named by overrides that compose and build it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy
+    from tests.conftest import CONF_DIR
+
+    path = tmp_path / "last.ckpt"
+    torch.save({CHECKPOINT_KEY: CompressedDDPStrategy(compressor="int4_rs").comm_state_dict()}, path)
+    with pytest.raises(ValueError, match=r"\(strategy=ddp_compressed/int8_rs strategy.compressor.bits=4\)"):
+        CompressedDDPStrategy(compressor="int8").load_checkpoint(path)
+    from lit_dtrain.strategies.comm_checkpoint import preset_overrides
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        for name in sorted(COMPRESSORS) + sorted(LOCAL_UPDATES):
+            kwargs = {"local_update": name} if name in LOCAL_UPDATES else {"compressor": name}
+            overrides = preset_overrides(CompressedDDPStrategy(**kwargs).comm_state_dict()).split()
+            node = compose(config_name="train", overrides=overrides).strategy
+            part = node.local_update if name in LOCAL_UPDATES else node.compressor
+            assert instantiate(part).name == name, (name, overrides)
 
 
 def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_front(tmp_path):

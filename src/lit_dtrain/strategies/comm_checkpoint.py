@@ -22,7 +22,7 @@ def refused_resume_message(path: Any, state: Mapping, error: ValueError) -> str:
     """The ConfigError of a checkpoint whose comm state this strategy cannot load: the file, why, and the ways out
     (the preset that wrote it, unless that is the one in use and the world size is what differs; strategy=ddp)."""
     preset = "" if isinstance(error, UnsplittableStateError) else (
-        f". Resume it with the preset that wrote it (strategy=ddp_compressed/{written_preset(state)})")
+        f". Resume it with the preset that wrote it ({preset_overrides(state)})")
     return (f"{path}: {error}{preset}, or with strategy=ddp, which drops this state with a warning that lists what "
             "is lost")
 
@@ -39,6 +39,17 @@ def written_preset(state: Mapping) -> str:
     per_rank = list(state.get("per_rank") or [{}])
     compressor = (per_rank[0] or {}).get("compressor")
     return "none" if compressor is None else str(compressor.get("name", "?"))
+
+
+# codecs without a preset of their own: the preset and override that build them
+_BUILT_BY = {"int4_rs": "int8_rs strategy.compressor.bits=4"}
+
+
+def preset_overrides(state: Mapping) -> str:
+    """The overrides that select the preset of :func:`written_preset` (``int4_rs`` has none: ``int8_rs`` with
+    ``bits=4``; 'strategy=ddp_compressed/int4_rs' was Hydra's 'Could not find')."""
+    name = written_preset(state)
+    return f"strategy=ddp_compressed/{_BUILT_BY.get(name, name)}"
 
 
 def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
@@ -84,10 +95,10 @@ def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = N
             held.append("PowerSGD Q matrices (its warm start)")
         held.append("comm counters")
     return (f"{CHECKPOINT_KEY}: {path or 'the checkpoint'} was written under CompressedDDPStrategy "
-            f"(strategy=ddp_compressed/{preset}, {ranks}) and holds its {', '.join(held)}; this run's "
+            f"({preset_overrides(state)}, {ranks}) and holds its {', '.join(held)}; this run's "
             f"{type(strategy).__name__} does not read that state, so it is dropped: {lost}. Expected when switching "
             f"strategy on purpose (e.g. a decay branch under plain DDP); to keep it, resume with "
-            f"strategy=ddp_compressed/{preset} on the same {ranks}")
+            f"{preset_overrides(state)} on the same {ranks}")
 
 
 def warn_if_comm_state_dropped(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
