@@ -16,10 +16,11 @@ lies); the last line is one JSON object.
 The held-out documents are those the run held out: ``data.val_fraction`` is read from the checkpoint (or its run's
 ``.hydra/config.yaml``); ``--val-fraction`` sets it, and without either a note says the default 0.02 is assumed.
 The corpus and the window length are the run's too (``data.sources`` and ``data.block_size`` of the run dir's
-``config_resolved.yaml``; ``--files``/``--source`` and ``--block-size`` set them), and the band edges are those of
-the run's FourierSampler at that length (``max_freq``/``num_bands`` of the sampler state in the checkpoint;
-``--max-freq``/``--num-bands`` set them). Without a run config the stdlib corpus and the model's block_size are
-used, and without a FourierSampler state the brief's bands for ``T``; a line says which.
+``config_resolved.yaml``, of the first checkpoint that lies in a run dir; ``--files``/``--source`` and ``--block-size``
+set them), and the band edges are those of the run's FourierSampler at that length (``max_freq``/``num_bands`` of
+the sampler state in the first checkpoint that has one; ``--max-freq``/``--num-bands`` set them). Without a run
+config the stdlib corpus and the model's block_size are used, and without a FourierSampler state the brief's bands
+for ``T``; a line says which.
 """
 
 from __future__ import annotations
@@ -223,15 +224,19 @@ def main(argv: list[str] | None = None) -> None:
                 f"recorded, without its run's .hydra/config.yaml); assuming {val_fraction}, the default: if the "
                 "run used another, pass it as --val-fraction, or its 'held-out' windows include trained ones"
             )
-    data = run_data_config(args.checkpoints[0])
+    # the run config of the first checkpoint that has one: a copied-out early.ckpt listed first took the stdlib
+    # corpus at the model's block_size, though the run's last.ckpt beside it named its corpus and window length
+    configs = [run_data_config(path) for path in args.checkpoints]
+    first = next((i for i, config in enumerate(configs) if config is not None), 0)
+    data = configs[first]
     source = None if args.files else run_source(data, args.source)
     if source is not None:  # overlaid runs must be measured on one corpus
-        for path in args.checkpoints[1:]:
-            other = run_source(run_data_config(path), args.source)
+        for path, config in zip(args.checkpoints, configs):
+            other = run_source(config, args.source)
             if other is not None and (other.kind, other.paths) != (source.kind, source.paths):
                 ap.error(
-                    f"{args.checkpoints[0]} was trained on {source.kind} {source.paths} and {path} on {other.kind} "
-                    f"{other.paths}; compare them on one corpus with --files"
+                    f"{args.checkpoints[first]} was trained on {source.kind} {source.paths} and {path} on "
+                    f"{other.kind} {other.paths}; compare them on one corpus with --files"
                 )
     if args.files:
         print(f"corpus: --files {args.files}")
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
         if T > model.config.block_size:
             ap.error(f"--block-size {T} exceeds the block_size {model.config.block_size} of {path}")
-    run_bands = sampler_bands(loaded[0][1], T)
+    run_bands = next((bands for _, ckpt in loaded if (bands := sampler_bands(ckpt, T))), None)  # the first run's
     auto_freq, auto_bands, fine = run_bands or (*spectral.default_band_config(T), 8)
     print(f"bands: the run's FourierSampler's at T={T}" if run_bands else f"bands: the brief's default for T={T}")
     max_freq = auto_freq if args.max_freq is None else args.max_freq

@@ -1504,6 +1504,13 @@ def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, cor
     assert (out["max_freq"], out["num_bands"]) == (64, 3)
     assert out["band_lower_bins"] == S.band_lower_bins(64, 3, 16).tolist()
     assert (tmp_path / "s.png").stat().st_size > 0
+    early = tmp_path / "early.ckpt"  # the docs' `spectrum.py early.ckpt <run>/checkpoints/last.ckpt`: a copy first
+    early.write_bytes(ckpt.read_bytes())  # it took the stdlib corpus at the model's 32 tokens and the brief's bands
+    mod.main([str(early), str(ckpt), "--out", str(tmp_path / "e.png"), "--windows", "1000", "--cache-dir", str(cache)])
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {k: both[k] for k in out if k != "checkpoints" and k != "out"} == {
+        k: out[k] for k in out if k != "checkpoints" and k != "out"}
+    assert [c["mean_loss"] for c in both["checkpoints"]] == [out["checkpoints"][0]["mean_loss"]] * 2
     mixture = {"sources": [{"name": "stdlib", "kind": "stdlib"}, {"name": "text", "kind": "files", "paths": ["x"]}]}
     capsys.readouterr()
     with pytest.raises(SystemExit):
