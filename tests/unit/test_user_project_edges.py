@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint, WSDScheduler
+from lit_dtrain.callbacks import FourierSamplerCallback, LossSpikeMonitor, PreemptionCheckpoint, WSDScheduler
 from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
 from tests.unit.test_preemption import Own
 
@@ -347,3 +347,20 @@ def test_wsd_under_manual_optimization_says_at_train_end_when_the_updates_fell_s
         "run to branch a decay from later). For the decay in this fit, set total_steps=4 (with k optimizers that step "
         "every batch, max_steps / k)"
     ] if said else [])
+
+
+class OwnDataModule(L.LightningDataModule):
+    def train_dataloader(self):
+        return regression_data()
+
+
+def test_the_fourier_sampler_beside_a_datamodule_of_ones_own_names_lmdatamodule(tmp_path: Path) -> None:
+    """A datamodule of one's own (no ``sampler``) was told 'got NoneType; select it with `data/sampler=fourier`', a
+    config group of train.py, with no word of the LMDataModule and FourierSampler the callback needs."""
+    module = UserModule()
+    with pytest.raises(TypeError, match=r"sampler to be a FourierSampler, got none: OwnDataModule has no attribute "
+                                        r"'sampler'; pass trainer.fit\(datamodule=LMDataModule\(\.\.\., "
+                                        r"sampler=FourierSampler\(\.\.\.\)\)\) \(from lit_dtrain.data and "
+                                        r"lit_dtrain.data.samplers\)"):
+        fit(tmp_path, [FourierSamplerCallback()], module, max_steps=2, datamodule=OwnDataModule())
+    assert module.steps_run == 0

@@ -102,9 +102,12 @@ class FourierSamplerCallback(L.Callback):
             )
         sampler = getattr(datamodule, "sampler", None)
         if not isinstance(sampler, FourierSampler):
-            raise TypeError(
-                f"FourierSamplerCallback needs trainer.datamodule.sampler to be a FourierSampler, got "
-                f"{type(sampler).__name__}; select it with `data/sampler=fourier`"
+            what = (f"{type(sampler).__name__}" if hasattr(datamodule, "sampler")
+                    else f"none: {type(datamodule).__name__} has no attribute 'sampler'")
+            raise TypeError(  # (a datamodule of one's own was told the config group, no word of LMDataModule)
+                f"FourierSamplerCallback needs trainer.datamodule.sampler to be a FourierSampler, got {what}; pass "
+                "trainer.fit(datamodule=LMDataModule(..., sampler=FourierSampler(...))) (from lit_dtrain.data and "
+                "lit_dtrain.data.samplers), or with train.py select data/sampler=fourier"
             )
         return sampler
 
