@@ -114,8 +114,8 @@ def test_wsd_without_total_steps_warns_when_a_resumes_horizon_moves_the_lr(tmp_p
         f"WSDScheduler(total_steps=None) takes its horizon from trainer.estimated_stepping_batches: this fit plans "
         f"{resumed.total_steps} optimizer steps, the checkpoint's run planned 24 (max_steps/max_epochs, "
         f"limit_train_batches, the number of processes or the data's length changed), so its next step {step} runs at "
-        f"{now:.4g} of the peak LR, not the {before:.4g} its run would have used (the LR {moved}). To keep the "
-        f"checkpoint's schedule, pass total_steps=24"
+        f"{now:.4g} of the peak LR, not the {before:.4g} its run would have used (the LR {moved}). To keep "
+        f"its schedule, pass total_steps=24"
     ]
 
 
@@ -168,3 +168,24 @@ def test_wsd_warns_when_a_step_past_its_horizon_starts_that_the_estimate_did_not
         "it): its remaining steps run at min_lr_factor=0.0 of the peak LR. Pass total_steps=<the fit's last step + 1>, "
         "or stop the trainer at max_steps=12"
     ]
+
+
+def test_wsd_without_total_steps_warns_when_a_second_fit_of_the_same_trainer_moves_the_lr(tmp_path: Path) -> None:
+    """trainer.fit again on the same Trainer with max_epochs raised goes on from its global_step: the schedule took
+    the new horizon and the decayed LR (0 at step 7) jumped to the peak at step 8 without a word."""
+    wsd = WSDScheduler(decay_fraction=0.25)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[wsd])
+    module = UserModule()
+    trainer.fit(module, regression_data())  # 8 steps, decay over steps 6..7
+    trainer.fit_loop.max_epochs = 2
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(module, regression_data())
+    assert trainer.global_step == 16
+    said = [str(m.message) for m in w if "WSDScheduler(total_steps=None)" in str(m.message)]
+    assert len(said) == 1 and (
+        "this fit plans 16 optimizer steps, the previous fit of this Trainer planned 8 (max_steps/max_epochs, "
+        "limit_train_batches, the number of processes or the data's length changed), so its next step 8 runs at 1 of "
+        "the peak LR, not the 0 its run would have used (the LR jumps up). To keep its schedule, pass total_steps=8"
+    ) in said[0]

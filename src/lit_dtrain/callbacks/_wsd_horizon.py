@@ -46,11 +46,13 @@ def planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
     )
 
 
-def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, factor: Callable[[int], float]) -> None:
+def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, factor: Callable[[int], float],
+                                     source: str = "the checkpoint's run") -> None:
     """A resume whose trainer plans another number of steps than the checkpoint's run (``saved``: its schedule) and so
     gives the checkpoint's next ``step`` another LR than its run would have (``factor``: this fit's schedule) warns
     with both. An extension in the stable phase gives the same LR and stays quiet; a decayed checkpoint extended jumps
-    up, and a horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it."""
+    up, and a horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it.
+    ``source``: whose schedule ``saved`` is (a checkpoint's, or the previous ``fit`` of the same Trainer's)."""
     keys = ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
     if saved.get("total_steps") in (None, horizon) or any(k not in saved for k in keys):
         return
@@ -58,10 +60,10 @@ def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, facto
     if math.isclose(before, now, rel_tol=1e-9, abs_tol=1e-12):
         return
     rank_zero_warn(
-        f"{FROM_TRAINER}: this fit plans {horizon} optimizer steps, the checkpoint's run planned "
+        f"{FROM_TRAINER}: this fit plans {horizon} optimizer steps, {source} planned "
         f"{saved['total_steps']} (max_steps/max_epochs, limit_train_batches, the number of processes or the data's "
         f"length changed), so its next step {step} runs at {now:.4g} of the peak LR, not the {before:.4g} its run "
-        f"would have used (the LR {'jumps up' if now > before else 'drops'}). To keep the checkpoint's schedule, "
+        f"would have used (the LR {'jumps up' if now > before else 'drops'}). To keep its schedule, "
         f"pass total_steps={saved['total_steps']}"
     )
 

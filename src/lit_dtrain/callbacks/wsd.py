@@ -96,6 +96,7 @@ class WSDScheduler(StepHooksCallback):
         self.warmup_steps, self.decay_type = int(warmup_steps), str(decay_type)
         self.min_lr_factor = float(min_lr_factor)
         self._saved_schedule: dict = {}  # a checkpoint's schedule, compared with this fit's once its horizon is known
+        self._schedule_source = "the checkpoint's run"  # or the previous fit's of the same Trainer
         self._resumed_schedule: dict = {}  # with total_steps=None: the LR it gives the restored step is compared too
         self._past_due = False  # a step past the horizon is still to be warned about (automatic optimization)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
@@ -179,9 +180,13 @@ class WSDScheduler(StepHooksCallback):
         # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_fit_start, even
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
+            # a second fit of the same Trainer goes on from its global_step: compared at train start as a resume is
+            again = trainer.global_step > 0 and self.last_step >= 0 and self._arguments["total_steps"] is None
+            previous = {k: v for k, v in self.state_dict().items() if k in self._arguments} if again else {}
             self.base_lrs, self.last_step, self.updates, self._resumed_schedule = None, -1, None, {}
             if self._arguments["total_steps"] is None:  # (another fit's horizon is not this one's)
                 self.total_steps = self.decay_steps = None
+            self._saved_schedule, self._schedule_source = previous, "the previous fit of this Trainer"
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -238,7 +243,7 @@ class WSDScheduler(StepHooksCallback):
             )
         step = trainer.global_step
         resumed, self._resumed_schedule = self._resumed_schedule, {}
-        warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor)
+        warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor, self._schedule_source)
         self._remove_hooks()
         if not pl_module.automatic_optimization:
             optimizers = trainer.optimizers
@@ -382,6 +387,7 @@ class WSDScheduler(StepHooksCallback):
         updates = state_dict.get("optimizer_updates")  # absent before it existed, None under automatic optimization
         self.updates = [int(u) for u in updates] if updates is not None else None
         self._saved_schedule = {k: state_dict[k] for k in self._arguments if k in state_dict}
+        self._schedule_source = "the checkpoint's run"
         if self.total_steps is not None:  # (else: at train start, once the trainer's horizon is taken)
             self._log_schedule_change()
 
