@@ -1501,6 +1501,12 @@ def test_sync_flags_given_under_a_per_step_codec_are_named():
     with pytest.warns(UserWarning, match=r"^CompressedDDPStrategy: under trainer.precision=bf16-true the gradients are "
                                          r"bf16 already: the 'fp16' codec sends as many bytes .* fp16's range; use "):
         warn_about_settings_without_effect(fp16, None)
+    # bf16 has the wider range: on fp16 gradients it rounds them to 8 significant bits (it said "to bf16's range")
+    bf16 = CompressedDDPStrategy(compressor="bf16", precision_plugin=HalfPrecisionPlugin("16-true"))
+    with pytest.warns(UserWarning, match=r"the 'bf16' codec sends as many bytes \(comm/compression_ratio 1\) and "
+                                         r"rounds them to bf16's 8 significant bits \(fp16 keeps 11\); use ") as said:
+        warn_about_settings_without_effect(bf16, None)
+    assert not any("range" in str(w.message) for w in said if "16-true" in str(w.message))
     with warnings.catch_warnings(), mock.patch.object(CompressedDDPStrategy, "world_size", 2):
         warnings.simplefilter("error")
         fp16.precision_plugin = Precision()  # 32-true: fp32 gradients, 2x fewer bytes; 2 processes

@@ -12,7 +12,8 @@ and the warnings that say so (rank 0, once per strategy).
   on the loss on one device is a use, and the checkpoint's codec state is then that of the run it resumes), and rank 0
   says how to train without it.
 - The ``fp16`` / ``bf16`` codec under ``trainer.precision=bf16-true`` / ``16-true`` sends as many bytes as the
-  16-bit gradients themselves (``comm/compression_ratio`` 1; ``fp16`` on bf16 gradients narrows their range too).
+  16-bit gradients themselves (``comm/compression_ratio`` 1; ``fp16`` on bf16 gradients narrows their range too,
+  ``bf16`` on fp16 gradients rounds them to 8 significant bits).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def warn_about_settings_without_effect(strategy: Any, trainer: Any) -> None:
     precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
     grads = {"bf16-true": "bf16", "16-true": "fp16"}.get(precision)
     if isinstance(codec, HalfPrecision) and strategy.local_update is None and grads is not None:
-        effect = "and leaves them as they are" if grads == codec.name else f"and rounds them to {codec.name}'s range"
+        effect = ("and leaves them as they are" if grads == codec.name  # bf16 has the wider range, fp16 more bits
+                  else "and rounds them to bf16's 8 significant bits (fp16 keeps 11)" if codec.name == "bf16"
+                  else "and rounds them to fp16's range")
         rank_zero_warn(f"CompressedDDPStrategy: under trainer.precision={precision} the gradients are {grads} already: "
                        f"the {codec.name!r} codec sends as many bytes (comm/compression_ratio 1) {effect}; use "
                        "strategy=ddp_compressed/none, or int8 for 2x fewer bytes")
