@@ -29,8 +29,9 @@ from lit_dtrain.run_dirs import RunDirError
 LENGTHS = "train/lengths"
 TOKENS = "train/tokens"  # lit_dtrain.callbacks.throughput.TOKENS
 ONE_RATE_NOTE = (f"--x tokens: run(s) {{runs}} logged no {TOKENS!r} (written before the throughput callback logged "
-                 "it): drawn at one tokens-per-step rate (the median of train/lengths' x the ranks, else its config), "
-                 "which is off where a resume changed the number of ranks or data.batch_size")
+                 "it, or stopped before its first logged step): drawn at one tokens-per-step rate (train/lengths' "
+                 "median step x the ranks, else its config), which is off where a resume changed the number of ranks "
+                 "or data.batch_size")
 
 
 def tokens_trained(run: str, scalars: dict[str, list[tuple[int, float]]]) -> tuple[Callable[[float], float], dict]:
