@@ -233,7 +233,9 @@ def compare(
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
     check_event_files(run_dirs, all_scalars)
-    per_step = [tokens_trained(str(r), s) for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None
+    # a run that logged none of the metrics (a job failed at its start) is not drawn: its tokens are not asked for
+    per_step = [tokens_trained(str(r), s) if any(m in s for m in metrics) else (None, {})
+                for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None
     for metric in metrics:  # a typo is an error; a run without the metric (died before it was logged) is not
         if not any(metric in scalars for scalars in all_scalars):
             tags = sorted(set().union(*all_scalars))
@@ -284,7 +286,7 @@ def compare(
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
-        tokens = {label: at for label, (at, _) in zip(labels, per_step)} if per_step else None
+        tokens = {label: at for label, (at, _) in zip(labels, per_step) if at} if per_step else None
         plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics

@@ -45,12 +45,15 @@ def test_a_run_resumed_on_other_ranks_is_drawn_at_the_tokens_it_logged(tmp_path,
             (tmp_path / f"{name}{old}" / "summary.json").write_text(json.dumps({"steps": steps}))
             devices = 2 if name.startswith("ranks") else 1
             (tmp_path / f"{name}{old}" / "config_resolved.yaml").write_text(f"trainer: {{devices: {devices}}}\n")
-    runs = [str(tmp_path / name) for name in ("ranks_2_1_2", "batch_8_4_16", "ranks_2_1_2_old")]
+    # a job that failed before logging (no config either): nothing drawn, no tokens asked for (they were: an error)
+    SummaryWriter(str(tmp_path / "failed" / "tb")).close()
+    runs = [str(tmp_path / name) for name in ("ranks_2_1_2", "batch_8_4_16", "ranks_2_1_2_old", "failed")]
     assert compare_runs.main([*runs, "--out", str(tmp_path / "c.png"), "--x", "tokens"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert seen[0] == {"ranks_2_1_2": [2048, 3072, 5120], "batch_8_4_16": [1536, 3072, 3840, 4608, 7680, 9728],
                        "ranks_2_1_2_old": [2048, 4096, 6144]}
-    assert [(r["tokens_from"], r["tokens_per_step"]) for r in result["runs"]] == [
+    assert [(r.get("tokens_from"), r.get("tokens_per_step")) for r in result["runs"][:3]] == [
         ("train/tokens", 5120 / 12), ("train/tokens", 8704 / 16), ("rate", 512)]
     assert "--x tokens: run(s) 'ranks_2_1_2_old' logged no 'train/tokens'" in out  # under the tables
+    assert result["runs"][3]["label"] == "failed" and "tokens_from" not in result["runs"][3]  # nothing to draw
