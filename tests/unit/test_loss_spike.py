@@ -1089,6 +1089,7 @@ def test_a_plain_module_gets_told_how_to_use_the_monitor(tmp_path: Path) -> None
                         callbacks=[monitor])
     trainer.fit(Plain(), dicts)
     assert trainer.global_step == 3 and monitor.detector.loss_stat.count == 3
+    assert monitor.num_spikes == 0 and not (tmp_path / "s.jsonl").exists()  # docs: no spike, no file
 
 
 def test_a_fit_that_raised_mid_step_leaves_no_half_step_behind(tmp_path: Path) -> None:
