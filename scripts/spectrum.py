@@ -20,20 +20,21 @@ The corpus and the window length are the run's too (``data.sources`` and ``data.
 set them), and the band edges are those of the run's FourierSampler at that length (``max_freq``/``num_bands`` of
 the sampler state in the first checkpoint that has one; ``--max-freq``/``--num-bands`` set them). Without a run
 config the stdlib corpus and the model's block_size are used, and without a FourierSampler state the brief's bands
-for ``T``; a line says which.
+for ``T``; a line says which. The token cache is the run's (``data.cache_dir``; ``--cache-dir`` sets it), so the
+run's tokens are read, not the corpus tokenized again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain.config_resolvers import default_cache_dir
 from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.data.samplers import spectral
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="documents held out (default: the run's data.val_fraction, from the checkpoint)",
     )
-    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_spectrum_cache"))
+    ap.add_argument("--cache-dir", default=None,
+                    help="token cache (default: the run's data.cache_dir, else LIT_DTRAIN_CACHE, ~/.cache/lit_dtrain)")
     ap.add_argument("--out", default="spectrum.png", help="PNG path")
     args = ap.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.checkpoints):  # zip() dropped the extra checkpoints
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = [run_data_config(path) for path in args.checkpoints]
     first = next((i for i, config in enumerate(configs) if config is not None), 0)
     data = configs[first]
+    # the run's token cache: a dir of its own under /tmp tokenized the run's whole corpus again
+    args.cache_dir = args.cache_dir or str((data or {}).get("cache_dir") or "") or default_cache_dir()
     source = None if args.files else run_source(data, args.source)
     if source is not None:  # overlaid runs must be measured on one corpus
         for path, config in zip(args.checkpoints, configs):

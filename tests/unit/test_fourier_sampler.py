@@ -1474,13 +1474,14 @@ def test_exclusions_from_another_dataset_are_refused_and_an_exclusion_free_state
     assert c.excluded.nonzero().flatten().tolist() == [4]
 
 
-def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, corpus, tmp_path, capsys):
+def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, corpus, tmp_path, capsys, monkeypatch):
     """`scripts/spectrum.py <ckpt>` took its "held-out" windows from the stdlib corpus whatever the run trained on,
     at the model's block_size rather than the run's data.block_size, and marked the brief's default bands rather
     than the run's sampler bands. It now reads the run's corpus and window length from <run>/config_resolved.yaml
     and the band layout from the checkpoint's sampler state (flags still override)."""
     import importlib.util
     import json
+    import tempfile
 
     from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
 
@@ -1511,6 +1512,12 @@ def test_spectrum_script_measures_the_runs_corpus_length_and_bands(tiny_cfg, cor
     assert {k: both[k] for k in out if k != "checkpoints" and k != "out"} == {
         k: out[k] for k in out if k != "checkpoints" and k != "out"}
     assert [c["mean_loss"] for c in both["checkpoints"]] == [out["checkpoints"][0]["mean_loss"]] * 2
+    systmp = tmp_path / "systmp"  # without --cache-dir: the run's token cache (tokenized again under /tmp before)
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    mod.main([str(ckpt), "--out", str(tmp_path / "c.png"), "--windows", "1000"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["windows"] == out["windows"]
+    assert list(systmp.iterdir()) == []
     mixture = {"sources": [{"name": "stdlib", "kind": "stdlib"}, {"name": "text", "kind": "files", "paths": ["x"]}]}
     capsys.readouterr()
     with pytest.raises(SystemExit):
