@@ -161,6 +161,12 @@ def test_no_matching_blocks_names_pattern_and_lists_modules():
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     names = [n for n, _ in find_blocks(module, "model.blocks.*")]
     assert names == [f"model.blocks.{i}" for i in range(4)] == [n for n, _ in find_blocks(module)]
+    demo = torch.nn.Module()  # the docs' example: Lightning's demo Transformer as `self.model`, blocks 4 dots deep
+    demo.model = Transformer(vocab_size=10, ninp=8, nhead=2, nhid=8, nlayers=2)
+    with pytest.raises(ValueError, match=r"matched no module") as e:  # it listed model.transformer.encoder, no deeper
+        find_blocks(demo, "model.layers.*")
+    assert ("Its nn.ModuleLists, as patterns: model.transformer.encoder.layers.* (2 x TransformerEncoderLayer), "
+            "model.transformer.decoder.layers.* (2 x TransformerDecoderLayer)") in str(e.value)
 
 
 def test_bad_arguments_fail_early():

@@ -103,10 +103,20 @@ def selective_context_fn(save_ops: Sequence[str] | None = None) -> Callable:
 
 
 # ---- block discovery --------------------------------------------------------------------------------------
-def _modules_seen(root: nn.Module, max_depth: int = 3, limit: int = 60) -> str:
+def _modules_seen(root: nn.Module, max_depth: int = 3, limit: int = 60, lists_shown: int = 10) -> str:
+    """The module paths down to ``max_depth`` dots, then every ``nn.ModuleList`` of modules with parameters (not
+    LitLLM's metrics), at any depth, as a pattern with its length and first entry's class: the blocks of Lightning's
+    demo Transformer (``model.transformer.encoder.layers.0``) or of a wrapped Hugging Face model
+    (``model.model.layers.0``) lie below ``max_depth``, and the error listed neither them nor their list."""
     names = [n for n, _ in root.named_modules() if n and n.count(".") < max_depth]
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    shown = ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    lists = [f"{n}.* ({len(m)} x {type(m[0]).__name__})"
+             for n, m in root.named_modules()
+             if n and isinstance(m, nn.ModuleList) and len(m) and next(m[0].parameters(), None) is not None]
+    if not lists:
+        return shown
+    more = f", ... ({len(lists) - lists_shown} more)" if len(lists) > lists_shown else ""
+    return f"{shown}. Its nn.ModuleLists, as patterns: {', '.join(lists[:lists_shown])}{more}"
 
 
 def _match(pattern: str, name: str) -> bool:
