@@ -6,7 +6,8 @@ step 4 of 20 wrote the same ``summary.json`` as a finished one, less ``steps``.
 
 A checkpoint whose ``EarlyStopping`` stopped its run is finished, as one at ``trainer.max_steps`` is:
 :class:`KeepEarlyStop` makes its resume (``resume=auto``, a continued sweep, ``ckpt_path=``) train no step and only
-validate, as Lightning's ``Timer`` already does for ``max_time`` (it counts the time of earlier starts). Before, such a
+validate, as Lightning's ``Timer`` already does for ``max_time`` (it counts the time of earlier starts); a WSD decay
+branch from it (``decay_branch.ckpt``) trains its decay. Before, such a
 resume trained on to the next validation and stopped again there (2 more steps), or went on where that validation
 happened to improve, so re-running a sweep to finish its killed jobs changed its early-stopped ones too."""
 
@@ -44,7 +45,8 @@ def nothing_trained(reason: str, steps: int) -> str:
     if reason == "early_stopping":
         return (f"the checkpoint at step {steps} is of a run that EarlyStopping stopped (summary.json: \"stopped\": "
                 "\"early_stopping\"): it is finished, nothing to train, only validated. To train on from it, leave "
-                "EarlyStopping out (or give it another monitor or mode)")
+                "EarlyStopping out (or give it another monitor or mode); to decay its weights, branch: "
+                "decay_branch.ckpt=<its last.ckpt> decay_branch.steps=N")
     if reason == "max_time":
         return (f"the checkpoint at step {steps} is of a run that used up trainer.max_time (Lightning's Timer counts "
                 "the time of earlier starts too): nothing to train, only validated. Raise trainer.max_time to train on")

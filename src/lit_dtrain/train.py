@@ -281,7 +281,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     # LogStepSync first: it must fix the logging step before any other callback's on_train_batch_start logs at it
     # (LearningRateMonitor logs the step's LR there)
     watch = NonFiniteLossWatch()  # the first NaN/inf loss, for summary.json's "diverged"
-    callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder(), KeepEarlyStop()]
+    callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder()]
+    if branch_step is None:  # a decay branch trains on from an early-stopped checkpoint: decaying it is its point
+        callbacks.append(KeepEarlyStop())
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view

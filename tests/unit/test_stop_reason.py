@@ -45,6 +45,10 @@ def test_an_early_stopped_run_says_so_and_its_resume_only_validates(tiny_cfg, ca
     after = objects["module"].state_dict()
     assert all(torch.equal(after[k], v) for k, v in weights.items())  # no step trained
     assert "the checkpoint at step 4 is of a run that EarlyStopping stopped" in caplog.text
+    # a decay branch from it trains its decay, EarlyStopping and all
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    metrics, _ = train(tiny_cfg(*common, f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch"))
+    assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps"
     # leaving EarlyStopping out trains on, to max_steps
     metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
                                 "resume=auto"))
