@@ -147,6 +147,9 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
         if "_target_" not in node:
             raise ConfigError(f"callbacks.{name} has no _target_")
         callbacks.append(instantiate(node))
+    for callback in callbacks:  # WSDScheduler: train.py warns about a resume's LR itself, in the config's words
+        if hasattr(callback, "warn_on_resume_lr"):
+            callback.warn_on_resume_lr = False
     return callbacks
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import lightning as L
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.schedules.lr import wsd_lr_factor
@@ -47,24 +47,39 @@ def planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
 
 
 def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, factor: Callable[[int], float],
-                                     source: str = "the checkpoint's run") -> None:
-    """A resume whose trainer plans another number of steps than the checkpoint's run (``saved``: its schedule) and so
-    gives the checkpoint's next ``step`` another LR than its run would have (``factor``: this fit's schedule) warns
-    with both. An extension in the stable phase gives the same LR and stays quiet; a decayed checkpoint extended jumps
-    up, and a horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it.
+                                     source: str = "the checkpoint's run", warmup_steps: int = 0,
+                                     given: bool = False) -> None:
+    """A resume whose schedule is not the checkpoint's run's (``saved``: its schedule) and so gives the checkpoint's
+    next ``step`` another LR than its run would have (``factor``: this fit's schedule) warns with both, as ``train.py``
+    warns about such a resume. ``given`` false: the horizon is the trainer's, which plans another number of steps (an
+    extension in the stable phase gives the same LR and stays quiet; a decayed checkpoint extended jumps up, and a
+    horizon that shrank (another ``limit_train_batches``, more processes, a shorter dataset) can drop it). ``given``:
+    the constructor's arguments changed (a larger ``total_steps`` on a decayed checkpoint; an info line said only
+    'resuming with a changed schedule'); a ``warmup_steps`` past the step, a deliberate re-warm, is only logged.
     ``source``: whose schedule ``saved`` is (a checkpoint's, or the previous ``fit`` of the same Trainer's)."""
     keys = ("total_steps", "warmup_steps", "decay_steps", "decay_type", "min_lr_factor")
-    if saved.get("total_steps") in (None, horizon) or any(k not in saved for k in keys):
+    if any(k not in saved for k in keys) or (not given and saved.get("total_steps") in (None, horizon)):
         return
     before, now = wsd_lr_factor(step, **{k: saved[k] for k in keys}), factor(step)
     if math.isclose(before, now, rel_tol=1e-9, abs_tol=1e-12):
         return
+    moves = f"(the LR {'jumps up' if now > before else 'drops'})"
+    if not given:
+        rank_zero_warn(
+            f"{FROM_TRAINER}: this fit plans {horizon} optimizer steps, {source} planned "
+            f"{saved['total_steps']} (max_steps/max_epochs, limit_train_batches, the number of processes or the data's "
+            f"length changed), so its next step {step} runs at {now:.4g} of the peak LR, not the {before:.4g} its run "
+            f"would have used {moves}. To keep its schedule, pass total_steps={saved['total_steps']}"
+        )
+        return
+    head = f"WSDScheduler: its next step {step} runs at {now:.4g} of the peak LR, not the {before:.4g} " \
+           f"{source} would have used {moves}"
+    if now < before and step < warmup_steps:
+        rank_zero_info(f"{head}: warmup_steps={warmup_steps} lies past the step, so the resumed steps warm up again")
+        return
+    theirs = ", ".join(f"{k}={saved[k]}" for k in keys)
     rank_zero_warn(
-        f"{FROM_TRAINER}: this fit plans {horizon} optimizer steps, {source} planned "
-        f"{saved['total_steps']} (max_steps/max_epochs, limit_train_batches, the number of processes or the data's "
-        f"length changed), so its next step {step} runs at {now:.4g} of the peak LR, not the {before:.4g} its run "
-        f"would have used (the LR {'jumps up' if now > before else 'drops'}). To keep its schedule, "
-        f"pass total_steps={saved['total_steps']}"
+        f"{head}: this schedule is not {source}'s ({theirs}); to go on with that one, pass its arguments"
     )
 
 

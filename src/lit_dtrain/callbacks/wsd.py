@@ -97,7 +97,10 @@ class WSDScheduler(StepHooksCallback):
         self.min_lr_factor = float(min_lr_factor)
         self._saved_schedule: dict = {}  # a checkpoint's schedule, compared with this fit's once its horizon is known
         self._schedule_source = "the checkpoint's run"  # or the previous fit's of the same Trainer
-        self._resumed_schedule: dict = {}  # with total_steps=None: the LR it gives the restored step is compared too
+        self._resumed_schedule: dict = {}  # the checkpoint's schedule: the LR it gives the restored step is compared
+        # False: a caller that checks a resume's LR against the config itself (train.py, before the fit) leaves the
+        # check of a given schedule to it; a horizon taken from the trainer (total_steps=None) is checked here still
+        self.warn_on_resume_lr = True
         self._past_due = False  # a step past the horizon is still to be warned about (automatic optimization)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
@@ -243,7 +246,10 @@ class WSDScheduler(StepHooksCallback):
             )
         step = trainer.global_step
         resumed, self._resumed_schedule = self._resumed_schedule, {}
-        warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor, self._schedule_source)
+        given = self._arguments["total_steps"] is not None
+        if self.warn_on_resume_lr or not given:
+            warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor, self._schedule_source,
+                                             self.warmup_steps, given)
         self._remove_hooks()
         if not pl_module.automatic_optimization:
             optimizers = trainer.optimizers
@@ -393,8 +399,7 @@ class WSDScheduler(StepHooksCallback):
 
     def _log_schedule_change(self) -> None:
         changed = {k: (v, getattr(self, k)) for k, v in self._saved_schedule.items() if v != getattr(self, k)}
-        if self._arguments["total_steps"] is None:  # (a horizon given is the user's change, a trainer's may not be)
-            self._resumed_schedule = self._saved_schedule  # checked at train start, at the restored step
+        self._resumed_schedule = self._saved_schedule  # the LR it gives: checked at train start, at the restored step
         self._saved_schedule = {}
         if changed:
             log_once(log, logging.INFO, "WSDScheduler: resuming with a changed schedule (saved, now): %s", changed)
