@@ -13,8 +13,14 @@ happened to improve, so re-running a sweep to finish its killed jobs changed its
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+from lit_dtrain.utils.rank_zero import log_once
+
+log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger
 
 
 def _early_stopped(callback: EarlyStopping) -> bool:
@@ -63,3 +69,27 @@ class KeepEarlyStop(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step > 0 and any(_early_stopped(c) for c in trainer.early_stopping_callbacks):
             trainer.should_stop = True
+
+
+def warn_if_the_schedule_did_not_end(trainer: L.Trainer, stopped: str, start_step: int, last_ckpt: str) -> None:
+    """A fit that stopped before ``trainer.max_steps`` (``stopped``: EarlyStopping, max_time, ...) with its LR above
+    where its schedule ends (a WSD run stopped in its stable phase, a cosine one midway) has weights that are not
+    annealed: warned once, with the decay branch that decays them. (The ``WSDScheduler`` callback warns itself; the
+    scheduler form, ``train.py``'s default, said nothing: a run EarlyStopping stopped at step 4 of 20 ended at the
+    peak LR.) Quiet for a start that trained no step, and for a schedule that ends where it is (``constant``)."""
+    if stopped == "max_steps" or trainer.global_step <= start_step or trainer.max_steps < 1:
+        return
+    lambdas = [getattr(c.scheduler, "lr_lambdas", None) for c in trainer.lr_scheduler_configs]
+    if not lambdas or not lambdas[0]:
+        return
+    step, factor = trainer.global_step, lambdas[0][0]
+    last, end = float(factor(step - 1)), float(factor(trainer.max_steps - 1))
+    if last <= end + 1e-9 * max(1.0, abs(end)):
+        return
+    log_once(
+        log, logging.WARNING,
+        "the fit stopped (%s) after %d of trainer.max_steps=%d optimizer steps, its last at %.4g of the peak LR, "
+        "before its schedule's end (%.4g at step %d): its weights are not annealed. To decay them (scheduler=wsd), "
+        "branch: decay_branch.ckpt=%s decay_branch.steps=N", stopped, step, trainer.max_steps, last, end,
+        trainer.max_steps - 1, last_ckpt,
+    )

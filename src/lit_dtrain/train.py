@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.stop_reason import KeepEarlyStop, stop_reason
+from lit_dtrain.stop_reason import KeepEarlyStop, stop_reason, warn_if_the_schedule_did_not_end
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import (
@@ -336,6 +336,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
 
     stopped = stop_reason(trainer)  # before validate(), which is not the fit (Lightning's Timer times each stage)
+    warn_if_the_schedule_did_not_end(trainer, stopped, start_step, last_ckpt)
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     try:
         with keyboard_interrupt_kept(trainer):

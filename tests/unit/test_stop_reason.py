@@ -33,8 +33,14 @@ def test_an_early_stopped_run_says_so_and_its_resume_only_validates(tiny_cfg, ca
     from lit_dtrain.train import train
 
     common = ("trainer.max_steps=20", "trainer.val_check_interval=2", "sample.max_new_tokens=0", *EARLY_STOPPING)
-    metrics, _ = train(tiny_cfg(*common))
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        metrics, _ = train(tiny_cfg(*common))
     cfg = tiny_cfg(*common)
+    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    assert ("the fit stopped (early_stopping) after 4 of trainer.max_steps=20 optimizer steps, its last at 1 of the "
+            "peak LR, before its schedule's end (0 at step 19): its weights are not annealed. To decay them "
+            f"(scheduler=wsd), branch: decay_branch.ckpt={last} decay_branch.steps=N") in caplog.text
+    caplog.clear()
     assert metrics["steps"] == 4 and _summary(cfg)["stopped"] == "early_stopping"
     assert capsys.readouterr().out.rstrip().endswith("stopped=early_stopping")
     weights = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)["state_dict"]
@@ -45,8 +51,8 @@ def test_an_early_stopped_run_says_so_and_its_resume_only_validates(tiny_cfg, ca
     after = objects["module"].state_dict()
     assert all(torch.equal(after[k], v) for k, v in weights.items())  # no step trained
     assert "the checkpoint at step 4 is of a run that EarlyStopping stopped" in caplog.text
+    assert "its weights are not annealed" not in caplog.text  # (a start that trained no step)
     # a decay branch from it trains its decay, EarlyStopping and all
-    last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
     metrics, _ = train(tiny_cfg(*common, f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch"))
     assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps"
     # leaving EarlyStopping out trains on, to max_steps
