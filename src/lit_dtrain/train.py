@@ -91,6 +91,7 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     is_collective_failure,
 )
+from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_files
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
     quiet_lightning_noise()
+    held.enter_context(console_lines_to_job_log())  # Lightning's lines and warnings into train.log too
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
@@ -385,10 +387,12 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
             if hasattr(getattr(lg, "experiment", None), "add_text"):
                 lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
     tokens_per_sec = metrics["tokens_per_sec"]
-    print(
+    summary = (
         f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
         f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
         + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
         + (" DIVERGED" if metrics.get("diverged") else "")
     )
+    print(summary)
+    log_to_files(log, summary)  # and into train.log, which held every line of the run but this one
