@@ -229,7 +229,8 @@ class CheckpointedForward:
             if self.mode == "full":  # no context_fn argument: torch.compile cannot trace a passed-in no-op one
                 return checkpoint(fn, *args, use_reentrant=False)
             return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn)
-        context_fn = eager_context_fn(self.context_fn) if self.mode == "selective" else noop_context_fn
+        block = type(self.buffers.__self__).__name__
+        context_fn = eager_context_fn(self.context_fn, block) if self.mode == "selective" else noop_context_fn
         buffers = list(self.buffers())
         if buffers:  # recomputation must see the buffers as forward did, and not update them a second time
             context_fn = with_buffers_replayed(buffers, context_fn)

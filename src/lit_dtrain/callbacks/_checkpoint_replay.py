@@ -23,10 +23,13 @@ class _RandomOpsSaved:
     by default), and the residual dropout after it then recomputed another mask than forward had applied: gradients
     silently wrong. torch 2.13 asks the policy after the op ran (``ctx.op_output``), earlier versions before it;
     there the state after the op is read when the next op is asked about.
+
+    A saved output that a later op of the forward writes into in place is refused there (:meth:`_check_writes`).
     """
 
-    def __init__(self, policy: Callable) -> None:
-        self.policy = policy
+    def __init__(self, policy: Callable, block: str = "the block") -> None:
+        self.policy, self.block = policy, block
+        self.saved: dict[int, object] = {}  # storage address of a saved op's output -> that op (torch >= 2.13)
         self.after: list[tuple[object, list[tuple[torch.Generator, torch.Tensor]]]] = []  # (op, [(generator, state)])
         self.pending: tuple[object, list[torch.Generator]] | None = None  # a saved random op that has not run yet
 
@@ -37,7 +40,12 @@ class _RandomOpsSaved:
             self._record(*self.pending)
             self.pending = None
         decision = self.policy(ctx, func, *args, **kwargs)
-        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and \
+        saves = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        if saves and hasattr(ctx, "op_output"):
+            self.saved.update((ptr, func) for ptr in _storages(ctx.op_output))
+        elif self.saved and func._schema.is_mutable:
+            self._check_writes(func, args, kwargs)
+        if saves and \
                 torch.Tag.nondeterministic_seeded in func.tags:
             gens = _generators(tree_leaves((args, kwargs)))
             if hasattr(ctx, "op_output"):
@@ -45,6 +53,27 @@ class _RandomOpsSaved:
             else:
                 self.pending = (func, gens)
         return decision
+
+    def _check_writes(self, func, args: tuple, kwargs: dict) -> None:
+        """Refuse an in-place op of the forward that wrote into a saved op's output: the cache keeps that tensor, not
+        a copy, so backward read the changed value, and torch's own check (the version counter) does not see a write
+        through views that do not share it. nn.GRU/nn.GRUCell on a CPU run ``sigmoid_``/``tanh_``/``add_`` on
+        ``unsafe_split`` views of their saved ``addmm``: gradients 17-29% off, no error (nn.RNN, nn.LSTMCell: torch's
+        'Tensor cached during selective activation checkpoint has been mutated' in backward, naming no op)."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for ptr in _storages(value):
+                if ptr in self.saved:
+                    from lit_dtrain.errors import ConfigError
+
+                    raise ConfigError(
+                        f"SelectiveCheckpointing: in the forward of a {self.block} block, {func} writes in place "
+                        f"into the output of {self.saved[ptr]}, which the selective policy saves, so backward would "
+                        f"read the changed value and the gradients would be wrong; checkpoint the {self.block} blocks "
+                        f"with policy='full' or leave them out of module_pattern, or leave {self.saved[ptr]} out of "
+                        "save_ops")
 
     def _record(self, func, gens: list[torch.Generator]) -> None:
         self.after.append((func, [(gen, gen.get_state()) for gen in gens]))
@@ -73,6 +102,12 @@ class _ReplayRngStates(TorchDispatchMode):
         return out
 
 
+def _storages(value) -> list[int]:
+    """The storage addresses of the (non-empty, dense) tensors in ``value``."""
+    return [t.untyped_storage().data_ptr() for t in tree_leaves(value)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() and t.device.type != "meta"]
+
+
 def _generators(leaves: list) -> list[torch.Generator]:
     """The default generators of the devices of the tensors in ``leaves``, and the CPU's."""
     gens = {"cpu": torch.random.default_generator}
@@ -84,14 +119,14 @@ def _generators(leaves: list) -> list[torch.Generator]:
     return list(gens.values())
 
 
-def eager_context_fn(context_fn: Callable) -> Callable:
+def eager_context_fn(context_fn: Callable, block: str = "the block") -> Callable:
     """``context_fn`` (of :func:`selective_context_fn`) for an eager checkpointed call: recomputation also restores
     the RNG states after the saved random ops (:class:`_RandomOpsSaved`). The recompute mode is pushed only where
     forward saved a random op, so the common case pays no second Python mode. (Under ``torch.compile`` the plain
     ``context_fn`` is passed: the partitioner decides what is recomputed, and it saves random ops' outputs.)"""
 
     def contexts():
-        saved = _RandomOpsSaved(context_fn.args[0])
+        saved = _RandomOpsSaved(context_fn.args[0], block)
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(saved)
         return forward_ctx, _replaying(saved, recompute_ctx)
 
