@@ -17,7 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpo
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_dtrain.callbacks import ModelCheckpoint, OptimizerDiagnostics
+from lit_dtrain.callbacks import AdaptiveGradClip, ModelCheckpoint, OptimizerDiagnostics
+from tests.unit.test_callbacks_in_foreign_projects import fit
 
 
 def data(n: int = 16) -> DataLoader:
@@ -288,3 +289,14 @@ def test_a_rollback_keeps_the_momentum_a_one_cycle_schedule_set(tmp_path: Path) 
     rolled, events = _hparams_used(tmp_path / "b", 9)
     assert events == [(9, 8)]
     assert [x for pair in rolled for x in pair] == pytest.approx([x for pair in straight for x in pair])
+
+
+def test_adaptive_grad_clip_beside_gradient_clip_val_says_it_in_the_trainers_words(tmp_path: Path) -> None:
+    """A project of one's own with Trainer(gradient_clip_val=1.0) was told 'set trainer.gradient_clip_val=null', a
+    train.py override, for a Trainer it builds in Python."""
+    with pytest.warns(UserWarning) as caught:
+        fit(tmp_path, [AdaptiveGradClip()], max_steps=1, gradient_clip_val=1.0)
+    said = [str(w.message) for w in caught if "AdaptiveGradClip" in str(w.message)]
+    assert said == ["AdaptiveGradClip runs before Lightning's gradient_clip_val=1.0, which still applies; to clip "
+                    "adaptively only, build the Trainer with gradient_clip_val=None (train.py: "
+                    "trainer.gradient_clip_val=null)"]

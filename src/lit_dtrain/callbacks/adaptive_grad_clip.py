@@ -205,7 +205,8 @@ class AdaptiveGradClip(StepHooksCallback):
         if clip_val is not None and clip_val > 0:
             rank_zero_warn(
                 f"AdaptiveGradClip runs before Lightning's gradient_clip_val={clip_val}, which still applies; "
-                "set trainer.gradient_clip_val=null to clip adaptively only."
+                "to clip adaptively only, build the Trainer with gradient_clip_val=None (train.py: "
+                "trainer.gradient_clip_val=null)"
             )
 
     @override
