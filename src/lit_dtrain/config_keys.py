@@ -176,6 +176,21 @@ def accepted_arguments(target) -> set[str] | None:
     return None
 
 
+def refuse_unknown_keywords(target, kwargs: dict, name: str, goes_to: str) -> None:
+    """:class:`ConfigError` for a keyword of a strategy built in Python that neither ``target`` nor where its
+    ``**kwargs`` go (``goes_to``) takes: Lightning hands them to the module wrapper in setup, so a misspelt one
+    (``make_ddp(find_unused_parameter=True)``) failed in fit, after the ranks had started, as
+    DistributedDataParallel's TypeError. (``train.py`` refuses such a config key before: :func:`check_target_keys`.)"""
+    import difflib
+
+    accepted = accepted_arguments(target)
+    for key in [] if accepted is None else [k for k in kwargs if k not in accepted]:
+        close = difflib.get_close_matches(key, sorted(accepted), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{name}: {key!r} is not an argument of {name}, nor of {goes_to} (which take its other "
+                          f"keywords){hint}")
+
+
 def check_target_keys(node: DictConfig, path: str, target) -> None:
     """:class:`ConfigError` naming a key of a ``_target_`` node that its target takes no argument for. Hydra
     refuses an unknown key only on the command line: one added with '+' or in a config file failed at

@@ -169,3 +169,23 @@ def test_train_builds_the_checking_ddp_for_the_default_strategy_on_several_proce
     with pytest.raises(ConfigError, match=r"^EvenEpochsDDPStrategy with start_method='spawn' runs fit in new processes "
                                           r"that return to this one without the step count"):
         train_module.train(tiny_cfg("trainer=ddp_cpu", "strategy.name=ddp_spawn", run="spawn"))
+
+
+def test_a_misspelt_keyword_of_a_strategy_built_in_python_is_refused_when_it_is_built():
+    """make_ddp(find_unused_parameter=True) was accepted, and both ranks failed in fit, after they had started, with
+    DistributedDataParallel's TypeError 'got an unexpected keyword argument' (train.py refuses such a config key)."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+
+    refused = (r"^make_ddp: 'find_unused_parameter' is not an argument of make_ddp, nor of Lightning's DDPStrategy or "
+               r"torch's DistributedDataParallel \(which take its other keywords\); did you mean "
+               r"'find_unused_parameters'\?$")
+    with pytest.raises(ConfigError, match=refused):
+        make_ddp(find_unused_parameter=True)
+    with pytest.raises(ConfigError, match=r"^make_fsdp: 'shardingstrategy' .*FullyShardedDataParallel.*'sharding_"):
+        make_fsdp(shardingstrategy="FULL_SHARD")
+    with pytest.raises(ConfigError, match=r"^CompressedDDPStrategy: 'compresor' .*did you mean 'compressor'\?$"):
+        CompressedDDPStrategy(compresor="int8")
+    assert make_ddp(find_unused_parameters=True, static_graph=True)._ddp_kwargs == {
+        "find_unused_parameters": True, "static_graph": True}
+    assert make_fsdp(cpu_offload=False, use_orig_params=True).kwargs["use_orig_params"] is True
