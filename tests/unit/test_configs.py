@@ -88,6 +88,21 @@ def test_fsdp_on_a_cpu_is_refused_when_the_trainer_is_built(tmp_path, corpus):
         L.Trainer(accelerator="cpu", strategy=build_strategy(compose_cfg(["strategy=fsdp"], tmp_path, corpus)))
 
 
+def test_make_fsdp_takes_one_class_path_and_names_one_that_is_no_class_in_a_line(caplog):
+    """wrap_modules='torch.nn.Linear' was read letter by letter ("Error loading 't'"), and a path that is no class
+    gave Hydra's logged error and a 3-line ImportError (10 lines under train.py)."""
+    from lit_dtrain.strategies import make_fsdp
+
+    assert make_fsdp(wrap_modules="torch.nn.Linear").kwargs["auto_wrap_policy"]._module_classes == {torch.nn.Linear}
+    for path, why in [("torch.nn.Linearr", "Are you sure that 'Linearr' is importable from module 'torch.nn'?"),
+                      ("torch.nn.functional.relu", "a function")]:
+        with pytest.raises(ConfigError) as e:
+            make_fsdp(wrap_modules=[path])
+        assert str(e.value) == (f"make_fsdp: wrap_modules entry {path!r} is not a class ({why}); give dotted class "
+                                "paths, e.g. lit_dtrain.models.Block")
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("data", ["stdlib", "textfiles", "mixture"])
 def test_data_options_instantiate(data, tmp_path, corpus):
     overrides = [f"data={data}"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hydra.utils import get_class
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from lit_dtrain.config_keys import refuse_unknown_keywords
@@ -86,12 +85,32 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
     Lightning turns a *set* of classes into torch's ``ModuleWrapPolicy``; from YAML Hydra hands over a ``ListConfig``,
     which ``FSDPStrategy`` took for a policy callable and failed with at setup ("'ListConfig' object is not callable").
     """
+    if isinstance(wrap_modules, (str, type)):  # one class (a string was taken letter by letter: "Error loading 't'")
+        wrap_modules = [wrap_modules]
     if not wrap_modules:
         raise ValueError("make_fsdp: wrap_modules must name at least one module class, e.g. lit_dtrain.models.Block")
     refuse_unknown_keywords(make_fsdp, kwargs, "make_fsdp",
                             "Lightning's FSDPStrategy or torch's FullyShardedDataParallel")
-    classes = {m if isinstance(m, type) else get_class(str(m)) for m in wrap_modules}
+    classes = {m if isinstance(m, type) else _module_class(str(m)) for m in wrap_modules}
     return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=collective_timeout(collective_timeout_s), **kwargs)
+
+
+def _module_class(path: str) -> type:
+    """The class at the dotted ``path``; a one-line ConfigError otherwise (Hydra's ``get_class`` logged its error, then
+    raised a 3-line ImportError)."""
+    from hydra._internal.utils import _locate
+
+    from lit_dtrain.errors import ConfigError
+
+    try:
+        found = _locate(path)
+    except Exception as e:  # (ImportError, or a ValueError for an empty path)
+        found = e
+    if not isinstance(found, type):
+        why = str(found).strip().splitlines()[-1] if isinstance(found, Exception) else f"a {type(found).__name__}"
+        raise ConfigError(f"make_fsdp: wrap_modules entry {path!r} is not a class ({why}); give dotted class paths, "
+                          "e.g. lit_dtrain.models.Block")
+    return found
 
 
 register_strategies()
