@@ -76,6 +76,18 @@ def _interrupts_as_in_a_terminal():
 
 
 @pytest.fixture(autouse=True)
+def _rank_zero_as_found():
+    """Each test leaves Lightning's ``rank_zero_only.rank`` as it found it: a Trainer built with ``LOCAL_RANK=1``
+    (test_rank_threads.py) set it to 1 for the rest of the session, and every later ``rank_zero_warn`` in this
+    process was silent (a ``pytest.warns`` in test_selective_checkpointing.py failed after it)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank
+
+
+@pytest.fixture(autouse=True)
 def _event_file_numbers_from_zero(monkeypatch):
     """TensorBoard event files are named ``events.out.tfevents.<second>.<host>.<pid>.<writer number>``, the number
     counting every writer the process opened, and TensorBoard reads a directory's files in the names' string order.
