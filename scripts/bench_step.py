@@ -14,9 +14,12 @@ fp32 parameters. On cuda each step's clock is read after ``torch.cuda.synchroniz
 
     python scripts/bench_step.py --steps 40 --rounds 3
     python scripts/bench_step.py trainer=gpu model=small data.batch_size=64
+    python scripts/bench_step.py --loss-log --steps 40 --rounds 4 --threads 1   # train/loss: self.log vs now
 
 Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio, lightning_tokens_per_s,
-plain_tokens_per_s, device.
+plain_tokens_per_s, device. With ``--loss-log`` no plain loop: two Lightning variants that log ``train/loss``
+through ``self.log`` at every step and through ``log_every_step`` (scripts/_bench_step_loss_log.py; its JSON
+line has the CPU time of the call and of a step for each, their ratio, and whether results were identical).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -51,6 +55,7 @@ class StepTimer(L.Callback):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # the main thread's CPU time (time.thread_time) at the same moments
         self._losses: list[torch.Tensor] = []  # detached; read after fit, so recording them adds no sync
         self._step_loss: torch.Tensor | None = None
 
@@ -69,6 +74,7 @@ class StepTimer(L.Callback):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.thread_time())
 
     @property
     def losses(self) -> list[float]:
@@ -115,13 +121,14 @@ def compose_default(out_dir: str, steps: int, overrides: list[str]):
     return cfg
 
 
-def lightning_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[float]]:
-    """One Lightning run: (ms per steady-state step, loss of every step)."""
+def lightning_round(cfg, warmup: int, device: torch.device,
+                    timer: StepTimer | None = None) -> tuple[float, list[float]]:
+    """One Lightning run: (ms per steady-state step, loss of every step); ``timer``: a StepTimer of the caller's."""
     L.seed_everything(cfg.seed, verbose=False)
     dm = instantiate(cfg.data, _convert_="all")
     dm.progress = False
     module = LitLLM(instantiate(cfg.model), instantiate(cfg.optimizer), instantiate(cfg.scheduler))
-    timer = StepTimer(device)
+    timer = timer if timer is not None else StepTimer(device)
     trainer = instantiate(cfg.trainer, callbacks=[*build_callbacks(cfg), timer], logger=instantiate(cfg.logger))
     trainer.fit(module, datamodule=dm)
     t = timer.times
@@ -177,6 +184,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=positive_int, default=5, help="steps excluded from timing (>= 1, < --steps)")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of each variant")
     ap.add_argument("--threads", type=nonnegative_int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--loss-log", action="store_true", help="compare train/loss via self.log with log_every_step")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small data.batch_size=8")
     args = ap.parse_args()
     if args.warmup >= args.steps:  # the timing spans steps warmup..steps-1: none left (a StatisticsError at the end)
@@ -190,6 +198,11 @@ def main() -> None:
         torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))  # as train() sets it
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device {device} ({name}), precision {cfg.trainer.precision}, {tokens_per_step(cfg)} tokens/step")
+        if args.loss_log:
+            from _bench_step_loss_log import loss_log_rounds, print_json
+
+            print_json(loss_log_rounds(sys.modules[__name__], cfg, args.rounds, args.warmup, device))
+            return
         plain, light = [], []
         for r in range(args.rounds):
             plain.append(plain_round(cfg, args.warmup, device)[0])

@@ -23,7 +23,7 @@ from torch import nn
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
-from lit_dtrain.module_metrics import ValLossMean
+from lit_dtrain.module_metrics import ValLossMean, log_every_step
 from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
 from lit_dtrain.schedules.lr import StepLambdaLR
 from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
@@ -227,7 +227,7 @@ class LitLLM(L.LightningModule):
         else:
             loss = token_loss.mean()
         step_loss = self._step_mean_loss(loss.detach())
-        self.log("train/loss", step_loss, on_step=True, prog_bar=True, batch_size=token_loss.size(0))
+        log_every_step(self, "train/loss", step_loss, token_loss.size(0))  # self.log(..., on_step, prog_bar), cheaper
         return {"loss": loss, "token_loss": token_loss.detach(), "index": batch.get("index")}
 
     def _forward_rng_of_step(self, batch: dict) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The validation-loss metric of :class:`~lit_dtrain.module.LitLLM`: a token-weighted mean whose sums stay in fp32 (or
-wider) under every precision, and that reports NaN when any token's loss is NaN."""
+"""The metrics of :class:`~lit_dtrain.module.LitLLM`: the validation-loss metric (a token-weighted mean whose sums stay
+in fp32 or wider under every precision, and that reports NaN when any token's loss is NaN), and
+:func:`log_every_step`, ``train/loss``'s ``self.log`` at a fraction of its host cost."""
 
 from __future__ import annotations
 
 import math
 
+import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
@@ -33,3 +35,29 @@ class ValLossMean(MeanMetric):
         if any(isinstance(v, torch.Tensor) and v.dtype in HALF for v in (getattr(this, k) for k in this._defaults)):
             this.set_dtype(torch.float32)  # (set_dtype applies a cast through _apply once more, to fp32)
         return this
+
+
+def log_every_step(module: L.LightningModule, name: str, value: torch.Tensor, batch_size: int) -> None:
+    """``module.log(name, value, on_step=True, prog_bar=True, batch_size=batch_size)`` from ``training_step``, with
+    the same effect at every step (loggers, ``trainer.callback_metrics``, ``progress_bar_metrics``) for about a
+    quarter of the host time. ``self.log`` re-registers the value at every call: it rebuilds its metadata and moves
+    the stored result to the value's device by walking the whole result object (``_ResultMetric.to``), ~0.6-0.8 ms
+    of CPU per step, the largest host cost of a default step outside forward, backward and the optimizer
+    (docs/benchmarks.md).
+    Once ``self.log`` has registered the name in this loop, the value goes into the stored result the way
+    ``self.log`` puts it there (``_ResultCollection.update_metrics``; Lightning 2.6's internals, which pyproject
+    pins); any other case takes ``self.log`` itself: the first step of a fit or epoch (Lightning resets the step's
+    results there), another hook or device, a stored entry of another form (not on-step-only with ``prog_bar``),
+    a run with no result collection (``self.log`` warns or refuses as it does)."""
+    trainer = module._trainer
+    results = getattr(trainer, "_results", None) if trainer is not None else None
+    fx = "training_step"
+    key = f"{fx}.{name}"
+    stored = results.get(key) if results is not None and results.dataloader_idx is None else None
+    if (stored is None or module._current_fx_name != fx or not stored.meta.prog_bar or not stored.meta.on_step
+            or stored.meta.on_epoch or not isinstance(stored.value, torch.Tensor) or stored.value.device != value.device
+            or value.numel() != 1 or trainer._logger_connector.should_reset_tensors(fx)):
+        module.log(name, value, on_step=True, prog_bar=True, batch_size=batch_size)
+        return
+    results.update_metrics(key, value.detach().squeeze(), batch_size)  # (it stores a clone: the value is not kept)
+    trainer._logger_connector._current_fx = fx

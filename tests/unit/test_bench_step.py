@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import TINY, load_script
@@ -43,3 +45,18 @@ def test_a_precision_the_plain_loop_does_not_mirror_is_refused(bench, tmp_path):
     cfg = bench.compose_default(str(tmp_path), 4, ["trainer.precision=16-mixed"])
     with pytest.raises(ValueError, match="16-mixed would need a GradScaler"):
         bench.autocast_dtype(cfg)
+
+
+def test_loss_log_mode_times_both_train_loss_paths_and_finds_their_results_identical(bench, tmp_path, corpus, capsys,
+                                                                                     monkeypatch):
+    """``--loss-log``: self.log at every step against log_every_step, alternated; the same losses and the same
+    train/loss in callback_metrics at every step, and a CPU time for each call."""
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the script imports its private module by name
+    from _bench_step_loss_log import loss_log_rounds
+
+    cfg = bench.compose_default(str(tmp_path / "run"), 4, [
+        *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", f"paths.cache_dir={tmp_path / 'cache'}"])
+    summary = loss_log_rounds(bench, cfg, rounds=2, warmup=1, device=bench.bench_device(cfg))
+    assert summary["identical"] is True
+    assert summary["self_log_us_per_step"] > 0 and summary["log_every_step_us_per_step"] > 0
+    assert "self.log" in capsys.readouterr().out
