@@ -245,8 +245,9 @@ class LitLLM(L.LightningModule):
         writes ``train/loss`` once per optimizer step, the value logged at its last micro-batch: the mean over all
         A, the loss the step's gradient is of (it was the last micro-batch's alone, a quarter of the tokens at A=4)."""
         step = self._trainer.global_step if self._trainer is not None else None
-        if step is None or step != self._loss_step:
-            self._loss_step, self._loss_sum, self._loss_count = step, loss.new_zeros(()), 0
+        if step is None or step != self._loss_step:  # a step's first micro-batch: its mean is its loss (no tensor op)
+            self._loss_step, self._loss_sum, self._loss_count = step, loss, 1
+            return loss
         self._loss_sum, self._loss_count = self._loss_sum + loss, self._loss_count + 1
         return self._loss_sum / self._loss_count
 
