@@ -29,6 +29,17 @@ def _early_stopped(callback: EarlyStopping) -> bool:
     return int(getattr(callback.stopping_reason, "value", callback.stopping_reason)) != 0  # 0: NOT_STOPPED
 
 
+def _timer(trainer: L.Trainer) -> Timer | None:
+    return next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+
+
+def _dd_hh_mm_ss(seconds: float) -> str:
+    """``seconds`` rounded up, as ``trainer.max_time`` is typed (``DD:HH:MM:SS``)."""
+    minutes, secs = divmod(int(-(-seconds // 1)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours // 24:02d}:{hours % 24:02d}:{minutes:02d}:{secs:02d}"
+
+
 def stop_reason(trainer: L.Trainer) -> str:
     """Why ``trainer``'s fit ended (called after it): see the module docstring. ``max_steps`` wins where the last step
     was reached whatever else asked to stop there too."""
@@ -36,7 +47,7 @@ def stop_reason(trainer: L.Trainer) -> str:
         return "max_steps"
     if any(_early_stopped(c) for c in trainer.early_stopping_callbacks):
         return "early_stopping"
-    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    timer = _timer(trainer)
     left = timer.time_remaining() if timer is not None else None
     if left is not None and left <= 0:
         return "max_time"
@@ -45,17 +56,23 @@ def stop_reason(trainer: L.Trainer) -> str:
     return "should_stop"
 
 
-def nothing_trained(reason: str, steps: int) -> str:
+def nothing_trained(reason: str, steps: int, trainer: L.Trainer | None = None) -> str:
     """The line of a resume that trained no step (its checkpoint at ``steps``) because its run had ended for
-    ``reason``, with how to train on."""
+    ``reason``, with how to train on (for ``max_time``, past the training time ``trainer``'s ``Timer`` counted: a
+    run of max_time=4 s whose first step took 11 s, raised to 8 s, trained no step again)."""
     if reason == "early_stopping":
         return (f"the checkpoint at step {steps} is of a run that EarlyStopping stopped (summary.json: \"stopped\": "
                 "\"early_stopping\"): it is finished, nothing to train, only validated. To train on from it, leave "
                 "EarlyStopping out (or give it another monitor or mode); to decay its weights, branch: "
                 "decay_branch.ckpt=<its last.ckpt> decay_branch.steps=N")
     if reason == "max_time":
-        return (f"the checkpoint at step {steps} is of a run that used up trainer.max_time (Lightning's Timer counts "
-                "the time of earlier starts too): nothing to train, only validated. Raise trainer.max_time to train on")
+        timer = _timer(trainer) if trainer is not None else None
+        used = _dd_hh_mm_ss(timer.time_elapsed("train")) if timer is not None else None
+        counted = f"counted {used} of training, earlier starts' included" if used else \
+            "counts the time of earlier starts too"
+        return (f"the checkpoint at step {steps} is of a run that used up trainer.max_time (Lightning's Timer "
+                f"{counted}): nothing to train, only validated. Raise trainer.max_time"
+                f"{f' past {used}' if used else ''} to train on")
     if reason == "max_steps":
         return f"the checkpoint is already at step {steps} = trainer.max_steps: nothing to train, only validated"
     return f"the fit trained no step from the checkpoint at step {steps} (stopped: {reason}): only validated"

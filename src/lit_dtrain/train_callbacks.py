@@ -87,7 +87,7 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     trainer.max_steps' of a run with max_steps=200)."""
     steps = trainer.global_step
     if trainer.is_global_zero:
-        log.info(nothing_trained(reason, steps))
+        log.info(nothing_trained(reason, steps, trainer))
     previous = None
     with contextlib.suppress(OSError, ValueError):
         previous = json.loads((out_dir / "summary.json").read_text())

@@ -82,3 +82,17 @@ def test_an_early_stopping_that_stopped_is_the_reason_and_max_steps_wins():
     stopper.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED  # (stopped_epoch stays 0 in epoch 0)
     assert stop_reason(_trainer(early_stopping_callbacks=[stopper])) == "early_stopping"
     assert stop_reason(_trainer(early_stopping_callbacks=[stopper], global_step=20)) == "max_steps"
+
+
+def test_a_max_time_resume_names_the_time_to_raise_trainer_max_time_past():
+    """A run of trainer.max_time=4 s whose first step took 11 s was told 'Raise trainer.max_time to train on'; raised
+    to 8 s it trained no step again. The line names the training time the Timer counted, as max_time is typed."""
+    from lightning.pytorch.callbacks import Timer
+
+    from lit_dtrain.stop_reason import nothing_trained
+
+    timer = Timer(duration="00:00:00:04")
+    timer.load_state_dict({"time_elapsed": {"train": 93784.2}})  # 1 day 2:03:04.2, the checkpoint's count
+    line = nothing_trained("max_time", 1, _trainer(callbacks=[timer]))
+    assert "counted 01:02:03:05 of training" in line and line.endswith("Raise trainer.max_time past 01:02:03:05 to "
+                                                                       "train on")
