@@ -224,3 +224,30 @@ def test_train_tokens_counts_all_ranks_and_goes_on_across_a_resume_on_other_rank
     assert tokens(2) == [None, None] or tokens(2) == ["", ""]  # not known: not logged (no column, or empty)
     assert trainer.checkpoint_callback is None and "tokens" not in next(
         v for k, v in trainer._checkpoint_connector.dump_checkpoint()["callbacks"].items() if "Throughput" in k)
+
+
+def test_a_resume_that_trains_no_step_keeps_the_checkpoints_train_time(tmp_path: Path) -> None:
+    """A resume of a run that EarlyStopping (KeepEarlyStop) or max_time had ended trains no step but rewrites
+    last.ckpt: its train/time total was written as 0.0 (a real 2-rank run's 3.62 s), so the run branched from that
+    last.ckpt logged train/time 0.20 at step 8 where the one from the same step's checkpoint logged 3.80."""
+    import torch
+
+    class StopAtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.should_stop = True  # (what KeepEarlyStop does)
+
+    def monitor_state(path: Path) -> dict:
+        state = torch.load(path, weights_only=False)["callbacks"]
+        return next(v for k, v in state.items() if "Throughput" in k)
+
+    first, again = tmp_path / "two.ckpt", tmp_path / "again.ckpt"
+    trainer = csv_trainer(tmp_path, 0, 2)
+    trainer.fit(Tokens())
+    trainer.save_checkpoint(first)
+    trainer = csv_trainer(tmp_path, 1, 4)
+    trainer.callbacks.append(StopAtStart())
+    trainer.fit(Tokens(), ckpt_path=first)
+    assert trainer.global_step == 2
+    trainer.save_checkpoint(again)
+    before, after = monitor_state(first), monitor_state(again)
+    assert before["time"] > 0 and after == before  # time, batches, samples, lengths, tokens

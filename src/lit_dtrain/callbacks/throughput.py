@@ -100,6 +100,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         # count then, and the ranks: train/tokens is computed when logged or checkpointed, nothing added per batch
         self._tokens_at_start: int | None = 0
         self._lengths_at_start, self._ranks = 0, 1
+        self._time_at_start = 0.0  # the training seconds at this fit's start (the checkpoint's, on a resume)
 
     def _start(self, trainer) -> None:
         if trainer.state.stage == RunningStage.VALIDATING:
@@ -115,6 +116,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             tokens = resumed.get("tokens", None if trainer.global_step else 0)
             self._tokens_at_start = None if tokens is None else int(tokens)
             self._lengths_at_start, self._ranks = int(resumed.get("lengths", 0)), trainer.world_size
+            self._time_at_start = float(resumed.get("time", 0.0))
         if trainer.state.stage == stage and resumed:
             # the running totals go on from the checkpoint's (Lightning counts from the fit's start: after a resume
             # train/time, train/batches, train/samples and train/lengths fell back to 0 mid-curve)
@@ -136,7 +138,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         if stage not in self._batches:  # (not rank 0, or no training batch counted yet)
             return dict(self._resumed)
         times = self._throughputs[stage]._time
-        state = {"time": float(times[-1]) if times else 0.0, "batches": self._batches[stage],
+        # no batch trained in this fit (a resume that EarlyStopping or max_time had ended): the checkpoint's time, not 0
+        state = {"time": float(times[-1]) if times else self._time_at_start, "batches": self._batches[stage],
                  "samples": self._samples[stage], "lengths": self._lengths.get(stage, 0)}
         tokens = self._tokens()
         return state if tokens is None else {**state, "tokens": tokens}
