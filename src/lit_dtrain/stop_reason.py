@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -27,6 +29,23 @@ def _early_stopped(callback: EarlyStopping) -> bool:
     """Whether ``callback`` stopped its fit (its ``stopping_reason``, in its checkpointed state: ``stopped_epoch`` is
     0 for a stop in the first epoch, which a ``max_steps`` run on lit_dtrain's endless sampler never leaves)."""
     return int(getattr(callback.stopping_reason, "value", callback.stopping_reason)) != 0  # 0: NOT_STOPPED
+
+
+def agree_on_early_stop(trainer: L.Trainer) -> None:
+    """Every rank's ``EarlyStopping`` says it stopped the fit where one rank's did (called by every rank after fit,
+    before ``last.ckpt``, rank 0's states, is saved: one gather a fit). Lightning's ``EarlyStopping`` sets its
+    ``stopping_reason`` on the rank that decided, before the ranks agree to stop (``reduce_boolean_decision``): on a
+    metric that differs between ranks (``monitor=train/loss``), a 2-rank run that rank 1 stopped at step 8 of 20 said
+    ``stopped=should_stop``, and its ``resume=auto`` trained on (to step 12)."""
+    stoppers = trainer.early_stopping_callbacks
+    if trainer.world_size < 2 or not stoppers:
+        return
+    mine = torch.tensor([int(getattr(c.stopping_reason, "value", c.stopping_reason)) for c in stoppers],
+                        device=trainer.strategy.root_device)
+    theirs = trainer.strategy.all_gather(mine).reshape(-1, len(stoppers)).amax(0).tolist()  # (any rank's reason)
+    for callback, reason in zip(stoppers, theirs):
+        if reason and not _early_stopped(callback):
+            callback.stopping_reason = EarlyStoppingReason(reason)
 
 
 def _timer(trainer: L.Trainer) -> Timer | None:

@@ -96,3 +96,29 @@ def test_a_max_time_resume_names_the_time_to_raise_trainer_max_time_past():
     line = nothing_trained("max_time", 1, _trainer(callbacks=[timer]))
     assert "counted 01:02:03:05 of training" in line and line.endswith("Raise trainer.max_time past 01:02:03:05 to "
                                                                        "train on")
+
+
+def test_every_rank_s_early_stopping_says_it_stopped_where_one_rank_s_did():
+    """EarlyStopping sets its stopping_reason on the rank that decided alone: on a metric that differs between ranks
+    (monitor=train/loss), a 2-rank run that rank 1 stopped at step 8 of 20 said stopped=should_stop (rank 0's state,
+    which last.ckpt holds) and its resume=auto trained on to step 12. After fit the ranks gather their reasons."""
+    from lit_dtrain.stop_reason import agree_on_early_stop
+
+    def on_rank_0(rank_1_reason: EarlyStoppingReason) -> tuple[EarlyStopping, str]:
+        stopper = EarlyStopping(monitor="train/loss")  # rank 0's: it did not decide
+        gathered = []
+        def all_gather(mine: torch.Tensor) -> torch.Tensor:  # rank 0's reasons and rank 1's, as (ranks, callbacks)
+            gathered.append(mine)
+            return torch.stack([mine, torch.full_like(mine, rank_1_reason.value)])
+
+        strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
+        trainer = _trainer(early_stopping_callbacks=[stopper], world_size=2, strategy=strategy, global_step=8)
+        agree_on_early_stop(trainer)
+        assert len(gathered) == 1  # one gather a fit
+        return stopper, stop_reason(trainer)
+
+    stopper, reason = on_rank_0(EarlyStoppingReason.PATIENCE_EXHAUSTED)
+    assert stopper.stopping_reason == EarlyStoppingReason.PATIENCE_EXHAUSTED and reason == "early_stopping"
+    assert stopper.state_dict()["stopping_reason"] == EarlyStoppingReason.PATIENCE_EXHAUSTED.value  # last.ckpt's
+    stopper, reason = on_rank_0(EarlyStoppingReason.NOT_STOPPED)
+    assert stopper.stopping_reason == EarlyStoppingReason.NOT_STOPPED and reason == "should_stop"
