@@ -148,9 +148,10 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
         if "_target_" not in node:
             raise ConfigError(f"callbacks.{name} has no _target_")
         callbacks.append(instantiate(node))
-    for callback in callbacks:  # WSDScheduler: train.py warns about a resume's LR itself, in the config's words
-        if hasattr(callback, "warn_on_resume_lr"):
-            callback.warn_on_resume_lr = False
+    branch = f"branch: decay_branch.ckpt={Path(cfg.paths.checkpoint_dir) / 'last.ckpt'} decay_branch.steps=N"
+    for callback in callbacks:  # WSDScheduler: train.py warns about a resume's LR itself, in the config's words;
+        if hasattr(callback, "warn_on_resume_lr"):  # an early-stopped run's resume trains no step: it branches
+            callback.warn_on_resume_lr, callback.decay_advice = False, branch
     return callbacks
 
 

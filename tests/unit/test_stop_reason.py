@@ -122,3 +122,32 @@ def test_every_rank_s_early_stopping_says_it_stopped_where_one_rank_s_did():
     assert stopper.state_dict()["stopping_reason"] == EarlyStoppingReason.PATIENCE_EXHAUSTED.value  # last.ckpt's
     stopper, reason = on_rank_0(EarlyStoppingReason.NOT_STOPPED)
     assert stopper.stopping_reason == EarlyStoppingReason.NOT_STOPPED and reason == "should_stop"
+
+
+def test_the_wsd_callback_s_early_stop_advice_under_train_py_is_the_decay_branch(tiny_cfg):
+    """With the WSDScheduler callback ('~scheduler' 'callbacks=[default,wsd]'), an early-stopped run was told 'To
+    decay them, resume from its last checkpoint with WSDScheduler(total_steps=4 + D, decay_steps=D)', which under
+    train.py trains no step (KeepEarlyStop), and its resume, which trained none, said it again. Now it names the
+    decay branch, which decays it, and a fit that trained no step says nothing."""
+    import warnings
+
+    from lit_dtrain.train import train
+
+    common = ("~scheduler._target_", "~scheduler._partial_", "callbacks=[default,wsd]",  # (tiny_cfg's warmup kept)
+              "trainer.max_steps=20", "trainer.val_check_interval=2", "sample.max_new_tokens=0", *EARLY_STOPPING)
+
+    def said(*overrides: str, run: str = "run") -> tuple[dict, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metrics, _ = train(tiny_cfg(*common, *overrides, run=run))
+        return metrics, [str(w.message) for w in caught if "WSDScheduler: the fit stopped" in str(w.message)]
+
+    metrics, lines = said()
+    last = Path(tiny_cfg(*common).paths.checkpoint_dir) / "last.ckpt"
+    assert metrics["steps"] == 4 and len(lines) == 1, lines
+    assert lines[0].startswith("WSDScheduler: the fit stopped after 4 optimizer steps of the 20 it planned")
+    assert lines[0].endswith(f"To decay them, branch: decay_branch.ckpt={last} decay_branch.steps=N")
+    metrics, lines = said("resume=auto")
+    assert metrics["steps"] == 4 and lines == []  # trained no step: stop_reason's line names the branch
+    metrics, lines = said(f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch")
+    assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps" and lines == []

@@ -38,6 +38,7 @@ from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 from lit_dtrain.callbacks._wsd_horizon import (
     FROM_TRAINER,
     planned_steps,
+    warn_if_stopped_before_the_decay,
     warn_if_the_horizon_moves_the_lr,
     warn_past_the_horizon,
 )
@@ -101,6 +102,10 @@ class WSDScheduler(StepHooksCallback):
         # False: a caller that checks a resume's LR against the config itself (train.py, before the fit) leaves the
         # check of a given schedule to it; a horizon taken from the trainer (total_steps=None) is checked here still
         self.warn_on_resume_lr = True
+        # a caller whose resume of an early-stopped checkpoint trains no step (train.py: KeepEarlyStop) names its
+        # way to decay a run stopped before its decay (its decay branch); None: resume with a shorter total_steps
+        self.decay_advice: str | None = None
+        self._start_step = 0  # global_step at train start: a fit that trained no step says nothing at its end
         self._past_due = False  # a step past the horizon is still to be warned about (automatic optimization)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
@@ -244,7 +249,7 @@ class WSDScheduler(StepHooksCallback):
                 "WSDScheduler: the peak LRs are unknown: the optimizers did not exist at on_fit_start and no "
                 "checkpoint restored this callback's state (the restored optimizer's LR is not the peak)"
             )
-        step = trainer.global_step
+        step = self._start_step = trainer.global_step
         resumed, self._resumed_schedule = self._resumed_schedule, {}
         given = self._arguments["total_steps"] is not None
         if self.warn_on_resume_lr or not given:
@@ -326,28 +331,9 @@ class WSDScheduler(StepHooksCallback):
         # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
             self._note_short_fit(max(self.updates), manual=True)
-        elif not self.updates and self.decay_steps > 0:
-            self._note_early_stop(trainer)
-
-    def _note_early_stop(self, trainer: L.Trainer) -> None:
-        """A fit that stopped before the steps it planned (``EarlyStopping``, ``max_time``, ``trainer.should_stop``, an
-        unsized DataLoader that ran out) and before the decay's end: its weights are not the decayed ones, and nothing
-        said so (the check at train start saw the planned steps). A signal's stop raises and never gets here."""
-        step, planned = trainer.global_step, trainer.estimated_stepping_batches
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-            return  # (its estimate is not the fit's length)
-        known = math.isfinite(planned) and planned >= 0  # (inf: an unsized DataLoader, the data decides)
-        if step == 0 or step >= self.total_steps or (known and int(planned) <= step):
-            return
-        decay_start = self.total_steps - self.decay_steps
-        why = "EarlyStopping, max_time or trainer.should_stop"
-        of = f"of the {int(planned)} it planned ({why})" if known else f"(a DataLoader without a length ran out, {why})"
-        rank_zero_warn(
-            f"WSDScheduler: the fit stopped after {step} optimizer steps {of}, before the decay ends (steps "
-            f"{decay_start}..{self.total_steps - 1}): its last step ran at {self.lr_factor(step - 1):.4g}x the peak "
-            f"LR and its weights are not decayed. To decay them, resume from its last checkpoint with "
-            f"WSDScheduler(total_steps={step} + D, decay_steps=D)"
-        )
+        elif not self.updates and self.decay_steps > 0 and trainer.global_step > self._start_step:
+            warn_if_stopped_before_the_decay(trainer, self.total_steps, self.decay_steps, self.lr_factor,
+                                             self.decay_advice)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
