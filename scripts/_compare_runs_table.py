@@ -209,9 +209,11 @@ def markdown_table(
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
             step = f"{step} ({'failed' if r.get('error') else 'unfinished'})"
-        elif r.get("diverged"):  # finished, its final NaN (module.check_finite=false): summary.json says since when
+        elif r.get("diverged") or r.get("stopped"):  # finished, as summary.json says: its final NaN (diverged,
+            # module.check_finite=false, since when), or stopped before max_steps (early_stopping, max_time, ...)
             since = r.get("first_nonfinite_step")
-            step = f"{step} (diverged{f' from step {since}' if since is not None else ''})"
+            diverged = f"diverged{f' from step {since}' if since is not None else ''}" if r.get("diverged") else None
+            step = f"{step} ({', '.join(m for m in (diverged, r.get('stopped')) if m)})"
         lines.append(f"| {r['label']} | {step} | {_number(r['final'])} | {best_cell} | {gap} |")
     for job in skipped:
         status = (

@@ -33,12 +33,12 @@ from pathlib import Path
 from lit_dtrain.run_dirs import (
     EVENT_GLOB,
     RunDirError,
-    divergence,
     expand_runs,
     finished,
     job_error,
     jobs_not_started,
     read_scalars,
+    summary_marks,
     summary_steps,
     table_cell,  # noqa: F401 - compare_runs.table_cell: the markdown table's cells (_compare_runs_table)
 )
@@ -268,7 +268,7 @@ def compare(
                 "dir": str(run),
                 "finished": done,
                 **({"error": error} if error else {}),
-                **(divergence(run) or {}),
+                **summary_marks(run),
                 **by_metric[metrics[0]],
                 "by_metric": by_metric,
                 **(per_step[len(rows)][1] if per_step else {}),

@@ -286,17 +286,25 @@ def summary_steps(run: Path) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def divergence(run: Path) -> dict | None:
-    """``{"diverged": True, "first_nonfinite_step": N or None}`` for a finished ``train.py`` run whose
-    ``summary.json`` says it diverged (its final values are NaN: ``module.check_finite=false``), else None."""
+def summary_marks(run: Path) -> dict:
+    """What a finished ``train.py`` run's ``summary.json`` says of its end beside its steps, for compare_runs.py's
+    rows: ``{"diverged": True, "first_nonfinite_step": N or None}`` where it diverged (its final values are NaN:
+    ``module.check_finite=false``), ``{"stopped": reason}`` where its fit ended otherwise than at its last step
+    (``early_stopping``, ``max_time``, ``should_stop``: a run EarlyStopping stopped at step 4 of 20 looked finished);
+    ``{}`` else."""
     try:
         summary = json.loads((run / "summary.json").read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("diverged") is not True:
-        return None
-    step = summary.get("first_nonfinite_step")
-    return {"diverged": True, "first_nonfinite_step": step if isinstance(step, int) else None}
+        return {}
+    if not isinstance(summary, dict):
+        return {}
+    marks = {}
+    if summary.get("diverged") is True:
+        step = summary.get("first_nonfinite_step")
+        marks = {"diverged": True, "first_nonfinite_step": step if isinstance(step, int) else None}
+    if isinstance(stopped := summary.get("stopped"), str) and stopped not in ("max_steps", "max_epochs"):
+        marks["stopped"] = stopped
+    return marks
 
 
 def job_log(job: Path) -> Path:

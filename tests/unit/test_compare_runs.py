@@ -147,6 +147,28 @@ def test_a_diverged_run_says_so_beside_its_nan(tmp_path):
         [str(div)], ["val/loss"], out=str(tmp_path / "d.png"))["markdown"]
 
 
+def test_a_run_that_stopped_before_max_steps_says_why(tmp_path):
+    """A run EarlyStopping stopped at step 4 of 20 (summary.json: "stopped": "early_stopping") had the row of a
+    finished one, '| stop | 4 | ...'. Its steps cell says why now; it stays ranked (it is finished)."""
+    runs = []
+    for name, values, stopped, extra in [("done", {3: 3.6, 6: 3.2}, "max_steps", {}),
+                                         ("stop", {2: 3.5, 4: 3.4}, "early_stopping", {}),
+                                         ("nan", {2: 3.5, 4: float("nan")}, "early_stopping",
+                                          {"diverged": True, "first_nonfinite_step": 3})]:
+        run = write_run(tmp_path / name, values)
+        (run / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+        steps = max(values)
+        (run / "summary.json").write_text(json.dumps({"steps": steps, "stopped": stopped, **extra}))
+        runs.append(str(run))
+    result = compare_runs.compare(runs, ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["markdown"].splitlines()[2:] == [
+        "| done | 6 | 3.2000 | 3.2000 (6) | +0.00% |",
+        "| stop | 4 (early_stopping) | 3.4000 | 3.4000 (4) | +6.25% |",
+        "| nan | 4 (diverged from step 3, early_stopping) | nan | 3.5000 (3) | - |",
+    ]
+    assert [r.get("stopped") for r in result["runs"]] == [None, "early_stopping", "early_stopping"]
+
+
 def test_the_final_validate_repeating_the_last_check_is_one_point_at_the_steps_trained(tmp_path):
     """train(cfg) with trainer.max_steps=6, val_check_interval=3 logs val/loss at 2 and 5 (Lightning: the last step's
     0-based index) and its final validate, of the same weights, at 6. The report gave best step 5 and final step 6
