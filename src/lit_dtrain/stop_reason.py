@@ -122,10 +122,12 @@ def warn_if_the_schedule_did_not_end(trainer: L.Trainer, stopped: str, start_ste
     last, end = float(factor(step - 1)), float(factor(trainer.max_steps - 1))
     if last <= end + 1e-9 * max(1.0, abs(end)):
         return
+    timer = _timer(trainer) if stopped == "max_time" else None  # a branch's Timer goes on from this run's time:
+    also = f" trainer.max_time=<past {_dd_hh_mm_ss(timer.time_elapsed('train'))}>" if timer else ""  # else no step
     log_once(
         log, logging.WARNING,
         "the fit stopped (%s) after %d of trainer.max_steps=%d optimizer steps, its last at %.4g of the peak LR, "
         "before its schedule's end (%.4g at step %d): its weights are not annealed. To decay them (scheduler=wsd), "
-        "branch: decay_branch.ckpt=%s decay_branch.steps=N", stopped, step, trainer.max_steps, last, end,
-        trainer.max_steps - 1, last_ckpt,
+        "branch: decay_branch.ckpt=%s decay_branch.steps=N%s", stopped, step, trainer.max_steps, last, end,
+        trainer.max_steps - 1, last_ckpt, also,
     )

@@ -151,3 +151,24 @@ def test_the_wsd_callback_s_early_stop_advice_under_train_py_is_the_decay_branch
     assert metrics["steps"] == 4 and lines == []  # trained no step: stop_reason's line names the branch
     metrics, lines = said(f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch")
     assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps" and lines == []
+
+
+def test_a_max_time_stop_s_decay_branch_names_the_time_its_timer_needs(caplog):
+    """A run trainer.max_time=00:00:00:03 stopped at step 3 of 200 (its first steps took 14 s) was told to branch:
+    decay_branch.ckpt=... decay_branch.steps=N; that branch, with the run's max_time, trained no step (3 -> 3): its
+    Timer goes on from the checkpoint's 14 s. The line names the max_time the branch needs."""
+    from lightning.pytorch.callbacks import Timer
+
+    from lit_dtrain.stop_reason import warn_if_the_schedule_did_not_end
+
+    timer = Timer(duration="00:00:00:03")
+    timer.load_state_dict({"time_elapsed": {"train": 13.2}})
+    scheduler = SimpleNamespace(lr_lambdas=[lambda step: 1.0 if step < 160 else 0.0])
+    trainer = _trainer(global_step=3, max_steps=200, callbacks=[timer],
+                       lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    for stopped, tail in [("max_time", " trainer.max_time=<past 00:00:00:14>"), ("early_stopping", "")]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+            warn_if_the_schedule_did_not_end(trainer, stopped, 0, "run/checkpoints/last.ckpt")
+        assert caplog.messages[-1].endswith(f"branch: decay_branch.ckpt=run/checkpoints/last.ckpt "
+                                            f"decay_branch.steps=N{tail}"), caplog.messages
