@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     stopped_by_sigterm,
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
-from lit_dtrain.stop_reason import KeepEarlyStop, agree_on_early_stop, stop_reason, warn_if_the_schedule_did_not_end
+from lit_dtrain.stop_reason import agree_on_early_stop, early_stop_kept, stop_reason, warn_if_the_schedule_did_not_end
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import (
@@ -288,8 +288,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     # (LearningRateMonitor logs the step's LR there)
     watch = NonFiniteLossWatch()  # the first NaN/inf loss, for summary.json's "diverged"
     callbacks = [LogStepSync(), *callbacks, clock, watch, HoldSigtermInValidate(), SigtermRecorder()]
-    if branch_step is None:  # a decay branch trains on from an early-stopped checkpoint: decaying it is its point
-        callbacks.append(KeepEarlyStop())
+    callbacks = early_stop_kept(callbacks, branch=branch_step is not None)  # a branch: its decay, all of it
     if isinstance(limit := cfg.trainer.get("limit_val_batches"), float) and limit < 1:
         callbacks.append(ValLimitCheck(limit))  # at fit start: the loaders' sizes need the token caches
     if cfg.get("logger"):  # the resolved config in TensorBoard's HParams view

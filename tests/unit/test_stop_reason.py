@@ -52,9 +52,12 @@ def test_an_early_stopped_run_says_so_and_its_resume_only_validates(tiny_cfg, ca
     assert all(torch.equal(after[k], v) for k, v in weights.items())  # no step trained
     assert "the checkpoint at step 4 is of a run that EarlyStopping stopped" in caplog.text
     assert "its weights are not annealed" not in caplog.text  # (a start that trained no step)
-    # a decay branch from it trains its decay, EarlyStopping and all
-    metrics, _ = train(tiny_cfg(*common, f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch"))
-    assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps"
+    # a decay branch from it trains its decay, all of it: EarlyStopping, restored at its patience, stopped it at its
+    # first validation (step 6 of 8) that did not improve
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        metrics, _ = train(tiny_cfg(*common, f"decay_branch.ckpt={last}", "decay_branch.steps=4", run="branch"))
+    assert metrics["steps"] == 8 and metrics["stopped"] == "max_steps"
+    assert "decay_branch: EarlyStopping left out" in caplog.text
     # leaving EarlyStopping out trains on, to max_steps
     metrics, _ = train(tiny_cfg("trainer.max_steps=6", "trainer.val_check_interval=2", "sample.max_new_tokens=0",
                                 "resume=auto"))
