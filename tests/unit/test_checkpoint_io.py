@@ -390,7 +390,10 @@ def test_a_checkpoint_damaged_inside_is_called_damaged_naming_the_member(tiny_cf
         return path
 
     failed = 0
-    for i in range(0, pkl.file_size, max(1, pkl.file_size // 23)):  # bytes across the pickle
+    # ~120 bytes across the pickle: a flip in an integer (a storage's size, a memo index) can still unpickle, so
+    # not every flip fails (78 % did); 24 bytes gave 13 to 15+ failures as the checkpoint's layout moved
+    positions = range(0, pkl.file_size, max(1, pkl.file_size // 120))
+    for i in positions:
         path = damaged(f"pkl_{i}", start + i)
         try:
             safe_torch_load(path, mmap=i % 2 == 0)
@@ -401,7 +404,7 @@ def test_a_checkpoint_damaged_inside_is_called_damaged_naming_the_member(tiny_cf
             ), str(e)
             assert "refused" not in str(e) and "could run code" not in str(e)
         assert path.read_bytes() != data and len(path.read_bytes()) == len(data)  # left as it is
-    assert failed >= 15, failed
+    assert failed >= 0.6 * len(positions), (failed, len(positions))
     local_header = members["archive/data/3"].header_offset
     for where, offset in {"directory": central + 1, "local_header": local_header + 1}.items():
         with pytest.raises(CheckpointError, match=rf"{where}.ckpt' is damaged: .*(zip directory|'archive/data/3')"):
