@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.job_log import log_to_handlers
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,11 @@ def logs_a_failed_job(train_fn):
             # (compare_runs showed an unfinished job of a re-run sweep as failed with the refusal of the re-run)
             files = earlier_run is None or _config_file_id(cfg) != earlier_run
             if in_multirun():
-                _log_to_handlers(job_log, f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}",
-                                 traceback=error is None, files=files, console=True)
+                log_to_handlers(job_log, f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}",
+                                logging.ERROR, traceback=error is None, files=files, console=True)
             elif HydraConfig.initialized() and files:
-                _log_to_handlers(job_log, f"run failed: {type(shown).__name__}: {shown}", traceback=error is None)
+                log_to_handlers(job_log, f"run failed: {type(shown).__name__}: {shown}", logging.ERROR,
+                                traceback=error is None)
             raise
 
     return wrapper
@@ -177,24 +179,13 @@ def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _log_to_handlers(logger: logging.Logger, message: str, traceback: bool, level: int = logging.ERROR,
-                     files: bool = True, console: bool = False) -> None:
-    """Log ``message`` at ``level`` (with the exception being handled, ``traceback``) to the root logger's file
-    handlers (Hydra's job log) where ``files``, and to its other handlers (the console) where ``console``."""
-    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, sys.exc_info() if traceback else None)
-    for handler in logging.getLogger().handlers:
-        to_file = isinstance(handler, logging.FileHandler)
-        if (files if to_file else console) and record.levelno >= handler.level:
-            handler.handle(record)
-
-
 def log_training_start(logger: logging.Logger) -> None:
     """Log :data:`lit_dtrain.run_dirs.TRAINING_STARTS` to Hydra's job log (files only), for a start that passed its
     checks and trains: :func:`lit_dtrain.run_dirs.job_error` reads only the errors logged after the latest one, so a
     run whose later start was killed (which logs no error) is not shown as failed with an earlier start's error."""
     from lit_dtrain.run_dirs import TRAINING_STARTS
 
-    _log_to_handlers(logger, TRAINING_STARTS, traceback=False, level=logging.INFO)
+    log_to_handlers(logger, TRAINING_STARTS)
 
 
 def user_error(e: BaseException) -> BaseException | None:

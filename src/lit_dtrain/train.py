@@ -91,7 +91,7 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     is_collective_failure,
 )
-from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_files
+from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_handlers
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
@@ -396,4 +396,4 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
         + (" DIVERGED" if metrics.get("diverged") else "")
     )
     print(summary)
-    log_to_files(log, summary)  # and into train.log, which held every line of the run but this one
+    log_to_handlers(log, summary)  # and into train.log, which held every line of the run but this one

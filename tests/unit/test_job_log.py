@@ -7,7 +7,7 @@ import warnings
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_files
+from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_handlers
 
 
 def test_lightning_lines_and_warnings_reach_the_file_handler_and_are_put_back(tmp_path, capsys, monkeypatch):
@@ -28,7 +28,7 @@ def test_lightning_lines_and_warnings_reach_the_file_handler_and_are_put_back(tm
                 shown_in = warnings.showwarning
                 rank_zero_warn("AdaptiveGradClip runs before Lightning's gradient_clip_val=1.0")
                 rank_zero_info("`Trainer.fit` stopped: `max_steps=4` reached.")
-                log_to_files(logging.getLogger("lit_dtrain.train"), "summary: val_loss=4.2036")
+                log_to_handlers(logging.getLogger("lit_dtrain.train"), "summary: val_loss=4.2036")
             warnings.warn("after the run", UserWarning, stacklevel=1)  # not copied once the block is left
             logging.getLogger("lightning.pytorch").info("after the run, Lightning")
     finally:
@@ -43,7 +43,7 @@ def test_lightning_lines_and_warnings_reach_the_file_handler_and_are_put_back(tm
     assert "after the run" not in text
     assert shown_in is not shown_before
     assert warnings.showwarning is shown_before and lightning.handlers == handlers_before
-    # the console still shows each warning once, as before (and log_to_files writes to the files only)
+    # the console still shows each warning once, as before (and log_to_handlers writes to the files only)
     assert console == ["AdaptiveGradClip runs before Lightning's gradient_clip_val=1.0", "after the run"]
     assert "summary: val_loss" not in capsys.readouterr().err
 

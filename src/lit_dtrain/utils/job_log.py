@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -61,9 +62,13 @@ def console_lines_to_job_log() -> Iterator[None]:
             logger.removeHandler(handler)
 
 
-def log_to_files(logger: logging.Logger, message: str, level: int = logging.INFO) -> None:
-    """Log ``message`` to the root logger's file handlers only (a line the console already printed)."""
-    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, None)
-    for handler in file_handlers():
-        if record.levelno >= handler.level:
+def log_to_handlers(logger: logging.Logger, message: str, level: int = logging.INFO, traceback: bool = False,
+                    files: bool = True, console: bool = False) -> None:
+    """Log ``message`` at ``level`` (with the exception being handled, ``traceback``) to the root logger's file
+    handlers (Hydra's job log) where ``files``, and to its other handlers (the console) where ``console``: a line the
+    console already printed (the summary), or one only the job log should get (a failed job's error)."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, sys.exc_info() if traceback else None)
+    for handler in logging.getLogger().handlers:
+        to_file = isinstance(handler, logging.FileHandler)
+        if (files if to_file else console) and record.levelno >= handler.level:
             handler.handle(record)
