@@ -66,8 +66,13 @@ def checkpoint_files(directory: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in directory.glob("*.ckpt")) if directory.is_dir() else []
 
 
-def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` with errors that name the file."""
+def safe_torch_load(
+    path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False, verify: bool = True
+) -> Any:
+    """``torch.load(weights_only=True)`` with errors that name the file; with ``verify`` (the default) after
+    :func:`verify_checkpoint`, so a changed byte is refused naming its member instead of loading as a changed weight.
+    ``verify=False`` is for reads of a few keys (``global_step``) of files that may never be loaded: a scan of a
+    checkpoint dir, the messages at a run's end."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file")
@@ -75,12 +80,14 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         raise CheckpointError(f"checkpoint {str(path)!r} {not_a_file_reason(path)}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
+    if verify:
+        verify_checkpoint(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, unsupported global ...
         if mmap and not _starts_like_zip(path):  # torch maps only zip files ("please torch.save ... with
             # _use_new_zipfile_serialization=True"); read it plainly: the same reasons as without mmap
-            return safe_torch_load(path, map_location=map_location, mmap=False)
+            return safe_torch_load(path, map_location=map_location, mmap=False, verify=False)
         try:  # before the weights-only branch: a file cut to a byte or two, or a changed byte in data.pkl, reads
             # as a foreign pickle ('Unsupported operand'); then a file that is no torch file at all, which failed as
             # whatever its bytes meant to the unpickler ('KeyError: 101' for text starting 'he')
@@ -96,6 +103,32 @@ def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
                 "those (weights_only=False) could run code inside the file; a checkpoint train.py wrote never needs it"
             ) from e
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+
+
+_intact: set[tuple[int, ...]] = set()  # identities of the files verify_checkpoint read whole, in this process
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """:class:`CheckpointError` naming ``path`` and the member (``is damaged: member 'archive/data/3' fails its
+    CRC-32 check ...``, :func:`damage_reason`; ``is truncated`` for a zip cut short, :func:`truncation_reason`) when
+    a member's bytes differ from the CRC-32 torch.save recorded. torch checks none on load, so a changed byte in a
+    tensor, or in an integer of ``data.pkl`` (a ``global_step``, a storage's size), loaded without a word.
+
+    Reads the file whole with ``zipfile``: about half a full ``torch.load`` (0.4-0.6x, model=nano and model=small
+    checkpoints, docs/reliability.md row 4c). Once per file per process: a file read whole, intact, is remembered by
+    its device, inode, size and modification time, so the ``mmap`` reads of a few keys before a resume and the
+    resume's own load read it once. A file that is no zip archive has no CRC to check (torch.load names it)."""
+    try:
+        st = os.stat(path)
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if identity in _intact:
+            return
+        reason = truncation_reason(path) or damage_reason(path)
+    except OSError:  # it cannot be opened (permissions, removed meanwhile): torch's own error says so
+        return
+    if reason:
+        raise CheckpointError(f"checkpoint {str(path)!r} {reason}")
+    _intact.add(identity)
 
 
 _ZIP_START = b"PK\x03\x04"  # a zip's first local file header: torch.save's format since torch 1.6
@@ -148,8 +181,8 @@ def damage_reason(path: str | os.PathLike) -> str | None:
     torch writes each member stored (uncompressed) with a CRC-32 but never checks one on load, so a changed byte
     (bit rot, a bad disk or copy) fails there as whatever the bytes now mean: a pickle opcode it calls an
     'Unsupported operand' (the message for a file holding code), a UnicodeDecodeError, a miniz error; in a
-    tensor's bytes it loads without a word. Reads the whole file once, never writes: call it only after a load
-    failed."""
+    tensor's bytes it loads without a word. Reads the whole file once, never writes (:func:`verify_checkpoint` runs
+    it before each load)."""
     with open(path, "rb") as f:
         if f.read(len(_ZIP_START)) != _ZIP_START:
             return None
@@ -227,10 +260,11 @@ def _weights_only_reason(message: str) -> str:
     return "; ".join(r.rstrip(".") for r in reasons)[:300] or "torch.load(weights_only=True) failed"
 
 
-def checkpoint_global_step(path: str | os.PathLike) -> int:
+def checkpoint_global_step(path: str | os.PathLike, verify: bool = True) -> int:
     """``global_step`` of a Lightning training checkpoint; :class:`CheckpointError` naming the file if it is
-    readable but not one (a plain model state dict, a tensor, a list ...)."""
-    ckpt = safe_torch_load(path, mmap=True)
+    readable but not one (a plain model state dict, a tensor, a list ...), or damaged (``verify``:
+    :func:`verify_checkpoint`; a changed byte in ``data.pkl`` can change the step)."""
+    ckpt = safe_torch_load(path, mmap=True, verify=verify)
     if not isinstance(ckpt, dict) or "global_step" not in ckpt or not isinstance(ckpt.get("state_dict"), dict):
         what = f"a dict with keys {sorted(map(str, ckpt))[:5]}" if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(
@@ -309,12 +343,12 @@ def nonfinite_tensors(state_dict: dict, keys) -> list[str]:
     return [k for k in tensors if k in bad]
 
 
-def first_nonfinite_weight(path: str | os.PathLike) -> str | None:
+def first_nonfinite_weight(path: str | os.PathLike, verify: bool = True) -> str | None:
     """The first tensor of checkpoint ``path``'s ``state_dict`` that holds a NaN or inf, or None. train()'s models
     keep no buffer in it (the rope tables are not persistent), so it holds the parameters only. Memory-mapped, read
     tensor by tensor up to the first bad one: the weights once, never the optimizer state (model=nano: ~60 ms more
-    than reading global_step alone, on 2 busy CPU cores)."""
-    ckpt = safe_torch_load(path, mmap=True)
+    than reading global_step alone, on 2 busy CPU cores); with ``verify``, after :func:`verify_checkpoint`."""
+    ckpt = safe_torch_load(path, mmap=True, verify=verify)
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None  # not a checkpoint: the load names it
     for key, t in state.items() if isinstance(state, dict) else ():
         if torch.is_tensor(t) and t.is_floating_point() and not bool(t.isfinite().all()):
@@ -349,7 +383,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             kept = what_is_left(path)
             if os.path.lexists(path):
                 with contextlib.suppress(CheckpointError):
-                    kept += f" (step {checkpoint_global_step(path)})"
+                    kept += f" (step {checkpoint_global_step(path, verify=False)})"
             log.warning(
                 "checkpoint %r not written: the weights at step %s are not finite (NaN/inf in %d parameter(s), the "
                 "first %r), a resume would continue NaN weights; %s", str(path), checkpoint.get("global_step"),

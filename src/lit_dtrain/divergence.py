@@ -70,7 +70,8 @@ def report_divergence(metrics: dict, module: L.LightningModule, watch: NonFinite
     if bad_weights:
         newest = newest_step_checkpoint(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
         metrics["checkpoint"] = str(newest) if newest is not None else None
-        kept = (f"no checkpoint holds them; the newest finite one is {newest} (step {checkpoint_global_step(newest)})"
+        kept = (f"no checkpoint holds them; the newest finite one is {newest} "
+                f"(step {checkpoint_global_step(newest, verify=False)})"
                 if newest is not None else "no checkpoint holds them, and there is no finite checkpoint")
         kept = f"the final weights are not finite (NaN/inf in {len(bad_weights)} parameter(s), the first " \
                f"{bad_weights[0]!r}): {kept}"

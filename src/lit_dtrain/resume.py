@@ -1,6 +1,6 @@
 """Which checkpoint a start of ``train(cfg)`` continues from, and the checks of it before any compute.
 
-- :func:`resolve_ckpt_path`: with ``resume=auto`` the newest readable checkpoint of the run dir with finite weights
+- :func:`resolve_ckpt_path`: with ``resume=auto`` the newest intact checkpoint of the run dir with finite weights
   (``last.ckpt`` among equals) once it holds one, else ``ckpt_path`` (so one command starts a run from another run's
   checkpoint and continues it when requeued); a fresh start in a run dir that holds checkpoints is refused, and so is
   ``resume=auto`` where nothing can be resumed (a default ``run_name``, a multirun's new sweep dir:
@@ -93,11 +93,12 @@ def new_sweep_dir_error(sweep_dir: Path) -> ConfigError:
 
 def _checkpoint_steps(ckpt_dir: Path) -> tuple[dict[Path, int], dict[Path, CheckpointError]]:
     """The ``global_step`` of each readable ``*.ckpt`` of ``ckpt_dir``, and why each other one cannot be read. Reads
-    each file's ``global_step`` only (mmap: milliseconds for any size)."""
+    each file's ``global_step`` only (mmap: milliseconds for any size; not the CRC check, which reads a file whole:
+    :func:`_newest_finite` checks the one chosen)."""
     steps, unreadable = {}, {}
     for p in sorted(ckpt_dir.glob("*.ckpt")):
         try:
-            steps[p] = checkpoint_global_step(p)
+            steps[p] = checkpoint_global_step(p, verify=False)
         except CheckpointError as e:
             unreadable[p] = e
     return steps, unreadable
@@ -112,14 +113,23 @@ def _newest(steps: dict[Path, int]) -> Path:
     return max(steps, key=lambda p: (steps[p], p.name == "last.ckpt"))
 
 
-def _newest_finite(steps: dict[Path, int]) -> tuple[Path | None, dict[Path, str]]:
+def _newest_finite(
+    steps: dict[Path, int], unreadable: dict[Path, CheckpointError], verify: bool = True
+) -> tuple[Path | None, dict[Path, str]]:
     """The newest of ``steps`` (:func:`_newest`) whose weights are finite, and the newer ones passed over, each with
     the first non-finite tensor (written before ``AtomicCheckpointIO`` refused such saves, or by another tool). Reads
-    the weights of the newest file only, and of each one passed over (mmap; stops at the first bad tensor)."""
+    the weights of the newest file only, and of each one passed over (mmap; stops at the first bad tensor); with
+    ``verify``, each of them whole first (:func:`~lit_dtrain.checkpoint.verify_checkpoint`): a damaged one is passed
+    over too, into ``unreadable`` (a resume of it failed, or went on with the changed bytes)."""
     remaining, bad = dict(steps), {}
     while remaining:
         newest = _newest(remaining)
-        key = first_nonfinite_weight(newest)
+        try:
+            key = first_nonfinite_weight(newest, verify=verify)
+        except CheckpointError as e:  # a member fails its CRC-32 check
+            unreadable[newest] = e
+            remaining.pop(newest)
+            continue
         if key is None:
             return newest, bad
         bad[newest] = key
@@ -133,11 +143,12 @@ def _newest_finite(steps: dict[Path, int]) -> tuple[Path | None, dict[Path, str]
 
 def newest_step_checkpoint(ckpt_dir: Path) -> Path | None:
     """The readable ``*.ckpt`` of ``ckpt_dir`` with finite weights and the highest ``global_step`` (``last.ckpt``
-    among equals), or None; logs why each unreadable or non-finite one is skipped."""
+    among equals), or None; logs why each unreadable or non-finite one is skipped. For the messages at a run's end:
+    it does not read the files whole for their CRC-32s (a resume does, :func:`_resume_auto_choice`)."""
     steps, unreadable = _checkpoint_steps(ckpt_dir)
     for e in unreadable.values():
         log_once(log, logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
-    return _newest_finite(steps)[0]
+    return _newest_finite(steps, unreadable, verify=False)[0]
 
 
 def _resume_auto_choice(ckpt_dir: Path) -> str:
@@ -152,10 +163,10 @@ def _resume_auto_choice(ckpt_dir: Path) -> str:
     state did not know it)."""
     steps, unreadable = _checkpoint_steps(ckpt_dir)
     last = ckpt_dir / "last.ckpt"
+    newest, nonfinite = _newest_finite(steps, unreadable)
     for p, e in unreadable.items():
         if p != last:
             log_once(log, logging.WARNING, "resume=auto: skipped as unreadable: %s", e)
-    newest, nonfinite = _newest_finite(steps)
     if newest is None:
         reasons = "; ".join([_without_advice(e) for e in unreadable.values()] + [
             f"checkpoint {str(p)!r} has non-finite weights (NaN/inf in {k!r})" for p, k in nonfinite.items()])

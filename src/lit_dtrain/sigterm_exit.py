@@ -156,7 +156,7 @@ def interrupted_by_ctrl_c(checkpoint_dir: str) -> int:
     if newest is None:
         kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"
     else:
-        kept = f"resume=auto continues from {newest} (step {checkpoint_global_step(newest)})"
+        kept = f"resume=auto continues from {newest} (step {checkpoint_global_step(newest, verify=False)})"
     log.warning("interrupted by SIGINT (Ctrl-C); %s", kept)
     log.info("exiting with status %d (interrupted, not finished)", INTERRUPTED_EXIT_STATUS)
     return INTERRUPTED_EXIT_STATUS

@@ -232,7 +232,7 @@ def _what_resumes(dirpath: str, resume_hint: str | None) -> str:
     newest = newest_step_checkpoint(Path(dirpath)) if os.path.isdir(dirpath) else None
     if newest is None:
         return f"{dirpath} holds no resumable checkpoint: a resume has nothing to continue"
-    step = checkpoint_global_step(newest)
+    step = checkpoint_global_step(newest, verify=False)
     newest_is = f"The newest finite checkpoint is {newest} (step {step})"
     if resume_hint is None:
         return f"{newest_is}: resume with trainer.fit(..., ckpt_path={str(newest)!r})"

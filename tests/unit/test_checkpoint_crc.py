@@ -1,0 +1,90 @@
+"""Every load of a checkpoint checks the CRC-32 torch.save records for each zip member (reliability row 4c). torch
+checks none, so a changed byte in a tensor's storage, or in an integer of data.pkl, loaded without a word: a resume,
+an init_from, generate.py and spectrum.py went on with a changed weight or step."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, safe_torch_load
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.models import build_llama
+from lit_dtrain.schedules.workflows import load_model_weights, model_from_checkpoint
+from lit_dtrain.train import resolve_ckpt_path, train
+
+
+def _flipped(data: bytes, offset: int, path: Path) -> Path:
+    path.write_bytes(data[:offset] + bytes([data[offset] ^ 0x10]) + data[offset + 1 :])
+    return path
+
+
+def _data_offset(data: bytes, info: zipfile.ZipInfo) -> int:
+    header = data[info.header_offset : info.header_offset + 30]
+    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+def test_a_changed_byte_in_a_tensor_or_in_the_step_is_refused_at_every_load(tiny_cfg, tmp_path, caplog):
+    _, objs = train(tiny_cfg("sample.max_new_tokens=0", "trainer.max_steps=2", "trainer.val_check_interval=2"))
+    ckpt_dir = Path(objs["trainer"].default_root_dir) / "checkpoints"
+    data = (ckpt_dir / "last.ckpt").read_bytes()
+    whole = safe_torch_load(ckpt_dir / "last.ckpt")
+    with zipfile.ZipFile(ckpt_dir / "last.ckpt") as archive:
+        members = {info.filename: info for info in archive.infolist()}
+    weight = whole["state_dict"]["model.blocks.0.attn.wq.weight"]
+    member = next(name for name, info in members.items() if info.file_size == weight.numel() * 4 and
+                  torch.equal(torch.frombuffer(bytearray(data[_data_offset(data, info):][:info.file_size]),
+                                               dtype=torch.float32).view_as(weight), weight))
+    tensor = _flipped(data, _data_offset(data, members[member]) + 2, tmp_path / "tensor.ckpt")
+    damaged = rf"^checkpoint '{tensor}' is damaged: member '{member}' fails its CRC-32 check"
+    # torch.load itself: one weight 2^-? off, without a word
+    assert not torch.equal(torch.load(tensor, weights_only=True)["state_dict"]["model.blocks.0.attn.wq.weight"], weight)
+    for load in (lambda: safe_torch_load(tensor), lambda: safe_torch_load(tensor, mmap=True),
+                 lambda: AtomicCheckpointIO().load_checkpoint(tensor),  # resume, ckpt_path, decay_branch.ckpt
+                 lambda: model_from_checkpoint(tensor)):  # generate.py, spectrum.py
+        with pytest.raises(CheckpointError, match=damaged):
+            load()
+    model = build_llama(**whole["model_config"])
+    with pytest.raises(ConfigError, match="^init_from: " + damaged[1:]):
+        load_model_weights(model, tensor)
+    # global_step, an integer of data.pkl (BININT1 2): it unpickled as 3
+    pkl = data.index(b"global_step", _data_offset(data, members["archive/data.pkl"]))
+    step = data.index(b"K\x02", pkl)
+    stepped = tmp_path / "step.ckpt"
+    stepped.write_bytes(data[: step + 1] + b"\x03" + data[step + 2 :])
+    assert torch.load(stepped, weights_only=True)["global_step"] == 3
+    with pytest.raises(CheckpointError, match=rf"'{stepped}' is damaged: member 'archive/data.pkl' fails its CRC"):
+        checkpoint_global_step(stepped)
+    # resume=auto passes a damaged last.ckpt over for the newest intact checkpoint, saying why
+    _flipped(data, _data_offset(data, members[member]) + 2, ckpt_dir / "last.ckpt")
+    cfg = OmegaConf.create({"ckpt_path": None, "resume": "auto", "run_name": "r",
+                            "paths": {"checkpoint_dir": str(ckpt_dir), "output_dir": str(ckpt_dir.parent)}})
+    with caplog.at_level("WARNING", logger="lit_dtrain.train"):
+        chosen = resolve_ckpt_path(cfg)
+    assert Path(chosen).name.startswith("step000002"), chosen
+    assert any(f"last.ckpt is unreadable, skipped: checkpoint '{ckpt_dir / 'last.ckpt'}' is damaged: member "
+               f"'{member}' fails its CRC-32 check" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_bench_checkpoint_crc_times_the_check_and_refuses_a_damaged_file(tmp_path, capsys):
+    from tests.conftest import load_script
+
+    path = tmp_path / "a.ckpt"
+    torch.save({"global_step": 3, "w": torch.ones(1000), "v": torch.zeros(10)}, path)
+    bench = load_script("bench_checkpoint_crc")
+    bench.main([str(path), "--rounds", "1"])
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
+    with zipfile.ZipFile(path) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+    assert [(r["cache"], r["members"]) for r in rows] == [("cold", len(members)), ("warm", len(members))]
+    assert all(r["verify_per_load"] == round(r["verify_s"] / r["load_s"], 2) for r in rows)
+    data = path.read_bytes()
+    _flipped(data, _data_offset(data, members["a/data/1"]) + 9, path)  # in v's zeros
+    with pytest.raises(SystemExit):
+        bench.main([str(path), "--rounds", "1"])
+    assert "a.ckpt' is damaged: member 'a/data/1' fails its CRC-32 check" in capsys.readouterr().out
