@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -250,13 +251,19 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             _check_value(full, hints.get(key), node[key])
 
 
-def check_argument_types(target, arguments, path: str) -> None:
+def check_argument_types(target, arguments, path: str) -> dict:
     """:func:`check_target_arguments`' check of flags and numbers for the keyword arguments ``arguments`` (a mapping)
     of the class or function ``target``, named ``path.<key>``: a codec given in Python as ``{"name": "topk",
-    "error_feedback": "no"}`` is checked as the same mapping in a config."""
+    "error_feedback": "no"}`` is checked as the same mapping in a config. Returns ``arguments`` with a numpy number
+    where an integer or a number is asked (``np.int64(2)``, a value read from an array) as Python's ``int`` or
+    ``float``: it was refused ('must be an integer, got np.int64(2)'), and kept it would reach the object's state."""
     hints = _argument_hints(target)
+    checked = dict(arguments)
     for key, value in arguments.items():
         _check_value(f"{path}.{key}", hints.get(key), value)
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            checked[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
+    return checked
 
 
 def _argument_hints(target) -> dict:
@@ -278,7 +285,7 @@ def _check_value(full: str, annotation, value) -> None:
     others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
     if kind == "bool" and not isinstance(value, bool):
         raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
-    number = isinstance(value, int if kind == "int" else (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Integral if kind == "int" else numbers.Real) and not isinstance(value, bool)
     if kind != "bool" and not number:
         what = "an integer" if kind == "int" else "a number"
         raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")

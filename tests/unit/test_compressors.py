@@ -832,6 +832,30 @@ def test_a_mapping_given_in_python_has_its_flags_and_numbers_type_checked():
     assert not build_compressor({"name": "topk", "error_feedback": False, "ratio": 1}).error_feedback
 
 
+def test_numpy_numbers_given_in_python_are_taken_as_python_numbers():
+    """A number read from a numpy array was refused where an integer is asked: build_compressor({"name": "powersgd",
+    "matrix_approximation_rank": np.int64(2)}) raised 'must be an integer, got np.int64(2) (int64)', and
+    make_ddp(collective_timeout_s=np.int64(60)) 'must be a number of seconds > 0'. They are taken, as Python's int
+    and float (the codec's state holds no numpy scalar); a bool is still no integer."""
+    import numpy as np
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp
+
+    rank = build_compressor({"name": "powersgd", "matrix_approximation_rank": np.int64(2)}).matrix_approximation_rank
+    assert rank == 2 and type(rank) is int
+    ratio = build_compressor({"name": "topk", "ratio": np.float32(0.5)}).ratio
+    assert ratio == 0.5 and type(ratio) is float
+    assert type(build_local_update({"name": "local_sgd", "min_period": np.int64(4)}).min_period) is int
+    assert make_ddp(collective_timeout_s=np.int64(60))._timeout.total_seconds() == 60
+    assert CompressedDDPStrategy(compressor="int8", collective_timeout_s=np.uint16(8))._timeout.total_seconds() == 8
+    for flag in (True, np.bool_(True)):
+        with pytest.raises(ConfigError, match=r"^compressor.matrix_approximation_rank must be an integer, got"):
+            build_compressor({"name": "powersgd", "matrix_approximation_rank": flag})
+    with pytest.raises(ConfigError, match=r"^compressor.block_size must be an integer, got np.float64\(64.0\)"):
+        build_compressor({"name": "int8", "block_size": np.float64(64)})
+
+
 def test_diloco_s_codec_given_in_python_is_named_by_its_place():
     """CompressedDDPStrategy(local_update={"name": "diloco", "compressor": {...}}) named a bad key of DiLoCo's codec
     'compressor.error_feedback', the key of the strategy's own codec, which the user had not set."""

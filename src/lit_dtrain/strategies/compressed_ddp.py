@@ -15,6 +15,7 @@ drops of that state, what one on another number of ranks keeps, and the warnings
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -67,7 +68,7 @@ __all__ = [
 def collective_timeout(seconds: Any) -> timedelta:
     """``strategy.collective_timeout_s`` as a ``timedelta``; a ValueError naming the key unless it is a number > 0
     (a negative one reached torch's TCPStore as 'The client socket has timed out after -1000ms')."""
-    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0
+    ok = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool) and seconds > 0  # np.int64(60) too
     if not ok or seconds == float("inf"):
         raise ValueError(f"strategy.collective_timeout_s must be a number of seconds > 0, got {seconds!r}")
     return timedelta(seconds=float(seconds))

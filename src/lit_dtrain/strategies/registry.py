@@ -89,7 +89,7 @@ def _build(spec: Any, registry: Mapping[str, Callable], base: type, what: str, p
                 raise ValueError(f"{path}.{key} is not an argument of the {what} {name!r} ({cls.__name__})"
                                  f"{_did_you_mean(key, accepted, f'{path}.')}")
     # flags and numbers by the class's annotations, in Python as from a config: {"error_feedback": "no"} was true
-    check_argument_types(cls, {k: v for k, v in kwargs.items() if not isinstance(v, Mapping)}, path)
+    kwargs.update(check_argument_types(cls, {k: v for k, v in kwargs.items() if not isinstance(v, Mapping)}, path))
     if base is LocalUpdate and isinstance(kwargs.get("compressor"), (str, Mapping)):  # DiLoCo's: its errors named
         kwargs["compressor"] = build_compressor(kwargs["compressor"], f"{path}.compressor")  # 'compressor.<key>'
     return factory(**kwargs)
