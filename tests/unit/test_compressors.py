@@ -856,6 +856,18 @@ def test_numpy_numbers_given_in_python_are_taken_as_python_numbers():
         build_compressor({"name": "int8", "block_size": np.float64(64)})
 
 
+def test_a_bad_collective_timeout_given_in_python_is_named_as_its_argument():
+    """make_ddp(collective_timeout_s='60') was told 'strategy.collective_timeout_s must be ...', a key of train.py's
+    config that a Python user never wrote; a config's value is still named by its key (test_configs)."""
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+
+    for build, name in ((make_ddp, "make_ddp"), (make_fsdp, "make_fsdp"),
+                        (lambda **kw: CompressedDDPStrategy(compressor="int8", **kw), "CompressedDDPStrategy")):
+        with pytest.raises(ValueError, match=rf"^{name}: collective_timeout_s must be a number of seconds > 0, got "
+                                             r"'60'$"):
+            build(collective_timeout_s="60")
+
+
 def test_diloco_s_codec_given_in_python_is_named_by_its_place():
     """CompressedDDPStrategy(local_update={"name": "diloco", "compressor": {...}}) named a bad key of DiLoCo's codec
     'compressor.error_feedback', the key of the strategy's own codec, which the user had not set."""

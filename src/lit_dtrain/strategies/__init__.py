@@ -75,7 +75,7 @@ def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
     if "timeout" in kwargs:
         raise ValueError("make_ddp: pass collective_timeout_s (seconds) instead of timeout")
     refuse_unknown_keywords(make_ddp, kwargs, "make_ddp", "Lightning's DDPStrategy or torch's DistributedDataParallel")
-    return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s), **kwargs)
+    return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s, "make_ddp"), **kwargs)
 
 
 def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",), collective_timeout_s: float = 1800,
@@ -92,7 +92,8 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
     refuse_unknown_keywords(make_fsdp, kwargs, "make_fsdp",
                             "Lightning's FSDPStrategy or torch's FullyShardedDataParallel")
     classes = {m if isinstance(m, type) else _module_class(str(m)) for m in wrap_modules}
-    return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=collective_timeout(collective_timeout_s), **kwargs)
+    timeout = collective_timeout(collective_timeout_s, "make_fsdp")
+    return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=timeout, **kwargs)
 
 
 def _module_class(path: str) -> type:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 from hydra.utils import instantiate
@@ -32,8 +33,21 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     if node is None:
         return "auto"
     if "_target_" in node:
+        if "collective_timeout_s" in node:  # named as the config key here (the target names its Python argument)
+            _config_timeout(node.collective_timeout_s)
         return instantiate(node)
     return node.get("name", "auto")
+
+
+def _config_timeout(seconds: Any) -> timedelta:
+    """``strategy.collective_timeout_s`` as a ``timedelta``; a ConfigError naming that key unless it is a number > 0."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import collective_timeout
+
+    try:
+        return collective_timeout(seconds)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -71,13 +85,9 @@ def refuse_spawned_ranks(trainer: Any) -> None:
 def even_epochs_by_name(collective_timeout_s: Any = 1800) -> Iterator[None]:
     """Within: Lightning builds lit_dtrain's DDP / FSDP classes, with this collective timeout (seconds), for the names
     of its plain ones (around a Trainer's construction, where Lightning resolves a strategy name)."""
-    from lit_dtrain.errors import ConfigError
-    from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy, collective_timeout
+    from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy
 
-    try:
-        timeout = collective_timeout(collective_timeout_s)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    timeout = _config_timeout(collective_timeout_s)
     ours = {DDPStrategy: EvenEpochsDDPStrategy, FSDPStrategy: EvenEpochsFSDPStrategy}
     saved = {name: entry for name, entry in StrategyRegistry.items() if entry["strategy"] in ours}
     try:

@@ -65,12 +65,16 @@ __all__ = [
 ]
 
 
-def collective_timeout(seconds: Any) -> timedelta:
-    """``strategy.collective_timeout_s`` as a ``timedelta``; a ValueError naming the key unless it is a number > 0
-    (a negative one reached torch's TCPStore as 'The client socket has timed out after -1000ms')."""
+def collective_timeout(seconds: Any, caller: str | None = None) -> timedelta:
+    """``collective_timeout_s`` as a ``timedelta``; a ValueError unless it is a number > 0 (a negative one reached
+    torch's TCPStore as 'The client socket has timed out after -1000ms'). It names ``caller``'s argument
+    (``make_ddp: collective_timeout_s ...``) where given, else the config key ``strategy.collective_timeout_s``, which
+    :func:`~lit_dtrain.strategies.by_name.build_strategy` checks before it builds a config's strategy: a Python user's
+    ``make_ddp(collective_timeout_s='60')`` was told of ``strategy.collective_timeout_s``, a key of train.py's."""
     ok = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool) and seconds > 0  # np.int64(60) too
     if not ok or seconds == float("inf"):
-        raise ValueError(f"strategy.collective_timeout_s must be a number of seconds > 0, got {seconds!r}")
+        name = f"{caller}: collective_timeout_s" if caller else "strategy.collective_timeout_s"
+        raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
     return timedelta(seconds=float(seconds))
 
 
@@ -111,7 +115,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             raise ValueError("pass collective_timeout_s (seconds) instead of timeout")
         refuse_unknown_keywords(type(self), kwargs, type(self).__name__,
                                 "Lightning's DDPStrategy or torch's DistributedDataParallel")
-        super().__init__(timeout=collective_timeout(collective_timeout_s), **kwargs)
+        super().__init__(timeout=collective_timeout(collective_timeout_s, type(self).__name__), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
         flags = sync_flags(self, sync_on_last_step, sync_before_validation)  # None: true; warned when they do nothing
