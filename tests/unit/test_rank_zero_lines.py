@@ -52,6 +52,40 @@ def test_a_corpus_s_warnings_are_printed_by_rank_0_alone_and_every_rank_still_re
                           33, progress=False)
 
 
+def test_an_unreadable_directory_is_told_by_rank_0_alone_and_every_rank_leaves_it_out(tmp_path, caplog,
+                                                                                      monkeypatch):
+    """A 2-rank run over a corpus with a directory it may not list printed 'cannot list .../locked (Permission
+    denied): its files are left out' twice: every rank walks the corpus. (Refused by a stand-in for ``iterdir``:
+    a test run as root may list a chmod-000 directory.)"""
+    import os
+
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = tmp_path / "corpus"
+    (corpus / "locked").mkdir(parents=True)
+    (corpus / "locked" / "hidden.txt").write_text("left out " * 50)
+    (corpus / "doc.txt").write_text("kept " * 50)
+
+    def refusing(listing):  # Path.iterdir lists with os.listdir, Path.glob with os.scandir
+        def refuse(path="."):
+            if os.path.basename(os.fspath(path).rstrip(os.sep)) == "locked":
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return listing(path)
+        return refuse
+
+    monkeypatch.setattr(os, "listdir", refusing(os.listdir))
+    monkeypatch.setattr(os, "scandir", refusing(os.scandir))
+    source = CorpusSource(name="text", kind="files", paths=[str(corpus)])
+    for rank, count in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.corpus"):
+            assert [p.name for p in resolve_files(source)] == ["doc.txt"]
+        said = [m for m in _lines(caplog, "lit_dtrain.data.corpus") if m.startswith("cannot list")]
+        assert len(said) == count, said
+    assert said == [f"cannot list {corpus / 'locked'} (Permission denied): its files are left out"]
+
+
 def test_a_split_that_holds_out_far_more_is_warned_about_by_rank_0_alone(caplog, monkeypatch, tmp_path):
     meta = {"split": "by_document", "train_tokens": 139, "val_tokens": 861}
     for rank, count in ((1, 0), (0, 1)):

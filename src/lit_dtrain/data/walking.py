@@ -9,6 +9,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from lit_dtrain.utils.rank_zero import log_once
+
 log = logging.getLogger("lit_dtrain.data.corpus")  # the corpus' logger, where this code was
 
 
@@ -26,8 +28,9 @@ def _dirs_below(root: Path, dot_dirs: list[Path] | None = None) -> Iterator[Path
         yield directory
         try:
             below = sorted((p for p in directory.iterdir() if p.is_dir()), reverse=True)
-        except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read)
-            log.warning("cannot list %s (%s): its files are left out", directory, e.strerror or e)
+        except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read); told by
+            # rank 0 alone: every rank walks the same corpus (a 2-rank run printed it twice)
+            log_once(log, logging.WARNING, "cannot list %s (%s): its files are left out", directory, e.strerror or e)
             continue
         if dot_dirs is not None:
             dot_dirs.extend(p for p in below if p.name.startswith("."))
