@@ -20,7 +20,7 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
     overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
     if len(runs) < 2 or any(o is None for o in overrides):
         return _dir_names(runs)
-    overrides = _one_spelling_per_number(overrides)
+    overrides = _one_spelling_per_number([[_flag_in_lower_case(o) for o in ov] for ov in overrides])
     common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
     differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
     differing = _one_spelling_per_number(_with_defaults(runs, differing))  # a default beside a typed 3e-3: 0.003
@@ -138,6 +138,14 @@ def _as_value(override: str) -> tuple[str, object]:
         return key, float(value)
     except ValueError:
         return key, value.strip().strip("'\"")
+
+
+def _flag_in_lower_case(override: str) -> str:
+    """``key=False`` as ``key=false``: Hydra reads ``true``/``false`` in any case (its sweeper writes a job's ``false``
+    as ``False``), and a label showed them as typed, ``module.check_finite=False`` beside ``module.check_finite=true``;
+    a default taken from a run's config is written in lower case too (:func:`_value`). A quoted one is a string."""
+    key, sep, value = override.partition("=")
+    return f"{key}={value.strip().lower()}" if sep and value.strip().lower() in ("true", "false") else override
 
 
 def _one_spelling_per_number(overrides: list[list[str]]) -> list[list[str]]:

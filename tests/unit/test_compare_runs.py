@@ -484,7 +484,7 @@ def test_sweep_jobs_beside_a_single_run_are_labelled_by_real_differences(tmp_pat
     (plain / ".hydra" / "overrides.yaml").write_text("[]\n")
     result = compare_runs.compare([str(sweep), str(plain)], ["val/loss"], out=str(tmp_path / "c.png"))
     assert [r["label"] for r in result["runs"]] == [
-        "lr=0.001 max_steps=20 enable_progress_bar=False", "lr=0.003 max_steps=20 enable_progress_bar=False", "plain"]
+        "lr=0.001 max_steps=20 enable_progress_bar=false", "lr=0.003 max_steps=20 enable_progress_bar=false", "plain"]
 
 
 def test_every_run_of_a_large_sweep_has_its_own_line_style(tmp_path, monkeypatch):
@@ -1045,6 +1045,17 @@ def test_a_number_written_two_ways_is_labelled_one_way(tmp_path):
     e = write_run(tmp_path / "x" / "e", {5: 3.0}, overrides=["optimizer.lr=2e-4"])
     assert compare_runs.make_labels([c, d, e]) == ["optimizer.lr=0.0001 (c)", "optimizer.lr=0.0001 (d)",
                                                   "optimizer.lr=0.0002"]
+
+
+def test_a_flag_is_labelled_in_lower_case_whatever_its_case_when_typed(tmp_path):
+    """Two real runs typed 'module.check_finite=False' and 'module.check_finite=true' were labelled so, as typed (and
+    Hydra's sweeper writes a job's false as False): Hydra reads both cases the same. A quoted one is a string."""
+    a = write_run(tmp_path / "a", {5: 3.0}, overrides=["module.check_finite=False", "model.tie_embeddings=TRUE"])
+    b = write_run(tmp_path / "b", {5: 3.0}, overrides=["module.check_finite=true", "model.tie_embeddings=false"])
+    c = write_run(tmp_path / "c", {5: 3.0}, overrides=["module.check_finite=false", "run_name='False'"])
+    assert compare_runs.make_labels([a, b]) == ["module.check_finite=false model.tie_embeddings=true",
+                                                "module.check_finite=true model.tie_embeddings=false"]
+    assert compare_runs.make_labels([a, c]) == ["model.tie_embeddings=true", "c"]  # the same check_finite
 
 
 def test_steps_are_the_steps_trained_as_in_checkpoint_names(tmp_path):
