@@ -387,9 +387,9 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
         for lg in trainer.loggers:
             if hasattr(getattr(lg, "experiment", None), "add_text"):
                 lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
-    tokens_per_sec = metrics["tokens_per_sec"]
+    tokens_per_sec, ppl = metrics["tokens_per_sec"], metrics["val_ppl"]
     summary = (
-        f"summary: val_loss={metrics['val_loss']:.4f} ppl={metrics['val_ppl']:.2f} "
+        f"summary: val_loss={metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
         f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
         + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")

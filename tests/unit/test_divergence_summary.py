@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -41,3 +42,34 @@ def test_a_healthy_run_says_it_did_not_diverge(tiny_cfg):
     metrics, _ = train(cfg)
     summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
     assert summary["diverged"] is False and summary["first_nonfinite_step"] is None and metrics["diverged"] is False
+
+
+def test_a_diverged_run_s_perplexity_is_exp_of_its_loss_not_capped(tmp_path, capsys):
+    """A real run with optimizer.lr=1 module.check_finite=false ended at val_loss 68.3725 and reported ppl
+    5184705528587072045056.00 (exp(50), the cap) in its summary line, summary.json and TensorBoard's val/ppl, as if
+    measured: exp(68.37) is 4.9e29. The perplexity is exp(val_loss) now, inf (null in summary.json) past a float."""
+    import functools
+    import math
+    from types import SimpleNamespace
+
+    from lit_dtrain.models import build_llama
+    from lit_dtrain.module import LitLLM, perplexity
+    from lit_dtrain.optim import adamw
+    from lit_dtrain.train import _report
+
+    lit = LitLLM(build_llama(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16),
+                 optimizer=functools.partial(adamw, lr=1e-2))
+    logged = {}
+    lit.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
+    lit.val_loss.update(torch.full((2, 4), 68.37), torch.ones(2, 4))
+    lit.on_validation_epoch_end()
+    assert float(logged["val/ppl"]) == pytest.approx(math.exp(68.37), rel=1e-5)
+    assert perplexity(68.37) == math.exp(68.37) and perplexity(1000.0) == math.inf
+    assert math.isnan(perplexity(float("nan")))
+    for loss, shown, saved in ((68.3725, "ppl=4.94e+29 ", math.exp(68.3725)), (1865.1, "ppl=inf ", None),
+                               (1.3887, "ppl=4.01 ", math.exp(1.3887))):
+        metrics = {"val_loss": loss, "val_ppl": perplexity(loss), "steps": 8, "tokens_per_sec": 80.0,
+                   "wall_seconds": 1.0, "checkpoint": None, "stopped": "max_steps"}
+        _report(metrics, "", tmp_path, SimpleNamespace(loggers=[]))
+        assert shown in capsys.readouterr().out
+        assert json.loads((tmp_path / "summary.json").read_text())["val_ppl"] == saved
