@@ -253,12 +253,13 @@ def compare(
         if done is False and error:  # its train.log says why; its row says 'failed'
             print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
         elif done is False:
-            print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, or it logged past the steps "
-                  "that reports): its row is marked '(unfinished)'", file=sys.stderr)
+            print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, it logged past the steps "
+                  "that reports, or it started again since): its row is marked '(unfinished)'", file=sys.stderr)
         by_metric = {
             m: {
                 **summarize(trained(measured(m, scalars.get(m, []))), ranks[m], final_only(m)),
-                **({"missing": True} if m not in scalars else {}),
+                # none logged, or every point dropped (TensorBoard's purge at a later start's first step)
+                **({"missing": True} if not scalars.get(m) else {}),
             }
             for m in metrics
         }

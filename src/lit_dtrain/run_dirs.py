@@ -26,6 +26,8 @@ EVENT_GLOB = "events.out.tfevents.*"
 CSV_NAME = "metrics.csv"  # Lightning's CSVLogger (logger=csv: ResumableCSVLogger) writes <run>/csv/metrics.csv
 # the line each start of train(cfg) that passed its checks logs to its job log (lit_dtrain.sweeps.log_training_start)
 TRAINING_STARTS = "training starts: config_resolved.yaml written"
+# the start of the line train(cfg) prints and logs to its job log last, beside summary.json (lit_dtrain.train._report)
+SUMMARY_LINE = "summary: val_loss="
 
 
 class RunDirError(ValueError):
@@ -267,13 +269,27 @@ def jobs_not_started(runs: list[Path], warn: Warn = log.warning) -> dict[Path, l
 
 def finished(run: Path, scalars: dict[str, list[tuple[int, float]]]) -> bool | None:
     """Whether a ``train.py`` run dir (it has ``config_resolved.yaml``) ran to its end: ``train(cfg)`` writes
-    ``summary.json`` last, with the steps trained. False without it (killed, preempted, still running) or when the
-    run logged past those steps (resumed, then stopped). None for other dirs: nothing tells."""
+    ``summary.json`` last, with the steps trained. False without it (killed, preempted, still running), when the
+    run logged past those steps (resumed, then stopped), or when its job log's latest start came after its last
+    summary line (:func:`started_since_its_summary`). None for other dirs: nothing tells."""
     if not (run / "config_resolved.yaml").is_file():
         return None
     steps = summary_steps(run)
     last = max((series[-1][0] for series in scalars.values() if series), default=0)
-    return steps is not None and last <= steps
+    return steps is not None and last <= steps and not started_since_its_summary(run)
+
+
+def started_since_its_summary(run: Path) -> bool:
+    """Whether the run's job log holds a start (:data:`TRAINING_STARTS`) after its last summary line: a start that
+    failed or was killed before it logged a step of its own, whose ``summary.json`` is the earlier start's. An
+    extension of a finished run (``resume=auto trainer.max_steps=4``) that failed at its first step was shown
+    finished, with the old summary. False for a log with no summary line (written before it was logged)."""
+    try:
+        text = job_log(run).read_text(errors="replace")
+    except OSError:
+        return False
+    summary = text.rfind(SUMMARY_LINE)
+    return summary >= 0 and text.rfind(TRAINING_STARTS) > summary
 
 
 def summary_steps(run: Path) -> int | None:

@@ -55,6 +55,7 @@ from lit_dtrain.resume import (
     resolve_ckpt_path,
     warn_if_accumulation_splits,
 )
+from lit_dtrain.run_dirs import SUMMARY_LINE
 from lit_dtrain.run_lock import hold_checkpoint_dir, hold_run_dir, release_run_dir
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
@@ -389,7 +390,7 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
                 lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
     tokens_per_sec, ppl = metrics["tokens_per_sec"], metrics["val_ppl"]
     summary = (
-        f"summary: val_loss={metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
+        f"{SUMMARY_LINE}{metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
         f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
         + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")

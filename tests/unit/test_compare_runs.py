@@ -871,6 +871,33 @@ def test_a_failed_run_whose_later_start_was_killed_is_unfinished_not_failed(tmp_
     assert job_error(run) == "NonFiniteError: non-finite gradients at step 1"
 
 
+def test_an_extension_of_a_finished_run_that_failed_before_its_first_logged_step_is_failed(tmp_path, capsys):
+    """A real 2-step run extended with `resume=auto trainer.max_steps=4 data.batch_size=20000` failed at its first step
+    (DefaultCPUAllocator: can't allocate memory): summary.json still said steps=2 and the extension had logged no
+    step, so the run was 'finished'; and TensorBoard's purge at the extension's first step (2) dropped the run's
+    final val/loss, so its row read '| ... | no sync logged | - | - | - |'. The latest start counts: failed."""
+    from lit_dtrain.run_dirs import SUMMARY_LINE, TRAINING_STARTS
+
+    run = write_run(tmp_path / "ext", {2: 4.5692})  # its final validation, at step 2 as logged
+    (run / "config_resolved.yaml").write_text("trainer: {max_steps: 4}\n")
+    (run / "summary.json").write_text(json.dumps({"val_loss": 4.5692, "steps": 2}))
+    w = SummaryWriter(str(run / "tb"), purge_step=2, filename_suffix=".2")  # the extension's writer
+    w.add_scalar("lr-AdamW/decay", 1e-3, 2)
+    w.close()
+    first = f"[a][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n[b][lit_dtrain.train][INFO] - {SUMMARY_LINE}4.5692\n"
+    failed = "[d][lit_dtrain.train][ERROR] - run failed: RuntimeError: can't allocate memory\n"
+    (run / "train.log").write_text(first + f"[c][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n" + failed)
+    row = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))["runs"][0]
+    assert (row["finished"], row["error"]) == (False, "RuntimeError: can't allocate memory")
+    md = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))["markdown"]
+    assert md.splitlines()[2] == "| ext | failed: RuntimeError: can't allocate memory | - | - | - |"
+    (run / "train.log").write_text(first + f"[c][lit_dtrain.train][INFO] - {TRAINING_STARTS}\n")  # killed
+    assert compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))["runs"][0]["finished"] is False
+    for log in (first, first + failed):  # its last start wrote the summary; a refused start never started
+        (run / "train.log").write_text(log)
+        assert compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))["runs"][0]["finished"]
+
+
 def test_a_start_that_trains_logs_its_marker_to_the_job_log_only(tmp_path):
     """The marker goes to the root logger's file handlers (Hydra's job log), not to the console."""
     import io
