@@ -80,3 +80,19 @@ def test_the_values_the_checks_accept_are_unchanged():
     assert OptimizerDiagnostics(every_n_steps=1).every_n_steps == 1
     assert SelectiveCheckpointing("budget", memory_budget=1.0, probe_seq_len=None).policy == "budget"
     assert SelectiveCheckpointing("every_k", every_k="3").every_k == 3  # int() of a string was accepted and still is
+
+
+def test_numpy_numbers_are_taken_where_a_number_is_asked():
+    """token_throughput_monitor(window_size=np.int64(50)), a value read from an array, was refused ('must be an
+    integer >= 2 (steps averaged), got np.int64(50)'); the other callbacks took numpy numbers already, and still do."""
+    import numpy as np
+
+    monitor = token_throughput_monitor(window_size=np.int64(5))
+    assert monitor.kwargs["window_size"] == 5 and type(monitor.kwargs["window_size"]) is int
+    with pytest.raises(ValueError, match=r"window_size must be an integer >= 2 \(steps averaged\), got np.float64"):
+        token_throughput_monitor(window_size=np.float64(5))
+    assert FourierSamplerCallback(log_every_n_steps=np.int64(2)).log_every_n_steps == 2
+    assert AdaptiveGradClip(warmup_steps=np.int64(2), max_norm=np.float32(1.0)).max_norm == 1.0
+    assert LossSpikeMonitor(snapshot_every=np.int64(10), cooldown_factor=np.float32(0.5)).cooldown[0] == 0.5
+    assert OptimizerDiagnostics(every_n_steps=np.int64(3)).every_n_steps == 3
+    assert SelectiveCheckpointing("every_k", every_k=np.int64(3)).every_k == 3

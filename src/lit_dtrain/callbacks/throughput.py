@@ -27,6 +27,7 @@ peak for any device.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 import torch
@@ -219,8 +220,10 @@ def token_throughput_monitor(window_size: int = 50, available_flops: float | Non
     validation, at the step of its ``val/loss``). ``available_flops``: the peak FLOP/s of one device, for MFU (None:
     Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
     # Lightning's Throughput asserts window_size > 1 in the monitor's setup, inside fit: a bare AssertionError
-    check_arg("token_throughput_monitor", "window_size", window_size,
-              lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer >= 2 (steps averaged)")
+    check_arg("token_throughput_monitor", "window_size", window_size,  # np.int64(50) too (a value from an array)
+              lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 2,
+              "an integer >= 2 (steps averaged)")
+    window_size = int(window_size)
     if available_flops is not None and not float(available_flops) > 0:
         raise ValueError(f"token_throughput_monitor available_flops must be > 0 (FLOP/s of one device) or null, got "
                          f"{available_flops!r}")
