@@ -205,6 +205,7 @@ class WSDScheduler(StepHooksCallback):
         # setup): a resume with another configured LR (lowered after an instability) kept the old peak silently.
         if not trainer.optimizers:
             return
+        self._refuse_a_scheduler_lightning_does_not_know(trainer, pl_module)
         configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
         if self.base_lrs is not None and self.base_lrs != configured:
             if [len(b) for b in self.base_lrs] == [len(b) for b in configured]:
@@ -213,6 +214,23 @@ class WSDScheduler(StepHooksCallback):
             else:  # another set of param groups: _apply names the mismatch
                 return
         self.base_lrs = configured
+
+    @staticmethod
+    def _refuse_a_scheduler_lightning_does_not_know(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # torch's LRScheduler writes 'initial_lr' into every param group it is built on. Here, before a checkpoint's
+        # optimizer state is restored, the optimizers are fresh from configure_optimizers: such a key means a
+        # scheduler built on them, and one Lightning does not hold (a returned one is refused at train start) is
+        # one the module steps itself. Both set the LR and the schedules mixed, silently (0.01, 0.005, 0.01, 0.005)
+        if trainer.lr_scheduler_configs:
+            return
+        built_on = [i for i, o in enumerate(trainer.optimizers) if any("initial_lr" in g for g in o.param_groups)]
+        if built_on:
+            raise RuntimeError(
+                f"WSDScheduler sets the LR itself, but an LR scheduler was built on optimizer(s) {built_on} of "
+                f"{type(pl_module).__name__} (their param groups hold torch's 'initial_lr') and configure_optimizers "
+                "did not return it: stepped by the module, it sets the LR too and the two schedules mix; use one of "
+                "them (remove that LR scheduler, or leave WSDScheduler out)"
+            )
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
