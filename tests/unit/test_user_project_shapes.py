@@ -1,8 +1,8 @@
 """lit_dtrain's callbacks beside shapes of a user's own Lightning project that the other user-project tests do not
-build: an LR scheduler the module keeps and steps itself (built in ``configure_optimizers``, not returned), and a
-module whose ``training_step`` calls its model itself, with no ``forward`` of its own. Each is refused before it
-trains, naming what is wrong and the fix (before: the two schedules mixed without a word; torch's
-``NotImplementedError`` that named no fix)."""
+build: an LR scheduler the module keeps and steps itself (built in ``configure_optimizers``, not returned), a
+module whose ``training_step`` calls its model itself, with no ``forward`` of its own (both refused before they
+train, naming what is wrong and the fix; before: the two schedules mixed without a word, torch's
+``NotImplementedError`` that named no fix), and two backward passes through checkpointed blocks in one manual step."""
 
 from __future__ import annotations
 
@@ -70,3 +70,55 @@ def test_selective_checkpointing_budget_names_a_module_without_forward(tmp_path:
     assert module.steps_run == 0
     # the other policies need no probe: the same module trains with them
     fit(tmp_path / "full", [SelectiveCheckpointing(policy="full", module_pattern="net.*")], NoForward(), max_steps=2)
+
+
+class TwoLosses(L.LightningModule):
+    """Manual optimization with two losses through the same blocks (a GAN's or a multi-task step): two backward
+    passes, the first with ``retain_graph=True``. ``norm``: each block holds a BatchNorm (buffers)."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8) if norm else torch.nn.Identity(),
+                                torch.nn.Tanh())
+            for _ in range(2)
+        )
+        self.heads = torch.nn.Linear(8, 2)
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = x + block(x)
+        out = self.heads(x)
+        self.manual_backward(F.mse_loss(out[:, :1], y), retain_graph=True)
+        self.manual_backward(F.mse_loss(out[:, 1:], -y))
+        self.grads.append([p.grad.clone() for p in self.parameters()])
+        opt = self.optimizers()
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["no_buffers", "batchnorm"])
+def test_two_backward_passes_through_checkpointed_blocks(tmp_path: Path, norm: bool) -> None:
+    """``full`` recomputes a block at each backward, so its gradients and BatchNorm statistics equal those without
+    checkpointing (a block with buffers failed at the second backward with ``AttributeError: '_GeneratorContextManager'
+    object has no attribute 'args'``); ``selective`` cannot (torch's selective checkpointing allows one backward) and
+    says so, naming policy='full' (it failed with the same AttributeError)."""
+    plain = TwoLosses(norm)
+    fit(tmp_path / "none", [], plain, max_steps=3)
+    full = TwoLosses(norm)
+    fit(tmp_path / "full", [SelectiveCheckpointing(policy="full")], full, max_steps=3)
+    for step_plain, step_full in zip(plain.grads, full.grads, strict=True):
+        for g, h in zip(step_plain, step_full, strict=True):
+            assert torch.equal(g, h)
+    for b, c in zip(plain.buffers(), full.buffers(), strict=True):
+        assert torch.equal(b, c)
+    with pytest.raises(ConfigError, match=r"a second backward through a Sequential block checkpointed with the "
+                       r"selective policy .*checkpoint these blocks with policy='full'"):
+        fit(tmp_path / "selective", [SelectiveCheckpointing(policy="selective")], TwoLosses(norm), max_steps=3)

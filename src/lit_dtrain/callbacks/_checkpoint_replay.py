@@ -128,19 +128,60 @@ def eager_context_fn(context_fn: Callable, block: str = "the block") -> Callable
     def contexts():
         saved = _RandomOpsSaved(context_fn.args[0], block)
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(saved)
-        return forward_ctx, _replaying(saved, recompute_ctx)
+        return forward_ctx, _Replaying(saved, recompute_ctx, block)
 
     return contexts
 
 
-@contextlib.contextmanager
-def _replaying(saved: _RandomOpsSaved, recompute_ctx):
-    with recompute_ctx:
-        if not saved.after:
-            yield
-            return
-        with _ReplayRngStates(saved):
-            yield
+class _EnteredTogether:
+    """Context managers entered in order, and again at each recomputation: checkpoint enters a recompute context
+    once per backward through the block. (A generator-based one can be entered once: a second backward,
+    ``retain_graph=True`` or two losses through one block, failed in ``contextlib`` with ``AttributeError:
+    '_GeneratorContextManager' object has no attribute 'args'``, under ``full`` for a block with buffers too, which
+    torch's checkpoint supports.)"""
+
+    def __init__(self, *contexts) -> None:
+        self.contexts = contexts
+        self.stack: contextlib.ExitStack | None = None
+
+    def _to_enter(self) -> tuple:
+        return self.contexts
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for context in self._to_enter():
+                stack.enter_context(context)
+            self.stack = stack.pop_all()
+
+    def __exit__(self, *exc):
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc)
+
+
+class _Replaying(_EnteredTogether):
+    """Recompute context of one eager selective call: selective checkpointing's, and above it
+    :class:`_ReplayRngStates` where forward saved a random op. torch's selective checkpointing recomputes for one
+    backward only; its error at a second one is given the fix."""
+
+    def __init__(self, saved: _RandomOpsSaved, recompute_ctx, block: str) -> None:
+        super().__init__(recompute_ctx)
+        self.saved, self.block = saved, block
+
+    def _to_enter(self) -> tuple:
+        return (*self.contexts, _ReplayRngStates(self.saved)) if self.saved.after else self.contexts
+
+    def __exit__(self, *exc):
+        suppressed = super().__exit__(*exc)
+        error = exc[1]
+        if isinstance(error, RuntimeError) and "backward an extra time" in str(error):
+            from lit_dtrain.errors import ConfigError
+
+            raise ConfigError(
+                f"SelectiveCheckpointing: a second backward through a {self.block} block checkpointed with the "
+                "selective policy (retain_graph=True, or torch.autograd.grad then backward): torch's selective "
+                "checkpointing recomputes a block for one backward only; checkpoint these blocks with policy='full' "
+                "(recomputed at each backward), or leave them out of module_pattern") from error
+        return suppressed
 
 
 class _ReplayBuffers:
@@ -180,12 +221,6 @@ def with_buffers_replayed(buffers: list[torch.Tensor], context_fn: Callable) -> 
     def contexts():
         replay = _ReplayBuffers(buffers)  # called by checkpoint as its forward starts
         forward_ctx, recompute_ctx = context_fn()
-        return forward_ctx, _entered_together(replay, recompute_ctx)
+        return forward_ctx, _EnteredTogether(replay, recompute_ctx)
 
     return contexts
-
-
-@contextlib.contextmanager
-def _entered_together(outer, inner):
-    with outer, inner:
-        yield
