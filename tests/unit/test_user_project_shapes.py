@@ -2,7 +2,8 @@
 build: an LR scheduler the module keeps and steps itself (built in ``configure_optimizers``, not returned), a
 module whose ``training_step`` calls its model itself, with no ``forward`` of its own (both refused before they
 train, naming what is wrong and the fix; before: the two schedules mixed without a word, torch's
-``NotImplementedError`` that named no fix), and two backward passes through checkpointed blocks in one manual step."""
+``NotImplementedError`` that named no fix), two backward passes through checkpointed blocks in one manual step, and
+two optimizers that step at different rates under ``WSDScheduler``."""
 
 from __future__ import annotations
 
@@ -122,3 +123,32 @@ def test_two_backward_passes_through_checkpointed_blocks(tmp_path: Path, norm: b
     with pytest.raises(ConfigError, match=r"a second backward through a Sequential block checkpointed with the "
                        r"selective policy .*checkpoint these blocks with policy='full'"):
         fit(tmp_path / "selective", [SelectiveCheckpointing(policy="selective")], TwoLosses(norm), max_steps=3)
+
+
+class HalfRate(UserModule):
+    """Two optimizers under manual optimization, the second stepped every other batch (a GAN's 2:1 updates)."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True, two=True)
+
+    def training_step(self, batch, batch_idx):
+        self.steps_run += 1
+        x, y = batch
+        first, second = self.optimizers()
+        self.manual_backward(F.mse_loss(self(x), y))
+        first.step()
+        if batch_idx % 2 == 1:
+            second.step()
+        first.zero_grad()
+        second.zero_grad()
+
+
+def test_wsd_says_which_optimizer_took_fewer_updates_than_its_schedule(tmp_path: Path) -> None:
+    """16 batches: the first optimizer takes 16 updates and decays to 0, the second 8 and ends at the peak LR; it went
+    without a word (only a fit whose optimizers all fell short was told)."""
+    wsd = WSDScheduler(total_steps=16, warmup_steps=2, decay_steps=4)
+    with pytest.warns(UserWarning, match=r"not every optimizer took total_steps=16 in this fit \(optimizer 1: 8 "
+                      r"updates, its last at 1 of the peak LR; the decay is updates 12..15\)"):
+        trainer = fit(tmp_path, [wsd], HalfRate(), max_steps=24)
+    assert wsd.updates == [16, 8]
+    assert [o.param_groups[0]["lr"] for o in trainer.optimizers] == [0.0, 1e-2]

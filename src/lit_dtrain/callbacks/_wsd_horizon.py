@@ -119,3 +119,19 @@ def warn_if_stopped_before_the_decay(trainer: L.Trainer, total_steps: int, decay
         f"{total_steps - decay_steps}..{total_steps - 1}): its last step ran at {factor(step - 1):.4g}x the peak "
         f"LR and its weights are not decayed. To decay them, {advice}"
     )
+
+
+def warn_optimizers_left_behind(updates: list[int], total_steps: int, decay_steps: int,
+                                factor: Callable[[int], float]) -> None:
+    """Manual optimization, at train end: some optimizers took ``total_steps`` updates, others fewer (one stepped every
+    other batch, a GAN's 2:1), so the schedule of those ended at the peak LR or inside the decay. (It went without a
+    word: the fit as a whole reached its horizon, and only a fit whose optimizers all fell short was told.)"""
+    decay_start = total_steps - decay_steps
+    short = [f"optimizer {i}: {n} updates, its last at {factor(n - 1) if n else 1.0:.4g} of the peak LR"
+             for i, n in enumerate(updates) if n < total_steps]
+    rank_zero_warn(
+        f"WSDScheduler counts each optimizer's own updates (manual optimization), and not every optimizer took "
+        f"total_steps={total_steps} in this fit ({'; '.join(short)}; the decay is updates {decay_start}.."
+        f"{total_steps - 1}): their schedule ended short, their weights not decayed. To decay every optimizer, step "
+        "each of them total_steps times (or leave WSDScheduler out for a schedule of your own per optimizer)"
+    )

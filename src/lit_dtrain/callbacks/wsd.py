@@ -40,6 +40,7 @@ from lit_dtrain.callbacks._wsd_horizon import (
     planned_steps,
     warn_if_stopped_before_the_decay,
     warn_if_the_horizon_moves_the_lr,
+    warn_optimizers_left_behind,
     warn_past_the_horizon,
 )
 from lit_dtrain.optim import set_lr
@@ -349,6 +350,8 @@ class WSDScheduler(StepHooksCallback):
         # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
             self._note_short_fit(max(self.updates), manual=True)
+        elif self.updates and self.decay_steps > 0 and min(self.updates) < self.total_steps:
+            warn_optimizers_left_behind(self.updates, self.total_steps, self.decay_steps, self.lr_factor)
         elif not self.updates and self.decay_steps > 0 and trainer.global_step > self._start_step:
             warn_if_stopped_before_the_decay(trainer, self.total_steps, self.decay_steps, self.lr_factor,
                                              self.decay_advice)
