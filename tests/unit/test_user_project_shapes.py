@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lit_dtrain.callbacks import SelectiveCheckpointing, WSDScheduler
 from lit_dtrain.errors import ConfigError
-from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit
+from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
 
 
 class OwnScheduler(UserModule):
@@ -152,3 +152,25 @@ def test_wsd_says_which_optimizer_took_fewer_updates_than_its_schedule(tmp_path:
         trainer = fit(tmp_path, [wsd], HalfRate(), max_steps=24)
     assert wsd.updates == [16, 8]
     assert [o.param_groups[0]["lr"] for o in trainer.optimizers] == [0.0, 1e-2]
+
+
+def test_a_second_fit_of_the_same_trainer_keeps_each_optimizers_updates(tmp_path: Path) -> None:
+    """After a first fit of 24 optimizer steps the optimizers took 16 and 8 updates; a second ``trainer.fit`` of the
+    same Trainer (``max_steps`` raised) goes on from those counts. It took them from ``global_step`` as if both had
+    stepped every batch, [12, 12]: the first optimizer's LR jumped from 0 back to the peak, the second's skipped 4
+    updates of its schedule, silently."""
+    wsd = WSDScheduler(total_steps=16, warmup_steps=2, decay_steps=4)
+    module = HalfRate()
+    trainer = fit(tmp_path, [wsd], module, max_steps=24)
+    assert wsd.updates == [16, 8]
+    seen: list[list[float]] = []
+
+    class FirstLRs(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append([o.param_groups[0]["lr"] for o in trainer.optimizers])
+
+    trainer.callbacks.append(FirstLRs())
+    trainer.fit_loop.epoch_loop.max_steps = 27  # 2 more batches: 3 more optimizer steps
+    trainer.fit(module, regression_data())
+    assert seen[0] == [0.0, 1e-2]  # the first optimizer past its schedule's end, the second at update 8 of 16
+    assert wsd.updates == [18, 9]

@@ -192,7 +192,9 @@ class WSDScheduler(StepHooksCallback):
             # a second fit of the same Trainer goes on from its global_step: compared at train start as a resume is
             again = trainer.global_step > 0 and self.last_step >= 0 and self._arguments["total_steps"] is None
             previous = {k: v for k, v in self.state_dict().items() if k in self._arguments} if again else {}
-            self.base_lrs, self.last_step, self.updates, self._resumed_schedule = None, -1, None, {}
+            self.base_lrs, self.last_step, self._resumed_schedule = None, -1, {}
+            if trainer.global_step == 0:  # (a second fit of this Trainer keeps each optimizer's count of updates: taken
+                self.updates = None  # from global_step, [12, 12] for a GAN's [16, 8], both LRs jumped silently)
             if self._arguments["total_steps"] is None:  # (another fit's horizon is not this one's)
                 self.total_steps = self.decay_steps = None
             self._saved_schedule, self._schedule_source = previous, "the previous fit of this Trainer"
