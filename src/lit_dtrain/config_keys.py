@@ -148,48 +148,77 @@ _KWARGS_GO_TO = {
 }
 
 
+# Keywords a strategy passes to that wrapper itself (lightning 2.6: DDPStrategy._setup_model and FSDPStrategy's), so not
+# ones to give it: make_ddp(device_ids=[0]) (or +strategy.device_ids=[0]) passed the checks and failed in fit, after the
+# ranks had started, with "DistributedDataParallel() got multiple values for keyword argument 'device_ids'"
+_SET_BY_THE_STRATEGY = {
+    "torch.nn.parallel.DistributedDataParallel": {"module": "the model", "device_ids": "the rank's device"},
+    "torch.distributed.fsdp.FullyShardedDataParallel": {"module": "the model", "device_id": "the rank's device"},
+}
+
+
 def accepted_arguments(target) -> set[str] | None:
     """The keyword arguments that ``target`` (a class or a function) takes, following a ``**kwargs`` to the parent
     class's ``__init__`` or to where ``_KWARGS_GO_TO`` says it goes; None where a ``**kwargs`` goes elsewhere."""
+    return _arguments(target)[0]
+
+
+def _arguments(target) -> tuple[set[str] | None, dict[str, str]]:
+    """:func:`accepted_arguments`, and the keywords of a wrapper that the strategy passing ``**kwargs`` to it sets
+    itself (``_SET_BY_THE_STRATEGY``), each with what the strategy passes in a few words."""
     import inspect
 
     from hydra.utils import get_object
 
     accepted: set[str] = set()
+    set_by_caller: dict[str, str] = {}
+    skip: dict[str, str] = {}
     while target is not None:
         owner = next((c for c in target.__mro__ if "__init__" in vars(c)), object) if isinstance(target, type) else None
         fn = owner.__init__ if owner is not None else target
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):  # a builtin without a signature: its call names a bad key itself
-            return None
-        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+            return None, set_by_caller
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        wrapper = getattr(target, "__name__", "")
+        set_by_caller.update((k, f"{v}, to {wrapper}") for k, v in skip.items() if k in names and k not in accepted)
+        accepted |= names - set(skip)
         if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return accepted
+            return accepted, set_by_caller
         source = owner if owner is not None else target
         name = _KWARGS_GO_TO.get(f"{source.__module__}.{source.__qualname__}")
+        skip = _SET_BY_THE_STRATEGY.get(name, {}) if name is not None else {}
         if name is not None:
             target = get_object(name)
         elif owner is not None and owner is not object:
             target = next((c for c in owner.__mro__[1:] if "__init__" in vars(c) and c is not object), None)
         else:
             target = None
-    return None
+    return None, set_by_caller
+
+
+def _not_accepted(key: str, accepted: set[str], set_by_caller: dict[str, str], prefix: str = "") -> str:
+    """The end of the error for a keyword not in ``accepted``: who sets it, or the closest accepted one."""
+    import difflib
+
+    if key in set_by_caller:
+        return f"; Lightning's strategy passes {key} itself ({set_by_caller[key]}): leave it out"
+    close = difflib.get_close_matches(key, sorted(accepted), n=1)
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
 def refuse_unknown_keywords(target, kwargs: dict, name: str, goes_to: str) -> None:
     """:class:`ConfigError` for a keyword of a strategy built in Python that neither ``target`` nor where its
-    ``**kwargs`` go (``goes_to``) takes: Lightning hands them to the module wrapper in setup, so a misspelt one
-    (``make_ddp(find_unused_parameter=True)``) failed in fit, after the ranks had started, as
-    DistributedDataParallel's TypeError. (``train.py`` refuses such a config key before: :func:`check_target_keys`.)"""
-    import difflib
-
-    accepted = accepted_arguments(target)
+    ``**kwargs`` go (``goes_to``) takes, or that the strategy sets on the wrapper itself (``device_ids``): Lightning
+    hands them to the module wrapper in setup, so a misspelt one (``make_ddp(find_unused_parameter=True)``) failed in
+    fit, after the ranks had started, as DistributedDataParallel's TypeError. (``train.py`` refuses such a config key
+    before: :func:`check_target_keys`.)"""
+    accepted, set_by_caller = _arguments(target)
     for key in [] if accepted is None else [k for k in kwargs if k not in accepted]:
-        close = difflib.get_close_matches(key, sorted(accepted), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{name}: {key!r} is not an argument of {name}, nor of {goes_to} (which take its other "
-                          f"keywords){hint}")
+        what = f"an argument {name} takes" if key in set_by_caller else \
+            f"an argument of {name}, nor of {goes_to} (which take its other keywords)"
+        raise ConfigError(f"{name}: {key!r} is not {what}{_not_accepted(key, accepted, set_by_caller)}")
 
 
 def check_target_keys(node: DictConfig, path: str, target) -> None:
@@ -197,17 +226,14 @@ def check_target_keys(node: DictConfig, path: str, target) -> None:
     refuses an unknown key only on the command line: one added with '+' or in a config file failed at
     instantiation in Hydra's wrapper, and a strategy's (``+strategy.compresion=int8``) only in fit, after the token
     cache was built, as DistributedDataParallel's TypeError naming neither ``strategy`` nor the key."""
-    import difflib
-
-    accepted = accepted_arguments(target)
+    accepted, set_by_caller = _arguments(target)
     if accepted is None:  # a **kwargs that goes somewhere this cannot follow: the target names it itself
         return
     for key in map(str, node.keys()):
         if key.startswith("_") or key in accepted:
             continue
         full = f"{path}.{key}" if path else key
-        close = difflib.get_close_matches(key, sorted(accepted), n=1)
-        hint = f"; did you mean {(f'{path}.' if path else '') + close[0]!r}?" if close else ""
+        hint = _not_accepted(key, accepted, set_by_caller, f"{path}." if path else "")
         raise ConfigError(f"{full} is not an argument of {node._target_}{hint}")
 
 

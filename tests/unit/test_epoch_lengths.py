@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies import fit_end
@@ -189,3 +190,24 @@ def test_a_misspelt_keyword_of_a_strategy_built_in_python_is_refused_when_it_is_
     assert make_ddp(find_unused_parameters=True, static_graph=True)._ddp_kwargs == {
         "find_unused_parameters": True, "static_graph": True}
     assert make_fsdp(cpu_offload=False, use_orig_params=True).kwargs["use_orig_params"] is True
+
+
+def test_a_keyword_the_strategy_passes_its_wrapper_itself_is_refused_when_it_is_built():
+    """make_ddp(device_ids=[0]), DistributedDataParallel's own keyword, passed the check, and a 2-rank
+    'trainer=ddp_cpu strategy=ddp +strategy.device_ids=[0]' run failed in fit on both ranks with
+    'DistributedDataParallel() got multiple values for keyword argument 'device_ids'' (Lightning passes the rank's
+    device itself)."""
+    from lit_dtrain.config_keys import check_target_keys
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+
+    leave_out = r"; Lightning's strategy passes {} itself \({}, to {}\): leave it out$"
+    for build, key, what, wrapper in ((make_ddp, "device_ids", "the rank's device", "DistributedDataParallel"),
+                                      (CompressedDDPStrategy, "module", "the model", "DistributedDataParallel"),
+                                      (make_fsdp, "device_id", "the rank's device", "FullyShardedDataParallel")):
+        with pytest.raises(ConfigError, match=rf"^{build.__name__}: '{key}' is not an argument {build.__name__} "
+                                              rf"takes{leave_out.format(key, what, wrapper)}"):
+            build(**{key: 0})
+    node = OmegaConf.create({"_target_": "lit_dtrain.strategies.make_ddp", "device_ids": [0]})
+    with pytest.raises(ConfigError, match=r"^strategy.device_ids is not an argument of lit_dtrain.strategies.make_ddp" +
+                       leave_out.format("device_ids", "the rank's device", "DistributedDataParallel")):
+        check_target_keys(node, "strategy", make_ddp)
