@@ -154,3 +154,43 @@ def test_a_block_that_writes_into_a_saved_output_is_refused_in_its_first_forward
         model(x)
     apply_checkpointing(list(model.blocks), ["full", "selective"])
     assert max_diff(grads(model, lambda: model(x).pow(2).sum()), plain) == 0.0
+
+
+class SubclassWeightBlocks(nn.Module):
+    """A Linear block whose weight is a wrapper tensor subclass (torch's TwoTensor: the form of DTensor's or a float8
+    weight), then one that scales its Linear's output in place (``scale_in_place``)."""
+
+    def __init__(self, scale_in_place: bool) -> None:
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        weight = self.blocks[0].weight.detach()
+        self.blocks[0].weight = nn.Parameter(TwoTensor(weight.clone(), weight.clone()))
+        self.scale_in_place = scale_in_place
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        if self.scale_in_place:
+            h.mul_(2.0)
+        return self.blocks[1](torch.relu(h))
+
+
+def test_a_block_on_a_tensor_subclass_checkpoints_selectively_and_its_writes_are_checked() -> None:
+    """The in-place check read a subclass's storage, which it has none of: a Lightning fit whose block had a TwoTensor
+    weight (SelectiveCheckpointing(policy='selective')) failed in its first forward with 'Attempted to access the data
+    pointer on an invalid python storage'. Its inner tensors' storages are read now: the gradients are exact, and a
+    write into its saved addmm output is still refused."""
+    from lit_dtrain.errors import ConfigError
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    model = SubclassWeightBlocks(scale_in_place=False)
+    plain = grads(model, lambda: model(x).pow(2).sum())
+    apply_checkpointing(list(model.blocks), ["selective", "selective"])
+    assert max_diff(grads(model, lambda: model(x).pow(2).sum()), plain) == 0.0
+
+    model = SubclassWeightBlocks(scale_in_place=True)
+    apply_checkpointing([model], ["selective"])
+    with pytest.raises(ConfigError, match=r"aten.mul_.Tensor writes in place into the output of aten.addmm.default"):
+        model(x)

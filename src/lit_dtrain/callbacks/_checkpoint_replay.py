@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -103,9 +103,19 @@ class _ReplayRngStates(TorchDispatchMode):
 
 
 def _storages(value) -> list[int]:
-    """The storage addresses of the (non-empty, dense) tensors in ``value``."""
-    return [t.untyped_storage().data_ptr() for t in tree_leaves(value)
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() and t.device.type != "meta"]
+    """The storage addresses of the (non-empty, dense) tensors in ``value``; a wrapper tensor subclass's are its inner
+    tensors' (DTensor's local shard, a float8 tensor's data): it has no storage of its own, and reading one raised
+    'Attempted to access the data pointer on an invalid python storage' in the forward of a block whose Linear had a
+    subclass weight, which selective checkpointing ran exactly before the in-place check."""
+    found = []
+    for t in tree_leaves(value):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.numel() or t.device.type == "meta":
+            continue
+        if is_traceable_wrapper_subclass(t):
+            found += _storages([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        else:
+            found.append(t.untyped_storage().data_ptr())
+    return found
 
 
 def _generators(leaves: list) -> list[torch.Generator]:
