@@ -251,3 +251,29 @@ def test_a_resume_that_trains_no_step_keeps_the_checkpoints_train_time(tmp_path:
     trainer.save_checkpoint(again)
     before, after = monitor_state(first), monitor_state(again)
     assert before["time"] > 0 and after == before  # time, batches, samples, lengths, tokens
+
+
+def test_a_later_fit_of_the_same_trainer_goes_on_from_the_earlier_ones_totals(tmp_path: Path) -> None:
+    """A project of one's own that fit a Trainer to step 2, validated, and fit it on to 4 (max_steps raised, as for a
+    next data stage): train/tokens was logged for the first fit only, and train/samples, train/lengths and
+    train/time fell back to 0 at step 2, as a resume's did before it went on from the checkpoint's totals."""
+    import csv
+
+    class Validates(Tokens):
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    module, trainer = Validates(), csv_trainer(tmp_path, 0, 2)
+    trainer.fit(module)
+    trainer.validate(module, verbose=False)  # between the fits: it kept its own window
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(module)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("train/samples")]
+    assert [float(r["train/samples"]) for r in rows] == [4.0, 8.0, 12.0, 16.0]  # were 4, 8, 4, 8
+    assert [float(r["train/lengths"]) for r in rows] == [24.0, 48.0, 72.0, 96.0]
+    assert [r.get("train/tokens") for r in rows] == ["24.0", "48.0", "72.0", "96.0"]  # were 24, 48, none, none
+    times = [float(r["train/time"]) for r in rows]
+    assert times == sorted(times) and times[2] > times[1]  # was 0.001 at step 2

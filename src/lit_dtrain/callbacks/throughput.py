@@ -7,8 +7,9 @@ figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device ra
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
 ``train/lengths`` counts this rank's tokens (rank 0's: with several ranks, a share of the step's), and ``train/tokens``
 all ranks' together, each step's tokens times that start's number of ranks: both are running totals that a resume
-goes on from, but only ``train/tokens`` stays the tokens trained across a resume on another number of ranks (2 ranks
-resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens`` draws runs against it).
+(and a later ``fit`` of the same Trainer) goes on from, but only ``train/tokens`` stays the tokens trained across a
+resume on another number of ranks (2 ranks resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens``
+draws runs against it).
 
 Validation gets one row per validation, under the step where Lightning writes that validation's ``val/loss`` (on
 the training axis: the optimizer step just taken, 0-based; ``trainer.validate`` after ``fit``: ``global_step``).
@@ -195,6 +196,13 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         trainer._logger_connector.log_metrics(metrics)  # step None: where Lightning writes this validation's val/loss
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and not self._resumed and RunningStage.TRAINING in self._batches and trainer.global_step:
+            # a later fit of this Trainer (max_steps raised, the next data stage) goes on from the earlier fits'
+            # totals, as a resume from their checkpoint does (one loaded in this fit, after setup, still wins):
+            # train/tokens stopped being logged and train/time, train/samples, ... fell back to 0 mid-curve (a fit
+            # from step 0 again, as after Tuner.lr_find restored the trainer, counts from 0)
+            self._resumed = self.state_dict()
+        kept = dict(self._throughputs)
         super().setup(trainer, pl_module, stage)
         peak = self.peak_flops
         device = trainer.strategy.root_device
@@ -205,8 +213,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         if peak is not None:
             self.available_flops = int(peak)
         accumulate = max(1, int(trainer.accumulate_grad_batches or 1))
-        for run_stage in list(self._throughputs):
-            kwargs = self.kwargs
+        for run_stage in [s for s in self._throughputs if self._throughputs[s] is not kept.get(s)]:  # Lightning's new
+            kwargs = self.kwargs  # ones (a validate() between two fits keeps the training window and its time)
             if run_stage == RunningStage.TRAINING and accumulate > 1:
                 kwargs = {**self.kwargs, "window_size": self.kwargs.get("window_size", 100) * accumulate}
             self._throughputs[run_stage] = Throughput(
