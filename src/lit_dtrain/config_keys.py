@@ -208,12 +208,24 @@ def _not_accepted(key: str, accepted: set[str], set_by_caller: dict[str, str], p
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
-def refuse_unknown_keywords(target, kwargs: dict, name: str, goes_to: str) -> None:
+# What a strategy factory sets on the strategy itself, and the argument that gives it: make_fsdp(timeout=...) (or
+# +strategy.timeout=60 with strategy=fsdp) failed with Hydra's 'Error in call to target' block around
+# "EvenEpochsFSDPStrategy() got multiple values for keyword argument 'timeout'"; make_ddp's said what to pass
+TIMEOUT_INSTEAD = {"timeout": "collective_timeout_s (seconds)"}
+
+
+def refuse_unknown_keywords(target, kwargs: dict, name: str, goes_to: str, instead: dict[str, str] | None = None
+                            ) -> None:
     """:class:`ConfigError` for a keyword of a strategy built in Python that neither ``target`` nor where its
     ``**kwargs`` go (``goes_to``) takes, or that the strategy sets on the wrapper itself (``device_ids``): Lightning
     hands them to the module wrapper in setup, so a misspelt one (``make_ddp(find_unused_parameter=True)``) failed in
     fit, after the ranks had started, as DistributedDataParallel's TypeError. (``train.py`` refuses such a config key
-    before: :func:`check_target_keys`.)"""
+    before: :func:`check_target_keys`.) ``instead``: keywords ``target`` sets itself, each with the argument to pass
+    instead (:data:`TIMEOUT_INSTEAD`): a ``ValueError``, which ``train.py`` prefixes with the config node
+    (``error: strategy: make_fsdp: pass collective_timeout_s (seconds) instead of timeout``)."""
+    for key, argument in (instead or {}).items():
+        if key in kwargs:
+            raise ValueError(f"{name}: pass {argument} instead of {key}")
     accepted, set_by_caller = _arguments(target)
     for key in [] if accepted is None else [k for k in kwargs if k not in accepted]:
         what = f"an argument {name} takes" if key in set_by_caller else \

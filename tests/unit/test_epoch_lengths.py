@@ -9,6 +9,7 @@ exited 0 after 10 steps and rank 1 hung. The 2-rank fit is in ``tests/dist/test_
 from __future__ import annotations
 
 import math
+import re
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -211,3 +212,17 @@ def test_a_keyword_the_strategy_passes_its_wrapper_itself_is_refused_when_it_is_
     with pytest.raises(ConfigError, match=r"^strategy.device_ids is not an argument of lit_dtrain.strategies.make_ddp" +
                        leave_out.format("device_ids", "the rank's device", "DistributedDataParallel")):
         check_target_keys(node, "strategy", make_ddp)
+
+
+def test_a_keyword_a_strategy_factory_sets_itself_names_the_argument_to_pass_instead():
+    """make_fsdp(timeout=...) (a real 'strategy=fsdp +strategy.timeout=60' run) failed with Hydra's 'Error in call to
+    target' block around 'EvenEpochsFSDPStrategy() got multiple values for keyword argument 'timeout'', as did
+    auto_wrap_policy=; make_ddp named collective_timeout_s. Each says what to pass now."""
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+
+    for build, key, instead in ((make_fsdp, "timeout", "collective_timeout_s (seconds)"),
+                                (make_fsdp, "auto_wrap_policy", "wrap_modules (module classes or dotted paths)"),
+                                (make_ddp, "timeout", "collective_timeout_s (seconds)"),
+                                (CompressedDDPStrategy, "timeout", "collective_timeout_s (seconds)")):
+        with pytest.raises(ValueError, match=rf"^{build.__name__}: pass {re.escape(instead)} instead of {key}$"):
+            build(**{key: 60})

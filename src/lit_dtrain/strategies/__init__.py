@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-from lit_dtrain.config_keys import refuse_unknown_keywords
+from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
     CHECKPOINT_KEY,
@@ -72,9 +72,8 @@ class EvenEpochsFSDPStrategy(EpochLengthCheck, FSDPStrategy):
 
 def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
     """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta)."""
-    if "timeout" in kwargs:
-        raise ValueError("make_ddp: pass collective_timeout_s (seconds) instead of timeout")
-    refuse_unknown_keywords(make_ddp, kwargs, "make_ddp", "Lightning's DDPStrategy or torch's DistributedDataParallel")
+    refuse_unknown_keywords(make_ddp, kwargs, "make_ddp", "Lightning's DDPStrategy or torch's DistributedDataParallel",
+                            TIMEOUT_INSTEAD)
     return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s, "make_ddp"), **kwargs)
 
 
@@ -90,7 +89,8 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
     if not wrap_modules:
         raise ValueError("make_fsdp: wrap_modules must name at least one module class, e.g. lit_dtrain.models.Block")
     refuse_unknown_keywords(make_fsdp, kwargs, "make_fsdp",
-                            "Lightning's FSDPStrategy or torch's FullyShardedDataParallel")
+                            "Lightning's FSDPStrategy or torch's FullyShardedDataParallel",
+                            {**TIMEOUT_INSTEAD, "auto_wrap_policy": "wrap_modules (module classes or dotted paths)"})
     classes = {m if isinstance(m, type) else _module_class(str(m)) for m in wrap_modules}
     timeout = collective_timeout(collective_timeout_s, "make_fsdp")
     return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=timeout, **kwargs)

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lit_dtrain.config_keys import refuse_unknown_keywords
+from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
@@ -111,10 +111,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             if kwargs.get(key) is not None:
                 raise ValueError(f"CompressedDDPStrategy installs its own comm hook; remove {key}= "
                                  f"(use compressor=/local_update=)")
-        if "timeout" in kwargs:
-            raise ValueError("pass collective_timeout_s (seconds) instead of timeout")
         refuse_unknown_keywords(type(self), kwargs, type(self).__name__,
-                                "Lightning's DDPStrategy or torch's DistributedDataParallel")
+                                "Lightning's DDPStrategy or torch's DistributedDataParallel", TIMEOUT_INSTEAD)
         super().__init__(timeout=collective_timeout(collective_timeout_s, type(self).__name__), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
