@@ -29,12 +29,13 @@ import math
 from functools import partial
 
 import lightning as L
-from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
+from lit_dtrain.callbacks._wsd_conflicts import refuse_an_unreturned_scheduler, refuse_other_lr_setters
 from lit_dtrain.callbacks._wsd_horizon import (
     FROM_TRAINER,
     planned_steps,
@@ -208,7 +209,7 @@ class WSDScheduler(StepHooksCallback):
         # setup): a resume with another configured LR (lowered after an instability) kept the old peak silently.
         if not trainer.optimizers:
             return
-        self._refuse_a_scheduler_lightning_does_not_know(trainer, pl_module)
+        refuse_an_unreturned_scheduler(trainer, pl_module)
         configured = [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
         if self.base_lrs is not None and self.base_lrs != configured:
             if [len(b) for b in self.base_lrs] == [len(b) for b in configured]:
@@ -217,23 +218,6 @@ class WSDScheduler(StepHooksCallback):
             else:  # another set of param groups: _apply names the mismatch
                 return
         self.base_lrs = configured
-
-    @staticmethod
-    def _refuse_a_scheduler_lightning_does_not_know(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # torch's LRScheduler writes 'initial_lr' into every param group it is built on. Here, before a checkpoint's
-        # optimizer state is restored, the optimizers are fresh from configure_optimizers: such a key means a
-        # scheduler built on them, and one Lightning does not hold (a returned one is refused at train start) is
-        # one the module steps itself. Both set the LR and the schedules mixed, silently (0.01, 0.005, 0.01, 0.005)
-        if trainer.lr_scheduler_configs:
-            return
-        built_on = [i for i, o in enumerate(trainer.optimizers) if any("initial_lr" in g for g in o.param_groups)]
-        if built_on:
-            raise RuntimeError(
-                f"WSDScheduler sets the LR itself, but an LR scheduler was built on optimizer(s) {built_on} of "
-                f"{type(pl_module).__name__} (their param groups hold torch's 'initial_lr') and configure_optimizers "
-                "did not return it: stepped by the module, it sets the LR too and the two schedules mix; use one of "
-                "them (remove that LR scheduler, or leave WSDScheduler out)"
-            )
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -246,25 +230,7 @@ class WSDScheduler(StepHooksCallback):
             self._log_schedule_change()
         if not trainer.optimizers:
             raise RuntimeError("WSDScheduler needs an optimizer; configure_optimizers returned none")
-        if trainer.lr_scheduler_configs:
-            names = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
-            raise RuntimeError(
-                f"WSDScheduler sets the LR itself, but the LightningModule also configures LR scheduler(s) {names}; "
-                f"use one of them (with lit_dtrain's trainer: '~scheduler' 'callbacks=[default,wsd]')"
-            )
-        finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
-        if finetuning:  # (it failed when the first group was added, after the frozen epochs had trained)
-            raise RuntimeError(
-                f"WSDScheduler sets the LR of the param groups it finds at fit start, but {finetuning} adds param "
-                "groups during training (at an unfreeze) and sets their LR itself; use one of them (under WSD: give "
-                "the frozen part its own param group in configure_optimizers and set its requires_grad yourself)"
-            )
-        if any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
-            rank_zero_warn(  # (its SWALR took over a module's own scheduler; this callback sets the LR at every step)
-                "WSDScheduler sets the LR at every step, so StochasticWeightAveraging's swa_lrs (its SWALR schedule) "
-                "do not apply: the LR stays WSD's and SWA only averages the weights (at each epoch start from "
-                "swa_epoch_start). For SWA's LR, leave WSDScheduler out"
-            )
+        refuse_other_lr_setters(trainer)
         if self.base_lrs is None:
             raise RuntimeError(
                 "WSDScheduler: the peak LRs are unknown: the optimizers did not exist at on_fit_start and no "
