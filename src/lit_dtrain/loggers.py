@@ -138,7 +138,9 @@ class ConfigHparams(L.Callback):
     ``data/sampler=random,fourier`` shows the keys of both; one run's experiment summary would define the columns of
     all) and its metric columns from the runs' scalars: the last ``val/loss`` is the final validation's. A run dir
     whose event files already hold a session (a resumed run) gets none: TensorBoard keeps the first per run and
-    ignores the rest, so the table shows the config the run was started with."""
+    ignores the rest, so the table shows the config the run was started with. A start from step 0 writes its
+    session whatever the files hold: ``train()`` gives its TensorBoard logger ``purge_step=0``, which hides the
+    events of an earlier start killed before its first checkpoint, that start's session included."""
 
     def __init__(self, hparams: dict) -> None:
         self.hparams = hparams
@@ -149,7 +151,8 @@ class ConfigHparams(L.Callback):
         from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger) and not has_hparams_session(logger.log_dir):
+            if isinstance(logger, TensorBoardLogger) and (trainer.global_step == 0
+                                                          or not has_hparams_session(logger.log_dir)):
                 logger.experiment._get_file_writer().add_summary(hparams_pb(self.hparams))
                 logger.experiment.flush()
 

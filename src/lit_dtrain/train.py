@@ -160,16 +160,20 @@ def build_logger(cfg: DictConfig, start_step: int):
     """The configured logger, or False. On a resume at ``start_step`` > 0 it gets ``purge_step=start_step``
     (TensorBoard, and lit_dtrain's ``ResumableCSVLogger`` behind ``logger=csv``): what the interrupted run
     logged past its last checkpoint is dropped, so a resumed curve continues the old one instead of
-    doubling back over it, and the history before it is kept."""
+    doubling back over it, and the history before it is kept. TensorBoard gets it at a start from step 0 too:
+    a start killed before its first checkpoint left points that the next start, from step 0 again, logs anew
+    (they were shown twice, the curve doubling back to 0), and every start's ``SessionLog.START`` makes a later
+    one's purge count in TensorBoard's Python reader, which takes a run's first START for no restart.
+    (``CSVLogger`` replaces ``metrics.csv`` at a fresh start itself.)"""
     node = cfg.get("logger")
     if not node:
         return False
     extra = {}
     cls = get_class(node._target_)
-    if start_step > 0 and "purge_step" not in node:
-        if issubclass(cls, (TensorBoardLogger, ResumableCSVLogger)):
+    if "purge_step" not in node:
+        if issubclass(cls, TensorBoardLogger) or (start_step > 0 and issubclass(cls, ResumableCSVLogger)):
             extra["purge_step"] = start_step
-        elif issubclass(cls, CSVLogger):
+        elif start_step > 0 and issubclass(cls, CSVLogger):
             log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
                         "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
     return instantiate(node, **extra)

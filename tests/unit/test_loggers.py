@@ -160,3 +160,30 @@ def test_runs_without_tensorboard_train_and_write_no_hparams(logger, tiny_cfg, t
     assert not (tmp_path / "run" / "tb").exists()
     if logger == "csv":
         assert "val/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_start_that_failed_before_its_first_checkpoint_is_not_drawn_twice(tiny_cfg, tmp_path):
+    """A start killed or failed before its first checkpoint (SIGKILL at step 0, 19 s into a `model=nano` run here)
+    left its points in `tb/`, and the next start, from step 0 again (`resume=auto` finds nothing to resume), logged
+    them anew: TensorBoard showed `train/loss` at 0, 1, 0, 1, 2, 3, the curve doubling back. Every TensorBoard start
+    now marks where its points begin (`purge_step`, 0 here), and writes its config's HParams session again."""
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_dtrain.train import train
+
+    common = ("sample.max_new_tokens=0", "trainer.max_steps=4", "trainer.log_every_n_steps=1")
+    crash = ("+callbacks.fault._target_=tests.faults.RaiseOnceAt", "+callbacks.fault.hook=on_after_backward",
+             "+callbacks.fault.step=2")
+    with pytest.raises(RuntimeError, match="interrupted at step 2"):
+        train(tiny_cfg(*common, *crash))
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))  # the next start is from step 0
+    train(tiny_cfg(*common, "resume=auto"))
+    legacy = EventAccumulator(str(tmp_path / "run" / "tb"))  # scripts' and tests' reader
+    legacy.Reload()
+    assert [e.step for e in legacy.Scalars("train/loss")] == [0, 1, 2, 3]
+    mux = plugin_event_multiplexer.EventMultiplexer()  # TensorBoard's own (Python) reader, which ignores a run's
+    mux.AddRunsFromDirectory(str(tmp_path / "run"))  # first SessionLog.START: the crashed start wrote one too
+    mux.Reload()
+    assert [e.step for e in mux.Tensors("tb", "train/loss")] == [0, 1, 2, 3]
+    assert hparams_table(tmp_path / "run")["tb"][0]["trainer.max_steps"] == 4  # its session purged, a new one
