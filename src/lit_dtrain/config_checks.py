@@ -28,6 +28,7 @@ from lit_dtrain.config_warnings import warn_if_the_default_callbacks_are_dropped
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
+from lit_dtrain.utils.launcher_watch import CLUSTER_LAUNCH_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -268,18 +269,13 @@ def check_torchrun_launch(cfg: DictConfig, env=os.environ) -> None:
         )
 
 
-_CLUSTER_LAUNCH_KEYS = (  # a launcher Lightning reads the nodes' ranks from: torchrun, srun, LSF, Kubeflow, MPI
-    "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "KUBERNETES_PORT", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-)
-
-
 def check_multinode_launch(cfg: DictConfig, env=os.environ) -> None:
     """``trainer.num_nodes`` above 1 without a cluster launcher means Lightning's own launch on every node, which
     reads the first node's address and this node's rank from ``MASTER_ADDR`` and ``NODE_RANK``. Without them
     ``python train.py trainer=ddp_cpu trainer.num_nodes=2`` waited for the other node's ranks on 127.0.0.1 until
     the collective timeout (30 min), every node taking itself for node 0; refused before any compute."""
     num_nodes = cfg.trainer.get("num_nodes", 1)
-    if not isinstance(num_nodes, int) or num_nodes <= 1 or any(key in env for key in _CLUSTER_LAUNCH_KEYS):
+    if not isinstance(num_nodes, int) or num_nodes <= 1 or any(key in env for key in CLUSTER_LAUNCH_KEYS):
         return
     missing = [key for key in ("MASTER_ADDR", "NODE_RANK") if not str(env.get(key, "")).strip()]
     if missing:

@@ -93,6 +93,7 @@ from lit_dtrain.utils.distributed import (
     is_collective_failure,
 )
 from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_handlers
+from lit_dtrain.utils.launcher_watch import watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     had_group = dist.is_available() and dist.is_initialized()
     launch_env = {key: os.environ.get(key) for key in _DDP_LAUNCH_ENV}
     try:
-        with sigterm_handler_kept(), contextlib.ExitStack() as held:  # held: the run dir's lock, released at the end
+        # watched_run: a rank Lightning's launcher started ends when rank 0 is gone (it waited 30 min for it)
+        with watched_run(), sigterm_handler_kept(), contextlib.ExitStack() as held:  # held: the run dir's lock
             return _train(cfg, held)
     except KeyboardInterrupt:  # Ctrl-C where nothing saves (in training, PreemptionCheckpoint saves and exits 130)
         raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir)) from None

@@ -1,0 +1,57 @@
+"""A rank that Lightning's own launcher started ends when the rank that launched it is gone.
+
+Lightning's DDP launcher (``trainer=ddp_cpu``, ``trainer.devices=2`` without torchrun or srun) starts ranks 1..N-1 as
+child processes of rank 0 (``subprocess.Popen``) and never tells them when it dies. A SIGKILL of rank 0 (the OOM
+killer, a ``kill -9`` of the job's first process) while the ranks were still meeting left rank 1 waiting for rank 0's
+store until ``strategy.collective_timeout_s`` (30 min by default): one such orphan was alive, 368 MB resident, 150 s
+after the kill and still at 17 min, when it was ended by hand. Once training runs, a dead rank 0 fails rank 1's next
+collective within seconds on gloo; the watch covers the rest. Ranks started by torchrun, srun or another cluster
+launcher are left to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+CLUSTER_LAUNCH_KEYS = (  # a launcher that starts every rank itself: torchrun, srun, LSF, Kubeflow, MPI
+    "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "KUBERNETES_PORT", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+)
+_started = threading.Event()
+_running = [0]  # train() calls in progress: a parent that exits after this rank's run returned is no error
+
+
+@contextlib.contextmanager
+def watched_run(env=os.environ, interval_s: float = 1.0):
+    """Around one ``train()`` run: :func:`exit_when_the_launching_rank_dies` while it runs."""
+    exit_when_the_launching_rank_dies(env, interval_s)
+    _running[0] += 1
+    try:
+        yield
+    finally:
+        _running[0] -= 1
+
+
+def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -> bool:
+    """On a rank Lightning's launcher started (``LOCAL_RANK`` above 0, no cluster launcher), start a daemon thread
+    that ends this process with status 1 and one ``error:`` line once its parent process (rank 0) is gone while a
+    run is in progress (:func:`watched_run`). Returns whether it started one (once per process)."""
+    if _started.is_set() or int(env.get("LOCAL_RANK", "0") or 0) <= 0 or any(k in env for k in CLUSTER_LAUNCH_KEYS):
+        return False
+    parent = os.getppid()
+    rank = env.get("LOCAL_RANK")
+
+    def watch() -> None:
+        while os.getppid() == parent or not _running[0]:  # between runs (a multirun's jobs): at the next one
+            time.sleep(interval_s)
+        print(f"error: local rank {rank}: rank 0 (process {parent}), which launched this rank, is gone; nothing "
+              "more can be trained or saved here, so this rank exits too. Resume with resume=auto.",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    _started.set()
+    threading.Thread(target=watch, name="lit_dtrain-launcher-watch", daemon=True).start()
+    return True

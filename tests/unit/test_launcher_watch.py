@@ -1,0 +1,61 @@
+"""A rank that Lightning's launcher started ends when rank 0, its parent, is gone (lit_dtrain.utils.launcher_watch)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from lit_dtrain.utils.launcher_watch import exit_when_the_launching_rank_dies
+from tests.conftest import ROOT
+
+# the child stands in for rank 1: it watches, then waits as rank 1 waited for a dead rank 0's store (30 min)
+_CHILD = "from lit_dtrain.utils.launcher_watch import watched_run\nimport time\nwith watched_run(interval_s=0.05):\n" \
+         "    print('watching', flush=True)\n    time.sleep(60)\n"
+_PARENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID")}
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**env, "LOCAL_RANK": "1"})
+    print(child.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_rank_launched_by_rank_0_exits_when_rank_0_is_killed():
+    """SIGKILL of rank 0 while the ranks met left rank 1 waiting for it (alive 150 s later, and at 17 min, in a real
+    2-rank run): it now exits within a poll, with status 1 and a line that says why and what to do."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "watching"
+        parent.kill()
+        parent.wait()
+        started = time.monotonic()
+        stderr = parent.stderr.read()  # EOF once the child, which shares the pipe, has exited too
+        assert time.monotonic() - started < 10
+        assert f"error: local rank 1: rank 0 (process {parent.pid}), which launched this rank, is gone" in stderr
+        assert "Resume with resume=auto" in stderr
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL) if _alive(parent.pid) else None
+    deadline = time.monotonic() + 5  # its stderr closes a moment before the process is gone
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie not yet reaped has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_only_ranks_that_lightning_launched_are_watched():
+    assert not exit_when_the_launching_rank_dies(env={})  # rank 0, a single process
+    assert not exit_when_the_launching_rank_dies(env={"LOCAL_RANK": "0"})
+    for launcher in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):  # torchrun or srun starts and stops every rank itself
+        assert not exit_when_the_launching_rank_dies(env={"LOCAL_RANK": "1", launcher: "1"})
