@@ -182,7 +182,8 @@ def _config_keys() -> set[str]:
 
 # Dotted names the docs quote that start like a config key but are Python attributes, module paths or files.
 NOT_CONFIG_KEYS = {
-    "model.blocks", "model.layers", "model.tok_embeddings.weight", "optimizer.step", "strategy.reduce", "data.pkl",
+    "model.blocks", "model.layers", "model.tok_embeddings.weight", "model.transformer.encoder",
+    "optimizer.step", "strategy.reduce", "data.pkl",
     "trainer.callback_metrics", "trainer.datamodule", "trainer.datamodule.sampler", "trainer.fit", "trainer.validate",
     "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
