@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import string
+import subprocess
 import sys
 from pathlib import Path
 
@@ -206,6 +207,60 @@ def load_script(name: str, alias: str | None = None):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.CompletedProcess:
+    """``python scripts/<script> <args>`` in ``cwd``, run in this process: ``runpy`` executes the file as ``__main__``
+    with that ``sys.argv`` and ``sys.path[0]``, and its exit status, stdout and stderr (``capfd``: Python's and the
+    file descriptors') come back as a subprocess's would: ``SystemExit``'s code, or 1 and the traceback on stderr for
+    any other exception. A fresh Python per call cost 3-5 s of imports (torch, Lightning) for a flag check that
+    takes milliseconds. What a script's module code or ``main`` may set for the process is put back: ``sys.argv``,
+    ``sys.path``, the working directory, the environment, warning filters, logger levels, torch's thread count,
+    matmul precision and global RNG."""
+    import logging
+    import runpy
+    import traceback
+    import warnings
+
+    import torch
+
+    path = ROOT / "scripts" / script
+    saved = (list(sys.argv), list(sys.path), os.getcwd(), dict(os.environ), torch.get_num_threads(),
+             torch.get_float32_matmul_precision(), torch.random.get_rng_state())
+    levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger)}
+    capfd.readouterr()
+    code = 0
+    try:
+        sys.argv[:] = [str(path), *args]
+        sys.path.insert(0, str(path.parent))  # as Python puts the script's dir first
+        os.chdir(cwd)
+        with warnings.catch_warnings():
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as exit_:
+                if exit_.code is None or isinstance(exit_.code, int):
+                    code = exit_.code or 0
+                else:  # sys.exit("message"): printed on stderr, status 1
+                    print(exit_.code, file=sys.stderr)
+                    code = 1
+            except Exception:  # noqa: BLE001 - what Python does with it at the top: a traceback, status 1
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+    finally:
+        sys.argv[:], sys.path[:] = saved[0], saved[1]
+        os.chdir(saved[2])
+        os.environ.clear()
+        os.environ.update(saved[3])
+        torch.set_num_threads(saved[4])
+        torch.set_float32_matmul_precision(saved[5])
+        torch.random.set_rng_state(saved[6])
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([PYTHON, str(path), *args], code, out, err)
 
 
 def event_files(root: Path, pattern: str = "events.out.tfevents.*") -> list[Path]:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, load_script
+from tests.conftest import ROOT, load_script, run_script
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -44,22 +44,30 @@ from tests.conftest import ROOT, load_script
     ("spectrum.py", ["missing.ckpt", "--files"], "argument --files: expected at least one argument"),
     ("compare_runs.py", ["missing_run"], "run dir 'missing_run' does not exist"),
 ])
-def test_bad_counts_are_refused_before_any_work(script, args, message, tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+def test_bad_counts_are_refused_before_any_work(script, args, message, tmp_path, capfd):
+    done = run_script(script, args, tmp_path, capfd)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_bench_wsd_wipes_only_a_dir_of_its_own(tmp_path):
+def test_a_script_run_by_run_script_ends_as_in_its_own_python(tmp_path, capfd):
+    """The tests above run each script in this process (``run_script``); a script run as its own Python gives the
+    same status, stdout and stderr."""
+    for script, args in (("compare_runs.py", ["missing_run"]), ("bench_step.py", ["--rounds", "0"])):
+        own = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        here = run_script(script, args, tmp_path, capfd)
+        assert (here.returncode, here.stdout, here.stderr) == (own.returncode, own.stdout, own.stderr), script
+
+
+def test_bench_wsd_wipes_only_a_dir_of_its_own(tmp_path, capfd):
     """bench_wsd.py wipes --out-dir first: ``--out-dir .`` (or any dir of the user's) deleted it whole."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_wsd.py"), "--out-dir", str(mine)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = run_script("bench_wsd.py", ["--out-dir", str(mine)], tmp_path, capfd)
     assert done.returncode == 2 and "exists and was not made by this script" in done.stderr, done.stderr[-2000:]
     assert (mine / "notes.txt").read_text() == "keep me"
     bench_wsd = load_script("bench_wsd", "_bench_wsd_wipe")

@@ -701,14 +701,11 @@ def test_non_positive_band_config_is_rejected_not_replaced_by_auto(kw):
 
 
 
-def test_spectrum_script_rejects_non_positive_band_flags(tmp_path):
+def test_spectrum_script_rejects_non_positive_band_flags(tmp_path, capfd):
     """scripts/spectrum.py --num-bands 0 (or --max-freq 0) used to plot the auto bands as if the flag were absent."""
-    import subprocess
-    import sys
+    from tests.conftest import run_script
 
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "spectrum.py"),
-                           str(tmp_path / "missing.ckpt"), "--num-bands", "0"], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_script("spectrum.py", [str(tmp_path / "missing.ckpt"), "--num-bands", "0"], tmp_path, capfd)
     assert proc.returncode == 2 and "argument --num-bands: must be >= 1, got 0" in proc.stderr, proc.stderr[-2000:]
 
 
