@@ -67,19 +67,27 @@ def test_documented_command_composes(where, args, tmp_path):
         assert cfg.trainer.max_steps > 0, (where, variant)
 
 
-def test_the_readme_test_command_collects_every_test_file():
+def test_the_readme_test_command_collects_every_test_file(monkeypatch, capsys):
     """The README's test command (``python -m pytest -q``, which CI runs) never collected tests/dist/: pytest's
     default ``norecursedirs`` holds ``dist``, so the 2-process gloo tests ran only when named on the command line,
     and docs/reliability.md's rows that name them were not run by CI. Every ``tests/**/test_*.py`` must be
     collected by a bare ``pytest``."""
-    import subprocess
-    import sys
+    class Collected:
+        nodeids: list[str] = []
 
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+        def pytest_collection_finish(self, session):
+            self.nodeids = [item.nodeid for item in session.items]
+
+    # the bare command's collection, run in this process: the test modules are imported already (a fresh Python
+    # per collection cost ~10 s of imports), and pytest reads the same ini from the same directory
+    monkeypatch.chdir(ROOT)
+    collector = Collected()
+    status = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[collector])
+    out = capsys.readouterr()
+    assert status == 0, out.out[-2000:] + out.err[-2000:]
+    collected = {nodeid.split("::")[0] for nodeid in collector.nodeids}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")}
-    assert on_disk - collected == set(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert on_disk - collected == set(), out.out[-2000:] + out.err[-2000:]
     assert any(f.startswith("tests/dist/") for f in collected)
 
 
