@@ -608,6 +608,10 @@ def _fit_straight_and_resumed(tmp: Path, name: str, world: int = WORLD, spawn: b
         **RESUME_RUNS[name])
 
 
+def _fit_straight_and_resumed_3_ranks(tmp: Path, name: str) -> None:
+    _fit_straight_and_resumed(tmp, name, world=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["powersgd", "int8", "int8_sr", "int8_rs", "diloco", "local_sgd", "topk_buckets",
                                   "powersgd_3_ranks"])
@@ -615,9 +619,10 @@ def test_resume_restores_comm_state_exactly(request, tmp_path, name):
     world = 3 if name.endswith("_3_ranks") else WORLD
     if world == WORLD:  # the 2-rank runs are fitted together, in one process group
         tmp = fitted(request.getfixturevalue("resume_fits"), _fit_straight_and_resumed, name)
-    else:  # Lightning's spawn launcher, 3 processes
-        _fit_straight_and_resumed(tmp_path, name, world, spawn=True)
-        tmp = tmp_path
+    else:  # 3 launched ranks, both fits in one group (Lightning's spawn launcher started 3 Pythons per fit)
+        jobs = [(_fit_straight_and_resumed_3_ranks, name)]
+        run_rank_processes(_one_group_worker, str(tmp_path), jobs, world, timeout=900, world=world)
+        tmp = fitted(tmp_path, _fit_straight_and_resumed_3_ranks, name, world)
     saved = torch.load(tmp / "straight" / "step=4.ckpt", weights_only=True)[CHECKPOINT_KEY]
     at4 = dumps(tmp, "straight", "step4", world)
     start = dumps(tmp, "resumed", "start", world)
@@ -802,20 +807,20 @@ def test_a_resume_on_another_number_of_ranks_keeps_what_it_can_and_says_what_it_
         assert "compressor error-feedback residual of 1 rank goes to every rank" in records[0]["warnings"][0]
 
 
-def as_launched_rank(rank: int, port: int) -> None:
-    """Make this process rank ``rank`` of ``WORLD`` as a launcher would (Lightning then joins that group), one
+def as_launched_rank(rank: int, port: int, world: int = WORLD) -> None:
+    """Make this process rank ``rank`` of ``world`` as a launcher would (Lightning then joins that group), one
     thread."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
 
 
-def run_rank_processes(target, *args, timeout: float = 240) -> None:
+def run_rank_processes(target, *args, timeout: float = 240, world: int = WORLD) -> None:
     """Run ``target(rank, port, *args)`` in one spawned process per rank, without ``mp.spawn``'s join (which kills
     the other ranks as soon as one fails); a process still alive after ``timeout`` seconds is killed."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
     deadline = time.monotonic() + timeout
     for p in procs:
         p.start()
@@ -826,10 +831,10 @@ def run_rank_processes(target, *args, timeout: float = 240) -> None:
             p.kill()
 
 
-def _one_group_worker(rank: int, port: int, root: str, jobs: list[tuple]) -> None:
+def _one_group_worker(rank: int, port: int, root: str, jobs: list[tuple], world: int = WORLD) -> None:
     """Each ``(fit, key)`` of ``jobs`` as ``fit(root / f"{fit name}_{key}", key)``, in sequence in one process group
     (the group outlives a fit), each recorded as done or as the error it raised."""
-    as_launched_rank(rank, port)
+    as_launched_rank(rank, port, world)
     outcomes: dict[str, str | None] = {}
     for job, key in jobs:
         tmp = Path(root) / f"{job.__name__}_{key}"
@@ -852,10 +857,10 @@ def fit_in_one_group(root: Path, jobs: list[tuple]) -> Path:
     return root
 
 
-def fitted(root: Path, job, key: str) -> Path:
+def fitted(root: Path, job, key: str, world: int = WORLD) -> Path:
     """The directory of ``job``'s fit for ``key`` in :func:`fit_in_one_group`'s ``root``, the fit done on each rank."""
     name = f"{job.__name__}_{key}"
-    for rank in range(WORLD):
+    for rank in range(world):
         path = root / f"outcomes_rank{rank}.pt"
         outcomes = torch.load(path, weights_only=False) if path.exists() else {}
         assert name in outcomes, f"rank {rank} never finished {name} (an earlier fit hung or killed it)"
