@@ -26,10 +26,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 VOCAB, T, N_SAMPLES, BATCH = 64, 16, 32, 2  # 32 samples / (2 ranks x 2) = 8 steps an epoch
 
 
-def _worker(rank: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
+def _user_fits(rank: int, root: str) -> None:
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -137,13 +134,38 @@ def _worker(rank: int, port: int, root: str) -> None:
     results["resumed"] = fit("resumed", 14, one_rank, ["log", "skip", "lr_cooldown"],
                              ckpt_path=os.path.join(root, "straight_ckpt", "step=8.ckpt"))
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    """The fits of the three tests below that send no signal, in one process group: a spawn per test started two
+    fresh Pythons (imports, gloo set-up) for fits of a few seconds. Each writes under its own dir of ``root``; a
+    failure in any of them fails mp.spawn, naming it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    _user_fits(rank, os.path.join(root, "user"))
+    _fourier_fits(rank, os.path.join(root, "fourier"))
+    _uneven_fit(rank, os.path.join(root, "uneven"))
     leave_rank()
 
 
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> Path:
+    from tests.conftest import make_corpus
+
+    root = tmp_path_factory.mktemp("foreign")
+    for name in ("user", "fourier", "uneven"):
+        (root / name).mkdir()
+    make_corpus(root / "fourier" / "corpus", n_files=4, size=2000)
+    _lm_data(str(root / "fourier")).prepare_data()  # the token cache, built once before the ranks start
+    mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
+    return root
+
+
 @pytest.mark.slow
-def test_user_project_callbacks_under_ddp(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+def test_user_project_callbacks_under_ddp(fitted: Path) -> None:
+    root = fitted / "user"
+    r0, r1 = (torch.load(root / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     for name in ("straight", "both", "resumed"):
         a, b = r0[name], r1[name]
         assert a["global_step"] == b["global_step"]
@@ -164,7 +186,7 @@ def test_user_project_callbacks_under_ddp(tmp_path: Path) -> None:
             assert torch.equal(v, straight["params"][step][k]), (step, k)
     assert _flat(resumed["states"]) == _flat(straight["states"])
     # the loggers' rows, written by rank 0: one LR row per optimizer step, the spike and throughput metrics beside it
-    rows = list(csv.DictReader((tmp_path / "straight" / "version_0" / "metrics.csv").open()))
+    rows = list(csv.DictReader((root / "straight" / "version_0" / "metrics.csv").open()))
     keys = ("lr-AdamW", "spike/count", "train/samples")
     steps_with = {k: sorted({int(r["step"]) for r in rows if r[k]}) for k in keys}
     assert steps_with == {k: list(range(14)) for k in steps_with}
@@ -184,12 +206,9 @@ def _flat(value):
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
-def _fourier_worker(rank: int, port: int, root: str) -> None:
+def _fourier_fits(rank: int, root: str) -> None:
     """The user's own LM on ``LMDataModule(sampler=FourierSampler(...))``, with ``FourierSamplerCallback`` and a
     ``LossSpikeMonitor`` that skips (the sampler excludes the spike's samples): straight, and resumed at step 4."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch import nn
@@ -248,7 +267,6 @@ def _fourier_worker(rank: int, port: int, root: str) -> None:
     results = {"straight": fit("straight")}
     results["resumed"] = fit("resumed", os.path.join(root, "straight_ckpt", "step=4.ckpt"))
     torch.save(results, os.path.join(root, f"fourier{rank}.pt"))
-    leave_rank()
 
 
 def _lm_data(root: str):
@@ -261,13 +279,9 @@ def _lm_data(root: str):
                         progress=False, max_val_windows=4, sampler=FourierSampler(step_unit=1))
 
 
-def test_user_lm_with_fourier_sampler_under_ddp(tmp_path: Path) -> None:
-    from tests.conftest import make_corpus
-
-    make_corpus(tmp_path / "corpus", n_files=4, size=2000)
-    _lm_data(str(tmp_path)).prepare_data()  # the token cache, built once before the ranks start
-    mp.spawn(_fourier_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"fourier{r}.pt", weights_only=False) for r in (0, 1))
+def test_user_lm_with_fourier_sampler_under_ddp(fitted: Path) -> None:
+    root = fitted / "fourier"
+    r0, r1 = (torch.load(root / f"fourier{r}.pt", weights_only=False) for r in (0, 1))
     for name in ("straight", "resumed"):
         a, b = r0[name], r1[name]
         assert a["sampler"] == b["sampler"], name  # the same tables on both ranks
@@ -307,12 +321,9 @@ class Regression(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _uneven_worker(rank: int, port: int, root: str) -> None:
+def _uneven_fit(rank: int, root: str) -> None:
     """The user shards the data by hand (``use_distributed_sampler=False``): rank 0 holds 18 samples, rank 1 17,
     so the last batches hold 2 and 1. A spike on rank 0's last batch, skipped with the previous step's samples."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     from torch.utils.data import DataLoader
 
     from lit_dtrain.callbacks import LossSpikeMonitor
@@ -328,15 +339,14 @@ def _uneven_worker(rank: int, port: int, root: str) -> None:
     trainer.fit(Regression(spike_at=(4, 0)), train_dataloaders=DataLoader(shard, batch_size=4))
     torch.save({"events": [(e["step"], e["index"]) for e in monitor.events], "excluded": sorted(monitor.excluded)},
                os.path.join(root, f"uneven{rank}.pt"))
-    leave_rank()
 
 
-def test_spike_on_ranks_with_unequal_batches_excludes_exactly_their_samples(tmp_path: Path) -> None:
+def test_spike_on_ranks_with_unequal_batches_excludes_exactly_their_samples(fitted: Path) -> None:
     """The spike's samples are gathered from ranks whose batches differ in size. Before, the all-gather of unequal
     tensors gave rank 0 an index that was not in the batch (0) and aborted rank 1 in gloo ("Received data size
     doesn't match expected size")."""
-    mp.spawn(_uneven_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"uneven{r}.pt", weights_only=False) for r in (0, 1))
+    root = fitted / "uneven"
+    r0, r1 = (torch.load(root / f"uneven{r}.pt", weights_only=False) for r in (0, 1))
     assert r0 == r1
     assert r0["events"] == [(4, [16, 17, 116])]  # rank 0's last batch (2 samples), rank 1's (1 sample)
     assert r0["excluded"] == [12, 13, 14, 15, 16, 17, 112, 113, 114, 115, 116]  # and the previous step's
