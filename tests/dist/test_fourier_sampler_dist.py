@@ -115,53 +115,53 @@ class DumpSamplerTables(L.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
+# the two callback lists, as configs a sweep can choose between (`+fourier_case=plain,spike`)
+CASES = {
+    "plain": "# @package _global_\ndefaults:\n  - override /callbacks: [default, fourier_sampler]\n",
+    "spike": "# @package _global_\ndefaults:\n  - override /callbacks: [default, loss_spike, fourier_sampler]\n"
+             "callbacks:\n  loss_spike:\n    warmup_steps: 3\n"
+             "  spike:\n    _target_: tests.unit.test_fourier_sampler._ScaleLogitsAt\n    step: 4\n",
+}
+
+
 @pytest.fixture(scope="module")
-def ddp_sweeps(tmp_path_factory):
-    """``sweep(spike)`` -> the job dirs, by ``lag``, of one ``train.py -m ... data.sampler.lag=0,1`` launch under
-    Lightning DDP (2 gloo ranks; Lightning starts rank 1 once and it runs both jobs): two launches for the four
-    cases, each job a run of its own (tests only read what the jobs left)."""
-    sweeps: dict[bool, dict[int, Path]] = {}
-
-    def sweep(spike: bool) -> dict[int, Path]:
-        if spike not in sweeps:
-            tmp_path = tmp_path_factory.mktemp(f"ddp_spike{int(spike)}")
-            corpus = make_corpus(tmp_path / "corpus")
-            env = subprocess_env(tmp_path)
-            env["PYTHONPATH"] = str(ROOT) + os.pathsep + env["PYTHONPATH"]  # the dump callback lives in tests/
-            callbacks = ["callbacks=[default,loss_spike,fourier_sampler]", "callbacks.loss_spike.warmup_steps=3",
-                         "+callbacks.spike._target_=tests.unit.test_fourier_sampler._ScaleLogitsAt",
-                         "+callbacks.spike.step=4"]
-            args = ["-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")],
-                    "data=textfiles", f"data.sources.0.paths=[{corpus}]", "run_name=ddp", "data/sampler=fourier",
-                    *(callbacks if spike else ["callbacks=[default,fourier_sampler]"]), "data.sampler.step_unit=1",
-                    "data.sampler.lag=0,1", "sample.max_new_tokens=0",
-                    f"+callbacks.dump._target_={__name__}.DumpSamplerTables",
-                    "+callbacks.dump.out=${hydra:runtime.output_dir}"]
-            proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            (sweep_dir,) = (tmp_path / "outputs" / "multiruns").iterdir()
-            jobs = {}
-            for job in (p for p in sweep_dir.iterdir() if p.is_dir()):
-                overrides = (job / ".hydra" / "overrides.yaml").read_text()
-                lag = next(int(line.rsplit("=", 1)[1]) for line in overrides.splitlines()
-                           if "data.sampler.lag=" in line)
-                jobs[lag] = job
-            assert sorted(jobs) == [0, 1], jobs
-            sweeps[spike] = jobs
-        return sweeps[spike]
-
-    return sweep
+def ddp_jobs(tmp_path_factory) -> dict[tuple[bool, int], Path]:
+    """The job dirs, by (spike, lag), of one ``train.py -m ... +fourier_case=plain,spike data.sampler.lag=0,1``
+    launch under Lightning DDP (2 gloo ranks; Lightning starts rank 1 once and it runs every job): one launch of two
+    processes for the four cases, each job a run of its own (tests only read what the jobs left)."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    corpus = make_corpus(tmp_path / "corpus")
+    for name, text in CASES.items():
+        (tmp_path / "conf" / "fourier_case").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / "fourier_case" / f"{name}.yaml").write_text(text)
+    env = subprocess_env(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env["PYTHONPATH"]  # the dump callback lives in tests/
+    args = ["-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "data=textfiles",
+            f"data.sources.0.paths=[{corpus}]", "run_name=ddp", "data/sampler=fourier",
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+fourier_case=plain,spike", "data.sampler.step_unit=1",
+            "data.sampler.lag=0,1", "sample.max_new_tokens=0", f"+callbacks.dump._target_={__name__}.DumpSamplerTables",
+            "+callbacks.dump.out=${hydra:runtime.output_dir}"]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multiruns").iterdir()
+    jobs = {}
+    for job in (p for p in sweep_dir.iterdir() if p.is_dir()):
+        overrides = dict(line.lstrip("- ").split("=", 1)
+                         for line in (job / ".hydra" / "overrides.yaml").read_text().splitlines() if "=" in line)
+        jobs[overrides["+fourier_case"] == "spike", int(overrides["data.sampler.lag"])] = job
+    assert sorted(jobs) == [(False, 0), (False, 1), (True, 0), (True, 1)], jobs
+    return jobs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("spike", "lag"), [(False, 0), (True, 0), (False, 1), (True, 1)])
-def test_callback_under_lightning_ddp_keeps_tables_identical(ddp_sweeps, spike, lag):
+def test_callback_under_lightning_ddp_keeps_tables_identical(ddp_jobs, spike, lag):
     """With ``spike``, a LossSpikeMonitor listed before the callback skips step 4 (logits x50 on both ranks): no rank
     learns from it (the table took 6 updates, the dropped step's included, before the sampler was told by the grads
     the optimizer step saw), and the tables stay identical. With ``lag`` 1 the last step's update is saved unapplied,
 the same on both ranks."""
-    dump = ddp_sweeps(spike)[lag]
+    dump = ddp_jobs[spike, lag]
     summary = json.loads((dump / "summary.json").read_text())
     assert summary["steps"] == 6
     r0, r1 = (torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2))
