@@ -42,7 +42,7 @@ def test_a_wsd_callback_s_resume_lines_are_rank_0_s(caplog, monkeypatch, rank):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     with caplog.at_level(logging.INFO, logger="lit_dtrain.callbacks.wsd"):
         cb.load_state_dict({**cb.state_dict(), "base_lrs": [[1.0]], "total_steps": 24, "decay_steps": 6})
-        cb.on_fit_start(SimpleNamespace(optimizers=[optimizer]), None)
+        cb.on_fit_start(SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[]), None)
     assert cb.base_lrs == [[0.5]] and cb.total_steps == 32
     lines = _lines(caplog, "lit_dtrain.callbacks.wsd", "WSDScheduler")
     assert len(lines) == (2 if rank == 0 else 0), lines
