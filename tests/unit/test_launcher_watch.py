@@ -1,5 +1,6 @@
 """A rank that Lightning's launcher started ends when rank 0, its parent, is gone (lit_dtrain.utils.launcher_watch)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from lit_dtrain.utils.launcher_watch import exit_when_the_launching_rank_dies
+from lit_dtrain.utils.launcher_watch import LAUNCHING_PID, exit_when_the_launching_rank_dies, watched_run
 from tests.conftest import ROOT
 
 # the child stands in for rank 1: it watches, then waits as rank 1 waited for a dead rank 0's store (30 min)
@@ -44,6 +45,65 @@ def test_a_rank_launched_by_rank_0_exits_when_rank_0_is_killed():
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)
+
+
+# rank 0 as train() runs it: its launcher copies os.environ, with rank 0's LIT_DTRAIN_LAUNCHING_PID, to rank 1
+_PARENT_IN_TRAIN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from lit_dtrain.utils.launcher_watch import watched_run
+    for key in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    with watched_run():
+        child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, "LOCAL_RANK": "1"})
+        print(child.pid, flush=True)
+        time.sleep(60)
+""")
+# rank 1 still importing when rank 0 is killed: it reaches train() (watched_run) as another process's child
+_CHILD_IMPORTING = "import os, time\nparent = os.getppid()\nprint('importing', flush=True)\n" \
+    "while os.getppid() == parent:\n    time.sleep(0.01)\n" + _CHILD
+
+
+def test_a_rank_whose_imports_outlast_rank_0_exits_when_it_reaches_train():
+    """A real 2-rank trainer=ddp_cpu run whose rank 0 was SIGKILLed while rank 1 imported: rank 1 was still waiting
+    at 'Initializing distributed' 40 s later (its watch took init, its parent by then, for rank 0)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_IN_TRAIN, _CHILD_IMPORTING], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "importing"
+        parent.kill()
+        parent.wait()
+        assert parent.stdout.readline().strip() == "watching"  # it reached train() after rank 0's end
+        started = time.monotonic()
+        stderr = parent.stderr.read()
+        assert time.monotonic() - started < 10
+        assert f"error: local rank 1: rank 0 (process {parent.pid}), which launched this rank, is gone" in stderr
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL) if _alive(parent.pid) else None
+        alive = _wait_gone(child)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL) if alive else None  # not left waiting 60 s when the watch fails
+    assert not alive
+
+
+def test_rank_0_names_itself_to_the_ranks_it_launches_only_while_it_runs():
+    env = {"KEEP": "1"}
+    with watched_run(env=env):
+        assert env == {"KEEP": "1", LAUNCHING_PID: str(os.getpid())}
+    assert env == {"KEEP": "1"}
+    env = {"LOCAL_RANK": "0", LAUNCHING_PID: "1"}  # a train() inside a run (a project calling it twice)
+    with watched_run(env=env):
+        assert env[LAUNCHING_PID] == str(os.getpid())
+    assert env == {"LOCAL_RANK": "0", LAUNCHING_PID: "1"}
+
+
+def _wait_gone(pid: int) -> bool:
+    """Whether ``pid`` is still alive 5 s on (its stderr closes a moment before the process is gone)."""
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _alive(pid)
 
 
 def _alive(pid: int) -> bool:

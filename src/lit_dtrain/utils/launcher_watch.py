@@ -7,6 +7,10 @@ store until ``strategy.collective_timeout_s`` (30 min by default): one such orph
 after the kill and still at 17 min, when it was ended by hand. Once training runs, a dead rank 0 fails rank 1's next
 collective within seconds on gloo; the watch covers the rest. Ranks started by torchrun, srun or another cluster
 launcher are left to it.
+
+Rank 0 names itself to the ranks it launches (``LIT_DTRAIN_LAUNCHING_PID``, in the environment that Lightning's
+launcher copies to them): a rank 1 whose imports were still running when rank 0 was killed reached ``train()`` as a
+child of init already, so the parent it found there was alive, and it waited until the collective timeout as before.
 """
 
 from __future__ import annotations
@@ -20,32 +24,44 @@ import time
 CLUSTER_LAUNCH_KEYS = (  # a launcher that starts every rank itself: torchrun, srun, LSF, Kubeflow, MPI
     "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "KUBERNETES_PORT", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
 )
+LAUNCHING_PID = "LIT_DTRAIN_LAUNCHING_PID"  # rank 0's process id, set while its train() runs
 _started = threading.Event()
 _running = [0]  # train() calls in progress: a parent that exits after this rank's run returned is no error
 
 
 @contextlib.contextmanager
 def watched_run(env=os.environ, interval_s: float = 1.0):
-    """Around one ``train()`` run: :func:`exit_when_the_launching_rank_dies` while it runs."""
+    """Around one ``train()`` run: :func:`exit_when_the_launching_rank_dies` while it runs; on a local rank 0, its
+    process id in ``env[LAUNCHING_PID]`` for the ranks Lightning's launcher starts in fit (restored at the end)."""
     exit_when_the_launching_rank_dies(env, interval_s)
+    marked = int(env.get("LOCAL_RANK", "0") or 0) <= 0
+    earlier = env.get(LAUNCHING_PID)
+    if marked:
+        env[LAUNCHING_PID] = str(os.getpid())
     _running[0] += 1
     try:
         yield
     finally:
         _running[0] -= 1
+        if marked and earlier is None:
+            env.pop(LAUNCHING_PID, None)
+        elif marked:
+            env[LAUNCHING_PID] = earlier
 
 
 def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -> bool:
     """On a rank Lightning's launcher started (``LOCAL_RANK`` above 0, no cluster launcher), start a daemon thread
-    that ends this process with status 1 and one ``error:`` line once its parent process (rank 0) is gone while a
-    run is in progress (:func:`watched_run`). Returns whether it started one (once per process)."""
+    that ends this process with status 1 and one ``error:`` line once rank 0 (``env[LAUNCHING_PID]``, else its
+    parent process) is gone while a run is in progress (:func:`watched_run`); at once if it was gone before this
+    rank's imports ended. Returns whether it started one (once per process)."""
     if _started.is_set() or int(env.get("LOCAL_RANK", "0") or 0) <= 0 or any(k in env for k in CLUSTER_LAUNCH_KEYS):
         return False
-    parent = os.getppid()
+    parent = int(env.get(LAUNCHING_PID) or os.getppid())
+    child = os.getppid() == parent  # else a wrapper between them, or rank 0 is gone and this rank is init's
     rank = env.get("LOCAL_RANK")
 
     def watch() -> None:
-        while os.getppid() == parent or not _running[0]:  # between runs (a multirun's jobs): at the next one
+        while not _running[0] or not _gone(parent, child):  # between runs (a multirun's jobs): at the next one
             time.sleep(interval_s)
         print(f"error: local rank {rank}: rank 0 (process {parent}), which launched this rank, is gone; nothing "
               "more can be trained or saved here, so this rank exits too. Resume with resume=auto.",
@@ -55,3 +71,19 @@ def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -
     _started.set()
     threading.Thread(target=watch, name="lit_dtrain-launcher-watch", daemon=True).start()
     return True
+
+
+def _gone(pid: int, child: bool) -> bool:
+    """Whether process ``pid`` has exited: this process, its child, was handed to another parent, or (not its child)
+    no process ``pid`` exists."""
+    if os.getppid() == pid:
+        return False
+    if child:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that id: not rank 0's, which this user started
+        return True
+    return False
