@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from lit_dtrain.utils.launcher_watch import LAUNCHING_PID, exit_when_the_launching_rank_dies, watched_run
 from tests.conftest import ROOT
 
@@ -63,10 +65,14 @@ _CHILD_IMPORTING = "import os, time\nparent = os.getppid()\nprint('importing', f
     "while os.getppid() == parent:\n    time.sleep(0.01)\n" + _CHILD
 
 
-def test_a_rank_whose_imports_outlast_rank_0_exits_when_it_reaches_train():
+@pytest.mark.parametrize("pod", [False, True], ids=["plain", "kubernetes_pod"])
+def test_a_rank_whose_imports_outlast_rank_0_exits_when_it_reaches_train(pod):
     """A real 2-rank trainer=ddp_cpu run whose rank 0 was SIGKILLed while rank 1 imported: rank 1 was still waiting
-    at 'Initializing distributed' 40 s later (its watch took init, its parent by then, for rank 0)."""
+    at 'Initializing distributed' 40 s later (its watch took init, its parent by then, for rank 0). In a Kubernetes
+    pod (KUBERNETES_PORT, set in every pod, is one of the cluster keys) the watch was never started."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if pod:
+        env["KUBERNETES_PORT"] = "tcp://10.96.0.1:443"
     parent = subprocess.Popen([sys.executable, "-c", _PARENT_IN_TRAIN, _CHILD_IMPORTING], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -119,3 +125,4 @@ def test_only_ranks_that_lightning_launched_are_watched():
     assert not exit_when_the_launching_rank_dies(env={"LOCAL_RANK": "0"})
     for launcher in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):  # torchrun or srun starts and stops every rank itself
         assert not exit_when_the_launching_rank_dies(env={"LOCAL_RANK": "1", launcher: "1"})
+    # (a rank 0 of train() that names itself launched the rank whatever keys it inherited: the kubernetes_pod case)

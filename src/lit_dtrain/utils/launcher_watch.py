@@ -54,8 +54,10 @@ def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -
     that ends this process with status 1 and one ``error:`` line once rank 0 (``env[LAUNCHING_PID]``, else its
     parent process) is gone while a run is in progress (:func:`watched_run`); at once if it was gone before this
     rank's imports ended. Returns whether it started one (once per process)."""
-    if _started.is_set() or int(env.get("LOCAL_RANK", "0") or 0) <= 0 or any(k in env for k in CLUSTER_LAUNCH_KEYS):
+    if _started.is_set() or int(env.get("LOCAL_RANK", "0") or 0) <= 0:
         return False
+    if LAUNCHING_PID not in env and any(k in env for k in CLUSTER_LAUNCH_KEYS):  # rank 0 named: Lightning launched
+        return False  # this rank even where such a key is only inherited (KUBERNETES_PORT is in every k8s pod)
     parent = int(env.get(LAUNCHING_PID) or os.getppid())
     child = os.getppid() == parent  # else a wrapper between them, or rank 0 is gone and this rank is init's
     rank = env.get("LOCAL_RANK")
