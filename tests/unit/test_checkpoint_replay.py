@@ -194,3 +194,27 @@ def test_a_block_on_a_tensor_subclass_checkpoints_selectively_and_its_writes_are
     apply_checkpointing([model], ["selective"])
     with pytest.raises(ConfigError, match=r"aten.mul_.Tensor writes in place into the output of aten.addmm.default"):
         model(x)
+
+
+def test_a_block_on_a_subclass_that_does_not_flatten_checkpoints_selectively() -> None:
+    """A wrapper subclass without ``__tensor_flatten__`` (torch's LoggingTensor, or one's own) has neither a storage
+    nor inner tensors to read: a block with such a Linear weight failed its first forward under policy='selective'
+    with 'Attempted to access the data pointer on an invalid python
+    storage' still (full trained). Its storage is skipped by the in-place check: the gradients equal none's."""
+    from torch.testing._internal.logging_tensor import LoggingTensor
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        model[0].weight = nn.Parameter(LoggingTensor(model[0].weight.detach().clone()))
+        return model
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    model = build()
+    model(x).pow(2).sum().backward()
+    plain = [p.grad.elem if isinstance(p.grad, LoggingTensor) else p.grad for p in model.parameters()]
+    model = build()
+    apply_checkpointing([model], ["selective"])
+    model(x).pow(2).sum().backward()
+    checkpointed = [p.grad.elem if isinstance(p.grad, LoggingTensor) else p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))

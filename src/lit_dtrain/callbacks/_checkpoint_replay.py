@@ -106,15 +106,19 @@ def _storages(value) -> list[int]:
     """The storage addresses of the (non-empty, dense) tensors in ``value``; a wrapper tensor subclass's are its inner
     tensors' (DTensor's local shard, a float8 tensor's data): it has no storage of its own, and reading one raised
     'Attempted to access the data pointer on an invalid python storage' in the forward of a block whose Linear had a
-    subclass weight, which selective checkpointing ran exactly before the in-place check."""
+    subclass weight, which selective checkpointing ran exactly before the in-place check. A wrapper that does not
+    flatten (``__tensor_flatten__``) gives none: it cannot be checked."""
     found = []
     for t in tree_leaves(value):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.numel() or t.device.type == "meta":
             continue
         if is_traceable_wrapper_subclass(t):
             found += _storages([getattr(t, name) for name in t.__tensor_flatten__()[0]])
-        else:
+            continue
+        try:
             found.append(t.untyped_storage().data_ptr())
+        except RuntimeError:  # a wrapper subclass that does not flatten (torch's LoggingTensor): no storage of its
+            pass  # own nor inner tensors to name, so none to compare (it failed the forward with the same error)
     return found
 
 
