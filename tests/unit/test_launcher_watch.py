@@ -69,7 +69,9 @@ _CHILD_IMPORTING = "import os, time\nparent = os.getppid()\nprint('importing', f
 def test_a_rank_whose_imports_outlast_rank_0_exits_when_it_reaches_train(pod):
     """A real 2-rank trainer=ddp_cpu run whose rank 0 was SIGKILLed while rank 1 imported: rank 1 was still waiting
     at 'Initializing distributed' 40 s later (its watch took init, its parent by then, for rank 0). In a Kubernetes
-    pod (KUBERNETES_PORT, set in every pod, is one of the cluster keys) the watch was never started."""
+    pod (KUBERNETES_PORT, set in every pod, is one of the cluster keys) the watch was never started. Under a driver's
+    subprocess.run(capture_output=True), which reaps rank 0 once rank 1 closed the pipes too, rank 1 took the
+    unreaped rank 0 for alive: the driver still waited 60 s after the kill."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     if pod:
         env["KUBERNETES_PORT"] = "tcp://10.96.0.1:443"
@@ -78,12 +80,12 @@ def test_a_rank_whose_imports_outlast_rank_0_exits_when_it_reaches_train(pod):
     try:
         child = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "importing"
-        parent.kill()
-        parent.wait()
+        parent.kill()  # not reaped until rank 1 closes the pipes, as subprocess.run(capture_output=True) does
         assert parent.stdout.readline().strip() == "watching"  # it reached train() after rank 0's end
         started = time.monotonic()
         stderr = parent.stderr.read()
         assert time.monotonic() - started < 10
+        parent.wait()
         assert f"error: local rank 1: rank 0 (process {parent.pid}), which launched this rank, is gone" in stderr
     finally:
         os.killpg(parent.pid, signal.SIGKILL) if _alive(parent.pid) else None

@@ -77,7 +77,8 @@ def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -
 
 def _gone(pid: int, child: bool) -> bool:
     """Whether process ``pid`` has exited: this process, its child, was handed to another parent, or (not its child)
-    no process ``pid`` exists."""
+    no process ``pid`` exists, or one not reaped yet: ``subprocess.run(capture_output=True)`` reaps rank 0 only once
+    every holder of its output pipe, this rank too, has closed it."""
     if os.getppid() == pid:
         return False
     if child:
@@ -88,4 +89,8 @@ def _gone(pid: int, child: bool) -> bool:
         return True
     except PermissionError:  # another user's process of that id: not rank 0's, which this user started
         return True
-    return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] == "Z"  # (a zombie: exited, not reaped)
+    except OSError:  # no /proc (macOS): alive as far as can be told
+        return False
