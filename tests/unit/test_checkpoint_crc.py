@@ -88,3 +88,23 @@ def test_bench_checkpoint_crc_times_the_check_and_refuses_a_damaged_file(tmp_pat
     with pytest.raises(SystemExit):
         bench.main([str(path), "--rounds", "1"])
     assert "a.ckpt' is damaged: member 'a/data/1' fails its CRC-32 check" in capsys.readouterr().out
+
+
+def test_bytes_after_a_whole_archive_are_not_taken_for_a_cut(tmp_path):
+    """A checkpoint with zeros after its zip end record (a copy that padded it) is whole: torch loads it with 16 such
+    bytes, and the CRC check passes, but the check's first step called it 'truncated' and refused it (a real
+    resume=auto of a run whose two checkpoints had 16 bytes appended: 'no checkpoint ... can be resumed (... is
+    truncated ...)'; it had resumed before the check). With 4096 torch fails ('Invalid argument'): named as such."""
+    path = tmp_path / "a.ckpt"
+    torch.save({"global_step": 3, "w": torch.arange(10.0)}, path)
+    whole = path.read_bytes()
+    padded = tmp_path / "padded.ckpt"
+    padded.write_bytes(whole + bytes(16))
+    assert safe_torch_load(padded)["global_step"] == 3 and torch.equal(safe_torch_load(padded)["w"], torch.arange(10.0))
+    padded.write_bytes(whole + bytes(4096))
+    with pytest.raises(CheckpointError, match=rf"'{padded}' has 4096 bytes after the zip end record .* intact\. "
+                                              rf"Remove them \(truncate -s {len(whole)} <file>\)"):
+        safe_torch_load(padded)
+    (tmp_path / "cut.ckpt").write_bytes(whole[:-30])
+    with pytest.raises(CheckpointError, match="is truncated"):
+        safe_torch_load(tmp_path / "cut.ckpt")
