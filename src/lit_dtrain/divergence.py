@@ -24,11 +24,19 @@ log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger
 
 
 class NonFiniteLossWatch(L.Callback):
-    """The first optimizer step (completed steps before it) whose training loss was NaN/inf, or None."""
+    """The first optimizer step (completed steps before it) whose training loss was NaN/inf, or None.
 
-    def __init__(self) -> None:
+    It keeps each batch's loss (detached, on its device) and checks them ``fold_every`` at a time, a handful of tensor
+    ops per fold and none per batch; :attr:`first_step` checks the rest. It checked each batch on its own, 6 small
+    tensor ops and a host-to-device copy per batch (0.27 ms of host time of a ``model=nano data.block_size=64`` step
+    on a loaded 2-core machine, ~20 us with everything in cache)."""
+
+    def __init__(self, fold_every: int = 64) -> None:
+        self.fold_every = fold_every
         self._first: torch.Tensor | None = None  # -1: none yet; on the loss's device
         self._step = 0
+        self._losses: list[torch.Tensor] = []  # the batches' losses not checked yet, and their steps
+        self._steps: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step = trainer.global_step
@@ -37,13 +45,28 @@ class NonFiniteLossWatch(L.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not torch.is_tensor(loss):  # a skipped step (training_step returned None)
             return
+        loss = loss.detach()
+        # one number per batch, non-finite exactly when some element is: NaN and inf survive abs().amax()
+        self._losses.append(loss.reshape(()) if loss.numel() == 1 else loss.abs().amax())
+        self._steps.append(self._step)
+        if len(self._losses) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._losses:
+            return
+        bad = ~torch.isfinite(torch.stack(self._losses))  # (stack promotes mixed float dtypes)
+        device = bad.device
+        steps = torch.tensor(self._steps, dtype=torch.long, device=device)
+        first_here = steps[bad.to(torch.uint8).argmax()]  # the chunk's first bad batch (argmax: the first maximum)
         if self._first is None:
-            self._first = torch.full((), -1, dtype=torch.long, device=loss.device)
-        bad = (self._first < 0) & ~torch.isfinite(loss.detach()).all()
-        self._first = torch.where(bad, torch.tensor(self._step, device=loss.device), self._first)
+            self._first = torch.full((), -1, dtype=torch.long, device=device)
+        self._first = torch.where((self._first < 0) & bad.any(), first_here, self._first)
+        self._losses, self._steps = [], []
 
     @property
     def first_step(self) -> int | None:
+        self._fold()
         first = -1 if self._first is None else int(self._first)
         return None if first < 0 else first
 

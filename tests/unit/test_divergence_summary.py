@@ -73,3 +73,63 @@ def test_a_diverged_run_s_perplexity_is_exp_of_its_loss_not_capped(tmp_path, cap
         _report(metrics, "", tmp_path, SimpleNamespace(loggers=[]))
         assert shown in capsys.readouterr().out
         assert json.loads((tmp_path / "summary.json").read_text())["val_ppl"] == saved
+
+
+def _watch_run(watch, losses):
+    """Feed ``losses`` (one per optimizer step; None: a skipped step) to ``watch`` as Lightning's hooks do."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(global_step=0)
+    for step, loss in enumerate(losses):
+        trainer.global_step = step
+        watch.on_train_batch_start(trainer, None, None, 0)
+        watch.on_train_batch_end(trainer, None, None if loss is None else {"loss": loss}, None, 0)
+
+
+@pytest.mark.parametrize("fold_every", [1, 4, 64])
+def test_the_loss_watch_names_the_first_non_finite_step_wherever_it_falls(fold_every):
+    """NonFiniteLossWatch checks the losses a chunk at a time: the first NaN/inf step is the same before, on and after
+    a chunk's edge, for a non-scalar loss with one inf element, after a skipped step, and when none was bad."""
+    from lit_dtrain.divergence import NonFiniteLossWatch
+
+    nan, inf = float("nan"), float("inf")
+    for bad_at in [None, 0, 3, 4, 5, 63, 64, 70]:
+        losses = [torch.tensor(2.0 - 0.01 * s) for s in range(72)]
+        losses[1] = None
+        if bad_at is not None:
+            losses[bad_at] = torch.tensor(nan)
+            losses[bad_at + 1] = torch.tensor([1.0, -inf])  # a later bad one does not move the first
+        watch = NonFiniteLossWatch(fold_every=fold_every)
+        _watch_run(watch, losses)
+        assert watch.first_step == bad_at, (fold_every, bad_at)
+    watch = NonFiniteLossWatch(fold_every=fold_every)
+    _watch_run(watch, [torch.tensor(1.0), torch.tensor([[0.5, inf]], dtype=torch.float64)])
+    assert watch.first_step == 1
+    assert NonFiniteLossWatch(fold_every=fold_every).first_step is None  # no batch at all
+
+
+def test_the_loss_watch_runs_no_tensor_op_per_batch_between_its_checks():
+    """It checked every batch's loss on its own: detach, isfinite, all, not, lt, and, a new step tensor and where, 0.27
+    ms of host time per step of a model=nano data.block_size=64 run (loaded 2-core machine). Between two checks of a
+    chunk it keeps the detached loss only: no op but detach and views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lit_dtrain.divergence import NonFiniteLossWatch
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    watch = NonFiniteLossWatch()  # checks 64 batches at a time
+    losses = [torch.tensor(1.0 + s) for s in range(40)]
+    _watch_run(watch, losses[:2])  # (the first batches, as any other)
+    with Ops() as ops:
+        _watch_run(watch, losses[2:])
+    computing = [n for n in ops.names if n not in ("detach", "view", "alias", "_reshape_alias", "reshape")]
+    assert computing == [], computing[:12]
+    assert watch.first_step is None
