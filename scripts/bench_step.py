@@ -3,7 +3,8 @@
 Both train the same model (default ``nano`` shape) on the same batches (``LMDataModule.batch_for_step``)
 with the same AdamW (``lit_dtrain.module.build_optimizer``), LR schedule and gradient clipping, for K
 steps. The Lightning side uses the default callbacks (ModelCheckpoint, LearningRateMonitor, progress bar,
-tokens/s) and the TensorBoard logger, exactly as ``python train.py`` builds them. Rounds alternate
+tokens/s), the two that ``train()`` adds and that run at every step (``LogStepSync``, ``NonFiniteLossWatch``) and the
+TensorBoard logger, as ``python train.py`` builds them. Rounds alternate
 (plain, lightning, plain, ...) so that background load hits both alike; ms/step is the median over
 rounds of steady-state steps.
 
@@ -15,9 +16,13 @@ fp32 parameters. On cuda each step's clock is read after ``torch.cuda.synchroniz
     python scripts/bench_step.py --steps 40 --rounds 3
     python scripts/bench_step.py trainer=gpu model=small data.batch_size=64
     python scripts/bench_step.py --loss-log --steps 40 --rounds 4 --threads 1   # train/loss: self.log vs now
+    python scripts/bench_step.py --hooks --steps 200 --rounds 3 --threads 1 data.block_size=64 data.batch_size=2
 
 Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio, lightning_tokens_per_s,
-plain_tokens_per_s, device. With ``--loss-log`` no plain loop: two Lightning variants that log ``train/loss``
+plain_tokens_per_s, device, and the main thread's CPU time per step of each side (``time.thread_time``, which
+a loaded machine's descheduling does not inflate: ``lightning_cpu_ms_per_step - plain_cpu_ms_per_step`` is the host
+time the trainer adds). With ``--hooks`` no plain loop: the CPU time of every hook of the Lightning side per step
+(scripts/_bench_step_hooks.py). With ``--loss-log`` no plain loop: two Lightning variants that log ``train/loss``
 through ``self.log`` at every step and through ``log_every_step`` (scripts/_bench_step_loss_log.py; its JSON
 line has the CPU time of the call and of a step for each, their ratio, and whether results were identical).
 """
@@ -41,8 +46,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from lit_dtrain.divergence import NonFiniteLossWatch
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
+from lit_dtrain.train_callbacks import LogStepSync
 from lit_dtrain.utils.args import ScriptArgumentParser, nonnegative_int, positive_int
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -121,22 +128,26 @@ def compose_default(out_dir: str, steps: int, overrides: list[str]):
     return cfg
 
 
-def lightning_round(cfg, warmup: int, device: torch.device,
-                    timer: StepTimer | None = None) -> tuple[float, list[float]]:
-    """One Lightning run: (ms per steady-state step, loss of every step); ``timer``: a StepTimer of the caller's."""
+def lightning_round(cfg, warmup: int, device: torch.device, timer: StepTimer | None = None,
+                    profiler=None) -> tuple[float, list[float]]:
+    """One Lightning run: (ms per steady-state step, loss of every step); ``timer``: a StepTimer of the caller's;
+    ``profiler``: a Lightning profiler for the Trainer."""
     L.seed_everything(cfg.seed, verbose=False)
     dm = instantiate(cfg.data, _convert_="all")
     dm.progress = False
     module = LitLLM(instantiate(cfg.model), instantiate(cfg.optimizer), instantiate(cfg.scheduler))
     timer = timer if timer is not None else StepTimer(device)
-    trainer = instantiate(cfg.trainer, callbacks=[*build_callbacks(cfg), timer], logger=instantiate(cfg.logger))
+    callbacks = [LogStepSync(), *build_callbacks(cfg), NonFiniteLossWatch(), timer]  # train()'s per-step ones too
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate(cfg.logger), profiler=profiler)
     trainer.fit(module, datamodule=dm)
-    t = timer.times
+    t, cpu = timer.times, timer.cpu_times
+    timer.cpu_ms = (cpu[-1] - cpu[warmup - 1]) / (len(cpu) - warmup) * 1000
     return (t[-1] - t[warmup - 1]) / (len(t) - warmup) * 1000, timer.losses
 
 
-def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[float]]:
-    """The same training in a plain loop: (ms per steady-state step, loss of every step)."""
+def plain_round(cfg, warmup: int, device: torch.device, cpu_ms: list | None = None) -> tuple[float, list[float]]:
+    """The same training in a plain loop: (ms per steady-state step, loss of every step); appends the main thread's
+    CPU ms per steady-state step to ``cpu_ms``."""
     L.seed_everything(cfg.seed, verbose=False)
     dm = instantiate(cfg.data, _convert_="all")
     dm.progress = False
@@ -152,7 +163,7 @@ def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[flo
     accumulate = int(cfg.trainer.accumulate_grad_batches or 1)
     # bf16-mixed as Lightning's MixedPrecision.autocast_context_manager: forward and loss, no weight-cast cache
     autocast = partial(torch.autocast, device.type, dtype=dtype, cache_enabled=False) if dtype else nullcontext
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for step in range(cfg.trainer.max_steps):
         step_loss = 0.0
         for micro in range(accumulate):
@@ -174,7 +185,10 @@ def plain_round(cfg, warmup: int, device: torch.device) -> tuple[float, list[flo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter())
+        cpu.append(time.thread_time())
         losses.append(step_loss)
+    if cpu_ms is not None:
+        cpu_ms.append((cpu[-1] - cpu[warmup - 1]) / (len(cpu) - warmup) * 1000)
     return (times[-1] - times[warmup - 1]) / (len(times) - warmup) * 1000, [float(x) for x in losses]
 
 
@@ -185,6 +199,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of each variant")
     ap.add_argument("--threads", type=nonnegative_int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--loss-log", action="store_true", help="compare train/loss via self.log with log_every_step")
+    ap.add_argument("--hooks", action="store_true", help="CPU time of every hook of the Lightning side per step")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=small data.batch_size=8")
     args = ap.parse_args()
     if args.warmup >= args.steps:  # the timing spans steps warmup..steps-1: none left (a StatisticsError at the end)
@@ -203,19 +218,31 @@ def main() -> None:
 
             print_json(loss_log_rounds(sys.modules[__name__], cfg, args.rounds, args.warmup, device))
             return
-        plain, light = [], []
+        if args.hooks:
+            from _bench_step_hooks import hook_rounds
+            from _bench_step_hooks import print_json as print_hooks_json
+
+            print_hooks_json(hook_rounds(sys.modules[__name__], cfg, args.rounds, args.warmup, device))
+            return
+        plain, light, plain_cpu, light_cpu = [], [], [], []
         for r in range(args.rounds):
-            plain.append(plain_round(cfg, args.warmup, device)[0])
-            light.append(lightning_round(cfg, args.warmup, device)[0])
-            print(f"round {r}: plain {plain[-1]:.1f} ms/step, lightning {light[-1]:.1f} ms/step")
+            plain.append(plain_round(cfg, args.warmup, device, plain_cpu)[0])
+            timer = StepTimer(device)
+            light.append(lightning_round(cfg, args.warmup, device, timer=timer)[0])
+            light_cpu.append(timer.cpu_ms)
+            print(f"round {r}: plain {plain[-1]:.1f} ms/step ({plain_cpu[-1]:.2f} CPU), lightning {light[-1]:.1f} "
+                  f"ms/step ({light_cpu[-1]:.2f} CPU)")
     p, lt = statistics.median(plain), statistics.median(light)
+    pc, lc = statistics.median(plain_cpu), statistics.median(light_cpu)
     tokens = tokens_per_step(cfg)
     p_tps, lt_tps = tokens / (p / 1000), tokens / (lt / 1000)
-    print(f"{'variant':<12}{'ms/step':>10}{'tokens/s':>12}")
-    print(f"{'plain':<12}{p:>10.1f}{p_tps:>12.0f}\n{'lightning':<12}{lt:>10.1f}{lt_tps:>12.0f}\nratio {lt / p:.3f}")
+    print(f"{'variant':<12}{'ms/step':>10}{'tokens/s':>12}{'CPU ms/step':>14}")
+    print(f"{'plain':<12}{p:>10.1f}{p_tps:>12.0f}{pc:>14.2f}\n{'lightning':<12}{lt:>10.1f}{lt_tps:>12.0f}{lc:>14.2f}")
+    print(f"ratio {lt / p:.3f}; host CPU the trainer adds: {lc - pc:.2f} ms per step")
     print(json.dumps({"lightning_ms_per_step": round(lt, 2), "plain_ms_per_step": round(p, 2),
                       "ratio": round(lt / p, 4), "lightning_tokens_per_s": round(lt_tps), "plain_tokens_per_s":
                       round(p_tps), "device": device.type, "precision": str(cfg.trainer.precision),
+                      "lightning_cpu_ms_per_step": round(lc, 3), "plain_cpu_ms_per_step": round(pc, 3),
                       "steps": args.steps, "rounds": args.rounds, "torch_threads": torch.get_num_threads()}))
 
 

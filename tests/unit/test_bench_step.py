@@ -60,3 +60,27 @@ def test_loss_log_mode_times_both_train_loss_paths_and_finds_their_results_ident
     assert summary["identical"] is True
     assert summary["self_log_us_per_step"] > 0 and summary["log_every_step_us_per_step"] > 0
     assert "self.log" in capsys.readouterr().out
+
+
+def test_hooks_mode_times_every_hook_of_the_step_train_py_runs(bench, tmp_path, corpus, capsys, monkeypatch):
+    """``--hooks``: the main thread's CPU time per step of each hook of the Lightning side, which runs the per-step
+    callbacks ``train()`` adds (NonFiniteLossWatch's 6 tensor ops a step went unseen: the side lacked it); and the
+    default mode's CPU time per step of both sides."""
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # the script imports its private module by name
+    from _bench_step_hooks import hook_rounds
+
+    cfg = bench.compose_default(str(tmp_path / "run"), 5, [
+        *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", f"paths.cache_dir={tmp_path / 'cache'}"])
+    device = bench.bench_device(cfg)
+    summary = hook_rounds(bench, cfg, rounds=1, warmup=1, device=device, top=100)
+    hooks = summary["hooks_us"]
+    assert hooks["run_training_batch"] == max(hooks.values()) and summary["step_cpu_ms"] > 0
+    assert hooks["[LightningModule]LitLLM.optimizer_step"] <= hooks["run_training_batch"]
+    for hook in ("[Callback]NonFiniteLossWatch.on_train_batch_end", "[Callback]LogStepSync.on_train_batch_start",
+                 "[LightningModule]LitLLM.on_before_optimizer_step", "[Callback]ModelCheckpoint.on_train_batch_end"):
+        assert 0 < hooks[hook] < hooks["run_training_batch"], hook
+    cpu: list[float] = []
+    bench.plain_round(cfg, 1, device, cpu)
+    timer = bench.StepTimer(device)
+    bench.lightning_round(cfg, 1, device, timer=timer)
+    assert len(cpu) == 1 and cpu[0] > 0 and timer.cpu_ms > 0
