@@ -875,6 +875,7 @@ def fits(tmp_path_factory) -> Path:
     jobs += [(_fit_validating, key) for key in VALIDATION_RUNS]
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]
+    jobs += [(_fit_unfrozen_at_resume, key) for key in sorted(EPOCH_UPDATES)]
     jobs += [(_fit_overflow, key) for key in OVERFLOW_CODECS]
     # last: without the epoch-length check they fail only at the timeout (or leave the group broken)
     jobs += [(_fit_uneven, "local_sgd"), (_fit_uneven, "ddp")]
@@ -1137,6 +1138,56 @@ def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(f
                 assert torch.equal(residual, before), (rank, step, (residual - before).abs().sum())
             else:
                 assert not torch.equal(residual, before), (rank, step)
+
+
+class _FrozenFirstLayer(TinyModule):
+    """TinyModule whose first layer is frozen (before the fit), or frozen until step ``unfreeze_at`` of the fit."""
+
+    def __init__(self, dump_dir: str, tag: str, frozen: bool, unfreeze_at: int | None = None) -> None:
+        super().__init__(dump_dir, tag)
+        self.net[0].requires_grad_(not frozen)
+        self.unfreeze_at = unfreeze_at
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.trainer.global_step == self.unfreeze_at:  # local SGD syncs the trainable tensors of each sync
+            self.net[0].requires_grad_(True)
+
+
+def _fit_unfrozen_at_resume(tmp: Path, key: str) -> None:
+    """4 steps with ``net.0`` frozen (checkpoint at step 4), then a resume to step 8 with it trainable; for local SGD
+    also a straight 8 steps that unfreezes it at step 4 (DiLoCo refuses a change of what trains within a fit)."""
+    def trainer(tag: str, checkpoint: bool) -> L.Trainer:
+        callbacks = ([L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, filename="{step}", every_n_train_steps=4)]
+                     if checkpoint else [])
+        return L.Trainer(accelerator="cpu", devices=WORLD, max_steps=8 if not checkpoint else 4, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint,
+                         callbacks=callbacks, strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key],
+                                                                              log_comm_metrics=False))
+
+    trainer("frozen", True).fit(_FrozenFirstLayer(str(tmp), "frozen", frozen=True))
+    trainer("resumed", False).fit(_FrozenFirstLayer(str(tmp), "resumed", frozen=False),
+                                  ckpt_path=str(tmp / "frozen" / "step=4.ckpt"))
+    if key == "local_sgd":
+        trainer("straight", False).fit(_FrozenFirstLayer(str(tmp), "straight", frozen=True, unfreeze_at=4))
+
+
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_a_layer_unfrozen_at_a_resume_trains_on_under_local_updates(fits, key):
+    """A layer frozen when the checkpoint was written and trainable in the resumed fit (progressive unfreezing across
+    fits, as the docs advise for DiLoCo): it is not among the checkpoint's per-rank parameters nor DiLoCo's outer
+    state. Before, both resumes failed at setup with a bare ``KeyError: 'net.0.weight'`` (and DiLoCo's next step
+    with 'DiLoCo state has no outer parameters'). Now the layer starts from its loaded value, the same on every
+    rank; local SGD's resume is bit for bit a straight fit that unfroze it at that step, and DiLoCo starts its outer
+    loop for it at that value with zero momentum."""
+    tmp = fitted(fits, _fit_unfrozen_at_resume, key)
+    start, end = dumps(tmp, "resumed", "start"), dumps(tmp, "resumed", "end")
+    assert_same(end[0]["params"], end[1]["params"], "ranks at the end")
+    assert not torch.equal(end[0]["params"]["0.weight"], start[0]["params"]["0.weight"])  # it trained
+    if key == "local_sgd":
+        for r, straight in enumerate(dumps(tmp, "straight", "end")):
+            assert_same(end[r]["params"], straight["params"], f"rank{r} resumed vs straight")
+    else:
+        assert "net.0.weight" in end[0]["local_update"]["outer_params"]
 
 
 OVERFLOW_CODECS = {  # every codec with error feedback (and PowerSGD's warm start, int8_rs's server residuals)

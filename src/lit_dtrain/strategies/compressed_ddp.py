@@ -164,7 +164,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         if params is not None:  # a resume under local updates: this rank's own parameters, not rank 0's
             with torch.no_grad():
                 for name, p in CommSession.named_params(self.lightning_module):
-                    p.copy_(params[name])
+                    if name in params:  # else frozen when saved (unfrozen now): the same on every rank, as loaded
+                        p.copy_(params[name])
         what = self.local_update if self.local_update is not None else self.compressor
         rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
                        f"({dist.get_backend()}): {what!r}")

@@ -231,12 +231,16 @@ class DiLoCo(LocalUpdate):
         if self._pending is None:
             self.outer_params, self.momentum = flat, torch.zeros_like(flat)
             return
-        missing = sorted({s.name for s in segments} - set(self._pending["outer_params"]))
-        if missing:
-            raise ValueError(f"DiLoCo state has no outer parameters for {missing[:5]} "
-                             "(did the model change since the checkpoint?)")
-        self.outer_params = torch.cat([self._pending["outer_params"][s.name].reshape(-1) for s in segments]).to(flat)
-        self.momentum = torch.cat([self._pending["momentum"][s.name].reshape(-1) for s in segments]).to(flat)
+        # A tensor without outer state was frozen when the state was saved and trains now (a layer unfrozen at a
+        # resume): its synchronized point is its value, the same on every rank (loaded, then broadcast by DDP), and it
+        # has not moved, so its momentum is zero: what the outer loop would hold had it tracked the tensor all along.
+        # Before, the resume failed here (and a local-update resume at its per-rank restore, with a bare KeyError).
+        outer, momentum = self._pending["outer_params"], self._pending["momentum"]
+        values = [flat[s.offset : s.offset + s.numel] for s in segments]
+        self.outer_params = torch.cat([outer[s.name].reshape(-1).to(flat) if s.name in outer else v
+                                       for s, v in zip(segments, values)])
+        self.momentum = torch.cat([momentum[s.name].reshape(-1).to(flat) if s.name in outer else torch.zeros_like(v)
+                                   for s, v in zip(segments, values)])
         self._pending = None
 
     @torch.no_grad()
