@@ -876,6 +876,7 @@ def fits(tmp_path_factory) -> Path:
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]
     jobs += [(_fit_unfrozen_at_resume, key) for key in sorted(EPOCH_UPDATES)]
+    jobs.append((_fit_frozen_between_syncs, "local_sgd"))
     jobs += [(_fit_overflow, key) for key in OVERFLOW_CODECS]
     # last: without the epoch-length check they fail only at the timeout (or leave the group broken)
     jobs += [(_fit_uneven, "local_sgd"), (_fit_uneven, "ddp")]
@@ -1141,34 +1142,39 @@ def test_a_globally_unused_parameter_keeps_its_residual_until_it_is_used_again(f
 
 
 class _FrozenFirstLayer(TinyModule):
-    """TinyModule whose first layer is frozen (before the fit), or frozen until step ``unfreeze_at`` of the fit."""
+    """TinyModule whose first layer is frozen (before the fit), or is unfrozen / frozen at step ``toggle_at``."""
 
-    def __init__(self, dump_dir: str, tag: str, frozen: bool, unfreeze_at: int | None = None) -> None:
+    def __init__(self, dump_dir: str, tag: str, frozen: bool, toggle_at: int | None = None) -> None:
         super().__init__(dump_dir, tag)
         self.net[0].requires_grad_(not frozen)
-        self.unfreeze_at = unfreeze_at
+        self.toggle_at = toggle_at
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if self.trainer.global_step == self.unfreeze_at:  # local SGD syncs the trainable tensors of each sync
-            self.net[0].requires_grad_(True)
+        if self.trainer.global_step == self.toggle_at:
+            self.net[0].requires_grad_(not self.net[0].weight.requires_grad)
+
+
+def _fit_toggling(tmp: Path, key: str, tag: str, max_steps: int, checkpoint: bool = False, **module_kwargs) -> None:
+    """A 2-rank fit of :class:`_FrozenFirstLayer` under ``EPOCH_UPDATES[key]`` (period 4), with
+    ``find_unused_parameters`` (DDP refuses a layer frozen mid-fit without it); ``checkpoint``: at its last step,
+    ``tmp/tag/step=N.ckpt``."""
+    resume = module_kwargs.pop("ckpt_path", None)
+    callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, filename="{step}",
+                                                     every_n_train_steps=max_steps)] if checkpoint else []
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=checkpoint, callbacks=callbacks,
+                        strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key], log_comm_metrics=False,
+                                                       find_unused_parameters=True))
+    trainer.fit(_FrozenFirstLayer(str(tmp), tag, **module_kwargs), ckpt_path=resume)
 
 
 def _fit_unfrozen_at_resume(tmp: Path, key: str) -> None:
     """4 steps with ``net.0`` frozen (checkpoint at step 4), then a resume to step 8 with it trainable; for local SGD
     also a straight 8 steps that unfreezes it at step 4 (DiLoCo refuses a change of what trains within a fit)."""
-    def trainer(tag: str, checkpoint: bool) -> L.Trainer:
-        callbacks = ([L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, filename="{step}", every_n_train_steps=4)]
-                     if checkpoint else [])
-        return L.Trainer(accelerator="cpu", devices=WORLD, max_steps=8 if not checkpoint else 4, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint,
-                         callbacks=callbacks, strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key],
-                                                                              log_comm_metrics=False))
-
-    trainer("frozen", True).fit(_FrozenFirstLayer(str(tmp), "frozen", frozen=True))
-    trainer("resumed", False).fit(_FrozenFirstLayer(str(tmp), "resumed", frozen=False),
-                                  ckpt_path=str(tmp / "frozen" / "step=4.ckpt"))
+    _fit_toggling(tmp, key, "frozen", 4, checkpoint=True, frozen=True)
+    _fit_toggling(tmp, key, "resumed", 8, frozen=False, ckpt_path=str(tmp / "frozen" / "step=4.ckpt"))
     if key == "local_sgd":
-        trainer("straight", False).fit(_FrozenFirstLayer(str(tmp), "straight", frozen=True, unfreeze_at=4))
+        _fit_toggling(tmp, key, "straight", 8, frozen=True, toggle_at=4)
 
 
 @pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
@@ -1188,6 +1194,27 @@ def test_a_layer_unfrozen_at_a_resume_trains_on_under_local_updates(fits, key):
             assert_same(end[r]["params"], straight["params"], f"rank{r} resumed vs straight")
     else:
         assert "net.0.weight" in end[0]["local_update"]["outer_params"]
+
+
+def _fit_frozen_between_syncs(tmp: Path, key: str) -> None:
+    """Local SGD (period 4): ``net.0`` frozen at step 2, between syncs, in a straight 8-step fit; and in a resume from
+    a step-2 checkpoint with ``net.0`` frozen from the start."""
+    _fit_toggling(tmp, key, "straight", 8, frozen=False, toggle_at=2)
+    _fit_toggling(tmp, key, "first", 2, checkpoint=True, frozen=False)
+    _fit_toggling(tmp, key, "resumed", 8, frozen=True, ckpt_path=str(tmp / "first" / "step=2.ckpt"))
+
+
+def test_a_layer_frozen_between_local_sgd_syncs_is_averaged_first(fits):
+    """Local SGD averages the trainable parameters only. A layer frozen 2 steps after a sync (each rank had trained
+    its own copy) kept each rank's copy for good: the 2-rank fit ended with the ranks' ``net.0`` differing, and its
+    checkpoints held rank 0's. Now the first forward with a changed set of trainable parameters syncs those that
+    trained until then (an early sync): the ranks end equal, and a resume from a step-2 checkpoint with the layer
+    frozen (each rank's own copy restored, then averaged) is bit for bit that straight fit."""
+    tmp = fitted(fits, _fit_frozen_between_syncs, "local_sgd")
+    straight, resumed = dumps(tmp, "straight", "end"), dumps(tmp, "resumed", "end")
+    assert_same(straight[0]["params"], straight[1]["params"], "the straight fit's ranks")
+    for r in range(WORLD):
+        assert_same(resumed[r]["params"], straight[r]["params"], f"rank{r} resumed vs straight")
 
 
 OVERFLOW_CODECS = {  # every codec with error feedback (and PowerSGD's warm start, int8_rs's server residuals)

@@ -47,7 +47,7 @@ from lit_dtrain.strategies.fit_end import (
     sync_or_warn_before_validation,
     warn_checkpoint_before_final_sync,
 )
-from lit_dtrain.strategies.local_updates import LocalUpdate
+from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_rank_params
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
 from lit_dtrain.utils.distributed import (
@@ -162,10 +162,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             self.compressor.track_undo(True)
         params = (self._rank_restore or {}).pop("params", None)
         if params is not None:  # a resume under local updates: this rank's own parameters, not rank 0's
-            with torch.no_grad():
-                for name, p in CommSession.named_params(self.lightning_module):
-                    if name in params:  # else frozen when saved (unfrozen now): the same on every rank, as loaded
-                        p.copy_(params[name])
+            restore_rank_params(self.lightning_module, params, self.local_update, self.session.comm)
         what = self.local_update if self.local_update is not None else self.compressor
         rank_zero_info(f"CompressedDDPStrategy: comm hook registered on {self.root_device.type} "
                        f"({dist.get_backend()}): {what!r}")
@@ -231,6 +228,14 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
+
+    @override
+    def training_step(self, *args, **kwargs):
+        if isinstance(self.local_update, LocalSGD):  # a layer frozen mid-fit: first average what trained until now
+            with naming_peer_failures():
+                named = CommSession.named_params(self.lightning_module)
+                self.local_update.sync_if_trainable_changed(named, self.session.comm)
+        return super().training_step(*args, **kwargs)
 
     @override
     def on_validation_start(self) -> None:

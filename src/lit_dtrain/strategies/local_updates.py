@@ -45,6 +45,23 @@ def write_params(named_params: NamedParams, flat: Tensor) -> None:
         offset += p.numel()
 
 
+@torch.no_grad()
+def restore_rank_params(module: torch.nn.Module, params: Mapping[str, Tensor], rule: LocalUpdate,
+                        comm: Communicator) -> None:
+    """Give this rank its own parameters from a local-update checkpoint (``params``: those trainable at the save).
+
+    A layer frozen at the save and trainable now is not in ``params``: it keeps its loaded value, the same on every
+    rank. Under local SGD a layer trainable at the save and frozen now gets this rank's copy too, and the first
+    forward averages it (:meth:`LocalSGD.sync_if_trainable_changed`), as a fit that froze it at that step does; other
+    rules train on from the frozen layer's loaded value (rank 0's)."""
+    local_sgd = isinstance(rule, LocalSGD)
+    saved = [(n, p) for n, p in module.named_parameters() if n in params and (p.requires_grad or local_sgd)]
+    for name, p in saved:
+        p.copy_(params[name])
+    if local_sgd:
+        rule.sync_if_trainable_changed(saved, comm)  # records them as the latest forward's: no sync yet
+
+
 class LocalUpdate:
     """Base: counts steps and calls :meth:`synchronize` every ``period`` steps (or when forced)."""
 
@@ -158,8 +175,21 @@ class LocalSGD(LocalUpdate):
         self.divergence_threshold = float(divergence_threshold)
         self.growth_factor = int(growth_factor)
         self.last_divergence = 0.0
+        self._trained: NamedParams | None = None  # the parameters trainable at the latest forward
         if adaptive:
             self.name = "local_sgd_adaptive"
+
+    def sync_if_trainable_changed(self, named_params: NamedParams, comm: Communicator) -> bool:
+        """Before a forward: when what trains changed since the latest one (a layer frozen mid-fit) and the ranks
+        stepped alone since the last sync, average the parameters that trained until now (an early sync).
+
+        A sync averages only the trainable parameters, so a layer frozen between syncs kept each rank's own copy for
+        good: a 2-rank fit that froze a layer 1 step after a sync ended with the ranks' copies 0.017 apart, and its
+        checkpoints held rank 0's. Returns whether it synchronized."""
+        before, self._trained = self._trained, list(named_params)
+        if before is None or [n for n, _ in before] == [n for n, _ in self._trained]:
+            return False
+        return self.sync_now(before, comm)
 
     @torch.no_grad()
     def synchronize(self, named_params: NamedParams, comm: Communicator, scheduled: bool = True) -> None:
