@@ -49,6 +49,7 @@ from lit_dtrain.strategies.fit_end import (
 )
 from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_rank_params
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
+from lit_dtrain.strategies.unused_params import globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
 from lit_dtrain.utils.distributed import (
     begin_fit_records,
@@ -156,6 +157,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         # Lightning only registers hooks on CUDA; ours runs on every device and backend.
         assert isinstance(self.model, DistributedDataParallel)
         self.session.attach(self.model, Communicator(group=None))
+        self._reducer_ids = reducer_parameter_ids(self.model)  # for globally_unused, as trainable at the wrap
         self._check_restored_state_fits()
         if self._keeps_unused_residuals or self._loss_scaler() is not None:
             # each step's pre-step residuals (and codec state), for keep_residuals and for a step the GradScaler skips
@@ -216,9 +218,9 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             # Qs, int8_rs's server residuals) are what they were before the step, also on the ranks whose own
             # gradient was finite and in the buckets that were finite.
             self.compressor.undo_step()
-        elif self._keeps_unused_residuals:  # DDP left the grad of a parameter no rank used None, and dropped what the
-            # hook sent for it: its error-feedback residual goes back to what it was before the step
-            unused = [self.session.names[id(p)] for _, p in named if p.grad is None and id(p) in self.session.names]
+        elif self._keeps_unused_residuals:  # DDP dropped what the hook sent for a parameter no rank used (its grad
+            # stays None, or zeros when zeroed in place): its error-feedback residual goes back to its pre-step value
+            unused = globally_unused(self.model, self._reducer_ids, named, self.session.names)
             if unused:
                 self.compressor.keep_residuals(unused)
         trainer = module.trainer if module is not None and module._trainer is not None else None
