@@ -172,3 +172,27 @@ def test_a_resume_with_a_lower_save_top_k_keeps_that_many_files(tmp_path):
     ckpt = fit(1, 10, ckpt_path=tmp_path / "last.ckpt")
     assert [p.name for p in tmp_path.glob("step=*.ckpt")] == [Path(ckpt.best_model_path).name]
     assert list(ckpt.best_k_models) == [ckpt.best_model_path]
+
+
+def test_fast_dev_run_writes_no_last_ckpt(tmp_path):
+    """Lightning 2.6's ModelCheckpoint(save_last=True) wrote last.ckpt at the end of a Trainer(fast_dev_run=True) fit
+    ("checkpointing is suppressed"), and a real run with ckpt_path="last" in the same dirpath then resumed the smoke
+    test's step-1 weights (it trained 3 of its max_steps=4). Nothing is written now, and that run starts from step 0."""
+    import warnings
+
+    import lightning as L
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit.test_user_project_combinations import Regression, data
+
+    def trainer(**kwargs) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], **kwargs)
+
+    trainer(fast_dev_run=True).fit(Regression(), data(), data())
+    assert list(tmp_path.iterdir()) == []
+    module, real = Regression(), trainer(max_steps=4, limit_train_batches=4, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "No checkpoint file exists")  # (Lightning: a fit from scratch)
+        real.fit(module, data(), data(), ckpt_path="last")
+    assert _step(tmp_path / "last.ckpt") == 4 and real.fit_loop.epoch_loop.batch_progress.total.ready == 4

@@ -82,6 +82,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's writes last.ckpt here when none was written yet, also under fast_dev_run ("checkpointing is
+        # suppressed"): a smoke test's step-1 last.ckpt in the run's dirpath, which the real run's ckpt_path="last"
+        # then resumed (it trained 3 of its 4 steps, from the smoke test's weights)
+        if not trainer.fast_dev_run:
+            super().on_train_end(trainer, pl_module)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(moved_dirpath_state(state_dict, self.dirpath))
         self._over_top_k = keep_top_k(self)
