@@ -189,3 +189,18 @@ def test_wsd_without_total_steps_warns_when_a_second_fit_of_the_same_trainer_mov
         "limit_train_batches, the number of processes or the data's length changed), so its next step 8 runs at 1 of "
         "the peak LR, not the 0 its run would have used (the LR jumps up). To keep its schedule, pass total_steps=8"
     ) in said[0]
+
+
+@pytest.mark.parametrize("total_steps", [None, 8], ids=["from_trainer", "given"])
+def test_wsd_under_fast_dev_run_runs_the_warmup_and_gives_no_horizon_advice(tmp_path: Path, caplog, total_steps):
+    """Trainer(fast_dev_run=n) replaces max_steps by n: WSDScheduler(total_steps=None) took n as the run's horizon and
+    refused the smoke test (fast_dev_run=True: ``ValueError: ... warmup_steps=2 + decay_steps=0 > total_steps=1``;
+    fast_dev_run=3: ``... 2 + 2 > 3``), and a given total_steps=8 was told 'For the decay in this fit, set
+    total_steps=2'. Its steps run the schedule's warmup now (then the peak LR), with no such line."""
+    wsd, record = WSDScheduler(total_steps=total_steps, warmup_steps=2, decay_fraction=0.5), UpdateLRs()
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, [wsd, record], fast_dev_run=3)
+    assert trainer.global_step == 3 and record.used[0] == [0.5e-2, 1e-2, 1e-2]
+    said = caplog.text + "".join(str(m.message) for m in w)
+    assert "set total_steps" not in said.lower() and "fit stopped" not in said

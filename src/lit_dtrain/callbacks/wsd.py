@@ -51,6 +51,9 @@ from lit_dtrain.utils.rank_zero import log_once
 log = logging.getLogger(__name__)
 
 
+NO_HORIZON = 2**62  # a horizon no fit reaches: the warmup, then the peak LR
+
+
 class WSDScheduler(StepHooksCallback):
     """Warmup-stable-decay LR for every optimizer of the trainer (no ``LRScheduler`` needed).
 
@@ -93,7 +96,7 @@ class WSDScheduler(StepHooksCallback):
                            "decay_type": decay_type, "min_lr_factor": min_lr_factor, "decay_fraction": decay_fraction}
         self.total_steps: int | None = None  # None until train start when the horizon is the trainer's
         self.decay_steps: int | None = None
-        self._set_horizon(total_steps if total_steps is not None else 2**62)  # (without one: checks the rest)
+        self._set_horizon(total_steps if total_steps is not None else NO_HORIZON)  # (without one: checks the rest)
         if total_steps is None:
             self.total_steps = self.decay_steps = None
         self.warmup_steps, self.decay_type = int(warmup_steps), str(decay_type)
@@ -221,7 +224,14 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._arguments["total_steps"] is None:
+        if self._arguments["total_steps"] is None and trainer.fast_dev_run:
+            # Lightning replaced max_steps by fast_dev_run's n batches, so the run's length is unknown: a horizon of n
+            # refused every smoke test whose warmup_steps + decay did not fit in n ("warmup_steps=2 + decay_steps=0 >
+            # total_steps=1"). Its steps run as the first steps of a longer run: the warmup, then the peak LR.
+            self._set_horizon(NO_HORIZON)
+            rank_zero_info(f"WSDScheduler: fast_dev_run={trainer.fast_dev_run}: the run's length is unknown, so its "
+                           "steps run the schedule's warmup and peak LR (no decay)")
+        elif self._arguments["total_steps"] is None:
             # Not earlier: trainer.estimated_stepping_batches sets up the train DataLoader when the fit loop has not
             # yet, and one set up before the checkpoint's restore never loads its saved state (Lightning #20550): a
             # stateful DataLoader resumed from its first batch
@@ -257,7 +267,8 @@ class WSDScheduler(StepHooksCallback):
             self.updates = None
             self._apply(trainer, step)
             self._past_due = step < self.total_steps  # (warned once, when a step past the horizon starts)
-            self._check_horizon(trainer, step)
+            if not trainer.fast_dev_run:  # (its n steps are not the run's: no advice to fit the schedule to them)
+                self._check_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
             log_once(log, logging.WARNING, msg, step, self.total_steps)
@@ -316,6 +327,8 @@ class WSDScheduler(StepHooksCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # manual optimization: the optimizers' updates are known only now (with two optimizers and total_steps set
         # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
+        if trainer.fast_dev_run:
+            return
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
             self._note_short_fit(max(self.updates), manual=True)
         elif self.updates and self.decay_steps > 0 and min(self.updates) < self.total_steps:
