@@ -277,3 +277,31 @@ def test_a_later_fit_of_the_same_trainer_goes_on_from_the_earlier_ones_totals(tm
     assert [r.get("train/tokens") for r in rows] == ["24.0", "48.0", "72.0", "96.0"]  # were 24, 48, none, none
     times = [float(r["train/time"]) for r in rows]
     assert times == sorted(times) and times[2] > times[1]  # was 0.001 at step 2
+
+
+def test_each_test_and_predict_run_counts_from_zero(tmp_path: Path) -> None:
+    """Lightning resets its counts only inside fit: a second trainer.test() wrote test/batches 3, 4 and test/samples 12,
+    16 for a test set of 2 batches of 4 (predict alike), beside a test/time that restarted at 0."""
+    import csv
+
+    class Tested(Tokens):
+        def test_step(self, batch, batch_idx):
+            self.log("test/loss", self.emb(batch["input_ids"]).square().mean())
+
+        def predict_step(self, batch, batch_idx):
+            return self.emb(batch["input_ids"])
+
+        def test_dataloader(self):
+            return DataLoader([{"input_ids": torch.zeros(6, dtype=torch.long)}] * 8, batch_size=4)
+
+        predict_dataloader = test_dataloader
+
+    trainer, module = csv_trainer(tmp_path, 0, 2), Tested()
+    for _ in range(2):
+        trainer.test(module, verbose=False)
+        trainer.predict(module)
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    for stage in ("test", "predict"):
+        counts = [(float(r[f"{stage}/batches"]), float(r[f"{stage}/samples"]))
+                  for r in rows if r.get(f"{stage}/batches")]
+        assert counts == [(1, 4), (2, 8), (1, 4), (2, 8)], (stage, counts)  # were (3, 12), (4, 16) the second time

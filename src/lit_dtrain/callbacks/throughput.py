@@ -105,10 +105,12 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         self._time_at_start = 0.0  # the training seconds at this fit's start (the checkpoint's, on a resume)
 
     def _start(self, trainer) -> None:
+        if trainer.state.stage != RunningStage.TRAINING:
+            # count every validation, test and predict run from zero: Lightning resets only inside fit, so a second
+            # trainer.validate(), trainer.test() or trainer.predict() added to the previous run's counts while its
+            # clock restarted (test/samples 12, 16 for a second test of 8 samples)
+            self._samples.pop(trainer.state.stage, None)
         if trainer.state.stage == RunningStage.VALIDATING:
-            # count every validation from zero: Lightning resets only inside fit, so trainer.validate() added to the
-            # previous validation's counts while its clock restarted
-            self._samples.pop(RunningStage.VALIDATING, None)
             self._validation_flops = 0.0
         super()._start(trainer)
         stage, resumed = RunningStage.TRAINING, self._resumed
