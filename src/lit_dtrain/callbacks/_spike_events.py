@@ -38,6 +38,7 @@ class SpikeEvents:
                      f"steps moved from {path} to {moved[1]}")
 
     def _set_excluded_device(self, device: torch.device) -> None:
+        self._excluded_dev = None  # (none left: cleared by monitor.excluded.clear(), which kept skipping them)
         if self._sampler is None and self.excluded:
             self._excluded_dev = torch.as_tensor(sorted(set(self.excluded)), dtype=torch.long, device=device)
 
