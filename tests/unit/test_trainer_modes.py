@@ -82,3 +82,17 @@ def test_exclusions_cleared_between_two_fits_are_not_skipped(tmp_path):
     still skipped its step 11, whose batch held indices 12..15 (the device copy of the exclusions was kept)."""
     monitor, _ = _staged(tmp_path, Data(7), clear=True)
     assert monitor.excluded == [] and [e["step"] for e in monitor.events] == [3]
+
+
+def test_a_second_fit_on_another_datamodule_is_told_its_exclusions_name_other_samples(tmp_path):
+    """Staged training: the same Trainer fitted on a second datamodule skipped its step 11, whose batch held indices
+    12..15, because samples 12..15 of the first data had spiked (an 'excluded_sample' event, no word). It still
+    skips them (the indices may be the same data's), and says so, naming the indices and how to start afresh."""
+    monitor, said = _staged(tmp_path / "other", Data(7))
+    assert [e["step"] for e in monitor.events if e["reasons"] == ["excluded_sample"]] == [11]
+    assert len(said) == 1 and "another Data than the previous fit" in said[0] and "[12, 13, 14, 15]" in said[0]
+    assert "monitor.excluded.clear()" in said[0]
+    monitor, said = _staged(tmp_path / "cleared", Data(7), clear=True)  # the way out it names: nothing to say
+    assert said == []
+    monitor, said = _staged(tmp_path / "same", None)  # the same datamodule again: its own samples, no warning
+    assert said == [] and [e["step"] for e in monitor.events if e["reasons"] == ["excluded_sample"]] == [11]

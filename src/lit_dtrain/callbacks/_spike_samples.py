@@ -10,9 +10,11 @@ and refusing an exclusion that leaves nothing to train on.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import SequentialSampler
 
 from lit_dtrain.utils.distributed import all_gather_stacked
@@ -155,3 +157,40 @@ class ExcludedOnlyRun:
                        "DataLoader in a row was all skipped for excluded sample indices and every sample id of its "
                        "dataset is excluded (their error names them), so the run would train nothing more; "
                        + _WAY_OUT)
+
+
+def _weak(obj) -> weakref.ref | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # (an object without weak references: not compared)
+        return None
+
+
+def fit_data(trainer) -> tuple:
+    """What a fit trains on, weakly held: ``(trainer, its datamodule, else its train DataLoader's dataset)``."""
+    data = trainer.datamodule
+    if data is None:
+        data = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
+    return _weak(trainer), None if data is None else _weak(data)
+
+
+def note_fit_data(previous: tuple | None, trainer, excluded: Collection[int]) -> tuple:
+    """This fit's :func:`fit_data`, after a warning where a later ``fit`` of the same Trainer (``previous``: the
+    earlier fit's :func:`fit_data`) on another datamodule (or, without one, another train dataset) goes on with the
+    earlier fit's ``excluded`` sample indices, which may name other samples there: a staged fit on a second datamodule
+    skipped its steps whose batch held indices 12..15 because samples 12..15 of the first had spiked, without a word.
+    (The same datamodule fitted again, or a resume in a new Trainer, is not told.)"""
+    current = fit_data(trainer)
+    if not previous or not excluded or previous[0] is None or previous[0]() is not trainer:
+        return current
+    now = current[1]
+    if previous[1] is None or now is None or previous[1]() is now():
+        return current
+    shown = sorted(excluded)
+    rank_zero_warn(
+        f"LossSpikeMonitor: this fit of the same Trainer trains on another {type(now()).__name__} than the previous "
+        f"fit, and goes on with its {len(shown)} excluded sample indices {shown[:8]}{' ...' if len(shown) > 8 else ''}"
+        ": in this data they name other samples, which are not trained on. If this is other data, call "
+        "monitor.excluded.clear() before this fit (or fit a new Trainer)"
+    )
+    return current

@@ -60,6 +60,7 @@ from lit_dtrain.callbacks._spike_samples import (
     batch_sample_indices,
     exclusion_sampler,
     gather_indices,
+    note_fit_data,
 )
 from lit_dtrain.callbacks._spike_stats import (
     NONFINITE_GRAD,
@@ -217,6 +218,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         check_fit(trainer, pl_module, self.actions)
         self._sampler, self._num_train_samples = exclusion_sampler(trainer)
+        self._fit_data = note_fit_data(getattr(self, "_fit_data", None), trainer, self.excluded)
         if self.excluded and self._sampler is not None:
             self._sampler.exclude(self.excluded)
         needs_index = DROP_ACTIONS & set(self.actions)
