@@ -1,10 +1,12 @@
 """lit_dtrain's callbacks under Lightning's Trainer modes and entry points in a project of one's own: a second
-``trainer.fit`` of the same Trainer on another datamodule (staged training). ``fast_dev_run`` is tested beside each
+``trainer.fit`` of the same Trainer on another datamodule (staged training), ``trainer.validate()``, ``test()`` and
+``predict()`` with ``ckpt_path=`` after a fit. ``fast_dev_run`` is tested beside each
 callback (``test_model_checkpoint.py``, ``test_wsd_trainer_horizon.py``), ``trainer.test()``/``predict()`` in
 ``test_throughput.py``."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import lightning as L
@@ -12,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lit_dtrain.callbacks import LossSpikeMonitor
+from lit_dtrain.callbacks import (
+    AdaptiveGradClip,
+    LossSpikeMonitor,
+    ModelCheckpoint,
+    SelectiveCheckpointing,
+    WSDScheduler,
+    token_throughput_monitor,
+)
+from tests.unit.test_callbacks_in_foreign_projects import _equal
 
 
 class Indexed(Dataset):
@@ -26,7 +36,7 @@ class Indexed(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "index": i}
+        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "index": i, "input_ids": torch.zeros(3).long()}
 
 
 class Data(L.LightningDataModule):
@@ -36,6 +46,8 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Indexed(self.seed), batch_size=4)
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
 
 class Spiking(L.LightningModule):
@@ -50,6 +62,14 @@ class Spiking(L.LightningModule):
         self.indices.append(batch["index"].tolist())
         loss = F.mse_loss(self.net(batch["x"]), batch["y"])
         return loss * 30 if self.spike & set(batch["index"].tolist()) else loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self.net(batch["x"]), batch["y"]))
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch["x"])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
@@ -96,3 +116,36 @@ def test_a_second_fit_on_another_datamodule_is_told_its_exclusions_name_other_sa
     assert said == []
     monitor, said = _staged(tmp_path / "same", None)  # the same datamodule again: its own samples, no warning
     assert said == [] and [e["step"] for e in monitor.events if e["reasons"] == ["excluded_sample"]] == [11]
+
+
+def test_evaluating_a_checkpoint_after_a_fit_leaves_the_callbacks_fit_state(tmp_path):
+    """Lightning loads every callback's state from ``ckpt_path`` in trainer.validate(), test() and predict() too: after
+    a fit to step 8, validate(ckpt_path=<step 2>) set the LossSpikeMonitor's spikes to 0 and its exclusions to none,
+    AdaptiveGradClip's statistics (7 steps) and WSDScheduler's step to step 2's, the ModelCheckpoint's top-k to step
+    2's, and a later fit of the same Trainer went on from them (the excluded batch spiked again; train/samples fell
+    from 32 to 12). The fit's states stay now."""
+    callbacks = [LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2), AdaptiveGradClip(),
+                 WSDScheduler(warmup_steps=1, decay_fraction=0.25), token_throughput_monitor(window_size=2),
+                 SelectiveCheckpointing(policy="full", module_pattern="net"),
+                 ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1, every_n_train_steps=2)]
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, default_root_dir=str(tmp_path),
+                        limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1, num_sanity_val_steps=0)
+    module, data = Spiking(), Data(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
+        fitted = [copy.deepcopy(c.state_dict()) for c in callbacks]
+        assert fitted[0]["num_spikes"] == 1 and fitted[1]["optimizers"][0]["stat"]["count"] == 7
+        assert fitted[2]["last_step"] == 8 and fitted[3]["samples"] == 32
+        step2 = str(tmp_path / "ck" / "step=2.ckpt")
+        trainer.validate(module, datamodule=data, ckpt_path=step2, verbose=False)
+        trainer.test(module, datamodule=data, ckpt_path=step2, verbose=False)
+        trainer.predict(module, datamodule=data, ckpt_path=step2)
+    for callback, state in zip(callbacks, fitted):
+        assert _equal(callback.state_dict(), state), type(callback).__name__
+    trainer.fit_loop.epoch_loop.max_steps = 10  # a later fit goes on from the fit's totals: 32 + 2 batches of 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
+    assert callbacks[3].state_dict()["samples"] == 40  # was 16: step 2's 8, then 2 batches

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
-from lit_dtrain.callbacks._state_keys import load_state_under_old_key
+from lit_dtrain.callbacks._state_keys import load_state_under_old_key, note_stage, state_is_for_fit
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 
 MODES = ("zscore", "reciprocal")
@@ -192,6 +192,7 @@ class AdaptiveGradClip(StepHooksCallback):
         # before Lightning restores a checkpoint: a fit without ckpt_path starts fresh, also when this object
         # already served another fit; a fit with ckpt_path then loads the checkpoint's statistics; the same Trainer
         # fitted again (a raised max_steps) continues its run, and these statistics with it
+        note_stage(self, stage)
         if stage == "fit" and trainer.global_step == 0:
             self._reset_state()
 
@@ -318,6 +319,8 @@ class AdaptiveGradClip(StepHooksCallback):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
+        if not state_is_for_fit(self):
+            return
         # a checkpoint from before per-optimizer statistics holds one {"stat", "clip_events"}: optimizer 0's
         per_optimizer = state_dict["optimizers"] if "optimizers" in state_dict else [state_dict]
         self.stats, self._clip_events, self._last = [], [], []

@@ -69,7 +69,7 @@ from lit_dtrain.callbacks._spike_stats import (
     SpikeWindow,
     cooldown_factor,
 )
-from lit_dtrain.callbacks._state_keys import load_state_under_old_key
+from lit_dtrain.callbacks._state_keys import load_state_under_old_key, note_stage, state_is_for_fit
 from lit_dtrain.module import NonFiniteError
 
 __all__ = ["ACTIONS", "LossSpikeError", "LossSpikeMonitor"]
@@ -186,6 +186,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         # ckpt_path starts fresh even when this object already served another fit (a sweep loop, staged training);
         # a fit with ckpt_path continues from the checkpoint's state. The same Trainer fitted again (a raised
         # max_steps) continues its run at its global_step, and this state with it.
+        note_stage(self, stage)
         if stage == "fit" and trainer.global_step == 0:
             self._reset_state()
         elif stage == "fit":
@@ -392,6 +393,8 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
+        if not state_is_for_fit(self):
+            return
         self.detector.load_state_dict(state_dict["detector"])
         self.window.steps = [int(s) for s in state_dict["window_steps"]]
         self.excluded = [int(i) for i in torch.as_tensor(state_dict["excluded"]).tolist()]

@@ -38,6 +38,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from typing_extensions import override
 
+from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             super().on_train_end(trainer, pl_module)
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        note_stage(self, stage)
+        super().setup(trainer, pl_module, stage)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_is_for_fit(self):
+            return
         super().load_state_dict(moved_dirpath_state(state_dict, self.dirpath))
         self._over_top_k = keep_top_k(self)
 

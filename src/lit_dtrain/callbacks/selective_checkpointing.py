@@ -49,6 +49,7 @@ from lit_dtrain.callbacks._checkpoint_policies import (
     set_plan,
     uniform_plan,
 )
+from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class SelectiveCheckpointing(Callback):
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        note_stage(self, stage)
         # budget probes only for fit; a validate/test/predict setup that came first left the probe to it
         probe_due = stage == "fit" and self.policy == "budget" and self.budget_report is None
         if self.wrappers and self._patched is pl_module and not probe_due:  # setup runs again: already patched
@@ -243,6 +245,8 @@ class SelectiveCheckpointing(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
+        if not state_is_for_fit(self):
+            return
         # A resumed ``budget`` run keeps the plan it trained with (the probe timings are noisy).
         saved = list(state_dict.get("plan", []))
         if state_dict.get("policy") == self.policy == "budget" and len(saved) != len(self.wrappers):

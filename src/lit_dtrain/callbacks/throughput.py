@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 
 TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
 
@@ -149,7 +150,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         return state if tokens is None else {**state, "tokens": tokens}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._resumed = dict(state_dict)
+        if state_is_for_fit(self):
+            self._resumed = dict(state_dict)
 
     def _compute(self, trainer, iter_num: int | None = None) -> None:
         # Lightning's, with train/tokens in the same row
@@ -198,6 +200,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         trainer._logger_connector.log_metrics(metrics)  # step None: where Lightning writes this validation's val/loss
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        note_stage(self, stage)
         if stage == "fit" and not self._resumed and RunningStage.TRAINING in self._batches and trainer.global_step:
             # a later fit of this Trainer (max_steps raised, the next data stage) goes on from the earlier fits'
             # totals, as a resume from their checkpoint does (one loaded in this fit, after setup, still wins):

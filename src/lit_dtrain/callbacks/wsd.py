@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
+from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 from lit_dtrain.callbacks._wsd_conflicts import refuse_an_unreturned_scheduler, refuse_other_lr_setters
 from lit_dtrain.callbacks._wsd_horizon import (
@@ -190,6 +191,7 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        note_stage(self, stage)
         # Runs before a checkpoint is restored: a fit that does not resume reads its peaks in on_fit_start, even
         # when this callback object already served another fit (a sweep loop, staged training).
         if stage == "fit":
@@ -370,6 +372,8 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
+        if not state_is_for_fit(self):
+            return
         if "base_lrs" not in state_dict:
             raise KeyError(f"WSDScheduler state has no 'base_lrs'; got keys {sorted(state_dict)}")
         base = state_dict["base_lrs"]
