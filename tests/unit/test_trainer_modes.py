@@ -149,3 +149,24 @@ def test_evaluating_a_checkpoint_after_a_fit_leaves_the_callbacks_fit_state(tmp_
         warnings.simplefilter("ignore")
         trainer.fit(module, datamodule=data)
     assert callbacks[3].state_dict()["samples"] == 40  # was 16: step 2's 8, then 2 batches
+
+
+def test_a_fast_dev_run_leaves_the_spike_records_of_its_default_root_dir(tmp_path):
+    """A Trainer(fast_dev_run=4) smoke test in the default_root_dir of a finished run moved that run's spikes.jsonl
+    records (the spike at step 3) to spikes.superseded.jsonl, as a fit from step 0 replaying them would, and wrote its
+    own there (its own spike at step 3), though Lightning suppresses logging and checkpointing in it."""
+    def trainer(actions, **kwargs) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=0,
+                         callbacks=[LossSpikeMonitor(actions=actions, warmup_steps=2)], **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(["log", "skip"], max_steps=8).fit(Spiking(), datamodule=Data(0))
+        records = (tmp_path / "spikes.jsonl").read_text()
+        assert '"step": 3' in records
+        smoke = trainer(["log", "skip"], fast_dev_run=4)  # its step 3 spikes too: logged, not written
+        smoke.fit(Spiking(), datamodule=Data(0))
+    (monitor,) = [c for c in smoke.callbacks if isinstance(c, LossSpikeMonitor)]
+    assert [e["step"] for e in monitor.events] == [3]
+    assert (tmp_path / "spikes.jsonl").read_text() == records and not (tmp_path / "spikes.superseded.jsonl").exists()

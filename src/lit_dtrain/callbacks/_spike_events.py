@@ -30,7 +30,10 @@ class SpikeEvents:
     def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
         """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
         them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
-        Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir."""
+        Also at s = 0: ``resume=auto`` of a run killed before its first checkpoint starts afresh in the same run dir.
+        Not under ``fast_dev_run``: a smoke test replays no run of its dir (it moved that run's records aside)."""
+        if getattr(trainer, "fast_dev_run", False):
+            return
         path = self._events_path(trainer)
         moved = records.supersede_replayed(path, trainer.global_step)
         if moved is not None:
@@ -91,7 +94,8 @@ class SpikeEvents:
         self.events.append(event)
         if not trainer.is_global_zero:
             return
-        records.append_record(self._events_path(trainer), event)
+        if not getattr(trainer, "fast_dev_run", False):  # (a smoke test's, beside its dir's run's: logging is off)
+            records.append_record(self._events_path(trainer), event)
         if message:
             log.warning(message)
             for lg in trainer.loggers:
