@@ -10,6 +10,7 @@ import copy
 import warnings
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -170,3 +171,24 @@ def test_a_fast_dev_run_leaves_the_spike_records_of_its_default_root_dir(tmp_pat
     (monitor,) = [c for c in smoke.callbacks if isinstance(c, LossSpikeMonitor)]
     assert [e["step"] for e in monitor.events] == [3]
     assert (tmp_path / "spikes.jsonl").read_text() == records and not (tmp_path / "spikes.superseded.jsonl").exists()
+
+
+def test_a_stop_signal_in_a_fast_dev_run_saves_no_checkpoint(tmp_path):
+    """PreemptionCheckpoint saved <dirpath>/last.ckpt at a SIGTERM (or Ctrl-C) in a Trainer(fast_dev_run=4) smoke test
+    though Lightning suppresses checkpointing there: with the dirpath of a real run, the smoke test's step-2 state
+    replaced that run's last.ckpt. The fit stops at the step's end as before, and the file is left as it is."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lit_dtrain.callbacks import PreemptionCheckpoint
+    from tests.unit.test_user_project_edges import SigtermAtBatch
+
+    (tmp_path / "ck").mkdir()
+    last = tmp_path / "ck" / "last.ckpt"
+    last.write_bytes(b"the real run's")
+    trainer = L.Trainer(accelerator="cpu", fast_dev_run=4, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[SigtermAtBatch(1), PreemptionCheckpoint(dirpath=str(tmp_path / "ck"))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SIGTERMException):
+            trainer.fit(Spiking(), datamodule=Data(0))
+    assert trainer.global_step == 2 and last.read_bytes() == b"the real run's"

@@ -196,12 +196,17 @@ class PreemptionCheckpoint(L.Callback):
             mine = torch.tensor(self.signum or 0, device=getattr(pl_module, "device", "cpu"))
             self.signum = int(all_gather_stacked(mine).max()) or None
         path = os.path.join(self.dirpath, self.filename)
+        name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
+        if getattr(trainer, "fast_dev_run", False):  # Lightning suppresses checkpointing (a smoke test's file
+            # replaced a real run's last.ckpt in the same dirpath)
+            trainer._signal_connector.received_sigterm = True
+            rank_zero_info(f"{name} received: fast_dev_run saves no checkpoint ({path} left as it is); exiting.")
+            return
         _adopt_as_last(trainer, path)  # before the save: the ModelCheckpoint state in the file says so too
         before = _file_identity(path)
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes; full state
         self.saved_step = trainer.global_step
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
-        name = signal.Signals(self.signum or signal.SIGTERM).name  # None: another rank's signal
         # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
         if rank_zero_only.rank == 0 and _file_identity(path) == before:  # AtomicCheckpointIO skipped the save
             resumes = _what_resumes(self.dirpath, self.resume_hint)
