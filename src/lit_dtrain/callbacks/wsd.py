@@ -226,7 +226,7 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._arguments["total_steps"] is None and trainer.fast_dev_run:
+        if self._arguments["total_steps"] is None and getattr(trainer, "fast_dev_run", False):
             # Lightning replaced max_steps by fast_dev_run's n batches, so the run's length is unknown: a horizon of n
             # refused every smoke test whose warmup_steps + decay did not fit in n ("warmup_steps=2 + decay_steps=0 >
             # total_steps=1"). Its steps run as the first steps of a longer run: the warmup, then the peak LR.
@@ -269,7 +269,7 @@ class WSDScheduler(StepHooksCallback):
             self.updates = None
             self._apply(trainer, step)
             self._past_due = step < self.total_steps  # (warned once, when a step past the horizon starts)
-            if not trainer.fast_dev_run:  # (its n steps are not the run's: no advice to fit the schedule to them)
+            if not getattr(trainer, "fast_dev_run", False):  # (its n steps are not the run's: no advice on them)
                 self._check_horizon(trainer, step)
         if step >= self.total_steps:
             msg = "WSDScheduler: resuming at step %d >= total_steps=%d: the LR stays at min_lr_factor"
@@ -329,7 +329,7 @@ class WSDScheduler(StepHooksCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # manual optimization: the optimizers' updates are known only now (with two optimizers and total_steps set
         # to max_steps, each took half the schedule and the run ended in its stable phase, without a word)
-        if trainer.fast_dev_run:
+        if getattr(trainer, "fast_dev_run", False):
             return
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
             self._note_short_fit(max(self.updates), manual=True)
