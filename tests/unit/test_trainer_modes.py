@@ -23,7 +23,7 @@ from lit_dtrain.callbacks import (
     WSDScheduler,
     token_throughput_monitor,
 )
-from tests.unit.test_callbacks_in_foreign_projects import _equal
+from tests.unit.test_callbacks_in_foreign_projects import UserLM, _equal, lm_data
 
 
 class Indexed(Dataset):
@@ -192,3 +192,37 @@ def test_a_stop_signal_in_a_fast_dev_run_saves_no_checkpoint(tmp_path):
         with pytest.raises(SIGTERMException):
             trainer.fit(Spiking(), datamodule=Data(0))
     assert trainer.global_step == 2 and last.read_bytes() == b"the real run's"
+
+
+class ValidatedLM(UserLM):
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)["loss"]
+
+
+def test_an_evaluation_with_ckpt_path_leaves_the_datamodules_state(tmp_path):
+    """``trainer.validate(ckpt_path=<step 2>)`` after a fit to step 8 set ``LMDataModule``'s step back to step 2's and
+    its FourierSampler table to 2 updates (Lightning restores a datamodule's state in an evaluation too), and a later
+    fit of the same Trainer drew from there. The datamodule keeps its fit's state now; a fit with ckpt_path= still
+    restores it."""
+    from lit_dtrain.callbacks import FourierSamplerCallback
+
+    data, module = lm_data(tmp_path), ValidatedLM(per_token=True)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=1,
+                        num_sanity_val_steps=0, val_check_interval=2, check_val_every_n_epoch=None,
+                        callbacks=[FourierSamplerCallback(),
+                                   ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=data)
+        fitted = copy.deepcopy(data.state_dict())
+        assert fitted["micro_step"] == 8 and fitted["sampler"]["updates"] == 8
+        trainer.validate(module, datamodule=data, ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"), verbose=False)
+    assert _equal(data.state_dict(), fitted)
+    fresh = lm_data(tmp_path)  # a fit from the same file restores it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  enable_model_summary=False, limit_val_batches=0, callbacks=[FourierSamplerCallback()]).fit(
+            ValidatedLM(per_token=True), datamodule=fresh, ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
+    assert fresh.state_dict()["micro_step"] == 3 and fresh.state_dict()["sampler"]["updates"] == 3

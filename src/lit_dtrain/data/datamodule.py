@@ -178,6 +178,7 @@ class LMDataModule(L.LightningDataModule):
         ]
 
     def setup(self, stage: str | None = None) -> None:
+        self._state_for_fit = stage in (None, "fit")  # see load_state_dict
         if self.train_windows is not None:
             return
         if not self.splits:  # prepare_data ran in another process (DDP rank > 0) or not at all
@@ -355,6 +356,11 @@ class LMDataModule(L.LightningDataModule):
         return [min(len(WindowSet([split.val], self.block_size)), cap) for split in self.splits]
 
     def load_state_dict(self, state: dict) -> None:
+        if not getattr(self, "_state_for_fit", True):
+            # trainer.validate()/test()/predict() with ckpt_path= (Lightning restores a datamodule's state there too):
+            # an evaluation needs the weights only, and the state would rewind the fit this datamodule serves (its step
+            # 8 -> 2 and its FourierSampler table after validate(ckpt_path=<step 2>), which a later fit went on from)
+            return
         if self.train_windows is None:  # setup() has not run yet: apply once the sampler is bound
             self._pending_state = state
         else:
