@@ -16,20 +16,10 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
     the other runs keep theirs. A number spelled two ways among the runs (``3e-3`` typed for a run, ``0.003`` as
     Hydra's sweeper writes it for a job) is shown in one form (:func:`_one_spelling_per_number`). ``known``: the
     overrides of runs that have no dir yet (:func:`jobs_not_started`)."""
-    known = known or {}
-    overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
-    if len(runs) < 2 or any(o is None for o in overrides):
+    differing = _differing(runs, known)
+    if differing is None:
         return _dir_names(runs)
-    overrides = _one_spelling_per_number([[_flag_in_lower_case(o) for o in ov] for ov in overrides])
-    common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
-    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
-    differing = _one_spelling_per_number(_with_defaults(runs, differing))  # a default beside a typed 3e-3: 0.003
-    labels = [" ".join(d) for d in differing]
-    if max(map(len, labels)) > 60:
-        keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
-        short = {k: k.rsplit(".", 1)[-1] for k in keys}
-        clash = {v for v in short.values() if list(short.values()).count(v) > 1}
-        labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
+    labels = _joined(differing)
     labels = [label or r.name for label, r in zip(labels, runs)]  # only defaults left: its dir name
     for label in dict.fromkeys(label for label in labels if labels.count(label) > 1):
         same = [i for i, other in enumerate(labels) if other == label]
@@ -39,6 +29,48 @@ def make_labels(runs: list[Path], known: dict[Path, list[str]] | None = None) ->
             else:  # labelled by its dir name already
                 labels[i] = name
     return labels
+
+
+def group_labels(runs: list[Path], over: list[str], known: dict[Path, list[str]] | None = None) -> list[str] | None:
+    """Each run's label without the keys ``over`` (``--over seed``): the overrides other than those that differ
+    between runs, so that runs which differ only in a seed share one label (``optimizer.lr=0.003``; ``""`` where
+    nothing else differs). Runs with equal labels are not told apart here: they are one group. None where a run's
+    overrides are not known (no ``overrides.yaml``; ``known``: those of jobs without a dir)."""
+    differing = _differing(runs, known, tuple(over))
+    return None if differing is None else _joined(differing)
+
+
+def _joined(differing: list[list[str]]) -> list[str]:
+    """Each run's differing overrides as one label; where one is over 60 characters, dotted keys by their last part
+    (``lr=0.003``) where no two differing keys share it."""
+    labels = [" ".join(d) for d in differing]
+    if max(map(len, labels)) > 60:
+        keys = {o.split("=", 1)[0] for d in differing for o in d if "=" in o}
+        short = {k: k.rsplit(".", 1)[-1] for k in keys}
+        clash = {v for v in short.values() if list(short.values()).count(v) > 1}
+        labels = [" ".join(_shorten(o, short, clash) for o in d) for d in differing]
+    return labels
+
+
+def override_key(override: str) -> str:
+    """The key an override sets, without Hydra's ``+``, ``++`` or ``~`` prefix: ``seed`` of ``+seed=3``."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _differing(runs: list[Path], known: dict[Path, list[str]] | None = None,
+               leave_out: tuple[str, ...] = ()) -> list[list[str]] | None:
+    """Each run's overrides that differ between the runs, checked against what each trained with
+    (:func:`_with_defaults`), numbers in one spelling; the keys ``leave_out`` are not looked at. None for fewer
+    than two runs or a run whose overrides are not known."""
+    known = known or {}
+    overrides = [known[r] if r in known else hydra_overrides(r) for r in runs]
+    if len(runs) < 2 or any(o is None for o in overrides):
+        return None
+    overrides = [[o for o in ov if override_key(o) not in leave_out] for ov in overrides]
+    overrides = _one_spelling_per_number([[_flag_in_lower_case(o) for o in ov] for ov in overrides])
+    common = set.intersection(*({_as_value(o) for o in ov} for ov in overrides))
+    differing = [[o for o in ov if _as_value(o) not in common and not o.startswith(_NOT_TRAINING)] for ov in overrides]
+    return _one_spelling_per_number(_with_defaults(runs, differing))  # a default beside a typed 3e-3: 0.003
 
 
 # where a run trains, and that it continued its own run dir: not what it trained ('resume=auto' labelled a resumed

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 # reading run and sweep dirs (what train(cfg) writes there) is lit_dtrain.run_dirs; this script compares them
@@ -48,7 +47,9 @@ from lit_dtrain.utils.plots import OutputPathError, output_path, write_atomicall
 from lit_dtrain.utils.scripts import import_beside
 
 import_beside(__file__)  # this script's modules beside it, scripts/_compare_runs_*.py, also where a test loads it
+from _compare_runs_groups import best_group, groups_table, make_groups, mean_curves, summarize_groups  # noqa: E402
 from _compare_runs_labels import _unique, make_labels  # noqa: E402 - labels of runs
+from _compare_runs_plot import LINE_STYLES, plot  # noqa: E402, F401 - the PNG (compare_runs.plot: bench_wsd.py's too)
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     at_steps_trained,
     best_row,
@@ -132,52 +133,6 @@ def _once(dirs: list[Path], what: str) -> list[Path]:
     return list(seen.values())
 
 
-LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
-
-
-def plot(curves: dict[str, dict[str, list[tuple[int, float]]]], metrics: list[str], out: Path, title: str = "",
-         logy: bool = False, tokens: dict[str, Callable[[float], float]] | None = None) -> None:
-    """One panel per metric, one line per run; ``curves[label][metric] = [(step, value), ...]``, each point at the
-    steps trained when it was measured (:func:`at_steps_trained`). ``tokens``: each run's tokens trained after a
-    number of steps (:func:`tokens_trained`), to draw it against the tokens trained then (``--x tokens``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        for i, (label, tags) in enumerate(curves.items()):
-            series = tags.get(metric) or []
-            if series:
-                steps, values = zip(*series)
-                if tokens:
-                    steps = [tokens[label](step) for step in steps]
-                # the colour cycle has 10 entries: runs 10-19, 20-29, ... get another line style
-                ax.plot(steps, values, label=label, marker="." if len(steps) < 60 else None, linewidth=1.3,
-                        color=f"C{i % 10}", linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
-        ax.set_xlabel("tokens trained" if tokens else "steps trained")
-        ax.set_ylabel(metric)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    handles = {}  # every run once, also one drawn only in a later panel (it lacks the first metric)
-    for ax in axes[0]:
-        for line in ax.get_lines():
-            handles.setdefault(line.get_label(), line)
-    order = [label for label in curves if label in handles]
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    # below the panels, not inside one: a sweep's labels can be wider than a panel and would hide its curves;
-    # bbox_inches="tight" grows the PNG to hold all of it
-    axes[0][0].legend([handles[label] for label in order], order, fontsize=7, loc="upper left",
-                      bbox_to_anchor=(0, -0.16), borderaxespad=0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
-    plt.close(fig)
-
-
 def steps_trained_of(run: Path, scalars: dict[str, list[tuple[int, float]]]):
     """A function that puts a series of ``run``'s (logged steps) at the steps trained when each point was measured
     (:func:`at_steps_trained`), its final validate where ``train(cfg)`` ran one: the x of the PNG and the tables."""
@@ -200,11 +155,13 @@ def compare(
     logy: bool = False,
     maximize: list[str] = (),
     x: str = "step",
+    over: list[str] = (),
 ) -> dict:
     """Read the runs, write the PNG (and table file) and return the JSON-able result. A metric in ``maximize`` is
     better higher; every other tag lit_dtrain logs has its direction in ``TAG_DIRECTIONS`` (:func:`direction`: a
     throughput or the compression ratio higher, losses, bytes and times lower, an LR, multiplier, diagnostic or
-    counter none); a tag it does not list is better lower."""
+    counter none); a tag it does not list is better lower. ``over``: keys (``seed``) whose runs are summarized as one
+    group each, mean ± standard deviation (:mod:`_compare_runs_groups`); the PNG draws the groups' mean curves."""
     for m in maximize:
         if m not in metrics:
             raise CompareError(f"--maximize {m!r} is not one of the --metric values {metrics}; give it as --metric too")
@@ -223,6 +180,8 @@ def compare(
     missing = jobs_not_started(run_dirs + [Path(j) for j in skipped], _warn)
     # a failed job's (and one not started's) differing value labels it too
     all_labels = make_labels(run_dirs + [Path(j) for j in skipped] + list(missing), missing)
+    # each run's group, and those of the jobs that logged nothing (counted beside their group's runs)
+    all_groups = make_groups(run_dirs + [Path(j) for j in skipped] + list(missing), list(over), missing) if over else []
     labels = _unique(labels or all_labels[: len(run_dirs)])  # curves are keyed by label: no run may hide another
     skipped_jobs = [{"label": label, "dir": job, "error": job_error(Path(job))}
                     for label, job in zip(all_labels[len(run_dirs):], skipped)]
@@ -282,13 +241,24 @@ def compare(
         for i, m in enumerate(metrics)
     ]
     text = "\n".join(tables)  # a blank line between
+    groups, best_group_by_metric = [], {}
+    if over:
+        group_of = dict(zip(labels, all_groups))
+        groups = summarize_groups(rows, group_of, metrics, all_groups[len(run_dirs):])
+        text += "".join("\n" + groups_table(groups, m, list(over), ranks[m]) for m in metrics)
+        best_group_by_metric = {m: best_group(groups, m, ranks[m]) for m in metrics}
     if one_rate := [r["label"] for r in rows if r.get("tokens_from") == "rate"]:
         text += "\n" + ONE_RATE_NOTE.format(runs=", ".join(map(repr, one_rate))) + "\n"
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
         tokens = {label: at for label, (at, _) in zip(labels, per_step) if at} if per_step else None
-        plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens)
+        spread = None
+        if over:  # a group's mean curve, drawn at its first run's tokens
+            curves, spread = mean_curves(curves, rows, group_of, metrics)
+            if tokens:  # reversed: the group's first run is put last, and stays
+                tokens = {g: tokens[label] for label, g in reversed(group_of.items()) if label in tokens}
+        plot(curves, metrics, Path(out), title=title, logy=logy, tokens=tokens, spread=spread)
     best_by_metric = {
         m: best["label"] if (best := best_row(metric_rows(rows, m), ranks[m])) else None for m in metrics
     }
@@ -305,6 +275,7 @@ def compare(
         "best_by_metric": best_by_metric,
         "maximize": list(maximize),
         "x": x,
+        **({"over": list(over), "groups": groups, "best_group_by_metric": best_group_by_metric} if over else {}),
         "markdown": text,
     }
 
@@ -347,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         "trained when a value was measured, as in checkpoint names (TensorBoard's axis, Lightning's 0-based step, "
         "is one lower during fit); the JSON gives each run's tokens_per_step and tokens_from",
     )
+    parser.add_argument(
+        "--over",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a swept key whose runs are repeats (repeatable): runs that differ only in it are one group, tabulated "
+        "as the mean ± sample standard deviation of their finished runs' final and best values, and drawn as their "
+        "mean curve with a band of one standard deviation; e.g. --over seed after -m seed=0,1,2 optimizer.lr=1e-3,3e-3",
+    )
     args = parser.parse_args(argv)
     try:
         result = compare(
@@ -359,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             args.logy,
             args.maximize,
             args.x,
+            args.over,
         )
     except (CompareError, AtomicWriteError) as e:  # AtomicWriteError: the PNG or table failed to write (a full disk)
         report_error(str(e), "compare_runs")
