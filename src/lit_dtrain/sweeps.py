@@ -282,6 +282,31 @@ class ResumeSweepCheck(Callback):
                   flush=True)
 
 
+class SweepSyntaxCheck(Callback):
+    """Hydra callback (``conf/hydra/default.yaml``): refuse in one line ``interval(...)`` under Hydra's basic sweeper
+    (typed, or in an experiment's ``hydra.sweeper.params``) before the sweep dir is made; it was a 16-line traceback
+    ending in 'BasicSweeper does not support sweep type : INTERVAL_SWEEP', naming no key and no fix."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        sweeper = config.hydra.sweeper
+        if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+            return  # a sampling sweeper (Optuna, Nevergrad) takes interval()
+        params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+        try:
+            overrides = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
+        except Exception:  # noqa: BLE001 - Hydra reports an override it cannot parse itself
+            return
+        for o in overrides:
+            if o.is_sweep_override() and not o.is_discrete_sweep():
+                key = o.get_key_element()
+                _exit_with(ConfigError(
+                    f"{o.input_line}: Hydra's basic sweeper runs listed values, not an "
+                    f"interval (that needs a sampling sweeper plugin, e.g. Optuna's: hydra/sweeper=optuna); list "
+                    f"them, {key}=1e-4,3e-4,1e-3, or use range(start,stop,step) or choice(...)"))
+
+
 class OutputDirCheck(Callback):
     """Hydra callback (``conf/hydra/default.yaml``): refuse in one line a run or sweep dir that cannot be written (a
     read-only file system, a file in the way, no permission) before Hydra creates it. Hydra's ``mkdir`` failed with

@@ -1,0 +1,51 @@
+"""A sweep Hydra's basic sweeper cannot run, interval(...), is refused in one line naming the key and what to write;
+it was Hydra's 16-line traceback ending in 'BasicSweeper does not support sweep type : INTERVAL_SWEEP'."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from lit_dtrain.sweeps import SweepSyntaxCheck
+from tests.conftest import run_script
+
+BASIC = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def multirun_config(task: list[str], params: dict | None = None, sweeper: str = BASIC):
+    return OmegaConf.create({"hydra": {"sweeper": {"_target_": sweeper, "params": params},
+                                       "overrides": {"task": task}}})
+
+
+def test_an_interval_typed_or_in_an_experiment_grid_is_refused_and_listed_values_pass(capsys):
+    for config, line in [
+        (multirun_config(["model=nano", "optimizer.lr=interval(1e-4,1e-3)"]), "optimizer.lr=interval(1e-4,1e-3)"),
+        (multirun_config([], {"scheduler": "wsd,cosine", "model.dropout": "interval(0,0.2)"}),
+         "model.dropout=interval(0,0.2)"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            SweepSyntaxCheck().on_multirun_start(config=config)
+        assert stop.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {line}: Hydra's basic sweeper runs listed values, not an interval")
+        assert "range(start,stop,step) or choice(...)" in err and err.count("\n") == 1
+    # what the basic sweeper runs, and interval() under a sampling sweeper, pass
+    listed = ["optimizer.lr=1e-3,3e-3", "seed=range(1,4)", "data/sampler=choice(random,fourier)",
+              "experiment=glob(*)"]
+    SweepSyntaxCheck().on_multirun_start(config=multirun_config(listed, {"scheduler": "wsd,cosine"}))
+    optuna = multirun_config(["optimizer.lr=interval(1e-4,1e-3)"], sweeper="hydra_plugins.x.OptunaSweeper")
+    SweepSyntaxCheck().on_multirun_start(config=optuna)
+    assert capsys.readouterr().err == ""
+
+
+def test_train_py_refuses_an_interval_sweep_in_one_line_before_its_sweep_dir(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    proc = run_script("../train.py", ["-m", "optimizer.lr=interval(1e-4,1e-3)", "trainer.max_steps=1"], tmp_path,
+                      capfd)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: optimizer.lr=interval(1e-4,1e-3): Hydra's basic sweeper runs listed values, not an interval (that "
+        "needs a sampling sweeper plugin, e.g. Optuna's: hydra/sweeper=optuna); list them, "
+        "optimizer.lr=1e-4,3e-4,1e-3, or use range(start,stop,step) or choice(...)"
+    ]
+    assert not (tmp_path / "out").exists()  # no sweep dir of nothing
