@@ -124,8 +124,8 @@ def _value(config, typed: list[str], key: str):
 
     cfg, choices = config
     if key in choices:  # a multi-select group ('callbacks=[default,loss_spike]') as typed
-        choice = choices[key]
-        return f"[{','.join(map(str, choice))}]" if OmegaConf.is_list(choice) else choice
+        choice = choices[key]  # none chosen ('experiment: null') is typed 'experiment=null'
+        return f"[{','.join(map(str, choice))}]" if OmegaConf.is_list(choice) else "null" if choice is None else choice
     value = OmegaConf.select(cfg, key, default=_UNKNOWN)
     if value is _UNKNOWN or OmegaConf.is_config(value):
         return _UNKNOWN

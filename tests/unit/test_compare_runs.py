@@ -1427,3 +1427,16 @@ def test_a_multi_select_groups_choice_labels_a_run_as_typed(tmp_path):
         (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      callbacks: {choice}\n")
     two = [r["label"] for r in compare_runs.compare([str(tmp_path / "d"), str(tmp_path / "e")], ["val/loss"])["runs"]]
     assert two == ["callbacks=[default,loss_spike]", "callbacks=[default]"]
+
+
+def test_a_run_without_the_experiment_another_used_is_labelled_experiment_null(tmp_path):
+    """A baseline run beside a job of '-m experiment=wsd_vs_cosine': the baseline's choice of the group, none
+    (null in .hydra/hydra.yaml), was labelled 'experiment=None', which typed is no option of the group (Hydra looks
+    for experiment/None.yaml); it is written as it would be typed, 'experiment=null'."""
+    runs = {"base": ([], "null"), "exp": (["experiment=wsd_vs_cosine"], "wsd_vs_cosine")}
+    for name, (typed, choice) in runs.items():
+        run = write_run(tmp_path / name, {12: 3.0}, overrides=["trainer.max_steps=12", *typed])
+        (run / "config_resolved.yaml").write_text("trainer:\n  max_steps: 12\n")
+        (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      experiment: {choice}\n")
+    two = [r["label"] for r in compare_runs.compare([str(tmp_path / n) for n in runs], ["val/loss"])["runs"]]
+    assert two == ["experiment=null", "experiment=wsd_vs_cosine"]
