@@ -32,18 +32,38 @@ PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM  # 143: what a shell reports for a 
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130: Ctrl-C
 
 
-TRAIN_RESUME_HINT = (
+TRAIN_RESUME_HINT = (  # train(cfg) outside Hydra: its caller chose the run dir
     "resume=auto (same run_name; a multirun job: the same -m arguments with hydra.sweep.dir=<its sweep dir>) or "
     "ckpt_path=<that file>"
 )
 
 
-def hint_train_resume(callbacks: list[L.Callback]) -> None:
+def train_resume_hint(run_name) -> str:
+    """How to resume this run, with its own names: a multirun job ``the same -m arguments and resume=auto
+    'hydra.sweep.dir=<this sweep's dir>'``, a single run ``resume=auto run_name=<its name>`` (the default names are
+    start times, which the line gave as '<its sweep dir>' and 'same run_name' to look up); outside Hydra
+    :data:`TRAIN_RESUME_HINT`."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from lit_dtrain.sweeps import in_multirun
+
+    if in_multirun():  # job N trains in <sweep dir>/N (sweeps.pin_sweep_dir reads it the same way)
+        sweep = Path(HydraConfig.get().runtime.output_dir).parent
+        return f"the same -m arguments and resume=auto {shlex.quote(f'hydra.sweep.dir={sweep}')}"
+    if HydraConfig.initialized() and run_name is not None:
+        return f"resume=auto {shlex.quote(f'run_name={run_name}')} or ckpt_path=<that file>"
+    return TRAIN_RESUME_HINT
+
+
+def hint_train_resume(callbacks: list[L.Callback], run_name=None) -> None:
     """Give each ``PreemptionCheckpoint`` that has no ``resume_hint`` of its own ``train()``'s way to resume,
-    ``resume=auto`` (its default names ``trainer.fit(..., ckpt_path=...)``, a project of one's own)."""
+    ``resume=auto`` (its default names ``trainer.fit(..., ckpt_path=...)``, a project of one's own):
+    :func:`train_resume_hint`."""
     for c in callbacks:
         if isinstance(c, PreemptionCheckpoint) and c.resume_hint is None:
-            c.resume_hint = TRAIN_RESUME_HINT
+            c.resume_hint = train_resume_hint(run_name)
 
 
 def stop_signal(trainer: L.Trainer) -> signal.Signals:

@@ -283,7 +283,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     callbacks = build_callbacks(cfg)
-    hint_train_resume(callbacks)  # PreemptionCheckpoint's line names resume=auto, not trainer.fit(ckpt_path=...)
+    hint_train_resume(callbacks, cfg.get("run_name"))  # PreemptionCheckpoint names resume=auto, with this run's names
     if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.get("logger"):  # logger=none / ~logger: the LR monitor has nowhere to log (Lightning would refuse)
