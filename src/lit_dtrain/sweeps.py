@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.sweep_grid import sweep_task, warn_if_an_experiment_grid_was_not_swept, warn_if_the_grid_repeats_a_point
 from lit_dtrain.utils.job_log import log_to_handlers
 
 log = logging.getLogger(__name__)
@@ -49,33 +50,9 @@ def sweep_checks(cfg: DictConfig) -> None:
         )
     if hc.mode == RunMode.MULTIRUN and hc.job.num == 0:
         warn_if_the_grid_repeats_a_point(hc)
+    if hc.mode == RunMode.MULTIRUN:
+        warn_if_an_experiment_grid_was_not_swept(hc)
     check_resumed_job(cfg)
-
-
-def warn_if_the_grid_repeats_a_point(hc) -> None:
-    """Warn when a swept key of this multirun (``-m`` or an experiment's ``hydra.sweeper.params``) lists a value
-    twice: ``optimizer.lr=1e-3,1e-3`` (a typo for 3e-3) trained the same run twice without a word, and
-    ``compare_runs.py`` labelled the rows by job number alone, since no value differs between them."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-
-    task = _sweep_task(hc)
-    params = [f"{key}={value}" for key, value in (hc.sweeper.get("params") or {}).items()]
-    axes = {}  # the command line's value of a key replaces the experiment's
-    for o in OverridesParser.create().parse_overrides(params + task):
-        if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP, ValueType.RANGE_SWEEP):
-            axes[o.key_or_group] = [str(v) for v in o.sweep_iterator()]  # 1e-3 and 0.001 are one value
-    for key, values in axes.items():
-        repeated = sorted({v for i, v in enumerate(values) if v in values[:i]})
-        if repeated:
-            log.warning("%s lists %s more than once: this multirun trains the same configuration in several jobs "
-                        "(%d values, %d distinct)", key, ", ".join(repeated), len(values), len(set(values)))
-
-
-def _sweep_task(hc) -> list[str]:
-    """The command line's overrides of this start's multirun (``-m`` lists unexpanded), from its ``multirun.yaml``."""
-    multirun = Path(hc.runtime.output_dir).parent / "multirun.yaml"  # this start's sweep, as Hydra saved it
-    return list(OmegaConf.load(multirun).hydra.overrides.task) if multirun.is_file() else []
 
 
 def in_multirun() -> bool:
@@ -344,7 +321,7 @@ def check_resumed_job(cfg: DictConfig) -> None:
     old_file = Path(hc.runtime.output_dir) / "config_resolved.yaml"
     if hc.mode != RunMode.MULTIRUN or cfg.get("resume") != "auto" or not old_file.is_file():
         return
-    task = _sweep_task(hc)
+    task = sweep_task(hc)
     swept = {
         o.key_or_group.replace("/", ".")
         for o in OverridesParser.create().parse_overrides(task)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf, open_dict
 
 from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data.corpus import CorpusError
-from lit_dtrain.sweeps import UserInputError, check_resumed_job, reports_user_errors, user_error
+from lit_dtrain.sweeps import UserInputError, check_resumed_job, reports_user_errors, sweep_checks, user_error
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import CONF_DIR, TINY
 
@@ -437,3 +437,28 @@ def test_which_errors_are_a_bad_input():
     # other errors inside a constructor are not (a TypeError, a ValueError subclass from deeper down)
     assert user_error(instantiation_error(TypeError("unexpected keyword argument 'x'"))) is None
     assert user_error(instantiation_error(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"))) is None
+
+
+def test_a_swept_experiment_whose_grid_was_not_expanded_says_so(tmp_path, corpus, caplog):
+    """'-m experiment=wsd_vs_cosine,cpt_replay' ran wsd_vs_cosine as one job (the default schedule and LR), not its
+    6-job grid, without a word: Hydra takes hydra.sweeper.params from the config it composes before the sweep,
+    which has no experiment when the experiment is swept. The job now warns, naming the grid and the -m to run."""
+    job_dir = tmp_path / "sweep" / "0"
+    with multirun_job(job_dir, ["experiment=wsd_vs_cosine,cpt_replay"], ["experiment=wsd_vs_cosine"], corpus) as cfg:
+        OmegaConf.save({"hydra": {"sweeper": {"params": None}, "overrides": {"task": ["experiment=wsd_vs_cosine,"
+                                                                                     "cpt_replay"]}}},
+                       job_dir.parent / "multirun.yaml")  # as Hydra writes it: the sweep's grid, empty
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.sweeps"):
+            sweep_checks(cfg)
+    assert ("experiment=wsd_vs_cosine sweeps scheduler=wsd,cosine optimizer.lr=1e-3,3e-3,1e-2 (its "
+            "hydra.sweeper.params), but this multirun did not expand that grid") in caplog.text
+    assert "Run each such experiment in a -m of its own: python train.py -m experiment=wsd_vs_cosine" in caplog.text
+    caplog.clear()
+    with multirun_job(job_dir, ["experiment=wsd_vs_cosine"], ["experiment=wsd_vs_cosine", "scheduler=wsd",
+                                                              "optimizer.lr=0.001"], corpus) as cfg:
+        OmegaConf.save({"hydra": {"sweeper": {"params": {"scheduler": "wsd,cosine", "optimizer.lr": "1e-3,3e-3,1e-2"}},
+                                  "overrides": {"task": ["experiment=wsd_vs_cosine"]}}},
+                       job_dir.parent / "multirun.yaml")  # the experiment alone: its grid was the sweep's
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.sweeps"):
+            sweep_checks(cfg)
+    assert "did not expand" not in caplog.text

@@ -1,0 +1,67 @@
+"""A multirun's grid as Hydra's basic sweeper expanded it (this start's ``multirun.yaml``), checked in each job by
+``lit_dtrain.sweeps.sweep_checks``: a value listed twice, and an experiment's grid that was never swept."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger("lit_dtrain.sweeps")  # the sweep checks' logger, as before the split
+
+
+def warn_if_the_grid_repeats_a_point(hc) -> None:
+    """Warn when a swept key of this multirun (``-m`` or an experiment's ``hydra.sweeper.params``) lists a value
+    twice: ``optimizer.lr=1e-3,1e-3`` (a typo for 3e-3) trained the same run twice without a word, and
+    ``compare_runs.py`` labelled the rows by job number alone, since no value differs between them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    task = sweep_task(hc)
+    params = [f"{key}={value}" for key, value in (hc.sweeper.get("params") or {}).items()]
+    axes = {}  # the command line's value of a key replaces the experiment's
+    for o in OverridesParser.create().parse_overrides(params + task):
+        if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP, ValueType.RANGE_SWEEP):
+            axes[o.key_or_group] = [str(v) for v in o.sweep_iterator()]  # 1e-3 and 0.001 are one value
+    for key, values in axes.items():
+        repeated = sorted({v for i, v in enumerate(values) if v in values[:i]})
+        if repeated:
+            log.warning("%s lists %s more than once: this multirun trains the same configuration in several jobs "
+                        "(%d values, %d distinct)", key, ", ".join(repeated), len(values), len(set(values)))
+
+
+def sweep_task(hc) -> list[str]:
+    """The command line's overrides of this start's multirun (``-m`` lists unexpanded), from its ``multirun.yaml``."""
+    multirun = _multirun_file(hc)
+    return list(OmegaConf.load(multirun).hydra.overrides.task) if multirun is not None else []
+
+
+def _multirun_file(hc) -> Path | None:
+    """This start's ``multirun.yaml`` (its sweep, as Hydra saved it, beside the job dirs); None where there is none."""
+    multirun = Path(hc.runtime.output_dir).parent / "multirun.yaml"
+    return multirun if multirun.is_file() else None
+
+
+def warn_if_an_experiment_grid_was_not_swept(hc) -> None:
+    """Warn when this job's config has a grid (``hydra.sweeper.params``, from its experiment) that the sweep did not
+    expand: Hydra reads the grid of the config it composes before sweeping, which has no experiment where the
+    experiment itself is swept (``-m experiment=wsd_vs_cosine,compression_sweep``, ``experiment=glob(*)``). Such a
+    job trained one point of its experiment's comparison (its defaults: ``scheduler=wsd`` at the default LR for
+    ``wsd_vs_cosine``'s six) without a word."""
+    grid = hc.sweeper.get("params")
+    multirun = _multirun_file(hc)
+    if not grid or multirun is None:
+        return
+    sweeper = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")
+    if sweeper is None:  # not Hydra's file: nothing tells what it swept
+        return
+    expanded = sweeper.get("params") or {}
+    if not_swept := [f"{key}={value}" for key, value in grid.items() if key not in expanded]:
+        experiment = hc.runtime.choices.get("experiment")
+        log.warning(
+            "experiment=%s sweeps %s (its hydra.sweeper.params), but this multirun did not expand that grid: Hydra "
+            "sweeps an experiment's grid only where the experiment is not swept itself, so this job trains one "
+            "point of it. Run each such experiment in a -m of its own: python train.py -m experiment=%s",
+            experiment, " ".join(not_swept), experiment,
+        )
