@@ -226,3 +226,38 @@ def test_an_evaluation_with_ckpt_path_leaves_the_datamodules_state(tmp_path):
                   enable_model_summary=False, limit_val_batches=0, callbacks=[FourierSamplerCallback()]).fit(
             ValidatedLM(per_token=True), datamodule=fresh, ckpt_path=str(tmp_path / "ck" / "step=2.ckpt"))
     assert fresh.state_dict()["micro_step"] == 3 and fresh.state_dict()["sampler"]["updates"] == 3
+
+
+class SeenIndices(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(batch["index"].tolist())
+
+
+def test_overfit_batches_cycles_lmdatamodules_first_batches(tmp_path):
+    """``Trainer(overfit_batches=2)`` limits a DataLoader to its first 2 batches; ``LMDataModule`` draws by step, so
+    every step trained on new windows (6 steps, 6 different batches) and the overfit never happened. It cycles its
+    first 2 batches now, through a resume too; a fraction, which means nothing for a stream drawn step by step without
+    an end, is refused by Lightning."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lit_dtrain.callbacks import FourierSamplerCallback
+
+    def fit(data, max_steps, ckpt_path=None, overfit=2):
+        seen = SeenIndices()
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1, every_n_train_steps=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, overfit_batches=overfit, default_root_dir=str(tmp_path),
+                      callbacks=[seen, FourierSamplerCallback(), checkpoints]).fit(
+                ValidatedLM(per_token=True), datamodule=data, ckpt_path=ckpt_path)
+        return seen.seen
+
+    seen = fit(lm_data(tmp_path), 6)
+    assert seen[0] != seen[1] and seen == [seen[0], seen[1]] * 3
+    assert fit(lm_data(tmp_path), 6, ckpt_path=str(tmp_path / "ck" / "step=3.ckpt")) == [seen[1], seen[0], seen[1]]
+    with pytest.raises(MisconfigurationException, match=r"must be `1.0` or an int"):
+        fit(lm_data(tmp_path), 2, overfit=0.5)

@@ -159,6 +159,7 @@ class LMDataModule(L.LightningDataModule):
         self.splits: list[TokenSplits] = []
         self.train_windows: WindowSet | None = None
         self._pending_state: dict | None = None
+        self.overfit_indices: dict[int, torch.Tensor] = {}  # under Trainer(overfit_batches=k)
 
     # ---- building -----------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -258,7 +259,15 @@ class LMDataModule(L.LightningDataModule):
 
     def batch_for_step(self, step: int, rank: int = 0, world_size: int = 1) -> dict:
         """The rank's shard of the global batch of micro-step ``step`` (pure: does not advance state)."""
-        indices = self.sampler.global_batch(step, self.batch_size * world_size)
+        return self._shard_batch(self.sampler.global_batch(step, self.batch_size * world_size), rank)
+
+    def _overfit_batches(self) -> int:
+        """``Trainer(overfit_batches=k)``: the micro-batches to cycle through (0: off). Lightning's own rule limits a
+        DataLoader to its first k batches, which for this step-drawn stream trained on new batches every step."""
+        k = getattr(self.trainer, "overfit_batches", 0) if self.trainer is not None else 0
+        return int(k)  # a fraction: Lightning refuses it for an IterableDataset before the first batch
+
+    def _shard_batch(self, indices: torch.Tensor, rank: int) -> dict:
         shard = indices[rank * self.batch_size : (rank + 1) * self.batch_size]
         batch = window_batch(self.train_windows.gather(shard.numpy()), shard.clone())
         weight_fn = getattr(self.sampler, "loss_weights", None)
@@ -271,7 +280,14 @@ class LMDataModule(L.LightningDataModule):
     def next_train_batch(self) -> dict:
         """Materialize the next training batch for this rank and advance the data position."""
         rank, world = self._world()
-        batch = self.batch_for_step(self.micro_step, rank, world)
+        overfit = self._overfit_batches()
+        if overfit:  # the first k micro-batches' windows again and again (kept: a sampler's draws move with its state)
+            slot = self.micro_step % overfit
+            if slot not in self.overfit_indices:
+                self.overfit_indices[slot] = self.sampler.global_batch(slot, self.batch_size * world)
+            batch = self._shard_batch(self.overfit_indices[slot], rank)
+        else:
+            batch = self.batch_for_step(self.micro_step, rank, world)
         self.micro_step += 1
         return batch
 
@@ -349,6 +365,7 @@ class LMDataModule(L.LightningDataModule):
             "max_val_windows": self.max_val_windows,
             "global_batch": self.batch_size * self._world()[1],  # windows per micro-step; with the accumulation:
             "accumulate_grad_batches": self._accumulation(),  # to warn when a resume trains on other batches
+            "overfit_indices": {slot: indices.tolist() for slot, indices in self.overfit_indices.items()},
         }
 
     def _val_counts(self, cap: int) -> list[int]:
@@ -404,6 +421,7 @@ class LMDataModule(L.LightningDataModule):
                 int(saved_windows), self.max_val_windows)
         self._warn_if_the_global_batch_changed(state)
         self.micro_step = int(state["micro_step"])
+        self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
         if saved_key is not None and key is not None and saved_key != key:
