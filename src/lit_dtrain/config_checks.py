@@ -28,6 +28,7 @@ from lit_dtrain.config_warnings import warn_if_the_default_callbacks_are_dropped
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
+from lit_dtrain.utils.args import is_number
 from lit_dtrain.utils.launcher_watch import CLUSTER_LAUNCH_KEYS
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def check_config(cfg: DictConfig) -> None:
     if betas is not None:
         values = list(betas) if isinstance(betas, (list, tuple, ListConfig)) else None
         if not (values and len(values) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in values)):
+                is_number(b) and 0 <= b < 1 for b in values)):
             shown = values if values is not None else betas
             raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {shown!r}")
     max_steps = cfg.trainer.get("max_steps", -1)
@@ -320,7 +321,7 @@ def check_validation_limit(cfg: DictConfig) -> None:
     value = cfg.trainer.get("limit_val_batches")
     if value is None:
         return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = is_number(value)
     if not number or value < 0 or (isinstance(value, float) and value > 1):
         raise ConfigError(
             f"trainer.limit_val_batches must be null (all), a number of batches >= 1 or a fraction in (0, 1], "

@@ -18,6 +18,7 @@ import re
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.args import as_flag, is_flag, is_number, type_name
 
 _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
     "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
@@ -92,16 +93,15 @@ def check_types(cfg: DictConfig) -> None:
     comparison, or reading 'off' as true."""
     for key in _BOOL_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+        if value is not None and not is_flag(value):
+            raise ConfigError(f"{key} must be true or false, got {value!r} ({type_name(value)})")
     for key, kind in _NUMERIC_KEYS.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is None:
             continue
-        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-        if not ok or isinstance(value, bool):
+        if not is_number(value, integer=kind is int):
             what = "an integer" if kind is int else "a number"
-            raise ConfigError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{key} must be {what}, got {value!r} ({type_name(value)})")
         if key in _FINITE_KEYS and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
 
@@ -294,13 +294,15 @@ def check_argument_types(target, arguments, path: str) -> dict:
     of the class or function ``target``, named ``path.<key>``: a codec given in Python as ``{"name": "topk",
     "error_feedback": "no"}`` is checked as the same mapping in a config. Returns ``arguments`` with a numpy number
     where an integer or a number is asked (``np.int64(2)``, a value read from an array) as Python's ``int`` or
-    ``float``: it was refused ('must be an integer, got np.int64(2)'), and kept it would reach the object's state."""
+    ``float``: it was refused ('must be an integer, got np.int64(2)'), and kept it would reach the object's state;
+    and numpy's bool where a flag is asked as Python's (it was refused as 'got np.True_ (bool)')."""
     hints = _argument_hints(target)
     checked = dict(arguments)
     for key, value in arguments.items():
         _check_value(f"{path}.{key}", hints.get(key), value)
-        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        if is_number(value) and not isinstance(value, (int, float)):
             checked[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
+        checked[key] = as_flag(checked[key])
     return checked
 
 
@@ -321,9 +323,8 @@ def _check_value(full: str, annotation, value) -> None:
     if value is None and None in allowed or isinstance(value, str) and value in allowed:
         return
     others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
-    if kind == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type(value).__name__})")
-    number = isinstance(value, numbers.Integral if kind == "int" else numbers.Real) and not isinstance(value, bool)
-    if kind != "bool" and not number:
+    if kind == "bool" and not is_flag(value):
+        raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type_name(value)})")
+    if kind != "bool" and not is_number(value, integer=kind == "int"):
         what = "an integer" if kind == "int" else "a number"
-        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type_name(value)})")

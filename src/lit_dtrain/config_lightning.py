@@ -14,6 +14,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.args import is_number
 
 
 def _precisions() -> tuple:
@@ -101,8 +102,8 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         devices is None
         or devices == "auto"
         or (isinstance(devices, str) and re.fullmatch(r"[\d, ]+", devices))
-        or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))
-        or (ids is not None and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
+        or (is_number(devices, integer=True) and (devices >= 1 or devices == -1))
+        or (ids is not None and ids and all(is_number(i, integer=True) and i >= 0 for i in ids))
     )
     if not valid:
         shown = ids if ids is not None else devices

@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from lit_dtrain.utils.args import is_number
+
 log = logging.getLogger(__name__)
 Warn = Callable[[str], None]  # where a skipped dir or an unreadable multirun.yaml is reported
 
@@ -299,7 +301,7 @@ def summary_steps(run: Path) -> int | None:
         steps = json.loads((run / "summary.json").read_text())["steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    return steps if is_number(steps, integer=True) else None
 
 
 def summary_marks(run: Path) -> dict:

@@ -856,6 +856,26 @@ def test_numpy_numbers_given_in_python_are_taken_as_python_numbers():
         build_compressor({"name": "int8", "block_size": np.float64(64)})
 
 
+def test_a_numpy_bool_given_in_python_is_taken_where_a_flag_is_asked():
+    """build_compressor({"name": "topk", "error_feedback": np.False_}) (a flag read from an array) was refused with
+    'must be true or false, got np.False_ (bool)', which reads as if Python's bool were refused. It is taken, as numpy
+    numbers are where a number is asked, and the codec holds Python's bool; where a number is asked a numpy bool is
+    still refused, its type named as numpy's."""
+    import numpy as np
+
+    from lit_dtrain.errors import ConfigError
+
+    for flag in (np.False_, np.True_):
+        feedback = build_compressor({"name": "topk", "error_feedback": flag}).error_feedback
+        assert feedback is bool(flag)
+    assert build_local_update({"name": "diloco", "nesterov": np.False_}).nesterov is False
+    with pytest.raises(ConfigError, match=r"^compressor.ratio must be a number, got np.True_ \(numpy.bool\)$"):
+        build_compressor({"name": "topk", "ratio": np.True_})
+    with pytest.raises(ConfigError, match=r"^compressor.error_feedback must be true or false, got np.str_\('no'\) "
+                                          r"\(numpy.str_\)$"):
+        build_compressor({"name": "topk", "error_feedback": np.str_("no")})
+
+
 def test_a_bad_collective_timeout_given_in_python_is_named_as_its_argument():
     """make_ddp(collective_timeout_s='60') was told 'strategy.collective_timeout_s must be ...', a key of train.py's
     config that a Python user never wrote; a config's value is still named by its key (test_configs)."""

@@ -134,3 +134,16 @@ def test_use_cache_that_is_not_a_bool_is_refused():
     """use_cache='false' (a string, truthy) sampled with the cache without a word."""
     with pytest.raises(ValueError, match=r"^generate: use_cache must be True or False, got 'false' \(str\)$"):
         tiny().generate(PROMPTS, 2, temperature=0, use_cache="false")
+
+
+def test_use_cache_may_be_a_numpy_bool():
+    """use_cache=np.False_ (a flag read from an array) was refused as 'got np.False_ (bool)', naming numpy's bool
+    as if it were Python's: it is taken, and np.False_ samples uncached (the same greedy tokens)."""
+    import numpy as np
+
+    m = tiny()
+    assert torch.equal(m.generate(PROMPTS, 3, temperature=0, use_cache=np.False_),
+                       m.generate(PROMPTS, 3, temperature=0, use_cache=True))
+    with pytest.raises(ValueError, match=r"^generate: use_cache must be True or False, got np.str_\('no'\) "
+                                         r"\(numpy.str_\)$"):
+        m.generate(PROMPTS, 2, temperature=0, use_cache=np.str_("no"))

@@ -28,7 +28,6 @@ peak for any device.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 
 import torch
@@ -40,6 +39,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
+from lit_dtrain.utils.args import is_number
 
 TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
 
@@ -234,7 +234,7 @@ def token_throughput_monitor(window_size: int = 50, available_flops: float | Non
     Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
     # Lightning's Throughput asserts window_size > 1 in the monitor's setup, inside fit: a bare AssertionError
     check_arg("token_throughput_monitor", "window_size", window_size,  # np.int64(50) too (a value from an array)
-              lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 2,
+              lambda v: is_number(v, integer=True) and v >= 2,
               "an integer >= 2 (steps averaged)")
     window_size = int(window_size)
     if available_flops is not None and not float(available_flops) > 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lit_dtrain.data.walking import _files_below, walk_glob
+from lit_dtrain.utils.args import is_number, type_name
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)  # also the token cache's: its modules log under this name
@@ -62,7 +63,7 @@ def check_source_name(name, key: str = "data source name") -> str:
     ``val/<name>/loss`` and the cache dir ``<name>-<key>``: a ``/`` would nest both one level deeper, a leading
     ``.`` hide the cache dir, a space or ``:`` trouble loggers and shells. An int (YAML ``name: 2024``) is its
     decimal string."""
-    if isinstance(name, int) and not isinstance(name, bool):
+    if is_number(name, integer=True):
         name = str(name)
     if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
         fixed = re.sub(r"[^\w.+-]", "_", str(name)).lstrip(".+-") or "source"
@@ -118,9 +119,9 @@ class CorpusSource:
                 f"data source {self.name!r}: pattern must be one glob for the files below a directory (e.g. '*.txt'), "
                 f"got {self.pattern!r}; for several, give globs in paths: paths=['DIR/**/*.txt', 'DIR/**/*.md']"
             )
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
+        if not is_number(self.weight):
             raise CorpusError(f"data source {self.name!r}: weight must be a number, got {self.weight!r} "
-                              f"({type(self.weight).__name__})")
+                              f"({type_name(self.weight)})")
         if not 0 <= self.weight < float("inf"):  # inf made the mixture's probabilities NaN
             raise CorpusError(f"data source {self.name!r}: weight must be finite and >= 0, got {self.weight}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import os
 import socket
 from collections.abc import Iterable, Mapping
@@ -39,7 +38,7 @@ from lit_dtrain.data.windows import (
     token_counts,
     window_batch,
 )
-from lit_dtrain.utils.args import check_int
+from lit_dtrain.utils.args import check_int, is_number
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.data.corpus")  # the data's logger (token caches, splits, a resume's data)
@@ -133,7 +132,7 @@ class LMDataModule(L.LightningDataModule):
         # None means batch_size; 0 used to mean it silently, -1 failed inside torch's DataLoader
         self.val_batch_size = self.batch_size if val_batch_size is None else check_int(
             "data.val_batch_size", val_batch_size, minimum=1)
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real) or not 0 < val_fraction < 1:
+        if not is_number(val_fraction) or not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction must be a number in (0, 1) (the share of documents held out), got "
                              f"{val_fraction!r}")
         self.val_fraction = float(val_fraction)
@@ -327,7 +326,7 @@ class LMDataModule(L.LightningDataModule):
             if n == 0:
                 raise CorpusError(f"data source {split.name!r}: validation split has no full window")
             idx = np.unique(np.linspace(0, n - 1, min(n, self.max_val_windows)).round().astype(np.int64))
-            if world > 1 and isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            if world > 1 and is_number(limit, integer=True) and limit > 0:
                 idx = idx[: limit * self.val_batch_size]  # the windows one process validates (see above)
             dataset = _ValWindows(windows, idx, padding=-len(idx) % world)
             sampler = None

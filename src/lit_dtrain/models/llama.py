@@ -9,7 +9,6 @@ lit_dtrain's model-rewriting callbacks (activation checkpointing, ...) rely on.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -17,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lit_dtrain.utils.args import is_flag, is_number, type_name
 
 
 @dataclass
@@ -86,13 +87,9 @@ def check_sampling(
     ``--temperature``): the one check of :meth:`Llama.generate`, ``scripts/generate.py`` and the config's ``sample.*``.
     A temperature of inf (or nan) is refused: the logits divided by it are all 0, a uniform draw over every token
     whatever ``top_k`` says; ``sample.temperature=inf`` passed the config check while ``generate.py`` refused it."""
-    def is_int(v) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-    good = {"max_new_tokens": is_int(max_new_tokens) and max_new_tokens >= 0,
-            "temperature": isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-            and math.isfinite(temperature) and temperature >= 0,
-            "top_k": top_k is None or (is_int(top_k) and top_k >= 0)}
+    good = {"max_new_tokens": is_number(max_new_tokens, integer=True) and max_new_tokens >= 0,
+            "temperature": is_number(temperature) and math.isfinite(temperature) and temperature >= 0,
+            "top_k": top_k is None or (is_number(top_k, integer=True) and top_k >= 0)}
     values = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}
     for key, ok in good.items():
         if not ok:
@@ -290,9 +287,9 @@ class Llama(nn.Module):
         of earlier positions (:mod:`lit_dtrain.models.kv_cache`): the same tokens, the logits equal to fp32
         rounding; ``False`` runs the whole context through :meth:`forward` for every token."""
         check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
-        if not isinstance(use_cache, bool):  # 'false' is truthy: it sampled with the cache
-            raise ValueError(f"generate: use_cache must be True or False, got {use_cache!r} "
-                             f"({type(use_cache).__name__})")
+        if not is_flag(use_cache):  # 'false' is truthy: it sampled with the cache
+            raise ValueError(f"generate: use_cache must be True or False, got {use_cache!r} ({type_name(use_cache)})")
+        use_cache = bool(use_cache)
         shape = tuple(input_ids.shape)
         if input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError(f"generate: input_ids must be (batch, tokens) with at least one token, got shape {shape}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from contextlib import contextmanager
 from functools import partial
 
@@ -23,7 +22,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from lit_dtrain.optim import set_lr
-from lit_dtrain.utils.args import as_written
+from lit_dtrain.utils.args import as_written, is_number
 from lit_dtrain.utils.args import check_int as _check_int
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -44,7 +43,7 @@ def no_schedule_warnings():
 
 
 def _check_min_factor(min_lr_factor: float) -> float:
-    if isinstance(min_lr_factor, bool) or not isinstance(min_lr_factor, numbers.Real):
+    if not is_number(min_lr_factor):
         raise ValueError(f"min_lr_factor must be a number in [0, 1], got {min_lr_factor!r}")
     if not 0.0 <= min_lr_factor <= 1.0:  # also rejects NaN
         raise ValueError(f"min_lr_factor must be in [0, 1], got {min_lr_factor}")
@@ -71,7 +70,7 @@ def resolve_decay_steps(total_steps: int, decay_steps: int | None = None, decay_
             f"decay_fraction={decay_fraction!r}"
         )
     if decay_fraction is not None:
-        if isinstance(decay_fraction, bool) or not isinstance(decay_fraction, numbers.Real):
+        if not is_number(decay_fraction):
             raise ValueError(f"decay_fraction must be a number in [0, 1], got {decay_fraction!r}")
         if not 0.0 <= decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction must be in [0, 1], got {decay_fraction}")

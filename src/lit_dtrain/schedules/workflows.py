@@ -41,6 +41,7 @@ from lit_dtrain.schedules._resume_lr import (
     warn_if_the_lr_moves,
 )
 from lit_dtrain.sweeps import another_run_dir
+from lit_dtrain.utils.args import is_number
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     if not src.is_file():
         raise ConfigError(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
     steps = branch.steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+    if not is_number(steps, integer=True) or steps <= 0:
         raise ConfigError(f"decay_branch.steps must be a positive integer, got {steps!r}")
     if cfg.get("ckpt_path"):
         raise ConfigError("set either decay_branch.ckpt or ckpt_path, not both (the branch resumes its ckpt)")

@@ -15,7 +15,6 @@ drops of that state, what one on another number of ranks keeps, and the warnings
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -51,6 +50,7 @@ from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_r
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.strategies.unused_params import globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
+from lit_dtrain.utils.args import is_number
 from lit_dtrain.utils.distributed import (
     begin_fit_records,
     destroy_process_group_at_exit,
@@ -72,7 +72,7 @@ def collective_timeout(seconds: Any, caller: str | None = None) -> timedelta:
     (``make_ddp: collective_timeout_s ...``) where given, else the config key ``strategy.collective_timeout_s``, which
     :func:`~lit_dtrain.strategies.by_name.build_strategy` checks before it builds a config's strategy: a Python user's
     ``make_ddp(collective_timeout_s='60')`` was told of ``strategy.collective_timeout_s``, a key of train.py's."""
-    ok = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool) and seconds > 0  # np.int64(60) too
+    ok = is_number(seconds) and seconds > 0  # np.int64(60) too
     if not ok or seconds == float("inf"):
         name = f"{caller}: collective_timeout_s" if caller else "strategy.collective_timeout_s"
         raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")

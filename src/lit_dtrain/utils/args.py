@@ -17,14 +17,44 @@ from pathlib import Path
 from typing import NoReturn
 
 
+def is_number(value, integer: bool = False) -> bool:
+    """Whether ``value`` is a real number (an integer, with ``integer``) and not a flag: Python's numbers and
+    numpy's (``np.int64(2)``, a value read from an array), but not ``True``, which Python counts as the integer 1
+    (``seed=true`` trained as seed 1), nor numpy's ``np.True_``. The one test of every argument check that asks for
+    a number."""
+    return isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
+
+
+def is_flag(value) -> bool:
+    """Whether ``value`` is a boolean: ``True``/``False``, or numpy's ``np.True_``/``np.False_`` (a value read from
+    an array, taken as numpy numbers are where a number is asked; :func:`as_flag` gives Python's bool). A string
+    is not: ``'false'`` and ``'no'`` are truthy."""
+    numpy = sys.modules.get("numpy")  # a numpy bool exists only once numpy is imported
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
+
+
+def as_flag(value):
+    """``value`` as Python's ``bool`` where it is a flag (:func:`is_flag`), else unchanged: no numpy bool reaches an
+    object's state or a checkpoint."""
+    return bool(value) if is_flag(value) else value
+
+
+def type_name(value) -> str:
+    """The name of ``value``'s type as an error shows it after the value: ``str`` for Python's own types, with its
+    module for others (``numpy.bool``, ``numpy.str_``): numpy's bool is named ``bool`` too, so 'must be an integer,
+    got np.True_ (bool)' read as if Python's bool were meant."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def check_int(name: str, value, minimum: int | None = 0) -> int:
     """``value`` as an ``int``: an integer, or a float that is exactly one (``1000.0``: ``1e3`` in YAML, a horizon
     computed as ``0.5 * steps``); ``ValueError`` naming ``name`` for anything else (``1000.5``, a bool, nan, inf, a
     string) and for a value below ``minimum`` (None: no minimum)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+    if is_number(value) and not isinstance(value, numbers.Integral):
         if math.isfinite(value) and float(value).is_integer():
             value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_number(value, integer=True):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

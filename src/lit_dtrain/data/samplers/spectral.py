@@ -25,11 +25,10 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
-from lit_dtrain.utils.args import as_written
+from lit_dtrain.utils.args import as_written, is_number, type_name
 
 VARIANTS = ("moment_ratio", "magnitude")
 
@@ -224,8 +223,8 @@ def _stage_row(i: int, row) -> Stage:
                              "[name, start_units, bands, mix, lr_mult]")
     name, start, bands, mix, lr_mult = values
     for field, value in zip(STAGE_FIELDS[1:], values[1:]):
-        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-            raise ValueError(f"{where}: {field} must be a finite number, got {value!r} ({type(value).__name__})")
+        if not is_number(value) or not math.isfinite(value):
+            raise ValueError(f"{where}: {field} must be a finite number, got {value!r} ({type_name(value)})")
     if start < 0:
         raise ValueError(f"{where}: start must be >= 0 (in step units), got {start!r}")
     if not (bands > 0 and float(bands).is_integer()):
