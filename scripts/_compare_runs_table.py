@@ -204,7 +204,7 @@ def markdown_table(
         same_end = comparable(r) or (best is not None and not comparable(best))
         gap_known = same_end and math.isfinite(r["final"]) and math.isfinite(ref) and ref
         # relative to |best|: a worse run is + (lower is better) or - (--maximize) also where the best is negative
-        gap = f"{(r['final'] - ref) / abs(ref) * 100:+.2f}%" if gap_known else "-"
+        gap = _percent((r["final"] - ref) / abs(ref) * 100) if gap_known else "-"
         best_cell = f"{_number(r['best'])} ({r['best_step']})" if r["best_step"] is not None else "-"
         step = r["final_step"]
         if r.get("finished") is False or r.get("error"):
@@ -257,8 +257,16 @@ def table_order(dirs: list[str], given: list[str] = ()) -> list[int]:
 
 
 def _number(value: float) -> str:
-    """4 decimals (losses, bytes), or 4 significant digits for a value under 0.01 (an LR: 3e-05, not 0.0000)."""
-    return f"{value:.4f}" if value == 0 or not math.isfinite(value) or abs(value) >= 0.01 else f"{value:.4g}"
+    """4 decimals (losses, bytes), or 4 significant digits for a value under 0.01 (an LR: 3e-05, not 0.0000) and in
+    exponent form from 1e6 (a diverged run's perplexity: 4.937e+29, not a 30-digit number; FLOP/s: 8.860e+08)."""
+    if value == 0 or not math.isfinite(value) or 0.01 <= abs(value) < 1e6:
+        return f"{value:.4f}"
+    return f"{value:.4g}" if abs(value) < 0.01 else f"{value:.3e}"
+
+
+def _percent(value: float) -> str:
+    """A gap in percent, signed: 2 decimals (``+4.00%``), in exponent form from 1e6 % as :func:`_number`."""
+    return f"{value:+.2f}%" if abs(value) < 1e6 else f"{value:+.3e}%"
 
 
 _SUMMARY_KEYS = ("final_step", "final", "best", "best_step", "missing")

@@ -621,6 +621,27 @@ def test_every_metric_has_a_table_and_json_values(tmp_path, capsys):
     assert bytes_b == {"final_step": 21, "final": pytest.approx(1016.0), "best": None, "best_step": None}  # cumulative
 
 
+def test_large_values_are_shown_in_exponent_form(tmp_path, capsys):
+    """A real diverged run's val/ppl (4.9e29 at val_loss 68.37) was a 30-digit number in the table, a run's
+    validate/device/flops_per_sec '886020928.0000', and the gap a 28-digit percentage: from 1e6 a value (and a gap
+    in percent) shows 4 significant digits in exponent form, below it 4 decimals as before (a gap 2); the JSON line
+    keeps the values whole."""
+    for name, ppl in (("diverged", 4.937e29), ("ok", 24.9432)):
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        w.add_scalar("val/ppl", ppl, 20)
+        w.add_scalar("validate/device/flops_per_sec", 886020928.0 if name == "ok" else 999999.0, 20)
+        w.close()
+    args = [str(tmp_path / "diverged"), str(tmp_path / "ok"), "--out", str(tmp_path / "c.png")]
+    assert compare_runs.main([*args, "--metric", "val/ppl", "--metric", "validate/device/flops_per_sec"]) == 0
+    out = capsys.readouterr().out
+    assert "| diverged | 21 | 4.937e+29 | 4.937e+29 (21) | +1.979e+30% |" in out
+    assert "| ok | 21 | 24.9432 | 24.9432 (21) | +0.00% |" in out
+    assert "| diverged | 21 | 999999.0000 | 999999.0000 (21) | -99.89% |" in out
+    assert "| ok | 21 | 8.860e+08 | 8.860e+08 (21) | +0.00% |" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["runs"][0]["final"] == pytest.approx(4.937e29)
+
+
 def test_a_metric_where_higher_is_better_is_ranked_by_its_highest_value(tmp_path, capsys):
     """A sweep of activation-checkpointing policies compared by `--metric train/device/items_per_sec` (tokens/s):
     every table ranks by the lowest value, so the slowest run was 'best' and the fastest '+25.00%'. `--maximize
