@@ -93,7 +93,7 @@ from lit_dtrain.utils.distributed import (
     is_collective_failure,
 )
 from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_handlers
-from lit_dtrain.utils.launcher_watch import watched_run
+from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
@@ -355,6 +355,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True)) from None
     if sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
+    past_the_last_collective()  # the ranks' last one: rank 0 may now end first, normally
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
     per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size

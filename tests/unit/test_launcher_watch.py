@@ -114,6 +114,42 @@ def _wait_gone(pid: int) -> bool:
     return _alive(pid)
 
 
+# rank 1 slower in its end-of-run work than rank 0, which ends its run normally first (5 s in a real 2-rank run)
+_SLOW_CHILD = textwrap.dedent("""
+    import os, time
+    from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
+    parent = os.getppid()
+    with watched_run(interval_s=0.05):
+        print('watching', flush=True)
+        past_the_last_collective()
+        while os.getppid() == parent:
+            time.sleep(0.05)
+        time.sleep(0.5)  # ten polls of the watch after rank 0 has gone
+    print('finished', flush=True)
+""")
+
+
+def test_a_rank_0_that_ends_normally_first_is_not_reported():
+    """A rank 1 still in its run's end after the ranks' last collective, when rank 0 had ended normally, printed
+    'rank 0 ... is gone; ... Resume with resume=auto' after a finished run and exited 1 before its run returned
+    (a real 2-rank run whose rank 1 was 5 s slower there). Past its last collective a run is not watched."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    parent_code = _PARENT.replace("time.sleep(60)", "sys.stdin.readline()")  # then it exits normally, status 0
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, _SLOW_CHILD], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "watching"
+        parent.stdin.write("end\n")
+        parent.stdin.flush()
+        assert parent.wait(timeout=30) == 0
+        assert parent.stdout.read().strip() == "finished"  # EOF once the child, which shares the pipe, has exited
+        assert parent.stderr.read() == ""
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL) if _alive(parent.pid) else None
+        os.kill(child, signal.SIGKILL) if _alive(child) else None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -26,27 +26,45 @@ CLUSTER_LAUNCH_KEYS = (  # a launcher that starts every rank itself: torchrun, s
 )
 LAUNCHING_PID = "LIT_DTRAIN_LAUNCHING_PID"  # rank 0's process id, set while its train() runs
 _started = threading.Event()
-_running = [0]  # train() calls in progress: a parent that exits after this rank's run returned is no error
+# train() calls in progress that still need rank 0 (a collective to come): a parent that exits after this rank's
+# last collective of the run, or after its run returned, is no error
+_running = [0]
+_runs: list[dict] = []  # the calls in progress, innermost last: {"watched": whether it counts in _running}
 
 
 @contextlib.contextmanager
 def watched_run(env=os.environ, interval_s: float = 1.0):
-    """Around one ``train()`` run: :func:`exit_when_the_launching_rank_dies` while it runs; on a local rank 0, its
-    process id in ``env[LAUNCHING_PID]`` for the ranks Lightning's launcher starts in fit (restored at the end)."""
+    """Around one ``train()`` run: :func:`exit_when_the_launching_rank_dies` while it runs, until it returns or
+    says it is :func:`past_the_last_collective`; on a local rank 0, its process id in ``env[LAUNCHING_PID]`` for the
+    ranks Lightning's launcher starts in fit (restored at the end)."""
     exit_when_the_launching_rank_dies(env, interval_s)
     marked = int(env.get("LOCAL_RANK", "0") or 0) <= 0
     earlier = env.get(LAUNCHING_PID)
     if marked:
         env[LAUNCHING_PID] = str(os.getpid())
+    run = {"watched": True}
+    _runs.append(run)
     _running[0] += 1
     try:
         yield
     finally:
-        _running[0] -= 1
+        _runs.remove(run)
+        if run["watched"]:
+            _running[0] -= 1
         if marked and earlier is None:
             env.pop(LAUNCHING_PID, None)
         elif marked:
             env[LAUNCHING_PID] = earlier
+
+
+def past_the_last_collective() -> None:
+    """The current run (:func:`watched_run`) waits for rank 0 no more: what is left of it is this rank's own
+    work. Rank 0 may end its run first and exit normally; a rank 1 that was slower in its end-of-run work (5 s in a
+    real 2-rank run) printed 'rank 0 ... is gone; ... Resume with resume=auto' after a finished run and exited 1
+    before its run returned."""
+    if _runs and _runs[-1]["watched"]:
+        _runs[-1]["watched"] = False
+        _running[0] -= 1
 
 
 def exit_when_the_launching_rank_dies(env=os.environ, interval_s: float = 1.0) -> bool:
