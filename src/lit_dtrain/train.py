@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.callbacks._contract import check_step_outputs
+from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
 from lit_dtrain.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -341,7 +342,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
-    trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
+    if not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):  # else it holds it
+        trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
 

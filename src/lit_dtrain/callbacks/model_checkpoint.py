@@ -26,6 +26,10 @@ does for an epoch's last batch), with its ``val/loss``: Lightning's, at the batc
 the previous validation's loss, and a resume from it skipped that validation (Lightning takes a checkpoint saved at a
 train batch's end as past it), so after a kill during it a resumed run never ran it, and the run's last top-k file was
 not written (``resume=auto`` had no ``val/loss`` at the next save point, and the fit ended before a validation).
+
+A fit that resumed ``last.ckpt`` itself and trained no step (a finished run's ``resume=auto``) leaves it as it is:
+Lightning's save at train end rewrote it with its ``Timer`` grown by that fit's brief run, so the time a
+``trainer.max_time`` run had counted crept on at each such start (:func:`resumed_and_trained_nothing`).
 """
 
 from __future__ import annotations
@@ -103,12 +107,35 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self._over_top_k = keep_top_k(self)
 
     @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        last = self.format_checkpoint_name(self._monitor_candidates(trainer), self.CHECKPOINT_NAME_LAST)
+        if self.save_last and resumed_and_trained_nothing(trainer.ckpt_path, last, trainer.global_step,
+                                                          getattr(self, "_train_start_step", None)):
+            return
+        super().on_train_end(trainer, pl_module)
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._train_start_step = trainer.global_step
         for path in getattr(self, "_over_top_k", ()):  # in this dirpath, not the file resumed from: Lightning's rule
             if self._should_remove_checkpoint(trainer, path, ""):
                 trainer.strategy.remove_checkpoint(path)
         self._over_top_k = []
+
+
+def resumed_and_trained_nothing(ckpt_path, path: str, step: int, start_step: int | None) -> bool:
+    """Whether a fit resumed the file ``path`` itself (``ckpt_path``: the file it restored) and trained no step
+    (``step`` is still its ``start_step``), so that a save of ``path`` would change only what that brief fit counted:
+    Lightning's ``Timer`` grew by it (a run EarlyStopping stopped, with ``trainer.max_time`` set, counted 53.946 s,
+    53.947 s, 53.951 s of training after three starts that trained nothing). A fit from another file (a step
+    checkpoint, the one ``resume=auto`` took where ``last.ckpt`` is damaged) still writes ``path``."""
+    if not ckpt_path or start_step is None or step != start_step:
+        return False
+    try:
+        return os.path.samefile(ckpt_path, path)
+    except OSError:  # path is not there (yet)
+        return False
 
 
 def moved_dirpath_state(state: dict[str, Any], dirpath: str | None) -> dict[str, Any]:
