@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, safe_torch_load
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models import build_llama
-from lit_dtrain.schedules.workflows import load_model_weights, model_from_checkpoint
+from lit_dtrain.schedules.workflows import apply_decay_branch, load_model_weights, model_from_checkpoint
 from lit_dtrain.train import resolve_ckpt_path, train
 
 
@@ -52,6 +52,9 @@ def test_a_changed_byte_in_a_tensor_or_in_the_step_is_refused_at_every_load(tiny
     model = build_llama(**whole["model_config"])
     with pytest.raises(ConfigError, match="^init_from: " + damaged[1:]):
         load_model_weights(model, tensor)
+    # named by the key typed, as init_from: it was the path alone
+    with pytest.raises(ConfigError, match="^decay_branch.ckpt: " + damaged[1:]):
+        apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={tensor}", "decay_branch.steps=2", run="branch"))
     # global_step, an integer of data.pkl (BININT1 2): it unpickled as 3
     pkl = data.index(b"global_step", _data_offset(data, members["archive/data.pkl"]))
     step = data.index(b"K\x02", pkl)

@@ -230,7 +230,10 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             "decay_branch needs the WSD schedule: scheduler=wsd (the default), "
             "or '~scheduler' 'callbacks=[default,wsd]'"
         )
-    start = checkpoint_global_step(src)  # a corrupt or foreign file is a CheckpointError naming it
+    try:  # the key as typed, as init_from's errors: a damaged file was named by its path alone
+        start = checkpoint_global_step(src)
+    except CheckpointError as e:  # damaged (a member fails its CRC-32 check), truncated, foreign
+        raise ConfigError(f"decay_branch.ckpt: {e}") from e
     total = start + steps
     _refuse_given_branch_keys(nodes, start, steps)
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
