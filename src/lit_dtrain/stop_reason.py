@@ -97,6 +97,19 @@ def nothing_trained(reason: str, steps: int, trainer: L.Trainer | None = None) -
     return f"the fit trained no step from the checkpoint at step {steps} (stopped: {reason}): only validated"
 
 
+def _warmup_end(factor, step: int, max_steps: int) -> int | None:
+    """The warmup's length under the LR schedule ``factor`` (the first step whose LR rises no more: a checkpoint from
+    there on is past the warmup, as ``decay_branch`` asks), where ``step`` lies inside the warmup (the LR still
+    rising); None where it does not rise at ``step`` (a stable phase, a decay)."""
+    previous = float(factor(step - 1))
+    for s in range(step, max_steps):
+        current = float(factor(s))
+        if current <= previous:
+            return s if s > step else None
+        previous = current
+    return None
+
+
 class KeepEarlyStop(L.Callback):
     """A resume of a checkpoint whose ``EarlyStopping`` stopped its run trains no step (see the module docstring):
     ``trainer.should_stop`` at train start, once the checkpoint's callback states are restored. Every rank restores
@@ -138,6 +151,19 @@ def warn_if_the_schedule_did_not_end(trainer: L.Trainer, stopped: str, start_ste
         return
     timer = _timer(trainer) if stopped == "max_time" else None  # a branch's Timer goes on from this run's time:
     also = f" trainer.max_time=<past {_dd_hh_mm_ss(timer.time_elapsed('train'))}>" if timer else ""  # else no step
+    peak = _warmup_end(factor, step, trainer.max_steps)
+    if peak is not None:  # the LR still rising: a branch from here is refused, or decays from the peak, above it
+        train_on = {"early_stopping": " with EarlyStopping left out", "max_time": also}.get(stopped, "")
+        log_once(
+            log, logging.WARNING,
+            "the fit stopped (%s) after %d of trainer.max_steps=%d optimizer steps, inside its warmup of %d steps "
+            "(its last at %.4g of the peak LR): its weights are not annealed, and a decay branch does not take a "
+            "checkpoint inside the warmup (refused there, or it decays from the peak LR, above this one). To anneal "
+            "them, train on to step %d or later first (resume=auto%s), then branch from a checkpoint there: "
+            "decay_branch.ckpt=<that last.ckpt> decay_branch.steps=N", stopped, step, trainer.max_steps, peak, last,
+            peak, train_on,
+        )
+        return
     log_once(
         log, logging.WARNING,
         "the fit stopped (%s) after %d of trainer.max_steps=%d optimizer steps, its last at %.4g of the peak LR, "

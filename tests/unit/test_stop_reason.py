@@ -179,3 +179,38 @@ def test_a_max_time_stop_s_decay_branch_names_the_time_its_timer_needs(caplog):
             warn_if_the_schedule_did_not_end(trainer, stopped, 0, "run/checkpoints/last.ckpt")
         assert caplog.messages[-1].endswith(f"branch: decay_branch.ckpt=run/checkpoints/last.ckpt "
                                             f"decay_branch.steps=N{tail}"), caplog.messages
+
+
+def test_a_stop_inside_the_warmup_is_told_to_train_past_it_before_a_decay_branch(caplog):
+    """A real run trainer.max_time=00:00:00:06 stopped at step 2 of 2000, inside its warmup of 100 steps (LR at 0.02
+    of the peak), was told to branch: decay_branch.ckpt=... decay_branch.steps=N; that branch (N=1000) was refused,
+    'decay_branch.ckpt is at step 2, inside the warmup', and a short one (N=10) took it and jumped the LR up to the
+    peak. The line now says the checkpoint is inside the warmup, and to train past it first; past it, as before."""
+    from functools import partial
+
+    from lightning.pytorch.callbacks import Timer
+
+    from lit_dtrain.schedules.lr import wsd_lr_factor
+    from lit_dtrain.stop_reason import warn_if_the_schedule_did_not_end
+
+    factor = partial(wsd_lr_factor, total_steps=2000, warmup_steps=100, decay_steps=400)
+    timer = Timer(duration="00:00:00:06")
+    timer.load_state_dict({"time_elapsed": {"train": 14.5}})
+    configs = [SimpleNamespace(scheduler=SimpleNamespace(lr_lambdas=[factor]))]
+    for step, stopped, message in [
+        (2, "max_time", "the fit stopped (max_time) after 2 of trainer.max_steps=2000 optimizer steps, inside its "
+         "warmup of 100 steps (its last at 0.02 of the peak LR): its weights are not annealed, and a decay branch "
+         "does not take a checkpoint inside the warmup (refused there, or it decays from the peak LR, above this "
+         "one). To anneal them, train on to step 100 or later first (resume=auto trainer.max_time=<past "
+         "00:00:00:15>), then branch from a checkpoint there: decay_branch.ckpt=<that last.ckpt> "
+         "decay_branch.steps=N"),
+        (99, "early_stopping", "train on to step 100 or later first (resume=auto with EarlyStopping left out)"),
+        (100, "early_stopping", "its last at 1 of the peak LR, before its schedule's end (0 at step 1999): its "
+         "weights are not annealed. To decay them (scheduler=wsd), branch: decay_branch.ckpt=run/last.ckpt "
+         "decay_branch.steps=N"),
+    ]:
+        trainer = _trainer(global_step=step, max_steps=2000, callbacks=[timer], lr_scheduler_configs=configs)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+            warn_if_the_schedule_did_not_end(trainer, stopped, 0, "run/last.ckpt")
+        assert message in caplog.messages[-1], caplog.messages

@@ -166,6 +166,26 @@ def test_wsd_says_when_the_fit_stops_early_before_its_decay_ends(tmp_path: Path,
     ]
 
 
+def test_wsd_stopped_inside_its_warmup_is_told_to_train_past_it_first(tmp_path: Path) -> None:
+    """A fit stopped at step 3 inside an 8-step warmup was told to resume with WSDScheduler(total_steps=3 + D,
+    decay_steps=D), a horizon inside the warmup, which WSDScheduler refuses (and train.py's decay branch,
+    advised the same way, refuses a checkpoint inside the warmup). It is told to train past the warmup first."""
+    wsd = WSDScheduler(total_steps=16, warmup_steps=8, decay_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            callbacks=[wsd, StopAt(3)])
+        trainer.fit(Own())
+    said = [str(w.message) for w in caught if "WSDScheduler: the fit stopped" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "its last step ran at 0.375x the peak LR and its weights are not decayed. To decay them, train on to step 8 "
+        "or later first, past the warmup (warmup_steps=8), then resume from its last checkpoint with "
+        "WSDScheduler(total_steps=<that step> + D, decay_steps=D)"), said
+    with pytest.raises(ValueError):  # the horizon it was told of before
+        WSDScheduler(total_steps=3 + 4, warmup_steps=8, decay_steps=4)
+
+
 class SpikeAt10(Own):
     def training_step(self, batch, batch_idx):
         loss = (self.net(batch["x"]) - batch["y"]).square().mean()  # (Own's spike at step 15 left out)

@@ -98,13 +98,15 @@ def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, pla
 
 
 def warn_if_stopped_before_the_decay(trainer: L.Trainer, total_steps: int, decay_steps: int,
-                                     factor: Callable[[int], float], advice: str | None = None) -> None:
+                                     factor: Callable[[int], float], advice: str | None = None,
+                                     warmup_steps: int = 0) -> None:
     """A fit that stopped before the steps it planned (``EarlyStopping``, ``max_time``, ``trainer.should_stop``, an
     unsized DataLoader that ran out) and before the decay's end: its weights are not the decayed ones, and nothing
     said so (the check at train start saw the planned steps). A signal's stop raises and never gets here. ``advice``:
     how to decay them where a resume would not (under ``train.py`` an early-stopped checkpoint's resume trains no
     step, and told to 'resume with WSDScheduler(total_steps=4 + D, ...)' one trained none: its decay branch);
-    None: resume with the decay's horizon."""
+    None: resume with the decay's horizon. Inside the warmup (``warmup_steps``) neither takes the checkpoint (a decay
+    branch is refused there, a resume with a horizon inside the warmup too): train past it first."""
     step, planned = trainer.global_step, trainer.estimated_stepping_batches
     if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
         return  # (its estimate is not the fit's length)
@@ -114,6 +116,9 @@ def warn_if_stopped_before_the_decay(trainer: L.Trainer, total_steps: int, decay
     why = "EarlyStopping, max_time or trainer.should_stop"
     of = f"of the {int(planned)} it planned ({why})" if known else f"(a DataLoader without a length ran out, {why})"
     advice = advice or f"resume from its last checkpoint with WSDScheduler(total_steps={step} + D, decay_steps=D)"
+    if step < warmup_steps:  # the LR still rising: the branch, or the horizon, above is refused here
+        advice = (f"train on to step {warmup_steps} or later first, past the warmup (warmup_steps={warmup_steps}), "
+                  f"then {advice.replace(f'total_steps={step} + D', 'total_steps=<that step> + D')}")
     rank_zero_warn(
         f"WSDScheduler: the fit stopped after {step} optimizer steps {of}, before the decay ends (steps "
         f"{total_steps - decay_steps}..{total_steps - 1}): its last step ran at {factor(step - 1):.4g}x the peak "

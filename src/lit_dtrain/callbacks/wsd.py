@@ -337,7 +337,7 @@ class WSDScheduler(StepHooksCallback):
             warn_optimizers_left_behind(self.updates, self.total_steps, self.decay_steps, self.lr_factor)
         elif not self.updates and self.decay_steps > 0 and trainer.global_step > self._start_step:
             warn_if_stopped_before_the_decay(trainer, self.total_steps, self.decay_steps, self.lr_factor,
-                                             self.decay_advice)
+                                             self.decay_advice, self.warmup_steps)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
