@@ -87,14 +87,6 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning's writes last.ckpt here when none was written yet, also under fast_dev_run ("checkpointing is
-        # suppressed"): a smoke test's step-1 last.ckpt in the run's dirpath, which the real run's ckpt_path="last"
-        # then resumed (it trained 3 of its 4 steps, from the smoke test's weights)
-        if not trainer.fast_dev_run:
-            super().on_train_end(trainer, pl_module)
-
-    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         note_stage(self, stage)
         super().setup(trainer, pl_module, stage)
@@ -108,6 +100,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's writes last.ckpt here when none was written yet, also under fast_dev_run ("checkpointing is
+        # suppressed"): a smoke test's step-1 last.ckpt in the run's dirpath, which the real run's ckpt_path="last"
+        # then resumed (it trained 3 of its 4 steps, from the smoke test's weights)
+        if trainer.fast_dev_run:
+            return
         last = self.format_checkpoint_name(self._monitor_candidates(trainer), self.CHECKPOINT_NAME_LAST)
         if self.save_last and resumed_and_trained_nothing(trainer.ckpt_path, last, trainer.global_step,
                                                           getattr(self, "_train_start_step", None)):
