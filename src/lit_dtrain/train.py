@@ -342,7 +342,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
-    if not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):  # else it holds it
+    smoke_test = bool(trainer.fast_dev_run)  # Lightning checkpoints nothing there; resume=auto would take its step 1
+    if not smoke_test and not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):
         trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
@@ -373,7 +374,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "steps": steps,
         "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
         "wall_seconds": fit_seconds,
-        "checkpoint": last_ckpt,
+        "checkpoint": None if smoke_test else last_ckpt,
         "unigram_entropy": datamodule.unigram_entropy(),
         "train_loss": train_loss,
         "stopped": stopped,  # max_steps, max_epochs, early_stopping, max_time, should_stop

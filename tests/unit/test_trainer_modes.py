@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -261,3 +262,18 @@ def test_overfit_batches_cycles_lmdatamodules_first_batches(tmp_path):
     assert fit(lm_data(tmp_path), 6, ckpt_path=str(tmp_path / "ck" / "step=3.ckpt")) == [seen[1], seen[0], seen[1]]
     with pytest.raises(MisconfigurationException, match=r"must be `1.0` or an int"):
         fit(lm_data(tmp_path), 2, overfit=0.5)
+
+
+def test_train_py_under_fast_dev_run_leaves_no_checkpoint_for_resume_auto(tiny_cfg):
+    """``python train.py +trainer.fast_dev_run=true``: Lightning suppresses checkpointing in a smoke test, but train()
+    wrote its own final last.ckpt (step 1), which a real run with the same run_name and resume=auto then resumed."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.val_check_interval=2")
+    with open_dict(cfg):
+        cfg.trainer.fast_dev_run = True
+    metrics, _ = train(cfg)
+    assert metrics["steps"] == 1 and metrics["checkpoint"] is None
+    assert sorted(p.name for p in Path(cfg.paths.output_dir).rglob("*.ckpt")) == []
