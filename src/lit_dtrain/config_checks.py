@@ -72,7 +72,7 @@ def check_config(cfg: DictConfig) -> None:
     if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
         raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
     betas = cfg.optimizer.get("betas")
-    if betas is not None:
+    if "betas" in cfg.optimizer:  # null: "optimizer: 'NoneType' object is not iterable"
         values = list(betas) if isinstance(betas, (list, tuple, ListConfig)) else None
         if not (values and len(values) == 2 and all(
                 is_number(b) and 0 <= b < 1 for b in values)):

@@ -27,8 +27,16 @@ _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_
     "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,
     "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
     "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,
-    "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float,
+    "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "model.dropout": float,
 }
+
+
+# numbers that have no "null" meaning: model.n_layer=null (or model.dropout=abc) failed in Hydra's wrapper of
+# build_llama with "TypeError: '<=' not supported between instances of 'NoneType' and 'int'", naming only the node
+# (full_key: model); optimizer.eps=null was "optimizer: '<=' not supported ...", naming neither key nor fix
+_NOT_NULL_KEYS = ("model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_kv_head",
+                  "model.d_model", "model.rope_theta", "model.norm_eps", "model.init_std", "model.dropout",
+                  "optimizer.eps", "optimizer.weight_decay")
 
 
 # numbers that must be finite: lr=inf (or weight_decay=inf) made the first update inf, and the run stopped a step
@@ -38,7 +46,8 @@ _FINITE_KEYS = ("optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "mode
                 "model.init_std")
 
 
-_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true
+_BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=no) would count as true, and null
+    # as false: module.check_finite=null trained with the check off, model.tie_embeddings=null untied, silently
     "module.compile", "module.check_finite", "model.tie_embeddings", "model.depth_scaled_init", "data.progress",
 )
 
@@ -88,16 +97,19 @@ def check_known_keys(cfg: DictConfig) -> None:
                               f"does not read it, so it would be ignored{hint} ({holds})")
 
 
+_ABSENT = object()  # OmegaConf.select's default for a key the config does not hold (null is a value)
+
+
 def check_types(cfg: DictConfig) -> None:
     """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
     comparison, or reading 'off' as true."""
     for key in _BOOL_KEYS:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not is_flag(value):
-            raise ConfigError(f"{key} must be true or false, got {value!r} ({type_name(value)})")
+        node = OmegaConf.select(cfg, key, default=_ABSENT)
+        if node is not _ABSENT and not is_flag(node):
+            raise ConfigError(f"{key} must be true or false, got {node!r} ({type_name(node)})")
     for key, kind in _NUMERIC_KEYS.items():
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None:
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if value is _ABSENT or value is None and key not in _NOT_NULL_KEYS:
             continue
         if not is_number(value, integer=kind is int):
             what = "an integer" if kind is int else "a number"
