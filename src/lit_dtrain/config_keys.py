@@ -295,6 +295,9 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             continue
         child, full = node._get_node(key), f"{path}.{key}" if path else key
         if isinstance(child, (DictConfig, ListConfig)):
+            # a list for a flag or number: optimizer.fused=[] trained as fused=False, silently
+            if _flag_or_number(hints.get(key)) is not None:
+                _check_value(full, hints.get(key), OmegaConf.to_container(child))
             check_target_arguments(cfg, child, full)
             continue
         if _flag_or_number(hints.get(key)) is not None:  # read only then: an interpolation may refuse to resolve

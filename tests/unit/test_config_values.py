@@ -40,3 +40,20 @@ def test_null_where_a_number_or_flag_is_needed_is_refused(override, match, tiny_
                                       "data.val_batch_size=null", "model.dropout=0", "sample.top_k=null"])
 def test_nulls_and_zeros_that_mean_something_pass(override, tiny_cfg):
     check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        # a list reached the constructor: fused=[] built a foreach AdamW, auto_insert_metric_name=[] read as false
+        ("optimizer.fused=[]", r"^optimizer.fused must be true or false or null, got \[\] \(list\)$"),
+        ("callbacks.model_checkpoint.auto_insert_metric_name=[]",
+         r"^callbacks.model_checkpoint.auto_insert_metric_name must be true or false, got \[\] \(list\)$"),
+        ("callbacks.model_checkpoint.save_top_k=[1]",
+         r"^callbacks.model_checkpoint.save_top_k must be an integer, got \[1\] \(list\)$"),
+        ("data.seed={a:1}", r"^data.seed must be an integer, got \{'a': 1\} \(dict\)$"),
+    ],
+)
+def test_a_list_or_mapping_for_a_flag_or_number_argument_is_refused(override, match, tiny_cfg):
+    with pytest.raises(ConfigError, match=match):
+        check_config(tiny_cfg(override))
