@@ -2,7 +2,8 @@
 
 - :func:`check_known_keys`: a key lit_dtrain does not read, at the root or in a plain section of conf/train.yaml
   (``CONFIG_KEYS``);
-- :func:`check_types`: numbers that must be numbers (and finite), flags that must be booleans;
+- :func:`check_types`: numbers that must be numbers (and finite), flags that must be booleans, paths that must be
+  text;
 - :func:`check_target_arguments`: the flags and numbers of every ``_target_`` node, by its class's annotations, and
   a key its class takes no argument for (:func:`check_target_keys`).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -97,12 +99,19 @@ def check_known_keys(cfg: DictConfig) -> None:
                               f"does not read it, so it would be ignored{hint} ({holds})")
 
 
+# paths, each with whether null is allowed: ckpt_path=[] or init_from=0 (falsy) trained from scratch, silently;
+# data.cache_dir=0 (or null) failed in the token cache's build with "TypeError: expected str, bytes or os.PathLike
+# object, not int", data.exclude_dirs=[-1] in Hydra's wrapper of the datamodule, naming only 'full_key: data'
+_PATH_KEYS = {"ckpt_path": True, "init_from": True, "decay_branch.ckpt": True, "data.cache_dir": False,
+              "data.exclude_dirs": True}
+
+
 _ABSENT = object()  # OmegaConf.select's default for a key the config does not hold (null is a value)
 
 
 def check_types(cfg: DictConfig) -> None:
-    """Numbers must be numbers and flags booleans: name the key and the value instead of failing later in a
-    comparison, or reading 'off' as true."""
+    """Numbers must be numbers, flags booleans and paths text: name the key and the value instead of failing later
+    in a comparison, or reading 'off' as true (or a list as no checkpoint)."""
     for key in _BOOL_KEYS:
         node = OmegaConf.select(cfg, key, default=_ABSENT)
         if node is not _ABSENT and not is_flag(node):
@@ -116,6 +125,29 @@ def check_types(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {what}, got {value!r} ({type_name(value)})")
         if key in _FINITE_KEYS and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+    for key, nullable in _PATH_KEYS.items():
+        try:
+            value = OmegaConf.select(cfg, key, default=_ABSENT)
+        except Exception:  # ${lit.required:...} (experiment=cpt_replay's init_from): train() names what to give
+            continue
+        if value is _ABSENT or value is None and nullable:
+            continue
+        if key == "data.exclude_dirs":  # a list of dirs, or one dir
+            if isinstance(value, ListConfig) and all(isinstance(entry, (str, os.PathLike)) for entry in value):
+                continue
+            what = "a list of paths (text), one path or null"
+        else:
+            what = "a path (text) or null" if nullable else "a path (text)"
+        _check_path(key, value, what)
+
+
+def _check_path(key: str, value, what: str) -> None:
+    if isinstance(value, (str, os.PathLike)):  # (a Path set from Python)
+        return
+    shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+    quote = f" (a name that reads as a number: quote it, {key}=\"'{value}'\")" if isinstance(value, (int, float)) \
+        and not isinstance(value, bool) else ""
+    raise ConfigError(f"{key} must be {what}, got {shown!r} ({type(shown).__name__}){quote}")
 
 
 def _flag_or_number(annotation) -> tuple[str, set] | None:

@@ -57,3 +57,32 @@ def test_nulls_and_zeros_that_mean_something_pass(override, tiny_cfg):
 def test_a_list_or_mapping_for_a_flag_or_number_argument_is_refused(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        # falsy, so read as "no checkpoint": the run trained from scratch and exited 0, silently
+        ("ckpt_path=[]", r"^ckpt_path must be a path \(text\) or null, got \[\] \(list\)$"),
+        ("init_from=0", r"^init_from must be a path \(text\) or null, got 0 \(int\) \(a name that reads as a number: "
+                        r"quote it, init_from=\"'0'\"\)$"),
+        ("decay_branch.ckpt=[a]", r"^decay_branch.ckpt must be a path \(text\) or null, got \['a'\] \(list\)$"),
+        # "TypeError: expected str, bytes or os.PathLike object, not int" from the token cache's build
+        ("data.cache_dir=0", r"^data.cache_dir must be a path \(text\), got 0 \(int\)"),
+        ("data.cache_dir=null", r"^data.cache_dir must be a path \(text\), got None \(NoneType\)$"),
+        # the same TypeError in Hydra's wrapper of the datamodule, naming only 'full_key: data'; 0 excluded nothing
+        ("data.exclude_dirs=[-1]", r"^data.exclude_dirs must be a list of paths \(text\), one path or null, "
+                                   r"got \[-1\] "),
+        ("data.exclude_dirs=0", r"^data.exclude_dirs must be a list of paths \(text\), one path or null, got 0 "),
+    ],
+)
+def test_a_path_key_that_is_not_text_is_refused(override, match, tiny_cfg):
+    with pytest.raises(ConfigError, match=match):
+        check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize("override", ["ckpt_path=''", "init_from=null", "data.exclude_dirs=null",
+                                      "data.exclude_dirs=[]", "data.exclude_dirs=/tmp/x",
+                                      "data.exclude_dirs=[/tmp/x,/tmp/y]"])
+def test_paths_that_are_text_or_null_pass(override, tiny_cfg):
+    check_config(tiny_cfg(override))
