@@ -369,13 +369,21 @@ def check_monitors(cfg: DictConfig) -> None:
     """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping) naming a ``val``/``train`` metric that ``LitLLM``
     does not log, or a name without a ``/`` (``val_loss``): Lightning finds out only at the first validation, after
     ``trainer.val_check_interval`` steps of training, and stops without a checkpoint. Metrics of other families
-    (logged by callbacks or strategies) are left to Lightning."""
+    (logged by callbacks or strategies) are left to Lightning. A ``monitor`` or ``filename`` that is not text
+    (``monitor=0``, ``filename=-1``) failed there too, and a falsy one (``filename=0``) named files by Lightning's
+    default, silently."""
     sources = cfg.data.get("sources")  # a malformed list (data.sources=[foo]) is LMDataModule's to name
     names = [str(s.get("name")) for s in sources if isinstance(s, DictConfig)] if OmegaConf.is_list(sources) else []
     known = ["train/loss", "train/grad_norm", "val/loss", "val/ppl"]
     known += [f"val/{n}/loss" for n in names] if len(names) > 1 else []
     for key, node in (cfg.get("callbacks") or {}).items():
         monitor = node.get("monitor") if isinstance(node, DictConfig) else None
+        for name in ("monitor", "filename"):  # monitor=0, filename=-1: Lightning's error at the first save, after
+            value = node.get(name) if isinstance(node, DictConfig) else None  # training (a TypeError for filename)
+            if value is not None and not isinstance(value, str):
+                value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+                raise ConfigError(f"callbacks.{key}.{name} must be text or null, got {value!r} "
+                                  f"({type(value).__name__})")
         if not isinstance(monitor, str) or monitor in known:
             continue
         if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):

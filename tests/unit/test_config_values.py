@@ -86,3 +86,30 @@ def test_a_path_key_that_is_not_text_is_refused(override, match, tiny_cfg):
                                       "data.exclude_dirs=[/tmp/x,/tmp/y]"])
 def test_paths_that_are_text_or_null_pass(override, tiny_cfg):
     check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        # Lightning's MisconfigurationException "ModelCheckpoint(monitor=0) could not find the monitored key" at the
+        # first validation, after training; filename=-1 a TypeError from re.findall at the first save; filename=0
+        # or [] (falsy) named the files by Lightning's default, silently
+        ("callbacks.model_checkpoint.monitor=0",
+         r"^callbacks.model_checkpoint.monitor must be text or null, got 0 \(int\)$"),
+        ("callbacks.model_checkpoint.monitor=[]",
+         r"^callbacks.model_checkpoint.monitor must be text or null, got \[\] \(list\)$"),
+        ("callbacks.model_checkpoint.filename=-1",
+         r"^callbacks.model_checkpoint.filename must be text or null, got -1 \(int\)$"),
+        ("callbacks.model_checkpoint.filename=0",
+         r"^callbacks.model_checkpoint.filename must be text or null, got 0 \(int\)$"),
+    ],
+)
+def test_a_checkpoint_monitor_or_filename_that_is_not_text_is_refused(override, match, tiny_cfg):
+    with pytest.raises(ConfigError, match=match):
+        check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize("override", ["callbacks.model_checkpoint.monitor=null",
+                                      "callbacks.model_checkpoint.filename=null"])
+def test_a_null_checkpoint_monitor_or_filename_passes(override, tiny_cfg):
+    check_config(tiny_cfg(override))
