@@ -103,7 +103,8 @@ def check_known_keys(cfg: DictConfig) -> None:
 # data.cache_dir=0 (or null) failed in the token cache's build with "TypeError: expected str, bytes or os.PathLike
 # object, not int", data.exclude_dirs=[-1] in Hydra's wrapper of the datamodule, naming only 'full_key: data'
 _PATH_KEYS = {"ckpt_path": True, "init_from": True, "decay_branch.ckpt": True, "data.cache_dir": False,
-              "data.exclude_dirs": True}
+              "data.exclude_dirs": True, "trainer.default_root_dir": True, "logger.save_dir": False,
+              "logger.name": True}  # logger.save_dir=0: a TypeError in Hydra's wrapper; logger.name=-1 one in setup
 
 
 _ABSENT = object()  # OmegaConf.select's default for a key the config does not hold (null is a value)

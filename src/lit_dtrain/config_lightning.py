@@ -90,6 +90,15 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             f"trainer.accelerator={accelerator} (trainer=gpu), but torch {torch.__version__} finds no CUDA GPU: on "
             "this machine use trainer=cpu (or trainer=ddp_cpu); for a GPU, install torch's CUDA build (README.md)"
         )
+    max_time = cfg.trainer.get("max_time")  # Lightning's Timer: 2.5 was "AttributeError: 'float' object has no
+    if max_time is not None and not isinstance(max_time, DictConfig) and not (  # attribute 'total_seconds'"
+            isinstance(max_time, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", max_time.strip())):
+        raise ConfigError(f"trainer.max_time={max_time!r} must be 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a mapping "
+                          "such as {hours: 12}, or null (no limit)")
+    every = cfg.trainer.get("check_val_every_n_epoch")  # 0: a ZeroDivisionError at the end of the first epoch
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "
+                          f"trainer.val_check_interval) or an integer >= 1, got {every!r}")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(
