@@ -355,12 +355,26 @@ def check_argument_types(target, arguments, path: str) -> dict:
 
 
 def _argument_hints(target) -> dict:
+    """The annotations of ``target``'s arguments, and of the parent ``__init__`` its ``**kwargs`` go to: a subclass
+    that passes them on (``ShardedBlockQuantizer(bits=8, **kwargs)``) left its parent's flags unchecked, so
+    ``strategy=ddp_compressed/int8_rs strategy.compressor.error_feedback=abc`` trained with error feedback on."""
+    import inspect
     from typing import get_type_hints
 
-    try:
-        return get_type_hints(target.__init__ if isinstance(target, type) else target)
-    except Exception:  # unresolvable hints: nothing to check
-        return {}
+    hints: dict = {}
+    while target is not None:
+        fn = target.__init__ if isinstance(target, type) else target
+        try:
+            own = get_type_hints(fn)
+            params = inspect.signature(fn).parameters.values()
+        except Exception:  # unresolvable hints: nothing more to check
+            return hints
+        hints = {**own, **hints}  # the nearer class's annotation wins
+        if not isinstance(target, type) or not any(p.kind is p.VAR_KEYWORD for p in params):
+            return hints
+        owner = next((c for c in target.__mro__ if "__init__" in vars(c)), object)
+        target = next((c for c in owner.__mro__[1:] if "__init__" in vars(c) and c is not object), None)
+    return hints
 
 
 def _check_value(full: str, annotation, value) -> None:

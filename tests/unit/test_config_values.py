@@ -42,6 +42,17 @@ CONTAINERS = [
 ]
 
 
+# A flag or number of a parent class that a subclass's **kwargs pass on: ShardedBlockQuantizer's (int8_rs) were
+# unchecked, so error_feedback=abc trained with error feedback on, and block_size=null failed in Hydra's wrapper
+INHERITED = [
+    ("strategy=ddp_compressed/int8_rs strategy.compressor.error_feedback=abc",
+     r"^strategy.compressor.error_feedback must be true or false, got 'abc' \(str\)$"),
+    ("strategy=ddp_compressed/int8_rs strategy.compressor.start_step=2.5",
+     r"^strategy.compressor.start_step must be an integer, got 2.5 \(float\)$"),
+    ("strategy=ddp_compressed/int8_rs strategy.compressor.block_size=null",
+     r"^strategy.compressor.block_size must be an integer, got None \(NoneType\)$"),
+]
+
 # A path key that is not text is refused
 PATHS = [
     # falsy, so read as "no checkpoint": the run trained from scratch and exited 0, silently
@@ -91,7 +102,10 @@ LIGHTNING_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("override, match", NULLS + CONTAINERS + PATHS + CHECKPOINT_NAMES + LIGHTNING_VALUES)
+REFUSED = NULLS + CONTAINERS + INHERITED + PATHS + CHECKPOINT_NAMES + LIGHTNING_VALUES
+
+
+@pytest.mark.parametrize("override, match", REFUSED)
 def test_a_bad_value_is_refused_naming_the_key(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(tiny_cfg(*override.split(" ")))
