@@ -4,6 +4,7 @@ inside the model, Lightning or the datamodule, or a run that trained with the va
 
 import pytest
 
+from lit_dtrain.callbacks import LossSpikeMonitor, SelectiveCheckpointing
 from lit_dtrain.config_checks import check_config
 from lit_dtrain.errors import ConfigError
 
@@ -124,3 +125,20 @@ MEANINGFUL = [
 @pytest.mark.parametrize("override", MEANINGFUL)
 def test_values_that_mean_something_pass(override, tiny_cfg):
     check_config(tiny_cfg(override))
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        # Hydra's wrapper: "TypeError: 'int' object is not iterable" / "'NoneType' object is not iterable"
+        (lambda: SelectiveCheckpointing(save_ops=0), r"^SelectiveCheckpointing: save_ops must be a list of op names"),
+        (lambda: LossSpikeMonitor(actions=None), r"^LossSpikeMonitor: actions must be a non-empty subset of .*None$"),
+        (lambda: LossSpikeMonitor(actions=0), r"^LossSpikeMonitor: actions must be a non-empty subset of .*got 0$"),
+        # "AttributeError: 'int' object has no attribute 'split'" in setup, inside fit
+        (lambda: SelectiveCheckpointing(module_pattern=0),
+         r"^SelectiveCheckpointing: module_pattern must be a glob over module paths .*, got 0$"),
+    ],
+)
+def test_a_technique_argument_of_the_wrong_type_is_named(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()

@@ -15,6 +15,9 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
                rollback_min_age, exclude_previous_steps, cooldown_factor, cooldown_steps, cooldown_ramp_steps,
                raise_after, raise_window, warmup_steps, max_nonfinite) -> list[str]:
     """Raise ``ValueError`` naming the first bad argument; returns ``actions`` as a list of strings."""
+    # null or a number: "TypeError: 'NoneType' object is not iterable" in Hydra's wrapper
+    check_arg("LossSpikeMonitor", "actions", actions, lambda v: isinstance(v, str) or iter(v) is not None,
+              f"a non-empty subset of {ACTIONS}")
     actions = [str(a) for a in ([actions] if isinstance(actions, str) else actions)]
     unknown = [a for a in actions if a not in ACTIONS]
     if unknown or not actions:

@@ -156,8 +156,13 @@ class SelectiveCheckpointing(Callback):
             "SelectiveCheckpointing", "probe_seq_len", probe_seq_len, lambda v: v is None or int(v) >= 1, ">= 1 or None"
         )
         # a string (save_ops=aten.mm on the command line) became a list of its characters: "entry 'a' is not ..."
-        check_arg("SelectiveCheckpointing", "save_ops", save_ops, lambda v: not isinstance(v, str),
+        # and a number (save_ops=0) was "TypeError: 'int' object is not iterable" in Hydra's wrapper
+        check_arg("SelectiveCheckpointing", "save_ops", save_ops,
+                  lambda v: v is None or not isinstance(v, str) and all(isinstance(op, str) for op in v),
                   "a list of op names such as [aten.mm, aten.bmm] or None")
+        # module_pattern=0: "AttributeError: 'int' object has no attribute 'split'" in setup, inside fit
+        check_arg("SelectiveCheckpointing", "module_pattern", module_pattern, lambda v: v is None or isinstance(v, str),
+                  "a glob over module paths such as 'model.layers.*', or None (the model's blocks)")
         self.policy = policy
         self.every_k = int(every_k)
         self.save_ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
