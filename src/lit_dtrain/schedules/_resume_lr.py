@@ -56,23 +56,32 @@ def checkpoint_lr_and_peak(path: str | Path) -> tuple[list[float], list[float]] 
 
 
 def warn_if_the_lr_moves(ckpt: Path, start: int, key: str, node, *, label: str, what: str, why: str,
-                         advice: str) -> None:
+                         advice: str, peak_lr: float | None = None) -> None:
     """Warn when the checkpoint's LR for its next step ``start`` is below the LR that ``node``'s WSD schedule (config
     key ``key``) gives that step: the checkpoint was decaying (a finished run's last.ckpt, a branch of a branch), or
     inside a warmup longer than the new schedule's (the checkpoint does not record its run's warmup), and the new
-    schedule raises the LR without a re-warmup. (A decay branch lowers the LR by design.)"""
+    schedule raises the LR without a re-warmup. (A decay branch lowers the LR by design.) ``peak_lr``: the configured
+    ``optimizer.lr``, the peak the new schedule uses (StepLambdaLR and WSDScheduler keep it over the checkpoint's);
+    ``None``: the checkpoint's peaks. Before, an ``optimizer.lr`` lowered to the checkpoint's LR was still told that
+    the LR jumps up to the checkpoint's peak times the factor."""
     lr_and_peak = checkpoint_lr_and_peak(ckpt)
     if lr_and_peak is None:
         return
+    lrs, peaks = lr_and_peak
+    configured = isinstance(peak_lr, (int, float)) and not isinstance(peak_lr, bool)
+    starts = [float(peak_lr)] * len(lrs) if configured else peaks  # every param group starts at optimizer.lr
     factor = _factor(node, start)
-    if factor is not None and below(lr_and_peak, factor):
-        lrs, peaks = lr_and_peak
-        log.warning(
-            "%s %s is below its peak LR (in its warmup or decay): its LR for step %d is %s (peak %s), below %s %s: "
-            "%s, so the LR jumps up without a re-warmup. %s, or continue a decayed model with init_from=... and a "
-            "re-warmup (continual pre-training, docs/wsd.md)",
-            label, ckpt, start, _fmt(lrs), _fmt(peaks), what, _fmt([peak * factor for peak in peaks]), why, advice,
-        )
+    if factor is None or not below((lrs, starts), factor):
+        return
+    if below(lr_and_peak, 1.0):
+        where = "is below its peak LR (in its warmup or decay)"
+    else:  # at its own peak: optimizer.lr was raised above it
+        where = f"is at its peak LR, below optimizer.lr={peak_lr:g}"
+    log.warning(
+        "%s %s %s: its LR for step %d is %s (peak %s), below %s %s: %s, so the LR jumps up without a re-warmup. %s, "
+        "or continue a decayed model with init_from=... and a re-warmup (continual pre-training, docs/wsd.md)",
+        label, ckpt, where, start, _fmt(lrs), _fmt(peaks), what, _fmt([lr * factor for lr in starts]), why, advice,
+    )
 
 
 def _wsd_args(node) -> dict:
@@ -151,3 +160,4 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
 
 def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+

@@ -270,7 +270,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank == 0:  # what the checkpoint's LRs say, read once: every rank branches from the same one
-        warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP)
+        warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP, peak_lr=(cfg.get("optimizer") or {}).get("lr"))
         log_a_changed_peak(cfg, src)
     log_once(log, logging.INFO, "decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src,
              steps, total)

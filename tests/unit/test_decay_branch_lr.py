@@ -1,0 +1,47 @@
+"""What a decay branch says about its first LR and about a checkpoint inside a warmup (schedules/workflows.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lit_dtrain.schedules.workflows import apply_decay_branch
+
+
+def _checkpoint(root, step: int, lr: float, peak: float = 0.003, warmup: int | None = None):
+    """A source run's checkpoint at ``step`` whose optimizer holds ``lr`` (its WSD peak ``peak``), and the run's
+    ``config_resolved.yaml`` with ``scheduler.warmup_steps=warmup`` (none: no such file)."""
+    (root / "checkpoints").mkdir(parents=True)
+    path = root / "checkpoints" / f"step{step:06d}.ckpt"
+    torch.save({"global_step": step, "optimizer_states": [{"param_groups": [{"lr": lr}, {"lr": lr}]}],
+                "lr_schedulers": [{"base_lrs": [peak, peak]}], "state_dict": {}}, path)
+    if warmup is not None:
+        (root / "config_resolved.yaml").write_text(f"scheduler:\n  warmup_steps: {warmup}\n")
+    return path
+
+
+def _warnings(tiny_cfg, caplog, *overrides):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.schedules.workflows"):
+        apply_decay_branch(tiny_cfg(*overrides, run="branch"))
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_branch_whose_optimizer_lr_is_lowered_to_the_checkpoint_s_is_not_told_the_lr_jumps(tiny_cfg, tmp_path,
+                                                                                               caplog):
+    """A branch from step 4 of a run in its warmup (LR 0.001875 of peak 0.003) over 20 steps starts at 0.776 of the
+    peak: 0.00233, a jump up, warned. With optimizer.lr=0.001875 it starts at 0.00146 (the configured LR is the peak
+    the branch uses), but it was still warned 'below the branch's first LR [0.00233, 0.00233] ... the LR jumps up'."""
+    src = _checkpoint(tmp_path / "src", 4, lr=0.001875)
+    common = (f"decay_branch.ckpt={src}", "decay_branch.steps=20", "scheduler.warmup_steps=2")
+    [said] = _warnings(tiny_cfg, caplog, *common, "optimizer.lr=0.003")
+    assert "is below its peak LR (in its warmup or decay): its LR for step 4 is [0.00187, 0.00187] (peak [0.003, " \
+           "0.003]), below the branch's first LR [0.00233, 0.00233]" in said
+    assert _warnings(tiny_cfg, caplog, *common, "optimizer.lr=0.001875") == []
+    [said] = _warnings(tiny_cfg, caplog, *common, "optimizer.lr=0.004")  # raised: its first LR is 0.00311
+    assert "below the branch's first LR [0.00311, 0.00311]" in said
+    src = _checkpoint(tmp_path / "stable", 30, lr=0.003)  # at its peak: a raised optimizer.lr jumps up from it
+    [said] = _warnings(tiny_cfg, caplog, f"decay_branch.ckpt={src}", "decay_branch.steps=20", "optimizer.lr=0.006")
+    assert "is at its peak LR, below optimizer.lr=0.006: its LR for step 30 is [0.003, 0.003]" in said
+
