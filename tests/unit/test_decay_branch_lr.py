@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.schedules.workflows import apply_decay_branch
+
+DEFAULT_WARMUP = "scheduler.warmup_steps='${lit.warmup:${trainer.max_steps}}'"  # the configs' (tiny_cfg sets 1)
 
 
 def _checkpoint(root, step: int, lr: float, peak: float = 0.003, warmup: int | None = None):
@@ -45,3 +49,20 @@ def test_a_branch_whose_optimizer_lr_is_lowered_to_the_checkpoint_s_is_not_told_
     [said] = _warnings(tiny_cfg, caplog, f"decay_branch.ckpt={src}", "decay_branch.steps=20", "optimizer.lr=0.006")
     assert "is at its peak LR, below optimizer.lr=0.006: its LR for step 30 is [0.003, 0.003]" in said
 
+
+@pytest.mark.parametrize("warmup, fix", [
+    (8, "; the checkpoint is inside the source run's own warmup too (scheduler.warmup_steps=8 in its "
+        "config_resolved.yaml): train the source run past step 8 first"),
+    (2, ", or set scheduler.warmup_steps=2 (the source run's)"),
+    (None, ", or set scheduler.warmup_steps to the source run's warmup if the checkpoint is past it (at most 4)"),
+])
+def test_a_branch_inside_its_default_warmup_is_told_a_fix_that_is_accepted(tiny_cfg, tmp_path, warmup, fix):
+    """From step 4 over 50 steps the default warmup is 5: refused. The error said 'or set scheduler.warmup_steps to
+    the source run's warmup', which, for a checkpoint inside the source run's warmup (8), is refused as well."""
+    src = _checkpoint(tmp_path / "src", 4, lr=0.0015, warmup=warmup)
+    with pytest.raises(ConfigError) as e:
+        apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=50", DEFAULT_WARMUP, run="branch"))
+    assert str(e.value).startswith("decay_branch.ckpt is at step 4, inside the warmup (scheduler.warmup_steps=5, the "
+                                   "default min(100, max(1, max_steps // 10)) of the branch's max_steps=54); branch "
+                                   "from a stable-phase checkpoint")
+    assert str(e.value).endswith(fix)

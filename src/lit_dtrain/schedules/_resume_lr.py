@@ -161,3 +161,29 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
 def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
+
+def source_warmup(ckpt: Path, key: str) -> int | None:
+    """The ``<key>.warmup_steps`` of the run that wrote ``ckpt`` (``<run>/checkpoints/x.ckpt``), read from its
+    ``<run>/config_resolved.yaml``; ``None`` when that file or key is missing (a checkpoint does not record it)."""
+    from omegaconf import OmegaConf
+
+    path = Path(ckpt).resolve().parent.parent / "config_resolved.yaml"
+    try:
+        value = OmegaConf.select(OmegaConf.load(path), f"{key}.warmup_steps")
+    except (OSError, ValueError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def branch_in_warmup_fix(ckpt: Path, key: str, start: int) -> str:
+    """The fix a decay branch refused for a default warmup grown past ``start`` is told: one that is accepted. The
+    source run's warmup, where that lies at or before the step (the checkpoint is past it); where the checkpoint is
+    inside it, any warmup past the step is refused too, so: train the source run past it first."""
+    warmup = source_warmup(ckpt, key)
+    if warmup is None:
+        return (f", or set {key}.warmup_steps to the source run's warmup if the checkpoint is past it (at most "
+                f"{start})")
+    if warmup <= start:
+        return f", or set {key}.warmup_steps={warmup} (the source run's)"
+    return (f"; the checkpoint is inside the source run's own warmup too ({key}.warmup_steps={warmup} in its "
+            f"config_resolved.yaml): train the source run past step {warmup} first")

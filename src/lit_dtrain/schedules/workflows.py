@@ -36,6 +36,7 @@ from lit_dtrain.errors import ConfigError
 from lit_dtrain.schedules._resume_lr import (
     BRANCH_JUMP,
     below,
+    branch_in_warmup_fix,
     checkpoint_lr_and_peak,
     warn_if_a_resume_moves_the_lr,
     warn_if_the_lr_moves,
@@ -245,7 +246,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
             why, fix = "", ""
             if _is_default_warmup(node, total):
                 why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
-                fix = f", or set {key}.warmup_steps to the source run's warmup"
+                fix = branch_in_warmup_fix(src, key, start)
             raise ConfigError(
                 f"decay_branch.ckpt is at step {start}, inside the warmup ({key}.warmup_steps={warmup}{why}); "
                 f"branch from a stable-phase checkpoint{fix}"
