@@ -375,7 +375,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
         "wall_seconds": fit_seconds,
         "checkpoint": None if smoke_test else last_ckpt,
-        "unigram_entropy": datamodule.unigram_entropy(),
+        "unigram_entropy": summary_entropy(trainer, datamodule),
         "train_loss": train_loss,
         "stopped": stopped,  # max_steps, max_epochs, early_stopping, max_time, should_stop
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k not in ("val/loss", "val/ppl")},
@@ -386,6 +386,11 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}
+
+
+def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:
+    """``unigram_entropy`` (a count over the whole train split) on rank 0, which writes it; ``None`` elsewhere."""
+    return datamodule.unigram_entropy() if trainer.is_global_zero else None
 
 
 @rank_zero_only
