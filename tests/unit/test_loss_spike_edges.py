@@ -303,3 +303,43 @@ def test_every_rank_stops_together_when_another_ranks_shard_is_all_excluded() ->
     assert trainer.reduced == ["sum", "sum"]
     run.update(trainer, None, 16, 24)  # a step that trained: no check, no collective
     assert run.steps == 0 and len(trainer.reduced) == 2
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.full((4,), float(i)), "index": i}
+
+
+class _NanFirstStep(L.LightningModule):
+    """A user's module whose first step's loss is NaN (a spike at step 0, within any warmup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch["x"]).pow(2).mean()
+        return loss * float("nan") if self.global_step == 0 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("limits", [{"fast_dev_run": True}, {"max_steps": 1}, {"max_steps": 2}])
+def test_a_spike_that_excludes_every_sample_at_the_last_step_ends_the_fit(tmp_path: Path, limits: dict) -> None:
+    """Trainer(fast_dev_run=True) (or max_steps=1) with a spike on its single batch, which holds the whole dataset,
+    raised 'every sample ... (8, indices 0..7) has been excluded, so every later step would be skipped': no later
+    step comes. It ends the fit now, the samples excluded; with a step to come (max_steps=2) it still raises."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"])
+    trainer = L.Trainer(callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu", **limits)
+    loader = DataLoader(_Indexed(), batch_size=8)
+    if limits.get("max_steps") == 2:
+        with pytest.raises(RuntimeError, match=r"every sample .* \(8, indices 0\.\.7\) has been excluded"):
+            trainer.fit(_NanFirstStep(), loader)
+        return
+    trainer.fit(_NanFirstStep(), loader)
+    assert trainer.global_step == 1 and sorted(monitor.excluded) == list(range(8))

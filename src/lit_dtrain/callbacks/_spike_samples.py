@@ -112,7 +112,12 @@ def raise_together(trainer, mine: str | None, theirs: str) -> None:
 
 
 def check_not_all_excluded(trainer, known: Collection[int], n: int | None) -> None:
-    """Refuse an exclusion set ``known`` that holds every index of a train dataset of ``n`` samples (on any rank)."""
+    """Refuse an exclusion set ``known`` that holds every index of a train dataset of ``n`` samples (on any rank),
+    unless no later step comes: the fit ends at ``max_steps`` (``Trainer(fast_dev_run=True)``'s single batch, or a
+    ``max_steps`` run's last step), where it raised that every later step would be skipped. The same on every rank."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if isinstance(max_steps, int) and 0 <= max_steps <= getattr(trainer, "global_step", -1):
+        return
     mine = None
     if n and len(known) >= n and all(i in known for i in range(n)):
         # without a sampler every later step would be skipped (each batch holds an excluded index), and the run
