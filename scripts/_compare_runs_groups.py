@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from _compare_runs_labels import _as_value, _trained_with, group_labels, override_key
-from _compare_runs_table import _number, comparable, final_only
+from _compare_runs_table import _number, _percent, comparable, final_only
 
 from lit_dtrain.run_dirs import RunDirError, hydra_overrides
 
@@ -108,7 +108,7 @@ def groups_table(groups: list[dict], metric: str, over: list[str], maximize: boo
         v = g["by_metric"][metric]
         n = f"{v['n']}" + (f" (+{v['left_out']} failed, unfinished or not started)" if v["left_out"] else "")
         gap_known = math.isfinite(v["final_mean"]) and math.isfinite(ref) and ref
-        gap = f"{(v['final_mean'] - ref) / abs(ref) * 100:+.2f}%" if gap_known else "-"
+        gap = _percent((v["final_mean"] - ref) / abs(ref) * 100) if gap_known else "-"
         best_cell = _cell(v["best_mean"], v["best_std"]) if ranked else "-"
         lines.append(f"| {g['label']} | {n} | {_cell(v['final_mean'], v['final_std'])} | {best_cell} | {gap} |")
     return "\n".join(header + lines) + "\n"

@@ -99,3 +99,14 @@ def test_jobs_that_logged_nothing_count_in_their_group_and_a_setting_that_only_f
         "| model.dropout=0.1 | 1 | 3.3000 | 3.3000 | +10.00% |",
         "| model.dropout=1.5 | 0 (+1 failed, unfinished or not started) | - | - | - |",
     ]
+
+
+def test_a_diverged_groups_gap_is_in_exponent_form_as_the_runs_table(tmp_path, capsys):
+    """The per-run table prints a gap from 1e6 % in exponent form; the ``--over`` table printed a diverged group's
+    (mean val/loss 5e29 against 30.5) as a 31-digit percentage, '+1639344286963059446062189117440.00%'."""
+    sweep = tmp_path / "sweep"
+    seed_sweep(sweep, {"1e-3": [30.0, 31.0], "1e-1": [4.9e29, 5.1e29]})
+    assert compare_runs.main([str(sweep), "--over", "seed"]) == 0
+    printed = capsys.readouterr().out
+    assert "| optimizer.lr=1e-1 | 2 | 5.000e+29 ± 1.414e+28 | 4.0000 ± 0.0000 | +1.639e+30% |" in printed
+    assert "| optimizer.lr=1e-3 | 2 | 30.5000 ± 0.7071 | 4.0000 ± 0.0000 | +0.00% |" in printed
