@@ -27,6 +27,12 @@ def dm_for(corpus, tmp_path, **kw):
     return dm
 
 
+def drew_a_batch(dm):
+    """``dm`` after one training batch: its state is a checkpoint's of a run that trained (micro_step 1)."""
+    dm.next_train_batch()
+    return dm
+
+
 def test_tokenizer_roundtrip_any_bytes():
     tok = ByteTokenizer()
     ids = tok.encode("héllo\x00", add_eos=True)
@@ -180,7 +186,7 @@ def test_resuming_on_another_global_batch_warns(corpus, tmp_path, caplog, monkey
             dm.load_state_dict(state)
         return [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
 
-    state = dm_for(corpus, tmp_path, batch_size=8).state_dict()
+    state = drew_a_batch(dm_for(corpus, tmp_path, batch_size=8)).state_dict()
     assert state["global_batch"] == 8 and state["accumulate_grad_batches"] == 1
     assert said(dm_for(corpus, tmp_path, batch_size=8), state) == []
     [message] = said(dm_for(corpus, tmp_path, batch_size=4), state)
@@ -208,14 +214,14 @@ def test_a_resume_that_keeps_its_global_batch_by_accumulation_stays_quiet(corpus
             dm.load_state_dict(state)
         return [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
 
-    state = dm_for(corpus, tmp_path, batch_size=8).state_dict()
+    state = drew_a_batch(dm_for(corpus, tmp_path, batch_size=8)).state_dict()
     assert said(dm_for(corpus, tmp_path, batch_size=4), state, 2) == []
     [message] = said(dm_for(corpus, tmp_path, batch_size=8), state, 2)
     assert "global batches of 8 windows" in message and "this run's are 16" in message
     assert "accumulate_grad_batches=2" in message and "(data.batch_size=4 keeps its batch)" in message
     accumulated = dm_for(corpus, tmp_path, batch_size=4)
     monkeypatch.setattr(accumulated, "_accumulation", lambda: 2, raising=False)
-    state = accumulated.state_dict()  # 4 x 2 = 8 a step
+    state = drew_a_batch(accumulated).state_dict()  # 4 x 2 = 8 a step
     assert said(dm_for(corpus, tmp_path, batch_size=8), state, 1) == []
     [message] = said(dm_for(corpus, tmp_path, batch_size=4), state, 1)
     assert "global batches of 8 windows" in message and "this run's are 4" in message

@@ -277,3 +277,25 @@ def test_train_py_under_fast_dev_run_leaves_no_checkpoint_for_resume_auto(tiny_c
     metrics, _ = train(cfg)
     assert metrics["steps"] == 1 and metrics["checkpoint"] is None
     assert sorted(p.name for p in Path(cfg.paths.output_dir).rglob("*.ckpt")) == []
+
+
+def test_scale_batch_size_restores_its_step_0_file_without_a_batch_warning(tmp_path, caplog):
+    """``Tuner.scale_batch_size`` restores the step-0 checkpoint it saved with the batch size it found: LMDataModule
+    warned 'the checkpoint trained on global batches of 4 windows ..., and this run's are 8 ... (data.batch_size=4
+    keeps its batch)', advice to undo the tuning, of a file that drew no batch. A checkpoint that drew one still
+    warns (tests/unit/test_data.py)."""
+    from lightning.pytorch.tuner import Tuner
+
+    from lit_dtrain.data.samplers import RandomSampler
+
+    data = lm_data(tmp_path)
+    data.sampler = RandomSampler()
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        limit_val_batches=0)
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="lit_dtrain"):
+        warnings.simplefilter("ignore")
+        found = Tuner(trainer).scale_batch_size(UserLM(per_token=True), datamodule=data, max_trials=3,
+                                                steps_per_trial=1)
+    assert found == data.batch_size == 8 and data.micro_step == 0
+    assert not [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]

@@ -386,7 +386,9 @@ class LMDataModule(L.LightningDataModule):
         """A step's batch is ``data.batch_size x ranks x accumulate_grad_batches`` windows: another one warns, another
         split of it (4 x 2 after 8 x 1, an OOM's answer) does not. A checkpoint without one had this run's."""
         saved_windows = state.get("global_batch")  # data.batch_size x ranks of the checkpoint's run
-        if saved_windows is None:
+        if saved_windows is None or not int(state.get("micro_step", 1)):
+            # a checkpoint that drew no batch has none to keep: Tuner.scale_batch_size restores its step-0 file with
+            # the batch size it found, which was told 'this run's are 8 ... (data.batch_size=4 keeps its batch)'
             return
         ranks, accumulation = self._world()[1], self._accumulation()
         saved = int(saved_windows) * int(state.get("accumulate_grad_batches", accumulation))
