@@ -299,3 +299,34 @@ def test_scale_batch_size_restores_its_step_0_file_without_a_batch_warning(tmp_p
                                                 steps_per_trial=1)
     assert found == data.batch_size == 8 and data.micro_step == 0
     assert not [r.getMessage() for r in caplog.records if "global batches" in r.getMessage()]
+
+
+def test_lr_find_on_a_fourier_sampler_is_told_that_the_tuner_runs_without_callbacks(tmp_path):
+    """``Tuner.lr_find`` trains without the Trainer's callbacks, so a FourierSampler with its callback in the Trainer
+    stopped at step 2 with 'never received a training update: add the callback', which was there. The error says
+    why now; with ``require_updates=False`` the search runs and the Tuner gives the datamodule its step 0 back."""
+    from lightning.pytorch.tuner import Tuner
+
+    from lit_dtrain.callbacks import FourierSamplerCallback
+
+    class Tunable(UserLM):
+        def __init__(self) -> None:
+            super().__init__(per_token=True)
+            self.lr = 1e-3
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def lr_find(data):
+        trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                            limit_val_batches=0, callbacks=[FourierSamplerCallback()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Tuner(trainer).lr_find(Tunable(), datamodule=data, num_training=4, early_stop_threshold=None)
+
+    with pytest.raises(RuntimeError, match=r"never received a training update.*Tuner\.lr_find .*without the Trainer's"):
+        lr_find(lm_data(tmp_path))
+    data = lm_data(tmp_path)
+    data.sampler.require_updates = False
+    assert lr_find(data) is not None and data.micro_step == 0

@@ -351,7 +351,9 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
             raise RuntimeError(
                 f"FourierSampler is drawing step {step} but never received a training update: add the callback "
                 "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
-                "or set require_updates=False to sample from the prior"
+                "or set require_updates=False to sample from the prior (Lightning's Tuner.lr_find and "
+                "scale_batch_size train without the Trainer's callbacks: tune with require_updates=False or the "
+                "default RandomSampler, then fit with the callback)"
             )
         u = torch.rand(size, generator=step_generator(self.seed, step), dtype=torch.float64)
         return self._draw(u)
