@@ -330,3 +330,32 @@ def test_lr_find_on_a_fourier_sampler_is_told_that_the_tuner_runs_without_callba
     data = lm_data(tmp_path)
     data.sampler.require_updates = False
     assert lr_find(data) is not None and data.micro_step == 0
+
+
+def test_overfit_batches_resumed_on_another_batch_size_keeps_its_windows_at_the_new_size(tmp_path):
+    """LMDataModule kept the overfit batches' indices at the checkpoint's global batch: a resume with data.batch_size
+    8 of a batch-4 checkpoint trained on 4 windows a step (under DDP on more ranks, rank 1's shard would be empty),
+    while the global-batch warning said 8. The kept windows are now topped up to the new size (or cut to it)."""
+    def fit(data, max_steps, ckpt_path=None):
+        seen = SeenIndices()
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1, every_n_train_steps=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, overfit_batches=1, default_root_dir=str(tmp_path),
+                      callbacks=[seen, checkpoints]).fit(ValidatedLM(per_token=True), datamodule=data,
+                                                         ckpt_path=ckpt_path)
+        return seen.seen
+
+    def data(batch_size):
+        from lit_dtrain.data.samplers import RandomSampler
+
+        d = lm_data(tmp_path)
+        d.sampler, d.batch_size = RandomSampler(), batch_size
+        return d
+
+    [first, again] = fit(data(4), 2)
+    assert len(first) == 4 and again == first
+    bigger = fit(data(8), 4, str(tmp_path / "ck" / "step=2.ckpt"))
+    assert len(bigger) == 2 and bigger[0] == bigger[1] and len(bigger[0]) == 8 and bigger[0][:4] == first
+    assert fit(data(2), 4, str(tmp_path / "ck" / "step=2.ckpt")) == [first[:2], first[:2]]

@@ -281,9 +281,11 @@ class LMDataModule(L.LightningDataModule):
         rank, world = self._world()
         overfit = self._overfit_batches()
         if overfit:  # the first k micro-batches' windows again and again (kept: a sampler's draws move with its state)
-            slot = self.micro_step % overfit
-            if slot not in self.overfit_indices:
-                self.overfit_indices[slot] = self.sampler.global_batch(slot, self.batch_size * world)
+            slot, size = self.micro_step % overfit, self.batch_size * world
+            kept = self.overfit_indices.get(slot)
+            if kept is None or len(kept) != size:  # a resume on another global batch: the kept windows cut or topped up
+                drawn = self.sampler.global_batch(slot, size)
+                self.overfit_indices[slot] = drawn if kept is None else torch.cat([kept, drawn[len(kept):]])[:size]
             batch = self._shard_batch(self.overfit_indices[slot], rank)
         else:
             batch = self.batch_for_step(self.micro_step, rank, world)
