@@ -1,0 +1,39 @@
+"""A decay branch or an extension of a continual-pre-training run, typed with its ``experiment=cpt_replay``: the
+experiment's required ``init_from`` is not needed when a checkpoint is resumed in full."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import compose_cfg
+
+
+@pytest.mark.parametrize("key", ["decay_branch.ckpt", "ckpt_path"])
+def test_a_full_resume_of_a_cpt_run_needs_no_init_from(tmp_path, key):
+    """Before, ``experiment=cpt_replay decay_branch.ckpt=... decay_branch.steps=4`` stopped at ``give init_from=PATH``,
+    and with ``init_from`` given at ``set either decay_branch.ckpt or init_from, not both``: no command branched a
+    CPT run's stable checkpoint. Now the checkpoint itself is read (a file that is no checkpoint here)."""
+    ckpt = tmp_path / "step8.ckpt"
+    ckpt.write_bytes(b"not a checkpoint")
+    given = [f"{key}={ckpt}"] + (["decay_branch.steps=4"] if key == "decay_branch.ckpt" else [])
+    cfg = compose_cfg(["experiment=cpt_replay", *given, "sample.max_new_tokens=0"], tmp_path / "r", tiny=False)
+    drop_required_init_from_on_a_full_resume(cfg)
+    assert cfg.init_from is None
+    cfg = compose_cfg(["experiment=cpt_replay", *given, "sample.max_new_tokens=0"], tmp_path / "s", tiny=False)
+    with pytest.raises((ConfigError, CheckpointError), match=r"step8.ckpt") as e:
+        train(cfg)
+    assert "init_from" not in str(e.value)
+
+
+def test_a_fresh_cpt_start_still_needs_init_from(tmp_path):
+    cfg = compose_cfg(["experiment=cpt_replay", "sample.max_new_tokens=0"], tmp_path / "r", tiny=False)
+    drop_required_init_from_on_a_full_resume(cfg)
+    with pytest.raises(ConfigError, match=r"experiment=cpt_replay.*init_from=PATH"):
+        train(cfg)
+    given = compose_cfg(["experiment=cpt_replay", "init_from=/x/last.ckpt", "decay_branch.ckpt=/x/s.ckpt",
+                         "decay_branch.steps=2"], tmp_path / "g", tiny=False)
+    drop_required_init_from_on_a_full_resume(given)
+    assert given.init_from == "/x/last.ckpt"  # given: kept, and refused with the branch as before
