@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from lit_dtrain.data._mixture_resume import mixture_shares, warn_if_the_mixture_changed
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.token_cache import TokenSplits, build_token_cache
@@ -367,6 +368,7 @@ class LMDataModule(L.LightningDataModule):
             "global_batch": self.batch_size * self._world()[1],  # windows per micro-step; with the accumulation:
             "accumulate_grad_batches": self._accumulation(),  # to warn when a resume trains on other batches
             "overfit_indices": {slot: indices.tolist() for slot, indices in self.overfit_indices.items()},
+            "mixture_shares": mixture_shares(self.sources),  # to warn when a resume draws another share of each source
         }
 
     def _val_counts(self, cap: int) -> list[int]:
@@ -423,6 +425,7 @@ class LMDataModule(L.LightningDataModule):
                 "before, nor with the best checkpoint's score that ModelCheckpoint ranks new ones against",
                 int(saved_windows), self.max_val_windows)
         self._warn_if_the_global_batch_changed(state)
+        warn_if_the_mixture_changed(state.get("mixture_shares"), mixture_shares(self.sources))
         self.micro_step = int(state["micro_step"])
         self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
