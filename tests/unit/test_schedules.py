@@ -329,3 +329,15 @@ def test_the_config_check_leaves_the_no_decay_warning_to_the_runs_own_schedule(t
         instantiate(cfg.scheduler)(opt)
     expected = "WSD: decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps"
     assert [r.getMessage()[: len(expected)] for r in caplog.records] == [expected]
+
+
+def test_a_warmup_and_decay_past_the_horizon_says_what_to_change():
+    """`experiment=cpt_replay init_from=... trainer.max_steps=20` (a smoke test) stopped at 'warmup_steps + decay_steps
+    must be <= total_steps, got warmup_steps=50 + decay_steps=4 > total_steps=20': the experiment's warmup, never
+    typed, and no word of what to change. The error now names the fix."""
+    with pytest.raises(ValueError) as refused:
+        wsd_lr_factor(0, total_steps=20, warmup_steps=50, decay_steps=4, decay_type="1-sqrt", min_lr_factor=0.0)
+    assert str(refused.value) == (
+        "warmup_steps + decay_steps must be <= total_steps, got warmup_steps=50 + decay_steps=4 > total_steps=20: "
+        "shorten warmup_steps or the decay (decay_steps, decay_fraction), or raise total_steps (in train.py "
+        "scheduler.total_steps, by default trainer.max_steps)")

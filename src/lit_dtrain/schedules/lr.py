@@ -108,7 +108,8 @@ def check_wsd_args(
     if warmup_steps + decay_steps > total_steps:
         raise ValueError(
             f"warmup_steps + decay_steps must be <= total_steps, got warmup_steps={warmup_steps} + "
-            f"decay_steps={decay_steps} > total_steps={total_steps}"
+            f"decay_steps={decay_steps} > total_steps={total_steps}: shorten warmup_steps or the decay (decay_steps, "
+            "decay_fraction), or raise total_steps (in train.py scheduler.total_steps, by default trainer.max_steps)"
         )
     return decay_steps
 
