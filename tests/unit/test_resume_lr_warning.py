@@ -34,7 +34,8 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def messages(caplog, path, step: int, max_steps: int, target: str = "wsd", **schedule) -> list[tuple[str, str]]:
+def messages(caplog, path, step: int, max_steps: int, target: str = "wsd", lr: float | None = None,
+             **schedule) -> list[tuple[str, str]]:
     register()
     node = {"_target_": f"lit_dtrain.schedules.{target}_scheduler", "_partial_": True, **schedule}
     if target != "constant":
@@ -42,6 +43,8 @@ def messages(caplog, path, step: int, max_steps: int, target: str = "wsd", **sch
     if target == "wsd":
         node.setdefault("decay_fraction", 0.2)
     cfg = OmegaConf.create({"trainer": {"max_steps": max_steps}, "scheduler": node})
+    if lr is not None:
+        cfg.optimizer = {"lr": lr}
     caplog.clear()
     with caplog.at_level("INFO", logger="lit_dtrain.schedules.workflows"):
         fit_default_warmup(cfg, path, step)  # as train() does first (logged: a grown default fitted to the step)
@@ -126,3 +129,15 @@ def test_only_rank_0_warns(checkpoints, caplog, monkeypatch):
     assert messages(caplog, checkpoints[3], 3, 500, warmup_steps=DEFAULT) == []
     monkeypatch.setattr(rank_zero_only, "rank", 0)
     assert [level for level, _ in messages(caplog, checkpoints[3], 3, 500, warmup_steps=DEFAULT)] == ["WARNING"]
+
+
+def test_the_lr_move_is_judged_against_the_configured_optimizer_lr(checkpoints, caplog):
+    """Step 3 (0.4 of the peaks: LRs 0.04, 0.02) resumed with warmup_steps=2 gives the step the full factor. With
+    optimizer.lr=0.02 the resume trains at 0.02 (no group's LR rises), yet it was warned 'this run's is [0.1, 0.05]
+    ... the LR jumps up', the checkpoint's peaks times the factor; a raised optimizer.lr names its own LR."""
+    [(level, said)] = messages(caplog, checkpoints[3], 3, 100, warmup_steps=2)
+    assert level == "WARNING" and "this run's is [0.1, 0.05]" in said
+    assert [m for m in messages(caplog, checkpoints[3], 3, 100, lr=0.02, warmup_steps=2) if m[0] == "WARNING"] == []
+    [said] = [m for lvl, m in messages(caplog, checkpoints[3], 3, 100, lr=0.2, warmup_steps=2) if lvl == "WARNING"]
+    assert "its LR for step 3 is [0.04, 0.02] (peak [0.1, 0.05]), this run's is [0.2, 0.2]" in said
+    assert "the LR jumps up" in said

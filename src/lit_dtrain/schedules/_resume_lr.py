@@ -111,24 +111,33 @@ def _decay_start(node) -> int | None:
     return None
 
 
-def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, default_warmup: bool) -> None:
+def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, default_warmup: bool,
+                                  peak_lr: float | None = None) -> None:
     """A resume (not a decay branch) whose schedule (config node ``key``) gives the checkpoint's next step ``start``
     another LR than the checkpoint holds for it warns, with both LRs and why. Not for a drop into a warmup the user
     gave (``default_warmup`` false: the documented re-warm, logged at info level), nor for a decay that starts at
-    ``start`` from a checkpoint at its peak (the continuous path, as a decay branch takes it)."""
+    ``start`` from a checkpoint at its peak (the continuous path, as a decay branch takes it). ``peak_lr``: the
+    configured ``optimizer.lr``, the peak the resume trains with (``None``: the checkpoint's peaks). The schedule
+    must move the LR (against the checkpoint's peak) and the LR this run gives the step must move the same way:
+    a schedule that raises the factor while ``optimizer.lr`` was lowered to or below the checkpoint's LR does not
+    jump up (before, it was told 'this run's is <the checkpoint's peak times the factor>... the LR jumps up'); a
+    changed ``optimizer.lr`` alone is logged by :func:`log_a_changed_peak`."""
     lr_and_peak = checkpoint_lr_and_peak(ckpt)
     factor = _factor(node, start)
     if lr_and_peak is None or factor is None:
         return
-    up, down = below(lr_and_peak, factor), _above(lr_and_peak, factor)
+    lrs, peaks = lr_and_peak
+    configured = isinstance(peak_lr, (int, float)) and not isinstance(peak_lr, bool)
+    starts = [float(peak_lr)] * len(lrs) if configured else peaks  # every param group's peak is optimizer.lr
+    up = below(lr_and_peak, factor) and below((lrs, starts), factor)
+    down = _above(lr_and_peak, factor) and _above((lrs, starts), factor)
     if not (up or down):
         return
-    lrs, peaks = lr_and_peak
     warmup = int(node.get("warmup_steps") or 0)
     decay_start = _decay_start(node)
     at_peak = not below(lr_and_peak, 1.0)
     head = f"checkpoint {ckpt}: its LR for step {start} is {_fmt(lrs)} (peak {_fmt(peaks)}), this run's is " \
-           f"{_fmt([peak * factor for peak in peaks])}"
+           f"{_fmt([lr * factor for lr in starts])}"
     grows = "the default min(100, max(1, max_steps // 10)), which follows trainer.max_steps"
     if down and start < warmup and not default_warmup:
         log.info("%s: step %d lies in %s.warmup_steps=%d as given, so the resumed steps warm up again", head, start,

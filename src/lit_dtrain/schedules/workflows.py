@@ -179,7 +179,8 @@ def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: in
     if nodes:
         key, node = nodes[0]
         default = _is_default_warmup(node, int(cfg.trainer.max_steps))
-        warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default)
+        warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default,
+                                      peak_lr=(cfg.get("optimizer") or {}).get("lr"))
     log_a_changed_peak(cfg, ckpt)
 
 
