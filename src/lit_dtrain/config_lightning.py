@@ -121,11 +121,14 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             "device ids ([0, 1] or '0,1')"
         )
     for key, node in (cfg.get("callbacks") or {}).items():
-        if not isinstance(node, DictConfig) or "mode" not in node or "_target_" not in node:
+        if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
         try:
             cls = get_class(node._target_)
         except Exception:  # an unimportable target: build_callbacks names it
+            continue
+        _check_lr_monitor(key, node, cls)
+        if "mode" not in node:
             continue
         if (
             isinstance(cls, type)
@@ -136,3 +139,14 @@ def check_lightning_choices(cfg: DictConfig) -> None:
                 f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
                 f"higher {node.get('monitor') or 'monitored value'} is better)"
             )
+
+
+def _check_lr_monitor(key: str, node: DictConfig, cls) -> None:
+    """A ``LearningRateMonitor``'s ``logging_interval`` other than step, epoch or null: Lightning's
+    ``MisconfigurationException`` in Hydra's wrapper, naming only ``full_key: callbacks.<key>``."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    interval = node.get("logging_interval")
+    if isinstance(cls, type) and issubclass(cls, LearningRateMonitor) and interval not in (None, "step", "epoch"):
+        raise ConfigError(f"callbacks.{key}.logging_interval={interval!r} must be 'step' (the LR of every logged "
+                          "step), 'epoch' or null (by the scheduler's interval)")

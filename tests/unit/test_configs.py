@@ -236,6 +236,10 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"trainer.precision=transformer-engine needs NVIDIA's transformer_engine package, which is not installed"),
         ("trainer.gradient_clip_algorithm=nrm",
          r"trainer.gradient_clip_algorithm='nrm' must be one of 'value', 'norm'"),
+        # Lightning's MisconfigurationException in Hydra's wrapper, naming only full_key: callbacks.lr_monitor
+        ("callbacks.lr_monitor.logging_interval=abc",
+         r"callbacks.lr_monitor.logging_interval='abc' must be 'step' \(the LR of every logged step\), 'epoch' "),
+        ("callbacks.lr_monitor.logging_interval=0", r"callbacks.lr_monitor.logging_interval=0 must be 'step'"),
         ("callbacks.model_checkpoint.mode=minimum",
          r"callbacks.model_checkpoint.mode='minimum' must be 'min' or 'max' \(whether a lower or a higher val/loss"),
         *([] if torch.cuda.is_available() else [  # Lightning's 'No supported gpu backend found!' in Hydra's wrapper
@@ -357,7 +361,8 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
                      "trainer.precision=16-true optimizer.eps=1e-4",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
-                     "callbacks.model_checkpoint.mode=max", "trainer.devices=auto", "trainer.devices=-1",
+                     "callbacks.model_checkpoint.mode=max", "callbacks.lr_monitor.logging_interval=epoch",
+                     "callbacks.lr_monitor.logging_interval=null", "trainer.devices=auto", "trainer.devices=-1",
                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2",
                      "paths.checkpoint_dir=/elsewhere/ck/ callbacks.preemption.dirpath=/elsewhere/ck",
                      "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
