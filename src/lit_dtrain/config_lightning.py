@@ -31,6 +31,14 @@ def _precisions() -> tuple:
 FP16_TINY = 2.0**-14  # fp16's smallest normal number
 
 
+def _on_cpu(cfg: DictConfig) -> bool:
+    """Whether Lightning picks its CPU accelerator: ``cpu``, or ``auto`` with neither CUDA nor MPS."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return accelerator == "cpu" or (
+        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    )
+
+
 def check_precision(cfg: DictConfig) -> None:
     """``16-mixed`` (also ``16``) on a CPU: Lightning trains in ``bf16-mixed`` instead, with a warning among the
     start-up lines (fp16 autocast has no CPU GradScaler there); the run's config and summary still said 16-mixed.
@@ -55,10 +63,7 @@ def check_precision(cfg: DictConfig) -> None:
             "optimizer.eps=1e-4 or more"
         )
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    on_cpu = accelerator == "cpu" or (
-        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-    )
-    if precision in ("16-mixed", "16") and on_cpu:
+    if precision in ("16-mixed", "16") and _on_cpu(cfg):
         raise ConfigError(
             f"trainer.precision={precision} (fp16 autocast with loss scaling) does not run on CPU "
             f"(trainer.accelerator={accelerator}): Lightning would train in bf16-mixed instead. Set "
@@ -119,6 +124,15 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.devices={shown!r} must be a number of devices >= 1, -1 (all), 'auto' or a list of "
             "device ids ([0, 1] or '0,1')"
+        )
+    cpu_count = devices == "auto" or (isinstance(devices, str) and devices.strip().isdigit() and int(devices) >= 1) \
+        or (is_number(devices, integer=True) and devices >= 1)
+    if _on_cpu(cfg) and not cpu_count:  # Lightning: "TypeError('`devices` selected with `CPUAccelerator` should be
+        shown = ids if ids is not None else devices  # an int > 0.')" in Hydra's wrapper, naming only full_key: trainer
+        raise ConfigError(
+            f"trainer.devices={shown!r} does not run on a CPU (trainer.accelerator={accelerator}"
+            f"{'' if accelerator == 'cpu' else ', and no GPU here'}), where it is a number of processes >= 1: use "
+            "trainer.devices=1 (or 'auto'), or trainer=ddp_cpu trainer.devices=N for N processes"
         )
     for key, node in (cfg.get("callbacks") or {}).items():
         if not isinstance(node, DictConfig) or "_target_" not in node:

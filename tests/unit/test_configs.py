@@ -250,6 +250,15 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.devices=0", r"trainer.devices=0 must be a number of devices >= 1, -1 \(all\), 'auto' or a list of"),
         ("trainer.devices=[]", r"trainer.devices=\[\] must be a number of devices >= 1"),
         ("trainer.devices=-2", r"trainer.devices=-2 must be a number of devices >= 1"),
+        # Lightning's TypeError('`devices` selected with `CPUAccelerator` should be an int > 0.') in Hydra's wrapper
+        ("trainer.accelerator=cpu trainer.devices=-1",
+         r"trainer.devices=-1 does not run on a CPU \(trainer.accelerator=cpu\), where it is a number of processes "
+         r">= 1: use trainer.devices=1 \(or 'auto'\), or trainer=ddp_cpu trainer.devices=N for N processes"),
+        ("trainer.accelerator=cpu trainer.devices=null", r"trainer.devices=None does not run on a CPU"),
+        ("trainer.accelerator=cpu trainer.devices=[0,1]", r"trainer.devices=\[0, 1\] does not run on a CPU"),
+        *([] if torch.cuda.is_available() or torch.backends.mps.is_available() else [
+            ("trainer.accelerator=auto trainer.devices=-1",
+             r"trainer.devices=-1 does not run on a CPU \(trainer.accelerator=auto, and no GPU here\)")]),
         # the end-of-run sample used to crash after training (before summary.json was written)
         ("sample.top_k=-3", r"sample.top_k must be an integer >= 0 \(0: all tokens\), got -3"),
         ("sample.top_k=abc", r"sample.top_k must be an integer >= 0 \(0: all tokens\), got 'abc'"),
@@ -357,13 +366,15 @@ def test_a_target_without_a_signature_is_left_to_its_call():
 
 def test_lightning_choices_that_are_valid_pass(tiny_cfg):
     gpu = ("trainer.precision=16-mixed trainer.accelerator=gpu",) if torch.cuda.is_available() else ()
+    gpu_devices = ("trainer.devices=-1", "trainer.devices=[0,1]", "trainer.devices='0,1'") \
+        if torch.cuda.is_available() else ()  # device ids and -1 (all): a GPU's; on a CPU, refused (a count only)
     for override in (*gpu, "trainer.precision=bf16-mixed",
                      "trainer.precision=32", "trainer.precision=64-true", "trainer.precision=bf16-true",
                      "trainer.precision=16-true optimizer.eps=1e-4",
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "callbacks.lr_monitor.logging_interval=epoch",
-                     "callbacks.lr_monitor.logging_interval=null", "trainer.devices=auto", "trainer.devices=-1",
-                     "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices=2",
+                     "callbacks.lr_monitor.logging_interval=null", "trainer.devices=auto", *gpu_devices,
+                     "trainer.devices=2", "trainer.accelerator=cpu trainer.devices='2'",
                      "paths.checkpoint_dir=/elsewhere/ck/ callbacks.preemption.dirpath=/elsewhere/ck",
                      "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
                      "+strategy.static_graph=true strategy.compressor.block_size=64"):
