@@ -343,3 +343,18 @@ def test_a_spike_that_excludes_every_sample_at_the_last_step_ends_the_fit(tmp_pa
         return
     trainer.fit(_NanFirstStep(), loader)
     assert trainer.global_step == 1 and sorted(monitor.excluded) == list(range(8))
+
+
+@pytest.mark.parametrize("limits", [{"fast_dev_run": 2}, {"max_steps": 2}])
+def test_the_every_sample_excluded_error_points_at_spikes_jsonl_only_where_it_is_written(tmp_path: Path,
+                                                                                          limits: dict) -> None:
+    """Trainer(fast_dev_run=2) writes no spikes.jsonl (a smoke test's), yet its 'every sample ... has been excluded'
+    error ended 'See <default_root_dir>/spikes.jsonl'. Now it names no file there; a run that writes one still does."""
+    monitor = LossSpikeMonitor(actions=["log", "skip"])
+    trainer = L.Trainer(callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu", **limits)
+    with pytest.raises(RuntimeError, match=r"has been excluded") as raised:
+        trainer.fit(_NanFirstStep(), DataLoader(_Indexed(), batch_size=8))
+    events = tmp_path / "spikes.jsonl"
+    assert raised.value.args[0].endswith(f"'skip'/'rollback'. See {events}") == events.exists()
+    assert events.exists() == ("max_steps" in limits)

@@ -86,7 +86,7 @@ class SpikeEvents:
             except RuntimeError as e:
                 raise RuntimeError(
                     f"LossSpikeMonitor: excluding the samples of the spike at step {step} failed ({self.num_spikes} "
-                    f"spikes, {len(self.excluded)} samples excluded in all): {e}. See {self._events_path(trainer)}"
+                    f"spikes, {len(self.excluded)} samples excluded in all): {e}{self._see_events(trainer, '. See ')}"
                 ) from e
 
     def _record(self, trainer, event: dict, message: str | None) -> None:
@@ -118,6 +118,11 @@ class SpikeEvents:
 
     def _events_path(self, trainer) -> str:
         return self.path or os.path.join(trainer.default_root_dir, "spikes.jsonl")
+
+    def _see_events(self, trainer, lead: str) -> str:
+        """``lead`` and the events file, for an error to point at; empty under ``fast_dev_run``, which writes none
+        (:meth:`_record`): its errors ended 'See <dir>/spikes.jsonl', a file that was not there."""
+        return "" if getattr(trainer, "fast_dev_run", False) else f"{lead}{self._events_path(trainer)}"
 
     # ---- rollback -----------------------------------------------------------------------------------------------
     def _rollback(self, trainer, step: int) -> int | None:
