@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from lit_dtrain.data._mixture_resume import mixture_shares, warn_if_the_mixture_changed
+from lit_dtrain.data._datamodule_state import warn_if_the_data_changed, warn_if_the_dataset_changed
+from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.token_cache import TokenSplits, build_token_cache
@@ -371,10 +372,6 @@ class LMDataModule(L.LightningDataModule):
             "mixture_shares": mixture_shares(self.sources),  # to warn when a resume draws another share of each source
         }
 
-    def _val_counts(self, cap: int) -> list[int]:
-        """The windows each source validates on under ``max_val_windows=cap`` (:meth:`val_dataloader`)."""
-        return [min(len(WindowSet([split.val], self.block_size)), cap) for split in self.splits]
-
     def load_state_dict(self, state: dict) -> None:
         if not getattr(self, "_state_for_fit", True):
             # trainer.validate()/test()/predict() with ckpt_path= (Lightning restores a datamodule's state there too):
@@ -386,53 +383,9 @@ class LMDataModule(L.LightningDataModule):
         else:
             self._apply_state(state)
 
-    def _warn_if_the_global_batch_changed(self, state: dict) -> None:
-        """A step's batch is ``data.batch_size x ranks x accumulate_grad_batches`` windows: another one warns, another
-        split of it (4 x 2 after 8 x 1, an OOM's answer) does not. A checkpoint without one had this run's."""
-        saved_windows = state.get("global_batch")  # data.batch_size x ranks of the checkpoint's run
-        if saved_windows is None or not int(state.get("micro_step", 1)):
-            # a checkpoint that drew no batch has none to keep: Tuner.scale_batch_size restores its step-0 file with
-            # the batch size it found, which was told 'this run's are 8 ... (data.batch_size=4 keeps its batch)'
-            return
-        ranks, accumulation = self._world()[1], self._accumulation()
-        saved = int(saved_windows) * int(state.get("accumulate_grad_batches", accumulation))
-        now = self.batch_size * ranks * accumulation
-        if saved == now:
-            return
-        per_rank, rest = divmod(saved, ranks * accumulation)
-        log_once(
-            log, logging.WARNING,
-            "the checkpoint trained on global batches of %d windows (data.batch_size x ranks x "
-            "trainer.accumulate_grad_batches), and this run's are %d (data.batch_size=%d on %d rank(s), "
-            "accumulate_grad_batches=%d): from here on each step trains on another batch size at the same learning "
-            "rate, so the run is not the interrupted one's continuation%s", saved, now, self.batch_size, ranks,
-            accumulation, f" (data.batch_size={per_rank} keeps its batch)" if per_rank and not rest else "")
-
     def _apply_state(self, state: dict) -> None:
-        saved_seed = state.get("seed")
-        if saved_seed is not None and int(saved_seed) != self.seed:
-            log_once(
-                log, logging.WARNING,
-                "the checkpoint was trained with data seed %d, and this run's data.seed is %d: from here on the "
-                "batches are not those the interrupted run would have drawn (set data.seed=%d, or seed=%d, to "
-                "continue it exactly)", int(saved_seed), self.seed, int(saved_seed), int(saved_seed))
-        saved_windows = state.get("max_val_windows")  # other windows only where a source has more than the smaller
-        if saved_windows is not None and self._val_counts(int(saved_windows)) != self._val_counts(self.max_val_windows):
-            log_once(
-                log, logging.WARNING,
-                "the checkpoint validated on up to %d windows per source, and this run's data.max_val_windows is %s: "
-                "from here on val/loss is measured on other windows, so it is not comparable with the values logged "
-                "before, nor with the best checkpoint's score that ModelCheckpoint ranks new ones against",
-                int(saved_windows), self.max_val_windows)
-        self._warn_if_the_global_batch_changed(state)
-        warn_if_the_mixture_changed(state.get("mixture_shares"), mixture_shares(self.sources))
+        warn_if_the_data_changed(self, state)  # seed, validation windows, global batch, mixture
         self.micro_step = int(state["micro_step"])
         self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
-        saved_key, key = state["sampler"].get("dataset_key"), self.sampler.dataset_key
-        if saved_key is not None and key is not None and saved_key != key:
-            log_once(
-                log, logging.WARNING,
-                "the checkpoint was trained on dataset %s, and this run's is %s: the corpus (its files or their "
-                "contents), data.block_size or data.val_fraction changed since, so from here on the batches are not "
-                "those the interrupted run would have drawn, and val/loss is measured on other windows", saved_key, key)
+        warn_if_the_dataset_changed(state["sampler"].get("dataset_key"), self.sampler.dataset_key)
