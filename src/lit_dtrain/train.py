@@ -2,16 +2,14 @@
 
 A plain function (as in lightning-hydra-template) so tests and other programs can call it directly. Its parts
 are modules of their own: the config checks (``lit_dtrain.config_checks``), the checkpoint a start
-continues from (``lit_dtrain.resume``), the callbacks it adds (``lit_dtrain.train_callbacks``) and its exit on
-SIGTERM (``lit_dtrain.sigterm_exit``).
+continues from (``lit_dtrain.resume``), the callbacks it adds (``lit_dtrain.train_callbacks``), its exit on
+SIGTERM (``lit_dtrain.sigterm_exit``) and its end-of-run sample and report (``lit_dtrain._run_report``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import signal
 import time
@@ -27,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
 from lit_dtrain.checkpoint import (
@@ -46,7 +45,6 @@ from lit_dtrain.config_checks import (
 )
 from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
-from lit_dtrain.end_sample import generate_sample, sample_skip_reason
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
@@ -56,7 +54,6 @@ from lit_dtrain.resume import (
     resolve_ckpt_path,
     warn_if_accumulation_splits,
 )
-from lit_dtrain.run_dirs import SUMMARY_LINE
 from lit_dtrain.run_lock import hold_checkpoint_dir, hold_run_dir, release_run_dir
 from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume
 from lit_dtrain.schedules.workflows import (
@@ -94,7 +91,7 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     is_collective_failure,
 )
-from lit_dtrain.utils.job_log import console_lines_to_job_log, log_to_handlers
+from lit_dtrain.utils.job_log import console_lines_to_job_log
 from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
@@ -180,17 +177,6 @@ def build_logger(cfg: DictConfig, start_step: int):
             log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
                         "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
     return instantiate(node, **extra)
-
-
-def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str) -> str:
-    """The end-of-run sample on rank 0; "" on the other ranks, and under a strategy that shards the weights."""
-    reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
-    if reason is not None:
-        if reason and trainer.is_global_zero:
-            log.info(reason)
-        return ""
-    model = getattr(module.model, "_orig_mod", module.model)
-    return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
 
 
 def record_training_start(out_dir: Path) -> None:
@@ -388,30 +374,3 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}
-
-
-def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:
-    """``unigram_entropy`` (a count over the whole train split) on rank 0, which writes it; ``None`` elsewhere."""
-    return datamodule.unigram_entropy() if trainer.is_global_zero else None
-
-
-@rank_zero_only
-def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
-    safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null
-    write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(text))
-    if sample:
-        print(f"--- sample ---\n{sample}\n--------------")
-        for lg in trainer.loggers:
-            if hasattr(getattr(lg, "experiment", None), "add_text"):
-                lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
-    tokens_per_sec, ppl = metrics["tokens_per_sec"], metrics["val_ppl"]
-    summary = (
-        f"{SUMMARY_LINE}{metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
-        f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
-        f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
-        + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
-        + (" DIVERGED" if metrics.get("diverged") else "")
-    )
-    print(summary)
-    log_to_handlers(log, summary)  # and into train.log, which held every line of the run but this one

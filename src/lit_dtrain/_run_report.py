@@ -1,0 +1,59 @@
+"""The end of a ``train(cfg)`` run: the text sample rank 0 draws (:mod:`lit_dtrain.end_sample`), the unigram entropy
+``summary.json`` records beside the loss, and the report (``summary.json``, the sample, the one summary line)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from lit_dtrain.end_sample import generate_sample, sample_skip_reason
+from lit_dtrain.module import LitLLM
+from lit_dtrain.run_dirs import SUMMARY_LINE
+from lit_dtrain.utils.atomic import write_atomically
+from lit_dtrain.utils.job_log import log_to_handlers
+
+log = logging.getLogger("lit_dtrain.train")  # train.py's logger: its job log's handlers write the summary line
+
+
+def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str) -> str:
+    """The end-of-run sample on rank 0; "" on the other ranks, and under a strategy that shards the weights."""
+    reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
+    if reason is not None:
+        if reason and trainer.is_global_zero:
+            log.info(reason)
+        return ""
+    model = getattr(module.model, "_orig_mod", module.model)
+    return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
+
+
+def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:
+    """``unigram_entropy`` (a count over the whole train split) on rank 0, which writes it; ``None`` elsewhere."""
+    return datamodule.unigram_entropy() if trainer.is_global_zero else None
+
+
+@rank_zero_only
+def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
+    safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null
+    write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(text))
+    if sample:
+        print(f"--- sample ---\n{sample}\n--------------")
+        for lg in trainer.loggers:
+            if hasattr(getattr(lg, "experiment", None), "add_text"):
+                lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
+    tokens_per_sec, ppl = metrics["tokens_per_sec"], metrics["val_ppl"]
+    summary = (
+        f"{SUMMARY_LINE}{metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
+        f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
+        f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
+        + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
+        + (" DIVERGED" if metrics.get("diverged") else "")
+    )
+    print(summary)
+    log_to_handlers(log, summary)  # and into train.log, which held every line of the run but this one
