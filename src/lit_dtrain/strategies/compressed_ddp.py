@@ -10,7 +10,7 @@ on every rank before DDP wrapping) hands each rank its own part back. The strate
 this because only the strategy sees every rank at save time and exists before the model is wrapped; it also logs
 ``comm/*`` metrics from ``optimizer_step`` through ``LightningModule.log``. What a resume under another strategy
 drops of that state, what one on another number of ranks keeps, and the warnings that say so are in
-:mod:`.comm_checkpoint`.
+:mod:`.comm_checkpoint`; the state's gathering and hand-back in :mod:`._comm_state`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -29,11 +28,11 @@ from typing_extensions import override
 
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
     dropped_comm_state_message,
-    rank_entry,
     refused_resume_message,
     warn_if_comm_state_dropped,
 )
@@ -57,8 +56,6 @@ from lit_dtrain.utils.distributed import (
     naming_peer_failures,
     record_rank_failure,
 )
-
-_STATE_VERSION = 1
 
 __all__ = [
     "CHECKPOINT_KEY", "CompressedDDPStrategy", "collective_timeout", "dropped_comm_state_message",
@@ -319,53 +316,11 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     def comm_state_dict(self) -> dict:
         """Collective (call on every rank): each rank's counters and compressor state, plus the replicated
         local-update state (counters, period, DiLoCo outer parameters and momentum) from this rank."""
-        lu = self.local_update
-        own = self.comm_local_state_dict()
-        local = {
-            "counters": self.session.counters_state_dict(),  # per rank: comm time differs between ranks
-            "compressor": own["compressor"],
-            "local_update": own["local_update_rank"],
-        }
-        if lu is not None and self.lightning_module is not None:
-            # Under local updates the ranks' parameters differ between syncs, and their inner optimizer
-            # states always do; Lightning saves rank 0's only, so every rank's own copy is kept here.
-            local["params"] = {n: p.detach().cpu().clone() for n, p in CommSession.named_params(self.lightning_module)}
-            # CPU copies, as for the parameters: gathered live, rank r's state would be unpickled on rank 0 as
-            # cuda:r (a device a one-GPU-per-task job cannot see), and would alias the running optimizer's tensors
-            local["optimizer_states"] = [apply_to_collection(opt.state_dict(), torch.Tensor,
-                                                             lambda t: t.detach().cpu().clone())
-                                         for opt in self.optimizers]
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        gathered: list = [None] * world if world > 1 else [local]
-        if world > 1:
-            dist.all_gather_object(gathered, local)
-        return {"version": _STATE_VERSION, "world_size": world, "local_update": own["local_update"],
-                "per_rank": gathered}
+        return gather_comm_state(self)
 
     def load_comm_state_dict(self, state: dict) -> None:
         """Restore :meth:`comm_state_dict` output; each rank takes its own entry of ``per_rank``."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"{CHECKPOINT_KEY}: unsupported version {state.get('version')!r}")
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
-        mine, elastic = rank_entry(state, rank, world)  # another world size: what it can keep, and the warning
-        if (mine["compressor"] is None) != (self.compressor is None):
-            raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
-                             f"not match this strategy's compressor {self.compressor!r}")
-        lu = self.local_update
-        if (state["local_update"] is None) != (lu is None):
-            raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
-        self.load_comm_local_state_dict({"compressor": mine["compressor"], "local_update": state["local_update"],
-                                         "local_update_rank": mine["local_update"]}, counts=True)
-        if lu is not None:
-            if "params" in mine:  # applied after DDP's wrap (which broadcasts rank 0's) and to the optimizer
-                self._rank_restore = {"params": mine["params"], "optimizer_states": mine["optimizer_states"]}
-            else:
-                rank_zero_warn(f"{CHECKPOINT_KEY}: this checkpoint predates per-rank parameters; every rank "
-                               "resumes from rank 0's parameters and optimizer state")
-        self.session.load_counters_state_dict(mine["counters"])
-        if elastic is not None:  # said once applied: not before an error about another preset
-            rank_zero_warn(elastic)
+        apply_comm_state(self, state)
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
