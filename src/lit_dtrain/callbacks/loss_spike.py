@@ -34,7 +34,8 @@ appended to ``spikes.jsonl`` in the run dir (``trainer.default_root_dir``) by ra
 This file is the Lightning adapter; the parts it calls are ``_spike_args.py`` (argument checks),
 ``_spike_stats.py`` (statistics, decision), ``_spike_step.py`` (measuring and dropping the step),
 ``_spike_events.py`` (a spike's event: started, finished, recorded), ``_spike_samples.py`` (sample indices,
-exclusion), ``_spike_records.py`` (spikes.jsonl) and ``_snapshots.py`` (rollback).
+exclusion), ``_spike_records.py`` (spikes.jsonl), ``_spike_state.py`` (the checkpointed state) and ``_snapshots.py``
+(rollback).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks import _snapshots as snapshots
 from lit_dtrain.callbacks import _spike_records as records
+from lit_dtrain.callbacks import _spike_state as spike_state
 from lit_dtrain.callbacks import _spike_step as step_ops
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
@@ -381,26 +383,9 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
     # ---- state ----------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict:
-        return {
-            "detector": self.detector.state_dict(),
-            "window_steps": list(self.window.steps),
-            "excluded": torch.as_tensor(self.excluded, dtype=torch.long),
-            "num_spikes": self.num_spikes,
-            "nonfinite_run": list(self.nonfinite_run),
-            "cooldown_start": self.cooldown_start,
-            "recent_indices": [list(x) for x in self.recent_indices],
-        }
+        return spike_state.state_dict(self)
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        if not state_is_for_fit(self):
-            return
-        self.detector.load_state_dict(state_dict["detector"])
-        self.window.steps = [int(s) for s in state_dict["window_steps"]]
-        self.excluded = [int(i) for i in torch.as_tensor(state_dict["excluded"]).tolist()]
-        self.num_spikes = int(state_dict["num_spikes"])
-        self.nonfinite_run = [int(s) for s in state_dict.get("nonfinite_run", [])]
-        self.cooldown_start = int(state_dict["cooldown_start"])
-        self.recent_indices.clear()
-        self.recent_indices.extend([int(i) for i in x] for x in state_dict["recent_indices"])
-
+        if state_is_for_fit(self):
+            spike_state.load_state_dict(self, state_dict)
