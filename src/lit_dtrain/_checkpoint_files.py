@@ -4,6 +4,7 @@ records for each zip member), or no torch file at all. Each reads the file and n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 from pathlib import Path
@@ -22,27 +23,59 @@ def _starts_like_zip(path: Path) -> bool:
         return True
 
 
+def _ends_a_zip(f, pos: int, record: bytes) -> bool:
+    """Whether ``record``, a zip end record at ``pos`` in ``f``, closes the archive: the central directory it (or
+    the zip64 record torch.save writes before it) points at ends where that record starts, with a directory entry."""
+    cd_size, cd_offset, end = int.from_bytes(record[12:16], "little"), int.from_bytes(record[16:20], "little"), pos
+    if pos >= 20:
+        f.seek(pos - 20)
+        locator = f.read(20)
+        if locator[:4] == b"PK\x06\x07":  # the zip64 locator: its record holds the directory's 8-byte size, offset
+            end = int.from_bytes(locator[8:16], "little")
+            f.seek(end)
+            record64 = f.read(56)
+            if len(record64) < 56 or record64[:4] != b"PK\x06\x06":
+                return False
+            cd_size, cd_offset = int.from_bytes(record64[40:48], "little"), int.from_bytes(record64[48:56], "little")
+    if cd_offset + cd_size != end:
+        return False
+    f.seek(cd_offset)
+    return cd_size == 0 or f.read(4) == b"PK\x01\x02"
+
+
 def _bytes_after_the_zip_end(path: str | os.PathLike) -> tuple[int, int | None] | None:
     """``(size, n)`` for a file that starts like a torch zip file: ``n`` bytes follow its zip end record (0: it ends
     there, whole), or ``n`` None when it has none (cut short). None when it does not start like one. Reads the first
-    4 bytes and at most the last 64 KiB, never writes."""
+    4 bytes and the last 64 KiB; only where no end record closes the archive there, the file backwards in 1 MiB
+    chunks (bytes appended past 64 KiB; a file cut short is read whole). Never writes."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(len(_ZIP_START))
         if not head or not _ZIP_START.startswith(head):
             return None
-        f.seek(max(0, size - _ZIP_END_SIZE - 0xFFFF))  # the record's comment is at most 0xFFFF bytes
+        start = max(0, size - _ZIP_END_SIZE - 0xFFFF)  # the record's comment is at most 0xFFFF bytes
+        f.seek(start)
         tail = f.read()
-    pos, after = tail.rfind(_ZIP_END), None
-    while pos >= 0:  # an end record's comment length takes it exactly to the end of the file
-        comment = len(tail) - pos - _ZIP_END_SIZE
-        declared = int.from_bytes(tail[pos + 20 : pos + 22], "little")
-        if comment >= 0 and declared == comment:
-            return size, 0
-        if after is None and 0 <= declared < comment:  # a whole end record with bytes after it (padding, an append)
-            after = comment - declared
-        pos = tail.rfind(_ZIP_END, 0, pos)
-    return size, after
+        pos = tail.rfind(_ZIP_END)
+        while pos >= 0:  # an end record's comment length takes it exactly to the end of the file
+            comment = len(tail) - pos - _ZIP_END_SIZE
+            if comment >= 0 and int.from_bytes(tail[pos + 20 : pos + 22], "little") == comment:
+                return size, 0
+            pos = tail.rfind(_ZIP_END, 0, pos)
+        chunk, end = 1 << 20, size  # a whole end record with bytes after it (padding, an append), however many
+        while end > 0:
+            lo = max(0, end - chunk)
+            f.seek(lo)
+            block = f.read(end - lo + _ZIP_END_SIZE - 1)  # overlaps the next block up by a record less one byte
+            pos = block.rfind(_ZIP_END)
+            while pos >= 0:
+                record = block[pos : pos + _ZIP_END_SIZE]
+                after = size - lo - pos - _ZIP_END_SIZE - int.from_bytes(record[20:22], "little")
+                if len(record) == _ZIP_END_SIZE and after > 0 and _ends_a_zip(f, lo + pos, record):
+                    return size, after
+                pos = block.rfind(_ZIP_END, 0, pos)
+            end = lo
+    return size, None
 
 
 def truncation_reason(path: str | os.PathLike) -> str | None:
@@ -53,7 +86,8 @@ def truncation_reason(path: str | os.PathLike) -> str | None:
     torch finds a zip's table of contents from its end record, so a file cut short anywhere (a copy, download or
     write that was interrupted) fails as ``OSError: [Errno 22] Invalid argument`` (a seek before the start of the
     file), a miniz 'failed finding central directory', or, cut to a byte, a pickle error; none says so. Reads the
-    first 4 bytes and at most the last 64 KiB, never writes."""
+    first 4 bytes and the last 64 KiB of a whole file; a file cut short (or with bytes appended past that) backwards
+    in 1 MiB chunks, never whole at once; never writes."""
     found = _bytes_after_the_zip_end(path)
     if found is None or found[1] is not None:
         return None
@@ -66,9 +100,11 @@ def truncation_reason(path: str | os.PathLike) -> str | None:
 
 def trailing_bytes_reason(path: str | os.PathLike) -> str | None:
     """Why ``path``, a whole torch zip file with bytes after its end record (zeros a copy padded it with, an append),
-    failed to load, for messages ``f"checkpoint {path!r} {reason}"``; None otherwise. torch loads one with a few such
-    bytes (16 did), and fails past that as ``OSError: [Errno 22] Invalid argument`` (4096 did); the CRC-32 check
-    passes either way: the archive itself is intact. Call it only after a load failed."""
+    failed to load, for messages ``f"checkpoint {path!r} {reason}"``; None otherwise. How many such bytes torch reads
+    past depends on the archive's size: a 1.6 kB file loaded with 16 and failed with 4096 (``OSError: [Errno 22]
+    Invalid argument``), a 120 kB one and a ``nano`` ``last.ckpt`` loaded with 65537 and failed with 70000 (miniz's
+    ``failed finding central directory``); the CRC-32 check passes either way: the archive itself is intact. Call it
+    only after a load failed."""
     found = _bytes_after_the_zip_end(path)
     if found is None or not found[1]:
         return None
@@ -78,6 +114,26 @@ def trailing_bytes_reason(path: str | os.PathLike) -> str | None:
         f"appended to it), which torch.load cannot read past; its {size - after} bytes before them are intact. "
         f"Remove them (truncate -s {size - after} <file>) or use another copy"
     )
+
+
+class _Upto:
+    """A file read as if it ended at ``end`` (for ``zipfile``: the archive without the bytes appended to it)."""
+
+    def __init__(self, f, end: int):
+        self._f, self._end = f, end
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(self._end + offset if whence == 2 else offset, 0 if whence == 2 else whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self._end - self._f.tell())
+        return self._f.read(left if n is None or n < 0 else min(n, left))
+
+    def seekable(self) -> bool:
+        return True
 
 
 def damage_reason(path: str | os.PathLike) -> str | None:
@@ -95,7 +151,15 @@ def damage_reason(path: str | os.PathLike) -> str | None:
             return None
     keep = "It is left as it is; use an intact copy or another checkpoint"
     try:
-        with zipfile.ZipFile(path) as archive:
+        with contextlib.ExitStack() as stack:
+            try:
+                archive = stack.enter_context(zipfile.ZipFile(path))
+            except zipfile.BadZipFile:  # zipfile looks for the end record in the last 64 KiB only: bytes appended?
+                found = _bytes_after_the_zip_end(path)
+                if not found or not found[1]:
+                    raise
+                upto = _Upto(stack.enter_context(open(path, "rb")), found[0] - found[1])
+                archive = stack.enter_context(zipfile.ZipFile(upto))
             for member in archive.infolist():
                 try:
                     with archive.open(member) as f:

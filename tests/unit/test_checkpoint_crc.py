@@ -93,6 +93,13 @@ def test_bench_checkpoint_crc_times_the_check_and_refuses_a_damaged_file(tmp_pat
     assert "a.ckpt' is damaged: member 'a/data/1' fails its CRC-32 check" in capsys.readouterr().out
 
 
+def _refused_naming_the_bytes_after(path: Path, whole: bytes, n: int) -> None:
+    path.write_bytes(whole + bytes(n))
+    with pytest.raises(CheckpointError, match=rf"'{path}' has {n} bytes after the zip end record .* intact\. "
+                                              rf"Remove them \(truncate -s {len(whole)} <file>\)"):
+        safe_torch_load(path)
+
+
 def test_bytes_after_a_whole_archive_are_not_taken_for_a_cut(tmp_path):
     """A checkpoint with zeros after its zip end record (a copy that padded it) is whole: torch loads it with 16 such
     bytes, and the CRC check passes, but the check's first step called it 'truncated' and refused it (a real
@@ -104,10 +111,27 @@ def test_bytes_after_a_whole_archive_are_not_taken_for_a_cut(tmp_path):
     padded = tmp_path / "padded.ckpt"
     padded.write_bytes(whole + bytes(16))
     assert safe_torch_load(padded)["global_step"] == 3 and torch.equal(safe_torch_load(padded)["w"], torch.arange(10.0))
-    padded.write_bytes(whole + bytes(4096))
-    with pytest.raises(CheckpointError, match=rf"'{padded}' has 4096 bytes after the zip end record .* intact\. "
-                                              rf"Remove them \(truncate -s {len(whole)} <file>\)"):
-        safe_torch_load(padded)
+    _refused_naming_the_bytes_after(padded, whole, 4096)
     (tmp_path / "cut.ckpt").write_bytes(whole[:-30])
     with pytest.raises(CheckpointError, match="is truncated"):
         safe_torch_load(tmp_path / "cut.ckpt")
+
+
+def test_bytes_after_a_whole_archive_are_found_past_64_kib(tmp_path):
+    """The end record was looked for in the last 64 KiB only: a nano last.ckpt with 65536 zeros appended, which torch
+    loads, was refused as 'is truncated', and one with 70000, which torch cannot load, was called 'truncated' too
+    instead of naming the bytes and the truncate -s that removes them."""
+    path = tmp_path / "a.ckpt"
+    torch.save({"global_step": 3, "w": torch.arange(30000.0)}, path)  # 120 kB: torch reads past 65536 zeros
+    whole = path.read_bytes()
+    path.write_bytes(whole + bytes(65537))
+    assert safe_torch_load(path)["global_step"] == 3 and torch.equal(safe_torch_load(path)["w"], torch.arange(30000.0))
+    _refused_naming_the_bytes_after(path, whole, 200_000)
+    data = bytearray(whole)
+    data[-5000] ^= 0x10  # in w's bytes, with the zeros after the archive: its CRC-32 is still checked
+    path.write_bytes(bytes(data) + bytes(200_000))
+    with pytest.raises(CheckpointError, match="is damaged: member 'a/data/0' fails its CRC-32 check"):
+        safe_torch_load(path)
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match="is truncated"):
+        safe_torch_load(path)
