@@ -104,6 +104,12 @@ def check_lightning_choices(cfg: DictConfig) -> None:
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "
                           f"trainer.val_check_interval) or an integer >= 1, got {every!r}")
+    overfit = cfg.trainer.get("overfit_batches")  # a fraction: Lightning's MisconfigurationException naming
+    if overfit is not None and not (is_number(overfit) and overfit >= 0 and overfit % 1 == 0  # limit_train_batches
+                                    and not (isinstance(overfit, float) and overfit == 1.0)):  # 1.0: 'all batches'
+        raise ConfigError(f"trainer.overfit_batches={overfit!r} must be a whole number of batches to train on again "
+                          "and again (e.g. 1 or 8; 0: off): the training stream is drawn by step and has no length, "
+                          "so a fraction of it cannot be taken")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

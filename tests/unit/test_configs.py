@@ -324,6 +324,12 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
          r"^callbacks.model_checkpoint.dirpath='/elsewhere/ck' is not paths.checkpoint_dir=.* set "
          r"paths.checkpoint_dir='/elsewhere/ck' instead"),
         ("callbacks.preemption.dirpath=/elsewhere/ck", r"^callbacks.preemption.dirpath='/elsewhere/ck' is not "),
+        # Lightning's 'MisconfigurationException: When using an IterableDataset, Trainer(limit_train_batches) must
+        # be 1.0 or an int' in Hydra's traceback, naming a key the user did not set
+        ("+trainer.overfit_batches=0.5", r"^trainer.overfit_batches=0.5 must be a whole number of batches .* "
+                                         r"has no length, so a fraction of it cannot be taken$"),
+        ("+trainer.overfit_batches=1.0", r"^trainer.overfit_batches=1.0 must be a whole number"),  # int(1.0): 1 batch
+        ("+trainer.overfit_batches=-1", r"^trainer.overfit_batches=-1 must be a whole number"),
         ("+callbacks.model_checkpoint.save_topk=2",
          r"^callbacks.model_checkpoint.save_topk is not an argument of .*ModelCheckpoint; did you mean "
          r"'callbacks.model_checkpoint.save_top_k'"),
@@ -374,7 +380,8 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_algorithm=null",
                      "callbacks.model_checkpoint.mode=max", "callbacks.lr_monitor.logging_interval=epoch",
                      "callbacks.lr_monitor.logging_interval=null", "trainer.devices=auto", *gpu_devices,
-                     "trainer.devices=2", "trainer.accelerator=cpu trainer.devices='2'",
+                     "trainer.devices=2", "trainer.accelerator=cpu trainer.devices='2'", "+trainer.overfit_batches=2",
+                     "+trainer.overfit_batches=0", "+trainer.overfit_batches=3.0",
                      "paths.checkpoint_dir=/elsewhere/ck/ callbacks.preemption.dirpath=/elsewhere/ck",
                      "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
                      "+strategy.static_graph=true strategy.compressor.block_size=64"):
