@@ -1,5 +1,6 @@
 """Every option of every config group composes and instantiates; bad configs fail before compute."""
 
+import logging
 import math
 import re
 from datetime import datetime
@@ -386,6 +387,14 @@ def test_lightning_choices_that_are_valid_pass(tiny_cfg):
                      "strategy=ddp +strategy.find_unused_parameters=true", "strategy=ddp_compressed/int8_rs "
                      "+strategy.static_graph=true strategy.compressor.block_size=64"):
         check_config(tiny_cfg(*override.split(" ")))
+
+
+def test_the_default_callbacks_pass_without_an_error_logged(tiny_cfg, caplog):
+    """Every train.py run logged '[hydra.utils][ERROR] - Error getting class at
+    lit_dtrain.callbacks.token_throughput_monitor: Located non-class of type 'function'' from the callbacks' check."""
+    caplog.set_level(logging.DEBUG)
+    check_config(tiny_cfg())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_validation_limits_that_validate_something_pass(tiny_cfg):
