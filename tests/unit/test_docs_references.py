@@ -187,6 +187,7 @@ NOT_CONFIG_KEYS = {
     "trainer.callback_metrics", "trainer.datamodule", "trainer.datamodule.sampler", "trainer.fit", "trainer.validate",
     "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
+    "trainer.overfit_batches",  # a Lightning argument the trainer config does not list: added with '+' (6o)
 }
 WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion"}  # 6a: refused
 
