@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, ROOT, load_script, subprocess_env
+from tests.unit.test_docs_references import undocumented_tags
 
 LOG_EVERY = 2
 MAX_STEPS = 9
@@ -181,6 +182,7 @@ def test_every_scalar_is_finite_once_per_step_on_its_cadence(tmp_path, corpus, l
     # compare_runs.py ranks each tag in its own direction: every tag logged here must be in its table
     compare_runs = load_script("compare_runs", "compare_runs")
     assert [tag for tag in tags if not compare_runs.listed_direction(tag)[0]] == []
+    assert undocumented_tags(tags) == []  # and each is named in the docs (README.md, docs/*.md)
     # the premise: step 5 was dropped, and it was logged by the tags that describe more than its update
     events = [json.loads(line) for line in (run_dir / "spikes.jsonl").read_text().splitlines()]
     assert [(e["step"], e["actions"]) for e in events] == [(DROPPED_STEP, ["log", "skip"])]

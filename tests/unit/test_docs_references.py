@@ -97,6 +97,41 @@ def test_every_metric_name_the_docs_quote_is_logged_by_the_source():
     assert unknown == {}, f"metric names quoted in the docs that no source logs: {unknown}"
 
 
+def undocumented_tags(tags) -> list[str]:
+    """The logged TensorBoard tags that no doc names: quoted whole in backticks (`epoch`), or by a quoted family
+    with a ``/`` in it, where ``<...>`` stands for one name segment and ``*`` or ``...`` for the rest
+    (`optim/<group>/grad_rms`, `train/device/*`, `lr-*`)."""
+    quoted = {code for doc in DOCS for code in re.findall(r"`([^`\n]+)`", doc.read_text())}
+    patterns = []
+    for code in quoted:
+        if "/" in code or code.startswith("lr-"):
+            parts = re.split(r"(<[^>]+>|\*|\.\.\.)", code)
+            patterns.append(re.compile("".join(
+                r"[\w.+-]+" if p.startswith("<") else ".*" if p in ("*", "...") else re.escape(p) for p in parts)))
+    return sorted(t for t in tags if t not in quoted and not any(p.fullmatch(t) for p in patterns))
+
+
+# Every tag a default run with callbacks=[default,loss_spike,adaptive_grad_clip,optimizer_diagnostics] wrote to
+# TensorBoard (read with EventAccumulator; scalars, and the text tags: the end-of-run sample, a spike's event).
+RUN_TAGS = [
+    "epoch", "grad_clip/clip_events", "grad_clip/clipped", "grad_clip/norm", "grad_clip/threshold",
+    "lr-AdamW/decay", "lr-AdamW/no_decay", "optim/decay/eps_dominated_frac", "optim/decay/grad_rms",
+    "optim/decay/update_to_param_rms", "optim/no_decay/eps_dominated_frac", "optim/no_decay/grad_rms",
+    "optim/no_decay/update_to_param_rms", "sample", "spike/count", "spike/events", "spike/loss_z", "train/batches",
+    "train/device/batches_per_sec", "train/device/flops_per_sec", "train/device/items_per_sec",
+    "train/device/samples_per_sec", "train/grad_norm", "train/lengths", "train/loss", "train/samples", "train/time",
+    "train/tokens", "val/loss", "val/ppl", "validate/batches", "validate/device/batches_per_sec",
+    "validate/device/flops_per_sec", "validate/device/items_per_sec", "validate/device/samples_per_sec",
+    "validate/lengths", "validate/samples", "validate/time",
+]
+
+
+def test_every_tag_a_run_logs_is_named_in_the_docs():
+    """The end-of-run sample went to TensorBoard's Text tab as `sample` with no doc saying so."""
+    assert undocumented_tags(RUN_TAGS) == []
+    assert undocumented_tags(["trian/loss", "lr_AdamW/decay", "my_tag"]) == ["lr_AdamW/decay", "my_tag", "trian/loss"]
+
+
 def test_the_metric_check_tells_a_logged_name_from_a_misspelt_one():
     templates = _metric_templates()
     assert any(t.fullmatch("val/stdlib/loss") for t in templates)  # f"val/{name}/loss"
