@@ -32,6 +32,9 @@ COMPOSED = {
     "train/batches": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "batches"]),
     "train/samples": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "samples"]),
     "train/lengths": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "lengths"]),
+    # ... and, on several ranks, its all-rank rates beside the per-device ones
+    **{f"train/{k}_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "world"])
+       for k in ("items", "samples", "batches", "flops")},
     # Lightning's LearningRateMonitor: lr-<optimizer class>/<param group name>, LitLLM's groups "decay"/"no_decay"
     "lr-AdamW/decay": ("src/lit_dtrain/module_params.py", ['"name": "decay"']),
     "lr-AdamW/no_decay": ("src/lit_dtrain/module_params.py", ['"name": "no_decay"']),
@@ -112,14 +115,17 @@ def undocumented_tags(tags) -> list[str]:
 
 
 # Every tag a default run with callbacks=[default,loss_spike,adaptive_grad_clip,optimizer_diagnostics] wrote to
-# TensorBoard (read with EventAccumulator; scalars, and the text tags: the end-of-run sample, a spike's event).
+# TensorBoard (read with EventAccumulator: its scalars, and its text tags by the names add_text was given, the
+# end-of-run sample and a spike's event), and the all-rank throughput tags Lightning adds on 2 ranks.
 RUN_TAGS = [
     "epoch", "grad_clip/clip_events", "grad_clip/clipped", "grad_clip/norm", "grad_clip/threshold",
     "lr-AdamW/decay", "lr-AdamW/no_decay", "optim/decay/eps_dominated_frac", "optim/decay/grad_rms",
     "optim/decay/update_to_param_rms", "optim/no_decay/eps_dominated_frac", "optim/no_decay/grad_rms",
     "optim/no_decay/update_to_param_rms", "sample", "spike/count", "spike/events", "spike/loss_z", "train/batches",
     "train/device/batches_per_sec", "train/device/flops_per_sec", "train/device/items_per_sec",
-    "train/device/samples_per_sec", "train/grad_norm", "train/lengths", "train/loss", "train/samples", "train/time",
+    "train/device/samples_per_sec", "train/items_per_sec", "train/samples_per_sec", "train/batches_per_sec",
+    "train/flops_per_sec", "validate/items_per_sec", "train/grad_norm", "train/lengths", "train/loss",
+    "train/samples", "train/time",
     "train/tokens", "val/loss", "val/ppl", "validate/batches", "validate/device/batches_per_sec",
     "validate/device/flops_per_sec", "validate/device/items_per_sec", "validate/device/samples_per_sec",
     "validate/lengths", "validate/samples", "validate/time",
