@@ -38,10 +38,14 @@ def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:
 
 
 @rank_zero_only
-def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> None:
-    safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null
-    write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(text))
+def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write_summary: bool = True) -> None:
+    """The sample and the summary line; ``summary.json`` unless ``write_summary`` is False (a ``fast_dev_run`` smoke
+    test: one run with ``resume=auto`` in a finished run's dir replaced its summary by the smoke test's, its
+    ``checkpoint`` by null and its ``val_loss`` by one batch's)."""
+    if write_summary:
+        safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null
+        write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(text))
     if sample:
         print(f"--- sample ---\n{sample}\n--------------")
         for lg in trainer.loggers:
@@ -54,6 +58,7 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer) -> No
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
         + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
         + (" DIVERGED" if metrics.get("diverged") else "")
+        + ("" if write_summary else " (fast_dev_run: no summary.json)")
     )
     print(summary)
     log_to_handlers(log, summary)  # and into train.log, which held every line of the run but this one

@@ -179,18 +179,20 @@ def build_logger(cfg: DictConfig, start_step: int):
     return instantiate(node, **extra)
 
 
-def record_training_start(out_dir: Path) -> None:
+def record_training_start(out_dir: Path, write: bool = True) -> None:
     """Write this start's Hydra overrides to ``<run dir>/overrides.yaml`` and log that it trains to its job log
     (:func:`log_training_start`; a no-op outside Hydra). Hydra writes ``.hydra/overrides.yaml`` at every start,
     before the job runs: a start that a check refused in a run dir (a sweep re-run with ``resume=auto`` and its
     values in another order, a bad value) overwrote the record of the run trained there, and
     ``scripts/compare_runs.py`` labelled that run with the refused values. This file is written only by a start
-    that passed the checks and trains, beside ``config_resolved.yaml``."""
+    that passed the checks and trains, beside ``config_resolved.yaml`` (``write=False``: a ``fast_dev_run`` smoke test,
+    which keeps the record of the run trained in that dir)."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         overrides = HydraConfig.get().overrides.task
-        write_atomically(out_dir / "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
+        if write:
+            write_atomically(out_dir / "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
         log_training_start(log)
 
 
@@ -313,12 +315,15 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     refuse_spawned_ranks(trainer)  # ddp_spawn / ddp_fork: fit's state would stay in the ranks it spawned
     check_sweep_world_size(trainer.world_size, cfg.trainer)  # before fit starts the other ranks
     out_dir = Path(cfg.paths.output_dir)
+    # a smoke test: Lightning checkpoints and logs nothing, and the run dir keeps the record of the run trained there
+    # (its config_resolved.yaml, overrides.yaml and summary.json, which compare_runs.py reads)
+    smoke_test = bool(trainer.fast_dev_run)
     if trainer.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
-        # whole or not at all, as the checkpoints: a resume's sweep check and compare_runs.py read both files
-        text = OmegaConf.to_yaml(cfg, resolve=True)
-        write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
-        record_training_start(out_dir)
+        if not smoke_test:  # whole or not at all, as the checkpoints: a resume's check and compare_runs.py read both
+            text = OmegaConf.to_yaml(cfg, resolve=True)
+            write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
+        record_training_start(out_dir, write=not smoke_test)
 
     t0 = clock.fit_started()
     try:
@@ -330,7 +335,6 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
-    smoke_test = bool(trainer.fast_dev_run)  # Lightning checkpoints nothing there; resume=auto would take its step 1
     if not smoke_test and not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):
         trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
@@ -372,5 +376,5 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
     if trainer.is_global_zero:
-        _report(metrics, sample, out_dir, trainer)
+        _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}

@@ -359,3 +359,25 @@ def test_overfit_batches_resumed_on_another_batch_size_keeps_its_windows_at_the_
     bigger = fit(data(8), 4, str(tmp_path / "ck" / "step=2.ckpt"))
     assert len(bigger) == 2 and bigger[0] == bigger[1] and len(bigger[0]) == 8 and bigger[0][:4] == first
     assert fit(data(2), 4, str(tmp_path / "ck" / "step=2.ckpt")) == [first[:2], first[:2]]
+
+
+def test_train_py_under_fast_dev_run_keeps_the_run_dirs_record(tiny_cfg):
+    """A smoke test in a run dir (``resume=auto`` in a finished run's, the way its run-dir check says to go on)
+    replaced that run's summary.json by its own (val_loss 4.2036 -> 4.2606, one batch's; checkpoint last.ckpt -> null)
+    and its config_resolved.yaml and overrides.yaml, which compare_runs.py reads: now it writes none of them."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.val_check_interval=2")
+    with open_dict(cfg):
+        cfg.trainer.fast_dev_run = True
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True)
+    record = {name: f"the finished run's {name}\n" for name in ("summary.json", "config_resolved.yaml",
+                                                                  "overrides.yaml")}
+    for name, text in record.items():
+        (out / name).write_text(text)
+    metrics, _ = train(cfg)
+    assert metrics["steps"] == 1
+    assert {name: (out / name).read_text() for name in record} == record
