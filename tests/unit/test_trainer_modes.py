@@ -262,6 +262,10 @@ def test_overfit_batches_cycles_lmdatamodules_first_batches(tmp_path):
     assert fit(lm_data(tmp_path), 6, ckpt_path=str(tmp_path / "ck" / "step=3.ckpt")) == [seen[1], seen[0], seen[1]]
     with pytest.raises(MisconfigurationException, match=r"must be `1.0` or an int"):
         fit(lm_data(tmp_path), 2, overfit=0.5)
+    # Lightning's "100% of the batches" cycled one batch (4 steps on [581, 405, 239, 548]), as overfit_batches=1 does
+    with pytest.raises(ValueError, match=r"^LMDataModule: Trainer\(overfit_batches=1.0\) means all batches .* "
+                                         r"as an int \(overfit_batches=1\), or leave it out$"):
+        fit(lm_data(tmp_path), 2, overfit=1.0)
 
 
 def test_train_py_under_fast_dev_run_leaves_no_checkpoint_for_resume_auto(tiny_cfg):

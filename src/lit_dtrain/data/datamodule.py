@@ -266,7 +266,12 @@ class LMDataModule(L.LightningDataModule):
         """``Trainer(overfit_batches=k)``: the micro-batches to cycle through (0: off). Lightning's own rule limits a
         DataLoader to its first k batches, which for this step-drawn stream trained on new batches every step."""
         k = getattr(self.trainer, "overfit_batches", 0) if self.trainer is not None else 0
-        return int(k)  # a fraction: Lightning refuses it for an IterableDataset before the first batch
+        if isinstance(k, float) and k == 1.0:  # another fraction: Lightning refuses it for an IterableDataset
+            # Lightning's "100% of the batches", which int() made one batch, cycled (train.py's check refuses it too)
+            raise ValueError("LMDataModule: Trainer(overfit_batches=1.0) means all batches (Lightning's float), and "
+                             "this stream, drawn by step, has no end: give the number of micro-batches to train on "
+                             "again and again as an int (overfit_batches=1), or leave it out")
+        return int(k)
 
     def _shard_batch(self, indices: torch.Tensor, rank: int) -> dict:
         shard = indices[rank * self.batch_size : (rank + 1) * self.batch_size]
