@@ -79,6 +79,12 @@ def nothing_trained(reason: str, steps: int, trainer: L.Trainer | None = None) -
     """The line of a resume that trained no step (its checkpoint at ``steps``) because its run had ended for
     ``reason``, with how to train on (for ``max_time``, past the training time ``trainer``'s ``Timer`` counted: a
     run of max_time=4 s whose first step took 11 s, raised to 8 s, trained no step again)."""
+    smoke = getattr(trainer, "fast_dev_run", 0) if trainer is not None else 0
+    if smoke:  # Lightning runs a fit's first n steps (its max_steps=n): a resume past them trains none
+        n = int(smoke)
+        return (f"trainer.fast_dev_run runs a fit's first {n} step(s) (Lightning's max_steps={n}), and the "
+                f"checkpoint is at step {steps}: nothing to train, only validated; for a smoke test, leave resume and "
+                "ckpt_path out (and give it a run_name of its own)")
     if reason == "early_stopping":
         return (f"the checkpoint at step {steps} is of a run that EarlyStopping stopped (summary.json: \"stopped\": "
                 "\"early_stopping\"): it is finished, nothing to train, only validated. To train on from it, leave "

@@ -214,3 +214,19 @@ def test_a_stop_inside_the_warmup_is_told_to_train_past_it_before_a_decay_branch
         with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
             warn_if_the_schedule_did_not_end(trainer, stopped, 0, "run/last.ckpt")
         assert message in caplog.messages[-1], caplog.messages
+
+
+def test_a_fast_dev_run_resume_that_trains_nothing_says_why():
+    """``resume=auto +trainer.fast_dev_run=true trainer.max_steps=8`` in a run dir whose last.ckpt is at step 4 said
+    'the checkpoint is already at step 4 = trainer.max_steps', of a run with max_steps=8: Lightning runs a smoke
+    test's first step of a fit (its max_steps=1), which a resume at step 4 is past. It says so, and what to do."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.stop_reason import nothing_trained
+
+    line = nothing_trained("max_steps", 4, SimpleNamespace(fast_dev_run=True))
+    assert line.startswith("trainer.fast_dev_run runs a fit's first 1 step(s) (Lightning's max_steps=1), and the "
+                           "checkpoint is at step 4: nothing to train")
+    assert "leave resume and ckpt_path out" in line
+    assert nothing_trained("max_steps", 4, SimpleNamespace(fast_dev_run=0)).endswith("= trainer.max_steps: nothing "
+                                                                                       "to train, only validated")
