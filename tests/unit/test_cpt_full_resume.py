@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain.config_resolvers import RequiredValueError
 from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import compose_cfg
@@ -37,3 +38,19 @@ def test_a_fresh_cpt_start_still_needs_init_from(tmp_path):
                          "decay_branch.steps=2"], tmp_path / "g", tiny=False)
     drop_required_init_from_on_a_full_resume(given)
     assert given.init_from == "/x/last.ckpt"  # given: kept, and refused with the branch as before
+
+
+def test_a_cpt_run_extended_with_resume_auto_needs_no_init_from(tmp_path):
+    """``experiment=cpt_replay run_name=B resume=auto trainer.max_steps=6`` in run B's dir (checkpoints at step 4)
+    stopped at 'give init_from=PATH', which resume=auto would not read. A fresh start with resume=auto (no checkpoint
+    yet) still needs it."""
+    args = ["experiment=cpt_replay", "resume=auto", "sample.max_new_tokens=0"]
+    fresh = compose_cfg(args, tmp_path / "r", tiny=False)
+    drop_required_init_from_on_a_full_resume(fresh)
+    with pytest.raises(RequiredValueError, match=r"experiment=cpt_replay.*init_from=PATH"):
+        fresh.get("init_from")
+    cfg = compose_cfg(args, tmp_path / "r", tiny=False)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "last.ckpt").write_bytes(b"the run's own")
+    drop_required_init_from_on_a_full_resume(cfg)
+    assert cfg.init_from is None

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
+from lit_dtrain.checkpoint import checkpoint_files
 from lit_dtrain.config_resolvers import RequiredValueError
 
 log = logging.getLogger(__name__)
 
 
 def drop_required_init_from_on_a_full_resume(cfg: DictConfig) -> None:
-    """Set a required, ungiven ``init_from`` to null when ``decay_branch.ckpt`` or ``ckpt_path`` resumes a checkpoint
-    in full: its weights come from that checkpoint, so there is nothing for ``init_from`` to load. Before, a decay
-    branch (or an extension) of a continual-pre-training run, typed with its ``experiment=cpt_replay``, stopped at
-    ``give init_from=PATH``, and giving it stopped at ``set either decay_branch.ckpt or init_from, not both``."""
+    """Set a required, ungiven ``init_from`` to null when ``decay_branch.ckpt``, ``ckpt_path`` or ``resume=auto`` (in a
+    run dir that holds checkpoints) resumes a checkpoint in full: its weights come from that checkpoint, so there is
+    nothing for ``init_from`` to load. Before, a decay branch (or an extension) of a continual-pre-training run, typed
+    with its ``experiment=cpt_replay``, stopped at ``give init_from=PATH``, and giving it stopped at ``set either
+    decay_branch.ckpt or init_from, not both``; an extension in place (``resume=auto`` with ``trainer.max_steps``
+    raised) stopped at ``give init_from=PATH`` too."""
     try:
         cfg.get("init_from")
         return  # given (or not required): the usual checks apply
@@ -23,8 +27,11 @@ def drop_required_init_from_on_a_full_resume(cfg: DictConfig) -> None:
         pass
     branch = cfg.get("decay_branch") or {}
     key = "decay_branch.ckpt" if branch.get("ckpt") else "ckpt_path" if cfg.get("ckpt_path") else None
+    if key is None and cfg.get("resume") == "auto" and checkpoint_files(Path(str(cfg.paths.checkpoint_dir))):
+        # an extension in place (trainer.max_steps raised), as check_init_from reads it: the run's own checkpoints
+        key = "resume=auto"
     if key is None:
         return  # a fresh start: the required init_from's error stands
     with open_dict(cfg):
         cfg.init_from = None
-    log.info("init_from: not needed, %s resumes its checkpoint in full (weights, optimizer, step, data)", key)
+    log.info("init_from: not needed, %s resumes a checkpoint in full (weights, optimizer, step, data)", key)
