@@ -25,9 +25,15 @@ def warn_if_the_mixture_changed(saved: dict | None, now: dict[str, float]) -> No
         return
     if all(math.isclose(float(saved[k]), now[k], rel_tol=1e-9, abs_tol=1e-12) for k in now):
         return
+    # 4 digits, or as many as tell the shares apart; the advice exact (Python's shortest repr): with 4 digits, a
+    # checkpoint of weights 1 and 2 advised 'data.sources.0.weight=0.3333 data.sources.1.weight=0.6667', which,
+    # followed, warned again of '(stdlib 0.3333, text 0.6667)' against '(stdlib 0.3333, text 0.6667)'
+    digits = next(d for d in range(4, 18) if [f"{float(v):.{d}g}" for v in saved.values()]
+                  != [f"{v:.{d}g}" for v in now.values()] or d == 17)
     fmt = ", ".join
-    old, new = fmt(f"{k} {float(v):.4g}" for k, v in saved.items()), fmt(f"{k} {v:.4g}" for k, v in now.items())
-    keep = " ".join(f"data.sources.{i}.weight={float(v):.4g}" for i, v in enumerate(saved.values()))
+    old = fmt(f"{k} {float(v):.{digits}g}" for k, v in saved.items())
+    new = fmt(f"{k} {v:.{digits}g}" for k, v in now.items())
+    keep = " ".join(f"data.sources.{i}.weight={float(v)!r}" for i, v in enumerate(saved.values()))
     log_once(
         log, logging.WARNING,
         "the checkpoint drew its batches with the mixture shares (%s), and this run's data.sources weights give (%s): "
