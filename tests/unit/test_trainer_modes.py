@@ -385,3 +385,21 @@ def test_train_py_under_fast_dev_run_keeps_the_run_dirs_record(tiny_cfg):
     metrics, _ = train(cfg)
     assert metrics["steps"] == 1
     assert {name: (out / name).read_text() for name in record} == record
+
+
+def test_overfit_batches_leaves_out_windows_the_spike_monitor_excluded(tmp_path):
+    """LossSpikeMonitor's ``skip`` excludes a spiking batch's windows through the sampler, whose draws the kept
+    overfit windows bypass: under ``Trainer(overfit_batches=1)`` they trained again at every later step. The slot
+    keeps its other windows and takes the sampler's draw (without the excluded) for the rest."""
+    from types import SimpleNamespace
+
+    data = lm_data(tmp_path)
+    data.prepare_data()
+    data.setup("fit")
+    data.trainer = SimpleNamespace(overfit_batches=1, global_rank=0, world_size=1, accumulate_grad_batches=1)
+    first = data.next_train_batch()["index"].tolist()
+    assert data.next_train_batch()["index"].tolist() == first
+    data.sampler.exclude(first[:2])  # as the monitor does on a spike
+    then = data.next_train_batch()["index"].tolist()
+    assert len(then) == len(first) and then[:2] == first[2:] and not set(then) & set(first[:2])
+    assert data.next_train_batch()["index"].tolist() == then

@@ -290,6 +290,12 @@ class LMDataModule(L.LightningDataModule):
         if overfit:  # the first k micro-batches' windows again and again (kept: a sampler's draws move with its state)
             slot, size = self.micro_step % overfit, self.batch_size * world
             kept = self.overfit_indices.get(slot)
+            excluded = getattr(self.sampler, "excluded", None)
+            if kept is not None and excluded is not None and len(excluded) and bool(excluded[kept].any()):
+                # LossSpikeMonitor's exclusions go to the sampler, whose draws kept windows bypass (they trained again
+                # every k steps): the rest, topped up from the slot's draw, which leaves them out
+                kept, drawn = kept[~excluded[kept]], self.sampler.global_batch(slot, size)
+                kept = self.overfit_indices[slot] = torch.cat([kept, drawn[~torch.isin(drawn, kept)]])[:size]
             if kept is None or len(kept) != size:  # a resume on another global batch: the kept windows cut or topped up
                 drawn = self.sampler.global_batch(slot, size)
                 self.overfit_indices[slot] = drawn if kept is None else torch.cat([kept, drawn[len(kept):]])[:size]
