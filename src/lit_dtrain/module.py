@@ -5,7 +5,8 @@ optimizer and scheduler wiring (both arrive as Hydra partials). Techniques live 
 the step output contract ``{"loss", "token_loss" [B, T], "index" [B]}`` of :meth:`training_step`.
 
 The parameters' side (shapes recorded before sharding, weight-decay groups, the optimizer built from them, the FLOPs
-estimate) is in :mod:`lit_dtrain.module_params`; its names are importable from here too.
+estimate) is in :mod:`lit_dtrain.module_params`, a checkpoint's model-shape check in
+:mod:`lit_dtrain._model_config_check`; their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_dtrain.checkpoint import CheckpointError
+from lit_dtrain._model_config_check import WEIGHT_CONFIG_KEYS, check_model_config
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
 from lit_dtrain.module_metrics import ValLossMean, log_every_step
-from lit_dtrain.module_params import build_optimizer, estimate_train_flops, param_groups, remember_parameter_shapes
+from lit_dtrain.module_params import (
+    build_optimizer,
+    estimate_train_flops,
+    param_groups,
+    remember_parameter_shapes,
+    restore_configured_settings,
+)
 from lit_dtrain.schedules.lr import StepLambdaLR
 from lit_dtrain.step_rng import draws_random, forward_rng, step_seed
 from lit_dtrain.utils.rank_zero import log_once
@@ -55,31 +62,6 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "non
     loss = F.cross_entropy(logits.reshape(B * T, V), labels.reshape(B * T), reduction=reduction,
                            ignore_index=NO_IGNORE_INDEX)
     return loss.view(B, T) if reduction == "none" else loss
-
-
-# LlamaConfig keys that decide what the weights mean. A change of n_head and n_kv_head together (heads regrouped)
-# or of tie_embeddings keeps every tensor's shape, so load_state_dict alone took such a checkpoint silently.
-# block_size and rope_theta are free to change (context extension): the RoPE tables are rebuilt from the config.
-WEIGHT_CONFIG_KEYS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_hidden", "tie_embeddings")
-
-
-def check_model_config(checkpoint: dict, config, path=None) -> None:
-    """:class:`CheckpointError` naming the keys when the checkpoint's ``model_config`` (stored by
-    :meth:`LitLLM.on_save_checkpoint`) gives the weights another meaning than ``config`` (a model's dataclass
-    config). Nothing to compare (no ``model_config``, a model without a dataclass config): no error."""
-    saved = checkpoint.get("model_config") if isinstance(checkpoint, dict) else None
-    if not isinstance(saved, dict) or not dataclasses.is_dataclass(config):
-        return
-    differ = [k for k in WEIGHT_CONFIG_KEYS if k in saved and saved[k] != getattr(config, k, saved[k])]
-    if not differ:
-        return
-    theirs = ", ".join(f"{k}={saved[k]}" for k in differ)
-    ours = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
-    overrides = " ".join(f"model.{k}={saved[k]}" for k in differ)
-    raise CheckpointError(
-        f"checkpoint{f' {str(path)!r}' if path else ''} does not fit the configured model: it holds a model with "
-        f"{theirs}, this model has {ours}. model.* must be the shape of the run that wrote it: set {overrides}"
-    )
 
 
 class LitLLM(L.LightningModule):
@@ -189,10 +171,8 @@ class LitLLM(L.LightningModule):
         self._loss_step = None  # a new fit (perhaps restored to an earlier step) sums no stale micro-batch loss
         self._run_seed = torch.initial_seed()  # train.py's seed_everything(seed): the forward's draws derive from it
         self._draws_random = draws_random(self.model)  # without dropout the forward runs on the generators unforked
-        from lit_dtrain.module_params import restore_configured_settings as restore  # (one import line: 400 lines)
-
         for optimizer in self.trainer.optimizers:  # after Lightning restored a checkpoint's optimizer state
-            restore(optimizer)
+            restore_configured_settings(optimizer)
         step = self.trainer.global_step
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler

@@ -28,7 +28,8 @@ EVENT_GLOB = "events.out.tfevents.*"
 CSV_NAME = "metrics.csv"  # Lightning's CSVLogger (logger=csv: ResumableCSVLogger) writes <run>/csv/metrics.csv
 # the line each start of train(cfg) that passed its checks logs to its job log (lit_dtrain.sweeps.log_training_start)
 TRAINING_STARTS = "training starts: config_resolved.yaml written"
-# the start of the line train(cfg) prints and logs to its job log last, beside summary.json (lit_dtrain.train._report)
+# the start of the line train(cfg) prints and logs to its job log last, beside summary.json
+# (lit_dtrain._run_report._report)
 SUMMARY_LINE = "summary: val_loss="
 
 
