@@ -154,12 +154,13 @@ def _check_path(key: str, value, what: str) -> None:
 def _flag_or_number(annotation) -> tuple[str, set] | None:
     """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
     None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
-    ``("number", allowed)`` for ``float`` or ``int | float``; None for any other annotation."""
+    ``("number", allowed)`` for ``float`` or ``int | float``, ``("text", allowed)`` for ``str`` alone; None for any
+    other annotation."""
     import types
     import typing
 
-    if annotation is bool:
-        return "bool", set()
+    if annotation in (bool, str):
+        return ("bool" if annotation is bool else "text"), set()
     if annotation is int:
         return "int", set()
     if annotation is float:
@@ -173,8 +174,8 @@ def _flag_or_number(annotation) -> tuple[str, set] | None:
     for literal in literals:
         allowed.update(typing.get_args(literal))
     plain = [a for a in rest if a not in literals]
-    if plain == [bool]:
-        return "bool", allowed
+    if plain in ([bool], [str]):
+        return ("bool" if plain == [bool] else "text"), allowed
     if plain == [int] and not literals:
         return "int", allowed
     if plain and not literals and all(a in (int, float) for a in plain):
@@ -385,6 +386,10 @@ def _check_value(full: str, annotation, value) -> None:
     if value is None and None in allowed or isinstance(value, str) and value in allowed:
         return
     others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
+    if kind == "text":  # a number taken as a name: optimizer_diagnostics.prefix=0 logged '0/decay/...', and
+        if not isinstance(value, (str, os.PathLike)):  # loss_spike.path=0 (falsy) wrote the default spikes.jsonl
+            _check_path(full, value, f"text{others}")
+        return
     if kind == "bool" and not is_flag(value):
         raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type_name(value)})")
     if kind != "bool" and not is_number(value, integer=kind == "int"):

@@ -103,7 +103,23 @@ LIGHTNING_VALUES = [
 ]
 
 
-REFUSED = NULLS + CONTAINERS + INHERITED + PATHS + CHECKPOINT_NAMES + LIGHTNING_VALUES
+# A name a technique's argument annotated text takes that is not text is refused
+TEXT_ARGUMENTS = [
+    # a 4-step nano run logged '0/decay/grad_rms', ... and exited 0
+    ("callbacks=[default,optimizer_diagnostics] callbacks.optimizer_diagnostics.prefix=0",
+     r"^callbacks.optimizer_diagnostics.prefix must be text, got 0 \(int\) \(a name that reads as a number: quote it, "
+     r"callbacks.optimizer_diagnostics.prefix=\"'0'\"\)$"),
+    ("callbacks=[default,optimizer_diagnostics] callbacks.optimizer_diagnostics.prefix=null",
+     r"^callbacks.optimizer_diagnostics.prefix must be text, got None \(NoneType\)$"),
+    # falsy, so read as no path: an 8-step run's spikes went to <run dir>/spikes.jsonl, silently
+    ("callbacks=[default,loss_spike] callbacks.loss_spike.path=0",
+     r"^callbacks.loss_spike.path must be text or null, got 0 \(int\) \(a name that reads as a number"),
+    ("callbacks=[default,loss_spike] callbacks.loss_spike.path=[a]",
+     r"^callbacks.loss_spike.path must be text or null, got \['a'\] \(list\)$"),
+]
+
+
+REFUSED = NULLS + CONTAINERS + INHERITED + PATHS + CHECKPOINT_NAMES + LIGHTNING_VALUES + TEXT_ARGUMENTS
 
 
 @pytest.mark.parametrize("override, match", REFUSED)
@@ -119,12 +135,15 @@ MEANINGFUL = [
     "data.exclude_dirs=/tmp/x", "data.exclude_dirs=[/tmp/x,/tmp/y]", "callbacks.model_checkpoint.monitor=null",
     "callbacks.model_checkpoint.filename=null", "trainer.max_time=00:01:00:00", "trainer.max_time={hours:1}",
     "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",
+    "callbacks=[default,loss_spike] callbacks.loss_spike.path=null",
+    "callbacks=[default,loss_spike] callbacks.loss_spike.path=/tmp/spikes.jsonl",
+    "callbacks=[default,optimizer_diagnostics] callbacks.optimizer_diagnostics.prefix='0'",
 ]
 
 
 @pytest.mark.parametrize("override", MEANINGFUL)
 def test_values_that_mean_something_pass(override, tiny_cfg):
-    check_config(tiny_cfg(override))
+    check_config(tiny_cfg(*override.split(" ")))
 
 
 @pytest.mark.parametrize(
