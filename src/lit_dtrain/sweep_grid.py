@@ -65,3 +65,37 @@ def warn_if_an_experiment_grid_was_not_swept(hc) -> None:
             "point of it. Run each such experiment in a -m of its own: python train.py -m experiment=%s",
             experiment, " ".join(not_swept), experiment,
         )
+
+
+def unknown_group_option(overrides, config_name: str | None, hydra_overrides: list[str]) -> str | None:
+    """The message for the first value of a config group in ``overrides`` (parsed sweep overrides) that names no
+    option of it (``-m model=nano,doesnotexist``), else None. Hydra finds out only when it composes that job, after
+    it has made the sweep dir and its ``multirun.yaml``: a sweep that never ran left that dir behind, with a
+    multi-line "In 'train': Could not find 'model/doesnotexist'" and the option list. Needs Hydra's global config
+    loader (a ``train.py`` start); without one nothing is checked."""
+    import functools
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.types import Glob
+
+    if not GlobalHydra.instance().is_initialized():
+        return None
+    loader = GlobalHydra.instance().config_loader()
+
+    @functools.cache
+    def options(group: str) -> tuple[str, ...]:  # with the command line's hydra.searchpath, as Hydra composes
+        return tuple(loader.get_group_options(group, config_name=config_name, overrides=hydra_overrides))
+
+    for o in overrides:
+        group = o.key_or_group
+        if o.is_delete() or isinstance(o.value(), Glob) or not (options(group) or loader.list_groups(group)):
+            continue  # a config key, not a group (a glob picks among the group's options)
+        for value in (o.sweep_iterator() if o.is_sweep_override() else [o.value()]):
+            for name in (value if isinstance(value, list) else [value]):  # callbacks=[default,loss_spike]
+                if name is None:
+                    continue
+                parent, _, leaf = f"{group}/{name}".rpartition("/")  # strategy=ddp_compressed/int8_rs
+                if leaf not in options(parent):
+                    return (f"{o.input_line}: config group '{parent}' has no option '{leaf}' (options: "
+                            f"{', '.join(options(parent)) or 'none'}); nothing was run")
+    return None

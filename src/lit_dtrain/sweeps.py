@@ -17,7 +17,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.sweep_grid import sweep_task, warn_if_an_experiment_grid_was_not_swept, warn_if_the_grid_repeats_a_point
+from lit_dtrain.sweep_grid import (
+    sweep_task,
+    unknown_group_option,
+    warn_if_an_experiment_grid_was_not_swept,
+    warn_if_the_grid_repeats_a_point,
+)
 from lit_dtrain.utils.job_log import log_to_handlers
 
 log = logging.getLogger(__name__)
@@ -262,19 +267,23 @@ class ResumeSweepCheck(Callback):
 class SweepSyntaxCheck(Callback):
     """Hydra callback (``conf/hydra/default.yaml``): refuse in one line ``interval(...)`` under Hydra's basic sweeper
     (typed, or in an experiment's ``hydra.sweeper.params``) before the sweep dir is made; it was a 16-line traceback
-    ending in 'BasicSweeper does not support sweep type : INTERVAL_SWEEP', naming no key and no fix."""
+    ending in 'BasicSweeper does not support sweep type : INTERVAL_SWEEP', naming no key and no fix. Also, under any
+    sweeper, a swept config group option that does not exist (:func:`~lit_dtrain.sweep_grid.unknown_group_option`)."""
 
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+    def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs) -> None:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         sweeper = config.hydra.sweeper
-        if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
-            return  # a sampling sweeper (Optuna, Nevergrad) takes interval()
         params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
         try:
             overrides = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
         except Exception:  # noqa: BLE001 - Hydra reports an override it cannot parse itself
             return
+        unknown = unknown_group_option(overrides, config_name, list(config.hydra.overrides.get("hydra") or []))
+        if unknown:  # -m model=nano,doesnotexist: Hydra's error came after it made the sweep dir
+            _exit_with(ConfigError(unknown))
+        if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+            return  # a sampling sweeper (Optuna, Nevergrad) takes interval()
         for o in overrides:
             if o.is_sweep_override() and not o.is_discrete_sweep():
                 key = o.get_key_element()

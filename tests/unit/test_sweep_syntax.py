@@ -49,3 +49,42 @@ def test_train_py_refuses_an_interval_sweep_in_one_line_before_its_sweep_dir(tmp
         "optimizer.lr=1e-4,3e-4,1e-3, or use range(start,stop,step) or choice(...)"
     ]
     assert not (tmp_path / "out").exists()  # no sweep dir of nothing
+
+
+def test_a_swept_group_option_that_does_not_exist_is_refused_naming_it(capsys):
+    from hydra import initialize_config_dir
+
+    from tests.conftest import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for task, params, line, group, option in [
+            (["model=nano,doesnotexist"], None, "model=nano,doesnotexist", "model", "doesnotexist"),
+            (["strategy=ddp_compressed/int8_rs,ddp_compressed/int9"], None,
+             "strategy=ddp_compressed/int8_rs,ddp_compressed/int9", "strategy/ddp_compressed", "int9"),
+            (["callbacks=[default,loss_spike],[default,los_spike]"], None,
+             "callbacks=[default,loss_spike],[default,los_spike]", "callbacks", "los_spike"),
+            ([], {"scheduler": "wsd,cosin"}, "scheduler=wsd,cosin", "scheduler", "cosin"),  # an experiment's grid
+        ]:
+            with pytest.raises(SystemExit) as stop:
+                SweepSyntaxCheck().on_multirun_start(config=multirun_config(task, params), config_name="train")
+            assert stop.value.code == 1
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: {line}: config group '{group}' has no option '{option}' (options: ")
+            assert err.endswith("); nothing was run\n") and err.count("\n") == 1
+        # options that exist, keys that are no group, a glob and a deletion pass
+        fine = ["model=nano,small", "strategy=ddp,ddp_compressed/int8_rs", "callbacks=[default,loss_spike],none",
+                "optimizer.lr=1e-3,3e-3", "seed=range(1,3)", "experiment=glob(*)", "~sample"]
+        SweepSyntaxCheck().on_multirun_start(config=multirun_config(fine, {"scheduler": "wsd,cosine"}),
+                                             config_name="train")
+    assert capsys.readouterr().err == ""
+
+
+def test_train_py_refuses_a_missing_group_option_before_its_sweep_dir(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    proc = run_script("../train.py", ["-m", "model=nano,doesnotexist", "trainer.max_steps=1"], tmp_path, capfd)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: model=nano,doesnotexist: config group 'model' has no option 'doesnotexist' (options: llama_125m, "
+        "nano, small); nothing was run"
+    ]
+    assert not (tmp_path / "out").exists()  # it held multirun.yaml alone
