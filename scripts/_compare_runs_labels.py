@@ -88,6 +88,10 @@ def _with_defaults(runs: list[Path], differing: list[list[str]]) -> list[list[st
     configs = [_trained_with(r) for r in runs]
     keys = list(dict.fromkeys(o.partition("=")[0] for d in differing for o in d if "=" in o))
     values = {k: [_value(c, ov, k) for c, ov in zip(configs, differing)] for k in keys}
+    for i, run in enumerate(runs):  # a sweep's job that never started: what its started siblings all trained with
+        if configs[i] is None and not run.exists() and (run.parent / "multirun.yaml").is_file():
+            for k, vs in values.items():
+                vs[i] = _siblings_value(runs, configs, i, k) if vs[i] is _UNKNOWN else vs[i]
     out = []
     for i, ov in enumerate(differing):
         same = {k for k, vs in values.items() if _UNKNOWN not in vs and len({_as_value(f"{k}={v}") for v in vs}) == 1}
@@ -110,6 +114,36 @@ def _trained_with(run: Path):
         return OmegaConf.load(run / "config_resolved.yaml"), choices
     except Exception:  # noqa: BLE001 - any unreadable or missing file: only the typed overrides label it
         return None
+
+
+def _siblings_value(runs: list[Path], configs: list, i: int, key: str):
+    """The value of ``key`` every started job of the sweep of ``runs[i]`` (a job that never started, so without a
+    config) trained with, where it cannot depend on what the sweep varies: not a key under a swept one (nor a swept
+    ``experiment``, which may set any), and not an interpolation in their ``.hydra/config.yaml`` (a default derived
+    from a swept key, such as the warmup from ``trainer.max_steps``). :data:`_UNKNOWN` otherwise. Its label showed
+    ``scheduler=constant`` beside its started siblings' ``scheduler=wsd optimizer.lr=0.003``."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.run_dirs import sweep_jobs
+
+    sweep, jobs = runs[i].parent, sweep_jobs(runs[i].parent, lambda _: None) or []
+    swept = {override_key(o) for job in jobs for o in job if any(o not in other for other in jobs)}
+    if key.startswith(("+", "~")) or "experiment" in swept or any(key.startswith(f"{s}.") for s in swept):
+        return _UNKNOWN
+    seen = set()
+    for run, config in zip(runs, configs):
+        if run.parent != sweep or config is None:
+            continue
+        if key not in config[1]:  # a value, not a config group's choice: not derived from another key
+            parent, _, leaf = f".{key}".rpartition(".")
+            try:
+                node = OmegaConf.select(OmegaConf.load(run / ".hydra" / "config.yaml"), parent[1:] or "", default=None)
+                if node is None or OmegaConf.is_interpolation(node, leaf):
+                    return _UNKNOWN
+            except Exception:  # noqa: BLE001 - an unreadable file: the typed overrides alone label it
+                return _UNKNOWN
+        seen.add(_value(config, [], key))
+    return seen.pop() if len(seen) == 1 and _UNKNOWN not in seen else _UNKNOWN
 
 
 def _value(config, typed: list[str], key: str):
