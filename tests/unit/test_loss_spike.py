@@ -218,6 +218,27 @@ def test_window_and_cooldown() -> None:
         [1.0, 0.1, 0.1, 0.1 + 0.9 * 0.25, 0.1 + 0.9 * 0.5, 0.1 + 0.9 * 0.75, 1.0, 1.0])
 
 
+def test_a_checkpoint_carries_every_part_of_the_monitor_state() -> None:
+    """A resumed monitor holds what the interrupted one held: the raise window's spike steps above all (a resume that
+    forgot steps 10 and 50 let a third spike at step 60 train on where the uninterrupted run raised)."""
+    def monitor():
+        return LossSpikeMonitor(actions=["log", "skip", "raise"], raise_after=3, raise_window=100, warmup_steps=3)
+
+    before = monitor()
+    for step in (10, 50):
+        assert before.window.add(step) is False
+    for loss in (2.0, 2.1, 1.9, 2.05):
+        before.detector.decide(loss)
+    before.excluded, before.num_spikes, before.nonfinite_run, before.cooldown_start = [7, 3], 2, [50], 50
+    before.recent_indices.append([1, 2])
+    after = monitor()
+    after.load_state_dict(before.state_dict())
+    assert after.window.steps == [10, 50] and after.window.add(60) is True
+    assert after.detector.state_dict() == before.detector.state_dict()
+    assert (after.excluded, after.num_spikes, after.nonfinite_run, after.cooldown_start) == ([7, 3], 2, [50], 50)
+    assert [list(x) for x in after.recent_indices] == [[1, 2]]
+
+
 def test_bad_arguments_fail_loudly() -> None:
     with pytest.raises(ValueError, match="actions"):
         LossSpikeMonitor(actions=["log", "explode"])
