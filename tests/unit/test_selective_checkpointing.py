@@ -151,6 +151,17 @@ def test_plan_budget_prefers_cheap_recompute():
     assert plan == ["full"] * 4 and est > 2.0
 
 
+def test_plan_budget_breaks_a_recompute_tie_towards_the_plan_that_uses_more_of_the_budget():
+    """Equal recompute time (one full block costs 4, as two selective ones): the plan that holds more memory within
+    the budget is taken, as documented, not the one that saves memory for nothing."""
+    prof = BlockProfile(retained={"none": 10.0, "selective": 5.0, "full": 1.0},
+                        recompute={"none": 0.0, "selective": 2.0, "full": 4.0})
+    profiles = [prof] * 4
+    assert estimate_peak(profiles, ["selective", "none", "none", "none"], 0.0) == 35.0  # the cost-2 plan misses 33
+    assert estimate_peak(profiles, ["selective", "selective", "none", "none"], 0.0) == 30.0
+    assert plan_budget(profiles, 0.0, 33.0) == (["full", "none", "none", "none"], 31.0)
+
+
 # ---- discovery and errors ------------------------------------------------------------------------------------
 def test_no_matching_blocks_names_pattern_and_lists_modules():
     module = LitLLM(make_model())
