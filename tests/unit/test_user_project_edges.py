@@ -182,7 +182,7 @@ def test_wsd_stopped_inside_its_warmup_is_told_to_train_past_it_first(tmp_path: 
         "its last step ran at 0.375x the peak LR and its weights are not decayed. To decay them, train on to step 8 "
         "or later first, past the warmup (warmup_steps=8), then resume from its last checkpoint with "
         "WSDScheduler(total_steps=<that step> + D, decay_steps=D)"), said
-    with pytest.raises(ValueError):  # the horizon it was told of before
+    with pytest.raises(ValueError, match=r"warmup_steps=8 \+ decay_steps=4 > total_steps=7"):  # the horizon told before
         WSDScheduler(total_steps=3 + 4, warmup_steps=8, decay_steps=4)
 
 
