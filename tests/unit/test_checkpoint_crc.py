@@ -135,3 +135,17 @@ def test_bytes_after_a_whole_archive_are_found_past_64_kib(tmp_path):
     path.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(CheckpointError, match="is truncated"):
         safe_torch_load(path)
+
+
+def test_a_changed_byte_past_the_first_mebibyte_of_a_tensor_is_refused(tmp_path):
+    """The check reads each member to its end (zipfile compares the CRC-32 only there): a check that read one 1 MiB
+    chunk passed a file whose 2 MiB tensor had a byte changed near its end, and the weight loaded changed."""
+    path = tmp_path / "big.ckpt"
+    torch.save({"w": torch.zeros(2**19)}, path)  # one member of 2 MiB
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.file_size == 2**21)
+    damaged = _flipped(data, _data_offset(data, info) + info.file_size - 3, tmp_path / "damaged.ckpt")
+    assert torch.load(damaged, weights_only=True)["w"].count_nonzero() == 1  # torch: loaded, one weight changed
+    with pytest.raises(CheckpointError, match=rf"member '{info.filename}' fails its CRC-32 check"):
+        safe_torch_load(damaged)
