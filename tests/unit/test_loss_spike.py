@@ -239,6 +239,18 @@ def test_a_checkpoint_carries_every_part_of_the_monitor_state() -> None:
     assert [list(x) for x in after.recent_indices] == [[1, 2]]
 
 
+def test_a_rollback_drops_the_snapshots_newer_than_the_one_restored() -> None:
+    """Those may hold the update that caused the spike: a second spike soon after the rollback must go back to the
+    restored snapshot or older, never forward to one taken after it (the ring kept it, and step 33 went to step 30)."""
+    from lit_dtrain.callbacks._snapshots import SnapshotRing
+
+    ring = SnapshotRing(keep=3)
+    ring.snapshots.extend({"step": step, "layout": [[2]]} for step in (10, 20, 30))
+    snap, old_enough = ring.pick(31, 5, [[2]])
+    assert (snap["step"], old_enough) == (20, True) and [s["step"] for s in ring.snapshots] == [10, 20]
+    assert ring.pick(33, 1, [[2]])[0]["step"] == 20
+
+
 def test_bad_arguments_fail_loudly() -> None:
     with pytest.raises(ValueError, match="actions"):
         LossSpikeMonitor(actions=["log", "explode"])
