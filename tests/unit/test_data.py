@@ -93,6 +93,17 @@ def test_rank_shards_are_disjoint_pieces_of_the_global_batch(corpus, tmp_path):
         assert r0.numel() == r1.numel() == 4
 
 
+def test_the_training_stream_is_the_batches_of_micro_steps_0_1_2(corpus, tmp_path):
+    """Micro-step s trains batch_for_step(s), from 0 on, as a resume, the spike records and the sampler's per-step
+    draws assume; a stream shifted by one (step s drew batch s + 1) was still consistent across resumes, so no other
+    test saw that batch 0 was never trained."""
+    dm = dm_for(corpus, tmp_path, seed=1)
+    drawn = [dm.next_train_batch()["index"] for _ in range(3)]
+    assert dm.micro_step == 3
+    for step, index in enumerate(drawn):
+        assert torch.equal(index, dm.batch_for_step(step)["index"]), step
+
+
 def test_a_limit_in_batches_validates_the_same_windows_on_any_number_of_ranks(corpus, tmp_path):
     """trainer.limit_val_batches=k: Lightning caps each rank's loader at k batches, so 2 ranks validated the first 2k
     batches' windows and 1 process the first k (the same weights: val loss 3.1999 on 2 ranks, 3.3406 on 1). Now the
