@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lit_dtrain.data._datamodule_state import warn_if_the_data_changed, warn_if_the_dataset_changed
+from lit_dtrain.data._fit_end import check_the_fit_ends
 from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
@@ -256,6 +257,7 @@ class LMDataModule(L.LightningDataModule):
 
     # ---- training batches -----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
+        check_the_fit_ends(self.trainer)
         return DataLoader(_StepTickets(), batch_size=None)
 
     def batch_for_step(self, step: int, rank: int = 0, world_size: int = 1) -> dict:
