@@ -291,6 +291,9 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
         if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
             reason += " (is the disk full?)"
         fix = "make it writable" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "free space there"
+        in_the_way = next((p for p in (out_dir.parent, *out_dir.parent.parents) if p.exists() and not p.is_dir()), None)
+        if e.errno in (errno.EEXIST, errno.ENOTDIR) and in_the_way is not None:  # was "File exists; free space there"
+            reason, fix = f"{str(in_the_way)!r} is a file, not a directory", "move it away"
         raise CorpusError(
             f"cannot write the token cache of data source {source.name!r} under {str(out_dir.parent)!r}: {reason}; "
             f"{fix} or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"
