@@ -92,6 +92,8 @@ class LMDataModule(L.LightningDataModule):
         exclude_dirs: directories whose files are never corpus text (the configs give the run outputs' root); the
             files under ``cache_dir`` never are either.
         sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.
+        tokenizer: :class:`ByteTokenizer` by default; one of one's own has ``name`` (in the cache key), ``vocab_size``,
+            ``eos_id`` and ``encode(data: bytes, add_eos: bool)`` returning integer ids below ``vocab_size`` and 65536.
     """
 
     def __init__(

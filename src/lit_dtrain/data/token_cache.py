@@ -36,7 +36,7 @@ from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_dirs, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.split_report import warn_about_split
-from lit_dtrain.data.tokenizer import ByteTokenizer
+from lit_dtrain.data.tokenizer import ByteTokenizer, as_token_ids
 from lit_dtrain.utils.atomic import pid_alive
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -312,12 +312,12 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
             if getattr(tokenizer, "bytewise", False):  # a chunk encodes as its part of the whole file does
                 for chunk in _chunks(path):
                     read_digest.update(chunk)
-                    count += out.write(memoryview(tokenizer.encode(chunk)))
+                    count += out.write(memoryview(as_token_ids(tokenizer.encode(chunk), tokenizer)))
                 count += out.write(memoryview(np.array([tokenizer.eos_id], dtype=np.uint16)))
             else:
                 data = b"".join(_chunks(path))
                 read_digest.update(data)
-                count += out.write(memoryview(tokenizer.encode(data, add_eos=True)))
+                count += out.write(memoryview(as_token_ids(tokenizer.encode(data, add_eos=True), tokenizer)))
                 del data
             if read_digest.digest() != digest:  # the cache key hashed other bytes
                 raise CorpusError(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lit_dtrain.data.corpus import CorpusError
+
 
 class ByteTokenizer:
     """Maps text (or raw bytes) to token ids 0..255 and appends EOS (256) between documents.
@@ -41,3 +43,26 @@ class ByteTokenizer:
             else:
                 out += "\ufffd".encode()
         return out.decode("utf-8", errors="replace")
+
+
+def as_token_ids(ids, tokenizer) -> np.ndarray:
+    """``ids``, what ``tokenizer.encode`` returned, as the token cache's uint16 array; :class:`CorpusError` for ids it
+    cannot hold. The cache wrote the returned array's bytes as they were: a tokenizer of one's own that returned
+    numpy's default int64 ids had each written as four uint16 tokens (the id and three zeros, a stream 4x long trained
+    on without a word), and an id past 65535 would wrap around."""
+    arr = np.asarray(ids)
+    name = getattr(tokenizer, "name", type(tokenizer).__name__)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint16)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise CorpusError(f"tokenizer {name!r}: encode() must return a 1-D sequence of integer token ids, got an "
+                          f"array of shape {arr.shape} and dtype {arr.dtype}")
+    vocab = int(getattr(tokenizer, "vocab_size", 1 << 16))
+    limit = min(vocab, 1 << 16)
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high >= limit:
+        raise CorpusError(
+            f"tokenizer {name!r}: encode() returned token id {low if low < 0 else high}, outside 0..{limit - 1} (its "
+            f"vocab_size is {vocab}; the token cache stores ids as uint16, so at most 65536 of them)"
+        )
+    return arr.astype(np.uint16, copy=False)

@@ -1,0 +1,45 @@
+"""A tokenizer of one's own in the token cache: its ids are stored as uint16, whatever integer type it returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lit_dtrain.data import CorpusError, CorpusSource, build_token_cache
+
+
+class _Words:
+    """Word ids as numpy's default int64, as most tokenizers of one's own return them."""
+
+    name = "words-test"
+    eos_id = 0
+
+    def __init__(self, vocab_size: int = 1000, offset: int = 1) -> None:
+        self.vocab_size, self.offset = vocab_size, offset
+
+    def encode(self, data, add_eos: bool = False):
+        ids = [len(word) + self.offset for word in bytes(data).split()]
+        return np.array(ids + ([self.eos_id] if add_eos else []))
+
+
+def _corpus(tmp_path):
+    (tmp_path / "c").mkdir()
+    for i in range(3):
+        (tmp_path / "c" / f"{i}.txt").write_text(" ".join(["ab", "abc", "a" * (i + 1)] * 20))
+    return CorpusSource(name="w", kind="files", paths=[str(tmp_path / "c")])
+
+
+def test_int64_ids_are_cached_as_the_ids(tmp_path):
+    """They were written as their bytes: each id and three zero tokens, a stream 4x long (244 tokens for 61 ids)."""
+    splits = build_token_cache(_corpus(tmp_path), tmp_path / "cache", 9, 0.3, tokenizer=_Words(), progress=False)
+    tokens = np.concatenate([splits.train, splits.val])
+    assert len(tokens) == 3 * 61
+    assert sorted(set(tokens.tolist())) == [0, 2, 3, 4]
+
+
+@pytest.mark.parametrize("vocab_size, offset, bad", [(1000, -5, -4), (3, 1, 4), (100_000, 70_000, 70_003)])
+def test_ids_the_cache_or_the_vocab_cannot_hold_are_refused(tmp_path, vocab_size, offset, bad):
+    message = rf"tokenizer 'words-test': encode\(\) returned token id {bad}, outside 0\.\."
+    with pytest.raises(CorpusError, match=message):
+        build_token_cache(_corpus(tmp_path), tmp_path / "cache", 9, 0.3, tokenizer=_Words(vocab_size, offset),
+                          progress=False)
