@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from lit_dtrain.data._split_tail import _split_tail
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
@@ -305,19 +306,25 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
     """Tokenize ``docs`` into ``tmp/train.bin`` and ``tmp/val.bin``, one document in memory at a time (holding
     them all, then their tokens, then the concatenation took ~7x the corpus in RAM). Returns the meta fields."""
     n_train = n_val = 0
-    with open(tmp / "train.bin", "wb") as train_file, open(tmp / "val.bin", "wb") as val_file:
-        for path, digest in tqdm(docs, desc=f"tokenizing {source.name!r}", disable=not progress, leave=False):
+    # bytes: a bar of files stood at 0/1 for one huge file (a file gone meanwhile is named when it is read)
+    total = sum(os.stat(path).st_size if os.path.isfile(path) else 0 for path, _ in docs)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {source.name!r}", disable=not progress,
+               leave=False)
+    with bar, open(tmp / "train.bin", "wb") as train_file, open(tmp / "val.bin", "wb") as val_file:
+        for path, digest in docs:
             held_out = _is_val_doc(digest, val_fraction)
             out, count, read_digest = (val_file if held_out else train_file), 0, hashlib.sha256()
             if getattr(tokenizer, "bytewise", False):  # a chunk encodes as its part of the whole file does
                 for chunk in _chunks(path):
                     read_digest.update(chunk)
                     count += out.write(memoryview(as_token_ids(tokenizer.encode(chunk), tokenizer)))
+                    bar.update(len(chunk))
                 count += out.write(memoryview(np.array([tokenizer.eos_id], dtype=np.uint16)))
             else:
                 data = b"".join(_chunks(path))
                 read_digest.update(data)
                 count += out.write(memoryview(as_token_ids(tokenizer.encode(data, add_eos=True), tokenizer)))
+                bar.update(len(data))
                 del data
             if read_digest.digest() != digest:  # the cache key hashed other bytes
                 raise CorpusError(
@@ -347,31 +354,6 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
             f"of block_size+1 = {min_tokens} tokens, {2 * min_tokens} in all: add text or lower data.block_size"
         )
     return {"documents": len(docs), "split": split, "train_tokens": n_train, "val_tokens": n_val}
-
-
-def _tokens(path: Path, count: int) -> np.ndarray:
-    """The ``count`` uint16 tokens of ``path``, memory-mapped (np.memmap refuses an empty file)."""
-    return np.memmap(path, dtype=np.uint16, mode="r") if count else np.zeros(0, np.uint16)
-
-
-def _split_tail(tmp: Path, n_train: int, n_val: int, n_tail: int) -> tuple[int, int]:
-    """Rewrite ``tmp/train.bin`` (``n_train`` tokens) and ``tmp/val.bin`` (``n_val``) as the stream ``train + val``
-    split before its last ``n_tail`` tokens (all of it val when ``n_tail`` covers it). Only the tail is held in
-    memory; returns the new (train, val) token counts."""
-    total = n_train + n_val
-    n_tail = min(n_tail, total)
-    train, val = _tokens(tmp / "train.bin", n_train), _tokens(tmp / "val.bin", n_val)
-    tail = np.concatenate([train[n_train - max(0, n_tail - n_val) :], val[max(0, n_val - n_tail) :]])
-    if n_tail < n_val:  # the head of val joins the end of train
-        with open(tmp / "train.bin", "ab") as f:
-            for start in range(0, n_val - n_tail, 1 << 24):
-                f.write(memoryview(np.ascontiguousarray(val[start : min(start + (1 << 24), n_val - n_tail)])))
-    del train, val  # unmapped before the files are cut or rewritten
-    if n_tail >= n_val:  # the tail of train joins val
-        os.truncate(tmp / "train.bin", (total - n_tail) * np.dtype(np.uint16).itemsize)
-    with open(tmp / "val.bin", "wb") as f:
-        f.write(memoryview(tail))
-    return total - n_tail, n_tail
 
 
 def _write_cache_files(out_dir, fill, tokenizer, source) -> dict:

@@ -1,0 +1,40 @@
+"""The token cache's build shows its progress in bytes, so one huge corpus file still moves the bar."""
+
+from __future__ import annotations
+
+from lit_dtrain.data import CorpusSource, build_token_cache, reading, token_cache
+
+
+class _Bar:
+    """Records what a tqdm bar was told."""
+
+    made: list[_Bar] = []
+
+    def __init__(self, iterable=None, **kwargs) -> None:
+        self.iterable, self.kwargs, self.updates = iterable, kwargs, []
+        _Bar.made.append(self)
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        self.updates.append(n)
+
+
+def test_one_large_file_moves_the_tokenizing_bar_chunk_by_chunk(tmp_path, monkeypatch):
+    """The bar counted files: for one 3 GB corpus file it stood at 0/1 until the build was done."""
+    (tmp_path / "big.txt").write_bytes(b"some corpus text\n" * 600)  # 10200 bytes: 10 chunks of 1 KiB
+    monkeypatch.setattr(reading, "READ_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(token_cache, "tqdm", _Bar)
+    _Bar.made.clear()
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "big.txt")])
+    build_token_cache(source, tmp_path / "cache", min_tokens=65, val_fraction=0.1, progress=True)
+    bar = next(b for b in _Bar.made if str(b.kwargs.get("desc", "")).startswith("tokenizing"))
+    assert bar.kwargs["total"] == 10200 and bar.kwargs["unit"] == "B"
+    assert bar.updates == [1024] * 9 + [984]
