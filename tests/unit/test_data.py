@@ -589,7 +589,7 @@ def test_a_missing_path_of_a_later_source_is_named_before_any_source_is_hashed(c
     import lit_dtrain.data.token_cache as token_cache
 
     hashed = []
-    monkeypatch.setattr(token_cache, "_hash_file", lambda path: hashed.append(path) or (b"", 0, b"", 0))
+    monkeypatch.setattr(token_cache, "_hash_file", lambda path, *_: hashed.append(path) or (b"", 0, b"", 0))
     sources = [CorpusSource(name="a", kind="files", paths=[str(corpus)]),
                CorpusSource(name="b", kind="files", paths=[str(tmp_path / "nope")])]
     with pytest.raises(CorpusError, match=r"data source 'b': path .*nope' does not exist"):

@@ -26,6 +26,9 @@ class _Bar:
     def update(self, n: int = 1) -> None:
         self.updates.append(n)
 
+    def close(self) -> None:
+        pass
+
 
 def test_one_large_file_moves_the_tokenizing_bar_chunk_by_chunk(tmp_path, monkeypatch):
     """The bar counted files: for one 3 GB corpus file it stood at 0/1 until the build was done."""
@@ -37,4 +40,18 @@ def test_one_large_file_moves_the_tokenizing_bar_chunk_by_chunk(tmp_path, monkey
     build_token_cache(source, tmp_path / "cache", min_tokens=65, val_fraction=0.1, progress=True)
     bar = next(b for b in _Bar.made if str(b.kwargs.get("desc", "")).startswith("tokenizing"))
     assert bar.kwargs["total"] == 10200 and bar.kwargs["unit"] == "B"
+    assert bar.updates == [1024] * 9 + [984]
+
+
+def test_one_large_file_gets_a_hashing_bar_in_bytes(tmp_path, monkeypatch):
+    """The hashing bar counted files, and was off below 50 of them: one 3 GB file was hashed without a word."""
+    (tmp_path / "big.txt").write_bytes(b"some corpus text\n" * 600)
+    monkeypatch.setattr(reading, "READ_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(token_cache, "tqdm", _Bar)
+    monkeypatch.setattr(token_cache, "HASH_BAR_FROM_BYTES", 10_000)  # 256 MB: too large a file for a unit test
+    _Bar.made.clear()
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "big.txt")])
+    build_token_cache(source, tmp_path / "cache", min_tokens=65, val_fraction=0.1, progress=True)
+    bar = next(b for b in _Bar.made if str(b.kwargs.get("desc", "")).startswith("hashing"))
+    assert bar.kwargs["total"] == 10200 and bar.kwargs["unit"] == "B" and bar.kwargs["disable"] is False
     assert bar.updates == [1024] * 9 + [984]

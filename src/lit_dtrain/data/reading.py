@@ -38,13 +38,16 @@ def _chunks(path: Path, left_out: list[int] | None = None):
         raise CorpusError(f"cannot read corpus file {str(path)!r}: {e.strerror or e}") from e
 
 
-def _hash_file(path: Path) -> tuple[bytes, int, bytes, int]:
+def _hash_file(path: Path, on_chunk=None) -> tuple[bytes, int, bytes, int]:
     """``(sha256 digest, size, first 8192 bytes, start)`` of ``path``'s text, read in chunks: ``start`` is the
-    offset in the file where the text (and ``head``) starts, 3 after a UTF-8 byte-order mark, else 0."""
+    offset in the file where the text (and ``head``) starts, 3 after a UTF-8 byte-order mark, else 0. ``on_chunk``
+    is called with each chunk's length (a progress bar's ``update``)."""
     digest, size, head, left_out = hashlib.sha256(), 0, b"", []
     for chunk in _chunks(path, left_out):
         digest.update(chunk)
         size += len(chunk)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
         if len(head) < 8192:
             head = (head + chunk[:8192])[:8192]
     return digest.digest(), size, head, sum(left_out)

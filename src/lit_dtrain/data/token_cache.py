@@ -110,14 +110,16 @@ def build_token_cache(
     docs: list[tuple[Path, bytes]] = []  # (file, sha256 of its bytes): the bytes are read again to tokenize
     sizes: dict[Path, int] = {}
     empty = 0
-    bar = tqdm(files, desc=f"hashing corpus {source.name!r}", disable=not progress or len(files) < 50, leave=False)
+    total = _total_bytes(files)  # a bar of bytes: one huge file moves it too (one of files stood at 0/1)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"hashing corpus {source.name!r}", leave=False,
+               disable=not progress or (len(files) < 50 and total < HASH_BAR_FROM_BYTES))
     binary: list[Path] = []
     wide: dict[str, list[Path]] = {}  # UTF-16/UTF-32 encoding -> its files
     not_utf8: list[tuple[Path, int, int]] = []  # (file, offset of its first byte that is not UTF-8, that byte)
     first_with: dict[bytes, Path] = {}  # content digest -> the first file with those bytes
     copies: list[tuple[Path, Path]] = []
-    for path in bar:
-        digest, size, head, start = _hash_file(path)
+    for path in files:
+        digest, size, head, start = _hash_file(path, bar.update)
         if not size:
             empty += 1
             continue
@@ -133,6 +135,7 @@ def build_token_cache(
         key_hash.update(digest)
         docs.append((path, digest))
         sizes[path] = size
+    bar.close()
     if not docs:
         raise CorpusError(
             f"data source {source.name!r} is empty: {len(files)} file(s), all empty (e.g. {str(files[0])!r})"
@@ -302,12 +305,19 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
     log.info("token cache %s: %s", out_dir, meta)
 
 
+HASH_BAR_FROM_BYTES = 1 << 28  # a corpus of fewer than 50 files is hashed without a bar below this size (~0.2 s)
+
+
+def _total_bytes(paths: list[Path]) -> int:
+    """The size of ``paths`` together, for a progress bar (a file gone meanwhile is named when it is read)."""
+    return sum(os.stat(path).st_size if os.path.isfile(path) else 0 for path in paths)
+
+
 def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source, progress) -> dict:
     """Tokenize ``docs`` into ``tmp/train.bin`` and ``tmp/val.bin``, one document in memory at a time (holding
     them all, then their tokens, then the concatenation took ~7x the corpus in RAM). Returns the meta fields."""
     n_train = n_val = 0
-    # bytes: a bar of files stood at 0/1 for one huge file (a file gone meanwhile is named when it is read)
-    total = sum(os.stat(path).st_size if os.path.isfile(path) else 0 for path, _ in docs)
+    total = _total_bytes([path for path, _ in docs])  # bytes: a bar of files stood at 0/1 for one huge file
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {source.name!r}", disable=not progress,
                leave=False)
     with bar, open(tmp / "train.bin", "wb") as train_file, open(tmp / "val.bin", "wb") as val_file:
