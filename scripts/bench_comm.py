@@ -112,11 +112,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive_float, default=3e-3,
                    help="peak AdamW learning rate (cosine, warmup --chunk)")
     p.add_argument("--val-windows", type=positive_int, default=64, help="held-out windows for the val loss")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="seed of the data order and the weights")
     p.add_argument("--out", default="outputs/bench_comm",
                    help="directory for the PNG plots (relative: under the current directory; the docs' figures: "
                         "--out docs/img)")
-    p.add_argument("--cache-dir", default=default_cache_dir())
+    p.add_argument("--cache-dir", default=default_cache_dir(),
+                   help="token cache (default: LIT_DTRAIN_CACHE, else ~/.cache/lit_dtrain)")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit (smoke test only)")
     p.add_argument("--save-results", help="also write the raw per-step results (JSON) here")
     p.add_argument("--replot", help="skip the run: report and plot a --save-results file")

@@ -85,8 +85,10 @@ from _bench_fourier_summary import PLOT_STYLE, mean_curve, plot_curves, steps_to
 
 def main() -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpora", nargs="+", default=["stdlib", "mixture"], choices=["stdlib", "mixture"])
-    ap.add_argument("--block-sizes", nargs="+", type=positive_int, default=[256, 1024])
+    ap.add_argument("--corpora", nargs="+", default=["stdlib", "mixture"], choices=["stdlib", "mixture"],
+                    help="stdlib: corpus (a), the stdlib sources; mixture: corpus (b), code, prose, boilerplate, noise")
+    ap.add_argument("--block-sizes", nargs="+", type=positive_int, default=[256, 1024],
+                    help="window lengths T (above 256 only --long-variants run)")
     ap.add_argument("--variants", nargs="+", default=ALL_VARIANTS, metavar="VARIANT",
                     choices=ALL_VARIANTS + LAG_VARIANTS, help=f"of {ALL_VARIANTS}, uniform included (the reference; "
                     f"a Fourier one may end in {LAG_SUFFIX})")
@@ -95,24 +97,26 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="model-init and data seeds")
     ap.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run")
     ap.add_argument("--tokens-per-step", type=positive_int, default=2048, help="batch = tokens_per_step // block")
-    ap.add_argument("--eval-every", type=positive_int, default=20)
+    ap.add_argument("--eval-every", type=positive_int, default=20, help="steps between two held-out evaluations")
     ap.add_argument("--val-windows", type=positive_int, default=96,
                     help="held-out 256-token windows (fewer when longer)")
-    ap.add_argument("--eval-batch", type=positive_int, default=16)
+    ap.add_argument("--eval-batch", type=positive_int, default=16, help="windows per evaluation forward")
     ap.add_argument("--mixture-kb", type=positive_int, default=320, help="size of corpus (b)")
-    ap.add_argument("--d-model", type=positive_int, default=64)
-    ap.add_argument("--n-layer", type=positive_int, default=2)
-    ap.add_argument("--n-head", type=positive_int, default=4)
-    ap.add_argument("--n-kv-head", type=positive_int, default=2)
-    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--d-model", type=positive_int, default=64, help="model residual width")
+    ap.add_argument("--n-layer", type=positive_int, default=2, help="model blocks")
+    ap.add_argument("--n-head", type=positive_int, default=4, help="query heads")
+    ap.add_argument("--n-kv-head", type=positive_int, default=2, help="key/value heads")
+    ap.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
     ap.add_argument("--timing-steps", type=nonnegative_int, default=30,
                     help="interleaved steps per sampler and round (0: skip)")
-    ap.add_argument("--timing-rounds", type=positive_int, default=3)
+    ap.add_argument("--timing-rounds", type=positive_int, default=3,
+                    help="rounds of --timing-steps (the median is reported)")
     ap.add_argument("--timing-lags", nargs="+", type=int, default=[0, 1], choices=[0, 1],
                     help="FourierSampler lags timed against uniform (0: the brief's; 1: observe never waits)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (1 is stable on a shared machine)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the sampler's table stays on CPU either way)")
-    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"))
+    ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "lit_dtrain_bench_cache"),
+                    help="token cache of the benchmark's corpora")
     ap.add_argument("--out", default=None, help="also write all results (curves included) to this JSON file")
     ap.add_argument("--merge", nargs="+", default=None, help="summarize these --out files instead of training")
     ap.add_argument("--plot", default=None, help="write seed-averaged val curves (every corpus and block) to PNG")

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=positive_int, default=None, help="model.block_size (default: the shape's)")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternated rounds; the median is reported")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (CPU)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to sample")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available here")

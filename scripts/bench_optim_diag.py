@@ -82,9 +82,9 @@ def main() -> None:
     p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=200, help="steps per run")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats per variant")
-    p.add_argument("--block-size", type=positive_int, default=64)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per window")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per step")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1 is stable on a shared machine)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     default_interval = OptimizerDiagnostics().every_n_steps

@@ -54,12 +54,13 @@ def step_once(sampler, step: int, batch: int, T: int) -> float:
 
 def main() -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", type=positive_int, default=[121_278, 1_000_000, 10_000_000])
+    ap.add_argument("--sizes", nargs="+", type=positive_int, default=[121_278, 1_000_000, 10_000_000],
+                    help="samples N in the sampler (its table's length), one row each")
     ap.add_argument("--batch", type=positive_int, default=8, help="global batch per step")
     ap.add_argument("--block", type=positive_int, default=256, help="tokens per window (T of the token loss)")
     ap.add_argument("--warmup", type=nonnegative_int, default=20, help="untimed steps first")
     ap.add_argument("--steps", type=positive_int, default=300, help="timed steps per variant and size")
-    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

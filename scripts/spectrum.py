@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         help="corpus files/dirs/globs (default: the run's corpus, else the stdlib corpus)",
     )
     ap.add_argument("--source", default=None, help="which of the run's data.sources (needed for a mixture)")
-    ap.add_argument("--split", choices=["val", "train"], default="val")
+    ap.add_argument("--split", choices=["val", "train"], default="val", help="which split's windows")
     # the integer flags are >= 1 (positive_int): 0 is not "auto", that is leaving the flag out
     ap.add_argument(
         "--block-size",
@@ -168,15 +168,17 @@ def main(argv: list[str] | None = None) -> None:
         help="window length T (default: the run's data.block_size, else the model's)",
     )
     ap.add_argument("--windows", type=positive_int, default=128, help="windows averaged")
-    ap.add_argument("--batch-size", type=positive_int, default=16)
+    ap.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward")
     ap.add_argument(
         "--max-freq",
         type=positive_int,
         default=None,
         help="band edges (default: the run's FourierSampler's at T, else the brief's for T)",
     )
-    ap.add_argument("--num-bands", type=positive_int, default=None)
-    ap.add_argument("--bandwidth-fraction", type=float, default=0.9)
+    ap.add_argument("--num-bands", type=positive_int, default=None,
+                    help="bands drawn (default: the run's FourierSampler's at T, else the brief's)")
+    ap.add_argument("--bandwidth-fraction", type=float, default=0.9,
+                    help="effective bandwidth: the bin below which this share of the energy lies")
     ap.add_argument("--labels", nargs="+", default=None, help="legend labels (default: file paths)")
     ap.add_argument(
         "--val-fraction",
