@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import apply_checkpointing, every_k_plan, set_plan, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
-from lit_dtrain.utils.args import ScriptArgumentParser, fail
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, seed_int
 from lit_dtrain.utils.memory import (
     POINTWISE_OPS,
     backward_flops_by_op,
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cuda: model and batch on the GPU; wall-clock step time; CUDA peak memory instead of RSS")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 weights and maths; bf16 = fp32 weights under bf16 autocast")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token batch")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the token batch")
     args = p.parse_args(argv)
     # before any model is built: each of these was a traceback (ZeroDivisionError, StatisticsError, ...) mid-run
     for flag, value in (("--tokens", args.tokens), ("--every-k", args.every_k), ("--repeats", args.repeats),

@@ -56,6 +56,7 @@ from lit_dtrain.utils.args import (
     positive_float,
     positive_int,
     read_json_file,
+    seed_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path
 from lit_dtrain.utils.scripts import import_beside
@@ -112,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive_float, default=3e-3,
                    help="peak AdamW learning rate (cosine, warmup --chunk)")
     p.add_argument("--val-windows", type=positive_int, default=64, help="held-out windows for the val loss")
-    p.add_argument("--seed", type=int, default=1337, help="seed of the data order and the weights")
+    p.add_argument("--seed", type=seed_int, default=1337, help="seed of the data order and the weights")
     p.add_argument("--out", default="outputs/bench_comm",
                    help="directory for the PNG plots (relative: under the current directory; the docs' figures: "
                         "--out docs/img)")

@@ -53,6 +53,7 @@ from lit_dtrain.utils.args import (
     positive_float,
     positive_int,
     read_json_file,
+    seed_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path
 from lit_dtrain.utils.scripts import import_beside
@@ -94,7 +95,7 @@ def main() -> None:
                     f"a Fourier one may end in {LAG_SUFFIX})")
     ap.add_argument("--long-variants", nargs="+", default=LONG_VARIANTS, metavar="VARIANT",
                     choices=ALL_VARIANTS + LAG_VARIANTS, help="variants run at block > 256 (uniform included)")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="model-init and data seeds")
+    ap.add_argument("--seeds", nargs="+", type=seed_int, default=[0, 1, 2], help="model-init and data seeds")
     ap.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run")
     ap.add_argument("--tokens-per-step", type=positive_int, default=2048, help="batch = tokens_per_step // block")
     ap.add_argument("--eval-every", type=positive_int, default=20, help="steps between two held-out evaluations")

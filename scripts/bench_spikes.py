@@ -48,6 +48,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     comma_list,
     nonnegative_int,
     positive_int,
+    seed_int,
 )
 
 KINDS = ("random_tokens", "lr_x100", "nan_loss")
@@ -255,7 +256,7 @@ def main() -> None:
     p.add_argument("--variants", type=comma_list(choices=VARIANTS), default=",".join(VARIANTS),
                    help="comma list of " + ", ".join(VARIANTS))
     p.add_argument("--warmup-steps", type=nonnegative_int, default=50, help="our monitor's statistics warmup")
-    p.add_argument("--seed", type=int, default=1337, help="train.py's seed and the injector's")
+    p.add_argument("--seed", type=seed_int, default=1337, help="train.py's seed and the injector's")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--out-dir", default="outputs/bench_spikes",

@@ -46,6 +46,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     nonnegative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 from lit_dtrain.utils.scripts import import_beside  # noqa: E402
 
@@ -95,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus-b", default="/usr/share/common-licenses", help="corpus B of the CPT experiment")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (1 is fastest on a contended 2-core box)")
-    p.add_argument("--seed", type=int, default=1337, help="seed of every run")
+    p.add_argument("--seed", type=seed_int, default=1337, help="seed of every run")
     p.add_argument("--out-dir", default="outputs/bench_wsd",
                    help="run dirs (wiped first: an empty dir, or one this script made; relative: under the current "
                         "directory)")

@@ -29,7 +29,7 @@ from lit_dtrain.data import ByteTokenizer
 from lit_dtrain.end_sample import generated_text
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.workflows import model_from_checkpoint
-from lit_dtrain.utils.args import ScriptArgumentParser, fail, nonnegative_int, positive_int, quiet_when_the_reader_goes
+from lit_dtrain.utils.args import ScriptArgumentParser, fail, positive_int, quiet_when_the_reader_goes, seed_int
 
 
 def load_model(path: str):
@@ -90,14 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
-    ap.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (the same seed draws other text on "
+    ap.add_argument("--seed", type=seed_int, default=0, help="sampling seed (the same seed draws other text on "
                     "another device type)")
     ap.add_argument("--num-samples", type=positive_int, default=1, help="continuations of the prompt (one batch)")
     ap.add_argument("--device", default=None, help="where to sample: cpu, cuda, cuda:1, ... (default: cuda if "
                     "available, else cpu)")
     args = ap.parse_args(argv)
-    if args.seed > 2**32 - 1:  # train.py's seed range (above 2**64 torch failed: 'Overflow when unpacking long long')
-        ap.error(f"argument --seed: must be <= {2**32 - 1} (the range of train.py's seed), got {args.seed}")
     flags = {"temperature": "--temperature", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens"}
     try:  # before loading; the check of sample.* and Llama.generate (a negative temperature used to mean greedy)
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, flags)

@@ -4,7 +4,9 @@ JSON ``{"error": ...}`` (a script's last line is JSON on success too). ``--steps
 ``bench_step.py --warmup`` >= ``--steps`` timed nothing (0 ms/step, or the same error); an unknown
 ``bench_spikes.py --variants`` name was a KeyError after the earlier variants had trained, an ``--inject`` step past
 ``--steps`` was never injected (and counted as missed), an empty ``--lrs`` a ValueError, a ``bench_comm.py --rates``
-typo a ``tc`` failure inside the network namespace, a garbage ``--replot``/``--merge`` file a traceback."""
+typo a ``tc`` failure inside the network namespace, a garbage ``--replot``/``--merge`` file a traceback, a negative
+``--seed`` a ``ConfigError`` traceback at ``bench_spikes.py``'s first run
+(``bench_fourier.py --seeds -1`` trained on)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,12 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_codecs.py", ["--codecs", "int8,int8"], "argument --codecs: ['int8'] listed twice in 'int8,int8'"),
     ("bench_comm.py", ["--rates", "1gbt"], "argument --rates: '1gbt': expected a positive tc rate"),
     ("bench_comm.py", ["--replot", "missing.json"], "--replot 'missing.json': cannot read it"),
+    # a negative seed: a ConfigError traceback at bench_spikes.py's first train.py run; bench_fourier.py trained on
+    ("bench_spikes.py", ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ("bench_fourier.py", ["--seeds", "0", "-1"], "argument --seeds: must be >= 0, got -1"),
+    ("bench_wsd.py", ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ("bench_comm.py", ["--seed", str(2**32)], f"argument --seed: must be <= {2**32 - 1} (the range of train.py's"),
+    ("bench_activation_ckpt.py", ["--seed", "-3"], "argument --seed: must be >= 0, got -3"),
     ("generate.py", ["missing.ckpt"], "checkpoint 'missing.ckpt' does not exist"),
     ("spectrum.py", ["missing.ckpt", "--files"], "argument --files: expected at least one argument"),
     ("compare_runs.py", ["missing_run"], "run dir 'missing_run' does not exist"),

@@ -81,6 +81,15 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def seed_int(text: str) -> int:
+    """An ``argparse`` type: a seed in train.py's range ``[0, 2**32 - 1]`` (numpy's; ``config_checks``). A negative
+    seed was a ``ConfigError`` traceback at a benchmark's first ``train.py`` run, or trained on without a word."""
+    value = _int_at_least(text, 0)
+    if value > 2**32 - 1:  # above 2**64 torch failed: 'Overflow when unpacking long long'
+        raise argparse.ArgumentTypeError(f"must be <= {2**32 - 1} (the range of train.py's seed), got {value}")
+    return value
+
+
 def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
