@@ -70,6 +70,7 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
     ("validate/samples", None),
     ("validate/lengths", None),
     ("train/grad_norm", None),  # diagnostics of the step: neither value is better
+    ("data/share/*", None),  # a mixture's share of the windows drawn from each source: set by the weights
     ("grad_clip/*", None),  # AdaptiveGradClip: the norm, whether it clipped, the threshold, the clips so far
     ("optim/*", None),  # OptimizerDiagnostics: update/param RMS, grad RMS, the share of eps-dominated updates
     ("spike/count", False),  # LossSpikeMonitor: the spikes so far

@@ -23,7 +23,7 @@ compare_runs = load_script("compare_runs", "compare_runs")
 def test_the_left_over_tags_are_unranked_and_the_compression_ratio_is_better_higher():
     tags = {
         "fourier/prob_entropy": None, "fourier/top_band_energy": None, "spike/loss_z": None, "train/time": None,
-        "comm/hook_calls": None, "train/grad_norm": None, "grad_clip/opt1/threshold": None,
+        "comm/hook_calls": None, "train/grad_norm": None, "data/share/stdlib": None, "grad_clip/opt1/threshold": None,
         "optim/opt0/decay/grad_rms": None, "lr-AdamW/decay-effective": None, "lr-SGD-momentum": None,
         "comm/compression_ratio": True, "train/mfu": True, "validate/device/flops_per_sec": True,
         "val/loss": False, "val/stdlib/loss": False, "val/ppl": False, "validate/time": False,

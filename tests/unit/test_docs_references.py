@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FAMILIES = r"(?:train|val|validate|spike|fourier|comm|grad_clip|optim)/"
+FAMILIES = r"(?:train|val|validate|spike|fourier|comm|grad_clip|optim|data/share)/"
 # a metric name inside backticks: `train/loss`, `val/stdlib/loss`, `lr-AdamW/decay` (not part of a path or a URL)
 METRIC = re.compile(rf"(?<![\w./-])({FAMILIES}[\w/<>*.+-]*[\w>*]|lr-[\w/<>*.+-]*[\w>*])")
 
@@ -135,6 +135,7 @@ RUN_TAGS = [
 def test_every_tag_a_run_logs_is_named_in_the_docs():
     """The end-of-run sample went to TensorBoard's Text tab as `sample` with no doc saying so."""
     assert undocumented_tags(RUN_TAGS) == []
+    assert undocumented_tags(["data/share/stdlib", "data/share/licenses"]) == []  # a mixture's (test_drawn_shares.py)
     assert undocumented_tags(["trian/loss", "lr_AdamW/decay", "my_tag"]) == ["lr_AdamW/decay", "my_tag", "trian/loss"]
 
 

@@ -9,7 +9,8 @@ Every micro-batch's tokens count; the rates are averaged over the last ``window_
 all ranks' together, each step's tokens times that start's number of ranks: both are running totals that a resume
 (and a later ``fit`` of the same Trainer) goes on from, but only ``train/tokens`` stays the tokens trained across a
 resume on another number of ranks (2 ranks resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens``
-draws runs against it).
+draws runs against it). With an ``LMDataModule`` of 2+ sources the row also holds ``data/share/<name>``: each source's
+share of the windows drawn so far (all ranks', across a resume; ``lit_dtrain.data._drawn_shares``).
 
 Validation gets one row per validation, under the step where Lightning writes that validation's ``val/loss`` (on
 the training axis: the optimizer step just taken, 0-based; ``trainer.validate`` after ``fit``: ``global_step``).
@@ -39,6 +40,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
+from lit_dtrain.data._drawn_shares import drawn_share_metrics
 from lit_dtrain.utils.args import is_number
 
 TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
@@ -162,6 +164,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
         if stage == RunningStage.TRAINING and (tokens := self._tokens()) is not None:
             metrics[TOKENS] = float(tokens)
+        if stage == RunningStage.TRAINING:  # a mixture's share of the windows drawn so far from each source
+            metrics.update(drawn_share_metrics(trainer.datamodule))
         trainer._logger_connector.log_metrics(metrics, step=iter_num)
 
     @override

@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lit_dtrain.data._datamodule_state import warn_if_the_data_changed, warn_if_the_dataset_changed
 from lit_dtrain.data._fit_end import check_the_fit_ends
+from lit_dtrain.data._drawn_shares import STATE_KEY as DRAWN_KEY
+from lit_dtrain.data._drawn_shares import count_drawn, drawn_state, restore_drawn
 from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
@@ -162,6 +164,7 @@ class LMDataModule(L.LightningDataModule):
         self.micro_step = 0  # train batches materialized so far (the data position)
         self.splits: list[TokenSplits] = []
         self.train_windows: WindowSet | None = None
+        self.drawn_windows: np.ndarray | None = None  # windows drawn from each source, all ranks' (data/share/<name>)
         self._pending_state: dict | None = None
         self.overfit_indices: dict[int, torch.Tensor] = {}  # under Trainer(overfit_batches=k)
 
@@ -190,6 +193,7 @@ class LMDataModule(L.LightningDataModule):
             self.splits = self._build_token_caches(False, None)
         self._check_every_rank_read_the_same_data()
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
+        self.drawn_windows = np.zeros(len(self.sources), dtype=np.int64)
         global_batch = self.batch_size * self._world()[1]
         if len(self.train_windows) < global_batch:  # a tiny corpus: the loss falls to 0 by memorizing it
             log_once(  # in train.log, once (a warnings.warn was printed by each rank, and named Lightning's call.py)
@@ -303,9 +307,11 @@ class LMDataModule(L.LightningDataModule):
             if kept is None or len(kept) != size:  # a resume on another global batch: the kept windows cut or topped up
                 drawn = self.sampler.global_batch(slot, size)
                 self.overfit_indices[slot] = drawn if kept is None else torch.cat([kept, drawn[len(kept):]])[:size]
-            batch = self._shard_batch(self.overfit_indices[slot], rank)
+            indices = self.overfit_indices[slot]
         else:
-            batch = self.batch_for_step(self.micro_step, rank, world)
+            indices = self.sampler.global_batch(self.micro_step, self.batch_size * world)
+        batch = self._shard_batch(indices, rank)
+        count_drawn(self, indices)
         self.micro_step += 1
         return batch
 
@@ -385,6 +391,7 @@ class LMDataModule(L.LightningDataModule):
             "accumulate_grad_batches": self._accumulation(),  # to warn when a resume trains on other batches
             "overfit_indices": {slot: indices.tolist() for slot, indices in self.overfit_indices.items()},
             "mixture_shares": mixture_shares(self.sources),  # to warn when a resume draws another share of each source
+            DRAWN_KEY: drawn_state(self),  # the shares drawn so far (data/share/<name>) go on across a resume
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -401,6 +408,7 @@ class LMDataModule(L.LightningDataModule):
     def _apply_state(self, state: dict) -> None:
         warn_if_the_data_changed(self, state)  # seed, validation windows, global batch, mixture
         self.micro_step = int(state["micro_step"])
+        restore_drawn(self, state)
         self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         warn_if_the_dataset_changed(state["sampler"].get("dataset_key"), self.sampler.dataset_key)
