@@ -173,6 +173,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         self.last_decision = None
         self._reset_step()
         self._saved_scaler: dict | None = None  # the GradScaler's state before a dropped step
+        self._no_sampler_note: str | None = None  # a warning owed at the first batch (on_train_start)
         self._excluded_dev: torch.Tensor | None = None
         self._sampler = None
         self._num_train_samples: int | None = None  # len() of a plain train DataLoader's dataset, when sized
@@ -225,10 +226,13 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         if self.excluded and self._sampler is not None:
             self._sampler.exclude(self.excluded)
         needs_index = DROP_ACTIONS & set(self.actions)
+        # said at the first batch whose indices were read: a batch without them is refused there (KeyError), and
+        # this note, said here, came first as noise before that fatal error
+        self._no_sampler_note = None
         if needs_index and self._sampler is None:
             where = "the datamodule has" if trainer.datamodule is not None else "there is no datamodule, so"
-            rank_zero_warn(f"LossSpikeMonitor: {where} no sampler with exclude(); steps whose batch holds an "
-                           f"excluded sample index (the batch key 'index') will be skipped instead.")
+            self._no_sampler_note = (f"LossSpikeMonitor: {where} no sampler with exclude(); steps whose batch holds an "
+                                     f"excluded sample index (the batch key 'index') will be skipped instead.")
         self._device = pl_module.device
         self._set_excluded_device(self._device)
         track_undo = getattr(trainer.strategy, "track_comm_undo", None)
@@ -260,6 +264,9 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._batch_index = batch_sample_indices(batch, self.actions)
+        if self._no_sampler_note is not None:
+            rank_zero_warn(self._no_sampler_note)
+            self._no_sampler_note = None
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
