@@ -30,6 +30,7 @@ from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
 from lit_dtrain.utils.args import is_number
 from lit_dtrain.utils.launcher_watch import CLUSTER_LAUNCH_KEYS
+from lit_dtrain.utils.words import counted, plural
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +211,11 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     at = f"min_lr_factor={floor} of the peak LR" if floor is not None else "the schedule's last LR"
     name = str(scheduler.get("_target_", "")).rsplit(".", 1)[-1]
     log.warning(
-        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s ends at step %d and the last %d steps run "
+        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s ends at step %d and the last %s %s "
         "at %s. Set scheduler.total_steps=%d (or leave it at its default, ${trainer.max_steps}), or "
         "trainer.max_steps=%d",
-        total, max_steps, name or "schedule", total - 1, past, at, max_steps, total,
+        total, max_steps, name or "schedule", total - 1, counted(past, "step"), plural(past, "runs", "run"), at,
+        max_steps, total,
     )
 
 

@@ -473,7 +473,7 @@ def test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so(
     assert_same(last["state_dict"], own[0], "last.ckpt's state_dict")
     assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])  # between syncs: the ranks differ
     (message,) = torch.load(tmp / "warnings_rank0.pt")
-    assert message.startswith("CompressedDDPStrategy: the fit stopped at step 6, 2 step(s) after the last local_sgd "
+    assert message.startswith("CompressedDDPStrategy: the fit stopped at step 6, 2 steps after the last local_sgd "
                               "sync, and a checkpoint was written at that step"), message
     assert "holds rank 0's own parameters" in message and "trainer.save_checkpoint" in message
     assert torch.load(tmp / "warnings_rank1.pt") == []

@@ -440,9 +440,10 @@ def test_wsd_under_manual_optimization_counts_a_step_the_gradscaler_skipped(tmp_
         (16, {"max_steps": -1, "max_epochs": 2}, False),
         (8, {"max_steps": -1, "max_epochs": 2, "accumulate_grad_batches": 2}, False),  # 2 x 4 steps
         (8, {"max_steps": 12}, True),
+        (11, {"max_steps": 12}, True),  # "the last 1 steps run at" before
         (12, {"max_steps": 12}, False),
     ],
-    ids=["epochs_past", "epochs_match", "epochs_accumulate_match", "steps_past", "steps_match"],
+    ids=["epochs_past", "epochs_match", "epochs_accumulate_match", "steps_past", "one_step_past", "steps_match"],
 )
 def test_wsd_warns_when_the_trainer_runs_past_its_total_steps(tmp_path: Path, total_steps, trainer_kwargs, warned):
     """A user's ``Trainer(max_epochs=...)`` (or a ``max_steps`` beyond the horizon) whose steps outnumber
@@ -459,7 +460,8 @@ def test_wsd_warns_when_the_trainer_runs_past_its_total_steps(tmp_path: Path, to
         assert horizon == [
             f"WSDScheduler: the trainer will take {steps} optimizer steps (trainer.estimated_stepping_batches, from "
             f"max_steps/max_epochs), but total_steps={total_steps}: the decay ends at step {total_steps - 1} and the "
-            f"last {steps - total_steps} steps run at min_lr_factor=0.0 of the peak LR. Set total_steps={steps} (or "
+            f"last {'1 step runs' if steps == total_steps + 1 else f'{steps - total_steps} steps run'} at "
+            f"min_lr_factor=0.0 of the peak LR. Set total_steps={steps} (or "
             f"stop the trainer at max_steps={total_steps})"
         ]
     else:

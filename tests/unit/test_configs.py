@@ -911,6 +911,8 @@ def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
                           "and the last 2 steps run at min_lr_factor=0.0 of the peak LR")
     (resumed,) = warnings_for("scheduler=cosine", "scheduler.total_steps=3", start_step=4)  # this run's steps only
     assert "and the last 2 steps run at" in resumed
+    (one,) = warnings_for("scheduler.total_steps=5")  # it said "the last 1 steps run at"
+    assert "ends at step 4 and the last 1 step runs at min_lr_factor=0.0 of the peak LR" in one
     assert warnings_for("scheduler=cosine", "scheduler.total_steps=3", start_step=6) == []
     assert warnings_for("scheduler=cosine") == []  # total_steps: ${trainer.max_steps}
     assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == []  # a longer horizon, on purpose

@@ -25,7 +25,7 @@ def test_only_a_checkpoint_of_this_step_written_between_syncs_is_warned_about():
     strategy = _strategy(2, 6)
     assert warn_checkpoint_before_final_sync(strategy) is None  # no checkpoint written
     note_checkpoint(strategy, {"global_step": 6})
-    with pytest.warns(UserWarning, match=r"stopped at step 6, 2 step\(s\) after the last local_sgd sync"):
+    with pytest.warns(UserWarning, match=r"stopped at step 6, 2 steps after the last local_sgd sync"):
         assert warn_checkpoint_before_final_sync(strategy) is not None
     strategy.lightning_module.trainer.global_step = 7  # a checkpoint of an earlier step: not the stop's
     assert warn_checkpoint_before_final_sync(strategy) is None

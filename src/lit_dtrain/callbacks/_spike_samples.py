@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import SequentialSampler
 
 from lit_dtrain.utils.distributed import all_gather_stacked
+from lit_dtrain.utils.words import counted, plural
 
 DROP_ACTIONS = {"skip", "rollback"}  # the actions that exclude the spike's samples, so need the batch's indices
 
@@ -155,9 +156,10 @@ class ExcludedOnlyRun:
         if num_samples and num_excluded >= num_samples and math.isfinite(batches):
             per_epoch = math.ceil(batches / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1))
             if self.steps >= per_epoch:
-                mine = (f"LossSpikeMonitor: the last {self.steps} steps (an epoch of the train DataLoader) were all "
-                        f"skipped because each batch held an excluded sample index: {num_excluded} sample ids are "
-                        f"excluded and the dataset has {num_samples}, so the run would train nothing more; {_WAY_OUT}")
+                mine = (f"LossSpikeMonitor: the last {counted(self.steps, 'step')} (an epoch of the train DataLoader) "
+                        f"{plural(self.steps, 'was', 'were all')} skipped because each batch held an excluded sample "
+                        f"index: {num_excluded} sample ids are excluded and the dataset has {num_samples}, so the "
+                        f"run would train nothing more; {_WAY_OUT}")
         raise_together(trainer, mine, "LossSpikeMonitor: on {ranks} other rank(s) of {world}, an epoch of the train "
                        "DataLoader in a row was all skipped for excluded sample indices and every sample id of its "
                        "dataset is excluded (their error names them), so the run would train nothing more; "

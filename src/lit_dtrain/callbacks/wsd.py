@@ -48,6 +48,7 @@ from lit_dtrain.callbacks._wsd_horizon import (
 from lit_dtrain.optim import set_lr
 from lit_dtrain.schedules.lr import check_wsd_args, wsd_lr_factor
 from lit_dtrain.utils.rank_zero import log_once
+from lit_dtrain.utils.words import counted, plural
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +292,11 @@ class WSDScheduler(StepHooksCallback):
         if planned <= self.total_steps or step >= self.total_steps:
             return  # (a resume past the horizon gets the warning below)
         self._past_due = False
+        past = planned - self.total_steps
         rank_zero_warn(
             f"WSDScheduler: the trainer will take {planned} optimizer steps (trainer.estimated_stepping_batches, "
             f"from max_steps/max_epochs), but total_steps={self.total_steps}: the decay ends at step "
-            f"{self.total_steps - 1} and the last {planned - self.total_steps} steps run at "
+            f"{self.total_steps - 1} and the last {counted(past, 'step')} {plural(past, 'runs', 'run')} at "
             f"min_lr_factor={self.min_lr_factor} of the peak LR. Set total_steps={planned} (or stop the trainer at "
             f"max_steps={self.total_steps})"
         )

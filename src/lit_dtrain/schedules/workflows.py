@@ -41,6 +41,7 @@ from lit_dtrain.schedules._resume_lr import (
 from lit_dtrain.sweeps import another_run_dir
 from lit_dtrain.utils.args import is_number
 from lit_dtrain.utils.rank_zero import log_once
+from lit_dtrain.utils.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +278,8 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     if rank_zero_only.rank == 0:  # what the checkpoint's LRs say, read once: every rank branches from the same one
         warn_if_the_lr_moves(src, start, *nodes[0], **BRANCH_JUMP, peak_lr=(cfg.get("optimizer") or {}).get("lr"))
         log_a_changed_peak(cfg, src)
-    log_once(log, logging.INFO, "decay_branch: from step %d of %s, decaying over %d steps to step %d", start, src,
-             steps, total)
+    log_once(log, logging.INFO, "decay_branch: from step %d of %s, decaying over %s to step %d", start, src,
+             counted(steps, "step"), total)
     return start
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_dtrain.utils.words import counted
+
 CHECKPOINT_KEY = "lit_dtrain_comm"
 
 
@@ -27,7 +29,7 @@ def refused_resume_message(path: Any, state: Mapping, error: ValueError) -> str:
             "is lost")
 
 def ranks_phrase(n) -> str:
-    return f"{n} rank{'s' if n != 1 else ''}"
+    return counted(n, "rank")
 
 
 def written_preset(state: Mapping) -> str:
@@ -83,7 +85,7 @@ def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = N
             held.append("every rank's own parameters and optimizer state")
         since = int(local.get("steps_since_sync", 0))
         lost = ("every rank resumes from rank 0's parameters and optimizer state, "
-                + (f"which are not the synchronized model ({since} step{'s' if since != 1 else ''} since the last sync)"
+                + (f"which are not the synchronized model ({counted(since, 'step')} since the last sync)"
                    if since else "written right after a sync"))
     else:
         compressor = rank0.get("compressor") or {}
@@ -202,7 +204,7 @@ def elastic_rank_entry(state: Mapping, world: int) -> tuple[dict, list[str]]:
         if not all(_same(held[0], t) for held in params.values() for t in held[1:]):
             since = int((state.get("local_update") or {}).get("steps_since_sync", 0))
             notes.append(f"every rank starts from the mean of the {ranks_phrase(len(per_rank))}' parameters, which "
-                         f"differ {since} step{'s' if since != 1 else ''} after the last sync (the point a sync now "
+                         f"differ {counted(since, 'step')} after the last sync (the point a sync now "
                          "would move them to)")
         entry["optimizer_states"] = per_rank[0]["optimizer_states"]
         if len(per_rank) > 1:

@@ -35,6 +35,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_dtrain.utils.words import counted
+
 
 def _reached(count: int, limit: Any) -> bool:
     return isinstance(limit, int) and limit >= 0 and count >= limit
@@ -96,9 +98,10 @@ def warn_if_the_period_cannot_adapt(strategy: Any, trainer: Any) -> None:
         return
     if getattr(trainer.state, "fn", None) != "fit" or interval >= rule.sync_period or interval <= 0:
         return
-    rank_zero_warn(f"{rule.name}: a validation every {interval} steps comes before its period of {rule.sync_period} "
-                   "ends, and each one syncs first (sync_before_validation): every sync is early, and an early sync "
-                   "does not adapt the period, so it stays at sync_period. Validate less often than the period "
+    rank_zero_warn(f"{rule.name}: a validation every {counted(interval, 'step')} comes before its period of "
+                   f"{rule.sync_period} ends, and each one syncs first (sync_before_validation): every sync is "
+                   "early, and an early sync does not adapt the period, so it stays at sync_period. Validate less "
+                   "often than the period "
                    "(trainer.val_check_interval) or use the fixed local_sgd")
 
 
@@ -132,10 +135,11 @@ def validation_between_syncs_message(local_update: Any, trainer: Any) -> str | N
     after the validation) holds rank 0's parameters beside that figure."""
     if local_update is None or trainer is None or local_update.steps_since_sync == 0 or trainer.sanity_checking:
         return None
-    return (f"CompressedDDPStrategy: validating at step {trainer.global_step}, {local_update.steps_since_sync} "
-            f"step(s) after the last {local_update.name} sync: each rank evaluates its own parameters, so val metrics "
-            f"are the mean over ranks of different models, and a checkpoint written now holds rank 0's. Set "
-            f"strategy.sync_before_validation=true (the default) to evaluate the synchronized model")
+    return (f"CompressedDDPStrategy: validating at step {trainer.global_step}, "
+            f"{counted(local_update.steps_since_sync, 'step')} after the last {local_update.name} sync: each rank "
+            "evaluates its own parameters, so val metrics are the mean over ranks of different models, and a "
+            "checkpoint written now holds rank 0's. Set strategy.sync_before_validation=true (the default) to "
+            "evaluate the synchronized model")
 
 
 def warn_validation_between_syncs(strategy: Any) -> str | None:
@@ -211,10 +215,10 @@ def warn_checkpoint_before_final_sync(strategy: Any) -> str | None:
     step = getattr(strategy, "_unsynced_checkpoint_step", None)
     if lu is None or trainer is None or not lu.steps_since_sync or step != trainer.global_step:
         return None
-    message = (f"CompressedDDPStrategy: the fit stopped at step {step}, {lu.steps_since_sync} step(s) after the last "
-               f"{lu.name} sync, and a checkpoint was written at that step before the final sync that runs now: its "
-               "state_dict holds rank 0's own parameters, not the synchronized model the module holds after the fit "
-               "(a resume from it continues exactly, every rank from its own parameters); call "
+    message = (f"CompressedDDPStrategy: the fit stopped at step {step}, {counted(lu.steps_since_sync, 'step')} after "
+               f"the last {lu.name} sync, and a checkpoint was written at that step before the final sync that runs "
+               "now: its state_dict holds rank 0's own parameters, not the synchronized model the module holds after "
+               "the fit (a resume from it continues exactly, every rank from its own parameters); call "
                "trainer.save_checkpoint(...) after fit for a file of the synchronized model")
     rank_zero_warn(message)
     return message
