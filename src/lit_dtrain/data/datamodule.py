@@ -14,30 +14,27 @@ runs the same number of them; the few padding windows that even out the shares c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Iterable, Mapping
 
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from lit_dtrain.data._datamodule_checks import check_every_rank_read_the_same_data, source_from_config
 from lit_dtrain.data._datamodule_state import warn_if_the_data_changed, warn_if_the_dataset_changed
-from lit_dtrain.data._fit_end import check_the_fit_ends
 from lit_dtrain.data._drawn_shares import STATE_KEY as DRAWN_KEY
 from lit_dtrain.data._drawn_shares import count_drawn, drawn_state, restore_drawn
+from lit_dtrain.data._fit_end import check_the_fit_ends
 from lit_dtrain.data._mixture_resume import mixture_shares
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, resolve_files
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, resolve_files
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler
 from lit_dtrain.data.token_cache import TokenSplits, build_token_cache
 from lit_dtrain.data.tokenizer import ByteTokenizer
 from lit_dtrain.data.windows import (
     WindowSet,
-    _cache_key,
     _ValWindows,
     dataset_key,
     token_counts,
@@ -55,27 +52,6 @@ class _StepTickets(IterableDataset):
     def __iter__(self):
         while True:
             yield 0
-
-
-def _source_from_config(index: int, entry) -> CorpusSource:
-    """``data.sources.<index>`` (a dict) as a :class:`CorpusSource`; its errors name the key, which
-    CorpusSource itself cannot (it does not know its index)."""
-    fields = [f.name for f in dataclasses.fields(CorpusSource)]
-    if not isinstance(entry, Mapping):  # data.sources=[foo]: dict('foo') failed with a bare ValueError
-        raise CorpusError(
-            f"data.sources.{index} must be a mapping of a source's keys ({', '.join(fields)}), got {entry!r} "
-            f"({type(entry).__name__})"
-        )
-    entry = dict(entry)
-    unknown = [key for key in entry if key not in fields]
-    if unknown:
-        raise CorpusError(f"data.sources.{index} has an unknown key {unknown[0]!r} (keys: {', '.join(fields)})")
-    name = check_source_name(entry.get("name", CorpusSource.name), f"data.sources.{index}.name")
-    try:
-        return CorpusSource(**entry)
-    except CorpusError as e:
-        message = str(e).replace(f"data source {name!r}", f"data.sources.{index} (data source {name!r})", 1)
-        raise CorpusError(message.replace("data.sources.N.", f"data.sources.{index}.")) from None
 
 
 class LMDataModule(L.LightningDataModule):
@@ -125,7 +101,7 @@ class LMDataModule(L.LightningDataModule):
                 f"data.sources must be a non-empty list of sources, got {sources!r}; e.g. data=textfiles "
                 "'data.sources.0.paths=[~/corpus]' (data=stdlib, or sources=None, for the stdlib corpus)"
             )
-        self.sources = [s if isinstance(s, CorpusSource) else _source_from_config(i, s) for i, s in enumerate(sources)]
+        self.sources = [s if isinstance(s, CorpusSource) else source_from_config(i, s) for i, s in enumerate(sources)]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise CorpusError(f"data.sources names must be unique, got {names}")
@@ -191,7 +167,7 @@ class LMDataModule(L.LightningDataModule):
             return
         if not self.splits:  # prepare_data ran in another process (DDP rank > 0) or not at all
             self.splits = self._build_token_caches(False, None)
-        self._check_every_rank_read_the_same_data()
+        check_every_rank_read_the_same_data(self)
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         self.drawn_windows = np.zeros(len(self.sources), dtype=np.int64)
         global_batch = self.batch_size * self._world()[1]
@@ -222,30 +198,6 @@ class LMDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-
-    def _check_every_rank_read_the_same_data(self) -> None:
-        """Under a Trainer of several ranks, refuse to train when the ranks read different data: each one reads the
-        corpus itself (the token cache's key hashes the files' bytes), so another Python's standard library on
-        another node, a corpus copy that differs, or a file edited while the ranks started gave each rank other
-        windows under the same indices, and the run trained on a mix without a word. One all-gather of the
-        sources' cache keys and sizes, in ``setup``, which Lightning calls on every rank."""
-        trainer = self.trainer
-        if trainer is None or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return
-        mine = (socket.gethostname(), [(s.name, _cache_key(s), len(s.train), len(s.val)) for s in self.splits])
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        differ = [rank for rank, (_, data) in enumerate(every) if data != every[0][1]]
-        if differ:
-            rank = differ[0]
-            (host0, data0), (host, data) = every[0], every[rank]
-            source, key0, key = next((a[0], a[1:], b[1:]) for a, b in zip(data0, data) if a != b)
-            raise CorpusError(
-                f"the ranks read different data: rank {rank} (host {host}) and rank 0 (host {host0}) have other token "
-                f"caches of data source {source!r} ((key, train tokens, val tokens) {tuple(key)} vs {tuple(key0)}; "
-                f"{len(differ)} rank(s) differ from rank 0): give every rank the same corpus files and data settings "
-                "(the default corpus is the running Python's standard library, which differs between Python versions)"
-            )
 
     @property
     def num_train_samples(self) -> int:
