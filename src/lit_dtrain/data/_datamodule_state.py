@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
 from lit_dtrain.data._mixture_resume import mixture_shares, warn_if_the_mixture_changed
 from lit_dtrain.data.windows import WindowSet
 from lit_dtrain.utils.rank_zero import log_once
@@ -27,6 +29,7 @@ def warn_if_the_global_batch_changed(datamodule, state: dict) -> None:
         # the batch size it found, which was told 'this run's are 8 ... (data.batch_size=4 keeps its batch)'
         return
     ranks, accumulation = datamodule._world()[1], datamodule._accumulation()
+    accumulation = scheduled_accumulation(datamodule.trainer, state.get("epoch")) or accumulation
     saved = int(saved_windows) * int(state.get("accumulate_grad_batches", accumulation))
     now = datamodule.batch_size * ranks * accumulation
     if saved == now:
@@ -39,6 +42,15 @@ def warn_if_the_global_batch_changed(datamodule, state: dict) -> None:
         "accumulate_grad_batches=%d): from here on each step trains on another batch size at the same learning "
         "rate, so the run is not the interrupted one's continuation%s", saved, now, datamodule.batch_size, ranks,
         accumulation, f" (data.batch_size={per_rank} keeps its batch)" if per_rank and not rest else "")
+
+
+def scheduled_accumulation(trainer, epoch) -> int | None:
+    """The accumulation a ``GradientAccumulationScheduler`` of this run gives the checkpoint's ``epoch`` (None without
+    one, or for a checkpoint that does not record its epoch). At load the trainer still holds its constructor's value
+    (the scheduler sets its own at the next epoch start), so a resume of an epoch it trained at 2 compared 4 x 2 saved
+    with 4 x 1 and was told to set data.batch_size=8, though it continued bitwise."""
+    schedulers = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, GradientAccumulationScheduler)]
+    return schedulers[0].get_accumulate_grad_batches(int(epoch)) if schedulers and epoch is not None else None
 
 
 def warn_if_the_data_changed(datamodule, state: dict) -> None:

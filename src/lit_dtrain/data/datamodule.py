@@ -341,6 +341,7 @@ class LMDataModule(L.LightningDataModule):
             "max_val_windows": self.max_val_windows,
             "global_batch": self.batch_size * self._world()[1],  # windows per micro-step; with the accumulation:
             "accumulate_grad_batches": self._accumulation(),  # to warn when a resume trains on other batches
+            "epoch": self.trainer.current_epoch if self.trainer is not None else 0,  # (for an accumulation schedule)
             "overfit_indices": {slot: indices.tolist() for slot, indices in self.overfit_indices.items()},
             "mixture_shares": mixture_shares(self.sources),  # to warn when a resume draws another share of each source
             DRAWN_KEY: drawn_state(self),  # the shares drawn so far (data/share/<name>) go on across a resume
