@@ -30,12 +30,7 @@ def planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
             f"{FROM_TRAINER}, which under manual optimization counts every optimizer.step call (2 a batch with two "
             f"optimizers), not one optimizer's updates; {give.replace('optimizer steps', 'updates of each optimizer')}"
         )
-    if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-        raise ConfigError(
-            f"{FROM_TRAINER}, which counts every epoch at the first epoch's accumulate_grad_batches, so it is wrong "
-            f"beside a GradientAccumulationScheduler; {give}"
-        )
-    planned = trainer.estimated_stepping_batches
+    planned = estimated_steps(trainer)
     if math.isfinite(planned) and planned >= 1:
         return int(planned)
     unsized = trainer.num_training_batches == math.inf if trainer.max_epochs != -1 else False
@@ -44,6 +39,21 @@ def planned_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
         f"{FROM_TRAINER}, which is {planned} here (max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}"
         f"{why}): the trainer knows no end of training; {give}, or set the Trainer's max_steps"
     )
+
+
+def estimated_steps(trainer: L.Trainer) -> float:
+    """``trainer.estimated_stepping_batches``, with each epoch counted at the accumulation a
+    ``GradientAccumulationScheduler`` gives it: Lightning's counts every epoch at the trainer's accumulation when it is
+    read (the first epoch's), so ``GradientAccumulationScheduler({1: 2})`` over 3 epochs of 6 batches planned 18 steps
+    for the fit's 12. An epoch's last batch steps whatever the count (``ceil``)."""
+    planned = trainer.estimated_stepping_batches  # (sets up the train DataLoader, so num_training_batches is known)
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+    batches = trainer.num_training_batches
+    if not schedulers or trainer.max_epochs in (None, -1) or not math.isfinite(planned) or not math.isfinite(batches):
+        return planned
+    per_epoch = (math.ceil(batches / schedulers[0].get_accumulate_grad_batches(e)) for e in range(trainer.max_epochs))
+    steps = sum(per_epoch)
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
 
 
 def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, factor: Callable[[int], float],
@@ -87,8 +97,7 @@ def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, pla
     """The fit trains step ``step``, at or past ``total_steps``, though the check at train start saw no such step
     (``planned``, Lightning's estimate then): every step from here runs at ``min_lr_factor``. Lightning's estimate
     counts every epoch at the current epoch length, also those trained before a resume that changed it (another
-    ``limit_train_batches``, more processes), and the accumulation of a ``GradientAccumulationScheduler``'s first
-    epoch; a DataLoader without a length has none."""
+    ``limit_train_batches``, more processes); a DataLoader without a length has none."""
     rank_zero_warn(
         f"WSDScheduler: the fit goes on past total_steps={total_steps} (step {step}; at train start "
         f"trainer.estimated_stepping_batches was {planned}, which counts every epoch at the current epoch length, also "
@@ -107,9 +116,7 @@ def warn_if_stopped_before_the_decay(trainer: L.Trainer, total_steps: int, decay
     step, and told to 'resume with WSDScheduler(total_steps=4 + D, ...)' one trained none: its decay branch);
     None: resume with the decay's horizon. Inside the warmup (``warmup_steps``) neither takes the checkpoint (a decay
     branch is refused there, a resume with a horizon inside the warmup too): train past it first."""
-    step, planned = trainer.global_step, trainer.estimated_stepping_batches
-    if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-        return  # (its estimate is not the fit's length)
+    step, planned = trainer.global_step, estimated_steps(trainer)
     known = math.isfinite(planned) and planned >= 0  # (inf: an unsized DataLoader, the data decides)
     if step == 0 or step >= total_steps or (known and int(planned) <= step):
         return

@@ -29,7 +29,6 @@ import math
 from functools import partial
 
 import lightning as L
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -39,6 +38,7 @@ from lit_dtrain.callbacks._step_hooks import StepHooksCallback
 from lit_dtrain.callbacks._wsd_conflicts import refuse_an_unreturned_scheduler, refuse_other_lr_setters
 from lit_dtrain.callbacks._wsd_horizon import (
     FROM_TRAINER,
+    estimated_steps,
     planned_steps,
     warn_if_stopped_before_the_decay,
     warn_if_the_horizon_moves_the_lr,
@@ -281,9 +281,7 @@ class WSDScheduler(StepHooksCallback):
         larger than the horizon): every step past it runs at ``min_lr_factor`` (LR 0 by default), training nothing
         while it costs compute. Fewer steps: see ``_note_short_fit``. (Under manual optimization the trainer's step
         count is not an optimizer's.)"""
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-            return  # Lightning's estimate counts every epoch at the first epoch's accumulate_grad_batches
-        planned = trainer.estimated_stepping_batches  # min(max_steps, max_epochs x steps); inf or -1: no end known
+        planned = estimated_steps(trainer)  # min(max_steps, max_epochs x steps); inf or -1: no end known
         if not math.isfinite(planned) or planned < 0:
             return
         planned = int(planned)
@@ -348,7 +346,7 @@ class WSDScheduler(StepHooksCallback):
             if self._past_due and trainer.global_step >= self.total_steps:  # the estimate at train start was wrong
                 self._past_due = False
                 warn_past_the_horizon(trainer.global_step, self.total_steps, self.min_lr_factor,
-                                      trainer.estimated_stepping_batches)
+                                      estimated_steps(trainer))
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
