@@ -245,10 +245,10 @@ def test_a_rollback_drops_the_snapshots_newer_than_the_one_restored() -> None:
     from lit_dtrain.callbacks._snapshots import SnapshotRing
 
     ring = SnapshotRing(keep=3)
-    ring.snapshots.extend({"step": step, "layout": [[2]]} for step in (10, 20, 30))
-    snap, old_enough = ring.pick(31, 5, [[2]])
+    ring.snapshots.extend({"step": step, "layout": ([[2]], ("w",))} for step in (10, 20, 30))
+    snap, old_enough = ring.pick(31, 5, ([[2]], ("w",)))
     assert (snap["step"], old_enough) == (20, True) and [s["step"] for s in ring.snapshots] == [10, 20]
-    assert ring.pick(33, 1, [[2]])[0]["step"] == 20
+    assert ring.pick(33, 1, ([[2]], ("w",)))[0]["step"] == 20
 
 
 def test_bad_arguments_fail_loudly() -> None:

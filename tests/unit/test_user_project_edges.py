@@ -318,11 +318,17 @@ def test_a_rollback_past_a_finetuning_unfreeze_drops_the_step_and_says_why(tmp_p
         warnings.simplefilter("always")
         trainer.fit(UnfrozenAtEpoch1())
     assert [len(o.param_groups) for o in trainer.optimizers] == [2]
+    assert_dropped_at_17(monitor, caught, weights)
+
+
+def assert_dropped_at_17(monitor: LossSpikeMonitor, caught, weights: WeightsAfterEachStep) -> None:
+    """The spike at step 17 found no snapshot of the current layout: dropped as a skip, with the warning."""
     assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(17, None)]
     assert [str(w.message) for w in caught if "no snapshot to roll back to" in str(w.message)] == [
-        "LossSpikeMonitor: no snapshot to roll back to at step 17: the optimizers' param groups changed since the "
-        "last one (a BaseFinetuning unfreeze adds one); the spike's step is dropped as with 'skip', the weights stay; "
-        "snapshots start again from the next one"
+        "LossSpikeMonitor: no snapshot to roll back to at step 17: the optimizers' param groups or the module's state "
+        "keys changed since the last one (a BaseFinetuning unfreeze adds a group, ModelPruning's first prune adds "
+        "weight_orig and weight_mask); the spike's step is dropped as with 'skip', the weights stay; snapshots start "
+        "again from the next one"
     ]
     for p, q in zip(weights.seen[17], weights.seen[18]):  # the spike's step (global_step 17 -> 18) changed nothing
         assert torch.equal(p, q)

@@ -97,10 +97,13 @@ def load_average_state(callback, state: dict) -> None:
         callback.n_averaged.fill_(state["n_averaged"])  # (SWA started after the snapshot: 0, its next update restarts)
 
 
-def layout(trainer) -> list[list[int]]:
-    """Each optimizer's parameter count per param group: a snapshot restores only into the same layout (a
-    ``BaseFinetuning`` unfreeze adds a group; torch's ``load_state_dict`` then fails)."""
-    return [[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers]
+def layout(trainer) -> tuple[list[list[int]], tuple[str, ...]]:
+    """Each optimizer's parameter count per param group, and the module's state-dict keys: a snapshot restores only
+    into the same layout (a ``BaseFinetuning`` unfreeze adds a group, and ``ModelPruning``'s first prune renames each
+    pruned ``weight`` to ``weight_orig`` beside a ``weight_mask`` buffer; torch's ``load_state_dict`` then failed
+    mid-training, 'Missing key(s) in state_dict: "net.0.weight_orig", ...')."""
+    keys = tuple(trainer.lightning_module.state_dict(keep_vars=True))
+    return [[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers], keys
 
 
 def capture(trainer) -> dict:
@@ -152,9 +155,9 @@ class SnapshotRing:
     def __len__(self) -> int:
         return len(self.snapshots)
 
-    def pick(self, step: int, min_age: int, current_layout: list[list[int]]) -> tuple[dict | None, bool]:
+    def pick(self, step: int, min_age: int, current_layout: tuple) -> tuple[dict | None, bool]:
         """(snapshot, old_enough); drops the newer snapshots, which may hold the update that caused the spike, and
-        those of another param-group layout (None: no snapshot fits the optimizers now)."""
+        those of another layout (None: no snapshot fits the optimizers and the module now)."""
         fits = [s for s in self.snapshots if s["layout"] == current_layout]
         if len(fits) < len(self.snapshots):
             self.snapshots = deque(fits, maxlen=self.snapshots.maxlen)

@@ -127,12 +127,13 @@ class SpikeEvents:
     # ---- rollback -----------------------------------------------------------------------------------------------
     def _rollback(self, trainer, step: int) -> int | None:
         """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step (None: no snapshot
-        fits the optimizers' param groups now, the step is only dropped)."""
+        fits the optimizers' param groups and the module's state keys now, the step is only dropped)."""
         snap, old_enough = self.snapshots.pick(step, self.rollback_min_age, snapshots.layout(trainer))
         if snap is None:  # (a rollback into it failed in torch: "a different number of parameter groups")
             rank_zero_warn(f"LossSpikeMonitor: no snapshot to roll back to at step {step}: the optimizers' param "
-                           "groups changed since the last one (a BaseFinetuning unfreeze adds one); the spike's step "
-                           "is dropped as with 'skip', the weights stay; snapshots start again from the next one")
+                           "groups or the module's state keys changed since the last one (a BaseFinetuning unfreeze "
+                           "adds a group, ModelPruning's first prune adds weight_orig and weight_mask); the spike's "
+                           "step is dropped as with 'skip', the weights stay; snapshots start again from the next one")
             return None
         if not old_enough:
             rank_zero_warn(f"LossSpikeMonitor: no snapshot {self.rollback_min_age}+ steps older than step {step}; "
