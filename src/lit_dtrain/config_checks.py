@@ -24,7 +24,11 @@ from lit_dtrain.config_keys import (
 from lit_dtrain.config_lightning import (
     check_lightning_choices,
 )
-from lit_dtrain.config_warnings import warn_if_the_default_callbacks_are_dropped, warn_if_the_stages_outlast_the_run
+from lit_dtrain.config_warnings import (
+    warn_if_a_checkpoint_name_shows_another_metric,
+    warn_if_the_default_callbacks_are_dropped,
+    warn_if_the_stages_outlast_the_run,
+)
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
@@ -146,6 +150,7 @@ def check_config(cfg: DictConfig) -> None:
     check_checkpoint_dirs(cfg)
     warn_if_the_default_callbacks_are_dropped(cfg)
     warn_if_the_stages_outlast_the_run(cfg)
+    warn_if_a_checkpoint_name_shows_another_metric(cfg)
     check_lightning_choices(cfg)
     from lit_dtrain.strategies.registry import check_strategy_specs
 

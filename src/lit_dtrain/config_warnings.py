@@ -1,10 +1,11 @@
 """Warnings for a composed config that trains, but not what its command reads as: the default callbacks dropped by a
-``callbacks=<one choice>`` override, and a FourierSampler stage schedule longer than the run. ``check_config`` runs
-them; rank 0 logs."""
+``callbacks=<one choice>`` override, a FourierSampler stage schedule longer than the run, and a checkpoint file name
+that shows another metric than the one it is ranked by. ``check_config`` runs them; rank 0 logs."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -51,3 +52,23 @@ def warn_if_the_stages_outlast_the_run(cfg: DictConfig) -> None:
                 "%g>, or set data.sampler.stage_lr=false", max_steps, last.name, last.lr_mult, stages[0].lr_mult,
                 stages[-1].lr_mult, stages[-1].start * float(unit), stages[-1].start, float(unit),
                 stages[-1].start / 0.4)
+
+
+def warn_if_a_checkpoint_name_shows_another_metric(cfg: DictConfig) -> None:
+    """``callbacks.model_checkpoint.monitor=val/text/loss`` (a mixture's per-source loss) keeps the default
+    ``filename: step{step:06d}-val{val/loss:.4f}``: the best checkpoint by the text source's loss was written as
+    ``step000012-val3.5197.ckpt``, 3.5197 the pooled ``val/loss``, which reads as its score, without a word."""
+    if rank_zero_only.rank != 0:
+        return
+    for key, node in (cfg.get("callbacks") or {}).items():
+        if not isinstance(node, DictConfig):
+            continue
+        monitor, filename = node.get("monitor"), node.get("filename")
+        if not (isinstance(monitor, str) and isinstance(filename, str)):
+            continue
+        shown = [m for m in re.findall(r"\{([^}:]+)", filename) if m not in ("step", "epoch")]
+        if shown and monitor not in shown:
+            fixed = filename.replace("{" + shown[0], "{" + monitor, 1)
+            log.warning("callbacks.%s ranks its checkpoints by monitor=%s, but its filename %r shows %s: the best "
+                        "file's name holds another metric's value; to name it by the ranked one: "
+                        "callbacks.%s.filename='%s'", key, monitor, filename, ", ".join(shown), key, fixed)

@@ -1128,6 +1128,24 @@ def test_a_callbacks_choice_without_the_defaults_is_warned_about(tmp_path, caplo
     assert warnings_for("callbacks.model_checkpoint=null") == []  # one default switched off: meant
 
 
+def test_a_checkpoint_name_that_shows_another_metric_than_its_monitor_is_warned_about(tmp_path, caplog):
+    """``callbacks.model_checkpoint.monitor=val/text/loss`` with the default filename wrote the best checkpoint by the
+    text source's loss as ``step000012-val3.5197.ckpt``, the pooled val/loss, without a word."""
+    from lit_dtrain.config_warnings import warn_if_a_checkpoint_name_shows_another_metric
+
+    warnings_for = start_warnings(warn_if_a_checkpoint_name_shows_another_metric, tmp_path, caplog)
+    assert warnings_for("callbacks.model_checkpoint.monitor=val/text/loss") == [
+        "callbacks.model_checkpoint ranks its checkpoints by monitor=val/text/loss, but its filename "
+        "'step{step:06d}-val{val/loss:.4f}' shows val/loss: the best file's name holds another metric's value; to name "
+        "it by the ranked one: callbacks.model_checkpoint.filename='step{step:06d}-val{val/text/loss:.4f}'"
+    ]
+    assert warnings_for() == []  # val/loss, shown and ranked
+    assert warnings_for("callbacks.model_checkpoint.monitor=val/text/loss",
+                        "callbacks.model_checkpoint.filename='{step}-{val/text/loss:.3f}'") == []
+    assert warnings_for("callbacks.model_checkpoint.monitor=val/text/loss",
+                        "callbacks.model_checkpoint.filename='step{step:06d}'") == []  # no metric shown
+
+
 def test_a_fourier_stage_schedule_longer_than_the_run_is_warned_about(tmp_path, caplog):
     """``python train.py data/sampler=fourier`` (1000 steps; the brief's stages: LR x0.1 to step 5000, x0.5 to
     20000) trained every step at 0.1 of optimizer.lr without a word."""
