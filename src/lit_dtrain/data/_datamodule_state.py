@@ -53,6 +53,19 @@ def scheduled_accumulation(trainer, epoch) -> int | None:
     return schedulers[0].get_accumulate_grad_batches(int(epoch)) if schedulers and epoch is not None else None
 
 
+def restore_scheduled_accumulation(datamodule) -> None:
+    """At the first training batch after a resume: the accumulation a ``GradientAccumulationScheduler`` gives the
+    current epoch. Lightning calls no ``on_train_epoch_start`` in an epoch resumed mid-way, where the scheduler sets
+    it, so the rest of that epoch ran at the trainer's constructor value: a SIGTERM in epoch 1 of ``{1: 3}`` resumed
+    with steps of 1 micro-batch (12 steps where the straight run takes 10, other weights), without a word. (Set at
+    the batch, not at the state's load: the scheduler refuses a value other than 1 at train start.)"""
+    datamodule._resumed = False
+    trainer = datamodule.trainer
+    scheduled = scheduled_accumulation(trainer, trainer.current_epoch) if trainer is not None else None
+    if scheduled is not None:
+        trainer.accumulate_grad_batches = scheduled
+
+
 def warn_if_the_data_changed(datamodule, state: dict) -> None:
     """The warnings given before the state is applied: another data seed, other validation windows, another global
     batch, another mixture."""

@@ -24,7 +24,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lit_dtrain.data._datamodule_checks import check_every_rank_read_the_same_data, source_from_config
-from lit_dtrain.data._datamodule_state import warn_if_the_data_changed, warn_if_the_dataset_changed
+from lit_dtrain.data._datamodule_state import (
+    restore_scheduled_accumulation,
+    warn_if_the_data_changed,
+    warn_if_the_dataset_changed,
+)
 from lit_dtrain.data._drawn_shares import STATE_KEY as DRAWN_KEY
 from lit_dtrain.data._drawn_shares import count_drawn, drawn_state, restore_drawn
 from lit_dtrain.data._fit_end import check_the_fit_ends
@@ -269,6 +273,8 @@ class LMDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, int) and not isinstance(batch, bool):  # a train step ticket
+            if getattr(self, "_resumed", False):
+                restore_scheduled_accumulation(self)
             return self.next_train_batch()
         return batch
 
@@ -360,6 +366,7 @@ class LMDataModule(L.LightningDataModule):
 
     def _apply_state(self, state: dict) -> None:
         warn_if_the_data_changed(self, state)  # seed, validation windows, global batch, mixture
+        self._resumed = True  # (restore_scheduled_accumulation at the first batch)
         self.micro_step = int(state["micro_step"])
         restore_drawn(self, state)
         self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
