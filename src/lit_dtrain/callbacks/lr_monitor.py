@@ -14,6 +14,10 @@ after (``LossSpikeMonitor``'s ``lr_cooldown``, the FourierSampler's stage multip
 ``scales_lr``), the update used another LR, which the schedule's tag never showed: ``lr-<optimizer>/<group>-effective``
 is that LR, at the same steps (a step without an update has no point: one the GradScaler skipped, one whose
 gradients ``LossSpikeMonitor``'s ``skip`` or ``rollback`` dropped, since its ``optimizer.step`` moved nothing).
+
+Lightning's monitor also appends every logged LR to its ``lrs`` lists and never drops one: a run that logs every step
+kept 2,000 values per param group after 2,000 steps, one more each logged step for as long as it runs (the loggers
+already hold them). :class:`OncePerStepLRMonitor` keeps the latest :attr:`~OncePerStepLRMonitor.lrs_kept` (1000).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ class OncePerStepLRMonitor(LearningRateMonitor):
     """``LearningRateMonitor`` (same arguments, names, ``logging_interval`` and momentum/weight decay logging) that
     writes the step-interval LRs once per optimizer step, at the step's first micro-batch, whatever
     ``accumulate_grad_batches`` is, and an optimizer without an LR scheduler once at an epoch's first step. It keeps no
-    checkpoint state, as Lightning's monitor keeps none."""
+    checkpoint state, as Lightning's monitor keeps none. Its ``lrs`` lists hold the latest ``lrs_kept`` LRs of each
+    tag (Lightning's keep every logged one, a list that grows for as long as the run logs)."""
+
+    lrs_kept = 1000  # values kept per tag in ``lrs``, the latest
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,7 +61,10 @@ class OncePerStepLRMonitor(LearningRateMonitor):
     @override
     def _get_optimizer_stats(self, optimizer, names):  # the tags of each optimizer's groups, for the effective LRs
         self._names[id(optimizer)] = (optimizer, names)
-        return super()._get_optimizer_stats(optimizer, names)
+        stats = super()._get_optimizer_stats(optimizer, names)
+        for values in self.lrs.values():  # (Lightning's _extract_lr has just appended this step's LRs)
+            del values[: -self.lrs_kept]
+        return stats
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
