@@ -607,6 +607,18 @@ def test_a_fresh_start_in_the_run_dir_of_a_run_killed_before_its_first_checkpoin
     assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
 
 
+def test_events_in_memory_stay_bounded_while_spikes_jsonl_has_every_one(tmp_path: Path, monkeypatch) -> None:
+    """``events`` kept every event of the fit, one more per spike for as long as the run lasted (196 events after 200
+    steps of NaN losses); it keeps the latest ``events_kept``, and spikes.jsonl still has every one."""
+    monkeypatch.setattr(LossSpikeMonitor, "events_kept", 2, raising=False)
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_nonfinite=None)
+    trainer = make_trainer(tmp_path, [Inject({s: "nan" for s in range(4, 9)}), monitor], max_steps=10)
+    trainer.fit(make_module(), datamodule=make_data(tmp_path, n_files=1, size=4000))
+    lines = [json.loads(x) for x in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines] == [4, 5, 6, 7, 8] and [e["step"] for e in monitor.events] == [7, 8]
+    assert monitor.num_spikes == 5
+
+
 def test_spikes_that_exclude_every_sample_stop_with_the_last_one_recorded(tmp_path: Path) -> None:
     """Once the spikes' samples are all of the data the sampler raises; the error says the monitor's exclusions did it,
     and the spike that excluded the last samples is in spikes.jsonl (its record was written after the exclusion)."""

@@ -27,6 +27,8 @@ EXCLUDED_SAMPLE = "excluded_sample"
 class SpikeEvents:
     """The spike events of :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor` (see the module docstring)."""
 
+    events_kept = 1000  # events kept in memory (``events``), the latest; spikes.jsonl holds every one
+
     def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
         """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
         them) move from spikes.jsonl to spikes.superseded.jsonl, so each event of the run's history is listed once.
@@ -92,6 +94,7 @@ class SpikeEvents:
     def _record(self, trainer, event: dict, message: str | None) -> None:
         """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
         self.events.append(event)
+        del self.events[: -self.events_kept]  # one per spike for the whole fit otherwise; spikes.jsonl has them all
         if not trainer.is_global_zero:
             return
         if not getattr(trainer, "fast_dev_run", False):  # (a smoke test's, beside its dir's run's: logging is off)

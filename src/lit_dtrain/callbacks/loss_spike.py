@@ -163,7 +163,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         self.window = SpikeWindow(self.window.max_spikes, self.window.window_steps)
         # persistent state
         self.excluded: list[int] = []  # global sample indices never to be trained on again
-        self.events: list[dict] = []  # this process's events of the current fit (also in spikes.jsonl)
+        self.events: list[dict] = []  # this process's latest events_kept events of the fit (all in spikes.jsonl)
         self.num_spikes = 0
         self.nonfinite_run: list[int] = []  # steps of the current run of consecutive non-finite steps
         self.cooldown_start = -(10**9)
