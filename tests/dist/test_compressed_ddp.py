@@ -878,6 +878,7 @@ def fits(tmp_path_factory) -> Path:
     jobs.append((_fit_with_a_branch_zeroed_in_place, "sign"))
     jobs += [(_fit_unfrozen_at_resume, key) for key in sorted(EPOCH_UPDATES)]
     jobs.append((_fit_frozen_between_syncs, "local_sgd"))
+    jobs += [(_fit_two_optimizers, key) for key in sorted(TOGGLE_RUNS)]
     jobs += [(_fit_overflow, key) for key in OVERFLOW_CODECS]
     # last: without the epoch-length check they fail only at the timeout (or leave the group broken)
     jobs += [(_fit_uneven, "local_sgd"), (_fit_uneven, "ddp")]
@@ -1250,6 +1251,81 @@ def test_a_layer_frozen_between_local_sgd_syncs_is_averaged_first(fits):
     assert_same(straight[0]["params"], straight[1]["params"], "the straight fit's ranks")
     for r in range(WORLD):
         assert_same(resumed[r]["params"], straight[r]["params"], f"rank{r} resumed vs straight")
+
+
+class _TwoOptimizers(TinyModule):
+    """Manual optimization, GAN-style: ``net.g`` stepped every batch, ``net.d`` every second batch, each step with
+    ``toggle_optimizer`` (which switches ``requires_grad`` off on the other optimizer's parameters)."""
+
+    def __init__(self, dump_dir: str, tag: str) -> None:
+        super().__init__(dump_dir, tag)
+        self.automatic_optimization = False
+        self.net = nn.ModuleDict({"g": make_net(), "d": nn.Linear(8, 1)})
+        self.d_residuals: list[torch.Tensor] = []
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net.g.parameters(), lr=0.05), torch.optim.SGD(self.net.d.parameters(), lr=0.05)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = regression_batch(batch_idx, self.global_rank)
+        g, d = self.net.g, self.net.d
+        losses = [lambda: F.mse_loss(g(x), y) + d(g(x)).mean(), lambda: (d(g(x).detach()) ** 2).mean()]
+        for opt, loss in zip(self.optimizers()[: 1 + batch_idx % 2], losses):
+            self.toggle_optimizer(opt)
+            self.manual_backward(loss())
+            opt.step()
+            opt.zero_grad()
+            self.untoggle_optimizer(opt)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # the discriminator's residual after each batch
+        codec = self.trainer.strategy.compressor
+        if codec is not None:
+            self.d_residuals.append(codec.residuals["net.d.weight"].clone())
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        torch.save(self.d_residuals, Path(self.dump_dir) / f"d_residuals_rank{self.global_rank}.pt")
+
+
+TOGGLE_RUNS = {**EPOCH_UPDATES, "int8_ef": {"name": "int8", "error_feedback": True, "block_size": 64}}
+
+
+def _fit_two_optimizers(tmp: Path, key: str) -> None:
+    """12 optimizer steps (8 batches) of :class:`_TwoOptimizers` under ``TOGGLE_RUNS[key]`` (period 4)."""
+    comm = {"local_update" if key in EPOCH_UPDATES else "compressor": TOGGLE_RUNS[key]}
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=12, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        strategy=CompressedDDPStrategy(**comm, log_comm_metrics=False, find_unused_parameters=True))
+    trainer.fit(_TwoOptimizers(str(tmp), "gan"))
+
+
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_local_updates_sync_every_optimizers_parameters_under_toggle_optimizer(fits, key):
+    """A sync falls in one optimizer's step, where ``toggle_optimizer`` has switched the other's parameters off.
+    The rule synced the trainable parameters only: local SGD averaged the toggled optimizer's alone (every sync at
+    steps 4, 8 and 12 fell in the discriminator's or the generator's step), so the ranks' other parameters never met
+    (0.021 apart at the end), and DiLoCo raised 'the trainable parameters changed since its outer loop started'."""
+    tmp = fitted(fits, _fit_two_optimizers, key)
+    end = dumps(tmp, "gan", "end")
+    assert_same(end[0]["params"], end[1]["params"], "ranks at the end")
+    assert end[0]["local_update"]["num_syncs"] == 3
+    if key == "diloco":
+        assert {"net.g.0.weight", "net.d.weight"} <= set(end[0]["local_update"]["outer_params"])
+
+
+def test_a_toggled_off_optimizers_residual_waits_for_its_next_step(fits):
+    """Under an error-feedback codec and ``find_unused_parameters``, the generator's step leaves the discriminator
+    (toggled off) unused: DDP discards what the hook sent for it, and the strategy puts its residual back, but it
+    only looked among the ``requires_grad`` parameters, so that residual was sent and lost at every generator step
+    (int8: drained to 0 after each). It must be what the discriminator's own step left, until its next step."""
+    tmp = fitted(fits, _fit_two_optimizers, "int8_ef")
+    end = dumps(tmp, "gan", "end")
+    assert_same(end[0]["params"], end[1]["params"], "ranks at the end")
+    for rank in range(WORLD):
+        after = torch.load(tmp / f"d_residuals_rank{rank}.pt", weights_only=True)  # batch b: D stepped iff b is odd
+        for b in range(1, len(after) - 1, 2):
+            assert after[b].abs().sum() > 0, (rank, b)
+            assert torch.equal(after[b + 1], after[b]), (rank, b)
 
 
 OVERFLOW_CODECS = {  # every codec with error feedback (and PowerSGD's warm start, int8_rs's server residuals)

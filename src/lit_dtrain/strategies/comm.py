@@ -243,8 +243,11 @@ class CommSession:
 
     @staticmethod
     def named_params(module: nn.Module) -> list[tuple[str, Tensor]]:
-        """Trainable parameters by name (the local-update rules work on these)."""
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        """Trainable parameters by name (the local-update rules work on these), counting those that only
+        ``LightningModule.toggle_optimizer`` switched off for another optimizer's step (manual optimization, a GAN):
+        a sync in such a step averaged the toggled optimizer's parameters alone, so the others drifted apart."""
+        toggled = getattr(module, "_param_requires_grad_state", None) or {}  # Lightning's: param -> its own flag
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad or toggled.get(p, False)]
 
     def before_optimizer_step(self, named_params: Iterable[tuple[str, Tensor]]) -> None:
         """Lets a local-update rule snapshot the synchronized start point (DiLoCo's outer parameters)."""
