@@ -49,3 +49,19 @@ def test_a_trainer_without_max_steps_is_refused_before_the_first_step(tmp_path: 
 @pytest.mark.parametrize("kwargs", [{"max_steps": 3}, {"max_epochs": 1, "limit_train_batches": 3}])
 def test_trainers_whose_fit_ends_train(tmp_path: Path, corpus: Path, kwargs) -> None:
     assert _fit(tmp_path, corpus, **kwargs).steps == 3
+
+
+def test_the_tuner_runs_on_a_trainer_without_max_steps(tmp_path: Path, corpus: Path) -> None:
+    """Tuner.lr_find (and scale_batch_size) sets max_steps for its search, then remakes the train DataLoader with the
+    Trainer's own max_steps=-1 back: the check, made there, refused 'Tuner(Trainer()).lr_find(...)' after its search
+    (a pattern that fits with a Trainer of its own afterwards), losing the result. The check is at the first batch."""
+    from lightning.pytorch.tuner import Tuner
+
+    data = LMDataModule([CorpusSource(name="t", kind="files", paths=[str(corpus)])], block_size=16, batch_size=2,
+                        cache_dir=str(tmp_path / "cache"), progress=False)
+    module = _Bigram()
+    module.lr = 0.1
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path))
+    finder = Tuner(trainer).lr_find(module, datamodule=data, num_training=4, update_attr=False)
+    assert len(finder.results["lr"]) == 4 and module.steps == 4

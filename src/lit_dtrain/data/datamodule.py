@@ -219,7 +219,6 @@ class LMDataModule(L.LightningDataModule):
 
     # ---- training batches -----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
-        check_the_fit_ends(self.trainer)
         return DataLoader(_StepTickets(), batch_size=None)
 
     def batch_for_step(self, step: int, rank: int = 0, world_size: int = 1) -> dict:
@@ -273,6 +272,9 @@ class LMDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, int) and not isinstance(batch, bool):  # a train step ticket
+            # checked at the batch, not as the DataLoader is made (and its first ticket fetched): Tuner.lr_find and
+            # scale_batch_size remake it after their search, with the Trainer's own max_steps (-1) back
+            check_the_fit_ends(self.trainer)
             if getattr(self, "_resumed", False):
                 restore_scheduled_accumulation(self)
             return self.next_train_batch()
