@@ -123,7 +123,7 @@ def check_types(cfg: DictConfig) -> None:
             continue
         if not is_number(value, integer=kind is int):
             what = "an integer" if kind is int else "a number"
-            raise ConfigError(f"{key} must be {what}, got {value!r} ({type_name(value)})")
+            raise ConfigError(f"{key} must be {what}, got {value!r} ({type_name(value)}){_env_hint(cfg, key, value)}")
         if key in _FINITE_KEYS and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
     for key, nullable in _PATH_KEYS.items():
@@ -335,7 +335,7 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             check_target_arguments(cfg, child, full)
             continue
         if _flag_or_number(hints.get(key)) is not None:  # read only then: an interpolation may refuse to resolve
-            _check_value(full, hints.get(key), node[key])
+            _check_value(full, hints.get(key), node[key], child._value())
 
 
 def check_argument_types(target, arguments, path: str) -> dict:
@@ -378,7 +378,24 @@ def _argument_hints(target) -> dict:
     return hints
 
 
-def _check_value(full: str, annotation, value) -> None:
+def _env_hint(cfg: DictConfig, key: str, value) -> str:
+    """For a number refused as text: where the key's value is ``${oc.env:X}`` (always text), the resolver that
+    reads it as a number; ``""`` otherwise. ``trainer.max_steps=${oc.env:STEPS}`` was refused as 'must be an integer,
+    got '8' (str)', naming no way to pass a number from the environment."""
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return _decode_hint(key, value, node._get_node(last)._value() if isinstance(node, DictConfig) else None)
+
+
+def _decode_hint(key: str, value, raw) -> str:
+    if not isinstance(value, str) or not isinstance(raw, str) or "${oc.env:" not in raw or "oc.decode" in raw:
+        return ""
+    decoded = "${oc.decode:" + raw.strip() + "}"
+    return (f": ${{oc.env:...}} gives text; read it as a number with {decoded} (quoted on the command line: "
+            f"{key}='{decoded}')")
+
+
+def _check_value(full: str, annotation, value, raw=None) -> None:
     expected = _flag_or_number(annotation)
     if expected is None:
         return
@@ -394,4 +411,5 @@ def _check_value(full: str, annotation, value) -> None:
         raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type_name(value)})")
     if kind != "bool" and not is_number(value, integer=kind == "int"):
         what = "an integer" if kind == "int" else "a number"
-        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type_name(value)})")
+        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type_name(value)})"
+                          f"{_decode_hint(full, value, raw)}")
