@@ -121,6 +121,9 @@ def check_types(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=_ABSENT)
         if value is _ABSENT or value is None and key not in _NOT_NULL_KEYS:
             continue
+        if kind is int and _whole_float(value):  # 1e3 in YAML or on the command line: 1000.0, refused as 'must be
+            value = int(value)  # an integer' (check_int's rule for the Python API: a float that is exactly one)
+            OmegaConf.update(cfg, key, value)
         if not is_number(value, integer=kind is int):
             what = "an integer" if kind is int else "a number"
             raise ConfigError(f"{key} must be {what}, got {value!r} ({type_name(value)}){_env_hint(cfg, key, value)}")
@@ -335,6 +338,8 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             check_target_arguments(cfg, child, full)
             continue
         if _flag_or_number(hints.get(key)) is not None:  # read only then: an interpolation may refuse to resolve
+            if _flag_or_number(hints.get(key))[0] == "int" and _whole_float(node[key]):  # as check_types'
+                node[key] = int(node[key])
             _check_value(full, hints.get(key), node[key], child._value())
 
 
@@ -376,6 +381,12 @@ def _argument_hints(target) -> dict:
         owner = next((c for c in target.__mro__ if "__init__" in vars(c)), object)
         target = next((c for c in owner.__mro__[1:] if "__init__" in vars(c) and c is not object), None)
     return hints
+
+
+def _whole_float(value) -> bool:
+    """Whether ``value`` is a float that is exactly an integer (``1e3``, ``20.0``), which an integer key takes."""
+    return is_number(value) and not isinstance(value, numbers.Integral) and math.isfinite(value) \
+        and float(value).is_integer()
 
 
 def _env_hint(cfg: DictConfig, key: str, value) -> str:
