@@ -23,6 +23,7 @@ from lit_dtrain.config_keys import (
 )
 from lit_dtrain.config_lightning import (
     check_lightning_choices,
+    check_val_check_interval,
 )
 from lit_dtrain.config_warnings import (
     warn_if_a_checkpoint_name_shows_another_metric,
@@ -86,9 +87,10 @@ def check_config(cfg: DictConfig) -> None:
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
+    check_val_check_interval(cfg)
     for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and value <= 0:
+        if is_number(value) and value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
     val_fraction = OmegaConf.select(cfg, "data.val_fraction", default=None)
     if val_fraction is not None and not 0 < val_fraction < 1:  # was refused only when the token cache was built

@@ -23,7 +23,7 @@ from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import as_flag, is_flag, is_number, type_name
 
 _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
-    "optimizer.lr": float, "trainer.max_steps": int, "trainer.val_check_interval": int,
+    "optimizer.lr": float, "trainer.max_steps": int,  # trainer.val_check_interval: config_lightning's
     "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
     "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
     "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,

@@ -6,12 +6,14 @@ callback's ``mode``) and :func:`check_precision` (a precision that cannot run as
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import math
 import re
 
 import torch
 from hydra._internal.utils import _locate  # hydra.utils.get_class logs an ERROR for a target that is no class
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import is_number
@@ -170,3 +172,52 @@ def _check_lr_monitor(key: str, node: DictConfig, cls) -> None:
     if isinstance(cls, type) and issubclass(cls, LearningRateMonitor) and interval not in (None, "step", "epoch"):
         raise ConfigError(f"callbacks.{key}.logging_interval={interval!r} must be 'step' (the LR of every logged "
                           "step), 'epoch' or null (by the scheduler's interval)")
+
+
+def _one_process(cfg: DictConfig) -> bool:
+    """Whether the Trainer runs one process: one node, and one device (``auto`` on a CPU is one)."""
+    devices = cfg.trainer.get("devices", "auto")
+    one = devices in (1, "1") or (devices == "auto" and _on_cpu(cfg)) or (isinstance(devices, ListConfig)
+                                                                         and len(devices) == 1)
+    return one and cfg.trainer.get("num_nodes", 1) in (1, None)
+
+
+def check_val_check_interval(cfg: DictConfig) -> None:
+    """``trainer.val_check_interval`` in the forms Lightning documents: an integer (optimizer steps here), a whole
+    float above 1 (``1e3``: taken as that integer), or a duration (``'DD:HH:MM:SS'``, ``{minutes: 1}``) on one
+    process without gradient accumulation; a fraction of an epoch, and a duration where it cannot work, are refused
+    saying why. Each was refused as 'must be an integer'."""
+    key, value = "trainer.val_check_interval", cfg.trainer.get("val_check_interval")
+    steps = "give the optimizer steps between validations as an integer (e.g. 250; >= trainer.max_steps: once, " \
+            "at the end)"
+    if value is None or is_number(value, integer=True):
+        return
+    if is_number(value):
+        if 0 < value <= 1:  # Lightning's 1.0 is one epoch, 0.5 half of one: an epoch of this stream never ends
+            raise ConfigError(f"{key}={value!r} is a fraction of an epoch (Lightning's float), and the training stream "
+                              f"is drawn by step without end, so an epoch never ends: {steps}")
+        if not (math.isfinite(value) and float(value).is_integer()):
+            raise ConfigError(f"{key}={value!r} is not a whole number of steps: {steps}")
+        cfg.trainer.val_check_interval = int(value)
+        return
+    if isinstance(value, DictConfig):
+        try:
+            seconds = datetime.timedelta(**OmegaConf.to_container(value)).total_seconds()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{key}={OmegaConf.to_container(value)!r} is no duration ({e}): use datetime.timedelta's "
+                              "keys, e.g. {minutes: 30}") from None
+    elif isinstance(value, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", value.strip()):
+        seconds = sum(int(x) * m for x, m in zip(value.split(":"), (86400, 3600, 60, 1)))
+    else:
+        raise ConfigError(f"{key}={value!r} must be optimizer steps (an integer) or a duration, 'DD:HH:MM:SS' or a "
+                          "mapping such as {minutes: 30}")
+    if seconds <= 0:
+        raise ConfigError(f"{key}={value!r} must be a duration > 0")
+    if not _one_process(cfg):  # Lightning lets each rank decide from its own clock
+        raise ConfigError(f"{key}={value!r} is a duration, which each process measures on its own clock: the ranks "
+                          f"could decide after different steps to validate, and their collectives would not match (a "
+                          f"hang); {steps}")
+    if int(cfg.trainer.get("accumulate_grad_batches") or 1) > 1:  # Lightning checks after every micro-batch
+        raise ConfigError(f"{key}={value!r} is a duration, which Lightning checks after every micro-batch: with "
+                          "trainer.accumulate_grad_batches > 1 it can validate (and checkpoint) in the middle of an "
+                          f"optimizer step's accumulation; {steps}")

@@ -29,14 +29,43 @@ def test_a_number_from_the_environment_is_refused_naming_the_decode_resolver(tin
 def test_a_whole_float_for_an_integer_key_is_taken_as_that_integer(tiny_cfg):
     """``trainer.max_steps=1e3`` (or ``20.0``) was refused as 'must be an integer, got 1000.0 (float)', while the
     Python API's check_int takes a float that is exactly an integer: the config now holds the int (a real 8.0-step
-    run validated at steps 4 and 8, val_loss 3.5852 as with integers)."""
-    cfg = tiny_cfg("trainer.max_steps=1e3", "data.seed=3.0", "trainer.log_every_n_steps=5.0")
+    run with val_check_interval=4.0 validated at steps 4 and 8, val_loss 3.5852 as with the integers)."""
+    cfg = tiny_cfg("trainer.max_steps=1e3", "trainer.val_check_interval=20.0", "data.seed=3.0",
+                   "trainer.log_every_n_steps=5.0")
     check_config(cfg)
-    got = (cfg.trainer.max_steps, cfg.data.seed, cfg.trainer.log_every_n_steps)
-    assert got == (1000, 3, 5) and all(type(v) is int for v in got)
+    got = (cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.data.seed, cfg.trainer.log_every_n_steps)
+    assert got == (1000, 20, 3, 5) and all(type(v) is int for v in got)
     for override, match in [("trainer.max_steps=1.5", r"^trainer.max_steps must be an integer, got 1.5 \(float\)$"),
                             ("data.seed=2.5", r"^data.seed must be an integer, got 2.5 \(float\)$"),
                             ("trainer.max_steps=-3.0", r"^trainer.max_steps must be a positive step budget, got -3$")]:
         with pytest.raises(ConfigError, match=match):
             check_config(tiny_cfg(override))
 
+
+STEPS = r"give the optimizer steps between validations as an integer"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    # Lightning's fraction of an epoch: each was 'must be an integer, got 1.0 (float)', naming no reason
+    (["trainer.val_check_interval=1.0"], rf"=1.0 is a fraction of an epoch .* an epoch never ends: {STEPS}"),
+    (["trainer.val_check_interval=0.5"], rf"=0.5 is a fraction of an epoch .* an epoch never ends: {STEPS}"),
+    (["trainer.val_check_interval=2.5"], rf"=2.5 is not a whole number of steps: {STEPS}"),
+    (["trainer=ddp_cpu", "trainer.val_check_interval='00:00:00:10'"], r"own clock: the ranks could decide"),
+    (["trainer.accumulate_grad_batches=2", "+trainer.val_check_interval={minutes:1}"],
+     r"in the middle of an optimizer step's accumulation"),
+    (["+trainer.val_check_interval={minuts:1}"], r"is no duration .*minuts.*: use datetime.timedelta's keys"),
+    (["trainer.val_check_interval=abc"], r"='abc' must be optimizer steps \(an integer\) or a duration"),
+    (["trainer.val_check_interval=-2.0"], r"^trainer.val_check_interval must be a positive integer, got -2$"),
+])
+def test_a_val_check_interval_that_cannot_work_is_refused_saying_why(overrides, match, tiny_cfg):
+    with pytest.raises(ConfigError, match=match):
+        check_config(tiny_cfg(*overrides))
+
+
+@pytest.mark.parametrize("value", ["'00:00:00:10'", "{minutes:1}"])
+def test_a_duration_val_check_interval_passes_on_one_process(value, tiny_cfg):
+    """Lightning's validation by time: a real 40-step nano run with '00:00:00:03' validated 16 times, about every
+    3 s, and checkpointed after each (it was refused as 'must be an integer')."""
+    cfg = tiny_cfg(f"{'+' if value.startswith('{') else ''}trainer.val_check_interval={value}")
+    check_config(cfg)
+    assert cfg.trainer.val_check_interval is not None

@@ -143,7 +143,7 @@ def test_unknown_key_is_rejected(tmp_path, corpus):
         ("trainer.max_steps=abc", r"trainer.max_steps must be an integer, got 'abc' \(str\)"),
         ("optimizer.lr=3e-3x", r"optimizer.lr must be a number, got '3e-3x'"),
         ("data.batch_size=1.5", "data.batch_size must be an integer, got 1.5"),
-        ("trainer.val_check_interval=0.5", "trainer.val_check_interval must be an integer"),
+        ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is a fraction of an epoch"),
         ("model.d_model=abc", r"model.d_model must be an integer, got 'abc' \(str\)"),
         ("optimizer.weight_decay=abc", r"optimizer.weight_decay must be a number, got 'abc'"),
         ("data.val_fraction=abc", r"data.val_fraction must be a number, got 'abc'"),
