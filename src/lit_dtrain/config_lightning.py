@@ -112,6 +112,11 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.overfit_batches={overfit!r} must be a whole number of batches to train on again "
                           "and again (e.g. 1 or 8; 0: off): the training stream is drawn by step and has no length, "
                           "so a fraction of it cannot be taken")
+    limit = cfg.trainer.get("limit_train_batches")  # a fraction: Lightning's MisconfigurationException traceback
+    if limit is not None and not (is_number(limit) and limit >= 0 and (limit % 1 == 0)):  # once fit starts
+        raise ConfigError(f"trainer.limit_train_batches={limit!r} must be a whole number of batches per epoch (or "
+                          "null): the training stream is drawn by step without end, so a fraction of an epoch cannot "
+                          "be taken; to train less, lower trainer.max_steps")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(
