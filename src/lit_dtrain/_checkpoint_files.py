@@ -58,8 +58,13 @@ def _bytes_after_the_zip_end(path: str | os.PathLike) -> tuple[int, int | None] 
         tail = f.read()
         pos = tail.rfind(_ZIP_END)
         while pos >= 0:  # an end record's comment length takes it exactly to the end of the file
-            comment = len(tail) - pos - _ZIP_END_SIZE
-            if comment >= 0 and int.from_bytes(tail[pos + 20 : pos + 22], "little") == comment:
+            comment, record = len(tail) - pos - _ZIP_END_SIZE, tail[pos : pos + _ZIP_END_SIZE]
+            if comment >= 0 and int.from_bytes(tail[pos + 20 : pos + 22], "little") == comment and not (
+                    # an empty archive's record (22 bytes) appended to a checkpoint ends the file too: taken for the
+                    # end, the file passed as whole, torch failed ('archive does not contain any files'), and it
+                    # was called 'a zip archive without data.pkl (it holds [])'. One that holds entries but points
+                    # at no directory is damaged inside (damage_reason's), not followed by anything
+                    record[10:12] == b"\0\0" and start + pos > 0 and not _ends_a_zip(f, start + pos, record)):
                 return size, 0
             pos = tail.rfind(_ZIP_END, 0, pos)
         chunk, end = 1 << 20, size  # a whole end record with bytes after it (padding, an append), however many
@@ -152,14 +157,12 @@ def damage_reason(path: str | os.PathLike) -> str | None:
     keep = "It is left as it is; use an intact copy or another checkpoint"
     try:
         with contextlib.ExitStack() as stack:
-            try:
-                archive = stack.enter_context(zipfile.ZipFile(path))
-            except zipfile.BadZipFile:  # zipfile looks for the end record in the last 64 KiB only: bytes appended?
-                found = _bytes_after_the_zip_end(path)
-                if not found or not found[1]:
-                    raise
+            found = _bytes_after_the_zip_end(path)  # zipfile takes the last end record in the last 64 KiB: with
+            if found and found[1]:  # bytes appended, read the archive they follow (an appended empty one was read)
                 upto = _Upto(stack.enter_context(open(path, "rb")), found[0] - found[1])
                 archive = stack.enter_context(zipfile.ZipFile(upto))
+            else:
+                archive = stack.enter_context(zipfile.ZipFile(path))
             for member in archive.infolist():
                 try:
                     with archive.open(member) as f:

@@ -149,3 +149,22 @@ def test_a_changed_byte_past_the_first_mebibyte_of_a_tensor_is_refused(tmp_path)
     assert torch.load(damaged, weights_only=True)["w"].count_nonzero() == 1  # torch: loaded, one weight changed
     with pytest.raises(CheckpointError, match=rf"member '{info.filename}' fails its CRC-32 check"):
         safe_torch_load(damaged)
+
+
+def test_an_empty_archive_appended_to_a_checkpoint_is_named_and_its_crc_checked(tmp_path):
+    """An empty zip's end record (22 bytes) appended to a checkpoint ends the file like the checkpoint's own: taken
+    for it, a real last.ckpt passed the check, torch failed on it ('archive does not contain any files'), and
+    resume=auto skipped it as 'a zip archive without the data.pkl torch.save writes (it holds [])'; the CRC-32 of
+    the archive before it was never checked. Now the record is bytes after the archive, named with the truncate -s
+    that removes them, and a changed byte before it is named as damage."""
+    path = tmp_path / "a.ckpt"
+    torch.save({"global_step": 3, "w": torch.arange(1000.0)}, path)
+    whole, empty = path.read_bytes(), b"PK\x05\x06" + bytes(18)
+    path.write_bytes(whole + empty)
+    with pytest.raises(CheckpointError, match=rf"has 22 bytes after the zip end record .* \(truncate -s {len(whole)} "):
+        safe_torch_load(path)
+    data = bytearray(whole)
+    data[-2000] ^= 0x10  # in w's bytes
+    path.write_bytes(bytes(data) + empty)
+    with pytest.raises(CheckpointError, match="is damaged: member 'a/data/0' fails its CRC-32 check"):
+        safe_torch_load(path)
