@@ -1,0 +1,71 @@
+"""``hydra.job.chdir=true``: Hydra runs the job inside its run dir, and relative paths given on the command line still
+mean what they meant in the directory the command ran in (``lit_dtrain._chdir_paths``)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import CONF_DIR, TINY
+
+
+@contextlib.contextmanager
+def chdir_job(start: Path, overrides: list[str], monkeypatch):
+    """The config of ``python train.py hydra.job.chdir=true *overrides`` typed in ``start``, inside the job as Hydra
+    runs it: Hydra's runtime config set, the working dir changed into the run dir."""
+    run_dir = start / "outputs" / "runs" / "r"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        full = compose(config_name="train", overrides=["hydra.job.chdir=true", "run_name=r", *overrides],
+                       return_hydra_config=True)
+    with open_dict(full):
+        full.hydra.runtime.cwd = str(start)
+        full.hydra.runtime.output_dir = str(run_dir)
+        full.paths.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(full)
+    run_dir.mkdir(parents=True)
+    monkeypatch.chdir(run_dir)
+    try:
+        cfg = full.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+def test_relative_paths_stay_the_commands_under_chdir(tmp_path, monkeypatch):
+    """A relative LIT_DTRAIN_CACHE put a token cache into each run dir, and a corpus glob matched nothing there."""
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", "out")
+    monkeypatch.setenv("LIT_DTRAIN_CACHE", "cache")
+    overrides = ["data=textfiles", "data.sources.0.paths=[corpus/*.txt,/abs/x.txt]", "init_from=runs/a/last.ckpt",
+                 "ckpt_path='~/b.ckpt'", "decay_branch.ckpt=../c.ckpt", "callbacks=[default,loss_spike]",
+                 "callbacks.loss_spike.path=spikes.jsonl"]
+    with chdir_job(tmp_path, overrides, monkeypatch) as cfg:
+        absolute_paths_under_chdir(cfg)
+    assert list(cfg.data.sources[0].paths) == [str(tmp_path / "corpus/*.txt"), "/abs/x.txt"]
+    assert cfg.init_from == str(tmp_path / "runs/a/last.ckpt")
+    assert cfg.decay_branch.ckpt == str(tmp_path.parent / "c.ckpt")
+    assert cfg.ckpt_path == str(Path("~/b.ckpt").expanduser())
+    assert (cfg.paths.log_dir, cfg.data.cache_dir) == (str(tmp_path / "out"), str(tmp_path / "cache"))
+    assert list(cfg.data.exclude_dirs) == [str(tmp_path / "out")]
+    assert cfg.callbacks.loss_spike.path == str(tmp_path / "spikes.jsonl")
+    assert cfg.trainer.default_root_dir == str(tmp_path / "outputs/runs/r")  # absolute already: kept
+
+
+def test_train_reads_a_relative_init_from_where_the_command_ran(tmp_path, monkeypatch):
+    """``init_from=runs/base/checkpoints/last.ckpt hydra.job.chdir=True`` was refused: 'does not exist' (looked up in
+    the new run dir); now the file beside the command is read (a damaged one here: refused, naming its full path)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "last.ckpt").write_bytes(b"not a checkpoint")
+    with chdir_job(tmp_path, [*TINY, "init_from=runs/last.ckpt"], monkeypatch) as cfg:
+        with pytest.raises(ConfigError, match=r"init_from") as err:
+            train(cfg)
+    assert "does not exist" not in str(err.value)
+    assert str(tmp_path / "runs" / "last.ckpt") in str(err.value)
