@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
@@ -230,6 +231,7 @@ _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     absolute_paths_under_chdir(cfg)  # hydra.job.chdir=true: relative paths stay the command's, not the run dir's
+    check_removed_keys(cfg)  # ~optimizer.lr and the like: one line, not a class default or a KeyError
     catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
     quiet_lightning_noise()
     held.enter_context(console_lines_to_job_log())  # Lightning's lines and warnings into train.log too

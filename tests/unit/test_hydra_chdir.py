@@ -17,20 +17,17 @@ from tests.conftest import CONF_DIR, TINY
 
 
 @contextlib.contextmanager
-def chdir_job(start: Path, overrides: list[str], monkeypatch):
-    """The config of ``python train.py hydra.job.chdir=true *overrides`` typed in ``start``, inside the job as Hydra
-    runs it: Hydra's runtime config set, the working dir changed into the run dir."""
-    run_dir = start / "outputs" / "runs" / "r"
+def hydra_job(run_dir: Path, overrides: list[str], cwd: Path | None = None):
+    """The config of ``python train.py *overrides`` inside the job as Hydra runs it: Hydra's runtime config set (the
+    command ran in ``cwd``, where given), the run dir ``run_dir``."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        full = compose(config_name="train", overrides=["hydra.job.chdir=true", "run_name=r", *overrides],
-                       return_hydra_config=True)
+        full = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     with open_dict(full):
-        full.hydra.runtime.cwd = str(start)
-        full.hydra.runtime.output_dir = str(run_dir)
-        full.paths.output_dir = str(run_dir)
+        full.hydra.runtime.output_dir = full.paths.output_dir = str(run_dir)
+        full.hydra.overrides.task = overrides
+        if cwd is not None:
+            full.hydra.runtime.cwd = str(cwd)
     HydraConfig.instance().set_config(full)
-    run_dir.mkdir(parents=True)
-    monkeypatch.chdir(run_dir)
     try:
         cfg = full.copy()
         with open_dict(cfg):
@@ -38,6 +35,16 @@ def chdir_job(start: Path, overrides: list[str], monkeypatch):
         yield cfg
     finally:
         HydraConfig.instance().cfg = None
+
+
+@contextlib.contextmanager
+def chdir_job(start: Path, overrides: list[str], monkeypatch):
+    """``python train.py hydra.job.chdir=true *overrides`` typed in ``start``: the working dir is the run dir."""
+    run_dir = start / "outputs" / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    monkeypatch.chdir(run_dir)
+    with hydra_job(run_dir, ["hydra.job.chdir=true", "run_name=r", *overrides], cwd=start) as cfg:
+        yield cfg
 
 
 def test_relative_paths_stay_the_commands_under_chdir(tmp_path, monkeypatch):

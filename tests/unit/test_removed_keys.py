@@ -1,0 +1,45 @@
+"""``~key`` (Hydra's deletion) of a key lit_dtrain needs: one line naming it and the fix, not a traceback, not the
+class's own default (``lit_dtrain._removed_keys``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_dtrain._removed_keys import check_removed_keys
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import TINY
+from tests.unit.test_hydra_chdir import hydra_job
+
+
+def job(tmp_path, overrides: list[str]):
+    """``python train.py *overrides`` (the tiny run's overrides of a removed section left out) as the job gets it."""
+    sections = {o[1:] + "." for o in overrides if o.startswith("~") and "." not in o}
+    tiny = [o for o in TINY if not o.startswith(tuple(sections))]
+    return hydra_job(tmp_path / "run", [*tiny, f"run_name={tmp_path.name}", *overrides])
+
+
+@pytest.mark.parametrize("removed, message", [
+    # was OmegaConf's traceback: "Key 'optimizer' is not in struct"
+    ("~optimizer", r"^~optimizer removes the 'optimizer' config, which lit_dtrain needs: choose an option instead "
+                   r"\(optimizer=adamw\)$"),
+    # was "trainer.max_steps must be a positive step budget, got -1" (Lightning's default, never typed)
+    ("~trainer.max_steps", r"^~trainer.max_steps removes a value the config sets: .*\(trainer.max_steps=<value>\)$"),
+])
+def test_train_refuses_a_removed_key_in_one_line(tmp_path, removed, message):
+    with job(tmp_path, [removed]) as cfg, pytest.raises(ConfigError, match=message):
+        train(cfg)
+
+
+@pytest.mark.parametrize("removed", ["~optimizer.lr", "~data.sources", "~model.n_layer", "~data.batch_size"])
+def test_a_removed_value_is_not_the_class_default(tmp_path, removed):
+    """~optimizer.lr trained with AdamW's lr 1e-3 (val loss 5.5324 for 5.4665), ~data.sources of data=textfiles on
+    the stdlib corpus: a removed value of an instantiated section is refused."""
+    with job(tmp_path, ["data=textfiles", removed]) as cfg, pytest.raises(ConfigError, match=f"^{removed} removes"):
+        check_removed_keys(cfg)
+
+
+@pytest.mark.parametrize("removed", [["~scheduler"], ["~sample"], ["~logger"], ["~callbacks.lr_monitor"],
+                                     ["~scheduler._target_"], ["~model.n_layer", "+model.n_layer=3"]])
+def test_optional_and_re_added_keys_may_be_removed(tmp_path, removed):
+    with job(tmp_path, removed) as cfg:
+        check_removed_keys(cfg)
