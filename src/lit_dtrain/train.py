@@ -93,7 +93,7 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     is_collective_failure,
 )
-from lit_dtrain.utils.job_log import console_lines_to_job_log
+from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
 from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
@@ -235,6 +235,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
     quiet_lightning_noise()
     held.enter_context(console_lines_to_job_log())  # Lightning's lines and warnings into train.log too
+    held.enter_context(warnings_reach_the_console())  # under hydra/job_logging=disabled too
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml

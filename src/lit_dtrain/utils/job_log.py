@@ -72,3 +72,32 @@ def log_to_handlers(logger: logging.Logger, message: str, level: int = logging.I
         to_file = isinstance(handler, logging.FileHandler)
         if (files if to_file else console) and record.levelno >= handler.level:
             handler.handle(record)
+
+
+@contextlib.contextmanager
+def warnings_reach_the_console() -> Iterator[None]:
+    """Within the block, lit_dtrain's warnings and errors reach stderr even where the logging configuration drops
+    them: Hydra's ``hydra/job_logging=disabled`` sets the root logger to ERROR and disables every logger that exists
+    (lit_dtrain's, created at import), and a run without its checkpoint callbacks, or whose WSD schedule rounds to no
+    decay, trained without a word. Such a configuration gets a stderr handler on the ``lit_dtrain`` logger at
+    WARNING for the block; its INFO lines stay off. A no-op where warnings are shown already."""
+    package = logging.getLogger("lit_dtrain")
+    if package.isEnabledFor(logging.WARNING) and not package.disabled:
+        yield
+        return
+    loggers = [package, *(logger for name, logger in logging.root.manager.loggerDict.items()
+                          if name.startswith("lit_dtrain.") and isinstance(logger, logging.Logger))]
+    saved = [(logger, logger.disabled, logger.level) for logger in loggers]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    for logger in loggers:
+        logger.disabled = False
+    package.setLevel(logging.WARNING)
+    package.addHandler(handler)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        for logger, disabled, level in saved:
+            logger.disabled, logger.level = disabled, level
