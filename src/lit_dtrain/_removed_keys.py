@@ -37,7 +37,8 @@ def check_removed_keys(cfg: DictConfig) -> None:
 
     if not HydraConfig.initialized():
         return
-    for key in filter(None, map(_removed, HydraConfig.get().overrides.task)):
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # '${oc.env:X}' kept as text
+    for key in filter(None, map(_removed, overrides)):
         try:
             if OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT:
                 continue  # re-added

@@ -16,7 +16,7 @@ from hydra.errors import CompactHydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_dtrain.errors import ConfigError
+from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
     sweep_task,
     unknown_group_option,
@@ -190,6 +190,8 @@ def user_error(e: BaseException) -> BaseException | None:
         e = e.__cause__
     if isinstance(e, (ConfigError, CorpusError)):
         return e
+    if (unset := unset_env_var(e)) is not None:
+        return unset
     if isinstance(e, CheckpointError):
         writing = str(e).startswith("could not write checkpoint")
         return e if not writing or _os_error(e.__cause__) is not None else None

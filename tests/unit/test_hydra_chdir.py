@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain.sweeps import reports_user_errors
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import CONF_DIR, TINY
 
@@ -76,3 +77,15 @@ def test_train_reads_a_relative_init_from_where_the_command_ran(tmp_path, monkey
             train(cfg)
     assert "does not exist" not in str(err.value)
     assert str(tmp_path / "runs" / "last.ckpt") in str(err.value)
+
+
+def test_an_unset_environment_variable_is_one_line(tmp_path, capsys, monkeypatch):
+    """``'init_from=${oc.env:NOPE_VAR}/x.ckpt'`` with NOPE_VAR unset ended in OmegaConf's traceback (raised where
+    lit_dtrain read the overrides); now one line names the variable and the default syntax."""
+    monkeypatch.delenv("LIT_DTRAIN_TEST_UNSET", raising=False)
+    with hydra_job(tmp_path / "run", [*TINY, "init_from=${oc.env:LIT_DTRAIN_TEST_UNSET}/x.ckpt"]) as cfg:
+        with pytest.raises(SystemExit):
+            reports_user_errors(train)(cfg)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: environment variable LIT_DTRAIN_TEST_UNSET is not set (read by ${oc.env:LIT_DTRAIN_TEST_UNSET}): set "
+        "it, or give a default, ${oc.env:LIT_DTRAIN_TEST_UNSET,<default>}")
