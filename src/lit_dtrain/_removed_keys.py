@@ -6,7 +6,8 @@ silently with the class's own default instead (AdamW's lr 1e-3 for the config's 
 one tiny step; ``~data.sources`` of ``data=textfiles`` trained on the stdlib corpus), and ``~trainer.max_steps`` was
 refused as ``got -1``, Lightning's default. Removing what is meant to be optional stays allowed: ``~scheduler``,
 ``~sample``, ``~logger``, ``~callbacks.<name>``, ``~strategy.compressor`` (re-added with ``+``) and ``_target_``-style
-keys.
+keys. A primary config without a section lit_dtrain needs (``--config-name experiment/wsd_vs_cosine``, a partial
+config: OmegaConf's ``Key 'optimizer' is not in struct`` traceback) is refused in one line too.
 """
 
 from __future__ import annotations
@@ -50,3 +51,9 @@ def check_removed_keys(cfg: DictConfig) -> None:
         if section in _LEAVES_OF and leaf and not leaf.split(".")[-1].startswith("_") and "." not in leaf:
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
                               f"default; set it instead ({key}=<value>)")
+    missing = [section for section in _SECTIONS if section not in cfg]
+    if missing:  # `--config-name experiment/wsd_vs_cosine`: a partial config as the primary one
+        name = HydraConfig.get().job.config_name
+        raise ConfigError(f"the config {name!r} has no {', '.join(missing)}: it is not a whole config (lit_dtrain's "
+                          f"is 'train'); apply an experiment with experiment=<name>, not --config-name, or start a "
+                          f"config of your own with 'defaults: [train, _self_]'")

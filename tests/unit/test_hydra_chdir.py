@@ -18,13 +18,15 @@ from tests.conftest import CONF_DIR, TINY
 
 
 @contextlib.contextmanager
-def hydra_job(run_dir: Path, overrides: list[str], cwd: Path | None = None):
+def hydra_job(run_dir: Path, overrides: list[str], cwd: Path | None = None, config_name: str = "train"):
     """The config of ``python train.py *overrides`` inside the job as Hydra runs it: Hydra's runtime config set (the
-    command ran in ``cwd``, where given), the run dir ``run_dir``."""
+    command ran in ``cwd``, where given), the run dir ``run_dir``; ``config_name``: ``--config-name``."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        full = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        full = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
     with open_dict(full):
-        full.hydra.runtime.output_dir = full.paths.output_dir = str(run_dir)
+        full.hydra.runtime.output_dir = str(run_dir)
+        if "paths" in full:
+            full.paths.output_dir = str(run_dir)
         full.hydra.overrides.task = overrides
         if cwd is not None:
             full.hydra.runtime.cwd = str(cwd)

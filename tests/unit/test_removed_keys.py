@@ -43,3 +43,11 @@ def test_a_removed_value_is_not_the_class_default(tmp_path, removed):
 def test_optional_and_re_added_keys_may_be_removed(tmp_path, removed):
     with job(tmp_path, removed) as cfg:
         check_removed_keys(cfg)
+
+
+def test_a_partial_config_as_the_primary_one_is_one_line(tmp_path):
+    """``--config-name experiment/wsd_vs_cosine`` ended in OmegaConf's "Key 'optimizer' is not in struct" traceback."""
+    with hydra_job(tmp_path / "run", ["trainer.max_steps=2"], config_name="experiment/wsd_vs_cosine") as cfg:
+        with pytest.raises(ConfigError, match=r"^the config 'experiment/wsd_vs_cosine' has no model, data, optimizer, "
+                                              r".*experiment=<name>, not --config-name"):
+            train(cfg)
