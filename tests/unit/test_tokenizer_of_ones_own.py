@@ -43,3 +43,17 @@ def test_ids_the_cache_or_the_vocab_cannot_hold_are_refused(tmp_path, vocab_size
     with pytest.raises(CorpusError, match=message):
         build_token_cache(_corpus(tmp_path), tmp_path / "cache", 9, 0.3, tokenizer=_Words(vocab_size, offset),
                           progress=False)
+
+
+def test_a_cache_written_before_ids_were_cast_is_rebuilt(tmp_path, monkeypatch):
+    """A cache of int64 ids written byte for byte (732 tokens for 183 ids) was reused under the same key."""
+    from lit_dtrain.data import token_cache
+
+    with monkeypatch.context() as old:  # the build before 1b4ae72: the key it had, the ids written as they were
+        old.setattr(token_cache, "ByteTokenizer", _Words)
+        old.setattr(token_cache, "as_token_ids", lambda ids, tokenizer: np.asarray(ids))
+        corpus = _corpus(tmp_path)
+        stale = build_token_cache(corpus, tmp_path / "cache", 9, 0.3, tokenizer=_Words(), progress=False)
+    assert len(stale.train) + len(stale.val) == 4 * 3 * 61
+    splits = build_token_cache(corpus, tmp_path / "cache", 9, 0.3, tokenizer=_Words(), progress=False)
+    assert len(splits.train) + len(splits.val) == 3 * 61
