@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from lit_dtrain.data import CorpusSource, build_token_cache, reading, token_cache
+import pytest
+
+from lit_dtrain.data import ByteTokenizer, CorpusSource, build_token_cache, reading, token_cache
 
 
 class _Bar:
@@ -55,3 +57,28 @@ def test_one_large_file_gets_a_hashing_bar_in_bytes(tmp_path, monkeypatch):
     bar = next(b for b in _Bar.made if str(b.kwargs.get("desc", "")).startswith("hashing"))
     assert bar.kwargs["total"] == 10200 and bar.kwargs["unit"] == "B" and bar.kwargs["disable"] is False
     assert bar.updates == [1024] * 9 + [984]
+
+
+class _Whole(ByteTokenizer):
+    """A tokenizer of one's own that is not bytewise: the cache reads each file whole for it."""
+
+    name, bytewise = "whole-test", False
+
+
+@pytest.mark.parametrize("tokenizer", [None, _Whole()], ids=["bytewise", "whole-files"])
+def test_both_bars_reach_their_total_for_files_with_a_utf8_bom(tmp_path, monkeypatch, tokenizer):
+    """The BOM's 3 bytes are in the total (the files' sizes) but were never counted: each bar ended 6 bytes short."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + b"some corpus text\n" * 300)
+    for name in ("c.txt", "d.txt"):
+        (tmp_path / name).write_bytes(b"other corpus text\n" * 300)
+    monkeypatch.setattr(reading, "READ_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(token_cache, "tqdm", _Bar)
+    monkeypatch.setattr(token_cache, "HASH_BAR_FROM_BYTES", 10_000)
+    _Bar.made.clear()
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path)])
+    build_token_cache(source, tmp_path / "cache", min_tokens=65, val_fraction=0.3, progress=True, tokenizer=tokenizer)
+    bars = {str(b.kwargs["desc"]).split()[0]: b for b in _Bar.made if "desc" in b.kwargs}
+    for desc in ("hashing", "tokenizing"):
+        assert bars[desc].kwargs["total"] == 2 * 5103 + 2 * 5400
+        assert sum(bars[desc].updates) == bars[desc].kwargs["total"], desc

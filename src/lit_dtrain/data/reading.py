@@ -50,6 +50,8 @@ def _hash_file(path: Path, on_chunk=None) -> tuple[bytes, int, bytes, int]:
             on_chunk(len(chunk))
         if len(head) < 8192:
             head = (head + chunk[:8192])[:8192]
+    if on_chunk is not None and left_out:  # the BOM is in the file's size, the bar's total
+        on_chunk(sum(left_out))
     return digest.digest(), size, head, sum(left_out)
 
 

@@ -327,18 +327,21 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
         for path, digest in docs:
             held_out = _is_val_doc(digest, val_fraction)
             out, count, read_digest = (val_file if held_out else train_file), 0, hashlib.sha256()
+            bom: list[int] = []  # a UTF-8 BOM's 3 bytes, left out of the text but in the bar's total
             if getattr(tokenizer, "bytewise", False):  # a chunk encodes as its part of the whole file does
-                for chunk in _chunks(path):
+                for chunk in _chunks(path, bom):
                     read_digest.update(chunk)
                     count += out.write(memoryview(as_token_ids(tokenizer.encode(chunk), tokenizer)))
                     bar.update(len(chunk))
                 count += out.write(memoryview(np.array([tokenizer.eos_id], dtype=np.uint16)))
             else:
-                data = b"".join(_chunks(path))
+                data = b"".join(_chunks(path, bom))
                 read_digest.update(data)
                 count += out.write(memoryview(as_token_ids(tokenizer.encode(data, add_eos=True), tokenizer)))
                 bar.update(len(data))
                 del data
+            if bom:
+                bar.update(sum(bom))
             if read_digest.digest() != digest:  # the cache key hashed other bytes
                 raise CorpusError(
                     f"corpus file {str(path)!r} changed while the token cache of data source {source.name!r} was "
