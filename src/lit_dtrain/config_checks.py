@@ -87,6 +87,9 @@ def check_config(cfg: DictConfig) -> None:
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps is None or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive step budget, got {max_steps}")
+    if is_number(min_steps := cfg.trainer.get("min_steps")) and min_steps > max_steps:  # Lightning stops at max_steps
+        raise ConfigError(f"trainer.min_steps={min_steps} exceeds trainer.max_steps={max_steps}: the run stops at "
+                          "max_steps; lower trainer.min_steps or raise trainer.max_steps")
     check_val_check_interval(cfg)
     for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
         value = OmegaConf.select(cfg, key, default=None)

@@ -81,3 +81,10 @@ def test_a_fraction_of_the_training_epoch_is_refused_before_compute(tiny_cfg):
         check_config(tiny_cfg("+trainer.limit_train_batches=0.5"))
     for value in ("3", "1.0"):
         check_config(tiny_cfg(f"+trainer.limit_train_batches={value}"))
+
+
+def test_min_steps_above_max_steps_is_refused_naming_both(tiny_cfg):
+    """Lightning stopped at max_steps without a word: a run with min_steps=10 max_steps=4 trained 4 steps."""
+    with pytest.raises(ConfigError, match=r"^trainer.min_steps=10 exceeds trainer.max_steps=4: the run stops at "):
+        check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=10"))
+    check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=4"))
