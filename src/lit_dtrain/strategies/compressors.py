@@ -156,6 +156,9 @@ class Compressor:
         live = {r.untyped_storage().data_ptr() for r in self.residuals.values()}
         self._flat_residuals = {k: b for k, b in self._flat_residuals.items()
                                 if b.untyped_storage().data_ptr() in live}
+        if self._undo is not None:  # a dropped layout's pre-step copy too (DDP's first bucket: the residual again)
+            kept = {b.data_ptr() for b in self._flat_residuals.values()}
+            self._undo_copies = {ptr: copy for ptr, copy in self._undo_copies.items() if ptr in kept}
         return buffer
 
     def residual_for(self, segments: Sequence[Segment], like: Tensor) -> Tensor:
