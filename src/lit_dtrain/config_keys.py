@@ -19,6 +19,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_dtrain._config_values import _check_path, _check_value, _env_hint, _flag_or_number, _whole_float
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import as_flag, is_flag, is_number, type_name
 
@@ -143,47 +144,6 @@ def check_types(cfg: DictConfig) -> None:
         else:
             what = "a path (text) or null" if nullable else "a path (text)"
         _check_path(key, value, what)
-
-
-def _check_path(key: str, value, what: str) -> None:
-    if isinstance(value, (str, os.PathLike)):  # (a Path set from Python)
-        return
-    shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-    quote = f" (a name that reads as a number: quote it, {key}=\"'{value}'\")" if isinstance(value, (int, float)) \
-        and not isinstance(value, bool) else ""
-    raise ConfigError(f"{key} must be {what}, got {shown!r} ({type(shown).__name__}){quote}")
-
-
-def _flag_or_number(annotation) -> tuple[str, set] | None:
-    """``("bool", allowed)`` for a parameter annotated ``bool`` (``allowed``: the other values it takes, such as
-    None or a ``Literal`` like Lightning's ``deterministic="warn"``), ``("int", allowed)`` for ``int`` alone,
-    ``("number", allowed)`` for ``float`` or ``int | float``, ``("text", allowed)`` for ``str`` alone; None for any
-    other annotation."""
-    import types
-    import typing
-
-    if annotation in (bool, str):
-        return ("bool" if annotation is bool else "text"), set()
-    if annotation is int:
-        return "int", set()
-    if annotation is float:
-        return "number", set()
-    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
-        return None
-    args = typing.get_args(annotation)
-    allowed = {None} if type(None) in args else set()
-    rest = [a for a in args if a is not type(None)]
-    literals = [a for a in rest if typing.get_origin(a) is typing.Literal]
-    for literal in literals:
-        allowed.update(typing.get_args(literal))
-    plain = [a for a in rest if a not in literals]
-    if plain in ([bool], [str]):
-        return ("bool" if plain == [bool] else "text"), allowed
-    if plain == [int] and not literals:
-        return "int", allowed
-    if plain and not literals and all(a in (int, float) for a in plain):
-        return "number", allowed
-    return None
 
 
 # Where a **kwargs goes that is not to the parent class's __init__: a strategy's, to the module wrapper it builds in
@@ -383,44 +343,3 @@ def _argument_hints(target) -> dict:
     return hints
 
 
-def _whole_float(value) -> bool:
-    """Whether ``value`` is a float that is exactly an integer (``1e3``, ``20.0``), which an integer key takes."""
-    return is_number(value) and not isinstance(value, numbers.Integral) and math.isfinite(value) \
-        and float(value).is_integer()
-
-
-def _env_hint(cfg: DictConfig, key: str, value) -> str:
-    """For a number refused as text: where the key's value is ``${oc.env:X}`` (always text), the resolver that
-    reads it as a number; ``""`` otherwise. ``trainer.max_steps=${oc.env:STEPS}`` was refused as 'must be an integer,
-    got '8' (str)', naming no way to pass a number from the environment."""
-    parent, _, last = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent) if parent else cfg
-    return _decode_hint(key, value, node._get_node(last)._value() if isinstance(node, DictConfig) else None)
-
-
-def _decode_hint(key: str, value, raw) -> str:
-    if not isinstance(value, str) or not isinstance(raw, str) or "${oc.env:" not in raw or "oc.decode" in raw:
-        return ""
-    decoded = "${oc.decode:" + raw.strip() + "}"
-    return (f": ${{oc.env:...}} gives text; read it as a number with {decoded} (quoted on the command line: "
-            f"{key}='{decoded}')")
-
-
-def _check_value(full: str, annotation, value, raw=None) -> None:
-    expected = _flag_or_number(annotation)
-    if expected is None:
-        return
-    kind, allowed = expected
-    if value is None and None in allowed or isinstance(value, str) and value in allowed:
-        return
-    others = "".join(" or null" if v is None else f" or {v!r}" for v in sorted(allowed, key=str))
-    if kind == "text":  # a number taken as a name: optimizer_diagnostics.prefix=0 logged '0/decay/...', and
-        if not isinstance(value, (str, os.PathLike)):  # loss_spike.path=0 (falsy) wrote the default spikes.jsonl
-            _check_path(full, value, f"text{others}")
-        return
-    if kind == "bool" and not is_flag(value):
-        raise ConfigError(f"{full} must be true or false{others}, got {value!r} ({type_name(value)})")
-    if kind != "bool" and not is_number(value, integer=kind == "int"):
-        what = "an integer" if kind == "int" else "a number"
-        raise ConfigError(f"{full} must be {what}{others}, got {value!r} ({type_name(value)})"
-                          f"{_decode_hint(full, value, raw)}")

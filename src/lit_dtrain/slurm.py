@@ -37,7 +37,7 @@ from pathlib import Path
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from lit_dtrain.config_checks import devices_per_node
+from lit_dtrain._launch_checks import devices_per_node
 from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)

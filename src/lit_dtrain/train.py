@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
@@ -39,10 +40,7 @@ from lit_dtrain.checkpoint import (
 from lit_dtrain.config_checks import (
     check_config,
     check_known_keys,
-    check_multinode_launch,
-    check_torchrun_launch,
     scheduler_config,
-    warn_about_torchrun_restarts,
     warn_if_the_schedule_ends_early,
 )
 from lit_dtrain.config_resolvers import RequiredValueError

@@ -930,7 +930,7 @@ def test_torchrun_restarts_that_cannot_continue_the_run_are_warned_about(tiny_cf
     to connect in 3 of 4 tries (pytorch#135712). Both were silent until the restart."""
     import logging
 
-    from lit_dtrain.config_checks import warn_about_torchrun_restarts
+    from lit_dtrain._launch_checks import warn_about_torchrun_restarts
 
     caplog.set_level(logging.WARNING, logger="lit_dtrain.config_checks")
     torchrun = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "0",
@@ -978,7 +978,7 @@ def test_a_torchrun_launch_that_does_not_match_the_trainer_is_refused_before_any
     """`torchrun --nproc_per_node=2 train.py` with the default trainer.devices (auto: one process on a CPU) trained
     2 single-process runs into one run dir, both exiting 0 (last.ckpt and last-v1.ckpt); Lightning checks the world
     size only for a strategy of several processes."""
-    from lit_dtrain.config_checks import check_torchrun_launch
+    from lit_dtrain._launch_checks import check_torchrun_launch
 
     env = {"TORCHELASTIC_RUN_ID": "abc", **env}
     if message is None:
@@ -1006,7 +1006,7 @@ def test_a_torchrun_launch_that_does_not_match_the_trainer_is_refused_before_any
 def test_several_nodes_without_a_launcher_or_their_addresses_are_refused(tiny_cfg, env, message):
     """`python train.py trainer=ddp_cpu trainer.num_nodes=2` on one machine, with no launcher and no MASTER_ADDR /
     NODE_RANK: Lightning's launch waited for the other node's 2 ranks on 127.0.0.1 until the collective timeout."""
-    from lit_dtrain.config_checks import check_multinode_launch
+    from lit_dtrain._launch_checks import check_multinode_launch
 
     cfg = tiny_cfg("trainer=ddp_cpu", "trainer.num_nodes=2")
     if message is None:
