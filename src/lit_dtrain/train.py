@@ -9,6 +9,7 @@ SIGTERM (``lit_dtrain.sigterm_exit``) and its end-of-run sample and report (``li
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import signal
@@ -132,8 +133,13 @@ def _remove_killed_writes_temp_files(cfg: DictConfig) -> list[Path]:
 def val_check_in_batches(cfg: DictConfig) -> dict:
     """``trainer.val_check_interval`` counts optimizer steps here, Lightning counts micro-batches: with gradient
     accumulation it is scaled, so validation (and the checkpoint after it) falls every N optimizer steps, at the
-    end of a step, never in the middle of an accumulation."""
+    end of a step, never in the middle of an accumulation. A duration given as a mapping (``{minutes: 30}``) goes to
+    Lightning as the ``timedelta`` (a ``dict`` is merged back into a DictConfig by Hydra): the DictConfig, which
+    Lightning took for a number of batches, was a TypeError before training ("'<=' not supported between instances
+    of 'int' and 'DictConfig'")."""
     interval = cfg.trainer.get("val_check_interval")
+    if isinstance(interval, DictConfig):
+        return {"val_check_interval": datetime.timedelta(**OmegaConf.to_container(interval, resolve=True))}
     accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     if accumulate > 1 and isinstance(interval, int):
         return {"val_check_interval": interval * accumulate}

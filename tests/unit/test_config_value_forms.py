@@ -2,9 +2,11 @@
 is one ``ConfigError`` that says why and what to write instead."""
 
 import pytest
+from hydra.utils import instantiate
 
 from lit_dtrain.config_checks import check_config
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.train import val_check_in_batches
 
 
 def test_a_number_from_the_environment_is_refused_naming_the_decode_resolver(tiny_cfg, monkeypatch):
@@ -62,13 +64,17 @@ def test_a_val_check_interval_that_cannot_work_is_refused_saying_why(overrides, 
         check_config(tiny_cfg(*overrides))
 
 
-@pytest.mark.parametrize("value", ["'00:00:00:10'", "{minutes:1}"])
-def test_a_duration_val_check_interval_passes_on_one_process(value, tiny_cfg):
+@pytest.mark.parametrize(("value", "seconds"), [("'00:00:00:10'", 10), ("{minutes:1}", 60)])
+def test_a_duration_val_check_interval_passes_on_one_process(value, seconds, tiny_cfg):
     """Lightning's validation by time: a real 40-step nano run with '00:00:00:03' validated 16 times, about every
-    3 s, and checkpointed after each (it was refused as 'must be an integer')."""
+    3 s, and checkpointed after each (it was refused as 'must be an integer'). The mapping form reaches the Trainer
+    as a duration: Hydra passed it the DictConfig, and trainer.val_check_interval={seconds:2} failed before training
+    ("'<=' not supported between instances of 'int' and 'DictConfig'")."""
     cfg = tiny_cfg(f"{'+' if value.startswith('{') else ''}trainer.val_check_interval={value}")
     check_config(cfg)
-    assert cfg.trainer.val_check_interval is not None
+    trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          **val_check_in_batches(cfg))
+    assert trainer._val_check_time_interval == seconds
 
 
 def test_a_fraction_of_the_training_epoch_is_refused_before_compute(tiny_cfg):
