@@ -117,6 +117,10 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.limit_train_batches={limit!r} must be a whole number of batches per epoch (or "
                           "null): the training stream is drawn by step without end, so a fraction of an epoch cannot "
                           "be taken; to train less, lower trainer.max_steps")
+    if limit is not None and limit == 0:  # Lightning skips training: a 0-step run, last.ckpt and exit status 0
+        raise ConfigError("trainer.limit_train_batches=0 switches training off: the run would train 0 of its "
+                          "trainer.max_steps steps and end as if done; give a whole number of batches per epoch >= 1 "
+                          "(or null)")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

@@ -94,3 +94,12 @@ def test_min_steps_above_max_steps_is_refused_naming_both(tiny_cfg):
     with pytest.raises(ConfigError, match=r"^trainer.min_steps=10 exceeds trainer.max_steps=4: the run stops at "):
         check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=10"))
     check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=4"))
+
+
+def test_limit_train_batches_0_is_refused_before_a_run_of_no_steps(tiny_cfg):
+    """+trainer.limit_train_batches=0 with trainer.max_steps=4: a real run trained 0 steps, wrote last.ckpt and
+    summary.json (steps 0, val_loss 5.2873 of the initial weights) and exited 0, as if done."""
+    with pytest.raises(ConfigError, match=r"^trainer.limit_train_batches=0 switches training off: the run would train "
+                                          r"0 of its trainer.max_steps steps"):
+        check_config(tiny_cfg("+trainer.limit_train_batches=0"))
+    check_config(tiny_cfg("+trainer.limit_train_batches=1"))
