@@ -120,18 +120,20 @@ def test_lr_is_logged_once_per_logged_optimizer_step_under_accumulation(tmp_path
     assert monitor.state_dict() == LearningRateMonitor().state_dict()  # no checkpoint state of its own
 
 
-def test_lr_history_stays_bounded_however_long_the_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("kept", "expected"), [(3, [0.6, 0.7, 0.8]), (0, [])])
+def test_lr_history_stays_bounded_however_long_the_run(tmp_path, monkeypatch, kept, expected):
     """Lightning's LearningRateMonitor appends every logged LR to ``lrs`` and never drops one: logging every step,
-    2,000 steps kept 2,000 values per tag (one more per logged step for the whole run)."""
+    2,000 steps kept 2,000 values per tag (one more per logged step for the whole run). ``lrs_kept = 0`` keeps none
+    (``del values[:-0]`` deleted nothing: it kept all 8)."""
     from lit_dtrain.callbacks import OncePerStepLRMonitor
 
-    monkeypatch.setattr(OncePerStepLRMonitor, "lrs_kept", 3, raising=False)
+    monkeypatch.setattr(OncePerStepLRMonitor, "lrs_kept", kept, raising=False)
     monitor = OncePerStepLRMonitor(logging_interval="step")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=1, callbacks=[monitor],
                         enable_checkpointing=False, logger=CSVLogger(str(tmp_path), name="csv", version=0),
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LinearLR())
-    assert {tag: [round(v, 6) for v in values] for tag, values in monitor.lrs.items()} == {"lr-SGD": [0.6, 0.7, 0.8]}
+    assert {tag: [round(v, 6) for v in values] for tag, values in monitor.lrs.items()} == {"lr-SGD": expected}
     with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as f:  # the logger still has every row
         assert len([r for r in csv.DictReader(f) if r.get("lr-SGD")]) == 8
 

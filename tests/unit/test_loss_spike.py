@@ -607,15 +607,18 @@ def test_a_fresh_start_in_the_run_dir_of_a_run_killed_before_its_first_checkpoin
     assert [json.loads(line)["step"] for line in superseded.read_text().splitlines()] == [5]
 
 
-def test_events_in_memory_stay_bounded_while_spikes_jsonl_has_every_one(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(("kept", "expected"), [(2, [7, 8]), (0, [])])
+def test_events_in_memory_stay_bounded_while_spikes_jsonl_has_every_one(tmp_path: Path, monkeypatch, kept,
+                                                                         expected) -> None:
     """``events`` kept every event of the fit, one more per spike for as long as the run lasted (196 events after 200
-    steps of NaN losses); it keeps the latest ``events_kept``, and spikes.jsonl still has every one."""
-    monkeypatch.setattr(LossSpikeMonitor, "events_kept", 2, raising=False)
+    steps of NaN losses); it keeps the latest ``events_kept``, and spikes.jsonl still has every one. ``events_kept =
+    0`` keeps none (``del events[:-0]`` deleted nothing: it kept all 5)."""
+    monkeypatch.setattr(LossSpikeMonitor, "events_kept", kept, raising=False)
     monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=3, max_nonfinite=None)
     trainer = make_trainer(tmp_path, [Inject({s: "nan" for s in range(4, 9)}), monitor], max_steps=10)
     trainer.fit(make_module(), datamodule=make_data(tmp_path, n_files=1, size=4000))
     lines = [json.loads(x) for x in (tmp_path / "spikes.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in lines] == [4, 5, 6, 7, 8] and [e["step"] for e in monitor.events] == [7, 8]
+    assert [e["step"] for e in lines] == [4, 5, 6, 7, 8] and [e["step"] for e in monitor.events] == expected
     assert monitor.num_spikes == 5
 
 

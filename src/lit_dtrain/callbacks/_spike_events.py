@@ -94,7 +94,8 @@ class SpikeEvents:
     def _record(self, trainer, event: dict, message: str | None) -> None:
         """Keep the event, append it to spikes.jsonl (rank 0) and, with a message, warn and log a text event."""
         self.events.append(event)
-        del self.events[: -self.events_kept]  # one per spike for the whole fit otherwise; spikes.jsonl has them all
+        # one per spike for the whole fit otherwise; spikes.jsonl has them all (not [:-kept]: [:-0] keeps every one)
+        del self.events[: max(0, len(self.events) - self.events_kept)]
         if not trainer.is_global_zero:
             return
         if not getattr(trainer, "fast_dev_run", False):  # (a smoke test's, beside its dir's run's: logging is off)

@@ -63,7 +63,7 @@ class OncePerStepLRMonitor(LearningRateMonitor):
         self._names[id(optimizer)] = (optimizer, names)
         stats = super()._get_optimizer_stats(optimizer, names)
         for values in self.lrs.values():  # (Lightning's _extract_lr has just appended this step's LRs)
-            del values[: -self.lrs_kept]
+            del values[: max(0, len(values) - self.lrs_kept)]  # (not [:-kept]: [:-0] kept every one)
         return stats
 
     @override
