@@ -49,7 +49,7 @@ def test_a_cache_written_before_ids_were_cast_is_rebuilt(tmp_path, monkeypatch):
     """A cache of int64 ids written byte for byte (732 tokens for 183 ids) was reused under the same key."""
     from lit_dtrain.data import token_cache
 
-    with monkeypatch.context() as old:  # the build before 1b4ae72: the key it had, the ids written as they were
+    with monkeypatch.context() as old:  # the build before 3c00409: the key it had, the ids written as they were
         old.setattr(token_cache, "ByteTokenizer", _Words)
         old.setattr(token_cache, "as_token_ids", lambda ids, tokenizer: np.asarray(ids))
         corpus = _corpus(tmp_path)

@@ -106,7 +106,7 @@ def build_token_cache(
     if source.kind == "files":
         never = {cache_dir: "token caches", **{d: "run outputs (data.exclude_dirs)" for d in exclude_dirs}}
         files = leave_out_dirs(source, files, never)
-    # a tokenizer of one's own: its ids are cast to uint16 since 1b4ae72 (int64 ids were written as their bytes, each
+    # a tokenizer of one's own: its ids are cast to uint16 since 3c00409 (int64 ids were written as their bytes, each
     # id and three zeros), so its caches from before get another key and are rebuilt; ByteTokenizer's key is kept
     ids = "" if type(tokenizer) is ByteTokenizer else "|ids-as-uint16"
     key_hash = hashlib.sha256(f"{CACHE_FORMAT}|{tokenizer.name}{ids}|{val_fraction}|{min_tokens}".encode())
