@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +138,20 @@ def no_group_left():
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def in_hydra_job(full: DictConfig):
+    """Hydra's runtime config ``full`` (composed with ``return_hydra_config=True``) set as inside a job, as
+    ``HydraConfig.get()`` reads it there; yields the job's config, ``full`` without its ``hydra`` node."""
+    HydraConfig.instance().set_config(full)
+    try:
+        cfg = full.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None
 
 
 def free_port() -> int:

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain.sweeps import reports_user_errors
 from lit_dtrain.train import ConfigError, train
-from tests.conftest import CONF_DIR, TINY
+from tests.conftest import CONF_DIR, TINY, in_hydra_job
 
 
 @contextlib.contextmanager
@@ -30,14 +29,8 @@ def hydra_job(run_dir: Path, overrides: list[str], cwd: Path | None = None, conf
         full.hydra.overrides.task = overrides
         if cwd is not None:
             full.hydra.runtime.cwd = str(cwd)
-    HydraConfig.instance().set_config(full)
-    try:
-        cfg = full.copy()
-        with open_dict(cfg):
-            del cfg["hydra"]
+    with in_hydra_job(full) as cfg:
         yield cfg
-    finally:
-        HydraConfig.instance().cfg = None
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.sweeps import UserInputError, check_resumed_job, reports_user_errors, sweep_checks, user_error
 from lit_dtrain.train import ConfigError, train
-from tests.conftest import CONF_DIR, TINY
+from tests.conftest import CONF_DIR, TINY, in_hydra_job
 
 
 @contextlib.contextmanager
@@ -44,15 +44,11 @@ def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, 
         full.paths.cache_dir = str(job_dir.parent.parent / "token_cache")
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save({"hydra": {"overrides": {"task": base + sweep}}}, job_dir.parent / "multirun.yaml")
-    HydraConfig.instance().set_config(full)
     pinned = os.environ.get("LIT_DTRAIN_SWEEP_DIR")  # train(cfg) exports the sweep dir: not for later tests
     try:
-        cfg = full.copy()
-        with open_dict(cfg):
-            del cfg["hydra"]
-        yield cfg
+        with in_hydra_job(full) as cfg:
+            yield cfg
     finally:
-        HydraConfig.instance().cfg = None
         if pinned is None:
             os.environ.pop("LIT_DTRAIN_SWEEP_DIR", None)
         else:
