@@ -3,8 +3,6 @@ annotation, a whole float an integer key takes, and the hint for a number read f
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -52,12 +50,6 @@ def _flag_or_number(annotation) -> tuple[str, set] | None:
     if plain and not literals and all(a in (int, float) for a in plain):
         return "number", allowed
     return None
-
-
-def _whole_float(value) -> bool:
-    """Whether ``value`` is a float that is exactly an integer (``1e3``, ``20.0``), which an integer key takes."""
-    return is_number(value) and not isinstance(value, numbers.Integral) and math.isfinite(value) \
-        and float(value).is_integer()
 
 
 def _env_hint(cfg: DictConfig, key: str, value) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import math
 import re
 
 import torch
@@ -16,7 +15,7 @@ from hydra._internal.utils import _locate  # hydra.utils.get_class logs an ERROR
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.utils.args import is_number
+from lit_dtrain.utils.args import is_number, is_whole_float
 
 
 def _precisions() -> tuple:
@@ -205,7 +204,7 @@ def check_val_check_interval(cfg: DictConfig) -> None:
         if 0 < value <= 1:  # Lightning's 1.0 is one epoch, 0.5 half of one: an epoch of this stream never ends
             raise ConfigError(f"{key}={value!r} is a fraction of an epoch (Lightning's float), and the training stream "
                               f"is drawn by step without end, so an epoch never ends: {steps}")
-        if not (math.isfinite(value) and float(value).is_integer()):
+        if not is_whole_float(value):
             raise ConfigError(f"{key}={value!r} is not a whole number of steps: {steps}")
         cfg.trainer.val_check_interval = int(value)
         return

@@ -47,13 +47,19 @@ def type_name(value) -> str:
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def is_whole_float(value) -> bool:
+    """Whether ``value`` is a number but not an integer type, and exactly an integer (``1e3``, ``20.0``): what an
+    integer setting takes as that integer (:func:`check_int`, the config checks)."""
+    return is_number(value) and not isinstance(value, numbers.Integral) and math.isfinite(value) \
+        and float(value).is_integer()
+
+
 def check_int(name: str, value, minimum: int | None = 0) -> int:
     """``value`` as an ``int``: an integer, or a float that is exactly one (``1000.0``: ``1e3`` in YAML, a horizon
     computed as ``0.5 * steps``); ``ValueError`` naming ``name`` for anything else (``1000.5``, a bool, nan, inf, a
     string) and for a value below ``minimum`` (None: no minimum)."""
-    if is_number(value) and not isinstance(value, numbers.Integral):
-        if math.isfinite(value) and float(value).is_integer():
-            value = int(value)
+    if is_whole_float(value):
+        value = int(value)
     if not is_number(value, integer=True):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
