@@ -24,7 +24,7 @@ from torch import nn
 from lit_dtrain._model_config_check import WEIGHT_CONFIG_KEYS, check_model_config
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
-from lit_dtrain.module_metrics import ValLossMean, log_every_step
+from lit_dtrain.module_metrics import ValLossMean, log_every_step, window_losses
 from lit_dtrain.module_params import (
     build_optimizer,
     estimate_train_flops,
@@ -163,6 +163,9 @@ class LitLLM(L.LightningModule):
     def on_validation_start(self) -> None:
         self._ids_checked = False
 
+    def on_predict_start(self) -> None:
+        self._ids_checked = False
+
     def on_train_start(self) -> None:
         self._ids_checked = False
         # The schedule is a function of the optimizer step. A checkpoint without LR-scheduler state (written with
@@ -245,6 +248,12 @@ class LitLLM(L.LightningModule):
             weight = weight * batch["loss_weight"].to(token_loss)[:, None]
         self.val_loss.update(token_loss, weight)
         self.val_loss_by_source[dataloader_idx].update(token_loss, weight)
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        """Per-window losses: ``{"loss": [B], "token_loss": [B, T], "index": [B]}`` (see
+        :func:`~lit_dtrain.module_metrics.window_losses`); ``trainer.predict(module, datamodule=LMDataModule(...))``
+        returns one list of these per source, over its validation windows. Logits: ``module(input_ids)``."""
+        return window_losses(self._token_loss(batch), batch)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

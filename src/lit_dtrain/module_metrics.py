@@ -61,3 +61,17 @@ def log_every_step(module: L.LightningModule, name: str, value: torch.Tensor, ba
         return
     results.update_metrics(key, value.detach().squeeze(), batch_size)  # (it stores a clone: the value is not kept)
     trainer._logger_connector._current_fx = fx
+
+
+def window_losses(token_loss: torch.Tensor, batch) -> dict:
+    """``LitLLM.predict_step``'s result for a batch of windows: ``loss [B]`` (each window's mean token loss),
+    ``token_loss [B, T]`` and ``index [B]`` (the window's index in its source's validation stream, or ``None``).
+    Windows whose ``loss_weight`` is 0 are dropped: they are the fillers that give every data-parallel rank as many
+    validation windows (``LMDataModule.val_dataloader``), so the ranks' results hold each window exactly once."""
+    index = batch.get("index")
+    if "loss_weight" in batch:
+        keep = batch["loss_weight"] != 0
+        if not bool(keep.all()):
+            token_loss = token_loss[keep]
+            index = None if index is None else index[keep]
+    return {"loss": token_loss.mean(dim=1), "token_loss": token_loss, "index": index}

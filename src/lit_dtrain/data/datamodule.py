@@ -302,8 +302,17 @@ class LMDataModule(L.LightningDataModule):
         windows here, and the ranks share those (each rank runs ``k`` or fewer batches, so Lightning's cap cuts
         nothing more). A fraction is still Lightning's, of each rank's loader.
         """
+        return self._window_loaders("limit_val_batches")
+
+    def predict_dataloader(self) -> list[DataLoader]:
+        """The validation windows again, one loader per source, shared by the ranks as in :meth:`val_dataloader`
+        (``trainer.limit_predict_batches`` in place of ``limit_val_batches``): ``trainer.predict(LitLLM(...),
+        datamodule=dm)`` gives each held-out window's loss (``LitLLM.predict_step``, which drops the fillers)."""
+        return self._window_loaders("limit_predict_batches")
+
+    def _window_loaders(self, limit_name: str) -> list[DataLoader]:
         rank, world = self._world()
-        limit = getattr(self.trainer, "limit_val_batches", None) if self.trainer is not None else None
+        limit = getattr(self.trainer, limit_name, None) if self.trainer is not None else None
         loaders = []
         for split in self.splits:
             windows = WindowSet([split.val], self.block_size)
