@@ -30,6 +30,7 @@ from lit_dtrain.config_warnings import (
     warn_if_the_default_callbacks_are_dropped,
     warn_if_the_stages_outlast_the_run,
 )
+from lit_dtrain.data._fit_end import min_epochs_problem
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
@@ -89,6 +90,12 @@ def check_config(cfg: DictConfig) -> None:
     if is_number(min_steps := cfg.trainer.get("min_steps")) and min_steps > max_steps:  # Lightning stops at max_steps
         raise ConfigError(f"trainer.min_steps={min_steps} exceeds trainer.max_steps={max_steps}: the run stops at "
                           "max_steps; lower trainer.min_steps or raise trainer.max_steps")
+    finite = next((v for k in ("overfit_batches", "limit_train_batches")  # whole numbers (config_lightning)
+                   if is_number(v := cfg.trainer.get(k), integer=True) and v > 0), None)
+    if problem := min_epochs_problem(cfg.trainer.get("min_epochs"), cfg.trainer.get("max_epochs"), max_steps,
+                                     None if finite is None else int(finite),
+                                     cfg.trainer.get("accumulate_grad_batches") or 1, prefix="trainer."):
+        raise ConfigError(problem)
     check_val_check_interval(cfg)
     for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
         value = OmegaConf.select(cfg, key, default=None)

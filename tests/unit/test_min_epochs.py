@@ -1,0 +1,55 @@
+"""``min_epochs`` with LMDataModule's endless step stream: a bound that cannot be met is one error, before training.
+
+Lightning lets no stop end a fit before ``min_epochs`` epochs, and an epoch of this stream never ends: ``min_epochs=1``
+with ``max_time`` 10 s trained past 51 s, to ``max_steps``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lit_dtrain.config_checks import check_config
+from lit_dtrain.data._fit_end import check_the_fit_ends
+from lit_dtrain.errors import ConfigError
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("+trainer.min_epochs=3 +trainer.max_epochs=1", r"^trainer.min_epochs=3 exceeds trainer.max_epochs=1: .*raise "
+                                                    r"trainer.max_epochs$"),
+    ("+trainer.min_epochs=1", r"^trainer.min_epochs=1 can never be met: .* use trainer.min_steps=N"),
+    ("+trainer.min_epochs=3 +trainer.limit_train_batches=4 trainer.max_steps=6",
+     r"^trainer.min_epochs=3 of 4 batches each is 12 optimizer steps, past trainer.max_steps=6"),
+    ("+trainer.min_epochs=2 +trainer.limit_train_batches=4 trainer.accumulate_grad_batches=3 trainer.max_steps=3",
+     r"is 4 optimizer steps, past trainer.max_steps=3"),  # ceil(4 / 3) = 2 steps an epoch
+])
+def test_a_min_epochs_that_cannot_be_met_is_refused(override, match, tiny_cfg) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_config(tiny_cfg(*override.split(" ")))
+
+
+@pytest.mark.parametrize("override", [
+    "+trainer.min_epochs=0",
+    "+trainer.min_epochs=null +trainer.max_epochs=1",
+    "+trainer.min_epochs=2 +trainer.limit_train_batches=3 trainer.max_steps=6",
+    "+trainer.min_epochs=2 +trainer.max_epochs=2 +trainer.overfit_batches=2 trainer.max_steps=4",
+    "+trainer.min_steps=6 trainer.max_steps=6",
+])
+def test_a_min_epochs_that_can_be_met_passes(override, tiny_cfg) -> None:
+    check_config(tiny_cfg(*override.split(" ")))
+
+
+def trainer(tmp_path: Path, **kw) -> L.Trainer:
+    return L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     default_root_dir=str(tmp_path),
+                     **kw)
+
+
+def test_a_users_trainer_with_min_epochs_on_the_endless_stream_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^min_epochs=1 can never be met: .* use min_steps=N"):
+        check_the_fit_ends(trainer(tmp_path, max_steps=20, max_time="00:00:00:10", min_epochs=1))
+    with pytest.raises(ConfigError, match=r"^min_epochs=3 exceeds max_epochs=2"):
+        check_the_fit_ends(trainer(tmp_path, max_epochs=2, min_epochs=3, limit_train_batches=4))
+    check_the_fit_ends(trainer(tmp_path, max_steps=20, min_epochs=2, limit_train_batches=4))  # epochs of 4 batches
+    check_the_fit_ends(trainer(tmp_path, max_steps=20, min_steps=10))
