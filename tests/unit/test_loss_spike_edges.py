@@ -361,3 +361,18 @@ def test_the_every_sample_excluded_error_points_at_spikes_jsonl_only_where_it_is
     events = tmp_path / "spikes.jsonl"
     assert raised.value.args[0].endswith(f"'skip'/'rollback'. See {events}") == events.exists()
     assert events.exists() == ("max_steps" in limits)
+
+
+@pytest.mark.parametrize(("kwargs", "inject", "error", "message"), [
+    ({"actions": ["log", "skip", "raise"], "raise_after": 1, "raise_window": 1}, {5: "finite"}, "LossSpikeError",
+     "LossSpikeMonitor: 1 loss spike within 1 step (step 5, raise_after=1); see "),  # "1 loss spikes within 1 steps"
+    ({"actions": ["log", "skip"], "max_nonfinite": 1}, {5: "nan"}, "NonFiniteError",
+     "LossSpikeMonitor: 1 non-finite (NaN/inf) step, step 5 (max_nonfinite=1); "),  # was "1 ... steps in a row, 5-5"
+])
+def test_a_stop_at_one_spike_names_it_in_the_singular(tmp_path: Path, kwargs, inject, error, message) -> None:
+    from tests.unit.test_loss_spike import Inject
+
+    trainer = make_trainer(tmp_path, [Inject(inject), LossSpikeMonitor(warmup_steps=3, **kwargs)], max_steps=8)
+    with pytest.raises(Exception) as raised:
+        trainer.fit(make_module(), datamodule=make_data(tmp_path))
+    assert type(raised.value).__name__ == error and str(raised.value).startswith(message)

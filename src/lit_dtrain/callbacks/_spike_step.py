@@ -13,6 +13,7 @@ import math
 import torch
 
 from lit_dtrain.callbacks.adaptive_grad_clip import has_grad_scaler, is_sharded, local_grad_sumsq, loss_scale
+from lit_dtrain.utils.words import counted
 
 
 def step_measurements(trainer, optimizer, loss_sum: torch.Tensor, micro_batches: int, hit: torch.Tensor | None,
@@ -155,3 +156,20 @@ def nonfinite_grad_fix(callbacks) -> str:
     if not fixes:  # (it drops every step with non-finite gradients before this stop looks)
         return "check why the LossSpikeMonitor did not drop the step"
     return f"the LossSpikeMonitor is on but let them through: {' and '.join(fixes)}"
+
+
+def nonfinite_run_message(steps: list[int], max_nonfinite: int) -> str:
+    """The start of ``NonFiniteError``'s message for a run of ``steps`` non-finite steps ("1 non-finite (NaN/inf)
+    step, step 5", where it said "1 non-finite (NaN/inf) steps in a row, steps 5-5")."""
+    where = f", step {steps[0]}" if len(steps) == 1 else f" in a row, steps {steps[0]}-{steps[-1]}"
+    return (f"LossSpikeMonitor: {counted(len(steps), 'non-finite (NaN/inf) step')}{where} "
+            f"(max_nonfinite={max_nonfinite})")
+
+
+def spike_window_message(window) -> str:
+    """The start of ``LossSpikeError``'s message for a full :class:`~lit_dtrain.callbacks._spike_stats.SpikeWindow`
+    ("1 loss spike within 1 step (step 5, ...", where it said "1 loss spikes within 1 steps (steps [5], ...")."""
+    steps = window.steps
+    where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+    return (f"LossSpikeMonitor: {counted(len(steps), 'loss spike')} within {counted(window.window_steps, 'step')} "
+            f"({where}, raise_after={window.max_spikes})")

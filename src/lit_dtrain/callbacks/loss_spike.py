@@ -375,17 +375,14 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         if self.max_nonfinite is not None and len(self.nonfinite_run) >= self.max_nonfinite:
             steps = self.nonfinite_run
             raise NonFiniteError(
-                f"LossSpikeMonitor: {len(steps)} non-finite (NaN/inf) steps in a row, steps {steps[0]}-{steps[-1]} "
-                f"(max_nonfinite={self.max_nonfinite}); dropping steps cannot recover this run: lower optimizer.lr, "
-                f"check the data, or resume from an earlier checkpoint{self._see_events(trainer, '. See ')}"
+                f"{step_ops.nonfinite_run_message(steps, self.max_nonfinite)}; dropping steps cannot recover this "
+                "run: lower optimizer.lr, check the data, or resume from an earlier checkpoint"
+                f"{self._see_events(trainer, '. See ')}"
             )
         if pending is not None and "raise" in pending["actions"] and pending["counted"]:
             if self.window.add(pending["step"]):
-                raise LossSpikeError(
-                    f"LossSpikeMonitor: {len(self.window.steps)} loss spikes within {self.window.window_steps} steps "
-                    f"(steps {self.window.steps}, raise_after={self.window.max_spikes})"
-                    f"{self._see_events(trainer, '; see ')}"
-                )
+                see = self._see_events(trainer, "; see ")
+                raise LossSpikeError(f"{step_ops.spike_window_message(self.window)}{see}")
 
     # ---- state ----------------------------------------------------------------------------------------------------
     @override
