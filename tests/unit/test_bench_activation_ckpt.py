@@ -24,9 +24,9 @@ from tests.conftest import load_script
 TINY_SHAPE = dict(d_model=64, n_layer=4, n_head=4, n_kv_head=2)
 ARGV = ["--shapes", "tiny", "--seqs", "16", "--tokens", "64", "--repeats", "1", "--plot", ""]
 POLICIES = ["none", "full", "every_k", "selective", "budget"]
-# by_config keys of a CPU run before --device existed (commit 69ae026), in order
-CPU_KEYS = ["saved_bytes_ratio", "max_act_ratio", "time_ratio", "max_abs_grad_diff", "peak_act_mib", "step_s",
-            "wall_s", "peak_rss_mib", "step_rss_mib", "bwd_gflops_mm", "bwd_gflops_all"]
+# by_config keys of a CPU run before --device existed (commit 69ae026), in order, with saved_bytes_from
+CPU_KEYS = ["saved_bytes_ratio", "saved_bytes_from", "max_act_ratio", "time_ratio", "max_abs_grad_diff", "peak_act_mib",
+            "step_s", "wall_s", "peak_rss_mib", "step_rss_mib", "bwd_gflops_mm", "bwd_gflops_all"]
 MiB = 2**20
 
 
@@ -91,7 +91,7 @@ def test_cpu_run_keeps_its_keys_and_reproduces_its_figures(bench, capsys):
         assert row["peak_act_mib"] == peak[p]
         assert row["bwd_gflops_all"] == sum(flops.values()) / 1e9
         assert row["bwd_gflops_mm"] == sum(v for op, v in flops.items() if op not in set(POINTWISE_OPS)) / 1e9
-        assert row["saved_bytes_ratio"] == peak[p] / peak["none"]
+        assert row["saved_bytes_ratio"] == peak[p] / peak["none"] and row["saved_bytes_from"] == "peak_act"
         assert row["max_abs_grad_diff"] == 0.0
         assert row["peak_rss_mib"] > 0 and row["step_s"] > 0
     assert peak["full"] < peak["selective"] < peak["none"]  # the policies differ, so the comparison means something
@@ -136,7 +136,7 @@ def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypa
         "cuda", "Fake GPU", "fp32")
     for i, p in enumerate(POLICIES):
         row = summary[p]["by_config"]["tiny/T16"]
-        assert list(row) == [*CPU_KEYS[:7], "cuda_peak_step_mib", "cuda_peak_ratio", *CPU_KEYS[9:]]
+        assert list(row) == [*CPU_KEYS[:8], "cuda_peak_step_mib", "cuda_peak_ratio", *CPU_KEYS[10:]]
         assert row["cuda_peak_step_mib"] == 100.0 - 10 * i
         assert summary[p]["cuda_peak_ratio"] == row["cuda_peak_ratio"] == (100.0 - 10 * i) / 100.0
     assert plot.stat().st_size > 0
@@ -165,3 +165,15 @@ def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, mes
     with pytest.raises(SystemExit) as e:
         bench.parse_args(flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_where_weights_set_the_memory_peak_the_ratio_is_of_the_largest_act_and_says_so(bench, capsys):
+    """A wide model on a few tokens: the memory peaks with every gradient allocated, where no activation is left, so
+    peak ACT gave every policy 1.0 (the small shape at T=16, B=2: 1.000 for full, whose largest ACT gave 0.159)."""
+    bench.SHAPES["wide"] = dict(d_model=256, n_layer=2, n_head=4, n_kv_head=2)
+    summary = bench.main(["--shapes", "wide", "--seqs", "8", "--tokens", "8", "--repeats", "1", "--plot", "",
+                          "--policies", "none,full"])
+    out = capsys.readouterr().out
+    full = summary["full"]["by_config"]["wide/T8"]
+    assert full["saved_bytes_from"] == "max_act" and full["saved_bytes_ratio"] == full["max_act_ratio"] < 0.5
+    assert "note: ratio = largest ACT over none's (as maxACT), not peak ACT" in out
