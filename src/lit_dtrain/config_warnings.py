@@ -54,6 +54,11 @@ def warn_if_the_stages_outlast_the_run(cfg: DictConfig) -> None:
                 stages[-1].start / 0.4)
 
 
+# val/ppl is exp(val/loss), strictly increasing: the two rank checkpoints alike, so a file named by one is also the
+# best by the other (monitor=val/ppl with the default filename warned, though its best file was val/loss's)
+SAME_RANKING = frozenset({"val/loss", "val/ppl"})
+
+
 def warn_if_a_checkpoint_name_shows_another_metric(cfg: DictConfig) -> None:
     """``callbacks.model_checkpoint.monitor=val/text/loss`` (a mixture's per-source loss) keeps the default
     ``filename: step{step:06d}-val{val/loss:.4f}``: the best checkpoint by the text source's loss was written as
@@ -67,7 +72,7 @@ def warn_if_a_checkpoint_name_shows_another_metric(cfg: DictConfig) -> None:
         if not (isinstance(monitor, str) and isinstance(filename, str)):
             continue
         shown = [m for m in re.findall(r"\{([^}:]+)", filename) if m not in ("step", "epoch")]
-        if shown and monitor not in shown:
+        if shown and monitor not in shown and not (SAME_RANKING >= {monitor, *shown}):
             fixed = filename.replace("{" + shown[0], "{" + monitor, 1)
             log.warning("callbacks.%s ranks its checkpoints by monitor=%s, but its filename %r shows %s: the best "
                         "file's name holds another metric's value; to name it by the ranked one: "
