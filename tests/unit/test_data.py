@@ -1066,7 +1066,7 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     assert hidden == sorted([young_legacy.name, other_host.name, unrelated.name])
 
 
-@pytest.mark.parametrize("name", ["web/en", "a\\b", "", ".hidden", "my corpus", "a:b", None, 1.5])
+@pytest.mark.parametrize("name", ["web/en", "a\\b", "", ".hidden", "my corpus", "a:b", 1.5])  # None: the default name
 def test_a_source_name_that_breaks_metric_names_or_paths_is_a_config_error(tmp_path, name):
     """The name goes into the metric val/<name>/loss and the cache dir <name>-<key>: 'web/en' made the
     metric val/web/en/loss (one level deeper, not matched by monitors) and a subdirectory web/ in the cache

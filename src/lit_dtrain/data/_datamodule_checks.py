@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, default_source_name
 from lit_dtrain.data.windows import _cache_key
 
 
@@ -26,7 +26,10 @@ def source_from_config(index: int, entry) -> CorpusSource:
     unknown = [key for key in entry if key not in fields]
     if unknown:
         raise CorpusError(f"data.sources.{index} has an unknown key {unknown[0]!r} (keys: {', '.join(fields)})")
-    name = check_source_name(entry.get("name", CorpusSource.name), f"data.sources.{index}.name")
+    name = entry.get("name")
+    if name is None:
+        name = default_source_name(entry.get("kind", CorpusSource.kind), entry.get("paths", []))
+    name = check_source_name(name, f"data.sources.{index}.name")
     try:
         return CorpusSource(**entry)
     except CorpusError as e:

@@ -74,6 +74,24 @@ def check_source_name(name, key: str = "data source name") -> str:
     return name
 
 
+def default_source_name(kind: str, paths) -> str:
+    """The name of a source given none: ``stdlib`` for the standard library (its token caches keep their dir names);
+    for files, the last part of the first path before any glob (``~/corpus/*.txt`` -> ``corpus``, ``/data/prose`` ->
+    ``prose``), made a valid name (``files`` where none comes out). Every unnamed source was ``stdlib``, so a mixture of
+    the stdlib and an unnamed ``kind='files'`` source failed with "names must be unique"."""
+    if kind != "files":
+        return "stdlib"
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths if isinstance(paths, Sequence) else ():
+        if not isinstance(path, (str, os.PathLike)):
+            continue
+        parts = Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).parts
+        plain = parts[: next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))]
+        name = re.sub(r"[^\w.+-]", "_", plain[-1] if len(plain) > 1 else "").lstrip(".+-")
+        if name:
+            return name
+    return "files"
+
+
 @dataclass
 class CorpusSource:
     """One corpus of a (possibly weighted) mixture.
@@ -84,14 +102,14 @@ class CorpusSource:
     patterns (a path that exists is read as it is, even with ``[``, ``*`` or ``?`` in its name).
     """
 
-    name: str = "stdlib"
+    name: str | None = None  # None: default_source_name (stdlib, or from the first path)
     kind: str = "stdlib"  # stdlib | files
     paths: list[str] = field(default_factory=list)
     weight: float = 1.0  # sampling weight in a mixture (normalized over sources); 0 = validation only
     pattern: str = "*"  # file-name pattern used when a path is a directory
 
     def __post_init__(self) -> None:
-        self.name = check_source_name(self.name)
+        self.name = check_source_name(default_source_name(self.kind, self.paths) if self.name is None else self.name)
         if self.kind not in ("stdlib", "files"):
             raise CorpusError(f"data source {self.name!r}: kind must be 'stdlib' or 'files', got {self.kind!r}")
         if isinstance(self.paths, (str, os.PathLike)):  # paths=/my/corpus without brackets: one path, not its chars
