@@ -80,8 +80,14 @@ def fitted(tmp_path_factory) -> Path:
     return root
 
 
+def _predicted(out: list) -> list[dict]:
+    """``trainer.predict``'s batches, per source: the windows' indices and their token losses."""
+    return [{key: torch.cat([b[key] for b in batches]) for key in ("index", "token_loss")} for batches in out]
+
+
 def _validate_and_fit(rank: int, root: str) -> None:
     lit = _module()
+    predicted = _predicted(_trainer(root, 2).predict(lit, datamodule=_data(root)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         validated = _trainer(root, 2).validate(lit, datamodule=_data(root), verbose=False)[0]
@@ -89,7 +95,7 @@ def _validate_and_fit(rank: int, root: str) -> None:
     trainer = _trainer(root, 2, max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
                        num_sanity_val_steps=0)
     trainer.fit(lit, datamodule=_data(root))
-    torch.save({"validate": _val(validated), "fit": _val(trainer.callback_metrics),
+    torch.save({"validate": _val(validated), "fit": _val(trainer.callback_metrics), "predict": predicted,
                 "warnings": [str(w.message) for w in caught if "DistributedSampler" in str(w.message)],
                 "weights": {k: v.detach().clone() for k, v in lit.state_dict().items()}},
                os.path.join(root, f"rank{rank}.pt"))
@@ -114,6 +120,21 @@ def test_ddp_val_loss_is_the_single_process_val_loss(fitted: Path) -> None:
         assert r0["fit"][key] == pytest.approx(single_fitted[key], rel=1e-6, abs=1e-6), key
     assert single_fitted["val/loss"] != single["val/loss"]  # the fit moved the weights: a second, distinct check
     assert r0["warnings"] == []  # Lightning's "Using DistributedSampler ... during trainer.validate()" is gone
+
+
+def test_ddp_predict_gives_each_validation_window_once(fitted: Path) -> None:
+    """``trainer.predict`` shares the validation windows as validation does; the fillers that even out the ranks
+    (source a: 7 windows, b: 1) are dropped, so the ranks' results are the single process's, each window once."""
+    tmp_path = fitted / "same"
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["predict"] for r in (0, 1))
+    single = _predicted(_trainer(str(tmp_path), 1).predict(_module(), datamodule=_data(str(tmp_path))))
+    assert [len(s["index"]) for s in single] == [VAL_WINDOWS, 1]
+    for source, one in enumerate(single):
+        both = torch.cat([r0[source]["index"], r1[source]["index"]])
+        order = both.argsort()
+        assert both[order].tolist() == one["index"].tolist()  # each window once, none missing
+        losses = torch.cat([r0[source]["token_loss"], r1[source]["token_loss"]])[order]
+        torch.testing.assert_close(losses, one["token_loss"], rtol=1e-6, atol=1e-6)
 
 
 def _fit_on_own_corpus(rank: int, root: str) -> None:
