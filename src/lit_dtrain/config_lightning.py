@@ -111,6 +111,8 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.overfit_batches={overfit!r} must be a whole number of batches to train on again "
                           "and again (e.g. 1 or 8; 0: off): the training stream is drawn by step and has no length, "
                           "so a fraction of it cannot be taken")
+    if is_whole_float(overfit):  # 2.0: Lightning takes it as 2 batches but sets limit_train_batches to the float 2.0,
+        cfg.trainer.overfit_batches = int(overfit)  # its MisconfigurationException 'must be 1.0 or an int'
     limit = cfg.trainer.get("limit_train_batches")  # a fraction: Lightning's MisconfigurationException traceback
     if limit is not None and not (is_number(limit) and limit >= 0 and (limit % 1 == 0)):  # once fit starts
         raise ConfigError(f"trainer.limit_train_batches={limit!r} must be a whole number of batches per epoch (or "

@@ -103,3 +103,14 @@ def test_limit_train_batches_0_is_refused_before_a_run_of_no_steps(tiny_cfg):
                                           r"0 of its trainer.max_steps steps"):
         check_config(tiny_cfg("+trainer.limit_train_batches=0"))
     check_config(tiny_cfg("+trainer.limit_train_batches=1"))
+
+
+def test_a_whole_float_overfit_batches_reaches_lightning_as_an_int(tiny_cfg):
+    """``+trainer.overfit_batches=2.0`` passed the check (a whole number of batches) but Lightning keeps the float as
+    ``limit_train_batches``: 'MisconfigurationException: When using an IterableDataset, Trainer(limit_train_batches)
+    must be 1.0 or an int' in Hydra's traceback at the fit's start. The config now holds the int 2."""
+    cfg = tiny_cfg("+trainer.overfit_batches=2.0")
+    check_config(cfg)
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert (trainer.overfit_batches, trainer.limit_train_batches) == (2, 2)
+    assert type(trainer.limit_train_batches) is int
