@@ -1,9 +1,11 @@
 """``~key`` on the command line (Hydra's deletion) of a key lit_dtrain needs: one line naming it and the fix.
 
 A removed section failed later with OmegaConf's ``Key 'optimizer' is not in struct`` traceback; a removed value of a
-section that is instantiated (``~optimizer.lr``, ``~data.batch_size``, ``~model.n_layer``, ``~data.sources``) trained
-silently with the class's own default instead (AdamW's lr 1e-3 for the config's 3e-3: val loss 5.5324 for 5.4665 after
-one tiny step; ``~data.sources`` of ``data=textfiles`` trained on the stdlib corpus), and ``~trainer.max_steps`` was
+section that is instantiated (``~optimizer.lr``, ``~data.batch_size``, ``~model.n_layer``, ``~data.sources``,
+``~scheduler.warmup_steps``, a callback's ``~callbacks.model_checkpoint.monitor``) trained silently with the class's
+own default instead (AdamW's lr 1e-3 for the config's 3e-3: val loss 5.5324 for 5.4665 after one tiny step;
+``~data.sources`` of ``data=textfiles`` trained on the stdlib corpus; no warmup, step 0 at the peak LR 3e-3 for the
+config's 1.5e-3 of 20 steps; the newest checkpoint kept as the 'best'), and ``~trainer.max_steps`` was
 refused as ``got -1``, Lightning's default. Removing what is meant to be optional stays allowed: ``~scheduler``,
 ``~sample``, ``~logger``, ``~callbacks.<name>``, ``~strategy.compressor`` (re-added with ``+``) and ``_target_``-style
 keys. A primary config without a section lit_dtrain needs (``--config-name experiment/wsd_vs_cosine``, a partial
@@ -21,7 +23,7 @@ _SECTIONS = {"model": "choose an option instead (model=nano)", "data": "choose a
              "trainer": "choose an option instead (trainer=default)",
              "paths": "leave it in and set its keys (LIT_DTRAIN_OUTPUT, LIT_DTRAIN_CACHE)",
              "module": "leave it in and set its keys (module.compile=true)", "seed": "set it instead (seed=1337)"}
-_LEAVES_OF = ("model", "data", "optimizer", "trainer")  # instantiated: a removed value is the class's own default
+_LEAVES_OF = ("model", "data", "optimizer", "trainer")
 _ABSENT = object()
 
 
@@ -29,6 +31,24 @@ def _removed(override: str) -> str | None:
     if not override.startswith("~"):
         return None
     return override[1:].split("=", 1)[0].strip()
+
+
+def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``) names an argument of its node's ``_target_``: one
+    the class or function then takes at its own default. Another key is not refused: ``scheduler=cosine
+    '~scheduler.decay_fraction'`` removes experiment=cpt_replay's WSD key, which cosine does not take (docs/wsd.md)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    parent, _, name = key.rpartition(".")
+    if parent != "scheduler" and not (parent.startswith("callbacks.") and parent.count(".") == 1):
+        return False
+    try:
+        node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)
+        return name in inspect.signature(get_object(node._target_)).parameters
+    except Exception:  # no node, no target, or one that cannot be imported: build_callbacks names it
+        return False
 
 
 def check_removed_keys(cfg: DictConfig) -> None:
@@ -48,7 +68,9 @@ def check_removed_keys(cfg: DictConfig) -> None:
         section, _, leaf = key.partition(".")
         if not leaf and section in _SECTIONS:
             raise ConfigError(f"~{key} removes the '{key}' config, which lit_dtrain needs: {_SECTIONS[section]}")
-        if section in _LEAVES_OF and leaf and not leaf.split(".")[-1].startswith("_") and "." not in leaf:
+        if leaf.split(".")[-1].startswith("_"):
+            continue
+        if section in _LEAVES_OF and leaf and "." not in leaf or _an_argument_of_its_target(cfg, key):
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
                               f"default; set it instead ({key}=<value>)")
     missing = [section for section in _SECTIONS if section not in cfg]

@@ -30,7 +30,9 @@ def test_train_refuses_a_removed_key_in_one_line(tmp_path, removed, message):
         train(cfg)
 
 
-@pytest.mark.parametrize("removed", ["~optimizer.lr", "~data.sources", "~model.n_layer", "~data.batch_size"])
+@pytest.mark.parametrize("removed", ["~optimizer.lr", "~data.sources", "~model.n_layer", "~data.batch_size",
+                                     # no warmup (step 0 at the peak LR); the newest checkpoint kept as the 'best'
+                                     "~scheduler.warmup_steps", "~callbacks.model_checkpoint.monitor"])
 def test_a_removed_value_is_not_the_class_default(tmp_path, removed):
     """~optimizer.lr trained with AdamW's lr 1e-3 (val loss 5.5324 for 5.4665), ~data.sources of data=textfiles on
     the stdlib corpus: a removed value of an instantiated section is refused."""
@@ -39,7 +41,9 @@ def test_a_removed_value_is_not_the_class_default(tmp_path, removed):
 
 
 @pytest.mark.parametrize("removed", [["~scheduler"], ["~sample"], ["~logger"], ["~callbacks.lr_monitor"],
-                                     ["~scheduler._target_"], ["~model.n_layer", "+model.n_layer=3"]])
+                                     ["~scheduler._target_"], ["~model.n_layer", "+model.n_layer=3"],
+                                     # docs/wsd.md's cosine re-warm: cpt_replay's WSD key, which cosine does not take
+                                     ["experiment=cpt_replay", "scheduler=cosine", "~scheduler.decay_fraction"]])
 def test_optional_and_re_added_keys_may_be_removed(tmp_path, removed):
     with job(tmp_path, removed) as cfg:
         check_removed_keys(cfg)
