@@ -34,7 +34,7 @@ from lit_dtrain.data._fit_end import min_epochs_problem
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
 from lit_dtrain.schedules.lr import schedule_factor
-from lit_dtrain.utils.args import is_number
+from lit_dtrain.utils.args import is_number, is_whole_float
 from lit_dtrain.utils.words import counted, plural
 
 log = logging.getLogger(__name__)
@@ -239,10 +239,13 @@ def check_validation_limit(cfg: DictConfig) -> None:
     """``trainer.limit_val_batches``: 0 is Lightning's switch for no validation, which a lit_dtrain run cannot do
     without. The default ``ModelCheckpoint`` saves after each validation, so such a run wrote no checkpoint before its
     end, and its result (``val_loss``: summary.json, the value a sweep optimizes) was NaN, without a word. Values
-    Lightning refuses (``-1``, ``1.5``) failed in Hydra's wrapper of the Trainer, ``abc`` as a TypeError."""
+    Lightning refuses (``-1``, ``1.5``) failed in Hydra's wrapper of the Trainer, ``abc`` as a TypeError. A whole float
+    above 1 (``2.0``) is that many batches, as Lightning takes it (it was refused as not 'a number of batches >= 1')."""
     value = cfg.trainer.get("limit_val_batches")
     if value is None:
         return
+    if is_whole_float(value) and value > 1:  # 2.0: two batches (1.0 stays Lightning's fraction, all of them)
+        cfg.trainer.limit_val_batches = value = int(value)
     number = is_number(value)
     if not number or value < 0 or (isinstance(value, float) and value > 1):
         raise ConfigError(

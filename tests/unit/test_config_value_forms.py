@@ -114,3 +114,17 @@ def test_a_whole_float_overfit_batches_reaches_lightning_as_an_int(tiny_cfg):
     trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert (trainer.overfit_batches, trainer.limit_train_batches) == (2, 2)
     assert type(trainer.limit_train_batches) is int
+
+
+def test_a_whole_float_limit_val_batches_is_that_many_batches(tiny_cfg):
+    """``trainer.limit_val_batches=2.0`` was refused, 'must be null (all), a number of batches >= 1 or a fraction in
+    (0, 1], got 2.0', while every integer key takes a whole float (Lightning takes 2.0 as 2 batches too); 1.0 stays
+    Lightning's fraction (all batches) and 1.5 is refused."""
+    cfg = tiny_cfg("trainer.limit_val_batches=2.0")
+    check_config(cfg)
+    assert cfg.trainer.limit_val_batches == 2 and type(cfg.trainer.limit_val_batches) is int
+    cfg = tiny_cfg("trainer.limit_val_batches=1.0")
+    check_config(cfg)
+    assert type(cfg.trainer.limit_val_batches) is float
+    with pytest.raises(ConfigError, match=r"^trainer.limit_val_batches must be null .*got 1.5$"):
+        check_config(tiny_cfg("trainer.limit_val_batches=1.5"))
