@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # the path keys lit_dtrain reads, in an order where a key is made absolute before those that interpolate it
 # (paths.log_dir before data.exclude_dirs, paths.cache_dir before data.cache_dir)
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # Lightning's ckpt_path names, not files
 _PATH_KEYS = ("paths.log_dir", "paths.cache_dir", "ckpt_path", "init_from", "decay_branch.ckpt", "data.cache_dir",
               "data.exclude_dirs", "trainer.default_root_dir", "logger.save_dir", "callbacks.loss_spike.path")
 
@@ -39,6 +40,13 @@ def _set_absolute(cfg: DictConfig, key: str, cwd: str) -> None:
         OmegaConf.update(cfg, key, absolute, merge=False)
 
 
+def _lightning_keyword(value: object, cwd: str) -> bool:
+    """Whether ``ckpt_path`` is one of Lightning's names (``last``, ``best``, ...) and no file of that name is where the
+    command ran: made absolute, ``ckpt_path=last`` was refused as '/<cwd>/last' does not exist', without the hint
+    that names ``resume=auto``."""
+    return value in LIGHTNING_CKPT_NAMES and not os.path.exists(os.path.join(cwd, str(value)))
+
+
 def absolute_paths_under_chdir(cfg: DictConfig) -> None:
     """Under ``hydra.job.chdir=true``, make lit_dtrain's relative path values absolute against the directory the
     command ran in (``hydra.runtime.cwd``), in place; a no-op outside Hydra or without ``chdir``."""
@@ -51,6 +59,8 @@ def absolute_paths_under_chdir(cfg: DictConfig) -> None:
     if not hydra_cfg.job.chdir or os.path.abspath(os.getcwd()) == os.path.abspath(cwd):
         return
     for key in _PATH_KEYS:
+        if key == "ckpt_path" and _lightning_keyword(OmegaConf.select(cfg, key, default=None), cwd):
+            continue  # resume.py names it for what it is ('last' of Lightning is not read here: resume=auto)
         _set_absolute(cfg, key, cwd)
     sources = OmegaConf.select(cfg, "data.sources", default=None)
     if isinstance(sources, ListConfig):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain._chdir_paths import LIGHTNING_CKPT_NAMES
 from lit_dtrain.checkpoint import (
     CheckpointError,
     checkpoint_files,
@@ -225,7 +226,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if given:
         path = Path(str(given)).expanduser()
         if not path.is_file():
-            keyword = str(given) in ("last", "best", "hpc", "registry") and not path.exists()
+            keyword = str(given) in LIGHTNING_CKPT_NAMES and not path.exists()
             raise ConfigError(f"ckpt_path={str(given)!r} {not_a_file_reason(path)}" + (
                 f" (Lightning's ckpt_path={str(given)!r} is not read here: resume=auto continues the newest checkpoint "
                 "of run_name's run dir; or give the file)" if keyword else ""))

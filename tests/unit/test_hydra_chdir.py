@@ -84,3 +84,19 @@ def test_an_unset_environment_variable_is_one_line(tmp_path, capsys, monkeypatch
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: environment variable LIT_DTRAIN_TEST_UNSET is not set (read by ${oc.env:LIT_DTRAIN_TEST_UNSET}): set "
         "it, or give a default, ${oc.env:LIT_DTRAIN_TEST_UNSET,<default>}")
+
+
+def test_lightnings_ckpt_path_names_are_not_made_paths_under_chdir(tmp_path, monkeypatch):
+    """``ckpt_path=last hydra.job.chdir=true`` was refused as ''<cwd>/last' does not exist', without the hint that
+    Lightning's name is not read here (resume=auto is); a file of that name where the command ran is still a file."""
+    with chdir_job(tmp_path, [*TINY, "ckpt_path=last"], monkeypatch) as cfg:
+        with pytest.raises(ConfigError, match=r"^ckpt_path='last' does not exist \(Lightning's ckpt_path='last' is "
+                                              r"not read here: resume=auto"):
+            train(cfg)
+    for start, file in ((tmp_path / "x", False), (tmp_path / "y", True)):
+        start.mkdir()
+        if file:
+            (start / "best").write_bytes(b"")
+        with chdir_job(start, ["ckpt_path=best"], monkeypatch) as cfg:
+            absolute_paths_under_chdir(cfg)
+        assert cfg.ckpt_path == (str(start / "best") if file else "best")
