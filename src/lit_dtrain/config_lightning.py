@@ -129,6 +129,8 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             f"{', '.join(map(repr, algorithms))} (or null: 'norm')"
         )
     devices = cfg.trainer.get("devices")
+    if is_whole_float(devices):  # 2.0 (1e0, ${oc.decode:...} of '2.0'): that many, as every integer key takes it
+        cfg.trainer.devices = devices = int(devices)
     ids = list(devices) if isinstance(devices, ListConfig) else None
     valid = (
         devices is None

@@ -128,3 +128,10 @@ def test_a_whole_float_limit_val_batches_is_that_many_batches(tiny_cfg):
     assert type(cfg.trainer.limit_val_batches) is float
     with pytest.raises(ConfigError, match=r"^trainer.limit_val_batches must be null .*got 1.5$"):
         check_config(tiny_cfg("trainer.limit_val_batches=1.5"))
+
+
+def test_a_whole_float_number_of_devices_is_that_many(tiny_cfg):
+    """``trainer=ddp_cpu trainer.devices=2.0`` was refused as 'must be a number of devices >= 1, ... got 2.0'."""
+    cfg = tiny_cfg("trainer=ddp_cpu", "trainer.devices=2.0")
+    check_config(cfg)
+    assert cfg.trainer.devices == 2 and type(cfg.trainer.devices) is int
