@@ -13,11 +13,13 @@ import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-# the path keys lit_dtrain reads, in an order where a key is made absolute before those that interpolate it
-# (paths.log_dir before data.exclude_dirs, paths.cache_dir before data.cache_dir)
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # Lightning's ckpt_path names, not files
-_PATH_KEYS = ("paths.log_dir", "paths.cache_dir", "ckpt_path", "init_from", "decay_branch.ckpt", "data.cache_dir",
-              "data.exclude_dirs", "trainer.default_root_dir", "logger.save_dir", "callbacks.loss_spike.path")
+# the path keys lit_dtrain reads, in an order where a key is made absolute before those that interpolate it
+# (paths.log_dir before data.exclude_dirs, paths.cache_dir before data.cache_dir, paths.checkpoint_dir before the
+# checkpoint callbacks' dirpath)
+_PATH_KEYS = ("paths.log_dir", "paths.cache_dir", "paths.checkpoint_dir", "ckpt_path", "init_from", "decay_branch.ckpt",
+              "data.cache_dir", "data.exclude_dirs", "trainer.default_root_dir", "logger.save_dir",
+              "callbacks.loss_spike.path", "callbacks.model_checkpoint.dirpath", "callbacks.preemption.dirpath")
 
 
 def _absolute(value: object, cwd: str) -> object:

@@ -100,3 +100,12 @@ def test_lightnings_ckpt_path_names_are_not_made_paths_under_chdir(tmp_path, mon
         with chdir_job(start, ["ckpt_path=best"], monkeypatch) as cfg:
             absolute_paths_under_chdir(cfg)
         assert cfg.ckpt_path == (str(start / "best") if file else "best")
+
+
+def test_a_relative_checkpoint_dir_is_the_commands_under_chdir(tmp_path, monkeypatch):
+    """``paths.checkpoint_dir=ck_rel hydra.job.chdir=true`` put the checkpoints in ``<run dir>/ck_rel`` (summary:
+    'ckpt=ck_rel/last.ckpt'), where the same command without chdir puts them in ``<cwd>/ck_rel``."""
+    with chdir_job(tmp_path, ["paths.checkpoint_dir=ck_rel", "callbacks.preemption.dirpath=pre"], monkeypatch) as cfg:
+        absolute_paths_under_chdir(cfg)
+        assert cfg.paths.checkpoint_dir == cfg.callbacks.model_checkpoint.dirpath == str(tmp_path / "ck_rel")
+        assert cfg.callbacks.preemption.dirpath == str(tmp_path / "pre")
