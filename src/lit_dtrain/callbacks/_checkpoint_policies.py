@@ -172,6 +172,17 @@ def find_blocks(root: nn.Module, module_pattern: str | None = None) -> list[tupl
     return matches
 
 
+def compiled_inner(block: nn.Module) -> nn.Module:
+    """The module whose forward to patch for ``block``: a block compiled on its own (``torch.compile(block)``, an
+    ``OptimizedModule``) calls its ``_orig_mod``, so the checkpoint goes inside the compiled region (checkpointing,
+    then compile). Patched outside it, ``selective`` under inductor failed in backward with torch's "Tensor cached
+    during selective activation checkpoint has been mutated", and the ``budget`` probe with "module OptimizedModule
+    did not run in step_fn"."""
+    inner = getattr(block, "_orig_mod", None)
+    return inner if isinstance(block, torch._dynamo.eval_frame.OptimizedModule) and isinstance(inner, nn.Module) \
+        else block
+
+
 # ---- applying a plan --------------------------------------------------------------------------------------
 class CheckpointedForward:
     """The ``forward`` a checkpointed block gets: its mode can be switched at any time.

@@ -43,6 +43,7 @@ from lit_dtrain.callbacks._checkpoint_policies import (
     BlocksNotFound,
     CheckpointedForward,
     apply_checkpointing,
+    compiled_inner,
     every_k_plan,
     find_blocks,
     resolve_ops,
@@ -66,6 +67,26 @@ def _sum_outputs(out) -> torch.Tensor:
 
 
 HALF_TRUE = ("bf16-true", "16-true")
+
+
+@contextlib.contextmanager
+def _uncompiled_blocks(root: nn.Module, names: Sequence[str]):
+    """The blocks compiled on their own (``torch.compile(block)``) replaced by their ``_orig_mod`` while the budget
+    probe runs: it runs eagerly, as LitLLM's (compiled in ``configure_model``, after ``setup``); through the compiled
+    block, MemTracker's module hooks saw nothing inside it ("module Block did not run in step_fn")."""
+    swapped = []
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        block = parent._modules[attr]
+        if compiled_inner(block) is not block:
+            parent._modules[attr] = compiled_inner(block)
+            swapped.append((parent, attr, block))
+    try:
+        yield
+    finally:
+        for parent, attr, block in swapped:
+            parent._modules[attr] = block
 
 
 def _true_dtype(plugin) -> torch.dtype | None:
@@ -195,7 +216,7 @@ class SelectiveCheckpointing(Callback):
                         "when this callback runs in setup.)")
             raise ConfigError(f"{type(self).__name__}: {e}{hint}") from e
         self.block_names = [n for n, _ in named]
-        blocks = [m for _, m in named]
+        blocks = [compiled_inner(m) for _, m in named]
         self.wrappers = apply_checkpointing(blocks, uniform_plan(len(blocks), "none"), self.save_ops)
         self._patched = pl_module
         self.budget_report = None
@@ -319,7 +340,7 @@ class SelectiveCheckpointing(Callback):
     def _budget_plan(self, trainer: Trainer, pl_module: LightningModule, blocks: list[nn.Module]) -> list[str]:
         from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 
-        with _in_training_dtype(trainer, pl_module):
+        with _in_training_dtype(trainer, pl_module), _uncompiled_blocks(pl_module, self.block_names):
             plan, report = budget_plan_from_probe(
                 self._probe_forward(trainer, pl_module), pl_module, blocks, self.wrappers, self.memory_budget,
                 self.save_ops,
