@@ -255,8 +255,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
         fit_default_warmup(cfg, ckpt_path, start_step)
-        if branch_step is None:  # (a branch warns itself, naming decay_branch.ckpt)
-            warn_if_the_resume_moves_the_lr(cfg, ckpt_path, start_step)
+        warn_if_the_resume_moves_the_lr(cfg, ckpt_path, start_step)  # a branch's start warns itself, its restart not
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes

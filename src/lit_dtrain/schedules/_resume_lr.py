@@ -112,8 +112,8 @@ def _decay_start(node) -> int | None:
 
 
 def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, default_warmup: bool,
-                                  peak_lr: float | None = None) -> None:
-    """A resume (not a decay branch) whose schedule (config node ``key``) gives the checkpoint's next step ``start``
+                                  peak_lr: float | None = None, fix: str | None = None) -> None:
+    """A resume (not a branch's start) whose schedule (config node ``key``) gives the checkpoint's next step ``start``
     another LR than the checkpoint holds for it warns, with both LRs and why. Not for a drop into a warmup the user
     gave (``default_warmup`` false: the documented re-warm, logged at info level), nor for a decay that starts at
     ``start`` from a checkpoint at its peak (the continuous path, as a decay branch takes it). ``peak_lr``: the
@@ -121,7 +121,8 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
     must move the LR (against the checkpoint's peak) and the LR this run gives the step must move the same way:
     a schedule that raises the factor while ``optimizer.lr`` was lowered to or below the checkpoint's LR does not
     jump up (before, it was told 'this run's is <the checkpoint's peak times the factor>... the LR jumps up'); a
-    changed ``optimizer.lr`` alone is logged by :func:`log_a_changed_peak`."""
+    changed ``optimizer.lr`` alone is logged by :func:`log_a_changed_peak`. ``fix``: what to do, in place of the
+    advice for the cause (a decay branch's restart)."""
     lr_and_peak = checkpoint_lr_and_peak(ckpt)
     factor = _factor(node, start)
     if lr_and_peak is None or factor is None:
@@ -150,21 +151,21 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                  "resumed steps warm up again from a lower LR" if down else
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} is shorter than the "
                  "checkpoint's run's warmup, so the LR jumps up")
-        fix = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
+        advice = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
     elif up:
         later = f" and before or early in its decay (total_steps={node.get('total_steps')})" if decay_start else ""
         cause = (f"the checkpoint is below its peak, in its run's warmup or decay, and the step lies past this run's "
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''}{later}, so the LR jumps up "
                  "without a re-warmup")
-        fix = (f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup; extend a stable-phase "
-               "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
-               "docs/wsd.md)")
+        advice = (f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup; extend a stable-phase "
+                  "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
+                  "docs/wsd.md)")
     else:
         where = f"its decay starts at step {decay_start}" if decay_start is not None else "it lowers the LR there"
         cause = (f"this run's {key} (total_steps={node.get('total_steps')}, from trainer.max_steps) is not the "
                  f"checkpoint's run's: {where}, so the LR drops at the resume")
-        fix = "to decay over the steps left from here, branch with decay_branch.ckpt=... decay_branch.steps=N"
-    log.warning("%s: %s; %s", head, cause, fix)
+        advice = "to decay over the steps left from here, branch with decay_branch.ckpt=... decay_branch.steps=N"
+    log.warning("%s: %s; %s", head, cause, advice if fix is None else fix)
 
 
 def _fmt(values: list[float]) -> str:

@@ -168,24 +168,45 @@ def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = No
 
 
 def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: int) -> None:
-    """A resume (``ckpt_path``, ``resume=auto``; not a decay branch, which warns itself) whose schedule (WSD, cosine or
+    """A resume (``ckpt_path``, ``resume=auto``; not a branch's start, warning itself) whose schedule (WSD, cosine or
     constant, the scheduler or the callback) gives step ``start`` another LR than the checkpoint's: extending a
     decayed run re-enters the stable phase at the peak (up); a larger ``trainer.max_steps`` grows the default warmup
     past a checkpoint inside its warmup (down), a smaller one shrinks it (up) or moves the decay before the step
     (down). A warmup the user gave past the step (a deliberate re-warm) is only logged
     (:func:`~lit_dtrain.schedules._resume_lr.warn_if_a_resume_moves_the_lr`). Rank 0 alone: under torchrun or srun
-    every rank resumes the same checkpoint, and each printed the same warning."""
+    every rank resumes the same checkpoint, and each printed the same warning. A branch's restart from its own
+    checkpoints is checked, and told to keep its ``decay_branch.steps``."""
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:
         return
+    branch = (cfg.get("decay_branch") or {}).get("ckpt")
+    if branch is not None and Path(str(ckpt)).resolve() == Path(str(branch)).expanduser().resolve():
+        return  # the branch's start: apply_decay_branch warned, naming decay_branch.ckpt
     nodes = _resumed_schedule_nodes(cfg)
     if nodes:
         key, node = nodes[0]
         default = _is_default_warmup(node, int(cfg.trainer.max_steps))
         warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default,
-                                      peak_lr=(cfg.get("optimizer") or {}).get("lr"))
+                                      peak_lr=(cfg.get("optimizer") or {}).get("lr"),
+                                      fix=None if branch is None else _branch_restart_fix(cfg))
     log_a_changed_peak(cfg, ckpt)
+
+
+def _branch_restart_fix(cfg: DictConfig) -> str:
+    """The fix for a decay branch restarted (``resume=auto``) with a schedule that moves its LR: another
+    ``decay_branch.steps`` than it started with (read from its ``config_resolved.yaml``, which this start has not
+    rewritten yet) moved its decay under the steps it trained; the LR jumped without a word."""
+    from omegaconf import OmegaConf
+
+    try:
+        steps = OmegaConf.select(OmegaConf.load(Path(str(cfg.paths.output_dir)) / "config_resolved.yaml"),
+                                 "decay_branch.steps")
+    except (OSError, ValueError, TypeError):
+        steps = None
+    started = f"decay_branch.steps={steps}, the one" if steps is not None else "the decay_branch.steps"
+    return (f"restart this decay branch with {started} it started with (now decay_branch.steps="
+            f"{cfg.decay_branch.steps}), or branch a decay of another length into a new run_name")
 
 
 def log_a_changed_peak(cfg: DictConfig, ckpt: str | Path) -> None:
