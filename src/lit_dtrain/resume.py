@@ -305,6 +305,15 @@ def check_start_step(cfg: DictConfig, start_step: int, ckpt_path: str | None) ->
     """A checkpoint past ``trainer.max_steps`` leaves nothing to train: refuse it instead of validating it and
     reporting its step as if this run had been asked for it (at ``max_steps`` it is a finished run: validated)."""
     max_steps = cfg.trainer.get("max_steps")
+    branch_steps = (cfg.get("decay_branch") or {}).get("steps")
+    if ckpt_path and isinstance(max_steps, int) and start_step > max_steps and isinstance(branch_steps, int):
+        # a decay branch's restart: it sets trainer.max_steps (given, it is refused), so the fix is its length
+        raise ConfigError(
+            f"checkpoint {ckpt_path!r} is at step {start_step}, past this decay branch's end, step "
+            f"{max_steps - branch_steps} + decay_branch.steps={branch_steps} = {max_steps}; restart it with "
+            f"decay_branch.steps >= {start_step - max_steps + branch_steps} (= its steps trained only validates it), "
+            "or branch into a new run_name"
+        )
     if ckpt_path and isinstance(max_steps, int) and start_step > max_steps:
         raise ConfigError(
             f"checkpoint {ckpt_path!r} is at step {start_step}, past trainer.max_steps={max_steps}; set "

@@ -44,3 +44,23 @@ def test_a_branch_restarted_with_another_length_is_told_its_lr_jumps(tiny_cfg, t
     assert said in message
     assert message.endswith(f"restart this decay branch with decay_branch.steps=8, the one it started with (now "
                             f"decay_branch.steps={steps}), or branch a decay of another length into a new run_name")
+
+
+def test_a_branch_restarted_shorter_than_it_trained_is_told_the_key_it_can_set(tiny_cfg, tmp_path):
+    """The same branch restarted with decay_branch.steps=4 (its end, step 24, lies before its checkpoint's 28) was
+    told 'set trainer.max_steps >= 28', which a decay branch refuses (it sets trainer.max_steps itself)."""
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.resume import check_start_step
+
+    src = _checkpoint(tmp_path / "src" / "checkpoints" / "step000020.ckpt", 20, lr=0.003)
+    own = _checkpoint(tmp_path / "branch" / "checkpoints" / "last.ckpt", 28, lr=0.0)
+    cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=4", "resume=auto", run="branch")
+    apply_decay_branch(cfg)
+    with pytest.raises(ConfigError) as e:
+        check_start_step(cfg, 28, str(own))
+    assert str(e.value) == (f"checkpoint {str(own)!r} is at step 28, past this decay branch's end, step 20 + "
+                            "decay_branch.steps=4 = 24; restart it with decay_branch.steps >= 8 (= its steps trained "
+                            "only validates it), or branch into a new run_name")
+    cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=8", "resume=auto", run="branch")
+    apply_decay_branch(cfg)
+    check_start_step(cfg, 28, str(own))  # the length it started with: a finished branch, validated
