@@ -137,15 +137,18 @@ def _user_fits(rank: int, root: str) -> None:
 
 
 def _worker(rank: int, port: int, root: str) -> None:
-    """The fits of the three tests below that send no signal, in one process group: a spawn per test started two
-    fresh Pythons (imports, gloo set-up) for fits of a few seconds. Each writes under its own dir of ``root``; a
-    failure in any of them fails mp.spawn, naming it."""
+    """The fits of the five tests below that run in ranks this file spawns (``mp.spawn``), in one process group: a
+    spawn per test started two fresh Pythons (imports, gloo set-up) for fits of a few seconds. Each writes under its
+    own dir of ``root``; a failure in any of them fails mp.spawn, naming it. The two SIGTERM runs come last: each
+    rank's fits after a signal start from Lightning's handlers again (``_preemption_worker`` trains two more)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
     _user_fits(rank, os.path.join(root, "user"))
     _fourier_fits(rank, os.path.join(root, "fourier"))
     _uneven_fit(rank, os.path.join(root, "uneven"))
+    _preemption_fits(rank, os.path.join(root, "preempt"))
+    _signal_in_agreement_fit(rank, os.path.join(root, "agreement"))
     leave_rank()
 
 
@@ -154,7 +157,7 @@ def fitted(tmp_path_factory) -> Path:
     from tests.conftest import make_corpus
 
     root = tmp_path_factory.mktemp("foreign")
-    for name in ("user", "fourier", "uneven"):
+    for name in ("user", "fourier", "uneven", "preempt", "agreement"):
         (root / name).mkdir()
     make_corpus(root / "fourier" / "corpus", n_files=4, size=2000)
     _lm_data(str(root / "fourier")).prepare_data()  # the token cache, built once before the ranks start
@@ -352,14 +355,11 @@ def test_spike_on_ranks_with_unequal_batches_excludes_exactly_their_samples(fitt
     assert r0["excluded"] == [12, 13, 14, 15, 16, 17, 112, 113, 114, 115, 116]  # and the previous step's
 
 
-def _preemption_worker(rank: int, port: int, root: str) -> None:
+def _preemption_fits(rank: int, root: str) -> None:
     """SIGTERM to rank 1 alone at step 3 of a user's project with ``PreemptionCheckpoint``; then a resume from the
     saved file (an epoch boundary: 4 steps an epoch) and a straight run."""
     import signal
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     from torch.utils.data import DataLoader
 
     from lit_dtrain.callbacks import AdaptiveGradClip, PreemptionCheckpoint, WSDScheduler
@@ -390,18 +390,17 @@ def _preemption_worker(rank: int, port: int, root: str) -> None:
     results = {"signalled": fit([Sigterm(), PreemptionCheckpoint(dirpath=os.path.dirname(path))]),
                "resumed": fit([PreemptionCheckpoint(dirpath=os.path.dirname(path))], path), "straight": fit([])}
     torch.save(results, os.path.join(root, f"preempt{rank}.pt"))
-    leave_rank()
 
 
-def test_sigterm_to_one_rank_of_a_users_project_saves_and_resumes_exactly(tmp_path: Path) -> None:
-    mp.spawn(_preemption_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"preempt{r}.pt", weights_only=False) for r in (0, 1))
+def test_sigterm_to_one_rank_of_a_users_project_saves_and_resumes_exactly(fitted: Path) -> None:
+    root = fitted / "preempt"
+    r0, r1 = (torch.load(root / f"preempt{r}.pt", weights_only=False) for r in (0, 1))
     for r in (r0, r1):  # both ranks stopped at the end of the signalled step, after the save
         assert (r["signalled"]["stopped"], r["signalled"]["step"]) == ("SIGTERMException", 4)
         assert r["resumed"]["stopped"] is None and r["resumed"]["step"] == 12
         assert r["resumed"]["params"] == r["straight"]["params"] == r0["straight"]["params"]
         assert r["resumed"]["states"] == r["straight"]["states"]
-    assert (tmp_path / "preempt" / "last.ckpt").is_file()
+    assert (root / "preempt" / "last.ckpt").is_file()
 
 
 def test_under_ddp_spawn_the_launching_process_keeps_the_callbacks_state_from_before_fit(tmp_path: Path) -> None:
@@ -512,13 +511,10 @@ def test_sigterm_to_the_script_lightning_launched_from_stops_both_ranks(tmp_path
     assert ckpt["global_step"] == int(stopped[0][1])
 
 
-def _signal_in_agreement_worker(rank: int, port: int, root: str) -> None:
+def _signal_in_agreement_fit(rank: int, root: str) -> None:
     """SIGTERM to rank 0 while its ``PreemptionCheckpoint`` waits in the ranks' agreement of step 3."""
     import signal
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                      LOCAL_RANK=str(rank), RANK=str(rank))
-    torch.set_num_threads(1)
     from torch.utils.data import DataLoader
 
     from lit_dtrain.callbacks import PreemptionCheckpoint
@@ -548,16 +544,15 @@ def _signal_in_agreement_worker(rank: int, port: int, root: str) -> None:
     except SystemExit as e:  # Lightning's SIGTERMException
         stopped = type(e).__name__
     torch.save({"stopped": stopped, "step": trainer.global_step}, os.path.join(root, f"agreement{rank}.pt"))
-    leave_rank()
 
 
-def test_a_sigterm_during_the_ranks_agreement_is_kept_for_the_next_step(tmp_path: Path) -> None:
+def test_a_sigterm_during_the_ranks_agreement_is_kept_for_the_next_step(fitted: Path) -> None:
     """The handler of a SIGTERM that came while ``PreemptionCheckpoint`` waited in its all-reduce runs when that
     returns, after the rank had read its flag: the flag was then overwritten with the agreed "no", and the run trained
     on to ``max_steps`` without a checkpoint (2 of 3 runs of a user's script signalled at a step's end, by hand). Now
     the next step's agreement carries it: both ranks save at step 4 and stop."""
-    mp.spawn(_signal_in_agreement_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    root = fitted / "agreement"
     for rank in (0, 1):
-        result = torch.load(tmp_path / f"agreement{rank}.pt", weights_only=False)
+        result = torch.load(root / f"agreement{rank}.pt", weights_only=False)
         assert result == {"stopped": "SIGTERMException", "step": 4}, rank
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert torch.load(root / "last.ckpt", weights_only=False)["global_step"] == 4
