@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 from lit_dtrain.config_checks import check_config
 from lit_dtrain.data._fit_end import check_the_fit_ends
@@ -53,3 +54,24 @@ def test_a_users_trainer_with_min_epochs_on_the_endless_stream_is_refused(tmp_pa
         check_the_fit_ends(trainer(tmp_path, max_epochs=2, min_epochs=3, limit_train_batches=4))
     check_the_fit_ends(trainer(tmp_path, max_steps=20, min_epochs=2, limit_train_batches=4))  # epochs of 4 batches
     check_the_fit_ends(trainer(tmp_path, max_steps=20, min_steps=10))
+
+
+class StopAtOnce(L.Callback):
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.should_stop = True  # as EarlyStopping or max_time would
+
+
+def test_min_steps_holds_a_stop_back_until_its_step_and_no_longer(tmp_path: Path) -> None:
+    """Lightning sets min_epochs=1 where only min_steps is given: on the endless stream '+trainer.min_steps=2' with
+    max_time 10 s trained past it to max_steps (and the min_epochs check refused it). The stop now waits for
+    min_steps only."""
+    from lit_dtrain.models import build_llama
+    from lit_dtrain.module import LitLLM
+    from tests.unit.test_predict import data
+
+    module = LitLLM(build_llama(vocab_size=257, d_model=32, n_layer=1, n_head=2, block_size=16),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    t = trainer(tmp_path, max_steps=20, min_steps=3, callbacks=[StopAtOnce()], limit_val_batches=0,
+                enable_model_summary=False)
+    t.fit(module, datamodule=data(tmp_path))
+    assert t.global_step == 3

@@ -16,6 +16,11 @@ def check_the_fit_ends(trainer) -> None:
         return
     limit = trainer.limit_train_batches
     finite = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    if finite is None and trainer.fit_loop.min_epochs == 1 and trainer.min_steps:
+        # Lightning sets min_epochs=1 where only min_steps is given (loops/utilities.py's _parse_loop_limits), and an
+        # epoch of this stream never ends: '+trainer.min_steps=2' with max_time 10 s trained to max_steps (and the
+        # check below refused it as min_epochs=1). min_steps alone is what was asked: the stop waits for it only.
+        trainer.fit_loop.min_epochs = 0
     if problem := min_epochs_problem(trainer.fit_loop.min_epochs, trainer.max_epochs, trainer.max_steps, finite,
                                      trainer.accumulate_grad_batches):
         raise ConfigError(problem)
