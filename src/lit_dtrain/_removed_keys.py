@@ -14,6 +14,8 @@ config: OmegaConf's ``Key 'optimizer' is not in struct`` traceback) is refused i
 
 from __future__ import annotations
 
+import re
+
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
@@ -34,14 +36,19 @@ def _removed(override: str) -> str | None:
 
 
 def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
-    """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``) names an argument of its node's ``_target_``: one
-    the class or function then takes at its own default. Another key is not refused: ``scheduler=cosine
-    '~scheduler.decay_fraction'`` removes experiment=cpt_replay's WSD key, which cosine does not take (docs/wsd.md)."""
+    """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``, ``data.sources.<i>.<x>``) names an argument of
+    its node's ``_target_`` (a source's: of ``CorpusSource``): one the class or function then takes at its default.
+    Another key is not refused: ``scheduler=cosine '~scheduler.decay_fraction'`` removes experiment=cpt_replay's WSD
+    key, which cosine does not take (docs/wsd.md)."""
     import inspect
 
     from hydra.utils import get_object
 
     parent, _, name = key.rpartition(".")
+    if re.fullmatch(r"data\.sources\.\d+", parent):  # a source's key: CorpusSource's own default
+        from lit_dtrain.data.corpus import CorpusSource  # (~data.sources.0.weight of data=mixture: 1.0 for 0.5)
+
+        return name in CorpusSource.__dataclass_fields__
     if parent != "scheduler" and not (parent.startswith("callbacks.") and parent.count(".") == 1):
         return False
     try:
