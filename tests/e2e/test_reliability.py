@@ -19,7 +19,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.module import NonFiniteError
 from lit_dtrain.run_dirs import TRAINING_STARTS
 from lit_dtrain.train import train
-from tests.conftest import PYTHON, ROOT, TINY, make_corpus, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, compose_cfg, make_corpus, subprocess_env
 
 MAX_STEPS = 12
 RUN = [*TINY, f"trainer.max_steps={MAX_STEPS}", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
@@ -34,9 +34,12 @@ def train_proc(tmp_path: Path, corpus: Path, *args: str, timeout: int = 300) -> 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """``straight_run(*args)`` -> ``(root, run_name)`` of an uninterrupted ``train_proc`` run with ``args`` (its
-    ``outputs/runs/<run_name>`` under ``root``), trained once per set of ``args`` in this module: the reference run that
-    the stopped-and-resumed runs of several tests must end at bitwise (the corpus is the same generated text)."""
+    """``straight_run(*args)`` -> ``(root, run_name)`` of an uninterrupted run of ``train_proc``'s config with ``args``
+    (its ``outputs/runs/<run_name>`` under ``root``), trained once per set of ``args`` in this module: the reference run
+    that the stopped-and-resumed runs of several tests must end at bitwise (the corpus is the same generated text).
+    A single-process run is trained in this process (a ``train.py`` process cost ~5 s of imports for a run of about
+    one; the stopped and resumed runs it is compared with are ``train.py`` processes, so the two ways agree); a DDP
+    run needs its launcher, and is a ``train_proc``."""
     root = tmp_path_factory.mktemp("straight")
     corpus = make_corpus(root / "corpus")
     done: dict[frozenset, str] = {}
@@ -45,8 +48,11 @@ def straight_run(tmp_path_factory):
         key = frozenset(args)
         if key not in done:
             run = f"straight{len(done)}"
-            proc = train_proc(root, corpus, f"run_name={run}", *args)
-            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            if any(a.startswith("trainer=ddp") for a in args):
+                proc = train_proc(root, corpus, f"run_name={run}", *args)
+                assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            else:
+                train(compose_cfg([*RUN, *args], root / "outputs" / "runs" / run, corpus, tiny=False))
             done[key] = run
         return root, done[key]
 
