@@ -49,9 +49,9 @@ class _EagerCallsAtTrainStart(pl.Callback):
         self.calls.extend(w.calls for w in self.checkpointing.wrappers)
 
 
-def _fit(callbacks: list, compiled: bool = True) -> tuple[torch.Tensor, _Net]:
+def _fit(callbacks: list, compiled: bool = True, net: type = _Net) -> tuple[torch.Tensor, _Net]:
     torch.manual_seed(0)
-    module = _Net(compiled)
+    module = net(compiled)
     data = DataLoader(torch.randint(0, 16, (8, 9), generator=torch.Generator().manual_seed(1)), batch_size=4)
     pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                enable_model_summary=False, callbacks=callbacks).fit(module, data)
@@ -73,3 +73,38 @@ def test_blocks_compiled_one_by_one_checkpoint_inside_their_compiled_code(policy
     assert "none" not in callback.plan
     # checkpointed in the steps, inside the compiled code: no eager call (`calls`; around it: 2 each in 2 steps)
     assert [(w.ran, w.calls) for w in callback.wrappers] == [(True, n) for n in at_start]
+
+
+class _Core(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(16) for _ in range(2)])
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class _CompiledCore(_Net):
+    """The blocks inside a model compiled whole: ``core._orig_mod.blocks``."""
+
+    def __init__(self, compiled: bool) -> None:
+        super().__init__(False)
+        core = _Core()
+        core.blocks = self.blocks
+        del self.blocks
+        self.core = torch.compile(core, backend="aot_eager")
+
+    def forward(self, idx):
+        return self.head(self.core(self.emb(idx)))
+
+
+def test_the_budget_probe_runs_the_blocks_of_a_model_compiled_whole():
+    # The probe ran through the compiled model, whose blocks MemTracker does not see: "module _Block did not run".
+    reference, _ = _fit([], compiled=False)
+    callback = SelectiveCheckpointing(policy="budget")
+    weights, module = _fit([callback], net=_CompiledCore)
+    assert torch.equal(weights, reference)
+    assert callback.block_names == ["core._orig_mod.blocks.0", "core._orig_mod.blocks.1"]
+    assert type(module.core).__name__ == "OptimizedModule" and callback.budget_report["fits"]

@@ -70,23 +70,22 @@ HALF_TRUE = ("bf16-true", "16-true")
 
 
 @contextlib.contextmanager
-def _uncompiled_blocks(root: nn.Module, names: Sequence[str]):
-    """The blocks compiled on their own (``torch.compile(block)``) replaced by their ``_orig_mod`` while the budget
-    probe runs: it runs eagerly, as LitLLM's (compiled in ``configure_model``, after ``setup``); through the compiled
-    block, MemTracker's module hooks saw nothing inside it ("module Block did not run in step_fn")."""
+def _uncompiled(root: nn.Module):
+    """Every compiled submodule of ``root`` (``torch.compile(block)``, or ``torch.compile(model)`` holding the blocks)
+    replaced by its ``_orig_mod`` while the budget probe runs: it runs eagerly, as LitLLM's (compiled in
+    ``configure_model``, after ``setup``); through compiled code MemTracker's module hooks saw nothing inside it
+    ("module Block did not run in step_fn")."""
     swapped = []
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = root.get_submodule(parent_name)
-        block = parent._modules[attr]
-        if compiled_inner(block) is not block:
-            parent._modules[attr] = compiled_inner(block)
-            swapped.append((parent, attr, block))
+    for _, parent in list(root.named_modules()):
+        for attr, child in list(parent._modules.items()):
+            if child is not None and compiled_inner(child) is not child:
+                parent._modules[attr] = compiled_inner(child)
+                swapped.append((parent, attr, child))
     try:
         yield
     finally:
-        for parent, attr, block in swapped:
-            parent._modules[attr] = block
+        for parent, attr, child in reversed(swapped):
+            parent._modules[attr] = child
 
 
 def _true_dtype(plugin) -> torch.dtype | None:
@@ -340,7 +339,7 @@ class SelectiveCheckpointing(Callback):
     def _budget_plan(self, trainer: Trainer, pl_module: LightningModule, blocks: list[nn.Module]) -> list[str]:
         from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 
-        with _in_training_dtype(trainer, pl_module), _uncompiled_blocks(pl_module, self.block_names):
+        with _in_training_dtype(trainer, pl_module), _uncompiled(pl_module):
             plan, report = budget_plan_from_probe(
                 self._probe_forward(trainer, pl_module), pl_module, blocks, self.wrappers, self.memory_budget,
                 self.save_ops,
