@@ -56,7 +56,7 @@ from lit_dtrain.resume import (
     warn_if_accumulation_splits,
 )
 from lit_dtrain.run_lock import hold_checkpoint_dir, hold_run_dir, release_run_dir
-from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume
+from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume, refuse_empty_checkpoint_paths
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
     check_init_from,
@@ -245,6 +245,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
     try:
         check_known_keys(cfg)  # first: the decay branch below reads its keys
+        refuse_empty_checkpoint_paths(cfg)  # init_from=$CKPT with CKPT unset trained from random weights
         drop_required_init_from_on_a_full_resume(cfg)  # a branch or extension of an experiment=cpt_replay run
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)

@@ -1,14 +1,16 @@
-"""An ``init_from`` that an experiment requires (``experiment=cpt_replay``) but a full resume does not read."""
+"""An ``init_from`` that an experiment requires (``experiment=cpt_replay``) but a full resume does not read; an empty
+checkpoint path refused."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_dtrain.checkpoint import checkpoint_files
 from lit_dtrain.config_resolvers import RequiredValueError
+from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +37,20 @@ def drop_required_init_from_on_a_full_resume(cfg: DictConfig) -> None:
     with open_dict(cfg):
         cfg.init_from = None
     log.info("init_from: not needed, %s resumes a checkpoint in full (weights, optimizer, step, data)", key)
+
+
+CHECKPOINT_PATH_KEYS = ("init_from", "decay_branch.ckpt")  # ckpt_path='' is a deliberate "none" (test_config_values)
+
+
+def refuse_empty_checkpoint_paths(cfg: DictConfig) -> None:
+    """``ConfigError`` for a checkpoint path key given as an empty string (``init_from=$CKPT`` with ``CKPT`` unset):
+    an empty ``init_from`` read as not given, so ``experiment=cpt_replay``'s continual pre-training trained from random
+    weights at step 0 without a word, and an empty ``decay_branch.ckpt`` was called a directory."""
+    for key in CHECKPOINT_PATH_KEYS:
+        try:
+            value = OmegaConf.select(cfg, key)
+        except RequiredValueError:  # experiment=cpt_replay's init_from, not given: its own error follows
+            continue
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{key} is empty ({key}={value!r}; an unset shell variable?): give a checkpoint file, "
+                              f"or {key}=null for none")
