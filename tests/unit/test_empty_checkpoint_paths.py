@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lit_dtrain.errors import ConfigError
@@ -30,3 +32,13 @@ def test_an_empty_checkpoint_path_is_refused(tmp_path, overrides, key):
 ])
 def test_checkpoint_paths_not_given_or_required_are_not_refused(tmp_path, overrides):
     refuse_empty_checkpoint_paths(compose_cfg(overrides, tmp_path / "r", tiny=False))
+
+
+def test_train_refuses_an_empty_init_from_before_any_step(tiny_cfg):
+    """The refusal is wired into train(): `init_from=''` trained from random weights at step 0 before it."""
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("trainer.max_steps=2", "init_from=''")
+    with pytest.raises(ConfigError, match=r"^init_from is empty"):
+        train(cfg)
+    assert not list(Path(cfg.paths.output_dir).rglob("*.ckpt"))
