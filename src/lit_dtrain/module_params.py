@@ -126,17 +126,45 @@ def describe_param_groups(optimizer: Optimizer, model: nn.Module) -> str:
 def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> float:
     """Forward+backward FLOPs of one batch: 6 * params * tokens plus causal attention scores.
 
-    The PaLM-appendix estimate; the embedding table is excluded unless it is tied to the LM head. Parameter sizes
-    are the full ones (:func:`remember_parameter_shapes`), not a shard's: every rank computes the whole model. The
-    forward pass alone (a validation batch) is a third of it: 2 FLOPs per parameter and token, backward 4.
+    The PaLM-appendix estimate with the attention term halved for the causal mask (PaLM's ``12 L d T`` per token
+    counts the full T x T scores; nanoGPT's ``estimate_mfu`` and torchtitan count those too, so their MFU of the same
+    run reads higher by ``6 L d T / (6 N + 6 L d T)``). An ``nn.Embedding``'s table is excluded (a lookup), unless it
+    is tied to the LM head: its weight is also another module's parameter (or ``config.tie_embeddings`` says so).
+    The attention term needs the depth and width from ``model.config``: ``n_layer`` (or ``num_hidden_layers``) and
+    ``d_model`` (or nanoGPT's ``n_embd``, Hugging Face's ``hidden_size``); a model without them gets ``6 N`` alone.
+    Parameter sizes are the full ones (:func:`remember_parameter_shapes`), not a shard's: every rank computes the
+    whole model. The forward pass alone (a validation batch) is a third of it: 2 FLOPs per parameter and token,
+    backward 4.
     """
     config = getattr(getattr(model, "_orig_mod", model), "config", None)
     n_params = sum(math.prod(_shape(p)) for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, nn.Embedding) and not getattr(config, "tie_embeddings", False):
+        if isinstance(module, nn.Embedding) and not _tied(model, module.weight, config):
             n_params -= math.prod(_shape(module.weight))
     tokens = batch_size * seq_len
     flops = 6.0 * n_params * tokens
-    if config is not None and hasattr(config, "n_layer"):
-        flops += 6.0 * config.n_layer * config.d_model * seq_len * tokens  # QK^T and AV, fwd+bwd, causal half
+    n_layer = _config_value(config, "n_layer", "num_hidden_layers")
+    width = _config_value(config, "d_model", "n_embd", "hidden_size")
+    if n_layer is not None and width is not None:
+        flops += 6.0 * n_layer * width * seq_len * tokens  # QK^T and AV, fwd+bwd, causal half
     return flops
+
+
+def _tied(model: nn.Module, weight: nn.Parameter, config) -> bool:
+    """Whether an embedding's ``weight`` is also the weight of another module (a tied LM head, which multiplies it).
+    A user's model that tied its head without a ``config.tie_embeddings`` had the head's FLOPs left out (GPT-2
+    small's 38.6M of 124M parameters)."""
+    if getattr(config, "tie_embeddings", False):
+        return True
+    owners = sum(any(p is weight for p in m.parameters(recurse=False)) for m in model.modules())
+    return owners > 1
+
+
+def _config_value(config, *names: str) -> int | None:
+    """The first of ``names`` that ``config`` has as a positive integer (a nanoGPT ``GPTConfig`` names the width
+    ``n_embd``: reading ``config.d_model`` raised ``AttributeError`` at a fit's first training batch)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
