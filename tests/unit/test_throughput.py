@@ -84,9 +84,35 @@ def test_peak_flops_of_gpus_lightnings_table_misses():
     assert peak("NVIDIA H200", "bf16-mixed") == peak("NVIDIA H200", "16-mixed") == 989.4e12  # the H100 SXM's
     assert peak("NVIDIA H200", "32-true", "high") == 494.7e12  # TF32 tensor cores
     assert peak("NVIDIA H200", "32-true", "highest") == 66.9e12
-    assert peak("NVIDIA H200 NVL", "bf16-true") == 835.5e12
+    assert peak("NVIDIA H200 NVL", "bf16-true") == peak("NVIDIA H100 NVL", "bf16-mixed") == 835.5e12
     assert peak("NVIDIA H100 80GB HBM3", "bf16-mixed") is None  # Lightning knows it
     assert peak("NVIDIA H200", "transformer-engine") is None
+
+
+def test_on_an_h100_nvl_mfu_uses_one_cards_dense_peak_not_lightnings(monkeypatch) -> None:
+    """Lightning's table gives "NVIDIA H100 NVL" a bridged pair's figures (bf16 1978.8e12, NVIDIA's preliminary sheet
+    for two cards), and its value was kept whenever it had one: MFU on one H100 NVL read 0.42 of what it was. The
+    monitor's setup is run on a stand-in trainer whose root device is a CUDA device of that name."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.trainer.states import RunningStage
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
+    trainer = SimpleNamespace(
+        precision_plugin=MixedPrecision("bf16-mixed", "cuda"), precision="bf16-mixed", world_size=1,
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), enable_validation=False, global_step=0,
+        state=SimpleNamespace(stage=RunningStage.TRAINING), accumulate_grad_batches=1)
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    assert get_available_flops(torch.device("cuda", 0), torch.bfloat16) == 1978.8e12  # Lightning's figure
+    monitor = token_throughput_monitor(window_size=2)
+    monitor.setup(trainer, None, "fit")
+    assert monitor.available_flops == 835.5e12
+    assert monitor._throughputs[RunningStage.TRAINING].available_flops == 835.5e12
+    given = token_throughput_monitor(window_size=2, available_flops=5e14)
+    given.setup(trainer, None, "fit")
+    assert given.available_flops == 5e14
 
 
 class FlopsTokens(Tokens):

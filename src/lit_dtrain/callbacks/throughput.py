@@ -23,8 +23,10 @@ previous validation's), so in TensorBoard the curves went backwards and overlapp
 
 FLOP/s and MFU (``train/device/mfu``) need the device's peak FLOP/s. Lightning's table misses the H200 as it names
 itself ("NVIDIA H200", "NVIDIA H200 NVL"; Lightning matches "sxm1"/"nvl1" only, and lists sparse figures for them),
-so :func:`peak_flops_lightning_lacks` fills those in with NVIDIA's dense figures; ``available_flops`` overrides the
-peak for any device.
+and for the H100 NVL ("NVIDIA H100 NVL") it gives the figures of two bridged cards (bf16 1978.8e12, from NVIDIA's
+preliminary sheet for the pair; one card's dense peak is 835.5e12: MFU read 0.42 of what it was), so
+:func:`peak_flops_lightning_lacks` puts one card's dense figures in for those, in place of Lightning's;
+``available_flops`` overrides the peak for any device.
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a runn
 # NVIDIA's dense peak FLOP/s (datasheets; the sparse figures are twice these) of GPUs Lightning does not recognise by
 # the names torch reports. The H200 SXM has the H100 SXM's tensor cores (Lightning: 989.4e12 bf16 for the H100 SXM).
 _DENSE_PEAK = {
+    # one 94 GB H100 NVL card (datasheet: TF32 835, BF16 1671 with sparsity); Lightning's row is a bridged pair's
+    "nvidia h100 nvl": {"64": 30e12, "32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "16": 835.5e12},
     "nvidia h200 nvl": {"64": 30e12, "32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "16": 835.5e12},
     "nvidia h200": {"64": 33.5e12, "32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "16": 989.4e12},
 }
 
 
 def peak_flops_lightning_lacks(device_name: str, precision: str, matmul_precision: str = "high") -> float | None:
-    """Dense peak FLOP/s of a GPU Lightning's table misses, for a Trainer ``precision`` ("bf16-mixed", "32-true",
-    ...) and ``torch.get_float32_matmul_precision()``; None for any other device or precision."""
+    """Dense peak FLOP/s of a GPU Lightning's table misses or gives other figures for, for a Trainer ``precision``
+    ("bf16-mixed", "32-true", ...) and ``torch.get_float32_matmul_precision()``; None for any other device or
+    precision (Lightning's figure then stands)."""
     table = _DENSE_PEAK.get(device_name.strip().lower())
     if table is None:
         return None
@@ -215,7 +220,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         peak = self.peak_flops
         device = trainer.strategy.root_device
-        if peak is None and self.available_flops is None and device.type == "cuda":
+        if peak is None and device.type == "cuda":  # ours in place of Lightning's (a card pair's for the H100 NVL)
             peak = peak_flops_lightning_lacks(
                 torch.cuda.get_device_name(device), str(trainer.precision), torch.get_float32_matmul_precision()
             )
