@@ -138,9 +138,8 @@ def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> flo
     """
     config = getattr(getattr(model, "_orig_mod", model), "config", None)
     n_params = sum(math.prod(_shape(p)) for p in model.parameters())
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) and not _tied(model, module.weight, config):
-            n_params -= math.prod(_shape(module.weight))
+    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}  # a shared one once
+    n_params -= sum(math.prod(_shape(w)) for w in tables.values() if not _tied(model, w, config))
     tokens = batch_size * seq_len
     flops = 6.0 * n_params * tokens
     n_layer = _config_value(config, "n_layer", "num_hidden_layers")
@@ -151,13 +150,13 @@ def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> flo
 
 
 def _tied(model: nn.Module, weight: nn.Parameter, config) -> bool:
-    """Whether an embedding's ``weight`` is also the weight of another module (a tied LM head, which multiplies it).
-    A user's model that tied its head without a ``config.tie_embeddings`` had the head's FLOPs left out (GPT-2
-    small's 38.6M of 124M parameters)."""
+    """Whether an embedding's ``weight`` is also a parameter of a module that is no embedding (a tied LM head, which
+    multiplies it; another embedding sharing it only looks rows up). A user's model that tied its head without a
+    ``config.tie_embeddings`` had the head's FLOPs left out (GPT-2 small's 38.6M of 124M parameters)."""
     if getattr(config, "tie_embeddings", False):
         return True
-    owners = sum(any(p is weight for p in m.parameters(recurse=False)) for m in model.modules())
-    return owners > 1
+    return any(any(p is weight for p in m.parameters(recurse=False))
+               for m in model.modules() if not isinstance(m, nn.Embedding))
 
 
 def _config_value(config, *names: str) -> int | None:
