@@ -24,3 +24,18 @@ def test_a_lock_held_on_this_host_is_refused_without_waiting(tmp_path, caplog):
     finally:
         release_run_dir(held)
     release_run_dir(hold_run_dir(tmp_path, wait_s=1.0))
+
+
+def test_the_lock_file_names_only_its_holder_after_a_longer_stale_line(tmp_path):
+    """A lock file left by an earlier holder with a longer line (another host's name) is rewritten, not overwritten
+    in place: a refusal quotes the file, and a stale tail made it name two processes on two hosts."""
+    from lit_dtrain.run_lock import LOCK_NAME
+
+    (tmp_path / LOCK_NAME).write_text("process 1234567 on a-much-longer-host-name.cluster.example (since 2026-01-01 "
+                                      "00:00:00)\n")
+    held = hold_run_dir(tmp_path)
+    try:
+        (line,) = (tmp_path / LOCK_NAME).read_text().splitlines()
+        assert line.startswith("process ") and "a-much-longer-host-name" not in line
+    finally:
+        release_run_dir(held)
