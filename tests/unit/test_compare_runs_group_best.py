@@ -1,0 +1,23 @@
+"""A group's best mean is of all its finished runs or none: a run with no best value (every value NaN: it diverged)
+leaves the group's best '-', not the mean of the other runs' bests shown as the group's."""
+
+from __future__ import annotations
+
+import math
+
+from tests.unit.test_compare_runs import compare_runs
+
+
+def _row(label: str, final: float, best: float, best_step: int | None) -> dict:
+    return {"label": label, "finished": True,
+            "by_metric": {"val/loss": {"final": final, "best": best, "best_step": best_step}}}
+
+
+def test_a_run_without_a_best_value_leaves_its_groups_best_unknown():
+    rows = [_row("s0", 3.0, 2.5, 4), _row("s1", math.nan, math.nan, None), _row("t0", 3.2, 2.9, 4)]
+    groups = {"s0": "lr=1", "s1": "lr=1", "t0": "lr=2"}
+    by_label = {g["label"]: g["by_metric"]["val/loss"] for g in compare_runs.summarize_groups(rows, groups,
+                                                                                             ["val/loss"])}
+    assert by_label["lr=1"]["n"] == 2 and math.isnan(by_label["lr=1"]["best_mean"])
+    assert math.isnan(by_label["lr=1"]["final_mean"])
+    assert by_label["lr=2"]["best_mean"] == 2.9 and by_label["lr=2"]["final_mean"] == 3.2
