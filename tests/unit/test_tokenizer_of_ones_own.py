@@ -57,3 +57,34 @@ def test_a_cache_written_before_ids_were_cast_is_rebuilt(tmp_path, monkeypatch):
     assert len(stale.train) + len(stale.val) == 4 * 3 * 61
     splits = build_token_cache(corpus, tmp_path / "cache", 9, 0.3, tokenizer=_Words(), progress=False)
     assert len(splits.train) + len(splits.val) == 3 * 61
+
+
+class _Bytes(_Words):
+    """A bytewise tokenizer of one's own: the cache appends its ``eos_id`` after each file itself."""
+
+    bytewise = True
+
+    def encode(self, data, add_eos: bool = False):
+        return np.frombuffer(bytes(data), dtype=np.uint8).astype(np.int64)
+
+
+@pytest.mark.parametrize("eos_id, vocab_size, message", [
+    (70_000, 100_000, r"eos_id 70000 is outside 0\.\.65535 \(its vocab_size is 100000;"),  # numpy 2: OverflowError
+    (300, 300, r"eos_id 300 is outside 0\.\.299 \(its vocab_size is 300;"),  # was written as it was
+    (-1, 300, r"eos_id -1 is outside 0\.\.299"),
+    (256.0, 300, r"eos_id must be an integer token id, got 256\.0"),
+])
+def test_a_bytewise_tokenizers_eos_id_the_cache_cannot_hold_is_refused(tmp_path, eos_id, vocab_size, message):
+    tokenizer = _Bytes(vocab_size)
+    tokenizer.eos_id = eos_id
+    with pytest.raises(CorpusError, match=rf"^tokenizer 'words-test': {message}"):
+        build_token_cache(_corpus(tmp_path), tmp_path / "cache", 9, 0.3, tokenizer=tokenizer, progress=False)
+    assert not list((tmp_path / "cache").glob("*/train.bin"))  # refused before a cache was written
+
+
+def test_a_bytewise_tokenizers_eos_id_ends_each_file(tmp_path):
+    tokenizer = _Bytes(300)
+    tokenizer.eos_id = 299
+    splits = build_token_cache(_corpus(tmp_path), tmp_path / "cache", 9, 0.3, tokenizer=tokenizer, progress=False)
+    tokens = np.concatenate([splits.train, splits.val])
+    assert (tokens == 299).sum() == 3 and tokens.dtype == np.uint16

@@ -75,7 +75,8 @@ class LMDataModule(L.LightningDataModule):
             files under ``cache_dir`` never are either.
         sampler: an :class:`IndexSampler`; defaults to :class:`RandomSampler`.
         tokenizer: :class:`ByteTokenizer` by default; one of one's own has ``name`` (in the cache key), ``vocab_size``,
-            ``eos_id`` and ``encode(data: bytes, add_eos: bool)`` returning integer ids below ``vocab_size`` and 65536.
+            ``eos_id`` and ``encode(data: bytes, add_eos: bool)`` returning integer ids below ``vocab_size`` and 65536
+            (``eos_id`` too).
     """
 
     def __init__(

@@ -37,7 +37,7 @@ from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_dirs, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.split_report import warn_about_split
-from lit_dtrain.data.tokenizer import ByteTokenizer, as_token_ids
+from lit_dtrain.data.tokenizer import ByteTokenizer, as_token_ids, eos_token
 from lit_dtrain.utils.atomic import pid_alive
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -320,6 +320,7 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
     """Tokenize ``docs`` into ``tmp/train.bin`` and ``tmp/val.bin``, one document in memory at a time (holding
     them all, then their tokens, then the concatenation took ~7x the corpus in RAM). Returns the meta fields."""
     n_train = n_val = 0
+    eos = eos_token(tokenizer) if getattr(tokenizer, "bytewise", False) else None  # checked before any document
     total = _total_bytes([path for path, _ in docs])  # bytes: a bar of files stood at 0/1 for one huge file
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {source.name!r}", disable=not progress,
                leave=False)
@@ -333,7 +334,7 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
                     read_digest.update(chunk)
                     count += out.write(memoryview(as_token_ids(tokenizer.encode(chunk), tokenizer)))
                     bar.update(len(chunk))
-                count += out.write(memoryview(np.array([tokenizer.eos_id], dtype=np.uint16)))
+                count += out.write(memoryview(eos))
             else:
                 data = b"".join(_chunks(path, bom))
                 read_digest.update(data)

@@ -57,12 +57,33 @@ def as_token_ids(ids, tokenizer) -> np.ndarray:
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise CorpusError(f"tokenizer {name!r}: encode() must return a 1-D sequence of integer token ids, got an "
                           f"array of shape {arr.shape} and dtype {arr.dtype}")
-    vocab = int(getattr(tokenizer, "vocab_size", 1 << 16))
-    limit = min(vocab, 1 << 16)
     low, high = int(arr.min()), int(arr.max())
-    if low < 0 or high >= limit:
-        raise CorpusError(
-            f"tokenizer {name!r}: encode() returned token id {low if low < 0 else high}, outside 0..{limit - 1} (its "
-            f"vocab_size is {vocab}; the token cache stores ids as uint16, so at most 65536 of them)"
-        )
+    if low < 0 or high >= _id_limit(tokenizer):
+        raise CorpusError(f"tokenizer {name!r}: encode() returned token id {low if low < 0 else high}, "
+                          f"{_outside(tokenizer)}")
     return arr.astype(np.uint16, copy=False)
+
+
+def eos_token(tokenizer) -> np.ndarray:
+    """``tokenizer.eos_id`` as the token cache's one-token uint16 array (a bytewise tokenizer's documents end with
+    it); :class:`CorpusError` for an id the cache or the vocabulary cannot hold. An eos_id of 70000 ended the build
+    in numpy's ``OverflowError: Python integer 70000 out of bounds for uint16`` traceback, and one of 300 under a
+    ``vocab_size`` of 300 was written as it was."""
+    eos = getattr(tokenizer, "eos_id", None)
+    name = getattr(tokenizer, "name", type(tokenizer).__name__)
+    if isinstance(eos, bool) or not isinstance(eos, (int, np.integer)):
+        raise CorpusError(f"tokenizer {name!r}: eos_id must be an integer token id, got {eos!r}")
+    if not 0 <= int(eos) < _id_limit(tokenizer):
+        raise CorpusError(f"tokenizer {name!r}: eos_id {int(eos)} is {_outside(tokenizer)}")
+    return np.array([int(eos)], dtype=np.uint16)
+
+
+def _id_limit(tokenizer) -> int:
+    """One past the largest id the token cache holds for ``tokenizer``: its ``vocab_size``, at most 65536 (uint16)."""
+    return min(int(getattr(tokenizer, "vocab_size", 1 << 16)), 1 << 16)
+
+
+def _outside(tokenizer) -> str:
+    vocab = int(getattr(tokenizer, "vocab_size", 1 << 16))
+    return (f"outside 0..{_id_limit(tokenizer) - 1} (its vocab_size is {vocab}; the token cache stores ids as uint16, "
+            "so at most 65536 of them)")
