@@ -6,7 +6,8 @@ it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
 ``train/lengths`` counts this rank's tokens (rank 0's: with several ranks, a share of the step's), and ``train/tokens``
-all ranks' together, each step's tokens times that start's number of ranks: both are running totals that a resume
+all ranks' together, each step's tokens times that start's number of ranks (the steps taken: a stop mid-accumulation's
+unstepped micro-batches are not in it): both are running totals that a resume
 (and a later ``fit`` of the same Trainer) goes on from, but only ``train/tokens`` stays the tokens trained across a
 resume on another number of ranks (2 ranks resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens``
 draws runs against it). With an ``LMDataModule`` of 2+ sources the row also holds ``data/share/<name>``: each source's
@@ -110,6 +111,9 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         # count then, and the ranks: train/tokens is computed when logged or checkpointed, nothing added per batch
         self._tokens_at_start: int | None = 0
         self._lengths_at_start, self._ranks = 0, 1
+        # this rank's count at the last optimizer step: a stop mid-accumulation (max_time, should_stop) leaves the
+        # step's micro-batches untrained, and train/tokens in last.ckpt, which a resume goes on from, counted them
+        self._lengths_stepped = 0
         self._time_at_start = 0.0  # the training seconds at this fit's start (the checkpoint's, on a resume)
 
     def _start(self, trainer) -> None:
@@ -128,6 +132,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             tokens = resumed.get("tokens", None if trainer.global_step else 0)
             self._tokens_at_start = None if tokens is None else int(tokens)
             self._lengths_at_start, self._ranks = int(resumed.get("lengths", 0)), trainer.world_size
+            self._lengths_stepped = self._lengths_at_start
             self._time_at_start = float(resumed.get("time", 0.0))
         if trainer.state.stage == stage and resumed:
             # the running totals go on from the checkpoint's (Lightning counts from the fit's start: after a resume
@@ -142,8 +147,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         trains a batch of one shape: the datamodule splits one global batch evenly)."""
         if self._tokens_at_start is None:
             return None
-        lengths = self._lengths.get(RunningStage.TRAINING, self._lengths_at_start)
-        return self._tokens_at_start + (lengths - self._lengths_at_start) * self._ranks
+        return self._tokens_at_start + (self._lengths_stepped - self._lengths_at_start) * self._ranks
 
     def state_dict(self) -> dict:
         stage = RunningStage.TRAINING
@@ -162,9 +166,11 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
 
     def _compute(self, trainer, iter_num: int | None = None) -> None:
         # Lightning's, with train/tokens in the same row
+        stage = trainer.state.stage
+        if stage == RunningStage.TRAINING:  # Lightning computes at each optimizer step's last micro-batch
+            self._lengths_stepped = self._lengths[stage]
         if not trainer._logger_connector.should_update_logs:
             return
-        stage = trainer.state.stage
         throughput = self._throughputs[stage]
         metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
         if stage == RunningStage.TRAINING and (tokens := self._tokens()) is not None:

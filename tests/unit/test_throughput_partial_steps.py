@@ -1,0 +1,38 @@
+"""The tokens an optimizer step trains where it has fewer micro-batches than ``accumulate_grad_batches``: an epoch's
+last step when its batch count is no multiple of them (Lightning steps on an epoch's final batch), and a stop
+mid-accumulation, whose micro-batches never step (``train/tokens`` in ``last.ckpt``, which a resume goes on from,
+counted them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+COMMON = ("trainer.accumulate_grad_batches=2", "trainer.log_every_n_steps=1", "sample.max_new_tokens=0")
+
+
+def _saved(cfg) -> tuple[dict, dict]:
+    """last.ckpt's TrainClock and throughput callback states."""
+    callbacks = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)["callbacks"]
+    return callbacks["TrainClock"], next(v for k, v in callbacks.items() if "ThroughputMonitor" in k)
+
+
+class _StopMidStep(L.Callback):
+    """Sets ``should_stop`` after micro-batch 3 of a run with 2 a step, as a ``max_time`` stop does then."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == 2:
+            trainer.should_stop = True
+
+
+def test_a_stop_mid_accumulation_counts_only_the_steps_it_trained(tiny_cfg):
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg(*COMMON, "+callbacks.stop._target_=tests.unit.test_throughput_partial_steps._StopMidStep")
+    metrics, _ = train(cfg)
+    micro = cfg.data.batch_size * cfg.model.block_size
+    assert metrics["steps"] == 1 and metrics["stopped"] == "should_stop"
+    _, throughput = _saved(cfg)
+    assert throughput["tokens"] == 2 * micro  # the third micro-batch never stepped (3 counted before)
