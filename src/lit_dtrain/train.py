@@ -367,7 +367,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     # a start that only validated: the figures of the fit that trained the steps
     previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step, stopped) if steps == start_step > 0 \
         else {}
-    tokens = (steps - start_step) * per_step
+    # the micro-batches trained, where counted: an epoch's last step can have fewer than accumulate_grad_batches
+    tokens = clock.tokens if clock.tokens is not None and clock.start is not None else (steps - start_step) * per_step
     val_loss = val_metrics.get("val/loss", float("nan"))
     metrics = {
         "val_loss": val_loss,

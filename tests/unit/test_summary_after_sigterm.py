@@ -63,3 +63,18 @@ def test_a_resume_that_only_validates_reports_one_fits_figures_and_says_so_once(
     clock.load_state_dict({"train_loss": 2.5, "start_step": 2, "train_seconds": 0.5, "wall_seconds": 0.8})
     assert figures_of_the_fit_that_trained(trainer, tmp_path, clock, 128) == {
         "train_loss": 2.5, "tokens_per_sec": 4 * 128 / 0.5, "wall_seconds": 0.8}
+
+
+def test_a_resume_that_only_validates_reports_the_tokens_its_fit_counted():
+    """The checkpoint's tokens (an epoch's short last steps: 10 micro-batches of 128 in 6 steps of 2), not 6 full
+    steps: 12 micro-batches' worth, 20 % over."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.train_callbacks import TrainClock, figures_of_the_fit_that_trained
+
+    clock = TrainClock()
+    clock.load_state_dict({"train_loss": 2.5, "start_step": 0, "train_seconds": 0.5, "wall_seconds": 0.8,
+                           "tokens": 10 * 128})
+    trainer = SimpleNamespace(global_step=6, is_global_zero=False)
+    figures = figures_of_the_fit_that_trained(trainer, Path("/nonexistent"), clock, 2 * 128)
+    assert figures["tokens_per_sec"] == 10 * 128 / 0.5

@@ -1,22 +1,45 @@
 """The tokens an optimizer step trains where it has fewer micro-batches than ``accumulate_grad_batches``: an epoch's
 last step when its batch count is no multiple of them (Lightning steps on an epoch's final batch), and a stop
 mid-accumulation, whose micro-batches never step (``train/tokens`` in ``last.ckpt``, which a resume goes on from,
-counted them)."""
+counted them). ``summary.json``'s ``tokens_per_sec`` counted every step as full
+(``limit_train_batches=5``, 2 micro-batches a step: 6 steps trained 5120 tokens and it counted 6144, 20 % over)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 COMMON = ("trainer.accumulate_grad_batches=2", "trainer.log_every_n_steps=1", "sample.max_new_tokens=0")
+
+
+def _clock(objects):
+    from lit_dtrain.train_callbacks import TrainClock
+
+    return next(c for c in objects["trainer"].callbacks if isinstance(c, TrainClock))
 
 
 def _saved(cfg) -> tuple[dict, dict]:
     """last.ckpt's TrainClock and throughput callback states."""
     callbacks = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)["callbacks"]
     return callbacks["TrainClock"], next(v for k, v in callbacks.items() if "ThroughputMonitor" in k)
+
+
+def test_an_epochs_short_last_step_counts_the_tokens_it_trained(tiny_cfg):
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg(*COMMON, "+trainer.limit_train_batches=5")
+    metrics, objects = train(cfg)
+    micro = cfg.data.batch_size * cfg.model.block_size
+    assert metrics["steps"] == 6
+    saved, throughput = _saved(cfg)
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    # tokens/s x the training seconds: the tokens trained, two epochs of 5 micro-batches in 3 steps each (12 before)
+    assert summary["tokens_per_sec"] * saved["train_seconds"] == pytest.approx(10 * micro, rel=0.1)
+    assert _clock(objects).tokens == saved["tokens"] == throughput["tokens"] == 10 * micro  # train/tokens' count
 
 
 class _StopMidStep(L.Callback):
@@ -31,8 +54,9 @@ def test_a_stop_mid_accumulation_counts_only_the_steps_it_trained(tiny_cfg):
     from lit_dtrain.train import train
 
     cfg = tiny_cfg(*COMMON, "+callbacks.stop._target_=tests.unit.test_throughput_partial_steps._StopMidStep")
-    metrics, _ = train(cfg)
+    metrics, objects = train(cfg)
     micro = cfg.data.batch_size * cfg.model.block_size
     assert metrics["steps"] == 1 and metrics["stopped"] == "should_stop"
-    _, throughput = _saved(cfg)
+    saved, throughput = _saved(cfg)
     assert throughput["tokens"] == 2 * micro  # the third micro-batch never stepped (3 counted before)
+    assert _clock(objects).tokens == saved["tokens"] == 2 * micro  # summary.json's tokens/s counts the same
