@@ -33,6 +33,36 @@ ONE_RATE_NOTE = (f"--x tokens: run(s) {{runs}} logged no {TOKENS!r} (written bef
                  "median step x the ranks, else its config), which is off where a resume changed the number of ranks "
                  "or data.batch_size")
 
+UNEVEN_NOTE = ("--x {x}: these runs trained different tokens per optimizer step ({rates}; the ranks, data.batch_size, "
+               "data.block_size or the accumulation differ, or an epoch's short last steps): at equal steps the ones "
+               "with more have seen more data; {advice}")
+UNEVEN_ADVICE = {"step": "compare them at equal tokens with --x tokens",
+                 "tokens": "the PNG draws them at equal tokens, but the tables' final and best values are at each "
+                           "run's own steps"}
+
+
+def uneven_tokens_note(labels: list[str], runs: list, all_scalars: list[dict], x: str = "step") -> str | None:
+    """A note naming each run's tokens per optimizer step (:func:`tokens_trained`) where they differ by more than
+    1 %, else None: the tables compare each run's values at its own steps whatever the PNG's axis ``x``. A 1-rank
+    baseline beside a 2-rank ``experiment=compression_sweep`` saw half the tokens at each step, and the table set its
+    val/loss 1.88 % behind theirs without a word. A run whose tokens are not known (it logged nothing) is left
+    out."""
+    rates = {}
+    for label, run, scalars in zip(labels, runs, all_scalars):
+        if not scalars:
+            continue
+        try:
+            rates[label] = tokens_trained(str(run), scalars)[1]["tokens_per_step"]
+        except RunDirError:
+            continue
+    if len(rates) < 2 or max(rates.values()) <= 1.01 * min(rates.values()):
+        return None
+    by_rate: dict[str, list[str]] = {}
+    for label, rate in rates.items():
+        by_rate.setdefault(f"{rate:.0f}", []).append(repr(label))
+    rates_text = "; ".join(f"{rate}: {', '.join(names)}" for rate, names in by_rate.items())
+    return UNEVEN_NOTE.format(x=x, advice=UNEVEN_ADVICE[x], rates=rates_text)
+
 
 def tokens_trained(run: str, scalars: dict[str, list[tuple[int, float]]]) -> tuple[Callable[[float], float], dict]:
     """A function from the steps trained to the tokens trained then, all ranks together, and what the JSON says of

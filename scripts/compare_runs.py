@@ -62,7 +62,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     summarize,
     table_order,
 )
-from _compare_runs_tokens import ONE_RATE_NOTE, tokens_trained  # noqa: E402 - --x tokens
+from _compare_runs_tokens import ONE_RATE_NOTE, tokens_trained, uneven_tokens_note  # noqa: E402 - --x tokens
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -249,6 +249,8 @@ def compare(
         best_group_by_metric = {m: best_group(groups, m, ranks[m]) for m in metrics}
     if one_rate := [r["label"] for r in rows if r.get("tokens_from") == "rate"]:
         text += "\n" + ONE_RATE_NOTE.format(runs=", ".join(map(repr, one_rate))) + "\n"
+    if uneven := uneven_tokens_note(labels, run_dirs, all_scalars, x):
+        text += "\n" + uneven + "\n"
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
     if out:
