@@ -95,3 +95,16 @@ def require_token_losses(callback, outputs) -> tuple[torch.Tensor, torch.Tensor]
     if wrong:
         raise StepOutputError(f"{type(callback).__name__}: in what training_step returned, {'; '.join(wrong)}")
     return token_loss, index
+
+
+def token_mask_of(callback, outputs, token_loss: torch.Tensor) -> torch.Tensor | None:
+    """``outputs["token_mask"]`` (optional: true for a real token, false for padding), checked to be ``token_loss``'s
+    shape."""
+    mask = outputs.get("token_mask")
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(token_loss.shape):
+        raise StepOutputError(f"{type(callback).__name__}: in what training_step returned, 'token_mask' is a "
+                              f"{_shape(mask)}, not token_loss's shape {tuple(token_loss.shape)} (true: a real token, "
+                              "false: padding), e.g. labels != -100")
+    return mask.detach()

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
-from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs, require_token_losses
+from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs, require_token_losses, token_mask_of
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
@@ -87,7 +87,7 @@ class FourierSamplerCallback(L.Callback):
         return self.apply_lr_multiplier
 
     def _reset_step(self) -> None:
-        self._micro_outputs: list[tuple] = []  # (token_loss, index) of this step's micro-batches so far
+        self._micro_outputs: list[tuple] = []  # (token_loss, index, token_mask or None) of this step's micro-batches
         self._optimizer_ran = False  # an optimizer.step of this step ran (its post-hook)
         self._optimizer_had_grads = False  # ... and saw grads: the step was not dropped
 
@@ -199,7 +199,7 @@ class FourierSamplerCallback(L.Callback):
         if outputs is not None and not (isinstance(outputs, Mapping) and not outputs):
             require_outputs(self, outputs, self.required_step_outputs)
             token_loss, index = require_token_losses(self, outputs)
-            self._micro_outputs.append((token_loss.detach(), index))
+            self._micro_outputs.append((token_loss.detach(), index, token_mask_of(self, outputs, token_loss)))
         # else: training_step returned None, Lightning's way to skip a batch (it hands on {}): nothing to learn from
         sampler = self.sampler_of(trainer)
         step = self._batch_step
@@ -220,8 +220,9 @@ class FourierSamplerCallback(L.Callback):
         # entropy would be that of the *next* draw, not of the distribution this step's batches were drawn from
         prob_entropy = sampler.entropy() if log_now else None
         energies = []  # each micro-batch's (lag 0: floats; lag 1: on the device, averaged once landed)
-        for token_loss, index in micro_outputs:
-            stats = sampler.observe(token_loss, index, step=step)
+        for token_loss, index, token_mask in micro_outputs:
+            masked = {} if token_mask is None else {"token_mask": token_mask}  # (an observe of one's own may lack it)
+            stats = sampler.observe(token_loss, index, step=step, **masked)
             self._comm_bytes += stats["comm_bytes"]
             energies.append(stats["top_band_energy"])
         self._after_apply(trainer, pl_module, sampler)

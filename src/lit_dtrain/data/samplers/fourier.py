@@ -189,7 +189,11 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
         if self.seq_len == seq_len and self.profile.shape[1] == self.fine_bands > 0:
             return
         if self.seq_len and self.seq_len != seq_len:
-            raise ValueError(f"FourierSampler was bound to T={self.seq_len} but got token_loss with T={seq_len}")
+            raise ValueError(
+                f"FourierSampler was bound to T={self.seq_len} but got token_loss with T={seq_len}: its band table "
+                "is of one window length; pad every batch to the same length (collate to a fixed maximum, not the "
+                "batch's longest) and return 'token_mask' [B, T] (true: a real token) so that the padding is left out"
+            )
         auto_freq, auto_bands = spectral.default_band_config(seq_len)
         self.max_freq = int(auto_freq if self.max_freq is None else self.max_freq)
         self.num_bands = int(auto_bands if self.num_bands is None else self.num_bands)
@@ -241,7 +245,8 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
 
     # ---- updates -----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def observe(self, token_loss: torch.Tensor, index: torch.Tensor, step: int) -> dict:
+    def observe(self, token_loss: torch.Tensor, index: torch.Tensor, step: int,
+                token_mask: torch.Tensor | None = None) -> dict:
         """Score this rank's samples of one micro-step and share the update with every rank.
 
         Collective when ``torch.distributed`` is initialized: every rank must call it once per micro-step.
@@ -250,12 +255,21 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
         0-d tensor on that device (its value is copied to the host with the update's records: :meth:`landed_stats`
         reads it once they have landed) and ``nonfinite`` is None (the count reaches ``nonfinite_skipped`` when the
         update is applied, at the next step's ``observe``).
+
+        ``token_mask`` ``[B, T]`` (true: a real token) leaves padding out of the scores: each padded position takes
+        its row's mean over the real tokens, so the time score is that mean and the band energies, scaled by ``T``
+        over the real tokens' count, sum to their variance. Without it, padding's zero loss counted as tokens (a
+        sample padded to 3x its length scored a third of its loss). A row with no real token is left out, as a
+        non-finite one.
         """
         if self.num_samples == 0:
             raise RuntimeError("FourierSampler.setup() was not called")
         if token_loss.dim() != 2 or index.shape != token_loss.shape[:1]:
             raise ValueError(f"need token_loss [B, T] and index [B], got {tuple(token_loss.shape)} and "
                              f"{tuple(index.shape)}")
+        if token_mask is not None and tuple(token_mask.shape) != tuple(token_loss.shape):
+            raise ValueError(f"need token_mask of token_loss's shape {tuple(token_loss.shape)}, got "
+                             f"{tuple(token_mask.shape)}")
         if self.lag:
             self._apply_pending(keep=step)  # the earlier calls' updates: the draws after this call see them
         else:
@@ -266,11 +280,20 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
         # poison its sample's moments or, through the band weights, every other sample's score: it is scored
         # as zero loss here and marked NaN in the record, and every rank drops it in _apply.
         token_loss = token_loss.detach()
+        real = None
+        if token_mask is not None:  # padding takes its row's real mean: no effect on the mean or the deviations
+            mask = token_mask.detach().to(token_loss.device, torch.bool)
+            real = mask.sum(1)
+            kept = torch.where(mask, token_loss.float(), 0.0)
+            mean = torch.where(real > 0, kept.sum(1) / real.clamp_min(1), float("nan"))  # no real token: left out
+            token_loss = torch.where(mask, token_loss.float(), mean[:, None])
         finite = torch.isfinite(token_loss).all(dim=1)
         all_finite = None if self.lag else bool(finite.all())  # lag: no host sync, the same values either way
         if not all_finite:
             token_loss = torch.where(finite[:, None], token_loss, 0.0)
         fine = spectral.band_energies(token_loss, self.max_freq, self.fine_bands)  # (B, F) on token_loss.device
+        if real is not None:  # the real tokens' variance, not its dilution by the padding
+            fine = fine * (token_loss.shape[1] / real.clamp_min(1).float())[:, None]
         bands = self.bands_at(step)
         profile = spectral.merge_bands(fine, bands)
         local = profile.sum(0)
