@@ -22,7 +22,8 @@ log_every_n_steps == 0`` (Lightning's own cadence, so the rows line up with ``tr
 it has reached the host with step ``k``'s update, at the end of step ``k + 1`` (the last step's at the end of
 training, or when a stop signal ends the fit), so that logging never waits for the GPU either. Under manual
 optimization the step of the sampler's schedules is ``global_step`` over the number of optimizers
-(:func:`sampler_step`).
+(:func:`sampler_step`). With a datamodule of one's own (not ``LMDataModule``, whose state holds it), the sampler's
+table is checkpointed in this callback's state.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs, 
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
+from lit_dtrain.data.datamodule import LMDataModule
 from lit_dtrain.data.samplers.fourier import FourierSampler
 
 
@@ -80,6 +82,7 @@ class FourierSamplerCallback(L.Callback):
         self._warned_nonfinite = False
         self._nonfinite_at_start = 0
         self._energy_owed: int | None = None  # lag=1: the logged step whose top_band_energy is still on the device
+        self._table_sampler: FourierSampler | None = None  # the sampler whose table this callback checkpoints
         self._reset_step()
 
     @property
@@ -113,9 +116,25 @@ class FourierSamplerCallback(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._table_sampler = None
         if stage == "fit":
-            self.sampler_of(trainer)
+            sampler = self.sampler_of(trainer)
             check_step_outputs([self], pl_module)  # a module that declares step_output_keys: refused before compute
+            if not isinstance(trainer.datamodule, LMDataModule):
+                # a datamodule of one's own: the table is this callback's to keep (a resume started it over without a
+                # word); LMDataModule's state_dict holds it (one that also saves it loads the same state twice)
+                self._table_sampler = sampler
+
+    @override
+    def state_dict(self) -> dict:
+        return {} if self._table_sampler is None else {"sampler": self._table_sampler.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        # after setup (Lightning restores a checkpoint then); only for a fit: an evaluation with ckpt_path= must not
+        # rewind the table of the fit this callback serves
+        if "sampler" in state_dict and self._table_sampler is not None:
+            self._table_sampler.load_state_dict(state_dict["sampler"])
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
