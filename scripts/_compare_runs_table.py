@@ -80,6 +80,8 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
     ("fourier/bands", None),
     ("fourier/mix", None),
     ("fourier/prob_entropy", None),
+    ("fourier/prob_max_ratio", None),
+    ("fourier/prob_min_ratio", None),
     ("fourier/top_band_energy", None),
     ("fourier/comm_bytes_per_step", False),
     ("fourier/nonfinite_skipped", False),  # non-finite losses it left out so far

@@ -12,7 +12,8 @@ optimizer step saw (a step post-hook; when the GradScaler skipped ``optimizer.st
 end: an fp16 overflow keeps its grads and is still learned from; its non-finite rows are not, see the sampler). It
 applies the stage's LR multiplier inside each ``optimizer.step`` (torch step pre/post hooks: the scheduler's own LR
 is restored right after the update, so schedules and ``LearningRateMonitor`` see unscaled values) and logs
-``fourier/mix``, ``fourier/bands``, ``fourier/prob_entropy`` (of the distribution the step's batch was drawn from),
+``fourier/mix``, ``fourier/bands``, ``fourier/prob_entropy``, ``fourier/prob_max_ratio`` and ``fourier/prob_min_ratio``
+(of the distribution the step's batch was drawn from),
 ``fourier/top_band_energy`` (this rank's mean energy, in nats², of the top active band of a window's token-loss
 spectrum, over the step's micro-batches), ``fourier/lr_mult``, ``fourier/comm_bytes_per_step`` and
 ``fourier/nonfinite_skipped`` (samples whose token loss was NaN/inf, which the sampler leaves out of its table; the
@@ -237,7 +238,7 @@ class FourierSamplerCallback(L.Callback):
         log_now = on_log_cadence(every, step, trainer)  # Lightning's cadence: rows line up with train/loss
         # before observe(): on one process (or with async_op=False) observe() applies the update at once, and the
         # entropy would be that of the *next* draw, not of the distribution this step's batches were drawn from
-        prob_entropy = sampler.entropy() if log_now else None
+        distribution = sampler.distribution_stats() if log_now else None
         energies = []  # each micro-batch's (lag 0: floats; lag 1: on the device, averaged once landed)
         for token_loss, index, token_mask in micro_outputs:
             masked = {} if token_mask is None else {"token_mask": token_mask}  # (an observe of one's own may lack it)
@@ -249,7 +250,10 @@ class FourierSamplerCallback(L.Callback):
             metrics = {
                 "fourier/mix": float(stats["mix"]),
                 "fourier/bands": float(stats["bands"]),
-                "fourier/prob_entropy": prob_entropy,
+                "fourier/prob_entropy": distribution["entropy"],
+                # how far from the target its most and least likely samples are (1 and 1: it has learned nothing)
+                "fourier/prob_max_ratio": distribution["prob_max_ratio"],
+                "fourier/prob_min_ratio": distribution["prob_min_ratio"],
                 # the multiplier this step's update used (1.0 when this callback does not apply it)
                 "fourier/lr_mult": sampler.lr_multiplier(step) if self.apply_lr_multiplier else 1.0,
                 "fourier/comm_bytes_per_step": float(self._comm_bytes),

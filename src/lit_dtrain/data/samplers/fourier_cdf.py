@@ -201,6 +201,18 @@ class TwoLevelCDF:
         scale = (1.0 - self.uniform_floor) / c["total"]
         return scale * self._weights_at(idx) + self.uniform_floor * self._target_at(idx)
 
+    def distribution_stats(self) -> dict:
+        """The table's distribution as it is (no flush, as :meth:`entropy`), in numbers one can read: ``entropy``
+        (nats), and ``prob_max_ratio`` / ``prob_min_ratio``, the most and least likely drawable sample's probability
+        over its share of the target (the mixture prior over the samples not excluded): 1 and 1 while it is that
+        target, uniform for one source. O(N)."""
+        everything = torch.arange(self.num_samples)
+        probs, target = self._probs_at(everything), self._target_at(everything)
+        drawable = target > 0
+        ratio = probs[drawable] / target[drawable]
+        return {"entropy": spectral.entropy(probs), "prob_max_ratio": float(ratio.max()),
+                "prob_min_ratio": float(ratio.min())}
+
     def _target_at(self, idx: torch.Tensor) -> torch.Tensor:
         """The target distribution (mixture prior over non-excluded samples) at ``idx``."""
         c = self._distribution()
