@@ -7,28 +7,16 @@ import torch
 
 from lit_dtrain.callbacks import FourierSamplerCallback
 from lit_dtrain.data.samplers import FourierSampler
-
-
-class _Trainer:
-    def __init__(self, sampler):
-        self.datamodule = type("DM", (), {"sampler": sampler})()
-        self.global_step, self.accumulate_grad_batches, self.log_every_n_steps = 0, 1, 1
-
-
-class _Module:
-    def __init__(self, trainer):
-        self.trainer, self.logged = trainer, {}
-
-    def log(self, name, value, **kw):
-        self.logged.setdefault(self.trainer.global_step, {})[name] = value
+from tests.unit.test_fourier_sampler import _FakeTrainer, _Recorder
 
 
 def test_the_logged_spread_is_that_of_the_distribution_the_batch_was_drawn_from():
     s = FourierSampler(variant="magnitude", stages=False)
     s.setup(20)
     s.exclude([3])  # not drawable: left out of both ratios (its probability is 0)
-    cb, trainer = FourierSamplerCallback(log_every_n_steps=1), _Trainer(s)
-    module, expected = _Module(trainer), []
+    cb, trainer = FourierSamplerCallback(log_every_n_steps=1), _FakeTrainer(s)
+    trainer.accumulate_grad_batches, trainer.log_every_n_steps = 1, 1
+    module, expected = _Recorder(trainer), []
     for step in range(5):
         idx = s.global_batch(step, 8)
         probs = s.probabilities(step)
