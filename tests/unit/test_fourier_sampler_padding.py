@@ -71,3 +71,11 @@ def test_the_callback_hands_the_step_outputs_token_mask_to_the_sampler():
     with pytest.raises(StepOutputError, match=r"'token_mask' is a torch.bool tensor of shape \(4, 8\), not token_"):
         cb.on_train_batch_end(trainer, None, {"token_loss": loss, "index": torch.arange(4),
                                               "token_mask": mask[:, :8]}, None, 1)
+
+
+def test_the_mask_reads_nothing_back_under_lag_1():
+    """lag=1's observe never waits for the device (meta tensors hold no data: any read fails), token_mask too."""
+    s = _sampler(lag=1)
+    loss, mask = _padded([16, 5, 9, 1])
+    stats = s.observe(loss.to("meta"), torch.arange(4, device="meta"), step=0, token_mask=mask.to("meta"))
+    assert stats["nonfinite"] is None and s._pending[0].parts[0].device.type == "meta"
