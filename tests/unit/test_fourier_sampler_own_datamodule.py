@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -84,3 +85,10 @@ def test_a_resume_keeps_the_table_of_a_datamodule_of_ones_own(tmp_path):
     assert int(resumed.sampler.visits.sum()) == int(straight.sampler.visits.sum()) == 14  # 5 steps of 3, a repeat
     for key, value in straight.sampler.state_dict().items():  # it started the table over: 9 visits
         assert torch.equal(torch.as_tensor(resumed.sampler.state_dict()[key]), torch.as_tensor(value)), key
+
+
+def test_a_datamodule_without_a_sampler_is_told_how_to_give_it_one():
+    trainer = type("T", (), {"datamodule": L.LightningDataModule()})()
+    with pytest.raises(TypeError, match=r"got none: LightningDataModule has no attribute 'sampler'; pass .*LMDataModule"
+                                        r".*, give a datamodule of your own a 'sampler' attribute, a FourierSampler"):
+        FourierSamplerCallback.sampler_of(trainer)

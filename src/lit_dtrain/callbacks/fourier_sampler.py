@@ -111,7 +111,9 @@ class FourierSamplerCallback(L.Callback):
             raise TypeError(  # (a datamodule of one's own was told the config group, no word of LMDataModule)
                 f"FourierSamplerCallback needs trainer.datamodule.sampler to be a FourierSampler, got {what}; pass "
                 "trainer.fit(datamodule=LMDataModule(..., sampler=FourierSampler(...))) (from lit_dtrain.data and "
-                "lit_dtrain.data.samplers), or with train.py select data/sampler=fourier"
+                "lit_dtrain.data.samplers), give a datamodule of your own a 'sampler' attribute, a FourierSampler it "
+                "draws its batches from (docs/callbacks_in_your_project.md), or with train.py select "
+                "data/sampler=fourier"
             )
         return sampler
 
