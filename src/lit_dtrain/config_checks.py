@@ -90,12 +90,6 @@ def check_config(cfg: DictConfig) -> None:
     if is_number(min_steps := cfg.trainer.get("min_steps")) and min_steps > max_steps:  # Lightning stops at max_steps
         raise ConfigError(f"trainer.min_steps={min_steps} exceeds trainer.max_steps={max_steps}: the run stops at "
                           "max_steps; lower trainer.min_steps or raise trainer.max_steps")
-    finite = next((v for k in ("overfit_batches", "limit_train_batches")  # whole numbers (config_lightning)
-                   if is_number(v := cfg.trainer.get(k), integer=True) and v > 0), None)
-    if problem := min_epochs_problem(cfg.trainer.get("min_epochs"), cfg.trainer.get("max_epochs"), max_steps,
-                                     None if finite is None else int(finite),
-                                     cfg.trainer.get("accumulate_grad_batches") or 1, prefix="trainer."):
-        raise ConfigError(problem)
     check_val_check_interval(cfg)
     for key in ("trainer.val_check_interval", "trainer.accumulate_grad_batches"):  # Lightning divides by them
         value = OmegaConf.select(cfg, key, default=None)
@@ -167,8 +161,23 @@ def check_config(cfg: DictConfig) -> None:
 
     check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the next check)
     check_target_arguments(cfg)
+    check_min_epochs(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
+
+
+def check_min_epochs(cfg: DictConfig) -> None:
+    """:func:`~lit_dtrain.data._fit_end.min_epochs_problem` for the config, once whole floats are ints (the Trainer's
+    integer arguments are made so by ``check_target_arguments``: ``min_epochs=2.0`` above ``max_epochs=1`` passed),
+    and a whole float above 1 is a number of batches, as Lightning reads it (``limit_train_batches=2.0`` was taken
+    for the endless stream: 'min_epochs=1 can never be met')."""
+    finite = next((int(v) for k in ("overfit_batches", "limit_train_batches")  # 1.0: Lightning's "all", endless
+                   if is_number(v := cfg.trainer.get(k)) and v >= 1 and v % 1 == 0
+                   and (is_number(v, integer=True) or v > 1)), None)
+    if problem := min_epochs_problem(cfg.trainer.get("min_epochs"), cfg.trainer.get("max_epochs"),
+                                     cfg.trainer.get("max_steps", -1), finite,
+                                     cfg.trainer.get("accumulate_grad_batches") or 1, prefix="trainer."):
+        raise ConfigError(problem)
 
 
 def check_checkpoint_dirs(cfg: DictConfig) -> None:

@@ -231,7 +231,7 @@ NOT_CONFIG_KEYS = {
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
     "trainer.overfit_batches",  # a Lightning argument the trainer config does not list: added with '+' (6o)
     "trainer.min_steps",  # a Lightning argument the trainer config does not list: added with '+' (6g)
-    "trainer.min_epochs", "trainer.max_epochs",  # the same (6g)
+    "trainer.min_epochs", "trainer.max_epochs", "trainer.limit_train_batches",  # the same (6g)
 }
 WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion"}  # 6a: refused
 

@@ -24,6 +24,10 @@ from lit_dtrain.errors import ConfigError
      r"^trainer.min_epochs=3 of 4 batches each is 12 optimizer steps, past trainer.max_steps=6"),
     ("+trainer.min_epochs=2 +trainer.limit_train_batches=4 trainer.accumulate_grad_batches=3 trainer.max_steps=3",
      r"is 4 optimizer steps, past trainer.max_steps=3"),  # ceil(4 / 3) = 2 steps an epoch
+    # whole floats are read as the ints they are (they passed: the check ran before the Trainer's keys were ints)
+    ("+trainer.min_epochs=2.0 +trainer.max_epochs=1", r"^trainer.min_epochs=2 exceeds trainer.max_epochs=1: "),
+    ("+trainer.min_epochs=1.0", r"^trainer.min_epochs=1 can never be met: "),
+    ("+trainer.min_epochs=1 +trainer.limit_train_batches=1.0", r"^trainer.min_epochs=1 can never be met: "),  # all
 ])
 def test_a_min_epochs_that_cannot_be_met_is_refused(override, match, tiny_cfg) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -36,6 +40,9 @@ def test_a_min_epochs_that_cannot_be_met_is_refused(override, match, tiny_cfg) -
     "+trainer.min_epochs=2 +trainer.limit_train_batches=3 trainer.max_steps=6",
     "+trainer.min_epochs=2 +trainer.max_epochs=2 +trainer.overfit_batches=2 trainer.max_steps=4",
     "+trainer.min_steps=6 trainer.max_steps=6",
+    # a whole float above 1 is that many batches, as Lightning reads it (refused as the endless stream)
+    "+trainer.min_epochs=1 +trainer.limit_train_batches=2.0 trainer.max_steps=4",
+    "+trainer.min_epochs=1 +trainer.overfit_batches=2.0 trainer.max_steps=4",
 ])
 def test_a_min_epochs_that_can_be_met_passes(override, tiny_cfg) -> None:
     check_config(tiny_cfg(*override.split(" ")))
