@@ -82,3 +82,22 @@ def test_min_steps_holds_a_stop_back_until_its_step_and_no_longer(tmp_path: Path
                 enable_model_summary=False)
     t.fit(module, datamodule=data(tmp_path))
     assert t.global_step == 3
+
+
+@pytest.mark.parametrize(("min_steps", "limit", "stopped_at"), [
+    (3, 100, 3),  # an epoch of 100 batches, past max_steps=20: refused as 'min_epochs=1 of 100 batches each ...'
+    (0, None, 1),  # min_steps=0 gets Lightning's min_epochs=1 too: refused as 'min_epochs=1 can never be met'
+])
+def test_the_min_epochs_lightning_adds_to_min_steps_is_not_refused(tmp_path: Path, min_steps, limit, stopped_at):
+    """The min_epochs=1 Lightning sets beside any min_steps (0 included) was refused where an epoch outlasts
+    max_steps, naming a min_epochs the user never gave; the stop waits for min_steps only."""
+    from lit_dtrain.models import build_llama
+    from lit_dtrain.module import LitLLM
+    from tests.unit.test_predict import data
+
+    module = LitLLM(build_llama(vocab_size=257, d_model=32, n_layer=1, n_head=2, block_size=16),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    t = trainer(tmp_path, max_steps=20, min_steps=min_steps, callbacks=[StopAtOnce()], limit_val_batches=0,
+                enable_model_summary=False, **({} if limit is None else {"limit_train_batches": limit}))
+    t.fit(module, datamodule=data(tmp_path))
+    assert t.global_step == stopped_at

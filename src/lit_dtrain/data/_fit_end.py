@@ -16,10 +16,13 @@ def check_the_fit_ends(trainer) -> None:
         return
     limit = trainer.limit_train_batches
     finite = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
-    if finite is None and trainer.fit_loop.min_epochs == 1 and trainer.min_steps:
-        # Lightning sets min_epochs=1 where only min_steps is given (loops/utilities.py's _parse_loop_limits), and an
-        # epoch of this stream never ends: '+trainer.min_steps=2' with max_time 10 s trained to max_steps (and the
-        # check below refused it as min_epochs=1). min_steps alone is what was asked: the stop waits for it only.
+    if trainer.fit_loop.min_epochs == 1 and trainer.min_steps is not None and min_epochs_problem(
+            1, trainer.max_epochs, trainer.max_steps, finite, trainer.accumulate_grad_batches):
+        # Lightning sets min_epochs=1 where only min_steps is given (0 too: loops/utilities.py's _parse_loop_limits),
+        # and an epoch of this stream never ends: '+trainer.min_steps=2' with max_time 10 s trained to max_steps (and
+        # the check below refused it as min_epochs=1); so did an epoch of more steps than max_steps
+        # ('+trainer.min_steps=2 +trainer.limit_train_batches=100 trainer.max_steps=4'). min_steps alone is what was
+        # asked: the stop waits for it only (an epoch that can end within max_steps keeps Lightning's 1).
         trainer.fit_loop.min_epochs = 0
     if problem := min_epochs_problem(trainer.fit_loop.min_epochs, trainer.max_epochs, trainer.max_steps, finite,
                                      trainer.accumulate_grad_batches):
