@@ -120,7 +120,7 @@ CASES = {
     "plain": "# @package _global_\ndefaults:\n  - override /callbacks: [default, fourier_sampler]\n",
     "spike": "# @package _global_\ndefaults:\n  - override /callbacks: [default, loss_spike, fourier_sampler]\n"
              "callbacks:\n  loss_spike:\n    warmup_steps: 3\n"
-             "  spike:\n    _target_: tests.unit.test_fourier_sampler._ScaleLogitsAt\n    step: 4\n",
+             "  spike:\n    _target_: tests.unit.test_fourier_sampler_spikes._ScaleLogitsAt\n    step: 4\n",
 }
 
 
