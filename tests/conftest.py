@@ -132,7 +132,8 @@ def _restore_lightning_env():
 def no_group_left():
     """A test's 1-device fit under a DDP strategy (``CompressedDDPStrategy``) starts a one-process gloo group that
     Lightning leaves initialized; a later test's ``train()`` then found a group and kept it (test_distributed_exit
-    failed after test_compressors' fits, and after test_preemption_order's). Destroyed when the test ends."""
+    failed after test_compressors_local_updates' fits, and after test_preemption_order's). Destroyed when the test
+    ends."""
     yield
     import torch.distributed as dist
 
