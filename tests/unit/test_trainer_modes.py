@@ -287,7 +287,7 @@ def test_scale_batch_size_restores_its_step_0_file_without_a_batch_warning(tmp_p
     """``Tuner.scale_batch_size`` restores the step-0 checkpoint it saved with the batch size it found: LMDataModule
     warned 'the checkpoint trained on global batches of 4 windows ..., and this run's are 8 ... (data.batch_size=4
     keeps its batch)', advice to undo the tuning, of a file that drew no batch. A checkpoint that drew one still
-    warns (tests/unit/test_data.py)."""
+    warns (tests/unit/test_data_resume_and_exclusions.py)."""
     from lightning.pytorch.tuner import Tuner
 
     from lit_dtrain.data.samplers import RandomSampler
