@@ -165,8 +165,8 @@ def free_port() -> int:
 def leave_rank() -> None:
     """End a spawned test rank whose results are saved: a barrier, then ``os._exit(0)``, which skips
     ``destroy_process_group`` and the interpreter's teardown. Either could hang a gloo rank after its work was done
-    (a CI run hung 13 minutes in the first test of tests/dist/test_compressed_ddp.py with both ranks' results
-    written and one rank left waiting on a futex), and ``mp.spawn``'s join then waits for it forever."""
+    (a CI run hung 13 minutes in the first test of tests/dist/test_compressed_ddp.py, now _raw.py, with both ranks'
+    results written and one rank left waiting on a futex), and ``mp.spawn``'s join then waits for it forever."""
     import torch.distributed as dist
 
     if dist.is_initialized():

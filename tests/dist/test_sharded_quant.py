@@ -5,7 +5,7 @@ rank and within the two-rounding bound of the exact mean; the bytes each rank ha
 shard formula and, at 4 ranks, are about half of what the all-gather codec hands over the wire; two different
 bucket layouts give bit-identical results and residuals; error feedback (worker and server) removes the bias of
 a repeated gradient; with stochastic rounding the average of many reductions tends to the exact mean (both
-roundings are stochastic). The 2-rank Lightning resume test is ``int8_rs`` in tests/dist/test_compressed_ddp.py.
+roundings are stochastic). The 2-rank Lightning resume test is ``int8_rs`` in tests/dist/test_compressed_ddp_resume.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lit_dtrain.strategies import BlockQuantizer, Communicator, ShardedBlockQuan
 from lit_dtrain.strategies.comm import _all_gather_single
 from lit_dtrain.strategies.compressors import segments_from_shapes
 from tests.conftest import free_port, leave_rank
-from tests.dist.test_compressed_ddp import assert_same
+from tests.dist._compressed_ddp_helpers import assert_same
 
 pytestmark = pytest.mark.dist
 

@@ -38,7 +38,8 @@ def test_compression_ratio_is_absent_until_something_was_sent():
 
 def test_another_strategy_resuming_compressed_state_is_told_what_it_drops():
     """The message a plain-DDP (or single-device) resume of a ``ddp_compressed`` checkpoint warns with, from the
-    strategy's own ``comm_state_dict``; the 2-rank run through Lightning is in tests/dist/test_compressed_ddp.py."""
+    strategy's own ``comm_state_dict``; the 2-rank run through Lightning is in
+    tests/dist/test_compressed_ddp_resume.py."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy, dropped_comm_state_message

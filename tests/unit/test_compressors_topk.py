@@ -198,8 +198,9 @@ def test_session_reduces_the_first_bucket_after_a_restore_as_the_saved_buckets()
     """On 3+ ranks an all-reduce sums in an order set by a value's place in the buffer, so the first step after a
     restore (DDP's initial bucket: every parameter, another order) is reduced as the saved buckets, each laid out as
     saved; a bucket that is not a union of them (another size) is reduced as it is. Checked here by what the codec
-    is handed; tests/dist/test_compressed_ddp.py::test_resume_restores_comm_state_exactly[powersgd_3_ranks] checks
-    the resumed run on 3 ranks."""
+    is handed;
+    tests/dist/test_compressed_ddp_resume.py::test_resume_restores_comm_state_exactly[powersgd_3_ranks] checks the
+    resumed run on 3 ranks."""
     a, b = SEGMENTS[:2], SEGMENTS[2:]
     na = sum(s.numel for s in a)
     saved = [[[s.name, s.offset, s.numel] for s in a], [[s.name, s.offset - na, s.numel] for s in b]]

@@ -3,7 +3,7 @@
 A DataLoader of one's own under ``use_distributed_sampler=False`` with 10 batches on rank 0 and 12 on rank 1
 (``max_epochs=1``, local SGD period 4) hung until ``collective_timeout_s`` (rank 0 at step 9, rank 1 at step 11):
 rank 0's last-step sync met rank 1's per-batch SIGTERM broadcast of Lightning. Under a per-step codec (``int8``) rank 0
-exited 0 after 10 steps and rank 1 hung. The 2-rank fit is in ``tests/dist/test_compressed_ddp.py``.
+exited 0 after 10 steps and rank 1 hung. The 2-rank fit is in ``tests/dist/test_compressed_ddp_fits.py``.
 """
 
 from __future__ import annotations

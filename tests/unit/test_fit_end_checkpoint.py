@@ -1,6 +1,6 @@
 """The warning for a checkpoint written at a stop between local-update syncs (``warn_checkpoint_before_final_sync``).
 
-The 2-rank fit: ``tests/dist/test_compressed_ddp.py``,
+The 2-rank fit: ``tests/dist/test_compressed_ddp_fits.py``,
 ``test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so``.
 """
 
