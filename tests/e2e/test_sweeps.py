@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lit_dtrain.train import train
 from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
-from tests.unit.test_compare_runs import compare_runs
+from tests.unit._compare_runs_helpers import compare_runs
 
 
 def test_every_failed_sweep_job_says_why_in_its_own_dir(tmp_path, corpus):

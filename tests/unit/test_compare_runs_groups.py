@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from tests.unit.test_compare_runs import compare_runs, write_run
+from tests.unit._compare_runs_helpers import compare_runs, write_run
 
 
 def seed_sweep(sweep, finals):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.unit.test_compare_runs import compare_runs, write_run
+from tests.unit._compare_runs_helpers import compare_runs, write_run
 
 MULTIRUN = ("hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
             "  overrides:\n    task:\n    - {task}\n")
