@@ -114,7 +114,7 @@ def _restore_lightning_env():
 
     - ``L.seed_everything`` (train() and some tests call it) exports ``PL_GLOBAL_SEED`` and ``PL_SEED_WORKERS``, and
       Lightning's DDP setup then reseeds with that seed, so a 2-rank test's data depended on which tests ran before
-      it (test_grad_clip_local_updates_dist clipped nothing after tests/unit/test_loss_spike.py).
+      it (test_grad_clip_local_updates_dist clipped nothing after tests/unit/test_loss_spike_*.py).
     - An in-process DDP run on one device exports ``LOCAL_RANK``, ``NODE_RANK`` and ``MASTER_ADDR/PORT``: a later
       test's ``train.py`` with 2 DDP ranks then took itself for an externally launched rank 0 and waited for a rank
       1 forever (tests/e2e/test_multirun_ddp.py after tests/unit/test_distributed_exit.py).

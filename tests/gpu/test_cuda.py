@@ -219,7 +219,7 @@ def test_fp16_grad_scaler_with_a_nan_step_skipped_by_the_spike_monitor(tiny_cfg)
 
     cfg = tiny_cfg(*GPU, "trainer.precision=16-mixed",
                    "callbacks=[default,loss_spike]", "callbacks.loss_spike.warmup_steps=2", "trainer.max_steps=10",
-                   "trainer.val_check_interval=5", "+callbacks.inject._target_=tests.unit.test_loss_spike.InjectAt",
+                   "trainer.val_check_interval=5", "+callbacks.inject._target_=tests.unit._loss_spike_helpers.InjectAt",
                    "+callbacks.inject.nan=[6]")
     metrics, objects = train(cfg)
     monitor = next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))

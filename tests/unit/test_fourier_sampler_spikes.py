@@ -232,7 +232,7 @@ def test_the_table_does_not_learn_from_a_step_the_monitor_dropped_under_16_mixed
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lit_dtrain.optim import adamw
-    from tests.unit.test_loss_spike import Inject, make_data, make_module
+    from tests.unit._loss_spike_helpers import Inject, make_data, make_module
 
     dm = make_data(tmp_path)
     dm.sampler = FourierSampler(stages=False)
@@ -269,7 +269,7 @@ def test_lag_one_applies_the_previous_update_at_a_step_the_monitor_dropped(tmp_p
     """With lag=1 the update of step s is applied at the next observe(). A step that LossSpikeMonitor drops (NaN
     loss) is not observed, so the update before it waited a step more: the step after the dropped one drew from the
     table through s - 3, not s - 2. The callback now applies it at the dropped step's end."""
-    from tests.unit.test_loss_spike import Inject, make_data, make_module
+    from tests.unit._loss_spike_helpers import Inject, make_data, make_module
 
     dm = make_data(tmp_path)
     dm.sampler = FourierSampler(stages=False, lag=1)

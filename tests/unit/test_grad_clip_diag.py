@@ -15,7 +15,7 @@ from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks.optimizer_diagnostics import eps_dominated_fraction
 from tests.faults import RaiseOnceAt
-from tests.unit.test_loss_spike import Inject, make_data, make_module, make_trainer
+from tests.unit._loss_spike_helpers import Inject, make_data, make_module, make_trainer
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lit_dtrain.callbacks import LossSpikeMonitor
 from lit_dtrain.module import NonFiniteError
-from tests.unit.test_loss_spike import make_data, make_module, make_trainer, one_thread  # noqa: F401
+from tests.unit._loss_spike_helpers import make_data, make_module, make_trainer, one_thread  # noqa: F401
 
 
 class NanGradAt(L.Callback):
@@ -260,7 +260,7 @@ def test_a_lasting_shift_under_max_consecutive_null_is_told_without_the_log_acti
     """max_consecutive=None never accepts a new level: a loss 30x from step 8 on makes every later step a spike, and
     ``skip`` drops them all. Without ``log`` nothing said so (the run ended with exit 0, 17 of its 25 steps dropped);
     now a warning comes once the run of spikes reaches 10 steps (and 100, 1000 ...)."""
-    from tests.unit.test_loss_spike import Inject
+    from tests.unit._loss_spike_helpers import Inject
 
     monitor = LossSpikeMonitor(actions=["skip"], warmup_steps=5, max_consecutive=None,
                                path=str(tmp_path / "spikes.jsonl"))
@@ -370,7 +370,7 @@ def test_the_every_sample_excluded_error_points_at_spikes_jsonl_only_where_it_is
      "LossSpikeMonitor: 1 non-finite (NaN/inf) step, step 5 (max_nonfinite=1); "),  # was "1 ... steps in a row, 5-5"
 ])
 def test_a_stop_at_one_spike_names_it_in_the_singular(tmp_path: Path, kwargs, inject, error, message) -> None:
-    from tests.unit.test_loss_spike import Inject
+    from tests.unit._loss_spike_helpers import Inject
 
     trainer = make_trainer(tmp_path, [Inject(inject), LossSpikeMonitor(warmup_steps=3, **kwargs)], max_steps=8)
     with pytest.raises(Exception) as raised:
