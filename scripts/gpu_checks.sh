@@ -44,7 +44,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep it
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c \"import torch, \
 lightning, hydra, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), \
 'lightning', lightning.__version__, 'bitsandbytes', bitsandbytes.__version__)\""
-step pytest_gpu 240 "$py" -m pytest -q tests/gpu tests/unit/test_configs.py -p no:cacheprovider --timeout 200 -rfE \
+step pytest_gpu 240 "$py" -m pytest -q tests/gpu tests/unit/test_configs_*.py -p no:cacheprovider --timeout 200 -rfE \
     --durations 15
 # FourierSampler per-step overhead (issue #5's <= 3 %) on the benchmark's tiny model and on two larger ones,
 # with lag 0 (the brief's) and lag 1 (observe does not wait for the GPU)

@@ -56,7 +56,7 @@ _BOOL_KEYS = (  # read with `if value:`, so a string (compile=off, check_finite=
 
 
 # The keys of conf/train.yaml that are no class's arguments: its config groups, its own keys, and the keys of its plain
-# sections (tests/unit/test_configs.py keeps this in step with the file). Hydra refuses an unknown key on the command
+# sections (test_configs_keys.py keeps this in step with the file). Hydra refuses an unknown key on the command
 # line (struct mode), but a config file (an experiment, @package _global_) adds one without a word: `init_form:` there
 # trained from scratch, `sample: {promt: ...}` or `decay_branch: {step: ...}` did nothing. A _target_ node's unknown
 # key is check_target_keys' (its target takes no such argument); paths.* stays open for a user's own interpolations.

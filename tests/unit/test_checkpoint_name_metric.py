@@ -4,7 +4,7 @@ which rank alike (val/ppl = exp(val/loss), strictly increasing)."""
 from __future__ import annotations
 
 from lit_dtrain.config_warnings import warn_if_a_checkpoint_name_shows_another_metric
-from tests.unit.test_configs import start_warnings
+from tests.unit._config_helpers import start_warnings
 
 
 def test_val_ppl_and_val_loss_rank_alike_so_a_name_by_one_is_not_warned_about(tmp_path, caplog) -> None:

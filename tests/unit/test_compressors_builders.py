@@ -119,7 +119,8 @@ def test_a_numpy_bool_given_in_python_is_taken_where_a_flag_is_asked():
 
 def test_a_bad_collective_timeout_given_in_python_is_named_as_its_argument():
     """make_ddp(collective_timeout_s='60') was told 'strategy.collective_timeout_s must be ...', a key of train.py's
-    config that a Python user never wrote; a config's value is still named by its key (test_configs)."""
+    config that a Python user never wrote; a config's value is still named by its key
+    (test_configs_run_dirs)."""
     from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
 
     for build, name in ((make_ddp, "make_ddp"), (make_fsdp, "make_fsdp"),
