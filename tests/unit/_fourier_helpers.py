@@ -63,3 +63,21 @@ FOURIER = [
     "sample.max_new_tokens=0",
     "trainer.log_every_n_steps=1",
 ]
+
+
+# ---- stand-ins for the callback's trainer and module -----------------------------------------------------------
+
+
+class _FakeTrainer:
+    def __init__(self, sampler):
+        self.datamodule = type("DM", (), {"sampler": sampler})()
+
+
+class _Recorder:
+    """A stand-in LightningModule: ``log(name, value)`` calls by the trainer's ``global_step`` at the time."""
+
+    def __init__(self, trainer):
+        self.trainer, self.logged = trainer, {}
+
+    def log(self, name, value, **kw):
+        self.logged.setdefault(self.trainer.global_step, {})[name] = value

@@ -8,7 +8,7 @@ import json
 
 from torch.utils.tensorboard import SummaryWriter
 
-from tests.unit.test_compare_runs import compare_runs
+from tests.unit._compare_runs_helpers import compare_runs
 
 
 def _run(path, tokens_per_step: int, steps: int = 6) -> str:

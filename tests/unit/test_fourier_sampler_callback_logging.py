@@ -8,14 +8,9 @@ import torch
 from lit_dtrain.callbacks import FourierSamplerCallback
 from lit_dtrain.data.samplers import RandomSampler
 from lit_dtrain.data.samplers import spectral as S
-from tests.unit._fourier_helpers import _observations, make
+from tests.unit._fourier_helpers import _FakeTrainer, _observations, _Recorder, make
 
 # ---- the callback and the trainer ----------------------------------------------------------------------------
-
-
-class _FakeTrainer:
-    def __init__(self, sampler):
-        self.datamodule = type("DM", (), {"sampler": sampler})()
 
 
 def test_callback_rejects_other_samplers_and_missing_keys():
@@ -28,17 +23,6 @@ def test_callback_rejects_other_samplers_and_missing_keys():
         cb.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0), "index": torch.tensor([0])}, None, 0)
     with pytest.raises(KeyError, match="'index'"):
         cb.on_train_batch_end(trainer, None, {"token_loss": torch.rand(1, 8)}, None, 0)
-
-
-
-class _Recorder:
-    """A stand-in LightningModule: ``log(name, value)`` calls by the trainer's ``global_step`` at the time."""
-
-    def __init__(self, trainer):
-        self.trainer, self.logged = trainer, {}
-
-    def log(self, name, value, **kw):
-        self.logged.setdefault(self.trainer.global_step, {})[name] = value
 
 
 def test_logged_entropy_is_of_the_distribution_the_batch_was_drawn_from():

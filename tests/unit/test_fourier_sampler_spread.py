@@ -7,7 +7,7 @@ import torch
 
 from lit_dtrain.callbacks import FourierSamplerCallback
 from lit_dtrain.data.samplers import FourierSampler
-from tests.unit.test_fourier_sampler import _FakeTrainer, _Recorder
+from tests.unit._fourier_helpers import _FakeTrainer, _Recorder
 
 
 def test_the_logged_spread_is_that_of_the_distribution_the_batch_was_drawn_from():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_dtrain.strategies.local_updates import LocalSGD
-from tests.unit.test_compressors import TwoRankComm, make_params
+from tests.unit._compressor_helpers import TwoRankComm, make_params
 
 
 def test_the_drift_at_a_sync_is_the_ranks_mean_squared_distance_over_the_mean_squared_norm():
