@@ -2,14 +2,16 @@
 
 A removed section failed later with OmegaConf's ``Key 'optimizer' is not in struct`` traceback; a removed value of a
 section that is instantiated (``~optimizer.lr``, ``~data.batch_size``, ``~model.n_layer``, ``~data.sources``,
-``~scheduler.warmup_steps``, a callback's ``~callbacks.model_checkpoint.monitor``) trained silently with the class's
-own default instead (AdamW's lr 1e-3 for the config's 3e-3: val loss 5.5324 for 5.4665 after one tiny step;
-``~data.sources`` of ``data=textfiles`` trained on the stdlib corpus; no warmup, step 0 at the peak LR 3e-3 for the
-config's 1.5e-3 of 20 steps; the newest checkpoint kept as the 'best'), and ``~trainer.max_steps`` was
-refused as ``got -1``, Lightning's default. Removing what is meant to be optional stays allowed: ``~scheduler``,
-``~sample``, ``~logger``, ``~callbacks.<name>``, ``~strategy.compressor`` (re-added with ``+``) and ``_target_``-style
-keys. A primary config without a section lit_dtrain needs (``--config-name experiment/wsd_vs_cosine``, a partial
-config: OmegaConf's ``Key 'optimizer' is not in struct`` traceback) is refused in one line too.
+``~scheduler.warmup_steps``, a callback's ``~callbacks.model_checkpoint.monitor``, ``~data.sampler.<x>``,
+``~strategy.<x>``, ``~strategy.compressor.<x>``) trained silently with the class's own default instead (AdamW's lr
+1e-3 for the config's 3e-3: val loss 5.5324 for 5.4665 after one tiny step; ``~data.sources`` of ``data=textfiles``
+trained on the stdlib corpus; no warmup, step 0 at the peak LR 3e-3 for the config's 1.5e-3 of 20 steps; the newest
+checkpoint kept as the 'best'; ``strategy=ddp_compressed/int4 '~strategy.compressor.bits'`` trained with
+``BlockQuantizer(bits=8)``), and ``~trainer.max_steps`` was refused as ``got -1``, Lightning's default. Removing
+what is meant to be optional stays allowed: ``~scheduler``, ``~sample``, ``~logger``, ``~callbacks.<name>``,
+``~strategy.compressor`` and ``~strategy.local_update`` (re-added with ``+``) and ``_target_``-style keys. A primary
+config without a section lit_dtrain needs (``--config-name experiment/wsd_vs_cosine``, a partial config: OmegaConf's
+``Key 'optimizer' is not in struct`` traceback) is refused in one line too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _SECTIONS = {"model": "choose an option instead (model=nano)", "data": "choose a
              "module": "leave it in and set its keys (module.compile=true)", "seed": "set it instead (seed=1337)"}
 _LEAVES_OF = ("model", "data", "optimizer", "trainer")
 _ABSENT = object()
+# removed to be re-added in another form ('~strategy.compressor' '+strategy.compressor={name: topk, ...}')
+_SWAPPED = ("strategy.compressor", "strategy.local_update")
 
 
 def _removed(override: str) -> str | None:
@@ -36,8 +40,9 @@ def _removed(override: str) -> str | None:
 
 
 def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
-    """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``, ``data.sources.<i>.<x>``) names an argument of
-    its node's ``_target_`` (a source's: of ``CorpusSource``): one the class or function then takes at its default.
+    """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``, ``data.sampler.<x>``, ``strategy.<x>``,
+    ``strategy.compressor.<x>``: any node with a ``_target_``; ``data.sources.<i>.<x>``) names an argument of its
+    node's ``_target_`` (a source's: of ``CorpusSource``): one the class or function then takes at its default.
     Another key is not refused: ``scheduler=cosine '~scheduler.decay_fraction'`` removes experiment=cpt_replay's WSD
     key, which cosine does not take (docs/wsd.md)."""
     import inspect
@@ -49,7 +54,7 @@ def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
         from lit_dtrain.data.corpus import CorpusSource  # (~data.sources.0.weight of data=mixture: 1.0 for 0.5)
 
         return name in CorpusSource.__dataclass_fields__
-    if parent != "scheduler" and not (parent.startswith("callbacks.") and parent.count(".") == 1):
+    if key in _SWAPPED:
         return False
     try:
         node = OmegaConf.select(cfg, parent, default=None, throw_on_resolution_failure=False)

@@ -42,8 +42,20 @@ def test_a_removed_value_is_not_the_class_default(tmp_path, removed):
         check_removed_keys(cfg)
 
 
+@pytest.mark.parametrize("overrides", [
+    # trained with BlockQuantizer(bits=8), exit 0
+    ["strategy=ddp_compressed/int4", "~strategy.compressor.bits"],
+    ["data/sampler=fourier", "~data.sampler.lag"], ["strategy=ddp", "~strategy.collective_timeout_s"]])
+def test_a_removed_argument_of_a_nested_node_is_refused(tmp_path, overrides):
+    """The sampler's, the strategy's and its codec's arguments, as a callback's and the scheduler's are."""
+    with job(tmp_path, overrides) as cfg, pytest.raises(ConfigError, match=f"^{overrides[-1]} removes a value"):
+        check_removed_keys(cfg)
+
+
 @pytest.mark.parametrize("removed", [["~scheduler"], ["~sample"], ["~logger"], ["~callbacks.lr_monitor"],
                                      ["~scheduler._target_"], ["~model.n_layer", "+model.n_layer=3"],
+                                     ["strategy=ddp_compressed/int4", "~strategy.compressor"],
+                                     ["strategy=ddp_compressed/local_sgd", "~strategy.local_update"],
                                      # docs/wsd.md's cosine re-warm: cpt_replay's WSD key, which cosine does not take
                                      ["experiment=cpt_replay", "scheduler=cosine", "~scheduler.decay_fraction"]])
 def test_optional_and_re_added_keys_may_be_removed(tmp_path, removed):
