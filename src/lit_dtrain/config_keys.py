@@ -286,11 +286,10 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
         if target is not None:
             check_target_keys(node, path, target)
             hints = _argument_hints(target)
-    for key in node.keys():
-        key = str(key)
-        if key.startswith("_") or OmegaConf.is_missing(node, key):
+    for key in node.keys():  # a key as given: {0: 2} has the integer 0, which node._get_node('0') does not find
+        if str(key).startswith("_") or OmegaConf.is_missing(node, key):
             continue
-        child, full = node._get_node(key), f"{path}.{key}" if path else key
+        child, full = node._get_node(key), f"{path}.{key}" if path else str(key)
         if isinstance(child, (DictConfig, ListConfig)):
             # a list for a flag or number: optimizer.fused=[] trained as fused=False, silently
             if _flag_or_number(hints.get(key)) is not None:
