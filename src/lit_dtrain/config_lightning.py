@@ -162,6 +162,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         except Exception:  # an unimportable target: build_callbacks names it
             continue
         _check_lr_monitor(key, node, cls)
+        _check_accumulation_scheduler(key, node, cls)
         if "mode" not in node:
             continue
         if (
@@ -184,6 +185,23 @@ def _check_lr_monitor(key: str, node: DictConfig, cls) -> None:
     if isinstance(cls, type) and issubclass(cls, LearningRateMonitor) and interval not in (None, "step", "epoch"):
         raise ConfigError(f"callbacks.{key}.logging_interval={interval!r} must be 'step' (the LR of every logged "
                           "step), 'epoch' or null (by the scheduler's interval)")
+
+
+def _check_accumulation_scheduler(key: str, node: DictConfig, cls) -> None:
+    """Lightning's ``GradientAccumulationScheduler`` in the config: train.py reads the accumulation from
+    ``trainer.accumulate_grad_batches`` (validation every N optimizer steps, the resume's micro-batch check), so
+    ``scheduling={0: 2}`` with ``val_check_interval=3`` validated 4 times in 6 steps, in the middle of
+    accumulations. A project of one's own may use it (docs/callbacks_in_your_project.md)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    if isinstance(cls, type) and issubclass(cls, GradientAccumulationScheduler):
+        scheduling = node.get("scheduling")
+        values = set(scheduling.values()) if isinstance(scheduling, DictConfig) else set()
+        value = values.pop() if len(values) == 1 else "<micro-batches>"
+        raise ConfigError(f"callbacks.{key} is Lightning's GradientAccumulationScheduler, which lit_dtrain's runs do "
+                          "not count (validation every N steps and the resume check read trainer."
+                          f"accumulate_grad_batches): remove it and set trainer.accumulate_grad_batches={value}, one "
+                          "accumulation for the run")
 
 
 def _one_process(cfg: DictConfig) -> bool:
