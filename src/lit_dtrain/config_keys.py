@@ -31,6 +31,8 @@ _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_
     "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
     "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "model.dropout": float,
+    # whole before check_config compares them: +trainer.min_steps=1e9 was refused as 'min_steps=1000000000.0'
+    "trainer.min_steps": int, "trainer.min_epochs": int, "trainer.max_epochs": int,
 }
 
 

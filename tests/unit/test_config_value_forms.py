@@ -96,6 +96,14 @@ def test_min_steps_above_max_steps_is_refused_naming_both(tiny_cfg):
     check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=4"))
 
 
+def test_min_steps_and_epochs_as_whole_floats_are_named_as_integers(tiny_cfg):
+    """+trainer.min_steps=1e9 was refused as 'min_steps=1000000000.0'; min_epochs and max_epochs read alike."""
+    with pytest.raises(ConfigError, match=r"^trainer.min_steps=1000000000 exceeds trainer.max_steps=4: "):
+        check_config(tiny_cfg("trainer.max_steps=4", "+trainer.min_steps=1e9"))
+    with pytest.raises(ConfigError, match=r"^trainer.min_epochs=2 exceeds trainer.max_epochs=1: "):
+        check_config(tiny_cfg("+trainer.min_epochs=2e0", "+trainer.max_epochs=1e0"))
+
+
 def test_limit_train_batches_0_is_refused_before_a_run_of_no_steps(tiny_cfg):
     """+trainer.limit_train_batches=0 with trainer.max_steps=4: a real run trained 0 steps, wrote last.ckpt and
     summary.json (steps 0, val_loss 5.2873 of the initial weights) and exited 0, as if done."""
