@@ -131,7 +131,7 @@ def test_a_bad_value_is_refused_naming_the_key(override, match, tiny_cfg):
 # nulls, zeros and text that mean something
 MEANINGFUL = [
     "model.mlp_hidden=null", "trainer.gradient_clip_val=null", "data.val_batch_size=null", "model.dropout=0",
-    "sample.top_k=null", "ckpt_path=''", "init_from=null", "data.exclude_dirs=null", "data.exclude_dirs=[]",
+    "sample.top_k=null", "ckpt_path=null", "init_from=null", "data.exclude_dirs=null", "data.exclude_dirs=[]",
     "data.exclude_dirs=/tmp/x", "data.exclude_dirs=[/tmp/x,/tmp/y]", "callbacks.model_checkpoint.monitor=null",
     "callbacks.model_checkpoint.filename=null", "trainer.max_time=00:01:00:00", "trainer.max_time={hours:1}",
     "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",

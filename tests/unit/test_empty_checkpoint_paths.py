@@ -15,11 +15,13 @@ from tests.conftest import compose_cfg
     (["experiment=cpt_replay", "init_from=''"], "init_from"),
     (["init_from=' '"], "init_from"),
     (["decay_branch.ckpt=''", "decay_branch.steps=4"], "decay_branch.ckpt"),
+    # ckpt_path=$CKPT with CKPT unset: a fresh run at step 0, no word (also beside resume=auto, on its first start)
+    (["ckpt_path=''"], "ckpt_path"), (["ckpt_path=''", "resume=auto", "run_name=r"], "ckpt_path"),
 ])
 def test_an_empty_checkpoint_path_is_refused(tmp_path, overrides, key):
     """`experiment=cpt_replay init_from=` trained its continual pre-training from random weights at step 0
     (check_init_from read the empty string as no init_from), and
-    `decay_branch.ckpt=` was refused as `decay_branch.ckpt='' is a directory`."""
+    `decay_branch.ckpt=` was refused as `decay_branch.ckpt='' is a directory`; `ckpt_path=` started a fresh run."""
     with pytest.raises(ConfigError, match=rf"^{key} is empty \({key}='\s*'; an unset shell variable\?\): give a "
                                           rf"checkpoint file, or {key}=null for none$"):
         refuse_empty_checkpoint_paths(compose_cfg(overrides, tmp_path / "r", tiny=False))

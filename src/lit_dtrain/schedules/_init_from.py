@@ -39,13 +39,14 @@ def drop_required_init_from_on_a_full_resume(cfg: DictConfig) -> None:
     log.info("init_from: not needed, %s resumes a checkpoint in full (weights, optimizer, step, data)", key)
 
 
-CHECKPOINT_PATH_KEYS = ("init_from", "decay_branch.ckpt")  # ckpt_path='' is a deliberate "none" (test_config_values)
+CHECKPOINT_PATH_KEYS = ("ckpt_path", "init_from", "decay_branch.ckpt")
 
 
 def refuse_empty_checkpoint_paths(cfg: DictConfig) -> None:
     """``ConfigError`` for a checkpoint path key given as an empty string (``init_from=$CKPT`` with ``CKPT`` unset):
     an empty ``init_from`` read as not given, so ``experiment=cpt_replay``'s continual pre-training trained from random
-    weights at step 0 without a word, and an empty ``decay_branch.ckpt`` was called a directory."""
+    weights at step 0 without a word, an empty ``ckpt_path`` (``ckpt_path=$CKPT``) started a fresh run at step 0 for
+    the resume asked for, and an empty ``decay_branch.ckpt`` was called a directory. ``null`` is the "none"."""
     for key in CHECKPOINT_PATH_KEYS:
         try:
             value = OmegaConf.select(cfg, key)
