@@ -244,6 +244,11 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         if trainer.is_global_zero and self.path is None:  # (a chosen path may be shared)
             self._supersede_replayed_events(trainer)
 
+    @override  # reload_dataloaders_every_n_epochs: a dataset grown from 8 to 24 was still counted as 8, so excluding
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # 0..7 stopped the run
+        if self._sampler is None:  # Lightning reloads the loaders just before this hook
+            self._num_train_samples = exclusion_sampler(trainer)[1]
+
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.snapshots.clear()
