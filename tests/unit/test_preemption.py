@@ -296,31 +296,6 @@ def test_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(tm
     assert stopped_by_sigterm(trainer) == 130
 
 
-
-def test_after_the_last_step_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(
-    tmp_path, monkeypatch
-):
-    """Ctrl-C to rank 1 alone in fit's last validation (the signal is only recorded there): the ranks agreed to stop
-    after fit, and rank 1 exited with 130, rank 0, which got no signal, with 143 ('stopped by SIGTERM'). They now
-    agree on the signal there too."""
-    from types import SimpleNamespace
-
-    from lit_dtrain.sigterm_exit import sigterm_after_the_last_step, stopped_by_sigterm
-
-    gathered = []
-
-    def all_gather(t):  # rank 1 got SIGINT (2), this rank none (0)
-        gathered.append(int(t))
-        return torch.tensor([int(t), int(signal.SIGINT)])
-
-    monkeypatch.setattr("lit_dtrain.sigterm_exit.all_gather_stacked", all_gather)
-    trainer = SimpleNamespace(
-        world_size=2, received_sigterm=False, global_step=6, callbacks=[PreemptionCheckpoint(dirpath=str(tmp_path))],
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all=True: True, root_device=torch.device("cpu")),
-    )
-    assert sigterm_after_the_last_step(trainer) and gathered == [0]
-    assert stopped_by_sigterm(trainer, saved_last=True) == 130
-
 def test_ctrl_c_in_a_project_of_ones_own_saves_and_exits_130_not_0(tmp_path: Path, caplog) -> None:
     """PreemptionCheckpoint in a plain Lightning project: Ctrl-C saves last.ckpt at the end of the step, and the fit
     ends with a SystemExit of status 130 (Lightning's SIGTERMException alone exits with 0, as if the run had

@@ -1,0 +1,89 @@
+"""``train()``'s end after a SIGTERM on several ranks (lit_dtrain.sigterm_exit), with the collectives stood in for:
+a rank that got no signal stops with the rank that did, and a SIGTERM that Lightning flagged just before the final
+validation is held there, not dropped."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_dtrain.callbacks import PreemptionCheckpoint
+from lit_dtrain.sigterm_exit import HoldSigtermInValidate, sigterm_after_the_last_step, stopped_by_sigterm
+
+
+def two_ranks(other_rank_signalled: bool):
+    """A ``reduce_boolean_decision`` of this rank and one other: all (``all=True``) or any of their decisions."""
+    return lambda mine, all=True: (mine and other_rank_signalled) if all else (mine or other_rank_signalled)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_after_the_last_step_a_rank_that_got_no_signal_stops_with_the_signal_of_the_rank_that_did(
+    sig, tmp_path, monkeypatch
+):
+    """Ctrl-C (or SIGTERM) to rank 1 alone in fit's last validation (the signal is only recorded there): the ranks
+    agree to stop after fit, on any rank's signal (had they agreed on 'every rank got it', rank 0 would validate on
+    and write summary.json while rank 1 exits), and on which signal: rank 0, which got none, exited with 143
+    ('stopped by SIGTERM') where rank 1 exited with 130."""
+    gathered = []
+
+    def all_gather(t):  # rank 1 got the signal, this rank none (0)
+        gathered.append(int(t))
+        return torch.tensor([int(t), int(sig)])
+
+    monkeypatch.setattr("lit_dtrain.sigterm_exit.all_gather_stacked", all_gather)
+    trainer = SimpleNamespace(
+        world_size=2, received_sigterm=False, global_step=6, callbacks=[PreemptionCheckpoint(dirpath=str(tmp_path))],
+        strategy=SimpleNamespace(reduce_boolean_decision=two_ranks(True), root_device=torch.device("cpu")),
+    )
+    assert sigterm_after_the_last_step(trainer) and gathered == [0]
+    assert stopped_by_sigterm(trainer, saved_last=True) == 128 + sig
+    trainer.strategy.reduce_boolean_decision = two_ranks(False)  # no rank got one: none stops
+    assert not sigterm_after_the_last_step(trainer)
+
+
+class Connector:
+    received_sigterm = False
+
+
+class Trainer:
+    """What HoldSigtermInValidate and sigterm_after_the_last_step read of a Lightning Trainer on one of 2 ranks."""
+
+    def __init__(self, hold: HoldSigtermInValidate) -> None:
+        self.state = SimpleNamespace(fn="validate")
+        self.world_size, self.global_step, self.callbacks = 2, 6, [hold]
+        self._signal_connector = Connector()
+        self.strategy = SimpleNamespace(reduce_boolean_decision=two_ranks(False), root_device=torch.device("cpu"))
+
+    @property
+    def received_sigterm(self) -> bool:  # as Lightning's: its signal connector's flag
+        return self._signal_connector.received_sigterm
+
+
+def test_a_sigterm_flagged_before_the_final_validation_is_held_not_dropped(monkeypatch):
+    """Lightning flagged a SIGTERM just before train()'s final validation: the hold clears the flag (it would stop
+    this rank alone at its next validation batch) and keeps it, so that the ranks still agree to exit with 143
+    after the validation; one that comes during it is recorded, and the handler from before comes back after."""
+    monkeypatch.setattr("lit_dtrain.sigterm_exit.all_gather_stacked", lambda t: t.reshape(1))
+    before = signal.getsignal(signal.SIGTERM)
+    hold = HoldSigtermInValidate()
+    trainer = Trainer(hold)
+    trainer._signal_connector.received_sigterm = True
+    hold.on_validation_start(trainer, None)
+    hold.on_validation_end(trainer, None)
+    assert not trainer.received_sigterm and hold.signalled
+    assert sigterm_after_the_last_step(trainer) and stopped_by_sigterm(trainer) == 143
+
+    hold = HoldSigtermInValidate()  # a SIGTERM during the validation itself
+    trainer = Trainer(hold)
+    hold.on_validation_start(trainer, None)
+    try:
+        assert not hold.signalled
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        hold.on_validation_end(trainer, None)
+    assert hold.signalled and signal.getsignal(signal.SIGTERM) is before
+    assert sigterm_after_the_last_step(trainer)
