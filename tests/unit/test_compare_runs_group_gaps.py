@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from tests.unit.test_compare_runs import compare_runs
+from tests.unit._compare_runs_helpers import compare_runs
 
 METRIC = "my/logprob"
 
