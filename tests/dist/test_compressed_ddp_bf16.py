@@ -1,10 +1,14 @@
 """2-process gloo checks of the compressed DDP hook on a bf16 model (``trainer.precision=bf16-true``) with a tied
 embedding/head and a gradient clip after the reduce, one spawn for every codec: the hook gets the bf16 bucket,
 error-feedback residuals stay fp32 and are keyed once for the tied parameter, the clipped averaged gradient and the
-parameters are bitwise equal across ranks, and ``comm/compression_ratio`` counts plain DDP's bytes in bf16."""
+parameters are bitwise equal across ranks, and ``comm/compression_ratio`` counts plain DDP's bytes in bf16. The same
+ranks then fit a manual-optimization module with two optimizers under local SGD (``max_epochs``)."""
 
 from __future__ import annotations
 
+import os
+
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,8 +16,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
-from lit_dtrain.strategies import CommSession, Communicator, build_compressor
+from lit_dtrain.strategies import CommSession, Communicator, CompressedDDPStrategy, build_compressor
 from tests.conftest import free_port, leave_rank
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one spawn: ~37 s on the shared 2-core machine
@@ -35,7 +40,38 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(x))))
 
 
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization, each batch steps the first layer's optimizer, then the second's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(self.b(self.a(batch[0] + self.global_rank)).pow(2).mean())
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+def _fit_two_optimizers() -> dict:
+    strategy = CompressedDDPStrategy(local_update={"name": "local_sgd", "sync_period": 100}, log_comm_metrics=False)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, strategy=strategy)
+    module = TwoOptimizers()
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=2))
+    params = torch.cat([p.detach().view(-1) for p in module.parameters()])
+    return {"syncs": strategy.local_update.num_syncs, "bytes": strategy.session.total_bytes, "params": params}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))  # a launched rank, for the Lightning fit at the end
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = {}
@@ -75,6 +111,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             "ratio": metrics["comm/compression_ratio"], "total_bytes": session.total_bytes,
             "numel": params.numel(), "names": sorted(session.names.values()),
         }
+    results["two_optimizers"] = _fit_two_optimizers()
     torch.save(results, f"{out}.rank{rank}")
     leave_rank()
 
@@ -98,3 +135,11 @@ def test_bf16_tied_clipped_fit_under_every_codec(runs):
         assert r["ratio"] == pytest.approx(STEPS * 2 * r["numel"] / r["total_bytes"]), name  # dense in bf16
         assert runs[1][name]["total_bytes"] == r["total_bytes"], name
     assert runs[0]["none"]["ratio"] == 1.0
+
+
+def test_two_optimizers_sync_once_at_the_last_batch_of_a_fit_by_epochs(runs):
+    """Under manual optimization the fit's last batch synced after each optimizer's step (2 syncs, 200 bytes here); the
+    sync now waits for the batch's training_step to return: one sync of the 25 parameters, ranks still equal."""
+    r0, r1 = runs[0]["two_optimizers"], runs[1]["two_optimizers"]
+    assert (r0["syncs"], r0["bytes"]) == (1, 25 * 4)
+    assert torch.equal(r0["params"], r1["params"])

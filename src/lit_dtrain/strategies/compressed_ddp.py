@@ -39,6 +39,7 @@ from lit_dtrain.strategies.comm_checkpoint import (
 from lit_dtrain.strategies.compressors import Compressor
 from lit_dtrain.strategies.fit_end import (
     EpochLengthCheck,
+    force_sync_after_batch,
     force_sync_this_step,
     note_checkpoint,
     refuse_validation_by_time,
@@ -222,7 +223,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                 self.compressor.keep_residuals(unused)
         trainer = module.trainer if module is not None and module._trainer is not None else None
         # the fit's last step, or one a validation follows: the step's callbacks and checkpoints see the sync
-        metrics = self.session.after_optimizer_step(named, force_sync=force_sync_this_step(self, trainer))
+        manual = module is not None and not module.automatic_optimization
+        metrics = self.session.after_optimizer_step(named, force_sync=force_sync_this_step(self, trainer, manual))
         if self.log_comm_metrics and trainer is not None and module._current_fx_name is not None:
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
@@ -234,7 +236,12 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
             with naming_peer_failures():
                 named = CommSession.named_params(self.lightning_module)
                 self.local_update.sync_if_trainable_changed(named, self.session.comm)
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        if not module.automatic_optimization and force_sync_after_batch(self, module.trainer):
+            with naming_peer_failures():  # after the batch's last optimizer step, before its callbacks
+                self.session.final_sync(self.session.named_params(module))
+        return output
 
     @override
     def on_validation_start(self) -> None:

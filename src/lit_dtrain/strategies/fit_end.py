@@ -105,10 +105,25 @@ def warn_if_the_period_cannot_adapt(strategy: Any, trainer: Any) -> None:
                    "(trainer.val_check_interval) or use the fixed local_sgd")
 
 
-def force_sync_this_step(strategy: Any, trainer: Any) -> bool:
+def force_sync_this_step(strategy: Any, trainer: Any, manual: bool = False) -> bool:
     """Whether the optimizer step in progress synchronizes early: it is the fit's last (``sync_on_last_step``) or a
-    validation follows it (``sync_before_validation``)."""
+    validation follows it (``sync_before_validation``). Under manual optimization (``manual``) only the
+    ``max_steps``-th step is known to be the last here: which of a batch's steps is its last is not, so the batch's
+    own reasons (the fit's last batch, a validation after it) wait for :func:`force_sync_after_batch`. Before, each of
+    a batch's steps synced (two optimizers: two syncs at the last batch, one of them wasted)."""
     if strategy.local_update is None:
+        return False
+    if manual:
+        return bool(strategy.sync_on_last_step and trainer is not None and trainer.max_steps > 0
+                    and _reached(trainer.global_step + 1, trainer.max_steps))
+    return bool((strategy.sync_on_last_step and is_last_optimizer_step(trainer))
+                or (strategy.sync_before_validation and validates_after_this_step(trainer)))
+
+
+def force_sync_after_batch(strategy: Any, trainer: Any) -> bool:
+    """Whether a manual-optimization batch whose ``training_step`` just returned ends in an early sync: it is the
+    fit's last batch (``sync_on_last_step``) or a validation follows it (``sync_before_validation``)."""
+    if strategy.local_update is None or trainer is None or not trainer.training:
         return False
     return bool((strategy.sync_on_last_step and is_last_optimizer_step(trainer))
                 or (strategy.sync_before_validation and validates_after_this_step(trainer)))
