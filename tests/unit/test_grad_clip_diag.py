@@ -15,15 +15,7 @@ from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks.optimizer_diagnostics import eps_dominated_fraction
 from tests.faults import RaiseOnceAt
-from tests.unit._loss_spike_helpers import Inject, make_data, make_module, make_trainer
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.unit._loss_spike_helpers import Inject, make_data, make_module, make_trainer, one_thread  # noqa: F401
 
 
 def fake_trainer(step: int, scale: float | None = None):
