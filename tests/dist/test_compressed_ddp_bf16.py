@@ -41,29 +41,32 @@ class TiedLM(nn.Module):
 
 
 class TwoOptimizers(L.LightningModule):
-    """Manual optimization, each batch steps the first layer's optimizer, then the second's."""
+    """Manual optimization, each batch steps the first layer's optimizer, then the second's (``one``: one optimizer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, one: bool = False) -> None:
         super().__init__()
-        self.automatic_optimization = False
+        self.automatic_optimization, self.one = False, one
         torch.manual_seed(0)
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
 
     def training_step(self, batch, batch_idx):
-        for optimizer in self.optimizers():
+        for optimizer in [self.optimizers()] if self.one else self.optimizers():
             optimizer.zero_grad()
             self.manual_backward(self.b(self.a(batch[0] + self.global_rank)).pow(2).mean())
             optimizer.step()
 
     def configure_optimizers(self):
+        if self.one:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
 
 
-def _fit_two_optimizers() -> dict:
+def _fit_two_optimizers(one: bool = False, **limits) -> dict:
     strategy = CompressedDDPStrategy(local_update={"name": "local_sgd", "sync_period": 100}, log_comm_metrics=False)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, strategy=strategy)
-    module = TwoOptimizers()
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+                        **(limits or {"max_epochs": 1}))
+    module = TwoOptimizers(one)
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=2))
     params = torch.cat([p.detach().view(-1) for p in module.parameters()])
     return {"syncs": strategy.local_update.num_syncs, "bytes": strategy.session.total_bytes, "params": params}
@@ -112,6 +115,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             "numel": params.numel(), "names": sorted(session.names.values()),
         }
     results["two_optimizers"] = _fit_two_optimizers()
+    # max_steps=5 of 3 batches an epoch: the fifth step is one optimizer's, or the first of the third batch's two
+    results["by_steps"] = {one: _fit_two_optimizers(one, max_steps=5, max_epochs=-1) for one in (True, False)}
     torch.save(results, f"{out}.rank{rank}")
     leave_rank()
 
@@ -143,3 +148,13 @@ def test_two_optimizers_sync_once_at_the_last_batch_of_a_fit_by_epochs(runs):
     r0, r1 = runs[0]["two_optimizers"], runs[1]["two_optimizers"]
     assert (r0["syncs"], r0["bytes"]) == (1, 25 * 4)
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_manual_optimization_by_max_steps_syncs_once_at_the_last_batch(runs):
+    """With one optimizer and max_steps=5 the batch before the fifth step synced too (global_step + 1 was read after
+    the batch's step was counted: 2 syncs, 200 bytes); with two, the fifth step, the sixth and the batch after them
+    each synced (3 syncs, 300 bytes, the second optimizer's step on the averaged first layer). Now one sync each."""
+    for one in (True, False):
+        r0, r1 = runs[0]["by_steps"][one], runs[1]["by_steps"][one]
+        assert (r0["syncs"], r0["bytes"]) == (1, 25 * 4), one
+        assert torch.equal(r0["params"], r1["params"]), one

@@ -42,12 +42,12 @@ def _reached(count: int, limit: Any) -> bool:
     return isinstance(limit, int) and limit >= 0 and count >= limit
 
 
-def is_last_optimizer_step(trainer: Any) -> bool:
+def is_last_optimizer_step(trainer: Any, by_steps: bool = True) -> bool:
     """Whether the optimizer step in progress ends the fit: the ``max_steps``-th step, or the last step of the
     ``max_epochs``-th epoch (Lightning steps on an epoch's final batch even mid-accumulation)."""
     if trainer is None:
         return False
-    if _reached(trainer.global_step + 1, trainer.max_steps) and trainer.max_steps > 0:
+    if by_steps and _reached(trainer.global_step + 1, trainer.max_steps) and trainer.max_steps > 0:
         return True
     if not _reached(trainer.current_epoch + 1, trainer.max_epochs) or trainer.max_epochs == 0:
         return False
@@ -107,15 +107,14 @@ def warn_if_the_period_cannot_adapt(strategy: Any, trainer: Any) -> None:
 
 def force_sync_this_step(strategy: Any, trainer: Any, manual: bool = False) -> bool:
     """Whether the optimizer step in progress synchronizes early: it is the fit's last (``sync_on_last_step``) or a
-    validation follows it (``sync_before_validation``). Under manual optimization (``manual``) only the
-    ``max_steps``-th step is known to be the last here: which of a batch's steps is its last is not, so the batch's
-    own reasons (the fit's last batch, a validation after it) wait for :func:`force_sync_after_batch`. Before, each of
-    a batch's steps synced (two optimizers: two syncs at the last batch, one of them wasted)."""
+    validation follows it (``sync_before_validation``). Under manual optimization (``manual``) never: which of a
+    batch's steps is its last is not known here, so the batch's reasons (the fit's last batch, a validation after it)
+    wait for :func:`force_sync_after_batch`. Before, each of a batch's steps synced (two optimizers: two syncs at the
+    last batch, one of them wasted), and with ``max_steps`` odd the ``max_steps``-th step and the one after it did."""
     if strategy.local_update is None:
         return False
-    if manual:
-        return bool(strategy.sync_on_last_step and trainer is not None and trainer.max_steps > 0
-                    and _reached(trainer.global_step + 1, trainer.max_steps))
+    if manual:  # the batch's sync, after its training_step (force_sync_after_batch)
+        return False
     return bool((strategy.sync_on_last_step and is_last_optimizer_step(trainer))
                 or (strategy.sync_before_validation and validates_after_this_step(trainer)))
 
@@ -125,7 +124,10 @@ def force_sync_after_batch(strategy: Any, trainer: Any) -> bool:
     fit's last batch (``sync_on_last_step``) or a validation follows it (``sync_before_validation``)."""
     if strategy.local_update is None or trainer is None or not trainer.training:
         return False
-    return bool((strategy.sync_on_last_step and is_last_optimizer_step(trainer))
+    # the batch's steps are counted already: global_step + 1 (is_last_optimizer_step's step in progress) synced the
+    # batch before the max_steps-th one too (max_steps=5, one optimizer: a sync after steps 4 and 5)
+    ends_by_steps = trainer.max_steps > 0 and _reached(trainer.global_step, trainer.max_steps)
+    return bool((strategy.sync_on_last_step and (ends_by_steps or is_last_optimizer_step(trainer, by_steps=False)))
                 or (strategy.sync_before_validation and validates_after_this_step(trainer)))
 
 
