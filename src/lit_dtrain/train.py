@@ -84,6 +84,7 @@ from lit_dtrain.train_callbacks import (
     ValLimitCheck,
     add_required_callbacks,
     figures_of_the_fit_that_trained,
+    max_time_timer,
 )
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
 from lit_dtrain.utils.distributed import (
@@ -311,6 +312,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         warn_if_accumulation_splits(cfg, ckpt_path)
     logger = build_logger(cfg, start_step)
     extra = val_check_in_batches(cfg)
+    if timer := max_time_timer(cfg.trainer, callbacks):  # last, where Lightning appends its own Timer
+        callbacks.append(timer)
+        extra["max_time"] = None
     if cfg.module.get("compile") and "inference_mode" not in cfg.trainer:
         # the final validate under inference_mode is another dispatch key set than the in-fit validation's no_grad:
         # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's

@@ -1,6 +1,7 @@
 """The callbacks that ``train(cfg)`` adds to the configured ones: :class:`TrainClock` (when training proper starts,
 for ``tokens_per_sec``), :class:`LogStepSync` (the step loggers see, after a resume) and :class:`ValLimitCheck`
-(a fractional ``trainer.limit_val_batches`` that leaves a val loader no batch, refused before the first step).
+(a fractional ``trainer.limit_val_batches`` that leaves a val loader no batch, refused before the first step) and
+:class:`StepEndTimer` (``trainer.max_time``, checked at optimizer-step ends only).
 ``lit_dtrain.sigterm_exit.HoldSigtermInValidate`` is the fourth."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.stop_reason import nothing_trained
@@ -116,6 +118,30 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     if isinstance(previous, dict) and previous.get("steps") == steps:
         return {k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous}
     return clock.carried_figures(steps, tokens_per_step)  # a summary.json of another end is not this run's
+
+
+class StepEndTimer(Timer):
+    """``trainer.max_time``'s ``Timer``, whose check (and so its stop) comes only at the end of an optimizer step.
+    Lightning's own checked at every micro-batch: with ``accumulate_grad_batches=4`` it stopped a run at micro-batch 37
+    of step 9, the checkpoint threw micro-batch 37 away, and ``resume=auto`` went on from there, its first step one
+    micro-batch short (with 2 per step, train/tokens at step 4 was 3584 against a straight run's 4096). The ranks
+    still agree: the check is Lightning's (rank 0's clock, broadcast), at the same batch on every rank."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+
+def max_time_timer(cfg_trainer, callbacks: list[L.Callback]) -> Timer | None:
+    """The :class:`StepEndTimer` of ``trainer.max_time`` (to pass ``max_time=None`` to the Trainer for), or None
+    where none is set or the configured callbacks hold a ``Timer`` of their own (Lightning ignores max_time then)."""
+    max_time = cfg_trainer.get("max_time")
+    if max_time is None or any(isinstance(c, Timer) for c in callbacks):
+        return None
+    if not isinstance(max_time, str):  # a {days: .., hours: ..} mapping, as Lightning takes it
+        from omegaconf import OmegaConf
+        max_time = OmegaConf.to_container(max_time) if OmegaConf.is_config(max_time) else max_time
+    return StepEndTimer(duration=max_time, interval="step")
 
 
 class LogStepSync(L.Callback):

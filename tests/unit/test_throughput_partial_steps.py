@@ -43,7 +43,7 @@ def test_an_epochs_short_last_step_counts_the_tokens_it_trained(tiny_cfg):
 
 
 class _StopMidStep(L.Callback):
-    """Sets ``should_stop`` after micro-batch 3 of a run with 2 a step, as a ``max_time`` stop does then."""
+    """Sets ``should_stop`` after micro-batch 3 of a run with 2 a step (``max_time`` waits for the step's end)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.fit_loop.total_batch_idx == 2:
