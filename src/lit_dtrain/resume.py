@@ -368,7 +368,8 @@ def warn_if_accumulation_splits(cfg: DictConfig, ckpt_path: str) -> None:
     the resumed run accumulates fewer micro-batches, its loss still divided by the full count (7 steps with 1,
     resumed with 2: the next step was one micro-batch at half the gradient), without a word. The warning says why,
     from the epoch's optimizer steps in the file: the setting changed since the write, or the file was saved
-    mid-step (an earlier lit_dtrain's ``train_time_interval`` save; it said 'changed' for those too), or either.
+    mid-step (an earlier lit_dtrain's ``train_time_interval`` save or ``trainer.max_time`` stop; it said 'changed'
+    for those too, and a max_time one's 'train_time_interval save' only), or either.
     A file saved at an epoch's last batch, where Lightning steps whatever the count, is not warned about: the next
     epoch counts from 0 (it was, e.g. micro-batch 16 of a 16-batch epoch with 3)."""
     accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
@@ -387,7 +388,7 @@ def warn_if_accumulation_splits(cfg: DictConfig, ckpt_path: str) -> None:
     reasons = []
     if done // accumulate == steps:  # this setting's steps, then part of the next
         reasons.append(f"saved mid-step, after {done % accumulate} of a step's {accumulate} micro-batches, as an "
-                       "earlier lit_dtrain's train_time_interval save did")
+                       "earlier lit_dtrain's train_time_interval save or trainer.max_time stop did")
     if steps and done % steps == 0:  # whole steps of another setting
         reasons.append(f"written with accumulate_grad_batches={done // steps}")
     reason = ", or ".join(reasons) or "changed since it was written, or saved mid-step"

@@ -292,12 +292,13 @@ def test_a_resume_whose_accumulation_splits_a_step_says_so(tmp_path, caplog):
     mid_step = _loop_state(tmp_path / "timed.ckpt", 17, 4)
     assert warning(mid_step, 4).endswith(
         "is at micro-batch 17 of its epoch, no multiple of trainer.accumulate_grad_batches=4 (saved mid-step, after "
-        "1 of a step's 4 micro-batches, as an earlier lit_dtrain's train_time_interval save did): the first optimizer "
-        "step after the resume accumulates 3 micro-batch(es), not 4, and its gradient is 3/4 of a full step's")
+        "1 of a step's 4 micro-batches, as an earlier lit_dtrain's train_time_interval save or trainer.max_time stop "
+        "did): the first optimizer step after the resume accumulates 3 micro-batch(es), not 4, and its gradient is "
+        "3/4 of a full step's")
     # 1 step in 5 micro-batches: 3 per step and 2 of the next, or 5 per step; the file cannot tell
     both = warning(_loop_state(tmp_path / "one.ckpt", 5, 1), 3)
     assert "(saved mid-step, after 2 of a step's 3 micro-batches, as an earlier lit_dtrain's train_time_interval " \
-           "save did, or written with accumulate_grad_batches=5)" in both
+           "save or trainer.max_time stop did, or written with accumulate_grad_batches=5)" in both
     assert warning(_loop_state(tmp_path / "end.ckpt", 16, 6, last_batch=True), 3) is None
 
 
