@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Timer
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.stop_reason import nothing_trained
+from lit_dtrain.utils.loop import mid_accumulation
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
@@ -63,7 +64,7 @@ class TrainClock(L.Callback):
             self.tokens = None
             return
         self._step_tokens += int(ids.numel()) * trainer.world_size  # every rank a batch of one shape
-        if not trainer.fit_loop.epoch_loop._should_accumulate():  # the step's last micro-batch
+        if not mid_accumulation(trainer):  # the step's last micro-batch
             self.tokens, self._step_tokens = self.tokens + self._step_tokens, 0
 
     def fit_started(self) -> float:
@@ -128,7 +129,7 @@ class StepEndTimer(Timer):
     still agree: the check is Lightning's (rank 0's clock, broadcast), at the same batch on every rank."""
 
     def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
-        if not trainer.fit_loop.epoch_loop._should_accumulate():
+        if not mid_accumulation(trainer):
             super().on_train_batch_end(trainer, *args, **kwargs)
 
 

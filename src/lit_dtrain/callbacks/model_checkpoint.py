@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckp
 from typing_extensions import override
 
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
+from lit_dtrain.utils.loop import mid_accumulation
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loop = trainer.fit_loop.epoch_loop
-        if loop._should_accumulate():  # mid-step: its accumulated grads are in no checkpoint
+        if mid_accumulation(trainer):  # mid-step: its accumulated grads are in no checkpoint
             return
         if (self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
                 and not self._should_skip_saving_checkpoint(trainer)

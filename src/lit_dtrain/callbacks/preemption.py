@@ -56,6 +56,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.utils.distributed import all_gather_stacked
+from lit_dtrain.utils.loop import mid_accumulation
 
 # the signals that stop a run at the end of the current optimizer step, with last.ckpt saved
 STOP_SIGNALS = tuple(
@@ -172,7 +173,7 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         signalled = self.signalled or trainer.received_sigterm  # Lightning's flag: a signal before on_train_start
-        if trainer.fit_loop.epoch_loop._should_accumulate():  # mid-accumulation: finish the optimizer step first
+        if mid_accumulation(trainer):  # mid-accumulation: finish the optimizer step first
             if signalled:  # kept for the step's last micro-batch, where the ranks agree (one all-reduce per step)
                 self._wait(trainer)
             return
