@@ -172,8 +172,8 @@ def check_min_epochs(cfg: DictConfig) -> None:
     and a whole float above 1 is a number of batches, as Lightning reads it (``limit_train_batches=2.0`` was taken
     for the endless stream: 'min_epochs=1 can never be met')."""
     finite = next((int(v) for k in ("overfit_batches", "limit_train_batches")  # 1.0: Lightning's "all", endless
-                   if is_number(v := cfg.trainer.get(k)) and v >= 1 and v % 1 == 0
-                   and (is_number(v, integer=True) or v > 1)), None)
+                   if (is_number(v := cfg.trainer.get(k), integer=True) and v >= 1) or (is_whole_float(v) and v > 1)),
+                  None)
     if problem := min_epochs_problem(cfg.trainer.get("min_epochs"), cfg.trainer.get("max_epochs"),
                                      cfg.trainer.get("max_steps", -1), finite,
                                      cfg.trainer.get("accumulate_grad_batches") or 1, prefix="trainer."):
