@@ -191,9 +191,14 @@ class LitLLM(L.LightningModule):
     def on_validation_batch_start(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._set_flops_per_batch(batch, backward=False)
 
+    def on_predict_batch_start(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # forward only: predict/device/flops_per_sec read the last train batch's forward + backward after a fit (3x),
+        # and nothing before one
+        self._set_flops_per_batch(batch, backward=False)
+
     def _set_flops_per_batch(self, batch: dict, backward: bool) -> None:
         """``flops_per_batch`` of the batch about to run: forward + backward for a train batch, forward only (a third,
-        see :func:`estimate_train_flops`) for a validation batch, each at its own shape."""
+        see :func:`estimate_train_flops`) for a validation or predict batch, each at its own shape."""
         if not (isinstance(batch, Mapping) and "input_ids" in batch):
             return
         key = (*batch["input_ids"].shape, backward)

@@ -59,3 +59,20 @@ def test_window_losses_drop_the_fillers_that_even_out_the_ranks() -> None:
     assert out["index"].tolist() == [4, 5]
     assert out["loss"].tolist() == [2.0, 6.0]
     assert out["token_loss"].shape == (2, 2)
+
+
+def test_predict_counts_the_forward_flops_of_its_batches(tmp_path: Path) -> None:
+    # predict/device/flops_per_sec read flops_per_batch as the last batch left it: none before a fit, and the train
+    # batch's forward + backward (3x) after one
+    from lit_dtrain.module_params import estimate_train_flops
+
+    torch.manual_seed(0)
+    model = build_llama(vocab_size=257, d_model=32, n_layer=1, n_head=2, block_size=16)
+    module = LitLLM(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), val_names=["text"])
+    forward = estimate_train_flops(model, 2, 16) / 3  # the last batch: 2 of the 10 windows (4, 4, 2), 16 tokens
+    dm = data(tmp_path)
+    trainer(tmp_path).predict(module, datamodule=dm)
+    assert module.flops_per_batch == forward
+    module.flops_per_batch = 3 * forward  # as a train batch leaves it
+    trainer(tmp_path).predict(module, datamodule=dm)
+    assert module.flops_per_batch == forward
