@@ -45,3 +45,10 @@ def test_an_unnamed_files_sources_cache_dir_carries_its_name(tmp_path: Path) -> 
     splits = build_token_cache(CorpusSource(kind="files", paths=[str(corpus)]), tmp_path / "cache", 17, progress=False)
     assert splits.name == "notes"
     assert [d.split("-")[0] for d in os.listdir(tmp_path / "cache") if not d.startswith(".")] == ["notes"]
+
+
+def test_two_unnamed_sources_named_alike_are_refused_with_the_fix(tmp_path: Path) -> None:
+    a, b = tmp_path / "a" / "corpus", tmp_path / "b" / "corpus"
+    with pytest.raises(Exception, match=r"got \['corpus', 'corpus'\].*data\.sources\.<i>\.name=<name>"):
+        LMDataModule(sources=[{"kind": "files", "paths": [str(a)]}, {"kind": "files", "paths": [str(b)]}],
+                     cache_dir=str(tmp_path / "cache"))

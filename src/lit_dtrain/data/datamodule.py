@@ -109,7 +109,11 @@ class LMDataModule(L.LightningDataModule):
         self.sources = [s if isinstance(s, CorpusSource) else source_from_config(i, s) for i, s in enumerate(sources)]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
-            raise CorpusError(f"data.sources names must be unique, got {names}")
+            # an unnamed files source is named by its first path (a478013): two of them under dirs of one name
+            # ('/a/corpus', '/b/corpus') were refused without the fix, with names the user never gave
+            raise CorpusError(f"data.sources names must be unique, got {names} (a source given no name is named by "
+                              "the last part of its first path): give each its own name, "
+                              "data.sources.<i>.name=<name> (CorpusSource(name=...))")
         if not sum(s.weight for s in self.sources) > 0:  # here, not in setup(): before any source is tokenized
             raise CorpusError(f"data.sources: every weight is 0 ({names}); nothing to train on")
         # whole numbers, named: int() took block_size=64.5 as 64 and a string failed with int()'s own message
