@@ -128,6 +128,21 @@ class StepEndTimer(Timer):
     micro-batch short (with 2 per step, train/tokens at step 4 was 3584 against a straight run's 4096). The ranks
     still agree: the check is Lightning's (rank 0's clock, broadcast), at the same batch on every rank."""
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's ``Timer``'s key (its class name), so that the training time a checkpoint counted carries over
+        between the two: under its own key a ``last.ckpt`` written by Lightning's ``Timer`` (lit_dtrain before this
+        class, or ``Trainer(max_time=...)``) resumed from 0 s, and a run that had used up ``max_time=4 s`` at step 3
+        trained on to step 8 instead of only validating."""
+        return "Timer"
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """A checkpoint of lit_dtrain from 299c398 to the ``state_key`` above holds the time under this class's
+        name: read it there (Lightning loads by ``state_key`` only, next)."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key not in states and isinstance(states.get(type(self).__name__), dict):
+            self.load_state_dict(states[type(self).__name__])
+
     def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
         if not mid_accumulation(trainer):
             super().on_train_batch_end(trainer, *args, **kwargs)

@@ -31,3 +31,31 @@ def test_a_max_time_stop_lands_on_an_optimizer_steps_end(tiny_cfg, accumulate):
     assert metrics["stopped"] == "max_time" and metrics["steps"] == 1  # (Lightning's Timer: step 0 with 3)
     ckpt = torch.load(Path(cfg.paths.checkpoint_dir) / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 1 and ckpt["LMDataModule"]["micro_step"] == accumulate  # whole step, none thrown
+
+
+def test_the_training_time_of_lightnings_timer_carries_over_a_resume():
+    """A ``last.ckpt`` written by Lightning's ``Timer`` (lit_dtrain before ``StepEndTimer``, or a project's
+    ``Trainer(max_time=...)``) holds its time under "Timer": a run that used up 4 s resumed from 0 s and trained on."""
+    from lightning.pytorch.callbacks import Timer
+    from lightning.pytorch.trainer import call
+
+    from lit_dtrain.train_callbacks import StepEndTimer
+
+    lightnings = L.Trainer(max_time="00:00:00:04", logger=False, enable_checkpointing=False,
+                           enable_progress_bar=False, enable_model_summary=False)
+    lightnings_timer = next(c for c in lightnings.callbacks if isinstance(c, Timer))
+    lightnings_timer._offset = 11.0  # as loaded from a checkpoint of 11 s of training
+    written = {"callbacks": call._call_callbacks_state_dict(lightnings)}
+
+    ours = StepEndTimer(duration="00:00:00:04", interval="step")
+    trainer = L.Trainer(callbacks=[ours], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    call._call_callbacks_load_state_dict(trainer, written)
+    assert ours.time_elapsed("train") == 11.0 and ours.time_remaining() < 0  # (was 0.0 and 4.0: trained on)
+    back = {"callbacks": call._call_callbacks_state_dict(trainer)}  # and an older lit_dtrain reads ours
+    lightnings_timer._offset = 0
+    call._call_callbacks_load_state_dict(lightnings, back)
+    assert lightnings_timer.time_elapsed("train") == 11.0
+    ours._offset = 0  # and one of lit_dtrain's checkpoints that held it under "StepEndTimer" (299c398 on)
+    ours.on_load_checkpoint(trainer, None, {"callbacks": {"StepEndTimer": {"time_elapsed": {"train": 7.0}}}})
+    assert ours.time_elapsed("train") == 7.0
