@@ -77,6 +77,9 @@ def check_precision(cfg: DictConfig) -> None:
         )
 
 
+_TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
 def check_lightning_choices(cfg: DictConfig) -> None:
     """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
     (``full_key: trainer``) but not the key: name the key and the values allowed."""
@@ -101,6 +104,11 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             isinstance(max_time, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", max_time.strip())):
         raise ConfigError(f"trainer.max_time={max_time!r} must be 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a mapping "
                           "such as {hours: 12}, or null (no limit)")
+    if isinstance(max_time, DictConfig):  # datetime.timedelta's keywords: {mins: 5} was its TypeError's traceback
+        wrong = [f"{k}={v!r}" for k, v in max_time.items() if k not in _TIMEDELTA_KEYS or not is_number(v) or v < 0]
+        if wrong:
+            raise ConfigError(f"trainer.max_time's {', '.join(wrong)}: a mapping takes numbers >= 0 under "
+                              f"{', '.join(_TIMEDELTA_KEYS)} (e.g. {{hours: 12}}), as datetime.timedelta does")
     every = cfg.trainer.get("check_val_every_n_epoch")  # 0: a ZeroDivisionError at the end of the first epoch
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "

@@ -92,6 +92,10 @@ LIGHTNING_VALUES = [
     # Lightning's Timer in Hydra's wrapper: "AttributeError: 'float' object has no attribute 'total_seconds'"
     ("trainer.max_time=2.5", r"^trainer.max_time=2.5 must be 'DD:HH:MM:SS' \(e.g. '00:12:00:00'\), a mapping"),
     ("trainer.max_time=abc", r"^trainer.max_time='abc' must be 'DD:HH:MM:SS'"),
+    # datetime.timedelta's "TypeError: 'mins' is an invalid keyword argument for __new__()" in Hydra's traceback
+    ("trainer.max_time={mins:5}", r"^trainer.max_time's mins=5: a mapping takes numbers >= 0 under weeks, days, "
+                                  r"hours, minutes, seconds, milliseconds, microseconds \(e.g. \{hours: 12\}\)"),
+    ("trainer.max_time={hours:abc}", r"^trainer.max_time's hours='abc': a mapping takes numbers >= 0"),
     # a ZeroDivisionError in Lightning's fit loop at the end of the first epoch
     ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch must be null \(validate by steps: "
                                           r"trainer.val_check_interval\) or an integer >= 1, got 0$"),
@@ -134,7 +138,7 @@ MEANINGFUL = [
     "sample.top_k=null", "ckpt_path=null", "init_from=null", "data.exclude_dirs=null", "data.exclude_dirs=[]",
     "data.exclude_dirs=/tmp/x", "data.exclude_dirs=[/tmp/x,/tmp/y]", "callbacks.model_checkpoint.monitor=null",
     "callbacks.model_checkpoint.filename=null", "trainer.max_time=00:01:00:00", "trainer.max_time={hours:1}",
-    "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",
+    "trainer.max_time={minutes:1.5,seconds:3}", "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",
     "callbacks=[default,loss_spike] callbacks.loss_spike.path=null",
     "callbacks=[default,loss_spike] callbacks.loss_spike.path=/tmp/spikes.jsonl",
     "callbacks=[default,optimizer_diagnostics] callbacks.optimizer_diagnostics.prefix='0'",
