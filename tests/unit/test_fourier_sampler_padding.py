@@ -79,3 +79,18 @@ def test_the_mask_reads_nothing_back_under_lag_1():
     loss, mask = _padded([16, 5, 9, 1])
     stats = s.observe(loss.to("meta"), torch.arange(4, device="meta"), step=0, token_mask=mask.to("meta"))
     assert stats["nonfinite"] is None and s._pending[0].parts[0].device.type == "meta"
+
+
+def test_the_warning_for_a_row_without_a_real_token_does_not_say_only_nan():
+    """A row all padding is left out as a non-finite one; the warning said only 'had a NaN/inf token loss', which
+    its loss (0 everywhere, as ignore_index leaves it) never was."""
+    s = _sampler()
+    cb, trainer = FourierSamplerCallback(), _Trainer(s)
+    loss, mask = _padded([16, 0, 9, 1])
+    cb.on_train_batch_start(trainer, None, None, 0)
+    trainer.global_step = 1
+    with pytest.warns(UserWarning, match=r"1 sample\(s\) up to step 0 had a NaN/inf token loss, or no real token in "
+                                         r"its token_mask; they are left out"):
+        cb.on_train_batch_end(trainer, None, {"loss": loss.mean(), "token_loss": loss, "index": torch.arange(4),
+                                              "token_mask": mask}, None, 0)
+    assert s.nonfinite_skipped == 1 and torch.isfinite(loss).all()

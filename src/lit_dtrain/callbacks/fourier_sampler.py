@@ -84,6 +84,7 @@ class FourierSamplerCallback(L.Callback):
         self._nonfinite_at_start = 0
         self._energy_owed: int | None = None  # lag=1: the logged step whose top_band_energy is still on the device
         self._table_sampler: FourierSampler | None = None  # the sampler whose table this callback checkpoints
+        self._saw_token_mask = False  # training_step returned a token_mask: a row without a real token is left out too
         self._reset_step()
 
     @property
@@ -221,7 +222,9 @@ class FourierSamplerCallback(L.Callback):
         if outputs is not None and not (isinstance(outputs, Mapping) and not outputs):
             require_outputs(self, outputs, self.required_step_outputs)
             token_loss, index = require_token_losses(self, outputs)
-            self._micro_outputs.append((token_loss.detach(), index, token_mask_of(self, outputs, token_loss)))
+            token_mask = token_mask_of(self, outputs, token_loss)
+            self._saw_token_mask = self._saw_token_mask or token_mask is not None
+            self._micro_outputs.append((token_loss.detach(), index, token_mask))
         # else: training_step returned None, Lightning's way to skip a batch (it hands on {}): nothing to learn from
         sampler = self.sampler_of(trainer)
         step = self._batch_step
@@ -277,8 +280,10 @@ class FourierSamplerCallback(L.Callback):
         new_nonfinite = sampler.nonfinite_skipped - self._nonfinite_at_start
         if new_nonfinite > 0 and not self._warned_nonfinite:
             self._warned_nonfinite = True
+            # (a row whose token_mask holds no real token is counted so too: its loss was no NaN)
+            masked = ", or no real token in its token_mask" if self._saw_token_mask else ""
             rank_zero_warn(f"FourierSampler: {new_nonfinite} sample(s) up to step {sampler.last_step} had a "
-                           "NaN/inf token loss; they are left out of the sampling table (counted in "
+                           f"NaN/inf token loss{masked}; they are left out of the sampling table (counted in "
                            "fourier/nonfinite_skipped)")
         if self._energy_owed is not None:
             landed = sampler.landed_stats(self._energy_owed)
