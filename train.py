@@ -3,6 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
+from lit_dtrain.config_resolvers import compose_for_a_run
 from lit_dtrain.sweeps import reports_user_errors
 from lit_dtrain.train import train
 
@@ -15,4 +16,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    compose_for_a_run()  # paths.output_dir reads '<run dir>' until Hydra sets it ('~<key holding it>' is refused)
     main()

@@ -12,6 +12,12 @@ own, and ranks that start in different seconds wrote different run dirs).
 it is unset or empty, as the XDG base-directory variables are read (``${oc.env:...}`` gave ``''`` for an empty one:
 the run dirs went to ``/runs`` at the filesystem's root, the token caches into the working dir).
 
+``${lit.run_dir:}`` is ``paths.output_dir``, the run dir (``${hydra:runtime.output_dir}``), which Hydra sets only when
+a run starts. While ``train.py`` composes its config (a ``~key`` override is applied then, and Hydra reads the value it
+deletes) it is ``<run dir>``: ``~callbacks.model_checkpoint.dirpath`` failed there with "HydraConfig was not set"
+instead of lit_dtrain's one-line refusal. A config composed outside ``train.py`` and Hydra's run has no run dir:
+reading it says to set ``paths.output_dir``.
+
 ``${lit.required:"message"}`` marks a key that a config needs from the command line (an experiment cannot
 mark it ``???``: a missing value does not override the root's default in a merge). Reading the key raises
 :class:`RequiredValueError` with the message until an override replaces it.
@@ -47,6 +53,33 @@ def default_cache_dir() -> str:
     return env_dir("LIT_DTRAIN_CACHE", "~/.cache/lit_dtrain")
 
 
+RUN_DIR_WHILE_COMPOSING = "<run dir>"  # paths.output_dir while train.py composes (before Hydra sets the run dir)
+_composing = False
+
+
+def compose_for_a_run() -> None:
+    """Called by ``train.py`` before Hydra composes: until Hydra sets the run dir, ``${lit.run_dir:}`` reads
+    :data:`RUN_DIR_WHILE_COMPOSING` (a config composed elsewhere gets the error of :func:`run_dir`)."""
+    global _composing
+    _composing = True
+
+
+def run_dir() -> str:
+    """``${lit.run_dir:}``: Hydra's ``runtime.output_dir``; while ``train.py`` composes, ``<run dir>``; else
+    :class:`RequiredValueError` naming ``paths.output_dir``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    output_dir = None  # (a missing value under --cfg, None before a run's: Hydra's own resolver gave None there)
+    if HydraConfig.initialized():
+        output_dir = OmegaConf.select(HydraConfig.get(), "runtime.output_dir", throw_on_missing=False)
+    if output_dir is not None:
+        return output_dir
+    if _composing:
+        return RUN_DIR_WHILE_COMPOSING
+    raise RequiredValueError("paths.output_dir is the run dir, which Hydra sets when train.py starts a run; a config "
+                             "composed outside it needs paths.output_dir=<dir>")
+
+
 def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int:
     """min(cap, max(1, int(fraction * max_steps)))."""
     return min(int(cap), max(1, int(float(fraction) * int(max_steps))))
@@ -80,6 +113,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("lit.launch_run_name", launch_run_name)
     if not OmegaConf.has_resolver("lit.env_dir"):
         OmegaConf.register_new_resolver("lit.env_dir", env_dir)
+    if not OmegaConf.has_resolver("lit.run_dir"):
+        OmegaConf.register_new_resolver("lit.run_dir", run_dir)
     if not OmegaConf.has_resolver("lit.required"):
         OmegaConf.register_new_resolver("lit.required", required)
 

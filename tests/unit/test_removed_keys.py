@@ -69,3 +69,25 @@ def test_a_partial_config_as_the_primary_one_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match=r"^the config 'experiment/wsd_vs_cosine' has no model, data, optimizer, "
                                               r".*experiment=<name>, not --config-name"):
             train(cfg)
+
+
+@pytest.mark.parametrize("removed", ["~callbacks.model_checkpoint.dirpath", "~callbacks.preemption.dirpath"])
+def test_a_removed_key_holding_the_run_dir_is_refused_in_one_line(tmp_path, monkeypatch, removed):
+    """Hydra reads the value it deletes while composing, before it sets the run dir: ``python train.py
+    '~callbacks.model_checkpoint.dirpath'`` ended in "Error merging override ... HydraConfig was not set"."""
+    from lit_dtrain import config_resolvers
+
+    monkeypatch.setattr(config_resolvers, "_composing", False)
+    config_resolvers.compose_for_a_run()  # as train.py does before Hydra composes
+    with job(tmp_path, [removed]) as cfg, pytest.raises(ConfigError, match=f"^{removed} removes a value"):
+        check_removed_keys(cfg)
+
+
+def test_the_run_dir_of_a_config_composed_outside_train_py_names_the_key_to_set():
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.config_resolvers import RequiredValueError
+
+    cfg = OmegaConf.create({"paths": {"output_dir": "${lit.run_dir:}", "checkpoint_dir": "${paths.output_dir}/c"}})
+    with pytest.raises(RequiredValueError, match=r"composed outside it needs paths.output_dir=<dir>"):
+        _ = cfg.paths.checkpoint_dir
