@@ -63,6 +63,11 @@ def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
         return False
 
 
+def _or_null(key: str) -> str:
+    """What ``key=null`` means where that is the value its removal was likely after: a source's name from its paths."""
+    return ", or null to name the source from its paths" if re.fullmatch(r"data\.sources\.\d+\.name", key) else ""
+
+
 def check_removed_keys(cfg: DictConfig) -> None:
     """Refuse a ``~key`` override (this start's Hydra overrides) of a key lit_dtrain needs that is still missing
     from ``cfg`` (not re-added with ``+key=...``); a no-op outside Hydra."""
@@ -84,7 +89,7 @@ def check_removed_keys(cfg: DictConfig) -> None:
             continue
         if section in _LEAVES_OF and leaf and "." not in leaf or _an_argument_of_its_target(cfg, key):
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
-                              f"default; set it instead ({key}=<value>)")
+                              f"default; set it instead ({key}=<value>{_or_null(key)})")
     missing = [section for section in _SECTIONS if section not in cfg]
     if missing:  # `--config-name experiment/wsd_vs_cosine`: a partial config as the primary one
         name = HydraConfig.get().job.config_name

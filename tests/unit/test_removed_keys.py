@@ -91,3 +91,11 @@ def test_the_run_dir_of_a_config_composed_outside_train_py_names_the_key_to_set(
     cfg = OmegaConf.create({"paths": {"output_dir": "${lit.run_dir:}", "checkpoint_dir": "${paths.output_dir}/c"}})
     with pytest.raises(RequiredValueError, match=r"composed outside it needs paths.output_dir=<dir>"):
         _ = cfg.paths.checkpoint_dir
+
+
+def test_a_removed_source_name_points_to_null(tmp_path):
+    """``~data.sources.1.name`` was told to set a value only: ``name=null`` names a source from its paths."""
+    with job(tmp_path, ["data=mixture", "~data.sources.1.name"]) as cfg:
+        with pytest.raises(ConfigError, match=r"\(data.sources.1.name=<value>, or null to name the source from its "
+                                              r"paths\)$"):
+            check_removed_keys(cfg)
