@@ -33,7 +33,7 @@ from lit_dtrain.config_warnings import (
 from lit_dtrain.data._fit_end import min_epochs_problem
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.models.llama import check_sampling
-from lit_dtrain.schedules.lr import schedule_factor
+from lit_dtrain.schedules.lr import resolve_decay_steps, rounded_decay_told, schedule_factor
 from lit_dtrain.utils.args import is_number, is_whole_float
 from lit_dtrain.utils.words import counted, plural
 
@@ -218,6 +218,7 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     scheduler = scheduler_config(cfg)
     total = scheduler.get("total_steps") if scheduler else None
     max_steps = cfg.trainer.get("max_steps")
+    rounded_decay_told(None)
     if not (isinstance(total, int) and isinstance(max_steps, int)) or total == max_steps:
         return
     if total > max_steps:  # on purpose (a stable run to branch from, one job of a longer run), but say where it ends
@@ -235,13 +236,29 @@ def warn_if_the_schedule_ends_early(cfg: DictConfig, start_step: int = 0) -> Non
     floor = scheduler.get("min_lr_factor")
     at = f"min_lr_factor={floor} of the peak LR" if floor is not None else "the schedule's last LR"
     name = str(scheduler.get("_target_", "")).rsplit(".", 1)[-1]
+    ends, fix = f"ends at step {total - 1}", ""
+    if fraction := _rounded_to_no_decay(scheduler, total):  # one warning, not a second one of the schedule's own
+        rounded_decay_told(total, fraction)
+        ends = (f"ends at step {total - 1} with no decay (decay_fraction={fraction} of {total} steps rounds to 0 "
+                f"decay steps), so its LR falls from the peak straight to {at.removesuffix(' LR')}")
+        fix = " with scheduler.decay_steps=1 or more for a decay"
     log.warning(
-        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s ends at step %d and the last %s %s "
-        "at %s. Set scheduler.total_steps=%d (or leave it at its default, ${trainer.max_steps}), or "
-        "trainer.max_steps=%d",
-        total, max_steps, name or "schedule", total - 1, counted(past, "step"), plural(past, "runs", "run"), at,
-        max_steps, total,
+        "scheduler.total_steps=%d is below trainer.max_steps=%d: the %s %s and the last %s %s at %s. "
+        "Set scheduler.total_steps=%d (or leave it at its default, ${trainer.max_steps}), or trainer.max_steps=%d%s",
+        total, max_steps, name or "schedule", ends, counted(past, "step"), plural(past, "runs", "run"),
+        "it" if fix else at, max_steps, total, fix,
     )
+
+
+def _rounded_to_no_decay(scheduler: DictConfig, total: int) -> float | None:
+    """The scheduler's ``decay_fraction`` where it rounds to 0 decay steps of ``total`` (else None)."""
+    fraction = scheduler.get("decay_fraction")
+    if not fraction or scheduler.get("decay_steps") is not None:
+        return None
+    try:
+        return fraction if resolve_decay_steps(total, None, fraction) == 0 else None
+    except ValueError:  # a bad value: the schedule's build names it
+        return None
 
 
 def check_validation_limit(cfg: DictConfig) -> None:

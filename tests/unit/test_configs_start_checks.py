@@ -87,6 +87,12 @@ def test_a_schedule_horizon_below_max_steps_is_warned_about(tiny_cfg, caplog):
     assert warnings_for("scheduler=cosine") == []  # total_steps: ${trainer.max_steps}
     assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == []  # a longer horizon, on purpose
     assert warnings_for("scheduler=constant") == []
+    (rounded,) = warnings_for("trainer.max_steps=4", "scheduler.total_steps=2")  # 0.2 of 2 rounds to no decay
+    assert rounded == (
+        "scheduler.total_steps=2 is below trainer.max_steps=4: the wsd_scheduler ends at step 1 with no decay "
+        "(decay_fraction=0.2 of 2 steps rounds to 0 decay steps), so its LR falls from the peak straight to "
+        "min_lr_factor=0.0 of the peak and the last 2 steps run at it. Set scheduler.total_steps=4 (or leave it at its "
+        "default, ${trainer.max_steps}), or trainer.max_steps=2 with scheduler.decay_steps=1 or more for a decay")
     caplog.set_level(logging.INFO, logger="lit_dtrain.config_checks")  # a longer horizon says where the run stops
     assert warnings_for("scheduler=cosine", "scheduler.total_steps=100") == [
         "scheduler.total_steps=100 is above trainer.max_steps=6: this run stops at step 5 with the LR at 0.9943 of "
@@ -184,3 +190,26 @@ def test_several_nodes_without_a_launcher_or_their_addresses_are_refused(tiny_cf
         with pytest.raises(ConfigError, match=re.escape(message)):
             check_multinode_launch(cfg, env)
     check_multinode_launch(tiny_cfg("trainer=ddp_cpu"), {})  # one node: nothing to check
+
+
+def test_a_horizon_below_max_steps_that_rounds_to_no_decay_is_one_warning(tiny_cfg, caplog):
+    """scheduler.total_steps=2 trainer.max_steps=4: 'the last 2 steps run at min_lr_factor=0.0' from the start check,
+    then 'no decay, the LR stays at its peak to the last step and never reaches min_lr_factor' from the schedule's
+    build: both true, read as a contradiction. The start check's warning says both; the build says nothing more,
+    while a schedule built without that check (a project of one's own) still warns."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lit_dtrain.config_checks import warn_if_the_schedule_ends_early
+
+    caplog.set_level(logging.WARNING)
+    cfg = tiny_cfg("trainer.max_steps=4", "scheduler.total_steps=2")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    warn_if_the_schedule_ends_early(cfg)
+    instantiate(cfg.scheduler)(optimizer)
+    rounded = [r.getMessage() for r in caplog.records if "rounds to 0" in r.getMessage()]
+    assert len(rounded) == 1 and rounded[0].startswith("scheduler.total_steps=2 is below trainer.max_steps=4")
+    caplog.clear()
+    warn_if_the_schedule_ends_early(tiny_cfg("trainer.max_steps=2"))  # no horizon warning: the build's own
+    instantiate(cfg.scheduler)(optimizer)
+    assert [r.getMessage()[:41] for r in caplog.records] == ["WSD: decay_fraction=0.2 of total_steps=2 "]

@@ -42,6 +42,18 @@ def no_schedule_warnings():
         log.disabled = disabled
 
 
+_rounded_decay_told: tuple[int, float] | None = None  # see rounded_decay_told
+
+
+def rounded_decay_told(total_steps: int | None, decay_fraction: float | None = None) -> None:
+    """A caller's own warning has said that ``decay_fraction`` of ``total_steps`` rounds to no decay (train.py's, which
+    also names the steps past ``total_steps``): the schedule built next does not say it again in other words
+    (``total_steps=2 max_steps=4`` read 'the last 2 steps run at min_lr_factor=0.0' beside 'the LR stays at its peak
+    to the last step'). ``None`` clears it (train.py does at each start)."""
+    global _rounded_decay_told
+    _rounded_decay_told = None if total_steps is None else (int(total_steps), decay_fraction)
+
+
 def _check_min_factor(min_lr_factor: float) -> float:
     if not is_number(min_lr_factor):
         raise ValueError(f"min_lr_factor must be a number in [0, 1], got {min_lr_factor!r}")
@@ -91,7 +103,8 @@ def check_wsd_args(
     ``decay_fraction`` above 0 that rounds to 0 decay steps is a warning (the WSD constructors call this once):
     the schedule has no decay, its last step runs at the peak LR, not ``min_lr_factor``."""
     resolved = resolve_decay_steps(total_steps, decay_steps, decay_fraction)
-    if decay_fraction and not resolved:  # every rank builds the schedule: rank 0 says it
+    told = _rounded_decay_told == (int(total_steps), decay_fraction)
+    if decay_fraction and not resolved and not told:  # every rank builds the schedule: rank 0 says it
         log_once(
             log, logging.WARNING,
             "WSD: decay_fraction=%s of total_steps=%s rounds to 0 decay steps (round(%s) = 0): no decay, the LR stays "
