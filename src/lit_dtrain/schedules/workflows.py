@@ -266,6 +266,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
     fit_default_warmup(cfg, src, start)  # a long decay's default warmup past a stable S: any warmup <= S is the same
+    log_the_branchs_last_step(cfg, start, steps)
     for key, node in nodes:
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup:
@@ -302,6 +303,24 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     log_once(log, logging.INFO, "decay_branch: from step %d of %s, decaying over %s to step %d", start, src,
              counted(steps, "step"), total)
     return start
+
+
+def log_the_branchs_last_step(cfg: DictConfig, start: int, steps: int) -> None:
+    """Lightning logs the step of 0-based index ``s`` (``train/loss``, the LR) where ``(s + 1) % log_every_n_steps ==
+    0``: a branch of fewer steps than that (``decay_branch.steps=3`` with the default 10) logged no train loss or LR at
+    all, its decay never drawn. Where the branch's steps ``start .. start + steps - 1`` hold no logged step, it logs
+    every ``d`` steps, ``d`` the largest divisor of ``start + steps`` up to ``steps`` and ``log_every_n_steps``: its
+    last step is logged, and as few others as that allows; said once."""
+    every = cfg.trainer.get("log_every_n_steps")
+    total = start + steps
+    if not is_number(every, integer=True) or every <= 0 or total // every > start // every:
+        return
+    d = max(n for n in range(1, min(every, steps) + 1) if total % n == 0)
+    with open_dict(cfg):
+        cfg.trainer.log_every_n_steps = d
+    log_once(log, logging.INFO, "decay_branch: none of its %s (%d..%d) is one that trainer.log_every_n_steps=%d logs; "
+             "it logs every %s instead, to its last", counted(steps, "step"), start, total - 1, every,
+             counted(d, "step") if d > 1 else "step")
 
 
 def _given_overrides() -> dict[str, object]:
