@@ -331,3 +331,15 @@ def test_each_test_and_predict_run_counts_from_zero(tmp_path: Path) -> None:
         counts = [(float(r[f"{stage}/batches"]), float(r[f"{stage}/samples"]))
                   for r in rows if r.get(f"{stage}/batches")]
         assert counts == [(1, 4), (2, 8), (1, 4), (2, 8)], (stage, counts)  # were (3, 12), (4, 16) the second time
+
+
+def test_train_tokens_is_this_ranks_tokens_times_the_ranks(tmp_path: Path, monkeypatch) -> None:
+    """train/tokens counts all ranks: this rank's tokens (train/lengths) times the world size, every rank training a
+    batch of one shape. The world size is the Trainer's (2 here, in one process), not assumed 1."""
+    import csv
+
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))
+    fit(Tokens(), tmp_path)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get("train/samples")]
+    assert [float(r["train/lengths"]) for r in rows] == [24.0, 48.0, 72.0, 96.0]  # 4 x 6 tokens a step, this rank
+    assert [float(r["train/tokens"]) for r in rows] == [48.0, 96.0, 144.0, 192.0]
