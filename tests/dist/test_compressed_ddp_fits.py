@@ -15,17 +15,11 @@ import torch.nn.functional as F
 from lit_dtrain.strategies import CHECKPOINT_KEY
 from tests.dist._compressed_ddp_fit_jobs import (
     EPOCH_UPDATES,
-    OVERFLOW_CODECS,
-    OVERFLOW_STEP,
     TOGGLE_RUNS,
     UNUSED_CODECS,
     VALIDATION_RUNS,
     _fit_by_epochs,
     _fit_frozen_between_syncs,
-    _fit_init_scale,
-    _fit_manual,
-    _fit_overflow,
-    _fit_scale_record,
     _fit_stopped_after_a_step,
     _fit_two_optimizers,
     _fit_uneven,
@@ -42,6 +36,14 @@ from tests.dist._compressed_ddp_helpers import (
     fitted,
     make_net,
     regression_batch,
+)
+from tests.dist._compressed_ddp_scaler_jobs import (
+    OVERFLOW_CODECS,
+    OVERFLOW_STEP,
+    _fit_init_scale,
+    _fit_manual,
+    _fit_overflow,
+    _fit_scale_record,
 )
 
 pytestmark = pytest.mark.dist
