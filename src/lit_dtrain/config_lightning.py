@@ -101,7 +101,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         )
     max_time = cfg.trainer.get("max_time")  # Lightning's Timer: 2.5 was "AttributeError: 'float' object has no
     if max_time is not None and not isinstance(max_time, DictConfig) and not (  # attribute 'total_seconds'"
-            isinstance(max_time, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", max_time.strip())):
+            isinstance(max_time, str) and re.fullmatch(r"\d+:\d\d:\d\d:\d\d", max_time.strip())):  # Timer's
         raise ConfigError(f"trainer.max_time={max_time!r} must be 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a mapping "
                           "such as {hours: 12}, or null (no limit)")
     if isinstance(max_time, DictConfig):  # datetime.timedelta's keywords: {mins: 5} was its TypeError's traceback

@@ -92,6 +92,8 @@ LIGHTNING_VALUES = [
     # Lightning's Timer in Hydra's wrapper: "AttributeError: 'float' object has no attribute 'total_seconds'"
     ("trainer.max_time=2.5", r"^trainer.max_time=2.5 must be 'DD:HH:MM:SS' \(e.g. '00:12:00:00'\), a mapping"),
     ("trainer.max_time=abc", r"^trainer.max_time='abc' must be 'DD:HH:MM:SS'"),
+    # Lightning's Timer takes two digits for hours, minutes and seconds: its MisconfigurationException in a traceback
+    ("trainer.max_time=00:1:00:00", r"^trainer.max_time='00:1:00:00' must be 'DD:HH:MM:SS' \(e.g. '00:12:00:00'\)"),
     # datetime.timedelta's "TypeError: 'mins' is an invalid keyword argument for __new__()" in Hydra's traceback
     ("trainer.max_time={mins:5}", r"^trainer.max_time's mins=5: a mapping takes numbers >= 0 under weeks, days, "
                                   r"hours, minutes, seconds, milliseconds, microseconds \(e.g. \{hours: 12\}\)"),
