@@ -109,6 +109,11 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         if wrong:
             raise ConfigError(f"trainer.max_time's {', '.join(wrong)}: a mapping takes numbers >= 0 under "
                               f"{', '.join(_TIMEDELTA_KEYS)} (e.g. {{hours: 12}}), as datetime.timedelta does")
+        try:  # {hours: inf}, {days: 1e9}: timedelta's OverflowError in Hydra's traceback
+            datetime.timedelta(**OmegaConf.to_container(max_time))
+        except OverflowError as e:
+            raise ConfigError(f"trainer.max_time={OmegaConf.to_container(max_time)!r} is beyond datetime.timedelta "
+                              f"({e}): give a finite time (at most 999999999 days), or null for no limit") from None
     every = cfg.trainer.get("check_val_every_n_epoch")  # 0: a ZeroDivisionError at the end of the first epoch
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "
