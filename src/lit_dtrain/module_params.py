@@ -131,7 +131,9 @@ def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> flo
     run reads higher by ``6 L d T / (6 N + 6 L d T)``). An ``nn.Embedding``'s table is excluded (a lookup), unless it
     is tied to the LM head: its weight is also another module's parameter (or ``config.tie_embeddings`` says so).
     The attention term needs the depth and width from ``model.config``: ``n_layer`` (or ``num_hidden_layers``) and
-    ``d_model`` (or nanoGPT's ``n_embd``, Hugging Face's ``hidden_size``); a model without them gets ``6 N`` alone.
+    ``d_model`` (or nanoGPT's ``n_embd``, Hugging Face's ``hidden_size``), or, where the config gives ``head_dim``,
+    the query heads' width ``n_head`` (``num_attention_heads``) x ``head_dim`` (Qwen3-0.6B: 16 x 128 = 2048 for a
+    ``hidden_size`` of 1024; read as the width, the term was half of what ran); a model without them gets ``6 N`` alone.
     Parameter sizes are the full ones (:func:`remember_parameter_shapes`), not a shard's: every rank computes the
     whole model. The forward pass alone (a validation batch) is a third of it: 2 FLOPs per parameter and token,
     backward 4.
@@ -144,6 +146,9 @@ def estimate_train_flops(model: nn.Module, batch_size: int, seq_len: int) -> flo
     flops = 6.0 * n_params * tokens
     n_layer = _config_value(config, "n_layer", "num_hidden_layers")
     width = _config_value(config, "d_model", "n_embd", "hidden_size")
+    heads, head_dim = _config_value(config, "n_head", "num_attention_heads"), _config_value(config, "head_dim")
+    if heads is not None and head_dim is not None:  # the query heads' width, which QK^T and AV run at
+        width = heads * head_dim
     if n_layer is not None and width is not None:
         flops += 6.0 * n_layer * width * seq_len * tokens  # QK^T and AV, fwd+bwd, causal half
     return flops

@@ -100,3 +100,51 @@ def test_the_llama_estimate_is_the_hand_count_and_torch_counts_its_matmuls(tie: 
     norms = (2 * 2 + 1) * D
     assert estimate_train_flops(model, B, T) == 6.0 * n * B * T + 6.0 * 2 * D * T * B * T
     assert matmul_flops_of_a_step(model, torch.randint(0, V, (B, T))) == 6 * (n - norms) * B * T
+
+
+@dataclasses.dataclass
+class QwenConfig:  # Hugging Face's names, with a head_dim that is not hidden_size / num_attention_heads (Qwen3, Gemma)
+    num_hidden_layers: int = 1
+    hidden_size: int = D
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16  # 4 x 16 = 64 query dims for a width of 32
+
+
+class HeadDimAttention(nn.Module):
+    """One causal attention layer whose query heads are ``num_attention_heads x head_dim`` wide (GQA keys and values),
+    the scores and their product with the values as plain batched matmuls, which torch's FlopCounterMode counts."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__()
+        c = QwenConfig()
+        if config is not None:
+            self.config = config
+        self.h, self.kv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.wte = nn.Embedding(V, D)
+        self.q, self.k, self.v = (nn.Linear(D, n * c.head_dim, bias=False) for n in (self.h, self.kv, self.kv))
+        self.o = nn.Linear(self.h * c.head_dim, D, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.h, self.hd).transpose(1, 2)
+        k, v = (f(x).view(b, t, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
+                for f in (self.k, self.v))
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        h = self.o((scores @ v).transpose(1, 2).reshape(b, t, -1))
+        return h @ self.wte.weight.t()
+
+
+def test_a_config_with_a_head_dim_gets_the_attention_term_of_its_query_heads() -> None:
+    """QK^T and AV run at num_attention_heads x head_dim (64 here), not hidden_size (32): read as the width, the
+    attention term of a Qwen3-0.6B-style config (16 x 128 for 1024) was half of what ran. The causal half of the
+    scores' and values' matmuls that torch counts (forward + backward)."""
+    ids = torch.randint(0, V, (B, T))
+    with FlopCounterMode(display=False) as counter:
+        HeadDimAttention()(ids).float().logsumexp(-1).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    scores_and_values = sum(v for op, v in counts.items() if str(op).split(".")[1] == "bmm")
+    term = estimate_train_flops(HeadDimAttention(QwenConfig()), B, T) - estimate_train_flops(HeadDimAttention(), B, T)
+    assert term == scores_and_values / 2 == 6.0 * 1 * 64 * T * B * T
