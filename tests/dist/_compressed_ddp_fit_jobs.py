@@ -110,6 +110,22 @@ def _fit_validating(tmp: Path, key: str) -> None:
     trainer.fit(ValidatingModule(str(tmp), "val"))
 
 
+def _fit_stopped_with_validation(tmp: Path, key: str) -> None:
+    """Three fits of :class:`ValidatingModule` to step 10 (period 4), whose only validation is the one Lightning runs
+    after a stop: straight; stopped after step 6 (2 steps after a sync; ``last.ckpt`` written after that validation);
+    resumed from that ``last.ckpt``."""
+    for tag, stop, resume in (("straight", None, None), ("stopped", 6, None),
+                              ("resumed", None, str(tmp / "stopped" / "last.ckpt"))):
+        callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, save_last=True)]
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD, max_steps=10, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key], log_comm_metrics=False),
+            callbacks=callbacks + ([_StopAfterStep(stop)] if stop else []),
+        )
+        trainer.fit(ValidatingModule(str(tmp), tag), ckpt_path=resume)
+
+
 class _BranchModule(TinyModule):
     """TinyModule with a branch (``branch``) that every rank uses only at steps 0 and 3: at the other steps it is
     unused on all ranks, so under ``find_unused_parameters=True`` DDP leaves its ``.grad`` None. Records the

@@ -21,6 +21,7 @@ from tests.dist._compressed_ddp_fit_jobs import (
     _fit_by_epochs,
     _fit_frozen_between_syncs,
     _fit_stopped_after_a_step,
+    _fit_stopped_with_validation,
     _fit_two_optimizers,
     _fit_uneven,
     _fit_unfrozen_at_resume,
@@ -82,6 +83,28 @@ def test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so(
     assert torch.load(tmp / "warnings_rank1.pt") == []
 
 
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_a_stop_followed_by_a_validation_resumes_as_the_straight_run(fits, key):
+    """A stop after step 6 (period 4; as max_time or EarlyStopping) is followed by Lightning's validation, which
+    synchronizes first, and last.ckpt is written after it. That sync is one a fit that did not stop never makes, and
+    the resume went on from the synchronized model: 0.0029 off the straight run's weights at step 10 (DiLoCo 0.027, its
+    outer step taken early). The checkpoint keeps the synchronized model in its state_dict (what was validated) and
+    every rank's state from before that sync for the resume, which now ends on the straight run's weights exactly."""
+    tmp = fitted(fits, _fit_stopped_with_validation, key)
+    straight, resumed = dumps(tmp, "straight", "end"), dumps(tmp, "resumed", "end")
+    for rank in range(WORLD):
+        assert_same(resumed[rank]["params"], straight[rank]["params"], f"rank {rank} at step 10")
+    at_val = dumps(tmp, "stopped", "val6")
+    assert_same(at_val[0]["params"], at_val[1]["params"], "ranks at the stop's validation")
+    last = torch.load(tmp / "stopped" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 6
+    assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, at_val[0]["params"], "state_dict")
+    state = last[CHECKPOINT_KEY]
+    assert (state["local_update"]["steps_since_sync"], state["local_update"]["num_syncs"]) == (2, 2)
+    own = [rank["params"] for rank in state["per_rank"]]
+    assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])  # each rank's own, from before the sync
+
+
 @pytest.mark.parametrize("key", ["local_sgd", "ddp"])
 def test_ranks_whose_epochs_differ_in_length_fail_at_once_naming_them(fits, key):
     """3 batches on rank 0, 4 on rank 1, max_epochs=1, local SGD period 4: rank 0's sync at its last step (3) met
@@ -127,6 +150,7 @@ def test_a_validation_between_syncs_sees_the_synchronized_model(fits, key, syncs
 def fits(tmp_path_factory) -> Path:
     """The fits of the tests not marked slow (each reads its own directory)."""
     jobs = [(_fit_by_epochs, key) for key in sorted(EPOCH_UPDATES)] + [(_fit_stopped_after_a_step, "local_sgd")]
+    jobs += [(_fit_stopped_with_validation, key) for key in sorted(EPOCH_UPDATES)]
     jobs += [(_fit_validating, key) for key in VALIDATION_RUNS]
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]

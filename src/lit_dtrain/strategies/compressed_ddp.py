@@ -148,6 +148,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     def setup(self, trainer) -> None:
         refuse_validation_by_time(self, trainer)  # on every rank, before any collective
         warn_about_settings_without_effect(self, trainer)
+        self._state_before_stop_sync = None  # an earlier fit's (fit_end.sync_or_warn_before_validation)
         super().setup(trainer)
 
     @override

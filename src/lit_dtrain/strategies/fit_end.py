@@ -11,8 +11,10 @@ checked, so a project of one's own that trains by epochs (Lightning's default ``
 ``last.ckpt`` holding rank 0's unsynchronized parameters (DiLoCo: without its last outer step). A stop that
 is decided after the step (``EarlyStopping``, ``max_time``, ``trainer.should_stop``) cannot be known ahead; there
 only ``on_train_end`` synchronizes. Lightning validates after such a stop when the fit has validation data, and that
-validation synchronizes first (below); without one, a checkpoint written at the stop's step (``ModelCheckpoint`` at
-the epoch's end) holds rank 0's parameters, which :func:`warn_checkpoint_before_final_sync` says.
+validation synchronizes first (below; the checkpoints written after it keep every rank's state from before that sync,
+which a fit that did not stop never makes, for a resume: ``_comm_state.keep_state_before_stop_sync``); without one,
+a checkpoint written at the stop's step (``ModelCheckpoint`` at the epoch's end) holds rank 0's parameters, which
+:func:`warn_checkpoint_before_final_sync` says.
 
 A validation inside the fit sees the synchronized model the same way (``sync_before_validation``): the optimizer step
 after which Lightning's epoch loop will validate (its own ``_should_check_val_fx``, asked during the step: the batch
@@ -35,6 +37,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_dtrain.strategies._comm_state import keep_state_before_stop_sync, note_stop_sync_done
 from lit_dtrain.utils.words import counted
 
 
@@ -139,7 +142,12 @@ def sync_or_warn_before_validation(strategy: Any) -> None:
     if validation_between_syncs_message(lu, trainer) is None or strategy.session.comm is None:
         return
     if strategy.sync_before_validation:
+        stop = trainer.should_stop  # the validation runs because of the stop: keep the state a resume goes on from
+        if stop:
+            keep_state_before_stop_sync(strategy, trainer.global_step)
         strategy.session.final_sync(strategy.session.named_params(module))
+        if stop:
+            note_stop_sync_done(strategy)
     else:
         warn_validation_between_syncs(strategy)
 
