@@ -29,6 +29,8 @@ _SECTIONS = {"model": "choose an option instead (model=nano)", "data": "choose a
              "module": "leave it in and set its keys (module.compile=true)", "seed": "set it instead (seed=1337)"}
 _LEAVES_OF = ("model", "data", "optimizer", "trainer")
 _ABSENT = object()
+_PATHS = {"log_dir": "the root of run dirs", "output_dir": "the run dir", "checkpoint_dir": "where checkpoints go",
+          "cache_dir": "the token caches"}
 # removed to be re-added in another form ('~strategy.compressor' '+strategy.compressor={name: topk, ...}')
 _SWAPPED = ("strategy.compressor", "strategy.local_update")
 
@@ -87,6 +89,9 @@ def check_removed_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"~{key} removes the '{key}' config, which lit_dtrain needs: {_SECTIONS[section]}")
         if leaf.split(".")[-1].startswith("_"):
             continue
+        if section == "paths" and leaf in _PATHS:  # read by train.py itself: it failed on OmegaConf's traceback
+            raise ConfigError(f"~{key} removes a path lit_dtrain needs ({_PATHS[leaf]}); set it instead "
+                              f"({key}=<dir>)")
         if section in _LEAVES_OF and leaf and "." not in leaf or _an_argument_of_its_target(cfg, key):
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
                               f"default; set it instead ({key}=<value>{_or_null(key)})")

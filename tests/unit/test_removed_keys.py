@@ -99,3 +99,14 @@ def test_a_removed_source_name_points_to_null(tmp_path):
         with pytest.raises(ConfigError, match=r"\(data.sources.1.name=<value>, or null to name the source from its "
                                               r"paths\)$"):
             check_removed_keys(cfg)
+
+
+@pytest.mark.parametrize("removed", ["~paths.checkpoint_dir", "~paths.cache_dir"])
+def test_a_removed_path_is_refused_in_one_line(tmp_path, monkeypatch, removed):
+    """``~paths.checkpoint_dir`` ended in OmegaConf's traceback: "Key 'checkpoint_dir' is not in struct"."""
+    from lit_dtrain import config_resolvers
+
+    monkeypatch.setattr(config_resolvers, "_composing", True)  # as train.py composes
+    with job(tmp_path, [removed]) as cfg, pytest.raises(ConfigError, match=rf"^{removed} removes a path lit_dtrain "
+                                                                           rf"needs \(.*\); set it instead"):
+        check_removed_keys(cfg)
