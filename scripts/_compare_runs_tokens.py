@@ -30,8 +30,8 @@ LENGTHS = "train/lengths"
 TOKENS = "train/tokens"  # lit_dtrain.callbacks.throughput.TOKENS
 ONE_RATE_NOTE = (f"--x tokens: run(s) {{runs}} logged no {TOKENS!r} (written before the throughput callback logged "
                  "it, or stopped before its first logged step): drawn at one tokens-per-step rate (train/lengths' "
-                 "median step x the ranks, else its config), which is off where a resume changed the number of ranks "
-                 "or data.batch_size")
+                 "median step x the ranks, else summary.json's stepped tokens, else its config), which is off where "
+                 "a resume changed the number of ranks or data.batch_size")
 
 UNEVEN_NOTE = ("--x {x}: these runs trained different tokens per optimizer step ({rates}; the ranks, data.batch_size, "
                "data.block_size or the accumulation differ, or an epoch's short last steps): at equal steps the ones "
@@ -92,8 +92,11 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     rate (their median), the first point where it has one point. A run that did not log ``train/lengths`` (the
     throughput callback off, or fewer steps than ``trainer.log_every_n_steps``: a sweep job that failed before its
     first logged step, after a validation, stopped the whole ``--x tokens`` comparison) is read from its
-    ``config_resolved.yaml`` (:func:`_configured_tokens_per_step`); an error naming the run without either."""
+    ``summary.json`` (the micro-batches stepped, :func:`_summary_tokens_per_step`), else its ``config_resolved.yaml``
+    (full steps, :func:`_configured_tokens_per_step`); an error naming the run without either."""
     lengths = [(s, v) for s, v in scalars.get(LENGTHS, []) if v > 0]
+    if not lengths and (stepped := _summary_tokens_per_step(run)) is not None:
+        return stepped
     if not lengths and (configured := _configured_tokens_per_step(run, scalars)) is not None:
         return configured
     if not lengths:
@@ -105,6 +108,22 @@ def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> fl
     rates = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(lengths, lengths[1:]) if s1 > s0 and v1 > v0]
     per_rank = statistics.median(rates) if rates else lengths[0][1] / (lengths[0][0] + 1)
     return per_rank * _ranks(run, scalars)
+
+
+def _summary_tokens_per_step(run: str) -> float | None:
+    """The tokens per optimizer step that the run's last start trained, all ranks together, from ``summary.json``'s
+    ``tokens`` over its steps (``steps - start_step``), or None (no such keys: an unfinished run, or one from before
+    them). It counts the micro-batches stepped: with ``limit_train_batches=5`` and 2 a step, the configured rate
+    (a full step's) drew a run with no throughput callback 20 % ahead of the tokens it trained."""
+    import json
+
+    try:
+        summary = json.loads((Path(run) / "summary.json").read_text())
+        tokens, steps = summary["tokens"], summary["steps"] - summary["start_step"]
+    except Exception:  # noqa: BLE001 - none, unreadable, or without these keys
+        return None
+    ok = isinstance(tokens, int) and tokens > 0 and isinstance(steps, int) and steps > 0
+    return tokens / steps if ok else None
 
 
 def _configured_tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> float | None:

@@ -94,6 +94,25 @@ def test_a_run_that_logged_no_train_lengths_is_drawn_by_its_config(tmp_path):
         compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
 
 
+def test_a_run_that_logged_no_train_lengths_is_drawn_by_the_tokens_it_stepped(tmp_path):
+    """A real run with the throughput callback off (callbacks.throughput=null), 5 batches an epoch
+    (limit_train_batches) and 2 a step: its 6 steps trained 10 micro-batches of 4 x 64, 2560 tokens, and its config
+    drew it at 512 a step, 3072 in all (+20 %). summary.json's stepped tokens give 2560 / 6 now (a resume's: its own
+    steps)."""
+    run = write_run(tmp_path / "short", {5: 3.85})
+    (run / "config_resolved.yaml").write_text(
+        "data: {batch_size: 4, block_size: 64}\ntrainer: {accumulate_grad_batches: 2, devices: 1, num_nodes: 1}\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 6, "tokens": 2560, "start_step": 0}))
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+    assert result["runs"][0]["tokens_per_step"] == 2560 / 6
+    (run / "summary.json").write_text(json.dumps({"steps": 6, "tokens": 1024, "start_step": 4}))  # resumed at 4
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+    assert result["runs"][0]["tokens_per_step"] == 512
+    (run / "summary.json").write_text(json.dumps({"steps": 6}))  # a summary from before these keys: the config's
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+    assert result["runs"][0]["tokens_per_step"] == 512
+
+
 def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path):
     """A baseline run with the default LR beside one with ``optimizer.lr=1e-2`` was labelled by its dir name, and a
     run that typed ``scheduler=wsd`` (the default) beside one that did not was labelled 'scheduler=wsd', as if its

@@ -40,6 +40,7 @@ def test_an_epochs_short_last_step_counts_the_tokens_it_trained(tiny_cfg):
     # tokens/s x the training seconds: the tokens trained, two epochs of 5 micro-batches in 3 steps each (12 before)
     assert summary["tokens_per_sec"] * saved["train_seconds"] == pytest.approx(10 * micro, rel=0.1)
     assert _clock(objects).tokens == saved["tokens"] == throughput["tokens"] == 10 * micro  # train/tokens' count
+    assert (summary["tokens"], summary["start_step"]) == (10 * micro, 0)  # compare_runs' rate without train/tokens
 
 
 class _StopMidStep(L.Callback):
