@@ -301,6 +301,12 @@ class OutputDirCheck(Callback):
     a traceback ('OSError: [Errno 30] Read-only file system: .../runs') that did not say which setting chose it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from lit_dtrain._config_values import check_run_name
+
+        try:  # run_name='' made the run dir outputs/runs itself (a multirun's jobs do not use it)
+            check_run_name(config.get("run_name"))
+        except ConfigError as error:
+            _exit_with(error)
         _check_output_dir(config.hydra.run.dir, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:

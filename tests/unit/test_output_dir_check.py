@@ -45,3 +45,20 @@ def test_train_py_refuses_a_read_only_output_dir_in_one_line(tmp_path, read_only
     kind, where = ("sweep", "multiruns/") if multirun else ("run", "runs/ro")
     assert (f"error: the {kind} dir '{read_only_dir}/{where}" in proc.stderr
             and f"its ancestor '{read_only_dir}' is on a read-only file system; point LIT_DTRAIN_OUTPUT" in proc.stderr)
+
+
+@pytest.mark.parametrize("run_name", ["''", "' '", "..", "a/../.."])
+def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused_before_hydra_creates_it(tmp_path, run_name, capsys):
+    """run_name='' trained in outputs/runs itself (its checkpoints/, summary.json and train.log beside every run,
+    exit 0); '..' in outputs."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    config = OmegaConf.create({"run_name": OmegaConf.create(f"x: {run_name}").x,
+                               "hydra": {"run": {"dir": str(tmp_path / "runs" / "x")}}})
+    with pytest.raises(SystemExit):
+        OutputDirCheck().on_run_start(config)
+    assert capsys.readouterr().err.startswith(f"error: run_name={config.run_name!r} names no run dir of its own")
+    assert not (tmp_path / "runs").exists()
+    OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "a/b"}))  # a nested name is a run dir
