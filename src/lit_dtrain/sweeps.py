@@ -173,16 +173,20 @@ def log_training_start(logger: logging.Logger) -> None:
 def user_error(e: BaseException) -> BaseException | None:
     """The lit_dtrain error behind ``e`` that says the user's input is wrong, or None: a ``ConfigError``, a
     ``CorpusError`` (also when Hydra's ``instantiate`` wrapped it: ``Error in call to target ... full_key: data``),
-    a plain ``ValueError`` that a constructor raised inside ``instantiate`` (an argument check: reported as a
+    a plain ``ValueError`` or Lightning's ``MisconfigurationException`` that a constructor raised inside
+    ``instantiate`` (an argument check: reported as a
     ``ConfigError`` prefixed with Hydra's ``full_key``, ``callbacks.loss_spike: LossSpikeMonitor: method must be
     ...``; Hydra showed no traceback for it either),
     a ``CheckpointError`` but one from writing a checkpoint that is not an OS error (a full disk is one; an object
     torch cannot pickle is a bug, whose traceback helps)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     from lit_dtrain.checkpoint import CheckpointError, _os_error
     from lit_dtrain.data.corpus import CorpusError
 
     if isinstance(e, InstantiationException) and e.__cause__ is not None:
-        if type(e.__cause__) is ValueError:  # a constructor's own argument check (check_arg, LlamaConfig, ...)
+        # a constructor's own argument check (check_arg, LlamaConfig, ...; Lightning's: ModelCheckpoint's save_top_k)
+        if type(e.__cause__) is ValueError or isinstance(e.__cause__, MisconfigurationException):
             # Hydra's message is "Error in call to target '<class>':\n<repr of the error>\nfull_key: <node>"
             node = next((line[len("full_key: "):] for line in str(e).splitlines() if line.startswith("full_key: ")),
                         None)
