@@ -1,0 +1,35 @@
+"""token_throughput_monitor's edges in a project of one's own: a validation with a batch of unknown FLOPs logs no
+FLOP rate for it."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_dtrain.callbacks import token_throughput_monitor
+from tests.unit.test_throughput import Validated
+
+
+def _rows(tmp_path: Path, key: str) -> list[dict]:
+    return [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get(key)]
+
+
+def test_a_validation_batch_without_flops_leaves_the_validation_without_a_flop_rate(tmp_path: Path) -> None:
+    """``flops_per_batch`` unknown (None) for one validation batch and known for the next: the validation's FLOP/s
+    would be of part of it, so none is logged (and the sum does not fail on the None)."""
+
+    class SomeFlops(Validated):
+        def on_validation_batch_start(self, batch, batch_idx, dataloader_idx=0):
+            self.flops_per_batch = None if batch_idx == 0 else 1e6
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, log_every_n_steps=1,
+                        callbacks=[token_throughput_monitor(window_size=2)],
+                        logger=CSVLogger(str(tmp_path), name="csv", version=0),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(SomeFlops())
+    rows = _rows(tmp_path, "validate/batches")
+    assert len(rows) == 1 and float(rows[0]["validate/batches"]) == 4
+    assert not rows[0].get("validate/device/flops_per_sec")
