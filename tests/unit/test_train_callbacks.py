@@ -1,13 +1,16 @@
-"""``TrainClock``, the summary's clock and token count, on its own: the tokens of all ranks at each optimizer step's
-end, and the figures of the fit that trained kept through a start that trains no step."""
+"""The callbacks ``train(cfg)`` adds, on their own (stub trainers, no fit): ``TrainClock``'s tokens of all ranks and
+the figures it keeps through a start that trains no step, ``max_time``'s timer beside a ``Timer`` of one's own,
+``LogStepSync`` before a final validation, and the fraction ``ValLimitCheck`` suggests."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+from lightning.pytorch.callbacks import Timer
+from omegaconf import OmegaConf
 
-from lit_dtrain.train_callbacks import TrainClock
+from lit_dtrain.train_callbacks import LogStepSync, StepEndTimer, TrainClock, _fraction_for_one_batch, max_time_timer
 
 
 def _trainer(global_step: int, world_size: int = 1, accumulating=lambda: False):
@@ -42,3 +45,26 @@ def test_a_start_that_trains_no_step_checkpoints_the_figures_it_resumed_with() -
     clock.fit_started()
     clock.on_train_start(_trainer(6), None)
     assert clock.state_dict() == carried
+
+
+def test_max_time_gets_a_step_end_timer_unless_the_callbacks_hold_a_timer_of_their_own() -> None:
+    """Lightning ignores ``max_time`` beside a ``Timer`` callback; a second timer of ours would stop the run at the
+    earlier of the two."""
+    cfg = OmegaConf.create({"max_time": "00:00:01:00"})
+    assert isinstance(max_time_timer(cfg, []), StepEndTimer)
+    assert max_time_timer(cfg, [Timer(duration="00:01:00:00")]) is None
+    assert max_time_timer(OmegaConf.create({"max_time": None}), []) is None
+
+
+def test_the_final_validation_logs_at_global_step() -> None:
+    """A resume from a checkpoint saved inside its last step (a stop signal's) only validates: Lightning's logging
+    step is one behind global_step there, and the validation's point landed at N - 1, beside fit's."""
+    loop = SimpleNamespace(_batches_that_stepped=3)
+    trainer = SimpleNamespace(global_step=4, fit_loop=SimpleNamespace(epoch_loop=loop),
+                              state=SimpleNamespace(fn="validate"))
+    LogStepSync().on_validation_start(trainer, None)
+    assert loop._batches_that_stepped == 4
+
+
+def test_the_suggested_val_fraction_is_written_without_trailing_zeros() -> None:
+    assert [_fraction_for_one_batch(n) for n in (1, 2, 3, 4, 1000)] == ["1", "0.5", "0.334", "0.25", "0.001"]
