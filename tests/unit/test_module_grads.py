@@ -88,3 +88,24 @@ def test_the_check_stops_on_nan_or_inf_gradients_only_not_on_a_total_norm_that_o
             module.on_before_optimizer_step(optimizer)
     else:
         module.on_before_optimizer_step(optimizer)
+
+
+def test_the_own_clip_is_taken_only_where_lightnings_would_clip_by_norm_without_a_word() -> None:
+    """LitLLM clips with its kept norm only where Lightning's path would end in ``clip_grad_norm_`` with nothing to
+    refuse: another value than the Trainer's (Lightning raises: two values given) and a fused optimizer under a mixed
+    precision (its grads are still scaled; Lightning refuses to clip them) go through Lightning's own path."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from lit_dtrain.module_grads import clips_by_norm_like_lightning
+
+    def module(plugin):
+        trainer = SimpleNamespace(gradient_clip_val=1.0, gradient_clip_algorithm="norm", precision_plugin=plugin)
+        return SimpleNamespace(fabric=None, trainer=trainer)
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    foreach, fused = torch.optim.AdamW([param], foreach=True), torch.optim.AdamW([param], fused=True)
+    assert clips_by_norm_like_lightning(module(Precision()), foreach, 1.0, "norm")
+    assert not clips_by_norm_like_lightning(module(Precision()), foreach, 0.5, "norm")
+    bf16 = MixedPrecision("bf16-mixed", "cpu")
+    assert clips_by_norm_like_lightning(module(bf16), foreach, 1.0, "norm")
+    assert not clips_by_norm_like_lightning(module(bf16), fused, 1.0, "norm")
