@@ -239,3 +239,17 @@ def test_uncompressed_warmup_steps_send_fp32():
     for step in range(3):
         c.reduce(grad(step), SEGMENTS, comm, step).wait()
         assert comm.take_step_record()["bytes"] == (4 * NUMEL if step < 2 else 8 * math.ceil(0.01 * NUMEL))
+
+
+def test_powersgd_resumed_with_another_rank_starts_its_warm_start_afresh():
+    """A checkpoint's warm-start Qs are (m, r) of the rank it was written with: a resume with another
+    ``matrix_approximation_rank`` draws new ones (a Q of the old rank would not fit the new P), and reduces as a
+    fresh compressor of that rank does."""
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+    old = PowerSGD(matrix_approximation_rank=1, error_feedback=False)
+    old.reduce(x.clone(), SEGMENTS, LoopbackCommunicator(), step=0).wait()
+    resumed, fresh = (PowerSGD(matrix_approximation_rank=2, error_feedback=False) for _ in range(2))
+    resumed.load_state_dict(old.state_dict())
+    out = resumed.reduce(x.clone(), SEGMENTS, LoopbackCommunicator(), step=1).wait()
+    assert torch.equal(out, fresh.reduce(x.clone(), SEGMENTS, LoopbackCommunicator(), step=1).wait())
+    assert {k: tuple(q.shape) for k, q in resumed.q_memory.items()} == {"w1": (40, 2), "w2": (24, 2), "emb": (24, 2)}
