@@ -21,7 +21,8 @@ Under ``srun`` every task runs ``train.py`` itself, and Lightning's ``SLURMEnvir
   run reported val_loss 3.0733, the weights it ended with 2.9760), and a fresh start in that run dir resumed from it
   unannounced. Now rank 0 runs ``scontrol requeue <job>`` (Lightning's command), and Slurm then stops the job with
   SIGTERM, which ``PreemptionCheckpoint`` turns into ``last.ckpt`` and exit status 143; the requeued job continues
-  with ``resume=auto``. A run dir that holds such a file (written before) is refused under Slurm
+  with ``resume=auto``; a command without it is not requeued (run again it would not continue the run). A run dir that
+  holds such a file (written before) is refused under Slurm
   (:func:`check_no_hpc_checkpoint`): Lightning would still load it there.
 """
 
@@ -153,8 +154,18 @@ def requeue_job(env=os.environ) -> None:
                     "on", job, detail or f"exit status {status}")
 
 
+# whether the requeued job, which runs the same command again, continues this run (set by train(): resume=auto)
+_requeue_continues = True
+
+
 def _on_requeue_signal(signum, frame) -> None:
-    requeue_job()
+    if _requeue_continues:
+        requeue_job()
+    elif os.environ.get("SLURM_PROCID", "0") == "0":
+        log.warning("Slurm's requeue signal: the job is not requeued, since this command has no resume=auto: run "
+                    "again it would not continue this run (from step 0 in a new run dir, or refused in this one). It "
+                    "trains on until Slurm stops it with SIGTERM (last.ckpt); add resume=auto (and run_name=<name>) "
+                    "to the batch script's command to have it requeued")
 
 
 def _slurm_environment() -> SLURMEnvironment | None:
@@ -165,12 +176,19 @@ def _slurm_environment() -> SLURMEnvironment | None:
     return SLURMEnvironment(auto_requeue=False)
 
 
-def catch_requeue_signal() -> None:
+def catch_requeue_signal(continues: bool | None = None) -> None:
     """Under srun, have Slurm's requeue signal (``SIGUSR1``) run :func:`requeue_job` from now on; ``train()`` calls
-    it first. Registered only with the Trainer (:func:`slurm_plugins`) it came too late for a signal during the
+    it first, with ``continues``: whether the command, run again by the requeued job, continues this run
+    (``resume=auto``). Where it does not, the signal requeues nothing and says why: a requeued job without
+    ``resume=auto`` and with the default ``run_name`` trained again from step 0 in a new run dir, without a word
+    (with a ``run_name`` it was refused, a fresh start in a run dir holding checkpoints). None keeps the setting.
+    Registered only with the Trainer (:func:`slurm_plugins`) it came too late for a signal during the
     config checks, the model's build or a checkpoint's checks: Python's default action for ``SIGUSR1`` ended the
     process (exit status 138) and the job was not requeued. Before training nothing is lost: Slurm's SIGTERM after
     the requeue stops the process, and the requeued job starts again."""
+    global _requeue_continues
+    if continues is not None:
+        _requeue_continues = continues
     environment = _slurm_environment()
     if environment is not None and environment.requeue_signal is not None:
         if threading.current_thread() is threading.main_thread():

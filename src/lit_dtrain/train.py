@@ -237,7 +237,8 @@ _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     absolute_paths_under_chdir(cfg)  # hydra.job.chdir=true: relative paths stay the command's, not the run dir's
     check_removed_keys(cfg)  # ~optimizer.lr and the like: one line, not a class default or a KeyError
-    catch_requeue_signal()  # under srun: SIGUSR1 requeues the job from here on (its default ended the process)
+    # under srun: SIGUSR1 requeues the job from here on (its default ended the process), if a requeue continues the run
+    catch_requeue_signal(continues=cfg.get("resume") == "auto")
     quiet_lightning_noise()
     held.enter_context(console_lines_to_job_log())  # Lightning's lines and warnings into train.log too
     held.enter_context(warnings_reach_the_console())  # under hydra/job_logging=disabled too

@@ -185,7 +185,8 @@ def test_the_requeue_signal_before_the_trainer_exists_requeues_the_job(tmp_path,
     was trained, the requeued job starts again."""
     fake_scontrol(tmp_path)
     job = job_id_with_a_free_port()
-    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.devices=1", "run_name=early"]
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.devices=1", "run_name=early",
+            "resume=auto"]  # a requeue continues the run (without resume=auto the signal requeues nothing)
     proc = subprocess.Popen([PYTHON, "-c", EARLY_SIGUSR1, str(ROOT / "train.py"), *args], cwd=tmp_path,
                             env=srun_env(tmp_path, job, 0, ntasks=1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.slurm import check_slurm_launch, requeue_job, slurm_plugins
+from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, requeue_job, slurm_plugins
 
 
 def srun_env(ntasks: int = 2, per_node: int = 2, nnodes: int = 1, rank: int = 0, **extra) -> dict:
@@ -109,3 +109,24 @@ def test_torchruns_workers_in_an_srun_step_are_left_to_torchruns_environment(mon
         monkeypatch.setenv(key, value)
     assert slurm_plugins() == []
     check_slurm_launch(cfg(2), os.environ)  # torchrun's workers, not srun's tasks: nothing to check against Slurm
+
+
+@pytest.mark.parametrize(("continues", "calls"), [(True, "requeue 1234\n"), (False, None)])
+def test_the_requeue_signal_requeues_only_a_run_the_requeued_job_continues(tmp_path, monkeypatch, caplog, continues,
+                                                                           calls):
+    """A 1-task srun job with the default run_name and no resume=auto, sent SIGUSR1 at step 5: it was requeued, and
+    the requeued job, the same command, trained again from step 0 in a new run dir without a word. Without
+    resume=auto the signal now requeues nothing and says why; the run trains on (Slurm's SIGTERM saves last.ckpt)."""
+    for key, value in {**srun_env(ntasks=1, per_node=1), "PATH": fake_scontrol(tmp_path)["PATH"]}.items():
+        monkeypatch.setenv(key, value)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
+            catch_requeue_signal(continues=continues)
+            slurm_plugins()  # the Trainer's plugins keep the setting train() gave
+            os.kill(os.getpid(), signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        catch_requeue_signal(continues=True)
+    assert ((tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else None) == calls
+    assert ("the job is not requeued, since this command has no resume=auto" in caplog.text) is not continues
