@@ -134,6 +134,23 @@ def check_slurm_launch(cfg: DictConfig, env=os.environ) -> None:
         )
 
 
+def warn_about_a_requeued_fresh_start(cfg: DictConfig, ckpt_path: str | None, env=os.environ) -> None:
+    """Rank 0 of a job Slurm requeued (``SLURM_RESTART_COUNT`` >= 1: preempted with ``PreemptMode=REQUEUE``, a node
+    failure under ``--requeue``, ``scontrol requeue``) that starts fresh without ``resume=auto``: a warning. The
+    requeued job runs the same command, and with the default ``run_name`` (a new timestamp) it trained again from step
+    0 in a new run dir without a word; the interrupted start's ``last.ckpt`` sat unused in its own run dir."""
+    restarts = _number(env, "SLURM_RESTART_COUNT")
+    if not restarts or "SLURM_NTASKS" not in env or env.get("SLURM_PROCID", "0") != "0":
+        return
+    if ckpt_path or cfg.get("resume") == "auto":
+        return
+    log.warning(
+        "SLURM_RESTART_COUNT=%d: Slurm requeued this job, but the command has no resume=auto, so this start trains "
+        "from step 0 in run dir %s; the interrupted start's checkpoints stay in its own run dir. To continue a run "
+        "when the job is requeued, give resume=auto run_name=<name> in the batch script", restarts,
+        OmegaConf.select(cfg, "paths.output_dir", default=None) or cfg.get("run_name"))
+
+
 def requeue_job(env=os.environ) -> None:
     """Rank 0: ``scontrol requeue <job>`` (a job array's task: ``<array job>_<task>``), as Lightning's auto-requeue
     runs it; its failure is logged, and the run trains on."""

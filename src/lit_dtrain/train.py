@@ -74,7 +74,7 @@ from lit_dtrain.sigterm_exit import (
     sigterm_handler_kept,
     stopped_by_sigterm,
 )
-from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins
+from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins, warn_about_a_requeued_fresh_start
 from lit_dtrain.stop_reason import agree_on_early_stop, early_stop_kept, stop_reason, warn_if_the_schedule_did_not_end
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
@@ -262,6 +262,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes
+    warn_about_a_requeued_fresh_start(cfg, ckpt_path)  # a requeued job without resume=auto starts over
     check_torchrun_launch(cfg)
     check_multinode_launch(cfg)
     L.seed_everything(int(cfg.seed), workers=True)

@@ -12,7 +12,13 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, requeue_job, slurm_plugins
+from lit_dtrain.slurm import (
+    catch_requeue_signal,
+    check_slurm_launch,
+    requeue_job,
+    slurm_plugins,
+    warn_about_a_requeued_fresh_start,
+)
 
 
 def srun_env(ntasks: int = 2, per_node: int = 2, nnodes: int = 1, rank: int = 0, **extra) -> dict:
@@ -130,3 +136,21 @@ def test_the_requeue_signal_requeues_only_a_run_the_requeued_job_continues(tmp_p
         catch_requeue_signal(continues=True)
     assert ((tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else None) == calls
     assert ("the job is not requeued, since this command has no resume=auto" in caplog.text) is not continues
+
+
+@pytest.mark.parametrize(("conf", "env", "ckpt_path", "warned"), [
+    ({}, srun_env(ntasks=1, per_node=1, SLURM_RESTART_COUNT="1"), None, True),
+    ({"resume": "auto"}, srun_env(ntasks=1, per_node=1, SLURM_RESTART_COUNT="1"), None, False),
+    ({}, srun_env(ntasks=1, per_node=1, SLURM_RESTART_COUNT="1"), "x/last.ckpt", False),  # it resumes that file
+    ({}, srun_env(ntasks=1, per_node=1, SLURM_RESTART_COUNT="0"), None, False),  # the job's first start
+    ({}, srun_env(rank=1, SLURM_RESTART_COUNT="2"), None, False),  # rank 0 says it
+])
+def test_a_requeued_job_that_starts_over_says_so(caplog, conf, env, ckpt_path, warned):
+    """A 1-task job requeued by Slurm (SLURM_RESTART_COUNT=1) whose command has no resume=auto and the default run_name
+    trained again from step 0 in a new run dir, without a word; the interrupted start's last.ckpt sat unused."""
+    run = "2026-12-06_10-22-11"
+    config = OmegaConf.create({"run_name": run, "paths": {"output_dir": f"out/runs/{run}"}, **conf})
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
+        warn_about_a_requeued_fresh_start(config, ckpt_path, env)
+    assert ("SLURM_RESTART_COUNT=1: Slurm requeued this job, but the command has no resume=auto, so this start trains "
+            "from step 0 in run dir out/runs/2026-12-06_10-22-11" in caplog.text) is warned
