@@ -1,7 +1,8 @@
 """The callbacks that ``train(cfg)`` adds to the configured ones: :class:`TrainClock` (when training proper starts,
 for ``tokens_per_sec``), :class:`LogStepSync` (the step loggers see, after a resume) and :class:`ValLimitCheck`
 (a fractional ``trainer.limit_val_batches`` that leaves a val loader no batch, refused before the first step) and
-:class:`StepEndTimer` (``trainer.max_time``, checked at optimizer-step ends only).
+:class:`StepEndTimer` (``trainer.max_time``, checked at optimizer-step ends only; public as
+``lit_dtrain.callbacks.StepEndTimer``).
 ``lit_dtrain.sigterm_exit.HoldSigtermInValidate`` is the fourth."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Timer
 
+from lit_dtrain.callbacks.step_end_timer import StepEndTimer
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.stop_reason import nothing_trained
 from lit_dtrain.utils.loop import mid_accumulation
@@ -119,33 +121,6 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     if isinstance(previous, dict) and previous.get("steps") == steps:
         return {k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous}
     return clock.carried_figures(steps, tokens_per_step)  # a summary.json of another end is not this run's
-
-
-class StepEndTimer(Timer):
-    """``trainer.max_time``'s ``Timer``, whose check (and so its stop) comes only at the end of an optimizer step.
-    Lightning's own checked at every micro-batch: with ``accumulate_grad_batches=4`` it stopped a run at micro-batch 37
-    of step 9, the checkpoint threw micro-batch 37 away, and ``resume=auto`` went on from there, its first step one
-    micro-batch short (with 2 per step, train/tokens at step 4 was 3584 against a straight run's 4096). The ranks
-    still agree: the check is Lightning's (rank 0's clock, broadcast), at the same batch on every rank."""
-
-    @property
-    def state_key(self) -> str:
-        """Lightning's ``Timer``'s key (its class name), so that the training time a checkpoint counted carries over
-        between the two: under its own key a ``last.ckpt`` written by Lightning's ``Timer`` (lit_dtrain before this
-        class, or ``Trainer(max_time=...)``) resumed from 0 s, and a run that had used up ``max_time=4 s`` at step 3
-        trained on to step 8 instead of only validating."""
-        return "Timer"
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """A checkpoint of lit_dtrain from 299c398 to the ``state_key`` above holds the time under this class's
-        name: read it there (Lightning loads by ``state_key`` only, next)."""
-        states = checkpoint.get("callbacks") or {}
-        if self.state_key not in states and isinstance(states.get(type(self).__name__), dict):
-            self.load_state_dict(states[type(self).__name__])
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
-        if not mid_accumulation(trainer):
-            super().on_train_batch_end(trainer, *args, **kwargs)
 
 
 def max_time_timer(cfg_trainer, callbacks: list[L.Callback]) -> Timer | None:

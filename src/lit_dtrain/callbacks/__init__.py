@@ -19,6 +19,7 @@ _EXPORTS = {
     "PreemptionCheckpoint": "lit_dtrain.callbacks.preemption",
     "OncePerStepLRMonitor": "lit_dtrain.callbacks.lr_monitor",
     "ModelCheckpoint": "lit_dtrain.callbacks.model_checkpoint",
+    "StepEndTimer": "lit_dtrain.callbacks.step_end_timer",
 }
 
 __all__ = sorted(_EXPORTS)
