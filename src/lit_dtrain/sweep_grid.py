@@ -1,12 +1,16 @@
 """A multirun's grid as Hydra's basic sweeper expanded it (this start's ``multirun.yaml``), checked in each job by
-``lit_dtrain.sweeps.sweep_checks``: a value listed twice, and an experiment's grid that was never swept."""
+``lit_dtrain.sweeps.sweep_checks``: a value listed twice, an experiment's grid that was never swept, and one
+``paths.checkpoint_dir`` for all jobs."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+
+from lit_dtrain.errors import ConfigError
 
 log = logging.getLogger("lit_dtrain.sweeps")  # the sweep checks' logger, as before the split
 
@@ -99,3 +103,50 @@ def unknown_group_option(overrides, config_name: str | None, hydra_overrides: li
                     return (f"{o.input_line}: config group '{parent}' has no option '{leaf}' (options: "
                             f"{', '.join(options(parent)) or 'none'}); nothing was run")
     return None
+
+
+def shared_checkpoint_dir_error(checkpoint_dir, overrides) -> str | None:
+    """The message for a multirun of several jobs whose ``paths.checkpoint_dir`` is one literal dir for all of them
+    (``-m optimizer.lr=1e-3,2e-3 paths.checkpoint_dir=/scratch/ckpt``), else None. ``checkpoint_dir`` is the key's
+    unresolved value, ``overrides`` the sweep's parsed overrides (the command line's and an experiment's grid). Job 0
+    trained into that dir and every later job was refused, since it then held job 0's checkpoints (a 2-job sweep
+    spent its whole first job before the error). A value with an interpolation (the default
+    ``${paths.output_dir}/checkpoints``, ``${hydra:job.num}``) or a swept one can differ per job: not judged."""
+    from hydra.core.override_parser.types import Glob
+
+    if not isinstance(checkpoint_dir, str) or "${" in checkpoint_dir:
+        return None
+    axes = {}  # key -> its number of values (the command line's value of a key replaces the experiment's)
+    for o in overrides:
+        sweep = o.is_sweep_override()
+        axes[o.key_or_group] = (2 if isinstance(o.value(), Glob) else len(list(o.sweep_iterator()))) if sweep else 1
+        if sweep and o.key_or_group in ("paths", "paths.checkpoint_dir"):
+            return None  # a value per job
+    if math.prod(axes.values()) < 2:  # (a glob counts as 2: its options are not listed here)
+        return None
+    return (f"paths.checkpoint_dir={checkpoint_dir!r} is one dir for every job of this multirun: job 0 would train "
+            "into it and each later job be refused (the dir then holds job 0's checkpoints); leave it out (job N "
+            "saves in <sweep dir>/N/checkpoints) or give each job its own, "
+            f"'paths.checkpoint_dir={checkpoint_dir.rstrip('/')}/${{hydra:job.num}}'; nothing was run")
+
+
+def raw_checkpoint_dir(cfg: DictConfig):
+    """``paths.checkpoint_dir`` as given, its interpolations unresolved (None where there is none)."""
+    paths = cfg.get("paths")
+    node = paths._get_node("checkpoint_dir") if isinstance(paths, DictConfig) else None
+    return None if node is None else node._value()
+
+
+def check_shared_checkpoint_dir(cfg: DictConfig, hc) -> None:
+    """Refuse every job of a multirun whose jobs share one literal ``paths.checkpoint_dir``
+    (:func:`~lit_dtrain.sweep_grid.shared_checkpoint_dir_error`), also under a Hydra entry point of one's own: job 0
+    trained and job 1 was refused; a job that fails here writes nothing there, so none may train."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{key}={value}" for key, value in (hc.sweeper.get("params") or {}).items()]
+    try:
+        overrides = OverridesParser.create().parse_overrides(params + sweep_task(hc))
+    except Exception:  # noqa: BLE001 - Hydra parsed them already; nothing to judge here
+        return
+    if shared := shared_checkpoint_dir_error(raw_checkpoint_dir(cfg), overrides):
+        raise ConfigError(shared)

@@ -18,6 +18,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
+    check_shared_checkpoint_dir,
+    raw_checkpoint_dir,
+    shared_checkpoint_dir_error,
     sweep_task,
     unknown_group_option,
     warn_if_an_experiment_grid_was_not_swept,
@@ -57,6 +60,7 @@ def sweep_checks(cfg: DictConfig) -> None:
         warn_if_the_grid_repeats_a_point(hc)
     if hc.mode == RunMode.MULTIRUN:
         warn_if_an_experiment_grid_was_not_swept(hc)
+        check_shared_checkpoint_dir(cfg, hc)
     check_resumed_job(cfg)
 
 
@@ -288,6 +292,8 @@ class SweepSyntaxCheck(Callback):
         unknown = unknown_group_option(overrides, config_name, list(config.hydra.overrides.get("hydra") or []))
         if unknown:  # -m model=nano,doesnotexist: Hydra's error came after it made the sweep dir
             _exit_with(ConfigError(unknown))
+        if shared := shared_checkpoint_dir_error(raw_checkpoint_dir(config), overrides):
+            _exit_with(ConfigError(shared))  # before the sweep dir is made (train(cfg) refuses it in each job too)
         if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
             return  # a sampling sweeper (Optuna, Nevergrad) takes interval()
         for o in overrides:

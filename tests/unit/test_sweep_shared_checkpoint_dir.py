@@ -1,0 +1,52 @@
+"""A multirun whose jobs share one ``paths.checkpoint_dir`` is refused before any job trains: job 0 trained into
+the dir and job 1 was then refused because it held job 0's checkpoints (a 2-job ``nano`` sweep spent 88 s before
+the error)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from lit_dtrain.sweeps import SweepSyntaxCheck, sweep_checks
+from lit_dtrain.train import ConfigError, train
+from tests.conftest import CONF_DIR
+from tests.unit.test_sweep_checks import multirun_job
+
+SHARED = "is one dir for every job of this multirun: job 0 would train into it"
+
+
+def test_every_job_of_a_sweep_with_one_checkpoint_dir_is_refused_before_it_trains(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    sweep = ["optimizer.lr=1e-3,3e-3", f"paths.checkpoint_dir={ckpt}"]
+    for num, lr in (("0", "0.001"), ("1", "0.003")):
+        with multirun_job(tmp_path / "sweep" / num, sweep, [f"optimizer.lr={lr}", f"paths.checkpoint_dir={ckpt}"],
+                          corpus) as cfg:
+            with pytest.raises(ConfigError, match=rf"paths.checkpoint_dir='{ckpt}' {SHARED}.*"
+                               rf"'paths.checkpoint_dir={ckpt}/\$\{{hydra:job.num\}}'"):
+                train(cfg)
+    assert not ckpt.exists()  # job 0 trained nothing there
+
+
+@pytest.mark.parametrize("sweep", [
+    ["optimizer.lr=1e-3,3e-3", "paths.checkpoint_dir=CKPT/${hydra:job.num}"],  # a dir per job
+    ["optimizer.lr=1e-3,3e-3", "paths.checkpoint_dir=CKPT/a,CKPT/b"],  # swept itself
+    ["optimizer.lr=1e-3", "paths.checkpoint_dir=CKPT"],  # one job
+    ["optimizer.lr=1e-3,3e-3"],  # the default, in each job's dir
+])
+def test_a_checkpoint_dir_that_can_differ_per_job_or_a_one_job_sweep_passes(tmp_path, corpus, sweep):
+    sweep = [o.replace("CKPT", str(tmp_path / "ckpt")) for o in sweep]
+    job = [o.split(",")[0] for o in sweep]
+    with multirun_job(tmp_path / "sweep" / "0", sweep, job, corpus) as cfg:
+        sweep_checks(cfg)
+
+
+def test_the_hydra_callback_refuses_it_before_the_sweep_dir_is_made(tmp_path, capsys):
+    sweep = ["optimizer.lr=1e-3,3e-3", f"paths.checkpoint_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        config = compose(config_name="train", overrides=sweep[1:], return_hydra_config=True)
+        with open_dict(config):
+            config.hydra.overrides.task = sweep
+        with pytest.raises(SystemExit):
+            SweepSyntaxCheck().on_multirun_start(config, config_name="train")
+    assert capsys.readouterr().err.startswith(f"error: paths.checkpoint_dir='{tmp_path}' {SHARED}")
