@@ -60,4 +60,8 @@ def test_a_stop_mid_accumulation_counts_only_the_steps_it_trained(tiny_cfg):
     assert metrics["steps"] == 1 and metrics["stopped"] == "should_stop"
     saved, throughput = _saved(cfg)
     assert throughput["tokens"] == 2 * micro  # the third micro-batch never stepped (3 counted before)
+    # and so do the running totals a resume goes on from, train/batches, train/samples, train/lengths (3 micro-batches,
+    # 3 x batch_size, 3 x micro: a resumed run's train/lengths at step 4 was 1024 for 896 tokens trained)
+    assert (throughput["batches"], throughput["samples"], throughput["lengths"]) == (2, 2 * cfg.data.batch_size,
+                                                                                     2 * micro)
     assert _clock(objects).tokens == saved["tokens"] == 2 * micro  # summary.json's tokens/s counts the same

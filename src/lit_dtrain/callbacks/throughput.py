@@ -6,12 +6,14 @@ it counts are tokens, so ``train/device/items_per_sec`` is tokens/s of this rank
 figures ``train/items_per_sec`` and ``train/samples_per_sec`` (the per-device rate times the world size).
 Every micro-batch's tokens count; the rates are averaged over the last ``window_size`` optimizer steps.
 ``train/lengths`` counts this rank's tokens (rank 0's: with several ranks, a share of the step's), and ``train/tokens``
-all ranks' together, each step's tokens times that start's number of ranks (the steps taken: a stop mid-accumulation's
-unstepped micro-batches are not in it): both are running totals that a resume
+all ranks' together, each step's tokens times that start's number of ranks: both are running totals that a resume
 (and a later ``fit`` of the same Trainer) goes on from, but only ``train/tokens`` stays the tokens trained across a
 resume on another number of ranks (2 ranks resumed on 1 went on from rank 0's half; ``compare_runs.py --x tokens``
-draws runs against it). With an ``LMDataModule`` of 2+ sources the row also holds ``data/share/<name>``: each source's
-share of the windows drawn so far (all ranks', across a resume; ``lit_dtrain.data._drawn_shares``).
+draws runs against it). A checkpoint keeps the totals (``train/batches``, ``train/samples``, ``train/lengths``,
+``train/tokens``) of the optimizer steps taken: a stop mid-accumulation's unstepped micro-batches are in none of them
+(its ``train/time`` keeps their seconds). With an ``LMDataModule`` of 2+ sources the row also holds
+``data/share/<name>``: each source's share of the windows drawn so far (all ranks', across a resume;
+``lit_dtrain.data._drawn_shares``).
 
 Validation gets one row per validation, under the step where Lightning writes that validation's ``val/loss`` (on
 the training axis: the optimizer step just taken, 0-based; ``trainer.validate`` after ``fit``: ``global_step``).
@@ -111,9 +113,11 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         # count then, and the ranks: train/tokens is computed when logged or checkpointed, nothing added per batch
         self._tokens_at_start: int | None = 0
         self._lengths_at_start, self._ranks = 0, 1
-        # this rank's count at the last optimizer step: a stop mid-accumulation (max_time, should_stop) leaves the
-        # step's micro-batches untrained, and train/tokens in last.ckpt, which a resume goes on from, counted them
-        self._lengths_stepped = 0
+        # this rank's counts at the last optimizer step (batches, samples, lengths): a stop mid-accumulation
+        # (should_stop, Lightning's Timer) leaves the step's micro-batches untrained, and last.ckpt's counts, which a
+        # resume goes on from, held them (train/tokens 384 where 2 micro-batches of 128 trained; train/batches and
+        # train/lengths 8 and 1024 at step 4 for 7 micro-batches and 896 tokens trained)
+        self._stepped = {"batches": 0, "samples": 0, "lengths": 0}
         self._time_at_start = 0.0  # the training seconds at this fit's start (the checkpoint's, on a resume)
 
     def _start(self, trainer) -> None:
@@ -132,7 +136,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             tokens = resumed.get("tokens", None if trainer.global_step else 0)
             self._tokens_at_start = None if tokens is None else int(tokens)
             self._lengths_at_start, self._ranks = int(resumed.get("lengths", 0)), trainer.world_size
-            self._lengths_stepped = self._lengths_at_start
+            self._stepped = {k: int(resumed.get(k, 0)) for k in self._stepped}
             self._time_at_start = float(resumed.get("time", 0.0))
         if trainer.state.stage == stage and resumed:
             # the running totals go on from the checkpoint's (Lightning counts from the fit's start: after a resume
@@ -147,7 +151,7 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         trains a batch of one shape: the datamodule splits one global batch evenly)."""
         if self._tokens_at_start is None:
             return None
-        return self._tokens_at_start + (self._lengths_stepped - self._lengths_at_start) * self._ranks
+        return self._tokens_at_start + (self._stepped["lengths"] - self._lengths_at_start) * self._ranks
 
     def state_dict(self) -> dict:
         stage = RunningStage.TRAINING
@@ -155,8 +159,9 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             return dict(self._resumed)
         times = self._throughputs[stage]._time
         # no batch trained in this fit (a resume that EarlyStopping or max_time had ended): the checkpoint's time, not 0
-        state = {"time": float(times[-1]) if times else self._time_at_start, "batches": self._batches[stage],
-                 "samples": self._samples[stage], "lengths": self._lengths.get(stage, 0)}
+        # the counts at the last optimizer step, not the micro-batches a stop mid-accumulation left unstepped; the
+        # time is what training took, theirs included
+        state = {"time": float(times[-1]) if times else self._time_at_start, **self._stepped}
         tokens = self._tokens()
         return state if tokens is None else {**state, "tokens": tokens}
 
@@ -168,7 +173,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         # Lightning's, with train/tokens in the same row
         stage = trainer.state.stage
         if stage == RunningStage.TRAINING:  # Lightning computes at each optimizer step's last micro-batch
-            self._lengths_stepped = self._lengths[stage]
+            self._stepped = {"batches": self._batches[stage], "samples": self._samples[stage],
+                             "lengths": self._lengths.get(stage, 0)}
         if not trainer._logger_connector.should_update_logs:
             return
         throughput = self._throughputs[stage]
