@@ -4,6 +4,8 @@ resume ended 0.038 off the straight run's weights. ``StepEndTimer`` waits for th
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -75,3 +77,32 @@ def test_a_step_end_timer_needs_its_duration_and_wins_over_trainer_max_time() ->
     ours = StepEndTimer(duration="00:00:00:05")
     trainer = L.Trainer(max_time="00:01:00:00", callbacks=[ours], logger=False, enable_checkpointing=False)
     assert [c for c in trainer.callbacks if isinstance(c, Timer)] == [ours] and ours._duration == 5.0
+
+
+@pytest.mark.parametrize(("timer", "accumulate", "warned"), [
+    ("max_time", 2, True), ("max_time", 1, False), ("max_time", {0: 1, 1: 4}, True), ("ours", 2, False),
+])
+def test_preemption_checkpoint_warns_of_lightnings_timer_stopping_mid_step(tmp_path: Path, timer, accumulate,
+                                                                           warned) -> None:
+    """With ``Trainer(max_time=...)`` and ``accumulate_grad_batches=2`` a project's fit stopped at micro-batch 3 without
+    a word; beside ``PreemptionCheckpoint`` (whose saves wait for the step's end) it now says so, naming the fix."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lit_dtrain.callbacks import PreemptionCheckpoint, StepEndTimer
+
+    callbacks = [PreemptionCheckpoint(dirpath=str(tmp_path))]
+    kwargs = {"max_time": "00:01:00:00"} if timer == "max_time" else {}
+    callbacks += [StepEndTimer(duration="00:01:00:00")] if timer == "ours" else []
+    if isinstance(accumulate, dict):
+        callbacks.append(GradientAccumulationScheduler(accumulate))
+    else:
+        kwargs["accumulate_grad_batches"] = accumulate
+    trainer = L.Trainer(callbacks=callbacks, logger=False, enable_checkpointing=False, **kwargs)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        callbacks[0].setup(trainer, None, "fit")
+    said = [str(w.message) for w in record if "PreemptionCheckpoint saves" in str(w.message)]
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert re.search(r"Lightning's Timer .* accumulate_grad_batches=[24] it stops between .*"
+                         r"callbacks.StepEndTimer\(duration=...\)\] in place of max_time", said[0])

@@ -50,13 +50,13 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.utils.distributed import all_gather_stacked
-from lit_dtrain.utils.loop import mid_accumulation
+from lit_dtrain.utils.loop import lightnings_timer_splits_steps, mid_accumulation
 
 # the signals that stop a run at the end of the current optimizer step, with last.ckpt saved
 STOP_SIGNALS = tuple(
@@ -104,6 +104,13 @@ class PreemptionCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         # A new list, not an in-place move: Lightning is iterating over the current one to call this hook.
         trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+        if stage == "fit" and (accumulate := lightnings_timer_splits_steps(trainer)):
+            rank_zero_warn(
+                f"PreemptionCheckpoint saves at an optimizer step's end, but Lightning's Timer (Trainer(max_time=...)) "
+                f"checks at every micro-batch: with accumulate_grad_batches={accumulate} it stops between them, and "
+                "the checkpoint of that stop holds a step half accumulated (the resumed fit's first step is short). "
+                "Pass callbacks=[lit_dtrain.callbacks.StepEndTimer(duration=...)] in place of max_time"
+            )
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
