@@ -1,0 +1,47 @@
+"""The sweep checks' reading of a multirun's grid: a nested group swept on the command line is the config node
+``data.sampler`` for ``resume=auto``'s check, and the command line's values of a key replace an experiment's in the
+check for a repeated point (Hydra sweeps those)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+from lit_dtrain.sweep_grid import warn_if_the_grid_repeats_a_point
+from lit_dtrain.sweeps import check_resumed_job
+from lit_dtrain.train import ConfigError
+from tests.unit.test_sweep_checks import multirun_job
+
+
+def test_a_nested_group_swept_on_the_command_line_is_checked_on_resume(tmp_path, corpus):
+    """``-m data/sampler=random,fourier`` re-run with ``resume=auto`` and the values in another order: job 0 would
+    resume the random-sampler run with the FourierSampler."""
+    job0 = tmp_path / "sweep" / "0"
+    with multirun_job(job0, ["data/sampler=random,fourier"], ["data/sampler=random"], corpus) as cfg:
+        job0.mkdir(parents=True)
+        (job0 / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as train(cfg) writes it
+    with multirun_job(job0, ["data/sampler=fourier,random", "resume=auto"], ["data/sampler=fourier", "resume=auto"],
+                      corpus) as cfg:
+        with pytest.raises(ConfigError, match=r"was trained with data.sampler=lit_dtrain.data.samplers.RandomSampler"):
+            check_resumed_job(cfg)
+
+
+def test_the_command_lines_values_replace_an_experiments_in_the_repeat_check(tmp_path, corpus, caplog):
+    """An experiment's grid that lists a value twice, replaced on the command line by distinct values: Hydra sweeps
+    the command line's, so nothing repeats (the experiment's were read and warned about)."""
+    with multirun_job(tmp_path / "sweep" / "0", ["optimizer.lr=1e-3,3e-3"], ["optimizer.lr=0.001"], corpus):
+        hydra = HydraConfig.get()
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):
+            hydra.sweeper.params = {"optimizer.lr": "1e-3,1e-3"}
+        with caplog.at_level(logging.WARNING):
+            warn_if_the_grid_repeats_a_point(hydra)
+            assert caplog.messages == []
+            hydra.sweeper.params = {"optimizer.lr": "1e-3,3e-3"}  # and the command line's repeated one is warned of
+            OmegaConf.save({"hydra": {"overrides": {"task": ["optimizer.lr=1e-3,1e-3"]}}},
+                           tmp_path / "sweep" / "multirun.yaml")
+            warn_if_the_grid_repeats_a_point(hydra)
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("optimizer.lr lists 0.001 more than once")
