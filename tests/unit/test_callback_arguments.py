@@ -36,14 +36,18 @@ CASES = [
     (FourierSamplerCallback, {"log_every_n_steps": "abc"}, "log_every_n_steps", "positive, got 'abc'"),
     (AdaptiveGradClip, {"z_threshold": "abc"}, "z_threshold", "> 0, got 'abc'"),
     (AdaptiveGradClip, {"max_norm": "abc"}, "max_norm", "> 0 or None, got 'abc'"),
-    (AdaptiveGradClip, {"warmup_steps": "abc"}, "warmup_steps", ">= 2, got 'abc'"),
-    (AdaptiveGradClip, {"log_every_n_steps": "abc"}, "log_every_n_steps", ">= 1 or None, got 'abc'"),
+    (AdaptiveGradClip, {"warmup_steps": "abc"}, "warmup_steps", "an integer >= 2, got 'abc'"),
+    (AdaptiveGradClip, {"log_every_n_steps": "abc"}, "log_every_n_steps", "an integer >= 1 or None, got 'abc'"),
+    # a fraction was cut to an integer: OptimizerDiagnostics(every_n_steps=2.5) logged every 2 steps, without a word
+    (AdaptiveGradClip, {"warmup_steps": 2.5}, "warmup_steps", "an integer >= 2, got 2.5"),
+    (AdaptiveGradClip, {"log_every_n_steps": 1.5}, "log_every_n_steps", "an integer >= 1 or None, got 1.5"),
+    (OptimizerDiagnostics, {"every_n_steps": 2.5}, "every_n_steps", "an integer >= 1, got 2.5"),
     (LossSpikeMonitor, {"snapshot_every": "abc"}, "snapshot_every", ">= 1, got 'abc'"),
     (LossSpikeMonitor, {"rollback_min_age": "abc"}, "rollback_min_age", ">= 0, got 'abc'"),
     (LossSpikeMonitor, {"warmup_steps": "abc"}, "warmup_steps", ">= 2, got 'abc'"),
     (LossSpikeMonitor, {"max_nonfinite": "abc"}, "max_nonfinite", ">= 1 or None, got 'abc'"),
     (LossSpikeMonitor, {"cooldown_factor": "abc"}, "cooldown_factor", r"in \(0, 1\], got 'abc'"),
-    (OptimizerDiagnostics, {"every_n_steps": "abc"}, "every_n_steps", ">= 1, got 'abc'"),
+    (OptimizerDiagnostics, {"every_n_steps": "abc"}, "every_n_steps", "an integer >= 1, got 'abc'"),
     (SelectiveCheckpointing, {"policy": "some"}, "policy", "one of .*, got 'some'"),
     (SelectiveCheckpointing, {"policy": "every_k", "every_k": "abc"}, "every_k", ">= 1, got 'abc'"),
     (SelectiveCheckpointing, {"policy": "budget", "memory_budget": "abc"}, "memory_budget", r"in \(0, 1\], got 'abc'"),
@@ -78,6 +82,8 @@ def test_the_values_the_checks_accept_are_unchanged():
     assert AdaptiveGradClip(warmup_steps=2, max_norm=1.0, log_every_n_steps=1).max_norm == 1.0
     assert LossSpikeMonitor(cooldown_factor=1.0, rollback_min_age=0, max_nonfinite=None).max_nonfinite is None
     assert OptimizerDiagnostics(every_n_steps=1).every_n_steps == 1
+    assert OptimizerDiagnostics(every_n_steps=2.0).every_n_steps == 2  # 2e0 from YAML: exactly 2
+    assert AdaptiveGradClip(warmup_steps=3.0, log_every_n_steps=4.0).log_every_n_steps == 4
     assert SelectiveCheckpointing("budget", memory_budget=1.0, probe_seq_len=None).policy == "budget"
     assert SelectiveCheckpointing("every_k", every_k="3").every_k == 3  # int() of a string was accepted and still is
 

@@ -197,7 +197,7 @@ def test_optimizer_diagnostics_without_adam_state_warns(tmp_path: Path) -> None:
                                                                                           "grad_rms")}
     with pytest.raises(ValueError, match="every_n_steps"):
         OptimizerDiagnostics(every_n_steps=0)
-    with pytest.raises(ValueError, match=r"AdaptiveGradClip: warmup_steps must be >= 2, got 1"):  # named ``warmup``
+    with pytest.raises(ValueError, match=r"AdaptiveGradClip: warmup_steps must be an integer >= 2, got 1"):
         AdaptiveGradClip(warmup_steps=1)
 
 

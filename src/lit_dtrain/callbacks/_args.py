@@ -18,3 +18,10 @@ def check_arg(owner: str, name: str, value: Any, ok: Callable[[Any], bool], requ
         good = False
     if not good:
         raise ValueError(f"{owner}: {name} must be {requirement}, got {value!r}")
+
+
+def whole_at_least(minimum: int, none_ok: bool = False) -> Callable[[Any], bool]:
+    """The test of a count argument: an integer (or a value ``int()`` takes exactly: ``2.0``, ``np.int64(2)``,
+    ``"2"``) that is at least ``minimum``; None too with ``none_ok``. A fraction is refused: ``int(2.5)`` made
+    ``every_n_steps=2.5`` log every 2 steps, without a word."""
+    return lambda v: (none_ok and v is None) or (int(v) >= minimum and int(v) == float(v))

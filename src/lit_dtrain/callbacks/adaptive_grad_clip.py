@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key, note_stage, state_is_for_fit
@@ -132,13 +132,12 @@ class AdaptiveGradClip(StepHooksCallback):
         check_arg("AdaptiveGradClip", "mode", mode, lambda v: v in MODES, f"one of {MODES}")
         check_arg("AdaptiveGradClip", "max_norm", max_norm, lambda v: v is None or v > 0, "> 0 or None")
         # (RobustStat's own message names its ``warmup``)
-        check_arg("AdaptiveGradClip", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
-        check_arg(
-            "AdaptiveGradClip", "log_every_n_steps", log_every_n_steps, lambda v: v is None or v >= 1, ">= 1 or None"
-        )
+        check_arg("AdaptiveGradClip", "warmup_steps", warmup_steps, whole_at_least(2), "an integer >= 2")
+        check_arg("AdaptiveGradClip", "log_every_n_steps", log_every_n_steps, whole_at_least(1, none_ok=True),
+                  "an integer >= 1 or None")
         self.z_threshold, self.mode, self.max_norm = float(z_threshold), mode, max_norm
-        self.log_every_n_steps = log_every_n_steps
-        self._decay, self._warmup_steps = decay, warmup_steps
+        self.log_every_n_steps = None if log_every_n_steps is None else int(log_every_n_steps)
+        self._decay, self._warmup_steps = decay, int(warmup_steps)
         self._reset_state()
 
     def _new_stat(self) -> RobustStat:

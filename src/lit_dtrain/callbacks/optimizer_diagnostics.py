@@ -36,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._logging import log_step_metrics, logging_step
 
 
@@ -64,7 +64,7 @@ class OptimizerDiagnostics(Callback):
 
     def __init__(self, every_n_steps: int = 100, prefix: str = "optim") -> None:
         super().__init__()
-        check_arg("OptimizerDiagnostics", "every_n_steps", every_n_steps, lambda v: int(v) >= 1, ">= 1")
+        check_arg("OptimizerDiagnostics", "every_n_steps", every_n_steps, whole_at_least(1), "an integer >= 1")
         self.every_n_steps, self.prefix = int(every_n_steps), prefix
         self.last: dict[str, float] = {}
         self._before: list[list[torch.Tensor]] | None = None
