@@ -21,7 +21,8 @@ set them), and the band edges are those of the run's FourierSampler at that leng
 the sampler state in the first checkpoint that has one; ``--max-freq``/``--num-bands`` set them). Without a run
 config the stdlib corpus and the model's block_size are used, and without a FourierSampler state the brief's bands
 for ``T``; a line says which. The token cache is the run's (``data.cache_dir``; ``--cache-dir`` sets it), so the
-run's tokens are read, not the corpus tokenized again.
+run's tokens are read, not the corpus tokenized again; the run's ``data.exclude_dirs`` (its outputs' root) are left out
+of the corpus, as in training.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     return CorpusSource(**{k: chosen[k] for k in keys if k in chosen})
 
 
+def run_exclude_dirs(data: dict | None) -> list[str] | None:
+    """The run's ``data.exclude_dirs`` (the dirs never read as corpus text: its outputs' root), or None."""
+    dirs = (data or {}).get("exclude_dirs")
+    return [str(d) for d in dirs] if isinstance(dirs, list) else None
+
+
 def sampler_bands(ckpt: dict, seq_len: int) -> tuple[int, int, int] | None:
     """``(max_freq, num_bands, fine_bands)`` of the checkpoint's FourierSampler state when it was bound to windows of
     ``seq_len`` tokens, else None."""
@@ -112,11 +119,14 @@ def sampler_bands(ckpt: dict, seq_len: int) -> tuple[int, int, int] | None:
 
 
 def windows_of(
-    args, block_size: int, val_fraction: float = DEFAULT_VAL_FRACTION, source: CorpusSource | None = None
+    args, block_size: int, val_fraction: float = DEFAULT_VAL_FRACTION, source: CorpusSource | None = None,
+    exclude_dirs: list[str] | None = None,
 ) -> torch.Tensor:
     """``--windows`` evenly spaced windows [W, T+1] of the corpus' held-out (or train) split, with the documents
     held out by ``val_fraction`` (the trained run's, so that "held-out" means not trained on). The corpus: ``--files``,
-    else ``source`` (the run's), else the stdlib corpus."""
+    else ``source`` (the run's), else the stdlib corpus, without the files under ``exclude_dirs`` (the run's
+    ``data.exclude_dirs``, its outputs' root: a corpus dir holding the run dir was read with its checkpoints and
+    logs, another document set and split than the run's)."""
     if args.files:
         source = CorpusSource(name="files", kind="files", paths=args.files)
     dm = LMDataModule(
@@ -126,6 +136,7 @@ def windows_of(
         cache_dir=args.cache_dir,
         val_fraction=val_fraction,
         progress=False,
+        exclude_dirs=exclude_dirs,
     )
     dm.prepare_data()
     stream = dm.splits[0].val if args.split == "val" else dm.splits[0].train
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     max_freq = auto_freq if args.max_freq is None else args.max_freq
     num_bands = auto_bands if args.num_bands is None else args.num_bands
     try:
-        windows = windows_of(args, T, val_fraction, source)
+        windows = windows_of(args, T, val_fraction, source, run_exclude_dirs(data))
     except CorpusError as e:  # a missing --files path, a dir without files: one line naming it
         fail(str(e))
     labels = args.labels or args.checkpoints

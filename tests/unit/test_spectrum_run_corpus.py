@@ -1,0 +1,54 @@
+"""scripts/spectrum.py reads the run's corpus as the run read it: without the run's ``data.exclude_dirs``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from lit_dtrain.data import CorpusSource, LMDataModule, WindowSet
+from lit_dtrain.models import build_llama
+
+CONFIG = {"vocab_size": 257, "block_size": 16, "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 16,
+          "mlp_hidden": 32}
+
+
+def spectrum_module():
+    script = Path(__file__).parents[2] / "scripts" / "spectrum.py"
+    spec = importlib.util.spec_from_file_location("_spectrum_exclude", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path, capsys):
+    """A run of data=textfiles over a dir that holds its own outputs (LIT_DTRAIN_OUTPUT inside the corpus) trained
+    without them (data.exclude_dirs); spectrum.py read them too, its checkpoint and config files among the documents
+    ('4 file(s) look binary (NUL bytes), e.g. .../last.ckpt'): another document set, split and token cache than the
+    run's, so its "held-out" windows were not the run's."""
+    corpus, outputs = tmp_path / "corpus", tmp_path / "corpus" / "outputs"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "some words of text here. " * (20 + i))
+    run = outputs / "runs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    model = build_llama(**CONFIG)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    torch.save({"model_config": CONFIG, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "LMDataModule": {"val_fraction": 0.3}, "global_step": 1}, ckpt)
+    data = {"sources": [{"name": "text", "kind": "files", "paths": [str(corpus)]}], "block_size": 8,
+            "val_fraction": 0.3, "cache_dir": str(tmp_path / "cache"), "exclude_dirs": [str(outputs)]}
+    (run / "config_resolved.yaml").write_text(yaml.safe_dump({"data": data}))
+    for i in range(6):  # the run's logs and files, text beside the checkpoint
+        (run / f"log{i}.txt").write_text(f"step {i} loss 3.0\n" * 40)
+    spectrum_module().main([str(ckpt), "--out", str(tmp_path / "s.png"), "--windows", "100000", "--split", "train"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dm = LMDataModule(sources=[CorpusSource(name="text", kind="files", paths=[str(corpus)])], block_size=8,
+                      batch_size=1, val_fraction=0.3, cache_dir=str(tmp_path / "cache"), progress=False,
+                      exclude_dirs=[str(outputs)])
+    dm.prepare_data()
+    assert out["windows"] == len(WindowSet([dm.splits[0].train], 8))  # the windows the run trained on
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the run's token cache, not a second one
