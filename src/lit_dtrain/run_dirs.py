@@ -241,8 +241,11 @@ def sweep_jobs(sweep: Path, warn: Warn = log.warning) -> list[list[str]] | None:
         subdir = OmegaConf.to_container(hydra, resolve=False).get("sweep", {}).get("subdir", _JOB_NUM[0])
         if str(subdir).replace(" ", "") not in _JOB_NUM:  # job N's dir is not <sweep>/N
             return None
-        params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
-        overrides = OverridesParser.create().parse_overrides(params + list(hydra.overrides.task))
+        # the overrides as typed: 'paths.checkpoint_dir=/ck/${hydra:job.num}' is text to parse, not to resolve
+        # (resolving it here failed, Unsupported interpolation type hydra, and the not-started rows were lost)
+        raw = OmegaConf.to_container(hydra, resolve=False)
+        params = [f"{k}={v}" for k, v in (raw["sweeper"].get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides(params + list(raw["overrides"]["task"]))
     except Exception as e:  # any unreadable file: only the rows of jobs that never started depend on it
         warn(
             f"cannot list the jobs of {sweep / 'multirun.yaml'} ({type(e).__name__}: {e}); jobs that never started "

@@ -310,3 +310,20 @@ def test_the_legend_of_many_long_labels_hides_no_curve_and_is_in_the_png(tmp_pat
     height, width = imread(out).shape[:2]  # the PNG is at least as large as the legend and the panels above it
     panel = seen["axes"][0][0]
     assert width >= legend.width and height >= legend.height + panel.height
+
+
+def test_a_sweep_with_an_interpolated_override_lists_its_jobs(tmp_path, capsys):
+    """'-m optimizer.lr=1e-3,3e-3 paths.checkpoint_dir=/ck/${hydra:job.num}' (a checkpoint dir per job): reading its
+    multirun.yaml resolved the override, 'cannot list the jobs ... (UnsupportedInterpolationType: Unsupported
+    interpolation type hydra)', and a job that never started had no row. The overrides are read as typed."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "  overrides:\n    task:\n    - optimizer.lr=1e-3,3e-3\n    - paths.checkpoint_dir=/ck/${hydra:job.num}\n"
+    )
+    job0 = ["optimizer.lr=0.001", r"paths.checkpoint_dir=/ck/$\{hydra\:job.num\}"]  # as Hydra writes a job's
+    write_run(sweep / "0", {5: 3.0}, overrides=job0)
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["not_started"] == [{"label": "optimizer.lr=0.003", "dir": str(sweep / "1")}]
+    assert "cannot list the jobs" not in capsys.readouterr().err
