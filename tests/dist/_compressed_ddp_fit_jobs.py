@@ -110,20 +110,27 @@ def _fit_validating(tmp: Path, key: str) -> None:
     trainer.fit(ValidatingModule(str(tmp), "val"))
 
 
-def _fit_stopped_with_validation(tmp: Path, key: str) -> None:
-    """Three fits of :class:`ValidatingModule` to step 10 (period 4), whose only validation is the one Lightning runs
-    after a stop: straight; stopped after step 6 (2 steps after a sync; ``last.ckpt`` written after that validation);
-    resumed from that ``last.ckpt``."""
-    for tag, stop, resume in (("straight", None, None), ("stopped", 6, None),
-                              ("resumed", None, str(tmp / "stopped" / "last.ckpt"))):
-        callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, save_last=True)]
+def _fit_resumed_after_an_early_sync(tmp: Path, key: str) -> None:
+    """Fits of :class:`ValidatingModule` (period 4) whose only validation is the one Lightning runs after a stop:
+    ``straight`` to step 10; ``stopped`` after step 6 (2 steps after a sync; ``last.ckpt`` written after that
+    validation) and ``resumed`` from it to 10; ``finished`` at ``max_steps=6`` (its last step syncs) and ``extended``
+    from its ``last.ckpt`` to 10; ``unsynced`` at ``max_steps=6`` with ``sync_on_last_step=False`` (``on_train_end``
+    syncs; ``trainer.save_checkpoint`` after the fit writes ``last.ckpt``) and ``extended_unsynced`` from it."""
+    runs = (("straight", 10, None, None), ("stopped", 10, 6, None), ("resumed", 10, None, "stopped"),
+            ("finished", 6, None, None), ("extended", 10, None, "finished"), ("unsynced", 6, None, None),
+            ("extended_unsynced", 10, None, "unsynced"))
+    for tag, max_steps, stop, resume in runs:
+        callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, save_last=tag != "unsynced")]
         trainer = L.Trainer(
-            accelerator="cpu", devices=WORLD, max_steps=10, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
-            enable_progress_bar=False, enable_model_summary=False,
-            strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key], log_comm_metrics=False),
+            accelerator="cpu", devices=WORLD, max_steps=max_steps, limit_val_batches=1, num_sanity_val_steps=0,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=CompressedDDPStrategy(local_update=EPOCH_UPDATES[key], log_comm_metrics=False,
+                                           sync_on_last_step=tag != "unsynced"),
             callbacks=callbacks + ([_StopAfterStep(stop)] if stop else []),
         )
-        trainer.fit(ValidatingModule(str(tmp), tag), ckpt_path=resume)
+        trainer.fit(ValidatingModule(str(tmp), tag), ckpt_path=str(tmp / resume / "last.ckpt") if resume else None)
+        if tag == "unsynced":
+            trainer.save_checkpoint(tmp / tag / "last.ckpt")
 
 
 class _BranchModule(TinyModule):

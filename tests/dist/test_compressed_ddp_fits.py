@@ -20,8 +20,8 @@ from tests.dist._compressed_ddp_fit_jobs import (
     VALIDATION_RUNS,
     _fit_by_epochs,
     _fit_frozen_between_syncs,
+    _fit_resumed_after_an_early_sync,
     _fit_stopped_after_a_step,
-    _fit_stopped_with_validation,
     _fit_two_optimizers,
     _fit_uneven,
     _fit_unfrozen_at_resume,
@@ -83,6 +83,29 @@ def test_a_checkpoint_written_at_a_stop_between_syncs_is_rank_zeros_and_said_so(
     assert torch.load(tmp / "warnings_rank1.pt") == []
 
 
+def _assert_resumed_as_straight_from_the_state_before_the_sync(tmp: Path, resumed: str, saved: str,
+                                                               synced: list[dict] | None) -> None:
+    """``resumed`` ended on ``straight``'s weights on every rank; ``saved``'s last.ckpt (step 6, 2 steps after the
+    period's sync) holds the synchronized model ``synced`` (each rank's dump after the sync; None: not dumped, the
+    state_dict is then only checked not to be rank 0's own) in its state_dict and every rank's own state from before
+    the sync that followed in lit_dtrain_comm."""
+    straight, end = dumps(tmp, "straight", "end"), dumps(tmp, resumed, "end")
+    for rank in range(WORLD):
+        assert_same(end[rank]["params"], straight[rank]["params"], f"rank {rank} at step 10")
+    last = torch.load(tmp / saved / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 6
+    state_dict = {k.removeprefix("net."): v for k, v in last["state_dict"].items()}
+    state = last[CHECKPOINT_KEY]
+    assert (state["local_update"]["steps_since_sync"], state["local_update"]["num_syncs"]) == (2, 2)
+    own = [rank["params"] for rank in state["per_rank"]]
+    assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])  # each rank's own, from before the sync
+    if synced is None:
+        assert any(not torch.equal(state_dict[k.removeprefix("net.")], own[0][k]) for k in own[0])
+        return
+    assert_same(synced[0]["params"], synced[1]["params"], "ranks after the sync")
+    assert_same(state_dict, synced[0]["params"], "state_dict")
+
+
 @pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
 def test_a_stop_followed_by_a_validation_resumes_as_the_straight_run(fits, key):
     """A stop after step 6 (period 4; as max_time or EarlyStopping) is followed by Lightning's validation, which
@@ -90,19 +113,21 @@ def test_a_stop_followed_by_a_validation_resumes_as_the_straight_run(fits, key):
     the resume went on from the synchronized model: 0.0029 off the straight run's weights at step 10 (DiLoCo 0.027, its
     outer step taken early). The checkpoint keeps the synchronized model in its state_dict (what was validated) and
     every rank's state from before that sync for the resume, which now ends on the straight run's weights exactly."""
-    tmp = fitted(fits, _fit_stopped_with_validation, key)
-    straight, resumed = dumps(tmp, "straight", "end"), dumps(tmp, "resumed", "end")
-    for rank in range(WORLD):
-        assert_same(resumed[rank]["params"], straight[rank]["params"], f"rank {rank} at step 10")
-    at_val = dumps(tmp, "stopped", "val6")
-    assert_same(at_val[0]["params"], at_val[1]["params"], "ranks at the stop's validation")
-    last = torch.load(tmp / "stopped" / "last.ckpt", weights_only=True)
-    assert last["global_step"] == 6
-    assert_same({k.removeprefix("net."): v for k, v in last["state_dict"].items()}, at_val[0]["params"], "state_dict")
-    state = last[CHECKPOINT_KEY]
-    assert (state["local_update"]["steps_since_sync"], state["local_update"]["num_syncs"]) == (2, 2)
-    own = [rank["params"] for rank in state["per_rank"]]
-    assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])  # each rank's own, from before the sync
+    tmp = fitted(fits, _fit_resumed_after_an_early_sync, key)
+    _assert_resumed_as_straight_from_the_state_before_the_sync(tmp, "resumed", "stopped", dumps(tmp, "stopped", "val6"))
+
+
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_an_extended_finished_fit_continues_as_the_straight_run(fits, key):
+    """A fit finished at max_steps=6 syncs at its last step (sync_on_last_step; period 4), and its last.ckpt holds
+    that model. An extension to 10 went on from it: 0.0029 off a straight 10-step fit (DiLoCo 0.027, its outer step
+    taken early). The checkpoint keeps the synchronized model in its state_dict and every rank's state from before
+    the sync, and the extension now ends on the straight run's weights exactly. The same for a fit under
+    sync_on_last_step=False, which syncs in on_train_end, and the file trainer.save_checkpoint writes after it."""
+    tmp = fitted(fits, _fit_resumed_after_an_early_sync, key)
+    _assert_resumed_as_straight_from_the_state_before_the_sync(tmp, "extended", "finished",
+                                                               dumps(tmp, "finished", "end"))
+    _assert_resumed_as_straight_from_the_state_before_the_sync(tmp, "extended_unsynced", "unsynced", None)
 
 
 @pytest.mark.parametrize("key", ["local_sgd", "ddp"])
@@ -150,7 +175,7 @@ def test_a_validation_between_syncs_sees_the_synchronized_model(fits, key, syncs
 def fits(tmp_path_factory) -> Path:
     """The fits of the tests not marked slow (each reads its own directory)."""
     jobs = [(_fit_by_epochs, key) for key in sorted(EPOCH_UPDATES)] + [(_fit_stopped_after_a_step, "local_sgd")]
-    jobs += [(_fit_stopped_with_validation, key) for key in sorted(EPOCH_UPDATES)]
+    jobs += [(_fit_resumed_after_an_early_sync, key) for key in sorted(EPOCH_UPDATES)]
     jobs += [(_fit_validating, key) for key in VALIDATION_RUNS]
     jobs += [(_fit_scale_record, "topk"), (_fit_manual, "topk"), (_fit_init_scale, "topk")]
     jobs += [(_fit_with_a_branch, key) for key in UNUSED_CODECS]

@@ -6,6 +6,9 @@ another number of ranks keeps, and the warnings, are in :mod:`.comm_checkpoint`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -27,28 +30,36 @@ def _cpu_copy(state):
     return apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu().clone())
 
 
-def keep_state_before_stop_sync(strategy, step: int) -> None:
-    """Before the sync of a validation that runs only because the fit was asked to stop after step ``step``
-    (``max_time``, ``EarlyStopping``, ``trainer.should_stop``): keep this rank's parameters and the local-update
-    state as they are, for the checkpoints written at that step (:func:`gather_comm_state`). A scheduled validation
-    synced during its step already; this one's sync is one a fit that did not stop there never makes, so a resume
-    from the checkpoint written after it went on from the synchronized model (2 gloo ranks, local SGD period 4,
-    stopped at step 6 of 10: 0.0029 off the straight run's weights, DiLoCo 0.027). Its ``state_dict`` keeps the
-    synchronized model, which the validation evaluated."""
+@contextmanager
+def kept_for_a_resume(strategy, step: int | None, counting: bool = False) -> Iterator[None]:
+    """Around a sync that a fit going on past this point never makes, at step ``step`` (None: keep nothing): keep this
+    rank's parameters and the local-update state from before it, for the checkpoints written at that step
+    (:func:`gather_comm_state`); ``counting``: the sync comes inside the step's count
+    (:meth:`LocalUpdate.after_optimizer_step`), which the kept state takes in. Such syncs: the one of the validation
+    Lightning runs only because the fit was asked to stop after the step (``max_time``, ``EarlyStopping``,
+    ``trainer.should_stop``), the one at the fit's last step (``sync_on_last_step``) when its period is not over, and
+    the one in ``on_train_end``. A resume from a checkpoint
+    written after one went on from the synchronized model (2 gloo ranks, local SGD period 4, stopped after step 6 of
+    10, or finished at 6 and extended to 10: 0.0029 off the straight run's weights, DiLoCo 0.027). The checkpoint's
+    ``state_dict`` keeps the synchronized model, which the validation evaluated and the fit ends with."""
     lu = strategy.local_update
-    strategy._state_before_stop_sync = {"step": step, "local_update": _cpu_copy(lu.state_dict()),
-                                        "local_update_rank": _cpu_copy(lu.rank_local_state_dict()),
-                                        "params": _own_params(strategy)}
+    if step is None:  # nothing to keep: a sync the fit going on makes too
+        yield
+        return
+    state = _cpu_copy(lu.state_dict())
+    if counting:
+        state["step"], state["steps_since_sync"] = state["step"] + 1, state["steps_since_sync"] + 1
+    kept = {"step": step, "local_update": state, "params": _own_params(strategy),
+            "local_update_rank": _cpu_copy(lu.rank_local_state_dict())}
+    syncs = lu.num_syncs
+    yield
+    # it stands while no other sync runs; none when no sync ran here (a period ended within a manual batch)
+    strategy._state_before_early_sync = {**kept, "num_syncs": lu.num_syncs} if lu.num_syncs > syncs else None
 
 
-def note_stop_sync_done(strategy) -> None:
-    """After :func:`keep_state_before_stop_sync`'s sync: the kept state stands for as long as no other sync runs."""
-    strategy._state_before_stop_sync["num_syncs"] = strategy.local_update.num_syncs
-
-
-def _state_before_stop_sync(strategy) -> dict | None:
-    """The state :func:`keep_state_before_stop_sync` kept, while the fit is still at its step and no sync ran since."""
-    kept, lu = getattr(strategy, "_state_before_stop_sync", None), strategy.local_update
+def _kept_state(strategy) -> dict | None:
+    """The state :func:`kept_for_a_resume` kept, while the fit is still at its step and no sync ran since."""
+    kept, lu = getattr(strategy, "_state_before_early_sync", None), strategy.local_update
     if kept is None or lu is None or kept.get("num_syncs") != lu.num_syncs:
         return None
     trainer = getattr(strategy.lightning_module, "_trainer", None)
@@ -57,16 +68,16 @@ def _state_before_stop_sync(strategy) -> dict | None:
 
 def gather_comm_state(strategy) -> dict:
     """Collective (call on every rank): each rank's counters and compressor state, plus the replicated
-    local-update state (counters, period, DiLoCo outer parameters and momentum) from this rank. At a stop whose
-    validation synchronized the ranks, the state from before that sync (:func:`keep_state_before_stop_sync`), with
-    the sync counts of now (the counts are of what was done)."""
+    local-update state (counters, period, DiLoCo outer parameters and momentum) from this rank. After a sync that a
+    fit going on never makes (a stop's validation, the last step), the state from before that sync
+    (:func:`kept_for_a_resume`), with the sync counts of now (the counts are of what was done)."""
     lu = strategy.local_update
     own = strategy.comm_local_state_dict()
-    before_stop = _state_before_stop_sync(strategy)
-    if before_stop is not None:
+    kept = _kept_state(strategy)
+    if kept is not None:
         counts = {"num_syncs": lu.num_syncs, "num_early_syncs": lu.num_early_syncs}
-        own = {**own, "local_update": {**before_stop["local_update"], **counts},
-               "local_update_rank": before_stop["local_update_rank"]}
+        own = {**own, "local_update": {**kept["local_update"], **counts},
+               "local_update_rank": kept["local_update_rank"]}
     local = {
         "counters": strategy.session.counters_state_dict(),  # per rank: comm time differs between ranks
         "compressor": own["compressor"],
@@ -75,7 +86,7 @@ def gather_comm_state(strategy) -> dict:
     if lu is not None and strategy.lightning_module is not None:
         # Under local updates the ranks' parameters differ between syncs, and their inner optimizer
         # states always do; Lightning saves rank 0's only, so every rank's own copy is kept here.
-        local["params"] = before_stop["params"] if before_stop is not None else _own_params(strategy)
+        local["params"] = kept["params"] if kept is not None else _own_params(strategy)
         local["optimizer_states"] = [_cpu_copy(opt.state_dict()) for opt in strategy.optimizers]
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     gathered: list = [None] * world if world > 1 else [local]

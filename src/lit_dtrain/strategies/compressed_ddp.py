@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state
+from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state, kept_for_a_resume
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
@@ -42,6 +42,7 @@ from lit_dtrain.strategies.fit_end import (
     force_sync_after_batch,
     force_sync_this_step,
     note_checkpoint,
+    only_ends_the_fit,
     refuse_validation_by_time,
     sync_or_warn_before_validation,
     warn_checkpoint_before_final_sync,
@@ -148,7 +149,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
     def setup(self, trainer) -> None:
         refuse_validation_by_time(self, trainer)  # on every rank, before any collective
         warn_about_settings_without_effect(self, trainer)
-        self._state_before_stop_sync = None  # an earlier fit's (fit_end.sync_or_warn_before_validation)
+        self._state_before_early_sync = None  # an earlier fit's (_comm_state.kept_for_a_resume)
         super().setup(trainer)
 
     @override
@@ -225,7 +226,10 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         trainer = module.trainer if module is not None and module._trainer is not None else None
         # the fit's last step, or one a validation follows: the step's callbacks and checkpoints see the sync
         manual = module is not None and not module.automatic_optimization
-        metrics = self.session.after_optimizer_step(named, force_sync=force_sync_this_step(self, trainer, manual))
+        force = force_sync_this_step(self, trainer, manual)
+        keep = force and only_ends_the_fit(self, trainer, counting=True)  # for an extension of the finished fit
+        with kept_for_a_resume(self, trainer.global_step + 1 if keep else None, counting=True):
+            metrics = self.session.after_optimizer_step(named, force_sync=force)
         if self.log_comm_metrics and trainer is not None and module._current_fx_name is not None:
             for key, value in metrics.items():
                 module.log(key, value, on_step=True, on_epoch=False, sync_dist=False)
@@ -239,8 +243,11 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                 self.local_update.sync_if_trainable_changed(named, self.session.comm)
         output = super().training_step(*args, **kwargs)
         module = self.lightning_module
-        if not module.automatic_optimization and force_sync_after_batch(self, module.trainer):
-            with naming_peer_failures():  # after the batch's last optimizer step, before its callbacks
+        trainer = module.trainer
+        if not module.automatic_optimization and force_sync_after_batch(self, trainer):
+            keep = only_ends_the_fit(self, trainer, counting=False)  # for an extension of the finished fit
+            # after the batch's last optimizer step, before its callbacks
+            with naming_peer_failures(), kept_for_a_resume(self, trainer.global_step if keep else None):
                 self.session.final_sync(self.session.named_params(module))
         return output
 
@@ -255,7 +262,9 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         # a run stopped by epochs or early stopping may end between syncs: synchronize once more
         if self.local_update is not None and self.session.comm is not None:
             warn_checkpoint_before_final_sync(self)
-            with naming_peer_failures():
+            # for a checkpoint saved after the fit (trainer.save_checkpoint, as train.py does): an extension
+            step = self.lightning_module.trainer.global_step if self.local_update.steps_since_sync else None
+            with naming_peer_failures(), kept_for_a_resume(self, step):
                 self.session.final_sync(CommSession.named_params(self.lightning_module))
         super().on_train_end()
 

@@ -12,7 +12,7 @@ checked, so a project of one's own that trains by epochs (Lightning's default ``
 is decided after the step (``EarlyStopping``, ``max_time``, ``trainer.should_stop``) cannot be known ahead; there
 only ``on_train_end`` synchronizes. Lightning validates after such a stop when the fit has validation data, and that
 validation synchronizes first (below; the checkpoints written after it keep every rank's state from before that sync,
-which a fit that did not stop never makes, for a resume: ``_comm_state.keep_state_before_stop_sync``); without one,
+which a fit that did not stop never makes, for a resume: ``_comm_state.kept_for_a_resume``); without one,
 a checkpoint written at the stop's step (``ModelCheckpoint`` at the epoch's end) holds rank 0's parameters, which
 :func:`warn_checkpoint_before_final_sync` says.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_dtrain.strategies._comm_state import keep_state_before_stop_sync, note_stop_sync_done
+from lit_dtrain.strategies._comm_state import kept_for_a_resume
 from lit_dtrain.utils.words import counted
 
 
@@ -122,6 +122,17 @@ def force_sync_this_step(strategy: Any, trainer: Any, manual: bool = False) -> b
                 or (strategy.sync_before_validation and validates_after_this_step(trainer)))
 
 
+def only_ends_the_fit(strategy: Any, trainer: Any, counting: bool) -> bool:
+    """Whether an early sync forced now (:func:`force_sync_this_step`, :func:`force_sync_after_batch`) is one that a
+    fit going on past this step would not make: no validation follows and the period is not over (``counting``: the
+    step in progress is not counted yet). A resume from a checkpoint written after it (an extension of a finished
+    fit) goes on from the state before it (``_comm_state.kept_for_a_resume``)."""
+    lu = strategy.local_update
+    if strategy.sync_before_validation and validates_after_this_step(trainer):
+        return False
+    return lu.steps_since_sync + counting < lu.period
+
+
 def force_sync_after_batch(strategy: Any, trainer: Any) -> bool:
     """Whether a manual-optimization batch whose ``training_step`` just returned ends in an early sync: it is the
     fit's last batch (``sync_on_last_step``) or a validation follows it (``sync_before_validation``)."""
@@ -142,12 +153,9 @@ def sync_or_warn_before_validation(strategy: Any) -> None:
     if validation_between_syncs_message(lu, trainer) is None or strategy.session.comm is None:
         return
     if strategy.sync_before_validation:
-        stop = trainer.should_stop  # the validation runs because of the stop: keep the state a resume goes on from
-        if stop:
-            keep_state_before_stop_sync(strategy, trainer.global_step)
-        strategy.session.final_sync(strategy.session.named_params(module))
-        if stop:
-            note_stop_sync_done(strategy)
+        # a validation that runs because of a stop: a resume goes on from the state before its sync
+        with kept_for_a_resume(strategy, trainer.global_step if trainer.should_stop else None):
+            strategy.session.final_sync(strategy.session.named_params(module))
     else:
         warn_validation_between_syncs(strategy)
 
