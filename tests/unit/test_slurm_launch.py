@@ -75,6 +75,8 @@ def test_the_requeue_signal_requeues_the_job_from_rank_0_only(tmp_path, monkeypa
     monkeypatch.setenv("PATH", fake_scontrol(tmp_path)["PATH"])
     with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
         requeue_job(srun_env(rank=1))
+        # the second node's first task (SLURM_LOCALID 0): Slurm signals every task, one requeue is the job's
+        requeue_job(srun_env(ntasks=4, nnodes=2, rank=2, SLURM_LOCALID="0", SLURM_NODEID="1"))
         assert not (tmp_path / "calls").exists()
         requeue_job(srun_env(rank=0))
         requeue_job(srun_env(rank=0, SLURM_ARRAY_JOB_ID="77", SLURM_ARRAY_TASK_ID="3"))
