@@ -48,3 +48,19 @@ def test_a_cache_that_records_no_corpus_counts_as_the_same_corpus(tmp_path):
     _edit(corpus, 0)
     newest = _build(corpus, cache)
     assert sorted(p.name for p in cache.iterdir()) == [newest]
+
+
+def test_a_cache_the_discard_could_not_remove_is_not_reported_removed(tmp_path, caplog):
+    """The log names only caches that are gone: one the discard left (moved back, a failed delete) is not counted
+    as freed."""
+    from lit_dtrain.data.cache_pruning import prune_caches
+
+    corpus, cache = make_corpus(tmp_path / "corpus", n_files=3), tmp_path / "cache"
+    old = _build(corpus, cache, keep=2)
+    _edit(corpus, 0)
+    newest = _build(corpus, cache, keep=2)
+    with caplog.at_level("INFO"):
+        recorded = json.loads((cache / old / "meta.json").read_text())["corpus"]
+        prune_caches(cache / newest, "x", 1, discard=lambda path: None, corpus=recorded)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([old, newest])
+    assert "removed" not in caplog.text
