@@ -80,8 +80,10 @@ def safe_torch_load(
     ``verify=False`` is for reads of a few keys (``global_step``) of files that may never be loaded: a scan of a
     checkpoint dir, the messages at a run's end."""
     path = Path(path)
-    if path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file")
+    if path.is_dir():  # a run dir or its checkpoints/ given for its last.ckpt: name that file
+        inside = next((c for c in (path / "last.ckpt", path / "checkpoints" / "last.ckpt") if c.is_file()), None)
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file"
+                              + (f"; give a file in it, e.g. {str(inside)!r}" if inside else ""))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} {not_a_file_reason(path)}")
     if path.stat().st_size == 0:
