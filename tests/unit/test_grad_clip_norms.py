@@ -1,8 +1,9 @@
 """``AdaptiveGradClip``'s gradient norm helpers with stand-in trainers: the loss scale still on the gradients, and the
-norm under local updates (each rank its own gradients)."""
+norm under local updates (each rank its own gradients), and ``max_norm`` beside the adaptive threshold."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -30,3 +31,15 @@ def test_under_local_updates_the_norm_is_the_root_mean_square_of_the_ranks_norms
     strategy = SimpleNamespace(local_update=object(), reduce=lambda t, reduce_op: t + 16.0)
     trainer = SimpleNamespace(world_size=2, strategy=strategy)
     assert float(global_grad_norm([param], trainer)) == pytest.approx((25 / 2) ** 0.5)
+
+
+def test_max_norm_is_a_ceiling_that_never_loosens_the_adaptive_threshold():
+    """After the warmup the threshold is the lower of mean + z * std and ``max_norm``: a ``max_norm`` far above
+    leaves the adaptive clip as it is."""
+    from tests.unit.test_grad_clip_diag import run_clip
+
+    norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0]
+    _, _, adaptive = run_clip(norms, warmup_steps=25, z_threshold=2.5)
+    clip, _, ceiled = run_clip(norms, warmup_steps=25, z_threshold=2.5, max_norm=100.0)
+    assert ceiled[30][1] == adaptive[30][1] < 2.0  # the spike clipped to the adaptive threshold, not to 100
+    assert clip.threshold() < 100.0
