@@ -133,3 +133,20 @@ def test_fsdp_units_are_not_cast(monkeypatch):
     monkeypatch.setattr(end_sample, "FullyShardedDataParallel", Block)  # the blocks stand in for FSDP units
     generate_sample(model, ByteTokenizer(), {"max_new_tokens": 2}, 0, torch.device("cpu"))
     assert seen == [torch.bfloat16]
+
+
+def test_a_model_of_mixed_dtypes_is_sampled_from_an_fp32_copy_and_non_finite_weights_draw_nothing(caplog):
+    """A model with bf16 blocks beside fp32 norms is copied to fp32 (one dtype to cast back to there is not); a
+    diverged model (NaN weights, which torch.multinomial refuses) draws no sample and says why."""
+    model = tiny_llama()
+    model.blocks.to(torch.bfloat16)
+    with in_fp32(model) as m:
+        assert m is not model and {p.dtype for p in m.parameters()} == {torch.float32}
+    assert {p.dtype for p in model.blocks.parameters()} == {torch.bfloat16}
+    cfg = {"prompt": "def ", "max_new_tokens": 4, "temperature": 1.0, "top_k": None}
+    assert generate_sample(model, ByteTokenizer(), cfg, 7, torch.device("cpu"))  # drawn (in fp32)
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.end_sample"):
+        assert generate_sample(model, ByteTokenizer(), cfg, 7, torch.device("cpu")) == ""
+    assert "weights are not finite" in caplog.text
