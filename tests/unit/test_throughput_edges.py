@@ -1,5 +1,5 @@
-"""token_throughput_monitor's edges in a project of one's own: a validation with a batch of unknown FLOPs logs no
-FLOP rate for it."""
+"""token_throughput_monitor's validation FLOP rates in a project of one's own: each validation's own, and none for
+one with a batch of unknown FLOPs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import lightning as L
+import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_dtrain.callbacks import token_throughput_monitor
@@ -33,3 +34,22 @@ def test_a_validation_batch_without_flops_leaves_the_validation_without_a_flop_r
     rows = _rows(tmp_path, "validate/batches")
     assert len(rows) == 1 and float(rows[0]["validate/batches"]) == 4
     assert not rows[0].get("validate/device/flops_per_sec")
+
+
+def test_each_validations_flop_rate_counts_its_own_batches(tmp_path: Path) -> None:
+    """Two validations of 4 batches of 1e6 FLOPs: each row's FLOP/s is 4e6 over its own time (the second's sum
+    does not go on from the first's)."""
+
+    class Flops(Validated):
+        def on_validation_batch_start(self, batch, batch_idx, dataloader_idx=0):
+            self.flops_per_batch = 1e6
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, log_every_n_steps=1,
+                        callbacks=[token_throughput_monitor(window_size=2)],
+                        logger=CSVLogger(str(tmp_path), name="csv", version=0),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Flops())
+    rows = _rows(tmp_path, "validate/batches")
+    assert len(rows) == 2
+    for r in rows:
+        assert float(r["validate/device/flops_per_sec"]) * float(r["validate/time"]) == pytest.approx(4e6, rel=1e-6)
