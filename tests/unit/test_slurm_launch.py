@@ -156,3 +156,12 @@ def test_a_requeued_job_that_starts_over_says_so(caplog, conf, env, ckpt_path, w
         warn_about_a_requeued_fresh_start(config, ckpt_path, env)
     assert ("SLURM_RESTART_COUNT=1: Slurm requeued this job, but the command has no resume=auto, so this start trains "
             "from step 0 in run dir out/runs/2026-12-06_10-22-11" in caplog.text) is warned
+
+
+def test_torchruns_workers_are_not_checked_against_the_srun_tasks():
+    """One srun task per node, each running torchrun with 4 workers: the workers' world is torchrun's, not Slurm's
+    tasks (2 tasks, 1 per node, for trainer.devices=4 x 2 nodes)."""
+    env = srun_env(ntasks=2, per_node=1, nnodes=2, TORCHELASTIC_RUN_ID="job")
+    check_slurm_launch(cfg(devices=4, num_nodes=2), env)
+    with pytest.raises(ConfigError, match="SLURM_NTASKS_PER_NODE=1"):
+        check_slurm_launch(cfg(devices=4, num_nodes=2), {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"})
