@@ -165,3 +165,12 @@ def test_torchruns_workers_are_not_checked_against_the_srun_tasks():
     check_slurm_launch(cfg(devices=4, num_nodes=2), env)
     with pytest.raises(ConfigError, match="SLURM_NTASKS_PER_NODE=1"):
         check_slurm_launch(cfg(devices=4, num_nodes=2), {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"})
+
+
+def test_one_slurm_task_is_not_checked_and_uneven_tasks_per_node_are_checked_by_their_total():
+    """A batch script's one task running ``python train.py`` (no srun step) trains on its own; tasks per node that
+    differ (SLURM_NTASKS_PER_NODE=2,1, no one number) are checked by the total, devices x nodes."""
+    check_slurm_launch(cfg(devices=1), srun_env(ntasks=1, per_node=1, SLURM_STEP_NUM_TASKS=None))
+    env = srun_env(ntasks=3, nnodes=2, SLURM_NTASKS_PER_NODE="2,1")
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 x trainer.num_nodes=2 = 4 processes, .*SLURM_NTASKS=3"):
+        check_slurm_launch(cfg(devices=2, num_nodes=2), env)
