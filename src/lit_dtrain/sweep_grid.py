@@ -112,17 +112,18 @@ def shared_checkpoint_dir_error(checkpoint_dir, overrides) -> str | None:
     trained into that dir and every later job was refused, since it then held job 0's checkpoints (a 2-job sweep
     spent its whole first job before the error). A value with an interpolation (the default
     ``${paths.output_dir}/checkpoints``, ``${hydra:job.num}``) or a swept one can differ per job: not judged."""
-    from hydra.core.override_parser.types import Glob
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
     if not isinstance(checkpoint_dir, str) or "${" in checkpoint_dir:
         return None
     axes = {}  # key -> its number of values (the command line's value of a key replaces the experiment's)
     for o in overrides:
         sweep = o.is_sweep_override()
-        axes[o.key_or_group] = (2 if isinstance(o.value(), Glob) else len(list(o.sweep_iterator()))) if sweep else 1
+        listed = isinstance(o.value(), (ChoiceSweep, RangeSweep))  # glob(...), interval(...): not enumerable here
+        axes[o.key_or_group] = (len(list(o.sweep_iterator())) if listed else 2) if sweep else 1
         if sweep and o.key_or_group in ("paths", "paths.checkpoint_dir"):
             return None  # a value per job
-    if math.prod(axes.values()) < 2:  # (a glob counts as 2: its options are not listed here)
+    if math.prod(axes.values()) < 2:  # (a glob or a sampling sweeper's interval counts as 2)
         return None
     return (f"paths.checkpoint_dir={checkpoint_dir!r} is one dir for every job of this multirun: job 0 would train "
             "into it and each later job be refused (the dir then holds job 0's checkpoints); leave it out (job N "

@@ -41,12 +41,32 @@ def test_a_checkpoint_dir_that_can_differ_per_job_or_a_one_job_sweep_passes(tmp_
         sweep_checks(cfg)
 
 
-def test_the_hydra_callback_refuses_it_before_the_sweep_dir_is_made(tmp_path, capsys):
-    sweep = ["optimizer.lr=1e-3,3e-3", f"paths.checkpoint_dir={tmp_path}"]
+def refuse_at_multirun_start(sweep: list[str]) -> None:
+    """Run the Hydra callback on ``-m <sweep>`` (its last override the checkpoint dir) and expect it to exit."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         config = compose(config_name="train", overrides=sweep[1:], return_hydra_config=True)
         with open_dict(config):
             config.hydra.overrides.task = sweep
         with pytest.raises(SystemExit):
             SweepSyntaxCheck().on_multirun_start(config, config_name="train")
+
+
+def test_the_hydra_callback_refuses_it_before_the_sweep_dir_is_made(tmp_path, capsys):
+    sweep = ["optimizer.lr=1e-3,3e-3", f"paths.checkpoint_dir={tmp_path}"]
+    refuse_at_multirun_start(sweep)
     assert capsys.readouterr().err.startswith(f"error: paths.checkpoint_dir='{tmp_path}' {SHARED}")
+
+
+def test_an_interval_beside_one_checkpoint_dir_is_judged_not_a_crash(tmp_path, capsys):
+    """``interval(...)`` cannot be enumerated: it raised inside the check (Hydra's 'Can only enumerate CHOICE and RANGE
+    sweeps'), so the basic sweeper's 16-line traceback came instead of a one-line error (and a sampling sweeper's
+    jobs would each have crashed); a sampling sweeper runs several jobs, so it counts as several."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lit_dtrain.sweep_grid import shared_checkpoint_dir_error
+
+    overrides = OverridesParser.create().parse_overrides(["optimizer.lr=interval(1e-4,1e-3)"])
+    assert SHARED in shared_checkpoint_dir_error(str(tmp_path), overrides)
+    sweep = ["optimizer.lr=interval(1e-4,1e-3)", f"paths.checkpoint_dir={tmp_path}"]
+    refuse_at_multirun_start(sweep)
+    assert capsys.readouterr().err.startswith("error: ")
