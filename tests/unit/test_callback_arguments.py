@@ -42,6 +42,9 @@ CASES = [
     (AdaptiveGradClip, {"warmup_steps": 2.5}, "warmup_steps", "an integer >= 2, got 2.5"),
     (AdaptiveGradClip, {"log_every_n_steps": 1.5}, "log_every_n_steps", "an integer >= 1 or None, got 1.5"),
     (OptimizerDiagnostics, {"every_n_steps": 2.5}, "every_n_steps", "an integer >= 1, got 2.5"),
+    # int(inf) raised OverflowError, naming neither the class nor the argument
+    (OptimizerDiagnostics, {"every_n_steps": float("inf")}, "every_n_steps", "an integer >= 1, got inf"),
+    (AdaptiveGradClip, {"log_every_n_steps": float("inf")}, "log_every_n_steps", "an integer >= 1 or None, got inf"),
     (LossSpikeMonitor, {"snapshot_every": "abc"}, "snapshot_every", ">= 1, got 'abc'"),
     (LossSpikeMonitor, {"rollback_min_age": "abc"}, "rollback_min_age", ">= 0, got 'abc'"),
     (LossSpikeMonitor, {"warmup_steps": "abc"}, "warmup_steps", ">= 2, got 'abc'"),

@@ -11,10 +11,11 @@ def check_arg(owner: str, name: str, value: Any, ok: Callable[[Any], bool], requ
 
     A value that ``ok`` cannot convert or compare fails the same way: ``int("abc")`` and ``"abc" > 0`` say only
     "invalid literal for int() with base 10: 'abc'" and "'>' not supported between instances of 'str' and 'int'",
-    naming neither the class nor the argument (a Hydra override ``callbacks.x.log_every_n_steps=abc``)."""
+    naming neither the class nor the argument (a Hydra override ``callbacks.x.log_every_n_steps=abc``); ``int(inf)``
+    raised OverflowError ("cannot convert float infinity to integer") from a count's check."""
     try:
         good = ok(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         good = False
     if not good:
         raise ValueError(f"{owner}: {name} must be {requirement}, got {value!r}")
