@@ -81,6 +81,7 @@ def test_a_step_end_timer_needs_its_duration_and_wins_over_trainer_max_time() ->
 
 @pytest.mark.parametrize(("timer", "accumulate", "warned"), [
     ("max_time", 2, True), ("max_time", 1, False), ("max_time", {0: 1, 1: 4}, True), ("ours", 2, False),
+    ("measuring", 2, False), ("per_epoch", 2, False),  # Timer() stops nothing; interval="epoch" stops at its end
 ])
 def test_preemption_checkpoint_warns_of_lightnings_timer_stopping_mid_step(tmp_path: Path, timer, accumulate,
                                                                            warned) -> None:
@@ -93,6 +94,8 @@ def test_preemption_checkpoint_warns_of_lightnings_timer_stopping_mid_step(tmp_p
     callbacks = [PreemptionCheckpoint(dirpath=str(tmp_path))]
     kwargs = {"max_time": "00:01:00:00"} if timer == "max_time" else {}
     callbacks += [StepEndTimer(duration="00:01:00:00")] if timer == "ours" else []
+    callbacks += [Timer()] if timer == "measuring" else []
+    callbacks += [Timer(duration="00:01:00:00", interval="epoch")] if timer == "per_epoch" else []
     if isinstance(accumulate, dict):
         callbacks.append(GradientAccumulationScheduler(accumulate))
     else:
