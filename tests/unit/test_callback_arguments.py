@@ -7,6 +7,9 @@ between instances of 'str' and 'int'" (what a Hydra override ``callbacks.x.y=abc
 
 from __future__ import annotations
 
+import numbers
+import re
+
 import pytest
 
 from lit_dtrain.callbacks._spike_stats import RobustStat, SpikeDetector, SpikeWindow
@@ -20,20 +23,20 @@ from lit_dtrain.callbacks.throughput import token_throughput_monitor
 
 CASES = [
     (RobustStat, {"method": "mean"}, "method", r"one of \('ema', 'median'\), got 'mean'"),
-    (RobustStat, {"window": 2}, "window", ">= 3, got 2"),
-    (RobustStat, {"window": "abc"}, "window", ">= 3, got 'abc'"),
-    (RobustStat, {"warmup": 1}, "warmup", ">= 2, got 1"),
+    (RobustStat, {"window": 2}, "window", "an integer >= 3, got 2"),
+    (RobustStat, {"window": "abc"}, "window", "an integer >= 3, got 'abc'"),
+    (RobustStat, {"warmup": 1}, "warmup", "an integer >= 2, got 1"),
     (RobustStat, {"clip_z": 0}, "clip_z", "> 0 or None, got 0"),
     (RobustStat, {"clip_z": "abc"}, "clip_z", "> 0 or None, got 'abc'"),
     (RobustStat, {"min_rel_scale": -0.5}, "min_rel_scale", ">= 0, got -0.5"),
     (RobustStat, {"min_scale": -1.0}, "min_scale", ">= 0, got -1.0"),
     (RobustStat, {"decay": "abc"}, "decay", r"in \(0, 1\), got 'abc'"),
     (SpikeDetector, {"z_threshold": "abc"}, "z_threshold", "> 0 or None, got 'abc'"),
-    (SpikeDetector, {"max_consecutive": 1}, "max_consecutive", ">= 2 or None, got 1"),
-    (SpikeDetector, {"warmup_steps": 1}, "warmup_steps", ">= 2, got 1"),  # named RobustStat's ``warmup``
-    (SpikeWindow, {"max_spikes": 0}, "max_spikes", ">= 1, got 0"),
-    (SpikeWindow, {"window_steps": "abc"}, "window_steps", ">= 1, got 'abc'"),
-    (FourierSamplerCallback, {"log_every_n_steps": "abc"}, "log_every_n_steps", "positive, got 'abc'"),
+    (SpikeDetector, {"max_consecutive": 1}, "max_consecutive", "an integer >= 2 or None, got 1"),
+    (SpikeDetector, {"warmup_steps": 1}, "warmup_steps", "an integer >= 2, got 1"),  # named RobustStat's ``warmup``
+    (SpikeWindow, {"max_spikes": 0}, "max_spikes", "an integer >= 1, got 0"),
+    (SpikeWindow, {"window_steps": "abc"}, "window_steps", "an integer >= 1, got 'abc'"),
+    (FourierSamplerCallback, {"log_every_n_steps": "abc"}, "log_every_n_steps", "an integer >= 1 or None, got 'abc'"),
     (AdaptiveGradClip, {"z_threshold": "abc"}, "z_threshold", "> 0, got 'abc'"),
     (AdaptiveGradClip, {"max_norm": "abc"}, "max_norm", "> 0 or None, got 'abc'"),
     (AdaptiveGradClip, {"warmup_steps": "abc"}, "warmup_steps", "an integer >= 2, got 'abc'"),
@@ -45,17 +48,17 @@ CASES = [
     # int(inf) raised OverflowError, naming neither the class nor the argument
     (OptimizerDiagnostics, {"every_n_steps": float("inf")}, "every_n_steps", "an integer >= 1, got inf"),
     (AdaptiveGradClip, {"log_every_n_steps": float("inf")}, "log_every_n_steps", "an integer >= 1 or None, got inf"),
-    (LossSpikeMonitor, {"snapshot_every": "abc"}, "snapshot_every", ">= 1, got 'abc'"),
-    (LossSpikeMonitor, {"rollback_min_age": "abc"}, "rollback_min_age", ">= 0, got 'abc'"),
-    (LossSpikeMonitor, {"warmup_steps": "abc"}, "warmup_steps", ">= 2, got 'abc'"),
-    (LossSpikeMonitor, {"max_nonfinite": "abc"}, "max_nonfinite", ">= 1 or None, got 'abc'"),
+    (LossSpikeMonitor, {"snapshot_every": "abc"}, "snapshot_every", "an integer >= 1, got 'abc'"),
+    (LossSpikeMonitor, {"rollback_min_age": "abc"}, "rollback_min_age", "an integer >= 0, got 'abc'"),
+    (LossSpikeMonitor, {"warmup_steps": "abc"}, "warmup_steps", "an integer >= 2, got 'abc'"),
+    (LossSpikeMonitor, {"max_nonfinite": "abc"}, "max_nonfinite", "an integer >= 1 or None, got 'abc'"),
     (LossSpikeMonitor, {"cooldown_factor": "abc"}, "cooldown_factor", r"in \(0, 1\], got 'abc'"),
     (OptimizerDiagnostics, {"every_n_steps": "abc"}, "every_n_steps", "an integer >= 1, got 'abc'"),
     (SelectiveCheckpointing, {"policy": "some"}, "policy", "one of .*, got 'some'"),
-    (SelectiveCheckpointing, {"policy": "every_k", "every_k": "abc"}, "every_k", ">= 1, got 'abc'"),
+    (SelectiveCheckpointing, {"policy": "every_k", "every_k": "abc"}, "every_k", "an integer >= 1, got 'abc'"),
     (SelectiveCheckpointing, {"policy": "budget", "memory_budget": "abc"}, "memory_budget", r"in \(0, 1\], got 'abc'"),
-    (SelectiveCheckpointing, {"probe_batch_size": "abc"}, "probe_batch_size", ">= 1, got 'abc'"),
-    (SelectiveCheckpointing, {"probe_seq_len": "abc"}, "probe_seq_len", ">= 1 or None, got 'abc'"),
+    (SelectiveCheckpointing, {"probe_batch_size": "abc"}, "probe_batch_size", "an integer >= 1, got 'abc'"),
+    (SelectiveCheckpointing, {"probe_seq_len": "abc"}, "probe_seq_len", "an integer >= 1 or None, got 'abc'"),
     # a string was split into characters: "save_ops entry 'a' is not 'namespace.op[.overload]'"
     (SelectiveCheckpointing, {"save_ops": "aten.mm"}, "save_ops",
      r"a list of op names such as \[aten.mm, aten.bmm\] or None, got 'aten.mm'"),
@@ -99,9 +102,56 @@ def test_numpy_numbers_are_taken_where_a_number_is_asked():
     monitor = token_throughput_monitor(window_size=np.int64(5))
     assert monitor.kwargs["window_size"] == 5 and type(monitor.kwargs["window_size"]) is int
     with pytest.raises(ValueError, match=r"window_size must be an integer >= 2 \(steps averaged\), got np.float64"):
-        token_throughput_monitor(window_size=np.float64(5))
+        token_throughput_monitor(window_size=np.float64(5.5))
+    assert token_throughput_monitor(window_size=np.float64(5)).kwargs["window_size"] == 5  # as every other count
     assert FourierSamplerCallback(log_every_n_steps=np.int64(2)).log_every_n_steps == 2
     assert AdaptiveGradClip(warmup_steps=np.int64(2), max_norm=np.float32(1.0)).max_norm == 1.0
     assert LossSpikeMonitor(snapshot_every=np.int64(10), cooldown_factor=np.float32(0.5)).cooldown[0] == 0.5
     assert OptimizerDiagnostics(every_n_steps=np.int64(3)).every_n_steps == 3
     assert SelectiveCheckpointing("every_k", every_k=np.int64(3)).every_k == 3
+
+
+# every count argument: (callable, other arguments, name, least value, None allowed)
+COUNTS = [
+    (RobustStat, {}, "window", 3, False),
+    (RobustStat, {}, "warmup", 2, False),
+    (SpikeDetector, {}, "window", 3, False),
+    (SpikeDetector, {}, "warmup_steps", 2, False),
+    (SpikeDetector, {}, "max_consecutive", 2, True),
+    (SpikeWindow, {}, "max_spikes", 1, False),
+    (SpikeWindow, {}, "window_steps", 1, False),
+    *((LossSpikeMonitor, {}, name, least, name in ("max_consecutive", "max_nonfinite")) for name, least in (
+        ("window", 3), ("warmup_steps", 2), ("max_consecutive", 2), ("snapshot_every", 1), ("snapshot_keep", 1),
+        ("rollback_min_age", 0), ("exclude_previous_steps", 0), ("cooldown_steps", 1), ("cooldown_ramp_steps", 0),
+        ("raise_after", 1), ("raise_window", 1), ("max_nonfinite", 1))),
+    (SelectiveCheckpointing, {"policy": "every_k"}, "every_k", 1, False),
+    (SelectiveCheckpointing, {}, "probe_batch_size", 1, False),
+    (SelectiveCheckpointing, {}, "probe_seq_len", 1, True),
+    (FourierSamplerCallback, {}, "log_every_n_steps", 1, True),
+    (AdaptiveGradClip, {}, "warmup_steps", 2, False),
+    (AdaptiveGradClip, {}, "log_every_n_steps", 1, True),
+    (OptimizerDiagnostics, {}, "every_n_steps", 1, False),
+    (token_throughput_monitor, {}, "window_size", 2, False),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "name", "least", "none_ok"), COUNTS,
+                         ids=[f"{c[0].__name__}.{c[2]}" for c in COUNTS])
+def test_a_count_is_a_whole_number_not_a_fraction_nor_a_flag(cls, kwargs, name, least, none_ok):
+    """A fraction was cut to an integer without a word: ``SelectiveCheckpointing(policy="every_k", every_k=2.5)``
+    checkpointed every 2nd block of 6 (3 of them), ``RobustStat(window=3.5)`` kept 3 values, ``LossSpikeMonitor(
+    snapshot_every=2.5)`` snapshotted every 2 steps; ``True`` counted as 1 (``every_k=True`` checkpointed all 6
+    blocks); ``inf`` was an ``OverflowError``. A whole float (``2.0``, YAML's ``2e0``) and numpy's integers are
+    still taken, as that integer."""
+    import numpy as np
+
+    requirement = rf"an integer >= {least}{' or None' if none_ok else ''}( \(.*\))?"
+    for bad in (least + 0.5, least - 1, True, np.True_, float("inf"), float("nan")):
+        message = rf"^{cls.__name__}: {name} must be {requirement}, got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs, **{name: bad})
+    for good in (float(least + 3), np.int64(least + 3), least + 3):
+        built = cls(**kwargs, **{name: good})
+        value = built.kwargs[name] if name in getattr(built, "kwargs", {}) else getattr(built, name, None)
+        if isinstance(value, numbers.Number):  # where the object keeps it under its name
+            assert value == least + 3 and type(value) is int, (good, value)

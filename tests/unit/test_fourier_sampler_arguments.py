@@ -26,7 +26,8 @@ def test_missing_updates_fail_loudly():
 
 def test_bad_arguments_name_the_key():
     # it was 'log_every_n_steps must be positive, got 0', not naming the class (AdaptiveGradClip takes the key too)
-    with pytest.raises(ValueError, match=r"^FourierSamplerCallback: log_every_n_steps must be positive, got 0$"):
+    with pytest.raises(ValueError,
+                       match=r"^FourierSamplerCallback: log_every_n_steps must be an integer >= 1 or None, got 0$"):
         FourierSamplerCallback(log_every_n_steps=0)
     with pytest.raises(ValueError, match="score"):
         FourierSampler(score="spectral")

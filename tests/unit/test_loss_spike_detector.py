@@ -247,11 +247,11 @@ def test_bad_arguments_fail_loudly() -> None:
     with pytest.raises(ValueError, match="grad_z_threshold needs check_grad"):
         LossSpikeMonitor(grad_z_threshold=5.0, check_grad=False)
     # the message names the argument the user passed (it named the internal ``warmup`` / ``max_spikes``)
-    with pytest.raises(ValueError, match=r"LossSpikeMonitor: warmup_steps must be >= 2, got 0"):
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: warmup_steps must be an integer >= 2, got 0"):
         LossSpikeMonitor(warmup_steps=0)
-    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_after must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_after must be an integer >= 1, got 0"):
         LossSpikeMonitor(raise_after=0)
-    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"LossSpikeMonitor: raise_window must be an integer >= 1, got 0"):
         LossSpikeMonitor(raise_window=0)
     # the statistics' arguments are checked by RobustStat and SpikeDetector, but reported under the callback the
     # user configured and the argument's own name (they said 'RobustStat: method ...', 'RobustStat: warmup ...')
@@ -261,7 +261,7 @@ def test_bad_arguments_fail_loudly() -> None:
         LossSpikeMonitor(method="mean")
     with pytest.raises(ValueError, match=r"^LossSpikeMonitor: warmup_steps \(20\) must be <= window \(10\)"):
         LossSpikeMonitor(method="median", window=10, warmup_steps=20)
-    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: max_consecutive must be >= 2 or None, got 1$"):
+    with pytest.raises(ValueError, match=r"^LossSpikeMonitor: max_consecutive must be an integer >= 2 or None, got 1$"):
         LossSpikeMonitor(max_consecutive=1)
     # no kept snapshot is ever 4 steps old (snapshots 2 steps apart, 2 kept): every rollback restored a newer one
     with pytest.raises(ValueError, match=r"^LossSpikeMonitor: rollback_min_age \(4\) must be < snapshot_every \* "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 
 ACTIONS = ("log", "skip", "rollback", "lr_cooldown", "raise")
@@ -27,10 +27,10 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
     ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps,
             "raise_after": raise_after, "raise_window": raise_window}
     for name, value in ints.items():
-        check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 1, ">= 1")
+        check_arg("LossSpikeMonitor", name, value, whole_at_least(1), "an integer >= 1")
     for name, value in (("rollback_min_age", rollback_min_age), ("exclude_previous_steps", exclude_previous_steps),
                         ("cooldown_ramp_steps", cooldown_ramp_steps)):
-        check_arg("LossSpikeMonitor", name, value, lambda v: int(v) >= 0, ">= 0")
+        check_arg("LossSpikeMonitor", name, value, whole_at_least(0), "an integer >= 0")
     if "rollback" in actions and int(rollback_min_age) >= int(snapshot_every) * int(snapshot_keep):
         # the oldest of snapshot_keep snapshots, one every snapshot_every steps, is at most keep * every - 1
         # steps old (older only where spikes dropped the snapshots after it)
@@ -40,10 +40,9 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
             f"restore a newer one than asked; lower rollback_min_age, or raise snapshot_keep or snapshot_every"
         )
     # checked here too, so that the message names this argument (RobustStat's is ``warmup``)
-    check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, lambda v: int(v) >= 2, ">= 2")
-    check_arg(
-        "LossSpikeMonitor", "max_nonfinite", max_nonfinite, lambda v: v is None or int(v) >= 1, ">= 1 or None"
-    )
+    check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, whole_at_least(2), "an integer >= 2")
+    check_arg("LossSpikeMonitor", "max_nonfinite", max_nonfinite, whole_at_least(1, none_ok=True),
+              "an integer >= 1 or None")
     check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
     return actions
 

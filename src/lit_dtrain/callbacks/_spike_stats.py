@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 
 METHODS = ("ema", "median")
 NONFINITE_LOSS = "nonfinite_loss"
@@ -82,8 +82,8 @@ class RobustStat:
         scale_decay = decay if scale_decay is None else scale_decay
         for name, value in (("decay", decay), ("scale_decay", scale_decay)):
             check_arg(owner, name, value, lambda v: 0.0 < v < 1.0, "in (0, 1)")
-        check_arg(owner, "window", window, lambda v: v >= 3, ">= 3")
-        check_arg(owner, warmup_name, warmup, lambda v: v >= 2, ">= 2")
+        check_arg(owner, "window", window, whole_at_least(3), "an integer >= 3")
+        check_arg(owner, warmup_name, warmup, whole_at_least(2), "an integer >= 2")
         if method == "median" and warmup > window:
             raise ValueError(f"{owner}: {warmup_name} ({warmup}) must be <= window ({window}) for method='median'")
         check_arg(owner, "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
@@ -290,9 +290,10 @@ class SpikeDetector:
         for name, value in (("z_threshold", z_threshold), ("rel_threshold", rel_threshold),
                             ("grad_z_threshold", grad_z_threshold)):
             check_arg(owner, name, value, lambda v: v is None or v > 0, "> 0 or None")
-        check_arg(owner, "max_consecutive", max_consecutive, lambda v: v is None or v >= 2, ">= 2 or None")
+        check_arg(owner, "max_consecutive", max_consecutive, whole_at_least(2, none_ok=True),
+                  "an integer >= 2 or None")
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold
-        self.max_consecutive = max_consecutive
+        self.max_consecutive = None if max_consecutive is None else int(max_consecutive)
         self.consecutive: list[float] = []  # losses of the current run of consecutive loss spikes
         self.grad_consecutive: list[float] = []  # grad norms of the current run of consecutive grad-norm spikes
         kwargs = dict(method=method, decay=decay, scale_decay=scale_decay, window=window, warmup=warmup_steps,
@@ -364,7 +365,7 @@ class SpikeWindow:
 
     def __init__(self, max_spikes: int = 3, window_steps: int = 1000) -> None:
         for name, value in (("max_spikes", max_spikes), ("window_steps", window_steps)):
-            check_arg("SpikeWindow", name, value, lambda v: v >= 1, ">= 1")
+            check_arg("SpikeWindow", name, value, whole_at_least(1), "an integer >= 1")
         self.max_spikes, self.window_steps = int(max_spikes), int(window_steps)
         self.steps: list[int] = []
 

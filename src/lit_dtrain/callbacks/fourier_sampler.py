@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._contract import check_step_outputs, require_outputs, require_token_losses, token_mask_of
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
 from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
@@ -71,10 +71,10 @@ class FourierSamplerCallback(L.Callback):
             "FourierSamplerCallback",
             "log_every_n_steps",
             log_every_n_steps,
-            lambda v: v is None or int(v) > 0,
-            "positive",
+            whole_at_least(1, none_ok=True),
+            "an integer >= 1 or None",
         )
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = None if log_every_n_steps is None else int(log_every_n_steps)
         self.apply_lr_multiplier = apply_lr_multiplier
         self._hooks: list = []
         self._comm_bytes = 0

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._checkpoint_policies import (
     DEFAULT_SAVE_OPS,
     MODES,
@@ -166,15 +166,15 @@ class SelectiveCheckpointing(Callback):
     ) -> None:
         check_arg("SelectiveCheckpointing", "policy", policy, lambda v: v in POLICIES, f"one of {POLICIES}")
         if policy == "every_k":
-            check_arg("SelectiveCheckpointing", "every_k", every_k, lambda v: int(v) >= 1, ">= 1")
+            check_arg("SelectiveCheckpointing", "every_k", every_k, whole_at_least(1), "an integer >= 1")
         if policy == "budget":
             check_arg(
                 "SelectiveCheckpointing", "memory_budget", memory_budget, lambda v: 0.0 < float(v) <= 1.0, "in (0, 1]"
             )
-        check_arg("SelectiveCheckpointing", "probe_batch_size", probe_batch_size, lambda v: int(v) >= 1, ">= 1")
-        check_arg(
-            "SelectiveCheckpointing", "probe_seq_len", probe_seq_len, lambda v: v is None or int(v) >= 1, ">= 1 or None"
-        )
+        check_arg("SelectiveCheckpointing", "probe_batch_size", probe_batch_size, whole_at_least(1),
+                  "an integer >= 1")
+        check_arg("SelectiveCheckpointing", "probe_seq_len", probe_seq_len, whole_at_least(1, none_ok=True),
+                  "an integer >= 1 or None")
         # a string (save_ops=aten.mm on the command line) became a list of its characters: "entry 'a' is not ..."
         # and a number (save_ops=0) was "TypeError: 'int' object is not iterable" in Hydra's wrapper
         check_arg("SelectiveCheckpointing", "save_ops", save_ops,
@@ -190,7 +190,7 @@ class SelectiveCheckpointing(Callback):
         self.module_pattern = module_pattern
         self.memory_budget = float(memory_budget)
         self.probe_batch_size = int(probe_batch_size)
-        self.probe_seq_len = probe_seq_len
+        self.probe_seq_len = None if probe_seq_len is None else int(probe_seq_len)
         self.block_names: list[str] = []
         self.plan: list[str] = []
         self.wrappers: list[CheckpointedForward] = []

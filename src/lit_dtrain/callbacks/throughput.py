@@ -43,10 +43,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.data._drawn_shares import drawn_share_metrics
-from lit_dtrain.utils.args import is_number
 
 TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
 
@@ -255,8 +254,7 @@ def token_throughput_monitor(window_size: int = 50, available_flops: float | Non
     Lightning's table, or :func:`peak_flops_lightning_lacks`)."""
     # Lightning's Throughput asserts window_size > 1 in the monitor's setup, inside fit: a bare AssertionError
     check_arg("token_throughput_monitor", "window_size", window_size,  # np.int64(50) too (a value from an array)
-              lambda v: is_number(v, integer=True) and v >= 2,
-              "an integer >= 2 (steps averaged)")
+              whole_at_least(2), "an integer >= 2 (steps averaged)")
     window_size = int(window_size)
     if available_flops is not None and not float(available_flops) > 0:
         raise ValueError(f"token_throughput_monitor available_flops must be > 0 (FLOP/s of one device) or null, got "
