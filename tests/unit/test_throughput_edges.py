@@ -14,6 +14,14 @@ from lit_dtrain.callbacks import token_throughput_monitor
 from tests.unit.test_throughput import Validated
 
 
+def _fit(module: L.LightningModule, tmp_path: Path, steps: int) -> None:
+    """``steps`` steps with a validation every 2, the throughput monitor alone, logging to ``csv/version_0``."""
+    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=2, log_every_n_steps=1,
+              callbacks=[token_throughput_monitor(window_size=2)],
+              logger=CSVLogger(str(tmp_path), name="csv", version=0),
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module)
+
+
 def _rows(tmp_path: Path, key: str) -> list[dict]:
     return [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")) if r.get(key)]
 
@@ -26,11 +34,7 @@ def test_a_validation_batch_without_flops_leaves_the_validation_without_a_flop_r
         def on_validation_batch_start(self, batch, batch_idx, dataloader_idx=0):
             self.flops_per_batch = None if batch_idx == 0 else 1e6
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, log_every_n_steps=1,
-                        callbacks=[token_throughput_monitor(window_size=2)],
-                        logger=CSVLogger(str(tmp_path), name="csv", version=0),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(SomeFlops())
+    _fit(SomeFlops(), tmp_path, steps=2)
     rows = _rows(tmp_path, "validate/batches")
     assert len(rows) == 1 and float(rows[0]["validate/batches"]) == 4
     assert not rows[0].get("validate/device/flops_per_sec")
@@ -44,11 +48,7 @@ def test_each_validations_flop_rate_counts_its_own_batches(tmp_path: Path) -> No
         def on_validation_batch_start(self, batch, batch_idx, dataloader_idx=0):
             self.flops_per_batch = 1e6
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, log_every_n_steps=1,
-                        callbacks=[token_throughput_monitor(window_size=2)],
-                        logger=CSVLogger(str(tmp_path), name="csv", version=0),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Flops())
+    _fit(Flops(), tmp_path, steps=4)
     rows = _rows(tmp_path, "validate/batches")
     assert len(rows) == 2
     for r in rows:
