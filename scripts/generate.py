@@ -11,13 +11,15 @@ way (fp32, seed ``seed``): ``--seed <the run's seed>`` with its ``sample.*`` val
 device type. An empty prompt starts from EOS, which is not printed. ``--prompt-file`` reads the prompt's bytes from a
 file (``-``: stdin) as they are, a final newline included (the model reads bytes, as it reads ``--prompt``'s); an empty
 or unreadable file is refused. The model sees the last ``block_size`` tokens of a longer prompt. The last line is
-JSON: ``{"error": ...}`` on bad input (exit status 2). Piped into a reader that stops early (``| head -n 2``), it
-ends as ``cat`` does (status 141).
+JSON: ``{"error": ...}`` on bad input (exit status 2). One sample's text is printed as its tokens are drawn (the prompt
+first), so a long ``--max-new-tokens`` shows its progress; the output is the same as printing it whole at the end.
+Piped into a reader that stops early (``| head -n 2``), it ends as ``cat`` does (status 141).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
@@ -80,6 +82,19 @@ def sampling_device(name: str | None) -> torch.device:
     return device
 
 
+class TextStream:
+    """Writes one sample's text to stdout piece by piece, as its tokens come: their bytes go through an incremental
+    UTF-8 decoder, which holds a character's first bytes until its last one comes, so the pieces make up the text that
+    ``ByteTokenizer.decode`` gives for all the tokens at the end."""
+
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
+        self.tokenizer, self.decoder = tokenizer, codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, ids, final: bool = False) -> None:
+        sys.stdout.write(self.decoder.decode(self.tokenizer.to_bytes(ids), final=final))
+        sys.stdout.flush()
+
+
 @quiet_when_the_reader_goes  # `generate.py ... | head`: ends as cat does
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,11 +125,18 @@ def main(argv: list[str] | None = None) -> None:
     tok = ByteTokenizer()
     ids = torch.as_tensor(tok.prompt_ids(prompt).astype("int64"))[None].to(device)  # "" starts a new document
     g = torch.Generator(device=device).manual_seed(args.seed)
+    stream = TextStream(tok) if args.num_samples == 1 else None
+    if stream is not None:
+        stream.write(ids[0, 1 if len(prompt) == 0 else 0:].cpu())  # the prompt, without the EOS that stands in for ''
     out = model.generate(ids.expand(args.num_samples, -1), args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, generator=g)
+                         top_k=args.top_k or None, generator=g,
+                         on_token=None if stream is None else lambda new: stream.write(new[0].cpu()))
     texts = [generated_text(tok, row, prompt) for row in out]  # without the EOS that stands in for ''
-    for i, text in enumerate(texts):
-        print(f"--- sample {i + 1} of {len(texts)} ---\n{text}" if len(texts) > 1 else text)
+    if stream is not None:
+        stream.write([], final=True)
+        print()
+    for i, text in enumerate(texts if stream is None else []):
+        print(f"--- sample {i + 1} of {len(texts)} ---\n{text}")
     print(json.dumps({"text": texts[0], "texts": texts, "new_tokens": out.size(1) - ids.size(1),
                       "global_step": ckpt.get("global_step")}))
 

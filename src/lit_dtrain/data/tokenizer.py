@@ -34,6 +34,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         """Text of token ids; EOS becomes a newline and invalid UTF-8 is replaced, never raised. An id that is no
         byte and not EOS (a model with ``vocab_size`` above 257 can sample one) becomes U+FFFD; it was dropped."""
+        return self.to_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_bytes(self, ids) -> bytes:
+        """The UTF-8 bytes :meth:`decode` decodes (a stream decodes them piece by piece to the same text)."""
         out = bytearray()
         for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
             if i == self.eos_id:
@@ -42,7 +46,7 @@ class ByteTokenizer:
                 out.append(i)
             else:
                 out += "\ufffd".encode()
-        return out.decode("utf-8", errors="replace")
+        return bytes(out)
 
 
 def as_token_ids(ids, tokenizer) -> np.ndarray:

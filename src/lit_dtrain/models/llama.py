@@ -277,7 +277,7 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None, use_cache: bool = True,
+        generator: torch.Generator | None = None, use_cache: bool = True, on_token=None,
     ) -> torch.Tensor:
         """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens. Runs in eval mode
         (no dropout) and gives the module its mode back.
@@ -285,7 +285,8 @@ class Llama(nn.Module):
         ``temperature=0`` (or one below fp32's smallest normal, 1.2e-38) is greedy; ``top_k`` None or 0 samples among
         all tokens. Each token is drawn from the last ``block_size`` tokens. ``use_cache`` keeps the keys and values
         of earlier positions (:mod:`lit_dtrain.models.kv_cache`): the same tokens, the logits equal to fp32
-        rounding; ``False`` runs the whole context through :meth:`forward` for every token."""
+        rounding; ``False`` runs the whole context through :meth:`forward` for every token. ``on_token``, if given,
+        is called with each step's new tokens, ``(batch, 1)``, as they are drawn (``generate.py`` streams them)."""
         check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
         if not is_flag(use_cache):  # 'false' is truthy: it sampled with the cache
             raise ValueError(f"generate: use_cache must be True or False, got {use_cache!r} ({type_name(use_cache)})")
@@ -303,12 +304,12 @@ class Llama(nn.Module):
         modes = [(m, m.training) for m in self.modules()]
         self.eval()  # dropout off: a model left in train mode sampled through random dropout masks
         try:
-            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
+            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator, use_cache, on_token)
         finally:
             for m, training in modes:
                 m.training = training
 
-    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache) -> torch.Tensor:
+    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache, on_token) -> torch.Tensor:
         from lit_dtrain.models.kv_cache import DecodeState, cacheable
 
         state = None
@@ -332,4 +333,6 @@ class Llama(nn.Module):
                 logits = (logits - logits.amax(-1, keepdim=True)) / t
                 nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             input_ids = torch.cat([input_ids, nxt], dim=1)
+            if on_token is not None:
+                on_token(nxt)
         return input_ids
