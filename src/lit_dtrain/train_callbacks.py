@@ -125,9 +125,18 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
 
 def max_time_timer(cfg_trainer, callbacks: list[L.Callback]) -> Timer | None:
     """The :class:`StepEndTimer` of ``trainer.max_time`` (to pass ``max_time=None`` to the Trainer for), or None
-    where none is set or the configured callbacks hold a ``Timer`` of their own (Lightning ignores max_time then)."""
+    where none is set or the configured callbacks hold a ``Timer`` of their own (Lightning ignores max_time then);
+    a ``ConfigError`` where that ``Timer`` has no duration (the run would have no time limit at all)."""
     max_time = cfg_trainer.get("max_time")
-    if max_time is None or any(isinstance(c, Timer) for c in callbacks):
+    own = [c for c in callbacks if isinstance(c, Timer)]
+    if max_time is not None and own and all(c._duration is None for c in own):  # Lightning's private (2.6)
+        # Lightning keeps the callbacks' Timer and drops max_time with an info line: a measuring Timer() beside
+        # trainer.max_time=00:00:00:06 trained on for 10 minutes (167 steps) until killed
+        raise ConfigError(
+            f"trainer.max_time={max_time!r} would be ignored: the callbacks hold a {type(own[0]).__name__} of their "
+            "own without a duration, and Lightning keeps that Timer only (no time limit); give it the limit "
+            "(its duration) in place of trainer.max_time, or leave it out (max_time's timer measures the time too)")
+    if max_time is None or own:
         return None
     if not isinstance(max_time, str):  # a {days: .., hours: ..} mapping, as Lightning takes it
         from omegaconf import OmegaConf

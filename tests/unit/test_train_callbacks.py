@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import Timer
 from omegaconf import OmegaConf
 
+from lit_dtrain.errors import ConfigError
 from lit_dtrain.train_callbacks import LogStepSync, StepEndTimer, TrainClock, _fraction_for_one_batch, max_time_timer
 
 
@@ -54,6 +56,15 @@ def test_max_time_gets_a_step_end_timer_unless_the_callbacks_hold_a_timer_of_the
     assert isinstance(max_time_timer(cfg, []), StepEndTimer)
     assert max_time_timer(cfg, [Timer(duration="00:01:00:00")]) is None
     assert max_time_timer(OmegaConf.create({"max_time": None}), []) is None
+    assert max_time_timer(OmegaConf.create({"max_time": None}), [Timer()]) is None
+
+
+def test_max_time_beside_a_measuring_timer_of_ones_own_is_refused() -> None:
+    """Lightning drops ``max_time`` beside a ``Timer`` callback: a ``Timer()`` that only measures left the run with no
+    time limit (``trainer.max_time=00:00:00:06`` trained on for 10 minutes), said only in an info line."""
+    with pytest.raises(ConfigError, match=r"trainer.max_time='00:00:01:00' would be ignored: .* Timer of their own "
+                                          r"without a duration"):
+        max_time_timer(OmegaConf.create({"max_time": "00:00:01:00"}), [Timer()])
 
 
 def test_the_final_validation_logs_at_global_step() -> None:
