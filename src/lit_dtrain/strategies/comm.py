@@ -315,11 +315,8 @@ class CommSession:
         other float roundings than the uninterrupted one (3e-8 in the parameters, 3 ranks). That step's bucket is
         therefore cut into the saved buckets, each laid out as saved and reduced on its own: blocking, once per start.
         """
-        if self._layout_step != self.step:
-            self.bucket_layout, self._layout_step = [], self.step
-        groups = self._saved_buckets_of(segments)
+        groups = self.record_bucket(segments)
         if groups is None:
-            self._record_bucket(tuple((s.name, s.offset, s.numel) for s in segments))
             return self.compressor.reduce(buffer, segments, self.comm, self.step)
         by_name = {s.name: s for s in segments}
         for group in groups:
@@ -330,9 +327,21 @@ class CommSession:
             sub = self.compressor.reduce(sub, sub_segments, self.comm, self.step).wait()
             for name, offset, numel in group:
                 buffer[by_name[name].offset : by_name[name].offset + numel] = sub[offset : offset + numel]
-            self._record_bucket(group)
-        self.hook_calls += len(groups) - 1  # one call per saved bucket, as the uninterrupted run's hook made
         return completed_future(buffer)
+
+    def record_bucket(self, segments: Sequence[Segment]) -> list[tuple[tuple[str, int, int], ...]] | None:
+        """Record the bucket ``segments``' layout (:meth:`counters_state_dict`). In the first step after a restore,
+        where DDP hands its initial bucket, return the saved buckets it is made of, each counted in ``hook_calls`` as
+        the uninterrupted run's hook call on it; else None. Local-update steps, which send nothing, call it too (their
+        resumed ``comm/hook_calls`` stayed one below the uninterrupted run's)."""
+        if self._layout_step != self.step:
+            self.bucket_layout, self._layout_step = [], self.step
+        groups = self._saved_buckets_of(segments)
+        for bucket in groups or [tuple((s.name, s.offset, s.numel) for s in segments)]:
+            self._record_bucket(bucket)
+        if groups is not None:
+            self.hook_calls += len(groups) - 1  # one call per saved bucket, as the uninterrupted run's hook made
+        return groups
 
     def _record_bucket(self, bucket: tuple[tuple[str, int, int], ...]) -> None:
         if bucket not in self.bucket_layout:  # (a step whose micro-batches each sync reduces every bucket again)
@@ -380,9 +389,11 @@ def compressed_comm_hook(session: CommSession, bucket: dist.GradBucket) -> torch
     session.hook_calls += 1
     buffer = bucket.buffer()
     session._dense_this_step += buffer.numel() * buffer.element_size()
+    segments = bucket_segments(bucket, session.names)
     if session.local_update is not None:  # local step: no gradient communication at all
+        session.record_bucket(segments)
         return completed_future(buffer)
-    return session.reduce_bucket(buffer, bucket_segments(bucket, session.names))
+    return session.reduce_bucket(buffer, segments)
 
 
 
