@@ -70,3 +70,17 @@ def test_an_interval_beside_one_checkpoint_dir_is_judged_not_a_crash(tmp_path, c
     sweep = ["optimizer.lr=interval(1e-4,1e-3)", f"paths.checkpoint_dir={tmp_path}"]
     refuse_at_multirun_start(sweep)
     assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize(("sweep", "refused"), [
+    (["optimizer=glob(*)"], True),  # a glob's options are not listed: two or more jobs
+    (["paths=default,other"], False),  # the paths group swept: a checkpoint_dir per job may come with it
+    (["optimizer.lr=1e-3,3e-3", "optimizer.lr=2e-3"], False),  # the later value of a key replaces the sweep
+])
+def test_how_many_jobs_a_sweep_makes_is_read_from_its_overrides(sweep, refused):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lit_dtrain.sweep_grid import shared_checkpoint_dir_error
+
+    overrides = OverridesParser.create().parse_overrides(sweep)
+    assert (shared_checkpoint_dir_error("/scratch/ckpt", overrides) is not None) is refused
