@@ -119,13 +119,16 @@ def test_torchruns_workers_in_an_srun_step_are_left_to_torchruns_environment(mon
     check_slurm_launch(cfg(2), os.environ)  # torchrun's workers, not srun's tasks: nothing to check against Slurm
 
 
-@pytest.mark.parametrize(("continues", "calls"), [(True, "requeue 1234\n"), (False, None)])
+@pytest.mark.parametrize(("continues", "calls", "rank"), [
+    (True, "requeue 1234\n", 0), (False, None, 0), (False, None, 1),  # rank 0 says it, once for the job
+])
 def test_the_requeue_signal_requeues_only_a_run_the_requeued_job_continues(tmp_path, monkeypatch, caplog, continues,
-                                                                           calls):
+                                                                           calls, rank):
     """A 1-task srun job with the default run_name and no resume=auto, sent SIGUSR1 at step 5: it was requeued, and
     the requeued job, the same command, trained again from step 0 in a new run dir without a word. Without
     resume=auto the signal now requeues nothing and says why; the run trains on (Slurm's SIGTERM saves last.ckpt)."""
-    for key, value in {**srun_env(ntasks=1, per_node=1), "PATH": fake_scontrol(tmp_path)["PATH"]}.items():
+    env = srun_env(ntasks=1, per_node=1) if rank == 0 else srun_env(rank=rank)
+    for key, value in {**env, "PATH": fake_scontrol(tmp_path)["PATH"]}.items():
         monkeypatch.setenv(key, value)
     previous = signal.getsignal(signal.SIGUSR1)
     try:
@@ -137,7 +140,8 @@ def test_the_requeue_signal_requeues_only_a_run_the_requeued_job_continues(tmp_p
         signal.signal(signal.SIGUSR1, previous)
         catch_requeue_signal(continues=True)
     assert ((tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else None) == calls
-    assert ("the job is not requeued, since this command has no resume=auto" in caplog.text) is not continues
+    assert ("the job is not requeued, since this command has no resume=auto" in caplog.text) is (
+        not continues and rank == 0)
 
 
 @pytest.mark.parametrize(("conf", "env", "ckpt_path", "warned"), [
@@ -154,6 +158,7 @@ def test_a_requeued_job_that_starts_over_says_so(caplog, conf, env, ckpt_path, w
     config = OmegaConf.create({"run_name": run, "paths": {"output_dir": f"out/runs/{run}"}, **conf})
     with caplog.at_level(logging.WARNING, logger="lit_dtrain.slurm"):
         warn_about_a_requeued_fresh_start(config, ckpt_path, env)
+    assert ("Slurm requeued this job" in caplog.text) is warned  # (rank 1's count is 2)
     assert ("SLURM_RESTART_COUNT=1: Slurm requeued this job, but the command has no resume=auto, so this start trains "
             "from step 0 in run dir out/runs/2026-12-06_10-22-11" in caplog.text) is warned
 
