@@ -213,3 +213,27 @@ def test_a_horizon_below_max_steps_that_rounds_to_no_decay_is_one_warning(tiny_c
     warn_if_the_schedule_ends_early(tiny_cfg("trainer.max_steps=2"))  # no horizon warning: the build's own
     instantiate(cfg.scheduler)(optimizer)
     assert [r.getMessage()[:41] for r in caplog.records] == ["WSD: decay_fraction=0.2 of total_steps=2 "]
+
+
+@pytest.mark.parametrize(("overrides", "continues"), [((), False), (("resume=auto",), True)])
+def test_train_tells_slurm_whether_a_requeue_continues_the_run(tiny_cfg, monkeypatch, overrides, continues):
+    """train() arms the requeue signal with resume=auto's answer and checks a requeued fresh start (lit_dtrain.slurm's
+    own tests give these functions their arguments; a train() that passed continues=True always requeued a job
+    that would start over)."""
+    import lit_dtrain.train as train_module
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(train_module, "catch_requeue_signal", lambda continues: calls.append(("signal", continues)))
+    monkeypatch.setattr(train_module, "warn_about_a_requeued_fresh_start",
+                        lambda cfg, ckpt_path: calls.append(("warn", ckpt_path)))
+    monkeypatch.setattr(train_module, "check_torchrun_launch", stop)  # the check after them: nothing trains
+    with pytest.raises(Stop):
+        train_module.train(tiny_cfg(*overrides))
+    assert calls == [("signal", continues), ("warn", None)]
