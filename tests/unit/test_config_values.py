@@ -98,6 +98,7 @@ LIGHTNING_VALUES = [
     ("trainer.max_time={mins:5}", r"^trainer.max_time's mins=5: a mapping takes numbers >= 0 under weeks, days, "
                                   r"hours, minutes, seconds, milliseconds, microseconds \(e.g. \{hours: 12\}\)"),
     ("trainer.max_time={hours:abc}", r"^trainer.max_time's hours='abc': a mapping takes numbers >= 0"),
+    ("trainer.max_time={seconds:-5}", r"^trainer.max_time's seconds=-5: a mapping takes numbers >= 0"),
     ("trainer.max_time={hours:inf}", r"^trainer.max_time=\{'hours': inf\} is beyond datetime.timedelta \(cannot "
                                      r"convert float infinity to integer\): give a finite time"),
     # a ZeroDivisionError in Lightning's fit loop at the end of the first epoch
