@@ -155,3 +155,14 @@ def test_a_count_is_a_whole_number_not_a_fraction_nor_a_flag(cls, kwargs, name, 
         value = built.kwargs[name] if name in getattr(built, "kwargs", {}) else getattr(built, name, None)
         if isinstance(value, numbers.Number):  # where the object keeps it under its name
             assert value == least + 3 and type(value) is int, (good, value)
+
+
+def test_a_count_given_as_a_string_is_compared_as_its_number():
+    """A count given as a string passes whole_at_least (int("10")), but the median's warmup <= window check compared
+    the raw values: RobustStat(method="median", window="10", warmup="9") was refused ('warmup (9) must be <= window
+    (10)', "9" > "10" as text) and LossSpikeMonitor(method="median", window="200") was a bare TypeError."""
+    stat = RobustStat("median", window="10", warmup="9")
+    assert (stat.window, stat.warmup) == (10, 9)
+    assert LossSpikeMonitor(method="median", window="200").detector.loss_stat.window == 200
+    with pytest.raises(ValueError, match=r"warmup \(11\) must be <= window \(10\)"):
+        RobustStat("median", window="10", warmup="11")
