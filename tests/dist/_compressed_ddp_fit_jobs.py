@@ -115,10 +115,12 @@ def _fit_resumed_after_an_early_sync(tmp: Path, key: str) -> None:
     ``straight`` to step 10; ``stopped`` after step 6 (2 steps after a sync; ``last.ckpt`` written after that
     validation) and ``resumed`` from it to 10; ``finished`` at ``max_steps=6`` (its last step syncs) and ``extended``
     from its ``last.ckpt`` to 10; ``unsynced`` at ``max_steps=6`` with ``sync_on_last_step=False`` (``on_train_end``
-    syncs; ``trainer.save_checkpoint`` after the fit writes ``last.ckpt``) and ``extended_unsynced`` from it."""
+    syncs; ``trainer.save_checkpoint`` after the fit writes ``last.ckpt``) and ``extended_unsynced`` from it;
+    ``at_period_end`` at ``max_steps=8`` (a sync the straight run makes too) and ``extended_at_period_end``."""
     runs = (("straight", 10, None, None), ("stopped", 10, 6, None), ("resumed", 10, None, "stopped"),
             ("finished", 6, None, None), ("extended", 10, None, "finished"), ("unsynced", 6, None, None),
-            ("extended_unsynced", 10, None, "unsynced"))
+            ("extended_unsynced", 10, None, "unsynced"), ("at_period_end", 8, None, None),
+            ("extended_at_period_end", 10, None, "at_period_end"))
     for tag, max_steps, stop, resume in runs:
         callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / tag, save_last=tag != "unsynced")]
         trainer = L.Trainer(

@@ -130,6 +130,18 @@ def test_an_extended_finished_fit_continues_as_the_straight_run(fits, key):
     _assert_resumed_as_straight_from_the_state_before_the_sync(tmp, "extended_unsynced", "unsynced", None)
 
 
+@pytest.mark.parametrize("key", sorted(EPOCH_UPDATES))
+def test_a_fit_finished_at_a_period_end_keeps_the_synchronized_state(fits, key):
+    """A fit finished at max_steps=8 (period 4) syncs there as the straight run does: its checkpoint keeps the
+    synchronized state, not the one from before the sync, and the extension to 10 ends on the straight run's weights."""
+    tmp = fitted(fits, _fit_resumed_after_an_early_sync, key)
+    straight, end = dumps(tmp, "straight", "end"), dumps(tmp, "extended_at_period_end", "end")
+    for rank in range(WORLD):
+        assert_same(end[rank]["params"], straight[rank]["params"], f"rank {rank} at step 10")
+    state = torch.load(tmp / "at_period_end" / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    assert (state["local_update"]["steps_since_sync"], state["local_update"]["num_syncs"]) == (0, 2)
+
+
 @pytest.mark.parametrize("key", ["local_sgd", "ddp"])
 def test_ranks_whose_epochs_differ_in_length_fail_at_once_naming_them(fits, key):
     """3 batches on rank 0, 4 on rank 1, max_epochs=1, local SGD period 4: rank 0's sync at its last step (3) met
