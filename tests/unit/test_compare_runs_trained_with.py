@@ -111,6 +111,13 @@ def test_a_run_that_logged_no_train_lengths_is_drawn_by_the_tokens_it_stepped(tm
     (run / "summary.json").write_text(json.dumps({"steps": 6}))  # a summary from before these keys: the config's
     result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
     assert result["runs"][0]["tokens_per_step"] == 512
+    w = SummaryWriter(str(run / "tb"), filename_suffix=".lengths")  # logged: train/lengths' rate comes first
+    for step in range(6):
+        w.add_scalar("train/lengths", 400 * (step + 1), step)
+    w.close()
+    (run / "summary.json").write_text(json.dumps({"steps": 6, "tokens": 2560, "start_step": 0}))
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"), x="tokens")
+    assert result["runs"][0]["tokens_per_step"] == 400
 
 
 def test_labels_name_what_the_runs_trained_with_not_only_what_was_typed(tmp_path):
