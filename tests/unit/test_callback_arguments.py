@@ -43,6 +43,7 @@ CASES = [
     (AdaptiveGradClip, {"log_every_n_steps": "abc"}, "log_every_n_steps", "an integer >= 1 or None, got 'abc'"),
     # a fraction was cut to an integer: OptimizerDiagnostics(every_n_steps=2.5) logged every 2 steps, without a word
     (AdaptiveGradClip, {"warmup_steps": 2.5}, "warmup_steps", "an integer >= 2, got 2.5"),
+    (AdaptiveGradClip, {"warmup_steps": 1}, "warmup_steps", "an integer >= 2, got 1"),
     (AdaptiveGradClip, {"log_every_n_steps": 1.5}, "log_every_n_steps", "an integer >= 1 or None, got 1.5"),
     (OptimizerDiagnostics, {"every_n_steps": 2.5}, "every_n_steps", "an integer >= 1, got 2.5"),
     # int(inf) raised OverflowError, naming neither the class nor the argument
