@@ -175,7 +175,7 @@ def test_a_decay_branch_and_init_from_are_told_by_rank_0_alone(tiny_cfg, tmp_pat
     model = build_llama(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
     torch.save({"global_step": 3, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
                tmp_path / "weights.ckpt")
-    for rank, count in ((1, 0), (0, 4)):
+    for rank, count in ((1, 0), (0, 5)):
         monkeypatch.setattr(rank_zero_only, "rank", rank)
         cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=3", "optimizer.lr=0.001", run="branch")
         caplog.clear()
@@ -185,6 +185,9 @@ def test_a_decay_branch_and_init_from_are_told_by_rank_0_alone(tiny_cfg, tmp_pat
         said = _lines(caplog, "lit_dtrain.schedules.workflows")
         assert len(said) == count, said
         assert cfg.trainer.max_steps == 58 and cfg.ckpt_path == str(src)
+    # the branch's 3 steps fall between trainer.log_every_n_steps=10's steps: it says how often it logs instead
+    assert sum("it logs every 2 steps instead" in line for line in said) == 1
+    said = [line for line in said if "it logs every 2 steps instead" not in line]
     assert "is below its peak LR" in said[0] and "with optimizer.lr=0.001 as the peak LR" in said[1]
     assert "decaying over 3 steps to step 58" in said[2] and "init_from: loaded" in said[3]
 
