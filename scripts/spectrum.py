@@ -102,8 +102,10 @@ def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
 
 
 def run_exclude_dirs(data: dict | None) -> list[str] | None:
-    """The run's ``data.exclude_dirs`` (the dirs never read as corpus text: its outputs' root), or None."""
+    """The run's ``data.exclude_dirs`` (the dirs never read as corpus text: its outputs' root), or None. One dir
+    (``data.exclude_dirs=/runs``, as the config takes it) is a list of one: it was read as no exclusion."""
     dirs = (data or {}).get("exclude_dirs")
+    dirs = [dirs] if isinstance(dirs, str) else dirs
     return [str(d) for d in dirs] if isinstance(dirs, list) else None
 
 

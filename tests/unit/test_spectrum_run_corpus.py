@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -24,11 +25,13 @@ def spectrum_module():
     return mod
 
 
-def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path, capsys):
+@pytest.mark.parametrize("one_dir", [False, True], ids=["list", "one_dir"])
+def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path, capsys, one_dir):
     """A run of data=textfiles over a dir that holds its own outputs (LIT_DTRAIN_OUTPUT inside the corpus) trained
     without them (data.exclude_dirs); spectrum.py read them too, its checkpoint and config files among the documents
     ('4 file(s) look binary (NUL bytes), e.g. .../last.ckpt'): another document set, split and token cache than the
-    run's, so its "held-out" windows were not the run's."""
+    run's, so its "held-out" windows were not the run's. ``data.exclude_dirs`` given as one dir (a string, which the
+    config takes) was read as no exclusion: 8 binary files, the run's last.ckpt among them, in a real run's corpus."""
     corpus, outputs = tmp_path / "corpus", tmp_path / "corpus" / "outputs"
     corpus.mkdir()
     for i in range(12):
@@ -40,7 +43,8 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
     torch.save({"model_config": CONFIG, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "LMDataModule": {"val_fraction": 0.3}, "global_step": 1}, ckpt)
     data = {"sources": [{"name": "text", "kind": "files", "paths": [str(corpus)]}], "block_size": 8,
-            "val_fraction": 0.3, "cache_dir": str(tmp_path / "cache"), "exclude_dirs": [str(outputs)]}
+            "val_fraction": 0.3, "cache_dir": str(tmp_path / "cache"),
+            "exclude_dirs": str(outputs) if one_dir else [str(outputs)]}
     (run / "config_resolved.yaml").write_text(yaml.safe_dump({"data": data}))
     for i in range(6):  # the run's logs and files, text beside the checkpoint
         (run / f"log{i}.txt").write_text(f"step {i} loss 3.0\n" * 40)
