@@ -126,6 +126,7 @@ COUNTS = [
         ("rollback_min_age", 0), ("exclude_previous_steps", 0), ("cooldown_steps", 1), ("cooldown_ramp_steps", 0),
         ("raise_after", 1), ("raise_window", 1), ("max_nonfinite", 1))),
     (SelectiveCheckpointing, {"policy": "every_k"}, "every_k", 1, False),
+    (SelectiveCheckpointing, {"policy": "full"}, "every_k", 1, False),  # kept under any policy
     (SelectiveCheckpointing, {}, "probe_batch_size", 1, False),
     (SelectiveCheckpointing, {}, "probe_seq_len", 1, True),
     (FourierSamplerCallback, {}, "log_every_n_steps", 1, True),
@@ -167,3 +168,13 @@ def test_a_count_given_as_a_string_is_compared_as_its_number():
     assert LossSpikeMonitor(method="median", window="200").detector.loss_stat.window == 200
     with pytest.raises(ValueError, match=r"warmup \(11\) must be <= window \(10\)"):
         RobustStat("median", window="10", warmup="11")
+
+
+def test_selective_checkpointings_every_k_and_memory_budget_are_checked_under_any_policy():
+    """Both are kept whatever the policy (``int(every_k)``, ``float(memory_budget)``), but were checked only under
+    their own: ``SelectiveCheckpointing(policy="full", every_k=None)`` was a bare ``TypeError: int() argument must be
+    ... not 'NoneType'`` naming neither, and ``memory_budget=None`` the same from ``float()``."""
+    with pytest.raises(ValueError, match=r"^SelectiveCheckpointing: every_k must be an integer >= 1, got None$"):
+        SelectiveCheckpointing(policy="full", every_k=None)
+    with pytest.raises(ValueError, match=r"^SelectiveCheckpointing: memory_budget must be in \(0, 1\], got None$"):
+        SelectiveCheckpointing(policy="every_k", memory_budget=None)

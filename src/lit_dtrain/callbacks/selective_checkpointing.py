@@ -165,12 +165,12 @@ class SelectiveCheckpointing(Callback):
         probe_seq_len: int | None = None,
     ) -> None:
         check_arg("SelectiveCheckpointing", "policy", policy, lambda v: v in POLICIES, f"one of {POLICIES}")
-        if policy == "every_k":
-            check_arg("SelectiveCheckpointing", "every_k", every_k, whole_at_least(1), "an integer >= 1")
-        if policy == "budget":
-            check_arg(
-                "SelectiveCheckpointing", "memory_budget", memory_budget, lambda v: 0.0 < float(v) <= 1.0, "in (0, 1]"
-            )
+        # whatever the policy: both are kept (int(), float()), so under another policy every_k=None was a bare
+        # "TypeError: int() argument must be ... not 'NoneType'", and every_k=2.5 was taken as 2 without a word
+        check_arg("SelectiveCheckpointing", "every_k", every_k, whole_at_least(1), "an integer >= 1")
+        check_arg(
+            "SelectiveCheckpointing", "memory_budget", memory_budget, lambda v: 0.0 < float(v) <= 1.0, "in (0, 1]"
+        )
         check_arg("SelectiveCheckpointing", "probe_batch_size", probe_batch_size, whole_at_least(1),
                   "an integer >= 1")
         check_arg("SelectiveCheckpointing", "probe_seq_len", probe_seq_len, whole_at_least(1, none_ok=True),
