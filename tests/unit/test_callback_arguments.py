@@ -178,3 +178,16 @@ def test_selective_checkpointings_every_k_and_memory_budget_are_checked_under_an
         SelectiveCheckpointing(policy="full", every_k=None)
     with pytest.raises(ValueError, match=r"^SelectiveCheckpointing: memory_budget must be in \(0, 1\], got None$"):
         SelectiveCheckpointing(policy="every_k", memory_budget=None)
+
+
+@pytest.mark.parametrize(("cls", "name"), [(LossSpikeMonitor, "check_grad"),
+                                           (FourierSamplerCallback, "apply_lr_multiplier")])
+def test_a_flag_given_as_a_string_is_refused(cls, name):
+    """In a project of one's own ``LossSpikeMonitor(check_grad="false")`` kept the grad check on and
+    ``FourierSamplerCallback(apply_lr_multiplier="false")`` scaled the LR: a non-empty string is truthy. (train.py's
+    type checks refused ``callbacks.loss_spike.check_grad=off`` already.) A flag is Python's or numpy's bool."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be True or False, got 'false'$"):
+        cls(**{name: "false"})
+    assert getattr(cls(**{name: np.False_}), name) is False

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
+from lit_dtrain.utils.args import is_flag
 
 ACTIONS = ("log", "skip", "rollback", "lr_cooldown", "raise")
 
@@ -22,6 +23,8 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
     unknown = [a for a in actions if a not in ACTIONS]
     if unknown or not actions:
         raise ValueError(f"LossSpikeMonitor: actions must be a non-empty subset of {ACTIONS}, got {actions}")
+    # a flag given as a string in a project of one's own (check_grad="false") was truthy: the grad check stayed on
+    check_arg("LossSpikeMonitor", "check_grad", check_grad, is_flag, "True or False")
     if grad_z_threshold is not None and not check_grad:
         raise ValueError("LossSpikeMonitor: grad_z_threshold needs check_grad=True")
     ints = {"snapshot_every": snapshot_every, "snapshot_keep": snapshot_keep, "cooldown_steps": cooldown_steps,

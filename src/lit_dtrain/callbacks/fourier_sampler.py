@@ -43,6 +43,7 @@ from lit_dtrain.callbacks._lr_scaling import restore_lrs, scale_lrs_for_step
 from lit_dtrain.callbacks.adaptive_grad_clip import grad_params
 from lit_dtrain.data.datamodule import LMDataModule
 from lit_dtrain.data.samplers.fourier import FourierSampler
+from lit_dtrain.utils.args import is_flag
 
 
 def sampler_step(trainer: L.Trainer) -> int:
@@ -75,7 +76,9 @@ class FourierSamplerCallback(L.Callback):
             "an integer >= 1 or None",
         )
         self.log_every_n_steps = None if log_every_n_steps is None else int(log_every_n_steps)
-        self.apply_lr_multiplier = apply_lr_multiplier
+        # apply_lr_multiplier="false" (a string, in a project of one's own) was truthy: the LR was scaled
+        check_arg("FourierSamplerCallback", "apply_lr_multiplier", apply_lr_multiplier, is_flag, "True or False")
+        self.apply_lr_multiplier = bool(apply_lr_multiplier)
         self._hooks: list = []
         self._comm_bytes = 0
         self._batch_step = 0  # the optimizer step of the current micro-batch (set in on_train_batch_start)
