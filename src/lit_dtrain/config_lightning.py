@@ -105,15 +105,20 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_time={max_time!r} must be 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a mapping "
                           "such as {hours: 12}, or null (no limit)")
     if isinstance(max_time, DictConfig):  # datetime.timedelta's keywords: {mins: 5} was its TypeError's traceback
-        wrong = [f"{k}={v!r}" for k, v in max_time.items() if k not in _TIMEDELTA_KEYS or not is_number(v) or v < 0]
+        wrong = [f"{k}={v!r}" for k, v in max_time.items()  # not v >= 0: nan too (timedelta's ValueError)
+                 if k not in _TIMEDELTA_KEYS or not is_number(v) or not v >= 0]
         if wrong:
             raise ConfigError(f"trainer.max_time's {', '.join(wrong)}: a mapping takes numbers >= 0 under "
                               f"{', '.join(_TIMEDELTA_KEYS)} (e.g. {{hours: 12}}), as datetime.timedelta does")
-        try:  # {hours: inf}, {days: 1e9}: timedelta's OverflowError in Hydra's traceback
-            datetime.timedelta(**OmegaConf.to_container(max_time))
+    if max_time is not None:  # {hours: inf}, {hours: nan}, '1000000000:00:00:00': timedelta's error in a traceback
+        value = OmegaConf.to_container(max_time) if isinstance(max_time, DictConfig) else max_time
+        parts = value if isinstance(value, dict) else dict(zip(("days", "hours", "minutes", "seconds"),
+                                                               map(int, value.split(":"))))
+        try:
+            datetime.timedelta(**parts)
         except OverflowError as e:
-            raise ConfigError(f"trainer.max_time={OmegaConf.to_container(max_time)!r} is beyond datetime.timedelta "
-                              f"({e}): give a finite time (at most 999999999 days), or null for no limit") from None
+            raise ConfigError(f"trainer.max_time={value!r} is beyond datetime.timedelta ({e}): give a finite time "
+                              "(at most 999999999 days), or null for no limit") from None
     every = cfg.trainer.get("check_val_every_n_epoch")  # 0: a ZeroDivisionError at the end of the first epoch
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "

@@ -101,6 +101,12 @@ LIGHTNING_VALUES = [
     ("trainer.max_time={seconds:-5}", r"^trainer.max_time's seconds=-5: a mapping takes numbers >= 0"),
     ("trainer.max_time={hours:inf}", r"^trainer.max_time=\{'hours': inf\} is beyond datetime.timedelta \(cannot "
                                      r"convert float infinity to integer\): give a finite time"),
+    # timedelta's "ValueError: cannot convert float NaN to integer" in Hydra's traceback
+    ("trainer.max_time={hours:nan}", r"^trainer.max_time's hours=nan: a mapping takes numbers >= 0"),
+    # Lightning's Timer: "OverflowError: days=1000000000; must have magnitude <= 999999999" in Hydra's traceback
+    ("trainer.max_time=1000000000:00:00:00", r"^trainer.max_time='1000000000:00:00:00' is beyond datetime.timedelta "
+                                             r"\(days=1000000000; must have magnitude <= 999999999\): give a finite"),
+    ("trainer.max_time=999999999:24:00:00", r"^trainer.max_time='999999999:24:00:00' is beyond datetime.timedelta"),
     # a ZeroDivisionError in Lightning's fit loop at the end of the first epoch
     ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch must be null \(validate by steps: "
                                           r"trainer.val_check_interval\) or an integer >= 1, got 0$"),
