@@ -92,9 +92,10 @@ def _check_value(full: str, annotation, value, raw=None) -> None:
 def check_run_name(run_name) -> None:
     """A ``run_name`` that names no dir of its own under ``<log dir>/runs``: ``''`` or blank (the run wrote its
     checkpoints, ``summary.json`` and ``train.log`` into ``outputs/runs`` itself, beside every other run, exit 0), or
-    one with a ``.`` or ``..`` part (``..``: into ``outputs``). ``ConfigError`` saying so."""
+    one with a ``.`` or ``..`` part (``..``: into ``outputs``), or only slashes (``/``: into ``outputs/runs``, as the
+    run dir is ``<log dir>/runs/${run_name}``). ``ConfigError`` saying so."""
     parts = str(run_name).replace("\\", "/").split("/")
-    if str(run_name).strip() and not any(part in (".", "..") for part in parts):
+    if any(part.strip() for part in parts) and not any(part in (".", "..") for part in parts):
         return
     raise ConfigError(f"run_name={str(run_name)!r} names no run dir of its own (the run would write into the runs dir "
                       "or above it, beside other runs): give it a name, run_name=exp1, or leave it out for the start "

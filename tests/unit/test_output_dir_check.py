@@ -47,10 +47,10 @@ def test_train_py_refuses_a_read_only_output_dir_in_one_line(tmp_path, read_only
             and f"its ancestor '{read_only_dir}' is on a read-only file system; point LIT_DTRAIN_OUTPUT" in proc.stderr)
 
 
-@pytest.mark.parametrize("run_name", ["''", "' '", "..", "a/../.."])
+@pytest.mark.parametrize("run_name", ["''", "' '", "..", "a/../..", "/", "' / '"])
 def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused_before_hydra_creates_it(tmp_path, run_name, capsys):
     """run_name='' trained in outputs/runs itself (its checkpoints/, summary.json and train.log beside every run,
-    exit 0); '..' in outputs."""
+    exit 0); '..' in outputs; '/' in outputs/runs too (the run dir is <log dir>/runs/${run_name})."""
     from omegaconf import OmegaConf
 
     from lit_dtrain.sweeps import OutputDirCheck
@@ -62,3 +62,4 @@ def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused_before_hydra_cre
     assert capsys.readouterr().err.startswith(f"error: run_name={config.run_name!r} names no run dir of its own")
     assert not (tmp_path / "runs").exists()
     OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "a/b"}))  # a nested name is a run dir
+    OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "/a"}))  # <log dir>/runs//a: runs/a
