@@ -80,6 +80,20 @@ def check_precision(cfg: DictConfig) -> None:
 _TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
 
 
+def _base_60_hint(value) -> str:
+    """For an integer of at least an hour's seconds given as ``trainer.max_time``: YAML 1.1 reads an unquoted
+    ``1:00:00:00`` (or ``12:00:00``) in a config file as a base-60 integer (216000), and the refusal named only that
+    number, which the user never wrote."""
+    if not is_number(value, integer=True) or value < 3600:
+        return ""
+    n = int(value)
+    fields = [n // 216000, n // 3600 % 60, n // 60 % 60, n % 60] if n >= 216000 else [n // 3600, n // 60 % 60, n % 60]
+    written = ":".join([str(fields[0])] + [f"{f:02d}" for f in fields[1:]])
+    quoted = written if len(fields) == 4 else f"00:{fields[0]:02d}:{fields[1]:02d}:{fields[2]:02d}"
+    return (f"; written unquoted in a YAML file, {written} is YAML's base-60 number {n}: quote it, max_time: "
+            f"'{quoted}' (or, for {n} seconds, {{seconds: {n}}})")
+
+
 def check_lightning_choices(cfg: DictConfig) -> None:
     """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
     (``full_key: trainer``) but not the key: name the key and the values allowed."""
@@ -103,7 +117,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
     if max_time is not None and not isinstance(max_time, DictConfig) and not (  # attribute 'total_seconds'"
             isinstance(max_time, str) and re.fullmatch(r"\d+:\d\d:\d\d:\d\d", max_time.strip())):  # Timer's
         raise ConfigError(f"trainer.max_time={max_time!r} must be 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a mapping "
-                          "such as {hours: 12}, or null (no limit)")
+                          f"such as {{hours: 12}}, or null (no limit){_base_60_hint(max_time)}")
     if isinstance(max_time, DictConfig):  # datetime.timedelta's keywords: {mins: 5} was its TypeError's traceback
         wrong = [f"{k}={v!r}" for k, v in max_time.items()  # not v >= 0: nan too (timedelta's ValueError)
                  if k not in _TIMEDELTA_KEYS or not is_number(v) or not v >= 0]

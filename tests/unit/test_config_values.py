@@ -92,6 +92,12 @@ LIGHTNING_VALUES = [
     # Lightning's Timer in Hydra's wrapper: "AttributeError: 'float' object has no attribute 'total_seconds'"
     ("trainer.max_time=2.5", r"^trainer.max_time=2.5 must be 'DD:HH:MM:SS' \(e.g. '00:12:00:00'\), a mapping"),
     ("trainer.max_time=abc", r"^trainer.max_time='abc' must be 'DD:HH:MM:SS'"),
+    # YAML reads an unquoted 1:00:00:00 in a config file as base 60: the refusal named only 216000
+    ("trainer.max_time=216000", r"^trainer.max_time=216000 must be 'DD:HH:MM:SS' .*, or null \(no limit\); written "
+                                r"unquoted in a YAML file, 1:00:00:00 is YAML's base-60 number 216000: quote it, "
+                                r"max_time: '1:00:00:00' \(or, for 216000 seconds, \{seconds: 216000\}\)$"),
+    ("trainer.max_time=43200", r"; written unquoted in a YAML file, 12:00:00 is YAML's base-60 number 43200: quote "
+                               r"it, max_time: '00:12:00:00'"),
     # Lightning's Timer takes two digits for hours, minutes and seconds: its MisconfigurationException in a traceback
     ("trainer.max_time=00:1:00:00", r"^trainer.max_time='00:1:00:00' must be 'DD:HH:MM:SS' \(e.g. '00:12:00:00'\)"),
     # datetime.timedelta's "TypeError: 'mins' is an invalid keyword argument for __new__()" in Hydra's traceback
