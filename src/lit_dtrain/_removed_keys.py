@@ -70,6 +70,30 @@ def _or_null(key: str) -> str:
     return ", or null to name the source from its paths" if re.fullmatch(r"data\.sources\.\d+\.name", key) else ""
 
 
+def _removed_needed(key: str) -> str:
+    """The refusal of ``~key`` for a section lit_dtrain needs, or a path of ``paths`` (read by train.py itself: it
+    failed on OmegaConf's traceback)."""
+    section, _, leaf = key.partition(".")
+    if not leaf:
+        return f"~{key} removes the '{key}' config, which lit_dtrain needs: {_SECTIONS[section]}"
+    return f"~{key} removes a path lit_dtrain needs ({_PATHS[leaf]}); set it instead ({key}=<dir>)"
+
+
+def check_run_dir_keys(config: DictConfig, run_name: bool) -> None:
+    """Before Hydra makes the run or sweep dir (``sweeps.OutputDirCheck``, with Hydra's node in ``config``): refuse
+    ``~paths.log_dir`` or ``~paths``, as :func:`check_removed_keys` does, which comes too late for them. Hydra's run
+    and sweep dirs are interpolated from ``paths.log_dir``: such a run failed in Hydra's own traceback
+    ('InterpolationKeyError: Interpolation key 'paths.log_dir' not found', then 'An error occurred during Hydra's
+    exception formatting'). With ``run_name`` (a single run's dir), a ``run_name`` that names no dir of its own too."""
+    from lit_dtrain._config_values import check_run_name
+
+    for key in filter(None, map(_removed, OmegaConf.select(config, "hydra.overrides.task", default=None) or [])):
+        if key in ("paths", "paths.log_dir") and OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
+            raise ConfigError(_removed_needed(key))
+    if run_name:
+        check_run_name(config.get("run_name"))
+
+
 def check_removed_keys(cfg: DictConfig) -> None:
     """Refuse a ``~key`` override (this start's Hydra overrides) of a key lit_dtrain needs that is still missing
     from ``cfg`` (not re-added with ``+key=...``); a no-op outside Hydra."""
@@ -85,13 +109,10 @@ def check_removed_keys(cfg: DictConfig) -> None:
         except Exception:
             continue
         section, _, leaf = key.partition(".")
-        if not leaf and section in _SECTIONS:
-            raise ConfigError(f"~{key} removes the '{key}' config, which lit_dtrain needs: {_SECTIONS[section]}")
+        if not leaf and section in _SECTIONS or section == "paths" and leaf in _PATHS:
+            raise ConfigError(_removed_needed(key))
         if leaf.split(".")[-1].startswith("_"):
             continue
-        if section == "paths" and leaf in _PATHS:  # read by train.py itself: it failed on OmegaConf's traceback
-            raise ConfigError(f"~{key} removes a path lit_dtrain needs ({_PATHS[leaf]}); set it instead "
-                              f"({key}=<dir>)")
         if section in _LEAVES_OF and leaf and "." not in leaf or _an_argument_of_its_target(cfg, key):
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
                               f"default; set it instead ({key}=<value>{_or_null(key)})")

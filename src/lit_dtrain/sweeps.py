@@ -311,22 +311,21 @@ class OutputDirCheck(Callback):
     a traceback ('OSError: [Errno 30] Read-only file system: .../runs') that did not say which setting chose it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        from lit_dtrain._config_values import check_run_name
-
-        try:  # run_name='' made the run dir outputs/runs itself (a multirun's jobs do not use it)
-            check_run_name(config.get("run_name"))
-        except ConfigError as error:
-            _exit_with(error)
-        _check_output_dir(config.hydra.run.dir, "run")
+        _check_output_dir(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        _check_output_dir(config.hydra.sweep.dir, "sweep")
+        _check_output_dir(config, "sweep")
 
 
-def _check_output_dir(directory, kind: str) -> None:
+def _check_output_dir(config: DictConfig, kind: str) -> None:
+    from lit_dtrain._removed_keys import check_run_dir_keys
     from lit_dtrain.utils.atomic import unwritable_dir_reason
 
-    reason = unwritable_dir_reason(str(directory))
+    try:  # ~paths.log_dir: Hydra's traceback; run_name='' made the run dir outputs/runs itself (not a sweep's)
+        check_run_dir_keys(config, run_name=kind == "run")
+    except ConfigError as error:
+        _exit_with(error)
+    reason = unwritable_dir_reason(str(directory := config.hydra[kind].dir))
     if reason:
         _exit_with(ConfigError(
             f"the {kind} dir {str(directory)!r} {reason}; point LIT_DTRAIN_OUTPUT (paths.log_dir, now "

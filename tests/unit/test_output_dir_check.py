@@ -63,3 +63,26 @@ def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused_before_hydra_cre
     assert not (tmp_path / "runs").exists()
     OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "a/b"}))  # a nested name is a run dir
     OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "/a"}))  # <log dir>/runs//a: runs/a
+
+
+@pytest.mark.parametrize("removed, match", [
+    ("~paths.log_dir", "~paths.log_dir removes a path lit_dtrain needs (the root of run dirs); set it instead "
+                       "(paths.log_dir=<dir>)"),
+    ("~paths", "~paths removes the 'paths' config, which lit_dtrain needs: leave it in and set its keys"),
+])
+@pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start"])
+def test_a_removed_log_dir_is_refused_before_hydra_builds_the_run_dir(removed, match, hook, capsys):
+    """Hydra's run and sweep dirs are interpolated from paths.log_dir: '~paths.log_dir' (or '~paths') failed in
+    Hydra's traceback ('Interpolation key 'paths.log_dir' not found', then 'An error occurred during Hydra's exception
+    formatting'), before lit_dtrain's check of removed keys ran."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    paths = {} if removed == "~paths" else {"paths": {"cache_dir": "/tmp/c"}}
+    config = OmegaConf.create({**paths, "run_name": "x", "hydra": {
+        "overrides": {"task": ["model=nano", removed]},
+        "run": {"dir": "${paths.log_dir}/runs/x"}, "sweep": {"dir": "${paths.log_dir}/multiruns/x"}}})
+    with pytest.raises(SystemExit):
+        getattr(OutputDirCheck(), hook)(config)
+    assert capsys.readouterr().err.startswith(f"error: {match}")
