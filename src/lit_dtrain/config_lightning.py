@@ -125,7 +125,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.max_time's {', '.join(wrong)}: a mapping takes numbers >= 0 under "
                               f"{', '.join(_TIMEDELTA_KEYS)} (e.g. {{hours: 12}}), as datetime.timedelta does")
     if max_time is not None:  # {hours: inf}, {hours: nan}, '1000000000:00:00:00': timedelta's error in a traceback
-        value = OmegaConf.to_container(max_time) if isinstance(max_time, DictConfig) else max_time
+        value = OmegaConf.to_container(max_time, resolve=True) if isinstance(max_time, DictConfig) else max_time
         parts = value if isinstance(value, dict) else dict(zip(("days", "hours", "minutes", "seconds"),
                                                                map(int, value.split(":"))))
         try:

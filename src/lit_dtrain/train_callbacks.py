@@ -140,7 +140,8 @@ def max_time_timer(cfg_trainer, callbacks: list[L.Callback]) -> Timer | None:
         return None
     if not isinstance(max_time, str):  # a {days: .., hours: ..} mapping, as Lightning takes it
         from omegaconf import OmegaConf
-        max_time = OmegaConf.to_container(max_time) if OmegaConf.is_config(max_time) else max_time
+        # resolved: {hours: ${x}} handed '${x}' on, timedelta's 'unsupported type for timedelta hours component: str'
+        max_time = OmegaConf.to_container(max_time, resolve=True) if OmegaConf.is_config(max_time) else max_time
     return StepEndTimer(duration=max_time, interval="step")
 
 

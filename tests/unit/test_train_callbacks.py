@@ -59,6 +59,13 @@ def test_max_time_gets_a_step_end_timer_unless_the_callbacks_hold_a_timer_of_the
     assert max_time_timer(OmegaConf.create({"max_time": None}), [Timer()]) is None
 
 
+def test_max_time_as_a_mapping_with_an_interpolation_is_resolved() -> None:
+    """``+trainer.max_time={hours:${trainer.max_steps}}`` handed the text '${trainer.max_steps}' to timedelta:
+    'TypeError: unsupported type for timedelta hours component: str' in Hydra's traceback."""
+    cfg = OmegaConf.create({"max_steps": 2, "max_time": {"hours": "${max_steps}", "minutes": 30}})
+    assert max_time_timer(cfg, [])._duration == 2.5 * 3600
+
+
 def test_max_time_beside_a_measuring_timer_of_ones_own_is_refused() -> None:
     """Lightning drops ``max_time`` beside a ``Timer`` callback: a ``Timer()`` that only measures left the run with no
     time limit (``trainer.max_time=00:00:00:06`` trained on for 10 minutes), said only in an info line."""
