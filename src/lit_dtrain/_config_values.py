@@ -93,7 +93,11 @@ def check_run_name(run_name) -> None:
     """A ``run_name`` that names no dir of its own under ``<log dir>/runs``: ``''`` or blank (the run wrote its
     checkpoints, ``summary.json`` and ``train.log`` into ``outputs/runs`` itself, beside every other run, exit 0), or
     one with a ``.`` or ``..`` part (``..``: into ``outputs``), or only slashes (``/``: into ``outputs/runs``, as the
-    run dir is ``<log dir>/runs/${run_name}``). ``ConfigError`` saying so."""
+    run dir is ``<log dir>/runs/${run_name}``). ``ConfigError`` saying so; for ``null`` too, which Hydra's dir reads as
+    the name 'None' (a run_name=null run wrote runs/None, and the next one was refused there), not the default."""
+    if run_name is None:
+        raise ConfigError("run_name=null names the run dir 'None' (<log dir>/runs/None, shared by every such run), "
+                          "not the default: leave run_name out for the start time, or give it a name, run_name=exp1")
     parts = str(run_name).replace("\\", "/").split("/")
     if any(part.strip() for part in parts) and not any(part in (".", "..") for part in parts):
         return

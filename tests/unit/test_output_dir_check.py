@@ -65,6 +65,21 @@ def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused_before_hydra_cre
     OutputDirCheck().on_run_start(OmegaConf.merge(config, {"run_name": "/a"}))  # <log dir>/runs//a: runs/a
 
 
+def test_run_name_null_is_refused_not_taken_as_the_name_none(tmp_path, capsys):
+    """run_name=null trained in outputs/runs/None (Hydra's dir reads null as 'None'), and the next such run was
+    refused there for the first one's checkpoints: null is no way to ask for the default name."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    config = OmegaConf.create({"run_name": None, "hydra": {"run": {"dir": str(tmp_path / "runs" / "None")}}})
+    with pytest.raises(SystemExit):
+        OutputDirCheck().on_run_start(config)
+    assert capsys.readouterr().err.startswith("error: run_name=null names the run dir 'None' (<log dir>/runs/None, "
+                                              "shared by every such run), not the default: leave run_name out")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("removed, match", [
     ("~paths.log_dir", "~paths.log_dir removes a path lit_dtrain needs (the root of run dirs); set it instead "
                        "(paths.log_dir=<dir>)"),
