@@ -303,7 +303,8 @@ def test_a_resume_trains_with_the_configured_weight_decay_betas_eps_and_fused_ch
     groups = trainer.optimizers[0].param_groups
     assert [(g["weight_decay"], tuple(g["betas"]), g["eps"], g["fused"], g["foreach"]) for g in groups] == [
         (0.01, (0.8, 0.9), 1e-6, None, True), (0.0, (0.8, 0.9), 1e-6, None, True)]
-    assert "weight_decay=0.01 in group 'decay' (the checkpoint's: 0.1)" in caplog.text
+    assert ("weight_decay=0.01 in group 'decay' (the checkpoint's: 0.1); betas=(0.8, 0.9) in group 'decay' (the "
+            "checkpoint's: (0.9, 0.95)); eps=1e-06 in group 'decay' (the checkpoint's: 1e-08)") in caplog.text
 
 
 def _assert_nested_equal(a, b, path: str = "") -> int:
