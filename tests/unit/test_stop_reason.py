@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_dtrain.stop_reason import stop_reason
 
@@ -158,6 +159,12 @@ def test_the_wsd_callback_s_early_stop_advice_under_train_py_is_the_decay_branch
     assert metrics["steps"] == 4 and lines == []  # trained no step: stop_reason's line names the branch
     metrics, lines = said(f"decay_branch.ckpt={last}", "decay_branch.steps=2", run="branch")
     assert metrics["steps"] == 6 and metrics["stopped"] == "max_steps" and lines == []
+    # end to end (tested through their functions before): summary.json's start_step is the branch's step, and the
+    # branch's steps 4..5 hold no step the default log_every_n_steps=10 logs, so it logs every 2, to its last (5)
+    assert _summary(tiny_cfg(run="branch"))["start_step"] == 4
+    events = EventAccumulator(str(Path(tiny_cfg(run="branch").paths.output_dir) / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5] == [e.step for e in events.Scalars("lr-AdamW/decay")]
 
 
 def test_a_max_time_stop_s_decay_branch_names_the_time_its_timer_needs(caplog):
