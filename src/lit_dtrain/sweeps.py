@@ -14,14 +14,14 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException, InstantiationException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
     check_shared_checkpoint_dir,
     raw_checkpoint_dir,
     shared_checkpoint_dir_error,
-    sweep_task,
     unknown_group_option,
     warn_if_an_experiment_grid_was_not_swept,
     warn_if_the_grid_repeats_a_point,
@@ -331,72 +331,3 @@ def _check_output_dir(config: DictConfig, kind: str) -> None:
             f"the {kind} dir {str(directory)!r} {reason}; point LIT_DTRAIN_OUTPUT (paths.log_dir, now "
             f"{os.environ.get('LIT_DTRAIN_OUTPUT', 'unset: outputs')!r}) at a writable directory"
         ))
-
-
-def check_resumed_job(cfg: DictConfig) -> None:
-    """resume=auto in a multirun resumes job N from <sweep dir>/N: refuse it when that run was trained with another
-    value of a swept key (the same sweep re-run with its values in another order), before train() rewrites its
-    config_resolved.yaml."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():
-        return
-    hc = HydraConfig.get()
-    old_file = Path(hc.runtime.output_dir) / "config_resolved.yaml"
-    if hc.mode != RunMode.MULTIRUN or cfg.get("resume") != "auto" or not old_file.is_file():
-        return
-    task = sweep_task(hc)
-    swept = {
-        o.key_or_group.replace("/", ".")
-        for o in OverridesParser.create().parse_overrides(task)
-        if o.is_sweep_override()
-    }  # data/sampler=random,fourier: the node data.sampler
-    swept |= {str(key).replace("/", ".") for key in hc.sweeper.get("params") or {}}  # an experiment's grid
-    old = OmegaConf.load(old_file)
-    for key in sorted(swept):
-        diffs = _differences(
-            _plain(OmegaConf.select(old, key)),
-            _plain(OmegaConf.select(cfg, key)),
-            _plain(OmegaConf.select(cfg, key), resolve=False),
-            key,
-        )
-        if diffs:
-            (where, before, now), more = diffs[0], len(diffs) - 1
-            raise ConfigError(
-                f"resume=auto: {old_file.parent} was trained with {where}={_show(before)}, this job sets "
-                f"{where}={_show(now)}{f' (and {more} more under {key})' if more else ''}: job N resumes "
-                "<sweep dir>/N, so re-run the sweep with the same -m arguments in the same order (or resume into "
-                "another hydra.sweep.dir)"
-            )
-
-
-_UNSET = object()  # an entry one of the two configs does not have
-
-
-def _plain(value, resolve: bool = True):
-    return OmegaConf.to_container(value, resolve=resolve) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def _differences(old, new, raw, key: str) -> list[tuple[str, object, object]]:
-    """``(dotted key, earlier value, this job's value)`` of each entry that differs between the earlier run's
-    resolved config and this job's, leaving out the entries this job interpolates (``raw``, its unresolved
-    config), at any depth: ``callbacks.wsd.total_steps: ${trainer.max_steps}`` follows a resume's longer
-    max_steps. A node whose ``_target_`` differs is one difference (``scheduler``: wsd vs cosine)."""
-    if isinstance(raw, str) and "${" in raw:
-        return []
-    if isinstance(old, dict) and isinstance(new, dict) and old.get("_target_") == new.get("_target_"):
-        raw = raw if isinstance(raw, dict) else {}
-        return [
-            diff
-            for k in sorted(old.keys() | new.keys(), key=str)
-            for diff in _differences(old.get(k, _UNSET), new.get(k, _UNSET), raw.get(k), f"{key}.{k}")
-        ]
-    return [] if old == new else [(key, old, new)]
-
-
-def _show(value) -> str:
-    if value is _UNSET:
-        return "(not set)"
-    return value.get("_target_", str(value)) if isinstance(value, dict) else str(value)
