@@ -36,7 +36,7 @@ def test_under_local_updates_the_norm_is_the_root_mean_square_of_the_ranks_norms
 def test_max_norm_is_a_ceiling_that_never_loosens_the_adaptive_threshold():
     """After the warmup the threshold is the lower of mean + z * std and ``max_norm``: a ``max_norm`` far above
     leaves the adaptive clip as it is."""
-    from tests.unit.test_grad_clip_diag import run_clip
+    from tests.unit._grad_clip_helpers import run_clip
 
     norms = [1.0 + 0.05 * math.sin(i) for i in range(30)] + [10.0]
     _, _, adaptive = run_clip(norms, warmup_steps=25, z_threshold=2.5)
