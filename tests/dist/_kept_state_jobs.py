@@ -78,3 +78,14 @@ def _fit_pseudo_gradient_codec(tmp, key: str) -> None:
     ``stopped`` after step 6 and ``resumed`` to 10."""
     _fits(tmp, CODEC_DILOCO, (("straight", 10, None, None), ("stopped", 10, 6, None),
                               ("resumed", 10, None, "stopped/last.ckpt")))
+
+
+def _fit_held_mid_accumulation(tmp, key: str) -> None:
+    """Accumulation 2, a validation every 5 batches (after batch 5: mid-accumulation, step 2), period 4: ``straight``
+    to 8; ``held`` asked to stop after step 1 under ``min_steps=6``, so it trains on; ``from_held2`` and
+    ``from_straight2`` resume ``held`` and ``straight`` to 8 from the checkpoints written after their step-2
+    validation."""
+    _fits(tmp, EPOCH_UPDATES[key], (("straight", 8, None, None), ("held", 8, 1, None),
+                                    ("from_held2", 8, None, "held/step=2.ckpt"),
+                                    ("from_straight2", 8, None, "straight/step=2.ckpt")),
+          accumulate_grad_batches=2, val_check_interval=5, min_steps=6, min_epochs=0)

@@ -14,6 +14,7 @@ import torch
 from lit_dtrain.strategies import CHECKPOINT_KEY
 from tests.dist._compressed_ddp_helpers import WORLD, assert_same, dumps, fit_in_one_group, fitted
 from tests.dist._kept_state_jobs import (
+    _fit_held_mid_accumulation,
     _fit_manual,
     _fit_min_steps,
     _fit_pseudo_gradient_codec,
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def kept(tmp_path_factory) -> Path:
     jobs = [(_fit_manual, "local_sgd"), (_fit_min_steps, "local_sgd"),
-            (_fit_validated_last_step, "local_sgd"), (_fit_pseudo_gradient_codec, "diloco")]
+            (_fit_validated_last_step, "local_sgd"), (_fit_pseudo_gradient_codec, "diloco"),
+            (_fit_held_mid_accumulation, "local_sgd")]
     return fit_in_one_group(tmp_path_factory.mktemp("kept"), jobs)
 
 
@@ -87,3 +89,16 @@ def test_a_pseudo_gradient_codec_resumes_from_its_residuals_before_the_stops_syn
     for rank in range(WORLD):
         residuals = ckpt["per_rank"][rank]["local_update"]["residuals"]
         assert any(not torch.equal(residuals[k], synced[rank]["local_update_rank"]["residuals"][k]) for k in residuals)
+
+
+def test_a_validation_while_min_steps_holds_a_stop_off_keeps_the_synchronized_state(kept):
+    """Accumulation 2, a validation after batch 5 (mid-accumulation: the strategy's on_validation_start syncs), a stop
+    asked after step 1 under min_steps=6. That validation is one the fit makes anyway, but trainer.should_stop was
+    set, so its checkpoint kept the state from before its sync: resumed to 8, it ended 0.011 off a resume from the
+    same checkpoint of a fit never asked to stop (identical until then). Now the two end bit for bit the same."""
+    tmp = fitted(kept, _fit_held_mid_accumulation, "local_sgd")
+    assert _kept_counts(tmp / "held" / "step=2.ckpt") == (2, 0, 1)
+    assert _kept_counts(tmp / "held" / "step=6.ckpt") == (6, 1, 3)  # the stop's own validation keeps
+    held, straight = dumps(tmp, "from_held2", "end"), dumps(tmp, "from_straight2", "end")
+    for rank in range(WORLD):
+        assert_same(held[rank]["params"], straight[rank]["params"], f"rank {rank} at step 8")

@@ -153,8 +153,11 @@ def sync_or_warn_before_validation(strategy: Any) -> None:
     if validation_between_syncs_message(lu, trainer) is None or strategy.session.comm is None:
         return
     if strategy.sync_before_validation:
-        # a validation that runs because of a stop: a resume goes on from the state before its sync
-        with kept_for_a_resume(strategy, trainer.global_step if trainer.should_stop else None):
+        # a validation that runs because of a stop: a resume goes on from the state before its sync. A stop that
+        # min_steps / min_epochs hold off trains on, and a validation until then is one the fit makes anyway (what
+        # Lightning's _should_check_val_fx reads)
+        stop = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+        with kept_for_a_resume(strategy, trainer.global_step if stop else None):
             strategy.session.final_sync(strategy.session.named_params(module))
     else:
         warn_validation_between_syncs(strategy)
