@@ -333,6 +333,10 @@ def test_a_resume_on_another_number_of_ranks_drops_server_residuals_and_averages
     assert notes == ["every rank starts from the mean of the 2 ranks' parameters, which differ 2 steps after the last "
                      "sync (the point a sync now would move them to)",
                      "every rank takes rank 0's optimizer state (rank 1's is dropped)"]
+    diloco = {**local, "local_update": {"name": "diloco", "steps_since_sync": 2}}  # a sync there is an outer step
+    assert comm_checkpoint.elastic_rank_entry(diloco, 3)[1][0] == (
+        "every rank starts from the mean of the 2 ranks' parameters, which differ 2 steps after the last sync (their "
+        "average, not where an outer step now would move them; the outer parameters and momentum are kept)")
     ranks[1]["params"]["w"] = ranks[0]["params"]["w"].clone()  # right after a sync: kept exactly, nothing to say
     kept, notes = comm_checkpoint.elastic_rank_entry(local, 3)
     assert torch.equal(kept["params"]["w"], ranks[0]["params"]["w"]) and len(notes) == 1

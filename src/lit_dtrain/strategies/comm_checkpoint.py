@@ -202,10 +202,13 @@ def elastic_rank_entry(state: Mapping, world: int) -> tuple[dict, list[str]]:
         params = {name: [p["params"][name] for p in per_rank] for name in per_rank[0]["params"]}
         entry["params"] = _mean(params, len(per_rank))
         if not all(_same(held[0], t) for held in params.values() for t in held[1:]):
-            since = int((state.get("local_update") or {}).get("steps_since_sync", 0))
+            rule = state.get("local_update") or {}
+            since = int(rule.get("steps_since_sync", 0))
+            # a DiLoCo sync moves them by an outer step from its outer parameters, not to their mean
+            where = ("their average, not where an outer step now would move them; the outer parameters and momentum "
+                     "are kept" if rule.get("name") == "diloco" else "the point a sync now would move them to")
             notes.append(f"every rank starts from the mean of the {ranks_phrase(len(per_rank))}' parameters, which "
-                         f"differ {counted(since, 'step')} after the last sync (the point a sync now "
-                         "would move them to)")
+                         f"differ {counted(since, 'step')} after the last sync ({where})")
         entry["optimizer_states"] = per_rank[0]["optimizer_states"]
         if len(per_rank) > 1:
             others = "rank 1's is" if len(per_rank) == 2 else f"those of ranks 1-{len(per_rank) - 1} are"
