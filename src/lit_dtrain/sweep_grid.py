@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from lit_dtrain.errors import ConfigError
 
@@ -23,7 +24,7 @@ def warn_if_the_grid_repeats_a_point(hc) -> None:
     from hydra.core.override_parser.types import ValueType
 
     task = sweep_task(hc)
-    params = [f"{key}={value}" for key, value in (hc.sweeper.get("params") or {}).items()]
+    params = grid_lines(hc.sweeper)
     axes = {}  # the command line's value of a key replaces the experiment's
     for o in OverridesParser.create().parse_overrides(params + task):
         if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP, ValueType.RANGE_SWEEP):
@@ -38,7 +39,22 @@ def warn_if_the_grid_repeats_a_point(hc) -> None:
 def sweep_task(hc) -> list[str]:
     """The command line's overrides of this start's multirun (``-m`` lists unexpanded), from its ``multirun.yaml``."""
     multirun = _multirun_file(hc)
-    return list(OmegaConf.load(multirun).hydra.overrides.task) if multirun is not None else []
+    return unresolved(OmegaConf.load(multirun).hydra.overrides.task) if multirun is not None else []
+
+
+def unresolved(lines) -> list[str]:
+    """A list of override lines from a Hydra config (``hydra.overrides.task``) as typed: reading its entries resolved
+    ``paths.checkpoint_dir=/x/${run_name}`` to the multirun's own ``run_name`` (and ``${hydra:job.num}`` to the
+    reading job's number), and raised for ``${oc.env:UNSET}``."""
+    return [str(line) for line in OmegaConf.to_container(lines, resolve=False)] if lines is not None else []
+
+
+def grid_lines(sweeper) -> list[str]:
+    """An experiment's grid (``hydra.sweeper.params``) as override lines, unresolved, to parse before the command
+    line's (whose value of a key replaces the grid's)."""
+    params = sweeper.get("params")
+    grid = OmegaConf.to_container(params, resolve=False) if params is not None else {}
+    return [f"{key}={value}" for key, value in grid.items()]
 
 
 def _multirun_file(hc) -> Path | None:
@@ -105,15 +121,26 @@ def unknown_group_option(overrides, config_name: str | None, hydra_overrides: li
     return None
 
 
-def shared_checkpoint_dir_error(checkpoint_dir, overrides) -> str | None:
-    """The message for a multirun of several jobs whose ``paths.checkpoint_dir`` is one literal dir for all of them
-    (``-m optimizer.lr=1e-3,2e-3 paths.checkpoint_dir=/scratch/ckpt``), else None. ``checkpoint_dir`` is the key's
-    unresolved value, ``overrides`` the sweep's parsed overrides (the command line's and an experiment's grid). Job 0
+def shared_checkpoint_dir_error(checkpoint_dir, overrides, job_dirs: dict[str, list[int]] | None = None) -> str | None:
+    """The message for a multirun of which several jobs would save in one ``paths.checkpoint_dir``, else None. Job 0
     trained into that dir and every later job was refused, since it then held job 0's checkpoints (a 2-job sweep
-    spent its whole first job before the error). A value with an interpolation (the default
-    ``${paths.output_dir}/checkpoints``, ``${hydra:job.num}``) or a swept one can differ per job: not judged."""
+    spent its whole first job before the error). ``checkpoint_dir`` is the key's unresolved value, ``overrides`` the
+    sweep's parsed overrides (the command line's and an experiment's grid), ``job_dirs`` each resolved dir's jobs
+    (:func:`job_checkpoint_dirs`), where they were knowable: ``/x/${run_name}`` is one dir for every job unless
+    ``run_name`` is swept, ``/x/${hydra:job.num}`` one per job. Without ``job_dirs`` a literal dir of a sweep of
+    several jobs is refused, and an interpolated or swept one not judged."""
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
+    if job_dirs is not None:
+        shared = next(((d, jobs) for d, jobs in job_dirs.items() if len(jobs) > 1), None)
+        if shared is None:
+            return None
+        where, jobs = shared
+        resolved = "" if where == checkpoint_dir else f" ({where})"
+        if len(job_dirs) == 1:  # no swept key changes it
+            return _shared_dir_message(checkpoint_dir, f"{resolved} for every job", 0, "each later one")
+        return _shared_dir_message(checkpoint_dir, f"{resolved} for jobs {jobs[0]} and {jobs[1]}", jobs[0],
+                                   f"job {jobs[1]}")
     if not isinstance(checkpoint_dir, str) or "${" in checkpoint_dir:
         return None
     axes = {}  # key -> its number of values (the command line's value of a key replaces the experiment's)
@@ -125,10 +152,89 @@ def shared_checkpoint_dir_error(checkpoint_dir, overrides) -> str | None:
             return None  # a value per job
     if math.prod(axes.values()) < 2:  # (a glob or a sampling sweeper's interval counts as 2)
         return None
-    return (f"paths.checkpoint_dir={checkpoint_dir!r} is one dir for every job of this multirun: job 0 would train "
-            "into it and each later job be refused (the dir then holds job 0's checkpoints); leave it out (job N "
-            "saves in <sweep dir>/N/checkpoints) or give each job its own, "
-            f"'paths.checkpoint_dir={checkpoint_dir.rstrip('/')}/${{hydra:job.num}}'; nothing was run")
+    return _shared_dir_message(checkpoint_dir, " for every job", 0, "each later one")
+
+
+def _shared_dir_message(checkpoint_dir, which: str, first: int, later: str) -> str:
+    per_job = f"{str(checkpoint_dir).rstrip('/')}/${{hydra:job.num}}"
+    return (f"paths.checkpoint_dir={checkpoint_dir!r} is one dir{which} of this multirun: job {first} would train "
+            f"into it and {later} be refused (the dir then holds job {first}'s checkpoints); leave it out (job N "
+            f"saves in <sweep dir>/N/checkpoints) or give each job its own, 'paths.checkpoint_dir={per_job}'; "
+            "nothing was run")
+
+
+# an interpolation that differs per job (the default: ${paths.output_dir}/checkpoints, in the job's dir)
+_PER_JOB = ("${hydra:job.num}", "${hydra:job.id}", "${hydra:runtime.output_dir}", "${hydra:job.override_dirname}")
+_RUN_DIRS = ("${lit.run_dir:}", "${hydra:runtime.output_dir}")  # paths.output_dir's per-job values
+
+
+def job_checkpoint_dirs(master, sweep: list[str], cache_from=None) -> dict[str, list[int]] | None:
+    """The absolute ``paths.checkpoint_dir`` that jobs of the multirun ``sweep`` (its override lines, an experiment's
+    grid first) resolve to, each with the numbers of the jobs judged that resolve to it; None where that is not
+    knowable before they run: no Hydra config loader (``train(cfg)`` from Python), a sweeper other than Hydra's basic
+    one (a sampling sweeper draws its values). Judged are job 0 and, for each swept key, the first job that differs
+    from job 0 in that key alone (the basic sweeper's grid is a product): two of them with one dir show a key the dir
+    does not follow, so two jobs that share it; one dir for all of them is one dir for every job. Each is composed as
+    Hydra's sweeper and launcher compose it (its own composing of every job costs about 0.1 s a job): ``master`` is
+    the multirun's config with its ``hydra`` node, ``cache_from`` a config whose resolver cache (``${now:...}``) the
+    jobs share (``master`` by default). A dir that names the job (``${hydra:job.num}``, the default's
+    ``${paths.output_dir}``) is not composed; a job whose dir cannot be resolved yet is left out."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    own = master if cache_from is None else cache_from  # (in a job, master is Hydra's node alone)
+    raw, paths = raw_checkpoint_dir(own), own.get("paths")
+    output_dir = paths._get_node("output_dir") if isinstance(paths, DictConfig) else None
+    if isinstance(raw, str) and (any(per_job in raw for per_job in _PER_JOB) or "${paths.output_dir}" in raw
+                                 and output_dir is not None and output_dir._value() in _RUN_DIRS):
+        return {}
+    if not GlobalHydra.instance().is_initialized() or not str(
+            OmegaConf.select(master, "hydra.sweeper._target_", default="")).endswith(".BasicSweeper"):
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    loader = GlobalHydra.instance().config_loader()
+    try:  # the parser given the loader lists a glob's options (glob(*) of one option is one job)
+        jobs = BasicSweeper.split_arguments(OverridesParser.create(config_loader=loader).parse_overrides(sweep),
+                                            None)[0]
+    except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
+        return None
+    axes = [len({job[i] for job in jobs}) for i in range(len(jobs[0]))] if jobs else []
+    judged = sorted({0, *(math.prod(axes[i + 1:]) for i, n in enumerate(axes) if n > 1)} & set(range(len(jobs))))
+    try:
+        return _resolved_dirs(loader, master, {num: list(jobs[num]) for num in judged}, cache_from)
+    except Exception:  # noqa: BLE001 - a config Hydra's launcher could not compose either: it says why itself
+        return None
+
+
+def _resolved_dirs(loader, master, jobs: dict[int, list[str]], cache_from) -> dict[str, list[int]]:
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_config = HydraConfig.instance().cfg  # (a job's own, set back after)
+    # relative dirs are read against the command's dir (lit_dtrain._chdir_paths; Hydra's, without chdir)
+    cwd = OmegaConf.select(hydra_config, "hydra.runtime.cwd", default=None) if hydra_config else None
+    cwd = str(cwd or os.getcwd())
+    job_dirs: dict[str, list[int]] = {}
+    try:
+        for num, job in jobs.items():
+            config = loader.load_sweep_config(master, job)
+            if cache_from is not None:
+                OmegaConf.copy_cache(from_config=cache_from, to_config=config)
+            with open_dict(config):  # as Hydra's launcher and run_job set them
+                config.hydra.job.id = config.hydra.job.num = num
+            HydraConfig.instance().set_config(config)
+            with read_write(config.hydra.runtime):
+                config.hydra.runtime.output_dir = os.path.join(cwd, str(config.hydra.sweep.dir),
+                                                               str(config.hydra.sweep.subdir))
+            HydraConfig.instance().set_config(config)
+            try:
+                where = str(OmegaConf.select(config, "paths.checkpoint_dir"))
+            except Exception:  # noqa: BLE001 - not resolvable before the job runs: not judged
+                continue
+            job_dirs.setdefault(os.path.normpath(os.path.join(cwd, os.path.expanduser(where))), []).append(num)
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+    return job_dirs
 
 
 def raw_checkpoint_dir(cfg: DictConfig):
@@ -138,16 +244,25 @@ def raw_checkpoint_dir(cfg: DictConfig):
     return None if node is None else node._value()
 
 
+_judged: dict[tuple, str | None] = {}  # a sweep -> its shared-dir message (each job of a sweep would compose all)
+
+
 def check_shared_checkpoint_dir(cfg: DictConfig, hc) -> None:
-    """Refuse every job of a multirun whose jobs share one literal ``paths.checkpoint_dir``
+    """Refuse every job of a multirun of which several jobs would save in one ``paths.checkpoint_dir``
     (:func:`~lit_dtrain.sweep_grid.shared_checkpoint_dir_error`), also under a Hydra entry point of one's own: job 0
-    trained and job 1 was refused; a job that fails here writes nothing there, so none may train."""
+    trained and job 1 was refused; a job that fails here writes nothing there, so none may train. The jobs' dirs
+    are judged once per sweep in this process (:func:`job_checkpoint_dirs`)."""
+    from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    params = [f"{key}={value}" for key, value in (hc.sweeper.get("params") or {}).items()]
-    try:
-        overrides = OverridesParser.create().parse_overrides(params + sweep_task(hc))
-    except Exception:  # noqa: BLE001 - Hydra parsed them already; nothing to judge here
-        return
-    if shared := shared_checkpoint_dir_error(raw_checkpoint_dir(cfg), overrides):
-        raise ConfigError(shared)
+    lines = grid_lines(hc.sweeper) + sweep_task(hc)
+    sweep = (str(Path(hc.runtime.output_dir).parent), tuple(lines), raw_checkpoint_dir(cfg))
+    if sweep not in _judged:
+        try:
+            overrides = OverridesParser.create().parse_overrides(lines)
+        except Exception:  # noqa: BLE001 - Hydra parsed them already; nothing to judge here
+            return
+        job_dirs = job_checkpoint_dirs(HydraConfig.instance().cfg, lines, cache_from=cfg)
+        _judged[sweep] = shared_checkpoint_dir_error(raw_checkpoint_dir(cfg), overrides, job_dirs)
+    if _judged[sweep]:
+        raise ConfigError(_judged[sweep])

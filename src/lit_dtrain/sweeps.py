@@ -20,9 +20,12 @@ from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
     check_shared_checkpoint_dir,
+    grid_lines,
+    job_checkpoint_dirs,
     raw_checkpoint_dir,
     shared_checkpoint_dir_error,
     unknown_group_option,
+    unresolved,
     warn_if_an_experiment_grid_was_not_swept,
     warn_if_the_grid_repeats_a_point,
 )
@@ -284,15 +287,16 @@ class SweepSyntaxCheck(Callback):
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         sweeper = config.hydra.sweeper
-        params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+        lines = grid_lines(sweeper) + unresolved(config.hydra.overrides.task)
         try:
-            overrides = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
+            overrides = OverridesParser.create().parse_overrides(lines)
         except Exception:  # noqa: BLE001 - Hydra reports an override it cannot parse itself
             return
         unknown = unknown_group_option(overrides, config_name, list(config.hydra.overrides.get("hydra") or []))
         if unknown:  # -m model=nano,doesnotexist: Hydra's error came after it made the sweep dir
             _exit_with(ConfigError(unknown))
-        if shared := shared_checkpoint_dir_error(raw_checkpoint_dir(config), overrides):
+        job_dirs = job_checkpoint_dirs(config, lines)
+        if shared := shared_checkpoint_dir_error(raw_checkpoint_dir(config), overrides, job_dirs):
             _exit_with(ConfigError(shared))  # before the sweep dir is made (train(cfg) refuses it in each job too)
         if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
             return  # a sampling sweeper (Optuna, Nevergrad) takes interval()

@@ -4,6 +4,8 @@ the error)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
@@ -84,3 +86,79 @@ def test_how_many_jobs_a_sweep_makes_is_read_from_its_overrides(sweep, refused):
 
     overrides = OverridesParser.create().parse_overrides(sweep)
     assert (shared_checkpoint_dir_error("/scratch/ckpt", overrides) is not None) is refused
+
+
+def at_multirun_start(fixed: list[str], swept: list[str]) -> str | None:
+    """Run the Hydra callback on ``-m *fixed *swept`` as Hydra runs it (the master config composed without the swept
+    overrides); its ``error:`` line, or None where it let the sweep start."""
+    import io
+    from contextlib import redirect_stderr
+
+    err = io.StringIO()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        config = compose(config_name="train", overrides=fixed, return_hydra_config=True)
+        with open_dict(config):
+            config.hydra.overrides.task = fixed + swept
+        try:
+            with redirect_stderr(err):
+                SweepSyntaxCheck().on_multirun_start(config, config_name="train")
+        except SystemExit:
+            return err.getvalue().strip()
+    return None
+
+
+def test_an_interpolated_dir_is_judged_by_what_each_job_resolves_to(tmp_path):
+    """'paths.checkpoint_dir=/x/${run_name}' with '-m optimizer.lr=1e-3,2e-3' was not judged (an interpolation): job 0
+    trained into /x/<time>, and job 1 was refused there, since every job of a multirun has one run_name."""
+    error = at_multirun_start([f"paths.checkpoint_dir={tmp_path}/${{run_name}}"], ["optimizer.lr=1e-3,3e-3"])
+    assert error is not None
+    assert re.match(rf"error: paths.checkpoint_dir='{tmp_path}/\$\{{run_name\}}' is one dir \({tmp_path}/20\d\d-"
+                    r"[^)/]+\) for every job of this multirun: job 0 would train into it", error)
+
+
+def test_a_dir_that_follows_one_swept_key_of_two_names_two_jobs_that_share_it(tmp_path):
+    error = at_multirun_start([f"paths.checkpoint_dir={tmp_path}/${{seed}}"], ["optimizer.lr=1e-3,3e-3", "seed=1,2"])
+    assert error is not None
+    assert error.startswith(f"error: paths.checkpoint_dir='{tmp_path}/${{seed}}' is one dir ({tmp_path}/1) for jobs 0 "
+                            "and 2 of this multirun: job 0 would train into it and job 2 be refused")
+
+
+@pytest.mark.parametrize(("fixed", "swept"), [
+    (["paths.checkpoint_dir=CKPT/${run_name}"], ["run_name=a,b"]),  # run_name swept: a dir per job
+    (["paths.checkpoint_dir=CKPT/${run_name}/${hydra:job.num}"], ["optimizer.lr=1e-3,3e-3"]),
+    (["paths.checkpoint_dir=CKPT/${seed}_${optimizer.lr}"], ["optimizer.lr=1e-3,3e-3", "seed=1,2"]),  # swept keys
+    (["paths.checkpoint_dir=CKPT"], ["optimizer=glob(adamw)"]),  # a glob of one option: one job
+])
+def test_dirs_that_resolve_apart_and_a_one_option_glob_pass(tmp_path, fixed, swept):
+    """Each of these gives every job its own dir (or runs one job); ``optimizer=glob(adamw)`` was counted as two
+    jobs and refused."""
+    assert at_multirun_start([o.replace("CKPT", str(tmp_path)) for o in fixed], swept) is None
+
+
+def test_a_job_of_an_entry_point_without_the_callback_judges_the_resolved_dirs_too(tmp_path):
+    """``train(cfg)``'s own check (any Hydra app, no ``SweepSyntaxCheck``) read the sweep's overrides resolved in the
+    job: '${hydra:job.num}' of multirun.yaml read this job's number for every job. Each job composes the others."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweep_grid import check_shared_checkpoint_dir
+    from tests.conftest import in_hydra_job
+
+    def judge(num: int, fixed: list[str], swept: str) -> None:
+        job = [*fixed, swept.replace("1e-3,3e-3", ("0.001", "0.003")[num])]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=job, return_hydra_config=True)
+            with open_dict(full):
+                full.hydra.mode, full.hydra.job.num = "MULTIRUN", num
+                full.hydra.runtime.output_dir = str(tmp_path / "sweep" / str(num))
+                full.hydra.overrides.task = job
+            assert full.run_name  # resolved once: every job of a real multirun had the time it started
+            (tmp_path / "sweep").mkdir(exist_ok=True)
+            OmegaConf.save({"hydra": {"overrides": {"task": [*fixed, swept]}}}, tmp_path / "sweep" / "multirun.yaml")
+            with in_hydra_job(full) as cfg:
+                check_shared_checkpoint_dir(cfg, HydraConfig.get())
+
+    for num in (0, 1):
+        judge(num, [f"paths.checkpoint_dir={tmp_path}/j${{hydra:job.num}}"], "optimizer.lr=1e-3,3e-3")
+    with pytest.raises(ConfigError, match=rf"is one dir \({tmp_path}/20\d\d-[^)]+\) for every job"):
+        judge(0, [f"paths.checkpoint_dir={tmp_path}/${{run_name}}"], "optimizer.lr=1e-3,3e-3")
