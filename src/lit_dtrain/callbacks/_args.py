@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lit_dtrain.utils.args import is_flag
+from lit_dtrain.utils.args import is_number
 
 
 def check_arg(owner: str, name: str, value: Any, ok: Callable[[Any], bool], requirement: str) -> None:
@@ -24,8 +24,11 @@ def check_arg(owner: str, name: str, value: Any, ok: Callable[[Any], bool], requ
 
 
 def whole_at_least(minimum: int, none_ok: bool = False) -> Callable[[Any], bool]:
-    """The test of a count argument: an integer (or a value ``int()`` takes exactly: ``2.0``, ``np.int64(2)``,
-    ``"2"``) that is at least ``minimum``; None too with ``none_ok``. A fraction is refused: ``int(2.5)`` made
-    ``every_n_steps=2.5`` log every 2 steps, without a word; so is a flag, ``True`` (or ``np.True_``), which
-    ``int()`` takes as 1; and ``inf``/``nan``. The one test of every count argument of the callbacks."""
-    return lambda v: (none_ok and v is None) or (not is_flag(v) and int(v) >= minimum and int(v) == float(v))
+    """The test of a count argument: a number (:func:`~lit_dtrain.utils.args.is_number`: Python's or numpy's, not a
+    flag) that is a whole one (``2.0`` too) and at least ``minimum``; None too with ``none_ok``. A fraction is
+    refused: ``int(2.5)`` made ``every_n_steps=2.5`` log every 2 steps, without a word; so is a flag, ``True`` (or
+    ``np.True_``), which ``int()`` takes as 1; ``inf``/``nan``; and a string: ``every_k="3"`` was taken as 3 here
+    while the same value in a config (``callbacks.selective_ckpt.every_k='3'``) was refused ('must be an integer,
+    got '3' (str)'), and a number argument given as a string (``z_threshold="3.0"``) was refused here too. The one
+    test of every count argument of the callbacks."""
+    return lambda v: (none_ok and v is None) or (is_number(v) and int(v) >= minimum and int(v) == float(v))

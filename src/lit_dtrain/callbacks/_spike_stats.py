@@ -84,7 +84,7 @@ class RobustStat:
             check_arg(owner, name, value, lambda v: 0.0 < v < 1.0, "in (0, 1)")
         check_arg(owner, "window", window, whole_at_least(3), "an integer >= 3")
         check_arg(owner, warmup_name, warmup, whole_at_least(2), "an integer >= 2")
-        if method == "median" and int(warmup) > int(window):  # a count given as "10" is taken (whole_at_least)
+        if method == "median" and int(warmup) > int(window):  # as numbers: a whole float (2.0) is taken
             raise ValueError(f"{owner}: {warmup_name} ({warmup}) must be <= window ({window}) for method='median'")
         check_arg(owner, "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
         for name, value in (("min_rel_scale", min_rel_scale), ("min_scale", min_scale)):
