@@ -107,6 +107,10 @@ def check_config(cfg: DictConfig) -> None:
     clip = cfg.trainer.get("gradient_clip_val")
     if clip is not None and not clip >= 0:  # Lightning skips clipping for < 0 without a word
         raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (null or 0: no clipping), got {clip}")
+    every = cfg.trainer.get("log_every_n_steps")
+    if is_number(every) and every < 0:  # Lightning logs where step % every == 0: -1 logged every step, -3 every 3rd
+        raise ConfigError("trainer.log_every_n_steps must be >= 0 (N: training rows every N optimizer steps; "
+                          f"0: none), got {every}")
     model_block = cfg.model.get("block_size")
     data_block = cfg.data.get("block_size")
     if model_block is not None and data_block is not None and data_block > model_block:

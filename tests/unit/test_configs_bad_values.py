@@ -86,6 +86,9 @@ from lit_dtrain.train import ConfigError
         ("matmul_precision=hihg", r"matmul_precision must be one of 'highest', 'high', 'medium', got 'hihg'"),
         # Lightning skips clipping for a value <= 0: -1 trained unclipped, silently
         ("trainer.gradient_clip_val=-1", r"trainer.gradient_clip_val must be >= 0 \(null or 0: no clipping\), got -1"),
+        # Lightning logs where step % every == 0: -1 wrote train/loss at every step, -3 every 3rd
+        ("trainer.log_every_n_steps=-1",
+         r"^trainer.log_every_n_steps must be >= 0 \(N: training rows every N optimizer steps; 0: none\), got -1$"),
         # an IndexError from the embedding at the first training step
         ("model.vocab_size=100", r"model.vocab_size=100 is below the tokenizer's 257 token ids \(byte tokenizer"),
         # a MisconfigurationException at the first validation, after val_check_interval steps, with no checkpoint
