@@ -3,6 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
+from lit_dtrain._compose_errors import composed, run_reporting_unknown_keys
 from lit_dtrain.config_resolvers import compose_for_a_run
 from lit_dtrain.sweeps import reports_user_errors
 from lit_dtrain.train import train
@@ -11,10 +12,11 @@ from lit_dtrain.train import train
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 @reports_user_errors  # a bad config, corpus or checkpoint: 'error: <message>', no traceback
 def main(cfg: DictConfig) -> float:
+    composed()  # Hydra reports errors from here on as always (an unknown key was reported as it composed)
     metrics, _ = train(cfg)  # in a sweep, a failed job logs its error to its train.log (lit_dtrain.sweeps)
     return metrics["val_loss"]  # what a sweeper would optimize
 
 
 if __name__ == "__main__":
     compose_for_a_run()  # paths.output_dir reads '<run dir>' until Hydra sets it ('~<key holding it>' is refused)
-    main()
+    run_reporting_unknown_keys(main)  # optimizer.lrr=1e-3: 'error: ... did you mean 'optimizer.lr'?', one line

@@ -16,6 +16,7 @@ from hydra.errors import CompactHydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain._compose_errors import full_error_asked
 from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
@@ -239,7 +240,7 @@ def reports_user_errors(task_fn):
             return task_fn(cfg)
         except Exception as e:
             error = user_error(e) or stopped_on_purpose(e)
-            if error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch, read as it does
+            if error is None or full_error_asked():  # Hydra's own switch, read as it does
                 raise
             if in_multirun():
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
@@ -250,7 +251,7 @@ def reports_user_errors(task_fn):
 
 def _exit_with(error: BaseException):
     """Print ``error: <message>`` on stderr and exit with status 1 (``HYDRA_FULL_ERROR=1``: raise ``error``)."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if full_error_asked():
         raise error
     print(f"error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None

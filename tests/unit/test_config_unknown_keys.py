@@ -1,0 +1,74 @@
+"""A key the config lacks, set on the command line (``python train.py optimizer.lrr=1e-3``): one line naming it and
+the closest key (``lit_dtrain._compose_errors``). Hydra printed 'Could not override ...', 'To append to your config
+use +optimizer.lrr=1e-3' and OmegaConf's 'Key 'lrr' is not in struct' over five lines, suggesting nothing. Hydra's
+other errors are reported by Hydra as before. ``main`` here composes as ``@hydra.main`` does, in-process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lit_dtrain._compose_errors import composed, run_reporting_unknown_keys
+from tests.conftest import CONF_DIR
+
+
+def composing(*overrides: str):
+    def main():
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name="train", overrides=list(overrides))
+        composed()  # as train.py's task function does first
+    return main
+
+
+@pytest.fixture(autouse=True)
+def no_full_error(monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("optimizer.lrr=1e-3", "optimizer.lrr is not a config key; did you mean 'optimizer.lr'?"),
+    ("trainer.max_step=5", "trainer.max_step is not a config key; did you mean 'trainer.max_steps'?"),
+    ("sed=3", "sed is not a config key; did you mean 'seed'?"),
+    ("scheduler.zzz=3", "scheduler.zzz is not a config key (scheduler holds _partial_, _target_, decay_fraction, "
+                        "decay_steps, decay_type, min_lr_factor, total_steps, warmup_steps)"),
+])
+def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", override))
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"error: {line}\n"
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_other_composition_errors_are_hydras_own_and_a_good_start_runs(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nanoo"))
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Could not find 'model/nanoo'" in err and not err.startswith("error: ")
+    seen = []
+    run_reporting_unknown_keys(lambda: seen.append(os.environ.get("HYDRA_FULL_ERROR")))
+    assert seen == ["1"] and "HYDRA_FULL_ERROR" not in os.environ  # set while Hydra composes only
+    run_reporting_unknown_keys(composing("optimizer.lr=1e-3"))
+    assert "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the user's own switch: Hydra's full error, untouched
+    with pytest.raises(Exception, match="Could not override 'optimizer.lrr'"):
+        run_reporting_unknown_keys(composing("optimizer.lrr=1e-3"))
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+def test_the_hydra_callbacks_refuse_in_one_line_while_hydra_composes(capsys):
+    """While Hydra composes, ``HYDRA_FULL_ERROR=1`` is this module's, not the user's: the Hydra callbacks' refusals
+    (``_exit_with``) read it as the user's and raised, which Hydra only logs for a callback, so ``run_name=''`` trained
+    into the runs dir itself."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    config = OmegaConf.create({"run_name": "", "hydra": {"run": {"dir": "/tmp/unused"}}})
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(lambda: OutputDirCheck().on_run_start(config))
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: run_name='' names no run dir of its own") and err.count("\n") == 1
