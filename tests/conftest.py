@@ -233,7 +233,9 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
     any other exception. A fresh Python per call cost 3-5 s of imports (torch, Lightning) for a flag check that
     takes milliseconds. What a script's module code or ``main`` may set for the process is put back: ``sys.argv``,
     ``sys.path``, the working directory, the environment, warning filters, logger levels, torch's thread count,
-    matmul precision and global RNG."""
+    matmul precision and global RNG, and the flag ``train.py`` sets before Hydra composes (``compose_for_a_run``:
+    a later test's ``${lit.run_dir:}`` read '<run dir>' instead of refusing, when pytest-xdist ran the tests in
+    another order)."""
     import logging
     import runpy
     import traceback
@@ -241,7 +243,10 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
 
     import torch
 
+    from lit_dtrain import config_resolvers
+
     path = ROOT / "scripts" / script
+    composing = config_resolvers._composing
     saved = (list(sys.argv), list(sys.path), os.getcwd(), dict(os.environ), torch.get_num_threads(),
              torch.get_float32_matmul_precision(), torch.random.get_rng_state())
     levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items()
@@ -276,6 +281,7 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
         torch.random.set_rng_state(saved[6])
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+        config_resolvers._composing = composing
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess([PYTHON, str(path), *args], code, out, err)
 
