@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,15 @@ def test_a_fractional_decay_steps_is_used_as_given(decay_steps):
     stats = s.observe(torch.rand(2, 16), torch.tensor([0, 1]), step=1)
     assert stats["mix"] == pytest.approx(S.mix_schedule(1, 0.3, 0.7, decay_steps))
     assert s.mix_at(2) == pytest.approx(0.3 + 0.4 * (1 - math.cos(math.pi * min(2 / decay_steps, 1))) / 2)
+
+
+@pytest.mark.parametrize("kw", [{"stages": "false"}, {"async_op": "false"}, {"importance_weights": 1},
+                                {"require_updates": None}, {"lag": True}, {"mix_initial": True}, {"eps": True},
+                                {"momentum": "0.5"}, {"step_unit": "1000"}])
+def test_a_flag_or_number_of_the_wrong_type_is_refused_naming_it(kw):
+    """stages="false" and async_op="false" were taken as true (bool of a non-empty string), lag=True as a lag of 1,
+    mix_initial=True as 1.0; momentum="0.5" failed with "'<=' not supported between instances of 'float' and
+    'str'", naming no argument."""
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"^FourierSampler:? {name} must be .*got {re.escape(repr(value))}"):
+        FourierSampler(**kw)

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.data.samplers import spectral
 from lit_dtrain.data.samplers.base import IndexSampler, step_generator
 from lit_dtrain.data.samplers.fourier_cdf import TwoLevelCDF
@@ -41,7 +42,7 @@ from lit_dtrain.data.samplers.fourier_sync import (
     gather_update,
     world_and_rank,
 )
-from lit_dtrain.utils.args import check_int
+from lit_dtrain.utils.args import check_int, is_flag, is_number
 
 SCORES = ("mixed", "time", "frequency")
 
@@ -108,6 +109,16 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
         lag: int = 0,
     ) -> None:
         super().__init__()
+        # True passed the range checks as 1.0, "0.5" failed in a bare comparison; bool("false") kept stages on
+        for name, value in {"mix_initial": mix_initial, "mix_final": mix_final, "decay_steps": decay_steps,
+                            "momentum": momentum, "beta": beta, "min_prob": min_prob, "max_prob": max_prob,
+                            "magnitude_cap": magnitude_cap, "eps": eps, "prior": prior, "uniform_floor": uniform_floor,
+                            "step_unit": step_unit}.items():
+            check_arg("FourierSampler", name, value, is_number, "a number")
+        for name, value in {"importance_weights": importance_weights, "stages": stages, "stage_bands": stage_bands,
+                            "stage_mix": stage_mix, "stage_lr": stage_lr, "async_op": async_op,
+                            "require_updates": require_updates}.items():
+            check_arg("FourierSampler", name, value, is_flag, "True or False")
         if score not in SCORES:
             raise ValueError(f"FourierSampler score must be one of {SCORES}, got {score!r}")
         if variant not in spectral.VARIANTS:
@@ -119,7 +130,7 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
             raise ValueError(f"FourierSampler needs 0 < min_prob <= max_prob, got {min_prob}, {max_prob}")
         if not magnitude_cap >= min_prob:  # else clamp(min_prob, cap) returns cap: zero or negative weights
             raise ValueError(f"FourierSampler needs magnitude_cap >= min_prob, got {magnitude_cap}, {min_prob}")
-        if lag not in (0, 1):
+        if is_flag(lag) or lag not in (0, 1):  # True == 1: lag=True was taken as a lag of one step
             raise ValueError(f"FourierSampler lag must be 0 or 1 (steps between an update and the draws it "
                              f"reaches), got {lag!r}")
         if not prior > 0:
