@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,3 +33,11 @@ def whole_at_least(minimum: int, none_ok: bool = False) -> Callable[[Any], bool]
     got '3' (str)'), and a number argument given as a string (``z_threshold="3.0"``) was refused here too. The one
     test of every count argument of the callbacks."""
     return lambda v: (none_ok and v is None) or (is_number(v) and int(v) >= minimum and int(v) == float(v))
+
+
+def finite_number(ok: Callable[[Any], bool] = lambda v: True, none_ok: bool = False) -> Callable[[Any], bool]:
+    """The test of a real-valued argument: a finite number (numpy's too) for which ``ok`` holds; None too with
+    ``none_ok``. A flag is refused (``True > 0`` made ``z_threshold=True`` a threshold of 1.0), and so are a string
+    (``"0.5" > 0`` failed in a bare comparison naming no argument), NaN (every comparison false: a range check written
+    ``if v <= 0: raise`` let it through) and inf."""
+    return lambda v: (none_ok and v is None) or (is_number(v) and math.isfinite(v) and ok(v))

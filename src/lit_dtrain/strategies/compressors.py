@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.utils.args import is_flag
+
 if TYPE_CHECKING:
     from lit_dtrain.strategies.comm import Communicator
 
@@ -104,8 +107,8 @@ class Compressor:
     collective = "all_gather"
 
     def __init__(self, error_feedback: bool = False, start_step: int = 0) -> None:
-        if start_step < 0:
-            raise ValueError(f"{type(self).__name__}: start_step must be >= 0, got {start_step}")
+        check_arg(type(self).__name__, "error_feedback", error_feedback, is_flag, "True or False")
+        check_arg(type(self).__name__, "start_step", start_step, whole_at_least(0), "an integer >= 0")
         self.error_feedback = bool(error_feedback)
         self.start_step = int(start_step)
         self.residuals: dict[str, Tensor] = {}  # per parameter name; views into _flat_residuals

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.strategies.compressors import Compressor, Segment, segments_from_shapes
+from lit_dtrain.utils.args import is_flag
 
 if TYPE_CHECKING:
     from lit_dtrain.strategies.comm import Communicator
@@ -68,8 +70,7 @@ class LocalUpdate:
     name = "base"
 
     def __init__(self, sync_period: int) -> None:
-        if sync_period < 1:
-            raise ValueError(f"{type(self).__name__}: sync_period must be >= 1, got {sync_period}")
+        check_arg(type(self).__name__, "sync_period", sync_period, whole_at_least(1), "an integer >= 1")
         self.sync_period = int(sync_period)
         self.period = int(sync_period)  # the current period (adaptive rules change it)
         self.step = 0
@@ -163,13 +164,15 @@ class LocalSGD(LocalUpdate):
         growth_factor: int = 2,
     ) -> None:
         super().__init__(sync_period)
-        if adaptive and not 1 <= min_period <= sync_period <= max_period:
+        check_arg("LocalSGD", "adaptive", adaptive, is_flag, "True or False")
+        for name, value, least in (("min_period", min_period, 1), ("max_period", max_period, 1),
+                                   ("growth_factor", growth_factor, 2)):
+            check_arg("LocalSGD", name, value, whole_at_least(least), f"an integer >= {least}")
+        check_arg("LocalSGD", "divergence_threshold", divergence_threshold, finite_number(lambda v: v > 0),
+                  "a finite number > 0")
+        if adaptive and not 1 <= int(min_period) <= self.sync_period <= int(max_period):  # "3": a count as text
             raise ValueError(f"LocalSGD: need 1 <= min_period <= sync_period <= max_period, got "
                              f"{min_period}, {sync_period}, {max_period}")
-        if growth_factor < 2:
-            raise ValueError(f"LocalSGD: growth_factor must be >= 2, got {growth_factor}")
-        if divergence_threshold <= 0:
-            raise ValueError(f"LocalSGD: divergence_threshold must be > 0, got {divergence_threshold}")
         self.adaptive = bool(adaptive)
         self.min_period, self.max_period = int(min_period), int(max_period)
         self.divergence_threshold = float(divergence_threshold)
@@ -238,10 +241,9 @@ class DiLoCo(LocalUpdate):
         compressor: Compressor | str | Mapping | None = None,
     ) -> None:
         super().__init__(sync_period)
-        if outer_lr <= 0:
-            raise ValueError(f"DiLoCo: outer_lr must be > 0, got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum}")
+        check_arg("DiLoCo", "outer_lr", outer_lr, finite_number(lambda v: v > 0), "a finite number > 0")
+        check_arg("DiLoCo", "outer_momentum", outer_momentum, finite_number(lambda v: 0 <= v < 1), "in [0, 1)")
+        check_arg("DiLoCo", "nesterov", nesterov, is_flag, "True or False")
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         # a name or {"name", **kwargs} as for the strategy's compressor (Hydra builds DiLoCo without build_local_update)
         from lit_dtrain.strategies.registry import build_compressor  # that module imports this one

@@ -27,7 +27,9 @@ from torch import Tensor
 # torch's own helpers, so the compress decision and the orthogonalization match its powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
 
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.strategies.compressors import Compressor, Segment, all_finite, completed_future
+from lit_dtrain.utils.args import is_flag
 
 if TYPE_CHECKING:
     from lit_dtrain.strategies.comm import Communicator
@@ -54,10 +56,14 @@ class PowerSGD(Compressor):
         orthogonalization_epsilon: float = 1e-8,
         seed: int = 0,
     ) -> None:
-        if matrix_approximation_rank < 1:
-            raise ValueError(f"PowerSGD: matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
-        if min_compression_rate <= 0:
-            raise ValueError(f"PowerSGD: min_compression_rate must be > 0, got {min_compression_rate}")
+        check_arg("PowerSGD", "matrix_approximation_rank", matrix_approximation_rank, whole_at_least(1),
+                  "an integer >= 1")
+        check_arg("PowerSGD", "min_compression_rate", min_compression_rate, finite_number(lambda v: v > 0),
+                  "a finite number > 0")
+        check_arg("PowerSGD", "warm_start", warm_start, is_flag, "True or False")
+        check_arg("PowerSGD", "orthogonalization_epsilon", orthogonalization_epsilon,
+                  finite_number(lambda v: v >= 0), "a finite number >= 0")
+        check_arg("PowerSGD", "seed", seed, whole_at_least(0), "an integer >= 0")
         super().__init__(error_feedback=error_feedback, start_step=start_step)
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.min_compression_rate = float(min_compression_rate)

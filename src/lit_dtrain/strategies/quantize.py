@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.strategies.compressors import Compressor, Segment
+from lit_dtrain.utils.args import is_flag
 
 if TYPE_CHECKING:
     from lit_dtrain.strategies.comm import Communicator
@@ -111,10 +113,12 @@ class BlockQuantizer(Compressor):
         start_step: int = 0,
         seed: int = 0,
     ) -> None:
-        if bits not in (4, 8):
-            raise ValueError(f"BlockQuantizer: bits must be 8 or 4, got {bits}")
-        if block_size < 2 or block_size % 2:
-            raise ValueError(f"BlockQuantizer: block_size must be an even number >= 2, got {block_size}")
+        owner = type(self).__name__  # ShardedBlockQuantizer's errors name it
+        check_arg(owner, "bits", bits, lambda v: not is_flag(v) and v in (4, 8), "8 or 4")
+        check_arg(owner, "block_size", block_size, lambda v: whole_at_least(2)(v) and int(v) % 2 == 0,
+                  "an even number >= 2")
+        check_arg(owner, "stochastic_rounding", stochastic_rounding, is_flag, "True or False")
+        check_arg(owner, "seed", seed, whole_at_least(0), "an integer >= 0")
         super().__init__(error_feedback=error_feedback, start_step=start_step)
         self.bits, self.block_size = int(bits), int(block_size)
         self.stochastic_rounding = bool(stochastic_rounding)

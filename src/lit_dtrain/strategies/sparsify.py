@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.strategies.compressors import Compressor, Segment
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,12 +110,10 @@ class TopK(Compressor):
         value_dtype: str = "fp32",
         start_step: int = 0,
     ) -> None:
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"TopK: ratio must be in (0, 1], got {ratio}")
-        if initial_ratio is not None and not ratio <= initial_ratio <= 1.0:
-            raise ValueError(f"TopK: initial_ratio must be in [ratio, 1] = [{ratio}, 1], got {initial_ratio}")
-        if ratio_warmup_steps < 0:
-            raise ValueError(f"TopK: ratio_warmup_steps must be >= 0, got {ratio_warmup_steps}")
+        check_arg("TopK", "ratio", ratio, finite_number(lambda v: 0.0 < v <= 1.0), "in (0, 1]")
+        check_arg("TopK", "initial_ratio", initial_ratio, finite_number(lambda v: ratio <= v <= 1.0, none_ok=True),
+                  f"in [ratio, 1] = [{ratio}, 1] or None")
+        check_arg("TopK", "ratio_warmup_steps", ratio_warmup_steps, whole_at_least(0), "an integer >= 0")
         if value_dtype not in _VALUE_DTYPES:
             raise ValueError(f"TopK: value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {value_dtype!r}")
         super().__init__(error_feedback=error_feedback, start_step=start_step)

@@ -1,0 +1,57 @@
+"""The compressors' and local-update rules' constructors refuse a value of the wrong type in one line naming the class,
+the argument and the value: a project of one's own builds them directly, past train.py's config checks."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from lit_dtrain.strategies import (
+    BlockQuantizer,
+    DiLoCo,
+    HalfPrecision,
+    LocalSGD,
+    PowerSGD,
+    ScaledSign,
+    ShardedBlockQuantizer,
+    TopK,
+)
+
+REFUSED = [
+    # flags: bool("false") is True, so error_feedback="false" kept the residuals on
+    (ScaledSign, "error_feedback", "false"), (HalfPrecision, "error_feedback", 1), (PowerSGD, "warm_start", "false"),
+    (BlockQuantizer, "stochastic_rounding", "no"), (LocalSGD, "adaptive", "false"), (DiLoCo, "nesterov", None),
+    # counts: True was taken as 1 and 2.5 truncated to 2; nan/inf failed inside int() naming no argument
+    (TopK, "start_step", True), (PowerSGD, "matrix_approximation_rank", 2.5), (LocalSGD, "sync_period", True),
+    (DiLoCo, "sync_period", math.inf), (BlockQuantizer, "seed", 1.5), (PowerSGD, "seed", -1),
+    (LocalSGD, "max_period", -1), (LocalSGD, "growth_factor", 2.5), (TopK, "ratio_warmup_steps", math.nan),
+    (BlockQuantizer, "block_size", "abc"), (ShardedBlockQuantizer, "bits", True),
+    # real numbers: a string failed in a bare comparison ("'<' not supported between instances of 'float' and 'str'");
+    # NaN passed an `if v <= 0: raise` check, True was 1.0
+    (TopK, "ratio", "0.5"), (TopK, "initial_ratio", True), (PowerSGD, "min_compression_rate", math.nan),
+    (PowerSGD, "orthogonalization_epsilon", -1.0), (LocalSGD, "divergence_threshold", math.nan),
+    (DiLoCo, "outer_lr", math.inf), (DiLoCo, "outer_momentum", "0.9"),
+]
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), REFUSED, ids=[f"{c.__name__}.{n}={v!r}" for c, n, v in REFUSED])
+def test_a_value_of_the_wrong_type_is_refused_naming_the_class_and_the_argument(cls, name, value):
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be .*, got {re.escape(repr(value))}$"):
+        cls(**{name: value})
+
+
+def test_the_values_the_checks_accept_are_unchanged():
+    import numpy as np
+
+    q = BlockQuantizer(bits=4.0, block_size=np.int64(64), stochastic_rounding=np.True_, seed=3, start_step=2.0)
+    assert (q.bits, q.block_size, q.stochastic_rounding, q.seed, q.start_step) == (4, 64, True, 3, 2)
+    t = TopK(ratio=np.float32(0.5), initial_ratio=1, ratio_warmup_steps=10)
+    assert (t.ratio, t.ratio_warmup_steps) == (0.5, 10)
+    p = PowerSGD(matrix_approximation_rank=2, orthogonalization_epsilon=0, min_compression_rate=1)
+    assert (p.matrix_approximation_rank, p.orthogonalization_epsilon) == (2, 0.0)
+    s = LocalSGD(sync_period=4, adaptive=True, min_period=2, max_period=8, growth_factor=3)
+    assert (s.sync_period, s.min_period, s.max_period, s.growth_factor, s.adaptive) == (4, 2, 8, 3, True)
+    d = DiLoCo(sync_period=2, outer_lr=1, outer_momentum=0, nesterov=False)
+    assert (d.sync_period, d.outer_lr, d.outer_momentum, d.nesterov) == (2, 1.0, 0.0, False)
