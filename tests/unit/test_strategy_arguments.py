@@ -55,3 +55,25 @@ def test_the_values_the_checks_accept_are_unchanged():
     assert (s.sync_period, s.min_period, s.max_period, s.growth_factor, s.adaptive) == (4, 2, 8, 3, True)
     d = DiLoCo(sync_period=2, outer_lr=1, outer_momentum=0, nesterov=False)
     assert (d.sync_period, d.outer_lr, d.outer_momentum, d.nesterov) == (2, 1.0, 0.0, False)
+
+
+@pytest.mark.parametrize(("name", "value"), [("log_comm_metrics", "false"), ("sync_on_last_step", "false"),
+                                             ("sync_before_validation", 1)])
+def test_compressed_ddps_flags_are_refused_unless_true_false_or_none(name, value):
+    """CompressedDDPStrategy(local_update="local_sgd", sync_before_validation="false") synced before each validation
+    (bool of a non-empty string), sync_on_last_step="false" synced at the last step."""
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    with pytest.raises(ValueError, match=rf"^CompressedDDPStrategy: {name} must be True or False.*, got {value!r}$"):
+        CompressedDDPStrategy(local_update="local_sgd", **{name: value})
+    strategy = CompressedDDPStrategy(local_update="local_sgd", sync_on_last_step=False, sync_before_validation=None)
+    assert (strategy.sync_on_last_step, strategy.sync_before_validation) == (False, True)
+
+
+@pytest.mark.parametrize("value", [3, [None], ["torch.nn.Linear", 0]])
+def test_make_fsdps_wrap_modules_of_another_type_is_refused_in_a_line(value):
+    """make_fsdp(wrap_modules=3) failed with "'int' object is not iterable"; [None] looked up a class named 'None'."""
+    from lit_dtrain.strategies import make_fsdp
+
+    with pytest.raises(ValueError, match=r"^make_fsdp: wrap_modules must be module classes or dotted class paths"):
+        make_fsdp(wrap_modules=value)

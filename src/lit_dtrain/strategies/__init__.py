@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
@@ -86,6 +87,8 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
     """
     if isinstance(wrap_modules, (str, type)):  # one class (a string was taken letter by letter: "Error loading 't'")
         wrap_modules = [wrap_modules]
+    check_arg("make_fsdp", "wrap_modules", wrap_modules, lambda v: all(isinstance(m, (str, type)) for m in v),
+              "module classes or dotted class paths")  # 3 was "'int' object is not iterable"; None 'None' a path
     if not wrap_modules:
         raise ValueError("make_fsdp: wrap_modules must name at least one module class, e.g. lit_dtrain.models.Block")
     refuse_unknown_keywords(make_fsdp, kwargs, "make_fsdp",

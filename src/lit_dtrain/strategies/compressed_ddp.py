@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state, kept_for_a_resume
@@ -51,7 +52,7 @@ from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_r
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.strategies.unused_params import globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
-from lit_dtrain.utils.args import is_number
+from lit_dtrain.utils.args import is_flag, is_number
 from lit_dtrain.utils.distributed import (
     begin_fit_records,
     destroy_process_group_at_exit,
@@ -113,6 +114,11 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                                  f"(use compressor=/local_update=)")
         refuse_unknown_keywords(type(self), kwargs, type(self).__name__,
                                 "Lightning's DDPStrategy or torch's DistributedDataParallel", TIMEOUT_INSTEAD)
+        for name, value, none_ok in (("log_comm_metrics", log_comm_metrics, False),  # bool("false") is True
+                                     ("sync_on_last_step", sync_on_last_step, True),
+                                     ("sync_before_validation", sync_before_validation, True)):
+            check_arg(type(self).__name__, name, value, lambda v, n=none_ok: (n and v is None) or is_flag(v),
+                      "True or False" + (" (or None: True)" if none_ok else ""))
         super().__init__(timeout=collective_timeout(collective_timeout_s, type(self).__name__), **kwargs)
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
