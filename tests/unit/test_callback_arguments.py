@@ -26,19 +26,19 @@ CASES = [
     (RobustStat, {"window": 2}, "window", "an integer >= 3, got 2"),
     (RobustStat, {"window": "abc"}, "window", "an integer >= 3, got 'abc'"),
     (RobustStat, {"warmup": 1}, "warmup", "an integer >= 2, got 1"),
-    (RobustStat, {"clip_z": 0}, "clip_z", "> 0 or None, got 0"),
-    (RobustStat, {"clip_z": "abc"}, "clip_z", "> 0 or None, got 'abc'"),
-    (RobustStat, {"min_rel_scale": -0.5}, "min_rel_scale", ">= 0, got -0.5"),
-    (RobustStat, {"min_scale": -1.0}, "min_scale", ">= 0, got -1.0"),
+    (RobustStat, {"clip_z": 0}, "clip_z", "a finite number > 0 or None, got 0"),
+    (RobustStat, {"clip_z": "abc"}, "clip_z", "a finite number > 0 or None, got 'abc'"),
+    (RobustStat, {"min_rel_scale": -0.5}, "min_rel_scale", "a finite number >= 0, got -0.5"),
+    (RobustStat, {"min_scale": -1.0}, "min_scale", "a finite number >= 0, got -1.0"),
     (RobustStat, {"decay": "abc"}, "decay", r"in \(0, 1\), got 'abc'"),
-    (SpikeDetector, {"z_threshold": "abc"}, "z_threshold", "> 0 or None, got 'abc'"),
+    (SpikeDetector, {"z_threshold": "abc"}, "z_threshold", "a finite number > 0 or None, got 'abc'"),
     (SpikeDetector, {"max_consecutive": 1}, "max_consecutive", "an integer >= 2 or None, got 1"),
     (SpikeDetector, {"warmup_steps": 1}, "warmup_steps", "an integer >= 2, got 1"),  # named RobustStat's ``warmup``
     (SpikeWindow, {"max_spikes": 0}, "max_spikes", "an integer >= 1, got 0"),
     (SpikeWindow, {"window_steps": "abc"}, "window_steps", "an integer >= 1, got 'abc'"),
     (FourierSamplerCallback, {"log_every_n_steps": "abc"}, "log_every_n_steps", "an integer >= 1 or None, got 'abc'"),
-    (AdaptiveGradClip, {"z_threshold": "abc"}, "z_threshold", "> 0, got 'abc'"),
-    (AdaptiveGradClip, {"max_norm": "abc"}, "max_norm", "> 0 or None, got 'abc'"),
+    (AdaptiveGradClip, {"z_threshold": "abc"}, "z_threshold", "a finite number > 0, got 'abc'"),
+    (AdaptiveGradClip, {"max_norm": "abc"}, "max_norm", "a finite number > 0 or None, got 'abc'"),
     (AdaptiveGradClip, {"warmup_steps": "abc"}, "warmup_steps", "an integer >= 2, got 'abc'"),
     (AdaptiveGradClip, {"log_every_n_steps": "abc"}, "log_every_n_steps", "an integer >= 1 or None, got 'abc'"),
     # a fraction was cut to an integer: OptimizerDiagnostics(every_n_steps=2.5) logged every 2 steps, without a word
@@ -192,3 +192,24 @@ def test_a_flag_given_as_a_string_is_refused(cls, name):
     with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be True or False, got 'false'$"):
         cls(**{name: "false"})
     assert getattr(cls(**{name: np.False_}), name) is False
+
+
+FLAGS_AND_INFINITIES = [
+    # True passed `v > 0` as 1: AdaptiveGradClip(z_threshold=True, max_norm=True) clipped at z 1 and at norm 1.0
+    (AdaptiveGradClip, "z_threshold", True), (AdaptiveGradClip, "max_norm", True),
+    (AdaptiveGradClip, "z_threshold", float("inf")), (LossSpikeMonitor, "z_threshold", True),
+    (LossSpikeMonitor, "rel_threshold", float("inf")), (LossSpikeMonitor, "cooldown_factor", True),
+    (RobustStat, "clip_z", True), (RobustStat, "min_scale", float("inf")),
+    # float("0.5") and float(True) were taken: memory_budget="0.5", True (the whole budget)
+    (SelectiveCheckpointing, "memory_budget", True), (SelectiveCheckpointing, "memory_budget", "0.5"),
+    # float("abc") was "could not convert string to float"; True and inf were taken as FLOP/s
+    (token_throughput_monitor, "available_flops", "abc"), (token_throughput_monitor, "available_flops", True),
+    (token_throughput_monitor, "available_flops", float("inf")),
+]
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), FLAGS_AND_INFINITIES,
+                         ids=[f"{c.__name__}.{n}={v!r}" for c, n, v in FLAGS_AND_INFINITIES])
+def test_a_real_number_argument_refuses_a_flag_a_string_and_inf(cls, name, value):
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be .*, got {re.escape(repr(value))}$"):
+        cls(**{name: value})

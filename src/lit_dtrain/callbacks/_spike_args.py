@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 from lit_dtrain.utils.args import is_flag
 
@@ -46,7 +46,8 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
     check_arg("LossSpikeMonitor", "warmup_steps", warmup_steps, whole_at_least(2), "an integer >= 2")
     check_arg("LossSpikeMonitor", "max_nonfinite", max_nonfinite, whole_at_least(1, none_ok=True),
               "an integer >= 1 or None")
-    check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+    check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, finite_number(lambda v: 0.0 < v <= 1.0),
+              "in (0, 1]")
     return actions
 
 

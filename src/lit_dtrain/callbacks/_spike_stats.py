@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 
 METHODS = ("ema", "median")
 NONFINITE_LOSS = "nonfinite_loss"
@@ -86,9 +86,9 @@ class RobustStat:
         check_arg(owner, warmup_name, warmup, whole_at_least(2), "an integer >= 2")
         if method == "median" and int(warmup) > int(window):  # as numbers: a whole float (2.0) is taken
             raise ValueError(f"{owner}: {warmup_name} ({warmup}) must be <= window ({window}) for method='median'")
-        check_arg(owner, "clip_z", clip_z, lambda v: v is None or v > 0, "> 0 or None")
+        check_arg(owner, "clip_z", clip_z, finite_number(lambda v: v > 0, none_ok=True), "a finite number > 0 or None")
         for name, value in (("min_rel_scale", min_rel_scale), ("min_scale", min_scale)):
-            check_arg(owner, name, value, lambda v: v >= 0, ">= 0")
+            check_arg(owner, name, value, finite_number(lambda v: v >= 0), "a finite number >= 0")
         self.method, self.decay, self.scale_decay = method, float(decay), float(scale_decay)
         self.window, self.warmup = int(window), int(warmup)
         self.clip_z, self.min_rel_scale, self.min_scale = clip_z, float(min_rel_scale), float(min_scale)
@@ -289,7 +289,7 @@ class SpikeDetector:
             raise ValueError(f"{owner}: set at least one of z_threshold and rel_threshold")
         for name, value in (("z_threshold", z_threshold), ("rel_threshold", rel_threshold),
                             ("grad_z_threshold", grad_z_threshold)):
-            check_arg(owner, name, value, lambda v: v is None or v > 0, "> 0 or None")
+            check_arg(owner, name, value, finite_number(lambda v: v > 0, none_ok=True), "a finite number > 0 or None")
         check_arg(owner, "max_consecutive", max_consecutive, whole_at_least(2, none_ok=True),
                   "an integer >= 2 or None")
         self.z_threshold, self.rel_threshold, self.grad_z_threshold = z_threshold, rel_threshold, grad_z_threshold

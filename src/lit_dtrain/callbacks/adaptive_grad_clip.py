@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, logging_step, on_log_cadence
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key, note_stage, state_is_for_fit
@@ -128,9 +128,10 @@ class AdaptiveGradClip(StepHooksCallback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
-        check_arg("AdaptiveGradClip", "z_threshold", z_threshold, lambda v: v > 0, "> 0")
+        check_arg("AdaptiveGradClip", "z_threshold", z_threshold, finite_number(lambda v: v > 0), "a finite number > 0")
         check_arg("AdaptiveGradClip", "mode", mode, lambda v: v in MODES, f"one of {MODES}")
-        check_arg("AdaptiveGradClip", "max_norm", max_norm, lambda v: v is None or v > 0, "> 0 or None")
+        check_arg("AdaptiveGradClip", "max_norm", max_norm, finite_number(lambda v: v > 0, none_ok=True),
+                  "a finite number > 0 or None")
         # (RobustStat's own message names its ``warmup``)
         check_arg("AdaptiveGradClip", "warmup_steps", warmup_steps, whole_at_least(2), "an integer >= 2")
         check_arg("AdaptiveGradClip", "log_every_n_steps", log_every_n_steps, whole_at_least(1, none_ok=True),

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.callbacks._checkpoint_policies import (
     DEFAULT_SAVE_OPS,
     MODES,
@@ -168,9 +168,8 @@ class SelectiveCheckpointing(Callback):
         # whatever the policy: both are kept (int(), float()), so under another policy every_k=None was a bare
         # "TypeError: int() argument must be ... not 'NoneType'", and every_k=2.5 was taken as 2 without a word
         check_arg("SelectiveCheckpointing", "every_k", every_k, whole_at_least(1), "an integer >= 1")
-        check_arg(
-            "SelectiveCheckpointing", "memory_budget", memory_budget, lambda v: 0.0 < float(v) <= 1.0, "in (0, 1]"
-        )
+        check_arg("SelectiveCheckpointing", "memory_budget", memory_budget, finite_number(lambda v: 0.0 < v <= 1.0),
+                  "in (0, 1]")
         check_arg("SelectiveCheckpointing", "probe_batch_size", probe_batch_size, whole_at_least(1),
                   "an integer >= 1")
         check_arg("SelectiveCheckpointing", "probe_seq_len", probe_seq_len, whole_at_least(1, none_ok=True),

@@ -43,7 +43,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.data._drawn_shares import drawn_share_metrics
 
@@ -256,8 +256,7 @@ def token_throughput_monitor(window_size: int = 50, available_flops: float | Non
     check_arg("token_throughput_monitor", "window_size", window_size,  # np.int64(50) too (a value from an array)
               whole_at_least(2), "an integer >= 2 (steps averaged)")
     window_size = int(window_size)
-    if available_flops is not None and not float(available_flops) > 0:
-        raise ValueError(f"token_throughput_monitor available_flops must be > 0 (FLOP/s of one device) or null, got "
-                         f"{available_flops!r}")
+    check_arg("token_throughput_monitor", "available_flops", available_flops,
+              finite_number(lambda v: v > 0, none_ok=True), "> 0 (a finite number: FLOP/s of one device) or None")
     return _StepWindowThroughputMonitor(batch_size_fn=_batch_size, length_fn=_tokens, window_size=window_size,
                                         peak_flops=available_flops)
