@@ -56,14 +56,27 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def not_a_file_reason(path: Path) -> str:
-    """Why ``path``, which is not a file, cannot be a checkpoint: for messages ``f"{key}={path!r} {reason}"``."""
+    """Why ``path``, which is not a file, cannot be a checkpoint: for messages ``f"{key}={path!r} {reason}"``. A
+    directory (a run dir or its checkpoints/, given for its last checkpoint) gets the file in it to give: ``ckpt_path``
+    and ``init_from`` said only "give a checkpoint file in it", the scripts' load named the file."""
     if path.is_dir():
-        return "is a directory; give a checkpoint file in it"
+        inside = _checkpoint_in(path)
+        return "is a directory, not a checkpoint file; " + (
+            f"give a file in it, e.g. {str(inside)!r}" if inside else "it holds none (no *.ckpt in it or in its "
+            "checkpoints/): give a checkpoint file")
     if path.is_symlink() and not path.exists():
         return f"is a broken symbolic link (to {str(os.readlink(path))!r})"
     if path.exists():  # a device (/dev/null), a FIFO, a socket
         return "is not a regular file (a device, FIFO or socket); give a checkpoint file"
     return "does not exist"
+
+
+def _checkpoint_in(directory: Path) -> Path | None:
+    """The ``last.ckpt`` of ``directory`` or of its ``checkpoints/``, else the newest ``*.ckpt`` there (by time)."""
+    dirs = (directory, directory / "checkpoints")
+    last = [d / "last.ckpt" for d in dirs if (d / "last.ckpt").is_file()]
+    files = [p for d in dirs for p in d.glob("*.ckpt") if p.is_file()]
+    return last[0] if last else max(files, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def checkpoint_files(directory: str | os.PathLike) -> list[str]:
@@ -80,11 +93,7 @@ def safe_torch_load(
     ``verify=False`` is for reads of a few keys (``global_step``) of files that may never be loaded: a scan of a
     checkpoint dir, the messages at a run's end."""
     path = Path(path)
-    if path.is_dir():  # a run dir or its checkpoints/ given for its last.ckpt: name that file
-        inside = next((c for c in (path / "last.ckpt", path / "checkpoints" / "last.ckpt") if c.is_file()), None)
-        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file"
-                              + (f"; give a file in it, e.g. {str(inside)!r}" if inside else ""))
-    if not path.is_file():
+    if not path.is_file():  # a run dir or its checkpoints/ given for its last.ckpt: the reason names that file
         raise CheckpointError(f"checkpoint {str(path)!r} {not_a_file_reason(path)}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")

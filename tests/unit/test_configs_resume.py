@@ -61,11 +61,11 @@ def test_a_checkpoint_key_naming_a_directory_says_so(tiny_cfg, tmp_path):
 
     d = tmp_path / "somerun" / "checkpoints"
     d.mkdir(parents=True)
-    with pytest.raises(ConfigError, match=rf"ckpt_path='{d}' is a directory; give a checkpoint file"):
+    with pytest.raises(ConfigError, match=rf"ckpt_path='{d}' is a directory, not a checkpoint file; it holds none"):
         resolve_ckpt_path(tiny_cfg(f"ckpt_path={d}"))
-    with pytest.raises(ConfigError, match=rf"init_from='{d}' is a directory; give a checkpoint file"):
+    with pytest.raises(ConfigError, match=rf"init_from='{d}' is a directory, not a checkpoint file; it holds none"):
         check_init_from(tiny_cfg(f"init_from={d}"))
-    with pytest.raises(ConfigError, match=rf"decay_branch.ckpt='{d}' is a directory; give a checkpoint file"):
+    with pytest.raises(ConfigError, match=rf"decay_branch.ckpt='{d}' is a directory, not a checkpoint file; it holds"):
         apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={d}", "decay_branch.steps=2"))
 
 
