@@ -213,3 +213,15 @@ FLAGS_AND_INFINITIES = [
 def test_a_real_number_argument_refuses_a_flag_a_string_and_inf(cls, name, value):
     with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be .*, got {re.escape(repr(value))}$"):
         cls(**{name: value})
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"duration": 10}, "duration"), ({"verbose": "false"}, "verbose"),
+                                              ({"interval": "steps"}, "interval")])
+def test_step_end_timers_arguments_are_named(kwargs, name):
+    """StepEndTimer(duration=10) (seconds) failed with "'int' object has no attribute 'total_seconds'" inside
+    Lightning's Timer; verbose="false" was taken as true; interval="steps" was Lightning's error naming `Timer`."""
+    from lit_dtrain.callbacks import StepEndTimer
+
+    with pytest.raises(ValueError, match=rf"^StepEndTimer: {name} must be .*, got {re.escape(repr(kwargs[name]))}$"):
+        StepEndTimer(**{"duration": "00:00:01:00", **kwargs})
+    assert StepEndTimer(duration={"minutes": 1}, verbose=False)._duration == 60.0

@@ -6,9 +6,14 @@ ended 0.038 off a straight run's weights; with this timer, bitwise)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import timedelta
+
 import lightning as L
 from lightning.pytorch.callbacks import Timer
 
+from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.utils.args import is_flag
 from lit_dtrain.utils.loop import mid_accumulation
 
 
@@ -32,6 +37,12 @@ class StepEndTimer(Timer):
                 "limit, and Lightning ignores Trainer(max_time=...) beside it; for a timer that only measures, use "
                 "lightning.pytorch.callbacks.Timer()"
             )
+        # duration=10 (seconds) was "AttributeError: 'int' object has no attribute 'total_seconds'", and
+        # verbose="false" printed the time left at the stop (bool of a string)
+        check_arg("StepEndTimer", "duration", duration, lambda v: isinstance(v, (str, timedelta, Mapping)),
+                  "'DD:HH:MM:SS', a datetime.timedelta or a dict such as {'hours': 12}")
+        check_arg("StepEndTimer", "interval", interval, lambda v: v in ("step", "epoch"), "'step' or 'epoch'")
+        check_arg("StepEndTimer", "verbose", verbose, is_flag, "True or False")
         super().__init__(duration=duration, interval=interval, verbose=verbose)
 
     @property
