@@ -225,3 +225,14 @@ def test_step_end_timers_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=rf"^StepEndTimer: {name} must be .*, got {re.escape(repr(kwargs[name]))}$"):
         StepEndTimer(**{"duration": "00:00:01:00", **kwargs})
     assert StepEndTimer(duration={"minutes": 1}, verbose=False)._duration == 60.0
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), [(LossSpikeMonitor, "path", 5), (LossSpikeMonitor, "path", 0),
+                                                    (OptimizerDiagnostics, "prefix", 3),
+                                                    (OptimizerDiagnostics, "prefix", "")])
+def test_a_path_or_prefix_that_is_not_text_is_refused(cls, name, value):
+    """LossSpikeMonitor(path=5) appended its events to file descriptor 5, path=0 (falsy) to the default file;
+    OptimizerDiagnostics(prefix=3) logged '3/decay/grad_rms'."""
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be .*, got {value!r}$"):
+        cls(**{name: value})
+    assert LossSpikeMonitor(path="events.jsonl").path == "events.jsonl"

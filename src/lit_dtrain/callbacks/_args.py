@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,3 +42,9 @@ def finite_number(ok: Callable[[Any], bool] = lambda v: True, none_ok: bool = Fa
     (``"0.5" > 0`` failed in a bare comparison naming no argument), NaN (every comparison false: a range check written
     ``if v <= 0: raise`` let it through) and inf."""
     return lambda v: (none_ok and v is None) or (is_number(v) and math.isfinite(v) and ok(v))
+
+
+def is_path(value) -> bool:
+    """Whether ``value`` is a non-empty path (``str`` or ``os.PathLike``): a number is not (``open(5, "a")`` writes to
+    file descriptor 5, and a falsy ``0`` or ``""`` was taken for "the default path")."""
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""

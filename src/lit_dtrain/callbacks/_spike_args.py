@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
+from lit_dtrain.callbacks._args import check_arg, finite_number, is_path, whole_at_least
 from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 from lit_dtrain.utils.args import is_flag
 
@@ -14,7 +14,7 @@ ACTIONS = ("log", "skip", "rollback", "lr_cooldown", "raise")
 
 def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, snapshot_every, snapshot_keep,
                rollback_min_age, exclude_previous_steps, cooldown_factor, cooldown_steps, cooldown_ramp_steps,
-               raise_after, raise_window, warmup_steps, max_nonfinite) -> list[str]:
+               raise_after, raise_window, warmup_steps, max_nonfinite, path) -> list[str]:
     """Raise ``ValueError`` naming the first bad argument; returns ``actions`` as a list of strings."""
     # null or a number: "TypeError: 'NoneType' object is not iterable" in Hydra's wrapper
     check_arg("LossSpikeMonitor", "actions", actions, lambda v: isinstance(v, str) or iter(v) is not None,
@@ -48,6 +48,8 @@ def check_args(actions: Sequence[str] | str, *, grad_z_threshold, check_grad, sn
               "an integer >= 1 or None")
     check_arg("LossSpikeMonitor", "cooldown_factor", cooldown_factor, finite_number(lambda v: 0.0 < v <= 1.0),
               "in (0, 1]")
+    # path=5 appended the events to file descriptor 5, path=0 (falsy) wrote <default_root_dir>/spikes.jsonl
+    check_arg("LossSpikeMonitor", "path", path, lambda v: v is None or is_path(v), "a file path or None")
     return actions
 
 

@@ -143,7 +143,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
             snapshot_keep=snapshot_keep, rollback_min_age=rollback_min_age,
             exclude_previous_steps=exclude_previous_steps, cooldown_factor=cooldown_factor,
             cooldown_steps=cooldown_steps, cooldown_ramp_steps=cooldown_ramp_steps, raise_after=raise_after,
-            raise_window=raise_window, warmup_steps=warmup_steps, max_nonfinite=max_nonfinite)
+            raise_window=raise_window, warmup_steps=warmup_steps, max_nonfinite=max_nonfinite, path=path)
         self.max_nonfinite = None if max_nonfinite is None else int(max_nonfinite)
         self._detector_args = dict(z_threshold=z_threshold, rel_threshold=rel_threshold,
                                    grad_z_threshold=grad_z_threshold, method=method, decay=decay,

@@ -65,6 +65,9 @@ class OptimizerDiagnostics(Callback):
     def __init__(self, every_n_steps: int = 100, prefix: str = "optim") -> None:
         super().__init__()
         check_arg("OptimizerDiagnostics", "every_n_steps", every_n_steps, whole_at_least(1), "an integer >= 1")
+        # prefix=3 logged "3/decay/grad_rms", prefix="" "/decay/grad_rms"
+        check_arg("OptimizerDiagnostics", "prefix", prefix, lambda v: isinstance(v, str) and v != "",
+                  "a non-empty string such as 'optim'")
         self.every_n_steps, self.prefix = int(every_n_steps), prefix
         self.last: dict[str, float] = {}
         self._before: list[list[torch.Tensor]] | None = None

@@ -54,7 +54,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._args import check_arg, is_path
 from lit_dtrain.utils.distributed import all_gather_stacked
 from lit_dtrain.utils.loop import lightnings_timer_splits_steps, mid_accumulation
 
@@ -71,9 +71,6 @@ class PreemptionCheckpoint(L.Callback):
 
     def __init__(self, dirpath: str, filename: str = "last.ckpt", resume_hint: str | None = None) -> None:
         # checked now: a bad one failed only when SIGTERM came, in os.path.join, and saved nothing
-        def is_path(value) -> bool:
-            return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
-
         check_arg("PreemptionCheckpoint", "dirpath", dirpath, is_path, "a directory path (where SIGTERM saves)")
         check_arg("PreemptionCheckpoint", "filename", filename, is_path, "a file name such as 'last.ckpt'")
         if resume_hint is not None:
