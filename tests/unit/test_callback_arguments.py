@@ -236,3 +236,23 @@ def test_a_path_or_prefix_that_is_not_text_is_refused(cls, name, value):
     with pytest.raises(ValueError, match=rf"^{cls.__name__}: {name} must be .*, got {value!r}$"):
         cls(**{name: value})
     assert LossSpikeMonitor(path="events.jsonl").path == "events.jsonl"
+
+
+@pytest.mark.parametrize(("name", "value"), [("every_n_train_steps", 2.5), ("every_n_train_steps", "3"),
+                                             ("every_n_epochs", True), ("save_top_k", "abc"), ("verbose", "false"),
+                                             ("save_last", "yes")])
+def test_model_checkpoints_counts_and_flags_are_checked(tmp_path, name, value):
+    """Lightning's own checks let ModelCheckpoint(every_n_train_steps=2.5) save at steps 5 and 10 (global_step % 2.5)
+    and every_n_epochs=True count as 1; save_top_k="abc" was "'<' not supported between instances of 'str' and
+    'int'"; verbose="false" was true. The signature stays Lightning's (the config's argument check reads it)."""
+    import inspect
+
+    from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+
+    with pytest.raises(ValueError, match=rf"^ModelCheckpoint: {name} must be .*, got {re.escape(repr(value))}$"):
+        ModelCheckpoint(dirpath=tmp_path, **{name: value})
+    assert inspect.signature(ModelCheckpoint) == inspect.signature(LightningModelCheckpoint)
+    kept = ModelCheckpoint(tmp_path, None, None, False, "link", -1, every_n_train_steps=3)
+    assert (kept.save_last, kept.save_top_k, kept._every_n_train_steps) == ("link", -1, 3)

@@ -34,6 +34,8 @@ Lightning's save at train end rewrote it with its ``Timer`` grown by that fit's 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any
@@ -42,7 +44,9 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from typing_extensions import override
 
+from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
+from lit_dtrain.utils.args import is_flag
 from lit_dtrain.utils.loop import mid_accumulation
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -53,6 +57,23 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     """``lightning.pytorch.callbacks.ModelCheckpoint`` (same arguments, files and checkpoint state) that writes
     ``last.ckpt`` at every validation it saves at when ``save_last=True``, not only when the top-k checkpoint
     changed. A drop-in replacement in a Lightning project of one's own."""
+
+    @functools.wraps(_LightningModelCheckpoint.__init__)  # Lightning's signature (the config's argument check reads it)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning's own checks let every_n_train_steps=2.5 save at steps 5, 10 (global_step % 2.5), True count as 1
+        # and verbose="false" print; save_top_k="abc" was "'<' not supported between instances of 'str' and 'int'"
+        given = inspect.signature(_LightningModelCheckpoint.__init__).bind(self, *args, **kwargs)
+        given.apply_defaults()
+        given = given.arguments
+        for name, least in (("every_n_train_steps", 0), ("every_n_epochs", 0), ("save_top_k", -1)):
+            count = whole_at_least(least, none_ok=name != "save_top_k")  # not "3": Lightning compares it with 0
+            check_arg("ModelCheckpoint", name, given[name], lambda v, c=count: not isinstance(v, str) and c(v),
+                      f"an integer >= {least}" + (" or None" if name != "save_top_k" else ""))
+        for name in ("verbose", "save_on_exception", "save_weights_only", "auto_insert_metric_name",
+                     "enable_version_counter", "save_on_train_epoch_end", "save_last"):
+            check_arg("ModelCheckpoint", name, given[name], lambda v: v is None or is_flag(v) or v == "link",
+                      "True or False" + (" or 'link'" if name == "save_last" else "") + " (or None: the default)")
+        super().__init__(*args, **kwargs)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
