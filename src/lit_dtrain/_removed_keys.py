@@ -87,7 +87,11 @@ def check_run_dir_keys(config: DictConfig, run_name: bool) -> None:
     exception formatting'). With ``run_name`` (a single run's dir), a ``run_name`` that names no dir of its own too."""
     from lit_dtrain._config_values import check_run_name
 
-    for key in filter(None, map(_removed, OmegaConf.select(config, "hydra.overrides.task", default=None) or [])):
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None)
+    # as text: iterating the list resolved each override, and 'seed=${hydra:job.num}' raised 'HydraConfig was not
+    # set' here (Hydra sets it per job, later), so Hydra warned and skipped this check and the sweep dir's
+    overrides = OmegaConf.to_container(task, resolve=False) if task is not None else []
+    for key in filter(None, map(_removed, overrides)):
         if key in ("paths", "paths.log_dir") and OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
             raise ConfigError(_removed_needed(key))
     if run_name:

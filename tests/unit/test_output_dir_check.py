@@ -101,3 +101,22 @@ def test_a_removed_log_dir_is_refused_before_hydra_builds_the_run_dir(removed, m
     with pytest.raises(SystemExit):
         getattr(OutputDirCheck(), hook)(config)
     assert capsys.readouterr().err.startswith(f"error: {match}")
+
+
+@pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start"])
+def test_an_override_interpolating_hydra_keeps_the_output_dir_check(tmp_path, hook, capsys):
+    """'-m seed=${hydra:job.num} ...' (Hydra sets its config per job, later): reading the overrides resolved each
+    one, so the check raised 'HydraConfig was not set', Hydra warned and skipped it, and an unwritable sweep dir was
+    'NotADirectoryError' in a traceback. The overrides are read as text: the dir's refusal in one line."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    (tmp_path / "file").write_text("x")
+    config = OmegaConf.create({"run_name": "x", "hydra": {
+        "overrides": {"task": ["seed=${hydra:job.num}", "optimizer.lr=1e-3,2e-3"]},
+        "run": {"dir": str(tmp_path / "file" / "runs" / "x")}, "sweep": {"dir": str(tmp_path / "file" / "m")}}})
+    with pytest.raises(SystemExit):
+        getattr(OutputDirCheck(), hook)(config)
+    kind = "run" if hook == "on_run_start" else "sweep"
+    assert capsys.readouterr().err.startswith(f"error: the {kind} dir '{tmp_path}/file/")
