@@ -19,6 +19,7 @@ from lit_dtrain.callbacks._spike_stats import (
     SpikeDetector,
     SpikeWindow,
     cooldown_factor,
+    despike,
 )
 from tests.unit._loss_spike_helpers import one_thread  # noqa: F401 - its autouse fixture, as before the split
 
@@ -273,3 +274,50 @@ def test_bad_arguments_fail_loudly() -> None:
         AdaptiveGradClip(decay=1.5)
     with pytest.raises(ValueError, match=r"^RobustStat: scale_decay must be in \(0, 1\), got 0.0$"):
         RobustStat(scale_decay=0.0)
+
+
+def test_robust_stat_median_location_is_the_median_of_the_recent_tenth_of_the_window() -> None:
+    """``"median"``: the location is the median of the last ``max(3, window // 10)`` values, so it follows a falling
+    loss; the median of the whole window (50.5 here) lagged 45 steps behind, and a spike to 40 read as a drop."""
+    stat = RobustStat("median", window=100, warmup=3, min_rel_scale=0.0)
+    for x in range(100, 0, -1):  # 100, 99, ..., 1: the last 10 are 10..1
+        stat.add(float(x))
+    assert stat.location() == 5.5
+    assert stat.raw_scale() == pytest.approx(1.4826 / math.sqrt(2.0))  # every first difference is 1
+    assert stat.zscore(40.0) == pytest.approx((40.0 - 5.5) / (1.4826 / math.sqrt(2.0)))
+    short = RobustStat("median", window=20, warmup=3, min_rel_scale=0.0)
+    for x in (9.0, 1.0, 2.0, 30.0):  # window // 10 = 2 < 3: the last 3 values
+        short.add(x)
+    assert short.location() == 2.0
+
+
+def test_despike_replaces_upward_outliers_only_by_the_median_of_their_neighbours() -> None:
+    """Only a rise is a spike: an unusually low loss (an easy batch) inside the warmup stays as it is; a high one is
+    replaced by the median of its 10 neighbours, itself left out (with it, 5.2 here)."""
+    values = [5.0, 5.2, 5.0, 5.2, 5.0, 5.1, 5.2, 5.0, 5.2, 5.0, 5.2]
+    dip = values[:5] + [1.0] + values[6:]
+    assert despike(dip, 3.0) == dip
+    assert despike(values[:5] + [9.0] + values[6:], 3.0) == values  # five 5.0 and five 5.2 around it: 5.1
+
+
+def test_the_scale_is_at_least_min_rel_scale_of_the_location() -> None:
+    """A plateau (every forecast error 0) has the scale ``min_rel_scale * |location|``, not ``min_scale``: a rise of
+    10 % is z = 10 at ``min_rel_scale=0.01``, not 5e7."""
+    stat = RobustStat("ema", warmup=2, clip_z=None, min_rel_scale=0.01)
+    for _ in range(5):
+        stat.add(5.0)
+    assert stat.raw_scale() == 0.0
+    assert stat.scale() == pytest.approx(0.05)
+    assert stat.zscore(5.5) == pytest.approx(10.0)
+
+
+def test_a_level_shift_shorter_than_the_warmup_still_detects_the_next_spike() -> None:
+    """The statistics reseeded from a run of ``max_consecutive`` spikes are ready at once, even where that run is
+    shorter than ``warmup_steps``: else the first spike after a level shift went unseen for the rest of a warmup."""
+    d = SpikeDetector(max_consecutive=3, warmup_steps=5)
+    for i in range(10):
+        assert not d.decide(1.0 + 0.01 * (i % 2)).is_spike
+    assert [d.decide(x).reasons for x in (2.0, 2.02)] == [[LOSS_SPIKE], [LOSS_SPIKE]]
+    shift = d.decide(2.0)
+    assert shift.level_shift and not shift.is_spike
+    assert d.decide(10.0).reasons == [LOSS_SPIKE]
