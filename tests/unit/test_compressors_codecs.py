@@ -253,3 +253,17 @@ def test_powersgd_resumed_with_another_rank_starts_its_warm_start_afresh():
     out = resumed.reduce(x.clone(), SEGMENTS, LoopbackCommunicator(), step=1).wait()
     assert torch.equal(out, fresh.reduce(x.clone(), SEGMENTS, LoopbackCommunicator(), step=1).wait())
     assert {k: tuple(q.shape) for k, q in resumed.q_memory.items()} == {"w1": (40, 2), "w2": (24, 2), "emb": (24, 2)}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_of_a_block_s_maximum_stays_in_range(bits, monkeypatch):
+    """``max|block| * (1 / scale)`` is 127.0000076 in fp32 for 3.19 (7.0000005 for 2.8859 at 4 bits), so noise
+    near 1 floors it to L + 1: clamped to L it decodes to the maximum itself; unclamped, int8 wrapped it to -128 (a
+    4-bit 8 overflowed its nibble)."""
+    top = 3.190070390701294 if bits == 8 else 2.885874032974243
+    x = torch.tensor([top, -1.0, 0.5, 0.25])
+    q = BlockQuantizer(bits=bits, block_size=4, stochastic_rounding=True)
+    monkeypatch.setattr(q, "_noise", lambda params, blocks, step, device: torch.full((blocks, 4), 1 - 2.0**-24))
+    y = q.decompress(q.compress(x, [], 0), [], 4)
+    assert y[0].item() == pytest.approx(top, rel=1e-6)
+    assert torch.all((y - x).abs() <= top / q.levels)  # stochastic rounding errs by less than one step
