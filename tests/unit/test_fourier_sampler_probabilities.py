@@ -333,3 +333,15 @@ def test_the_weighted_loss_of_drawn_batches_estimates_the_target_mean():
         est = torch.tensor(est, dtype=torch.float64)
         z = abs(float(est.mean()) - ref) / (float(est.std()) / math.sqrt(len(est)))
         assert (z < 4) == unbiased, z
+
+
+def test_a_sample_drawn_twice_in_a_step_keeps_its_mean_band_profile():
+    """The table's fp16 band profile of a sample is the mean of its rows in the step (a sine of amplitude a puts its
+    variance a^2 / 2 in band 0), stored at that sample's index."""
+    s = make(score="time", stages=False)
+    t = torch.arange(64, dtype=torch.float32)
+    wave = torch.sin(2 * math.pi * 2 * t / 64)
+    s.observe(torch.stack([3 + wave, 3 + 2 * wave, 3 + 3 * wave]), torch.tensor([9, 7, 9]), 1)
+    assert s.profile[9].tolist() == pytest.approx([(0.5 + 4.5) / 2, 0.0, 0.0, 0.0], abs=1e-3)
+    assert s.profile[7].tolist() == pytest.approx([2.0, 0.0, 0.0, 0.0], abs=1e-3)
+    assert not s.profile[0].any()

@@ -203,3 +203,27 @@ def test_moment_ratio_is_scale_free_and_magnitude_is_not():
     assert mag[1] / mag[0] == pytest.approx(10.0, rel=1e-3)
     unseen = S.importance(m1, m2, torch.tensor([0, 30, 30]), "magnitude", prior=0.5)
     assert unseen[0] == 0.5
+
+
+def test_default_band_config_follows_the_brief_at_its_edges():
+    """The brief's ``(max_freq, num_bands)``: (256, 4) up to 512 tokens, (1024, 6) from 2048, (512, 5) between."""
+    assert [S.default_band_config(t) for t in (64, 512, 513, 2047, 2048, 8192)] == [
+        (256, 4), (256, 4), (512, 5), (512, 5), (1024, 6), (1024, 6)]
+
+
+def test_the_shortest_windows_put_their_one_bin_in_the_top_band():
+    """T = 2 or 3 has one non-DC bin (nyquist 1): every band edge maps to it (clamped to ``[1, T // 2]``), so it lies in
+    the top band, which then holds the row's whole variance."""
+    assert S.band_lower_bins(256, 4, 2).tolist() == S.band_lower_bins(256, 4, 3).tolist() == [1, 1, 1, 1]
+    assert S.band_energies(torch.tensor([[1.0, 3.0]]), 256, 4).tolist() == [[0.0, 0.0, 0.0, 1.0]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_frequency_score_does_not_depend_on_the_world_size(world):
+    """``W`` ranks of equal band sums all-reduce ``W`` times the energy, so each rank's weights have norm
+    ``1/sqrt(W)``; the ``sqrt(W)`` factor gives every sample the score it has on one process."""
+    profile = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.1, 0.2, 0.3, 0.4]])
+    local = profile.sum(0)
+    one = S.frequency_score(profile, S.adaptive_band_weights(local, local.square().sum()), 1)
+    many = S.frequency_score(profile, S.adaptive_band_weights(local, world * local.square().sum()), world)
+    torch.testing.assert_close(many, one)
