@@ -194,3 +194,17 @@ def test_a_utf8_byte_order_mark_at_a_files_start_is_not_trained_on(tmp_path, mon
     assert splits.meta["documents"] == 2  # the BOM-only file counts as empty
     assert "skipped 1 empty file(s)" in caplog.text
     assert "have the same bytes as another file" in caplog.text  # the same document, held out together
+
+
+@pytest.mark.parametrize("val_fraction", [0.02, 0.3])
+def test_about_val_fraction_of_the_documents_are_held_out(val_fraction):
+    """A document goes to val when its hash falls under ``val_fraction``: of 5000 distinct documents about that share
+    (within 4 binomial standard deviations), not its complement."""
+    import hashlib
+    import math
+
+    from lit_dtrain.data.token_cache import _is_val_doc
+
+    n = 5000
+    share = sum(_is_val_doc(hashlib.sha256(f"document {i}".encode()).digest(), val_fraction) for i in range(n)) / n
+    assert abs(share - val_fraction) < 4 * math.sqrt(val_fraction * (1 - val_fraction) / n)
