@@ -66,3 +66,11 @@ def test_a_branch_inside_its_default_warmup_is_told_a_fix_that_is_accepted(tiny_
                                    "default min(100, max(1, max_steps // 10)) of the branch's max_steps=54); branch "
                                    "from a stable-phase checkpoint")
     assert str(e.value).endswith(fix)
+
+
+def test_a_branch_from_the_first_stable_step_is_accepted(tiny_cfg, tmp_path):
+    """Step ``warmup_steps`` is the stable phase's first (factor 1.0): a checkpoint there is a stable-phase one."""
+    src = _checkpoint(tmp_path / "src", 2, lr=0.003)
+    cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=4", "scheduler.warmup_steps=2", run="branch")
+    assert apply_decay_branch(cfg) == 2
+    assert (cfg.trainer.max_steps, cfg.scheduler.total_steps, cfg.scheduler.decay_steps) == (6, 6, 4)
