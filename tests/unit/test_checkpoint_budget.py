@@ -61,3 +61,27 @@ def test_budget_estimate_of_a_shared_block_is_near_its_measurement():
     )
     assert report["full_ratio"] < 0.4 and report["fits"]
     assert plan == ["full", "full", "none"], report["tries"]
+
+
+def test_the_estimated_peak_adds_what_lives_outside_the_blocks():
+    """``base`` (embeddings, logits, loss) lives through the whole step, so every plan's estimate includes it: a
+    budget is a fraction of the whole no-checkpointing peak, and a plan compared without it fitted 5 bytes early."""
+    block = BlockProfile(retained={"none": 10.0, "selective": 4.0, "full": 1.0})
+    assert estimate_peak([block], ["none"], base=5.0) == 15.0
+    assert estimate_peak([block], ["full"], base=5.0) == 15.0  # its recompute brings the 10 of `none` back
+    assert estimate_peak([block, block], ["full", "none"], base=5.0) == 16.0  # 1 + 10 held after the forward
+
+
+def test_the_probe_estimates_no_checkpointing_at_exactly_its_measured_peak():
+    """The probe's ``base`` is the measured ``none`` peak less the blocks' activations, so the estimate of the
+    ``none`` plan is that peak itself (ratio 1.0): a budget of 1.0 keeps every block as it is."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, block_size=32))
+    ids = torch.randint(0, 257, (2, 33), generator=torch.Generator().manual_seed(0))
+    blocks = list(model.blocks)
+    wrappers = apply_checkpointing(blocks, uniform_plan(2, "none"))
+    plan, report = budget_plan_from_probe(
+        lambda: F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()), model, blocks, wrappers, 1.0
+    )
+    assert plan == ["none", "none"]
+    assert report["tries"][0]["estimated_ratio"] == pytest.approx(1.0, abs=1e-12)
