@@ -232,7 +232,9 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
     file descriptors') come back as a subprocess's would: ``SystemExit``'s code, or 1 and the traceback on stderr for
     any other exception. A fresh Python per call cost 3-5 s of imports (torch, Lightning) for a flag check that
     takes milliseconds. What a script's module code or ``main`` may set for the process is put back: ``sys.argv``,
-    ``sys.path``, the working directory, the environment, warning filters, logger levels, torch's thread count,
+    ``sys.path``, the working directory, the environment, warning filters, the loggers (levels and handlers:
+    Hydra's logging set-up left the root logger writing to a stream pytest had closed, and a later test's stderr
+    began with '--- Logging error ---'), torch's thread count,
     matmul precision and global RNG, and the flag ``train.py`` sets before Hydra composes (``compose_for_a_run``:
     a later test's ``${lit.run_dir:}`` read '<run dir>' instead of refusing, when pytest-xdist ran the tests in
     another order)."""
@@ -249,8 +251,10 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
     composing = config_resolvers._composing
     saved = (list(sys.argv), list(sys.path), os.getcwd(), dict(os.environ), torch.get_num_threads(),
              torch.get_float32_matmul_precision(), torch.random.get_rng_state())
-    levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items()
-              if isinstance(logger, logging.Logger)}
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger))]
+    logging_state = [(logger, logger.level, list(logger.handlers), logger.disabled, logger.propagate)
+                     for logger in loggers]
     capfd.readouterr()
     code = 0
     try:
@@ -279,11 +283,29 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
         torch.set_num_threads(saved[4])
         torch.set_float32_matmul_precision(saved[5])
         torch.random.set_rng_state(saved[6])
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
+        _restore_loggers(logging_state)
         config_resolvers._composing = composing
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess([PYTHON, str(path), *args], code, out, err)
+
+
+def _restore_loggers(state: list) -> None:
+    """Put back each logger's level, handlers, ``disabled`` and ``propagate`` as :func:`run_script` found them, and
+    close the handlers a script added (Hydra's ``train.log``; its console handler, on a stream pytest has closed)."""
+    import logging
+
+    kept = {id(h) for _, _, handlers, _, _ in state for h in handlers}
+    found = {id(logger) for logger, *_ in state}
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if id(handler) not in kept:
+                handler.close()
+        if isinstance(logger, logging.Logger) and id(logger) not in found:  # created by the script: as created
+            state.append((logger, logging.NOTSET, [], False, True))
+    for logger, level, handlers, disabled, propagate in state:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.disabled, logger.propagate = disabled, propagate
 
 
 def event_files(root: Path, pattern: str = "events.out.tfevents.*") -> list[Path]:

@@ -88,3 +88,19 @@ def test_train_py_refuses_a_missing_group_option_before_its_sweep_dir(tmp_path, 
         "nano, small); nothing was run"
     ]
     assert not (tmp_path / "out").exists()  # it held multirun.yaml alone
+
+
+def test_train_py_run_in_this_process_leaves_the_loggers_as_it_found_them(tmp_path, monkeypatch, capfd):
+    """Hydra's logging set-up in ``train.py`` (run in this process by ``run_script``) replaced the root logger's
+    handlers with one on the stream pytest had captured and then closed: a later test's first log line printed
+    '--- Logging error ---' into its stderr (test_sweep_checks' one-line failure test, after this file's first
+    ``train.py`` test, as pytest-xdist may order them)."""
+    import logging
+
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    run_script("../train.py", ["-m", "optimizer.lr=interval(1e-4,1e-3)"], tmp_path, capfd)
+    assert (root.level, list(root.handlers)) == before
+    logging.getLogger("lit_dtrain.test").warning("after train.py")
+    assert "Logging error" not in capfd.readouterr().err
