@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parents[1]
+SESSION_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")  # as pytest was started
 CONF_DIR = str(ROOT / "conf")
 
 # A tiny model and run: a few seconds per run on one CPU core.
@@ -104,7 +105,8 @@ def _event_file_numbers_from_zero(monkeypatch):
 
 
 # exported into the test process by L.seed_everything and by Lightning's DDP setup (a one-device DDP or FSDP run)
-_LIGHTNING_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LIGHTNING_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "OMP_NUM_THREADS")
 
 
 @pytest.fixture(autouse=True)
@@ -118,9 +120,19 @@ def _restore_lightning_env():
     - An in-process DDP run on one device exports ``LOCAL_RANK``, ``NODE_RANK`` and ``MASTER_ADDR/PORT``: a later
       test's ``train.py`` with 2 DDP ranks then took itself for an externally launched rank 0 and waited for a rank
       1 forever (tests/e2e/test_multirun_ddp.py after tests/unit/test_distributed_exit.py).
+    - Its launcher, where ``OMP_NUM_THREADS`` is unset, gives torch ``cores // processes`` threads and exports that
+      number (``_set_num_threads_if_needed``): after test_distributed_exit.py's one-device DDP run this process ran
+      2 threads, not ``_one_torch_thread``'s 1, and every later ``train.py`` it started inherited
+      ``OMP_NUM_THREADS=2``; a 2-rank ``trainer=ddp_cpu`` run then runs 2 threads a rank on 2 cores (68 tokens/s
+      against ~1600-2150, docs/benchmarks.md "Torch threads per rank"). Both are put back too.
     """
+    import torch
+
     saved = {k: os.environ.get(k) for k in _LIGHTNING_ENV}
+    threads = torch.get_num_threads()
     yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -75,6 +75,18 @@ def test_a_one_process_group_the_run_started_is_destroyed_when_train_returns(tin
             dist.destroy_process_group()
 
 
+def test_the_threads_lightnings_launcher_set_for_the_run_above_are_not_left_for_later_tests():
+    """Runs after the test above in this file's order. Its one-device DDP runs had Lightning's launcher give torch
+    ``cores // 1`` threads and export ``OMP_NUM_THREADS`` to match (2 on a 2-core machine): every later test in this
+    process ran on 2 threads instead of ``_one_torch_thread``'s 1, and every ``train.py`` it started inherited
+    ``OMP_NUM_THREADS=2`` (conftest's ``_restore_lightning_env`` puts both back now)."""
+    import torch
+
+    from tests.conftest import SESSION_OMP_NUM_THREADS
+
+    assert (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")) == (1, SESSION_OMP_NUM_THREADS)
+
+
 def test_all_gather_stacked_stacks_by_rank_without_torchs_deprecation_warning(tmp_path):
     """Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which torch 2.13
     deprecates with a FutureWarning on the console (a spike exclusion or a stop signal under DDP printed it)."""
