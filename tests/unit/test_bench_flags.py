@@ -139,13 +139,14 @@ def test_help_shows_each_options_default():
     assert "variants (default: a,b)" in text and "['" not in text and "[0" not in text, text
 
 
-def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(monkeypatch):
+def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(monkeypatch, tmp_path):
     """``LIT_DTRAIN_CACHE`` set but empty means ``~/.cache/lit_dtrain`` for ``train.py`` (docs/running.md), but the
     bench scripts read it with ``os.environ.get``: ``LIT_DTRAIN_CACHE= python scripts/bench_wsd.py`` took '' and
     stopped at ``data.cache_dir is empty``. They take ``paths.cache_dir``'s rule now."""
     from lit_dtrain.config_resolvers import default_cache_dir
 
     bench_comm = load_script("bench_comm")
+    monkeypatch.chdir(tmp_path)  # parse_args makes its --out dir, outputs/bench_comm under the current directory
     for value in ("", "  "):
         monkeypatch.setenv("LIT_DTRAIN_CACHE", value)
         assert default_cache_dir() == "~/.cache/lit_dtrain"

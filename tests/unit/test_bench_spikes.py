@@ -37,12 +37,13 @@ def test_the_figure_goes_under_out_dir_by_default_never_to_the_docs(tmp_path, mo
 
 @pytest.mark.parametrize("script, keys", [("bench_wsd", ["img_dir", "out_dir"]), ("bench_comm", ["out"]),
                                           ("bench_activation_ckpt", ["plot"])])
-def test_the_other_benchmarks_write_no_figure_into_the_docs_unless_asked(script, keys):
+def test_the_other_benchmarks_write_no_figure_into_the_docs_unless_asked(script, keys, monkeypatch, tmp_path):
     """Like bench_spikes: a smoke run with the defaults (``bench_wsd.py --quick``: "numbers meaningless") must not
     overwrite the docs' figures; the documented commands name docs/img explicitly."""
     spec = importlib.util.spec_from_file_location(f"_{script}_defaults", ROOT / "scripts" / f"{script}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    monkeypatch.chdir(tmp_path)  # parse_args makes the default --out dir (outputs/bench_comm) under the cwd
     args = mod.parse_args([])
     docs = (ROOT / "docs").resolve()
     for key in keys:
