@@ -137,11 +137,12 @@ def test_the_requeue_signal_requeues_only_a_run_the_requeued_job_continues(tmp_p
             slurm_plugins()  # the Trainer's plugins keep the setting train() gave
             os.kill(os.getpid(), signal.SIGUSR1)
     finally:
+        catch_requeue_signal(continues=True)  # (under the srun environment, this registers the handler again)
         signal.signal(signal.SIGUSR1, previous)
-        catch_requeue_signal(continues=True)
     assert ((tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else None) == calls
     assert ("the job is not requeued, since this command has no resume=auto" in caplog.text) is (
         not continues and rank == 0)
+    assert signal.getsignal(signal.SIGUSR1) == previous  # a later SIGUSR1 to pytest ran `scontrol requeue`
 
 
 @pytest.mark.parametrize(("conf", "env", "ckpt_path", "warned"), [
