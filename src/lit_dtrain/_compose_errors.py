@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _set_here = False  # whether this process set HYDRA_FULL_ERROR=1 (until the task function starts)
@@ -34,9 +35,7 @@ def run_reporting_unknown_keys(main) -> None:
         error = e
         message = unknown_key_message(error)
         if message is None:
-            from hydra._internal.utils import run_and_report
-
-            run_and_report(lambda: _raise(error))  # Hydra's own report, and exit 1
+            _report_as_hydra(error)
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
@@ -61,6 +60,42 @@ def full_error_asked() -> bool:
 
 def _raise(error: BaseException):
     raise error
+
+
+def _report_as_hydra(error: BaseException) -> None:
+    """Report ``error`` (raised before the task function started) as Hydra or Python did without HYDRA_FULL_ERROR=1,
+    and exit 1. Re-raised into Hydra's ``run_and_report``, a traceback it prints whole gained this module's frames
+    (``-m ... --cfg job``: 16 lines where Python's own report was 8; an unresolvable ``--cfg job --resolve``: 84 for
+    68), so that one is printed here from where Hydra's (or Python's) started; Hydra's short report (a composition
+    error's message, or a traceback cut at ``run_job``) is Hydra's own."""
+    from hydra._internal.utils import run_and_report
+
+    start, entry = None, error.__traceback__
+    while entry is not None:  # where Hydra's run_and_report caught it (the traceback it printed started there)
+        if entry.tb_frame.f_code is run_and_report.__code__:
+            start = entry
+        entry = entry.tb_next
+    hydra_reports = start is not None  # else Python's own report, from main() (the first entry is this module's)
+    start = start if hydra_reports else error.__traceback__.tb_next
+    if hydra_reports and not _hydra_prints_whole(error, start):
+        run_and_report(lambda: _raise(error.with_traceback(start)))  # Hydra's own short report, and exit 1
+    traceback.print_exception(type(error), error, start)  # as Hydra's traceback.print_exc() there, or Python's
+    raise SystemExit(1)
+
+
+def _hydra_prints_whole(error: BaseException, start) -> bool:
+    """Whether Hydra's ``run_and_report`` prints ``error``'s whole traceback from ``start`` (its own test): not a
+    composition error (its message alone), nor one with frames past a ``run_job`` among its first 10 (cut there)."""
+    from hydra.errors import CompactHydraException
+
+    if isinstance(error, CompactHydraException):
+        return False
+    tb, search_max = start, 10
+    while search_max > 0 and tb is not None:
+        frame, tb, search_max = tb.tb_frame, tb.tb_next, search_max - 1
+        if frame.f_code.co_name == "run_job":
+            break
+    return search_max == 0 or tb is None
 
 
 def unknown_key_message(error: BaseException) -> str | None:
