@@ -138,10 +138,7 @@ def max_time_timer(cfg_trainer, callbacks: list[L.Callback]) -> Timer | None:
             "(its duration) in place of trainer.max_time, or leave it out (max_time's timer measures the time too)")
     if max_time is None or own:
         return None
-    if not isinstance(max_time, str):  # a {days: .., hours: ..} mapping, as Lightning takes it
-        from omegaconf import OmegaConf
-        # resolved: {hours: ${x}} handed '${x}' on, timedelta's 'unsupported type for timedelta hours component: str'
-        max_time = OmegaConf.to_container(max_time, resolve=True) if OmegaConf.is_config(max_time) else max_time
+    # (a {days: .., hours: ..} mapping: StepEndTimer resolves it, as {hours: ${x}} handed '${x}' on to timedelta)
     return StepEndTimer(duration=max_time, interval="step")
 
 

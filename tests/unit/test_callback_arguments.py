@@ -227,6 +227,20 @@ def test_step_end_timers_arguments_are_named(kwargs, name):
     assert StepEndTimer(duration={"minutes": 1}, verbose=False)._duration == 60.0
 
 
+def test_step_end_timers_duration_from_a_config_is_taken():
+    """A callback config's ``duration: {hours: ${h}}`` reached StepEndTimer as a DictConfig (Hydra's instantiate):
+    Lightning's Timer takes a dict only and failed with "Missing key total_seconds"; ``{hour: 1}`` was timedelta's
+    "'hour' is an invalid keyword argument for __new__()"."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"h": 2, "timer": {"_target_": "lit_dtrain.callbacks.StepEndTimer",
+                                               "duration": {"hours": "${h}", "minutes": 1}}})
+    assert instantiate(node.timer)._duration == 7260.0
+    with pytest.raises(Exception, match=r"StepEndTimer: duration must be .*, got \{'hour': 1\}"):
+        instantiate({"_target_": "lit_dtrain.callbacks.StepEndTimer", "duration": {"hour": 1}})
+
+
 @pytest.mark.parametrize(("cls", "name", "value"), [(LossSpikeMonitor, "path", 5), (LossSpikeMonitor, "path", 0),
                                                     (OptimizerDiagnostics, "prefix", 3),
                                                     (OptimizerDiagnostics, "prefix", "")])

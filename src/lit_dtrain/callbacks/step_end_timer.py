@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import lightning as L
 from lightning.pytorch.callbacks import Timer
+from omegaconf import OmegaConf
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.utils.args import is_flag
@@ -39,7 +40,13 @@ class StepEndTimer(Timer):
             )
         # duration=10 (seconds) was "AttributeError: 'int' object has no attribute 'total_seconds'", and
         # verbose="false" printed the time left at the stop (bool of a string)
-        check_arg("StepEndTimer", "duration", duration, lambda v: isinstance(v, (str, timedelta, Mapping)),
+        if isinstance(duration, Mapping):  # a config's {hours: 12} (Hydra hands a DictConfig on): Lightning's Timer
+            # takes a dict only ("Missing key total_seconds"), and {hour: 12} was timedelta's "'hour' is an invalid
+            # keyword argument for __new__()"
+            duration = OmegaConf.to_container(duration, resolve=True) if OmegaConf.is_config(duration) \
+                else dict(duration)
+        check_arg("StepEndTimer", "duration", duration,
+                  lambda v: isinstance(v, (str, timedelta)) or (isinstance(v, dict) and timedelta(**v) is not None),
                   "'DD:HH:MM:SS', a datetime.timedelta or a dict such as {'hours': 12}")
         check_arg("StepEndTimer", "interval", interval, lambda v: v in ("step", "epoch"), "'step' or 'epoch'")
         check_arg("StepEndTimer", "verbose", verbose, is_flag, "True or False")
