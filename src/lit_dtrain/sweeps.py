@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from hydra.errors import CompactHydraException, InstantiationException
@@ -250,9 +251,16 @@ def reports_user_errors(task_fn):
 
 
 def _exit_with(error: BaseException):
-    """Print ``error: <message>`` on stderr and exit with status 1 (``HYDRA_FULL_ERROR=1``: raise ``error``)."""
+    """Print ``error: <message>`` on stderr and exit with status 1 (``HYDRA_FULL_ERROR=1``: its traceback, then exit
+    1). Raised under ``HYDRA_FULL_ERROR=1`` from a Hydra callback (the checks below; the task function's wrapper
+    raises it itself), the error was only Hydra's warning and the run started: ``run_name=''`` trained into the
+    runs dir itself."""
     if full_error_asked():
-        raise error
+        try:
+            raise error
+        except BaseException:  # noqa: BLE001 - printed with where it was raised, as the full error asked
+            traceback.print_exc()
+        raise SystemExit(1) from None
     print(f"error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None
 

@@ -120,3 +120,20 @@ def test_an_override_interpolating_hydra_keeps_the_output_dir_check(tmp_path, ho
         getattr(OutputDirCheck(), hook)(config)
     kind = "run" if hook == "on_run_start" else "sweep"
     assert capsys.readouterr().err.startswith(f"error: the {kind} dir '{tmp_path}/file/")
+
+
+def test_a_refusal_under_a_users_hydra_full_error_stops_the_start(monkeypatch, capsys):
+    """Under one's own ``HYDRA_FULL_ERROR=1`` a Hydra callback's refusal was raised, which Hydra only warns about
+    for a callback (``Callbacks._notify`` catches Exception): ``HYDRA_FULL_ERROR=1 python train.py run_name=''``
+    trained its steps into the runs dir itself. It is now the error's traceback and exit status 1."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    config = OmegaConf.create({"run_name": "", "hydra": {"run": {"dir": "/tmp/unused"}}})
+    with pytest.raises(SystemExit) as stop:  # (not an Exception, which Hydra would catch and warn about)
+        OutputDirCheck().on_run_start(config)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.startswith("Traceback (most recent call last):")
+    assert "ConfigError: run_name='' names no run dir of its own" in err
