@@ -164,7 +164,8 @@ def _shared_dir_message(checkpoint_dir, which: str, first: int, later: str) -> s
 
 
 # an interpolation that differs per job (the default: ${paths.output_dir}/checkpoints, in the job's dir)
-_PER_JOB = ("${hydra:job.num}", "${hydra:job.id}", "${hydra:runtime.output_dir}", "${hydra:job.override_dirname}")
+# (not ${hydra:job.override_dirname}: its exclude_keys can leave the swept keys out, so it is composed and judged)
+_PER_JOB = ("${hydra:job.num}", "${hydra:job.id}", "${hydra:runtime.output_dir}")
 _RUN_DIRS = ("${lit.run_dir:}", "${hydra:runtime.output_dir}")  # paths.output_dir's per-job values
 
 

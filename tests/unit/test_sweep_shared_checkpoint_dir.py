@@ -128,11 +128,22 @@ def test_a_dir_that_follows_one_swept_key_of_two_names_two_jobs_that_share_it(tm
     (["paths.checkpoint_dir=CKPT/${run_name}/${hydra:job.num}"], ["optimizer.lr=1e-3,3e-3"]),
     (["paths.checkpoint_dir=CKPT/${seed}_${optimizer.lr}"], ["optimizer.lr=1e-3,3e-3", "seed=1,2"]),  # swept keys
     (["paths.checkpoint_dir=CKPT"], ["optimizer=glob(adamw)"]),  # a glob of one option: one job
+    (["paths.checkpoint_dir=CKPT/${hydra:job.override_dirname}"], ["optimizer.lr=1e-3,3e-3"]),
 ])
 def test_dirs_that_resolve_apart_and_a_one_option_glob_pass(tmp_path, fixed, swept):
     """Each of these gives every job its own dir (or runs one job); ``optimizer=glob(adamw)`` was counted as two
     jobs and refused."""
     assert at_multirun_start([o.replace("CKPT", str(tmp_path)) for o in fixed], swept) is None
+
+
+def test_an_override_dirname_without_the_swept_key_is_one_dir(tmp_path):
+    """``${hydra:job.override_dirname}`` was taken for a dir per job unjudged; with the swept key in
+    ``hydra.job.config.override_dirname.exclude_keys`` it is one dir: a real 2-job sweep trained job 0 there and job 1
+    was refused ('already holds checkpoints of an earlier run')."""
+    error = at_multirun_start([f"paths.checkpoint_dir={tmp_path}/${{hydra:job.override_dirname}}",
+                               "hydra.job.config.override_dirname.exclude_keys=[optimizer.lr]"],
+                              ["optimizer.lr=1e-3,3e-3"])
+    assert error is not None and "for every job of this multirun: job 0 would train into it" in error
 
 
 def test_a_job_of_an_entry_point_without_the_callback_judges_the_resolved_dirs_too(tmp_path):
