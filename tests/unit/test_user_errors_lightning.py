@@ -13,9 +13,10 @@ from lit_dtrain.sweeps import user_error
 
 def test_a_lightning_misconfiguration_in_a_callbacks_arguments_is_one_line(tmp_path):
     """python train.py callbacks.model_checkpoint.save_top_k=-2 ended in Hydra's 'Error executing job ... Error in
-    call to target ...: MisconfigurationException('Invalid value for save_top_k=-2. Must be >= -1') full_key: ...'."""
+    call to target ...: MisconfigurationException('Invalid value for save_top_k=-2. Must be >= -1') full_key: ...'.
+    lit_dtrain's own ModelCheckpoint now refuses -2 itself (a ValueError); Lightning's class keeps its own check."""
     cfg = OmegaConf.create({"callbacks": {"model_checkpoint": {
-        "_target_": "lit_dtrain.callbacks.ModelCheckpoint", "dirpath": str(tmp_path), "save_top_k": -2}}})
+        "_target_": "lightning.pytorch.callbacks.ModelCheckpoint", "dirpath": str(tmp_path), "save_top_k": -2}}})
     with pytest.raises(Exception) as raised:
         instantiate(cfg.callbacks.model_checkpoint)
     error = user_error(raised.value)
