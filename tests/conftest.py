@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import random
 import signal
@@ -107,6 +108,18 @@ def _event_file_numbers_from_zero(monkeypatch):
 # exported into the test process by L.seed_everything and by Lightning's DDP setup (a one-device DDP or FSDP run)
 _LIGHTNING_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "OMP_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def _root_log_level_as_found():
+    """Each test leaves the root logger's level as it found it. Hydra's logging set-up (a ``@hydra.main`` run in this
+    process) sets it to INFO; every INFO record of any library then reached pytest's capture handler in each later
+    test of that process: a ``caplog`` test counted a line twice (test_data_sources), and torch's ``LoggingTensor``
+    record, whose arguments do not fit its message, failed to format (test_checkpoint_replay). One process runs the
+    tests in file order, so only pytest-xdist's other orders met it."""
+    level = logging.getLogger().level
+    yield
+    logging.getLogger().setLevel(level)
 
 
 @pytest.fixture(autouse=True)
@@ -250,7 +263,6 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
     matmul precision and global RNG, and the flag ``train.py`` sets before Hydra composes (``compose_for_a_run``:
     a later test's ``${lit.run_dir:}`` read '<run dir>' instead of refusing, when pytest-xdist ran the tests in
     another order)."""
-    import logging
     import runpy
     import traceback
     import warnings
@@ -304,7 +316,6 @@ def run_script(script: str, args: list[str], cwd: Path, capfd) -> subprocess.Com
 def _restore_loggers(state: list) -> None:
     """Put back each logger's level, handlers, ``disabled`` and ``propagate`` as :func:`run_script` found them, and
     close the handlers a script added (Hydra's ``train.log``; its console handler, on a stream pytest has closed)."""
-    import logging
 
     kept = {id(h) for _, _, handlers, _, _ in state for h in handlers}
     found = {id(logger) for logger, *_ in state}
