@@ -21,6 +21,7 @@ import re
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.sweep_grid import unresolved
 
 _SECTIONS = {"model": "choose an option instead (model=nano)", "data": "choose an option instead (data=stdlib)",
              "optimizer": "choose an option instead (optimizer=adamw)",
@@ -87,10 +88,9 @@ def check_run_dir_keys(config: DictConfig, run_name: bool) -> None:
     exception formatting'). With ``run_name`` (a single run's dir), a ``run_name`` that names no dir of its own too."""
     from lit_dtrain._config_values import check_run_name
 
-    task = OmegaConf.select(config, "hydra.overrides.task", default=None)
     # as text: iterating the list resolved each override, and 'seed=${hydra:job.num}' raised 'HydraConfig was not
     # set' here (Hydra sets it per job, later), so Hydra warned and skipped this check and the sweep dir's
-    overrides = OmegaConf.to_container(task, resolve=False) if task is not None else []
+    overrides = unresolved(OmegaConf.select(config, "hydra.overrides.task", default=None))
     for key in filter(None, map(_removed, overrides)):
         if key in ("paths", "paths.log_dir") and OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
             raise ConfigError(_removed_needed(key))
@@ -105,7 +105,7 @@ def check_removed_keys(cfg: DictConfig) -> None:
 
     if not HydraConfig.initialized():
         return
-    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # '${oc.env:X}' kept as text
+    overrides = unresolved(HydraConfig.get().overrides.task)  # '${oc.env:X}' kept as text
     for key in filter(None, map(_removed, overrides)):
         try:
             if OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT:
