@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_dtrain.callbacks import PreemptionCheckpoint
 from lit_dtrain.data.samplers.base import RandomSampler
-from tests.unit.test_callbacks_in_foreign_projects import UserLM, lm_data
+from tests.unit._user_project_helpers import UserLM, lm_data
 
 
 class Batches(L.Callback):

@@ -138,7 +138,7 @@ class ShiftedIds(torch.utils.data.Dataset):
     """A user's dataset whose ``index`` is a global id (``1000 + i``: a shard of a larger corpus), not ``0..n-1``."""
 
     def __init__(self) -> None:
-        from tests.unit.test_callbacks_in_foreign_projects import IndexedDataset
+        from tests.unit._user_project_helpers import IndexedDataset
 
         self.inner = IndexedDataset()
 
@@ -154,7 +154,7 @@ class SpikesAt(L.LightningModule):
 
     def __init__(self, steps: set[int]) -> None:
         super().__init__()
-        from tests.unit.test_callbacks_in_foreign_projects import DictBatchModule
+        from tests.unit._user_project_helpers import DictBatchModule
 
         self.inner, self.steps = DictBatchModule(), steps
 

@@ -24,7 +24,7 @@ from lit_dtrain.callbacks import (
     WSDScheduler,
     token_throughput_monitor,
 )
-from tests.unit.test_callbacks_in_foreign_projects import UserLM, _equal, lm_data
+from tests.unit._user_project_helpers import UserLM, _equal, lm_data
 
 
 class Indexed(Dataset):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dtrain.callbacks import AdaptiveGradClip, ModelCheckpoint, OptimizerDiagnostics
-from tests.unit.test_callbacks_in_foreign_projects import fit
+from tests.unit._user_project_helpers import fit
 
 
 def data(n: int = 16) -> DataLoader:
@@ -156,7 +156,7 @@ def test_fourier_sampler_stages_follow_the_batches_of_two_optimizers_under_manua
     mix, bands) came twice as fast, and at batch 2 the first optimizer's update took the warmup's x0.1 and the second's
     the ramp's x0.5. Each batch's updates now take the stage of that batch, and the sampler is fed under it."""
     from lit_dtrain.callbacks import FourierSamplerCallback
-    from tests.unit.test_callbacks_in_foreign_projects import lm_data
+    from tests.unit._user_project_helpers import lm_data
 
     used = []
 
@@ -215,7 +215,7 @@ def test_fourier_sampler_callback_names_a_token_loss_or_index_of_the_wrong_shape
     ``AttributeError: 'list' object has no attribute 'shape'``; a list of integers is now taken as the tensor."""
     from lit_dtrain.callbacks import FourierSamplerCallback
     from lit_dtrain.callbacks._contract import StepOutputError
-    from tests.unit.test_callbacks_in_foreign_projects import lm_data
+    from tests.unit._user_project_helpers import lm_data
 
     change, error = RESHAPED[name]
     data = lm_data(tmp_path)

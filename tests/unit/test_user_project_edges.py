@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_dtrain.callbacks import FourierSamplerCallback, LossSpikeMonitor, PreemptionCheckpoint, WSDScheduler
-from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
+from tests.unit._user_project_helpers import UserModule, fit, regression_data
 from tests.unit.test_preemption import Own
 
 

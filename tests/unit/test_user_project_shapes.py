@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lit_dtrain.callbacks import SelectiveCheckpointing, WSDScheduler
 from lit_dtrain.errors import ConfigError
-from tests.unit.test_callbacks_in_foreign_projects import UserModule, fit, regression_data
+from tests.unit._user_project_helpers import UserModule, fit, regression_data
 
 
 class OwnScheduler(UserModule):

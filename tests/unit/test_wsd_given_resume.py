@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lit_dtrain.callbacks import WSDScheduler
-from tests.unit.test_callbacks_in_foreign_projects import fit
+from tests.unit._user_project_helpers import fit
 
 
 @pytest.mark.parametrize(("step", "warmup", "said"), [(8, 2, "jumps up"), (4, 2, None), (4, 12, None)],

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_dtrain.callbacks import WSDScheduler
 from lit_dtrain.errors import ConfigError
-from tests.unit.test_callbacks_in_foreign_projects import UpdateLRs, UserModule, _equal, fit, regression_data
+from tests.unit._user_project_helpers import UpdateLRs, UserModule, _equal, fit, regression_data
 
 
 @pytest.mark.parametrize(
