@@ -84,7 +84,7 @@ def _interrupts_as_in_a_terminal():
 def _rank_zero_as_found():
     """Each test leaves Lightning's ``rank_zero_only.rank`` as it found it: a Trainer built with ``LOCAL_RANK=1``
     (test_rank_threads.py) set it to 1 for the rest of the session, and every later ``rank_zero_warn`` in this
-    process was silent (a ``pytest.warns`` in test_selective_checkpointing.py failed after it)."""
+    process was silent (a ``pytest.warns`` in test_selective_checkpointing_trainer.py failed after it)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     rank = getattr(rank_zero_only, "rank", 0)
