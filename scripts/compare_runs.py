@@ -4,7 +4,7 @@ scalar) against the steps trained, and a markdown table of final and best values
 when each was measured (as checkpoint names count them; Lightning logs during fit at the 0-based step, one lower).
 
     python scripts/compare_runs.py outputs/runs/a outputs/runs/b --out compare.png --table compare.md
-    python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00      # every job of a sweep
+    python scripts/compare_runs.py outputs/multiruns/2026-01-01_12-00-00.123456   # every job of a sweep
     python scripts/compare_runs.py RUN... --metric val/loss --metric lr-AdamW/decay   # one panel per metric
     python scripts/compare_runs.py RUN... --metric train/device/items_per_sec --maximize train/device/items_per_sec
 
