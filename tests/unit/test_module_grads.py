@@ -13,7 +13,7 @@ import torch
 
 from lit_dtrain.module import LitLLM, NonFiniteError
 from lit_dtrain.module_grads import StepGradNorm
-from tests.unit.test_module import fit, tiny_lit
+from tests.unit._module_helpers import fit, tiny_lit
 
 
 class LightningClip(LitLLM):
