@@ -30,6 +30,9 @@ not written (``resume=auto`` had no ``val/loss`` at the next save point, and the
 A fit that resumed ``last.ckpt`` itself and trained no step (a finished run's ``resume=auto``) leaves it as it is:
 Lightning's save at train end rewrote it with its ``Timer`` grown by that fit's brief run, so the time a
 ``trainer.max_time`` run had counted crept on at each such start (:func:`resumed_and_trained_nothing`).
+
+One object given to a new Trainer (built before a sweep loop) starts fresh, as the other callbacks do: its ``dirpath``
+from that Trainer unless one was given, and no top-k (``ModelCheckpoint._start_fresh``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import os
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from typing_extensions import override
 
@@ -74,6 +78,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             check_arg("ModelCheckpoint", name, given[name], lambda v: v is None or is_flag(v) or v == "link",
                       "True or False" + (" or 'link'" if name == "save_last" else "") + " (or None: the default)")
         super().__init__(*args, **kwargs)
+        self._dirpath_from_trainer: str | None = None  # the dirpath setup took from a Trainer (none was given)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -111,7 +116,27 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         note_stage(self, stage)
+        if stage == "fit" and trainer.global_step == 0:  # (before a ckpt_path's state is loaded)
+            self._start_fresh()
+        given = self.dirpath is not None
         super().setup(trainer, pl_module, stage)
+        if not given:
+            self._dirpath_from_trainer = self.dirpath
+
+    def _start_fresh(self) -> None:
+        """Forget the files of a fit that another Trainer ran with this object (a sweep loop, a next stage): Lightning
+        kept its dirpath (taken from the first Trainer's ``default_root_dir``) and its top-k, so a second Trainer's fit
+        wrote into the first run's ``checkpoints/``, over its ``epoch=0-step=8.ckpt`` (same name), ranked against its
+        scores, and left its own run dir without a file. A given ``dirpath`` stays (the version counter then keeps
+        both runs' files apart), as does the state of a second fit of the same Trainer (``global_step`` > 0)."""
+        if self.dirpath is not None and self.dirpath == self._dirpath_from_trainer:
+            self.dirpath = None  # taken from this fit's Trainer again
+        self._last_global_step_saved, self._last_time_checked, self._last_checkpoint_saved = 0, None, ""
+        self.current_score, self.best_model_score, self.best_k_models = None, None, {}
+        self.best_model_path = self.kth_best_model_path = self.last_model_path = ""
+        self.kth_value = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
+        self._defer_save_until_validation = False
+        self._over_top_k = []
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
