@@ -7,11 +7,12 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_dtrain.callbacks import ModelCheckpoint
+from lit_dtrain.callbacks import ModelCheckpoint, StepEndTimer
 
 
 class Regression(L.LightningModule):
@@ -81,3 +82,55 @@ def test_a_model_checkpoint_refitted_by_the_same_trainer_keeps_its_files(tmp_pat
         trainer.fit(trainer.lightning_module, train_dataloaders=loader(), val_dataloaders=loader())
     files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert Path(first).name == "epoch=0-step=4.ckpt" and files == ["epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+class Clock(L.Callback):
+    """Lightning's Timer's clock, one second a training batch (put before the timer in the callbacks)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import lightning.pytorch.callbacks.timer as timer_module
+
+        self.now = 0.0
+        monkeypatch.setattr(timer_module, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: self.now)}))
+
+    def on_train_batch_end(self, *args) -> None:
+        self.now += 1.0
+
+
+@pytest.mark.parametrize("same_trainer", [False, True])
+def test_a_step_end_timer_fitted_again_stops_at_its_duration(tmp_path: Path, monkeypatch, same_trainer) -> None:
+    """A 3 s StepEndTimer whose first fit took 2 steps of 1 s. Lightning's Timer kept that fit's end time, so the next
+    fit's elapsed time (that end minus its own start) stayed negative: a new Trainer given the same object, and the
+    same Trainer fitted again, trained all 20 steps. Now a new Trainer counts from 0 s, as a fresh timer (3 steps), and
+    the same Trainer goes on from its first fit's 2 s (1 step more)."""
+    clock, timer = Clock(monkeypatch), StepEndTimer(duration={"seconds": 3}, verbose=False)
+    trainer = fit(tmp_path / "a", [clock, timer], Regression(), max_steps=2, enable_checkpointing=False)
+    assert trainer.global_step == 2 and timer.time_elapsed() == 2.0
+    if same_trainer:
+        trainer.fit_loop.epoch_loop.max_steps = 20
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(trainer.lightning_module, train_dataloaders=loader())
+        assert trainer.global_step == 3 and timer.time_elapsed() == 3.0
+    else:
+        trainer = fit(tmp_path / "b", [clock, timer], Regression(), max_steps=20, enable_checkpointing=False)
+        fresh = fit(tmp_path / "c", [clock, StepEndTimer(duration={"seconds": 3})], Regression(), max_steps=20,
+                    enable_checkpointing=False)
+        assert trainer.global_step == fresh.global_step == 3 and timer.time_elapsed() == 3.0
+
+
+def test_a_validation_of_a_checkpoint_between_two_fits_leaves_the_step_end_timers_count(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """trainer.validate(ckpt_path=<step 1's file>) between two fits of the same Trainer: Lightning loads the timer's
+    state there too, so the second fit went on from that file's 1 s, not the first fit's 2 s (and stopped a step
+    late). The timer keeps the count of the fit it serves, as the other callbacks do."""
+    clock, timer = Clock(monkeypatch), StepEndTimer(duration={"seconds": 3}, verbose=False)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1)
+    trainer = fit(tmp_path, [clock, timer, saves], Regression(), max_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.validate(trainer.lightning_module, loader(), ckpt_path=tmp_path / "ck" / "epoch=0-step=1.ckpt",
+                         verbose=False)
+        trainer.fit_loop.epoch_loop.max_steps = 20
+        trainer.fit(trainer.lightning_module, train_dataloaders=loader())
+    assert trainer.global_step == 3 and timer.time_elapsed() == 3.0

@@ -11,9 +11,11 @@ from datetime import timedelta
 
 import lightning as L
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import RunningStage
 from omegaconf import OmegaConf
 
 from lit_dtrain.callbacks._args import check_arg
+from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.utils.args import is_flag
 from lit_dtrain.utils.loop import mid_accumulation
 
@@ -66,6 +68,34 @@ class StepEndTimer(Timer):
         states = checkpoint.get("callbacks") or {}
         if self.state_key not in states and isinstance(states.get(type(self).__name__), dict):
             self.load_state_dict(states[type(self).__name__])
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """A fit of a new run (another Trainer given this object: a sweep loop, a next stage) counts from 0 s, as a
+        fresh timer does; a ``ckpt_path``'s time is loaded after this. Lightning's kept the previous fit's clock: its
+        check at fit start counted that fit's seconds (a first fit that used up 1 s left the next Trainer 0 steps)."""
+        note_stage(self, stage)
+        if stage == "fit" and trainer.global_step == 0:
+            self._offset = 0
+            self._forget_training_clock()
+
+    def _forget_training_clock(self) -> None:
+        self._start_time[RunningStage.TRAINING] = self._end_time[RunningStage.TRAINING] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The same Trainer fitted again (``max_steps`` raised) goes on from the time its fits took. Lightning's kept
+        the previous fit's end time, so the elapsed time (that end minus the new start) was negative until the fit
+        ended: a 2 s limit let a refit train 38 steps over 27 s."""
+        if self._end_time[RunningStage.TRAINING] is not None:
+            self._offset = self.time_elapsed()
+            self._end_time[RunningStage.TRAINING] = None
+        super().on_train_start(trainer, pl_module)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A fit's checkpoint time replaces this object's count (not that of ``validate``/``test``/``predict``
+        with ``ckpt_path=``, which serve no fit)."""
+        if state_is_for_fit(self):
+            super().load_state_dict(state_dict)
+            self._forget_training_clock()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
         if not mid_accumulation(trainer):
