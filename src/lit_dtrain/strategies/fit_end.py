@@ -59,19 +59,33 @@ def is_last_optimizer_step(trainer: Any, by_steps: bool = True) -> bool:
     return bool(progress.is_last_batch or progress.current.ready == trainer.num_training_batches)
 
 
-def validates_after_this_step(trainer: Any) -> bool:
+def validates_after_this_step(trainer: Any, stop_counts: bool = True) -> bool:
     """Whether Lightning's epoch loop validates after the training batch whose optimizer step is in progress (by
-    ``val_check_interval`` in batches, ``check_val_every_n_epoch``, an epoch's last batch or an early stop already
-    requested). False outside a fit's training loop, and for a ``val_check_interval`` in time: each rank reads its
-    own clock, so a guess here could differ across ranks (one rank in a sync's all-reduce, the other not); a fit under
-    a local-update rule refuses it (:func:`refuse_validation_by_time`)."""
+    ``val_check_interval`` in batches, ``check_val_every_n_epoch``, an epoch's last batch or, with ``stop_counts``,
+    an early stop already requested that ``min_steps``/``min_epochs`` do not hold off). False outside a fit's training
+    loop, and for a ``val_check_interval`` in time: each rank reads its own clock, so a guess here could differ across
+    ranks (one rank in a sync's all-reduce, the other not); a fit under a local-update rule refuses it
+    (:func:`refuse_validation_by_time`)."""
     if trainer is None or not trainer.training or trainer.sanity_checking:
         return False
     if getattr(trainer, "_val_check_time_interval", None) is not None:
         return False
-    epoch_loop = trainer.fit_loop.epoch_loop
-    fetcher = trainer.fit_loop._data_fetcher
-    return fetcher is not None and not epoch_loop._skip_next_val and bool(epoch_loop._should_check_val_fx(fetcher))
+    return not trainer.fit_loop.epoch_loop._skip_next_val and _lightning_validates(trainer, stop_counts)
+
+
+def _lightning_validates(trainer: Any, stop_counts: bool) -> bool:
+    """Lightning's own rule for a validation after the training batch in progress (its ``_should_check_val_fx``);
+    without ``stop_counts``, as if no stop had been asked: a fit going on past this step validates here too."""
+    epoch_loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    if stop_counts or not trainer.should_stop:
+        return bool(epoch_loop._should_check_val_fx(fetcher))
+    trainer.should_stop = False  # the one input of Lightning's rule a stop changes
+    try:
+        return bool(epoch_loop._should_check_val_fx(fetcher))
+    finally:
+        trainer.should_stop = True
 
 
 def refuse_validation_by_time(strategy: Any, trainer: Any) -> None:
@@ -128,7 +142,9 @@ def only_ends_the_fit(strategy: Any, trainer: Any, counting: bool) -> bool:
     step in progress is not counted yet). A resume from a checkpoint written after it (an extension of a finished
     fit) goes on from the state before it (``_comm_state.kept_for_a_resume``)."""
     lu = strategy.local_update
-    if strategy.sync_before_validation and validates_after_this_step(trainer):
+    # a validation only because of a stop asked before this step's end (in training_step, a callback's
+    # on_before_optimizer_step) is not one: its sync was not kept, and a resume went on from it (0.0029 off)
+    if strategy.sync_before_validation and validates_after_this_step(trainer, stop_counts=False):
         return False
     return lu.steps_since_sync + counting < lu.period
 
@@ -153,10 +169,12 @@ def sync_or_warn_before_validation(strategy: Any) -> None:
     if validation_between_syncs_message(lu, trainer) is None or strategy.session.comm is None:
         return
     if strategy.sync_before_validation:
-        # a validation that runs because of a stop: a resume goes on from the state before its sync. A stop that
-        # min_steps / min_epochs hold off trains on, and a validation until then is one the fit makes anyway (what
-        # Lightning's _should_check_val_fx reads)
-        stop = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+        # a validation that runs only because of a stop: a resume goes on from the state before its sync. A stop
+        # that min_steps / min_epochs hold off trains on, and a validation until then is one the fit makes anyway
+        # (what Lightning's _should_check_val_fx reads); so is one that falls here anyway (val_check_interval), whose
+        # sync was kept as if the fit stopped (a stop after batch 5 of accumulation 2: 0.011 off)
+        stop = (trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+                and not _lightning_validates(trainer, stop_counts=False))
         with kept_for_a_resume(strategy, trainer.global_step if stop else None):
             strategy.session.final_sync(strategy.session.named_params(module))
     else:
