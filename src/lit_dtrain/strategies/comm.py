@@ -39,7 +39,10 @@ def bucket_segments(bucket: dist.GradBucket, names: dict[int, str]) -> list[Segm
     base, item = buffer.data_ptr(), buffer.element_size()
     segments = []
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
-        offset = (grad.data_ptr() - base) // item
+        # a parameter of zero elements (a layer of width 0) has a view without data (data_ptr 0): it sits where the
+        # one before it ends (the buffer holds the gradients in this order); every fit of such a model failed here
+        end = segments[-1].offset + segments[-1].numel if segments else 0
+        offset = (grad.data_ptr() - base) // item if grad.numel() else end
         if not 0 <= offset <= buffer.numel() - grad.numel():
             raise RuntimeError("a DDP bucket gradient is not a view into the bucket buffer; cannot compress it")
         segments.append(Segment(names[id(param)], offset, grad.numel(), tuple(grad.shape)))
