@@ -57,6 +57,16 @@ def test_the_values_the_checks_accept_are_unchanged():
     assert (d.sync_period, d.outer_lr, d.outer_momentum, d.nesterov) == (2, 1.0, 0.0, False)
 
 
+def test_topks_initial_ratio_from_numpy_keeps_the_schedule_of_the_same_value_written_as_a_float():
+    """TopK kept initial_ratio as given: np.float32(0.25) computed the ratio schedule in float32, and at step 49 of a
+    100-step warm-up kept 474015 of 9.18M values where initial_ratio=0.25 keeps 474016."""
+    import numpy as np
+
+    given, written = (TopK(ratio=0.01, initial_ratio=v, ratio_warmup_steps=100) for v in (np.float32(0.25), 0.25))
+    assert type(given.initial_ratio) is float
+    assert [given.k_at(9_180_000, s) for s in range(100)] == [written.k_at(9_180_000, s) for s in range(100)]
+
+
 @pytest.mark.parametrize(("name", "value"), [("log_comm_metrics", "false"), ("sync_on_last_step", "false"),
                                              ("sync_before_validation", 1)])
 def test_compressed_ddps_flags_are_refused_unless_true_false_or_none(name, value):
