@@ -87,3 +87,18 @@ def test_make_fsdps_wrap_modules_of_another_type_is_refused_in_a_line(value):
 
     with pytest.raises(ValueError, match=r"^make_fsdp: wrap_modules must be module classes or dotted class paths"):
         make_fsdp(wrap_modules=value)
+
+
+@pytest.mark.parametrize("seconds", [1e10, 1e20])
+def test_a_collective_timeout_past_what_torch_counts_is_refused_in_a_line(seconds):
+    """A 'no timeout' written large: under train.py strategy.collective_timeout_s=1e10 failed the 2 ranks' first
+    connection at once ('The client socket has timed out after 10000000000000ms', blamed on a dead rank, advising
+    resume=auto: torch counts it in int64 nanoseconds); 1e20 was an OverflowError naming nothing."""
+    from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp
+
+    said = rf"^make_ddp: collective_timeout_s must be at most 1e9 seconds .*got {re.escape(repr(seconds))}$"
+    with pytest.raises(ValueError, match=said):
+        make_ddp(collective_timeout_s=seconds)
+    with pytest.raises(ValueError, match=r"^CompressedDDPStrategy: collective_timeout_s must be at most 1e9 seconds"):
+        CompressedDDPStrategy(compressor="int8", collective_timeout_s=seconds)
+    assert make_ddp(collective_timeout_s=1e9)._timeout.total_seconds() == 1e9

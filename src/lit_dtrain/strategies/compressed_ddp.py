@@ -66,16 +66,23 @@ __all__ = [
 ]
 
 
+_MOST_SECONDS = 1e9  # a collective timeout in int64 nanoseconds ends near 9.2e9 s
+
+
 def collective_timeout(seconds: Any, caller: str | None = None) -> timedelta:
-    """``collective_timeout_s`` as a ``timedelta``; a ValueError unless it is a number > 0 (a negative one reached
-    torch's TCPStore as 'The client socket has timed out after -1000ms'). It names ``caller``'s argument
+    """``collective_timeout_s`` as a ``timedelta``; a ValueError unless it is a number > 0 and <= 1e9 (a negative one
+    reached torch's TCPStore as 'The client socket has timed out after -1000ms'). It names ``caller``'s argument
     (``make_ddp: collective_timeout_s ...``) where given, else the config key ``strategy.collective_timeout_s``, which
     :func:`~lit_dtrain.strategies.by_name.build_strategy` checks before it builds a config's strategy: a Python user's
     ``make_ddp(collective_timeout_s='60')`` was told of ``strategy.collective_timeout_s``, a key of train.py's."""
     ok = is_number(seconds) and seconds > 0  # np.int64(60) too
+    name = f"{caller}: collective_timeout_s" if caller else "strategy.collective_timeout_s"
     if not ok or seconds == float("inf"):
-        name = f"{caller}: collective_timeout_s" if caller else "strategy.collective_timeout_s"
         raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
+    if seconds > _MOST_SECONDS:  # "no timeout" written large: 1e10 failed the first connection at once ('The client
+        # socket has timed out after 10000000000000ms'), 1e20 was an OverflowError naming nothing
+        raise ValueError(f"{name} must be at most 1e9 seconds (31 years; torch counts it in nanoseconds, and a longer "
+                         f"one overflows), got {seconds!r}")
     return timedelta(seconds=float(seconds))
 
 
