@@ -102,3 +102,13 @@ def test_a_collective_timeout_past_what_torch_counts_is_refused_in_a_line(second
     with pytest.raises(ValueError, match=r"^CompressedDDPStrategy: collective_timeout_s must be at most 1e9 seconds"):
         CompressedDDPStrategy(compressor="int8", collective_timeout_s=seconds)
     assert make_ddp(collective_timeout_s=1e9)._timeout.total_seconds() == 1e9
+
+
+@pytest.mark.parametrize("given", [{"initial_ratio": 0.25}, {"ratio_warmup_steps": 100}])
+def test_topks_dynamic_ratio_given_half_is_refused(given):
+    """strategy.compressor.initial_ratio=0.25 without ratio_warmup_steps (its config default 0) trained at ratio from
+    the first step (1000 of 100000 values kept, not 25000), as ratio_warmup_steps without initial_ratio did."""
+    said = rf"^TopK: {next(iter(given))} needs .* too \(the kept fraction decays .*\), got initial_ratio=.*, ratio_warm"
+    with pytest.raises(ValueError, match=said):
+        TopK(ratio=0.01, **given)
+    assert TopK(ratio=0.01, initial_ratio=0.25, ratio_warmup_steps=100).k_at(100_000, 0) == 25_000

@@ -116,6 +116,12 @@ class TopK(Compressor):
         check_arg("TopK", "ratio_warmup_steps", ratio_warmup_steps, whole_at_least(0), "an integer >= 0")
         if value_dtype not in _VALUE_DTYPES:
             raise ValueError(f"TopK: value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {value_dtype!r}")
+        if (initial_ratio is None) != (int(ratio_warmup_steps) == 0):  # one without the other did nothing, silently
+            given, needs = (("initial_ratio", "ratio_warmup_steps > 0") if initial_ratio is not None
+                            else ("ratio_warmup_steps", "initial_ratio"))
+            raise ValueError(f"TopK: {given} needs {needs} too (the kept fraction decays from initial_ratio to ratio "
+                             f"over ratio_warmup_steps), got initial_ratio={initial_ratio!r}, "
+                             f"ratio_warmup_steps={ratio_warmup_steps!r}")
         super().__init__(error_feedback=error_feedback, start_step=start_step)
         # as Python floats: np.float32(0.25) computed the schedule in float32 (k 474015 for 474016 at step 49 of 100,
         # 9.18M values) and a Fraction exactly, apart from the same value written 0.25
