@@ -108,19 +108,27 @@ def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, pla
 
 def warn_if_stopped_before_the_decay(trainer: L.Trainer, total_steps: int, decay_steps: int,
                                      factor: Callable[[int], float], advice: str | None = None,
-                                     warmup_steps: int = 0) -> None:
+                                     warmup_steps: int = 0, planned_at_start: float | None = None) -> None:
     """A fit that stopped before the steps it planned (``EarlyStopping``, ``max_time``, ``trainer.should_stop``, an
     unsized DataLoader that ran out) and before the decay's end: its weights are not the decayed ones, and nothing
     said so (the check at train start saw the planned steps). A signal's stop raises and never gets here. ``advice``:
     how to decay them where a resume would not (under ``train.py`` an early-stopped checkpoint's resume trains no
     step, and told to 'resume with WSDScheduler(total_steps=4 + D, ...)' one trained none: its decay branch);
     None: resume with the decay's horizon. Inside the warmup (``warmup_steps``) neither takes the checkpoint (a decay
-    branch is refused there, a resume with a horizon inside the warmup too): train past it first."""
-    step, planned = trainer.global_step, estimated_steps(trainer)
+    branch is refused there, a resume with a horizon inside the warmup too): train past it first.
+    ``planned_at_start``: the trainer's estimate at train start, which the fit is held to (the estimate now counts every
+    epoch at the last one's length: under ``reload_dataloaders_every_n_epochs`` a train DataLoader reloaded shorter
+    made the fit's 12 steps look planned, and one that ended at 0.5x the peak LR went without a word)."""
+    step, now = trainer.global_step, estimated_steps(trainer)
+    planned = now if planned_at_start is None else planned_at_start
     known = math.isfinite(planned) and planned >= 0  # (inf: an unsized DataLoader, the data decides)
     if step == 0 or step >= total_steps or (known and int(planned) <= step):
         return
     why = "EarlyStopping, max_time or trainer.should_stop"
+    if known and now != planned and trainer.reload_dataloaders_every_n_epochs:
+        why = (f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} reloaded the train "
+               f"DataLoader with fewer batches than the plan counted for every epoch at train start; for epochs "
+               f"that change length, give WSDScheduler the fit's steps, total_steps={step}")
     of = f"of the {int(planned)} it planned ({why})" if known else f"(a DataLoader without a length ran out, {why})"
     advice = advice or f"resume from its last checkpoint with WSDScheduler(total_steps={step} + D, decay_steps=D)"
     if step < warmup_steps:  # the LR still rising: the branch, or the horizon, above is refused here

@@ -113,6 +113,7 @@ class WSDScheduler(StepHooksCallback):
         # way to decay a run stopped before its decay (its decay branch); None: resume with a shorter total_steps
         self.decay_advice: str | None = None
         self._start_step = 0  # global_step at train start: a fit that trained no step says nothing at its end
+        self._planned: float | None = None  # the trainer's planned steps at train start (automatic optimization)
         self._past_due = False  # a step past the horizon is still to be warned about (automatic optimization)
         self.base_lrs: list[list[float]] | None = None  # per optimizer, per param group
         self.last_step: int = -1  # the step whose LR was set last
@@ -249,7 +250,7 @@ class WSDScheduler(StepHooksCallback):
                 "WSDScheduler: the peak LRs are unknown: the optimizers did not exist at on_fit_start and no "
                 "checkpoint restored this callback's state (the restored optimizer's LR is not the peak)"
             )
-        step = self._start_step = trainer.global_step
+        step, self._start_step, self._planned = trainer.global_step, trainer.global_step, None
         resumed, self._resumed_schedule = self._resumed_schedule, {}
         given = self._arguments["total_steps"] is not None
         if self.warn_on_resume_lr or not given:
@@ -281,7 +282,7 @@ class WSDScheduler(StepHooksCallback):
         larger than the horizon): every step past it runs at ``min_lr_factor`` (LR 0 by default), training nothing
         while it costs compute. Fewer steps: see ``_note_short_fit``. (Under manual optimization the trainer's step
         count is not an optimizer's.)"""
-        planned = estimated_steps(trainer)  # min(max_steps, max_epochs x steps); inf or -1: no end known
+        planned = self._planned = estimated_steps(trainer)  # min(max_steps, max_epochs x steps); inf, -1: no end
         if not math.isfinite(planned) or planned < 0:
             return
         planned = int(planned)
@@ -337,7 +338,7 @@ class WSDScheduler(StepHooksCallback):
             warn_optimizers_left_behind(self.updates, self.total_steps, self.decay_steps, self.lr_factor)
         elif not self.updates and self.decay_steps > 0 and trainer.global_step > self._start_step:
             warn_if_stopped_before_the_decay(trainer, self.total_steps, self.decay_steps, self.lr_factor,
-                                             self.decay_advice, self.warmup_steps)
+                                             self.decay_advice, self.warmup_steps, self._planned)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
