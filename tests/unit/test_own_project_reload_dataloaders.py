@@ -53,3 +53,16 @@ def test_a_fit_whose_reloaded_epochs_are_shorter_is_told_that_it_ended_inside_th
 def test_a_fit_whose_reloaded_epochs_keep_their_length_says_nothing(tmp_path: Path) -> None:
     trainer, wsd, said = fit_epochs(tmp_path, [16, 16])
     assert (trainer.global_step, wsd.total_steps, said) == (8, 8, [])
+
+
+def test_a_fit_whose_reloaded_epochs_are_longer_is_told_the_plan_it_started_with(tmp_path: Path) -> None:
+    """Epochs of 4 then 8 batches: the plan at train start was 8 steps, the fit runs 12, the last 4 at LR 0. The
+    warning at step 8 said 'at train start trainer.estimated_stepping_batches was 16' (the estimate at step 8, from
+    the reloaded DataLoader); now it gives the train-start 8 and names the reload."""
+    trainer, wsd, said = fit_epochs(tmp_path, [16, 32])
+    assert (trainer.global_step, wsd.total_steps) == (12, 8)
+    (line,) = said
+    assert line.startswith("WSDScheduler: the fit goes on past total_steps=8 (step 8; at train start "
+                           "trainer.estimated_stepping_batches was 8, which counts every epoch at the first one's "
+                           "length, and reload_dataloaders_every_n_epochs=1 reloaded the train DataLoader with more "
+                           "batches): its remaining steps run at min_lr_factor=0.0"), line

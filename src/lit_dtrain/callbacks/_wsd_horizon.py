@@ -93,16 +93,23 @@ def warn_if_the_horizon_moves_the_lr(saved: dict, step: int, horizon: int, facto
     )
 
 
-def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, planned: float) -> None:
+def warn_past_the_horizon(step: int, total_steps: int, min_lr_factor: float, planned: float | None,
+                          reload_every: int = 0) -> None:
     """The fit trains step ``step``, at or past ``total_steps``, though the check at train start saw no such step
-    (``planned``, Lightning's estimate then): every step from here runs at ``min_lr_factor``. Lightning's estimate
+    (``planned``, Lightning's estimate then; the message gave the estimate at this step, 16 for a train-start 8 under
+    ``reload_dataloaders_every_n_epochs``): every step from here runs at ``min_lr_factor``. Lightning's estimate
     counts every epoch at the current epoch length, also those trained before a resume that changed it (another
-    ``limit_train_batches``, more processes); a DataLoader without a length has none."""
+    ``limit_train_batches``, more processes), and every later epoch at the first's under ``reload_every``
+    (``reload_dataloaders_every_n_epochs``); a DataLoader without a length has none."""
+    counts = "every epoch at the current epoch length, also those trained before a resume that changed it"
+    if reload_every:
+        counts = (f"every epoch at the first one's length, and reload_dataloaders_every_n_epochs={reload_every} "
+                  "reloaded the train DataLoader with more batches")
     rank_zero_warn(
         f"WSDScheduler: the fit goes on past total_steps={total_steps} (step {step}; at train start "
-        f"trainer.estimated_stepping_batches was {planned}, which counts every epoch at the current epoch length, also "
-        f"those trained before a resume that changed it): its remaining steps run at min_lr_factor={min_lr_factor} of "
-        f"the peak LR. Pass total_steps=<the fit's last step + 1>, or stop the trainer at max_steps={total_steps}"
+        f"trainer.estimated_stepping_batches was {planned}, which counts {counts}): its remaining steps run at "
+        f"min_lr_factor={min_lr_factor} of the peak LR. Pass total_steps=<the fit's last step + 1>, or stop the "
+        f"trainer at max_steps={total_steps}"
     )
 
 

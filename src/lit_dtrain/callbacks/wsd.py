@@ -346,8 +346,8 @@ class WSDScheduler(StepHooksCallback):
             self._apply(trainer, trainer.global_step)
             if self._past_due and trainer.global_step >= self.total_steps:  # the estimate at train start was wrong
                 self._past_due = False
-                warn_past_the_horizon(trainer.global_step, self.total_steps, self.min_lr_factor,
-                                      estimated_steps(trainer))
+                warn_past_the_horizon(trainer.global_step, self.total_steps, self.min_lr_factor, self._planned,
+                                      trainer.reload_dataloaders_every_n_epochs)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
