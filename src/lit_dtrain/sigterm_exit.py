@@ -83,12 +83,15 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
     saved the final ``last.ckpt``)."""
     name = stop_signal(trainer).name
     if saved_last:  # facts of the run, the same on every rank (they agree on the signal): rank 0 says them
-        log_once(
+        hints = [c.resume_hint for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.resume_hint]
+        log_once(  # with this run's names, as PreemptionCheckpoint's line: a multirun job's bare resume=auto is
+            # refused (it needs hydra.sweep.dir), and a single run's starts a fresh run under a new default name
             log, logging.WARNING,
-            "stopped by %s after the last step (%d), whose last.ckpt is saved: resume=auto validates it and "
-            "writes summary.json",
+            "stopped by %s after the last step (%d), whose last.ckpt is saved: resume with %s to validate it and "
+            "write summary.json",
             name,
             trainer.global_step,
+            hints[0] if hints else train_resume_hint(None),
         )
     elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
         log_once(

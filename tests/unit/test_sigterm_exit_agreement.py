@@ -87,3 +87,15 @@ def test_a_sigterm_flagged_before_the_final_validation_is_held_not_dropped(monke
         hold.on_validation_end(trainer, None)
     assert hold.signalled and signal.getsignal(signal.SIGTERM) is before
     assert sigterm_after_the_last_step(trainer)
+
+
+def test_a_stop_after_the_last_step_says_how_to_resume_this_run(tmp_path, caplog):
+    """A SIGTERM in the final validation of job 5 of a 6-job sweep said `resume=auto validates it and writes
+    summary.json`: a multirun's bare resume=auto is refused (it needs hydra.sweep.dir), and a single run's default
+    name is its start time. The line names the run as PreemptionCheckpoint's own line does."""
+    hint = "the same -m arguments and resume=auto 'hydra.sweep.dir=/out/multiruns/wvc'"
+    trainer = SimpleNamespace(
+        global_step=6, callbacks=[PreemptionCheckpoint(dirpath=str(tmp_path), resume_hint=hint)])
+    with caplog.at_level("INFO", logger="lit_dtrain.train"):
+        assert stopped_by_sigterm(trainer, saved_last=True) == 143
+    assert f"whose last.ckpt is saved: resume with {hint} to validate it and write summary.json" in caplog.text
