@@ -12,6 +12,7 @@ left alone (Hydra's full traceback, as asked)."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import traceback
@@ -100,7 +101,9 @@ def _hydra_prints_whole(error: BaseException, start) -> bool:
 
 def unknown_key_message(error: BaseException) -> str | None:
     """The one line for Hydra's 'Could not override' error of a key its node lacks (OmegaConf's 'not in struct'), with
-    the closest key of that node, else None."""
+    the closest key of that node, else None. A key the node's ``_target_`` takes but the config does not set
+    (``trainer.detect_anomaly=true``, ``callbacks.model_checkpoint.every_n_train_steps=4``) is added with '+': the
+    line says so, where it named only the node's keys (Hydra's own advice, '+', was right there)."""
     from hydra.errors import ConfigCompositionException
     from omegaconf import DictConfig
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -115,8 +118,44 @@ def unknown_key_message(error: BaseException) -> str | None:
     if not isinstance(parent, DictConfig) or not isinstance(key, str) or "not in struct" not in cause.msg:
         return None
     section = full_key[: -len(key)].rstrip(".")
+    prefix = f"{section}." if section else ""
     keys = sorted(k for k in map(str, parent.keys()) if section or k != "hydra")
-    if hint := _not_accepted(key, set(keys), {}, prefix=f"{section}." if section else ""):
+    target, arguments = _target_arguments(parent)
+    added = _added_with_plus(error, full_key)  # '+trainer.detect_anomaly=true', as Hydra printed it
+    if key in arguments:
+        return f"{full_key} is not in the config but is an argument of {target}: add it with '+', {added!r}"
+    if hint := _not_accepted(key, set(keys), {}, prefix=prefix):
         return f"{full_key} is not a config key{hint}"
+    if close := difflib.get_close_matches(key, sorted(arguments), n=1):
+        value = added.partition("=")[2]
+        return (f"{full_key} is not a config key; did you mean '+{prefix}{close[0]}={value}'? ({target} takes "
+                f"{close[0]}, which the config does not set: '+' adds it)")
     where = f"{section} holds" if section else "the top level holds"
-    return f"{full_key} is not a config key ({where} {', '.join(keys)})"
+    holds = f"({where} {', '.join(keys)})" if keys else f"({section} holds no keys: add one with '+', {added!r})"
+    return f"{full_key} is not a config key {holds}"
+
+
+def _target_arguments(node) -> tuple[str | None, set[str]]:
+    """``node``'s ``_target_`` as written and the keyword arguments it takes (``config_keys.accepted_arguments``),
+    ``(None, set())`` for a node without one or a target that cannot be imported or followed."""
+    from hydra.utils import get_object
+
+    from lit_dtrain.config_keys import accepted_arguments
+
+    target = node._get_node("_target_") if "_target_" in node else None
+    target = target._value() if target is not None else None
+    if not isinstance(target, str) or "${" in target:
+        return None, set()
+    try:
+        arguments = accepted_arguments(get_object(target))
+    except Exception:  # noqa: BLE001 - not importable here: its instantiation names it
+        return None, set()
+    return target, {a for a in arguments or () if not a.startswith("_")}
+
+
+def _added_with_plus(error: BaseException, full_key: str) -> str:
+    """The override with a '+', from Hydra's 'To append to your config use +<override>' line."""
+    for line in str(error).splitlines():
+        if line.startswith("To append to your config use "):
+            return line[len("To append to your config use "):].strip()
+    return f"+{full_key}=<value>"

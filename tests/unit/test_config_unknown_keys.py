@@ -33,6 +33,14 @@ def no_full_error(monkeypatch):
     ("sed=3", "sed is not a config key; did you mean 'seed'?"),
     ("scheduler.zzz=3", "scheduler.zzz is not a config key (scheduler holds _partial_, _target_, decay_fraction, "
                         "decay_steps, decay_type, min_lr_factor, total_steps, warmup_steps)"),
+    # an argument of the node's target that the config does not set: '+' adds it (the line named the node's keys)
+    ("trainer.detect_anomaly=true", "trainer.detect_anomaly is not in the config but is an argument of "
+                                    "lightning.pytorch.Trainer: add it with '+', '+trainer.detect_anomaly=true'"),
+    ("callbacks.model_checkpoint.every_n_train_step=4", "callbacks.model_checkpoint.every_n_train_step is not a "
+     "config key; did you mean '+callbacks.model_checkpoint.every_n_train_steps=4'? (lit_dtrain.callbacks."
+     "ModelCheckpoint takes every_n_train_steps, which the config does not set: '+' adds it)"),
+    ("trainer.max_time.hours=1", "trainer.max_time.hours is not a config key (trainer.max_time holds no keys: add "
+                                 "one with '+', '+trainer.max_time.hours=1')"),  # (it named '' as the keys held)
 ])
 def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
     with pytest.raises(SystemExit) as stop:
