@@ -95,7 +95,13 @@ def check_run_dir_keys(config: DictConfig, run_name: bool) -> None:
         if key in ("paths", "paths.log_dir") and OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
             raise ConfigError(_removed_needed(key))
     if run_name:
-        check_run_name(config.get("run_name"))
+        try:
+            check_run_name(config.get("run_name"))
+        except ConfigError as error:  # run_name=${hydra:job.num}: null in a single run (no job number)
+            raw = config._get_node("run_name")._value() if "run_name" in config else None
+            if isinstance(raw, str) and "${" in raw:
+                raise ConfigError(f"run_name={raw!r} resolves to {config.get('run_name')!r}: {error}") from None
+            raise
 
 
 def check_removed_keys(cfg: DictConfig) -> None:

@@ -6,6 +6,7 @@ instead of a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -324,23 +325,64 @@ class OutputDirCheck(Callback):
     a traceback ('OSError: [Errno 30] Read-only file system: .../runs') that did not say which setting chose it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        _check_output_dir(config, "run")
+        with _hydra_config(config):  # ${hydra:...} in run_name or hydra.run.dir, as Hydra's run_job reads them next
+            _check_output_dir(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         _check_output_dir(config, "sweep")
 
 
+@contextlib.contextmanager
+def _hydra_config(config: DictConfig):
+    """Hydra's config set to ``config`` (a single run's, which Hydra sets itself as its job starts, right after the
+    callbacks' ``on_run_start``), put back after: ``run_name=${hydra:job.num}`` (or a ``hydra.run.dir`` of
+    ``${hydra:job.override_dirname}``) raised 'HydraConfig was not set' in the check, which Hydra only warned about,
+    and the run trained unchecked (into outputs/runs/None: a single run has no job number)."""
+    from hydra.conf import HydraConf
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_type = OmegaConf.get_type(config, "hydra") if "hydra" in config else None
+    if not (isinstance(hydra_type, type) and issubclass(hydra_type, HydraConf)):  # not Hydra's (a test's config)
+        yield
+        return
+    earlier = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(config)
+    try:
+        yield
+    finally:
+        HydraConfig.instance().cfg = earlier
+
+
 def _check_output_dir(config: DictConfig, kind: str) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+
     from lit_dtrain._removed_keys import check_run_dir_keys
     from lit_dtrain.utils.atomic import unwritable_dir_reason
 
     try:  # ~paths.log_dir: Hydra's traceback; run_name='' made the run dir outputs/runs itself (not a sweep's)
         check_run_dir_keys(config, run_name=kind == "run")
+        directory = config.hydra[kind].dir
     except ConfigError as error:
         _exit_with(error)
-    reason = unwritable_dir_reason(str(directory := config.hydra[kind].dir))
+    except OmegaConfBaseException as error:
+        if kind != "run":  # a sweep dir Hydra's sweeper resolves itself
+            raise
+        _exit_with(ConfigError(_unresolvable_run_dir(config, error)))
+    reason = unwritable_dir_reason(str(directory))
     if reason:
         _exit_with(ConfigError(
             f"the {kind} dir {str(directory)!r} {reason}; point LIT_DTRAIN_OUTPUT (paths.log_dir, now "
             f"{os.environ.get('LIT_DTRAIN_OUTPUT', 'unset: outputs')!r}) at a writable directory"
         ))
+
+
+def _unresolvable_run_dir(config: DictConfig, error: BaseException) -> str:
+    """The refusal of a run dir that cannot be resolved: ``run_name=${hydra:job.override_dirname}`` names the run dir
+    after the overrides, its own among them, so it resolves itself without end (Hydra's RecursionError traceback,
+    then 'An error occurred during Hydra's exception formatting')."""
+    raw = config.hydra.run._get_node("dir")._value()
+    if "maximum recursion depth" in str(error):
+        return (f"hydra.run.dir={raw!r} refers to itself: ${{hydra:job.override_dirname}} lists every override, the "
+                "run_name (or hydra.run.dir) that uses it too; leave that key out of it, "
+                "'hydra.job.config.override_dirname.exclude_keys=[run_name]'")
+    return f"hydra.run.dir={raw!r} cannot be resolved: {str(error).splitlines()[0]}"

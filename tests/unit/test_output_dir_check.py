@@ -137,3 +137,42 @@ def test_a_refusal_under_a_users_hydra_full_error_stops_the_start(monkeypatch, c
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.startswith("Traceback (most recent call last):")
     assert "ConfigError: run_name='' names no run dir of its own" in err
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["run_name=${hydra:job.num}"], "error: run_name='${hydra:job.num}' resolves to None: run_name=null names the "
+                                    "run dir 'None'"),
+    (["run_name=${hydra:job.override_dirname}"], "error: hydra.run.dir='${paths.log_dir}/runs/${run_name}' refers "
+     "to itself: ${hydra:job.override_dirname} lists every override, the run_name (or hydra.run.dir) that uses it "
+     "too; leave that key out of it, 'hydra.job.config.override_dirname.exclude_keys=[run_name]'"),
+    (["hydra.run.dir=RUNS/${hydra:job.override_dirname}", "seed=3"], None),
+    (["run_name=a_${hydra:job.override_dirname}", "hydra.job.config.override_dirname.exclude_keys=[run_name]"], None),
+])
+def test_a_run_dir_interpolating_hydra_is_checked_as_hydra_resolves_it(tmp_path, overrides, error, capsys):
+    """Hydra sets its config for a single run after the callbacks' on_run_start: the check raised 'HydraConfig was
+    not set', which Hydra only warned about, so 'run_name=${hydra:job.num}' (null outside a multirun) trained into
+    outputs/runs/None, and 'run_name=${hydra:job.override_dirname}' (which lists itself) ended in Hydra's
+    RecursionError traceback. Each is one line now; a dir that resolves is checked without a warning."""
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from lit_dtrain.sweeps import OutputDirCheck
+    from tests.conftest import CONF_DIR
+
+    overrides = [o.replace("RUNS", str(tmp_path / "runs")) for o in overrides]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        config = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with open_dict(config):
+        config.hydra.overrides.task = [o for o in overrides if not o.startswith("hydra.")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if error is None:
+            OutputDirCheck().on_run_start(config)
+        else:
+            with pytest.raises(SystemExit):
+                OutputDirCheck().on_run_start(config)
+    assert capsys.readouterr().err.startswith(error or "")
+    assert not HydraConfig.initialized()  # put back: Hydra sets it itself as the job starts
