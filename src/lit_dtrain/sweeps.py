@@ -53,7 +53,9 @@ def sweep_checks(cfg: DictConfig) -> None:
             "this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one run",
             " ".join(f"{k}={v}" for k, v in grid.items()),
         )
-    named = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] == "run_name"]
+    # as typed: iterating the overrides resolved each, and 'data.val_batch_size=${.batch_size}' (relative, valid in
+    # the config) resolved in Hydra's list raised 'Index 'batch_size' (str) is not an int' in a traceback
+    named = [o for o in unresolved(hc.overrides.task) if o.lstrip("+~").split("=", 1)[0] == "run_name"]
     if named and hc.mode == RunMode.MULTIRUN and hc.job.num == 0:  # once a sweep
         # `-m run_name=lr_sweep optimizer.lr=...`: the jobs went to multiruns/<time>/N, and outputs/runs/lr_sweep,
         # where the user then looked for them, did not exist

@@ -45,3 +45,19 @@ def test_the_command_lines_values_replace_an_experiments_in_the_repeat_check(tmp
                            tmp_path / "sweep" / "multirun.yaml")
             warn_if_the_grid_repeats_a_point(hydra)
     assert len(caplog.messages) == 1 and caplog.messages[0].startswith("optimizer.lr lists 0.001 more than once")
+
+
+@pytest.mark.parametrize("mode", ["run", "multirun"])
+def test_an_override_with_a_relative_interpolation_passes_the_sweep_checks(tmp_path, corpus, mode):
+    """``python train.py 'data.val_batch_size=${.batch_size}'`` (valid: relative to ``data``): the checks read the
+    overrides resolved, each line inside Hydra's list, where ``.batch_size`` indexes the list; the run failed with
+    'Index 'batch_size' (str) is not an int' in a traceback. They read them as typed now."""
+    from hydra.types import RunMode
+
+    from lit_dtrain.sweeps import sweep_checks
+
+    job = ["data.val_batch_size=${.batch_size}", "run_name=x"]
+    run_mode = RunMode.RUN if mode == "run" else RunMode.MULTIRUN
+    with multirun_job(tmp_path / "sweep" / "0", job, job, corpus, mode=run_mode) as cfg:
+        sweep_checks(cfg)
+        assert cfg.data.val_batch_size == cfg.data.batch_size
