@@ -329,10 +329,23 @@ def _given_overrides() -> dict[str, object]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from lit_dtrain.sweep_grid import unresolved
+
     if not HydraConfig.initialized():
         return {}
-    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
-    return {o.key_or_group: o.value() for o in overrides if not o.is_delete()}
+    task, parser, given = HydraConfig.get().overrides.task, OverridesParser.create(), {}
+    # as typed, each interpolation resolved alone: resolving the whole list, 'data.val_batch_size=${.batch_size}'
+    # (relative to data: valid) raised 'Index 'batch_size' (str) is not an int' inside Hydra's list, in a traceback
+    for i, o in enumerate(parser.parse_overrides(unresolved(task))):
+        value = o.value()
+        if isinstance(value, str) and "${" in value:  # trainer.max_steps=${oc.env:STEPS}: the value it gives
+            try:
+                value = parser.parse_override(str(task[i])).value()
+            except Exception:  # noqa: BLE001 - relative to its node in the config only: not judged here
+                continue
+        if not o.is_delete():
+            given[o.key_or_group] = value
+    return given
 
 
 def _refuse_given_branch_keys(nodes: list[tuple[str, DictConfig]], start: int, steps: int) -> None:
