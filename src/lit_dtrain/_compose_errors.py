@@ -132,6 +132,8 @@ def unknown_key_message(error: BaseException) -> str | None:
                 f"{close[0]}, which the config does not set: '+' adds it)")
     where = f"{section} holds" if section else "the top level holds"
     holds = f"({where} {', '.join(keys)})" if keys else f"({section} holds no keys: add one with '+', {added!r})"
+    if section == "callbacks":  # callbacks.loss_spike.z=3 without choosing loss_spike (conf/callbacks, a list)
+        holds = f"({where} {', '.join(keys)}; one of conf/callbacks is chosen first, 'callbacks=[default,{key}]')"
     return f"{full_key} is not a config key {holds}"
 
 

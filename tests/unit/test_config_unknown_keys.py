@@ -41,6 +41,9 @@ def no_full_error(monkeypatch):
      "ModelCheckpoint takes every_n_train_steps, which the config does not set: '+' adds it)"),
     ("trainer.max_time.hours=1", "trainer.max_time.hours is not a config key (trainer.max_time holds no keys: add "
                                  "one with '+', '+trainer.max_time.hours=1')"),  # (it named '' as the keys held)
+    ("callbacks.loss_spike.z=3", "callbacks.loss_spike is not a config key (callbacks holds lr_monitor, "
+     "model_checkpoint, preemption, progress_bar, throughput; one of conf/callbacks is chosen first, "
+     "'callbacks=[default,loss_spike]')"),  # a callback not chosen: its keys only named the chosen ones
 ])
 def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
     with pytest.raises(SystemExit) as stop:
