@@ -1,4 +1,5 @@
-"""WSD's workflows through train(cfg): decay branch, extend, continual pre-training, callback mode, configs."""
+"""WSD's workflows through train(cfg): decay branch, extend, continual pre-training, callback mode, the errors that
+name a workflow's key. (The experiment configs are in test_wsd_experiment_configs.py.)"""
 
 from __future__ import annotations
 
@@ -171,71 +172,6 @@ def test_workflow_config_errors_name_the_key(tiny_cfg, tmp_path, two_step_ckpt, 
     overrides = [o.replace("CKPT", ckpt) for o in overrides if not o.startswith("RUN=")]
     with pytest.raises(ConfigError, match=match):
         train(tiny_cfg(*overrides, run=run_name))
-
-
-@pytest.mark.parametrize("experiment", ["wsd_vs_cosine", "cpt_replay"])
-def test_experiment_configs_compose(experiment, tmp_path, corpus):
-    cfg = compose_cfg([f"experiment={experiment}"], tmp_path / experiment, tiny=False)
-    assert cfg.scheduler._target_.endswith("wsd_scheduler")
-    if experiment == "cpt_replay":
-        assert [s.name for s in cfg.data.sources] == ["stdlib", "licenses"]
-
-
-def test_cpt_replay_without_init_from_is_an_error(tmp_path, corpus):
-    """``experiment=cpt_replay`` continues a checkpoint. Without ``init_from`` it trained a fresh model on the
-    mixture and said nothing (its own ``init_from: null`` was the root's value). Now an error naming the key,
-    before any data is read; given on the command line, the path is used as is."""
-    missing = compose_cfg(["experiment=cpt_replay", "sample.max_new_tokens=0"], tmp_path / "a", tiny=False)
-    with pytest.raises(ConfigError, match=r"experiment=cpt_replay.*init_from=PATH"):
-        train(missing)
-    assert not (tmp_path / "token_cache").exists()  # nothing tokenized
-    given = compose_cfg(["experiment=cpt_replay", "init_from=/x/last.ckpt"], tmp_path / "b", tiny=False)
-    assert given.init_from == "/x/last.ckpt"
-    with pytest.raises(ConfigError, match=r"init_from='/x/last.ckpt' does not exist"):
-        train(given)
-
-
-def test_an_experiments_scheduler_settings_without_a_scheduler(tmp_path, corpus):
-    """``experiment=cpt_replay '~scheduler'`` leaves the experiment's ``scheduler:`` settings (warmup 50) as a node
-    without ``_target_``. With the WSD callback they are its settings (its warmup_steps reads scheduler.warmup_steps);
-    ``train()`` instantiated the node anyway and failed with ``TypeError: 'DictConfig' object is not callable``
-    after tokenizing. Without the callback nothing reads them: an error naming the node, before any compute."""
-    from lit_dtrain.config_checks import check_config, scheduler_config
-    from lit_dtrain.train import ConfigError
-
-    with_callback = compose_cfg(["experiment=cpt_replay", "~scheduler", "callbacks=[default,wsd]"],
-                                tmp_path / "a", tiny=False)
-    check_config(with_callback)
-    assert scheduler_config(with_callback) is None
-    assert with_callback.callbacks.wsd.warmup_steps == 50
-    alone = compose_cfg(["experiment=cpt_replay", "~scheduler"], tmp_path / "b", tiny=False)
-    with pytest.raises(ConfigError, match=r"scheduler has no _target_: it holds only \['warmup_steps', "
-                                          r"'decay_fraction', 'min_lr_factor'\].*scheduler=wsd.*"
-                                          r"callbacks=\[default,wsd\]"):
-        check_config(alone)
-
-
-def test_the_wsd_callback_takes_every_setting_an_experiment_leaves_in_scheduler(tmp_path, corpus):
-    """``experiment=cpt_replay '~scheduler' 'callbacks=[default,wsd]' scheduler.decay_fraction=0.5``: the callback
-    read only ``scheduler.warmup_steps`` and decayed over its own default 20% (100 of 500 steps, not 250), and a
-    ``scheduler.min_lr_factor=0.1`` decayed to 0, without a word. Each of its keys now reads the node's; a key it
-    has no argument for is an error naming it."""
-    from lit_dtrain.callbacks import WSDScheduler
-    from lit_dtrain.config_checks import check_config
-    from lit_dtrain.train import build_callbacks
-
-    common = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "~scheduler", "callbacks=[default,wsd]"]
-    cfg = compose_cfg([*common, "scheduler.decay_fraction=0.5", "scheduler.min_lr_factor=0.1",
-                       "+scheduler.decay_type=linear"], tmp_path / "a", tiny=False)
-    check_config(cfg)
-    (callback,) = [c for c in build_callbacks(cfg) if isinstance(c, WSDScheduler)]
-    assert (callback.total_steps, callback.warmup_steps, callback.decay_steps) == (500, 50, 250)
-    assert (callback.decay_type, callback.min_lr_factor) == ("linear", 0.1)
-    explicit = compose_cfg([*common, "callbacks.wsd.decay_fraction=0.1"], tmp_path / "b", tiny=False)
-    assert explicit.callbacks.wsd.decay_fraction == 0.1  # the callback's own key wins
-    unread = compose_cfg([*common, "+scheduler.decay_fracton=0.5"], tmp_path / "c", tiny=False)
-    with pytest.raises(ConfigError, match=r"scheduler.decay_fracton is set.*callbacks.wsd.*nothing reads"):
-        check_config(unread)
 
 
 @pytest.mark.slow
@@ -444,26 +380,3 @@ def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp
         train(tiny_cfg(*args, run="fresh"))  # nothing to resume: the file is needed
 
 
-def test_cpt_replay_with_another_schedule_names_the_experiments_leftover_key(tmp_path):
-    """``experiment=cpt_replay scheduler=cosine`` (the cosine re-warm of docs/wsd.md) kept the experiment's
-    ``scheduler.decay_fraction``, an argument of WSD only: a ``TypeError`` traceback. Now one line naming the key and
-    the override that drops it, which then composes and checks."""
-    from lit_dtrain.config_checks import check_config
-
-    common = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "scheduler=cosine"]
-    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 is not an argument of cosine_scheduler .*"
-                                          r"drop it with '~scheduler.decay_fraction'$"):
-        check_config(compose_cfg(common, tmp_path / "a", tiny=False))
-    fixed = compose_cfg([*common, "~scheduler.decay_fraction"], tmp_path / "b", tiny=False)
-    check_config(fixed)
-    # both re-warms decay to 0, as in the benchmark of docs/wsd.md (cosine's own default, 0.1, ended it at a tenth)
-    assert (fixed.scheduler.warmup_steps, fixed.scheduler.total_steps, fixed.scheduler.min_lr_factor) == (50, 500, 0)
-    # a constant re-warm takes neither of the experiment's decay settings: one line names both (it named only the
-    # first, and the command line fixed by it failed again on the second)
-    constant = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "scheduler=constant"]
-    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 and scheduler.min_lr_factor=0.0 are not "
-                                          r"arguments of constant_scheduler .*drop them with "
-                                          r"'~scheduler.decay_fraction' '~scheduler.min_lr_factor'$"):
-        check_config(compose_cfg(constant, tmp_path / "c", tiny=False))
-    check_config(compose_cfg([*constant, "~scheduler.decay_fraction", "~scheduler.min_lr_factor"], tmp_path / "d",
-                             tiny=False))
