@@ -57,7 +57,7 @@ def test_a_non_finite_stop_is_one_line_and_its_traceback_is_in_the_runs_log(tmp_
     printed Hydra's traceback (some 78 lines, mostly Lightning's), and its train.log said nothing of it. It is one
     line now, exit status 1, and the run's train.log holds 'run failed: NonFiniteError: ...' with the traceback
     (which scripts/compare_runs.py shows as the run's error). Other errors keep their traceback on the console
-    (tests/unit/test_sweep_checks.py::test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceback)."""
+    (tests/unit/test_sweep_error_reports.py::test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceback)."""
     proc = train_proc(tmp_path, corpus, "optimizer.lr=1e30", "trainer.max_steps=3", "run_name=nf")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]

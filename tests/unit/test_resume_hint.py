@@ -8,8 +8,8 @@ import pytest
 from hydra.types import RunMode
 
 from lit_dtrain.train import train
+from tests.unit._sweep_helpers import multirun_job
 from tests.unit.test_preemption_signals import kill_at
-from tests.unit.test_sweep_checks import multirun_job
 
 
 @pytest.mark.parametrize("mode", [RunMode.MULTIRUN, RunMode.RUN])

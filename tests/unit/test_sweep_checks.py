@@ -1,58 +1,23 @@
 """The sweep checks that ``train(cfg)`` runs under Hydra (``lit_dtrain.sweeps``): ``resume=auto`` in a multirun
 resumes job N from ``<sweep dir>/N`` only if it was trained with the same swept values, and a config that sweeps
 only with ``-m`` says so without it. The jobs run in-process under a Hydra runtime config set up the way Hydra sets
-it (mode, job dir, this start's ``multirun.yaml``)."""
+it (mode, job dir, this start's ``multirun.yaml``: _sweep_helpers.py). (How a failed job is reported is in
+test_sweep_error_reports.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from lit_dtrain.checkpoint import CheckpointError
-from lit_dtrain.data.corpus import CorpusError
-from lit_dtrain.sweeps import UserInputError, check_resumed_job, reports_user_errors, sweep_checks, user_error
+from lit_dtrain.sweeps import check_resumed_job, sweep_checks
 from lit_dtrain.train import ConfigError, train
-from tests.conftest import CONF_DIR, TINY, in_hydra_job
-
-
-@contextlib.contextmanager
-def multirun_job(job_dir: Path, sweep: list[str], job: list[str], corpus: Path, mode: RunMode = RunMode.MULTIRUN):
-    """The config of one job of ``python <entry> -m *sweep``, which Hydra expanded to ``job``, with Hydra's runtime
-    config set as in that job (``multirun.yaml`` of this start beside the job dir); ``mode=RunMode.RUN``: the one
-    run of ``python <entry> *job``."""
-    tiny = [o for o in TINY if not (o.startswith("scheduler.") and "~scheduler" in job)]
-    base = [*tiny, "sample.max_new_tokens=0", "data=textfiles", f"data.sources.0.paths=[{corpus}]"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        full = compose(config_name="train", overrides=base + job, return_hydra_config=True)
-    with open_dict(full):
-        full.hydra.mode = mode
-        if mode == RunMode.MULTIRUN:
-            full.hydra.job.num = int(job_dir.name)
-        full.hydra.runtime.output_dir = str(job_dir)
-        full.hydra.overrides.task = base + job
-        full.paths.output_dir = str(job_dir)
-        full.paths.cache_dir = str(job_dir.parent.parent / "token_cache")
-    job_dir.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save({"hydra": {"overrides": {"task": base + sweep}}}, job_dir.parent / "multirun.yaml")
-    pinned = os.environ.get("LIT_DTRAIN_SWEEP_DIR")  # train(cfg) exports the sweep dir: not for later tests
-    try:
-        with in_hydra_job(full) as cfg:
-            yield cfg
-    finally:
-        if pinned is None:
-            os.environ.pop("LIT_DTRAIN_SWEEP_DIR", None)
-        else:
-            os.environ["LIT_DTRAIN_SWEEP_DIR"] = pinned
+from tests.unit._sweep_helpers import multirun_job
 
 
 def test_train_called_from_another_hydra_entry_refuses_a_job_dir_trained_with_other_swept_values(tmp_path, corpus):
@@ -240,199 +205,6 @@ def test_train_called_from_another_hydra_entry_pins_the_sweep_dir_for_rank_1(tmp
             train(cfg)
         assert os.environ.get("LIT_DTRAIN_SWEEP_DIR") == str(job0.parent)
     assert "LIT_DTRAIN_SWEEP_DIR" not in os.environ
-
-
-def test_train_called_from_another_hydra_entry_logs_a_failed_jobs_error(tmp_path, corpus, caplog):
-    """A failed sweep job's 'job N failed: Type: message' line, which Hydra's job logging writes to the job's log
-    file and scripts/compare_runs.py shows as the job's error, was logged by the root train.py's wrapper only: a
-    job of a Hydra app of one's own calling train(cfg) that failed left nothing in its log, and compare_runs
-    listed it as 'no metrics logged'. train(cfg) logs it now, once; outside a multirun not to the console (the error
-    ends the run; its log files get it: test_a_run_stopped_by_non_finite_values_is_one_line_...). A bad input (a
-    ConfigError, a CorpusError that Hydra's instantiate wrapped) is logged in one line with its own type, any other
-    error with its traceback."""
-    job1 = tmp_path / "sweep" / "1"
-    with multirun_job(job1, ["optimizer.lr=1e-3,-1"], ["optimizer.lr=-1"], corpus) as cfg:
-        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
-            train(cfg)
-    failed = [r for r in caplog.records if "failed" in r.getMessage()]
-    assert [(r.name, r.levelno, r.getMessage()) for r in failed] == [
-        ("lit_dtrain.train", logging.ERROR, "job 1 failed: ConfigError: optimizer.lr must be > 0, got -1")
-    ]
-    assert not failed[0].exc_info  # a bad value: the line says it all
-    caplog.clear()
-    # LMDataModule's CorpusError, inside Hydra's 'Error in call to target ...': the line showed only that first line
-    with multirun_job(job1, ["data.sources.0.paths=[a],[]"], ["data.sources.0.paths=[]"], corpus) as cfg:
-        with pytest.raises(InstantiationException):
-            train(cfg)
-    (failed,) = [r for r in caplog.records if "failed" in r.getMessage()]
-    assert failed.getMessage().startswith("job 1 failed: CorpusError: data.sources.0 (data source 'text'): "
-                                          "kind='files' needs a non-empty 'paths' list"), failed.getMessage()
-    assert not failed.exc_info
-    caplog.clear()
-    stop = "+callbacks.stop._target_=lightning.pytorch.callbacks.EarlyStopping"  # no monitor: Lightning's TypeError
-    with multirun_job(job1, [stop], [stop], corpus) as cfg:  # not a bad input of ours
-        with pytest.raises(InstantiationException):
-            train(cfg)
-    (failed,) = [r for r in caplog.records if "failed" in r.getMessage()]
-    assert failed.getMessage().startswith("job 1 failed: InstantiationException: Error in call to target")
-    assert failed.exc_info[0] is InstantiationException  # with its traceback
-    caplog.clear()
-    with multirun_job(tmp_path / "runs" / "one", [], ["optimizer.lr=-1"], corpus, mode=RunMode.RUN) as cfg:
-        with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
-            train(cfg)
-    assert not [r for r in caplog.records if "failed" in r.getMessage()]
-
-
-def test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceback(tmp_path, corpus, capsys,
-                                                                                   monkeypatch):
-    """The root train.py's wrapper: Hydra printed a ConfigError under its shortened traceback (about a dozen lines,
-    the message last). A single run now prints 'error: <message>' alone and exits with status 1 (as before); a
-    multirun job fails with a CompactHydraException, which Hydra reports as its message alone after the sweep; any
-    other error, and every error under HYDRA_FULL_ERROR=1, goes on unchanged."""
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-    def failing(error):
-        def task(cfg):
-            raise error
-        return reports_user_errors(task)
-
-    bad = ConfigError("data.seed must be an integer, got 'abc' (str)")
-    with multirun_job(tmp_path / "runs" / "one", [], [], corpus, mode=RunMode.RUN) as cfg:
-        with pytest.raises(SystemExit) as exit_:
-            failing(bad)(cfg)
-        assert exit_.value.code == 1
-        assert capsys.readouterr().err == "error: data.seed must be an integer, got 'abc' (str)\n"
-        bug = RuntimeError("a bug")
-        with pytest.raises(RuntimeError) as raised:
-            failing(bug)(cfg)
-        assert raised.value is bug
-        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-        with pytest.raises(ConfigError) as raised:
-            failing(bad)(cfg)
-        assert raised.value is bad and capsys.readouterr().err == ""
-        monkeypatch.delenv("HYDRA_FULL_ERROR")
-    with multirun_job(tmp_path / "sweep" / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
-        with pytest.raises(UserInputError, match=r"^error: data.seed must be an integer") as raised:
-            failing(bad)(cfg)
-        assert raised.value.__cause__ is bad and capsys.readouterr().err == ""
-
-
-
-def test_a_run_stopped_by_non_finite_values_is_one_line_and_its_log_keeps_the_traceback(tmp_path, corpus, capsys,
-                                                                                        monkeypatch):
-    """`python train.py optimizer.lr=1e6 ...` stopped at step 1 with a NonFiniteError, which names the step and the
-    tensors, under Hydra's 78-line traceback, and its train.log said nothing of it (only a sweep job logged its
-    error there), so scripts/compare_runs.py listed the run as unfinished. It is one line on stderr now,
-    'error: <message>', exit status 1 (a multirun job: Hydra's one-line report), and a single run's log files get
-    'run failed: NonFiniteError: <message>' with the traceback; a bad input's line there has no traceback, and the
-    console gets neither (the error line says it). A start refused in an earlier run's dir logs no failure there
-    (a multirun job's line goes to the console only)."""
-    from lit_dtrain.module import NonFiniteError
-    from lit_dtrain.sweeps import logs_a_failed_job
-
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    stop = NonFiniteError("non-finite gradients at step 1 (train/loss=5.5); first bad parameter(s): ['w']")
-
-    def failing(error):
-        @logs_a_failed_job
-        def task(cfg):
-            raise error
-        return reports_user_errors(task)
-
-    log_file = tmp_path / "train.log"
-    handler = logging.FileHandler(log_file)
-    console = logging.StreamHandler()  # a StreamHandler that is no FileHandler: Hydra's console
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.addHandler(console)
-    try:
-        with multirun_job(tmp_path / "runs" / "one", [], [], corpus, mode=RunMode.RUN) as cfg:
-            with pytest.raises(SystemExit) as exit_:
-                failing(stop)(cfg)
-            assert exit_.value.code == 1
-            assert capsys.readouterr().err == f"error: {stop}\n"  # the console handler wrote nothing either
-            from lit_dtrain.callbacks.loss_spike import LossSpikeError  # the monitor's `raise` action: a stop asked for
-
-            with pytest.raises(SystemExit):
-                failing(LossSpikeError("LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])"))(cfg)
-            assert capsys.readouterr().err == "error: LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])\n"
-            with pytest.raises(SystemExit):
-                failing(ConfigError("optimizer.lr must be > 0, got -1"))(cfg)
-            assert capsys.readouterr().err == "error: optimizer.lr must be > 0, got -1\n"
-            # a start refused in the dir of an earlier run (or of one still training there): that run did not fail
-            (tmp_path / "runs" / "one").mkdir()
-            (tmp_path / "runs" / "one" / "config_resolved.yaml").write_text("seed: 1\n")
-            with pytest.raises(SystemExit):
-                failing(ConfigError("run dir is in use"))(cfg)
-            capsys.readouterr()
-        with multirun_job(tmp_path / "sweep" / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
-            with pytest.raises(UserInputError, match=r"^error: non-finite gradients at step 1") as raised:
-                failing(stop)(cfg)
-            assert raised.value.__cause__ is stop
-            capsys.readouterr()
-            # a re-run sweep's job refused in the dir of its earlier (killed) run: on the console, not in that log,
-            # where compare_runs read it as the earlier run's error
-            (tmp_path / "sweep" / "0").mkdir()
-            (tmp_path / "sweep" / "0" / "config_resolved.yaml").write_text("seed: 2\n")
-            refused = "resume=auto: sweep/0 was trained with seed=2, this job sets seed=1"
-            with pytest.raises(UserInputError, match=f"^error: {refused}"):
-                failing(ConfigError(refused))(cfg)
-            assert capsys.readouterr().err == f"job 0 failed: ConfigError: {refused}\n"
-    finally:
-        root.removeHandler(handler)
-        root.removeHandler(console)
-        handler.close()
-    lines = log_file.read_text().splitlines()
-    assert lines[0] == f"run failed: NonFiniteError: {stop}" and lines[1] == "Traceback (most recent call last):"
-    assert f"lit_dtrain.module.NonFiniteError: {stop}" in lines
-    after = lines[lines.index(f"lit_dtrain.module.NonFiniteError: {stop}") + 1:]
-    assert after[0] == "run failed: LossSpikeError: LossSpikeMonitor: 2 loss spikes within 10 steps (steps [3, 5])"
-    after = after[after.index("lit_dtrain.callbacks.loss_spike.LossSpikeError: LossSpikeMonitor: 2 loss spikes within "
-                              "10 steps (steps [3, 5])") + 1:]
-    assert after[0] == "run failed: ConfigError: optimizer.lr must be > 0, got -1"  # no traceback: the line says it
-    assert after[1] == f"job 0 failed: NonFiniteError: {stop}" and after[2] == "Traceback (most recent call last):"
-    assert not [line for line in after if "resume=auto" in line]
-
-def test_which_errors_are_a_bad_input():
-    """ConfigError, CorpusError (also inside Hydra's InstantiationException) and CheckpointError are; a checkpoint
-    that could not be written is only for an OS error (a full disk), not for an object torch cannot pickle (a bug)."""
-    corpus_error = CorpusError("data source 'text': path '/x' does not exist")
-    try:
-        raise InstantiationException("Error in call to target 'lit_dtrain.data.LMDataModule'") from corpus_error
-    except InstantiationException as e:
-        wrapped = e
-    assert user_error(wrapped) is corpus_error
-    unreadable = CheckpointError("checkpoint '/x.ckpt' is corrupt or unreadable: KeyError: 105")
-    assert user_error(unreadable) is unreadable
-
-    def write_error(cause):
-        try:
-            raise CheckpointError("could not write checkpoint '/x.ckpt': ...") from cause
-        except CheckpointError as e:
-            return e
-
-    full = write_error(OSError(28, "No space left on device"))
-    assert user_error(full) is full
-    assert user_error(write_error(TypeError("cannot pickle 'generator' object"))) is None
-    assert user_error(RuntimeError("a bug")) is None
-    assert user_error(InstantiationException("Error in call to target")) is None
-
-    def instantiation_error(cause, full_key=True):
-        try:
-            raise InstantiationException(f"Error in call to target 'x.Y':\n{cause!r}"
-                                         + ("\nfull_key: callbacks.loss_spike" if full_key else "")) from cause
-        except InstantiationException as e:
-            return e
-
-    # a constructor's argument check (a plain ValueError) is a bad input too: one line, after Hydra's node name
-    check = ValueError("LossSpikeMonitor: method must be one of ('ema', 'median'), got 'mean'")
-    named = user_error(instantiation_error(check))
-    assert isinstance(named, ConfigError)
-    assert str(named) == "callbacks.loss_spike: LossSpikeMonitor: method must be one of ('ema', 'median'), got 'mean'"
-    assert str(user_error(instantiation_error(check, full_key=False))) == str(check)
-    # other errors inside a constructor are not (a TypeError, a ValueError subclass from deeper down)
-    assert user_error(instantiation_error(TypeError("unexpected keyword argument 'x'"))) is None
-    assert user_error(instantiation_error(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"))) is None
 
 
 def test_a_swept_experiment_whose_grid_was_not_expanded_says_so(tmp_path, corpus, caplog):

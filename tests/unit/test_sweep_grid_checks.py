@@ -13,7 +13,7 @@ from omegaconf import OmegaConf, open_dict
 from lit_dtrain.sweep_grid import warn_if_the_grid_repeats_a_point
 from lit_dtrain.sweeps import check_resumed_job
 from lit_dtrain.train import ConfigError
-from tests.unit.test_sweep_checks import multirun_job
+from tests.unit._sweep_helpers import multirun_job
 
 
 def test_a_nested_group_swept_on_the_command_line_is_checked_on_resume(tmp_path, corpus):

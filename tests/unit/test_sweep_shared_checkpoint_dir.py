@@ -13,7 +13,7 @@ from omegaconf import open_dict
 from lit_dtrain.sweeps import SweepSyntaxCheck, sweep_checks
 from lit_dtrain.train import ConfigError, train
 from tests.conftest import CONF_DIR
-from tests.unit.test_sweep_checks import multirun_job
+from tests.unit._sweep_helpers import multirun_job
 
 SHARED = "is one dir for every job of this multirun: job 0 would train into it"
 

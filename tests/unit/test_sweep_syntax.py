@@ -93,7 +93,7 @@ def test_train_py_refuses_a_missing_group_option_before_its_sweep_dir(tmp_path, 
 def test_train_py_run_in_this_process_leaves_the_loggers_as_it_found_them(tmp_path, monkeypatch, capfd):
     """Hydra's logging set-up in ``train.py`` (run in this process by ``run_script``) replaced the root logger's
     handlers with one on the stream pytest had captured and then closed: a later test's first log line printed
-    '--- Logging error ---' into its stderr (test_sweep_checks' one-line failure test, after this file's first
+    '--- Logging error ---' into its stderr (test_sweep_error_reports' one-line failure test, after this file's first
     ``train.py`` test, as pytest-xdist may order them)."""
     import logging
 
