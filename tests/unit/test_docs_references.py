@@ -233,7 +233,10 @@ NOT_CONFIG_KEYS = {
     "trainer.min_steps",  # a Lightning argument the trainer config does not list: added with '+' (6g)
     "trainer.min_epochs", "trainer.max_epochs", "trainer.limit_train_batches",  # the same (6g)
 }
-WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion"}  # 6a: refused
+WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion",  # 6a: refused
+                         # running.md: keys the config lacks, and what their one-line error says to do
+                         "trainer.detect_anomaly", "callbacks.model_checkpoint.every_n_train_step",
+                         "callbacks.model_checkpoint.every_n_train_steps", "callbacks.loss_spike.z"}
 
 
 def documented_config_keys(roots: set[str]) -> dict[str, list[str]]:
