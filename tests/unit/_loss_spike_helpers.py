@@ -144,3 +144,16 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.full:
             self.after[trainer.global_step] = full_state(trainer)  # keyed by steps completed
+
+
+class LrProbe(L.Callback):
+    """The LR each step used (``applied``, at the optimizer step) and its scheduler's LR (``scheduled``, after it)."""
+
+    def __init__(self):
+        self.applied, self.scheduled = {}, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.applied[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scheduled[trainer.global_step] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]

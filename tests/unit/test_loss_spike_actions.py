@@ -14,6 +14,7 @@ from lit_dtrain.callbacks import LossSpikeMonitor
 from lit_dtrain.callbacks.loss_spike import LossSpikeError
 from tests.unit._loss_spike_helpers import (
     Inject,
+    LrProbe,
     Probe,
     assert_identical,
     assert_schedule_follows_the_step,
@@ -64,16 +65,6 @@ def test_rollback_restores_exactly_the_snapshot(tmp_path: Path) -> None:
 
 
 def test_lr_cooldown_scales_the_applied_lr_and_leaves_the_schedule(tmp_path: Path) -> None:
-    class LrProbe(L.Callback):
-        def __init__(self):
-            self.applied, self.scheduled = {}, {}
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            self.applied[trainer.global_step] = optimizer.param_groups[0]["lr"]
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.scheduled[trainer.global_step] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
-
     monitor = LossSpikeMonitor(actions=["lr_cooldown"], warmup_steps=3, cooldown_factor=0.1, cooldown_steps=2,
                                cooldown_ramp_steps=1)
     lr_probe = LrProbe()
