@@ -9,7 +9,7 @@ import zlib
 
 import numpy as np
 
-from lit_dtrain.data.cache_integrity import cache_problem, crc32_of, crc32s
+from lit_dtrain.data.cache_integrity import cache_problem, crc32_of, crc32s, with_crc32s
 
 
 def build(tmp_path, train_tokens: int = 300_000, val_tokens: int = 10):  # 600 KB of train.bin: three chunks
@@ -43,3 +43,10 @@ def test_a_meta_json_whose_crc32_entry_is_not_a_mapping_is_named_unreadable(tmp_
     meta = json.loads((tmp_path / "meta.json").read_text())
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "crc32": ["0", "1"]}))
     assert cache_problem(tmp_path).startswith("meta.json unreadable: TypeError")
+
+
+def test_a_meta_json_with_crc32s_is_taken_as_it_is_without_reading_the_files_again(tmp_path):
+    build(tmp_path, train_tokens=4)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    (tmp_path / "train.bin").unlink()  # a recomputation at every load would read it (a full pass over the cache)
+    assert with_crc32s(tmp_path, meta) is meta
