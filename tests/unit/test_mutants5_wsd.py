@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins import MixedPrecision
 
 from lit_dtrain.callbacks import WSDScheduler
-from tests.unit.test_callbacks_in_foreign_projects import LRAtEachStepCall, OverflowAtBatch
-from tests.unit.test_callbacks_in_foreign_projects import fit as foreign_fit
+from tests.unit._user_project_helpers import fit as foreign_fit
+from tests.unit.test_user_project_lr import LRAtEachStepCall, OverflowAtBatch
 from tests.unit.test_wsd_callback import LRRecorder, Toy, expected, fit
 
 
