@@ -70,6 +70,30 @@ def test_a_model_checkpoint_reused_by_a_second_trainer_writes_into_that_trainers
         assert all(torch.equal(saved[f"net.{n}"], w) for n, w in zip(("weight", "bias"), weights))
 
 
+def test_a_reused_model_checkpoint_finds_last_in_the_new_trainers_run_dir(tmp_path: Path) -> None:
+    """A sweep loop that passes ckpt_path="last" to every fit (set and forget, for preemption): Lightning looks for
+    last.ckpt before setup, in the dirpath the object kept from the first Trainer, so the second run (lr 0.1, its own
+    run dir empty) resumed the first run's last.ckpt at step 8 and trained no step (its weights the first run's). Now
+    it looks in the new Trainer's run dir: nothing there, the second run trains its 8 steps from scratch."""
+    checkpoint = ModelCheckpoint(monitor="val_loss", save_last=True)
+    steps = {}
+    for lr in (1e-3, 1e-1):
+        root = tmp_path / f"lr{lr}"
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=str(root), callbacks=[checkpoint], max_steps=8, val_check_interval=4)
+        module, start = Regression(lr), [p.detach().clone() for p in Regression(lr).parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_dataloaders=loader(), val_dataloaders=loader(), ckpt_path="last")
+        steps[lr] = (trainer.global_step, sorted(p.name for p in root.rglob("*.ckpt")))
+        trained = [p.detach().clone() for p in module.parameters()]
+        fresh = fit(tmp_path / f"fresh{lr}", [ModelCheckpoint(monitor="val_loss")], Regression(lr), max_steps=8,
+                    val_check_interval=4)
+        assert all(torch.equal(a, b) for a, b in zip(trained, fresh.lightning_module.parameters()))
+        assert not all(torch.equal(a, b) for a, b in zip(trained, start))
+    assert steps == {lr: (8, ["epoch=0-step=8.ckpt", "last.ckpt"]) for lr in (1e-3, 1e-1)}
+
+
 def test_a_model_checkpoint_refitted_by_the_same_trainer_keeps_its_files(tmp_path: Path) -> None:
     """The same Trainer fitted again (max_steps raised) goes on: the same dirpath, its top-k ranked with the first
     fit's files (save_top_k=1 keeps one step file of the two fits)."""

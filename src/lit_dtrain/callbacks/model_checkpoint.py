@@ -32,7 +32,8 @@ Lightning's save at train end rewrote it with its ``Timer`` grown by that fit's 
 ``trainer.max_time`` run had counted crept on at each such start (:func:`resumed_and_trained_nothing`).
 
 One object given to a new Trainer (built before a sweep loop) starts fresh, as the other callbacks do: its ``dirpath``
-from that Trainer unless one was given, and no top-k (``ModelCheckpoint._start_fresh``).
+from that Trainer unless one was given, and no top-k (``ModelCheckpoint._start_fresh``); its ``ckpt_path="last"`` looks
+in that Trainer's run dir (``ModelCheckpoint._find_last_checkpoints``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.kth_value = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
         self._defer_save_until_validation = False
         self._over_top_k = []
+
+    @override
+    def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
+        """The ``last`` files of ``ckpt_path="last"``, which Lightning looks for before ``setup``: for a new Trainer
+        (``global_step`` 0, as :meth:`_start_fresh` judges) in its own run dir, not the one a previous Trainer gave
+        this object (a sweep loop passing ``ckpt_path="last"`` to every fit resumed the first run's ``last.ckpt`` in
+        the second run, which trained no step)."""
+        if trainer.global_step != 0 or self.dirpath is None or self.dirpath != self._dirpath_from_trainer:
+            return super()._find_last_checkpoints(trainer)
+        kept, self.dirpath = self.dirpath, None
+        try:
+            return super()._find_last_checkpoints(trainer)
+        finally:
+            self.dirpath = kept
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
