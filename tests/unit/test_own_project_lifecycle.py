@@ -158,3 +158,35 @@ def test_a_validation_of_a_checkpoint_between_two_fits_leaves_the_step_end_timer
         trainer.fit_loop.epoch_loop.max_steps = 20
         trainer.fit(trainer.lightning_module, train_dataloaders=loader())
     assert trainer.global_step == 3 and timer.time_elapsed() == 3.0
+
+
+class RaiseOnce(L.Callback):
+    """Raises in the batch end of optimizer step ``step`` of the first fit only (an error the user then fixes)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.armed = step, True
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.armed and trainer.global_step == self.step:
+            self.armed = False
+            raise RuntimeError("the user's error")
+
+
+def test_a_step_end_timer_refitted_after_an_error_counts_the_fit_that_raised(tmp_path: Path, monkeypatch) -> None:
+    """A 3 s StepEndTimer whose fit raised after 2 steps of 1 s, the same Trainer fitted again 100 s later: Lightning
+    calls no on_train_end after an error, so the refit's check at fit start counted the 100 s between as training
+    (0 steps more), and its start then dropped the first fit's 2 s. It goes on from the 2 s, as after a fit that
+    ended (1 step more)."""
+    clock, timer = Clock(monkeypatch), StepEndTimer(duration={"seconds": 3}, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[clock, timer, RaiseOnce(2)], max_steps=20,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="the user's error"):
+            trainer.fit(Regression(), train_dataloaders=loader())
+        assert timer.time_elapsed() == 2.0
+        clock.now += 100.0
+        assert timer.time_elapsed() == 2.0
+        trainer.fit(trainer.lightning_module, train_dataloaders=loader())
+    assert trainer.global_step == 3 and timer.time_elapsed() == 3.0

@@ -90,6 +90,13 @@ class StepEndTimer(Timer):
             self._end_time[RunningStage.TRAINING] = None
         super().on_train_start(trainer, pl_module)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A fit that raised (Ctrl-C, an error the user then fixes) ends its training time here: Lightning calls no
+        ``on_train_end`` then, so a refit of the same Trainer counted the time between as training at its check (a 3 s
+        limit, 2 s used, a refit 100 s later: 0 steps) and its start dropped the time of the fit that raised."""
+        if self._start_time[RunningStage.TRAINING] is not None and self._end_time[RunningStage.TRAINING] is None:
+            super().on_train_end(trainer, pl_module)  # Lightning's end of the training time
+
     def load_state_dict(self, state_dict: dict) -> None:
         """A fit's checkpoint time replaces this object's count (not that of ``validate``/``test``/``predict``
         with ``ckpt_path=``, which serve no fit)."""
