@@ -161,3 +161,14 @@ class PoisonGradAtStep(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == self.step:
             next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(self.value)
+
+
+class SlowStart(L.Callback):
+    """Delay rank ``rank``'s start by ``seconds`` before it connects to the other ranks (built with the config, before
+    the Trainer; Lightning's launcher gives each child rank ``LOCAL_RANK``): a rank slow to import on a loaded node."""
+
+    def __init__(self, seconds: float, rank: int = 1) -> None:
+        if int(os.environ.get("LOCAL_RANK", "0")) == int(rank):
+            import time
+
+            time.sleep(float(seconds))

@@ -75,7 +75,7 @@ CONFIG_KEYS = {
 # A group's option without _target_ is read by name: strategy=auto's `name` (a Lightning strategy name) and
 # `collective_timeout_s`, and logger=none holds nothing. `+strategy.nme=ddp` (or `strategy: {nme: ddp}` in an
 # experiment file) trained with 'auto' and exited 0.
-_PLAIN_GROUP_KEYS = {"strategy": ("name", "collective_timeout_s"), "logger": ()}
+_PLAIN_GROUP_KEYS = {"strategy": ("name", "collective_timeout_s", "connect_timeout_s"), "logger": ()}
 
 
 def check_known_keys(cfg: DictConfig) -> None:

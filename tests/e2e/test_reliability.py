@@ -306,19 +306,17 @@ def test_ddp_hung_rank_hits_the_collective_timeout(tmp_path, corpus):
     ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp",
            f"strategy.collective_timeout_s={timeout_s}"]
     fault = ["+callbacks.fault._target_=tests.faults.HangAtStep", "+callbacks.fault.step=4",
-             "+callbacks.fault.seconds=300"]
-    for attempt in range(2):
-        t0 = time.monotonic()
-        hung = train_proc(tmp_path, corpus, f"run_name=hung{attempt}", *ddp, *fault, timeout=240)
-        elapsed = time.monotonic() - t0
-        err = hung.stdout + hung.stderr
-        # the 8 s also bounds the ranks' first connection (torch's init_process_group timeout): on a loaded
-        # machine rank 1's imports can outlast it ("1/2 clients joined", step 0) before the behaviour under
-        # test is reached; that start-up race, and only it, gets one more try
-        if not ("a collective failed at step 0" in err and "clients joined" in err):
-            break
+             "+callbacks.fault.seconds=300",
+             # rank 1 starts 12 s late: the 8 s bounded the ranks' first connection too ("DistStoreError: Timed out
+             # after 9 seconds waiting for clients. 1/2 clients joined." at step 0 when its imports were slow); the
+             # connection waits strategy.connect_timeout_s (1800 s), the collectives after it 8 s
+             "+callbacks.late._target_=tests.faults.SlowStart", "+callbacks.late.seconds=12"]
+    t0 = time.monotonic()
+    hung = train_proc(tmp_path, corpus, "run_name=hung", *ddp, *fault, timeout=240)
+    elapsed = time.monotonic() - t0
+    err = hung.stdout + hung.stderr
     assert hung.returncode != 0
-    # start-up + 8 s (~40 s idle; up to ~100 s on a loaded 2-core machine): rank 0 gave up on its own and did
+    # start-up + 12 s + 8 s (~50 s idle; up to ~110 s on a loaded 2-core machine): rank 0 gave up on its own and did
     # not wait out the peer's 300 s hang
     assert elapsed < 200, elapsed
     assert "CollectiveError: rank 0: a collective failed at step 4" in err, err[-3000:]

@@ -138,7 +138,8 @@ def test_a_strategy_given_by_name_is_built_as_lit_dtrains_class_and_only_while_a
         assert spawn._ddp_kwargs == {"find_unused_parameters": True}
         assert StrategyRegistry["fsdp_cpu_offload"]["strategy"] is EvenEpochsFSDPStrategy
         offload = StrategyRegistry["fsdp_cpu_offload"]["init_params"]
-        assert offload == {"cpu_offload": True, "timeout": timedelta(seconds=60)}
+        assert offload == {"cpu_offload": True, "timeout": timedelta(seconds=60),
+                           "connect_timeout": timedelta(seconds=1800)}
         with pytest.raises(RuntimeError, match="inside"), even_epochs_by_name():
             raise RuntimeError("inside")
     assert type(built("auto")) is DDPStrategy  # Lightning's registry unchanged for others

@@ -16,12 +16,14 @@ several processes): :func:`~lit_dtrain.strategies.by_name.even_epochs_by_name`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
+from lit_dtrain.strategies._connect import DEFAULT_CONNECT_S, FirstConnection
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
     CHECKPOINT_KEY,
@@ -41,18 +43,28 @@ from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 
 
-class EvenEpochsDDPStrategy(EpochLengthCheck, DDPStrategy):
-    """Lightning's ``DDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`)."""
+class EvenEpochsDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
+    """Lightning's ``DDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), whose
+    first connection waits ``connect_timeout`` (:class:`~lit_dtrain.strategies._connect.FirstConnection`)."""
+
+    def __init__(self, *args: Any, connect_timeout: timedelta | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connect_timeout = connect_timeout or self._connect_timeout
 
 
-class EvenEpochsFSDPStrategy(EpochLengthCheck, FSDPStrategy):
+class EvenEpochsFSDPStrategy(FirstConnection, EpochLengthCheck, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), and a
-    CPU accelerator when the Trainer is built.
+    CPU accelerator when the Trainer is built; its first connection waits ``connect_timeout``
+    (:class:`~lit_dtrain.strategies._connect.FirstConnection`).
 
     Lightning refuses FSDP without a GPU only for its own class (``type(strategy) is FSDPStrategy``), so this subclass
     got past the check on a CPU and failed in ``fit``, after the ranks had started, with torch's traceback
     (``RuntimeError: FSDP needs a non-CPU accelerator device``).
     """
+
+    def __init__(self, *args: Any, connect_timeout: timedelta | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connect_timeout = connect_timeout or self._connect_timeout
 
     @property
     def accelerator(self) -> Any:
@@ -71,15 +83,19 @@ class EvenEpochsFSDPStrategy(EpochLengthCheck, FSDPStrategy):
         self._accelerator = accelerator
 
 
-def make_ddp(collective_timeout_s: float = 1800, **kwargs: Any) -> DDPStrategy:
-    """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta)."""
+def make_ddp(collective_timeout_s: float = 1800, connect_timeout_s: float = DEFAULT_CONNECT_S,
+             **kwargs: Any) -> DDPStrategy:
+    """Lightning's ``DDPStrategy`` with its collective timeout given in seconds (Hydra cannot build a timedelta); the
+    ranks' first connection waits ``connect_timeout_s`` (at least ``collective_timeout_s``)."""
     refuse_unknown_keywords(make_ddp, kwargs, "make_ddp", "Lightning's DDPStrategy or torch's DistributedDataParallel",
                             TIMEOUT_INSTEAD)
-    return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s, "make_ddp"), **kwargs)
+    return EvenEpochsDDPStrategy(timeout=collective_timeout(collective_timeout_s, "make_ddp"),
+                                 connect_timeout=collective_timeout(connect_timeout_s, "make_ddp", "connect_timeout_s"),
+                                 **kwargs)
 
 
 def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",), collective_timeout_s: float = 1800,
-              **kwargs: Any) -> FSDPStrategy:
+              connect_timeout_s: float = DEFAULT_CONNECT_S, **kwargs: Any) -> FSDPStrategy:
     """Lightning's ``FSDPStrategy`` sharding each module of the classes named in ``wrap_modules`` (dotted paths).
 
     Lightning turns a *set* of classes into torch's ``ModuleWrapPolicy``; from YAML Hydra hands over a ``ListConfig``,
@@ -96,7 +112,8 @@ def make_fsdp(wrap_modules: Sequence[str | type] = ("lit_dtrain.models.Block",),
                             {**TIMEOUT_INSTEAD, "auto_wrap_policy": "wrap_modules (module classes or dotted paths)"})
     classes = {m if isinstance(m, type) else _module_class(str(m)) for m in wrap_modules}
     timeout = collective_timeout(collective_timeout_s, "make_fsdp")
-    return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=timeout, **kwargs)
+    connect = collective_timeout(connect_timeout_s, "make_fsdp", "connect_timeout_s")
+    return EvenEpochsFSDPStrategy(auto_wrap_policy=classes, timeout=timeout, connect_timeout=connect, **kwargs)
 
 
 def _module_class(path: str) -> type:

@@ -11,7 +11,8 @@ name, its fallbacks) and every other name are unchanged, and so is the registry 
 
 Such a strategy's collective timeout is ``strategy.collective_timeout_s`` as under ``strategy=ddp`` (in
 ``conf/strategy/auto.yaml``; 1800 s, Lightning's default too): the key was not in ``strategy=auto``, so
-``strategy.collective_timeout_s=60``, which a ``CollectiveError`` names, was Hydra's 'Could not override'.
+``strategy.collective_timeout_s=60``, which a ``CollectiveError`` names, was Hydra's 'Could not override'. Its
+first connection waits ``strategy.connect_timeout_s`` (:mod:`._connect`).
 """
 
 from __future__ import annotations
@@ -33,19 +34,20 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     if node is None:
         return "auto"
     if "_target_" in node:
-        if "collective_timeout_s" in node:  # named as the config key here (the target names its Python argument)
-            _config_timeout(node.collective_timeout_s)
+        for key in ("collective_timeout_s", "connect_timeout_s"):  # named as the config key here (the target names
+            if key in node:  # its Python argument)
+                _config_timeout(node[key], key)
         return instantiate(node)
     return node.get("name", "auto")
 
 
-def _config_timeout(seconds: Any) -> timedelta:
-    """``strategy.collective_timeout_s`` as a ``timedelta``; a ConfigError naming that key unless it is a number > 0."""
+def _config_timeout(seconds: Any, key: str = "collective_timeout_s") -> timedelta:
+    """``strategy.<key>`` as a ``timedelta``; a ConfigError naming that key unless it is a number > 0."""
     from lit_dtrain.errors import ConfigError
     from lit_dtrain.strategies import collective_timeout
 
     try:
-        return collective_timeout(seconds)
+        return collective_timeout(seconds, key=key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -55,8 +57,8 @@ def trainer_strategy(cfg: DictConfig) -> Iterator[Strategy | str]:
     """Yields :func:`build_strategy`'s value; build the Trainer within: the DDP / FSDP Lightning builds for a name is
     lit_dtrain's class with ``strategy.collective_timeout_s`` (:func:`even_epochs_by_name`)."""
     node = cfg.get("strategy")
-    timeout_s = node.get("collective_timeout_s", 1800) if node is not None and "_target_" not in node else 1800
-    with even_epochs_by_name(timeout_s):
+    named = node if node is not None and "_target_" not in node else {}
+    with even_epochs_by_name(named.get("collective_timeout_s", 1800), named.get("connect_timeout_s", 1800)):
         yield build_strategy(cfg)
 
 
@@ -82,17 +84,19 @@ def refuse_spawned_ranks(trainer: Any) -> None:
 
 
 @contextlib.contextmanager
-def even_epochs_by_name(collective_timeout_s: Any = 1800) -> Iterator[None]:
-    """Within: Lightning builds lit_dtrain's DDP / FSDP classes, with this collective timeout (seconds), for the names
-    of its plain ones (around a Trainer's construction, where Lightning resolves a strategy name)."""
+def even_epochs_by_name(collective_timeout_s: Any = 1800, connect_timeout_s: Any = 1800) -> Iterator[None]:
+    """Within: Lightning builds lit_dtrain's DDP / FSDP classes, with this collective timeout and first-connection
+    timeout (seconds), for the names of its plain ones (around a Trainer's construction, where Lightning resolves a
+    strategy name)."""
     from lit_dtrain.strategies import EvenEpochsDDPStrategy, EvenEpochsFSDPStrategy
 
     timeout = _config_timeout(collective_timeout_s)
+    connect = _config_timeout(connect_timeout_s, "connect_timeout_s")
     ours = {DDPStrategy: EvenEpochsDDPStrategy, FSDPStrategy: EvenEpochsFSDPStrategy}
     saved = {name: entry for name, entry in StrategyRegistry.items() if entry["strategy"] in ours}
     try:
         for name, entry in saved.items():
-            init_params = {**entry["init_params"], "timeout": timeout}
+            init_params = {**entry["init_params"], "timeout": timeout, "connect_timeout": connect}
             StrategyRegistry[name] = {**entry, "strategy": ours[entry["strategy"]], "init_params": init_params}
         yield
     finally:

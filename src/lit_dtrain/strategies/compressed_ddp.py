@@ -30,6 +30,7 @@ from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state, kept_for_a_resume
+from lit_dtrain.strategies._connect import DEFAULT_CONNECT_S, FirstConnection
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
@@ -69,14 +70,14 @@ __all__ = [
 _MOST_SECONDS = 1e9  # a collective timeout in int64 nanoseconds ends near 9.2e9 s
 
 
-def collective_timeout(seconds: Any, caller: str | None = None) -> timedelta:
+def collective_timeout(seconds: Any, caller: str | None = None, key: str = "collective_timeout_s") -> timedelta:
     """``collective_timeout_s`` as a ``timedelta``; a ValueError unless it is a number > 0 and <= 1e9 (a negative one
     reached torch's TCPStore as 'The client socket has timed out after -1000ms'). It names ``caller``'s argument
     (``make_ddp: collective_timeout_s ...``) where given, else the config key ``strategy.collective_timeout_s``, which
     :func:`~lit_dtrain.strategies.by_name.build_strategy` checks before it builds a config's strategy: a Python user's
     ``make_ddp(collective_timeout_s='60')`` was told of ``strategy.collective_timeout_s``, a key of train.py's."""
     ok = is_number(seconds) and seconds > 0  # np.int64(60) too
-    name = f"{caller}: collective_timeout_s" if caller else "strategy.collective_timeout_s"
+    name = f"{caller}: {key}" if caller else f"strategy.{key}"
     if not ok or seconds == float("inf"):
         raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
     if seconds > _MOST_SECONDS:  # "no timeout" written large: 1e10 failed the first connection at once ('The client
@@ -86,7 +87,7 @@ def collective_timeout(seconds: Any, caller: str | None = None) -> timedelta:
     return timedelta(seconds=float(seconds))
 
 
-class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
+class CompressedDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
     """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
 
     Args:
@@ -95,6 +96,8 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         local_update: ``LocalSGD``/``DiLoCo`` (or its name/mapping): no per-step gradient all-reduce;
             parameters synchronize every ``sync_period`` steps. Exclusive with ``compressor``.
         collective_timeout_s: timeout of every collective (a dead rank fails the others after it).
+        connect_timeout_s: how long the ranks' first connection waits for every rank (at least
+            ``collective_timeout_s``).
         log_comm_metrics: log ``comm/bytes_per_step``, ``comm/compression_ratio``, ``comm/time_ms``, ...
         sync_on_last_step: (local updates; default true) synchronize at the fit's last step (``max_steps`` or
             ``max_epochs``) so the final model and its checkpoints are the synchronized model.
@@ -110,6 +113,7 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
         compressor: Compressor | str | Mapping | None = None,
         local_update: LocalUpdate | str | Mapping | None = None,
         collective_timeout_s: float = 1800.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_S,
         log_comm_metrics: bool = True,
         sync_on_last_step: bool | None = None,
         sync_before_validation: bool | None = None,
@@ -126,7 +130,9 @@ class CompressedDDPStrategy(EpochLengthCheck, DDPStrategy):
                                      ("sync_before_validation", sync_before_validation, True)):
             check_arg(type(self).__name__, name, value, lambda v, n=none_ok: (n and v is None) or is_flag(v),
                       "True or False" + (" (or None: True)" if none_ok else ""))
-        super().__init__(timeout=collective_timeout(collective_timeout_s, type(self).__name__), **kwargs)
+        name = type(self).__name__
+        super().__init__(timeout=collective_timeout(collective_timeout_s, name), **kwargs)
+        self._connect_timeout = collective_timeout(connect_timeout_s, name, "connect_timeout_s")
         self.session = CommSession(build_compressor(compressor), build_local_update(local_update))
         self.log_comm_metrics = bool(log_comm_metrics)
         flags = sync_flags(self, sync_on_last_step, sync_before_validation)  # None: true; warned when they do nothing

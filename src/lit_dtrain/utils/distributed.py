@@ -40,6 +40,18 @@ def destroy_default_group(single_process_only: bool = False) -> bool:
     return False
 
 
+def can_set_collective_timeout() -> bool:
+    """Whether :func:`set_collective_timeout` can change the default group's timeout (torch's private setter)."""
+    return hasattr(dist.distributed_c10d, "_set_pg_timeout")
+
+
+def set_collective_timeout(timeout) -> None:
+    """Bound the default group's collectives (gloo, NCCL) and its store's waits by ``timeout`` from here on: after the
+    first connection, which ``init_process_group``'s own timeout bounded (torch's private ``_set_pg_timeout``)."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    dist.distributed_c10d._get_default_store().set_timeout(timeout)  # (a PrefixStore: its TCPStore's too)
+
+
 # --- naming a peer rank's failure -------------------------------------------------------------------------------
 # When one rank raises alone (a NaN loss on one rank under local SGD / DiLoCo, where gradients are not all-reduced),
 # the others only learn of it when their next collective fails with gloo's "Connection closed by peer", which does
@@ -66,9 +78,13 @@ class PeerRankFailedError(RuntimeError):
     """A collective failed because another rank had stopped with an error; the message names that rank and error."""
 
 
+class FirstConnectionError(RuntimeError):
+    """The ranks did not all connect within the connection timeout (``strategy.connect_timeout_s``)."""
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether ``exc`` looks like a failed collective (a dead, hung or disconnected peer) rather than a local error."""
-    if isinstance(exc, PeerRankFailedError):
+    if isinstance(exc, (PeerRankFailedError, FirstConnectionError)):
         return False
     backend_error = getattr(dist, "DistBackendError", None)
     if backend_error is not None and isinstance(exc, backend_error):

@@ -1,0 +1,73 @@
+"""The ranks' first connection (torch's ``init_process_group``), bounded apart from the collectives after it.
+
+Lightning hands its strategy's ``timeout`` to ``init_process_group``, which bounds both the rendezvous (rank 0's store
+waiting for every rank to join; under torchrun, gloo's mesh of the ranks' addresses) and every collective. A short
+``collective_timeout_s``, set to catch a hung rank quickly, then failed a run whose other rank started slowly: with
+8 s, on a loaded 2-core machine, ``CollectiveError: rank 0: a collective failed at step 0 (DistStoreError: Timed out
+after 9 seconds waiting for clients. 1/2 clients joined.). Another rank probably died or hung`` before training.
+Here the connection waits ``connect_timeout_s`` (at least ``collective_timeout_s``; 1800 s by default, Lightning's and
+torch's bound of a gloo process group), then the process group's collectives get ``collective_timeout_s``; a
+connection that times out says so in one line (:class:`~lit_dtrain.utils.distributed.FirstConnectionError`).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lit_dtrain.utils.distributed import FirstConnectionError, can_set_collective_timeout, set_collective_timeout
+
+DEFAULT_CONNECT_S = 1800.0
+
+
+class FirstConnection:
+    """Mixin for a Lightning DDP / FSDP strategy (``timeout``: the collective timeout): ``_connect_timeout`` bounds the
+    ranks' first connection, at least as long as ``timeout``. (No ``__init__`` here: the config's key check follows a
+    strategy's ``**kwargs`` through the ``__init__`` of the classes it derives from, and would stop at a mixin's.)"""
+
+    _connect_timeout: timedelta = timedelta(seconds=DEFAULT_CONNECT_S)
+
+    def setup_environment(self) -> None:
+        collective = self._timeout
+        connect = max(self._connect_timeout, collective) if collective is not None else self._connect_timeout
+        ours = not dist.is_initialized()
+        if not can_set_collective_timeout():  # (a torch without the private setter: one bound for both, as Lightning)
+            connect = collective
+        self._timeout = connect
+        try:
+            super().setup_environment()
+        except Exception as e:
+            if not (ours and not dist.is_initialized() and _timed_out(e)):
+                raise
+            launcher = getattr(self, "launcher", None)
+            if launcher is not None and hasattr(launcher, "kill"):  # do not leave a child rank waiting to connect
+                launcher.kill(signal.SIGKILL)
+            seconds = connect.total_seconds() if connect is not None else DEFAULT_CONNECT_S  # (None: torch's 30 min)
+            raise FirstConnectionError(first_connection_message(e, self.global_rank, self.world_size, seconds)) from e
+        finally:
+            self._timeout = collective
+        if ours and dist.is_initialized() and connect != collective:
+            set_collective_timeout(collective)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text or "clients joined" in text
+
+
+def first_connection_message(exc: BaseException, rank: int, world_size: int, seconds: float) -> str:
+    """One line for a first connection that timed out: how many ranks joined rank 0's store (on rank 0), else that the
+    ranks did not all connect (another rank not reaching rank 0's store; under torchrun, gloo's wait for a rank's
+    address: 'DistStoreError: wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1')."""
+    first = (str(exc).splitlines() or [""])[0][:200]
+    joined = re.search(r"(\d+)/(\d+) clients joined", first)
+    if joined:
+        what = f"only {joined.group(1)} of {joined.group(2)} ranks connected within {seconds:g} s"
+    else:
+        what = f"the {world_size} ranks did not all connect within {seconds:g} s"
+    return (f"rank {rank}: {what} ({type(exc).__name__}: {first}); a rank has not started, is still starting (slow "
+            "imports on a loaded node or network file system) or failed before connecting (its own output names "
+            "why): raise strategy.connect_timeout_s if the ranks start slowly")

@@ -1,0 +1,66 @@
+"""The ranks' first connection waits ``connect_timeout_s``, at least ``collective_timeout_s``; the collectives after
+it get ``collective_timeout_s`` (lit_dtrain.strategies._connect). The 2-rank runs are in tests/e2e/test_reliability.py
+(a rank starting late, then hanging at step 4)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
+from lit_dtrain.strategies._connect import first_connection_message
+from lit_dtrain.strategies.by_name import build_strategy, even_epochs_by_name
+from lit_dtrain.utils.distributed import FirstConnectionError, is_collective_failure, set_collective_timeout
+from tests.conftest import free_port
+
+
+def test_every_strategy_takes_a_connect_timeout_apart_from_its_collective_timeout():
+    """strategy.collective_timeout_s=8 also bounded the ranks' first connection: a rank slow to import failed the run
+    before training ('DistStoreError: Timed out after 9 seconds waiting for clients. 1/2 clients joined.')."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    built = [make_ddp(collective_timeout_s=3), make_fsdp(collective_timeout_s=3),
+             CompressedDDPStrategy(compressor="int8", collective_timeout_s=3)]
+    with even_epochs_by_name(3, 600):
+        entry = StrategyRegistry["ddp"]
+        built.append(entry["strategy"](**entry["init_params"]))
+    assert [(s._timeout.total_seconds(), s._connect_timeout.total_seconds()) for s in built] == \
+        [(3, 1800)] * 3 + [(3, 600)]
+    assert make_ddp(collective_timeout_s=3, connect_timeout_s=60)._connect_timeout == timedelta(seconds=60)
+
+
+def test_a_connect_timeout_that_is_no_number_of_seconds_is_refused_naming_its_key():
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ValueError, match=r"^make_ddp: connect_timeout_s must be a number of seconds > 0, got 0$"):
+        make_ddp(connect_timeout_s=0)
+    cfg = OmegaConf.create({"strategy": {"_target_": "lit_dtrain.strategies.make_ddp", "connect_timeout_s": "abc"}})
+    with pytest.raises(ConfigError, match=r"^strategy.connect_timeout_s must be a number of seconds > 0, got 'abc'$"):
+        build_strategy(cfg)
+
+
+def test_a_first_connection_that_timed_out_says_how_many_ranks_connected_not_that_a_collective_failed():
+    store_error = RuntimeError("Timed out after 4 seconds waiting for clients. 1/2 clients joined.")
+    said = first_connection_message(store_error, 0, 2, 3.0)
+    assert said.startswith("rank 0: only 1 of 2 ranks connected within 3 s (RuntimeError: Timed out after 4 ")
+    assert said.endswith("raise strategy.connect_timeout_s if the ranks start slowly")
+    torchrun_error = RuntimeError("wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1")  # gloo's, under torchrun
+    assert first_connection_message(torchrun_error, 0, 2, 3.0).startswith(
+        "rank 0: the 2 ranks did not all connect within 3 s (RuntimeError: wait timeout after 3000ms")
+    assert not is_collective_failure(FirstConnectionError(said))  # train.py's CollectiveError leaves it as it is
+
+
+def test_set_collective_timeout_bounds_the_groups_collectives_and_its_store():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=1800))
+    try:
+        set_collective_timeout(timedelta(seconds=3))
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == timedelta(seconds=3)
+        assert dist.distributed_c10d._get_default_store().timeout == timedelta(seconds=3)
+    finally:
+        dist.destroy_process_group()
