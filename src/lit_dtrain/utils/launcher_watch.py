@@ -3,7 +3,7 @@
 Lightning's DDP launcher (``trainer=ddp_cpu``, ``trainer.devices=2`` without torchrun or srun) starts ranks 1..N-1 as
 child processes of rank 0 (``subprocess.Popen``) and never tells them when it dies. A SIGKILL of rank 0 (the OOM
 killer, a ``kill -9`` of the job's first process) while the ranks were still meeting left rank 1 waiting for rank 0's
-store until ``strategy.collective_timeout_s`` (30 min by default): one such orphan was alive, 368 MB resident, 150 s
+store until ``strategy.connect_timeout_s`` (30 min by default): one such orphan was alive, 368 MB resident, 150 s
 after the kill and still at 17 min, when it was ended by hand. Once training runs, a dead rank 0 fails rank 1's next
 collective within seconds on gloo; the watch covers the rest. Ranks started by torchrun, srun or another cluster
 launcher are left to it.
