@@ -75,31 +75,35 @@ def stop_signal(trainer: L.Trainer) -> signal.Signals:
     return signal.SIGTERM
 
 
-def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False) -> int:
+def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=None) -> int:
     """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
     status 0): 143, or 128 + the signal for SIGINT and SIGHUP, which ``PreemptionCheckpoint`` handles alike. A
     preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on as if it had,
     and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved (``saved_last``: train()
-    saved the final ``last.ckpt``)."""
+    saved the final ``last.ckpt``) and how to resume this run (``run_name``: train()'s, for :func:`train_resume_hint`
+    where no ``PreemptionCheckpoint`` holds the hint)."""
     name = stop_signal(trainer).name
+    # with this run's names, as PreemptionCheckpoint's line: a multirun job's bare resume=auto is refused (it needs
+    # hydra.sweep.dir), and a single run's starts a fresh run under a new default name
+    hints = [c.resume_hint for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.resume_hint]
+    hint = hints[0] if hints else train_resume_hint(run_name)
     if saved_last:  # facts of the run, the same on every rank (they agree on the signal): rank 0 says them
-        hints = [c.resume_hint for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.resume_hint]
-        log_once(  # with this run's names, as PreemptionCheckpoint's line: a multirun job's bare resume=auto is
-            # refused (it needs hydra.sweep.dir), and a single run's starts a fresh run under a new default name
+        log_once(
             log, logging.WARNING,
             "stopped by %s after the last step (%d), whose last.ckpt is saved: resume with %s to validate it and "
             "write summary.json",
             name,
             trainer.global_step,
-            hints[0] if hints else train_resume_hint(None),
+            hint,
         )
     elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
         log_once(
             log, logging.WARNING,
             "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
-            "resume=auto continues from the last validation's checkpoint, if any",
+            "resume with %s to continue from the last validation's checkpoint, if any",
             name,
             trainer.global_step,
+            hint,
         )
     status = 128 + stop_signal(trainer)
     log.info("exiting with status %d (stopped by %s, not finished)", status, name)  # each process's own exit

@@ -286,7 +286,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     callbacks = build_callbacks(cfg)
-    hint_train_resume(callbacks, cfg.get("run_name"))  # PreemptionCheckpoint names resume=auto, with this run's names
+    run_name = cfg.get("run_name")  # the resume hints name it: a default one is the start time
+    hint_train_resume(callbacks, run_name)  # PreemptionCheckpoint names resume=auto, with this run's names
     if cfg.trainer.get("enable_progress_bar") is False:  # honour the flag instead of Lightning's conflict error
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.get("logger"):  # logger=none / ~logger: the LR monitor has nowhere to log (Lightning would refuse)
@@ -344,7 +345,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     try:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
-        raise SystemExit(stopped_by_sigterm(trainer)) from None
+        raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name)) from None
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
@@ -353,7 +354,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     if not smoke_test and not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):
         trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
-        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name))
 
     stopped = stop_reason(trainer)  # before validate(), which is not the fit (Lightning's Timer times each stage)
     warn_if_the_schedule_did_not_end(trainer, stopped, start_step, last_ckpt)
@@ -362,9 +363,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         with keyboard_interrupt_kept(trainer):
             val = trainer.validate(module, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
-        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True)) from None
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name)) from None
     if sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
-        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True))
+        raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name))
     past_the_last_collective()  # the ranks' last one: rank 0 may now end first, normally
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)

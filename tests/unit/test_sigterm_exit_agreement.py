@@ -99,3 +99,22 @@ def test_a_stop_after_the_last_step_says_how_to_resume_this_run(tmp_path, caplog
     with caplog.at_level("INFO", logger="lit_dtrain.train"):
         assert stopped_by_sigterm(trainer, saved_last=True) == 143
     assert f"whose last.ckpt is saved: resume with {hint} to validate it and write summary.json" in caplog.text
+
+
+def test_a_stop_without_a_checkpoint_says_how_to_resume_this_run(monkeypatch, caplog):
+    """A SIGTERM at step 70 of a run without PreemptionCheckpoint (callbacks.preemption=null) said `resume=auto
+    continues from the last validation's checkpoint`: a single run's default name is its start time, so the bare
+    resume=auto started a fresh run (a multirun refuses it without hydra.sweep.dir). It names the run now."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import lit_dtrain.sweeps
+
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(lit_dtrain.sweeps, "in_multirun", lambda: False)
+    trainer = SimpleNamespace(global_step=70, callbacks=[])
+    with caplog.at_level("INFO", logger="lit_dtrain.train"):
+        assert stopped_by_sigterm(trainer, run_name="2026-12-06_16-20-19") == 143
+    assert (
+        "without a checkpoint (no PreemptionCheckpoint among the callbacks): resume with resume=auto "
+        "run_name=2026-12-06_16-20-19 or ckpt_path=<that file> to continue from the last validation's checkpoint"
+    ) in caplog.text
