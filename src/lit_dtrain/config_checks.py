@@ -133,6 +133,9 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={scheduler._target_} "
                               "configures an LR scheduler too; use one of them: '~scheduler' "
                               f"'callbacks=[default,{key}]' for the callback form")
+    # its keys first, as every _target_ node's below: '++optimizer.lrr=1e-3' ended in the build's "adamw() got an
+    # unexpected keyword argument 'lrr'", naming neither the config key nor 'optimizer.lr'
+    check_target_arguments(cfg, cfg.optimizer, "optimizer")
     try:  # the optimizer is built in configure_optimizers, inside fit: build it on a dummy parameter now
         instantiate(cfg.optimizer)([torch.zeros(1, requires_grad=True)])
     except (ValueError, TypeError, ImportError) as e:  # (ImportError: optimizer=adamw8bit without bitsandbytes)

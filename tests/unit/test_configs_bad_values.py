@@ -197,6 +197,9 @@ from lit_dtrain.train import ConfigError
         ("strategy=ddp_compressed/local_sgd ~strategy.local_update +strategy.local_update={name:diloco,sync_perod:4}",
          r"^strategy.local_update.sync_perod is not an argument of the local-update rule 'diloco' \(DiLoCo\); "
          r"did you mean 'strategy.local_update.sync_period'\?$"),
+        # the optimizer's dummy build ran first: "optimizer: adamw() got an unexpected keyword argument 'lrr'"
+        ("++optimizer.lrr=1e-3", r"^optimizer.lrr is not an argument of lit_dtrain.optim.adamw; did you mean "
+                                 r"'optimizer.lr'\?$"),
         ("data/sampler=fourier +data.sampler.lagg=1", r"^data.sampler.lagg is not an argument of .*FourierSampler; "
                                                       r"did you mean 'data.sampler.lag'\?$"),
         # the callback saved there, the end of the run and resume=auto used paths.checkpoint_dir: a run killed after
