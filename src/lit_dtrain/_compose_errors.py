@@ -133,8 +133,14 @@ def unknown_key_message(error: BaseException) -> str | None:
     where = f"{section} holds" if section else "the top level holds"
     holds = f"({where} {', '.join(keys)})" if keys else f"({section} holds no keys: add one with '+', {added!r})"
     if section == "callbacks":  # callbacks.loss_spike.z=3 without choosing loss_spike (conf/callbacks, a list)
-        holds = f"({where} {', '.join(keys)}; one of conf/callbacks is chosen first, 'callbacks=[default,{key}]')"
+        holds = f"({where} {', '.join(keys)}; {choose_callback_first(key)})"
     return f"{full_key} is not a config key {holds}"
+
+
+def choose_callback_first(name: str) -> str:
+    """The advice for a key of the callback ``name`` that is not chosen (``callbacks.loss_spike.z=3``, or with '+',
+    which added a node without its ``_target_``): choose its conf/callbacks option first."""
+    return f"one of conf/callbacks is chosen first, 'callbacks=[default,{name}]'"
 
 
 def _target_arguments(node) -> tuple[str | None, set[str]]:

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain._compose_errors import choose_callback_first
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
@@ -154,7 +155,9 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
         if node is None:
             continue
         if "_target_" not in node:
-            raise ConfigError(f"callbacks.{name} has no _target_")
+            # +callbacks.loss_spike.z=3 without choosing loss_spike: the node holds only the added key
+            held = f" (it holds only {', '.join(map(str, node.keys()))})" if len(node) else ""
+            raise ConfigError(f"callbacks.{name} has no _target_{held}; {choose_callback_first(name)}")
         callbacks.append(instantiate(node))
     branch = f"branch: decay_branch.ckpt={Path(cfg.paths.checkpoint_dir) / 'last.ckpt'} decay_branch.steps=N"
     for callback in callbacks:  # WSDScheduler: train.py warns about a resume's LR itself, in the config's words;

@@ -112,3 +112,16 @@ def test_a_whole_traceback_is_printed_as_before_without_this_modules_frames(caps
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.endswith("ValueError: Only one of --run, --multirun\n")
     assert "_compose_errors" not in err and "in outside" in err
+
+
+def test_a_key_added_with_plus_to_a_callback_not_chosen_names_the_choice():
+    """'+callbacks.loss_spike.z=3' without loss_spike among the callbacks said 'callbacks.loss_spike has no _target_':
+    '+' added a node holding z alone. It names the choice as the form without '+' does."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.train import ConfigError, build_callbacks
+
+    with pytest.raises(ConfigError) as refused:
+        build_callbacks(OmegaConf.create({"callbacks": {"loss_spike": {"z": 3}}}))
+    assert str(refused.value) == ("callbacks.loss_spike has no _target_ (it holds only z); one of conf/callbacks is "
+                                  "chosen first, 'callbacks=[default,loss_spike]'")
