@@ -156,3 +156,57 @@ def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:
     ints = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (devices, nodes))
     return devices * nodes if ints else 1
 
+
+
+COST_HEADER = ["| run | steps trained | tokens trained | wall time |", "|---|---:|---:|---:|"]
+
+
+def run_cost(run: str, scalars: dict[str, list[tuple[int, float]]]) -> dict:
+    """What a finished run cost, from its ``summary.json``: ``steps``, ``tokens_trained`` (all ranks, all starts: the
+    tokens at its last step, :func:`tokens_trained`, ``summary.json``'s own count for a run trained in one start) and
+    ``wall_seconds`` with ``wall_since_step`` (the last start's seconds and the step it began at: a resumed run's
+    earlier starts are not in its ``summary.json``); ``{}`` for a run without one (unfinished, failed)."""
+    import json
+
+    try:
+        summary = json.loads((Path(run) / "summary.json").read_text())
+        steps, start = summary["steps"], summary.get("start_step") or 0
+    except Exception:  # noqa: BLE001 - none, unreadable, or without these keys
+        return {}
+    if not isinstance(steps, int) or not isinstance(start, int):
+        return {}
+    tokens = summary.get("tokens")
+    if not (start == 0 and isinstance(tokens, int)):  # a resumed run: its earlier starts' tokens too
+        try:
+            tokens = round(tokens_trained(run, scalars)[0](steps))
+        except RunDirError:
+            tokens = None
+    wall = summary.get("wall_seconds")
+    wall = float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None
+    return {"steps": steps, "tokens_trained": tokens, "wall_seconds": wall, "wall_since_step": start}
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d} min"
+
+
+def cost_table(rows: list[dict]) -> str | None:
+    """A markdown table of each finished run's steps, tokens and wall time (:func:`run_cost`), in the rows' order;
+    None where no run finished. A resumed run's wall time is its last start's, marked with the step it began at."""
+    if not any(r.get("cost") for r in rows):
+        return None
+    lines = []
+    for r in rows:
+        cost = r.get("cost") or {}
+        if not cost:
+            lines.append(f"| {r['label']} | - | - | - |")
+            continue
+        tokens = "-" if cost["tokens_trained"] is None else f"{cost['tokens_trained']:,}"
+        wall = "-" if cost["wall_seconds"] is None else _duration(cost["wall_seconds"])
+        if cost["wall_seconds"] is not None and cost["wall_since_step"]:
+            wall += f" (since step {cost['wall_since_step']})"
+        lines.append(f"| {r['label']} | {cost['steps']} | {tokens} | {wall} |")
+    return "\n".join(COST_HEADER + lines) + "\n"

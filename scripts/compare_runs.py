@@ -16,8 +16,10 @@ when it trains; ``.hydra/overrides.yaml`` for older runs), checked against what 
 another run changed is labelled with that default), else from the dir names. Table rows follow the RUNs in
 the order given; below one RUN, the run dirs by path, a sweep's jobs by job number; a job that failed, did not
 finish or never started keeps its place among them and its row says so.
-The last line printed is one JSON object: ``runs`` (in the table's order, each with the first metric's values and
-``by_metric``, every metric's), ``best`` (by the first metric) and ``best_by_metric``.
+A last table gives each finished run's steps, tokens trained (all ranks) and wall time (a resumed run's: its last
+start's, from the step it names), from its summary.json.
+The last line printed is one JSON object: ``runs`` (in the table's order, each with the first metric's values,
+``by_metric``, every metric's, and ``cost``, the last table's), ``best`` (by the first metric) and ``best_by_metric``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,13 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     summarize,
     table_order,
 )
-from _compare_runs_tokens import ONE_RATE_NOTE, tokens_trained, uneven_tokens_note  # noqa: E402 - --x tokens
+from _compare_runs_tokens import (  # noqa: E402 - --x tokens, and each run's tokens and wall time
+    ONE_RATE_NOTE,
+    cost_table,
+    run_cost,
+    tokens_trained,
+    uneven_tokens_note,
+)
 
 CompareError = RunDirError  # a run dir, an event file or a metric is missing; the message names it
 
@@ -231,6 +239,7 @@ def compare(
                 **summary_marks(run),
                 **by_metric[metrics[0]],
                 "by_metric": by_metric,
+                "cost": run_cost(str(run), scalars) if done is True else {},
                 **(per_step[len(rows)][1] if per_step else {}),
             }
         )
@@ -251,8 +260,9 @@ def compare(
         text += "\n" + ONE_RATE_NOTE.format(runs=", ".join(map(repr, one_rate))) + "\n"
     if uneven := uneven_tokens_note(labels, run_dirs, all_scalars, x):
         text += "\n" + uneven + "\n"
+    cost = cost_table(rows)  # what each finished run took: steps, tokens, wall time; printed after the notes
     if table:
-        write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text))
+        write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text + ("\n" + cost if cost else "")))
     if out:
         tokens = {label: at for label, (at, _) in zip(labels, per_step) if at} if per_step else None
         spread = None
@@ -279,6 +289,7 @@ def compare(
         "x": x,
         **({"over": list(over), "groups": groups, "best_group_by_metric": best_group_by_metric} if over else {}),
         "markdown": text,
+        "cost_markdown": cost,
     }
 
 
@@ -347,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         report_error(str(e), "compare_runs")
         return 2
     print(result.pop("markdown"), end="")
+    if cost := result.pop("cost_markdown"):
+        print("\n" + cost, end="")
     print(f"wrote {result['png']}" + (f" and {result['table']}" if result["table"] else ""))
     print(json.dumps(_finite_or_none(result), allow_nan=False))  # strict JSON: NaN/inf (a diverged run) -> null
     return 0
