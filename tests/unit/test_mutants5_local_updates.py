@@ -74,3 +74,17 @@ def test_a_layer_unfrozen_at_a_diloco_resume_starts_with_zero_momentum():
     b.sub_(0.1)  # this rank's pseudo-gradient 0.1, the other's 0.3: mean 0.2
     rule.after_optimizer_step(params, TwoRankComm(lambda t: torch.full_like(t, 0.3)))
     torch.testing.assert_close(b, start - 0.7 * 1.9 * 0.2)
+
+
+def test_local_sgd_averages_a_layer_frozen_as_another_is_unfrozen():
+    """One layer frozen and another unfrozen at the same forward (as many trainable tensors as before): the layer
+    frozen since the last sync holds this rank's own copy, so it is averaged before it stops syncing for good."""
+    a, b = make_params()
+    rule = LocalSGD(sync_period=8)
+    comm = TwoRankComm(lambda t: torch.zeros_like(t))  # the other rank's parameters: zeros
+    assert rule.sync_if_trainable_changed([a], comm) is False  # the first forward: "a" trains
+    start = a[1].clone()
+    rule.after_optimizer_step([a], comm)
+    assert rule.sync_if_trainable_changed([b], comm) is True  # "a" frozen, "b" unfrozen
+    torch.testing.assert_close(a[1], start / 2)
+    assert (rule.num_syncs, rule.num_early_syncs) == (1, 1)
