@@ -63,7 +63,7 @@ def test_a_step_end_timer_stop_resumes_bitwise_in_a_project_of_ones_own(tmp_path
     assert stopped.global_step == 2  # Lightning's Timer: 1, mid-step 2
     last = torch.load(tmp_path / "stopped" / "last.ckpt", weights_only=False)
     assert last["global_step"] == 2
-    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 4  # whole steps (3 before)
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 4  # whole steps (3 before)
     _, resumed = _fit(tmp_path, "stopped", 3, ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)  # (0.038 off after Lightning's Timer's stop)

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.utils.args import is_flag
-from lit_dtrain.utils.loop import mid_accumulation
+from lit_dtrain.utils.loop import mid_accumulation, reopen_stopped_epoch
 
 
 class StepEndTimer(Timer):
@@ -53,6 +53,7 @@ class StepEndTimer(Timer):
         check_arg("StepEndTimer", "interval", interval, lambda v: v in ("step", "epoch"), "'step' or 'epoch'")
         check_arg("StepEndTimer", "verbose", verbose, is_flag, "True or False")
         super().__init__(duration=duration, interval=interval, verbose=verbose)
+        self._stopped_mid_epoch: int | None = None  # the global step at which this timer stopped the fit mid-epoch
 
     @property
     def state_key(self) -> str:
@@ -88,6 +89,7 @@ class StepEndTimer(Timer):
         if self._end_time[RunningStage.TRAINING] is not None:
             self._offset = self.time_elapsed()
             self._end_time[RunningStage.TRAINING] = None
+        self._stopped_mid_epoch = None
         super().on_train_start(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -105,5 +107,19 @@ class StepEndTimer(Timer):
             self._forget_training_clock()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
-        if not mid_accumulation(trainer):
-            super().on_train_batch_end(trainer, *args, **kwargs)
+        if mid_accumulation(trainer):
+            return
+        stopping = trainer.should_stop
+        super().on_train_batch_end(trainer, *args, **kwargs)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if trainer.should_stop and not stopping and not epoch_loop.batch_progress.is_last_batch:
+            self._stopped_mid_epoch = trainer.global_step
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """A stop of this timer mid-epoch: Lightning closes the epoch, and a fit under ``max_epochs`` resumed from a
+        checkpoint written after it (``ModelCheckpoint``'s at the epoch's end, ``last.ckpt``) began the next epoch and
+        never trained the rest of the stopped one (stopped at step 6 of 3 epochs of 4 batches, the resume trained 4
+        steps, 10 in all, where the straight run trained 12). The file records the stop at its batch's end instead, as
+        ``PreemptionCheckpoint``'s does: the resume trains the 6 steps left."""
+        if self._stopped_mid_epoch is not None and self._stopped_mid_epoch == trainer.global_step:
+            reopen_stopped_epoch(checkpoint)  # (a checkpoint of a later step, or mid-epoch already, is left alone)

@@ -25,3 +25,25 @@ def lightnings_timer_splits_steps(trainer: Any) -> int | None:
     most = max([int(trainer.accumulate_grad_batches or 1)] + [
         max(c.scheduling.values()) for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)])
     return most if most > 1 else None
+
+
+def reopen_stopped_epoch(checkpoint: dict) -> bool:
+    """Rewrite the fit loop's progress in a checkpoint written after a stop that closed its epoch mid-way (Lightning
+    ends the epoch at ``trainer.should_stop``) into that of a checkpoint taken at the stopping batch's end, mid-epoch,
+    the form ``PreemptionCheckpoint``'s file has; True where it did. Resumed from the closed form, a fit under
+    ``max_epochs`` started the next epoch and never trained the rest of the stopped one (10 of 12 steps). Reads
+    Lightning's private loop state (lightning 2.6): leaves any other form as it is."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    loop_state = fit.get("epoch_loop.state_dict")
+    if not (epochs and batches and isinstance(loop_state, dict)):
+        return False
+    e, b = epochs["total"], batches["total"]
+    closed = e["ready"] == e["started"] == e["processed"] and e["completed"] in (e["processed"] - 1, e["processed"])
+    if not closed or not b["ready"] == b["started"] == b["processed"] == b["completed"] or b["completed"] == 0:
+        return False
+    for part in ("total", "current"):
+        epochs[part]["processed"] = epochs[part]["completed"] = epochs[part]["started"] - 1  # the epoch runs on
+        batches[part]["completed"] -= 1  # saved at the stopping batch's end (Lightning completes it on restart)
+    loop_state["_batches_that_stepped"] = max(loop_state.get("_batches_that_stepped", 1) - 1, 0)  # (restart adds 1)
+    return True
