@@ -227,7 +227,7 @@ NOT_CONFIG_KEYS = {
     "model.blocks", "model.layers", "model.tok_embeddings.weight", "model.transformer.encoder",
     "optimizer.step", "strategy.reduce", "data.pkl",
     "trainer.callback_metrics", "trainer.datamodule", "trainer.datamodule.sampler", "trainer.fit", "trainer.validate",
-    "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop",
+    "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop", "trainer.save_checkpoint",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
     "trainer.overfit_batches",  # a Lightning argument the trainer config does not list: added with '+' (6o)
     "trainer.min_steps",  # a Lightning argument the trainer config does not list: added with '+' (6g)
