@@ -64,3 +64,44 @@ def test_set_collective_timeout_bounds_the_groups_collectives_and_its_store():
         assert dist.distributed_c10d._get_default_store().timeout == timedelta(seconds=3)
     finally:
         dist.destroy_process_group()
+
+
+def _group_timeout() -> float:
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+@pytest.mark.filterwarnings("ignore:CompressedDDPStrategy on 1 process")
+def test_a_later_trainer_in_the_same_process_gets_its_own_collective_timeout(no_group_left, tmp_path):
+    """The group a first fit connected outlives it (Lightning leaves it): a second Trainer's make_ddp(
+    collective_timeout_s=7) kept the first one's 4 s (a hung rank then failed the run after 4 s; a 3600 s one for a
+    long evaluation, after the first fit's 60). A group made outside lit_dtrain's strategies keeps its own bound."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(strategy) -> float:
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.ones(2, 2))))
+        return _group_timeout()
+
+    assert fit(make_ddp(collective_timeout_s=4)) == 4
+    assert fit(make_ddp(collective_timeout_s=7)) == 7
+    assert fit(CompressedDDPStrategy(compressor="int8", collective_timeout_s=5)) == 5
+    assert dist.distributed_c10d._get_default_store().timeout == timedelta(seconds=5)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    assert fit(make_ddp(collective_timeout_s=7)) == 60

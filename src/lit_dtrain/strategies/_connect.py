@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import signal
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,6 +22,13 @@ import torch.distributed as dist
 from lit_dtrain.utils.distributed import FirstConnectionError, can_set_collective_timeout, set_collective_timeout
 
 DEFAULT_CONNECT_S = 1800.0
+
+# The default group a FirstConnection strategy connected, while it lives: Lightning leaves it initialized after a fit,
+# and a later Trainer's strategy in the same process (a second fit, a Hydra multirun's next job) finds it and does not
+# connect again. Its collective timeout is then this strategy's, as for the first: the second Trainer's
+# make_ddp(collective_timeout_s=7) kept the first one's 4 s. A group made elsewhere (the user's own
+# init_process_group) keeps its own bound, as under Lightning.
+_made_here: weakref.ref | None = None
 
 
 class FirstConnection:
@@ -49,7 +57,13 @@ class FirstConnection:
             raise FirstConnectionError(first_connection_message(e, self.global_rank, self.world_size, seconds)) from e
         finally:
             self._timeout = collective
-        if ours and dist.is_initialized() and connect != collective:
+        if not dist.is_initialized() or collective is None or not can_set_collective_timeout():
+            return
+        global _made_here
+        group = dist.distributed_c10d._get_default_group()
+        if ours:
+            _made_here = weakref.ref(group)
+        if ours or (_made_here is not None and _made_here() is group):
             set_collective_timeout(collective)
 
 
