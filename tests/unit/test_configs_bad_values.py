@@ -200,6 +200,9 @@ from lit_dtrain.train import ConfigError
         # the optimizer's dummy build ran first: "optimizer: adamw() got an unexpected keyword argument 'lrr'"
         ("++optimizer.lrr=1e-3", r"^optimizer.lrr is not an argument of lit_dtrain.optim.adamw; did you mean "
                                  r"'optimizer.lr'\?$"),
+        # the schedule's dummy build: told "an experiment's setting for another schedule?", to drop it, no suggestion
+        ("++scheduler.warmup_stepz=3", r"^scheduler.warmup_stepz is not an argument of wsd_scheduler; did you mean "
+                                       r"'scheduler.warmup_steps'\?$"),
         ("data/sampler=fourier +data.sampler.lagg=1", r"^data.sampler.lagg is not an argument of .*FourierSampler; "
                                                       r"did you mean 'data.sampler.lag'\?$"),
         # the callback saved there, the end of the run and resume=auto used paths.checkpoint_dir: a run killed after

@@ -104,10 +104,37 @@ def unknown_argument_error(key: str, node: DictConfig, error: TypeError) -> str:
     if found is None:
         return f"{key}: {error}"
     unknown = _keys_not_taken(node) or [found.group(1)]
+    typo = _misspelt(node, unknown)
+    if typo is not None:
+        return f"{key}.{typo[0]} is not an argument of {name}; did you mean '{key}.{typo[1]}'?"
     settings = " and ".join(f"{key}.{arg}={node.get(arg)}" for arg in unknown)
     verb, pronoun = ("is not an argument", "it") if len(unknown) == 1 else ("are not arguments", "them")
     drops = " ".join(f"'~{key}.{arg}'" for arg in unknown)
     return f"{settings} {verb} of {name} (an experiment's setting for another schedule?); drop {pronoun} with {drops}"
+
+
+def _misspelt(node: DictConfig, unknown: list[str]) -> tuple[str, str] | None:
+    """The first of ``unknown`` that no schedule of conf/scheduler takes, with the close argument of ``node``'s
+    target: a typo, not an experiment's setting for another schedule ('++scheduler.warmup_stepz=3' was told to drop
+    it, 'an experiment's setting for another schedule?', naming no 'scheduler.warmup_steps')."""
+    import difflib
+
+    from hydra.utils import get_object
+
+    from lit_dtrain import schedules
+    from lit_dtrain.config_keys import accepted_arguments
+
+    try:
+        own = accepted_arguments(get_object(str(node.get("_target_")))) or set()
+    except (ImportError, ValueError, TypeError):
+        return None
+    anyones = set().union(*(accepted_arguments(getattr(schedules, f"{kind}_scheduler")) or set()
+                            for kind in ("constant", "cosine", "wsd")))
+    for arg in unknown:
+        close = difflib.get_close_matches(arg, sorted(own), n=1)
+        if arg not in anyones and close:
+            return arg, close[0]
+    return None
 
 
 def _keys_not_taken(node: DictConfig) -> list[str]:
