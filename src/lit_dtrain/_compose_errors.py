@@ -108,7 +108,7 @@ def unknown_key_message(error: BaseException) -> str | None:
     from omegaconf import DictConfig
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    from lit_dtrain.config_keys import _not_accepted  # the closest key (difflib), as for a target's arguments
+    from lit_dtrain.config_keys import _not_accepted, trainer_arg_of_train_py  # _not_accepted: the closest key
 
     cause = error.__cause__
     if not isinstance(error, ConfigCompositionException) or not isinstance(
@@ -122,6 +122,8 @@ def unknown_key_message(error: BaseException) -> str | None:
     keys = sorted(k for k in map(str, parent.keys()) if section or k != "hydra")
     target, arguments = _target_arguments(parent)
     added = _added_with_plus(error, full_key)  # '+trainer.detect_anomaly=true', as Hydra printed it
+    if section == "trainer" and (refusal := trainer_arg_of_train_py(key)):  # (its '+' form is ignored)
+        return refusal
     if key in arguments:
         return f"{full_key} is not in the config but is an argument of {target}: add it with '+', {added!r}"
     if hint := _not_accepted(key, set(keys), {}, prefix=prefix):

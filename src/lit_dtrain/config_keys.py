@@ -78,6 +78,27 @@ CONFIG_KEYS = {
 _PLAIN_GROUP_KEYS = {"strategy": ("name", "collective_timeout_s", "connect_timeout_s"), "logger": ()}
 
 
+# Trainer arguments that train.py passes itself, each with how to set it: Hydra's instantiate lets them win over the
+# trainer node's, so '+trainer.strategy=ddp' (which the unknown-key line advised for trainer.strategy=ddp) trained
+# on one process and '+trainer.logger=false' still wrote TensorBoard events, both with exit status 0
+TRAINER_ARGS_OF_TRAIN_PY = {
+    "strategy": "choose it with 'strategy=<option of conf/strategy>' (or 'strategy.name=<Lightning's name>' under "
+                "strategy=auto)",
+    "callbacks": "choose them with 'callbacks=[default,<option of conf/callbacks>]'",
+    "logger": "choose it with 'logger=<option of conf/logger>' (logger=none: no logger)",
+    "plugins": "train.py passes its own (atomic checkpoint writes, SLURM's environment)",
+}
+
+
+def trainer_arg_of_train_py(key: str) -> str | None:
+    """The refusal of ``trainer.<key>`` for a Trainer argument that train.py passes itself (it would be ignored), else
+    None."""
+    if key not in TRAINER_ARGS_OF_TRAIN_PY:
+        return None
+    return f"trainer.{key} is passed to the Trainer by train.py, so a value here would be ignored: " \
+        f"{TRAINER_ARGS_OF_TRAIN_PY[key]}"
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     """:class:`ConfigError` naming a key that lit_dtrain does not read, at the root or in a plain section of
     conf/train.yaml (see ``CONFIG_KEYS``), or in a strategy or logger without ``_target_``, unless an interpolation
@@ -86,6 +107,10 @@ def check_known_keys(cfg: DictConfig) -> None:
 
     # a key that an interpolation reads is read: a config's own variable (`d: 256`, `model.d_model: ${d}`)
     text = OmegaConf.to_yaml(cfg, resolve=False)
+    if isinstance(trainer := cfg.get("trainer"), DictConfig):
+        for key in map(str, trainer.keys()):
+            if refusal := trainer_arg_of_train_py(key):
+                raise ConfigError(refusal)
     for section, known in {**CONFIG_KEYS, **_PLAIN_GROUP_KEYS}.items():
         node = cfg if not section else cfg.get(section)
         if not isinstance(node, DictConfig) or section in _PLAIN_GROUP_KEYS and "_target_" in node:

@@ -36,6 +36,10 @@ def no_full_error(monkeypatch):
     # an argument of the node's target that the config does not set: '+' adds it (the line named the node's keys)
     ("trainer.detect_anomaly=true", "trainer.detect_anomaly is not in the config but is an argument of "
                                     "lightning.pytorch.Trainer: add it with '+', '+trainer.detect_anomaly=true'"),
+    # a Trainer argument train.py passes itself: its '+' form, which the line above advised, was silently ignored
+    ("trainer.strategy=ddp", "trainer.strategy is passed to the Trainer by train.py, so a value here would be "
+                             "ignored: choose it with 'strategy=<option of conf/strategy>' (or 'strategy.name="
+                             "<Lightning's name>' under strategy=auto)"),
     ("callbacks.model_checkpoint.every_n_train_step=4", "callbacks.model_checkpoint.every_n_train_step is not a "
      "config key; did you mean '+callbacks.model_checkpoint.every_n_train_steps=4'? (lit_dtrain.callbacks."
      "ModelCheckpoint takes every_n_train_steps, which the config does not set: '+' adds it)"),

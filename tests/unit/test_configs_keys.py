@@ -58,6 +58,29 @@ def test_an_unknown_key_in_an_experiment_file_is_refused(experiment, match, tmp_
         check_config(cfg)
 
 
+@pytest.mark.parametrize(("added", "advice"), [
+    ("+trainer.strategy=ddp", "choose it with 'strategy=<option of conf/strategy>'"),
+    ("+trainer.logger=false", "choose it with 'logger=<option of conf/logger>' (logger=none: no logger)"),
+    ("+trainer.callbacks=null", "choose them with 'callbacks=[default,<option of conf/callbacks>]'"),
+    ("+trainer.plugins=null", "train.py passes its own"),
+])
+def test_a_trainer_argument_that_train_py_passes_itself_is_refused(added, advice):
+    """train.py builds the Trainer with its own strategy, callbacks, logger and plugins, which win over the trainer
+    node's: '+trainer.strategy=ddp' trained on one process and '+trainer.logger=false' still wrote TensorBoard
+    events, both with exit status 0."""
+    from hydra import compose, initialize_config_dir
+
+    from lit_dtrain.config_checks import check_known_keys
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[added])
+    key = added[1:].split("=")[0]
+    with pytest.raises(ConfigError) as refused:
+        check_known_keys(cfg)
+    assert str(refused.value).startswith(f"{key} is passed to the Trainer by train.py, so a value here would be "
+                                         f"ignored: {advice}")
+
+
 def test_a_key_that_an_interpolation_reads_is_not_unknown(tmp_path):
     """A config's own variable (lightning-hydra-template style) is read through its interpolation: not refused."""
     import shutil
