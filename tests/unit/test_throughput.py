@@ -185,6 +185,36 @@ def test_one_validation_row_per_validation_at_the_step_of_its_val_loss(tmp_path:
     assert steps == {"validate/batches": val_steps, "validate/device/items_per_sec": val_steps}
 
 
+class LogsLoss(Validated):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_epoch_is_written_once_per_row_of_lightnings_not_again_with_the_throughput_rows(tmp_path: Path) -> None:
+    """Given no step, Lightning's logger connector adds ``epoch`` to every row: the monitor's training and validation
+    rows each wrote a second ``epoch`` point beside Lightning's own, 2 at every logged step and 4 at a validation's."""
+    from collections import Counter
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from tests.unit.test_callback_logging import _tensorboard_scalars
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, log_every_n_steps=1,
+                        callbacks=[token_throughput_monitor(window_size=2)],
+                        logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = LogsLoss()
+    trainer.fit(module)
+    trainer.validate(module, verbose=False)
+    tags = _tensorboard_scalars(tmp_path / "tb")
+    assert [s for s, _ in tags["train/tokens"]] == [0, 1, 2, 3]
+    assert [s for s, _ in tags["validate/batches"]] == [1, 3, 4]
+    # Lightning's rows: train/loss at steps 0..3, val/loss at 1 and 3 (fit) and 4 (trainer.validate)
+    assert Counter(s for s, _ in tags["epoch"]) == Counter({0: 1, 1: 2, 2: 1, 3: 2, 4: 1})
+
+
 def csv_trainer(tmp_path: Path, version: int, steps: int) -> L.Trainer:
     """A Trainer logging every step to ``csv/version_<version>`` with the throughput monitor alone."""
     return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,

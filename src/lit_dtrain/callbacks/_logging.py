@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import lightning as L
 
+from lit_dtrain.utils.loop import logging_axis_step
+
 
 def log_interval(own: int | None, trainer: L.Trainer) -> int:
     """A callback's logging interval in optimizer steps: its own, else the trainer's ``log_every_n_steps``; 0 means
@@ -28,7 +30,7 @@ def logging_step(trainer: L.Trainer) -> int:
     with several optimizers, and writes the module's logs at the batch count)."""
     module = getattr(trainer, "lightning_module", None)  # (a stand-in trainer in a unit test may have none)
     if module is not None and not module.automatic_optimization:
-        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+        return logging_axis_step(trainer)
     return trainer.global_step
 
 

@@ -46,6 +46,7 @@ from typing_extensions import override
 from lit_dtrain.callbacks._args import check_arg, finite_number, whole_at_least
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.data._drawn_shares import drawn_share_metrics
+from lit_dtrain.utils.loop import logging_axis_step
 
 TOKENS = "train/tokens"  # the tokens trained so far, all ranks together (a running total a resume goes on from)
 
@@ -182,7 +183,10 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
             metrics[TOKENS] = float(tokens)
         if stage == RunningStage.TRAINING:  # a mixture's share of the windows drawn so far from each source
             metrics.update(drawn_share_metrics(trainer.datamodule))
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+        # at the step of Lightning's training row, named: given no step, the connector adds `epoch` to this row too,
+        # a second `epoch` point at every logged step in TensorBoard
+        step = logging_axis_step(trainer) if iter_num is None else iter_num
+        trainer._logger_connector.log_metrics(metrics, step=step)
 
     @override
     @rank_zero_only
@@ -217,7 +221,8 @@ class _StepWindowThroughputMonitor(ThroughputMonitor):
         whole.update(time=times[-1], batches=self._batches[stage], samples=self._samples[stage],
                      lengths=self._lengths[stage] if with_lengths else None, flops=self._validation_flops)
         metrics = {f"{stage.value}{whole.separator}{k}": v for k, v in whole.compute().items()}
-        trainer._logger_connector.log_metrics(metrics)  # step None: where Lightning writes this validation's val/loss
+        # where Lightning writes this validation's val/loss, named: given no step, the connector adds `epoch` here too
+        trainer._logger_connector.log_metrics(metrics, step=logging_axis_step(trainer))
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         note_stage(self, stage)

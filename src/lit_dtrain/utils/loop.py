@@ -13,6 +13,13 @@ def mid_accumulation(trainer: Any) -> bool:
     return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
+def logging_axis_step(trainer: Any) -> int:
+    """The step at which Lightning's logger connector writes a row given no step (a training row, a validation's
+    ``val/loss``): its private ``_batches_that_stepped`` (lightning 2.6). A row written with this step explicitly lands
+    beside Lightning's own without the ``epoch`` scalar that the connector adds to every row given no step."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
 def lightnings_timer_splits_steps(trainer: Any) -> int | None:
     """The largest ``accumulate_grad_batches`` of a fit whose time limit is Lightning's own ``Timer``
     (``Trainer(max_time=...)``) checked per batch: it stops between micro-batches, mid-step; None where it cannot
