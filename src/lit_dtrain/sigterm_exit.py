@@ -23,7 +23,7 @@ from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
 from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
 from lit_dtrain.utils.distributed import all_gather_stacked
-from lit_dtrain.utils.rank_zero import log_once
+from lit_dtrain.utils.rank_zero import log_once, rank_labelled
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -106,7 +106,10 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=No
             hint,
         )
     status = 128 + stop_signal(trainer)
-    log.info("exiting with status %d (stopped by %s, not finished)", status, name)  # each process's own exit
+    # each process's own exit, labelled with its rank: under torchrun the workers write to one train.log (a stand-in
+    # trainer in a unit test may have no world_size)
+    line = rank_labelled("exiting with status %d (stopped by %s, not finished)", getattr(trainer, "world_size", 1))
+    log.info(line, status, name)
     return status
 
 

@@ -100,17 +100,24 @@ def test_a_split_that_holds_out_far_more_is_warned_about_by_rank_0_alone(caplog,
 @pytest.mark.parametrize("saved_last", [True, False])
 def test_a_stop_by_sigterm_is_told_by_rank_0_alone_and_every_rank_exits_143(caplog, monkeypatch, saved_last):
     """The checkpoint saved (or none) is the run's: rank 0 says it. 'exiting with status 143' is each process's own
-    exit (under torchrun or srun each rank's line tells that it ended by itself, not killed by the launcher)."""
-    trainer = SimpleNamespace(callbacks=[], global_step=6)
+    exit (under torchrun or srun each rank's line tells that it ended by itself, not killed by the launcher), labelled
+    with its rank as Lightning's per-process lines are: under torchrun both workers wrote the same unlabelled line to
+    the one train.log."""
+    trainer = SimpleNamespace(callbacks=[], global_step=6, world_size=2)
     for rank, count in ((1, 1), (0, 2)):
         monkeypatch.setattr(rank_zero_only, "rank", rank)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
             assert stopped_by_sigterm(trainer, saved_last=saved_last) == 128 + signal.SIGTERM
-        assert len(_lines(caplog, "lit_dtrain.train")) == count
+        lines = _lines(caplog, "lit_dtrain.train")
+        assert len(lines) == count
+        assert lines[-1] == f"[rank: {rank}] exiting with status 143 (stopped by SIGTERM, not finished)"
     said = "after the last step (6), whose last.ckpt is saved" if saved_last else "at step 6 without a checkpoint"
     assert f"stopped by SIGTERM {said}" in caplog.text
-    assert "exiting with status 143 (stopped by SIGTERM, not finished)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):  # one process: no rank to tell apart
+        stopped_by_sigterm(SimpleNamespace(callbacks=[], global_step=6, world_size=1), saved_last=saved_last)
+    assert _lines(caplog, "lit_dtrain.train")[-1] == "exiting with status 143 (stopped by SIGTERM, not finished)"
 
 
 def test_a_corpus_of_fewer_windows_than_a_batch_and_a_wsd_without_decay_are_told_by_rank_0_alone(

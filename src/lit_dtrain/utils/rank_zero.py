@@ -15,3 +15,14 @@ def log_once(logger: logging.Logger, level: int, msg: str, *args) -> None:
 
     if rank_zero_only.rank == 0:
         logger.log(level, msg, *args)
+
+
+def rank_labelled(message: str, world_size: int) -> str:
+    """``message`` with Lightning's ``[rank: N]`` prefix (N: this process's global rank, ``rank_zero_only.rank``) in a
+    run of several processes, as Lightning's own per-process lines in ``train.log`` have it (``[rank: 1] Seed set to
+    ...``); unchanged in a single process. For a line each process prints about itself: under torchrun the workers
+    share one ``train.log``, where two unlabelled lines did not say whose they were."""
+    from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return rank_prefixed_message(message, rank_zero_only.rank if world_size > 1 else None)
