@@ -58,6 +58,21 @@ def test_builders_reject_unknown_names_and_keys():
 
 
 
+def test_block_quantizers_bits_are_checked_as_a_count():
+    """BlockQuantizer(bits=torch.tensor(4)) was taken as 4 bits (tensor(4) in (4, 8) is true) where its other
+    arguments refuse a tensor, and bits=8.0 was taken and named the codec 'int8.0'. A tensor is refused now, and a
+    whole float or numpy integer is the int it holds, as block_size's is."""
+    import numpy as np
+    import torch
+
+    for bits in (torch.tensor(4), True, 4.5, "8"):
+        with pytest.raises(ValueError, match=r"^BlockQuantizer: bits must be 8 or 4, got "):
+            BlockQuantizer(bits=bits)
+    for bits, name in ((8.0, "int8"), (np.int64(4), "int4")):
+        q = BlockQuantizer(bits=bits)
+        assert (q.name, q.levels, type(q.bits)) == (name, 127 if name == "int8" else 7, int)
+
+
 def test_a_mapping_given_in_python_has_its_flags_and_numbers_type_checked():
     """Only a config's mapping was type-checked: CompressedDDPStrategy(compressor={"name": "topk", "error_feedback":
     "no"}) trained with error feedback on (bool('no') is true). One check serves both forms now."""

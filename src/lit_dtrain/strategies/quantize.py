@@ -114,7 +114,9 @@ class BlockQuantizer(Compressor):
         seed: int = 0,
     ) -> None:
         owner = type(self).__name__  # ShardedBlockQuantizer's errors name it
-        check_arg(owner, "bits", bits, lambda v: not is_flag(v) and v in (4, 8), "8 or 4")
+        # a count's test first: torch.tensor(4) was taken (tensor(4) == 4 is true) where the other arguments refuse
+        # a tensor, and bits=8.0 was named 'int8.0'
+        check_arg(owner, "bits", bits, lambda v: whole_at_least(4)(v) and int(v) in (4, 8), "8 or 4")
         check_arg(owner, "block_size", block_size, lambda v: whole_at_least(2)(v) and int(v) % 2 == 0,
                   "an even number >= 2")
         check_arg(owner, "stochastic_rounding", stochastic_rounding, is_flag, "True or False")
@@ -123,8 +125,8 @@ class BlockQuantizer(Compressor):
         self.bits, self.block_size = int(bits), int(block_size)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = int(seed)
-        self.levels = 127 if bits == 8 else 7
-        self.name = f"int{bits}"
+        self.levels = 127 if self.bits == 8 else 7
+        self.name = f"int{self.bits}"
         self._plans: dict[tuple, tuple[list[tuple[int, int, int]], int, list | None]] = {}
 
     def _runs(self, segments: Sequence[Segment], numel: int) -> tuple[list[tuple[int, int, int]], int, list | None]:
