@@ -227,6 +227,21 @@ def test_step_end_timers_arguments_are_named(kwargs, name):
     assert StepEndTimer(duration={"minutes": 1}, verbose=False)._duration == 60.0
 
 
+def test_step_end_timers_duration_mapping_takes_numpy_integers_and_refuses_flags():
+    """StepEndTimer(duration={'hours': np.int64(1)}) (a value read from an array) was refused, though the callbacks'
+    count arguments take numpy integers and timedelta takes numpy floats; {'hours': True} was an hour, where
+    trainer.max_time's {hours: true} is refused. Now an hour, and refused, as the shared checks do."""
+    import numpy as np
+
+    from lit_dtrain.callbacks import StepEndTimer
+
+    assert StepEndTimer(duration={"hours": np.int64(1), "minutes": np.uint8(30)})._duration == 5400.0
+    assert StepEndTimer(duration={"hours": np.float64(0.5)})._duration == 1800.0
+    for flag in (True, np.True_):
+        with pytest.raises(ValueError, match=r"^StepEndTimer: duration must be .*, got \{'hours': "):
+            StepEndTimer(duration={"hours": flag})
+
+
 def test_step_end_timers_duration_from_a_config_is_taken():
     """A callback config's ``duration: {hours: ${h}}`` reached StepEndTimer as a DictConfig (Hydra's instantiate):
     Lightning's Timer takes a dict only and failed with "Missing key total_seconds"; ``{hour: 1}`` was timedelta's

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
-from lit_dtrain.utils.args import is_flag
+from lit_dtrain.utils.args import is_flag, is_number
 from lit_dtrain.utils.loop import mid_accumulation, reopen_stopped_epoch
 
 
@@ -47,8 +47,13 @@ class StepEndTimer(Timer):
             # keyword argument for __new__()"
             duration = OmegaConf.to_container(duration, resolve=True) if OmegaConf.is_config(duration) \
                 else dict(duration)
+            # a numpy integer (a value read from an array), taken where the other arguments ask a count, was refused:
+            # timedelta takes numpy's floats but not its integers ("unsupported type for timedelta hours component")
+            duration = {k: int(v) if is_number(v, integer=True) else v for k, v in duration.items()}
+        # a flag: timedelta(hours=True) was an hour, where trainer.max_time's {hours: true} is refused
         check_arg("StepEndTimer", "duration", duration,
-                  lambda v: isinstance(v, (str, timedelta)) or (isinstance(v, dict) and timedelta(**v) is not None),
+                  lambda v: isinstance(v, (str, timedelta)) or (
+                      isinstance(v, dict) and not any(map(is_flag, v.values())) and timedelta(**v) is not None),
                   "'DD:HH:MM:SS', a datetime.timedelta or a dict such as {'hours': 12}")
         check_arg("StepEndTimer", "interval", interval, lambda v: v in ("step", "epoch"), "'step' or 'epoch'")
         check_arg("StepEndTimer", "verbose", verbose, is_flag, "True or False")
