@@ -18,8 +18,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
-from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint
+from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint, what_resumes
 from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
 from lit_dtrain.utils.distributed import all_gather_stacked
@@ -75,13 +76,14 @@ def stop_signal(trainer: L.Trainer) -> signal.Signals:
     return signal.SIGTERM
 
 
-def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=None) -> int:
+def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=None, ckpt_dir: str | None = None) -> int:
     """The exit status of a fit that SIGTERM stopped (Lightning raises ``SIGTERMException``, a ``SystemExit`` with
     status 0): 143, or 128 + the signal for SIGINT and SIGHUP, which ``PreemptionCheckpoint`` handles alike. A
     preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on as if it had,
     and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved (``saved_last``: train()
     saved the final ``last.ckpt``) and how to resume this run (``run_name``: train()'s, for :func:`train_resume_hint`
-    where no ``PreemptionCheckpoint`` holds the hint)."""
+    where no ``PreemptionCheckpoint`` holds the hint); without a checkpoint of the stop, which file of
+    ``ckpt_dir`` (train()'s ``paths.checkpoint_dir``) a resume continues from."""
     name = stop_signal(trainer).name
     # with this run's names, as PreemptionCheckpoint's line: a multirun job's bare resume=auto is refused (it needs
     # hydra.sweep.dir), and a single run's starts a fresh run under a new default name
@@ -97,13 +99,16 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=No
             hint,
         )
     elif not any(isinstance(c, PreemptionCheckpoint) and c.saved_step is not None for c in trainer.callbacks):
+        if ckpt_dir is not None and rank_zero_only.rank == 0:  # names the file before the hint's ckpt_path=<that
+            resumes = what_resumes(ckpt_dir, hint)  # file>, which came first and named none (rank 0 reads the files)
+        else:
+            resumes = f"to continue from the last validation's checkpoint, if any, resume with {hint}"
         log_once(
             log, logging.WARNING,
-            "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): "
-            "resume with %s to continue from the last validation's checkpoint, if any",
+            "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): %s",
             name,
             trainer.global_step,
-            hint,
+            resumes,
         )
     status = 128 + stop_signal(trainer)
     # each process's own exit, labelled with its rank: under torchrun the workers write to one train.log (a stand-in

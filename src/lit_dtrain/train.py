@@ -348,7 +348,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     try:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
-        raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name)) from None
+        raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name, ckpt_dir=cfg.paths.checkpoint_dir)) from None
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds

@@ -115,6 +115,36 @@ def test_a_stop_without_a_checkpoint_says_how_to_resume_this_run(monkeypatch, ca
     with caplog.at_level("INFO", logger="lit_dtrain.train"):
         assert stopped_by_sigterm(trainer, run_name="2026-12-06_16-20-19") == 143
     assert (
-        "without a checkpoint (no PreemptionCheckpoint among the callbacks): resume with resume=auto "
-        "run_name=2026-12-06_16-20-19 or ckpt_path=<that file> to continue from the last validation's checkpoint"
+        "without a checkpoint (no PreemptionCheckpoint among the callbacks): to continue from the last validation's "
+        "checkpoint, if any, resume with resume=auto run_name=2026-12-06_16-20-19 or ckpt_path=<that file>"
     ) in caplog.text
+
+
+def test_a_stop_without_a_checkpoint_names_the_file_a_resume_continues_before_ckpt_path_that_file(
+    tmp_path, monkeypatch, caplog
+):
+    """A run without PreemptionCheckpoint stopped at step 7 said 'resume with resume=auto run_name=nock or
+    ckpt_path=<that file> to continue from the last validation's checkpoint, if any': <that file> before any file was
+    named, beside a step-4 checkpoint it could have named. train() gives its checkpoint dir: the line names the file."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import lit_dtrain.sweeps
+
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(lit_dtrain.sweeps, "in_multirun", lambda: False)
+    trainer = SimpleNamespace(global_step=7, callbacks=[])
+    ckpt = tmp_path / "step000004-val4.9907.ckpt"
+    torch.save({"global_step": 4, "state_dict": {"w": torch.zeros(2)}}, ckpt)
+    with caplog.at_level("INFO", logger="lit_dtrain.train"):
+        assert stopped_by_sigterm(trainer, run_name="nock", ckpt_dir=str(tmp_path)) == 143
+    assert (
+        "stopped by SIGTERM at step 7 without a checkpoint (no PreemptionCheckpoint among the callbacks): The newest "
+        f"finite checkpoint is {ckpt} (step 4), which resume=auto continues: resume with resume=auto run_name=nock or "
+        "ckpt_path=<that file>"
+    ) in caplog.text
+    caplog.clear()
+    ckpt.unlink()
+    with caplog.at_level("INFO", logger="lit_dtrain.train"):
+        stopped_by_sigterm(trainer, run_name="nock", ckpt_dir=str(tmp_path))
+    assert f"callbacks): {tmp_path} holds no resumable checkpoint: a resume has nothing to continue" in caplog.text
+    assert "<that file>" not in caplog.text

@@ -214,7 +214,7 @@ class PreemptionCheckpoint(L.Callback):
         trainer._signal_connector.received_sigterm = True  # every rank leaves the loop after this batch
         # (train()'s resume=auto is no setting in a project of one's own, where this line named it all the same)
         if rank_zero_only.rank == 0 and _file_identity(path) == before:  # AtomicCheckpointIO skipped the save
-            resumes = _what_resumes(self.dirpath, self.resume_hint)
+            resumes = what_resumes(self.dirpath, self.resume_hint)
             rank_zero_info(f"{name} received: no checkpoint saved at step {trainer.global_step} (its weights are not "
                            f"finite: see the warning above); exiting cleanly. {resumes}")
             return
@@ -233,7 +233,7 @@ def _file_identity(path: str) -> tuple | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _what_resumes(dirpath: str, resume_hint: str | None) -> str:
+def what_resumes(dirpath: str, resume_hint: str | None) -> str:
     """Which checkpoint of ``dirpath`` a resume continues where the stop saved none: the newest with finite weights
     (``resume=auto``'s choice; ``resume_hint``: train()'s, None in a project of one's own)."""
     from lit_dtrain.checkpoint import checkpoint_global_step
