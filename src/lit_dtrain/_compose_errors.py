@@ -16,14 +16,16 @@ import difflib
 import os
 import sys
 import traceback
+from pathlib import Path
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _set_here = False  # whether this process set HYDRA_FULL_ERROR=1 (until the task function starts)
 
 
-def run_reporting_unknown_keys(main) -> None:
+def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
     """Run a ``@hydra.main`` function ``main`` (no arguments: Hydra reads ``sys.argv``), reporting a key the config
-    lacks in one line with exit status 1 (Hydra's was 1 too)."""
+    lacks in one line with exit status 1 (Hydra's was 1 too). ``config_dir``: ``main``'s config dir, whose
+    ``callbacks`` options the line for a callback not chosen names (Hydra's loader is gone by then)."""
     global _set_here
     if os.environ.get(_FULL_ERROR) == "1":
         main()
@@ -34,7 +36,7 @@ def run_reporting_unknown_keys(main) -> None:
     except Exception as e:  # noqa: BLE001 - raised only before the task function ran; reported as Hydra would
         composed()
         error = e
-        message = unknown_key_message(error)
+        message = unknown_key_message(error, config_dir)
         if message is None:
             _report_as_hydra(error)
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -99,7 +101,7 @@ def _hydra_prints_whole(error: BaseException, start) -> bool:
     return search_max == 0 or tb is None
 
 
-def unknown_key_message(error: BaseException) -> str | None:
+def unknown_key_message(error: BaseException, config_dir: str | None = None) -> str | None:
     """The one line for Hydra's 'Could not override' error of a key its node lacks (OmegaConf's 'not in struct'), with
     the closest key of that node, else None. A key the node's ``_target_`` takes but the config does not set
     (``trainer.detect_anomaly=true``, ``callbacks.model_checkpoint.every_n_train_steps=4``) is added with '+': the
@@ -135,14 +137,41 @@ def unknown_key_message(error: BaseException) -> str | None:
     where = f"{section} holds" if section else "the top level holds"
     holds = f"({where} {', '.join(keys)})" if keys else f"({section} holds no keys: add one with '+', {added!r})"
     if section == "callbacks":  # callbacks.loss_spike.z=3 without choosing loss_spike (conf/callbacks, a list)
-        holds = f"({where} {', '.join(keys)}; {choose_callback_first(key)})"
+        holds = f"({where} {', '.join(keys)}; {choose_callback_first(key, config_dir)})"
     return f"{full_key} is not a config key {holds}"
 
 
-def choose_callback_first(name: str) -> str:
+def choose_callback_first(name: str, config_dir: str | None = None) -> str:
     """The advice for a key of the callback ``name`` that is not chosen (``callbacks.loss_spike.z=3``, or with '+',
-    which added a node without its ``_target_``): choose its conf/callbacks option first."""
-    return f"one of conf/callbacks is chosen first, 'callbacks=[default,{name}]'"
+    which added a node without its ``_target_``): choose its conf/callbacks option first, where there is one (each
+    option's node is named as the option). The advice named ``callbacks=[default,<name>]`` for any name, also one that
+    is no option (``callbacks.early_stop.patience=3``: 'callbacks=[default,early_stop]', which Hydra then refused);
+    such a name gets the closest option or the list, and how to add a callback of one's own."""
+    options = callback_options(config_dir)
+    if options is None:  # outside a Hydra app: nothing lists them
+        return (f"a conf/callbacks option is chosen first ('callbacks=[default,<option>]'), or callbacks.{name} given "
+                "a _target_")
+    if name in options:
+        return f"one of conf/callbacks is chosen first, 'callbacks=[default,{name}]'"
+    close = difflib.get_close_matches(name, options, n=1)
+    which = f"did you mean {close[0]}?" if close else f"its options: {', '.join(options) or 'none'}"
+    return (f"conf/callbacks has no option '{name}' ({which}); a callback of one's own is added with "
+            f"'+callbacks.{name}._target_=<its class>'")
+
+
+def callback_options(config_dir: str | None = None) -> list[str] | None:
+    """The options of the config group ``callbacks`` that each add one callback (not ``default``, ``none``), as
+    Hydra's config loader of this app lists them, else those in ``config_dir``/callbacks (Hydra clears its loader
+    when composing fails); None with neither (``train(cfg)`` called outside a Hydra app)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        options = GlobalHydra.instance().config_loader().get_group_options("callbacks")
+    elif config_dir is not None:
+        options = sorted(p.stem for p in Path(config_dir, "callbacks").glob("*.yaml"))
+    else:
+        return None
+    return [o for o in options if o not in ("default", "none")]
 
 
 def _target_arguments(node) -> tuple[str | None, set[str]]:

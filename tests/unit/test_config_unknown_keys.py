@@ -48,10 +48,19 @@ def no_full_error(monkeypatch):
     ("callbacks.loss_spike.z=3", "callbacks.loss_spike is not a config key (callbacks holds lr_monitor, "
      "model_checkpoint, preemption, progress_bar, throughput; one of conf/callbacks is chosen first, "
      "'callbacks=[default,loss_spike]')"),  # a callback not chosen: its keys only named the chosen ones
+    # no such option: it advised 'callbacks=[default,early_stop]' and 'callbacks=[default,grad_clip]', which Hydra
+    # then refused ("Could not find 'callbacks/early_stop'")
+    ("callbacks.early_stop.patience=3", "callbacks.early_stop is not a config key (callbacks holds lr_monitor, "
+     "model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'early_stop' (its "
+     "options: adaptive_grad_clip, fourier_sampler, loss_spike, optimizer_diagnostics, selective_ckpt, wsd); a "
+     "callback of one's own is added with '+callbacks.early_stop._target_=<its class>')"),
+    ("callbacks.grad_clip.x=1", "callbacks.grad_clip is not a config key (callbacks holds lr_monitor, "
+     "model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'grad_clip' (did you mean "
+     "adaptive_grad_clip?); a callback of one's own is added with '+callbacks.grad_clip._target_=<its class>')"),
 ])
 def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
     with pytest.raises(SystemExit) as stop:
-        run_reporting_unknown_keys(composing("model=nano", override))
+        run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
     assert stop.value.code == 1
     assert capsys.readouterr().err == f"error: {line}\n"
     assert "HYDRA_FULL_ERROR" not in os.environ
@@ -120,12 +129,25 @@ def test_a_whole_traceback_is_printed_as_before_without_this_modules_frames(caps
 
 def test_a_key_added_with_plus_to_a_callback_not_chosen_names_the_choice():
     """'+callbacks.loss_spike.z=3' without loss_spike among the callbacks said 'callbacks.loss_spike has no _target_':
-    '+' added a node holding z alone. It names the choice as the form without '+' does."""
+    '+' added a node holding z alone. It names the choice as the form without '+' does, inside the Hydra app (its
+    config loader lists the options): an option that does not exist is not advised ('+callbacks.early_stop.patience=3'
+    said "'callbacks=[default,early_stop]'"); outside one, no option is named."""
     from omegaconf import OmegaConf
 
     from lit_dtrain.train import ConfigError, build_callbacks
 
-    with pytest.raises(ConfigError) as refused:
-        build_callbacks(OmegaConf.create({"callbacks": {"loss_spike": {"z": 3}}}))
-    assert str(refused.value) == ("callbacks.loss_spike has no _target_ (it holds only z); one of conf/callbacks is "
-                                  "chosen first, 'callbacks=[default,loss_spike]'")
+    def refusal(name: str, key: str) -> str:
+        with pytest.raises(ConfigError) as refused:
+            build_callbacks(OmegaConf.create({"callbacks": {name: {key: 3}}}))
+        return str(refused.value)
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):  # as in train.py's task function
+        assert refusal("loss_spike", "z") == ("callbacks.loss_spike has no _target_ (it holds only z); one of "
+                                              "conf/callbacks is chosen first, 'callbacks=[default,loss_spike]'")
+        assert refusal("early_stop", "patience") == (
+            "callbacks.early_stop has no _target_ (it holds only patience); conf/callbacks has no option 'early_stop' "
+            "(its options: adaptive_grad_clip, fourier_sampler, loss_spike, optimizer_diagnostics, selective_ckpt, "
+            "wsd); a callback of one's own is added with '+callbacks.early_stop._target_=<its class>'")
+    assert refusal("early_stop", "patience") == (
+        "callbacks.early_stop has no _target_ (it holds only patience); a conf/callbacks option is chosen first "
+        "('callbacks=[default,<option>]'), or callbacks.early_stop given a _target_")
