@@ -1,8 +1,10 @@
-"""Helpers shared by the test_data_*.py files."""
-
-
+"""Helpers shared by the test_data_*.py and test_token_cache_*.py files."""
 
 from lit_dtrain.data import CorpusSource, LMDataModule
+
+
+def files_source(path, name="x") -> CorpusSource:
+    return CorpusSource(name=name, kind="files", paths=[str(path)])
 
 
 def dm_for(corpus, tmp_path, **kw):

@@ -1,4 +1,5 @@
-"""A token cache dir that cannot be one: the error names what is in the way."""
+"""A token cache dir that cannot be one: the error names what is in the way; one inside the corpus is not read as
+corpus."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import pytest
 
 from lit_dtrain.data import CorpusError, CorpusSource, build_token_cache
+from tests.unit._data_helpers import files_source
 
 
 @pytest.mark.parametrize("below", ["", "sub"])
@@ -20,3 +22,31 @@ def test_a_cache_dir_that_is_a_file_is_named_as_one(tmp_path, below):
                 "not a directory; move it away or point LIT_DTRAIN_CACHE")
     with pytest.raises(CorpusError, match=re.escape(expected)):
         build_token_cache(source, cache, min_tokens=9, val_fraction=0.1, progress=False)
+
+
+def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
+    """paths=[corpus] with the cache dir corpus/cache: each build read the token files of the one before as corpus
+    text (warned as 'UTF-16LE text'), so every run made a new cache of a corpus three times larger (59k, 179k, 538k
+    tokens). The cache dir's files are left out, with a warning; the key stays the same, so the cache is reused."""
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    sizes = []
+    for _ in range(3):
+        with caplog.at_level("WARNING"):
+            splits = build_token_cache(files_source(corpus), corpus / "cache", min_tokens=9, progress=False)
+        sizes.append((splits.meta["documents"], len(splits.train) + len(splits.val), splits.train.filename))
+    assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] == 3
+    assert "left out 3 file(s) under " in caplog.text and "(token caches, not corpus text)" in caplog.text
+    assert "UTF-16" not in caplog.text
+
+
+def test_a_corpus_that_is_only_the_cache_dir_is_refused(tmp_path):
+    from lit_dtrain.data import CorpusError
+    from tests.conftest import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", n_files=3)
+    build_token_cache(files_source(corpus), tmp_path / "cache", min_tokens=9, progress=False)
+    match = r"data source 'x': its 3 file\(s\) are all under '.*cache' .*which holds token caches"
+    with pytest.raises(CorpusError, match=match):
+        build_token_cache(files_source(tmp_path / "cache"), tmp_path / "cache", min_tokens=9, progress=False)

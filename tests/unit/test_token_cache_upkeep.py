@@ -9,10 +9,7 @@ import signal
 import pytest
 
 from lit_dtrain.data import CorpusSource, build_token_cache
-
-
-def files_source(path, name="x") -> CorpusSource:
-    return CorpusSource(name=name, kind="files", paths=[str(path)])
+from tests.unit._data_helpers import files_source
 
 
 def test_the_offset_of_a_non_utf8_byte_counts_a_byte_order_mark(tmp_path, caplog):
@@ -267,34 +264,6 @@ def test_caches_that_cannot_be_locked_are_kept_and_said_so(tmp_path, monkeypatch
     assert len(_caches(tmp_path / "cache")) == 2
     assert "kept 1 beyond data.cache_keep=1, which cannot be locked here" in caplog.text
     assert "Bad file descriptor" in caplog.text and "in use by another process" not in caplog.text
-
-
-def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
-    """paths=[corpus] with the cache dir corpus/cache: each build read the token files of the one before as corpus
-    text (warned as 'UTF-16LE text'), so every run made a new cache of a corpus three times larger (59k, 179k, 538k
-    tokens). The cache dir's files are left out, with a warning; the key stays the same, so the cache is reused."""
-    from tests.conftest import make_corpus
-
-    corpus = make_corpus(tmp_path / "corpus", n_files=3)
-    sizes = []
-    for _ in range(3):
-        with caplog.at_level("WARNING"):
-            splits = build_token_cache(files_source(corpus), corpus / "cache", min_tokens=9, progress=False)
-        sizes.append((splits.meta["documents"], len(splits.train) + len(splits.val), splits.train.filename))
-    assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] == 3
-    assert "left out 3 file(s) under " in caplog.text and "(token caches, not corpus text)" in caplog.text
-    assert "UTF-16" not in caplog.text
-
-
-def test_a_corpus_that_is_only_the_cache_dir_is_refused(tmp_path):
-    from lit_dtrain.data import CorpusError
-    from tests.conftest import make_corpus
-
-    corpus = make_corpus(tmp_path / "corpus", n_files=3)
-    build_token_cache(files_source(corpus), tmp_path / "cache", min_tokens=9, progress=False)
-    match = r"data source 'x': its 3 file\(s\) are all under '.*cache' .*which holds token caches"
-    with pytest.raises(CorpusError, match=match):
-        build_token_cache(files_source(tmp_path / "cache"), tmp_path / "cache", min_tokens=9, progress=False)
 
 
 def test_the_run_outputs_inside_a_corpus_dir_are_not_read_as_corpus(tmp_path, caplog):

@@ -1,14 +1,13 @@
 """lit_dtrain's callbacks under Lightning's Trainer modes and entry points in a project of one's own: a second
 ``trainer.fit`` of the same Trainer on another datamodule (staged training), ``trainer.validate()``, ``test()`` and
 ``predict()`` with ``ckpt_path=`` after a fit. ``fast_dev_run`` is tested beside each
-callback (``test_model_checkpoint.py``, ``test_wsd_trainer_horizon.py``), ``trainer.test()``/``predict()`` in
-``test_throughput.py``."""
+callback (``test_model_checkpoint.py``, ``test_wsd_trainer_horizon.py``) and under train.py
+(``test_train_py_fast_dev_run.py``), ``trainer.test()``/``predict()`` in ``test_throughput.py``."""
 
 from __future__ import annotations
 
 import copy
 import warnings
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -268,21 +267,6 @@ def test_overfit_batches_cycles_lmdatamodules_first_batches(tmp_path):
         fit(lm_data(tmp_path), 2, overfit=1.0)
 
 
-def test_train_py_under_fast_dev_run_leaves_no_checkpoint_for_resume_auto(tiny_cfg):
-    """``python train.py +trainer.fast_dev_run=true``: Lightning suppresses checkpointing in a smoke test, but train()
-    wrote its own final last.ckpt (step 1), which a real run with the same run_name and resume=auto then resumed."""
-    from omegaconf import open_dict
-
-    from lit_dtrain.train import train
-
-    cfg = tiny_cfg("trainer.val_check_interval=2")
-    with open_dict(cfg):
-        cfg.trainer.fast_dev_run = True
-    metrics, _ = train(cfg)
-    assert metrics["steps"] == 1 and metrics["checkpoint"] is None
-    assert sorted(p.name for p in Path(cfg.paths.output_dir).rglob("*.ckpt")) == []
-
-
 def test_scale_batch_size_restores_its_step_0_file_without_a_batch_warning(tmp_path, caplog):
     """``Tuner.scale_batch_size`` restores the step-0 checkpoint it saved with the batch size it found: LMDataModule
     warned 'the checkpoint trained on global batches of 4 windows ..., and this run's are 8 ... (data.batch_size=4
@@ -363,28 +347,6 @@ def test_overfit_batches_resumed_on_another_batch_size_keeps_its_windows_at_the_
     bigger = fit(data(8), 4, str(tmp_path / "ck" / "step=2.ckpt"))
     assert len(bigger) == 2 and bigger[0] == bigger[1] and len(bigger[0]) == 8 and bigger[0][:4] == first
     assert fit(data(2), 4, str(tmp_path / "ck" / "step=2.ckpt")) == [first[:2], first[:2]]
-
-
-def test_train_py_under_fast_dev_run_keeps_the_run_dirs_record(tiny_cfg):
-    """A smoke test in a run dir (``resume=auto`` in a finished run's, the way its run-dir check says to go on)
-    replaced that run's summary.json by its own (val_loss 4.2036 -> 4.2606, one batch's; checkpoint last.ckpt -> null)
-    and its config_resolved.yaml and overrides.yaml, which compare_runs.py reads: now it writes none of them."""
-    from omegaconf import open_dict
-
-    from lit_dtrain.train import train
-
-    cfg = tiny_cfg("trainer.val_check_interval=2")
-    with open_dict(cfg):
-        cfg.trainer.fast_dev_run = True
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True)
-    record = {name: f"the finished run's {name}\n" for name in ("summary.json", "config_resolved.yaml",
-                                                                  "overrides.yaml")}
-    for name, text in record.items():
-        (out / name).write_text(text)
-    metrics, _ = train(cfg)
-    assert metrics["steps"] == 1
-    assert {name: (out / name).read_text() for name in record} == record
 
 
 def test_overfit_batches_leaves_out_windows_the_spike_monitor_excluded(tmp_path):
