@@ -385,7 +385,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "val_ppl": perplexity(val_loss),
         "steps": steps,
         "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
-        "tokens": tokens, "start_step": start_step,  # this start's stepped tokens, from its first step (a resume's)
+        # this start's stepped tokens, from its first step (a resume's); a start that only validated: previous's
+        "tokens": tokens, "start_step": start_step,
         "wall_seconds": fit_seconds,
         "checkpoint": None if smoke_test else last_ckpt,
         "unigram_entropy": summary_entropy(trainer, datamodule),

@@ -89,8 +89,8 @@ class TrainClock(L.Callback):
 
     def carried_figures(self, steps: int, tokens_per_step: int) -> dict:
         """``train_loss``, ``tokens_per_sec`` and ``wall_seconds`` of the fit that wrote the restored checkpoint (at
-        ``steps``). The two times together or neither (a checkpoint written before ``wall_seconds`` was kept): one
-        run's tokens/s beside another start's wall time do not describe one fit."""
+        ``steps``), with its ``tokens`` and ``start_step``. The times together or neither (a checkpoint written before
+        ``wall_seconds`` was kept): one run's tokens/s beside another start's wall time do not describe one fit."""
         state, figures = self.carried, {}
         if isinstance(state.get("train_loss"), float):
             figures["train_loss"] = state["train_loss"]
@@ -99,19 +99,20 @@ class TrainClock(L.Callback):
                 and steps > start):
             tokens = state.get("tokens")  # a checkpoint written before they were counted: full steps
             tokens = tokens if isinstance(tokens, int) and tokens > 0 else (steps - start) * tokens_per_step
-            figures["tokens_per_sec"] = tokens / seconds
-            figures["wall_seconds"] = wall
+            figures.update(tokens_per_sec=tokens / seconds, wall_seconds=wall, tokens=tokens, start_step=start)
         return figures
 
 
 def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: TrainClock, tokens_per_step: int,
                                     reason: str = "max_steps") -> dict:
-    """``summary.json``'s training figures (``train_loss``, ``tokens_per_sec``, ``wall_seconds``) for a start that
-    resumed a finished checkpoint (``reason``: at ``trainer.max_steps``, stopped by ``EarlyStopping`` or
-    ``max_time``) and only validated: those of the fit that trained the steps, from the run's ``summary.json`` where
-    it got that far, else from the checkpoint (:meth:`TrainClock.carried_figures`; a stop after the last step wrote no
-    ``summary.json``). Says why, once, on rank 0: every rank validates (a max_time stop said 'already at step 2 =
-    trainer.max_steps' of a run with max_steps=200)."""
+    """``summary.json``'s training figures (``train_loss``, ``tokens_per_sec``, ``wall_seconds``, and the ``tokens`` and
+    ``start_step`` they are of) for a start that resumed a finished checkpoint (``reason``: at ``trainer.max_steps``,
+    stopped by ``EarlyStopping`` or ``max_time``) and only validated: those of the fit that trained the steps, from the
+    run's ``summary.json`` where it got that far, else from the checkpoint (:meth:`TrainClock.carried_figures`; a stop
+    after the last step wrote no ``summary.json``). Says why, once, on rank 0: every rank validates (a max_time stop
+    said 'already at step 2 = trainer.max_steps' of a run with max_steps=200). The validating start's own ``tokens`` 0
+    and ``start_step`` (the last step) stood beside the fit's times: ``compare_runs.py`` gave a sweep job continued with
+    ``resume=auto``, which trained all 16 steps in one start, a wall time of 51.8 s '(since step 16)'."""
     steps = trainer.global_step
     if trainer.is_global_zero:
         log.info(nothing_trained(reason, steps, trainer))
@@ -119,7 +120,8 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     with contextlib.suppress(OSError, ValueError):
         previous = json.loads((out_dir / "summary.json").read_text())
     if isinstance(previous, dict) and previous.get("steps") == steps:
-        return {k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss") if k in previous}
+        return {k: previous[k] for k in ("tokens_per_sec", "wall_seconds", "train_loss", "tokens", "start_step")
+                if k in previous}
     return clock.carried_figures(steps, tokens_per_step)  # a summary.json of another end is not this run's
 
 

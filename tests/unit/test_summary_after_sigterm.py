@@ -62,7 +62,7 @@ def test_a_resume_that_only_validates_reports_one_fits_figures_and_says_so_once(
     assert figures_of_the_fit_that_trained(trainer, tmp_path, clock, 128) == {"train_loss": 2.5}
     clock.load_state_dict({"train_loss": 2.5, "start_step": 2, "train_seconds": 0.5, "wall_seconds": 0.8})
     assert figures_of_the_fit_that_trained(trainer, tmp_path, clock, 128) == {
-        "train_loss": 2.5, "tokens_per_sec": 4 * 128 / 0.5, "wall_seconds": 0.8}
+        "train_loss": 2.5, "tokens_per_sec": 4 * 128 / 0.5, "wall_seconds": 0.8, "tokens": 4 * 128, "start_step": 2}
 
 
 def test_a_resume_that_only_validates_reports_the_tokens_its_fit_counted():
@@ -78,3 +78,21 @@ def test_a_resume_that_only_validates_reports_the_tokens_its_fit_counted():
     trainer = SimpleNamespace(global_step=6, is_global_zero=False)
     figures = figures_of_the_fit_that_trained(trainer, Path("/nonexistent"), clock, 2 * 128)
     assert figures["tokens_per_sec"] == 10 * 128 / 0.5
+
+
+def test_a_resume_that_only_validates_keeps_the_start_its_figures_are_of(tiny_cfg):
+    """A sweep job (or run) finished in one start, then continued with resume=auto (the documented way to continue a
+    killed sweep): its summary.json kept the fit's wall_seconds and tokens_per_sec but took the validating start's
+    tokens 0 and start_step 4, so compare_runs.py gave its wall time as '(since step 4)' and its summary said 0
+    tokens beside a rate. They describe the one fit that trained now: from step 0, all its tokens."""
+    from lit_dtrain.train import train
+
+    common = ("trainer.max_steps=4", "trainer.val_check_interval=2", "sample.max_new_tokens=0")
+    cfg = tiny_cfg(*common)
+    train(cfg)
+    first = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    assert first["start_step"] == 0 and first["tokens"] == 4 * cfg.data.batch_size * cfg.model.block_size
+    train(tiny_cfg(*common, "resume=auto"))
+    again = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    keys = ("tokens", "start_step", "tokens_per_sec", "wall_seconds", "train_loss", "steps")
+    assert {k: again[k] for k in keys} == {k: first[k] for k in keys}
