@@ -185,7 +185,7 @@ def compare(
     if labels and len(labels) != len(run_dirs):
         raise CompareError(f"--labels has {len(labels)} entries but there are {len(run_dirs)} runs: "
                            f"{[str(r) for r in run_dirs]}")
-    missing = jobs_not_started(run_dirs + [Path(j) for j in skipped], _warn)
+    missing = jobs_not_started(run_dirs + [Path(j) for j in skipped], _warn, given=runs)  # of sweeps given whole
     # a failed job's (and one not started's) differing value labels it too
     all_labels = make_labels(run_dirs + [Path(j) for j in skipped] + list(missing), missing)
     # each run's group, and those of the jobs that logged nothing (counted beside their group's runs)

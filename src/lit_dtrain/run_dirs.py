@@ -262,11 +262,23 @@ def sweep_jobs(sweep: Path, warn: Warn = log.warning) -> list[list[str]] | None:
     return [list(job) for job in itertools.product(*values.values())]
 
 
-def jobs_not_started(runs: list[Path], warn: Warn = log.warning) -> dict[Path, list[str]]:
+def jobs_not_started(runs: list[Path], warn: Warn = log.warning,
+                     given: list[str] | None = None) -> dict[Path, list[str]]:
     """``{<sweep dir>/N: its overrides}`` of the jobs of the sweeps that ``runs`` belong to which have no dir: Hydra
-    creates a job's dir when the job starts, so a sweep stopped in job 1 of 4 has no trace of jobs 2 and 3."""
+    creates a job's dir when the job starts, so a sweep stopped in job 1 of 4 has no trace of jobs 2 and 3. With
+    ``given`` (the paths the runs were named by), only the sweeps given whole count: the sweep dir or a dir above it,
+    or its ``multirun.yaml`` (which ``<sweep>/*`` matches); one job dir given alone was listed with its sweep's
+    never-started jobs, rows of runs nobody asked for."""
+    whole = None if given is None else [Path(g).expanduser().resolve() for g in given]
+
+    def given_whole(sweep: Path) -> bool:
+        where = sweep.resolve()
+        return whole is None or any(g == where or g in where.parents or g == where / "multirun.yaml" for g in whole)
+
     missing: dict[Path, list[str]] = {}
     for sweep in dict.fromkeys(r.parent for r in runs if (r.parent / "multirun.yaml").is_file()):
+        if not given_whole(sweep):
+            continue
         for n, overrides in enumerate(sweep_jobs(sweep, warn) or []):
             if not (sweep / str(n)).exists():
                 missing[sweep / str(n)] = overrides

@@ -32,7 +32,8 @@ def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
     job's dir when the job starts, so the table listed job 0 and job 1 (unfinished) only, and read like a complete
     comparison of the wsd runs with no cosine in it. The jobs of the sweep's multirun.yaml (Hydra's basic sweeper:
     the product of the swept values, hydra.sweeper.params first) that have no dir get a 'not started' row, labelled
-    like the others, and are listed in the JSON's 'not_started'."""
+    like the others, and are listed in the JSON's 'not_started', where the sweep is given whole (its dir, or the
+    `<sweep>/*` glob, which matches its multirun.yaml)."""
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "multirun.yaml").write_text(
@@ -57,6 +58,11 @@ def test_the_jobs_a_stopped_sweep_never_started_have_rows(tmp_path):
             {"label": "scheduler=cosine optimizer.lr=0.001", "dir": str(sweep / "2")},
             {"label": "scheduler=cosine optimizer.lr=0.003", "dir": str(sweep / "3")},
         ]
+    # one job given alone (or two of its jobs) is no comparison of the sweep: it listed jobs 2 and 3 'not started'
+    for args in ([str(sweep / "0")], [str(sweep / "1"), str(sweep / "0")]):
+        result = compare_runs.compare(args, ["val/loss"], out=str(tmp_path / "c.png"))
+        assert result["not_started"] == [] and "not started" not in result["markdown"]
+        assert len(result["markdown"].splitlines()) == 2 + len(args)
     complete = write_run(tmp_path / "other" / "0", {5: 3.1}, overrides=["optimizer.lr=0.01"])
     (complete.parent / "multirun.yaml").write_text(
         "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
