@@ -1,7 +1,8 @@
-"""Sample text from a lit_dtrain checkpoint: temperature and top-k sampling.
+"""Sample text from a lit_dtrain checkpoint: temperature, top-k and top-p (nucleus) sampling.
 
     python scripts/generate.py outputs/runs/<run>/checkpoints/last.ckpt --prompt "def " --max-new-tokens 200
     python scripts/generate.py last.ckpt --prompt-file prompt.py      # the file's bytes, as they are
+    python scripts/generate.py last.ckpt --top-k 0 --top-p 0.9        # the likeliest tokens holding 90 %
     git show HEAD:train.py | python scripts/generate.py last.ckpt --prompt-file -     # stdin
 
 The checkpoint is loaded with ``torch.load(weights_only=True)``; the model shape comes from the
@@ -105,15 +106,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: among the most likely tokens (after "
+                    "--top-k and --temperature) down to the first whose cumulative probability reaches p, in (0, 1] "
+                    "(1: all)")
     ap.add_argument("--seed", type=seed_int, default=0, help="sampling seed (the same seed draws other text on "
                     "another device type)")
     ap.add_argument("--num-samples", type=positive_int, default=1, help="continuations of the prompt (one batch)")
     ap.add_argument("--device", default=None, help="where to sample: cpu, cuda, cuda:1, ... (default: cuda if "
                     "available, else cpu)")
     args = ap.parse_args(argv)
-    flags = {"temperature": "--temperature", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens"}
+    flags = {"temperature": "--temperature", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens",
+             "top_p": "--top-p"}
     try:  # before loading; the check of sample.* and Llama.generate (a negative temperature used to mean greedy)
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k, flags)
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, flags, top_p=args.top_p)
     except ValueError as e:
         ap.error(str(e))
     device = sampling_device(args.device)
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if stream is not None:
         stream.write(ids[0, 1 if len(prompt) == 0 else 0:].cpu())  # the prompt, without the EOS that stands in for ''
     out = model.generate(ids.expand(args.num_samples, -1), args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, generator=g,
+                         top_k=args.top_k or None, top_p=args.top_p, generator=g,
                          on_token=None if stream is None else lambda new: stream.write(new[0].cpu()))
     texts = [generated_text(tok, row, prompt) for row in out]  # without the EOS that stands in for ''
     if stream is not None:

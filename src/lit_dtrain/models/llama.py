@@ -77,20 +77,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 SAMPLING_RULES = {"max_new_tokens": "an integer >= 0", "temperature": "a finite number >= 0 (0: greedy)",
-                  "top_k": "an integer >= 0 (0: all tokens)"}
+                  "top_k": "an integer >= 0 (0: all tokens)", "top_p": "a number in (0, 1] (1: all tokens)"}
 
 
 def check_sampling(
-    max_new_tokens, temperature, top_k, names: Mapping[str, str] | None = None, prefix: str = ""
+    max_new_tokens, temperature, top_k, names: Mapping[str, str] | None = None, prefix: str = "", top_p=None
 ) -> None:
     """``ValueError`` naming the first bad sampling argument, as ``names`` calls it (``sample.temperature``,
     ``--temperature``): the one check of :meth:`Llama.generate`, ``scripts/generate.py`` and the config's ``sample.*``.
     A temperature of inf (or nan) is refused: the logits divided by it are all 0, a uniform draw over every token
-    whatever ``top_k`` says; ``sample.temperature=inf`` passed the config check while ``generate.py`` refused it."""
+    whatever ``top_k`` says; ``sample.temperature=inf`` passed the config check while ``generate.py`` refused it.
+    ``top_p`` 0 would keep no token (nan refused as well)."""
     good = {"max_new_tokens": is_number(max_new_tokens, integer=True) and max_new_tokens >= 0,
             "temperature": is_number(temperature) and math.isfinite(temperature) and temperature >= 0,
-            "top_k": top_k is None or (is_number(top_k, integer=True) and top_k >= 0)}
-    values = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}
+            "top_k": top_k is None or (is_number(top_k, integer=True) and top_k >= 0),
+            "top_p": top_p is None or (is_number(top_p) and 0 < top_p <= 1)}
+    values = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     for key, ok in good.items():
         if not ok:
             name = (names or {}).get(key, key)
@@ -277,17 +279,19 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None, use_cache: bool = True, on_token=None,
+        generator: torch.Generator | None = None, use_cache: bool = True, on_token=None, top_p: float | None = None,
     ) -> torch.Tensor:
-        """Autoregressive sampling (temperature, optional top-k); returns prompt + new tokens. Runs in eval mode
-        (no dropout) and gives the module its mode back.
+        """Autoregressive sampling (temperature, optional top-k and top-p); returns prompt + new tokens. Runs in eval
+        mode (no dropout) and gives the module its mode back.
 
         ``temperature=0`` (or one below fp32's smallest normal, 1.2e-38) is greedy; ``top_k`` None or 0 samples among
-        all tokens. Each token is drawn from the last ``block_size`` tokens. ``use_cache`` keeps the keys and values
+        all tokens; ``top_p`` (nucleus sampling) keeps the most likely tokens, after top-k and temperature, down to the
+        first whose cumulative probability reaches it (None or 1: all). Each token is drawn from the last
+        ``block_size`` tokens. ``use_cache`` keeps the keys and values
         of earlier positions (:mod:`lit_dtrain.models.kv_cache`): the same tokens, the logits equal to fp32
         rounding; ``False`` runs the whole context through :meth:`forward` for every token. ``on_token``, if given,
         is called with each step's new tokens, ``(batch, 1)``, as they are drawn (``generate.py`` streams them)."""
-        check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ")
+        check_sampling(max_new_tokens, temperature, top_k, prefix="generate: ", top_p=top_p)
         if not is_flag(use_cache):  # 'false' is truthy: it sampled with the cache
             raise ValueError(f"generate: use_cache must be True or False, got {use_cache!r} ({type_name(use_cache)})")
         use_cache = bool(use_cache)
@@ -300,16 +304,18 @@ class Llama(nn.Module):
         if lo < 0 or hi >= vocab:
             raise ValueError(f"generate: token ids must be in [0, {vocab}), got {hi if hi >= vocab else lo}")
         top_k = top_k or None
+        top_p = None if top_p is None or top_p >= 1 else float(top_p)  # 1 keeps every token: no filter
         input_ids = input_ids.long()  # uint8 (bytes: torch.frombuffer) and int16 ids were the embedding's RuntimeError
         modes = [(m, m.training) for m in self.modules()]
         self.eval()  # dropout off: a model left in train mode sampled through random dropout masks
         try:
-            return self._sample(input_ids, max_new_tokens, temperature, top_k, generator, use_cache, on_token)
+            return self._sample(input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache, on_token)
         finally:
             for m, training in modes:
                 m.training = training
 
-    def _sample(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache, on_token) -> torch.Tensor:
+    def _sample(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache,
+                on_token) -> torch.Tensor:
         from lit_dtrain.models.kv_cache import DecodeState, cacheable
 
         state = None
@@ -331,8 +337,18 @@ class Llama(nn.Module):
                 # fp32's range is its max (in fp32 it was inf, and the masked -inf / inf NaN)
                 t = min(temperature, torch.finfo(logits.dtype).max)
                 logits = (logits - logits.amax(-1, keepdim=True)) / t
+                if top_p is not None:  # after the temperature, as HF's TopPLogitsWarper
+                    logits = nucleus(logits, top_p)
                 nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             input_ids = torch.cat([input_ids, nxt], dim=1)
             if on_token is not None:
                 on_token(nxt)
         return input_ids
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` (batch, vocab) with -inf outside each row's nucleus: its most likely tokens, down to the first at
+    which their cumulative probability reaches ``top_p`` (that one included, so the most likely is always kept)."""
+    probs, order = F.softmax(logits, -1).sort(dim=-1, descending=True, stable=True)  # (B, V), most likely first
+    outside = probs.cumsum(-1) - probs >= top_p  # the tokens before it already hold top_p
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
