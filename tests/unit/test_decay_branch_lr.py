@@ -68,6 +68,18 @@ def test_a_branch_inside_its_default_warmup_is_told_a_fix_that_is_accepted(tiny_
     assert str(e.value).endswith(fix)
 
 
+def test_a_branch_inside_a_given_warmup_longer_than_the_source_run_s_is_told_the_source_run_s(tiny_cfg, tmp_path):
+    """``experiment=cpt_replay``'s warmup is 50: a branch of a CPT run trained with ``scheduler.warmup_steps=2`` from
+    its stable step 8 (the docs' command, scaled down) was told ``branch from a stable-phase checkpoint`` and no more,
+    of a checkpoint that is one. The fix of a default warmup is told for a given one too."""
+    src = _checkpoint(tmp_path / "src", 8, lr=0.003, warmup=2)
+    with pytest.raises(ConfigError) as e:
+        apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=2", "scheduler.warmup_steps=50",
+                                    run="branch"))
+    assert str(e.value) == ("decay_branch.ckpt is at step 8, inside the warmup (scheduler.warmup_steps=50); branch "
+                            "from a stable-phase checkpoint, or set scheduler.warmup_steps=2 (the source run's)")
+
+
 def test_a_branch_from_the_first_stable_step_is_accepted(tiny_cfg, tmp_path):
     """Step ``warmup_steps`` is the stable phase's first (factor 1.0): a checkpoint there is a stable-phase one."""
     src = _checkpoint(tmp_path / "src", 2, lr=0.003)

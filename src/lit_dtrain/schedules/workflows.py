@@ -297,10 +297,11 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     for key, node in nodes:
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup:
-            why, fix = "", ""
+            why = ""
             if _is_default_warmup(node, total):
                 why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
-                fix = branch_in_warmup_fix(src, key, start)
+            # a warmup given (an experiment's, as cpt_replay's 50) can be longer than the source run's
+            fix = branch_in_warmup_fix(src, key, start)
             raise ConfigError(
                 f"decay_branch.ckpt is at step {start}, inside the warmup ({key}.warmup_steps={warmup}{why}); "
                 f"branch from a stable-phase checkpoint{fix}"
