@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_dtrain._compose_errors import callback_options
 from lit_dtrain.config_keys import (
     check_known_keys,
     check_target_arguments,
@@ -130,9 +131,11 @@ def check_config(cfg: DictConfig) -> None:
                           "never reach optimizer.lr")
     if scheduler:  # WSDScheduler refuses a second LR schedule, but only in on_train_start, inside fit
         for key in wsd_callback_keys(cfg):
+            # the conf/callbacks option where it is one ('+callbacks.my_wsd._target_=...' is none to choose)
+            form = f"'callbacks=[default,{key}]'" if key in (callback_options() or ()) else f"beside callbacks.{key}"
             raise ConfigError(f"callbacks.{key} sets the LR itself, and scheduler={scheduler._target_} "
-                              "configures an LR scheduler too; use one of them: '~scheduler' "
-                              f"'callbacks=[default,{key}]' for the callback form")
+                              f"configures an LR scheduler too; use one of them: '~scheduler' {form} for the "
+                              "callback form")
     # its keys first, as every _target_ node's below: '++optimizer.lrr=1e-3' ended in the build's "adamw() got an
     # unexpected keyword argument 'lrr'", naming neither the config key nor 'optimizer.lr'
     check_target_arguments(cfg, cfg.optimizer, "optimizer")

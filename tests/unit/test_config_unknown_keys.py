@@ -151,3 +151,20 @@ def test_a_key_added_with_plus_to_a_callback_not_chosen_names_the_choice():
     assert refusal("early_stop", "patience") == (
         "callbacks.early_stop has no _target_ (it holds only patience); a conf/callbacks option is chosen first "
         "('callbacks=[default,<option>]'), or callbacks.early_stop given a _target_")
+
+
+@pytest.mark.parametrize(("override", "form"), [
+    ("callbacks=[default,wsd]", "'callbacks=[default,wsd]'"),
+    # a WSDScheduler added with '+' is no conf/callbacks option: it advised 'callbacks=[default,my_wsd]'
+    ("+callbacks.my_wsd._target_=lit_dtrain.callbacks.WSDScheduler", "beside callbacks.my_wsd"),
+])
+def test_the_wsd_callback_beside_a_scheduler_is_told_an_option_only_where_it_is_one(override, form):
+    from lit_dtrain.config_checks import check_config
+    from lit_dtrain.errors import ConfigError
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):  # as in train.py's task function
+        cfg = compose(config_name="train", overrides=["model=nano", override])
+        with pytest.raises(ConfigError) as refused:
+            check_config(cfg)
+    assert str(refused.value).endswith(f"configures an LR scheduler too; use one of them: '~scheduler' {form} for "
+                                       "the callback form")
