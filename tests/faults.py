@@ -60,6 +60,26 @@ class SignalAfterFit(L.Callback):
             os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
+class SignalInSample(L.Callback):
+    """Send ``signal`` to this process at the first forward of the model after ``train()``'s final validation: in
+    its end-of-run text sample, after the ranks last agreed on a signal (``sigterm_after_the_last_step``)."""
+
+    def __init__(self, signal: str = "SIGTERM") -> None:
+        self.signal = signal
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn != "validate":
+            return
+        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+
+        def send(module, args):
+            handle.remove()
+            os.kill(os.getpid(), getattr(signal_module, self.signal))
+
+        # the embedding: Llama.generate runs its modules, not its own forward
+        handle = model.tok_embeddings.register_forward_pre_hook(send)
+
+
 class PoisonLossAtStep(L.Callback):
     """Multiply the loss that ``training_step`` returns by ``value`` (NaN or Inf) in every micro-batch of the step
     after ``step`` completed steps (on rank ``rank`` only, when given).

@@ -240,12 +240,35 @@ class SigtermRecorder(L.Callback):
 def sigterm_handler_kept():
     """Put the SIGTERM handler from before back on exit (in the main thread): :class:`SigtermRecorder` leaves its
     own in place when ``fit`` ends. SIGINT's and SIGHUP's too: Lightning ignores SIGINT from the moment it caught a
-    ``KeyboardInterrupt`` on, so Ctrl-C no longer stopped anything in the process (a notebook) that called train()."""
+    ``KeyboardInterrupt`` on, so Ctrl-C no longer stopped anything in the process (a notebook) that called train().
+    A SIGTERM that the recorder took after :func:`sigterm_after_the_last_step` is acted on then
+    (:func:`stop_after_a_late_sigterm`)."""
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS} if main else {}
     try:
         yield
     finally:
+        recorder = getattr(signal.getsignal(signal.SIGTERM), "__self__", None) if main else None
         for s, handler in previous.items():
             if handler is not None:
                 signal.signal(s, handler)
+    if isinstance(recorder, SigtermRecorder) and recorder.signalled:  # a run that returned: none acted on it
+        stop_after_a_late_sigterm()
+
+
+def stop_after_a_late_sigterm() -> None:
+    """A SIGTERM that came to a finished run after :func:`sigterm_after_the_last_step` (in the end-of-run sample or
+    report, where :class:`SigtermRecorder` only records it): in a job of a multirun, ``SystemExit`` 143, so that the
+    process stops before Hydra starts the next job; nothing read the record, and the signal was lost (a sweep sent
+    SIGTERM in job 0's text sample ran its 2 other jobs to the end, 6 more minutes, and exited 0; under Slurm the
+    grace period's SIGKILL would have stopped a later job wherever it was). A single run has finished, so it keeps
+    its status 0, and a line says the signal came."""
+    from lit_dtrain.sweeps import in_multirun
+
+    if not in_multirun():
+        log.warning("SIGTERM came after the run finished (summary.json is written): nothing was left to stop")
+        return
+    log.warning("stopped by SIGTERM after this job finished (its summary.json is written): the sweep's later jobs do "
+                "not start; resume with %s (its finished jobs are only validated again)", train_resume_hint(None))
+    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
+    raise SystemExit(PREEMPTED_EXIT_STATUS)

@@ -96,3 +96,20 @@ def test_a_resume_that_only_validates_keeps_the_start_its_figures_are_of(tiny_cf
     again = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
     keys = ("tokens", "start_step", "tokens_per_sec", "wall_seconds", "train_loss", "steps")
     assert {k: again[k] for k in keys} == {k: first[k] for k in keys}
+
+
+def test_a_sigterm_in_a_finished_runs_sample_is_said_and_leaves_it_finished(tiny_cfg, caplog):
+    """A SIGTERM in the end-of-run sample came after the ranks' last check for one, and was recorded without a word
+    (in a sweep, the next jobs then ran: tests/e2e/test_sweeps.py). A single run is finished: train() returns, with
+    its summary.json, says the signal came, and gives SIGTERM its handler from before back."""
+    import logging
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("+callbacks.fault._target_=tests.faults.SignalInSample")
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        metrics, _ = train(cfg)
+    assert metrics["steps"] == 6 and (Path(cfg.paths.output_dir) / "summary.json").is_file()
+    assert "SIGTERM came after the run finished (summary.json is written): nothing was left to stop" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == before
