@@ -1,0 +1,69 @@
+"""Exact results of ``reopen_stopped_epoch`` (lit_dtrain.utils.loop) where single-point mutants passed
+test_own_project_epoch_stops.py, test_max_time_step_end.py and test_step_end_timer_own_project.py: only the closed
+form of a stopped epoch is rewritten; an epoch whose completed count is not that of a close, an epoch of no batch and
+a checkpoint without the epoch loop's state dict are left as they are; and a ``StepEndTimer`` stop at an epoch's
+last batch resumes bitwise too."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from lit_dtrain.utils.loop import reopen_stopped_epoch
+
+
+def _ckpt(epoch: tuple, batch: tuple, loop_state: dict | None = None) -> dict:
+    as_dict = lambda v: dict(zip(("ready", "started", "processed", "completed"), v))  # noqa: E731
+    fit = {"epoch_progress": {"total": as_dict(epoch), "current": as_dict(epoch)},
+           "epoch_loop.batch_progress": {"total": as_dict(batch), "current": as_dict(batch)}}
+    if loop_state is not None:
+        fit["epoch_loop.state_dict"] = loop_state
+    return {"loops": {"fit_loop": fit}}
+
+
+def test_a_closed_epoch_at_its_last_close_is_reopened_at_its_stopping_batch():
+    """Epoch 2 of 3 closed by the stop (processed 2, completed 1 or 2): the epoch runs on, its stopping batch is
+    saved at its end (completed one less), and the loop's stepped-batch count one less."""
+    for completed in (1, 2):
+        ckpt = _ckpt((2, 2, 2, completed), (5, 5, 5, 5), {"_batches_that_stepped": 9})
+        assert reopen_stopped_epoch(ckpt)
+        fit = ckpt["loops"]["fit_loop"]
+        for part in ("total", "current"):
+            assert fit["epoch_progress"][part] == {"ready": 2, "started": 2, "processed": 1, "completed": 1}
+            assert fit["epoch_loop.batch_progress"][part] == {"ready": 5, "started": 5, "processed": 5,
+                                                               "completed": 4}
+        assert fit["epoch_loop.state_dict"] == {"_batches_that_stepped": 8}
+
+
+def test_other_forms_are_left_as_they_are():
+    others = [
+        _ckpt((2, 2, 2, 0), (5, 5, 5, 5), {"_batches_that_stepped": 9}),  # completed two behind: no close of ours
+        _ckpt((1, 1, 1, 0), (0, 0, 0, 0), {"_batches_that_stepped": 0}),  # an epoch that ran no batch
+        _ckpt((2, 2, 2, 1), (5, 5, 5, 5)),  # no epoch loop state: not Lightning 2.6's form
+        _ckpt((2, 2, 2, 1), (5, 5, 5, 5), ["not", "a", "dict"]),
+    ]
+    for ckpt in others:
+        before = copy.deepcopy(ckpt)
+        assert not reopen_stopped_epoch(ckpt)
+        assert ckpt == before
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_a_step_end_timer_stop_at_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path, monkeypatch):
+    """Stopped at step 8, the last batch of epoch 2 of 3 (the test above stops mid-epoch, at step 6): the resume
+    trains epoch 3's 4 steps and ends on the straight run's state."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import tests.unit.test_own_project_epoch_stops as stops
+    from lit_dtrain.callbacks import StepEndTimer
+
+    monkeypatch.setattr(stops, "STOP_AT", 8)
+    straight, _ = stops._fit(tmp_path, "straight")
+    ckpt = tmp_path / "stopped" / "last.ckpt"
+    timer = StepEndTimer(duration="00:01:00:00")
+    stopped, _ = stops._fit(tmp_path, "stopped", [timer, ModelCheckpoint(ckpt.parent, save_last=True)], "timer")
+    assert stopped.global_step == 8
+    resumed, second = stops._fit(tmp_path, "resumed", [StepEndTimer(duration="00:02:00:00")], ckpt_path=str(ckpt))
+    assert (second.steps_run, resumed.global_step) == (4, 12)
+    assert stops._equal(stops._state(resumed), stops._state(straight))
