@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 
 from lit_dtrain.utils.loop import reopen_stopped_epoch
@@ -67,3 +68,28 @@ def test_a_step_end_timer_stop_at_an_epochs_last_batch_resumes_into_the_next_epo
     resumed, second = stops._fit(tmp_path, "resumed", [StepEndTimer(duration="00:02:00:00")], ckpt_path=str(ckpt))
     assert (second.steps_run, resumed.global_step) == (4, 12)
     assert stops._equal(stops._state(resumed), stops._state(straight))
+
+
+class _StopAt6(L.Callback):
+    """A stop of one's own (``trainer.should_stop``) after step 6, mid-epoch, listed before the timer."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 6:
+            trainer.should_stop = True
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_a_stop_the_step_end_timer_did_not_make_keeps_lightnings_rule(tmp_path):
+    """A plain should_stop mid-epoch resumes into the next epoch (Lightning's rule, kept on purpose: docs), even
+    with a StepEndTimer in the fit: it rewrites the checkpoint of its own stop only (10 steps in all, not 12)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import tests.unit.test_own_project_epoch_stops as stops
+    from lit_dtrain.callbacks import StepEndTimer
+
+    ckpt = tmp_path / "stopped" / "last.ckpt"
+    callbacks = [_StopAt6(), StepEndTimer(duration="00:01:00:00"), ModelCheckpoint(ckpt.parent, save_last=True)]
+    stopped, _ = stops._fit(tmp_path, "stopped", callbacks)
+    assert stopped.global_step == 6
+    resumed, second = stops._fit(tmp_path, "resumed", [StepEndTimer(duration="00:01:00:00")], ckpt_path=str(ckpt))
+    assert (second.steps_run, resumed.global_step) == (4, 10)
