@@ -93,3 +93,33 @@ def test_a_stop_the_step_end_timer_did_not_make_keeps_lightnings_rule(tmp_path):
     assert stopped.global_step == 6
     resumed, second = stops._fit(tmp_path, "resumed", [StepEndTimer(duration="00:01:00:00")], ckpt_path=str(ckpt))
     assert (second.steps_run, resumed.global_step) == (4, 10)
+
+
+def test_an_error_after_the_fit_does_not_count_as_training_time(tmp_path, monkeypatch):
+    """A trainer.validate that raises 100 s after a fit of 3 steps (1 s each): the fit's training time stays 3 s, and
+    a refit of the same Trainer to max_steps=5 trains its 2 steps (the error counted as training: 103 s, 0 steps)."""
+    import warnings
+
+    from lit_dtrain.callbacks import StepEndTimer
+    from tests.unit.test_own_project_lifecycle import Clock, Regression, loader
+
+    class FailsValidation(Regression):
+        def validation_step(self, batch, batch_idx):
+            raise RuntimeError("the user's validation error")
+
+    clock, timer = Clock(monkeypatch), StepEndTimer(duration={"seconds": 10}, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[clock, timer], max_steps=3,
+                        enable_checkpointing=False)
+    module = FailsValidation()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_dataloaders=loader())
+        assert timer.time_elapsed() == 3.0
+        clock.now += 100.0
+        with pytest.raises(RuntimeError, match="the user's validation error"):
+            trainer.validate(module, dataloaders=loader())
+        assert timer.time_elapsed() == 3.0
+        trainer.fit_loop.epoch_loop.max_steps = 5
+        trainer.fit(module, train_dataloaders=loader())
+    assert trainer.global_step == 5 and timer.time_elapsed() == 5.0
