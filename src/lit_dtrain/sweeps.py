@@ -217,12 +217,15 @@ def user_error(e: BaseException) -> BaseException | None:
 def stopped_on_purpose(e: BaseException) -> BaseException | None:
     """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError``
     (it names the step and the tensors), the ``LossSpikeMonitor``'s ``raise`` action (``LossSpikeError``: the spikes'
-    steps and their events file). Reported in one line as a bad input is (:func:`reports_user_errors`); its
-    traceback stays in the run's log (:func:`logs_a_failed_job`)."""
+    steps and their events file), a ``FirstConnectionError`` (the ranks did not all connect within
+    ``strategy.connect_timeout_s``: it says how many did and which key to raise; it was the last line of a 67-line
+    traceback of Lightning's and torch's frames). Reported in one line as a bad input is (:func:`reports_user_errors`);
+    its traceback stays in the run's log (:func:`logs_a_failed_job`)."""
     from lit_dtrain.callbacks.loss_spike import LossSpikeError
     from lit_dtrain.module import NonFiniteError
+    from lit_dtrain.utils.distributed import FirstConnectionError
 
-    return e if isinstance(e, (NonFiniteError, LossSpikeError)) else None
+    return e if isinstance(e, (NonFiniteError, LossSpikeError, FirstConnectionError)) else None
 
 
 class UserInputError(CompactHydraException):

@@ -321,3 +321,36 @@ def test_ddp_hung_rank_hits_the_collective_timeout(tmp_path, corpus):
     assert elapsed < 200, elapsed
     assert "CollectiveError: rank 0: a collective failed at step 4" in err, err[-3000:]
     assert "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto." in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_first_connection_that_times_out_is_one_line_and_leaves_no_rank(tmp_path, corpus):
+    """Rank 1 starts 90 s late, the connection waits 3 s: rank 0's FirstConnectionError (how many ranks connected,
+    which key to raise) was the last line of a 67-line traceback. It is one line now, 'error: rank 0: ...', exit
+    status 1, and the rank rank 0 launched is gone (killed, not left waiting out its sleep)."""
+    ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp",
+           "strategy.collective_timeout_s=3", "strategy.connect_timeout_s=3",
+           "+callbacks.late._target_=tests.faults.SlowStart", "+callbacks.late.seconds=90"]
+    t0 = time.monotonic()
+    late = train_proc(tmp_path, corpus, "run_name=late", *ddp, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert late.returncode == 1, (late.stdout + late.stderr)[-3000:]
+    errors = [line for line in late.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [line for line in errors if line.startswith(
+        "error: rank 0: only 1 of 2 ranks connected within 3 s (DistStoreError: Timed out after")]
+    assert len(errors) == 1 and errors[0].endswith("raise strategy.connect_timeout_s if the ranks start slowly")
+    assert "Traceback" not in late.stderr, late.stderr[-3000:]
+    assert elapsed < 90, elapsed  # rank 0 did not wait for rank 1's sleep to end
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tmp_path).encode() in _cmdline(p)]
+    assert left == []  # rank 1, started by rank 0, was killed
+    log = (tmp_path / "outputs/runs/late/train.log").read_text()
+    assert "run failed: FirstConnectionError: rank 0: only 1 of 2 ranks connected" in log  # with its traceback
+    assert "Traceback" in log
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""

@@ -15,6 +15,7 @@ from lit_dtrain.checkpoint import CheckpointError
 from lit_dtrain.data.corpus import CorpusError
 from lit_dtrain.sweeps import UserInputError, reports_user_errors, user_error
 from lit_dtrain.train import ConfigError, train
+from lit_dtrain.utils.distributed import FirstConnectionError
 from tests.unit._sweep_helpers import multirun_job
 
 
@@ -82,6 +83,11 @@ def test_a_bad_input_is_reported_in_one_line_and_other_errors_keep_their_traceba
         with pytest.raises(RuntimeError) as raised:
             failing(bug)(cfg)
         assert raised.value is bug
+        # the ranks' first connection timed out (strategy.connect_timeout_s): the last line of a 67-line traceback
+        with pytest.raises(SystemExit) as exit_:
+            failing(FirstConnectionError("rank 0: only 1 of 2 ranks connected within 3 s (...)"))(cfg)
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == "error: rank 0: only 1 of 2 ranks connected within 3 s (...)\n"
         monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
         with pytest.raises(ConfigError) as raised:
             failing(bad)(cfg)
