@@ -3,6 +3,7 @@
 did you mean 'optimizer.lr'?`` (else the keys its section holds). Hydra printed 'Could not override ...', 'To append
 to your config use +optimizer.lrr=1e-3' (the wrong fix for a typo: AdamW then refused ``lrr``) and OmegaConf's 'Key
 'lrr' is not in struct', suggesting nothing.
+A config group given no option's name (``optimizer=null``) is one line too (:func:`group_value_message`).
 
 Hydra composes before any code of the entry point runs and prints its own errors (``run_and_report``), so
 :func:`run_reporting_unknown_keys` has Hydra raise them until the task function starts (Hydra's own switch,
@@ -36,7 +37,7 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - raised only before the task function ran; reported as Hydra would
         composed()
         error = e
-        message = unknown_key_message(error, config_dir)
+        message = unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
         if message is None:
             _report_as_hydra(error)
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -139,6 +140,50 @@ def unknown_key_message(error: BaseException, config_dir: str | None = None) -> 
     if section == "callbacks":  # callbacks.loss_spike.z=3 without choosing loss_spike (conf/callbacks, a list)
         holds = f"({where} {', '.join(keys)}; {choose_callback_first(key, config_dir)})"
     return f"{full_key} is not a config key {holds}"
+
+
+def group_value_message(error: BaseException, args: list[str], config_dir: str | None) -> str | None:
+    """The one line for a config group given a value that names no option on the command line ``args``
+    (``optimizer=null``, ``logger=null``, ``model=1``), else None. Hydra raised 'ValueError: Config group override
+    must be a string or a list. Got NoneType' in a 25-line traceback, naming neither the group nor a fix. The line
+    lists the group's options (``config_dir``/<group>) and the fix: a group lit_dtrain needs takes an option, one with
+    a ``none`` option is switched off with it, another top-level group is left out with ``~<group>``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lit_dtrain._removed_keys import _SECTIONS
+
+    if config_dir is None or not (isinstance(error, ValueError)
+                                  and str(error).startswith("Config group override must be a string or a list")):
+        return None
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # noqa: BLE001 - not an override (a value of --cfg, -cn): Hydra reports those itself
+            continue
+        group = override.key_or_group
+        if override.is_delete() or not Path(config_dir, group).is_dir():
+            continue
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        bad = next((v for v in values if not isinstance(v, (str, list))), _NO_VALUE)
+        if bad is _NO_VALUE:
+            continue
+        options = sorted(p.stem for p in Path(config_dir, group).glob("*.yaml"))
+        if group in _SECTIONS:  # 'choose an option instead (optimizer=adamw)', as for '~optimizer'
+            fix = _SECTIONS[group] if _SECTIONS[group].startswith("choose") else f"choose one ({group}={options[0]})"
+        elif "none" in options:
+            fix = f"choose one ('{group}=none' for none)"
+        else:
+            fix = f"choose one, or leave the group out with '~{group}'" if "/" not in group else "choose one"
+        shown = "null" if bad is None else str(bad).lower() if isinstance(bad, bool) else str(bad)
+        return (f"{override.input_line}: config group '{group}' takes the name of one of its options, not {shown} "
+                f"(options: {', '.join(options) or 'none'}); {fix}")
+    return None
+
+
+_NO_VALUE = object()
 
 
 def choose_callback_first(name: str, config_dir: str | None = None) -> str:

@@ -168,3 +168,24 @@ def test_the_wsd_callback_beside_a_scheduler_is_told_an_option_only_where_it_is_
             check_config(cfg)
     assert str(refused.value).endswith(f"configures an LR scheduler too; use one of them: '~scheduler' {form} for "
                                        "the callback form")
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("optimizer=null", "(options: adamw, adamw8bit); choose an option instead (optimizer=adamw)"),  # as '~optimizer'
+    ("model=1", "(options: llama_125m, nano, small); choose an option instead (model=nano)"),
+    ("paths=null", "(options: default); choose one (paths=default)"),
+    ("scheduler=null", "(options: constant, cosine, wsd); choose one, or leave the group out with '~scheduler'"),
+    ("logger=null", "(options: csv, none, tensorboard); choose one ('logger=none' for none)"),
+    ("data/sampler=null", "(options: fourier, random); choose one"),
+])
+def test_a_config_group_given_no_option_name_is_one_line_naming_its_options(override, fix, capsys, monkeypatch):
+    """`python train.py optimizer=null` printed Hydra's 25-line traceback ending in 'ValueError: Config group override
+    must be a string or a list. Got NoneType', naming neither the group nor a fix (every group alike: scheduler,
+    model, data, strategy, logger, callbacks, trainer, paths, experiment)."""
+    monkeypatch.setattr("sys.argv", ["train.py", "model=nano", override])
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    group, _, value = override.partition("=")
+    assert capsys.readouterr().err == (f"error: {override}: config group '{group}' takes the name of one of its "
+                                       f"options, not {value} {fix}\n")
