@@ -42,6 +42,19 @@ def _removed(override: str) -> str | None:
     return override[1:].split("=", 1)[0].strip()
 
 
+def added_with_plus(key: str) -> str | None:
+    """This start's command-line override that added ``key`` with ``+`` or ``++`` (``'++scheduler.decay_fraction=0.2'``,
+    as typed), else None (also outside Hydra): the fix for such a key the config cannot take is to remove that
+    override, not '~key' (Hydra refuses to delete a key the config itself does not hold)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    added = [o for o in unresolved(HydraConfig.get().overrides.task)
+             if o.startswith("+") and o.lstrip("+").split("=", 1)[0].strip() == key]
+    return added[-1] if added else None
+
+
 def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:
     """Whether ``key`` (``scheduler.<x>``, ``callbacks.<name>.<x>``, ``data.sampler.<x>``, ``strategy.<x>``,
     ``strategy.compressor.<x>``: any node with a ``_target_``; ``data.sources.<i>.<x>``) names an argument of its

@@ -99,3 +99,29 @@ def test_cpt_replay_with_another_schedule_names_the_experiments_leftover_key(tmp
         check_config(compose_cfg(constant, tmp_path / "c", tiny=False))
     check_config(compose_cfg([*constant, "~scheduler.decay_fraction", "~scheduler.min_lr_factor"], tmp_path / "d",
                              tiny=False))
+
+
+def test_a_key_added_on_the_command_line_that_the_schedule_does_not_take_names_removing_that_override(tmp_path,
+                                                                                                      corpus):
+    """``scheduler=cosine ++scheduler.decay_fraction=0.2`` was told "an experiment's setting for another schedule?;
+    drop it with '~scheduler.decay_fraction'": no experiment set it, and that advice added failed in Hydra ('Could not
+    delete from config. 'scheduler.decay_fraction' does not exist.'): the fix is to remove the '++' override. The
+    line names that override; a key an experiment left keeps '~'."""
+    from hydra.types import RunMode
+
+    from lit_dtrain.config_checks import check_config
+    from tests.unit._sweep_helpers import multirun_job
+
+    typed = ["scheduler=cosine", "++scheduler.decay_fraction=0.2"]
+    with multirun_job(tmp_path / "runs" / "a", [], typed, corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 is not an argument of cosine_scheduler; "
+                                              r"remove '\+\+scheduler.decay_fraction=0.2' from the command line$"):
+            check_config(cfg)
+    with multirun_job(tmp_path / "runs" / "b", [], typed[:1], corpus, mode=RunMode.RUN) as cfg:
+        check_config(cfg)  # the fixed command line
+    two = ["scheduler=constant", "++scheduler.decay_fraction=0.2", "+scheduler.min_lr_factor=0.1"]
+    with multirun_job(tmp_path / "runs" / "c", [], two, corpus, mode=RunMode.RUN) as cfg:
+        with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 and scheduler.min_lr_factor=0.1 are not "
+                                              r"arguments of constant_scheduler; remove '\+\+scheduler.decay_fraction"
+                                              r"=0.2' '\+scheduler.min_lr_factor=0.1' from the command line$"):
+            check_config(cfg)
