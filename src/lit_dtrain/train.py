@@ -374,7 +374,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     steps = int(trainer.global_step)
     per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size
     per_step *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
-    # a start that only validated: the figures of the fit that trained the steps
+    # a start that only validated: the figures of the fit that trained the steps (its tokens, start_step, wall time)
     previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step, stopped) if steps == start_step > 0 \
         else {}
     # the micro-batches trained, where counted: an epoch's last step can have fewer than accumulate_grad_batches
@@ -385,9 +385,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "val_ppl": perplexity(val_loss),
         "steps": steps,
         "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
-        # this start's stepped tokens, from its first step (a resume's); a start that only validated: previous's
-        "tokens": tokens, "start_step": start_step,
-        "wall_seconds": fit_seconds,
+        "tokens": tokens, "start_step": start_step, "wall_seconds": fit_seconds,  # this start's, or `previous`
         "checkpoint": None if smoke_test else last_ckpt,
         "unigram_entropy": summary_entropy(trainer, datamodule),
         "train_loss": train_loss,
