@@ -209,14 +209,27 @@ def callback_options(config_dir: str | None = None) -> list[str] | None:
     Hydra's config loader of this app lists them, else those in ``config_dir``/callbacks (Hydra clears its loader
     when composing fails); None with neither (``train(cfg)`` called outside a Hydra app)."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     if GlobalHydra.instance().is_initialized():
-        options = GlobalHydra.instance().config_loader().get_group_options("callbacks")
-    elif config_dir is not None:
+        # with the run's hydra.searchpath: the loader alone lists only the app's and --config-dir's options, so an
+        # option of a searchpath dir (callbacks=[default,mycb] works) was 'no option' and left out of the list
+        hydra = HydraConfig.get() if HydraConfig.initialized() else None
+        options = GlobalHydra.instance().config_loader().get_group_options(
+            "callbacks", config_name=hydra.job.config_name if hydra else None,
+            overrides=list(hydra.overrides.hydra) if hydra else [])
+    elif config_dir is not None and not _other_config_dirs(sys.argv[1:]):
         options = sorted(p.stem for p in Path(config_dir, "callbacks").glob("*.yaml"))
     else:
         return None
     return [o for o in options if o not in ("default", "none")]
+
+
+def _other_config_dirs(argv: list[str]) -> bool:
+    """Whether a command line adds config dirs beside the app's (``--config-dir``/``-cd``, ``hydra.searchpath``),
+    whose options a listing of the app's conf dir would miss."""
+    return any(a in ("--config-dir", "-cd") or a.startswith(("--config-dir=", "-cd=")) or
+               a.lstrip("+~").startswith("hydra.searchpath") for a in argv)
 
 
 def _target_arguments(node) -> tuple[str | None, set[str]]:

@@ -189,3 +189,32 @@ def test_a_config_group_given_no_option_name_is_one_line_naming_its_options(over
     group, _, value = override.partition("=")
     assert capsys.readouterr().err == (f"error: {override}: config group '{group}' takes the name of one of its "
                                        f"options, not {value} {fix}\n")
+
+
+def test_a_callbacks_option_of_a_searchpath_dir_is_not_called_missing(tmp_path):
+    """An option in a ``hydra.searchpath`` dir (``callbacks=[default,mycb]`` composes) was told "conf/callbacks has
+    no option 'mycb'" and left out of the options listed: the '+' form's line (in the task function) now lists the
+    searchpath's options too, and the line when composing failed (train.py's conf dir is all it can read) names none."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "mycb.yaml").write_text(
+        "mycb:\n  _target_: lightning.pytorch.callbacks.EarlyStopping\n  monitor: val/loss\n")
+
+    def last_line(override: str) -> str:
+        proc = subprocess.run([sys.executable, "train.py", f"hydra.searchpath=[file://{tmp_path}]", override,
+                               "trainer.max_steps=1"], cwd=ROOT, env=subprocess_env(tmp_path), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        return proc.stderr.strip().splitlines()[-1]
+
+    assert last_line("+callbacks.mycb.patience=3") == (
+        "error: callbacks.mycb has no _target_ (it holds only patience); one of conf/callbacks is chosen first, "
+        "'callbacks=[default,mycb]'")
+    assert last_line("callbacks.mycb.patience=3") == (
+        "error: callbacks.mycb is not a config key (callbacks holds lr_monitor, model_checkpoint, preemption, "
+        "progress_bar, throughput; a conf/callbacks option is chosen first ('callbacks=[default,<option>]'), or "
+        "callbacks.mycb given a _target_)")
