@@ -105,9 +105,10 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=No
             resumes = f"to continue from the last validation's checkpoint, if any, resume with {hint}"
         log_once(
             log, logging.WARNING,
-            "stopped by %s at step %d without a checkpoint (no PreemptionCheckpoint among the callbacks): %s",
+            "stopped by %s at step %d without a checkpoint (%s): %s",
             name,
             trainer.global_step,
+            _why_no_checkpoint(trainer),
             resumes,
         )
     status = 128 + stop_signal(trainer)
@@ -116,6 +117,17 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=No
     line = rank_labelled("exiting with status %d (stopped by %s, not finished)", getattr(trainer, "world_size", 1))
     log.info(line, status, name)
     return status
+
+
+def _why_no_checkpoint(trainer: L.Trainer) -> str:
+    """Why a signal stop saved no checkpoint: a PreemptionCheckpoint among the callbacks saved none under
+    ``fast_dev_run`` or when no training step ended after the signal (one in the sanity check), which the line called
+    '(no PreemptionCheckpoint among the callbacks)' all the same."""
+    if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+        return "no PreemptionCheckpoint among the callbacks"
+    if getattr(trainer, "fast_dev_run", False):
+        return "fast_dev_run: PreemptionCheckpoint saves none"
+    return "PreemptionCheckpoint saves at a training step's end, and none ended after the signal"
 
 
 def sigterm_after_the_last_step(trainer: L.Trainer) -> bool:

@@ -148,3 +148,24 @@ def test_a_stop_without_a_checkpoint_names_the_file_a_resume_continues_before_ck
         stopped_by_sigterm(trainer, run_name="nock", ckpt_dir=str(tmp_path))
     assert f"callbacks): {tmp_path} holds no resumable checkpoint: a resume has nothing to continue" in caplog.text
     assert "<that file>" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("fast_dev_run", "reason"),
+    [
+        (3, "(fast_dev_run: PreemptionCheckpoint saves none)"),
+        (False, "(PreemptionCheckpoint saves at a training step's end, and none ended after the signal)"),
+    ],
+)
+def test_a_stop_without_a_checkpoint_beside_a_preemption_checkpoint_gives_the_true_reason(
+    fast_dev_run, reason, tmp_path, caplog
+):
+    """`python train.py +trainer.fast_dev_run=3` signalled at step 1, and a run signalled in its sanity check (before
+    any training step), both with the default PreemptionCheckpoint, said 'without a checkpoint (no
+    PreemptionCheckpoint among the callbacks)': one was there and saved nothing. The line says why it saved none."""
+    callback = PreemptionCheckpoint(dirpath=str(tmp_path), resume_hint="resume=auto run_name=fdr")
+    trainer = SimpleNamespace(global_step=2, callbacks=[callback], fast_dev_run=fast_dev_run)
+    with caplog.at_level("INFO", logger="lit_dtrain.train"):
+        assert stopped_by_sigterm(trainer, run_name="fdr", ckpt_dir=str(tmp_path)) == 143
+    assert f"stopped by SIGTERM at step 2 without a checkpoint {reason}: {tmp_path} holds no resumable" in caplog.text
+    assert "no PreemptionCheckpoint among" not in caplog.text
