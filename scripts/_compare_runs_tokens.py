@@ -195,14 +195,18 @@ def _duration(seconds: float) -> str:
 
 def cost_table(rows: list[dict]) -> str | None:
     """A markdown table of each finished run's steps, tokens and wall time (:func:`run_cost`), in the rows' order;
-    None where no run finished. A resumed run's wall time is its last start's, marked with the step it began at."""
+    None where no run finished. A resumed run's wall time is its last start's, marked with the step it began at.
+    A row without a cost has its status in the steps column, as the metric tables have: ``failed`` (a row or job
+    with an ``error``), ``not started``, ``unfinished``, else ``-``."""
     if not any(r.get("cost") for r in rows):
         return None
     lines = []
     for r in rows:
         cost = r.get("cost") or {}
         if not cost:
-            lines.append(f"| {r['label']} | - | - | - |")
+            status = ("failed" if r.get("error") else "not started" if r.get("not_started")
+                      else "unfinished" if r.get("finished") is False else "-")
+            lines.append(f"| {r['label']} | {status} | - | - |")
             continue
         tokens = "-" if cost["tokens_trained"] is None else f"{cost['tokens_trained']:,}"
         wall = "-" if cost["wall_seconds"] is None else _duration(cost["wall_seconds"])

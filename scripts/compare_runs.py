@@ -17,7 +17,7 @@ another run changed is labelled with that default), else from the dir names. Tab
 the order given; below one RUN, the run dirs by path, a sweep's jobs by job number; a job that failed, did not
 finish or never started keeps its place among them and its row says so.
 A last table gives each finished run's steps, tokens trained (all ranks) and wall time (a resumed run's: its last
-start's, from the step it names), from its summary.json.
+start's, from the step it names), from its summary.json; the other runs and jobs have their status there.
 The last line printed is one JSON object: ``runs`` (in the table's order, each with the first metric's values,
 ``by_metric``, every metric's, and ``cost``, the last table's), ``best`` (by the first metric) and ``best_by_metric``.
 """
@@ -260,7 +260,10 @@ def compare(
         text += "\n" + ONE_RATE_NOTE.format(runs=", ".join(map(repr, one_rate))) + "\n"
     if uneven := uneven_tokens_note(labels, run_dirs, all_scalars, x):
         text += "\n" + uneven + "\n"
-    cost = cost_table(rows)  # what each finished run took: steps, tokens, wall time; printed after the notes
+    # what each run took (steps, tokens, wall time; printed after the notes), with a row for every job the tables
+    # list: a failed or never-started job's status (a job that finished without logging metrics has its cost)
+    cost_rows = rows + [{**job, "cost": run_cost(job["dir"], {})} for job in table_jobs]
+    cost = cost_table([cost_rows[i] for i in table_order([r["dir"] for r in cost_rows], runs)])
     if table:
         write_atomically(Path(table), lambda tmp: Path(tmp).write_text(text + ("\n" + cost if cost else "")))
     if out:

@@ -22,7 +22,7 @@ def test_each_finished_run_has_its_tokens_and_wall_time_a_resumed_one_its_last_s
     result = compare_runs.compare([str(tmp_path / n) for n in runs], ["val/loss"], out=None)
     cost = result["cost_markdown"].splitlines()[2:]
     assert cost == ["| b8 | 8 | 4,096 | 39.7 s |", "| b16 | 8 | 4,096 | 1:15 min (since step 4) |",
-                    "| b4 | - | - | - |"]
+                    "| b4 | unfinished | - | - |"]
     assert [r["cost"] for r in result["runs"]] == [
         {"steps": 8, "tokens_trained": 4096, "wall_seconds": 39.74, "wall_since_step": 0},
         {"steps": 8, "tokens_trained": 4096, "wall_seconds": 75.2, "wall_since_step": 4},
@@ -33,3 +33,39 @@ def test_each_finished_run_has_its_tokens_and_wall_time_a_resumed_one_its_last_s
 def test_no_cost_table_where_no_run_finished(tmp_path):
     write_run(tmp_path / "a", {3: 4.0})
     assert compare_runs.compare([str(tmp_path / "a")], ["val/loss"], out=None)["cost_markdown"] is None
+
+
+def test_the_cost_table_lists_the_failed_and_never_started_jobs_the_other_tables_list(tmp_path):
+    """A 6-job sweep (3 schedules x 2 LRs) stopped in job 1, whose job 2 failed at its start: the val/loss table had
+    6 rows (finished, unfinished, failed, 3 not started), the cost table 2, and read as a complete sweep of two
+    runs. Every job has its row there now, in the same order, its status in the steps column."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "    params:\n      scheduler: wsd,cosine,linear\n"
+        "  overrides:\n    task:\n    - optimizer.lr=1e-3,3e-3\n    - trainer.max_steps=5\n"
+    )
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        write_run(sweep / job, {5: 3.0} if job == "0" else {2: 3.2},
+                  overrides=["scheduler=wsd", f"optimizer.lr={lr}", "trainer.max_steps=5"])
+        (sweep / job / "config_resolved.yaml").write_text("trainer: {max_steps: 5}\n")
+    (sweep / "0" / "summary.json").write_text(
+        json.dumps({"steps": 5, "tokens": 640, "start_step": 0, "wall_seconds": 3.5}))
+    (sweep / "2" / ".hydra").mkdir(parents=True)
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text(
+        "- scheduler=cosine\n- optimizer.lr=0.001\n- trainer.max_steps=5\n")
+    (sweep / "2" / "train.log").write_text(
+        "[2026-12-03 19:57:47,120][lit_dtrain.train][ERROR] - job 2 failed: ConfigError: bad\n")
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=None)
+    labels = [line.split(" | ")[0] for line in result["markdown"].splitlines()[2:]]
+    cost = result["cost_markdown"].splitlines()[2:]
+    assert [line.split(" | ")[0] for line in cost] == labels and len(labels) == 6
+    assert cost == [
+        "| scheduler=wsd optimizer.lr=0.001 | 5 | 640 | 3.5 s |",
+        "| scheduler=wsd optimizer.lr=0.003 | unfinished | - | - |",
+        "| scheduler=cosine optimizer.lr=0.001 | failed | - | - |",
+        "| scheduler=cosine optimizer.lr=0.003 | not started | - | - |",
+        "| scheduler=linear optimizer.lr=0.001 | not started | - | - |",
+        "| scheduler=linear optimizer.lr=0.003 | not started | - | - |",
+    ]
