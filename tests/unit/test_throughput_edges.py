@@ -53,3 +53,24 @@ def test_each_validations_flop_rate_counts_its_own_batches(tmp_path: Path) -> No
     assert len(rows) == 2
     for r in rows:
         assert float(r["validate/device/flops_per_sec"]) * float(r["validate/time"]) == pytest.approx(4e6, rel=1e-6)
+
+
+def test_a_start_shorter_than_the_window_logs_the_totals_and_no_rate(tmp_path: Path) -> None:
+    """docs/running.md: the rates need a full window of the start's own steps. A 20-step `model=nano` run (window
+    50) logged no train/device/*_per_sec tag at all, only the totals; a resumed start's window starts empty."""
+    from tests.unit.test_throughput import Tokens
+
+    def fit(version: int, steps: int, ckpt_path=None) -> list[dict]:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,
+                            callbacks=[token_throughput_monitor(window_size=3)],
+                            logger=CSVLogger(str(tmp_path), name="csv", version=version),
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tokens(), ckpt_path=ckpt_path)
+        trainer.save_checkpoint(tmp_path / f"{steps}.ckpt")
+        rows = csv.DictReader(open(tmp_path / "csv" / f"version_{version}" / "metrics.csv"))
+        return [(int(float(r["train/batches"])), bool(r.get("train/device/items_per_sec")))
+                for r in rows if r.get("train/batches")]
+
+    assert fit(0, 2) == [(1, False), (2, False)]  # shorter than the window: totals only
+    assert fit(1, 4) == [(1, False), (2, False), (3, True), (4, True)]  # from the 3rd step on
+    assert fit(2, 6, ckpt_path=tmp_path / "4.ckpt") == [(5, False), (6, False)]  # 2 steps of a start: none
