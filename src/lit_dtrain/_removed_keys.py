@@ -21,7 +21,7 @@ import re
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.sweep_grid import unresolved
+from lit_dtrain.sweep_grid import sweep_task, unresolved
 
 _SECTIONS = {"model": "choose an option instead (model=nano)", "data": "choose an option instead (data=stdlib)",
              "optimizer": "choose an option instead (optimizer=adamw)",
@@ -45,14 +45,21 @@ def _removed(override: str) -> str | None:
 def added_with_plus(key: str) -> str | None:
     """This start's command-line override that added ``key`` with ``+`` or ``++`` (``'++scheduler.decay_fraction=0.2'``,
     as typed), else None (also outside Hydra): the fix for such a key the config cannot take is to remove that
-    override, not '~key' (Hydra refuses to delete a key the config itself does not hold)."""
+    override, not '~key' (Hydra refuses to delete a key the config itself does not hold). In a multirun, the line of
+    the ``-m`` arguments (``multirun.yaml``): a job's own, '++scheduler.decay_fraction=0.1' of
+    '++scheduler.decay_fraction=0.1,0.2', was not on the command line."""
     from hydra.core.hydra_config import HydraConfig
+
+    from lit_dtrain.sweeps import in_multirun
 
     if not HydraConfig.initialized():
         return None
-    added = [o for o in unresolved(HydraConfig.get().overrides.task)
-             if o.startswith("+") and o.lstrip("+").split("=", 1)[0].strip() == key]
-    return added[-1] if added else None
+    hc = HydraConfig.get()
+    for lines in ([sweep_task(hc)] if in_multirun() else []) + [unresolved(hc.overrides.task)]:
+        added = [o for o in lines if o.startswith("+") and o.lstrip("+").split("=", 1)[0].strip() == key]
+        if added:
+            return added[-1]
+    return None
 
 
 def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:

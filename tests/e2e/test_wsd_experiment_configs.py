@@ -125,3 +125,18 @@ def test_a_key_added_on_the_command_line_that_the_schedule_does_not_take_names_r
                                               r"arguments of constant_scheduler; remove '\+\+scheduler.decay_fraction"
                                               r"=0.2' '\+scheduler.min_lr_factor=0.1' from the command line$"):
             check_config(cfg)
+
+
+def test_a_swept_key_added_on_the_command_line_names_the_override_as_typed_after_minus_m(tmp_path, corpus):
+    """``-m scheduler=cosine ++scheduler.decay_fraction=0.1,0.2``: job 0 was told "remove
+    '++scheduler.decay_fraction=0.1' from the command line", a line the command line did not hold (each job's own
+    override); it names the -m argument now."""
+    from lit_dtrain.config_checks import check_config
+    from tests.unit._sweep_helpers import multirun_job
+
+    sweep = ["scheduler=cosine", "++scheduler.decay_fraction=0.1,0.2"]
+    job = ["scheduler=cosine", "++scheduler.decay_fraction=0.1"]
+    with multirun_job(tmp_path / "sweep" / "0", sweep, job, corpus) as cfg:
+        with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.1 is not an argument of cosine_scheduler; "
+                                              r"remove '\+\+scheduler.decay_fraction=0.1,0.2' from the command line$"):
+            check_config(cfg)
