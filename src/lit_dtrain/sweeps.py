@@ -246,12 +246,15 @@ def reports_user_errors(task_fn):
         try:
             return task_fn(cfg)
         except Exception as e:
+            from lit_dtrain.strategies._connect import ends_the_sweep
+
             error = user_error(e) or stopped_on_purpose(e)
             if error is None or full_error_asked():  # Hydra's own switch, read as it does
                 raise
-            if in_multirun():
+            # a first connection that timed out ends the sweep: its later jobs would wait for ranks that are gone
+            if in_multirun() and (ending := ends_the_sweep(error)) is None:
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
-            _exit_with(error)  # past Hydra's run_job, which catches Exception only
+            _exit_with(ending if in_multirun() else error)  # past Hydra's run_job, which catches Exception only
 
     return wrapper
 

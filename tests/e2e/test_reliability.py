@@ -354,3 +354,26 @@ def _cmdline(proc_dir: Path) -> bytes:
         return (proc_dir / "cmdline").read_bytes()
     except OSError:  # ended meanwhile
         return b""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_sweep_whose_job_timed_out_connecting_stops_there_with_status_1(tmp_path, corpus):
+    """Job 0's child rank, killed after the first connection timed out, was seen by Lightning's child-process observer
+    (a 5 s poll), which SIGKILLed the sweep in job 1: exit status 137, no line for job 1. Had it not, job 1 (whose
+    rank 1 starts at once) waited strategy.connect_timeout_s for ranks Lightning does not launch again, and failed
+    alike. The sweep stops at job 0 now, exit status 1, with a line saying so and how to resume."""
+    ddp = ["trainer=ddp_cpu", *[o for o in RUN if o.startswith("trainer.")], "strategy=ddp",
+           "strategy.collective_timeout_s=3", "strategy.connect_timeout_s=3",
+           "+callbacks.late._target_=tests.faults.SlowStart", "+callbacks.late.seconds=90,0"]
+    sweep = tmp_path / "sweep"
+    cmd = [PYTHON, str(ROOT / "train.py"), "-m", *RUN, "data=textfiles", f"data.sources.0.paths=[{corpus}]", *ddp,
+           f"hydra.sweep.dir={sweep}"]
+    late = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=240)
+    out = late.stdout + late.stderr
+    assert late.returncode == 1, out[-3000:]
+    assert "job 0 failed: FirstConnectionError: rank 0: only 1 of 2 ranks connected within 3 s" in out
+    assert late.stderr.splitlines()[-1].endswith(
+        "raise strategy.connect_timeout_s if the ranks start slowly; the sweep stops at this job (its later jobs would "
+        f"wait for ranks that are gone): resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}")
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]

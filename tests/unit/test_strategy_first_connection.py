@@ -4,6 +4,7 @@ it get ``collective_timeout_s`` (lit_dtrain.strategies._connect). The 2-rank run
 
 from __future__ import annotations
 
+import signal
 from datetime import timedelta
 
 import pytest
@@ -105,3 +106,27 @@ def test_a_later_trainer_in_the_same_process_gets_its_own_collective_timeout(no_
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     assert fit(make_ddp(collective_timeout_s=7)) == 60
+
+
+def test_the_killed_child_rank_is_reaped_and_off_the_list_lightnings_observer_watches():
+    """Lightning's child-process observer polls its launcher's ``procs`` every 5 s and SIGKILLs this process when it
+    finds a rank ended by a signal: after a first connection that timed out, whose child rank is killed, a multirun
+    went on to job 1 and was killed there (exit 137, no line). The child is killed, reaped, and off that list."""
+    import subprocess
+    import sys
+
+    from lit_dtrain.utils.launcher_watch import kill_launched_ranks
+
+    class Launcher:
+        def __init__(self):
+            self.procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+
+        def kill(self, signum):  # Lightning's: signals each of procs, leaves them on the list
+            for proc in self.procs:
+                proc.send_signal(signum)
+
+    launcher = Launcher()
+    child = launcher.procs[0]
+    watched = launcher.procs  # the list Lightning's launch gives its observer
+    kill_launched_ranks(launcher)
+    assert child.returncode == -signal.SIGKILL and watched == [] and launcher.procs is watched

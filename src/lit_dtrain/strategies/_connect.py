@@ -13,13 +13,13 @@ connection that times out says so in one line (:class:`~lit_dtrain.utils.distrib
 from __future__ import annotations
 
 import re
-import signal
 import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from lit_dtrain.utils.distributed import FirstConnectionError, can_set_collective_timeout, set_collective_timeout
+from lit_dtrain.utils.launcher_watch import kill_launched_ranks
 
 DEFAULT_CONNECT_S = 1800.0
 
@@ -52,7 +52,7 @@ class FirstConnection:
                 raise
             launcher = getattr(self, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not leave a child rank waiting to connect
-                launcher.kill(signal.SIGKILL)
+                kill_launched_ranks(launcher)  # (nor Lightning's observer of it to kill this process: a multirun's)
             seconds = connect.total_seconds() if connect is not None else DEFAULT_CONNECT_S  # (None: torch's 30 min)
             raise FirstConnectionError(first_connection_message(e, self.global_rank, self.world_size, seconds)) from e
         finally:
@@ -85,3 +85,16 @@ def first_connection_message(exc: BaseException, rank: int, world_size: int, sec
     return (f"rank {rank}: {what} ({type(exc).__name__}: {first}); a rank has not started, is still starting (slow "
             "imports on a loaded node or network file system) or failed before connecting (its own output names "
             "why): raise strategy.connect_timeout_s if the ranks start slowly")
+
+
+def ends_the_sweep(error: BaseException) -> BaseException | None:
+    """The error that ends a multirun at this job, saying so, or None where the sweep runs its next job: a first
+    connection that timed out (``FirstConnectionError``) ends it with status 1. Every later job waited
+    ``strategy.connect_timeout_s`` (30 min by default) and failed alike: Lightning launches a sweep's other ranks
+    once, and this job's were killed (:func:`lit_dtrain.sweeps.reports_user_errors`)."""
+    from lit_dtrain.sigterm_exit import train_resume_hint
+
+    if not isinstance(error, FirstConnectionError):
+        return None
+    return FirstConnectionError(f"{error}; the sweep stops at this job (its later jobs would wait for ranks that are "
+                                f"gone): resume with {train_resume_hint(None)}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -112,3 +114,23 @@ def _gone(pid: int, child: bool) -> bool:
             return f.read().rsplit(") ", 1)[-1][:1] == "Z"  # (a zombie: exited, not reaped)
     except OSError:  # no /proc (macOS): alive as far as can be told
         return False
+
+
+def kill_launched_ranks(launcher) -> None:
+    """SIGKILL the ranks that Lightning's launcher started and wait for them, taking them off its ``procs`` list
+    first: Lightning's child-process observer polls that list every 5 s and, finding a rank ended by a signal, SIGKILLs
+    this process too (lightning 2.6 private: the observer watches the launcher's ``procs`` list). A multirun whose job
+    0 timed out in its first connection, a job failure after which the sweep goes on, was killed so in job 1: exit
+    status 137 and no line. A launcher without such a list (torchrun's ranks, a stand-in) gets ``kill``."""
+    procs = getattr(launcher, "procs", None)
+    if not isinstance(procs, list):
+        launcher.kill(signal.SIGKILL)
+        return
+    ranks = list(procs)
+    procs.clear()  # before the kill: an empty list ends the observer's watch
+    for proc in ranks:
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGKILL)
+    for proc in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
