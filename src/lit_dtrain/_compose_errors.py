@@ -171,8 +171,10 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
         if bad is _NO_VALUE:
             continue
         options = sorted(p.stem for p in Path(config_dir, group).glob("*.yaml"))
-        if group in _SECTIONS:  # 'choose an option instead (optimizer=adamw)', as for '~optimizer'
-            fix = _SECTIONS[group] if _SECTIONS[group].startswith("choose") else f"choose one ({group}={options[0]})"
+        if group in _SECTIONS or group == "hydra":  # 'choose an option instead (optimizer=adamw)', as for '~optimizer'
+            # ('~hydra' runs under Hydra's own settings: run dirs in ./outputs, none of lit_dtrain's launch checks)
+            fix = _SECTIONS.get(group, "") if _SECTIONS.get(group, "").startswith("choose") else \
+                f"choose one ({group}={options[0]})"
         elif "none" in options:
             fix = f"choose one ('{group}=none' for none)"
         else:

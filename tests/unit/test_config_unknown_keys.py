@@ -177,6 +177,9 @@ def test_the_wsd_callback_beside_a_scheduler_is_told_an_option_only_where_it_is_
     ("scheduler=null", "(options: constant, cosine, wsd); choose one, or leave the group out with '~scheduler'"),
     ("logger=null", "(options: csv, none, tensorboard); choose one ('logger=none' for none)"),
     ("data/sampler=null", "(options: fourier, random); choose one"),
+    # it said "or leave the group out with '~hydra'": that run had Hydra's own dirs (./outputs/<date>/<time>, not
+    # LIT_DTRAIN_OUTPUT's runs/) and none of conf/hydra/default.yaml's launch checks
+    ("hydra=null", "(options: default); choose one (hydra=default)"),
 ])
 def test_a_config_group_given_no_option_name_is_one_line_naming_its_options(override, fix, capsys, monkeypatch):
     """`python train.py optimizer=null` printed Hydra's 25-line traceback ending in 'ValueError: Config group override
