@@ -197,13 +197,18 @@ def interrupted_by_ctrl_c(checkpoint_dir: str) -> int:
     """The exit status (130) of a run that ``KeyboardInterrupt`` (SIGINT, Ctrl-C) stopped where nothing saves:
     before training, in the token cache build, in setup, at a second Ctrl-C, in the final validation or the sample.
     It ended with a traceback from ``train()``, or with Lightning's "Detected KeyboardInterrupt" and exit status 1,
-    without saying what was kept. One line says which checkpoint ``resume=auto`` continues from."""
+    without saying what was kept. One line says which checkpoint ``resume=auto`` continues from (in a multirun's job,
+    with the sweep's ``hydra.sweep.dir``: it named none, where a bare ``resume=auto`` under ``-m`` is refused)."""
     ckpt_dir = Path(checkpoint_dir)
     newest = newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if newest is None:
         kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"
     else:
         kept = f"resume=auto continues from {newest} (step {checkpoint_global_step(newest, verify=False)})"
+    from lit_dtrain.sweeps import in_multirun
+
+    if in_multirun():  # a job's bare resume=auto is refused (it needs the sweep dir), as the SIGTERM lines say
+        kept += f"; resume with {train_resume_hint(None)}"
     log.warning("interrupted by SIGINT (Ctrl-C); %s", kept)
     log.info("exiting with status %d (interrupted, not finished)", INTERRUPTED_EXIT_STATUS)
     return INTERRUPTED_EXIT_STATUS

@@ -87,3 +87,16 @@ def test_ctrl_c_during_the_sample_exits_130_not_with_a_traceback(tiny_cfg, caplo
     assert stop.value.code == 130
     last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
     assert f"resume=auto continues from {last} (step 2)" in caplog.text
+
+
+def test_ctrl_c_in_a_multirun_job_names_the_sweep_dir_to_resume(tmp_path, corpus, caplog):
+    """Ctrl-C in a sweep job's end-of-run sample said only "resume=auto continues from <job 0's last.ckpt>": under -m
+    a bare resume=auto is refused, it needs the sweep's hydra.sweep.dir, which the SIGTERM lines name."""
+    from lit_dtrain.sigterm_exit import interrupted_by_ctrl_c
+    from tests.unit._sweep_helpers import multirun_job
+
+    sweep = tmp_path / "sweep"
+    with multirun_job(sweep / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
+        assert interrupted_by_ctrl_c(cfg.paths.checkpoint_dir) == 130
+    assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {sweep / '0' / 'checkpoints'}: a new start trains from "
+            f"step 0; resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}") in caplog.text
