@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -152,7 +153,10 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
 
     from lit_dtrain._removed_keys import _SECTIONS
 
-    if config_dir is None or not (isinstance(error, ValueError)
+    # a list with a value that is no name ('callbacks=[default,null]'): 'TypeError: argument of type 'NoneType' is
+    # not iterable' in Hydra's traceback
+    in_a_list = isinstance(error, TypeError) and re.fullmatch(r"argument of type '\w+' is not iterable", str(error))
+    if config_dir is None or not (in_a_list or isinstance(error, ValueError)
                                   and str(error).startswith("Config group override must be a string or a list")):
         return None
     parser = OverridesParser.create()
@@ -167,6 +171,7 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
         if override.is_delete() or not Path(config_dir, group).is_dir():
             continue
         values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        values += [v for value in values if isinstance(value, list) for v in value]
         bad = next((v for v in values if not isinstance(v, (str, list))), _NO_VALUE)
         if bad is _NO_VALUE:
             continue

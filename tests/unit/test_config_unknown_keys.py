@@ -180,6 +180,9 @@ def test_the_wsd_callback_beside_a_scheduler_is_told_an_option_only_where_it_is_
     # it said "or leave the group out with '~hydra'": that run had Hydra's own dirs (./outputs/<date>/<time>, not
     # LIT_DTRAIN_OUTPUT's runs/) and none of conf/hydra/default.yaml's launch checks
     ("hydra=null", "(options: default); choose one (hydra=default)"),
+    # a list holding null: Hydra's traceback ending in "TypeError: argument of type 'NoneType' is not iterable"
+    ("callbacks=[default,null]", "(options: adaptive_grad_clip, default, fourier_sampler, loss_spike, none, "
+                                 "optimizer_diagnostics, selective_ckpt, wsd); choose one ('callbacks=none' for none)"),
 ])
 def test_a_config_group_given_no_option_name_is_one_line_naming_its_options(override, fix, capsys, monkeypatch):
     """`python train.py optimizer=null` printed Hydra's 25-line traceback ending in 'ValueError: Config group override
@@ -190,6 +193,7 @@ def test_a_config_group_given_no_option_name_is_one_line_naming_its_options(over
         run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
     assert stop.value.code == 1
     group, _, value = override.partition("=")
+    value = "null" if "null" in value else value
     assert capsys.readouterr().err == (f"error: {override}: config group '{group}' takes the name of one of its "
                                        f"options, not {value} {fix}\n")
 
