@@ -52,9 +52,12 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write
             if hasattr(getattr(lg, "experiment", None), "add_text"):
                 lg.experiment.add_text("sample", f"```\n{sample}\n```", global_step=trainer.global_step)
     tokens_per_sec, ppl = metrics["tokens_per_sec"], metrics["val_ppl"]
+    # a rate below 10 with two figures: 0.4 tokens/s (llama_125m on a CPU) read 'tokens/s=0'
+    rate = "-" if tokens_per_sec is None else f"{tokens_per_sec:.0f}" if tokens_per_sec >= 10 \
+        else f"{tokens_per_sec:.2g}"
     summary = (
         f"{SUMMARY_LINE}{metrics['val_loss']:.4f} ppl={f'{ppl:.2f}' if ppl < 1e6 else f'{ppl:.3g}'} "
-        f"tokens/s={'-' if tokens_per_sec is None else f'{tokens_per_sec:.0f}'} steps={metrics['steps']} "
+        f"tokens/s={rate} steps={metrics['steps']} "
         f"wall={metrics['wall_seconds']:.1f}s ckpt={metrics['checkpoint']}"
         + (f" stopped={metrics['stopped']}" if metrics.get("stopped", "max_steps") != "max_steps" else "")
         + (" DIVERGED" if metrics.get("diverged") else "")

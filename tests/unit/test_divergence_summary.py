@@ -73,6 +73,12 @@ def test_a_diverged_run_s_perplexity_is_exp_of_its_loss_not_capped(tmp_path, cap
         _report(metrics, "", tmp_path, SimpleNamespace(loggers=[]))
         assert shown in capsys.readouterr().out
         assert json.loads((tmp_path / "summary.json").read_text())["val_ppl"] == saved
+    # a very slow run (llama_125m on a CPU: 0.4 tokens/s) read 'tokens/s=0'
+    for rate, shown in ((0.4, "tokens/s=0.4 "), (19432.5, "tokens/s=19432 "), (9.96, "tokens/s=10 ")):
+        metrics = {"val_loss": 1.5, "val_ppl": perplexity(1.5), "steps": 8, "tokens_per_sec": rate,
+                   "wall_seconds": 1.0, "checkpoint": None, "stopped": "max_steps"}
+        _report(metrics, "", tmp_path, SimpleNamespace(loggers=[]))
+        assert shown in capsys.readouterr().out
 
 
 def _watch_run(watch, losses):
