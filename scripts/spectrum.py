@@ -83,6 +83,13 @@ def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | Non
     return data if isinstance(data, dict) else None
 
 
+def described(source: CorpusSource) -> str:
+    """The corpus line's words for a run's source (it printed the dataclass: ``CorpusSource(name='text', ...)``)."""
+    what = "the stdlib" if source.kind == "stdlib" else f"files {', '.join(map(str, source.paths))}"
+    pattern = f" (pattern {source.pattern!r})" if source.pattern != "*" else ""
+    return f"source {source.name or source.kind!r}: {what}{pattern}"
+
+
 def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none."""
     sources = [s for s in (data or {}).get("sources") or [] if isinstance(s, dict)]
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"corpus: --files {args.files}")
     else:
         print(
-            f"corpus: {source} (the run's, from its config_resolved.yaml)"
+            f"corpus: {described(source)} (the run's, from its config_resolved.yaml)"
             if source
             else "corpus: the stdlib corpus (no run config beside the checkpoint; give the run's corpus with --files)"
         )

@@ -49,7 +49,10 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
     for i in range(6):  # the run's logs and files, text beside the checkpoint
         (run / f"log{i}.txt").write_text(f"step {i} loss 3.0\n" * 40)
     spectrum_module().main([str(ckpt), "--out", str(tmp_path / "s.png"), "--windows", "100000", "--split", "train"])
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(printed[-1])
+    # the corpus named in words (it printed the dataclass, "corpus: CorpusSource(name='text', kind='files', ...)")
+    assert f"corpus: source 'text': files {corpus} (the run's, from its config_resolved.yaml)" in printed
     dm = LMDataModule(sources=[CorpusSource(name="text", kind="files", paths=[str(corpus)])], block_size=8,
                       batch_size=1, val_fraction=0.3, cache_dir=str(tmp_path / "cache"), progress=False,
                       exclude_dirs=[str(outputs)])
