@@ -175,7 +175,7 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
         bad = next((v for v in values if not isinstance(v, (str, list))), _NO_VALUE)
         if bad is _NO_VALUE:
             continue
-        options = sorted(p.stem for p in Path(config_dir, group).glob("*.yaml"))
+        options = group_options_in(config_dir, group)
         if group in _SECTIONS or group == "hydra":  # 'choose an option instead (optimizer=adamw)', as for '~optimizer'
             # ('~hydra' runs under Hydra's own settings: run dirs in ./outputs, none of lit_dtrain's launch checks)
             fix = _SECTIONS.get(group, "") if _SECTIONS.get(group, "").startswith("choose") else \
@@ -191,6 +191,11 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
 
 
 _NO_VALUE = object()
+
+
+def group_options_in(config_dir: str, group: str) -> list[str]:
+    """The options of config group ``group`` in ``config_dir`` (its ``<group>/*.yaml`` files), sorted."""
+    return sorted(p.stem for p in Path(config_dir, group).glob("*.yaml"))
 
 
 def choose_callback_first(name: str, config_dir: str | None = None) -> str:
@@ -226,7 +231,7 @@ def callback_options(config_dir: str | None = None) -> list[str] | None:
             "callbacks", config_name=hydra.job.config_name if hydra else None,
             overrides=list(hydra.overrides.hydra) if hydra else [])
     elif config_dir is not None and not _other_config_dirs(sys.argv[1:]):
-        options = sorted(p.stem for p in Path(config_dir, "callbacks").glob("*.yaml"))
+        options = group_options_in(config_dir, "callbacks")
     else:
         return None
     return [o for o in options if o not in ("default", "none")]
