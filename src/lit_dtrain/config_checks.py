@@ -304,9 +304,10 @@ def check_sample(cfg: DictConfig) -> None:
     raise from inside ``generate`` before ``summary.json`` was written)."""
     node = cfg.get("sample") or {}
     n = node.get("max_new_tokens", 0)
-    names = {key: f"sample.{key}" for key in ("max_new_tokens", "temperature", "top_k")}
+    names = {key: f"sample.{key}" for key in ("max_new_tokens", "temperature", "top_k", "top_p")}
     try:  # generate's own check: sample.temperature=inf passed here and was refused by scripts/generate.py
-        check_sampling(0 if n is None else n, node.get("temperature", 0.8), node.get("top_k", None), names)
+        check_sampling(0 if n is None else n, node.get("temperature", 0.8), node.get("top_k", None), names,
+                       top_p=node.get("top_p", None))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     prompt = node.get("prompt", "def ")

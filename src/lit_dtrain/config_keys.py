@@ -68,7 +68,7 @@ CONFIG_KEYS = {
          "module", "sample"),
     "decay_branch": ("ckpt", "steps"),
     "module": ("compile", "check_finite"),
-    "sample": ("prompt", "max_new_tokens", "temperature", "top_k"),
+    "sample": ("prompt", "max_new_tokens", "temperature", "top_k", "top_p"),
 }
 
 

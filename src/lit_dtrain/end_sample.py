@@ -10,7 +10,8 @@
   to fp32 for the sample and back (exact: both are subsets of fp32), a ``64-true`` one sampled from an fp32 copy.
   (Under FSDP on one rank it is drawn in the run's dtype: its flat parameters are not cast.)
   So the sample is ``generate.py <last.ckpt> --prompt <sample.prompt> --seed <seed>`` (same device type, same
-  ``max_new_tokens``/``temperature``/``top_k``); in the run's precision it could draw other text from the same weights.
+  ``max_new_tokens``/``temperature``/``top_k``/``top_p``); in the run's precision it could draw other text from the
+  same weights.
 - An empty prompt starts from EOS (a document start), which decodes as a newline; that token is not the user's,
   so it is not printed (as in ``generate.py``).
 """
@@ -80,5 +81,5 @@ def generate_sample(model: torch.nn.Module, tokenizer, gen_cfg, seed: int, devic
     fsdp = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     with contextlib.nullcontext(model) if fsdp else in_fp32(model) as m:
         out = m.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
-                         top_k=gen_cfg.get("top_k", 40), generator=g)
+                         top_k=gen_cfg.get("top_k", 40), top_p=gen_cfg.get("top_p", None), generator=g)
     return generated_text(tokenizer, out[0], prompt)

@@ -150,6 +150,10 @@ from lit_dtrain.train import ConfigError
         ("sample.temperature=nan", r"sample.temperature must be a finite number >= 0 \(0: greedy\), got nan"),
         ("sample.max_new_tokens=1.5", r"sample.max_new_tokens must be an integer >= 0, got 1.5"),
         ("sample.max_new_tokens=-5", r"sample.max_new_tokens must be an integer >= 0, got -5"),
+        # sample.top_p was no key (generate.py --top-p was): validated as generate.py's flag, before any compute
+        ("sample.top_p=0", r"sample.top_p must be a number in \(0, 1\] \(1: all tokens\), got 0"),
+        ("sample.top_p=1.5", r"sample.top_p must be a number in \(0, 1\] \(1: all tokens\), got 1.5"),
+        ("sample.top_p=abc", r"sample.top_p must be a number in \(0, 1\] \(1: all tokens\), got 'abc'"),
         # Lightning switches validation off: no checkpoint before the end, and a NaN val_loss (summary.json: null)
         (
             "trainer.limit_val_batches=0",

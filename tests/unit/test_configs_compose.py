@@ -188,7 +188,8 @@ def test_validation_limits_that_validate_something_pass(tiny_cfg):
 
 def test_sample_top_k_zero_and_null_are_valid(tiny_cfg):
     """sample.top_k=0 means all tokens (as scripts/generate.py --top-k 0); it used to crash after training."""
-    for override in ("sample.top_k=0", "sample.top_k=null", "sample.temperature=0", "sample.max_new_tokens=0"):
+    for override in ("sample.top_k=0", "sample.top_k=null", "sample.temperature=0", "sample.max_new_tokens=0",
+                     "sample.top_p=0.9", "sample.top_p=1", "sample.top_p=null"):
         check_config(tiny_cfg(override))
 
 

@@ -150,3 +150,15 @@ def test_a_model_of_mixed_dtypes_is_sampled_from_an_fp32_copy_and_non_finite_wei
     with caplog.at_level(logging.WARNING, logger="lit_dtrain.end_sample"):
         assert generate_sample(model, ByteTokenizer(), cfg, 7, torch.device("cpu")) == ""
     assert "weights are not finite" in caplog.text
+
+
+def test_sample_top_p_draws_what_generate_top_p_draws():
+    """``sample.top_p`` is the sample's nucleus, ``generate.py --top-p``'s (it had no such key: the sample always drew
+    as ``--top-p 1``); ``1.0``, the default, draws what no top-p draws."""
+    model, tok = tiny_llama(), ByteTokenizer()
+    cfg = {"prompt": "ab", "max_new_tokens": 30, "temperature": 1.0, "top_k": None}
+    texts = {p: generate_sample(model, tok, {**cfg, "top_p": p}, 5, torch.device("cpu")) for p in (0.3, 1.0, None)}
+    want = model.generate(torch.tensor([list(b"ab")]), 30, temperature=1.0, top_p=0.3,
+                          generator=torch.Generator().manual_seed(5))
+    assert texts[0.3] == generated_text(tok, want[0], "ab")
+    assert texts[1.0] == texts[None] == generate_sample(model, tok, cfg, 5, torch.device("cpu")) != texts[0.3]
