@@ -284,3 +284,22 @@ def test_lag_one_applies_the_previous_update_at_a_step_the_monitor_dropped(tmp_p
     for step in range(2, 10):  # the draw of step s sees every trained step up to s - 2; only s - 1 is pending
         trained = [k for k in range(step - 1) if k != 6]
         assert record.at[step] == (accumulate * len(trained), [step - 1] * accumulate * (step != 7)), step
+
+
+def test_a_rollback_keeps_the_table_of_the_steps_between_its_snapshot_and_the_spike(tiny_cfg):
+    """The table is data state, not training state: a rollback restores the weights of the snapshot at step 4, but the
+    table keeps what steps 4 to 7 taught it (losses measured with the weights it discards), and only the spiking step
+    8 is left out of it (docs/loss_spikes.md, ``rollback``; docs/fourier_sampler.md, *Dropped steps*)."""
+    cfg = tiny_cfg("data/sampler=fourier", "data.sampler.stages=false", "callbacks=[default,loss_spike]",
+                   "callbacks.loss_spike.actions=[log,rollback]", "callbacks.loss_spike.warmup_steps=3",
+                   "callbacks.loss_spike.snapshot_every=4", "trainer.max_steps=10", "sample.max_new_tokens=0")
+    with open_dict(cfg):
+        cfg.callbacks["spike"] = {"_target_": f"{__name__}._ScaleLogitsAt", "step": 8}
+        cfg.callbacks["tables"] = {"_target_": f"{__name__}._TableAtBatchStart"}
+    _, objects = train(cfg)
+    monitor = next(c for c in objects["trainer"].callbacks if isinstance(c, LossSpikeMonitor))
+    tables = next(c for c in objects["trainer"].callbacks if isinstance(c, _TableAtBatchStart)).tables
+    assert [(e["step"], e["rolled_back_to"]) for e in monitor.events] == [(8, 4)]
+    assert all(torch.equal(tables[9][k], tables[8][k]) for k in ("m1", "m2", "visits", "profile"))
+    assert tables[9]["updates"] == tables[8]["updates"] == 8 != tables[4]["updates"]
+    assert not torch.equal(tables[9]["visits"], tables[4]["visits"])
