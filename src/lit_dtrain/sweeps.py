@@ -238,8 +238,9 @@ def reports_user_errors(task_fn):
     before. Hydra printed it under its shortened traceback (about a dozen lines of lit_dtrain frames, the message
     last; a ``NonFiniteError`` under some 78 lines of Lightning's). A single run exits there. In a multirun the job
     fails as before (its ``job N failed: ...`` line, :func:`logs_a_failed_job`), the next jobs run, and Hydra's
-    report of the first failed job after the sweep is that line. Other exceptions keep their traceback, and
-    ``HYDRA_FULL_ERROR=1`` shows it for every error."""
+    report of the first failed job after the sweep is that line, but a first connection that timed out or a failed
+    collective ends the sweep there (:func:`lit_dtrain.strategies._connect.ends_the_sweep`). Other exceptions keep
+    their traceback, and ``HYDRA_FULL_ERROR=1`` shows it for every error."""
 
     @functools.wraps(task_fn)
     def wrapper(cfg: DictConfig):
@@ -249,12 +250,13 @@ def reports_user_errors(task_fn):
             from lit_dtrain.strategies._connect import ends_the_sweep
 
             error = user_error(e) or stopped_on_purpose(e)
-            if error is None or full_error_asked():  # Hydra's own switch, read as it does
+            # a first connection that timed out or a failed collective ends the sweep: its later jobs would fail too
+            ending = ends_the_sweep(error or e) if in_multirun() else None
+            if error is None and ending is None or full_error_asked():  # Hydra's own switch, read as it does
                 raise
-            # a first connection that timed out ends the sweep: its later jobs would wait for ranks that are gone
-            if in_multirun() and (ending := ends_the_sweep(error)) is None:
+            if in_multirun() and ending is None:
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
-            _exit_with(ending if in_multirun() else error)  # past Hydra's run_job, which catches Exception only
+            _exit_with(ending or error)  # past Hydra's run_job, which catches Exception only
 
     return wrapper
 

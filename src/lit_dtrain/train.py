@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -95,7 +94,7 @@ from lit_dtrain.utils.distributed import (
     is_collective_failure,
 )
 from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
-from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
+from lit_dtrain.utils.launcher_watch import kill_launched_ranks, past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
@@ -114,8 +113,8 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
             raise CheckpointError(misfit_message(ckpt_path, module, e)) from e
         if trainer.world_size > 1 and (is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
             launcher = getattr(trainer.strategy, "launcher", None)
-            if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank
-                launcher.kill(signal.SIGKILL)
+            if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank (nor be
+                kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
             raise CollectiveError(
                 f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "

@@ -32,3 +32,29 @@ def test_multirun_with_ddp_writes_each_job_once_with_both_ranks(tmp_path, corpus
         assert (job / "train_ddp_process_1.log").is_file()  # rank 1 ran this job, and logged here
         assert "optimizer.lr=" in (job / ".hydra" / "overrides.yaml").read_text()
     assert losses[0] != losses[1]  # two configurations, not one run twice
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_sweep_whose_job_failed_in_a_collective_stops_there_with_status_1(tmp_path, corpus):
+    """Rank 1 hangs in job 0 of 3: rank 0's collective times out, and it killed its child rank with the launcher's
+    kill, which left that rank on the list Lightning's child-process observer polls every 5 s: jobs 1 and 2 failed at
+    step 0 in 1 s each (the group the jobs share is broken), then the observer SIGKILLed the sweep (status -9, no last
+    line; the job's line advised a bare resume=auto, refused under -m). It stops at job 0 now, status 1, saying so."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=6", "sample.max_new_tokens=0",
+        "strategy.collective_timeout_s=3", "+callbacks.hang._target_=tests.faults.HangAtStep", "+callbacks.hang.step=2",
+        "+callbacks.hang.seconds=60,0,0", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("error: rank 0: a collective failed at step 2 ("), last
+    assert last.endswith(
+        "the collective timeout is strategy.collective_timeout_s; the sweep stops at this job (its later jobs would "
+        "fail in their first collective: the ranks' connections are gone): resume with the same -m arguments and "
+        f"resume=auto hydra.sweep.dir={sweep}"), last
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]

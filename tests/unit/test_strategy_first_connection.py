@@ -130,3 +130,21 @@ def test_the_killed_child_rank_is_reaped_and_off_the_list_lightnings_observer_wa
     watched = launcher.procs  # the list Lightning's launch gives its observer
     kill_launched_ranks(launcher)
     assert child.returncode == -signal.SIGKILL and watched == [] and launcher.procs is watched
+
+
+def test_a_failed_collective_ends_a_sweep_and_its_resume_names_the_sweep_not_a_bare_resume_auto():
+    """Under -m a CollectiveError ends the sweep as a first connection that timed out does (the jobs share one group,
+    which it broke); its single run's 'Resume with resume=auto.' (refused under -m) makes way for the sweep's resume."""
+    from lit_dtrain.sigterm_exit import TRAIN_RESUME_HINT
+    from lit_dtrain.strategies._connect import ends_the_sweep
+    from lit_dtrain.train import CollectiveError
+
+    ended = ends_the_sweep(CollectiveError("rank 0: a collective failed at step 2 (RuntimeError: x). Another rank "
+                                           "probably died or hung; the collective timeout is strategy.collective_"
+                                           "timeout_s. Resume with resume=auto."))
+    assert isinstance(ended, CollectiveError)
+    assert str(ended) == ("rank 0: a collective failed at step 2 (RuntimeError: x). Another rank probably died or "
+                          "hung; the collective timeout is strategy.collective_timeout_s; the sweep stops at this job "
+                          "(its later jobs would fail in their first collective: the ranks' connections are gone): "
+                          f"resume with {TRAIN_RESUME_HINT}")
+    assert ends_the_sweep(RuntimeError("a bug")) is None

@@ -88,13 +88,21 @@ def first_connection_message(exc: BaseException, rank: int, world_size: int, sec
 
 
 def ends_the_sweep(error: BaseException) -> BaseException | None:
-    """The error that ends a multirun at this job, saying so, or None where the sweep runs its next job: a first
-    connection that timed out (``FirstConnectionError``) ends it with status 1. Every later job waited
-    ``strategy.connect_timeout_s`` (30 min by default) and failed alike: Lightning launches a sweep's other ranks
-    once, and this job's were killed (:func:`lit_dtrain.sweeps.reports_user_errors`)."""
+    """The error that ends a multirun at this job, saying so, or None where the sweep runs its next job. A first
+    connection that timed out (``FirstConnectionError``) ends it with status 1: every later job waited
+    ``strategy.connect_timeout_s`` (30 min by default) and failed alike, since Lightning launches a sweep's other
+    ranks once and this job's were killed (:func:`lit_dtrain.sweeps.reports_user_errors`). So does a failed
+    collective (``CollectiveError``): the group the jobs share is broken and its child ranks killed, so each later job
+    failed in its first collective (a 3-job sweep whose rank 1 hung in job 0: jobs 1 and 2 failed at step 0 in 1 s,
+    'Application timeout caused pair closure')."""
     from lit_dtrain.sigterm_exit import train_resume_hint
+    from lit_dtrain.train import CollectiveError
 
-    if not isinstance(error, FirstConnectionError):
+    if isinstance(error, FirstConnectionError):
+        text, why = str(error), "its later jobs would wait for ranks that are gone"
+    elif isinstance(error, CollectiveError):  # its single run's 'Resume with resume=auto.' is refused under -m
+        text = str(error).removesuffix(" Resume with resume=auto.").removesuffix(".")
+        why = "its later jobs would fail in their first collective: the ranks' connections are gone"
+    else:
         return None
-    return FirstConnectionError(f"{error}; the sweep stops at this job (its later jobs would wait for ranks that are "
-                                f"gone): resume with {train_resume_hint(None)}")
+    return type(error)(f"{text}; the sweep stops at this job ({why}): resume with {train_resume_hint(None)}")
