@@ -147,8 +147,25 @@ def check_removed_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"~{key} removes a value the config sets: {key} would silently take the class's own "
                               f"default; set it instead ({key}=<value>{_or_null(key)})")
     missing = [section for section in _SECTIONS if section not in cfg]
+    for override in overrides:  # 'optimizer=[]' chose no option: it was told to drop --config-name
+        group, _, value = override.partition("=")
+        if group.strip() in missing and value.strip() == "[]":
+            raise ConfigError(f"{override}: config group '{group.strip()}' takes the name of one of its options, not "
+                              f"an empty list{_options_of(group.strip())}; {_SECTIONS[group.strip()]}")
     if missing:  # `--config-name experiment/wsd_vs_cosine`: a partial config as the primary one
         name = HydraConfig.get().job.config_name
         raise ConfigError(f"the config {name!r} has no {', '.join(missing)}: it is not a whole config (lit_dtrain's "
                           f"is 'train'); apply an experiment with experiment=<name>, not --config-name, or start a "
                           f"config of your own with 'defaults: [train, _self_]'")
+
+
+def _options_of(group: str) -> str:
+    """`` (options: adamw, adamw8bit)`` for config group ``group``: the ``<group>/*.yaml`` files of this run's config
+    dirs (Hydra's runtime ``config_sources`` on disk: the app's and a searchpath's), or '' where none is listed."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    options = {p.stem for source in HydraConfig.get().runtime.config_sources if source.schema == "file"
+               for p in Path(source.path, group).glob("*.yaml")}
+    return f" (options: {', '.join(sorted(options))})" if options else ""

@@ -110,3 +110,19 @@ def test_a_removed_path_is_refused_in_one_line(tmp_path, monkeypatch, removed):
     with job(tmp_path, [removed]) as cfg, pytest.raises(ConfigError, match=rf"^{removed} removes a path lit_dtrain "
                                                                            rf"needs \(.*\); set it instead"):
         check_removed_keys(cfg)
+
+
+@pytest.mark.parametrize("override, fix", [("optimizer=[]", "(options: adamw, adamw8bit); choose an option instead "
+                                                            "(optimizer=adamw)"),
+                                           ("model=[]", "(options: llama_125m, nano, small); choose an option instead "
+                                                        "(model=nano)")])
+def test_a_needed_group_given_an_empty_list_is_told_to_take_an_option(tmp_path, override, fix):
+    """``optimizer=[]`` chooses no option, so the config has no optimizer: it was told "the config 'train' has no
+    optimizer: it is not a whole config ...; apply an experiment with experiment=<name>, not --config-name", a
+    command line without --config-name. It gets the line of ``optimizer=null``."""
+    with hydra_job(tmp_path / "run", ["trainer.max_steps=2", override]) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            train(cfg)
+    group = override.partition("=")[0]
+    assert str(refused.value) == (f"{override}: config group '{group}' takes the name of one of its options, not an "
+                                  f"empty list {fix}")
