@@ -56,10 +56,55 @@ def added_with_plus(key: str) -> str | None:
         return None
     hc = HydraConfig.get()
     for lines in ([sweep_task(hc)] if in_multirun() else []) + [unresolved(hc.overrides.task)]:
-        added = [o for o in lines if o.startswith("+") and o.lstrip("+").split("=", 1)[0].strip() == key]
+        added = [o for o in lines if (o.startswith("+") and _plus_key(o) == key) or _in_its_mapping(o, key)]
         if added:
             return added[-1]
     return None
+
+
+def _plus_key(override: str) -> str:
+    return override.lstrip("+").split("=", 1)[0].strip()
+
+
+def _in_its_mapping(override: str, key: str) -> bool:
+    """Whether ``override`` adds ``key`` inside the mapping it gives a node above it with '+' or '++'
+    (``'++scheduler={decay_fraction:0.2}'`` adds ``scheduler.decay_fraction``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parent = _plus_key(override)
+    if not override.startswith("+") or not key.startswith(parent + "."):
+        return False
+    try:
+        value = OverridesParser.create().parse_override(override).value()
+    except HydraException:
+        return False
+    for part in key[len(parent) + 1:].split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def removal_fixes(node_key: str, args: list[str]) -> tuple[list[str], bool]:
+    """How to take the keys ``args`` of ``node_key`` out of this start's config, and whether one came from a config
+    file: '~<key>' for a config file's (an experiment's); for one added with '+' or '++', removing that override as
+    typed (Hydra refuses to delete a key the config itself does not hold), or the key from the mapping such an override
+    gives a node ('++scheduler={decay_fraction:0.2}', which was told '~scheduler.decay_fraction' and taken for an
+    experiment's setting)."""
+    drops, typed, inside = [], [], {}
+    for arg in args:
+        line = added_with_plus(f"{node_key}.{arg}")
+        if line is None:
+            drops.append(f"'~{node_key}.{arg}'")
+        elif _plus_key(line) == f"{node_key}.{arg}":
+            typed.append(repr(line))
+        else:
+            inside.setdefault(line, []).append(arg)
+    fixes = [f"drop {'it' if len(drops) == 1 else 'them'} with {' '.join(drops)}"] if drops else []
+    fixes += [f"remove {' '.join(typed)} from the command line"] if typed else []
+    fixes += [f"remove {' and '.join(keys)} from {line!r} on the command line" for line, keys in inside.items()]
+    return fixes, bool(drops)
 
 
 def _an_argument_of_its_target(cfg: DictConfig, key: str) -> bool:

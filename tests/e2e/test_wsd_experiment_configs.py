@@ -5,6 +5,8 @@ test_wsd_workflows.py.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lit_dtrain.train import ConfigError, train
@@ -140,3 +142,25 @@ def test_a_swept_key_added_on_the_command_line_names_the_override_as_typed_after
         with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.1 is not an argument of cosine_scheduler; "
                                               r"remove '\+\+scheduler.decay_fraction=0.1,0.2' from the command line$"):
             check_config(cfg)
+
+
+def test_a_key_added_in_a_mapping_on_the_command_line_names_removing_it_from_that_mapping(tmp_path, corpus):
+    """``scheduler=cosine '++scheduler={decay_fraction:0.2}'`` was taken for an experiment's setting ("an experiment's
+    setting for another schedule?; drop it with '~scheduler.decay_fraction'"): it is the command line's, in the
+    mapping that override gives; the line names removing it there, and the other keys of that mapping stay."""
+    from hydra.types import RunMode
+
+    from lit_dtrain.config_checks import check_config
+    from tests.unit._sweep_helpers import multirun_job
+
+    for n, mapping in enumerate(("++scheduler={decay_fraction:0.2}", "+scheduler={decay_fraction:0.2,warmup_steps:1}")):
+        with multirun_job(tmp_path / "runs" / str(n), [], ["scheduler=cosine", mapping], corpus,
+                          mode=RunMode.RUN) as cfg:
+            with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.2 is not an argument of cosine_sched"
+                                                  rf"uler; remove decay_fraction from '{re.escape(mapping)}' on the "
+                                                  r"command line$"):
+                check_config(cfg)
+    with multirun_job(tmp_path / "runs" / "fixed", [], ["scheduler=cosine", "+scheduler={warmup_steps:1}"], corpus,
+                      mode=RunMode.RUN) as cfg:
+        check_config(cfg)  # the fixed command line
+        assert cfg.scheduler.warmup_steps == 1

@@ -107,15 +107,12 @@ def unknown_argument_error(key: str, node: DictConfig, error: TypeError) -> str:
     typo = _misspelt(node, unknown)
     if typo is not None:
         return f"{key}.{typo[0]} is not an argument of {name}; did you mean '{key}.{typo[1]}'?"
-    from lit_dtrain._removed_keys import added_with_plus  # '++scheduler.decay_fraction=0.2': remove that, not '~'
+    from lit_dtrain._removed_keys import removal_fixes  # '++scheduler.decay_fraction=0.2': remove that, not '~'
 
     settings = " and ".join(f"{key}.{arg}={node.get(arg)}" for arg in unknown)
     verb = "is not an argument" if len(unknown) == 1 else "are not arguments"
-    typed = [line for arg in unknown if (line := added_with_plus(f"{key}.{arg}"))]
-    drops = [f"'~{key}.{arg}'" for arg in unknown if not added_with_plus(f"{key}.{arg}")]
-    fixes = [f"drop {'it' if len(drops) == 1 else 'them'} with {' '.join(drops)}"] if drops else []
-    fixes += [f"remove {' '.join(repr(line) for line in typed)} from the command line"] if typed else []
-    guess = " (an experiment's setting for another schedule?)" if drops else ""
+    fixes, from_a_file = removal_fixes(key, unknown)
+    guess = " (an experiment's setting for another schedule?)" if from_a_file else ""
     return f"{settings} {verb} of {name}{guess}; {'; '.join(fixes)}"
 
 
