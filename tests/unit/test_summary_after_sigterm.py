@@ -113,3 +113,29 @@ def test_a_sigterm_in_a_finished_runs_sample_is_said_and_leaves_it_finished(tiny
     assert metrics["steps"] == 6 and (Path(cfg.paths.output_dir) / "summary.json").is_file()
     assert "SIGTERM came after the run finished (summary.json is written): nothing was left to stop" in caplog.text
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_sigterm_in_a_fast_dev_runs_sample_does_not_say_summary_json_is_written(tiny_cfg, caplog, monkeypatch):
+    """A fast_dev_run writes no summary.json and no checkpoint: the line said '(summary.json is written)' of a run dir
+    holding only train.log, and in a sweep '(its finished jobs are only validated again)', where resume=auto finds
+    no checkpoint and runs them again (as it did: 'resume=auto: no .../0/checkpoints/last.ckpt yet, starting fresh')."""
+    import logging
+
+    import lit_dtrain.sweeps
+    from lit_dtrain.sigterm_exit import stop_after_a_late_sigterm
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("+trainer.fast_dev_run=true", "+callbacks.fault._target_=tests.faults.SignalInSample")
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        metrics, _ = train(cfg)
+    assert metrics["steps"] == 1 and not (Path(cfg.paths.output_dir) / "summary.json").exists()
+    said = "SIGTERM came after the run finished (fast_dev_run: no summary.json): nothing was left to stop"
+    assert said in caplog.text and "summary.json is written" not in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(lit_dtrain.sweeps, "in_multirun", lambda: True)
+    monkeypatch.setattr("lit_dtrain.sigterm_exit.train_resume_hint", lambda run_name: "<hint>")
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"), pytest.raises(SystemExit) as stop:
+        stop_after_a_late_sigterm(smoke_test=True)
+    assert stop.value.code == 143
+    assert ("stopped by SIGTERM after this job finished (fast_dev_run: no summary.json): the sweep's later jobs do not "
+            "start; resume with <hint> (its finished jobs run again)") in caplog.text
