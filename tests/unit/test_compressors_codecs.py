@@ -20,6 +20,7 @@ from lit_dtrain.strategies import (
 )
 from lit_dtrain.strategies.compressors import Segment, pack_payload, segments_from_shapes, unpack_payload
 from lit_dtrain.strategies.sparsify import pack_bits, topk_ratio_at, unpack_bits
+from tests.conftest import ROOT
 from tests.unit._compressor_helpers import NUMEL, SEGMENTS, TwoRankComm, grad, payload_bytes
 
 
@@ -57,6 +58,23 @@ def test_int8_bytes_are_one_byte_plus_block_scales():
     q4 = BlockQuantizer(bits=4, block_size=256)
     assert payload_bytes(q4.compress(x, [], 0)) == 5_000 + 4 * 40
     assert payload_bytes(q4.compress(x[:9_999], [], 0)) == 5_000 + 4 * 40  # odd count: one half-used byte
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_docs_bytes_column_is_the_block_quantizers_ratio_on_a_model(bits):
+    """docs/compressed_ddp.md's preset table (and the preset's YAML comment) give the ratio the codec sends on a
+    model, to two decimals: int4 said 7.75x where nano's payload is 7.757x (small's 7.7575x) smaller than fp32."""
+    from lit_dtrain.models import build_llama
+
+    model = build_llama(vocab_size=257, block_size=256, n_layer=5, n_head=4, n_kv_head=2, d_model=128)  # nano
+    segments = segments_from_shapes([(n, p.shape) for n, p in model.named_parameters()])
+    numel = sum(s.numel for s in segments)
+    ratio = 4 * numel / payload_bytes(BlockQuantizer(bits=bits).compress(torch.randn(numel), segments, 0))
+    row = next(line for line in (ROOT / "docs" / "compressed_ddp.md").read_text().splitlines()
+               if line.startswith(f"| `int{bits}` |"))
+    assert row.rstrip(" |").endswith(f"| {ratio:.2f}x less"), (row, ratio)
+    comment = (ROOT / "conf" / "strategy" / "ddp_compressed" / f"int{bits}.yaml").read_text().splitlines()[0]
+    assert comment.endswith(f": {ratio:.2f}x fewer bytes."), (comment, ratio)
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
