@@ -79,6 +79,23 @@ def test_a_step_end_timer_needs_its_duration_and_wins_over_trainer_max_time() ->
     assert [c for c in trainer.callbacks if isinstance(c, Timer)] == [ours] and ours._duration == 5.0
 
 
+def test_the_docs_quote_lightnings_lines_about_a_second_timer_as_lightning_words_them(caplog, tmp_path: Path) -> None:
+    """docs/callbacks_in_your_project.md quotes Lightning's info line for ``max_time`` beside a ``StepEndTimer`` and its
+    error for two timers: they read ``Ignoring Trainer(max_time=...)`` and ``of type StepEndTimer`` where Lightning
+    writes ``Trainer(max_time=...)`` in backticks and names the later callback's class (``Timer`` after ours)."""
+    from lit_dtrain.callbacks import StepEndTimer
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "callbacks_in_your_project.md").read_text()
+    with caplog.at_level("INFO"):
+        L.Trainer(max_time="00:01:00:00", callbacks=[StepEndTimer(duration="00:00:00:05")], logger=False)
+    info = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring"))
+    assert f"info line ``{info}``" in doc
+    with pytest.raises(RuntimeError) as error:  # when the Trainer is built
+        L.Trainer(callbacks=[StepEndTimer(duration="00:00:00:05"), Timer()], logger=False, default_root_dir=tmp_path)
+    first = str(error.value).split(". ")[0]
+    assert f"``RuntimeError: {first}. ...``" in doc
+
+
 @pytest.mark.parametrize(("timer", "accumulate", "warned"), [
     ("max_time", 2, True), ("max_time", 1, False), ("max_time", {0: 1, 1: 4}, True), ("ours", 2, False),
     ("measuring", 2, False), ("per_epoch", 2, False),  # Timer() stops nothing; interval="epoch" stops at its end
