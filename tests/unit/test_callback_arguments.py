@@ -242,6 +242,22 @@ def test_step_end_timers_duration_mapping_takes_numpy_integers_and_refuses_flags
             StepEndTimer(duration={"hours": flag})
 
 
+@pytest.mark.parametrize("duration", [{"hours": -1}, {"minutes": 1, "seconds": -61}, "timedelta(seconds=-1)"])
+def test_step_end_timer_refuses_a_negative_duration(duration):
+    """StepEndTimer(duration={'hours': -1}) (or a negative timedelta) stopped the fit before its first step, without
+    a word: a 5-step fit trained 0 steps. trainer.max_time refuses it, Lightning a negative 'DD:HH:MM:SS'; so does
+    the timer now."""
+    from datetime import timedelta
+
+    from lit_dtrain.callbacks import StepEndTimer
+
+    duration = timedelta(seconds=-1) if duration == "timedelta(seconds=-1)" else duration
+    shown = re.escape(repr(duration))
+    with pytest.raises(ValueError, match=rf"^StepEndTimer: duration must be a time >= 0, got {shown}$"):
+        StepEndTimer(duration=duration)
+    assert StepEndTimer(duration={"hours": 0})._duration == 0.0  # no time: a limit all the same
+
+
 def test_step_end_timers_duration_from_a_config_is_taken():
     """A callback config's ``duration: {hours: ${h}}`` reached StepEndTimer as a DictConfig (Hydra's instantiate):
     Lightning's Timer takes a dict only and failed with "Missing key total_seconds"; ``{hour: 1}`` was timedelta's

@@ -58,6 +58,9 @@ class StepEndTimer(Timer):
         check_arg("StepEndTimer", "interval", interval, lambda v: v in ("step", "epoch"), "'step' or 'epoch'")
         check_arg("StepEndTimer", "verbose", verbose, is_flag, "True or False")
         super().__init__(duration=duration, interval=interval, verbose=verbose)
+        # a negative time ({'hours': -1}, '-01:00:00:00') stopped the fit before its first step without a word, where
+        # trainer.max_time refuses it
+        check_arg("StepEndTimer", "duration", duration, lambda v: self._duration >= 0, "a time >= 0")
         self._stopped_mid_epoch: int | None = None  # the global step at which this timer stopped the fit mid-epoch
 
     @property
