@@ -20,6 +20,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from lit_dtrain._sweep_of_nothing import remove_a_sweep_of_nothing
+
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _set_here = False  # whether this process set HYDRA_FULL_ERROR=1 (until the task function starts)
 
@@ -37,6 +39,7 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
         main()
     except Exception as e:  # noqa: BLE001 - raised only before the task function ran; reported as Hydra would
         composed()
+        remove_a_sweep_of_nothing()  # -m ... scheduler.decay_fraction=0.1,0.2: a sweep dir holding multirun.yaml alone
         error = e
         message = unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
         if message is None:

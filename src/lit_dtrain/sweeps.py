@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._compose_errors import full_error_asked
 from lit_dtrain._resumed_job import check_resumed_job
+from lit_dtrain._sweep_of_nothing import note_sweep_dir
 from lit_dtrain.errors import ConfigError, unset_env_var
 from lit_dtrain.sweep_grid import (
     check_shared_checkpoint_dir,
@@ -340,6 +341,7 @@ class OutputDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         _check_output_dir(config, "sweep")
+        note_sweep_dir(config.hydra.sweep.dir)  # removed if no job starts (a job's compose error): _sweep_of_nothing
 
 
 @contextlib.contextmanager

@@ -104,3 +104,22 @@ def test_train_py_run_in_this_process_leaves_the_loggers_as_it_found_them(tmp_pa
     assert (root.level, list(root.handlers)) == before
     logging.getLogger("lit_dtrain.test").warning("after train.py")
     assert "Logging error" not in capfd.readouterr().err
+
+
+def test_a_sweep_whose_first_job_hydra_cannot_compose_leaves_no_sweep_dir(tmp_path, monkeypatch, capfd):
+    """Hydra composes a job only after its sweeper made the sweep dir and wrote multirun.yaml: a key the config lacks
+    (here cosine's, which takes no decay_fraction) left a dir holding that file alone, a sweep of nothing that
+    compare_runs.py listed. A sweep dir that existed before the start is left as it is."""
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    args = ["-m", "scheduler=cosine", "scheduler.decay_fraction=0.1,0.2", "trainer.max_steps=1"]
+    proc = run_script("../train.py", args, tmp_path, capfd)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: scheduler.decay_fraction is not a config key (scheduler holds _partial_, _target_, min_lr_factor, "
+        "total_steps, warmup_steps)"
+    ]
+    assert not (tmp_path / "out").exists()  # the multiruns dir made for it too
+    kept = tmp_path / "earlier_sweep"
+    kept.mkdir()
+    assert run_script("../train.py", [*args, f"hydra.sweep.dir={kept}"], tmp_path, capfd).returncode == 1
+    assert [p.name for p in kept.iterdir()] == ["multirun.yaml"]  # Hydra's, written over: not this start's dir

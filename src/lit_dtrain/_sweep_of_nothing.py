@@ -1,0 +1,45 @@
+"""A multirun whose first job Hydra cannot compose (``-m scheduler=cosine scheduler.decay_fraction=0.1,0.2``, a key
+the config lacks) fails after Hydra's sweeper has made the sweep dir and written its ``multirun.yaml``, before any
+job ran: the dir, holding that file alone, was left in ``outputs/multiruns``, a sweep of nothing that
+``scripts/compare_runs.py`` then listed. (A swept option that does not exist, ``resume=auto`` without
+``hydra.sweep.dir`` and the other refusals of ``lit_dtrain.sweeps``' Hydra callbacks come before the dir is made.)
+
+:func:`note_sweep_dir` (``sweeps.OutputDirCheck``, before the sweeper makes the dir) notes a sweep dir that does not
+exist yet; :func:`remove_a_sweep_of_nothing` (``train.py``'s report of an error raised before the task function ran)
+removes it where it holds its ``multirun.yaml`` alone. A dir that existed before this start is never touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_new_sweep_dir: tuple[Path, Path] | None = None  # this start's new sweep dir and the first of its dirs made with it
+
+
+def note_sweep_dir(directory) -> None:
+    """Note ``directory`` (``hydra.sweep.dir``, resolved) as this start's new sweep dir, unless it exists already,
+    with the outermost of its parents that do not exist either (``outputs/multiruns`` of a first sweep)."""
+    global _new_sweep_dir
+    path = Path(str(directory)).absolute()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    _new_sweep_dir = (path, missing[-1]) if missing else None
+
+
+def remove_a_sweep_of_nothing() -> Path | None:
+    """Remove this start's new sweep dir where it holds only ``multirun.yaml`` (no job started), and the parents made
+    with it that are left empty; the sweep dir removed, or None. Called once the multirun has failed."""
+    global _new_sweep_dir
+    noted, _new_sweep_dir = _new_sweep_dir, None
+    if noted is None:
+        return None
+    path, outermost = noted
+    try:
+        if [p.name for p in path.iterdir()] != ["multirun.yaml"]:
+            return None
+        (path / "multirun.yaml").unlink()
+        for made in (path, *path.parents):  # rmdir refuses a dir that is not empty: one made for another start
+            made.rmdir()
+            if made == outermost:
+                break
+    except OSError:  # gone, or not empty after all: left as it is
+        pass
+    return path
