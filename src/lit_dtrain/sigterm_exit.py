@@ -239,10 +239,13 @@ class SigtermRecorder(L.Callback):
 
     def __init__(self) -> None:
         self.signalled = False
+        self.signum = signal.SIGTERM  # the first signal recorded (SIGHUP: a closed terminal)
         self.interrupted = False  # Lightning caught a KeyboardInterrupt (see keyboard_interrupt_kept)
         self.smoke_test = False  # a fast_dev_run: no summary.json, no checkpoint (see stop_after_a_late_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
+        if not self.signalled:
+            self.signum = signal.Signals(signum)
         self.signalled = True
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -253,6 +256,11 @@ class SigtermRecorder(L.Callback):
         handlers = getattr(trainer._signal_connector, "_original_handlers", None)  # what its teardown puts back
         if threading.current_thread() is threading.main_thread() and handlers and signal.SIGTERM in handlers:
             handlers[signal.SIGTERM] = self._on_sigterm
+            # SIGHUP (a closed terminal) too, as PreemptionCheckpoint takes it in training: in a sweep job's sample it
+            # killed the process (status -1, no line, no summary.json); one ignored (nohup) stays ignored
+            hup = getattr(signal, "SIGHUP", None)
+            if hup in handlers and handlers[hup] is not signal.SIG_IGN:
+                handlers[hup] = self._on_sigterm
 
 
 @contextlib.contextmanager
@@ -272,25 +280,26 @@ def sigterm_handler_kept():
             if handler is not None:
                 signal.signal(s, handler)
     if isinstance(recorder, SigtermRecorder) and recorder.signalled:  # a run that returned: none acted on it
-        stop_after_a_late_sigterm(smoke_test=recorder.smoke_test)
+        stop_after_a_late_sigterm(recorder.signum, smoke_test=recorder.smoke_test)
 
 
-def stop_after_a_late_sigterm(smoke_test: bool = False) -> None:
+def stop_after_a_late_sigterm(signum: signal.Signals = signal.SIGTERM, smoke_test: bool = False) -> None:
     """A SIGTERM that came to a finished run after :func:`sigterm_after_the_last_step` (in the end-of-run sample or
     report, where :class:`SigtermRecorder` only records it): in a job of a multirun, ``SystemExit`` 143, so that the
     process stops before Hydra starts the next job; nothing read the record, and the signal was lost (a sweep sent
     SIGTERM in job 0's text sample ran its 2 other jobs to the end, 6 more minutes, and exited 0; under Slurm the
     grace period's SIGKILL would have stopped a later job wherever it was). A single run has finished, so it keeps
-    its status 0, and a line says the signal came. A ``fast_dev_run`` (``smoke_test``) writes neither
-    ``summary.json`` nor a checkpoint, which the line said was written."""
+    its status 0, and a line says the signal came. SIGHUP alike, with 129. A ``fast_dev_run`` (``smoke_test``) writes
+    neither ``summary.json`` nor a checkpoint, which the line said was written."""
     from lit_dtrain.sweeps import in_multirun
 
+    name = signal.Signals(signum).name
     written = "fast_dev_run: no summary.json" if smoke_test else "summary.json is written"
     if not in_multirun():
-        log.warning("SIGTERM came after the run finished (%s): nothing was left to stop", written)
+        log.warning("%s came after the run finished (%s): nothing was left to stop", name, written)
         return
     again = "its finished jobs run again" if smoke_test else "its finished jobs are only validated again"
-    log.warning("stopped by SIGTERM after this job finished (%s): the sweep's later jobs do not start; resume with %s "
-                "(%s)", written if smoke_test else f"its {written}", train_resume_hint(None), again)
-    log.info("exiting with status %d (stopped by SIGTERM, not finished)", PREEMPTED_EXIT_STATUS)
-    raise SystemExit(PREEMPTED_EXIT_STATUS)
+    log.warning("stopped by %s after this job finished (%s): the sweep's later jobs do not start; resume with %s "
+                "(%s)", name, written if smoke_test else f"its {written}", train_resume_hint(None), again)
+    log.info("exiting with status %d (stopped by %s, not finished)", 128 + signum, name)
+    raise SystemExit(128 + signum)

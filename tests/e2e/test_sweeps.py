@@ -5,6 +5,8 @@ import logging
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from lit_dtrain.train import train
 from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
 from tests.unit._compare_runs_helpers import compare_runs
@@ -118,19 +120,21 @@ def test_resume_auto_without_a_sweep_dir_is_refused_before_hydra_writes_one(tmp_
     assert out.count(f"resume=auto: the sweep dir {sweep_dir} does not exist, so every job starts fresh") == 1, out
 
 
-def test_a_sigterm_in_a_jobs_end_of_run_sample_stops_the_sweep_after_that_job(tmp_path, corpus):
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_sigterm_in_a_jobs_end_of_run_sample_stops_the_sweep_after_that_job(tmp_path, corpus, name, status):
     """SIGTERM to a sweep while job 0 drew its end-of-run text sample (after the ranks' last check for a signal) was
     recorded and never read: the sweep ran its other jobs to the end, 6 more minutes for 3 nano jobs, and exited 0.
     The job is finished, so it keeps its summary.json; the process then exits 143 before the next job, naming how to
-    resume, which validates job 0 again and trains job 1."""
+    resume, which validates job 0 again and trains job 1. SIGHUP (a closed terminal), which PreemptionCheckpoint
+    takes as SIGTERM in training, killed the process there (status -1, no line, job 0 without summary.json): 129."""
     args = ["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "scheduler=wsd,cosine",
-            "+callbacks.fault._target_=tests.faults.SignalInSample"]
+            "+callbacks.fault._target_=tests.faults.SignalInSample", f"+callbacks.fault.signal={name}"]
     proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 143, out[-3000:]
+    assert proc.returncode == status, out[-3000:]
     (sweep,) = (tmp_path / "outputs" / "multiruns").iterdir()
     assert json.loads((sweep / "0" / "summary.json").read_text())["steps"] == 6
     assert not (sweep / "1").exists(), sorted(p.name for p in sweep.iterdir())
-    assert ("stopped by SIGTERM after this job finished (its summary.json is written): the sweep's later jobs do not "
+    assert (f"stopped by {name} after this job finished (its summary.json is written): the sweep's later jobs do not "
             f"start; resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}") in out, out[-3000:]
