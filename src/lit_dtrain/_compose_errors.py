@@ -213,10 +213,40 @@ def choose_callback_first(name: str, config_dir: str | None = None) -> str:
                 "a _target_")
     if name in options:
         return f"one of conf/callbacks is chosen first, 'callbacks=[default,{name}]'"
+    if (option := _option_adding(name)) is not None and option[0] in options:  # a node named otherwise
+        return (f"the callbacks option '{option[0]}' ({option[1]}) adds it, chosen first: "
+                f"'callbacks=[default,{option[0]}]'")
     close = difflib.get_close_matches(name, options, n=1)
     which = f"did you mean {close[0]}?" if close else f"its options: {', '.join(options) or 'none'}"
     return (f"conf/callbacks has no option '{name}' ({which}); a callback of one's own is added with "
             f"'+callbacks.{name}._target_=<its class>'")
+
+
+def _option_adding(name: str) -> tuple[str, str] | None:
+    """The ``callbacks`` option whose file adds the node ``callbacks.<name>``, and that file, where the option is
+    named otherwise (``callbacks/early.yaml`` of a ``hydra.searchpath`` dir holding ``early_stopping:``, which was
+    called no option while its option was listed): read in this run's file config sources (Hydra's runtime config),
+    as the options' nodes are put in ``callbacks`` (a file with another ``# @package`` is skipped); None outside
+    Hydra or where no file adds it."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    for source in HydraConfig.get().runtime.config_sources:
+        for path in sorted(Path(source.path, "callbacks").glob("*.yaml")) if source.schema == "file" else ():
+            try:
+                text = path.read_text()
+                node = OmegaConf.create(text)
+            except Exception:  # noqa: BLE001 - unreadable here: Hydra names it if the option is chosen
+                continue
+            header = re.match(r"(?:\s*#.*\n|\s*\n)*", text).group(0)  # the leading comments, where Hydra reads it
+            package = re.search(r"#\s*@package\s+(\S+)", header)
+            if package is not None and package.group(1) not in ("_group_", "callbacks"):
+                continue
+            if isinstance(node, DictConfig) and name in node:
+                return path.stem, str(path)
+    return None
 
 
 def callback_options(config_dir: str | None = None) -> list[str] | None:

@@ -225,3 +225,36 @@ def test_a_callbacks_option_of_a_searchpath_dir_is_not_called_missing(tmp_path):
         "error: callbacks.mycb is not a config key (callbacks holds lr_monitor, model_checkpoint, preemption, "
         "progress_bar, throughput; a conf/callbacks option is chosen first ('callbacks=[default,<option>]'), or "
         "callbacks.mycb given a _target_)")
+
+
+def test_a_searchpath_callbacks_option_whose_node_is_named_otherwise_is_named_as_the_option(tmp_path):
+    """``callbacks/early.yaml`` holding ``early_stopping:``: '+callbacks.early_stopping.patience=5' was told
+    "conf/callbacks has no option 'early_stopping' (its options: ..., early, ...)". The line names the option that
+    adds the node, and the command it gives trains with the setting."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "early.yaml").write_text(
+        "early_stopping:\n  _target_: lightning.pytorch.callbacks.EarlyStopping\n  monitor: val/loss\n  patience: 3\n")
+    (tmp_path / "callbacks" / "a_global.yaml").write_text(  # its node is not put in callbacks: not the one
+        "# @package _global_\nearly_stopping: {}\n")
+
+    def run(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train.py", f"hydra.searchpath=[file://{tmp_path}]", *overrides,
+                               "trainer.max_steps=1", "sample.max_new_tokens=0", "run_name=early"], cwd=ROOT,
+                              env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+
+    proc = run("+callbacks.early_stopping.patience=5")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: callbacks.early_stopping has no _target_ (it holds only patience); the callbacks option 'early' "
+        f"({tmp_path / 'callbacks' / 'early.yaml'}) adds it, chosen first: 'callbacks=[default,early]'")
+    fixed = run("callbacks=[default,early]", "callbacks.early_stopping.patience=5")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.load(tmp_path / "outputs" / "runs" / "early" / "config_resolved.yaml")
+    assert resolved.callbacks.early_stopping.patience == 5
