@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import itertools
 import json
 import logging
@@ -189,20 +190,33 @@ def _quiet_tensorboard():
 
 
 def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
-    """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order."""
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if "step" not in (reader.fieldnames or []):
-            raise RunDirError(
-                f"{path} has no 'step' column, so it is not a Lightning CSVLogger metrics file; "
-                f"its columns are {reader.fieldnames}"
-            )
-        out = []
-        for row in reader:
-            if not row.get("step"):
-                continue
+    """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order. A last line without
+    its line end is a row cut short (the run killed while Lightning's CSVLogger appended or rewrote the file, a full
+    disk): it is left out with a warning; ``0,5,3.`` cut from ``0,5,3.9713`` was read as val/loss 3.0. A cell that is
+    no number is :class:`RunDirError` naming the file, line and column (it was a ValueError traceback)."""
+    with path.open(newline="", errors="replace") as f:
+        text = f.read()
+    if text and not text.endswith("\n"):
+        cut = text[text.rfind("\n") + 1 :]
+        text = text[: len(text) - len(cut)]
+        log.warning("%s: its last line %r has no line end (the run was killed while writing it?); left out", path,
+                    cut[:80])
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    if "step" not in (reader.fieldnames or []):
+        raise RunDirError(
+            f"{path} has no 'step' column, so it is not a Lightning CSVLogger metrics file; "
+            f"its columns are {reader.fieldnames}"
+        )
+    out = []
+    for row in reader:
+        if not row.get("step"):
+            continue
+        try:
             step = int(float(row["step"]))
             out += [(tag, step, float(v)) for tag, v in row.items() if tag not in ("step", "epoch") and v]
+        except (TypeError, ValueError) as e:  # TypeError: a row with more cells than the header (key None)
+            raise RunDirError(f"{path}, line {reader.line_num}: a cell is not a number ({e}); the file is damaged "
+                              "there: repair or remove that line") from e
     return out
 
 

@@ -136,3 +136,33 @@ def test_a_run_given_twice_is_compared_once(tmp_path, capsys):
     assert [r["label"] for r in result["runs"]] == ["optimizer.lr=1e-3", "optimizer.lr=3e-3"]
     assert result["skipped"] == [str(sweep / "2")] and len(result["markdown"].splitlines()) == 5
     assert "given more than once" in capsys.readouterr().err
+
+
+def test_a_metrics_csv_cut_mid_row_leaves_that_row_out(tmp_path, caplog):
+    """A run killed while Lightning's CSVLogger wrote its metrics.csv ends in a row without its line end: '0,19,3.'
+    cut from '0,19,3.4014' was read as val/loss 3.0, the run's final value, without a word. The cut row is left
+    out with a warning naming the file."""
+    from tests.unit.test_compare_runs_failed_runs import write_csv_run
+
+    run = write_csv_run(tmp_path / "a", {9: 3.9099, 19: 3.4014})
+    csv_file = run / "csv" / "metrics.csv"
+    text = csv_file.read_bytes()
+    assert text.endswith(b"3.4014\r\n")
+    csv_file.write_bytes(text[: -len(b"4014\r\n")])  # ends in '3.'
+    result = compare_runs.compare([str(run)], ["val/loss"], out=str(tmp_path / "c.png"))
+    assert result["runs"][0]["final"] == pytest.approx(3.9099)
+    assert any("metrics.csv: its last line" in r.getMessage() and "left out" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_metrics_csv_cell_that_is_no_number_is_one_line_naming_it(tmp_path, capsys):
+    """A damaged cell ('3.9x') in metrics.csv was a ValueError traceback; it is one error line naming the file and
+    the line."""
+    from tests.unit.test_compare_runs_failed_runs import write_csv_run
+
+    run = write_csv_run(tmp_path / "a", {9: 3.9099, 19: 3.4014})
+    csv_file = run / "csv" / "metrics.csv"
+    csv_file.write_bytes(csv_file.read_bytes().replace(b"3.9099", b"3.9x"))
+    assert compare_runs.main([str(run), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{csv_file}, line " in err and "'3.9x'" in err and "Traceback" not in err
