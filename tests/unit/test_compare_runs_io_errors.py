@@ -18,6 +18,8 @@ from tests.unit._compare_runs_helpers import compare_runs, write_run
         (["--out", "{tmp}/file/plot.png"], "--out '{tmp}/file/plot.png': cannot create its directory"),
         (["--table", "{tmp}/file/t.md"], "--table '{tmp}/file/t.md': cannot create its directory"),
         (["--table", "{tmp}"], "--table '{tmp}' is a directory; give a file path"),
+        # a dir without a suffix: plots/ was written as plots.png beside it (exit 0)
+        (["--out", "{tmp}/"], "--out '{tmp}/' is a directory; give a file path"),
     ],
 )
 def test_an_unwritable_out_or_table_is_named_before_the_runs_are_read(tmp_path, capsys, flags, message):
