@@ -380,3 +380,18 @@ def test_resume_auto_of_a_cpt_run_does_not_need_the_init_from_file(tiny_cfg, tmp
         train(tiny_cfg(*args, run="fresh"))  # nothing to resume: the file is needed
 
 
+
+
+def test_a_relative_interpolation_for_a_key_the_branch_sets_is_judged(tmp_path, two_step_ckpt, monkeypatch, capfd):
+    """``scheduler.decay_steps=${.warmup_steps}`` (relative to its node, which Hydra's override parser cannot resolve
+    alone) was not judged: the branch replaced it with decay_branch.steps without a word. It is read in the config."""
+    from tests.conftest import run_script
+
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    branch = ["run_name=b", f"decay_branch.ckpt={two_step_ckpt}", "decay_branch.steps=3", "scheduler.warmup_steps=1"]
+    proc = run_script("../train.py", [*branch, "scheduler.decay_steps=${.warmup_steps}"], tmp_path, capfd)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: decay_branch sets scheduler.decay_steps=3 (decay_branch.steps), but scheduler.decay_steps=1 is given; "
+        "drop scheduler.decay_steps (decay_branch.steps is the decay's length)")
+    assert not (tmp_path / "out" / "runs" / "b" / "checkpoints").exists()  # refused before training
