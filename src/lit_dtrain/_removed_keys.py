@@ -17,6 +17,7 @@ config without a section lit_dtrain needs (``--config-name experiment/wsd_vs_cos
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -86,22 +87,47 @@ def _in_its_mapping(override: str, key: str) -> bool:
     return True
 
 
+def _experiment_setting(key: str) -> str | None:
+    """``experiment=<name>`` where this run's experiment file (``@package _global_``, in a file config source) sets
+    ``key`` as well as a '+' override: removing the override alone left the experiment's value, refused at the next
+    start (``experiment=cpt_replay scheduler=cosine ++scheduler.decay_fraction=0.3`` took two starts to fix)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not (name := HydraConfig.get().runtime.choices.get("experiment")):
+        return None
+    for source in HydraConfig.get().runtime.config_sources:
+        path = Path(source.path, "experiment", f"{name}.yaml")
+        if source.schema != "file" or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+            node = OmegaConf.create(text)
+        except Exception:  # noqa: BLE001 - unreadable here: its run would have failed in Hydra
+            return None
+        if re.match(r"\s*#\s*@package\s+_global_\b", text) and OmegaConf.select(node, key, default=None) is not None:
+            return f"experiment={name}"
+        return None
+    return None
+
+
 def removal_fixes(node_key: str, args: list[str]) -> tuple[list[str], bool]:
     """How to take the keys ``args`` of ``node_key`` out of this start's config, and whether one came from a config
     file: '~<key>' for a config file's (an experiment's); for one added with '+' or '++', removing that override as
     typed (Hydra refuses to delete a key the config itself does not hold), or the key from the mapping such an override
     gives a node ('++scheduler={decay_fraction:0.2}', which was told '~scheduler.decay_fraction' and taken for an
     experiment's setting)."""
-    drops, typed, inside = [], [], {}
+    drops, typed, inside, fixes_first = [], [], {}, []
     for arg in args:
         line = added_with_plus(f"{node_key}.{arg}")
         if line is None:
             drops.append(f"'~{node_key}.{arg}'")
+        elif experiment := _experiment_setting(f"{node_key}.{arg}"):  # removing the override alone: a 2nd error
+            fixes_first.append(f"replace {line!r} with '~{node_key}.{arg}' ({experiment} sets it too)")
         elif _plus_key(line) == f"{node_key}.{arg}":
             typed.append(repr(line))
         else:
             inside.setdefault(line, []).append(arg)
-    fixes = [f"drop {'it' if len(drops) == 1 else 'them'} with {' '.join(drops)}"] if drops else []
+    fixes = fixes_first + ([f"drop {'it' if len(drops) == 1 else 'them'} with {' '.join(drops)}"] if drops else [])
     fixes += [f"remove {' '.join(typed)} from the command line"] if typed else []
     fixes += [f"remove {' and '.join(keys)} from {line!r} on the command line" for line, keys in inside.items()]
     return fixes, bool(drops)

@@ -164,3 +164,29 @@ def test_a_key_added_in_a_mapping_on_the_command_line_names_removing_it_from_tha
                       mode=RunMode.RUN) as cfg:
         check_config(cfg)  # the fixed command line
         assert cfg.scheduler.warmup_steps == 1
+
+
+def test_a_key_both_an_experiment_and_the_command_line_set_is_fixed_in_one_start(tmp_path):
+    """``experiment=cpt_replay scheduler=cosine ++scheduler.decay_fraction=0.3`` was told to remove the '++'
+    override; the next start was then told to drop the experiment's own decay_fraction with '~': two starts. The
+    line names both at once: replace the override with '~', which composes and passes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from lit_dtrain.config_checks import check_config
+    from tests.conftest import CONF_DIR, in_hydra_job
+
+    def checked(*job: str) -> None:
+        typed = ["experiment=cpt_replay", "init_from=/x/last.ckpt", "scheduler=cosine", *job]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=typed, return_hydra_config=True)
+        with open_dict(full):
+            full.hydra.overrides.task, full.paths.output_dir = typed, str(tmp_path / "run")
+        with in_hydra_job(full) as cfg:
+            check_config(cfg)
+
+    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.3 is not an argument of cosine_scheduler; "
+                                          r"replace '\+\+scheduler.decay_fraction=0.3' with "
+                                          r"'~scheduler.decay_fraction' \(experiment=cpt_replay sets it too\)$"):
+        checked("++scheduler.decay_fraction=0.3")
+    checked("~scheduler.decay_fraction")  # the fixed command line
