@@ -32,6 +32,7 @@ class _RandomOpsSaved:
         self.saved: dict[int, object] = {}  # storage address of a saved op's output -> that op (torch >= 2.13)
         self.after: list[tuple[object, list[tuple[torch.Generator, torch.Tensor]]]] = []  # (op, [(generator, state)])
         self.pending: tuple[object, list[torch.Generator]] | None = None  # a saved random op that has not run yet
+        self.start: list[tuple[torch.Generator, torch.Tensor]] = []  # the generators' states as the forward began
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if ctx.is_recompute:  # (torch < 2.13 asks in recomputation too)
@@ -77,6 +78,25 @@ class _RandomOpsSaved:
 
     def _record(self, func, gens: list[torch.Generator]) -> None:
         self.after.append((func, [(gen, gen.get_state()) for gen in gens]))
+
+    def begin(self) -> None:
+        """Read the states of the CPU generator and of the current CUDA device's (where CUDA is initialized) as the
+        forward begins, for :meth:`drew`."""
+        gens = [torch.random.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        self.start = [(gen, gen.get_state()) for gen in gens]
+
+    def drew(self) -> bool:
+        """Whether a generator's state after a saved random op differs from its state as the forward began (or is of a
+        generator not read then): only then does recomputation need the states replayed. SDPA is a random op by its
+        tag, saved by default, and with ``dropout_p=0`` (every model without attention dropout) it draws nothing: the
+        replay mode then set each state to the one it already had, and as a second Python mode over every recomputed
+        op it cost ~0.7 ms of CPU per ``nano`` block and step (docs/benchmarks.md). A generator only moves forward, so
+        states equal to the start mean nothing drew up to the last saved random op."""
+        start = {id(gen): state for gen, state in self.start}
+        return any(id(gen) not in start or not torch.equal(state, start[id(gen)])
+                   for _, states in self.after for gen, state in states)
 
 
 class _ReplayRngStates(TorchDispatchMode):
@@ -136,11 +156,13 @@ def _generators(leaves: list) -> list[torch.Generator]:
 def eager_context_fn(context_fn: Callable, block: str = "the block") -> Callable:
     """``context_fn`` (of :func:`selective_context_fn`) for an eager checkpointed call: recomputation also restores
     the RNG states after the saved random ops (:class:`_RandomOpsSaved`). The recompute mode is pushed only where
-    forward saved a random op, so the common case pays no second Python mode. (Under ``torch.compile`` the plain
-    ``context_fn`` is passed: the partitioner decides what is recomputed, and it saves random ops' outputs.)"""
+    forward saved a random op that drew (:meth:`_RandomOpsSaved.drew`), so the common case pays no second Python
+    mode. (Under ``torch.compile`` the plain ``context_fn`` is passed: the partitioner decides what is recomputed,
+    and it saves random ops' outputs.)"""
 
     def contexts():
         saved = _RandomOpsSaved(context_fn.args[0], block)
+        saved.begin()  # checkpoint calls this right before the block's forward
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(saved)
         return forward_ctx, _Replaying(saved, recompute_ctx, block)
 
@@ -182,7 +204,8 @@ class _Replaying(_EnteredTogether):
         self.saved, self.block = saved, block
 
     def _to_enter(self) -> tuple:
-        return (*self.contexts, _ReplayRngStates(self.saved)) if self.saved.after else self.contexts
+        return (*self.contexts, _ReplayRngStates(self.saved)) if self.saved.after and self.saved.drew() else \
+            self.contexts
 
     def __exit__(self, *exc):
         suppressed = super().__exit__(*exc)
