@@ -20,9 +20,9 @@ The corpus and the window length are the run's too (``data.sources`` and ``data.
 set them), and the band edges are those of the run's FourierSampler at that length (``max_freq``/``num_bands`` of
 the sampler state in the first checkpoint that has one; ``--max-freq``/``--num-bands`` set them). Without a run
 config the stdlib corpus and the model's block_size are used, and without a FourierSampler state the brief's bands
-for ``T``; a line says which. The token cache is the run's (``data.cache_dir``; ``--cache-dir`` sets it), so the
-run's tokens are read, not the corpus tokenized again; the run's ``data.exclude_dirs`` (its outputs' root) are left out
-of the corpus, as in training.
+for ``T``; a line says which (a run config that is not YAML is refused, naming it). The token cache is the run's
+(``data.cache_dir``; ``--cache-dir`` sets it), so the run's tokens are read, not the corpus tokenized again; the run's
+``data.exclude_dirs`` (its outputs' root) are left out of the corpus, as in training.
 """
 
 from __future__ import annotations
@@ -72,14 +72,25 @@ def trained_val_fraction(path: str, ckpt: dict) -> tuple[float | None, str]:
 
 
 def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | None:
-    """``data`` of the checkpoint's run config ``<run>/<name>`` (``<run>/checkpoints/x.ckpt``), or None."""
+    """``data`` of the checkpoint's run config ``<run>/<name>`` (``<run>/checkpoints/x.ckpt``), or None without one.
+    A run config that is not YAML (cut short, edited) is one line naming it: it was a YAMLError traceback, and left
+    out it would measure another corpus than the run's."""
     config = Path(path).expanduser().resolve().parent.parent / name
-    try:
-        import yaml
+    import yaml
 
-        data = (yaml.safe_load(config.read_text()) or {}).get("data")
-    except (OSError, ValueError, AttributeError, ImportError):  # no run dir, unreadable or odd YAML
+    try:
+        text = config.read_text()
+    except OSError:  # no run dir: a copied-out checkpoint
         return None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        fail(f"the run config {str(config)!r} of checkpoint {path!r} is not valid YAML{where} (cut short or "
+             "edited?): spectrum.py reads the run's corpus and window length from it; repair it, or copy the "
+             "checkpoint out of its run dir and give the corpus with --files and the length with --block-size")
+    data = loaded.get("data") if isinstance(loaded, dict) else None
     return data if isinstance(data, dict) else None
 
 
@@ -92,7 +103,8 @@ def described(source: CorpusSource) -> str:
 
 def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none."""
-    sources = [s for s in (data or {}).get("sources") or [] if isinstance(s, dict)]
+    listed = (data or {}).get("sources") or []
+    sources = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
     if not sources:
         if name is not None:
             fail(f"--source {name}: the run's config_resolved.yaml lists no data.sources")
@@ -105,7 +117,10 @@ def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
         fail(f"--source {name!r} is not one of the run's sources {names}")
     chosen = sources[names.index(name) if name is not None else 0]
     keys = ("name", "kind", "paths", "pattern")
-    return CorpusSource(**{k: chosen[k] for k in keys if k in chosen})
+    try:
+        return CorpusSource(**{k: chosen[k] for k in keys if k in chosen})
+    except (CorpusError, TypeError, ValueError) as e:  # an edited run config: it was a traceback
+        fail(f"the run's data.sources entry {chosen} is not a corpus source ({e}); give the corpus with --files")
 
 
 def run_exclude_dirs(data: dict | None) -> list[str] | None:

@@ -59,3 +59,25 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
     dm.prepare_data()
     assert out["windows"] == len(WindowSet([dm.splits[0].train], 8))  # the windows the run trained on
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the run's token cache, not a second one
+
+
+@pytest.mark.parametrize("config, message", [
+    ("data: [1, 2\n", "is not valid YAML at line 2"),  # cut short
+    ("data:\n  sources:\n  - {name: t, kind: weird, paths: [x]}\n", "is not a corpus source"),  # edited
+])
+def test_a_run_config_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, config, message):
+    """A run config cut short (not YAML) was a YAMLError traceback from the PyYAML parser, and a source of an
+    unknown kind a CorpusError traceback; each is one error line naming it, before any corpus is read."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    model = build_llama(**CONFIG)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    torch.save({"model_config": CONFIG, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "LMDataModule": {"val_fraction": 0.3}, "global_step": 1}, ckpt)
+    (run / "config_resolved.yaml").write_text(config)
+    with pytest.raises(SystemExit) as exit_info:
+        spectrum_module().main([str(ckpt), "--out", str(tmp_path / "s.png"), "--cache-dir", str(tmp_path / "c")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "c").exists() and (run / "config_resolved.yaml").read_text() == config  # nothing read
