@@ -10,6 +10,7 @@ removes it where it holds its ``multirun.yaml`` alone. A dir that existed before
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _new_sweep_dir: tuple[Path, Path] | None = None  # this start's new sweep dir and the first of its dirs made with it
@@ -19,7 +20,9 @@ def note_sweep_dir(directory) -> None:
     """Note ``directory`` (``hydra.sweep.dir``, resolved) as this start's new sweep dir, unless it exists already,
     with the outermost of its parents that do not exist either (``outputs/multiruns`` of a first sweep)."""
     global _new_sweep_dir
-    path = Path(str(directory)).absolute()
+    # realpath, not absolute(): 'new/../kept/sweep' would take kept (which exists) for a dir made with it, as
+    # 'new' does not exist yet, and remove it where empty; symlinks and '..' resolved, the missing dirs are plain names
+    path = Path(os.path.realpath(str(directory)))
     missing = [p for p in (path, *path.parents) if not p.exists()]
     _new_sweep_dir = (path, missing[-1]) if missing else None
 

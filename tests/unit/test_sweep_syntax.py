@@ -3,6 +3,8 @@ it was Hydra's 16-line traceback ending in 'BasicSweeper does not support sweep 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -123,3 +125,19 @@ def test_a_sweep_whose_first_job_hydra_cannot_compose_leaves_no_sweep_dir(tmp_pa
     kept.mkdir()
     assert run_script("../train.py", [*args, f"hydra.sweep.dir={kept}"], tmp_path, capfd).returncode == 1
     assert [p.name for p in kept.iterdir()] == ["multirun.yaml"]  # Hydra's, written over: not this start's dir
+
+
+def test_a_sweep_of_nothing_through_dotdot_removes_no_dir_that_existed_before(tmp_path, monkeypatch):
+    """hydra.sweep.dir='new/../kept/sweep': 'new' did not exist, so every lexical parent up to it, kept among them,
+    was taken for a dir made with the sweep dir, and kept (existing, empty) was removed with it."""
+    from lit_dtrain._sweep_of_nothing import note_sweep_dir, remove_a_sweep_of_nothing
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    directory = "new/../kept/sweep"
+    note_sweep_dir(directory)
+    Path(directory).mkdir(parents=True)  # as Hydra's sweeper makes it (and 'new' with it)
+    (Path(directory) / "multirun.yaml").write_text("{}\n")
+    removed = remove_a_sweep_of_nothing()
+    assert (tmp_path / "kept").is_dir()  # existed before the start: left as it is
+    assert removed == tmp_path.resolve() / "kept" / "sweep" and not removed.exists()
