@@ -69,9 +69,13 @@ def hint_train_resume(callbacks: list[L.Callback], run_name=None) -> None:
 
 def stop_signal(trainer: L.Trainer) -> signal.Signals:
     """The signal that stopped the fit: the one ``PreemptionCheckpoint`` got (SIGINT for Ctrl-C, SIGHUP for a
-    closed terminal), else SIGTERM (Lightning's flag, or another rank's signal)."""
+    closed terminal), else the one :class:`SigtermRecorder` got after fit (a SIGHUP while last.ckpt was saved or in
+    the final validation was named SIGTERM, exit 143), else SIGTERM (Lightning's flag, or another rank's signal)."""
     for c in trainer.callbacks:
         if isinstance(c, PreemptionCheckpoint) and c.signum is not None:
+            return signal.Signals(c.signum)
+    for c in trainer.callbacks:
+        if isinstance(c, SigtermRecorder) and c.signalled:
             return signal.Signals(c.signum)
     return signal.SIGTERM
 

@@ -100,3 +100,17 @@ def test_ctrl_c_in_a_multirun_job_names_the_sweep_dir_to_resume(tmp_path, corpus
         assert interrupted_by_ctrl_c(cfg.paths.checkpoint_dir) == 130
     assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {sweep / '0' / 'checkpoints'}: a new start trains from "
             f"step 0; resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}") in caplog.text
+
+
+@pytest.mark.parametrize("fault", [["SignalAfterFit"], ["SignalInValidation", "+callbacks.fault.step=4"]])
+def test_a_closed_terminal_after_fit_or_in_the_final_validation_exits_129_naming_sighup(tiny_cfg, fault, caplog):
+    """SIGHUP after fit (while last.ckpt is saved) or in train()'s final validation, which SigtermRecorder records,
+    was named SIGTERM: 'stopped by SIGTERM after the last step (4) ...', exit status 143 where PreemptionCheckpoint
+    gives a SIGHUP in training 129."""
+    cfg = tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=4", f"+callbacks.fault._target_=tests.faults."
+                   f"{fault[0]}", *fault[1:], "+callbacks.fault.signal=SIGHUP")
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 129
+    assert "stopped by SIGHUP after the last step (4), whose last.ckpt is saved" in caplog.text
+    assert not (Path(cfg.paths.output_dir) / "summary.json").exists()
