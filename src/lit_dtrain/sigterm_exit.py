@@ -85,10 +85,14 @@ def stopped_by_sigterm(trainer: L.Trainer, saved_last: bool = False, run_name=No
     status 0): 143, or 128 + the signal for SIGINT and SIGHUP, which ``PreemptionCheckpoint`` handles alike. A
     preempted run has not finished: status 0 let ``train.py && next`` and SLURM's ``afterok`` go on as if it had,
     and a multirun stopped mid-sweep looked complete. Says whether a checkpoint was saved (``saved_last``: train()
-    saved the final ``last.ckpt``) and how to resume this run (``run_name``: train()'s, for :func:`train_resume_hint`
-    where no ``PreemptionCheckpoint`` holds the hint); without a checkpoint of the stop, which file of
-    ``ckpt_dir`` (train()'s ``paths.checkpoint_dir``) a resume continues from."""
+    saved the final ``last.ckpt``; never under ``fast_dev_run``, which saves none) and how to resume this run
+    (``run_name``: train()'s, for :func:`train_resume_hint` where no ``PreemptionCheckpoint`` holds the hint); without
+    a checkpoint of the stop, which file of ``ckpt_dir`` (train()'s ``paths.checkpoint_dir``) a resume continues
+    from."""
     name = stop_signal(trainer).name
+    if getattr(trainer, "fast_dev_run", False):  # train() saves no last.ckpt of a smoke test: the line said it did
+        saved_last = False
+        ckpt_dir = ckpt_dir or next((c.dirpath for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
     # with this run's names, as PreemptionCheckpoint's line: a multirun job's bare resume=auto is refused (it needs
     # hydra.sweep.dir), and a single run's starts a fresh run under a new default name
     hints = [c.resume_hint for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.resume_hint]

@@ -139,3 +139,20 @@ def test_a_sigterm_in_a_fast_dev_runs_sample_does_not_say_summary_json_is_writte
     assert stop.value.code == 143
     assert ("stopped by SIGTERM after this job finished (fast_dev_run: no summary.json): the sweep's later jobs do not "
             "start; resume with <hint> (its finished jobs run again)") in caplog.text
+
+
+@pytest.mark.parametrize("fault", [["SignalAfterFit"], ["SignalInValidation", "+callbacks.fault.step=1"]])
+def test_a_signal_after_a_fast_dev_runs_fit_does_not_say_last_ckpt_is_saved(tiny_cfg, fault, caplog):
+    """A fast_dev_run saves no last.ckpt: a SIGTERM after its fit (or in its final validation) said 'stopped by
+    SIGTERM after the last step (1), whose last.ckpt is saved: resume with ... to validate it and write summary.json'
+    of a run dir holding only train.log."""
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("+trainer.fast_dev_run=true", f"+callbacks.fault._target_=tests.faults.{fault[0]}", *fault[1:])
+    with pytest.raises(SystemExit) as stop:
+        train(cfg)
+    assert stop.value.code == 143 and not Path(cfg.paths.checkpoint_dir, "last.ckpt").exists()
+    said = ("stopped by SIGTERM at step 1 without a checkpoint (fast_dev_run: PreemptionCheckpoint saves none): "
+            f"{cfg.paths.checkpoint_dir} holds no resumable checkpoint: a resume has nothing to continue")
+    assert said in caplog.text
+    assert "last.ckpt is saved" not in caplog.text
