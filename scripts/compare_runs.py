@@ -219,6 +219,9 @@ def compare(
         error = job_error(run) if done is not True else None  # a finished run's log may hold an earlier attempt's
         if done is False and error:  # its train.log says why; its row says 'failed'
             print(f"compare_runs: run {str(run)!r} failed: {error}", file=sys.stderr)
+        elif done is False and (run / "summary.json").is_file() and summary_steps(run) is None:
+            print(f"compare_runs: run {str(run)!r}: its summary.json cannot be read (cut short or edited; train.py "
+                  "writes it whole at the run's end): its row is marked '(unfinished)'", file=sys.stderr)
         elif done is False:
             print(f"compare_runs: run {str(run)!r} did not finish (no summary.json, it logged past the steps "
                   "that reports, or it started again since): its row is marked '(unfinished)'", file=sys.stderr)

@@ -215,3 +215,15 @@ def test_a_run_whose_values_are_all_nan_keeps_its_steps(tmp_path):
     assert md[3] == "| b | 21 | nan | - | - |"
     assert md[4] == "| c | 21 | nan | 3.5000 (5) | - |"
     assert result["best"] == "a"
+
+
+def test_a_summary_json_cut_short_is_named_not_called_missing(tmp_path, capsys):
+    """A run dir whose summary.json is cut short (a copy cut off) was reported 'did not finish (no summary.json,
+    ...)', though the file is there; the line says it cannot be read."""
+    run = write_run(tmp_path / "a", {9: 3.5, 19: 3.2, 20: 3.2})
+    (run / "config_resolved.yaml").write_text("trainer: {max_steps: 20}\n")
+    (run / "summary.json").write_text(json.dumps({"val_loss": 3.2, "steps": 20})[:15])
+    assert compare_runs.main([str(run), "--out", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert f"run {str(run)!r}: its summary.json cannot be read (cut short or edited" in err
+    assert "no summary.json" not in err
