@@ -111,6 +111,8 @@ def unknown_group_option(overrides, config_name: str | None, hydra_overrides: li
         if o.is_delete() or isinstance(o.value(), Glob) or not (options(group) or loader.list_groups(group)):
             continue  # a config key, not a group (a glob picks among the group's options)
         for value in (o.sweep_iterator() if o.is_sweep_override() else [o.value()]):
+            if isinstance(value, dict):  # '++scheduler={warmup_steps:1}': Hydra sets the node's keys, picks no option
+                continue
             for name in (value if isinstance(value, list) else [value]):  # callbacks=[default,loss_spike]
                 if name is None:
                     continue

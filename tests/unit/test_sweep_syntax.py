@@ -73,9 +73,11 @@ def test_a_swept_group_option_that_does_not_exist_is_refused_naming_it(capsys):
             err = capsys.readouterr().err
             assert err.startswith(f"error: {line}: config group '{group}' has no option '{option}' (options: ")
             assert err.endswith("); nothing was run\n") and err.count("\n") == 1
-        # options that exist, keys that are no group, a glob and a deletion pass
+        # options that exist, keys that are no group, a glob and a deletion pass; so does a mapping given a group's
+        # node, which Hydra merges into it (its keys, no option): it was refused as "no option '{'warmup_steps': 1}'"
         fine = ["model=nano,small", "strategy=ddp,ddp_compressed/int8_rs", "callbacks=[default,loss_spike],none",
-                "optimizer.lr=1e-3,3e-3", "seed=range(1,3)", "experiment=glob(*)", "~sample"]
+                "optimizer.lr=1e-3,3e-3", "seed=range(1,3)", "experiment=glob(*)", "~sample",
+                "++scheduler={warmup_steps:1},{warmup_steps:2}", "+data={batch_size:2}"]
         SweepSyntaxCheck().on_multirun_start(config=multirun_config(fine, {"scheduler": "wsd,cosine"}),
                                              config_name="train")
     assert capsys.readouterr().err == ""
