@@ -76,11 +76,16 @@ def _in_its_mapping(override: str, key: str) -> bool:
     parent = _plus_key(override)
     if not override.startswith("+") or not key.startswith(parent + "."):
         return False
-    try:
-        value = OverridesParser.create().parse_override(override).value()
-    except HydraException:
+    try:  # a sweep's mappings, each a job's ('++scheduler={decay_fraction:0.1},{decay_fraction:0.2}' of a -m)
+        parsed = OverridesParser.create().parse_override(override)
+        values = list(parsed.sweep_iterator()) if parsed.is_sweep_override() else [parsed.value()]
+    except (HydraException, ValueError, TypeError):
         return False
-    for part in key[len(parent) + 1:].split("."):
+    return any(_holds(value, key[len(parent) + 1:].split(".")) for value in values)
+
+
+def _holds(value, parts: list[str]) -> bool:
+    for part in parts:
         if not isinstance(value, dict) or part not in value:
             return False
         value = value[part]

@@ -142,6 +142,14 @@ def test_a_swept_key_added_on_the_command_line_names_the_override_as_typed_after
         with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.1 is not an argument of cosine_scheduler; "
                                               r"remove '\+\+scheduler.decay_fraction=0.1,0.2' from the command line$"):
             check_config(cfg)
+    # swept mappings: it named the job's own '++scheduler={decay_fraction:0.1}', which the command line did not hold
+    sweep = ["scheduler=cosine", "++scheduler={decay_fraction:0.1},{decay_fraction:0.2}"]
+    job = ["scheduler=cosine", "++scheduler={decay_fraction:0.1}"]
+    with multirun_job(tmp_path / "mappings" / "0", sweep, job, corpus) as cfg:
+        with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.1 is not an argument of cosine_scheduler; "
+                                              r"remove decay_fraction from '\+\+scheduler=\{decay_fraction:0.1\},"
+                                              r"\{decay_fraction:0.2\}' on the command line$"):
+            check_config(cfg)
 
 
 def test_a_key_added_in_a_mapping_on_the_command_line_names_removing_it_from_that_mapping(tmp_path, corpus):
