@@ -225,7 +225,7 @@ def check_removed_keys(cfg: DictConfig) -> None:
     missing = [section for section in _SECTIONS if section not in cfg]
     for override in overrides:  # 'optimizer=[]' chose no option: it was told to drop --config-name
         group, _, value = override.partition("=")
-        if group.strip() in missing and value.strip() == "[]":
+        if group.strip() in missing and re.fullmatch(r"\[\s*\]", value.strip()):  # 'optimizer=[ ]' as well
             raise ConfigError(f"{override}: config group '{group.strip()}' takes the name of one of its options, not "
                               f"an empty list{_options_of(group.strip())}; {_SECTIONS[group.strip()]}")
     if missing:  # `--config-name experiment/wsd_vs_cosine`: a partial config as the primary one

@@ -115,11 +115,14 @@ def test_a_removed_path_is_refused_in_one_line(tmp_path, monkeypatch, removed):
 @pytest.mark.parametrize("override, fix", [("optimizer=[]", "(options: adamw, adamw8bit); choose an option instead "
                                                             "(optimizer=adamw)"),
                                            ("model=[]", "(options: llama_125m, nano, small); choose an option instead "
-                                                        "(model=nano)")])
+                                                        "(model=nano)"),
+                                           ("optimizer=[ ]", "(options: adamw, adamw8bit); choose an option instead "
+                                                             "(optimizer=adamw)")])
 def test_a_needed_group_given_an_empty_list_is_told_to_take_an_option(tmp_path, override, fix):
     """``optimizer=[]`` chooses no option, so the config has no optimizer: it was told "the config 'train' has no
     optimizer: it is not a whole config ...; apply an experiment with experiment=<name>, not --config-name", a
-    command line without --config-name. It gets the line of ``optimizer=null``."""
+    command line without --config-name. It gets the line of ``optimizer=null`` (so does ``optimizer=[ ]``, which
+    kept the old line)."""
     with hydra_job(tmp_path / "run", ["trainer.max_steps=2", override]) as cfg:
         with pytest.raises(ConfigError) as refused:
             train(cfg)
