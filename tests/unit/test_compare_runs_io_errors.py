@@ -20,6 +20,9 @@ from tests.unit._compare_runs_helpers import compare_runs, write_run
         (["--table", "{tmp}"], "--table '{tmp}' is a directory; give a file path"),
         # a dir without a suffix: plots/ was written as plots.png beside it (exit 0)
         (["--out", "{tmp}/"], "--out '{tmp}/' is a directory; give a file path"),
+        # a dir not made yet: Path drops the '/', so plots.png was written beside it, and --table a file 'tables'
+        (["--out", "{tmp}/plots/"], "--out '{tmp}/plots/' ends with a path separator, so it names a directory"),
+        (["--table", "{tmp}/tables/"], "--table '{tmp}/tables/' ends with a path separator, so it names a directory"),
     ],
 )
 def test_an_unwritable_out_or_table_is_named_before_the_runs_are_read(tmp_path, capsys, flags, message):

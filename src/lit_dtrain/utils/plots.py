@@ -14,12 +14,17 @@ class OutputPathError(ValueError):
 
 def output_path(path: str | os.PathLike, flag: str, image: bool = False) -> Path:
     """``path`` checked for writing, before the work that produces it: not a directory (as given, before ``.png``
-    is added, too), its parent a directory that exists or can be made and is writable. With ``image``, a path without
-    a suffix gets ``.png`` (matplotlib would append it itself, and the script would report a file it did not write)
-    and another suffix must be a format matplotlib writes. :class:`OutputPathError` naming ``flag`` otherwise."""
+    is added, too, nor a path ending with a separator), its parent a directory that exists or can be made and is
+    writable. With ``image``, a path without a suffix gets ``.png`` (matplotlib would append it itself, and the script
+    would report a file it did not write) and another suffix must be a format matplotlib writes.
+    :class:`OutputPathError` naming ``flag`` otherwise."""
     out = Path(path).expanduser()
     if out.is_dir():  # before the suffix: '--out plots/' wrote plots.png beside the dir, and said so
         raise OutputPathError(f"{flag} {str(path)!r} is a directory; give a file path")
+    if os.fspath(path).endswith(tuple(filter(None, ("/", os.sep, os.altsep)))):  # Path drops the trailing '/': a
+        # dir not made yet, '--out plots/', wrote plots.png (and '--table tables/' a file named tables), exit 0
+        raise OutputPathError(f"{flag} {str(path)!r} ends with a path separator, so it names a directory; give a "
+                              "file path")
     if image:
         if not out.suffix:
             out = out.with_name(out.name + ".png")
