@@ -192,7 +192,9 @@ def _quiet_tensorboard():
 def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
     """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order. A last line without
     its line end is a row cut short (the run killed while Lightning's CSVLogger appended or rewrote the file, a full
-    disk): it is left out with a warning; ``0,5,3.`` cut from ``0,5,3.9713`` was read as val/loss 3.0. A cell that is
+    disk): it is left out with a warning; ``0,5,3.`` cut from ``0,5,3.9713`` was read as val/loss 3.0. A file with no
+    whole line (empty, or cut in its header) holds no metrics, with a warning (it was "not a Lightning CSVLogger
+    metrics file; its columns are None", an error that stopped the whole comparison). A cell that is
     no number is :class:`RunDirError` naming the file, line and column (it was a ValueError traceback)."""
     with path.open(newline="", errors="replace") as f:
         text = f.read()
@@ -201,6 +203,9 @@ def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
         text = text[: len(text) - len(cut)]
         log.warning("%s: its last line %r has no line end (the run was killed while writing it?); left out", path,
                     cut[:80])
+    if not text:  # empty, or cut in its header: a run killed as its first rows were written has none to read
+        log.warning("%s has no whole line (the run was killed while writing it?); it holds no metrics", path)
+        return []
     reader = csv.DictReader(io.StringIO(text, newline=""))
     if "step" not in (reader.fieldnames or []):
         raise RunDirError(

@@ -171,3 +171,20 @@ def test_a_metrics_csv_cell_that_is_no_number_is_one_line_naming_it(tmp_path, ca
     assert compare_runs.main([str(run), "--out", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err
     assert f"{csv_file}, line " in err and "'3.9x'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kept", [b"", b"epoch,step,val/l"])
+def test_a_metrics_csv_cut_before_its_first_row_holds_no_metrics(tmp_path, capsys, kept):
+    """A metrics.csv empty or cut in its header (a run killed as its first rows were written) was 'has no 'step'
+    column, so it is not a Lightning CSVLogger metrics file; its columns are None', an error that stopped the
+    comparison of every run; that run now has no values (its row says so) and the other runs are compared."""
+    from tests.unit.test_compare_runs_failed_runs import write_csv_run
+
+    good = write_csv_run(tmp_path / "a", {9: 3.9099, 19: 3.4014})
+    cut = write_csv_run(tmp_path / "b", {9: 3.5})
+    (cut / "csv" / "metrics.csv").write_bytes(kept)
+    assert compare_runs.main([str(good), str(cut), "--out", str(tmp_path / "c.png")]) == 0
+    captured = capsys.readouterr()
+    runs = json.loads(captured.out.strip().splitlines()[-1])["runs"]
+    assert [(r["dir"], r["final"]) for r in runs] == [(str(good), pytest.approx(3.4014)), (str(cut), None)]
+    assert "not a Lightning CSVLogger metrics file" not in captured.err
