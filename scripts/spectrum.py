@@ -73,8 +73,8 @@ def trained_val_fraction(path: str, ckpt: dict) -> tuple[float | None, str]:
 
 def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | None:
     """``data`` of the checkpoint's run config ``<run>/<name>`` (``<run>/checkpoints/x.ckpt``), or None without one.
-    A run config that is not YAML (cut short, edited) is one line naming it: it was a YAMLError traceback, and left
-    out it would measure another corpus than the run's."""
+    A run config that is not YAML or not UTF-8 text (cut short, edited) is one line naming it: it was a YAMLError or
+    UnicodeDecodeError traceback, and left out it would measure another corpus than the run's."""
     config = Path(path).expanduser().resolve().parent.parent / name
     import yaml
 
@@ -82,16 +82,23 @@ def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | Non
         text = config.read_text()
     except OSError:  # no run dir: a copied-out checkpoint
         return None
+    except UnicodeDecodeError as e:  # binary, or another encoding: a traceback (it was skipped before YAML was checked)
+        unreadable_run_config(config, path, f"is not UTF-8 text (byte {e.start})")
     try:
         loaded = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        fail(f"the run config {str(config)!r} of checkpoint {path!r} is not valid YAML{where} (cut short or "
-             "edited?): spectrum.py reads the run's corpus and window length from it; repair it, or copy the "
-             "checkpoint out of its run dir and give the corpus with --files and the length with --block-size")
+        unreadable_run_config(config, path, f"is not valid YAML{where}")
     data = loaded.get("data") if isinstance(loaded, dict) else None
     return data if isinstance(data, dict) else None
+
+
+def unreadable_run_config(config: Path, path: str, what: str) -> None:
+    """Refuse the run config ``config`` of checkpoint ``path`` that ``what`` says cannot be read, in one line."""
+    fail(f"the run config {str(config)!r} of checkpoint {path!r} {what} (cut short or edited?): spectrum.py reads "
+         "the run's corpus and window length from it; repair it, or copy the checkpoint out of its run dir and give "
+         "the corpus with --files and the length with --block-size")
 
 
 def described(source: CorpusSource) -> str:

@@ -63,21 +63,27 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
 
 @pytest.mark.parametrize("config, message", [
     ("data: [1, 2\n", "is not valid YAML at line 2"),  # cut short
+    (b"data:\n  block_size: 8\n  name: caf\xe9\n", "is not UTF-8 text (byte 33)"),  # latin-1: a traceback
+    (b"\x7fELF\x02\x01\x01\x00\xf0\x9f", "is not UTF-8 text (byte 8)"),  # a binary file copied over it
     ("data:\n  sources:\n  - {name: t, kind: weird, paths: [x]}\n", "is not a corpus source"),  # edited
 ])
 def test_a_run_config_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, config, message):
-    """A run config cut short (not YAML) was a YAMLError traceback from the PyYAML parser, and a source of an
-    unknown kind a CorpusError traceback; each is one error line naming it, before any corpus is read."""
+    """A run config cut short (not YAML) was a YAMLError traceback from the PyYAML parser, one not UTF-8 a
+    UnicodeDecodeError traceback, and a source of an unknown kind a CorpusError traceback; each is one error line
+    naming it, before any corpus is read."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     model = build_llama(**CONFIG)
     ckpt = run / "checkpoints" / "last.ckpt"
     torch.save({"model_config": CONFIG, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "LMDataModule": {"val_fraction": 0.3}, "global_step": 1}, ckpt)
-    (run / "config_resolved.yaml").write_text(config)
+    write = (run / "config_resolved.yaml").write_bytes if isinstance(config, bytes) else \
+        (run / "config_resolved.yaml").write_text
+    write(config)
     with pytest.raises(SystemExit) as exit_info:
         spectrum_module().main([str(ckpt), "--out", str(tmp_path / "s.png"), "--cache-dir", str(tmp_path / "c")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
-    assert not (tmp_path / "c").exists() and (run / "config_resolved.yaml").read_text() == config  # nothing read
+    raw = config if isinstance(config, bytes) else config.encode()
+    assert not (tmp_path / "c").exists() and (run / "config_resolved.yaml").read_bytes() == raw  # nothing read
