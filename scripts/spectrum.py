@@ -73,8 +73,9 @@ def trained_val_fraction(path: str, ckpt: dict) -> tuple[float | None, str]:
 
 def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | None:
     """``data`` of the checkpoint's run config ``<run>/<name>`` (``<run>/checkpoints/x.ckpt``), or None without one.
-    A run config that is not YAML or not UTF-8 text (cut short, edited) is one line naming it: it was a YAMLError or
-    UnicodeDecodeError traceback, and left out it would measure another corpus than the run's."""
+    A run config that is not YAML, not UTF-8 text or not a mapping (cut short, edited) is one line naming it: it was
+    a YAMLError or UnicodeDecodeError traceback, or taken for no run config, and left out it would measure another
+    corpus than the run's."""
     config = Path(path).expanduser().resolve().parent.parent / name
     import yaml
 
@@ -85,12 +86,16 @@ def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | Non
     except UnicodeDecodeError as e:  # binary, or another encoding: a traceback (it was skipped before YAML was checked)
         unreadable_run_config(config, path, f"is not UTF-8 text (byte {e.start})")
     try:
-        loaded = yaml.safe_load(text) or {}
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         unreadable_run_config(config, path, f"is not valid YAML{where}")
-    data = loaded.get("data") if isinstance(loaded, dict) else None
+    if not isinstance(loaded, dict):  # empty or a list: it was taken for no run config ('no run config beside the
+        # checkpoint'), and the stdlib corpus was measured at the model's block_size, not the run's window length
+        unreadable_run_config(config, path, "is empty" if loaded is None else
+                              f"is a YAML {type(loaded).__name__}, not a mapping of config keys")
+    data = loaded.get("data")
     return data if isinstance(data, dict) else None
 
 

@@ -64,6 +64,8 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
 @pytest.mark.parametrize("config, message", [
     ("data: [1, 2\n", "is not valid YAML at line 2"),  # cut short
     (b"data:\n  block_size: 8\n  name: caf\xe9\n", "is not UTF-8 text (byte 33)"),  # latin-1: a traceback
+    ("", "is empty"),  # cut to nothing: taken for no run config, and measured at another window length
+    ("# comments only\n- a\n", "is a YAML list, not a mapping of config keys"),
     (b"\x7fELF\x02\x01\x01\x00\xf0\x9f", "is not UTF-8 text (byte 8)"),  # a binary file copied over it
     ("data:\n  sources:\n  - {name: t, kind: weird, paths: [x]}\n", "is not a corpus source"),  # edited
 ])
