@@ -61,6 +61,28 @@ def test_generate_names_the_first_tensor_that_does_not_fit_its_model_config(tmp_
         model_from_checkpoint(path)
 
 
+def test_a_model_config_edited_to_another_size_is_refused_before_the_model_is_allocated(tmp_path, monkeypatch):
+    """model_from_checkpoint (generate.py, spectrum.py) compared shapes with a model it had built in full: a
+    model_config edited to d_model=4096 and many layers took 69 s and 5.3 GB before the same refusal. The shapes are
+    now read off a model on the meta device; a real model is only built for weights that fit it."""
+    import lit_dtrain.models as models
+    from lit_dtrain.schedules.workflows import model_from_checkpoint
+
+    built = []
+    real_build = models.build_llama
+    monkeypatch.setattr(models, "build_llama", lambda **kw: built.append(real_build(**kw)) or built[-1])
+    config = dataclasses.asdict(build_llama(**SHAPE, d_model=16).config)
+    path = _checkpoint(tmp_path / "edited.ckpt", d_model=16, model_config={**config, "d_model": 64, "n_layer": 6})
+    with pytest.raises(CheckpointError, match=r"the weights do not match its model_config: 'tok_embeddings.weight'"):
+        model_from_checkpoint(path)
+    assert [next(m.parameters()).device.type for m in built] == ["meta"]
+    built.clear()
+    model, _ = model_from_checkpoint(_checkpoint(tmp_path / "fits.ckpt", d_model=16, model_config=config))
+    assert [next(m.parameters()).device.type for m in built] == ["meta", "cpu"] and model is built[-1]
+    assert torch.equal(model.tok_embeddings.weight, torch.load(tmp_path / "fits.ckpt")["state_dict"]
+                       ["model.tok_embeddings.weight"])
+
+
 def test_init_from_without_model_config_names_the_first_tensor_that_does_not_fit(tmp_path):
     """A checkpoint without model_config (nothing to compare the config with) of another width or depth."""
     model = build_llama(**SHAPE, d_model=16)
