@@ -1,6 +1,7 @@
 """The model-shape check of a checkpoint: ``model.*`` keys that give its weights another meaning.
 
-:class:`~lit_dtrain.module.LitLLM` runs it on a resume, ``init_from`` (:mod:`lit_dtrain.schedules.workflows`) on the
+``train()`` runs it first thing on a resume (:func:`check_the_resumed_model`), :class:`~lit_dtrain.module.LitLLM`
+again as it loads the checkpoint, ``init_from`` (:mod:`lit_dtrain.schedules.workflows`) on the
 weights it loads. Importable from :mod:`lit_dtrain.module` too.
 """
 
@@ -33,3 +34,21 @@ def check_model_config(checkpoint: dict, config, path=None) -> None:
         f"checkpoint{f' {str(path)!r}' if path else ''} does not fit the configured model: it holds a model with "
         f"{theirs}, this model has {ours}. model.* must be the shape of the run that wrote it: set {overrides}"
     )
+
+
+def check_the_resumed_model(model_cfg, ckpt_path) -> None:
+    """:func:`check_model_config` of a resume's checkpoint against ``model_cfg`` (``cfg.model``), built on the meta
+    device (no storage), before anything else reads the checkpoint: a checkpoint of model=small resumed with
+    model=nano gave the resume's LR warning ('its LR for step 2 is [0, 0] ... jumps up') before the model-mismatch
+    error, which is the only thing wrong."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lit_dtrain.checkpoint import safe_torch_load
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+    except Exception:  # a model that cannot be built without storage, or a bad config: the real build raises it
+        return
+    check_model_config(safe_torch_load(ckpt_path, mmap=True), getattr(model, "config", None), ckpt_path)

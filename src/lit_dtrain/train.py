@@ -28,16 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._compose_errors import choose_callback_first
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
+from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
-from lit_dtrain.checkpoint import (
-    AtomicCheckpointIO,
-    CheckpointError,
-    checkpoint_global_step,
-    misfit_message,
-)
+from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, misfit_message
 from lit_dtrain.config_checks import (
     check_config,
     check_known_keys,
@@ -259,6 +255,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
+        check_the_resumed_model(cfg.model, ckpt_path)  # a checkpoint of another model: that error alone, no LR warning
         fit_default_warmup(cfg, ckpt_path, start_step)
         warn_if_the_resume_moves_the_lr(cfg, ckpt_path, start_step)  # a branch's start warns itself, its restart not
     warn_if_the_schedule_ends_early(cfg, start_step)

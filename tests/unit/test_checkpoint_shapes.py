@@ -5,6 +5,7 @@ its own (48 lines for nano at another width), and the messages cut it at 600-800
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,23 @@ def test_resume_from_a_checkpoint_of_another_width_without_model_config_is_one_l
     assert message.startswith(f"checkpoint {str(path)!r} does not fit the configured model"), message
     assert "'model.tok_embeddings.weight' is [257, 64] in the checkpoint, [257, " in message, message
     assert "(set model.* to the shape of the run that wrote it)" in message, message
+
+
+def test_resume_from_a_checkpoint_of_another_model_says_that_alone(tiny_cfg, caplog):
+    """model=small's 2-step checkpoint resumed with model=nano warned 'its LR for step 2 is [0, 0] ... jumps up
+    without a re-warmup' (the resume's LR check read the file first) before the model-mismatch error, the one thing
+    wrong: the model is checked first, on the meta device, and the LR check never runs."""
+    from lit_dtrain.train import train
+
+    common = ("sample.max_new_tokens=0", "trainer.val_check_interval=2")
+    _, objs = train(tiny_cfg(*common, "trainer.max_steps=2", "model.d_model=64", run="wide"))
+    path = Path(objs["trainer"].default_root_dir) / "checkpoints" / "last.ckpt"
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(CheckpointError) as info:
+        train(tiny_cfg(*common, "trainer.max_steps=4", f"ckpt_path={path}", run="narrow"))
+    assert _one_line(str(info.value)).startswith(f"checkpoint {str(path)!r} does not fit the configured model: it "
+                                                 "holds a model with d_model=64"), info.value
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("lit_dtrain.schedules")]
 
 
 def test_a_checkpoint_of_this_shape_with_other_tensor_names_does_not_advise_model_overrides(tiny_cfg, tmp_path):
