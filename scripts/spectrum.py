@@ -114,9 +114,16 @@ def described(source: CorpusSource) -> str:
 
 
 def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
-    """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none."""
+    """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none. An
+    edited ``data.sources`` that is no list of mappings (``sources: 5``) is one line naming it: it was dropped and
+    the corpus line said 'no run config beside the checkpoint' over the stdlib corpus."""
     listed = (data or {}).get("sources") or []
-    sources = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
+    bad = [f"data.sources={listed!r}"] if not isinstance(listed, list) else [
+        f"data.sources.{i}={s!r}" for i, s in enumerate(listed) if not isinstance(s, dict)]
+    if bad:
+        fail(f"the run's config_resolved.yaml has {bad[0]}, not a list of sources (edited?): repair it, or give the "
+             "corpus with --files")
+    sources = listed
     if not sources:
         if name is not None:
             fail(f"--source {name}: the run's config_resolved.yaml lists no data.sources")

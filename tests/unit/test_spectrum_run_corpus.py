@@ -68,6 +68,8 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
     ("# comments only\n- a\n", "is a YAML list, not a mapping of config keys"),
     (b"\x7fELF\x02\x01\x01\x00\xf0\x9f", "is not UTF-8 text (byte 8)"),  # a binary file copied over it
     ("data:\n  sources:\n  - {name: t, kind: weird, paths: [x]}\n", "is not a corpus source"),  # edited
+    ("data:\n  sources: 5\n", "has data.sources=5, not a list of sources"),  # was: 'no run config beside ...'
+    ("data:\n  sources: [stdlib]\n", "has data.sources.0='stdlib', not a list of sources"),
 ])
 def test_a_run_config_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, config, message):
     """A run config cut short (not YAML) was a YAMLError traceback from the PyYAML parser, one not UTF-8 a
