@@ -193,6 +193,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             cls = _locate(node._target_)  # a function (token_throughput_monitor) is no class: nothing to check
         except Exception:  # an unimportable target: build_callbacks names it
             continue
+        _check_checkpointing_off(cfg, key, cls)
         _check_lr_monitor(key, node, cls)
         _check_accumulation_scheduler(key, node, cls)
         if "mode" not in node:
@@ -206,6 +207,19 @@ def check_lightning_choices(cfg: DictConfig) -> None:
                 f"callbacks.{key}.mode={node.mode!r} must be 'min' or 'max' (whether a lower or a "
                 f"higher {node.get('monitor') or 'monitored value'} is better)"
             )
+
+
+def _check_checkpointing_off(cfg: DictConfig, key: str, cls) -> None:
+    """``trainer.enable_checkpointing=false`` beside a ``ModelCheckpoint`` callback (the default's
+    ``callbacks.model_checkpoint``): Lightning's 'Trainer was configured with `enable_checkpointing=False` but found
+    `ModelCheckpoint` in callbacks list', naming neither key. Refused rather than honoured: train.py saves last.ckpt
+    at the end and on SIGTERM whatever the flag says, so dropping the callback is what the flag can mean here."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if cfg.trainer.get("enable_checkpointing") is False and isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
+        raise ConfigError(f"trainer.enable_checkpointing=false, but callbacks.{key} is a ModelCheckpoint, which "
+                          f"Lightning refuses beside it: for no checkpoints during training set callbacks.{key}=null "
+                          "instead (train.py still saves last.ckpt at the end, and on SIGTERM, for a resume)")
 
 
 def _check_lr_monitor(key: str, node: DictConfig, cls) -> None:

@@ -121,6 +121,10 @@ from lit_dtrain.train import ConfigError
         ("callbacks.lr_monitor.logging_interval=abc",
          r"callbacks.lr_monitor.logging_interval='abc' must be 'step' \(the LR of every logged step\), 'epoch' "),
         ("callbacks.lr_monitor.logging_interval=0", r"callbacks.lr_monitor.logging_interval=0 must be 'step'"),
+        # Lightning's 'found `ModelCheckpoint` in callbacks list', naming neither key nor fix
+        ("+trainer.enable_checkpointing=false",
+         r"^trainer.enable_checkpointing=false, but callbacks.model_checkpoint is a ModelCheckpoint, which Lightning "
+         r"refuses beside it: for no checkpoints during training set callbacks.model_checkpoint=null instead"),
         ("callbacks.model_checkpoint.mode=minimum",
          r"callbacks.model_checkpoint.mode='minimum' must be 'min' or 'max' \(whether a lower or a higher val/loss"),
         *([] if torch.cuda.is_available() else [  # Lightning's 'No supported gpu backend found!' in Hydra's wrapper
@@ -233,6 +237,11 @@ def test_bad_values_fail_before_compute(override, match, tiny_cfg):
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
         resolve_ckpt_path(cfg)
+
+
+def test_checkpointing_off_without_the_model_checkpoint_callback_passes(tiny_cfg):
+    """The fix the enable_checkpointing=false error names is a config the checks take."""
+    check_config(tiny_cfg("+trainer.enable_checkpointing=false", "callbacks.model_checkpoint=null"))
 
 
 @pytest.mark.parametrize(

@@ -229,7 +229,8 @@ NOT_CONFIG_KEYS = {
     "trainer.callback_metrics", "trainer.datamodule", "trainer.datamodule.sampler", "trainer.fit", "trainer.validate",
     "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop", "trainer.save_checkpoint",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
-    "trainer.overfit_batches",  # a Lightning argument the trainer config does not list: added with '+' (6o)
+    "trainer.overfit_batches", "trainer.enable_checkpointing",  # Lightning arguments the trainer config does not
+    # list: added with '+' (6o)
     "trainer.min_steps",  # a Lightning argument the trainer config does not list: added with '+' (6g)
     "trainer.min_epochs", "trainer.max_epochs", "trainer.limit_train_batches",  # the same (6g)
 }
