@@ -306,8 +306,25 @@ def stop_after_a_late_sigterm(signum: signal.Signals = signal.SIGTERM, smoke_tes
     if not in_multirun():
         log.warning("%s came after the run finished (%s): nothing was left to stop", name, written)
         return
+    if _the_sweeps_last_job():  # the sweep has finished: 143 and 'later jobs do not start' said otherwise
+        log.warning("%s came after the sweep's last job finished (%s): nothing was left to stop", name, written)
+        return
     again = "its finished jobs run again" if smoke_test else "its finished jobs are only validated again"
     log.warning("stopped by %s after this job finished (%s): the sweep's later jobs do not start; resume with %s "
                 "(%s)", name, written if smoke_test else f"its {written}", train_resume_hint(None), again)
     log.info("exiting with status %d (stopped by %s, not finished)", 128 + signum, name)
     raise SystemExit(128 + signum)
+
+
+def _the_sweeps_last_job() -> bool:
+    """Whether this multirun job is its sweep's last (Hydra's basic sweeper and launcher, one job after another:
+    :func:`~lit_dtrain.sweep_grid.sweep_job_count`); False where that is not known."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from lit_dtrain.sweep_grid import sweep_job_count
+
+    if not HydraConfig.initialized():
+        return False
+    hc = HydraConfig.get()
+    jobs = sweep_job_count(hc)
+    return jobs is not None and hc.job.get("num") == jobs - 1

@@ -42,6 +42,28 @@ def sweep_task(hc) -> list[str]:
     return unresolved(OmegaConf.load(multirun).hydra.overrides.task) if multirun is not None else []
 
 
+def sweep_job_count(hc) -> int | None:
+    """How many jobs this multirun runs, where Hydra's basic sweeper and launcher run them one after another: the
+    product of its swept keys' value counts (an experiment's grid, then the command line's, whose value of a key
+    replaces the grid's), from this start's ``multirun.yaml``; None for another sweeper or launcher (a sampling
+    sweeper, a parallel launcher: no job is known to be the last), or where the sweep cannot be read."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    basic = [str(OmegaConf.select(hc, f"{node}._target_", default="")).endswith(f".Basic{node.title()}")
+             for node in ("sweeper", "launcher")]
+    if not all(basic) or _multirun_file(hc) is None:
+        return None
+    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    try:  # the parser given the loader lists a glob's options
+        lines = grid_lines(hc.sweeper) + sweep_task(hc)
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(lines)
+        axes = {o.key_or_group: len(list(o.sweep_iterator())) for o in overrides if o.is_discrete_sweep()}
+    except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
+        return None
+    return math.prod(axes.values())
+
+
 def unresolved(lines) -> list[str]:
     """A list of override lines from a Hydra config (``hydra.overrides.task``) as typed: reading its entries resolved
     ``paths.checkpoint_dir=/x/${run_name}`` to the multirun's own ``run_name`` (and ``${hydra:job.num}`` to the

@@ -138,3 +138,19 @@ def test_a_sigterm_in_a_jobs_end_of_run_sample_stops_the_sweep_after_that_job(tm
     assert not (sweep / "1").exists(), sorted(p.name for p in sweep.iterdir())
     assert (f"stopped by {name} after this job finished (its summary.json is written): the sweep's later jobs do not "
             f"start; resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}") in out, out[-3000:]
+
+
+def test_a_sigterm_in_the_last_jobs_end_of_run_sample_ends_the_finished_sweep_with_status_0(tmp_path, corpus):
+    """SIGTERM in the end-of-run sample of a sweep's last job exited 143 saying 'the sweep's later jobs do not start;
+    resume with ...', though none were left: every job had finished and written its summary.json. The basic
+    sweeper's job count (from multirun.yaml) tells the last job: it ends as a single run does, status 0 and a line."""
+    args = ["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+            "+callbacks.fault._target_=lightning.pytorch.callbacks.Callback,tests.faults.SignalInSample"]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "multiruns").iterdir()
+    assert [json.loads((sweep / j / "summary.json").read_text())["steps"] for j in "01"] == [6, 6]
+    assert ("SIGTERM came after the sweep's last job finished (summary.json is written): nothing was left to stop"
+            in out and "later jobs do not start" not in out), out[-3000:]

@@ -10,7 +10,7 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
-from lit_dtrain.sweep_grid import warn_if_the_grid_repeats_a_point
+from lit_dtrain.sweep_grid import sweep_job_count, warn_if_the_grid_repeats_a_point
 from lit_dtrain.sweeps import check_resumed_job
 from lit_dtrain.train import ConfigError
 from tests.unit._sweep_helpers import multirun_job
@@ -61,3 +61,20 @@ def test_an_override_with_a_relative_interpolation_passes_the_sweep_checks(tmp_p
     with multirun_job(tmp_path / "sweep" / "0", job, job, corpus, mode=run_mode) as cfg:
         sweep_checks(cfg)
         assert cfg.data.val_batch_size == cfg.data.batch_size
+
+
+def test_the_sweeps_job_count_is_the_product_of_its_swept_values(tmp_path, corpus):
+    """The job count that tells a sweep's last job (a SIGTERM in its end-of-run sample said 'the sweep's later jobs do
+    not start', with none left): the basic sweeper's grid, the command line's value of a key replacing an
+    experiment's; unknown (None) under a launcher that runs jobs side by side."""
+    sweep = ["optimizer.lr=1e-3,3e-3", "scheduler=wsd,cosine", "data.batch_size=range(2,8,2)", "seed=3"]
+    job = ["optimizer.lr=3e-3", "scheduler=cosine", "data.batch_size=6", "seed=3"]
+    with multirun_job(tmp_path / "sweep" / "11", sweep, job, corpus):
+        hydra = HydraConfig.get()
+        assert sweep_job_count(hydra) == 12
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):
+            hydra.sweeper.params = {"data.batch_size": "4,8", "data.seed": "1,2,3"}
+            assert sweep_job_count(hydra) == 36  # batch_size: the command line's 3 values; data.seed: 3 more
+            hydra.launcher._target_ = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+            assert sweep_job_count(hydra) is None
