@@ -8,7 +8,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lit_dtrain.schedules.workflows import _given_overrides
+from lit_dtrain.schedules.workflows import RELATIVE, _given_overrides
 from tests.conftest import CONF_DIR, in_hydra_job
 
 
@@ -20,5 +20,6 @@ def test_the_given_overrides_read_a_relative_interpolation_and_resolve_the_other
         full.hydra.overrides.task = overrides
     with in_hydra_job(full):
         given = _given_overrides()
-    # the relative one is not judged; an interpolation elsewhere is the value it gives; a deletion is left out
-    assert given == {"trainer.max_steps": 8}
+    # the relative one is marked for the config to resolve (decay_branch reads it there); an interpolation elsewhere
+    # is the value it gives; a deletion is left out
+    assert given == {"data.val_batch_size": RELATIVE, "trainer.max_steps": 8}
