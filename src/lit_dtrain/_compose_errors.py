@@ -228,25 +228,38 @@ def _option_adding(name: str) -> tuple[str, str] | None:
     called no option while its option was listed): read in this run's file config sources (Hydra's runtime config),
     as the options' nodes are put in ``callbacks`` (a file with another ``# @package`` is skipped); None outside
     Hydra or where no file adds it."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    if not HydraConfig.initialized():
-        return None
-    for source in HydraConfig.get().runtime.config_sources:
-        for path in sorted(Path(source.path, "callbacks").glob("*.yaml")) if source.schema == "file" else ():
-            try:
-                text = path.read_text()
-                node = OmegaConf.create(text)
-            except Exception:  # noqa: BLE001 - unreadable here: Hydra names it if the option is chosen
-                continue
-            header = re.match(r"(?:\s*#.*\n|\s*\n)*", text).group(0)  # the leading comments, where Hydra reads it
-            package = re.search(r"#\s*@package\s+(\S+)", header)
-            if package is not None and package.group(1) not in ("_group_", "callbacks"):
-                continue
-            if isinstance(node, DictConfig) and name in node:
+    for config_dir in file_config_dirs():
+        for path in sorted(Path(config_dir, "callbacks").glob("*.yaml")):
+            node, package = read_config_file(path)
+            if package in (None, "_group_", "callbacks") and isinstance(node, DictConfig) and name in node:
                 return path.stem, str(path)
     return None
+
+
+def file_config_dirs() -> list[str]:
+    """The dirs of this run's file config sources (Hydra's runtime ``config_sources``: the app's conf and any
+    ``hydra.searchpath`` dir), in Hydra's order; [] outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [source.path for source in HydraConfig.get().runtime.config_sources if source.schema == "file"]
+
+
+def read_config_file(path: Path) -> tuple[object, str | None]:
+    """``(node, package)`` of a config file: its content, and the ``# @package`` its leading comments give, where
+    Hydra reads it (None when they give none); ``(None, None)`` where it cannot be read (Hydra names it if used)."""
+    from omegaconf import OmegaConf
+
+    try:
+        text = path.read_text()
+        node = OmegaConf.create(text)
+    except Exception:  # noqa: BLE001 - unreadable or not YAML here
+        return None, None
+    package = re.search(r"#\s*@package\s+(\S+)", re.match(r"(?:\s*#.*\n|\s*\n)*", text).group(0))
+    return node, package.group(1) if package else None
 
 
 def callback_options(config_dir: str | None = None) -> list[str] | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain._compose_errors import file_config_dirs, group_options_in, read_config_file
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.sweep_grid import sweep_task, unresolved
 
@@ -100,16 +101,12 @@ def _experiment_setting(key: str) -> str | None:
 
     if not HydraConfig.initialized() or not (name := HydraConfig.get().runtime.choices.get("experiment")):
         return None
-    for source in HydraConfig.get().runtime.config_sources:
-        path = Path(source.path, "experiment", f"{name}.yaml")
-        if source.schema != "file" or not path.is_file():
+    for config_dir in file_config_dirs():
+        path = Path(config_dir, "experiment", f"{name}.yaml")
+        if not path.is_file():
             continue
-        try:
-            text = path.read_text()
-            node = OmegaConf.create(text)
-        except Exception:  # noqa: BLE001 - unreadable here: its run would have failed in Hydra
-            return None
-        if re.match(r"\s*#\s*@package\s+_global_\b", text) and OmegaConf.select(node, key, default=None) is not None:
+        node, package = read_config_file(path)
+        if node is not None and package == "_global_" and OmegaConf.select(node, key, default=None) is not None:
             return f"experiment={name}"
         return None
     return None
@@ -236,12 +233,7 @@ def check_removed_keys(cfg: DictConfig) -> None:
 
 
 def _options_of(group: str) -> str:
-    """`` (options: adamw, adamw8bit)`` for config group ``group``: the ``<group>/*.yaml`` files of this run's config
-    dirs (Hydra's runtime ``config_sources`` on disk: the app's and a searchpath's), or '' where none is listed."""
-    from pathlib import Path
-
-    from hydra.core.hydra_config import HydraConfig
-
-    options = {p.stem for source in HydraConfig.get().runtime.config_sources if source.schema == "file"
-               for p in Path(source.path, group).glob("*.yaml")}
+    """`` (options: adamw, adamw8bit)`` for config group ``group``: its options in this run's config dirs (the app's
+    and a searchpath's), or '' where none is listed."""
+    options = {option for config_dir in file_config_dirs() for option in group_options_in(config_dir, group)}
     return f" (options: {', '.join(sorted(options))})" if options else ""
