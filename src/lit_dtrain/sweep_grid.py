@@ -44,24 +44,30 @@ def sweep_task(hc) -> list[str]:
 
 def sweep_job_count(hc) -> int | None:
     """How many jobs this multirun runs, where Hydra's basic sweeper and launcher run them one after another: the
-    product of its swept keys' value counts (an experiment's grid, then the command line's, whose value of a key
-    replaces the grid's), from this start's ``multirun.yaml``; None for another sweeper or launcher (a sampling
-    sweeper, a parallel launcher: no job is known to be the last), or where the sweep cannot be read."""
+    sweeper's own count (its ``split_arguments``) of the grid it expanded (``multirun.yaml``'s
+    ``hydra.sweeper.params``, else this job's) and the command line's overrides, from this start's ``multirun.yaml``;
+    None for another sweeper or launcher (a sampling sweeper, a parallel launcher: no job is known to be the last),
+    or where the sweep cannot be read. Counted by hand (swept keys only, by key without its prefix), a single value
+    on the command line did not replace the grid's key (``-m experiment=wsd_vs_cosine scheduler=wsd
+    optimizer.lr=1e-3``, 1 job, counted 6) and ``++optimizer.lr=3e-3,4e-3`` replaced ``optimizer.lr=1e-3,2e-3``
+    (4 jobs, counted 2: job 1's SIGTERM was taken for one after the last job, and jobs 2 and 3 ran on)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     basic = [str(OmegaConf.select(hc, f"{node}._target_", default="")).endswith(f".Basic{node.title()}")
              for node in ("sweeper", "launcher")]
-    if not all(basic) or _multirun_file(hc) is None:
+    multirun = _multirun_file(hc)
+    if not all(basic) or multirun is None:
         return None
     loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
     try:  # the parser given the loader lists a glob's options
-        lines = grid_lines(hc.sweeper) + sweep_task(hc)
+        swept = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")  # the grid the sweeper expanded
+        lines = grid_lines(swept if swept is not None else hc.sweeper) + sweep_task(hc)
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(lines)
-        axes = {o.key_or_group: len(list(o.sweep_iterator())) for o in overrides if o.is_discrete_sweep()}
+        return len(BasicSweeper.split_arguments(overrides, None)[0])
     except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
         return None
-    return math.prod(axes.values())
 
 
 def unresolved(lines) -> list[str]:

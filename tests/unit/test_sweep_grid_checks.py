@@ -78,3 +78,26 @@ def test_the_sweeps_job_count_is_the_product_of_its_swept_values(tmp_path, corpu
             assert sweep_job_count(hydra) == 36  # batch_size: the command line's 3 values; data.seed: 3 more
             hydra.launcher._target_ = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
             assert sweep_job_count(hydra) is None
+
+
+def test_the_sweeps_job_count_is_the_basic_sweepers_own(tmp_path, corpus):
+    """The last job was told by swept keys counted by hand: '++optimizer.lr=3e-3,4e-3' replaced
+    'optimizer.lr=1e-3,2e-3' (Hydra runs 4 jobs, counted 2: job 1 took a SIGTERM in its sample for one after the last
+    job, exit 0, and jobs 2 and 3 ran on), and a single value on the command line did not replace an experiment's
+    swept key ('-m experiment=wsd_vs_cosine scheduler=wsd optimizer.lr=1e-3': 1 job, counted 6, so its SIGTERM said
+    'the sweep's later jobs do not start', exit 143). The grid is the one the sweeper expanded (multirun.yaml's)."""
+    sweep = ["optimizer.lr=1e-3,2e-3", "++optimizer.lr=3e-3,4e-3"]
+    with multirun_job(tmp_path / "sweep" / "1", sweep, ["optimizer.lr=1e-3", "++optimizer.lr=4e-3"], corpus):
+        hydra = HydraConfig.get()
+        assert sweep_job_count(hydra) == 4
+        multirun = tmp_path / "sweep" / "multirun.yaml"
+        grid = {"scheduler": "wsd,cosine", "optimizer.lr": "1e-3,3e-3,1e-2"}  # experiment=wsd_vs_cosine's
+        task = ["experiment=wsd_vs_cosine", "scheduler=wsd", "optimizer.lr=1e-3"]
+        OmegaConf.save({"hydra": {"overrides": {"task": task}, "sweeper": {"params": grid}}}, multirun)
+        assert sweep_job_count(hydra) == 1
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):  # a swept experiment: the job's config has its grid, which the sweeper never saw
+            hydra.sweeper.params = grid
+        task = ["experiment=cpt_replay,wsd_vs_cosine"]
+        OmegaConf.save({"hydra": {"overrides": {"task": task}, "sweeper": {"params": None}}}, multirun)
+        assert sweep_job_count(hydra) == 2
