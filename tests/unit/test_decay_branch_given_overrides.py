@@ -8,7 +8,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lit_dtrain.schedules.workflows import RELATIVE, _given_overrides
+from lit_dtrain.schedules._branch_overrides import RELATIVE, _given_overrides
 from tests.conftest import CONF_DIR, in_hydra_job
 
 
@@ -23,3 +23,31 @@ def test_the_given_overrides_read_a_relative_interpolation_and_resolve_the_other
     # the relative one is marked for the config to resolve (decay_branch reads it there); an interpolation elsewhere
     # is the value it gives; a deletion is left out
     assert given == {"data.val_batch_size": RELATIVE, "trainer.max_steps": 8}
+
+
+def test_only_a_key_the_branch_sets_is_read_in_the_config():
+    """Every relative override was resolved in the config: 'sample.top_k=${.nope}' (no key the branch sets) failed
+    decay_branch with a 20-line InterpolationKeyError traceback, where the same command without the branch is one
+    line, 'error: Interpolation key 'nope' not found'. Only a key the branch sets is read now; one that cannot be
+    resolved is refused as typed."""
+    import pytest
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
+
+    for bad, refused in (("sample.top_k=${.nope}", None), ("scheduler.decay_steps=${.nope}", "${.nope}"),
+                         ("scheduler.decay_steps=${.warmup_steps}", "1")):
+        overrides = ["scheduler.warmup_steps=1", bad]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        with open_dict(full):
+            full.hydra.overrides.task = overrides
+        with in_hydra_job(full) as cfg:
+            if refused is None:
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+                continue
+            with pytest.raises(ConfigError) as e:
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+        assert str(e.value) == (f"decay_branch sets scheduler.decay_steps=3 (decay_branch.steps), but "
+                                f"scheduler.decay_steps={refused} is given; drop scheduler.decay_steps (decay_branch."
+                                "steps is the decay's length)")

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lit_dtrain.checkpoint import CheckpointError, checkpoint_files, checkpoint_global_step, not_a_file_reason
 from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
 from lit_dtrain.schedules._checkpoint_weights import (  # init_from and the scripts' model loading
     check_init_from,
     checkpoint_weights,
@@ -292,7 +293,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     except CheckpointError as e:  # damaged (a member fails its CRC-32 check), truncated, foreign
         raise ConfigError(f"decay_branch.ckpt: {e}") from e
     total = start + steps
-    _refuse_given_branch_keys(cfg, nodes, start, steps)
+    refuse_given_branch_keys(cfg, nodes, start, steps)
     with open_dict(cfg):  # first: the default warmup_steps (${lit.warmup:${trainer.max_steps}}) follows it
         cfg.trainer.max_steps = total
     fit_default_warmup(cfg, src, start)  # a long decay's default warmup past a stable S: any warmup <= S is the same
@@ -352,48 +353,3 @@ def log_the_branchs_last_step(cfg: DictConfig, start: int, steps: int) -> None:
     log_once(log, logging.INFO, "decay_branch: none of its %s (%d..%d) is one that trainer.log_every_n_steps=%d logs; "
              "it logs every %s instead, to its last", counted(steps, "step"), start, total - 1, every,
              counted(d, "step") if d > 1 else "step")
-
-
-RELATIVE = object()  # an override's value relative to its node, which only the config resolves
-
-def _given_overrides() -> dict[str, object]:
-    """``{key: value}`` of the command line's overrides (Hydra's task overrides; deletions left out), ``{}`` when
-    Hydra did not start this process (``train(cfg)`` called with a composed config)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from lit_dtrain.sweep_grid import unresolved
-
-    if not HydraConfig.initialized():
-        return {}
-    task, parser, given = HydraConfig.get().overrides.task, OverridesParser.create(), {}  # (values RELATIVE too)
-    # as typed, each interpolation resolved alone: resolving the whole list, 'data.val_batch_size=${.batch_size}'
-    # (relative to data: valid) raised 'Index 'batch_size' (str) is not an int' inside Hydra's list, in a traceback
-    for i, o in enumerate(parser.parse_overrides(unresolved(task))):
-        value = o.value()
-        if isinstance(value, str) and "${" in value:  # trainer.max_steps=${oc.env:STEPS}: the value it gives
-            try:
-                value = parser.parse_override(str(task[i])).value()
-            except Exception:  # noqa: BLE001 - relative to its node ('${.warmup_steps}'): read in the config
-                value = RELATIVE
-        if not o.is_delete():
-            given[o.key_or_group] = value
-    return given
-
-
-def _refuse_given_branch_keys(cfg: DictConfig, nodes: list[tuple[str, DictConfig]], start: int, steps: int) -> None:
-    """``ConfigError`` for a key the branch sets (``trainer.max_steps = S + N``; ``total_steps``, ``decay_steps = N``,
-    ``decay_fraction = null``) given on the command line with another value (a relative one, ``${.warmup_steps}``,
-    read in ``cfg``): it was replaced without a word (``trainer.max_steps=20 decay_branch.steps=4`` from step 6)."""
-    given = {k: OmegaConf.select(cfg, k) if v is RELATIVE else v for k, v in _given_overrides().items()}
-    sets = {"trainer.max_steps": (start + steps, f"the checkpoint's step {start} + decay_branch.steps={steps}")}
-    for key in dict.fromkeys([k for k, _ in nodes] + ["scheduler"]):  # the callback reads scheduler.<key> too
-        sets[f"{key}.total_steps"] = (start + steps, f"the checkpoint's step {start} + decay_branch.steps={steps}")
-        sets[f"{key}.decay_steps"] = (steps, "decay_branch.steps")
-        sets[f"{key}.decay_fraction"] = (None, "the branch decays over decay_branch.steps")
-    for key, (value, why) in sets.items():
-        if key in given and given[key] != value:
-            raise ConfigError(
-                f"decay_branch sets {key}={'null' if value is None else value} ({why}), but {key}={given[key]} is "
-                f"given; drop {key} (decay_branch.steps is the decay's length)"
-            )
