@@ -249,8 +249,10 @@ def file_config_dirs() -> list[str]:
 
 
 def read_config_file(path: Path) -> tuple[object, str | None]:
-    """``(node, package)`` of a config file: its content, and the ``# @package`` its leading comments give, where
-    Hydra reads it (None when they give none); ``(None, None)`` where it cannot be read (Hydra names it if used)."""
+    """``(node, package)`` of a config file: its content, and the ``# @package`` of its header, where Hydra reads it
+    (None when it gives none); ``(None, None)`` where it cannot be read (Hydra names it if used). Hydra's header is
+    the leading ``# @...`` lines and blank lines, up to the first other line: a ``# @package`` below a plain comment
+    is no header (Hydra puts the file's node in its group), and was read as one here."""
     from omegaconf import OmegaConf
 
     try:
@@ -258,7 +260,8 @@ def read_config_file(path: Path) -> tuple[object, str | None]:
         node = OmegaConf.create(text)
     except Exception:  # noqa: BLE001 - unreadable or not YAML here
         return None, None
-    package = re.search(r"#\s*@package\s+(\S+)", re.match(r"(?:\s*#.*\n|\s*\n)*", text).group(0))
+    header = re.match(r"(?:[ \t]*#[ \t]*@[^\n]*\n|[ \t]*\n)*", text).group(0)  # Hydra's _get_header_dict
+    package = re.search(r"#\s*@package\s+(\S+)", header)
     return node, package.group(1) if package else None
 
 

@@ -258,3 +258,22 @@ def test_a_searchpath_callbacks_option_whose_node_is_named_otherwise_is_named_as
 
     resolved = OmegaConf.load(tmp_path / "outputs" / "runs" / "early" / "config_resolved.yaml")
     assert resolved.callbacks.early_stopping.patience == 5
+
+
+@pytest.mark.parametrize("text, package", [
+    ("# @package _global_\n# an experiment\nx: 1\n", "_global_"),
+    ("\n# @package callbacks\nx: 1\n", "callbacks"),
+    ("# an early stop of my own\n# @package _global_\nx: 1\n", None),  # below a plain comment: Hydra reads no header
+    ("x: 1\n# @package _global_\n", None),
+])
+def test_a_config_files_package_is_read_from_hydras_header_alone(tmp_path, text, package):
+    """'# @package _global_' below a plain comment was read as the file's package, where Hydra stops its header at
+    the first line that is no '# @...' line and puts the node in its group: callbacks/early.yaml of a searchpath dir
+    so written (its node early_stopping, which 'callbacks=[default,early]' adds) was skipped, and
+    '+callbacks.early_stopping.patience=5' was told "conf/callbacks has no option 'early_stopping'"."""
+    from hydra.plugins.config_source import ConfigSource
+
+    from lit_dtrain._compose_errors import read_config_file
+
+    (tmp_path / "c.yaml").write_text(text)
+    assert read_config_file(tmp_path / "c.yaml")[1] == package == ConfigSource._get_header_dict(text)["package"]
