@@ -96,7 +96,9 @@ def run_data_config(path: str, name: str = "config_resolved.yaml") -> dict | Non
         unreadable_run_config(config, path, "is empty" if loaded is None else
                               f"is a YAML {type(loaded).__name__}, not a mapping of config keys")
     data = loaded.get("data")
-    return data if isinstance(data, dict) else None
+    if data is not None and not isinstance(data, dict):  # 'data: 5' was taken for no run config, as 'sources: 5' was
+        unreadable_run_config(config, path, f"has data={data!r}, not a mapping of data keys")
+    return data
 
 
 def unreadable_run_config(config: Path, path: str, what: str) -> None:
@@ -117,7 +119,8 @@ def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none. An
     edited ``data.sources`` that is no list of mappings (``sources: 5``) is one line naming it: it was dropped and
     the corpus line said 'no run config beside the checkpoint' over the stdlib corpus."""
-    listed = (data or {}).get("sources") or []
+    listed = (data or {}).get("sources")
+    listed = [] if listed is None else listed  # 'sources: 0' or '{}' was read as none listed: no run config, it said
     bad = [f"data.sources={listed!r}"] if not isinstance(listed, list) else [
         f"data.sources.{i}={s!r}" for i, s in enumerate(listed) if not isinstance(s, dict)]
     if bad:
