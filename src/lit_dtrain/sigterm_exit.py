@@ -24,6 +24,7 @@ from lit_dtrain.callbacks.preemption import STOP_SIGNALS, PreemptionCheckpoint, 
 from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
 from lit_dtrain.utils.distributed import all_gather_stacked
+from lit_dtrain.utils.launcher_watch import kill_launched_ranks
 from lit_dtrain.utils.rank_zero import log_once, rank_labelled
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
@@ -250,6 +251,7 @@ class SigtermRecorder(L.Callback):
         self.signum = signal.SIGTERM  # the first signal recorded (SIGHUP: a closed terminal)
         self.interrupted = False  # Lightning caught a KeyboardInterrupt (see keyboard_interrupt_kept)
         self.smoke_test = False  # a fast_dev_run: no summary.json, no checkpoint (see stop_after_a_late_sigterm)
+        self.world_size = 1  # the run's, for the labelled exit line of each rank (see agree_on_a_late_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
         if not self.signalled:
@@ -261,6 +263,7 @@ class SigtermRecorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.smoke_test = bool(trainer.fast_dev_run)
+        self.world_size = trainer.world_size
         handlers = getattr(trainer._signal_connector, "_original_handlers", None)  # what its teardown puts back
         if threading.current_thread() is threading.main_thread() and handlers and signal.SIGTERM in handlers:
             handlers[signal.SIGTERM] = self._on_sigterm
@@ -288,10 +291,37 @@ def sigterm_handler_kept():
             if handler is not None:
                 signal.signal(s, handler)
     if isinstance(recorder, SigtermRecorder) and recorder.signalled:  # a run that returned: none acted on it
-        stop_after_a_late_sigterm(recorder.signum, smoke_test=recorder.smoke_test)
+        stop_after_a_late_sigterm(recorder.signum, smoke_test=recorder.smoke_test, world_size=recorder.world_size)
 
 
-def stop_after_a_late_sigterm(signum: signal.Signals = signal.SIGTERM, smoke_test: bool = False) -> None:
+def agree_on_a_late_sigterm(trainer: L.Trainer) -> None:
+    """In a job of a multirun with several ranks, after rank 0's end-of-run sample and report: the ranks agree on a
+    SIGTERM (or SIGHUP) that :class:`SigtermRecorder` recorded since :func:`sigterm_after_the_last_step`, so that
+    every rank stops before the next job (:func:`stop_after_a_late_sigterm`), not rank 0 alone. Only rank 0 draws the
+    sample, so only it got the signal there: rank 1 went on to the next job, made its dir, and failed in its first
+    collective, its ``error: rank 1: a collective failed at step 0 ... Another rank probably died or hung`` the
+    sweep's last line, under rank 0's 143 (a 3-job gloo sweep). Rank 1 waits here for rank 0's sample, as it waited
+    in the next job's first collective (the jobs run in lockstep). Rank 0 then takes the ranks Lightning's launcher
+    started off its observer's list (one that exits with 143 would get rank 0 SIGKILLed) and waits for them to end, up
+    to 5 s, so that the sweep's process ends after its ranks."""
+    from lit_dtrain.sweeps import in_multirun
+
+    recorder = next((c for c in trainer.callbacks if isinstance(c, SigtermRecorder)), None)
+    if recorder is None or trainer.world_size == 1 or not in_multirun() or _the_sweeps_last_job():
+        return  # a single run or the last job: each rank ends by itself (rank 0's line says the signal came)
+    mine = torch.tensor(int(recorder.signum) if recorder.signalled else 0, device=trainer.strategy.root_device)
+    agreed = int(all_gather_stacked(mine).max())
+    if not agreed:
+        return
+    if not recorder.signalled:
+        recorder.signalled, recorder.signum = True, signal.Signals(agreed)
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if trainer.is_global_zero and launcher is not None and hasattr(launcher, "kill"):
+        kill_launched_ranks(launcher, grace_s=5.0)  # each exits 143 itself; its interpreter's teardown took 2-4 s here
+
+
+def stop_after_a_late_sigterm(signum: signal.Signals = signal.SIGTERM, smoke_test: bool = False,
+                              world_size: int = 1) -> None:
     """A SIGTERM that came to a finished run after :func:`sigterm_after_the_last_step` (in the end-of-run sample or
     report, where :class:`SigtermRecorder` only records it): in a job of a multirun, ``SystemExit`` 143, so that the
     process stops before Hydra starts the next job; nothing read the record, and the signal was lost (a sweep sent
@@ -310,9 +340,9 @@ def stop_after_a_late_sigterm(signum: signal.Signals = signal.SIGTERM, smoke_tes
         log.warning("%s came after the sweep's last job finished (%s): nothing was left to stop", name, written)
         return
     again = "its finished jobs run again" if smoke_test else "its finished jobs are only validated again"
-    log.warning("stopped by %s after this job finished (%s): the sweep's later jobs do not start; resume with %s "
-                "(%s)", name, written if smoke_test else f"its {written}", train_resume_hint(None), again)
-    log.info("exiting with status %d (stopped by %s, not finished)", 128 + signum, name)
+    log_once(log, logging.WARNING, "stopped by %s after this job finished (%s): the sweep's later jobs do not start; "
+             "resume with %s (%s)", name, written if smoke_test else f"its {written}", train_resume_hint(None), again)
+    log.info(rank_labelled("exiting with status %d (stopped by %s, not finished)", world_size), 128 + signum, name)
     raise SystemExit(128 + signum)
 
 

@@ -63,6 +63,7 @@ from lit_dtrain.schedules.workflows import (
 from lit_dtrain.sigterm_exit import (
     HoldSigtermInValidate,
     SigtermRecorder,
+    agree_on_a_late_sigterm,
     hint_train_resume,
     interrupted_by_ctrl_c,
     keyboard_interrupt_kept,
@@ -393,4 +394,5 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
     if trainer.is_global_zero:
         _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test)
+    agree_on_a_late_sigterm(trainer)  # in the sample or report: a multirun's rank 1 then stops before the next job too
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}

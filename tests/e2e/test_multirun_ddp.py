@@ -58,3 +58,29 @@ def test_a_sweep_whose_job_failed_in_a_collective_stops_there_with_status_1(tmp_
         "fail in their first collective: the ranks' connections are gone): resume with the same -m arguments and "
         f"resume=auto hydra.sweep.dir={sweep}"), last
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_sigterm_in_a_ddp_jobs_end_of_run_sample_stops_both_ranks_before_the_next_job(tmp_path, corpus):
+    """SIGTERM to rank 0 (the process a shell, Slurm or kill signals) while it drew job 0's end-of-run sample, which
+    only it draws: it exited 143, but rank 1 had gone on to job 1, made its dir and failed in its first collective,
+    the sweep's last line 'error: rank 1: a collective failed at step 0 (... Connection closed by peer ...). Another
+    rank probably died or hung'. The ranks agree on the signal after the sample: both exit 143 before job 1."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=6", "scheduler=wsd,cosine",
+        "+callbacks.fault._target_=tests.faults.SignalInSample", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 143, out[-3000:]
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+    assert "collective failed" not in out, out[-3000:]
+    assert json.loads((sweep / "0" / "summary.json").read_text())["steps"] == 6
+    rank_1 = (sweep / "0" / "train_ddp_process_1.log").read_text()
+    assert "[rank: 1] exiting with status 143 (stopped by SIGTERM, not finished)" in rank_1, rank_1[-2000:]
+    assert "[rank: 0] exiting with status 143 (stopped by SIGTERM, not finished)" in out, out[-3000:]
+    assert out.count("stopped by SIGTERM after this job finished") == 1, out[-3000:]  # rank 0's line alone

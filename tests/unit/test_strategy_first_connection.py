@@ -132,6 +132,30 @@ def test_the_killed_child_rank_is_reaped_and_off_the_list_lightnings_observer_wa
     assert child.returncode == -signal.SIGKILL and watched == [] and launcher.procs is watched
 
 
+def test_a_launched_rank_that_ends_within_the_grace_keeps_its_own_exit_status_and_is_off_the_list():
+    """After a signal in a DDP sweep job's end-of-run sample rank 0 takes its child ranks off the observer's list and
+    gives them ``grace_s`` to exit with 143 themselves (their last line written); one still alive then is killed."""
+    import subprocess
+    import sys
+
+    from lit_dtrain.utils.launcher_watch import kill_launched_ranks
+
+    class Launcher:
+        def __init__(self, code):
+            self.procs = [subprocess.Popen([sys.executable, "-c", code])]
+
+        def kill(self, signum):
+            raise AssertionError("a launcher with a procs list is not killed through kill()")
+
+    ending = Launcher("import time; time.sleep(0.5); raise SystemExit(143)")
+    hung = Launcher("import time; time.sleep(60)")
+    (rank_ending,), (rank_hung,) = ending.procs, hung.procs
+    kill_launched_ranks(ending, grace_s=20.0)
+    kill_launched_ranks(hung, grace_s=0.5)
+    assert (rank_ending.returncode, rank_hung.returncode) == (143, -signal.SIGKILL)
+    assert ending.procs == [] and hung.procs == []
+
+
 def test_a_failed_collective_ends_a_sweep_and_its_resume_names_the_sweep_not_a_bare_resume_auto():
     """Under -m a CollectiveError ends the sweep as a first connection that timed out does (the jobs share one group,
     which it broke); its single run's 'Resume with resume=auto.' (refused under -m) makes way for the sweep's resume."""

@@ -116,8 +116,9 @@ def _gone(pid: int, child: bool) -> bool:
         return False
 
 
-def kill_launched_ranks(launcher) -> None:
-    """SIGKILL the ranks that Lightning's launcher started and wait for them, taking them off its ``procs`` list
+def kill_launched_ranks(launcher, grace_s: float = 0.0) -> None:
+    """SIGKILL the ranks that Lightning's launcher started (those still alive after ``grace_s`` seconds: ranks that
+    were told to exit and end by themselves keep their last lines) and wait for them, taking them off its ``procs`` list
     first: Lightning's child-process observer polls that list every 5 s and, finding a rank ended by a signal, SIGKILLs
     this process too (lightning 2.6 private: the observer watches the launcher's ``procs`` list). A multirun whose job
     0 timed out in its first connection, a job failure after which the sweep goes on, was killed so in job 1: exit
@@ -128,6 +129,10 @@ def kill_launched_ranks(launcher) -> None:
         return
     ranks = list(procs)
     procs.clear()  # before the kill: an empty list ends the observer's watch
+    deadline = time.monotonic() + grace_s
+    for proc in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     for proc in ranks:
         with contextlib.suppress(OSError):
             proc.send_signal(signal.SIGKILL)
