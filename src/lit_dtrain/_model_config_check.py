@@ -36,6 +36,17 @@ def check_model_config(checkpoint: dict, config, path=None) -> None:
     )
 
 
+def check_weights_load_as_saved(state_dict, module, path=None) -> None:
+    """:class:`CheckpointError` naming the key where a resume's ``state_dict`` would load into ``module`` (the
+    LightningModule) as other numbers than it holds: an integer weight or disagreeing tied entries
+    (:func:`~lit_dtrain.checkpoint.weights_loaded_otherwise`)."""
+    from lit_dtrain.checkpoint import weights_loaded_otherwise
+
+    why = weights_loaded_otherwise(state_dict, module) if isinstance(state_dict, dict) else None
+    if why:
+        raise CheckpointError(f"checkpoint{f' {str(path)!r}' if path else ''}: {why}")
+
+
 def check_the_resumed_model(model_cfg, ckpt_path) -> None:
     """:func:`check_model_config` of a resume's checkpoint against ``model_cfg`` (``cfg.model``), built on the meta
     device (no storage), before anything else reads the checkpoint: a checkpoint of model=small resumed with

@@ -204,6 +204,30 @@ def state_dict_mismatch(weights: dict, expected: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def weights_loaded_otherwise(weights: dict, module: torch.nn.Module) -> str | None:
+    """Why ``weights`` (a checkpoint's, keyed as ``module.state_dict()``) would load into ``module`` as other numbers
+    than the file holds, where every shape fits (:func:`state_dict_mismatch`), in one line naming the key: an integer
+    or bool entry for a floating-point weight (``load_state_dict`` casts it: a hand-edited int64 ``wq.weight`` loaded
+    truncated, silently), or the entries of one tied tensor (``tie_embeddings``: ``tok_embeddings.weight`` and
+    ``lm_head.weight``) that differ (both are copied into it and the last wins: a checkpoint of an untied model
+    whose ``model_config`` was edited to tie loaded its LM head as the embedding). None when they load as saved."""
+    tied: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+        saved = weights.get(name)
+        if torch.is_tensor(saved) and param.is_floating_point() and not saved.is_floating_point():
+            return (f"{name!r} is {str(saved.dtype).removeprefix('torch.')} in the checkpoint, a floating-point weight "
+                    "in the model (loading would cast it): the file was edited or written by other code")
+    for names in tied.values():
+        saved = [(n, weights[n]) for n in names if torch.is_tensor(weights.get(n))]
+        for (first, a), (other, b) in zip(saved, saved[1:]):
+            if a.shape == b.shape and not torch.equal(a, b):
+                return (f"{first!r} and {other!r} are one tied tensor in the model (tie_embeddings) but differ in the "
+                        "checkpoint (loading would keep the last): the file was edited, or an untied model wrote it "
+                        "(then its model_config was edited to tie_embeddings: true)")
+    return None
+
+
 def misfit_advice(ckpt: Any, model: Any) -> str:
     """What to change where a checkpoint's weights do not fit ``model`` (:func:`state_dict_mismatch`): the ``model.*``
     shape of the run that wrote it, or, where its ``model_config`` already equals ``model.config`` in every key that

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_dtrain._model_config_check import WEIGHT_CONFIG_KEYS, check_model_config
+from lit_dtrain._model_config_check import WEIGHT_CONFIG_KEYS, check_model_config, check_weights_load_as_saved
 from lit_dtrain.models.llama import compute_dtype
 from lit_dtrain.module_grads import StepGradNorm, clips_by_norm_like_lightning, optimizer_params, step_grads
 from lit_dtrain.module_metrics import ValLossMean, log_every_step, window_losses
@@ -331,6 +331,7 @@ class LitLLM(L.LightningModule):
     def _check_model_config(self, checkpoint: dict) -> None:
         path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
         check_model_config(checkpoint, getattr(self.model, "config", None), path)
+        check_weights_load_as_saved(checkpoint.get("state_dict"), self, path)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the model shape so ``scripts/generate.py`` can rebuild the model from the file alone."""
