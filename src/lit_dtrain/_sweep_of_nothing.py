@@ -6,14 +6,17 @@ job ran: the dir, holding that file alone, was left in ``outputs/multiruns``, a 
 
 :func:`note_sweep_dir` (``sweeps.OutputDirCheck``, before the sweeper makes the dir) notes a sweep dir that does not
 exist yet; :func:`remove_a_sweep_of_nothing` (``train.py``'s report of an error raised before the task function ran)
-removes it where it holds its ``multirun.yaml`` alone. A dir that existed before this start is never touched."""
+removes it where it holds its ``multirun.yaml`` alone (and the dirs Hydra's ``mkdir`` made on the way to a
+name with ``..``). A dir that existed before this start is never touched."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-_new_sweep_dir: tuple[Path, Path] | None = None  # this start's new sweep dir and the first of its dirs made with it
+# this start's new sweep dir, the first of its dirs made with it, and the dirs a '..' in its name made on the way
+_new_sweep_dir: tuple[Path, Path, list[Path]] | None = None
 
 
 def note_sweep_dir(directory) -> None:
@@ -24,7 +27,12 @@ def note_sweep_dir(directory) -> None:
     # 'new' does not exist yet, and remove it where empty; symlinks and '..' resolved, the missing dirs are plain names
     path = Path(os.path.realpath(str(directory)))
     missing = [p for p in (path, *path.parents) if not p.exists()]
-    _new_sweep_dir = (path, missing[-1]) if missing else None
+    # Hydra's mkdir(parents=True) of 'a/nope/../x' makes a/nope on the way to a/x: it was left after the failure
+    parts = Path(os.path.join(os.getcwd(), str(directory))).parts
+    on_the_way = {Path(os.path.realpath(os.path.join(*parts[:i]))) for i in range(2, len(parts)) if ".." in parts[i:]
+                  and parts[i - 1] not in ("..", ".") and not os.path.exists(os.path.join(*parts[:i]))}
+    on_the_way -= {path, *path.parents}
+    _new_sweep_dir = (path, missing[-1], sorted(on_the_way, key=lambda p: -len(p.parts))) if missing else None
 
 
 def remove_a_sweep_of_nothing() -> Path | None:
@@ -34,7 +42,7 @@ def remove_a_sweep_of_nothing() -> Path | None:
     noted, _new_sweep_dir = _new_sweep_dir, None
     if noted is None:
         return None
-    path, outermost = noted
+    path, outermost, on_the_way = noted
     try:
         if [p.name for p in path.iterdir()] != ["multirun.yaml"]:
             return None
@@ -45,4 +53,7 @@ def remove_a_sweep_of_nothing() -> Path | None:
                 break
     except OSError:  # gone, or not empty after all: left as it is
         pass
+    for made in on_the_way:  # deepest first; none existed when noted, and rmdir leaves one that is not empty
+        with contextlib.suppress(OSError):
+            made.rmdir()
     return path

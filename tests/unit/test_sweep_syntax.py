@@ -143,3 +143,19 @@ def test_a_sweep_of_nothing_through_dotdot_removes_no_dir_that_existed_before(tm
     removed = remove_a_sweep_of_nothing()
     assert (tmp_path / "kept").is_dir()  # existed before the start: left as it is
     assert removed == tmp_path.resolve() / "kept" / "sweep" and not removed.exists()
+
+
+def test_a_sweep_of_nothing_through_dotdot_removes_the_dirs_hydra_made_on_the_way(tmp_path, monkeypatch, capfd):
+    """hydra.sweep.dir='a/nope/deeper/../../x' (nope did not exist): Hydra's mkdir(parents=True) makes a/nope and
+    a/nope/deeper on its way to a/x, and after the failed sweep both were left, empty. They are removed too; a
+    dir that existed before the start ('a', empty, and 'kept' on the second path) is left as it is."""
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "kept").mkdir()
+    args = ["-m", "scheduler=cosine", "scheduler.decay_fraction=0.1,0.2", "trainer.max_steps=1"]
+    for directory in ("a/nope/deeper/../../x", "a/kept/../../kept/y"):
+        proc = run_script("../train.py", [*args, f"hydra.sweep.dir={tmp_path / directory}"], tmp_path, capfd)
+        assert proc.returncode == 1
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_dir())
+    assert left == ["a", "kept"], left
