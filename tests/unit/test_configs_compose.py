@@ -250,3 +250,14 @@ def test_every_experiment_composes(tmp_path, corpus):
         optimizer = instantiate(cfg.optimizer)(model.parameters())
         assert isinstance(optimizer, torch.optim.Optimizer)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optimizer.lr)
+
+
+@pytest.mark.parametrize("group", ["scheduler", "strategy", "logger", "data/sampler"])
+def test_an_empty_list_of_a_group_that_may_be_left_out_composes_as_the_group_left_out(group, tmp_path):
+    """docs/running.md: ``scheduler=[]`` (Hydra's list of options, here none) trains as ``~scheduler`` does; only a
+    group lit_dtrain needs (``optimizer=[]``) or a value that names no option (``scheduler=null``) is refused."""
+    from omegaconf import OmegaConf
+
+    empty, left_out, default = (OmegaConf.to_container(compose_cfg(overrides, tmp_path / "run", tiny=False))
+                                for overrides in ([f"{group}=[]"], [f"~{group}"], []))
+    assert empty == left_out != default
