@@ -340,3 +340,40 @@ def test_a_resume_on_another_number_of_ranks_drops_server_residuals_and_averages
     ranks[1]["params"]["w"] = ranks[0]["params"]["w"].clone()  # right after a sync: kept exactly, nothing to say
     kept, notes = comm_checkpoint.elastic_rank_entry(local, 3)
     assert torch.equal(kept["params"]["w"], ranks[0]["params"]["w"]) and len(notes) == 1
+
+
+@pytest.mark.filterwarnings("ignore:.*predates per-rank parameters")  # a state written without a module
+@pytest.mark.parametrize("rule", [None, "diloco"])
+def test_residuals_a_resumed_codec_does_not_apply_are_dropped_and_said_so(tmp_path, rule):
+    """int4 (error feedback on) resumed with ``error_feedback=False`` kept the checkpoint's residuals, never applied
+    them and saved them again unchanged (2 gloo ranks: norm 0.0524 at step 4 and at step 8, no warning), so a later
+    resume with error feedback back on added them, stale, to its first step; DiLoCo resumed without its int4
+    pseudo-gradient compressor dropped them without a word. Both are dropped now, with a warning naming the key."""
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy
+
+    def strategy(codec) -> CompressedDDPStrategy:
+        if rule is None:
+            return CompressedDDPStrategy(compressor=codec)
+        return CompressedDDPStrategy(local_update=DiLoCo(sync_period=2, compressor=codec))
+
+    def codec_of(s: CompressedDDPStrategy):
+        return s.compressor if rule is None else s.local_update.compressor
+
+    written, path = strategy("int4"), tmp_path / "last.ckpt"
+    codec_of(written).residuals = {"w": torch.full((4,), 0.5)}
+    torch.save({CHECKPOINT_KEY: written.comm_state_dict()}, path)
+    off = {"name": "int4", "error_feedback": False}
+    key = "compressor" if rule is None else "local_update.compressor"
+    cases = [(off, f"strategy.{key}.error_feedback=true")] + ([(None, f"strategy.{key}=int4")] if rule else [])
+    for codec, fix in cases:
+        resumed = strategy(codec)
+        with pytest.warns(UserWarning, match=rf"^{CHECKPOINT_KEY}: the checkpoint's .*int4.* error-feedback residuals "
+                                             rf"\(rank 0's norm 1: .* resume with {re.escape(fix)}"):
+            resumed.load_checkpoint(path)
+        if codec is not None:
+            assert codec_of(resumed).residuals == {}
+            saved = resumed.comm_state_dict()["per_rank"][0]
+            assert saved["compressor" if rule is None else "local_update"]["residuals"] == {}  # not saved again
+    kept = strategy("int4")  # the codec that wrote them applies them
+    kept.load_checkpoint(path)
+    assert torch.equal(codec_of(kept).residuals["w"], torch.full((4,), 0.5))

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_dtrain.strategies.comm import CommSession
-from lit_dtrain.strategies.comm_checkpoint import CHECKPOINT_KEY, rank_entry
+from lit_dtrain.strategies.comm_checkpoint import CHECKPOINT_KEY, rank_entry, without_unapplied_residuals
 
 _STATE_VERSION = 1
 
@@ -102,10 +102,11 @@ def apply_comm_state(strategy, state: dict) -> None:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     mine, elastic = rank_entry(state, rank, world)  # another world size: what it can keep, and the warning
+    lu = strategy.local_update
+    mine, unapplied = without_unapplied_residuals(mine, strategy.compressor, lu)  # warned once the rest is applied
     if (mine["compressor"] is None) != (strategy.compressor is None):
         raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
                          f"not match this strategy's compressor {strategy.compressor!r}")
-    lu = strategy.local_update
     if (state["local_update"] is None) != (lu is None):
         raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
     strategy.load_comm_local_state_dict({"compressor": mine["compressor"], "local_update": state["local_update"],
@@ -117,5 +118,7 @@ def apply_comm_state(strategy, state: dict) -> None:
             rank_zero_warn(f"{CHECKPOINT_KEY}: this checkpoint predates per-rank parameters; every rank "
                            "resumes from rank 0's parameters and optimizer state")
     strategy.session.load_counters_state_dict(mine["counters"])
+    for note in unapplied:
+        rank_zero_warn(note)
     if elastic is not None:  # said once applied: not before an error about another preset
         rank_zero_warn(elastic)

@@ -227,3 +227,45 @@ def rank_entry(state: Mapping, rank: int, world: int) -> tuple[dict, str | None]
                    f"has {world}: the replicated codec and local-update state and rank 0's comm counters are kept; "
                    + ("; ".join(notes) if notes else "nothing else was held")
                    + ". A resume on the same number of ranks keeps everything")
+
+
+# --- residuals the resumed codec does not apply ---------------------------------------------------------
+def _residual_norm(state: Mapping) -> float:
+    return _norm({f"{kind}.{name}": t for kind in _PER_RANK_CODEC_KEYS
+                  for name, t in (state.get(kind) or {}).items()})
+
+
+def without_unapplied_residuals(entry: Mapping, compressor: Any, local_update: Any) -> tuple[dict, list[str]]:
+    """``entry`` (this rank's ``per_rank`` entry) without the error-feedback residuals this run's codecs never apply,
+    and the warnings that say so: a codec resumed with ``error_feedback=False``, or DiLoCo resumed without the
+    pseudo-gradient compressor that wrote them. Before, a codec without error feedback kept them, never applied them
+    and saved them again in every checkpoint (a later resume that turned error feedback back on added them, stale,
+    to its first step), and DiLoCo dropped them without a word."""
+    entry, notes = dict(entry), []
+
+    def drop(state: Mapping, what: str, reason: str, keep: str) -> dict:
+        norm = _residual_norm(state)
+        if norm:
+            notes.append(f"{CHECKPOINT_KEY}: the checkpoint's {what} error-feedback residuals (rank 0's norm "
+                         f"{norm:.3g}: the gradient compression held back) are dropped, since {reason}: that "
+                         f"gradient is never applied. To keep it, resume with {keep}")
+        return {k: ({} if k in _PER_RANK_CODEC_KEYS else v) for k, v in state.items()}
+
+    saved = entry.get("compressor")
+    if compressor is not None and saved and not compressor.error_feedback and saved.get("name") == compressor.name:
+        entry["compressor"] = drop(saved, compressor.name, f"this run's {compressor.name} codec has "
+                                   "error_feedback=False", "strategy.compressor.error_feedback=true")
+    saved = entry.get("local_update")
+    inner = getattr(local_update, "compressor", None)
+    if local_update is not None and saved:
+        name = saved.get("name", "?")
+        if inner is None:
+            entry["local_update"] = None
+            drop(saved, f"{local_update.name} pseudo-gradient compressor ({name})",
+                 f"this run's {local_update.name} has no pseudo-gradient compressor",
+                 f"strategy.local_update.compressor={name} (with error_feedback=true)")
+        elif not inner.error_feedback and name == inner.name:
+            entry["local_update"] = drop(saved, f"{local_update.name} pseudo-gradient compressor ({name})",
+                                         "this run's pseudo-gradient compressor has error_feedback=False",
+                                         "strategy.local_update.compressor.error_feedback=true")
+    return entry, notes
