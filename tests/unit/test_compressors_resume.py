@@ -55,7 +55,7 @@ def test_another_strategy_resuming_compressed_state_is_told_what_it_drops():
     checkpoint = {CHECKPOINT_KEY: diloco.comm_state_dict()}
     message = dropped_comm_state_message(checkpoint, plain, "x.ckpt")
     assert message.startswith(f"{CHECKPOINT_KEY}: x.ckpt was written under CompressedDDPStrategy "
-                              "(strategy=ddp_compressed/diloco, 1 rank)"), message
+                              "(strategy=ddp_compressed/diloco strategy.local_update.compressor=int4, 1 rank)"), message
     for part in ("DiLoCo's outer parameters and momentum", "pseudo-gradient compressor's error-feedback residuals",
                  "SingleDeviceStrategy does not read", "written right after a sync"):
         assert part in message, (part, message)
@@ -106,6 +106,26 @@ def test_the_preset_a_refused_resume_names_exists_for_every_codec_and_rule(tmp_p
             node = compose(config_name="train", overrides=overrides).strategy
             part = node.local_update if name in LOCAL_UPDATES else node.compressor
             assert instantiate(part).name == name, (name, overrides)
+
+
+def test_a_refused_diloco_resume_names_the_pseudo_gradient_compressor_that_wrote_it(tmp_path):
+    """DiLoCo with an int4 pseudo-gradient compressor resumed with int8 was told 'Resume it with the preset that wrote
+    it (strategy=ddp_compressed/diloco)': the preset in use, which has no compressor and drops the int4 residuals."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy, dropped_comm_state_message
+    from tests.conftest import CONF_DIR
+
+    path, want = tmp_path / "last.ckpt", "strategy=ddp_compressed/diloco strategy.local_update.compressor=int4"
+    state = CompressedDDPStrategy(local_update=DiLoCo(sync_period=2, compressor="int4")).comm_state_dict()
+    torch.save({CHECKPOINT_KEY: state}, path)
+    with pytest.raises(ValueError, match=rf"preset that wrote it \({want}\), or with strategy=ddp"):
+        CompressedDDPStrategy(local_update=DiLoCo(sync_period=2, compressor="int8")).load_checkpoint(path)
+    assert f"resume with {want} on the same 1 rank" in dropped_comm_state_message({CHECKPOINT_KEY: state}, None)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        node = compose(config_name="train", overrides=want.split()).strategy
+    assert instantiate(node.local_update).compressor.name == "int4"
 
 
 def test_litllm_warns_about_dropped_comm_state_without_importing_strategies_up_front(tmp_path):

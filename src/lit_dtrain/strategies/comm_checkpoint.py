@@ -49,9 +49,13 @@ _BUILT_BY = {"int4_rs": "int8_rs strategy.compressor.bits=4"}
 
 def preset_overrides(state: Mapping) -> str:
     """The overrides that select the preset of :func:`written_preset` (``int4_rs`` has none: ``int8_rs`` with
-    ``bits=4``; 'strategy=ddp_compressed/int4_rs' was Hydra's 'Could not find')."""
+    ``bits=4``; 'strategy=ddp_compressed/int4_rs' was Hydra's 'Could not find'), with DiLoCo's pseudo-gradient
+    compressor, which its preset leaves out (a DiLoCo int4 checkpoint refused under DiLoCo int8 was told to resume
+    with 'strategy=ddp_compressed/diloco', the preset in use, which drops the int4 state)."""
     name = written_preset(state)
-    return f"strategy=ddp_compressed/{_BUILT_BY.get(name, name)}"
+    overrides = f"strategy=ddp_compressed/{_BUILT_BY.get(name, name)}"
+    inner = (list(state.get("per_rank") or [{}])[0] or {}).get("local_update") if isinstance(state, Mapping) else None
+    return overrides + (f" strategy.local_update.compressor={inner.get('name', '?')}" if inner else "")
 
 
 def dropped_comm_state_message(checkpoint: Mapping, strategy: Any, path: Any = None) -> str | None:
