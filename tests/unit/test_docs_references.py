@@ -233,6 +233,7 @@ NOT_CONFIG_KEYS = {
     # list: added with '+' (6o)
     "trainer.min_steps",  # a Lightning argument the trainer config does not list: added with '+' (6g)
     "trainer.min_epochs", "trainer.max_epochs", "trainer.limit_train_batches",  # the same (6g)
+    "strategy.broadcast_buffers",  # a DDP argument the strategy presets do not list: added with '+' (compressed_ddp)
 }
 WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion",  # 6a: refused
                          # running.md: keys the config lacks, and what their one-line error says to do
