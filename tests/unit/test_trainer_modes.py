@@ -119,6 +119,26 @@ def test_a_second_fit_on_another_datamodule_is_told_its_exclusions_name_other_sa
     assert said == [] and [e["step"] for e in monitor.events if e["reasons"] == ["excluded_sample"]] == [11]
 
 
+def test_a_monitor_that_served_a_fit_pickles_for_a_spawned_trainer(tmp_path):
+    """``Trainer(strategy="ddp_spawn")`` pickles its callbacks to start the ranks: a LossSpikeMonitor that had served
+    a fit in this process (a notebook's first run) failed there, ``TypeError: cannot pickle 'weakref.ReferenceType'
+    object`` (its weak note of the fit's Trainer and data). The copy holds the fit's state; a deepcopy in this process
+    still knows the Trainer, for the warning of a second fit on other data."""
+    import pickle
+
+    monitor = LossSpikeMonitor(actions=["log", "skip"], warmup_steps=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                        default_root_dir=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Spiking(), datamodule=Data(0))
+    spawned = pickle.loads(pickle.dumps(monitor))
+    assert spawned.excluded == monitor.excluded == [12, 13, 14, 15] and spawned.num_spikes == monitor.num_spikes == 1
+    assert [e["step"] for e in spawned.events] == [3] and spawned._fit_data[0]() is None
+    assert copy.deepcopy(monitor)._fit_data[0]() is trainer
+
+
 def test_evaluating_a_checkpoint_after_a_fit_leaves_the_callbacks_fit_state(tmp_path):
     """Lightning loads every callback's state from ``ckpt_path`` in trainer.validate(), test() and predict() too: after
     a fit to step 8, validate(ckpt_path=<step 2>) set the LossSpikeMonitor's spikes to 0 and its exclusions to none,

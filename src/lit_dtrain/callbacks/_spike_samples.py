@@ -166,9 +166,27 @@ class ExcludedOnlyRun:
                        + _WAY_OUT)
 
 
-def _weak(obj) -> weakref.ref | None:
+class _Weak:
+    """A weak reference that pickles as a dead one: a monitor that served a fit is picklable (a ``weakref.ref`` is
+    not: given to a ``Trainer(strategy="ddp_spawn")`` after a fit of its own, the launch failed with ``TypeError:
+    cannot pickle 'weakref.ReferenceType' object``). Its copy in another process serves another Trainer."""
+
+    def __init__(self, obj) -> None:
+        self._ref = weakref.ref(obj)
+
+    def __call__(self):
+        return self._ref() if self._ref is not None else None
+
+    def __getstate__(self) -> dict:
+        return {"_ref": None}
+
+    def __deepcopy__(self, memo: dict) -> _Weak:  # (a copy in this process compares the same objects, as before)
+        return self
+
+
+def _weak(obj) -> _Weak | None:
     try:
-        return weakref.ref(obj)
+        return _Weak(obj)
     except TypeError:  # (an object without weak references: not compared)
         return None
 
