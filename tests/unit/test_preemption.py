@@ -337,3 +337,23 @@ def test_a_signal_ignored_when_training_starts_stays_ignored(tmp_path: Path) -> 
     finally:
         signal.signal(signal.SIGHUP, before)
     assert callback.saved_step is None and callback.signum is None and not (tmp_path / "last.ckpt").exists()
+
+
+def test_a_fit_in_another_thread_is_told_that_no_signal_is_caught(tmp_path: Path) -> None:
+    """Python installs signal handlers only from the main thread: a fit run in a thread (a Ray Train worker, a
+    notebook's background thread) took a SIGTERM with the process's default, killed with status 143, no last.ckpt and
+    no word. Train start now says so, naming the thread; the process's handlers are left alone."""
+    import threading
+    import warnings
+
+    before = signal.getsignal(signal.SIGTERM)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker = threading.Thread(target=fit, args=(tmp_path, [PreemptionCheckpoint(str(tmp_path / "ckpt"))]),
+                                  name="trainer-thread")
+        worker.start()
+        worker.join()
+    said = [str(w.message) for w in caught if "PreemptionCheckpoint" in str(w.message)]
+    assert len(said) == 1 and "thread 'trainer-thread', not the main thread" in said[0]
+    assert "is not caught here and saves nothing" in said[0] and "call trainer.fit from the main thread" in said[0]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -122,6 +122,12 @@ class PreemptionCheckpoint(L.Callback):
             self._previous_handlers = {
                 s: signal.signal(s, self._on_sigterm) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN
             }
+        else:  # (a fit in a thread took a SIGTERM with the process's default: killed, 143, no file and no word)
+            rank_zero_warn(
+                f"PreemptionCheckpoint: this fit runs in thread {threading.current_thread().name!r}, not the main "
+                "thread, and Python installs signal handlers only from the main thread: a SIGTERM (SIGINT, SIGHUP) "
+                f"is not caught here and saves nothing in {self.dirpath}; call trainer.fit from the main thread"
+            )
 
     def _restore_handler(self) -> None:
         if threading.current_thread() is threading.main_thread():
