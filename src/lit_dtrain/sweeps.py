@@ -289,7 +289,7 @@ class ResumeSweepCheck(Callback):
         if OmegaConf.select(config, "resume", default=None, throw_on_resolution_failure=False) != "auto":
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.exists() and _created_by_this_start(sweep_dir, list(config.hydra.overrides.hydra)):
+        if not sweep_dir.exists() and _created_by_this_start(sweep_dir, unresolved(config.hydra.overrides.hydra)):
             _exit_with(new_sweep_dir_error(sweep_dir))
         if not sweep_dir.exists():  # a requeue-ready script's first start, or a mistyped dir: say so, once
             # (on stderr: Hydra sets up logging for the jobs only)
@@ -313,7 +313,7 @@ class SweepSyntaxCheck(Callback):
             overrides = OverridesParser.create().parse_overrides(lines)
         except Exception:  # noqa: BLE001 - Hydra reports an override it cannot parse itself
             return
-        unknown = unknown_group_option(overrides, config_name, list(config.hydra.overrides.get("hydra") or []))
+        unknown = unknown_group_option(overrides, config_name, unresolved(config.hydra.overrides.get("hydra")))
         if unknown:  # -m model=nano,doesnotexist: Hydra's error came after it made the sweep dir
             _exit_with(ConfigError(unknown))
         job_dirs = job_checkpoint_dirs(config, lines)

@@ -159,3 +159,20 @@ def test_a_sweep_of_nothing_through_dotdot_removes_the_dirs_hydra_made_on_the_wa
         assert proc.returncode == 1
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_dir())
     assert left == ["a", "kept"], left
+
+
+def test_the_sweep_checks_run_beside_a_hydra_override_that_names_the_job(tmp_path, monkeypatch, capfd):
+    """'hydra.sweep.subdir=job_${hydra:job.num}' (or the default's own '${hydra:job.num}', typed): the Hydra
+    callbacks read Hydra's overrides resolved before any job had a number, raised 'HydraConfig was not set', and Hydra
+    only warned, skipping every check: an interval was Hydra's 18-line traceback, a swept option that does not exist
+    its 14-line error, and '-m resume=auto' without hydra.sweep.dir left a new sweep dir. Each is its one line now."""
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "out"))
+    subdir = "hydra.sweep.subdir=job_${hydra:job.num}"
+    for args, line in ((["optimizer.lr=interval(1e-4,1e-3)"], "error: optimizer.lr=interval(1e-4,1e-3): Hydra's "),
+                       (["model=nano,nope"], "error: model=nano,nope: config group 'model' has no option 'nope'"),
+                       (["resume=auto"], "error: resume=auto in a multirun needs hydra.sweep.dir=")):
+        proc = run_script("../train.py", ["-m", *args, subdir, "trainer.max_steps=1"], tmp_path, capfd)
+        assert proc.returncode == 1
+        (error,) = proc.stderr.strip().splitlines()
+        assert error.startswith(line), error
+        assert not (tmp_path / "out").exists()  # refused before Hydra made a sweep dir
