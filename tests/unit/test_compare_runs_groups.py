@@ -110,3 +110,26 @@ def test_a_diverged_groups_gap_is_in_exponent_form_as_the_runs_table(tmp_path, c
     printed = capsys.readouterr().out
     assert "| optimizer.lr=1e-1 | 2 | 5.000e+29 ± 1.414e+28 | 4.0000 ± 0.0000 | +1.639e+30% |" in printed
     assert "| optimizer.lr=1e-3 | 2 | 30.5000 ± 0.7071 | 4.0000 ± 0.0000 | +0.00% |" in printed
+
+
+def test_a_run_without_its_config_joins_the_group_of_a_later_run_that_typed_the_same(tmp_path):
+    """'-m seed=0,1' whose job 0 logged its metrics but has no config_resolved.yaml (an older lit_dtrain wrote none;
+    it is labelled by what it typed alone) and whose job 1 trained with model.dropout=0.0, beside a run of dropout
+    0.1: job 0 counts in job 1's group. Only a run with its config gives a label to join: without that condition
+    ('make_groups' without configured[j], a mutant no test killed) the first run that typed the same was job 0
+    itself, which kept its own label and made a group of its own, '(all runs)'."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", {9: 3.2}, overrides=["seed=0"])
+    job1 = write_run(sweep / "1", {9: 3.0}, overrides=["seed=1"])
+    other = write_run(tmp_path / "other" / "0", {9: 3.3}, overrides=["model.dropout=0.1", "seed=0"])
+    for run, seed, dropout in ((job1, 1, 0.0), (other, 0, 0.1)):
+        (run / "config_resolved.yaml").write_text(f"seed: {seed}\nmodel:\n  dropout: {dropout}\n")
+        (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices: {}\n")
+    for run in (sweep / "0", job1, other):
+        (run / "summary.json").write_text(json.dumps({"steps": 10}))
+    result = compare_runs.compare([str(sweep), str(tmp_path / "other")], ["val/loss"], out=str(tmp_path / "g.png"),
+                                  over=["seed"])
+    assert result["markdown"].split("\n\n")[1].splitlines()[2:] == [
+        "| model.dropout=0.0 | 2 | 3.1000 ± 0.1414 | 3.1000 ± 0.1414 | +0.00% |",
+        "| model.dropout=0.1 | 1 | 3.3000 | 3.3000 | +6.45% |",
+    ]
