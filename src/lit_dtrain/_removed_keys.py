@@ -123,7 +123,10 @@ def removal_fixes(node_key: str, args: list[str]) -> tuple[list[str], bool]:
         line = added_with_plus(f"{node_key}.{arg}")
         if line is None:
             drops.append(f"'~{node_key}.{arg}'")
-        elif experiment := _experiment_setting(f"{node_key}.{arg}"):  # removing the override alone: a 2nd error
+        elif (experiment := _experiment_setting(f"{node_key}.{arg}")) and _plus_key(line) != f"{node_key}.{arg}":
+            # a mapping's key: replacing the whole line dropped its other keys ('{decay_fraction:0.3,warmup_steps:1}')
+            fixes_first.append(f"remove {arg} from {line!r} and add '~{node_key}.{arg}' ({experiment} sets it too)")
+        elif experiment:  # removing the override alone: a 2nd error
             fixes_first.append(f"replace {line!r} with '~{node_key}.{arg}' ({experiment} sets it too)")
         elif _plus_key(line) == f"{node_key}.{arg}":
             typed.append(repr(line))

@@ -198,3 +198,11 @@ def test_a_key_both_an_experiment_and_the_command_line_set_is_fixed_in_one_start
                                           r"'~scheduler.decay_fraction' \(experiment=cpt_replay sets it too\)$"):
         checked("++scheduler.decay_fraction=0.3")
     checked("~scheduler.decay_fraction")  # the fixed command line
+    # a mapping's key: replacing the whole line dropped its other keys, and warmup_steps:1 trained as the experiment's
+    # 50 without a word; its key is removed from the mapping and the experiment's dropped with '~'
+    with pytest.raises(ConfigError, match=r"^scheduler.decay_fraction=0.3 is not an argument of cosine_scheduler; "
+                                          r"remove decay_fraction from '\+\+scheduler=\{decay_fraction:0.3,"
+                                          r"warmup_steps:1\}' and add '~scheduler.decay_fraction' \(experiment="
+                                          r"cpt_replay sets it too\)$"):
+        checked("++scheduler={decay_fraction:0.3,warmup_steps:1}")
+    checked("++scheduler={warmup_steps:1}", "~scheduler.decay_fraction")  # the fixed command line
