@@ -225,6 +225,25 @@ def test_a_glob_that_matches_directories_says_so(tmp_path, caplog):
     assert "matched" not in caplog.text  # a ** glob matches its files' directories: nothing left out, no warning
 
 
+def test_a_glob_does_not_call_a_directory_read_through_a_link_left_out(tmp_path, caplog):
+    """corpus/**/* over corpus/v2/ and corpus/latest -> v2 reads v2's files as latest/...: v2 was warned about as
+    'also matched 1 directories (e.g. .../v2), left out with the files below them', though every one of its files
+    was read, with a fix that added nothing. A directory really left out is still named."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    make_corpus(tmp_path / "corpus" / "v2", n_files=2, size=300)
+    (tmp_path / "corpus" / "latest").symlink_to("v2")
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "corpus" / "**" / "*")])
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        assert len(resolve_files(source)) == 2
+    assert "left out" not in caplog.text
+    make_corpus(tmp_path / "other" / "v3", n_files=1, size=300)
+    (tmp_path / "other" / "top.txt").write_text("top")
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        assert len(resolve_files(CorpusSource(name="t", kind="files", paths=[str(tmp_path / "other" / "*")]))) == 1
+    assert "also matched 1 directories" in caplog.text and "v3" in caplog.text
+
+
 def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, monkeypatch):
     """The build reads each file twice (to hash it, then to tokenize it): bytes that changed in between would be
     cached under the key of the old ones, so the build stops, naming the file."""

@@ -177,8 +177,9 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             matches = [p for p in hits if p.is_file()]
             _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
             # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
-            covered = {parent for m in matches for parent in m.parents}
-            dirs = [p for p in hits if p.is_dir() and p not in covered and any(f.is_file() for f in p.rglob("*"))]
+            covered = _dirs_of(matches)
+            dirs = [p for p in hits
+                    if p.is_dir() and not _covered(p, covered) and any(f.is_file() for f in p.rglob("*"))]
             every_file = f"{str(raw).rstrip('/')}/**/*"  # ** also matches no directory: files at any depth
             if not matches and dirs:
                 raise CorpusError(
@@ -230,9 +231,9 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             out.append(Path(path))
         else:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
-    covered = {parent for f in out for parent in f.parents}
+    covered = _dirs_of(out)
     for raw, dirs, every_file in globbed_dirs:
-        left_out = [d for d in dirs if d not in covered]  # another path may have taken their files
+        left_out = [d for d in dirs if not _covered(d, covered)]  # another path may have taken their files
         if left_out:
             log_once(
                 log, logging.WARNING,
@@ -245,6 +246,19 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 every_file,
             )
     return _one_path_per_file(source, out)
+
+
+def _dirs_of(files: list[Path]) -> set[Path]:
+    """The directories above ``files``, as spelled and as their real paths: a directory reached through a link (``latest
+    -> v2``) holds the files read under the other spelling."""
+    return {parent for f in files for path in (f, Path(os.path.realpath(f))) for parent in path.parents}
+
+
+def _covered(directory: Path, dirs: set[Path]) -> bool:
+    """Whether ``directory`` is one of ``dirs`` (:func:`_dirs_of`) by its spelling or its real path: a glob over
+    ``corpus/`` with ``latest -> v2`` reads v2's files as ``latest/...``, and v2, matched too, was warned about as
+    'left out with the files below them', with a fix that added nothing."""
+    return directory in dirs or Path(os.path.realpath(directory)) in dirs
 
 
 def _brace_hint(pattern: str) -> str:
