@@ -244,6 +244,26 @@ def test_a_glob_does_not_call_a_directory_read_through_a_link_left_out(tmp_path,
     assert "also matched 1 directories" in caplog.text and "v3" in caplog.text
 
 
+def test_a_path_that_ls_lists_but_cannot_be_read_says_why_not_that_it_does_not_exist(tmp_path):
+    """A broken symbolic link (an unmounted disk), a loop of links and a file given with a '/' after it were each
+    "path ... does not exist", though `ls` listed them (a checkpoint path says "is a broken symbolic link")."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    (tmp_path / "f.txt").write_text("text")
+    expected = {
+        "broken": rf"is a broken symbolic link \(to '{tmp_path}/gone', which does not exist\)",
+        "a": rf"cannot be reached: its symbolic links form a loop \({tmp_path}/a -> b -> \.\.\.\)",
+        "f.txt/": "cannot be reached: Not a directory",
+        "missing": "does not exist",
+    }
+    for name, reason in expected.items():
+        with pytest.raises(CorpusError, match=rf"^data source 't': path '{tmp_path}/{name}' {reason}$"):
+            resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/{name}"]))
+
+
 def test_a_file_that_changes_between_hashing_and_tokenizing_is_named(tmp_path, monkeypatch):
     """The build reads each file twice (to hash it, then to tokenize it): bytes that changed in between would be
     cached under the key of the old ones, so the build stops, naming the file."""

@@ -8,6 +8,7 @@ streams, cached by content, is :mod:`lit_dtrain.data.token_cache`, whose names a
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import os
@@ -230,7 +231,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 )
             out.append(Path(path))
         else:
-            raise CorpusError(f"data source {source.name!r}: path {raw!r} does not exist")
+            raise CorpusError(f"data source {source.name!r}: path {raw!r} {_missing_reason(path)}")
     covered = _dirs_of(out)
     for raw, dirs, every_file in globbed_dirs:
         left_out = [d for d in dirs if not _covered(d, covered)]  # another path may have taken their files
@@ -269,6 +270,23 @@ def _brace_hint(pattern: str) -> str:
         return ""
     globs = [pattern[: braces.start()] + alt + pattern[braces.end() :] for alt in braces[1].split(",")]
     return f" (a glob has no {{a,b}} alternatives, as a shell's braces are; list one glob for each in paths: {globs!r})"
+
+
+def _missing_reason(path: str) -> str:
+    """Why ``path``, neither a file nor a directory to ``os.path``, cannot be read, for ``f"path {path!r} {reason}"``:
+    a broken symbolic link (an unmounted disk, a moved corpus), a loop of links, a directory that cannot be searched
+    or a file given as a directory; each was "does not exist", while ``ls`` listed the link or the file."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"is a broken symbolic link (to {os.readlink(path)!r}, which does not exist)"
+        if e.errno == errno.ELOOP:
+            return "cannot be reached: its symbolic links form a loop" + (
+                f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
+        if e.errno != errno.ENOENT:  # Permission denied (a directory on the way), Not a directory ('file.txt/')
+            return f"cannot be reached: {e.strerror or e}"
+    return "does not exist"
 
 
 def _special_file_kind(path: str) -> str | None:
