@@ -24,6 +24,27 @@ def test_a_cache_dir_that_is_a_file_is_named_as_one(tmp_path, below):
         build_token_cache(source, cache, min_tokens=9, val_fraction=0.1, progress=False)
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_a_cache_dir_behind_a_link_that_leads_nowhere_names_the_link(tmp_path, below):
+    """LIT_DTRAIN_CACHE at (or below) a symbolic link to an unmounted scratch disk said 'File exists; free space
+    there', and one below a loop of links 'Too many levels of symbolic links; free space there'."""
+    (tmp_path / "c.txt").write_text("some text to train on\n" * 20)
+    (tmp_path / "scratch").symlink_to(tmp_path / "unmounted" / "cache")
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "c.txt")])
+    for link, why, fix in (
+        ("scratch", f"is a broken symbolic link \\(to '{tmp_path}/unmounted/cache', which does not exist\\)",
+         "mount or create its target"),
+        ("a", "cannot be reached: its symbolic links form a loop", "fix the link"),
+    ):
+        cache = tmp_path / link / below if below else tmp_path / link
+        expected = (rf"^cannot write the token cache of data source 't' under '{cache}': '{tmp_path / link}' {why}.*; "
+                    rf"{fix} or point LIT_DTRAIN_CACHE \(paths.cache_dir\) elsewhere$")
+        with pytest.raises(CorpusError, match=expected):
+            build_token_cache(source, cache, min_tokens=9, val_fraction=0.1, progress=False)
+
+
 def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
     """paths=[corpus] with the cache dir corpus/cache: each build read the token files of the one before as corpus
     text (warned as 'UTF-16LE text'), so every run made a new cache of a corpus three times larger (59k, 179k, 538k

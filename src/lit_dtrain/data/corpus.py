@@ -231,7 +231,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 )
             out.append(Path(path))
         else:
-            raise CorpusError(f"data source {source.name!r}: path {raw!r} {_missing_reason(path)}")
+            raise CorpusError(f"data source {source.name!r}: path {raw!r} {unreachable_reason(path)}")
     covered = _dirs_of(out)
     for raw, dirs, every_file in globbed_dirs:
         left_out = [d for d in dirs if not _covered(d, covered)]  # another path may have taken their files
@@ -272,7 +272,7 @@ def _brace_hint(pattern: str) -> str:
     return f" (a glob has no {{a,b}} alternatives, as a shell's braces are; list one glob for each in paths: {globs!r})"
 
 
-def _missing_reason(path: str) -> str:
+def unreachable_reason(path: str | os.PathLike) -> str:
     """Why ``path``, neither a file nor a directory to ``os.path``, cannot be read, for ``f"path {path!r} {reason}"``:
     a broken symbolic link (an unmounted disk, a moved corpus), a loop of links, a directory that cannot be searched
     or a file given as a directory; each was "does not exist", while ``ls`` listed the link or the file."""

@@ -12,7 +12,6 @@ source name's caches beyond its ``keep`` most recently used are removed (:mod:`~
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -31,6 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from lit_dtrain.data._split_tail import _split_tail
+from lit_dtrain.data._unwritable import why_unwritable
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
 from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
@@ -294,13 +294,7 @@ def _write_cache(out_dir, docs, tokenizer, val_fraction, min_tokens, source, pro
         with unwound_by_stop_signals():  # SIGTERM/SIGHUP: the temp dir is removed before the process ends
             meta = _write_cache_files(out_dir, fill, tokenizer, source)
     except OSError as e:  # disk full, read-only or missing cache dir ...
-        reason = e.strerror or str(e)
-        if e.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
-            reason += " (is the disk full?)"
-        fix = "make it writable" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "free space there"
-        in_the_way = next((p for p in (out_dir.parent, *out_dir.parent.parents) if p.exists() and not p.is_dir()), None)
-        if e.errno in (errno.EEXIST, errno.ENOTDIR) and in_the_way is not None:  # was "File exists; free space there"
-            reason, fix = f"{str(in_the_way)!r} is a file, not a directory", "move it away"
+        reason, fix = why_unwritable(e, out_dir.parent)
         raise CorpusError(
             f"cannot write the token cache of data source {source.name!r} under {str(out_dir.parent)!r}: {reason}; "
             f"{fix} or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"

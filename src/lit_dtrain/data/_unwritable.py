@@ -1,0 +1,30 @@
+"""Why a token cache could not be written under its cache dir, and what to do about it, for the error line."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from lit_dtrain.data.corpus import unreachable_reason
+
+
+def why_unwritable(error: OSError, cache_dir: Path) -> tuple[str, str]:
+    """``(reason, fix)`` for ``error``, raised writing a token cache under ``cache_dir``: a file or a symbolic link that
+    leads nowhere (an unmounted scratch disk) in the way names that path; a full disk and a read-only dir say so.
+    A broken link in the way was "File exists; free space there", and any other error (a loop of links) advised
+    freeing space too."""
+    reason = error.strerror or str(error)
+    if error.errno is None:  # numpy's tofile reports a short write as "N requested and M written"
+        return reason + " (is the disk full?)", "free space there"
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return reason, "make it writable"
+    for path in (cache_dir, *cache_dir.parents):
+        if os.path.islink(path) and not os.path.exists(path):  # was "File exists; free space there"
+            why = unreachable_reason(path)
+            return f"{str(path)!r} {why}", "mount or create its target" if "broken" in why else "fix the link"
+        if path.exists() and not path.is_dir():  # was "File exists; free space there"
+            return f"{str(path)!r} is a file, not a directory", "move it away"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return reason, "free space there"
+    return reason, "fix that"
