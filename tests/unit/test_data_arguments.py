@@ -171,3 +171,15 @@ def test_paths_given_to_a_stdlib_source_are_refused_not_ignored(tmp_path, corpus
                                           r"file .* takes no pattern, got pattern='\*\.txt'"):
         LMDataModule(sources=[{"name": "stdlib", "kind": "stdlib", "pattern": "*.txt"}], cache_dir=str(tmp_path))
     assert CorpusSource(name="s", kind="stdlib", pattern="*").pattern == "*"  # the default is no pattern
+
+
+def test_a_null_or_nested_path_is_named_not_looked_up_as_a_file():
+    """paths: [~] in YAML is null, not the home directory: it was looked up as the path 'None' ("path None does not
+    exist"); a nested list was looked up as its text "['b']"."""
+    with pytest.raises(CorpusError, match=re.escape(
+            "data.sources.0 (data source 't'): paths[0] is null: in YAML a bare ~ is null, not the home directory; "
+            "quote it ('~', '~/corpus')")):
+        LMDataModule(sources=[{"name": "t", "kind": "files", "paths": [None]}])
+    with pytest.raises(CorpusError, match=re.escape("paths[1] must be one file, directory or glob, got ['b'] (list)")):
+        CorpusSource(name="t", kind="files", paths=["a", ["b"]])
+    assert CorpusSource(name="t", kind="files", paths=[2024]).paths == [2024]  # a directory named 2024 (YAML int)

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +118,13 @@ class CorpusSource:
         elif not isinstance(self.paths, Sequence):
             raise CorpusError(f"data source {self.name!r}: paths must be a list of files, directories or globs, "
                               f"got {self.paths!r} ({type(self.paths).__name__})")
+        for i, path in enumerate(self.paths):  # None was read as the path 'None': "path None does not exist"
+            if path is None:
+                raise CorpusError(f"data source {self.name!r}: paths[{i}] is null: in YAML a bare ~ is null, not the "
+                                  "home directory; quote it ('~', '~/corpus')")
+            if isinstance(path, (bool, Sequence, Mapping)) and not isinstance(path, str):
+                raise CorpusError(f"data source {self.name!r}: paths[{i}] must be one file, directory or glob, got "
+                                  f"{path!r} ({type_name(path)})")
         if self.kind == "stdlib" and self.paths:  # CorpusSource(paths=[...]) without kind: the stdlib, paths unread
             raise CorpusError(
                 f"data source {self.name!r}: kind='stdlib' reads the running Python's standard library and takes no "
