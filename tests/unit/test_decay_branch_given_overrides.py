@@ -51,3 +51,27 @@ def test_only_a_key_the_branch_sets_is_read_in_the_config():
         assert str(e.value) == (f"decay_branch sets scheduler.decay_steps=3 (decay_branch.steps), but "
                                 f"scheduler.decay_steps={refused} is given; drop scheduler.decay_steps (decay_branch."
                                 "steps is the decay's length)")
+
+
+def test_a_key_the_branch_sets_given_in_a_mapping_is_judged():
+    """'++scheduler={decay_steps:5}' and '++trainer={max_steps:20}' set keys the branch sets, read only as the
+    mapping of 'scheduler' and 'trainer': a 3-step branch replaced them without a word (it stopped at step 5, exit 0).
+    A mapping's keys are judged as the same keys typed alone are."""
+    import pytest
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
+
+    for typed, refused in (("++scheduler={decay_steps:5}", "scheduler.decay_steps=5"),
+                           ("++trainer={max_steps:20}", "trainer.max_steps=20"),
+                           ("++scheduler={warmup_steps:1,decay_steps:3}", None)):  # the branch's own value
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
+        with open_dict(full):
+            full.hydra.overrides.task = [typed]
+        with in_hydra_job(full) as cfg:
+            if refused is None:
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+                continue
+            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)

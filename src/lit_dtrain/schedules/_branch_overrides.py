@@ -33,8 +33,17 @@ def _given_overrides() -> dict[str, object]:
             except Exception:  # noqa: BLE001 - relative to its node ('${.warmup_steps}'): read in the config
                 value = RELATIVE
         if not o.is_delete():
-            given[o.key_or_group] = value
+            given.update(_flattened(o.key_or_group, value))
     return given
+
+
+def _flattened(key: str, value) -> dict[str, object]:
+    """``{key: value}`` with a mapping's keys too, dotted (``'++scheduler={decay_steps:5}'`` gives
+    ``scheduler.decay_steps``: the branch replaced it, and ``'++trainer={max_steps:20}'``, without a word)."""
+    flat = {key: value}
+    for k, v in (value.items() if isinstance(value, dict) else ()):
+        flat.update(_flattened(f"{key}.{k}", v))
+    return flat
 
 
 def refuse_given_branch_keys(cfg: DictConfig, nodes: list[tuple[str, DictConfig]], start: int, steps: int) -> None:
