@@ -183,3 +183,15 @@ def test_a_null_or_nested_path_is_named_not_looked_up_as_a_file():
     with pytest.raises(CorpusError, match=re.escape("paths[1] must be one file, directory or glob, got ['b'] (list)")):
         CorpusSource(name="t", kind="files", paths=["a", ["b"]])
     assert CorpusSource(name="t", kind="files", paths=[2024]).paths == [2024]  # a directory named 2024 (YAML int)
+
+
+def test_weights_whose_sum_overflows_are_refused_before_tokenizing(tmp_path):
+    """Weights 1e308 and 1e308, each finite, sum to inf: every share became 0 and the first draw failed in an
+    IndexError traceback inside fit."""
+    a = make_corpus(tmp_path / "a", n_files=2, size=500)
+    sources = [CorpusSource(name="x", kind="files", paths=[str(a)], weight=1e308),
+               CorpusSource(name="y", kind="stdlib", weight=1e308)]
+    with pytest.raises(CorpusError, match=re.escape("data.sources: the weights [1e+308, 1e+308] sum past the largest "
+                                                    "float; only their ratios count, so scale them down")):
+        LMDataModule(sources=sources, block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()

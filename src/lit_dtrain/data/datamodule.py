@@ -114,8 +114,12 @@ class LMDataModule(L.LightningDataModule):
             raise CorpusError(f"data.sources names must be unique, got {names} (a source given no name is named by "
                               "the last part of its first path): give each its own name, "
                               "data.sources.<i>.name=<name> (CorpusSource(name=...))")
-        if not sum(s.weight for s in self.sources) > 0:  # here, not in setup(): before any source is tokenized
+        total = sum(s.weight for s in self.sources)
+        if not total > 0:  # here, not in setup(): before any source is tokenized
             raise CorpusError(f"data.sources: every weight is 0 ({names}); nothing to train on")
+        if total == float("inf"):  # each finite, their sum not: every share became 0, a draw an IndexError
+            raise CorpusError(f"data.sources: the weights {[s.weight for s in self.sources]} sum past the largest "
+                              "float; only their ratios count, so scale them down (e.g. to shares that sum to 1)")
         # whole numbers, named: int() took block_size=64.5 as 64 and a string failed with int()'s own message
         self.block_size = check_int("data.block_size", block_size, minimum=1)
         self.batch_size = check_int("data.batch_size", batch_size, minimum=1)
