@@ -119,6 +119,32 @@ def test_unreadable_file_is_named(tmp_path, monkeypatch):
         dm_for(corpus, tmp_path)
 
 
+def test_a_directory_that_cannot_be_listed_is_named_as_such(tmp_path, monkeypatch):
+    """A corpus dir of another user (0700) was "directory ... has no files matching '*'" after a warning, and a glob
+    in it "matched no files": it has files, which cannot be listed. (Root ignores modes, so EACCES is simulated.)"""
+    import os
+
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = make_corpus(tmp_path / "theirs", n_files=3, size=300)
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).rstrip("/") == str(corpus):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    unlisted = rf"^data source 't': directory '{corpus}' cannot be listed: Permission denied$"
+    with pytest.raises(CorpusError, match=unlisted):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[str(corpus)]))
+    with pytest.raises(CorpusError, match=rf"glob '{corpus}/\*.txt' matched no files \('{corpus}' cannot be listed: "
+                                          r"Permission denied\)$"):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{corpus}/*.txt"]))
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert len(resolve_files(CorpusSource(name="t", kind="files", paths=[f"{corpus}/*.txt"]))) == 3
+
+
 def test_a_file_reached_twice_is_one_document(tmp_path, monkeypatch, caplog):
     """The same file listed as a relative and an absolute path (paths=[corpus, /abs/corpus]), or reached through
     a symlink inside the corpus, was read once per spelling: 3 files became 6 documents (each trained on at twice

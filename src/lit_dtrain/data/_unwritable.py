@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from lit_dtrain.data.corpus import unreachable_reason
+from lit_dtrain.data._path_problems import unreachable_reason
 
 
 def why_unwritable(error: OSError, cache_dir: Path) -> tuple[str, str]:

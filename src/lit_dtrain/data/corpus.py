@@ -8,17 +8,16 @@ streams, cached by content, is :mod:`lit_dtrain.data.token_cache`, whose names a
 
 from __future__ import annotations
 
-import errno
 import glob
 import logging
 import os
 import re
-import stat
 import sysconfig
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lit_dtrain.data._path_problems import special_file_kind, unlistable, unreachable_reason
 from lit_dtrain.data.walking import _files_below, walk_glob
 from lit_dtrain.utils.args import is_number, type_name
 from lit_dtrain.utils.rank_zero import log_once
@@ -200,11 +199,16 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                     hint = (f" ('[' starts a character class in a glob; for a '[' in a file or directory name write "
                             f"'[[]': {str(raw).replace('[', '[[]')!r})")
                 hint += _brace_hint(str(raw))
+                head = os.path.dirname(path.split("*")[0].split("?")[0].split("[")[0]) or "."  # before any magic
+                if (why := unlistable(head)) is not None:
+                    hint += f" ({head!r} cannot be listed: {why})"
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files{hint}")
             if dirs:
                 globbed_dirs.append((raw, dirs, every_file))
             out.extend(sorted(matches))
         elif os.path.isdir(path):
+            if (why := unlistable(path)) is not None:  # was "has no files matching '*'", after a warning
+                raise CorpusError(f"data source {source.name!r}: directory {raw!r} cannot be listed: {why}")
             dangling: list[Path] = []
             dot_dirs: list[Path] = []  # not entered
             found = _files_below(Path(path), source.pattern, dangling, dot_dirs)
@@ -229,7 +233,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 )
             out.extend(sorted(matches))
         elif os.path.exists(path):
-            kind = _special_file_kind(path)
+            kind = special_file_kind(path)
             if kind is not None:
                 raise CorpusError(
                     f"data source {source.name!r}: path {raw!r} is {kind}, not a regular file: a corpus is read twice "
@@ -277,37 +281,6 @@ def _brace_hint(pattern: str) -> str:
         return ""
     globs = [pattern[: braces.start()] + alt + pattern[braces.end() :] for alt in braces[1].split(",")]
     return f" (a glob has no {{a,b}} alternatives, as a shell's braces are; list one glob for each in paths: {globs!r})"
-
-
-def unreachable_reason(path: str | os.PathLike) -> str:
-    """Why ``path``, neither a file nor a directory to ``os.path``, cannot be read, for ``f"path {path!r} {reason}"``:
-    a broken symbolic link (an unmounted disk, a moved corpus), a loop of links, a directory that cannot be searched
-    or a file given as a directory; each was "does not exist", while ``ls`` listed the link or the file."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ENOENT and os.path.islink(path):
-            return f"is a broken symbolic link (to {os.readlink(path)!r}, which does not exist)"
-        if e.errno == errno.ELOOP:
-            return "cannot be reached: its symbolic links form a loop" + (
-                f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
-        if e.errno != errno.ENOENT:  # Permission denied (a directory on the way), Not a directory ('file.txt/')
-            return f"cannot be reached: {e.strerror or e}"
-    return "does not exist"
-
-
-def _special_file_kind(path: str) -> str | None:
-    """What ``path`` is when it exists but is no regular file or directory (a pipe, a device, a socket), else None."""
-    mode = os.stat(path).st_mode
-    for test, kind in (
-        (stat.S_ISFIFO, "a pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return None
 
 
 def _hidden_below(path: Path, root: str) -> bool:

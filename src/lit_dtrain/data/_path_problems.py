@@ -1,0 +1,52 @@
+"""Why a path of a corpus or of the token cache cannot be read: a link that leads nowhere, a directory that cannot be
+listed, a pipe or device in place of a file. Each answer completes an error line that names the path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+
+def unreachable_reason(path: str | os.PathLike) -> str:
+    """Why ``path``, neither a file nor a directory to ``os.path``, cannot be read, for ``f"path {path!r} {reason}"``:
+    a broken symbolic link (an unmounted disk, a moved corpus), a loop of links, a directory that cannot be searched
+    or a file given as a directory; each was "does not exist", while ``ls`` listed the link or the file."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"is a broken symbolic link (to {os.readlink(path)!r}, which does not exist)"
+        if e.errno == errno.ELOOP:
+            return "cannot be reached: its symbolic links form a loop" + (
+                f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
+        if e.errno != errno.ENOENT:  # Permission denied (a directory on the way), Not a directory ('file.txt/')
+            return f"cannot be reached: {e.strerror or e}"
+    return "does not exist"
+
+
+def unlistable(directory: str) -> str | None:
+    """Why ``directory`` cannot be listed (``Permission denied``: another user's 0700 dir), or None when it can or
+    is no directory. Reads one entry, not the whole listing."""
+    try:
+        with os.scandir(directory) as entries:
+            next(entries, None)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def special_file_kind(path: str) -> str | None:
+    """What ``path`` is when it exists but is no regular file or directory (a pipe, a device, a socket), else None."""
+    mode = os.stat(path).st_mode
+    for test, kind in (
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return None
