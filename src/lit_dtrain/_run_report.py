@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,7 @@ from omegaconf import DictConfig
 from lit_dtrain.end_sample import generate_sample, sample_skip_reason
 from lit_dtrain.module import LitLLM
 from lit_dtrain.run_dirs import SUMMARY_LINE
+from lit_dtrain.sigterm_exit import SampleCut
 from lit_dtrain.utils.atomic import write_atomically
 from lit_dtrain.utils.job_log import log_to_handlers
 
@@ -29,7 +31,12 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Tra
             log.info(reason)
         return ""
     model = getattr(module.model, "_orig_mod", module.model)
-    return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
+    try:
+        return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
+    except SampleCut as cut:  # the finished run's summary.json and exit come first (SIGKILL follows a SIGTERM)
+        hint = "" if trainer.fast_dev_run else f"; sample the saved weights: python scripts/generate.py {checkpoint}"
+        log.warning("no text sample: %s came while it was drawn%s", signal.Signals(cut.args[0]).name, hint)
+        return ""
 
 
 def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:

@@ -12,6 +12,8 @@
   So the sample is ``generate.py <last.ckpt> --prompt <sample.prompt> --seed <seed>`` (same device type, same
   ``max_new_tokens``/``temperature``/``top_k``/``top_p``); in the run's precision it could draw other text from the
   same weights.
+- A SIGTERM or SIGHUP while it is drawn cuts it (``lit_dtrain.sigterm_exit.SampleCut``): the run has finished,
+  and its ``summary.json`` and exit come at once, not after the sample (37 s for 1500 tokens on a CPU).
 - An empty prompt starts from EOS (a document start), which decodes as a newline; that token is not the user's,
   so it is not printed (as in ``generate.py``).
 """
@@ -25,6 +27,8 @@ import logging
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
+
+from lit_dtrain.sigterm_exit import a_stop_signal_cuts_this
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,7 @@ def generate_sample(model: torch.nn.Module, tokenizer, gen_cfg, seed: int, devic
     # FSDP units (one rank; with more there is no sample) hold flat parameters whose views a cast would cut off
     fsdp = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     with contextlib.nullcontext(model) if fsdp else in_fp32(model) as m:
-        out = m.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
-                         top_k=gen_cfg.get("top_k", 40), top_p=gen_cfg.get("top_p", None), generator=g)
+        with a_stop_signal_cuts_this():  # SampleCut: within in_fp32, which casts the model back whatever happens
+            out = m.generate(ids, n_tokens, temperature=float(gen_cfg.get("temperature", 0.8)),
+                             top_k=gen_cfg.get("top_k", 40), top_p=gen_cfg.get("top_p", None), generator=g)
     return generated_text(tokenizer, out[0], prompt)

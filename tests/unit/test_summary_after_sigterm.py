@@ -11,6 +11,7 @@ import math
 import signal
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -156,3 +157,38 @@ def test_a_signal_after_a_fast_dev_runs_fit_does_not_say_last_ckpt_is_saved(tiny
             f"{cfg.paths.checkpoint_dir} holds no resumable checkpoint: a resume has nothing to continue")
     assert said in caplog.text
     assert "last.ckpt is saved" not in caplog.text
+
+
+def test_a_sigterm_in_the_sample_cuts_it_and_the_summary_comes_at_once(tiny_cfg, caplog):
+    """The end-of-run sample went on to its last token after a SIGTERM (3000 tokens of a tiny model: 223 s to the
+    exit under load, 25 s without a sample): past Slurm's 30 s grace the SIGKILL took the finished run before its
+    summary.json. The signal cuts the sample: the model runs no more tokens, the summary is written, a line says where
+    to sample the saved weights, and a bf16-true model is cast back from the fp32 it was sampled in."""
+    import logging
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("sample.max_new_tokens=400", "trainer.precision=bf16-true",
+                   "+callbacks.count._target_=tests.unit.test_summary_after_sigterm.CountSampleTokens",
+                   "+callbacks.fault._target_=tests.faults.SignalInSample")
+    CountSampleTokens.tokens.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        metrics, objects = train(cfg)
+    assert len(CountSampleTokens.tokens) == 1  # the forward the signal came in (400 without the cut)
+    assert metrics["steps"] == 6 and (Path(cfg.paths.output_dir) / "summary.json").is_file()
+    ckpt = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    assert (f"no text sample: SIGTERM came while it was drawn; sample the saved weights: python scripts/generate.py "
+            f"{ckpt}") in caplog.text
+    assert "SIGTERM came after the run finished (summary.json is written)" in caplog.text
+    assert {p.dtype for p in objects["model"].parameters()} == {torch.bfloat16}
+
+
+class CountSampleTokens(L.Callback):
+    """Count the model's forwards after ``train()``'s final validation (the end-of-run sample's tokens, one each)."""
+
+    tokens: list = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+            model.tok_embeddings.register_forward_pre_hook(lambda *args: self.tokens.append(1))
