@@ -45,6 +45,11 @@ class StepGradNorm:
             self._versions = [g._version for g in grads]
         return self._norm
 
+    def __getstate__(self) -> dict:
+        # A cache of this process's tensors: a copy starts empty. Its weakrefs do not pickle, so a LitLLM that had
+        # clipped by norm in a fit failed torch.save(module) and a Trainer(strategy="ddp_spawn") fit of it.
+        return {"_refs": [], "_versions": [], "_norm": None}
+
     def _holds(self, grads: list[torch.Tensor]) -> bool:
         return (self._norm is not None and len(grads) == len(self._refs)
                 and all(r() is g for r, g in zip(self._refs, grads))

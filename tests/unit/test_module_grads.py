@@ -71,6 +71,23 @@ def test_the_kept_norm_is_recomputed_when_a_gradient_changes_or_is_replaced() ->
     assert float(norms.total([a])) == pytest.approx(12**0.5)
 
 
+def test_a_module_that_clipped_in_a_fit_pickles(tmp_path: Path) -> None:
+    """The kept norm held weakrefs of the step's gradients, which do not pickle: after a fit that clipped by norm,
+    torch.save(module) and a Trainer(strategy="ddp_spawn") fit of it (which pickles the module to start the ranks)
+    failed, ``TypeError: cannot pickle 'weakref.ReferenceType' object``. The copy has the weights and an empty cache."""
+    import pickle
+
+    module = tiny_lit()
+    fit(module, tmp_path, steps=2, accumulate=1, gradient_clip_val=1.0)
+    assert module._grad_norm._refs  # the last step's gradients, kept by weak reference
+    copy = pickle.loads(pickle.dumps(module))
+    assert copy._grad_norm._refs == [] and copy._grad_norm._norm is None and module._grad_norm._refs
+    mine, ref = copy.state_dict(), module.state_dict()
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    a = torch.ones(4)
+    assert float(copy._grad_norm.total([a])) == 2.0
+
+
 @pytest.mark.parametrize("values, stops", [((1.5e19, 1.5e19), False), ((1.0, math.nan), True), ((math.inf, 1.0), True)])
 def test_the_check_stops_on_nan_or_inf_gradients_only_not_on_a_total_norm_that_overflows(values, stops) -> None:
     """The check reads the total norm first; two finite gradients whose squares overflow only in its sum (inf) are no
