@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal as signal_module
+import time
 from pathlib import Path
 
 import lightning as L
@@ -78,6 +79,25 @@ class SignalInSample(L.Callback):
 
         # the embedding: Llama.generate runs its modules, not its own forward
         handle = model.tok_embeddings.register_forward_pre_hook(send)
+
+
+class SlowSample(L.Callback):
+    """Sleep ``seconds`` at the first forward of the model after ``train()``'s final validation: rank 0's end-of-run
+    sample (only it draws one) takes that long, while the other ranks wait for it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn != "validate":
+            return
+        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+
+        def sleep(module, args):
+            handle.remove()
+            time.sleep(self.seconds)
+
+        handle = model.tok_embeddings.register_forward_pre_hook(sleep)
 
 
 class PoisonLossAtStep(L.Callback):

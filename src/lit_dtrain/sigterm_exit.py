@@ -338,8 +338,11 @@ def agree_on_a_late_sigterm(trainer: L.Trainer) -> None:
     recorder = next((c for c in trainer.callbacks if isinstance(c, SigtermRecorder)), None)
     if recorder is None or trainer.world_size == 1 or not in_multirun() or _the_sweeps_last_job():
         return  # a single run or the last job: each rank ends by itself (rank 0's line says the signal came)
+    from lit_dtrain.strategies._connect import waiting_as_for_a_connection
+
     mine = torch.tensor(int(recorder.signum) if recorder.signalled else 0, device=trainer.strategy.root_device)
-    agreed = int(all_gather_stacked(mine).max())
+    with waiting_as_for_a_connection(trainer.strategy):  # rank 1 waits here for rank 0's sample
+        agreed = int(all_gather_stacked(mine).max())
     if not agreed:
         return
     if not recorder.signalled:

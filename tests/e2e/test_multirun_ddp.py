@@ -84,3 +84,25 @@ def test_a_sigterm_in_a_ddp_jobs_end_of_run_sample_stops_both_ranks_before_the_n
     assert "[rank: 1] exiting with status 143 (stopped by SIGTERM, not finished)" in rank_1, rank_1[-2000:]
     assert "[rank: 0] exiting with status 143 (stopped by SIGTERM, not finished)" in out, out[-3000:]
     assert out.count("stopped by SIGTERM after this job finished") == 1, out[-3000:]  # rank 0's line alone
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_ddp_sweep_whose_sample_outlasts_the_collective_timeout_runs_every_job(tmp_path, corpus):
+    """Rank 1 waits for rank 0's end-of-run sample in a collective (the ranks' agreement on a late signal; before it,
+    the next job's first one) bounded by strategy.collective_timeout_s: with 10 s and a 1200-token sample, a healthy
+    2-job sweep failed there ('Timed out waiting 10000ms for send operation to complete') and was SIGKILLed (137).
+    That wait is bounded by strategy.connect_timeout_s now, as the wait for a rank that starts slowly is."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "strategy.collective_timeout_s=8", "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+        "trainer.max_steps=4", "optimizer.lr=1e-3,2e-3", "+callbacks.fault._target_=tests.faults.SlowSample",
+        "+callbacks.fault.seconds=16", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Timed out" not in out and "collective failed" not in out, out[-3000:]
+    assert [json.loads((sweep / job / "summary.json").read_text())["steps"] for job in ("0", "1")] == [4, 4]

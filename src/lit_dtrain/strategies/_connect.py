@@ -12,6 +12,7 @@ connection that times out says so in one line (:class:`~lit_dtrain.utils.distrib
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from datetime import timedelta
@@ -65,6 +66,26 @@ class FirstConnection:
             _made_here = weakref.ref(group)
         if ours or (_made_here is not None and _made_here() is group):
             set_collective_timeout(collective)
+
+
+@contextlib.contextmanager
+def waiting_as_for_a_connection(strategy):
+    """Bound the default group's collectives by the strategy's ``connect_timeout_s`` (not ``collective_timeout_s``)
+    inside this block, where the other ranks wait for rank 0's work alone, as they wait for a rank that starts slowly:
+    a multirun job's end-of-run sample, which only rank 0 draws. With ``collective_timeout_s=10`` and a 1200-token
+    sample, a healthy 2-rank sweep failed there ('Timed out waiting 10000ms for send operation to complete') and was
+    SIGKILLed, status 137. A group made elsewhere keeps its own bound, as :class:`FirstConnection` leaves it."""
+    collective, connect = getattr(strategy, "_timeout", None), getattr(strategy, "_connect_timeout", None)
+    group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    ours = group is not None and _made_here is not None and _made_here() is group and can_set_collective_timeout()
+    if not ours or collective is None or connect is None or connect <= collective:
+        yield
+        return
+    set_collective_timeout(connect)
+    try:
+        yield
+    finally:
+        set_collective_timeout(collective)
 
 
 def _timed_out(exc: BaseException) -> bool:
