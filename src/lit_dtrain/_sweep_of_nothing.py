@@ -28,9 +28,12 @@ def note_sweep_dir(directory) -> None:
     path = Path(os.path.realpath(str(directory)))
     missing = [p for p in (path, *path.parents) if not p.exists()]
     # Hydra's mkdir(parents=True) of 'a/nope/../x' makes a/nope on the way to a/x: it was left after the failure
+    # (each by its real path, whose existence is what counts: 'nope/../kept' does not exist for the OS while nope does
+    # not, and kept, empty, existing before the start, was removed after 'nope/../kept/../x' failed)
     parts = Path(os.path.join(os.getcwd(), str(directory))).parts
-    on_the_way = {Path(os.path.realpath(os.path.join(*parts[:i]))) for i in range(2, len(parts)) if ".." in parts[i:]
-                  and parts[i - 1] not in ("..", ".") and not os.path.exists(os.path.join(*parts[:i]))}
+    made = [os.path.realpath(os.path.join(*parts[:i])) for i in range(2, len(parts))
+            if ".." in parts[i:] and parts[i - 1] not in ("..", ".")]
+    on_the_way = {Path(p) for p in made if not os.path.exists(p)}
     on_the_way -= {path, *path.parents}
     _new_sweep_dir = (path, missing[-1], sorted(on_the_way, key=lambda p: -len(p.parts))) if missing else None
 

@@ -145,6 +145,22 @@ def test_a_sweep_of_nothing_through_dotdot_removes_no_dir_that_existed_before(tm
     assert removed == tmp_path.resolve() / "kept" / "sweep" and not removed.exists()
 
 
+def test_a_dir_on_the_way_that_existed_before_is_not_removed_though_a_missing_dir_precedes_it(tmp_path, monkeypatch):
+    """hydra.sweep.dir='nope/../kept/../z': the OS finds 'nope/../kept' missing while nope is, so kept (existing,
+    empty, made before the start) was noted as a dir Hydra's mkdir made on the way to z, and removed after the failed
+    sweep. Each dir on the way is judged by its real path now: nope (made) and z go, kept stays."""
+    from lit_dtrain._sweep_of_nothing import note_sweep_dir, remove_a_sweep_of_nothing
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    directory = "nope/../kept/../z"
+    note_sweep_dir(directory)
+    Path(directory).mkdir(parents=True)  # as Hydra's sweeper makes it (nope with it)
+    (Path(directory) / "multirun.yaml").write_text("{}\n")
+    assert remove_a_sweep_of_nothing() == tmp_path.resolve() / "z"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
 def test_a_sweep_of_nothing_through_dotdot_removes_the_dirs_hydra_made_on_the_way(tmp_path, monkeypatch, capfd):
     """hydra.sweep.dir='a/nope/deeper/../../x' (nope did not exist): Hydra's mkdir(parents=True) makes a/nope and
     a/nope/deeper on its way to a/x, and after the failed sweep both were left, empty. They are removed too; a
