@@ -23,6 +23,10 @@ from tests.unit._compare_runs_helpers import compare_runs, write_run
         # a dir not made yet: Path drops the '/', so plots.png was written beside it, and --table a file 'tables'
         (["--out", "{tmp}/plots/"], "--out '{tmp}/plots/' ends with a path separator, so it names a directory"),
         (["--table", "{tmp}/tables/"], "--table '{tmp}/tables/' ends with a path separator, so it names a directory"),
+        # and '/.': plots.png beside the missing dir; '/..': a file '...png' in it
+        (["--out", "{tmp}/plots/."], "--out '{tmp}/plots/.' ends with '.', so it names a directory"),
+        (["--out", "{tmp}/plots/.."], "--out '{tmp}/plots/..' ends with '..', so it names a directory"),
+        (["--table", "{tmp}/tables/."], "--table '{tmp}/tables/.' ends with '.', so it names a directory"),
     ],
 )
 def test_an_unwritable_out_or_table_is_named_before_the_runs_are_read(tmp_path, capsys, flags, message):

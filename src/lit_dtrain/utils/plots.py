@@ -25,6 +25,10 @@ def output_path(path: str | os.PathLike, flag: str, image: bool = False) -> Path
         # dir not made yet, '--out plots/', wrote plots.png (and '--table tables/' a file named tables), exit 0
         raise OutputPathError(f"{flag} {str(path)!r} ends with a path separator, so it names a directory; give a "
                               "file path")
+    if os.path.basename(os.fspath(path)) in (os.curdir, os.pardir):  # Path drops a trailing '/.' too: '--out
+        # plots/.' wrote plots.png beside the missing dir, and '--out plots/..' a file named '...png' in it
+        raise OutputPathError(f"{flag} {str(path)!r} ends with {os.path.basename(os.fspath(path))!r}, so it names a "
+                              "directory; give a file path")
     if image:
         if not out.suffix:
             out = out.with_name(out.name + ".png")
