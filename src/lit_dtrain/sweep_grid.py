@@ -17,23 +17,72 @@ log = logging.getLogger("lit_dtrain.sweeps")  # the sweep checks' logger, as bef
 
 
 def warn_if_the_grid_repeats_a_point(hc) -> None:
-    """Warn when a swept key of this multirun (``-m`` or an experiment's ``hydra.sweeper.params``) lists a value
-    twice: ``optimizer.lr=1e-3,1e-3`` (a typo for 3e-3) trained the same run twice without a word, and
-    ``compare_runs.py`` labelled the rows by job number alone, since no value differs between them."""
+    """Warn when two jobs of this multirun train the same configuration, as Hydra's basic sweeper expands its grid
+    (:func:`basic_sweep_jobs`): ``optimizer.lr=1e-3,1e-3`` (a typo for 3e-3) trained the same run twice without a
+    word, and ``compare_runs.py`` labelled the rows by job number alone, since no value differs between them. Judged
+    by each job's final value of a key (1e-3 and 0.001 are one value; a later override of a key replaces it), as
+    Hydra composes the job: counted by hand (each swept key's values alone), ``optimizer.lr=1e-3,2e-3
+    ++optimizer.lr=3e-3,4e-3`` (4 jobs, 2 distinct) passed, and ``optimizer.lr=1e-3,1e-3 optimizer.lr=3e-3`` (1 job)
+    was warned of."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
 
-    task = sweep_task(hc)
-    params = grid_lines(hc.sweeper)
-    axes = {}  # the command line's value of a key replaces the experiment's
-    for o in OverridesParser.create().parse_overrides(params + task):
-        if o.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP, ValueType.RANGE_SWEEP):
-            axes[o.key_or_group] = [str(v) for v in o.sweep_iterator()]  # 1e-3 and 0.001 are one value
-    for key, values in axes.items():
-        repeated = sorted({v for i, v in enumerate(values) if v in values[:i]})
-        if repeated:
-            log.warning("%s lists %s more than once: this multirun trains the same configuration in several jobs "
-                        "(%d values, %d distinct)", key, ", ".join(repeated), len(values), len(set(values)))
+    swept_jobs = basic_sweep_jobs(hc)
+    if swept_jobs is None:
+        return
+    overrides, jobs = swept_jobs
+    swept = {o.key_or_group for o in overrides if o.is_sweep_override()}
+    parser = OverridesParser.create()
+    finals = []  # each job's key -> (its final value, the line that set it)
+    for job in jobs:
+        final = {}
+        for line, o in zip(job, parser.parse_overrides(job)):
+            final[o.key_or_group] = ("~" if o.is_delete() else repr(o.value()), line)
+        finals.append(final)
+    points = [repr(sorted((key, value) for key, (value, _) in final.items())) for final in finals]
+    first_of = {point: points.index(point) for point in points}
+    num = next((num for num, point in enumerate(points) if first_of[point] != num), None)
+    if num is None:
+        return
+    first, final = first_of[points[num]], finals[num]
+    trained = " ".join(line for key, (_, line) in final.items() if key in swept) or " ".join(jobs[num])
+    differ = [(a, b) for a, b in zip(jobs[first], jobs[num]) if a != b]
+    if not differ:
+        why = "a swept value is listed twice"
+    else:
+        a, b = differ[0]
+        line = final[parser.parse_overrides([a])[0].key_or_group][1]
+        why = (f"'{a}' and '{b}' are one value" if line == b
+               else f"'{line}' replaces job {first}'s '{a}' and job {num}'s '{b}'")
+    log.warning("job %d of this multirun trains the same configuration as job %d (%s): %s; its %d jobs train %d "
+                "distinct configurations", num, first, trained, why, len(jobs), len(first_of))
+
+
+def basic_sweep_jobs(hc) -> tuple[list, list[list[str]]] | None:
+    """The jobs of this multirun as Hydra's basic sweeper expands them (its ``split_arguments``; each job a list of
+    override lines) with the parsed overrides they came from: the grid it expanded (``multirun.yaml``'s
+    ``hydra.sweeper.params``, else this job's) and the command line's overrides, from this start's
+    ``multirun.yaml``. None for another sweeper (a sampling sweeper draws its values) or where the sweep cannot be
+    read."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    multirun = _multirun_file(hc)
+    if not _is_basic(hc, "sweeper") or multirun is None:
+        return None
+    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    try:  # the parser given the loader lists a glob's options
+        swept = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")  # the grid the sweeper expanded
+        lines = grid_lines(swept if swept is not None else hc.sweeper) + sweep_task(hc)
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(lines)
+        return overrides, BasicSweeper.split_arguments(overrides, None)[0]
+    except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
+        return None
+
+
+def _is_basic(hc, node: str) -> bool:
+    """Whether this multirun's ``hydra.<node>`` (sweeper, launcher) is Hydra's basic one."""
+    return str(OmegaConf.select(hc, f"{node}._target_", default="")).endswith(f".Basic{node.title()}")
 
 
 def sweep_task(hc) -> list[str]:
@@ -44,30 +93,14 @@ def sweep_task(hc) -> list[str]:
 
 def sweep_job_count(hc) -> int | None:
     """How many jobs this multirun runs, where Hydra's basic sweeper and launcher run them one after another: the
-    sweeper's own count (its ``split_arguments``) of the grid it expanded (``multirun.yaml``'s
-    ``hydra.sweeper.params``, else this job's) and the command line's overrides, from this start's ``multirun.yaml``;
-    None for another sweeper or launcher (a sampling sweeper, a parallel launcher: no job is known to be the last),
-    or where the sweep cannot be read. Counted by hand (swept keys only, by key without its prefix), a single value
-    on the command line did not replace the grid's key (``-m experiment=wsd_vs_cosine scheduler=wsd
-    optimizer.lr=1e-3``, 1 job, counted 6) and ``++optimizer.lr=3e-3,4e-3`` replaced ``optimizer.lr=1e-3,2e-3``
-    (4 jobs, counted 2: job 1's SIGTERM was taken for one after the last job, and jobs 2 and 3 ran on)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    basic = [str(OmegaConf.select(hc, f"{node}._target_", default="")).endswith(f".Basic{node.title()}")
-             for node in ("sweeper", "launcher")]
-    multirun = _multirun_file(hc)
-    if not all(basic) or multirun is None:
-        return None
-    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
-    try:  # the parser given the loader lists a glob's options
-        swept = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")  # the grid the sweeper expanded
-        lines = grid_lines(swept if swept is not None else hc.sweeper) + sweep_task(hc)
-        overrides = OverridesParser.create(config_loader=loader).parse_overrides(lines)
-        return len(BasicSweeper.split_arguments(overrides, None)[0])
-    except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
-        return None
+    sweeper's own count (:func:`basic_sweep_jobs`); None for another sweeper or launcher (a sampling sweeper, a
+    parallel launcher: no job is known to be the last), or where the sweep cannot be read. Counted by hand (swept
+    keys only, by key without its prefix), a single value on the command line did not replace the grid's key
+    (``-m experiment=wsd_vs_cosine scheduler=wsd optimizer.lr=1e-3``, 1 job, counted 6) and
+    ``++optimizer.lr=3e-3,4e-3`` replaced ``optimizer.lr=1e-3,2e-3`` (4 jobs, counted 2: job 1's SIGTERM was taken
+    for one after the last job, and jobs 2 and 3 ran on)."""
+    swept_jobs = basic_sweep_jobs(hc) if _is_basic(hc, "launcher") else None
+    return None if swept_jobs is None else len(swept_jobs[1])
 
 
 def unresolved(lines) -> list[str]:

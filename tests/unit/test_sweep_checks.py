@@ -90,8 +90,9 @@ def test_a_multirun_whose_grid_repeats_a_point_says_so(tmp_path, corpus, caplog)
     sweep = ["seed=range(1,3)", "optimizer.lr=1e-3,0.001,3e-3"]
     with multirun_job(tmp_path / "sweep" / "0", sweep, ["seed=1", "optimizer.lr=0.001"], corpus) as cfg:
         sweep_checks(cfg)
-    assert caplog.messages == ["optimizer.lr lists 0.001 more than once: this multirun trains the same configuration "
-                               "in several jobs (3 values, 2 distinct)"]
+    assert caplog.messages == ["job 1 of this multirun trains the same configuration as job 0 (seed=1 "
+                               "optimizer.lr=0.001): a swept value is listed twice; its 6 jobs train 4 distinct "
+                               "configurations"]
     caplog.clear()
     with multirun_job(tmp_path / "sweep" / "1", sweep, ["seed=1", "optimizer.lr=0.001"], corpus) as cfg:
         sweep_checks(cfg)  # once a sweep

@@ -44,7 +44,8 @@ def test_the_command_lines_values_replace_an_experiments_in_the_repeat_check(tmp
             OmegaConf.save({"hydra": {"overrides": {"task": ["optimizer.lr=1e-3,1e-3"]}}},
                            tmp_path / "sweep" / "multirun.yaml")
             warn_if_the_grid_repeats_a_point(hydra)
-    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("optimizer.lr lists 0.001 more than once")
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("job 1 of this multirun trains the same "
+                                                                        "configuration as job 0 (optimizer.lr=0.001)")
 
 
 @pytest.mark.parametrize("mode", ["run", "multirun"])
@@ -101,3 +102,33 @@ def test_the_sweeps_job_count_is_the_basic_sweepers_own(tmp_path, corpus):
         task = ["experiment=cpt_replay,wsd_vs_cosine"]
         OmegaConf.save({"hydra": {"overrides": {"task": task}, "sweeper": {"params": None}}}, multirun)
         assert sweep_job_count(hydra) == 2
+
+
+@pytest.mark.parametrize(
+    "grid, task, message",
+    [  # counted by hand (each swept key's values alone): 4 jobs of 2 points passed, 1 job was warned of
+        (None, ["optimizer.lr=1e-3,2e-3", "++optimizer.lr=3e-3,4e-3"],
+         "job 2 of this multirun trains the same configuration as job 0 (++optimizer.lr=0.003): "
+         "'++optimizer.lr=0.003' replaces job 0's 'optimizer.lr=0.001' and job 2's 'optimizer.lr=0.002'; its 4 jobs "
+         "train 2 distinct configurations"),
+        (None, ["optimizer.lr=1e-3,1e-3", "optimizer.lr=3e-3"], None),
+        ({"optimizer.lr": "1e-3,1e-3", "scheduler": "wsd,cosine"}, ["experiment=x", "optimizer.lr=3e-3"], None),
+        (None, ["seed=range(1,3)", "optimizer.lr=1e-3,0.001"],
+         "job 1 of this multirun trains the same configuration as job 0 (seed=1 optimizer.lr=0.001): a swept value is "
+         "listed twice; its 4 jobs train 2 distinct configurations"),
+        (None, ["seed=range(1,3)", "optimizer.lr=3e-3"], None),
+    ],
+)
+def test_a_repeated_point_is_judged_on_the_basic_sweepers_jobs(tmp_path, corpus, caplog, grid, task, message):
+    """The repeat check reads the jobs the basic sweeper runs (as the job count does): each job's final value of a
+    key, after a later override of it."""
+    with multirun_job(tmp_path / "sweep" / "0", ["seed=1"], ["seed=1"], corpus):
+        hydra = HydraConfig.get()
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):  # the job's config has its experiment's grid
+            hydra.sweeper.params = grid
+        OmegaConf.save({"hydra": {"overrides": {"task": task}, "sweeper": {"params": grid}}},
+                       tmp_path / "sweep" / "multirun.yaml")
+        with caplog.at_level(logging.WARNING):
+            warn_if_the_grid_repeats_a_point(hydra)
+    assert caplog.messages == ([message] if message else [])
