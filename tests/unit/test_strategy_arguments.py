@@ -112,3 +112,20 @@ def test_topks_dynamic_ratio_given_half_is_refused(given):
     with pytest.raises(ValueError, match=said):
         TopK(ratio=0.01, **given)
     assert TopK(ratio=0.01, initial_ratio=0.25, ratio_warmup_steps=100).k_at(100_000, 0) == 25_000
+
+
+def test_ddps_unused_parameter_error_names_the_compressed_strategys_own_flag():
+    """A project of one's own with a parameter unused in the loss (2 gloo ranks): Lightning's advice was
+    strategy='ddp_find_unused_parameters_true', its plain DDPStrategy, which would replace the compressed one (no codec)
+    without a word. The advice names this strategy's own find_unused_parameters=True now; other errors are kept."""
+    from lit_dtrain.strategies import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(compressor="int8")
+    error = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. ...")
+    strategy.on_exception(error)
+    assert str(error).startswith("It looks like your LightningModule has parameters that were not used")
+    assert "this strategy's own flag, `CompressedDDPStrategy(..., find_unused_parameters=True)`" in str(error)
+    assert "either by setting the string value `strategy='ddp_find_unused_parameters_true'`" not in str(error)
+    other = ValueError("loss is nan", 3)
+    strategy.on_exception(other)
+    assert other.args == ("loss is nan", 3)

@@ -51,7 +51,7 @@ from lit_dtrain.strategies.fit_end import (
 )
 from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_rank_params
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
-from lit_dtrain.strategies.unused_params import globally_unused, reducer_parameter_ids
+from lit_dtrain.strategies.unused_params import advise_the_strategys_flag, globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
 from lit_dtrain.utils.args import is_flag, is_number
 from lit_dtrain.utils.distributed import (
@@ -298,6 +298,7 @@ class CompressedDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
         trainer = module.trainer if module is not None and module._trainer is not None else None
         record_rank_failure(exception, trainer.global_step if trainer is not None else None)
         super().on_exception(exception)
+        advise_the_strategys_flag(exception, type(self).__name__)  # not Lightning's plain DDP
 
     @override
     def reduce(self, tensor, group=None, reduce_op="mean"):

@@ -41,3 +41,18 @@ def globally_unused(ddp_model: nn.parallel.DistributedDataParallel, reducer_ids:
     if counts is not None and counts.numel() == len(reducer_ids):
         unused |= {i for i, count in zip(reducer_ids, counts.tolist()) if count == 0}
     return [names[id(p)] for _, p in named if id(p) in unused and id(p) in names]
+
+
+# Lightning's advice for DDP's unused-parameter error (DDPStrategy.on_exception), which would replace this strategy
+_PLAIN_DDP_ADVICE = "either by setting the string value `strategy='ddp_find_unused_parameters_true'`"
+
+
+def advise_the_strategys_flag(exception: BaseException, strategy: str) -> None:
+    """Name ``strategy``'s own ``find_unused_parameters=True`` in Lightning's advice for DDP's unused-parameter error:
+    its ``strategy='ddp_find_unused_parameters_true'`` is Lightning's plain ``DDPStrategy``, which would silently
+    replace the compressed one (no codec, no ``comm/bytes_per_step``)."""
+    exception.args = tuple(arg.split(_PLAIN_DDP_ADVICE)[0] + (
+        f"by passing this strategy's own flag, `{strategy}(..., find_unused_parameters=True)` (in train.py's config "
+        "'+strategy.find_unused_parameters=true'); `strategy='ddp_find_unused_parameters_true'` would replace it with "
+        "Lightning's plain DDPStrategy, which compresses nothing.") if isinstance(arg, str) and _PLAIN_DDP_ADVICE in arg
+        else arg for arg in exception.args)
