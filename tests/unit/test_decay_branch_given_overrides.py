@@ -8,7 +8,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lit_dtrain.schedules._branch_overrides import RELATIVE, _given_overrides
+from lit_dtrain.schedules._branch_overrides import RELATIVE, Interpolation, _given_overrides
 from tests.conftest import CONF_DIR, in_hydra_job
 
 
@@ -21,8 +21,8 @@ def test_the_given_overrides_read_a_relative_interpolation_and_resolve_the_other
     with in_hydra_job(full):
         given = _given_overrides()
     # the relative one is marked for the config to resolve (decay_branch reads it there); an interpolation elsewhere
-    # is the value it gives; a deletion is left out
-    assert given == {"data.val_batch_size": RELATIVE, "trainer.max_steps": 8}
+    # is the value it gives, with the key it names; a deletion is left out
+    assert given == {"data.val_batch_size": RELATIVE, "trainer.max_steps": Interpolation("data.batch_size", 8)}
 
 
 def test_only_a_key_the_branch_sets_is_read_in_the_config():
@@ -65,6 +65,30 @@ def test_a_key_the_branch_sets_given_in_a_mapping_is_judged():
     for typed, refused in (("++scheduler={decay_steps:5}", "scheduler.decay_steps=5"),
                            ("++trainer={max_steps:20}", "trainer.max_steps=20"),
                            ("++scheduler={warmup_steps:1,decay_steps:3}", None)):  # the branch's own value
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
+        with open_dict(full):
+            full.hydra.overrides.task = [typed]
+        with in_hydra_job(full) as cfg:
+            if refused is None:
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+                continue
+            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+
+
+def test_a_value_naming_a_key_the_branch_sets_is_judged_with_the_branchs_value():
+    """'scheduler.total_steps=${trainer.max_steps}' (the WSD config's own value) was refused as 'scheduler.total_steps=
+    1000 is given', trainer.max_steps before the branch set it to 6; the run it refused trains as the branch alone does.
+    A value naming another key the branch sets is that key's branch value, so one that differs is still refused."""
+    import pytest
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
+
+    for typed, refused in (("scheduler.total_steps=${trainer.max_steps}", None),
+                           ("scheduler.decay_steps=${trainer.max_steps}", "scheduler.decay_steps=5"),
+                           ("scheduler.total_steps=${data.batch_size}", "scheduler.total_steps=8")):
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
         with open_dict(full):

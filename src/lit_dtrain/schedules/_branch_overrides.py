@@ -5,11 +5,22 @@ word."""
 
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
 
 RELATIVE = object()  # an override's value relative to its node, which only the config resolves
+
+
+class Interpolation(NamedTuple):
+    """An override's value that is another key's (``'scheduler.total_steps=${trainer.max_steps}'``): ``target`` the
+    key it names, ``value`` what it gives before the branch sets its keys."""
+
+    target: str
+    value: object
 
 
 def _given_overrides() -> dict[str, object]:
@@ -32,6 +43,8 @@ def _given_overrides() -> dict[str, object]:
                 value = parser.parse_override(str(task[i])).value()
             except Exception:  # noqa: BLE001 - relative to its node ('${.warmup_steps}'): read in the config
                 value = RELATIVE
+            if target := re.fullmatch(r"\$\{([A-Za-z_][\w.]*)\}", o.value()):  # another key's value, absolute
+                value = Interpolation(target[1], value)
         if not o.is_delete():
             given.update(_flattened(o.key_or_group, value))
     return given
@@ -49,7 +62,9 @@ def _flattened(key: str, value) -> dict[str, object]:
 def refuse_given_branch_keys(cfg: DictConfig, nodes: list[tuple[str, DictConfig]], start: int, steps: int) -> None:
     """``ConfigError`` for a key the branch sets (``trainer.max_steps = S + N``; ``total_steps``, ``decay_steps = N``,
     ``decay_fraction = null``) given on the command line with another value (a relative one, ``${.warmup_steps}``,
-    read in ``cfg``): it was replaced without a word (``trainer.max_steps=20 decay_branch.steps=4`` from step 6)."""
+    read in ``cfg``): it was replaced without a word (``trainer.max_steps=20 decay_branch.steps=4`` from step 6). A
+    value that names a key the branch sets (``'scheduler.total_steps=${trainer.max_steps}'``, the WSD config's own) is
+    that key's branch value: it was refused as the value before the branch ('scheduler.total_steps=1000 is given')."""
     given = _given_overrides()
     sets = {"trainer.max_steps": (start + steps, f"the checkpoint's step {start} + decay_branch.steps={steps}")}
     for key in dict.fromkeys([k for k, _ in nodes] + ["scheduler"]):  # the callback reads scheduler.<key> too
@@ -58,6 +73,8 @@ def refuse_given_branch_keys(cfg: DictConfig, nodes: list[tuple[str, DictConfig]
         sets[f"{key}.decay_fraction"] = (None, "the branch decays over decay_branch.steps")
     for key, (value, why) in sets.items():
         typed = given.get(key, value)
+        if isinstance(typed, Interpolation):  # '${trainer.max_steps}': judged after the branch sets the key it names
+            typed = sets[typed.target][0] if typed.target in sets else typed.value
         if typed is RELATIVE:  # read here alone: another key's '${.nope}' is the run's own one-line error later
             try:
                 typed = OmegaConf.select(cfg, key)
