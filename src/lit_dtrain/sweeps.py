@@ -33,6 +33,7 @@ from lit_dtrain.sweep_grid import (
     warn_if_an_experiment_grid_was_not_swept,
     warn_if_the_grid_repeats_a_point,
 )
+from lit_dtrain.utils.distributed import print_once_across_ranks
 from lit_dtrain.utils.job_log import log_to_handlers
 
 log = logging.getLogger(__name__)
@@ -263,17 +264,16 @@ def reports_user_errors(task_fn):
 
 
 def _exit_with(error: BaseException):
-    """Print ``error: <message>`` on stderr and exit with status 1 (``HYDRA_FULL_ERROR=1``: its traceback, then exit
-    1). Raised under ``HYDRA_FULL_ERROR=1`` from a Hydra callback (the checks below; the task function's wrapper
-    raises it itself), the error was only Hydra's warning and the run started: ``run_name=''`` trained into the
-    runs dir itself."""
+    """Print ``error: <message>`` on stderr (once for a DDP run's ranks) and exit with status 1 (``HYDRA_FULL_ERROR=1``:
+    its traceback, then exit 1). Raised under ``HYDRA_FULL_ERROR=1`` from a Hydra callback (the checks below), the
+    error was only Hydra's warning and the run started: ``run_name=''`` trained into the runs dir itself."""
     if full_error_asked():
         try:
             raise error
         except BaseException:  # noqa: BLE001 - printed with where it was raised, as the full error asked
             traceback.print_exc()
         raise SystemExit(1) from None
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    print_once_across_ranks(f"error: {error}", sys.stderr)  # under DDP each rank reaches it: rank 0's line alone
     raise SystemExit(1) from None
 
 

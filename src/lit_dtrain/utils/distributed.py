@@ -61,6 +61,7 @@ def set_collective_timeout(timeout) -> None:
 # the same group, which its caller caught, must not be named as the cause of a later one. See begin_fit_records.
 _FAILURE_KEY = "lit_dtrain/failed/fit{}/rank{}"
 _FITS_KEY = "lit_dtrain/fits"
+_EXIT_LINE_KEY, _EXIT_SEEN_KEY = "lit_dtrain/exit_line/rank{}", "lit_dtrain/exit_line_seen/rank{}"
 _fit_generation = 0  # this fit's index in the current store; every rank of the group computes the same one
 _COLLECTIVE_HINTS = (
     "gloo",
@@ -201,3 +202,28 @@ def all_gather_stacked(tensor):
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, tensor)
     return torch.stack(gathered)
+
+
+def print_once_across_ranks(line: str, file, wait_s: float = 2.0) -> None:
+    """Print ``line`` (a run's last, one-line error) unless this is a rank other than 0 and rank 0 prints the same:
+    every rank of a DDP run reaches the same refusal (a resume whose compressor changed) and each printed it, the
+    user saw the line twice. Each rank leaves its line in the process group's store; a rank other than 0 waits up to
+    ``wait_s`` for rank 0's, and rank 0 up to ``wait_s`` for the others to have read it (its process holds the store).
+    A line that differs from rank 0's, or one rank 0 never gives (it hangs in a collective, the store is gone), is
+    printed by its rank as before."""
+    store, rank = _store_and_rank()
+    said_by_rank_zero = False
+    if store is not None:
+        try:
+            store.set(_EXIT_LINE_KEY.format(rank), line)
+            deadline, others = time.monotonic() + wait_s, range(1, dist.get_world_size())
+            wanted = [_EXIT_LINE_KEY.format(0)] if rank else [_EXIT_SEEN_KEY.format(r) for r in others]
+            while not store.check(wanted) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if rank:
+                said_by_rank_zero = store.check(wanted) and store.get(wanted[0]).decode(errors="replace") == line
+                store.set(_EXIT_SEEN_KEY.format(rank), "1")
+        except Exception:  # noqa: BLE001 - best effort: the store's host rank (rank 0) may be gone
+            pass
+    if not said_by_rank_zero:
+        print(line, file=file, flush=True)

@@ -1,0 +1,50 @@
+"""2-process gloo test of a run's last one-line error under DDP: every rank reached the same refusal (resume=auto
+after the compressor changed, strategy=ddp_compressed/int4 then /topk, under trainer=ddp_cpu) and each printed its
+'error:' line, so the user read it twice. Rank 0's line alone is printed now, unless the ranks' lines differ."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lit_dtrain.utils.distributed import print_once_across_ranks
+from tests.conftest import free_port, leave_rank
+
+pytestmark = pytest.mark.dist
+CASES = {  # case -> each rank's line (None: that rank gives none, as a rank hung in a collective)
+    "same": ["error: compressor state is for 'int4'", "error: compressor state is for 'int4'"],
+    "differ": ["error: rank 0's refusal", "error: rank 1's refusal"],
+    "rank 0 gives none": [None, "error: rank 1's refusal"],
+}
+
+
+def _worker(rank: int, port: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    printed = {}
+    for case, lines in CASES.items():
+        if lines[rank] is not None:
+            file = io.StringIO()
+            print_once_across_ranks(lines[rank], file, wait_s=1.0)
+            printed[case] = file.getvalue()
+        dist.barrier()  # the next case starts afresh: rank 0 drops the keys this one left
+        if rank == 0:
+            store = dist.distributed_c10d._get_default_store()
+            for key in [*(f"lit_dtrain/exit_line/rank{r}" for r in range(2)), "lit_dtrain/exit_line_seen/rank1"]:
+                store.delete_key(key)
+        dist.barrier()
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(printed, f)
+    leave_rank()
+
+
+def test_a_refusal_every_rank_reaches_is_printed_once(tmp_path):
+    out = str(tmp_path / "printed")
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+    rank0, rank1 = (json.loads(open(f"{out}.{r}").read()) for r in range(2))
+    assert rank0 == {"same": "error: compressor state is for 'int4'\n", "differ": "error: rank 0's refusal\n"}
+    assert rank1 == {"same": "", "differ": "error: rank 1's refusal\n",
+                     "rank 0 gives none": "error: rank 1's refusal\n"}
