@@ -99,3 +99,29 @@ def test_a_value_naming_a_key_the_branch_sets_is_judged_with_the_branchs_value()
                 continue
             with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
                 refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+
+
+def test_an_interpolation_in_a_mapping_is_judged_by_the_value_it_gives(monkeypatch):
+    """'++scheduler={decay_steps:${oc.env:STEPS}}' with STEPS=3, the branch's own decay_steps, was refused as
+    'scheduler.decay_steps=${oc.env:STEPS} is given' (the text compared, not its value; typed alone it trains); a
+    relative one ('${.warmup_steps}') is read in the config, as typed alone."""
+    import pytest
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
+
+    monkeypatch.setenv("STEPS", "3")
+    for typed, refused in (("++scheduler={decay_steps:${oc.env:STEPS}}", None),
+                           ("++scheduler={warmup_steps:3,decay_steps:${.warmup_steps}}", None),
+                           ("++scheduler={warmup_steps:1,decay_steps:${.warmup_steps}}", "scheduler.decay_steps=1"),
+                           ("++trainer={max_steps:${oc.env:STEPS}}", "trainer.max_steps=3")):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
+        with open_dict(full):
+            full.hydra.overrides.task = [typed]
+        with in_hydra_job(full) as cfg:
+            if refused is None:
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+                continue
+            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
+                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)

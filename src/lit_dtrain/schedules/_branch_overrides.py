@@ -38,13 +38,15 @@ def _given_overrides() -> dict[str, object]:
     # (relative to data: valid) raised 'Index 'batch_size' (str) is not an int' inside Hydra's list, in a traceback
     for i, o in enumerate(parser.parse_overrides(unresolved(task))):
         value = o.value()
-        if isinstance(value, str) and "${" in value:  # trainer.max_steps=${oc.env:STEPS}: the value it gives
+        # trainer.max_steps=${oc.env:STEPS}, or in a mapping ('++scheduler={decay_steps:${oc.env:STEPS}}'): the value
+        # it gives (a mapping's was compared as the text '${oc.env:STEPS}' and refused where STEPS was the branch's)
+        if isinstance(value, (str, dict)) and "${" in str(value):
             try:
                 value = parser.parse_override(str(task[i])).value()
             except Exception:  # noqa: BLE001 - relative to its node ('${.warmup_steps}'): read in the config
-                value = RELATIVE
-            if target := re.fullmatch(r"\$\{([A-Za-z_][\w.]*)\}", o.value()):  # another key's value, absolute
-                value = Interpolation(target[1], value)
+                value = RELATIVE if isinstance(value, str) else value  # a mapping's: each such key (_flattened)
+            if isinstance(o.value(), str) and (target := re.fullmatch(r"\$\{([A-Za-z_][\w.]*)\}", o.value())):
+                value = Interpolation(target[1], value)  # another key's value, absolute
         if not o.is_delete():
             given.update(_flattened(o.key_or_group, value))
     return given
@@ -55,6 +57,8 @@ def _flattened(key: str, value) -> dict[str, object]:
     ``scheduler.decay_steps``: the branch replaced it, and ``'++trainer={max_steps:20}'``, without a word)."""
     flat = {key: value}
     for k, v in (value.items() if isinstance(value, dict) else ()):
+        if isinstance(v, str) and "${" in v:  # the line did not resolve: relative to its node, read in the config
+            v = RELATIVE
         flat.update(_flattened(f"{key}.{k}", v))
     return flat
 
