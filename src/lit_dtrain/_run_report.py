@@ -35,7 +35,7 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Tra
         return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
     except SampleCut as cut:  # the finished run's summary.json and exit come first (SIGKILL follows a SIGTERM)
         hint = "" if trainer.fast_dev_run else f"; sample the saved weights: python scripts/generate.py {checkpoint}"
-        log.warning("no text sample: %s came while it was drawn%s", signal.Signals(cut.args[0]).name, hint)
+        log.warning("no text sample: %s came %s%s", signal.Signals(cut.args[0]).name, cut.args[1], hint)
         return ""
 
 

@@ -279,7 +279,11 @@ class SigtermRecorder(L.Callback):
 
 
 class SampleCut(Exception):
-    """A stop signal came while the end-of-run sample was drawn (:func:`a_stop_signal_cuts_this`)."""
+    """A stop signal came while the end-of-run sample was drawn, or before (:func:`a_stop_signal_cuts_this`):
+    ``SampleCut(signum, when)``, ``when`` for the line that says so."""
+
+    def __init__(self, signum: int, when: str = "while it was drawn") -> None:
+        super().__init__(signum, when)
 
 
 @contextlib.contextmanager
@@ -294,8 +298,8 @@ def a_stop_signal_cuts_this():
     if not isinstance(recorder, SigtermRecorder):
         yield
         return
-    if recorder.signalled:
-        raise SampleCut(recorder.signum)
+    if recorder.signalled:  # while unigram_entropy counted the train split, say: not drawn at all
+        raise SampleCut(recorder.signum, "before it was drawn")
     recorder.cutting = True
     try:
         yield

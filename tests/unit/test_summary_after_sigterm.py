@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 from pathlib import Path
 
@@ -192,3 +193,35 @@ class CountSampleTokens(L.Callback):
         if trainer.state.fn == "validate":
             model = getattr(pl_module.model, "_orig_mod", pl_module.model)
             model.tok_embeddings.register_forward_pre_hook(lambda *args: self.tokens.append(1))
+
+
+def test_a_sigterm_before_the_sample_does_not_say_it_came_while_it_was_drawn(tiny_cfg, caplog):
+    """A SIGTERM after the ranks' last agreement, while summary.json's unigram entropy was counted, skips the sample,
+    which was then said to be cut: 'SIGTERM came while it was drawn' of a sample that never started."""
+    import logging
+
+    from lit_dtrain.train import train
+
+    cfg = tiny_cfg("sample.max_new_tokens=400",
+                   "+callbacks.count._target_=tests.unit.test_summary_after_sigterm.CountSampleTokens",
+                   "+callbacks.fault._target_=tests.unit.test_summary_after_sigterm.SignalInUnigramEntropy")
+    CountSampleTokens.tokens.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+        train(cfg)
+    assert not CountSampleTokens.tokens  # not drawn at all
+    assert "no text sample: SIGTERM came before it was drawn; sample the saved weights" in caplog.text
+    assert "while it was drawn" not in caplog.text
+
+
+class SignalInUnigramEntropy(L.Callback):
+    """Send SIGTERM to this process in ``unigram_entropy`` after ``train()``'s final validation (before the sample)."""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            count = trainer.datamodule.unigram_entropy
+
+            def signalled():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return count()
+
+            trainer.datamodule.unigram_entropy = signalled
