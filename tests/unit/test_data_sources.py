@@ -374,3 +374,19 @@ def test_a_recursive_glob_enters_each_directory_once_through_links_back_up_the_t
         files = resolve_files(CorpusSource(name="t", kind="files", paths=[f"{corpus}/{pattern}"]))
         assert [p.relative_to(corpus).as_posix() for p in files] == expected, pattern
         assert 0 < max(listed.count(d) for d in set(listed)) <= 4, pattern  # to walk and to match, from each base
+
+
+def test_a_path_below_a_link_that_leads_nowhere_names_the_link(tmp_path):
+    """/scratch/corpus with /scratch a link to an unmounted disk was 'path ... does not exist', and a glob in it
+    'matched no files', naming no link (the link itself given was named)."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    (tmp_path / "scratch").symlink_to(tmp_path / "unmounted")
+    broken = rf"'{tmp_path}/scratch' is a broken symbolic link \(to '{tmp_path}/unmounted', which does not exist\)"
+    with pytest.raises(CorpusError, match=rf"^data source 't': path '{tmp_path}/scratch/corpus' cannot be reached: "
+                                          rf"{broken}$"):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/scratch/corpus"]))
+    with pytest.raises(CorpusError, match=rf"glob '{tmp_path}/scratch/\*\.txt' matched no files \({broken}\)$"):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/scratch/*.txt"]))
+    with pytest.raises(CorpusError, match=rf"path '{tmp_path}/corpus' does not exist$"):  # no link on the way
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/corpus"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 
 def unreachable_reason(path: str | os.PathLike) -> str:
@@ -22,6 +23,10 @@ def unreachable_reason(path: str | os.PathLike) -> str:
                 f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
         if e.errno != errno.ENOENT:  # Permission denied (a directory on the way), Not a directory ('file.txt/')
             return f"cannot be reached: {e.strerror or e}"
+        # a link on the way that leads nowhere (/scratch -> an unmounted disk, for /scratch/corpus): "does not exist"
+        broken = next((p for p in Path(path).parents if os.path.islink(p) and not os.path.exists(p)), None)
+        if broken is not None:
+            return f"cannot be reached: {str(broken)!r} {unreachable_reason(broken)}"
     return "does not exist"
 
 

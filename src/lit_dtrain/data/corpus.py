@@ -202,6 +202,8 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 head = os.path.dirname(path.split("*")[0].split("?")[0].split("[")[0]) or "."  # before any magic
                 if (why := unlistable(head)) is not None:
                     hint += f" ({head!r} cannot be listed: {why})"
+                elif not os.path.isdir(head) and (why := unreachable_reason(head)) != "does not exist":
+                    hint += f" ({head!r} {why})"  # a broken link on the way (an unmounted disk)
                 raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched no files{hint}")
             if dirs:
                 globbed_dirs.append((raw, dirs, every_file))
