@@ -184,9 +184,9 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             matches = [p for p in hits if p.is_file()]
             _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
             # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
-            covered = _dirs_of(matches)
-            dirs = [p for p in hits
-                    if p.is_dir() and not _covered(p, covered) and any(f.is_file() for f in p.rglob("*"))]
+            dirs = [p for p in hits if p.is_dir()]
+            covered = _dirs_of(matches) if dirs else set()  # real paths: only where a directory was matched
+            dirs = [p for p in dirs if not _covered(p, covered) and any(f.is_file() for f in p.rglob("*"))]
             every_file = f"{str(raw).rstrip('/')}/**/*"  # ** also matches no directory: files at any depth
             if not matches and dirs:
                 raise CorpusError(
@@ -245,7 +245,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             out.append(Path(path))
         else:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} {unreachable_reason(path)}")
-    covered = _dirs_of(out)
+    covered = _dirs_of(out) if globbed_dirs else set()
     for raw, dirs, every_file in globbed_dirs:
         left_out = [d for d in dirs if not _covered(d, covered)]  # another path may have taken their files
         if left_out:
@@ -265,7 +265,11 @@ def resolve_files(source: CorpusSource) -> list[Path]:
 def _dirs_of(files: list[Path]) -> set[Path]:
     """The directories above ``files``, as spelled and as their real paths: a directory reached through a link (``latest
     -> v2``) holds the files read under the other spelling."""
-    return {parent for f in files for path in (f, Path(os.path.realpath(f))) for parent in path.parents}
+    # each directory's real path once, and a symbolic link's own: a real path per file took 50k files' resolution
+    # from 4.0 s to 9.4 s (a directory source, at every start on every rank)
+    real = {Path(os.path.realpath(d)) for d in {f.parent for f in files}}
+    real |= {Path(os.path.realpath(f)).parent for f in files if f.is_symlink()}
+    return {parent for f in files for parent in f.parents} | {p for d in real for p in (d, *d.parents)}
 
 
 def _covered(directory: Path, dirs: set[Path]) -> bool:
