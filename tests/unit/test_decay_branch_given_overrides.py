@@ -57,71 +57,49 @@ def test_a_key_the_branch_sets_given_in_a_mapping_is_judged():
     """'++scheduler={decay_steps:5}' and '++trainer={max_steps:20}' set keys the branch sets, read only as the
     mapping of 'scheduler' and 'trainer': a 3-step branch replaced them without a word (it stopped at step 5, exit 0).
     A mapping's keys are judged as the same keys typed alone are."""
-    import pytest
-
-    from lit_dtrain.errors import ConfigError
-    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
-
     for typed, refused in (("++scheduler={decay_steps:5}", "scheduler.decay_steps=5"),
                            ("++trainer={max_steps:20}", "trainer.max_steps=20"),
                            ("++scheduler={warmup_steps:1,decay_steps:3}", None)):  # the branch's own value
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
-        with open_dict(full):
-            full.hydra.overrides.task = [typed]
-        with in_hydra_job(full) as cfg:
-            if refused is None:
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
-                continue
-            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+        _judged(typed, refused)
 
 
 def test_a_value_naming_a_key_the_branch_sets_is_judged_with_the_branchs_value():
     """'scheduler.total_steps=${trainer.max_steps}' (the WSD config's own value) was refused as 'scheduler.total_steps=
     1000 is given', trainer.max_steps before the branch set it to 6; the run it refused trains as the branch alone does.
     A value naming another key the branch sets is that key's branch value, so one that differs is still refused."""
-    import pytest
-
-    from lit_dtrain.errors import ConfigError
-    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
-
     for typed, refused in (("scheduler.total_steps=${trainer.max_steps}", None),
                            ("scheduler.decay_steps=${trainer.max_steps}", "scheduler.decay_steps=5"),
                            ("scheduler.total_steps=${data.batch_size}", "scheduler.total_steps=8")):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
-        with open_dict(full):
-            full.hydra.overrides.task = [typed]
-        with in_hydra_job(full) as cfg:
-            if refused is None:
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
-                continue
-            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+        _judged(typed, refused)
 
 
 def test_an_interpolation_in_a_mapping_is_judged_by_the_value_it_gives(monkeypatch):
     """'++scheduler={decay_steps:${oc.env:STEPS}}' with STEPS=3, the branch's own decay_steps, was refused as
     'scheduler.decay_steps=${oc.env:STEPS} is given' (the text compared, not its value; typed alone it trains); a
     relative one ('${.warmup_steps}') is read in the config, as typed alone."""
-    import pytest
-
-    from lit_dtrain.errors import ConfigError
-    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
-
     monkeypatch.setenv("STEPS", "3")
     for typed, refused in (("++scheduler={decay_steps:${oc.env:STEPS}}", None),
                            ("++scheduler={warmup_steps:3,decay_steps:${.warmup_steps}}", None),
                            ("++scheduler={warmup_steps:1,decay_steps:${.warmup_steps}}", "scheduler.decay_steps=1"),
                            ("++trainer={max_steps:${oc.env:STEPS}}", "trainer.max_steps=3")):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
-        with open_dict(full):
-            full.hydra.overrides.task = [typed]
-        with in_hydra_job(full) as cfg:
-            if refused is None:
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
-                continue
-            with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
-                refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+        _judged(typed, refused)
+
+
+def _judged(typed: str, refused: str | None) -> None:
+    """The branch's check (2 + 3 steps) on a config composed with ``typed``: passes (``refused`` None), or refuses
+    naming ``refused`` ('key=value')."""
+    import pytest
+
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.schedules._branch_overrides import refuse_given_branch_keys
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        full = compose(config_name="train", overrides=[typed], return_hydra_config=True)
+    with open_dict(full):
+        full.hydra.overrides.task = [typed]
+    with in_hydra_job(full) as cfg:
+        if refused is None:
+            refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)
+            return
+        with pytest.raises(ConfigError, match=f"but {refused} is given; drop {refused.split('=')[0]} "):
+            refuse_given_branch_keys(cfg, [("scheduler", cfg.scheduler)], 2, 3)

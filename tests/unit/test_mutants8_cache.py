@@ -4,22 +4,11 @@ test_token_cache_key.py and test_data_token_cache.py (eighth hand mutation audit
 
 from __future__ import annotations
 
-import gc
 import os
-import time
 
-from lit_dtrain.data import CorpusSource, build_token_cache
+from lit_dtrain.data import CorpusSource
 from tests.conftest import make_corpus
-
-
-def _build(corpus, cache, name="x", keep=1):
-    splits = build_token_cache(CorpusSource(name=name, kind="files", paths=[str(corpus)]), cache, min_tokens=9,
-                               progress=False, keep=keep)
-    key = os.path.basename(os.path.dirname(splits.train.filename))
-    del splits
-    gc.collect()  # released: no process holds it
-    time.sleep(0.02)  # distinct mtimes
-    return key
+from tests.unit.test_token_cache_pruning import _build  # one build, its mtimes apart
 
 
 def test_a_symlinked_cache_dir_is_never_pruned(tmp_path):
