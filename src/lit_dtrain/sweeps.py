@@ -258,22 +258,22 @@ def reports_user_errors(task_fn):
                 raise
             if in_multirun() and ending is None:
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
-            _exit_with(ending or error)  # past Hydra's run_job, which catches Exception only
+            _exit_with(ending or error, once_across_ranks=ending is None)  # past run_job (catches Exception only)
 
     return wrapper
 
 
-def _exit_with(error: BaseException):
-    """Print ``error: <message>`` on stderr (once for a DDP run's ranks) and exit with status 1 (``HYDRA_FULL_ERROR=1``:
-    its traceback, then exit 1). Raised under ``HYDRA_FULL_ERROR=1`` from a Hydra callback (the checks below), the
-    error was only Hydra's warning and the run started: ``run_name=''`` trained into the runs dir itself."""
+def _exit_with(error: BaseException, once_across_ranks: bool = True):
+    """Print ``error: <message>`` on stderr (``once_across_ranks``: once for DDP's ranks; not after a dead peer, maybe
+    rank 0 with the store) and exit 1 (``HYDRA_FULL_ERROR=1``: its traceback, then exit 1). Raised from a Hydra callback
+    under ``HYDRA_FULL_ERROR=1`` (the checks below), a run started: ``run_name=''`` trained in the runs dir."""
     if full_error_asked():
         try:
             raise error
         except BaseException:  # noqa: BLE001 - printed with where it was raised, as the full error asked
             traceback.print_exc()
         raise SystemExit(1) from None
-    print_once_across_ranks(f"error: {error}", sys.stderr)  # under DDP each rank reaches it: rank 0's line alone
+    (print_once_across_ranks if once_across_ranks else print)(f"error: {error}", file=sys.stderr)  # DDP: rank 0's
     raise SystemExit(1) from None
 
 

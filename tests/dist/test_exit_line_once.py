@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -48,3 +52,42 @@ def test_a_refusal_every_rank_reaches_is_printed_once(tmp_path):
     assert rank0 == {"same": "error: compressor state is for 'int4'\n", "differ": "error: rank 0's refusal\n"}
     assert rank1 == {"same": "", "differ": "error: rank 1's refusal\n",
                      "rank 0 gives none": "error: rank 1's refusal\n"}
+
+
+def _survivor(rank: int, port: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # and its store with it
+    time.sleep(1.0)
+    import lit_dtrain.sigterm_exit as sigterm_exit
+    from lit_dtrain import sweeps
+    from lit_dtrain.train import CollectiveError
+
+    sweeps.in_multirun = lambda: True
+    sigterm_exit.train_resume_hint = lambda run_name: "the same -m arguments and resume=auto"
+
+    def job(cfg):
+        raise CollectiveError("rank 1: a collective failed at step 5 (Connection reset by peer).")
+
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT)
+    os.dup2(fd, 2)  # torch's C++ warnings too
+    try:
+        sweeps.reports_user_errors(job)(None)
+    except SystemExit as e:
+        print(f"exit {e.code}", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+def test_a_sweep_ending_line_after_rank_0_died_is_printed_alone(tmp_path):
+    """Rank 0 killed in a DDP multirun: rank 1's one line came after 16 lines of torch's C++ stack ('sendBytes failed
+    ... Broken pipe'), printed by the request to the store rank 0's process held."""
+    out = tmp_path / "stderr"
+    ctx = mp.start_processes(_survivor, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    for process in ctx.processes:
+        process.join(60)
+    assert out.read_text().splitlines() == [
+        "error: rank 1: a collective failed at step 5 (Connection reset by peer); the sweep stops at this job (its "
+        "later jobs would fail in their first collective: the ranks' connections are gone): resume with the same -m "
+        "arguments and resume=auto",
+        "exit 1",
+    ]
