@@ -117,12 +117,15 @@ def described(source: CorpusSource) -> str:
 
 def run_source(data: dict | None, name: str | None) -> CorpusSource | None:
     """The run's corpus source (``--source`` picks one of a mixture's), or None when the run config has none. An
-    edited ``data.sources`` that is no list of mappings (``sources: 5``) is one line naming it: it was dropped and
-    the corpus line said 'no run config beside the checkpoint' over the stdlib corpus."""
+    edited ``data.sources`` that is no list of mappings (``sources: 5``) or lists none (``sources: []``, ``data: {}``)
+    is one line naming it: it was dropped and the corpus line said 'no run config beside the checkpoint' over the
+    stdlib corpus."""
     listed = (data or {}).get("sources")
     listed = [] if listed is None else listed  # 'sources: 0' or '{}' was read as none listed: no run config, it said
     bad = [f"data.sources={listed!r}"] if not isinstance(listed, list) else [
         f"data.sources.{i}={s!r}" for i, s in enumerate(listed) if not isinstance(s, dict)]
+    if data is not None and not listed:  # 'sources: []' or 'data: {}' (every run lists one): no run config, it said
+        bad = [f"data.sources={data['sources']!r}" if "sources" in data else "no data.sources"]
     if bad:
         fail(f"the run's config_resolved.yaml has {bad[0]}, not a list of sources (edited?): repair it, or give the "
              "corpus with --files")

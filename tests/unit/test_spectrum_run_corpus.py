@@ -73,6 +73,8 @@ def test_the_runs_outputs_inside_its_corpus_dir_are_not_read_as_corpus(tmp_path,
     ("data: 5\n", "has data=5, not a mapping of data keys"),  # was: 'no run config beside ...', the stdlib measured
     ("data:\n  sources: 0\n", "has data.sources=0, not a list of sources"),  # likewise
     ("data:\n  sources: {}\n", "has data.sources={}, not a list of sources"),  # likewise
+    ("data:\n  sources: []\n", "has data.sources=[], not a list of sources"),  # likewise: every run lists one
+    ("data: {}\n", "has no data.sources, not a list of sources"),  # likewise
 ])
 def test_a_run_config_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, config, message):
     """A run config cut short (not YAML) was a YAMLError traceback from the PyYAML parser, one not UTF-8 a
