@@ -19,13 +19,29 @@ def test_a_tail_split_says_that_val_shares_a_document_with_train(tmp_path, caplo
     assert splits.meta["split"] == "by_tokens_tail"
     [message] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "data source 'few'" in message and "cuts a document in two" in message
-    assert f"last {len(splits.val)} tokens" in message
+    assert f"last {len(splits.val)} tokens" in message and "or a larger data.val_fraction," in message  # val short
     many = make_corpus(tmp_path / "many", n_files=60, size=2000)
     caplog.clear()
     with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
         by_doc = build_token_cache(CorpusSource(name="many", kind="files", paths=[str(many)]), tmp_path / "c", 33,
                                    val_fraction=0.1, progress=False)
     assert by_doc.meta["split"] == "by_document" and not caplog.records
+
+
+def test_a_tail_split_for_a_short_train_side_advises_a_smaller_val_fraction(tmp_path, caplog):
+    """data.val_fraction=0.99 over two documents holds both out: it is the train side the by-document split left
+    short, yet the warning advised 'a larger data.val_fraction' (measured: train.py on 2 files of ~8 KB). It names
+    the fix for the short side now, from the cache's meta.json, so a reused cache says it again."""
+    two = make_corpus(tmp_path / "two", n_files=2, size=5000)
+    src = CorpusSource(name="two", kind="files", paths=[str(two)])
+    for _ in range(2):  # built, then reused
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            splits = build_token_cache(src, tmp_path / "c", 33, val_fraction=0.99, progress=False)
+        assert splits.meta["split"] == "by_tokens_tail" and splits.meta["short_side"] == "train"
+        [message] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert "(more or larger files, or a smaller data.val_fraction, give a clean split)" in message
+        assert "larger data.val_fraction" not in message
 
 
 def test_a_val_fraction_that_leaves_no_training_window_is_named_not_a_short_corpus(tmp_path):

@@ -347,9 +347,10 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
                 n_val += tokens
             else:
                 n_train += tokens
-    split = "by_document"
+    split, short = "by_document", {}
     if n_val < min_tokens or n_train < min_tokens:
         # Too few documents for a by-document split of this window size: split the stream instead.
+        short = {"short_side": "val" if n_val < min_tokens else "train"}  # which fix the warning advises
         n_train, n_val = _split_tail(tmp, n_train, n_val, max(min_tokens, int((n_train + n_val) * val_fraction)))
         split = "by_tokens_tail"
     if n_train < min_tokens and n_train + n_val >= 2 * min_tokens:  # long enough: val_fraction holds out too much
@@ -364,7 +365,7 @@ def _tokenize_into(tmp: Path, docs, tokenizer, val_fraction, min_tokens, source,
             f"{'e.g. ' if len(docs) > 1 else ''}{str(docs[0][0])!r}), but train and val each need at least one window "
             f"of block_size+1 = {min_tokens} tokens, {2 * min_tokens} in all: add text or lower data.block_size"
         )
-    return {"documents": len(docs), "split": split, "train_tokens": n_train, "val_tokens": n_val}
+    return {"documents": len(docs), "split": split, **short, "train_tokens": n_train, "val_tokens": n_val}
 
 
 def _write_cache_files(out_dir, fill, tokenizer, source) -> dict:
