@@ -129,3 +129,18 @@ def test_ddps_unused_parameter_error_names_the_compressed_strategys_own_flag():
     other = ValueError("loss is nan", 3)
     strategy.on_exception(other)
     assert other.args == ("loss is nan", 3)
+
+
+def test_make_ddps_unused_parameter_error_names_make_ddps_own_flag():
+    """Likewise for make_ddp's EvenEpochsDDPStrategy (strategy=ddp): Lightning advised
+    strategy='ddp_find_unused_parameters_true' or DDPStrategy(find_unused_parameters=True), either of which drops the
+    check that the ranks' epochs are of one length (EpochLengthCheck) without a word."""
+    from lit_dtrain.strategies import make_ddp
+
+    error = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. ...")
+    make_ddp().on_exception(error)
+    assert str(error).startswith("It looks like your LightningModule has parameters that were not used")
+    assert ("this strategy's own flag, `make_ddp(..., find_unused_parameters=True)` (in train.py's config "
+            "strategy=ddp '+strategy.find_unused_parameters=true')") in str(error)
+    assert "either by setting the string value" not in str(error) and "DDPStrategy(find_unused" not in str(error)
+    assert "the check that the ranks' epochs are of one length" in str(error)

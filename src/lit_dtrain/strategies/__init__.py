@@ -41,6 +41,7 @@ from lit_dtrain.strategies.quantize import BlockQuantizer, HalfPrecision, NoComp
 from lit_dtrain.strategies.registry import COMPRESSORS, LOCAL_UPDATES, build_compressor, build_local_update
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
+from lit_dtrain.strategies.unused_params import advise_the_strategys_flag
 
 
 class EvenEpochsDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
@@ -50,6 +51,11 @@ class EvenEpochsDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
     def __init__(self, *args: Any, connect_timeout: timedelta | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._connect_timeout = connect_timeout or self._connect_timeout
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # Lightning's advice for unused parameters named its plain DDPStrategy
+        advise_the_strategys_flag(exception, "make_ddp", "strategy=ddp ",
+                                  "which skips the check that the ranks' epochs are of one length")
 
 
 class EvenEpochsFSDPStrategy(FirstConnection, EpochLengthCheck, FSDPStrategy):

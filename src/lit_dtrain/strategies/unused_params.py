@@ -47,12 +47,14 @@ def globally_unused(ddp_model: nn.parallel.DistributedDataParallel, reducer_ids:
 _PLAIN_DDP_ADVICE = "either by setting the string value `strategy='ddp_find_unused_parameters_true'`"
 
 
-def advise_the_strategys_flag(exception: BaseException, strategy: str) -> None:
+def advise_the_strategys_flag(exception: BaseException, strategy: str, config: str = "",
+                              drops: str = "which compresses nothing") -> None:
     """Name ``strategy``'s own ``find_unused_parameters=True`` in Lightning's advice for DDP's unused-parameter error:
     its ``strategy='ddp_find_unused_parameters_true'`` is Lightning's plain ``DDPStrategy``, which would silently
-    replace the compressed one (no codec, no ``comm/bytes_per_step``)."""
+    replace this one (the compressed one: no codec, no ``comm/bytes_per_step``; ``make_ddp``'s: no epoch-length
+    check). ``config``: the train.py config group, ``drops``: what the plain one loses."""
     exception.args = tuple(arg.split(_PLAIN_DDP_ADVICE)[0] + (
         f"by passing this strategy's own flag, `{strategy}(..., find_unused_parameters=True)` (in train.py's config "
-        "'+strategy.find_unused_parameters=true'); `strategy='ddp_find_unused_parameters_true'` would replace it with "
-        "Lightning's plain DDPStrategy, which compresses nothing.") if isinstance(arg, str) and _PLAIN_DDP_ADVICE in arg
+        f"{config}'+strategy.find_unused_parameters=true'); `strategy='ddp_find_unused_parameters_true'` would replace "
+        f"it with Lightning's plain DDPStrategy, {drops}.") if isinstance(arg, str) and _PLAIN_DDP_ADVICE in arg
         else arg for arg in exception.args)
