@@ -44,6 +44,24 @@ def test_a_tail_split_for_a_short_train_side_advises_a_smaller_val_fraction(tmp_
         assert "larger data.val_fraction" not in message
 
 
+def test_a_tail_split_of_one_file_advises_more_files_not_a_val_fraction(tmp_path, caplog):
+    """One file is never split by document: train.py over one 93 KB file (its hash at 0.84) was told 'a larger
+    data.val_fraction' at 0.02, and at the 0.9 that advice gave (the file held out) 'a smaller data.val_fraction',
+    each a tail split again. Either side short, the warning names more files only."""
+    one = make_corpus(tmp_path / "one", n_files=1, size=5000)
+    src = CorpusSource(name="one", kind="files", paths=[str(one)])
+    sides = set()
+    for fraction in (0.5, 0.8):  # its hash is at 0.78: trained on (val short), then held out (train short)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            splits = build_token_cache(src, tmp_path / f"c{fraction}", 33, val_fraction=fraction, progress=False)
+        sides.add(splits.meta["short_side"])
+        [message] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert "(one file is never split by document, whatever data.val_fraction: more files give a clean split)" \
+            in message and "larger" not in message and "smaller" not in message
+    assert sides == {"val", "train"}
+
+
 def test_a_val_fraction_that_leaves_no_training_window_is_named_not_a_short_corpus(tmp_path):
     """A corpus of 20 documents with data.val_fraction=0.999 (every document held out) was "too short: 42001 tokens",
     which blamed a corpus that has plenty; the setting that left training 43 tokens is named now."""

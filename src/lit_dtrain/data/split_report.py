@@ -29,12 +29,16 @@ def warn_about_split(name: str, meta: dict, val_fraction: float, min_tokens: int
         # the side the by-document split left under one window; it advised a larger val_fraction for a short train
         # side too (data.val_fraction=0.99, every document held out). A cache built before it was recorded: neither
         short = meta.get("short_side")
-        fix = {"val": ", or a larger data.val_fraction,", "train": ", or a smaller data.val_fraction,"}.get(short, "")
+        fix = {"val": "more or larger files, or a larger data.val_fraction, give",
+               "train": "more or larger files, or a smaller data.val_fraction, give"}.get(short,
+                                                                                        "more or larger files give")
+        if int(meta.get("documents", 0)) == 1:  # each val_fraction it advised sent the one file to the other side
+            fix = "one file is never split by document, whatever data.val_fraction: more files give"
         log_once(
             log, logging.WARNING,
             "data source %r: too few documents for a by-document val split (val_fraction=%s, windows of %d "
             "tokens), so val is the last %d tokens of the stream: that cuts a document in two, and its start "
-            "is trained on (more or larger files%s give a clean split)",
+            "is trained on (%s a clean split)",
             name, val_fraction, min_tokens, n_val, fix)
         return
     share = n_val / max(n_train + n_val, 1)
