@@ -45,6 +45,23 @@ def test_a_cache_dir_behind_a_link_that_leads_nowhere_names_the_link(tmp_path, b
             build_token_cache(source, cache, min_tokens=9, val_fraction=0.1, progress=False)
 
 
+def test_a_chain_of_links_that_leads_nowhere_names_each_hop(tmp_path):
+    """scratch -> mnt -> /unmounted (a link to a link to a missing disk) was "'scratch' is a broken symbolic link (to
+    'mnt', which does not exist)", while ls lists mnt; the chain is named to the target that does not exist, for a
+    corpus path and for the token cache dir."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    (tmp_path / "c.txt").write_text("some text to train on\n" * 20)
+    (tmp_path / "scratch").symlink_to("mnt")
+    (tmp_path / "mnt").symlink_to(tmp_path / "unmounted")
+    why = f"'{tmp_path}/scratch' is a broken symbolic link (to 'mnt' -> '{tmp_path}/unmounted', which does not exist)"
+    with pytest.raises(CorpusError, match=re.escape(f"path '{tmp_path}/scratch/corpus' cannot be reached: {why}")):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/scratch/corpus"]))
+    source = CorpusSource(name="t", kind="files", paths=[str(tmp_path / "c.txt")])
+    with pytest.raises(CorpusError, match=re.escape(f"under '{tmp_path}/scratch/cache': {why}; mount or create")):
+        build_token_cache(source, tmp_path / "scratch" / "cache", min_tokens=9, val_fraction=0.1, progress=False)
+
+
 def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
     """paths=[corpus] with the cache dir corpus/cache: each build read the token files of the one before as corpus
     text (warned as 'UTF-16LE text'), so every run made a new cache of a corpus three times larger (59k, 179k, 538k

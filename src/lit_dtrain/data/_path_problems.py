@@ -17,7 +17,7 @@ def unreachable_reason(path: str | os.PathLike) -> str:
         os.stat(path)
     except OSError as e:
         if e.errno == errno.ENOENT and os.path.islink(path):
-            return f"is a broken symbolic link (to {os.readlink(path)!r}, which does not exist)"
+            return f"is a broken symbolic link (to {_hops(path)}, which does not exist)"
         if e.errno == errno.ELOOP:
             return "cannot be reached: its symbolic links form a loop" + (
                 f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
@@ -28,6 +28,18 @@ def unreachable_reason(path: str | os.PathLike) -> str:
         if broken is not None:
             return f"cannot be reached: {str(broken)!r} {unreachable_reason(broken)}"
     return "does not exist"
+
+
+def _hops(link: str | os.PathLike) -> str:
+    """The targets of the chain of links from ``link`` to the path that does not exist: ``'b' -> '/nowhere'`` for
+    a -> b -> /nowhere ("to 'b', which does not exist" named a link that ``ls`` lists)."""
+    hops, here = [os.readlink(link)], os.fspath(link)
+    while len(hops) < 40:  # (the kernel's own limit; a loop is ELOOP, not here)
+        here = os.path.join(os.path.dirname(here), hops[-1])
+        if not os.path.islink(here):
+            break
+        hops.append(os.readlink(here))
+    return " -> ".join(repr(h) for h in hops)
 
 
 def unlistable(directory: str) -> str | None:
