@@ -301,3 +301,46 @@ def test_temp_dirs_of_unknown_builders_are_removed_only_when_old(corpus, tmp_pat
     build_token_cache(CorpusSource(name="t", kind="files", paths=[str(corpus)]), cache, 33, progress=False)
     hidden = sorted(p.name for p in cache.iterdir() if p.name.startswith("."))
     assert hidden == sorted([young_legacy.name, other_host.name, unrelated.name])
+
+
+def test_a_process_finding_a_damaged_cache_never_moves_aside_another_ones_rebuild(corpus, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """Two builders find one damaged cache; B is paused between its check and its move while A moves it aside,
+    rebuilds and holds the rebuild. B moved aside whatever was there, A's rebuild in use: two rebuilds, A's cache
+    deleted under it. B now moves only the dir it checked, under its lock, and finds A's rebuild intact."""
+    import threading
+
+    from lit_dtrain.data import token_cache
+
+    src, cache = CorpusSource(name="t", kind="files", paths=[str(corpus)]), tmp_path / "c"
+    out_dir = Path(build_token_cache(src, cache, 33, progress=False).train.filename).parent
+    with open(out_dir / "train.bin", "r+b") as f:  # a zeroed block, its size kept
+        f.seek(64)
+        f.write(bytes(256))
+    b_checked, a_done, real, built = threading.Event(), threading.Event(), token_cache.cache_problem, {}
+
+    def problem_of(path):
+        problem = real(path)
+        if threading.current_thread().name == "B" and not b_checked.is_set():
+            b_checked.set()
+            assert a_done.wait(60)
+        return problem
+
+    def build(name):
+        if name == "A":
+            assert b_checked.wait(60)
+        splits = build_token_cache(src, cache, 33, progress=False)
+        built[name] = splits, os.stat(out_dir).st_ino
+        if name == "A":
+            a_done.set()
+
+    monkeypatch.setattr(token_cache, "cache_problem", problem_of)
+    threads = [threading.Thread(target=build, args=(name,), name=name) for name in "AB"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(built) == ["A", "B"]
+    assert built["A"][1] == built["B"][1] == os.stat(out_dir).st_ino  # one rebuild, A's, still in place
+    assert len([r for r in caplog.records if "rebuilding it" in r.getMessage()]) == 1
+    assert np.array_equal(built["A"][0].train, built["B"][0].train)

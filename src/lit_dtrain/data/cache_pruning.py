@@ -71,6 +71,43 @@ def hold_cache(out_dir: Path) -> CacheHold | None:
     return hold
 
 
+def discard_if_damaged(out_dir: Path, problem_of: Callable[[Path], str | None],
+                       discard: Callable[[Path], None]) -> str | None:
+    """What is wrong with the cache in ``out_dir`` (``problem_of``), which is then moved aside (``discard``); None
+    where it is intact or gone. The dir is opened before it is checked and locked before it is moved, exclusively as a
+    pruner locks it (shared where a run holds it: a cache damaged under a run is moved aside as before, the run keeps
+    its mapped pages), and only the dir checked is moved. Two processes that found one damaged cache at once each
+    moved aside whatever was there: the later one moved the earlier one's rebuild, held and in use (the second paused
+    between its check and its move: two rebuilds, the first one's cache deleted under it)."""
+    for _ in range(3):  # again when another process's rebuild replaced the dir checked
+        try:
+            fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # gone, or not a dir (a file, a dead link: no lock to take, moved aside as it is)
+            problem = problem_of(out_dir) if os.path.lexists(out_dir) else None
+            if problem is not None:
+                discard(out_dir)
+            return problem
+        try:
+            if (problem := problem_of(out_dir)) is None:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a run holds it, or another process moves it aside now: wait for that one
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError:  # no locks on this file system: the dir's identity alone is checked
+                pass
+            try:
+                here, held = os.stat(out_dir), os.fstat(fd)
+            except OSError:  # moved aside by another process meanwhile
+                continue
+            if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+                discard(out_dir)
+                return problem
+        finally:
+            os.close(fd)
+    return None
+
+
 def _size(path: Path) -> int:
     total = 0
     for child in path.iterdir():

@@ -33,7 +33,7 @@ from lit_dtrain.data._split_tail import _split_tail
 from lit_dtrain.data._unwritable import why_unwritable
 from lit_dtrain.data.build_signals import unwound_by_stop_signals
 from lit_dtrain.data.cache_integrity import cache_problem, crc32s, with_crc32s
-from lit_dtrain.data.cache_pruning import CacheHold, hold_cache, prune_caches
+from lit_dtrain.data.cache_pruning import CacheHold, discard_if_damaged, hold_cache, prune_caches
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, leave_out_dirs, resolve_files
 from lit_dtrain.data.reading import _chunks, _hash_file, _not_utf8_at, wide_encoding
 from lit_dtrain.data.split_report import warn_about_split
@@ -194,9 +194,8 @@ def build_token_cache(
     _remove_stale_temp_dirs(out_dir.parent)
     for _ in range(3):  # again when another process prunes the cache between its check and the hold
         # a cache dir without meta.json is damaged too: a build renames its temp dir here with meta.json inside
-        if os.path.lexists(out_dir) and (problem := cache_problem(out_dir)) is not None:
-            # truncated or damaged after it was built: never train on it
-            _discard(out_dir)
+        # truncated or damaged after it was built: never train on it (moved aside under its lock)
+        if (problem := discard_if_damaged(out_dir, cache_problem, _discard)) is not None:
             if os.path.lexists(out_dir) and cache_problem(out_dir) is not None:  # not moved aside
                 raise CorpusError(
                     f"the token cache {str(out_dir)!r} of data source {source.name!r} is damaged ({problem}) and "
