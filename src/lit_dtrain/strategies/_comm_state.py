@@ -15,7 +15,12 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_dtrain.strategies.comm import CommSession
-from lit_dtrain.strategies.comm_checkpoint import CHECKPOINT_KEY, rank_entry, without_unapplied_residuals
+from lit_dtrain.strategies.comm_checkpoint import (
+    CHECKPOINT_KEY,
+    rank_entry,
+    warm_start_rank_notes,
+    without_unapplied_residuals,
+)
 
 _STATE_VERSION = 1
 
@@ -104,6 +109,7 @@ def apply_comm_state(strategy, state: dict) -> None:
     mine, elastic = rank_entry(state, rank, world)  # another world size: what it can keep, and the warning
     lu = strategy.local_update
     mine, unapplied = without_unapplied_residuals(mine, strategy.compressor, lu)  # warned once the rest is applied
+    unapplied += warm_start_rank_notes(mine, strategy.compressor, lu)
     if (mine["compressor"] is None) != (strategy.compressor is None):
         raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
                          f"not match this strategy's compressor {strategy.compressor!r}")

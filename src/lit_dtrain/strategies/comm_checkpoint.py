@@ -273,3 +273,24 @@ def without_unapplied_residuals(entry: Mapping, compressor: Any, local_update: A
                                          "this run's pseudo-gradient compressor has error_feedback=False",
                                          "strategy.local_update.compressor.error_feedback=true")
     return entry, notes
+
+
+def warm_start_rank_notes(entry: Mapping, compressor: Any, local_update: Any) -> list[str]:
+    """The warnings for PowerSGD warm-start Qs in ``entry`` (this rank's ``per_rank`` entry) written at another
+    ``matrix_approximation_rank`` than this run's: their shape no longer fits, so the codec restarts each from random
+    (the error-feedback residuals, full-size, stay valid). Before, that happened without a word. A checkpoint from
+    before the rank was saved gives it by its Qs' widest column count."""
+    notes = []
+    inner = getattr(local_update, "compressor", None)
+    for saved, codec, key in ((entry.get("compressor"), compressor, "strategy.compressor"),
+                              (entry.get("local_update"), inner, "strategy.local_update.compressor")):
+        rank, qs = getattr(codec, "matrix_approximation_rank", None), (saved or {}).get("q_memory")
+        if rank is None or not qs or saved.get("name") != codec.name or not codec.warm_start:
+            continue
+        saved_rank = saved.get("matrix_approximation_rank", max(q.shape[-1] for q in qs.values()))
+        if saved_rank != rank:
+            notes.append(f"{CHECKPOINT_KEY}: the checkpoint's PowerSGD warm-start Qs ({len(qs)} matrices) are of "
+                         f"rank {saved_rank} and this run's {key}.matrix_approximation_rank is {rank}: each Q "
+                         f"restarts from random (the error-feedback residuals are kept). To keep them, resume with "
+                         f"{key}.matrix_approximation_rank={saved_rank}")
+    return notes

@@ -198,6 +198,7 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["q_memory"] = {k: v.detach().cpu().clone() for k, v in self.q_memory.items()}
+        state["matrix_approximation_rank"] = self.matrix_approximation_rank  # a resume at another rank says so
         return state
 
     def load_state_dict(self, state: dict) -> None:
