@@ -61,6 +61,21 @@ class SignalAfterFit(L.Callback):
             os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
+def _at_the_samples_first_forward(trainer, pl_module, action) -> None:
+    """Call ``action()`` at the first forward of the model after ``train()``'s final validation (from its
+    ``on_validation_end``): in the end-of-run text sample, which only rank 0 draws."""
+    if trainer.state.fn != "validate":
+        return
+    model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+
+    def hook(module, args):
+        handle.remove()
+        action()
+
+    # the embedding: Llama.generate runs its modules, not its own forward
+    handle = model.tok_embeddings.register_forward_pre_hook(hook)
+
+
 class SignalInSample(L.Callback):
     """Send ``signal`` to this process at the first forward of the model after ``train()``'s final validation: in
     its end-of-run text sample, after the ranks last agreed on a signal (``sigterm_after_the_last_step``)."""
@@ -69,16 +84,8 @@ class SignalInSample(L.Callback):
         self.signal = signal
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.state.fn != "validate":
-            return
-        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
-
-        def send(module, args):
-            handle.remove()
-            os.kill(os.getpid(), getattr(signal_module, self.signal))
-
-        # the embedding: Llama.generate runs its modules, not its own forward
-        handle = model.tok_embeddings.register_forward_pre_hook(send)
+        signum = getattr(signal_module, self.signal)
+        _at_the_samples_first_forward(trainer, pl_module, lambda: os.kill(os.getpid(), signum))
 
 
 class SlowSample(L.Callback):
@@ -89,15 +96,24 @@ class SlowSample(L.Callback):
         self.seconds = float(seconds)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.state.fn != "validate":
-            return
-        model = getattr(pl_module.model, "_orig_mod", pl_module.model)
+        _at_the_samples_first_forward(trainer, pl_module, lambda: time.sleep(self.seconds))
 
-        def sleep(module, args):
-            handle.remove()
-            time.sleep(self.seconds)
 
-        handle = model.tok_embeddings.register_forward_pre_hook(sleep)
+class RaiseInSample(L.Callback):
+    """Raise ``RuntimeError(message)`` in the end-of-run sample (rank 0's alone: a GPU out of memory there) of a
+    multirun's job ``job``."""
+
+    def __init__(self, job: int = 0, message: str = "out of memory in the sample") -> None:
+        self.job, self.message = int(job), message
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        def fail():
+            raise RuntimeError(self.message)
+
+        if HydraConfig.get().job.num == self.job:
+            _at_the_samples_first_forward(trainer, pl_module, fail)
 
 
 class PoisonLossAtStep(L.Callback):

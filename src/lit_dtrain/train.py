@@ -391,8 +391,10 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     }
     metrics.update(previous)
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
-    sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
-    if trainer.is_global_zero:
-        _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test)
-    agree_on_a_late_sigterm(trainer)  # in the sample or report: a multirun's rank 1 then stops before the next job too
+    try:  # rank 0's alone: should it raise (a GPU out of memory), rank 1 waits in the agreement, not in the next job
+        sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt)
+        if trainer.is_global_zero:
+            _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test)
+    finally:  # a signal in the sample or report: a multirun's rank 1 then stops before the next job too
+        agree_on_a_late_sigterm(trainer)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}

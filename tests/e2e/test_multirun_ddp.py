@@ -106,3 +106,28 @@ def test_a_ddp_sweep_whose_sample_outlasts_the_collective_timeout_runs_every_job
     assert proc.returncode == 0, out[-3000:]
     assert "Timed out" not in out and "collective failed" not in out, out[-3000:]
     assert [json.loads((sweep / job / "summary.json").read_text())["steps"] for job in ("0", "1")] == [4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_ddp_sweep_job_whose_sample_failed_on_rank_0_lets_the_next_job_run(tmp_path, corpus):
+    """Rank 0's end-of-run sample raised in job 0 (a GPU out of memory there; only rank 0 draws it): rank 0 left job 0
+    without the ranks' agreement on a late signal, in which rank 1 waited, so rank 0's next collective, job 1's first,
+    met rank 1's agreement: job 1 failed at step 0 after strategy.collective_timeout_s ('Timed out waiting 20000ms',
+    30 min by default) and ended the sweep, its line blaming a collective, not the sample. Before the agreement, job
+    1 trained and the sweep ended with job 0's error. Rank 0 agrees even when its sample or report raised."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "strategy.collective_timeout_s=20", "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+        "trainer.max_steps=4", "optimizer.lr=1e-3,2e-3", "+callbacks.fault._target_=tests.faults.RaiseInSample",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "collective failed" not in out, out[-3000:]
+    assert "RuntimeError: out of memory in the sample" in out, out[-3000:]  # Hydra's report of job 0, at the end
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 4
+    assert not (sweep / "0" / "summary.json").exists()
