@@ -49,10 +49,10 @@ def train_resume_hint(run_name) -> str:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from lit_dtrain.sweeps import in_multirun
+    from lit_dtrain.sweeps import in_multirun, sweep_dir_of
 
-    if in_multirun():  # job N trains in <sweep dir>/N (sweeps.pin_sweep_dir reads it the same way)
-        sweep = Path(HydraConfig.get().runtime.output_dir).parent
+    if in_multirun():  # job N trains in <sweep dir>/N, or deeper (sweeps.pin_sweep_dir reads it the same way)
+        sweep = sweep_dir_of(HydraConfig.get())
         return f"the same -m arguments and resume=auto {shlex.quote(f'hydra.sweep.dir={sweep}')}"
     if HydraConfig.initialized() and run_name is not None:
         return f"resume=auto {shlex.quote(f'run_name={run_name}')} or ckpt_path=<that file>"

@@ -119,9 +119,30 @@ def grid_lines(sweeper) -> list[str]:
 
 
 def _multirun_file(hc) -> Path | None:
-    """This start's ``multirun.yaml`` (its sweep, as Hydra saved it, beside the job dirs); None where there is none."""
-    multirun = Path(hc.runtime.output_dir).parent / "multirun.yaml"
+    """This start's ``multirun.yaml`` (its sweep, as Hydra saved it, in the sweep dir); None where there is none."""
+    multirun = sweep_dir_of(hc) / "multirun.yaml"
     return multirun if multirun.is_file() else None
+
+
+def sweep_dir_of(hc=None) -> Path:
+    """The sweep dir of this multirun job (``hc``: its Hydra config, by default Hydra's): its run dir less the parts
+    of ``hydra.sweep.subdir``. The run dir's parent was taken for it, which under a subdir of several parts
+    ('lr/${optimizer.lr}', or '${hydra:job.override_dirname}' over 'strategy=ddp_compressed/int4') is a dir inside
+    the sweep: its ``multirun.yaml`` was not found, so a 1-job sweep signalled in its sample exited 143 'the sweep's
+    later jobs do not start', advising 'hydra.sweep.dir=<sweep dir>/lr', which resumes nothing."""
+    if hc is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    try:  # Hydra's run dir: os.path.abspath(os.path.join(sweep.dir, sweep.subdir))
+        subdir = Path(os.path.normpath(str(hc.sweep.subdir)))
+    except Exception:  # noqa: BLE001 - a subdir that does not resolve here: the parent, as before
+        return run_dir.parent
+    depth = len(subdir.parts)
+    if subdir.is_absolute() or not 0 < depth < len(run_dir.parts) or run_dir.parts[-depth:] != subdir.parts:
+        return run_dir.parent  # (an absolute subdir, or one with '..': no sweep dir to tell apart)
+    return run_dir.parents[depth - 1]
 
 
 def warn_if_an_experiment_grid_was_not_swept(hc) -> None:
@@ -320,7 +341,7 @@ def check_shared_checkpoint_dir(cfg: DictConfig, hc) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     lines = grid_lines(hc.sweeper) + sweep_task(hc)
-    sweep = (str(Path(hc.runtime.output_dir).parent), tuple(lines), raw_checkpoint_dir(cfg))
+    sweep = (str(sweep_dir_of(hc)), tuple(lines), raw_checkpoint_dir(cfg))
     if sweep not in _judged:
         try:
             overrides = OverridesParser.create().parse_overrides(lines)

@@ -28,6 +28,7 @@ from lit_dtrain.sweep_grid import (
     job_checkpoint_dirs,
     raw_checkpoint_dir,
     shared_checkpoint_dir_error,
+    sweep_dir_of,
     unknown_group_option,
     unresolved,
     warn_if_an_experiment_grid_was_not_swept,
@@ -64,7 +65,7 @@ def sweep_checks(cfg: DictConfig) -> None:
         log.warning(
             "%s does not name a multirun's dirs: job N trains in %s/N; name a sweep with "
             "'hydra.sweep.dir=${paths.log_dir}/multiruns/<name>'",
-            named[0], Path(hc.runtime.output_dir).parent,
+            named[0], sweep_dir_of(hc),
         )
     if hc.mode == RunMode.MULTIRUN and hc.job.num == 0:
         warn_if_the_grid_repeats_a_point(hc)
@@ -95,10 +96,8 @@ def pin_sweep_dir() -> None:
     sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
     ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
     later-timestamped multirun folder. A no-op outside a Hydra multirun."""
-    from hydra.core.hydra_config import HydraConfig
-
     if in_multirun():
-        os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(Path(HydraConfig.get().runtime.output_dir).parent)
+        os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(sweep_dir_of())
 
 
 _sweep_world: dict[str, tuple[int, int]] = {}  # sweep dir -> (job, processes) of its first job with a Trainer
@@ -116,7 +115,7 @@ def check_sweep_world_size(world_size: int, trainer_cfg: DictConfig) -> None:
     if not in_multirun():
         return
     hc = HydraConfig.get()
-    sweep = str(Path(hc.runtime.output_dir).parent)
+    sweep = str(sweep_dir_of(hc))
     first_job, first_world = _sweep_world.setdefault(sweep, (hc.job.num, world_size))
     if world_size != first_world:
         raise ConfigError(

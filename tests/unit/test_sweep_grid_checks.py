@@ -10,6 +10,7 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
+from lit_dtrain.sigterm_exit import _the_sweeps_last_job, train_resume_hint
 from lit_dtrain.sweep_grid import sweep_job_count, warn_if_the_grid_repeats_a_point
 from lit_dtrain.sweeps import check_resumed_job
 from lit_dtrain.train import ConfigError
@@ -132,3 +133,21 @@ def test_a_repeated_point_is_judged_on_the_basic_sweepers_jobs(tmp_path, corpus,
         with caplog.at_level(logging.WARNING):
             warn_if_the_grid_repeats_a_point(hydra)
     assert caplog.messages == ([message] if message else [])
+
+
+@pytest.mark.parametrize("subdir", ["lr/${hydra:job.num}", "${hydra:job.num}", "./${hydra:job.num}"])
+def test_a_sweep_subdir_of_several_parts_is_read_up_to_the_sweep_dir(tmp_path, corpus, subdir):
+    """The sweep dir was taken for the run dir's parent: with 'hydra.sweep.subdir=lr/${optimizer.lr}' a 1-job sweep
+    signalled in its sample found no multirun.yaml there (sweep/lr), so the count was unknown and it exited 143 'the
+    sweep's later jobs do not start; resume with the same -m arguments and resume=auto hydra.sweep.dir=<sweep>/lr'."""
+    sweep = tmp_path / "sweep"
+    job_dir = sweep / "lr" / "0" if subdir.startswith("lr/") else sweep / "0"
+    with multirun_job(job_dir, ["optimizer.lr=1e-3"], ["optimizer.lr=1e-3"], corpus):
+        hydra = HydraConfig.get()
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):
+            hydra.sweep.subdir = subdir
+        (job_dir.parent / "multirun.yaml").rename(sweep / "multirun.yaml.moved")
+        (sweep / "multirun.yaml.moved").rename(sweep / "multirun.yaml")
+        assert sweep_job_count(hydra) == 1 and _the_sweeps_last_job()
+        assert train_resume_hint(None) == f"the same -m arguments and resume=auto hydra.sweep.dir={sweep}"
