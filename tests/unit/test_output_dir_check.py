@@ -4,6 +4,7 @@ Read-only file system: .../runs'."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,6 +33,18 @@ def test_unwritable_dir_reason_names_the_ancestor_and_the_cause(tmp_path, read_o
     assert unwritable_dir_reason(tmp_path / "file" / "runs") == (
         f"cannot be created: its ancestor {str(tmp_path / 'file')!r} is a file, not a directory"
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]  # the probe dirs are gone
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_dir_that_cannot_be_made_under_proc_is_refused_also_as_root():
+    """As root, /proc passes the access checks and Hydra's mkdir of hydra.sweep.dir=/proc/nope/x failed in a
+    traceback ('FileNotFoundError: ... /proc/nope'); as any user it is now a reason."""
+    reason = unwritable_dir_reason("/proc/nope/x")
+    if os.geteuid() == 0:
+        assert reason == "cannot be created: its ancestor '/proc' refuses a new directory (No such file or directory)"
+    else:
+        assert reason == "cannot be written: its ancestor '/proc' is not writable by this user"
 
 
 @pytest.mark.parametrize("multirun", [False, True])

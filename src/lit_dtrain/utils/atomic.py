@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,8 +158,9 @@ def _fsync_directory(directory: Path) -> None:
 def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
     """Why files cannot be written in ``directory`` (created with its parents if missing), for messages
     ``f"{directory!r} {reason}"``; None when they can. Looks at the directory or its nearest existing ancestor
-    without creating anything: a file in the way, a read-only file system (which ``os.access`` reports for root
-    too, unlike a permission), no write permission."""
+    without leaving anything made: a file in the way, a read-only file system (which ``os.access`` reports for root
+    too, unlike a permission), no write permission, a dir in which nothing can be made (``/proc`` as root: a new
+    dir is made and removed beside the missing one to tell)."""
     path = Path(directory).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     where = "" if existing == path else f": its ancestor {str(existing)!r}"
@@ -168,4 +170,9 @@ def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
         return f"cannot be written{where or ': it'} is on a read-only file system"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot be written{where or ': it'} is not writable by this user"
+    if existing != path:  # where root may write but nothing can be made (/proc, /sys): Hydra's mkdir traceback
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".lit_dtrain-probe-", dir=existing))
+        except OSError as e:
+            return f"cannot be created{where} refuses a new directory ({e.strerror or e})"
     return None
