@@ -268,6 +268,14 @@ def test_a_glob_does_not_call_a_directory_read_through_a_link_left_out(tmp_path,
     with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
         assert len(resolve_files(CorpusSource(name="t", kind="files", paths=[str(tmp_path / "other" / "*")]))) == 1
     assert "also matched 1 directories" in caplog.text and "v3" in caplog.text
+    (tmp_path / "other" / "v3" / "up").symlink_to("..")  # back up the tree: v3/* leaves top.txt out, ** reads it
+    up = f"matched 1 directories (e.g. {tmp_path}/other/v3/up)"
+    for glob_, files, warned in (("v3/*", 1, up), ("**/*", 2, "")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+            source = CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/other/{glob_}"])
+            assert len(resolve_files(source)) == files
+        assert warned in caplog.text and ("matched" in caplog.text) == bool(warned)
 
 
 def test_a_path_that_ls_lists_but_cannot_be_read_says_why_not_that_it_does_not_exist(tmp_path):

@@ -186,7 +186,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
             dirs = [p for p in hits if p.is_dir()]
             covered = _dirs_of(matches) if dirs else set()  # real paths: only where a directory was matched
-            dirs = [p for p in dirs if not _covered(p, covered) and any(f.is_file() for f in p.rglob("*"))]
+            dirs = [p for p in dirs if not _covered(p, covered, path) and any(f.is_file() for f in p.rglob("*"))]
             every_file = f"{str(raw).rstrip('/')}/**/*"  # ** also matches no directory: files at any depth
             if not matches and dirs:
                 raise CorpusError(
@@ -247,7 +247,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
             raise CorpusError(f"data source {source.name!r}: path {raw!r} {unreachable_reason(path)}")
     covered = _dirs_of(out) if globbed_dirs else set()
     for raw, dirs, every_file in globbed_dirs:
-        left_out = [d for d in dirs if not _covered(d, covered)]  # another path may have taken their files
+        left_out = [d for d in dirs if not _covered(d, covered, os.path.expanduser(str(raw)))]  # another path's?
         if left_out:
             log_once(
                 log, logging.WARNING,
@@ -272,11 +272,26 @@ def _dirs_of(files: list[Path]) -> set[Path]:
     return {parent for f in files for parent in f.parents} | {p for d in real for p in (d, *d.parents)}
 
 
-def _covered(directory: Path, dirs: set[Path]) -> bool:
+def _covered(directory: Path, dirs: set[Path], pattern: str) -> bool:
     """Whether ``directory`` is one of ``dirs`` (:func:`_dirs_of`) by its spelling or its real path: a glob over
     ``corpus/`` with ``latest -> v2`` reads v2's files as ``latest/...``, and v2, matched too, was warned about as
     'left out with the files below them', with a fix that added nothing."""
-    return directory in dirs or Path(os.path.realpath(directory)) in dirs
+    return directory in dirs or not _links_up(directory, pattern) and Path(os.path.realpath(directory)) in dirs
+
+
+def _links_up(directory: Path, pattern: str) -> bool:
+    """Whether ``directory`` is a link back up the tree (``v2/up -> ..``) to a dir that the glob ``pattern`` did not
+    walk with its ``**``: its real path is above the files read, so it passed for a dir read through a link, and
+    ``v2/*`` left the other files below it out without a word (``corpus/**/*`` walks them: no warning)."""
+    real, parent = Path(os.path.realpath(directory)), Path(os.path.realpath(directory.parent))
+    if real != parent and real not in parent.parents:
+        return False
+    parts = pattern.split("/")
+    if "**" not in parts:
+        return True
+    head = "/".join(parts[: parts.index("**")]) or ("/" if pattern.startswith("/") else ".")
+    walked = [Path(os.path.realpath(b)) for b in (glob.glob(head) if glob.has_magic(head) else [head])]
+    return not any(real == base or base in real.parents for base in walked)
 
 
 def _brace_hint(pattern: str) -> str:
