@@ -36,7 +36,7 @@ def warn_if_the_grid_repeats_a_point(hc) -> None:
     for job in jobs:
         final = {}
         for line, o in zip(job, parser.parse_overrides(job)):
-            final[o.key_or_group] = ("~" if o.is_delete() else repr(o.value()), line)
+            final[_node(o)] = ("~" if o.is_delete() else repr(o.value()), line)
         finals.append(final)
     points = [repr(sorted((key, value) for key, (value, _) in final.items())) for final in finals]
     first_of = {point: points.index(point) for point in points}
@@ -50,11 +50,17 @@ def warn_if_the_grid_repeats_a_point(hc) -> None:
         why = "a swept value is listed twice"
     else:
         a, b = differ[0]
-        line = final[parser.parse_overrides([a])[0].key_or_group][1]
+        line = final[_node(parser.parse_overrides([a])[0])][1]
         why = (f"'{a}' and '{b}' are one value" if line == b
                else f"'{line}' replaces job {first}'s '{a}' and job {num}'s '{b}'")
     log.warning("job %d of this multirun trains the same configuration as job %d (%s): %s; its %d jobs train %d "
                 "distinct configurations", num, first, trained, why, len(jobs), len(first_of))
+
+
+def _node(override) -> str:
+    """The node an override sets: its key, or its group at its package (``+model@teacher=nano`` is not ``model``: keyed
+    by group alone it replaced the swept ``model=nano,small``, and two jobs of two models were warned of as one)."""
+    return override.key_or_group if override.package is None else f"{override.key_or_group}@{override.package}"
 
 
 def basic_sweep_jobs(hc) -> tuple[list, list[list[str]]] | None:

@@ -118,6 +118,12 @@ def test_the_sweeps_job_count_is_the_basic_sweepers_own(tmp_path, corpus):
          "job 1 of this multirun trains the same configuration as job 0 (seed=1 optimizer.lr=0.001): a swept value is "
          "listed twice; its 4 jobs train 2 distinct configurations"),
         (None, ["seed=range(1,3)", "optimizer.lr=3e-3"], None),
+        # another package of one group is another node: 'job 1 ... trains the same configuration as job 0
+        # (+model@teacher=nano): '+model@teacher=nano' replaces job 0's 'model=nano' and job 1's 'model=small''
+        (None, ["model=nano,small", "+model@teacher=nano"], None),
+        (None, ["model=nano,nano", "+model@teacher=nano"],
+         "job 1 of this multirun trains the same configuration as job 0 (model=nano): a swept value is listed twice; "
+         "its 2 jobs train 1 distinct configurations"),
     ],
 )
 def test_a_repeated_point_is_judged_on_the_basic_sweepers_jobs(tmp_path, corpus, caplog, grid, task, message):
