@@ -25,3 +25,15 @@ def unset_env_var(e: BaseException) -> ConfigError | None:
     name = found.group(1)
     return ConfigError(f"environment variable {name} is not set (read by ${{oc.env:{name}}}): set it, or give a "
                        f"default, ${{oc.env:{name},<default>}}")
+
+
+def interpolation_error(e: BaseException) -> ConfigError:
+    """One line for an interpolation that cannot be resolved while the config is checked: a required key's first
+    line (``${lit.required:...}``), or the key holding ``${nope}`` that names no key of the config
+    (``'+trainer.max_time={seconds:${nope}}'``, ``trainer.max_steps=${nope}``: OmegaConf's traceback)."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    key = getattr(e, "full_key", None)
+    if type(e).__name__ != "InterpolationKeyError" or not key:
+        return ConfigError(first)
+    return ConfigError(f"{key}: {first[:1].lower()}{first[1:]}: an interpolation names a key the config does not "
+                       f"hold; fix it, or give {key} a value")

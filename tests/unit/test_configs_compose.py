@@ -261,3 +261,19 @@ def test_an_empty_list_of_a_group_that_may_be_left_out_composes_as_the_group_lef
     empty, left_out, default = (OmegaConf.to_container(compose_cfg(overrides, tmp_path / "run", tiny=False))
                                 for overrides in ([f"{group}=[]"], [f"~{group}"], []))
     assert empty == left_out != default
+
+
+@pytest.mark.parametrize("override, key", [
+    ("+trainer.max_time={seconds:${nope}}", "trainer.max_time.seconds"),
+    ("trainer.max_steps=${nope}", "trainer.max_steps"),
+])
+def test_an_interpolation_naming_no_key_is_one_line_naming_the_key(tmp_path, corpus, override, key):
+    """`'+trainer.max_time={seconds:${nope}}'` (also in a sweep's jobs) and `trainer.max_steps=${nope}` failed in
+    OmegaConf's traceback, 'InterpolationKeyError: Interpolation key 'nope' not found', inside the config checks."""
+    from lit_dtrain.train import train
+
+    cfg = compose_cfg([override], tmp_path / "r", corpus_dir=corpus)
+    with pytest.raises(ConfigError) as refused:
+        train(cfg)
+    assert str(refused.value) == (f"{key}: interpolation key 'nope' not found: an interpolation names a key the "
+                                  f"config does not hold; fix it, or give {key} a value")
