@@ -260,8 +260,12 @@ def read_config_file(path: Path) -> tuple[object, str | None]:
         node = OmegaConf.create(text)
     except Exception:  # noqa: BLE001 - unreadable or not YAML here
         return None, None
-    header = re.match(r"(?:[ \t]*#[ \t]*@[^\n]*\n|[ \t]*\n)*", text).group(0)  # Hydra's _get_header_dict
-    package = re.search(r"#\s*@package\s+(\S+)", header)
+    header = []  # as Hydra's _get_header_dict, in the first 512 characters (one past them was read here)
+    for line in (line.strip() for line in text[:512].splitlines()):
+        if line and not re.match(r"#\s*@", line):
+            break
+        header.append(line)
+    package = re.search(r"#\s*@package\s+(\S+)", "\n".join(header))
     return node, package.group(1) if package else None
 
 

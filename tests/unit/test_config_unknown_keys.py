@@ -265,6 +265,8 @@ def test_a_searchpath_callbacks_option_whose_node_is_named_otherwise_is_named_as
     ("\n# @package callbacks\nx: 1\n", "callbacks"),
     ("# an early stop of my own\n# @package _global_\nx: 1\n", None),  # below a plain comment: Hydra reads no header
     ("x: 1\n# @package _global_\n", None),
+    ("# @package _global_\r\n\r\nx: 1\r\n", "_global_"),  # as Hydra, from the text read in universal newlines
+    ("\n" * 600 + "# @package _global_\nx: 1\n", None),  # past the 512 characters Hydra reads: no header to Hydra
 ])
 def test_a_config_files_package_is_read_from_hydras_header_alone(tmp_path, text, package):
     """'# @package _global_' below a plain comment was read as the file's package, where Hydra stops its header at
@@ -275,5 +277,7 @@ def test_a_config_files_package_is_read_from_hydras_header_alone(tmp_path, text,
 
     from lit_dtrain._compose_errors import read_config_file
 
-    (tmp_path / "c.yaml").write_text(text)
-    assert read_config_file(tmp_path / "c.yaml")[1] == package == ConfigSource._get_header_dict(text)["package"]
+    (tmp_path / "c.yaml").write_bytes(text.encode())
+    with open(tmp_path / "c.yaml", encoding="utf-8") as f:  # as Hydra's FileConfigSource reads it
+        hydras = ConfigSource._get_header_dict(f.read(512))["package"]
+    assert read_config_file(tmp_path / "c.yaml")[1] == package == hydras
