@@ -43,9 +43,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from lit_dtrain._compose_errors import unknown_key_message
 from lit_dtrain.divergence import NonFiniteLossWatch
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
@@ -95,7 +97,8 @@ def bench_device(cfg) -> torch.device:
         return torch.device("cpu")
     if accelerator in ("gpu", "cuda", "auto"):
         if not torch.cuda.is_available():
-            raise RuntimeError(f"trainer.accelerator={accelerator} but torch sees no CUDA device")
+            raise RuntimeError(f"trainer.accelerator={accelerator}, but torch {torch.__version__} sees no CUDA device; "
+                               "run it on a GPU machine, or without trainer=gpu")
         return torch.device("cuda", 0)
     raise ValueError(f"bench_step runs on trainer.accelerator cpu, gpu, cuda or auto, got {accelerator!r}")
 
@@ -207,9 +210,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_default(tmp, args.steps, args.overrides)
-        device = bench_device(cfg)
-        autocast_dtype(cfg)  # refuse an unsupported precision before any run
+        try:  # a bad override, a GPU config without CUDA, a precision the plain loop lacks: one line, not a traceback
+            cfg = compose_default(tmp, args.steps, args.overrides)
+            device = bench_device(cfg)
+            autocast_dtype(cfg)  # refuse an unsupported precision before any run
+        except (HydraException, ValueError, RuntimeError) as e:
+            hydras = str(e).partition("\nConfig search path")[0]  # Hydra's message without its search path
+            ap.error(unknown_key_message(e, CONF) or " ".join(hydras.split()))
         torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))  # as train() sets it
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device {device} ({name}), precision {cfg.trainer.precision}, {tokens_per_step(cfg)} tokens/step")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, load_script, run_script
 
@@ -26,6 +27,10 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_step.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("bench_step.py", ["--steps", "abc"], "argument --steps: expected a whole number, got 'abc'"),
     ("bench_step.py", ["--steps", "5", "--warmup", "5"], "--warmup (5) must be below --steps (5)"),
+    # Hydra overrides and the config they give: tracebacks (Hydra's, a RuntimeError, a ValueError) before
+    ("bench_step.py", ["data.nokey=1"], "data.nokey is not a config key (data holds _target_, batch_size"),
+    ("bench_step.py", ["trainer=nope"], "In 'train': Could not find 'trainer/nope' Available options in 'trainer'"),
+    ("bench_step.py", ["trainer.precision=16-mixed"], "plain loop mirrors trainer.precision 32-true or bf16-mixed"),
     ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
     ("bench_spikes.py", ["--inject", "nan_loss:2000"],
      "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
@@ -58,6 +63,16 @@ def test_bad_counts_are_refused_before_any_work(script, args, message, tmp_path,
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_step_on_a_gpu_config_without_cuda_is_one_line(tmp_path, capfd):
+    """``bench_step.py trainer=gpu`` (scripts/gpu_checks.sh's step) on a machine without CUDA ended in a
+    ``RuntimeError`` traceback, with no JSON line."""
+    done = run_script("bench_step.py", ["trainer=gpu"], tmp_path, capfd)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith("trainer.accelerator=gpu, but torch ") and "sees no CUDA device" in error, error
 
 
 def test_a_script_run_by_run_script_ends_as_in_its_own_python(tmp_path, capfd):
