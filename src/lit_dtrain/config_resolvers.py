@@ -29,11 +29,14 @@ import os
 import re
 
 from omegaconf import OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 
 
 class RequiredValueError(InterpolationResolutionError, ValueError):
     """A key marked ``${lit.required:...}`` was read without a value given for it; the message says which."""
+
+
+UNRESOLVED = (RequiredValueError, InterpolationKeyError)  # a required key left out, or ``${nope}`` naming no key
 
 
 def required(message: str) -> None:

@@ -24,7 +24,6 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationKeyError
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._compose_errors import choose_callback_first
@@ -41,7 +40,7 @@ from lit_dtrain.config_checks import (
     scheduler_config,
     warn_if_the_schedule_ends_early,
 )
-from lit_dtrain.config_resolvers import RequiredValueError
+from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
 from lit_dtrain.errors import ConfigError, interpolation_error
 from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
@@ -252,7 +251,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
         init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
-    except (RequiredValueError, InterpolationKeyError) as e:  # ${lit.required:...} of an experiment, or ${nope}
+    except UNRESOLVED as e:  # ${lit.required:...} of an experiment, or ${nope}
         raise interpolation_error(e) from None
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
