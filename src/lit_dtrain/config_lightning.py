@@ -14,6 +14,7 @@ import torch
 from hydra._internal.utils import _locate  # hydra.utils.get_class logs an ERROR for a target that is no class
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_dtrain._base_60 import base_60_source
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import is_number, is_whole_float
 
@@ -266,6 +267,11 @@ def check_val_check_interval(cfg: DictConfig) -> None:
     key, value = "trainer.val_check_interval", cfg.trainer.get("val_check_interval")
     steps = "give the optimizer steps between validations as an integer (e.g. 250; >= trainer.max_steps: once, " \
             "at the end)"
+    if (written := base_60_source("val_check_interval", value)) is not None:  # YAML's 1:00:00:00 is 216000 steps
+        path, text = written
+        raise ConfigError(f"{key}={value!r} comes from {str(path)!r}, where it is written unquoted as {text}, which "
+                          f"YAML reads as the base-60 number {value} (steps): quote it for a duration, "
+                          f"val_check_interval: '{text}', or write {value} for steps")
     if value is None or is_number(value, integer=True):
         return
     if is_number(value):

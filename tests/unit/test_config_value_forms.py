@@ -143,3 +143,35 @@ def test_a_whole_float_number_of_devices_is_that_many(tiny_cfg):
     cfg = tiny_cfg("trainer=ddp_cpu", "trainer.devices=2.0")
     check_config(cfg)
     assert cfg.trainer.devices == 2 and type(cfg.trainer.devices) is int
+
+
+def test_a_time_written_unquoted_in_a_config_file_is_refused_not_read_as_base_60_steps(tmp_path, corpus):
+    """``val_check_interval: 1:00:00:00`` in an experiment file composed as 216000 (YAML 1.1's base-60 integer) and
+    trained as steps without a word (a 3-step run validated once, at its end); 216000 written as steps is taken."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from lit_dtrain.config_lightning import check_val_check_interval
+    from tests.conftest import CONF_DIR
+
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    for name, value in (("day", "1:00:00:00  # daily"), ("steps", "216000")):
+        (tmp_path / "conf" / "experiment" / f"{name}.yaml").write_text(
+            f"# @package _global_\ntrainer:\n  val_check_interval: {value}\n")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfgs = [compose("train", [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"experiment={name}"],
+                        return_hydra_config=True) for name in ("day", "steps")]
+    try:
+        HydraConfig.instance().set_config(cfgs[0])
+        with pytest.raises(ConfigError) as refused:
+            check_val_check_interval(cfgs[0])
+        HydraConfig.instance().set_config(cfgs[1])
+        check_val_check_interval(cfgs[1])
+    finally:
+        HydraConfig.instance().cfg = None
+    day = tmp_path / "conf" / "experiment" / "day.yaml"
+    assert str(refused.value) == (
+        f"trainer.val_check_interval=216000 comes from {str(day)!r}, where it is written unquoted as 1:00:00:00, which "
+        "YAML reads as the base-60 number 216000 (steps): quote it for a duration, val_check_interval: '1:00:00:00', "
+        "or write 216000 for steps")
+    assert cfgs[1].trainer.val_check_interval == 216000
