@@ -47,11 +47,32 @@ def unlistable(directory: str) -> str | None:
     is no directory. Reads one entry, not the whole listing."""
     try:
         with os.scandir(directory) as entries:
-            next(entries, None)
+            entry = next(entries, None)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
         return e.strerror or str(e)
+    return unenterable(directory, entry)
+
+
+def unenterable(directory: str | os.PathLike, entry: os.PathLike | None = None) -> str | None:
+    """Why ``directory``, which can be listed, cannot be entered (read but no search permission: ``chmod -R 644``
+    took the x off the dirs), else None; ``entry``: one of its entries, if listed already. Its names were listed, and
+    the first stat of one was a ``PermissionError`` traceback (a directory source, a glob, a directory below)."""
+    if entry is None:
+        try:
+            with os.scandir(directory) as entries:
+                entry = next(entries, None)
+        except OSError:
+            return None
+    if entry is None:  # (an empty directory: nothing to enter for)
+        return None
+    try:
+        os.lstat(entry)  # needs search permission on the directory, not on the entry (not followed)
+    except PermissionError as e:
+        return f"{e.strerror} (it has read but no search (x) permission: chmod +x it)"
+    except OSError:
+        return None
     return None
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lit_dtrain.data._path_problems import special_file_kind, unlistable, unreachable_reason
+from lit_dtrain.data._path_problems import special_file_kind, unenterable, unlistable, unreachable_reason
 from lit_dtrain.data.walking import _files_below, walk_glob
 from lit_dtrain.utils.args import is_number, type_name
 from lit_dtrain.utils.rank_zero import log_once
@@ -181,10 +181,16 @@ def resolve_files(source: CorpusSource) -> list[Path]:
         # a path that exists is that file or directory, even when its name holds '[', '*' or '?' ("notes [v2].txt")
         if glob.has_magic(path) and not os.path.lexists(path):
             hits = [Path(m) for m in walk_glob(path)]
-            matches = [p for p in hits if p.is_file()]
-            _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
-            # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
-            dirs = [p for p in hits if p.is_dir()]
+            try:  # a dir with read but no search permission lists its names, and each stat is refused
+                matches = [p for p in hits if p.is_file()]
+                _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])
+                # directories the glob matched without any file below them (a ** glob matches the dirs of its files)
+                dirs = [p for p in hits if p.is_dir()]
+            except PermissionError as e:  # was the PermissionError's traceback
+                parent = os.path.dirname(e.filename)
+                why = f"{parent!r} cannot be entered: {unenterable(parent)}" if unenterable(parent) else e.strerror
+                raise CorpusError(f"data source {source.name!r}: glob {raw!r} matched {e.filename!r}, which cannot be "
+                                  f"reached: {why}") from None
             covered = _dirs_of(matches) if dirs else set()  # real paths: only where a directory was matched
             dirs = [p for p in dirs if not _covered(p, covered, path) and any(f.is_file() for f in p.rglob("*"))]
             every_file = f"{str(raw).rstrip('/')}/**/*"  # ** also matches no directory: files at any depth

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from lit_dtrain.data._path_problems import unenterable
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.data.corpus")  # the corpus' logger, where this code was
@@ -25,11 +26,20 @@ def _dirs_below(root: Path, dot_dirs: list[Path] | None = None) -> Iterator[Path
         if real in entered:
             continue
         entered.add(real)
-        yield directory
         try:
-            below = sorted((p for p in directory.iterdir() if p.is_dir()), reverse=True)
+            names = list(directory.iterdir())
         except OSError as e:  # unreadable directory: as rglob, which skips it (its files were never read); told by
             # rank 0 alone: every rank walks the same corpus (a 2-rank run printed it twice)
+            yield directory  # (its glob finds nothing)
+            log_once(log, logging.WARNING, "cannot list %s (%s): its files are left out", directory, e.strerror or e)
+            continue
+        if names and (why := unenterable(directory, names[0])) is not None:  # each stat: a PermissionError traceback
+            log_once(log, logging.WARNING, "cannot enter %s (%s): its files are left out", directory, why)
+            continue
+        yield directory
+        try:
+            below = sorted((p for p in names if p.is_dir()), reverse=True)
+        except OSError as e:  # (a link among them to a place it may not reach)
             log_once(log, logging.WARNING, "cannot list %s (%s): its files are left out", directory, e.strerror or e)
             continue
         if dot_dirs is not None:
