@@ -67,3 +67,21 @@ def test_a_directory_that_can_be_listed_but_not_entered_is_named_not_a_traceback
     ]
     assert f"cannot enter {corpus}/sub ({why}): its files are left out" in got["said"]
     assert f"cannot enter {corpus}/top ({why}): its files are left out" in got["said"]
+
+
+def test_a_link_in_a_corpus_dir_to_a_file_it_cannot_reach_is_named(tmp_path):
+    """corpus/link.txt -> a file in a dir it may not enter: a directory source raised the PermissionError's traceback
+    (a glob over it names it too)."""
+    corpus = tmp_path / "corpus"
+    (corpus / "closed").mkdir(parents=True)
+    (corpus / "closed" / "b.txt").write_text("out of reach\n" * 20)
+    (corpus / "closed").chmod(0o700)
+    (corpus / "open").mkdir()
+    (corpus / "open" / "a.txt").write_text("kept text\n" * 20)
+    (corpus / "open" / "link.txt").symlink_to(corpus / "closed" / "b.txt")
+    got = _resolve_without_privilege(tmp_path, [str(corpus / "open"), f"{corpus}/open/*.txt"])
+    link = f"{corpus}/open/link.txt"
+    assert got["results"] == [
+        f"data source 't': '{link}' (in directory '{corpus}/open') cannot be reached: Permission denied",
+        f"data source 't': glob '{corpus}/open/*.txt' matched '{link}', which cannot be reached: Permission denied",
+    ]

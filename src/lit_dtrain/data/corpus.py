@@ -219,7 +219,11 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                 raise CorpusError(f"data source {source.name!r}: directory {raw!r} cannot be listed: {why}")
             dangling: list[Path] = []
             dot_dirs: list[Path] = []  # not entered
-            found = _files_below(Path(path), source.pattern, dangling, dot_dirs)
+            try:
+                found = _files_below(Path(path), source.pattern, dangling, dot_dirs)
+            except PermissionError as e:  # a link to a file it may not reach: was the PermissionError's traceback
+                raise CorpusError(f"data source {source.name!r}: {e.filename!r} (in directory {raw!r}) "
+                                  f"{unreachable_reason(e.filename)}") from None
             # hidden files and dirs (.git, .venv, editor swap files) are not corpus text
             matches = [p for p in found if not _hidden_below(p, path)]
             _warn_dangling(source, raw, [p for p in dangling if not _hidden_below(p, path)])
