@@ -16,6 +16,7 @@ resumed run does not add a second entry).
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import mmap
 import os
@@ -26,6 +27,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from lit_dtrain.run_dirs import without_cut_line
 from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
@@ -38,12 +40,21 @@ def purge_csv_metrics(path: Path, purge_step: int) -> list[str]:
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        fields, rows = list(reader.fieldnames or []), list(reader)
+        text, cut = without_cut_line(f.read())
+    if cut:  # a kill while Lightning appended rows (they are flushed in batches, so its step can be below purge_step)
+        # was kept: the resume appended its first row to it (a damaged line that stopped compare_runs.py), or, where
+        # rows were dropped, rewrote it as a whole row (',0.003,0.003,1' cut from step 13's: step 13's LR at step 1)
+        log.warning("%s: its last line %r has no line end (the run was killed while writing it); dropped", path,
+                    cut[:80])
+    if not text:  # cut in its header: no row to keep
+        path.unlink()
+        return []
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    fields, rows = list(reader.fieldnames or []), list(reader)
     if "step" not in fields:
         raise ValueError(f"{path} has no 'step' column, so it is not a Lightning metrics file: {fields[:8]}")
     keep = [r for r in rows if not r["step"] or float(r["step"]) < purge_step]
-    if len(keep) < len(rows):
+    if len(keep) < len(rows) or cut:
         write_csv_atomically(path, fields, keep)
         log.info("resume at step %d: dropped %d row(s) of %s logged after the checkpoint", purge_step,
                  len(rows) - len(keep), path)

@@ -189,6 +189,12 @@ def _quiet_tensorboard():
         logger.setLevel(level)
 
 
+def without_cut_line(text: str) -> tuple[str, str]:
+    """``text`` up to its last line end, and what follows it: a last line cut short ('' when there is none)."""
+    cut = text[text.rfind("\n") + 1 :]
+    return text[: len(text) - len(cut)], cut
+
+
 def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
     """``(tag, step, value)`` of every filled cell of a Lightning ``metrics.csv``, in file order. A last line without
     its line end is a row cut short (the run killed while Lightning's CSVLogger appended or rewrote the file, a full
@@ -197,10 +203,8 @@ def read_csv_metrics(path: Path) -> list[tuple[str, int, float]]:
     metrics file; its columns are None", an error that stopped the whole comparison). A cell that is
     no number is :class:`RunDirError` naming the file, line and column (it was a ValueError traceback)."""
     with path.open(newline="", errors="replace") as f:
-        text = f.read()
-    if text and not text.endswith("\n"):
-        cut = text[text.rfind("\n") + 1 :]
-        text = text[: len(text) - len(cut)]
+        text, cut = without_cut_line(f.read())
+    if cut:
         log.warning("%s: its last line %r has no line end (the run was killed while writing it?); left out", path,
                     cut[:80])
     if not text:  # empty, or cut in its header: a run killed as its first rows were written has none to read

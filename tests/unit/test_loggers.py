@@ -38,6 +38,31 @@ def test_resume_keeps_history_before_purge_step_and_drops_the_rest(tmp_path):
     assert [int(r["step"]) for r in rows(path)] == [0]
 
 
+def test_a_resume_drops_a_last_row_cut_by_a_kill(tmp_path, caplog):
+    """A kill while Lightning appended its rows (flushed in batches, so the cut row's step can lie below the resumed
+    checkpoint's) left a last line without its line end. The resume kept it: with no row to drop it appended its
+    first row to it (`model=nano`, `logger=csv`, the row of step 3 cut to '0,,,3,,,,4.2', resumed at step 6: line 17
+    read '0,,,3,,,,4.2,0.003,0.003,6,...' and compare_runs.py stopped there), and where rows were dropped it rewrote
+    it as a whole row (',0.003,0.003,1' cut from step 13's row: step 13's LR read at step 1). It is dropped now."""
+    from lit_dtrain.run_dirs import read_csv_metrics
+
+    path = tmp_path / "csv" / "metrics.csv"
+    path.parent.mkdir()
+    header = "lr,step,train/loss\n"
+    path.write_text(header + "0.1,0,5.0\n0.1,1,4.0\n0.1,2,3.9713\n0.2,3,3.")  # cut in step 3's loss
+    resumed = ResumableCSVLogger(tmp_path, name="csv", version="", purge_step=6)
+    log_steps(resumed, [6])
+    assert [(t, s, v) for t, s, v in read_csv_metrics(path) if t == "train/loss"] == [
+        ("train/loss", 0, 5.0), ("train/loss", 1, 4.0), ("train/loss", 2, 3.9713), ("train/loss", 6, 6.0)]
+    assert "no line end" in caplog.text
+
+    path.write_text(header + "0.1,0,5.0\n0.1,8,4.0\n0.3,1")  # step 13's row cut in its step; step 8 dropped
+    assert purge_csv_metrics(path, 6) == ["lr", "step", "train/loss"]
+    assert path.read_text().splitlines() == ["lr,step,train/loss", "0.1,0,5.0"]
+    path.write_text("lr,st")  # cut in its header: no row to keep, Lightning writes the file afresh
+    assert purge_csv_metrics(path, 6) == [] and not path.exists()
+
+
 def test_purge_names_a_file_that_is_not_a_metrics_file(tmp_path):
     bad = tmp_path / "metrics.csv"
     bad.write_text("a,b\n1,2\n")
