@@ -86,6 +86,23 @@ def test_a_lasting_level_shift_is_accepted_after_max_consecutive_spikes() -> Non
     assert sum(never.decide(x).is_spike for x in shifted) > 400  # without it, skip would drop every later step
 
 
+def test_a_nan_step_inside_a_run_of_spikes_neither_counts_toward_max_consecutive_nor_ends_the_run() -> None:
+    """A NaN/inf step says nothing about the loss level: it cannot seed the new level's statistics, so it does not
+    count, and it does not show the loss back at its old level, so it does not end the run. Ending it would never
+    accept a level whose steps turn NaN now and then (4 spikes, then a NaN, over and over: every step dropped, and
+    max_nonfinite, which counts NaN steps in a row, never reached)."""
+    losses = synthetic_losses(1500, 0)
+    shifted = losses[:1000] + [1.6 * x for x in losses[1000:]]
+    for nan_at, shift_at in (({1004}, 1010), (set(range(1004, 1500, 5)), 1011)):
+        detector = SpikeDetector(max_consecutive=10)
+        decisions = [detector.decide(math.nan if t in nan_at else x) for t, x in enumerate(shifted)]
+        assert [t for t, d in enumerate(decisions) if d.level_shift] == [shift_at]  # the 10th finite spike
+        assert [t for t, d in enumerate(decisions) if LOSS_SPIKE in d.reasons] == [
+            t for t in range(1000, shift_at) if t not in nan_at]
+        assert [t for t, d in enumerate(decisions) if d.is_spike and t > shift_at] == sorted(
+            t for t in nan_at if t > shift_at)  # the new level is accepted: only the NaN steps are spikes after it
+
+
 def test_a_lasting_grad_norm_level_shift_is_accepted_after_max_consecutive_spikes() -> None:
     """With grad_z_threshold, a grad norm that rose for good was a spike at every later step: skip dropped all of
     them. It is accepted after max_consecutive grad-norm spikes in a row, as the loss is."""

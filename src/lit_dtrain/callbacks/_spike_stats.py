@@ -266,7 +266,9 @@ class SpikeDetector:
     not a spike, the loss statistics restart from the run's values, and :attr:`SpikeDecision.level_shift`
     is set. Without this, ``skip`` would drop every later step of a run whose loss level moved for good.
     Grad-norm spikes likewise (:attr:`SpikeDecision.grad_level_shift`): a grad norm that rose for good (an LR
-    or batch change) was otherwise a spike at every later step.
+    or batch change) was otherwise a spike at every later step. A non-finite step inside such a run neither counts
+    toward it nor ends it: it says nothing about the level (ending the run there, a level whose steps turn NaN now
+    and then was never accepted).
     """
 
     def __init__(
