@@ -125,3 +125,26 @@ def test_missing_index_key_is_named(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [NoIndex(), LossSpikeMonitor(actions=["skip"])], max_steps=2)
     with pytest.raises(KeyError, match="'index'"):
         trainer.fit(make_module(), datamodule=make_data(tmp_path))
+
+
+def test_a_step_skipped_for_an_excluded_sample_alone_still_takes_its_snapshot(tmp_path):
+    """A project without an excluding sampler skips a later step whose batch holds an excluded sample. That step moved
+    nothing, yet when it fell on the snapshot cadence no snapshot was taken, so a later rollback went a whole
+    ``snapshot_every`` further back (NaN at steps 7 and 25, snapshots every 4, the batch of step 7 again at 23: rolled
+    back to 20, dropping steps 20-22 and 24, where 24 holds the same weights). After a spike none is taken still."""
+    from tests.toys import TinyRegression
+
+    class NaNAt(TinyRegression):
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            return loss * float("nan") if self.trainer.global_step in (7, 25) else loss
+
+    monitor = LossSpikeMonitor(actions=["log", "rollback"], snapshot_every=4, snapshot_keep=2, rollback_min_age=1,
+                               warmup_steps=5)
+    trainer = L.Trainer(accelerator="cpu", max_steps=28, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="no sampler with exclude"):
+        trainer.fit(NaNAt())
+    events = [json.loads(line) for line in (tmp_path / "spikes.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["actions"], e["rolled_back_to"]) for e in events] == [
+        (7, ["log", "rollback"], 4), (23, ["skip"], None), (25, ["log", "rollback"], 24)]

@@ -129,6 +129,15 @@ class SpikeEvents:
         return "" if getattr(trainer, "fast_dev_run", False) else f"{lead}{self._events_path(trainer)}"
 
     # ---- rollback -----------------------------------------------------------------------------------------------
+    def _snapshot_if_due(self, trainer, pending: dict | None) -> None:
+        """Take the ``snapshot_every`` cadence's snapshot after a step, also one skipped for an excluded sample alone,
+        which moved nothing (before, a later rollback went a whole ``snapshot_every`` further back: NaN at 7 and 25,
+        every 4, the batch of 7 again at 23, rolled back to 20, not 24); never after a spike, whose weights may hold
+        what caused it."""
+        if (pending is None or not pending["counted"]) and "rollback" in self.actions and \
+                trainer.global_step % self.snapshot_every == 0:
+            self.snapshots.add(trainer)
+
     def _rollback(self, trainer, step: int) -> int | None:
         """Restore the newest snapshot at least ``rollback_min_age`` steps old; returns its step (None: no snapshot
         fits the optimizers' param groups and the module's state keys now, the step is only dropped)."""

@@ -354,13 +354,11 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         pending, decision = self._pending, self.last_decision
         for shift in self._level_shifts:
             self._record(trainer, *shift)
-        if pending is None:
-            if self.exclude_previous_steps:
-                self.recent_indices.append(gather_indices(trainer, self._indices))
-            if "rollback" in self.actions and trainer.global_step % self.snapshot_every == 0:
-                self.snapshots.add(trainer)
-        else:
+        if pending is None and self.exclude_previous_steps:
+            self.recent_indices.append(gather_indices(trainer, self._indices))
+        elif pending is not None:
             self._finish_event(trainer, pl_module, pending)
+        self._snapshot_if_due(trainer, pending)
         self._excluded_only.update(trainer, pending, len(self.excluded), self._num_train_samples)
         scalars = {}
         if pending is not None or self._z_ready:  # in the warmup z is unused and meaningless
