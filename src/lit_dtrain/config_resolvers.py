@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
@@ -91,18 +92,24 @@ def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int
 def launch_run_name(timestamp: str) -> str:
     """``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` in an ``srun`` step of several tasks, ``torchrun-<TORCHELASTIC_RUN_ID>``
     in a ``torchrun`` launch of several processes (its ``--rdzv-id``, a new uuid with ``--standalone``; torchrun's
-    default ``none`` names nothing), else ``timestamp``. Characters other than letters, digits, ``.``, ``_`` and
-    ``-`` become ``_``: the name is a directory."""
+    default ``none`` is ``<host>-<agent pid>`` on one node and names nothing on several), else ``timestamp``.
+    Characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``: the name is a directory."""
     env = os.environ
 
     def count(key: str) -> int:
         value = env.get(key, "")
         return int(value) if value.isdigit() else 1
 
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none" and "TORCHELASTIC_RUN_ID" in env and count("LOCAL_WORLD_SIZE") == count("WORLD_SIZE"):
+        # torchrun draws a uuid on one node only without --master-port and --rdzv-endpoint; with either the id is
+        # 'none', and each rank's start time named a run dir (and a sweep dir, to the microsecond) of its own. The
+        # workers of one node share their parent, torchrun's agent, for the launch (and its --max-restarts).
+        run_id = f"{socket.gethostname()}-{os.getppid()}"
     if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") and count("SLURM_STEP_NUM_TASKS") > 1:
         name = f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    elif env.get("TORCHELASTIC_RUN_ID", "none") != "none" and count("WORLD_SIZE") > 1:
-        name = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    elif run_id != "none" and count("WORLD_SIZE") > 1:
+        name = f"torchrun-{run_id}"
     else:
         return timestamp
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)

@@ -77,7 +77,7 @@ def test_collective_timeout_must_be_a_positive_number(strategy, value, shown, tm
         ({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "1"}, "stamp"),  # one task
         ({"SLURM_JOB_ID": "123", "SLURM_NTASKS": "8"}, "stamp"),  # the batch script itself, not an srun step
         ({"TORCHELASTIC_RUN_ID": "5b3c-9f", "WORLD_SIZE": "2"}, "torchrun-5b3c-9f"),
-        ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, "stamp"),  # torchrun's default --rdzv-id
+        ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "stamp"),  # several nodes
         ({"TORCHELASTIC_RUN_ID": "job/7", "WORLD_SIZE": "16"}, "torchrun-job_7"),
         ({"TORCHELASTIC_RUN_ID": "5b3c", "WORLD_SIZE": "1"}, "stamp"),
     ],
@@ -87,11 +87,33 @@ def test_the_default_run_name_is_the_launchs_id_under_srun_and_torchrun(env, nam
     started in different seconds, and rank 1 wrote a run dir of its own (tests/e2e/test_torchrun.py)."""
     from lit_dtrain.config_resolvers import launch_run_name
 
-    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert launch_run_name("stamp") == name
+
+
+def test_torchruns_id_none_on_one_node_names_the_launch_by_its_agent(monkeypatch):
+    """`torchrun --nproc_per_node=2 --master-port=29500` (or `--rdzv-endpoint`) on one node draws no uuid: its run id
+    is 'none', and each rank's start time named a run dir of its own (a rank 2 s late: rank 1's `.hydra/` and
+    `train.log` in a second dir) and, to the microsecond, a sweep dir of its own on every `-m` launch. The workers
+    share their parent, torchrun's agent."""
+    import os
+    import socket
+
+    from lit_dtrain.config_resolvers import launch_run_name
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert launch_run_name("stamp") == f"torchrun-{socket.gethostname()}-{os.getppid()}"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert launch_run_name("stamp") == "stamp"  # one process: its own start time, as before
 
 
 def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path, corpus):
