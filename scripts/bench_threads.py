@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, fail, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 DDP = ["trainer=ddp_cpu", "model=nano", "data.block_size=64"]
@@ -81,8 +81,10 @@ def run_once(name: str, steps: int, work: Path, index: int, cores: int) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"bench_threads.py: {name} failed (status {proc.returncode}):\n{proc.stderr[-2000:]}")
+    if proc.returncode != 0:  # its output, then one line and the JSON error line (sys.exit's text had no JSON)
+        print(proc.stderr[-2000:], file=sys.stderr)
+        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no error text")
+        fail(f"{name}: train.py failed (status {proc.returncode}): {last.strip()}", code=1)
     summary = json.loads((work / "out" / "runs" / run / "summary.json").read_text())
     ranks = sorted((json.loads(p.read_text()) for p in probe_out.glob("*.json")), key=lambda r: r["local_rank"])
     return {"tokens_per_s": summary["tokens_per_sec"], "wall_s": wall, "ranks": ranks}

@@ -170,3 +170,16 @@ def test_an_empty_lit_dtrain_cache_means_the_default_cache_dir_in_the_scripts(mo
     assert bench_comm.parse_args([]).cache_dir == "/data/tok"
     for script in ("bench_wsd.py", "bench_spikes.py", "bench_optim_diag.py"):  # the same call, heavier to load
         assert "default_cache_dir()" in (ROOT / "scripts" / script).read_text(), script
+
+
+def test_bench_threads_ends_a_failed_run_with_one_line_and_the_json_error(tmp_path, capfd, monkeypatch):
+    """A ``train.py`` run that failed ended ``bench_threads.py`` through ``sys.exit(text)``: its stderr, status 1
+    and no JSON line on stdout (a caller reading the last line found nothing). It ends as every script's error does."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LIT_DTRAIN_CACHE", str(tmp_path / "file" / "cache"))  # under a file: no cache is written
+    done = run_script("bench_threads.py", ["--steps", "1", "--rounds", "1", "--variants", "single_omp1"], tmp_path,
+                      capfd)
+    assert done.returncode == 1, done.stderr[-2000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith("single_omp1: train.py failed (status 1): error: cannot write the token cache"), error
+    assert done.stderr.rstrip().endswith(f"bench_threads.py: error: {error}"), done.stderr[-2000:]
