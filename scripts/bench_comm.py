@@ -318,7 +318,13 @@ def worker(args: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     if args._shaped:
         _set_rate(args.rate_list[0])
-    mp.spawn(_rank_main, args=(args, port), nprocs=2, join=True)
+    try:
+        mp.spawn(_rank_main, args=(args, port), nprocs=2, join=True)
+    except mp.ProcessRaisedException as e:  # the rank's traceback, and its last line for the parent's error line
+        print(e, file=sys.stderr)
+        last = next((line for line in reversed(str(e).splitlines()) if line.strip()), "no error text")
+        Path(args._result_file + ".error").write_text(f"rank {e.error_index}: {last.strip()}")
+        raise SystemExit(1) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,7 +337,7 @@ def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
         del forwarded[i : i + 2]
     cmd = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--_worker", "--_result-file", result_file]
     if args.no_netns:
-        subprocess.run(cmd, check=True)
+        check_worker(subprocess.run(cmd).returncode, result_file)
         return
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         fail("the network namespace needs root and iproute2 (ip, tc); use --no-netns for a smoke test")
@@ -341,9 +347,18 @@ def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
                         args.rate_list[0], *TBF], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, *cmd, "--_shaped"], check=True)
+        status = subprocess.run(["ip", "netns", "exec", ns, *cmd, "--_shaped"]).returncode
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
+    check_worker(status, result_file)
+
+
+def check_worker(status: int, result_file: str) -> None:
+    """End the script on a failed worker: one line naming the rank's error, and the JSON error line. It was a
+    ``CalledProcessError`` traceback after the ranks' (a ``--cache-dir`` that cannot be written: 63 lines, no JSON)."""
+    if status != 0:
+        error = Path(result_file + ".error")
+        fail(error.read_text() if error.exists() else f"the two ranks' worker ended with status {status}", code=1)
 
 
 def main(argv=None) -> None:

@@ -183,3 +183,18 @@ def test_bench_threads_ends_a_failed_run_with_one_line_and_the_json_error(tmp_pa
     error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert error.startswith("single_omp1: train.py failed (status 1): error: cannot write the token cache"), error
     assert done.stderr.rstrip().endswith(f"bench_threads.py: error: {error}"), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_comm_ends_a_failed_rank_with_one_line_and_the_json_error(tmp_path, capfd):
+    """A rank that failed (here: a ``--cache-dir`` under a file) ended ``bench_comm.py`` in a ``CalledProcessError``
+    traceback after the rank's, with no JSON line. The rank's traceback stays; then one line with its error."""
+    (tmp_path / "file").write_text("")
+    done = run_script("bench_comm.py", ["--no-netns", "--steps", "2", "--chunk", "1", "--variants", "ddp", "--rates",
+                                        "1gbit", "--cache-dir", str(tmp_path / "file" / "cache"), "--out",
+                                        str(tmp_path / "out")], tmp_path, capfd)
+    assert done.returncode == 1, done.stderr[-2000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith("rank 0: lit_dtrain.data.corpus.CorpusError: cannot write the token cache"), error
+    assert done.stderr.rstrip().endswith(f"bench_comm.py: error: {error}"), done.stderr[-2000:]
+    assert "CalledProcessError" not in done.stderr
