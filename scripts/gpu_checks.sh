@@ -5,7 +5,8 @@
 #     bash scripts/gpu_checks.sh [OUT_DIR]      # logs to OUT_DIR/gpu.log, each benchmark's JSON line to results.jsonl
 #     ONLY="env pytest_gpu" bash scripts/gpu_checks.sh   # only the named steps
 #
-# Needs the project's dependencies importable (pip install -e '.[dev]', or PYTHONPATH) and one visible GPU.
+# Needs the project's dependencies importable (pip install -e '.[dev]', or PYTHONPATH) and one visible GPU: where
+# torch sees none, no step but env runs (one error line; the summary's "error" says so; exit status 1).
 # The last line of output is one JSON object: {"out", "results", "rc": {step: exit status}, "failed": [steps]};
 # the exit status is 1 when a step failed.
 set -u
@@ -27,6 +28,13 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, log it, keep it
     local name=$1 limit=$2
     shift 2
     if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+    if [ "$name" != env ] && [ -z "${cuda_checked:-}" ]; then  # once, before the first step that needs the GPU
+        cuda_checked=1
+        "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >/dev/null 2>&1 || \
+            no_cuda="$py's torch sees no CUDA device (or cannot be imported); run this on a GPU machine"
+        [ -n "${no_cuda:-}" ] && echo "gpu_checks.sh: error: $no_cuda; no GPU step was run" | tee -a "$log" >&2
+    fi
+    if [ -n "${no_cuda:-}" ] && [ "$name" != env ]; then return; fi
     echo "=== $name: $* (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$out/step.log" 2>&1
@@ -65,13 +73,16 @@ step bench_step_125m 120 "$py" scripts/bench_step.py --steps 30 --rounds 2 train
 step train_default_gpu 120 "$py" train.py trainer=gpu run_name=gpu_default
 step train_compiled_gpu 150 "$py" train.py trainer=gpu module.compile=true run_name=gpu_compiled
 
-# the summary line (json.dumps: any OUT_DIR is quoted correctly)
-"$py" - "$out" "$results" "${statuses[@]}" <<'EOF'
+# the summary line (json.dumps: any OUT_DIR is quoted correctly); "error" when no GPU step could run
+GPU_CHECKS_ERROR=${no_cuda:-} "$py" - "$out" "$results" "${statuses[@]}" <<'EOF'
 import json
+import os
 import sys
 
 out, results, *statuses = sys.argv[1:]
 rc = {name: int(code) for name, _, code in (s.rpartition("=") for s in statuses)}
-print(json.dumps({"out": out, "results": results, "rc": rc, "failed": [name for name, code in rc.items() if code]}))
-sys.exit(1 if any(rc.values()) else 0)
+summary = {"out": out, "results": results, "rc": rc, "failed": [name for name, code in rc.items() if code]}
+error = os.environ.get("GPU_CHECKS_ERROR")
+print(json.dumps({**summary, "error": error} if error else summary))
+sys.exit(1 if any(rc.values()) or error else 0)
 EOF

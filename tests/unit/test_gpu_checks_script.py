@@ -43,3 +43,23 @@ def test_the_last_line_is_a_json_summary_of_the_steps(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["rc"] == {"env": 3} and summary["failed"] == ["env"]
+
+
+def test_without_cuda_no_gpu_step_runs_and_the_summary_says_why(tmp_path):
+    """On a machine whose torch sees no CUDA device every step ran to its own failure (about 20 s each for the
+    benchmarks, minutes in all), and ``pytest_gpu``, whose tests all skip there, passed. The script now checks once,
+    before the first step that needs the GPU, and stops with one line."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("checks a machine without CUDA")
+    env = {"PATH": "/usr/bin:/bin", "ONLY": "bench_step_nano pytest_gpu", "PYTHON": sys.executable,
+           "PYTHONPATH": str(ROOT / "src")}
+    done = run(str(tmp_path / "out"), cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["rc"] == {} and summary["failed"] == [], summary
+    assert summary["error"].endswith("torch sees no CUDA device (or cannot be imported); run this on a GPU machine")
+    assert "gpu_checks.sh: error: " in done.stderr and "===" not in done.stdout, done.stdout + done.stderr
