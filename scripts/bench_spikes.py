@@ -326,7 +326,7 @@ def main() -> None:
         for name in ("unprotected", "unprotected_no_nan", "rollback", "skip", "lightning"):
             v = val(name)
             if v is not None:
-                summary[f"ratio_{name}_vs_clean"] = v / clean if math.isfinite(v) else str(v)
+                summary[f"ratio_{name}_vs_clean"] = v / clean if math.isfinite(v) else None  # was the string 'nan'
     for key, value in list(summary.items()):  # strict JSON: a diverged run's NaN becomes null + a flag
         if isinstance(value, float) and not math.isfinite(value):
             summary[key] = None

@@ -49,3 +49,22 @@ def test_the_other_benchmarks_write_no_figure_into_the_docs_unless_asked(script,
     for key in keys:
         value = getattr(args, key)
         assert value is None or docs not in (ROOT / value).resolve().parents and (ROOT / value).resolve() != docs
+
+
+def test_a_diverged_runs_ratio_is_null_in_the_json_line(tmp_path, monkeypatch, capsys):
+    """The unprotected run diverges (val loss NaN): its val loss was null in the last JSON line, with
+    ``unprotected_diverged``, but its ratio to the clean run the string ``"nan"`` where the other ratios are numbers."""
+    import json
+
+    mod = load_script()
+    monkeypatch.setattr(mod, "plot", lambda *_: None)
+    monkeypatch.setattr(mod, "run_variant", lambda args, name, *_: {
+        "val_loss": float("nan") if name == "unprotected" else 2.2 if name == "skip" else 2.0, "ours_steps": [],
+        "lightning_steps": [], "max_loss_z": 0.5, "max_loss_rel": 0.1, "halted_at": None})
+    argv = ["bench_spikes.py", "--variants", "clean,unprotected,skip", "--out-dir", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    mod.main()
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["val_loss_unprotected"] is None and summary["unprotected_diverged"] is True
+    assert summary["ratio_unprotected_vs_clean"] is None
+    assert summary["ratio_skip_vs_clean"] == pytest.approx(1.1)
