@@ -3,7 +3,8 @@
 Each step is what training does: draw the global batch (``global_batch``), then feed back a synthetic
 token loss of that batch (``observe``). No model runs, so this isolates the sampler. Variants run side by
 side at each N, interleaved step by step (so machine noise hits them alike): ``uniform`` (an unfed
-``RandomSampler`` draw, the floor), ``moment_ratio`` (the brief's transform, the default) and
+``RandomSampler`` draw, the floor), ``uniform_mixture`` (the same under four sources of different sizes weighted
+0.4/0.3/0.2/0.1), ``moment_ratio`` (the brief's transform, the default) and
 ``magnitude`` (our variant, which renormalizes by the mean every step). It prints the median milliseconds
 per step, the bytes per sample, and the ratio of each variant's cost at the largest N to its cost at the
 smallest. The last line is JSON.
