@@ -57,6 +57,7 @@ from lit_dtrain.utils.memory import (
     peak_rss_bytes,
     reset_peak_rss,
 )
+from lit_dtrain.utils.plots import OutputPathError, output_path
 
 SHAPES = {
     "small": dict(d_model=320, n_layer=8, n_head=8, n_kv_head=4),  # conf/model/small.yaml
@@ -105,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     seqs = [s for s in args.seqs.split(",") if s]
     if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
         p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")
+    try:  # before the runs: a directory or a '.txt' --plot failed in savefig after all of them
+        args.plot = str(output_path(args.plot, "--plot", image=True)) if args.plot else args.plot
+    except OutputPathError as e:
+        p.error(str(e))
     return args
 
 

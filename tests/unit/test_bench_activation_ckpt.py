@@ -39,7 +39,8 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)  # main() sets --threads for the whole process
 
 
-def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench):
+def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the default --plot's dir (outputs/bench_actckpt) is made when it is checked
     args = bench.parse_args([])
     assert (args.device, args.dtype, args.clock, args.tokens, args.shapes, args.seqs, args.repeats) == (
         "cpu", "fp32", "cpu", 1024, "small,deep", "256,1024", 5)
@@ -177,3 +178,19 @@ def test_where_weights_set_the_memory_peak_the_ratio_is_of_the_largest_act_and_s
     full = summary["full"]["by_config"]["wide/T8"]
     assert full["saved_bytes_from"] == "max_act" and full["saved_bytes_ratio"] == full["max_act_ratio"] < 0.5
     assert "note: ratio = largest ACT over none's (as maxACT), not peak ACT" in out
+
+
+def test_the_plot_path_is_checked_before_the_runs(tmp_path, capsys):
+    """``--plot /tmp`` trained every policy, then wrote ``/tmp.png`` (matplotlib adds the suffix) and printed
+    'plot: /tmp', exit 0; a ``.txt`` path failed in savefig after all the runs. Both are refused first now, and a
+    path without a suffix is the ``.png`` it becomes."""
+    bench = load_script("bench_activation_ckpt", "_bench_actckpt_plot")
+    for plot, message in ((str(tmp_path), "is a directory; give a file path"),
+                          (str(tmp_path / "fig.txt"), "matplotlib cannot write '.txt' files")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(["--plot", plot])
+        assert exit_info.value.code == 2
+        assert message in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert bench.parse_args(["--plot", str(tmp_path / "fig")]).plot == str(tmp_path / "fig.png")
+    assert bench.parse_args(["--plot", ""]).plot == ""
+    assert list(tmp_path.iterdir()) == []
