@@ -50,6 +50,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     positive_int,
     seed_int,
 )
+from lit_dtrain.utils.plots import OutputPathError, output_path  # noqa: E402
 
 KINDS = ("random_tokens", "lr_x100", "nan_loss")
 VARIANTS = ("clean", "unprotected", "unprotected_no_nan", "lightning", "skip", "rollback")
@@ -275,6 +276,12 @@ def main() -> None:
         p.error(f"--warmup-steps {args.warmup_steps}: LossSpikeMonitor needs >= 2 steps of statistics warmup")
     if args.warmup_steps >= args.steps:  # the clean run's max loss z-score was max() of no steps, after the runs
         p.error(f"--warmup-steps ({args.warmup_steps}) must be below --steps ({args.steps})")
+    try:  # before the runs: an --out-dir that is a file failed at the first, a .txt --plot after the last
+        if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+            raise OutputPathError(f"--out-dir {args.out_dir!r} is a file; give a directory")
+        args.plot = str(output_path(args.plot, "--plot", image=True)) if args.plot else args.plot
+    except OutputPathError as e:
+        p.error(str(e))
     torch.set_num_threads(args.threads)
     print(f"writing runs and results.json to {Path(args.out_dir).resolve()}", file=sys.stderr)
     no_nan = {s: k for s, k in schedule.items() if k != "nan_loss"}

@@ -68,3 +68,23 @@ def test_a_diverged_runs_ratio_is_null_in_the_json_line(tmp_path, monkeypatch, c
     assert summary["val_loss_unprotected"] is None and summary["unprotected_diverged"] is True
     assert summary["ratio_unprotected_vs_clean"] is None
     assert summary["ratio_skip_vs_clean"] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("flag, value, message", [("--plot", "fig.txt", "matplotlib cannot write '.txt' files"),
+                                                   ("--out-dir", "a_file", "is a file; give a directory")])
+def test_the_output_paths_are_checked_before_any_run(tmp_path, monkeypatch, capsys, flag, value, message):
+    """A ``--plot`` matplotlib cannot write failed in savefig after every run (a ValueError traceback), and an
+    ``--out-dir`` that is a file failed at the first run (NotADirectoryError); both are one line before any run."""
+    import json
+
+    mod = load_script()
+    ran = []
+    monkeypatch.setattr(mod, "run_variant", lambda args, name, *_: ran.append(name) or {
+        "val_loss": 2.0, "ours_steps": [], "lightning_steps": [], "max_loss_z": 0.5, "max_loss_rel": 0.1})
+    (tmp_path / "a_file").write_text("")
+    argv = ["bench_spikes.py", "--variants", "clean", "--out-dir", str(tmp_path / "out"), flag, str(tmp_path / value)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        mod.main()
+    assert exit_info.value.code == 2 and ran == []
+    assert message in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
