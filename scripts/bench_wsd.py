@@ -48,6 +48,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     positive_int,
     seed_int,
 )
+from lit_dtrain.utils.plots import OutputPathError, output_path  # noqa: E402
 from lit_dtrain.utils.scripts import import_beside  # noqa: E402
 
 import_beside(__file__)  # this script's module beside it, scripts/_bench_wsd_report.py, also where a test loads it
@@ -125,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if out.exists() and not wipeable(out):  # Bench wipes it: --out-dir . deleted the working directory
         p.error(f"--out-dir {args.out_dir!r} exists and was not made by this script (it is wiped first); give a new "
                 "or empty directory")
+    try:  # before the runs: an --img-dir that is a file failed at the first plot, after experiment 1's runs
+        if args.img_dir:
+            output_path(Path(args.img_dir) / "wsd_vs_cosine.png", "--img-dir")
+    except OutputPathError as e:
+        p.error(str(e))
     return args
 
 

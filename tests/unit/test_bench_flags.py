@@ -198,3 +198,17 @@ def test_bench_comm_ends_a_failed_rank_with_one_line_and_the_json_error(tmp_path
     assert error.startswith("rank 0: lit_dtrain.data.corpus.CorpusError: cannot write the token cache"), error
     assert done.stderr.rstrip().endswith(f"bench_comm.py: error: {error}"), done.stderr[-2000:]
     assert "CalledProcessError" not in done.stderr
+
+
+def test_bench_wsd_refuses_an_img_dir_that_is_a_file_before_any_run(tmp_path, capsys, monkeypatch):
+    """``--img-dir`` naming a file was first used by the first plot, after experiment 1's runs had trained (a
+    traceback, the runs' figures lost)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    bench_wsd = load_script("bench_wsd", "_bench_wsd_img_dir")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_wsd.parse_args(["--quick", "--img-dir", "a_file", "--out-dir", "out"])
+    assert exit_info.value.code == 2
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert error.startswith("--img-dir 'a_file/wsd_vs_cosine.png': cannot create its directory"), error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no run dir either
