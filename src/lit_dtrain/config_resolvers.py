@@ -30,14 +30,15 @@ import re
 import socket
 
 from omegaconf import OmegaConf
-from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, UnsupportedInterpolationType
 
 
 class RequiredValueError(InterpolationResolutionError, ValueError):
     """A key marked ``${lit.required:...}`` was read without a value given for it; the message says which."""
 
 
-UNRESOLVED = (RequiredValueError, InterpolationKeyError)  # a required key left out, or ``${nope}`` naming no key
+# a required key left out, ``${nope}`` naming no key, or ``${oc.evn:HOME}`` naming no resolver
+UNRESOLVED = (RequiredValueError, InterpolationKeyError, UnsupportedInterpolationType)
 
 
 def required(message: str) -> None:

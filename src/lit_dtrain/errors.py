@@ -33,7 +33,25 @@ def interpolation_error(e: BaseException) -> ConfigError:
     (``'+trainer.max_time={seconds:${nope}}'``, ``trainer.max_steps=${nope}``: OmegaConf's traceback)."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     key = getattr(e, "full_key", None)
+    if type(e).__name__ == "UnsupportedInterpolationType" and key:  # '${oc.evn:HOME}': Hydra's traceback
+        return ConfigError(f"{key}: {first[:1].lower()}{first[1:]}: no resolver has that name; "
+                           f"{_resolver_hint(first.rpartition(' ')[2])}")
     if type(e).__name__ != "InterpolationKeyError" or not key:
         return ConfigError(first)
     return ConfigError(f"{key}: {first[:1].lower()}{first[1:]}: an interpolation names a key the config does not "
                        f"hold; fix it, or give {key} a value")
+
+
+_RESOLVERS = ("oc.env", "oc.select", "oc.decode", "oc.create", "oc.deprecated", "oc.dict.keys", "oc.dict.values",
+              "now", "hydra", "lit.required", "lit.warmup", "lit.run_dir", "lit.env_dir", "lit.launch_run_name")
+
+
+def _resolver_hint(name: str) -> str:
+    """'did you mean oc.env?' for a resolver name with a registered one close to it, else the names to pick from."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    known = [r for r in _RESOLVERS if OmegaConf.has_resolver(r)]
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]}?" if close else f"fix its name (resolvers here: {', '.join(known)})"

@@ -251,7 +251,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
         init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
-    except UNRESOLVED as e:  # ${lit.required:...} of an experiment, or ${nope}
+    except UNRESOLVED as e:  # ${lit.required:...} of an experiment, ${nope}, or ${oc.evn:X} (no such resolver)
         raise interpolation_error(e) from None
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0

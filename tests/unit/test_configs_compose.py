@@ -277,3 +277,20 @@ def test_an_interpolation_naming_no_key_is_one_line_naming_the_key(tmp_path, cor
         train(cfg)
     assert str(refused.value) == (f"{key}: interpolation key 'nope' not found: an interpolation names a key the "
                                   f"config does not hold; fix it, or give {key} a value")
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("optimizer.lr=${oc.evn:HOME}", "optimizer.lr", "did you mean oc.env?"),
+    ("trainer.max_steps=${nopefn:1}", "trainer.max_steps", "fix its name (resolvers here: oc.env, "),
+])
+def test_an_interpolation_naming_no_resolver_is_one_line_naming_the_key(tmp_path, corpus, override, key, hint):
+    """A resolver's name mistyped ('optimizer.lr=${oc.evn:HOME}') failed in Hydra's traceback ending
+    'omegaconf.errors.UnsupportedInterpolationType: Unsupported interpolation type oc.evn', from the config checks."""
+    from lit_dtrain.train import train
+
+    cfg = compose_cfg([override], tmp_path / "r", corpus_dir=corpus)
+    with pytest.raises(ConfigError) as refused:
+        train(cfg)
+    name = override.partition("${")[2].partition(":")[0]
+    assert str(refused.value).startswith(f"{key}: unsupported interpolation type {name}: no resolver has that name; "
+                                         f"{hint}")
