@@ -62,6 +62,18 @@ def test_a_chain_of_links_that_leads_nowhere_names_each_hop(tmp_path):
         build_token_cache(source, tmp_path / "scratch" / "cache", min_tokens=9, val_fraction=0.1, progress=False)
 
 
+def test_a_link_whose_target_lies_behind_a_link_that_leads_nowhere_names_that_link(tmp_path):
+    """scratch -> mnt/data with mnt -> /unmounted (a link into a mount point that is itself a link) was "'scratch' is
+    a broken symbolic link (to 'mnt/data', which does not exist)": ls lists mnt, and mnt is what is missing."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    (tmp_path / "scratch").symlink_to("mnt/data")
+    (tmp_path / "mnt").symlink_to(tmp_path / "unmounted")
+    why = (f"'{tmp_path}/scratch' is a broken symbolic link (to 'mnt/data', which cannot be reached: '{tmp_path}/mnt' "
+           f"is a broken symbolic link (to '{tmp_path}/unmounted', which does not exist))")
+    with pytest.raises(CorpusError, match=re.escape(f"path '{tmp_path}/scratch/corpus' cannot be reached: {why}")):
+        resolve_files(CorpusSource(name="t", kind="files", paths=[f"{tmp_path}/scratch/corpus"]))
+
 def test_a_cache_dir_inside_the_corpus_is_not_read_as_corpus(tmp_path, caplog):
     """paths=[corpus] with the cache dir corpus/cache: each build read the token files of the one before as corpus
     text (warned as 'UTF-16LE text'), so every run made a new cache of a corpus three times larger (59k, 179k, 538k

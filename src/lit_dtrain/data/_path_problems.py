@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 
-def unreachable_reason(path: str | os.PathLike) -> str:
+def unreachable_reason(path: str | os.PathLike, _depth: int = 0) -> str:
     """Why ``path``, neither a file nor a directory to ``os.path``, cannot be read, for ``f"path {path!r} {reason}"``:
     a broken symbolic link (an unmounted disk, a moved corpus), a loop of links, a directory that cannot be searched
     or a file given as a directory; each was "does not exist", while ``ls`` listed the link or the file."""
@@ -17,7 +17,10 @@ def unreachable_reason(path: str | os.PathLike) -> str:
         os.stat(path)
     except OSError as e:
         if e.errno == errno.ENOENT and os.path.islink(path):
-            return f"is a broken symbolic link (to {_hops(path)}, which does not exist)"
+            hops, end = _hops(path)
+            # the chain's last target behind a link on its way (scratch -> mnt/data, mnt -> /unmounted): named
+            why = unreachable_reason(end, _depth + 1) if _depth < 8 else "does not exist"
+            return f"is a broken symbolic link (to {hops}, which {why})"
         if e.errno == errno.ELOOP:
             return "cannot be reached: its symbolic links form a loop" + (
                 f" ({path} -> {os.readlink(path)} -> ...)" if os.path.islink(path) else "")
@@ -26,20 +29,20 @@ def unreachable_reason(path: str | os.PathLike) -> str:
         # a link on the way that leads nowhere (/scratch -> an unmounted disk, for /scratch/corpus): "does not exist"
         broken = next((p for p in Path(path).parents if os.path.islink(p) and not os.path.exists(p)), None)
         if broken is not None:
-            return f"cannot be reached: {str(broken)!r} {unreachable_reason(broken)}"
+            return f"cannot be reached: {str(broken)!r} {unreachable_reason(broken, _depth + 1)}"
     return "does not exist"
 
 
-def _hops(link: str | os.PathLike) -> str:
+def _hops(link: str | os.PathLike) -> tuple[str, str]:
     """The targets of the chain of links from ``link`` to the path that does not exist: ``'b' -> '/nowhere'`` for
-    a -> b -> /nowhere ("to 'b', which does not exist" named a link that ``ls`` lists)."""
+    a -> b -> /nowhere ("to 'b', which does not exist" named a link that ``ls`` lists), and that path."""
     hops, here = [os.readlink(link)], os.fspath(link)
     while len(hops) < 40:  # (the kernel's own limit; a loop is ELOOP, not here)
         here = os.path.join(os.path.dirname(here), hops[-1])
         if not os.path.islink(here):
             break
         hops.append(os.readlink(here))
-    return " -> ".join(repr(h) for h in hops)
+    return " -> ".join(repr(h) for h in hops), here
 
 
 def unlistable(directory: str) -> str | None:
