@@ -45,10 +45,12 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from lit_dtrain._compose_errors import unknown_key_message
+from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch
+from lit_dtrain.errors import interpolation_error
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
 from lit_dtrain.train_callbacks import LogStepSync
@@ -116,6 +118,10 @@ def autocast_dtype(cfg) -> torch.dtype | None:
 
 def tokens_per_step(cfg) -> int:
     return int(cfg.data.batch_size) * int(cfg.data.block_size) * int(cfg.trainer.accumulate_grad_batches or 1)
+
+
+READ_KEYS = ("trainer", "data", "model", "optimizer", "scheduler", "logger", "callbacks")  # not init_from: an
+# experiment's ${lit.required:...} there (cpt_replay's) is nothing the bench reads
 
 
 def compose_default(out_dir: str, steps: int, overrides: list[str]):
@@ -214,6 +220,10 @@ def main() -> None:
             cfg = compose_default(tmp, args.steps, args.overrides)
             device = bench_device(cfg)
             autocast_dtype(cfg)  # refuse an unsupported precision before any run
+            for key in READ_KEYS:  # '${nope}', '${oc.evn:X}': a traceback in instantiate, inside the first round
+                OmegaConf.to_container(cfg[key], resolve=True) if key in cfg else None
+        except UNRESOLVED as e:
+            ap.error(str(interpolation_error(e)))
         except (HydraException, ValueError, RuntimeError) as e:
             hydras = str(e).partition("\nConfig search path")[0]  # Hydra's message without its search path
             ap.error(unknown_key_message(e, CONF) or " ".join(hydras.split()))

@@ -31,6 +31,10 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_step.py", ["data.nokey=1"], "data.nokey is not a config key (data holds _target_, batch_size"),
     ("bench_step.py", ["trainer=nope"], "In 'train': Could not find 'trainer/nope' Available options in 'trainer'"),
     ("bench_step.py", ["trainer.precision=16-mixed"], "plain loop mirrors trainer.precision 32-true or bf16-mixed"),
+    # an interpolation naming no key or no resolver: a traceback in instantiate, inside the first round
+    ("bench_step.py", ["optimizer.lr=${nope}"], "optimizer.lr: interpolation key 'nope' not found: an interpolation"),
+    ("bench_step.py", ["trainer.max_steps=${oc.evn:X}"],
+     "trainer.max_steps: unsupported interpolation type oc.evn: no resolver has that name; did you mean oc.env?"),
     ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
     ("bench_spikes.py", ["--inject", "nan_loss:2000"],
      "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
