@@ -75,6 +75,25 @@ def test_the_blocks_are_checkpointed_only_in_the_callbacks_own_fits(policy):
     assert all(w.calls > c for w, c, mode in zip(cb.wrappers, calls, plan) if mode != "none")
 
 
+def test_the_blocks_get_their_forward_back_when_the_fit_raises():
+    """A fit that raised (an out-of-memory error a caller retries, a notebook) never reached teardown: its blocks
+    stayed wrapped (policy=full: 4 of 4 'forward' attributes left, checkpointed in a later fit without the callback).
+    They are taken out at the exception too; the same callback in a later fit puts them back."""
+
+    class Boom(L.Callback):
+        def on_train_batch_end(self, *args) -> None:
+            raise RuntimeError("boom")
+
+    cb, module = SelectiveCheckpointing(policy="full"), lit_llm()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(module, [cb, Boom()])
+    assert all("forward" not in b.__dict__ for b in module.model.blocks)
+    calls = [w.calls for w in cb.wrappers]
+    fit(module, [])
+    assert [w.calls for w in cb.wrappers] == calls  # nothing checkpointed without the callback
+    fit(module, [cb])
+    assert all(w.calls > c for w, c in zip(cb.wrappers, calls))
+
 def test_budget_callback_probes_and_restores_state_plan():
     cb = SelectiveCheckpointing(policy="budget", memory_budget=0.6, probe_seq_len=48)
     module = lit_llm()

@@ -250,6 +250,12 @@ class SelectiveCheckpointing(Callback):
         remove_checkpointing(self._blocks)
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a fit that raised never reaches teardown (Lightning tears down only the strategy): the blocks went on
+        # checkpointing in the caller's next fit or forward with grad (an out-of-memory retry, a notebook)
+        remove_checkpointing(self._blocks)
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for w in self.wrappers:
             w.ran = False
