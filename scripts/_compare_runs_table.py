@@ -89,13 +89,15 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
     ("comm/bytes_per_step", False),
     ("comm/bytes_per_step_avg", False),
     ("comm/time_ms", False),
+    ("comm/time_ms_avg", False),
     ("comm/hook_calls", None),  # buckets seen by the hook so far
 )
 
 
 # Tags that count or average since the run started: their first point (0 at step 1: no spike yet, nothing sent yet by
 # local SGD) is no run's best, and a run is ranked by its final value alone; their table has no best value.
-CUMULATIVE_TAGS: tuple[str, ...] = ("spike/count", "fourier/nonfinite_skipped", "comm/bytes_per_step_avg")
+CUMULATIVE_TAGS: tuple[str, ...] = ("spike/count", "fourier/nonfinite_skipped", "comm/bytes_per_step_avg",
+                                     "comm/time_ms_avg")
 
 
 # Tags of the last step's collectives: 0 on a step that sent nothing, which under local updates (sync every H steps) is

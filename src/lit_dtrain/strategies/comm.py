@@ -150,11 +150,14 @@ class CommSession:
 
     def metrics(self) -> dict[str, float]:
         """``comm/bytes_per_step`` (last step, this rank), ``comm/compression_ratio`` (cumulative dense / sent;
-        from the first step that sent something), ``comm/time_ms`` (last step, collectives in flight), totals."""
+        from the first step that sent something), ``comm/time_ms`` (last step, collectives in flight), and the
+        averages over every step so far, logged or not (``comm/bytes_per_step_avg``, ``comm/time_ms_avg``)."""
         metrics = {
             "comm/bytes_per_step": float(self.last_step.get("bytes", 0)),
             "comm/bytes_per_step_avg": self.total_bytes / max(self.step, 1),
             "comm/time_ms": float(self.last_step.get("time_ms", 0.0)),
+            # (the steps between logged ones are timed too: without it their time, checkpointed, reached no logger)
+            "comm/time_ms_avg": self.total_time_ms / max(self.step, 1),
             "comm/hook_calls": float(self.hook_calls),
         }
         if self.total_bytes:  # before a local-update run's first sync nothing was sent: no ratio yet (not inf,
