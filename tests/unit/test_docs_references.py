@@ -32,6 +32,7 @@ COMPOSED = {
     "train/batches": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "batches"]),
     "train/samples": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "samples"]),
     "train/lengths": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "lengths"]),
+    "validate/samples": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "samples"]),  # <stage>/
     # ... and, on several ranks, its all-rank rates beside the per-device ones
     **{f"train/{k}_per_sec": ("src/lit_dtrain/callbacks/throughput.py", ["ThroughputMonitor", "world"])
        for k in ("items", "samples", "batches", "flops")},
