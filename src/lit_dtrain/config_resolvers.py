@@ -90,10 +90,24 @@ def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int
     return min(int(cap), max(1, int(float(fraction) * int(max_steps))))
 
 
+def _torchrun_launch_id(env) -> str:
+    """What the workers of one torchrun launch on one node share and a next launch does not: the name's random part
+    of the agent's log dir (``TORCHELASTIC_ERROR_FILE`` is ``<log dir>/<run id>_<random>/attempt_<n>/<local
+    rank>/error.json``, one dir per launch, kept across its ``--max-restarts``), else the pid of the workers' parent,
+    torchrun's agent. The parent alone is not it under a wrapper (``torchrun --no-python ./run.sh``, whose shell
+    runs ``python train.py``): each rank's parent is its own shell, and each rank wrote a run dir of its own."""
+    error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+    if error_file:
+        parts = os.path.normpath(error_file).split(os.sep)
+        if len(parts) >= 4 and parts[-3].startswith("attempt_") and parts[-4].startswith("none_"):
+            return parts[-4].removeprefix("none_")  # tempfile's random part (letters, digits and _)
+    return str(os.getppid())
+
+
 def launch_run_name(timestamp: str) -> str:
     """``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` in an ``srun`` step of several tasks, ``torchrun-<TORCHELASTIC_RUN_ID>``
     in a ``torchrun`` launch of several processes (its ``--rdzv-id``, a new uuid with ``--standalone``; torchrun's
-    default ``none`` is ``<host>-<agent pid>`` on one node and names nothing on several), else ``timestamp``.
+    default ``none`` is ``<host>-<the agent's launch>`` on one node and names nothing on several), else ``timestamp``.
     Characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``: the name is a directory."""
     env = os.environ
 
@@ -104,9 +118,8 @@ def launch_run_name(timestamp: str) -> str:
     run_id = env.get("TORCHELASTIC_RUN_ID", "none")
     if run_id == "none" and "TORCHELASTIC_RUN_ID" in env and count("LOCAL_WORLD_SIZE") == count("WORLD_SIZE"):
         # torchrun draws a uuid on one node only without --master-port and --rdzv-endpoint; with either the id is
-        # 'none', and each rank's start time named a run dir (and a sweep dir, to the microsecond) of its own. The
-        # workers of one node share their parent, torchrun's agent, for the launch (and its --max-restarts).
-        run_id = f"{socket.gethostname()}-{os.getppid()}"
+        # 'none', and each rank's start time named a run dir (and a sweep dir, to the microsecond) of its own.
+        run_id = f"{socket.gethostname()}-{_torchrun_launch_id(env)}"
     if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") and count("SLURM_STEP_NUM_TASKS") > 1:
         name = f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
     elif run_id != "none" and count("WORLD_SIZE") > 1:

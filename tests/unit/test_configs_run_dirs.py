@@ -116,6 +116,25 @@ def test_torchruns_id_none_on_one_node_names_the_launch_by_its_agent(monkeypatch
     assert launch_run_name("stamp") == "stamp"  # one process: its own start time, as before
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_torchruns_id_none_is_the_agents_log_dir_not_each_workers_parent(monkeypatch, rank):
+    """Under a wrapper (`torchrun --master-port=... --no-python ./run.sh`, whose shell runs `python train.py`) each
+    worker's parent is its own shell: named by its parent's pid, every launch wrote a run dir per rank
+    (torchrun-vm-15027 and torchrun-vm-15028). The agent's log dir, in every worker's TORCHELASTIC_ERROR_FILE
+    (<log dir>/none_<random>/attempt_<n>/<local rank>/error.json), is one per launch, kept across restarts."""
+    import socket
+
+    from lit_dtrain.config_resolvers import launch_run_name
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", f"/tmp/torchelastic_x1/none_ab_9cd3e/attempt_1/{rank}/error.json")
+    assert launch_run_name("stamp") == f"torchrun-{socket.gethostname()}-ab_9cd3e"
+
+
 def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path, corpus):
     """It names the launch, not a run to continue: resume=auto still needs run_name=..."""
     from omegaconf import open_dict
