@@ -40,7 +40,8 @@ def purge_csv_metrics(path: Path, purge_step: int) -> list[str]:
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        text, cut = without_cut_line(f.read())
+        raw = f.read()
+    text, cut = without_cut_line(raw)
     if cut:  # a kill while Lightning appended rows (they are flushed in batches, so its step can be below purge_step)
         # was kept: the resume appended its first row to it (a damaged line that stopped compare_runs.py), or, where
         # rows were dropped, rewrote it as a whole row (',0.003,0.003,1' cut from step 13's: step 13's LR at step 1)
@@ -54,7 +55,7 @@ def purge_csv_metrics(path: Path, purge_step: int) -> list[str]:
     if "step" not in fields:
         raise ValueError(f"{path} has no 'step' column, so it is not a Lightning metrics file: {fields[:8]}")
     keep = [r for r in rows if not r["step"] or float(r["step"]) < purge_step]
-    if len(keep) < len(rows) or cut:
+    if len(keep) < len(rows) or text != raw:  # (also a last row whose \n was cut: written whole)
         write_csv_atomically(path, fields, keep)
         log.info("resume at step %d: dropped %d row(s) of %s logged after the checkpoint", purge_step,
                  len(rows) - len(keep), path)

@@ -190,7 +190,10 @@ def _quiet_tensorboard():
 
 
 def without_cut_line(text: str) -> tuple[str, str]:
-    """``text`` up to its last line end, and what follows it: a last line cut short ('' when there is none)."""
+    """``text`` up to its last line end, and what follows it: a last line cut short ('' when there is none). One
+    ending in ``\r`` is whole (csv rows end in ``\r\n``, after the last cell): its ``\n`` is added."""
+    if text.endswith("\r"):
+        return text + "\n", ""
     cut = text[text.rfind("\n") + 1 :]
     return text[: len(text) - len(cut)], cut
 

@@ -63,6 +63,23 @@ def test_a_resume_drops_a_last_row_cut_by_a_kill(tmp_path, caplog):
     assert purge_csv_metrics(path, 6) == [] and not path.exists()
 
 
+def test_a_last_row_whose_line_end_was_cut_between_cr_and_lf_is_kept(tmp_path):
+    """Lightning's rows end in '\r\n' (the csv module's), written after the last cell: a kill between the two bytes
+    left a whole row, which the resume dropped as cut with its metrics (a real run's metrics.csv, its step-3 row
+    ending in '\r': 16 rows before the purge at step 4, 15 after). It is kept, and the file ends whole."""
+    from lit_dtrain.run_dirs import read_csv_metrics
+
+    path = tmp_path / "csv" / "metrics.csv"
+    path.parent.mkdir()
+    path.write_bytes(b"lr,step,train/loss\r\n0.1,0,5.0\r\n0.1,3,3.9713\r")
+    assert [s for t, s, _ in read_csv_metrics(path) if t == "train/loss"] == [0, 3]
+    resumed = ResumableCSVLogger(tmp_path, name="csv", version="", purge_step=4)
+    log_steps(resumed, [4])
+    assert [(t, s, v) for t, s, v in read_csv_metrics(path) if t == "train/loss"] == [
+        ("train/loss", 0, 5.0), ("train/loss", 3, 3.9713), ("train/loss", 4, 4.0)]
+    assert path.read_bytes().count(b"\r\n") == 4
+
+
 def test_purge_names_a_file_that_is_not_a_metrics_file(tmp_path):
     bad = tmp_path / "metrics.csv"
     bad.write_text("a,b\n1,2\n")
