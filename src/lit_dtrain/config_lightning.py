@@ -267,7 +267,7 @@ def check_val_check_interval(cfg: DictConfig) -> None:
     key, value = "trainer.val_check_interval", cfg.trainer.get("val_check_interval")
     steps = "give the optimizer steps between validations as an integer (e.g. 250; >= trainer.max_steps: once, " \
             "at the end)"
-    if (written := base_60_source("val_check_interval", value)) is not None:  # YAML's 1:00:00:00 is 216000 steps
+    if (written := base_60_source(key, value)) is not None:  # YAML's 1:00:00:00 is 216000 steps
         path, text = written
         raise ConfigError(f"{key}={value!r} comes from {str(path)!r}, where it is written unquoted as {text}, which "
                           f"YAML reads as the base-60 number {value} (steps): quote it for a duration, "

@@ -175,3 +175,26 @@ def test_a_time_written_unquoted_in_a_config_file_is_refused_not_read_as_base_60
         "YAML reads as the base-60 number 216000 (steps): quote it for a duration, val_check_interval: '1:00:00:00', "
         "or write 216000 for steps")
     assert cfgs[1].trainer.val_check_interval == 216000
+
+
+def test_a_number_of_steps_given_on_the_command_line_is_not_refused_for_a_files_base_60_time(tmp_path):
+    """`experiment=day trainer.val_check_interval=216000`, with day.yaml writing 1:00:00:00 unquoted: the command line
+    sets the steps, yet it was refused as coming from day.yaml, the fix it named ('or write 216000 for steps') done."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from lit_dtrain.config_lightning import check_val_check_interval
+    from tests.conftest import CONF_DIR
+
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "day.yaml").write_text(
+        "# @package _global_\ntrainer:\n  val_check_interval: 1:00:00:00\n")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=day",
+                                "trainer.val_check_interval=216000"], return_hydra_config=True)
+    try:
+        HydraConfig.instance().set_config(cfg)
+        check_val_check_interval(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert cfg.trainer.val_check_interval == 216000
