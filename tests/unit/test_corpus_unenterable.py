@@ -86,3 +86,19 @@ def test_a_link_in_a_corpus_dir_to_a_file_it_cannot_reach_is_named(tmp_path):
         f"data source 't': '{link}' (in directory '{corpus}/open') cannot be reached: Permission denied",
         f"data source 't': glob '{corpus}/open/*.txt' matched '{link}', which cannot be reached: Permission denied",
     ]
+
+
+def test_a_link_to_a_place_it_cannot_reach_leaves_out_that_link_not_its_sibling_dirs(tmp_path):
+    """corpus/ext -> a dir inside a 0700 dir: the first stat of it ended the listing of corpus's subdirs, so a glob
+    over corpus/**/*.txt kept top.txt and left out a/ and b/ (2 of its 3 files), warning 'cannot list corpus ...: its
+    files are left out' of a dir whose files were kept. Only the link is left out now, named."""
+    corpus = tmp_path / "corpus"
+    for d, name in (("a", "x.txt"), ("b", "y.txt"), (".closed/inner", "s.txt")):
+        (corpus / d).mkdir(parents=True)
+        (corpus / d / name).write_text("text\n" * 20)
+    (corpus / "top.txt").write_text("text\n" * 20)
+    (corpus / "ext").symlink_to(corpus / ".closed" / "inner")
+    (corpus / ".closed").chmod(0o700)
+    got = _resolve_without_privilege(tmp_path, [f"{corpus}/**/*.txt"])
+    assert got["results"] == [["x.txt", "y.txt", "top.txt"]]
+    assert f"cannot reach {corpus}/ext (Permission denied): it is left out" in got["said"]

@@ -37,11 +37,15 @@ def _dirs_below(root: Path, dot_dirs: list[Path] | None = None) -> Iterator[Path
             log_once(log, logging.WARNING, "cannot enter %s (%s): its files are left out", directory, why)
             continue
         yield directory
-        try:
-            below = sorted((p for p in names if p.is_dir()), reverse=True)
-        except OSError as e:  # (a link among them to a place it may not reach)
-            log_once(log, logging.WARNING, "cannot list %s (%s): its files are left out", directory, e.strerror or e)
-            continue
+        below = []
+        for p in names:
+            try:
+                if p.is_dir():
+                    below.append(p)
+            except OSError as e:  # a link to a place it may not reach: that entry alone (it left out every sibling
+                # dir, with a warning that the directory's files, which were kept, were left out)
+                log_once(log, logging.WARNING, "cannot reach %s (%s): it is left out", p, e.strerror or e)
+        below.sort(reverse=True)
         if dot_dirs is not None:
             dot_dirs.extend(p for p in below if p.name.startswith("."))
             below = [p for p in below if not p.name.startswith(".")]
