@@ -279,6 +279,7 @@ def main() -> None:
     try:  # before the runs: an --out-dir that is a file failed at the first, a .txt --plot after the last
         if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
             raise OutputPathError(f"--out-dir {args.out_dir!r} is a file; give a directory")
+        output_path(Path(args.out_dir) / "results.json", "--out-dir")  # made (or named) now: one below a file too
         args.plot = str(output_path(args.plot, "--plot", image=True)) if args.plot else args.plot
     except OutputPathError as e:
         p.error(str(e))

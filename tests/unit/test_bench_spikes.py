@@ -71,10 +71,12 @@ def test_a_diverged_runs_ratio_is_null_in_the_json_line(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("flag, value, message", [("--plot", "fig.txt", "matplotlib cannot write '.txt' files"),
-                                                   ("--out-dir", "a_file", "is a file; give a directory")])
+                                                   ("--out-dir", "a_file", "is a file; give a directory"),
+                                                   ("--out-dir", "a_file/sub", "cannot create its directory: Not a")])
 def test_the_output_paths_are_checked_before_any_run(tmp_path, monkeypatch, capsys, flag, value, message):
     """A ``--plot`` matplotlib cannot write failed in savefig after every run (a ValueError traceback), and an
-    ``--out-dir`` that is a file failed at the first run (NotADirectoryError); both are one line before any run."""
+    ``--out-dir`` that is a file, or below one (a_file/sub, which the first check let by), failed at the first run
+    (NotADirectoryError); each is one line before any run."""
     import json
 
     mod = load_script()
