@@ -294,3 +294,21 @@ def test_an_interpolation_naming_no_resolver_is_one_line_naming_the_key(tmp_path
     name = override.partition("${")[2].partition(":")[0]
     assert str(refused.value).startswith(f"{key}: unsupported interpolation type {name}: no resolver has that name; "
                                          f"{hint}")
+
+
+def test_a_mistyped_resolver_of_the_users_own_is_named_in_the_hint(tmp_path, corpus):
+    """A resolver the user's code registered, mistyped ('${my.scal:2}' for my.scale), got a hint that left it out:
+    'fix its name (resolvers here: oc.env, ..., lit.launch_run_name)', as if there were no my.scale."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.train import train
+
+    OmegaConf.register_new_resolver("my.scale", lambda x: 2 * x)
+    try:
+        cfg = compose_cfg(["optimizer.lr=${my.scal:2}"], tmp_path / "r", corpus_dir=corpus)
+        with pytest.raises(ConfigError) as refused:
+            train(cfg)
+    finally:
+        OmegaConf.clear_resolver("my.scale")
+    assert str(refused.value) == ("optimizer.lr: unsupported interpolation type my.scal: no resolver has that name; "
+                                  "did you mean my.scale?")
