@@ -50,7 +50,7 @@ from omegaconf import OmegaConf, open_dict
 from lit_dtrain._compose_errors import unknown_key_message
 from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch
-from lit_dtrain.errors import interpolation_error
+from lit_dtrain.errors import interpolation_error, unset_env_var
 from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
 from lit_dtrain.train_callbacks import LogStepSync
@@ -225,6 +225,8 @@ def main() -> None:
         except UNRESOLVED as e:
             ap.error(str(interpolation_error(e)))
         except (HydraException, ValueError, RuntimeError) as e:
+            if (unset := unset_env_var(e)) is not None:  # ${oc.env:X} unset: train.py's line, not OmegaConf's
+                ap.error(str(unset))
             hydras = str(e).partition("\nConfig search path")[0]  # Hydra's message without its search path
             ap.error(unknown_key_message(e, CONF) or " ".join(hydras.split()))
         torch.set_float32_matmul_precision(str(cfg.get("matmul_precision", "high")))  # as train() sets it

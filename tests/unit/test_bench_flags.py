@@ -35,6 +35,9 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_step.py", ["optimizer.lr=${nope}"], "optimizer.lr: interpolation key 'nope' not found: an interpolation"),
     ("bench_step.py", ["trainer.max_steps=${oc.evn:X}"],
      "trainer.max_steps: unsupported interpolation type oc.evn: no resolver has that name; did you mean oc.env?"),
+    # an unset variable: OmegaConf's "KeyError raised while resolving interpolation: ... object_type=dict"
+    ("bench_step.py", ["optimizer.lr=${oc.env:LIT_DTRAIN_H11_UNSET}"], "environment variable LIT_DTRAIN_H11_UNSET is "
+     "not set (read by ${oc.env:LIT_DTRAIN_H11_UNSET}): set it, or give a default"),
     ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
     ("bench_spikes.py", ["--inject", "nan_loss:2000"],
      "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
