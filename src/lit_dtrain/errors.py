@@ -58,4 +58,5 @@ def _resolver_hint(name: str) -> str:
     # and those the user's code registered (${my.scal:2} for my.scale was offered none, its list left it out)
     known += [r for r in registered_resolvers() if r not in known and not r.startswith("_")]
     close = difflib.get_close_matches(name, known, n=1)
-    return f"did you mean {close[0]}?" if close else f"fix its name (resolvers here: {', '.join(known)})"
+    return f"did you mean {close[0]}?" if close else (f"fix its name, or register it before train() checks the "
+                                                      f"config (resolvers here: {', '.join(known)})")

@@ -281,7 +281,8 @@ def test_an_interpolation_naming_no_key_is_one_line_naming_the_key(tmp_path, cor
 
 @pytest.mark.parametrize("override, key, hint", [
     ("optimizer.lr=${oc.evn:HOME}", "optimizer.lr", "did you mean oc.env?"),
-    ("trainer.max_steps=${nopefn:1}", "trainer.max_steps", "fix its name (resolvers here: oc.env, "),
+    ("trainer.max_steps=${nopefn:1}", "trainer.max_steps",
+     "fix its name, or register it before train() checks the config (resolvers here: oc.env, "),
 ])
 def test_an_interpolation_naming_no_resolver_is_one_line_naming_the_key(tmp_path, corpus, override, key, hint):
     """A resolver's name mistyped ('optimizer.lr=${oc.evn:HOME}') failed in Hydra's traceback ending
