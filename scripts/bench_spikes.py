@@ -330,7 +330,7 @@ def main() -> None:
         if name in results:
             summary[f"val_loss_{name}"] = val(name)
     clean = val("clean")
-    if clean:
+    if clean and math.isfinite(clean):  # a clean run that diverged gives no ratios (NaN is no JSON)
         for name in ("unprotected", "unprotected_no_nan", "rollback", "skip", "lightning"):
             v = val(name)
             if v is not None:
@@ -339,6 +339,12 @@ def main() -> None:
         if isinstance(value, float) and not math.isfinite(value):
             summary[key] = None
             summary[key.replace("val_loss_", "") + "_diverged"] = True
+    print(f"{'variant':<20} {'val loss':>9} {'vs clean':>9}")
+    for name in ("clean", "rollback", "skip", "unprotected", "unprotected_no_nan", "lightning"):
+        if name in results:
+            ratio = summary.get(f"ratio_{name}_vs_clean", 1.0 if name == "clean" and clean else None)
+            cells = [f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else "-" for x in (val(name), ratio)]
+            print(f"{name:<20} {cells[0]:>9} {cells[1]:>9}")
     print(json.dumps(summary))
 
 

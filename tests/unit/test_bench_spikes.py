@@ -70,6 +70,28 @@ def test_a_diverged_runs_ratio_is_null_in_the_json_line(tmp_path, monkeypatch, c
     assert summary["ratio_skip_vs_clean"] == pytest.approx(1.1)
 
 
+@pytest.mark.parametrize("clean_loss, skip_cell", [(2.0, "1.1000"), (float("nan"), "-")])
+def test_the_ratios_are_printed_as_a_table_and_a_diverged_clean_run_gives_none(tmp_path, monkeypatch, capsys,
+                                                                             clean_loss, skip_cell):
+    """The ratios to the clean run were in the last JSON line only (a benchmark prints its ratios); and a clean run
+    that diverged made every ratio NaN, which is no JSON."""
+    import json
+
+    mod = load_script()
+    monkeypatch.setattr(mod, "plot", lambda *_: None)
+    monkeypatch.setattr(mod, "run_variant", lambda args, name, *_: {
+        "val_loss": clean_loss if name == "clean" else 2.2, "ours_steps": [], "lightning_steps": [],
+        "max_loss_z": 0.5, "max_loss_rel": 0.1, "halted_at": None})
+    argv = ["bench_spikes.py", "--variants", "clean,skip", "--out-dir", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    mod.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    json.loads(lines[-1], parse_constant=lambda c: pytest.fail(f"{c} in the JSON line"))
+    rows = {line.split()[0]: line.split()[1:] for line in lines[-4:-1]}
+    assert rows["variant"] == ["val", "loss", "vs", "clean"]
+    assert rows["skip"] == ["2.2000", skip_cell]
+
+
 @pytest.mark.parametrize("flag, value, message", [("--plot", "fig.txt", "matplotlib cannot write '.txt' files"),
                                                    ("--out-dir", "a_file", "is a file; give a directory"),
                                                    ("--out-dir", "a_file/sub", "cannot create its directory: Not a")])
