@@ -104,6 +104,14 @@ def _torchrun_launch_id(env) -> str:
     return str(os.getppid())
 
 
+def launch_survives_restart() -> bool:
+    """Whether this launch's default ``run_name`` names the same run dir when the launcher starts it again: a Slurm
+    job requeued keeps its id and step, and torchrun's restarts (``--max-restarts`` above 0) keep its launch id
+    (the rdzv id, or for ``none`` the agent's log dir). ``resume=auto`` continues the run there."""
+    name, restarts = launch_run_name(""), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    return name.startswith("slurm-") or (name.startswith("torchrun-") and restarts.isdigit() and int(restarts) > 0)
+
+
 def launch_run_name(timestamp: str) -> str:
     """``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` in an ``srun`` step of several tasks, ``torchrun-<TORCHELASTIC_RUN_ID>``
     in a ``torchrun`` launch of several processes (its ``--rdzv-id``, a new uuid with ``--standalone``; torchrun's

@@ -32,7 +32,7 @@ from lit_dtrain.checkpoint import (
     not_a_file_reason,
     safe_torch_load,
 )
-from lit_dtrain.config_resolvers import launch_run_name
+from lit_dtrain.config_resolvers import launch_run_name, launch_survives_restart
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.sweeps import another_run_dir
 from lit_dtrain.utils.rank_zero import log_once
@@ -246,13 +246,14 @@ def _check_resume_auto_can_resume(cfg: DictConfig) -> None:
     """Refuse ``resume=auto`` where a later start could never find this start's checkpoints: a single run under the
     default ``run_name`` (a new one each start), or a multirun job in the sweep dir this start just created."""
     run_name = str(cfg.get("run_name"))
-    requeued = launch_run_name("").startswith("slurm-")  # a Slurm job keeps its id (and step) when requeued
+    requeued = launch_survives_restart()  # a requeued Slurm job, a torchrun restart: the same default run_name
     if Path(str(cfg.paths.output_dir)).name == run_name and _default_run_name(cfg) and not requeued:
         # a single run under the default run_name (a new one each start or torchrun launch): nothing to resume
         raise ConfigError(
             f"resume=auto needs run_name=<the run to continue>: without it run_name is this start's default "
             f"({run_name}: its start time, or its torchrun launch), a new run dir that holds no checkpoint; or "
-            "give ckpt_path=PATH (under srun the default, slurm-<job>.<step>, survives a requeue and resumes)"
+            "give ckpt_path=PATH (the default survives a requeue under srun, slurm-<job>.<step>, and a restart under "
+            "torchrun --max-restarts above 0: there it resumes)"
         )
     sweep_dir = Path(str(cfg.paths.output_dir)).parent
     if _created_by_this_start(sweep_dir):

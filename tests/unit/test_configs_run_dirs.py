@@ -178,6 +178,38 @@ def test_resume_auto_under_srun_continues_the_requeued_job_in_its_default_run_di
     assert resolve_ckpt_path(cfg) == str(run / "checkpoints" / "last.ckpt")  # the requeued start resumes
 
 
+@pytest.mark.parametrize("run_id", ["none", "5b3c-9f"])
+def test_resume_auto_under_torchrun_restarts_continues_in_the_launchs_default_run_dir(monkeypatch, tmp_path, corpus,
+                                                                                       run_id):
+    """`torchrun --max-restarts=1 train.py` warns that a restart continues the run only with resume=auto; with it,
+    it was refused on every attempt ('resume=auto needs run_name ... a new run dir that holds no checkpoint', 4
+    lines, exit 1), though a restart keeps the launch's id (the rdzv id; for 'none' the agent's log dir), so its
+    default run_name names the same run dir: the first attempt now trains fresh and a restart finds last.ckpt.
+    Without --max-restarts nothing starts that dir again: still refused."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.train import resolve_ckpt_path
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"TORCHELASTIC_RUN_ID": run_id, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "TORCHELASTIC_ERROR_FILE": "/tmp/torchelastic_q/none_k2x9/attempt_0/0/error.json",
+                       "TORCHELASTIC_MAX_RESTARTS": "0"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    assert cfg.run_name.startswith("torchrun-")
+    run = tmp_path / "runs" / str(cfg.run_name)
+    with open_dict(cfg):
+        cfg.paths.output_dir, cfg.paths.checkpoint_dir = str(run), str(run / "checkpoints")
+    with pytest.raises(ConfigError, match=r"resume=auto needs run_name="):
+        resolve_ckpt_path(cfg)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    assert resolve_ckpt_path(cfg) is None  # the first attempt: nothing to resume yet, a fresh run
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 4, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(run / "checkpoints" / "last.ckpt")  # the restart resumes
+
+
 @pytest.mark.parametrize(
     "env, name",
     [
