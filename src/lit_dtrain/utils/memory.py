@@ -10,14 +10,13 @@
 * :func:`measure_backward_flops` counts the FLOPs of ``loss.backward()`` (recomputation included)
   with ``torch.utils.flop_counter.FlopCounterMode``.
 * :func:`reset_peak_rss` / :func:`peak_rss_bytes` read the process high-water mark (Linux ``VmHWM``,
-  which ``/proc/self/clear_refs`` can reset, so several variants can be compared in one process).
+  which ``/proc/self/clear_refs`` can reset, so several variants can be compared in one process); they live in
+  :mod:`lit_dtrain.utils.rss`, which imports nothing heavy (this module's ``MemTracker`` import takes seconds).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +24,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, get_shape, sdpa_backward_flop, sdpa_flop
+
+from lit_dtrain.utils.rss import peak_rss_bytes, reset_peak_rss  # noqa: F401 - their import path before utils.rss
 
 
 @dataclass
@@ -173,29 +174,3 @@ def measure_backward_flops(forward_fn: Callable[[], torch.Tensor], count_pointwi
     ``count_pointwise=True`` the :data:`POINTWISE_OPS` add one FLOP per output element.
     """
     return int(sum(backward_flops_by_op(forward_fn, count_pointwise).values()))
-
-
-def reset_peak_rss() -> bool:
-    """Return freed heap to the OS and reset the peak-RSS mark; False where the OS cannot."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since start or the last :func:`reset_peak_rss`."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,55 @@
+"""The resident set size (RSS) of this process: now and its peak, and a reset of the peak.
+
+Linux reports both in ``/proc/self/status`` (``VmRSS``, ``VmHWM``) and resets the peak through
+``/proc/self/clear_refs``; elsewhere only ``resource``'s ``ru_maxrss``, the peak since start, is read. psutil, which
+Lightning's ``DeviceStatsMonitor`` needs on CPU, is no dependency, and gives no peak on Linux (its ``memory_info()``
+reads ``/proc/<pid>/statm``: rss, vms, shared, text, lib, data, dirty; giampaolo/psutil#1540). No torch import here:
+the callback that logs these in every run reads them through this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import sys
+
+
+def rss_bytes() -> tuple[int | None, int]:
+    """``(current, peak)`` resident set size of this process in bytes: Linux ``VmRSS`` and ``VmHWM`` (the peak since
+    start or the last :func:`reset_peak_rss`) from one read of ``/proc/self/status``. Where that file is absent
+    (macOS, Windows) the current RSS is None and the peak is ``resource``'s ``ru_maxrss`` (since start)."""
+    current = peak = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                elif line.startswith("VmRSS:"):
+                    current = int(line.split()[1]) * 1024
+                    break  # (VmRSS follows VmHWM: the rest of the file is not read)
+    except OSError:
+        pass
+    if peak is None:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # bytes on macOS, KiB on Linux and the BSDs (getrusage(2) of each): macOS read 1024 times too high
+        peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+    return current, peak
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since start or the last :func:`reset_peak_rss`."""
+    return rss_bytes()[1]
+
+
+def reset_peak_rss() -> bool:
+    """Return freed heap to the OS and reset the peak-RSS mark; False where the OS cannot."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
