@@ -22,7 +22,7 @@ def warn_if_the_default_callbacks_are_dropped(cfg: DictConfig) -> None:
     if callbacks and "model_checkpoint" not in callbacks and rank_zero_only.rank == 0:
         names = ",".join(callbacks)
         log.warning("callbacks=[%s] replaces the default callbacks (model_checkpoint, preemption, lr_monitor, "
-                    "throughput): no checkpoint before the run's end, none on SIGTERM; to add to them: "
+                    "throughput, memory): no checkpoint before the run's end, none on SIGTERM; to add to them: "
                     "'callbacks=[default,%s]'", names, names)
 
 

@@ -80,7 +80,7 @@ EXCLUDED = {
 
 # One family of tags from each part of the run, so that a part that stops logging fails the test.
 FAMILIES = ("train/loss", "train/grad_norm", "train/device/items_per_sec", "lr-AdamW/", "fourier/", "grad_clip/",
-            "spike/", "optim/", "val/loss", "validate/device/items_per_sec")
+            "spike/", "optim/", "val/loss", "validate/device/items_per_sec", "memory/rss_mib", "memory/peak_rss_mib")
 
 
 def _tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

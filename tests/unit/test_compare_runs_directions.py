@@ -27,11 +27,15 @@ def test_the_left_over_tags_are_unranked_and_the_compression_ratio_is_better_hig
         "optim/opt0/decay/grad_rms": None, "lr-AdamW/decay-effective": None, "lr-SGD-momentum": None,
         "comm/compression_ratio": True, "train/mfu": True, "validate/device/flops_per_sec": True,
         "val/loss": False, "val/stdlib/loss": False, "val/ppl": False, "validate/time": False,
-        "comm/bytes_per_step_avg": False, "spike/count": False,
+        "comm/bytes_per_step_avg": False, "spike/count": False, "memory/peak_rss_mib": False,
+        "memory/cuda_peak_allocated_mib": False,
         "my/own_metric": False,  # a tag no pattern lists: lower-is-better, as a loss
     }
     assert {tag: compare_runs.direction(tag) for tag in tags} == tags
     assert compare_runs.direction("train/time", ["train/time"]) is True  # --maximize still wins
+    # a memory figure's lowest point is a first row, no run's best: ranked by its final value (the peak RSS so far)
+    assert [compare_runs.final_only(t) for t in ("memory/peak_rss_mib", "memory/cuda_reserved_mib", "val/loss")] == [
+        True, True, False]
     listed = compare_runs.listed_direction
     assert [listed(tag)[0] for tag in ("my/own_metric", "val/loss", "fourier/prob_entropy")] == [False, True, True]
 

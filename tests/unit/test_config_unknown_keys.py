@@ -46,17 +46,18 @@ def no_full_error(monkeypatch):
     ("trainer.max_time.hours=1", "trainer.max_time.hours is not a config key (trainer.max_time holds no keys: add "
                                  "one with '+', '+trainer.max_time.hours=1')"),  # (it named '' as the keys held)
     ("callbacks.loss_spike.z=3", "callbacks.loss_spike is not a config key (callbacks holds lr_monitor, "
-     "model_checkpoint, preemption, progress_bar, throughput; one of conf/callbacks is chosen first, "
+     "memory, model_checkpoint, preemption, progress_bar, throughput; one of conf/callbacks is chosen first, "
      "'callbacks=[default,loss_spike]')"),  # a callback not chosen: its keys only named the chosen ones
     # no such option: it advised 'callbacks=[default,early_stop]' and 'callbacks=[default,grad_clip]', which Hydra
     # then refused ("Could not find 'callbacks/early_stop'")
     ("callbacks.early_stop.patience=3", "callbacks.early_stop is not a config key (callbacks holds lr_monitor, "
-     "model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'early_stop' (its "
+     "memory, model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'early_stop' (its "
      "options: adaptive_grad_clip, fourier_sampler, loss_spike, optimizer_diagnostics, selective_ckpt, wsd); a "
      "callback of one's own is added with '+callbacks.early_stop._target_=<its class>')"),
     ("callbacks.grad_clip.x=1", "callbacks.grad_clip is not a config key (callbacks holds lr_monitor, "
-     "model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'grad_clip' (did you mean "
-     "adaptive_grad_clip?); a callback of one's own is added with '+callbacks.grad_clip._target_=<its class>')"),
+     "memory, model_checkpoint, preemption, progress_bar, throughput; conf/callbacks has no option 'grad_clip' "
+     "(did you mean adaptive_grad_clip?); a callback of one's own is added with "
+     "'+callbacks.grad_clip._target_=<its class>')"),
 ])
 def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -222,9 +223,9 @@ def test_a_callbacks_option_of_a_searchpath_dir_is_not_called_missing(tmp_path):
         "error: callbacks.mycb has no _target_ (it holds only patience); one of conf/callbacks is chosen first, "
         "'callbacks=[default,mycb]'")
     assert last_line("callbacks.mycb.patience=3") == (
-        "error: callbacks.mycb is not a config key (callbacks holds lr_monitor, model_checkpoint, preemption, "
-        "progress_bar, throughput; a conf/callbacks option is chosen first ('callbacks=[default,<option>]'), or "
-        "callbacks.mycb given a _target_)")
+        "error: callbacks.mycb is not a config key (callbacks holds lr_monitor, memory, model_checkpoint, "
+        "preemption, progress_bar, throughput; a conf/callbacks option is chosen first "
+        "('callbacks=[default,<option>]'), or callbacks.mycb given a _target_)")
 
 
 def test_a_searchpath_callbacks_option_whose_node_is_named_otherwise_is_named_as_the_option(tmp_path):

@@ -121,7 +121,7 @@ def test_a_callbacks_choice_without_the_defaults_is_warned_about(tmp_path, caplo
     warnings_for = start_warnings(warn_if_the_default_callbacks_are_dropped, tmp_path, caplog)
     assert warnings_for("callbacks=loss_spike") == [
         "callbacks=[loss_spike] replaces the default callbacks (model_checkpoint, preemption, lr_monitor, "
-        "throughput): no checkpoint before the run's end, none on SIGTERM; to add to them: "
+        "throughput, memory): no checkpoint before the run's end, none on SIGTERM; to add to them: "
         "'callbacks=[default,loss_spike]'"
     ]
     assert len(warnings_for("callbacks=[loss_spike,adaptive_grad_clip]")) == 1

@@ -120,7 +120,8 @@ def undocumented_tags(tags) -> list[str]:
 # end-of-run sample and a spike's event), and the all-rank throughput tags Lightning adds on 2 ranks.
 RUN_TAGS = [
     "epoch", "grad_clip/clip_events", "grad_clip/clipped", "grad_clip/norm", "grad_clip/threshold",
-    "lr-AdamW/decay", "lr-AdamW/no_decay", "optim/decay/eps_dominated_frac", "optim/decay/grad_rms",
+    "lr-AdamW/decay", "lr-AdamW/no_decay", "memory/peak_rss_mib", "memory/rss_mib",
+    "optim/decay/eps_dominated_frac", "optim/decay/grad_rms",
     "optim/decay/update_to_param_rms", "optim/no_decay/eps_dominated_frac", "optim/no_decay/grad_rms",
     "optim/no_decay/update_to_param_rms", "sample", "spike/count", "spike/events", "spike/loss_z", "train/batches",
     "train/device/batches_per_sec", "train/device/flops_per_sec", "train/device/items_per_sec",
@@ -137,6 +138,9 @@ def test_every_tag_a_run_logs_is_named_in_the_docs():
     """The end-of-run sample went to TensorBoard's Text tab as `sample` with no doc saying so."""
     assert undocumented_tags(RUN_TAGS) == []
     assert undocumented_tags(["data/share/stdlib", "data/share/licenses"]) == []  # a mixture's (test_drawn_shares.py)
+    # MemoryMonitor's on CUDA (tests/unit/test_memory_monitor.py)
+    assert undocumented_tags(["memory/cuda_allocated_mib", "memory/cuda_peak_allocated_mib",
+                              "memory/cuda_reserved_mib"]) == []
     assert undocumented_tags(["trian/loss", "lr_AdamW/decay", "my_tag"]) == ["lr_AdamW/decay", "my_tag", "trian/loss"]
 
 

@@ -20,6 +20,7 @@ _EXPORTS = {
     "OncePerStepLRMonitor": "lit_dtrain.callbacks.lr_monitor",
     "ModelCheckpoint": "lit_dtrain.callbacks.model_checkpoint",
     "StepEndTimer": "lit_dtrain.callbacks.step_end_timer",
+    "MemoryMonitor": "lit_dtrain.callbacks.memory_monitor",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,14 +10,14 @@ the callback that logs these in every run reads them through this module.
 from __future__ import annotations
 
 import ctypes
-import resource
 import sys
 
 
-def rss_bytes() -> tuple[int | None, int]:
+def rss_bytes() -> tuple[int | None, int | None]:
     """``(current, peak)`` resident set size of this process in bytes: Linux ``VmRSS`` and ``VmHWM`` (the peak since
     start or the last :func:`reset_peak_rss`) from one read of ``/proc/self/status``. Where that file is absent
-    (macOS, Windows) the current RSS is None and the peak is ``resource``'s ``ru_maxrss`` (since start)."""
+    (macOS) the current RSS is None and the peak is ``resource``'s ``ru_maxrss`` (since start); without ``resource``
+    either (Windows) both are None."""
     current = peak = None
     try:
         with open("/proc/self/status") as f:
@@ -30,14 +30,18 @@ def rss_bytes() -> tuple[int | None, int]:
     except OSError:
         pass
     if peak is None:
+        try:
+            import resource  # (POSIX only)
+        except ImportError:
+            return current, None
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         # bytes on macOS, KiB on Linux and the BSDs (getrusage(2) of each): macOS read 1024 times too high
         peak = maxrss if sys.platform == "darwin" else maxrss * 1024
     return current, peak
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since start or the last :func:`reset_peak_rss`."""
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process since start or the last :func:`reset_peak_rss` (None on Windows)."""
     return rss_bytes()[1]
 
 
