@@ -25,7 +25,7 @@ from lit_dtrain.checkpoint import checkpoint_global_step
 from lit_dtrain.resume import newest_step_checkpoint
 from lit_dtrain.utils.distributed import all_gather_stacked
 from lit_dtrain.utils.launcher_watch import kill_launched_ranks
-from lit_dtrain.utils.rank_zero import log_once, rank_labelled
+from lit_dtrain.utils.rank_zero import launched_world_size, log_once, rank_labelled
 
 log = logging.getLogger("lit_dtrain.train")  # train(cfg)'s logger: its lines in train.log read as before the split
 
@@ -219,7 +219,9 @@ def interrupted_by_ctrl_c(checkpoint_dir: str) -> int:
     if in_multirun():  # a job's bare resume=auto is refused (it needs the sweep dir), as the SIGTERM lines say
         kept += f"; resume with {train_resume_hint(None)}"
     log.warning("interrupted by SIGINT (Ctrl-C); %s", kept)
-    log.info("exiting with status %d (interrupted, not finished)", INTERRUPTED_EXIT_STATUS)
+    # '[rank: N]' under several processes (each worker wrote it unlabelled: Ctrl-C to a torchrun in its start-up)
+    log.info(rank_labelled("exiting with status %d (interrupted, not finished)", launched_world_size()),
+             INTERRUPTED_EXIT_STATUS)
     return INTERRUPTED_EXIT_STATUS
 
 

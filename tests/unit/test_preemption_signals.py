@@ -5,6 +5,7 @@ final validation, the sample, a second Ctrl-C) a line names the checkpoint ``res
 from __future__ import annotations
 
 import json
+import logging
 import signal
 from pathlib import Path
 
@@ -100,6 +101,25 @@ def test_ctrl_c_in_a_multirun_job_names_the_sweep_dir_to_resume(tmp_path, corpus
         assert interrupted_by_ctrl_c(cfg.paths.checkpoint_dir) == 130
     assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {sweep / '0' / 'checkpoints'}: a new start trains from "
             f"step 0; resume with the same -m arguments and resume=auto hydra.sweep.dir={sweep}") in caplog.text
+
+
+def test_ctrl_c_outside_training_labels_its_exit_line_with_the_rank(tmp_path, monkeypatch, caplog):
+    """Ctrl-C to a 2-worker torchrun in its start-up (or in the end-of-run sample): each worker wrote the same
+    unlabelled 'exiting with status 130' line, not saying whose it was; as the SIGTERM line, it has the rank now."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lit_dtrain.sigterm_exit import interrupted_by_ctrl_c
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's, before any process group
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with caplog.at_level(logging.INFO):
+        assert interrupted_by_ctrl_c(str(tmp_path / "checkpoints")) == 130
+    assert "[rank: 1] exiting with status 130 (interrupted, not finished)" in caplog.messages
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process: as before
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        interrupted_by_ctrl_c(str(tmp_path / "checkpoints"))
+    assert "exiting with status 130 (interrupted, not finished)" in caplog.messages
 
 
 @pytest.mark.parametrize("fault", [["SignalAfterFit"], ["SignalInValidation", "+callbacks.fault.step=4"]])

@@ -26,3 +26,19 @@ def rank_labelled(message: str, world_size: int) -> str:
     from lightning.pytorch.utilities import rank_zero_only
 
     return rank_prefixed_message(message, rank_zero_only.rank if world_size > 1 else None)
+
+
+def launched_world_size() -> int:
+    """The number of processes of this run, where no Trainer says it (a Ctrl-C during start-up, before the process
+    group exists): the group's size, else the launcher's ``WORLD_SIZE`` (torchrun, srun's Lightning environment,
+    Lightning's own launcher for the ranks it starts), else 1."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
