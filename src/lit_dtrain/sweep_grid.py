@@ -135,7 +135,9 @@ def sweep_dir_of(hc=None) -> Path:
     of ``hydra.sweep.subdir``. The run dir's parent was taken for it, which under a subdir of several parts
     ('lr/${optimizer.lr}', or '${hydra:job.override_dirname}' over 'strategy=ddp_compressed/int4') is a dir inside
     the sweep: its ``multirun.yaml`` was not found, so a 1-job sweep signalled in its sample exited 143 'the sweep's
-    later jobs do not start', advising 'hydra.sweep.dir=<sweep dir>/lr', which resumes nothing."""
+    later jobs do not start', advising 'hydra.sweep.dir=<sweep dir>/lr', which resumes nothing. A subdir of ``.``
+    is the run dir itself; under an absolute one (or one with ``..``) Hydra's ``hydra.sweep.dir``, resolved as it
+    joined it (its parent was taken: rank 1 of a DDP sweep ran its jobs in the sweep dir's parent)."""
     if hc is None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -146,8 +148,14 @@ def sweep_dir_of(hc=None) -> Path:
     except Exception:  # noqa: BLE001 - a subdir that does not resolve here: the parent, as before
         return run_dir.parent
     depth = len(subdir.parts)
+    if str(subdir) == ".":  # every job in the sweep dir itself: its parent was taken, outside the sweep
+        return run_dir
     if subdir.is_absolute() or not 0 < depth < len(run_dir.parts) or run_dir.parts[-depth:] != subdir.parts:
-        return run_dir.parent  # (an absolute subdir, or one with '..': no sweep dir to tell apart)
+        # an absolute subdir (the run dir is that path alone) or one with '..': Hydra's own sweep dir, as it joined it
+        try:
+            return Path(os.path.abspath(str(hc.sweep.dir)))
+        except Exception:  # noqa: BLE001 - a sweep dir that does not resolve here: the parent, as before
+            return run_dir.parent
     return run_dir.parents[depth - 1]
 
 

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 from lit_dtrain.sigterm_exit import _the_sweeps_last_job, train_resume_hint
-from lit_dtrain.sweep_grid import sweep_job_count, warn_if_the_grid_repeats_a_point
+from lit_dtrain.sweep_grid import sweep_dir_of, sweep_job_count, warn_if_the_grid_repeats_a_point
 from lit_dtrain.sweeps import check_resumed_job
 from lit_dtrain.train import ConfigError
 from tests.unit._sweep_helpers import multirun_job
@@ -155,5 +155,25 @@ def test_a_sweep_subdir_of_several_parts_is_read_up_to_the_sweep_dir(tmp_path, c
             hydra.sweep.subdir = subdir
         (job_dir.parent / "multirun.yaml").rename(sweep / "multirun.yaml.moved")
         (sweep / "multirun.yaml.moved").rename(sweep / "multirun.yaml")
+        assert sweep_job_count(hydra) == 1 and _the_sweeps_last_job()
+        assert train_resume_hint(None) == f"the same -m arguments and resume=auto hydra.sweep.dir={sweep}"
+
+
+@pytest.mark.parametrize("subdir", [".", "absolute"])
+def test_a_sweep_subdir_of_the_sweep_dir_itself_or_an_absolute_one_reads_the_sweep_dir(tmp_path, corpus, subdir):
+    """'hydra.sweep.subdir=.' runs each job in the sweep dir itself, and an absolute subdir in that path alone: the
+    sweep dir was taken for the run dir's parent, outside the sweep (no multirun.yaml there: a 1-job sweep signalled
+    in its sample exited 143 'the sweep's later jobs do not start', naming the parent to resume; DDP's rank 1 was
+    pinned to that parent and ran its job in it)."""
+    sweep = tmp_path / "sweep"
+    run_dir = sweep if subdir == "." else tmp_path / "elsewhere" / "0"
+    with multirun_job(sweep / "0", ["optimizer.lr=1e-3"], ["optimizer.lr=1e-3"], corpus):
+        hydra = HydraConfig.get()
+        OmegaConf.set_readonly(hydra, False)
+        with open_dict(hydra):
+            hydra.sweep.dir = str(sweep)
+            hydra.sweep.subdir = "." if subdir == "." else str(run_dir)
+            hydra.runtime.output_dir = str(run_dir)  # Hydra's os.path.join(sweep.dir, subdir)
+        assert sweep_dir_of(hydra) == sweep
         assert sweep_job_count(hydra) == 1 and _the_sweeps_last_job()
         assert train_resume_hint(None) == f"the same -m arguments and resume=auto hydra.sweep.dir={sweep}"
