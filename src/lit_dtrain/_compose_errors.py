@@ -44,7 +44,9 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
         message = unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
         if message is None:
             _report_as_hydra(error)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        from lit_dtrain.utils.distributed import print_once_across_ranks
+
+        print_once_across_ranks(f"error: {message}", sys.stderr)  # under torchrun every worker reached it
         raise SystemExit(1) from None
     finally:
         composed()

@@ -32,7 +32,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     for case, lines in CASES.items():
         if lines[rank] is not None:
             file = io.StringIO()
-            print_once_across_ranks(lines[rank], file, wait_s=1.0)
+            print_once_across_ranks(lines[rank], file, wait_s=3.0)  # ample on a loaded CI machine
             printed[case] = file.getvalue()
         dist.barrier()  # the next case starts afresh: rank 0 drops the keys this one left
         if rank == 0:
@@ -49,9 +49,42 @@ def test_a_refusal_every_rank_reaches_is_printed_once(tmp_path):
     out = str(tmp_path / "printed")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     rank0, rank1 = (json.loads(open(f"{out}.{r}").read()) for r in range(2))
-    assert rank0 == {"same": "error: compressor state is for 'int4'\n", "differ": "error: rank 0's refusal\n"}
-    assert rank1 == {"same": "", "differ": "error: rank 1's refusal\n",
-                     "rank 0 gives none": "error: rank 1's refusal\n"}
+    # a line some ranks alone give is labelled with the rank (rank 1's alone was not: whose was it?)
+    assert rank0 == {"same": "error: compressor state is for 'int4'\n", "differ": "[rank: 0] error: rank 0's refusal\n"}
+    assert rank1 == {"same": "", "differ": "[rank: 1] error: rank 1's refusal\n",
+                     "rank 0 gives none": "[rank: 1] error: rank 1's refusal\n"}
+
+
+def _before_the_group(rank: int, port: int, out_path: str) -> None:
+    """A torchrun worker refused before init_process_group (a bad config value every rank reads alike)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE="2")
+    rank_zero_only.rank = rank  # as Lightning reads RANK when it is imported
+    from datetime import timedelta
+
+    started = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    started.add("started", 1)  # both workers reach the refusal together, as two ranks reading one config do
+    while int(started.add("started", 0)) < 2:
+        time.sleep(0.05)
+    file = io.StringIO()
+    print_once_across_ranks("error: trainer.max_steps must be a positive step budget, got -5", file, wait_s=3.0)
+    with open(f"{out_path}.{rank}", "w") as f:
+        f.write(file.getvalue())
+
+
+def test_a_refusal_before_the_process_group_is_printed_once_under_torchrun(tmp_path):
+    """torchrun trainer.max_steps=-5: each worker refused it before any process group, both lines reached the
+    console. The workers share the line through torchrun's agent store (here a TCPStore this test holds)."""
+    from datetime import timedelta
+
+    port, out = free_port(), str(tmp_path / "printed")
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    mp.spawn(_before_the_group, args=(port, out), nprocs=2, join=True)
+    assert [open(f"{out}.{r}").read() for r in range(2)] == [
+        "error: trainer.max_steps must be a positive step budget, got -5\n", ""]
+    del agent
 
 
 def _survivor(rank: int, port: int, out_path: str) -> None:
@@ -91,3 +124,20 @@ def test_a_sweep_ending_line_after_rank_0_died_is_printed_alone(tmp_path):
         "arguments and resume=auto",
         "exit 1",
     ]
+
+
+def test_a_refusal_without_a_store_is_labelled_only_where_there_are_several_processes(monkeypatch):
+    """Rank 1 that Lightning's launcher started, refused before the process group (a config it reads otherwise than
+    rank 0): its line was not labelled, so whose it was went unsaid. A single process's line is as before."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # Lightning's launcher sets it for the ranks it starts
+    file = io.StringIO()
+    print_once_across_ranks("error: data.sources.0.paths: no such file", file, wait_s=0.1)
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    monkeypatch.delenv("WORLD_SIZE")
+    print_once_across_ranks("error: data.sources.0.paths: no such file", file, wait_s=0.1)
+    assert file.getvalue().splitlines() == ["[rank: 1] error: data.sources.0.paths: no such file",
+                                            "error: data.sources.0.paths: no such file"]

@@ -205,25 +205,74 @@ def all_gather_stacked(tensor):
 
 
 def print_once_across_ranks(line: str, file, wait_s: float = 2.0) -> None:
-    """Print ``line`` (a run's last, one-line error) unless this is a rank other than 0 and rank 0 prints the same:
-    every rank of a DDP run reaches the same refusal (a resume whose compressor changed) and each printed it, the
-    user saw the line twice. Each rank leaves its line in the process group's store; a rank other than 0 waits up to
-    ``wait_s`` for rank 0's, and rank 0 up to ``wait_s`` for the others to have read it (its process holds the store).
-    A line that differs from rank 0's, or one rank 0 never gives (it hangs in a collective, the store is gone), is
-    printed by its rank as before."""
-    store, rank = _store_and_rank()
-    said_by_rank_zero = False
-    if store is not None:
-        try:
-            store.set(_EXIT_LINE_KEY.format(rank), line)
-            deadline, others = time.monotonic() + wait_s, range(1, dist.get_world_size())
-            wanted = [_EXIT_LINE_KEY.format(0)] if rank else [_EXIT_SEEN_KEY.format(r) for r in others]
-            while not store.check(wanted) and time.monotonic() < deadline:
+    """Print ``line`` (a run's last, one-line error) once for the ranks that reach it: every rank of a DDP run reaches
+    the same refusal (a resume whose compressor changed; under torchrun a bad config value, before the process group
+    exists) and each printed it, the user saw the line twice. Each rank leaves its line in the group's store (before
+    the group: torchrun's agent store, :func:`_exit_line_store`). Rank 0 waits up to ``wait_s`` for the others' lines
+    and prints its own, then shares it (so that a rank that exits after reading it cannot have torchrun stop rank 0
+    before it printed); a rank other than 0 waits up to twice that for rank 0's line and prints nothing when it is the
+    same. A line only some ranks give (the others differ, or give none: a refusal one rank alone reaches, a rank hung
+    in a collective) is printed by each such rank with its ``[rank: N]`` label, so a rank that fails differently
+    keeps its error; without a store (a single process, or a rank Lightning's launcher started, before the group) the
+    line is printed, labelled on a rank other than 0."""
+    from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+
+    store, rank, world_size = _exit_line_store()
+    same_everywhere = store is not None and _same_line_everywhere(store, rank, world_size, line, wait_s)
+    # labelled where some ranks alone give it; rank 0 without a store cannot tell (a single process: as before)
+    alone = world_size > 1 and not same_everywhere and (store is not None or rank != 0)
+    if rank == 0 or not same_everywhere:
+        print(rank_prefixed_message(line, rank if alone else None), file=file, flush=True)
+    if store is not None and rank == 0:
+        try:  # rank 0's process may hold the store: the others read its line before it exits
+            store.set(_EXIT_LINE_KEY.format(0), line)
+            deadline = time.monotonic() + wait_s  # (those that gave a line; the others read none)
+            seen = [_EXIT_SEEN_KEY.format(r) for r in range(1, world_size) if store.check([_EXIT_LINE_KEY.format(r)])]
+            while not store.check(seen) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if rank:
-                said_by_rank_zero = store.check(wanted) and store.get(wanted[0]).decode(errors="replace") == line
-                store.set(_EXIT_SEEN_KEY.format(rank), "1")
-        except Exception:  # noqa: BLE001 - best effort: the store's host rank (rank 0) may be gone
+        except Exception:  # noqa: BLE001 - best effort
             pass
-    if not said_by_rank_zero:
-        print(line, file=file, flush=True)
+
+
+def _same_line_everywhere(store, rank: int, world_size: int, line: str, wait_s: float) -> bool:
+    """Whether every rank gave ``line`` (rank 0: the others' lines, which they set first; another rank: rank 0's)."""
+    try:
+        if rank:
+            store.set(_EXIT_LINE_KEY.format(rank), line)
+        wanted = [_EXIT_LINE_KEY.format(r) for r in (range(1, world_size) if rank == 0 else [0])]
+        deadline = time.monotonic() + (wait_s if rank == 0 else 2 * wait_s)
+        while not store.check(wanted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        same = store.check(wanted) and all(store.get(k).decode(errors="replace") == line for k in wanted)
+        if rank:
+            store.set(_EXIT_SEEN_KEY.format(rank), "1")
+        return same
+    except Exception:  # noqa: BLE001 - best effort: the store's host rank (rank 0) may be gone
+        return False
+
+
+def _exit_line_store():
+    """``(store, rank, world_size)`` for :func:`print_once_across_ranks`: the process group's store; before the group
+    exists, under torchrun with its agent's store (``TORCHELASTIC_USE_AGENT_STORE``, the default), a client of that
+    store, as ``init_process_group`` makes one (torch's ``_create_c10d_store``); else ``(None, rank, world_size)``
+    from the launcher's variables."""
+    import os
+    from datetime import timedelta
+
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lit_dtrain.utils.rank_zero import launched_world_size
+
+    store, rank = _store_and_rank()
+    if store is not None:
+        return store, rank, dist.get_world_size()
+    rank, world_size = rank_zero_only.rank or 0, launched_world_size()
+    if world_size < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return None, rank, world_size
+    try:
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=5))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted worker's lines are its own
+        return dist.PrefixStore(f"lit_dtrain/before_group/attempt{restart}", agent), rank, world_size
+    except Exception:  # noqa: BLE001 - best effort: no agent store to reach
+        return None, rank, world_size
