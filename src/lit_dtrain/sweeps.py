@@ -216,17 +216,19 @@ def user_error(e: BaseException) -> BaseException | None:
 
 
 def stopped_on_purpose(e: BaseException) -> BaseException | None:
-    """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError``
-    (it names the step and the tensors), the ``LossSpikeMonitor``'s ``raise`` action (``LossSpikeError``: the spikes'
-    steps and their events file), a ``FirstConnectionError`` (the ranks did not all connect within
-    ``strategy.connect_timeout_s``: it says how many did and which key to raise; it was the last line of a 67-line
-    traceback of Lightning's and torch's frames). Reported in one line as a bad input is (:func:`reports_user_errors`);
-    its traceback stays in the run's log (:func:`logs_a_failed_job`)."""
+    """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError`` (it
+    names the step and the tensors), the ``LossSpikeMonitor``'s ``raise`` action (``LossSpikeError``: the spikes' steps
+    and their events file), a ``FirstConnectionError`` (the ranks did not all connect within ``connect_timeout_s``: it
+    says how many did and which key to raise; it ended a 67-line traceback of Lightning's and torch's frames), a
+    ``CollectiveError`` (a peer died or hung: it names the step, the timeout key and ``resume=auto``; it ended Hydra's
+    traceback of frames without the cause, which the peer's output holds). Reported in one line as a bad input is
+    (:func:`reports_user_errors`); its traceback stays in the run's log (:func:`logs_a_failed_job`)."""
     from lit_dtrain.callbacks.loss_spike import LossSpikeError
     from lit_dtrain.module import NonFiniteError
+    from lit_dtrain.train import CollectiveError
     from lit_dtrain.utils.distributed import FirstConnectionError
 
-    return e if isinstance(e, (NonFiniteError, LossSpikeError, FirstConnectionError)) else None
+    return e if isinstance(e, (NonFiniteError, LossSpikeError, FirstConnectionError, CollectiveError)) else None
 
 
 class UserInputError(CompactHydraException):
@@ -235,13 +237,11 @@ class UserInputError(CompactHydraException):
 
 def reports_user_errors(task_fn):
     """Wrap a Hydra task function so that a bad input (:func:`user_error`) or a check that stopped the run
-    (:func:`stopped_on_purpose`) is reported in one line, ``error: <message>`` on stderr, with exit status 1 as
-    before. Hydra printed it under its shortened traceback (about a dozen lines of lit_dtrain frames, the message
-    last; a ``NonFiniteError`` under some 78 lines of Lightning's). A single run exits there. In a multirun the job
-    fails as before (its ``job N failed: ...`` line, :func:`logs_a_failed_job`), the next jobs run, and Hydra's
-    report of the first failed job after the sweep is that line, but a first connection that timed out or a failed
-    collective ends the sweep there (:func:`lit_dtrain.strategies._connect.ends_the_sweep`). Other exceptions keep
-    their traceback, and ``HYDRA_FULL_ERROR=1`` shows it for every error."""
+    (:func:`stopped_on_purpose`) is reported in one line, ``error: <message>`` on stderr, with exit status 1 as before.
+    Hydra printed it under its shortened traceback (a dozen lit_dtrain frames; a ``NonFiniteError`` under 78 lines of
+    Lightning's). A single run exits there. In a multirun the job fails as before (``job N failed: ...``), the next
+    jobs run, and Hydra reports the first failed job's line after the sweep, but a first connection that timed out or
+    a failed collective ends the sweep there. Others keep their traceback (all do: HYDRA_FULL_ERROR=1)."""
 
     @functools.wraps(task_fn)
     def wrapper(cfg: DictConfig):
@@ -249,6 +249,7 @@ def reports_user_errors(task_fn):
             return task_fn(cfg)
         except Exception as e:
             from lit_dtrain.strategies._connect import ends_the_sweep
+            from lit_dtrain.train import CollectiveError
 
             error = user_error(e) or stopped_on_purpose(e)
             # a first connection that timed out or a failed collective ends the sweep: its later jobs would fail too
@@ -257,7 +258,7 @@ def reports_user_errors(task_fn):
                 raise
             if in_multirun() and ending is None:
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
-            _exit_with(ending or error, once_across_ranks=ending is None)  # past run_job (catches Exception only)
+            _exit_with(ending or error, once_across_ranks=ending is None and not isinstance(error, CollectiveError))
 
     return wrapper
 

@@ -290,9 +290,12 @@ def test_ddp_rank_killed_survivor_fails_fast_and_resume_works(tmp_path, corpus):
     assert dead.returncode != 0
     assert elapsed < 120, elapsed  # well within timeout + start-up: it never hangs
     err = dead.stdout + dead.stderr
-    assert "CollectiveError: rank 0: a collective failed at step 5" in err, err[-3000:]
-    # the message says where the timeout is set and how to continue
+    assert "\nerror: rank 0: a collective failed at step 5" in err, err[-3000:]
+    # the message says where the timeout is set and how to continue, in one line: it ended Hydra's traceback
     assert "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto." in err, err[-3000:]
+    assert "HYDRA_FULL_ERROR" not in err and "CollectiveError" not in err, err[-3000:]
+    logged = (tmp_path / "outputs/runs/ddp/train.log").read_text()
+    assert "run failed: CollectiveError: rank 0" in logged and "Traceback" in logged  # the traceback kept there
     resumed = train_proc(tmp_path, corpus, "run_name=ddp", "resume=auto", *ddp, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ckpt = torch.load(tmp_path / "outputs/runs/ddp/checkpoints/last.ckpt", weights_only=True)
@@ -319,7 +322,7 @@ def test_ddp_hung_rank_hits_the_collective_timeout(tmp_path, corpus):
     # start-up + 12 s + 8 s (~50 s idle; up to ~110 s on a loaded 2-core machine): rank 0 gave up on its own and did
     # not wait out the peer's 300 s hang
     assert elapsed < 200, elapsed
-    assert "CollectiveError: rank 0: a collective failed at step 4" in err, err[-3000:]
+    assert "\nerror: rank 0: a collective failed at step 4" in err, err[-3000:]
     assert "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto." in err, err[-3000:]
 
 

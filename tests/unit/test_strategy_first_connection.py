@@ -172,3 +172,24 @@ def test_a_failed_collective_ends_a_sweep_and_its_resume_names_the_sweep_not_a_b
                           "(its later jobs would fail in their first collective: the ranks' connections are gone): "
                           f"resume with {TRAIN_RESUME_HINT}")
     assert ends_the_sweep(RuntimeError("a bug")) is None
+
+
+def test_a_failed_collective_in_a_single_run_is_one_line_naming_resume_auto(capsys):
+    """A rank killed mid-training: the survivor's CollectiveError (which names the step, the timeout key and
+    resume=auto) was the last line of Hydra's traceback of train()'s frames, which hold no cause (the dead rank's
+    output does); it is one 'error:' line now, as a first connection that timed out is. A bug keeps its traceback."""
+    from lit_dtrain.sweeps import reports_user_errors
+    from lit_dtrain.train import CollectiveError
+
+    said = ("rank 0: a collective failed at step 5 (RuntimeError: Connection closed by peer). Another rank probably "
+            "died or hung; the collective timeout is strategy.collective_timeout_s. Resume with resume=auto.")
+
+    def job(error):
+        raise error
+
+    with pytest.raises(SystemExit) as stop:
+        reports_user_errors(job)(CollectiveError(said))
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
+    with pytest.raises(RuntimeError, match="a bug"):
+        reports_user_errors(job)(RuntimeError("a bug"))
