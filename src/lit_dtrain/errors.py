@@ -27,12 +27,13 @@ def unset_env_var(e: BaseException) -> ConfigError | None:
                        f"default, ${{oc.env:{name},<default>}}")
 
 
-def interpolation_error(e: BaseException) -> ConfigError:
+def interpolation_error(e: BaseException, cfg=None) -> ConfigError:
     """One line for an interpolation that cannot be resolved while the config is checked: a required key's first
     line (``${lit.required:...}``), or the key holding ``${nope}`` that names no key of the config
-    (``'+trainer.max_time={seconds:${nope}}'``, ``trainer.max_steps=${nope}``: OmegaConf's traceback)."""
+    (``'+trainer.max_time={seconds:${nope}}'``, ``trainer.max_steps=${nope}``: OmegaConf's traceback). The key is
+    looked up in ``cfg`` where OmegaConf left it out (a check's ``node.get(...)``)."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    key = getattr(e, "full_key", None)
+    key = getattr(e, "full_key", None) or _key_raising(e, cfg)
     if type(e).__name__ == "UnsupportedInterpolationType" and key:  # '${oc.evn:HOME}': Hydra's traceback
         return ConfigError(f"{key}: {first[:1].lower()}{first[1:]}: no resolver has that name; "
                            f"{_resolver_hint(first.rpartition(' ')[2])}")
@@ -40,6 +41,34 @@ def interpolation_error(e: BaseException) -> ConfigError:
         return ConfigError(first)
     return ConfigError(f"{key}: {first[:1].lower()}{first[1:]}: an interpolation names a key the config does not "
                        f"hold; fix it, or give {key} a value")
+
+
+def _key_raising(e: BaseException, cfg) -> str | None:
+    """The first key of ``cfg`` whose value fails as ``e`` did, or None. OmegaConf sets no ``full_key`` on an error
+    raised through ``DictConfig.get`` (the checks of trainer.precision, trainer.accelerator, the callbacks' keys): a
+    line of its own words alone, 'error: Interpolation key 'nope' not found', naming no key, nor the fix."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return None
+
+    def interpolated(node, prefix=""):  # the keys whose raw value holds an interpolation, in the config's order
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for name, value in items:
+            if isinstance(value, (dict, list)):
+                yield from interpolated(value, f"{prefix}{name}.")
+            elif isinstance(value, str) and "${" in value:
+                yield f"{prefix}{name}"
+
+    for key in interpolated(OmegaConf.to_container(cfg, resolve=False)):
+        try:
+            OmegaConf.select(cfg, key)
+        except type(e) as found:
+            if str(found).splitlines()[:1] == str(e).splitlines()[:1]:
+                return getattr(found, "full_key", None) or key
+        except Exception:  # noqa: BLE001 - another key's failure: not the one asked for
+            continue
+    return None
 
 
 _RESOLVERS = ("oc.env", "oc.select", "oc.decode", "oc.create", "oc.deprecated", "oc.dict.keys", "oc.dict.values",

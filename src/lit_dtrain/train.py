@@ -252,7 +252,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         check_config(cfg)
         init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
     except UNRESOLVED as e:  # ${lit.required:...} of an experiment, ${nope}, or ${oc.evn:X} (no such resolver)
-        raise interpolation_error(e) from None
+        raise interpolation_error(e, cfg) from None
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint

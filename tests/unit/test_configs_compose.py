@@ -266,6 +266,9 @@ def test_an_empty_list_of_a_group_that_may_be_left_out_composes_as_the_group_lef
 @pytest.mark.parametrize("override, key", [
     ("+trainer.max_time={seconds:${nope}}", "trainer.max_time.seconds"),
     ("trainer.max_steps=${nope}", "trainer.max_steps"),
+    # read by a check with node.get(), where OmegaConf names no key: 'Interpolation key 'nope' not found' alone
+    ("trainer.precision=${nope}", "trainer.precision"),
+    ("callbacks.lr_monitor.logging_interval=${nope}", "callbacks.lr_monitor.logging_interval"),
 ])
 def test_an_interpolation_naming_no_key_is_one_line_naming_the_key(tmp_path, corpus, override, key):
     """`'+trainer.max_time={seconds:${nope}}'` (also in a sweep's jobs) and `trainer.max_steps=${nope}` failed in
@@ -283,6 +286,9 @@ def test_an_interpolation_naming_no_key_is_one_line_naming_the_key(tmp_path, cor
     ("optimizer.lr=${oc.evn:HOME}", "optimizer.lr", "did you mean oc.env?"),
     ("trainer.max_steps=${nopefn:1}", "trainer.max_steps",
      "fix its name, or register it before train() checks the config (resolvers here: oc.env, "),
+    # node.get(): 'Unsupported interpolation type oc.evn' alone, neither the key nor the hint
+    ("callbacks.lr_monitor.logging_interval=${oc.evn:X}", "callbacks.lr_monitor.logging_interval",
+     "did you mean oc.env?"),
 ])
 def test_an_interpolation_naming_no_resolver_is_one_line_naming_the_key(tmp_path, corpus, override, key, hint):
     """A resolver's name mistyped ('optimizer.lr=${oc.evn:HOME}') failed in Hydra's traceback ending
