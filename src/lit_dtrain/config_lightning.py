@@ -269,9 +269,12 @@ def check_val_check_interval(cfg: DictConfig) -> None:
             "at the end)"
     if (written := base_60_source(key, value)) is not None:  # YAML's 1:00:00:00 is 216000 steps
         path, text = written
+        # the duration in the one form taken: '1:30:00' quoted was refused as no 'DD:HH:MM:SS' (the fix it named)
+        d, h, m, s = value // 86400, value // 3600 % 24, value // 60 % 60, value % 60
+        days = text if text.count(":") == 3 else f"{d:02d}:{h:02d}:{m:02d}:{s:02d}"
         raise ConfigError(f"{key}={value!r} comes from {str(path)!r}, where it is written unquoted as {text}, which "
                           f"YAML reads as the base-60 number {value} (steps): quote it for a duration, "
-                          f"val_check_interval: '{text}', or write {value} for steps")
+                          f"val_check_interval: '{days}', or write {value} for steps")
     if value is None or is_number(value, integer=True):
         return
     if is_number(value):

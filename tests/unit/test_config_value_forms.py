@@ -155,18 +155,23 @@ def test_a_time_written_unquoted_in_a_config_file_is_refused_not_read_as_base_60
     from tests.conftest import CONF_DIR
 
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
-    for name, value in (("day", "1:00:00:00  # daily"), ("steps", "216000")):
+    for name, value in (("day", "1:00:00:00  # daily"), ("steps", "216000"), ("hours", "1:30:00")):
         (tmp_path / "conf" / "experiment" / f"{name}.yaml").write_text(
             f"# @package _global_\ntrainer:\n  val_check_interval: {value}\n")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfgs = [compose("train", [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"experiment={name}"],
-                        return_hydra_config=True) for name in ("day", "steps")]
+                        return_hydra_config=True) for name in ("day", "steps", "hours")]
     try:
         HydraConfig.instance().set_config(cfgs[0])
         with pytest.raises(ConfigError) as refused:
             check_val_check_interval(cfgs[0])
         HydraConfig.instance().set_config(cfgs[1])
         check_val_check_interval(cfgs[1])
+        HydraConfig.instance().set_config(cfgs[2])  # H:MM:SS: the quoted form it names is one that is taken
+        with pytest.raises(ConfigError, match=r"quote it for a duration, val_check_interval: '00:01:30:00', or "):
+            check_val_check_interval(cfgs[2])
+        cfgs[2].trainer.val_check_interval = "00:01:30:00"
+        check_val_check_interval(cfgs[2])
     finally:
         HydraConfig.instance().cfg = None
     day = tmp_path / "conf" / "experiment" / "day.yaml"
