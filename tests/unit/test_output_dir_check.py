@@ -47,6 +47,17 @@ def test_a_dir_that_cannot_be_made_under_proc_is_refused_also_as_root():
         assert reason == "cannot be written: its ancestor '/proc' is not writable by this user"
 
 
+def test_a_dir_below_a_link_that_leads_nowhere_is_refused_naming_the_link(tmp_path):
+    """LIT_DTRAIN_OUTPUT on an unmounted scratch (scratch -> a missing dir): the nearest existing dir, tmp_path,
+    passed every check and Hydra's mkdir failed in a traceback, 'FileExistsError: [Errno 17] File exists: ...'."""
+    (tmp_path / "scratch").symlink_to(tmp_path / "unmounted")
+    assert unwritable_dir_reason(tmp_path / "scratch" / "outputs" / "runs") == (
+        f"cannot be created: '{tmp_path}/scratch' is a broken symbolic link (to '{tmp_path}/unmounted', which does "
+        "not exist)")
+    (tmp_path / "unmounted").mkdir()  # mounted: made through the link
+    assert unwritable_dir_reason(tmp_path / "scratch" / "outputs" / "runs") is None
+
+
 @pytest.mark.parametrize("multirun", [False, True])
 def test_train_py_refuses_a_read_only_output_dir_in_one_line(tmp_path, read_only_dir, multirun):
     env = {**subprocess_env(tmp_path), "LIT_DTRAIN_OUTPUT": str(read_only_dir)}

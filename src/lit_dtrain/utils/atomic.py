@@ -163,6 +163,13 @@ def unwritable_dir_reason(directory: str | os.PathLike) -> str | None:
     dir is made and removed beside the missing one to tell)."""
     path = Path(directory).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
+    # a link on the way that leads nowhere (LIT_DTRAIN_OUTPUT on an unmounted scratch): the nearest existing dir
+    # passed every check, and Hydra's mkdir ended in a traceback, 'FileExistsError: [Errno 17] File exists: <link>'
+    broken = next((p for p in (path, *path.parents) if p.is_symlink()), None) if existing != path else None
+    if broken is not None and broken not in (existing, *existing.parents):
+        from lit_dtrain.data._path_problems import unreachable_reason
+
+        return f"cannot be created: {str(broken)!r} {unreachable_reason(broken)}"
     where = "" if existing == path else f": its ancestor {str(existing)!r}"
     if not existing.is_dir():
         return f"cannot be created{where} is a file, not a directory"
