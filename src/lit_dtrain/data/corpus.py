@@ -294,8 +294,8 @@ def _links_up(directory: Path, pattern: str) -> bool:
     walk with its ``**``: its real path is above the files read, so it passed for a dir read through a link, and
     ``v2/*`` left the other files below it out without a word (``corpus/**/*`` walks them: no warning)."""
     real, parent = Path(os.path.realpath(directory)), Path(os.path.realpath(directory.parent))
-    if real != parent and real not in parent.parents:
-        return False
+    if real not in parent.parents:  # a link to its own dir (current -> .) holds the files beside it: those read, and
+        return False  # its subdirs each matched (it was warned of as left out, c/* reading every file of c)
     parts = pattern.split("/")
     if "**" not in parts:
         return True
