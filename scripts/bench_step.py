@@ -48,6 +48,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from lit_dtrain._compose_errors import unknown_key_message
+from lit_dtrain.config_keys import check_types
 from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch
 from lit_dtrain.errors import interpolation_error, unset_env_var
@@ -220,6 +221,7 @@ def main() -> None:
             cfg = compose_default(tmp, args.steps, args.overrides)
             device = bench_device(cfg)
             autocast_dtype(cfg)  # refuse an unsupported precision before any run
+            check_types(cfg)  # train.py's line for data.batch_size=abc (was a constructor's ValueError traceback)
             for key in READ_KEYS:  # '${nope}', '${oc.evn:X}': a traceback in instantiate, inside the first round
                 OmegaConf.to_container(cfg[key], resolve=True) if key in cfg else None
         except UNRESOLVED as e:

@@ -38,6 +38,9 @@ from tests.conftest import ROOT, load_script, run_script
     # an unset variable: OmegaConf's "KeyError raised while resolving interpolation: ... object_type=dict"
     ("bench_step.py", ["optimizer.lr=${oc.env:LIT_DTRAIN_H11_UNSET}"], "environment variable LIT_DTRAIN_H11_UNSET is "
      "not set (read by ${oc.env:LIT_DTRAIN_H11_UNSET}): set it, or give a default"),
+    # a value train.py refuses in one line: a constructor's ValueError traceback in the first round, no JSON line
+    ("bench_step.py", ["data.batch_size=${oc.env:LIT_DTRAIN_H1_UNSET,4}"], "data.batch_size must be an integer, got "
+     "'4' (str): ${oc.env:...} gives text; read it as a number with ${oc.decode:"),
     ("bench_spikes.py", ["--variants", "clean,foo"], "argument --variants: unknown ['foo']; choose from"),
     ("bench_spikes.py", ["--inject", "nan_loss:2000"],
      "--inject: step(s) [2000] are not below --steps 2000: the run never reaches them"),
