@@ -91,9 +91,12 @@ def check_multinode_launch(cfg: DictConfig, env=os.environ) -> None:
 def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
     """Under ``torchrun --max-restarts N`` (N > 0), at the first start: warn when a restart cannot continue the run.
     A restarted worker runs the same command: without ``resume=auto`` it is a fresh start in a run dir that holds
-    checkpoints, which is refused (and each refusal uses up a restart). On gloo (CPU) with the agent's shared
-    store, a restarted rank hung in the process group's setup or failed to connect in 3 of 4 tries here
-    (pytorch#135712); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment avoids it (3 of 3)."""
+    checkpoints, which is refused (and each refusal uses up a restart). On several nodes with the agent's shared
+    store a restarted rank can read the failed attempt's addresses from it and fail to connect (pytorch#135712): there
+    ``--rdzv-backend=c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a new store (static
+    rendezvous, ``--master-port``, always shares it: the variable changes nothing there). On one node each attempt
+    connects under keys of its own (:func:`lit_dtrain.strategies._connect.torchrun_attempt_store`): the warning here
+    advised that variable for every gloo launch, and under ``--master-port`` every restart still failed in seconds."""
     try:
         restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     except ValueError:
@@ -104,9 +107,10 @@ def warn_about_torchrun_restarts(cfg: DictConfig, env=os.environ) -> None:
         log.warning("torchrun --max-restarts=%d: a restarted worker continues this run only with resume=auto; "
                     "without it the restart is a fresh start in a run dir that holds checkpoints, which is refused",
                     restarts)
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    gloo = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if gloo and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        log.warning("torchrun --max-restarts=%d on gloo with torchrun's shared store: a restarted rank can hang in "
-                    "the process group's setup or fail to connect (pytorch#135712); set "
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment", restarts)
+    nodes = env.get("GROUP_WORLD_SIZE", "1")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and nodes != "1":
+        log.warning("torchrun --max-restarts=%d on %s nodes with torchrun's shared store: a restarted rank can read "
+                    "the failed attempt's addresses from it and fail to connect (pytorch#135712); launch with "
+                    "--rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (static "
+                    "rendezvous, --master-port or --rdzv-endpoint without --rdzv-backend, always shares it)",
+                    restarts, nodes)

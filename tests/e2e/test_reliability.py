@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lit_dtrain.train import train
-from tests.conftest import PYTHON, ROOT, compose_cfg, make_corpus, subprocess_env
+from tests.conftest import PYTHON, ROOT, compose_cfg, free_port, make_corpus, subprocess_env
 from tests.e2e._reliability_helpers import MAX_STEPS, RUN, train_proc
 
 
@@ -247,18 +247,19 @@ def test_torchrun_reports_a_sigterm_stop_as_failed_and_a_restart_continues_with_
     """Under torchrun the workers that SIGTERM stopped exit with 143, so the agent reports a failed worker and exits
     with status 1 (Lightning's exit status 0 read as success). With --max-restarts the agent starts them again with
     the same arguments: with resume=auto they continue the run, and end where the stopped run resumed by hand does.
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the agent's shared store, a restarted gloo rank read a dead worker's
-    address (pytorch#135712) and its start failed or hung."""
-    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    The restart runs under --master-port (static rendezvous), whose store torchrun shares with the workers whatever
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE says: there every restart failed in seconds (a restarted rank read the dead
+    worker's gloo address, 'Gloo connectFullMesh failed ... Connection refused', pytorch#135712) until each attempt
+    connected under keys of its own."""
     args = [*RUN, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer=ddp_cpu",
             *[o for o in RUN if o.startswith("trainer.")], "trainer.enable_progress_bar=false"]
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=5", "+callbacks.fault.rank=0",
              "+callbacks.fault.signal=SIGTERM"]
-    env = {**subprocess_env(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-    def torchrun(*extra, restarts=0):
-        return subprocess.run([*launch, f"--max-restarts={restarts}", str(ROOT / "train.py"), *args, *extra],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    def torchrun(*extra, restarts=0, rendezvous="--standalone"):
+        launch = [PYTHON, "-m", "torch.distributed.run", rendezvous, "--nproc_per_node=2", f"--max-restarts={restarts}"]
+        return subprocess.run([*launch, str(ROOT / "train.py"), *args, *extra], cwd=tmp_path,
+                              env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
 
     stopped = torchrun("run_name=stopped", *fault)
     out = stopped.stdout + stopped.stderr
@@ -271,9 +272,12 @@ def test_torchrun_reports_a_sigterm_stop_as_failed_and_a_restart_continues_with_
     resumed = torchrun("run_name=stopped", "resume=auto")
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
 
-    restarted = torchrun("run_name=restarted", "resume=auto", *fault, restarts=1)
-    assert restarted.returncode == 0, (restarted.stdout + restarted.stderr)[-3000:]
-    assert "exiting with status 143" in restarted.stdout + restarted.stderr  # the first attempt was stopped
+    restarted = torchrun("run_name=restarted", "resume=auto", *fault, restarts=1,
+                         rendezvous=f"--master-port={free_port()}")
+    out = restarted.stdout + restarted.stderr
+    assert restarted.returncode == 0, out[-3000:]
+    assert "exiting with status 143" in out and "Connection refused" not in out  # the first attempt was stopped
+    assert json.loads((runs / "restarted/summary.json").read_text())["start_step"] == 6  # the restart resumed
     assert json.loads((runs / "restarted/summary.json").read_text())["steps"] == MAX_STEPS
     assert_same_weights(final_state(tmp_path, "stopped"), final_state(tmp_path, "restarted"))
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies import CompressedDDPStrategy, make_ddp, make_fsdp
-from lit_dtrain.strategies._connect import first_connection_message
+from lit_dtrain.strategies._connect import first_connection_message, torchrun_attempt_store
 from lit_dtrain.strategies.by_name import build_strategy, even_epochs_by_name
 from lit_dtrain.utils.distributed import FirstConnectionError, is_collective_failure, set_collective_timeout
 from tests.conftest import free_port
@@ -53,6 +53,41 @@ def test_a_first_connection_that_timed_out_says_how_many_ranks_connected_not_tha
     assert first_connection_message(torchrun_error, 0, 2, 3.0).startswith(
         "rank 0: the 2 ranks did not all connect within 3 s (RuntimeError: wait timeout after 3000ms")
     assert not is_collective_failure(FirstConnectionError(said))  # train.py's CollectiveError leaves it as it is
+
+
+def test_a_refused_connection_says_it_failed_in_seconds_not_that_the_ranks_did_not_connect_in_time(monkeypatch):
+    """gloo's 'timed out connecting: SO_ERROR: Connection refused' (a torchrun restart that read a dead worker's
+    address) failed in 3 s: the line said 'the 2 ranks did not all connect within 1800 s' and to raise the timeout."""
+    refused = RuntimeError("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection "
+                           "refused, remote=[127.0.0.1]:21895$1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    said = first_connection_message(refused, 1, 2, 1800.0, 2.6)
+    assert said.startswith("rank 1: a connection to another rank was refused after 3 s, not timed out (strategy."
+                           "connect_timeout_s is 1800 s) (RuntimeError: Gloo connectFullMesh failed")
+    assert "within" not in said and "raise strategy.connect_timeout_s" not in said
+    assert said.endswith("the rank that wrote it ended or restarted since (its own output names why)")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert first_connection_message(refused, 1, 2, 1800.0, 2.6).endswith(
+        "launch with --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
+
+
+def test_each_torchrun_attempt_on_one_node_gets_keys_of_its_own_in_the_agents_store(monkeypatch):
+    """torchrun's agent store outlives its workers (static rendezvous: one store, one key prefix per launch), so a
+    restarted rank read the failed attempt's gloo address: 'Connection refused' in seconds. Each attempt's client
+    writes under its own prefix; on several nodes (their own restart counts) and without restarts torch's is kept."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's store
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1",
+           "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    attempt, store = torchrun_attempt_store(timedelta(seconds=10))
+    store.set("rank_0", "new address")
+    assert attempt == "1" and agent.get("lit_dtrain/torchrun_attempt1/rank_0") == b"new address"
+    for key, value in (("GROUP_WORLD_SIZE", "2"), ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+                       ("TORCHELASTIC_MAX_RESTARTS", "0")):
+        monkeypatch.setenv(key, value)
+        assert torchrun_attempt_store(timedelta(seconds=10)) is None, key
+        monkeypatch.setenv(key, env[key])
 
 
 def test_set_collective_timeout_bounds_the_groups_collectives_and_its_store():

@@ -8,21 +8,33 @@ after 9 seconds waiting for clients. 1/2 clients joined.). Another rank probably
 Here the connection waits ``connect_timeout_s`` (at least ``collective_timeout_s``; 1800 s by default, Lightning's and
 torch's bound of a gloo process group), then the process group's collectives get ``collective_timeout_s``; a
 connection that times out says so in one line (:class:`~lit_dtrain.utils.distributed.FirstConnectionError`).
+
+Under ``torchrun --max-restarts`` on one node, each attempt's ranks connect under keys of their own in torchrun's store
+(:func:`torchrun_attempt_store`): a restart under ``--master-port`` failed in seconds without them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
+import time
 import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from lit_dtrain.utils.distributed import FirstConnectionError, can_set_collective_timeout, set_collective_timeout
+from lit_dtrain.utils.distributed import (
+    FirstConnectionError,
+    can_set_collective_timeout,
+    destroy_process_group_at_exit,
+    set_collective_timeout,
+)
 from lit_dtrain.utils.launcher_watch import kill_launched_ranks
 
 DEFAULT_CONNECT_S = 1800.0
+log = logging.getLogger(__name__)
 
 # The default group a FirstConnection strategy connected, while it lives: Lightning leaves it initialized after a fit,
 # and a later Trainer's strategy in the same process (a second fit, a Hydra multirun's next job) finds it and does not
@@ -46,7 +58,10 @@ class FirstConnection:
         if not can_set_collective_timeout():  # (a torch without the private setter: one bound for both, as Lightning)
             connect = collective
         self._timeout = connect
+        started = time.monotonic()
         try:
+            if ours:
+                self._connect_this_torchrun_attempt(connect)
             super().setup_environment()
         except Exception as e:
             if not (ours and not dist.is_initialized() and _timed_out(e)):
@@ -55,7 +70,8 @@ class FirstConnection:
             if launcher is not None and hasattr(launcher, "kill"):  # do not leave a child rank waiting to connect
                 kill_launched_ranks(launcher)  # (nor Lightning's observer of it to kill this process: a multirun's)
             seconds = connect.total_seconds() if connect is not None else DEFAULT_CONNECT_S  # (None: torch's 30 min)
-            raise FirstConnectionError(first_connection_message(e, self.global_rank, self.world_size, seconds)) from e
+            raise FirstConnectionError(first_connection_message(e, self.global_rank, self.world_size, seconds,
+                                                                time.monotonic() - started)) from e
         finally:
             self._timeout = collective
         if not dist.is_initialized() or collective is None or not can_set_collective_timeout():
@@ -66,6 +82,45 @@ class FirstConnection:
             _made_here = weakref.ref(group)
         if ours or (_made_here is not None and _made_here() is group):
             set_collective_timeout(collective)
+
+    def _connect_this_torchrun_attempt(self, timeout: timedelta | None) -> None:
+        """Connect the default group under keys of this torchrun attempt's own (:func:`torchrun_attempt_store`), where
+        it needs them; Lightning then finds the group made and does not connect again."""
+        attempt = torchrun_attempt_store(timeout if timeout is not None else timedelta(seconds=DEFAULT_CONNECT_S))
+        if attempt is None:
+            return
+        env = self.cluster_environment
+        if attempt[0] != "0" and env.global_rank() == 0:
+            log.info("torchrun restart %s: the ranks connect under this attempt's own keys in torchrun's store (%s)",
+                     attempt[0], ATTEMPT_PREFIX.format(attempt[0]))
+        dist.init_process_group(self._get_process_group_backend(), store=attempt[1], rank=env.global_rank(),
+                                world_size=env.world_size(), timeout=timeout)
+        destroy_process_group_at_exit()  # (Lightning's connection registers one for NCCL; train() for every backend)
+
+
+ATTEMPT_PREFIX = "lit_dtrain/torchrun_attempt{}"
+
+
+def torchrun_attempt_store(timeout: timedelta) -> tuple[str, dist.Store] | None:
+    """Under ``torchrun --max-restarts`` (N > 0) on one node with the agent's store (``TORCHELASTIC_USE_AGENT_STORE``):
+    (attempt, a client of torchrun's store whose keys are this attempt's alone); else None (torch's own connection).
+
+    Torchrun's workers connect through the store its agent holds: always under static rendezvous (``--master-port`` or
+    ``--rdzv-endpoint`` without ``--rdzv-backend``; ``static_tcp_rendezvous.py`` keeps one store and one key prefix
+    for the whole launch), and under c10d unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. That store outlives the
+    workers, and torch's keys for the ranks' addresses are the same in every attempt, so a restarted rank could read
+    a dead worker's gloo address before its peer wrote its new one: under ``--master-port`` every restart failed within
+    seconds ('Gloo connectFullMesh failed ... Connection refused', 2 of 2 here, whichever rank started first;
+    pytorch#135712). The attempt is torchrun's ``TORCHELASTIC_RESTART_COUNT``, which every worker of one agent
+    shares; agents on several nodes keep their own counts (c10d restarts the other nodes without counting:
+    pytorch#135712), so there torch's connection is left as it is."""
+    env = os.environ
+    attempt, restarts = env.get("TORCHELASTIC_RESTART_COUNT", ""), env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1" or \
+            not attempt.isdigit() or not restarts.isdigit() or int(restarts) == 0:
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return attempt, dist.PrefixStore(ATTEMPT_PREFIX.format(attempt), client)
 
 
 @contextlib.contextmanager
@@ -93,12 +148,25 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "clients joined" in text
 
 
-def first_connection_message(exc: BaseException, rank: int, world_size: int, seconds: float) -> str:
+def first_connection_message(exc: BaseException, rank: int, world_size: int, seconds: float,
+                             elapsed: float | None = None) -> str:
     """One line for a first connection that timed out: how many ranks joined rank 0's store (on rank 0), else that the
     ranks did not all connect (another rank not reaching rank 0's store; under torchrun, gloo's wait for a rank's
-    address: 'DistStoreError: wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1')."""
+    address: 'DistStoreError: wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1'). A connection refused
+    (gloo's 'timed out connecting: SO_ERROR: Connection refused') failed after ``elapsed`` seconds, not the bound: the
+    line said 'did not all connect within 1800 s' of a torchrun restart that failed in 3 s."""
     first = (str(exc).splitlines() or [""])[0][:200]
     joined = re.search(r"(\d+)/(\d+) clients joined", first)
+    if "connection refused" in first.lower():
+        took = f" after {elapsed:.0f} s" if elapsed is not None else ""
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        why = ("torchrun restarted the ranks, and a restarted rank read the failed attempt's address from torchrun's "
+               "store, which the attempts share on several nodes (pytorch#135712): launch with --rdzv-backend=c10d "
+               "and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment" if restarted else
+               "the rank that wrote it ended or restarted since (its own output names why)")
+        return (f"rank {rank}: a connection to another rank was refused{took}, not timed out (strategy."
+                f"connect_timeout_s is {seconds:g} s) ({type(exc).__name__}: {first}): nothing listened at the "
+                f"address the store gave for it; {why}")
     if joined:
         what = f"only {joined.group(1)} of {joined.group(2)} ranks connected within {seconds:g} s"
     else:
