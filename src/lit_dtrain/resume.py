@@ -57,13 +57,13 @@ def _created_by_this_start(sweep_dir: Path, hydra_overrides: list[str] | None = 
     with ``hydra.sweep.dir``): its timestamp is not older than this process's import of lit_dtrain.resume (which
     lit_dtrain.train imports). Under srun/torchrun the default is the launch's id (as ``run_name``'s), the same on
     every rank and again on a re-launch with that id (a requeued SLURM job, a fixed ``--rdzv-id``): such a dir is
-    this start's while none of its jobs holds a checkpoint (every rank sees the same: a job's checkpoints are written
-    after all ranks passed this check, and before any rank starts the next job). ``hydra_overrides``: Hydra's own
-    overrides of this start, where its runtime config is not set yet (default: read from it)."""
+    this start's while no job of it holds a checkpoint (the same on all ranks), unless a requeue or torchrun restart
+    starts it again (as ``run_name``'s: ``torchrun --max-restarts=1 train.py -m ... resume=auto`` was refused on every
+    attempt). ``hydra_overrides``: Hydra's own overrides of this start, where its runtime config is not set yet."""
     launch = launch_run_name("")
     if launch:
-        given = _sweep_dir_given(hydra_overrides)
-        return sweep_dir.name == launch and not given and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
+        kept = _sweep_dir_given(hydra_overrides) or launch_survives_restart()
+        return sweep_dir.name == launch and not kept and not any(sweep_dir.glob("*/checkpoints/*.ckpt"))
     if not re.fullmatch(rf"{_DEFAULT_RUN_NAME}\.\d{{6}}", sweep_dir.name):
         return False
     started = datetime.strptime(sweep_dir.name, "%Y-%m-%d_%H-%M-%S.%f").timestamp()

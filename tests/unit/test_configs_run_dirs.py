@@ -282,3 +282,36 @@ def test_resume_auto_in_a_launchers_new_default_sweep_dir_is_refused(monkeypatch
         assert resolve_ckpt_path(job_cfg(0, other)) is None
     finally:
         HydraConfig.instance().cfg = None
+
+
+def test_resume_auto_in_a_sweep_under_torchrun_restarts_starts_its_default_sweep_dir_and_a_restart_resumes_it(
+        monkeypatch, tmp_path, corpus):
+    """`torchrun --max-restarts=1 train.py -m ... resume=auto` was refused at the first start, before any job ('resume=
+    auto in a multirun needs hydra.sweep.dir=...', exit 1), though a restart keeps the launch's id and so its default
+    sweep dir, as a single run's default run_name (accepted there). The first attempt now starts it, a restart resumes
+    each job there (as a requeued srun step's); without --max-restarts a new id's sweep dir is still refused."""
+    from omegaconf import open_dict
+
+    from lit_dtrain.resume import _created_by_this_start
+    from lit_dtrain.train import resolve_ckpt_path
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    sweep = tmp_path / "multiruns" / "torchrun-abc"
+    cfg = compose_cfg(["resume=auto"], tmp_path / "x", corpus)
+    with open_dict(cfg):  # as conf/hydra/default.yaml lays out a multirun job
+        cfg.paths.output_dir, cfg.paths.checkpoint_dir = str(sweep / "0"), str(sweep / "0" / "checkpoints")
+    assert not _created_by_this_start(sweep, [])  # the Hydra callback's check, before the sweep dir exists
+    assert resolve_ckpt_path(cfg) is None  # the first attempt: a fresh job 0
+    (sweep / "0" / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 4, "state_dict": {}}, sweep / "0" / "checkpoints" / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(sweep / "0" / "checkpoints" / "last.ckpt")  # the restart resumes job 0
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert _created_by_this_start(tmp_path / "multiruns2" / "torchrun-abc", [])  # no restart: nothing to resume
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert not _created_by_this_start(tmp_path / "multiruns3" / "slurm-123.4", [])  # a requeue starts it again
