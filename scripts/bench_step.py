@@ -11,7 +11,9 @@ rounds of steady-state steps.
 The device and precision come from the composed config (``trainer.accelerator``, ``trainer.precision``):
 ``trainer=gpu`` runs both sides on one CUDA device under bf16-mixed, the plain loop with the model and
 batches on cuda, ``torch.autocast`` for forward and loss as Lightning's ``MixedPrecision`` plugin does, and
-fp32 parameters. On cuda each step's clock is read after ``torch.cuda.synchronize()``, on both sides.
+fp32 parameters. On cuda each step's clock is read after ``torch.cuda.synchronize()``, on both sides. Both sides are
+one process: a config of several (``trainer.devices``, ``trainer.num_nodes``; ``experiment=compression_sweep``'s
+``trainer=ddp_cpu``) is refused; ``scripts/bench_comm.py`` times DDP and its compression presets on 2 ranks.
 
     python scripts/bench_step.py --steps 40 --rounds 3
     python scripts/bench_step.py trainer=gpu model=small data.batch_size=64
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
+from omegaconf import ListConfig, OmegaConf, open_dict
 
 from lit_dtrain._compose_errors import unknown_key_message
 from lit_dtrain.config_keys import check_types
@@ -104,6 +106,24 @@ def bench_device(cfg) -> torch.device:
                                "run it on a GPU machine, or without trainer=gpu")
         return torch.device("cuda", 0)
     raise ValueError(f"bench_step runs on trainer.accelerator cpu, gpu, cuda or auto, got {accelerator!r}")
+
+
+def one_process(cfg, device: torch.device) -> None:
+    """Refuse a config that trains on several processes (``trainer.devices``, ``trainer.num_nodes``): the plain loop
+    is one process, and Lightning's side would re-launch this script per rank and fail inside ``fit`` on every rank
+    (``experiment=compression_sweep`` sets ``trainer=ddp_cpu``)."""
+    devices, nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1) or 1
+    if str(devices) == "auto":
+        count = torch.cuda.device_count() if device.type == "cuda" else 1  # Lightning's "auto": every GPU, one CPU
+    elif isinstance(devices, (list, tuple, ListConfig)):
+        count = len(devices)
+    else:
+        count = int(devices) if str(devices).lstrip("-").isdigit() else 0
+        count = torch.cuda.device_count() if count == -1 and device.type == "cuda" else count
+    if count != 1 or int(nodes) != 1:
+        raise ValueError(f"both sides are timed in one process, and trainer.devices={devices} with "
+                         f"trainer.num_nodes={nodes} is not one process: add trainer.devices=1 trainer.num_nodes=1, or "
+                         "time DDP and its compression presets on 2 ranks with scripts/bench_comm.py")
 
 
 def autocast_dtype(cfg) -> torch.dtype | None:
@@ -220,6 +240,7 @@ def main() -> None:
         try:  # a bad override, a GPU config without CUDA, a precision the plain loop lacks: one line, not a traceback
             cfg = compose_default(tmp, args.steps, args.overrides)
             device = bench_device(cfg)
+            one_process(cfg, device)
             autocast_dtype(cfg)  # refuse an unsupported precision before any run
             check_types(cfg)  # train.py's line for data.batch_size=abc (was a constructor's ValueError traceback)
             for key in READ_KEYS:  # '${nope}', '${oc.evn:X}': a traceback in instantiate, inside the first round

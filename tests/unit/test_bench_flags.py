@@ -31,6 +31,11 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_step.py", ["data.nokey=1"], "data.nokey is not a config key (data holds _target_, batch_size"),
     ("bench_step.py", ["trainer=nope"], "In 'train': Could not find 'trainer/nope' Available options in 'trainer'"),
     ("bench_step.py", ["trainer.precision=16-mixed"], "plain loop mirrors trainer.precision 32-true or bf16-mixed"),
+    # several processes: Lightning's side failed inside fit on both ranks (a 2-process traceback), after a plain round
+    ("bench_step.py", ["experiment=compression_sweep"], "both sides are timed in one process, and "
+     "trainer.devices=2 with trainer.num_nodes=1 is not one process: add trainer.devices=1 trainer.num_nodes=1, or "
+     "time DDP and its compression presets on 2 ranks with scripts/bench_comm.py"),
+    ("bench_step.py", ["trainer.num_nodes=2"], "trainer.devices=1 with trainer.num_nodes=2 is not one process"),
     # an interpolation naming no key or no resolver: a traceback in instantiate, inside the first round
     ("bench_step.py", ["optimizer.lr=${nope}"], "optimizer.lr: interpolation key 'nope' not found: an interpolation"),
     ("bench_step.py", ["trainer.max_steps=${oc.evn:X}"],

@@ -84,3 +84,16 @@ def test_hooks_mode_times_every_hook_of_the_step_train_py_runs(bench, tmp_path, 
     timer = bench.StepTimer(device)
     bench.lightning_round(cfg, 1, device, timer=timer)
     assert len(cpu) == 1 and cpu[0] > 0 and timer.cpu_ms > 0
+
+
+@pytest.mark.parametrize("devices, one", [("1", True), ("auto", True), ("[0]", True), ("2", False), ("[0,1]", False),
+                                          ("-1", False)])
+def test_only_a_config_of_one_process_is_timed(bench, tmp_path, devices, one):
+    """The plain loop is one process: a config of several (``experiment=compression_sweep``'s ``trainer=ddp_cpu``)
+    failed inside Lightning's fit on both ranks, after a plain round; Lightning's ``auto`` on CPU is one."""
+    cfg = bench.compose_default(str(tmp_path), 4, ["trainer=cpu", f"trainer.devices={devices}"])
+    if one:
+        bench.one_process(cfg, bench.bench_device(cfg))
+    else:
+        with pytest.raises(ValueError, match=r"is not one process: add trainer.devices=1 .* scripts/bench_comm.py"):
+            bench.one_process(cfg, bench.bench_device(cfg))
