@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sysconfig
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -187,11 +189,34 @@ def read_results(path: str, ap: argparse.ArgumentParser) -> dict:
     return results
 
 
+@contextmanager
+def each_data_warning_once():
+    """Pass each distinct warning of the token cache's logger once while the block runs: every run builds its own
+    ``LMDataModule``, and each load of the mixture's cache warned its split again (the same line 3 times or more a
+    run, where ``train.py`` loads it once)."""
+    logger, seen = logging.getLogger("lit_dtrain.data.corpus"), set()
+
+    def first_time(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in seen:
+            return False
+        seen.add(message)
+        return True
+
+    logger.addFilter(first_time)
+    try:
+        yield
+    finally:
+        logger.removeFilter(first_time)
+
+
 def train_all(args) -> tuple[list, dict]:
     print(f"python {sysconfig.get_python_version()}, torch {torch.__version__}, threads {args.threads}, "
           f"device {args.device}")
     runs, timing = [], {}
-    with tempfile.TemporaryDirectory(prefix="bench_fourier_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_fourier_") as tmp, each_data_warning_once():
         dirs = make_mixture(Path(tmp), args.mixture_kb, seed=0) if "mixture" in args.corpora else None
         for corpus in args.corpora:
             if args.timing_steps:

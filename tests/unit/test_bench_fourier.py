@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 
 import pytest
@@ -114,3 +115,22 @@ def test_a_source_without_a_val_window_is_named_not_divided_by_zero(bench):
     with pytest.raises(ValueError, match=r"^data source 'prose': its val split has 10 tokens, no window of "
                                          r"block_size\+1 = 17 to evaluate on$"):
         bench.val_set(dm, "mixture", 8)
+
+
+def test_the_mixture_split_warning_is_printed_once_a_benchmark(bench, tmp_path, caplog):
+    """Every run (and each sampler of the interleaved timing) builds its own LMDataModule, and each load of the small
+    mixture's token cache warned its tail split again (each of 2 sources: 3 times for the timing and once per run)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(corpora=["mixture"], block_sizes=[64], variants=["uniform", "mag_freq"], long_variants=[],
+                           seeds=[0], steps=2, tokens_per_step=128, eval_every=1, val_windows=4, eval_batch=4,
+                           mixture_kb=48, n_layer=1, d_model=16, n_head=2, n_kv_head=1, lr=1e-3, timing_steps=1,
+                           timing_rounds=1, timing_lags=[0, 1], threads=1, device="cpu",
+                           cache_dir=str(tmp_path / "cache"), out=None)
+    filters = list(logging.getLogger("lit_dtrain.data.corpus").filters)
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.data.corpus"):
+        runs, timing = bench.train_all(args)
+    assert [r["variant"] for r in runs] == ["uniform", "mag_freq"] and "mixture" in timing
+    split = [r.getMessage() for r in caplog.records if "too few documents for a by-document" in r.getMessage()]
+    assert [m.split(":")[0] for m in split] == ["data source 'boilerplate'", "data source 'random'"], split
+    assert logging.getLogger("lit_dtrain.data.corpus").filters == filters  # the filter ends with the benchmark
