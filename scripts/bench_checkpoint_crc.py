@@ -67,6 +67,24 @@ def bench(path: str, cold: bool, rounds: int) -> dict:
             "members": members, **row, "verify_per_load": round(row["verify_s"] / row["load_s"], 2)}
 
 
+def not_a_zip_reason(path: str) -> str | None:
+    """Why ``path`` is no zip archive that the CRC check and this benchmark can time (None: it is one): missing, a
+    directory, unreadable, not a torch checkpoint, or torch's legacy format. A missing file was called "not a torch
+    checkpoint (a zip archive) or cannot be read"."""
+    from lit_dtrain._checkpoint_files import foreign_reason
+    from lit_dtrain.checkpoint import not_a_file_reason
+
+    if not Path(path).is_file():
+        return not_a_file_reason(Path(path))
+    try:
+        if zipfile.is_zipfile(path):  # False for a file it cannot open, too: read below
+            return None
+        reason = foreign_reason(path)
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    return reason or "is in torch's legacy format (before 1.6), not a zip archive: it holds no CRC to check"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="torch checkpoints (.ckpt written by train.py)")
@@ -76,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     from lit_dtrain.checkpoint import CheckpointError, verify_checkpoint
 
     for path in args.checkpoints:
-        if not zipfile.is_zipfile(path):
-            fail(f"{path!r} is not a torch checkpoint (a zip archive) or cannot be read")
+        if (reason := not_a_zip_reason(path)) is not None:
+            fail(f"checkpoint {path!r} {reason}")
         try:
             verify_checkpoint(path)
         except CheckpointError as e:

@@ -168,3 +168,18 @@ def test_an_empty_archive_appended_to_a_checkpoint_is_named_and_its_crc_checked(
     path.write_bytes(bytes(data) + empty)
     with pytest.raises(CheckpointError, match="is damaged: member 'a/data/0' fails its CRC-32 check"):
         safe_torch_load(path)
+
+
+def test_bench_checkpoint_crc_names_why_a_file_is_not_timed(tmp_path, capsys):
+    """A missing file was 'not a torch checkpoint (a zip archive) or cannot be read', as a text file was."""
+    from tests.conftest import load_script
+
+    bench = load_script("bench_checkpoint_crc")
+    (tmp_path / "notes.ckpt").write_text("hello\n")
+    (tmp_path / "run").mkdir()
+    for name, reason in (("missing.ckpt", "does not exist"), ("run", "is a directory, not a checkpoint file"),
+                         ("notes.ckpt", "is not a torch checkpoint: it is text starting 'hello\\n'")):
+        with pytest.raises(SystemExit):
+            bench.main([str(tmp_path / name), "--rounds", "1"])
+        error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+        assert error.startswith(f"checkpoint '{tmp_path / name}' {reason}"), error
