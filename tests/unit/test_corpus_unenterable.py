@@ -70,22 +70,29 @@ def test_a_directory_that_can_be_listed_but_not_entered_is_named_not_a_traceback
     assert f"cannot enter {corpus}/top ({why}): its files are left out" in got["said"]
 
 
-def test_a_link_in_a_corpus_dir_to_a_file_it_cannot_reach_is_named(tmp_path):
-    """corpus/link.txt -> a file in a dir it may not enter: a directory source raised the PermissionError's traceback
-    (a glob over it names it too)."""
+def test_a_link_it_cannot_follow_is_left_out_with_one_warning_by_a_directory_source_and_a_glob_alike(tmp_path):
+    """corpus/open/link.txt -> a file in a dir it may not enter, corpus/open/ext -> a dir there: a link whose target
+    cannot be stat'ed may be a file or a directory. A ``**`` glob warned 'cannot reach <link> ...: it is left out',
+    then refused the run naming it as a file it matched; a directory source refused the link to the directory, which
+    a ``**`` glob left out. Each is left out now, named once, as a link whose target is missing is (a path given in
+    ``paths`` that cannot be reached is still an error)."""
     corpus = tmp_path / "corpus"
-    (corpus / "closed").mkdir(parents=True)
+    (corpus / "closed" / "inner").mkdir(parents=True)
     (corpus / "closed" / "b.txt").write_text("out of reach\n" * 20)
+    (corpus / "closed" / "inner" / "c.txt").write_text("out of reach\n" * 20)
     (corpus / "closed").chmod(0o700)
     (corpus / "open").mkdir()
     (corpus / "open" / "a.txt").write_text("kept text\n" * 20)
     (corpus / "open" / "link.txt").symlink_to(corpus / "closed" / "b.txt")
-    got = _resolve_without_privilege(tmp_path, [str(corpus / "open"), f"{corpus}/open/*.txt"])
-    link = f"{corpus}/open/link.txt"
-    assert got["results"] == [
-        f"data source 't': '{link}' (in directory '{corpus}/open') cannot be reached: Permission denied",
-        f"data source 't': glob '{corpus}/open/*.txt' matched '{link}', which cannot be reached: Permission denied",
-    ]
+    (corpus / "open" / "ext").symlink_to(corpus / "closed" / "inner")
+    paths = [str(corpus / "open"), f"{corpus}/open/*", f"{corpus}/open/**/*.txt", f"{corpus}/open/**/*",
+             f"{corpus}/open/link.txt"]
+    got = _resolve_without_privilege(tmp_path, paths)
+    assert got["results"] == [["a.txt"]] * 4 + [
+        f"data source 't': path '{corpus}/open/link.txt' cannot be reached: Permission denied"]
+    for link in ("link.txt", "ext"):
+        said = [line for line in got["said"] if f"{corpus}/open/{link}" in line]
+        assert said == [f"cannot reach {corpus}/open/{link} (Permission denied): it is left out"] * 4, got["said"]
 
 
 def test_a_link_to_a_place_it_cannot_reach_leaves_out_that_link_not_its_sibling_dirs(tmp_path):

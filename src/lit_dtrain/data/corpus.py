@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lit_dtrain.data._path_problems import special_file_kind, unenterable, unlistable, unreachable_reason
-from lit_dtrain.data.walking import _files_below, walk_glob
+from lit_dtrain.data.walking import _files_below, walk_glob, without_unfollowable_links
 from lit_dtrain.utils.args import is_number, type_name
 from lit_dtrain.utils.rank_zero import log_once
 
@@ -181,6 +181,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
         # a path that exists is that file or directory, even when its name holds '[', '*' or '?' ("notes [v2].txt")
         if glob.has_magic(path) and not os.path.lexists(path):
             hits = [Path(m) for m in walk_glob(path)]
+            hits = without_unfollowable_links(hits, walked="**" in path.split("/"))
             try:  # a dir with read but no search permission lists its names, and each stat is refused
                 matches = [p for p in hits if p.is_file()]
                 _warn_dangling(source, raw, [p for p in hits if p.is_symlink() and not p.exists()])

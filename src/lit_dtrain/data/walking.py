@@ -43,7 +43,7 @@ def _dirs_below(root: Path, dot_dirs: list[Path] | None = None) -> Iterator[Path
                 if p.is_dir():
                     below.append(p)
             except OSError as e:  # a link to a place it may not reach: that entry alone (it left out every sibling
-                # dir, with a warning that the directory's files, which were kept, were left out)
+                # dir, with a warning that the directory's files, which were kept, were left out); file or dir alike
                 log_once(log, logging.WARNING, "cannot reach %s (%s): it is left out", p, e.strerror or e)
         below.sort(reverse=True)
         if dot_dirs is not None:
@@ -65,11 +65,24 @@ def _files_below(root: Path, pattern: str, dangling: list[Path] | None = None,
     files = []
     for directory in _dirs_below(root, dot_dirs):
         for p in directory.glob(pattern):
+            if unfollowable(p) is not None:  # _dirs_below named it, left out (it was then refused as a file)
+                continue
             if p.is_file():
                 files.append(p)
             elif dangling is not None and p.is_symlink() and not p.exists():
                 dangling.append(p)
     return files
+
+
+def unfollowable(path: Path) -> str | None:
+    """Why ``path``, a symbolic link, cannot be followed to see what it is (``Permission denied``: its target is in
+    a directory this user may not search), else None. A corpus walk leaves such a link out with a warning, as it does
+    a link whose target is missing and a directory it cannot list: file or directory, its kind is unknown."""
+    try:
+        path.is_dir()  # (False, not an error, for a missing target or a loop of links: the dangling links' warning)
+    except OSError as e:  # (not a link, or one in a dir it may not enter: the caller's own stat names that dir)
+        return e.strerror or str(e) if os.path.islink(path) else None
+    return None
 
 
 def walk_glob(pattern: str) -> list[str]:
@@ -96,3 +109,16 @@ def walk_glob(pattern: str) -> list[str]:
                     found.extend(os.path.join(d, n) for n in os.listdir(d) if not n.startswith(".")
                                  and os.path.isfile(os.path.join(d, n)))
     return found
+
+
+def without_unfollowable_links(hits: list[Path], walked: bool) -> list[Path]:
+    """The glob's ``hits`` without the links it cannot follow (:func:`unfollowable`), each left out with the warning
+    a ``**`` walk gives (``walked``: it gave it already): a ``**`` glob warned that it left such a link out, then
+    refused the run naming it as a file it matched, while a link to a directory was left out."""
+    kept = []
+    for p in hits:
+        if (why := unfollowable(p)) is None:
+            kept.append(p)
+        elif not walked:
+            log_once(log, logging.WARNING, "cannot reach %s (%s): it is left out", p, why)
+    return kept
