@@ -3,12 +3,15 @@ random, which a warning names (key and both ranks)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
 
 from lit_dtrain.strategies import CHECKPOINT_KEY, CompressedDDPStrategy, DiLoCo
+from lit_dtrain.strategies.comm_checkpoint import warm_start_rank_notes
+from lit_dtrain.strategies.compressors import Segment
 
 
 def _strategy(rule, rank: int) -> CompressedDDPStrategy:
@@ -48,3 +51,39 @@ def test_a_resume_at_another_rank_says_that_the_warm_start_restarts(tmp_path, ru
         warnings.filterwarnings("ignore", ".*predates per-rank parameters")
         same.load_checkpoint(path)
     assert torch.equal(_codec(same).q_memory["w"], _codec(written).q_memory["w"])
+
+
+def _fits_as_resumed(codec, name: str, shape: tuple, saved_q: torch.Tensor) -> bool:
+    """Whether ``codec`` (the resumed one) warm-starts the matrix ``name`` of ``shape`` from ``saved_q``."""
+    n = shape[0]
+    (segment, _, m, rank), = codec.plan([Segment(name, 0, n * (math.prod(shape) // n), shape)])[0]
+    return torch.equal(codec._initial_q(segment, m, rank, 0, torch.device("cpu")), saved_q)
+
+
+@pytest.mark.filterwarnings("ignore:.*predates per-rank parameters")
+def test_the_warning_counts_only_the_qs_that_restart(tmp_path):
+    """With ``min_compression_rate < 1`` a matrix no wider than the rank is compressed too, and its Q, ``(m, min(n,
+    m, rank))``, fits both ranks: rank 4 resumed with 2, the (2, 6) matrix's Q was kept while the warning said 'each
+    Q restarts'. It counts the Qs that restart now, by the model's shapes where it has them."""
+    shapes = {"w": (8, 8), "narrow": (2, 6)}
+    codec = {"name": "powersgd", "matrix_approximation_rank": 4, "min_compression_rate": 0.5}
+    written, path = CompressedDDPStrategy(compressor=codec), tmp_path / "last.ckpt"
+    written.compressor.q_memory = {"w": torch.randn(8, 4), "narrow": torch.randn(6, 2)}
+    torch.save({CHECKPOINT_KEY: written.comm_state_dict()}, path)
+    resumed = CompressedDDPStrategy(compressor={**codec, "matrix_approximation_rank": 2})
+    with pytest.warns(UserWarning, match=r"Qs \(2 matrices\) are of rank 4 and this run's strategy.compressor."
+                                         r"matrix_approximation_rank is 2: 1 of them restart \(the other 1, of "
+                                         r"matrices at most 2 wide, fit both ranks and are kept\) from random"):
+        resumed.load_checkpoint(path)
+    saved = written.compressor.q_memory
+    assert [_fits_as_resumed(resumed.compressor, k, shapes[k], saved[k]) for k in ("w", "narrow")] == [False, True]
+    # up from rank 2 to 4: a Q as wide as the old rank fits where the matrix is that wide, which its shape tells
+    entry = {"compressor": {"name": "powersgd", "matrix_approximation_rank": 2,
+                            "q_memory": {"w": torch.randn(8, 2), "narrow": torch.randn(6, 2)}}}
+    up = CompressedDDPStrategy(compressor={**codec, "matrix_approximation_rank": 4}).compressor
+    note, = warm_start_rank_notes(entry, up, None, shapes)
+    assert ": 1 of them restart (the other 1, of matrices at most 4 wide" in note
+    up.q_memory = dict(entry["compressor"]["q_memory"])
+    assert [_fits_as_resumed(up, k, shapes[k], up.q_memory[k]) for k in ("w", "narrow")] == [False, True]
+    same_width = {"compressor": {**entry["compressor"], "q_memory": {"narrow": torch.randn(6, 2)}}}
+    assert warm_start_rank_notes(same_width, up, None, shapes) == []  # nothing restarts: nothing to say

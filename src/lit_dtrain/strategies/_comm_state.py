@@ -109,7 +109,9 @@ def apply_comm_state(strategy, state: dict) -> None:
     mine, elastic = rank_entry(state, rank, world)  # another world size: what it can keep, and the warning
     lu = strategy.local_update
     mine, unapplied = without_unapplied_residuals(mine, strategy.compressor, lu)  # warned once the rest is applied
-    unapplied += warm_start_rank_notes(mine, strategy.compressor, lu)
+    module = strategy.lightning_module
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()} if module is not None else None
+    unapplied += warm_start_rank_notes(mine, strategy.compressor, lu, shapes)
     if (mine["compressor"] is None) != (strategy.compressor is None):
         raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
                          f"not match this strategy's compressor {strategy.compressor!r}")

@@ -5,6 +5,7 @@ the entry each rank takes on a resume on another number of ranks (:func:`rank_en
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -275,11 +276,14 @@ def without_unapplied_residuals(entry: Mapping, compressor: Any, local_update: A
     return entry, notes
 
 
-def warm_start_rank_notes(entry: Mapping, compressor: Any, local_update: Any) -> list[str]:
+def warm_start_rank_notes(entry: Mapping, compressor: Any, local_update: Any,
+                          shapes: Mapping[str, tuple] | None = None) -> list[str]:
     """The warnings for PowerSGD warm-start Qs in ``entry`` (this rank's ``per_rank`` entry) written at another
-    ``matrix_approximation_rank`` than this run's: their shape no longer fits, so the codec restarts each from random
-    (the error-feedback residuals, full-size, stay valid). Before, that happened without a word. A checkpoint from
-    before the rank was saved gives it by its Qs' widest column count."""
+    ``matrix_approximation_rank`` than this run's: a Q whose shape no longer fits restarts from random (the
+    error-feedback residuals, full-size, stay valid). Before, that happened without a word. A checkpoint from before
+    the rank was saved gives it by its Qs' widest column count. ``shapes``: the model's parameter shapes by name, for
+    which Qs still fit: one of a matrix no wider than both ranks (compressed only under ``min_compression_rate < 1``)
+    keeps its ``(m, min(n, m, rank))`` shape, and the warning said that every Q restarts."""
     notes = []
     inner = getattr(local_update, "compressor", None)
     for saved, codec, key in ((entry.get("compressor"), compressor, "strategy.compressor"),
@@ -288,9 +292,29 @@ def warm_start_rank_notes(entry: Mapping, compressor: Any, local_update: Any) ->
         if rank is None or not qs or saved.get("name") != codec.name or not codec.warm_start:
             continue
         saved_rank = saved.get("matrix_approximation_rank", max(q.shape[-1] for q in qs.values()))
-        if saved_rank != rank:
-            notes.append(f"{CHECKPOINT_KEY}: the checkpoint's PowerSGD warm-start Qs ({len(qs)} matrices) are of "
-                         f"rank {saved_rank} and this run's {key}.matrix_approximation_rank is {rank}: each Q "
-                         f"restarts from random (the error-feedback residuals are kept). To keep them, resume with "
-                         f"{key}.matrix_approximation_rank={saved_rank}")
+        if saved_rank == rank:
+            continue
+        restart = [name for name, q in qs.items() if not _q_fits(q, saved_rank, rank, (shapes or {}).get(name))]
+        if not restart:
+            continue
+        kept = len(qs) - len(restart)
+        which = "each Q restarts" if not kept else (
+            f"{len(restart)} of them restart (the other {kept}, of matrices at most {rank} wide, fit both ranks and "
+            "are kept)")
+        notes.append(f"{CHECKPOINT_KEY}: the checkpoint's PowerSGD warm-start Qs ({len(qs)} matrices) are of "
+                     f"rank {saved_rank} and this run's {key}.matrix_approximation_rank is {rank}: {which} from "
+                     f"random (the error-feedback residuals are kept). To keep them, resume with "
+                     f"{key}.matrix_approximation_rank={saved_rank}")
     return notes
+
+
+def _q_fits(q: torch.Tensor, saved_rank: int, rank: int, shape: tuple | None) -> bool:
+    """Whether the warm-start ``q`` of shape ``(m, min(n, m, saved_rank))`` is the ``(m, min(n, m, rank))`` that
+    PowerSGD at ``rank`` warm-starts from (``PowerSGD._initial_q``). Without the parameter's ``shape``, ``n`` is
+    known only where ``q`` is narrower than ``saved_rank`` (then ``min(n, m)`` is its width) or ``m`` is that rank."""
+    m, width = q.shape
+    if shape is not None and len(shape) >= 2 and shape[0]:
+        n = shape[0]
+        return (m, width) == (math.prod(shape) // n, min(n, math.prod(shape) // n, rank))
+    narrowest = width if width < saved_rank or m == saved_rank else None  # min(n, m), where q tells it
+    return narrowest is not None and min(narrowest, rank) == width
