@@ -6,7 +6,8 @@ a resumed run lost its whole history. This one keeps it, drops only the rows at 
 the interrupted run logged past its last checkpoint, which the resumed run logs again), and carries the
 file's columns over. A new metric (a wider header) rewrites the file atomically, so a full disk then keeps it whole.
 ``TensorBoardLogger`` already has ``purge_step``; ``train()`` passes
-``purge_step=<resumed step>`` to either. (The Trainer calls ``logger.save()`` after every ``log_metrics``,
+``purge_step=<resumed step>`` to either, and cuts the other one's files in the run dir at that step (a resume with
+the other logger: :func:`purge_other_loggers`). (The Trainer calls ``logger.save()`` after every ``log_metrics``,
 which writes CSV rows and flushes TensorBoard's writer, so a SIGKILL loses nothing already logged.)
 
 :class:`ConfigHparams`: the run's resolved config in TensorBoard's HParams view, written once per run dir (a
@@ -23,11 +24,13 @@ import os
 from pathlib import Path
 
 import lightning as L
+from hydra.utils import get_class, instantiate
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
 
-from lit_dtrain.run_dirs import without_cut_line
+from lit_dtrain.run_dirs import CSV_NAME, EVENT_GLOB, event_dirs, without_cut_line
 from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
@@ -118,6 +121,58 @@ class ResumableCSVLogger(CSVLogger):
         self._fs.makedirs(self.root_dir, exist_ok=True)
         self._experiment = _ResumableExperimentWriter(self.log_dir, self.purge_step)
         return self._experiment
+
+
+def build_logger(cfg, start_step: int):
+    """The configured logger, or False. On a resume at ``start_step`` > 0 it gets ``purge_step=start_step``
+    (TensorBoard, and lit_dtrain's ``ResumableCSVLogger`` behind ``logger=csv``): what the interrupted run
+    logged past its last checkpoint is dropped, so a resumed curve continues the old one instead of
+    doubling back over it, and the history before it is kept. TensorBoard gets it at a start from step 0 too:
+    a start killed before its first checkpoint left points that the next start, from step 0 again, logs anew
+    (they were shown twice, the curve doubling back to 0), and every start's ``SessionLog.START`` makes a later
+    one's purge count in TensorBoard's Python reader, which takes a run's first START for no restart.
+    (``CSVLogger`` replaces ``metrics.csv`` at a fresh start itself.) The other logger's files in the run dir are
+    purged at that step too (:func:`purge_other_loggers`), on rank 0."""
+    node = cfg.get("logger")
+    logger = _instantiate_logger(node, start_step) if node else False
+    if rank_zero_only.rank == 0:
+        purge_other_loggers(Path(cfg.paths.output_dir), start_step, getattr(logger, "log_dir", None))
+    return logger
+
+
+def _instantiate_logger(node, start_step: int):
+    extra = {}
+    cls = get_class(node._target_)
+    if "purge_step" not in node:
+        if issubclass(cls, TensorBoardLogger) or (start_step > 0 and issubclass(cls, ResumableCSVLogger)):
+            extra["purge_step"] = start_step
+        elif start_step > 0 and issubclass(cls, CSVLogger):
+            log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
+                        "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
+    return instantiate(node, **extra)
+
+
+
+def purge_other_loggers(run_dir: Path, start_step: int, own_log_dir: str | None) -> None:
+    """Drop what the files of another logger than this start's hold at steps ``>= start_step`` in ``run_dir``:
+    a start with ``logger=csv`` killed at step 11 and resumed at 8 with ``logger=tensorboard`` kept the killed
+    start's rows 8-11 in ``csv/metrics.csv``, which ``scripts/compare_runs.py`` (a CSV row wins a step) showed in
+    place of the resumed run's values; the reverse kept the killed start's points in ``tb/``, which TensorBoard shows.
+    A ``metrics.csv`` is cut (:func:`purge_csv_metrics`); an event dir gets a file holding TensorBoard's own purge
+    marker (a ``SessionLog.START`` at ``start_step``, as ``purge_step`` writes), which its readers apply to the
+    earlier files. ``own_log_dir``: this start's logger's dir, which its own ``purge_step`` handles."""
+    own = Path(own_log_dir).resolve() if own_log_dir else None
+    for directory in event_dirs(run_dir) if run_dir.is_dir() else []:
+        if directory.resolve() == own:
+            continue
+        if (directory / CSV_NAME).is_file():
+            purge_csv_metrics(directory / CSV_NAME, start_step)
+        if any(directory.glob(EVENT_GLOB)):
+            from torch.utils.tensorboard import SummaryWriter
+
+            SummaryWriter(str(directory), purge_step=start_step).close()
+            log.info("start at step %d: TensorBoard events of %s at steps >= %d are marked replaced (purge_step)",
+                     start_step, directory, start_step)
 
 
 def flat_hparams(config: dict | list, prefix: str = "") -> dict[str, bool | int | float | str]:

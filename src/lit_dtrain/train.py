@@ -18,9 +18,8 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -43,7 +42,7 @@ from lit_dtrain.config_checks import (
 from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
 from lit_dtrain.errors import ConfigError, interpolation_error
-from lit_dtrain.loggers import ConfigHparams, ResumableCSVLogger, flat_hparams
+from lit_dtrain.loggers import ConfigHparams, build_logger, flat_hparams
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.resume import (
     check_optimizer_state,
@@ -160,29 +159,6 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
         if hasattr(callback, "warn_on_resume_lr"):  # an early-stopped run's resume trains no step: it branches
             callback.warn_on_resume_lr, callback.decay_advice = False, branch
     return callbacks
-
-
-def build_logger(cfg: DictConfig, start_step: int):
-    """The configured logger, or False. On a resume at ``start_step`` > 0 it gets ``purge_step=start_step``
-    (TensorBoard, and lit_dtrain's ``ResumableCSVLogger`` behind ``logger=csv``): what the interrupted run
-    logged past its last checkpoint is dropped, so a resumed curve continues the old one instead of
-    doubling back over it, and the history before it is kept. TensorBoard gets it at a start from step 0 too:
-    a start killed before its first checkpoint left points that the next start, from step 0 again, logs anew
-    (they were shown twice, the curve doubling back to 0), and every start's ``SessionLog.START`` makes a later
-    one's purge count in TensorBoard's Python reader, which takes a run's first START for no restart.
-    (``CSVLogger`` replaces ``metrics.csv`` at a fresh start itself.)"""
-    node = cfg.get("logger")
-    if not node:
-        return False
-    extra = {}
-    cls = get_class(node._target_)
-    if "purge_step" not in node:
-        if issubclass(cls, TensorBoardLogger) or (start_step > 0 and issubclass(cls, ResumableCSVLogger)):
-            extra["purge_step"] = start_step
-        elif start_step > 0 and issubclass(cls, CSVLogger):
-            log.warning("resuming with Lightning's CSVLogger, which deletes the existing metrics.csv; use "
-                        "logger=csv (lit_dtrain.loggers.ResumableCSVLogger) to keep it")
-    return instantiate(node, **extra)
 
 
 def record_training_start(out_dir: Path, write: bool = True) -> None:
