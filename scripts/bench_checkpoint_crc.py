@@ -77,6 +77,8 @@ def not_a_zip_reason(path: str) -> str | None:
     if not Path(path).is_file():
         return not_a_file_reason(Path(path))
     try:
+        if os.path.getsize(path) == 0:  # foreign_reason's 'binary data starting ' with no bytes after it
+            return "is empty (0 bytes)"
         if zipfile.is_zipfile(path):  # False for a file it cannot open, too: read below
             return None
         reason = foreign_reason(path)

@@ -177,7 +177,9 @@ def test_bench_checkpoint_crc_names_why_a_file_is_not_timed(tmp_path, capsys):
     bench = load_script("bench_checkpoint_crc")
     (tmp_path / "notes.ckpt").write_text("hello\n")
     (tmp_path / "run").mkdir()
+    (tmp_path / "empty.ckpt").touch()
     for name, reason in (("missing.ckpt", "does not exist"), ("run", "is a directory, not a checkpoint file"),
+                         ("empty.ckpt", "is empty (0 bytes)"),
                          ("notes.ckpt", "is not a torch checkpoint: it is text starting 'hello\\n'")):
         with pytest.raises(SystemExit):
             bench.main([str(tmp_path / name), "--rounds", "1"])
