@@ -93,15 +93,31 @@ def default_warmup(max_steps: int, cap: int = 100, fraction: float = 0.1) -> int
 def _torchrun_launch_id(env) -> str:
     """What the workers of one torchrun launch on one node share and a next launch does not: the name's random part
     of the agent's log dir (``TORCHELASTIC_ERROR_FILE`` is ``<log dir>/<run id>_<random>/attempt_<n>/<local
-    rank>/error.json``, one dir per launch, kept across its ``--max-restarts``), else the pid of the workers' parent,
-    torchrun's agent. The parent alone is not it under a wrapper (``torchrun --no-python ./run.sh``, whose shell
-    runs ``python train.py``): each rank's parent is its own shell, and each rank wrote a run dir of its own."""
+    rank>/error.json``, one dir per launch, kept across its ``--max-restarts``), else the pid of torchrun's agent.
+    The workers' parent alone is not it under a wrapper (``torchrun --no-python ./run.sh``, whose shell runs ``python
+    train.py``): each rank's parent is its own shell, and each rank wrote a run dir of its own."""
     error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
     if error_file:
         parts = os.path.normpath(error_file).split(os.sep)
         if len(parts) >= 4 and parts[-3].startswith("attempt_") and parts[-4].startswith("none_"):
             return parts[-4].removeprefix("none_")  # tempfile's random part (letters, digits and _)
-    return str(os.getppid())
+    return str(_agent_pid())
+
+
+def _agent_pid() -> int:
+    """The pid of torchrun's agent, for a launch without a log dir (``--log-dir /dev/null`` sets an empty
+    ``TORCHELASTIC_ERROR_FILE``): the agent starts each worker in a session of its own, so it is the parent of this
+    process's session leader, the worker itself or the wrapper shell that runs it. The parent alone was each rank's
+    own shell under a wrapper that does not exec (torchrun-vm-13514 and torchrun-vm-13516: a run dir per rank).
+    Where /proc cannot say (not Linux), the parent."""
+    leader = os.getsid(0)
+    if leader == os.getpid():
+        return os.getppid()
+    try:
+        with open(f"/proc/{leader}/stat") as f:  # 'pid (comm) state ppid ...'; comm may hold ') '
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return os.getppid()
 
 
 def launch_survives_restart() -> bool:

@@ -110,6 +110,8 @@ def test_torchruns_id_none_on_one_node_names_the_launch_by_its_agent(monkeypatch
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setattr(os, "getsid", lambda pid: os.getpid())  # torchrun starts each worker in its own session
     assert launch_run_name("stamp") == f"torchrun-{socket.gethostname()}-{os.getppid()}"
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -133,6 +135,31 @@ def test_torchruns_id_none_is_the_agents_log_dir_not_each_workers_parent(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", f"/tmp/torchelastic_x1/none_ab_9cd3e/attempt_1/{rank}/error.json")
     assert launch_run_name("stamp") == f"torchrun-{socket.gethostname()}-ab_9cd3e"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the agent is read from /proc")
+def test_torchruns_id_none_without_a_log_dir_is_its_agent_under_a_wrapper_too(monkeypatch):
+    """`torchrun --master-port=... --log-dir /dev/null --no-python ./run.sh` sets an empty TORCHELASTIC_ERROR_FILE:
+    the name fell back to each worker's parent, under a wrapper that does not exec its own shell (torchrun-vm-13514
+    and torchrun-vm-13516, a run dir per rank). torchrun starts each worker in a session of its own; this test
+    process plays the agent, and two workers, each run by a shell of its own, name it alike."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "TORCHELASTIC_ERROR_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}.items():
+        monkeypatch.setenv(key, value)
+    code = "from lit_dtrain.config_resolvers import launch_run_name; print(launch_run_name('stamp'))"
+    names = []
+    for shell_runs in (f"{sys.executable} -c \"{code}\"; true", f"exec {sys.executable} -c \"{code}\""):
+        worker = subprocess.run(["bash", "-c", shell_runs], capture_output=True, text=True, start_new_session=True,
+                                timeout=120, check=True)
+        names.append(worker.stdout.strip())
+    assert names == [f"torchrun-{socket.gethostname()}-{os.getpid()}"] * 2
 
 
 def test_a_launchers_default_run_name_is_still_the_default(monkeypatch, tmp_path, corpus):
