@@ -68,14 +68,28 @@ def basic_sweep_jobs(hc) -> tuple[list, list[list[str]]] | None:
     override lines) with the parsed overrides they came from: the grid it expanded (``multirun.yaml``'s
     ``hydra.sweeper.params``, else this job's) and the command line's overrides, from this start's
     ``multirun.yaml``. None for another sweeper (a sampling sweeper draws its values) or where the sweep cannot be
-    read."""
+    read. The file and the grid given are read once (the count, by :func:`sweep_job_count`, at each job's end)."""
+    multirun = _multirun_file(hc)
+    if not _is_basic(hc, "sweeper") or multirun is None:
+        return None
+    try:  # read once per sweep: a 2-rank gloo sweep's late-signal agreement paid 0.6-0.9 s a job on each rank here
+        key = (str(multirun), multirun.read_bytes(), tuple(grid_lines(hc.sweeper)))
+    except OSError:
+        return None
+    if key not in _sweep_jobs_read:
+        _sweep_jobs_read.clear()  # one sweep at a time: its file's text is the key
+        _sweep_jobs_read[key] = _read_basic_sweep_jobs(hc, multirun)
+    return _sweep_jobs_read[key]
+
+
+_sweep_jobs_read: dict[tuple, tuple[list, list[list[str]]] | None] = {}  # (multirun.yaml, its text, grid) -> jobs
+
+
+def _read_basic_sweep_jobs(hc, multirun: Path) -> tuple[list, list[list[str]]] | None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    multirun = _multirun_file(hc)
-    if not _is_basic(hc, "sweeper") or multirun is None:
-        return None
     loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
     try:  # the parser given the loader lists a glob's options
         swept = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")  # the grid the sweeper expanded

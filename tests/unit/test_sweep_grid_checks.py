@@ -105,6 +105,22 @@ def test_the_sweeps_job_count_is_the_basic_sweepers_own(tmp_path, corpus):
         assert sweep_job_count(hydra) == 2
 
 
+def test_the_sweeps_job_count_reads_its_multirun_file_once(tmp_path, corpus, monkeypatch):
+    """Each job's end asks whether it is the sweep's last (the late-signal agreement of a DDP sweep): multirun.yaml was
+    loaded and its overrides parsed at every job, 0.6-0.9 s a job on each rank of a 2-rank gloo sweep on a loaded
+    2-core machine, against 27-69 ms for the agreement's gather itself. The same file is read once; a sweep started
+    again in that dir (another multirun.yaml) is read anew."""
+    with multirun_job(tmp_path / "sweep" / "1", ["optimizer.lr=1e-3,2e-3"], ["optimizer.lr=2e-3"], corpus):
+        hydra = HydraConfig.get()
+        assert sweep_job_count(hydra) == 2
+        with monkeypatch.context() as patched:
+            patched.setattr(OmegaConf, "load", lambda *a, **k: pytest.fail("multirun.yaml read again"))
+            assert sweep_job_count(hydra) == 2 and _the_sweeps_last_job()
+        OmegaConf.save({"hydra": {"overrides": {"task": ["optimizer.lr=1e-3,2e-3,3e-3"]}}},
+                       tmp_path / "sweep" / "multirun.yaml")
+        assert sweep_job_count(hydra) == 3 and not _the_sweeps_last_job()
+
+
 @pytest.mark.parametrize(
     "grid, task, message",
     [  # counted by hand (each swept key's values alone): 4 jobs of 2 points passed, 1 job was warned of
