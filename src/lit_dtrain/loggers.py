@@ -29,6 +29,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import OmegaConf
 
 from lit_dtrain.run_dirs import CSV_NAME, EVENT_GLOB, event_dirs, without_cut_line
 from lit_dtrain.utils.atomic import write_atomically
@@ -132,11 +133,16 @@ def build_logger(cfg, start_step: int):
     (they were shown twice, the curve doubling back to 0), and every start's ``SessionLog.START`` makes a later
     one's purge count in TensorBoard's Python reader, which takes a run's first START for no restart.
     (``CSVLogger`` replaces ``metrics.csv`` at a fresh start itself.) The other logger's files in the run dir are
-    purged at that step too (:func:`purge_other_loggers`), on rank 0."""
+    purged at that step too (:func:`purge_other_loggers`), on rank 0; past it where no logger logs the checkpoint's
+    step again (``logger=none`` at ``trainer.max_steps``, a finished run that is only validated)."""
     node = cfg.get("logger")
     logger = _instantiate_logger(node, start_step) if node else False
     if rank_zero_only.rank == 0:
-        purge_other_loggers(Path(cfg.paths.output_dir), start_step, getattr(logger, "log_dir", None))
+        # (a finished run resumed with logger=none lost its last validation: val/loss at step 10 was cut from
+        # metrics.csv and hidden in tb/, which TensorBoard then showed empty, and nothing logged it again)
+        max_steps = OmegaConf.select(cfg, "trainer.max_steps")
+        validated_only = not logger and isinstance(max_steps, int) and 0 < max_steps <= start_step
+        purge_other_loggers(Path(cfg.paths.output_dir), start_step + validated_only, getattr(logger, "log_dir", None))
     return logger
 
 

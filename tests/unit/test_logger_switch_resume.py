@@ -54,3 +54,31 @@ def test_a_resume_with_the_other_logger_drops_the_killed_starts_points_past_the_
         assert (run / "csv" / "metrics.csv").read_text().splitlines()[-1].startswith("7,")
     else:
         assert _tensorboard_steps(run / "tb") == list(range(8))  # what TensorBoard's reader shows
+
+
+@pytest.mark.parametrize("first", ["csv", "tensorboard"])
+def test_a_finished_run_validated_again_with_no_logger_keeps_its_last_validation(tmp_path, first):
+    """A run finished at max_steps=10 (its last val/loss logged at step 10, real runs, model=nano), started again
+    with resume=auto logger=none: nothing to train, only validated, and nothing logs step 10 again; the other
+    loggers' purge cut val/loss at step 10 from metrics.csv, and TensorBoard's reader showed tb/'s val/loss empty.
+    A start with no logger that trains on still drops the killed start's points past the checkpoint."""
+    run = tmp_path / "run"
+    finished = (ResumableCSVLogger(run, name="csv", version="") if first == "csv"
+                else TensorBoardLogger(run, name="tb", version="", purge_step=0, default_hp_metric=False))
+    _log(finished, range(10))
+    finished.log_metrics({"val/loss": 3.25}, step=10)
+    finished.finalize("success")
+    cfg = OmegaConf.create({"logger": None, "paths": {"output_dir": str(run)}, "trainer": {"max_steps": 10}})
+    assert build_logger(cfg, start_step=10) is False
+    scalars = read_scalars(run)
+    assert scalars["val/loss"] == [(10, 3.25)]
+    assert scalars["train/loss"] == [(s, float(s)) for s in range(10)]
+    if first == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(10, 3.25)]
+    cfg.trainer.max_steps = 14  # a killed start's checkpoint at step 8: its points 8-9 are trained again
+    build_logger(cfg, start_step=8)
+    assert read_scalars(run)["train/loss"] == [(s, float(s)) for s in range(8)]
