@@ -82,7 +82,12 @@ def test_the_warning_counts_only_the_qs_that_restart(tmp_path):
                             "q_memory": {"w": torch.randn(8, 2), "narrow": torch.randn(6, 2)}}}
     up = CompressedDDPStrategy(compressor={**codec, "matrix_approximation_rank": 4}).compressor
     note, = warm_start_rank_notes(entry, up, None, shapes)
-    assert ": 1 of them restart (the other 1, of matrices at most 4 wide" in note
+    assert ": 1 of them restart (the other 1, of matrices at most 2 wide" in note
+    # a matrix 3 wide restarts from 2 to 4 (its Q was (6, 2), rank 4 starts (6, 3)): 'at most 4 wide' named it kept
+    qs = {**entry["compressor"]["q_memory"], "mid": torch.randn(6, 2)}
+    mid = {"compressor": {**entry["compressor"], "q_memory": qs}}
+    note, = warm_start_rank_notes(mid, up, None, {**shapes, "mid": (3, 6)})
+    assert ": 2 of them restart (the other 1, of matrices at most 2 wide" in note
     up.q_memory = dict(entry["compressor"]["q_memory"])
     assert [_fits_as_resumed(up, k, shapes[k], up.q_memory[k]) for k in ("w", "narrow")] == [False, True]
     same_width = {"compressor": {**entry["compressor"], "q_memory": {"narrow": torch.randn(6, 2)}}}

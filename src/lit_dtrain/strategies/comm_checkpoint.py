@@ -299,8 +299,8 @@ def warm_start_rank_notes(entry: Mapping, compressor: Any, local_update: Any,
             continue
         kept = len(qs) - len(restart)
         which = "each Q restarts" if not kept else (
-            f"{len(restart)} of them restart (the other {kept}, of matrices at most {rank} wide, fit both ranks and "
-            "are kept)")
+            f"{len(restart)} of them restart (the other {kept}, of matrices at most {min(saved_rank, rank)} wide, fit "
+            "both ranks and are kept)")  # (at most the new rank wide read 'at most 4' of 2 -> 4, where a 3 restarts)
         notes.append(f"{CHECKPOINT_KEY}: the checkpoint's PowerSGD warm-start Qs ({len(qs)} matrices) are of "
                      f"rank {saved_rank} and this run's {key}.matrix_approximation_rank is {rank}: {which} from "
                      f"random (the error-feedback residuals are kept). To keep them, resume with "
