@@ -141,3 +141,17 @@ def test_a_refusal_without_a_store_is_labelled_only_where_there_are_several_proc
     print_once_across_ranks("error: data.sources.0.paths: no such file", file, wait_s=0.1)
     assert file.getvalue().splitlines() == ["[rank: 1] error: data.sources.0.paths: no such file",
                                             "error: data.sources.0.paths: no such file"]
+
+
+def test_a_torchrun_worker_without_the_agent_store_is_not_labelled(monkeypatch):
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torchrun --rdzv-backend=c10d): no agent store to share the line, so each
+    worker prints it; rank 1's duplicate read '[rank: 1] error: ...', a refusal it alone gave, though both did."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    file = io.StringIO()
+    print_once_across_ranks("error: trainer.max_steps must be a positive step budget, got -5", file, wait_s=0.1)
+    assert file.getvalue() == "error: trainer.max_steps must be a positive step budget, got -5\n"

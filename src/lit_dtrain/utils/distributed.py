@@ -219,8 +219,10 @@ def print_once_across_ranks(line: str, file, wait_s: float = 2.0) -> None:
 
     store, rank, world_size = _exit_line_store()
     same_everywhere = store is not None and _same_line_everywhere(store, rank, world_size, line, wait_s)
-    # labelled where some ranks alone give it; rank 0 without a store cannot tell (a single process: as before)
-    alone = world_size > 1 and not same_everywhere and (store is not None or rank != 0)
+    # labelled where some ranks alone give it; rank 0 without a store cannot tell (a single process: as before), nor
+    # can torchrun's workers without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each reads the same
+    # config, and rank 1's duplicate was labelled as a refusal it alone gave
+    alone = world_size > 1 and not same_everywhere and (store is not None or rank != 0 and not _torchrun_worker())
     if rank == 0 or not same_everywhere:
         print(rank_prefixed_message(line, rank if alone else None), file=file, flush=True)
     if store is not None and rank == 0:
@@ -249,6 +251,13 @@ def _same_line_everywhere(store, rank: int, world_size: int, line: str, wait_s: 
         return same
     except Exception:  # noqa: BLE001 - best effort: the store's host rank (rank 0) may be gone
         return False
+
+
+def _torchrun_worker() -> bool:
+    """Whether torchrun (torch elastic) started this process: it sets ``TORCHELASTIC_RUN_ID`` for its workers."""
+    import os
+
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _exit_line_store():
