@@ -37,7 +37,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         dist.barrier()  # the next case starts afresh: rank 0 drops the keys this one left
         if rank == 0:
             store = dist.distributed_c10d._get_default_store()
-            for key in [*(f"lit_dtrain/exit_line/rank{r}" for r in range(2)), "lit_dtrain/exit_line_seen/rank1"]:
+            for key in [*(f"lit_dtrain/exit_line/rank{r}" for r in range(2)), "lit_dtrain/exit_line_seen/rank1",
+                        "lit_dtrain/exit_line_reached/rank0"]:
                 store.delete_key(key)
         dist.barrier()
     with open(f"{out_path}.{rank}", "w") as f:
@@ -155,3 +156,26 @@ def test_a_torchrun_worker_without_the_agent_store_is_not_labelled(monkeypatch):
     file = io.StringIO()
     print_once_across_ranks("error: trainer.max_steps must be a positive step budget, got -5", file, wait_s=0.1)
     assert file.getvalue() == "error: trainer.max_steps must be a positive step budget, got -5\n"
+
+
+def test_a_refusal_rank_1_alone_gives_before_the_group_waits_wait_s_not_twice(monkeypatch):
+    """torchrun, a refusal only rank 1 reaches (rank 0 goes on to the process group): rank 1 waited 2 x wait_s for
+    rank 0's line (4.0 s measured) before printing its own; it waits twice as long only once rank 0 reached one."""
+    from datetime import timedelta
+
+    from lightning.pytorch.utilities import rank_zero_only
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    file, started = io.StringIO(), time.monotonic()
+    print_once_across_ranks("error: trainer.max_steps must be a positive step budget, got -5", file, wait_s=1.0)
+    elapsed = time.monotonic() - started
+    assert file.getvalue() == "[rank: 1] error: trainer.max_steps must be a positive step budget, got -5\n"
+    assert 1.0 <= elapsed < 1.8, elapsed
+    del agent

@@ -62,6 +62,7 @@ def set_collective_timeout(timeout) -> None:
 _FAILURE_KEY = "lit_dtrain/failed/fit{}/rank{}"
 _FITS_KEY = "lit_dtrain/fits"
 _EXIT_LINE_KEY, _EXIT_SEEN_KEY = "lit_dtrain/exit_line/rank{}", "lit_dtrain/exit_line_seen/rank{}"
+_EXIT_REACHED_KEY = "lit_dtrain/exit_line_reached/rank0"  # rank 0 reached a refusal: its line comes
 _fit_generation = 0  # this fit's index in the current store; every rank of the group computes the same one
 _COLLECTIVE_HINTS = (
     "gloo",
@@ -210,11 +211,11 @@ def print_once_across_ranks(line: str, file, wait_s: float = 2.0) -> None:
     exists) and each printed it, the user saw the line twice. Each rank leaves its line in the group's store (before
     the group: torchrun's agent store, :func:`_exit_line_store`). Rank 0 waits up to ``wait_s`` for the others' lines
     and prints its own, then shares it (so that a rank that exits after reading it cannot have torchrun stop rank 0
-    before it printed); a rank other than 0 waits up to twice that for rank 0's line and prints nothing when it is the
-    same. A line only some ranks give (the others differ, or give none: a refusal one rank alone reaches, a rank hung
-    in a collective) is printed by each such rank with its ``[rank: N]`` label, so a rank that fails differently
-    keeps its error; without a store (a single process, or a rank Lightning's launcher started, before the group) the
-    line is printed, labelled on a rank other than 0."""
+    before it printed); a rank other than 0 waits up to ``wait_s`` for rank 0's line, twice that once rank 0 has
+    reached one, and prints nothing when it is the same. A line only some ranks give (the others differ, or give
+    none: a refusal one rank alone reaches, a rank hung in a collective) is printed by each such rank with its
+    ``[rank: N]`` label, so a rank that fails differently keeps its error; without a store (a single process, or a
+    rank Lightning's launcher started, before the group) the line is printed, labelled on a rank other than 0."""
     from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 
     store, rank, world_size = _exit_line_store()
@@ -239,11 +240,13 @@ def print_once_across_ranks(line: str, file, wait_s: float = 2.0) -> None:
 def _same_line_everywhere(store, rank: int, world_size: int, line: str, wait_s: float) -> bool:
     """Whether every rank gave ``line`` (rank 0: the others' lines, which they set first; another rank: rank 0's)."""
     try:
-        if rank:
-            store.set(_EXIT_LINE_KEY.format(rank), line)
+        store.set(_EXIT_LINE_KEY.format(rank) if rank else _EXIT_REACHED_KEY, line)
         wanted = [_EXIT_LINE_KEY.format(r) for r in (range(1, world_size) if rank == 0 else [0])]
-        deadline = time.monotonic() + (wait_s if rank == 0 else 2 * wait_s)
-        while not store.check(wanted) and time.monotonic() < deadline:
+        deadline = time.monotonic() + wait_s
+        # another rank waits twice as long for rank 0's line only once rank 0 has reached a refusal: one rank 0 never
+        # reaches (a refusal rank 1 alone gives) held rank 1's line back 4 s, not 2
+        while not store.check(wanted) and time.monotonic() < deadline + (wait_s if rank and store.check(
+                [_EXIT_REACHED_KEY]) else 0):
             time.sleep(0.05)
         same = store.check(wanted) and all(store.get(k).decode(errors="replace") == line for k in wanted)
         if rank:
