@@ -97,11 +97,13 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
 
 # Tags that count or average since the run started: their first point (0 at step 1: no spike yet, nothing sent yet by
 # local SGD) is no run's best, and a run is ranked by its final value alone; their table has no best value.
+# comm/compression_ratio is one (all dense bytes so far / all bytes sent so far): under local SGD it climbs between
+# syncs (4, 5, 6, 7 at H=4) and falls back at each, so its highest point was a 'best' ratio the run never had overall.
 # A memory figure is ranked by its final value too: its lowest point is the first row (before the optimizer state
 # exists, or the peak since the start has grown), no run's best; the final is the run's peak RSS (non-decreasing) or
 # its memory in the steady state at its end.
 CUMULATIVE_TAGS: tuple[str, ...] = ("spike/count", "fourier/nonfinite_skipped", "comm/bytes_per_step_avg",
-                                     "comm/time_ms_avg", "memory/*")
+                                     "comm/time_ms_avg", "comm/compression_ratio", "memory/*")
 
 
 # Tags of the last step's collectives: 0 on a step that sent nothing, which under local updates (sync every H steps) is

@@ -110,3 +110,25 @@ def test_a_step_without_a_sync_is_no_per_step_comm_value(tmp_path):
     assert (rows["ddp"]["best"], rows["ddp"]["best_step"]) == (800.0, 3)
     assert "| local | 5 | 1000.0000 | 1000.0000 (5) | +25.00% |" in result["markdown"]
     assert "| never | no sync logged | - | - | - |" in result["markdown"]
+
+
+def test_the_compression_ratio_is_ranked_by_its_final_value(tmp_path):
+    """``comm/compression_ratio`` is all dense bytes / all bytes sent since the start. A 2-rank
+    ``experiment=compression_sweep`` (8 steps) logged 4, 5, 6, 7, 4 for ``local_sgd_adaptive`` (it climbs between
+    syncs, falls at each): the table gave that run the best '7.0000 (7)', a ratio it never had overall (4 at its
+    end), and top-k's best was its first step's. It is ranked by its final value alone now, higher better."""
+    runs = {"local_sgd": {3: 4.0, 4: 5.0, 5: 6.0, 6: 7.0, 7: 4.0}, "topk": {0: 49.997, 7: 49.986}}
+    for name, points in runs.items():
+        w = SummaryWriter(str(tmp_path / name / "tb"))
+        for step, value in points.items():
+            w.add_scalar("comm/compression_ratio", value, step)
+        w.close()
+    result = compare_runs.compare([str(tmp_path / n) for n in runs], ["comm/compression_ratio"],
+                                  out=str(tmp_path / "c.png"))
+    assert result["best_by_metric"] == {"comm/compression_ratio": "topk"}
+    assert result["markdown"].splitlines()[:4] == [
+        "| run | steps trained | final comm/compression_ratio | best (cumulative: ranked by final) | vs best final |",
+        "|---|---:|---:|---:|---:|",
+        "| local_sgd | 8 | 4.0000 | - | -92.00% |",
+        "| topk | 8 | 49.9860 | - | +0.00% |",
+    ]
