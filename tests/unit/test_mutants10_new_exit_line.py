@@ -2,8 +2,8 @@
 of tests/dist/test_exit_line_once.py (tenth hand mutation audit): each rank is a thread here, sharing one in-process
 store (a ``HashStore``, as the group's store or torchrun's agent store holds the keys). Rank 0 waits for the ranks
 that gave a line to read its own (and no longer for one that gave none), a rank other than 0 waits twice rank 0's
-wait, a line one rank of three gives otherwise is labelled on rank 0 and on that rank, rank 0 without a store is not
-labelled, and the agent store's keys are the attempt's own."""
+wait once rank 0 has reached a refusal (one wait otherwise), a line one rank of three gives otherwise is labelled on
+rank 0 and on that rank, rank 0 without a store is not labelled, and the agent store's keys are the attempt's own."""
 
 from __future__ import annotations
 
@@ -57,10 +57,18 @@ def test_rank_0_does_not_wait_for_a_rank_that_gave_no_line(monkeypatch):
     assert 0.9 < took[0][0] < 1.8
 
 
-def test_a_rank_other_than_0_waits_twice_rank_0s_wait(monkeypatch):
-    """Rank 0 reaching the same line more than one wait later (a slower rank 0) still prints it alone."""
-    printed, _ = _ranks(monkeypatch, [LINE, LINE], wait_s=0.6, delays={0: 0.7})
-    assert printed == {0: LINE + "\n", 1: ""}
+def test_a_rank_other_than_0_waits_twice_rank_0s_wait_once_rank_0_reached_a_refusal(monkeypatch):
+    """Rank 0 that reached the line and spent its own wait on a rank that gave none (rank 2, hung) shares it after
+    more than one wait: rank 1 still reads it and prints nothing (rank 0 labels it: rank 2 gave none)."""
+    printed, _ = _ranks(monkeypatch, [LINE, LINE, None], wait_s=1.0, delays={0: 0.3})
+    assert printed == {0: f"[rank: 0] {LINE}\n", 1: ""}
+
+
+def test_a_rank_other_than_0_waits_one_wait_for_a_rank_0_that_reached_no_refusal(monkeypatch):
+    """A refusal rank 1 alone gives (rank 0 went on to the group): rank 1 prints it, labelled, after one wait."""
+    printed, took = _ranks(monkeypatch, [None, LINE], wait_s=0.5)
+    assert printed == {1: f"[rank: 1] {LINE}\n"}
+    assert took[1][0] < 0.95
 
 
 def test_a_line_one_of_three_ranks_gives_otherwise_is_labelled(monkeypatch):
