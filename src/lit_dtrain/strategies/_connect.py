@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from lit_dtrain.utils.distributed import (
     FirstConnectionError,
+    agent_store,
     can_set_collective_timeout,
     destroy_process_group_at_exit,
     set_collective_timeout,
@@ -119,8 +120,7 @@ def torchrun_attempt_store(timeout: timedelta) -> tuple[str, dist.Store] | None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1" or \
             not attempt.isdigit() or not restarts.isdigit() or int(restarts) == 0:
         return None
-    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return attempt, dist.PrefixStore(ATTEMPT_PREFIX.format(attempt), client)
+    return attempt, agent_store(ATTEMPT_PREFIX.format(attempt), timeout)
 
 
 @contextlib.contextmanager

@@ -282,9 +282,16 @@ def _exit_line_store():
     if world_size < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return None, rank, world_size
     try:
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=5))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted worker's lines are its own
-        return dist.PrefixStore(f"lit_dtrain/before_group/attempt{restart}", agent), rank, world_size
+        return agent_store(f"lit_dtrain/before_group/attempt{restart}", timedelta(seconds=5)), rank, world_size
     except Exception:  # noqa: BLE001 - best effort: no agent store to reach
         return None, rank, world_size
+
+
+def agent_store(prefix: str, timeout) -> dist.Store:
+    """A client of torchrun's agent store (``MASTER_ADDR``:``MASTER_PORT``, as ``init_process_group`` makes one: torch's
+    ``_create_c10d_store``) whose keys are under ``prefix``, so that they are this use's and this attempt's alone."""
+    import os
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(prefix, client)
