@@ -23,9 +23,24 @@ from lit_dtrain.utils.job_log import log_to_handlers
 log = logging.getLogger("lit_dtrain.train")  # train.py's logger: its job log's handlers write the summary line
 
 
-def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str) -> str:
-    """The end-of-run sample on rank 0; "" on the other ranks, and under a strategy that shards the weights."""
+def reported_before(previous: dict) -> bool:
+    """Whether ``previous`` (:func:`~lit_dtrain.train_callbacks.figures_of_the_fit_that_trained`, on rank 0) is of
+    the ``summary.json`` an earlier start wrote at this very end: it drew the sample of these weights then (the same
+    text, from the same seed) and counted the train split's ``unigram_entropy``, which it holds. A restart of a
+    finished run (a continued sweep's finished job) drew and counted both again: 16.5 s of its 33.6 s for model=nano
+    on 2 busy CPU cores, the same sample and summary.json as the first start's."""
+    return "unigram_entropy" in previous
+
+
+def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str,
+                     previous: dict | None = None) -> str:
+    """The end-of-run sample on rank 0; "" on the other ranks, under a strategy that shards the weights, and where
+    an earlier start sampled these weights (:func:`reported_before`)."""
     reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
+    if reason is None and reported_before(previous or {}):  # (sample.max_new_tokens=0: no sample, no line)
+        drawn = int((cfg.get("sample") or {}).get("max_new_tokens") or 0) > 0
+        reason = ("no text sample: the start that trained these weights drew it (this one only validated); sample "
+                  f"them with: python scripts/generate.py {checkpoint}") if drawn else ""
     if reason is not None:
         if reason and trainer.is_global_zero:
             log.info(reason)
@@ -39,9 +54,13 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Tra
         return ""
 
 
-def summary_entropy(trainer: L.Trainer, datamodule) -> float | None:
-    """``unigram_entropy`` (a count over the whole train split) on rank 0, which writes it; ``None`` elsewhere."""
-    return datamodule.unigram_entropy() if trainer.is_global_zero else None
+def summary_entropy(trainer: L.Trainer, datamodule, previous: dict | None = None) -> float | None:
+    """``unigram_entropy`` (a count over the whole train split) on rank 0, which writes it; ``None`` elsewhere. A
+    start that only validated keeps the one its ``summary.json`` holds (:func:`reported_before`): the entropy of the
+    data its steps were trained on."""
+    if not trainer.is_global_zero:
+        return None
+    return previous["unigram_entropy"] if reported_before(previous or {}) else datamodule.unigram_entropy()
 
 
 @rank_zero_only
