@@ -47,3 +47,19 @@ def test_step_not_observed_keeps_that_steps_own_update_pending():
     lag0.observe(*obs[0], 1)
     assert lag1.updates == lag0.updates == 1 and [u.step for u in lag1._pending] == [2]
     assert torch.equal(lag1.global_batch(3, 32), lag0.global_batch(3, 32))
+
+
+def test_landed_stats_waiting_on_an_update_restored_from_a_checkpoint_is_none():
+    """lag=1: step 2's update is pending when the state is saved; restored, it carries records but no logging stats
+    (they were this process's, not the checkpoint's). ``landed_stats(2, wait=True)`` (the callback's at the end of
+    a fit) is then None, as documented, while the live sampler reads step 2's 0.328 from its own pending update.
+    Reading every pending update of the step there raised TypeError on float(None)."""
+    obs = _observations(2)
+    s = make(stages=False, lag=1)
+    s.observe(*obs[0], 1)
+    s.observe(*obs[1], 2)
+    assert s.landed_stats(2, wait=True)["top_band_energy"] == pytest.approx(0.32807839, rel=1e-6)
+    restored = make(stages=False, lag=1)
+    restored.load_state_dict(s.state_dict())
+    assert [u.step for u in restored._pending] == [2] and restored._pending[0].stats is None
+    assert restored.landed_stats(2, wait=True) is None
