@@ -27,7 +27,8 @@ def test_the_current_and_peak_rss_are_vmrss_and_vmhwm_and_the_peak_resets():
     block = bytearray(200 * MiB)  # (zero-filled: every page touched)
     _, raised = rss.rss_bytes()
     assert raised - peak >= 190 * MiB
-    assert rss.peak_rss_bytes() == _status_kib("VmHWM") * 1024
+    # (within 2 MiB: another thread of the test process may touch pages between the two reads; 8 KiB in one CI run)
+    assert abs(rss.peak_rss_bytes() - _status_kib("VmHWM") * 1024) < 2 * MiB
     del block
     rss.reset_peak_rss()
     assert rss.peak_rss_bytes() < raised - 150 * MiB  # the 200 MiB were returned, and the mark fell with them
