@@ -148,11 +148,7 @@ def test_torchruns_id_none_without_a_log_dir_is_its_agent_under_a_wrapper_too(mo
     import subprocess
     import sys
 
-    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "TORCHELASTIC_ERROR_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}.items():
-        monkeypatch.setenv(key, value)
+    torchrun_none_without_a_log_dir(monkeypatch)
     code = "from lit_dtrain.config_resolvers import launch_run_name; print(launch_run_name('stamp'))"
     names = []
     for shell_runs in (f"{sys.executable} -c \"{code}\"; true", f"exec {sys.executable} -c \"{code}\""):
@@ -342,3 +338,15 @@ def test_resume_auto_in_a_sweep_under_torchrun_restarts_starts_its_default_sweep
     for key, value in {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "SLURM_STEP_NUM_TASKS": "2"}.items():
         monkeypatch.setenv(key, value)
     assert not _created_by_this_start(tmp_path / "multiruns3" / "slurm-123.4", [])  # a requeue starts it again
+
+
+def torchrun_none_without_a_log_dir(monkeypatch) -> None:
+    """A torchrun worker's variables with run id 'none' and no log dir (TORCHELASTIC_ERROR_FILE empty), off Slurm."""
+    import os
+    import sys
+
+    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "TORCHELASTIC_ERROR_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}.items():
+        monkeypatch.setenv(key, value)

@@ -5,36 +5,12 @@ still cuts the second's files (its own dir is passed over, not the end of the li
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import OmegaConf
 
 from lit_dtrain.loggers import ResumableCSVLogger, build_logger
 from lit_dtrain.run_dirs import read_scalars
-from tests.conftest import ROOT
-
-
-def _cfg(run: Path, logger: str):
-    return OmegaConf.create({"logger": OmegaConf.load(ROOT / "conf" / "logger" / f"{logger}.yaml"),
-                             "paths": {"output_dir": str(run)}})
-
-
-def _log(logger, steps, offset: float = 0.0) -> None:
-    for step in steps:
-        logger.log_metrics({"train/loss": offset + step}, step=step)
-        logger.save()
-    logger.finalize("success")
-
-
-def _tensorboard_steps(directory: Path) -> list[int]:
-    """What TensorBoard shows (read_scalars gives a CSV row its step, so it cannot tell the event files' cut)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [e.step for e in acc.Scalars("train/loss")]
+from tests.unit.test_logger_switch_resume import _cfg, _log, _tensorboard_steps
 
 
 def test_a_third_start_back_with_the_first_logger_still_cuts_the_seconds_files(tmp_path):

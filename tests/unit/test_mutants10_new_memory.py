@@ -16,6 +16,7 @@ import torch
 from lit_dtrain.callbacks import MemoryMonitor
 from lit_dtrain.callbacks import memory_monitor as monitor_module
 from lit_dtrain.utils import rss
+from tests.unit.test_memory_monitor import _Recorder
 
 MiB = 1 << 20
 
@@ -33,17 +34,6 @@ def test_a_status_without_vmhwm_still_gives_the_peak_from_ru_maxrss(monkeypatch)
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=4096))
     assert rss.rss_bytes() == (2 * MiB, 4 * MiB)  # (VmPeak is virtual memory, not the RSS's peak)
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, dict]] = []
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def save(self) -> None:
-        pass
 
 
 def _fake(step: int = 9, accumulating: bool = False):

@@ -17,17 +17,14 @@ import pytest
 import torch.distributed as dist
 
 from lit_dtrain.strategies._connect import torchrun_attempt_store
+from tests.unit.test_configs_run_dirs import torchrun_none_without_a_log_dir
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the agent is read from /proc")
 def test_the_agent_is_read_past_a_session_leaders_name_that_holds_a_parenthesis(monkeypatch, tmp_path):
     """/proc/<pid>/stat is 'pid (comm) state ppid ...', and comm is the program's file name, which may hold ') ':
     a wrapper shell called 'run) 1 2' (a link to bash here) must not be read as ppid 2."""
-    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "TORCHELASTIC_ERROR_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}.items():
-        monkeypatch.setenv(key, value)
+    torchrun_none_without_a_log_dir(monkeypatch)
     shell = tmp_path / "run) 1 2"
     shell.symlink_to("/bin/bash")
     code = "from lit_dtrain.config_resolvers import launch_run_name; print(launch_run_name('stamp'))"
@@ -40,11 +37,7 @@ def test_the_agent_is_read_past_a_session_leaders_name_that_holds_a_parenthesis(
 def test_the_agent_is_the_session_leaders_parent_not_a_process_groups(monkeypatch):
     """A wrapper running `timeout 3600 python train.py`: timeout makes a process group of its own (setpgid), inside
     the session torchrun started; read by the group, the 'agent' was each rank's own wrapper shell."""
-    for key in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "TORCHELASTIC_ERROR_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}.items():
-        monkeypatch.setenv(key, value)
+    torchrun_none_without_a_log_dir(monkeypatch)
     code = "from lit_dtrain.config_resolvers import launch_run_name; print(launch_run_name('stamp'))"
     worker = subprocess.run(["bash", "-c", f"timeout 100 {sys.executable} -c \"{code}\"; true"], capture_output=True,
                             text=True, start_new_session=True, timeout=120, check=True)
