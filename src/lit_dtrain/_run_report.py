@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.end_sample import generate_sample, sample_skip_reason
 from lit_dtrain.module import LitLLM
 from lit_dtrain.run_dirs import SUMMARY_LINE
@@ -60,7 +61,16 @@ def summary_entropy(trainer: L.Trainer, datamodule, previous: dict | None = None
     data its steps were trained on."""
     if not trainer.is_global_zero:
         return None
-    return previous["unigram_entropy"] if reported_before(previous or {}) else datamodule.unigram_entropy()
+    kept = reported_before(previous or {}) and same_data(datamodule)
+    return previous["unigram_entropy"] if kept else datamodule.unigram_entropy()
+
+
+def same_data(datamodule) -> bool:
+    """Whether the checkpoint this start restored was trained on this start's train split and mixture shares, which
+    the entropy is of: a finished run restarted with ``resume=auto`` on another corpus (the resume warns, and
+    validates on it) kept the first corpus's 3.23 nats beside a val_loss on the new one, whose entropy is 0.51."""
+    saved = getattr(datamodule, "restored_data", None)
+    return saved == (datamodule.sampler.dataset_key, mixture_shares(datamodule.sources))
 
 
 @rank_zero_only

@@ -360,12 +360,13 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         "tokens_per_sec": tokens / train_seconds if tokens else None,  # None: this invocation trained no step
         "tokens": tokens, "start_step": start_step, "wall_seconds": fit_seconds,  # this start's, or `previous`
         "checkpoint": None if smoke_test else last_ckpt,
-        "unigram_entropy": summary_entropy(trainer, datamodule, previous),
+        "unigram_entropy": None,  # below: previous's only where it is of this data (summary_entropy)
         "train_loss": train_loss,
         "stopped": stopped,  # max_steps, max_epochs, early_stopping, max_time, should_stop
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k not in ("val/loss", "val/ppl")},
     }
     metrics.update(previous)
+    metrics["unigram_entropy"] = summary_entropy(trainer, datamodule, previous)
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     try:  # rank 0's alone: should it raise (a GPU out of memory), rank 1 waits in the agreement, not in the next job
         sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt, previous)

@@ -80,3 +80,14 @@ def test_only_rank_0_keeps_the_summarys_entropy(rank, tmp_path):
     trainer = SimpleNamespace(global_step=4, is_global_zero=rank == 0)
     figures = figures_of_the_fit_that_trained(trainer, tmp_path, TrainClock(), 128)
     assert figures == ({"train_loss": 2.0, "unigram_entropy": 3.5} if rank == 0 else {"train_loss": 2.0})
+
+
+def test_a_restart_on_other_data_counts_its_entropy(tiny_cfg, counted):
+    """The resume accepts another train split (it warns, and validates on it): the first split's entropy stood beside
+    the new split's val_loss (a finished run restarted on another corpus kept 3.23 nats where the new one has 0.51)."""
+    first, _ = train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=0"))
+    metrics, _ = train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=0", "resume=auto",
+                                "data.val_fraction=0.3"))
+    fresh, _ = train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=0", "data.val_fraction=0.3", run="fresh"))
+    assert counted["entropy"] == 3
+    assert metrics["unigram_entropy"] == fresh["unigram_entropy"] != first["unigram_entropy"]

@@ -392,3 +392,4 @@ class LMDataModule(L.LightningDataModule):
         self.overfit_indices = {int(k): torch.tensor(v) for k, v in state.get("overfit_indices", {}).items()}
         self.sampler.load_state_dict(state["sampler"])  # refuses per-window state (exclusions, a table) of other data
         warn_if_the_dataset_changed(state["sampler"].get("dataset_key"), self.sampler.dataset_key)
+        self.restored_data = (state["sampler"].get("dataset_key"), state.get("mixture_shares"))  # (same_data)
