@@ -26,8 +26,8 @@ log = logging.getLogger("lit_dtrain.train")  # train.py's logger: its job log's 
 
 def reported_before(previous: dict) -> bool:
     """Whether ``previous`` (:func:`~lit_dtrain.train_callbacks.figures_of_the_fit_that_trained`, on rank 0) is of
-    the ``summary.json`` an earlier start wrote at this very end: it drew the sample of these weights then (the same
-    text, from the same seed) and counted the train split's ``unigram_entropy``, which it holds. A restart of a
+    the ``summary.json`` an earlier start wrote at this very end: it counted the train split's ``unigram_entropy``,
+    which it holds (and drew the sample of these weights then, where its ``sample_drawn`` says so). A restart of a
     finished run (a continued sweep's finished job) drew and counted both again: 16.5 s of its 33.6 s for model=nano
     on 2 busy CPU cores, the same sample and summary.json as the first start's."""
     return "unigram_entropy" in previous
@@ -36,9 +36,10 @@ def reported_before(previous: dict) -> bool:
 def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str,
                      previous: dict | None = None) -> str:
     """The end-of-run sample on rank 0; "" on the other ranks, under a strategy that shards the weights, and where
-    an earlier start sampled these weights (:func:`reported_before`)."""
+    an earlier start sampled these weights (its ``summary.json``'s ``sample_drawn``: not one whose sample a SIGTERM cut,
+    nor one with ``sample.max_new_tokens=0``, which a restart then said it 'drew' and drew none)."""
     reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
-    if reason is None and reported_before(previous or {}):  # (sample.max_new_tokens=0: no sample, no line)
+    if reason is None and (previous or {}).get("sample_drawn") is True:  # (max_new_tokens=0: no sample, no line)
         drawn = int((cfg.get("sample") or {}).get("max_new_tokens") or 0) > 0
         reason = ("no text sample: the start that trained these weights drew it (this one only validated); sample "
                   f"them with: python scripts/generate.py {checkpoint}") if drawn else ""
@@ -78,6 +79,7 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write
     """The sample and the summary line; ``summary.json`` unless ``write_summary`` is False (a ``fast_dev_run`` smoke
     test: one run with ``resume=auto`` in a finished run's dir replaced its summary by the smoke test's, its
     ``checkpoint`` by null and its ``val_loss`` by one batch's)."""
+    metrics["sample_drawn"] = metrics.pop("sample_drawn", None) is True or bool(sample)  # or an earlier start's; last
     if write_summary:
         safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null

@@ -91,3 +91,25 @@ def test_a_restart_on_other_data_counts_its_entropy(tiny_cfg, counted):
     fresh, _ = train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=0", "data.val_fraction=0.3", run="fresh"))
     assert counted["entropy"] == 3
     assert metrics["unigram_entropy"] == fresh["unigram_entropy"] != first["unigram_entropy"]
+
+
+@pytest.mark.parametrize("first", ["sample.max_new_tokens=0", "cut"])
+def test_a_restart_samples_where_the_first_start_drew_none(first, tiny_cfg, counted, monkeypatch, caplog):
+    """A first start that drew no sample (sample.max_new_tokens=0, or a SIGTERM that cut it, after which summary.json
+    is still written): its restart with a sample said 'the start that trained these weights drew it' and drew none."""
+    import lit_dtrain._run_report as run_report
+    from lit_dtrain.sigterm_exit import SampleCut
+
+    def cut(*args, **kwargs):
+        raise SampleCut(15, "in the sample")
+
+    drawing = run_report.generate_sample
+    monkeypatch.setattr(run_report, "generate_sample", cut if first == "cut" else drawing)
+    cfg = tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", *[first] * (first != "cut"))
+    train(cfg)
+    assert json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text()).get("sample_drawn") is not True
+    assert counted["sample"] == 0
+    monkeypatch.setattr(run_report, "generate_sample", drawing)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "resume=auto"))
+    assert counted["sample"] == 1 and "drew it" not in caplog.text
