@@ -327,7 +327,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
     agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
-    if not smoke_test and not resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step):
+    restored_last = resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step)
+    if not smoke_test and not restored_last:
         trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name))
@@ -348,8 +349,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     per_step = datamodule.batch_size * trainer.world_size * datamodule.block_size
     per_step *= int(cfg.trainer.get("accumulate_grad_batches") or 1)
     # a start that only validated: the figures of the fit that trained the steps (its tokens, start_step, wall time)
-    previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step, stopped) if steps == start_step > 0 \
-        else {}
+    previous = figures_of_the_fit_that_trained(trainer, out_dir, clock, per_step, stopped, restored_last) \
+        if steps == start_step > 0 else {}
     # the micro-batches trained, where counted: an epoch's last step can have fewer than accumulate_grad_batches
     tokens = clock.tokens if clock.tokens is not None and clock.start is not None else (steps - start_step) * per_step
     val_loss = val_metrics.get("val/loss", float("nan"))

@@ -104,7 +104,7 @@ class TrainClock(L.Callback):
 
 
 def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: TrainClock, tokens_per_step: int,
-                                    reason: str = "max_steps") -> dict:
+                                    reason: str = "max_steps", restored_last: bool = True) -> dict:
     """``summary.json``'s training figures (``train_loss``, ``tokens_per_sec``, ``wall_seconds``, and the ``tokens`` and
     ``start_step`` they are of) for a start that resumed a finished checkpoint (``reason``: at ``trainer.max_steps``,
     stopped by ``EarlyStopping`` or ``max_time``) and only validated: those of the fit that trained the steps, from the
@@ -119,7 +119,10 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     previous = None
     with contextlib.suppress(OSError, ValueError):
         previous = json.loads((out_dir / "summary.json").read_text())
-    if isinstance(previous, dict) and previous.get("steps") == steps:
+    # restored_last: the fit restored this run dir's own last.ckpt, which its summary.json is of; not after `rm -r
+    # checkpoints` and ckpt_path=<another run's step-3 checkpoint>, where the old summary's tokens/s, wall time and
+    # entropy stood for the other run's weights, and no sample of them was drawn ('the start ... drew it')
+    if restored_last and isinstance(previous, dict) and previous.get("steps") == steps:
         # and on rank 0, which writes summary.json, its unigram_entropy (not counted again) and whether it sampled
         kept = ("tokens_per_sec", "wall_seconds", "train_loss", "tokens", "start_step")
         kept += ("unigram_entropy", "sample_drawn") * trainer.is_global_zero

@@ -113,3 +113,19 @@ def test_a_restart_samples_where_the_first_start_drew_none(first, tiny_cfg, coun
     with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
         train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "resume=auto"))
     assert counted["sample"] == 1 and "drew it" not in caplog.text
+
+
+def test_another_runs_checkpoint_in_a_reused_run_dir_is_sampled(tiny_cfg, counted):
+    """A run dir reused after `rm -r checkpoints`, with ckpt_path=<another run's checkpoint at the same step>: the old
+    summary.json was taken for these weights (its tokens/s and entropy, and no sample: 'the start ... drew it')."""
+    import shutil
+
+    cfg = tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8")
+    old, _ = train(cfg)
+    other = tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "seed=5", run="other")
+    train(other)
+    shutil.rmtree(cfg.paths.checkpoint_dir)
+    metrics, _ = train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8",
+                                f"ckpt_path={other.paths.checkpoint_dir}/last.ckpt"))
+    assert counted == {"entropy": 3, "sample": 3}
+    assert metrics["tokens_per_sec"] != old["tokens_per_sec"] and metrics["val_loss"] != old["val_loss"]
