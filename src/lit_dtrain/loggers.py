@@ -158,7 +158,6 @@ def _instantiate_logger(node, start_step: int):
     return instantiate(node, **extra)
 
 
-
 def purge_other_loggers(run_dir: Path, start_step: int, own_log_dir: str | None) -> None:
     """Drop what the files of another logger than this start's hold at steps ``>= start_step`` in ``run_dir``:
     a start with ``logger=csv`` killed at step 11 and resumed at 8 with ``logger=tensorboard`` kept the killed
