@@ -73,27 +73,31 @@ def basic_sweep_jobs(hc) -> tuple[list, list[list[str]]] | None:
     if not _is_basic(hc, "sweeper") or multirun is None:
         return None
     try:  # read once per sweep: a 2-rank gloo sweep's late-signal agreement paid 0.6-0.9 s a job on each rank here
-        key = (str(multirun), multirun.read_bytes(), tuple(grid_lines(hc.sweeper)))
+        text = multirun.read_bytes()
     except OSError:
         return None
+    key = (str(multirun), text, tuple(grid_lines(hc.sweeper)))
     if key not in _sweep_jobs_read:
         _sweep_jobs_read.clear()  # one sweep at a time: its file's text is the key
-        _sweep_jobs_read[key] = _read_basic_sweep_jobs(hc, multirun)
+        _sweep_jobs_read[key] = _read_basic_sweep_jobs(hc, text)
     return _sweep_jobs_read[key]
 
 
 _sweep_jobs_read: dict[tuple, tuple[list, list[list[str]]] | None] = {}  # (multirun.yaml, its text, grid) -> jobs
 
 
-def _read_basic_sweep_jobs(hc, multirun: Path) -> tuple[list, list[list[str]]] | None:
+def _read_basic_sweep_jobs(hc, text: bytes) -> tuple[list, list[list[str]]] | None:
+    """:func:`basic_sweep_jobs` of ``multirun.yaml``'s ``text``, the bytes its cache is keyed by: the file loaded
+    again here (twice) could hold another start's sweep, whose count was then kept under this text's key."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
     try:  # the parser given the loader lists a glob's options
-        swept = OmegaConf.select(OmegaConf.load(multirun), "hydra.sweeper")  # the grid the sweeper expanded
-        lines = grid_lines(swept if swept is not None else hc.sweeper) + sweep_task(hc)
+        multirun = OmegaConf.create(text.decode())
+        swept = OmegaConf.select(multirun, "hydra.sweeper")  # the grid the sweeper expanded
+        lines = grid_lines(swept if swept is not None else hc.sweeper) + unresolved(multirun.hydra.overrides.task)
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(lines)
         return overrides, BasicSweeper.split_arguments(overrides, None)[0]
     except Exception:  # noqa: BLE001 - interval(...), a bad override: the sweeper reports it itself
