@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import signal
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.end_sample import generate_sample, sample_skip_reason
@@ -33,16 +34,27 @@ def reported_before(previous: dict) -> bool:
     return "unigram_entropy" in previous
 
 
+def sample_settings(cfg: DictConfig) -> dict:
+    """What the end-of-run sample is drawn with, for ``summary.json``'s ``sample_settings``: ``sample.*`` and
+    ``seed``."""
+    sample = cfg.get("sample") or {}
+    return {**(OmegaConf.to_container(sample, resolve=True) if isinstance(sample, DictConfig) else dict(sample)),
+            "seed": int(cfg.seed)}
+
+
 def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Trainer, checkpoint: str,
                      previous: dict | None = None) -> str:
     """The end-of-run sample on rank 0; "" on the other ranks, under a strategy that shards the weights, and where
-    an earlier start sampled these weights (its ``summary.json``'s ``sample_drawn``: not one whose sample a SIGTERM cut,
-    nor one with ``sample.max_new_tokens=0``, which a restart then said it 'drew' and drew none)."""
+    an earlier start sampled these weights with these settings (its ``summary.json``'s ``sample_drawn``: not one
+    whose sample a SIGTERM cut, nor one with ``sample.max_new_tokens=0``, which a restart then said it 'drew' and
+    drew none; and its ``sample_settings``: a restart given another ``sample.prompt`` or ``seed`` drew none)."""
     reason = sample_skip_reason(trainer.strategy, trainer.world_size, trainer.is_global_zero, checkpoint)
-    if reason is None and (previous or {}).get("sample_drawn") is True:  # (max_new_tokens=0: no sample, no line)
+    previous = previous or {}
+    if reason is None and previous.get("sample_drawn") is True and previous.get("sample_settings") == \
+            sample_settings(cfg):  # (max_new_tokens=0: no sample, no line)
         drawn = int((cfg.get("sample") or {}).get("max_new_tokens") or 0) > 0
         reason = ("no text sample: the start that trained these weights drew it (this one only validated); sample "
-                  f"them with: python scripts/generate.py {checkpoint}") if drawn else ""
+                  f"them with: python scripts/generate.py {shlex.quote(checkpoint)}") if drawn else ""
     if reason is not None:
         if reason and trainer.is_global_zero:
             log.info(reason)
@@ -51,7 +63,8 @@ def _generate_sample(module: LitLLM, datamodule, cfg: DictConfig, trainer: L.Tra
     try:
         return generate_sample(model, datamodule.tokenizer, cfg.get("sample") or {}, int(cfg.seed), module.device)
     except SampleCut as cut:  # the finished run's summary.json and exit come first (SIGKILL follows a SIGTERM)
-        hint = "" if trainer.fast_dev_run else f"; sample the saved weights: python scripts/generate.py {checkpoint}"
+        hint = "" if trainer.fast_dev_run else \
+            f"; sample the saved weights: python scripts/generate.py {shlex.quote(checkpoint)}"
         log.warning("no text sample: %s came %s%s", signal.Signals(cut.args[0]).name, cut.args[1], hint)
         return ""
 
@@ -75,11 +88,15 @@ def same_data(datamodule) -> bool:
 
 
 @rank_zero_only
-def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write_summary: bool = True) -> None:
+def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write_summary: bool = True,
+            settings: dict | None = None) -> None:
     """The sample and the summary line; ``summary.json`` unless ``write_summary`` is False (a ``fast_dev_run`` smoke
     test: one run with ``resume=auto`` in a finished run's dir replaced its summary by the smoke test's, its
-    ``checkpoint`` by null and its ``val_loss`` by one batch's)."""
+    ``checkpoint`` by null and its ``val_loss`` by one batch's). ``settings``: the sample's (:func:`sample_settings`;
+    an earlier start's sample is kept only where they are the same)."""
     metrics["sample_drawn"] = metrics.pop("sample_drawn", None) is True or bool(sample)  # or an earlier start's; last
+    metrics.pop("sample_settings", None)
+    metrics["sample_settings"] = settings if metrics["sample_drawn"] else None
     if write_summary:
         safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null

@@ -29,7 +29,7 @@ from lit_dtrain._compose_errors import choose_callback_first
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._removed_keys import check_removed_keys
-from lit_dtrain._run_report import _generate_sample, _report, summary_entropy
+from lit_dtrain._run_report import _generate_sample, _report, sample_settings, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
 from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, misfit_message
@@ -372,7 +372,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     try:  # rank 0's alone: should it raise (a GPU out of memory), rank 1 waits in the agreement, not in the next job
         sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt, previous)
         if trainer.is_global_zero:
-            _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test)
+            _report(metrics, sample, out_dir, trainer, write_summary=not smoke_test, settings=sample_settings(cfg))
     finally:  # a signal in the sample or report: a multirun's rank 1 then stops before the next job too
         agree_on_a_late_sigterm(trainer)
     return metrics, {"trainer": trainer, "module": module, "datamodule": datamodule, "model": model}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,3 +130,27 @@ def test_another_runs_checkpoint_in_a_reused_run_dir_is_sampled(tiny_cfg, counte
                                 f"ckpt_path={other.paths.checkpoint_dir}/last.ckpt"))
     assert counted == {"entropy": 3, "sample": 3}
     assert metrics["tokens_per_sec"] != old["tokens_per_sec"] and metrics["val_loss"] != old["val_loss"]
+
+
+def test_a_restart_with_other_sample_settings_draws_their_sample(tiny_cfg, counted, caplog):
+    """A finished run restarted with another ``sample.prompt`` or ``seed`` drew no sample ('the start that trained
+    these weights drew it', of the old prompt); and the line's ``generate.py`` command split a run dir with a space."""
+    cfg = tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", run="my run")
+    train(cfg)
+    summary = Path(cfg.paths.output_dir) / "summary.json"
+    assert json.loads(summary.read_text())["sample_settings"]["prompt"] == "def "
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "resume=auto", run="my run"))
+    assert counted["sample"] == 1
+    command = caplog.text.split("sample them with: ")[1].splitlines()[0]
+    assert shlex.split(command) == ["python", "scripts/generate.py", f"{cfg.paths.checkpoint_dir}/last.ckpt"]
+    train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "sample.prompt=class", "resume=auto",
+                   run="my run"))
+    assert counted["sample"] == 2
+    assert json.loads(summary.read_text())["sample_settings"]["prompt"] == "class"
+    train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "sample.prompt=class", "seed=7", "resume=auto",
+                   run="my run"))
+    assert counted["sample"] == 3 and json.loads(summary.read_text())["sample_settings"]["seed"] == 7
+    train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "sample.prompt=class", "seed=7", "resume=auto",
+                   run="my run"))
+    assert counted["sample"] == 3  # the same settings again: that start's sample stands
