@@ -14,6 +14,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dtrain.callbacks.memory_monitor import highest, memory_mib
 from lit_dtrain.data._mixture_resume import mixture_shares
 from lit_dtrain.end_sample import generate_sample, sample_skip_reason
 from lit_dtrain.module import LitLLM
@@ -97,6 +98,8 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write
     metrics["sample_drawn"] = metrics.pop("sample_drawn", None) is True or bool(sample)  # or an earlier start's; last
     metrics.pop("sample_settings", None)
     metrics["sample_settings"] = settings if metrics["sample_drawn"] else None
+    if "peak_rss_mib" in metrics:  # and the sample's, which rank 0 alone drew
+        metrics["peak_rss_mib"] = highest(metrics["peak_rss_mib"], memory_mib().get("memory/peak_rss_mib"))
     if write_summary:
         safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         text = json.dumps(safe, indent=2, allow_nan=False)  # strict JSON: NaN/inf become null

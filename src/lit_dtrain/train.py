@@ -31,6 +31,7 @@ from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, sample_settings, summary_entropy
 from lit_dtrain.callbacks._contract import check_step_outputs
+from lit_dtrain.callbacks.memory_monitor import highest, ranks_peak_rss_mib
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
 from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, misfit_message
 from lit_dtrain.config_checks import (
@@ -343,6 +344,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name)) from None
     if sigterm_after_the_last_step(trainer):  # one during the validation, which every rank finished
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name))
+    peak_rss = ranks_peak_rss_mib(trainer)  # every rank's, the final validation's and last.ckpt's included
     past_the_last_collective()  # the ranks' last one: rank 0 may now end first, normally
     val_metrics = {k: float(v) for k, v in (val[0] if val else {}).items()}
     steps = int(trainer.global_step)
@@ -367,6 +369,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         **{k: v for k, v in val_metrics.items() if k.startswith("val/") and k not in ("val/loss", "val/ppl")},
     }
     metrics.update(previous)
+    metrics["peak_rss_mib"] = highest(previous.get("peak_rss_mib"), peak_rss)  # a restart's: the run's, its own too
     metrics["unigram_entropy"] = summary_entropy(trainer, datamodule, previous)
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     try:  # rank 0's alone: should it raise (a GPU out of memory), rank 1 waits in the agreement, not in the next job

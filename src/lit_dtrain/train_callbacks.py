@@ -125,7 +125,7 @@ def figures_of_the_fit_that_trained(trainer: L.Trainer, out_dir: Path, clock: Tr
     if restored_last and isinstance(previous, dict) and previous.get("steps") == steps:
         # and on rank 0, which writes summary.json, its unigram_entropy (not counted again) and whether it sampled
         kept = ("tokens_per_sec", "wall_seconds", "train_loss", "tokens", "start_step")
-        kept += ("unigram_entropy", "sample_drawn", "sample_settings") * trainer.is_global_zero
+        kept += ("unigram_entropy", "sample_drawn", "sample_settings", "peak_rss_mib") * trainer.is_global_zero
         return {k: previous[k] for k in kept if k in previous}
     return clock.carried_figures(steps, tokens_per_step)  # a summary.json of another end is not this run's
 

@@ -8,6 +8,7 @@ run: the row of that step shows it in ``memory/rss_mib`` and ``memory/peak_rss_m
 from __future__ import annotations
 
 import csv
+import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -89,6 +90,44 @@ def test_a_step_that_holds_200_mib_shows_it_in_its_row_and_each_row_is_vmrss_and
     ckpt = tmp_path / "mem" / "checkpoints" / "last.ckpt"
     train(tiny_cfg(*common, "trainer.max_steps=8", f"ckpt_path={ckpt}", run="mem"))
     assert sorted(_csv_rows(tmp_path / "mem")["memory/rss_mib"]) == [1, 3, 5, 7]
+
+
+class HoldInTheFinalValidation(L.Callback):
+    """On global rank ``rank``, holds ``mib`` MiB of touched memory through ``train(cfg)``'s final validation (after
+    the fit, its checkpoint and its last logged row), after resetting the peak RSS; writes the process's VmHWM before
+    and while it holds them to ``<record>.rank<rank>.json``."""
+
+    def __init__(self, rank: int, mib: int, record: str) -> None:
+        self.rank, self.mib, self.record, self.block, self.before = int(rank), int(mib), record, None, None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate" and trainer.global_rank == self.rank:
+            reset_peak_rss()
+            self.before = _status_mib()["memory/peak_rss_mib"]
+            self.block = torch.ones(self.mib * MiB // 4)  # float32: every page written
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.block is not None:
+            held = _status_mib()["memory/peak_rss_mib"]
+            Path(f"{self.record}.rank{self.rank}.json").write_text(json.dumps({"before": self.before, "held": held}))
+            self.block = None
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_summary_json_holds_the_peak_of_the_final_validation(tiny_cfg, tmp_path):
+    """The last logged memory/peak_rss_mib is of the last logged step: a 100-step run logged 593.0 MiB last, and its
+    process peaked at 651.4 MiB (/usr/bin/time -v) in the final checkpoint and validation. summary.json holds the
+    process's peak at the end."""
+    record = tmp_path / "peak"
+    cfg = tiny_cfg("logger=csv", "sample.max_new_tokens=0", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
+                   "+callbacks.hold._target_=tests.unit.test_memory_monitor.HoldInTheFinalValidation",
+                   "+callbacks.hold.rank=0", f"+callbacks.hold.mib={BLOCK_MIB}", f"+callbacks.hold.record={record}")
+    metrics, _ = train(cfg)
+    peaks = json.loads(Path(f"{record}.rank0.json").read_text())
+    assert peaks["held"] - peaks["before"] >= BLOCK_MIB - 2
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    assert summary["peak_rss_mib"] == metrics["peak_rss_mib"] >= peaks["held"] - 1
+    assert summary["peak_rss_mib"] <= _status_mib()["memory/peak_rss_mib"] + 1  # the process's, not more
 
 
 class _Recorder:
