@@ -2,7 +2,8 @@
 test_strategy_first_connection.py (tenth hand mutation audit): torchrun's agent read from the stat line of a session
 leader whose name holds ') ' (the name is cut at its last ')') or under a wrapper whose `timeout` makes a process
 group of its own, and no attempt keys of its own for a worker whose
-restart count is not given (not torchrun's agent, which always sets it)."""
+restart count is not given (not torchrun's agent, which always sets it); and (left untested by that audit) a
+strategy connecting the attempt's keys again where a process group exists."""
 
 from __future__ import annotations
 
@@ -84,4 +85,44 @@ def test_a_restart_alone_says_its_ranks_connect_under_its_own_keys(monkeypatch, 
         said[attempt] = [r.getMessage() for r in caplog.records]
     assert said == {"0": [], "1": ["torchrun restart 1: the ranks connect under this attempt's own keys in "
                                    "torchrun's store (lit_dtrain/torchrun_attempt1)"]}
+    del agent
+
+
+def test_a_group_that_exists_is_not_connected_again_under_torchrun_restarts(monkeypatch):
+    """A group already made (a project's own ``init_process_group``, or the group an earlier fit left) is kept under
+    ``torchrun --max-restarts``: connecting the attempt's keys again raised torch's 'trying to initialize the default
+    process group twice!' (the mutant of the new-code audit left untested). Its own collective bound is kept too."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.strategies._connect import FirstConnection
+
+    class Connected:  # Lightning's setup_environment, which finds the group made and does not connect again
+        def setup_environment(self) -> None:
+            pass
+
+    class Strategy(FirstConnection, Connected):
+        global_rank, world_size, _timeout = 0, 1, timedelta(seconds=7)
+        cluster_environment = SimpleNamespace(global_rank=lambda: 0, world_size=lambda: 1)
+
+        def _get_process_group_backend(self) -> str:
+            return "gloo"
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": "1",
+                       "MASTER_PORT": str(agent.port)}.items():
+        monkeypatch.setenv(key, value)
+    assert torchrun_attempt_store(timedelta(seconds=10)) is not None  # (the attempt's keys would be used)
+    bounds = []
+    monkeypatch.setattr("lit_dtrain.strategies._connect.set_collective_timeout", bounds.append)
+    own = dist.HashStore()
+    dist.init_process_group("gloo", store=own, rank=0, world_size=1, timeout=timedelta(seconds=40))
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        Strategy().setup_environment()
+        assert dist.distributed_c10d._get_default_group() is group
+        assert not agent.check(["lit_dtrain/torchrun_attempt1/0"])  # no rank of this attempt wrote its address
+        assert bounds == []  # its own bound (40 s) kept, not this strategy's 7 s
+    finally:
+        dist.destroy_process_group()
     del agent
