@@ -88,6 +88,7 @@ from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     destroy_default_group,
     destroy_process_group_at_exit,
+    explain_collective_failure,
     is_collective_failure,
 )
 from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
@@ -112,6 +113,14 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
             launcher = getattr(trainer.strategy, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank (nor be
                 kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
+            named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
+            if named.failures:  # a rank that raised alone: its error, not 'another rank probably died or hung'
+                failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
+                raise CollectiveError(
+                    f"rank {trainer.global_rank}: {'; '.join(f.rstrip('. ') for f in named.failures)}; this rank's "
+                    f"next collective then failed at step {trainer.global_step} ({type(failed).__name__}: "
+                    f"{str(failed).splitlines()[0][:200]}): fix that rank's error. Resume with resume=auto."
+                ) from e
             raise CollectiveError(
                 f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "

@@ -42,11 +42,13 @@ from lit_dtrain.strategies.registry import COMPRESSORS, LOCAL_UPDATES, build_com
 from lit_dtrain.strategies.sharded_quant import ShardedBlockQuantizer
 from lit_dtrain.strategies.sparsify import ScaledSign, TopK
 from lit_dtrain.strategies.unused_params import advise_the_strategys_flag
+from lit_dtrain.utils.distributed import RankFailureRecords
 
 
-class EvenEpochsDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
+class EvenEpochsDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
     """Lightning's ``DDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), whose
-    first connection waits ``connect_timeout`` (:class:`~lit_dtrain.strategies._connect.FirstConnection`)."""
+    first connection waits ``connect_timeout`` (:class:`~lit_dtrain.strategies._connect.FirstConnection`), and whose
+    ranks name a rank that raised alone (:class:`~lit_dtrain.utils.distributed.RankFailureRecords`)."""
 
     def __init__(self, *args: Any, connect_timeout: timedelta | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -58,7 +60,7 @@ class EvenEpochsDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
                                   "which skips the check that the ranks' epochs are of one length")
 
 
-class EvenEpochsFSDPStrategy(FirstConnection, EpochLengthCheck, FSDPStrategy):
+class EvenEpochsFSDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), and a
     CPU accelerator when the Trainer is built; its first connection waits ``connect_timeout``
     (:class:`~lit_dtrain.strategies._connect.FirstConnection`).

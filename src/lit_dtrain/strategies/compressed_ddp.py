@@ -54,12 +54,7 @@ from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.strategies.unused_params import advise_the_strategys_flag, globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
 from lit_dtrain.utils.args import is_flag, is_number
-from lit_dtrain.utils.distributed import (
-    begin_fit_records,
-    destroy_process_group_at_exit,
-    naming_peer_failures,
-    record_rank_failure,
-)
+from lit_dtrain.utils.distributed import RankFailureRecords, destroy_process_group_at_exit, naming_peer_failures
 
 __all__ = [
     "CHECKPOINT_KEY", "CompressedDDPStrategy", "collective_timeout", "dropped_comm_state_message",
@@ -87,7 +82,7 @@ def collective_timeout(seconds: Any, caller: str | None = None, key: str = "coll
     return timedelta(seconds=float(seconds))
 
 
-class CompressedDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
+class CompressedDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
     """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
 
     Args:
@@ -160,9 +155,8 @@ class CompressedDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # the process group exists from here on
+        super().setup_environment()  # the process group exists from here on (and this fit's failure records)
         destroy_process_group_at_exit()
-        begin_fit_records()  # a peer's failure recorded in an earlier fit in this group is not this fit's
 
     @override
     def setup(self, trainer) -> None:
@@ -290,14 +284,12 @@ class CompressedDDPStrategy(FirstConnection, EpochLengthCheck, DDPStrategy):
     # --- a rank that fails alone ----------------------------------------------------------------------------
     # Under local updates one rank can raise alone (a NaN loss there: no gradient all-reduce spreads it). The other
     # ranks then fail in their next collective with gloo's 'Connection closed by peer', which does not say why. The
-    # failing rank records its error in the process group's store; a rank whose collective fails (in the step, in
-    # a callback's reduce/all_gather/broadcast/barrier, or in the final sync) raises PeerRankFailedError naming it.
+    # failing rank records its error in the process group's store (RankFailureRecords); a rank whose collective
+    # fails (in the step, in a callback's reduce/all_gather/broadcast/barrier, or in the final sync) raises
+    # PeerRankFailedError naming it.
     @override
     def on_exception(self, exception: BaseException) -> None:
-        module = self.lightning_module
-        trainer = module.trainer if module is not None and module._trainer is not None else None
-        record_rank_failure(exception, trainer.global_step if trainer is not None else None)
-        super().on_exception(exception)
+        super().on_exception(exception)  # RankFailureRecords: recorded for the other ranks
         advise_the_strategys_flag(exception, type(self).__name__)  # not Lightning's plain DDP
 
     @override

@@ -77,7 +77,12 @@ _COLLECTIVE_HINTS = (
 
 
 class PeerRankFailedError(RuntimeError):
-    """A collective failed because another rank had stopped with an error; the message names that rank and error."""
+    """A collective failed because another rank had stopped with an error; the message names that rank and error
+    (``failures``: the lines the peers recorded, none where no peer recorded one)."""
+
+    def __init__(self, message: str, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
 
 
 class FirstConnectionError(RuntimeError):
@@ -167,7 +172,7 @@ def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
         cause = "; ".join(f.rstrip(". ") for f in failures)
         return PeerRankFailedError(
             f"rank {rank}: {cause}. This rank's next collective with that peer then failed "
-            f"({type(exc).__name__}: {first}); fix that rank's error, then resume with resume=auto"
+            f"({type(exc).__name__}: {first}); fix that rank's error, then resume with resume=auto", tuple(failures)
         )
     return PeerRankFailedError(
         f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): a peer rank stopped, hung or lost its "
@@ -175,6 +180,25 @@ def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
         "the job was launched with torchrun, whose agent keeps the store); that "
         "rank's own output (the first traceback in the log) names the cause. Resume with resume=auto"
     )
+
+
+class RankFailureRecords:
+    """Mixin for a Lightning strategy of several processes (put it before the strategy class): each fit starts its
+    failure records once the process group exists (:func:`begin_fit_records`), and a rank that raises leaves its
+    error for the others (:func:`record_rank_failure`), whose failed collective then names it (``train.py``'s
+    ``CollectiveError``, :func:`naming_peer_failures`). Under lit_dtrain's plain DDP (``strategy=auto``/``ddp``) a
+    rank 1 that raised alone (``OSError: No space left on device`` at step 4) left rank 0's last line at 'a collective
+    failed at step 4 (... Connection closed by peer ...). Another rank probably died or hung'."""
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the process group exists from here on
+        begin_fit_records()  # a peer's failure recorded in an earlier fit in this group is not this fit's
+
+    def on_exception(self, exception: BaseException) -> None:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        record_rank_failure(exception, trainer.global_step if trainer is not None else None)
+        super().on_exception(exception)
 
 
 @contextmanager

@@ -1,0 +1,57 @@
+"""2-process gloo: a rank that raises alone under lit_dtrain's plain DDP (``strategy=auto``/``ddp``, ``make_ddp``) is
+named in the other rank's one-line error, as under ``CompressedDDPStrategy`` (test_compressed_ddp_failures.py).
+Rank 1 raising ``OSError: No space left on device`` at step 4 of ``torchrun ... train.py trainer=ddp_cpu`` left rank
+0's last line at 'a collective failed at step 4 (... Connection closed by peer ...). Another rank probably died or
+hung': the cause was only in rank 1's Hydra traceback above it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from tests.dist._compressed_ddp_helpers import WORLD, as_launched_rank, run_rank_processes
+from tests.dist.test_compressed_ddp_failures import _FailAt
+
+pytestmark = pytest.mark.dist
+
+
+def _plain_ddp_worker(rank: int, port: int, root: str, how: str) -> None:
+    """One fit through train.py's ``_fit`` under ``make_ddp``: rank 1 fails at step 2 as ``how`` says; each rank's
+    outcome is saved."""
+    as_launched_rank(rank, port)
+    from lit_dtrain.strategies import make_ddp
+    from lit_dtrain.train import _fit
+
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        strategy=make_ddp(collective_timeout_s=30))
+    outcome = {"type": None, "message": None}
+    try:
+        _fit(trainer, _FailAt(root, "fit", step=2, how=how if rank == 1 else None), None, None)
+    except Exception as e:  # noqa: BLE001 - record what this rank raised
+        outcome = {"type": type(e).__name__, "message": str(e)}
+    outcome["time"] = time.time()
+    torch.save(outcome, Path(root) / f"rank{rank}.pt")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_rank_that_raised_alone_under_plain_ddp_is_named_by_the_other(tmp_path, how):
+    run_rank_processes(_plain_ddp_worker, str(tmp_path), how)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert r0["type"] == "CollectiveError", r0
+    message = r0["message"]
+    if how == "raise":
+        r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+        assert r1["type"] == "ValueError" and r0["time"] - r1["time"] < 20, (r0, r1)  # at once, not after 30 s
+        assert message.startswith("rank 0: rank 1 stopped at step 2: ValueError: planned failure of fit; this rank's "
+                                  "next collective then failed at step 2 ("), message
+        assert message.endswith("): fix that rank's error. Resume with resume=auto."), message
+    else:  # killed: nothing recorded, the line stays as it was
+        assert message.startswith("rank 0: a collective failed at step 2 ("), message
+        assert "Another rank probably died or hung" in message, message
