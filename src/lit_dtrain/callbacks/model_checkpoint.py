@@ -52,7 +52,7 @@ from typing_extensions import override
 from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.utils.args import is_flag
-from lit_dtrain.utils.loop import mid_accumulation
+from lit_dtrain.utils.loop import mid_accumulation, reopen_epoch_end
 from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             return
         super().load_state_dict(moved_dirpath_state(state_dict, self.dirpath))
         self._over_top_k = keep_top_k(self)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        # (before the loops' state is restored from it) a fit under max_steps resumed from an epoch-end save ran every
+        # later epoch one ahead: another DistributedSampler order, and with max_epochs an epoch short
+        if trainer.state.fn == "fit" and trainer.max_steps != -1:
+            reopen_epoch_end(checkpoint)  # (a second ModelCheckpoint finds it rewritten: no epoch-end form)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

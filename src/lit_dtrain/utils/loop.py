@@ -54,3 +54,29 @@ def reopen_stopped_epoch(checkpoint: dict) -> bool:
         batches[part]["completed"] -= 1  # saved at the stopping batch's end (Lightning completes it on restart)
     loop_state["_batches_that_stepped"] = max(loop_state.get("_batches_that_stepped", 1) - 1, 0)  # (restart adds 1)
     return True
+
+
+def reopen_epoch_end(checkpoint: dict) -> bool:
+    """Rewrite a checkpoint written at the end of an epoch that ran its DataLoader to the end, in
+    ``on_train_epoch_end`` (``ModelCheckpoint``'s default save point, where Lightning has counted the epoch processed
+    but not completed), into the form of a save at that epoch's last batch end; True where it did. A fit under
+    ``max_steps`` restarts from the first form "on epoch end": it ended that epoch again and counted it twice, so every
+    later epoch ran one ahead (a ``DistributedSampler`` drew the next epoch's order, epochs 2, 3 where the straight run
+    drew 1, 2; with ``max_epochs`` too the fit ended an epoch early, 8 of 12 steps, and without a validation it trained
+    a batch more); from the second it resumes as the straight run. A fit resumed from the second form leaves its
+    epochs' ``ready``/``started`` one behind in its later saves, so only ``completed`` is read. Reads Lightning's
+    private loop state (lightning 2.6): leaves any other form as it is."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    loop_state = fit.get("epoch_loop.state_dict")
+    if not (epochs and batches and isinstance(loop_state, dict) and batches.get("is_last_batch")):
+        return False
+    e, b = epochs["total"], batches["total"]
+    if e["processed"] != e["completed"] + 1 or not b["ready"] == b["started"] == b["processed"] == b["completed"] > 0:
+        return False
+    for part in ("total", "current"):
+        ended = epochs[part]["completed"]  # the epoch the save ended, 0-based
+        epochs[part].update(ready=ended + 1, started=ended + 1, processed=ended)
+        batches[part]["completed"] -= 1  # saved at the last batch's end (Lightning completes it on restart)
+    loop_state["_batches_that_stepped"] = max(loop_state.get("_batches_that_stepped", 1) - 1, 0)  # (restart adds 1)
+    return True
