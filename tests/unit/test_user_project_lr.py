@@ -176,3 +176,18 @@ def test_once_per_step_lr_monitor_writes_one_row_per_step_in_an_epoch_based_run(
         assert rows == [(0, 1e-2), (4, 1e-2), (8, 1e-2)]
     else:
         assert rows == [(step, 1e-2) for step in range(trainer.global_step)] and trainer.global_step == 12 // accumulate
+
+
+def test_a_checkpoint_saved_after_a_resume_that_trained_nothing_keeps_the_wsd_horizon(tmp_path: Path) -> None:
+    """A fit resumed at its ``max_steps`` trains nothing and never reaches train start; a checkpoint saved after it
+    held ``total_steps=None`` (the horizon is taken there), so the same fit extended from it jumped back to the peak LR
+    without the warning that the first checkpoint gives."""
+    first = fit(tmp_path, [WSDScheduler(decay_fraction=0.25)], max_steps=8)
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    again = fit(tmp_path, [WSDScheduler(decay_fraction=0.25)], max_steps=8, ckpt_path=tmp_path / "a.ckpt")
+    assert again.global_step == 8
+    again.save_checkpoint(tmp_path / "b.ckpt")
+    state = torch.load(tmp_path / "b.ckpt", weights_only=False)["callbacks"]
+    assert [(s["total_steps"], s["decay_steps"]) for k, s in state.items() if "WSD" in k] == [(8, 2)]  # (None, None)
+    with pytest.warns(UserWarning, match="this fit plans 16 optimizer steps, the checkpoint's run planned 8"):
+        fit(tmp_path, [WSDScheduler(decay_fraction=0.25)], max_steps=16, ckpt_path=tmp_path / "b.ckpt")
