@@ -1,12 +1,13 @@
-"""Exact results of the top-k and sign codecs (``strategies/sparsify.py``) where single-point mutants passed
-test_compressors_topk, _codecs, _error_feedback, test_compressor_properties and test_compressor_undo_layouts (eleventh
-hand mutation audit)."""
+"""Exact results of the top-k, sign and quantizing codecs (``strategies/sparsify.py``, ``strategies/quantize.py``)
+where single-point mutants passed test_compressors_topk (top-k), _codecs, _error_feedback, test_compressor_properties,
+test_compressor_undo_layouts and the three test_mutants5 compressor files (eleventh hand mutation audit)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from lit_dtrain.strategies import LoopbackCommunicator, ScaledSign, TopK
+from lit_dtrain.strategies import BlockQuantizer, LoopbackCommunicator, NoCompression, ScaledSign, TopK
 from lit_dtrain.strategies.compressors import Segment
 
 A, B = Segment("a", 0, 4, (4,)), Segment("b", 4, 4, (4,))
@@ -84,3 +85,54 @@ def test_a_bf16_topk_payload_that_overflows_leaves_the_residual_as_it_was():
     assert codec.payload_may_overflow and TopK(value_dtype="fp32").payload_may_overflow is False
     assert not codec.reduce(g.clone(), seg, LoopbackCommunicator(), 0).wait().isfinite().all()
     assert torch.equal(codec.residual_for(seg, g), torch.zeros(8))
+
+
+def test_int8_noise_of_a_parameter_after_a_whole_block_parameter_does_not_depend_on_the_bucket():
+    """A parameter of 32 values is exactly 2 blocks of 16; the parameter after it (20 values) draws its stochastic
+    rounding from its own seed, so it decodes identically alone in another bucket. Counting 3 blocks for the 32 values
+    shifted the next parameter's noise by one row, so its rounding depended on the bucket."""
+    x = torch.randn(52, generator=torch.Generator().manual_seed(1))
+    a, b = Segment("a", 0, 32, (32,)), Segment("b", 32, 20, (20,))
+    codec = BlockQuantizer(bits=8, block_size=16, stochastic_rounding=True)
+    both = codec.decompress(codec.compress(x, [a, b], 3), [a, b], 52)
+    alone_seg = [Segment("b", 0, 20, (20,))]
+    alone = codec.decompress(codec.compress(x[32:].clone(), alone_seg, 3), alone_seg, 20)
+    assert torch.equal(both[32:], alone)
+
+
+def test_int8_noise_of_an_untiled_buffer_differs_between_the_buckets_of_a_step():
+    """Segments that do not tile the buffer give flat blocks with one draw a call, seeded by the call count too: two
+    buckets of one step (the same values here) are rounded with different noise, not the same."""
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    seg = [Segment("a", 0, 60, (60,))]
+    codec = BlockQuantizer(bits=4, block_size=16, stochastic_rounding=True)
+    first = codec.reduce(x.clone(), seg, LoopbackCommunicator(), 0).wait()
+    second = codec.reduce(x.clone(), seg, LoopbackCommunicator(), 0).wait()
+    assert not torch.equal(first, second)
+
+
+def test_int8_blocks_follow_the_parameters_given_in_any_order():
+    """Segments listed out of buffer order ([b, a] with b at offset 20) still start a block at each parameter: 2 + 2
+    scales for 20 + 20 values at block 16, and the same decoded values as in order (taken as given, the first
+    parameter's offset broke the walk and the buffer fell back to 3 flat blocks)."""
+    x = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    a, b = Segment("a", 0, 20, (20,)), Segment("b", 20, 20, (20,))
+    codec = BlockQuantizer(bits=8, block_size=16)
+    payload = codec.compress(x, [b, a], 0)
+    assert payload[0].numel() == 4
+    in_order = codec.decompress(codec.compress(x, [a, b], 0), [a, b], 40)
+    assert torch.equal(codec.decompress(payload, [b, a], 40), in_order)
+
+
+def test_an_odd_block_size_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^BlockQuantizer: block_size must be an even number >= 2, got 3$"):
+        BlockQuantizer(block_size=3)
+
+
+def test_no_compression_payload_is_a_copy():
+    """``compress`` returns a payload that does not alias the bucket: dividing it (as a generic all-reduce does by the
+    world size) leaves the gradient as it was."""
+    x = torch.tensor([2.0, 4.0])
+    payload = NoCompression().compress(x, [Segment("p", 0, 2, (2,))], 0)
+    payload[0].div_(2)
+    assert x.tolist() == [2.0, 4.0] and payload[0].tolist() == [1.0, 2.0]
