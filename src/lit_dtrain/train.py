@@ -74,6 +74,7 @@ from lit_dtrain.sigterm_exit import (
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins, warn_about_a_requeued_fresh_start
 from lit_dtrain.stop_reason import agree_on_early_stop, early_stop_kept, stop_reason, warn_if_the_schedule_did_not_end
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
+from lit_dtrain.strategies.comm_checkpoint import refuse_another_preset
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
 from lit_dtrain.train_callbacks import (
     LogStepSync,
@@ -299,7 +300,6 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)
         warn_if_accumulation_splits(cfg, ckpt_path)
-    logger = build_logger(cfg, start_step)
     extra = val_check_in_batches(cfg)
     if timer := max_time_timer(cfg.trainer, callbacks):  # last, where Lightning appends its own Timer
         callbacks.append(timer)
@@ -309,6 +309,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         # dynamo compiled a graph for it alone (~45 s for model=nano on 2 CPU cores); no_grad reuses the fit's
         extra["inference_mode"] = False
     with trainer_strategy(cfg) as strategy:  # strategy=auto on several processes: Lightning's "ddp", as strategy=ddp's
+        if ckpt_path:  # another codec's state: refused before the logger cuts the run's logs at the checkpoint's step
+            refuse_another_preset(strategy, ckpt_path)
+        logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(
             cfg.trainer, callbacks=callbacks, logger=logger, strategy=strategy,
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],

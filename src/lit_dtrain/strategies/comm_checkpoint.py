@@ -29,6 +29,39 @@ def refused_resume_message(path: Any, state: Mapping, error: ValueError) -> str:
     return (f"{path}: {error}{preset}, or with strategy=ddp, which drops this state with a warning that lists what "
             "is lost")
 
+def _codecs(state: Mapping) -> tuple:
+    """``(compressor, local-update rule, pseudo-gradient compressor)`` names of a saved comm state (None: none)."""
+    rank0 = list(state.get("per_rank") or [{}])[0] or {}
+    return tuple((entry or {}).get("name") if isinstance(entry, Mapping) else None
+                 for entry in (rank0.get("compressor"), state.get("local_update"), rank0.get("local_update")))
+
+
+def refuse_another_preset(strategy: Any, path: Any) -> None:
+    """A ConfigError before the fit where the comm state of checkpoint ``path`` was written by another codec or
+    local-update rule than ``strategy``'s (a ``CompressedDDPStrategy``; anything else is left to
+    :func:`warn_if_comm_state_dropped`). The fit's load refuses it with the same line, but only after a resume had
+    cut the run's ``metrics.csv`` and TensorBoard events at the checkpoint's step: ``strategy=ddp_compressed/topk``
+    on a finished ``int8`` run's ``resume=auto`` dropped its final validation's rows, and trained nothing."""
+    from lit_dtrain.checkpoint import safe_torch_load
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies.compressed_ddp import CompressedDDPStrategy  # (it imports this module)
+
+    if not isinstance(strategy, CompressedDDPStrategy):
+        return
+    state = safe_torch_load(path, mmap=True, verify=False).get(CHECKPOINT_KEY)
+    if not isinstance(state, Mapping):
+        return
+    lu = strategy.local_update
+    saved, ours = _codecs(state), tuple(getattr(c, "name", None) for c in (
+        strategy.compressor, lu, getattr(lu, "compressor", None)))
+    if saved[2] is None or ours[2] is None:  # a pseudo-gradient codec added or left out: loaded, or warned
+        saved, ours = saved[:2], ours[:2]
+    if saved != ours:
+        what = ["compressor", "local-update rule", "pseudo-gradient compressor"]
+        why = "; ".join(f"{w} {s!r} (this run: {o!r})" for w, s, o in zip(what, saved, ours) if s != o)
+        raise ConfigError(refused_resume_message(path, state, ValueError(f"its comm state was written by {why}")))
+
+
 def ranks_phrase(n) -> str:
     return counted(n, "rank")
 
