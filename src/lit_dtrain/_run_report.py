@@ -95,8 +95,10 @@ def _report(metrics: dict, sample: str, out_dir: Path, trainer: L.Trainer, write
     test: one run with ``resume=auto`` in a finished run's dir replaced its summary by the smoke test's, its
     ``checkpoint`` by null and its ``val_loss`` by one batch's). ``settings``: the sample's (:func:`sample_settings`;
     an earlier start's sample is kept only where they are the same)."""
-    metrics["sample_drawn"] = metrics.pop("sample_drawn", None) is True or bool(sample)  # or an earlier start's; last
-    metrics.pop("sample_settings", None)
+    # or an earlier start's of these settings (a restart with another prompt whose sample was cut, or off, drew none)
+    earlier = metrics.pop("sample_drawn", None) is True
+    earlier = metrics.pop("sample_settings", None) == settings and earlier
+    metrics["sample_drawn"] = earlier or bool(sample)  # (last in summary.json)
     metrics["sample_settings"] = settings if metrics["sample_drawn"] else None
     if "peak_rss_mib" in metrics:  # and the sample's, which rank 0 alone drew
         metrics["peak_rss_mib"] = highest(metrics["peak_rss_mib"], memory_mib().get("memory/peak_rss_mib"))

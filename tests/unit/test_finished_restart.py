@@ -157,3 +157,30 @@ def test_a_restart_with_other_sample_settings_draws_their_sample(tiny_cfg, count
     train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "sample.prompt=class", "seed=7", "resume=auto",
                    run="my run"))
     assert counted["sample"] == 3  # the same settings again: that start's sample stands
+
+
+@pytest.mark.parametrize("restart", ["cut", "sample.max_new_tokens=0"])
+def test_a_restart_that_drew_no_sample_of_its_settings_records_none(restart, tiny_cfg, counted, monkeypatch, caplog):
+    """A finished run's restart with another prompt whose sample a SIGTERM cut (or that had the sample off) drew none,
+    yet its summary.json kept the first start's sample_drawn under the restart's settings: the next restart with that
+    prompt said 'the start that trained these weights drew it' and drew none."""
+    import lit_dtrain._run_report as run_report
+    from lit_dtrain.sigterm_exit import SampleCut
+
+    def cut(*args, **kwargs):
+        raise SampleCut(15, "in the sample")
+
+    cfg = tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8")
+    train(cfg)
+    summary = Path(cfg.paths.output_dir) / "summary.json"
+    drawing = run_report.generate_sample
+    monkeypatch.setattr(run_report, "generate_sample", cut if restart == "cut" else drawing)
+    other = ("sample.prompt=class", "resume=auto", *[restart] * (restart != "cut"))
+    train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", *other))
+    again = json.loads(summary.read_text())
+    assert (again["sample_drawn"], again["sample_settings"]) == (False, None)
+    monkeypatch.setattr(run_report, "generate_sample", drawing)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        train(tiny_cfg("trainer.max_steps=4", "sample.max_new_tokens=8", "sample.prompt=class", "resume=auto"))
+    assert counted["sample"] == 2 and "drew it" not in caplog.text
+    assert json.loads(summary.read_text())["sample_settings"]["prompt"] == "class"
