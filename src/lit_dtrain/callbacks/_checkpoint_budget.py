@@ -127,6 +127,8 @@ def budget_plan_from_probe(
                 torch.cuda.manual_seed(seed)
 
     try:
+        for p in params:  # a pass's backward added into the caller's gradients in place: they came back doubled
+            p.grad = None
         with torch.random.fork_rng(devices=cuda_devices):
             seed = torch.initial_seed()
             measured: dict[str, object] = {}
