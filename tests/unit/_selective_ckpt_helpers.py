@@ -1,13 +1,18 @@
 """Helpers shared by test_selective_checkpointing*.py: a small Llama, its loss and gradients, and a Lightning fit of
-a module with callbacks."""
+a module with callbacks, and the budget probe on measurements of known bytes."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+import lit_dtrain.callbacks._checkpoint_budget as budget
+from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
+from lit_dtrain.callbacks._checkpoint_policies import BlockProfile, apply_checkpointing, estimate_peak, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
 from lit_dtrain.module import LitLLM
 
@@ -48,3 +53,28 @@ def fit(module, callbacks, steps: int = 3, precision="32-true"):
 
 def lit_llm() -> LitLLM:
     return LitLLM(make_model(), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+
+RETAINED = {"none": 10.0, "selective": 5.0, "full": 1.0}  # bytes one block keeps after its forward, per mode
+
+
+def fake_probe(monkeypatch, overshoot, memory_budget, **kwargs):
+    """The probe of 4 blocks whose measured bytes are ``RETAINED`` (a verified plan's peak: its estimate plus
+    ``overshoot(plan)``), ``full`` costing 4 s and ``selective`` 1 s a block; returns ``(plan, report, wrappers)``."""
+    blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
+    wrappers = apply_checkpointing(blocks, uniform_plan(4, "none"))
+    profiles = [BlockProfile(retained=dict(RETAINED))] * 4
+
+    def measure(step, root, modules=()):
+        plan = [w.mode for w in wrappers]
+        peak = estimate_peak(profiles, plan, 0.0)
+        if modules:  # a uniform pass
+            return SimpleNamespace(max_act=peak, retained=[RETAINED[plan[0]]] * 4, calls=[1] * 4)
+        return SimpleNamespace(max_act=peak + overshoot(plan))
+
+    monkeypatch.setattr(budget, "measure_activation_memory", measure)
+    monkeypatch.setattr(budget, "time_block_ops", lambda fn, blocks, policy: ([4.0] * 4, [1.0] * 4))
+    root = torch.nn.Sequential(*blocks)
+    plan, report = budget_plan_from_probe(lambda: root(torch.ones(1, 2)).sum(), root, blocks, wrappers,
+                                          memory_budget, **kwargs)
+    return plan, report, wrappers

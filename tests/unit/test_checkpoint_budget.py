@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import FSDPPrecision
 
+import lit_dtrain.callbacks._checkpoint_budget as checkpoint_budget
 from lit_dtrain.callbacks import SelectiveCheckpointing
 from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import BlockProfile, apply_checkpointing, estimate_peak, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
 from lit_dtrain.module import LitLLM
+from tests.unit._selective_ckpt_helpers import fake_probe, lit_llm
 
 
 @pytest.mark.parametrize("precision, dtype, autocast", [
@@ -113,3 +115,31 @@ def test_the_probe_gives_back_gradients_and_buffers_it_found():
     assert all(torch.equal(p.grad, grads[n]) for n, p in root.named_parameters())
     assert all(torch.equal(b, buffers[n]) for n, b in root.named_buffers())
     assert int(buffers["0.bn.num_batches_tracked"]) == 1
+
+
+def test_when_the_replans_run_out_the_plan_returned_is_the_last_one_measured(monkeypatch):
+    """With no re-plan left, the probe re-planned once more and returned that plan unmeasured: ``selective,
+    selective, selective, none`` under a report whose figures were those of ``selective, selective, none, none``
+    (0.85, "fits": False), and the callback then warned "using full checkpointing" for a plan with no full block. The
+    plan returned is the last one measured, and its wrappers are in it."""
+    plan, report, wrappers = fake_probe(monkeypatch, lambda plan: 4.0, 0.8, max_replans=0)
+    assert plan == report["plan"] == report["tries"][-1]["plan"] == ["selective", "selective", "none", "none"]
+    assert [w.mode for w in wrappers] == plan
+    assert report["measured_ratio"] == 34 / 40 and report["fits"] is False and len(report["tries"]) == 1
+
+
+def test_the_callback_warns_about_a_measured_plan_over_the_budget_as_such(monkeypatch):
+    """The callback said "memory_budget=0.8 is below what checkpointing every block reaches (0.850 ...); using full
+    checkpointing" for any plan that missed, though only an all-``full`` plan is that; a plan that missed after its
+    re-plans is named with its figure."""
+    plan, report, _ = fake_probe(monkeypatch, lambda plan: 4.0, 0.8, max_replans=0)
+    monkeypatch.setattr(checkpoint_budget, "budget_plan_from_probe", lambda *args: (plan, report))
+    trainer = SimpleNamespace(precision_plugin=None, datamodule=None,
+                              strategy=SimpleNamespace(broadcast=lambda obj, src=0: obj))
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.8)
+    with pytest.warns(UserWarning, match=r"^SelectiveCheckpointing: plan \['selective', 'selective', 'none', 'none'\] "
+                                         r"measured 0\.850 of no-checkpointing activation memory, over "
+                                         r"memory_budget=0\.8, after 1 tries; it is used") as record:
+        cb.setup(trainer, lit_llm(), "fit")
+    assert not any("using full checkpointing" in str(w.message) for w in record)
+    assert cb.plan == ["selective", "selective", "none", "none"] and [w.mode for w in cb.wrappers] == cb.plan

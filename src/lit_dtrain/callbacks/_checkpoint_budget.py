@@ -154,7 +154,7 @@ def budget_plan_from_probe(
             target = float(memory_budget) * none_act
             plan, estimate = plan_budget(profiles, base, target)
             tried = []
-            for _ in range(max_replans + 1):
+            for attempt in range(max_replans + 1):
                 set_plan(wrappers, plan)
                 reseed(seed)
                 actual = measure_activation_memory(step, root).max_act
@@ -163,7 +163,9 @@ def budget_plan_from_probe(
                 tried.append(
                     {"plan": list(plan), "estimated_ratio": estimate / none_act, "measured_ratio": actual / none_act}
                 )
-                if actual <= target or all(m == "full" for m in plan):
+                # the last try ends it too: a plan re-planned after it was returned unmeasured, under the report
+                # (and "fits": False) of the plan before it
+                if actual <= target or all(m == "full" for m in plan) or attempt == max_replans:
                     break
                 # The estimate missed by (actual - estimate): ask for that much less and try again.
                 new_plan, estimate = plan_budget(profiles, base, target - (actual - estimate))

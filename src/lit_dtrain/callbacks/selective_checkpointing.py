@@ -363,11 +363,17 @@ class SelectiveCheckpointing(Callback):
         # Probe timings differ across ranks: every rank takes rank 0's plan so all run the same graph.
         plan, report = trainer.strategy.broadcast((plan, report), src=0)
         self.budget_report = report
-        if not report["fits"]:
+        if not report["fits"] and all(m == "full" for m in plan):
             rank_zero_warn(
                 f"SelectiveCheckpointing: memory_budget={self.memory_budget} is below what checkpointing every "
                 f"block reaches ({report['measured_ratio']:.3f} of no-checkpointing activation memory); "
                 "using full checkpointing"
+            )
+        elif not report["fits"]:  # every re-plan still missed: the last plan measured is used
+            rank_zero_warn(
+                f"SelectiveCheckpointing: plan {plan} measured {report['measured_ratio']:.3f} of no-checkpointing "
+                f"activation memory, over memory_budget={self.memory_budget}, after {len(report['tries'])} tries; "
+                "it is used (a lower memory_budget asks for more checkpointing)"
             )
         rank_zero_info(f"SelectiveCheckpointing budget probe: measured {report['measured_ratio']:.3f} "
                        f"of no-checkpointing peak activation memory (budget {self.memory_budget}), plan {plan}")
