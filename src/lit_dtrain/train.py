@@ -44,6 +44,7 @@ from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
 from lit_dtrain.errors import ConfigError, interpolation_error
 from lit_dtrain.loggers import ConfigHparams, build_logger, flat_hparams
+from lit_dtrain.logs_kept import LogsKeptUntilTraining
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.resume import (
     check_optimizer_state,
@@ -311,9 +312,11 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     with trainer_strategy(cfg) as strategy:  # strategy=auto on several processes: Lightning's "ddp", as strategy=ddp's
         if ckpt_path:  # another codec's state: refused before the logger cuts the run's logs at the checkpoint's step
             refuse_another_preset(strategy, ckpt_path)
+        # a checkpoint refused while the fit loads it: the logs the logger cuts now are put back (logs_kept.py)
+        kept = LogsKeptUntilTraining(cfg.paths.output_dir) if ckpt_path and rank_zero_only.rank == 0 else None
         logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(
-            cfg.trainer, callbacks=callbacks, logger=logger, strategy=strategy,
+            cfg.trainer, callbacks=[*callbacks, *([kept] if kept else [])], logger=logger, strategy=strategy,
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
             **extra,
         )
@@ -332,7 +335,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
 
     t0 = clock.fit_started()
     try:
-        _fit(trainer, module, datamodule, ckpt_path)
+        with kept or contextlib.nullcontext():
+            _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
         raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name, ckpt_dir=cfg.paths.checkpoint_dir)) from None
     t1 = time.perf_counter()

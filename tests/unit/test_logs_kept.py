@@ -1,0 +1,93 @@
+"""A resume that the fit refuses while it loads the checkpoint leaves the run's logs and record as they were
+(``lit_dtrain.logs_kept``): the logger cut them at the checkpoint's step before the load, so ``resume=auto`` on a
+finished 4-step run with the FourierSampler and another ``data.val_fraction`` (the sampler's table of other windows,
+refused) dropped the 2 ``metrics.csv`` rows of step 4 (its final ``val/loss``), hid TensorBoard's step-4 points
+behind a purge marker and rewrote ``config_resolved.yaml`` with the refused values, having trained nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lit_dtrain.errors import ConfigError
+from lit_dtrain.loggers import purge_csv_metrics, purge_other_loggers
+from lit_dtrain.logs_kept import LogsKeptUntilTraining
+from lit_dtrain.train import train
+
+FOURIER = ("sample.max_new_tokens=0", "data/sampler=fourier", "trainer.val_check_interval=2")
+
+
+def _run_and_refused_resume(tiny_cfg, logger: str) -> Path:
+    cfg = tiny_cfg("trainer.max_steps=4", f"logger={logger}", *FOURIER)
+    train(cfg)
+    return Path(cfg.paths.output_dir)
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    names = [p for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts and p.name not in (
+        "train.log", ".train.lock")]
+    return {str(p.relative_to(run)): p.read_bytes() for p in names}
+
+
+def _refuse(tiny_cfg, logger: str) -> None:
+    resumed = tiny_cfg("trainer.max_steps=6", f"logger={logger}", "resume=auto", "data.val_fraction=0.3", *FOURIER)
+    with pytest.raises(ConfigError, match="sampler table indexes the windows of dataset"):
+        train(resumed)
+
+
+def test_a_resume_refused_at_the_load_keeps_metrics_csv_and_the_record(tiny_cfg):
+    run = _run_and_refused_resume(tiny_cfg, "csv")
+    before = _files(run)
+    rows = (run / "csv" / "metrics.csv").read_text().splitlines()
+    assert sum(row.split(",")[1] == "4" for row in rows[1:]) == 2  # the rows a resume at step 4 cuts
+    _refuse(tiny_cfg, "csv")
+    assert _files(run) == before  # metrics.csv, hparams.yaml, config_resolved.yaml, overrides.yaml, checkpoints
+
+
+def test_a_resume_refused_at_the_load_keeps_tensorboards_points(tiny_cfg):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _run_and_refused_resume(tiny_cfg, "tensorboard")
+    before = _files(run)
+    _refuse(tiny_cfg, "tensorboard")
+    assert _files(run) == before  # no purge marker, no new writer's file
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/loss")] == [1, 3, 4]
+
+
+def _logs(run: Path) -> Path:
+    (run / "csv").mkdir(parents=True)
+    metrics = run / "csv" / "metrics.csv"
+    metrics.write_text("epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n")
+    (run / "tb").mkdir()
+    (run / "tb" / "events.out.tfevents.1.host.1.0").write_bytes(b"old")
+    (run / "config_resolved.yaml").write_text("seed: 1\n")
+    return metrics
+
+
+def test_a_fit_that_fails_before_training_gets_the_cut_files_back_and_loses_the_new_events(tmp_path):
+    metrics = _logs(tmp_path)
+    with pytest.raises(RuntimeError, match="refused"), LogsKeptUntilTraining(tmp_path):
+        purge_csv_metrics(metrics, 4)
+        purge_other_loggers(tmp_path, 4, None)  # tb/ gets a purge marker file
+        (tmp_path / "config_resolved.yaml").write_text("seed: 2\n")
+        assert len(list((tmp_path / "tb").iterdir())) == 2
+        raise RuntimeError("refused")
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n"
+    assert (tmp_path / "config_resolved.yaml").read_text() == "seed: 1\n"
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == ["events.out.tfevents.1.host.1.0"]
+
+
+def test_the_cut_stands_once_training_started_or_the_fit_ended(tmp_path):
+    metrics = _logs(tmp_path)
+    kept = LogsKeptUntilTraining(tmp_path)
+    with pytest.raises(RuntimeError), kept:
+        purge_csv_metrics(metrics, 4)
+        kept.on_train_start(None, None)  # every restore is done: what fails later, fails in training
+        raise RuntimeError("NaN at step 5")
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n"
+    with LogsKeptUntilTraining(tmp_path):
+        purge_csv_metrics(metrics, 3)
+    assert metrics.read_text() == "epoch,step,val/loss\n"
