@@ -7,7 +7,7 @@ side at each N, interleaved step by step (so machine noise hits them alike): ``u
 0.4/0.3/0.2/0.1), ``moment_ratio`` (the brief's transform, the default) and
 ``magnitude`` (our variant, which renormalizes by the mean every step). It prints the median milliseconds
 per step, the bytes per sample, and the ratio of each variant's cost at the largest N to its cost at the
-smallest. The last line is JSON.
+smallest (``--sizes`` in any order: the rows run smallest first). The last line is JSON.
 
     python scripts/bench_sampler_scaling.py                      # N = 121k (the stdlib corpus), 1M, 10M
     python scripts/bench_sampler_scaling.py --sizes 100000 --steps 200
@@ -53,7 +53,7 @@ def step_once(sampler, step: int, batch: int, T: int) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", type=positive_int, default=[121_278, 1_000_000, 10_000_000],
                     help="samples N in the sampler (its table's length), one row each")
@@ -62,7 +62,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=nonnegative_int, default=20, help="untimed steps first")
     ap.add_argument("--steps", type=positive_int, default=300, help="timed steps per variant and size")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.sizes = sorted(args.sizes)  # smallest first: the growth column is largest / smallest in any given order
     torch.set_num_threads(args.threads)
 
     rows = []
