@@ -1,4 +1,5 @@
-"""scripts/spectrum.py reads the run's corpus as the run read it: without the run's ``data.exclude_dirs``."""
+"""scripts/spectrum.py reads the run's corpus as the run read it: without the run's ``data.exclude_dirs``; and its
+effective bandwidth."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -96,3 +98,30 @@ def test_a_run_config_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys
     assert message in err and "Traceback" not in err
     raw = config if isinstance(config, bytes) else config.encode()
     assert not (tmp_path / "c").exists() and (run / "config_resolved.yaml").read_bytes() == raw  # nothing read
+
+
+@pytest.mark.parametrize("fraction, power, expected", [
+    (1.0, [0.637, 0.26978672, 0.04097353, 0.01652764, 0.8132702, 0.91275555, 0.6066357, 0.7294965, 0.543625], 8),
+    (0.9, [0.0, 9.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 1),
+    (0.95, [0.0, 9.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 2),
+], ids=["all_the_energy", "one_bin", "two_bins"])
+def test_the_effective_bandwidth_is_the_lowest_bin_holding_the_share(tmp_path, capsys, monkeypatch, fraction, power,
+                                                                     expected):
+    """The bins 1..b hold ``fraction`` of the energy. With ``--bandwidth-fraction 1`` the float32 cumulative share
+    of this spectrum (T=16, Nyquist bin 8) ends at 0.99999994: it said bin 9, past the Nyquist bin (period 1.8
+    tokens); in real runs at T=64, bin 33 for 6 spectra of 12."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "some words of text here. " * (20 + i))
+    model = build_llama(**CONFIG)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"model_config": CONFIG, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "LMDataModule": {"val_fraction": 0.3}, "global_step": 1}, ckpt)
+    mod = spectrum_module()
+    monkeypatch.setattr(mod, "mean_spectrum", lambda *a: (np.array(power, dtype=np.float32), 3.0))
+    mod.main([str(ckpt), "--files", str(corpus), "--block-size", "16", "--windows", "4", "--out",
+              str(tmp_path / "s.png"), "--bandwidth-fraction", str(fraction), "--cache-dir", str(tmp_path / "c")])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1])["checkpoints"][0]["effective_bandwidth_bin"] == expected
+    assert f"of the energy at or below bin {expected} (period {16 / expected:.1f} tokens)" in printed[-3]
