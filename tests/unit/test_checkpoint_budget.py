@@ -16,7 +16,7 @@ from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import BlockProfile, apply_checkpointing, estimate_peak, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
 from lit_dtrain.module import LitLLM
-from tests.unit._selective_ckpt_helpers import fake_probe, lit_llm
+from tests.unit._selective_ckpt_helpers import fake_probe, fit, lit_llm
 
 
 @pytest.mark.parametrize("precision, dtype, autocast", [
@@ -143,3 +143,21 @@ def test_the_callback_warns_about_a_measured_plan_over_the_budget_as_such(monkey
         cb.setup(trainer, lit_llm(), "fit")
     assert not any("using full checkpointing" in str(w.message) for w in record)
     assert cb.plan == ["selective", "selective", "none", "none"] and [w.mode for w in cb.wrappers] == cb.plan
+
+
+def test_a_model_with_a_frozen_parameter_is_probed_and_trains_like_no_checkpointing():
+    """MemTracker registers a gradient hook on each parameter of a module it enters: a model with a frozen one (a
+    fine-tune's embedding, requires_grad=False) failed its budget probe at setup with "cannot register a hook on a
+    tensor that doesn't require gradient". It is probed, and trains bit for bit like the fit without the callback."""
+    modules = [lit_llm(), lit_llm()]
+    for module in modules:
+        next(module.model.parameters()).requires_grad_(False)
+    frozen = next(modules[0].model.parameters()).detach().clone()
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.5, probe_seq_len=32)
+    fit(modules[0], [cb], steps=2)
+    fit(modules[1], [], steps=2)
+    assert cb.budget_report["fits"] and "full" in cb.plan and any(w.calls > 0 for w in cb.wrappers)
+    first = next(modules[0].model.parameters())
+    assert torch.equal(first, frozen) and first.grad is None
+    for (name, p), q in zip(modules[0].model.named_parameters(), modules[1].model.parameters()):
+        assert torch.equal(p, q), name

@@ -50,6 +50,16 @@ def _act(snapshot: dict) -> int:
     return int(sum(s.get(_MemRefType.ACT, 0) for s in snapshot.values()))
 
 
+class _NoHook:
+    """The handle of a gradient hook never registered (MemTracker removes every handle it holds on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class _ActivationTracker(MemTracker):
     """MemTracker that also remembers the largest ``ACT`` seen (its peak snapshot is taken at the
     peak of the total, which for checkpointed models is in backward, not where ``ACT`` peaks)."""
@@ -57,6 +67,15 @@ class _ActivationTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.max_act = 0
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # (torch 2.13 private) MemTracker registers a gradient hook on every parameter of a module it enters: a frozen
+        # one (requires_grad=False: a fine-tune's embedding) raised "cannot register a hook on a tensor that doesn't
+        # require gradient" and the budget probe failed; it never gets a gradient, so it is marked as hooked already
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
