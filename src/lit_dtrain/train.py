@@ -92,6 +92,7 @@ from lit_dtrain.utils.distributed import (
     destroy_process_group_at_exit,
     explain_collective_failure,
     is_collective_failure,
+    only_interruptions,
 )
 from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
 from lit_dtrain.utils.launcher_watch import kill_launched_ranks, past_the_last_collective, watched_run
@@ -117,11 +118,12 @@ def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
                 kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
             named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
             if named.failures:  # a rank that raised alone: its error, not 'another rank probably died or hung'
+                fix = "" if only_interruptions(named.failures) else "fix that rank's error. "  # (Ctrl-C: no error)
                 failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
                 raise CollectiveError(
                     f"rank {trainer.global_rank}: {'; '.join(f.rstrip('. ') for f in named.failures)}; this rank's "
                     f"next collective then failed at step {trainer.global_step} ({type(failed).__name__}: "
-                    f"{str(failed).splitlines()[0][:200]}): fix that rank's error. Resume with resume=auto."
+                    f"{str(failed).splitlines()[0][:200]}): {fix}Resume with resume=auto."
                 ) from e
             raise CollectiveError(
                 f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "

@@ -20,6 +20,18 @@ from tests.dist.test_compressed_ddp_failures import _FailAt
 pytestmark = pytest.mark.dist
 
 
+class _FailOdd(_FailAt):
+    """``how="blank"``: an error whose text starts on its second line; ``"interrupt"``: a ``KeyboardInterrupt`` (a
+    second Ctrl-C that reached this rank alone)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_step and self.how == "blank":
+            raise ValueError("\nthe shard's index is empty")
+        if self.global_step == self.fail_step and self.how == "interrupt":
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
 def _plain_ddp_worker(rank: int, port: int, root: str, how: str) -> None:
     """One fit through train.py's ``_fit`` under ``make_ddp``: rank 1 fails at step 2 as ``how`` says; each rank's
     outcome is saved."""
@@ -32,8 +44,8 @@ def _plain_ddp_worker(rank: int, port: int, root: str, how: str) -> None:
                         strategy=make_ddp(collective_timeout_s=30))
     outcome = {"type": None, "message": None}
     try:
-        _fit(trainer, _FailAt(root, "fit", step=2, how=how if rank == 1 else None), None, None)
-    except Exception as e:  # noqa: BLE001 - record what this rank raised
+        _fit(trainer, _FailOdd(root, "fit", step=2, how=how if rank == 1 else None), None, None)
+    except BaseException as e:  # noqa: BLE001 - record what this rank raised (a KeyboardInterrupt's SystemExit too)
         outcome = {"type": type(e).__name__, "message": str(e)}
     outcome["time"] = time.time()
     torch.save(outcome, Path(root) / f"rank{rank}.pt")
@@ -55,3 +67,20 @@ def test_a_rank_that_raised_alone_under_plain_ddp_is_named_by_the_other(tmp_path
     else:  # killed: nothing recorded, the line stays as it was
         assert message.startswith("rank 0: a collective failed at step 2 ("), message
         assert "Another rank probably died or hung" in message, message
+
+
+@pytest.mark.parametrize("how", ["blank", "interrupt"])
+def test_the_named_line_of_an_error_without_a_first_line_and_of_an_interrupted_rank(tmp_path, how):
+    """Rank 0's line named 'rank 1 stopped at step 2: ValueError:' for ``ValueError("\\nthe shard's index is
+    empty")``, and a rank 1 stopped by a ``KeyboardInterrupt`` as 'KeyboardInterrupt:; ... fix that rank's error'."""
+    run_rank_processes(_plain_ddp_worker, str(tmp_path), how)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert r0["type"] == "CollectiveError", r0
+    if how == "blank":
+        assert r0["message"].startswith("rank 0: rank 1 stopped at step 2: ValueError: the shard's index is empty; "
+                                        "this rank's next collective then failed at step 2 ("), r0
+        assert r0["message"].endswith("): fix that rank's error. Resume with resume=auto."), r0
+    else:
+        assert r0["message"].startswith("rank 0: rank 1 was interrupted at step 2 (KeyboardInterrupt); this rank's "
+                                        "next collective then failed at step 2 ("), r0
+        assert r0["message"].endswith("): Resume with resume=auto.") and "fix" not in r0["message"], r0

@@ -63,6 +63,7 @@ _FAILURE_KEY = "lit_dtrain/failed/fit{}/rank{}"
 _FITS_KEY = "lit_dtrain/fits"
 _EXIT_LINE_KEY, _EXIT_SEEN_KEY = "lit_dtrain/exit_line/rank{}", "lit_dtrain/exit_line_seen/rank{}"
 _EXIT_REACHED_KEY = "lit_dtrain/exit_line_reached/rank0"  # rank 0 reached a refusal: its line comes
+_INTERRUPTED = " was interrupted"  # a failure_line of a rank stopped by Ctrl-C or SIGTERM, not by an error
 _fit_generation = 0  # this fit's index in the current store; every rank of the group computes the same one
 _COLLECTIVE_HINTS = (
     "gloo",
@@ -135,13 +136,26 @@ def record_rank_failure(exc: BaseException, step: int | None = None) -> None:
     store, rank = _store_and_rank()
     if store is None:
         return
-    first = (str(exc).splitlines() or [""])[0][:400]
     where = f" at step {step}" if step is not None else ""
     try:
-        message = f"rank {rank} stopped{where}: {type(exc).__name__}: {first}"
-        store.set(_FAILURE_KEY.format(_fit_generation, rank), message)
+        store.set(_FAILURE_KEY.format(_fit_generation, rank), failure_line(exc, rank, where))
     except Exception:  # noqa: BLE001 - the store may be gone already (its host rank exited)
         pass
+
+
+def failure_line(exc: BaseException, rank: int, where: str = "") -> str:
+    """The line a rank leaves for the others: its error's type and first line of text (``ValueError("\\nbad")`` left
+    'ValueError:', an ``assert``'s empty one 'AssertionError:'), or that it was interrupted (Ctrl-C, SIGTERM): a
+    ``KeyboardInterrupt`` on one rank (a second Ctrl-C) was named as the error to fix."""
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "SIGTERMException":  # Lightning's (a SystemExit)
+        return f"rank {rank}{_INTERRUPTED}{where} ({type(exc).__name__})"
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:400]
+    return f"rank {rank} stopped{where}: {type(exc).__name__}{': ' + text if text else ''}"
+
+
+def only_interruptions(failures) -> bool:
+    """Whether every recorded line is of a rank that was interrupted (:func:`failure_line`): nothing to fix there."""
+    return bool(failures) and all(_INTERRUPTED in f for f in failures)
 
 
 def peer_failures(wait_s: float = 1.0) -> list[str]:
@@ -170,9 +184,10 @@ def explain_collective_failure(exc: BaseException) -> PeerRankFailedError:
     failures = peer_failures()
     if failures:
         cause = "; ".join(f.rstrip(". ") for f in failures)
+        fix = "" if only_interruptions(failures) else "fix that rank's error, then "
         return PeerRankFailedError(
             f"rank {rank}: {cause}. This rank's next collective with that peer then failed "
-            f"({type(exc).__name__}: {first}); fix that rank's error, then resume with resume=auto", tuple(failures)
+            f"({type(exc).__name__}: {first}); {fix}resume with resume=auto", tuple(failures)
         )
     return PeerRankFailedError(
         f"rank {rank}: a collective failed ({type(exc).__name__}: {first}): a peer rank stopped, hung or lost its "
