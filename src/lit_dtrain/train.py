@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
+from lit_dtrain._collective_errors import CollectiveError, collectives_named  # noqa: F401 - CollectiveError: train's
 from lit_dtrain._compose_errors import choose_callback_first
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
@@ -86,51 +87,23 @@ from lit_dtrain.train_callbacks import (
     max_time_timer,
 )
 from lit_dtrain.utils.atomic import remove_killed_writes_temp_files, write_atomically
-from lit_dtrain.utils.distributed import (
-    PeerRankFailedError,
-    destroy_default_group,
-    destroy_process_group_at_exit,
-    explain_collective_failure,
-    is_collective_failure,
-    only_interruptions,
-)
+from lit_dtrain.utils.distributed import destroy_default_group, destroy_process_group_at_exit
 from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
-from lit_dtrain.utils.launcher_watch import kill_launched_ranks, past_the_last_collective, watched_run
+from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
 
 log = logging.getLogger(__name__)
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out: another rank died, hung, or the network broke."""
-
-
 def _fit(trainer: L.Trainer, module, datamodule, ckpt_path) -> None:
-    try:
-        with keyboard_interrupt_kept(trainer):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except RuntimeError as e:
-        if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
-            raise CheckpointError(misfit_message(ckpt_path, module, e)) from e
-        if trainer.world_size > 1 and (is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
-            launcher = getattr(trainer.strategy, "launcher", None)
-            if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank (nor be
-                kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
-            named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
-            if named.failures:  # a rank that raised alone: its error, not 'another rank probably died or hung'
-                fix = "" if only_interruptions(named.failures) else "fix that rank's error. "  # (Ctrl-C: no error)
-                failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
-                raise CollectiveError(
-                    f"rank {trainer.global_rank}: {'; '.join(f.rstrip('. ') for f in named.failures)}; this rank's "
-                    f"next collective then failed at step {trainer.global_step} ({type(failed).__name__}: "
-                    f"{str(failed).splitlines()[0][:200]}): {fix}Resume with resume=auto."
-                ) from e
-            raise CollectiveError(
-                f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "
-                "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
-            ) from e
-        raise
+    with collectives_named(trainer):
+        try:
+            with keyboard_interrupt_kept(trainer):
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except RuntimeError as e:
+            if ckpt_path and str(e).startswith("Error(s) in loading state_dict"):
+                raise CheckpointError(misfit_message(ckpt_path, module, e)) from e
+            raise
 
 
 def _remove_killed_writes_temp_files(cfg: DictConfig) -> list[Path]:
@@ -345,10 +318,11 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds
     last_ckpt = str(Path(cfg.paths.checkpoint_dir) / "last.ckpt")
-    agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
-    restored_last = resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step)
-    if not smoke_test and not restored_last:
-        trainer.save_checkpoint(last_ckpt, weights_only=False)  # always leave a resumable checkpoint of the final step
+    with collectives_named(trainer, record=True):  # rank 0's disk full in last.ckpt: rank 1 names it
+        agree_on_early_stop(trainer)  # before last.ckpt (rank 0's EarlyStopping state) and summary.json's "stopped"
+        restored_last = resumed_and_trained_nothing(ckpt_path, last_ckpt, trainer.global_step, start_step)
+        if not smoke_test and not restored_last:
+            trainer.save_checkpoint(last_ckpt, weights_only=False)  # always a resumable checkpoint of the final step
     if sigterm_after_the_last_step(trainer):  # else it was ignored, and the next job of a multirun started
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name))
 
@@ -356,7 +330,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     warn_if_the_schedule_did_not_end(trainer, stopped, start_step, last_ckpt)
     train_loss = float(trainer.callback_metrics.get("train/loss", float("nan")))  # validate() resets the metrics
     try:
-        with keyboard_interrupt_kept(trainer):
+        with collectives_named(trainer), keyboard_interrupt_kept(trainer):
             val = trainer.validate(module, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # Lightning's exit status 0 otherwise; resume=auto validates last.ckpt
         raise SystemExit(stopped_by_sigterm(trainer, saved_last=True, run_name=run_name)) from None

@@ -137,3 +137,34 @@ def test_torchrun_workers_that_the_trainer_does_not_expect_are_refused(tmp_path,
     assert out.count("error: trainer.devices=1 starts 1 process(es) per node, but torchrun started "
                      "LOCAL_WORLD_SIZE=2 workers per node") == 1, out[-3000:]
     assert not list((tmp_path / "outputs" / "runs" / "mismatch").glob("checkpoints/*.ckpt"))
+
+
+def test_a_rank_0_that_fails_to_save_the_final_checkpoint_is_named_by_rank_1(tmp_path, corpus):
+    """Rank 0's disk full in the final last.ckpt (``trainer.save_checkpoint`` after fit) left rank 1's last line at
+    gloo's 'RuntimeError: ... Connection closed by peer' under Hydra's traceback: the error was recorded only inside
+    ``fit``, and only a failed collective inside it became a ``CollectiveError``. Rank 1 now names rank 0's error."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '0' and os.environ.get('TORCHELASTIC_RUN_ID'):\n"
+        "    import lightning.pytorch as pl\n"
+        "    from lightning.pytorch.trainer.states import TrainerStatus\n"
+        "    _save = pl.Trainer.save_checkpoint\n"
+        "    def save_checkpoint(self, *args, **kwargs):\n"
+        "        if self.state.status == TrainerStatus.FINISHED:  # after fit: the final last.ckpt\n"
+        "            raise OSError(28, 'No space left on device')\n"
+        "        return _save(self, *args, **kwargs)\n"
+        "    pl.Trainer.save_checkpoint = save_checkpoint\n"
+    )
+    env = subprocess_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(inject), env["PYTHONPATH"]])
+    args = [*TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer=ddp_cpu", "trainer.max_steps=2",
+            "sample.max_new_tokens=0", "trainer.enable_progress_bar=false", "run_name=full"]
+    proc = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: rank 1: rank 0 stopped at step 2: OSError: [Errno 28] No space left on device; this rank's next " \
+           "collective then failed at step 2 (" in out, out[-4000:]
