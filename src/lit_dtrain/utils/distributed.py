@@ -215,6 +215,29 @@ class RankFailureRecords:
         record_rank_failure(exception, trainer.global_step if trainer is not None else None)
         super().on_exception(exception)
 
+    # A failed collective of the step (DDP's gradient all-reduce in the closure's backward) or of a callback names the
+    # peer's record in a fit of one's own too (PeerRankFailedError): there rank 0 got gloo's bare 'Connection closed
+    # by peer' while rank 1's ValueError sat unread in the store (train.py's _fit named it).
+    def optimizer_step(self, *args, **kwargs):
+        with naming_peer_failures():
+            return super().optimizer_step(*args, **kwargs)
+
+    def reduce(self, *args, **kwargs):
+        with naming_peer_failures():
+            return super().reduce(*args, **kwargs)
+
+    def all_gather(self, *args, **kwargs):
+        with naming_peer_failures():
+            return super().all_gather(*args, **kwargs)
+
+    def broadcast(self, *args, **kwargs):
+        with naming_peer_failures():
+            return super().broadcast(*args, **kwargs)
+
+    def barrier(self, *args, **kwargs):
+        with naming_peer_failures():
+            return super().barrier(*args, **kwargs)
+
 
 @contextmanager
 def naming_peer_failures():
