@@ -90,6 +90,7 @@ def test_a_refusal_before_the_process_group_is_printed_once_under_torchrun(tmp_p
 
 def _survivor(rank: int, port: int, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.barrier()  # both connected: under load rank 1 was still in gloo's connectFullMesh when rank 0 died
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)  # and its store with it
     time.sleep(1.0)
