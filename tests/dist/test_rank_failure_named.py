@@ -32,16 +32,21 @@ class _FailOdd(_FailAt):
         return super().training_step(batch, batch_idx)
 
 
+def _ddp_trainer(root: str) -> L.Trainer:
+    from lit_dtrain.strategies import make_ddp
+
+    return L.Trainer(accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                     strategy=make_ddp(collective_timeout_s=30))
+
+
 def _plain_ddp_worker(rank: int, port: int, root: str, how: str) -> None:
     """One fit through train.py's ``_fit`` under ``make_ddp``: rank 1 fails at step 2 as ``how`` says; each rank's
     outcome is saved."""
     as_launched_rank(rank, port)
-    from lit_dtrain.strategies import make_ddp
     from lit_dtrain.train import _fit
 
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        strategy=make_ddp(collective_timeout_s=30))
+    trainer = _ddp_trainer(root)
     outcome = {"type": None, "message": None}
     try:
         _fit(trainer, _FailOdd(root, "fit", step=2, how=how if rank == 1 else None), None, None)
@@ -89,11 +94,8 @@ def test_the_named_line_of_an_error_without_a_first_line_and_of_an_interrupted_r
 def _own_fit_worker(rank: int, port: int, root: str) -> None:
     """A fit of one's own (``trainer.fit``, not train.py's ``_fit``) under ``make_ddp``: rank 1 raises at step 2."""
     as_launched_rank(rank, port)
-    from lit_dtrain.strategies import make_ddp
 
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        strategy=make_ddp(collective_timeout_s=30))
+    trainer = _ddp_trainer(root)
     outcome = {"type": None, "message": None}
     try:
         trainer.fit(_FailAt(root, "fit", step=2, how="raise" if rank == 1 else None))
