@@ -359,17 +359,14 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def state_dict(self) -> dict:
-        # a fit that resumed at its max_steps trains nothing and never reaches train start, where total_steps=None takes
-        # the trainer's horizon: a checkpoint saved after it (trainer.save_checkpoint) keeps the restored one's (it held
-        # None, and the same fit extended from it went back from 0 to the peak LR without the horizon warning)
+        # a fit resumed at its max_steps never reaches train start (where total_steps=None takes the trainer's horizon):
+        # a checkpoint saved after it keeps the restored one's (None put an extension back at the peak LR unwarned)
         restored = self._saved_schedule if self.total_steps is None else {}
         return {
             "base_lrs": [list(b) for b in self.base_lrs] if self.base_lrs is not None else None,
             "last_step": self.last_step,
             "optimizer_updates": list(self.updates) if self.updates is not None else None,  # manual optimization
-            # for information (the one taken from the trainer too): the constructor's
-            # arguments always win, and total_steps=None takes the resumed trainer's
-            "total_steps": restored.get("total_steps", self.total_steps),
+            "total_steps": restored.get("total_steps", self.total_steps),  # for information: the arguments win
             "warmup_steps": self.warmup_steps,
             "decay_steps": restored.get("decay_steps", self.decay_steps),
             "decay_type": self.decay_type,
