@@ -91,6 +91,7 @@ from lit_dtrain.utils.distributed import destroy_default_group, destroy_process_
 from lit_dtrain.utils.job_log import console_lines_to_job_log, warnings_reach_the_console
 from lit_dtrain.utils.launcher_watch import past_the_last_collective, watched_run
 from lit_dtrain.utils.lightning_noise import quiet_lightning_noise
+from lit_dtrain.utils.rss import own_peaks_for_a_multirun_job
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     held.enter_context(warnings_reach_the_console())  # under hydra/job_logging=disabled too
     destroy_process_group_at_exit()  # a no-op without one; Lightning's own handler covers NCCL only
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
+    own_peaks_for_a_multirun_job()  # job 2 on of a sweep in one process: its memory figures, not the jobs' highest
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
     try:
         check_known_keys(cfg)  # first: the decay branch below reads its keys

@@ -50,3 +50,26 @@ def test_without_proc_the_peak_is_ru_maxrss_in_its_platforms_unit(monkeypatch, p
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=maxrss))
     assert rss.rss_bytes() == (None, expected)
     assert rss.peak_rss_bytes() == expected
+
+
+@pytest.mark.parametrize("mode, num, resets", [("MULTIRUN", 1, True), ("MULTIRUN", 0, False), ("RUN", 0, False)])
+def test_a_multiruns_later_job_starts_with_its_own_peak_rss(monkeypatch, mode, num, resets):
+    """Hydra's basic launcher runs a sweep's jobs in one process: job 1's 300 MiB peak was job 2's too (VmHWM never
+    reset: the policy sweep of activation_checkpointing.md wrote peak_rss_mib 567, 619, 692, 692 MiB). Job 2 on
+    now starts from the RSS it has; a single run and a sweep's first job keep the process's peak (``time -v``'s)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not rss.reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs cannot be written here")
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    hc = SimpleNamespace(mode=getattr(RunMode, mode), job=SimpleNamespace(num=num))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hc))
+    block = bytearray(300 * MiB)  # the earlier job's peak
+    del block
+    before = rss.peak_rss_bytes()
+    assert rss.own_peaks_for_a_multirun_job() is resets
+    if resets:
+        assert rss.peak_rss_bytes() < before - 250 * MiB
+    else:
+        assert rss.peak_rss_bytes() >= before

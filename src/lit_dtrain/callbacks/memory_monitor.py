@@ -7,9 +7,9 @@ writes the ranks' highest peak, the final checkpoint and validation included, in
 
 - ``memory/rss_mib``: the resident set size now (``VmRSS`` of ``/proc/self/status``);
 - ``memory/peak_rss_mib``: the peak RSS since the process started (``VmHWM``; ``resource``'s ``ru_maxrss`` where
-  ``/proc`` is absent, and no ``memory/rss_mib`` there, said once). Never reset: ``/proc/self/clear_refs`` would also
-  lower what ``/usr/bin/time -v`` and ``getrusage`` report for the process. In a multirun whose jobs share one process
-  (Hydra's basic launcher) a job's figure therefore includes the earlier jobs' peaks; ``memory/rss_mib`` does not;
+  ``/proc`` is absent, and no ``memory/rss_mib`` there, said once). Not reset in a run (``/usr/bin/time -v`` reports the
+  same); in a multirun whose jobs share one process (Hydra's basic launcher) each job after the first starts with it
+  reset to the RSS it has (``utils.rss.own_peaks_for_a_multirun_job``), so its figure is its own, not the jobs' highest;
 - on CUDA, of the training device, from torch's caching allocator: ``memory/cuda_allocated_mib``
   (``torch.cuda.memory_allocated``, tensors now), ``memory/cuda_reserved_mib`` (``memory_reserved``, what the
   allocator holds from the driver now) and ``memory/cuda_peak_allocated_mib`` (``max_memory_allocated``) over the

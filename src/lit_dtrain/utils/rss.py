@@ -10,6 +10,7 @@ the callback that logs these in every run reads them through this module.
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 
 
@@ -57,3 +58,26 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def own_peaks_for_a_multirun_job() -> bool:
+    """At the start of a Hydra multirun's job after the first, in the process of the earlier jobs (the basic
+    launcher's): collect their garbage, give their freed heap back and reset the peak RSS (:func:`reset_peak_rss`),
+    and on CUDA empty the allocator's cache and reset its peak statistics, so the job's ``memory/*`` figures and
+    ``summary.json``'s ``peak_rss_mib`` are its own, not the highest of the jobs so far. Returns whether the RSS peak
+    was reset (False: not such a job, or no writable ``/proc/self/clear_refs``, as on macOS). Never in a single run
+    or a sweep's first job, whose peak stays the process's, what ``/usr/bin/time -v`` reports."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or hc.job.num == 0:
+        return False
+    gc.collect()
+    torch = sys.modules.get("torch")  # (not imported here: a job before this one has imported it)
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return reset_peak_rss()
