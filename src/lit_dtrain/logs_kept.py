@@ -7,8 +7,9 @@ that one of those refuses (a FourierSampler table of other data, another optimiz
 another kind) stopped the run having trained nothing, with the rows of its last logged step (its final ``val/loss``)
 gone for good, and its ``config_resolved.yaml`` and ``overrides.yaml`` (written at "training starts") labelled
 the run with the refused start's values. :class:`LogsKeptUntilTraining` keeps what those files held and puts it
-back when the fit raises before ``on_train_start``, which Lightning calls after every restore; from then on, the
-cut stands."""
+back when the run raises between the logger's build and ``on_train_start``, which Lightning calls after every
+restore (a check on the way, as ddp_spawn's refusal, included); from then on, or once the fit returned, the cut
+stands."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class LogsKeptUntilTraining(L.Callback):
                     self._files[path] = path.read_bytes()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.training_started = True
+
+    def cut_stands(self) -> None:
+        """The fit returned (a finished run's restart never starts training): nothing is put back from now on."""
         self.training_started = True
 
     def __enter__(self) -> LogsKeptUntilTraining:

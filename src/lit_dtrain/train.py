@@ -289,8 +289,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     with trainer_strategy(cfg) as strategy:  # strategy=auto on several processes: Lightning's "ddp", as strategy=ddp's
         if ckpt_path:  # another codec's state: refused before the logger cuts the run's logs at the checkpoint's step
             refuse_another_preset(strategy, ckpt_path)
-        # a checkpoint refused while the fit loads it: the logs the logger cuts now are put back (logs_kept.py)
+        # a resume refused from here to the fit's load: the logs build_logger cuts are put back (logs_kept.py)
         kept = LogsKeptUntilTraining(cfg.paths.output_dir) if ckpt_path and rank_zero_only.rank == 0 else None
+        held.enter_context(kept or contextlib.nullcontext())
         logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(
             cfg.trainer, callbacks=[*callbacks, *([kept] if kept else [])], logger=logger, strategy=strategy,
@@ -312,10 +313,11 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
 
     t0 = clock.fit_started()
     try:
-        with kept or contextlib.nullcontext():
-            _fit(trainer, module, datamodule, ckpt_path)
+        _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
         raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name, ckpt_dir=cfg.paths.checkpoint_dir)) from None
+    if kept:  # the fit returned: its cut stands (a finished run's restart validates again)
+        kept.cut_stands()
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds

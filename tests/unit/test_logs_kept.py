@@ -91,3 +91,18 @@ def test_the_cut_stands_once_training_started_or_the_fit_ended(tmp_path):
     with LogsKeptUntilTraining(tmp_path):
         purge_csv_metrics(metrics, 3)
     assert metrics.read_text() == "epoch,step,val/loss\n"
+
+
+def test_a_resume_refused_after_the_logger_is_built_keeps_the_other_loggers_rows(tiny_cfg):
+    """A check between the logger's build and the fit (ddp_spawn's refusal, a multirun's world size): a csv run's
+    resume=auto with logger=tensorboard and strategy.name=ddp_spawn (refused, trained nothing) cut the 2 rows of
+    step 4 from csv/metrics.csv (purge_other_loggers, in build_logger), which nothing put back."""
+    from lit_dtrain.errors import ConfigError
+
+    run = _run_and_refused_resume(tiny_cfg, "csv")
+    before = _files(run)
+    resumed = tiny_cfg("trainer.max_steps=6", "logger=tensorboard", "resume=auto", "trainer=ddp_cpu",
+                       "strategy.name=ddp_spawn", *FOURIER)
+    with pytest.raises(ConfigError, match="start_method='spawn' runs fit in new processes"):
+        train(resumed)
+    assert _files(run) == before
