@@ -17,17 +17,21 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_dtrain.run_dirs import EVENT_GLOB, event_dirs
+from lit_dtrain.run_dirs import CSV_NAME, EVENT_GLOB, event_dirs
 from lit_dtrain.utils.atomic import write_atomically
 
 RECORD = ("config_resolved.yaml", "overrides.yaml")
+# a log dir's files that the loggers write (CSVLogger: both; TensorBoardLogger: hparams.yaml), the others left alone:
+# a logger writing into the run dir itself (logger.name='') put back its train.log, which the job's log handler had
+# open (the refusal's lines went to the removed file)
+LOGGER_FILES = (CSV_NAME, "hparams.yaml")
 
 
 class LogsKeptUntilTraining(L.Callback):
     """A callback and context manager (rank 0's, on a resume): built before the logger cuts the logs of
-    ``run_dir``, it keeps the log dirs' other files (``metrics.csv``, ``hparams.yaml``) and :data:`RECORD` whole
-    and the names of their event files; a fit that raises inside it before training started gets them back, and
-    the event files written since (the purge marker, the new writer's) are removed
+    ``run_dir``, it keeps the log dirs' :data:`LOGGER_FILES` (``metrics.csv``, ``hparams.yaml``) and :data:`RECORD`
+    whole and the names of their event files; a run that raises inside it before training started gets them back,
+    and the event files written since (the purge marker, the new writer's) are removed
     (an event file is never rewritten, only added)."""
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -42,7 +46,7 @@ class LogsKeptUntilTraining(L.Callback):
             for path in directory.iterdir():
                 if path.match(EVENT_GLOB):
                     self._events.add(path)
-                elif path.is_file():
+                elif path.name in LOGGER_FILES and path.is_file():
                     self._files[path] = path.read_bytes()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -106,3 +106,20 @@ def test_a_resume_refused_after_the_logger_is_built_keeps_the_other_loggers_rows
     with pytest.raises(ConfigError, match="start_method='spawn' runs fit in new processes"):
         train(resumed)
     assert _files(run) == before
+
+
+def test_a_logger_writing_into_the_run_dir_itself_leaves_its_job_log_alone(tmp_path):
+    """logger=csv logger.name='' writes metrics.csv into the run dir itself, which every file there then was kept
+    and put back from: a refused resume's train.log was replaced by a copy taken before the refusal (a new file,
+    the logging handler went on writing to the removed one), its last 4 lines, the error among them, lost."""
+    (tmp_path / "metrics.csv").write_text("epoch,step,val/loss\n0,4,4.2\n")
+    log = tmp_path / "train.log"
+    log.write_text("first start\n")
+    inode = log.stat().st_ino
+    with pytest.raises(RuntimeError, match="refused"), LogsKeptUntilTraining(tmp_path):
+        purge_csv_metrics(tmp_path / "metrics.csv", 4)
+        with log.open("a") as handler:
+            handler.write("error: refused\n")
+        raise RuntimeError("refused")
+    assert (tmp_path / "metrics.csv").read_text() == "epoch,step,val/loss\n0,4,4.2\n"
+    assert log.read_text() == "first start\nerror: refused\n" and log.stat().st_ino == inode
