@@ -105,3 +105,16 @@ def test_all_gather_stacked_stacks_by_rank_without_torchs_deprecation_warning(tm
         assert gathered.shape == (1, 1) and gathered.item() == 7.5
     finally:
         dist.destroy_process_group()
+
+
+def test_only_a_rank_that_was_interrupted_is_read_as_an_interruption():
+    """An error whose own text says 'was interrupted' (an OSError's) was read as a Ctrl-C: its line lost 'fix that
+    rank's error'."""
+    from lit_dtrain.utils.distributed import failure_line, only_interruptions
+
+    error = failure_line(OSError("the read was interrupted by the NFS server"), 1, " at step 3")
+    assert error == "rank 1 stopped at step 3: OSError: the read was interrupted by the NFS server"
+    interrupt = failure_line(KeyboardInterrupt(), 1, " at step 2")
+    assert interrupt == "rank 1 was interrupted at step 2 (KeyboardInterrupt)"
+    read = [only_interruptions(f) for f in ([error], [interrupt], [interrupt, error], [])]
+    assert read == [False, True, False, False]

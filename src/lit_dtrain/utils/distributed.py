@@ -4,6 +4,7 @@ peer rank's error when a collective fails because that rank stopped."""
 from __future__ import annotations
 
 import atexit
+import re
 import time
 from contextlib import contextmanager
 
@@ -155,7 +156,7 @@ def failure_line(exc: BaseException, rank: int, where: str = "") -> str:
 
 def only_interruptions(failures) -> bool:
     """Whether every recorded line is of a rank that was interrupted (:func:`failure_line`): nothing to fix there."""
-    return bool(failures) and all(_INTERRUPTED in f for f in failures)
+    return bool(failures) and all(re.match(rf"rank \d+{_INTERRUPTED}", f) for f in failures)  # (not an error's text)
 
 
 def peer_failures(wait_s: float = 1.0) -> list[str]:
