@@ -58,18 +58,18 @@ def lit_llm() -> LitLLM:
 RETAINED = {"none": 10.0, "selective": 5.0, "full": 1.0}  # bytes one block keeps after its forward, per mode
 
 
-def fake_probe(monkeypatch, overshoot, memory_budget, **kwargs):
-    """The probe of 4 blocks whose measured bytes are ``RETAINED`` (a verified plan's peak: its estimate plus
+def fake_probe(monkeypatch, overshoot, memory_budget, retained=RETAINED, **kwargs):
+    """The probe of 4 blocks whose measured bytes are ``retained`` (a verified plan's peak: its estimate plus
     ``overshoot(plan)``), ``full`` costing 4 s and ``selective`` 1 s a block; returns ``(plan, report, wrappers)``."""
     blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
     wrappers = apply_checkpointing(blocks, uniform_plan(4, "none"))
-    profiles = [BlockProfile(retained=dict(RETAINED))] * 4
+    profiles = [BlockProfile(retained=dict(retained))] * 4
 
     def measure(step, root, modules=()):
         plan = [w.mode for w in wrappers]
         peak = estimate_peak(profiles, plan, 0.0)
         if modules:  # a uniform pass
-            return SimpleNamespace(max_act=peak, retained=[RETAINED[plan[0]]] * 4, calls=[1] * 4)
+            return SimpleNamespace(max_act=peak, retained=[retained[plan[0]]] * 4, calls=[1] * 4)
         return SimpleNamespace(max_act=peak + overshoot(plan))
 
     monkeypatch.setattr(budget, "measure_activation_memory", measure)

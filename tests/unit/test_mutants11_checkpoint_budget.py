@@ -15,7 +15,7 @@ from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe, time
 from lit_dtrain.callbacks._checkpoint_policies import SaveOpsPolicy, resolve_ops
 from tests.unit._selective_ckpt_helpers import fake_probe
 
-S, N = "selective", "none"
+F, S, N = "full", "selective", "none"
 
 
 def test_a_plan_that_misses_is_replanned_by_the_miss_and_measured_again(monkeypatch):
@@ -81,3 +81,24 @@ def test_the_stopwatch_adds_each_op_to_its_block_and_keeps_the_fastest_repeat(mo
     assert runs[0] == 2 and (full, sel) == ([6.0, 3.0], [4.0, 2.0])
 
 
+
+
+def test_a_plan_measured_at_the_budget_to_the_byte_is_kept_where_the_product_rounds_below_it(monkeypatch):
+    """Budget 0.35 of 180 bytes: 0.35 * 180 is 62.99999999999999 in floats, 63 / 180 is 0.35. ``full, selective,
+    selective, none`` (estimated 59) measured 63 bytes: the re-plan loop took it for a miss (63 > 0.35 * 180) and
+    re-planned to ``full, full, selective, none`` (3 s more recompute), while the report's rule (measured_ratio <=
+    memory_budget) read that first try's 0.35 as fitting. Both now read 63 as at the budget: kept, in one try."""
+    retained = {"none": 45.0, "selective": 6.5, "full": 1.0}
+    plan, report, _ = fake_probe(monkeypatch, lambda plan: 4.0 if plan == [F, S, S, N] else 0.0, 0.35, retained)
+    assert plan == [F, S, S, N] and report["fits"] is True and report["measured_ratio"] == 0.35
+    assert report["tries"] == [{"plan": [F, S, S, N], "estimated_ratio": 59 / 180, "measured_ratio": 63 / 180}]
+
+
+def test_the_planner_takes_a_plan_estimated_at_the_budget_to_the_byte(monkeypatch):
+    """The planner compared estimates with the same rounded product: ``selective, selective, selective, none``,
+    estimated (and measured) 63 of 180 bytes under 0.35, was passed over for ``full, selective, selective, none`` (6 s
+    of recompute for 3 s). The cheapest plan at the budget is taken."""
+    retained = {"none": 45.0, "selective": 6.0, "full": 1.0}
+    plan, report, _ = fake_probe(monkeypatch, lambda plan: 0.0, 0.35, retained)
+    assert plan == [S, S, S, N] and report["fits"] is True and report["measured_ratio"] == 0.35
+    assert len(report["tries"]) == 1

@@ -21,6 +21,7 @@ fake trace. Measuring real bytes and picking among whole-block modes is simpler 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -92,6 +93,18 @@ def time_block_ops(
     return best_full, best_sel
 
 
+def budget_bytes(none_act: float, memory_budget: float) -> float:
+    """The most bytes whose ratio to ``none_act`` is at most ``memory_budget``: the report's rule (``measured_ratio <=
+    memory_budget`` fits) in bytes, for the planner and the re-plan loop. ``memory_budget * none_act`` rounds either
+    way: 0.35 * 180 is 62.99999999999999, so a plan of 63 bytes, 0.35 of 180 in the report, was a miss to the loop."""
+    target = float(memory_budget) * none_act
+    while target / none_act > memory_budget:  # one step of a float at most, either way
+        target = math.nextafter(target, -math.inf)
+    while math.nextafter(target, math.inf) / none_act <= memory_budget:
+        target = math.nextafter(target, math.inf)
+    return target
+
+
 def budget_plan_from_probe(
     forward_fn: Callable[[], torch.Tensor],
     root: nn.Module,
@@ -151,7 +164,7 @@ def budget_plan_from_probe(
                 for i in range(len(blocks))
             ]
             base = none_act - sum(p.retained["none"] for p in profiles)
-            target = float(memory_budget) * none_act
+            target = budget_bytes(none_act, float(memory_budget))  # actual <= target: measured_ratio <= budget
             plan, estimate = plan_budget(profiles, base, target)
             tried = []
             for attempt in range(max_replans + 1):
