@@ -58,15 +58,14 @@ def lit_llm() -> LitLLM:
 RETAINED = {"none": 10.0, "selective": 5.0, "full": 1.0}  # bytes one block keeps after its forward, per mode
 
 
-def fake_probe(monkeypatch, overshoot, memory_budget, retained=RETAINED, **kwargs):
-    """The probe of 4 blocks whose measured bytes are ``retained`` (a verified plan's peak: its estimate plus
-    ``overshoot(plan)``), ``full`` costing 4 s and ``selective`` 1 s a block; returns ``(plan, report, wrappers)``."""
-    blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
-    wrappers = apply_checkpointing(blocks, uniform_plan(4, "none"))
+def fake_measurements(monkeypatch, wrappers, overshoot, retained=RETAINED) -> None:
+    """The probe's measurements replaced: 4 blocks whose measured bytes are ``retained`` (a verified plan's peak: its
+    estimate plus ``overshoot(plan)``), ``full`` costing 4 s and ``selective`` 1 s a block; the plan is read from
+    ``wrappers()``."""
     profiles = [BlockProfile(retained=dict(retained))] * 4
 
     def measure(step, root, modules=()):
-        plan = [w.mode for w in wrappers]
+        plan = [w.mode for w in wrappers()]
         peak = estimate_peak(profiles, plan, 0.0)
         if modules:  # a uniform pass
             return SimpleNamespace(max_act=peak, retained=[retained[plan[0]]] * 4, calls=[1] * 4)
@@ -74,6 +73,13 @@ def fake_probe(monkeypatch, overshoot, memory_budget, retained=RETAINED, **kwarg
 
     monkeypatch.setattr(budget, "measure_activation_memory", measure)
     monkeypatch.setattr(budget, "time_block_ops", lambda fn, blocks, policy: ([4.0] * 4, [1.0] * 4))
+
+
+def fake_probe(monkeypatch, overshoot, memory_budget, retained=RETAINED, **kwargs):
+    """The probe of :func:`fake_measurements`'s 4 blocks; returns ``(plan, report, wrappers)``."""
+    blocks = [torch.nn.Linear(2, 2) for _ in range(4)]
+    wrappers = apply_checkpointing(blocks, uniform_plan(4, "none"))
+    fake_measurements(monkeypatch, lambda: wrappers, overshoot, retained)
     root = torch.nn.Sequential(*blocks)
     plan, report = budget_plan_from_probe(lambda: root(torch.ones(1, 2)).sum(), root, blocks, wrappers,
                                           memory_budget, **kwargs)

@@ -128,6 +128,7 @@ COUNTS = [
     (SelectiveCheckpointing, {"policy": "full"}, "every_k", 1, False),  # kept under any policy
     (SelectiveCheckpointing, {}, "probe_batch_size", 1, False),
     (SelectiveCheckpointing, {}, "probe_seq_len", 1, True),
+    (SelectiveCheckpointing, {}, "max_replans", 0, False),
     (FourierSamplerCallback, {}, "log_every_n_steps", 1, True),
     (AdaptiveGradClip, {}, "warmup_steps", 2, False),
     (AdaptiveGradClip, {}, "log_every_n_steps", 1, True),

@@ -3,6 +3,9 @@ a trainer stand-in carries FSDP's precision plugin), and a block called several 
 
 from __future__ import annotations
 
+import re
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +19,7 @@ from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import BlockProfile, apply_checkpointing, estimate_peak, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
 from lit_dtrain.module import LitLLM
-from tests.unit._selective_ckpt_helpers import fake_probe, fit, lit_llm
+from tests.unit._selective_ckpt_helpers import fake_measurements, fake_probe, fit, lit_llm
 
 
 @pytest.mark.parametrize("precision, dtype, autocast", [
@@ -161,3 +164,33 @@ def test_a_model_with_a_frozen_parameter_is_probed_and_trains_like_no_checkpoint
     assert torch.equal(first, frozen) and first.grad is None
     for (name, p), q in zip(modules[0].model.named_parameters(), modules[1].model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("max_replans, tries", [(0, 1), (1, 2), (3, 2)])
+def test_max_replans_from_the_config_reaches_the_probe(monkeypatch, max_replans, tries):
+    """``max_replans`` was fixed at 3 inside the probe: ``callbacks.selective_ckpt.max_replans=0`` (keep the first plan
+    measured) was refused as a key the config lacks. From the config it reaches the probe: a plan missing by 4 bytes
+    (0.85 of a 0.8 budget) is kept after one try with 0, re-planned once to 0.725 with 1 or more."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(__file__).parents[2] / "conf" / "callbacks" / "selective_ckpt.yaml").selective_ckpt
+    cb = instantiate(conf, policy="budget", memory_budget=0.8, max_replans=max_replans)
+    fake_measurements(monkeypatch, lambda: cb.wrappers, lambda plan: 4.0)
+    trainer = SimpleNamespace(precision_plugin=None, datamodule=None,
+                              strategy=SimpleNamespace(broadcast=lambda obj, src=0: obj))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # max_replans=0's "measured 0.850 ... over memory_budget=0.8"
+        cb.setup(trainer, lit_llm(), "fit")
+    assert len(cb.budget_report["tries"]) == tries
+    assert cb.budget_report["measured_ratio"] == (34 / 40 if tries == 1 else 29 / 40)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2", None])
+def test_a_bad_max_replans_is_one_line_naming_it(value):
+    """A negative count gave the probe no try at all (an IndexError on its empty list of tries, no plan)."""
+    with pytest.raises(ValueError, match=rf"^SelectiveCheckpointing: max_replans must be an integer >= 0, got "
+                                         rf"{re.escape(repr(value))}$"):
+        SelectiveCheckpointing(policy="budget", max_replans=value)
+    with pytest.raises(ValueError, match=r"^max_replans must be an integer >= 0, got -1$"):
+        budget_plan_from_probe(lambda: None, torch.nn.Linear(2, 2), [], [], 0.5, max_replans=-1)

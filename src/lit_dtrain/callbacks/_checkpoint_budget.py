@@ -122,6 +122,8 @@ def budget_plan_from_probe(
     """
     if not 0.0 < float(memory_budget) <= 1.0:
         raise ValueError(f"memory_budget must be in (0, 1], got {memory_budget}")
+    if isinstance(max_replans, bool) or not isinstance(max_replans, int) or max_replans < 0:
+        raise ValueError(f"max_replans must be an integer >= 0, got {max_replans!r}")  # -1: an IndexError, no plan
     params = list(root.parameters())
     grads = [p.grad for p in params]
     buffers = {name: b.detach().clone() for name, b in root.named_buffers()}

@@ -148,6 +148,8 @@ class SelectiveCheckpointing(Callback):
         probe_batch_size: for ``budget``, the batch size of the probe pass.
         probe_seq_len: for ``budget``, its sequence length (None: the datamodule's ``block_size``,
             else the model config's ``block_size``).
+        max_replans: for ``budget``, how many times a plan measured over the budget is re-planned and measured
+            again (0: the first plan measured is used, fitting or not).
 
     The probe input is the LightningModule's ``example_input_array`` if set (surrogate loss: the sum
     of the outputs), else random token ids for a model with ``config.vocab_size`` (next-token
@@ -164,6 +166,7 @@ class SelectiveCheckpointing(Callback):
         memory_budget: float = 0.5,
         probe_batch_size: int = 1,
         probe_seq_len: int | None = None,
+        max_replans: int = 3,
     ) -> None:
         check_arg("SelectiveCheckpointing", "policy", policy, lambda v: v in POLICIES, f"one of {POLICIES}")
         # whatever the policy: both are kept (int(), float()), so under another policy every_k=None was a bare
@@ -175,6 +178,7 @@ class SelectiveCheckpointing(Callback):
                   "an integer >= 1")
         check_arg("SelectiveCheckpointing", "probe_seq_len", probe_seq_len, whole_at_least(1, none_ok=True),
                   "an integer >= 1 or None")
+        check_arg("SelectiveCheckpointing", "max_replans", max_replans, whole_at_least(0), "an integer >= 0")
         # a string (save_ops=aten.mm on the command line) became a list of its characters: "entry 'a' is not ..."
         # and a number (save_ops=0) was "TypeError: 'int' object is not iterable" in Hydra's wrapper
         check_arg("SelectiveCheckpointing", "save_ops", save_ops,
@@ -191,6 +195,7 @@ class SelectiveCheckpointing(Callback):
         self.memory_budget = float(memory_budget)
         self.probe_batch_size = int(probe_batch_size)
         self.probe_seq_len = None if probe_seq_len is None else int(probe_seq_len)
+        self.max_replans = int(max_replans)
         self.block_names: list[str] = []
         self.plan: list[str] = []
         self.wrappers: list[CheckpointedForward] = []
@@ -358,7 +363,7 @@ class SelectiveCheckpointing(Callback):
         with _in_training_dtype(trainer, pl_module), _uncompiled(pl_module):
             plan, report = budget_plan_from_probe(
                 self._probe_forward(trainer, pl_module), pl_module, blocks, self.wrappers, self.memory_budget,
-                self.save_ops,
+                self.save_ops, self.max_replans,
             )
         # Probe timings differ across ranks: every rank takes rank 0's plan so all run the same graph.
         plan, report = trainer.strategy.broadcast((plan, report), src=0)
