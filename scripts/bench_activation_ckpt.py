@@ -81,9 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="step time for the ratios: cpu = this process's CPU time (robust to other processes\n"
                         "on a shared machine, with --threads 1); wall = elapsed time. Both are printed.")
-    p.add_argument("--plot", default="outputs/bench_actckpt/actckpt_memory_vs_time.png",
-                   help="PNG path (relative: under the current directory; '' to skip; the docs' figure: "
-                        "--plot docs/img/actckpt_memory_vs_time.png)")
+    p.add_argument("--plot", default="",
+                   help="PNG path of memory against time (relative: under the current directory; default: no plot; "
+                        "the docs' figure: --plot docs/img/actckpt_memory_vs_time.png)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: model and batch on the GPU; wall-clock step time; CUDA peak memory instead of RSS")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -103,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
         if not any(given.split(",")):  # '' ran no configuration and printed empty results
             p.error(f"{flag} must name at least one of {list(known)}, got {given!r}")
+    if "none" not in args.policies.split(","):  # every ratio and the gradient difference are against none's: nan
+        p.error(f"--policies must include none (every ratio and grad diff is against none's), got {args.policies!r}")
     seqs = [s for s in args.seqs.split(",") if s]
     if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
         p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")
@@ -205,23 +207,22 @@ def run_config(shape: str, seq: int, args) -> dict:
             c1, t1 = time.process_time(), time.perf_counter()
             times[p].append(c1 - c0 if step_clock(args) == "cpu" else t1 - t0)
             walls[p].append(t1 - t0)
-    ref = res.get("none")
+    ref = res["none"]  # parse_args requires it
     # Where the parameters and gradients set the memory peak (small at T=16, B=2: none's peak snapshot held
     # 0.0003 MiB of ACT, its largest ACT 6.4 MiB), the peak snapshot sees no activations and every policy read 1.0:
     # the ratio is then taken from the largest ACT, and the output says so.
-    source = "peak_act" if ref is None or ref["peak_act_mib"] >= 0.5 * ref["max_act_mib"] else "max_act"
+    source = "peak_act" if ref["peak_act_mib"] >= 0.5 * ref["max_act_mib"] else "max_act"
     for p in policies:
         r = res[p]
         r["step_s"] = statistics.median(times[p])
         r["wall_s"] = statistics.median(walls[p])
-        if ref is not None:
-            r["saved_bytes_ratio"] = r[f"{source}_mib"] / ref[f"{source}_mib"]
-            r["saved_bytes_from"] = source
-            r["max_act_ratio"] = r["max_act_mib"] / ref["max_act_mib"]
-            r["time_ratio"] = r["step_s"] / statistics.median(times["none"])
-            r["max_abs_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(r["grads"], ref["grads"]))
-            if cuda:
-                r["cuda_peak_ratio"] = r["cuda_peak_step_mib"] / ref["cuda_peak_step_mib"]
+        r["saved_bytes_ratio"] = r[f"{source}_mib"] / ref[f"{source}_mib"]
+        r["saved_bytes_from"] = source
+        r["max_act_ratio"] = r["max_act_mib"] / ref["max_act_mib"]
+        r["time_ratio"] = r["step_s"] / statistics.median(times["none"])
+        r["max_abs_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(r["grads"], ref["grads"]))
+        if cuda:
+            r["cuda_peak_ratio"] = r["cuda_peak_step_mib"] / ref["cuda_peak_step_mib"]
     for p in policies:
         del res[p]["grads"]
     return {"shape": shape, "seq": seq, "batch": batch, "policies": res, "budget_report": budget_report}
@@ -303,18 +304,17 @@ def main(argv=None) -> dict:
                   f"{mem_cols[0]:>8s} {mem_cols[1]:>6s} {'bwd GF mm':>9s} {'bwd GF all':>10s} {'grad diff':>9s}  plan")
             for p, r in cfg["policies"].items():
                 plan = "".join({"none": ".", "selective": "s", "full": "F"}[m] for m in r["plan"])
-                nan = float("nan")
                 if cuda:
-                    mem = f"{r['cuda_peak_step_mib']:8.0f} {r.get('cuda_peak_ratio', nan):6.3f}"
+                    mem = f"{r['cuda_peak_step_mib']:8.0f} {r['cuda_peak_ratio']:6.3f}"
                 else:
                     mem = f"{r['peak_rss_mib']:8.0f} {r['step_rss_mib']:6.0f}"
-                print(f"{p:10s} {r['peak_act_mib']:11.1f} {r.get('saved_bytes_ratio', nan):6.3f} "
-                      f"{r.get('max_act_ratio', nan):7.3f} {r['step_s']:7.3f} {r.get('time_ratio', nan):6.3f} "
+                print(f"{p:10s} {r['peak_act_mib']:11.1f} {r['saved_bytes_ratio']:6.3f} "
+                      f"{r['max_act_ratio']:7.3f} {r['step_s']:7.3f} {r['time_ratio']:6.3f} "
                       f"{r['wall_s']:6.2f} "
                       f"{mem} {r['bwd_gflops_mm']:9.2f} "
-                      f"{r['bwd_gflops_all']:10.2f} {r.get('max_abs_grad_diff', nan):9.1e}  {plan}")
-            ref = cfg["policies"].get("none")
-            if ref is not None and ref["saved_bytes_from"] == "max_act":
+                      f"{r['bwd_gflops_all']:10.2f} {r['max_abs_grad_diff']:9.1e}  {plan}")
+            ref = cfg["policies"]["none"]
+            if ref["saved_bytes_from"] == "max_act":
                 print("note: ratio = largest ACT over none's (as maxACT), not peak ACT: at this size the parameters "
                       f"and gradients set the memory peak, where none holds {ref['peak_act_mib']:.4f} MiB of ACT of "
                       f"its largest {ref['max_act_mib']:.1f} MiB (saved_bytes_from: max_act)")
@@ -323,7 +323,7 @@ def main(argv=None) -> dict:
                 print(f"budget={br['memory_budget']}: probe measured {br['measured_ratio']:.3f} of none's largest ACT "
                       f"(estimate {br['estimated_ratio']:.3f}, {len(br['tries'])} plan(s) tried, "
                       f"{br['probe_seconds']:.1f} s)")
-    if args.plot and configs and all("none" in c["policies"] for c in configs):
+    if args.plot and configs:
         make_plot(configs, args.plot, note=f" ({args.device}, {args.dtype}, wall time)" if cuda else "")
         print(f"\nplot: {args.plot}")
 
@@ -333,8 +333,6 @@ def main(argv=None) -> dict:
     mem_keys = ("cuda_peak_step_mib", "cuda_peak_ratio") if cuda else ("peak_rss_mib", "step_rss_mib")
     for p in policies:
         rows = [c["policies"][p] for c in configs]
-        if "none" not in configs[0]["policies"]:
-            break
         summary[p] = {
             "saved_bytes_ratio": statistics.mean(r["saved_bytes_ratio"] for r in rows),
             "time_ratio": statistics.mean(r["time_ratio"] for r in rows),

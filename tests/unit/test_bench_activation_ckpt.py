@@ -40,8 +40,9 @@ def bench(monkeypatch):
 
 
 def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # the default --plot's dir (outputs/bench_actckpt) is made when it is checked
+    monkeypatch.chdir(tmp_path)  # the default --plot was outputs/bench_actckpt/..., its dir made when checked
     args = bench.parse_args([])
+    assert args.plot == "" and list(tmp_path.iterdir()) == []  # no plot unless --plot asks for one
     assert (args.device, args.dtype, args.clock, args.tokens, args.shapes, args.seqs, args.repeats) == (
         "cpu", "fp32", "cpu", 1024, "small,deep", "256,1024", 5)
     assert bench.step_clock(args) == "cpu"
@@ -157,6 +158,8 @@ def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypa
         (["--shapes", "huge"], "--shapes: unknown ['huge']; choose from"),
         (["--shapes", ""], "--shapes must name at least one of ['small', 'deep'"),
         (["--policies", ","], "--policies must name at least one of ['none', 'full', 'every_k'"),
+        # every ratio was nan, the JSON line held no policy and the targets were {}: ratios are against none's
+        (["--policies", "full,selective"], "--policies must include none (every ratio and grad diff is against"),
     ],
 )
 def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, message):
@@ -168,13 +171,17 @@ def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, mes
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_where_weights_set_the_memory_peak_the_ratio_is_of_the_largest_act_and_says_so(bench, capsys):
+def test_where_weights_set_the_memory_peak_the_ratio_is_of_the_largest_act_and_says_so(bench, capsys, monkeypatch,
+                                                                                        tmp_path):
     """A wide model on a few tokens: the memory peaks with every gradient allocated, where no activation is left, so
-    peak ACT gave every policy 1.0 (the small shape at T=16, B=2: 1.000 for full, whose largest ACT gave 0.159)."""
+    peak ACT gave every policy 1.0 (the small shape at T=16, B=2: 1.000 for full, whose largest ACT gave 0.159).
+    Without --plot nothing is written (outputs/bench_actckpt/actckpt_memory_vs_time.png was, under the cwd)."""
+    monkeypatch.chdir(tmp_path)
     bench.SHAPES["wide"] = dict(d_model=256, n_layer=2, n_head=4, n_kv_head=2)
-    summary = bench.main(["--shapes", "wide", "--seqs", "8", "--tokens", "8", "--repeats", "1", "--plot", "",
+    summary = bench.main(["--shapes", "wide", "--seqs", "8", "--tokens", "8", "--repeats", "1",
                           "--policies", "none,full"])
     out = capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [] and "plot:" not in out
     full = summary["full"]["by_config"]["wide/T8"]
     assert full["saved_bytes_from"] == "max_act" and full["saved_bytes_ratio"] == full["max_act_ratio"] < 0.5
     assert "note: ratio = largest ACT over none's (as maxACT), not peak ACT" in out
