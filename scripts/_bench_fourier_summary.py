@@ -127,12 +127,13 @@ def summarize(runs: list, timing: dict, args) -> dict:
             if f"wall_ratio{suffix}" not in t:
                 continue
             print(f"[{corpus}] interleaved wall-clock ratio fourier{suffix}/uniform: {t[f'wall_ratio{suffix}']:.4f} "
-                  f"(rounds {t[f'round_ratios{suffix}']}; {t['uniform_ms']:.1f} vs {t[f'fourier{suffix}_ms']:.1f} "
-                  f"ms/step, N={t['num_samples']})")
+                  f"(rounds {t[f'round_ratios{suffix}']}; fourier{suffix} {t[f'fourier{suffix}_ms']:.1f} vs "
+                  f"uniform {t['uniform_ms']:.1f} ms/step, N={t['num_samples']})")
             if f"pipelined_ratio{suffix}" in t:
                 print(f"[{corpus}] pipelined ({args.timing_steps} steps, one sync) ratio fourier{suffix}/uniform: "
                       f"{t[f'pipelined_ratio{suffix}']:.4f} (rounds {t[f'pipelined_round_ratios{suffix}']}; "
-                      f"{t['pipelined_uniform_ms']:.2f} vs {t[f'pipelined_fourier{suffix}_ms']:.2f} ms/step)")
+                      f"fourier{suffix} {t[f'pipelined_fourier{suffix}_ms']:.2f} vs uniform "
+                      f"{t['pipelined_uniform_ms']:.2f} ms/step)")
     return out
 
 

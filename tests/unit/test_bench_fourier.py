@@ -1,4 +1,5 @@
-"""scripts/bench_fourier.py's oracle references draw the mixture's random windows at the stated share."""
+"""scripts/bench_fourier.py: the oracle references draw the mixture's random windows at the stated share; lag
+variants, the library token loss, the split warning once, and the timing lines."""
 
 from __future__ import annotations
 
@@ -134,3 +135,17 @@ def test_the_mixture_split_warning_is_printed_once_a_benchmark(bench, tmp_path, 
     split = [r.getMessage() for r in caplog.records if "too few documents for a by-document" in r.getMessage()]
     assert [m.split(":")[0] for m in split] == ["data source 'boilerplate'", "data source 'random'"], split
     assert logging.getLogger("lit_dtrain.data.corpus").filters == filters  # the filter ends with the benchmark
+
+
+def test_the_timing_lines_name_each_ms_figure_in_the_ratios_order(bench, capsys):
+    """The line read 'ratio fourier/uniform: 0.8793 (...; 21.7 vs 19.1 ms/step': uniform's ms first, beside a
+    fourier/uniform ratio, so the slower side read as the sampler's. Each figure is named now, numerator first."""
+    import argparse
+
+    timing = {"mixture": {"uniform_ms": 21.7, "fourier_ms": 19.1, "wall_ratio": 0.8793, "round_ratios": [0.8793],
+                          "num_samples": 646, "pipelined_uniform_ms": 20.0, "pipelined_fourier_ms": 25.0,
+                          "pipelined_ratio": 1.25, "pipelined_round_ratios": [1.25]}}
+    bench.summarize([], timing, argparse.Namespace(steps=4, block_sizes=[32], timing_steps=2))
+    out = capsys.readouterr().out
+    assert "ratio fourier/uniform: 0.8793 (rounds [0.8793]; fourier 19.1 vs uniform 21.7 ms/step, N=646)" in out
+    assert "ratio fourier/uniform: 1.2500 (rounds [1.25]; fourier 25.00 vs uniform 20.00 ms/step)" in out
