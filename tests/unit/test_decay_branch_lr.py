@@ -86,3 +86,22 @@ def test_a_branch_from_the_first_stable_step_is_accepted(tiny_cfg, tmp_path):
     cfg = tiny_cfg(f"decay_branch.ckpt={src}", "decay_branch.steps=4", "scheduler.warmup_steps=2", run="branch")
     assert apply_decay_branch(cfg) == 2
     assert (cfg.trainer.max_steps, cfg.scheduler.total_steps, cfg.scheduler.decay_steps) == (6, 6, 4)
+
+
+@pytest.mark.parametrize("given", ["4.0", "4e0"])
+def test_a_branch_length_written_as_a_whole_float_is_that_integer(tiny_cfg, tmp_path, given):
+    """``decay_branch.steps=5.0`` was refused ('must be a positive integer, got 5.0') where ``trainer.max_steps=20.0``,
+    ``scheduler.warmup_steps=2.0`` and every schedule argument take a float that is exactly an integer as it."""
+    src = _checkpoint(tmp_path / "src", 2, lr=0.003)
+    cfg = tiny_cfg(f"decay_branch.ckpt={src}", f"decay_branch.steps={given}", "scheduler.warmup_steps=2", run="branch")
+    assert apply_decay_branch(cfg) == 2
+    values = (cfg.decay_branch.steps, cfg.trainer.max_steps, cfg.scheduler.total_steps, cfg.scheduler.decay_steps)
+    assert values == (4, 6, 6, 4) and all(type(v) is int for v in values)
+
+
+@pytest.mark.parametrize("given, shown", [("4.5", "4.5"), ("0.0", "0"), ("true", "True")])
+def test_a_branch_length_that_is_no_positive_integer_is_refused(tiny_cfg, tmp_path, given, shown):
+    src = _checkpoint(tmp_path / "src", 2, lr=0.003)
+    with pytest.raises(ConfigError) as e:
+        apply_decay_branch(tiny_cfg(f"decay_branch.ckpt={src}", f"decay_branch.steps={given}", run="branch"))
+    assert str(e.value) == f"decay_branch.steps must be a positive integer, got {shown}"

@@ -40,7 +40,7 @@ from lit_dtrain.schedules._resume_lr import (
     warn_if_the_lr_moves,
 )
 from lit_dtrain.sweeps import another_run_dir
-from lit_dtrain.utils.args import is_number
+from lit_dtrain.utils.args import is_number, is_whole_float
 from lit_dtrain.utils.rank_zero import log_once
 from lit_dtrain.utils.words import counted
 
@@ -270,6 +270,10 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
     if not src.is_file():
         raise ConfigError(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
     steps = branch.steps
+    if is_whole_float(steps):  # 5.0 (5e0, a computed length): that integer, as every other step count takes it
+        steps = int(steps)  # (check_types, check_int); it was refused here alone, 'must be a positive integer'
+        with open_dict(cfg):
+            cfg.decay_branch.steps = steps
     if not is_number(steps, integer=True) or steps <= 0:
         raise ConfigError(f"decay_branch.steps must be a positive integer, got {steps!r}")
     if cfg.get("ckpt_path"):
