@@ -13,6 +13,7 @@ stands."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import lightning as L
@@ -30,24 +31,25 @@ LOGGER_FILES = (CSV_NAME, "hparams.yaml")
 class LogsKeptUntilTraining(L.Callback):
     """A callback and context manager (rank 0's, on a resume): built before the logger cuts the logs of
     ``run_dir``, it keeps the log dirs' :data:`LOGGER_FILES` (``metrics.csv``, ``hparams.yaml``) and :data:`RECORD`
-    whole and the names of their event files; a run that raises inside it before training started gets them back,
-    and the event files written since (the purge marker, the new writer's) are removed
-    (an event file is never rewritten, only added)."""
+    whole and the names of their event files and dirs; a run that raises inside it before training started gets them
+    back: the event files written since (the purge marker, the new writer's) are removed (an event file is never
+    rewritten, only added), and so are the logger files and dirs made since (a refused logger switch left the other
+    logger's empty ``tb/`` or ``csv/``)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         self.training_started = False
         self._files: dict[Path, bytes] = {}
         self._events: set[Path] = set()
+        self._dirs = set(_dirs(self.run_dir))
         for name in RECORD:  # train.py's record of the run, rewritten before the fit
             if (self.run_dir / name).is_file():
                 self._files[self.run_dir / name] = (self.run_dir / name).read_bytes()
         for directory in event_dirs(self.run_dir) if self.run_dir.is_dir() else []:
-            for path in directory.iterdir():
-                if path.match(EVENT_GLOB):
-                    self._events.add(path)
-                elif path.name in LOGGER_FILES and path.is_file():
-                    self._files[path] = path.read_bytes()
+            self._events.update(directory.glob(EVENT_GLOB))
+        for path in (d / name for d in (self.run_dir, *self._dirs) for name in LOGGER_FILES):  # (also of no log dir)
+            if path.is_file():
+                self._files[path] = path.read_bytes()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.training_started = True
@@ -67,7 +69,19 @@ class LogsKeptUntilTraining(L.Callback):
         for path, data in self._files.items():
             if not path.is_file() or path.read_bytes() != data:
                 write_atomically(path, lambda tmp, data=data: tmp.write_bytes(data))
-        for directory in event_dirs(self.run_dir) if self.run_dir.is_dir() else []:
-            for path in directory.glob(EVENT_GLOB):
-                if path not in self._events:
-                    path.unlink(missing_ok=True)
+        if not self.run_dir.is_dir():
+            return
+        for path in [*(p for d in event_dirs(self.run_dir) for p in d.glob(EVENT_GLOB)),
+                     *(self.run_dir / name for name in RECORD),
+                     *(d / name for d in (self.run_dir, *_dirs(self.run_dir)) for name in LOGGER_FILES)]:
+            if path not in self._events and path not in self._files and path.is_file():  # written since: the new
+                path.unlink(missing_ok=True)  # writer's events, the purge marker, a branch's record, hparams.yaml
+        for directory in sorted(_dirs(self.run_dir), key=lambda p: len(p.parts), reverse=True):
+            if directory not in self._dirs:
+                with contextlib.suppress(OSError):  # not empty: something else than the logger made it
+                    directory.rmdir()
+
+
+def _dirs(run_dir: Path) -> list[Path]:
+    """The dirs below ``run_dir`` (links not followed)."""
+    return [p for p in run_dir.rglob("*") if p.is_dir() and not p.is_symlink()] if run_dir.is_dir() else []

@@ -30,6 +30,11 @@ def _files(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in names}
 
 
+def _tree(run: Path) -> set[str]:
+    """The files and dirs of ``run`` but Hydra's and the job log's."""
+    return {str(p.relative_to(run)) for p in run.rglob("*") if ".hydra" not in p.parts} - {"train.log", ".train.lock"}
+
+
 def _refuse(tiny_cfg, logger: str) -> None:
     resumed = tiny_cfg("trainer.max_steps=6", f"logger={logger}", "resume=auto", "data.val_fraction=0.3", *FOURIER)
     with pytest.raises(ConfigError, match="sampler table indexes the windows of dataset"):
@@ -123,3 +128,14 @@ def test_a_logger_writing_into_the_run_dir_itself_leaves_its_job_log_alone(tmp_p
         raise RuntimeError("refused")
     assert (tmp_path / "metrics.csv").read_text() == "epoch,step,val/loss\n0,4,4.2\n"
     assert log.read_text() == "first start\nerror: refused\n" and log.stat().st_ino == inode
+
+
+@pytest.mark.parametrize(("logged", "resumed"), [("csv", "tensorboard"), ("tensorboard", "csv")])
+def test_a_refused_logger_switch_leaves_no_dir_of_the_other_logger(tiny_cfg, logged, resumed):
+    """A csv run's refused resume=auto with logger=tensorboard left an empty tb/ in the run dir (its writer's event
+    file was removed, not its dir), a TensorBoard run's with logger=csv an empty csv/."""
+    run = _run_and_refused_resume(tiny_cfg, logged)
+    before, tree = _files(run), _tree(run)
+    _refuse(tiny_cfg, resumed)
+    assert _tree(run) == tree and _files(run) == before
+
