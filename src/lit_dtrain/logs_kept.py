@@ -14,10 +14,13 @@ stands."""
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from pathlib import Path
 
 import lightning as L
 
+from lit_dtrain.callbacks.preemption import STOP_SIGNALS
 from lit_dtrain.run_dirs import CSV_NAME, EVENT_GLOB, event_dirs
 from lit_dtrain.utils.atomic import write_atomically
 
@@ -66,6 +69,13 @@ class LogsKeptUntilTraining(L.Callback):
             self.put_back()
 
     def put_back(self) -> None:
+        """Each file is written back whole or not at all (:func:`write_atomically`), and SIGINT, SIGTERM and SIGHUP
+        wait until the put-back is done: a SIGTERM while ``config_resolved.yaml`` was put back ended the process with
+        143, its ``metrics.csv`` still without step 4's rows."""
+        with stop_signals_wait():
+            self._put_back()
+
+    def _put_back(self) -> None:
         for path, data in self._files.items():
             if not path.is_file() or path.read_bytes() != data:
                 write_atomically(path, lambda tmp, data=data: tmp.write_bytes(data))
@@ -85,3 +95,25 @@ class LogsKeptUntilTraining(L.Callback):
 def _dirs(run_dir: Path) -> list[Path]:
     """The dirs below ``run_dir`` (links not followed)."""
     return [p for p in run_dir.rglob("*") if p.is_dir() and not p.is_symlink()] if run_dir.is_dir() else []
+
+
+@contextlib.contextmanager
+def stop_signals_wait():
+    """SIGINT, SIGTERM and SIGHUP that come in the block are delivered when it ends, to the handlers from before
+    (the default one ends the process then); an ignored one stays ignored. Outside the main thread, where no handler
+    can be set, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    waiting = [s for s, handler in previous.items() if handler not in (None, signal.SIG_IGN)]
+    for s in waiting:
+        signal.signal(s, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for s in waiting:
+            signal.signal(s, previous[s])
+        for signum in dict.fromkeys(came):
+            signal.raise_signal(signum)

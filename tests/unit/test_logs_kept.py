@@ -6,10 +6,13 @@ behind a purge marker and rewrote ``config_resolved.yaml`` with the refused valu
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
+from lit_dtrain import logs_kept
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import purge_csv_metrics, purge_other_loggers
 from lit_dtrain.logs_kept import LogsKeptUntilTraining
@@ -138,4 +141,30 @@ def test_a_refused_logger_switch_leaves_no_dir_of_the_other_logger(tiny_cfg, log
     before, tree = _files(run), _tree(run)
     _refuse(tiny_cfg, resumed)
     assert _tree(run) == tree and _files(run) == before
+
+
+def test_a_stop_signal_in_the_put_back_waits_for_it_to_end(tmp_path, monkeypatch):
+    """A SIGTERM while config_resolved.yaml was put back (the first file) ended the put-back there: metrics.csv stayed
+    cut at step 4 (under train.py's default handler the process ended with 143). Now it is acted on after it."""
+    metrics = _logs(tmp_path)
+    write = logs_kept.write_atomically
+
+    def signalled(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(path, *args, **kwargs)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit, match="143"), LogsKeptUntilTraining(tmp_path):
+            purge_csv_metrics(metrics, 4)
+            (tmp_path / "config_resolved.yaml").write_text("seed: 2\n")
+            monkeypatch.setattr(logs_kept, "write_atomically", signalled)
+            raise RuntimeError("refused")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n"
+    assert (tmp_path / "config_resolved.yaml").read_text() == "seed: 1\n"
 
