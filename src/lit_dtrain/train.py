@@ -31,6 +31,7 @@ from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_lau
 from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, sample_settings, summary_entropy
+from lit_dtrain.callbacks._checkpoint_report import summary_entry
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.memory_monitor import highest, ranks_peak_rss_mib
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
@@ -367,6 +368,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     metrics.update(previous)
     metrics["peak_rss_mib"] = highest(previous.get("peak_rss_mib"), peak_rss)  # a restart's: the run's, its own too
     metrics["unigram_entropy"] = summary_entropy(trainer, datamodule, previous)
+    metrics.update(summary_entry(trainer.callbacks))  # the checkpointing plan this start trained with
     report_divergence(metrics, module, watch, cfg.paths.checkpoint_dir)  # NaN weights: no last.ckpt holds them
     try:  # rank 0's alone: should it raise (a GPU out of memory), rank 1 waits in the agreement, not in the next job
         sample = _generate_sample(module, datamodule, cfg, trainer, last_ckpt, previous)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +29,12 @@ def test_train_py_with_selective_ckpt(tmp_path, corpus):
 def test_budget_policy_trains_exactly_like_no_checkpointing(tiny_cfg):
     common = ["sample.max_new_tokens=0", "trainer.max_steps=4", "scheduler.total_steps=4"]
     _, plain = train(tiny_cfg(*common, run="plain"))
-    _, ckpt = train(tiny_cfg(*common, "callbacks=[default,selective_ckpt]", "callbacks.selective_ckpt.policy=budget",
-                             "callbacks.selective_ckpt.memory_budget=0.7", run="budget"))
+    cfg = tiny_cfg(*common, "callbacks=[default,selective_ckpt]", "callbacks.selective_ckpt.policy=budget",
+                   "callbacks.selective_ckpt.memory_budget=0.7", run="budget")
+    _, ckpt = train(cfg)
     cb = next(c for c in ckpt["trainer"].callbacks if isinstance(c, SelectiveCheckpointing))
     assert cb.budget_report["fits"] and set(cb.plan) != {"none"}
+    _the_plan_is_in_the_summary_and_tensorboard(Path(cfg.paths.output_dir), cb)
     assert any(w.calls > 0 for w in cb.wrappers)
     a, b = plain["module"].model.state_dict(), ckpt["module"].model.state_dict()
     assert a.keys() == b.keys()
@@ -39,6 +42,29 @@ def test_budget_policy_trains_exactly_like_no_checkpointing(tiny_cfg):
         assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
     saved = torch.load(ckpt["trainer"].checkpoint_callback.last_model_path, weights_only=True)
     assert saved["callbacks"]["SelectiveCheckpointing"]["plan"] == cb.plan
+
+
+def _the_plan_is_in_the_summary_and_tensorboard(output_dir: Path, cb: SelectiveCheckpointing) -> None:
+    """The plan and the probe's figures (those of the log line 'budget probe: measured R ... plan P') were in the log
+    and the checkpoint only: they are in summary.json and in TensorBoard's ``ckpt/*`` scalars, at the first step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = cb.budget_report
+    entry = json.loads(next(output_dir.rglob("summary.json")).read_text())["activation_checkpointing"]
+    assert entry["policy"] == "budget" and entry["plan"] == cb.plan == report["plan"]
+    assert [entry[f"blocks_{m}"] for m in ("none", "selective", "full")] == [cb.plan.count(m) for m in
+                                                                            ("none", "selective", "full")]
+    assert entry["measured_ratio"] == report["measured_ratio"] and entry["memory_budget"] == 0.7
+    assert entry["measured_bytes"] / entry["none_act_bytes"] == pytest.approx(report["measured_ratio"], rel=1e-12)
+    assert entry["measured_bytes"] <= entry["budget_bytes"] and entry["fits"] is True
+    acc = EventAccumulator(str(next(output_dir.rglob("tb"))), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    for mode in ("none", "selective", "full"):
+        assert scalars[f"ckpt/blocks_{mode}"] == [(0, cb.plan.count(mode))]
+    assert scalars["ckpt/measured_ratio"] == [(0, pytest.approx(report["measured_ratio"], rel=1e-6))]
+    assert scalars["ckpt/memory_budget"] == [(0, pytest.approx(0.7, rel=1e-6))]
+    assert scalars["ckpt/probe_act_mib"] == [(0, pytest.approx(entry["measured_bytes"] / 2**20, rel=1e-6))]
 
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")

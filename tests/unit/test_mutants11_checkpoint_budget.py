@@ -26,7 +26,7 @@ def test_a_plan_that_misses_is_replanned_by_the_miss_and_measured_again(monkeypa
     assert plan == [S, S, S, N] and [w.mode for w in wrappers] == plan
     assert report == {
         "memory_budget": 0.8, "none_act_bytes": 40, "plan": [S, S, S, N], "measured_ratio": 29 / 40,
-        "estimated_ratio": 25 / 40, "fits": True, "full_ratio": 13 / 40,
+        "estimated_ratio": 25 / 40, "fits": True, "full_ratio": 13 / 40, "measured_bytes": 29, "budget_bytes": 32,
         "tries": [{"plan": [S, S, N, N], "estimated_ratio": 30 / 40, "measured_ratio": 34 / 40},
                   {"plan": [S, S, S, N], "estimated_ratio": 25 / 40, "measured_ratio": 29 / 40}],
     }

@@ -178,6 +178,7 @@ def budget_plan_from_probe(
                 tried.append(
                     {"plan": list(plan), "estimated_ratio": estimate / none_act, "measured_ratio": actual / none_act}
                 )
+                measured_bytes = actual
                 # the last try ends it too: a plan re-planned after it was returned unmeasured, under the report
                 # (and "fits": False) of the plan before it
                 if actual <= target or all(m == "full" for m in plan) or attempt == max_replans:
@@ -201,6 +202,8 @@ def budget_plan_from_probe(
         "measured_ratio": tried[-1]["measured_ratio"],
         "estimated_ratio": tried[-1]["estimated_ratio"],
         "fits": tried[-1]["measured_ratio"] <= float(memory_budget),
+        "measured_bytes": int(measured_bytes),  # the probe pass's (its batch), for summary.json
+        "budget_bytes": int(target),
         "tries": tried,
         "full_ratio": estimate_peak(profiles, uniform_plan(len(blocks), "full"), base) / none_act,
     }

@@ -51,6 +51,8 @@ from lit_dtrain.callbacks._checkpoint_policies import (
     set_plan,
     uniform_plan,
 )
+from lit_dtrain.callbacks._checkpoint_report import plan_figures, plan_scalars
+from lit_dtrain.callbacks._logging import log_step_metrics
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.errors import ConfigError
 
@@ -265,6 +267,13 @@ class SelectiveCheckpointing(Callback):
         for w in self.wrappers:
             w.ran = False
         self._check_idle = True
+        # the plan in use (a resume's is the checkpoint's, loaded by now), beside memory/*: it was in the log only
+        log_step_metrics(trainer, pl_module, plan_scalars(self.plan_figures()), trainer.global_step,
+                         callback_metrics=False)
+
+    def plan_figures(self) -> dict:
+        """The plan in use, its block counts and (``budget``) the probe's figures of it: :func:`plan_figures`."""
+        return plan_figures(self.policy, self.plan, self.budget_report)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
