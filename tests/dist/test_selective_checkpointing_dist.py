@@ -102,3 +102,36 @@ def test_ddp_selective_ranks_identical_and_match_plain(fitted, strategy_name):
             assert (v - r0["plain"][k]).abs().max().item() <= 1e-6, (run, k)  # = DDP without checkpointing
     changed = [k for k, v in r0["selective"].items() if not torch.equal(v, r0["selective_init"][k])]
     assert len(changed) == len(r0["selective"])  # training actually moved every tensor
+
+
+def _skewed_worker(rank: int, port: int, out_dir: str) -> None:
+    """A budget fit whose probe measures 4 bytes more on rank 1 (another device's allocator, another kernel): rank
+    0's plan fits a 0.8 budget of 40 bytes at once, rank 1's own probe re-plans to another one."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import SelectiveCheckpointing
+    from tests.unit._selective_ckpt_helpers import fake_measurements, lit_llm, token_batches
+
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.8)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        fake_measurements(monkeypatch, lambda: cb.wrappers, lambda plan: 4.0 * rank)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, callbacks=[cb], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(lit_llm(), token_batches(4))
+    torch.save({"plan": cb.plan, "modes": [w.mode for w in cb.wrappers], "report": cb.budget_report},
+               os.path.join(out_dir, f"skewed_rank{rank}.pt"))
+    leave_rank()
+
+
+@pytest.mark.slow  # ~15 s on 2 shared cores
+def test_ranks_whose_probes_differ_train_rank_0s_plan(tmp_path):
+    """Both ranks probe; where their measurements differ, each would train its own plan (rank 1's re-planned
+    ``selective, selective, selective, none`` beside rank 0's ``selective, selective, none, none``), and DDP's ranks
+    would run different graphs. Every rank takes rank 0's plan and report: its blocks run in that plan."""
+    mp.spawn(_skewed_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"skewed_rank{r}.pt", weights_only=True) for r in (0, 1))
+    plan = ["selective", "selective", "none", "none"]
+    assert r0["plan"] == r1["plan"] == r0["modes"] == r1["modes"] == plan
+    assert r0["report"] == r1["report"] and r1["report"]["measured_ratio"] == 30 / 40
+    assert len(r1["report"]["tries"]) == 1
