@@ -129,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.variant_list = args.variants
     if "ddp" not in args.variant_list:
         p.error("the ddp baseline is needed for the ratios; keep it in --variants")
+    if args.steps < 3:  # the ms/step leaves out each variant's first two steps: 2 gave a ZeroDivisionError
+        p.error(f"--steps must be >= 3 (each variant's first two steps are not timed), got {args.steps}")
     if not 1 <= args.chunk < args.steps:  # the chunk is also the LR warm-up, which must end before the last step
         p.error(f"--chunk must be in [1, --steps) = [1, {args.steps}), got {args.chunk}; e.g. --steps 4 --chunk 2")
     args.rate_list = args.rates

@@ -62,6 +62,8 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_codecs.py", ["--codecs", "int8,int8"], "argument --codecs: ['int8'] listed twice in 'int8,int8'"),
     ("bench_comm.py", ["--rates", "1gbt"], "argument --rates: '1gbt': expected a positive tc rate"),
     ("bench_comm.py", ["--replot", "missing.json"], "--replot 'missing.json': cannot read it"),
+    # trained every variant, then a ZeroDivisionError traceback from both ranks: the first two steps are not timed
+    ("bench_comm.py", ["--steps", "2", "--chunk", "1"], "--steps must be >= 3 (each variant's first two steps are not"),
     # a negative seed: a ConfigError traceback at bench_spikes.py's first train.py run; bench_fourier.py trained on
     ("bench_spikes.py", ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     ("bench_fourier.py", ["--seeds", "0", "-1"], "argument --seeds: must be >= 0, got -1"),
@@ -205,7 +207,7 @@ def test_bench_comm_ends_a_failed_rank_with_one_line_and_the_json_error(tmp_path
     """A rank that failed (here: a ``--cache-dir`` under a file) ended ``bench_comm.py`` in a ``CalledProcessError``
     traceback after the rank's, with no JSON line. The rank's traceback stays; then one line with its error."""
     (tmp_path / "file").write_text("")
-    done = run_script("bench_comm.py", ["--no-netns", "--steps", "2", "--chunk", "1", "--variants", "ddp", "--rates",
+    done = run_script("bench_comm.py", ["--no-netns", "--steps", "3", "--chunk", "1", "--variants", "ddp", "--rates",
                                         "1gbit", "--cache-dir", str(tmp_path / "file" / "cache"), "--out",
                                         str(tmp_path / "out")], tmp_path, capfd)
     assert done.returncode == 1, done.stderr[-2000:]
