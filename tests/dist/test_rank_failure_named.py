@@ -22,9 +22,12 @@ pytestmark = pytest.mark.dist
 
 class _FailOdd(_FailAt):
     """``how="blank"``: an error whose text starts on its second line; ``"interrupt"``: a ``KeyboardInterrupt`` (a
-    second Ctrl-C that reached this rank alone)."""
+    second Ctrl-C that reached this rank alone); ``"peer_text"``: a project's own ``RuntimeError`` whose text reads
+    like gloo's."""
 
     def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_step and self.how == "peer_text":
+            raise RuntimeError("connection to the peer database timed out")
         if self.global_step == self.fail_step and self.how == "blank":
             raise ValueError("\nthe shard's index is empty")
         if self.global_step == self.fail_step and self.how == "interrupt":
@@ -113,3 +116,17 @@ def test_a_fit_of_ones_own_under_make_ddp_names_the_rank_that_raised(tmp_path):
     assert r0["type"] == "PeerRankFailedError", r0
     assert r0["message"].startswith("rank 0: rank 1 stopped at step 2: ValueError: planned failure of fit. This "
                                     "rank's next collective with that peer then failed ("), r0
+
+
+def test_a_projects_own_runtime_error_that_reads_like_a_collective_failure_is_named(tmp_path):
+    """Rank 1's own ``RuntimeError("connection to the peer database timed out")`` (raised in its training step) was
+    read by its text as a failed collective: rank 1 ended with 'a collective failed at step 2 (PeerRankFailedError:
+    ...  a peer rank stopped ...)' and recorded nothing, so rank 0's line said 'Another rank probably died or hung'.
+    Now rank 1 raises its own error and rank 0's line names it."""
+    run_rank_processes(_plain_ddp_worker, str(tmp_path), "peer_text")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert (r1["type"], r1["message"]) == ("RuntimeError", "connection to the peer database timed out"), r1
+    assert r0["type"] == "CollectiveError", r0
+    assert r0["message"].startswith("rank 0: rank 1 stopped at step 2: RuntimeError: connection to the peer database "
+                                    "timed out; this rank's next collective then failed at step 2 ("), r0
+    assert r0["message"].endswith("): fix that rank's error. Resume with resume=auto."), r0

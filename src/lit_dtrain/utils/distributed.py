@@ -92,13 +92,40 @@ class FirstConnectionError(RuntimeError):
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a failed collective (a dead, hung or disconnected peer) rather than a local error."""
+    """Whether ``exc`` is a failed collective (a dead, hung or disconnected peer) rather than a local error.
+
+    torch's distributed error types (NCCL's ``DistBackendError``, the store's ``DistStoreError``, a
+    ``DistNetworkError``) are; gloo raises a plain ``RuntimeError`` ('[.../gloo/...pair.cc:553] Connection closed by
+    peer', 'Timed out waiting 8000ms for recv'), which is one where torch's native code raised it (not a Python
+    ``raise``: :func:`_raised_by_native_code`) and its text says so. A project's own ``RuntimeError("connection to the
+    peer database timed out")`` raised on rank 1 at step 3 was read by its text alone as a collective failure: rank 1
+    named no error of its own ('a collective failed (RuntimeError: connection to the peer database timed out) ...
+    Another rank probably died or hung') and recorded none, so rank 0's line did not name it either. An error raised
+    from a failed collective (``raise ... from``) is one too."""
     if isinstance(exc, (PeerRankFailedError, FirstConnectionError)):
         return False
-    backend_error = getattr(dist, "DistBackendError", None)
-    if backend_error is not None and isinstance(exc, backend_error):
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
         return True
-    return isinstance(exc, RuntimeError) and any(h in str(exc).lower() for h in _COLLECTIVE_HINTS)
+    if isinstance(exc, RuntimeError) and _raised_by_native_code(exc) and any(
+            h in str(exc).lower() for h in _COLLECTIVE_HINTS):
+        return True
+    return exc.__cause__ is not None and is_collective_failure(exc.__cause__)
+
+
+def _raised_by_native_code(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a call into native code (torch's C++: a collective, a ``Work``'s ``wait``, the
+    store) rather than from a Python ``raise`` statement: the innermost frame of its traceback stopped at a call, not
+    at a raise. Where the call was made does not matter (``Work.wait()`` is called from lit_dtrain's own samplers)."""
+    import dis
+
+    tb = exc.__traceback__
+    if tb is None:  # never raised
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    op = next((i.opname for i in dis.get_instructions(tb.tb_frame.f_code) if i.offset == tb.tb_lasti), None)
+    return op not in ("RAISE_VARARGS", "RERAISE", None)
 
 
 def _store_and_rank():
