@@ -141,3 +141,25 @@ def test_the_lr_move_is_judged_against_the_configured_optimizer_lr(checkpoints, 
     [said] = [m for lvl, m in messages(caplog, checkpoints[3], 3, 100, lr=0.2, warmup_steps=2) if lvl == "WARNING"]
     assert "its LR for step 3 is [0.04, 0.02] (peak [0.1, 0.05]), this run's is [0.2, 0.2]" in said
     assert "the LR jumps up" in said
+
+
+@pytest.mark.parametrize("settings, warmup", [
+    ({}, 30),  # '~scheduler' alone: the callback's own default, fitted to the checkpoint's step
+    ({"warmup_steps": DEFAULT}, 30),  # an experiment's scheduler node holding the default
+    ({"warmup_steps": 50}, 50),  # given (the default of max_steps=500 too): a deliberate re-warm, kept
+    ({"warmup_steps": 60}, 60),
+])
+def test_a_callback_warmup_read_from_the_scheduler_settings_is_judged_by_how_it_is_written(checkpoints, settings,
+                                                                                          warmup):
+    """Under the ``wsd`` callback the warmup is ``${oc.select:scheduler.warmup_steps,<default>}``: a warmup given in
+    the ``scheduler:`` settings (``experiment=cpt_replay scheduler.warmup_steps=W``) equal to the default of this
+    ``trainer.max_steps`` was taken for the default and fitted to the step (step 5 of a CPT run resumed with
+    ``warmup_steps=7 trainer.max_steps=70`` ran at the peak, with ``trainer.max_steps=60`` at 6/7 of it)."""
+    register()
+    cfg = OmegaConf.create({"trainer": {"max_steps": 500}, "callbacks": {"wsd": {
+        "_target_": "lit_dtrain.callbacks.WSDScheduler", "total_steps": "${trainer.max_steps}", "decay_fraction": 0.2,
+        "warmup_steps": "${oc.select:scheduler.warmup_steps,${lit.warmup:${trainer.max_steps}}}"}}})
+    if settings:
+        cfg.scheduler = settings
+    fit_default_warmup(cfg, checkpoints[30], 30)
+    assert cfg.callbacks.wsd.warmup_steps == warmup

@@ -157,11 +157,27 @@ def _keys_not_taken(node: DictConfig) -> list[str]:
     return [k for k in node.keys() if not str(k).startswith("_") and k not in accepted]
 
 
-def _is_default_warmup(node: DictConfig, total: int) -> bool:
+_SELECT = re.compile(r"\$\{oc\.select:\s*([A-Za-z_][\w.]*)\s*,(.*)\}", re.DOTALL)
+
+
+def _is_default_warmup(cfg: DictConfig, node: DictConfig) -> bool:
     """Whether ``node.warmup_steps`` is the configs' derived default ``${lit.warmup:${trainer.max_steps}}`` (not a
-    number the user gave), evaluated at the branch's ``max_steps = total``."""
+    number the user gave), told by how the key is written, not by its value. conf/callbacks/wsd.yaml's
+    ``${oc.select:scheduler.warmup_steps,<the default>}`` is followed to the key it reads where the config holds it
+    (an experiment's ``scheduler:`` settings after ``'~scheduler'``): ``experiment=cpt_replay
+    scheduler.warmup_steps=7`` under the callback, resumed at step 5 with ``trainer.max_steps=70`` (whose default is
+    7 too), was taken for the default and fitted to 5, so step 5 ran at the peak, not 6/7 of it as with
+    ``trainer.max_steps=60``."""
     raw = OmegaConf.to_container(node, resolve=False).get("warmup_steps")
-    return isinstance(raw, str) and "lit.warmup:" in raw and int(node.warmup_steps) == default_warmup(total)
+    while isinstance(raw, str) and (select := _SELECT.fullmatch(raw.strip())):
+        parent, _, leaf = select[1].rpartition(".")
+        holder = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if not isinstance(holder, DictConfig) or leaf not in holder or OmegaConf.is_missing(holder, leaf):
+            raw = select[2]  # the key is absent: oc.select gives its default
+        else:
+            raw = OmegaConf.to_container(holder, resolve=False)[leaf]
+    return isinstance(raw, str) and "lit.warmup:" in raw \
+        and int(node.warmup_steps) == default_warmup(int(cfg.trainer.max_steps))
 
 
 def _at_peak(path: Path) -> bool:
@@ -182,7 +198,7 @@ def fit_default_warmup(cfg: DictConfig, ckpt: str | Path, start: int | None = No
     start = checkpoint_global_step(ckpt) if start is None else start
     for key, node in _resumed_schedule_nodes(cfg):
         warmup = int(node.get("warmup_steps") or 0)
-        if start < warmup and _is_default_warmup(node, int(cfg.trainer.max_steps)) and _at_peak(ckpt):
+        if start < warmup and _is_default_warmup(cfg, node) and _at_peak(ckpt):
             log_once(
                 log, logging.INFO,
                 "%s.warmup_steps defaults to %d for trainer.max_steps=%d, past the checkpoint's step %d, which is at "
@@ -217,7 +233,7 @@ def warn_if_the_resume_moves_the_lr(cfg: DictConfig, ckpt: str | Path, start: in
     nodes = _resumed_schedule_nodes(cfg)
     if nodes:
         key, node = nodes[0]
-        default = _is_default_warmup(node, int(cfg.trainer.max_steps))
+        default = _is_default_warmup(cfg, node)
         warn_if_a_resume_moves_the_lr(Path(str(ckpt)), start, key, node, default_warmup=default,
                                       peak_lr=(cfg.get("optimizer") or {}).get("lr"),
                                       fix=None if branch is None else _branch_restart_fix(cfg))
@@ -306,7 +322,7 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         warmup = int(node.get("warmup_steps") or 0)
         if start < warmup:
             why = ""
-            if _is_default_warmup(node, total):
+            if _is_default_warmup(cfg, node):
                 why = f", the default min(100, max(1, max_steps // 10)) of the branch's max_steps={total}"
             # a warmup given (an experiment's, as cpt_replay's 50) can be longer than the source run's
             fix = branch_in_warmup_fix(src, key, start)
