@@ -46,7 +46,7 @@ from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
 from lit_dtrain.errors import ConfigError, interpolation_error
 from lit_dtrain.loggers import ConfigHparams, build_logger, flat_hparams
-from lit_dtrain.logs_kept import LogsKeptUntilTraining
+from lit_dtrain.logs_kept import LogsKeptUntilTraining, put_back_a_killed_starts_logs
 from lit_dtrain.module import LitLLM, perplexity
 from lit_dtrain.resume import (
     check_optimizer_state,
@@ -275,6 +275,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         held.callback(release_run_dir, hold_checkpoint_dir(cfg.paths.checkpoint_dir, cfg.paths.output_dir))
         for tmp in _remove_killed_writes_temp_files(cfg):
             log.warning("removed %s, left by a process killed while writing it", tmp)
+        put_back_a_killed_starts_logs(cfg.paths.output_dir)  # a resume killed before training had cut them
     if ckpt_path:  # start_step is read before fit: the final save below may overwrite this very file (resume=auto)
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)

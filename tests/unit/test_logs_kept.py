@@ -15,7 +15,7 @@ import pytest
 from lit_dtrain import logs_kept
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.loggers import purge_csv_metrics, purge_other_loggers
-from lit_dtrain.logs_kept import LogsKeptUntilTraining
+from lit_dtrain.logs_kept import LogsKeptUntilTraining, put_back_a_killed_starts_logs
 from lit_dtrain.train import train
 
 FOURIER = ("sample.max_new_tokens=0", "data/sampler=fourier", "trainer.val_check_interval=2")
@@ -168,3 +168,45 @@ def test_a_stop_signal_in_the_put_back_waits_for_it_to_end(tmp_path, monkeypatch
     assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n"
     assert (tmp_path / "config_resolved.yaml").read_text() == "seed: 1\n"
 
+
+def test_the_logs_of_a_start_killed_before_training_are_put_back_at_the_next(tmp_path, caplog):
+    """Under Lightning's DDP launcher a rank 1 that refused a resume alone exits first, and Lightning's observer of it
+    SIGKILLs rank 0 within 5 s: a 2-rank resume=auto whose rank 0 took 8 s to load the checkpoint ended with status
+    137, its metrics.csv cut from 7 lines to 5 and config_resolved.yaml rewritten. The copy kept on disk is put back
+    at the next start."""
+    metrics = _logs(tmp_path)
+    LogsKeptUntilTraining(tmp_path)  # the killed start: it cut the logs, and never put them back
+    purge_csv_metrics(metrics, 4)
+    purge_other_loggers(tmp_path, 4, None)
+    (tmp_path / "config_resolved.yaml").write_text("seed: 2\n")
+    put_back_a_killed_starts_logs(tmp_path)
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n"
+    assert (tmp_path / "config_resolved.yaml").read_text() == "seed: 1\n"
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == ["events.out.tfevents.1.host.1.0"]
+    assert not (tmp_path / logs_kept.KEPT_DIR).exists()
+    assert "put back as they were: config_resolved.yaml, csv/metrics.csv, tb/events.out.tfevents." in caplog.text
+
+
+def test_a_copy_whose_removal_at_training_start_was_cut_is_not_put_back(tmp_path, monkeypatch):
+    """Killed while the copy was removed at on_train_start: the manifest goes first, so the next start finds no
+    copy to put back over a run that trained (nor one missing its files)."""
+    metrics = _logs(tmp_path)
+    kept = LogsKeptUntilTraining(tmp_path)
+    purge_csv_metrics(metrics, 4)
+    monkeypatch.setattr(logs_kept.shutil, "rmtree", lambda *args, **kwargs: None)  # the kill, after the manifest
+    kept.on_train_start(None, None)
+    monkeypatch.undo()
+    assert (tmp_path / logs_kept.KEPT_DIR / "0").is_file()
+    put_back_a_killed_starts_logs(tmp_path)
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n"  # the cut stands: training started
+    assert not (tmp_path / logs_kept.KEPT_DIR).exists()
+
+
+def test_train_puts_back_the_logs_of_a_resume_killed_before_training(tiny_cfg):
+    run = _run_and_refused_resume(tiny_cfg, "csv")
+    before = _files(run)
+    LogsKeptUntilTraining(run)  # a resume killed after the cut
+    purge_csv_metrics(run / "csv" / "metrics.csv", 4)
+    with pytest.raises(ConfigError, match="past trainer.max_steps=3"):  # refused before the logger cuts anything
+        train(tiny_cfg("trainer.max_steps=3", "logger=csv", "resume=auto", *FOURIER))
+    assert _files(run) == before
