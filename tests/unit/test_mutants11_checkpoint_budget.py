@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lit_dtrain.callbacks._checkpoint_budget as budget
-from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe, time_block_ops
+from lit_dtrain.callbacks._checkpoint_budget import budget_bytes, budget_plan_from_probe, time_block_ops
 from lit_dtrain.callbacks._checkpoint_policies import SaveOpsPolicy, resolve_ops
 from tests.unit._selective_ckpt_helpers import fake_probe
 
@@ -102,3 +102,16 @@ def test_the_planner_takes_a_plan_estimated_at_the_budget_to_the_byte(monkeypatc
     plan, report, _ = fake_probe(monkeypatch, lambda plan: 0.0, 0.35, retained)
     assert plan == [S, S, S, N] and report["fits"] is True and report["measured_ratio"] == 0.35
     assert len(report["tries"]) == 1
+
+
+def test_the_budget_in_bytes_is_the_ratio_rule_either_way_the_product_rounds():
+    """``memory_budget * none_act`` rounds below (0.35 * 180 = 62.99999999999999) or above (0.1 * 3 =
+    0.30000000000000004, whose ratio to 3 exceeds 0.1): the bytes are moved to the last float whose ratio is at most
+    the budget, so ``bytes <= budget_bytes`` and ``bytes / none_act <= memory_budget`` agree on every float."""
+    import math
+
+    assert budget_bytes(180, 0.35) == 63.0 and budget_bytes(3, 0.1) == 0.3
+    for memory_budget in (0.1, 0.35, 0.45, 0.7, 1.0):
+        for none_act in (3, 180, 1000, 14093328, 2**31 + 7):
+            target = budget_bytes(none_act, memory_budget)
+            assert target / none_act <= memory_budget < math.nextafter(target, math.inf) / none_act
