@@ -161,11 +161,37 @@ def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:
 COST_HEADER = ["| run | steps trained | tokens trained | wall time |", "|---|---:|---:|---:|"]
 
 
+def dropped_steps(run: str) -> set[int]:
+    """The optimizer steps (0-based) whose update is not in the run's weights: ``LossSpikeMonitor`` dropped them, as
+    its ``spikes.jsonl`` in the run dir records (``skip``: the spike's step; ``rollback`` to the snapshot of step
+    ``r``: steps ``r`` to the spike's, applied then undone; ``global_step`` counts them all). Empty without the file
+    (no monitor, no spike, or its ``path`` set elsewhere); an unreadable line is passed over."""
+    import json
+
+    dropped: set[int] = set()
+    try:
+        lines = (Path(run) / "spikes.jsonl").read_text().splitlines()
+    except OSError:
+        return dropped
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, actions, back_to = record["step"], record.get("actions") or [], record.get("rolled_back_to")
+        except (ValueError, TypeError, KeyError):
+            continue
+        if not isinstance(step, int) or not {"skip", "rollback"} & set(actions):
+            continue  # a level shift, or a spike only logged or cooled down: its update was applied
+        dropped.update(range(back_to, step + 1) if isinstance(back_to, int) and back_to <= step else [step])
+    return dropped
+
+
 def run_cost(run: str, scalars: dict[str, list[tuple[int, float]]]) -> dict:
-    """What a finished run cost, from its ``summary.json``: ``steps``, ``tokens_trained`` (all ranks, all starts: the
-    tokens at its last step, :func:`tokens_trained`, ``summary.json``'s own count for a run trained in one start) and
-    ``wall_seconds`` with ``wall_since_step`` (the last start's seconds and the step it began at: a resumed run's
-    earlier starts are not in its ``summary.json``); ``{}`` for a run without one (unfinished, failed)."""
+    """What a finished run cost, from its ``summary.json``: ``steps``, ``steps_dropped`` (of those, the steps whose
+    update a loss spike dropped or a rollback undid, :func:`dropped_steps`), ``tokens_trained`` (all ranks, all
+    starts, the dropped steps' left out: the tokens at its last step, :func:`tokens_trained`, ``summary.json``'s own
+    count for a run trained in one start) and ``wall_seconds`` with ``wall_since_step`` (the last start's seconds and
+    the step it began at: a resumed run's earlier starts are not in its ``summary.json``); ``{}`` for a run without
+    one (unfinished, failed)."""
     import json
 
     try:
@@ -175,15 +201,20 @@ def run_cost(run: str, scalars: dict[str, list[tuple[int, float]]]) -> dict:
         return {}
     if not isinstance(steps, int) or not isinstance(start, int):
         return {}
+    dropped = sorted(s for s in dropped_steps(run) if s < steps)
     tokens = summary.get("tokens")
-    if not (start == 0 and isinstance(tokens, int)):  # a resumed run: its earlier starts' tokens too
+    if start == 0 and isinstance(tokens, int):  # one start: its steps trained alike
+        tokens = round(tokens * (steps - len(dropped)) / steps) if steps else tokens
+    else:  # a resumed run: its earlier starts' tokens too
         try:
-            tokens = round(tokens_trained(run, scalars)[0](steps))
+            at = tokens_trained(run, scalars)[0]
+            tokens = round(at(steps) - sum(at(s + 1) - at(s) for s in dropped))
         except RunDirError:
             tokens = None
     wall = summary.get("wall_seconds")
     wall = float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None
-    return {"steps": steps, "tokens_trained": tokens, "wall_seconds": wall, "wall_since_step": start}
+    return {"steps": steps, "steps_dropped": len(dropped), "tokens_trained": tokens, "wall_seconds": wall,
+            "wall_since_step": start}
 
 
 def _duration(seconds: float) -> str:
@@ -212,5 +243,6 @@ def cost_table(rows: list[dict]) -> str | None:
         wall = "-" if cost["wall_seconds"] is None else _duration(cost["wall_seconds"])
         if cost["wall_seconds"] is not None and cost["wall_since_step"]:
             wall += f" (since step {cost['wall_since_step']})"
-        lines.append(f"| {r['label']} | {cost['steps']} | {tokens} | {wall} |")
+        steps = f"{cost['steps']} ({cost['steps_dropped']} dropped)" if cost.get("steps_dropped") else cost["steps"]
+        lines.append(f"| {r['label']} | {steps} | {tokens} | {wall} |")
     return "\n".join(COST_HEADER + lines) + "\n"

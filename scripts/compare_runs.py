@@ -16,8 +16,9 @@ when it trains; ``.hydra/overrides.yaml`` for older runs), checked against what 
 another run changed is labelled with that default), else from the dir names. Table rows follow the RUNs in
 the order given; below one RUN, the run dirs by path, a sweep's jobs by job number; a job that failed, did not
 finish or never started keeps its place among them and its row says so.
-A last table gives each finished run's steps, tokens trained (all ranks) and wall time (a resumed run's: its last
-start's, from the step it names), from its summary.json; the other runs and jobs have their status there.
+A last table gives each finished run's steps, tokens trained (all ranks; a step a loss spike dropped is named, and
+its tokens left out) and wall time (a resumed run's: its last start's, from the step it names), from its summary.json;
+the other runs and jobs have their status there.
 The last line printed is one JSON object: ``runs`` (in the table's order, each with the first metric's values,
 ``by_metric``, every metric's, and ``cost``, the last table's), ``best`` (by the first metric) and ``best_by_metric``.
 """

@@ -24,8 +24,8 @@ def test_each_finished_run_has_its_tokens_and_wall_time_a_resumed_one_its_last_s
     assert cost == ["| b8 | 8 | 4,096 | 39.7 s |", "| b16 | 8 | 4,096 | 1:15 min (since step 4) |",
                     "| b4 | unfinished | - | - |"]
     assert [r["cost"] for r in result["runs"]] == [
-        {"steps": 8, "tokens_trained": 4096, "wall_seconds": 39.74, "wall_since_step": 0},
-        {"steps": 8, "tokens_trained": 4096, "wall_seconds": 75.2, "wall_since_step": 4},
+        {"steps": 8, "steps_dropped": 0, "tokens_trained": 4096, "wall_seconds": 39.74, "wall_since_step": 0},
+        {"steps": 8, "steps_dropped": 0, "tokens_trained": 4096, "wall_seconds": 75.2, "wall_since_step": 4},
         {},
     ]
 
@@ -69,3 +69,22 @@ def test_the_cost_table_lists_the_failed_and_never_started_jobs_the_other_tables
         "| scheduler=linear optimizer.lr=0.001 | not started | - | - |",
         "| scheduler=linear optimizer.lr=0.003 | not started | - | - |",
     ]
+
+
+def test_steps_a_loss_spike_dropped_are_not_counted_as_tokens_trained(tmp_path):
+    """A run of 12 steps whose step 6 LossSpikeMonitor skipped (a real run: spikes.jsonl's record, summary.json's
+    tokens 24,576) read '| 12 | 24,576 |': the skipped step's 2,048 tokens counted as trained. Here also a rollback at
+    step 10 to the snapshot of step 8 (steps 8, 9 and 10 undone), a logged-only spike and a level shift (applied)."""
+    run = write_run(tmp_path / "spiky", {11: 3.3})
+    (run / "config_resolved.yaml").write_text("seed: 0\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 12, "tokens": 24576, "start_step": 0,
+                                                  "wall_seconds": 10.0}))
+    records = [{"step": 3, "actions": ["log"], "rolled_back_to": None},
+               {"step": 6, "actions": ["log", "skip"], "rolled_back_to": None},
+               {"step": 7, "reasons": ["level_shift"], "actions": []},
+               {"step": 10, "actions": ["log", "rollback"], "rolled_back_to": 8}]
+    (run / "spikes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 1, "acti\n')
+    result = compare_runs.compare([str(run)], ["val/loss"], out=None)
+    assert result["runs"][0]["cost"] == {"steps": 12, "steps_dropped": 4, "tokens_trained": 16384,
+                                         "wall_seconds": 10.0, "wall_since_step": 0}
+    assert result["cost_markdown"].splitlines()[2] == "| spiky | 12 (4 dropped) | 16,384 | 10.0 s |"
