@@ -91,6 +91,7 @@ TAG_DIRECTIONS: tuple[tuple[str, bool | None], ...] = (
     ("comm/time_ms", False),
     ("comm/time_ms_avg", False),
     ("comm/hook_calls", None),  # buckets seen by the hook so far
+    ("ckpt/*", None),  # SelectiveCheckpointing: its plan's blocks per mode and the budget probe's figures of it
     ("memory/*", False),  # MemoryMonitor: RSS, peak RSS, CUDA allocated/reserved/window peak (MiB); less is better
 )
 

@@ -30,7 +30,7 @@ def test_budget_policy_trains_exactly_like_no_checkpointing(tiny_cfg):
     common = ["sample.max_new_tokens=0", "trainer.max_steps=4", "scheduler.total_steps=4"]
     _, plain = train(tiny_cfg(*common, run="plain"))
     cfg = tiny_cfg(*common, "callbacks=[default,selective_ckpt]", "callbacks.selective_ckpt.policy=budget",
-                   "callbacks.selective_ckpt.memory_budget=0.7", run="budget")
+                   "callbacks.selective_ckpt.memory_budget=0.7", "trainer.log_every_n_steps=2", run="budget")
     _, ckpt = train(cfg)
     cb = next(c for c in ckpt["trainer"].callbacks if isinstance(c, SelectiveCheckpointing))
     assert cb.budget_report["fits"] and set(cb.plan) != {"none"}
@@ -46,7 +46,7 @@ def test_budget_policy_trains_exactly_like_no_checkpointing(tiny_cfg):
 
 def _the_plan_is_in_the_summary_and_tensorboard(output_dir: Path, cb: SelectiveCheckpointing) -> None:
     """The plan and the probe's figures (those of the log line 'budget probe: measured R ... plan P') were in the log
-    and the checkpoint only: they are in summary.json and in TensorBoard's ``ckpt/*`` scalars, at the first step."""
+    and the checkpoint only: they are in summary.json and in TensorBoard's ``ckpt/*`` scalars, at every logged step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     report = cb.budget_report
@@ -60,11 +60,14 @@ def _the_plan_is_in_the_summary_and_tensorboard(output_dir: Path, cb: SelectiveC
     acc = EventAccumulator(str(next(output_dir.rglob("tb"))), size_guidance={"scalars": 0})
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    steps = [step for step, _ in scalars["train/loss"]]  # at every logged step, beside train/loss and memory/*
+    assert steps == [1, 3]
     for mode in ("none", "selective", "full"):
-        assert scalars[f"ckpt/blocks_{mode}"] == [(0, cb.plan.count(mode))]
-    assert scalars["ckpt/measured_ratio"] == [(0, pytest.approx(report["measured_ratio"], rel=1e-6))]
-    assert scalars["ckpt/memory_budget"] == [(0, pytest.approx(0.7, rel=1e-6))]
-    assert scalars["ckpt/probe_act_mib"] == [(0, pytest.approx(entry["measured_bytes"] / 2**20, rel=1e-6))]
+        assert scalars[f"ckpt/blocks_{mode}"] == [(step, cb.plan.count(mode)) for step in steps]
+    assert scalars["ckpt/measured_ratio"] == [(s, pytest.approx(report["measured_ratio"], rel=1e-6)) for s in steps]
+    assert scalars["ckpt/memory_budget"] == [(step, pytest.approx(0.7, rel=1e-6)) for step in steps]
+    assert scalars["ckpt/probe_act_mib"] == [(s, pytest.approx(entry["measured_bytes"] / 2**20, rel=1e-6))
+                                             for s in steps]
 
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")

@@ -1,11 +1,19 @@
 """What ``SelectiveCheckpointing`` chose, where people look: the ``ckpt/*`` scalars and ``summary.json``'s
-``activation_checkpointing`` entry. The plan was in the setup log line and the checkpoint only."""
+``activation_checkpointing`` entry. The plan was in the setup log line and the checkpoint only.
+
+The scalars are constant through a fit, but are written at every logged step beside ``memory/*`` (Lightning's
+``log_every_n_steps`` cadence), as every lit_dtrain scalar is: a resumed run's curves are then the straight run's, and
+a row at a start's first step only would be off the cadence."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import lightning as L
+
 from lit_dtrain.callbacks._checkpoint_policies import MODES
+from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, on_log_cadence
+from lit_dtrain.utils.loop import logging_axis_step, mid_accumulation
 
 MIB = 2**20
 
@@ -36,6 +44,16 @@ def plan_scalars(figures: dict) -> dict[str, float]:
         scalars["ckpt/probe_act_mib"] = figures["measured_bytes"] / MIB
         scalars["ckpt/probe_budget_mib"] = figures["budget_bytes"] / MIB
     return scalars
+
+
+def log_plan_scalars(trainer: L.Trainer, pl_module: L.LightningModule, scalars: dict[str, float]) -> None:
+    """``scalars`` (:func:`plan_scalars`) to the loggers at the optimizer step just taken, where it is a logged one
+    (rank 0, once per optimizer step under accumulation); called from ``on_train_batch_end``."""
+    if not scalars or not trainer.is_global_zero or mid_accumulation(trainer):
+        return
+    step = logging_axis_step(trainer)  # the optimizer step just taken (0-based), where train/loss is written
+    if on_log_cadence(log_interval(None, trainer), step, trainer):
+        log_step_metrics(trainer, pl_module, scalars, step, callback_metrics=False)
 
 
 def summary_entry(callbacks: Iterable) -> dict:

@@ -51,8 +51,7 @@ from lit_dtrain.callbacks._checkpoint_policies import (
     set_plan,
     uniform_plan,
 )
-from lit_dtrain.callbacks._checkpoint_report import plan_figures, plan_scalars
-from lit_dtrain.callbacks._logging import log_step_metrics
+from lit_dtrain.callbacks._checkpoint_report import log_plan_scalars, plan_figures, plan_scalars
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.errors import ConfigError
 
@@ -205,6 +204,7 @@ class SelectiveCheckpointing(Callback):
         self._patched: LightningModule | None = None  # the module whose blocks are wrapped
         self._blocks: list[nn.Module] = []  # its blocks, wrapped from setup to teardown
         self._check_idle = False  # from train start until the first batch ends
+        self._scalars: dict[str, float] = {}  # ckpt/*, from train start
 
     # ---- hooks --------------------------------------------------------------------------------------------
     @override
@@ -267,9 +267,7 @@ class SelectiveCheckpointing(Callback):
         for w in self.wrappers:
             w.ran = False
         self._check_idle = True
-        # the plan in use (a resume's is the checkpoint's, loaded by now), beside memory/*: it was in the log only
-        log_step_metrics(trainer, pl_module, plan_scalars(self.plan_figures()), trainer.global_step,
-                         callback_metrics=False)
+        self._scalars = plan_scalars(self.plan_figures())  # the plan in use: a resume's is the checkpoint's by now
 
     def plan_figures(self) -> dict:
         """The plan in use, its block counts and (``budget``) the probe's figures of it: :func:`plan_figures`."""
@@ -277,6 +275,7 @@ class SelectiveCheckpointing(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        log_plan_scalars(trainer, pl_module, self._scalars)  # beside memory/*: the plan was in the log line only
         if not self._check_idle:
             return
         # a block in a checkpointing mode that training never called (matched by module_pattern but unused, or used
