@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result.pop("markdown"), end="")
     if cost := result.pop("cost_markdown"):
         print("\n" + cost, end="")
-    print(f"wrote {result['png']}" + (f" and {result['table']}" if result["table"] else ""))
+    if written := [path for path in (result["png"], result["table"]) if path]:  # --out '': 'wrote ' named nothing
+        print("wrote " + " and ".join(written))
     print(json.dumps(_finite_or_none(result), allow_nan=False))  # strict JSON: NaN/inf (a diverged run) -> null
     return 0
 

@@ -29,6 +29,11 @@ def test_runs_table_png_and_json(tmp_path, capsys):
     assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "sweep")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["png"] == str(tmp_path / "sweep.png") and (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    # --out '' draws nothing: the line was 'wrote ' (and 'wrote  and cmp.md' with --table), naming no file
+    assert compare_runs.main([str(a), str(b), "--out", ""]) == 0
+    assert "wrote" not in capsys.readouterr().out
+    assert compare_runs.main([str(a), str(b), "--out", "", "--table", str(table)]) == 0
+    assert f"\nwrote {table}\n" in capsys.readouterr().out
 
 
 def test_sweep_dir_expands_to_jobs_labelled_by_differing_overrides(tmp_path):
