@@ -72,6 +72,8 @@ from tests.conftest import ROOT, load_script, run_script
     ("bench_activation_ckpt.py", ["--seed", "-3"], "argument --seed: must be >= 0, got -3"),
     ("generate.py", ["missing.ckpt"], "checkpoint 'missing.ckpt' does not exist"),
     ("spectrum.py", ["missing.ckpt", "--files"], "argument --files: expected at least one argument"),
+    # Path('') is '.': the line said "--out '' is a directory; give a file path"
+    ("spectrum.py", ["missing.ckpt", "--out", ""], "--out is empty; give a file path"),
     ("compare_runs.py", ["missing_run"], "run dir 'missing_run' does not exist"),
 ])
 def test_bad_counts_are_refused_before_any_work(script, args, message, tmp_path, capfd):

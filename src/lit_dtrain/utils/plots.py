@@ -18,6 +18,8 @@ def output_path(path: str | os.PathLike, flag: str, image: bool = False) -> Path
     writable. With ``image``, a path without a suffix gets ``.png`` (matplotlib would append it itself, and the script
     would report a file it did not write) and another suffix must be a format matplotlib writes.
     :class:`OutputPathError` naming ``flag`` otherwise."""
+    if not os.fspath(path):  # Path('') is '.': spectrum.py --out '' said "--out '' is a directory"
+        raise OutputPathError(f"{flag} is empty; give a file path")
     out = Path(path).expanduser()
     if out.is_dir():  # before the suffix: '--out plots/' wrote plots.png beside the dir, and said so
         raise OutputPathError(f"{flag} {str(path)!r} is a directory; give a file path")
