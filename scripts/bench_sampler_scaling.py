@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=positive_int, default=300, help="timed steps per variant and size")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     args = ap.parse_args(argv)
+    if args.block < 2:  # was token_loss's ValueError traceback, after the first size's samplers were built
+        ap.error(f"--block {args.block}: the Fourier samplers need windows of >= 2 tokens (a spectrum of T losses)")
     args.sizes = sorted(args.sizes)  # smallest first: the growth column is largest / smallest in any given order
     torch.set_num_threads(args.threads)
 

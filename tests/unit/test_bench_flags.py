@@ -23,6 +23,8 @@ from tests.conftest import ROOT, load_script, run_script
 @pytest.mark.parametrize("script, args, message", [
     ("bench_sampler_scaling.py", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     ("bench_sampler_scaling.py", ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    # a ValueError traceback from token_loss ('needs at least 2 positions for a spectrum, got T=1')
+    ("bench_sampler_scaling.py", ["--block", "1"], "--block 1: the Fourier samplers need windows of >= 2 tokens"),
     ("bench_optim_diag.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("bench_step.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("bench_step.py", ["--steps", "abc"], "argument --steps: expected a whole number, got 'abc'"),
