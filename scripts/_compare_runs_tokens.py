@@ -73,7 +73,7 @@ def tokens_trained(run: str, scalars: dict[str, list[tuple[int, float]]]) -> tup
     points = [(s + 1, v) for s, v in scalars.get(TOKENS, [])]
     if not points:
         rate = tokens_per_step(run, scalars)
-        return (lambda steps: steps * rate), {"tokens_per_step": rate, "tokens_from": "rate"}
+        return _without_dropped(run, lambda steps: steps * rate), {"tokens_per_step": rate, "tokens_from": "rate"}
     points = [(0, 0.0), *points]
     steps, tokens = zip(*points)
 
@@ -82,7 +82,21 @@ def tokens_trained(run: str, scalars: dict[str, list[tuple[int, float]]]) -> tup
         (s0, t0), (s1, t1) = points[i - 1], points[i]
         return t0 + (step - s0) * (t1 - t0) / (s1 - s0) if s1 > s0 else t1
 
-    return at, {"tokens_per_step": tokens[-1] / steps[-1], "tokens_from": TOKENS}
+    return _without_dropped(run, at), {"tokens_per_step": tokens[-1] / steps[-1], "tokens_from": TOKENS}
+
+
+def _without_dropped(run: str, at: Callable[[float], float]) -> Callable[[float], float]:
+    """``at`` less the tokens of the steps whose update a loss spike had dropped by then (:func:`dropped_steps`):
+    ``train/tokens`` counts every step's (a skipped one's too, 24,576 for 12 steps with one skipped)."""
+    events = dropped_steps(run)
+    if not events:
+        return at
+
+    def trained(step: float) -> float:
+        dropped = set().union(*(steps for at_step, steps in events if at_step < step))  # the events by then
+        return at(step) - sum(at(s + 1) - at(s) for s in dropped)
+
+    return trained
 
 
 def tokens_per_step(run: str, scalars: dict[str, list[tuple[int, float]]]) -> float:
@@ -161,18 +175,19 @@ def _ranks(run: str, scalars: dict[str, list[tuple[int, float]]]) -> int:
 COST_HEADER = ["| run | steps trained | tokens trained | wall time |", "|---|---:|---:|---:|"]
 
 
-def dropped_steps(run: str) -> set[int]:
-    """The optimizer steps (0-based) whose update is not in the run's weights: ``LossSpikeMonitor`` dropped them, as
-    its ``spikes.jsonl`` in the run dir records (``skip``: the spike's step; ``rollback`` to the snapshot of step
-    ``r``: steps ``r`` to the spike's, applied then undone; ``global_step`` counts them all). Empty without the file
-    (no monitor, no spike, or its ``path`` set elsewhere); an unreadable line is passed over."""
+def dropped_steps(run: str) -> list[tuple[int, range]]:
+    """The optimizer steps (0-based) whose update is not in the run's weights, per event: ``(step, steps)``, where
+    ``LossSpikeMonitor`` dropped them at ``step``, as its ``spikes.jsonl`` in the run dir records (``skip``: the
+    spike's step; ``rollback`` to the snapshot of step ``r``: steps ``r`` to the spike's, applied then undone;
+    ``global_step`` counts them all). Empty without the file (no monitor, no spike, or its ``path`` set elsewhere);
+    an unreadable line is passed over."""
     import json
 
-    dropped: set[int] = set()
+    events: list[tuple[int, range]] = []
     try:
         lines = (Path(run) / "spikes.jsonl").read_text().splitlines()
     except OSError:
-        return dropped
+        return events
     for line in lines:
         try:
             record = json.loads(line)
@@ -181,8 +196,9 @@ def dropped_steps(run: str) -> set[int]:
             continue
         if not isinstance(step, int) or not {"skip", "rollback"} & set(actions):
             continue  # a level shift, or a spike only logged or cooled down: its update was applied
-        dropped.update(range(back_to, step + 1) if isinstance(back_to, int) and back_to <= step else [step])
-    return dropped
+        first = back_to if isinstance(back_to, int) and back_to <= step else step
+        events.append((step, range(first, step + 1)))
+    return events
 
 
 def run_cost(run: str, scalars: dict[str, list[tuple[int, float]]]) -> dict:
@@ -201,14 +217,13 @@ def run_cost(run: str, scalars: dict[str, list[tuple[int, float]]]) -> dict:
         return {}
     if not isinstance(steps, int) or not isinstance(start, int):
         return {}
-    dropped = sorted(s for s in dropped_steps(run) if s < steps)
+    dropped = set().union(*(range_ for step, range_ in dropped_steps(run) if step < steps))
     tokens = summary.get("tokens")
     if start == 0 and isinstance(tokens, int):  # one start: its steps trained alike
         tokens = round(tokens * (steps - len(dropped)) / steps) if steps else tokens
-    else:  # a resumed run: its earlier starts' tokens too
+    else:  # a resumed run: its earlier starts' tokens too (the dropped steps' left out)
         try:
-            at = tokens_trained(run, scalars)[0]
-            tokens = round(at(steps) - sum(at(s + 1) - at(s) for s in dropped))
+            tokens = round(tokens_trained(run, scalars)[0](steps))
         except RunDirError:
             tokens = None
     wall = summary.get("wall_seconds")

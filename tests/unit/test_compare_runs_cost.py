@@ -88,3 +88,16 @@ def test_steps_a_loss_spike_dropped_are_not_counted_as_tokens_trained(tmp_path):
     assert result["runs"][0]["cost"] == {"steps": 12, "steps_dropped": 4, "tokens_trained": 16384,
                                          "wall_seconds": 10.0, "wall_since_step": 0}
     assert result["cost_markdown"].splitlines()[2] == "| spiky | 12 (4 dropped) | 16,384 | 10.0 s |"
+
+
+def test_the_tokens_axis_leaves_out_a_dropped_step_from_the_step_after_it(tmp_path):
+    """``--x tokens`` read train/tokens, which counts a skipped step's tokens too: after step 6 was skipped the
+    axis stood 2,048 tokens ahead of the cost table. A drop counts from the step after its event: a rollback at
+    step 10 to step 8's snapshot leaves the validations measured at 9 and 10 where they were (their weights held
+    steps 8 and 9), and takes steps 8 to 10 out after it."""
+    run = tmp_path / "spiky"
+    run.mkdir()
+    (run / "spikes.jsonl").write_text(json.dumps({"step": 6, "actions": ["skip"], "rolled_back_to": None}) + "\n"
+                                      + json.dumps({"step": 10, "actions": ["rollback"], "rolled_back_to": 8}) + "\n")
+    at = compare_runs.tokens_trained(str(run), {"train/tokens": [(s, 2048.0 * (s + 1)) for s in range(12)]})[0]
+    assert [at(t) / 2048 for t in (6, 7, 9, 10, 11, 12)] == [6, 6, 8, 9, 7, 8]
