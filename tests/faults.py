@@ -228,3 +228,20 @@ class SlowStart(L.Callback):
             import time
 
             time.sleep(float(seconds))
+
+
+class HoldMemoryAtStep(L.Callback):
+    """Hold ``mib`` MiB of written memory (every page touched) on every rank through optimizer step ``step``: a job
+    whose peak RSS stands ``mib`` above the others'."""
+
+    def __init__(self, step: int, mib: int) -> None:
+        self.step, self.mib, self.block = int(step), int(mib), None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self.mib and self.block is None:
+            import torch
+
+            self.block = torch.ones(self.mib * 2**20 // 4)  # float32
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.block = None

@@ -36,6 +36,27 @@ def test_multirun_with_ddp_writes_each_job_once_with_both_ranks(tmp_path, corpus
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_each_ddp_sweep_jobs_peak_rss_is_its_own_on_every_rank(tmp_path, corpus):
+    """Job 0 holds 300 MiB on each rank for a step, job 1 does not: job 1's ``peak_rss_mib`` (the ranks' highest) is
+    its own, so both ranks' processes, which run the jobs in turn, reset their peak at job 1's start. Run by hand
+    (``model.n_layer=4``, ``model.d_model=512,32``): 648.9 and 389.3 MiB, against 653.6 and 380.5 for runs of their
+    own; rank 1 that kept job 0's peak would read about 650 in job 1."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=3", "trainer.val_check_interval=3",
+        "sample.max_new_tokens=0", "+callbacks.hold._target_=tests.faults.HoldMemoryAtStep", "+callbacks.hold.step=1",
+        "+callbacks.hold.mib=300,0", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    held, free = (json.loads((sweep / job / "summary.json").read_text())["peak_rss_mib"] for job in ("0", "1"))
+    assert held - free > 250, (held, free)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_a_sweep_whose_job_failed_in_a_collective_stops_there_with_status_1(tmp_path, corpus):
     """Rank 1 hangs in job 0 of 3: rank 0's collective times out, and it killed its child rank with the launcher's
     kill, which left that rank on the list Lightning's child-process observer polls every 5 s: jobs 1 and 2 failed at
