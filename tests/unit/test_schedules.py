@@ -341,3 +341,14 @@ def test_a_warmup_and_decay_past_the_horizon_says_what_to_change():
         "warmup_steps + decay_steps must be <= total_steps, got warmup_steps=50 + decay_steps=4 > total_steps=20: "
         "shorten warmup_steps or the decay (decay_steps, decay_fraction), or raise total_steps (in train.py "
         "scheduler.total_steps, by default trainer.max_steps)")
+
+
+def test_a_cosine_warmup_past_the_horizon_says_what_to_change():
+    """``experiment=cpt_replay scheduler=cosine '~scheduler.decay_fraction' trainer.max_steps=20`` stopped at
+    'warmup_steps must be <= total_steps, got warmup_steps=50 > 20': the experiment's warmup, never typed, and no word
+    of what to change, where WSD's error for the same run names the fix."""
+    with pytest.raises(ValueError) as refused:
+        cosine_lr_factor(0, total_steps=20, warmup_steps=50)
+    assert str(refused.value) == (
+        "warmup_steps must be <= total_steps, got warmup_steps=50 > total_steps=20: shorten warmup_steps or raise "
+        "total_steps (in train.py scheduler.total_steps, by default trainer.max_steps)")

@@ -195,7 +195,11 @@ def cosine_lr_factor(step: int, *, total_steps: int, warmup_steps: int = 0, min_
     total_steps = _check_int("total_steps", total_steps, minimum=1)
     warmup_steps = _check_int("warmup_steps", warmup_steps)
     if warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps must be <= total_steps, got warmup_steps={warmup_steps} > {total_steps}")
+        raise ValueError(  # the fix named, as WSD's error does (cpt_replay's warmup 50, never typed, in a short run)
+            f"warmup_steps must be <= total_steps, got warmup_steps={warmup_steps} > total_steps={total_steps}: "
+            "shorten warmup_steps or raise total_steps (in train.py scheduler.total_steps, by default "
+            "trainer.max_steps)"
+        )
     return wsd_lr_factor(
         step,
         total_steps=total_steps,
