@@ -245,3 +245,14 @@ class HoldMemoryAtStep(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.block = None
+
+
+class SignalInSetup(L.Callback):
+    """Send ``signal`` to this process in the ``setup`` hook: before the fit loads the checkpoint, and before Lightning
+    registers its SIGTERM handler (after that load)."""
+
+    def __init__(self, signal: str = "SIGTERM") -> None:
+        self.signal = signal
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        os.kill(os.getpid(), getattr(signal_module, self.signal))

@@ -55,6 +55,7 @@ class LogsKeptUntilTraining(L.Callback):
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         self.training_started = False
+        self._previous_handlers: dict[int, object] = {}
         put_back_a_killed_starts_logs(self.run_dir)  # (train() did at its start: a project of one's own)
         kept = self.run_dir / KEPT_DIR
         dirs = _dirs(self.run_dir)
@@ -81,13 +82,41 @@ class LogsKeptUntilTraining(L.Callback):
         from now on."""
         self.training_started = True
         _remove(self.run_dir / KEPT_DIR)
+        self._restore_handlers()
 
     def __enter__(self) -> LogsKeptUntilTraining:
+        """SIGTERM and SIGHUP, where their action is the default, raise :class:`StoppedBeforeTraining` until training
+        starts, so that the put-back runs: a SIGTERM while a refused resume set up (before Lightning's handler, which
+        comes after the checkpoint's load) ended the process with 143 and left ``metrics.csv`` cut (step 4's rows)
+        and ``config_resolved.yaml``/``overrides.yaml`` with the refused values. Lightning's own handler, once
+        registered, calls this one too (it composes the handler it finds): there this one leaves the stop to
+        Lightning's flag, as before."""
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                if s != signal.SIGINT and signal.getsignal(s) is signal.SIG_DFL:  # (SIGINT raises KeyboardInterrupt)
+                    self._previous_handlers[s] = signal.signal(s, self._on_stop_signal)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._restore_handlers()
         if exc_type is not None and not self.training_started:
             self.put_back()
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        if signal.getsignal(signum) != self._on_stop_signal:  # within Lightning's handler: its flag stops the fit
+            return
+        if self.training_started:  # put back by Lightning's teardown after the fit: the default action
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        raise StoppedBeforeTraining(signum)
+
+    def _restore_handlers(self) -> None:
+        """Only where this callback's handler is still the one installed (Lightning's composes it: left as it is)."""
+        if threading.current_thread() is threading.main_thread():
+            for s, previous in self._previous_handlers.items():
+                if signal.getsignal(s) == self._on_stop_signal:
+                    signal.signal(s, previous)
 
     def put_back(self) -> None:
         put_back_kept_logs(self.run_dir)
@@ -140,6 +169,15 @@ def _remove(kept: Path) -> None:
     """The copy's manifest first: a kill while the copy is removed leaves no manifest to copies that are gone."""
     (kept / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(kept, ignore_errors=True)
+
+
+class StoppedBeforeTraining(SystemExit):
+    """A SIGTERM or SIGHUP before training started: exit status 128 + the signal, as its default action's, once the
+    logs are put back (a ``SystemExit``, so that no ``except Exception`` takes it for an error)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def _dirs(run_dir: Path) -> list[Path]:

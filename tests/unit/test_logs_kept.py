@@ -143,6 +143,26 @@ def test_a_refused_logger_switch_leaves_no_dir_of_the_other_logger(tiny_cfg, log
     assert _tree(run) == tree and _files(run) == before
 
 
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_stop_signal_before_the_checkpoints_load_puts_the_logs_back(tiny_cfg, refused):
+    """A SIGTERM in a resume's setup, after the logger cut the logs and before Lightning's handler (registered after
+    the checkpoint's load), took the default action: the process ended with 143 and left csv/metrics.csv cut (step
+    4's rows), config_resolved.yaml and overrides.yaml with that start's values. It ends with 143 now, the files as
+    they were: the start trained nothing (refused or not)."""
+    import multiprocessing
+
+    run = _run_and_refused_resume(tiny_cfg, "csv")
+    before = _files(run)
+    resumed = tiny_cfg("trainer.max_steps=6", "logger=csv", "resume=auto", *FOURIER,
+                       *(["data.val_fraction=0.3"] if refused else []),
+                       "+callbacks.stop._target_=tests.faults.SignalInSetup")
+    child = multiprocessing.get_context("fork").Process(target=train, args=(resumed,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 143, child.exitcode  # -15 (killed by the signal) before
+    assert _files(run) == before
+
+
 def test_a_stop_signal_in_the_put_back_waits_for_it_to_end(tmp_path, monkeypatch):
     """A SIGTERM while config_resolved.yaml was put back (the first file) ended the put-back there: metrics.csv stayed
     cut at step 4 (under train.py's default handler the process ended with 143). Now it is acted on after it."""
