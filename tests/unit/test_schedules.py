@@ -352,3 +352,18 @@ def test_a_cosine_warmup_past_the_horizon_says_what_to_change():
     assert str(refused.value) == (
         "warmup_steps must be <= total_steps, got warmup_steps=50 > total_steps=20: shorten warmup_steps or raise "
         "total_steps (in train.py scheduler.total_steps, by default trainer.max_steps)")
+
+
+def test_a_cosine_that_is_all_warmup_warns(caplog):
+    """``scheduler=cosine scheduler.warmup_steps=10 trainer.max_steps=10`` trained its 10 steps at 0.1 .. 1.0 of the
+    peak, ending at the peak with no cosine at all, without a word (WSD warns where its decay rounds to none)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="lit_dtrain.schedules.lr"):
+        sched = cosine_scheduler(opt, total_steps=4, warmup_steps=4, min_lr_factor=0.1)
+        cosine_scheduler(opt, total_steps=5, warmup_steps=4)  # one decay step: quiet
+        cosine_scheduler(opt, total_steps=4, warmup_steps=4, min_lr_factor=1.0)  # nothing to decay to: quiet
+    assert [sched.lr_lambdas[0](s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "cosine: warmup_steps=4 equals total_steps=4: the schedule is all warmup, its LR reaches the peak on the last "
+        "step and never decays toward min_lr_factor=0.1; shorten warmup_steps (or raise total_steps) for a cosine "
+        "decay"]

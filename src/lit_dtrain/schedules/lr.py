@@ -291,6 +291,13 @@ def cosine_scheduler(optimizer: Optimizer, *, total_steps: int, warmup_steps: in
     """``LambdaLR`` over :func:`cosine_lr_factor`."""
     cosine_lr_factor(0, total_steps=total_steps, warmup_steps=warmup_steps, min_lr_factor=min_lr_factor)  # checks
     total_steps, warmup_steps = int(total_steps), int(warmup_steps)
+    if warmup_steps == total_steps and min_lr_factor < 1.0:  # as WSD's decay_fraction that rounds to no decay
+        log_once(
+            log, logging.WARNING,
+            "cosine: warmup_steps=%d equals total_steps=%d: the schedule is all warmup, its LR reaches the peak on the "
+            "last step and never decays toward min_lr_factor=%s; shorten warmup_steps (or raise total_steps) for a "
+            "cosine decay", warmup_steps, total_steps, min_lr_factor,
+        )
     return lambda_scheduler(optimizer, _checked_wsd_factor, total_steps=total_steps, warmup_steps=warmup_steps,
                             decay_steps=total_steps - warmup_steps, decay_type="cosine", min_lr_factor=min_lr_factor)
 
