@@ -41,7 +41,8 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
         composed()
         remove_a_sweep_of_nothing()  # -m ... scheduler.decay_fraction=0.1,0.2: a sweep dir holding multirun.yaml alone
         error = e
-        message = unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
+        message = (unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
+                   or list_item_delete_message(error, sys.argv[1:]))
         if message is None:
             _report_as_hydra(error)
         from lit_dtrain.utils.distributed import print_once_across_ranks
@@ -196,6 +197,22 @@ def group_value_message(error: BaseException, args: list[str], config_dir: str |
 
 
 _NO_VALUE = object()
+
+
+def list_item_delete_message(error: BaseException, args: list[str]) -> str | None:
+    """The one line for a ``~`` override of a list item on the command line ``args`` (``'~data.sources.1'``, to drop
+    ``data=mixture``'s second source), else None. Hydra 1.3 passes the index on as a string, and the list refuses it:
+    'TypeError: list indices must be integers or slices, not str' in a 25-line traceback naming neither the override
+    nor a fix (hydra#2477, fixed by hydra#3146 after 1.3.8). The fix is the list set whole."""
+    if not (isinstance(error, TypeError) and str(error).startswith("list indices must be integers")):
+        return None
+    for arg in args:
+        key = arg[1:].partition("=")[0]
+        parent, _, index = key.rpartition(".")
+        if arg.startswith("~") and parent and index.isdigit():
+            return (f"'{arg}': Hydra cannot delete an item of a list (it takes the index {index} for a key; "
+                    f"hydra#2477): set the list whole without it instead, '{parent}=[...]'")
+    return None
 
 
 def group_options_in(config_dir: str, group: str) -> list[str]:

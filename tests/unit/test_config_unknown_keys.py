@@ -282,3 +282,15 @@ def test_a_config_files_package_is_read_from_hydras_header_alone(tmp_path, text,
     with open(tmp_path / "c.yaml", encoding="utf-8") as f:  # as Hydra's FileConfigSource reads it
         hydras = ConfigSource._get_header_dict(f.read(512))["package"]
     assert read_config_file(tmp_path / "c.yaml")[1] == package == hydras
+
+
+def test_deleting_a_list_item_is_one_line_naming_the_override_and_the_fix(capsys, monkeypatch):
+    """``'~data.sources.1'`` (to drop ``data=mixture``'s second source) failed inside Hydra 1.3 with 'TypeError: list
+    indices must be integers or slices, not str' in a 25-line traceback (hydra#2477)."""
+    monkeypatch.setattr("sys.argv", ["train.py", "data=mixture", "~data.sources.1"])
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", "data=mixture", "~data.sources.1"), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == ("error: '~data.sources.1': Hydra cannot delete an item of a list (it takes the "
+                                       "index 1 for a key; hydra#2477): set the list whole without it instead, "
+                                       "'data.sources=[...]'\n")
