@@ -35,7 +35,9 @@ from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
 
-RECORD = ("config_resolved.yaml", "overrides.yaml")
+# LossSpikeMonitor's events too: its on_train_start moves those of steps >= the resumed step to the superseded file,
+# and a callback after it that refused there (before this one's on_train_start) left spikes.jsonl without them
+RECORD = ("config_resolved.yaml", "overrides.yaml", "spikes.jsonl", "spikes.superseded.jsonl")
 # a log dir's files that the loggers write (CSVLogger: both; TensorBoardLogger: hparams.yaml), the others left alone:
 # a logger writing into the run dir itself (logger.name='') put back its train.log, which the job's log handler had
 # open (the refusal's lines went to the removed file)
@@ -47,10 +49,11 @@ MANIFEST = "kept.json"  # written last: a copy without it is incomplete, and not
 class LogsKeptUntilTraining(L.Callback):
     """A callback and context manager (rank 0's, on a resume): built before the logger cuts the logs of
     ``run_dir``, it keeps a copy of the log dirs' :data:`LOGGER_FILES` (``metrics.csv``, ``hparams.yaml``) and
-    :data:`RECORD` in ``<run_dir>/.logs_kept``, with the names of the event files and dirs there; a run that raises
-    inside it before training started gets them back: the files as they were, the event files written since (the
-    purge marker, the new writer's) removed (an event file is never rewritten, only added), and the logger files and
-    dirs made since (the other logger's empty ``tb/`` or ``csv/`` of a refused logger switch) removed."""
+    :data:`RECORD` (train.py's record, ``spikes.jsonl``) in ``<run_dir>/.logs_kept``, with the names of the event
+    files and dirs there; a run that raises inside it before training started gets them back: the files as they
+    were, the event files written since (the purge marker, the new writer's) removed (an event file is never
+    rewritten, only added), and the logger files and dirs made since (the other logger's empty ``tb/`` or ``csv/``
+    of a refused logger switch) removed."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)

@@ -230,3 +230,21 @@ def test_train_puts_back_the_logs_of_a_resume_killed_before_training(tiny_cfg):
     with pytest.raises(ConfigError, match="past trainer.max_steps=3"):  # refused before the logger cuts anything
         train(tiny_cfg("trainer.max_steps=3", "logger=csv", "resume=auto", *FOURIER))
     assert _files(run) == before
+
+
+def test_a_refusal_after_the_loss_spike_monitors_train_start_puts_its_events_back(tmp_path):
+    """LossSpikeMonitor's on_train_start moves the events of steps >= the resumed step to spikes.superseded.jsonl; a
+    callback after it that refused in on_train_start (before this one's) put the logs back but not the events: a
+    resume at step 4 of a run killed at step 7, whose step 6 was skipped, left spikes.jsonl empty and the skip in
+    spikes.superseded.jsonl. Both files are as they were now."""
+    from lit_dtrain.callbacks._spike_records import supersede_replayed
+
+    _logs(tmp_path)
+    spikes = tmp_path / "spikes.jsonl"
+    spikes.write_text('{"step": 2, "actions": ["log"]}\n{"step": 6, "actions": ["log", "skip"]}\n')
+    before = _files(tmp_path)
+    with pytest.raises(RuntimeError, match="refused"), LogsKeptUntilTraining(tmp_path):
+        assert supersede_replayed(str(spikes), 4)  # the monitor's on_train_start, at the resumed step 4
+        raise RuntimeError("refused in on_train_start")
+    assert _files(tmp_path) == before
+    assert not (tmp_path / "spikes.superseded.jsonl").exists()
