@@ -234,6 +234,7 @@ def test_fsdp_on_one_gpu_clips_and_resumes(tiny_cfg, no_process_group_left, monk
     clips through the root FSDP module), then a resume from its checkpoint."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    from lit_dtrain.strategies import EvenEpochsFSDPStrategy
     from lit_dtrain.train import train
 
     if ON_CPU:
@@ -249,7 +250,7 @@ def test_fsdp_on_one_gpu_clips_and_resumes(tiny_cfg, no_process_group_left, monk
     common = ["trainer.val_check_interval=4", "scheduler.total_steps=8", "sample.max_new_tokens=0"]
     m_plain, _ = train(tiny_cfg(*GPU, *common, "trainer.max_steps=8", run="plain"))
     m_first, first = train(tiny_cfg(*GPU, "strategy=fsdp", *common, "trainer.max_steps=4", run="fsdp"))
-    assert type(first["trainer"].strategy).__name__ == "FSDPStrategy"
+    assert type(first["trainer"].strategy) is EvenEpochsFSDPStrategy  # strategy=fsdp's class (make_fsdp)
     assert clips == [1.0] * 4
     m_res, resumed = train(tiny_cfg(*GPU, "strategy=fsdp", *common, "trainer.max_steps=8", "resume=auto", run="fsdp"))
     assert resumed["trainer"].global_step == 8 and clips == [1.0] * 8
