@@ -23,6 +23,9 @@ never measured as an update) or that the ``16-mixed`` GradScaler skipped (inf/Na
 the scaler still calls, with its ``found_inf``, and which then leaves the parameters alone). With several optimizers
 (manual optimization) the names are ``optim/opt<i>/<group>/...``.
 
+Under FSDP, where each rank holds a shard of every parameter, gradient and Adam state, the sums behind the three
+figures are summed over the ranks (one all-reduce a diagnostic step), so every rank logs the whole model's.
+
 Cost: nothing on other steps; on a diagnostic step one copy of the parameters and a few reductions.
 ``scripts/bench_optim_diag.py`` measures the overhead (target <= 2% at the default interval).
 """
@@ -38,6 +41,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg, whole_at_least
 from lit_dtrain.callbacks._logging import log_step_metrics, logging_step
+from lit_dtrain.callbacks.adaptive_grad_clip import is_sharded
 
 
 def eps_dominated_fraction(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> tuple[int, int]:
@@ -52,6 +56,17 @@ def _sumsq(tensors: list[torch.Tensor]) -> float:
         return 0.0
     norms = torch._foreach_norm(tensors, 2.0)
     return float(torch.stack([n.float().cpu() for n in norms]).square().sum())
+
+
+def _summed_over_shards(trainer: Trainer | None, sums: list[list[float]]) -> list[list[float]]:
+    """``sums`` (sums of squares and counts per param group) over every rank's shard under a sharding strategy
+    (FSDP) with several ranks, whose ranks each hold a shard of every parameter, gradient and Adam state; as they
+    are elsewhere (DDP: every rank holds the whole model and the same all-reduced gradients). Under FSDP on 2 gloo
+    ranks rank 0's shard alone gave a grad RMS of 0.0945 where the model's is 0.1446."""
+    if trainer is None or trainer.world_size < 2 or not is_sharded(trainer.strategy):
+        return sums
+    flat = torch.tensor(sums, dtype=torch.float64, device=trainer.strategy.root_device)
+    return trainer.strategy.reduce(flat, reduce_op="sum").cpu().tolist()
 
 
 class OptimizerDiagnostics(Callback):
@@ -71,7 +86,7 @@ class OptimizerDiagnostics(Callback):
         self.every_n_steps, self.prefix = int(every_n_steps), prefix
         self.last: dict[str, float] = {}
         self._before: list[list[torch.Tensor]] | None = None
-        self._grad_rms: dict[int, list[float]] = {}  # per optimizer (id), measured in on_after_backward
+        self._grad_rms: dict[int, list[tuple[float, int]]] = {}  # per optimizer (id): on_after_backward's sums
         self._pending: dict[str, float] = {}  # this step's metrics, logged at on_train_batch_end
         self._hooks: list = []
         self._trainer: Trainer | None = None
@@ -128,12 +143,11 @@ class OptimizerDiagnostics(Callback):
         # 16-mixed: every optimizer's grads are still loss-scaled here (Lightning unscales them after the closure)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         for optimizer in trainer.optimizers:
-            rms = []
+            sums = []  # (sum of squares, numel) per group; RMS taken in _post_step, over every rank's shard under FSDP
             for group in optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
-                numel = sum(p.numel() for p in params)
-                rms.append((_sumsq([p.grad for p in params]) / max(numel, 1)) ** 0.5 / scale)
-            self._grad_rms[id(optimizer)] = rms
+                sums.append((_sumsq([p.grad for p in params]) / scale**2, sum(p.numel() for p in params)))
+            self._grad_rms[id(optimizer)] = sums
 
     def _pre_step(self, optimizer, args, kwargs, index: int) -> None:
         trainer = self._trainer
@@ -160,22 +174,23 @@ class OptimizerDiagnostics(Callback):
             # others are not called at all. Either way no update: nothing to log
             return
         if grad_rms is None:  # no backward through Lightning for it (an optimizer stepped by hand)
-            grad_rms = [float("nan")] * len(optimizer.param_groups)
+            grad_rms = [(float("nan"), 1)] * len(optimizer.param_groups)
         prefix = f"{self.prefix}/opt{index}" if self._multi else self.prefix
-        metrics = self._pending
-        for i, (group, old) in enumerate(zip(optimizer.param_groups, before)):
-            name = f"{prefix}/{self._group_name(group, i)}"
+        sums = []  # per group: grad sumsq, grad numel, update sumsq, param sumsq, updated numel, eps count, eps total
+        for group, old, (grad_sumsq, grad_numel) in zip(optimizer.param_groups, before, grad_rms):
             # the parameters this update changed (with a grad): a frozen or unused one, which the optimizer skips, in
             # the same group diluted the ratio (a frozen backbone in AdamW(self.parameters()): 3.4x smaller)
             old = [(p, o) for p, o in old if p.grad is not None]
-            numel = max(sum(p.numel() for p, _ in old), 1)
-            update_rms = (_sumsq([p.detach() - o for p, o in old]) / numel) ** 0.5
-            param_rms = (_sumsq([o for _, o in old]) / numel) ** 0.5
-            metrics[f"{name}/update_to_param_rms"] = update_rms / max(param_rms, 1e-30)
-            metrics[f"{name}/grad_rms"] = grad_rms[i]
-            frac = self._eps_fraction(optimizer, group)
-            if frac is not None:
-                metrics[f"{name}/eps_dominated_frac"] = frac
+            eps = self._eps_fraction(optimizer, group)
+            sums.append([grad_sumsq, grad_numel, _sumsq([p.detach() - o for p, o in old]), _sumsq([o for _, o in old]),
+                         sum(p.numel() for p, _ in old), *(eps or (0, 0))])
+        sums = _summed_over_shards(self._trainer, sums)
+        for i, (group, (g2, g_n, u2, p2, n, count, total)) in enumerate(zip(optimizer.param_groups, sums)):
+            name = f"{prefix}/{self._group_name(group, i)}"
+            self._pending[f"{name}/update_to_param_rms"] = (u2 / max(n, 1)) ** 0.5 / max((p2 / max(n, 1)) ** 0.5, 1e-30)
+            self._pending[f"{name}/grad_rms"] = (g2 / max(g_n, 1)) ** 0.5
+            if total:
+                self._pending[f"{name}/eps_dominated_frac"] = count / total
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
@@ -186,7 +201,7 @@ class OptimizerDiagnostics(Callback):
         self.last = metrics
         log_step_metrics(trainer, pl_module, metrics, self._step)
 
-    def _eps_fraction(self, optimizer, group: dict) -> float | None:
+    def _eps_fraction(self, optimizer, group: dict) -> tuple[int, int] | None:
         if "eps" not in group or "betas" not in group:
             return self._warn_unsupported(optimizer)
         count = total = 0
@@ -201,7 +216,7 @@ class OptimizerDiagnostics(Callback):
             v = state["max_exp_avg_sq"] if group.get("amsgrad") and "max_exp_avg_sq" in state else state["exp_avg_sq"]
             c, n = eps_dominated_fraction(v, step, group["betas"][1], group["eps"])
             count, total = count + c, total + n
-        return count / total if total else None
+        return count, total
 
     def _warn_unsupported(self, optimizer) -> None:
         if not self._warned:
