@@ -221,6 +221,24 @@ def test_loss_spike_monitor_names_manual_optimization_as_unsupported(tmp_path: P
         _fit_two(tmp_path, [LossSpikeMonitor(actions=["log"])])
 
 
+def test_loss_spike_rollback_under_fsdp_is_a_one_line_config_error() -> None:
+    """'rollback' under a sharded strategy (FSDP, on GPUs) raised NotImplementedError, which train.py printed as a
+    traceback (its one-line errors are ConfigErrors: sweeps.user_error gave None); a ConfigError naming the fix now."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.callbacks._spike_args import check_fit
+    from lit_dtrain.errors import ConfigError
+    from lit_dtrain.strategies import EvenEpochsFSDPStrategy
+    from lit_dtrain.sweeps import user_error
+
+    trainer = SimpleNamespace(strategy=EvenEpochsFSDPStrategy.__new__(EvenEpochsFSDPStrategy))
+    with pytest.raises(ConfigError, match=r"'rollback' .* sharded strategies \(EvenEpochsFSDPStrategy\): use 'skip' "
+                                          r"\(callbacks.loss_spike.actions=\[log,skip\]\)") as caught:
+        check_fit(trainer, SimpleNamespace(automatic_optimization=True), ["log", "rollback"])
+    assert user_error(caught.value) is caught.value
+    check_fit(trainer, SimpleNamespace(automatic_optimization=True), ["log", "skip"])  # skip works under FSDP
+
+
 @pytest.mark.parametrize("action", ["skip", "rollback"])
 def test_adaptive_grad_clip_agrees_in_either_order_with_loss_spike_monitor(
     tmp_path: Path, monkeypatch, action: str

@@ -63,5 +63,8 @@ def check_fit(trainer, pl_module, actions: Sequence[str]) -> None:
             f"batch) does not give. Remove the callback, or use automatic optimization with one optimizer"
         )
     if "rollback" in actions and is_sharded(trainer.strategy):
-        raise NotImplementedError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not "
-                                  f"support sharded strategies ({type(trainer.strategy).__name__}); use 'skip'")
+        from lit_dtrain.errors import ConfigError  # (train.py prints a ConfigError as one line, not a traceback)
+
+        raise ConfigError(f"LossSpikeMonitor action 'rollback' snapshots full state dicts and does not support "
+                          f"sharded strategies ({type(trainer.strategy).__name__}): use 'skip' "
+                          f"(callbacks.loss_spike.actions=[log,skip]), or strategy=ddp")
