@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from lit_dtrain._sweep_of_nothing import remove_a_sweep_of_nothing
+from lit_dtrain.utils.hydra_overrides import failed_override
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _set_here = False  # whether this process set HYDRA_FULL_ERROR=1 (until the task function starts)
@@ -206,7 +207,8 @@ def list_item_delete_message(error: BaseException, args: list[str]) -> str | Non
     nor a fix (hydra#2477, fixed by hydra#3146 after 1.3.8). The fix is the list set whole."""
     if not (isinstance(error, TypeError) and str(error).startswith("list indices must be integers")):
         return None
-    for arg in args:
+    failed = failed_override(error)  # the one Hydra was applying: a digit key of a dict, also '~'d, deletes fine
+    for arg in args if failed is None else [failed]:
         key = arg[1:].partition("=")[0]
         parent, _, index = key.rpartition(".")
         if arg.startswith("~") and parent and index.isdigit():

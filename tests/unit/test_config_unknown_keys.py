@@ -294,3 +294,14 @@ def test_deleting_a_list_item_is_one_line_naming_the_override_and_the_fix(capsys
     assert capsys.readouterr().err == ("error: '~data.sources.1': Hydra cannot delete an item of a list (it takes the "
                                        "index 1 for a key; hydra#2477): set the list whole without it instead, "
                                        "'data.sources=[...]'\n")
+
+
+def test_deleting_a_list_item_names_that_override_not_a_digit_key_of_a_dict_deleted_beside_it(capsys, monkeypatch):
+    """``+foo.1=a '~foo.1' '~data.sources.1'``: Hydra deletes the dict's key '1' and fails at the list's item; the
+    line named '~foo.1' (the first '~<key>.<digits>' on the command line) and told to set 'foo=[...]'."""
+    args = ["model=nano", "data=mixture", "+foo.1=a", "~foo.1", "~data.sources.1"]
+    monkeypatch.setattr("sys.argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing(*args), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.startswith("error: '~data.sources.1': Hydra cannot delete an item of a list")
