@@ -20,8 +20,7 @@ from lit_dtrain.module_params import (
     remember_parameter_shapes,
     restore_configured_settings,
 )
-
-V, D, B, T = 64, 32, 2, 8
+from tests.unit.test_flops_estimate import B, D, T, TinyGPT, V  # the tied head, with a config of one's own
 
 
 class Matrices(nn.Module):
@@ -75,19 +74,6 @@ def test_a_resume_with_the_same_betas_as_a_list_logs_no_change(caplog) -> None:
     assert [g["betas"] for g in optimizer.param_groups] == [(0.9, 0.95), (0.9, 0.95)]
 
 
-class TinyGPT(nn.Module):
-    """Embedding -> Linear -> head tied to the embedding, with a ``config`` of one's own."""
-
-    def __init__(self, config=None) -> None:
-        super().__init__()
-        if config is not None:
-            self.config = config
-        self.wte = nn.Embedding(V, D)
-        self.body = nn.Linear(D, D)
-        self.lm_head = nn.Linear(D, V, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-
 def config(**values):
     return dataclasses.make_dataclass("C", [(k, type(v), v) for k, v in values.items()])()
 
@@ -103,9 +89,9 @@ SIX_N = 6.0 * (V * D + D * D + D) * B * T  # the tied table once, the body's wei
 ])
 def test_a_config_value_that_is_no_positive_integer_is_passed_over(values) -> None:
     """``_config_value`` takes the first name that is a positive int: 3 layers of width D, 6 L d T per token."""
-    assert estimate_train_flops(TinyGPT(config(**values)), B, T) == SIX_N + 6.0 * 3 * D * T * B * T
+    assert estimate_train_flops(TinyGPT(True, config(**values)), B, T) == SIX_N + 6.0 * 3 * D * T * B * T
 
 
 def test_a_config_without_positive_sizes_gets_six_n_alone() -> None:
-    assert estimate_train_flops(TinyGPT(config(n_layer=0, d_model=D)), B, T) == SIX_N
-    assert estimate_train_flops(TinyGPT(config(n_layer=False, d_model=D)), B, T) == SIX_N
+    assert estimate_train_flops(TinyGPT(True, config(n_layer=0, d_model=D)), B, T) == SIX_N
+    assert estimate_train_flops(TinyGPT(True, config(n_layer=False, d_model=D)), B, T) == SIX_N
