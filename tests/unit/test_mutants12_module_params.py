@@ -1,6 +1,7 @@
 """Tests that pin ``lit_dtrain.module_params`` where hand mutants passed its tests: the optimizer's log line of its
 param groups (the ", ..." after 8 kinds, the full sizes under a sharding strategy), a resume's check of changed betas
-(a list against the checkpoint's tuple is no change), and ``model.config`` values that are no positive integer."""
+(a list against the checkpoint's tuple is no change, nor is a fused choice reported), and ``model.config`` values that
+are no positive integer."""
 
 from __future__ import annotations
 
@@ -95,3 +96,20 @@ def test_a_config_value_that_is_no_positive_integer_is_passed_over(values) -> No
 def test_a_config_without_positive_sizes_gets_six_n_alone() -> None:
     assert estimate_train_flops(TinyGPT(True, config(n_layer=0, d_model=D)), B, T) == SIX_N
     assert estimate_train_flops(TinyGPT(True, config(n_layer=False, d_model=D)), B, T) == SIX_N
+
+
+def test_a_resume_that_changes_only_the_fused_choice_sets_it_without_a_line(caplog) -> None:
+    """A checkpoint of a foreach AdamW (built under a mixed precision with clipping) resumed where the automatic
+    choice is fused (32-true): ``fused``/``foreach`` are set to the build's, but only the configured settings a user
+    gives (weight_decay, betas, eps) are reported as changed."""
+    from lit_dtrain.optim import adamw
+
+    optimizer = build_optimizer(functools.partial(adamw, lr=1e-3), nn.Linear(4, 4), 1.0, "32-true")
+    built = [(g["fused"], g["foreach"]) for g in optimizer.param_groups]
+    assert built == [(True, None), (True, None)]
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = None, True  # the checkpoint's
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.module_params"):
+        restore_configured_settings(optimizer)
+    assert caplog.messages == []
+    assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == built
