@@ -1,7 +1,7 @@
 """Tests that pin ``lit_dtrain.stop_reason`` where hand mutants passed its tests: every EarlyStopping reason is an
 early stop (not only patience), a rank keeps its own reason where the ranks' differ, ``max_steps=0`` is a max_steps
 stop, a warmup that ends at the last step, the schedule's end at step ``max_steps - 1``, and a fit from step 0 is no
-resume for ``KeepEarlyStop``."""
+resume for ``KeepEarlyStop``, a floor of 0 reached to rounding, and a decay branch's line on EarlyStopping."""
 
 from __future__ import annotations
 
@@ -91,3 +91,32 @@ def test_the_schedule_s_end_is_its_lr_at_step_max_steps_minus_1(caplog) -> None:
     """A linear decay 1 - s/20 over 20 steps ends at 0.05, at step 19 (its last step; 0 would be step 20's)."""
     message = _warning(caplog, lambda s: 1 - s / 20, 5, 20)
     assert "its last at 0.8 of the peak LR, before its schedule's end (0.05 at step 19)" in message
+
+
+def test_a_stop_at_a_floor_of_0_to_rounding_is_not_warned_about(caplog) -> None:
+    """A decay to 0 that a stop at step 40 of 100 reached, but for a rounding of 1e-12: annealed as far as its schedule
+    goes (the tolerance is absolute near 0, 1e-9); 1e-6 above 0 is not."""
+    configs = [SimpleNamespace(scheduler=SimpleNamespace(lr_lambdas=[
+        lambda s, above=above: max(0.0, 1.0 - 0.1 * s) + (above if s < 50 else 0.0)])) for above in (1e-12, 1e-6)]
+    for config, warned in zip(configs, (False, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lit_dtrain.train"):
+            warn_if_the_schedule_did_not_end(_trainer(global_step=40, max_steps=100, lr_scheduler_configs=[config]),
+                                             "early_stopping", 0, "run/last.ckpt")
+        assert bool(caplog.messages) is warned, caplog.messages
+
+
+def test_a_decay_branch_says_it_left_early_stopping_out_only_where_there_was_one(caplog) -> None:
+    from lightning.pytorch.callbacks import Timer
+
+    from lit_dtrain.stop_reason import early_stop_kept
+
+    timer, stopper = Timer(duration="00:00:01:00"), _stopper(EarlyStoppingReason.NOT_STOPPED)
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        assert early_stop_kept([timer], branch=True) == [timer]
+    assert caplog.messages == []
+    with caplog.at_level(logging.INFO, logger="lit_dtrain.train"):
+        assert early_stop_kept([timer, stopper], branch=True) == [timer]
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("decay_branch: EarlyStopping left out")
+    kept = early_stop_kept([timer, stopper], branch=False)
+    assert kept[:2] == [timer, stopper] and len(kept) == 3 and isinstance(kept[2], KeepEarlyStop)
