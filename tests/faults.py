@@ -256,3 +256,18 @@ class SignalInSetup(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         os.kill(os.getpid(), getattr(signal_module, self.signal))
+
+
+class RefuseAtLoad(L.Callback):
+    """Raise ``ConfigError`` in ``on_load_checkpoint`` (while the fit restores the checkpoint, before its loops are
+    restored) on rank ``rank`` only, when given; the other ranks sleep ``others_wait_s`` there first (a slow load)."""
+
+    def __init__(self, rank: int | None = None, others_wait_s: float = 0.0) -> None:
+        self.rank, self.others_wait_s = rank, float(others_wait_s)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        from lit_dtrain.errors import ConfigError
+
+        if self.rank is None or trainer.global_rank == self.rank:
+            raise ConfigError(f"refused at the load on rank {trainer.global_rank}")
+        time.sleep(self.others_wait_s)

@@ -10,6 +10,7 @@ import lightning as L
 from lit_dtrain.utils.distributed import (
     PeerRankFailedError,
     explain_collective_failure,
+    fit_position,
     is_collective_failure,
     only_interruptions,
     record_rank_failure,
@@ -31,6 +32,7 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
     try:
         yield
     except BaseException as e:
+        where = fit_position(trainer)  # ' at step N'; before training, the step being resumed (global_step reads 0)
         if trainer.world_size > 1 and isinstance(e, RuntimeError) and (
                 is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
             launcher = getattr(trainer.strategy, "launcher", None)
@@ -42,14 +44,14 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
                 failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
                 raise CollectiveError(
                     f"rank {trainer.global_rank}: {'; '.join(f.rstrip('. ') for f in named.failures)}; this rank's "
-                    f"next collective then failed at step {trainer.global_step} ({type(failed).__name__}: "
+                    f"next collective then failed{where} ({type(failed).__name__}: "
                     f"{str(failed).splitlines()[0][:200]}): {fix}Resume with resume=auto."
                 ) from e
             raise CollectiveError(
-                f"rank {trainer.global_rank}: a collective failed at step {trainer.global_step} "
+                f"rank {trainer.global_rank}: a collective failed{where} "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "
                 "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
             ) from e
         if record and isinstance(e, (Exception, KeyboardInterrupt)):
-            record_rank_failure(e, trainer.global_step)
+            record_rank_failure(e, where)
         raise

@@ -130,3 +130,38 @@ def test_a_projects_own_runtime_error_that_reads_like_a_collective_failure_is_na
     assert r0["message"].startswith("rank 0: rank 1 stopped at step 2: RuntimeError: connection to the peer database "
                                     "timed out; this rank's next collective then failed at step 2 ("), r0
     assert r0["message"].endswith("): fix that rank's error. Resume with resume=auto."), r0
+
+
+def _resume_refused_worker(rank: int, port: int, root: str, ckpt: str) -> None:
+    """train.py's ``_fit`` under ``make_ddp`` resuming ``ckpt`` (step 4): rank 1 alone refuses it at the load."""
+    as_launched_rank(rank, port)
+    from lit_dtrain.train import _fit
+    from tests.faults import RefuseAtLoad
+
+    trainer = _ddp_trainer(root)
+    trainer.callbacks.append(RefuseAtLoad(rank=1))
+    outcome = {"type": None, "message": None}
+    try:
+        _fit(trainer, _FailAt(root, "fit", step=-1, how=None), None, ckpt)
+    except BaseException as e:  # noqa: BLE001 - record what this rank raised
+        outcome = {"type": type(e).__name__, "message": str(e)}
+    torch.save(outcome, Path(root) / f"rank{rank}.pt")
+    os._exit(0)
+
+
+def test_a_resume_rank_1_alone_refuses_is_named_at_the_checkpoints_step_not_at_step_0(tmp_path):
+    """A step-4 checkpoint that rank 1 alone refused while it loaded read 'rank 0: rank 1 stopped at step 0: ...; this
+    rank's next collective then failed at step 0' on rank 0: the loops, which hold the step, were not restored yet
+    (2 gloo ranks of ``train.py trainer=ddp_cpu resume=auto``)."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_FailAt(str(tmp_path), "fit", step=-1, how=None))
+    ckpt = str(tmp_path / "step4.ckpt")
+    trainer.save_checkpoint(ckpt)
+    run_rank_processes(_resume_refused_worker, str(tmp_path), ckpt)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert (r1["type"], r1["message"]) == ("ConfigError", "refused at the load on rank 1"), r1
+    assert r0["type"] == "CollectiveError", r0
+    assert r0["message"].startswith(
+        "rank 0: rank 1 stopped before training, resuming from step 4: ConfigError: refused at the load on rank 1; "
+        "this rank's next collective then failed before training, resuming from step 4 ("), r0

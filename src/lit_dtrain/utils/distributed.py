@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from lit_dtrain.utils.loop import fit_position
+
 _registered = False
 
 
@@ -156,15 +158,14 @@ def begin_fit_records() -> None:
         pass
 
 
-def record_rank_failure(exc: BaseException, step: int | None = None) -> None:
-    """Leave ``exc`` in the store for the other ranks (best effort, never raises). A failed collective is not recorded:
-    it is the consequence of another rank's failure, not a cause."""
+def record_rank_failure(exc: BaseException, where: str = "") -> None:
+    """Leave ``exc``, come ``where`` (:func:`fit_position`), in the store for the other ranks (best effort, never
+    raises). A failed collective is not recorded: it is the consequence of another rank's failure, not a cause."""
     if is_collective_failure(exc) or isinstance(exc, PeerRankFailedError):
         return
     store, rank = _store_and_rank()
     if store is None:
         return
-    where = f" at step {step}" if step is not None else ""
     try:
         store.set(_FAILURE_KEY.format(_fit_generation, rank), failure_line(exc, rank, where))
     except Exception:  # noqa: BLE001 - the store may be gone already (its host rank exited)
@@ -233,14 +234,21 @@ class RankFailureRecords:
     rank 1 that raised alone (``OSError: No space left on device`` at step 4) left rank 0's last line at 'a collective
     failed at step 4 (... Connection closed by peer ...). Another rank probably died or hung'."""
 
+    training_started = False  # (fit_position): from on_train_start on, global_step is the fit's step
+
     def setup_environment(self) -> None:
         super().setup_environment()  # the process group exists from here on
+        self.training_started = False
         begin_fit_records()  # a peer's failure recorded in an earlier fit in this group is not this fit's
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.training_started = True
 
     def on_exception(self, exception: BaseException) -> None:
         module = self.lightning_module
         trainer = module.trainer if module is not None and module._trainer is not None else None
-        record_rank_failure(exception, trainer.global_step if trainer is not None else None)
+        record_rank_failure(exception, fit_position(trainer) if trainer is not None else "")
         super().on_exception(exception)
 
     # A failed collective of the step (DDP's gradient all-reduce in the closure's backward) or of a callback names the

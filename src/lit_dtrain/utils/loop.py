@@ -3,6 +3,7 @@ place for the private names they read."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
@@ -80,3 +81,19 @@ def reopen_epoch_end(checkpoint: dict) -> bool:
         batches[part]["completed"] -= 1  # saved at the last batch's end (Lightning completes it on restart)
     loop_state["_batches_that_stepped"] = max(loop_state.get("_batches_that_stepped", 1) - 1, 0)  # (restart adds 1)
     return True
+
+
+def fit_position(trainer) -> str:
+    """Where in ``trainer``'s fit a failure came, for the ranks' lines: `` at step N``; before training started (the
+    checkpoint's load), `` before training, resuming from step N`` (``trainer.ckpt_path``'s): ``global_step`` is 0
+    until the loops are restored, so a step-4 checkpoint rank 1 alone refused read 'rank 1 stopped at step 0'. A
+    strategy that does not say when training started (not ``utils.distributed.RankFailureRecords``): `` at step N``."""
+    fitting = getattr(getattr(trainer, "state", None), "fn", "fit") == "fit"
+    if not fitting or getattr(trainer.strategy, "training_started", True):
+        return f" at step {trainer.global_step}"  # (train()'s final validate too)
+    resumed = trainer.global_step or None  # the loops restored, training not started yet
+    with contextlib.suppress(Exception):  # the line of an error on its way: no step rather than another error
+        from lit_dtrain.checkpoint import checkpoint_global_step
+
+        resumed = resumed or (checkpoint_global_step(trainer.ckpt_path, verify=False) if trainer.ckpt_path else None)
+    return " before training" + (f", resuming from step {resumed}" if resumed is not None else "")
