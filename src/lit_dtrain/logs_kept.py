@@ -55,8 +55,9 @@ class LogsKeptUntilTraining(L.Callback):
     rewritten, only added), and the logger files and dirs made since (the other logger's empty ``tb/`` or ``csv/``
     of a refused logger switch) removed."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, resumed_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.resumed_step = resumed_step  # the checkpoint's, for the line of a stop signal (stopped_before_training)
         self.training_started = False
         self._previous_handlers: dict[int, object] = {}
         put_back_a_killed_starts_logs(self.run_dir)  # (train() did at its start: a project of one's own)
@@ -104,6 +105,8 @@ class LogsKeptUntilTraining(L.Callback):
         self._restore_handlers()
         if exc_type is not None and not self.training_started:
             self.put_back()
+            if isinstance(exc, StoppedBeforeTraining):
+                stopped_before_training(exc.signum, self.resumed_step)
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signal.getsignal(signum) != self._on_stop_signal:  # within Lightning's handler: its flag stops the fit
@@ -181,6 +184,24 @@ class StoppedBeforeTraining(SystemExit):
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
         self.signum = signum
+
+
+def stopped_before_training(signum: int, resumed_step: int | None) -> None:
+    """The lines of a resume that a stop signal ended before training (:class:`StoppedBeforeTraining`), its logs put
+    back: the process exited with 143 without a word, where a stop in training names its checkpoint and the resume.
+    What to run is the same command (a multirun's job: the same -m arguments with its sweep dir): the checkpoint it
+    was resuming is as it was."""
+    from lit_dtrain.sigterm_exit import train_resume_hint
+    from lit_dtrain.sweeps import in_multirun
+    from lit_dtrain.utils.rank_zero import launched_world_size, rank_labelled
+
+    name = signal.Signals(signum).name
+    step = f" from step {resumed_step}" if resumed_step is not None else ""
+    again = f"resume with {train_resume_hint(None)}" if in_multirun() else f"run the same command again to resume{step}"
+    log.warning("stopped by %s before training, resuming%s: nothing trained, the logs are as they were; %s", name,
+                step, again)
+    log.info(rank_labelled("exiting with status %d (stopped by %s, not finished)", launched_world_size()),
+             128 + signum, name)
 
 
 def _dirs(run_dir: Path) -> list[Path]:

@@ -292,7 +292,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         if ckpt_path:  # another codec's state: refused before the logger cuts the run's logs at the checkpoint's step
             refuse_another_preset(strategy, ckpt_path)
         # a resume refused from here to the fit's load: the logs build_logger cuts are put back (logs_kept.py)
-        kept = LogsKeptUntilTraining(cfg.paths.output_dir) if ckpt_path and rank_zero_only.rank == 0 else None
+        kept = LogsKeptUntilTraining(cfg.paths.output_dir, start_step) if ckpt_path and rank_zero_only.rank == 0 \
+            else None
         held.enter_context(kept or contextlib.nullcontext())
         logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(

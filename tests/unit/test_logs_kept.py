@@ -163,6 +163,27 @@ def test_a_stop_signal_before_the_checkpoints_load_puts_the_logs_back(tiny_cfg, 
     assert _files(run) == before
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_before_training_says_what_happened_and_what_resumes(tmp_path, caplog, name):
+    """A resume stopped by SIGTERM or SIGHUP before training (its checkpoint's load) put its logs back and exited with
+    143 or 129 without a word (``train.py ... resume=auto`` of a step-4 run, the signal in the fit's setup)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    metrics = _logs(tmp_path)
+    signum = getattr(signal, name)
+    assert signal.getsignal(signum) is signal.SIG_DFL
+    with pytest.raises(SystemExit, match=str(128 + signum)), LogsKeptUntilTraining(tmp_path, resumed_step=4):
+        purge_csv_metrics(metrics, 4)
+        os.kill(os.getpid(), signum)
+    assert metrics.read_text() == "epoch,step,val/loss\n0,3,4.5\n0,4,4.2\n"
+    assert [r.getMessage() for r in caplog.records if r.name == "lit_dtrain.logs_kept"] == [
+        f"stopped by {name} before training, resuming from step 4: nothing trained, the logs are as they were; run "
+        "the same command again to resume from step 4",
+        f"exiting with status {128 + signum} (stopped by {name}, not finished)",
+    ]
+
+
 def test_a_stop_signal_in_the_put_back_waits_for_it_to_end(tmp_path, monkeypatch):
     """A SIGTERM while config_resolved.yaml was put back (the first file) ended the put-back there: metrics.csv stayed
     cut at step 4 (under train.py's default handler the process ended with 143). Now it is acted on after it."""
