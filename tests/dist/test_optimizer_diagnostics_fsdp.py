@@ -2,11 +2,13 @@
 gradient and Adam state: its figures were rank 0's shard's (grad RMS 0.0945 where the model's is 0.1446), logged as
 the model's. They are summed over the ranks' shards now. Lightning refuses FSDP on a CPU, so the model is torch's
 FullyShardedDataParallel (``device_id`` cpu, which torch 2.13 runs under gloo) and the trainer a stand-in whose
-strategy is named as Lightning's FSDP and reduces as it does."""
+strategy is named as Lightning's FSDP and reduces as it does. A rank whose shard holds no grad (a frozen backbone's
+elements alone) skipped the all-reduce, and the other rank's waited for it: every rank reduces now."""
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -33,14 +35,16 @@ class StandInFSDPStrategy:
         return tensor
 
 
-def _model() -> torch.nn.Module:
+def _model(frozen_backbone: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[0].requires_grad_(not frozen_backbone)
+    return model
 
 
 def _diagnosed_step(model: torch.nn.Module, world_size: int, strategy) -> dict[str, float]:
     """Two AdamW steps on the same batch on every rank; the second is a diagnostic step. Its figures."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, eps=1e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, eps=1e-3)
     trainer = SimpleNamespace(world_size=world_size, strategy=strategy, optimizers=[optimizer], global_step=0,
                               precision_plugin=None)
     diag = OptimizerDiagnostics(every_n_steps=2)
@@ -57,23 +61,49 @@ def _diagnosed_step(model: torch.nn.Module, world_size: int, strategy) -> dict[s
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    sharded = FullyShardedDataParallel(_model(), device_id=torch.device("cpu"), use_orig_params=True)
-    shard_numel = sum(p.numel() for p in sharded.parameters())
-    figures = _diagnosed_step(sharded, 2, StandInFSDPStrategy())
+    # (a bound, so that a rank left waiting in a collective the other skipped fails the test, not hangs it)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    for frozen in (False, True):  # a frozen backbone: rank 0's shard holds its elements alone, and no grad
+        sharded = FullyShardedDataParallel(_model(frozen), device_id=torch.device("cpu"), use_orig_params=True)
+        shard_numel = sum(p.numel() for p in sharded.parameters())
+        shard_grads = sum(p.numel() for p in sharded.parameters() if p.requires_grad)
+        figures = _diagnosed_step(sharded, 2, StandInFSDPStrategy())
+        results[f"frozen={frozen}"] = {"figures": figures, "shard_numel": shard_numel, "shard_grads": shard_grads}
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"figures": figures, "shard_numel": shard_numel}, f)
+        json.dump(results, f)
     leave_rank()
 
 
-def test_fsdp_figures_are_the_whole_models(tmp_path):
-    out = str(tmp_path / "figures")
+@pytest.fixture(scope="module")
+def sharded_figures(tmp_path_factory) -> list[dict]:
+    """Each rank's results of both fits (one spawn)."""
+    out = str(tmp_path_factory.mktemp("fsdp") / "figures")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
-    ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+    return [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+
+
+def test_fsdp_figures_are_the_whole_models(sharded_figures):
+    ranks = [r["frozen=False"] for r in sharded_figures]
     whole = _diagnosed_step(_model(), 1, SimpleNamespace())
     assert sorted(r["shard_numel"] for r in ranks) == [40, 41]  # each rank holds about half of the 81 parameters
     assert set(whole) == {"optim/0/grad_rms", "optim/0/update_to_param_rms", "optim/0/eps_dominated_frac"}
     for rank in ranks:  # every rank's figures are the unsharded model's (same batch on both ranks: same gradients)
+        assert rank["figures"].keys() == whole.keys()
+        for name, value in whole.items():
+            assert rank["figures"][name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_fsdp_rank_whose_shard_holds_no_grad_still_reduces(sharded_figures):
+    """A frozen ``Linear(8, 8)`` before a trained ``Linear(8, 1)`` in one FSDP unit: rank 0's 41 elements are the
+    frozen layer's alone, so it holds no grad. It returned before the all-reduce, logged nothing, and rank 1's
+    all-reduce failed ('Connection closed by peer'). Both ranks log the unsharded model's figures now."""
+    ranks = [r["frozen=True"] for r in sharded_figures]
+    whole = _diagnosed_step(_model(frozen_backbone=True), 1, SimpleNamespace())
+    assert [(r["shard_numel"], r["shard_grads"]) for r in ranks] == [(41, 0), (40, 9)]
+    assert set(whole) == {"optim/0/grad_rms", "optim/0/update_to_param_rms", "optim/0/eps_dominated_frac"}
+    for rank in ranks:
         assert rank["figures"].keys() == whole.keys()
         for name, value in whole.items():
             assert rank["figures"][name] == pytest.approx(value, rel=1e-5), name

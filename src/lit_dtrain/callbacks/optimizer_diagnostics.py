@@ -24,7 +24,8 @@ the scaler still calls, with its ``found_inf``, and which then leaves the parame
 (manual optimization) the names are ``optim/opt<i>/<group>/...``.
 
 Under FSDP, where each rank holds a shard of every parameter, gradient and Adam state, the sums behind the three
-figures are summed over the ranks (one all-reduce a diagnostic step), so every rank logs the whole model's.
+figures are summed over the ranks (one all-reduce a diagnostic step, on every rank: also on one whose shard
+holds no grad, such as a frozen backbone's elements alone), so every rank logs the whole model's.
 
 Cost: nothing on other steps; on a diagnostic step one copy of the parameters and a few reductions.
 ``scripts/bench_optim_diag.py`` measures the overhead (target <= 2% at the default interval).
@@ -165,8 +166,6 @@ class OptimizerDiagnostics(Callback):
         grad_rms = self._grad_rms.pop(id(optimizer), None)
         if before is None:
             return
-        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            return  # the step was dropped (no grads: the optimizer left every parameter alone): nothing to log
         found_inf = getattr(optimizer, "found_inf", None)
         if isinstance(found_inf, torch.Tensor) and bool(found_inf.any()):
             # the GradScaler skips this step: an optimizer that unscales inside step (fused Adam) is still called, with
@@ -176,16 +175,22 @@ class OptimizerDiagnostics(Callback):
         if grad_rms is None:  # no backward through Lightning for it (an optimizer stepped by hand)
             grad_rms = [(float("nan"), 1)] * len(optimizer.param_groups)
         prefix = f"{self.prefix}/opt{index}" if self._multi else self.prefix
-        sums = []  # per group: grad sumsq, grad numel, update sumsq, param sumsq, updated numel, eps count, eps total
+        sums = []  # per group: grad sumsq, grad numel, update sumsq, param sumsq, updated numel, eps count, eps total,
+        # and the parameters with a grad
         for group, old, (grad_sumsq, grad_numel) in zip(optimizer.param_groups, before, grad_rms):
             # the parameters this update changed (with a grad): a frozen or unused one, which the optimizer skips, in
             # the same group diluted the ratio (a frozen backbone in AdamW(self.parameters()): 3.4x smaller)
             old = [(p, o) for p, o in old if p.grad is not None]
             eps = self._eps_fraction(optimizer, group)
             sums.append([grad_sumsq, grad_numel, _sumsq([p.detach() - o for p, o in old]), _sumsq([o for _, o in old]),
-                         sum(p.numel() for p, _ in old), *(eps or (0, 0))])
+                         sum(p.numel() for p, _ in old), *(eps or (0, 0)),
+                         sum(p.grad is not None for p in group["params"])])
+        # every rank reduces, also one whose shard holds no grad: under FSDP a rank whose shard held only a frozen
+        # backbone's elements (grads None on it alone) returned before the all-reduce, and the other rank's waited
         sums = _summed_over_shards(self._trainer, sums)
-        for i, (group, (g2, g_n, u2, p2, n, count, total)) in enumerate(zip(optimizer.param_groups, sums)):
+        if not any(group_sums[-1] for group_sums in sums):
+            return  # the step was dropped (no grads: the optimizer left every parameter alone): nothing to log
+        for i, (group, (g2, g_n, u2, p2, n, count, total, _)) in enumerate(zip(optimizer.param_groups, sums)):
             name = f"{prefix}/{self._group_name(group, i)}"
             self._pending[f"{name}/update_to_param_rms"] = (u2 / max(n, 1)) ** 0.5 / max((p2 / max(n, 1)) ** 0.5, 1e-30)
             self._pending[f"{name}/grad_rms"] = (g2 / max(g_n, 1)) ** 0.5
