@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._compose_errors import full_error_asked
+from lit_dtrain._job_failure_once import rank_0_reports, reported_by_rank_0
 from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain._sweep_of_nothing import note_sweep_dir
 from lit_dtrain.errors import ConfigError, unset_env_var
@@ -92,10 +93,8 @@ def another_run_dir() -> str:
 
 
 def pin_sweep_dir() -> None:
-    """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments, so rank 1 runs its own
-    sweep in lockstep with rank 0's. Exporting rank 0's sweep dir (``conf/hydra`` reads
-    ``LIT_DTRAIN_SWEEP_DIR``) makes rank 1's jobs write into rank 0's job dirs instead of a second,
-    later-timestamped multirun folder. A no-op outside a Hydra multirun."""
+    """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments (a sweep in lockstep with rank
+    0's): rank 0's sweep dir in ``LIT_DTRAIN_SWEEP_DIR`` (read by ``conf/hydra``) puts its jobs in rank 0's job dirs."""
     if in_multirun():
         os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(sweep_dir_of())
 
@@ -130,13 +129,11 @@ def check_sweep_world_size(world_size: int, trainer_cfg: DictConfig) -> None:
 def logs_a_failed_job(train_fn):
     """Wrap ``train_fn(cfg)`` so that under Hydra a run that raises logs why, to ``train_fn``'s module logger, before
     the error goes on to Hydra: ``job N failed: Type: message`` in a multirun, ``run failed: Type: message`` in a
-    single run, a bad input (:func:`user_error`) in that line alone, any other error with its traceback. Hydra's job
-    logging writes it to the run's ``<job name>.log``, where ``scripts/compare_runs.py`` reads each failed run's
-    error (:func:`lit_dtrain.run_dirs.job_error`). A multirun logs it on the console too (Hydra runs the next job and
-    reports only the first failed job's error, after the whole sweep); a single run to its log files only, since
-    the error itself ends the run on the console. A start refused in the dir of an earlier (or running) run, whose
-    ``config_resolved.yaml`` it did not replace (a re-run sweep's ``resume=auto`` with reordered values), logs it
-    on the console only, not in that run's log: that run did not fail. Without Hydra nothing is logged."""
+    single run (a bad input, :func:`user_error`, in that line alone, else with its traceback), into the run's ``<job
+    name>.log`` (read by ``scripts/compare_runs.py``) and, in a multirun, on the console too, once for a DDP job's ranks
+    (:mod:`lit_dtrain._job_failure_once`; Hydra reports only the first failed job, after the sweep). A start refused in
+    the dir of an earlier (or running) run, whose ``config_resolved.yaml`` it did not replace (a re-run sweep's
+    ``resume=auto`` with reordered values), logs it on the console only: that run did not fail."""
     job_log = logging.getLogger(train_fn.__module__)
 
     @functools.wraps(train_fn)
@@ -152,9 +149,10 @@ def logs_a_failed_job(train_fn):
             # a start refused in the dir of an earlier or running run, which did not fail: not in its log files
             # (compare_runs showed an unfinished job of a re-run sweep as failed with the refusal of the re-run)
             files = earlier_run is None or _config_file_id(cfg) != earlier_run
-            if in_multirun():
-                log_to_handlers(job_log, f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}",
-                                logging.ERROR, traceback=error is None, files=files, console=True)
+            if in_multirun():  # a DDP job refused alike on every rank: on the console once, rank 0's
+                line = f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}"
+                log_to_handlers(job_log, line, logging.ERROR, traceback=error is None, files=files,
+                                console=error is None or not rank_0_reports(e, HydraConfig.get().job.num, line))
             elif HydraConfig.initialized() and files:
                 log_to_handlers(job_log, f"run failed: {type(shown).__name__}: {shown}", logging.ERROR,
                                 traceback=error is None)
@@ -237,11 +235,11 @@ class UserInputError(CompactHydraException):
 
 def reports_user_errors(task_fn):
     """Wrap a Hydra task function so that a bad input (:func:`user_error`) or a check that stopped the run
-    (:func:`stopped_on_purpose`) is reported in one line, ``error: <message>`` on stderr, with exit status 1 as before.
-    Hydra printed it under its shortened traceback (a dozen lit_dtrain frames; a ``NonFiniteError`` under 78 lines of
-    Lightning's). A single run exits there. In a multirun the job fails as before (``job N failed: ...``), the next
-    jobs run, and Hydra reports the first failed job's line after the sweep, but a first connection that timed out or
-    a failed collective ends the sweep there. Others keep their traceback (all do: HYDRA_FULL_ERROR=1)."""
+    (:func:`stopped_on_purpose`) is reported in one line, ``error: <message>`` on stderr, with exit status 1 (Hydra
+    printed its shortened traceback: a ``NonFiniteError`` under 78 lines of Lightning's). A single run exits there. In
+    a multirun the job fails (``job N failed: ...``), the next jobs run, and Hydra reports the first failed job's line
+    after the sweep (a DDP job's rank 0 alone where every rank gave it), but a first connection that timed out or a
+    failed collective ends the sweep there. Others keep their traceback (all do: HYDRA_FULL_ERROR=1)."""
 
     @functools.wraps(task_fn)
     def wrapper(cfg: DictConfig):
@@ -257,6 +255,8 @@ def reports_user_errors(task_fn):
             if error is None and ending is None or full_error_asked():  # Hydra's own switch, read as it does
                 raise
             if in_multirun() and ending is None:
+                if reported_by_rank_0(e):  # (_job_failure_once): rank 0's Hydra reports the job after the sweep
+                    return None
                 raise UserInputError(f"error: {error}") from e  # recorded as this job's failure; the sweep goes on
             _exit_with(ending or error, once_across_ranks=ending is None and not isinstance(error, CollectiveError))
 

@@ -152,3 +152,27 @@ def test_a_ddp_sweep_job_whose_sample_failed_on_rank_0_lets_the_next_job_run(tmp
     assert "RuntimeError: out of memory in the sample" in out, out[-3000:]  # Hydra's report of job 0, at the end
     assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 4
     assert not (sweep / "0" / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_ddp_sweep_job_refused_on_every_rank_is_reported_once(tmp_path, corpus):
+    """Each rank runs its own Hydra sweep (Lightning re-launches rank 1 with the same -m): a job refused alike on both
+    ranks logged 'job 1 failed: ConfigError: ...' twice on the console and, after the sweep, Hydra's four lines of it
+    twice on stderr. Rank 0 reports it alone now; the sweep's next job still runs on both ranks, and rank 1's job log
+    keeps the line."""
+    args = [
+        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
+        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.val_check_interval=2",
+        "sample.max_new_tokens=0", "trainer.max_steps=2,-5,2",
+    ]
+    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    refusal = "trainer.max_steps must be a positive step budget, got -5"
+    assert proc.stderr.count(f"error: {refusal}") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("Error executing job with overrides") == 1, proc.stderr[-3000:]
+    assert proc.stdout.count(f"job 1 failed: ConfigError: {refusal}") == 1, proc.stdout[-3000:]
+    job_dirs = next((tmp_path / "outputs" / "multiruns").iterdir())
+    assert refusal in (job_dirs / "1" / "train_ddp_process_1.log").read_text()
+    assert json.loads((job_dirs / "2" / "summary.json").read_text())["steps"] == 2

@@ -1,0 +1,56 @@
+"""A multirun job refused alike on every DDP rank is reported once, by rank 0: each rank ran its own Hydra sweep
+(Lightning's launcher starts rank 1 with the same ``-m`` arguments), so each logged ``job 1 failed: ConfigError:
+...`` on the console and, after the sweep, printed Hydra's four lines of it (``Error executing job with overrides:
+[...]``, ``error: ...``, a blank line, ``Set the environment variable HYDRA_FULL_ERROR=1 ...``): 2 + 8 lines for one
+refusal on 2 gloo ranks. A rank other than 0 whose line is rank 0's for that job now logs it to its job log only and
+leaves the job to rank 0's report (its Hydra counts the job as done: the sweep's exit status is rank 0's); a line
+that rank alone gives, or one rank 0 has not given within ``wait_s``, is reported as before."""
+
+from __future__ import annotations
+
+import time
+
+from lit_dtrain.utils.distributed import _store_and_rank
+
+_KEY = "lit_dtrain/job_failure/job{}/rank{}"
+_REPORTED_BY_RANK_0 = "_lit_dtrain_reported_by_rank_0"  # set on the error of a job rank 0 reports
+
+
+def rank_0_reports(error: BaseException, job: int, line: str, wait_s: float = 2.0) -> bool:
+    """Whether rank 0 reports ``job``'s failure ``line`` for this rank (a rank other than 0, in a process group of
+    several ranks, whose ``line`` rank 0 gave too): marked on ``error`` for :func:`reported_by_rank_0`. Each rank leaves
+    its line in the group's store; rank 0 waits up to ``wait_s`` for the others' lines, then for those ranks to have
+    read its own (rank 0's process holds the store: a rank 1 still reading it when rank 0 ended its sweep got torch's
+    'recvValue failed' and printed the lines again). Best effort: no store, or none answering, is False."""
+    import torch.distributed as dist
+
+    store, rank = _store_and_rank()
+    if store is None:
+        return False
+    try:
+        store.set(_KEY.format(job, rank), line)
+        if rank == 0:
+            others = [_KEY.format(job, r) for r in range(1, dist.get_world_size())]
+            _wait(lambda: store.check(others), wait_s)
+            seen = [f"{k}/seen" for k in others if store.check([k])]
+            _wait(lambda: store.check(seen), wait_s)
+            return False
+        key = _KEY.format(job, 0)
+        _wait(lambda: store.check([key]), wait_s)
+        same = store.check([key]) and store.get(key).decode(errors="replace") == line
+        store.set(f"{_KEY.format(job, rank)}/seen", "1")
+    except Exception:  # noqa: BLE001 - the store's host, rank 0, may be gone: this rank reports it
+        return False
+    setattr(error, _REPORTED_BY_RANK_0, same)
+    return same
+
+
+def _wait(done, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def reported_by_rank_0(error: BaseException) -> bool:
+    """Whether :func:`rank_0_reports` left ``error``'s job to rank 0."""
+    return bool(getattr(error, _REPORTED_BY_RANK_0, False))
