@@ -251,11 +251,12 @@ class SignalInSetup(L.Callback):
     """Send ``signal`` to this process in the ``setup`` hook: before the fit loads the checkpoint, and before Lightning
     registers its SIGTERM handler (after that load)."""
 
-    def __init__(self, signal: str = "SIGTERM") -> None:
-        self.signal = signal
+    def __init__(self, signal: str = "SIGTERM", rank: int | None = None) -> None:
+        self.signal, self.rank = signal, rank
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        os.kill(os.getpid(), getattr(signal_module, self.signal))
+        if self.rank is None or trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal_module, self.signal))
 
 
 class RefuseAtLoad(L.Callback):

@@ -118,3 +118,17 @@ def test_only_a_rank_that_was_interrupted_is_read_as_an_interruption():
     assert interrupt == "rank 1 was interrupted at step 2 (KeyboardInterrupt)"
     read = [only_interruptions(f) for f in ([error], [interrupt], [interrupt, error], [])]
     assert read == [False, True, False, False]
+
+
+def test_a_rank_a_stop_signal_ended_before_training_is_read_as_interrupted_not_as_an_error():
+    """SIGTERM to rank 0 alone while a 2-rank resume set up (``LogsKeptUntilTraining`` turns it into
+    ``StoppedBeforeTraining``, a ``SystemExit`` of 143) ended rank 1 with 'rank 1: rank 0 stopped before training:
+    StoppedBeforeTraining: 143; ... fix that rank's error.'"""
+    import signal
+
+    from lit_dtrain.logs_kept import StoppedBeforeTraining
+    from lit_dtrain.utils.distributed import failure_line, only_interruptions
+
+    line = failure_line(StoppedBeforeTraining(signal.SIGTERM), 0, " before training, resuming from step 4")
+    assert line == "rank 0 was interrupted before training, resuming from step 4 (SIGTERM)"
+    assert only_interruptions([line])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import re
+import signal
 import time
 from contextlib import contextmanager
 
@@ -175,9 +176,13 @@ def record_rank_failure(exc: BaseException, where: str = "") -> None:
 def failure_line(exc: BaseException, rank: int, where: str = "") -> str:
     """The line a rank leaves for the others: its error's type and first line of text (``ValueError("\\nbad")`` left
     'ValueError:', an ``assert``'s empty one 'AssertionError:'), or that it was interrupted (Ctrl-C, SIGTERM): a
-    ``KeyboardInterrupt`` on one rank (a second Ctrl-C) was named as the error to fix."""
+    ``KeyboardInterrupt`` on one rank (a second Ctrl-C) was named as the error to fix, and a SIGTERM to rank 0 before
+    training (``logs_kept.StoppedBeforeTraining``) read 'rank 0 stopped: StoppedBeforeTraining: 143 ... fix that rank's
+    error'."""
     if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "SIGTERMException":  # Lightning's (a SystemExit)
         return f"rank {rank}{_INTERRUPTED}{where} ({type(exc).__name__})"
+    if type(exc).__name__ == "StoppedBeforeTraining":  # (a SystemExit of 128 + the signal)
+        return f"rank {rank}{_INTERRUPTED}{where} ({signal.Signals(exc.signum).name})"
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:400]
     return f"rank {rank} stopped{where}: {type(exc).__name__}{': ' + text if text else ''}"
 
