@@ -20,13 +20,14 @@ one process: a config of several (``trainer.devices``, ``trainer.num_nodes``; ``
     python scripts/bench_step.py --loss-log --steps 40 --rounds 4 --threads 1   # train/loss: self.log vs now
     python scripts/bench_step.py --hooks --steps 200 --rounds 3 --threads 1 data.block_size=64 data.batch_size=2
 
-Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio, lightning_tokens_per_s,
-plain_tokens_per_s, device, and the main thread's CPU time per step of each side (``time.thread_time``, which
-a loaded machine's descheduling does not inflate: ``lightning_cpu_ms_per_step - plain_cpu_ms_per_step`` is the host
-time the trainer adds). With ``--hooks`` no plain loop: the CPU time of every hook of the Lightning side per step
-(scripts/_bench_step_hooks.py). With ``--loss-log`` no plain loop: two Lightning variants that log ``train/loss``
-through ``self.log`` at every step and through ``log_every_step`` (scripts/_bench_step_loss_log.py; its JSON
-line has the CPU time of the call and of a step for each, their ratio, and whether results were identical).
+Last line: JSON with lightning_ms_per_step, plain_ms_per_step, ratio (lightning_ms_per_step / plain_ms_per_step, as
+its key ratio_is says: above 1, Lightning is slower), lightning_tokens_per_s, plain_tokens_per_s, device, and the
+main thread's CPU time per step of each side (``time.thread_time``, which a loaded machine's descheduling does not
+inflate: ``lightning_cpu_ms_per_step - plain_cpu_ms_per_step`` is the host time the trainer adds). With ``--hooks``
+no plain loop: the CPU time of every hook of the Lightning side per step (scripts/_bench_step_hooks.py). With
+``--loss-log`` no plain loop: two Lightning variants that log ``train/loss`` through ``self.log`` at every step and
+through ``log_every_step`` (scripts/_bench_step_loss_log.py; its JSON line has the CPU time of the call and of a step
+for each, their ratio, and whether results were identical).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from lit_dtrain.train_callbacks import LogStepSync
 from lit_dtrain.utils.args import ScriptArgumentParser, nonnegative_int, positive_int
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
+RATIO_IS = "lightning/plain ms per step"  # the printed ratio and the JSON's said neither which side was over which
 
 
 class StepTimer(L.Callback):
@@ -280,10 +282,12 @@ def main() -> None:
     p_tps, lt_tps = tokens / (p / 1000), tokens / (lt / 1000)
     print(f"{'variant':<12}{'ms/step':>10}{'tokens/s':>12}{'CPU ms/step':>14}")
     print(f"{'plain':<12}{p:>10.1f}{p_tps:>12.0f}{pc:>14.2f}\n{'lightning':<12}{lt:>10.1f}{lt_tps:>12.0f}{lc:>14.2f}")
-    print(f"ratio {lt / p:.3f}; host CPU the trainer adds: {lc - pc:.2f} ms per step")
+    print(f"ratio {RATIO_IS} {lt / p:.3f} (above 1: Lightning is slower); host CPU the trainer adds: {lc - pc:.2f} ms "
+          "per step")
     print(json.dumps({"lightning_ms_per_step": round(lt, 2), "plain_ms_per_step": round(p, 2),
-                      "ratio": round(lt / p, 4), "lightning_tokens_per_s": round(lt_tps), "plain_tokens_per_s":
-                      round(p_tps), "device": device.type, "precision": str(cfg.trainer.precision),
+                      "ratio": round(lt / p, 4), "ratio_is": RATIO_IS, "lightning_tokens_per_s": round(lt_tps),
+                      "plain_tokens_per_s": round(p_tps), "device": device.type,
+                      "precision": str(cfg.trainer.precision),
                       "lightning_cpu_ms_per_step": round(lc, 3), "plain_cpu_ms_per_step": round(pc, 3),
                       "steps": args.steps, "rounds": args.rounds, "torch_threads": torch.get_num_threads()}))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,7 @@ def test_loss_log_mode_times_both_train_loss_paths_and_finds_their_results_ident
         *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", f"paths.cache_dir={tmp_path / 'cache'}"])
     summary = loss_log_rounds(bench, cfg, rounds=2, warmup=1, device=bench.bench_device(cfg))
     assert summary["identical"] is True
+    assert summary["ratio_is"] == "log_every_step/self.log CPU time of the call"  # the JSON's ratio named no side
     assert summary["self_log_us_per_step"] > 0 and summary["log_every_step_us_per_step"] > 0
     assert "self.log" in capsys.readouterr().out
 
@@ -97,3 +99,24 @@ def test_only_a_config_of_one_process_is_timed(bench, tmp_path, devices, one):
     else:
         with pytest.raises(ValueError, match=r"is not one process: add trainer.devices=1 .* scripts/bench_comm.py"):
             bench.one_process(cfg, bench.bench_device(cfg))
+
+
+def test_the_ratio_line_and_the_json_say_which_side_is_over_which(bench, tmp_path, capsys, monkeypatch):
+    """The printed 'ratio 1.004' and the JSON's ``"ratio"`` named neither side; only the docs said Lightning / plain.
+    Rounds faked at 100 ms (plain) and 125 ms (Lightning) per step: the ratio is 1.25 and both say so."""
+    def plain_round(cfg, warmup, device, cpu_ms=None):
+        cpu_ms.append(10.0)
+        return 100.0, []
+
+    def lightning_round(cfg, warmup, device, timer=None, profiler=None):
+        timer.cpu_ms = 12.0
+        return 125.0, []
+
+    monkeypatch.setattr(bench, "plain_round", plain_round)
+    monkeypatch.setattr(bench, "lightning_round", lightning_round)
+    monkeypatch.setattr("sys.argv", ["bench_step.py", "--steps", "3", "--warmup", "1", "--rounds", "1", *TINY])
+    bench.main()
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["ratio"] == 1.25 and result["ratio_is"] == "lightning/plain ms per step"
+    assert "ratio lightning/plain ms per step 1.250 (above 1: Lightning is slower)" in out[-2]
