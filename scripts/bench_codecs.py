@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, positive_float, positive_int
+from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, positive_float, positive_int, window_int
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="interleaved rounds (the first is dropped as warm-up)")
     p.add_argument("--batch-size", type=positive_int, default=4,
                    help="sequences per step (bench_comm.py's per-rank batch)")
-    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--block-size", type=window_int, default=128, help="tokens per sequence")
     p.add_argument("--ddp-ms", type=positive_float, default=None,
                    help="uncompressed DDP ms/step, for the ceiling column")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,

@@ -57,6 +57,7 @@ from lit_dtrain.utils.args import (
     positive_int,
     read_json_file,
     seed_int,
+    window_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path
 from lit_dtrain.utils.scripts import import_beside
@@ -109,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-steps", type=positive_int, default=8, help="timed steps per variant at the other rates")
     p.add_argument("--chunk", type=positive_int, default=8, help="steps a variant runs before the next one's turn")
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank per step")
-    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--block-size", type=window_int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=positive_float, default=3e-3,
                    help="peak AdamW learning rate (cosine, warmup --chunk)")
     p.add_argument("--val-windows", type=positive_int, default=64, help="held-out windows for the val loss")

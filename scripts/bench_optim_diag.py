@@ -34,7 +34,7 @@ from lit_dtrain.config_resolvers import default_cache_dir  # noqa: E402
 from lit_dtrain.data import LMDataModule  # noqa: E402
 from lit_dtrain.module import LitLLM  # noqa: E402
 from lit_dtrain.optim import adamw  # noqa: E402
-from lit_dtrain.utils.args import ScriptArgumentParser, positive_int  # noqa: E402
+from lit_dtrain.utils.args import ScriptArgumentParser, positive_int, window_int  # noqa: E402
 
 # (OptimizerDiagnostics also measures inside optimizer.step, through torch step pre/post hooks: _pre_step, _post_step)
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
@@ -82,7 +82,7 @@ def main() -> None:
     p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=200, help="steps per run")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats per variant")
-    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per window")
+    p.add_argument("--block-size", type=window_int, default=64, help="tokens per window")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per step")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1 is stable on a shared machine)")
     args = p.parse_args()

@@ -49,6 +49,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     nonnegative_int,
     positive_int,
     seed_int,
+    window_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path  # noqa: E402
 
@@ -248,7 +249,7 @@ def main() -> None:
     p = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=2000,
                    help="optimizer steps per run (>= 2000 for the FP target)")
-    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per sample (nano's default is 256)")
+    p.add_argument("--block-size", type=window_int, default=64, help="tokens per sample (nano's default is 256)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="micro-batch (the default config's too)")
     p.add_argument("--val-windows", type=positive_int, default=512, help="validation windows (same for every run)")
     p.add_argument("--inject", type=comma_list(injection), default="random_tokens:610,lr_x100:1130,nan_loss:1660",
@@ -270,8 +271,6 @@ def main() -> None:
         schedule = parse_schedule(args.inject, args.steps)
     except ValueError as e:
         p.error(str(e))
-    if args.block_size < 2:  # trained a bigram model (one token of context, no attention across tokens) and exited 0
-        p.error(f"--block-size {args.block_size}: the model needs blocks of >= 2 tokens to attend across tokens")
     if args.warmup_steps < 2:  # was the monitor's ValueError traceback from Hydra's instantiate, at the first run
         p.error(f"--warmup-steps {args.warmup_steps}: LossSpikeMonitor needs >= 2 steps of statistics warmup")
     if args.warmup_steps >= args.steps:  # the clean run's max loss z-score was max() of no steps, after the runs

@@ -47,6 +47,7 @@ from lit_dtrain.utils.args import (  # noqa: E402
     positive_float,
     positive_int,
     seed_int,
+    window_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path  # noqa: E402
 from lit_dtrain.utils.scripts import import_beside  # noqa: E402
@@ -91,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=nonnegative_int, default=None, help="warmup steps (default: T/20; < T/4)")
     p.add_argument("--val-every", type=positive_int, default=40, help="validation interval (steps)")
     p.add_argument("--model", choices=MODELS, default="nano", help="conf/model/ shape")
-    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per sample")
+    p.add_argument("--block-size", type=window_int, default=64, help="tokens per sample")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per step")
     p.add_argument("--val-windows", type=positive_int, default=512, help="validation windows per corpus")
     p.add_argument("--corpus-b", default="/usr/share/common-licenses", help="corpus B of the CPT experiment")

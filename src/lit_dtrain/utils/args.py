@@ -87,6 +87,13 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def window_int(text: str) -> int:
+    """An ``argparse`` type: the tokens of a training window (``--block-size``), >= 2. A window of 1 token gives the
+    model no context (each token predicts the next from itself alone: a bigram model, no attention across tokens),
+    and a benchmark trained and timed that and exited 0."""
+    return _int_at_least(text, 2, why="a window of 1 token trains the model without context")
+
+
 def seed_int(text: str) -> int:
     """An ``argparse`` type: a seed in train.py's range ``[0, 2**32 - 1]`` (numpy's; ``config_checks``). A negative
     seed was a ``ConfigError`` traceback at a benchmark's first ``train.py`` run, or trained on without a word."""
@@ -96,13 +103,13 @@ def seed_int(text: str) -> int:
     return value
 
 
-def _int_at_least(text: str, minimum: int) -> int:
+def _int_at_least(text: str, minimum: int, why: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}{f' ({why})' if why else ''}, got {value}")
     return value
 
 
