@@ -17,6 +17,7 @@ from lit_dtrain.data.samplers import FourierSampler
 from lit_dtrain.models import build_llama
 from lit_dtrain.module import param_groups, token_loss
 from lit_dtrain.schedules.lr import cosine_scheduler
+from lit_dtrain.utils.scripts import rotated
 
 # ablation -> (score, stages, stage LR multiplier)
 SCORE_ABLATION = {"stages": ("mixed", True, True), "stages_nolr": ("mixed", True, False),
@@ -223,7 +224,7 @@ def interleaved_timing(corpus, dirs, block, args, variant="brief_stages") -> dic
     for _ in range(args.timing_rounds):
         times = {k: [] for k in setups}
         for i in range(args.timing_steps):
-            order = _rotated(list(setups), i)  # none always runs on a warm cache
+            order = rotated(list(setups), i)  # none always runs on a warm cache
             for name in order:
                 dm, model, opt, sched = setups[name]
                 sync(args.device)
@@ -258,7 +259,7 @@ def pipelined_timing(setups: dict, args, step: int) -> dict:
     ratios, per_step = [], {k: [] for k in setups}
     for r in range(args.timing_rounds):
         took = {}
-        for name in _rotated(list(setups), r):
+        for name in rotated(list(setups), r):
             dm, model, opt, sched = setups[name]
             sync(args.device)
             t0 = time.perf_counter()
@@ -279,9 +280,3 @@ def pipelined_timing(setups: dict, args, step: int) -> dict:
         out[f"pipelined_round_ratios{suffix}"] = [round(r[name], 4) for r in ratios]
         out[f"pipelined_fourier{suffix}_ms"] = 1e3 * statistics.median(per_step[name])
     return out
-
-
-def _rotated(names: list, i: int) -> list:
-    """``names`` rotated by ``i``: over consecutive ``i`` each runs first, and after each of the others."""
-    k = i % len(names)
-    return names[k:] + names[:k]

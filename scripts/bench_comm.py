@@ -60,7 +60,7 @@ from lit_dtrain.utils.args import (
     window_int,
 )
 from lit_dtrain.utils.plots import OutputPathError, output_path
-from lit_dtrain.utils.scripts import import_beside
+from lit_dtrain.utils.scripts import import_beside, rotated
 
 import_beside(__file__)  # this script's module beside it, scripts/_bench_comm_report.py, also where a test loads it
 from _bench_comm_report import REFERENCES, check_targets, plot, print_table, summarize  # noqa: E402, F401 - the report
@@ -243,8 +243,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     names = list(variants)
     # phase 1: train every variant round-robin at the first rate
     for chunk_index, chunk_start in enumerate(range(0, args.steps, args.chunk)):
-        order = names[chunk_index % len(names):] + names[: chunk_index % len(names)]
-        for name in order:
+        for name in rotated(names, chunk_index):
             v = variants[name]
             dist.barrier()
             record: list = []

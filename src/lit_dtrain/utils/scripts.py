@@ -14,3 +14,12 @@ def import_beside(script_file: str) -> None:
     here = str(Path(script_file).resolve().parent)
     if here not in sys.path:
         sys.path.insert(0, here)
+
+
+def rotated(names: list, i: int) -> list:
+    """``names`` rotated left by ``i`` (``[b, c, a]`` for ``i = 1``): the order of a benchmark's variants in round
+    ``i``, so that over consecutive rounds each runs first once. A fixed order gave the first variant every round's
+    cold start (the first run in the process, a cold cache): ``bench_optim_diag.py``'s ``none`` ran first, and with a
+    new token cache its step ratios read 0.63-0.70 at ``--steps 2 --repeats 1``."""
+    k = i % len(names)
+    return names[k:] + names[:k]

@@ -1,0 +1,55 @@
+"""Benchmarks that run several variants in one process or one round do not give any variant a fixed place: a cold
+first run, or the first place of every round, lands on each variant alike (:func:`lit_dtrain.utils.scripts.rotated`)."""
+
+from __future__ import annotations
+
+import json
+
+from lit_dtrain.utils.scripts import rotated
+from tests.conftest import load_script
+
+
+def test_rotated_puts_each_name_first_once_over_as_many_rounds():
+    names = ["a", "b", "c"]
+    orders = [rotated(names, i) for i in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert names == ["a", "b", "c"]  # not rotated in place
+
+
+def test_bench_optim_diag_gives_the_cold_first_run_to_no_variant(capsys, monkeypatch):
+    """``none`` ran first, so it alone paid the process's first run (the token cache, the first fit): at ``--steps 2
+    --repeats 1`` every step ratio read 0.52-0.68. Faked runs whose first call in the process takes twice as long:
+    every ratio is 1."""
+    bench = load_script("bench_optim_diag", "_bench_optim_diag_order")
+    calls = []
+
+    def run(args, callback):
+        calls.append(callback)
+        return (0.002 if len(calls) == 1 else 0.001), 0.0
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr("sys.argv", ["bench_optim_diag.py", "--steps", "2", "--repeats", "1"])
+    bench.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ratios = {k: v for k, v in result.items() if k.startswith("ratio_ms_per_step_")}
+    assert len(ratios) == 5 and set(ratios.values()) == {1.0}, ratios
+
+
+def test_bench_optim_diag_rotates_the_variants_each_repeat(capsys, monkeypatch):
+    """A run that is slower in the first place of a repeat (right after another variant's process state): with a
+    fixed order ``none`` always had it. Over 6 repeats each of the 6 variants has it once: every ratio is 1."""
+    bench = load_script("bench_optim_diag", "_bench_optim_diag_rotation")
+    calls = []
+
+    def run(args, callback):
+        calls.append(callback)
+        first_of_a_repeat = len(calls) > 1 and (len(calls) - 2) % 6 == 0  # call 1 is the untimed warm-up
+        return (0.002 if first_of_a_repeat else 0.001), 0.0
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr("sys.argv", ["bench_optim_diag.py", "--steps", "2", "--repeats", "6"])
+    bench.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ms_per_step_none"] == 1.0
+    assert {v for k, v in result.items() if k.startswith("ratio_ms_per_step_")} == {1.0}
+
