@@ -106,7 +106,7 @@ def test_ddp_selective_ranks_identical_and_match_plain(fitted, strategy_name):
 
 def _skewed_worker(rank: int, port: int, out_dir: str) -> None:
     """A budget fit whose probe measures 4 bytes more on rank 1 (another device's allocator, another kernel): rank
-    0's plan fits a 0.8 budget of 40 bytes at once, rank 1's own probe re-plans to another one."""
+    0's first plan fits a 0.8 budget of 40 bytes, rank 1's does not."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank), RANK=str(rank))
     torch.set_num_threads(1)
@@ -125,13 +125,15 @@ def _skewed_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow  # ~15 s on 2 shared cores
-def test_ranks_whose_probes_differ_train_rank_0s_plan(tmp_path):
-    """Both ranks probe; where their measurements differ, each would train its own plan (rank 1's re-planned
-    ``selective, selective, selective, none`` beside rank 0's ``selective, selective, none, none``), and DDP's ranks
-    would run different graphs. Every rank takes rank 0's plan and report: its blocks run in that plan."""
+def test_ranks_whose_probes_differ_train_one_plan_that_fits_each(tmp_path):
+    """Both ranks probe; where their measurements differ, each would train its own plan, and DDP's ranks would run
+    different graphs. Every rank trained rank 0's plan ``selective, selective, none, none``, 30 of 40 bytes on rank 0
+    but 34 on rank 1, over its 0.8 budget (the report said 0.75). The verified plan is now the one that fits every
+    rank, ``selective, selective, selective, none`` (29 of 40 bytes on rank 1), and the report gives the largest
+    rank's figures, the same on every rank."""
     mp.spawn(_skewed_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"skewed_rank{r}.pt", weights_only=True) for r in (0, 1))
-    plan = ["selective", "selective", "none", "none"]
+    plan = ["selective", "selective", "selective", "none"]
     assert r0["plan"] == r1["plan"] == r0["modes"] == r1["modes"] == plan
-    assert r0["report"] == r1["report"] and r1["report"]["measured_ratio"] == 30 / 40
-    assert len(r1["report"]["tries"]) == 1
+    assert r0["report"] == r1["report"] and r1["report"]["measured_ratio"] == 29 / 40 and r1["report"]["fits"]
+    assert [t["measured_ratio"] for t in r1["report"]["tries"]] == [34 / 40, 29 / 40]  # rank 1's miss, then its fit

@@ -113,13 +113,21 @@ def budget_plan_from_probe(
     memory_budget: float,
     save_ops: Sequence[str] | None = None,
     max_replans: int = 3,
+    max_over_ranks: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[list[str], dict]:
     """Measure, plan and verify; returns ``(plan, report)``. The wrappers are left in the chosen plan.
 
     ``forward_fn`` returns a scalar loss of one probe batch; ``save_ops`` is the op list of
     ``selective`` (None: the default matmul + SDPA list). Parameters' ``.grad``, buffers and the
     RNG state are restored afterwards, so the probe leaves no trace in training.
+
+    ``max_over_ranks`` (several ranks: :func:`max_over_ranks`) takes each figure's maximum over the ranks, so that
+    every rank plans from the same figures (each block's bytes and times, the largest rank's) and a plan is kept only
+    where it fits every rank's own budget: the report's ``measured_ratio`` is the largest rank's. (Rank 0's plan alone
+    fitted rank 0's probe: a rank whose SDPA ran the math kernel kept 0.6963 of its no-checkpointing memory under it,
+    over a 0.696 budget, while the report said 0.6957.)
     """
+    reduce = max_over_ranks or (lambda values: values)
     if not 0.0 < float(memory_budget) <= 1.0:
         raise ValueError(f"memory_budget must be in (0, 1], got {memory_budget}")
     if isinstance(max_replans, bool) or not isinstance(max_replans, int) or max_replans < 0:
@@ -156,32 +164,41 @@ def budget_plan_from_probe(
             set_plan(wrappers, uniform_plan(len(blocks), "none"))
             policy = SaveOpsPolicy(resolve_ops(DEFAULT_SAVE_OPS if save_ops is None else save_ops))
             t_full, t_sel = time_block_ops(forward_fn, blocks, policy)
-            none_act = measured["none"].max_act
+            n = len(blocks)
+            own_none_act = measured["none"].max_act
+            modes = ("none", "selective", "full")
+            rows = [t_full, t_sel, measured["none"].calls, *(measured[m].retained for m in modes)]
+            figures = reduce([float(own_none_act), *(float(v) for row in rows for v in row)])
+            none_act, rows = figures[0], [figures[1 + k * n:1 + (k + 1) * n] for k in range(len(rows))]
+            t_full, t_sel, calls, retained = rows[0], rows[1], rows[2], dict(zip(modes, rows[3:]))
             profiles = [
                 BlockProfile(
-                    retained={m: float(measured[m].retained[i]) for m in ("none", "selective", "full")},
+                    retained={m: retained[m][i] for m in modes},
                     recompute={"none": 0.0, "selective": t_sel[i], "full": t_full[i]},
-                    calls=max(1, measured["none"].calls[i]),
+                    calls=max(1, int(calls[i])),
                 )
-                for i in range(len(blocks))
+                for i in range(n)
             ]
             base = none_act - sum(p.retained["none"] for p in profiles)
             target = budget_bytes(none_act, float(memory_budget))  # actual <= target: measured_ratio <= budget
+            own_target = budget_bytes(own_none_act, float(memory_budget))  # this rank's
             plan, estimate = plan_budget(profiles, base, target)
             tried = []
             for attempt in range(max_replans + 1):
                 set_plan(wrappers, plan)
                 reseed(seed)
-                actual = measure_activation_memory(step, root).max_act
+                own_actual = measure_activation_memory(step, root).max_act
                 for p in params:
                     p.grad = None
-                tried.append(
-                    {"plan": list(plan), "estimated_ratio": estimate / none_act, "measured_ratio": actual / none_act}
-                )
-                measured_bytes = actual
+                # a plan fits when it fits every rank's own budget; the largest ratio, and bytes set against the
+                # common target (a rank's own target moved onto it; one rank's bytes as they were), are the ranks'
+                ratio, over, actual, measured_bytes = reduce(
+                    [own_actual / own_none_act, float(own_actual > own_target), own_actual + (target - own_target),
+                     float(own_actual)])
+                tried.append({"plan": list(plan), "estimated_ratio": estimate / none_act, "measured_ratio": ratio})
                 # the last try ends it too: a plan re-planned after it was returned unmeasured, under the report
                 # (and "fits": False) of the plan before it
-                if actual <= target or all(m == "full" for m in plan) or attempt == max_replans:
+                if not over or all(m == "full" for m in plan) or attempt == max_replans:
                     break
                 # The estimate missed by (actual - estimate): ask for that much less and try again.
                 new_plan, estimate = plan_budget(profiles, base, target - (actual - estimate))
@@ -208,3 +225,14 @@ def budget_plan_from_probe(
         "full_ratio": estimate_peak(profiles, uniform_plan(len(blocks), "full"), base) / none_act,
     }
     return plan, report
+
+
+def max_over_ranks(strategy) -> Callable[[list[float]], list[float]]:
+    """Each value's maximum over the ranks of ``strategy`` (a Lightning strategy with several ranks): one
+    ``all_gather`` of float64 values, which hold byte counts exactly."""
+
+    def reduce(values: list[float]) -> list[float]:
+        mine = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+        return strategy.all_gather(mine).reshape(-1, len(values)).amax(0).tolist()
+
+    return reduce

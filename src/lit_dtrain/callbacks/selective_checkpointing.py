@@ -366,14 +366,15 @@ class SelectiveCheckpointing(Callback):
         return forward_fn
 
     def _budget_plan(self, trainer: Trainer, pl_module: LightningModule, blocks: list[nn.Module]) -> list[str]:
-        from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
+        from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe, max_over_ranks
 
+        several = getattr(trainer, "world_size", 1) > 1  # every rank plans from the ranks' largest figures
         with _in_training_dtype(trainer, pl_module), _uncompiled(pl_module):
             plan, report = budget_plan_from_probe(
                 self._probe_forward(trainer, pl_module), pl_module, blocks, self.wrappers, self.memory_budget,
-                self.save_ops, self.max_replans,
+                self.save_ops, self.max_replans, max_over_ranks(trainer.strategy) if several else None,
             )
-        # Probe timings differ across ranks: every rank takes rank 0's plan so all run the same graph.
+        # (the plans agree; rank 0's is still taken, so that all run the same graph whatever the float rounding)
         plan, report = trainer.strategy.broadcast((plan, report), src=0)
         self.budget_report = report
         if not report["fits"] and all(m == "full" for m in plan):
