@@ -3,7 +3,8 @@ gradient and Adam state: its figures were rank 0's shard's (grad RMS 0.0945 wher
 the model's. They are summed over the ranks' shards now. Lightning refuses FSDP on a CPU, so the model is torch's
 FullyShardedDataParallel (``device_id`` cpu, which torch 2.13 runs under gloo) and the trainer a stand-in whose
 strategy is named as Lightning's FSDP and reduces as it does. A rank whose shard holds no grad (a frozen backbone's
-elements alone) skipped the all-reduce, and the other rank's waited for it: every rank reduces now."""
+elements alone) skipped the all-reduce, and the other rank's waited for it: every rank reduces now. So did
+``AdaptiveGradClip``'s global grad norm, in the same spawn."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lit_dtrain.callbacks import OptimizerDiagnostics
+from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
 from tests.conftest import free_port, leave_rank
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one spawn: ~23 s on the shared 2-core machine
@@ -60,6 +61,25 @@ def _diagnosed_step(model: torch.nn.Module, world_size: int, strategy) -> dict[s
     return dict(diag._pending)
 
 
+def _clipped_steps(model: torch.nn.Module, world_size: int, strategy) -> list[float]:
+    """Three AdamW steps under ``AdaptiveGradClip`` (its warmup: nothing clipped); the grad norms its statistic
+    took in."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    trainer = SimpleNamespace(world_size=world_size, strategy=strategy, optimizers=[optimizer], global_step=0,
+                              precision_plugin=None, log_every_n_steps=1000)
+    clip = AdaptiveGradClip(warmup_steps=5)
+    clip.on_train_start(trainer, None)
+    torch.manual_seed(1)
+    for step in range(3):
+        trainer.global_step = step
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        clip.on_before_optimizer_step(trainer, None, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        clip.on_train_batch_end(trainer, None, None, None, step)
+    return clip.stats[0].state_dict()["warm"]
+
+
 def _worker(rank: int, port: int, out_path: str) -> None:
     # (a bound, so that a rank left waiting in a collective the other skipped fails the test, not hangs it)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -71,6 +91,9 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         shard_grads = sum(p.numel() for p in sharded.parameters() if p.requires_grad)
         figures = _diagnosed_step(sharded, 2, StandInFSDPStrategy())
         results[f"frozen={frozen}"] = {"figures": figures, "shard_numel": shard_numel, "shard_grads": shard_grads}
+    sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
+                                       use_orig_params=True)
+    results["clipped_norms"] = _clipped_steps(sharded, 2, StandInFSDPStrategy())
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(results, f)
     leave_rank()
@@ -107,3 +130,13 @@ def test_fsdp_rank_whose_shard_holds_no_grad_still_reduces(sharded_figures):
         assert rank["figures"].keys() == whole.keys()
         for name, value in whole.items():
             assert rank["figures"][name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_adaptive_grad_clip_on_a_rank_whose_shard_holds_no_grad(sharded_figures):
+    """The frozen backbone's fit of the test above under ``AdaptiveGradClip``: rank 0 held no grad, so its global
+    grad norm returned None before the all-reduce that rank 1 waited in (gloo's timeout), and rank 0 took the step
+    back out of its statistic, the one checkpointed. Both ranks' statistics took the unsharded model's norms."""
+    whole = _clipped_steps(_model(frozen_backbone=True), 1, SimpleNamespace())
+    assert len(whole) == 3 and len(set(whole)) == 3
+    for rank in sharded_figures:
+        assert rank["clipped_norms"] == pytest.approx(whole, rel=1e-5)

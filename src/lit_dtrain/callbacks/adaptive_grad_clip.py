@@ -80,15 +80,28 @@ def global_grad_norm(params: Iterable[torch.Tensor], trainer: L.Trainer | None =
     mean square of the ranks' norms, the same on every rank, so statistics built on it stay replicated (and the
     checkpoint, which keeps rank 0's callback state, resumes every rank).
     """
+    params = list(params)
     sumsq = local_grad_sumsq(params)
-    if sumsq is None:
+    if trainer is None or trainer.world_size < 2 or not (is_sharded(trainer.strategy) or
+                                                         unsynced_grads(trainer.strategy)):
+        return None if sumsq is None else sumsq.sqrt()
+    # every rank reduces, also one holding no grad: under FSDP a rank whose shard held only a frozen backbone's
+    # elements returned None before the all-reduce, and the other rank's waited in it
+    device = trainer.strategy.root_device if sumsq is None else sumsq.device
+    held = sum(p.grad is not None for p in params)
+    mine = torch.stack([torch.zeros((), device=device) if sumsq is None else sumsq,
+                        torch.tensor(float(held), device=device)])
+    sumsq, held = trainer.strategy.reduce(mine, reduce_op="sum")
+    if not held:
         return None
-    if trainer is not None and trainer.world_size > 1:
-        if is_sharded(trainer.strategy):
-            sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum")
-        elif unsynced_grads(trainer.strategy):
-            sumsq = trainer.strategy.reduce(sumsq, reduce_op="sum") / trainer.world_size
-    return sumsq.sqrt()
+    return (sumsq if is_sharded(trainer.strategy) else sumsq / trainer.world_size).sqrt()
+
+
+def held_on_some_rank(count: int, strategy) -> bool:
+    """Whether ``count`` (this rank's gradients) is above 0 on some rank of ``strategy`` (None: this rank alone)."""
+    if strategy is None:
+        return count > 0
+    return bool(strategy.reduce(torch.tensor(float(count), device=strategy.root_device), reduce_op="sum") > 0)
 
 
 def local_grad_sumsq(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -161,6 +174,7 @@ class AdaptiveGradClip(StepHooksCallback):
         self._log_rows: set[int] = set()  # optimizer indices whose row is due this batch (written at batch end)
         self._log_step: int | None = None
         self._hooks: list = []
+        self._sharded: object | None = None  # the strategy under FSDP with several ranks (set at train start)
 
     @property
     def stat(self) -> RobustStat:
@@ -217,17 +231,23 @@ class AdaptiveGradClip(StepHooksCallback):
         self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
         self._multi = len(optimizers) > 1
         self._remove_hooks()
+        self._sharded = trainer.strategy if trainer.world_size > 1 and is_sharded(trainer.strategy) else None
         self._hooks = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
 
     def _index(self, optimizer: torch.optim.Optimizer) -> int:
         return self._optimizer_index.get(id(optimizer), 0)  # (0: a stand-in trainer in a unit test)
 
+    def _remove_hooks(self) -> None:
+        super()._remove_hooks()
+        self._sharded = None  # (a copy of the callback after its fit holds no strategy)
+
     def _after_step(self, optimizer, args, kwargs) -> None:
         # inside optimizer.step, before anything can zero the grads (a module's optimizer_step override may, right
         # after the step): grads here mean the update was applied; a step LossSpikeMonitor dropped has none (or,
-        # under 16-mixed, never calls optimizer.step)
+        # under 16-mixed, never calls optimizer.step). Under FSDP, grads on some rank: one whose shard holds no grad
+        # (a frozen backbone's elements alone) took it back alone, and its statistic (rank 0's is checkpointed) lagged
         index = self._index(optimizer)
-        if index in self._undo and grad_params(optimizer):
+        if index in self._undo and held_on_some_rank(len(grad_params(optimizer)), self._sharded):
             self._applied.add(index)
 
     @override
