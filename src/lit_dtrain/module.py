@@ -366,6 +366,7 @@ class LitLLM(L.LightningModule):
 
         # (lazy: the callbacks import this module)
         from lit_dtrain.callbacks._logging import log_step_metrics, logging_step, on_log_cadence
+        from lit_dtrain.module_grads import held_on_some_rank  # (rank 0's shard may hold no grad where others do)
 
         trainer = self.trainer
         log_now = on_log_cadence(int(trainer.log_every_n_steps), trainer.global_step, trainer)
@@ -373,7 +374,7 @@ class LitLLM(L.LightningModule):
         if isinstance(root, FullyShardedDataParallel):
             if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm":
                 norm = root.clip_grad_norm_(float(gradient_clip_val))
-                if log_now and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+                if log_now and held_on_some_rank(len(step_grads(optimizer_params(optimizer))), trainer.strategy):
                     log_step_metrics(trainer, self, {"train/grad_norm": norm}, logging_step(trainer))
                 return
         else:

@@ -56,6 +56,15 @@ class StepGradNorm:
                 and all(g._version == v for g, v in zip(grads, self._versions)))
 
 
+def held_on_some_rank(count: int, strategy) -> bool:
+    """Whether ``count`` (this rank's gradients) is above 0 on some rank of ``strategy`` (None or one rank: this rank):
+    under FSDP a rank whose shard holds a frozen backbone's elements alone holds no gradient while the others do (a
+    rank 0 so sharded logged no ``train/grad_norm`` at all)."""
+    if strategy is None or getattr(strategy, "world_size", 1) < 2:
+        return count > 0
+    return bool(strategy.reduce(torch.tensor(float(count), device=strategy.root_device), reduce_op="sum") > 0)
+
+
 def clips_by_norm_like_lightning(module, optimizer, gradient_clip_val, gradient_clip_algorithm) -> bool:
     """True when Lightning's ``LightningModule.configure_gradient_clipping`` with these arguments would end in its
     precision plugin's ``torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), gradient_clip_val)``, with

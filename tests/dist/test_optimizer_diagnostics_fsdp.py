@@ -21,13 +21,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from lit_dtrain.callbacks import AdaptiveGradClip, OptimizerDiagnostics
 from tests.conftest import free_port, leave_rank
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one spawn: ~23 s on the shared 2-core machine
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one spawn: ~31 s on the shared 2-core machine
 
 
 class StandInFSDPStrategy:
-    """What ``OptimizerDiagnostics`` asks of Lightning's ``FSDPStrategy``: its device and a summing reduce."""
+    """What the callbacks ask of Lightning's ``FSDPStrategy``: its device, its ranks and a summing reduce; and what
+    ``LitLLM``'s clip asks, the root FSDP module (``model``)."""
 
     root_device = torch.device("cpu")
+    world_size = 2
+    model = None
 
     @staticmethod
     def reduce(tensor: torch.Tensor, reduce_op: str = "mean") -> torch.Tensor:
@@ -80,6 +83,25 @@ def _clipped_steps(model: torch.nn.Module, world_size: int, strategy) -> list[fl
     return clip.stats[0].state_dict()["warm"]
 
 
+def _logged_grad_norms(sharded: FullyShardedDataParallel) -> list[tuple[int, float]]:
+    """``LitLLM``'s clip by norm at step 0 (its FSDP branch: the root module's ``clip_grad_norm_``), a stand-in
+    trainer logging every step; the ``train/grad_norm`` rows it writes."""
+    import lit_dtrain.callbacks._logging as logging_helpers
+    from lit_dtrain.module import LitLLM
+
+    optimizer = torch.optim.AdamW([p for p in sharded.parameters() if p.requires_grad], lr=0.1)
+    strategy = StandInFSDPStrategy()
+    strategy.model = sharded
+    trainer = SimpleNamespace(world_size=2, strategy=strategy, global_step=0, log_every_n_steps=1, should_stop=False)
+    rows = []
+    logging_helpers.log_step_metrics = lambda trainer, module, metrics, step: rows.append(
+        (step, float(metrics["train/grad_norm"])))
+    torch.manual_seed(1)
+    sharded(torch.randn(4, 8)).pow(2).mean().backward()
+    LitLLM.configure_gradient_clipping(SimpleNamespace(trainer=trainer), optimizer, 1.0, "norm")
+    return rows
+
+
 def _worker(rank: int, port: int, out_path: str) -> None:
     # (a bound, so that a rank left waiting in a collective the other skipped fails the test, not hangs it)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -94,6 +116,9 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
                                        use_orig_params=True)
     results["clipped_norms"] = _clipped_steps(sharded, 2, StandInFSDPStrategy())
+    sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
+                                       use_orig_params=True)
+    results["logged_grad_norms"] = _logged_grad_norms(sharded)
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(results, f)
     leave_rank()
@@ -101,7 +126,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sharded_figures(tmp_path_factory) -> list[dict]:
-    """Each rank's results of both fits (one spawn)."""
+    """Each rank's results of every fit (one spawn)."""
     out = str(tmp_path_factory.mktemp("fsdp") / "figures")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     return [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
@@ -140,3 +165,16 @@ def test_adaptive_grad_clip_on_a_rank_whose_shard_holds_no_grad(sharded_figures)
     assert len(whole) == 3 and len(set(whole)) == 3
     for rank in sharded_figures:
         assert rank["clipped_norms"] == pytest.approx(whole, rel=1e-5)
+
+
+def test_litllm_logs_the_grad_norm_where_rank_0s_shard_holds_no_grad(sharded_figures):
+    """``LitLLM`` clips through the root FSDP module, then logs ``train/grad_norm`` where the step's grads were not
+    dropped. Rank 0, which writes the logs, held no grad of its own: it wrote no row (rank 1 did, unseen). Both log
+    the unsharded model's norm now."""
+    model = _model(frozen_backbone=True)
+    torch.manual_seed(1)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+    for rank in sharded_figures:
+        assert [step for step, _ in rank["logged_grad_norms"]] == [0]
+        assert rank["logged_grad_norms"][0][1] == pytest.approx(whole, rel=1e-5)

@@ -34,6 +34,7 @@ from lit_dtrain.callbacks._logging import log_interval, log_step_metrics, loggin
 from lit_dtrain.callbacks._spike_stats import RobustStat, zclip_threshold
 from lit_dtrain.callbacks._state_keys import load_state_under_old_key, note_stage, state_is_for_fit
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
+from lit_dtrain.module_grads import held_on_some_rank
 
 MODES = ("zscore", "reciprocal")
 
@@ -95,13 +96,6 @@ def global_grad_norm(params: Iterable[torch.Tensor], trainer: L.Trainer | None =
     if not held:
         return None
     return (sumsq if is_sharded(trainer.strategy) else sumsq / trainer.world_size).sqrt()
-
-
-def held_on_some_rank(count: int, strategy) -> bool:
-    """Whether ``count`` (this rank's gradients) is above 0 on some rank of ``strategy`` (None: this rank alone)."""
-    if strategy is None:
-        return count > 0
-    return bool(strategy.reduce(torch.tensor(float(count), device=strategy.root_device), reduce_op="sum") > 0)
 
 
 def local_grad_sumsq(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
