@@ -5,7 +5,8 @@ lit_dtrain never sets torch's thread count itself. Lightning's launchers do, on 
 and ``_MultiProcessingLauncher``): where ``OMP_NUM_THREADS`` is unset, each rank takes ``max(1, cores // local
 processes)`` threads (cores from ``os.sched_getaffinity``) and exports ``OMP_NUM_THREADS``. torchrun sets
 ``OMP_NUM_THREADS=1`` itself when it starts several processes per node. This script checks both the figure and the
-threads each rank ends with, variants run round by round (so background load hits them alike):
+threads each rank ends with, variants run round by round, in an order rotated by one each round (so background load
+and a cold first run hit them alike):
 
 - ``ddp_unset``: ``trainer=ddp_cpu``, ``OMP_NUM_THREADS`` unset (Lightning's choice);
 - ``ddp_omp1``: the same with ``OMP_NUM_THREADS=1``;
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, fail, positive_int
+from lit_dtrain.utils.scripts import rotated
 
 ROOT = Path(__file__).resolve().parents[1]
 DDP = ["trainer=ddp_cpu", "model=nano", "data.block_size=64"]
@@ -95,7 +97,7 @@ def main() -> None:
     p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps per run")
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds; each runs every variant once")
     p.add_argument("--variants", type=comma_list(choices=list(VARIANTS)), default=list(VARIANTS),
-                   help="variants to run, in this order each round")
+                   help="variants to run; round r starts at the r-th (rotated: no variant always runs first)")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     results: dict[str, list[dict]] = {v: [] for v in args.variants}
@@ -104,7 +106,7 @@ def main() -> None:
         (work / "probe").mkdir()
         (work / "probe" / "sitecustomize.py").write_text(PROBE)
         for r in range(args.rounds):
-            for name in args.variants:
+            for name in rotated(args.variants, r):
                 res = run_once(name, args.steps, work, r, cores)
                 results[name].append(res)
                 threads = ",".join(str(x["threads"]) for x in res["ranks"])

@@ -53,3 +53,23 @@ def test_bench_optim_diag_rotates_the_variants_each_repeat(capsys, monkeypatch):
     assert result["ms_per_step_none"] == 1.0
     assert {v for k, v in result.items() if k.startswith("ratio_ms_per_step_")} == {1.0}
 
+
+def test_bench_threads_rotates_the_variants_each_round(capsys, monkeypatch):
+    """Each round ran the variants in the order given, so the first (``ddp_unset``) always ran first. Faked runs that
+    are slower in the first place of a round: over 2 rounds of 2 variants each has it once, and the ratio is 1
+    (it was 2.0)."""
+    bench = load_script("bench_threads", "_bench_threads_order")
+    calls = []
+
+    def run_once(name, steps, work, index, cores):
+        calls.append(name)
+        first = (len(calls) - 1) % 2 == 0
+        return {"tokens_per_s": 1000.0 if first else 2000.0, "wall_s": 1.0,
+                "ranks": [{"local_rank": 0, "threads": 1, "interop": 1, "omp": "1"}]}
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    monkeypatch.setattr("sys.argv", ["bench_threads.py", "--rounds", "2", "--variants", "ddp_unset,ddp_omp1"])
+    bench.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert calls == ["ddp_unset", "ddp_omp1", "ddp_omp1", "ddp_unset"]
+    assert result["ratios"] == {"ddp_omp1_over_unset": 1.0}
