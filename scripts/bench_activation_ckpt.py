@@ -1,8 +1,8 @@
 """Activation checkpointing policies side by side: peak activation memory, step time, RSS, FLOPs, gradients.
 
-For each model shape (``small``: conf/model/small.yaml, d=320 x 8 blocks; ``deep``: d=384 x 12 blocks)
-and sequence length (256, 1024), one Llama is built and every policy is applied to the *same* model
-by switching the blocks' checkpoint mode, so all policies see the same weights and the same batch:
+For each model shape (``small``: conf/model/small.yaml, d=320 x 8 blocks; ``deep``: d=384 x 12 blocks) and sequence
+length (256, 1024), one Llama is built and every policy is applied to the *same* model by switching the blocks'
+checkpoint mode, so all policies see the same weights and the same batch:
 
 * peak activation memory: ``ACT`` of MemTracker's peak snapshot (and the largest ``ACT`` at any moment);
 * step time (forward + backward), median of ``--repeats`` rounds that interleave the policies, so
@@ -14,24 +14,23 @@ by switching the blocks' checkpoint mode, so all policies see the same weights a
 
 ``budget`` is planned by the callback's probe on the benchmark batch itself (``--memory-budget``).
 
-``--device cuda`` runs the same comparison on the GPU in fp32 (``--dtype bf16``: bf16 autocast). There, step
-time is wall time with ``torch.cuda.synchronize()`` around each step (``--clock cpu`` does not apply), the RSS
-columns are replaced by the CUDA peak of one step above the memory allocated before it
-(``torch.cuda.max_memory_allocated``, ``cuda_peak_step_mib``) and its ratio to ``none``'s (``cuda_peak_ratio``);
-MemTracker's ``ACT`` figures are measured as on CPU. The CPU defaults are too small for a GPU; use more tokens.
+``--device cuda`` runs the same comparison on the GPU in fp32 (``--dtype bf16``: bf16 autocast). There, step time is
+wall time with ``torch.cuda.synchronize()`` around each step (``--clock cpu`` does not apply), the RSS columns are
+replaced by the CUDA peak of one step above the memory allocated before it (``torch.cuda.max_memory_allocated``,
+``cuda_peak_step_mib``) and its ratio to ``none``'s (``cuda_peak_ratio``); MemTracker's ``ACT`` figures are measured
+as on CPU. The CPU defaults are too small for a GPU; use more tokens.
 
     python scripts/bench_activation_ckpt.py                     # all shapes, seq 256 and 1024 (a few minutes)
     python scripts/bench_activation_ckpt.py --shapes small --seqs 256 --repeats 3   # quick look
     python scripts/bench_activation_ckpt.py --device cuda --tokens 16384 --seqs 1024,2048 --repeats 3
 
-The last line is one JSON object keyed by policy: ``saved_bytes_ratio`` (peak ACT of the policy over
-peak ACT of ``none``: the fraction of activation bytes still kept; at a size where the parameters and gradients set
-the memory peak, none's peak snapshot holds under half its largest ACT, and the ratio is of the largest ACT instead:
-``by_config``'s ``saved_bytes_from`` says which), ``time_ratio`` (step time over
-``none``'s), ``max_abs_grad_diff``, each the mean (ratios) or max (grad diff) over the configurations,
-with the per-configuration figures under ``by_config``, plus a ``targets`` entry. On CUDA each policy also has
-the mean ``cuda_peak_ratio``, and ``by_config`` has the CUDA peak instead of the RSS figures.
-"""
+The last line is one JSON object keyed by policy: ``saved_bytes_ratio`` (peak ACT of the policy over peak ACT of
+``none``: the fraction of activation bytes still kept; at a size where the parameters and gradients set the memory
+peak, none's peak snapshot holds under half its largest ACT, and the ratio is of the largest ACT instead:
+``by_config``'s ``saved_bytes_from`` says which), ``time_ratio`` (step time over ``none``'s), ``max_abs_grad_diff``,
+each the mean (ratios) or max (grad diff) over the configurations, with the per-configuration figures under
+``by_config``, plus a ``targets`` entry. On CUDA each policy also has the mean ``cuda_peak_ratio``, and ``by_config``
+has the CUDA peak instead of the RSS figures. """
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from lit_dtrain.callbacks._checkpoint_budget import budget_plan_from_probe
 from lit_dtrain.callbacks._checkpoint_policies import apply_checkpointing, every_k_plan, set_plan, uniform_plan
 from lit_dtrain.models import Llama, LlamaConfig
-from lit_dtrain.utils.args import ScriptArgumentParser, fail, seed_int
+from lit_dtrain.utils.args import ScriptArgumentParser, comma_list, fail, seed_int
 from lit_dtrain.utils.memory import (
     POINTWISE_OPS,
     backward_flops_by_op,
@@ -108,6 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     seqs = [s for s in args.seqs.split(",") if s]
     if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
         p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")
+    # an entry twice: --policies none,full,none was a KeyError traceback after the runs, and --seqs 64,64 ran twice,
+    for flag, given in (("--shapes", args.shapes), ("--policies", args.policies), ("--seqs", ",".join(seqs))):
+        try:  # the JSON line keeping one table in by_config but both in the policies' mean ratios
+            comma_list()(",".join(str(int(v)) if v.isdigit() else v for v in given.split(",") if v))
+        except argparse.ArgumentTypeError as e:
+            p.error(f"{flag}: {e}")
     try:  # before the runs: a directory or a '.txt' --plot failed in savefig after all of them
         args.plot = str(output_path(args.plot, "--plot", image=True)) if args.plot else args.plot
     except OutputPathError as e:

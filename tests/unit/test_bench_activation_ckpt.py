@@ -160,6 +160,10 @@ def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypa
         (["--policies", ","], "--policies must name at least one of ['none', 'full', 'every_k'"),
         # every ratio was nan, the JSON line held no policy and the targets were {}: ratios are against none's
         (["--policies", "full,selective"], "--policies must include none (every ratio and grad diff is against"),
+        # a KeyError traceback after the runs; --seqs 64,64 ran twice, by_config kept one table, the ratios both
+        (["--policies", "none,full,none"], "--policies: ['none'] listed twice in 'none,full,none'"),
+        (["--shapes", "small,small"], "--shapes: ['small'] listed twice in 'small,small'"),
+        (["--seqs", "64,064"], "--seqs: ['64'] listed twice in '64,64'"),
     ],
 )
 def test_bad_flags_are_named_before_any_model_is_built(bench, capsys, flags, message):
