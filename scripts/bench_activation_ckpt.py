@@ -75,8 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--every-k", type=int, default=2, help="every_k: checkpoint every k-th block")
     p.add_argument("--memory-budget", type=float, default=0.5, help="budget: fraction of none's peak ACT")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each round runs every policy once)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: stable timings on a shared machine; OpenMP spin-waits swing 2 threads)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="step time for the ratios: cpu = this process's CPU time (robust to other processes\n"
                         "on a shared machine, with --threads 1); wall = elapsed time. Both are printed.")
@@ -85,8 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the docs' figure: --plot docs/img/actckpt_memory_vs_time.png)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: model and batch on the GPU; wall-clock step time; CUDA peak memory instead of RSS")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 weights and maths; bf16 = fp32 weights under bf16 autocast")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 = fp32 weights under bf16 autocast")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the token batch")
     args = p.parse_args(argv)
     # before any model is built: each of these was a traceback (ZeroDivisionError, StatisticsError, ...) mid-run
@@ -107,9 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     seqs = [s for s in args.seqs.split(",") if s]
     if not all(s.isdigit() and int(s) > 0 for s in seqs) or not seqs:
         p.error(f"--seqs must be a comma list of positive integers, got {args.seqs!r}")
-    # an entry twice: --policies none,full,none was a KeyError traceback after the runs, and --seqs 64,64 ran twice,
     for flag, given in (("--shapes", args.shapes), ("--policies", args.policies), ("--seqs", ",".join(seqs))):
-        try:  # the JSON line keeping one table in by_config but both in the policies' mean ratios
+        try:  # an entry twice was a KeyError after the runs (policies) or a JSON line mixing two tables (seqs)
             comma_list()(",".join(str(int(v)) if v.isdigit() else v for v in given.split(",") if v))
         except argparse.ArgumentTypeError as e:
             p.error(f"{flag}: {e}")
