@@ -39,9 +39,11 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank (nor be
                 kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
             named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
+            # gloo's error under a strategy's PeerRankFailedError, whose text is a line like this one ('rank 0: a
+            # collective failed before training (PeerRankFailedError: rank 0: a collective failed (RuntimeError: ...')
+            failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
             if named.failures:  # a rank that raised alone: its error, not 'another rank probably died or hung'
                 fix = "" if only_interruptions(named.failures) else "fix that rank's error. "  # (Ctrl-C: no error)
-                failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
                 raise CollectiveError(
                     f"rank {trainer.global_rank}: {'; '.join(f.rstrip('. ') for f in named.failures)}; this rank's "
                     f"next collective then failed{where} ({type(failed).__name__}: "
@@ -49,7 +51,7 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
                 ) from e
             raise CollectiveError(
                 f"rank {trainer.global_rank}: a collective failed{where} "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Another rank probably died or hung; "
+                f"({type(failed).__name__}: {str(failed).splitlines()[0][:300]}). Another rank probably died or hung; "
                 "the collective timeout is strategy.collective_timeout_s. Resume with resume=auto."
             ) from e
         if record and isinstance(e, (Exception, KeyboardInterrupt)):
