@@ -185,7 +185,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         with watched_run(), sigterm_handler_kept(), contextlib.ExitStack() as held:  # held: the run dir's lock
             return _train(cfg, held)
     except KeyboardInterrupt:  # Ctrl-C where nothing saves (in training, PreemptionCheckpoint saves and exits 130)
-        raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir)) from None
+        raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir, cfg.get("ckpt_path"))) from None
     finally:
         if not had_group and destroy_default_group(single_process_only=True):
             for key, value in launch_env.items():

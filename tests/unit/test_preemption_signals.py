@@ -134,3 +134,16 @@ def test_a_closed_terminal_after_fit_or_in_the_final_validation_exits_129_naming
     assert stop.value.code == 129
     assert "stopped by SIGHUP after the last step (4), whose last.ckpt is saved" in caplog.text
     assert not (Path(cfg.paths.output_dir) / "summary.json").exists()
+
+
+def test_ctrl_c_before_a_start_from_another_runs_checkpoint_names_that_checkpoint(tmp_path, caplog):
+    """Ctrl-C in the setup of ``train.py run_name=r2 ckpt_path=<r1's step-4 last.ckpt>`` said "no checkpoint in
+    .../r2/checkpoints: a new start trains from step 0", where the same command starts again from that file."""
+    from lit_dtrain.sigterm_exit import interrupted_by_ctrl_c
+
+    given = tmp_path / "r1" / "last.ckpt"
+    given.parent.mkdir()
+    given.write_bytes(b"a checkpoint")
+    assert interrupted_by_ctrl_c(str(tmp_path / "r2" / "checkpoints"), str(given)) == 130
+    assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {tmp_path / 'r2' / 'checkpoints'}: the same command "
+            f"starts again from ckpt_path={given}") in caplog.text
