@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from lit_dtrain._sweep_of_nothing import remove_a_sweep_of_nothing
-from lit_dtrain.utils.hydra_overrides import failed_override
+from lit_dtrain.utils.hydra_overrides import config_being_overridden, failed_override
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _set_here = False  # whether this process set HYDRA_FULL_ERROR=1 (until the task function starts)
@@ -43,7 +43,7 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
         remove_a_sweep_of_nothing()  # -m ... scheduler.decay_fraction=0.1,0.2: a sweep dir holding multirun.yaml alone
         error = e
         message = (unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
-                   or list_item_delete_message(error, sys.argv[1:]))
+                   or list_item_delete_message(error, sys.argv[1:]) or list_key_message(error))
         if message is None:
             _report_as_hydra(error)
         from lit_dtrain.utils.distributed import print_once_across_ranks
@@ -214,6 +214,43 @@ def list_item_delete_message(error: BaseException, args: list[str]) -> str | Non
         if arg.startswith("~") and parent and index.isdigit():
             return (f"'{arg}': Hydra cannot delete an item of a list (it takes the index {index} for a key; "
                     f"hydra#2477): set the list whole without it instead, '{parent}=[...]'")
+    return None
+
+
+def list_key_message(error: BaseException) -> str | None:
+    """The one line for an override whose key passes through a list by a key that is no index of it
+    (``data.sources.name=x``: the sources are a list, set by index, ``data.sources.0.name=x``) or by an index past
+    its end (``data.sources.5.name=x``), else None. OmegaConf raised "ValueError: invalid literal for int() with base
+    10: 'name'" (or "Index 'name' (str) is not an int" for a key below it, a '+' or a '~') in Hydra's 25-line
+    traceback, or Hydra's 'Error merging override' lines ('list index out of range'), neither naming a fix."""
+    from omegaconf import DictConfig, ListConfig
+
+    line, cfg = failed_override(error), config_being_overridden(error)
+    if line is None or not isinstance(cfg, DictConfig):
+        return None
+    prefix = line[: len(line) - len(line.lstrip("+~"))]
+    key = line[len(prefix):].partition("=")[0]
+    parts, node = key.split("."), cfg
+    for i, part in enumerate(parts):
+        if isinstance(node, ListConfig):
+            where, n = ".".join(parts[:i]), len(node)
+            items = f"{n} item{'s' if n != 1 else ''}" + (f" (indices 0 to {n - 1})" if n > 1 else "")
+            if not part.isdigit():  # the index left out before a key of an item (or a key in place of an index)
+                whole = f"the list whole ('{where}=[...]')"
+                keyed = n > 0 and isinstance(node._get_node(0), DictConfig)
+                if not keyed and "~" in prefix:  # an item itself: Hydra 1.3 cannot delete one (hydra#2477)
+                    return f"'{line}': {where} is a list of {items}; set {whole} without the item instead"
+                fixed = ".".join([*parts[:i], "0", *parts[i + (0 if keyed else 1):]])
+                return (f"'{line}': {where} is a list of {items}, whose items are set by index ('{prefix}{fixed}"
+                        f"{line[len(prefix) + len(key):]}'), or {whole}")
+            if int(part) >= n:
+                return (f"'{line}': {where} is a list of {items}, with no item {part} to set; to add one, set the "
+                        f"list whole ('{where}=[...]')")
+            node = node._get_node(int(part))
+        elif isinstance(node, DictConfig) and part in node:
+            node = node._get_node(part)
+        else:
+            return None
     return None
 
 

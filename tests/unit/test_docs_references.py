@@ -243,7 +243,8 @@ NOT_CONFIG_KEYS = {
 WRONG_KEYS_ON_PURPOSE = {"optimizer.lrr", "sample.promt", "strategy.nme", "strategy.compresion",  # 6a: refused
                          # running.md: keys the config lacks, and what their one-line error says to do
                          "trainer.detect_anomaly", "callbacks.model_checkpoint.every_n_train_step",
-                         "callbacks.model_checkpoint.every_n_train_steps", "callbacks.loss_spike.z"}
+                         "callbacks.model_checkpoint.every_n_train_steps", "callbacks.loss_spike.z",
+                         "data.sources.name", "data.sources.5.name"}  # a list's key that is no index of it
 
 
 def documented_config_keys(roots: set[str]) -> dict[str, list[str]]:

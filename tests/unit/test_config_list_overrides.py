@@ -1,0 +1,56 @@
+"""An override that passes through a list by a key that is no index of it (``data.sources.name=x``: the sources are
+a list, set by index) or by an index past its end (``data=mixture data.sources.5.name=x``): one line naming the
+override and the fix (``lit_dtrain._compose_errors.list_key_message``). OmegaConf raised "ValueError: invalid literal
+for int() with base 10: 'name'" in Hydra's 25-line traceback, or Hydra printed 'Error merging override' and 'list
+index out of range', neither naming a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_dtrain._compose_errors import run_reporting_unknown_keys
+from tests.conftest import CONF_DIR
+from tests.unit.test_config_unknown_keys import composing
+
+
+@pytest.fixture(autouse=True)
+def no_full_error(monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["data.sources.name=x"], "'data.sources.name=x': data.sources is a list of 1 item, whose items are set by "
+                              "index ('data.sources.0.name=x'), or the list whole ('data.sources=[...]')"),
+    (["data=mixture", "data.sources.weight=2"],
+     "'data.sources.weight=2': data.sources is a list of 2 items (indices 0 to 1), whose items are set by index "
+     "('data.sources.0.weight=2'), or the list whole ('data.sources=[...]')"),
+    (["data.sources.name.x=1"], "'data.sources.name.x=1': data.sources is a list of 1 item, whose items are set by "
+                                "index ('data.sources.0.name.x=1'), or the list whole ('data.sources=[...]')"),
+    (["++data.sources.name=x"], "'++data.sources.name=x': data.sources is a list of 1 item, whose items are set by "
+                                "index ('++data.sources.0.name=x'), or the list whole ('data.sources=[...]')"),
+    (["~data.sources.name"], "'~data.sources.name': data.sources is a list of 1 item, whose items are set by index "
+                             "('~data.sources.0.name'), or the list whole ('data.sources=[...]')"),
+    # a list of values: the key stood for an index; an item itself cannot be deleted (hydra#2477)
+    (["optimizer.betas.x=0.9"], "'optimizer.betas.x=0.9': optimizer.betas is a list of 2 items (indices 0 to 1), "
+                                "whose items are set by index ('optimizer.betas.0=0.9'), or the list whole "
+                                "('optimizer.betas=[...]')"),
+    (["~optimizer.betas.x"], "'~optimizer.betas.x': optimizer.betas is a list of 2 items (indices 0 to 1); set the "
+                             "list whole ('optimizer.betas=[...]') without the item instead"),
+    (["data=mixture", "data.sources.5.name=x"],
+     "'data.sources.5.name=x': data.sources is a list of 2 items (indices 0 to 1), with no item 5 to set; to add "
+     "one, set the list whole ('data.sources=[...]')"),
+])
+def test_a_key_or_index_a_list_lacks_is_one_line_naming_the_override_and_the_fix(overrides, line, capsys):
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", *overrides), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_an_index_of_a_list_still_sets_its_item():
+    """The line is for a failed override only: an index within the list composes as before."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=mixture", "data.sources.1.name=prose"])
+    assert [s.name for s in cfg.data.sources] == ["stdlib", "prose"]
