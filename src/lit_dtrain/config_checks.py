@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_dtrain._compose_errors import callback_options
+from lit_dtrain._compose_errors import callback_options, choose_callback_first
 from lit_dtrain.config_keys import (
     check_known_keys,
     check_target_arguments,
@@ -75,6 +75,7 @@ def check_config(cfg: DictConfig) -> None:
     """Reject bad values before any compute, naming the offending key."""
     check_known_keys(cfg)
     check_types(cfg)
+    check_callback_nodes(cfg)
     lr = cfg.optimizer.get("lr")
     if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
         raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
@@ -171,9 +172,36 @@ def check_config(cfg: DictConfig) -> None:
 
     check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the next check)
     check_target_arguments(cfg)
+    check_model_shape(cfg)
     check_min_epochs(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")
+
+
+def check_callback_nodes(cfg: DictConfig) -> None:
+    """Every ``callbacks.<name>`` node has a ``_target_`` (a null one switches it off): ``+callbacks.loss_spike.z=3``
+    without choosing loss_spike adds a node holding z alone. Refused with the config checks: it was refused as the
+    callbacks were built, after the seed ('Seed set to 1337' printed first), the datamodule and the model."""
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if isinstance(node, DictConfig) and "_target_" not in node:
+            held = f" (it holds only {', '.join(map(str, node.keys()))})" if len(node) else ""
+            raise ConfigError(f"callbacks.{name} has no _target_{held}; {choose_callback_first(name)}")
+
+
+def check_model_shape(cfg: DictConfig) -> None:
+    """``model.*`` values that ``build_llama``'s ``LlamaConfig`` refuses (``model.n_layer=0``, ``model.n_head=3``
+    beside ``d_model=128``), before any compute: they were refused as the model was built, after the seed and the
+    datamodule. The same line as there; a model of one's own is checked as it is built."""
+    node = cfg.get("model")
+    if not isinstance(node, DictConfig) or node.get("_target_") != "lit_dtrain.models.build_llama":
+        return
+    from lit_dtrain.models.llama import LlamaConfig
+
+    shape = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not str(k).startswith("_")}
+    try:
+        LlamaConfig.from_dict(shape)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
 
 
 def check_min_epochs(cfg: DictConfig) -> None:

@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._collective_errors import CollectiveError, collectives_named  # noqa: F401 - CollectiveError: train's
-from lit_dtrain._compose_errors import choose_callback_first
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._removed_keys import check_removed_keys
@@ -37,6 +36,7 @@ from lit_dtrain.callbacks.memory_monitor import highest, ranks_peak_rss_mib
 from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
 from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, misfit_message
 from lit_dtrain.config_checks import (
+    check_callback_nodes,
     check_config,
     check_known_keys,
     scheduler_config,
@@ -44,7 +44,7 @@ from lit_dtrain.config_checks import (
 )
 from lit_dtrain.config_resolvers import UNRESOLVED
 from lit_dtrain.divergence import NonFiniteLossWatch, report_divergence
-from lit_dtrain.errors import ConfigError, interpolation_error
+from lit_dtrain.errors import ConfigError, interpolation_error  # noqa: F401 - ConfigError: importable from here (tests)
 from lit_dtrain.loggers import ConfigHparams, build_logger, flat_hparams
 from lit_dtrain.logs_kept import LogsKeptUntilTraining, put_back_a_killed_starts_logs
 from lit_dtrain.module import LitLLM, perplexity
@@ -134,14 +134,11 @@ def val_check_in_batches(cfg: DictConfig) -> dict:
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     """Every entry of ``cfg.callbacks`` that has a ``_target_`` (null entries switch one off)."""
+    check_callback_nodes(cfg)  # check_config's: a node without _target_ ('+callbacks.loss_spike.z=3')
     callbacks = []
-    for name, node in (cfg.get("callbacks") or {}).items():
+    for node in (cfg.get("callbacks") or {}).values():
         if node is None:
             continue
-        if "_target_" not in node:
-            # +callbacks.loss_spike.z=3 without choosing loss_spike: the node holds only the added key
-            held = f" (it holds only {', '.join(map(str, node.keys()))})" if len(node) else ""
-            raise ConfigError(f"callbacks.{name} has no _target_{held}; {choose_callback_first(name)}")
         callbacks.append(instantiate(node))
     branch = f"branch: decay_branch.ckpt={Path(cfg.paths.checkpoint_dir) / 'last.ckpt'} decay_branch.steps=N"
     for callback in callbacks:  # WSDScheduler: train.py warns about a resume's LR itself, in the config's words;

@@ -240,3 +240,30 @@ def test_train_tells_slurm_whether_a_requeue_continues_the_run(tiny_cfg, monkeyp
     with pytest.raises(Stop):
         train_module.train(tiny_cfg(*overrides))
     assert calls == [("signal", continues), ("warn", None)]
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    # a node '+' added without choosing the callback: refused as the callbacks were built, after the model
+    ("+callbacks.loss_spike.z=3", "callbacks.loss_spike has no _target_ (it holds only z); a conf/callbacks option "
+                                  "is chosen first ('callbacks=[default,<option>]'), or callbacks.loss_spike given a "
+                                  "_target_"),
+    # the model's shape: refused as the model was built, after the seed and the datamodule
+    ("model.n_layer=0", "model: LlamaConfig.n_layer must be positive, got 0"),
+    ("model.n_head=3", "model: LlamaConfig.d_model=32 is not divisible by n_head=3"),
+    ("model.dropout=1.5", "model: LlamaConfig.dropout must be in [0, 1), got 1.5"),
+])
+def test_a_callback_without_target_or_a_bad_model_shape_is_refused_before_the_seed(tiny_cfg, monkeypatch, override,
+                                                                                  line):
+    """'Seed set to 1337' was printed before these refusals: the run had seeded (and built the datamodule, and for
+    the callback the model) first. They are config checks now, before any of it."""
+    import lightning as L
+
+    from lit_dtrain.train import train
+
+    def seeded(*args, **kwargs):
+        raise AssertionError("seeded before the config was refused")
+
+    monkeypatch.setattr(L, "seed_everything", seeded)
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_cfg(override))
+    assert str(refused.value) == line
