@@ -171,6 +171,10 @@ def check_types(cfg: DictConfig) -> None:
         else:
             what = "a path (text) or null" if nullable else "a path (text)"
         _check_path(key, value, what)
+        if key == "logger.save_dir" and not str(value).strip():  # '' logged to ./tb or ./csv of the working dir
+            raise ConfigError(f"logger.save_dir is empty ({value!r}), which puts the logs in the working dir, not "
+                              "the run dir: leave it at its default, ${paths.output_dir} (the run dir), or give a "
+                              "dir")
 
 
 # Where a **kwargs goes that is not to the parent class's __init__: a strategy's, to the module wrapper it builds in

@@ -119,6 +119,9 @@ LIGHTNING_VALUES = [
     # "TypeError: expected str, bytes or os.PathLike object, not int" in Hydra's wrapper of the Trainer / logger
     ("trainer.default_root_dir=0", r"^trainer.default_root_dir must be a path \(text\) or null, got 0 \(int\)"),
     ("logger.save_dir=null", r"^logger.save_dir must be a path \(text\), got None \(NoneType\)$"),
+    # a 2-step run exited 0 with its metrics.csv (or tb/) in the working dir, none in the run dir
+    ("logger=csv logger.save_dir=''", r"^logger.save_dir is empty \(''\), which puts the logs in the working dir, "
+                                      r"not the run dir: leave it at its default, \$\{paths.output_dir\}"),
     # TensorBoardLogger's "join() argument must be str, bytes, or os.PathLike object, not 'int'" in setup
     ("logger.name=-1", r"^logger.name must be a path \(text\) or null, got -1 \(int\)"),
 ]
