@@ -104,3 +104,16 @@ def check_run_name(run_name) -> None:
     raise ConfigError(f"run_name={str(run_name)!r} names no run dir of its own (the run would write into the runs dir "
                       "or above it, beside other runs): give it a name, run_name=exp1, or leave it out for the start "
                       "time")
+
+
+def check_datamodule_arguments(cfg: DictConfig) -> None:
+    """``LMDataModule``'s own argument checks (``data.batch_size=0``, a source's ``weight=inf``, ``data.cache_dir=''``,
+    ``data.sampler.min_prob=2``) with the config checks: it is built here once and dropped (its ``__init__`` and its
+    samplers' read no file and draw nothing; the corpus is read in ``prepare_data``). They were refused as the run
+    built it, after 'Seed set to 1337'. A datamodule of one's own is checked as the run builds it (its ``__init__``
+    may do anything)."""
+    node = cfg.get("data")
+    if isinstance(node, DictConfig) and node.get("_target_") == "lit_dtrain.data.LMDataModule":
+        from hydra.utils import instantiate
+
+        instantiate(node, _convert_="all")  # the same call as train()'s

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain._compose_errors import callback_options, choose_callback_first
+from lit_dtrain._config_values import check_datamodule_arguments
 from lit_dtrain.config_keys import (
     check_known_keys,
     check_target_arguments,
@@ -173,6 +174,7 @@ def check_config(cfg: DictConfig) -> None:
     check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the next check)
     check_target_arguments(cfg)
     check_model_shape(cfg)
+    check_datamodule_arguments(cfg)
     check_min_epochs(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")

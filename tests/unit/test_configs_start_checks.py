@@ -267,3 +267,21 @@ def test_a_callback_without_target_or_a_bad_model_shape_is_refused_before_the_se
     with pytest.raises(ConfigError) as refused:
         train(tiny_cfg(override))
     assert str(refused.value) == line
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+    ("data.sources.0.weight=inf", "weight must be finite and >= 0, got inf"),
+    ("data.cache_dir=''", "data.cache_dir is empty ('')"),
+    ("data/sampler=fourier data.sampler.min_prob=2", "FourierSampler needs 0 < min_prob <= max_prob, got 2, 1.0"),
+])
+def test_the_datamodules_own_argument_checks_come_before_the_seed(tiny_cfg, monkeypatch, override, words):
+    """LMDataModule's checks ran as the run built it, after 'Seed set to 1337': the config checks build it once."""
+    import lightning as L
+
+    from lit_dtrain.train import train
+
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("seeded before the config was refused"))
+    with pytest.raises(Exception) as refused:
+        train(tiny_cfg(*override.split(" ")))
+    assert words in f"{refused.value} {refused.value.__cause__}"
