@@ -54,3 +54,22 @@ def test_an_index_of_a_list_still_sets_its_item():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=mixture", "data.sources.1.name=prose"])
     assert [s.name for s in cfg.data.sources] == ["stdlib", "prose"]
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("callbacks=[default,loss_spik]", "'callbacks=[default,loss_spik]': config group 'callbacks' has no option "
+                                      "'loss_spik' (did you mean loss_spike? options: adaptive_grad_clip, default, "
+                                      "fourier_sampler, loss_spike, none, optimizer_diagnostics, selective_ckpt, wsd)"),
+    ("callbacks=[default,zzzz]", "'callbacks=[default,zzzz]': config group 'callbacks' has no option 'zzzz' "
+                                 "(options: adaptive_grad_clip, default, fourier_sampler, loss_spike, none, "
+                                 "optimizer_diagnostics, selective_ckpt, wsd)"),
+])
+def test_an_option_a_groups_list_lacks_is_one_line_naming_the_options(override, line, capsys, monkeypatch):
+    """Hydra printed "In 'train': Could not load 'callbacks/loss_spik'." and its config search path: 6 lines naming
+    no option (its 'Could not find' of one option, 'model=nanoo', lists them)."""
+    monkeypatch.setattr("sys.argv", ["train.py", "model=nano", override])
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"error: {line}\n"
+
