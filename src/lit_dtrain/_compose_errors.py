@@ -128,6 +128,8 @@ def unknown_key_message(error: BaseException, config_dir: str | None = None) -> 
             cause, (ConfigKeyError, ConfigAttributeError)):
         return None
     parent, key, full_key = cause.parent_node, cause.key, cause.full_key
+    # OmegaConf writes an item of a list 'data.sources[0]', which the override grammar refuses: 'data.sources.0'
+    full_key = re.sub(r"\[(\d+)\]", r".\1", full_key) if isinstance(full_key, str) else full_key
     if not isinstance(parent, DictConfig) or not isinstance(key, str) or "not in struct" not in cause.msg:
         return None
     section = full_key[: -len(key)].rstrip(".")

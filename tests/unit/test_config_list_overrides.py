@@ -73,3 +73,14 @@ def test_an_option_a_groups_list_lacks_is_one_line_naming_the_options(override, 
     assert stop.value.code == 1
     assert capsys.readouterr().err == f"error: {line}\n"
 
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("data.sources.0.namex=x", "data.sources.0.namex is not a config key; did you mean 'data.sources.0.name'?"),
+    ("data.sources.0.zzzz=x", "data.sources.0.zzzz is not a config key (data.sources.0 holds kind, name, weight)"),
+])
+def test_a_key_an_item_of_a_list_lacks_is_named_as_an_override_writes_it(override, line, capsys):
+    """The line named OmegaConf's 'data.sources[0].namex' and advised 'data.sources[0].name', which the override
+    grammar refuses (LexerNoViableAltException)."""
+    with pytest.raises(SystemExit):
+        run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
+    assert capsys.readouterr().err == f"error: {line}\n"
