@@ -26,7 +26,8 @@ from lit_dtrain.utils.args import as_flag, is_flag, is_number, is_whole_float, t
 _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_steps=abc arrives as a string)
     "optimizer.lr": float, "trainer.max_steps": int,  # trainer.val_check_interval: config_lightning's
     "trainer.accumulate_grad_batches": int, "trainer.log_every_n_steps": int, "trainer.gradient_clip_val": float,
-    "data.batch_size": int, "data.block_size": int, "model.block_size": int, "seed": int,
+    # model.block_size before data.block_size, its interpolation: model.block_size=abc was named as data.block_size
+    "data.batch_size": int, "model.block_size": int, "data.block_size": int, "seed": int,
     "optimizer.weight_decay": float, "optimizer.eps": float, "data.val_fraction": float,
     "data.max_val_windows": int, "data.val_batch_size": int, "model.vocab_size": int, "model.n_layer": int,
     "model.n_head": int, "model.n_kv_head": int, "model.d_model": int, "model.mlp_hidden": int,

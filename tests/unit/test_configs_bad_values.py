@@ -22,6 +22,8 @@ from lit_dtrain.train import ConfigError
         ("data.batch_size=1.5", "data.batch_size must be an integer, got 1.5"),
         ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is a fraction of an epoch"),
         ("model.d_model=abc", r"model.d_model must be an integer, got 'abc' \(str\)"),
+        # data.block_size is ${model.block_size}: the line named data.block_size, a key the command line left alone
+        ("model.block_size=abc", r"^model.block_size must be an integer, got 'abc' \(str\)"),
         ("optimizer.weight_decay=abc", r"optimizer.weight_decay must be a number, got 'abc'"),
         ("data.val_fraction=abc", r"data.val_fraction must be a number, got 'abc'"),
         ("data.val_fraction=1", r"data.val_fraction must be in \(0, 1\) \(the share of documents held out\), got 1"),
