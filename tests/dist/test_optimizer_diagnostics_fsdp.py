@@ -4,7 +4,8 @@ the model's. They are summed over the ranks' shards now. Lightning refuses FSDP 
 FullyShardedDataParallel (``device_id`` cpu, which torch 2.13 runs under gloo) and the trainer a stand-in whose
 strategy is named as Lightning's FSDP and reduces as it does. A rank whose shard holds no grad (a frozen backbone's
 elements alone) skipped the all-reduce, and the other rank's waited for it: every rank reduces now. So did
-``AdaptiveGradClip``'s global grad norm, in the same spawn."""
+``AdaptiveGradClip``'s global grad norm, in the same spawn; and its clip, which scaled that rank's empty list of
+grads (torch's foreach ops refuse one)."""
 
 from __future__ import annotations
 
@@ -64,23 +65,31 @@ def _diagnosed_step(model: torch.nn.Module, world_size: int, strategy) -> dict[s
     return dict(diag._pending)
 
 
-def _clipped_steps(model: torch.nn.Module, world_size: int, strategy) -> list[float]:
-    """Three AdamW steps under ``AdaptiveGradClip`` (its warmup: nothing clipped); the grad norms its statistic
-    took in."""
+def _clipped_steps(model: torch.nn.Module, world_size: int, strategy, max_norm: float | None = None) -> list[float]:
+    """Three AdamW steps under ``AdaptiveGradClip`` (its warmup: nothing clipped but by ``max_norm``); the grad norms
+    its statistic took in."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     trainer = SimpleNamespace(world_size=world_size, strategy=strategy, optimizers=[optimizer], global_step=0,
                               precision_plugin=None, log_every_n_steps=1000)
-    clip = AdaptiveGradClip(warmup_steps=5)
+    import lit_dtrain.callbacks.adaptive_grad_clip as clip_module
+
+    clip = AdaptiveGradClip(warmup_steps=5, max_norm=max_norm)
     clip.on_train_start(trainer, None)
     torch.manual_seed(1)
-    for step in range(3):
-        trainer.global_step = step
-        model(torch.randn(4, 8)).pow(2).mean().backward()
-        clip.on_before_optimizer_step(trainer, None, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        clip.on_train_batch_end(trainer, None, None, None, step)
-    return clip.stats[0].state_dict()["warm"]
+    log_step_metrics, clip_module.log_step_metrics = clip_module.log_step_metrics, lambda *args: None  # (a clip
+    try:  # writes a row: the stand-in trainer has no logger)
+        for step in range(3):
+            trainer.global_step = step
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            clip.on_before_optimizer_step(trainer, None, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            clip.on_train_batch_end(trainer, None, None, None, step)
+    finally:
+        clip_module.log_step_metrics = log_step_metrics
+    if max_norm is None:
+        return clip.stats[0].state_dict()["warm"]
+    return [clip.clip_events, *(float(p.detach().sum()) for p in model.parameters() if p.requires_grad)]
 
 
 def _logged_grad_norms(sharded: FullyShardedDataParallel) -> list[tuple[int, float]]:
@@ -116,6 +125,9 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
                                        use_orig_params=True)
     results["clipped_norms"] = _clipped_steps(sharded, 2, StandInFSDPStrategy())
+    sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
+                                       use_orig_params=True)
+    results["clips"] = _clipped_steps(sharded, 2, StandInFSDPStrategy(), max_norm=1e-3)
     sharded = FullyShardedDataParallel(_model(frozen_backbone=True), device_id=torch.device("cpu"),
                                        use_orig_params=True)
     results["logged_grad_norms"] = _logged_grad_norms(sharded)
@@ -178,3 +190,14 @@ def test_litllm_logs_the_grad_norm_where_rank_0s_shard_holds_no_grad(sharded_fig
     for rank in sharded_figures:
         assert [step for step, _ in rank["logged_grad_norms"]] == [0]
         assert rank["logged_grad_norms"][0][1] == pytest.approx(whole, rel=1e-5)
+
+
+def test_adaptive_grad_clip_clips_on_a_rank_whose_shard_holds_no_grad(sharded_figures):
+    """The same fit clipped at every step (``max_norm=1e-3``): rank 0, holding no grad, scaled an empty list of them
+    (``torch._foreach_mul_``: 'Tensor list must have at least one tensor'), and rank 1's next collective failed.
+    Both ranks count the 3 clips, and their shards' parameters add up to the unsharded model's."""
+    whole = _clipped_steps(_model(frozen_backbone=True), 1, SimpleNamespace(), max_norm=1e-3)
+    assert whole[0] == 3
+    assert [rank["clips"][0] for rank in sharded_figures] == [3, 3]
+    summed = [sum(values) for values in zip(*(rank["clips"][1:] for rank in sharded_figures))]
+    assert summed == pytest.approx(whole[1:], rel=1e-5)

@@ -297,7 +297,8 @@ class AdaptiveGradClip(StepHooksCallback):
         self._applied.discard(index)  # added by the step post-hook when the optimizer steps with grads
         if clipped < norm:
             coef = clipped / (norm + 1e-6)
-            torch._foreach_mul_([p.grad for p in params], coef)
+            if params:  # under FSDP a rank whose shard holds no grad has none to scale (foreach refuses an empty list)
+                torch._foreach_mul_([p.grad for p in params], coef)
             self._clip_events[index] += 1
         self.stats[index].add(clipped)
         last = {"norm": norm, "clipped": float(clipped < norm)}
