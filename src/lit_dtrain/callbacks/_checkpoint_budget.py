@@ -229,10 +229,13 @@ def budget_plan_from_probe(
 
 def max_over_ranks(strategy) -> Callable[[list[float]], list[float]]:
     """Each value's maximum over the ranks of ``strategy`` (a Lightning strategy with several ranks): one
-    ``all_gather`` of float64 values, which hold byte counts exactly."""
+    ``all_gather`` of float64 values, which hold byte counts exactly. (Through ``all_gather_stacked``: Lightning's
+    ``strategy.all_gather`` printed torch's FutureWarning 'torch.distributed.nn.functional.all_gather is deprecated'
+    on every rank's console at each DDP budget probe.)"""
+    from lit_dtrain.utils.distributed import all_gather_stacked
 
     def reduce(values: list[float]) -> list[float]:
         mine = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
-        return strategy.all_gather(mine).reshape(-1, len(values)).amax(0).tolist()
+        return all_gather_stacked(mine).amax(0).tolist()
 
     return reduce
