@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from lit_dtrain.utils.distributed import _store_and_rank
+from lit_dtrain.utils.distributed import _exit_line_store
 
 _KEY = "lit_dtrain/job_failure/job{}/rank{}"
 _REPORTED_BY_RANK_0 = "_lit_dtrain_reported_by_rank_0"  # set on the error of a job rank 0 reports
@@ -21,16 +21,17 @@ def rank_0_reports(error: BaseException, job: int, line: str, wait_s: float = 2.
     several ranks, whose ``line`` rank 0 gave too): marked on ``error`` for :func:`reported_by_rank_0`. Each rank leaves
     its line in the group's store; rank 0 waits up to ``wait_s`` for the others' lines, then for those ranks to have
     read its own (rank 0's process holds the store: a rank 1 still reading it when rank 0 ended its sweep got torch's
-    'recvValue failed' and printed the lines again). Best effort: no store, or none answering, is False."""
-    import torch.distributed as dist
-
-    store, rank = _store_and_rank()
-    if store is None:
+    'recvValue failed' and printed the lines again). Before the process group exists (a sweep's first jobs, refused
+    before any fit) the store is torchrun's agent's, as for a run's last line (:func:`_exit_line_store`): with the
+    group's alone, ``torchrun ... -m trainer.max_steps=-5,2`` still reported job 0 on both ranks. Best effort: no
+    store (Lightning's launcher before the group), or none answering, is False."""
+    store, rank, world_size = _exit_line_store()
+    if store is None or world_size < 2:
         return False
     try:
         store.set(_KEY.format(job, rank), line)
         if rank == 0:
-            others = [_KEY.format(job, r) for r in range(1, dist.get_world_size())]
+            others = [_KEY.format(job, r) for r in range(1, world_size)]
             _wait(lambda: store.check(others), wait_s)
             seen = [f"{k}/seen" for k in others if store.check([k])]
             _wait(lambda: store.check(seen), wait_s)

@@ -168,3 +168,22 @@ def test_a_rank_0_that_fails_to_save_the_final_checkpoint_is_named_by_rank_1(tmp
     assert proc.returncode != 0
     assert "error: rank 1: rank 0 stopped at step 2: OSError: [Errno 28] No space left on device; this rank's next " \
            "collective then failed at step 2 (" in out, out[-4000:]
+
+
+def test_a_sweep_job_refused_on_every_rank_before_the_group_is_reported_once(tmp_path, corpus):
+    """A DDP sweep job refused alike on every rank is reported by rank 0 alone, through the process group's store;
+    job 0, refused before any fit made the group, was still reported by both torchrun workers: 'job 0 failed: ...'
+    twice on the console and Hydra's four lines of it twice. The agent's store serves before the group, as for a
+    run's last line."""
+    args = ["-m", *TINY, "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer=ddp_cpu",
+            "trainer.val_check_interval=2", "sample.max_new_tokens=0", "trainer.max_steps=-5,2"]
+    proc = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    refusal = "trainer.max_steps must be a positive step budget, got -5"
+    assert proc.stderr.count(f"error: {refusal}") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("Error executing job with overrides") == 1, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count(f"job 0 failed: ConfigError: {refusal}") == 1, proc.stdout[-3000:]
+    sweep = next((tmp_path / "outputs" / "multiruns").iterdir())
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 2  # the next job ran on both ranks
