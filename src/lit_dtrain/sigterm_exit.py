@@ -210,7 +210,7 @@ def interrupted_by_ctrl_c(checkpoint_dir: str, ckpt_path=None) -> int:
     ``ckpt_path`` the same command starts from (it said 'a new start trains from step 0' of another run's)."""
     ckpt_dir = Path(checkpoint_dir)
     newest = newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
-    if newest is None and ckpt_path and Path(str(ckpt_path)).is_file():
+    if newest is None and ckpt_path and Path(str(ckpt_path)).expanduser().is_file():  # '~/r1.ckpt' too
         kept = f"no checkpoint in {ckpt_dir}: the same command starts again from ckpt_path={ckpt_path}"
     elif newest is None:
         kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"

@@ -136,14 +136,19 @@ def test_a_closed_terminal_after_fit_or_in_the_final_validation_exits_129_naming
     assert not (Path(cfg.paths.output_dir) / "summary.json").exists()
 
 
-def test_ctrl_c_before_a_start_from_another_runs_checkpoint_names_that_checkpoint(tmp_path, caplog):
+@pytest.mark.parametrize("written", ["{tmp}/r1/last.ckpt", "~/r1/last.ckpt"])
+def test_ctrl_c_before_a_start_from_another_runs_checkpoint_names_that_checkpoint(tmp_path, monkeypatch, caplog,
+                                                                                  written):
     """Ctrl-C in the setup of ``train.py run_name=r2 ckpt_path=<r1's step-4 last.ckpt>`` said "no checkpoint in
-    .../r2/checkpoints: a new start trains from step 0", where the same command starts again from that file."""
+    .../r2/checkpoints: a new start trains from step 0", where the same command starts again from that file; so it
+    did for ``ckpt_path="~/r1.ckpt"``, which the start reads with ``~`` expanded."""
     from lit_dtrain.sigterm_exit import interrupted_by_ctrl_c
 
+    monkeypatch.setenv("HOME", str(tmp_path))
     given = tmp_path / "r1" / "last.ckpt"
     given.parent.mkdir()
     given.write_bytes(b"a checkpoint")
-    assert interrupted_by_ctrl_c(str(tmp_path / "r2" / "checkpoints"), str(given)) == 130
+    written = written.format(tmp=tmp_path)
+    assert interrupted_by_ctrl_c(str(tmp_path / "r2" / "checkpoints"), written) == 130
     assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {tmp_path / 'r2' / 'checkpoints'}: the same command "
-            f"starts again from ckpt_path={given}") in caplog.text
+            f"starts again from ckpt_path={written}") in caplog.text
