@@ -202,16 +202,16 @@ class HoldSigtermInValidate(L.Callback):
         self._restore_handler()
 
 
-def interrupted_by_ctrl_c(checkpoint_dir: str, ckpt_path=None) -> int:
+def interrupted_by_ctrl_c(checkpoint_dir: str, ckpt_path=None, key: str = "ckpt_path") -> int:
     """The exit status (130) of a run that ``KeyboardInterrupt`` (Ctrl-C) stopped where nothing saves: before training,
     in the token cache build, in setup, at a second Ctrl-C, in the final validation or the sample (a traceback, or
     Lightning's "Detected KeyboardInterrupt" and status 1, did not say what was kept). One line says which checkpoint
-    ``resume=auto`` continues from (in a multirun's job, with its ``hydra.sweep.dir``: a bare one is refused), or the
-    ``ckpt_path`` the same command starts from (it said 'a new start trains from step 0' of another run's)."""
+    ``resume=auto`` continues from (in a multirun's job, with its ``hydra.sweep.dir``), or the ``ckpt_path`` (``key``:
+    ``decay_branch.ckpt``) the same command starts from (it said 'a new start trains from step 0' of another run's)."""
     ckpt_dir = Path(checkpoint_dir)
     newest = newest_step_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if newest is None and ckpt_path and Path(str(ckpt_path)).expanduser().is_file():  # '~/r1.ckpt' too
-        kept = f"no checkpoint in {ckpt_dir}: the same command starts again from ckpt_path={ckpt_path}"
+        kept = f"no checkpoint in {ckpt_dir}: the same command starts again from {key}={ckpt_path}"
     elif newest is None:
         kept = f"no checkpoint in {ckpt_dir}: a new start trains from step 0"
     else:

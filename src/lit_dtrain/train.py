@@ -182,7 +182,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         with watched_run(), sigterm_handler_kept(), contextlib.ExitStack() as held:  # held: the run dir's lock
             return _train(cfg, held)
     except KeyboardInterrupt:  # Ctrl-C where nothing saves (in training, PreemptionCheckpoint saves and exits 130)
-        raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir, cfg.get("ckpt_path"))) from None
+        branch = OmegaConf.select(cfg, "decay_branch.ckpt", default=None)  # it sets ckpt_path, refused beside it
+        key, given = ("decay_branch.ckpt", branch) if branch else ("ckpt_path", cfg.get("ckpt_path"))
+        raise SystemExit(interrupted_by_ctrl_c(cfg.paths.checkpoint_dir, given, key)) from None
     finally:
         if not had_group and destroy_default_group(single_process_only=True):
             for key, value in launch_env.items():

@@ -152,3 +152,19 @@ def test_ctrl_c_before_a_start_from_another_runs_checkpoint_names_that_checkpoin
     assert interrupted_by_ctrl_c(str(tmp_path / "r2" / "checkpoints"), written) == 130
     assert (f"interrupted by SIGINT (Ctrl-C); no checkpoint in {tmp_path / 'r2' / 'checkpoints'}: the same command "
             f"starts again from ckpt_path={written}") in caplog.text
+
+
+def test_ctrl_c_before_a_decay_branch_trained_names_decay_branch_ckpt(tiny_cfg, caplog):
+    """Ctrl-C in the setup of a branch (``decay_branch.ckpt=<a's step-4 last.ckpt> decay_branch.steps=2``) said "the
+    same command starts again from ckpt_path=<file>": the branch sets ckpt_path itself, and a ckpt_path given beside
+    it is refused ('set either decay_branch.ckpt or ckpt_path'). It names the key the command gave."""
+    cfg = tiny_cfg("trainer.max_steps=4", "trainer.val_check_interval=4", run="a")
+    train(cfg)
+    source = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    branch = tiny_cfg(f"decay_branch.ckpt={source}", "decay_branch.steps=2", "trainer.val_check_interval=2",
+                      "+callbacks.stop._target_=tests.faults.SignalInSetup", "+callbacks.stop.signal=SIGINT", run="b")
+    with pytest.raises(SystemExit) as stop:
+        train(branch)
+    assert stop.value.code == 130
+    assert (f"no checkpoint in {branch.paths.checkpoint_dir}: the same command starts again from "
+            f"decay_branch.ckpt={source}") in caplog.text
