@@ -1,6 +1,6 @@
 """``OncePerStepLRMonitor`` (callbacks/lr_monitor.py) where single-point mutants passed test_callback_logging.py,
 test_user_project_lr.py, test_mutants9_lr_monitor.py, test_mutants8_lr_scaling.py and test_documented_behaviour.py
-(thirteenth hand mutation audit)."""
+(thirteenth hand mutation audit), and the cadence of the effective LRs that audit found off."""
 
 from __future__ import annotations
 
@@ -195,3 +195,23 @@ def test_a_param_group_added_at_an_epoch_start_gets_its_own_tag(tmp_path):
                         enable_model_summary=False)
     trainer.fit(EpochLinearLR())
     assert _csv_rows(tmp_path, "run", "lr-SGD/pg2") == [(2, 0.5)]
+
+
+@pytest.mark.parametrize("interval", [None, "step"])
+def test_an_epoch_interval_schedulers_effective_lr_is_logged_at_its_lrs_steps(tmp_path, interval):
+    """Two epochs of 3 steps, a scheduler stepped per epoch (LR 0.1, then 0.2), odd steps' updates halved. Under
+    ``logging_interval=None`` its LR is logged at epoch starts only, steps 0 and 3, as Lightning's monitor does, and
+    the LR the updates used is a step value, kept out as under ``'epoch'`` (it was logged at every step, 0 to 5,
+    beside no ``lr-SGD`` row of steps 1, 2, 4, 5); under ``'step'`` both are logged at every step."""
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=3, log_every_n_steps=1,
+                        logger=CSVLogger(str(tmp_path), name="run", version=0), enable_progress_bar=False,
+                        callbacks=[OncePerStepLRMonitor(logging_interval=interval), HalveOddSteps()],
+                        enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(EpochLinearLR())
+    if interval is None:
+        assert _csv_rows(tmp_path, "run", "lr-SGD") == [(0, 0.1), (3, 0.2)]
+        assert _csv_rows(tmp_path, "run", "lr-SGD-effective") == []
+    else:
+        assert _csv_rows(tmp_path, "run", "lr-SGD") == [(s, 0.1) for s in range(3)] + [(s, 0.2) for s in range(3, 6)]
+        assert _csv_rows(tmp_path, "run", "lr-SGD-effective") == [(0, 0.1), (1, 0.05), (2, 0.1), (3, 0.1),
+                                                                    (4, 0.2), (5, 0.1)]

@@ -13,7 +13,10 @@ this.
 after (``LossSpikeMonitor``'s ``lr_cooldown``, the FourierSampler's stage multiplier: a callback with a true
 ``scales_lr``), the update used another LR, which the schedule's tag never showed: ``lr-<optimizer>/<group>-effective``
 is that LR, at the same steps (a step without an update has no point: one the GradScaler skipped, one whose
-gradients ``LossSpikeMonitor``'s ``skip`` or ``rollback`` dropped, since its ``optimizer.step`` moved nothing).
+gradients ``LossSpikeMonitor``'s ``skip`` or ``rollback`` dropped, since its ``optimizer.step`` moved nothing). It
+goes with the rows of an optimizer step, never an epoch start's: an optimizer whose LR is logged at epoch starts only
+(``logging_interval='epoch'``, or ``None`` with its scheduler stepped per epoch, as Lightning's monitor does) has no
+``-effective`` tag; ``logging_interval='step'`` logs both at every step.
 
 Lightning's monitor also appends every logged LR to its ``lrs`` lists and never drops one: a run that logs every step
 kept 2,000 values per param group after 2,000 steps, one more each logged step for as long as it runs (the loggers
@@ -46,7 +49,7 @@ class OncePerStepLRMonitor(LearningRateMonitor):
         self._seen_step: int | None = None  # the logging step of the last micro-batch seen
         self._effective = False  # a callback scales the LR of an update: log the LR it used too
         self._due: int | None = None  # the step whose schedule LR was logged and whose update's LR is owed
-        self._names: dict[int, tuple] = {}  # id(optimizer) -> (optimizer, its groups' lr tags)
+        self._names: dict[int, tuple] = {}  # id(optimizer) -> (optimizer, its groups' lr tags), of this step's row
 
     @override
     def on_train_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -74,6 +77,7 @@ class OncePerStepLRMonitor(LearningRateMonitor):
         if step == self._seen_step:
             return
         self._seen_step = step
+        self._names = {}  # this step's row names only the optimizers it logs (under None, no epoch-interval one's)
         super().on_train_batch_start(trainer, *args, **kwargs)
         # (None on a step that is not logged: a logged step whose update never came, a dropped or GradScaler-skipped
         # one, must not lend its number to a later step's LR)
