@@ -5,6 +5,7 @@ estimate once a sharding strategy has left each parameter a 1-D view of its shar
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,15 @@ def test_an_untied_table_inside_a_submodule_is_left_out() -> None:
             self.model = TinyGPT(tie=False)
 
     assert estimate_train_flops(Outer(), TINY_B, TINY_T) == estimate_train_flops(TinyGPT(tie=False), TINY_B, TINY_T)
+
+
+@pytest.mark.parametrize("values", [
+    {"n_layer": 3.0, "d_model": float(D)},  # a config read from a JSON or YAML file that wrote 3.0
+    {"n_layer": np.int64(3), "n_embd": np.int64(D)},  # sizes computed with numpy
+])
+def test_a_depth_and_width_that_are_whole_numbers_of_another_type_are_taken(values) -> None:
+    """A project of one's own whose model config holds its sizes as floats that are whole numbers (the model's
+    modules built with ``int(...)``) or numpy integers: 3 layers of width D, as the config checks take them, not 6 N
+    alone (the attention term was dropped, and the MFU read low)."""
+    attention = 6.0 * 3 * D * TINY_T * TINY_B * TINY_T
+    assert estimate_train_flops(TinyGPT(True, config(**values)), TINY_B, TINY_T) == SIX_N + attention
