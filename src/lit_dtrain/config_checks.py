@@ -174,7 +174,10 @@ def check_config(cfg: DictConfig) -> None:
     check_strategy_specs(cfg)  # a codec given by name or mapping (no _target_ for the next check)
     check_target_arguments(cfg)
     check_model_shape(cfg)
-    check_datamodule_arguments(cfg)
+    check_datamodule_arguments(cfg)  # first: a sampler's own minimum (FourierSampler's 2) names its reason
+    for key in ("model.block_size", "data.block_size"):  # the model's first: data's is ${model.block_size}
+        if is_number(window := OmegaConf.select(cfg, key)) and window < 2:  # it trained (a bigram model) and exited 0
+            raise ConfigError(f"{key}={window}: a window of 1 token trains the model without context; give >= 2")
     check_min_epochs(cfg)
     if cfg.get("resume") not in (None, "auto"):
         raise ConfigError(f"resume must be null or 'auto', got {cfg.resume!r}; use ckpt_path=PATH for a file")

@@ -24,6 +24,9 @@ from lit_dtrain.train import ConfigError
         ("model.d_model=abc", r"model.d_model must be an integer, got 'abc' \(str\)"),
         # data.block_size is ${model.block_size}: the line named data.block_size, a key the command line left alone
         ("model.block_size=abc", r"^model.block_size must be an integer, got 'abc' \(str\)"),
+        # a window of 1 token: each token predicts the next from itself alone (a bigram model), trained and exited 0
+        ("data.block_size=1", r"^data.block_size=1: a window of 1 token trains the model without context; give >= 2$"),
+        ("model.block_size=1", r"^model.block_size=1: a window of 1 token trains the model without context"),
         ("optimizer.weight_decay=abc", r"optimizer.weight_decay must be a number, got 'abc'"),
         ("data.val_fraction=abc", r"data.val_fraction must be a number, got 'abc'"),
         ("data.val_fraction=1", r"data.val_fraction must be in \(0, 1\) \(the share of documents held out\), got 1"),

@@ -12,7 +12,7 @@ import torch
 from lit_dtrain.callbacks import FourierSamplerCallback
 from lit_dtrain.data.samplers import FourierSampler
 from lit_dtrain.data.samplers import spectral as S
-from lit_dtrain.train import train
+from lit_dtrain.train import ConfigError, train
 from tests.unit._fourier_helpers import FOURIER, make
 
 
@@ -153,9 +153,9 @@ def test_a_block_size_below_the_samplers_minimum_is_refused_before_any_compute(t
     assert not Path(cfg.paths.output_dir).exists()
     metrics, _ = train(tiny_cfg("data/sampler=fourier", "data.block_size=2", "sample.max_new_tokens=0", run="two"))
     assert metrics["steps"] == 6 and math.isfinite(metrics["val_loss"])  # the smallest it supports trains
-    # RandomSampler has no such minimum
-    metrics, _ = train(tiny_cfg("data.block_size=1", "sample.max_new_tokens=0", run="random"))
-    assert metrics["steps"] == 6
+    # RandomSampler has no such minimum: the config checks refuse a window of 1 token (a model without context)
+    with pytest.raises(ConfigError, match=r"^data.block_size=1: a window of 1 token trains the model without context"):
+        train(tiny_cfg("data.block_size=1", "sample.max_new_tokens=0", run="random"))
 
 
 @pytest.mark.parametrize("kw", [{"prior": math.inf}, {"eps": math.inf}, {"min_prob": math.inf, "max_prob": math.inf,
