@@ -19,7 +19,9 @@ from lit_dtrain.strategies.fit_end import (
     force_sync_after_batch,
     force_sync_this_step,
     is_last_optimizer_step,
+    note_checkpoint,
     validates_after_this_step,
+    warn_checkpoint_before_final_sync,
 )
 
 
@@ -169,3 +171,13 @@ def test_a_manual_batch_syncs_after_its_last_step_at_the_fits_end_and_before_a_v
     assert module.forced_val == val_batches
     assert module.validated_at == [steps * (b + 1) for b in val_batches]
     assert not force_sync_after_batch(_rule(True, True), SimpleNamespace(training=False))  # outside training
+
+
+def test_a_checkpoint_one_step_after_a_sync_is_warned_about():
+    """``steps_since_sync`` 1 is between syncs too (``> 1`` in ``note_checkpoint`` passed the 2-step test)."""
+    from tests.unit.test_fit_end_checkpoint import _strategy
+
+    strategy = _strategy(1, 5)
+    note_checkpoint(strategy, {"global_step": 5})
+    with pytest.warns(UserWarning, match=r"stopped at step 5, 1 step after the last local_sgd sync"):
+        assert warn_checkpoint_before_final_sync(strategy) is not None
