@@ -66,7 +66,7 @@ class SpikeInjector(L.Callback):
         self.z: list[float] = []  # our monitor's loss z-score and relative rise per step (when it is on)
         self.rel: list[float] = []
         self.trainer = None
-        self._handle = None
+        self._handle = self._lr_hook = None
         self._lr_saved = None
 
     def setup(self, trainer, pl_module, stage):
@@ -90,14 +90,22 @@ class SpikeInjector(L.Callback):
             self._lr_saved = [g["lr"] for g in optimizer.param_groups]
             for g in optimizer.param_groups:
                 g["lr"] *= 100.0
-            handle = optimizer.register_step_post_hook(lambda *a: self._restore(optimizer, handle))
+            # removed at the batch end: removing it inside torch's loop over the step hooks raised "OrderedDict
+            # mutated during iteration" whenever another post hook was registered after it
+            self._lr_hook = optimizer.register_step_post_hook(lambda *a: self._restore(optimizer))
+            self._lr_optimizer = optimizer
 
-    def _restore(self, optimizer, handle):
-        for g, lr in zip(optimizer.param_groups, self._lr_saved):
-            g["lr"] = lr
-        handle.remove()
+    def _restore(self, optimizer):
+        if self._lr_saved is not None:
+            for g, lr in zip(optimizer.param_groups, self._lr_saved):
+                g["lr"] = lr
+            self._lr_saved = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._lr_hook is not None:  # and the LR put back where the step was skipped (the hook never ran)
+            self._lr_hook.remove()
+            self._lr_hook = None
+            self._restore(self._lr_optimizer)
         self.losses.append(float(outputs["loss"]))
         monitor = next((c for c in trainer.callbacks if isinstance(c, LossSpikeMonitor)), None)
         if monitor is not None and monitor.last_decision is not None:

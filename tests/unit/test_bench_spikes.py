@@ -112,3 +112,38 @@ def test_the_output_paths_are_checked_before_any_run(tmp_path, monkeypatch, caps
         mod.main()
     assert exit_info.value.code == 2 and ran == []
     assert message in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+
+
+def test_the_lr_x100_spike_is_one_step_long_beside_another_step_post_hook():
+    """SpikeInjector removed its LR-restoring hook inside torch's loop over the step post hooks: with a hook
+    registered after it, the step raised 'OrderedDict mutated during iteration'."""
+    import torch
+
+    injector = load_script().SpikeInjector({0: "lr_x100"})
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    trainer = type("T", (), {"global_step": 0, "callbacks": []})()
+    lrs_seen = []
+    injector.on_before_optimizer_step(trainer, None, opt)
+    opt.register_step_post_hook(lambda o, *a: lrs_seen.append(o.param_groups[0]["lr"]))
+    p.grad = torch.ones(2)
+    opt.step()
+    assert lrs_seen == [0.1]  # restored by the injector's hook, which ran first
+    assert p.detach().tolist() == pytest.approx([1 - 10.0, 1 - 10.0])  # the step itself ran at 100x
+    injector.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)
+    trainer.global_step = 1
+    injector.on_before_optimizer_step(trainer, None, opt)
+    opt.step()
+    assert opt.param_groups[0]["lr"] == 0.1 and lrs_seen == [0.1, 0.1]
+
+
+def test_the_lr_x100_spike_is_put_back_where_its_step_was_skipped():
+    import torch
+
+    injector = load_script().SpikeInjector({0: "lr_x100"})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    trainer = type("T", (), {"global_step": 0, "callbacks": []})()
+    injector.on_before_optimizer_step(trainer, None, opt)
+    assert opt.param_groups[0]["lr"] == pytest.approx(10.0)
+    injector.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)  # no opt.step(): skipped
+    assert opt.param_groups[0]["lr"] == 0.1
