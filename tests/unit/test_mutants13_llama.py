@@ -140,3 +140,9 @@ def test_a_token_id_equal_to_the_vocab_size_is_refused_by_name():
     with pytest.raises(ValueError, match=r"generate: token ids must be in \[0, 23\), got 23"):
         model.generate(torch.tensor([[1, 23]]), 1)
     assert model.generate(torch.tensor([[1, 22]]), 1, temperature=0).shape == (1, 3)
+
+
+def test_an_odd_head_dim_is_refused_by_name():
+    """RoPE rotates pairs: head dim 3 (d_model 12, 4 heads) is the config's ValueError, not view_as_complex's."""
+    with pytest.raises(ValueError, match=r"head dim \(d_model / n_head\) must be even for RoPE"):
+        build_llama(vocab_size=23, block_size=8, n_layer=1, n_head=4, n_kv_head=2, d_model=12)
