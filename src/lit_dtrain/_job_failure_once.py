@@ -8,12 +8,44 @@ that rank alone gives, or one rank 0 has not given within ``wait_s``, is reporte
 
 from __future__ import annotations
 
+import os
 import time
 
 from lit_dtrain.utils.distributed import _exit_line_store
 
 _KEY = "lit_dtrain/job_failure/job{}/rank{}"
 _REPORTED_BY_RANK_0 = "_lit_dtrain_reported_by_rank_0"  # set on the error of a job rank 0 reports
+JOB_ENV = "LIT_DTRAIN_SWEEP_JOB"  # '<pid>:<job>': rank 0's job while it runs (note_job), for the ranks it starts
+
+
+def _job_of_parent() -> int | None:
+    """The job whose fit started this process, where its parent (rank 0; Lightning's launcher starts the other ranks
+    as its children) noted one: a value inherited from anywhere else (a shell, a test's process) is not this sweep's."""
+    pid, _, job = os.environ.get(JOB_ENV, "").partition(":")
+    return int(job) if pid.isdigit() and job.isdigit() and int(pid) == os.getppid() else None
+
+
+_launched_at_job = _job_of_parent()  # read at import: this process's own jobs set it later
+
+
+def note_job(job: int) -> None:
+    """Put rank 0's ``job`` in the environment that Lightning's launcher copies for the ranks it starts (in the job's
+    first fit): see :func:`ran_before_this_rank`."""
+    os.environ[JOB_ENV] = f"{os.getpid()}:{job}"
+
+
+def ran_before_this_rank(error: BaseException, job: int) -> bool:
+    """Whether ``job`` came before the one whose fit started this rank (Lightning's launcher, which starts rank 1 with
+    the same ``-m`` arguments: it runs the sweep from job 0 again). Rank 0 ran that job alone, refused before any fit,
+    and reported it: ``-m trainer=ddp_cpu trainer.max_steps=-5,2`` logged 'job 0 failed' on both ranks and printed
+    Hydra's four lines of it twice, rank 1's after its sweep, as no process group existed for
+    :func:`rank_0_reports` at job 0. Marked on ``error`` for :func:`reported_by_rank_0`."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if _launched_at_job is None or not (rank_zero_only.rank or 0) or job >= _launched_at_job:
+        return False
+    setattr(error, _REPORTED_BY_RANK_0, True)
+    return True
 
 
 def rank_0_reports(error: BaseException, job: int, line: str, wait_s: float = 2.0) -> bool:

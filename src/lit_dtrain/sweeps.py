@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._compose_errors import full_error_asked
-from lit_dtrain._job_failure_once import rank_0_reports, reported_by_rank_0
+from lit_dtrain._job_failure_once import note_job, ran_before_this_rank, rank_0_reports, reported_by_rank_0
 from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain._sweep_of_nothing import note_sweep_dir
 from lit_dtrain.errors import ConfigError, unset_env_var
@@ -96,7 +96,12 @@ def pin_sweep_dir() -> None:
     """Multirun with DDP: Lightning re-launches rank 1 with the same ``-m`` arguments (a sweep in lockstep with rank
     0's): rank 0's sweep dir in ``LIT_DTRAIN_SWEEP_DIR`` (read by ``conf/hydra``) puts its jobs in rank 0's job dirs."""
     if in_multirun():
+        from hydra.core.hydra_config import HydraConfig
+        from lightning.pytorch.utilities import rank_zero_only
+
         os.environ["LIT_DTRAIN_SWEEP_DIR"] = str(sweep_dir_of())
+        if not rank_zero_only.rank:  # the job that starts rank 1: the jobs before it were rank 0's alone
+            note_job(HydraConfig.get().job.num)
 
 
 _sweep_world: dict[str, tuple[int, int]] = {}  # sweep dir -> (job, processes) of its first job with a Trainer
@@ -151,8 +156,10 @@ def logs_a_failed_job(train_fn):
             files = earlier_run is None or _config_file_id(cfg) != earlier_run
             if in_multirun():  # a DDP job refused alike on every rank: on the console once, rank 0's
                 line = f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}"
+                num = HydraConfig.get().job.num
                 log_to_handlers(job_log, line, logging.ERROR, traceback=error is None, files=files,
-                                console=error is None or not rank_0_reports(e, HydraConfig.get().job.num, line))
+                                console=error is None or not (ran_before_this_rank(e, num) or
+                                                              rank_0_reports(e, num, line)))
             elif HydraConfig.initialized() and files:
                 log_to_handlers(job_log, f"run failed: {type(shown).__name__}: {shown}", logging.ERROR,
                                 traceback=error is None)

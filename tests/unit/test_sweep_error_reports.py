@@ -215,3 +215,19 @@ def test_which_errors_are_a_bad_input():
     # other errors inside a constructor are not (a TypeError, a ValueError subclass from deeper down)
     assert user_error(instantiation_error(TypeError("unexpected keyword argument 'x'"))) is None
     assert user_error(instantiation_error(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"))) is None
+
+
+def test_the_job_that_started_a_rank_is_read_only_from_its_parent(monkeypatch):
+    """Lightning's launcher starts rank 1 as rank 0's child, with rank 0's environment: the job noted there is the one
+    whose fit started rank 1. A value inherited from elsewhere (a shell, an earlier sweep of this process's parent's
+    parent) is not this sweep's: read as one, torchrun's rank 1 would have left its own refusals unreported."""
+    import os
+
+    from lit_dtrain import _job_failure_once as once
+
+    monkeypatch.setenv(once.JOB_ENV, f"{os.getppid()}:3")
+    assert once._job_of_parent() == 3
+    monkeypatch.setenv(once.JOB_ENV, f"{os.getpid()}:3")  # this process's own note, not its parent's
+    assert once._job_of_parent() is None
+    monkeypatch.setenv(once.JOB_ENV, "3")  # no pid
+    assert once._job_of_parent() is None
