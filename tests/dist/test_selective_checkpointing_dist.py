@@ -105,6 +105,40 @@ def test_ddp_selective_ranks_identical_and_match_plain(fitted, strategy_name):
     assert len(changed) == len(r0["selective"])  # training actually moved every tensor
 
 
+def _skewed_none_worker(rank: int, port: int, out_dir: str) -> None:
+    """A budget fit whose rank 1 keeps 12 bytes a block without checkpointing, rank 0 10 (48 and 40 in all), at
+    ``memory_budget=0.5`` and no re-plan: the plan from the ranks' largest figures fits rank 1 (23 of 48) but not rank
+    0 (21 of 40)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      LOCAL_RANK=str(rank), RANK=str(rank))
+    torch.set_num_threads(1)
+    from lit_dtrain.callbacks import SelectiveCheckpointing
+    from tests.unit._selective_ckpt_helpers import fake_measurements, lit_llm, token_batches
+
+    cb = SelectiveCheckpointing(policy="budget", memory_budget=0.5, max_replans=0)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        fake_measurements(monkeypatch, lambda: cb.wrappers, lambda plan: 0.0,
+                          {"none": 10.0 + 2 * rank, "selective": 5.0, "full": 1.0})
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, callbacks=[cb], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(lit_llm(), token_batches(4))
+    torch.save({"report": cb.budget_report}, os.path.join(out_dir, f"skewed_none_rank{rank}.pt"))
+    leave_rank()
+
+
+@pytest.mark.slow  # ~15 s on 2 shared cores
+def test_a_report_that_does_not_fit_every_rank_gives_bytes_over_its_budget_bytes(tmp_path):
+    """The report's ``measured_bytes`` was the largest bytes any rank measured, 23 (rank 1's, of its 48), under its
+    ``budget_bytes`` 24 (half of the largest ``none``), while ``fits`` was False (rank 0: 21 of 40, ratio 0.525):
+    ``ckpt/probe_act_mib`` under ``ckpt/probe_budget_mib`` for a plan over the budget. The bytes are now the ones the
+    re-plan loop weighs, each rank's set against the common budget (rank 0's 21 + 24 - 20 = 25): over it."""
+    mp.spawn(_skewed_none_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"skewed_none_rank{r}.pt", weights_only=True)["report"] for r in (0, 1))
+    assert r0 == r1 and r0["plan"] == ["full", "selective", "selective", "none"]
+    assert (r0["fits"], r0["measured_ratio"], r0["none_act_bytes"], r0["budget_bytes"]) == (False, 21 / 40, 48, 24)
+    assert r0["measured_bytes"] == 25 > r0["budget_bytes"]
+
+
 def _skewed_worker(rank: int, port: int, out_dir: str) -> None:
     """A budget fit whose probe measures 4 bytes more on rank 1 (another device's allocator, another kernel): rank
     0's first plan fits a 0.8 budget of 40 bytes, rank 1's does not."""

@@ -191,10 +191,12 @@ def budget_plan_from_probe(
                 for p in params:
                     p.grad = None
                 # a plan fits when it fits every rank's own budget; the largest ratio, and bytes set against the
-                # common target (a rank's own target moved onto it; one rank's bytes as they were), are the ranks'
-                ratio, over, actual, measured_bytes = reduce(
-                    [own_actual / own_none_act, float(own_actual > own_target), own_actual + (target - own_target),
-                     float(own_actual)])
+                # common target (a rank's own target moved onto it; one rank's bytes as they were), are the ranks'.
+                # Those bytes are the report's too: the largest raw bytes (another rank's) could sit under
+                # budget_bytes in a report that did not fit (23 of 24 with 'fits': False, ratio 0.525 over 0.5)
+                ratio, over, actual = reduce(
+                    [own_actual / own_none_act, float(own_actual > own_target), own_actual + (target - own_target)])
+                measured_bytes = actual
                 tried.append({"plan": list(plan), "estimated_ratio": estimate / none_act, "measured_ratio": ratio})
                 # the last try ends it too: a plan re-planned after it was returned unmeasured, under the report
                 # (and "fits": False) of the plan before it
