@@ -132,13 +132,11 @@ def check_sweep_world_size(world_size: int, trainer_cfg: DictConfig) -> None:
 
 
 def logs_a_failed_job(train_fn):
-    """Wrap ``train_fn(cfg)`` so that under Hydra a run that raises logs why, to ``train_fn``'s module logger, before
-    the error goes on to Hydra: ``job N failed: Type: message`` in a multirun, ``run failed: Type: message`` in a
-    single run (a bad input, :func:`user_error`, in that line alone, else with its traceback), into the run's ``<job
-    name>.log`` (read by ``scripts/compare_runs.py``) and, in a multirun, on the console too, once for a DDP job's ranks
-    (:mod:`lit_dtrain._job_failure_once`; Hydra reports only the first failed job, after the sweep). A start refused in
-    the dir of an earlier (or running) run, whose ``config_resolved.yaml`` it did not replace (a re-run sweep's
-    ``resume=auto`` with reordered values), logs it on the console only: that run did not fail."""
+    """Wrap ``train_fn(cfg)`` so that under Hydra a run that raises logs why (``job N failed: Type: message`` in a
+    multirun, ``run failed: ...`` in a single run; a bad input, :func:`user_error`, without its traceback) into the
+    run's ``<job name>.log`` (read by ``scripts/compare_runs.py``) and, in a multirun, on the console, once for a DDP
+    job's ranks (:mod:`lit_dtrain._job_failure_once`; Hydra reports only the first failed job). A start refused in an
+    earlier (or running) run's dir, whose ``config_resolved.yaml`` it did not replace, logs on the console only."""
     job_log = logging.getLogger(train_fn.__module__)
 
     @functools.wraps(train_fn)
@@ -155,8 +153,8 @@ def logs_a_failed_job(train_fn):
             # (compare_runs showed an unfinished job of a re-run sweep as failed with the refusal of the re-run)
             files = earlier_run is None or _config_file_id(cfg) != earlier_run
             if in_multirun():  # a DDP job refused alike on every rank: on the console once, rank 0's
-                line = f"job {HydraConfig.get().job.num} failed: {type(shown).__name__}: {shown}"
                 num = HydraConfig.get().job.num
+                line = f"job {num} failed: {type(shown).__name__}: {shown}"
                 log_to_handlers(job_log, line, logging.ERROR, traceback=error is None, files=files,
                                 console=error is None or not (ran_before_this_rank(e, num) or
                                                               rank_0_reports(e, num, line)))
@@ -190,13 +188,11 @@ def log_training_start(logger: logging.Logger) -> None:
 
 def user_error(e: BaseException) -> BaseException | None:
     """The lit_dtrain error behind ``e`` that says the user's input is wrong, or None: a ``ConfigError``, a
-    ``CorpusError`` (also when Hydra's ``instantiate`` wrapped it: ``Error in call to target ... full_key: data``),
-    a plain ``ValueError`` or Lightning's ``MisconfigurationException`` that a constructor raised inside
-    ``instantiate`` (an argument check: reported as a
-    ``ConfigError`` prefixed with Hydra's ``full_key``, ``callbacks.loss_spike: LossSpikeMonitor: method must be
-    ...``; Hydra showed no traceback for it either),
-    a ``CheckpointError`` but one from writing a checkpoint that is not an OS error (a full disk is one; an object
-    torch cannot pickle is a bug, whose traceback helps)."""
+    ``CorpusError`` (also when Hydra's ``instantiate`` wrapped it: ``Error in call to target ... full_key: data``), a
+    plain ``ValueError`` or Lightning's ``MisconfigurationException`` that a constructor raised inside ``instantiate``
+    (an argument check: reported as a ``ConfigError`` prefixed with Hydra's ``full_key``, ``callbacks.loss_spike:
+    LossSpikeMonitor: method must be ...``; Hydra showed no traceback for it either), a ``CheckpointError`` but one
+    from writing a checkpoint that is not an OS error (a full disk is one; an object torch cannot pickle is a bug)."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from lit_dtrain.checkpoint import CheckpointError, _os_error
@@ -221,12 +217,10 @@ def user_error(e: BaseException) -> BaseException | None:
 
 
 def stopped_on_purpose(e: BaseException) -> BaseException | None:
-    """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError`` (it
-    names the step and the tensors), the ``LossSpikeMonitor``'s ``raise`` action (``LossSpikeError``: the spikes' steps
-    and their events file), a ``FirstConnectionError`` (the ranks did not all connect within ``connect_timeout_s``: it
-    says how many did and which key to raise; it ended a 67-line traceback of Lightning's and torch's frames), a
-    ``CollectiveError`` (a peer died or hung: it names the step, the timeout key and ``resume=auto``; it ended Hydra's
-    traceback of frames without the cause, which the peer's output holds). Reported in one line as a bad input is
+    """``e`` where it is a check that stopped the run and says why in its message, or None: a ``NonFiniteError`` (the
+    step and the tensors), ``LossSpikeMonitor``'s ``raise`` (``LossSpikeError``: the steps and the events file), a
+    ``FirstConnectionError`` (how many ranks connected, the key to raise) or a ``CollectiveError`` (a peer died or
+    hung: the step, the timeout key, ``resume=auto``). Reported in one line as a bad input is
     (:func:`reports_user_errors`); its traceback stays in the run's log (:func:`logs_a_failed_job`)."""
     from lit_dtrain.callbacks.loss_spike import LossSpikeError
     from lit_dtrain.module import NonFiniteError
@@ -285,10 +279,9 @@ def _exit_with(error: BaseException, once_across_ranks: bool = True):
 
 
 class ResumeSweepCheck(Callback):
-    """Hydra callback (``conf/hydra/default.yaml``): refuse ``resume=auto`` in a multirun without
-    ``hydra.sweep.dir`` before Hydra creates the sweep dir. ``train(cfg)`` refuses it in each job too (for any Hydra
-    app), but by then Hydra had written a new sweep dir, its ``multirun.yaml`` and a dir per job: every refused
-    start left a sweep of nothing behind in ``outputs/multiruns``, which ``scripts/compare_runs.py`` listed."""
+    """Hydra callback (``conf/hydra/default.yaml``): refuse ``resume=auto`` in a multirun without ``hydra.sweep.dir``
+    before Hydra creates the sweep dir. ``train(cfg)`` refuses it in each job too, but by then Hydra had written a
+    sweep dir, its ``multirun.yaml`` and a dir per job (a sweep of nothing that ``scripts/compare_runs.py`` listed)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from lit_dtrain.resume import _created_by_this_start, new_sweep_dir_error
