@@ -50,6 +50,7 @@ from lit_dtrain.strategies.fit_end import (
     warn_checkpoint_before_final_sync,
 )
 from lit_dtrain.strategies.local_updates import LocalSGD, LocalUpdate, restore_rank_params
+from lit_dtrain.strategies.payload_overflow import naming_payload_overflow
 from lit_dtrain.strategies.registry import build_compressor, build_local_update
 from lit_dtrain.strategies.unused_params import advise_the_strategys_flag, globally_unused, reducer_parameter_ids
 from lit_dtrain.strategies.without_effect import sync_flags, warn_about_settings_without_effect
@@ -223,7 +224,8 @@ class CompressedDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthChec
         named = CommSession.named_params(module)
         self.session.before_optimizer_step(named)
         scaler, scale = self._loss_scaler(), self._tell_grad_scale()
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with naming_payload_overflow(self.compressor, self.session.step, self.world_size):  # LitLLM's NonFiniteError
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if scaler is not None and float(scaler.get_scale()) < scale:
             # The GradScaler found inf/NaN in the reduced grads, the same on every rank, and skipped the step
             # everywhere (update() multiplies the scale by backoff_factor < 1 exactly then). The step's gradient is

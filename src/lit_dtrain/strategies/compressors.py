@@ -267,6 +267,14 @@ class Compressor:
 
     # --- communication -----------------------------------------------------------------------
     payload_may_overflow = False  # whether a finite fp32 value can decode as inf (a cast to fp16)
+    payload_overflow_step: int | None = None  # the latest step whose finite bucket (this rank's) decoded non-finite
+
+    def _note_overflow(self, finite_in: bool, result: Tensor, step: int) -> Tensor:
+        """Record ``step`` when this rank's finite bucket decoded as non-finite (an fp16 payload overflowed here or on
+        another rank), so a NonFiniteError can name the codec (``payload_overflow_message``); ``result`` returned."""
+        if finite_in and not all_finite(result):
+            self.payload_overflow_step = step
+        return result
 
     def _subtract_sent(self, x: Tensor, sent: Tensor, flat: Tensor) -> None:
         """The new residual ``x - sent``, in place (``x = g + e``, ``flat`` holds ``g``).
@@ -313,6 +321,7 @@ class Compressor:
             return comm.all_reduce_mean_async(flat)
         x, error_feedback = begun
         world, numel = comm.world_size, x.numel()
+        finite_in = self.payload_may_overflow and all_finite(x)  # a sum (and one of the mean): fp16 payloads only
         if self.collective == "all_reduce":
             payload = self.compress(x, segments, step)
             if len(payload) != 1:
@@ -322,7 +331,7 @@ class Compressor:
                 self._subtract_sent(x, self.decompress(payload, segments, numel).mul_(world), flat)
 
             def finish_sum(fut: torch.futures.Future) -> Tensor:
-                return flat.copy_(self.decompress([fut.value()], segments, numel))
+                return self._note_overflow(finite_in, flat.copy_(self.decompress([fut.value()], segments, numel)), step)
 
             return comm.all_reduce_sum_async(payload[0]).then(finish_sum)
         if self.collective != "all_gather":
@@ -334,7 +343,8 @@ class Compressor:
         def finish_gather(fut: torch.futures.Future) -> Tensor:
             gathered = fut.value()  # (world, nbytes); every replica sums in rank order
             payloads = [unpack_payload(gathered[rank], payload) for rank in range(world)]
-            return flat.copy_(self.decompress_sum(payloads, segments, numel).div_(world))
+            mean = self.decompress_sum(payloads, segments, numel).div_(world)
+            return self._note_overflow(finite_in, flat.copy_(mean), step)
 
         return comm.all_gather_async(pack_payload(payload)).then(finish_gather)
 

@@ -1,0 +1,91 @@
+"""A step that stops on non-finite gradients only because the fp16 codec's payload overflowed names the codec: the
+codec notes the step (``Compressor.payload_overflow_step``) and ``CompressedDDPStrategy`` adds it to LitLLM's
+``NonFiniteError``, which said only "non-finite gradients ... lower the LR" of finite gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_dtrain.models import build_llama
+from lit_dtrain.module import LitLLM, NonFiniteError
+from lit_dtrain.strategies import CompressedDDPStrategy, build_compressor
+from lit_dtrain.strategies.compressors import pack_payload
+from tests.unit._compressor_helpers import SEGMENTS, TwoRankComm, TwoRankGatherComm, grad
+
+CODECS = [("fp16", TwoRankComm), ({"name": "topk", "ratio": 0.5, "value_dtype": "fp16"}, TwoRankGatherComm),
+          ({"name": "fp16", "error_feedback": True}, TwoRankComm)]
+
+
+@pytest.mark.parametrize("spec,comm", CODECS)
+def test_a_finite_bucket_decoded_as_inf_notes_the_step(spec, comm):
+    codec = build_compressor(spec)
+    big = grad(0)
+    big[3] = 2e5  # finite in fp32, above fp16's 65504 (x 2 ranks for the fp16 all-reduce's g / 2)
+    codec.reduce(grad(1), SEGMENTS, comm(lambda t: t.clone()), step=0).wait()
+    assert codec.payload_overflow_step is None  # small gradients: nothing noted
+    out = codec.reduce(big, SEGMENTS, comm(lambda t: t.clone()), step=1).wait()
+    assert not torch.isfinite(out).all() and codec.payload_overflow_step == 1
+    # the overflow was the other rank's: this rank's finite bucket decoded non-finite all the same
+    codec.reduce(grad(2), SEGMENTS, comm(_other_rank_overflowing(spec, comm)), step=2).wait()
+    assert codec.payload_overflow_step == 2
+    nan = grad(3)
+    nan[0] = float("nan")  # this rank's own gradient was non-finite: no payload overflow to name
+    codec.reduce(nan, SEGMENTS, comm(lambda t: t.clone()), step=3).wait()
+    assert codec.payload_overflow_step == 2
+
+
+def _other_rank_overflowing(spec, comm):
+    """The other rank's contribution: inf in an all-reduce, or the packed payload of a gradient holding 2e5."""
+    if comm is TwoRankComm:
+        return lambda t: torch.full_like(t, float("inf"))
+    other, big = build_compressor(spec), grad(9)
+    big[3] = float("inf") if spec == "topk" else 2e5
+    return lambda t: pack_payload(other.compress(big, SEGMENTS, 2))
+
+
+def test_bf16_and_fp32_topk_pay_no_check_and_note_nothing():
+    for spec, comm in [("bf16", TwoRankComm), ("topk", TwoRankGatherComm)]:
+        codec = build_compressor(spec)
+        out = codec.reduce(grad(0), SEGMENTS, comm(_other_rank_overflowing(spec, comm)), step=0).wait()
+        assert not torch.isfinite(out).all() and codec.payload_overflow_step is None
+
+
+class _Spiking(LitLLM):
+    """LitLLM on random tokens whose loss at step 2 is multiplied by 1e7: finite fp32 gradients above 65504."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        model = build_llama(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+        super().__init__(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if self.global_step == 2:
+            out["loss"] = out["loss"] * 1e7
+        return out
+
+    def train_dataloader(self):
+        x = torch.randint(0, 257, (32, 17), generator=torch.Generator().manual_seed(0))
+        return DataLoader([{"input_ids": r[:-1], "labels": r[1:]} for r in x], batch_size=4)
+
+
+@pytest.mark.parametrize("codec,named", [("fp16", True), ("none", False)])
+def test_the_nonfinite_error_names_the_fp16_payload(tmp_path, codec, named):
+    """On one process the codec still decodes what it would send: the fp16 payload of a finite gradient near 1e5
+    becomes inf there, as on every rank of a real run (2 gloo ranks: fp16 stopped at step 3, none and bf16 trained
+    on). ``none`` sends fp32 and trains on with the clip."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0,
+                        strategy=CompressedDDPStrategy(compressor=codec), default_root_dir=tmp_path)
+    if not named:
+        trainer.fit(_Spiking())
+        assert trainer.global_step == 4
+        return
+    with pytest.raises(NonFiniteError, match=r"non-finite gradients at step 2 .*the 'fp16' codec's payload "
+                                             r"overflowed fp16 .*Use strategy.compressor=bf16"):
+        trainer.fit(_Spiking())
