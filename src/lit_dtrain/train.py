@@ -28,6 +28,7 @@ from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._collective_errors import CollectiveError, collectives_named  # noqa: F401 - CollectiveError: train's
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
+from lit_dtrain._own_builds_check import check_own_builds
 from lit_dtrain._removed_keys import check_removed_keys
 from lit_dtrain._run_report import _generate_sample, _report, sample_settings, summary_entropy
 from lit_dtrain.callbacks._checkpoint_report import summary_entry
@@ -215,6 +216,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         drop_required_init_from_on_a_full_resume(cfg)  # a branch or extension of an experiment=cpt_replay run
         branch_step = apply_decay_branch(cfg)  # WSD decay branch: sets ckpt_path, max_steps and the schedule's horizon
         check_config(cfg)
+        check_own_builds(cfg)  # lit_dtrain's callbacks and codecs, built and dropped: their argument checks
         init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
     except UNRESOLVED as e:  # ${lit.required:...} of an experiment, ${nope}, or ${oc.evn:X} (no such resolver)
         raise interpolation_error(e, cfg) from None
