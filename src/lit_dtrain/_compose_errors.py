@@ -239,6 +239,8 @@ def list_key_message(error: BaseException) -> str | None:
         if isinstance(node, ListConfig):
             where, n = ".".join(parts[:i]), len(node)
             items = f"{n} item{'s' if n != 1 else ''}" + (f" (indices 0 to {n - 1})" if n > 1 else "")
+            if n == 0:  # no index to suggest: 'data.sources.0.paths.0=x' of an empty paths list fails too
+                return f"'{line}': {where} is an empty list, with no item to set; set the list whole ('{where}=[...]')"
             if not part.isdigit():  # the index left out before a key of an item (or a key in place of an index)
                 whole = f"the list whole ('{where}=[...]')"
                 keyed = n > 0 and isinstance(node._get_node(0), DictConfig)

@@ -39,6 +39,13 @@ def no_full_error(monkeypatch):
     (["data=mixture", "data.sources.5.name=x"],
      "'data.sources.5.name=x': data.sources is a list of 2 items (indices 0 to 1), with no item 5 to set; to add "
      "one, set the list whole ('data.sources=[...]')"),
+    # an empty list has no index to suggest: 'data.sources.0.paths.0=/tmp', suggested, failed in its turn
+    (["data=textfiles", "data.sources.0.paths.x=/tmp"],
+     "'data.sources.0.paths.x=/tmp': data.sources.0.paths is an empty list, with no item to set; set the list whole "
+     "('data.sources.0.paths=[...]')"),
+    (["data=textfiles", "data.sources.0.paths.0=/tmp"],
+     "'data.sources.0.paths.0=/tmp': data.sources.0.paths is an empty list, with no item to set; set the list whole "
+     "('data.sources.0.paths=[...]')"),
 ])
 def test_a_key_or_index_a_list_lacks_is_one_line_naming_the_override_and_the_fix(overrides, line, capsys):
     with pytest.raises(SystemExit) as stop:
