@@ -91,3 +91,14 @@ def test_a_key_an_item_of_a_list_lacks_is_named_as_an_override_writes_it(overrid
     with pytest.raises(SystemExit):
         run_reporting_unknown_keys(composing("model=nano", override), config_dir=CONF_DIR)
     assert capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_hydras_own_report_where_its_override_loop_is_not_found(capsys, monkeypatch):
+    """The list and the override are read from the frame of Hydra's override loop (hydra 1.3 private). Where another
+    Hydra has no such frame, the error is Hydra's own report, as before these lines, not a crash in lit_dtrain's."""
+    monkeypatch.setattr("lit_dtrain.utils.hydra_overrides._override_loop_locals", lambda error: {})
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", "data.sources.name=x"), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "invalid literal for int() with base 10: 'name'" in err and "whose items are set by index" not in err
