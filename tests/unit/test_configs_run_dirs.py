@@ -15,25 +15,29 @@ from tests.conftest import CONF_DIR, compose_cfg
 
 def test_sweeps_started_in_the_same_second_get_their_own_dirs(monkeypatch, tmp_path):
     """Two `python train.py -m ...` started in the same second (one per GPU from a script, a SLURM array) used to
-    resolve the same outputs/multiruns/<time>, so their job 0, 1, ... wrote into each other's dirs."""
-    import time
-
+    resolve the same outputs/multiruns/<time>, so their job 0, 1, ... wrote into each other's dirs. Hydra's `now`
+    resolver reads a clock frozen at one second (two real composes a few ms apart crossed a second under load)."""
+    import hydra.core.utils
     from hydra import compose, initialize_config_dir
 
+    class OneSecond(datetime):
+        ticks = 0
+
+        @classmethod
+        def now(cls, tz=None):
+            cls.ticks += 1
+            return datetime(2026, 12, 7, 12, 0, 0, 1000 * cls.ticks)  # a few ms apart, in the same second
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", OneSecond)
     monkeypatch.delenv("LIT_DTRAIN_SWEEP_DIR", raising=False)
     monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path))
 
-    def sweep_dir() -> tuple[str, int]:
+    def sweep_dir() -> str:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="train", return_hydra_config=True)
-            return str(cfg.hydra.sweep.dir), int(time.time())
+            return str(compose(config_name="train", return_hydra_config=True).hydra.sweep.dir)
 
-    for _ in range(5):  # two composes a few ms apart, in the same wall-clock second
-        (a, sa), (b, sb) = sweep_dir(), sweep_dir()
-        if sa == sb:
-            break
-    assert sa == sb
-    assert a.startswith(str(tmp_path / "multiruns")) and a != b
+    a, b = sweep_dir(), sweep_dir()
+    assert a.startswith(str(tmp_path / "multiruns" / "2026-12-07_12-00-00.")) and a != b
 
 
 @pytest.mark.parametrize("empty", ["", "  "])
