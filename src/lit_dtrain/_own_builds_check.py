@@ -11,6 +11,8 @@ number and touches no file or signal handler (tests/unit/test_own_builds_check.p
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -64,13 +66,25 @@ def own_nodes(cfg: DictConfig) -> list[DictConfig]:
     return nodes
 
 
+@contextlib.contextmanager
+def _no_log_records():
+    """No ``logging`` record while it is held (``logging.disable``), the level set before put back after."""
+    previous = logging.root.manager.disable  # the level logging.disable() set: the stdlib has no getter for it
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def check_own_builds(cfg: DictConfig) -> None:
     """Build :func:`own_nodes` once, as the run does (``instantiate``), and drop them: a bad argument raises the
     class's own error, which ``train.py`` reports as ``error: <node's key>: <message>`` (Hydra's ``full_key``).
-    Warnings of the build are the run's to give (it builds them again)."""
+    Warnings of the build, and its ``logging`` records, are the run's to give (it builds them again): WSDScheduler's
+    'decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps', logged, was printed twice."""
     from hydra.utils import instantiate
 
     for node in own_nodes(cfg):
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _no_log_records():
             warnings.simplefilter("ignore")
             instantiate(node)

@@ -72,6 +72,25 @@ def test_building_lit_dtrains_own_callbacks_and_codecs_draws_nothing_and_writes_
     assert sorted(tmp_path.rglob("*")) == files
 
 
+def test_the_early_build_logs_nothing_and_the_runs_build_still_does(tiny_cfg, caplog):
+    """A warning an ``__init__`` logs (WSDScheduler's 'decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps',
+    through ``logging``, which ``warnings.catch_warnings`` does not hold) was printed twice, the first time before
+    'Seed set to 1337': the early build says nothing, the run's build says it once, as before the early build."""
+    import logging
+
+    from hydra.utils import instantiate
+
+    from lit_dtrain._own_builds_check import check_own_builds
+
+    cfg = tiny_cfg("callbacks=[default,wsd]", "callbacks.wsd.total_steps=2", "callbacks.wsd.warmup_steps=1",
+                   "callbacks.wsd.decay_steps=null", "callbacks.wsd.decay_fraction=0.2")
+    with caplog.at_level(logging.INFO):
+        check_own_builds(cfg)
+        assert [r.getMessage() for r in caplog.records] == []
+        instantiate(cfg.callbacks.wsd)  # the run's build
+    assert [r.getMessage()[:52] for r in caplog.records] == ["WSD: decay_fraction=0.2 of total_steps=2 rounds to 0"]
+
+
 def test_a_users_target_is_not_built_before_the_seed(tiny_cfg):
     """A user's callback, or one of lit_dtrain's holding a user's ``_target_``, is built only where the run builds
     it, after the seed: its ``__init__`` may draw from the seeded generators."""
