@@ -143,7 +143,22 @@ def build_logger(cfg, start_step: int):
         max_steps = OmegaConf.select(cfg, "trainer.max_steps")
         validated_only = not logger and isinstance(max_steps, int) and 0 < max_steps <= start_step
         purge_other_loggers(Path(cfg.paths.output_dir), start_step + validated_only, getattr(logger, "log_dir", None))
+        if start_step == 0:
+            warn_about_another_runs_logs(getattr(logger, "log_dir", None), Path(cfg.paths.output_dir))
     return logger
+
+
+def warn_about_another_runs_logs(log_dir: str | None, run_dir: Path) -> None:
+    """A fresh start whose logger dir lies outside its run dir (``logger.save_dir=/abs/path``; the configs' loggers
+    have no version folder) and already holds event files or a ``metrics.csv``: two runs given one save_dir wrote
+    into one ``tb/``, which TensorBoard shows as one run, the second start's ``purge_step=0`` hiding the first's
+    59 points of a 4-step run (``csv/metrics.csv``: replaced), without a word."""
+    if not log_dir or (here := Path(log_dir).resolve()).is_relative_to(run_dir.resolve()) or not here.is_dir():
+        return
+    if any(here.glob(EVENT_GLOB)) or (here / CSV_NAME).is_file():
+        log.warning("%s already holds another start's logs: this fresh start's logs join them (TensorBoard shows one "
+                    "run, hiding the earlier points; a metrics.csv is replaced); give each run its own "
+                    "logger.save_dir, or logger.version=<run name>", here)
 
 
 def _instantiate_logger(node, start_step: int):

@@ -1,6 +1,8 @@
 """ResumableCSVLogger: a resumed run keeps the CSV history up to its checkpoint and appends to it."""
 
 import csv
+import logging
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +231,21 @@ def test_a_start_that_failed_before_its_first_checkpoint_is_not_drawn_twice(tiny
     mux.Reload()
     assert [e.step for e in mux.Tensors("tb", "train/loss")] == [0, 1, 2, 3]
     assert hparams_table(tmp_path / "run")["tb"][0]["trainer.max_steps"] == 4  # its session purged, a new one
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "csv"])
+def test_a_fresh_start_into_another_runs_save_dir_is_warned_about(logger, tiny_cfg, tmp_path, caplog):
+    """Two runs given one ``logger.save_dir`` (r1, then r2: 4 steps each) wrote into one ``tb/`` without a word:
+    TensorBoard showed one run, r2's purge_step=0 hiding r1's 59 points (and ``metrics.csv`` was replaced)."""
+    from lit_dtrain.loggers import build_logger
+
+    shared = tmp_path / "shared"
+    first = build_logger(tiny_cfg(f"logger={logger}", f"logger.save_dir={shared}", run="r1"), 0)
+    first.log_metrics({"train/loss": 1.0}, step=0)
+    first.finalize("success")
+    with caplog.at_level(logging.WARNING, logger="lit_dtrain.loggers"):
+        build_logger(tiny_cfg(f"logger={logger}", f"logger.save_dir={shared}", run="r1"), 4)  # r1's resume
+        build_logger(tiny_cfg(f"logger={logger}", run="r3"), 0)  # its own run dir
+        assert caplog.records == []
+        build_logger(tiny_cfg(f"logger={logger}", f"logger.save_dir={shared}", run="r2"), 0)
+    assert [r.getMessage().split(" already")[0] for r in caplog.records] == [str(Path(first.log_dir).resolve())]
