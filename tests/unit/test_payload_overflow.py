@@ -15,6 +15,7 @@ from lit_dtrain.models import build_llama
 from lit_dtrain.module import LitLLM, NonFiniteError
 from lit_dtrain.strategies import CompressedDDPStrategy, build_compressor
 from lit_dtrain.strategies.compressors import pack_payload
+from lit_dtrain.strategies.payload_overflow import payload_overflow_message
 from tests.unit._compressor_helpers import SEGMENTS, TwoRankComm, TwoRankGatherComm, grad
 
 CODECS = [("fp16", TwoRankComm), ({"name": "topk", "ratio": 0.5, "value_dtype": "fp16"}, TwoRankGatherComm),
@@ -46,6 +47,21 @@ def _other_rank_overflowing(spec, comm):
     other, big = build_compressor(spec), grad(9)
     big[3] = float("inf") if spec == "topk" else 2e5
     return lambda t: pack_payload(other.compress(big, SEGMENTS, 2))
+
+
+@pytest.mark.parametrize("spec,comm", CODECS)
+def test_another_ranks_nan_gradient_is_not_named_an_overflow_for_certain(spec, comm):
+    """A NaN loss on rank 0 alone (2 gloo ranks, fp16): rank 1's error said its codec's payload had overflowed, "a step
+    fp32 DDP ... would have taken", of a NaN that fp32 DDP sends alike. An overflow decodes as inf; NaN comes from a
+    non-finite gradient elsewhere (or +inf and -inf summed, as a real 2-rank loss spike gave): said as either."""
+    codec, nan = build_compressor(spec), grad(9)
+    nan[3] = float("nan")
+    other = ((lambda t: torch.full_like(t, float("nan"))) if comm is TwoRankComm else
+             (lambda t: pack_payload(build_compressor(spec).compress(nan, SEGMENTS, 0))))
+    out = codec.reduce(grad(0), SEGMENTS, comm(other), step=0).wait()
+    assert out.isnan().any() and codec.payload_overflow_step is None and codec.payload_nan_step == 0
+    message = payload_overflow_message(codec, 2, nan=True)
+    assert "another rank's were non-finite (see its error), or the" in message and "would have taken" not in message
 
 
 def test_bf16_and_fp32_topk_pay_no_check_and_note_nothing():

@@ -267,13 +267,18 @@ class Compressor:
 
     # --- communication -----------------------------------------------------------------------
     payload_may_overflow = False  # whether a finite fp32 value can decode as inf (a cast to fp16)
-    payload_overflow_step: int | None = None  # the latest step whose finite bucket (this rank's) decoded non-finite
+    payload_overflow_step: int | None = None  # the latest step whose finite bucket (this rank's) decoded as +-inf
+    payload_nan_step: int | None = None  # ... decoded with NaN: another rank's NaN gradient, or +inf and -inf summed
 
     def _note_overflow(self, finite_in: bool, result: Tensor, step: int) -> Tensor:
-        """Record ``step`` when this rank's finite bucket decoded as non-finite (an fp16 payload overflowed here or on
-        another rank), so a NonFiniteError can name the codec (``payload_overflow_message``); ``result`` returned."""
+        """Record ``step`` when this rank's finite bucket decoded as inf (an fp16 payload overflowed here or on another
+        rank), or with NaN (which no overflow alone gives but +inf plus -inf), so a NonFiniteError can name the codec
+        (``payload_overflow_message``); ``result`` returned. A NaN check only on a non-finite decode."""
         if finite_in and not all_finite(result):
-            self.payload_overflow_step = step
+            if bool(result.isnan().any()):
+                self.payload_nan_step = step
+            else:
+                self.payload_overflow_step = step
         return result
 
     def _subtract_sent(self, x: Tensor, sent: Tensor, flat: Tensor) -> None:

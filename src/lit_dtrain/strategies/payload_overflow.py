@@ -14,25 +14,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def payload_overflow_message(codec, world_size: int) -> str:
-    """What the error adds: the codec, the bound its payload held, and the ways out."""
+def payload_overflow_message(codec, world_size: int, nan: bool = False) -> str:
+    """What the error adds: the codec, the bound its payload held, and the ways out. ``nan``: the decoded bucket held
+    NaN, which an overflow alone does not give (it decodes as inf) but another rank's NaN gradient (a NaN loss there)
+    or +inf and -inf summed does: said as either, not as the codec's for certain."""
     if getattr(codec, "value_dtype_name", None) == "fp16":  # top-k: kept values cast to fp16, summed after decoding
         bound, fix = "a kept value above 65504", "strategy.compressor.value_dtype=fp32 (or bf16)"
     else:  # fp16 all-reduce: the payload is g / world_size, summed in fp16
         bound = f"a gradient value above 65504 x {world_size} ranks"
         fix = "strategy.compressor=bf16 (fp32's range at the same bytes)"
-    return (f" This rank's gradients were finite: the {codec.name!r} codec's payload overflowed fp16 ({bound} on "
-            f"some rank decodes as inf), a step fp32 DDP and the gradient clip would have taken. Use {fix}, or "
-            "'callbacks=[default,loss_spike]' to skip such steps.")
+    what = f"the {codec.name!r} codec's payload overflowed fp16 ({bound} on some rank decodes as inf)"
+    if nan:
+        return (f" This rank's gradients were finite but decoded with NaN: another rank's were non-finite (see its "
+                f"error), or {what.replace('decodes as inf', 'decodes as inf, +inf and -inf sum to NaN')}. If every "
+                f"rank's were finite, use {fix}, or 'callbacks=[default,loss_spike]' to skip such steps.")
+    return (f" This rank's gradients were finite: {what}, a step fp32 DDP and the gradient clip would have taken. Use "
+            f"{fix}, or 'callbacks=[default,loss_spike]' to skip such steps.")
 
 
 @contextmanager
 def naming_payload_overflow(codec, step: int, world_size: int) -> Iterator[None]:
     """Add :func:`payload_overflow_message` to a ``FloatingPointError`` (LitLLM's ``NonFiniteError``) raised inside,
-    when ``codec`` noted a payload overflow at ``step``."""
+    when ``codec`` noted a payload overflow (or a NaN decode of a finite bucket) at ``step``."""
     try:
         yield
     except FloatingPointError as e:
-        if codec is not None and codec.payload_overflow_step == step and e.args and isinstance(e.args[0], str):
-            e.args = (e.args[0] + payload_overflow_message(codec, world_size), *e.args[1:])
+        noted = codec is not None and step in (codec.payload_overflow_step, codec.payload_nan_step)
+        if noted and e.args and isinstance(e.args[0], str):
+            nan = codec.payload_overflow_step != step
+            e.args = (e.args[0] + payload_overflow_message(codec, world_size, nan), *e.args[1:])
         raise
