@@ -64,6 +64,14 @@ def test_another_ranks_nan_gradient_is_not_named_an_overflow_for_certain(spec, c
     assert "another rank's were non-finite (see its error), or the" in message and "would have taken" not in message
 
 
+def test_topk_with_bf16_values_is_not_told_of_fp16():
+    """top-k with bf16 values was told its payload 'overflowed fp16 (a gradient value above 65504 x 2 ranks ...)'
+    and to use strategy.compressor=bf16: the fp16 all-reduce's bound and fix."""
+    message = payload_overflow_message(build_compressor({"name": "topk", "value_dtype": "bf16"}), 2)
+    assert "overflowed bf16 (a kept value past bf16's range" in message and "value_dtype=fp32, or" in message
+    assert "fp16" not in message and "compressor=bf16" not in message
+
+
 def test_bf16_and_fp32_topk_pay_no_check_and_note_nothing():
     for spec, comm in [("bf16", TwoRankComm), ("topk", TwoRankGatherComm)]:
         codec = build_compressor(spec)

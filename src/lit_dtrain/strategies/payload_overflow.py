@@ -18,12 +18,14 @@ def payload_overflow_message(codec, world_size: int, nan: bool = False) -> str:
     """What the error adds: the codec, the bound its payload held, and the ways out. ``nan``: the decoded bucket held
     NaN, which an overflow alone does not give (it decodes as inf) but another rank's NaN gradient (a NaN loss there)
     or +inf and -inf summed does: said as either, not as the codec's for certain."""
-    if getattr(codec, "value_dtype_name", None) == "fp16":  # top-k: kept values cast to fp16, summed after decoding
-        bound, fix = "a kept value above 65504", "strategy.compressor.value_dtype=fp32 (or bf16)"
+    dtype = getattr(codec, "value_dtype_name", None)
+    if dtype is not None:  # top-k: kept values cast to value_dtype, summed after decoding
+        bound = "a kept value above 65504" if dtype == "fp16" else f"a kept value past {dtype}'s range"
+        fix = "strategy.compressor.value_dtype=fp32" + (" (or bf16)" if dtype == "fp16" else "")
     else:  # fp16 all-reduce: the payload is g / world_size, summed in fp16
         bound = f"a gradient value above 65504 x {world_size} ranks"
         fix = "strategy.compressor=bf16 (fp32's range at the same bytes)"
-    what = f"the {codec.name!r} codec's payload overflowed fp16 ({bound} on some rank decodes as inf)"
+    what = f"the {codec.name!r} codec's payload overflowed {dtype or 'fp16'} ({bound} on some rank decodes as inf)"
     if nan:
         return (f" This rank's gradients were finite but decoded with NaN: another rank's were non-finite (see its "
                 f"error), or {what.replace('decodes as inf', 'decodes as inf, +inf and -inf sum to NaN')}. If every "
