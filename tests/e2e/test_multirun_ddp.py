@@ -9,16 +9,23 @@ from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
 from tests.e2e._reliability_helpers import assert_refused_once
 
 
+def ddp_sweep(tmp_path, corpus, args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``python train.py -m`` of the tiny model on 2 gloo ranks (``trainer=ddp_cpu strategy=ddp``) over ``corpus``."""
+    trainer = [o for o in TINY if o.startswith("trainer.")]
+    cmd = [PYTHON, str(ROOT / "train.py"), "-m", *TINY, "trainer=ddp_cpu", *trainer]
+    cmd += ["strategy=ddp", "data=textfiles", f"data.sources.0.paths=[{corpus}]", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_multirun_with_ddp_writes_each_job_once_with_both_ranks(tmp_path, corpus):
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=6",
+        "trainer.max_steps=6",
         "trainer.val_check_interval=3", "sample.max_new_tokens=0", "optimizer.lr=1e-3,1e-2",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweeps = list((tmp_path / "outputs" / "multiruns").iterdir())
     # rank 1, re-launched by Lightning with the same -m, joins rank 0's sweep instead of starting its own
@@ -44,13 +51,11 @@ def test_each_ddp_sweep_jobs_peak_rss_is_its_own_on_every_rank(tmp_path, corpus)
     own; rank 1 that kept job 0's peak would read about 650 in job 1."""
     sweep = tmp_path / "sweep"
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=3", "trainer.val_check_interval=3",
+        "trainer.max_steps=3", "trainer.val_check_interval=3",
         "sample.max_new_tokens=0", "+callbacks.hold._target_=tests.faults.HoldMemoryAtStep", "+callbacks.hold.step=1",
         "+callbacks.hold.mib=300,0", f"hydra.sweep.dir={sweep}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     held, free = (json.loads((sweep / job / "summary.json").read_text())["peak_rss_mib"] for job in ("0", "1"))
     assert held - free > 250, (held, free)
@@ -65,13 +70,11 @@ def test_a_sweep_whose_job_failed_in_a_collective_stops_there_with_status_1(tmp_
     line; the job's line advised a bare resume=auto, refused under -m). It stops at job 0 now, status 1, saying so."""
     sweep = tmp_path / "sweep"
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=6", "sample.max_new_tokens=0",
+        "trainer.max_steps=6", "sample.max_new_tokens=0",
         "strategy.collective_timeout_s=3", "+callbacks.hang._target_=tests.faults.HangAtStep", "+callbacks.hang.step=2",
         "+callbacks.hang.seconds=60,0,0", f"hydra.sweep.dir={sweep}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("error: rank 0: a collective failed at step 2 ("), last
@@ -91,12 +94,10 @@ def test_a_sigterm_in_a_ddp_jobs_end_of_run_sample_stops_both_ranks_before_the_n
     rank probably died or hung'. The ranks agree on the signal after the sample: both exit 143 before job 1."""
     sweep = tmp_path / "sweep"
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.max_steps=6", "scheduler=wsd,cosine",
+        "trainer.max_steps=6", "scheduler=wsd,cosine",
         "+callbacks.fault._target_=tests.faults.SignalInSample", f"hydra.sweep.dir={sweep}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 143, out[-3000:]
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
@@ -117,13 +118,11 @@ def test_a_ddp_sweep_whose_sample_outlasts_the_collective_timeout_runs_every_job
     That wait is bounded by strategy.connect_timeout_s now, as the wait for a rank that starts slowly is."""
     sweep = tmp_path / "sweep"
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "strategy.collective_timeout_s=8", "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+        "strategy.collective_timeout_s=8",
         "trainer.max_steps=4", "optimizer.lr=1e-3,2e-3", "+callbacks.fault._target_=tests.faults.SlowSample",
         "+callbacks.fault.seconds=16", f"hydra.sweep.dir={sweep}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=400)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "Timed out" not in out and "collective failed" not in out, out[-3000:]
@@ -140,13 +139,11 @@ def test_a_ddp_sweep_job_whose_sample_failed_on_rank_0_lets_the_next_job_run(tmp
     1 trained and the sweep ended with job 0's error. Rank 0 agrees even when its sample or report raised."""
     sweep = tmp_path / "sweep"
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "strategy.collective_timeout_s=20", "data=textfiles", f"data.sources.0.paths=[{corpus}]",
+        "strategy.collective_timeout_s=20",
         "trainer.max_steps=4", "optimizer.lr=1e-3,2e-3", "+callbacks.fault._target_=tests.faults.RaiseInSample",
         f"hydra.sweep.dir={sweep}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=400)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "collective failed" not in out, out[-3000:]
@@ -166,12 +163,10 @@ def test_a_ddp_sweep_job_refused_on_every_rank_is_reported_once(tmp_path, corpus
     1, started by job 1's fit with the same -m (no process group existed to compare the ranks' lines): rank 1 now
     knows the job that started it and leaves the jobs before it to rank 0."""
     args = [
-        "-m", *TINY, "trainer=ddp_cpu", *[o for o in TINY if o.startswith("trainer.")], "strategy=ddp",
-        "data=textfiles", f"data.sources.0.paths=[{corpus}]", "trainer.val_check_interval=2",
+        "trainer.val_check_interval=2",
         "sample.max_new_tokens=0", f"trainer.max_steps={values}",
     ]
-    proc = subprocess.run([PYTHON, str(ROOT / "train.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=600)
     refusal = "trainer.max_steps must be a positive step budget, got -5"
     assert_refused_once(proc, refused, refusal)
     job_dirs = next((tmp_path / "outputs" / "multiruns").iterdir())
