@@ -4,11 +4,54 @@ annotation, a whole float an integer key takes, and the hint for a number read f
 from __future__ import annotations
 
 import os
+import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import is_flag, is_number, type_name
+
+_WHOLE_FLOATS: dict[str, float] = {}  # key -> the whole float an integer key took as its integer, in this start
+
+
+def as_integer(key: str, value: float) -> int:
+    """``value``, a float that is exactly an integer (``1e3``, ``1.0``) given for the integer key ``key``, as that
+    integer, remembered as given for :func:`as_given`: the checks after the conversion read the integer, so a refusal
+    of ``data.block_size=1.0`` quoted ``data.block_size=1`` and ``decay_branch.steps=0.0`` 'got 0', values the user
+    did not type."""
+    _WHOLE_FLOATS[key] = value
+    return int(value)
+
+
+def forget_given_values() -> None:
+    """Start a new record for :func:`as_integer` (each start of a run, each job of a sweep)."""
+    _WHOLE_FLOATS.clear()
+
+
+def as_given(message: str, node: str = "") -> str:
+    """``message`` with each whole float it quotes as an integer said as given: ``data.block_size=1: ...`` gains
+    ``(data.block_size was given as 1.0, read as the integer 1)``. A key counts as quoted where it is named whole, or
+    its node and its own name are (``LossSpikeMonitor: warmup_steps must be ...`` of the ``node``
+    ``callbacks.loss_spike``, which the line names first)."""
+    def named(name: str, after: str = r"\w.") -> bool:  # (its own name after a class's: LlamaConfig.n_layer)
+        return re.search(rf"(?<![{after}])" + re.escape(name) + r"(?![\w])", f"{node}: {message}") is not None
+
+    notes = [f"{key} was given as {value!r}, read as the integer {int(value)}" for key, value in _WHOLE_FLOATS.items()
+             if named(key) or "." in key and named(key.rpartition(".")[0]) and named(key.rpartition(".")[2], r"\w")]
+    return f"{message} ({'; '.join(notes)})" if notes else message
+
+
+def said_as_given(error: BaseException) -> None:
+    """:func:`as_given` applied to a refusal's message in place: ``error``'s own, or that of the constructor's error
+    that Hydra's ``instantiate`` wrapped (``data.batch_size=0.0``: ``data: data.batch_size must be >= 1, got 0``)."""
+    from hydra.errors import InstantiationException
+
+    node = ""
+    if isinstance(error, InstantiationException) and error.__cause__ is not None:  # its 'full_key: <node>' line
+        node = next((line[len("full_key: "):] for line in str(error).splitlines() if line.startswith("full_key: ")), "")
+        error = error.__cause__
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (as_given(error.args[0], node),)
 
 
 def _check_path(key: str, value, what: str) -> None:

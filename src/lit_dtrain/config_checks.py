@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain._compose_errors import callback_options, choose_callback_first
-from lit_dtrain._config_values import check_datamodule_arguments
+from lit_dtrain._config_values import as_integer, check_datamodule_arguments
 from lit_dtrain.config_keys import (
     check_known_keys,
     check_target_arguments,
@@ -314,7 +314,7 @@ def check_validation_limit(cfg: DictConfig) -> None:
     if value is None:
         return
     if is_whole_float(value) and value > 1:  # 2.0: two batches (1.0 stays Lightning's fraction, all of them)
-        cfg.trainer.limit_val_batches = value = int(value)
+        cfg.trainer.limit_val_batches = value = as_integer("trainer.limit_val_batches", value)
     number = is_number(value)
     if not number or value < 0 or (isinstance(value, float) and value > 1):
         raise ConfigError(

@@ -19,7 +19,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_dtrain._config_values import _check_path, _check_value, _env_hint, _flag_or_number
+from lit_dtrain._config_values import _check_path, _check_value, _env_hint, _flag_or_number, as_integer
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import as_flag, is_flag, is_number, is_whole_float, type_name
 
@@ -151,7 +151,7 @@ def check_types(cfg: DictConfig) -> None:
         if value is _ABSENT or value is None and key not in _NOT_NULL_KEYS:
             continue
         if kind is int and is_whole_float(value):  # 1e3 in YAML or on the command line: 1000.0, refused as 'must be
-            value = int(value)  # an integer' (check_int's rule for the Python API: a float that is exactly one)
+            value = as_integer(key, value)  # an integer' (check_int's rule for the Python API: a whole float)
             OmegaConf.update(cfg, key, value)
         if not is_number(value, integer=kind is int):
             what = "an integer" if kind is int else "a number"
@@ -330,7 +330,7 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
             continue
         if _flag_or_number(hints.get(key)) is not None:  # read only then: an interpolation may refuse to resolve
             if _flag_or_number(hints.get(key))[0] == "int" and is_whole_float(node[key]):  # as check_types'
-                node[key] = int(node[key])
+                node[key] = as_integer(full, node[key])
             _check_value(full, hints.get(key), node[key], child._value())
 
 

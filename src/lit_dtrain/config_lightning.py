@@ -15,6 +15,7 @@ from hydra._internal.utils import _locate  # hydra.utils.get_class logs an ERROR
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain._base_60 import base_60_source
+from lit_dtrain._config_values import as_integer
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.utils.args import is_number, is_whole_float
 
@@ -145,7 +146,8 @@ def check_lightning_choices(cfg: DictConfig) -> None:
                           "and again (e.g. 1 or 8; 0: off): the training stream is drawn by step and has no length, "
                           "so a fraction of it cannot be taken")
     if is_whole_float(overfit):  # 2.0: Lightning takes it as 2 batches but sets limit_train_batches to the float 2.0,
-        cfg.trainer.overfit_batches = int(overfit)  # its MisconfigurationException 'must be 1.0 or an int'
+        # its MisconfigurationException 'must be 1.0 or an int'
+        cfg.trainer.overfit_batches = as_integer("trainer.overfit_batches", overfit)
     limit = cfg.trainer.get("limit_train_batches")  # a fraction: Lightning's MisconfigurationException traceback
     if limit is not None and not (is_number(limit) and limit >= 0 and (limit % 1 == 0)):  # once fit starts
         raise ConfigError(f"trainer.limit_train_batches={limit!r} must be a whole number of batches per epoch (or "
@@ -163,7 +165,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         )
     devices = cfg.trainer.get("devices")
     if is_whole_float(devices):  # 2.0 (1e0, ${oc.decode:...} of '2.0'): that many, as every integer key takes it
-        cfg.trainer.devices = devices = int(devices)
+        cfg.trainer.devices = devices = as_integer("trainer.devices", devices)
     ids = list(devices) if isinstance(devices, ListConfig) else None
     valid = (
         devices is None
@@ -283,7 +285,7 @@ def check_val_check_interval(cfg: DictConfig) -> None:
                               f"is drawn by step without end, so an epoch never ends: {steps}")
         if not is_whole_float(value):
             raise ConfigError(f"{key}={value!r} is not a whole number of steps: {steps}")
-        cfg.trainer.val_check_interval = int(value)
+        cfg.trainer.val_check_interval = as_integer(key, value)
         return
     if isinstance(value, DictConfig):
         try:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._collective_errors import CollectiveError, collectives_named  # noqa: F401 - CollectiveError: train's
+from lit_dtrain._config_values import forget_given_values, said_as_given
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._own_builds_check import check_own_builds
@@ -210,6 +211,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     pin_sweep_dir()  # multirun + DDP: rank 1, which Lightning re-launches in fit, joins this sweep dir
     own_peaks_for_a_multirun_job()  # job 2 on of a sweep in one process: its memory figures, not the jobs' highest
     sweep_checks(cfg)  # -m warning; a multirun's resume=auto: before this start rewrites the job's config_resolved.yaml
+    forget_given_values()  # whole floats read as integers, said as given in a refusal below
     try:
         check_known_keys(cfg)  # first: the decay branch below reads its keys
         refuse_empty_checkpoint_paths(cfg)  # init_from=$CKPT with CKPT unset trained from random weights
@@ -220,6 +222,9 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         init_weights = check_init_from(cfg)  # not on a resume=auto of this run's own checkpoints
     except UNRESOLVED as e:  # ${lit.required:...} of an experiment, ${nope}, or ${oc.evn:X} (no such resolver)
         raise interpolation_error(e, cfg) from None
+    except Exception as e:  # data.block_size=1.0 was refused as 'data.block_size=1', decay_branch.steps=0.0 'got 0'
+        said_as_given(e)
+        raise
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint

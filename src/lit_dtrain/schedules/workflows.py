@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lit_dtrain._config_values import as_integer
 from lit_dtrain.checkpoint import CheckpointError, checkpoint_files, checkpoint_global_step, not_a_file_reason
 from lit_dtrain.config_resolvers import default_warmup
 from lit_dtrain.errors import ConfigError
@@ -287,7 +288,8 @@ def apply_decay_branch(cfg: DictConfig) -> int | None:
         raise ConfigError(f"decay_branch.ckpt={str(branch.ckpt)!r} {not_a_file_reason(src)}")
     steps = branch.steps
     if is_whole_float(steps):  # 5.0 (5e0, a computed length): that integer, as every other step count takes it
-        steps = int(steps)  # (check_types, check_int); it was refused here alone, 'must be a positive integer'
+        # (check_types, check_int); it was refused here alone, 'must be a positive integer'
+        steps = as_integer("decay_branch.steps", steps)
         with open_dict(cfg):
             cfg.decay_branch.steps = steps
     if not is_number(steps, integer=True) or steps <= 0:
