@@ -127,7 +127,8 @@ def check_config(cfg: DictConfig) -> None:
                               "ids (byte tokenizer: 256 bytes + EOS); the embedding needs a row for each")
     scheduler = scheduler_config(cfg)
     warmup = scheduler.get("warmup_steps") if scheduler else None
-    if "total_steps" not in (scheduler or {}) and isinstance(warmup, int) and warmup > max_steps:
+    # is_number: scheduler.warmup_steps=5.0 (converted with the schedule's arguments, below) trained without a word
+    if "total_steps" not in (scheduler or {}) and is_number(warmup) and warmup > max_steps:
         # cosine/wsd refuse warmup > total_steps themselves; a schedule without a horizon (constant) cannot
         raise ConfigError(f"scheduler.warmup_steps={warmup} exceeds trainer.max_steps={max_steps}: the LR would "
                           "never reach optimizer.lr")

@@ -59,3 +59,10 @@ def test_a_key_is_named_whole_or_by_its_node_and_its_own_name():
         assert as_given(other) == other
     forget_given_values()
     assert as_given("model: LlamaConfig.n_layer must be positive, got 0").endswith("got 0")
+
+
+def test_a_warmup_past_the_run_is_refused_as_a_whole_float_too(tiny_cfg):
+    """``scheduler=constant scheduler.warmup_steps=5.0 trainer.max_steps=2`` trained 2 steps of warmup, exit 0, where
+    ``warmup_steps=5`` was refused: the check took only an ``int``."""
+    line = _refusal(tiny_cfg("scheduler=constant", "scheduler.warmup_steps=5.0", "trainer.max_steps=2"))
+    assert line == "scheduler.warmup_steps=5.0 exceeds trainer.max_steps=2: the LR would never reach optimizer.lr"
