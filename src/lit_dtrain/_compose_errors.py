@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from lit_dtrain._missing_options import missing_option_message
+from lit_dtrain._negative_index import negative_index_message
 from lit_dtrain._sweep_of_nothing import remove_a_sweep_of_nothing
 from lit_dtrain.utils.hydra_overrides import config_being_overridden, failed_override
 
@@ -45,7 +46,8 @@ def run_reporting_unknown_keys(main, config_dir: str | None = None) -> None:
         error = e
         message = (unknown_key_message(error, config_dir) or group_value_message(error, sys.argv[1:], config_dir)
                    or list_item_delete_message(error, sys.argv[1:]) or list_key_message(error)
-                   or missing_option_message(error, sys.argv[1:], config_dir))
+                   or missing_option_message(error, sys.argv[1:], config_dir)
+                   or negative_index_message(error, sys.argv[1:], config_dir))
         if message is None:
             _report_as_hydra(error)
         from lit_dtrain.utils.distributed import print_once_across_ranks

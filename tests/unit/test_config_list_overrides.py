@@ -102,3 +102,36 @@ def test_hydras_own_report_where_its_override_loop_is_not_found(capsys, monkeypa
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert "invalid literal for int() with base 10: 'name'" in err and "whose items are set by index" not in err
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["data.sources.-1.weight=2"], "'data.sources.-1.weight=2': Hydra's override grammar has no negative list index "
+                                   "(-1): data.sources holds 1 item, so give 'data.sources.0.weight=2'"),
+    (["data=mixture", "data.sources.-1.weight=2"],
+     "'data.sources.-1.weight=2': Hydra's override grammar has no negative list index (-1): data.sources holds 2 "
+     "items, so give 'data.sources.1.weight=2'"),
+    (["data=mixture", "data.sources.-3.weight=2"],
+     "'data.sources.-3.weight=2': Hydra's override grammar has no negative list index (-3), and data.sources holds 2 "
+     "items, none 3 from the end; set the list whole ('data.sources=[...]')"),
+    (["data=mixture", "~data.sources.-1"],
+     "'~data.sources.-1': Hydra's override grammar has no negative list index (-1), and cannot delete a list item at "
+     "all (hydra#2477): set the list whole without it, 'data.sources=[...]'"),
+    # a sweep composes no one config here: how to count instead
+    (["seed=1,2", "data.sources.-1.weight=2"],
+     "'data.sources.-1.weight=2': Hydra's override grammar has no negative list index (-1): give the item's index "
+     "counted from 0 ('data.sources.<index>.weight=2'; '--cfg job' shows the list)"),
+])
+def test_a_negative_list_index_is_one_line_with_the_index_from_0(overrides, line, capsys, monkeypatch):
+    """Hydra's lexer printed 'LexerNoViableAltException: data.sources.-1.weight=2', a caret and a link: 3 lines naming
+    neither the cause nor the form the grammar takes."""
+    monkeypatch.setattr("sys.argv", ["train.py", "model=nano", *overrides])
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", *overrides), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"error: {line}\n"
+    from hydra import compose, initialize_config_dir  # the form given composes
+
+    if "give 'data.sources." in line:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            given = line.rpartition("give '")[2].rstrip("'")
+            assert compose(config_name="train", overrides=[*overrides[:-1], given]).data.sources[-1].weight == 2
