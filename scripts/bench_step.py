@@ -4,9 +4,10 @@ Both train the same model (default ``nano`` shape) on the same batches (``LMData
 with the same AdamW (``lit_dtrain.module.build_optimizer``), LR schedule and gradient clipping, for K
 steps. The Lightning side uses the default callbacks (ModelCheckpoint, LearningRateMonitor, progress bar,
 tokens/s), the two that ``train()`` adds and that run at every step (``LogStepSync``, ``NonFiniteLossWatch``) and the
-TensorBoard logger, as ``python train.py`` builds them. Rounds alternate
-(plain, lightning, plain, ...) so that background load hits both alike; ms/step is the median over
-rounds of steady-state steps.
+TensorBoard logger, as ``python train.py`` builds them. Each round runs both, in an order rotated by one
+(plain then lightning, lightning then plain, ...: ``lit_dtrain.utils.scripts.rotated``), so that neither always runs
+first (the process's first fit) and background load hits both alike; ms/step is the median over rounds of
+steady-state steps.
 
 The device and precision come from the composed config (``trainer.accelerator``, ``trainer.precision``):
 ``trainer=gpu`` runs both sides on one CUDA device under bf16-mixed, the plain loop with the model and
@@ -59,6 +60,7 @@ from lit_dtrain.module import LitLLM, build_optimizer
 from lit_dtrain.train import build_callbacks
 from lit_dtrain.train_callbacks import LogStepSync
 from lit_dtrain.utils.args import ScriptArgumentParser, nonnegative_int, positive_int
+from lit_dtrain.utils.scripts import rotated
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 RATIO_IS = "lightning/plain ms per step"  # the printed ratio and the JSON's said neither which side was over which
@@ -270,10 +272,14 @@ def main() -> None:
             return
         plain, light, plain_cpu, light_cpu = [], [], [], []
         for r in range(args.rounds):
-            plain.append(plain_round(cfg, args.warmup, device, plain_cpu)[0])
-            timer = StepTimer(device)
-            light.append(lightning_round(cfg, args.warmup, device, timer=timer)[0])
-            light_cpu.append(timer.cpu_ms)
+            # plain ran first in every round, so it alone paid the process's first fit (the token cache, cold code)
+            for side in rotated(["plain", "lightning"], r):
+                if side == "plain":
+                    plain.append(plain_round(cfg, args.warmup, device, plain_cpu)[0])
+                else:
+                    timer = StepTimer(device)
+                    light.append(lightning_round(cfg, args.warmup, device, timer=timer)[0])
+                    light_cpu.append(timer.cpu_ms)
             print(f"round {r}: plain {plain[-1]:.1f} ms/step ({plain_cpu[-1]:.2f} CPU), lightning {light[-1]:.1f} "
                   f"ms/step ({light_cpu[-1]:.2f} CPU)")
     p, lt = statistics.median(plain), statistics.median(light)

@@ -73,3 +73,32 @@ def test_bench_threads_rotates_the_variants_each_round(capsys, monkeypatch):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert calls == ["ddp_unset", "ddp_omp1", "ddp_omp1", "ddp_unset"]
     assert result["ratios"] == {"ddp_omp1_over_unset": 1.0}
+
+
+def test_bench_step_rotates_plain_and_lightning_each_round(capsys, monkeypatch):
+    """Each round ran the plain loop first, so it alone paid the process's first fit (and every round's first place).
+    Faked rounds that are slower in the first place of a round: over 2 rounds each side has it once, and the ratio is
+    1 (it was 0.5: Lightning read twice as fast as the plain loop)."""
+    bench = load_script("bench_step", "_bench_step_order")
+    calls = []
+
+    def ms(side):
+        calls.append(side)
+        return 2.0 if len(calls) % 2 == 1 else 1.0  # the first of a round's two runs is slower
+
+    def plain_round(cfg, warmup, device, cpu_ms=None):
+        cpu_ms.append(ms("plain"))
+        return cpu_ms[-1], []
+
+    def lightning_round(cfg, warmup, device, timer=None, profiler=None):
+        timer.cpu_ms = ms("lightning")
+        return timer.cpu_ms, []
+
+    monkeypatch.setattr(bench, "plain_round", plain_round)
+    monkeypatch.setattr(bench, "lightning_round", lightning_round)
+    monkeypatch.setattr("sys.argv", ["bench_step.py", "--rounds", "2", "--steps", "2", "--warmup", "1"])
+    bench.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert calls == ["plain", "lightning", "lightning", "plain"]
+    assert result["ratio"] == 1.0
+    assert result["lightning_cpu_ms_per_step"] == result["plain_cpu_ms_per_step"] == 1.5
