@@ -220,6 +220,22 @@ def test_the_weights_check_does_not_call_large_finite_fp16_weights_non_finite() 
     assert not weights_finite(trainer, module)
 
 
+def test_the_weights_checks_all_reduce_runs_on_the_strategys_device_for_an_empty_or_offloaded_shard() -> None:
+    """A rank whose FSDP shard is empty took the CPU for its flag (NCCL reduces CUDA tensors only), as did a
+    CPU-offloaded shard; the flag is on ``root_device`` now (``meta`` stands in for a GPU)."""
+    from types import SimpleNamespace
+
+    from lit_dtrain.callbacks._spike_step import weights_finite
+
+    reduced_on = []
+    strategy = SimpleNamespace(root_device=torch.device("meta"),
+                               reduce=lambda t, reduce_op: reduced_on.append(t.device) or torch.zeros(()))
+    trainer = SimpleNamespace(world_size=2, strategy=strategy)
+    assert weights_finite(trainer, torch.nn.Linear(0, 0))  # an empty shard (FSDP's flat parameter of 0 elements)
+    assert weights_finite(trainer, torch.nn.Linear(4, 4))  # a shard offloaded to the CPU
+    assert reduced_on == [torch.device("meta")] * 2
+
+
 class NegativeLoss(L.LightningModule):
     """A user's objective that is negative (a Gaussian NLL-like MSE - 5), with a 100x MSE at step 12."""
 

@@ -104,7 +104,12 @@ def weights_finite(trainer, module) -> bool:
     rule the ranks' weights differ, and they must all take the same way)."""
     # isfinite, not a norm: a norm of finite fp16 weights (16-true) can overflow to inf; each rank's shard under FSDP
     params = [p.detach() for p in module.parameters() if p.numel()]
-    device = params[0].device if params else torch.device("cpu")
+    # The all-reduce's flag lives on the strategy's device, as NCCL reduces CUDA tensors only: a rank whose FSDP shard
+    # is empty has no parameter to take a device from (it took the CPU's), and a CPU-offloaded shard's is the CPU's.
+    if trainer.world_size > 1:
+        device = trainer.strategy.root_device
+    else:
+        device = params[0].device if params else torch.device("cpu")
     bad = torch.zeros((), device=device)
     for p in params:
         bad = bad + (~p.isfinite().all()).float().to(device)
