@@ -79,3 +79,42 @@ def test_other_failures_are_raised_as_they_are(no_group_left):
     finally:
         dist.destroy_process_group()
 
+
+
+class _Connecting(FirstConnection, _Lightning):
+    """Connects as Lightning's strategy does (rank ``rank`` of 2 at ``port``, 1 s), with no other rank started."""
+
+    def __init__(self, rank: int, port: int) -> None:
+        super().__init__(1)
+        self.global_rank, self.port = rank, port
+
+    def setup_environment(self) -> None:
+        self._connect_timeout = timedelta(seconds=1)
+        super().setup_environment()
+
+    def _connect_this_torchrun_attempt(self, timeout) -> None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=self.global_rank,
+                                world_size=2, timeout=timeout)
+
+
+def test_torchs_own_connection_failures_are_told_apart(no_group_left):
+    """torch's real errors, whose types do not tell a timeout (``_timed_out`` reads their text): rank 0 alone
+    (``DistStoreError``) and rank 1 alone (``DistNetworkError``) time out; rank 0's port taken by another process
+    (``DistNetworkError``, 'EADDRINUSE') is no timeout, and read as 'a collective failed before training ... Another
+    rank probably died or hung'."""
+    import socket
+
+    with pytest.raises(FirstConnectionError, match="^rank 0: only 1 of 2 ranks connected within 1 s "):
+        _Connecting(0, free_port()).setup_environment()
+    with pytest.raises(FirstConnectionError, match=r"^rank 1: the 2 ranks did not all connect within 1 s \(DistNet"):
+        _Connecting(1, free_port()).setup_environment()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        strategy = _Connecting(0, port)
+        with pytest.raises(FirstConnectionError, match=f"^rank 0: the ranks' first connection could not start: port "
+                                                       f"{port} is taken by another process .* set MASTER_PORT to a "
+                                                       "free port, or leave it unset"):
+            strategy.setup_environment()
+    assert strategy.launcher.signals == [signal.SIGKILL]

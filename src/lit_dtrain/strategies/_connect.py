@@ -65,7 +65,7 @@ class FirstConnection:
                 self._connect_this_torchrun_attempt(connect)
             super().setup_environment()
         except Exception as e:
-            if not (ours and not dist.is_initialized() and _timed_out(e)):
+            if not (ours and not dist.is_initialized() and (_timed_out(e) or _port_in_use(e))):
                 raise
             launcher = getattr(self, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not leave a child rank waiting to connect
@@ -144,8 +144,19 @@ def waiting_as_for_a_connection(strategy):
 
 
 def _timed_out(exc: BaseException) -> bool:
+    """Whether the first connection timed out, told by its text: torch 2.13's types do not tell it. Its timeouts are a
+    ``DistStoreError`` (rank 0 alone: 'Timed out after 4 seconds waiting for clients. 1/2 clients joined.'; under
+    torchrun: 'wait timeout after 3000ms, keys: ...'), a ``DistNetworkError`` (rank 1 alone: 'The client socket has
+    timed out after 3000ms while trying to connect to ...') and gloo's plain ``RuntimeError`` ('Gloo connectFullMesh
+    failed with [...pair.h:311] Connect timeout'); a ``DistNetworkError`` is no timeout as well (rank 0's port taken,
+    'EADDRINUSE'; rank 0 gone while rank 1 connected, 'Failed to recv, got 0 bytes. Connection was likely closed')."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text or "clients joined" in text
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    """Whether rank 0's store could not listen on its port (``MASTER_PORT``), which another process holds."""
+    return isinstance(exc, dist.DistNetworkError) and "eaddrinuse" in str(exc).lower()
 
 
 def first_connection_message(exc: BaseException, rank: int, world_size: int, seconds: float,
@@ -154,9 +165,17 @@ def first_connection_message(exc: BaseException, rank: int, world_size: int, sec
     ranks did not all connect (another rank not reaching rank 0's store; under torchrun, gloo's wait for a rank's
     address: 'DistStoreError: wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1'). A connection refused
     (gloo's 'timed out connecting: SO_ERROR: Connection refused') failed after ``elapsed`` seconds, not the bound: the
-    line said 'did not all connect within 1800 s' of a torchrun restart that failed in 3 s."""
+    line said 'did not all connect within 1800 s' of a torchrun restart that failed in 3 s. Rank 0's port taken by
+    another process ('EADDRINUSE') read as 'a collective failed before training ... Another rank probably died or
+    hung ... Resume with resume=auto'."""
     first = (str(exc).splitlines() or [""])[0][:200]
     joined = re.search(r"(\d+)/(\d+) clients joined", first)
+    if _port_in_use(exc):
+        port = re.search(r"port: (\d+)", first)
+        return (f"rank {rank}: the ranks' first connection could not start: port "
+                f"{port.group(1) if port else os.environ.get('MASTER_PORT', '?')} is taken by another process (another "
+                f"run's rank 0?) ({type(exc).__name__}: {first}): set MASTER_PORT to a free port, or leave it unset "
+                "where Lightning launches the ranks (it picks a free one)")
     if "connection refused" in first.lower():
         took = f" after {elapsed:.0f} s" if elapsed is not None else ""
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")

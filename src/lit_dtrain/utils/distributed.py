@@ -91,7 +91,8 @@ class PeerRankFailedError(RuntimeError):
 
 
 class FirstConnectionError(RuntimeError):
-    """The ranks did not all connect within the connection timeout (``strategy.connect_timeout_s``)."""
+    """The ranks did not all connect within the connection timeout (``strategy.connect_timeout_s``), or could not
+    start to (rank 0's port taken by another process)."""
 
 
 def is_collective_failure(exc: BaseException) -> bool:
