@@ -73,6 +73,22 @@ class EvenEpochsFSDPStrategy(RankFailureRecords, FirstConnection, EpochLengthChe
     def __init__(self, *args: Any, connect_timeout: timedelta | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._connect_timeout = connect_timeout or self._connect_timeout
+        self._wrapped_root: Any = None  # the fit's root FSDP module, around the LightningModule
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup; a later stage of the same module (``train()``'s ``validate`` after ``fit``) gets the
+        fit's root FSDP module back. Lightning wraps only a module whose blocks are not FSDP units yet, so it left the
+        LightningModule unwrapped, its own parameters (the embeddings, the final norm) the fit's 1-D flat shards: on 2
+        ranks ``train.py strategy=fsdp`` failed in its final validation, after training and saving ``last.ckpt``,
+        with ``RuntimeError: 'weight' must be 2-D`` (Lightning #19015)."""
+        root = self._wrapped_root
+        if root is not None and self.model is root.module:
+            self.model = root
+        super().setup(trainer)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.model, FullyShardedDataParallel):
+            self._wrapped_root = self.model
 
     @property
     def accelerator(self) -> Any:
