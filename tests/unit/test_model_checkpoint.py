@@ -196,3 +196,65 @@ def test_fast_dev_run_writes_no_last_ckpt(tmp_path):
         warnings.filterwarnings("ignore", "No checkpoint file exists")  # (Lightning: a fit from scratch)
         real.fit(module, data(), data(), ckpt_path="last")
     assert _step(tmp_path / "last.ckpt") == 4 and real.fit_loop.epoch_loop.batch_progress.total.ready == 4
+
+
+def test_a_validation_in_the_middle_of_an_accumulation_saves_at_that_steps_end(tmp_path):
+    """A project's val_check_interval=4 (micro-batches) under accumulate_grad_batches=3 validates after micro-batch 4,
+    1 of step 2's 3: the save there held a step half accumulated (its grads are in no file), and a resume from it ran
+    step 2 on its last 2 micro-batches: every mid-step file (steps 1, 2, 5) resumed 0.008-0.052 off the straight run,
+    last.ckpt too. The save waits for the end of the step now, with that validation's val_loss, and each file
+    resumes bitwise; a fit stopped at that validation still saves its state there."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit._user_project_helpers import UserLM, _equal
+    from tests.unit.test_own_project_epoch_stops import _data
+
+    class Validated(UserLM):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.cross_entropy(self.head(self.embed(batch["input_ids"])).flatten(0, 1),
+                                                 batch["labels"].flatten()))
+
+    class StopAtValidation(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    def fit(run: str, ckpt_path=None, callbacks=()) -> L.Trainer:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / run, filename="{step}", monitor="val_loss", save_top_k=-1,
+                               save_last=True)
+        trainer = L.Trainer(accelerator="cpu", max_steps=6, accumulate_grad_batches=3, val_check_interval=4,
+                            limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[ckpt, *callbacks])
+        trainer.fit(Validated(), datamodule=_data(tmp_path), ckpt_path=ckpt_path)
+        return trainer
+
+    straight = fit("straight")
+    files = {p.name: _step(p) for p in (tmp_path / "straight").glob("*.ckpt")}
+    # validations after micro-batches 4, 8, 12 and 16: saved at steps 2, 3, 4 (a step's end already) and 6
+    assert files == {"step=2.ckpt": 2, "step=3.ckpt": 3, "step=4.ckpt": 4, "step=6.ckpt": 6, "last.ckpt": 6}
+    for name in ("step=2.ckpt", "step=3.ckpt"):
+        resumed = fit(f"from-{name}", ckpt_path=tmp_path / "straight" / name)
+        assert _equal(resumed.lightning_module.state_dict(), straight.lightning_module.state_dict())
+        assert _equal(resumed.optimizers[0].state_dict(), straight.optimizers[0].state_dict())
+    stopped = fit("stopped", callbacks=[StopAtValidation()])
+    assert stopped.global_step == 1 and _step(tmp_path / "stopped" / "step=1.ckpt") == 1
+
+    class RaisesAtMicroBatch5(Validated):  # after the validation at micro-batch 4, before step 2's end
+        def training_step(self, batch, batch_idx):
+            if self.trainer.fit_loop.epoch_loop.batch_progress.total.ready == 5 and not hasattr(self, "raised"):
+                self.raised = True
+                raise RuntimeError("a failure of one's own")
+            return super().training_step(batch, batch_idx)
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "again", filename="{step}", monitor="val_loss", save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, accumulate_grad_batches=3, val_check_interval=4,
+                        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ckpt])
+    module = RaisesAtMicroBatch5()
+    with pytest.raises(RuntimeError, match="of one's own"):
+        trainer.fit(module, datamodule=_data(tmp_path))
+    # the same Trainer fitted again owes the failed fit no save (it saved at its first step's end, where no val_loss
+    # was logged yet: MisconfigurationException, could not find the monitored key)
+    trainer.fit(module, datamodule=_data(tmp_path))
+    assert trainer.global_step == 6

@@ -19,7 +19,10 @@ wrote ``last-v1.ckpt`` beside ``last.ckpt`` and never removed the old top-k file
 Under gradient accumulation a save at a train batch's end (``train_time_interval``) waits for the end of the optimizer
 step: Lightning's saved at the first micro-batch past the interval, mid-step, without the gradients accumulated so far,
 so a resume from that file ran its next step on the step's remaining micro-batches only (3 of 4, its loss still
-divided by 4) and ended off a straight run (``every_n_train_steps`` saves at a step's end already).
+divided by 4) and ended off a straight run (``every_n_train_steps`` saves at a step's end already). So does the save at
+a validation that Lightning runs mid-step (a project's ``val_check_interval`` in micro-batches that is no multiple of
+``accumulate_grad_batches``; ``train.py`` scales it to steps): it is made at that step's end, with the validation's
+metrics (a fit stopped at that validation saves there).
 
 An ``every_n_train_steps`` save at a step that ends with a validation is made at that validation's end (as Lightning
 does for an epoch's last batch), with its ``val/loss``: Lightning's, at the batch's end, named and ranked the file by
@@ -80,6 +83,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                       "True or False" + (" or 'link'" if name == "save_last" else "") + " (or None: the default)")
         super().__init__(*args, **kwargs)
         self._dirpath_from_trainer: str | None = None  # the dirpath setup took from a Trainer (none was given)
+        self._save_at_step_end = False  # a validation ran mid-step: its save comes at that step's end
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -87,6 +91,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         loop = trainer.fit_loop.epoch_loop
         if mid_accumulation(trainer):  # mid-step: its accumulated grads are in no checkpoint
             return
+        if self._save_at_step_end:  # a validation's save, now at the end of the step it ran in
+            self._save_at_step_end = False
+            self._save_at_validation(trainer)
         if (self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
                 and not self._should_skip_saving_checkpoint(trainer)
                 and not self._should_save_on_train_epoch_end(trainer)
@@ -97,12 +104,23 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
+        # a validation after a micro-batch that is not its step's last (a val_check_interval in batches that is no
+        # multiple of accumulate_grad_batches) saves at that step's end: the file held a step half accumulated, whose
+        # grads are in no checkpoint, and a resume from it ran that step on its remaining micro-batches
+        self._save_at_step_end = trainer.state.fn == "fit" and not trainer.sanity_checking and mid_accumulation(trainer)
+        if not self._save_at_step_end:
+            self._save_at_validation(trainer)
+
+    def _save_at_validation(self, trainer: L.Trainer) -> None:
+        super().on_validation_end(trainer, trainer.lightning_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._save_at_step_end:  # the fit stopped mid-step (should_stop at that validation): save what it holds
+            self._save_at_step_end = False
+            self._save_at_validation(trainer)
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
@@ -117,6 +135,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         note_stage(self, stage)
+        if stage == "fit":
+            self._save_at_step_end = False  # (a fit that raised after a mid-step validation owes no save)
         if stage == "fit" and trainer.global_step == 0:  # (before a ckpt_path's state is loaded)
             self._start_fresh()
         given = self.dirpath is not None
