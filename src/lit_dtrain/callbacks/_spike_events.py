@@ -47,6 +47,12 @@ class SpikeEvents:
         if self._sampler is None and self.excluded:
             self._excluded_dev = torch.as_tensor(sorted(set(self.excluded)), dtype=torch.long, device=device)
 
+    def _keep_step_buffers(self, pl_module) -> None:
+        """At a step's first micro-batch: the module's buffers, put back if the step is dropped (the skipped batch's
+        forward moved BatchNorm's running statistics: a corrupt batch's running_var 0.57 -> 371, skipped)."""
+        if self._step_buffers is None and {"skip", "rollback"} & set(self.actions):
+            self._step_buffers = step_ops.buffer_values(pl_module)
+
     def _start_event(self, trainer, optimizer, step: int, decision) -> None:
         only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
         actions = ["skip"] if only_excluded else list(self.actions)
@@ -55,6 +61,9 @@ class SpikeEvents:
         if drop_step:
             self._saved_scaler = snapshots.scaler_state(trainer)
             step_ops.drop_grads(trainer, optimizer)
+            # now, not at batch end: a weight average updated there (Lightning's EMAWeightAveraging, listed before
+            # this callback) would take in the dropped forwards' buffers (a rollback then restores the snapshot's)
+            step_ops.restore_buffers(trainer.lightning_module, self._step_buffers or [])
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,

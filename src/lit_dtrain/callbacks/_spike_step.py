@@ -3,6 +3,7 @@
 - :func:`step_measurements`: the step's loss, global grad norm and excluded-sample hits, with one all-reduce;
 - :func:`drop_grads`: make the coming optimizer step a no-op (also under the ``16-mixed`` GradScaler);
 - :func:`scaler_skips_step`: whether the GradScaler has already decided to skip the step;
+- :func:`buffer_values`, :func:`restore_buffers`: the buffers from before the step, put back when it is dropped;
 - :func:`nonfinite_grad_fix`: what ``LitLLM``'s stop at non-finite gradients tells the user to change.
 """
 
@@ -88,6 +89,27 @@ def drop_grads(trainer, optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def buffer_values(module) -> list[tuple[str, torch.Tensor]]:
+    """A copy of every buffer of ``module``, taken before the step's first forward: the forwards of a step that is
+    then dropped update buffers too (BatchNorm's running statistics and batch counter), which no optimizer step
+    undoes; :func:`restore_buffers` puts them back."""
+    return [(name, buffer.detach().clone()) for name, buffer in module.named_buffers()]
+
+
+def restore_buffers(module, values: list[tuple[str, torch.Tensor]]) -> None:
+    """Put back the buffers :func:`buffer_values` copied (in place, so that a DDP wrapper keeps broadcasting the same
+    tensors; a buffer the module has since replaced by one of another shape or dtype is set back whole)."""
+    with torch.no_grad():
+        for name, value in values:
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            buffer = getattr(owner, leaf)
+            if isinstance(buffer, torch.Tensor) and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                buffer.copy_(value)
+            else:
+                setattr(owner, leaf, value.to(buffer.device) if isinstance(buffer, torch.Tensor) else value)
 
 
 def is_last_step(trainer) -> bool:

@@ -7,9 +7,9 @@ the loss, optionally of the grad norm; a non-finite loss or grad always counts; 
 
 - ``log``: TensorBoard scalars and a text event, plus a console warning;
 - ``skip``: the step is not applied: every grad is set to None (torch optimizers then leave the parameters
-  and their state untouched), the GradScaler is restored after Lightning stepped it, and a strategy that
-  holds per-step state undoes the step (``CompressedDDPStrategy``: the spike's gradient, already folded
-  into the error-feedback residual by the comm hook, is taken out again);
+  and their state untouched), the module's buffers (BatchNorm's statistics) and the GradScaler are restored, and a
+  strategy that holds per-step state undoes the step (``CompressedDDPStrategy``: the spike's gradient, already
+  folded into the error-feedback residual by the comm hook, is taken out again);
 - ``rollback``: model, optimizer (and GradScaler, and the strategy's comm state) are restored from an
   in-memory CPU snapshot taken every ``snapshot_every`` steps (at least ``rollback_min_age`` steps older
   than the spike), PaLM-style;
@@ -216,6 +216,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
         self._hit_excluded: torch.Tensor | None = None
         self._pending: dict | None = None
         self._level_shifts: list[tuple] = []  # (event, message) of this step's accepted level shifts (loss, grad norm)
+        self._step_buffers: list | None = None  # the module's buffers before this step's first forward (skip)
 
     # ---- setup --------------------------------------------------------------------------------------------
     @override
@@ -269,6 +270,7 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._batch_index = batch_sample_indices(batch, self.actions)
+        self._keep_step_buffers(pl_module)
         if self._no_sampler_note is not None:
             rank_zero_warn(self._no_sampler_note)
             self._no_sampler_note = None
