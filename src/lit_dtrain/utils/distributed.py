@@ -91,8 +91,7 @@ class PeerRankFailedError(RuntimeError):
 
 
 class FirstConnectionError(RuntimeError):
-    """The ranks did not all connect within the connection timeout (``strategy.connect_timeout_s``), or could not
-    start to (rank 0's port taken by another process)."""
+    """The ranks did not connect within ``strategy.connect_timeout_s``, or rank 0's port was taken."""
 
 
 def is_collective_failure(exc: BaseException) -> bool:
