@@ -90,6 +90,15 @@ class EvenEpochsFSDPStrategy(RankFailureRecords, FirstConnection, EpochLengthChe
         if isinstance(self.model, FullyShardedDataParallel):
             self._wrapped_root = self.model
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, a plain optimizer's state (a DDP checkpoint) renumbered first in the model's order, as
+        Lightning reads it (:mod:`~lit_dtrain.strategies.fsdp_resume`)."""
+        from lit_dtrain.strategies.fsdp_resume import renumber_in_model_order
+        from lit_dtrain.utils.fsdp_load import transformed_on_read
+
+        with transformed_on_read(lambda checkpoint: renumber_in_model_order(checkpoint, self.optimizers, self.model)):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+
     @property
     def accelerator(self) -> Any:
         return self._accelerator
