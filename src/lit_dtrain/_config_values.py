@@ -153,10 +153,13 @@ def check_datamodule_arguments(cfg: DictConfig) -> None:
     """``LMDataModule``'s own argument checks (``data.batch_size=0``, a source's ``weight=inf``, ``data.cache_dir=''``,
     ``data.sampler.min_prob=2``) with the config checks: it is built here once and dropped (its ``__init__`` and its
     samplers' read no file and draw nothing; the corpus is read in ``prepare_data``). They were refused as the run
-    built it, after 'Seed set to 1337'. A datamodule of one's own is checked as the run builds it (its ``__init__``
-    may do anything)."""
+    built it, after 'Seed set to 1337'; so were a corpus path that does not exist and a cache dir below a file
+    (:func:`~lit_dtrain.data._datamodule_checks.check_source_paths`). A datamodule of one's own is checked as the
+    run builds it (its ``__init__`` may do anything)."""
     node = cfg.get("data")
     if isinstance(node, DictConfig) and node.get("_target_") == "lit_dtrain.data.LMDataModule":
         from hydra.utils import instantiate
 
-        instantiate(node, _convert_="all")  # the same call as train()'s
+        from lit_dtrain.data._datamodule_checks import check_source_paths
+
+        check_source_paths(instantiate(node, _convert_="all"))  # the same call as train()'s

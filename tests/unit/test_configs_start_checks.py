@@ -285,3 +285,28 @@ def test_the_datamodules_own_argument_checks_come_before_the_seed(tiny_cfg, monk
     with pytest.raises(Exception) as refused:
         train(tiny_cfg(*override.split(" ")))
     assert words in f"{refused.value} {refused.value.__cause__}"
+
+
+def test_a_missing_corpus_path_or_a_cache_dir_below_a_file_is_refused_before_the_seed(tiny_cfg, tmp_path,
+                                                                                         monkeypatch):
+    """Both were refused in prepare_data, after 'Seed set to 1337' and with config_resolved.yaml written (the cache
+    dir after the whole corpus was read): one line before the seed now, naming the key. A cache dir that cannot be
+    written to is not refused here: another user's read-only cache dir serves its caches."""
+    import lightning as L
+
+    from lit_dtrain.data.corpus import CorpusError
+    from lit_dtrain.train import train
+
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("seeded before the config was refused"))
+    (tmp_path / "a_file").write_text("x")
+    for overrides, line in [
+        ([f"data.sources.0.paths=[{tmp_path / 'nope'}]"],
+         f"data.sources.0 (data source 'text'): path '{tmp_path / 'nope'}' does not exist"),
+        ([f"data.cache_dir={tmp_path / 'a_file' / 'cache'}"],
+         f"data.cache_dir='{tmp_path / 'a_file' / 'cache'}' cannot hold token caches: '{tmp_path / 'a_file'}' is a "
+         "file, not a directory; move it away or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"),
+    ]:
+        with pytest.raises(CorpusError) as refused:
+            train(tiny_cfg(*overrides))
+        assert str(refused.value) == line
+    assert not (tmp_path / "run" / "config_resolved.yaml").exists()

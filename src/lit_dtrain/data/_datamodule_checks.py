@@ -4,11 +4,15 @@ several ranks) that every rank read the same data."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch.distributed as dist
 
+from lit_dtrain.data._path_problems import missing_path_reason
+from lit_dtrain.data._unwritable import path_in_the_way
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, default_source_name
 from lit_dtrain.data.windows import _cache_key
 
@@ -35,6 +39,23 @@ def source_from_config(index: int, entry) -> CorpusSource:
     except CorpusError as e:
         message = str(e).replace(f"data source {name!r}", f"data.sources.{index} (data source {name!r})", 1)
         raise CorpusError(message.replace("data.sources.N.", f"data.sources.{index}.")) from None
+
+
+def check_source_paths(datamodule) -> None:
+    """Before the seed (``check_config``, which builds the datamodule once): a path of a ``files`` source that does
+    not exist, and a token cache dir below a file or a link that leads nowhere, which no run can read or write. Both
+    were refused in ``prepare_data``, after 'Seed set to ...', with the run dir's ``config_resolved.yaml`` written (and
+    the whole corpus read first, for the cache dir). Globs are matched, and a cache dir that cannot be written to is
+    refused, where the corpus is read: another user's cache dir is read-only, and its caches serve."""
+    for index, source in enumerate(datamodule.sources):
+        for raw in source.paths if source.kind == "files" else ():
+            if (why := missing_path_reason(raw)) is not None:
+                raise CorpusError(f"data.sources.{index} (data source {source.name!r}): path {raw!r} {why}")
+    cache_dir = Path(os.path.expanduser(str(datamodule.cache_dir)))
+    if (in_the_way := path_in_the_way(cache_dir)) is not None:
+        reason, fix = in_the_way
+        raise CorpusError(f"data.cache_dir={str(cache_dir)!r} cannot hold token caches: {reason}; {fix} or point "
+                          "LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere")
 
 
 def check_every_rank_read_the_same_data(datamodule) -> None:

@@ -4,6 +4,7 @@ listed, a pipe or device in place of a file. Each answer completes an error line
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import stat
 from pathlib import Path
@@ -31,6 +32,16 @@ def unreachable_reason(path: str | os.PathLike, _depth: int = 0) -> str:
         if broken is not None:
             return f"cannot be reached: {str(broken)!r} {unreachable_reason(broken, _depth + 1)}"
     return "does not exist"
+
+
+def missing_path_reason(raw: str | os.PathLike) -> str | None:
+    """Why ``raw``, a path of a ``files`` corpus source, names nothing to read (``"does not exist"``, or
+    :func:`unreachable_reason`'s reason), or None: it exists, or it is a glob (matched when the corpus is read). A path
+    that exists is that file or directory, even when its name holds ``[``, ``*`` or ``?`` ("notes [v2].txt")."""
+    path = os.path.expanduser(str(raw))
+    if glob.has_magic(path) and not os.path.lexists(path) or os.path.exists(path):
+        return None
+    return unreachable_reason(path)
 
 
 def _hops(link: str | os.PathLike) -> tuple[str, str]:

@@ -19,12 +19,20 @@ def why_unwritable(error: OSError, cache_dir: Path) -> tuple[str, str]:
         return reason + " (is the disk full?)", "free space there"
     if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return reason, "make it writable"
-    for path in (cache_dir, *cache_dir.parents):
-        if os.path.islink(path) and not os.path.exists(path):  # was "File exists; free space there"
-            why = unreachable_reason(path)
-            return f"{str(path)!r} {why}", "mount or create its target" if "broken" in why else "fix the link"
-        if path.exists() and not path.is_dir():  # was "File exists; free space there"
-            return f"{str(path)!r} is a file, not a directory", "move it away"
+    if (in_the_way := path_in_the_way(cache_dir)) is not None:  # was "File exists; free space there"
+        return in_the_way
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return reason, "free space there"
     return reason, "fix that"
+
+
+def path_in_the_way(cache_dir: Path) -> tuple[str, str] | None:
+    """``(reason, fix)`` where ``cache_dir`` or a dir above it is a file or a symbolic link that leads nowhere (an
+    unmounted scratch disk), so that no token cache can be read or written there; else None."""
+    for path in (cache_dir, *cache_dir.parents):
+        if os.path.islink(path) and not os.path.exists(path):
+            why = unreachable_reason(path)
+            return f"{str(path)!r} {why}", "mount or create its target" if "broken" in why else "fix the link"
+        if path.exists() and not path.is_dir():
+            return f"{str(path)!r} is a file, not a directory", "move it away"
+    return None

@@ -17,7 +17,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lit_dtrain.data._path_problems import special_file_kind, unenterable, unlistable, unreachable_reason
+from lit_dtrain.data._path_problems import (
+    missing_path_reason,
+    special_file_kind,
+    unenterable,
+    unlistable,
+    unreachable_reason,
+)
 from lit_dtrain.data.walking import _files_below, walk_glob, without_unfollowable_links
 from lit_dtrain.utils.args import is_number, type_name
 from lit_dtrain.utils.rank_zero import log_once
@@ -178,8 +184,9 @@ def resolve_files(source: CorpusSource) -> list[Path]:
     globbed_dirs: list[tuple] = []  # (glob, directories it matched without their files, a glob for those)
     for raw in source.paths:
         path = os.path.expanduser(str(raw))
-        # a path that exists is that file or directory, even when its name holds '[', '*' or '?' ("notes [v2].txt")
-        if glob.has_magic(path) and not os.path.lexists(path):
+        if (why := missing_path_reason(raw)) is not None:  # (refused before the seed too: check_source_paths)
+            raise CorpusError(f"data source {source.name!r}: path {raw!r} {why}")
+        if glob.has_magic(path) and not os.path.lexists(path):  # (a path that exists is that file or directory)
             hits = [Path(m) for m in walk_glob(path)]
             hits = without_unfollowable_links(hits, walked="**" in path.split("/"))
             try:  # a dir with read but no search permission lists its names, and each stat is refused
@@ -245,7 +252,7 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                     f"data source {source.name!r}: directory {raw!r} has no files matching {source.pattern!r}{hidden}"
                 )
             out.extend(sorted(matches))
-        elif os.path.exists(path):
+        else:  # a file
             kind = special_file_kind(path)
             if kind is not None:
                 raise CorpusError(
@@ -254,8 +261,6 @@ def resolve_files(source: CorpusSource) -> list[Path]:
                     "'zcat corpus.gz > corpus.txt' instead of <(zcat corpus.gz))"
                 )
             out.append(Path(path))
-        else:
-            raise CorpusError(f"data source {source.name!r}: path {raw!r} {unreachable_reason(path)}")
     covered = _dirs_of(out) if globbed_dirs else set()
     for raw, dirs, every_file in globbed_dirs:
         left_out = [d for d in dirs if not _covered(d, covered, os.path.expanduser(str(raw)))]  # another path's?
