@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PYTHON, ROOT, TINY, subprocess_env
+from tests.conftest import PYTHON, ROOT, TINY, make_corpus, subprocess_env
 from tests.e2e._reliability_helpers import assert_refused_once
 
 
@@ -172,3 +172,25 @@ def test_a_ddp_sweep_job_refused_on_every_rank_is_reported_once(tmp_path, corpus
     job_dirs = next((tmp_path / "outputs" / "multiruns").iterdir())
     assert refusal in (job_dirs / str(refused) / "train_ddp_process_1.log").read_text()  # rank 1's job log keeps it
     assert json.loads((job_dirs / str(next_job) / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_ddp_sweep_job_whose_data_rank_0_alone_refused_is_refused_on_every_rank_and_the_next_job_runs(
+        tmp_path, corpus):
+    """Rank 0 alone builds the token cache (Lightning's prepare_data); it refused job 0's corpus, under the run outputs:
+    rank 0 went on to job 1 while rank 1 waited in job 0's pre_setup barrier for strategy.collective_timeout_s (30 min
+    by default; 22 s at 10 s), and the sweep ended there with rank 0's 'a collective failed before training (...
+    Connection closed by peer ...)', job 1 not run. Every rank refuses job 0 with rank 0's error now, at once, and job
+    1 trains (the default timeout: the old wait would outlast the test's 400 s)."""
+    sweep, inside = tmp_path / "sweep", make_corpus(tmp_path / "outputs" / "corpus")
+    args = [f"data.sources.0.paths=[{inside}],[{corpus}]", "trainer.max_steps=2", "trainer.val_check_interval=2",
+            "sample.max_new_tokens=0", f"hydra.sweep.dir={sweep}"]
+    proc = ddp_sweep(tmp_path, corpus, args, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]  # (Hydra's status for a sweep with a failed job)
+    assert "collective failed" not in out and "Timed out" not in out, out[-3000:]
+    refusal = f"data source 'text': its 12 file(s) are all under '{tmp_path / 'outputs'}'"
+    assert out.count(f"job 0 failed: CorpusError: {refusal}") == 1, out[-3000:]  # rank 0's, once
+    assert proc.stderr.count(f"error: {refusal}") == 1, proc.stderr[-3000:]
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 2

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lit_dtrain.callbacks._args import check_arg
 from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.strategies._connect import DEFAULT_CONNECT_S, FirstConnection
+from lit_dtrain.strategies._setup_refusals import SetupRefusalsShared
 from lit_dtrain.strategies.comm import CommSession, Communicator, LoopbackCommunicator, compressed_comm_hook
 from lit_dtrain.strategies.compressed_ddp import (
     CHECKPOINT_KEY,
@@ -45,7 +46,7 @@ from lit_dtrain.strategies.unused_params import advise_the_strategys_flag
 from lit_dtrain.utils.distributed import RankFailureRecords
 
 
-class EvenEpochsDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
+class EvenEpochsDDPStrategy(SetupRefusalsShared, RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
     """Lightning's ``DDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), whose
     first connection waits ``connect_timeout`` (:class:`~lit_dtrain.strategies._connect.FirstConnection`), and whose
     ranks name a rank that raised alone (:class:`~lit_dtrain.utils.distributed.RankFailureRecords`)."""
@@ -60,7 +61,7 @@ class EvenEpochsDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthChec
                                   "which skips the check that the ranks' epochs are of one length")
 
 
-class EvenEpochsFSDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, FSDPStrategy):
+class EvenEpochsFSDPStrategy(SetupRefusalsShared, RankFailureRecords, FirstConnection, EpochLengthCheck, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` refusing ranks whose epochs differ in length (:class:`EpochLengthCheck`), and a
     CPU accelerator when the Trainer is built; its first connection waits ``connect_timeout``
     (:class:`~lit_dtrain.strategies._connect.FirstConnection`).

@@ -31,6 +31,7 @@ from lit_dtrain.config_keys import TIMEOUT_INSTEAD, refuse_unknown_keywords
 from lit_dtrain.errors import ConfigError
 from lit_dtrain.strategies._comm_state import apply_comm_state, gather_comm_state, kept_for_a_resume
 from lit_dtrain.strategies._connect import DEFAULT_CONNECT_S, FirstConnection
+from lit_dtrain.strategies._setup_refusals import SetupRefusalsShared
 from lit_dtrain.strategies.comm import CommSession, Communicator
 from lit_dtrain.strategies.comm_checkpoint import (
     CHECKPOINT_KEY,
@@ -83,7 +84,7 @@ def collective_timeout(seconds: Any, caller: str | None = None, key: str = "coll
     return timedelta(seconds=float(seconds))
 
 
-class CompressedDDPStrategy(RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
+class CompressedDDPStrategy(SetupRefusalsShared, RankFailureRecords, FirstConnection, EpochLengthCheck, DDPStrategy):
     """DDP with compressed gradient all-reduce (fp16/bf16/int8/int4/PowerSGD/top-k/sign) or local updates.
 
     Args:
