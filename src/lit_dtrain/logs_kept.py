@@ -27,10 +27,13 @@ import signal
 import threading
 from pathlib import Path
 
-import lightning as L
-
 from lit_dtrain.callbacks.preemption import STOP_SIGNALS
 from lit_dtrain.run_dirs import CSV_NAME, EVENT_GLOB, event_dirs
+from lit_dtrain.stops_before_training import (  # noqa: F401 - StoppedBeforeTraining, stopped_before_training: here too
+    StoppedBeforeTraining,
+    StopsBeforeTraining,
+    stopped_before_training,
+)
 from lit_dtrain.utils.atomic import write_atomically
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,7 @@ KEPT_DIR = ".logs_kept"  # the copies (named by number: no reader of the run dir
 MANIFEST = "kept.json"  # written last: a copy without it is incomplete, and nothing was cut yet
 
 
-class LogsKeptUntilTraining(L.Callback):
+class LogsKeptUntilTraining(StopsBeforeTraining):
     """A callback and context manager (rank 0's, on a resume): built before the logger cuts the logs of
     ``run_dir``, it keeps a copy of the log dirs' :data:`LOGGER_FILES` (``metrics.csv``, ``hparams.yaml``) and
     :data:`RECORD` (train.py's record, ``spikes.jsonl``) in ``<run_dir>/.logs_kept``, with the names of the event
@@ -56,10 +59,8 @@ class LogsKeptUntilTraining(L.Callback):
     of a refused logger switch) removed."""
 
     def __init__(self, run_dir: str | Path, resumed_step: int | None = None) -> None:
+        super().__init__(resumed_step)  # the checkpoint's step, for the line of a stop signal
         self.run_dir = Path(run_dir)
-        self.resumed_step = resumed_step  # the checkpoint's, for the line of a stop signal (stopped_before_training)
-        self.training_started = False
-        self._previous_handlers: dict[int, object] = {}
         put_back_a_killed_starts_logs(self.run_dir)  # (train() did at its start: a project of one's own)
         kept = self.run_dir / KEPT_DIR
         dirs = _dirs(self.run_dir)
@@ -78,51 +79,21 @@ class LogsKeptUntilTraining(L.Callback):
     def _name(self, path: Path) -> str:
         return path.relative_to(self.run_dir).as_posix()
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.cut_stands()
+    keeps_logs = True
 
     def cut_stands(self) -> None:
         """Training started, or the fit returned (a finished run's restart never starts training): nothing is put back
         from now on."""
-        self.training_started = True
+        super().cut_stands()
         _remove(self.run_dir / KEPT_DIR)
-        self._restore_handlers()
 
     def __enter__(self) -> LogsKeptUntilTraining:
         """SIGTERM and SIGHUP, where their action is the default, raise :class:`StoppedBeforeTraining` until training
         starts, so that the put-back runs: a SIGTERM while a refused resume set up (before Lightning's handler, which
         comes after the checkpoint's load) ended the process with 143 and left ``metrics.csv`` cut (step 4's rows)
-        and ``config_resolved.yaml``/``overrides.yaml`` with the refused values. Lightning's own handler, once
-        registered, calls this one too (it composes the handler it finds): there this one leaves the stop to
-        Lightning's flag, as before."""
-        if threading.current_thread() is threading.main_thread():
-            for s in STOP_SIGNALS:
-                if s != signal.SIGINT and signal.getsignal(s) is signal.SIG_DFL:  # (SIGINT raises KeyboardInterrupt)
-                    self._previous_handlers[s] = signal.signal(s, self._on_stop_signal)
+        and ``config_resolved.yaml``/``overrides.yaml`` with the refused values."""
+        super().__enter__()
         return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._restore_handlers()
-        if exc_type is not None and not self.training_started:
-            self.put_back()
-            if isinstance(exc, StoppedBeforeTraining):
-                stopped_before_training(exc.signum, self.resumed_step)
-
-    def _on_stop_signal(self, signum, frame) -> None:
-        if signal.getsignal(signum) != self._on_stop_signal:  # within Lightning's handler: its flag stops the fit
-            return
-        if self.training_started:  # put back by Lightning's teardown after the fit: the default action
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
-        raise StoppedBeforeTraining(signum)
-
-    def _restore_handlers(self) -> None:
-        """Only where this callback's handler is still the one installed (Lightning's composes it: left as it is)."""
-        if threading.current_thread() is threading.main_thread():
-            for s, previous in self._previous_handlers.items():
-                if signal.getsignal(s) == self._on_stop_signal:
-                    signal.signal(s, previous)
 
     def put_back(self) -> None:
         put_back_kept_logs(self.run_dir)
@@ -175,33 +146,6 @@ def _remove(kept: Path) -> None:
     """The copy's manifest first: a kill while the copy is removed leaves no manifest to copies that are gone."""
     (kept / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(kept, ignore_errors=True)
-
-
-class StoppedBeforeTraining(SystemExit):
-    """A SIGTERM or SIGHUP before training started: exit status 128 + the signal, as its default action's, once the
-    logs are put back (a ``SystemExit``, so that no ``except Exception`` takes it for an error)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-def stopped_before_training(signum: int, resumed_step: int | None) -> None:
-    """The lines of a resume that a stop signal ended before training (:class:`StoppedBeforeTraining`), its logs put
-    back: the process exited with 143 without a word, where a stop in training names its checkpoint and the resume.
-    What to run is the same command (a multirun's job: the same -m arguments with its sweep dir): the checkpoint it
-    was resuming is as it was."""
-    from lit_dtrain.sigterm_exit import train_resume_hint
-    from lit_dtrain.sweeps import in_multirun
-    from lit_dtrain.utils.rank_zero import launched_world_size, rank_labelled
-
-    name = signal.Signals(signum).name
-    step = f" from step {resumed_step}" if resumed_step is not None else ""
-    again = f"resume with {train_resume_hint(None)}" if in_multirun() else f"run the same command again to resume{step}"
-    log.warning("stopped by %s before training, resuming%s: nothing trained, the logs are as they were; %s", name,
-                step, again)
-    log.info(rank_labelled("exiting with status %d (stopped by %s, not finished)", launched_world_size()),
-             128 + signum, name)
 
 
 def _dirs(run_dir: Path) -> list[Path]:

@@ -78,6 +78,7 @@ from lit_dtrain.sigterm_exit import (
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins, warn_about_a_requeued_fresh_start
 from lit_dtrain.stop_reason import agree_on_early_stop, early_stop_kept, stop_reason, warn_if_the_schedule_did_not_end
+from lit_dtrain.stops_before_training import StopsBeforeTraining
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.strategies.comm_checkpoint import refuse_another_preset
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
@@ -297,13 +298,14 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     with trainer_strategy(cfg) as strategy:  # strategy=auto on several processes: Lightning's "ddp", as strategy=ddp's
         if ckpt_path:  # another codec's state: refused before the logger cuts the run's logs at the checkpoint's step
             refuse_another_preset(strategy, ckpt_path)
-        # a resume refused from here to the fit's load: the logs build_logger cuts are put back (logs_kept.py)
+        # a resume refused from here to the fit's load: the logs build_logger cuts are put back (logs_kept.py); a stop
+        # signal until training starts says so on every rank, fresh starts too (stops_before_training.py)
         kept = LogsKeptUntilTraining(cfg.paths.output_dir, start_step) if ckpt_path and rank_zero_only.rank == 0 \
-            else None
-        held.enter_context(kept or contextlib.nullcontext())
+            else StopsBeforeTraining(start_step if ckpt_path else None)
+        held.enter_context(kept)
         logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(
-            cfg.trainer, callbacks=[*callbacks, *([kept] if kept else [])], logger=logger, strategy=strategy,
+            cfg.trainer, callbacks=[*callbacks, kept], logger=logger, strategy=strategy,
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
             **extra,
         )
@@ -325,8 +327,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
         raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name, ckpt_dir=cfg.paths.checkpoint_dir)) from None
-    if kept:  # the fit returned: its cut stands (a finished run's restart validates again)
-        kept.cut_stands()
+    kept.cut_stands()  # the fit returned: its cut stands (a finished run's restart validates again)
     t1 = time.perf_counter()
     fit_seconds = t1 - t0
     train_seconds = t1 - clock.start if clock.start is not None else fit_seconds

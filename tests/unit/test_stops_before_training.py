@@ -1,0 +1,52 @@
+"""A SIGTERM or SIGHUP before training (the fit's setup, the checkpoint's load) on a rank that keeps no logs: a fresh
+start's, or rank 1 of a resume. It took the default action (-15, no line); the 2-rank launch is
+``tests/e2e/test_stop_before_training_ddp.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_dtrain.stops_before_training import StopsBeforeTraining
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lit_dtrain.logs_kept"]
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_fresh_start_stopped_before_training_says_so(caplog, name):
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    signum = getattr(signal, name)
+    with pytest.raises(SystemExit, match=str(128 + signum)), StopsBeforeTraining():
+        os.kill(os.getpid(), signum)
+    assert signal.getsignal(signum) is signal.SIG_DFL  # put back
+    assert _lines(caplog) == [
+        f"stopped by {name} before training (a new run): nothing trained, no checkpoint written; run the same "
+        "command again to start it",
+        f"exiting with status {128 + signum} (stopped by {name}, not finished)",
+    ]
+
+
+def test_rank_1_of_a_resume_stopped_before_training_says_so_in_one_labelled_line(caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="143"), StopsBeforeTraining(resumed_step=4):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert _lines(caplog) == [
+        "[rank: 1] stopped by SIGTERM before training, resuming from step 4: nothing trained; run the same command "
+        "again to resume from step 4; exiting with status 143 (not finished)",
+    ]
+
+
+def test_after_training_started_the_signal_is_not_its_own():
+    """on_train_start hands the signals back (to the handler from before: here the default one)."""
+    stops = StopsBeforeTraining()
+    with stops:
+        stops.on_train_start(None, None)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
