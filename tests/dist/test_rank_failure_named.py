@@ -168,3 +168,43 @@ def test_a_resume_rank_1_alone_refuses_is_named_at_the_checkpoints_step_not_at_s
     assert r0["message"].startswith(
         "rank 0: rank 1 stopped before training, resuming from step 4: ConfigError: refused at the load on rank 1; "
         "this rank's next collective then failed before training, resuming from step 4 ("), r0
+
+
+RANK_0_FAILS_ALONE = '''
+import sys, time, datetime
+import torch, torch.distributed as dist
+from lit_dtrain.utils.distributed import destroy_process_group_at_exit, explain_collective_failure, record_rank_failure
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+destroy_process_group_at_exit()  # train()'s
+dist.barrier()
+if rank == 0:  # a resume rank 0 alone refused: its error recorded, then the process ends
+    record_rank_failure(ValueError("refused on rank 0 alone"), " before training")
+    sys.exit(1)
+time.sleep(3)  # still loading the checkpoint when rank 0 refused: its next collective comes after rank 0 ended
+try:
+    dist.all_reduce(torch.ones(1))
+except RuntimeError as e:
+    print("LINE:", explain_collective_failure(e), flush=True)
+'''
+
+
+def test_a_rank_0_that_fails_alone_keeps_the_store_for_the_other_ranks_read(tmp_path):
+    """Rank 0's process holds the store (no torchrun agent): a resume rank 0 alone refused left rank 1 with torch's
+    ~30-frame 'recvValue failed' warning and a line that did not name rank 0's error (the store was gone with rank 0's
+    process). Rank 0 keeps it at exit until rank 1 has read it (``utils.store_kept``)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port, subprocess_env
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_0_FAILS_ALONE, str(r), str(port)],
+                              env=subprocess_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    (_, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [1, 0], err0[-2000:] + err1[-2000:]
+    assert "recvValue failed" not in err1, err1[-3000:]
+    assert "LINE: rank 1: rank 0 stopped before training: ValueError: refused on rank 0 alone. This rank's next " \
+           "collective with that peer then failed" in out1, out1 + err1[-3000:]

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from lit_dtrain.utils.loop import fit_position
+from lit_dtrain.utils.store_kept import note_record_use, store_kept_then_group_destroyed
 
 _registered = False
 
@@ -23,16 +24,11 @@ def destroy_process_group_at_exit() -> None:
     ("terminate called without an active exception", SIGABRT, pytorch#190489): its worker threads outlive the
     interpreter. Two gloo ranks that ran a few all-reduces and exited without ``destroy_process_group`` aborted in
     2 of 20 runs here (torch 2.13, CPU), 0 of 20 with it, and one CI run of ``train.py -m`` with DDP failed so. The
-    handler runs while the interpreter is still alive; a group already destroyed is left alone.
-    """
+    handler runs while the interpreter is still alive; a group already destroyed is left alone."""
     global _registered
     if not _registered:
-        atexit.register(_destroy_default_group)
+        atexit.register(store_kept_then_group_destroyed)  # rank 0 keeps the store for a peer's read: store_kept.py
         _registered = True
-
-
-def _destroy_default_group() -> None:
-    destroy_default_group()
 
 
 def destroy_default_group(single_process_only: bool = False) -> bool:
@@ -169,6 +165,7 @@ def record_rank_failure(exc: BaseException, where: str = "") -> None:
         return
     try:
         store.set(_FAILURE_KEY.format(_fit_generation, rank), failure_line(exc, rank, where))
+        note_record_use()  # rank 0, which holds the store, waits for this rank at exit (utils/store_kept.py)
     except Exception:  # noqa: BLE001 - the store may be gone already (its host rank exited)
         pass
 
@@ -204,6 +201,7 @@ def peer_failures(wait_s: float = 1.0) -> list[str]:
         while True:
             found = [store.get(k).decode(errors="replace") for k in keys if store.check([k])]
             if found or time.monotonic() >= deadline:
+                note_record_use(bool(found))  # rank 0 waits for this rank at exit, when it recorded one
                 return found
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store's host rank (rank 0) may be gone
