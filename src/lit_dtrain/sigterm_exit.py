@@ -220,12 +220,10 @@ def interrupted_by_ctrl_c(checkpoint_dir: str, ckpt_path=None, key: str = "ckpt_
 
     if in_multirun():  # a job's bare resume=auto is refused (it needs the sweep dir), as the SIGTERM lines say
         kept += f"; resume with {train_resume_hint(None)}"
-    # rank 0's: Ctrl-C reaches every rank (a terminal's process group), and each torchrun worker wrote this line,
-    # unlabelled, alike; each rank's own exit line below is labelled
+    # rank 0's: Ctrl-C reaches every rank, and each torchrun worker wrote this line alike (the exit line is labelled)
     log_once(log, logging.WARNING, "interrupted by SIGINT (Ctrl-C); %s", kept)
-    # '[rank: N]' under several processes (each worker wrote it unlabelled: Ctrl-C to a torchrun in its start-up)
-    log.info(rank_labelled("exiting with status %d (interrupted, not finished)", launched_world_size()),
-             INTERRUPTED_EXIT_STATUS)
+    status = INTERRUPTED_EXIT_STATUS  # '[rank: N]' under several processes (each worker's line was unlabelled)
+    log.info(rank_labelled("exiting with status %d (interrupted, not finished)", launched_world_size()), status)
     return INTERRUPTED_EXIT_STATUS
 
 
