@@ -258,3 +258,39 @@ def test_a_validation_in_the_middle_of_an_accumulation_saves_at_that_steps_end(t
     # was logged yet: MisconfigurationException, could not find the monitored key)
     trainer.fit(module, datamodule=_data(tmp_path))
     assert trainer.global_step == 6
+
+
+def test_a_mid_step_validations_save_gives_way_to_the_validation_at_that_steps_end(tmp_path):
+    """val_check_interval=2 (micro-batches) under accumulate_grad_batches=3 validates after micro-batches 4 (mid-step
+    2) and 6 (step 2's end). The save of the mid-step one, made at step 2's end, took that step's file before step 2's
+    own validation ran: step=2 was named and ranked by the validation of step 1's weights (5.66788 where step 2's gave
+    5.54834; the last, step=4, 5.43072 for 5.32374, the best never ranked), and the step's own validation was then
+    skipped as saved; a resume from that file, saved before it, never ran it. That validation saves now."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit._user_project_helpers import UserLM
+    from tests.unit.test_own_project_epoch_stops import _data
+
+    at_step_end = {}  # global_step -> val_loss of the validation run at that step's end
+
+    class Validated(UserLM):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.cross_entropy(self.head(self.embed(batch["input_ids"])).flatten(0, 1),
+                                                 batch["labels"].flatten()))
+
+        def on_validation_end(self):
+            if self.trainer.fit_loop.epoch_loop.batch_progress.total.ready % 3 == 0:
+                at_step_end[self.trainer.global_step] = float(self.trainer.callback_metrics["val_loss"])
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{step}", monitor="val_loss", save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, accumulate_grad_batches=3, val_check_interval=2,
+                        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ckpt])
+    trainer.fit(Validated(), datamodule=_data(tmp_path))
+    scores = {_step(Path(path)): float(score) for path, score in ckpt.best_k_models.items()}
+    assert sorted(at_step_end) == [2, 4] and scores[2] == at_step_end[2] and scores[4] == at_step_end[4]
+    assert ckpt.best_model_score == at_step_end[4] and _step(Path(ckpt.best_model_path)) == 4
+    saved = torch.load(tmp_path / "step=2.ckpt", map_location="cpu", weights_only=False)
+    assert saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["total"]["completed"] == 3 * 2

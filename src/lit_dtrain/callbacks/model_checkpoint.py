@@ -22,7 +22,8 @@ so a resume from that file ran its next step on the step's remaining micro-batch
 divided by 4) and ended off a straight run (``every_n_train_steps`` saves at a step's end already). So does the save at
 a validation that Lightning runs mid-step (a project's ``val_check_interval`` in micro-batches that is no multiple of
 ``accumulate_grad_batches``; ``train.py`` scales it to steps): it is made at that step's end, with the validation's
-metrics (a fit stopped at that validation saves there).
+metrics (a fit stopped at that validation saves there), unless that step ends with a validation of its own, which
+saves with its metrics (the deferred save took the file first, ranked by the older weights' loss).
 
 An ``every_n_train_steps`` save at a step that ends with a validation is made at that validation's end (as Lightning
 does for an epoch's last batch), with its ``val/loss``: Lightning's, at the batch's end, named and ranked the file by
@@ -91,13 +92,15 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         loop = trainer.fit_loop.epoch_loop
         if mid_accumulation(trainer):  # mid-step: its accumulated grads are in no checkpoint
             return
+        ends_with_validation = loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
         if self._save_at_step_end:  # a validation's save, now at the end of the step it ran in
             self._save_at_step_end = False
-            self._save_at_validation(trainer)
+            if not ends_with_validation:  # else that validation of this step's weights saves, with its own metrics
+                self._save_at_validation(trainer)
         if (self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
                 and not self._should_skip_saving_checkpoint(trainer)
                 and not self._should_save_on_train_epoch_end(trainer)
-                and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)):
+                and ends_with_validation):
             self._defer_save_until_validation = True  # Lightning's own deferral: saved at that validation's end
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
