@@ -135,3 +135,43 @@ def test_a_weight_average_listed_first_takes_in_no_buffers_of_a_skipped_step(tmp
         assert [e["step"] for e in monitor.events] == [10]
         averages.append(ema._average_model.module.state_dict())
     assert all(torch.equal(averages[0][k], averages[1][k]) for k in averages[1])
+
+
+class _CastsItsBuffersInPlace(L.LightningModule):
+    """Casts its buffers to bfloat16 in place at its first forward, as FSDP's mixed precision does in its root
+    pre-forward (``_cast_buffers_to_dtype_and_device``: ``buffer.data = buffer.to(bf16)``), and sums its inputs into a
+    buffer; step 0's targets are inf (a NaN loss, skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 1)
+        self.register_buffer("input_sum", torch.zeros(8))
+        self.cast_tensor, self.at_step = None, {}
+
+    def training_step(self, batch, batch_idx):
+        if self.cast_tensor is None:
+            self.input_sum.data = self.input_sum.to(torch.bfloat16)
+            self.cast_tensor = self.input_sum
+        self.at_step[self.trainer.global_step] = (self.input_sum.dtype, self.input_sum.clone())
+        self.input_sum.add_(batch["x"].sum(0).to(self.input_sum.dtype))
+        y = torch.where(torch.tensor(self.trainer.global_step == 0), torch.inf, batch["y"])
+        return torch.nn.functional.mse_loss(self.net(batch["x"]), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), 1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:LossSpikeMonitor. there is no datamodule")
+def test_a_skip_puts_buffers_back_in_the_dtype_a_cast_in_place_gave_them(tmp_path: Path) -> None:
+    """The buffers copied at the step's start (float32) were set back whole where the forward had cast them in place
+    (FSDP's mixed precision, bfloat16): after the skipped step 0 the module held a new float32 tensor in place of the
+    one FSDP cast (which it never casts again). They are copied into the tensor the module holds now."""
+    module, monitor = _CastsItsBuffersInPlace(), LossSpikeMonitor(actions=["log", "skip"], warmup_steps=5)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                        default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(_Corrupt(), batch_size=8))
+    assert [e["step"] for e in monitor.events] == [0]
+    assert module.input_sum is module.cast_tensor and module.at_step[1][0] == torch.bfloat16
+    assert torch.equal(module.at_step[1][1], torch.zeros(8, dtype=torch.bfloat16))  # step 0's sum put back

@@ -91,22 +91,26 @@ def drop_grads(trainer, optimizer) -> None:
             p.grad = None
 
 
-def buffer_values(module) -> list[tuple[str, torch.Tensor]]:
-    """A copy of every buffer of ``module``, taken before the step's first forward: the forwards of a step that is
-    then dropped update buffers too (BatchNorm's running statistics and batch counter), which no optimizer step
+def buffer_values(module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Every buffer of ``module`` and a copy of it, taken before the step's first forward: the forwards of a step that
+    is then dropped update buffers too (BatchNorm's running statistics and batch counter), which no optimizer step
     undoes; :func:`restore_buffers` puts them back."""
-    return [(name, buffer.detach().clone()) for name, buffer in module.named_buffers()]
+    return [(name, buffer, buffer.detach().clone()) for name, buffer in module.named_buffers()]
 
 
-def restore_buffers(module, values: list[tuple[str, torch.Tensor]]) -> None:
-    """Put back the buffers :func:`buffer_values` copied (in place, so that a DDP wrapper keeps broadcasting the same
-    tensors; a buffer the module has since replaced by one of another shape or dtype is set back whole)."""
+def restore_buffers(module, values: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Put back the buffers :func:`buffer_values` copied, in place (so that a DDP wrapper keeps broadcasting the same
+    tensors) and in the dtype the buffer has now: FSDP's mixed precision casts the buffers it holds in place
+    (``buffer.data = buffer.to(bf16)``) in a step's forward, and setting the float32 copy back whole undid that cast
+    behind its back (a new float32 tensor where FSDP keeps bfloat16 ones). A buffer the module has since replaced by
+    another tensor of another shape or dtype is set back whole."""
     with torch.no_grad():
-        for name, value in values:
+        for name, held, value in values:
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
             buffer = getattr(owner, leaf)
-            if isinstance(buffer, torch.Tensor) and buffer.shape == value.shape and buffer.dtype == value.dtype:
+            if isinstance(buffer, torch.Tensor) and buffer.shape == value.shape and (
+                    buffer is held or buffer.dtype == value.dtype):
                 buffer.copy_(value)
             else:
                 setattr(owner, leaf, value.to(buffer.device) if isinstance(buffer, torch.Tensor) else value)
