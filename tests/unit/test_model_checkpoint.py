@@ -294,3 +294,33 @@ def test_a_mid_step_validations_save_gives_way_to_the_validation_at_that_steps_e
     assert ckpt.best_model_score == at_step_end[4] and _step(Path(ckpt.best_model_path)) == 4
     saved = torch.load(tmp_path / "step=2.ckpt", map_location="cpu", weights_only=False)
     assert saved["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["total"]["completed"] == 3 * 2
+
+
+def test_an_every_n_train_steps_save_at_an_epochs_last_batch_without_a_validation_is_made_there(tmp_path):
+    """Lightning defers a step-triggered save at an epoch's last batch to the validation it takes to follow it; with a
+    val_check_interval (4 batches) that does not divide the epoch (9) none runs there: every_n_train_steps=3 over 2
+    epochs wrote no step=9 (its save was made at step 13's validation, as step=13) and no step=18, and last.ckpt ended
+    at step 15 of 18. Such a save is made at that batch now (a monitor no validation has logged yet still waits for
+    one: step 3's file is step 4's, as Lightning's)."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lit_dtrain.callbacks import ModelCheckpoint
+    from tests.unit._user_project_helpers import UserLM
+    from tests.unit.test_own_project_epoch_stops import _data
+
+    class Validated(UserLM):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.cross_entropy(self.head(self.embed(batch["input_ids"])).flatten(0, 1),
+                                                 batch["labels"].flatten()))
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "c", filename="{step}", monitor="val_loss", save_top_k=-1,
+                           save_last=True, every_n_train_steps=3)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=9, val_check_interval=4,
+                        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ckpt])
+    trainer.fit(Validated(), datamodule=_data(tmp_path))
+    files = {p.name: _step(p) for p in (tmp_path / "c").glob("*.ckpt")}
+    assert trainer.global_step == 18 and files == {
+        "step=4.ckpt": 4, "step=6.ckpt": 6, "step=9.ckpt": 9, "step=12.ckpt": 12, "step=15.ckpt": 15,
+        "step=18.ckpt": 18, "last.ckpt": 18}

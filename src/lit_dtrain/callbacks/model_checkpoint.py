@@ -30,6 +30,9 @@ does for an epoch's last batch), with its ``val/loss``: Lightning's, at the batc
 the previous validation's loss, and a resume from it skipped that validation (Lightning takes a checkpoint saved at a
 train batch's end as past it), so after a kill during it a resumed run never ran it, and the run's last top-k file was
 not written (``resume=auto`` had no ``val/loss`` at the next save point, and the fit ended before a validation).
+One at an epoch's last batch that no validation follows (a ``val_check_interval`` in batches that does not divide the
+epoch) is made there: Lightning's waited for the validation it takes to follow an epoch's last batch, so that step was
+in no file (with ``every_n_train_steps=3`` over 2 epochs of 9 batches, a validation every 4: ``last.ckpt`` at step 15).
 
 A fit that resumed ``last.ckpt`` itself and trained no step (a finished run's ``resume=auto``) leaves it as it is:
 Lightning's save at train end rewrote it with its ``Timer`` grown by that fit's brief run, so the time a
@@ -103,7 +106,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 and ends_with_validation):
             self._defer_save_until_validation = True  # Lightning's own deferral: saved at that validation's end
             return
+        deferred = self._defer_save_until_validation
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._defer_save_until_validation and not deferred and not ends_with_validation:
+            # Lightning defers a save at an epoch's last batch to the validation it takes to follow it, which a
+            # val_check_interval in batches that does not divide the epoch never runs: the fit's last step was in no
+            # file (every_n_train_steps=1, a validation every 4 of 9 batches: last.ckpt at step 8 of 9)
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor in candidates:  # (a monitor no validation has logged yet waits for one, as Lightning's)
+                self._defer_save_until_validation = False
+                if not self._should_skip_saving_checkpoint(trainer):
+                    self._save_topk_checkpoint(trainer, candidates)
+                    self._save_last_checkpoint(trainer, candidates)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
