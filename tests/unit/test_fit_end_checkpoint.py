@@ -42,6 +42,7 @@ def test_only_a_checkpoint_of_this_step_written_between_syncs_is_warned_about():
     (True, 3, True, True),      # every sync early: the period never adapts
     (True, 4, True, False),     # the period can end before a validation
     (True, 0.5, True, False),   # a fraction of the epoch: not a step count to compare
+    (True, 0, True, False),     # no step count (0 was read as validations before every period end)
     (True, 3, False, False),    # validations between syncs do not sync: the period adapts
     (False, 3, True, False),    # a fixed period has nothing to adapt
 ])
