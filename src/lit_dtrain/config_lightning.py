@@ -49,7 +49,10 @@ def check_precision(cfg: DictConfig) -> None:
     ``16-true`` with an Adam ``eps`` below fp16's smallest normal number: the second moments are fp16 too, a squared
     gradient below 6e-8 is 0 there (87 % of them at the first step of the nano model), and the update of such an
     entry is ``g / eps``: the weights grew from |w| <= 1 to 105 in one step and the loss was NaN at step 3.
-    ``64-true`` with ``optimizer=adamw8bit``: :data:`lit_dtrain.optim.ADAMW8BIT_FP64`."""
+    ``64-true`` with ``optimizer=adamw8bit``: :data:`lit_dtrain.optim.ADAMW8BIT_FP64`. ``strategy=fsdp`` with
+    ``optimizer=adamw8bit``: FSDP gathers each state tensor as shaped like its parameter, and bitsandbytes' block
+    scales are not, so the run trained up to its first checkpoint and failed there with torch's 'The size of tensor a
+    (32) must match the size of tensor b (96)' (a toy model on 2 gloo ranks; bitsandbytes#89)."""
     from lit_dtrain.optim import ADAMW8BIT_FP64
 
     precision = str(cfg.trainer.get("precision"))
@@ -58,6 +61,12 @@ def check_precision(cfg: DictConfig) -> None:
     if precision in ("64", "64-true") and optimizer.get("_target_") == "lit_dtrain.optim.adamw8bit":
         raise ConfigError(f"trainer.precision={precision} cannot be combined with optimizer=adamw8bit: "
                           f"{ADAMW8BIT_FP64}")
+    strategy = cfg.get("strategy")
+    if (optimizer.get("_target_") == "lit_dtrain.optim.adamw8bit" and isinstance(strategy, DictConfig)
+            and strategy.get("_target_") == "lit_dtrain.strategies.make_fsdp"):
+        raise ConfigError("strategy=fsdp cannot be combined with optimizer=adamw8bit: FSDP cannot save bitsandbytes' "
+                          "8-bit optimizer state (its block scales are not shaped like the parameters), so the run "
+                          "would fail at its first checkpoint. Use optimizer=adamw, or strategy=ddp")
     if precision == "16-true" and isinstance(eps, (int, float)) and eps < FP16_TINY:
         raise ConfigError(
             f"trainer.precision=16-true keeps the optimizer's second moments in fp16, where optimizer.eps={eps} "
