@@ -97,12 +97,15 @@ class _Connecting(FirstConnection, _Lightning):
                                 world_size=2, timeout=timeout)
 
 
-def test_torchs_own_connection_failures_are_told_apart(no_group_left):
+@pytest.mark.parametrize("libuv", ["1", "0"])
+def test_torchs_own_connection_failures_are_told_apart(libuv, monkeypatch, no_group_left):
     """torch's real errors, whose types do not tell a timeout (``_timed_out`` reads their text): rank 0 alone
     (``DistStoreError``) and rank 1 alone (``DistNetworkError``) time out; rank 0's port taken by another process
     (``DistNetworkError``, 'EADDRINUSE') is no timeout, and read as 'a collective failed before training ... Another
-    rank probably died or hung'."""
+    rank probably died or hung'. ``USE_LIBUV=0`` (torch's own socket code): 'errno: 98 - Address already in use'."""
     import socket
+
+    monkeypatch.setenv("USE_LIBUV", libuv)
 
     with pytest.raises(FirstConnectionError, match="^rank 0: only 1 of 2 ranks connected within 1 s "):
         _Connecting(0, free_port()).setup_environment()

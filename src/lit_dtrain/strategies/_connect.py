@@ -155,8 +155,11 @@ def _timed_out(exc: BaseException) -> bool:
 
 
 def _port_in_use(exc: BaseException) -> bool:
-    """Whether rank 0's store could not listen on its port (``MASTER_PORT``), which another process holds."""
-    return isinstance(exc, dist.DistNetworkError) and "eaddrinuse" in str(exc).lower()
+    """Whether rank 0's store could not listen on its port (``MASTER_PORT``), which another process holds: libuv's
+    'EADDRINUSE', or torch's own socket code's 'errno: 98 - Address already in use' (``USE_LIBUV=0``, which read as 'a
+    collective failed before training ... Another rank probably died or hung')."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistNetworkError) and ("eaddrinuse" in text or "address already in use" in text)
 
 
 def first_connection_message(exc: BaseException, rank: int, world_size: int, seconds: float,
@@ -171,7 +174,7 @@ def first_connection_message(exc: BaseException, rank: int, world_size: int, sec
     first = (str(exc).splitlines() or [""])[0][:200]
     joined = re.search(r"(\d+)/(\d+) clients joined", first)
     if _port_in_use(exc):
-        port = re.search(r"port: (\d+)", first)
+        port = re.search(r"port[:=] ?(\d+)", str(exc))
         return (f"rank {rank}: the ranks' first connection could not start: port "
                 f"{port.group(1) if port else os.environ.get('MASTER_PORT', '?')} is taken by another process (another "
                 f"run's rank 0?) ({type(exc).__name__}: {first}): set MASTER_PORT to a free port, or leave it unset "
