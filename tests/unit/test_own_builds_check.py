@@ -44,6 +44,30 @@ def test_a_bad_argument_of_lit_dtrains_own_callback_or_codec_is_refused_before_t
     assert str(error).startswith(f"{key}: "), str(error)
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["strategy=ddp_compressed", "strategy.collective_timeout_s=-5"],
+     "strategy.collective_timeout_s must be a number of seconds > 0, got -5"),
+    (["strategy=ddp_compressed", "strategy.connect_timeout_s=abc"],
+     "strategy.connect_timeout_s must be a number of seconds > 0, got 'abc'"),
+    (["strategy.collective_timeout_s=0"], "strategy.collective_timeout_s must be a number of seconds > 0, got 0"),
+    (["strategy=ddp_compressed/local_sgd", "strategy.compressor=fp16"],
+     "strategy: a local-update rule skips the per-step gradient all-reduce, so a gradient compressor would never run: "
+     "set strategy.compressor=null (compressor=None in Python); a codec for DiLoCo's pseudo-gradient goes in "
+     "strategy.local_update.compressor"),
+])
+def test_the_strategys_own_keys_are_refused_before_the_seed(tiny_cfg, monkeypatch, overrides, line):
+    """The strategy is built after the seed (Lightning's for strategy=auto, inside the Trainer): its timeouts and a
+    compressor beside a local-update rule were refused there, after 'Seed set to 1337'."""
+    import lightning as L
+
+    from lit_dtrain.train import train
+
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("seeded before the config was refused"))
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_cfg(*overrides))
+    assert str(refused.value) == line
+
+
 def _state() -> tuple:
     return (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(),
             {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)})

@@ -52,6 +52,11 @@ def bucket_segments(bucket: dist.GradBucket, names: dict[int, str]) -> list[Segm
     return segments
 
 
+BOTH_MODES = ("a local-update rule skips the per-step gradient all-reduce, so a gradient compressor would never run: "
+              "set strategy.compressor=null (compressor=None in Python); a codec for DiLoCo's pseudo-gradient goes in "
+              "strategy.local_update.compressor")
+
+
 class CommSession:
     """The state of one compressed (or local-update) DDP model: compressor, local rule, counters, metrics.
 
@@ -69,11 +74,7 @@ class CommSession:
         comm: Communicator | None = None,
     ) -> None:
         if compressor is not None and local_update is not None:
-            raise ValueError(
-                "a local-update rule skips the per-step gradient all-reduce, so a gradient compressor would never "
-                "run: set strategy.compressor=null (compressor=None in Python); a codec for DiLoCo's pseudo-gradient "
-                "goes in strategy.local_update.compressor"
-            )
+            raise ValueError(BOTH_MODES)
         self.compressor = compressor if compressor is not None or local_update is not None else NoCompression()
         self.local_update = local_update
         self.comm = comm

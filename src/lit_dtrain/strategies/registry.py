@@ -114,10 +114,23 @@ def check_strategy_specs(cfg: DictConfig) -> None:
     :func:`~lit_dtrain.config_keys.check_target_arguments`'; a mapping inside one (DiLoCo's ``compressor``) is here."""
     from omegaconf import OmegaConf
 
+    from lit_dtrain.strategies.by_name import _config_timeout
+    from lit_dtrain.strategies.comm import BOTH_MODES
+    from lit_dtrain.strategies.compressed_ddp import CompressedDDPStrategy
+
     node = cfg.get("strategy")
+    # the strategy (or Lightning's, for a name) is built after the seed: strategy.collective_timeout_s=-5 and a
+    # compressor beside a local-update rule were refused there, after 'Seed set to 1337'
+    for key in ("collective_timeout_s", "connect_timeout_s") if isinstance(node, DictConfig) else ():
+        if key in node:
+            _config_timeout(node[key], key)
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
     local = node.get("local_update")
+    target = node.get("_target_")
+    if local is not None and node.get("compressor") is not None and isinstance(target, str) and \
+            target.rpartition(".")[2] == CompressedDDPStrategy.__name__:
+        raise ConfigError(f"strategy: {BOTH_MODES}")
     checks = [("strategy.compressor", node.get("compressor"), build_compressor),
               ("strategy.local_update", local, build_local_update)]
     if isinstance(local, DictConfig):
