@@ -84,7 +84,45 @@ def check_own_builds(cfg: DictConfig) -> None:
     'decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps', logged, was printed twice."""
     from hydra.utils import instantiate
 
+    check_fourier_sampler_pairing(cfg)
     for node in own_nodes(cfg):
         with warnings.catch_warnings(), _no_log_records():
             warnings.simplefilter("ignore")
             instantiate(node)
+
+
+def _located(target) -> type | None:
+    """The class a ``_target_`` names, or None where it names none here (its build names it)."""
+    from hydra._internal.utils import _locate  # hydra.utils.get_class logs an ERROR for a target that is no class
+
+    try:
+        found = _locate(str(target))
+    except Exception:  # noqa: BLE001 - not importable here
+        return None
+    return found if isinstance(found, type) else None
+
+
+def check_fourier_sampler_pairing(cfg: DictConfig) -> None:
+    """``FourierSamplerCallback`` chosen (``callbacks=[default,fourier_sampler]``) where ``LMDataModule`` draws with
+    another sampler (the default ``data/sampler=random``): a ``ConfigError`` naming ``data/sampler=fourier``. The
+    callback found it in its ``setup``, inside fit: a TypeError traceback (45 lines) after the seed, the corpus's
+    tokenization and ``config_resolved.yaml``. A datamodule of one's own is the callback's to check."""
+    from lit_dtrain.callbacks.fourier_sampler import FourierSamplerCallback
+    from lit_dtrain.data import LMDataModule
+    from lit_dtrain.data.samplers import FourierSampler
+    from lit_dtrain.errors import ConfigError
+
+    data = cfg.get("data")
+    if not isinstance(data, DictConfig) or _located(data.get("_target_")) is not LMDataModule:
+        return
+    sampler = data.get("sampler")
+    cls = _located(sampler.get("_target_")) if isinstance(sampler, DictConfig) else None
+    if cls is not None and issubclass(cls, FourierSampler):
+        return
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if isinstance(node, DictConfig) and (found := _located(node.get("_target_"))) is not None and \
+                issubclass(found, FourierSamplerCallback):
+            given = cls.__name__ if cls is not None else OmegaConf.to_container(sampler) \
+                if isinstance(sampler, (DictConfig, ListConfig)) else sampler
+            raise ConfigError(f"callbacks.{name} (FourierSamplerCallback) feeds a FourierSampler, and data.sampler is "
+                              f"{given}: select data/sampler=fourier, or drop the callback")

@@ -13,7 +13,7 @@ from lit_dtrain.train import ConfigError
 
 # (wsd beside a scheduler: refused by check_config, not by the build)
 ALL_CALLBACKS = ("callbacks=[default,loss_spike,adaptive_grad_clip,fourier_sampler,optimizer_diagnostics,"
-                 "selective_ckpt,wsd]",)
+                 "selective_ckpt,wsd]", "data/sampler=fourier")  # (the callback feeds the FourierSampler)
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf/strategy/ddp_compressed").glob("*.yaml"))
 
 
@@ -66,6 +66,22 @@ def test_the_strategys_own_keys_are_refused_before_the_seed(tiny_cfg, monkeypatc
     with pytest.raises(ConfigError) as refused:
         train(tiny_cfg(*overrides))
     assert str(refused.value) == line
+
+
+@pytest.mark.parametrize("overrides", [["callbacks=[default,fourier_sampler]"],
+                                       ["callbacks=[default,fourier_sampler]", "data/sampler=random"]])
+def test_the_fourier_callback_without_its_sampler_is_refused_before_the_seed(tiny_cfg, monkeypatch, overrides):
+    """It was FourierSamplerCallback's TypeError in its setup, inside fit: a 45-line traceback after the seed, the
+    corpus's tokenization and config_resolved.yaml."""
+    import lightning as L
+
+    from lit_dtrain.train import train
+
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("seeded before the config was refused"))
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_cfg(*overrides))
+    assert str(refused.value) == ("callbacks.fourier_sampler (FourierSamplerCallback) feeds a FourierSampler, and "
+                                  "data.sampler is RandomSampler: select data/sampler=fourier, or drop the callback")
 
 
 def _state() -> tuple:
