@@ -105,6 +105,25 @@ def _base_60_hint(value) -> str:
             f"'{quoted}' (or, for {n} seconds, {{seconds: {n}}})")
 
 
+def check_accelerator(accelerator) -> None:
+    """``trainer.accelerator`` named as Lightning's registry has it (``gpuu``, ``CPU``: Lightning's ValueError in
+    Hydra's wrapper, after the seed) and available here (``tpu`` without torch_xla: its ModuleNotFoundError; ``mps``
+    off a Mac: its MisconfigurationException). An accelerator given as an object (a ``_target_`` node) is Lightning's
+    to check."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    if not isinstance(accelerator, str) or accelerator in ("auto", "gpu"):  # gpu: checked above (CUDA or MPS)
+        return
+    names = sorted(AcceleratorRegistry.available_accelerators())
+    if accelerator not in names:
+        raise ConfigError(f"trainer.accelerator={accelerator!r} is not one of Lightning's accelerators: "
+                          f"{', '.join(['auto', 'gpu', *names])}")
+    if not AcceleratorRegistry[accelerator]["accelerator"].is_available():
+        here = [name for name in names if AcceleratorRegistry[name]["accelerator"].is_available()]
+        raise ConfigError(f"trainer.accelerator={accelerator}: Lightning's {accelerator} accelerator is not available "
+                          f"on this machine (available: {', '.join(['auto', *here])}); use trainer.accelerator=auto")
+
+
 def check_lightning_choices(cfg: DictConfig) -> None:
     """Values that Lightning refuses when it builds the Trainer or a callback, where Hydra's wrapper names the node
     (``full_key: trainer``) but not the key: name the key and the values allowed."""
@@ -124,6 +143,7 @@ def check_lightning_choices(cfg: DictConfig) -> None:
             f"trainer.accelerator={accelerator} (trainer=gpu), but torch {torch.__version__} finds no CUDA GPU: on "
             "this machine use trainer=cpu (or trainer=ddp_cpu); for a GPU, install torch's CUDA build (README.md)"
         )
+    check_accelerator(cfg.trainer.get("accelerator", "auto"))
     max_time = cfg.trainer.get("max_time")  # Lightning's Timer: 2.5 was "AttributeError: 'float' object has no
     if max_time is not None and not isinstance(max_time, DictConfig) and not (  # attribute 'total_seconds'"
             isinstance(max_time, str) and re.fullmatch(r"\d+:\d\d:\d\d:\d\d", max_time.strip())):  # Timer's

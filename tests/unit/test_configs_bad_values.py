@@ -1,5 +1,6 @@
 """Bad config values, prompts and run names fail before compute, each named."""
 
+import importlib.util
 
 import pytest
 import torch
@@ -142,6 +143,13 @@ from lit_dtrain.train import ConfigError
              r"trainer.accelerator=gpu \(trainer=gpu\), but torch .* finds no CUDA GPU: on this machine use "
              r"trainer=cpu \(or trainer=ddp_cpu\)"),
             ("trainer.accelerator=cuda", r"trainer.accelerator=cuda \(trainer=gpu\), but torch")]),
+        # Lightning's ValueError (or, for tpu, torch_xla's ModuleNotFoundError) in Hydra's wrapper, after the seed
+        ("trainer.accelerator=gpuu", r"^trainer.accelerator='gpuu' is not one of Lightning's accelerators: auto, gpu, "
+                                     r"cpu, cuda, mps, tpu$"),
+        ("trainer.accelerator=CPU", r"^trainer.accelerator='CPU' is not one of Lightning's accelerators"),
+        *([] if importlib.util.find_spec("torch_xla") else [
+            ("trainer.accelerator=tpu", r"^trainer.accelerator=tpu: Lightning's tpu accelerator is not available on "
+                                        r"this machine \(available: auto, cpu.*\); use trainer.accelerator=auto$")]),
         ("trainer.devices=0", r"trainer.devices=0 must be a number of devices >= 1, -1 \(all\), 'auto' or a list of"),
         ("trainer.devices=[]", r"trainer.devices=\[\] must be a number of devices >= 1"),
         ("trainer.devices=-2", r"trainer.devices=-2 must be a number of devices >= 1"),
