@@ -56,6 +56,10 @@ def own_nodes(cfg: DictConfig) -> list[DictConfig]:
     for node in (cfg.get("callbacks") or {}).values():
         if isinstance(node, DictConfig) and (found := _targets(node)) and set(found) <= callback_targets:
             nodes.append(node)
+    logger = cfg.get("logger")  # logger=csv's (its __init__ writes nothing; Lightning's makes the dirs when it logs)
+    if isinstance(logger, DictConfig) and "_target_" in logger and \
+            _targets(logger) == ["lit_dtrain.loggers.ResumableCSVLogger"]:
+        nodes.append(logger)
     strategy = cfg.get("strategy")
     if isinstance(strategy, DictConfig) and "_target_" in strategy:
         codec_targets = own_codec_targets()

@@ -111,6 +111,15 @@ class ResumableCSVLogger(CSVLogger):
     ``metrics.csv`` is kept up to ``purge_step`` and appended to, instead of deleted. Local files only."""
 
     def __init__(self, *args, purge_step: int | None = None, **kwargs) -> None:
+        import inspect
+
+        from lit_dtrain.utils.args import is_number
+
+        # Lightning's CSVLogger takes 0 and fails at its first save, 'integer modulo by zero' (a traceback after the
+        # run trained: logger=csv +logger.flush_logs_every_n_steps=0)
+        every = inspect.signature(CSVLogger).bind(*args, **kwargs).arguments.get("flush_logs_every_n_steps", 100)
+        if not (is_number(every) and every >= 1 and every % 1 == 0):
+            raise ValueError(f"ResumableCSVLogger: flush_logs_every_n_steps must be an integer >= 1, got {every!r}")
         super().__init__(*args, **kwargs)
         self.purge_step = purge_step
 
