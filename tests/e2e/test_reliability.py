@@ -100,13 +100,16 @@ def csv_scalars(tmp_path: Path, run: str, tag: str = "train/loss") -> list[tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], STATEFUL, ["logger=csv"]], ids=["default", "all_stateful", "csv_logger"])
-def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, straight_run, extra):
+@pytest.mark.parametrize(("extra", "after_save"),
+                         [([], False), (STATEFUL, False), (STATEFUL, True), (["logger=csv"], False)],
+                         ids=["default", "all_stateful", "all_stateful_after_save", "csv_logger"])
+def test_sigkill_then_resume_auto_is_bitwise_exact(tmp_path, corpus, straight_run, extra, after_save):
     if extra is STATEFUL and not STATEFUL:
         pytest.skip("no stateful techniques registered")
     # A 'random' step, fixed for reproducibility, and odd: checkpoints come every 2 steps, so the killed run
-    # has logged a step past its last checkpoint that the resumed run must replace, not duplicate.
-    kill_step = random.Random(1234).randint(3, MAX_STEPS - 3) | 1
+    # has logged a step past its last checkpoint that the resumed run must replace, not duplicate. With after_save,
+    # the step before, right after a checkpoint: lag 1's fourier/top_band_energy of the saved step had no point.
+    kill_step = (random.Random(1234).randint(3, MAX_STEPS - 3) | 1) - after_save
     straight_root, straight_name = straight_run(*extra)
     fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={kill_step}"]
     killed = train_proc(tmp_path, corpus, "run_name=killed", *extra, *fault)

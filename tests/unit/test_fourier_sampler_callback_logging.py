@@ -237,3 +237,24 @@ def test_lag_one_writes_the_owed_top_band_energy_when_a_stop_signal_ends_the_fit
     assert [step for step, _ in written["end"]] == [0, 1, 2, 3]
     assert written["sigterm"] == written["end"]
     assert written["error"] == written["end"][:3]
+
+
+def test_lag_one_writes_the_owed_top_band_energy_before_a_checkpoint_is_saved():
+    """A checkpoint of step k holds step k's update, not its value: a SIGKILL after the save and before step k + 1's
+    end lost step k's point for good (a real run killed at the start of the step after its step-8 checkpoint, then
+    resumed: points 0..6 and 8..11 of 12), while a kill after that end kept it (written by the killed run under step
+    k, which the resume's purge keeps). It is written when the checkpoint is saved, once (not again at the end)."""
+    obs = _observations(4, batch=4, T=32)
+    losses, index = [loss for loss, _ in obs], [i for _, i in obs]
+    written = {}
+    for name in ("end", "save"):
+        cb = FourierSamplerCallback()
+        trainer, module = _drive_fixed(cb, make(stages=False, lag=1), losses, index)
+        trainer.optimizers = []
+        if name == "save":
+            cb.on_save_checkpoint(trainer, module, {})
+            assert [s for s, n, _ in trainer.loggers[0].rows if n == "fourier/top_band_energy"] == [0, 1, 2, 3]
+        cb.on_train_end(trainer, module)
+        written[name] = [(step, v) for step, name_, v in trainer.loggers[0].rows if name_ == "fourier/top_band_energy"]
+    assert [step for step, _ in written["end"]] == [0, 1, 2, 3]
+    assert written["save"] == written["end"]

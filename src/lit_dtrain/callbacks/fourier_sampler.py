@@ -198,6 +198,14 @@ class FourierSamplerCallback(L.Callback):
                     logger.save()
 
     @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # lag=1: the saved step's value is written before its checkpoint (it waits for the device, as the save does):
+        # a resume restores the update, not the value, so a kill after the save and before the next step's end lost
+        # the point (SIGKILL at the step after a checkpoint: points 0..6 and 8..11 of 12), and a kill after that
+        # step's end kept it, written by the killed run under the earlier step, which the resume's purge keeps
+        self._write_owed_energy(trainer)
+
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()  # (a later fit must not find this fit's hooks on a reused optimizer)
         self._reset_step()  # an unfinished step's micro-batches: a continued fit redoes the step
