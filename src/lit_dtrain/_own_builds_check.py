@@ -22,8 +22,8 @@ def _targets(node) -> list[str]:
     """Every ``_target_`` in ``node`` (a config node, or its plain container), nested ones too."""
     if isinstance(node, (DictConfig, ListConfig)):
         node = OmegaConf.to_container(node, resolve=False)
-    if isinstance(node, dict):
-        return [str(node["_target_"])] * ("_target_" in node) + [
+    if isinstance(node, dict):  # (a mapping without one: Lightning's Timer(duration={minutes: 30}))
+        return ([str(node["_target_"])] if "_target_" in node else []) + [
             t for key, value in node.items() if key != "_target_" for t in _targets(value)]
     if isinstance(node, list):
         return [t for value in node for t in _targets(value)]

@@ -148,6 +148,19 @@ def test_a_users_target_is_not_built_before_the_seed(tiny_cfg):
     assert "lit_dtrain.callbacks.ModelCheckpoint" in targets
 
 
+def test_a_callback_argument_given_as_a_mapping_without_a_target_is_read_past(tiny_cfg):
+    """Lightning's ``Timer(duration={minutes: 30})``, a valid callback, ended the run in a KeyError '_target_'
+    traceback before the seed: the search for ``_target_`` indexed each mapping before asking whether it held one."""
+    from lit_dtrain._own_builds_check import _targets, check_own_builds, own_nodes
+
+    cfg = tiny_cfg("+callbacks.timer._target_=lightning.pytorch.callbacks.Timer",
+                   "+callbacks.timer.duration={minutes:30}")
+    check_own_builds(cfg)
+    assert "lightning.pytorch.callbacks.Timer" not in [node._target_ for node in own_nodes(cfg)]
+    assert _targets(cfg.callbacks.timer) == ["lightning.pytorch.callbacks.Timer"]
+    assert _targets({"a": {"b": [{"_target_": "x.Y"}, {"c": 1}]}}) == ["x.Y"]
+
+
 def test_a_good_runs_losses_are_those_it_had_without_the_early_builds(tiny_cfg, monkeypatch):
     """The early build of the callbacks changes nothing a run computes (it might through the config, which it must
     not alter, or state a class keeps): two steps' losses and the weights equal, bit for bit."""
