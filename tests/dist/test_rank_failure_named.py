@@ -208,3 +208,45 @@ def test_a_rank_0_that_fails_alone_keeps_the_store_for_the_other_ranks_read(tmp_
     assert "recvValue failed" not in err1, err1[-3000:]
     assert "LINE: rank 1: rank 0 stopped before training: ValueError: refused on rank 0 alone. This rank's next " \
            "collective with that peer then failed" in out1, out1 + err1[-3000:]
+
+
+RANK_0_OUTLIVES_ITS_CHILD = '''
+import os, signal, subprocess, sys, time, datetime
+import torch.distributed as dist
+from lit_dtrain.utils.distributed import destroy_process_group_at_exit, record_rank_failure
+from lit_dtrain.utils.store_kept import note_peer_processes
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+if rank == 0:  # Lightning's launcher: rank 0 starts rank 1 as its child (launcher.procs)
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[3], "1", str(port)])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+destroy_process_group_at_exit()  # train()'s
+dist.barrier()
+if rank == 1:  # killed (OOM, SIGKILL): it reads nothing more
+    os.kill(os.getpid(), signal.SIGKILL)
+child.wait()
+note_peer_processes(type("Launcher", (), {"procs": [child]})())  # RankFailureRecords.on_exception's
+record_rank_failure(ValueError("rank 0 fails alone"), " before training")
+print("EXIT AT", time.time(), flush=True)
+sys.exit(1)
+'''
+
+
+def test_a_rank_0_that_fails_alone_does_not_keep_the_store_for_a_rank_whose_process_ended(tmp_path):
+    """Under Lightning's launcher a rank 1 that was killed reads no record: rank 0 waited the full 8 s for it, and
+    Lightning's observer, which SIGKILLs rank 0 within 5 s of a child's death, ended rank 0 with 137 where its error's
+    status was 1 (train.py trainer=ddp_cpu, rank 1 SIGKILLed and rank 0 raising in the fit's setup: 137, 1 without the
+    wait). Rank 0 stops keeping the store once its child has ended."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import free_port, subprocess_env
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-c", RANK_0_OUTLIVES_ITS_CHILD, "0", str(port), RANK_0_OUTLIVES_ITS_CHILD],
+                          env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    exit_at = float(next(line for line in proc.stdout.splitlines() if line.startswith("EXIT AT")).split()[2])
+    assert ended - exit_at < 4.0, ended - exit_at  # it waited 8 s

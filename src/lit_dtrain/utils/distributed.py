@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from lit_dtrain.utils.loop import fit_position
-from lit_dtrain.utils.store_kept import note_record_use, store_kept_then_group_destroyed
+from lit_dtrain.utils.store_kept import note_peer_processes, note_record_use, store_kept_then_group_destroyed
 
 _registered = False
 
@@ -252,6 +252,7 @@ class RankFailureRecords:
         module = self.lightning_module
         trainer = module.trainer if module is not None and module._trainer is not None else None
         record_rank_failure(exception, fit_position(trainer) if trainer is not None else "")
+        note_peer_processes(self.launcher)  # rank 0 keeps the store at exit for live ranks only (utils/store_kept.py)
         super().on_exception(exception)
 
     # A failed collective of the step (DDP's gradient all-reduce in the closure's backward) or of a callback names the

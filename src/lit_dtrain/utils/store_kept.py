@@ -9,6 +9,7 @@ recorded an error of its own in this fit: it destroys the group (the others' col
 keeps the store, and waits up to ``wait_s`` for each other rank to say it is done with the store. On another rank
 that read a peer's record or recorded its own (so rank 0 waits for it): it says so. A rank that was interrupted (Ctrl-C,
 SIGTERM) does not wait: Lightning's launcher has killed the others already, and a scheduler's grace period is short.
+Nor for a peer whose process has ended (:func:`note_peer_processes`): it reads nothing more.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ import torch.distributed as dist
 
 _DONE_KEY = "lit_dtrain/store_done/fit{}/rank{}"
 _used_in: int | None = None  # the fit in which this rank read a peer's record, or recorded its own error
+_peer_processes: list = []  # rank 0's children under Lightning's launcher: the other ranks (note_peer_processes)
+
+
+def note_peer_processes(launcher) -> None:
+    """The other ranks' processes where this one launched them (Lightning's launcher, ``launcher.procs``): rank 0 stops
+    keeping the store once one has ended. Lightning's observer SIGKILLs rank 0 within 5 s of a child's death, and
+    rank 0, waiting 8 s for a rank 1 that was killed, exited with 137 where its own error's status was 1."""
+    global _peer_processes
+    _peer_processes = list(getattr(launcher, "procs", None) or [])
 
 
 def note_record_use(used: bool = True) -> None:
@@ -49,10 +59,14 @@ def keep_the_store_for_the_peers(wait_s: float = 8.0) -> None:
         others = [_DONE_KEY.format(d._fit_generation, r) for r in range(1, dist.get_world_size())]
         dist.destroy_process_group()  # its collectives' connections closed: the store stays, held here
         deadline = time.monotonic() + wait_s
-        while not store.check(others) and time.monotonic() < deadline:
+        while not store.check(others) and time.monotonic() < deadline and not _a_peer_ended():
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - best effort: a peer's store may be gone (rank 0 ended)
         pass
+
+
+def _a_peer_ended() -> bool:
+    return any(p.poll() is not None for p in _peer_processes)
 
 
 def store_kept_then_group_destroyed() -> None:
