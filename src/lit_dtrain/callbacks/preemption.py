@@ -22,14 +22,17 @@ last checkpoint.
   order, and ``callbacks=[default,loss_spike]`` puts this one first: at ``setup`` it moves itself to the end of
   ``trainer.callbacks`` (before, a SIGTERM during a skipped spike's step saved the step unfinished, and the
   resumed run applied the spike's gradient from the error-feedback residual and trained on its samples again).
-- **Several ranks.** Saving is collective, so every rank must decide at the same batch. The signal reaches
-  the ranks at different moments (or only some of them), and Lightning's own handler runs a broadcast inside
-  the signal handler, which can interleave with the ranks' other collectives and hang them. So while training,
-  this callback's handler replaces Lightning's: it only records the signal (and forwards it to child ranks, as
-  Lightning does); at the last micro-batch of every optimizer step the ranks agree with one tiny all-reduce (any
-  rank signalled; mid-accumulation a signal is only noted, as a save must wait for the step's end anyway), save at
-  the same step, and then set Lightning's flag (``trainer._signal_connector.received_sigterm``, which has no
-  public setter) on every rank, so all ranks leave the loop at the same batch.
+- **Several ranks.** Saving is collective, so every rank must decide at the same batch. The signal reaches the ranks
+  at different moments (or only some of them), and Lightning's own handler runs a broadcast inside the signal
+  handler, which can interleave with the ranks' other collectives and hang them. So while training (from the first
+  callback's ``on_train_start``: it puts a companion first of the callbacks at ``setup``; a SIGTERM in an earlier
+  callback's hook ran Lightning's handler on both ranks, twice on rank 1, and they waited in unlike collectives
+  until ``collective_timeout_s``), this callback's handler replaces Lightning's: it only records the signal (and
+  forwards it to child ranks, as Lightning does); at the last micro-batch of every optimizer step the ranks agree
+  with one tiny all-reduce (any rank signalled; mid-accumulation a signal is only noted, as a save must wait for the
+  step's end anyway), save at the same step, and then set Lightning's flag
+  (``trainer._signal_connector.received_sigterm``, which has no public setter) on every rank, so all ranks leave the
+  loop at the same batch.
 - **Ctrl-C and a closed terminal.** SIGINT and SIGHUP are handled as SIGTERM during training, and ``train()`` exits
   with 128 + the signal (130, 129). Before, Ctrl-C went to Lightning's ``KeyboardInterrupt`` path (exit status 1,
   nothing saved: every step since the last validation was lost without a word) and SIGHUP killed the process. A
@@ -79,7 +82,7 @@ class PreemptionCheckpoint(L.Callback):
         self.saved_step: int | None = None
         self.signalled = False  # this process (or, after the agreement, any rank) got a stop signal
         self.signum: int | None = None  # the first stop signal this process got (None: none, or another rank's)
-        self._previous_handlers: dict = {}
+        self._previous_handlers: dict | None = None  # None: no fit's handlers in (take_signals puts them in)
         self._trainer: L.Trainer | None = None
         self._holding = False  # Lightning's flag, held back during the validation that ends the saved step
         self._manual = False  # the module optimizes by hand (read at train start)
@@ -100,7 +103,12 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         # A new list, not an in-place move: Lightning is iterating over the current one to call this hook.
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+        others = [c for c in trainer.callbacks if c is not self and getattr(c, "owner", None) is not self]
+        # the handler goes in at the first on_train_start (_TakesSignalsFirst): Lightning's, registered before it,
+        # broadcasts inside the handler on several ranks; a SIGTERM in an earlier callback's on_train_start reached
+        # it once on rank 0 and twice on rank 1 (its own and rank 0's forwarded copy), an extra broadcast that the
+        # next collective met: the ranks waited in unlike collectives until collective_timeout_s, 1800 s by default
+        trainer.callbacks = ([_TakesSignalsFirst(self)] if stage == "fit" else []) + others + [self]
         if stage == "fit" and (accumulate := lightnings_timer_splits_steps(trainer)):
             rank_zero_warn(
                 f"PreemptionCheckpoint saves at an optimizer step's end, but Lightning's Timer (Trainer(max_time=...)) "
@@ -111,11 +119,22 @@ class PreemptionCheckpoint(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
-        self._trainer = trainer
-        # a new fit (this object reused): a signal of an earlier fit is not this one's (one that came before this
-        # hook is in Lightning's flag, trainer.received_sigterm, read at every batch end)
-        self.signalled, self.saved_step, self.signum, self._holding = False, None, None, False
         self._manual, self._unstepped = not pl_module.automatic_optimization, False
+        self.take_signals(trainer)  # (done already by _TakesSignalsFirst, first of the callbacks)
+
+    def take_signals(self, trainer: L.Trainer) -> None:
+        """From here on a stop signal is only recorded, once per fit (at the first callback's ``on_train_start``)."""
+        if self._trainer is trainer and self._previous_handlers is not None:
+            return
+        self._trainer = trainer
+        # a new fit (this object reused): a signal of an earlier fit is not this one's
+        self.signalled, self.saved_step, self.signum, self._holding = False, None, None, False
+        # one that Lightning's handler took before this (its flag) is this one's: on several ranks the flag of rank
+        # 0 stopped every rank at the first batch's start (Lightning's broadcast of it), with no checkpoint
+        if trainer.received_sigterm:
+            self.signalled = True
+            trainer._signal_connector.received_sigterm = False
+        self._previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
             # an ignored signal stays ignored: `nohup python train.py` asked a logout's SIGHUP not to stop the run
             # (it stopped it, with 129), a background job of a non-interactive shell ignores the terminal's SIGINT
@@ -131,10 +150,10 @@ class PreemptionCheckpoint(L.Callback):
 
     def _restore_handler(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            for s, previous in self._previous_handlers.items():
+            for s, previous in (self._previous_handlers or {}).items():
                 if previous is not None:
                     signal.signal(s, previous)
-        self._previous_handlers = {}
+        self._previous_handlers = None
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
@@ -228,6 +247,18 @@ class PreemptionCheckpoint(L.Callback):
         rank_zero_info(
             f"{name} received: saved {path} at step {trainer.global_step}; exiting cleanly. Resume with {hint}."
         )
+
+
+class _TakesSignalsFirst(L.Callback):
+    """First of the callbacks (``PreemptionCheckpoint`` puts it there at ``setup``): its owner takes the stop signals
+    before any other callback's ``on_train_start`` runs."""
+
+    def __init__(self, owner: PreemptionCheckpoint) -> None:
+        self.owner = owner
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        self.owner.take_signals(trainer)
 
 
 def _file_identity(path: str) -> tuple | None:
