@@ -28,6 +28,7 @@ class SpikeEvents:
     """The spike events of :class:`~lit_dtrain.callbacks.loss_spike.LossSpikeMonitor` (see the module docstring)."""
 
     events_kept = 1000  # events kept in memory (``events``), the latest; spikes.jsonl holds every one
+    _buffer_copies: list | None = None  # the last step's buffer copies, written over at the next step's start
 
     def _supersede_replayed_events(self, trainer: L.Trainer) -> None:
         """A fit that starts at step s replays steps >= s: their records (from a run that died before checkpointing
@@ -51,7 +52,14 @@ class SpikeEvents:
         """At a step's first micro-batch: the module's buffers, put back if the step is dropped (the skipped batch's
         forward moved BatchNorm's running statistics: a corrupt batch's running_var 0.57 -> 371, skipped)."""
         if self._step_buffers is None and {"skip", "rollback"} & set(self.actions):
-            self._step_buffers = step_ops.buffer_values(pl_module)
+            # into the previous step's copies (kept from step to step: a new copy a step cost a large buffer its size
+            # in page faults); dropped once a restore may have made one of them a buffer, and at the fit's end
+            self._step_buffers = self._buffer_copies = step_ops.buffer_values(pl_module, self._buffer_copies)
+
+    def _release_copies(self) -> None:
+        """The fit ended or raised: the snapshots and the buffer copies are kept no longer."""
+        self.snapshots.clear()
+        self._buffer_copies = None
 
     def _start_event(self, trainer, optimizer, step: int, decision) -> None:
         only_excluded = decision.reasons == [EXCLUDED_SAMPLE]
@@ -64,6 +72,7 @@ class SpikeEvents:
             # now, not at batch end: a weight average updated there (Lightning's EMAWeightAveraging, listed before
             # this callback) would take in the dropped forwards' buffers (a rollback then restores the snapshot's)
             step_ops.restore_buffers(trainer.lightning_module, self._step_buffers or [])
+            self._buffer_copies = None
         if "lr_cooldown" in actions:
             self.cooldown_start = step + 1 if drop_step else step
         self._pending = {"step": step, "decision": decision, "actions": actions, "indices": indices,

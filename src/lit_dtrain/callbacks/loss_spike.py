@@ -252,14 +252,14 @@ class LossSpikeMonitor(SpikeEvents, L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.snapshots.clear()
+        self._release_copies()
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # (a raise inside optimizer.step would leave this step's cooled LR on the optimizer; the snapshots hold a
         # CPU copy of the whole model)
         self._restore_lr(trainer)
-        self.snapshots.clear()
+        self._release_copies()
         undo = self._decision_undo
         if undo is not None and trainer.global_step == undo[0]:  # decided, never taken: a continued fit redoes it
             self.detector.load_state_dict(undo[1])
