@@ -29,6 +29,7 @@ class StoppedBeforeTraining(SystemExit):
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
         self.signum = signum
+        self.said = False  # its line was logged (by the innermost StopsBeforeTraining it left)
 
 
 class StopsBeforeTraining(L.Callback):
@@ -67,7 +68,8 @@ class StopsBeforeTraining(L.Callback):
         self._restore_handlers()
         if exc_type is not None and not self.training_started:
             self.put_back()
-            if isinstance(exc, StoppedBeforeTraining):
+            if isinstance(exc, StoppedBeforeTraining) and not exc.said:
+                exc.said = True
                 stopped_before_training(exc.signum, self.resumed_step, logs_kept=self.keeps_logs)
 
     def _on_stop_signal(self, signum, frame) -> None:

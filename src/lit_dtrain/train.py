@@ -201,6 +201,9 @@ _DDP_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
+    # a stop signal from here to training says so on every rank (stops_before_training.py): in the config checks, the
+    # model's build (-15 and no line before), and until on_train_start
+    stops = held.enter_context(StopsBeforeTraining())
     absolute_paths_under_chdir(cfg)  # hydra.job.chdir=true: relative paths stay the command's, not the run dir's
     check_removed_keys(cfg)  # ~optimizer.lr and the like: one line, not a class default or a KeyError
     # under srun: SIGUSR1 requeues the job from here on (its default ended the process), if a requeue continues the run
@@ -228,6 +231,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
+    stops.resumed_step = start_step if ckpt_path else None
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
         check_the_resumed_model(cfg.model, ckpt_path)  # a checkpoint of another model: that error alone, no LR warning
         fit_default_warmup(cfg, ckpt_path, start_step)
@@ -300,12 +304,12 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
             refuse_another_preset(strategy, ckpt_path)
         # a resume refused from here to the fit's load: the logs build_logger cuts are put back (logs_kept.py); a stop
         # signal until training starts says so on every rank, fresh starts too (stops_before_training.py)
-        kept = LogsKeptUntilTraining(cfg.paths.output_dir, start_step) if ckpt_path and rank_zero_only.rank == 0 \
-            else StopsBeforeTraining(start_step if ckpt_path else None)
-        held.enter_context(kept)
+        kept = stops
+        if ckpt_path and rank_zero_only.rank == 0:
+            kept = held.enter_context(LogsKeptUntilTraining(cfg.paths.output_dir, start_step))
         logger = build_logger(cfg, start_step)
         trainer: L.Trainer = instantiate(
-            cfg.trainer, callbacks=[*callbacks, kept], logger=logger, strategy=strategy,
+            cfg.trainer, callbacks=[*callbacks, *dict.fromkeys((stops, kept))], logger=logger, strategy=strategy,
             plugins=[AtomicCheckpointIO(name for name, _ in module.named_parameters()), *slurm_plugins()],
             **extra,
         )
@@ -327,6 +331,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         _fit(trainer, module, datamodule, ckpt_path)
     except SIGTERMException:
         raise SystemExit(stopped_by_sigterm(trainer, run_name=run_name, ckpt_dir=cfg.paths.checkpoint_dir)) from None
+    stops.cut_stands()
     kept.cut_stands()  # the fit returned: its cut stands (a finished run's restart validates again)
     t1 = time.perf_counter()
     fit_seconds = t1 - t0

@@ -50,3 +50,39 @@ def test_after_training_started_the_signal_is_not_its_own():
     with stops:
         stops.on_train_start(None, None)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("phase", ["check_own_builds", "instantiate"])
+def test_a_signal_in_trains_config_checks_or_model_build_says_so(tiny_cfg, caplog, monkeypatch, phase):
+    """A SIGTERM in train()'s config checks or its model's build (before the trainer's, where StopsBeforeTraining
+    was entered) took the default action: -15 and no line."""
+    import lit_dtrain.train as train_module
+
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    cfg = tiny_cfg("trainer.max_steps=1", "sample.max_new_tokens=0")
+    real = getattr(train_module, phase)
+
+    def signalled(*args, **kwargs):
+        if phase == "check_own_builds" or "build_llama" in str(args[0].get("_target_", "")):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, phase, signalled)
+    with pytest.raises(SystemExit, match="143"):
+        train_module.train(cfg)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    assert _lines(caplog) == [
+        "stopped by SIGTERM before training (a new run): nothing trained, no checkpoint written; run the same "
+        "command again to start it",
+        "exiting with status 143 (stopped by SIGTERM, not finished)",
+    ]
+
+
+def test_a_stop_inside_a_nested_one_is_said_once(caplog):
+    """train() holds one from its start and, on rank 0 of a resume, LogsKeptUntilTraining inside it: the inner one,
+    which left the exception first, says it."""
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    with pytest.raises(SystemExit, match="143"), StopsBeforeTraining(resumed_step=4):
+        with StopsBeforeTraining(resumed_step=4):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert len(_lines(caplog)) == 2, _lines(caplog)
