@@ -122,8 +122,23 @@ class PreemptionCheckpoint(L.Callback):
         self._manual, self._unstepped = not pl_module.automatic_optimization, False
         self.take_signals(trainer)  # (done already by _TakesSignalsFirst, first of the callbacks)
 
+    @override
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module) -> None:
+        """A stop signal in the sanity check (only recorded, from its start) stops every rank here, together, before
+        training: Lightning's handler broadcast inside the handler there, once on rank 0 and twice on rank 1 (its own
+        signal and rank 0's forwarded copy), and 2 gloo ranks waited in unlike collectives until collective_timeout_s,
+        then exited with 1. One all-reduce per fit."""
+        signum = self.signum or (signal.SIGTERM if self.signalled else 0)  # (Lightning's flag: SIGTERM)
+        if trainer.world_size > 1:  # the highest signal of the ranks that got one
+            mine = torch.tensor(int(signum), device=getattr(pl_module, "device", "cpu"))
+            signum = int(all_gather_stacked(mine).max())
+        if signum:
+            self.signalled, self.signum = True, signum
+            raise SIGTERMException
+
     def take_signals(self, trainer: L.Trainer) -> None:
-        """From here on a stop signal is only recorded, once per fit (at the first callback's ``on_train_start``)."""
+        """From here on a stop signal is only recorded, once per fit (at the first callback's
+        ``on_sanity_check_start``, or ``on_train_start`` where no sanity check runs)."""
         if self._trainer is trainer and self._previous_handlers is not None:
             return
         self._trainer = trainer
@@ -255,6 +270,10 @@ class _TakesSignalsFirst(L.Callback):
 
     def __init__(self, owner: PreemptionCheckpoint) -> None:
         self.owner = owner
+
+    @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module) -> None:
+        self.owner.take_signals(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
