@@ -4,12 +4,16 @@
 [...]``, ``error: ...``, a blank line, ``Set the environment variable HYDRA_FULL_ERROR=1 ...``): 2 + 8 lines for one
 refusal on 2 gloo ranks. A rank other than 0 whose line is rank 0's for that job now logs it to its job log only and
 leaves the job to rank 0's report (its Hydra counts the job as done: the sweep's exit status is rank 0's); a line
-that rank alone gives, or one rank 0 has not given within ``wait_s``, is reported as before."""
+that rank alone gives, or one rank 0 has not given within ``wait_s``, is reported as before. Which failures go to a
+rank's job log files: :func:`failed_in_its_own_run`."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain.utils.distributed import _exit_line_store
 
@@ -87,3 +91,37 @@ def _wait(done, wait_s: float) -> None:
 def reported_by_rank_0(error: BaseException) -> bool:
     """Whether :func:`rank_0_reports` left ``error``'s job to rank 0."""
     return bool(getattr(error, _REPORTED_BY_RANK_0, False))
+
+
+_trains = [False]  # this process's start of the current run or job passed its checks and trains
+
+
+def job_starts(cfg: DictConfig) -> tuple[int, int] | None:
+    """A run or job starts (:func:`~lit_dtrain.sweeps.logs_a_failed_job`): the identity of its run dir's
+    ``config_resolved.yaml`` before it, for :func:`failed_in_its_own_run`."""
+    _trains[0] = False
+    return _config_file_id(cfg)
+
+
+def note_training_start() -> None:
+    """On every rank, where ``train(cfg)`` passed its checks and trains (rank 0 rewrote ``config_resolved.yaml``)."""
+    _trains[0] = True
+
+
+def failed_in_its_own_run(cfg: DictConfig, earlier: tuple[int, int] | None) -> bool:
+    """Whether a failure is this start's own run's, for its job log: not a start refused in the dir of an earlier or
+    running run, whose ``config_resolved.yaml`` it did not replace. A rank other than 0 writes none: rank 0 wrote it
+    before the launcher started rank 1 (a job's first fit), or while rank 1 entered the job, and rank 1's job log
+    (``train_ddp_process_1.log``) never said why its job failed after its checks (a refusal at the fit's start)."""
+    return earlier is None or _trains[0] or _config_file_id(cfg) != earlier
+
+
+def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
+    """The identity (inode, mtime) of the run dir's ``config_resolved.yaml``, which ``train(cfg)`` writes (by a
+    rename: a new inode) when a start passed its checks and trains; None without one."""
+    try:
+        out_dir = OmegaConf.select(cfg, "paths.output_dir", throw_on_resolution_failure=False)
+        stat = (Path(str(out_dir)) / "config_resolved.yaml").stat()
+    except (OSError, ValueError, TypeError):
+        return None
+    return stat.st_ino, stat.st_mtime_ns

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from lit_dtrain.errors import ConfigError
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger("lit_dtrain.sweeps")  # the sweep checks' logger, as before the split
 
@@ -53,8 +54,9 @@ def warn_if_the_grid_repeats_a_point(hc) -> None:
         line = final[_node(parser.parse_overrides([a])[0])][1]
         why = (f"'{a}' and '{b}' are one value" if line == b
                else f"'{line}' replaces job {first}'s '{a}' and job {num}'s '{b}'")
-    log.warning("job %d of this multirun trains the same configuration as job %d (%s): %s; its %d jobs train %d "
-                "distinct configurations", num, first, trained, why, len(jobs), len(first_of))
+    # rank 0's: Lightning's launcher starts rank 1 with the same -m, which ran job 0's checks again and said it twice
+    log_once(log, logging.WARNING, "job %d of this multirun trains the same configuration as job %d (%s): %s; its %d "
+             "jobs train %d distinct configurations", num, first, trained, why, len(jobs), len(first_of))
 
 
 def _node(override) -> str:
@@ -193,7 +195,8 @@ def warn_if_an_experiment_grid_was_not_swept(hc) -> None:
     expanded = sweeper.get("params") or {}
     if not_swept := [f"{key}={value}" for key, value in grid.items() if key not in expanded]:
         experiment = hc.runtime.choices.get("experiment")
-        log.warning(
+        log_once(
+            log, logging.WARNING,
             "experiment=%s sweeps %s (its hydra.sweeper.params), but this multirun did not expand that grid: Hydra "
             "sweeps an experiment's grid only where the experiment is not swept itself, so this job trains one "
             "point of it. Run each such experiment in a -m of its own: python train.py -m experiment=%s",

@@ -19,7 +19,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dtrain._compose_errors import full_error_asked
-from lit_dtrain._job_failure_once import note_job, ran_before_this_rank, rank_0_reports, reported_by_rank_0
+from lit_dtrain._job_failure_once import (
+    failed_in_its_own_run,
+    job_starts,
+    note_job,
+    ran_before_this_rank,
+    rank_0_reports,
+    reported_by_rank_0,
+)
 from lit_dtrain._resumed_job import check_resumed_job
 from lit_dtrain._sweep_of_nothing import note_sweep_dir
 from lit_dtrain.errors import ConfigError, unset_env_var
@@ -37,6 +44,7 @@ from lit_dtrain.sweep_grid import (
 )
 from lit_dtrain.utils.distributed import print_once_across_ranks
 from lit_dtrain.utils.job_log import log_to_handlers
+from lit_dtrain.utils.rank_zero import log_once
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +61,9 @@ def sweep_checks(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     grid = hc.sweeper.get("params") if hc.mode != RunMode.MULTIRUN else None
     if grid:  # e.g. `python train.py experiment=wsd_vs_cosine`: Hydra ignores the experiment's grid without -m
-        log.warning(
-            "this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one run",
+        log_once(  # rank 0's: Lightning's launcher starts rank 1 with the same arguments, which said it again
+            log, logging.WARNING, "this config sweeps %s (hydra.sweeper.params) only with -m; without it this is one "
+            "run",
             " ".join(f"{k}={v}" for k, v in grid.items()),
         )
     # as typed: iterating the overrides resolved each, and 'data.val_batch_size=${.batch_size}' (relative, valid in
@@ -63,8 +72,8 @@ def sweep_checks(cfg: DictConfig) -> None:
     if named and hc.mode == RunMode.MULTIRUN and hc.job.num == 0:  # once a sweep
         # `-m run_name=lr_sweep optimizer.lr=...`: the jobs went to multiruns/<time>/N, and outputs/runs/lr_sweep,
         # where the user then looked for them, did not exist
-        log.warning(
-            "%s does not name a multirun's dirs: job N trains in %s/N; name a sweep with "
+        log_once(
+            log, logging.WARNING, "%s does not name a multirun's dirs: job N trains in %s/N; name a sweep with "
             "'hydra.sweep.dir=${paths.log_dir}/multiruns/<name>'",
             named[0], sweep_dir_of(hc),
         )
@@ -143,7 +152,7 @@ def logs_a_failed_job(train_fn):
     def wrapper(cfg: DictConfig):
         from hydra.core.hydra_config import HydraConfig
 
-        earlier_run = _config_file_id(cfg)
+        earlier_run = job_starts(cfg)
         try:
             return train_fn(cfg)
         except Exception as e:
@@ -151,7 +160,7 @@ def logs_a_failed_job(train_fn):
             shown = error or e
             # a start refused in the dir of an earlier or running run, which did not fail: not in its log files
             # (compare_runs showed an unfinished job of a re-run sweep as failed with the refusal of the re-run)
-            files = earlier_run is None or _config_file_id(cfg) != earlier_run
+            files = failed_in_its_own_run(cfg, earlier_run)
             if in_multirun():  # a DDP job refused alike on every rank: on the console once, rank 0's
                 num = HydraConfig.get().job.num
                 line = f"job {num} failed: {type(shown).__name__}: {shown}"
@@ -164,17 +173,6 @@ def logs_a_failed_job(train_fn):
             raise
 
     return wrapper
-
-
-def _config_file_id(cfg: DictConfig) -> tuple[int, int] | None:
-    """The identity (inode, mtime) of the run dir's ``config_resolved.yaml``, which ``train(cfg)`` writes (by a
-    rename: a new inode) when a start passed its checks and trains; None without one."""
-    try:
-        out_dir = OmegaConf.select(cfg, "paths.output_dir", throw_on_resolution_failure=False)
-        stat = (Path(str(out_dir)) / "config_resolved.yaml").stat()
-    except (OSError, ValueError, TypeError):
-        return None
-    return stat.st_ino, stat.st_mtime_ns
 
 
 def log_training_start(logger: logging.Logger) -> None:

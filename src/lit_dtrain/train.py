@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_dtrain._chdir_paths import absolute_paths_under_chdir
 from lit_dtrain._collective_errors import CollectiveError, collectives_named  # noqa: F401 - CollectiveError: train's
 from lit_dtrain._config_values import forget_given_values, said_as_given
+from lit_dtrain._job_failure_once import note_training_start
 from lit_dtrain._launch_checks import check_multinode_launch, check_torchrun_launch, warn_about_torchrun_restarts
 from lit_dtrain._model_config_check import check_the_resumed_model
 from lit_dtrain._own_builds_check import check_own_builds
@@ -325,6 +326,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
             text = OmegaConf.to_yaml(cfg, resolve=True)
             write_atomically(out_dir / "config_resolved.yaml", lambda tmp: tmp.write_text(text))
         record_training_start(out_dir, write=not smoke_test)
+    if not smoke_test:  # every rank: a failure from here on is this run's own, for its job log (logs_a_failed_job)
+        note_training_start()
 
     t0 = clock.fit_started()
     try:

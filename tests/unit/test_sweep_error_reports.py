@@ -231,3 +231,41 @@ def test_the_job_that_started_a_rank_is_read_only_from_its_parent(monkeypatch):
     assert once._job_of_parent() is None
     monkeypatch.setenv(once.JOB_ENV, "3")  # no pid
     assert once._job_of_parent() is None
+
+
+def test_a_ranks_failure_after_its_checks_goes_to_its_job_log_where_rank_0_wrote_the_record(tmp_path, corpus):
+    """Rank 1 of a DDP sweep writes no config_resolved.yaml: rank 0 wrote it before the launcher started rank 1 (a
+    job's first fit), so the file was the same before and after rank 1's failure, which was taken for a start refused
+    in an earlier run's dir: rank 1's job log (train_ddp_process_1.log) never said why the job failed ('-m
+    trainer=ddp_cpu trainer.limit_val_batches=0.001,1', refused at the fit's start on both ranks). A start that passed
+    its checks (note_training_start, on every rank) logs it there."""
+    from lit_dtrain._job_failure_once import note_training_start
+    from lit_dtrain.sweeps import logs_a_failed_job
+
+    refusal = ConfigError("trainer.limit_val_batches=0.001 leaves no validation batch")
+
+    trains = []
+
+    @logs_a_failed_job
+    def task(cfg):
+        if trains:
+            note_training_start()
+        raise refusal
+
+    log_file = tmp_path / "train_ddp_process_1.log"
+    handler = logging.FileHandler(log_file)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with multirun_job(tmp_path / "sweep" / "0", ["seed=1,2"], ["seed=1"], corpus) as cfg:
+            (tmp_path / "sweep" / "0").mkdir()
+            (tmp_path / "sweep" / "0" / "config_resolved.yaml").write_text("seed: 1\n")  # rank 0's, of this job
+            with pytest.raises(ConfigError):  # refused in its checks (in an earlier run's dir): not its failure
+                task(cfg)
+            trains.append(True)
+            with pytest.raises(ConfigError):  # refused after them: its own
+                task(cfg)
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+    assert log_file.read_text().splitlines() == [f"job 0 failed: ConfigError: {refusal}"]

@@ -193,3 +193,17 @@ def test_a_sweep_subdir_of_the_sweep_dir_itself_or_an_absolute_one_reads_the_swe
         assert sweep_dir_of(hydra) == sweep
         assert sweep_job_count(hydra) == 1 and _the_sweeps_last_job()
         assert train_resume_hint(None) == f"the same -m arguments and resume=auto hydra.sweep.dir={sweep}"
+
+
+def test_the_repeated_point_warning_is_rank_0s(tmp_path, corpus, caplog, monkeypatch):
+    """Lightning's launcher starts rank 1 with the same -m arguments, whose job 0 ran the checks again: a DDP sweep
+    printed 'job 1 of this multirun trains the same configuration as job 0 ...' once per rank."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    with multirun_job(tmp_path / "sweep" / "0", ["seed=1,1"], ["seed=1"], corpus):
+        for rank in (1, 0):
+            monkeypatch.setattr(rank_zero_only, "rank", rank)
+            with caplog.at_level(logging.WARNING):
+                warn_if_the_grid_repeats_a_point(HydraConfig.get())
+    assert caplog.messages == ["job 1 of this multirun trains the same configuration as job 0 (seed=1): a swept "
+                               "value is listed twice; its 2 jobs train 1 distinct configurations"]
