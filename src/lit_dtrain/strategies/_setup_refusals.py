@@ -74,11 +74,7 @@ def leave_refusal(exception: BaseException) -> None:
         return
     payload = None
     if (error := user_error(exception)) is not None:
-        try:
-            payload = pickle.dumps(error)
-            pickle.loads(payload)  # an error whose class cannot be built again from its arguments: its line instead
-        except Exception:  # noqa: BLE001
-            payload = None
+        payload = _pickled_bad_input(error, user_error)
     if payload is None:
         line = f"{failure_line(exception, rank, ' before training')} (its traceback is in that rank's output)"
         payload = pickle.dumps(PeerFailedBeforeSetup(line))
@@ -86,6 +82,25 @@ def leave_refusal(exception: BaseException) -> None:
         store.set(_KEY.format(_records._fit_generation, f"refused/rank{rank}"), payload)
     except Exception:  # noqa: BLE001 - the store may be gone: the others' barrier fails as it did
         pass
+
+
+def _pickled_bad_input(error: BaseException, user_error) -> bytes | None:
+    """``error`` pickled, or where its class cannot be built again from its arguments (one of one's own, such as a
+    ``CorpusError`` subclass whose ``__init__`` takes other arguments), the same message as the nearest of its base
+    classes that is a bad input too: the other ranks give the same one-line error, printed once (it was
+    ``PeerFailedBeforeSetup``, no bad input, whose traceback rank 1 printed beside rank 0's labelled line, and which
+    said that rank 0's traceback was in its output: there was none). None where no such class is found."""
+    for cls in type(error).__mro__:
+        try:
+            copy = error if cls is type(error) else cls(str(error))
+            if user_error(copy) is not copy:
+                continue
+            payload = pickle.dumps(copy)
+            pickle.loads(payload)
+            return payload
+        except Exception:  # noqa: BLE001 - not built again from its arguments, or not from a message alone
+            continue
+    return None
 
 
 def raise_a_peers_refusal(timeout: timedelta | None) -> None:

@@ -1,0 +1,45 @@
+"""What a rank that failed before the ranks' setup leaves for the others (``strategies/_setup_refusals.py``; the
+2-process run is ``tests/dist/test_setup_refusals_dist.py``)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from lit_dtrain.data.corpus import CorpusError
+from lit_dtrain.strategies import _setup_refusals
+from lit_dtrain.strategies._setup_refusals import PeerFailedBeforeSetup, leave_refusal
+
+
+class ShardMissing(CorpusError):
+    """A bad input of one's own whose class is not built again from its message (pickle calls cls(*args))."""
+
+    def __init__(self, shard: int, where: str) -> None:
+        super().__init__(f"shard {shard} is missing from {where}")
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.values = {}
+
+    def set(self, key, value) -> None:
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("error, left", [
+    (CorpusError("data source 'x': path '/nope' does not exist"),
+     (CorpusError, "data source 'x': path '/nope' does not exist")),
+    # rank 1 raised PeerFailedBeforeSetup, no bad input: its Hydra traceback (40 lines) beside rank 0's line, now
+    # labelled '[rank: 0] error: ...' as the ranks' lines differed; and it said rank 0's traceback was in its output
+    (ShardMissing(3, "/data/shards"), (CorpusError, "shard 3 is missing from /data/shards")),
+    (RuntimeError("the download failed"), (PeerFailedBeforeSetup, "rank 0 stopped before training: RuntimeError: the "
+                                           "download failed (its traceback is in that rank's output)")),
+])
+def test_a_bad_input_is_left_as_one_the_others_raise_with_the_same_message(monkeypatch, error, left):
+    store = _Store()
+    monkeypatch.setattr(_setup_refusals, "_store_and_rank", lambda: (store, 0))
+    leave_refusal(error)
+    (payload,) = store.values.values()
+    raised = pickle.loads(payload)
+    assert (type(raised), str(raised)) == left
