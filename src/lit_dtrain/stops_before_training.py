@@ -31,6 +31,9 @@ class StoppedBeforeTraining(SystemExit):
         self.signum = signum
         self.said = False  # its line was logged (by the innermost StopsBeforeTraining it left)
 
+    def __reduce__(self):  # the other ranks raise it too (strategies/_setup_refusals.py): built from the signal
+        return type(self), (self.signum,)
+
 
 class StopsBeforeTraining(L.Callback):
     """A callback and context manager, on every rank: inside it SIGTERM and SIGHUP, where their action is the default,

@@ -43,3 +43,26 @@ def test_a_bad_input_is_left_as_one_the_others_raise_with_the_same_message(monke
     (payload,) = store.values.values()
     raised = pickle.loads(payload)
     assert (type(raised), str(raised)) == left
+
+
+def test_a_stop_signal_before_the_setup_is_left_for_the_others_and_waits_for_them_to_read_it(monkeypatch):
+    """SIGTERM to rank 0 alone in its token cache build (prepare_data, before the ranks' pre_setup barrier): rank 0
+    said it stopped before training and exited 143, and rank 1, waiting at the barrier in the store rank 0's process
+    held, printed torch's TCPStore warnings (two C++ stack traces) and 'error: rank 1: a collective failed before
+    training (... Connection closed by peer ...) ... Resume with resume=auto', exit 1. The stop is left for the
+    others, who stop with it, and rank 0 waits (2 s at most) until they have read it."""
+    import signal
+
+    from lit_dtrain.stops_before_training import StoppedBeforeTraining
+
+    store = _Store()
+    store.check = lambda keys: all(k in store.values for k in keys)
+    monkeypatch.setattr(_setup_refusals, "_store_and_rank", lambda: (store, 0))
+    monkeypatch.setattr(_setup_refusals.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(_setup_refusals.time, "sleep", lambda s: store.set(
+        next(iter(store.values)).replace("refused/rank0", "seen/rank1"), "1"))  # rank 1 reads it
+    leave_refusal(StoppedBeforeTraining(signal.SIGTERM))
+    refused = [v for k, v in store.values.items() if k.endswith("refused/rank0")]
+    raised = pickle.loads(refused[0])
+    assert isinstance(raised, StoppedBeforeTraining) and (raised.signum, raised.code) == (signal.SIGTERM, 143)
+    assert any(k.endswith("seen/rank1") for k in store.values)  # it waited for rank 1

@@ -64,22 +64,30 @@ class SetupRefusalsShared:
 def leave_refusal(exception: BaseException) -> None:
     """Leave ``exception`` (an ``Exception`` that is not a failed collective) in the store for this fit's
     ``pre_setup`` barrier: pickled where it is a bad input (the other ranks raise the same error), else its line."""
+    from lit_dtrain.stops_before_training import StoppedBeforeTraining
     from lit_dtrain.sweeps import user_error
 
-    if not isinstance(exception, Exception) or is_collective_failure(exception) or isinstance(
-            exception, (PeerRankFailedError, FirstConnectionError)):  # (an interruption: the launchers' signals)
+    stopped = isinstance(exception, StoppedBeforeTraining)  # a stop signal to this rank alone (its token cache build)
+    if not stopped and (not isinstance(exception, Exception) or is_collective_failure(exception) or isinstance(
+            exception, (PeerRankFailedError, FirstConnectionError))):  # (an interruption: the launchers' signals)
         return
     store, rank = _store_and_rank()  # (the group's store: torch private, behind that function)
     if store is None:
         return
-    payload = None
-    if (error := user_error(exception)) is not None:
+    payload = pickle.dumps(exception) if stopped else None
+    if (error := None if stopped else user_error(exception)) is not None:
         payload = _pickled_bad_input(error, user_error)
     if payload is None:
         line = f"{failure_line(exception, rank, ' before training')} (its traceback is in that rank's output)"
         payload = pickle.dumps(PeerFailedBeforeSetup(line))
     try:
         store.set(_KEY.format(_records._fit_generation, f"refused/rank{rank}"), payload)
+        if stopped:  # this process, which may hold the store, exits at once (an error's line waits for the others')
+            seen = [_KEY.format(_records._fit_generation, f"seen/rank{r}") for r in range(dist.get_world_size())
+                    if r != rank]
+            deadline = time.monotonic() + 2.0
+            while not store.check(seen) and time.monotonic() < deadline:
+                time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store may be gone: the others' barrier fails as it did
         pass
 
@@ -120,6 +128,7 @@ def raise_a_peers_refusal(timeout: timedelta | None) -> None:
         while refusal is None and store.add(arrived, 0) < world_size and time.monotonic() < deadline:
             if found := next((key for key in refused if store.check([key])), None):
                 refusal = store.get(found)
+                store.set(_KEY.format(_records._fit_generation, f"seen/rank{rank}"), "1")
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store does not answer: the barrier fails as it did
         return
