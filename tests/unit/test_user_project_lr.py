@@ -191,3 +191,46 @@ def test_a_checkpoint_saved_after_a_resume_that_trained_nothing_keeps_the_wsd_ho
     assert [(s["total_steps"], s["decay_steps"]) for k, s in state.items() if "WSD" in k] == [(8, 2)]  # (None, None)
     with pytest.warns(UserWarning, match="this fit plans 16 optimizer steps, the checkpoint's run planned 8"):
         fit(tmp_path, [WSDScheduler(decay_fraction=0.25)], max_steps=16, ckpt_path=tmp_path / "b.ckpt")
+
+
+def test_a_second_fit_beside_an_accumulation_schedule_follows_the_schedule_on_a_new_optimizer(tmp_path: Path):
+    """What docs/callbacks_in_your_project.md says of a second ``trainer.fit`` of the same Trainer: Lightning's
+    ``GradientAccumulationScheduler`` refuses it until ``trainer.accumulate_grad_batches`` is set back to 1 (its first
+    fit left the scheduled value there), ``WSDScheduler(total_steps=None)`` then counts the new epochs at their
+    scheduled accumulation (16 steps where 12 were planned: the warning of a horizon moved), and the fit runs on a new
+    optimizer (Lightning calls ``configure_optimizers`` again), so
+    only ``save_checkpoint`` + ``ckpt_path`` continues the straight run's weights exactly."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def run(twice: bool, through_checkpoint: bool = False, total_steps: int | None = None):
+        wsd, record = WSDScheduler(total_steps, warmup_steps=2, decay_steps=4, decay_type="linear"), UpdateLRs()
+        trainer = L.Trainer(accelerator="cpu", max_epochs=2 if twice else 3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            callbacks=[wsd, GradientAccumulationScheduler({1: 2}), record])
+        module = UserModule()
+        trainer.fit(module, regression_data())  # epochs of 8 batches: 8 steps, then 4 an epoch
+        if twice:
+            first, path = record.used[0], tmp_path / "first.ckpt"
+            if through_checkpoint:  # (right after the fit: the refused one below built a new optimizer too)
+                trainer.save_checkpoint(path)
+            trainer.fit_loop.max_epochs = 3
+            with pytest.raises(ValueError, match="accumulate_grad_batches"):  # Lightning's refusal
+                trainer.fit(module, regression_data())
+            trainer.accumulate_grad_batches = 1
+            trainer.fit(module, regression_data(), ckpt_path=path if through_checkpoint else None)
+            record.used[0] = first + record.used[0]
+        return module, wsd, record.used[0]
+
+    straight, wsd, lrs = run(twice=False)
+    assert wsd.total_steps == 16 and lrs == [1e-2 * wsd.lr_factor(k) for k in range(16)]
+    again, wsd_again, lrs_again = run(twice=True)
+    first = WSDScheduler(total_steps=12, warmup_steps=2, decay_steps=4, decay_type="linear")  # the first fit's plan
+    assert lrs_again[:12] == [1e-2 * first.lr_factor(k) for k in range(12)]
+    assert wsd_again.total_steps == 16 and lrs_again[12:] == lrs[12:]  # epoch 2 at its scheduled accumulation
+    # the same LRs (a given horizon): the weights differ by the optimizer alone
+    straight, _, _ = run(twice=False, total_steps=16)
+    again, _, _ = run(twice=True, total_steps=16)
+    new_optimizer = torch.cat([(a - b).flatten() for a, b in zip(straight.parameters(), again.parameters())])
+    assert new_optimizer.abs().max() > 1e-3  # (0.021 off in the doc's run: AdamW's moments started over)
+    resumed, _, _ = run(twice=True, through_checkpoint=True, total_steps=16)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
