@@ -339,8 +339,9 @@ class FourierSampler(TableState, UpdateQueue, TwoLevelCDF, IndexSampler):
                 f"FourierSampler is drawing step {step} but never received a training update: add the callback "
                 "(`'callbacks=[default,fourier_sampler]'`, or lit_dtrain.callbacks.FourierSamplerCallback), "
                 "or set require_updates=False to sample from the prior (Lightning's Tuner.lr_find and "
-                "scale_batch_size train without the Trainer's callbacks: tune with require_updates=False or the "
-                "default RandomSampler, then fit with the callback)"
+                "scale_batch_size, and its LearningRateFinder and BatchSizeFinder callbacks, whose search runs at fit "
+                "start, train without the Trainer's callbacks: tune with require_updates=False, which the fit after "
+                "the search keeps fed by the callback, or on the default RandomSampler, then fit with the callback)"
             )
         u = torch.rand(size, generator=step_generator(self.seed, step), dtype=torch.float64)
         return self._draw(u)
