@@ -114,3 +114,28 @@ def test_the_source_runs_warmup_is_read_beside_its_checkpoints_dir_and_a_bool_is
     assert "train the source run past step 12 first" in branch_in_warmup_fix(ckpt, "scheduler", 11)
     config.write_text("scheduler:\n  warmup_steps: true\n")
     assert source_warmup(ckpt, "scheduler") is None
+
+
+def test_a_decaying_checkpoint_resumed_inside_a_wsd_decay_of_another_shape_is_told_so_not_to_pass_a_warmup(tmp_path,
+                                                                                                          caplog):
+    """A checkpoint at 0.1 of its peaks (step 16 of a 1-sqrt decay) resumed at step 16 with decay_type=linear: the
+    step lies in this run's decay, whose factor there (0.6) is higher. The cause is the decay's shape, not a warmup:
+    it was told 'pass scheduler.warmup_steps=<the checkpoint's run's> to go on with its warmup' (train.py, a
+    20-step run resumed from step000016 with scheduler.decay_type=linear scheduler.min_lr_factor=0.1)."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.schedules._resume_lr import warn_if_a_resume_moves_the_lr
+
+    node = OmegaConf.create({"_target_": "lit_dtrain.schedules.wsd_scheduler", "total_steps": 20, "warmup_steps": 4,
+                             "decay_steps": 5, "decay_fraction": None, "decay_type": "linear",
+                             "min_lr_factor": 0.0})
+    path = saved(tmp_path, [{"base_lrs": [0.1, 0.2]}])
+    with caplog.at_level("INFO", logger="lit_dtrain.schedules.workflows"):
+        warn_if_a_resume_moves_the_lr(path, 16, "scheduler", node, default_warmup=False)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "its LR for step 16 is [0.01, 0.02] (peak [0.1, 0.2]), this run's is [0.06, 0.12]" in said
+    assert ("the step lies in this run's decay (from step 15 to total_steps=20, decay_type=linear, min_lr_factor=0.0)"
+            in said)
+    assert ("so the LR jumps up; resume with the checkpoint's run's trainer.max_steps and scheduler decay settings"
+            in said)
+    assert "warmup_steps=<the checkpoint's run's>" not in said

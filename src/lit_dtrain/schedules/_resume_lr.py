@@ -100,12 +100,16 @@ def _factor(node, step: int) -> float | None:
     return schedule_factor(node, step)
 
 
+def _is_wsd(node) -> bool:
+    return str(node.get("_target_", "")).endswith(("wsd_scheduler", "WSDScheduler"))
+
+
 def _decay_start(node) -> int | None:
     """The first step of the node's decay (the cosine's is the end of its warmup); ``None`` for a constant LR."""
     target = str(node.get("_target_", ""))
     if target.endswith("cosine_scheduler"):
         return int(node.get("warmup_steps") or 0)
-    if target.endswith(("wsd_scheduler", "WSDScheduler")):
+    if _is_wsd(node):
         total = int(node.total_steps)
         return total - resolve_decay_steps(total, node.get("decay_steps"), node.get("decay_fraction"))
     return None
@@ -152,6 +156,14 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} is shorter than the "
                  "checkpoint's run's warmup, so the LR jumps up")
         advice = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
+    elif up and decay_start is not None and start >= decay_start and _is_wsd(node):
+        total = node.get("total_steps")
+        cause = (f"the step lies in this run's decay (from step {decay_start} to total_steps={total}, "
+                 f"decay_type={node.get('decay_type')}, min_lr_factor={node.get('min_lr_factor')}), which gives it a "
+                 "higher LR than the checkpoint's run's schedule did (another total_steps, decay length, decay_type, "
+                 "min_lr_factor or warmup), so the LR jumps up")
+        advice = (f"resume with the checkpoint's run's trainer.max_steps and {key} decay settings, or branch a decay "
+                  "from a stable-phase checkpoint with decay_branch.ckpt=... decay_branch.steps=N")
     elif up:
         later = f" and before or early in its decay (total_steps={node.get('total_steps')})" if decay_start else ""
         cause = (f"the checkpoint is below its peak, in its run's warmup or decay, and the step lies past this run's "
