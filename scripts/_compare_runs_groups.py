@@ -8,7 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
-from _compare_runs_labels import _as_value, _trained_with, group_labels, override_key
+from _compare_runs_labels import _as_value, _differing, _trained_with, group_labels, override_key
 from _compare_runs_table import _number, _percent, comparable, final_only
 
 from lit_dtrain.run_dirs import RunDirError, hydra_overrides
@@ -30,6 +30,12 @@ def make_groups(run_dirs: list[Path], over: list[str], known: dict[Path, list[st
         raise RunDirError(f"--over {missing[0]}: no run sets {missing[0]!r} on its command line (they set "
                           f"{sorted(typed)}); give a key that differs between the runs, e.g. --over seed after "
                           "-m seed=0,1,2")
+    differing = _differing(run_dirs, known) if len(run_dirs) > 1 else None
+    varied = {override_key(o) for d in differing or [] for o in d}
+    if differing is not None and (same := [k for k in over if k not in varied]):
+        raise RunDirError(f"--over {same[0]}: every run trained with the same {same[0]!r}, so it groups no "
+                          f"runs; give a key whose value differs between the runs (they differ in "
+                          f"{sorted(varied)})")
     labels = group_labels(run_dirs, over, known) if len(run_dirs) > 1 else [""]
     # a job without its config (not started, or failed before training) is labelled by what it typed alone: it
     # joins the group of a run that typed the same (a job of the same sweep), not one of its own

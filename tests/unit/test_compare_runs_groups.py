@@ -73,6 +73,26 @@ def test_a_pure_seed_sweep_is_one_group_and_a_key_no_run_sets_is_refused(tmp_pat
         compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "g.png"), over=["sede"])
 
 
+def test_a_key_every_run_set_to_one_value_is_refused_where_it_grouped_each_run_alone(tmp_path, capsys):
+    """'-m seed=0,1 optimizer.lr=1e-3,3e-3 trainer.max_steps=8' compared --over trainer.max_steps: every job typed it,
+    all with 8, so no two runs differ in it alone; it printed a 'mean ± std over trainer.max_steps' table of four
+    groups of n = 1, each its run's own value. --over seed in the same sweep still groups."""
+    sweep = tmp_path / "sweep"
+    seed_sweep(sweep, {"1e-3": [3.0, 3.2], "3e-3": [2.9, 3.5]})
+    args = [str(sweep), "--out", str(tmp_path / "g.png")]
+    assert compare_runs.main(args + ["--over", "trainer.max_steps"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["compare_runs: error: --over trainer.max_steps: every run trained with the same "
+                    "'trainer.max_steps', so it groups no runs; give a key whose value differs between the runs "
+                    "(they differ in ['optimizer.lr', 'seed'])"]
+    with pytest.raises(compare_runs.CompareError, match=r"--over trainer.max_steps: every run trained with the same"):
+        compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "g.png"),
+                             over=["seed", "trainer.max_steps"])
+    result = compare_runs.compare([str(sweep)], ["val/loss"], out=str(tmp_path / "g.png"), over=["seed"])
+    assert [(g["label"], g["by_metric"]["val/loss"]["n"]) for g in result["groups"]] == [
+        ("optimizer.lr=1e-3", 2), ("optimizer.lr=3e-3", 2)]
+
+
 def test_jobs_that_logged_nothing_count_in_their_group_and_a_setting_that_only_failed_has_a_row(tmp_path):
     """A killed '-m seed=0,1' (job 1 never started) beside a run of another dropout: job 1 has no config, so its
     label lacks the dropout job 0 trained with ('model.dropout=0.0', from its config_resolved.yaml); it counts in job
