@@ -47,3 +47,10 @@ def test_a_failed_gather_raises_its_error_rather_than_returning_the_unwritten_bu
                         lambda out, t, group=None, async_op=False: (out.copy_(torch.arange(6.0)), _Work(done))[1])
     assert torch.equal(comm.all_gather_async(torch.ones(3)).wait(), torch.arange(6.0).view(2, 3))
     assert comm.take_step_record()["sent_log"] == [("all_gather", 12), ("all_gather", 12)]
+
+
+def test_the_time_of_a_step_counts_overlapping_collectives_once():
+    """Two async collectives in flight over [0, 2) and [1, 3) s: 3000 ms of communication, not their sum 4000."""
+    comm = _communicator.LoopbackCommunicator()
+    comm.intervals = [(1.0, 3.0), (0.0, 2.0)]
+    assert comm.take_step_record()["time_ms"] == 3000.0
