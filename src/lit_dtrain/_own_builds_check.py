@@ -11,11 +11,11 @@ number and touches no file or signal handler (tests/unit/test_own_builds_check.p
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import warnings
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lit_dtrain.utils.job_log import no_log_records
 
 
 def _targets(node) -> list[str]:
@@ -70,17 +70,6 @@ def own_nodes(cfg: DictConfig) -> list[DictConfig]:
     return nodes
 
 
-@contextlib.contextmanager
-def _no_log_records():
-    """No ``logging`` record while it is held (``logging.disable``), the level set before put back after."""
-    previous = logging.root.manager.disable  # the level logging.disable() set: the stdlib has no getter for it
-    logging.disable(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
-
 def check_own_builds(cfg: DictConfig) -> None:
     """Build :func:`own_nodes` once, as the run does (``instantiate``), and drop them: a bad argument raises the
     class's own error, which ``train.py`` reports as ``error: <node's key>: <message>`` (Hydra's ``full_key``).
@@ -90,7 +79,7 @@ def check_own_builds(cfg: DictConfig) -> None:
 
     check_fourier_sampler_pairing(cfg)
     for node in own_nodes(cfg):
-        with warnings.catch_warnings(), _no_log_records():
+        with warnings.catch_warnings(), no_log_records():
             warnings.simplefilter("ignore")
             instantiate(node)
 

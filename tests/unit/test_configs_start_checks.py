@@ -305,8 +305,41 @@ def test_a_missing_corpus_path_or_a_cache_dir_below_a_file_is_refused_before_the
         ([f"data.cache_dir={tmp_path / 'a_file' / 'cache'}"],
          f"data.cache_dir='{tmp_path / 'a_file' / 'cache'}' cannot hold token caches: '{tmp_path / 'a_file'}' is a "
          "file, not a directory; move it away or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere"),
+        ([f"data.sources.0.paths=[{tmp_path / 'nothing' / '*.txt'}]"],
+         f"data.sources.0 (data source 'text'): glob '{tmp_path / 'nothing' / '*.txt'}' matched no files"),
     ]:
         with pytest.raises(CorpusError) as refused:
             train(tiny_cfg(*overrides))
         assert str(refused.value) == line
     assert not (tmp_path / "run" / "config_resolved.yaml").exists()
+
+
+def test_a_cache_dir_that_cannot_be_written_to_is_refused_before_the_seed_unless_it_holds_caches(
+        tiny_cfg, tmp_path, monkeypatch):
+    """A read-only cache dir (a tmpfs mounted ro: root too is refused there, as chmod 0555 refuses another user) was
+    refused after the seed, once the whole corpus was hashed: one line before the seed now, naming the key, where it
+    holds no cache of the source (none could be read or written). One that holds the source's caches is left to the
+    corpus read: another user's read-only cache dir serves its caches."""
+    import os
+
+    import lightning as L
+
+    from lit_dtrain.data.corpus import CorpusError
+    from lit_dtrain.train import train
+
+    read_only = tmp_path / "read_only"
+    (read_only / "other-0123").mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: Path(path) != read_only and real_access(path, mode, **k))
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("seeded before the config was refused"))
+    for cache_dir, why in [(read_only, "Permission denied"),
+                           (read_only / "sub", f"'{read_only}' cannot be written to: Permission denied")]:
+        with pytest.raises(CorpusError) as refused:
+            train(tiny_cfg(f"data.cache_dir={cache_dir}"))
+        assert str(refused.value) == (
+            f"data.cache_dir='{cache_dir}' holds no token cache of data source 'text' and cannot be written to "
+            f"({why}); make it writable or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere")
+    (read_only / "text-0123").mkdir()  # a cache of the source: which key the run needs is known once it is read
+    monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("passed the checks"))
+    with pytest.raises(pytest.fail.Exception, match="passed the checks"):
+        train(tiny_cfg(f"data.cache_dir={read_only}"))

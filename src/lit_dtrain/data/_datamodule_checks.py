@@ -4,6 +4,7 @@ several ranks) that every rank read the same data."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import socket
 from collections.abc import Mapping
@@ -12,9 +13,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lit_dtrain.data._path_problems import missing_path_reason
-from lit_dtrain.data._unwritable import path_in_the_way
-from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, default_source_name
+from lit_dtrain.data._unwritable import holds_a_cache_of, path_in_the_way, unwritable_reason
+from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, default_source_name, resolve_files
+from lit_dtrain.data.walking import walk_glob
 from lit_dtrain.data.windows import _cache_key
+from lit_dtrain.utils.job_log import no_log_records
 
 
 def source_from_config(index: int, entry) -> CorpusSource:
@@ -45,17 +48,44 @@ def check_source_paths(datamodule) -> None:
     """Before the seed (``check_config``, which builds the datamodule once): a path of a ``files`` source that does
     not exist, and a token cache dir below a file or a link that leads nowhere, which no run can read or write. Both
     were refused in ``prepare_data``, after 'Seed set to ...', with the run dir's ``config_resolved.yaml`` written (and
-    the whole corpus read first, for the cache dir). Globs are matched, and a cache dir that cannot be written to is
-    refused, where the corpus is read: another user's cache dir is read-only, and its caches serve."""
+    the whole corpus read first, for the cache dir); so were a glob that matches no file and a cache dir that cannot
+    be written to and holds no cache of a source (a read-only tmpfs, another user's dir). One that cannot be written
+    to but holds caches of every source is left to ``prepare_data``: another user's read-only cache dir serves its
+    caches, and which one a run needs is known only once the corpus is hashed."""
     for index, source in enumerate(datamodule.sources):
         for raw in source.paths if source.kind == "files" else ():
             if (why := missing_path_reason(raw)) is not None:
                 raise CorpusError(f"data.sources.{index} (data source {source.name!r}): path {raw!r} {why}")
+            _check_glob_matches_a_file(index, source, raw)
     cache_dir = Path(os.path.expanduser(str(datamodule.cache_dir)))
     if (in_the_way := path_in_the_way(cache_dir)) is not None:
         reason, fix = in_the_way
         raise CorpusError(f"data.cache_dir={str(cache_dir)!r} cannot hold token caches: {reason}; {fix} or point "
                           "LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere")
+    if (why := unwritable_reason(cache_dir)) is not None:
+        for source in datamodule.sources:
+            if not holds_a_cache_of(cache_dir, source.name):
+                raise CorpusError(f"data.cache_dir={str(cache_dir)!r} holds no token cache of data source "
+                                  f"{source.name!r} and cannot be written to ({why}); make it writable or point "
+                                  "LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere")
+
+
+def _check_glob_matches_a_file(index: int, source: CorpusSource, raw) -> None:
+    """A glob of ``data.sources.<index>.paths`` that matches no file, refused with ``resolve_files``'s own line (its
+    hints: a ``[`` in a name, braces, a directory it cannot list, directories matched without their files). Listing
+    the matches is cheap, reading them is not: a glob was refused in ``prepare_data``, after the seed."""
+    path = os.path.expanduser(str(raw))
+    if not glob.has_magic(path) or os.path.lexists(path):  # (a path that exists is that file or directory)
+        return
+    with no_log_records():  # a walk's warnings (a dir it cannot list) are the run's to give, once
+        if any(os.path.isfile(hit) for hit in walk_glob(path)):
+            return
+        try:
+            resolve_files(dataclasses.replace(source, paths=[raw]))
+        except CorpusError as e:
+            message = str(e).replace(f"data source {source.name!r}", f"data.sources.{index} (data source "
+                                     f"{source.name!r})", 1)
+            raise CorpusError(message) from None
 
 
 def check_every_rank_read_the_same_data(datamodule) -> None:

@@ -36,3 +36,26 @@ def path_in_the_way(cache_dir: Path) -> tuple[str, str] | None:
         if path.exists() and not path.is_dir():
             return f"{str(path)!r} is a file, not a directory", "move it away"
     return None
+
+
+def unwritable_reason(cache_dir: Path) -> str | None:
+    """Why no token cache can be written in ``cache_dir``, or below the dir above it that exists where it does not yet
+    (``os.access``, which a read-only file system fails for root too): ``'Read-only file system'``, ``'Permission
+    denied'`` or ``"'<dir above>' cannot be written to (...)"``; None where it can."""
+    existing = next((p for p in (cache_dir, *cache_dir.parents) if os.path.isdir(p)), None)
+    if existing is None or os.access(existing, os.W_OK | os.X_OK):
+        return None
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+    why = "Read-only file system" if read_only else "Permission denied"
+    return why if existing == cache_dir else f"{str(existing)!r} cannot be written to: {why}"
+
+
+def holds_a_cache_of(cache_dir: Path, source_name: str) -> bool:
+    """Whether ``cache_dir`` holds a token cache named for ``source_name`` (``<name>-<key>``; the key hashes the corpus,
+    so which one is known only when it is read)."""
+    try:
+        return any(entry.name.startswith(f"{source_name}-") for entry in os.scandir(cache_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:  # not listable (search permission alone): its caches may still serve
+        return True

@@ -101,3 +101,15 @@ def warnings_reach_the_console() -> Iterator[None]:
         package.removeHandler(handler)
         for logger, disabled, level in saved:
             logger.disabled, logger.level = disabled, level
+
+
+@contextlib.contextmanager
+def no_log_records() -> Iterator[None]:
+    """No ``logging`` record while it is held (``logging.disable``), the level set before put back after: a check that
+    does once, before the seed, what the run does again later (and warns about there)."""
+    previous = logging.root.manager.disable  # the level logging.disable() set: the stdlib has no getter for it
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
