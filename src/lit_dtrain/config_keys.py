@@ -298,7 +298,7 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
     silently; a string where a number belongs failed in a comparison that named neither key nor value. They read
     integers with ``int(value)``: ``data.seed=1.5`` trained as seed 1 and ``data.seed=true`` as 1, silently, and
     ``data.seed=null`` failed in Hydra's wrapper naming only the node (``full_key: data``)."""
-    from hydra.utils import get_object
+    from lit_dtrain._target_import import import_target
 
     node = cfg if node is None else node
     if isinstance(node, ListConfig):
@@ -310,14 +310,10 @@ def check_target_arguments(cfg: DictConfig, node=None, path: str = "") -> None:
     if not isinstance(node, DictConfig):
         return
     hints: dict = {}
-    if "_target_" in node:
-        try:
-            target = get_object(node._target_)
-        except Exception:  # an unimportable target: instantiate names it
-            target = None
-        if target is not None:
-            check_target_keys(node, path, target)
-            hints = _argument_hints(target)
+    if "_target_" in node:  # an unimportable one: one line, before the seed (Hydra's several, as it was built)
+        target = import_target(node._target_, path)
+        check_target_keys(node, path, target)
+        hints = _argument_hints(target)
     for key in node.keys():  # a key as given: {0: 2} has the integer 0, which node._get_node('0') does not find
         if str(key).startswith("_") or OmegaConf.is_missing(node, key):
             continue
