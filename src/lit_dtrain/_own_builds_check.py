@@ -77,11 +77,14 @@ def check_own_builds(cfg: DictConfig) -> None:
     'decay_fraction=0.2 of total_steps=2 rounds to 0 decay steps', logged, was printed twice."""
     from hydra.utils import instantiate
 
+    from lit_dtrain._blocks_check import check_selective_checkpointing_blocks
+
     check_fourier_sampler_pairing(cfg)
     for node in own_nodes(cfg):
         with warnings.catch_warnings(), no_log_records():
             warnings.simplefilter("ignore")
             instantiate(node)
+    check_selective_checkpointing_blocks(cfg)  # after the callbacks' argument checks (module_pattern=0)
 
 
 def _located(target) -> type | None:
