@@ -80,6 +80,10 @@ def check_config(cfg: DictConfig) -> None:
     lr = cfg.optimizer.get("lr")
     if "lr" in cfg.optimizer and not (lr is not None and lr > 0):
         raise ConfigError(f"optimizer.lr must be > 0, got {lr}")
+    if is_number(eps := cfg.optimizer.get("eps")) and not eps > 0:  # torch takes 0 (and refused -1 in its words)
+        raise ConfigError(f"optimizer.eps must be > 0, got {eps}: Adam divides each update by sqrt(v) + eps, so an "
+                          "element whose gradient is 0 (an untied embedding's row of a byte not in the batch) got 0/0 "
+                          "= NaN at the first step")
     betas = cfg.optimizer.get("betas")
     if "betas" in cfg.optimizer:  # null: "optimizer: 'NoneType' object is not iterable"
         values = list(betas) if isinstance(betas, (list, tuple, ListConfig)) else None

@@ -84,7 +84,9 @@ from lit_dtrain.train import ConfigError
         ("optimizer.betas=[0.9,abc]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 'abc'\]"),
         ("optimizer.betas=0.9", r"optimizer.betas must be two numbers in \[0, 1\), got 0.9"),
         ("optimizer.betas=[0.9,1.5]", r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
-        ("optimizer.eps=-1", r"optimizer: Invalid epsilon value: -1"),
+        ("optimizer.eps=-1", r"^optimizer.eps must be > 0, got -1: Adam divides"),
+        # torch takes 0: an element whose gradient is 0 at a step (an untied embedding row) became NaN
+        ("optimizer.eps=0", r"^optimizer.eps must be > 0, got 0: Adam divides each update by sqrt\(v\) \+ eps"),
         # cosine and wsd refuse warmup > total_steps; constant trained without ever reaching optimizer.lr
         ("scheduler=constant scheduler.warmup_steps=10",
          r"scheduler.warmup_steps=10 exceeds trainer.max_steps=6: the LR would never reach optimizer.lr"),
