@@ -8,6 +8,10 @@ Lightning exit, so ``resume=auto`` continues exactly from there (after a validat
 runs in full: ``ModelCheckpoint`` saves that step's file). The file is ``ModelCheckpoint(save_last=True)``'s own
 last checkpoint.
 
+- **The validation that ends an epoch.** A signal during it (after the epoch's last step, another epoch to follow)
+  is saved at its end (``on_validation_end``, where ``ModelCheckpoint`` saves: Lightning resumes that state at the
+  epoch's boundary), agreed by the ranks as at a step's end. It was saved at the next epoch's first step, mid-epoch,
+  which Lightning does not resume exactly on a plain ``DataLoader`` (it restarts the epoch's data): 0.013 off.
 - **Gradient accumulation.** A checkpoint in the middle of an optimizer step would lose the grads accumulated
   so far, so a signal that comes mid-accumulation is acted on at the step's last micro-batch (at most
   ``accumulate_grad_batches - 1`` micro-batches later).
@@ -59,7 +63,7 @@ from typing_extensions import override
 
 from lit_dtrain.callbacks._args import check_arg, is_path
 from lit_dtrain.utils.distributed import all_gather_stacked
-from lit_dtrain.utils.loop import lightnings_timer_splits_steps, mid_accumulation
+from lit_dtrain.utils.loop import epoch_ends_and_fit_goes_on, lightnings_timer_splits_steps, mid_accumulation
 
 # the signals that stop a run at the end of the current optimizer step, with last.ckpt saved
 STOP_SIGNALS = tuple(
@@ -188,6 +192,12 @@ class PreemptionCheckpoint(L.Callback):
         if self._holding:
             self._holding = False
             trainer._signal_connector.received_sigterm = True
+        elif trainer.state.fn == "fit" and not trainer.sanity_checking and epoch_ends_and_fit_goes_on(trainer):
+            # A signal during the validation that ends an epoch (after the epoch's last step, when another epoch
+            # follows): saved here, at the epoch's boundary, where Lightning's own ModelCheckpoint saves. It was
+            # saved at the next epoch's first step: mid-epoch, which a plain DataLoader does not resume exactly
+            # (the resumed fit ended 0.013 off the straight one). Lightning then ends the epoch and stops.
+            self._agree_and_save(trainer, pl_module, self.signalled or trainer.received_sigterm)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
@@ -221,6 +231,11 @@ class PreemptionCheckpoint(L.Callback):
             if signalled:  # kept for the step's last micro-batch, where the ranks agree (one all-reduce per step)
                 self._wait(trainer)
             return
+        self._agree_and_save(trainer, pl_module, signalled)
+
+    def _agree_and_save(self, trainer: L.Trainer, pl_module, signalled: bool) -> None:
+        """At an optimizer step's end (or the validation that ends an epoch), on every rank: agree on whether any
+        rank got a signal and, if one did, save and set Lightning's flag."""
         if trainer.world_size > 1:
             signalled = trainer.strategy.reduce_boolean_decision(signalled, all=False)
         # a signal whose handler ran during the all-reduce (it waits for the slowest rank) is kept for the next step's

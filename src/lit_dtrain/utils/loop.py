@@ -97,3 +97,21 @@ def fit_position(trainer) -> str:
 
         resumed = resumed or (checkpoint_global_step(trainer.ckpt_path, verify=False) if trainer.ckpt_path else None)
     return " before training" + (f", resuming from step {resumed}" if resumed is not None else "")
+
+
+def epoch_ends_and_fit_goes_on(trainer: Any) -> bool:
+    """Whether the batch just trained (or the validation after it) ends an epoch that another epoch follows: the
+    epoch's last batch (Lightning's private ``_num_ready_batches_reached``; never in a stream without an end), and
+    no ``max_steps``, ``max_epochs`` or early stop (that ``min_steps``/``min_epochs`` allow: the private
+    ``_can_stop_early``) ends the fit there. The same on every rank (their epochs are as long; ``EarlyStopping``
+    agrees its stop)."""
+    loop = trainer.fit_loop
+
+    def reached(count: int, limit: Any) -> bool:
+        return isinstance(limit, int) and limit >= 0 and count >= limit
+
+    if not loop.epoch_loop._num_ready_batches_reached():
+        return False
+    if reached(trainer.global_step, trainer.max_steps) or reached(trainer.current_epoch + 1, trainer.max_epochs):
+        return False
+    return not (trainer.should_stop and loop._can_stop_early)
