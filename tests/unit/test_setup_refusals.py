@@ -19,6 +19,13 @@ class ShardMissing(CorpusError):
         super().__init__(f"shard {shard} is missing from {where}")
 
 
+class ShardMissingHere(CorpusError):
+    """One whose class is built again from its message, with another one: pickle calls cls(message)."""
+
+    def __init__(self, shard, where: str = "/data/shards") -> None:
+        super().__init__(f"shard {shard} is missing from {where}")
+
+
 class _Store:
     def __init__(self) -> None:
         self.values = {}
@@ -33,6 +40,8 @@ class _Store:
     # rank 1 raised PeerFailedBeforeSetup, no bad input: its Hydra traceback (40 lines) beside rank 0's line, now
     # labelled '[rank: 0] error: ...' as the ranks' lines differed; and it said rank 0's traceback was in its output
     (ShardMissing(3, "/data/shards"), (CorpusError, "shard 3 is missing from /data/shards")),
+    # rank 1 said 'shard shard 3 is missing from /data/shards is missing from /data/shards' beside rank 0's line
+    (ShardMissingHere(3), (CorpusError, "shard 3 is missing from /data/shards")),
     (RuntimeError("the download failed"), (PeerFailedBeforeSetup, "rank 0 stopped before training: RuntimeError: the "
                                            "download failed (its traceback is in that rank's output)")),
 ])

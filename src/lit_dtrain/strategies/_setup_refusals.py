@@ -97,15 +97,18 @@ def _pickled_bad_input(error: BaseException, user_error) -> bytes | None:
     ``CorpusError`` subclass whose ``__init__`` takes other arguments), the same message as the nearest of its base
     classes that is a bad input too: the other ranks give the same one-line error, printed once (it was
     ``PeerFailedBeforeSetup``, no bad input, whose traceback rank 1 printed beside rank 0's labelled line, and which
-    said that rank 0's traceback was in its output: there was none). None where no such class is found."""
+    said that rank 0's traceback was in its output: there was none), or one built again from its arguments with
+    another message. None where no such class is found."""
     for cls in type(error).__mro__:
         try:
             copy = error if cls is type(error) else cls(str(error))
             if user_error(copy) is not copy:
                 continue
             payload = pickle.dumps(copy)
-            pickle.loads(payload)
-            return payload
+            # built again with another message (an __init__ whose second argument has a default): rank 1 said 'shard
+            # shard 3 is missing from /data/shards is missing from /data/shards' beside rank 0's line
+            if str(pickle.loads(payload)) == str(error):
+                return payload
         except Exception:  # noqa: BLE001 - not built again from its arguments, or not from a message alone
             continue
     return None
