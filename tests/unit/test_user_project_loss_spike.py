@@ -222,3 +222,23 @@ def test_a_buffer_copy_that_became_the_buffer_is_not_written_over() -> None:
     assert again[1][2] is values[1][2]  # running_var's copy is written over
     net.running_mean.add_(1.0)
     assert torch.equal(again[0][2], torch.zeros(4))
+
+
+class _NestedBufferNet(_BatchNormNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ragged", torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)]))
+
+
+@pytest.mark.filterwarnings("ignore:LossSpikeMonitor. there is no datamodule", "ignore:The PyTorch API of nested")
+def test_a_nested_buffer_is_copied_and_put_back_whole(tmp_path: Path) -> None:
+    """A nested tensor has no sizes: the check whether last step's copy fits raised at every step from the second
+    ('RuntimeError: Internal error: NestedTensorImpl doesn't support sizes'), and the skip's restore at a spike."""
+    module, monitor = _NestedBufferNet(), LossSpikeMonitor(actions=["log", "skip"], warmup_steps=5)
+    trainer = L.Trainer(accelerator="cpu", max_steps=14, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                        default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(_Corrupt(), batch_size=8))
+    assert [e["step"] for e in monitor.events] == [10]
+    assert [t.tolist() for t in module.ragged.unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
+    assert torch.equal(module.at_step[10]["net.1.running_var"], module.at_step[11]["net.1.running_var"])

@@ -114,9 +114,15 @@ def _fits(copy: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether ``copy.copy_(buffer)`` makes what ``buffer.detach().clone()`` would: the same shape, strides, dtype
     and device, a plain dense tensor, and no storage shared with the buffer (a buffer set back whole by
     :func:`restore_buffers` is the copy itself)."""
-    return (copy.shape == buffer.shape and copy.stride() == buffer.stride() and copy.dtype == buffer.dtype
-            and copy.device == buffer.device and buffer.layout == torch.strided and not buffer.is_quantized
-            and buffer.numel() > 0 and copy.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr())
+    return (_dense(copy) and _dense(buffer) and copy.shape == buffer.shape and copy.stride() == buffer.stride()
+            and copy.dtype == buffer.dtype and copy.device == buffer.device and buffer.numel() > 0
+            and copy.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """A plain dense tensor, with sizes and strides (a nested tensor's ``.shape`` raises: a nested buffer failed every
+    step from the second, 'NestedTensorImpl doesn't support sizes')."""
+    return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
 
 
 def restore_buffers(module, values: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
@@ -124,14 +130,15 @@ def restore_buffers(module, values: list[tuple[str, torch.Tensor, torch.Tensor]]
     tensors) and in the dtype the buffer has now: FSDP's mixed precision casts the buffers it holds in place
     (``buffer.data = buffer.to(bf16)``) in a step's forward, and setting the float32 copy back whole undid that cast
     behind its back (a new float32 tensor where FSDP keeps bfloat16 ones). A buffer the module has since replaced by
-    another tensor of another shape or dtype is set back whole."""
+    another tensor of another shape or dtype is set back whole, as is one that is no plain dense tensor (a nested
+    tensor has no shape to compare: the skip failed)."""
     with torch.no_grad():
         for name, held, value in values:
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
             buffer = getattr(owner, leaf)
-            if isinstance(buffer, torch.Tensor) and buffer.shape == value.shape and (
-                    buffer is held or buffer.dtype == value.dtype):
+            if isinstance(buffer, torch.Tensor) and _dense(buffer) and _dense(value) and buffer.shape == value.shape \
+                    and (buffer is held or buffer.dtype == value.dtype):
                 buffer.copy_(value)
             else:
                 setattr(owner, leaf, value.to(buffer.device) if isinstance(buffer, torch.Tensor) else value)
