@@ -108,11 +108,14 @@ class PreemptionCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         # A new list, not an in-place move: Lightning is iterating over the current one to call this hook.
         others = [c for c in trainer.callbacks if c is not self and getattr(c, "owner", None) is not self]
-        # the handler goes in at the first on_train_start (_TakesSignalsFirst): Lightning's, registered before it,
+        # the handler goes in once Lightning has registered its own (_RegistersThenTakes), else at the first
+        # on_sanity_check_start or on_train_start (_TakesSignalsFirst): Lightning's, registered before it,
         # broadcasts inside the handler on several ranks; a SIGTERM in an earlier callback's on_train_start reached
         # it once on rank 0 and twice on rank 1 (its own and rank 0's forwarded copy), an extra broadcast that the
         # next collective met: the ranks waited in unlike collectives until collective_timeout_s, 1800 s by default
         trainer.callbacks = ([_TakesSignalsFirst(self)] if stage == "fit" else []) + others + [self]
+        if stage == "fit":
+            _take_signals_once_registered(self, trainer)
         if stage == "fit" and (accumulate := lightnings_timer_splits_steps(trainer)):
             rank_zero_warn(
                 f"PreemptionCheckpoint saves at an optimizer step's end, but Lightning's Timer (Trainer(max_time=...)) "
@@ -141,8 +144,8 @@ class PreemptionCheckpoint(L.Callback):
             raise SIGTERMException
 
     def take_signals(self, trainer: L.Trainer) -> None:
-        """From here on a stop signal is only recorded, once per fit (at the first callback's
-        ``on_sanity_check_start``, or ``on_train_start`` where no sanity check runs)."""
+        """From here on a stop signal is only recorded, once per fit (as soon as Lightning has registered its handler:
+        :class:`_RegistersThenTakes`; else at the first callback's ``on_sanity_check_start`` or ``on_train_start``)."""
         if self._trainer is trainer and self._previous_handlers is not None:
             return
         self._trainer = trainer
@@ -293,6 +296,31 @@ class _TakesSignalsFirst(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.owner.take_signals(trainer)
+
+
+class _RegistersThenTakes:
+    """Lightning's ``register_signal_handlers``, then its owner takes the signals: Lightning registers its handler just
+    before the strategy's ``barrier("run-stage")`` and the data's setup, where no callback hook runs; a SIGTERM to rank
+    0 there ran Lightning's handler, which broadcasts inside itself, once on rank 0 and twice on rank 1 (its own and
+    rank 0's forwarded copy): 2 gloo ranks waited in unlike collectives until collective_timeout_s and exited 1."""
+
+    def __init__(self, register, owner: PreemptionCheckpoint, trainer: L.Trainer) -> None:
+        self.register, self.owner, self.trainer = register, owner, trainer
+
+    def __call__(self) -> None:
+        self.register()
+        if self.trainer.state.fn == "fit":  # (a later validate or test of this trainer registers its handler too)
+            self.owner.take_signals(self.trainer)
+
+
+def _take_signals_once_registered(owner: PreemptionCheckpoint, trainer: L.Trainer) -> None:
+    connector = getattr(trainer, "_signal_connector", None)  # (Lightning's, private; a stand-in trainer has none)
+    register = getattr(connector, "register_signal_handlers", None)
+    if register is None:
+        return
+    if isinstance(register, _RegistersThenTakes):  # an earlier fit's (this trainer fitted again)
+        register = register.register
+    connector.register_signal_handlers = _RegistersThenTakes(register, owner, trainer)
 
 
 def _file_identity(path: str) -> tuple | None:
