@@ -42,7 +42,7 @@ def test_a_bad_input_is_one_error_line_without_a_traceback(tmp_path, corpus, kin
     args, message = {
         "config": (["data.seed=abc"], "error: data.seed must be an integer, got 'abc' (str)"),
         "corpus": (["data.sources.0.paths=[]"], "error: data.sources.0 (data source 'text'): kind='files' needs a "
-                   "non-empty 'paths' list of files, directories or globs, e.g. 'data.sources.0.paths=[~/corpus]'"),
+                   "non-empty 'paths' list of files, directories or globs, e.g. 'data.sources.0.paths=[\"~/corpus\"]'"),
         "checkpoint": ([f"ckpt_path={garbage}"], f"error: checkpoint '{garbage}' is "),
     }[kind]
     proc = train_proc(tmp_path, corpus, *args)

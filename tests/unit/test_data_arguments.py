@@ -155,6 +155,20 @@ def test_a_bad_source_entry_names_its_key(tmp_path):
         LMDataModule(sources=[{"name": "t", "kind": "files", "path": "~/corpus"}], cache_dir=str(tmp_path))
 
 
+def test_the_paths_override_an_error_suggests_is_one_hydra_parses(tmp_path):
+    """The errors of a files source without paths and of an empty data.sources suggested
+    'data.sources.0.paths=[~/corpus]', which Hydra's override grammar refuses (an unquoted '~':
+    'LexerNoViableAltException: data.sources.0.paths=[~/corpus]'); pasted as given, it failed again."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for sources in ([{"name": "text", "kind": "files", "paths": []}], []):
+        with pytest.raises(CorpusError) as error:
+            LMDataModule(sources=sources, cache_dir=str(tmp_path))
+        [suggested] = re.findall(r"'(data\.sources\.0\.paths=[^']*)'", str(error.value))
+        assert parser.parse_override(suggested).value() == ["~/corpus"], suggested
+
+
 def test_an_empty_or_malformed_sources_list_is_named(tmp_path, corpus):
     """data.sources=[] trained on the stdlib corpus without a word (an empty list read as "not given"), and
     data.sources=[foo] failed with an AttributeError traceback in train()'s monitor check (ValueError from dict('foo')

@@ -143,7 +143,7 @@ class CorpusSource:
         if self.kind == "files" and not self.paths:
             raise CorpusError(
                 f"data source {self.name!r}: kind='files' needs a non-empty 'paths' list of files, directories or "
-                "globs, e.g. 'data.sources.N.paths=[~/corpus]'"
+                "globs, e.g. 'data.sources.N.paths=[\"~/corpus\"]'"
             )
         if not isinstance(self.pattern, str) or not self.pattern:  # was an AttributeError or pathlib's ValueError
             raise CorpusError(

@@ -104,7 +104,7 @@ class LMDataModule(L.LightningDataModule):
             # an empty list trained on the stdlib corpus without a word
             raise CorpusError(
                 f"data.sources must be a non-empty list of sources, got {sources!r}; e.g. data=textfiles "
-                "'data.sources.0.paths=[~/corpus]' (data=stdlib, or sources=None, for the stdlib corpus)"
+                "'data.sources.0.paths=[\"~/corpus\"]' (data=stdlib, or sources=None, for the stdlib corpus)"
             )
         self.sources = [s if isinstance(s, CorpusSource) else source_from_config(i, s) for i, s in enumerate(sources)]
         names = [s.name for s in self.sources]
