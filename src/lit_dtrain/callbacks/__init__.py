@@ -7,6 +7,21 @@ Names are resolved lazily so that importing one callback does not import every t
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and IDEs read (they never call __getattr__): the names of _EXPORTS
+    from lit_dtrain.callbacks.adaptive_grad_clip import AdaptiveGradClip as AdaptiveGradClip
+    from lit_dtrain.callbacks.fourier_sampler import FourierSamplerCallback as FourierSamplerCallback
+    from lit_dtrain.callbacks.loss_spike import LossSpikeMonitor as LossSpikeMonitor
+    from lit_dtrain.callbacks.lr_monitor import OncePerStepLRMonitor as OncePerStepLRMonitor
+    from lit_dtrain.callbacks.memory_monitor import MemoryMonitor as MemoryMonitor
+    from lit_dtrain.callbacks.model_checkpoint import ModelCheckpoint as ModelCheckpoint
+    from lit_dtrain.callbacks.optimizer_diagnostics import OptimizerDiagnostics as OptimizerDiagnostics
+    from lit_dtrain.callbacks.preemption import PreemptionCheckpoint as PreemptionCheckpoint
+    from lit_dtrain.callbacks.selective_checkpointing import SelectiveCheckpointing as SelectiveCheckpointing
+    from lit_dtrain.callbacks.step_end_timer import StepEndTimer as StepEndTimer
+    from lit_dtrain.callbacks.throughput import token_throughput_monitor as token_throughput_monitor
+    from lit_dtrain.callbacks.wsd import WSDScheduler as WSDScheduler
 
 _EXPORTS = {
     "LossSpikeMonitor": "lit_dtrain.callbacks.loss_spike",

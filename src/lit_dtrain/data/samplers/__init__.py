@@ -1,6 +1,11 @@
 """Samplers of training windows: a pure function of (seed, step, sampler state)."""
 
+from typing import TYPE_CHECKING
+
 from lit_dtrain.data.samplers.base import IndexSampler, RandomSampler, step_generator
+
+if TYPE_CHECKING:  # what type checkers and IDEs read (they never call __getattr__)
+    from lit_dtrain.data.samplers.fourier import FourierSampler as FourierSampler
 
 # FourierSampler is resolved lazily (the spectral sampler is optional), but it is public: ``import *`` and ``dir()``
 # list it too
