@@ -366,6 +366,7 @@ def _hydra_config(config: DictConfig):
 def _check_output_dir(config: DictConfig, kind: str) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
+    from lit_dtrain._output_dir_advice import output_dir_advice
     from lit_dtrain._removed_keys import check_run_dir_keys
     from lit_dtrain.utils.atomic import unwritable_dir_reason
 
@@ -381,8 +382,7 @@ def _check_output_dir(config: DictConfig, kind: str) -> None:
     reason = unwritable_dir_reason(str(directory))
     if reason:
         _exit_with(ConfigError(
-            f"the {kind} dir {str(directory)!r} {reason}; point LIT_DTRAIN_OUTPUT (paths.log_dir, now "
-            f"{os.environ.get('LIT_DTRAIN_OUTPUT', 'unset: outputs')!r}) at a writable directory"
+            f"the {kind} dir {str(directory)!r} {reason}; {output_dir_advice(config, kind, str(directory))}"
         ))
 
 

@@ -200,3 +200,30 @@ def test_a_run_dir_interpolating_hydra_is_checked_as_hydra_resolves_it(tmp_path,
                 OutputDirCheck().on_run_start(config)
     assert capsys.readouterr().err.startswith(error or "")
     assert not HydraConfig.initialized()  # put back: Hydra sets it itself as the job starts
+
+
+def test_the_refusal_names_what_set_the_unwritable_dir(tmp_path, monkeypatch, capsys):
+    """With LIT_DTRAIN_OUTPUT writable and paths.log_dir=<a dir below a file> on the command line, the refusal said
+    'point LIT_DTRAIN_OUTPUT (paths.log_dir, now '<the variable>')', a dir that was fine and overridden; with
+    hydra.run.dir=<such a dir>, neither key set it. Each names the key that set the dir, with its value."""
+    from omegaconf import OmegaConf
+
+    from lit_dtrain.sweeps import OutputDirCheck
+
+    (tmp_path / "file").write_text("x")
+    blocked = str(tmp_path / "file" / "out")
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", str(tmp_path / "fine"))
+    for log_dir, run_dir, advice in [
+        (blocked, f"{blocked}/runs/a", f"point paths.log_dir (now '{blocked}'; it overrides LIT_DTRAIN_OUTPUT)"),
+        (str(tmp_path / "fine"), f"{blocked}/a", f"point hydra.run.dir (now '{blocked}/a')"),
+    ]:
+        config = OmegaConf.create({"run_name": "a", "paths": {"log_dir": log_dir}, "hydra": {"run": {"dir": run_dir}}})
+        with pytest.raises(SystemExit):
+            OutputDirCheck().on_run_start(config)
+        assert capsys.readouterr().err.strip().endswith(f"is a file, not a directory; {advice} at a writable directory")
+    monkeypatch.setenv("LIT_DTRAIN_OUTPUT", blocked)  # the variable's dir: the variable is named, with its value
+    config = OmegaConf.create({"run_name": "a", "paths": {"log_dir": blocked},
+                               "hydra": {"run": {"dir": f"{blocked}/runs/a"}}})
+    with pytest.raises(SystemExit):
+        OutputDirCheck().on_run_start(config)
+    assert f"point LIT_DTRAIN_OUTPUT (paths.log_dir, now '{blocked}') at a writable" in capsys.readouterr().err
