@@ -8,13 +8,17 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dtrain.errors import ConfigError
-from lit_dtrain.sweep_grid import sweep_task
+from lit_dtrain.sweep_grid import sweep_dir_of, sweep_task
+
+_REORDERED: dict[tuple, str] = {}  # (sweep dir, -m arguments) -> a job refused for its order, in this process
 
 
 def check_resumed_job(cfg: DictConfig) -> None:
     """resume=auto in a multirun resumes job N from <sweep dir>/N: refuse it when that run was trained with another
     value of a swept key (the same sweep re-run with its values in another order), before train() rewrites its
-    config_resolved.yaml."""
+    config_resolved.yaml. A later job of that re-run with no run of its own yet (the killed sweep never started it)
+    is refused too: it would train <sweep dir>/N with the other order's values, where the sweep re-run in its own
+    order then refused it (a job 1 of '3e-3,1e-3' trained its dir with lr=1e-3, the first order's job 0)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -23,9 +27,19 @@ def check_resumed_job(cfg: DictConfig) -> None:
         return
     hc = HydraConfig.get()
     old_file = Path(hc.runtime.output_dir) / "config_resolved.yaml"
-    if hc.mode != RunMode.MULTIRUN or cfg.get("resume") != "auto" or not old_file.is_file():
+    if hc.mode != RunMode.MULTIRUN or cfg.get("resume") != "auto":
         return
     task = sweep_task(hc)
+    sweep = (str(sweep_dir_of(hc)), tuple(task))
+    if not old_file.is_file():
+        if sweep in _REORDERED:
+            raise ConfigError(
+                f"resume=auto: {old_file.parent} holds no run yet, and an earlier job of this re-run was refused "
+                f"({_REORDERED[sweep]}): these -m values are in another order than that sweep's, so this job "
+                "would train its dir with another job's values; re-run the sweep with the same -m arguments in the "
+                "same order (or resume into another hydra.sweep.dir)"
+            )
+        return
     swept = {
         o.key_or_group.replace("/", ".")
         for o in OverridesParser.create().parse_overrides(task)
@@ -42,6 +56,7 @@ def check_resumed_job(cfg: DictConfig) -> None:
         )
         if diffs:
             (where, before, now), more = diffs[0], len(diffs) - 1
+            _REORDERED[sweep] = f"{old_file.parent} was trained with {where}={_show(before)}"
             raise ConfigError(
                 f"resume=auto: {old_file.parent} was trained with {where}={_show(before)}, this job sets "
                 f"{where}={_show(now)}{f' (and {more} more under {key})' if more else ''}: job N resumes "

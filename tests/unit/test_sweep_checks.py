@@ -231,3 +231,30 @@ def test_a_swept_experiment_whose_grid_was_not_expanded_says_so(tmp_path, corpus
         with caplog.at_level(logging.WARNING, logger="lit_dtrain.sweeps"):
             sweep_checks(cfg)
     assert "did not expand" not in caplog.text
+
+
+def test_a_reordered_resume_refuses_the_jobs_the_killed_sweep_never_started_too(tmp_path, corpus):
+    """A sweep '-m optimizer.lr=1e-3,3e-3' killed in job 0, re-run as '3e-3,1e-3 resume=auto hydra.sweep.dir=...':
+    job 0 was refused, but Hydra ran job 1, which had no run dir yet, and it trained <sweep>/1 with lr=1e-3 (job 0's
+    value); the re-run in the right order then refused job 1 (trained with 0.001, sets 0.003). A later job of a
+    re-run that refused a job for its order is refused too; the right order still starts it."""
+    job0, job1 = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    with multirun_job(job0, ["optimizer.lr=1e-3,3e-3"], ["optimizer.lr=0.001"], corpus) as cfg:
+        job0.mkdir(parents=True)
+        (job0 / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as train(cfg) writes it
+    reordered = ["optimizer.lr=3e-3,1e-3", "resume=auto"]
+    with multirun_job(job0, reordered, ["optimizer.lr=0.003", "resume=auto"], corpus) as cfg:
+        with pytest.raises(ConfigError, match="was trained with optimizer.lr=0.001"):
+            check_resumed_job(cfg)
+    with multirun_job(job1, reordered, ["optimizer.lr=0.001", "resume=auto"], corpus) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            check_resumed_job(cfg)
+    assert str(refused.value) == (
+        f"resume=auto: {job1} holds no run yet, and an earlier job of this re-run was refused ({job0} was trained "
+        "with optimizer.lr=0.001): these -m values are in another order than that sweep's, so this job would train "
+        "its dir with another job's values; re-run the sweep with the same -m arguments in the same order (or resume "
+        "into another hydra.sweep.dir)"
+    )
+    in_order = ["optimizer.lr=1e-3,3e-3", "resume=auto"]
+    with multirun_job(job1, in_order, ["optimizer.lr=0.003", "resume=auto"], corpus) as cfg:
+        check_resumed_job(cfg)  # job 1 of the sweep's own order: started
