@@ -28,6 +28,7 @@ def check_selective_checkpointing_blocks(cfg: DictConfig) -> None:
     validation metric per ``data.sources`` entry), with the callback's own words (the modules seen)."""
     import torch
     from hydra.utils import instantiate
+    from lightning.fabric.utilities.init import _EmptyInit
 
     from lit_dtrain.callbacks import SelectiveCheckpointing
     from lit_dtrain.callbacks._checkpoint_policies import find_blocks
@@ -41,7 +42,9 @@ def check_selective_checkpointing_blocks(cfg: DictConfig) -> None:
     if not nodes or not isinstance(model, DictConfig) or not _is(model.get("_target_"), build_llama) or \
             not isinstance(data, DictConfig) or not _is(data.get("_target_"), LMDataModule):
         return
-    with torch.device("meta"):
+    # _EmptyInit (Fabric.init_module(empty_init=True)'s): no torch.nn.init call, which on the meta device still ran
+    # torch's Python reference of normal_ per weight: the check took 476 ms for model=llama_125m, 129 ms without
+    with torch.device("meta"), _EmptyInit(enabled=True):
         root = LitLLM(instantiate(model), val_names=[f"val{i}" for i in range(len(data.get("sources") or ()))])
     for name, node in nodes.items():
         try:
