@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lit_dtrain.data._path_problems import missing_path_reason
 from lit_dtrain.data._unwritable import holds_a_cache_of, path_in_the_way, unwritable_reason
 from lit_dtrain.data.corpus import CorpusError, CorpusSource, check_source_name, default_source_name, resolve_files
-from lit_dtrain.data.walking import walk_glob
+from lit_dtrain.data.walking import iter_glob
 from lit_dtrain.data.windows import _cache_key
 from lit_dtrain.utils.job_log import no_log_records
 
@@ -78,7 +78,7 @@ def _check_glob_matches_a_file(index: int, source: CorpusSource, raw) -> None:
     if not glob.has_magic(path) or os.path.lexists(path):  # (a path that exists is that file or directory)
         return
     with no_log_records():  # a walk's warnings (a dir it cannot list) are the run's to give, once
-        if any(os.path.isfile(hit) for hit in walk_glob(path)):
+        if any(os.path.isfile(hit) for hit in iter_glob(path)):  # to the first file
             return
         try:
             resolve_files(dataclasses.replace(source, paths=[raw]))
