@@ -31,6 +31,26 @@ def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None 
     return [(s if final and i == len(merged) - 1 else s + 1, v) for i, (s, v) in enumerate(merged)]
 
 
+def logged_at_step_start(tag: str) -> bool:
+    """Whether ``tag`` is logged at the start of an optimizer step, before it trains: LearningRateMonitor's ``lr-*``
+    (in ``on_train_batch_start``; its point at logged step ``s`` is the LR of the ``s + 1``-th step). Its
+    ``-effective`` LRs are logged at the step's end, once the update used them, as every other tag is."""
+    return tag.startswith("lr-") and not tag.endswith("-effective")
+
+
+def without_the_step_not_trained(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """A run that did not finish, its start-of-step tags (:func:`logged_at_step_start`) without their points at the
+    step it failed or was killed in: the last step they logged, where no other tag logged that step or a later one
+    (the step's own rows, written at its end at the same cadence). A failed 2nd step's LR, logged as it began, made
+    the run's LR table say '2 (failed)' steps trained, and drew an LR at 2 steps' tokens, of a run that trained 1."""
+    started = max((s[-1][0] for tag, s in scalars.items() if s and logged_at_step_start(tag)), default=None)
+    ended = max((s[-1][0] for tag, s in scalars.items() if s and not logged_at_step_start(tag)), default=-1)
+    if started is None or ended >= started:
+        return scalars
+    return {tag: [(s, v) for s, v in series if s < started] if logged_at_step_start(tag) else series
+            for tag, series in scalars.items()}
+
+
 def one_point_per_validation(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """``series`` with its final validation once, at the steps trained.
 

@@ -64,6 +64,7 @@ from _compare_runs_table import (  # noqa: E402 - final and best values, the mar
     metric_rows,
     summarize,
     table_order,
+    without_the_step_not_trained,
 )
 from _compare_runs_tokens import (  # noqa: E402 - --x tokens, and each run's tokens and wall time
     ONE_RATE_NOTE,
@@ -201,6 +202,9 @@ def compare(
     rows = []
     all_scalars = [read_scalars(run) for run in run_dirs]
     check_event_files(run_dirs, all_scalars)
+    # a run that did not finish: no LR of the step it failed or was killed in, a step it never trained
+    all_scalars = [without_the_step_not_trained(s) if finished(r, s) is False else s
+                   for r, s in zip(run_dirs, all_scalars)]
     # a run that logged none of the metrics (a job failed at its start) is not drawn: its tokens are not asked for
     per_step = [tokens_trained(str(r), s) if any(m in s for m in metrics) else (None, {})
                 for r, s in zip(run_dirs, all_scalars)] if x == "tokens" else None

@@ -227,3 +227,45 @@ def test_a_summary_json_cut_short_is_named_not_called_missing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"run {str(run)!r}: its summary.json cannot be read (cut short or edited" in err
     assert "no summary.json" not in err
+
+
+def test_a_run_that_failed_mid_step_counts_the_steps_it_completed(tmp_path, monkeypatch):
+    """`python train.py -m ... trainer.log_every_n_steps=1 +callbacks.fault._target_=tests.faults.PoisonLossAtStep
+    +callbacks.fault.step=1` (a NonFiniteError in the 2nd optimizer step): its lr-AdamW/decay table said
+    '| ... | 2 (failed) | 0.0010 | ...' and its train/loss table '1 (failed)'; it had trained 1 step. The LR monitor
+    logs at the start of a step (logged step 1: the 2nd step's LR), and that step never completed. A run that did
+    not finish has no point of a start-of-step tag past its last completed step now, on either x axis; one whose
+    step-end tags reached that step keeps it (the LR of a step it trained), as a finished run keeps all of them."""
+    seen: list = []
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: seen.append(
+        [[float(x) for x in line.get_data()[0]] for ax in fig.axes for line in ax.lines]))
+
+    def job(name: str, lr_steps: list[int], end_steps: list[int]) -> Path:
+        run = tmp_path / name
+        w = SummaryWriter(str(run / "tb"))
+        for s in lr_steps:
+            w.add_scalar("lr-AdamW/decay", 1e-3, s)
+        for s in end_steps:
+            w.add_scalar("train/loss", 5.0 - s, s)
+            w.add_scalar("train/tokens", 64.0 * (s + 1), s)
+        w.close()
+        (run / "config_resolved.yaml").write_text("trainer: {max_steps: 3}\n")
+        (run / "train.log").write_text("[x][lit_dtrain.train][ERROR] - job 0 failed: NonFiniteError: non-finite "
+                                       "gradients at step 1\n")
+        return run
+
+    failed = job("failed", [0, 1], [0])
+    cadence = job("cadence", [9, 19], [9])  # logging every 10 steps: killed in the 20th, after 19 steps trained
+    trained = job("trained", [0, 1], [0, 1])  # failed after step 2's logs (in the sample): its LR is of a step trained
+    metrics = ["lr-AdamW/decay", "train/loss"]
+    result = compare_runs.compare([str(failed), str(cadence), str(trained)], metrics, out=str(tmp_path / "c.png"))
+    lr_table = result["markdown"].split("\n\n")[0].splitlines()[2:]
+    assert lr_table == ["| failed | 1 (failed) | 0.001 | - | - |", "| cadence | 10 (failed) | 0.001 | - | - |",
+                        "| trained | 2 (failed) | 0.001 | - | - |"]
+    assert [r["by_metric"]["train/loss"]["final_step"] for r in result["runs"]] == [1, 10, 2]
+    compare_runs.compare([str(failed)], metrics, out=str(tmp_path / "s.png"))
+    assert seen[-1] == [[1.0], [1.0]]  # its LR and loss, at its 1 step trained
+    compare_runs.compare([str(failed)], metrics, out=str(tmp_path / "t.png"), x="tokens")
+    assert seen[-1] == [[64.0], [64.0]]  # not the LR at 128 tokens, which it never trained on
