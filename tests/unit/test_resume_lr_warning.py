@@ -91,10 +91,36 @@ def test_a_decay_moved_before_the_step_warns_and_one_starting_at_it_does_not(che
     # max_steps 32: decay_fraction 0.2 -> 6 steps from step 26, so step 30 runs at 0.18 of the peak
     [(level, message)] = messages(caplog, checkpoints[30], 30, 32, warmup_steps=DEFAULT)
     assert level == "WARNING"
-    assert "this run's scheduler (total_steps=32, from trainer.max_steps) is not the checkpoint's run's: its decay " \
-           "starts at step 26, so the LR drops at the resume" in message
+    # no config_resolved.yaml beside the checkpoint's dir to tell what changed: this run's settings
+    assert "this run's scheduler (total_steps=32, decay_fraction=0.2; total_steps from trainer.max_steps) is not the " \
+           "checkpoint's run's: its decay starts at step 26, so the LR drops at the resume" in message
     # a decay of 10 steps from step 30 (the way a decay branch decays): its first LR is the continuous path
     assert messages(caplog, checkpoints[30], 30, 40, warmup_steps=DEFAULT, decay_fraction=None, decay_steps=10) == []
+
+
+def test_a_decay_moved_before_the_step_names_the_settings_that_moved_it(checkpoints, caplog, tmp_path):
+    """A WSD run resumed at step 30 of 100 with another decay_fraction, trainer.max_steps unchanged, was warned
+    'this run's scheduler (total_steps=100, from trainer.max_steps) is not the checkpoint's run's' (train.py: a
+    10-step run stopped at 5, resumed with scheduler.decay_fraction=0.8: 'total_steps=10, from trainer.max_steps'),
+    and so was one whose scheduler.total_steps was given. The settings that differ from the checkpoint's run's
+    config_resolved.yaml are named now, each with its old value."""
+    ckpt = tmp_path / "run" / "checkpoints" / "30.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(checkpoints[30].read_bytes())
+    (tmp_path / "run" / "config_resolved.yaml").write_text(
+        "trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, total_steps: 100, "
+        "warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    drops = ": its decay starts at step {}, so the LR drops at the resume"
+    [(level, said)] = messages(caplog, ckpt, 30, 100, warmup_steps=DEFAULT, decay_steps=None, decay_fraction=0.8)
+    assert level == "WARNING" and "this run's scheduler.decay_steps=null where the checkpoint's run had 20 and " \
+        "scheduler.decay_fraction=0.8 where the checkpoint's run had null" + drops.format(20) in said
+    assert "trainer.max_steps" not in said and "total_steps" not in said
+    [(_, said)] = messages(caplog, ckpt, 30, 100, warmup_steps=DEFAULT, total_steps=40, decay_steps=20,
+                           decay_fraction=None)
+    assert "this run's scheduler.total_steps=40 where the checkpoint's run had 100" + drops.format(20) in said
+    [(_, said)] = messages(caplog, ckpt, 30, 40, warmup_steps=DEFAULT, decay_steps=20, decay_fraction=None)
+    assert "this run's trainer.max_steps=40 (which scheduler.total_steps follows) where the checkpoint's run had " \
+        "100" + drops.format(20) in said
 
 
 def test_a_cosine_or_constant_schedule_that_moves_the_lr_warns_too(checkpoints, caplog):

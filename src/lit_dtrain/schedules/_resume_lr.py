@@ -174,25 +174,74 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                   "docs/wsd.md)")
     else:
         where = f"its decay starts at step {decay_start}" if decay_start is not None else "it lowers the LR there"
-        cause = (f"this run's {key} (total_steps={node.get('total_steps')}, from trainer.max_steps) is not the "
-                 f"checkpoint's run's: {where}, so the LR drops at the resume")
+        cause = f"{_what_differs(ckpt, key, node)}: {where}, so the LR drops at the resume"
         advice = "to decay over the steps left from here, branch with decay_branch.ckpt=... decay_branch.steps=N"
     log.warning("%s: %s; %s", head, cause, advice if fix is None else fix)
+
+
+# the settings that place and shape each schedule's decay, named where a resume's differ from the checkpoint's run's
+_DECAY_KEYS = {
+    "wsd": ("total_steps", "decay_steps", "decay_fraction", "decay_type", "min_lr_factor"),
+    "cosine": ("total_steps", "warmup_steps", "min_lr_factor"),
+}
+
+
+def _what_differs(ckpt: Path, key: str, node) -> str:
+    """This run's settings of schedule ``node`` (config ``key``) that place or shape its decay otherwise than the
+    checkpoint's run's (read from its ``config_resolved.yaml``, :func:`source_config`), each with the checkpoint's
+    run's value; ``total_steps`` named as ``trainer.max_steps`` where it follows it. Where that config is not there
+    (or differs in none of them), this run's settings, saying whether ``total_steps`` follows ``trainer.max_steps``
+    or was given. Before, every such warning said '(total_steps=X, from trainer.max_steps)', also where
+    ``decay_fraction`` had changed and ``trainer.max_steps`` had not, or ``total_steps`` was given."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = OmegaConf.to_container(node, resolve=False).get("total_steps") if isinstance(node, DictConfig) else None
+    follows = isinstance(raw, str) and raw.replace(" ", "") == "${trainer.max_steps}"
+    names = _DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]
+    source = source_config(ckpt)
+    theirs = OmegaConf.select(source, key, default=None) if source is not None else None
+    if isinstance(theirs, DictConfig) and theirs.get("_target_") == node.get("_target_"):
+        differ = []
+        for name in (name for name in names if node.get(name) != theirs.get(name)):
+            named = f"trainer.max_steps={node.get(name)} (which {key}.total_steps follows)" \
+                if name == "total_steps" and follows else f"{key}.{name}={_yaml(node.get(name))}"
+            differ.append(f"{named} where the checkpoint's run had {_yaml(theirs.get(name))}")
+        if differ:
+            return "this run's " + " and ".join(differ)
+    settings = ", ".join(f"{name}={node.get(name)}" for name in names if node.get(name) is not None)
+    given = "from trainer.max_steps" if follows else "as given"
+    return f"this run's {key} ({settings}; total_steps {given}) is not the checkpoint's run's"
+
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value)  # as one types it in an override
 
 
 def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
 
-def source_warmup(ckpt: Path, key: str) -> int | None:
-    """The ``<key>.warmup_steps`` of the run that wrote ``ckpt`` (``<run>/checkpoints/x.ckpt``), read from its
-    ``<run>/config_resolved.yaml``; ``None`` when that file or key is missing (a checkpoint does not record it)."""
+def source_config(ckpt: Path):
+    """The config of the run that wrote ``ckpt`` (``<run>/checkpoints/x.ckpt``): its ``<run>/config_resolved.yaml``
+    (a resume of that run dir has not rewritten it yet); ``None`` when it is missing or unreadable (a checkpoint
+    does not record its config)."""
     from omegaconf import OmegaConf
 
-    path = Path(ckpt).resolve().parent.parent / "config_resolved.yaml"
     try:
-        value = OmegaConf.select(OmegaConf.load(path), f"{key}.warmup_steps")
-    except (OSError, ValueError, TypeError):
+        return OmegaConf.load(Path(ckpt).resolve().parent.parent / "config_resolved.yaml")
+    except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to read from it
+        return None
+
+
+def source_warmup(ckpt: Path, key: str) -> int | None:
+    """The ``<key>.warmup_steps`` of the run that wrote ``ckpt``, read from its config (:func:`source_config`);
+    ``None`` when that file or key is missing."""
+    from omegaconf import OmegaConf
+
+    source = source_config(ckpt)
+    try:
+        value = OmegaConf.select(source, f"{key}.warmup_steps") if source is not None else None
+    except (ValueError, TypeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
