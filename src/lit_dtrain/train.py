@@ -51,14 +51,13 @@ from lit_dtrain.errors import ConfigError, interpolation_error  # noqa: F401 - C
 from lit_dtrain.loggers import ConfigHparams, build_logger, flat_hparams
 from lit_dtrain.logs_kept import LogsKeptUntilTraining, put_back_a_killed_starts_logs
 from lit_dtrain.module import LitLLM, perplexity
-from lit_dtrain.resume import (
-    check_optimizer_state,
-    check_start_step,
-    resolve_ckpt_path,
-    warn_if_accumulation_splits,
-)
+from lit_dtrain.resume import check_optimizer_state, check_start_step, resolve_ckpt_path, warn_if_accumulation_splits
 from lit_dtrain.run_lock import hold_checkpoint_dir, hold_run_dir, release_run_dir
-from lit_dtrain.schedules._init_from import drop_required_init_from_on_a_full_resume, refuse_empty_checkpoint_paths
+from lit_dtrain.schedules._init_from import (
+    drop_required_init_from_on_a_full_resume,
+    keep_the_weights_origin,
+    refuse_empty_checkpoint_paths,
+)
 from lit_dtrain.schedules.workflows import (
     apply_decay_branch,
     check_init_from,
@@ -237,6 +236,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         check_the_resumed_model(cfg.model, ckpt_path)  # a checkpoint of another model: that error alone, no LR warning
         fit_default_warmup(cfg, ckpt_path, start_step)
         warn_if_the_resume_moves_the_lr(cfg, ckpt_path, start_step)  # a branch's start warns itself, its restart not
+        keep_the_weights_origin(cfg, ckpt_path)  # init_from: where the checkpoint's run began, for the run's record
     warn_if_the_schedule_ends_early(cfg, start_step)
     warn_about_torchrun_restarts(cfg)
     check_slurm_launch(cfg)  # before any compute: a wrong world size, or a rank that never comes

@@ -54,3 +54,29 @@ def test_a_cpt_run_extended_with_resume_auto_needs_no_init_from(tmp_path):
     (tmp_path / "r" / "checkpoints" / "last.ckpt").write_bytes(b"the run's own")
     drop_required_init_from_on_a_full_resume(cfg)
     assert cfg.init_from is None
+
+
+def test_a_full_resume_records_where_the_checkpoints_run_began(tmp_path):
+    """``run_name=c1 init_from=<base>`` then ``run_name=c1 resume=auto trainer.max_steps=4`` (init_from left out,
+    as it is not read): c1's config_resolved.yaml said ``init_from: null``, and compare_runs.py labelled it
+    ``init_from=null`` beside a run trained alike from <base> (the same val/loss, 4.5933). A full resume without
+    init_from records the checkpoint's run's now, read before this start rewrites that file; a given one, and a
+    checkpoint without a run's config beside it, are left as they are."""
+    from lit_dtrain.schedules._init_from import keep_the_weights_origin
+
+    run = tmp_path / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"the run's own")
+    (run / "config_resolved.yaml").write_text("init_from: /x/base.ckpt\nrun_name: c1\n")
+    cfg = compose_cfg(["resume=auto"], run, tiny=False)
+    assert cfg.init_from is None
+    keep_the_weights_origin(cfg, run / "checkpoints" / "last.ckpt")
+    assert cfg.init_from == "/x/base.ckpt"
+    given = compose_cfg(["init_from=/y/other.ckpt"], tmp_path / "g", tiny=False)
+    keep_the_weights_origin(given, run / "checkpoints" / "last.ckpt")
+    assert given.init_from == "/y/other.ckpt"
+    bare = tmp_path / "b" / "x" / "step4.ckpt"  # no config_resolved.yaml two levels up
+    bare.parent.mkdir(parents=True)
+    fresh = compose_cfg(["resume=auto"], tmp_path / "f", tiny=False)
+    keep_the_weights_origin(fresh, bare)
+    assert fresh.init_from is None

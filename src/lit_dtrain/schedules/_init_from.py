@@ -39,6 +39,29 @@ def drop_required_init_from_on_a_full_resume(cfg: DictConfig) -> None:
     log.info("init_from: not needed, %s resumes a checkpoint in full (weights, optimizer, step, data)", key)
 
 
+def keep_the_weights_origin(cfg: DictConfig, ckpt_path: str | Path) -> None:
+    """A full resume (``resume=auto``, ``ckpt_path``, a decay branch) without ``init_from`` records the ``init_from``
+    of the checkpoint's run (its ``config_resolved.yaml``, which a resume of that run dir has not rewritten yet):
+    the weights it continues began there. A continual-pre-training run extended in place (``resume=auto
+    trainer.max_steps=<more>``, ``init_from`` left out as it is not read) recorded ``init_from: null``, and
+    ``scripts/compare_runs.py`` labelled it ``init_from=null`` beside a run trained alike from the same file. This
+    start loads the checkpoint alone; ``init_from`` is set after :func:`check_init_from` has passed over it."""
+    from lit_dtrain.schedules._resume_lr import source_config
+
+    if cfg.get("init_from") is not None:
+        return  # given: this start's own (refused with ckpt_path; not read by resume=auto in the run's own dir)
+    source = source_config(Path(str(ckpt_path)))
+    try:
+        origin = OmegaConf.select(source, "init_from") if source is not None else None
+    except Exception:  # noqa: BLE001 - a config that is no mapping: nothing recorded
+        return
+    if isinstance(origin, str) and origin.strip():
+        with open_dict(cfg):
+            cfg.init_from = origin
+        log.info("init_from: recorded as %s, where the weights of %s began (this start loads that checkpoint)",
+                 origin, ckpt_path)
+
+
 CHECKPOINT_PATH_KEYS = ("ckpt_path", "init_from", "decay_branch.ckpt")
 
 
