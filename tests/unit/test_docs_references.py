@@ -232,6 +232,7 @@ NOT_CONFIG_KEYS = {
     "model.blocks", "model.layers", "model.tok_embeddings.weight", "model.transformer.encoder",
     "optimizer.step", "strategy.reduce", "data.pkl",
     "trainer.callback_metrics", "trainer.datamodule", "trainer.datamodule.sampler", "trainer.fit", "trainer.validate",
+    "trainer.fit_loop.max_epochs",  # a Trainer attribute set before a second fit (callbacks_in_your_project.md)
     "trainer.estimated_stepping_batches", "trainer.global_step", "trainer.should_stop", "trainer.save_checkpoint",
     "callbacks.fault._target_", "callbacks.fault.step",  # added with '+' by the fault tests (docs/reliability.md)
     "trainer.overfit_batches", "trainer.enable_checkpointing",  # Lightning arguments the trainer config does not
