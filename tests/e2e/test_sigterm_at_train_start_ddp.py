@@ -40,17 +40,26 @@ exec(compile(open(train_py).read(), train_py, "exec"), {{"__name__": "__main__",
 
 # train.py, with a SIGTERM to rank 0 alone as it comes to the strategy's barrier("run-stage"): Lightning has just
 # registered its handler, and no callback hook runs before the barrier (nor, without a sanity check, before the data's
-# setup and on_train_start); Lightning's handler forwards it to rank 1
+# setup and on_train_start); Lightning's handler forwards it to rank 1, once rank 1 is at that barrier too (its
+# handler registered: sent earlier, rank 1 stops before training, 143, and rank 0's barrier fails, exit 1; the CI
+# run at stop 50 met that race)
 RUN_STAGE_WRAPPER = '''
-import os, signal, sys
+import os, signal, sys, time
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
 _barrier = DDPStrategy.barrier
+MARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank1_at_run_stage")  # beside this script
 
 def barrier(self, name=None, *args, **kwargs):
-    if name == "run-stage" and self.global_rank == 0 and not getattr(barrier, "sent", False):
+    if name == "run-stage" and not getattr(barrier, "sent", False):
         barrier.sent = True
-        os.kill(os.getpid(), signal.SIGTERM)
+        if self.global_rank == 1:
+            open(MARK, "w").close()
+        else:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(MARK) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
     return _barrier(self, name, *args, **kwargs)
 
 DDPStrategy.barrier = barrier
