@@ -44,3 +44,16 @@ class TinyRegression(L.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(RegressionData(self.spread), batch_size=4)
+
+
+class TinyMLP(L.LightningModule):
+    """A seeded ``4 -> 8 -> 1`` tanh MLP and its squared error on a batch ``{"x": [n, 4], "y": [n, 1]}``; a project
+    of one's own subclasses it with its steps, data and optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def loss(self, batch) -> torch.Tensor:
+        return (self.net(batch["x"]) - batch["y"]).square().mean()

@@ -148,33 +148,31 @@ def test_split_is_by_document_and_deterministic(tmp_path):
     assert np.asarray(a.val)[-1] == eos and np.asarray(a.train)[-1] == eos  # whole documents
 
 
+def _two_sources(tmp_path, weights: dict[str, float], sizes: tuple[int, int], batch_size: int, steps: int):
+    """A datamodule over two corpora of 6 files (seeds 1 and 2, ``sizes`` bytes a file) named and weighted by
+    ``weights``, and the source (0 or 1) of each window of its first ``steps`` training batches."""
+    sources = [CorpusSource(name=name, kind="files", weight=weight,
+                            paths=[str(make_corpus(tmp_path / name, n_files=6, size=size, seed=seed))])
+               for seed, ((name, weight), size) in enumerate(zip(weights.items(), sizes), start=1)]
+    dm = dm_for(None, tmp_path, sources=sources, batch_size=batch_size)
+    idx = torch.cat([dm.batch_for_step(s)["index"] for s in range(steps)]).numpy()
+    return dm, dm.train_windows.source_of(idx)
+
+
 def test_mixture_weights_shape_the_draws(tmp_path):
-    a = make_corpus(tmp_path / "a", n_files=6, size=4000, seed=1)
-    b = make_corpus(tmp_path / "b", n_files=6, size=12000, seed=2)
-    sources = [
-        CorpusSource(name="a", kind="files", paths=[str(a)], weight=0.8),
-        CorpusSource(name="b", kind="files", paths=[str(b)], weight=0.2),
-    ]
-    dm = dm_for(None, tmp_path, sources=sources, batch_size=64)
-    idx = torch.cat([dm.batch_for_step(s)["index"] for s in range(40)]).numpy()
-    share_a = float((dm.train_windows.source_of(idx) == 0).mean())
+    dm, drawn = _two_sources(tmp_path, {"a": 0.8, "b": 0.2}, (4000, 12000), batch_size=64, steps=40)
+    share_a = float((drawn == 0).mean())
     assert 0.75 < share_a < 0.85, share_a
     assert len(dm.val_dataloader()) == 2 and dm.val_names == ["a", "b"]
 
 
 def test_zero_weight_source_is_validation_only(tmp_path):
-    a = make_corpus(tmp_path / "a", n_files=6, size=4000, seed=1)
-    b = make_corpus(tmp_path / "b", n_files=6, size=4000, seed=2)
-    sources = [
-        CorpusSource(name="new", kind="files", paths=[str(a)], weight=1.0),
-        CorpusSource(name="old", kind="files", paths=[str(b)], weight=0.0),
-    ]
-    dm = dm_for(None, tmp_path, sources=sources, batch_size=32)
-    idx = torch.cat([dm.batch_for_step(s)["index"] for s in range(10)]).numpy()
-    assert (dm.train_windows.source_of(idx) == 0).all()  # never trained on
+    dm, drawn = _two_sources(tmp_path, {"new": 1.0, "old": 0.0}, (4000, 4000), batch_size=32, steps=10)
+    assert (drawn == 0).all()  # never trained on
     assert len(dm.val_dataloader()) == 2  # but validated on
     with pytest.raises(CorpusError, match="every weight is 0"):
-        dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(a)], weight=0.0)])
+        dm_for(None, tmp_path, sources=[CorpusSource(name="x", kind="files", paths=[str(tmp_path / "new")],
+                                                     weight=0.0)])
 
 
 def test_all_zero_weights_fail_when_the_datamodule_is_built_before_tokenizing(tmp_path):

@@ -15,18 +15,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from lit_dtrain.callbacks import LossSpikeMonitor, PreemptionCheckpoint
+from tests.toys import TinyMLP
 
 SPIKE = 15  # the last optimizer step of epoch 0 (16 batches): a resume starts a fresh epoch, as the straight run does
 
 
-class Own(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
+class Own(TinyMLP):
     def training_step(self, batch, batch_idx):
-        loss = (self.net(batch["x"]) - batch["y"]).square().mean()
+        loss = self.loss(batch)
         return loss * 100.0 if self.trainer.global_step == SPIKE else loss
 
     def train_dataloader(self):

@@ -16,19 +16,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from lit_dtrain.callbacks import PreemptionCheckpoint, WSDScheduler
+from tests.toys import TinyMLP
 
 
-class Own(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
+class Own(TinyMLP):
     def training_step(self, batch, batch_idx):
-        return (self.net(batch["x"]) - batch["y"]).square().mean()
+        return self.loss(batch)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", (self.net(batch["x"]) - batch["y"]).square().mean())
+        self.log("val_loss", self.loss(batch))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
