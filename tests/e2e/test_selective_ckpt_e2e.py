@@ -24,6 +24,8 @@ def test_train_py_with_selective_ckpt(tmp_path, corpus):
     assert "SelectiveCheckpointing(policy=selective): 2 blocks (model.blocks.0 .. model.blocks.1)" in out
     summary = json.loads((tmp_path / "outputs" / "runs" / "sac" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["val_loss"] < 6.0
+    assert summary["activation_checkpointing"] == {"policy": "selective", "plan": ["selective"] * 2,
+                                                   "blocks_none": 0, "blocks_selective": 2, "blocks_full": 0}
 
 
 def test_budget_policy_trains_exactly_like_no_checkpointing(tiny_cfg):
