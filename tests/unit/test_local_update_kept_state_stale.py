@@ -63,6 +63,7 @@ def test_a_keep_around_no_sync_holds_nothing_and_frees_an_earlier_copy():
     strategy = _strategy_between_syncs()
     with kept_for_a_resume(strategy, 6):
         _sync(strategy)
+    assert strategy._state_before_early_sync is not None  # the earlier copy
     with kept_for_a_resume(strategy, 6):
         _sync(strategy, moved=False)  # steps_since_sync is 0: sync_now does nothing
     assert strategy._state_before_early_sync is None
