@@ -15,10 +15,16 @@ from tests.conftest import compose_cfg
 
 @pytest.mark.parametrize("experiment", ["wsd_vs_cosine", "cpt_replay"])
 def test_experiment_configs_compose(experiment, tmp_path, corpus):
+    """Each experiment's own settings win over the groups it composes (its ``_self_`` comes last): its budget,
+    warmup and decay, and cpt_replay's two weighted corpora."""
     cfg = compose_cfg([f"experiment={experiment}"], tmp_path / experiment, tiny=False)
     assert cfg.scheduler._target_.endswith("wsd_scheduler")
+    assert (cfg.scheduler.warmup_steps, cfg.scheduler.min_lr_factor) == (50, 0.0)
     if experiment == "cpt_replay":
-        assert [s.name for s in cfg.data.sources] == ["stdlib", "licenses"]
+        assert [(s.name, s.weight) for s in cfg.data.sources] == [("stdlib", 5), ("licenses", 95)]
+        assert (cfg.trainer.max_steps, cfg.trainer.val_check_interval, cfg.scheduler.decay_fraction) == (500, 50, 0.2)
+    else:
+        assert (cfg.trainer.max_steps, cfg.trainer.val_check_interval) == (1000, 100)
 
 
 def test_cpt_replay_without_init_from_is_an_error(tmp_path, corpus):
