@@ -9,7 +9,9 @@ the same seeded model and batch: activation bytes, backward FLOPs and a zero gra
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import copy
+import io
 import json
 import re
 
@@ -39,6 +41,30 @@ def bench(monkeypatch):
     torch.set_num_threads(threads)  # main() sets --threads for the whole process
 
 
+@pytest.fixture(scope="module")
+def cpu_run():
+    """``(summary, stdout, configs)`` of one ``--device cpu`` run of ARGV: main()'s summary and output, and each of
+    its ``run_config`` calls as ``((shape, seq, vars(args)), returned)``. Both the CPU test and the CUDA-reporting
+    test read it: the run (every policy's memory, FLOPs and timings, through MemTracker) costs far more than either
+    test's checks."""
+    mod = load_script("bench_activation_ckpt", "_bench_actckpt_cpu_run")
+    mod.SHAPES["tiny"] = TINY_SHAPE
+    real_run_config, configs = mod.run_config, []
+
+    def recorded(shape, seq, args):
+        configs.append(((shape, seq, copy.deepcopy(vars(args))), real_run_config(shape, seq, args)))
+        return copy.deepcopy(configs[-1][1])
+
+    mod.run_config = recorded
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            summary = mod.main([*ARGV, "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)  # main() sets --threads for the whole process
+    return summary, out.getvalue(), configs
+
+
 def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the default --plot was outputs/bench_actckpt/..., its dir made when checked
     args = bench.parse_args([])
@@ -50,9 +76,8 @@ def test_defaults_are_the_cpu_benchmark_and_cuda_times_wall_clock(bench, monkeyp
     assert bench.step_clock(bench.parse_args(["--device", "cuda"])) == "wall"  # CPU time means nothing there
 
 
-def test_cpu_run_keeps_its_keys_and_reproduces_its_figures(bench, capsys):
-    summary = bench.main([*ARGV, "--device", "cpu"])
-    out = capsys.readouterr().out
+def test_cpu_run_keeps_its_keys_and_reproduces_its_figures(cpu_run):
+    summary, out, _ = cpu_run
     assert json.loads(out.strip().splitlines()[-1]) == summary
     header = next(line for line in out.splitlines() if line.startswith("policy"))
     assert header.split()[:13] == ["policy", "peakACT", "MiB", "ratio", "maxACT", "cpu", "s", "ratio", "wall", "s",
@@ -111,12 +136,14 @@ def test_cuda_without_a_gpu_stops_with_a_message(bench, monkeypatch, capsys):
     assert re.match(r"--device cuda, but torch .* sees no CUDA device", error)
 
 
-def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypatch, capsys, tmp_path):
-    """main()'s CUDA branch (table, JSON, plot), fed by a CPU run_config with made-up CUDA peaks."""
-    real_run_config = bench.run_config
+def test_cuda_report_has_wall_clock_and_cuda_peak_instead_of_rss(bench, monkeypatch, capsys, tmp_path, cpu_run):
+    """main()'s CUDA branch (table, JSON, plot), fed by a CPU run_config (``cpu_run``'s, of the same shape, seq and
+    flags but --device) with made-up CUDA peaks."""
+    ((cpu_shape, cpu_seq, cpu_args), cpu_config), = cpu_run[2]
 
     def run_config_with_cuda_peaks(shape, seq, args):
-        cfg = real_run_config(shape, seq, argparse.Namespace(**{**vars(args), "device": "cpu"}))
+        assert (shape, seq, {**vars(args), "device": "cpu", "plot": ""}) == (cpu_shape, cpu_seq, cpu_args)
+        cfg = copy.deepcopy(cpu_config)
         for i, r in enumerate(cfg["policies"].values()):
             del r["peak_rss_mib"], r["step_rss_mib"]
             r["cuda_peak_step_mib"] = 100.0 - 10 * i
