@@ -3,6 +3,8 @@ and the block's buffers; compiled checkpointing must keep the masks too."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,14 +56,25 @@ def test_dropout_gradients_equal_no_checkpointing(policy):
     assert all(w.calls >= 2 for w, m in zip(wrappers, plan) if m != "none")
 
 
+@functools.cache
+def compiled_reference() -> list[torch.Tensor]:
+    """Gradients of the compiled run without checkpointing, compiled once for every mode below (a compile costs
+    more than the rest of such a test)."""
+    torch._dynamo.reset()
+    try:
+        model = llama()
+        return grads(model, loss_fn(torch.compile(model, backend="aot_eager")))
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_dropout_gradients_equal_no_checkpointing_compiled(mode):
     """Under torch.compile (aot_eager: dynamo + AOTAutograd's partitioner) the compiled run with checkpointing
     matches the compiled run without it (inductor was checked by hand: docs/activation_checkpointing.md)."""
-    torch._dynamo.reset()
+    ref = compiled_reference()
     try:
         model = llama()
-        ref = grads(model, loss_fn(torch.compile(model, backend="aot_eager")))
         apply_checkpointing(list(model.blocks), uniform_plan(3, mode))
         torch._dynamo.reset()
         assert max_diff(grads(model, loss_fn(torch.compile(model, backend="aot_eager"))), ref) <= 1e-6
