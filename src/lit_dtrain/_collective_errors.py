@@ -4,6 +4,8 @@ process group's store (:mod:`lit_dtrain.utils.distributed`)."""
 from __future__ import annotations
 
 import contextlib
+import re
+import signal
 
 import lightning as L
 
@@ -17,7 +19,7 @@ from lit_dtrain.utils.distributed import (
 )
 from lit_dtrain.utils.launcher_watch import kill_launched_ranks
 
-__all__ = ["CollectiveError", "collectives_named"]
+__all__ = ["CollectiveError", "collectives_named", "interrupting_signal"]
 
 
 class CollectiveError(RuntimeError):
@@ -35,10 +37,14 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
         where = fit_position(trainer)  # ' at step N'; before training, the step being resumed (global_step reads 0)
         if trainer.world_size > 1 and isinstance(e, RuntimeError) and (
                 is_collective_failure(e) or isinstance(e, PeerRankFailedError)):
+            named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
+            signum = _stopped_before_training(trainer, named.failures)
             launcher = getattr(trainer.strategy, "launcher", None)
             if launcher is not None and hasattr(launcher, "kill"):  # do not wait for a hung child rank (nor be
-                kill_launched_ranks(launcher)  # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1)
-            named = e if isinstance(e, PeerRankFailedError) else explain_collective_failure(e)
+                # SIGKILLed by Lightning's observer of it, 5 s on: a multirun's job 1); one stopped by a signal ends
+                kill_launched_ranks(launcher, grace_s=0.0 if signum is None else 5.0)  # by itself, with its line
+            if signum is not None:  # peers stopped by a signal before training: this rank's stop, not its failure
+                raise _stop(signum) from e
             # gloo's error under a strategy's PeerRankFailedError, whose text is a line like this one ('rank 0: a
             # collective failed before training (PeerRankFailedError: rank 0: a collective failed (RuntimeError: ...')
             failed = e.__cause__ if isinstance(e, PeerRankFailedError) and e.__cause__ is not None else e
@@ -57,3 +63,39 @@ def collectives_named(trainer: L.Trainer, record: bool = False):
         if record and isinstance(e, (Exception, KeyboardInterrupt)):
             record_rank_failure(e, where)
         raise
+
+
+def interrupting_signal(failures) -> int | None:
+    """The highest stop signal that the lines of ranks that were only interrupted name (``failure_line``: a signal's
+    name, Lightning's ``SIGTERMException`` for SIGTERM, ``KeyboardInterrupt`` for SIGINT); None where a line is an
+    error's, or there is none."""
+    if not only_interruptions(failures):
+        return None
+    named = {"SIGTERMException": signal.SIGTERM, "KeyboardInterrupt": signal.SIGINT}
+    found = [re.search(r"\((\w+)\)$", f.rstrip(". ")) for f in failures]
+    signums = [named.get(m.group(1)) or getattr(signal, m.group(1), None) if m else None for m in found]
+    return None if None in signums else int(max(signums))
+
+
+def _stopped_before_training(trainer: L.Trainer, failures) -> int | None:
+    """The stop signal to exit with where the peers that this rank's failed collective names were only stopped by a
+    signal before training (and this rank's fit has not trained either), the highest of theirs and this rank's own;
+    else None. A SIGTERM to rank 1 alone in the fit's setup (or rank 0's, forwarded to rank 1 before its handler was
+    registered) ended rank 1 with 143 and rank 0 with 1, 'error: rank 0: rank 1 was interrupted before training
+    (SIGTERM); this rank's next collective then failed'."""
+    signum = interrupting_signal(failures)
+    fitting = getattr(getattr(trainer, "state", None), "fn", None) == "fit"
+    if signum is None or not fitting or getattr(trainer.strategy, "training_started", True):
+        return None
+    from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
+
+    own = [c.signum for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.signum]
+    return max([signum, *own])
+
+
+def _stop(signum: int) -> BaseException:
+    """What a stop by ``signum`` before training raises: ``KeyboardInterrupt`` for SIGINT (``train()`` says it and
+    exits 130), else ``StoppedBeforeTraining`` (128 + the signal, with its line)."""
+    from lit_dtrain.stops_before_training import StoppedBeforeTraining
+
+    return KeyboardInterrupt() if signum == signal.SIGINT else StoppedBeforeTraining(signum)
