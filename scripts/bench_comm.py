@@ -332,8 +332,10 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # parent: namespace, report, plots
 # ----------------------------------------------------------------------------------------------------------
-def run_in_namespace(args: argparse.Namespace, result_file: str) -> None:
-    forwarded = [a for a in sys.argv[1:] if a != "--no-netns"]
+def run_in_namespace(args: argparse.Namespace, result_file: str, argv: list[str]) -> None:
+    """Run the two ranks' worker with the flags ``main`` was given (``argv``: ``main(argv)``'s, else the command
+    line's; the worker used to read ``sys.argv`` alone, so ``main([...])`` ran it with its caller's flags)."""
+    forwarded = [a for a in argv if a != "--no-netns"]
     if "--save-results" in forwarded:  # the parent writes it
         i = forwarded.index("--save-results")
         del forwarded[i : i + 2]
@@ -374,7 +376,7 @@ def main(argv=None) -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result_file = str(Path(tmp) / "results.json")
-            run_in_namespace(args, result_file)
+            run_in_namespace(args, result_file, sys.argv[1:] if argv is None else list(argv))
             results = json.loads(Path(result_file).read_text())
         if args.save_results:
             Path(args.save_results).write_text(json.dumps(results))

@@ -242,3 +242,25 @@ def test_bench_wsd_refuses_an_img_dir_that_is_a_file_before_any_run(tmp_path, ca
     error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
     assert error.startswith("--img-dir 'a_file/wsd_vs_cosine.png': cannot create its directory"), error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no run dir either
+
+
+def test_bench_comm_main_runs_its_worker_with_the_flags_it_was_given(tmp_path, monkeypatch):
+    """``bench_comm.main(argv)`` parsed ``argv`` but started the two ranks' worker with ``sys.argv[1:]``: called from
+    Python (``main(["--no-netns", "--steps", "3", ...])``) the worker got its caller's command line (pytest's flags:
+    the worker's argparse error, status 2) instead. The worker's command is checked here, without starting it."""
+    bench_comm = load_script("bench_comm")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["caller.py", "--caller-flag"])
+    commands = []
+
+    def fake_run(cmd, *args, **kwargs):  # the worker, which writes the result file main reads next
+        commands.append(cmd)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench_comm.subprocess, "run", fake_run)
+    flags = ["--steps", "3", "--chunk", "1", "--variants", "ddp", "--rates", "1gbit", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit):
+        bench_comm.main(["--no-netns", *flags])
+    [cmd] = commands
+    worker_flags = cmd[2:cmd.index("--_worker")]
+    assert worker_flags == flags, cmd
