@@ -326,9 +326,15 @@ def main(argv: list[str] | None = None) -> None:
     T = args.block_size or trained_T or models[0].config.block_size
     if T < 2:  # a spectrum needs 2 positions: it was a ValueError traceback from power_spectrum after the corpus
         ap.error(f"the window length (--block-size) is {T}; a token-loss spectrum needs at least 2 tokens")
+    # the length's origin: without --block-size, the error named that flag for the first run's data.block_size
+    origin = "--block-size" if args.block_size else (
+        f"the window length (data.block_size of the run of {args.checkpoints[first]})" if trained_T
+        else f"the window length (the block_size of {args.checkpoints[0]})")
     for path, model in zip(args.checkpoints, models):  # before the corpus is tokenized
         if T > model.config.block_size:
-            ap.error(f"--block-size {T} exceeds the block_size {model.config.block_size} of {path}")
+            shortest = min(m.config.block_size for m in models)
+            ap.error(f"{origin} {T} exceeds the block_size {model.config.block_size} of {path}; compare them at a "
+                     f"length that fits every model, e.g. --block-size {shortest}")
     run_bands = next((bands for _, ckpt in loaded if (bands := sampler_bands(ckpt, T))), None)  # the first run's
     auto_freq, auto_bands, fine = run_bands or (*spectral.default_band_config(T), 8)
     print(f"bands: the run's FourierSampler's at T={T}" if run_bands else f"bands: the brief's default for T={T}")

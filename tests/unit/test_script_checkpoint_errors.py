@@ -101,6 +101,21 @@ def test_spectrum_rejects_bad_flags_before_loading(tmp_path, capsys, flags, mess
         _script("spectrum").main([str(tmp_path / "never_read.ckpt"), *flags])
 
 
+def test_spectrum_names_the_runs_window_length_above_another_models_block_size(tmp_path, capsys):
+    """Two checkpoints of different block sizes, no --block-size: the window length is the first run's
+    data.block_size, and the error named a flag that was never given ('--block-size 64 exceeds the block_size 32 of
+    b.ckpt'). It names where the length came from and the --block-size that fits both."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config_resolved.yaml").write_text("data:\n  block_size: 64\n")
+    first = _tiny_checkpoint(run / "checkpoints" / "a.ckpt", block_size=64)
+    second = _tiny_checkpoint(tmp_path / "b.ckpt", block_size=32)
+    with script_error(capsys, re.escape(f"the window length (data.block_size of the run of {first}) 64 exceeds the "
+                                        f"block_size 32 of {second}; compare them at a length that fits every model, "
+                                        "e.g. --block-size 32")):
+        _script("spectrum").main([str(first), str(second), "--files", str(tmp_path / "nowhere")])
+
+
 def test_spectrum_names_a_block_size_above_the_models_and_a_bad_corpus(tmp_path, capsys):
     """--block-size above the checkpoint's block_size was a ValueError from the model's forward, after the corpus
     was tokenized; a missing --files path was a CorpusError traceback."""
