@@ -160,10 +160,14 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         parts = value if isinstance(value, dict) else dict(zip(("days", "hours", "minutes", "seconds"),
                                                                map(int, value.split(":"))))
         try:
-            datetime.timedelta(**parts)
+            limit = datetime.timedelta(**parts)
         except OverflowError as e:
             raise ConfigError(f"trainer.max_time={value!r} is beyond datetime.timedelta ({e}): give a finite time "
                               "(at most 999999999 days), or null for no limit") from None
+        if not limit:  # the timer stops the fit before its first step: a 0-step run, last.ckpt and exit status 0
+            raise ConfigError(f"trainer.max_time={value!r} is no time: the run would train 0 of its "
+                              "trainer.max_steps steps and end as if done; give a time > 0 (e.g. '00:12:00:00'), or "
+                              "null for no limit")
     every = cfg.trainer.get("check_val_every_n_epoch")  # 0: a ZeroDivisionError at the end of the first epoch
     if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         raise ConfigError(f"trainer.check_val_every_n_epoch must be null (validate by steps: "
@@ -186,6 +190,12 @@ def check_lightning_choices(cfg: DictConfig) -> None:
         raise ConfigError("trainer.limit_train_batches=0 switches training off: the run would train 0 of its "
                           "trainer.max_steps steps and end as if done; give a whole number of batches per epoch >= 1 "
                           "(or null)")
+    epochs = cfg.trainer.get("max_epochs")  # 0: a 0-step run, last.ckpt and exit status 0; -2: Lightning's error
+    if is_number(epochs, integer=True) and epochs < 1 and epochs != -1:  # after the seed, naming 'trainer:'
+        why = ("switches training off: the run would train 0 of its trainer.max_steps steps and end as if done"
+               if epochs == 0 else "is not a number of epochs (Lightning takes -1 for no limit)")
+        raise ConfigError(f"trainer.max_epochs={epochs} {why}; give a number of epochs >= 1, or -1 or null (no "
+                          "epoch limit: the run stops at trainer.max_steps)")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(

@@ -113,6 +113,16 @@ LIGHTNING_VALUES = [
     ("trainer.max_time=1000000000:00:00:00", r"^trainer.max_time='1000000000:00:00:00' is beyond datetime.timedelta "
                                              r"\(days=1000000000; must have magnitude <= 999999999\): give a finite"),
     ("trainer.max_time=999999999:24:00:00", r"^trainer.max_time='999999999:24:00:00' is beyond datetime.timedelta"),
+    # a nano run trained 0 steps, wrote last.ckpt and summary.json (stopped=max_time) and exited 0
+    ("trainer.max_time=00:00:00:00", r"^trainer.max_time='00:00:00:00' is no time: the run would train 0 of its "
+                                     r"trainer.max_steps steps and end as if done; give a time > 0"),
+    ("trainer.max_time={minutes:0}", r"^trainer.max_time=\{'minutes': 0\} is no time"),
+    # max_epochs=0: as max_time 0 (stopped=max_epochs); -2: Lightning's error after the seed, naming 'trainer:'
+    ("+trainer.max_epochs=0", r"^trainer.max_epochs=0 switches training off: the run would train 0 of its "
+                              r"trainer.max_steps steps and end as if done; give a number of epochs >= 1, or -1 or "
+                              r"null \(no epoch limit: the run stops at trainer.max_steps\)$"),
+    ("+trainer.max_epochs=-2", r"^trainer.max_epochs=-2 is not a number of epochs \(Lightning takes -1 for no "
+                               r"limit\); give a number of epochs >= 1"),
     # a ZeroDivisionError in Lightning's fit loop at the end of the first epoch
     ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch must be null \(validate by steps: "
                                           r"trainer.val_check_interval\) or an integer >= 1, got 0$"),
@@ -159,6 +169,7 @@ MEANINGFUL = [
     "data.exclude_dirs=/tmp/x", "data.exclude_dirs=[/tmp/x,/tmp/y]", "callbacks.model_checkpoint.monitor=null",
     "callbacks.model_checkpoint.filename=null", "trainer.max_time=00:01:00:00", "trainer.max_time={hours:1}",
     "trainer.max_time={minutes:1.5,seconds:3}", "trainer.max_time={hours:${trainer.max_steps}}",
+    "trainer.max_time=00:00:00:01", "+trainer.max_epochs=-1", "+trainer.max_epochs=1", "+trainer.max_epochs=null",
     "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",
     "callbacks=[default,loss_spike] callbacks.loss_spike.path=null",
     "callbacks=[default,loss_spike] callbacks.loss_spike.path=/tmp/spikes.jsonl",
