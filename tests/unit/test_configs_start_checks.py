@@ -339,7 +339,12 @@ def test_a_cache_dir_that_cannot_be_written_to_is_refused_before_the_seed_unless
         assert str(refused.value) == (
             f"data.cache_dir='{cache_dir}' holds no token cache of data source 'text' and cannot be written to "
             f"({why}); make it writable or point LIT_DTRAIN_CACHE (paths.cache_dir) elsewhere")
-    (read_only / "text-0123").mkdir()  # a cache of the source: which key the run needs is known once it is read
+    key = "0123456789abcdef01234567"  # a cache's key: 24 hex digits
+    for other in (f"text-2-{key}", "text-old", f"text2-{key}"):  # source 'text-2''s cache passed as 'text''s
+        (read_only / other).mkdir()
+        with pytest.raises(CorpusError, match=r"^data.cache_dir=.* holds no token cache of data source 'text' and "):
+            train(tiny_cfg(f"data.cache_dir={read_only}"))
+    (read_only / f"text-{key}").mkdir()  # a cache of the source: which key the run needs is known once it is read
     monkeypatch.setattr(L, "seed_everything", lambda *a, **k: pytest.fail("passed the checks"))
     with pytest.raises(pytest.fail.Exception, match="passed the checks"):
         train(tiny_cfg(f"data.cache_dir={read_only}"))

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from lit_dtrain.data._path_problems import unreachable_reason
+from lit_dtrain.data.cache_pruning import cache_source_name
 
 
 def why_unwritable(error: OSError, cache_dir: Path) -> tuple[str, str]:
@@ -52,9 +53,10 @@ def unwritable_reason(cache_dir: Path) -> str | None:
 
 def holds_a_cache_of(cache_dir: Path, source_name: str) -> bool:
     """Whether ``cache_dir`` holds a token cache named for ``source_name`` (``<name>-<key>``; the key hashes the corpus,
-    so which one is known only when it is read)."""
+    so which one is known only when it is read). The name is matched whole: a prefix let source ``text`` past on a
+    cache of source ``text-2`` (or any ``text-...`` entry), to ``prepare_data``'s refusal after the seed."""
     try:
-        return any(entry.name.startswith(f"{source_name}-") for entry in os.scandir(cache_dir))
+        return any(cache_source_name(entry.name) == source_name for entry in os.scandir(cache_dir))
     except (FileNotFoundError, NotADirectoryError):
         return False
     except OSError:  # not listable (search permission alone): its caches may still serve

@@ -127,6 +127,13 @@ def _corpus_of(path: Path) -> str | None:
     return corpus if isinstance(corpus, str) else None
 
 
+def cache_source_name(dir_name: str) -> str | None:
+    """The source name of a built token cache's dir, ``<source name>-<24 hex digits of key>``; None for any other
+    name (a name is matched whole: source ``text``'s caches are not ``text-2``'s)."""
+    match = _CACHE_DIR.fullmatch(dir_name)
+    return match["name"] if match else None
+
+
 def prune_caches(
     out_dir: Path, name: str, keep: int, discard: Callable[[Path], None], corpus: str | None = None
 ) -> None:
@@ -137,8 +144,7 @@ def prune_caches(
     others = []
     try:
         for path in out_dir.parent.iterdir():
-            match = _CACHE_DIR.fullmatch(path.name)
-            if (match and match["name"] == name and path.name != out_dir.name and not path.is_symlink()
+            if (cache_source_name(path.name) == name and path.name != out_dir.name and not path.is_symlink()
                     and _corpus_of(path) in (None, corpus)):
                 try:
                     others.append((path.stat().st_mtime, path))
