@@ -189,3 +189,34 @@ def test_a_callback_warmup_read_from_the_scheduler_settings_is_judged_by_how_it_
         cfg.scheduler = settings
     fit_default_warmup(cfg, checkpoints[30], 30)
     assert cfg.callbacks.wsd.warmup_steps == warmup
+
+
+def test_an_lr_that_jumps_up_names_the_settings_that_raised_it(caplog, tmp_path):
+    """A nano run of 10 steps resumed (resume=auto) with trainer.max_steps=12 was warned that step 10 'lies in this
+    run's decay ... which gives it a higher LR than the checkpoint's run's schedule did (another total_steps, decay
+    length, decay_type, min_lr_factor or warmup)', and with max_steps=40 that it lies past the warmup: neither named
+    the setting that had changed, as the warning of an LR that drops does. Now both name each setting that differs
+    from the checkpoint's run's config_resolved.yaml, with its old value; without that file, the old wording."""
+    ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
+                  root=tmp_path)  # in its decay, from step 80: 0.29 of the peak at step 95 (1-sqrt)
+    trainer.save_checkpoint(ckpt)
+    bare = tmp_path / "95.ckpt"  # no config_resolved.yaml beside its dir
+    bare.write_bytes(ckpt.read_bytes())
+    (tmp_path / "run" / "config_resolved.yaml").write_text(
+        "trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, total_steps: 100, "
+        "warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    longer = "trainer.max_steps={} (which scheduler.total_steps follows) where the checkpoint's run had 100"
+    # 110 steps: its decay runs from step 90, so step 95 is earlier in it
+    [(level, said)] = messages(caplog, ckpt, 95, 110, warmup_steps=10, decay_steps=20, decay_fraction=None)
+    assert level == "WARNING" and "which gives it a higher LR than the checkpoint's run's schedule did: this run's " \
+        + longer.format(110) + ", so the LR jumps up; resume with" in said
+    [(_, said)] = messages(caplog, bare, 95, 110, warmup_steps=10, decay_steps=20, decay_fraction=None)
+    assert "did (another total_steps, decay length, decay_type, min_lr_factor or warmup), so the LR jumps up" in said
+    # 200 steps with another warmup: step 95 lies in the stable phase, at the peak
+    [(level, said)] = messages(caplog, ckpt, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
+    assert level == "WARNING" and "so the LR jumps up without a re-warmup; this run's scheduler.warmup_steps=20 " \
+        "where the checkpoint's run had 10 and " + longer.format(200) + "; pass scheduler.warmup_steps=" in said
+    [(_, said)] = messages(caplog, bare, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
+    assert "so the LR jumps up without a re-warmup; pass scheduler.warmup_steps=" in said

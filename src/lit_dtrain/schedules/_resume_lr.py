@@ -158,17 +158,20 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
         advice = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
     elif up and decay_start is not None and start >= decay_start and _is_wsd(node):
         total = node.get("total_steps")
+        changed = _changed(ckpt, key, node, (*_DECAY_KEYS["wsd"], "warmup_steps"))
+        which = (": this run's " + " and ".join(changed) if changed else
+                 " (another total_steps, decay length, decay_type, min_lr_factor or warmup)")
         cause = (f"the step lies in this run's decay (from step {decay_start} to total_steps={total}, "
                  f"decay_type={node.get('decay_type')}, min_lr_factor={node.get('min_lr_factor')}), which gives it a "
-                 "higher LR than the checkpoint's run's schedule did (another total_steps, decay length, decay_type, "
-                 "min_lr_factor or warmup), so the LR jumps up")
+                 f"higher LR than the checkpoint's run's schedule did{which}, so the LR jumps up")
         advice = (f"resume with the checkpoint's run's trainer.max_steps and {key} decay settings, or branch a decay "
                   "from a stable-phase checkpoint with decay_branch.ckpt=... decay_branch.steps=N")
     elif up:
         later = f" and before or early in its decay (total_steps={node.get('total_steps')})" if decay_start else ""
+        changed = _changed(ckpt, key, node, ("warmup_steps", *_DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]))
         cause = (f"the checkpoint is below its peak, in its run's warmup or decay, and the step lies past this run's "
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''}{later}, so the LR jumps up "
-                 "without a re-warmup")
+                 "without a re-warmup" + ("; this run's " + " and ".join(changed) if changed else ""))
         advice = (f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup; extend a stable-phase "
                   "checkpoint, or continue a decayed model with init_from=... and a re-warmup (continual pre-training, "
                   "docs/wsd.md)")
@@ -193,24 +196,39 @@ def _what_differs(ckpt: Path, key: str, node) -> str:
     (or differs in none of them), this run's settings, saying whether ``total_steps`` follows ``trainer.max_steps``
     or was given. Before, every such warning said '(total_steps=X, from trainer.max_steps)', also where
     ``decay_fraction`` had changed and ``trainer.max_steps`` had not, or ``total_steps`` was given."""
+    names = _DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]
+    if differ := _changed(ckpt, key, node, names):
+        return "this run's " + " and ".join(differ)
+    settings = ", ".join(f"{name}={node.get(name)}" for name in names if node.get(name) is not None)
+    given = "from trainer.max_steps" if _follows_max_steps(node) else "as given"
+    return f"this run's {key} ({settings}; total_steps {given}) is not the checkpoint's run's"
+
+
+def _follows_max_steps(node) -> bool:
     from omegaconf import DictConfig, OmegaConf
 
     raw = OmegaConf.to_container(node, resolve=False).get("total_steps") if isinstance(node, DictConfig) else None
-    follows = isinstance(raw, str) and raw.replace(" ", "") == "${trainer.max_steps}"
-    names = _DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]
+    return isinstance(raw, str) and raw.replace(" ", "") == "${trainer.max_steps}"
+
+
+def _changed(ckpt: Path, key: str, node, names) -> list[str]:
+    """Each of ``names`` that schedule ``node`` (config ``key``) sets otherwise than the checkpoint's run's config
+    (:func:`source_config`), as '<key>.<name>=<this run's> where the checkpoint's run had <its>' (``total_steps``
+    named as ``trainer.max_steps`` where it follows it); empty where that config is not there, is of another
+    schedule, or differs in none of them. The warnings of an LR that jumps up named no setting: 'another total_steps,
+    decay length, decay_type, min_lr_factor or warmup'."""
+    from omegaconf import DictConfig, OmegaConf
+
     source = source_config(ckpt)
     theirs = OmegaConf.select(source, key, default=None) if source is not None else None
-    if isinstance(theirs, DictConfig) and theirs.get("_target_") == node.get("_target_"):
-        differ = []
-        for name in (name for name in names if node.get(name) != theirs.get(name)):
-            named = f"trainer.max_steps={node.get(name)} (which {key}.total_steps follows)" \
-                if name == "total_steps" and follows else f"{key}.{name}={_yaml(node.get(name))}"
-            differ.append(f"{named} where the checkpoint's run had {_yaml(theirs.get(name))}")
-        if differ:
-            return "this run's " + " and ".join(differ)
-    settings = ", ".join(f"{name}={node.get(name)}" for name in names if node.get(name) is not None)
-    given = "from trainer.max_steps" if follows else "as given"
-    return f"this run's {key} ({settings}; total_steps {given}) is not the checkpoint's run's"
+    if not (isinstance(theirs, DictConfig) and theirs.get("_target_") == node.get("_target_")):
+        return []
+    follows, differ = _follows_max_steps(node), []
+    for name in (name for name in names if node.get(name) != theirs.get(name)):
+        named = f"trainer.max_steps={node.get(name)} (which {key}.total_steps follows)" \
+            if name == "total_steps" and follows else f"{key}.{name}={_yaml(node.get(name))}"
+        differ.append(f"{named} where the checkpoint's run had {_yaml(theirs.get(name))}")
+    return differ
 
 
 def _yaml(value) -> str:
