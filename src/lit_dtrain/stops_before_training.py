@@ -40,12 +40,14 @@ class StopsBeforeTraining(L.Callback):
     raise :class:`StoppedBeforeTraining` until training starts (``on_train_start``), and leaving it by that exception
     logs :func:`stopped_before_training`. Lightning's own handler, once registered, calls this one too (it composes the
     handler it finds): there this one leaves the stop to Lightning's flag. ``resumed_step``: the checkpoint's step, on
-    a resume."""
+    a resume. ``looked_for``: False while a start that may resume (``resume=auto``, ``ckpt_path``) has not yet found
+    out whether it does (``train()``'s config checks)."""
 
     keeps_logs = False  # LogsKeptUntilTraining's: the line says the logs are as they were
 
     def __init__(self, resumed_step: int | None = None) -> None:
         self.resumed_step = resumed_step
+        self.looked_for = True
         self.training_started = False
         self._previous_handlers: dict[int, object] = {}
 
@@ -73,7 +75,8 @@ class StopsBeforeTraining(L.Callback):
             self.put_back()
             if isinstance(exc, StoppedBeforeTraining) and not exc.said:
                 exc.said = True
-                stopped_before_training(exc.signum, self.resumed_step, logs_kept=self.keeps_logs)
+                stopped_before_training(exc.signum, self.resumed_step, logs_kept=self.keeps_logs,
+                                        looked_for=self.looked_for)
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signal.getsignal(signum) != self._on_stop_signal:  # within Lightning's handler: its flag stops the fit
@@ -92,12 +95,15 @@ class StopsBeforeTraining(L.Callback):
                     signal.signal(s, previous)
 
 
-def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bool = False) -> None:
+def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bool = False,
+                            looked_for: bool = True) -> None:
     """The line of a start that a stop signal ended before training (:class:`StoppedBeforeTraining`). Rank 0: what
     was stopped, that nothing trained (on a resume, ``logs_kept``: its logs put back), what to run (the same command;
     a multirun's job: the same -m arguments with its sweep dir), then its labelled exit line, as a stop in training
     has them. Another rank: one line of its own, labelled, that says the same (it keeps no logs): it exited with -15
-    and no line while rank 0 said why."""
+    and no line while rank 0 said why. Not ``looked_for``: a start that may resume, stopped before it looked for its
+    checkpoint, is neither told it is a new run nor which step it resumes from (a resume=auto of a run dir with a
+    checkpoint, stopped in the config checks, was told '(a new run) ... run the same command again to start it')."""
     from lightning.pytorch.utilities import rank_zero_only
 
     from lit_dtrain.sigterm_exit import train_resume_hint
@@ -105,7 +111,9 @@ def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bo
     from lit_dtrain.utils.rank_zero import launched_world_size, rank_labelled
 
     name = signal.Signals(signum).name
-    if resumed_step is not None:
+    if not looked_for:
+        what, again = " (before it looked for the checkpoint to resume from)", "run the same command again"
+    elif resumed_step is not None:
         what, again = f", resuming from step {resumed_step}", f"run the same command again to resume from step " \
             f"{resumed_step}"
     else:
@@ -121,3 +129,14 @@ def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bo
     kept = "the logs are as they were" if logs_kept else "no checkpoint written"
     log.warning("stopped by %s before training%s: nothing trained, %s; %s", name, what, kept, again)
     log.info(rank_labelled("exiting with status %d (stopped by %s, not finished)", world), status, name)
+
+
+def may_resume(cfg) -> bool:
+    """Whether a start of ``cfg`` may resume a checkpoint: ``resume``, ``ckpt_path`` or ``decay_branch.ckpt`` set, read
+    as written (an interpolation not resolved: the config checks report one that fails)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    branch = raw.get("decay_branch")
+    branch_ckpt = branch.get("ckpt") if isinstance(branch, dict) else branch
+    return any(value is not None for value in (raw.get("resume"), raw.get("ckpt_path"), branch_ckpt))

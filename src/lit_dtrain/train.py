@@ -78,7 +78,7 @@ from lit_dtrain.sigterm_exit import (
 )
 from lit_dtrain.slurm import catch_requeue_signal, check_slurm_launch, slurm_plugins, warn_about_a_requeued_fresh_start
 from lit_dtrain.stop_reason import agree_on_early_stop, early_stop_kept, stop_reason, warn_if_the_schedule_did_not_end
-from lit_dtrain.stops_before_training import StopsBeforeTraining
+from lit_dtrain.stops_before_training import StopsBeforeTraining, may_resume
 from lit_dtrain.strategies.by_name import refuse_spawned_ranks, trainer_strategy
 from lit_dtrain.strategies.comm_checkpoint import refuse_another_preset
 from lit_dtrain.sweeps import check_sweep_world_size, log_training_start, logs_a_failed_job, pin_sweep_dir, sweep_checks
@@ -204,6 +204,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
     # a stop signal from here to training says so on every rank (stops_before_training.py): in the config checks, the
     # model's build (-15 and no line before), and until on_train_start
     stops = held.enter_context(StopsBeforeTraining())
+    stops.looked_for = not may_resume(cfg)  # until resolve_ckpt_path: a stop in the checks is no known new run
     absolute_paths_under_chdir(cfg)  # hydra.job.chdir=true: relative paths stay the command's, not the run dir's
     check_removed_keys(cfg)  # ~optimizer.lr and the like: one line, not a class default or a KeyError
     # under srun: SIGUSR1 requeues the job from here on (its default ended the process), if a requeue continues the run
@@ -231,7 +232,7 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         raise
     ckpt_path = resolve_ckpt_path(cfg)
     start_step = checkpoint_global_step(ckpt_path) if ckpt_path else 0
-    stops.resumed_step = start_step if ckpt_path else None
+    stops.resumed_step, stops.looked_for = (start_step if ckpt_path else None), True
     if ckpt_path:  # before the schedule is built: an extension's default warmup must not re-warm a stable checkpoint
         check_the_resumed_model(cfg.model, ckpt_path)  # a checkpoint of another model: that error alone, no LR warning
         fit_default_warmup(cfg, ckpt_path, start_step)

@@ -86,3 +86,37 @@ def test_a_stop_inside_a_nested_one_is_said_once(caplog):
         with StopsBeforeTraining(resumed_step=4):
             os.kill(os.getpid(), signal.SIGTERM)
     assert len(_lines(caplog)) == 2, _lines(caplog)
+
+
+def test_a_signal_before_a_resume_auto_looked_for_its_checkpoint_says_neither_new_nor_resumed(tiny_cfg, caplog,
+                                                                                               monkeypatch):
+    """A SIGTERM in the config checks of a resume=auto start was told '(a new run) ... run the same command again to
+    start it', also where the run dir held a checkpoint that the same command resumes: the checkpoint is looked for
+    after the checks. Now such a stop says it came before that; once looked for, '(a new run)' or 'resuming from
+    step N' as found."""
+    import lit_dtrain.train as train_module
+
+    caplog.set_level(logging.INFO, logger="lit_dtrain")
+    overrides = ("trainer.max_steps=2", "sample.max_new_tokens=0", "run_name=r", "resume=auto")
+    real = {name: getattr(train_module, name) for name in ("check_own_builds", "instantiate")}
+
+    def stopped_in(phase: str) -> str:
+        def signalled(*args, **kwargs):
+            if phase == "check_own_builds" or "build_llama" in str(args[0].get("_target_", "")):
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real[phase](*args, **kwargs)
+
+        monkeypatch.setattr(train_module, phase, signalled)
+        caplog.clear()
+        with pytest.raises(SystemExit, match="143"):
+            train_module.train(tiny_cfg(*overrides))
+        monkeypatch.setattr(train_module, phase, real[phase])
+        return _lines(caplog)[0]
+
+    before = ("stopped by SIGTERM before training (before it looked for the checkpoint to resume from): nothing "
+              "trained, no checkpoint written; run the same command again")
+    assert stopped_in("check_own_builds") == before  # no checkpoint yet
+    assert stopped_in("instantiate").startswith("stopped by SIGTERM before training (a new run): ")
+    train_module.train(tiny_cfg("trainer.max_steps=1", "sample.max_new_tokens=0", "run_name=r"))
+    assert stopped_in("check_own_builds") == before  # it was '(a new run)'
+    assert stopped_in("instantiate").startswith("stopped by SIGTERM before training, resuming from step 1: ")
