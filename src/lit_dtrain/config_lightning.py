@@ -196,6 +196,10 @@ def check_lightning_choices(cfg: DictConfig) -> None:
                if epochs == 0 else "is not a number of epochs (Lightning takes -1 for no limit)")
         raise ConfigError(f"trainer.max_epochs={epochs} {why}; give a number of epochs >= 1, or -1 or null (no "
                           "epoch limit: the run stops at trainer.max_steps)")
+    sanity = cfg.trainer.get("num_sanity_val_steps")  # Lightning checks no bound: -2 ran no sanity check, silently
+    if is_number(sanity, integer=True) and sanity < -1:
+        raise ConfigError(f"trainer.num_sanity_val_steps={sanity} must be an integer >= -1 (N: validation batches "
+                          "before training; 0: none; -1: all)")
     algorithm, algorithms = cfg.trainer.get("gradient_clip_algorithm"), [a.value for a in GradClipAlgorithmType]
     if algorithm is not None and str(algorithm).lower() not in algorithms:  # Lightning lower-cases it
         raise ConfigError(
