@@ -245,11 +245,15 @@ def test_rope_rotates_adjacent_pairs_and_encodes_relative_position():
     ref = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     torch.testing.assert_close(out, ref)
     assert out.dtype == x.dtype
-    # A rotation keeps norms, and q.k after RoPE depends only on the distance between positions.
+    # A rotation keeps norms, and q.k after RoPE depends only on the distance between positions: exactly with a
+    # float64 table (with the float32 one, to its rounding: 2.3e-7 off for 15 of 200 seeds of q and k, so this test
+    # failed or passed by the global RNG state the tests before it left)
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
-    q = torch.randn(hs, dtype=torch.float64).expand(1, 1, T, hs)
-    k = torch.randn(hs, dtype=torch.float64).expand(1, 1, T, hs)
-    qr, kr = apply_rope(q, rope)[0, 0], apply_rope(k, rope)[0, 0]
+    rope64 = torch.complex(*rope_cache(T, hs, 10000.0, torch.float64))[None, None]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(hs, dtype=torch.float64, generator=g).expand(1, 1, T, hs)
+    k = torch.randn(hs, dtype=torch.float64, generator=g).expand(1, 1, T, hs)
+    qr, kr = apply_rope(q, rope64)[0, 0], apply_rope(k, rope64)[0, 0]
     torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6])
     assert not torch.allclose(qr[5] @ kr[2], qr[5] @ kr[3])
 
