@@ -3,7 +3,9 @@ whose checkpoint and strategy disagree on having a per-step compressor or a loca
 in ``apply_comm_state`` backs the other up (a strategy has a compressor exactly when it has no local-update rule), so
 either one removed alone still refuses; with neither, the load failed with ``AttributeError: 'NoneType' object has no
 attribute 'get'`` deep in a codec, a traceback naming neither the file nor the way out. Real checkpoints, written by a
-1-process fit under one strategy and resumed by a fit under the other."""
+1-process fit under one strategy and resumed by a fit under the other. Also pinned: a kept sync's pseudo-gradient
+codec residuals, the warning of a checkpoint without per-rank parameters, and the model's shapes handed to the
+PowerSGD warm-start note."""
 
 from __future__ import annotations
 
@@ -101,3 +103,24 @@ def test_a_local_update_checkpoint_without_per_rank_parameters_resumes_from_rank
         apply_comm_state(strategy, state)
     assert strategy._rank_restore is None
     assert (strategy.local_update.step, strategy.local_update.steps_since_sync) == (6, 2)
+
+
+def test_a_resume_at_a_higher_powersgd_rank_counts_the_qs_that_restart_by_the_models_shapes():
+    """PowerSGD rank 2 resumed at rank 4 into a module with an (8, 8) and a (2, 6) matrix: the (6, 2) Q of the
+    narrow one is what rank 4 starts from too, so 1 of the 2 Qs restarts; ``apply_comm_state`` must hand the module's
+    shapes on (the Q alone cannot tell its matrix is 2 wide). Killed the mutant passing no shapes ('each Q
+    restarts')."""
+    from lit_dtrain.strategies._comm_state import apply_comm_state
+
+    codec = {"name": "powersgd", "matrix_approximation_rank": 2, "min_compression_rate": 0.5}
+    written = CompressedDDPStrategy(compressor=codec)
+    written.compressor.q_memory = {"w": torch.randn(8, 2), "narrow": torch.randn(6, 2)}
+    state = written.comm_state_dict()
+    module = torch.nn.Module()
+    module.w, module.narrow = torch.nn.Parameter(torch.zeros(8, 8)), torch.nn.Parameter(torch.zeros(2, 6))
+    resumed = CompressedDDPStrategy(compressor={**codec, "matrix_approximation_rank": 4})
+    resumed._lightning_module = module
+    with pytest.warns(UserWarning, match=r"Qs \(2 matrices\) are of rank 2 and this run's strategy.compressor."
+                                         r"matrix_approximation_rank is 4: 1 of them restart \(the other 1, of "
+                                         r"matrices at most 2 wide, fit both ranks and are kept\) from random"):
+        apply_comm_state(resumed, state)
