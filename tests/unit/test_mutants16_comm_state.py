@@ -49,7 +49,13 @@ def test_a_resume_across_a_codec_and_a_local_update_rule_is_refused_naming_the_f
     with pytest.raises(ConfigError) as err:
         trainer.fit(module, ckpt_path=path)
     message = str(err.value)
-    assert message.startswith(f"{path}: lit_dtrain_comm: checkpoint "), message
+    local = "local_update" in written
+    had = ("no per-step gradient codec and a local-update rule" if local
+           else "a per-step gradient codec and no local-update rule")
+    has = ("a per-step gradient codec and no local-update rule" if local
+           else "no per-step gradient codec and a local-update rule")
+    assert message.startswith(f"{path}: lit_dtrain_comm: the checkpoint was written with {had}; this strategy "
+                              f"has {has} ("), message
     for part in (f"Resume it with the preset that wrote it ({preset})", "or with strategy=ddp,"):
         assert part in message, (part, message)
     assert trainer.global_step == 0

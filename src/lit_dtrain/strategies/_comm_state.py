@@ -100,6 +100,13 @@ def gather_comm_state(strategy) -> dict:
     return {"version": _STATE_VERSION, "world_size": world, "local_update": own["local_update"],
             "per_rank": gathered}
 
+
+def _parts(codec, local_update) -> str:
+    """Which of a per-step codec and a local-update rule a checkpoint's state or a strategy has, in words."""
+    return (f"{'a' if codec is not None else 'no'} per-step gradient codec and "
+            f"{'a' if local_update is not None else 'no'} local-update rule")
+
+
 def apply_comm_state(strategy, state: dict) -> None:
     """Restore :func:`gather_comm_state` output; each rank takes its own entry of ``per_rank``."""
     if state.get("version") != _STATE_VERSION:
@@ -112,11 +119,10 @@ def apply_comm_state(strategy, state: dict) -> None:
     module = strategy.lightning_module
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()} if module is not None else None
     unapplied += warm_start_rank_notes(mine, strategy.compressor, lu, shapes)
-    if (mine["compressor"] is None) != (strategy.compressor is None):
-        raise ValueError(f"{CHECKPOINT_KEY}: checkpoint compressor state {mine['compressor'] is not None} does "
-                         f"not match this strategy's compressor {strategy.compressor!r}")
-    if (state["local_update"] is None) != (lu is None):
-        raise ValueError(f"{CHECKPOINT_KEY}: checkpoint local-update state does not match {lu!r}")
+    written = _parts(mine["compressor"], state["local_update"])
+    if written != _parts(strategy.compressor, lu):  # what a strategy=ddp resume drops is comm_checkpoint's
+        raise ValueError(f"{CHECKPOINT_KEY}: the checkpoint was written with {written}; this strategy has "
+                         f"{_parts(strategy.compressor, lu)} ({strategy.compressor if lu is None else lu!r})")
     strategy.load_comm_local_state_dict({"compressor": mine["compressor"], "local_update": state["local_update"],
                                          "local_update_rank": mine["local_update"]}, counts=True)
     if lu is not None:
