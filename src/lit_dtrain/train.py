@@ -36,7 +36,7 @@ from lit_dtrain._run_report import _generate_sample, _report, sample_settings, s
 from lit_dtrain.callbacks._checkpoint_report import summary_entry
 from lit_dtrain.callbacks._contract import check_step_outputs
 from lit_dtrain.callbacks.memory_monitor import highest, ranks_peak_rss_mib
-from lit_dtrain.callbacks.model_checkpoint import resumed_and_trained_nothing
+from lit_dtrain.callbacks.model_checkpoint import own_the_resumed_file, resumed_and_trained_nothing
 from lit_dtrain.checkpoint import AtomicCheckpointIO, CheckpointError, checkpoint_global_step, misfit_message
 from lit_dtrain.config_checks import (
     check_callback_nodes,
@@ -293,6 +293,8 @@ def _train(cfg: DictConfig, held: contextlib.ExitStack) -> tuple[dict, dict]:
         check_start_step(cfg, start_step, ckpt_path)
         check_optimizer_state(cfg, ckpt_path)
         warn_if_accumulation_splits(cfg, ckpt_path)
+        if cfg.get("resume") == "auto":  # a step file it took is the run's own: its top-k drops it as any other
+            own_the_resumed_file(callbacks)
     extra = val_check_in_batches(cfg)
     if timer := max_time_timer(cfg.trainer, callbacks):  # last, where Lightning appends its own Timer
         callbacks.append(timer)

@@ -61,6 +61,31 @@ def test_a_kill_between_the_step_file_and_last_ckpt_loses_no_steps_and_leaves_no
     assert torch.load(run / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
+@pytest.mark.parametrize("kill", ["in_the_first_last_ckpt", "before_last_ckpt"])
+def test_the_step_file_resumed_from_leaves_the_top_k_as_a_straight_run_does(tiny_cfg, tmp_path, kill):
+    """With the default save_top_k=1, a kill while the first last.ckpt was written (no last.ckpt) or after a step file
+    and before last.ckpt (last.ckpt a validation behind) has resume=auto resume from that step file. Lightning never
+    removes the file a fit resumed from, so it stayed in the dir for good beside the later best: a fuzzed SIGKILL
+    during the first last.ckpt write left step000003-val4.1031.ckpt beside step000012-val3.2713.ckpt."""
+    common = ["sample.max_new_tokens=0", "trainer.val_check_interval=2", "scheduler.total_steps=6"]
+    straight, _ = train(tiny_cfg(*common, "trainer.max_steps=6", run="straight"))
+    run = Path(straight["checkpoint"]).parent
+    ckpts = Path(str(run).replace("straight", "r"))
+    train(tiny_cfg(*common, "trainer.max_steps=2", run="r"))
+    behind = tmp_path / "last_at_2.ckpt"
+    shutil.copy(ckpts / "last.ckpt", behind)
+    if kill == "before_last_ckpt":
+        train(tiny_cfg(*common, "trainer.max_steps=4", "resume=auto", run="r"))
+        shutil.copy(behind, ckpts / "last.ckpt")  # as if killed after the step-4 file, before last.ckpt
+    else:
+        (ckpts / "last.ckpt").unlink()  # as if killed in the rename of the first last.ckpt
+    resumed_from = resolve_ckpt_path(tiny_cfg(*common, "trainer.max_steps=6", "resume=auto", run="r"))
+    assert Path(resumed_from).name.startswith("step00000"), resumed_from
+    resumed, _ = train(tiny_cfg(*common, "trainer.max_steps=6", "resume=auto", run="r"))
+    assert resumed["val_loss"] == straight["val_loss"]
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == sorted(p.name for p in run.glob("*.ckpt"))
+
+
 def test_an_unreadable_last_ckpt_is_named_as_unreadable_not_as_older(tmp_path, caplog):
     """A truncated last.ckpt beside a readable step file: the log said the step file 'is newer than' last.ckpt; now it
     names last.ckpt and why it was skipped."""

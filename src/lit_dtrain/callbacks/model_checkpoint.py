@@ -88,6 +88,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._dirpath_from_trainer: str | None = None  # the dirpath setup took from a Trainer (none was given)
         self._save_at_step_end = False  # a validation ran mid-step: its save comes at that step's end
+        self.resumed_file_is_own = False  # the fit resumed resume=auto's choice: its top-k may drop that file too
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -219,6 +220,19 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         super().on_train_end(trainer, pl_module)
 
     @override
+    def _should_remove_checkpoint(self, trainer: L.Trainer, previous: str, current: str) -> bool:
+        # Lightning keeps the file the fit resumed from. resume=auto resumes a step file where a kill left no
+        # last.ckpt or one a validation behind (resume.py): that file is this run's own top-k file, which a straight
+        # run removes when a better one is saved; kept, it stayed in the dir for good beside the later best. Only
+        # once a newer file is saved (current): cut from an over-full top-k at train start, it could be the only
+        # file of its step, which a kill before the next save would then have lost
+        if super()._should_remove_checkpoint(trainer, previous, current):
+            return True
+        return (self.resumed_file_is_own and bool(current) and previous != current and trainer.ckpt_path is not None
+                and os.path.abspath(previous) == os.path.abspath(trainer.ckpt_path)
+                and os.path.dirname(os.path.abspath(previous)) == os.path.abspath(self.dirpath or ""))
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._train_start_step = trainer.global_step
@@ -226,6 +240,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             if self._should_remove_checkpoint(trainer, path, ""):
                 trainer.strategy.remove_checkpoint(path)
         self._over_top_k = []
+
+
+def own_the_resumed_file(callbacks: list) -> None:
+    """Let each :class:`ModelCheckpoint` of ``callbacks`` remove the file its fit resumes from where its top-k drops
+    it: ``resume=auto``'s choice, this run's own checkpoint (Lightning keeps a resumed file for good)."""
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            callback.resumed_file_is_own = True
 
 
 def resumed_and_trained_nothing(ckpt_path, path: str, step: int, start_step: int | None) -> bool:
