@@ -86,6 +86,24 @@ def test_the_step_file_resumed_from_leaves_the_top_k_as_a_straight_run_does(tiny
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == sorted(p.name for p in run.glob("*.ckpt"))
 
 
+def test_a_step_file_resumed_from_and_cut_by_a_lower_save_top_k_goes_at_the_first_save(tiny_cfg):
+    """save_top_k=2 (mode=max) killed in the step-4 last.ckpt write, resumed with save_top_k=1: the step file resumed
+    from, no longer of the top-1, was kept at train start (the only file of its step) and then tracked by nothing, so it
+    stayed for good: step000002 and step000004 beside last.ckpt, where a straight save_top_k=1 run keeps step000002."""
+    common = ["sample.max_new_tokens=0", "trainer.val_check_interval=2", "scheduler.total_steps=6",
+              "callbacks.model_checkpoint.mode=max"]
+    straight, _ = train(tiny_cfg(*common, "trainer.max_steps=6", run="straight"))
+    run = Path(straight["checkpoint"]).parent
+    ckpts = Path(str(run).replace("straight", "r"))
+    train(tiny_cfg(*common, "trainer.max_steps=4", "callbacks.model_checkpoint.save_top_k=2", run="r"))
+    (ckpts / "last.ckpt").unlink()  # as if killed in the rename of the step-4 last.ckpt
+    resumed_from = resolve_ckpt_path(tiny_cfg(*common, "trainer.max_steps=6", "resume=auto", run="r"))
+    assert Path(resumed_from).name.startswith("step000004"), resumed_from
+    assert len(list(ckpts.glob("step*.ckpt"))) == 2
+    train(tiny_cfg(*common, "trainer.max_steps=6", "resume=auto", run="r"))
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == sorted(p.name for p in run.glob("*.ckpt"))
+
+
 def test_an_unreadable_last_ckpt_is_named_as_unreadable_not_as_older(tmp_path, caplog):
     """A truncated last.ckpt beside a readable step file: the log said the step file 'is newer than' last.ckpt; now it
     names last.ckpt and why it was skipped."""

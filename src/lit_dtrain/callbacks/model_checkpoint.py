@@ -228,18 +228,34 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         # file of its step, which a kill before the next save would then have lost
         if super()._should_remove_checkpoint(trainer, previous, current):
             return True
-        return (self.resumed_file_is_own and bool(current) and previous != current and trainer.ckpt_path is not None
-                and os.path.abspath(previous) == os.path.abspath(trainer.ckpt_path)
-                and os.path.dirname(os.path.abspath(previous)) == os.path.abspath(self.dirpath or ""))
+        return bool(current) and previous != current and self._own_resumed_file(trainer, previous)
+
+    def _own_resumed_file(self, trainer: L.Trainer, path: str) -> bool:
+        """Whether ``path`` is the file the fit resumed from, resume=auto's choice in this dirpath."""
+        return (self.resumed_file_is_own and trainer.ckpt_path is not None
+                and os.path.abspath(path) == os.path.abspath(trainer.ckpt_path)
+                and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirpath or ""))
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._train_start_step = trainer.global_step
+        self._resumed_over_top_k = []  # the file resumed from, cut here: removed at the fit's first save
         for path in getattr(self, "_over_top_k", ()):  # in this dirpath, not the file resumed from: Lightning's rule
             if self._should_remove_checkpoint(trainer, path, ""):
                 trainer.strategy.remove_checkpoint(path)
+            elif self._own_resumed_file(trainer, path):  # the only file of its step until the fit saves
+                self._resumed_over_top_k.append(path)
         self._over_top_k = []
+
+    @override
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        # cut from the top-k at train start, it was no longer tracked: it stayed for good beside the new top-k
+        for path in getattr(self, "_resumed_over_top_k", ()):
+            if self._should_remove_checkpoint(trainer, path, filepath):
+                trainer.strategy.remove_checkpoint(path)
+        self._resumed_over_top_k = []
 
 
 def own_the_resumed_file(callbacks: list) -> None:
