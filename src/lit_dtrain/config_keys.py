@@ -34,6 +34,8 @@ _NUMERIC_KEYS = {  # key -> the type it must have (an override like trainer.max_
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "model.dropout": float,
     # whole before check_config compares them: +trainer.min_steps=1e9 was refused as 'min_steps=1000000000.0'
     "trainer.min_steps": int, "trainer.min_epochs": int, "trainer.max_epochs": int,
+    # the same: num_sanity_val_steps=-2.0 passed the bound (-2: refused) and trained with no sanity validation
+    "trainer.num_sanity_val_steps": int,
 }
 
 

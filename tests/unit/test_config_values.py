@@ -126,6 +126,8 @@ LIGHTNING_VALUES = [
     # a nano run ran no sanity validation and exited 0 (Lightning takes -1 for all batches and checks no bound)
     ("trainer.num_sanity_val_steps=-2", r"^trainer.num_sanity_val_steps=-2 must be an integer >= -1 \(N: validation "
                                         r"batches before training; 0: none; -1: all\)$"),
+    # -2.0 passed the bound and was made -2 after it: the same silent run without sanity validation
+    ("trainer.num_sanity_val_steps=-2.0", r"^trainer.num_sanity_val_steps=-2 must be an integer >= -1"),
     # a ZeroDivisionError in Lightning's fit loop at the end of the first epoch
     ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch must be null \(validate by steps: "
                                           r"trainer.val_check_interval\) or an integer >= 1, got 0$"),
@@ -172,7 +174,7 @@ MEANINGFUL = [
     "data.exclude_dirs=/tmp/x", "data.exclude_dirs=[/tmp/x,/tmp/y]", "callbacks.model_checkpoint.monitor=null",
     "callbacks.model_checkpoint.filename=null", "trainer.max_time=00:01:00:00", "trainer.max_time={hours:1}",
     "trainer.max_time={minutes:1.5,seconds:3}", "trainer.max_time={hours:${trainer.max_steps}}",
-    "trainer.num_sanity_val_steps=-1", "trainer.max_time=00:00:00:01",
+    "trainer.num_sanity_val_steps=-1", "trainer.num_sanity_val_steps=-1.0", "trainer.max_time=00:00:00:01",
     "+trainer.max_epochs=-1", "+trainer.max_epochs=1", "+trainer.max_epochs=null",
     "trainer.check_val_every_n_epoch=1", "logger.name=null", "logger=none",
     "callbacks=[default,loss_spike] callbacks.loss_spike.path=null",
