@@ -10,6 +10,8 @@ constant schedule was never checked (a cosine resumed with a larger max_steps ra
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -110,6 +112,7 @@ def test_a_decay_moved_before_the_step_names_the_settings_that_moved_it(checkpoi
     (tmp_path / "run" / "config_resolved.yaml").write_text(
         "trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, total_steps: 100, "
         "warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(tmp_path / "run" / "config_resolved.yaml", (ckpt.stat().st_mtime - 10,) * 2)  # written at its start
     drops = ": its decay starts at step {}, so the LR drops at the resume"
     [(level, said)] = messages(caplog, ckpt, 30, 100, warmup_steps=DEFAULT, decay_steps=None, decay_fraction=0.8)
     assert level == "WARNING" and "this run's scheduler.decay_steps=null where the checkpoint's run had 20 and " \
@@ -207,6 +210,7 @@ def test_an_lr_that_jumps_up_names_the_settings_that_raised_it(caplog, tmp_path)
     (tmp_path / "run" / "config_resolved.yaml").write_text(
         "trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, total_steps: 100, "
         "warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(tmp_path / "run" / "config_resolved.yaml", (ckpt.stat().st_mtime - 10,) * 2)  # written at its start
     longer = "trainer.max_steps={} (which scheduler.total_steps follows) where the checkpoint's run had 100"
     # 110 steps: its decay runs from step 90, so step 95 is earlier in it
     [(level, said)] = messages(caplog, ckpt, 95, 110, warmup_steps=10, decay_steps=20, decay_fraction=None)
@@ -219,4 +223,24 @@ def test_an_lr_that_jumps_up_names_the_settings_that_raised_it(caplog, tmp_path)
     assert level == "WARNING" and "so the LR jumps up without a re-warmup; this run's scheduler.warmup_steps=20 " \
         "where the checkpoint's run had 10 and " + longer.format(200) + "; pass scheduler.warmup_steps=" in said
     [(_, said)] = messages(caplog, bare, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
+    assert "so the LR jumps up without a re-warmup; pass scheduler.warmup_steps=" in said
+
+
+def test_a_config_rewritten_after_the_checkpoint_is_not_named_as_its_runs(caplog, tmp_path):
+    """A 10-step nano run resumed with trainer.max_steps=2000 and killed in training (before its first checkpoint)
+    left config_resolved.yaml of max_steps=2000 beside last.ckpt of step 10; resumed again with max_steps=20, the
+    warning said 'trainer.max_steps=20 ... where the checkpoint's run had 2000' (and warmup_steps 'had 100'), the
+    values of the killed start, not those the checkpoint was trained with. A config newer than the checkpoint is not
+    read: the wording without that file."""
+    ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
+                  root=tmp_path)
+    trainer.save_checkpoint(ckpt)
+    config = tmp_path / "run" / "config_resolved.yaml"
+    config.write_text("trainer: {max_steps: 2000}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, "
+                      "total_steps: 2000, warmup_steps: 100, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(config, (ckpt.stat().st_mtime + 10,) * 2)  # the killed start's, after the checkpoint
+    [(level, said)] = messages(caplog, ckpt, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
+    assert level == "WARNING" and "had 2000" not in said and "had 100" not in said
     assert "so the LR jumps up without a re-warmup; pass scheduler.warmup_steps=" in said

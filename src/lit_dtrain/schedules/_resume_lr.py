@@ -219,7 +219,7 @@ def _changed(ckpt: Path, key: str, node, names) -> list[str]:
     decay length, decay_type, min_lr_factor or warmup'."""
     from omegaconf import DictConfig, OmegaConf
 
-    source = source_config(ckpt)
+    source = _config_of_its_start(ckpt)
     theirs = OmegaConf.select(source, key, default=None) if source is not None else None
     if not (isinstance(theirs, DictConfig) and theirs.get("_target_") == node.get("_target_")):
         return []
@@ -249,6 +249,20 @@ def source_config(ckpt: Path):
         return OmegaConf.load(Path(ckpt).resolve().parent.parent / "config_resolved.yaml")
     except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to read from it
         return None
+
+
+def _config_of_its_start(ckpt: Path):
+    """:func:`source_config`, where that file is not newer than ``ckpt``: a later start of the run dir rewrote it
+    before its first checkpoint (a resume with trainer.max_steps=2000, killed in training), so its values are not
+    those the checkpoint was trained with. A resume with max_steps=20 was then told 'trainer.max_steps=20 where the
+    checkpoint's run had 2000' of a step-10 checkpoint of a 10-step run."""
+    path = Path(ckpt).resolve()
+    try:
+        if (path.parent.parent / "config_resolved.yaml").stat().st_mtime > path.stat().st_mtime:
+            return None
+    except OSError:
+        return None
+    return source_config(ckpt)
 
 
 def source_warmup(ckpt: Path, key: str) -> int | None:
