@@ -244,3 +244,29 @@ def test_a_config_rewritten_after_the_checkpoint_is_not_named_as_its_runs(caplog
     [(level, said)] = messages(caplog, ckpt, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
     assert level == "WARNING" and "had 2000" not in said and "had 100" not in said
     assert "so the LR jumps up without a re-warmup; pass scheduler.warmup_steps=" in said
+
+
+def test_a_decayed_checkpoint_resumed_inside_a_longer_warmup_is_not_said_to_be_in_a_longer_one(caplog, tmp_path):
+    """A 10-step nano run (warmup 1, decayed to LR 0 at step 10) resumed with trainer.max_steps=2000 (its default
+    warmup 100) was told 'scheduler.warmup_steps=100 ... is shorter than the checkpoint's run's warmup, so the LR
+    jumps up; pass scheduler.warmup_steps=<the checkpoint's run's>': its run's warmup was 1, and the checkpoint was
+    in its decay. Where config_resolved.yaml gives a warmup at or before the step, the warning says so."""
+    ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
+                  root=tmp_path)  # in its decay, from step 80: 0.29 of the peak at step 95 (1-sqrt)
+    trainer.save_checkpoint(ckpt)
+    bare = tmp_path / "95.ckpt"  # no config_resolved.yaml beside its dir
+    bare.write_bytes(ckpt.read_bytes())
+    config = tmp_path / "run" / "config_resolved.yaml"
+    config.write_text("trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, "
+                      "total_steps: 100, warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(config, (ckpt.stat().st_mtime - 10,) * 2)  # written at its start
+    # warmup 200: step 95 at 96/200 = 0.48 of the peak
+    [(level, said)] = messages(caplog, ckpt, 95, 1000, warmup_steps=200)
+    assert level == "WARNING" and ": the checkpoint is past its run's warmup (scheduler.warmup_steps=10) and below " \
+        "its peak, in its decay, and this run's scheduler.warmup_steps=200 gives the step a higher LR, so the LR " \
+        "jumps up; extend a stable-phase checkpoint" in said
+    assert "shorter than the checkpoint's run's warmup" not in said
+    [(_, said)] = messages(caplog, bare, 95, 1000, warmup_steps=200)
+    assert "scheduler.warmup_steps=200 is shorter than the checkpoint's run's warmup, so the LR jumps up" in said

@@ -156,6 +156,12 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} is shorter than the "
                  "checkpoint's run's warmup, so the LR jumps up")
         advice = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
+        if up and (theirs := _their_warmup(ckpt, key)) is not None and theirs <= start:  # it was decaying
+            cause = (f"the checkpoint is past its run's warmup ({key}.warmup_steps={theirs}) and below its peak, in "
+                     f"its decay, and this run's {key}.warmup_steps={warmup}"
+                     f"{f' ({grows})' if default_warmup else ''} gives the step a higher LR, so the LR jumps up")
+            advice = ("extend a stable-phase checkpoint, or continue a decayed model with init_from=... and a "
+                      "re-warmup (continual pre-training, docs/wsd.md)")
     elif up and decay_start is not None and start >= decay_start and _is_wsd(node):
         total = node.get("total_steps")
         changed = _changed(ckpt, key, node, (*_DECAY_KEYS["wsd"], "warmup_steps"))
@@ -263,6 +269,18 @@ def _config_of_its_start(ckpt: Path):
     except OSError:
         return None
     return source_config(ckpt)
+
+
+def _their_warmup(ckpt: Path, key: str) -> int | None:
+    """The ``<key>.warmup_steps`` of the run that wrote ``ckpt`` (:func:`_config_of_its_start`), or None."""
+    from omegaconf import OmegaConf
+
+    source = _config_of_its_start(ckpt)
+    try:
+        value = OmegaConf.select(source, f"{key}.warmup_steps") if source is not None else None
+    except (ValueError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def source_warmup(ckpt: Path, key: str) -> int | None:
