@@ -270,3 +270,29 @@ def test_a_decayed_checkpoint_resumed_inside_a_longer_warmup_is_not_said_to_be_i
     assert "shorter than the checkpoint's run's warmup" not in said
     [(_, said)] = messages(caplog, bare, 95, 1000, warmup_steps=200)
     assert "scheduler.warmup_steps=200 is shorter than the checkpoint's run's warmup, so the LR jumps up" in said
+
+
+def test_the_wsd_callbacks_horizon_is_named_as_the_trainer_max_steps_it_follows(caplog, tmp_path):
+    """callbacks=[default,wsd] '~scheduler', a 10-step nano run resumed with trainer.max_steps=12, was told 'this
+    run's callbacks.wsd.total_steps=12 where the checkpoint's run had 10': a key not given, as conf/callbacks/wsd.yaml
+    writes it ${oc.select:scheduler.total_steps,${trainer.max_steps}}. It names trainer.max_steps, as the
+    scheduler's."""
+    register()
+    ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
+                  root=tmp_path)
+    trainer.save_checkpoint(ckpt)
+    wsd = {"_target_": "lit_dtrain.callbacks.WSDScheduler", "warmup_steps": 10, "decay_steps": 20,
+           "decay_fraction": None}
+    config = tmp_path / "run" / "config_resolved.yaml"
+    config.write_text(OmegaConf.to_yaml({"trainer": {"max_steps": 100},
+                                         "callbacks": {"wsd": {**wsd, "total_steps": 100}}}))
+    os.utime(config, (ckpt.stat().st_mtime - 10,) * 2)  # written at its start
+    cfg = OmegaConf.create({"trainer": {"max_steps": 110}, "callbacks": {"wsd": {
+        **wsd, "total_steps": "${oc.select:scheduler.total_steps,${trainer.max_steps}}"}}})
+    with caplog.at_level("INFO", logger="lit_dtrain.schedules.workflows"):
+        warn_if_the_resume_moves_the_lr(cfg, ckpt, 95)
+    [said] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "this run's trainer.max_steps=110 (which callbacks.wsd.total_steps follows) where the checkpoint's run " \
+        "had 100, so the LR jumps up" in said

@@ -10,6 +10,7 @@ documented deliberate re-warm, only logged.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from lit_dtrain.checkpoint import safe_torch_load
@@ -211,10 +212,32 @@ def _what_differs(ckpt: Path, key: str, node) -> str:
 
 
 def _follows_max_steps(node) -> bool:
+    """Whether ``node.total_steps`` is written ``${trainer.max_steps}``, also through conf/callbacks/wsd.yaml's
+    ``${oc.select:scheduler.total_steps,${trainer.max_steps}}`` (a resume of the callback form with another
+    trainer.max_steps was told 'this run's callbacks.wsd.total_steps=12', a key not given)."""
+    from omegaconf import DictConfig
+
+    raw = written_as(node._get_root(), node, "total_steps") if isinstance(node, DictConfig) else None
+    return isinstance(raw, str) and raw.replace(" ", "") == "${trainer.max_steps}"
+
+
+_SELECT = re.compile(r"\$\{oc\.select:\s*([A-Za-z_][\w.]*)\s*,(.*)\}", re.DOTALL)
+
+
+def written_as(cfg, node, name: str):
+    """``node.<name>`` as written, not resolved; a ``${oc.select:key,default}`` followed to the key where ``cfg``
+    holds it (an experiment's ``scheduler:`` settings after ``'~scheduler'``), else to its default."""
     from omegaconf import DictConfig, OmegaConf
 
-    raw = OmegaConf.to_container(node, resolve=False).get("total_steps") if isinstance(node, DictConfig) else None
-    return isinstance(raw, str) and raw.replace(" ", "") == "${trainer.max_steps}"
+    raw = OmegaConf.to_container(node, resolve=False).get(name)
+    while isinstance(raw, str) and (select := _SELECT.fullmatch(raw.strip())):
+        parent, _, leaf = select[1].rpartition(".")
+        holder = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if not isinstance(holder, DictConfig) or leaf not in holder or OmegaConf.is_missing(holder, leaf):
+            raw = select[2]  # the key is absent: oc.select gives its default
+        else:
+            raw = OmegaConf.to_container(holder, resolve=False)[leaf]
+    return raw
 
 
 def _changed(ckpt: Path, key: str, node, names) -> list[str]:

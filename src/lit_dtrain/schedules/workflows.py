@@ -19,7 +19,7 @@ import logging
 import re
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from lit_dtrain._config_values import as_integer
 from lit_dtrain.checkpoint import CheckpointError, checkpoint_files, checkpoint_global_step, not_a_file_reason
@@ -39,6 +39,7 @@ from lit_dtrain.schedules._resume_lr import (
     checkpoint_lr_and_peak,
     warn_if_a_resume_moves_the_lr,
     warn_if_the_lr_moves,
+    written_as,
 )
 from lit_dtrain.sweeps import another_run_dir
 from lit_dtrain.utils.args import is_number, is_whole_float
@@ -158,9 +159,6 @@ def _keys_not_taken(node: DictConfig) -> list[str]:
     return [k for k in node.keys() if not str(k).startswith("_") and k not in accepted]
 
 
-_SELECT = re.compile(r"\$\{oc\.select:\s*([A-Za-z_][\w.]*)\s*,(.*)\}", re.DOTALL)
-
-
 def _is_default_warmup(cfg: DictConfig, node: DictConfig) -> bool:
     """Whether ``node.warmup_steps`` is the configs' derived default ``${lit.warmup:${trainer.max_steps}}`` (not a
     number the user gave), told by how the key is written, not by its value. conf/callbacks/wsd.yaml's
@@ -169,14 +167,7 @@ def _is_default_warmup(cfg: DictConfig, node: DictConfig) -> bool:
     scheduler.warmup_steps=7`` under the callback, resumed at step 5 with ``trainer.max_steps=70`` (whose default is
     7 too), was taken for the default and fitted to 5, so step 5 ran at the peak, not 6/7 of it as with
     ``trainer.max_steps=60``."""
-    raw = OmegaConf.to_container(node, resolve=False).get("warmup_steps")
-    while isinstance(raw, str) and (select := _SELECT.fullmatch(raw.strip())):
-        parent, _, leaf = select[1].rpartition(".")
-        holder = OmegaConf.select(cfg, parent, default=None) if parent else cfg
-        if not isinstance(holder, DictConfig) or leaf not in holder or OmegaConf.is_missing(holder, leaf):
-            raw = select[2]  # the key is absent: oc.select gives its default
-        else:
-            raw = OmegaConf.to_container(holder, resolve=False)[leaf]
+    raw = written_as(cfg, node, "warmup_steps")
     return isinstance(raw, str) and "lit.warmup:" in raw \
         and int(node.warmup_steps) == default_warmup(int(cfg.trainer.max_steps))
 
