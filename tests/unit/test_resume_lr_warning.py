@@ -296,3 +296,20 @@ def test_the_wsd_callbacks_horizon_is_named_as_the_trainer_max_steps_it_follows(
     [said] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "this run's trainer.max_steps=110 (which callbacks.wsd.total_steps follows) where the checkpoint's run " \
         "had 100, so the LR jumps up" in said
+
+
+def test_a_switched_schedule_is_named(caplog, tmp_path):
+    """A 10-step nano run (scheduler=wsd) resumed with trainer.max_steps=12 scheduler=cosine was warned that the LR
+    jumps up, naming no setting: _changed compared only a schedule of the same target. It names the switch now."""
+    ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
+                  root=tmp_path)  # in its decay, from step 80: 0.29 of the peak at step 95 (1-sqrt)
+    trainer.save_checkpoint(ckpt)
+    config = tmp_path / "run" / "config_resolved.yaml"
+    config.write_text("trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, "
+                      "total_steps: 100, warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(config, (ckpt.stat().st_mtime - 10,) * 2)  # written at its start
+    [(level, said)] = messages(caplog, ckpt, 95, 1000, target="cosine", warmup_steps=10)
+    assert level == "WARNING" and "so the LR jumps up without a re-warmup; this run's scheduler=cosine where the " \
+        "checkpoint's run had wsd; pass" in said

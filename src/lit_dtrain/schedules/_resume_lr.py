@@ -243,21 +243,29 @@ def written_as(cfg, node, name: str):
 def _changed(ckpt: Path, key: str, node, names) -> list[str]:
     """Each of ``names`` that schedule ``node`` (config ``key``) sets otherwise than the checkpoint's run's config
     (:func:`source_config`), as '<key>.<name>=<this run's> where the checkpoint's run had <its>' (``total_steps``
-    named as ``trainer.max_steps`` where it follows it); empty where that config is not there, is of another
-    schedule, or differs in none of them. The warnings of an LR that jumps up named no setting: 'another total_steps,
-    decay length, decay_type, min_lr_factor or warmup'."""
+    named as ``trainer.max_steps`` where it follows it), or the schedule where it is another (``scheduler=cosine
+    where the checkpoint's run had wsd``); empty where that config is not there or differs in none of them. The
+    warnings of an LR that jumps up named no setting: 'another total_steps, decay length, decay_type, min_lr_factor
+    or warmup'."""
     from omegaconf import DictConfig, OmegaConf
 
     source = _config_of_its_start(ckpt)
     theirs = OmegaConf.select(source, key, default=None) if source is not None else None
-    if not (isinstance(theirs, DictConfig) and theirs.get("_target_") == node.get("_target_")):
+    if not isinstance(theirs, DictConfig):
         return []
+    if theirs.get("_target_") != node.get("_target_"):  # wsd <-> cosine: it named nothing
+        return [f"{key}={_option(node)} where the checkpoint's run had {_option(theirs)}"]
     follows, differ = _follows_max_steps(node), []
     for name in (name for name in names if node.get(name) != theirs.get(name)):
         named = f"trainer.max_steps={node.get(name)} (which {key}.total_steps follows)" \
             if name == "total_steps" and follows else f"{key}.{name}={_yaml(node.get(name))}"
         differ.append(f"{named} where the checkpoint's run had {_yaml(theirs.get(name))}")
     return differ
+
+
+def _option(node) -> str:
+    """A schedule node's conf/scheduler option (``lit_dtrain.schedules.cosine_scheduler``: ``cosine``)."""
+    return str(node.get("_target_")).rpartition(".")[2].removesuffix("_scheduler")
 
 
 def _yaml(value) -> str:
