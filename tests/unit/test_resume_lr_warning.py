@@ -230,8 +230,9 @@ def test_a_config_rewritten_after_the_checkpoint_is_not_named_as_its_runs(caplog
     """A 10-step nano run resumed with trainer.max_steps=2000 and killed in training (before its first checkpoint)
     left config_resolved.yaml of max_steps=2000 beside last.ckpt of step 10; resumed again with max_steps=20, the
     warning said 'trainer.max_steps=20 ... where the checkpoint's run had 2000' (and warmup_steps 'had 100'), the
-    values of the killed start, not those the checkpoint was trained with. A config newer than the checkpoint is not
-    read: the wording without that file."""
+    values of the killed start, not those the checkpoint was trained with. A config whose schedule does not give the
+    checkpoint's step the LR the checkpoint holds is not read: the wording without that file. One that does is read
+    even where it is newer (a re-run of the finished run's command, which only validated, rewrote it)."""
     ckpt = tmp_path / "run" / "checkpoints" / "95.ckpt"
     ckpt.parent.mkdir(parents=True)
     trainer = fit(Toy(schedule=dict(total_steps=100, warmup_steps=10, decay_steps=20)), [], max_steps=95,
@@ -244,6 +245,11 @@ def test_a_config_rewritten_after_the_checkpoint_is_not_named_as_its_runs(caplog
     [(level, said)] = messages(caplog, ckpt, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
     assert level == "WARNING" and "had 2000" not in said and "had 100" not in said
     assert "so the LR jumps up without a re-warmup; pass scheduler.warmup_steps=" in said
+    config.write_text("trainer: {max_steps: 100}\nscheduler: {_target_: lit_dtrain.schedules.wsd_scheduler, "
+                      "total_steps: 100, warmup_steps: 10, decay_steps: 20, decay_fraction: null}\n")
+    os.utime(config, (ckpt.stat().st_mtime + 10,) * 2)
+    [(_, said)] = messages(caplog, ckpt, 95, 200, warmup_steps=20, decay_steps=20, decay_fraction=None)
+    assert "this run's scheduler.warmup_steps=20 where the checkpoint's run had 10 and trainer.max_steps=200" in said
 
 
 def test_a_decayed_checkpoint_resumed_inside_a_longer_warmup_is_not_said_to_be_in_a_longer_one(caplog, tmp_path):

@@ -157,7 +157,7 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''} is shorter than the "
                  "checkpoint's run's warmup, so the LR jumps up")
         advice = f"pass {key}.warmup_steps=<the checkpoint's run's> to go on with its warmup"
-        if up and (theirs := _their_warmup(ckpt, key)) is not None and theirs <= start:  # it was decaying
+        if up and (theirs := _their_warmup(ckpt, key, start)) is not None and theirs <= start:  # it was decaying
             cause = (f"the checkpoint is past its run's warmup ({key}.warmup_steps={theirs}) and below its peak, in "
                      f"its decay, and this run's {key}.warmup_steps={warmup}"
                      f"{f' ({grows})' if default_warmup else ''} gives the step a higher LR, so the LR jumps up")
@@ -165,7 +165,7 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                       "re-warmup (continual pre-training, docs/wsd.md)")
     elif up and decay_start is not None and start >= decay_start and _is_wsd(node):
         total = node.get("total_steps")
-        changed = _changed(ckpt, key, node, (*_DECAY_KEYS["wsd"], "warmup_steps"))
+        changed = _changed(ckpt, key, node, (*_DECAY_KEYS["wsd"], "warmup_steps"), start)
         which = (": this run's " + " and ".join(changed) if changed else
                  " (another total_steps, decay length, decay_type, min_lr_factor or warmup)")
         cause = (f"the step lies in this run's decay (from step {decay_start} to total_steps={total}, "
@@ -175,7 +175,8 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                   "from a stable-phase checkpoint with decay_branch.ckpt=... decay_branch.steps=N")
     elif up:
         later = f" and before or early in its decay (total_steps={node.get('total_steps')})" if decay_start else ""
-        changed = _changed(ckpt, key, node, ("warmup_steps", *_DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]))
+        changed = _changed(ckpt, key, node, ("warmup_steps", *_DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]),
+                           start)
         cause = (f"the checkpoint is below its peak, in its run's warmup or decay, and the step lies past this run's "
                  f"{key}.warmup_steps={warmup}{f' ({grows})' if default_warmup else ''}{later}, so the LR jumps up "
                  "without a re-warmup" + ("; this run's " + " and ".join(changed) if changed else ""))
@@ -184,7 +185,7 @@ def warn_if_a_resume_moves_the_lr(ckpt: Path, start: int, key: str, node, *, def
                   "docs/wsd.md)")
     else:
         where = f"its decay starts at step {decay_start}" if decay_start is not None else "it lowers the LR there"
-        cause = f"{_what_differs(ckpt, key, node)}: {where}, so the LR drops at the resume"
+        cause = f"{_what_differs(ckpt, key, node, start)}: {where}, so the LR drops at the resume"
         advice = "to decay over the steps left from here, branch with decay_branch.ckpt=... decay_branch.steps=N"
     log.warning("%s: %s; %s", head, cause, advice if fix is None else fix)
 
@@ -196,7 +197,7 @@ _DECAY_KEYS = {
 }
 
 
-def _what_differs(ckpt: Path, key: str, node) -> str:
+def _what_differs(ckpt: Path, key: str, node, start: int) -> str:
     """This run's settings of schedule ``node`` (config ``key``) that place or shape its decay otherwise than the
     checkpoint's run's (read from its ``config_resolved.yaml``, :func:`source_config`), each with the checkpoint's
     run's value; ``total_steps`` named as ``trainer.max_steps`` where it follows it. Where that config is not there
@@ -204,7 +205,7 @@ def _what_differs(ckpt: Path, key: str, node) -> str:
     or was given. Before, every such warning said '(total_steps=X, from trainer.max_steps)', also where
     ``decay_fraction`` had changed and ``trainer.max_steps`` had not, or ``total_steps`` was given."""
     names = _DECAY_KEYS["wsd" if _is_wsd(node) else "cosine"]
-    if differ := _changed(ckpt, key, node, names):
+    if differ := _changed(ckpt, key, node, names, start):
         return "this run's " + " and ".join(differ)
     settings = ", ".join(f"{name}={node.get(name)}" for name in names if node.get(name) is not None)
     given = "from trainer.max_steps" if _follows_max_steps(node) else "as given"
@@ -240,7 +241,7 @@ def written_as(cfg, node, name: str):
     return raw
 
 
-def _changed(ckpt: Path, key: str, node, names) -> list[str]:
+def _changed(ckpt: Path, key: str, node, names, start: int) -> list[str]:
     """Each of ``names`` that schedule ``node`` (config ``key``) sets otherwise than the checkpoint's run's config
     (:func:`source_config`), as '<key>.<name>=<this run's> where the checkpoint's run had <its>' (``total_steps``
     named as ``trainer.max_steps`` where it follows it), or the schedule where it is another (``scheduler=cosine
@@ -249,7 +250,7 @@ def _changed(ckpt: Path, key: str, node, names) -> list[str]:
     or warmup'."""
     from omegaconf import DictConfig, OmegaConf
 
-    source = _config_of_its_start(ckpt)
+    source = _config_of_its_start(ckpt, key, start)
     theirs = OmegaConf.select(source, key, default=None) if source is not None else None
     if not isinstance(theirs, DictConfig):
         return []
@@ -288,25 +289,32 @@ def source_config(ckpt: Path):
         return None
 
 
-def _config_of_its_start(ckpt: Path):
-    """:func:`source_config`, where that file is not newer than ``ckpt``: a later start of the run dir rewrote it
-    before its first checkpoint (a resume with trainer.max_steps=2000, killed in training), so its values are not
-    those the checkpoint was trained with. A resume with max_steps=20 was then told 'trainer.max_steps=20 where the
-    checkpoint's run had 2000' of a step-10 checkpoint of a 10-step run."""
-    path = Path(ckpt).resolve()
-    try:
-        if (path.parent.parent / "config_resolved.yaml").stat().st_mtime > path.stat().st_mtime:
+def _config_of_its_start(ckpt: Path, key: str, start: int):
+    """:func:`source_config`, where its schedule (node ``key``) gives step ``start`` the LR that ``ckpt`` holds for
+    it: a later start of the run dir rewrites that file before its first checkpoint (a resume with
+    trainer.max_steps=2000, killed in training), and then its values are not those the checkpoint was trained with.
+    A resume with max_steps=20 was told 'trainer.max_steps=20 where the checkpoint's run had 2000' of a step-10
+    checkpoint of a 10-step run. A schedule that cannot be evaluated is taken as it is."""
+    from omegaconf import DictConfig, OmegaConf
+
+    source = source_config(ckpt)
+    theirs = OmegaConf.select(source, key, default=None) if source is not None else None
+    lr_and_peak = checkpoint_lr_and_peak(ckpt)
+    if isinstance(theirs, DictConfig) and lr_and_peak is not None:
+        try:
+            factor = _factor(theirs, start)
+        except Exception:  # noqa: BLE001 - a schedule of an older version: nothing to check it by
+            factor = None
+        if factor is not None and (below(lr_and_peak, factor) or _above(lr_and_peak, factor)):
             return None
-    except OSError:
-        return None
-    return source_config(ckpt)
+    return source
 
 
-def _their_warmup(ckpt: Path, key: str) -> int | None:
+def _their_warmup(ckpt: Path, key: str, start: int) -> int | None:
     """The ``<key>.warmup_steps`` of the run that wrote ``ckpt`` (:func:`_config_of_its_start`), or None."""
     from omegaconf import OmegaConf
 
-    source = _config_of_its_start(ckpt)
+    source = _config_of_its_start(ckpt, key, start)
     try:
         value = OmegaConf.select(source, f"{key}.warmup_steps") if source is not None else None
     except (ValueError, TypeError):
