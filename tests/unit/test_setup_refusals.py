@@ -75,3 +75,36 @@ def test_a_stop_signal_before_the_setup_is_left_for_the_others_and_waits_for_the
     raised = pickle.loads(refused[0])
     assert isinstance(raised, StoppedBeforeTraining) and (raised.signum, raised.code) == (signal.SIGTERM, 143)
     assert any(k.endswith("seen/rank1") for k in store.values)  # it waited for rank 1
+
+
+def test_the_stop_a_peer_left_is_raised_here_and_not_left_again_in_a_store_its_rank_is_closing(monkeypatch):
+    """Rank 1 raised rank 0's stop at its pre_setup barrier, then its strategy's on_exception left it in the store
+    again: rank 0, which holds the store, exits once rank 1 has read the stop, so that write met a closed socket and
+    printed torch's TCPStore 'sendBytes failed ... Broken pipe' C++ stack trace beside the stop lines (1 run in 8 of
+    tests/e2e/test_stop_before_training_ddp.py's token-cache case). The refusal raised here is marked, and
+    record_rank_failure leaves nothing for it; this rank's own errors are still left."""
+    import signal
+    from datetime import timedelta
+
+    from lit_dtrain.stops_before_training import StoppedBeforeTraining
+    from lit_dtrain.utils import distributed as records
+
+    store = _Store()
+    store.check = lambda keys: all(k in store.values for k in keys)
+    store.get = lambda key: store.values[key]
+    store.add = lambda key, n: store.values.setdefault(key, 1)
+    monkeypatch.setattr(_setup_refusals, "_store_and_rank", lambda: (store, 0))
+    monkeypatch.setattr(_setup_refusals.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(_setup_refusals.time, "sleep", lambda s: store.set(
+        next(iter(store.values)).replace("refused/rank0", "seen/rank1"), "1"))  # rank 1 reads it
+    leave_refusal(StoppedBeforeTraining(signal.SIGTERM))  # rank 0's, left before it exits
+    monkeypatch.setattr(_setup_refusals, "_store_and_rank", lambda: (store, 1))
+    with pytest.raises(StoppedBeforeTraining) as raised:
+        _setup_refusals.raise_a_peers_refusal(timedelta(seconds=5))
+    assert raised.value.signum == signal.SIGTERM
+    monkeypatch.setattr(records, "_store_and_rank", lambda: (store, 1))
+    before = dict(store.values)
+    records.record_rank_failure(raised.value)
+    assert store.values == before  # nothing written to rank 0's store
+    records.record_rank_failure(ValueError("rank 1's own"))
+    assert [v for k, v in store.values.items() if k not in before] == ["rank 1 stopped: ValueError: rank 1's own"]

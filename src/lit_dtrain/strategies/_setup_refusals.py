@@ -16,6 +16,7 @@ this one."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from datetime import timedelta
@@ -136,4 +137,7 @@ def raise_a_peers_refusal(timeout: timedelta | None) -> None:
     except Exception:  # noqa: BLE001 - the store does not answer: the barrier fails as it did
         return
     if refusal is not None:
-        raise pickle.loads(refusal)
+        peers = pickle.loads(refusal)
+        with contextlib.suppress(AttributeError):  # not left for the others again: its rank is leaving with the store
+            peers.left_by_a_peer = True
+        raise peers

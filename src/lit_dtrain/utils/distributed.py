@@ -158,8 +158,8 @@ def begin_fit_records() -> None:
 def record_rank_failure(exc: BaseException, where: str = "") -> None:
     """Leave ``exc``, come ``where`` (:func:`fit_position`), in the store for the other ranks (best effort, never
     raises). A failed collective is not recorded: it is the consequence of another rank's failure, not a cause."""
-    if is_collective_failure(exc) or isinstance(exc, PeerRankFailedError):
-        return
+    if is_collective_failure(exc) or isinstance(exc, PeerRankFailedError) or getattr(exc, "left_by_a_peer", False):
+        return  # a peer's refusal raised here (_setup_refusals): rank 0's stop left the store as it exited
     store, rank = _store_and_rank()
     if store is None:
         return
