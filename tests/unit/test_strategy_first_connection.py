@@ -191,6 +191,40 @@ def test_a_launched_rank_that_ends_within_the_grace_keeps_its_own_exit_status_an
     assert ending.procs == [] and hung.procs == []
 
 
+def test_a_stop_signal_to_rank_0_in_the_grace_still_kills_a_hung_launched_rank():
+    """A peer stopped before training gives rank 0 a 5 s grace for its child ranks (collectives_named); a second
+    signal to rank 0 in it (a Ctrl-C again, a scheduler's SIGTERM) raised out of the wait and skipped the SIGKILL: in a
+    real 2-rank run a rank 1 hung at exit was left alive, its parent init, after rank 0 exited with 143."""
+    import subprocess
+    import sys
+
+    from lit_dtrain.stops_before_training import StoppedBeforeTraining
+    from lit_dtrain.utils.launcher_watch import kill_launched_ranks
+
+    class Launcher:
+        def __init__(self):
+            self.procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+
+    def stop(signum, frame):  # StopsBeforeTraining's handler, as rank 0's own SIGTERM comes in the grace
+        raise StoppedBeforeTraining(signal.SIGTERM)
+
+    launcher = Launcher()
+    (hung,) = launcher.procs
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(StoppedBeforeTraining):
+            kill_launched_ranks(launcher, grace_s=30.0)
+        left = hung.poll()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if hung.poll() is None:  # (left running before: not to outlive the test)
+            hung.kill()
+            hung.wait()
+    assert left == -signal.SIGKILL and launcher.procs == []
+
+
 def test_a_failed_collective_ends_a_sweep_and_its_resume_names_the_sweep_not_a_bare_resume_auto():
     """Under -m a CollectiveError ends the sweep as a first connection that timed out does (the jobs share one group,
     which it broke); its single run's 'Resume with resume=auto.' (refused under -m) makes way for the sweep's resume."""

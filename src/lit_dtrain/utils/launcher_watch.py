@@ -130,12 +130,14 @@ def kill_launched_ranks(launcher, grace_s: float = 0.0) -> None:
     ranks = list(procs)
     procs.clear()  # before the kill: an empty list ends the observer's watch
     deadline = time.monotonic() + grace_s
-    for proc in ranks:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in ranks:
-        with contextlib.suppress(OSError):
-            proc.send_signal(signal.SIGKILL)
-    for proc in ranks:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
+    try:
+        for proc in ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:  # a stop signal to this rank in the grace (raised out of the wait) kills them too: it left a hung one
+        for proc in ranks:  # alive, its parent gone (a Ctrl-C again, or a scheduler's SIGTERM, after a peer's stop)
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGKILL)
+        for proc in ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
