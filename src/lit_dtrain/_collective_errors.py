@@ -79,13 +79,19 @@ def interrupting_signal(failures) -> int | None:
 
 def _stopped_before_training(trainer: L.Trainer, failures) -> int | None:
     """The stop signal to exit with where the peers that this rank's failed collective names were only stopped by a
-    signal before training (and this rank's fit has not trained either), the highest of theirs and this rank's own;
-    else None. A SIGTERM to rank 1 alone in the fit's setup (or rank 0's, forwarded to rank 1 before its handler was
-    registered) ended rank 1 with 143 and rank 0 with 1, 'error: rank 0: rank 1 was interrupted before training
-    (SIGTERM); this rank's next collective then failed'."""
+    signal before training (and this rank's fit has not trained either), the highest of theirs and this rank's own, or
+    by Ctrl-C in a validation (``train()``'s final one: SIGINT, for train()'s 130 naming the checkpoint); else None.
+    A SIGTERM to rank 1 alone in the fit's setup (or rank 0's, forwarded to rank 1 before its handler was registered)
+    ended rank 1 with 143 and rank 0 with 1, 'error: rank 0: rank 1 was interrupted before training (SIGTERM); this
+    rank's next collective then failed'."""
     signum = interrupting_signal(failures)
-    fitting = getattr(getattr(trainer, "state", None), "fn", None) == "fit"
-    if signum is None or not fitting or getattr(trainer.strategy, "training_started", True):
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    before_training = fn == "fit" and not getattr(trainer.strategy, "training_started", True)
+    # train()'s final validation, where a peer's SIGTERM is only recorded: a Ctrl-C to rank 1 alone ended rank 0 with
+    # 1, 'error: rank 0: rank 1 was interrupted at step 6 (KeyboardInterrupt); this rank's next collective then failed'
+    if fn == "validate" and signum == signal.SIGINT:
+        return signum
+    if signum is None or not before_training:
         return None
     from lit_dtrain.callbacks.preemption import PreemptionCheckpoint
 

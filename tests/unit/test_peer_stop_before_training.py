@@ -62,3 +62,12 @@ def test_a_peers_error_or_a_stop_once_training_started_is_still_a_collective_err
     error = failure_line(ValueError("bad"), 1, " before training")
     with pytest.raises(CollectiveError, match="ValueError: bad"), collectives_named(_trainer(tmp_path)):
         _peer_failed(stopped, error)
+
+
+def test_a_peers_ctrl_c_in_the_final_validation_is_this_ranks_ctrl_c_too(tmp_path):
+    """Ctrl-C to rank 1 alone in train()'s final validation: rank 0 exited 1 with 'error: rank 0: rank 1 was
+    interrupted at step 6 (KeyboardInterrupt); this rank's next collective then failed'; now train() says it and exits
+    130, naming the checkpoint, as it does for a Ctrl-C to every rank there."""
+    ctrl_c = failure_line(KeyboardInterrupt(), 1, " at step 6")
+    with pytest.raises(KeyboardInterrupt), collectives_named(_trainer(tmp_path, training_started=True, fn="validate")):
+        _peer_failed(ctrl_c)
