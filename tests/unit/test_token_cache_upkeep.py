@@ -312,6 +312,29 @@ def test_a_corpus_of_fewer_windows_than_a_batch_is_warned_about(tmp_path, caplog
             assert "holds 1 window(s) of block_size+1 = 17 tokens, fewer than one global batch of 4" in said[0]
 
 
+
+def test_a_trained_source_of_fewer_windows_than_a_batch_is_warned_about_beside_a_validation_only_one(tmp_path, caplog):
+    """A weight-0 source is validation only: its windows are never drawn. A tiny trained source (1 window) beside a
+    large weight-0 one (23 windows) repeated its one window in every batch without a word, as the warning counted
+    every source's windows."""
+    from lit_dtrain.data import LMDataModule
+
+    (tmp_path / "tiny.txt").write_text("x" * 40)
+    (tmp_path / "big.txt").write_text("y" * 400)
+    sources = [files_source(tmp_path / "tiny.txt", "tiny"), files_source(tmp_path / "big.txt", "big")]
+    sources[1].weight = 0.0
+    dm = LMDataModule(sources=sources, block_size=16, batch_size=4, cache_dir=str(tmp_path / "cache"), progress=False)
+    dm.prepare_data()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        dm.setup()
+    said = [r.getMessage() for r in caplog.records if "fewer than one global batch" in r.getMessage()]
+    assert dm.train_windows.counts.tolist() == [1, 23]
+    assert len(said) == 1
+    assert ("holds 1 window(s) of block_size+1 = 17 tokens in its sources of weight > 0, fewer than one global batch "
+            "of 4") in said[0]
+
+
 def test_the_corpus_of_a_cache_tells_pythons_stdlibs_and_paths_apart(monkeypatch):
     """Caches are pruned per source name and corpus: two Pythons' stdlibs (venvs of 3.11 and 3.12 sharing the cache
     dir, both sources named 'stdlib') are two corpora, as are two dirs of one name; an edit keeps the corpus."""

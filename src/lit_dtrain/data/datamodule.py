@@ -184,12 +184,16 @@ class LMDataModule(L.LightningDataModule):
         self.train_windows = WindowSet([s.train for s in self.splits], self.block_size)
         self.drawn_windows = np.zeros(len(self.sources), dtype=np.int64)
         global_batch = self.batch_size * self._world()[1]
-        if len(self.train_windows) < global_batch:  # a tiny corpus: the loss falls to 0 by memorizing it
+        # the windows drawn: a weight-0 source's are never (validation only), so a tiny trained source beside a large
+        # validation-only one (2 windows drawn of 613) was not warned about
+        drawn = sum(int(n) for n, s in zip(self.train_windows.counts, self.sources) if s.weight > 0)
+        if drawn < global_batch:  # a tiny corpus: the loss falls to 0 by memorizing it
             log_once(  # in train.log, once (a warnings.warn was printed by each rank, and named Lightning's call.py)
                 log, logging.WARNING,
-                "the training data holds %d window(s) of block_size+1 = %d tokens, fewer than one global batch of %d: "
-                "every batch repeats windows (the model can only memorize them); use more text or a smaller "
-                "data.block_size / data.batch_size", len(self.train_windows), self.block_size + 1, global_batch)
+                "the training data holds %d window(s) of block_size+1 = %d tokens%s, fewer than one global batch of "
+                "%d: every batch repeats windows (the model can only memorize them); use more text or a smaller "
+                "data.block_size / data.batch_size", drawn, self.block_size + 1,
+                " in its sources of weight > 0" if drawn < len(self.train_windows) else "", global_batch)
         weights = torch.tensor([s.weight for s in self.sources], dtype=torch.float64)
         if not weights.sum() > 0:
             names = [s.name for s in self.sources]
