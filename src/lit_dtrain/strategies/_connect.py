@@ -25,6 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lit_dtrain.strategies._rendezvous import launched_by_lightning, meet
 from lit_dtrain.utils.distributed import (
     FirstConnectionError,
     agent_store,
@@ -61,7 +62,10 @@ class FirstConnection:
         self._timeout = connect
         started = time.monotonic()
         try:
-            if ours:
+            if ours and launched_by_lightning(self):  # waited for in Python: a stop signal is acted on (_rendezvous)
+                meet(self, self._get_process_group_backend(), connect or timedelta(seconds=DEFAULT_CONNECT_S))
+                destroy_process_group_at_exit()
+            elif ours:
                 self._connect_this_torchrun_attempt(connect)
             super().setup_environment()
         except Exception as e:
