@@ -49,13 +49,19 @@ class StopsBeforeTraining(L.Callback):
         self.resumed_step = resumed_step
         self.looked_for = True
         self.training_started = False
+        self.signalled: int | None = None  # the stop signal its handler raised for (dropped where Python drops it)
         self._previous_handlers: dict[int, object] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.cut_stands()
 
     def cut_stands(self) -> None:
-        """Training started, or the fit returned: a stop signal is no longer this object's."""
+        """Training started, or the fit returned: a stop signal is no longer this object's. One whose exception Python
+        dropped (its handler ran inside a finalizer, 'Exception ignored in: <finalize object ...>': the garbage of a
+        sweep's previous job collected as the next started) stops the start here, before training: it was lost, and
+        the sweep trained on and exited 0."""
+        if self.signalled is not None and not self.training_started:
+            raise StoppedBeforeTraining(self.signalled)
         self.training_started = True
         self._restore_handlers()
 
@@ -85,6 +91,7 @@ class StopsBeforeTraining(L.Callback):
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
+        self.signalled = signum
         raise StoppedBeforeTraining(signum)
 
     def _restore_handlers(self) -> None:
