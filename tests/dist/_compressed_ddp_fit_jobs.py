@@ -85,6 +85,10 @@ class ValidatingModule(TinyModule):
     def val_dataloader(self):
         return DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
 
+    def on_validation_start(self) -> None:  # Lightning calls it before the strategy's own on_validation_start
+        if not self.trainer.sanity_checking:
+            self._dump(f"valstart{self.trainer.global_step}")
+
     def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:
             self._dump(f"val{self.trainer.global_step}")

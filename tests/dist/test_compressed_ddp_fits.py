@@ -167,11 +167,15 @@ def test_a_validation_between_syncs_sees_the_synchronized_model(fits, key, syncs
     """val_check_interval=5 batches, sync_period=4, 9 steps. The validation came 1 step after the sync of step 4: each
     rank validated its own parameters (val/loss a mean over different models) and the checkpoint written after it
     held rank 0's. Now the step before it synchronizes early (with accumulate_grad_batches=2 the validation follows
-    batch 5, a batch without a step: the strategy's on_validation_start synchronizes)."""
+    batch 5, a batch without a step: it synchronizes after that batch's backward). The module's on_validation_start,
+    which Lightning calls before the strategy's, sees the synchronized model too: that batch used to sync in the
+    strategy's on_validation_start, so the module's (and callbacks') saw each rank's own parameters."""
     tmp = fitted(fits, _fit_validating, key)
     val_step = 5 // VALIDATION_RUNS[key][1]  # the optimizer steps taken when the validation runs
     at_val = dumps(tmp, "val", f"val{val_step}")
     assert_same(at_val[0]["params"], at_val[1]["params"], "ranks at the validation")
+    for start in dumps(tmp, "val", f"valstart{val_step}"):
+        assert_same(start["params"], at_val[0]["params"], "the module's on_validation_start")
     net = make_net()
     net.load_state_dict(at_val[0]["params"])
     with torch.no_grad():

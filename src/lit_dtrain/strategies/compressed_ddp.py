@@ -47,6 +47,7 @@ from lit_dtrain.strategies.fit_end import (
     note_checkpoint,
     only_ends_the_fit,
     refuse_validation_by_time,
+    sync_before_a_validation_mid_accumulation,
     sync_or_warn_before_validation,
     warn_checkpoint_before_final_sync,
 )
@@ -213,7 +214,10 @@ class CompressedDDPStrategy(SetupRefusalsShared, RankFailureRecords, FirstConnec
         # the comm hook runs in this backward: under manual optimization (manual_backward) that is before
         # optimizer_step, so the codec is told the scale here too (under automatic optimization it already was)
         self._tell_grad_scale()
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        with naming_peer_failures():  # mid accumulation before a validation: sync before the batch's callbacks
+            sync_before_a_validation_mid_accumulation(self)
+        return output
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

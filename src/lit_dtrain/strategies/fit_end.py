@@ -19,8 +19,9 @@ a checkpoint written at the stop's step (``ModelCheckpoint`` at the epoch's end)
 A validation inside the fit sees the synchronized model the same way (``sync_before_validation``): the optimizer step
 after which Lightning's epoch loop will validate (its own ``_should_check_val_fx``, asked during the step: the batch
 counters it reads are already this batch's) synchronizes early, before that step's callbacks and checkpoints; a
-validation that comes after a batch without an optimizer step (mid gradient accumulation) synchronizes in the
-strategy's ``on_validation_start``. A validation by time (``val_check_interval`` as a duration) is refused: each rank
+validation that comes after a batch without an optimizer step (mid gradient accumulation) synchronizes after that
+batch's backward (:func:`sync_before_a_validation_mid_accumulation`; one asked by a stop later in the batch, in the
+strategy's ``on_validation_start``). A validation by time (``val_check_interval`` as a duration) is refused: each rank
 reads its own clock, so the ranks would sync after different steps. Without it each rank validated its own parameters:
 ``val/loss`` was a mean over different models and the checkpoint written after it held rank 0's.
 
@@ -179,6 +180,22 @@ def sync_or_warn_before_validation(strategy: Any) -> None:
             strategy.session.final_sync(strategy.session.named_params(module))
     else:
         warn_validation_between_syncs(strategy)
+
+
+def sync_before_a_validation_mid_accumulation(strategy: Any) -> None:
+    """After the backward of a batch without an optimizer step (mid gradient accumulation) that Lightning validates
+    after: synchronize now, before the batch's callbacks and the validation's ``on_validation_start`` hooks. The
+    strategy's own ``on_validation_start``, which synchronized there, runs after the callbacks' and the module's
+    (Lightning calls the strategy's hook last), so those saw each rank's own parameters (2 gloo ranks, local SGD
+    period 4, ``accumulate_grad_batches=2``, validating after batch 5: parameter sums -2.669 and -3.219). A stop
+    asked later in the batch still synchronizes there, as before."""
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None and module._trainer is not None else None
+    if (strategy.local_update is None or not strategy.sync_before_validation or trainer is None
+            or not module.automatic_optimization or not trainer.training):
+        return
+    if trainer.fit_loop.epoch_loop._should_accumulate() and validates_after_this_step(trainer, stop_counts=False):
+        sync_or_warn_before_validation(strategy)  # a validation the fit makes anyway: nothing kept for a resume
 
 
 def validation_between_syncs_message(local_update: Any, trainer: Any) -> str | None:
