@@ -18,7 +18,9 @@ def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None 
     is the ``s + 1``-th step's. ``train(cfg)``'s final validate is logged at the steps trained already: the last
     point where it is ``steps_trained`` (a finished run's, merged with an equal value one step before it,
     :func:`one_point_per_validation`). A ``train_run`` (a ``train.py`` run dir) without ``steps_trained`` has not
-    finished: no final validate. Only where nothing tells (another dir) is a final equal pair taken for one. A table
+    finished: no final validate (``compare_runs`` gives an unfinished run its ``trainer.max_steps``, where a point of a
+    run killed after its final validate can only be that validate's, :func:`configured_max_steps`). Only where
+    nothing tells (another dir) is a final equal pair taken for one. A table
     that gave the logged steps named a validation after 10 steps 'step 9', beside 'step 10' for the same run's final
     validate and a checkpoint 'step000010'; a constant tag logged every step (an LR of scheduler=constant) is no
     final validate either (its last point read one step below the run's others)."""
@@ -29,6 +31,19 @@ def at_steps_trained(series: list[tuple[int, float]], steps_trained: int | None 
         final = bool(series) and series[-1][0] == steps_trained
         merged = one_point_per_validation(series) if final else series
     return [(s if final and i == len(merged) - 1 else s + 1, v) for i, (s, v) in enumerate(merged)]
+
+
+def configured_max_steps(run: Path) -> int | None:
+    """``trainer.max_steps`` of a ``train.py`` run dir (its ``config_resolved.yaml``), None where it is not a positive
+    int. A fit logs at most at ``max_steps - 1``: a point logged at ``max_steps`` is the final validate's, also in a run
+    without ``summary.json`` (killed in its sample), whose final ``val/loss`` read as one step more than it trained."""
+    from omegaconf import OmegaConf
+
+    try:
+        steps = OmegaConf.load(run / "config_resolved.yaml").trainer.get("max_steps")
+    except Exception:  # noqa: BLE001 - no (readable) config
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
 
 
 def logged_at_step_start(tag: str) -> bool:

@@ -56,6 +56,7 @@ from _compare_runs_plot import LINE_STYLES, plot  # noqa: E402, F401 - the PNG (
 from _compare_runs_table import (  # noqa: E402 - final and best values, the markdown table
     at_steps_trained,
     best_row,
+    configured_max_steps,
     direction,
     final_only,
     listed_direction,  # noqa: F401 - compare_runs.listed_direction: whether TAG_DIRECTIONS lists a tag
@@ -147,7 +148,8 @@ def steps_trained_of(run: Path, scalars: dict[str, list[tuple[int, float]]]):
     """A function that puts a series of ``run``'s (logged steps) at the steps trained when each point was measured
     (:func:`at_steps_trained`), its final validate where ``train(cfg)`` ran one: the x of the PNG and the tables."""
     done = finished(run, scalars)
-    end = summary_steps(run) if done is True else None  # its final validate's step
+    # its final validate's step; an unfinished run's, if it got there, at trainer.max_steps (fit logs below it)
+    end = summary_steps(run) if done is True else configured_max_steps(run) if done is False else None
 
     def trained(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
         return at_steps_trained(series, end, train_run=done is not None)

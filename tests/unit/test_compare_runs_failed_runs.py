@@ -73,6 +73,21 @@ def test_unfinished_runs_are_marked_in_the_table(tmp_path):
     assert "| killed | 20 (unfinished) | 3.0400 | 3.0400 (20) | +0.00% |" in alone
 
 
+def test_a_run_killed_after_its_final_validate_has_the_steps_it_trained(tmp_path):
+    """A 30-step run killed after its final validate (logged at 30, as a fit's at 29) and before its summary.json
+    (in its sample) read '31 (unfinished)' steps trained beside its best '(30)': a fit logs at most at
+    trainer.max_steps - 1, so a point at max_steps is the final validate's, at the steps trained."""
+    killed = write_run(tmp_path / "killed", {9: 4.4, 19: 3.5, 29: 3.17, 30: 3.17})
+    (killed / "config_resolved.yaml").write_text("trainer: {max_steps: 30}\n")
+    mid_fit = write_run(tmp_path / "mid_fit", {9: 4.5, 19: 3.6})  # killed in its fit: each point one step on
+    (mid_fit / "config_resolved.yaml").write_text("trainer: {max_steps: 30}\n")
+    result = compare_runs.compare([str(killed), str(mid_fit)], ["val/loss"], out=str(tmp_path / "c.png"))
+    md = result["markdown"]
+    assert "| killed | 30 (unfinished) | 3.1700 | 3.1700 (30) | +0.00% |" in md
+    assert "| mid_fit | 20 (unfinished) | 3.6000 | 3.6000 (20) | +13.56% |" in md
+    assert [(r["final_step"], r["best_step"]) for r in result["runs"]] == [(30, 30), (20, 20)]
+
+
 def test_a_failed_run_has_no_gap_to_the_finished_runs(tmp_path):
     """A sweep job that logged val/loss, then failed (NaN, an OOM) was tabulated '| lr=1e-2 | 10 (failed) | 2.5700 |
     2.5700 (10) | -19.86% |': a final at step 10 set beside finished runs' finals at step 40, as if 20% better. Its
