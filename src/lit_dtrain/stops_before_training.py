@@ -30,6 +30,7 @@ class StoppedBeforeTraining(SystemExit):
         super().__init__(128 + signum)
         self.signum = signum
         self.said = False  # its line was logged (by the innermost StopsBeforeTraining it left)
+        self.world_size: int | None = None  # the launch's, where it is known but may be gone when the line is said
 
     def __reduce__(self):  # the other ranks raise it too (strategies/_setup_refusals.py): built from the signal
         return type(self), (self.signum,)
@@ -82,7 +83,7 @@ class StopsBeforeTraining(L.Callback):
             if isinstance(exc, StoppedBeforeTraining) and not exc.said:
                 exc.said = True
                 stopped_before_training(exc.signum, self.resumed_step, logs_kept=self.keeps_logs,
-                                        looked_for=self.looked_for)
+                                        looked_for=self.looked_for, world_size=exc.world_size)
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signal.getsignal(signum) != self._on_stop_signal:  # within Lightning's handler: its flag stops the fit
@@ -103,14 +104,16 @@ class StopsBeforeTraining(L.Callback):
 
 
 def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bool = False,
-                            looked_for: bool = True) -> None:
+                            looked_for: bool = True, world_size: int | None = None) -> None:
     """The line of a start that a stop signal ended before training (:class:`StoppedBeforeTraining`). Rank 0: what
     was stopped, that nothing trained (on a resume, ``logs_kept``: its logs put back), what to run (the same command;
     a multirun's job: the same -m arguments with its sweep dir), then its labelled exit line, as a stop in training
     has them. Another rank: one line of its own, labelled, that says the same (it keeps no logs): it exited with -15
     and no line while rank 0 said why. Not ``looked_for``: a start that may resume, stopped before it looked for its
     checkpoint, is neither told it is a new run nor which step it resumes from (a resume=auto of a run dir with a
-    checkpoint, stopped in the config checks, was told '(a new run) ... run the same command again to start it')."""
+    checkpoint, stopped in the config checks, was told '(a new run) ... run the same command again to start it').
+    ``world_size``: the launch's where the process group and ``WORLD_SIZE`` may be gone (a stop while the ranks
+    connected: Lightning's teardown deletes ``WORLD_SIZE``, and rank 0's exit line lost its ``[rank: 0]``)."""
     from lightning.pytorch.utilities import rank_zero_only
 
     from lit_dtrain.sigterm_exit import train_resume_hint
@@ -127,7 +130,7 @@ def stopped_before_training(signum: int, resumed_step: int | None, logs_kept: bo
         what, again = " (a new run)", "run the same command again to start it"
     if in_multirun():
         again = f"resume with {train_resume_hint(None)}"
-    world = launched_world_size()
+    world = world_size or launched_world_size()
     status = 128 + signum
     if rank_zero_only.rank != 0:
         log.warning(rank_labelled(f"stopped by {name} before training{what}: nothing trained; {again}; exiting with "

@@ -85,6 +85,8 @@ def _wait_for_the_ranks(launcher, store, world: int, deadline: float, timeout: t
             if proc.poll() is None:  # to every rank, and a second copy reads as a second Ctrl-C)
                 proc.send_signal(e.signum)
         kill_launched_ranks(launcher, grace_s=5.0)
+        if isinstance(e, StoppedBeforeTraining):  # (its line is said after Lightning's teardown deleted WORLD_SIZE)
+            e.world_size = world
         raise
     store.set(GO_KEY, "1")
 
