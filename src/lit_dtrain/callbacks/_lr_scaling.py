@@ -69,6 +69,14 @@ def pop_applied_lrs(optimizer: torch.optim.Optimizer) -> list | None:
     return applied
 
 
+def unscaled_lrs(optimizer: torch.optim.Optimizer) -> list:
+    """Each param group's LR without this step's scalings: the LRs :func:`restore_lrs` puts back, else the current."""
+    state = optimizer.__dict__.get(_ATTR)
+    if state is not None and state["base"] is not None:
+        return list(state["base"])
+    return [group["lr"] for group in optimizer.param_groups]
+
+
 def scale_lrs_for_step(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Multiply every param group's LR by ``factor`` for the coming update; the LRs from before the first scaling of
     this step come back right after ``optimizer.step`` (or at :func:`restore_lrs`, when the step was not taken)."""

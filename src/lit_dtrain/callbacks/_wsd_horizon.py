@@ -162,3 +162,30 @@ def warn_optimizers_left_behind(updates: list[int], total_steps: int, decay_step
         f"{total_steps - 1}): their schedule ended short, their weights not decayed. To decay every optimizer, step "
         "each of them total_steps times (or leave WSDScheduler out for a schedule of your own per optimizer)"
     )
+
+
+def note_short_fit(wsd, planned: int, manual: bool = False) -> None:
+    """The trainer of ``WSDScheduler`` ``wsd`` stops before the schedule's end: before its decay (a WSD stable run, to
+    branch decays from later, or a ``max_steps`` set too low: either way this fit ends at the peak LR, said once), or
+    inside it (its last step above ``min_lr_factor``, a decay cut short: warned). ``manual``: said at train end, when
+    the updates are counted (``planned``: those of the optimizer that took most)."""
+    decay_start = wsd.total_steps - wsd.decay_steps
+    if manual:
+        stops, runs = f"the fit ended after {planned} updates of its optimizer(s) (manual optimization)", "ran"
+        fix = f"total_steps={planned} (with k optimizers that step every batch, max_steps / k)"
+        or_else = ""
+    else:
+        stops, runs = f"the trainer stops after {planned} optimizer steps", "runs"
+        fix, or_else = f"total_steps={planned}", f" (or let the trainer run to max_steps={wsd.total_steps})"
+    if planned <= decay_start:
+        rank_zero_info(
+            f"WSDScheduler: {stops}, before the decay starts at step {decay_start} (total_steps="
+            f"{wsd.total_steps}, decay_steps={wsd.decay_steps}): this fit ends at the peak LR, in the stable "
+            f"phase (a stable run to branch a decay from later). For the decay in this fit, set {fix}"
+        )
+        return
+    rank_zero_warn(
+        f"WSDScheduler: {stops}, inside the decay (steps {decay_start}..{wsd.total_steps - 1}, total_steps="
+        f"{wsd.total_steps}): its last step {runs} at {wsd.lr_factor(planned - 1):.4g} of the peak LR, not "
+        f"min_lr_factor={wsd.min_lr_factor}. Set {fix}{or_else}"
+    )

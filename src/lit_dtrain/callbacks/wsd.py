@@ -35,10 +35,11 @@ from typing_extensions import override
 from lit_dtrain.callbacks._lr_scaling import restore_lrs
 from lit_dtrain.callbacks._state_keys import note_stage, state_is_for_fit
 from lit_dtrain.callbacks._step_hooks import StepHooksCallback
-from lit_dtrain.callbacks._wsd_conflicts import refuse_an_unreturned_scheduler, refuse_other_lr_setters
+from lit_dtrain.callbacks._wsd_conflicts import LRSetElsewhere, refuse_an_unreturned_scheduler, refuse_other_lr_setters
 from lit_dtrain.callbacks._wsd_horizon import (
     FROM_TRAINER,
     estimated_steps,
+    note_short_fit,
     planned_steps,
     warn_if_stopped_before_the_decay,
     warn_if_the_horizon_moves_the_lr,
@@ -119,6 +120,7 @@ class WSDScheduler(StepHooksCallback):
         self.last_step: int = -1  # the step whose LR was set last
         self.updates: list[int] | None = None  # manual optimization: each optimizer's step calls so far (its step)
         self._index: dict[int, int] = {}  # manual optimization: id(optimizer) -> its position in trainer.optimizers
+        self._lr_check = LRSetElsewhere()  # an LR other code sets over this callback's: refused
         self._remove_hooks()
 
     def _set_horizon(self, total_steps: int, why: str = "") -> None:
@@ -160,6 +162,7 @@ class WSDScheduler(StepHooksCallback):
         factor = self.lr_factor(step)
         for group, base_lr in zip(optimizer.param_groups, base_lrs):
             set_lr(group, base_lr * factor)
+        self._lr_check.note(optimizer, [base_lr * factor for base_lr in base_lrs])
         self.last_step = step
 
     def _after_update(self, optimizer, args, kwargs, index: int) -> None:
@@ -175,6 +178,7 @@ class WSDScheduler(StepHooksCallback):
 
     def _remove_hooks(self) -> None:
         super()._remove_hooks()
+        self._lr_check.remove()
         self._pending: dict[int, object] = {}  # manual optimization: optimizer index -> the optimizer, whose step was
         # called this batch but has not reached its post-hook (yet, or ever: the GradScaler skipped it)
 
@@ -257,6 +261,7 @@ class WSDScheduler(StepHooksCallback):
             warn_if_the_horizon_moves_the_lr(resumed, step, self.total_steps, self.lr_factor, self._schedule_source,
                                              self.warmup_steps, given)
         self._remove_hooks()
+        self._lr_check.register(trainer.optimizers)
         if not pl_module.automatic_optimization:
             optimizers = trainer.optimizers
             if self.updates is None or len(self.updates) != len(optimizers):
@@ -287,7 +292,7 @@ class WSDScheduler(StepHooksCallback):
             return
         planned = int(planned)
         if step < planned < self.total_steps and self.decay_steps > 0:
-            self._note_short_fit(planned)
+            note_short_fit(self, planned)
         if planned <= self.total_steps or step >= self.total_steps:
             return  # (a resume past the horizon gets the warning below)
         self._past_due = False
@@ -300,32 +305,6 @@ class WSDScheduler(StepHooksCallback):
             f"max_steps={self.total_steps})"
         )
 
-    def _note_short_fit(self, planned: int, manual: bool = False) -> None:
-        """The trainer stops before the schedule's end: before its decay (a WSD stable run, to branch decays from
-        later, or a ``max_steps`` set too low: either way this fit ends at the peak LR, said once), or inside it (its
-        last step above ``min_lr_factor``, a decay cut short: warned). ``manual``: said at train end, when the updates
-        are counted (``planned``: those of the optimizer that took most)."""
-        decay_start = self.total_steps - self.decay_steps
-        if manual:
-            stops, runs = f"the fit ended after {planned} updates of its optimizer(s) (manual optimization)", "ran"
-            fix = f"total_steps={planned} (with k optimizers that step every batch, max_steps / k)"
-            or_else = ""
-        else:
-            stops, runs = f"the trainer stops after {planned} optimizer steps", "runs"
-            fix, or_else = f"total_steps={planned}", f" (or let the trainer run to max_steps={self.total_steps})"
-        if planned <= decay_start:
-            rank_zero_info(
-                f"WSDScheduler: {stops}, before the decay starts at step {decay_start} (total_steps="
-                f"{self.total_steps}, decay_steps={self.decay_steps}): this fit ends at the peak LR, in the stable "
-                f"phase (a stable run to branch a decay from later). For the decay in this fit, set {fix}"
-            )
-            return
-        rank_zero_warn(
-            f"WSDScheduler: {stops}, inside the decay (steps {decay_start}..{self.total_steps - 1}, total_steps="
-            f"{self.total_steps}): its last step {runs} at {self.lr_factor(planned - 1):.4g} of the peak LR, not "
-            f"min_lr_factor={self.min_lr_factor}. Set {fix}{or_else}"
-        )
-
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # manual optimization: the optimizers' updates are known only now (with two optimizers and total_steps set
@@ -333,7 +312,7 @@ class WSDScheduler(StepHooksCallback):
         if getattr(trainer, "fast_dev_run", False):
             return
         if self.updates and self.decay_steps > 0 and max(self.updates) < self.total_steps:
-            self._note_short_fit(max(self.updates), manual=True)
+            note_short_fit(self, max(self.updates), manual=True)
         elif self.updates and self.decay_steps > 0 and min(self.updates) < self.total_steps:
             warn_optimizers_left_behind(self.updates, self.total_steps, self.decay_steps, self.lr_factor)
         elif not self.updates and self.decay_steps > 0 and trainer.global_step > self._start_step:
@@ -351,6 +330,7 @@ class WSDScheduler(StepHooksCallback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._lr_check.check_at_batch_end(trainer)
         if not self._hooks:
             self._apply(trainer, trainer.global_step)  # global_step already counts the step that just ended
         for index, optimizer in self._pending.items():  # manual optimization: a step the GradScaler skipped
