@@ -138,6 +138,8 @@ def unknown_key_message(error: BaseException, config_dir: str | None = None) -> 
     prefix = f"{section}." if section else ""
     keys = sorted(k for k in map(str, parent.keys()) if section or k != "hydra")
     target, arguments = _target_arguments(parent)
+    if target is None and re.fullmatch(r"data\.sources\.\d+", section):  # a source has no _target_: its fields
+        target, arguments = _source_fields()  # (data.sources.0.paths after data.sources.0.kind=files named no '+')
     added = _added_with_plus(error, full_key)  # '+trainer.detect_anomaly=true', as Hydra printed it
     if section == "trainer" and (refusal := trainer_arg_of_train_py(key)):  # (its '+' form is ignored)
         return refusal
@@ -379,6 +381,15 @@ def _target_arguments(node) -> tuple[str | None, set[str]]:
     except Exception:  # noqa: BLE001 - not importable here: its instantiation names it
         return None, set()
     return target, {a for a in arguments or () if not a.startswith("_")}
+
+
+def _source_fields() -> tuple[str, set[str]]:
+    """What a ``data.sources.<i>`` entry takes: the fields of :class:`~lit_dtrain.data.CorpusSource`."""
+    import dataclasses
+
+    from lit_dtrain.data import CorpusSource
+
+    return "lit_dtrain.data.CorpusSource", {f.name for f in dataclasses.fields(CorpusSource)}
 
 
 def _added_with_plus(error: BaseException, full_key: str) -> str:

@@ -67,6 +67,19 @@ def test_an_unknown_key_is_one_line_naming_the_closest(override, line, capsys):
     assert "HYDRA_FULL_ERROR" not in os.environ
 
 
+
+def test_a_source_field_its_config_does_not_set_is_added_with_a_plus(capsys):
+    """data=mixture's source 0 is the stdlib, without paths: made a files source, its paths were refused as
+    '(data.sources.0 holds kind, name, weight)', naming no fix; a source has no _target_, so its fields are
+    CorpusSource's."""
+    with pytest.raises(SystemExit) as stop:
+        run_reporting_unknown_keys(composing("model=nano", "data=mixture", "data.sources.0.kind=files",
+                                             "data.sources.0.paths=[/corpus]"), config_dir=CONF_DIR)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == ("error: data.sources.0.paths is not in the config but is an argument of "
+                                       "lit_dtrain.data.CorpusSource: add it with '+', "
+                                       "'+data.sources.0.paths=[/corpus]'\n")
+
 def test_other_composition_errors_are_hydras_own_and_a_good_start_runs(capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         run_reporting_unknown_keys(composing("model=nanoo"))
