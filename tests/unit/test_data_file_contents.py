@@ -208,3 +208,22 @@ def test_about_val_fraction_of_the_documents_are_held_out(val_fraction):
     n = 5000
     share = sum(_is_val_doc(hashlib.sha256(f"document {i}".encode()).digest(), val_fraction) for i in range(n)) / n
     assert abs(share - val_fraction) < 4 * math.sqrt(val_fraction * (1 - val_fraction) / n)
+
+
+@pytest.mark.parametrize("kind", ["directory", "glob"])
+def test_a_loop_of_symlinks_in_a_corpus_is_named_a_loop(tmp_path, caplog, kind):
+    """Links that point at each other (a -> b -> a) or at themselves were left out as links 'whose target does not
+    exist', with the loop as the example (self.txt -> self.txt); the files beside them are read."""
+    from lit_dtrain.data.corpus import resolve_files
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "doc.txt").write_text("text " * 50)
+    (corpus / "self.txt").symlink_to("self.txt")
+    with caplog.at_level("WARNING", logger="lit_dtrain.data.corpus"):
+        files = resolve_files(CorpusSource(name="t", kind="files", paths=[str(corpus if kind == "directory" else
+                                                                              corpus / "*.txt")]))
+    assert [p.name for p in files] == ["doc.txt"]
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "left out 1 symlink(s) under" in warned and "whose target does not exist or is a loop" in warned
+    assert "self.txt -> self.txt" in warned

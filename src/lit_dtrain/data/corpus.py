@@ -326,12 +326,12 @@ def _hidden_below(path: Path, root: str) -> bool:
 
 
 def _warn_dangling(source: CorpusSource, raw, links: list[Path]) -> None:
-    """Warn about symlinks that ``raw`` matched whose target is missing (an unmounted disk, a moved corpus): no
-    file to read, but their text is missing from the corpus."""
+    """Warn about symlinks that ``raw`` matched whose target is missing (an unmounted disk, a moved corpus) or that
+    form a loop of links (``a -> b -> a``, said to be missing): no file to read, but their text is missing."""
     if links:
         log_once(
             log, logging.WARNING,
-            "data source %r: left out %d symlink(s) under %s whose target does not exist, e.g. %s -> %s",
+            "data source %r: left out %d symlink(s) under %s whose target does not exist or is a loop, e.g. %s -> %s",
             source.name, len(links), raw, links[0], os.readlink(links[0]))
 
 
