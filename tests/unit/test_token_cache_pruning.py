@@ -64,3 +64,16 @@ def test_a_cache_the_discard_could_not_remove_is_not_reported_removed(tmp_path, 
         prune_caches(cache / newest, "x", 1, discard=lambda path: None, corpus=recorded)
     assert sorted(p.name for p in cache.iterdir()) == sorted([old, newest])
     assert "removed" not in caplog.text
+
+
+def test_a_dir_named_like_a_cache_without_meta_json_is_not_pruned(tmp_path):
+    """Every built cache holds a meta.json (the build renames its temp dir with it inside): a dir of the form
+    <source name>-<24 hex digits> without one is someone's own, and keep=1 deleted it with its files as a cache of
+    source 'x'."""
+    corpus, cache = make_corpus(tmp_path / "corpus", n_files=3), tmp_path / "cache"
+    mine = cache / "x-abcdefabcdefabcdefabcdef"
+    mine.mkdir(parents=True)
+    (mine / "important.txt").write_text("mine")
+    newest = _build(corpus, cache)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([mine.name, newest])
+    assert (mine / "important.txt").read_text() == "mine"

@@ -144,8 +144,10 @@ def prune_caches(
     others = []
     try:
         for path in out_dir.parent.iterdir():
+            # a dir of that name without meta.json is no cache (a build renames its temp dir with meta.json inside):
+            # a user's dir text-<24 hex digits> holding files of one's own was deleted as a cache of source 'text'
             if (cache_source_name(path.name) == name and path.name != out_dir.name and not path.is_symlink()
-                    and _corpus_of(path) in (None, corpus)):
+                    and (path / "meta.json").is_file() and _corpus_of(path) in (None, corpus)):
                 try:
                     others.append((path.stat().st_mtime, path))
                 except OSError:
