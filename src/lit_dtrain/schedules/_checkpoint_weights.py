@@ -42,7 +42,23 @@ def check_init_from(cfg: DictConfig) -> bool:
     target = Path(str(path)).expanduser()
     if not target.is_file():
         raise ConfigError(f"init_from={str(path)!r} {not_a_file_reason(target)}")
+    _check_before_the_build(cfg.get("model"), path)
     return True
+
+
+def _check_before_the_build(model_cfg, path) -> None:
+    """:func:`_checked_weights` against ``model_cfg`` built on the meta device (no storage): a truncated, empty or
+    foreign ``init_from`` file, or one of another shape, was refused only after the seed, the datamodule (a corpus's
+    tokenization) and the model's build. A model that cannot be built without storage is left to the real build."""
+    from hydra.utils import instantiate
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+    except Exception:  # a bad model config: check_config named it; a model of one's own: the real build checks
+        return
+    if isinstance(model, torch.nn.Module):
+        _checked_weights(getattr(model, "_orig_mod", model), path, mmap=True)
 
 
 def checkpoint_weights(ckpt, path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
@@ -94,11 +110,22 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
     step and data position of the checkpoint are ignored. A checkpoint whose ``model_config`` gives the weights
     another meaning (heads regrouped: n_head and n_kv_head changed together keep every shape) is refused, as a
     resume refuses it."""
+    target = getattr(model, "_orig_mod", model)
+    weights = _checked_weights(target, path, prefix)
+    target.load_state_dict(weights, strict=True)
+    log_once(log, logging.INFO, "init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)",
+             len(weights), path)
+    return sorted(weights)
+
+
+def _checked_weights(target: torch.nn.Module, path: str | Path, prefix: str = "model.", mmap: bool = False) -> dict:
+    """The weights :func:`load_model_weights` loads into ``target``, after every check of them (a damaged or foreign
+    file, non-finite weights, another shape or meaning); ``target`` may be on the meta device (the check before the
+    seed, :func:`check_init_from`), read ``mmap``-ed then."""
     from lit_dtrain.module import check_model_config  # lit_dtrain.module imports lit_dtrain.schedules
 
-    target = getattr(model, "_orig_mod", model)
     try:
-        ckpt = safe_torch_load(Path(str(path)).expanduser())
+        ckpt = safe_torch_load(Path(str(path)).expanduser(), mmap=mmap)
         weights = checkpoint_weights(ckpt, path, prefix)
         check_model_config(ckpt, getattr(target, "config", None), path)
     except CheckpointError as e:
@@ -115,7 +142,4 @@ def load_model_weights(model: torch.nn.Module, path: str | Path, prefix: str = "
     otherwise = weights_loaded_otherwise(weights, target)
     if otherwise:
         raise ConfigError(f"init_from={str(path)!r}: {otherwise}")
-    target.load_state_dict(weights, strict=True)
-    log_once(log, logging.INFO, "init_from: loaded %d weight tensors from %s (optimizer, step and data start fresh)",
-             len(weights), path)
-    return sorted(weights)
+    return weights
