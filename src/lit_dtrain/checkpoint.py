@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 from pathlib import Path
 from typing import Any
@@ -169,13 +170,25 @@ def checkpoint_global_step(path: str | os.PathLike, verify: bool = True) -> int:
     readable but not one (a plain model state dict, a tensor, a list ...), or damaged (``verify``:
     :func:`verify_checkpoint`; a changed byte in ``data.pkl`` can change the step)."""
     ckpt = safe_torch_load(path, mmap=True, verify=verify)
-    if not isinstance(ckpt, dict) or "global_step" not in ckpt or not isinstance(ckpt.get("state_dict"), dict):
+    lacks = [k for k in ("global_step", "state_dict") if not isinstance(ckpt, dict) or k not in ckpt]
+    if not lacks and not isinstance(ckpt["state_dict"], dict):
+        lacks = ["a dict at 'state_dict'"]
+    if lacks:  # a dict holding a 'state_dict' alone was said to be 'without 'global_step' and 'state_dict''
         what = f"a dict with keys {sorted(map(str, ckpt))[:5]}" if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(
             f"checkpoint {str(path)!r} is not a Lightning training checkpoint: it holds {what}, without "
-            "'global_step' and 'state_dict'; resume from a .ckpt written by train.py"
+            f"{' and '.join(k if k.startswith('a ') else repr(k) for k in lacks)}; resume from a .ckpt written by "
+            "train.py"
         )
-    return int(ckpt["global_step"])
+    step = ckpt["global_step"]
+    try:  # an int, or an integer tensor or numpy scalar of another tool's
+        count = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        count = None
+    if count is None or count < 0:  # int('abc') was a ValueError traceback; int(2.5) resumed at step 2
+        raise CheckpointError(f"checkpoint {str(path)!r} has global_step={step!r} ({type(step).__name__}), not a "
+                              "step count (an integer >= 0): the file was edited or written by other code")
+    return count
 
 
 def state_dict_mismatch(weights: dict, expected: dict) -> str | None:
