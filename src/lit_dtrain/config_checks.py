@@ -238,6 +238,10 @@ def check_checkpoint_dirs(cfg: DictConfig) -> None:
     for key in ("model_checkpoint", "preemption"):
         node = (cfg.get("callbacks") or {}).get(key)
         dirpath = node.get("dirpath") if isinstance(node, DictConfig) else None
+        if isinstance(node, DictConfig) and dirpath is None and str(node.get("_target_")).endswith("ModelCheckpoint"):
+            raise ConfigError(f"callbacks.{key}.dirpath=null saves in Lightning's default dir (the logger's "
+                              f"<dir>/checkpoints), not paths.checkpoint_dir={own!r}, where resume=auto looks for "
+                              "checkpoints: leave it at its default, ${paths.checkpoint_dir}")
         if dirpath is not None and os.path.abspath(os.path.expanduser(str(dirpath))) != own:
             raise ConfigError(
                 f"callbacks.{key}.dirpath={str(dirpath)!r} is not paths.checkpoint_dir={own!r}, where the run saves "
@@ -384,6 +388,9 @@ def check_monitors(cfg: DictConfig) -> None:
                 value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
                 raise ConfigError(f"callbacks.{key}.{name} must be text or null, got {value!r} "
                                   f"({type(value).__name__})")
+            if value == "":  # falsy: Lightning's null (filename '' wrote '0-2.ckpt'), which reads as a mistake
+                raise ConfigError(f"callbacks.{key}.{name} is empty (''): give one, or null for Lightning's default "
+                                  f"({'no metric: the latest is kept' if name == 'monitor' else '{epoch}-{step}'})")
         if not isinstance(monitor, str) or monitor in known:
             continue
         if "/" not in monitor or monitor.split("/")[0] in ("val", "train"):

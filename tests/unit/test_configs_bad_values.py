@@ -239,6 +239,14 @@ from lit_dtrain.train import ConfigError
          r"^callbacks.model_checkpoint.dirpath='/elsewhere/ck' is not paths.checkpoint_dir=.* set "
          r"paths.checkpoint_dir='/elsewhere/ck' instead"),
         ("callbacks.preemption.dirpath=/elsewhere/ck", r"^callbacks.preemption.dirpath='/elsewhere/ck' is not "),
+        # Lightning's default dir: the step files went to <run dir>/tb/checkpoints, where resume=auto never looks
+        ("callbacks.model_checkpoint.dirpath=null", r"^callbacks.model_checkpoint.dirpath=null saves in Lightning's "
+                                                   r"default dir .* leave it at its default, \$\{paths.checkpoint_dir"),
+        # falsy: Lightning's default, silently (the best file was '0-2.ckpt')
+        ("callbacks.model_checkpoint.filename=''", r"^callbacks.model_checkpoint.filename is empty \(''\): give one, "
+                                                   r"or null for Lightning's default \(\{epoch\}-\{step\}\)$"),
+        ("callbacks.model_checkpoint.monitor=''", r"^callbacks.model_checkpoint.monitor is empty \(''\): .* \(no "
+                                                  r"metric: the latest is kept\)$"),
         # Lightning's 'MisconfigurationException: When using an IterableDataset, Trainer(limit_train_batches) must
         # be 1.0 or an int' in Hydra's traceback, naming a key the user did not set
         ("+trainer.overfit_batches=0.5", r"^trainer.overfit_batches=0.5 must be a whole number of batches .* "
