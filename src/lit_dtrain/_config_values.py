@@ -141,6 +141,9 @@ def check_run_name(run_name) -> None:
     if run_name is None:
         raise ConfigError("run_name=null names the run dir 'None' (<log dir>/runs/None, shared by every such run), "
                           "not the default: leave run_name out for the start time, or give it a name, run_name=exp1")
+    if isinstance(run_name, (bool, DictConfig, ListConfig, list, dict)):  # [1,2]: trained in runs/'[1, 2]'
+        shown = OmegaConf.to_container(run_name) if isinstance(run_name, (DictConfig, ListConfig)) else run_name
+        raise ConfigError(f"run_name must be a name (text), got {shown!r} ({type(shown).__name__})")
     parts = str(run_name).replace("\\", "/").split("/")
     if any(part.strip() for part in parts) and not any(part in (".", "..") for part in parts):
         return

@@ -8,6 +8,7 @@ import re
 from typing import Literal
 
 import pytest
+from omegaconf import OmegaConf
 
 from lit_dtrain._config_values import _check_path, _decode_hint, _flag_or_number, check_run_name
 from lit_dtrain.errors import ConfigError
@@ -45,6 +46,15 @@ def test_a_number_for_a_path_is_told_to_quote_it_and_a_flag_is_not():
 @pytest.mark.parametrize("run_name", ["  ", "/", "..", "./x", "x/.", "..\\x", "a\\..\\b", " / "])
 def test_a_run_name_that_names_no_run_dir_of_its_own_is_refused(run_name):
     with pytest.raises(ConfigError, match="^" + re.escape(f"run_name={run_name!r} names no run dir of its own")):
+        check_run_name(run_name)
+
+
+@pytest.mark.parametrize("run_name, shown", [
+    (OmegaConf.create([1, 2]), "[1, 2] (list)"), (OmegaConf.create({"a": 1}), "{'a': 1} (dict)"), (True, "True (bool)"),
+])
+def test_a_run_name_that_is_no_name_is_refused(run_name, shown):
+    """run_name=[1,2] trained in <log dir>/runs/'[1, 2]' and exited 0."""
+    with pytest.raises(ConfigError, match="^" + re.escape(f"run_name must be a name (text), got {shown}") + "$"):
         check_run_name(run_name)
 
 
