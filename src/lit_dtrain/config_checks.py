@@ -239,9 +239,9 @@ def check_checkpoint_dirs(cfg: DictConfig) -> None:
         node = (cfg.get("callbacks") or {}).get(key)
         dirpath = node.get("dirpath") if isinstance(node, DictConfig) else None
         if isinstance(node, DictConfig) and dirpath is None and str(node.get("_target_")).endswith("ModelCheckpoint"):
-            raise ConfigError(f"callbacks.{key}.dirpath=null saves in Lightning's default dir (the logger's "
-                              f"<dir>/checkpoints), not paths.checkpoint_dir={own!r}, where resume=auto looks for "
-                              "checkpoints: leave it at its default, ${paths.checkpoint_dir}")
+            given = "paths.checkpoint_dir" if cfg.paths.get("checkpoint_dir") is None else f"callbacks.{key}.dirpath"
+            raise ConfigError(f"{given}=null saves in Lightning's default dir (the logger's <dir>/checkpoints), not "
+                              f"{own!r}, where resume=auto looks: leave it at its default, ${{paths.checkpoint_dir}}")
         if dirpath is not None and os.path.abspath(os.path.expanduser(str(dirpath))) != own:
             raise ConfigError(
                 f"callbacks.{key}.dirpath={str(dirpath)!r} is not paths.checkpoint_dir={own!r}, where the run saves "

@@ -241,7 +241,8 @@ from lit_dtrain.train import ConfigError
         ("callbacks.preemption.dirpath=/elsewhere/ck", r"^callbacks.preemption.dirpath='/elsewhere/ck' is not "),
         # Lightning's default dir: the step files went to <run dir>/tb/checkpoints, where resume=auto never looks
         ("callbacks.model_checkpoint.dirpath=null", r"^callbacks.model_checkpoint.dirpath=null saves in Lightning's "
-                                                   r"default dir .* leave it at its default, \$\{paths.checkpoint_dir"),
+                                                   r"default dir .* its default, \$\{paths.checkpoint_dir\}$"),
+        ("paths.checkpoint_dir=null", r"^paths.checkpoint_dir=null saves in Lightning's default dir"),
         # falsy: Lightning's default, silently (the best file was '0-2.ckpt')
         ("callbacks.model_checkpoint.filename=''", r"^callbacks.model_checkpoint.filename is empty \(''\): give one, "
                                                    r"or null for Lightning's default \(\{epoch\}-\{step\}\)$"),
