@@ -54,7 +54,21 @@ class StopsBeforeTraining(L.Callback):
         self._previous_handlers: dict[int, object] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if getattr(trainer, "world_size", 1) > 1 and not self.training_started:  # one rank's dropped signal: all stop
+            self.signalled = self._agreed_signal(pl_module)
         self.cut_stands()
+
+    def _agreed_signal(self, pl_module: L.LightningModule) -> int | None:
+        """The highest stop signal whose exception Python dropped on any rank (one all-gather per fit): rank 1's alone
+        stopped it with 143 while rank 0 trained into a collective that failed, 'error: rank 0: rank 1 was
+        interrupted before training (SIGTERM); this rank's next collective then failed at step 0 (...). Resume with
+        resume=auto.', exit status 1."""
+        import torch
+
+        from lit_dtrain.utils.distributed import all_gather_stacked
+
+        mine = torch.tensor(int(self.signalled or 0), device=getattr(pl_module, "device", "cpu"))
+        return int(all_gather_stacked(mine).max()) or None
 
     def cut_stands(self) -> None:
         """Training started, or the fit returned: a stop signal is no longer this object's. One whose exception Python
