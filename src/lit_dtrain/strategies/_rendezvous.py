@@ -64,7 +64,23 @@ def meet(strategy, backend: str, timeout: timedelta) -> None:
                 raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
                                           f"{GO_KEY} (rank 0 did not see every rank join)")
             time.sleep(POLL_S)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _init_group_as_lightning(strategy, backend, store, rank, world, timeout)
+
+
+def _init_group_as_lightning(strategy, backend: str, store, rank: int, world: int, timeout: timedelta) -> None:
+    """``init_process_group`` on ``store`` as Lightning's ``_init_dist_connection`` calls it (which then finds the group
+    made and returns at once): its ``device_id``, the rank's device where that is no CPU (NCCL's communicator bound to
+    the rank's GPU at once; none was given), and its lines ('Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2'
+    and rank 0's 'All distributed processes registered. Starting with 2 processes', which every 2-rank run had lost)."""
+    from lightning.fabric.utilities.distributed import log as lightning_log
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    device = getattr(strategy, "root_device", None)
+    device_id = device if device is not None and device.type != "cpu" else None
+    lightning_log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+    rank_zero_info(f"{'-' * 100}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with "
+                   f"{world} processes\n{'-' * 100}\n")
 
 
 def _wait_for_the_ranks(launcher, store, world: int, deadline: float, timeout: timedelta) -> None:
