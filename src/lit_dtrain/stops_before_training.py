@@ -51,14 +51,22 @@ class StopsBeforeTraining(L.Callback):
         self.looked_for = True
         self.training_started = False
         self.signalled: int | None = None  # the stop signal its handler raised for (dropped where Python drops it)
+        self._agreed = False  # the ranks agreed on their dropped signals (on_train_start)
         self._previous_handlers: dict[int, object] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if getattr(trainer, "world_size", 1) > 1 and not self.training_started:  # one rank's dropped signal: all stop
-            self.signalled = self._agreed_signal(pl_module)
+        if getattr(trainer, "world_size", 1) > 1 and not self.training_started and not self._agreed:
+            # one rank's dropped signal: all stop. Once per fit, for every such callback of this rank together: rank
+            # 0 of a resume has two (LogsKeptUntilTraining beside this), the others one; a gather each hung the
+            # resume of 2 srun ranks (tests/e2e/test_slurm.py)
+            mine = [c for c in trainer.callbacks if isinstance(c, StopsBeforeTraining)]
+            agreed = self._agreed_signal(pl_module, max(c.signalled or 0 for c in mine))
+            for c in mine:
+                c.signalled, c._agreed = agreed, True
         self.cut_stands()
 
-    def _agreed_signal(self, pl_module: L.LightningModule) -> int | None:
+    @staticmethod
+    def _agreed_signal(pl_module: L.LightningModule, signum: int) -> int | None:
         """The highest stop signal whose exception Python dropped on any rank (one all-gather per fit): rank 1's alone
         stopped it with 143 while rank 0 trained into a collective that failed, 'error: rank 0: rank 1 was
         interrupted before training (SIGTERM); this rank's next collective then failed at step 0 (...). Resume with
@@ -67,7 +75,7 @@ class StopsBeforeTraining(L.Callback):
 
         from lit_dtrain.utils.distributed import all_gather_stacked
 
-        mine = torch.tensor(int(self.signalled or 0), device=getattr(pl_module, "device", "cpu"))
+        mine = torch.tensor(int(signum), device=getattr(pl_module, "device", "cpu"))
         return int(all_gather_stacked(mine).max()) or None
 
     def cut_stands(self) -> None:

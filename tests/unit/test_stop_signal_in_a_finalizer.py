@@ -56,3 +56,29 @@ def test_a_stop_signal_raised_where_it_can_be_is_not_raised_again():
         later.on_train_start(None, None)
     assert later.training_started
 
+
+
+def test_the_ranks_agree_once_per_fit_for_every_such_callback_of_a_rank(monkeypatch):
+    """Rank 0 of a resume holds two (``LogsKeptUntilTraining`` beside ``StopsBeforeTraining``), the other ranks one:
+    a gather for each hung the resume of 2 srun ranks (``tests/e2e/test_slurm.py``). One gather, of the highest
+    signal either dropped, and both stop with it."""
+    import types
+
+    import torch
+
+    import lit_dtrain.utils.distributed as distributed
+
+    gathered = []
+    monkeypatch.setattr(distributed, "all_gather_stacked",
+                        lambda t: gathered.append(int(t)) or torch.stack([t, torch.tensor(0)]))
+    first, second = StopsBeforeTraining(), StopsBeforeTraining()
+    second.signalled = signal.SIGHUP  # dropped by the second one's handler only
+    trainer = types.SimpleNamespace(world_size=2, callbacks=[object(), first, second])
+    module = types.SimpleNamespace(device="cpu")
+    with pytest.raises(StoppedBeforeTraining) as stopped:
+        first.on_train_start(trainer, module)
+    assert stopped.value.signum == signal.SIGHUP
+    assert gathered == [signal.SIGHUP]
+    with pytest.raises(StoppedBeforeTraining):
+        second.on_train_start(trainer, module)
+    assert gathered == [signal.SIGHUP]  # agreed already: no second gather
