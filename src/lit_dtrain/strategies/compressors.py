@@ -195,20 +195,20 @@ class Compressor:
         Under a GradScaler the bucket holds ``scale * g``, so the error-feedback residual is kept in the units of the
         scale it was made under. The scaler halves the scale after an overflow (routinely, in the first steps) and
         doubles it after ``growth_interval`` good steps; without this the residual would then be added at 2x (or
-        0.5x) its value. A change multiplies the residuals by ``new / old`` (exact for the scaler's powers of two).
-        """
+        0.5x) its value. A change multiplies the residuals by ``new / old`` (exact for the scaler's powers of two)."""
         scale = float(scale)
         old, self.grad_scale = self.grad_scale, scale
         if old is None or old == scale or not math.isfinite(scale) or scale <= 0:
             return
-        factor = scale / old
-        with torch.no_grad():
-            for residual in self._residual_tensors():  # disjoint views into the flat buffers, or standalone tensors
-                residual.mul_(factor)
+        with torch.no_grad():  # disjoint views into the flat buffers, or standalone tensors (each once)
+            for residual in {id(t): t for t in self._residual_tensors()}.values():
+                residual.mul_(scale / old)
 
     def _residual_tensors(self) -> Iterator[Tensor]:
-        """Every error-feedback tensor, all in the units of the loss scale (:meth:`set_grad_scale` rescales them)."""
+        """Every error-feedback tensor in the units of the loss scale (:meth:`set_grad_scale` rescales them), the undo
+        record's copies too (one backward, two optimizer steps: a step undone after the first one grew the scale)."""
         yield from self.residuals.values()
+        yield from (saved for _, saved in (self._undo or {}).get("residuals", []))
 
     # --- undoing a step (LossSpikeMonitor's skip) ----------------------------------------------
     def track_undo(self, enabled: bool = True) -> None:

@@ -243,6 +243,7 @@ class ShardedBlockQuantizer(BlockQuantizer):
     def _residual_tensors(self) -> Iterator[Tensor]:
         yield from super()._residual_tensors()
         yield from self.server_residuals.values()
+        yield from ((self._undo or {}).get("codec") or {}).values()  # (shared with the live dict until replaced)
 
     def _named_state(self):
         yield from super()._named_state()
