@@ -12,13 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_dtrain.strategies import _rendezvous
 from tests.conftest import free_port
 
 
-class _Launcher:
-    procs: list = []  # Lightning's _SubprocessScriptLauncher's children: none in a run of one process
+class _Launcher(_SubprocessScriptLauncher):
+    def __init__(self):  # Lightning's launcher of ranks as new processes of the script: no children in a run of one
+        self.procs = []
 
 
 class _Strategy:
@@ -53,3 +56,13 @@ def test_a_gpu_ranks_device_is_given_as_lightning_gives_it(port, monkeypatch, de
     monkeypatch.setattr(_rendezvous.dist, "init_process_group", lambda *a, **kw: calls.append(kw))
     _rendezvous.meet(_Strategy(device), "nccl", timedelta(seconds=30))
     assert [call["device_id"] for call in calls] == [device_id]
+
+
+def test_spawned_ranks_meet_in_torchs_rendezvous():
+    """``ddp_spawn`` (or a project's own ``start_method="spawn"``): the spawn launcher's ranks learn their rank only
+    later in ``setup_environment``, so each read rank 0 here and both bound the store's port (``EADDRINUSE`` in
+    ``tests/dist/test_compressed_ddp_failures.py``): they keep torch's own rendezvous."""
+    strategy = _Strategy(torch.device("cpu"))
+    strategy.launcher = _MultiProcessingLauncher.__new__(_MultiProcessingLauncher)
+    strategy.launcher.procs = []
+    assert not _rendezvous.launched_by_lightning(strategy)

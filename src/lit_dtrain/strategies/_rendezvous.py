@@ -35,13 +35,17 @@ log = logging.getLogger(__name__)
 
 
 def launched_by_lightning(strategy) -> bool:
-    """Whether the strategy's ranks are Lightning's launcher's (its ``_SubprocessScriptLauncher``, a ``procs`` list;
-    Lightning's own environment, not torchrun's, Slurm's or another cluster's)."""
+    """Whether the strategy's ranks are Lightning's launcher's (its ``_SubprocessScriptLauncher``, whose ``procs``
+    are ``Popen`` objects; Lightning's own environment, not torchrun's, Slurm's or another cluster's). Not the spawn
+    launcher's (``ddp_spawn``, a project's own ``start_method="spawn"``): its ranks learn their rank only later in
+    ``setup_environment`` (``set_world_ranks``), so each here read rank 0 and both bound the store's port
+    (``EADDRINUSE``, ``tests/dist/test_compressed_ddp_failures.py``)."""
     from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     launcher = getattr(strategy, "launcher", None)
-    return isinstance(getattr(launcher, "procs", None), list) and \
-        type(getattr(strategy, "cluster_environment", None)) is LightningEnvironment
+    return isinstance(launcher, _SubprocessScriptLauncher) and isinstance(getattr(launcher, "procs", None), list) \
+        and type(getattr(strategy, "cluster_environment", None)) is LightningEnvironment
 
 
 def meet(strategy, backend: str, timeout: timedelta) -> None:
